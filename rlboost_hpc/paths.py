@@ -1,0 +1,56 @@
+"""Where the run finds its input data: one setting, one owner.
+
+Invariant: every file the project reads from the shared data set is resolved through :func:`data_file`,
+so a missing file always produces the same actionable :class:`DataFileMissing` error naming the file,
+the data directory searched and the public origin to fetch it from.
+
+The data directory is, in order: the ``RLBOOST_DATA`` environment variable, else ``../shared/data``
+relative to the project root (the checkout's parent directory holds ``shared/``).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DATA_DIR = PROJECT_ROOT.parent / "shared" / "data"
+
+# Public origin of each shared data set (first path component under the data dir).
+ORIGINS: dict[str, str] = {
+    "stories260K": "karpathy/llama2.c 'tinyllamas' release on the Hugging Face hub (stories260K.bin, tok512.bin)",
+    "gsm8k": "openai/grade-school-math on GitHub (grade_school_math/data/{train,test}.jsonl)",
+    "math500": "HuggingFaceH4/MATH-500 (test.jsonl), answers as in Open-Reasoner-Zero",
+    "spot_traces": "uclasystem/bamboo on GitHub (project/traces: p3-trace.csv, g4dn-trace.csv) and JF-D/Parcae",
+    "slurm_fixtures": "rivosinc/prometheus-slurm-exporter fixtures and facebookincubator/submitit tests",
+}
+
+
+class DataFileMissing(FileNotFoundError):
+    """A shared data file is absent; the message names the file, where it was looked for and its origin."""
+
+
+def data_dir() -> Path:
+    """The data directory in force (``RLBOOST_DATA`` or ``../shared/data``); not checked for existence."""
+    env = os.environ.get("RLBOOST_DATA")
+    return Path(env).expanduser().resolve() if env else DEFAULT_DATA_DIR
+
+
+def data_file(relative: str | os.PathLike[str]) -> Path:
+    """Resolve ``relative`` (e.g. ``"stories260K/stories260K.bin"``) under :func:`data_dir`.
+
+    Absolute paths are returned unchanged after the existence check.
+
+    Raises:
+        DataFileMissing: the file does not exist; the message says which file, which directory was
+            searched, how to point the project elsewhere, and the public origin of the data set.
+    """
+    rel = Path(relative)
+    path = rel if rel.is_absolute() else data_dir() / rel
+    if path.exists():
+        return path
+    top = rel.parts[0] if not rel.is_absolute() and rel.parts else ""
+    origin = ORIGINS.get(top, "see ../shared/data/README.md")
+    raise DataFileMissing(
+        f"data file not found: {path} (data directory {data_dir()}; set RLBOOST_DATA or data.dir to "
+        f"the folder that holds it). Public origin: {origin}."
+    )
