@@ -1,0 +1,111 @@
+"""The rollout engine interface: what the rollout agent needs from any inference engine.
+
+Invariants every engine honours (tested per engine):
+- Ids are ids: output is token ids + the behaviour logprob of each sampled token, parallel lists of equal
+  length; text is never re-tokenised.
+- Resumable: a request may arrive with ``prefix_ids`` (tokens already generated elsewhere, a migrated
+  response). The engine prefills ``prompt_ids + prefix_ids`` and continues; ``max_new_tokens`` is the
+  *remaining* budget. Sampling is keyed by (seed, absolute response position) so an interrupted and
+  resumed response equals the uninterrupted one (greedy always; sampled too, given equal weights).
+- Nothing hidden: every token an engine has produced is returned by the :meth:`Engine.step` call that
+  produced it, so :meth:`Engine.abort` never loses output (case R2).
+- A weight load invalidates every cached key/value (case W5); it is refused while requests run (W4 policy:
+  the agent drains or aborts first, explicitly).
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Literal, Mapping
+
+import torch
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings of one response.
+
+    temperature: softmax temperature; 0 means greedy (argmax).
+    top_p: nucleus mass in (0, 1]; 1 disables truncation.
+    seed: per-response seed; the random draw for response position k is a pure function of (seed, k).
+    stop_token_ids: generation ends after emitting one of these (the stop token is included in the output).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = (1, 2)
+
+
+@dataclass
+class GenRequest:
+    """One response to generate (or to continue).
+
+    rid: unique request id.
+    prompt_ids: prompt token ids (BOS included when the task wants it).
+    prefix_ids: response tokens already generated (migration); their count is the response position
+        at which this engine starts.
+    max_new_tokens: remaining budget (original budget − len(prefix_ids)); must be ≥ 1.
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    prefix_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class TokenEvent:
+    """Tokens produced for one request by one :meth:`Engine.step` call.
+
+    token_ids / logprobs: equal length (float logprob of each sampled token under the behaviour policy:
+    log-softmax of logits/temperature before top-p truncation; for greedy, of the raw logits).
+    finished: True when this event ends the request; finish_reason then says why.
+    """
+
+    rid: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+
+
+class EngineError(RuntimeError):
+    """The engine failed; the message says which request or call and why."""
+
+
+class Engine(abc.ABC):
+    """A batched, resumable generator. Not thread-safe: one agent thread drives it."""
+
+    max_batch: int
+    version: int = -1
+
+    @abc.abstractmethod
+    def add(self, req: GenRequest) -> None:
+        """Queue ``req``; it starts at the next :meth:`step`. Raises EngineError on duplicate rid or bad input."""
+
+    @abc.abstractmethod
+    def step(self) -> list[TokenEvent]:
+        """Run one iteration (prefill of new requests, one decode token for each running request).
+
+        Returns the events of this iteration; an empty list when idle.
+        """
+
+    @abc.abstractmethod
+    def abort(self, rid: str) -> None:
+        """Drop ``rid`` (all its tokens were already returned by earlier steps). Unknown rid: no-op."""
+
+    @abc.abstractmethod
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Replace the weights (HF names) and set :attr:`version`; flushes every KV/prefix cache.
+
+        Raises EngineError if requests are running or a tensor name/shape does not match the model.
+        """
+
+    @property
+    @abc.abstractmethod
+    def num_active(self) -> int:
+        """Requests queued or running."""
