@@ -1,0 +1,153 @@
+"""Benchmark: pull-based weight transfer vs a raw loopback TCP copy of the same bytes.
+
+For each size: (a) raw — one TCP stream, a sender thread ``sendall`` of a memoryview of the published
+buffer, the receiver ``recv_into`` a preallocated, already faulted-in buffer (``raw``: the TCP ceiling,
+the baseline of the ratios) or a freshly allocated ``torch.empty`` buffer (``raw fresh``: page-fault cost
+included, as a naive receiver pays it); timed from connect (+ allocation) to the last byte; (b) ``WeightPuller.pull`` (manifest + transfer + per-chunk xxh3
++ whole-version check + views) with streams = 1, 2, 4, same machine, same process layout (holder thread
+and receiver in one process, as the raw baseline). Reps are interleaved; the table shows the median and
+best GB/s (1 GB = 1e9 bytes) and the ratio of medians to raw. Also: publish() seconds per GB of output
+(fp32 → bf16 cast-copy + chunk checksums).
+
+Run: ``.venv/bin/python benchmarks/bench_weights.py [--sizes-mib 64 256] [--reps 7] [--chunk-mib 4]``
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rlboost_hpc.weights import WeightPuller, WeightServer  # noqa: E402
+
+
+class RawSender:
+    """Loopback TCP server: every accepted connection gets ``sendall(view)`` then close."""
+
+    def __init__(self, view: memoryview):
+        self.view = view
+        self.ls = socket.socket()
+        self.ls.bind(("127.0.0.1", 0))
+        self.ls.listen(8)
+        self.port = self.ls.getsockname()[1]
+        self.th = threading.Thread(target=self._run, daemon=True)
+        self.th.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                c, _ = self.ls.accept()
+            except OSError:
+                return
+            with c:
+                c.sendall(self.view)
+
+    def close(self) -> None:
+        self.ls.close()
+
+
+def raw_once(port: int, n: int, warm: torch.Tensor | None = None) -> float:
+    """One raw TCP copy; into ``warm`` (already faulted-in, the TCP ceiling) or a fresh ``torch.empty``."""
+    t0 = time.perf_counter()
+    dst = warm if warm is not None else torch.empty(n, dtype=torch.uint8)
+    mv = memoryview(dst.numpy())
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        got = 0
+        while got < n:
+            r = s.recv_into(mv[got:], n - got)
+            if not r:
+                raise RuntimeError("raw sender closed early")
+            got += r
+    return time.perf_counter() - t0
+
+
+def make_state(total_bytes_bf16: int) -> dict[str, torch.Tensor]:
+    """fp32 tensors (~8 MiB-ish and a few small ones) whose bf16 cast totals about ``total_bytes_bf16``."""
+    g = torch.Generator().manual_seed(0)
+    sd: dict[str, torch.Tensor] = {}
+    remaining = total_bytes_bf16 // 2  # elements
+    i = 0
+    while remaining > 0:
+        numel = min(remaining, 4 << 20)
+        sd[f"layers.{i}.weight"] = torch.randn(numel, generator=g)
+        sd[f"layers.{i}.norm"] = torch.randn(64, generator=g)
+        remaining -= numel
+        i += 1
+    return sd
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes-mib", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--chunk-mib", type=float, default=4)
+    ap.add_argument("--window", type=int, default=4)
+    ap.add_argument("--io-threads", type=int, default=None, help="puller libzmq I/O threads (default min(streams,4))")
+    ap.add_argument("--server-io-threads", type=int, default=1)
+    args = ap.parse_args()
+
+    print(f"# {os.cpu_count()} CPUs, torch {torch.__version__}, chunk {args.chunk_mib} MiB, window {args.window}, "
+          f"reps {args.reps} (median / best)")
+    rows = []
+    t_start = time.perf_counter()
+    for size_mib in args.sizes_mib:
+        sd = make_state(size_mib << 20)
+        with WeightServer(chunk_bytes=int(args.chunk_mib * (1 << 20)), keep_versions=2,
+                          io_threads=args.server_io_threads) as srv:
+            pub = []
+            for v in range(3):
+                t = time.perf_counter()
+                m = srv.publish(v, sd, dtype=torch.bfloat16)
+                pub.append(time.perf_counter() - t)
+            n = m.total_bytes
+            held_view = memoryview(srv._held[m.version].view)  # the exact bytes a pull moves
+            raw = RawSender(held_view)
+            pullers = {s: WeightPuller(srv.endpoint, streams=s, window=args.window, io_threads=args.io_threads)
+                       for s in args.streams}
+            # warm-up (page cache of the allocator, connections, code paths)
+            warm = torch.ones(n, dtype=torch.uint8)
+            raw_once(raw.port, n)
+            raw_once(raw.port, n, warm)
+            for p in pullers.values():
+                p.pull()
+            times: dict[str, list[float]] = {"raw": [], "raw fresh": []}
+            hash_frac: dict[int, list[float]] = {s: [] for s in args.streams}
+            for s in args.streams:
+                times[f"pull s={s}"] = []
+            for _ in range(args.reps):
+                times["raw"].append(raw_once(raw.port, n, warm))
+                times["raw fresh"].append(raw_once(raw.port, n))
+                for s, p in pullers.items():
+                    r = p.pull()
+                    assert r.nbytes == n and r.checksum == m.checksum
+                    times[f"pull s={s}"].append(r.seconds)
+                    hash_frac[s].append(r.phases["chunk_hash_s"] / r.seconds)
+            raw.close()
+            raw_med = statistics.median(times["raw"])
+            for name, ts in times.items():
+                med, best = statistics.median(ts), min(ts)
+                extra = ""
+                if name.startswith("pull"):
+                    s = int(name.split("=")[1])
+                    extra = f"hash {100 * statistics.median(hash_frac[s]):4.1f}%"
+                rows.append((size_mib, name, n / med / 1e9, n / best / 1e9, raw_med / med, extra))
+            pub_s_per_gb = statistics.median(pub) / (n / 1e9)
+            rows.append((size_mib, "publish", 1 / pub_s_per_gb, None, None, f"{pub_s_per_gb:.3f} s/GB (fp32->bf16 + xxh3)"))
+    print(f"{'size':>8} {'method':>10} {'GB/s med':>9} {'GB/s best':>9} {'x raw':>6}  notes")
+    for size_mib, name, med, best, ratio, extra in rows:
+        b = f"{best:9.2f}" if best is not None else " " * 9
+        r = f"{ratio:6.2f}" if ratio is not None else " " * 6
+        print(f"{size_mib:>5}MiB {name:>10} {med:9.2f} {b} {r}  {extra}")
+    print(f"# total {time.perf_counter() - t_start:.1f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""``rlboost-hpc`` command line: ``run`` (the main job), ``worker`` (one rollout instance), ``manager``.
+
+Exit codes: 0 success; 1 the run failed (rollout unrecoverable, a service died); 2 bad usage or config.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from rlboost_hpc.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.set)
+    except ConfigError as e:
+        print(f"rlboost-hpc: {e}", file=sys.stderr)
+        return 2
+    from rlboost_hpc.observe.logs import setup_logging
+    from rlboost_hpc.observe.report import print_summary
+    from rlboost_hpc.paths import DataFileMissing
+    from rlboost_hpc.run import run
+    from rlboost_hpc.trainer.client import ManagerError
+    from rlboost_hpc.trainer.loop import RolloutFailed
+
+    setup_logging("trainer", level=args.log_level)
+    out = Path(args.out)
+    try:
+        report = run(cfg, out, progress=not args.no_progress)
+    except DataFileMissing as e:
+        print(f"rlboost-hpc: {e}", file=sys.stderr)
+        return 2
+    except (RolloutFailed, ManagerError) as e:
+        print(f"rlboost-hpc: rollout failed unrecoverably: {e} (see {out}/report.json)", file=sys.stderr)
+        return 1
+    print_summary(report)
+    print(f"report: {out / 'report.json'}  metrics: {out / 'metrics.jsonl'}  plot: {out / 'run.png'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rlboost-hpc", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run RL training with rollout on (local) preemptible workers")
+    r.add_argument("--config", help="TOML config (default: built-in defaults = configs/local.toml)")
+    r.add_argument("--out", default="runs/latest", help="output directory for report.json, metrics.jsonl, run.png")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="dotted override, e.g. --set trainer.steps=10 (repeatable)")
+    r.add_argument("--log-level", default="WARNING")
+    r.add_argument("--no-progress", action="store_true")
+    sub.add_parser("worker", help="run one preemptible rollout instance", add_help=False)
+    args, rest = p.parse_known_args(argv)
+    if args.cmd == "worker":
+        from rlboost_hpc.rollout.worker import main as worker_main
+
+        return worker_main(rest)
+    if rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    return _cmd_run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""The embedded local preemptible cluster: rollout-worker processes that come and go as a real spot trace says.
+
+Stands in for Slurm + the scavenger on one machine (DESIGN "Local embedded default"); nothing else in the
+run changes. Invariants: workers are real OS processes (``python -m rlboost_hpc.rollout.worker``); a trace
+``remove`` ends one with the warning signal (SIGTERM by default) or, for ``kill_fraction`` of removals,
+SIGKILL without warning; each restart of a slot is a new attempt (new identity, case S2); :meth:`stop`
+leaves no worker process behind.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from rlboost_hpc.cluster.replay import ReplayDriver, ReplayPlan, choose_window
+from rlboost_hpc.cluster.traces import load_trace
+from rlboost_hpc.config import LocalClusterCfg, WeightsCfg
+
+log = logging.getLogger("rlboost.cluster")
+
+
+class LocalCluster:
+    """Replays ``cfg.trace`` compressed by ``cfg.time_scale`` onto at most ``cfg.max_workers`` workers.
+
+    ``duration_s`` is the expected wall time of the run; the replayed window is that long in wall seconds.
+    """
+
+    def __init__(self, cfg: LocalClusterCfg, manager_endpoint: str, run_dir: Path, *, duration_s: float,
+                 weights: WeightsCfg, max_batch: int, threads: int = 1,
+                 t_origin: float | None = None) -> None:
+        self.cfg = cfg
+        self.manager_endpoint = manager_endpoint
+        self.log_dir = Path(run_dir) / "workers"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.weights, self.max_batch, self.threads = weights, max_batch, threads
+        self.driver: ReplayDriver | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.live_series: list[tuple[float, int]] = []  # (seconds since t_origin, live workers)
+        self.t_origin = time.monotonic() if t_origin is None else t_origin
+        if cfg.max_workers == 0:
+            self.plan = None
+            return
+        events = load_trace(cfg.trace)
+        window_s = duration_s * cfg.time_scale
+        start = cfg.window_start_s
+        if start is None:
+            start = choose_window(events, window_s, cfg.min_changes, max_workers=cfg.max_workers,
+                                  min_removals=min(2, cfg.min_changes))
+        self.window_start_s = start
+        self.plan = ReplayPlan.from_trace(events, window_start_s=start, window_s=window_s,
+                                          time_scale=cfg.time_scale, max_workers=cfg.max_workers,
+                                          kill_fraction=cfg.kill_fraction, seed=cfg.seed)
+
+    def _spawn(self, slot: int, attempt: int) -> subprocess.Popen:
+        logf = open(self.log_dir / f"slot{slot}-attempt{attempt}.log", "ab")
+        cmd = [sys.executable, "-m", "rlboost_hpc.rollout.worker", "--manager", self.manager_endpoint,
+               "--job-id", f"local-slot{slot}", "--attempt", str(attempt), "--max-batch", str(self.max_batch),
+               "--threads", str(self.threads), "--streams", str(self.weights.streams),
+               "--window", str(self.weights.window), "--pull-timeout", str(self.weights.pull_timeout_s),
+               "--signal", self.cfg.preempt_signal]
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads))
+        try:
+            return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        finally:
+            logf.close()
+
+    def start(self) -> None:
+        """Start replaying in a background thread (no-op with ``max_workers = 0``)."""
+        if self.plan is None:
+            return
+        self.driver = ReplayDriver(self.plan, self._spawn, preempt_signal=getattr(signal, self.cfg.preempt_signal))
+        self.driver.start()
+        self._thread = threading.Thread(target=self._loop, name="local-cluster", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        t0 = self.t_origin
+        while not self._stop.is_set():
+            with self._lock:
+                for ev in self.driver.poll():
+                    if ev["action"] in ("start", "preempt", "kill", "exit", "spawn_failed"):
+                        log.info("cluster: %s slot %s attempt %s pid %s exit %s", ev["action"], ev["slot"],
+                                 ev["attempt"], ev["pid"], ev.get("exit_code"))
+                self.live_series.append((time.monotonic() - t0, len(self.driver.live_slots())))
+            self._stop.wait(0.1)
+
+    def set_cap(self, n: int | None) -> None:
+        """Obey an instance cap (N_prem): never more than ``n`` live workers."""
+        if self.driver is not None:
+            with self._lock:
+                self.driver.set_cap(n)
+
+    def live(self) -> int:
+        return len(self.driver.live_slots()) if self.driver else 0
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stop replaying and end every worker (warning first, SIGKILL after ``grace_s``)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self.driver is not None:
+            with self._lock:
+                self.driver.stop_all(grace_s)
+
+    def summary(self) -> dict:
+        """Counts of what the cluster did: starts, preemptions with warning, kills without warning, exits."""
+        if self.driver is None:
+            return {"starts": 0, "preemptions_warned": 0, "kills": 0, "exits": 0, "window_start_s": None}
+        c = self.driver.counts
+        return {"starts": c["start"], "preemptions_warned": c["preempt"], "kills": c["kill"], "exits": c["exit"],
+                "window_start_s": self.window_start_s, "plan_actions": len(self.plan)}

@@ -1,0 +1,822 @@
+"""Replay a spot-availability trace onto a handful of local worker slots.
+
+Two layers:
+
+* :class:`ReplayPlan` (pure, deterministic): turns trace events (:mod:`rlboost_hpc.cluster.traces`) into a
+  schedule of :class:`ReplayAction` ``(at_s, action, slot)`` in *wall* seconds from the start of the replay.
+* :class:`ReplayDriver` (side effects): applies a plan to real (or fake) processes through an injected
+  ``spawn`` callable and ``clock``, reaps them and keeps an event log for reports.
+
+Scaling rule (one place, :func:`scale_window`). For a window ``[w0, w0 + W)`` of trace time:
+
+* the initial live count ``L0`` is the count after every event with ``t_s <= w0``; the window's changes are the
+  distinct event times ``w0 < t < w0 + W`` (``W = None``: to the end of the trace);
+* ``peak`` is the largest live count in the window (``L0`` included);
+* ``target(L) = clamp(floor(L * max_workers / peak + 1/2), min_workers, max_workers)`` (round half up, exact
+  integer arithmetic); when ``peak == 0`` the target is ``min_workers``;
+* only times where the target changes produce actions. A trace change at ``t`` happens at wall time
+  ``(t - w0) / time_scale`` (``time_scale`` = trace seconds per wall second).
+
+Plan invariants (checked by :meth:`ReplayPlan.from_actions` for hand-written plans too):
+
+* actions are sorted by ``at_s`` (>= 0); a ``start`` names a slot that is not live, a ``preempt``/``kill`` one
+  that is; slots are in ``range(max_workers)``, so at most ``max_workers`` slots are ever live;
+* a start takes the lowest free slot; a removal picks its victim by ``victim`` (``"random"``: seeded choice
+  among live slots; ``"oldest"``/``"newest"``: by start time, ties by slot number);
+* of the ``n`` removals, exactly ``floor(kill_fraction * n + 1/2)`` are ``kill`` (no warning, SIGKILL), chosen
+  by the seeded RNG; the others are ``preempt`` (warning signal). Same inputs and seed -> same plan.
+
+Driver invariants:
+
+* :meth:`ReplayDriver.poll` first reaps exited processes, then applies every action whose ``at_s`` is due
+  (``clock() - t0 >= at_s``; ``t0`` is the clock at the first ``poll``/``start``), in plan order;
+* with a cap (:meth:`ReplayDriver.set_cap`) the number of live workers is ``min(cap, offered)``, where
+  *offered* is the set of slots the plan currently has started; an offered slot without a worker because of
+  the cap is *held* and started (lowest slot first) as soon as room frees up; lowering the cap below the live
+  count *retires* the most recently started workers with the preempt signal;
+* a worker that was signalled is *dying*: it no longer counts as live (nor against the cap) but is still
+  reaped and its exit code recorded;
+* a signalled worker's machine goes away with it: for real processes, the descendants it had when it was
+  signalled are SIGKILLed with a ``kill`` at once, and after a ``preempt``/``retire`` once the worker has
+  exited (it may use the warning to shut them down itself);
+* after :meth:`ReplayDriver.stop_all` no worker spawned by the driver (nor, for real processes, any of their
+  descendants) is left running.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import random
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
+
+import psutil
+
+from rlboost_hpc.cluster.traces import TraceEvent, live_counts
+
+log = logging.getLogger(__name__)
+
+ActionKind = Literal["start", "preempt", "kill"]
+Victim = Literal["random", "oldest", "newest"]
+ACTION_KINDS: tuple[str, ...] = ("start", "preempt", "kill")
+
+#: Default slot count of :func:`choose_window` (the size of the local demo).
+DEFAULT_MAX_WORKERS = 3
+
+
+# ============================================================================================ planning
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayAction:
+    """One scheduled change: at ``at_s`` wall seconds from the replay start, start/preempt/kill ``slot``.
+
+    ``trace_t_s`` is the trace time (seconds) of the change that caused it and ``target`` the scaled number of
+    live slots after that change (both informational; 0 in hand-written plans).
+    """
+
+    at_s: float
+    action: ActionKind
+    slot: int
+    trace_t_s: float = 0.0
+    target: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ScaledWindow:
+    """A trace window scaled to slots (see the module docstring for the rule).
+
+    Attributes:
+        window_start_s / window_end_s: trace seconds (end ``math.inf`` when the window is open).
+        initial_live / initial_target: live count and scaled target at the window start.
+        peak: largest live count in the window.
+        changes: ``(trace_t_s, live, target)`` for each time in the window where the *target* changes.
+    """
+
+    window_start_s: float
+    window_end_s: float
+    initial_live: int
+    initial_target: int
+    peak: int
+    changes: tuple[tuple[float, int, int], ...]
+
+    @property
+    def n_starts(self) -> int:
+        """Slot starts after the initial ones (sum of target increases)."""
+        prev, n = self.initial_target, 0
+        for _, _, tgt in self.changes:
+            n += max(0, tgt - prev)
+            prev = tgt
+        return n
+
+    @property
+    def n_removals(self) -> int:
+        """Slot removals (sum of target decreases)."""
+        prev, n = self.initial_target, 0
+        for _, _, tgt in self.changes:
+            n += max(0, prev - tgt)
+            prev = tgt
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class SlotLifetime:
+    """One worker life in a plan: ``slot`` live from ``start_s`` to ``end_s`` (wall seconds).
+
+    ``end_s`` is ``None`` and ``end`` is ``"end"`` when the plan does not remove it; ``end`` is otherwise the
+    removing action (``"preempt"`` or ``"kill"``).
+    """
+
+    slot: int
+    start_s: float
+    end_s: float | None
+    end: str
+
+    def duration(self, plan_end_s: float) -> float:
+        """Seconds live, counting a worker still live at the end as live until ``plan_end_s``."""
+        return (plan_end_s if self.end_s is None else self.end_s) - self.start_s
+
+
+def _check_number(name: str, value: float, *, lo: float | None = None, lo_open: bool = False,
+                  hi: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value!r}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value!r}")
+
+
+def _check_int(name: str, value: int, lo: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+
+
+def _target(live: int, peak: int, max_workers: int, min_workers: int) -> int:
+    if peak <= 0:
+        return min_workers
+    t = (2 * live * max_workers + peak) // (2 * peak)  # floor(live*M/peak + 1/2), exact
+    return max(min_workers, min(max_workers, t))
+
+
+def _scale_counts(counts: Sequence[tuple[float, int]], window_start_s: float, window_s: float | None,
+                  max_workers: int, min_workers: int) -> ScaledWindow:
+    end = math.inf if window_s is None else window_start_s + window_s
+    initial = 0
+    inside: list[tuple[float, int]] = []
+    for t, c in counts:
+        if t <= window_start_s:
+            initial = c
+        elif t < end:
+            inside.append((t, c))
+        else:
+            break
+    peak = max([initial] + [c for _, c in inside])
+    init_tgt = _target(initial, peak, max_workers, min_workers)
+    changes: list[tuple[float, int, int]] = []
+    prev = init_tgt
+    for t, c in inside:
+        tgt = _target(c, peak, max_workers, min_workers)
+        if tgt != prev:
+            changes.append((t, c, tgt))
+            prev = tgt
+    return ScaledWindow(window_start_s, end, initial, init_tgt, peak, tuple(changes))
+
+
+def scale_window(events: Iterable[TraceEvent], *, window_start_s: float = 0.0, window_s: float | None = None,
+                 max_workers: int, min_workers: int = 0) -> ScaledWindow:
+    """Scale the live count of a trace window to ``[min_workers, max_workers]`` slots (rule: module docstring).
+
+    Raises:
+        ValueError: ``window_start_s < 0``, ``window_s <= 0``, ``max_workers < 1`` or ``min_workers`` outside
+            ``[0, max_workers]``.
+    """
+    _check_number("window_start_s", window_start_s, lo=0)
+    if window_s is not None:
+        _check_number("window_s", window_s, lo=0, lo_open=True)
+    _check_int("max_workers", max_workers, 1)
+    _check_int("min_workers", min_workers, 0)
+    if min_workers > max_workers:
+        raise ValueError(f"min_workers ({min_workers}) > max_workers ({max_workers})")
+    return _scale_counts(live_counts(events), float(window_start_s), window_s, max_workers, min_workers)
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    """A validated, time-sorted schedule of :class:`ReplayAction` (see the module docstring for invariants).
+
+    Iterating, ``len()`` and indexing go over :attr:`actions`, so a plan can be used as a list of actions.
+
+    Attributes:
+        actions: the schedule.
+        max_workers: slots are ``range(max_workers)``.
+        duration_s: wall seconds the replayed window lasts (the driver's natural end).
+        time_scale: trace seconds per wall second.
+        window: the scaled trace window (``None`` for hand-written plans).
+        seed, kill_fraction, victim: the inputs that produced the plan.
+    """
+
+    actions: tuple[ReplayAction, ...]
+    max_workers: int
+    duration_s: float
+    time_scale: float = 1.0
+    window: ScaledWindow | None = None
+    seed: int | None = None
+    kill_fraction: float = 0.0
+    victim: str = "random"
+
+    # ---- list-like view
+    def __iter__(self) -> Iterator[ReplayAction]:
+        return iter(self.actions)
+
+    def __len__(self) -> int:
+        return len(self.actions)
+
+    def __getitem__(self, i: int) -> ReplayAction:
+        return self.actions[i]
+
+    def n_actions(self, kind: ActionKind) -> int:
+        """How many actions of ``kind`` (``"start"``, ``"preempt"`` or ``"kill"``) the plan holds."""
+        return sum(1 for a in self.actions if a.action == kind)
+
+    # ---- constructors
+    @classmethod
+    def from_trace(cls, events: Iterable[TraceEvent], *, window_start_s: float = 0.0,
+                   window_s: float | None = None, time_scale: float = 1.0, max_workers: int,
+                   kill_fraction: float = 0.0, seed: int = 0, min_workers: int = 0,
+                   victim: Victim = "random") -> "ReplayPlan":
+        """Plan the replay of a trace window on ``max_workers`` slots.
+
+        Args:
+            events: trace events (any order; replayed after a stable sort by time).
+            window_start_s: trace seconds where the replay starts (its state there is started at wall 0).
+            window_s: trace seconds replayed; ``None``: to the last event.
+            time_scale: trace seconds per wall second (> 0), e.g. 3600 / 150 replays an hour in 150 s.
+            max_workers: number of slots (>= 1); the peak of the window maps to it.
+            kill_fraction: share (0..1) of removals that are ``kill`` (SIGKILL, no warning) instead of
+                ``preempt``; the count is ``floor(kill_fraction * removals + 1/2)``.
+            seed: seeds the victim choice (``victim="random"``) and which removals are kills.
+            min_workers: lower clamp of the scaled target (0: the trace may leave no slot live).
+            victim: ``"random"`` (seeded), ``"oldest"`` or ``"newest"`` live slot is removed.
+
+        Raises:
+            ValueError: an argument is out of range (negative start, non-positive window or time scale,
+                ``max_workers < 1``, ``kill_fraction`` outside [0, 1], unknown ``victim``).
+        """
+        _check_number("time_scale", time_scale, lo=0, lo_open=True)
+        _check_number("kill_fraction", kill_fraction, lo=0, hi=1)
+        if victim not in ("random", "oldest", "newest"):
+            raise ValueError(f"victim must be 'random', 'oldest' or 'newest', got {victim!r}")
+        evs = sorted(events, key=lambda e: e.t_s)
+        win = scale_window(evs, window_start_s=window_start_s, window_s=window_s, max_workers=max_workers,
+                           min_workers=min_workers)
+        w0 = float(window_start_s)
+        rng = random.Random(seed)
+        live: dict[int, float] = {}  # slot -> wall start time
+        steps: list[tuple[float, str, int, float, int]] = []  # (at_s, "start"|"remove", slot, trace_t, target)
+
+        def start(at: float, trace_t: float, tgt: int) -> None:
+            slot = min(s for s in range(max_workers) if s not in live)
+            live[slot] = at
+            steps.append((at, "start", slot, trace_t, tgt))
+
+        def remove(at: float, trace_t: float, tgt: int) -> None:
+            if victim == "random":
+                slot = rng.choice(sorted(live))
+            elif victim == "oldest":
+                slot = min(live, key=lambda s: (live[s], s))
+            else:
+                slot = max(live, key=lambda s: (live[s], s))
+            del live[slot]
+            steps.append((at, "remove", slot, trace_t, tgt))
+
+        for _ in range(win.initial_target):
+            start(0.0, w0, win.initial_target)
+        for trace_t, _live, tgt in win.changes:
+            at = (trace_t - w0) / time_scale
+            while len(live) < tgt:
+                start(at, trace_t, tgt)
+            while len(live) > tgt:
+                remove(at, trace_t, tgt)
+
+        removal_idx = [i for i, s in enumerate(steps) if s[1] == "remove"]
+        n_kill = math.floor(kill_fraction * len(removal_idx) + 0.5)
+        kills = set(rng.sample(removal_idx, n_kill))
+        actions = tuple(
+            ReplayAction(at, "start" if kind == "start" else ("kill" if i in kills else "preempt"), slot, tt, tgt)
+            for i, (at, kind, slot, tt, tgt) in enumerate(steps)
+        )
+        if window_s is not None:
+            duration = window_s / time_scale
+        else:
+            duration = max(0.0, (evs[-1].t_s - w0) / time_scale) if evs else 0.0
+        plan = cls(actions, max_workers, duration, float(time_scale), win, seed, float(kill_fraction), victim)
+        plan._validate()
+        return plan
+
+    @classmethod
+    def from_actions(cls, actions: Iterable[ReplayAction], *, max_workers: int | None = None,
+                     duration_s: float | None = None) -> "ReplayPlan":
+        """Wrap a hand-written schedule (stable-sorted by ``at_s``) after checking the plan invariants.
+
+        Args:
+            max_workers: slot count; default one more than the largest slot used (at least 1).
+            duration_s: default the time of the last action.
+
+        Raises:
+            ValueError: unknown action kind, negative time, slot outside ``range(max_workers)``, a start of a
+                live slot or a removal of a slot that is not live.
+        """
+        acts = sorted(actions, key=lambda a: a.at_s)
+        if max_workers is None:
+            max_workers = max([a.slot for a in acts] + [0]) + 1
+        if duration_s is None:
+            duration_s = acts[-1].at_s if acts else 0.0
+        plan = cls(tuple(acts), max_workers, float(duration_s))
+        plan._validate()
+        return plan
+
+    def _validate(self) -> None:
+        _check_int("max_workers", self.max_workers, 1)
+        live: set[int] = set()
+        prev = 0.0
+        for i, a in enumerate(self.actions):
+            where = f"action {i} {a}"
+            if a.action not in ACTION_KINDS:
+                raise ValueError(f"{where}: unknown action {a.action!r}")
+            _check_number(f"{where}: at_s", a.at_s, lo=0)
+            if a.at_s < prev:
+                raise ValueError(f"{where}: actions are not sorted by time")
+            prev = a.at_s
+            if isinstance(a.slot, bool) or not isinstance(a.slot, int) or not 0 <= a.slot < self.max_workers:
+                raise ValueError(f"{where}: slot outside range({self.max_workers})")
+            if a.action == "start":
+                if a.slot in live:
+                    raise ValueError(f"{where}: slot {a.slot} is already live")
+                live.add(a.slot)
+            else:
+                if a.slot not in live:
+                    raise ValueError(f"{where}: slot {a.slot} is not live")
+                live.discard(a.slot)
+
+    # ---- analysis
+    def live_over_time(self) -> list[tuple[float, int]]:
+        """``(at_s, live slots)`` after each distinct action time."""
+        out: list[tuple[float, int]] = []
+        n = 0
+        for a in self.actions:
+            n += 1 if a.action == "start" else -1
+            if out and out[-1][0] == a.at_s:
+                out[-1] = (a.at_s, n)
+            else:
+                out.append((a.at_s, n))
+        return out
+
+    def lifetimes(self) -> list[SlotLifetime]:
+        """Every worker life the plan implies, in start order."""
+        open_: dict[int, int] = {}
+        lives: list[list[Any]] = []
+        for a in self.actions:
+            if a.action == "start":
+                open_[a.slot] = len(lives)
+                lives.append([a.slot, a.at_s, None, "end"])
+            else:
+                rec = lives[open_.pop(a.slot)]
+                rec[2], rec[3] = a.at_s, a.action
+        return [SlotLifetime(*r) for r in lives]
+
+    def describe(self) -> str:
+        """A printable table of the plan (one action per line) with a one-line header."""
+        head = (f"plan: {len(self)} actions ({self.n_actions('start')} start, {self.n_actions('preempt')} "
+                f"preempt, {self.n_actions('kill')} kill) on {self.max_workers} slots over {self.duration_s:.1f} s")
+        if self.window is not None:
+            end = self.window.window_end_s
+            head += (f"; trace window [{self.window.window_start_s:.0f}, "
+                     f"{'end' if math.isinf(end) else f'{end:.0f}'}) s, x{self.time_scale:g}, "
+                     f"peak {self.window.peak}")
+        lines = [head]
+        for a in self.actions:
+            lines.append(f"  {a.at_s:8.2f} s  {a.action:<7} slot {a.slot}  (trace t={a.trace_t_s:.0f} s, "
+                         f"target {a.target})")
+        return "\n".join(lines)
+
+
+def choose_window(events: Iterable[TraceEvent], window_s: float, min_changes: int, *,
+                  max_workers: int = DEFAULT_MAX_WORKERS, min_workers: int = 0, min_starts: int = 0,
+                  min_removals: int = 0) -> float:
+    """Earliest window start (trace seconds) whose scaled target changes at least ``min_changes`` times.
+
+    Candidate starts are 0 and every distinct event time, in increasing order; the first candidate whose
+    window ``[start, start + window_s)`` (scaled as in :func:`scale_window`) has ``>= min_changes`` target
+    changes, ``>= min_starts`` slot starts after the initial ones and ``>= min_removals`` slot removals wins.
+    Deterministic (no randomness involved).
+
+    Raises:
+        ValueError: bad arguments, or no candidate window qualifies (the message repeats the demands).
+    """
+    _check_number("window_s", window_s, lo=0, lo_open=True)
+    _check_int("min_changes", min_changes, 0)
+    _check_int("max_workers", max_workers, 1)
+    _check_int("min_workers", min_workers, 0)
+    if min_workers > max_workers:
+        raise ValueError(f"min_workers ({min_workers}) > max_workers ({max_workers})")
+    counts = live_counts(events)
+    for start in sorted({0.0} | {t for t, _ in counts}):
+        win = _scale_counts(counts, start, window_s, max_workers, min_workers)
+        if (len(win.changes) >= min_changes and win.n_starts >= min_starts
+                and win.n_removals >= min_removals):
+            return start
+    raise ValueError(f"no {window_s:g} s window has >= {min_changes} target changes, >= {min_starts} starts and "
+                     f">= {min_removals} removals on {max_workers} slots")
+
+
+# ============================================================================================ driver
+
+
+def _returncode(proc: Any) -> int | None:
+    """Exit code if the process has exited (reaping it), else ``None``. Popen-like or psutil.Process."""
+    if hasattr(proc, "poll"):
+        return proc.poll()
+    try:  # plain psutil.Process: wait() gives the code for our children, None for others
+        rc = proc.wait(timeout=0)
+    except psutil.TimeoutExpired:
+        return None
+    except psutil.NoSuchProcess:
+        return -1
+    return -1 if rc is None else rc
+
+
+def _is_real(proc: Any) -> bool:
+    return isinstance(proc, (subprocess.Popen, psutil.Process))
+
+
+def _descendants(proc: Any) -> list[psutil.Process]:
+    """Live descendants of a real process (empty for test doubles or a gone process)."""
+    if not _is_real(proc):
+        return []
+    try:
+        p = proc if isinstance(proc, psutil.Process) else psutil.Process(proc.pid)
+        return p.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _signal(proc: Any, sig: int) -> bool:
+    """Send ``sig`` (SIGKILL through ``kill()``); False if the process was already gone."""
+    try:
+        if sig == signal.SIGKILL:
+            proc.kill()
+        else:
+            proc.send_signal(sig)
+        return True
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        return False
+
+
+@dataclass
+class _Worker:
+    slot: int
+    attempt: int
+    proc: Any
+    pid: int | None
+    started_t: float
+    cause: str | None = None  # why it is ending: preempt, kill, retire, stop
+    descendants: list[psutil.Process] = field(default_factory=list)
+
+
+SpawnFn = Callable[[int, int], Any]
+
+
+class ReplayDriver:
+    """Apply a :class:`ReplayPlan` to processes (see the module docstring for the invariants).
+
+    Args:
+        plan: a plan, or an iterable of :class:`ReplayAction` (validated via :meth:`ReplayPlan.from_actions`).
+        spawn: ``spawn(slot, attempt) -> process`` starts one worker; ``attempt`` counts the spawns of that slot
+            (0, 1, ...). The process must offer ``pid``, ``poll() -> int | None``, ``send_signal(sig)`` and
+            ``kill()`` (``subprocess.Popen``, ``psutil.Popen``); a plain ``psutil.Process`` also works (exit
+            code ``-1`` when it is gone, as it is not our child). If ``spawn`` raises, the error is recorded
+            (``"spawn_failed"``), the slot stays down until the plan restarts it, and the error propagates.
+        clock: monotonic seconds (injected in tests); ``t0`` is its value at the first :meth:`poll`.
+        preempt_signal: signal of a ``preempt`` (the warning), default SIGTERM; e.g. ``signal.SIGUSR2``.
+        cap: initial cap on live workers (``None``: no cap), see :meth:`set_cap`.
+        restart_exited: a worker that exits on its own while its slot is offered is respawned (next attempt) at
+            the next poll if True; if False (default) the slot stays down until the plan removes and re-adds it.
+        sleep: wait function used by :meth:`stop_all` between polls (inject one that advances a fake clock).
+
+    Event records (:attr:`events`, also returned by :meth:`poll`) are dicts with the keys ``t`` (seconds since
+    ``t0``), ``slot``, ``attempt``, ``pid``, ``action``, ``exit_code``, ``planned_at_s`` and ``cause``; actions:
+    ``start``, ``preempt`` (warning signal sent), ``kill`` (SIGKILL), ``retire`` (cap lowered), ``withdraw``
+    (the plan removed a slot that had no worker), ``exit`` (reaped; ``cause`` says why it ended, ``None`` if on
+    its own), ``stop_term``/``stop_kill`` (from :meth:`stop_all`), ``spawn_failed`` (with ``error``).
+
+    Not thread-safe: call it from one thread.
+    """
+
+    def __init__(self, plan: ReplayPlan | Iterable[ReplayAction], spawn: SpawnFn,
+                 clock: Callable[[], float] = time.monotonic, *, preempt_signal: int = signal.SIGTERM,
+                 cap: int | None = None, restart_exited: bool = False,
+                 sleep: Callable[[float], Any] = time.sleep) -> None:
+        self.plan = plan if isinstance(plan, ReplayPlan) else ReplayPlan.from_actions(plan)
+        if preempt_signal == signal.SIGKILL:
+            raise ValueError("preempt_signal must be a catchable signal (SIGKILL is what 'kill' actions send)")
+        self._spawn_fn = spawn
+        self._clock = clock
+        self._sleep = sleep
+        self.preempt_signal = preempt_signal
+        self.restart_exited = restart_exited
+        self.events: list[dict[str, Any]] = []
+        self._t0: float | None = None
+        self._next = 0
+        self._cap: int | None = None
+        self._offered: set[int] = set()
+        self._failed: set[int] = set()
+        self._running: dict[int, _Worker] = {}
+        self._dying: list[_Worker] = []
+        self._attempts: dict[int, int] = {}
+        self._stopped = False
+        self.counts: dict[str, int] = {k: 0 for k in ("start", "preempt", "kill", "retire", "withdraw", "exit")}
+        if cap is not None:
+            self.set_cap(cap)
+
+    # ---- time
+    def start(self) -> None:
+        """Fix ``t0`` now (otherwise the first :meth:`poll` does). Idempotent."""
+        if self._t0 is None:
+            self._t0 = self._clock()
+
+    def elapsed(self) -> float:
+        """Seconds since ``t0`` (0 before the start)."""
+        return 0.0 if self._t0 is None else self._clock() - self._t0
+
+    def next_due_in(self) -> float | None:
+        """Seconds until the next planned action is due (<= 0: overdue); ``None`` when none is left."""
+        if self._next >= len(self.plan.actions) or self._stopped:
+            return None
+        return self.plan.actions[self._next].at_s - self.elapsed()
+
+    @property
+    def done(self) -> bool:
+        """True when every planned action has been applied (or the driver was stopped)."""
+        return self._stopped or self._next >= len(self.plan.actions)
+
+    # ---- state
+    def live_slots(self) -> list[int]:
+        """Slots with a running worker that was not signalled, ascending."""
+        return sorted(self._running)
+
+    def live_pids(self) -> dict[int, int | None]:
+        """``{slot: pid}`` of the live workers."""
+        return {s: w.pid for s, w in sorted(self._running.items())}
+
+    def offered_slots(self) -> list[int]:
+        """Slots the plan currently has started (live, held by the cap, or down after exiting)."""
+        return sorted(self._offered)
+
+    def dying_pids(self) -> list[int | None]:
+        """Pids of signalled workers not yet reaped."""
+        return [w.pid for w in self._dying]
+
+    @property
+    def cap(self) -> int | None:
+        """The cap on live workers (``None``: none)."""
+        return self._cap
+
+    @property
+    def n_preempted(self) -> int:
+        """Workers sent the preempt (warning) signal by a ``preempt`` action."""
+        return self.counts["preempt"]
+
+    @property
+    def n_killed(self) -> int:
+        """Workers SIGKILLed by a ``kill`` action (no warning)."""
+        return self.counts["kill"]
+
+    @property
+    def n_started(self) -> int:
+        """Spawns (every attempt of every slot)."""
+        return self.counts["start"]
+
+    def exit_codes(self) -> list[tuple[int, int, int | None]]:
+        """``(slot, attempt, exit_code)`` of every reaped worker, in reaping order."""
+        return [(e["slot"], e["attempt"], e["exit_code"]) for e in self.events if e["action"] == "exit"]
+
+    # ---- control
+    def set_cap(self, n: int | None) -> list[dict[str, Any]]:
+        """Allow at most ``n`` live workers (``None``: no cap), e.g. the N_prem policy's choice.
+
+        Raising the cap starts held offered slots (lowest first); lowering it below the live count retires the
+        most recently started workers with the preempt signal (their slots stay offered and restart, as a new
+        attempt, when the cap allows). Takes effect now if the replay has started, else at the first poll.
+
+        Returns:
+            The event records this produced.
+
+        Raises:
+            ValueError: ``n`` is negative or not an int.
+        """
+        if n is not None:
+            _check_int("cap", n, 0)
+        self._cap = n
+        new: list[dict[str, Any]] = []
+        if self._t0 is not None and not self._stopped:
+            self._reconcile(self.elapsed(), new)
+        return new
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Reap exited workers, then apply every due action (and the cap). Returns the new event records.
+
+        Raises:
+            Exception: whatever ``spawn`` raised (after recording it).
+        """
+        self.start()
+        new: list[dict[str, Any]] = []
+        now = self.elapsed()
+        self._reap(now, new)
+        if self._stopped:
+            return new
+        acts = self.plan.actions
+        while self._next < len(acts) and acts[self._next].at_s <= now:
+            a = acts[self._next]
+            self._next += 1
+            self._apply(a, now, new)
+        self._reconcile(now, new)
+        return new
+
+    def stop_all(self, grace_s: float = 5.0, *, poll_interval_s: float = 0.05,
+                 kill_wait_s: float = 5.0) -> list[dict[str, Any]]:
+        """Terminate every worker: SIGTERM, wait up to ``grace_s`` (injected clock/sleep), then SIGKILL.
+
+        Already-signalled workers are not signalled again before the grace period ends. After SIGKILL each
+        process is waited for (real wait, up to ``kill_wait_s`` each) so none is left a zombie, and live
+        descendants of real workers are killed too. No more plan actions are applied afterwards.
+
+        Returns:
+            The event records this produced.
+
+        Raises:
+            ValueError: negative ``grace_s``.
+        """
+        _check_number("grace_s", grace_s, lo=0)
+        self.start()
+        self._stopped = True
+        new: list[dict[str, Any]] = []
+        now = self.elapsed()
+        self._reap(now, new)
+        self._offered.clear()
+        for slot in sorted(self._running):
+            w = self._running.pop(slot)
+            w.descendants = _descendants(w.proc)
+            w.cause = "stop"
+            _signal(w.proc, signal.SIGTERM)
+            self._dying.append(w)
+            self._record(new, now, w, "stop_term")
+        for w in self._dying:
+            if not w.descendants:
+                w.descendants = _descendants(w.proc)
+        targets = list(self._dying)
+        deadline = self._clock() + grace_s
+        while True:
+            self._reap(self.elapsed(), new)
+            remaining = deadline - self._clock()
+            if not self._dying or remaining <= 0:
+                break
+            self._sleep(min(poll_interval_s, remaining))
+        stubborn = list(self._dying)
+        for w in stubborn:
+            _signal(w.proc, signal.SIGKILL)
+            self._record(new, self.elapsed(), w, "stop_kill")
+        for w in stubborn:
+            if hasattr(w.proc, "wait"):
+                try:
+                    w.proc.wait(timeout=kill_wait_s)
+                except Exception:  # noqa: BLE001 - best effort; reported below if still alive
+                    pass
+        self._reap(self.elapsed(), new)
+        for w in self._dying:
+            log.error("slot %d pid %s still not reaped after SIGKILL", w.slot, w.pid)
+        self._kill_descendants([d for w in targets for d in w.descendants], wait_s=min(kill_wait_s, 1.0))
+        return new
+
+    def __enter__(self) -> "ReplayDriver":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+    # ---- internals
+    @staticmethod
+    def _kill_descendants(procs: list[psutil.Process], wait_s: float = 0.0) -> None:
+        """SIGKILL the still-running ``procs``; wait up to ``wait_s`` for them to go (0: do not wait)."""
+        alive = []
+        for p in procs:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    p.kill()
+                    alive.append(p)
+            except psutil.Error:
+                pass
+        if alive and wait_s > 0:
+            psutil.wait_procs(alive, timeout=wait_s)
+
+    def _record(self, out: list[dict[str, Any]], now: float, w: _Worker | None, action: str, *,
+                slot: int | None = None, exit_code: int | None = None, planned: float | None = None,
+                cause: str | None = None, **extra: Any) -> dict[str, Any]:
+        rec = {
+            "t": now,
+            "slot": w.slot if w is not None else slot,
+            "attempt": w.attempt if w is not None else None,
+            "pid": w.pid if w is not None else None,
+            "action": action,
+            "exit_code": exit_code,
+            "planned_at_s": planned,
+            "cause": cause if cause is not None else (w.cause if w is not None else None),
+            **extra,
+        }
+        self.events.append(rec)
+        out.append(rec)
+        if action in self.counts:
+            self.counts[action] += 1
+        return rec
+
+    def _reap(self, now: float, out: list[dict[str, Any]]) -> None:
+        for slot in sorted(self._running):
+            w = self._running[slot]
+            rc = _returncode(w.proc)
+            if rc is None:
+                continue
+            del self._running[slot]
+            self._record(out, now, w, "exit", exit_code=rc, cause=None)
+            if not self.restart_exited:
+                self._failed.add(slot)
+        still: list[_Worker] = []
+        for w in self._dying:
+            rc = _returncode(w.proc)
+            if rc is None:
+                still.append(w)
+            else:
+                self._record(out, now, w, "exit", exit_code=rc)
+                if w.descendants:  # its machine is gone: so is whatever it left behind
+                    self._kill_descendants(w.descendants)
+        self._dying = still
+
+    def _apply(self, a: ReplayAction, now: float, out: list[dict[str, Any]]) -> None:
+        if a.action == "start":
+            self._offered.add(a.slot)
+            self._failed.discard(a.slot)
+            self._reconcile(now, out, planned=a.at_s, prefer=a.slot)
+            return
+        self._offered.discard(a.slot)
+        self._failed.discard(a.slot)
+        w = self._running.pop(a.slot, None)
+        if w is None:
+            self._record(out, now, None, "withdraw", slot=a.slot, planned=a.at_s, cause=a.action)
+        else:
+            w.cause = a.action
+            if a.action == "kill":
+                w.descendants = _descendants(w.proc)  # the whole machine goes away
+                _signal(w.proc, signal.SIGKILL)
+                self._kill_descendants(w.descendants)
+            else:
+                w.descendants = _descendants(w.proc)  # swept once the worker has exited
+                _signal(w.proc, self.preempt_signal)
+            self._dying.append(w)
+            self._record(out, now, w, a.action, planned=a.at_s)
+        self._reconcile(now, out, planned=a.at_s)
+
+    def _reconcile(self, now: float, out: list[dict[str, Any]], *, planned: float | None = None,
+                   prefer: int | None = None) -> None:
+        cap = math.inf if self._cap is None else self._cap
+        while len(self._running) > cap:
+            w = max(self._running.values(), key=lambda x: (x.started_t, x.slot))
+            del self._running[w.slot]
+            w.cause = "retire"
+            w.descendants = _descendants(w.proc)
+            _signal(w.proc, self.preempt_signal)
+            self._dying.append(w)
+            self._record(out, now, w, "retire")
+        waiting = sorted(self._offered - self._running.keys() - self._failed)
+        if prefer is not None and prefer in waiting:  # the slot the plan just started goes first
+            waiting.remove(prefer)
+            waiting.insert(0, prefer)
+        for slot in waiting:
+            if len(self._running) >= cap:
+                break
+            self._spawn(slot, now, planned if slot == prefer else None, out)
+
+    def _spawn(self, slot: int, now: float, planned: float | None, out: list[dict[str, Any]]) -> None:
+        attempt = self._attempts.get(slot, 0)
+        self._attempts[slot] = attempt + 1
+        try:
+            proc = self._spawn_fn(slot, attempt)
+        except Exception as exc:
+            self._failed.add(slot)
+            self._record(out, now, None, "spawn_failed", slot=slot, planned=planned, error=repr(exc))
+            out[-1]["attempt"] = attempt
+            raise
+        w = _Worker(slot, attempt, proc, getattr(proc, "pid", None), now)
+        self._running[slot] = w
+        self._record(out, now, w, "start", planned=planned)

@@ -1,0 +1,180 @@
+"""The run's configuration: one validated pydantic model, loaded from TOML with dotted CLI overrides.
+
+Invariants: unknown keys are errors (``extra="forbid"``) at every level, so a typo never silently falls
+back to a default; every number carries its unit in its name or docstring; ``load_config`` is the only
+way a config is built from files and overrides.
+"""
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelCfg(_Strict):
+    """Which policy model to load. ``name = "stories260K"`` converts the llama2.c checkpoint from the data dir."""
+
+    name: Literal["stories260K"] | str = "stories260K"
+    hf_dir: str | None = Field(None, description="an existing Hugging Face Llama directory (overrides name)")
+    cache_dir: str = Field("~/.cache/rlboost-hpc/models", description="where converted checkpoints are kept")
+
+
+class TaskCfg(_Strict):
+    """The RL task (prompt set + verifiable reward)."""
+
+    name: str = "stories"
+    train_prompts: int = Field(64, ge=1)
+    heldout_prompts: int = Field(32, ge=1)
+
+
+class RolloutCfg(_Strict):
+    """Sampling and engine settings of every rollout instance (reserved and preemptible)."""
+
+    engine: Literal["torch"] = "torch"
+    group_size: int = Field(8, ge=2, description="G: responses per prompt (one GRPO group)")
+    prompts_per_step: int = Field(8, ge=1)
+    max_new_tokens: int = Field(48, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_batch: int = Field(32, ge=1, description="engine batch slots per instance")
+    stream_every_tokens: int = Field(4, ge=1, description="flush token chunks to the manager every k tokens")
+    stream_every_s: float = Field(0.05, gt=0, description="... or after this many seconds, whichever first")
+    torch_threads: int = Field(1, ge=1)
+
+
+class ManagerCfg(_Strict):
+    """Rollout manager: dispatch and failure detection."""
+
+    pending_limit: int = Field(64, ge=1, description="Θ: max requests in flight per instance (JSQ threshold)")
+    heartbeat_s: float = Field(0.25, gt=0)
+    heartbeat_timeout_s: float = Field(2.0, gt=0, description="missed-heartbeat deadline before an instance is declared dead")
+    max_attempts: int = Field(5, ge=1, description="dispatch attempts of one response before the step fails")
+
+
+class WeightsCfg(_Strict):
+    """Pull-based weight transfer."""
+
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    streams: int = Field(4, ge=1)
+    window: int = Field(4, ge=1)
+    chunk_bytes: int = Field(1 << 20, ge=4096)
+    pull_timeout_s: float = Field(30.0, gt=0)
+
+
+class TrainerCfg(_Strict):
+    """GRPO trainer (CPU torch backend)."""
+
+    backend: Literal["torch"] = "torch"
+    steps: int = Field(40, ge=1)
+    lr: float = Field(3e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    clip_eps: float = Field(0.2, gt=0, description="PPO clip range ε")
+    kl_coef: float = Field(0.0, ge=0, description="β of the k3 KL penalty to the reference policy; 0 skips the reference")
+    micro_batch: int = Field(16, ge=1, description="m_b: responses per micro-batch")
+    seed_window_s: float = Field(3.0, ge=0, description="T_seed: seconds the reserved engine generates at step start")
+    torch_threads: int = Field(1, ge=1)
+    eval_samples: int = Field(4, ge=1, description="sampled responses per held-out prompt in evaluation")
+    seed: int = 0
+
+
+class LocalClusterCfg(_Strict):
+    """Embedded local preemptible cluster: rollout-worker processes replaying a spot trace."""
+
+    trace: str = "spot_traces/bamboo/p3-trace.csv"
+    max_workers: int = Field(2, ge=0)
+    time_scale: float = Field(120.0, gt=0, description="trace seconds per wall-clock second")
+    window_start_s: float | None = Field(None, description="trace second to start at; None picks a window with changes")
+    min_changes: int = Field(4, ge=0)
+    kill_fraction: float = Field(0.0, ge=0, le=1, description="share of removals delivered as SIGKILL (no warning)")
+    preempt_signal: Literal["SIGTERM", "SIGUSR2"] = "SIGTERM"
+    seed: int = 0
+
+
+class DataCfg(_Strict):
+    dir: str | None = Field(None, description="shared data directory; default RLBOOST_DATA or ../shared/data")
+
+
+class RunConfig(_Strict):
+    """Everything one run needs."""
+
+    model: ModelCfg = ModelCfg()
+    task: TaskCfg = TaskCfg()
+    rollout: RolloutCfg = RolloutCfg()
+    manager: ManagerCfg = ManagerCfg()
+    weights: WeightsCfg = WeightsCfg()
+    trainer: TrainerCfg = TrainerCfg()
+    cluster: LocalClusterCfg = LocalClusterCfg()
+    data: DataCfg = DataCfg()
+
+    @model_validator(mode="after")
+    def _check(self) -> "RunConfig":
+        if self.manager.heartbeat_timeout_s <= 2 * self.manager.heartbeat_s:
+            raise ValueError("manager.heartbeat_timeout_s must exceed 2 × manager.heartbeat_s")
+        return self
+
+
+class ConfigError(ValueError):
+    """A config file or override is malformed; the message names the key and the problem."""
+
+
+def _parse_value(raw: str) -> Any:
+    """Parse an override's value as a TOML value (numbers, booleans, quoted strings, lists); bare words stay strings."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides to a nested dict (in place) and return it.
+
+    Raises:
+        ConfigError: an override without ``=`` or one that descends into a non-table.
+    """
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key.path=value")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {p!r} is not a table")
+        node[parts[-1]] = _parse_value(raw.strip())
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Build a :class:`RunConfig` from an optional TOML file plus dotted overrides.
+
+    Raises:
+        ConfigError: missing file, TOML syntax error, unknown key, or invalid value (pydantic's
+            message, with the dotted location of each problem).
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+    apply_overrides(data, overrides or [])
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "<root>"
+            lines.append(f"  {loc}: {err['msg']}")
+        where = f" in {path}" if path else ""
+        raise ConfigError(f"invalid configuration{where}:\n" + "\n".join(lines)) from None

@@ -1,0 +1,501 @@
+"""The rollout manager's state machine: instance registry + token-level request table + dispatch.
+
+Pure logic, no sockets: messages go in through :meth:`ManagerCore.on_message`, time through an injected
+clock, and replies accumulate in :attr:`ManagerCore.outbox` as ``(peer, message)`` pairs that the service
+sends. Holds no policy arithmetic (T_seed, N_prem live in ``policy/``).
+
+Invariants (DESIGN.md; each has a test in tests/test_manager_core.py):
+1. Strict on-policy: a request carries its step's weight version; a token delta of any other version is
+   rejected and its instance fenced. The version only changes between steps (SetVersion is refused while
+   requests of the old version are unfinished: the explicit in-flight policy of case W4).
+2. Exactly once: a request is owned by at most one instance at a time; deltas from any other instance are
+   dropped as late; each group is delivered to the trainer once.
+3. Ids are ids: a delta must start exactly at the response's current length (no gap, no overlap).
+4. Routable ⇔ state ready ∧ version == latest ∧ not draining ∧ (preemptible, or reserved while seeding is
+   open or no preemptible instance is routable — the co-located fallback).
+5. Resumed budget: a migrated request continues from prompt + generated ids with
+   ``max_new_tokens − generated``; a delta that would exceed the budget is rejected.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from rlboost_hpc.protocol import messages as M
+
+log = logging.getLogger("rlboost.manager")
+
+
+@dataclass
+class Instance:
+    """One registered rollout instance; ``key`` = ``job_id#attempt`` (case S2)."""
+
+    key: str
+    peer: bytes
+    kind: str
+    max_batch: int
+    registered_at: float
+    last_seen: float
+    state: str = "pulling"  # pulling → ready → draining → gone; any → fenced
+    version: int = -1
+    inflight: set[str] = field(default_factory=set)
+    releasing: set[str] = field(default_factory=set)
+    tokens_received: int = 0
+    tokens_generated: int = 0
+    ready_at: float | None = None
+    gone_reason: str = ""
+
+
+@dataclass
+class Request:
+    """Token-level state of one response. ``ids``/``logprobs``/``versions`` are packed parallel arrays."""
+
+    rid: str
+    step: int
+    gid: str
+    sample: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop_ids: list[int]
+    version: int
+    ids: bytearray = field(default_factory=bytearray)
+    logprobs: bytearray = field(default_factory=bytearray)
+    versions: bytearray = field(default_factory=bytearray)
+    n: int = 0
+    state: str = "queued"  # queued | running | done
+    instance: str | None = None
+    attempts: int = 0
+    migrations: int = 0
+    instances: list[str] = field(default_factory=list)
+    finish_reason: str = ""
+
+    def work(self) -> M.Work:
+        return M.Work(
+            rid=self.rid, prompt_ids=self.prompt_ids,
+            prefix_ids=np.frombuffer(bytes(self.ids), dtype="<i4").tolist(),
+            max_new_tokens=self.max_new_tokens - self.n, temperature=self.temperature, top_p=self.top_p,
+            seed=self.seed, stop_ids=self.stop_ids, version=self.version,
+        )
+
+
+@dataclass
+class Group:
+    step: int
+    gid: str
+    rids: list[str]
+    done: int = 0
+    delivered: bool = False
+
+
+class ManagerCore:
+    """See the module docstring. ``clock`` returns seconds (monotonic)."""
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float],
+        pending_limit: int = 32,
+        heartbeat_s: float = 0.25,
+        heartbeat_timeout_s: float = 2.0,
+        max_attempts: int = 5,
+        stream_every_tokens: int = 4,
+        stream_every_s: float = 0.05,
+    ) -> None:
+        self.clock = clock
+        self.pending_limit = pending_limit
+        self.heartbeat_s = heartbeat_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.max_attempts = max_attempts
+        self.stream_every_tokens = stream_every_tokens
+        self.stream_every_s = stream_every_s
+        self.outbox: list[tuple[bytes, M._Msg]] = []
+        self.instances: dict[str, Instance] = {}
+        self.by_peer: dict[bytes, str] = {}
+        self.requests: dict[str, Request] = {}
+        self.groups: dict[str, Group] = {}
+        self.queue: deque[str] = deque()
+        self.trainer_peer: bytes | None = None
+        self.weights_endpoint = ""
+        self.model_config: dict = {}
+        self.latest_version = -1
+        self.step = -1
+        self.seeding_open = False
+        self.failed_step: str | None = None
+        self.counters: dict[str, int | float] = {
+            k: 0 for k in (
+                "registrations", "rejected_registrations", "dispatched", "responses_migrated",
+                "tokens_migrated", "tokens_regenerated", "tokens_received", "late_tokens",
+                "off_version_tokens_rejected", "instances_preempted_with_warning", "instances_lost",
+                "instances_fenced", "weight_loads", "weight_load_failures", "groups_delivered",
+                "responses_delivered", "request_failures", "protocol_rejects", "released_requests",
+            )
+        }
+        self.pull_seconds: list[float] = []
+        self._vcache: dict[tuple[int, int], bytes] = {}
+
+    # ------------------------------------------------------------------ helpers
+    def send(self, peer: bytes, msg: M._Msg) -> None:
+        self.outbox.append((peer, msg))
+
+    def routable(self, inst: Instance) -> bool:
+        if inst.state != "ready" or inst.version != self.latest_version:
+            return False
+        if inst.kind == "reserved":
+            return self.seeding_open or not any(
+                i.kind == "preemptible" and i.state == "ready" and i.version == self.latest_version
+                for i in self.instances.values()
+            )
+        return True
+
+    def live_instances(self) -> list[Instance]:
+        return [i for i in self.instances.values() if i.state in ("pulling", "ready", "draining", "fenced")]
+
+    def _requeue(self, rid: str, inst: Instance, why: str) -> None:
+        """Take ``rid`` back from ``inst`` and put it at the head of the queue (a migration)."""
+        req = self.requests.get(rid)
+        inst.inflight.discard(rid)
+        inst.releasing.discard(rid)
+        if req is None or req.state != "running" or req.instance != inst.key:
+            return
+        req.state, req.instance = "queued", None
+        req.migrations += 1
+        self.counters["responses_migrated"] += 1
+        self.counters["tokens_migrated"] += req.n
+        self.queue.appendleft(rid)
+        log.debug("migrating %s (%d tokens) off %s: %s", rid, req.n, inst.key, why)
+
+    def _instance_gone(self, inst: Instance, reason: str, *, warned: bool) -> None:
+        """Remove ``inst`` from routing; every unfinished response it held resumes elsewhere."""
+        if inst.state == "gone":
+            return
+        for rid in list(inst.inflight):
+            self._requeue(rid, inst, reason)
+        unsent = max(0, inst.tokens_generated - inst.tokens_received)
+        self.counters["tokens_regenerated"] += unsent
+        if warned:
+            self.counters["instances_preempted_with_warning"] += 1
+        else:
+            self.counters["instances_lost"] += 1
+        inst.state, inst.gone_reason = "gone", reason
+        self.by_peer.pop(inst.peer, None)
+        log.info("instance %s gone (%s); %d unsent tokens", inst.key, reason, unsent)
+
+    def _fence(self, inst: Instance, reason: str) -> None:
+        """Stop routing to ``inst`` and take its work back; it may recover only by loading the latest version."""
+        if inst.state in ("gone", "fenced"):
+            return
+        taken = sorted(inst.inflight)
+        for rid in taken:
+            self._requeue(rid, inst, reason)
+        inst.state = "fenced"
+        self.counters["instances_fenced"] += 1
+        log.warning("instance %s fenced: %s", inst.key, reason)
+        if taken:  # tell it to stop working on them; whatever it still sends is dropped as late
+            self.send(inst.peer, M.Release(rids=taken))
+
+    # ------------------------------------------------------------------ input
+    def on_message(self, peer: bytes, msg: M._Msg) -> None:
+        """Apply one decoded message from ``peer``. Unknown peers may only Register or speak as the trainer."""
+        now = self.clock()
+        key = self.by_peer.get(peer)
+        inst = self.instances.get(key) if key else None
+        if inst is not None:
+            inst.last_seen = now
+        handler = getattr(self, "_on_" + type(msg).__name__, None)
+        if handler is None:
+            self.counters["protocol_rejects"] += 1
+            log.warning("peer %r sent %s, which the manager does not accept", peer, type(msg).__name__)
+            return
+        handler(peer, inst, msg)
+
+    # agent messages ------------------------------------------------------------
+    def _on_Register(self, peer: bytes, inst: Instance | None, msg: M.Register) -> None:
+        key = f"{msg.job_id}#{msg.attempt}"
+        existing = self.instances.get(key)
+        if existing is not None and existing.peer == peer and existing.state != "gone":
+            pass  # a retried Register from the same connection: answer again
+        elif existing is not None:
+            self.counters["rejected_registrations"] += 1
+            why = ("identity %s is already registered (live)" if existing.state != "gone"
+                   else "identity %s belongs to an attempt that already ended; a requeued job must register "
+                        "with a new attempt number")
+            self.send(peer, M.Reject(reason=why % key))
+            log.warning("rejected registration of %s from %r", key, peer)
+            return
+        else:
+            now = self.clock()
+            self.instances[key] = Instance(key=key, peer=peer, kind=msg.kind, max_batch=msg.max_batch,
+                                           registered_at=now, last_seen=now)
+            self.by_peer[peer] = key
+            self.counters["registrations"] += 1
+        self.send(peer, M.Welcome(
+            instance=key, latest_version=self.latest_version, weights_endpoint=self.weights_endpoint,
+            model_config=self.model_config, heartbeat_s=self.heartbeat_s,
+            stream_every_tokens=self.stream_every_tokens, stream_every_s=self.stream_every_s))
+
+    def _unknown(self, peer: bytes, what: str) -> None:
+        self.counters["protocol_rejects"] += 1
+        log.warning("%s from unregistered peer %r dropped", what, peer)
+
+    def _on_Heartbeat(self, peer: bytes, inst: Instance | None, msg: M.Heartbeat) -> None:
+        if inst is None:
+            return self._unknown(peer, "heartbeat")
+        inst.tokens_generated = max(inst.tokens_generated, msg.tokens_generated)
+
+    def _on_WeightsLoaded(self, peer: bytes, inst: Instance | None, msg: M.WeightsLoaded) -> None:
+        if inst is None:
+            return self._unknown(peer, "weights-loaded")
+        self.counters["weight_loads"] += 1
+        self.pull_seconds.append(msg.pull_s)
+        inst.version = msg.version
+        if inst.state in ("pulling", "fenced") and msg.version == self.latest_version:
+            inst.state = "ready"
+            inst.ready_at = inst.ready_at or self.clock()
+
+    def _on_WeightsFailed(self, peer: bytes, inst: Instance | None, msg: M.WeightsFailed) -> None:
+        if inst is None:
+            return self._unknown(peer, "weights-failed")
+        self.counters["weight_load_failures"] += 1
+        log.warning("instance %s failed to load version %d: %s", inst.key, msg.version, msg.error)
+        if inst.state == "ready":
+            self._fence(inst, f"weight load failed: {msg.error}")
+        elif inst.state == "pulling":
+            inst.state = "fenced"
+            self.counters["instances_fenced"] += 1
+
+    def _on_Tokens(self, peer: bytes, inst: Instance | None, msg: M.Tokens) -> None:
+        if inst is None:
+            self.counters["late_tokens"] += sum(msg.counts)
+            return self._unknown(peer, "tokens")
+        pos = 0
+        ids, lps = msg.ids, msg.logprobs
+        for rid, off, cnt, ver, fin in zip(msg.rids, msg.offsets, msg.counts, msg.versions, msg.finish):
+            lo, hi = pos * 4, (pos + cnt) * 4
+            pos += cnt
+            inst.tokens_received += cnt
+            self.counters["tokens_received"] += cnt
+            req = self.requests.get(rid)
+            if req is None or req.state != "running" or req.instance != inst.key:
+                self.counters["late_tokens"] += cnt
+                continue
+            if ver != req.version:
+                self.counters["off_version_tokens_rejected"] += cnt
+                self._fence(inst, f"sent {cnt} tokens of version {ver} for {rid} of version {req.version}")
+                return
+            if off != req.n or req.n + cnt > req.max_new_tokens:
+                self._fence(inst, f"delta for {rid} at {off}+{cnt} does not continue {req.n} "
+                                  f"within budget {req.max_new_tokens}")
+                return
+            req.ids += ids[lo:hi]
+            req.logprobs += lps[lo:hi]
+            vb = self._vcache.get((ver, cnt))
+            if vb is None:
+                vb = self._vcache[(ver, cnt)] = np.full(cnt, ver, dtype="<i4").tobytes()
+            req.versions += vb
+            req.n += cnt
+            if fin:
+                req.state, req.instance = "done", None
+                req.finish_reason = M.FINISH_NAMES[fin]
+                inst.inflight.discard(rid)
+                inst.releasing.discard(rid)
+                self._group_progress(req)
+
+    def _on_RequestFailed(self, peer: bytes, inst: Instance | None, msg: M.RequestFailed) -> None:
+        if inst is None:
+            return self._unknown(peer, "request-failed")
+        self.counters["request_failures"] += 1
+        req = self.requests.get(msg.rid)
+        log.warning("instance %s failed request %s: %s", inst.key, msg.rid, msg.error)
+        if req is not None and req.instance == inst.key and req.state == "running":
+            self._requeue(msg.rid, inst, "engine failure")
+            if req.attempts >= self.max_attempts:
+                self._fail_step(f"request {msg.rid} failed {req.attempts} times; last error: {msg.error}")
+
+    def _on_Draining(self, peer: bytes, inst: Instance | None, msg: M.Draining) -> None:
+        if inst is None:
+            return self._unknown(peer, "draining")
+        if inst.state not in ("gone",):
+            inst.state = "draining"
+
+    def _on_Released(self, peer: bytes, inst: Instance | None, msg: M.Released) -> None:
+        if inst is None:
+            return self._unknown(peer, "released")
+        inst.tokens_generated = max(inst.tokens_generated, msg.tokens_generated)
+        self.counters["released_requests"] += len(msg.rids)
+        for rid in msg.rids:
+            self._requeue(rid, inst, "released")
+
+    def _on_Deregister(self, peer: bytes, inst: Instance | None, msg: M.Deregister) -> None:
+        if inst is None:
+            return self._unknown(peer, "deregister")
+        inst.tokens_generated = max(inst.tokens_generated, msg.tokens_generated)
+        self._instance_gone(inst, f"deregistered: {msg.reason}", warned=True)
+
+    # trainer messages ----------------------------------------------------------
+    def _on_TrainerHello(self, peer: bytes, inst: Instance | None, msg: M.TrainerHello) -> None:
+        self.trainer_peer = peer
+        self.weights_endpoint = msg.weights_endpoint
+        self.model_config = msg.model_config
+        self.send(peer, M.Ok(what="hello"))
+
+    def _trainer_only(self, peer: bytes, what: str) -> bool:
+        if peer != self.trainer_peer:
+            self._unknown(peer, what)
+            return False
+        return True
+
+    def _on_SetVersion(self, peer: bytes, inst: Instance | None, msg: M.SetVersion) -> None:
+        if not self._trainer_only(peer, "set-version"):
+            return
+        unfinished = [r for r in self.requests.values() if r.state != "done"]
+        if unfinished:
+            self.send(peer, M.Error(what="setver", error=(
+                f"{len(unfinished)} responses of version {self.latest_version} are unfinished; the version "
+                "changes only between steps (in-flight work is never discarded)")))
+            return
+        if msg.version <= self.latest_version:
+            self.send(peer, M.Error(what="setver", error=f"version {msg.version} ≤ latest {self.latest_version}"))
+            return
+        self.latest_version = msg.version
+        for i in self.live_instances():
+            if i.state in ("ready", "pulling", "fenced"):
+                self.send(i.peer, M.NewVersion(version=msg.version))
+        self.send(peer, M.Ok(what="setver"))
+
+    def _on_SubmitStep(self, peer: bytes, inst: Instance | None, msg: M.SubmitStep) -> None:
+        if not self._trainer_only(peer, "submit"):
+            return
+        if msg.version != self.latest_version:
+            self.send(peer, M.Error(what="submit", error=f"step {msg.step} asks version {msg.version}, "
+                                                         f"latest is {self.latest_version}"))
+            return
+        # Delivered groups of earlier steps are no longer needed.
+        for gid in [g for g, grp in self.groups.items() if grp.delivered]:
+            for rid in self.groups.pop(gid).rids:
+                self.requests.pop(rid, None)
+        self.step, self.seeding_open, self.failed_step = msg.step, True, None
+        for g in msg.groups:
+            rids = []
+            for i in range(g.n):
+                rid = f"{g.gid}/{i}"
+                if rid in self.requests:
+                    self.send(peer, M.Error(what="submit", error=f"duplicate request id {rid}"))
+                    return
+                self.requests[rid] = Request(
+                    rid=rid, step=msg.step, gid=g.gid, sample=i, prompt_ids=list(g.prompt_ids),
+                    max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
+                    seed=g.seed + i, stop_ids=list(g.stop_ids), version=msg.version)
+                self.queue.append(rid)
+                rids.append(rid)
+            self.groups[g.gid] = Group(step=msg.step, gid=g.gid, rids=rids)
+        self.send(peer, M.Ok(what="submit"))
+
+    def _on_CloseSeeding(self, peer: bytes, inst: Instance | None, msg: M.CloseSeeding) -> None:
+        if not self._trainer_only(peer, "close-seeding"):
+            return
+        self.seeding_open = False
+        remote = any(i.kind == "preemptible" and self.routable(i) for i in self.instances.values())
+        released = 0
+        if remote:
+            for i in self.instances.values():
+                if i.kind == "reserved" and i.state == "ready" and i.inflight:
+                    rids = sorted(i.inflight - i.releasing)
+                    i.releasing |= set(rids)
+                    released += len(rids)
+                    self.send(i.peer, M.Release(rids=rids))
+        self.send(peer, M.Ok(what=f"closeseed released={released} remote={int(remote)}"))
+
+    def _on_AckGroup(self, peer: bytes, inst: Instance | None, msg: M.AckGroup) -> None:
+        if self._trainer_only(peer, "ack"):
+            grp = self.groups.get(msg.gid)
+            if grp is not None:
+                grp.delivered = True
+
+    def _on_GetStats(self, peer: bytes, inst: Instance | None, msg: M.GetStats) -> None:
+        self.send(peer, M.Stats(stats=self.stats()))
+
+    # ------------------------------------------------------------------ progress
+    def _group_progress(self, req: Request) -> None:
+        grp = self.groups[req.gid]
+        grp.done += 1
+        if grp.done < len(grp.rids):
+            return
+        if self.trainer_peer is None:
+            return
+        responses = []
+        for rid in grp.rids:
+            r = self.requests[rid]
+            responses.append(M.Response(
+                rid=rid, sample=r.sample, ids=bytes(r.ids), logprobs=bytes(r.logprobs),
+                versions=bytes(r.versions), finish_reason=r.finish_reason, migrations=r.migrations,
+                instances=r.instances))
+        self.send(self.trainer_peer, M.GroupDone(step=grp.step, gid=grp.gid, responses=responses))
+        self.counters["groups_delivered"] += 1
+        self.counters["responses_delivered"] += len(responses)
+
+    def _fail_step(self, error: str) -> None:
+        self.failed_step = error
+        if self.trainer_peer is not None:
+            self.send(self.trainer_peer, M.StepFailed(step=self.step, error=error))
+
+    def tick(self) -> None:
+        """Detect dead instances (missed heartbeats), then dispatch queued requests (JSQ with Θ)."""
+        now = self.clock()
+        for inst in list(self.instances.values()):
+            if inst.state != "gone" and now - inst.last_seen > self.heartbeat_timeout_s:
+                self._instance_gone(inst, f"no heartbeat for {now - inst.last_seen:.1f}s", warned=False)
+        self.dispatch()
+
+    def dispatch(self) -> None:
+        """Join-shortest-queue: give each queued request to the routable instance with the fewest requests in
+        flight, as long as that count is below the pending limit Θ; the rest wait here (case R7)."""
+        if not self.queue:
+            return
+        cands = [i for i in self.instances.values() if self.routable(i)]
+        if not cands:
+            return
+        batches: dict[str, list[M.Work]] = {}
+        while self.queue:
+            inst = min(cands, key=lambda i: len(i.inflight))
+            if len(inst.inflight) >= min(self.pending_limit, inst.max_batch):
+                break
+            rid = self.queue.popleft()
+            req = self.requests.get(rid)
+            if req is None or req.state != "queued":
+                continue
+            req.state, req.instance = "running", inst.key
+            req.attempts += 1
+            req.instances.append(inst.key)
+            inst.inflight.add(rid)
+            batches.setdefault(inst.key, []).append(req.work())
+            self.counters["dispatched"] += 1
+        for key, works in batches.items():
+            self.send(self.instances[key].peer, M.Assign(works=works))
+
+    # ------------------------------------------------------------------ reporting
+    def stats(self) -> dict:
+        """Counters plus a snapshot of instances and queue (JSON-serialisable)."""
+        states: dict[str, int] = {}
+        for i in self.instances.values():
+            states[i.state] = states.get(i.state, 0) + 1
+        return {
+            **self.counters,
+            "latest_version": self.latest_version,
+            "step": self.step,
+            "queued": len(self.queue),
+            "running": sum(len(i.inflight) for i in self.instances.values()),
+            "instances_by_state": states,
+            "routable_preemptible": sum(1 for i in self.instances.values()
+                                        if i.kind == "preemptible" and self.routable(i)),
+            "live_preemptible": sum(1 for i in self.instances.values()
+                                    if i.kind == "preemptible" and i.state != "gone"),
+            "pull_seconds_mean": (sum(self.pull_seconds) / len(self.pull_seconds)) if self.pull_seconds else 0.0,
+            "failed_step": self.failed_step,
+        }

@@ -1,0 +1,108 @@
+"""The rollout manager process: a ZeroMQ ROUTER around :class:`~rlboost_hpc.manager.core.ManagerCore`.
+
+Invariant: a frame reaches the core only after it decoded against the typed schema; a bad frame is
+dropped with one log line per offending peer (rate-limited) and counted, and the service keeps serving.
+Sends never block (a vanished peer's messages are dropped by ZeroMQ).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from rlboost_hpc.manager.core import ManagerCore
+from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.protocol.errors import ProtocolError
+
+log = logging.getLogger("rlboost.manager")
+
+
+class ManagerService:
+    """Bind ``bind`` (``tcp://127.0.0.1:0`` picks a free port; see :attr:`endpoint`) and serve until a
+    ``Shutdown`` from the trainer or :meth:`stop`."""
+
+    def __init__(self, core: ManagerCore, bind: str = "tcp://127.0.0.1:0", *, ctx: zmq.Context | None = None):
+        self.core = core
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 100_000)
+        self.sock.bind(bind)
+        self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._stop = False
+        self._bad_peers: dict[bytes, float] = {}
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def _reject(self, peer: bytes, err: Exception) -> None:
+        self.core.counters["protocol_rejects"] += 1
+        now = time.monotonic()
+        if now - self._bad_peers.get(peer, -1e9) > 10.0:
+            log.warning("rejected frame from peer %s: %s", peer.hex(), err)
+            self._bad_peers[peer] = now
+
+    def _flush(self) -> None:
+        out, self.core.outbox = self.core.outbox, []
+        for peer, msg in out:
+            try:
+                self.sock.send_multipart([peer, M.encode(msg)], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("send to %s dropped (peer not reading)", peer.hex())
+
+    def serve_forever(self, tick_s: float = 0.02) -> None:
+        """Run the loop: receive and apply every pending frame, tick (liveness + dispatch), send."""
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        last_tick = 0.0
+        while not self._stop:
+            events = dict(poller.poll(int(tick_s * 1000)))
+            if self.sock in events:
+                for _ in range(10_000):
+                    try:
+                        frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+                    except zmq.Again:
+                        break
+                    if len(frames) != 2:
+                        self._reject(frames[0], ProtocolError(f"expected 2 frames, got {len(frames)}"))
+                        continue
+                    peer, frame = frames
+                    try:
+                        msg = M.decode(frame)
+                    except ProtocolError as e:
+                        self._reject(peer, e)
+                        continue
+                    if isinstance(msg, M.Shutdown) and peer == self.core.trainer_peer:
+                        self._stop = True
+                        self.core.send(peer, M.Ok(what="shutdown"))
+                        for i in self.core.live_instances():
+                            self.core.send(i.peer, M.Drain(reason=msg.reason))
+                        break
+                    self.core.on_message(peer, msg)
+            now = time.monotonic()
+            if now - last_tick >= tick_s or self.core.queue:
+                self.core.tick()
+                last_tick = now
+            if self.core.outbox:
+                self._flush()
+        self._flush()
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def run_manager_process(bind: str, params: dict, conn) -> None:
+    """Entry point of the manager process: serve, report the bound endpoint through ``conn`` (a Pipe end)."""
+    from rlboost_hpc.observe.logs import setup_logging
+
+    setup_logging("manager")
+    core = ManagerCore(clock=time.monotonic, **params)
+    svc = ManagerService(core, bind)
+    conn.send(svc.endpoint)
+    conn.close()
+    try:
+        svc.serve_forever()
+    finally:
+        svc.close()

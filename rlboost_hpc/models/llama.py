@@ -1,0 +1,367 @@
+"""A pure-torch Llama (GQA, RMSNorm, SwiGLU, RoPE, optionally tied embeddings) with HF parameter names.
+
+Invariants:
+- ``LlamaModel(cfg).state_dict()`` keys are exactly ``cfg.expected_shapes()`` — the HF ``LlamaForCausalLM``
+  names (``lm_head.weight`` included, sharing storage with ``model.embed_tokens.weight`` when tied) — so an HF
+  state dict loads with ``load_state_dict(strict=True)`` and vice versa. No persistent buffers.
+- Numerics follow HF's fp32 path (RMSNorm ``w * x * rsqrt(mean(x²) + eps)``, rotate-half RoPE with
+  ``cos/sin(pos * theta^(-2i/hd))`` duplicated over both halves, scale ``hd^-0.5``, softmax in fp32, query head
+  ``h`` reads KV head ``h // (n_heads / n_kv_heads)``): logits agree with ``transformers`` to ~1e-6 in fp32.
+- Two paths share the weights: :meth:`LlamaModel.forward` (differentiable, batched, padded) for training and
+  scoring; :meth:`LlamaModel.prefill` / :meth:`LlamaModel.decode` (no grad) over a :class:`KVCache` for
+  generation. For the same tokens and positions both paths give the same logits up to float rounding.
+- A :class:`KVCache` slot holds keys/values for positions ``[0, length)`` of one sequence; ``decode`` attends
+  each slot only to its own ``length`` entries (plus the new one), so slots of different lengths batch together.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlboost_hpc.models.config import LlamaConfig
+
+__all__ = ["LlamaModel", "KVCache", "RMSNorm"]
+
+
+class RMSNorm(nn.Module):
+    """HF LlamaRMSNorm: ``weight * x * rsqrt(mean(x², -1) + eps)`` (fp32 in, fp32 out)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        D, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(D, cfg.num_attention_heads * hd, bias=False)
+        self.k_proj = nn.Linear(D, cfg.kv_dim, bias=False)
+        self.v_proj = nn.Linear(D, cfg.kv_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, D, bias=False)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class KVCache:
+    """Per-slot key/value storage for :meth:`LlamaModel.prefill` / :meth:`LlamaModel.decode`.
+
+    Storage: ``k``, ``v`` of shape ``[n_layers, num_slots, n_kv_heads, max_len, head_dim]`` (dtype of the
+    model, fp32 by default). ``lengths[s]`` (host ints) is the number of valid positions of slot ``s``.
+
+    Raises:
+        ValueError: ``num_slots`` or ``max_len`` < 1.
+    """
+
+    def __init__(self, config: LlamaConfig, num_slots: int, max_len: int,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        if num_slots < 1 or max_len < 1:
+            raise ValueError(f"KVCache needs num_slots ≥ 1 and max_len ≥ 1, got {num_slots}, {max_len}")
+        self.config = config
+        self.num_slots = num_slots
+        self.max_len = max_len
+        shape = (config.num_hidden_layers, num_slots, config.num_key_value_heads, max_len, config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.lengths: list[int] = [0] * num_slots
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    def length(self, slot: int) -> int:
+        """Valid positions held by ``slot``."""
+        return self.lengths[slot]
+
+    def reset(self, slot: int | None = None) -> None:
+        """Empty ``slot`` (all slots when None). Stale values stay in memory but are never attended."""
+        if slot is None:
+            self.lengths = [0] * self.num_slots
+        else:
+            self._check_slot(slot)
+            self.lengths[slot] = 0
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
+
+
+class LlamaModel(nn.Module):
+    """Llama causal LM whose ``state_dict`` uses HF ``LlamaForCausalLM`` names.
+
+    Args:
+        config: the architecture; ``tie_word_embeddings`` makes ``lm_head.weight`` the embedding parameter.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = _Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        hd = config.head_dim
+        self._inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+        self._rope_cache: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._scale = hd ** -0.5
+
+    # ------------------------------------------------------------------ helpers
+    @classmethod
+    def from_state_dict(cls, config: LlamaConfig, state_dict: dict[str, torch.Tensor]) -> "LlamaModel":
+        """Build a model and load ``state_dict`` strictly (cast to fp32)."""
+        m = cls(config)
+        m.load_state_dict({k: v.to(torch.float32) for k, v in state_dict.items()}, strict=True)
+        return m
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # type: ignore[override]
+        """As :meth:`torch.nn.Module.load_state_dict`; a tied model also accepts a dict without ``lm_head.weight``."""
+        if self.config.tie_word_embeddings and "lm_head.weight" not in state_dict \
+                and "model.embed_tokens.weight" in state_dict:
+            state_dict = dict(state_dict)
+            state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _rope_tables(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape ``[≥n, head_dim]`` (HF rotate-half layout); the sin table is sign-folded."""
+        key = (torch.device(device), 0)
+        cached = self._rope_cache.get(key)
+        if cached is not None and cached[0].shape[0] >= n:
+            return cached
+        size = max(n, self.config.max_position_embeddings, 1)
+        pos = torch.arange(size, dtype=torch.float32)
+        freqs = pos[:, None] * self._inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        h = sin.shape[-1] // 2
+        sin_signed = torch.cat((-sin[:, :h], sin[:, h:]), dim=-1)  # rotate_half(x)*sin == roll(x,h)*sin_signed
+        out = (cos.to(device), sin_signed.to(device))
+        self._rope_cache[key] = out
+        return out
+
+    @staticmethod
+    def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        h = x.shape[-1] // 2
+        return x * cos + torch.cat((x[..., h:], x[..., :h]), dim=-1) * sin_signed
+
+    # ------------------------------------------------------------------ training / scoring
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of every position (differentiable).
+
+        Args:
+            input_ids: ``[B, T]`` long.
+            attention_mask: ``[B, T]`` bool/int (True = real token) or None (all real). Left or right padding;
+                a query attends to keys ``j ≤ i`` with ``attention_mask[b, j]``.
+            position_ids: ``[B, T]`` long or None. Default: ``cumsum(mask) - 1`` clamped at 0 (so a left-padded
+                sequence starts at position 0 at its first real token), or ``arange(T)`` without a mask.
+
+        Returns:
+            ``[B, T, V]`` float32 logits. Rows at padded query positions are finite but meaningless.
+
+        Raises:
+            ValueError: ``input_ids`` is not 2-D, or the mask/position shapes differ from it.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {list(input_ids.shape)}")
+        B, T = input_ids.shape
+        cfg = self.config
+        dev = input_ids.device
+        if attention_mask is not None:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(f"attention_mask shape {list(attention_mask.shape)} != input_ids "
+                                 f"{list(input_ids.shape)}")
+            attention_mask = attention_mask.to(torch.bool)
+        if position_ids is None:
+            if attention_mask is not None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+            else:
+                position_ids = torch.arange(T, device=dev).expand(B, T)
+        elif position_ids.shape != input_ids.shape:
+            raise ValueError(f"position_ids shape {list(position_ids.shape)} != input_ids {list(input_ids.shape)}")
+        cos_t, sin_t = self._rope_tables(int(position_ids.max()) + 1 if T else 1, dev)
+        cos = cos_t[position_ids].unsqueeze(1)  # [B,1,T,hd]
+        sin = sin_t[position_ids].unsqueeze(1)
+        allowed = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None]  # [1,T,T]
+        if attention_mask is not None:
+            allowed = allowed & attention_mask[:, None, :]
+        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=dev)
+        bias = bias.masked_fill(~allowed, torch.finfo(torch.float32).min)[:, None, None]  # [B|1,1,1,T,T]
+
+        H, KV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        G = H // KV
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = a.q_proj(h).view(B, T, H, hd).transpose(1, 2)
+            k = a.k_proj(h).view(B, T, KV, hd).transpose(1, 2)
+            v = a.v_proj(h).view(B, T, KV, hd).transpose(1, 2)
+            q = self._apply_rope(q, cos, sin).view(B, KV, G, T, hd)
+            k = self._apply_rope(k, cos, sin).unsqueeze(2)  # [B,KV,1,T,hd]
+            scores = torch.matmul(q, k.transpose(-1, -2)) * self._scale + bias
+            p = torch.softmax(scores, dim=-1)
+            o = torch.matmul(p, v.unsqueeze(2))  # [B,KV,G,T,hd]
+            o = o.view(B, H, T, hd).transpose(1, 2).reshape(B, T, H * hd)
+            x = x + a.o_proj(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.lm_head(self.model.norm(x))
+
+    # ------------------------------------------------------------------ generation
+    def new_cache(self, num_slots: int, max_len: int | None = None) -> KVCache:
+        """A :class:`KVCache` on this model's device/dtype; ``max_len`` defaults to ``max_position_embeddings``."""
+        w = self.model.embed_tokens.weight
+        return KVCache(self.config, num_slots, max_len or self.config.max_position_embeddings,
+                       device=w.device, dtype=w.dtype)
+
+    @torch.no_grad()
+    def prefill(self, cache: KVCache, slot: int, input_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Reset ``slot``, run ``input_ids`` (positions ``0..T-1``) through the model and cache their keys/values.
+
+        Args:
+            cache: the cache to fill.
+            slot: slot index in ``[0, cache.num_slots)``.
+            input_ids: ``T ≥ 1`` token ids (list or 1-D long tensor).
+
+        Returns:
+            ``[V]`` float32 logits of the last position. Afterwards ``cache.length(slot) == T``.
+
+        Raises:
+            IndexError: bad slot. ValueError: ``T == 0`` or ``T > cache.max_len``.
+        """
+        cache._check_slot(slot)
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=cache.device).reshape(-1)
+        T = ids.numel()
+        if T == 0 or T > cache.max_len:
+            raise ValueError(f"prefill of {T} tokens into a cache of max_len {cache.max_len}")
+        cache.lengths[slot] = 0
+        cfg = self.config
+        H, KV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        G = H // KV
+        cos_t, sin_t = self._rope_tables(T, cache.device)
+        cos, sin = cos_t[:T], sin_t[:T]
+        bias = torch.full((T, T), float("-inf"), device=cache.device).triu_(1)
+        x = self.model.embed_tokens(ids)  # [T,D]
+        for li, layer in enumerate(self.model.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = a.q_proj(h).view(T, H, hd).transpose(0, 1)  # [H,T,hd]
+            k = a.k_proj(h).view(T, KV, hd).transpose(0, 1)  # [KV,T,hd]
+            v = a.v_proj(h).view(T, KV, hd).transpose(0, 1)
+            q = self._apply_rope(q, cos, sin).view(KV, G, T, hd)
+            k = self._apply_rope(k, cos, sin)
+            cache.k[li, slot, :, :T] = k
+            cache.v[li, slot, :, :T] = v
+            scores = torch.matmul(q, k.unsqueeze(1).transpose(-1, -2)) * self._scale + bias
+            o = torch.matmul(torch.softmax(scores, dim=-1), v.unsqueeze(1))  # [KV,G,T,hd]
+            o = o.view(H, T, hd).transpose(0, 1).reshape(T, H * hd)
+            x = x + a.o_proj(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        cache.lengths[slot] = T
+        return self.lm_head(self.model.norm(x[-1]))
+
+    @torch.no_grad()
+    def decode(self, cache: KVCache, slots: torch.Tensor | Sequence[int], input_ids: torch.Tensor) -> torch.Tensor:
+        """Append one token to each listed slot and return the next-token logits.
+
+        Slot ``slots[i]`` gets ``input_ids[i]`` at position ``cache.length(slots[i])`` and attends to its own
+        positions ``[0, length]`` only. Attention reads ``max(length)+1`` positions, not ``max_len``; when the
+        slots form a contiguous ascending range the cache is read as a view (no gather).
+
+        Args:
+            slots: ``[S]`` long (distinct slot indices).
+            input_ids: ``[S]`` long.
+
+        Returns:
+            ``[S, V]`` float32 logits. Each listed slot's length grows by one.
+
+        Raises:
+            ValueError: shapes differ, duplicate slots, or a slot is full (length == max_len).
+            IndexError: a slot is out of range.
+        """
+        sl = slots.tolist() if isinstance(slots, torch.Tensor) else [int(s) for s in slots]
+        S = len(sl)
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=cache.device).reshape(-1)
+        if ids.numel() != S or S == 0:
+            raise ValueError(f"decode needs one input id per slot (≥1), got {ids.numel()} ids for {S} slots")
+        lens = cache.lengths
+        pos_list = []
+        for s in sl:
+            cache._check_slot(s)
+            if lens[s] >= cache.max_len:
+                raise ValueError(f"slot {s} is full ({lens[s]} of max_len {cache.max_len})")
+            pos_list.append(lens[s])
+        if len(set(sl)) != S:
+            raise ValueError(f"duplicate slots in decode: {sl}")
+        cfg = self.config
+        H, KV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        G = H // KV
+        dev = cache.device
+        Tm = max(pos_list) + 1
+        pos = torch.tensor(pos_list, dtype=torch.long, device=dev)
+        s0 = sl[0]
+        contiguous = sl == list(range(s0, s0 + S))
+        slot_t = None if contiguous else torch.tensor(sl, dtype=torch.long, device=dev)
+        cos_t, sin_t = self._rope_tables(Tm, dev)
+        cos, sin = cos_t[pos].unsqueeze(1), sin_t[pos].unsqueeze(1)  # [S,1,hd]
+        bias = torch.zeros(S, Tm, device=dev)
+        bias.masked_fill_(torch.arange(Tm, device=dev)[None, :] > pos[:, None], float("-inf"))
+        bias = bias.view(S, 1, 1, Tm)
+        write_slots = slot_t if slot_t is not None else torch.arange(s0, s0 + S, device=dev)
+        eps = cfg.rms_norm_eps
+        x = F.embedding(ids, self.model.embed_tokens.weight)  # [S,D]
+        for li, layer in enumerate(self.model.layers):
+            a, mlp = layer.self_attn, layer.mlp
+            h = layer.input_layernorm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+            q = self._apply_rope(F.linear(h, a.q_proj.weight).view(S, H, hd), cos, sin).view(S, KV, G, hd)
+            k = self._apply_rope(F.linear(h, a.k_proj.weight).view(S, KV, hd), cos, sin)
+            v = F.linear(h, a.v_proj.weight).view(S, KV, hd)
+            ck, cv = cache.k[li], cache.v[li]
+            ck[write_slots, :, pos] = k
+            cv[write_slots, :, pos] = v
+            if slot_t is None:
+                K, V_ = ck[s0:s0 + S, :, :Tm], cv[s0:s0 + S, :, :Tm]
+            else:
+                K, V_ = ck[slot_t, :, :Tm], cv[slot_t, :, :Tm]
+            scores = torch.matmul(q, K.transpose(-1, -2)) * self._scale + bias  # [S,KV,G,Tm]
+            o = torch.matmul(torch.softmax(scores, dim=-1), V_).reshape(S, H * hd)
+            x = x + F.linear(o, a.o_proj.weight)
+            h = layer.post_attention_layernorm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+            x = x + F.linear(F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight),
+                             mlp.down_proj.weight)
+        for s in sl:
+            lens[s] += 1
+        return self.lm_head(self.model.norm(x))

@@ -1,0 +1,83 @@
+"""Human-facing output of a run: a live progress bar per step, the final summary table, the plot."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+class ProgressView:
+    """A rich progress bar over RL steps showing reward, throughput and live instances."""
+
+    def __init__(self, steps: int, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                                 console=Console(stderr=True), disable=not enabled)
+        self.task = self.progress.add_task("rl", total=steps, info="")
+
+    def __enter__(self) -> "ProgressView":
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.__exit__(*exc)
+
+    def update(self, m: dict) -> None:
+        info = (f"reward {m['reward_mean']:.2f}  {m['throughput_tokens_per_s']:.0f} tok/s  "
+                f"remote {m['live_preemptible']}  migrated {m['responses_migrated']}")
+        self.progress.update(self.task, advance=1, info=info)
+
+
+SUMMARY_KEYS = [
+    ("steps", "RL steps"), ("reward_heldout_before", "held-out reward before"),
+    ("reward_heldout_after", "held-out reward after"), ("drift_nats_per_token", "drift from reference (nats/token)"),
+    ("responses_trained", "responses trained"), ("responses_lost", "responses lost"),
+    ("responses_duplicated", "responses duplicated"), ("preemptions", "preemptions (warned + killed)"),
+    ("kills_without_warning", "  of which without warning"), ("responses_migrated", "responses migrated"),
+    ("tokens_migrated", "tokens carried over by migration"), ("tokens_regenerated", "tokens regenerated"),
+    ("tokens_trained_off_version", "tokens trained off-version"), ("weight_pulls", "weight pulls"),
+    ("throughput_tokens_per_s", "throughput (tokens/s)"), ("wall_s", "wall time (s)"),
+]
+
+
+def print_summary(report: dict, console: Console | None = None) -> None:
+    """Print the run's key numbers as a table."""
+    t = Table(title="rlboost-hpc run summary", show_header=False)
+    for k, label in SUMMARY_KEYS:
+        v = report.get(k)
+        t.add_row(label, f"{v:.3f}" if isinstance(v, float) else str(v))
+    (console or Console()).print(t)
+
+
+def write_plot(steps: list[dict], live_series: list[tuple[float, int]], path: Path, *, before: float,
+               after: float) -> None:
+    """Three panels over time: training reward (with held-out before/after), throughput, live instances."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    t = [m["t_s"] for m in steps]
+    ax[0].plot(t, [m["reward_mean"] for m in steps], marker=".", label="train reward (step mean)")
+    if t:
+        ax[0].hlines([before, after], t[0], t[-1], colors=["gray", "green"], linestyles="dashed")
+        ax[0].annotate(f"held-out before {before:.2f}", (t[0], before), fontsize=8)
+        ax[0].annotate(f"held-out after {after:.2f}", (t[0], after), fontsize=8)
+    ax[0].set_ylabel("reward")
+    ax[0].legend(loc="lower right")
+    ax[1].plot(t, [m["throughput_tokens_per_s"] for m in steps], marker=".")
+    ax[1].set_ylabel("tokens/s (step)")
+    if live_series:
+        ax[2].step([x for x, _ in live_series], [n for _, n in live_series], where="post",
+                   label="live preemptible workers (trace)")
+    ax[2].plot(t, [m["routable_preemptible"] for m in steps], "o", label="routable at step end")
+    ax[2].set_ylabel("instances")
+    ax[2].set_xlabel("seconds since start")
+    ax[2].legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

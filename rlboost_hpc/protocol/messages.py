@@ -1,0 +1,316 @@
+"""Typed wire messages between rollout agents, the rollout manager and the trainer (msgpack via msgspec).
+
+The only module (with ``weight_msgs``) that knows bytes. Invariants:
+- Every frame is decoded against the tagged union :data:`Message` with a size limit before it touches
+  state; anything else raises :class:`ProtocolError` (the caller logs one line and drops the frame).
+- Ids are ids (DESIGN invariant 3): tokens travel as packed little-endian int32 ids and float32 logprobs,
+  parallel arrays whose lengths are checked on decode (:meth:`Tokens.validate`).
+- Completion and failure are different messages (case R5): ``Tokens`` with a finish code vs ``RequestFailed``.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+from rlboost_hpc.protocol.errors import ProtocolError
+
+MAX_FRAME_BYTES = 64 << 20
+MAX_PAYLOAD_TOKENS = 1 << 20
+
+# Finish codes carried per delta in ``Tokens.finish``.
+FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
+FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
+FINISH_CODES = {"stop": FINISH_STOP, "length": FINISH_LENGTH}
+
+
+class _Msg(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, omit_defaults=True):
+    pass
+
+
+# ---------------------------------------------------------------- agent → manager
+class Register(_Msg, tag="register"):
+    """A rollout instance announces itself. (job_id, attempt) is its identity (case S2): a new attempt
+    of a requeued job is a new instance and never merges with the old one."""
+
+    job_id: str
+    attempt: int
+    kind: Literal["reserved", "preemptible"]
+    max_batch: int
+    host: str = ""
+    pid: int = 0
+    node: str = ""
+
+
+class Heartbeat(_Msg, tag="hb"):
+    """Liveness + progress: ``tokens_generated`` counts every token the engine produced (sent or not)."""
+
+    version: int
+    active: int
+    tokens_generated: int
+
+
+class WeightsLoaded(_Msg, tag="wloaded"):
+    """The instance loaded a complete, checksum-verified version (phases in seconds)."""
+
+    version: int
+    checksum: int
+    nbytes: int
+    pull_s: float
+    load_s: float
+
+
+class WeightsFailed(_Msg, tag="wfailed"):
+    """A pull or load failed; the instance stays fenced. ``error`` carries the cause (case W2)."""
+
+    version: int
+    error: str
+
+
+class Tokens(_Msg, tag="tok"):
+    """A batch of token deltas, columnar. Delta i covers ``counts[i]`` tokens of request ``rids[i]`` starting
+    at response position ``offsets[i]``, produced by weight version ``versions[i]``; ``finish[i]`` is a
+    FINISH_* code. ``ids`` (int32) and ``logprobs`` (float32) are the concatenated payloads (little-endian)."""
+
+    rids: list[str]
+    offsets: list[int]
+    counts: list[int]
+    versions: list[int]
+    finish: list[int]
+    ids: bytes
+    logprobs: bytes
+
+    def validate(self) -> None:
+        """Raise ProtocolError unless the columns are parallel and the payload sizes match."""
+        n = len(self.rids)
+        if not (len(self.offsets) == len(self.counts) == len(self.versions) == len(self.finish) == n):
+            raise ProtocolError("tok: column lengths differ")
+        total = sum(self.counts)
+        if total > MAX_PAYLOAD_TOKENS or any(c < 0 for c in self.counts) or any(o < 0 for o in self.offsets):
+            raise ProtocolError("tok: negative or oversized counts/offsets")
+        if len(self.ids) != 4 * total or len(self.logprobs) != 4 * total:
+            raise ProtocolError(f"tok: payload sizes {len(self.ids)}/{len(self.logprobs)} != 4×{total} tokens")
+        if any(f not in (FINISH_NONE, FINISH_STOP, FINISH_LENGTH) for f in self.finish):
+            raise ProtocolError("tok: unknown finish code")
+
+
+class RequestFailed(_Msg, tag="rfail"):
+    """The engine failed on ``rid`` (its tokens so far were sent); the manager re-dispatches it."""
+
+    rid: str
+    error: str
+
+
+class Draining(_Msg, tag="draining"):
+    """The instance stopped taking work (preemption warning, cap, shutdown)."""
+
+    reason: str
+
+
+class Released(_Msg, tag="released"):
+    """Every token of ``rids`` was sent before this frame; the manager may resume them elsewhere."""
+
+    rids: list[str]
+    tokens_generated: int
+
+
+class Deregister(_Msg, tag="dereg"):
+    """The instance leaves for good (after Released). ``tokens_generated`` as in Heartbeat."""
+
+    reason: str
+    tokens_generated: int
+
+
+# ---------------------------------------------------------------- manager → agent
+class Welcome(_Msg, tag="welcome"):
+    """Registration accepted: where to pull weights, which version is latest, the model's HF config."""
+
+    instance: str
+    latest_version: int
+    weights_endpoint: str
+    model_config: dict
+    heartbeat_s: float
+    stream_every_tokens: int
+    stream_every_s: float
+
+
+class Reject(_Msg, tag="reject"):
+    """Registration refused (e.g. the identity is already registered); the agent exits with this reason."""
+
+    reason: str
+
+
+class Work(msgspec.Struct, forbid_unknown_fields=True):
+    """One response to (continue to) generate. ``max_new_tokens`` is the remaining budget (invariant 5)."""
+
+    rid: str
+    prompt_ids: list[int]
+    prefix_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop_ids: list[int]
+    version: int
+
+
+class Assign(_Msg, tag="assign"):
+    works: list[Work]
+
+
+class Release(_Msg, tag="release"):
+    """The manager takes these requests back (balancing, end of seeding); answer with ``Released``."""
+
+    rids: list[str]
+
+
+class NewVersion(_Msg, tag="newver"):
+    """A newer weight version exists; pull it when idle."""
+
+    version: int
+
+
+class Drain(_Msg, tag="drain"):
+    """Stop: release everything, deregister, exit."""
+
+    reason: str
+
+
+# ---------------------------------------------------------------- trainer ↔ manager
+class GroupSpec(msgspec.Struct, forbid_unknown_fields=True):
+    """One GRPO group: ``n`` responses to ``prompt_ids``; sample i is seeded with ``seed + i``."""
+
+    gid: str
+    prompt_ids: list[int]
+    n: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop_ids: list[int]
+
+
+class TrainerHello(_Msg, tag="thello"):
+    weights_endpoint: str
+    model_config: dict
+
+
+class SetVersion(_Msg, tag="setver"):
+    """The weight server holds ``version``; from now on only its holders are routable."""
+
+    version: int
+
+
+class SubmitStep(_Msg, tag="submit"):
+    step: int
+    version: int
+    groups: list[GroupSpec]
+
+
+class CloseSeeding(_Msg, tag="closeseed"):
+    """End of the seeding window T_seed of ``step``: reserved instances hand their work back."""
+
+    step: int
+
+
+class AckGroup(_Msg, tag="ack"):
+    gid: str
+
+
+class GetStats(_Msg, tag="getstats"):
+    pass
+
+
+class Shutdown(_Msg, tag="shutdown"):
+    reason: str
+
+
+class Response(msgspec.Struct, forbid_unknown_fields=True):
+    """A finished response. ``ids`` int32, ``logprobs`` float32, ``versions`` int32: parallel packed arrays."""
+
+    rid: str
+    sample: int
+    ids: bytes
+    logprobs: bytes
+    versions: bytes
+    finish_reason: str
+    migrations: int
+    instances: list[str]
+
+
+class GroupDone(_Msg, tag="gdone"):
+    step: int
+    gid: str
+    responses: list[Response]
+
+
+class StepFailed(_Msg, tag="stepfail"):
+    step: int
+    error: str
+
+
+class Ok(_Msg, tag="ok"):
+    what: str
+
+
+class Error(_Msg, tag="err"):
+    what: str
+    error: str
+
+
+class Stats(_Msg, tag="stats"):
+    stats: dict
+
+
+Message = (
+    Register | Heartbeat | WeightsLoaded | WeightsFailed | Tokens | RequestFailed | Draining | Released
+    | Deregister | Welcome | Reject | Assign | Release | NewVersion | Drain | TrainerHello | SetVersion
+    | SubmitStep | CloseSeeding | AckGroup | GetStats | Shutdown | GroupDone | StepFailed | Ok | Error | Stats
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: _Msg) -> bytes:
+    """Serialize one message to msgpack bytes."""
+    return _encoder.encode(msg)
+
+
+def decode(frame: bytes | memoryview) -> _Msg:
+    """Decode and validate one frame.
+
+    Raises:
+        ProtocolError: oversized frame, undecodable bytes, unknown tag, schema violation, or (for
+            ``Tokens``) non-parallel columns.
+    """
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    try:
+        msg = _decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"undecodable frame: {e}") from None
+    if isinstance(msg, Tokens):
+        msg.validate()
+    return msg
+
+
+def pack_i32(values) -> bytes:
+    """Pack ints as little-endian int32 bytes."""
+    return np.asarray(values, dtype="<i4").tobytes()
+
+
+def pack_f32(values) -> bytes:
+    """Pack floats as little-endian float32 bytes."""
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+def unpack_i32(buf: bytes) -> np.ndarray:
+    """View packed int32 bytes as an array (shape [n], dtype int32)."""
+    return np.frombuffer(buf, dtype="<i4")
+
+
+def unpack_f32(buf: bytes) -> np.ndarray:
+    """View packed float32 bytes as an array (shape [n], dtype float32)."""
+    return np.frombuffer(buf, dtype="<f4")

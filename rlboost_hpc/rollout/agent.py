@@ -1,0 +1,329 @@
+"""The rollout agent: registers with the manager, pulls weights, serves requests, streams tokens, drains.
+
+Runs in a preemptible worker process (``rlboost_hpc.rollout.worker``) or, for the reserved side's seeding,
+in a thread of the trainer process. Invariants:
+- Serves only after it loaded a complete, verified version equal to the manager's latest (case W3); a
+  failed pull is reported with its cause (W2) and retried; the manager keeps the instance fenced meanwhile.
+- Nothing produced is lost on a warning: on preemption/drain/release every token the engine produced is
+  flushed before ``Released`` (ZeroMQ keeps per-connection order), so the manager resumes those responses
+  from exactly where they stopped (``tokens_regenerated = 0`` for warned preemptions; case R2).
+- Weights change only while the engine is idle (the synchronous-RL policy for in-flight work, case W4);
+  every load flushes the KV cache (W5, inside the engine).
+- Every wait has a deadline: no Welcome within ``register_timeout_s`` → exit code 3 with a clear message.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import zmq
+
+from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.protocol.errors import ProtocolError
+from rlboost_hpc.rollout.engines.base import Engine, GenRequest, SamplingParams
+
+log = logging.getLogger("rlboost.agent")
+
+EXIT_OK, EXIT_REJECTED, EXIT_UNREACHABLE, EXIT_FAILED = 0, 2, 3, 4
+
+# (version) -> (state_dict, info dict with checksum/nbytes/pull_s); raises on failure.
+WeightSource = Callable[[int], tuple[Mapping, dict]]
+EngineFactory = Callable[[dict, Mapping], Engine]
+
+
+def default_engine_factory(max_batch: int) -> EngineFactory:
+    """Build a :class:`TorchEngine` from the manager's HF model config and the first pulled weights."""
+
+    def make(model_config: dict, state_dict: Mapping) -> Engine:
+        from rlboost_hpc.models.config import LlamaConfig
+        from rlboost_hpc.rollout.engines.torch_engine import TorchEngine
+
+        return TorchEngine(LlamaConfig.from_hf_dict(model_config), state_dict, max_batch=max_batch)
+
+    return make
+
+
+def remote_weight_source(endpoint: str, streams: int, window: int, timeout_s: float) -> WeightSource:
+    """Pull versions from the weight server at ``endpoint`` over ``streams`` parallel ZeroMQ streams."""
+
+    def pull(version: int):
+        from rlboost_hpc.weights.puller import WeightPuller
+
+        t0 = time.monotonic()
+        got = WeightPuller(endpoint, streams=streams, window=window, timeout_s=timeout_s).pull(version)
+        return got.state_dict, {"checksum": int(getattr(got, "checksum", 0) or 0), "nbytes": int(got.nbytes),
+                                "pull_s": time.monotonic() - t0, "phases": getattr(got, "phases", {})}
+
+    return pull
+
+
+@dataclass
+class _Pending:
+    offset: int
+    ids: list[int] = field(default_factory=list)
+    lps: list[float] = field(default_factory=list)
+    finish: int = M.FINISH_NONE
+
+
+class RolloutAgent:
+    """One rollout instance. ``kind`` is ``"preemptible"`` or ``"reserved"``; identity = (job_id, attempt)."""
+
+    def __init__(
+        self,
+        manager_endpoint: str,
+        job_id: str,
+        attempt: int = 0,
+        *,
+        kind: str = "preemptible",
+        max_batch: int = 32,
+        engine_factory: EngineFactory | None = None,
+        weight_source_factory: Callable[[str], WeightSource] | None = None,
+        register_timeout_s: float = 15.0,
+        manager_timeout_s: float = 30.0,
+        node: str = "",
+        ctx: zmq.Context | None = None,
+    ) -> None:
+        self.manager_endpoint = manager_endpoint
+        self.job_id, self.attempt, self.kind = job_id, attempt, kind
+        self.max_batch = max_batch
+        self.engine_factory = engine_factory or default_engine_factory(max_batch)
+        self.weight_source_factory = weight_source_factory or (
+            lambda ep: remote_weight_source(ep, streams=4, window=4, timeout_s=30.0))
+        self.register_timeout_s = register_timeout_s
+        self.manager_timeout_s = manager_timeout_s
+        self.node = node or socket.gethostname()
+        self.ctx = ctx or zmq.Context.instance()
+        self.engine: Engine | None = None
+        self.tokens_generated = 0
+        self.stop_reason: str | None = None  # set (signal-safe) to drain and exit
+        self.welcome: M.Welcome | None = None
+        self.want_version = -1
+        self._pos: dict[str, int] = {}
+        self._pending: dict[str, _Pending] = {}
+        self._pull: threading.Thread | None = None
+        self._pulled: tuple | None = None
+        self._pull_failures = 0
+        self._next_pull_at = 0.0
+        self.timings: dict[str, float] = {"start": time.monotonic()}
+
+    # ------------------------------------------------------------------ control
+    def request_stop(self, reason: str) -> None:
+        """Ask the agent to drain and exit (safe from a signal handler or another thread)."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+
+    def _send(self, msg: M._Msg) -> None:
+        self.sock.send(M.encode(msg))
+
+    # ------------------------------------------------------------------ weights
+    def _start_pull(self, version: int) -> None:
+        assert self.welcome is not None
+        source = self._source
+
+        def work():
+            try:
+                sd, info = source(version)
+                self._pulled = (version, sd, info, None)
+            except Exception as e:  # reported to the manager with its cause (case W2)
+                self._pulled = (version, None, None, f"{type(e).__name__}: {e}")
+
+        self._pulled = None
+        self._pull = threading.Thread(target=work, name=f"pull-v{version}", daemon=True)
+        self._pull.start()
+
+    def _weights_step(self) -> None:
+        """Start a pull when stale; load a finished pull once the engine is idle."""
+        current = self.engine.version if self.engine is not None else -1
+        if self._pull is not None and not self._pull.is_alive() and self._pulled is not None:
+            version, sd, info, err = self._pulled
+            if err is not None:
+                self._pull, self._pulled = None, None
+                self._pull_failures += 1
+                self._next_pull_at = time.monotonic() + min(5.0, 0.2 * 2 ** self._pull_failures)
+                log.warning("pull of version %d failed: %s", version, err)
+                self._send(M.WeightsFailed(version=version, error=err))
+                return
+            if self.engine is not None and self.engine.num_active:
+                return  # load only when idle (W4)
+            t0 = time.monotonic()
+            try:
+                if self.engine is None:
+                    self.engine = self.engine_factory(self.welcome.model_config, sd)
+                    self.engine.version = version
+                else:
+                    self.engine.load_weights(sd, version)
+            except Exception as e:
+                self._pull, self._pulled = None, None
+                self._pull_failures += 1
+                self._send(M.WeightsFailed(version=version, error=f"load failed: {type(e).__name__}: {e}"))
+                return
+            self._pull, self._pulled, self._pull_failures = None, None, 0
+            self.timings.setdefault("first_weights", time.monotonic())
+            self._send(M.WeightsLoaded(version=version, checksum=info.get("checksum", 0),
+                                       nbytes=info.get("nbytes", 0), pull_s=info.get("pull_s", 0.0),
+                                       load_s=time.monotonic() - t0))
+            return
+        if (self._pull is None and self.want_version > current and self.want_version >= 0
+                and time.monotonic() >= self._next_pull_at):
+            self._start_pull(self.want_version)
+
+    # ------------------------------------------------------------------ tokens
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        rids, offs, cnts, vers, fins, ids, lps = [], [], [], [], [], [], []
+        v = self.engine.version if self.engine is not None else -1
+        for rid, p in self._pending.items():
+            rids.append(rid)
+            offs.append(p.offset)
+            cnts.append(len(p.ids))
+            vers.append(v)
+            fins.append(p.finish)
+            ids.extend(p.ids)
+            lps.extend(p.lps)
+        self._pending.clear()
+        self._send(M.Tokens(rids=rids, offsets=offs, counts=cnts, versions=vers, finish=fins,
+                            ids=M.pack_i32(ids), logprobs=M.pack_f32(lps)))
+
+    def _on_events(self, events) -> bool:
+        """Buffer one engine step's tokens; True when a request finished (flush promptly)."""
+        finished = False
+        for ev in events:
+            p = self._pending.get(ev.rid)
+            if p is None:
+                p = self._pending[ev.rid] = _Pending(offset=self._pos[ev.rid])
+            p.ids.extend(ev.token_ids)
+            p.lps.extend(ev.logprobs)
+            self._pos[ev.rid] += len(ev.token_ids)
+            self.tokens_generated += len(ev.token_ids)
+            if ev.finished:
+                p.finish = M.FINISH_CODES[ev.finish_reason]
+                self._pos.pop(ev.rid, None)
+                finished = True
+        if self.tokens_generated and "first_token" not in self.timings:
+            self.timings["first_token"] = time.monotonic()
+        return finished
+
+    def _release(self, rids: list[str]) -> None:
+        """Abort ``rids`` locally, flush everything produced, then hand them back (order matters)."""
+        for rid in rids:
+            if self.engine is not None:
+                self.engine.abort(rid)
+            self._pos.pop(rid, None)
+        self._flush()
+        self._send(M.Released(rids=list(rids), tokens_generated=self.tokens_generated))
+
+    def _drain(self, reason: str) -> None:
+        self._send(M.Draining(reason=reason))
+        self._release(list(self._pos))
+        self._send(M.Deregister(reason=reason, tokens_generated=self.tokens_generated))
+
+    # ------------------------------------------------------------------ messages
+    def _handle(self, msg: M._Msg) -> None:
+        if isinstance(msg, M.Welcome):
+            self.welcome = msg
+            self._source = self.weight_source_factory(msg.weights_endpoint)
+            self.want_version = max(self.want_version, msg.latest_version)
+            self.timings.setdefault("welcome", time.monotonic())
+        elif isinstance(msg, M.Assign):
+            for w in msg.works:
+                if self.engine is None or w.version != self.engine.version:
+                    self._send(M.RequestFailed(rid=w.rid, error=f"assigned version {w.version}, instance holds "
+                                               f"{self.engine.version if self.engine else 'none'}"))
+                    continue
+                try:
+                    self.engine.add(GenRequest(
+                        rid=w.rid, prompt_ids=list(w.prompt_ids), prefix_ids=list(w.prefix_ids),
+                        max_new_tokens=w.max_new_tokens,
+                        sampling=SamplingParams(temperature=w.temperature, top_p=w.top_p, seed=w.seed,
+                                                stop_token_ids=tuple(w.stop_ids))))
+                    self._pos[w.rid] = len(w.prefix_ids)
+                except Exception as e:
+                    self._send(M.RequestFailed(rid=w.rid, error=f"{type(e).__name__}: {e}"))
+        elif isinstance(msg, M.Release):
+            self._release(msg.rids)
+        elif isinstance(msg, M.NewVersion):
+            self.want_version = max(self.want_version, msg.version)
+        elif isinstance(msg, M.Drain):
+            self.request_stop(f"drain: {msg.reason}")
+        elif isinstance(msg, M.Reject):
+            raise _Rejected(msg.reason)
+        else:
+            log.warning("agent ignored unexpected %s", type(msg).__name__)
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> int:
+        """Serve until stopped. Returns an exit code (EXIT_*)."""
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.connect(self.manager_endpoint)
+        try:
+            return self._loop()
+        except _Rejected as e:
+            log.error("manager rejected %s#%d: %s", self.job_id, self.attempt, e)
+            return EXIT_REJECTED
+        finally:
+            self.sock.close(linger=2000)
+
+    def _loop(self) -> int:
+        reg = M.Register(job_id=self.job_id, attempt=self.attempt, kind=self.kind, max_batch=self.max_batch,
+                         host=socket.gethostname(), pid=os.getpid(), node=self.node)
+        self._send(reg)
+        t_reg = last_rx = time.monotonic()
+        last_hb = last_flush = 0.0
+        steps_since_flush = 0
+        while True:
+            now = time.monotonic()
+            if self.stop_reason is not None:
+                if self.welcome is not None:
+                    self._drain(self.stop_reason)
+                return EXIT_OK
+            if self.welcome is None and now - t_reg > self.register_timeout_s:
+                log.error("no answer from manager %s within %.0fs", self.manager_endpoint, self.register_timeout_s)
+                return EXIT_UNREACHABLE
+            if self.welcome is not None and now - last_rx > self.manager_timeout_s:
+                log.error("manager %s silent for %.0fs; exiting", self.manager_endpoint, now - last_rx)
+                return EXIT_UNREACHABLE
+            busy = self.engine is not None and self.engine.num_active > 0
+            timeout_ms = 0 if busy else 20
+            if self.sock.poll(timeout_ms, zmq.POLLIN):
+                while True:
+                    try:
+                        frame = self.sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    last_rx = time.monotonic()
+                    try:
+                        msg = M.decode(frame)
+                    except ProtocolError as e:
+                        log.warning("bad frame from manager dropped: %s", e)
+                        continue
+                    self._handle(msg)
+            if self.welcome is None:
+                continue
+            if self.engine is not None and self.engine.num_active:
+                done = self._on_events(self.engine.step())
+                steps_since_flush += 1
+                now = time.monotonic()
+                if done or steps_since_flush >= self.welcome.stream_every_tokens or \
+                        now - last_flush >= self.welcome.stream_every_s:
+                    self._flush()
+                    last_flush, steps_since_flush = now, 0
+            elif self._pending:
+                self._flush()
+            self._weights_step()
+            now = time.monotonic()
+            if now - last_hb >= self.welcome.heartbeat_s:
+                self._send(M.Heartbeat(version=self.engine.version if self.engine else -1,
+                                       active=self.engine.num_active if self.engine else 0,
+                                       tokens_generated=self.tokens_generated))
+                last_hb = now
+
+
+class _Rejected(Exception):
+    pass

@@ -1,0 +1,404 @@
+"""A pure-torch, continuously batched, resumable rollout engine over :class:`rlboost_hpc.models.llama.LlamaModel`.
+
+Implements :class:`rlboost_hpc.rollout.engines.base.Engine` exactly. Invariants (beyond the base contract):
+- One KV-cache slot per running request (``max_batch`` slots, lowest free slot first); requests added beyond
+  ``max_batch`` wait in FIFO order and start as slots free up. ``num_active`` counts waiting + running.
+- A step: (1) every waiting request that gets a slot is prefilled with ``prompt_ids + prefix_ids`` and its first
+  token is sampled from the prefill logits; (2) one batched ``decode`` call feeds the last sampled token of every
+  running, unfinished request (including those just prefilled) and samples the next. So a request yields 1–2
+  tokens in the step that starts it and exactly 1 per step afterwards; every token is returned by the step that
+  produced it. Between steps every running request has exactly one sampled-but-not-yet-fed token.
+- Finishing: a token in ``stop_token_ids`` ends the request with ``"stop"`` (the token is included); otherwise
+  reaching ``max_new_tokens`` tokens ends it with ``"length"``. An engine never produces more than
+  ``max_new_tokens`` tokens for a request, so a resumed request never exceeds its original budget.
+- Sampling is a pure function of (logits, temperature, top_p, seed, k) with k = ``len(prefix_ids)`` + tokens
+  produced here = the absolute response position: greedy (temperature 0) is argmax; otherwise
+  ``softmax(logits / temperature)`` in float64, sorted descending (stable), truncated to the smallest prefix whose
+  mass reaches ``top_p`` (the token crossing it is kept), renormalised, and inverted at ``u(seed, k)`` where
+  ``u`` is splitmix64(splitmix64(seed) + k) mapped to [0, 1) by its top 53 bits (:func:`uniform`). The
+  behaviour logprob is ``log_softmax(logits / temperature)[token]`` in fp32 (raw logits when greedy), before
+  truncation. Hence migrated (resumed) responses equal uninterrupted ones given equal weights.
+- ``load_weights`` is refused while any request is queued or running; it checks every name and shape before
+  changing anything (all-or-nothing), casts to fp32, and empties every cache slot.
+- Not thread-safe. The engine does not change torch's thread settings; tiny models run fastest with
+  ``torch.set_num_threads(1)`` on a busy CPU.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+
+from rlboost_hpc.models.config import LlamaConfig, ModelFormatError, validate_state_dict
+from rlboost_hpc.models.llama import KVCache, LlamaModel
+from rlboost_hpc.rollout.engines.base import (
+    Engine,
+    EngineError,
+    FinishReason,
+    GenRequest,
+    TokenEvent,
+)
+
+__all__ = ["TorchEngine", "generate_all", "uniform", "uniform_reference", "sample_tokens"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _s64(x: int) -> int:
+    """Python int → the signed int64 with the same low 64 bits."""
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GAMMA = _s64(0x9E3779B97F4A7C15)
+_C1 = _s64(0xBF58476D1CE4E5B9)
+_C2 = _s64(0x94D049BB133111EB)
+
+
+def _srl(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 tensors (torch's ``>>`` is arithmetic)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 of int64 ``x`` (wrapping arithmetic): mix(x + golden gamma)."""
+    z = x + _GAMMA
+    z = (z ^ _srl(z, 30)) * _C1
+    z = (z ^ _srl(z, 27)) * _C2
+    return z ^ _srl(z, 31)
+
+
+def uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Counter-based uniforms ``u(seed, k) ∈ [0, 1)``.
+
+    Args:
+        seeds: int64 tensor (seeds already reduced to signed int64, see :func:`_s64`).
+        positions: int64 tensor broadcastable with ``seeds`` (absolute response positions k).
+
+    Returns:
+        float64 tensor: ``top53(splitmix64(splitmix64(seed) + k)) / 2**53``.
+    """
+    h = _splitmix64(_splitmix64(seeds) + positions)
+    return _srl(h, 11).to(torch.float64) * (1.0 / (1 << 53))
+
+
+def uniform_reference(seed: int, k: int) -> float:
+    """Pure-Python reference of :func:`uniform` for one (seed, k) (used by tests)."""
+
+    def sm(x: int) -> int:
+        z = (x + 0x9E3779B97F4A7C15) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        return z ^ (z >> 31)
+
+    return (sm((sm(seed & _MASK64) + k) & _MASK64) >> 11) / float(1 << 53)
+
+
+def sample_tokens(logits: torch.Tensor, temperatures: list[float], top_ps: list[float], seeds: list[int],
+                  positions: list[int]) -> tuple[list[int], list[float]]:
+    """Sample one token per row (see the module docstring for the exact rule).
+
+    Args:
+        logits: ``[S, V]`` float32.
+        temperatures / top_ps / seeds / positions: length ``S`` each.
+
+    Returns:
+        ``(tokens, logprobs)``: ``S`` ints and ``S`` floats (behaviour logprobs).
+    """
+    S = logits.shape[0]
+    dev = logits.device
+    tokens = [0] * S
+    logprobs = [0.0] * S
+    greedy = [i for i in range(S) if temperatures[i] == 0]
+    sampled = [i for i in range(S) if temperatures[i] != 0]
+    if greedy:
+        g = logits if len(greedy) == S else logits[torch.tensor(greedy, device=dev)]
+        tok = g.argmax(-1)
+        lp = torch.log_softmax(g, -1).gather(-1, tok[:, None])[:, 0]
+        for i, t, l in zip(greedy, tok.tolist(), lp.tolist()):
+            tokens[i], logprobs[i] = t, l
+    if sampled:
+        idx = None if len(sampled) == S else torch.tensor(sampled, device=dev)
+        x = logits if idx is None else logits[idx]
+        temp = torch.tensor([temperatures[i] for i in sampled], dtype=torch.float32, device=dev)[:, None]
+        scaled = x / temp
+        logp = torch.log_softmax(scaled, -1)
+        probs = torch.softmax(scaled.double(), -1)
+        top_p = [min(float(top_ps[i]), 1.0) for i in sampled]
+        u = uniform(torch.tensor([_s64(seeds[i]) for i in sampled], dtype=torch.int64, device=dev),
+                    torch.tensor([positions[i] for i in sampled], dtype=torch.int64, device=dev))
+        tok = _inverse_cdf_top_p(probs, torch.tensor(top_p, dtype=torch.float64, device=dev), u)
+        lp = logp.gather(-1, tok[:, None])[:, 0]
+        for i, t, l in zip(sampled, tok.tolist(), lp.tolist()):
+            tokens[i], logprobs[i] = t, l
+    return tokens, logprobs
+
+
+_FAST_K = 64
+
+
+def _inverse_cdf_top_p(probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token ids ``[R]``: inverse CDF at ``u`` of each row of ``probs`` ``[R, V]`` (float64) sorted descending,
+    truncated to top-p and renormalised.
+
+    Kept set: sorted tokens whose exclusive cumulative mass is < top_p (all tokens when top_p ≥ 1). Mass of the
+    kept set: their sorted cumulative sum (``probs.sum()`` in vocabulary order when top_p ≥ 1). Target
+    ``u * mass``; the token is the first kept one whose inclusive cumulative sum exceeds the target (the last kept
+    one if rounding leaves none). Each row's result depends only on that row (a fast ``topk`` path is taken when
+    the answer provably lies in the top ``_FAST_K``, decided from the row's own values; otherwise a full stable
+    sort), so it does not depend on which other rows share the batch.
+    """
+    R, V = probs.shape
+    K = min(_FAST_K, V)
+    full_keep = top_p >= 1.0
+    mass_all = probs.sum(-1)
+    out = torch.empty(R, dtype=torch.long, device=probs.device)
+    if K < V:
+        tv, ti = torch.topk(probs, K, dim=-1)
+        c = tv.cumsum(-1)
+        n_keep = ((c - tv) < top_p[:, None]).sum(-1)  # kept within the top K (prefix)
+        inside = (~full_keep) & (n_keep < K)  # truncation point inside the top K: exact mass known
+        mass = torch.where(inside, c.gather(-1, (n_keep - 1).clamp_min(0)[:, None])[:, 0], mass_all)
+        target = u * mass
+        fast = inside | (full_keep & (target < c[:, -1]))
+        j = torch.searchsorted(c, target[:, None].contiguous(), right=True)[:, 0]
+        j = torch.minimum(j, torch.where(inside, n_keep, torch.full_like(n_keep, K)) - 1)
+        out = torch.where(fast, ti.gather(-1, j[:, None])[:, 0], out)
+        slow = (~fast).nonzero()[:, 0]
+    else:
+        slow = torch.arange(R, device=probs.device)
+    if slow.numel():
+        ps = probs[slow]
+        sp, si = torch.sort(ps, dim=-1, descending=True, stable=True)
+        cum = sp.cumsum(-1)
+        tp = top_p[slow][:, None]
+        keep = ((cum - sp) < tp) | (tp >= 1.0)
+        n_keep = keep.sum(-1)
+        mass = torch.where(full_keep[slow], mass_all[slow], cum.gather(-1, (n_keep - 1)[:, None])[:, 0])
+        j = torch.searchsorted(cum, (u[slow] * mass)[:, None].contiguous(), right=True)[:, 0]
+        j = torch.minimum(j, n_keep - 1)
+        out[slow] = si.gather(-1, j[:, None])[:, 0]
+    return out
+
+
+@dataclass
+class _Running:
+    req: GenRequest
+    stop: frozenset[int]
+    slot: int = -1
+    produced: int = 0
+    last_token: int = -1  # sampled, not yet fed to the model
+    finished: bool = False
+
+    @property
+    def position(self) -> int:
+        """Absolute response position of the next token to sample."""
+        return len(self.req.prefix_ids) + self.produced
+
+
+class TorchEngine(Engine):
+    """Continuous-batching engine on a pure-torch Llama with a per-slot KV cache.
+
+    Args:
+        config: the model architecture.
+        state_dict: HF-named weights (any float dtype; cast to fp32). ``lm_head.weight`` may be omitted when tied.
+        max_batch: KV-cache slots = most requests running at once (≥ 1).
+        max_len: most positions per request (prompt + prefix + new tokens); default
+            ``config.max_position_embeddings``.
+        device: torch device for weights, cache and sampling.
+        version: initial weight version (``self.version``).
+
+    Raises:
+        EngineError: bad ``max_batch``/``max_len`` or a state dict that does not match ``config``.
+    """
+
+    def __init__(self, config: LlamaConfig, state_dict: Mapping[str, torch.Tensor], max_batch: int = 32,
+                 max_len: int | None = None, device: str | torch.device = "cpu", version: int = 0) -> None:
+        if max_batch < 1:
+            raise EngineError(f"max_batch must be ≥ 1, got {max_batch}")
+        max_len = config.max_position_embeddings if max_len is None else max_len
+        if max_len < 2:
+            raise EngineError(f"max_len must be ≥ 2, got {max_len}")
+        self.config = config
+        self.max_batch = max_batch
+        self.max_len = max_len
+        self.device = torch.device(device)
+        self.model = LlamaModel(config).to(self.device).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.cache: KVCache = self.model.new_cache(max_batch, max_len)
+        self._waiting: deque[_Running] = deque()
+        self._running: dict[str, _Running] = {}
+        self._free: list[int] = list(range(max_batch))
+        heapq.heapify(self._free)
+        self._load(state_dict)
+        self.version = version
+
+    # ------------------------------------------------------------------ Engine API
+    @property
+    def num_active(self) -> int:
+        """Requests queued or running."""
+        return len(self._waiting) + len(self._running)
+
+    def add(self, req: GenRequest) -> None:
+        """Queue ``req`` (copied); it starts at the next :meth:`step`.
+
+        Raises:
+            EngineError: duplicate rid; empty prompt; ``max_new_tokens < 1``; a token id outside the vocabulary;
+                temperature < 0 or top_p outside (0, 1]; ``len(prompt)+len(prefix)+max_new_tokens > max_len``.
+        """
+        rid = req.rid
+        if rid in self._running or any(w.req.rid == rid for w in self._waiting):
+            raise EngineError(f"request {rid!r}: duplicate rid (already queued or running)")
+        if not req.prompt_ids:
+            raise EngineError(f"request {rid!r}: empty prompt_ids")
+        if not isinstance(req.max_new_tokens, int) or req.max_new_tokens < 1:
+            raise EngineError(f"request {rid!r}: max_new_tokens must be an int ≥ 1, got {req.max_new_tokens!r}")
+        V = self.config.vocab_size
+        for name, ids in (("prompt_ids", req.prompt_ids), ("prefix_ids", req.prefix_ids)):
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < V]
+            if bad:
+                raise EngineError(f"request {rid!r}: {name} holds ids outside [0, {V}): {bad[:5]}")
+        sp = req.sampling
+        if not sp.temperature >= 0:
+            raise EngineError(f"request {rid!r}: temperature must be ≥ 0, got {sp.temperature}")
+        if not 0 < sp.top_p <= 1:
+            raise EngineError(f"request {rid!r}: top_p must be in (0, 1], got {sp.top_p}")
+        total = len(req.prompt_ids) + len(req.prefix_ids) + req.max_new_tokens
+        if total > self.max_len:
+            raise EngineError(
+                f"request {rid!r}: prompt ({len(req.prompt_ids)}) + prefix ({len(req.prefix_ids)}) + "
+                f"max_new_tokens ({req.max_new_tokens}) = {total} exceeds max_len {self.max_len}"
+            )
+        copy = GenRequest(rid=rid, prompt_ids=[int(t) for t in req.prompt_ids], max_new_tokens=req.max_new_tokens,
+                          sampling=sp, prefix_ids=[int(t) for t in req.prefix_ids])
+        self._waiting.append(_Running(req=copy, stop=frozenset(int(t) for t in sp.stop_token_ids)))
+
+    def step(self) -> list[TokenEvent]:
+        """Prefill newly admitted requests, then decode one token for every running request (one batch).
+
+        Returns:
+            One :class:`TokenEvent` per request that produced tokens in this step (1–2 tokens for a request
+            started in this step, 1 otherwise); an empty list when idle.
+        """
+        events: dict[str, TokenEvent] = {}
+        # (1) admit and prefill
+        new: list[_Running] = []
+        new_logits: list[torch.Tensor] = []
+        while self._waiting and self._free:
+            r = self._waiting.popleft()
+            r.slot = heapq.heappop(self._free)
+            self._running[r.req.rid] = r
+            new_logits.append(self.model.prefill(self.cache, r.slot, r.req.prompt_ids + r.req.prefix_ids))
+            new.append(r)
+        if new:
+            self._sample_into(new, torch.stack(new_logits), events)
+        # (2) one batched decode over every unfinished running request
+        live = sorted((r for r in self._running.values() if not r.finished), key=lambda r: r.slot)
+        if live:
+            slots = torch.tensor([r.slot for r in live], dtype=torch.long, device=self.device)
+            ids = torch.tensor([r.last_token for r in live], dtype=torch.long, device=self.device)
+            logits = self.model.decode(self.cache, slots, ids)
+            self._sample_into(live, logits, events)
+        # free finished requests
+        for rid in [rid for rid, r in self._running.items() if r.finished]:
+            self._release(self._running.pop(rid))
+        return list(events.values())
+
+    def abort(self, rid: str) -> None:
+        """Drop ``rid`` whether queued or running and free its slot. Unknown rid: no-op."""
+        r = self._running.pop(rid, None)
+        if r is not None:
+            self._release(r)
+            return
+        for w in self._waiting:
+            if w.req.rid == rid:
+                self._waiting.remove(w)
+                return
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Replace all weights (HF names, any float dtype → fp32), empty every cache slot, set ``version``.
+
+        Raises:
+            EngineError: requests are queued or running (nothing changes); or a tensor is missing, unexpected,
+                of the wrong shape or not floating point (named; nothing changes).
+        """
+        if self.num_active:
+            raise EngineError(
+                f"load_weights(version={version}) refused: {self.num_active} request(s) active "
+                f"({len(self._running)} running, {len(self._waiting)} queued); drain or abort them first"
+            )
+        self._load(state_dict)
+        self.version = version
+
+    # ------------------------------------------------------------------ internals
+    def _load(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        try:
+            validate_state_dict(self.config, state_dict, source="load_weights")
+        except ModelFormatError as e:
+            raise EngineError(str(e)) from None
+        sd = {k: v.detach().to(device=self.device, dtype=torch.float32) for k, v in state_dict.items()}
+        if self.config.tie_word_embeddings and "lm_head.weight" in sd \
+                and not torch.equal(sd["lm_head.weight"], sd["model.embed_tokens.weight"]):
+            raise EngineError("load_weights: tied model but lm_head.weight differs from model.embed_tokens.weight")
+        with torch.no_grad():
+            self.model.load_state_dict(sd, strict=True)
+        self.cache.reset()
+
+    def _release(self, r: _Running) -> None:
+        if r.slot >= 0:
+            self.cache.reset(r.slot)
+            heapq.heappush(self._free, r.slot)
+            r.slot = -1
+
+    def _sample_into(self, reqs: list[_Running], logits: torch.Tensor, events: dict[str, TokenEvent]) -> None:
+        sps = [r.req.sampling for r in reqs]
+        toks, lps = sample_tokens(logits, [s.temperature for s in sps], [s.top_p for s in sps],
+                                  [s.seed for s in sps], [r.position for r in reqs])
+        for r, t, lp in zip(reqs, toks, lps):
+            r.produced += 1
+            r.last_token = t
+            ev = events.get(r.req.rid)
+            if ev is None:
+                ev = events[r.req.rid] = TokenEvent(rid=r.req.rid, token_ids=[], logprobs=[])
+            ev.token_ids.append(t)
+            ev.logprobs.append(lp)
+            reason: FinishReason | None = None
+            if t in r.stop:
+                reason = "stop"
+            elif r.produced >= r.req.max_new_tokens:
+                reason = "length"
+            if reason is not None:
+                r.finished = True
+                ev.finished = True
+                ev.finish_reason = reason
+
+
+def generate_all(engine: Engine, requests: Iterable[GenRequest]) -> dict[str, tuple[list[int], list[float], str]]:
+    """Add ``requests`` and step ``engine`` until it is idle.
+
+    Returns:
+        ``{rid: (token_ids, logprobs, finish_reason)}`` for every request.
+
+    Raises:
+        EngineError: from :meth:`Engine.add`, or the engine stopped producing events while requests were active.
+    """
+    out: dict[str, tuple[list[int], list[float], str]] = {}
+    acc: dict[str, tuple[list[int], list[float]]] = {}
+    for r in requests:
+        engine.add(r)
+        acc[r.rid] = ([], [])
+    while engine.num_active:
+        evs = engine.step()
+        if not evs:
+            raise EngineError(f"engine idle with {engine.num_active} active request(s)")
+        for ev in evs:
+            ids, lps = acc.setdefault(ev.rid, ([], []))
+            ids.extend(ev.token_ids)
+            lps.extend(ev.logprobs)
+            if ev.finished:
+                out[ev.rid] = (ids, lps, ev.finish_reason or "length")
+    return out

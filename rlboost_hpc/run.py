@@ -1,0 +1,243 @@
+"""``rlboost-hpc run``: one RLBoost run on this machine (embedded local default).
+
+Starts, as real processes and sockets: the rollout manager (its own process), the weight server (a thread
+of the trainer process, serving the host buffer), the reserved engine (a rollout agent in a trainer thread,
+the seeding instance), the local preemptible cluster (worker processes replaying a spot trace), and the
+trainer loop. Writes ``report.json``, ``metrics.jsonl`` and ``run.png`` into the output directory.
+
+Invariant: the run never reports success it did not have — a rollout failure that no migration could
+recover raises :class:`~rlboost_hpc.trainer.loop.RolloutFailed` and the CLI exits non-zero; every process
+it started is stopped on every exit path.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from rlboost_hpc.config import RunConfig
+from rlboost_hpc.protocol import messages as M
+
+log = logging.getLogger("rlboost.run")
+
+
+def load_model(cfg: RunConfig):
+    """(LlamaConfig, fp32 HF state dict, tokenizer) of the configured model."""
+    from rlboost_hpc.models.llama2c import ensure_converted, load_hf_dir
+    from rlboost_hpc.models.tokenizer import Llama2cTokenizer
+
+    if cfg.data.dir:
+        os.environ["RLBOOST_DATA"] = str(Path(cfg.data.dir).expanduser().resolve())
+    hf_dir = Path(cfg.model.hf_dir).expanduser() if cfg.model.hf_dir else ensure_converted(
+        Path(cfg.model.cache_dir).expanduser())
+    config, sd = load_hf_dir(hf_dir)
+    tok = Llama2cTokenizer.from_file(hf_dir / "tok512.bin")
+    return config, sd, tok
+
+
+def _start_manager(cfg: RunConfig) -> tuple[mp.Process, str]:
+    from rlboost_hpc.manager.service import run_manager_process
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    params = dict(pending_limit=cfg.manager.pending_limit, heartbeat_s=cfg.manager.heartbeat_s,
+                  heartbeat_timeout_s=cfg.manager.heartbeat_timeout_s, max_attempts=cfg.manager.max_attempts,
+                  stream_every_tokens=cfg.rollout.stream_every_tokens, stream_every_s=cfg.rollout.stream_every_s)
+    proc = ctx.Process(target=run_manager_process, args=("tcp://127.0.0.1:0", params, child),
+                       name="rlboost-manager", daemon=True)
+    proc.start()
+    child.close()
+    if not parent.poll(60):
+        proc.kill()
+        raise RuntimeError("the rollout manager process did not report its endpoint within 60 s")
+    return proc, parent.recv()
+
+
+def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
+    """Run the configured job; returns the report (also written to ``out_dir/report.json``).
+
+    Raises:
+        RolloutFailed: a step could not be completed (after the services were stopped).
+    """
+    from rlboost_hpc.cluster.local import LocalCluster
+    from rlboost_hpc.observe.report import ProgressView, write_plot
+    from rlboost_hpc.rollout.agent import RolloutAgent
+    from rlboost_hpc.tasks.base import get_task
+    from rlboost_hpc.trainer.backends.torch_backend import TorchBackend
+    from rlboost_hpc.trainer.client import ManagerClient
+    from rlboost_hpc.trainer.eval import evaluate
+    from rlboost_hpc.trainer.loop import RLTrainer, StepSettings
+    from rlboost_hpc.weights.server import WeightServer
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
+    torch.manual_seed(cfg.trainer.seed)
+    torch.set_num_threads(cfg.trainer.torch_threads)
+    os.environ.setdefault("RLBOOST_RUN_ID", out_dir.name)
+    (out_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+
+    config, sd, tok = load_model(cfg)
+    task = get_task(cfg.task.name, n_train=cfg.task.train_prompts, n_heldout=cfg.task.heldout_prompts)
+    stop_ids = (tok.bos_id, tok.eos_id)
+    wdtype = getattr(torch, cfg.weights.dtype)
+    r = cfg.rollout
+    eval_kw = dict(samples=cfg.trainer.eval_samples, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                   top_p=r.top_p, stop_ids=stop_ids)
+
+    server = WeightServer(chunk_bytes=cfg.weights.chunk_bytes).start()
+    mproc, endpoint = _start_manager(cfg)
+    client = ManagerClient(endpoint)
+    cluster = reserved = reserved_thread = None
+    backend = TorchBackend(config, sd, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
+                           grad_clip=cfg.trainer.grad_clip, clip_eps=cfg.trainer.clip_eps,
+                           kl_coef=cfg.trainer.kl_coef, temperature=r.temperature)
+    publishes: list[dict] = []
+
+    def publish(version: int) -> dict:
+        t0 = time.monotonic()
+        man = server.publish(version, backend.export_weights(), dtype=wdtype)
+        d = {"publish_s": time.monotonic() - t0, "weight_bytes": int(man.total_bytes)}
+        publishes.append(d)
+        return d
+
+    metrics_f = open(out_dir / "metrics.jsonl", "w")
+    step_metrics: list[dict] = []
+    failure: BaseException | None = None
+    report: dict = {}
+    try:
+        client.call(M.TrainerHello(weights_endpoint=server.endpoint, model_config=config.to_hf_dict()))
+        publish(0)
+        client.call(M.SetVersion(version=0))
+        before = evaluate(config, server.local_state_dict(0), tok, task, **eval_kw)
+        log.info("held-out reward before training: %.3f (greedy %.3f)", before["reward_sampled"], before["reward_greedy"])
+
+        def local_source(_endpoint: str):
+            def pull(version: int):
+                t0 = time.monotonic()
+                return server.local_state_dict(version), {
+                    "checksum": int(server.manifest(version).checksum), "nbytes": int(server.manifest(version).total_bytes),
+                    "pull_s": time.monotonic() - t0}
+            return pull
+
+        reserved = RolloutAgent(endpoint, "reserved", 0, kind="reserved", max_batch=r.max_batch,
+                                weight_source_factory=local_source)
+        reserved_thread = threading.Thread(target=reserved.run, name="reserved-engine", daemon=True)
+        reserved_thread.start()
+        est_duration = cfg.trainer.steps * 3.0 + 30
+        cluster = LocalCluster(cfg.cluster, endpoint, out_dir, duration_s=est_duration, weights=cfg.weights,
+                               max_batch=r.max_batch, threads=r.torch_threads, t_origin=t_start)
+        cluster.start()
+        settings = StepSettings(prompts_per_step=r.prompts_per_step, group_size=r.group_size,
+                                max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                micro_batch=cfg.trainer.micro_batch, seed_window_s=cfg.trainer.seed_window_s,
+                                seed=cfg.trainer.seed)
+        trainer = RLTrainer(client=client, backend=backend, task=task, tokenizer=tok, settings=settings,
+                            stop_ids=stop_ids, publish=publish)
+        t_train0 = time.monotonic()
+        with ProgressView(cfg.trainer.steps, enabled=progress) as view:
+            for step in range(cfg.trainer.steps):
+                m = trainer.run_step(step)
+                st = client.stats()
+                m.update(t_s=time.monotonic() - t_start, live_preemptible=st["live_preemptible"],
+                         routable_preemptible=st["routable_preemptible"], cluster_live=cluster.live())
+                step_metrics.append(m)
+                metrics_f.write(json.dumps(m) + "\n")
+                metrics_f.flush()
+                view.update(m)
+        train_wall = time.monotonic() - t_train0
+        final_stats = client.stats()
+        after = evaluate(config, server.local_state_dict(trainer.version), tok, task, **eval_kw)
+        drift = _drift(backend, task, tok, stop_ids, r.max_new_tokens)
+        tot = trainer.totals
+        csum = cluster.summary()
+        report = {
+            "steps": len(step_metrics),
+            "reward_heldout_before": before["reward_sampled"],
+            "reward_heldout_after": after["reward_sampled"],
+            "reward_heldout_greedy_before": before["reward_greedy"],
+            "reward_heldout_greedy_after": after["reward_greedy"],
+            "repetition_rate_before": before["repetition_rate"],
+            "repetition_rate_after": after["repetition_rate"],
+            "drift_nats_per_token": drift,
+            "responses_trained": tot.responses_trained,
+            "responses_lost": tot.responses_expected - tot.responses_trained,
+            "responses_duplicated": tot.responses_duplicated,
+            "preemptions": csum["preemptions_warned"] + csum["kills"],
+            "preemptions_with_warning": csum["preemptions_warned"],
+            "kills_without_warning": csum["kills"],
+            "worker_starts": csum["starts"],
+            "responses_migrated": final_stats["responses_migrated"],
+            "migrated_responses_trained": tot.migrated_responses_trained,
+            "tokens_migrated": final_stats["tokens_migrated"],
+            "tokens_regenerated": final_stats["tokens_regenerated"],
+            "tokens_trained_off_version": tot.tokens_trained_off_version,
+            "off_version_tokens_rejected": final_stats["off_version_tokens_rejected"],
+            "late_tokens_dropped": final_stats["late_tokens"],
+            "weight_pulls": final_stats["weight_loads"],
+            "weight_pull_failures": final_stats["weight_load_failures"],
+            "weight_pull_seconds_mean": final_stats["pull_seconds_mean"],
+            "instances_lost_without_warning": final_stats["instances_lost"],
+            "instances_preempted_with_warning": final_stats["instances_preempted_with_warning"],
+            "protocol_rejects": final_stats["protocol_rejects"],
+            "tokens_trained": tot.tokens_trained,
+            "throughput_tokens_per_s": tot.tokens_trained / train_wall if train_wall > 0 else 0.0,
+            "train_wall_s": train_wall,
+            "wall_s": time.monotonic() - t_start,
+            "trace_window_start_s": csum["window_start_s"],
+            "examples_after": after["examples"],
+        }
+    except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
+        failure = e
+    finally:
+        metrics_f.close()
+        if cluster is not None:
+            cluster.stop()
+        if reserved is not None:
+            reserved.request_stop("run finished")
+            reserved_thread.join(timeout=10)
+        try:
+            client.call(M.Shutdown(reason="run finished"), timeout_s=5)
+        except Exception:  # noqa: BLE001 - the manager may already be gone
+            pass
+        client.close()
+        mproc.join(timeout=10)
+        if mproc.is_alive():
+            mproc.kill()
+        server.close()
+    if failure is not None:
+        (out_dir / "report.json").write_text(json.dumps(
+            {"failed": True, "error": f"{type(failure).__name__}: {failure}", "steps": len(step_metrics)}, indent=2))
+        raise failure
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2))
+    write_plot(step_metrics, cluster.live_series if cluster else [], out_dir / "run.png",
+               before=report["reward_heldout_before"], after=report["reward_heldout_after"])
+    return report
+
+
+def _drift(backend, task, tok, stop_ids, max_new_tokens: int) -> float:
+    """Mean per-token log-ratio log π_θ − log π_ref on greedy held-out continuations of the final policy
+    (a cheap drift monitor; ≈ KL(π_θ‖π_ref) on the policy's own samples)."""
+    from rlboost_hpc.trainer.backends.base import Sample
+
+    samples = []
+    for p in task.heldout_prompts()[:16]:
+        ids = tok.encode(task.format_prompt(p), bos=True)
+        with torch.no_grad():
+            cur = list(ids)
+            for _ in range(min(32, max_new_tokens)):
+                nxt = int(backend.model(torch.tensor([cur]))[0, -1].argmax())
+                cur.append(nxt)
+                if nxt in stop_ids:
+                    break
+        samples.append(Sample(prompt_ids=ids, response_ids=cur[len(ids):], behaviour_logprobs=[], advantage=0.0))
+    pol = backend.token_logprobs(samples)
+    ref = backend.token_logprobs(samples, reference=True)
+    num = sum(float((a - b).sum()) for a, b in zip(pol, ref))
+    den = sum(len(a) for a in pol)
+    return num / max(1, den)

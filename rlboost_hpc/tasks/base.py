@@ -1,0 +1,148 @@
+"""Tasks: the prompts a run trains and evaluates on, and the reward of a response.
+
+Invariants every task honours (tested per task in ``tests/test_tasks.py``):
+- Prompts are data: a :class:`Prompt` is a frozen record with a stable, unique ``pid`` (the same prompt has
+  the same id in every process and every run) and a ``meta`` dict of plain JSON values (the gold answer
+  lives there), so a prompt can cross a process boundary and its reward be computed anywhere.
+- Splits are deterministic and disjoint: :meth:`Task.train_prompts` and :meth:`Task.heldout_prompts`
+  return the same lists on every call and in every process, and no ``pid`` is in both.
+- The reward is a pure function: :meth:`Task.reward` depends only on ``(prompt, response_text)``, returns a
+  float in ``[0, 1]``, never raises on any response text (malformed model output scores 0), touches no
+  file, and works in any thread (no signal-based timeouts).
+- ``response_text`` is the decoded *new* text only (no prompt, stop token excluded); stripping the stop
+  token is the caller's job.
+- Task names are resolved through one registry, :func:`get_task`; an unknown name or option is a
+  ``ValueError`` that lists what is accepted.
+"""
+from __future__ import annotations
+
+import abc
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["Prompt", "Task", "get_task", "register_task", "known_tasks"]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a task.
+
+    pid: stable unique id (e.g. ``"gsm8k/test/17"``); equal across processes and runs.
+    text: the raw prompt content (a story opening, a question); :meth:`Task.format_prompt` turns it into
+        the text given to the tokenizer.
+    meta: plain JSON-serialisable values the reward needs (e.g. ``{"answer": "18"}``).
+    """
+
+    pid: str
+    text: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class Task(abc.ABC):
+    """A task: two fixed prompt splits and a verifiable reward.
+
+    Subclasses set :attr:`name` and implement :meth:`train_prompts`, :meth:`heldout_prompts` and
+    :meth:`reward`; they may override :meth:`format_prompt` (identity by default) and
+    :attr:`stop_strings` (none by default).
+    """
+
+    #: registry name of the task (e.g. ``"stories"``).
+    name: str = ""
+    #: strings that end a response when generated (in addition to the engine's stop token ids);
+    #: empty when the task has none.
+    stop_strings: tuple[str, ...] = ()
+
+    @abc.abstractmethod
+    def train_prompts(self) -> list[Prompt]:
+        """The training split: the same list (order included) on every call; a fresh list object."""
+
+    @abc.abstractmethod
+    def heldout_prompts(self) -> list[Prompt]:
+        """The held-out split, disjoint from :meth:`train_prompts`; deterministic like it."""
+
+    @abc.abstractmethod
+    def reward(self, prompt: Prompt, response_text: str) -> float:
+        """Reward of ``response_text`` (new text only, stop token excluded) for ``prompt``.
+
+        Pure and deterministic, in ``[0, 1]``; never raises on model output (only on a prompt that is
+        not this task's, e.g. a missing gold answer: ``ValueError``).
+        """
+
+    def format_prompt(self, prompt: Prompt) -> str:
+        """The text given to the tokenizer for ``prompt`` (BOS is the tokenizer's business)."""
+        return prompt.text
+
+    def prompts(self, split: Literal["train", "heldout"]) -> list[Prompt]:
+        """:meth:`train_prompts` or :meth:`heldout_prompts` by name.
+
+        Raises:
+            ValueError: ``split`` is neither ``"train"`` nor ``"heldout"``.
+        """
+        if split == "train":
+            return self.train_prompts()
+        if split == "heldout":
+            return self.heldout_prompts()
+        raise ValueError(f"unknown split {split!r}; expected 'train' or 'heldout'")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+# name -> "module:Class" (imported on first use, so importing this module stays cheap) or a Task class.
+_REGISTRY: dict[str, str | type[Task]] = {
+    "stories": "rlboost_hpc.tasks.stories:StoryQuoteTask",
+    "gsm8k": "rlboost_hpc.tasks.math:GSM8KTask",
+    "math500": "rlboost_hpc.tasks.math:Math500Task",
+}
+
+
+def register_task(name: str, cls: type[Task] | str) -> None:
+    """Register ``cls`` (a :class:`Task` subclass or a ``"module:Class"`` string) under ``name``.
+
+    Raises:
+        ValueError: ``name`` is already registered to something else.
+    """
+    current = _REGISTRY.get(name)
+    if current is not None and current is not cls and current != cls:
+        raise ValueError(f"task name {name!r} is already registered to {current!r}")
+    _REGISTRY[name] = cls
+
+
+def known_tasks() -> list[str]:
+    """Registered task names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def _resolve(name: str) -> type[Task]:
+    entry = _REGISTRY[name]
+    if isinstance(entry, str):
+        module_name, _, cls_name = entry.partition(":")
+        entry = getattr(importlib.import_module(module_name), cls_name)
+    return entry
+
+
+def get_task(name: str, **options: Any) -> Task:
+    """Build the task registered as ``name`` with constructor ``options``.
+
+    Known names: ``"stories"`` (:class:`~rlboost_hpc.tasks.stories.StoryQuoteTask`, the stories260K demo),
+    ``"gsm8k"`` (:class:`~rlboost_hpc.tasks.math.GSM8KTask`), ``"math500"``
+    (:class:`~rlboost_hpc.tasks.math.Math500Task`).
+
+    Raises:
+        ValueError: unknown ``name`` (the message lists the known names) or an option the task does
+            not accept (the message lists the accepted ones).
+    """
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(known_tasks())}")
+    cls = _resolve(name)
+    sig = inspect.signature(cls)
+    try:
+        sig.bind(**options)
+    except TypeError as e:
+        accepted = [p for p in sig.parameters if p not in ("self", "args", "kwargs")]
+        raise ValueError(
+            f"task {name!r}: bad options {sorted(options)} ({e}); accepted options: {', '.join(accepted) or 'none'}"
+        ) from None
+    return cls(**options)

@@ -1,0 +1,48 @@
+"""The trainer-backend interface: what the RL loop needs from a training framework.
+
+The CPU torch backend implements it here; the Megatron-core backend (``megatron_bridge/``) implements the
+same contract. Invariant: a backend never talks to sockets or the manager; it computes logprobs, accumulates
+gradients of micro-batches and steps its optimizer, and exports full HF-named weights for publication.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+
+@dataclass
+class Sample:
+    """One trained response: prompt and response ids (int), behaviour logprobs (float32, len = response),
+    and its GRPO advantage (float)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behaviour_logprobs: list[float]
+    advantage: float
+
+
+class TrainerBackend(abc.ABC):
+    @abc.abstractmethod
+    def accumulate(self, batch: list[Sample], responses_in_step: int) -> dict[str, float]:
+        """Forward + backward of one micro-batch, adding its share of the step loss to the gradients.
+
+        ``responses_in_step`` is the total number of responses of the RL step (the 1/G·Σ normaliser), so any
+        split into micro-batches yields the same gradient. Returns metrics (loss, clip_frac, kl, logprob_diff
+        = mean |trainer logprob − behaviour logprob| over tokens, tokens).
+        """
+
+    @abc.abstractmethod
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip gradients, step, zero gradients. Returns ``grad_norm`` and ``lr``."""
+
+    @abc.abstractmethod
+    def export_weights(self) -> Mapping[str, torch.Tensor]:
+        """The current policy weights with Hugging Face names (fp32 views; the publisher casts)."""
+
+    @abc.abstractmethod
+    def token_logprobs(self, batch: list[Sample], *, reference: bool = False) -> list[torch.Tensor]:
+        """No-grad logprobs of each response's tokens under the policy (or the frozen reference):
+        a list of [len(response)] float32 tensors."""

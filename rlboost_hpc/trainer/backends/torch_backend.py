@@ -1,0 +1,96 @@
+"""CPU/GPU plain-PyTorch trainer backend (the reference implementation of ``TrainerBackend``).
+
+Invariant: ``old_logp`` is recomputed by the trainer, not taken from the rollout engine: with one optimizer
+step per RL step θ_old = θ at every micro-batch, so the recomputed old logprob is exactly ``logp.detach()``
+of the same forward pass (no second pass needed); the engine's behaviour logprobs are only compared
+(``logprob_diff``) to catch trainer/engine mismatch.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Mapping
+
+import torch
+
+from rlboost_hpc.models.config import LlamaConfig
+from rlboost_hpc.models.llama import LlamaModel
+from rlboost_hpc.trainer.algorithms.grpo import grpo_loss
+from rlboost_hpc.trainer.backends.base import Sample, TrainerBackend
+
+
+def pack(batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """Right-pad prompt+response sequences.
+
+    Returns: input_ids [B, L] long, attention_mask [B, L] bool, response mask over *predicted positions*
+    [B, L-1] bool (True where position j's logits predict a response token j+1), and the prompt lengths.
+    """
+    lens = [len(s.prompt_ids) + len(s.response_ids) for s in batch]
+    L = max(lens)
+    ids = torch.zeros((len(batch), L), dtype=torch.long)
+    att = torch.zeros((len(batch), L), dtype=torch.bool)
+    rmask = torch.zeros((len(batch), L - 1), dtype=torch.bool)
+    plens = []
+    for i, s in enumerate(batch):
+        seq = list(s.prompt_ids) + list(s.response_ids)
+        ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        att[i, : len(seq)] = True
+        P = len(s.prompt_ids)
+        rmask[i, P - 1 : P - 1 + len(s.response_ids)] = True
+        plens.append(P)
+    return ids, att, rmask, plens
+
+
+class TorchBackend(TrainerBackend):
+    """AdamW on an fp32 :class:`LlamaModel`; logprobs at ``temperature`` (matching the engine)."""
+
+    def __init__(self, config: LlamaConfig, state_dict: Mapping[str, torch.Tensor], *, lr: float,
+                 weight_decay: float = 0.0, grad_clip: float = 1.0, clip_eps: float = 0.2,
+                 kl_coef: float = 0.0, temperature: float = 1.0, keep_reference: bool = True) -> None:
+        self.model = LlamaModel.from_state_dict(config, {k: v.float() for k, v in state_dict.items()})
+        self.model.train()
+        self.ref = copy.deepcopy(self.model).eval().requires_grad_(False) if (keep_reference or kl_coef > 0) else None
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999))
+        self.grad_clip, self.clip_eps, self.kl_coef = grad_clip, clip_eps, kl_coef
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.lr = lr
+
+    def _logp(self, model: LlamaModel, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        logits = model(ids, attention_mask=att)[:, :-1].float() / self.temperature
+        return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+    def accumulate(self, batch: list[Sample], responses_in_step: int) -> dict[str, float]:
+        ids, att, rmask, _ = pack(batch)
+        logp = self._logp(self.model, ids, att)
+        old = logp.detach()
+        ref = None
+        if self.kl_coef > 0:
+            with torch.no_grad():
+                ref = self._logp(self.ref, ids, att)
+        adv = torch.tensor([s.advantage for s in batch], dtype=torch.float32)
+        loss_sum, m = grpo_loss(logp, old, adv, rmask, clip_eps=self.clip_eps, ref_logp=ref, kl_coef=self.kl_coef)
+        (loss_sum / responses_in_step).backward()
+        beh = torch.zeros_like(old)
+        for i, s in enumerate(batch):
+            P = len(s.prompt_ids)
+            beh[i, P - 1 : P - 1 + len(s.response_ids)] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+        ntok = int(rmask.sum())
+        diff = float(((old - beh).abs() * rmask).sum() / max(1, ntok))
+        return {"loss": float(loss_sum.detach()) / responses_in_step, "tokens": ntok, "logprob_diff": diff, **m}
+
+    def optimizer_step(self) -> dict[str, float]:
+        gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return {"grad_norm": float(gn), "lr": self.lr}
+
+    def export_weights(self) -> Mapping[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    @torch.no_grad()
+    def token_logprobs(self, batch: list[Sample], *, reference: bool = False) -> list[torch.Tensor]:
+        model = self.ref if reference else self.model
+        if model is None:
+            raise ValueError("no reference model kept (keep_reference=False)")
+        ids, att, rmask, plens = pack(batch)
+        logp = self._logp(model, ids, att)
+        return [logp[i, p - 1 : p - 1 + len(s.response_ids)].clone() for i, (s, p) in enumerate(zip(batch, plens))]

@@ -1,0 +1,223 @@
+"""The synchronous on-policy RL loop (trainer side of RLBoost, MISSION §1).
+
+One step: submit the step's GRPO groups to the manager → the reserved engine seeds for ``T_seed`` seconds
+→ close seeding (the manager migrates the reserved engine's unfinished responses to preemptible instances,
+or keeps the reserved engine generating when none is routable: co-located fallback) → consume completed
+groups as a stream of micro-batches with gradient accumulation → one optimizer step → publish version v+1
+→ the manager routes only to v+1 holders.
+
+Invariants checked here, on what the trainer actually receives (counted in the report, never assumed):
+- exactly once: a response id seen twice is counted in ``responses_duplicated`` and not trained again;
+- strict on-policy: tokens whose producing version ≠ the step's version are counted in
+  ``tokens_trained_off_version`` (the manager already rejects them; this is the end-to-end check);
+- ids are ids: ids, logprobs and versions of a response must have equal length, else the step fails;
+- infrastructure failures are never trained on: a step that cannot complete raises :class:`RolloutFailed`.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.tasks.base import Prompt, Task
+from rlboost_hpc.trainer.algorithms.grpo import group_advantages
+from rlboost_hpc.trainer.backends.base import Sample, TrainerBackend
+from rlboost_hpc.trainer.client import ManagerClient
+from rlboost_hpc.trainer.eval import strip_stop
+
+log = logging.getLogger("rlboost.trainer")
+
+
+class RolloutFailed(RuntimeError):
+    """A step could not collect its responses (manager error, timeout, unrecoverable rollout failure)."""
+
+
+@dataclass
+class StepSettings:
+    prompts_per_step: int
+    group_size: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    micro_batch: int
+    seed_window_s: float
+    step_timeout_s: float = 300.0
+    seed: int = 0
+
+
+@dataclass
+class Totals:
+    responses_trained: int = 0
+    responses_duplicated: int = 0
+    responses_expected: int = 0
+    tokens_trained: int = 0
+    tokens_trained_off_version: int = 0
+    migrated_responses_trained: int = 0
+
+
+class DataFrontier:
+    """Epoch-wise shuffled prompt order; ``take(n)`` returns the next n prompts and advances the frontier.
+
+    Invariant: within an epoch every prompt is taken exactly once; the frontier (epoch, position) is the
+    only state, so a checkpoint of it resumes with no prompt skipped or repeated (case C1).
+    """
+
+    def __init__(self, prompts: list[Prompt], seed: int) -> None:
+        self.prompts, self.seed = prompts, seed
+        self.epoch, self.pos = 0, 0
+        self._order = self._perm(0)
+
+    def _perm(self, epoch: int) -> list[int]:
+        order = list(range(len(self.prompts)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def take(self, n: int) -> list[Prompt]:
+        out = []
+        while len(out) < n:
+            if self.pos == len(self._order):
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = self._perm(self.epoch)
+            out.append(self.prompts[self._order[self.pos]])
+            self.pos += 1
+        return out
+
+
+class RLTrainer:
+    """Drives steps against a live manager. ``publish(version)`` publishes the backend's weights into the
+    weight server and returns a dict with publish timings."""
+
+    def __init__(self, *, client: ManagerClient, backend: TrainerBackend, task: Task, tokenizer,
+                 settings: StepSettings, stop_ids: tuple[int, ...], publish: Callable[[int], dict],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.client, self.backend, self.task, self.tok = client, backend, task, tokenizer
+        self.s = settings
+        self.stop_ids = stop_ids
+        self.publish = publish
+        self.clock = clock
+        self.version = 0
+        self.frontier = DataFrontier(task.train_prompts(), settings.seed)
+        self.totals = Totals()
+        self.seen: set[str] = set()
+
+    def _group_seed(self, step: int, g: int) -> int:
+        return (self.s.seed * 7_919 + step * 104_729 + g * 1_299_709) % (2**31)
+
+    def run_step(self, step: int) -> dict:
+        """Run one RL step; returns its metrics. Raises RolloutFailed."""
+        s = self.s
+        t0 = self.clock()
+        prompts = self.frontier.take(s.prompts_per_step)
+        specs, by_gid = [], {}
+        for g, p in enumerate(prompts):
+            ids = self.tok.encode(self.task.format_prompt(p), bos=True)
+            gid = f"s{step}g{g}"
+            by_gid[gid] = (p, ids)
+            specs.append(M.GroupSpec(gid=gid, prompt_ids=ids, n=s.group_size, max_new_tokens=s.max_new_tokens,
+                                     temperature=s.temperature, top_p=s.top_p, seed=self._group_seed(step, g),
+                                     stop_ids=list(self.stop_ids)))
+        n_resp = len(specs) * s.group_size
+        self.totals.responses_expected += n_resp
+        self.client.call(M.SubmitStep(step=step, version=self.version, groups=specs))
+
+        ready: list[Sample] = []
+        rewards: list[float] = []
+        lens: list[int] = []
+        m_acc: dict[str, float] = {}
+        n_groups = n_trained = n_mig = 0
+        deadline = t0 + s.step_timeout_s
+
+        def take(ev) -> None:
+            nonlocal n_groups, n_mig
+            if isinstance(ev, M.StepFailed):
+                raise RolloutFailed(f"step {step}: {ev.error}")
+            p, pids = by_gid[ev.gid]
+            r, samples = [], []
+            for resp in ev.responses:
+                if resp.rid in self.seen:
+                    self.totals.responses_duplicated += 1
+                    continue
+                self.seen.add(resp.rid)
+                ids = M.unpack_i32(resp.ids)
+                lps = M.unpack_f32(resp.logprobs)
+                vers = M.unpack_i32(resp.versions)
+                if not (len(ids) == len(lps) == len(vers)) or len(ids) == 0 or len(ids) > s.max_new_tokens:
+                    raise RolloutFailed(f"step {step}: response {resp.rid} has ids/logprobs/versions of lengths "
+                                        f"{len(ids)}/{len(lps)}/{len(vers)} (budget {s.max_new_tokens})")
+                self.totals.tokens_trained_off_version += int(np.count_nonzero(vers != self.version))
+                n_mig += int(resp.migrations > 0)
+                text = self.tok.decode(strip_stop(ids.tolist(), self.stop_ids))
+                r.append(self.task.reward(p, text))
+                lens.append(len(ids))
+                samples.append(Sample(prompt_ids=pids, response_ids=ids.tolist(),
+                                      behaviour_logprobs=lps.tolist(), advantage=0.0))
+            if samples:
+                adv = group_advantages(torch.tensor(r, dtype=torch.float32))
+                for smp, a in zip(samples, adv.tolist()):
+                    smp.advantage = a
+                ready.extend(samples)
+                rewards.extend(r)
+            n_groups += 1
+            self.client.send(M.AckGroup(gid=ev.gid))
+
+        # Seeding window: the reserved engine generates; completed groups are buffered.
+        seed_end = t0 + s.seed_window_s
+        while n_groups < len(specs) and self.clock() < seed_end:
+            ev = self.client.next_event(max(0.0, seed_end - self.clock()))
+            if ev is not None:
+                take(ev)
+        t_seed_actual = self.clock() - t0
+        close = self.client.call(M.CloseSeeding(step=step))
+        t_wait = 0.0
+        t_train = 0.0
+        while True:
+            if len(ready) >= s.micro_batch or (n_groups == len(specs) and ready):
+                batch, ready[:] = ready[: s.micro_batch], ready[s.micro_batch:]
+                tt = self.clock()
+                m = self.backend.accumulate(batch, n_resp)
+                t_train += self.clock() - tt
+                for k, v in m.items():
+                    m_acc[k] = m_acc.get(k, 0.0) + v * (len(batch) if k != "tokens" else 1)
+                n_trained += len(batch)
+                self.totals.tokens_trained += sum(len(b.prompt_ids) + len(b.response_ids) for b in batch)
+                continue
+            if n_groups == len(specs):
+                break
+            tw = self.clock()
+            left = deadline - tw
+            ev = self.client.next_event(min(left, 5.0)) if left > 0 else None
+            t_wait += self.clock() - tw
+            if ev is None:
+                if self.clock() >= deadline:
+                    st = self.client.stats()
+                    raise RolloutFailed(f"step {step}: only {n_groups}/{len(specs)} groups within "
+                                        f"{s.step_timeout_s:.0f}s (queued {st['queued']}, running {st['running']}, "
+                                        f"instances {st['instances_by_state']})")
+                continue
+            take(ev)
+        tt = self.clock()
+        om = self.backend.optimizer_step()
+        t_train += self.clock() - tt
+        self.version += 1
+        pub = self.publish(self.version)
+        self.client.call(M.SetVersion(version=self.version))
+        self.totals.responses_trained += n_trained
+        self.totals.migrated_responses_trained += n_mig
+        wall = self.clock() - t0
+        tokens = sum(lens) + sum(len(by_gid[g][1]) for g in by_gid) * s.group_size
+        out = {
+            "step": step, "version": self.version, "wall_s": wall, "seed_window_s": t_seed_actual,
+            "seeding_close": close.what, "t_wait_train_s": t_wait, "train_s": t_train,
+            "reward_mean": sum(rewards) / max(1, len(rewards)), "response_len_mean": sum(lens) / max(1, len(lens)),
+            "responses": n_trained, "responses_migrated": n_mig, "tokens": tokens,
+            "throughput_tokens_per_s": tokens / wall if wall > 0 else 0.0, **om, **pub,
+        }
+        for k, v in m_acc.items():
+            out[k] = v / max(1, n_trained) if k != "tokens" else v
+        return out

@@ -1,0 +1,423 @@
+"""Weight puller: a rollout instance fetches one complete, verified weight version from a holder.
+
+Phases of :meth:`WeightPuller.pull` (each has a deadline; any failure raises :class:`WeightTransferError`
+naming the phase, the endpoint, the version and the cause):
+
+1. ``manifest`` — readiness handshake (case W1): ``GetManifest`` → the holder confirms it holds the version
+   and states its layout and checksums *before* any weight bytes move. Deadline: ``timeout_s``.
+2. ``transfer`` — ``streams`` DEALER sockets, one thread each, share a queue of chunk indices; each keeps up
+   to ``window`` ``GetChunk`` requests outstanding (credit-based pipelining: the holder never queues more
+   than ``streams * window`` chunks for us). Payloads are received straight into their place in one
+   preallocated uint8 buffer (``recv_into``: one copy, done by libzmq without the GIL) and verified with
+   xxh3_64 as they land, overlapped with the other streams' receives. A bad chunk is re-requested once,
+   then the pull fails. Deadlines: no reply on a stream for ``timeout_s`` (stall), and the optional
+   overall ``deadline_s``.
+3. ``verify`` — the whole-version checksum is recomputed from the digests of the bytes received.
+4. ``assemble`` — tensors are views of the buffer (no copy).
+
+Invariants:
+- All or nothing (case W3): a pull returns only a complete version whose every chunk matched the
+  manifest's checksum and whose whole-version checksum matched; otherwise it raises and the partially
+  filled buffer is discarded. Never mixed versions: every reply is checked against the requested
+  version and an outstanding chunk index.
+- Nothing left behind: every socket is closed with linger 0 and the private ZeroMQ context terminated
+  on every exit path (success, error, timeout, KeyboardInterrupt), so a failed pull leaves no thread,
+  no socket and no queued request that could block the holder.
+- Bounded input: reply headers above :data:`~rlboost_hpc.protocol.weight_msgs.MAX_HEADER_BYTES`, manifests
+  above ``MAX_MANIFEST_BYTES`` and frames above ``chunk_bytes`` are rejected (libzmq ``MAXMSGSIZE``).
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from rlboost_hpc.protocol.errors import ProtocolError
+from rlboost_hpc.protocol.weight_msgs import (
+    MAX_HEADER_BYTES,
+    MAX_MANIFEST_BYTES,
+    Chunk,
+    Error,
+    ErrorCode,
+    GetChunk,
+    GetManifest,
+    Manifest,
+    chunk_checksum,
+    combine_checksums,
+    decode_reply,
+    encode,
+    validate_manifest,
+)
+from rlboost_hpc.weights import layout
+
+_SLICE_S = 0.05  # longest single poll, so that a failure on one stream stops the others promptly
+
+
+class WeightTransferError(RuntimeError):
+    """A pull failed. Attributes: ``phase`` (manifest | transfer | verify | assemble), ``endpoint``,
+    ``version`` (requested; None = latest), ``cause`` (human-readable), ``code`` (the holder's
+    :class:`~rlboost_hpc.protocol.weight_msgs.ErrorCode` when the holder refused, else None)."""
+
+    def __init__(self, phase: str, endpoint: str, version: int | None, cause: str, code: str | None = None):
+        self.phase = phase
+        self.endpoint = endpoint
+        self.version = version
+        self.cause = cause
+        self.code = code
+        v = "latest" if version is None else str(version)
+        super().__init__(f"weight pull of version {v} from {endpoint} failed in phase {phase!r}: {cause}")
+
+
+@dataclass
+class PulledWeights:
+    """One complete, verified weight version.
+
+    version: the version pulled. state_dict: name → tensor (dtypes/shapes as published), all views of one
+    uint8 buffer of ``nbytes`` bytes. seconds: wall time of the whole pull. phases: wall seconds per phase
+    (``manifest_s``, ``transfer_s`` — includes per-chunk verification overlapped with receiving,
+    ``verify_s``, ``assemble_s``) plus ``chunk_hash_s`` (summed CPU seconds of per-chunk xxh3 over all
+    streams) and ``chunk_retries``. checksum: the whole-version checksum (equal to the manifest's).
+    """
+
+    version: int
+    state_dict: dict[str, torch.Tensor]
+    nbytes: int
+    seconds: float
+    phases: dict[str, float]
+    checksum: int
+    buffer: torch.Tensor = field(repr=False, default_factory=lambda: torch.empty(0, dtype=torch.uint8))
+
+
+class _Failed(Exception):
+    def __init__(self, cause: str, code: str | None = None):
+        super().__init__(cause)
+        self.cause = cause
+        self.code = code
+
+
+class _Transfer:
+    """Shared state of the transfer phase: index queue, digests, first failure."""
+
+    def __init__(self, manifest: Manifest, dest: memoryview, timeout_s: float, deadline: float | None):
+        self.m = manifest
+        self.dest = dest
+        self.timeout_s = timeout_s
+        self.deadline = deadline
+        self.n = len(manifest.chunk_checksums)
+        self.lock = threading.Lock()
+        self.todo = collections.deque(range(self.n))
+        self.digests: list[int | None] = [None] * self.n
+        self.received = 0
+        self.retries = 0
+        self.hash_s = 0.0
+        self.stop = threading.Event()
+        self.error: _Failed | None = None
+
+    def take(self) -> int | None:
+        with self.lock:
+            return self.todo.popleft() if self.todo else None
+
+    def fail(self, err: _Failed) -> None:
+        with self.lock:
+            if self.error is None:
+                self.error = err
+        self.stop.set()
+
+    def span(self, index: int) -> tuple[int, int]:
+        cb = self.m.chunk_bytes
+        return index * cb, min(self.m.total_bytes, (index + 1) * cb)
+
+
+class WeightPuller:
+    """Pulls weight versions from one holder endpoint.
+
+    Args:
+        endpoint: holder address, e.g. ``"tcp://10.0.0.5:5601"``.
+        streams: parallel DEALER connections (≥ 1), one receiving thread each.
+        window: outstanding chunk requests per stream (≥ 1).
+        timeout_s: readiness deadline of the manifest phase and stall deadline of the transfer phase
+            (seconds without any reply on a stream that is waiting for one).
+        deadline_s: optional overall deadline of the whole pull (seconds), checked in every phase.
+        io_threads: libzmq I/O threads of the pull's private context (default: ``min(streams, 4)``).
+
+    A puller holds no sockets between pulls; it is safe to call :meth:`pull` repeatedly (not concurrently).
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        streams: int = 4,
+        window: int = 4,
+        timeout_s: float = 10.0,
+        *,
+        deadline_s: float | None = None,
+        io_threads: int | None = None,
+    ) -> None:
+        if streams < 1 or window < 1:
+            raise ValueError(f"streams and window must be >= 1, got {streams}, {window}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.endpoint = endpoint
+        self.streams = int(streams)
+        self.window = int(window)
+        self.timeout_s = float(timeout_s)
+        self.deadline_s = deadline_s
+        self.io_threads = io_threads if io_threads is not None else min(self.streams, 4)
+
+    # ------------------------------------------------------------------ public
+    def pull(self, version: int | None = None, *, into: torch.Tensor | None = None) -> PulledWeights:
+        """Fetch ``version`` (None: the holder's latest) completely and verify it.
+
+        Args:
+            version: version to pull; None asks the holder for its latest.
+            into: optional reusable receive buffer (CPU, uint8, 1-D, contiguous, ≥ ``total_bytes``), e.g. a
+                staging buffer that is copied to the GPU after each pull. The caller guarantees nothing
+                reads it during the pull; on failure its contents are undefined. Default: a fresh buffer
+                (:func:`rlboost_hpc.weights.layout.host_buffer`), so earlier pulls stay valid.
+
+        Returns:
+            :class:`PulledWeights` whose tensors view the receive buffer.
+
+        Raises:
+            ValueError: ``into`` is unsuitable (checked once the size is known; nothing was transferred).
+            WeightTransferError: no holder answered within ``timeout_s`` (phase ``manifest``); the holder
+                refused (``code`` = ``no_version`` / ``version_gone`` / ``unknown_version`` / …, with its
+                message); an invalid manifest or reply; a stream stalled for ``timeout_s``; the overall
+                deadline passed; a chunk failed its checksum twice (``checksum mismatch at chunk i``); the
+                whole-version checksum did not match.
+        """
+        t0 = time.perf_counter()
+        deadline = None if self.deadline_s is None else t0 + self.deadline_s
+        phases: dict[str, float] = {}
+        ctx = zmq.Context(io_threads=self.io_threads)
+        phase = "manifest"
+        want = version
+        try:
+            manifest = self._get_manifest(ctx, version, deadline)
+            want = manifest.version
+            t1 = time.perf_counter()
+            phases["manifest_s"] = t1 - t0
+
+            phase = "transfer"
+            if into is None:
+                buffer = layout.host_buffer(manifest.total_bytes)
+            else:
+                if (into.dtype != torch.uint8 or into.dim() != 1 or not into.is_contiguous()
+                        or into.device.type != "cpu" or into.numel() < manifest.total_bytes):
+                    raise ValueError(
+                        f"into must be a contiguous 1-D CPU uint8 tensor of >= {manifest.total_bytes} bytes, "
+                        f"got {into.dtype} {tuple(into.shape)} on {into.device}"
+                    )
+                buffer = into[: manifest.total_bytes]
+            tr = _Transfer(manifest, memoryview(buffer.numpy()), self.timeout_s, deadline)
+            self._transfer(ctx, tr)
+            t2 = time.perf_counter()
+            phases["transfer_s"] = t2 - t1
+            phases["chunk_hash_s"] = tr.hash_s
+            phases["chunk_retries"] = float(tr.retries)
+
+            phase = "verify"
+            digests = [d for d in tr.digests if d is not None]
+            if len(digests) != tr.n:
+                raise _Failed(f"{tr.n - len(digests)} chunks missing after transfer")
+            if combine_checksums(digests) != manifest.checksum:
+                raise _Failed("whole-version checksum mismatch")
+            t3 = time.perf_counter()
+            phases["verify_s"] = t3 - t2
+            self._check_deadline(deadline)
+
+            phase = "assemble"
+            state = layout.tensor_views(buffer, manifest.tensors)
+            t4 = time.perf_counter()
+            phases["assemble_s"] = t4 - t3
+            self._check_deadline(deadline)
+        except _Failed as e:
+            raise WeightTransferError(phase, self.endpoint, want, e.cause, e.code) from None
+        except zmq.ZMQError as e:
+            raise WeightTransferError(phase, self.endpoint, want, f"ZeroMQ error: {e}") from e
+        finally:
+            ctx.term()  # every socket was closed with linger 0, so this cannot block
+        return PulledWeights(
+            version=manifest.version,
+            state_dict=state,
+            nbytes=manifest.total_bytes,
+            seconds=t4 - t0,
+            phases=phases,
+            checksum=manifest.checksum,
+            buffer=buffer,
+        )
+
+    # ------------------------------------------------------------------ phases
+    @staticmethod
+    def _check_deadline(deadline: float | None) -> None:
+        if deadline is not None and time.perf_counter() > deadline:
+            raise _Failed("overall deadline passed")
+
+    def _socket(self, ctx: zmq.Context, max_frame: int) -> zmq.Socket:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.MAXMSGSIZE, max_frame)
+        s.connect(self.endpoint)
+        return s
+
+    def _get_manifest(self, ctx: zmq.Context, version: int | None, deadline: float | None) -> Manifest:
+        end = time.perf_counter() + self.timeout_s
+        if deadline is not None:
+            end = min(end, deadline)
+        sock = self._socket(ctx, MAX_MANIFEST_BYTES)
+        try:
+            msg = encode(GetManifest(version=version))
+            while True:
+                try:
+                    sock.send(msg, zmq.NOBLOCK)
+                    break
+                except zmq.Again:
+                    if time.perf_counter() >= end:
+                        raise _Failed(f"timeout after {self.timeout_s:g}s: could not send the manifest request")
+                    time.sleep(0.005)
+            while True:
+                left = end - time.perf_counter()
+                if left <= 0:
+                    raise _Failed(
+                        f"timeout after {self.timeout_s:g}s waiting for the manifest "
+                        "(no holder listening, or it did not answer)"
+                    )
+                if sock.poll(min(left, _SLICE_S) * 1000, zmq.POLLIN):
+                    break
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+        finally:
+            sock.close(0)
+        if len(frames) != 1:
+            raise _Failed(f"manifest reply has {len(frames)} frames, expected 1")
+        try:
+            reply = decode_reply(frames[0], MAX_MANIFEST_BYTES)
+        except ProtocolError as e:
+            raise _Failed(f"bad manifest reply: {e}") from None
+        if isinstance(reply, Error):
+            raise _Failed(f"holder refused ({reply.code}): {reply.message}", reply.code)
+        if not isinstance(reply, Manifest):
+            raise _Failed(f"expected a Manifest, got {type(reply).__name__}")
+        if version is not None and reply.version != version:
+            raise _Failed(f"holder sent the manifest of version {reply.version}, asked for {version}")
+        try:
+            validate_manifest(reply)
+        except ProtocolError as e:
+            raise _Failed(f"invalid manifest: {e}") from None
+        return reply
+
+    def _transfer(self, ctx: zmq.Context, tr: _Transfer) -> None:
+        if tr.n == 0:
+            return
+        n_streams = min(self.streams, tr.n)
+        threads = [
+            threading.Thread(target=self._stream, args=(ctx, tr), name=f"weight-pull-{i}", daemon=True)
+            for i in range(n_streams)
+        ]
+        for t in threads:
+            t.start()
+        try:
+            for t in threads:
+                while t.is_alive():
+                    t.join(0.1)
+        except BaseException:
+            tr.fail(_Failed("interrupted"))
+            for t in threads:
+                t.join()
+            raise
+        if tr.error is not None:
+            raise tr.error
+
+    def _stream(self, ctx: zmq.Context, tr: _Transfer) -> None:
+        try:
+            sock = self._socket(ctx, max(tr.m.chunk_bytes, MAX_HEADER_BYTES))
+        except zmq.ZMQError as e:
+            tr.fail(_Failed(f"cannot open a stream socket: {e}"))
+            return
+        try:
+            self._stream_loop(sock, tr)
+        except _Failed as e:
+            tr.fail(e)
+        except BaseException as e:  # a bug or zmq failure: never leave the other streams waiting
+            tr.fail(_Failed(f"{type(e).__name__}: {e}"))
+        finally:
+            sock.close(0)
+
+    def _stream_loop(self, sock: zmq.Socket, tr: _Transfer) -> None:
+        version = tr.m.version
+        outstanding: set[int] = set()
+        attempts: dict[int, int] = {}
+        exhausted = False
+        last_reply = time.perf_counter()
+
+        def request(i: int) -> None:
+            try:
+                sock.send(encode(GetChunk(version=version, index=i)), zmq.NOBLOCK)
+            except zmq.Again:
+                raise _Failed(f"stream send queue full while requesting chunk {i}") from None
+            outstanding.add(i)
+
+        while not tr.stop.is_set():
+            while not exhausted and len(outstanding) < self.window:
+                i = tr.take()
+                if i is None:
+                    exhausted = True
+                    break
+                request(i)
+            if not outstanding:
+                return
+            now = time.perf_counter()
+            if now - last_reply > tr.timeout_s:
+                raise _Failed(
+                    f"timeout: no chunk for {tr.timeout_s:g}s (stall; {tr.received}/{tr.n} chunks received, "
+                    f"waiting for {sorted(outstanding)[:8]})"
+                )
+            if tr.deadline is not None and now > tr.deadline:
+                raise _Failed(f"overall deadline passed ({tr.received}/{tr.n} chunks received)")
+            if not sock.poll(_SLICE_S * 1000, zmq.POLLIN):
+                continue
+            last_reply = time.perf_counter()
+            header = sock.recv(zmq.NOBLOCK)
+            try:
+                reply = decode_reply(header, MAX_HEADER_BYTES)
+            except ProtocolError as e:
+                raise _Failed(f"bad chunk reply: {e}") from None
+            if isinstance(reply, Error):
+                if reply.code == ErrorCode.VERSION_GONE:
+                    raise _Failed(f"version no longer held by the holder ({reply.message})", reply.code)
+                raise _Failed(f"holder refused chunk {reply.index} ({reply.code}): {reply.message}", reply.code)
+            if not isinstance(reply, Chunk):
+                raise _Failed(f"expected a Chunk reply, got {type(reply).__name__}")
+            i = reply.index
+            if reply.version != version or i not in outstanding:
+                raise _Failed(
+                    f"unexpected chunk (version {reply.version}, index {i}) while pulling version {version}"
+                )
+            lo, hi = tr.span(i)
+            if reply.nbytes != hi - lo or not sock.getsockopt(zmq.RCVMORE):
+                raise _Failed(f"chunk {i}: header says {reply.nbytes} bytes, expected {hi - lo} in one frame")
+            got = sock.recv_into(tr.dest[lo:hi])
+            if got != hi - lo or sock.getsockopt(zmq.RCVMORE):
+                raise _Failed(f"chunk {i}: payload of {got} bytes, expected {hi - lo}")
+            h0 = time.perf_counter()
+            digest = chunk_checksum(tr.dest[lo:hi])
+            h1 = time.perf_counter()
+            if digest != tr.m.chunk_checksums[i]:
+                attempts[i] = attempts.get(i, 0) + 1
+                if attempts[i] > 1:
+                    raise _Failed(
+                        f"checksum mismatch at chunk {i} (bytes {lo}..{hi}) after one retry"
+                    )
+                with tr.lock:
+                    tr.retries += 1
+                outstanding.discard(i)
+                request(i)
+                continue
+            outstanding.discard(i)
+            with tr.lock:
+                tr.digests[i] = digest
+                tr.received += 1
+                tr.hash_s += h1 - h0

@@ -1,0 +1,403 @@
+"""Weight holder: publishes versions of the weights in one host buffer each and serves them to pullers.
+
+The trainer (one holder per training node) calls :meth:`WeightServer.publish` after the optimizer step;
+rollout instances pull the version themselves (:mod:`rlboost_hpc.weights.puller`) over a ZeroMQ ROUTER
+socket served by a background thread.
+
+Invariants:
+- Immutable versions: a published buffer is never modified; its manifest (layout + per-chunk xxh3_64
+  checksums) is computed once, before the version becomes visible. Version numbers strictly increase.
+- Bounded memory: at most ``keep_versions`` versions are held; a request for an evicted version gets an
+  explicit ``version_gone`` error, never bytes of another version. Chunks already queued for sending keep
+  their (evicted) buffer alive until sent or dropped, so a puller never receives recycled memory.
+- Never blocks on a peer: every send is non-blocking on a ROUTER with ``ROUTER_MANDATORY``; a reply to a
+  vanished peer or to one whose queue is full (a peer violating its request window) is dropped and
+  counted. A slow or SIGKILLed puller therefore costs nothing but its queued frames.
+- Survives garbage: any frame that is not a valid request (see
+  :func:`rlboost_hpc.protocol.weight_msgs.decode_request`) is answered with a ``bad_request`` error,
+  counted in :attr:`WeightServer.stats` and logged once per peer; the serving thread keeps running.
+- Zero copy on the send path: chunk payloads are ``memoryview`` slices of the buffer sent with
+  ``copy=False``.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+import zmq
+
+from rlboost_hpc.protocol.errors import ProtocolError
+from rlboost_hpc.protocol.weight_msgs import (
+    MAX_REQUEST_BYTES,
+    Chunk,
+    Error,
+    ErrorCode,
+    GetChunk,
+    GetManifest,
+    Manifest,
+    chunk_checksum,
+    combine_checksums,
+    decode_request,
+    encode,
+    num_chunks,
+)
+from rlboost_hpc.weights import layout
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+# libzmq drops (and disconnects) any inbound frame above this; frames between MAX_REQUEST_BYTES and this
+# are rejected by us as "oversized" and counted.
+_MAX_INBOUND_FRAME = 1 << 20
+_POLL_MS = 50
+_MAX_BATCH = 256
+_MAX_LOGGED_PEERS = 4096
+
+
+@dataclass(frozen=True)
+class _Held:
+    manifest: Manifest
+    manifest_frame: bytes
+    buffer: torch.Tensor  # uint8, 1-D, total_bytes
+    view: memoryview  # of buffer (read-only), for zero-copy chunk frames
+    n_chunks: int
+
+
+class WeightServer:
+    """Holds the last ``keep_versions`` weight versions and serves them over a ZeroMQ ROUTER socket.
+
+    Args:
+        bind: ZeroMQ endpoint to bind; port 0 picks a free port (see :attr:`endpoint`).
+        chunk_bytes: chunk size in bytes (> 0); each chunk is one request/reply.
+        keep_versions: number of versions held (≥ 1); older ones are evicted on publish.
+        io_threads: libzmq I/O threads of the server's private context.
+        sndhwm: per-peer send queue limit in messages; replies beyond it are dropped (a well-behaved
+            puller has at most ``window`` requests outstanding per socket).
+        pin_memory: allocate host buffers in pinned memory (needs CUDA; faster device→host publish).
+
+    Use as a context manager, or call :meth:`start` / :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        bind: str = "tcp://127.0.0.1:0",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        keep_versions: int = 2,
+        *,
+        io_threads: int = 1,
+        sndhwm: int = 1024,
+        pin_memory: bool = False,
+    ) -> None:
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+        if keep_versions < 1:
+            raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
+        self._bind = bind
+        self.chunk_bytes = int(chunk_bytes)
+        self.keep_versions = int(keep_versions)
+        self._io_threads = io_threads
+        self._sndhwm = sndhwm
+        self._pin = pin_memory
+        self._lock = threading.Lock()
+        self._held: "collections.OrderedDict[int, _Held]" = collections.OrderedDict()
+        self._last_version: int | None = None
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._endpoint: str | None = None
+        self._logged_peers: set[bytes] = set()
+        self._crash: BaseException | None = None
+        #: Test hook: ``f(version, index, payload) -> payload`` applied to every chunk before sending.
+        self._payload_hook: Callable[[int, int, memoryview], Any] | None = None
+        self._stats: dict[str, Any] = {
+            "manifests_served": 0,
+            "chunks_served": 0,
+            "bytes_served": 0,
+            "errors_sent": collections.Counter(),
+            "rejected": 0,
+            "rejected_by_reason": collections.Counter(),
+            "dropped_unreachable": 0,
+            "dropped_full": 0,
+            "publishes": 0,
+            "publish_seconds": 0.0,
+        }
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "WeightServer":
+        """Bind the socket and start the serving thread. Idempotent. Returns self.
+
+        Raises:
+            zmq.ZMQError: the endpoint cannot be bound.
+        """
+        if self._thread is not None:
+            return self
+        ctx = zmq.Context(io_threads=self._io_threads)
+        sock = ctx.socket(zmq.ROUTER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.SNDHWM, self._sndhwm)
+            sock.setsockopt(zmq.RCVHWM, 4096)
+            sock.setsockopt(zmq.MAXMSGSIZE, _MAX_INBOUND_FRAME)
+            sock.bind(self._bind)
+            self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except BaseException:
+            sock.close(0)
+            ctx.term()
+            raise
+        self._ctx, self._sock = ctx, sock
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._serve, name=f"weight-server {self._endpoint}", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the serving thread, close the socket (linger 0) and drop all held versions. Idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        with self._lock:
+            self._held.clear()
+
+    def __enter__(self) -> "WeightServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def endpoint(self) -> str:
+        """The bound endpoint, e.g. ``"tcp://127.0.0.1:41234"``. Raises RuntimeError before :meth:`start`."""
+        if self._endpoint is None:
+            raise RuntimeError("WeightServer not started")
+        return self._endpoint
+
+    def is_alive(self) -> bool:
+        """True while the serving thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Snapshot of counters: manifests/chunks/bytes served, errors sent by code, rejected frames
+        (total and by reason), replies dropped because the peer vanished or its queue was full,
+        publishes and total publish seconds."""
+        s = dict(self._stats)
+        s["errors_sent"] = dict(s["errors_sent"])
+        s["rejected_by_reason"] = dict(s["rejected_by_reason"])
+        return s
+
+    # ------------------------------------------------------------------ publishing
+    @property
+    def versions(self) -> list[int]:
+        """Versions currently held, oldest first."""
+        with self._lock:
+            return list(self._held)
+
+    @property
+    def latest(self) -> int | None:
+        """Newest held version, or None before the first publish."""
+        with self._lock:
+            return next(reversed(self._held), None)
+
+    def publish(
+        self,
+        version: int,
+        state_dict: Mapping[str, torch.Tensor],
+        dtype: torch.dtype | None = torch.bfloat16,
+    ) -> Manifest:
+        """Copy ``state_dict`` into one new host buffer as ``version`` and make it available to pullers.
+
+        Floating-point tensors are cast to ``dtype`` (``None`` keeps their dtype); integer/bool tensors
+        keep theirs. Tensors are placed in sorted-name order (:mod:`rlboost_hpc.weights.layout`).
+        Checksums are computed before the version becomes visible; the oldest versions beyond
+        ``keep_versions`` are then evicted. Runs in the caller's thread (≈ one cast-copy pass plus one
+        xxh3 pass over the bytes; see ``stats["publish_seconds"]``). May be called before :meth:`start`.
+
+        Returns:
+            The version's :class:`Manifest`.
+
+        Raises:
+            ValueError: ``version`` is negative or not greater than every version published before, or a
+                dtype cannot be transferred. TypeError: a value is not a tensor.
+        """
+        t0 = time.perf_counter()
+        version = int(version)
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        with self._lock:
+            if self._last_version is not None and version <= self._last_version:
+                raise ValueError(
+                    f"weight versions must strictly increase: got {version} after {self._last_version}"
+                )
+        specs, total = layout.plan(state_dict, dtype)
+        buffer = layout.host_buffer(total, pin_memory=self._pin)
+        layout.flatten_into(buffer, state_dict, specs)
+        view = memoryview(buffer.numpy()).toreadonly()
+        cb = self.chunk_bytes
+        n = num_chunks(total, cb)
+        digests = [chunk_checksum(view[i * cb : (i + 1) * cb]) for i in range(n)]
+        manifest = Manifest(
+            version=version,
+            total_bytes=total,
+            chunk_bytes=cb,
+            tensors=specs,
+            chunk_checksums=digests,
+            checksum=combine_checksums(digests),
+        )
+        held = _Held(manifest, encode(manifest), buffer, view, n)
+        with self._lock:
+            if self._last_version is not None and version <= self._last_version:
+                raise ValueError(
+                    f"weight versions must strictly increase: got {version} after {self._last_version}"
+                )
+            self._held[version] = held
+            self._last_version = version
+            while len(self._held) > self.keep_versions:
+                self._held.popitem(last=False)
+        self._stats["publishes"] += 1
+        self._stats["publish_seconds"] += time.perf_counter() - t0
+        return manifest
+
+    def manifest(self, version: int | None = None) -> Manifest:
+        """Manifest of a held ``version`` (None: latest). Raises KeyError if not held."""
+        with self._lock:
+            held = self._lookup(version)
+        if held is None:
+            raise KeyError(f"version {version} is not held (held: {self.versions})")
+        return held.manifest
+
+    def local_state_dict(self, version: int | None = None) -> dict[str, torch.Tensor]:
+        """Tensors viewing the published buffer of ``version`` (None: latest), for an in-process engine.
+
+        Dtypes/shapes as published; no copy. The tensors keep the buffer alive after eviction; they must
+        be treated as read-only.
+
+        Raises:
+            KeyError: the version is not held.
+        """
+        with self._lock:
+            held = self._lookup(version)
+        if held is None:
+            raise KeyError(f"version {version} is not held (held: {self.versions})")
+        return layout.tensor_views(held.buffer, held.manifest.tensors)
+
+    def _lookup(self, version: int | None) -> _Held | None:
+        if version is None:
+            return self._held[next(reversed(self._held))] if self._held else None
+        return self._held.get(version)
+
+    # ------------------------------------------------------------------ serving
+    def _serve(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(_POLL_MS):
+                    continue
+                for _ in range(_MAX_BATCH):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(frames)
+        except BaseException as e:  # pragma: no cover - a bug; make it visible
+            self._crash = e
+            log.exception("weight server %s: serving thread crashed", self._endpoint)
+            raise
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        peer = frames[0].bytes
+        if len(frames) != 2:
+            self._reject(peer, "framing", f"expected 1 frame after the identity, got {len(frames) - 1}")
+            return
+        try:
+            req = decode_request(frames[1].buffer)
+        except ProtocolError as e:
+            self._reject(peer, e.reason, str(e))
+            return
+        with self._lock:
+            held = self._lookup(req.version)
+            versions = list(self._held)
+        if held is None:
+            self._send_error(peer, req, *self._why_missing(req.version, versions))
+            return
+        if isinstance(req, GetManifest):
+            if self._send(peer, [held.manifest_frame]):
+                self._stats["manifests_served"] += 1
+            return
+        assert isinstance(req, GetChunk)
+        if req.index >= held.n_chunks:
+            self._send_error(
+                peer, req, ErrorCode.BAD_INDEX,
+                f"chunk {req.index} out of range: version {req.version} has {held.n_chunks} chunks",
+            )
+            return
+        cb = held.manifest.chunk_bytes
+        payload: Any = held.view[req.index * cb : (req.index + 1) * cb]
+        nbytes = payload.nbytes
+        if self._payload_hook is not None:
+            payload = self._payload_hook(req.version, req.index, payload)
+        header = encode(Chunk(version=req.version, index=req.index, nbytes=nbytes))
+        if self._send(peer, [header, payload]):
+            self._stats["chunks_served"] += 1
+            self._stats["bytes_served"] += nbytes
+
+    @staticmethod
+    def _why_missing(version: int | None, held: list[int]) -> tuple[str, str]:
+        if not held:
+            return ErrorCode.NO_VERSION, "no weight version has been published yet"
+        if version is not None and version < held[-1]:
+            return ErrorCode.VERSION_GONE, f"version {version} is no longer held (held: {held})"
+        return ErrorCode.UNKNOWN_VERSION, f"version {version} has not been published (latest: {held[-1]})"
+
+    def _send_error(self, peer: bytes, req: GetManifest | GetChunk | None, code: str, message: str) -> None:
+        err = Error(
+            code=code,
+            message=message,
+            version=getattr(req, "version", None),
+            index=getattr(req, "index", None),
+        )
+        if self._send(peer, [encode(err)]):
+            self._stats["errors_sent"][code] += 1
+
+    def _send(self, peer: bytes, parts: list[Any]) -> bool:
+        sock = self._sock
+        assert sock is not None
+        try:
+            sock.send_multipart([peer, *parts], flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            self._stats["dropped_full"] += 1
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self._stats["dropped_unreachable"] += 1
+        return False
+
+    def _reject(self, peer: bytes, reason: str, detail: str) -> None:
+        self._stats["rejected"] += 1
+        self._stats["rejected_by_reason"][reason] += 1
+        if peer not in self._logged_peers:
+            if len(self._logged_peers) >= _MAX_LOGGED_PEERS:
+                self._logged_peers.clear()
+            self._logged_peers.add(peer)
+            log.warning(
+                "weight server %s: rejected %s frame from peer %s: %s (later rejections from this peer "
+                "are counted, not logged)", self._endpoint, reason, peer.hex(), detail[:200],
+            )
+        self._send_error(peer, None, ErrorCode.BAD_REQUEST, f"{reason}: {detail[:1000]}")
