@@ -5,7 +5,8 @@ buffer, the receiver ``recv_into`` a preallocated, already faulted-in buffer (``
 the baseline of the ratios) or a freshly allocated ``torch.empty`` buffer (``raw fresh``: page-fault cost
 included, as a naive receiver pays it); timed from connect (+ allocation) to the last byte; (b) ``WeightPuller.pull`` (manifest + transfer + per-chunk xxh3
 + whole-version check + views) with streams = 1, 2, 4, same machine, same process layout (holder thread
-and receiver in one process, as the raw baseline). Reps are interleaved; the table shows the median and
+and receiver in one process, as the raw baseline), each into a fresh buffer (the default: earlier
+pulls stay valid) and into a reused staging buffer (``pull(into=...)``). Reps are interleaved; the table shows the median and
 best GB/s (1 GB = 1e9 bytes) and the ratio of medians to raw. Also: publish() seconds per GB of output
 (fp32 → bf16 cast-copy + chunk checksums).
 
@@ -113,39 +114,60 @@ def main() -> None:
             pullers = {s: WeightPuller(srv.endpoint, streams=s, window=args.window, io_threads=args.io_threads)
                        for s in args.streams}
             # warm-up (page cache of the allocator, connections, code paths)
-            warm = torch.ones(n, dtype=torch.uint8)
+            warm = torch.ones(n, dtype=torch.uint8)  # receive buffer already faulted in
+            staging = torch.ones(n, dtype=torch.uint8)  # reusable staging buffer for pull(into=...)
             raw_once(raw.port, n)
             raw_once(raw.port, n, warm)
             for p in pullers.values():
                 p.pull()
-            times: dict[str, list[float]] = {"raw": [], "raw fresh": []}
-            hash_frac: dict[int, list[float]] = {s: [] for s in args.streams}
+                p.pull(into=staging)
+            times: dict[str, list[float]] = {"raw warm": [], "raw fresh": []}
+            cpu: dict[str, list[float]] = {"raw warm": [], "raw fresh": []}
+            hash_frac: dict[str, list[float]] = {}
             for s in args.streams:
-                times[f"pull s={s}"] = []
+                times[f"pull s={s} fresh"] = []
+                times[f"pull s={s} into"] = []
+                cpu[f"pull s={s} fresh"] = []
+                cpu[f"pull s={s} into"] = []
             for _ in range(args.reps):
-                times["raw"].append(raw_once(raw.port, n, warm))
+                c0 = time.process_time()
+                times["raw warm"].append(raw_once(raw.port, n, warm))
+                c1 = time.process_time()
                 times["raw fresh"].append(raw_once(raw.port, n))
+                cpu["raw warm"].append(c1 - c0)
+                cpu["raw fresh"].append(time.process_time() - c1)
                 for s, p in pullers.items():
-                    r = p.pull()
-                    assert r.nbytes == n and r.checksum == m.checksum
-                    times[f"pull s={s}"].append(r.seconds)
-                    hash_frac[s].append(r.phases["chunk_hash_s"] / r.seconds)
+                    for kind, into in (("fresh", None), ("into", staging)):
+                        c0 = time.process_time()
+                        r = p.pull(into=into)
+                        cpu[f"pull s={s} {kind}"].append(time.process_time() - c0)
+                        assert r.nbytes == n and r.checksum == m.checksum
+                        key = f"pull s={s} {kind}"
+                        times[key].append(r.seconds)
+                        hash_frac.setdefault(key, []).append(r.phases["chunk_hash_s"] / r.seconds)
+                        del r
             raw.close()
-            raw_med = statistics.median(times["raw"])
+            base = {"warm": statistics.median(times["raw warm"]), "fresh": statistics.median(times["raw fresh"])}
             for name, ts in times.items():
                 med, best = statistics.median(ts), min(ts)
-                extra = ""
-                if name.startswith("pull"):
-                    s = int(name.split("=")[1])
-                    extra = f"hash {100 * statistics.median(hash_frac[s]):4.1f}%"
-                rows.append((size_mib, name, n / med / 1e9, n / best / 1e9, raw_med / med, extra))
+                kind = "warm" if name.endswith(("warm", "into")) else "fresh"
+                extra = f"cpu {statistics.median(cpu[name]) / (n / 1e9):5.3f} s/GB"
+                if name in hash_frac:
+                    extra += f"  hash {100 * statistics.median(hash_frac[name]):4.1f}% of wall"
+                rows.append((size_mib, name, n / med / 1e9, n / best / 1e9, base[kind] / med,
+                             base["warm"] / med, extra))
             pub_s_per_gb = statistics.median(pub) / (n / 1e9)
-            rows.append((size_mib, "publish", 1 / pub_s_per_gb, None, None, f"{pub_s_per_gb:.3f} s/GB (fp32->bf16 + xxh3)"))
-    print(f"{'size':>8} {'method':>10} {'GB/s med':>9} {'GB/s best':>9} {'x raw':>6}  notes")
-    for size_mib, name, med, best, ratio, extra in rows:
+            rows.append((size_mib, "publish", 1 / pub_s_per_gb, None, None, None,
+                         f"{pub_s_per_gb:.3f} s/GB of bf16 output (fp32->bf16 cast-copy + xxh3)"))
+    print("x same-buf: ratio of medians to the raw copy into the same kind of buffer (fresh vs fresh, "
+          "warm vs warm); x warm: to the raw TCP ceiling; cpu: process CPU seconds (all threads, both "
+          "ends) per GB moved")
+    print(f"{'size':>8} {'method':>17} {'GB/s med':>9} {'GB/s best':>9} {'x same-buf':>10} {'x warm':>7}  notes")
+    for size_mib, name, med, best, ratio, ratio_w, extra in rows:
         b = f"{best:9.2f}" if best is not None else " " * 9
-        r = f"{ratio:6.2f}" if ratio is not None else " " * 6
-        print(f"{size_mib:>5}MiB {name:>10} {med:9.2f} {b} {r}  {extra}")
+        r = f"{ratio:10.2f}" if ratio is not None else " " * 10
+        w = f"{ratio_w:7.2f}" if ratio_w is not None else " " * 7
+        print(f"{size_mib:>5}MiB {name:>17} {med:9.2f} {b} {r} {w}  {extra}")
     print(f"# total {time.perf_counter() - t_start:.1f}s")
 
 

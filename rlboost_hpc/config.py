@@ -89,9 +89,13 @@ class LocalClusterCfg(_Strict):
 
     trace: str = "spot_traces/bamboo/p3-trace.csv"
     max_workers: int = Field(2, ge=0)
-    time_scale: float = Field(120.0, gt=0, description="trace seconds per wall-clock second")
-    window_start_s: float | None = Field(None, description="trace second to start at; None picks a window with changes")
-    min_changes: int = Field(4, ge=0)
+    time_scale: float = Field(80.0, gt=0, description="trace seconds per wall-clock second")
+    replay_s: float = Field(32.0, gt=0, description="wall seconds of trace replayed (window = replay_s × time_scale)")
+    window_start_s: float | None = Field(None, description="trace second to start at; None picks the earliest "
+                                                           "window with min_changes/min_removals")
+    min_changes: int = Field(5, ge=0, description="scaled live-count changes the chosen window must have")
+    min_removals: int = Field(3, ge=0, description="removals (preemptions) the chosen window must have")
+    min_starts: int = Field(2, ge=0, description="worker (re)starts after t=0 the chosen window must have")
     kill_fraction: float = Field(0.0, ge=0, le=1, description="share of removals delivered as SIGKILL (no warning)")
     preempt_signal: Literal["SIGTERM", "SIGUSR2"] = "SIGTERM"
     seed: int = 0

@@ -129,8 +129,7 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
                                 weight_source_factory=local_source)
         reserved_thread = threading.Thread(target=reserved.run, name="reserved-engine", daemon=True)
         reserved_thread.start()
-        est_duration = cfg.trainer.steps * 3.0 + 30
-        cluster = LocalCluster(cfg.cluster, endpoint, out_dir, duration_s=est_duration, weights=cfg.weights,
+        cluster = LocalCluster(cfg.cluster, endpoint, out_dir, weights=cfg.weights,
                                max_batch=r.max_batch, threads=r.torch_threads, t_origin=t_start)
         cluster.start()
         settings = StepSettings(prompts_per_step=r.prompts_per_step, group_size=r.group_size,
@@ -176,6 +175,7 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
             "migrated_responses_trained": tot.migrated_responses_trained,
             "tokens_migrated": final_stats["tokens_migrated"],
             "tokens_regenerated": final_stats["tokens_regenerated"],
+            "tokens_regenerated_after_warning": final_stats["tokens_regenerated_after_warning"],
             "tokens_trained_off_version": tot.tokens_trained_off_version,
             "off_version_tokens_rejected": final_stats["off_version_tokens_rejected"],
             "late_tokens_dropped": final_stats["late_tokens"],

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
@@ -159,7 +158,8 @@ def test_p3_trace_matches_readme():
 
 def test_p3_live_counts_agree_with_parcae_count_file():
     events = parse_bamboo_csv(P3_TRACE)
-    rows = [tuple(map(int, line.split(","))) for line in data_file("spot_traces/parcae/p3_count.csv").read_text().split()]
+    text = data_file("spot_traces/parcae/p3_count.csv").read_text()
+    rows = [tuple(map(int, line.split(","))) for line in text.split()]
     assert len(rows) == 344
     last_per_time = {ms / 1000: c for ms, c in rows}  # count after the last event at each time
     assert dict(live_counts(events)) == last_per_time
@@ -483,6 +483,8 @@ def test_driver_applies_actions_at_the_right_times():
     drv.poll()
     assert drv.exit_codes() == [(0, 0, 0), (1, 0, -9)]
     assert (drv.n_started, drv.n_preempted, drv.n_killed) == (3, 1, 1)
+    summ = drv.summary()
+    assert (summ["started"], summ["preempted"], summ["killed"], summ["exited"], summ["live"]) == (3, 1, 1, 2, [0])
     assert set(drv.events[0]) >= {"t", "slot", "attempt", "pid", "action", "exit_code"}
     assert drv.events[0]["pid"] == sp.of(0).pid
 

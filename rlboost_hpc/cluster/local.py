@@ -27,10 +27,10 @@ log = logging.getLogger("rlboost.cluster")
 class LocalCluster:
     """Replays ``cfg.trace`` compressed by ``cfg.time_scale`` onto at most ``cfg.max_workers`` workers.
 
-    ``duration_s`` is the expected wall time of the run; the replayed window is that long in wall seconds.
+    The replayed window is ``cfg.replay_s`` wall seconds long (``replay_s × time_scale`` trace seconds).
     """
 
-    def __init__(self, cfg: LocalClusterCfg, manager_endpoint: str, run_dir: Path, *, duration_s: float,
+    def __init__(self, cfg: LocalClusterCfg, manager_endpoint: str, run_dir: Path, *,
                  weights: WeightsCfg, max_batch: int, threads: int = 1,
                  t_origin: float | None = None) -> None:
         self.cfg = cfg
@@ -48,11 +48,11 @@ class LocalCluster:
             self.plan = None
             return
         events = load_trace(cfg.trace)
-        window_s = duration_s * cfg.time_scale
+        window_s = cfg.replay_s * cfg.time_scale
         start = cfg.window_start_s
         if start is None:
             start = choose_window(events, window_s, cfg.min_changes, max_workers=cfg.max_workers,
-                                  min_removals=min(2, cfg.min_changes))
+                                  min_removals=cfg.min_removals, min_starts=cfg.min_starts)
         self.window_start_s = start
         self.plan = ReplayPlan.from_trace(events, window_start_s=start, window_s=window_s,
                                           time_scale=cfg.time_scale, max_workers=cfg.max_workers,
@@ -84,7 +84,12 @@ class LocalCluster:
         t0 = self.t_origin
         while not self._stop.is_set():
             with self._lock:
-                for ev in self.driver.poll():
+                try:
+                    new = self.driver.poll()
+                except Exception:  # a failed spawn is recorded by the driver; keep replaying
+                    log.exception("cluster: spawning a worker failed")
+                    new = []
+                for ev in new:
                     if ev["action"] in ("start", "preempt", "kill", "exit", "spawn_failed"):
                         log.info("cluster: %s slot %s attempt %s pid %s exit %s", ev["action"], ev["slot"],
                                  ev["attempt"], ev["pid"], ev.get("exit_code"))

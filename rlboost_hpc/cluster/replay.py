@@ -600,6 +600,15 @@ class ReplayDriver:
         """Spawns (every attempt of every slot)."""
         return self.counts["start"]
 
+    def summary(self) -> dict[str, Any]:
+        """Counts for reports: started, preempted (warned), killed, retired, withdrawn, exited, plus
+        ``exit_codes`` (as :meth:`exit_codes`), ``live`` slots and ``elapsed_s``."""
+        return {
+            "started": self.n_started, "preempted": self.n_preempted, "killed": self.n_killed,
+            "retired": self.counts["retire"], "withdrawn": self.counts["withdraw"], "exited": self.counts["exit"],
+            "exit_codes": self.exit_codes(), "live": self.live_slots(), "elapsed_s": self.elapsed(),
+        }
+
     def exit_codes(self) -> list[tuple[int, int, int | None]]:
         """``(slot, attempt, exit_code)`` of every reaped worker, in reaping order."""
         return [(e["slot"], e["attempt"], e["exit_code"]) for e in self.events if e["action"] == "exit"]

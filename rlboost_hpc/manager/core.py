@@ -131,7 +131,7 @@ class ManagerCore:
         self.counters: dict[str, int | float] = {
             k: 0 for k in (
                 "registrations", "rejected_registrations", "dispatched", "responses_migrated",
-                "tokens_migrated", "tokens_regenerated", "tokens_received", "late_tokens",
+                "tokens_migrated", "tokens_regenerated", "tokens_regenerated_after_warning", "tokens_received", "late_tokens",
                 "off_version_tokens_rejected", "instances_preempted_with_warning", "instances_lost",
                 "instances_fenced", "weight_loads", "weight_load_failures", "groups_delivered",
                 "responses_delivered", "request_failures", "protocol_rejects", "released_requests",
@@ -180,6 +180,7 @@ class ManagerCore:
         unsent = max(0, inst.tokens_generated - inst.tokens_received)
         self.counters["tokens_regenerated"] += unsent
         if warned:
+            self.counters["tokens_regenerated_after_warning"] += unsent
             self.counters["instances_preempted_with_warning"] += 1
         else:
             self.counters["instances_lost"] += 1

@@ -218,11 +218,21 @@ class LlamaModel(nn.Module):
         allowed = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None]  # [1,T,T]
         if attention_mask is not None:
             allowed = allowed & attention_mask[:, None, :]
-        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=dev)
-        bias = bias.masked_fill(~allowed, torch.finfo(torch.float32).min)[:, None, None]  # [B|1,1,1,T,T]
+        return self.lm_head(self.model.norm(self._trunk(input_ids, cos, sin, allowed)))
 
+    def _trunk(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor,
+               kv_out: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+        """Hidden states ``[B,T,D]`` before the final norm. ``allowed``: ``[B|1,T,T]`` bool (query, key).
+
+        Masked scores are set to the most negative fp32 (not -inf), so fully masked rows stay finite.
+        ``kv_out`` (if given) receives each layer's post-RoPE keys and values, ``[B,KV,T,hd]`` each.
+        """
+        cfg = self.config
+        B, T = input_ids.shape
         H, KV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         G = H // KV
+        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=input_ids.device)
+        bias = bias.masked_fill(~allowed, torch.finfo(torch.float32).min)[:, None, None]  # [B|1,1,1,T,T]
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             a = layer.self_attn
@@ -231,14 +241,16 @@ class LlamaModel(nn.Module):
             k = a.k_proj(h).view(B, T, KV, hd).transpose(1, 2)
             v = a.v_proj(h).view(B, T, KV, hd).transpose(1, 2)
             q = self._apply_rope(q, cos, sin).view(B, KV, G, T, hd)
-            k = self._apply_rope(k, cos, sin).unsqueeze(2)  # [B,KV,1,T,hd]
-            scores = torch.matmul(q, k.transpose(-1, -2)) * self._scale + bias
+            k = self._apply_rope(k, cos, sin)
+            if kv_out is not None:
+                kv_out.append((k, v))
+            scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * self._scale + bias
             p = torch.softmax(scores, dim=-1)
             o = torch.matmul(p, v.unsqueeze(2))  # [B,KV,G,T,hd]
             o = o.view(B, H, T, hd).transpose(1, 2).reshape(B, T, H * hd)
             x = x + a.o_proj(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.lm_head(self.model.norm(x))
+        return x
 
     # ------------------------------------------------------------------ generation
     def new_cache(self, num_slots: int, max_len: int | None = None) -> KVCache:
@@ -268,30 +280,15 @@ class LlamaModel(nn.Module):
         if T == 0 or T > cache.max_len:
             raise ValueError(f"prefill of {T} tokens into a cache of max_len {cache.max_len}")
         cache.lengths[slot] = 0
-        cfg = self.config
-        H, KV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        G = H // KV
         cos_t, sin_t = self._rope_tables(T, cache.device)
-        cos, sin = cos_t[:T], sin_t[:T]
-        bias = torch.full((T, T), float("-inf"), device=cache.device).triu_(1)
-        x = self.model.embed_tokens(ids)  # [T,D]
-        for li, layer in enumerate(self.model.layers):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = a.q_proj(h).view(T, H, hd).transpose(0, 1)  # [H,T,hd]
-            k = a.k_proj(h).view(T, KV, hd).transpose(0, 1)  # [KV,T,hd]
-            v = a.v_proj(h).view(T, KV, hd).transpose(0, 1)
-            q = self._apply_rope(q, cos, sin).view(KV, G, T, hd)
-            k = self._apply_rope(k, cos, sin)
-            cache.k[li, slot, :, :T] = k
-            cache.v[li, slot, :, :T] = v
-            scores = torch.matmul(q, k.unsqueeze(1).transpose(-1, -2)) * self._scale + bias
-            o = torch.matmul(torch.softmax(scores, dim=-1), v.unsqueeze(1))  # [KV,G,T,hd]
-            o = o.view(H, T, hd).transpose(0, 1).reshape(T, H * hd)
-            x = x + a.o_proj(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        allowed = torch.ones(T, T, dtype=torch.bool, device=cache.device).tril()[None]
+        kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        x = self._trunk(ids[None], cos_t[:T], sin_t[:T], allowed, kv_out=kv)
+        for li, (k, v) in enumerate(kv):
+            cache.k[li, slot, :, :T] = k[0]
+            cache.v[li, slot, :, :T] = v[0]
         cache.lengths[slot] = T
-        return self.lm_head(self.model.norm(x[-1]))
+        return self.lm_head(self.model.norm(x[0, -1]))
 
     @torch.no_grad()
     def decode(self, cache: KVCache, slots: torch.Tensor | Sequence[int], input_ids: torch.Tensor) -> torch.Tensor:

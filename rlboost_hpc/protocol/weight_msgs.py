@@ -1,0 +1,261 @@
+"""Wire messages of the pull-based weight transfer (``rlboost_hpc.weights``).
+
+One request/reply exchange per message; every message is one msgpack map with a tag field ``"t"``
+(a msgspec tagged union), and a :class:`Chunk` header is followed by exactly one raw payload frame
+(sent zero-copy from the holder's host buffer, never msgpack-encoded).
+
+Exchanges (puller = ZeroMQ DEALER, holder = ROUTER)::
+
+    [GetManifest(version|None)]            -> [Manifest] | [Error]
+    [GetChunk(version, index)]             -> [Chunk(version, index, nbytes), <nbytes raw bytes>] | [Error]
+
+Invariants:
+- Decoding is total: :func:`decode_request` and :func:`decode_reply` either return a valid message of
+  their direction or raise :class:`~rlboost_hpc.protocol.errors.ProtocolError` — for oversized frames
+  (checked before parsing), malformed msgpack, truncated input, huge declared lengths, unknown tags,
+  messages of the other direction, wrong field types and out-of-range values.
+- A :class:`Manifest` that passes :func:`validate_manifest` describes a buffer that can be allocated
+  and viewed without any out-of-bounds access: every tensor lies inside ``total_bytes``, its ``nbytes``
+  equals ``prod(shape) * itemsize(dtype)``, its offset is aligned to its item size, and there is one
+  checksum per chunk of ``chunk_bytes`` (the last one possibly shorter).
+- Checksums are xxh3_64 (seed 0). ``Manifest.checksum`` is xxh3_64 of the concatenated per-chunk digests,
+  each as 8 little-endian bytes (:func:`combine_checksums`); a puller recomputes it from the digests of
+  the bytes it actually received, so it vouches for the whole version without a second pass.
+"""
+from __future__ import annotations
+
+import math
+import struct
+from typing import Annotated, Final, Union
+
+import msgspec
+import xxhash
+from msgspec import Meta, Struct
+
+from rlboost_hpc.protocol.errors import ProtocolError
+
+__all__ = [
+    "Chunk",
+    "Error",
+    "ErrorCode",
+    "GetChunk",
+    "GetManifest",
+    "Manifest",
+    "TensorSpec",
+    "DTYPE_ITEMSIZE",
+    "MAX_REQUEST_BYTES",
+    "MAX_HEADER_BYTES",
+    "MAX_MANIFEST_BYTES",
+    "chunk_checksum",
+    "combine_checksums",
+    "decode_reply",
+    "decode_request",
+    "encode",
+    "num_chunks",
+    "validate_manifest",
+]
+
+#: Largest request frame a holder parses (bytes). Real requests are < 64 bytes.
+MAX_REQUEST_BYTES: Final = 4096
+#: Largest Chunk/Error header frame a puller parses (bytes).
+MAX_HEADER_BYTES: Final = 8192
+#: Largest Manifest frame a puller parses (bytes); ~1M tensors or ~6M chunks.
+MAX_MANIFEST_BYTES: Final = 64 << 20
+
+_U63 = 2**63 - 1
+Version = Annotated[int, Meta(ge=0, le=_U63)]
+NonNeg = Annotated[int, Meta(ge=0, le=_U63)]
+U64 = Annotated[int, Meta(ge=0)]  # msgpack carries at most uint64
+
+#: Item size in bytes of every dtype a manifest may name (torch dtype names without ``torch.``).
+DTYPE_ITEMSIZE: Final[dict[str, int]] = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "bool": 1,
+}
+
+
+class ErrorCode:
+    """Values of :attr:`Error.code`."""
+
+    NO_VERSION: Final = "no_version"  #: nothing has been published yet
+    VERSION_GONE: Final = "version_gone"  #: the version was published but has been evicted
+    UNKNOWN_VERSION: Final = "unknown_version"  #: the version is newer than anything published
+    BAD_INDEX: Final = "bad_index"  #: chunk index outside the version's chunk range
+    BAD_REQUEST: Final = "bad_request"  #: the request frame was rejected (see message)
+
+
+class _Msg(Struct, tag_field="t", frozen=True, forbid_unknown_fields=True):
+    """Base of all weight-transfer messages (msgpack map, tag in field ``"t"``)."""
+
+
+class TensorSpec(Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """Placement of one tensor in a version's flat buffer.
+
+    name: state-dict key. dtype: torch dtype name without ``torch.`` (a key of :data:`DTYPE_ITEMSIZE`).
+    shape: tensor shape. offset: byte offset in the buffer. nbytes: ``prod(shape) * itemsize`` bytes.
+    """
+
+    name: Annotated[str, Meta(max_length=4096)]
+    dtype: Annotated[str, Meta(max_length=32)]
+    shape: tuple[NonNeg, ...]
+    offset: NonNeg
+    nbytes: NonNeg
+
+
+class GetManifest(_Msg, tag="get_manifest"):
+    """Ask for the manifest of ``version`` (``None``: the latest published version)."""
+
+    version: Version | None = None
+
+
+class GetChunk(_Msg, tag="get_chunk"):
+    """Ask for chunk ``index`` (bytes ``[index*chunk_bytes, min(total, (index+1)*chunk_bytes))``) of ``version``."""
+
+    version: Version
+    index: NonNeg
+
+
+class Manifest(_Msg, tag="manifest"):
+    """Everything a puller needs before bytes move: layout, sizes and checksums of one version.
+
+    total_bytes: size of the flat buffer (bytes). chunk_bytes: chunk size (bytes, > 0); the last chunk
+    holds the remainder. tensors: placement of every tensor, in buffer order. chunk_checksums: xxh3_64 of
+    each chunk, ``num_chunks(total_bytes, chunk_bytes)`` of them. checksum: :func:`combine_checksums`
+    of ``chunk_checksums``.
+    """
+
+    version: Version
+    total_bytes: NonNeg
+    chunk_bytes: Annotated[int, Meta(gt=0, le=_U63)]
+    tensors: list[TensorSpec]
+    chunk_checksums: list[U64]
+    checksum: U64
+
+
+class Chunk(_Msg, tag="chunk"):
+    """Header of one chunk; the next frame of the same message holds exactly ``nbytes`` raw bytes."""
+
+    version: Version
+    index: NonNeg
+    nbytes: NonNeg
+
+
+class Error(_Msg, tag="error"):
+    """A request could not be served. ``code`` is an :class:`ErrorCode` value (unknown codes are kept
+    as-is for forward compatibility); ``version``/``index`` echo the request when known."""
+
+    code: Annotated[str, Meta(max_length=64)]
+    message: Annotated[str, Meta(max_length=4096)]
+    version: Version | None = None
+    index: NonNeg | None = None
+
+
+Request = Union[GetManifest, GetChunk]
+Reply = Union[Manifest, Chunk, Error]
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(msg: _Msg) -> bytes:
+    """Encode one message to a msgpack frame."""
+    return _encoder.encode(msg)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, data: object, max_bytes: int, what: str):
+    try:
+        view = memoryview(data)  # type: ignore[arg-type]
+    except TypeError as e:
+        raise ProtocolError(f"{what} frame is not a byte buffer ({type(data).__name__})", "malformed") from e
+    if view.nbytes > max_bytes:
+        raise ProtocolError(f"{what} frame of {view.nbytes} bytes exceeds the limit of {max_bytes} bytes", "oversized")
+    if view.nbytes == 0:
+        raise ProtocolError(f"empty {what} frame", "empty")
+    try:
+        return decoder.decode(view)
+    except msgspec.ValidationError as e:
+        raise ProtocolError(f"invalid {what}: {e}", "invalid") from e
+    except (msgspec.DecodeError, UnicodeDecodeError, ValueError, OverflowError) as e:
+        raise ProtocolError(f"malformed {what} frame: {e}", "malformed") from e
+
+
+def decode_request(data: object, max_bytes: int = MAX_REQUEST_BYTES) -> GetManifest | GetChunk:
+    """Decode a request frame (buffer-protocol object) received by a weight holder.
+
+    Raises:
+        ProtocolError: oversized (> ``max_bytes``), empty, malformed or truncated msgpack, unknown tag,
+            a reply-type message, wrong field types or out-of-range values.
+    """
+    return _decode(_request_decoder, data, max_bytes, "request")
+
+
+def decode_reply(data: object, max_bytes: int = MAX_MANIFEST_BYTES) -> Manifest | Chunk | Error:
+    """Decode a reply header frame received by a puller (the chunk payload frame is *not* passed here).
+
+    Raises:
+        ProtocolError: as :func:`decode_request`, for the reply direction.
+    """
+    return _decode(_reply_decoder, data, max_bytes, "reply")
+
+
+def num_chunks(total_bytes: int, chunk_bytes: int) -> int:
+    """Number of chunks of a ``total_bytes`` buffer cut in ``chunk_bytes`` pieces (0 for an empty buffer)."""
+    return -(-total_bytes // chunk_bytes)
+
+
+def chunk_checksum(data: object) -> int:
+    """xxh3_64 (seed 0) of a buffer-protocol object, as an unsigned 64-bit int. Releases the GIL."""
+    return xxhash.xxh3_64_intdigest(data)  # type: ignore[arg-type]
+
+
+def combine_checksums(digests: list[int]) -> int:
+    """Whole-version checksum: xxh3_64 of the digests packed as little-endian uint64, in chunk order."""
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(digests)}Q", *digests))
+
+
+def validate_manifest(m: Manifest) -> None:
+    """Check that ``m`` describes a buffer that can be safely allocated and viewed (see module invariants).
+
+    Raises:
+        ProtocolError: naming the first inconsistency (chunk count, checksum of checksums, unknown dtype,
+            size or alignment mismatch, tensor outside the buffer, duplicate name).
+    """
+    n = num_chunks(m.total_bytes, m.chunk_bytes)
+    if len(m.chunk_checksums) != n:
+        raise ProtocolError(
+            f"manifest of version {m.version} lists {len(m.chunk_checksums)} chunk checksums, "
+            f"expected {n} for {m.total_bytes} bytes in chunks of {m.chunk_bytes}",
+            "invalid",
+        )
+    if combine_checksums(m.chunk_checksums) != m.checksum:
+        raise ProtocolError(f"manifest of version {m.version}: checksum does not match its chunk checksums", "invalid")
+    seen: set[str] = set()
+    for t in m.tensors:
+        item = DTYPE_ITEMSIZE.get(t.dtype)
+        if item is None:
+            raise ProtocolError(f"manifest tensor {t.name!r}: unsupported dtype {t.dtype!r}", "invalid")
+        if t.name in seen:
+            raise ProtocolError(f"manifest tensor {t.name!r} appears twice", "invalid")
+        seen.add(t.name)
+        if math.prod(t.shape) * item != t.nbytes:
+            raise ProtocolError(
+                f"manifest tensor {t.name!r}: nbytes {t.nbytes} != prod{tuple(t.shape)} * {item}",
+                "invalid",
+            )
+        if t.offset % item or t.offset + t.nbytes > m.total_bytes:
+            raise ProtocolError(
+                f"manifest tensor {t.name!r}: bytes [{t.offset}, {t.offset + t.nbytes}) misaligned or "
+                f"outside the {m.total_bytes}-byte buffer",
+                "invalid",
+            )

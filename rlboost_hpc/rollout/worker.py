@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=4, help="parallel weight-pull streams")
     p.add_argument("--window", type=int, default=4, help="outstanding chunk requests per stream")
     p.add_argument("--pull-timeout", type=float, default=30.0)
+    p.add_argument("--register-timeout", type=float, default=15.0, help="seconds to wait for the manager's Welcome")
     p.add_argument("--signal", default="SIGUSR2", help="preemption warning signal (SIGTERM is always honoured)")
     args = p.parse_args(argv)
 
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
     agent = RolloutAgent(
         args.manager, args.job_id, args.attempt, kind="preemptible", max_batch=args.max_batch,
+        register_timeout_s=args.register_timeout,
         weight_source_factory=lambda ep: remote_weight_source(ep, args.streams, args.window, args.pull_timeout),
     )
     warn = getattr(signal, args.signal)

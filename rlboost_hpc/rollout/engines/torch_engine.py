@@ -196,7 +196,7 @@ class _Running:
     @property
     def position(self) -> int:
         """Absolute response position of the next token to sample."""
-        return len(self.req.prefix_ids) + self.produced
+        return self.produced
 
 
 class TorchEngine(Engine):

@@ -1,0 +1,20 @@
+"""Shared pytest fixtures (others may append; keep each fixture cheap or session-scoped)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    """The project root (the directory holding pyproject.toml)."""
+    return Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def stories260k_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """stories260K converted once per session into an HF dir (config.json, model.safetensors, tok512.bin)."""
+    from rlboost_hpc.models.llama2c import ensure_converted
+
+    return ensure_converted(tmp_path_factory.mktemp("models"))

@@ -1,0 +1,328 @@
+"""Unit tests of the manager's state machine (pure logic, injected clock, no sockets)."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from rlboost_hpc.manager.core import ManagerCore
+from rlboost_hpc.protocol import messages as M
+
+TRAINER = b"trainer"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(pending_limit=4, max_attempts=3):
+    clock = Clock()
+    core = ManagerCore(clock=clock, pending_limit=pending_limit, heartbeat_s=0.25, heartbeat_timeout_s=2.0,
+                       max_attempts=max_attempts)
+    core.on_message(TRAINER, M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
+    core.on_message(TRAINER, M.SetVersion(version=0))
+    core.outbox.clear()
+    return core, clock
+
+
+def register(core, peer: bytes, job: str, attempt=0, kind="preemptible", version=0, max_batch=32):
+    core.on_message(peer, M.Register(job_id=job, attempt=attempt, kind=kind, max_batch=max_batch))
+    if version is not None:
+        core.on_message(peer, M.WeightsLoaded(version=version, checksum=1, nbytes=1, pull_s=0.0, load_s=0.0))
+
+
+def submit(core, step=0, groups=1, n=4, max_new=8, version=0):
+    specs = [M.GroupSpec(gid=f"s{step}g{g}", prompt_ids=[1, 5, 6], n=n, max_new_tokens=max_new, temperature=1.0,
+                         top_p=1.0, seed=10 * g, stop_ids=[1, 2]) for g in range(groups)]
+    core.on_message(TRAINER, M.SubmitStep(step=step, version=version, groups=specs))
+
+
+def sent(core, peer=None, kind=None):
+    out = [(p, m) for p, m in core.outbox if (peer is None or p == peer) and (kind is None or isinstance(m, kind))]
+    return [m for _, m in out]
+
+
+def tokens(rid, offset, ids, version=0, finish=M.FINISH_NONE):
+    return M.Tokens(rids=[rid], offsets=[offset], counts=[len(ids)], versions=[version], finish=[finish],
+                    ids=M.pack_i32(ids), logprobs=M.pack_f32([-0.5] * len(ids)))
+
+
+def test_registration_identity_is_job_and_attempt_and_never_merges():
+    core, _ = make()
+    register(core, b"a", "job7", 0)
+    assert isinstance(sent(core, b"a")[0], M.Welcome)
+    core.outbox.clear()
+    register(core, b"b", "job7", 0, version=None)  # same identity from another connection
+    assert isinstance(sent(core, b"b")[0], M.Reject)
+    assert core.counters["rejected_registrations"] == 1
+    register(core, b"c", "job7", 1)  # the requeued attempt is a new instance
+    assert isinstance(sent(core, b"c", M.Welcome)[0], M.Welcome)
+    assert set(core.instances) == {"job7#0", "job7#1"}
+
+
+def test_reregistering_a_dead_attempt_is_rejected():
+    core, clock = make()
+    register(core, b"a", "job1", 0)
+    clock.t = 10.0
+    core.tick()
+    core.outbox.clear()
+    register(core, b"z", "job1", 0, version=None)
+    assert isinstance(sent(core, b"z")[0], M.Reject)
+
+
+def test_routable_only_with_latest_verified_version():
+    core, _ = make()
+    register(core, b"a", "j", version=None)
+    submit(core)
+    core.tick()
+    assert not sent(core, b"a", M.Assign)  # still pulling: nothing routed
+    core.on_message(b"a", M.WeightsFailed(version=0, error="checksum mismatch at chunk 3"))
+    core.tick()
+    assert not sent(core, b"a", M.Assign) and core.instances["j#0"].state == "fenced"
+    core.on_message(b"a", M.WeightsLoaded(version=0, checksum=1, nbytes=1, pull_s=0.1, load_s=0.0))
+    core.tick()
+    assert len(sent(core, b"a", M.Assign)[0].works) == 4
+
+
+def test_jsq_with_pending_limit_holds_the_rest_at_the_manager():
+    core, _ = make(pending_limit=3)
+    register(core, b"a", "a")
+    register(core, b"b", "b")
+    submit(core, groups=2, n=4)  # 8 requests
+    core.tick()
+    got = {p: sum(len(m.works) for m in sent(core, p, M.Assign)) for p in (b"a", b"b")}
+    assert got == {b"a": 3, b"b": 3}
+    assert len(core.queue) == 2
+
+
+def test_tokens_complete_group_delivered_exactly_once():
+    core, _ = make()
+    register(core, b"a", "a")
+    submit(core, n=2, max_new=3)
+    core.tick()
+    core.outbox.clear()
+    core.on_message(b"a", tokens("s0g0/0", 0, [7, 8, 1], finish=M.FINISH_STOP))
+    assert not sent(core, TRAINER, M.GroupDone)
+    core.on_message(b"a", tokens("s0g0/1", 0, [9, 9]))
+    core.on_message(b"a", tokens("s0g0/1", 2, [4], finish=M.FINISH_LENGTH))
+    done = sent(core, TRAINER, M.GroupDone)
+    assert len(done) == 1
+    r = {x.rid: x for x in done[0].responses}
+    assert M.unpack_i32(r["s0g0/1"].ids).tolist() == [9, 9, 4]
+    assert M.unpack_i32(r["s0g0/1"].versions).tolist() == [0, 0, 0]
+    assert r["s0g0/0"].finish_reason == "stop" and r["s0g0/1"].finish_reason == "length"
+    core.outbox.clear()
+    core.on_message(b"a", tokens("s0g0/1", 3, [4], finish=M.FINISH_LENGTH))  # replayed frame
+    assert not sent(core, TRAINER, M.GroupDone)
+
+
+def test_killed_instance_migrates_each_response_with_reduced_budget():
+    core, clock = make()
+    register(core, b"a", "a")
+    submit(core, n=2, max_new=8)
+    core.tick()
+    core.on_message(b"a", tokens("s0g0/0", 0, [5, 6, 7]))
+    core.on_message(b"a", M.Heartbeat(version=0, active=2, tokens_generated=5))  # 2 produced but never sent
+    register(core, b"b", "b")
+    clock.t = 3.0
+    core.on_message(b"b", M.Heartbeat(version=0, active=0, tokens_generated=0))
+    core.outbox.clear()
+    core.tick()
+    works = {w.rid: w for m in sent(core, b"b", M.Assign) for w in m.works}
+    assert works["s0g0/0"].prefix_ids == [5, 6, 7] and works["s0g0/0"].max_new_tokens == 5  # case R1
+    assert works["s0g0/1"].prefix_ids == [] and works["s0g0/1"].max_new_tokens == 8
+    assert core.counters["responses_migrated"] == 2
+    assert core.counters["tokens_regenerated"] == 2
+    assert core.counters["instances_lost"] == 1
+    # the dead instance's late frame is dropped, never appended twice
+    core.on_message(b"a", tokens("s0g0/0", 3, [8]))
+    assert core.requests["s0g0/0"].n == 3
+
+
+def test_warned_preemption_releases_everything_and_regenerates_nothing():
+    core, _ = make()
+    register(core, b"a", "a")
+    register(core, b"b", "b")
+    submit(core, n=2, max_new=8)
+    core.tick()
+    mine = [w.rid for m in sent(core, b"a", M.Assign) for w in m.works]
+    core.outbox.clear()
+    core.on_message(b"a", M.Draining(reason="preempted (SIGTERM)"))
+    core.on_message(b"a", tokens(mine[0], 0, [3, 3]))
+    core.on_message(b"a", M.Released(rids=mine, tokens_generated=2))
+    core.on_message(b"a", M.Deregister(reason="preempted", tokens_generated=2))
+    core.tick()
+    works = {w.rid: w for m in sent(core, b"b", M.Assign) for w in m.works}
+    assert works[mine[0]].prefix_ids == [3, 3] and works[mine[0]].max_new_tokens == 6
+    assert core.counters["tokens_regenerated"] == 0
+    assert core.counters["instances_preempted_with_warning"] == 1
+
+
+def test_off_version_tokens_are_rejected_and_instance_fenced():
+    core, _ = make()
+    register(core, b"a", "a")
+    submit(core, n=1)
+    core.tick()
+    core.on_message(b"a", tokens("s0g0/0", 0, [4, 4], version=7))
+    assert core.counters["off_version_tokens_rejected"] == 2
+    assert core.instances["a#0"].state == "fenced"
+    assert core.requests["s0g0/0"].n == 0 and core.requests["s0g0/0"].state == "queued"
+
+
+@pytest.mark.parametrize("offset,ids", [(1, [4]), (0, [4] * 9)])
+def test_gap_or_budget_overrun_fences(offset, ids):
+    core, _ = make()
+    register(core, b"a", "a")
+    submit(core, n=1, max_new=8)
+    core.tick()
+    core.on_message(b"a", tokens("s0g0/0", offset, ids))
+    assert core.instances["a#0"].state == "fenced"
+    assert core.requests["s0g0/0"].n == 0
+
+
+def test_version_changes_only_between_steps():
+    core, _ = make()
+    register(core, b"a", "a")
+    submit(core, n=1, max_new=2)
+    core.tick()
+    core.outbox.clear()
+    core.on_message(TRAINER, M.SetVersion(version=1))
+    assert isinstance(sent(core, TRAINER)[0], M.Error)  # W4: never discard in-flight work
+    core.on_message(b"a", tokens("s0g0/0", 0, [5, 1], finish=M.FINISH_STOP))
+    core.outbox.clear()
+    core.on_message(TRAINER, M.SetVersion(version=1))
+    assert isinstance(sent(core, b"a")[0], M.NewVersion)
+    assert not core.routable(core.instances["a#0"])
+
+
+def test_close_seeding_hands_reserved_work_to_remote_instances():
+    core, _ = make(pending_limit=8)
+    register(core, b"r", "reserved", kind="reserved")
+    submit(core, n=4)
+    core.tick()
+    assert sum(len(m.works) for m in sent(core, b"r", M.Assign)) == 4
+    register(core, b"p", "p1")
+    core.outbox.clear()
+    core.on_message(TRAINER, M.CloseSeeding(step=0))
+    rel = sent(core, b"r", M.Release)
+    assert len(rel) == 1 and len(rel[0].rids) == 4
+    core.on_message(b"r", M.Released(rids=rel[0].rids, tokens_generated=0))
+    core.tick()
+    assert sum(len(m.works) for m in sent(core, b"p", M.Assign)) == 4
+    assert not core.routable(core.instances["reserved#0"])
+
+
+def test_co_located_fallback_without_preemptible_instances():
+    core, _ = make(pending_limit=8)
+    register(core, b"r", "reserved", kind="reserved")
+    submit(core, n=4)
+    core.tick()
+    core.outbox.clear()
+    core.on_message(TRAINER, M.CloseSeeding(step=0))
+    assert not sent(core, b"r", M.Release)
+    assert core.routable(core.instances["reserved#0"])
+
+
+def test_repeated_engine_failures_fail_the_step_not_train_it():
+    core, _ = make(max_attempts=2)
+    register(core, b"a", "a")
+    submit(core, n=1)
+    for _ in range(2):
+        core.tick()
+        core.on_message(b"a", M.RequestFailed(rid="s0g0/0", error="engine exploded"))
+    failed = sent(core, TRAINER, M.StepFailed)
+    assert failed and "engine exploded" in failed[0].error
+    assert not sent(core, TRAINER, M.GroupDone)
+
+
+def test_unregistered_peers_cannot_inject_tokens_or_steer():
+    core, _ = make()
+    submit(core, n=1)
+    core.on_message(b"x", tokens("s0g0/0", 0, [4]))
+    core.on_message(b"x", M.SetVersion(version=5))
+    assert core.latest_version == 0 and core.requests["s0g0/0"].n == 0
+    assert core.counters["protocol_rejects"] >= 2
+
+
+# --------------------------------------------------------------------------- property test
+def _tok(rid: str, pos: int) -> int:
+    return 3 + (hash((rid, pos)) % 500)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), n_inst=st.integers(1, 4), kill_p=st.floats(0, 0.08),
+       warn_p=st.floats(0, 0.1))
+def test_no_response_lost_or_duplicated_under_random_preemptions(seed, n_inst, kill_p, warn_p):
+    """Simulated instances produce token f(rid, position); instances die (with or without warning) and new
+    attempts register. Every response must be delivered once, with exactly the uninterrupted tokens."""
+    rng = random.Random(seed)
+    core, clock = make(pending_limit=3)
+    groups, n, max_new = 3, 4, 6
+    submit(core, groups=groups, n=n, max_new=max_new)
+    alive: dict[bytes, dict] = {}
+    attempts = 0
+
+    def spawn():
+        nonlocal attempts
+        peer = f"p{attempts}".encode()
+        register(core, peer, f"job{attempts % n_inst}", attempt=attempts)
+        alive[peer] = {"work": {}, "buf": []}
+        attempts += 1
+
+    for _ in range(n_inst):
+        spawn()
+    delivered: dict[str, list[int]] = {}
+    for _round in range(3000):
+        clock.t += 0.1
+        for peer, m in core.outbox:
+            if isinstance(m, M.Assign) and peer in alive:
+                for w in m.works:
+                    alive[peer]["work"][w.rid] = [len(w.prefix_ids), w.max_new_tokens]
+            elif isinstance(m, M.Release) and peer in alive:
+                for rid in m.rids:
+                    alive[peer]["work"].pop(rid, None)
+                core_msgs = [M.Released(rids=m.rids, tokens_generated=0)]
+                for cm in core_msgs:
+                    core.on_message(peer, cm)
+            elif isinstance(m, M.GroupDone):
+                for r in m.responses:
+                    assert r.rid not in delivered, "duplicate delivery"
+                    delivered[r.rid] = M.unpack_i32(r.ids).tolist()
+        core.outbox.clear()
+        for peer in list(alive):
+            st_ = alive[peer]
+            x = rng.random()
+            if x < kill_p:
+                del alive[peer]  # SIGKILL: silence
+                continue
+            if x < kill_p + warn_p:
+                rids = list(st_["work"])
+                core.on_message(peer, M.Draining(reason="warn"))
+                core.on_message(peer, M.Released(rids=rids, tokens_generated=0))
+                core.on_message(peer, M.Deregister(reason="warn", tokens_generated=0))
+                del alive[peer]
+                continue
+            core.on_message(peer, M.Heartbeat(version=0, active=len(st_["work"]), tokens_generated=0))
+            for rid, (pos, left) in list(st_["work"].items()):
+                k = min(left, rng.randint(1, 3))
+                ids = [_tok(rid, pos + i) for i in range(k)]
+                fin = M.FINISH_LENGTH if k == left else M.FINISH_NONE
+                core.on_message(peer, tokens(rid, pos, ids, finish=fin))
+                if fin:
+                    del st_["work"][rid]
+                else:
+                    st_["work"][rid] = [pos + k, left - k]
+        if len(alive) < n_inst and rng.random() < 0.3:
+            spawn()
+        core.tick()
+        if len(delivered) == groups * n:
+            break
+    assert len(delivered) == groups * n
+    for rid, ids in delivered.items():
+        assert ids == [_tok(rid, i) for i in range(max_new)]

@@ -1,0 +1,178 @@
+"""Integration tests with real processes and sockets: manager process, weight server, worker processes.
+
+A small trainer-side harness submits requests and collects groups like the trainer does; workers are
+real ``python -m rlboost_hpc.rollout.worker`` processes that are SIGKILLed / SIGTERMed mid-stream.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import zmq
+
+from rlboost_hpc.models.llama2c import load_hf_dir
+from rlboost_hpc.manager.service import run_manager_process
+from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.rollout.engines.base import GenRequest, SamplingParams
+from rlboost_hpc.rollout.engines.torch_engine import TorchEngine, generate_all
+from rlboost_hpc.trainer.client import ManagerClient
+from rlboost_hpc.weights.server import WeightServer
+
+pytestmark = pytest.mark.integration
+
+PROMPT = [1, 403, 407, 261, 378]  # BOS "Once upon a time"-ish ids
+MAX_NEW = 160
+
+
+@pytest.fixture
+def harness(stories260k_hf_dir):
+    config, sd = load_hf_dir(stories260k_hf_dir)
+    server = WeightServer(chunk_bytes=64 << 10).start()
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    params = dict(pending_limit=32, heartbeat_s=0.1, heartbeat_timeout_s=1.0, max_attempts=3,
+                  stream_every_tokens=2, stream_every_s=0.02)
+    mproc = ctx.Process(target=run_manager_process, args=("tcp://127.0.0.1:0", params, child), daemon=True)
+    mproc.start()
+    endpoint = parent.recv()
+    client = ManagerClient(endpoint)
+    client.call(M.TrainerHello(weights_endpoint=server.endpoint, model_config=config.to_hf_dict()))
+    server.publish(0, sd, dtype=torch.float32)
+    client.call(M.SetVersion(version=0))
+    procs: list[subprocess.Popen] = []
+
+    class H:
+        pass
+
+    h = H()
+    h.endpoint, h.client, h.server, h.config, h.sd, h.procs, h.mproc = endpoint, client, server, config, sd, procs, mproc
+
+    def worker(job: str, attempt: int = 0, *extra: str) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-m", "rlboost_hpc.rollout.worker", "--manager", endpoint,
+                              "--job-id", job, "--attempt", str(attempt), *extra],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs.append(p)
+        return p
+
+    h.worker = worker
+    yield h
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=10)
+    try:
+        client.call(M.Shutdown(reason="test end"), timeout_s=3)
+    except Exception:
+        pass
+    client.close()
+    mproc.join(timeout=5)
+    if mproc.is_alive():
+        mproc.kill()
+    server.close()
+
+
+def wait_stats(client, pred, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = client.stats()
+        if pred(st):
+            return st
+        time.sleep(0.05)
+    raise AssertionError(f"condition not reached; last stats {st}")
+
+
+def reference(h, n: int, temperature: float):
+    eng = TorchEngine(h.config, h.sd, max_batch=32)
+    reqs = [GenRequest(rid=f"g/{i}", prompt_ids=PROMPT, max_new_tokens=MAX_NEW,
+                       sampling=SamplingParams(temperature=temperature, top_p=1.0, seed=100 + i, stop_token_ids=()))
+            for i in range(n)]
+    return generate_all(eng, reqs)
+
+
+def submit_and_collect(h, n: int, temperature: float, during=None, timeout=90.0):
+    spec = M.GroupSpec(gid="g", prompt_ids=PROMPT, n=n, max_new_tokens=MAX_NEW, temperature=temperature, top_p=1.0,
+                       seed=100, stop_ids=[])
+    h.client.call(M.SubmitStep(step=0, version=0, groups=[spec]))
+    if during is not None:
+        during()
+    ev = h.client.next_event(timeout)
+    assert isinstance(ev, M.GroupDone), ev
+    return ev
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_worker_preempted_mid_stream_response_continues_exactly(harness, sig, temperature):
+    """Case R1/R4: per-sample migration from prompt + generated ids with the remaining budget reproduces the
+    uninterrupted output exactly (greedy, and seeded sampling since draws are keyed by response position)."""
+    h = harness
+    victim = h.worker("victim")
+    wait_stats(h.client, lambda s: s["routable_preemptible"] == 1)
+
+    def preempt():
+        wait_stats(h.client, lambda s: s["tokens_received"] >= 40)
+        victim.send_signal(sig)
+        h.worker("rescuer")
+
+    ev = submit_and_collect(h, n=4, temperature=temperature, during=preempt)
+    ref = reference(h, 4, temperature)
+    st = h.client.stats()
+    assert st["responses_migrated"] >= 1
+    for r in ev.responses:
+        ids, lps, _ = ref[f"g/{r.sample}"]
+        assert M.unpack_i32(r.ids).tolist() == ids
+        assert M.unpack_f32(r.logprobs) == pytest.approx(lps, abs=1e-4)
+        assert len(r.instances) >= 2 or len(ids) == 0
+    if sig == signal.SIGTERM:
+        assert st["tokens_regenerated"] == 0 and st["instances_preempted_with_warning"] == 1
+        assert victim.wait(10) == 0
+    else:
+        assert st["instances_lost"] == 1
+
+
+def test_duplicate_identity_is_rejected_and_exits(harness):
+    """Case S2: a second process with the same (job id, attempt) never merges with the live one."""
+    h = harness
+    h.worker("job42", 0)
+    wait_stats(h.client, lambda s: s["registrations"] == 1)
+    dup = h.worker("job42", 0)
+    assert dup.wait(30) == 2
+    assert "already registered" in dup.stdout.read()
+    assert h.client.stats()["rejected_registrations"] == 1
+
+
+def test_garbage_frames_do_not_stop_the_manager(harness):
+    h = harness
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 5000)
+    s.connect(h.endpoint)
+    rnd = __import__("random").Random(1)
+    frames = [b"", b"\x00", b"\xff" * 100, M.encode(M.Heartbeat(version=0, active=0, tokens_generated=0))[:-1],
+              M.encode(M.Tokens(rids=["x"], offsets=[0], counts=[5], versions=[0], finish=[0], ids=b"1234",
+                                logprobs=b"1234"))]
+    frames += [bytes(rnd.getrandbits(8) for _ in range(rnd.randint(1, 300))) for _ in range(200)]
+    for f in frames:
+        s.send(f)
+    s.send_multipart([b"a", b"b", b"c"])
+    s.close()
+    st = wait_stats(h.client, lambda st: st["protocol_rejects"] >= len(frames))
+    assert st["protocol_rejects"] >= len(frames)
+    h.worker("after-garbage")
+    wait_stats(h.client, lambda s: s["routable_preemptible"] == 1)
+    ev = submit_and_collect(h, n=2, temperature=0.0)
+    assert len(ev.responses) == 2
+
+
+def test_worker_without_manager_exits_with_clear_error(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "rlboost_hpc.rollout.worker", "--manager", "tcp://127.0.0.1:9",
+                        "--job-id", "lonely", "--register-timeout", "2"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 3
+    assert "no answer from manager" in p.stderr
