@@ -19,6 +19,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 2
     from rlboost_hpc.observe.logs import setup_logging
     from rlboost_hpc.observe.report import print_summary
+    from rlboost_hpc.cluster.traces import TraceFormatError
+    from rlboost_hpc.models.config import ModelFormatError
     from rlboost_hpc.paths import DataFileMissing
     from rlboost_hpc.run import run
     from rlboost_hpc.trainer.client import ManagerError
@@ -28,7 +30,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     try:
         report = run(cfg, out, progress=not args.no_progress)
-    except DataFileMissing as e:
+    except (ConfigError, DataFileMissing, ModelFormatError, TraceFormatError) as e:
         print(f"rlboost-hpc: {e}", file=sys.stderr)
         return 2
     except (RolloutFailed, ManagerError) as e:

@@ -79,6 +79,7 @@ class TrainerCfg(_Strict):
     kl_coef: float = Field(0.0, ge=0, description="β of the k3 KL penalty to the reference policy; 0 skips the reference")
     micro_batch: int = Field(16, ge=1, description="m_b: responses per micro-batch")
     seed_window_s: float = Field(3.0, ge=0, description="T_seed: seconds the reserved engine generates at step start")
+    step_timeout_s: float = Field(300.0, gt=0, description="deadline for collecting one step's responses")
     torch_threads: int = Field(1, ge=1)
     eval_samples: int = Field(4, ge=1, description="sampled responses per held-out prompt in evaluation")
     seed: int = 0

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from rlboost_hpc.config import RunConfig
+from rlboost_hpc.config import ConfigError, RunConfig
 from rlboost_hpc.protocol import messages as M
 
 log = logging.getLogger("rlboost.run")
@@ -84,6 +84,10 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
 
     config, sd, tok = load_model(cfg)
     task = get_task(cfg.task.name, n_train=cfg.task.train_prompts, n_heldout=cfg.task.heldout_prompts)
+    longest = max(len(tok.encode(task.format_prompt(p), bos=True)) for p in task.train_prompts() + task.heldout_prompts())
+    if longest + cfg.rollout.max_new_tokens > config.max_position_embeddings:
+        raise ConfigError(f"rollout.max_new_tokens = {cfg.rollout.max_new_tokens} plus the longest prompt ({longest} "
+                          f"tokens) exceeds the model's context of {config.max_position_embeddings} tokens")
     stop_ids = (tok.bos_id, tok.eos_id)
     wdtype = getattr(torch, cfg.weights.dtype)
     r = cfg.rollout
@@ -135,6 +139,7 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
         settings = StepSettings(prompts_per_step=r.prompts_per_step, group_size=r.group_size,
                                 max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                 micro_batch=cfg.trainer.micro_batch, seed_window_s=cfg.trainer.seed_window_s,
+                                step_timeout_s=cfg.trainer.step_timeout_s,
                                 seed=cfg.trainer.seed)
         trainer = RLTrainer(client=client, backend=backend, task=task, tokenizer=tok, settings=settings,
                             stop_ids=stop_ids, publish=publish)

@@ -240,6 +240,8 @@ def test_add_validation(loaded):
     eng.add(GenRequest("fits", [1] * 10, 49, GREEDY, [5] * 5))  # exactly max_len
     with pytest.raises(EngineError, match="outside"):
         eng.add(GenRequest("b", [1, 512], 5, GREEDY))
+    with pytest.raises(EngineError, match="non-integer"):
+        eng.add(GenRequest("b", [1, 2.5], 5, GREEDY))
     with pytest.raises(EngineError, match="temperature"):
         eng.add(GenRequest("b", [1], 5, SamplingParams(temperature=-1.0)))
     with pytest.raises(EngineError, match="top_p"):

@@ -15,7 +15,6 @@ Invariants:
 """
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
@@ -136,7 +135,7 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         hd = config.head_dim
         self._inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
-        self._rope_cache: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._scale = hd ** -0.5
 
     # ------------------------------------------------------------------ helpers
@@ -157,7 +156,7 @@ class LlamaModel(nn.Module):
 
     def _rope_tables(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape ``[≥n, head_dim]`` (HF rotate-half layout); the sin table is sign-folded."""
-        key = (torch.device(device), 0)
+        key = torch.device(device)
         cached = self._rope_cache.get(key)
         if cached is not None and cached[0].shape[0] >= n:
             return cached
@@ -198,7 +197,6 @@ class LlamaModel(nn.Module):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {list(input_ids.shape)}")
         B, T = input_ids.shape
-        cfg = self.config
         dev = input_ids.device
         if attention_mask is not None:
             if attention_mask.shape != input_ids.shape:

@@ -26,6 +26,7 @@ Implements :class:`rlboost_hpc.rollout.engines.base.Engine` exactly. Invariants 
 from __future__ import annotations
 
 import heapq
+import operator
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Mapping
@@ -196,7 +197,7 @@ class _Running:
     @property
     def position(self) -> int:
         """Absolute response position of the next token to sample."""
-        return self.produced
+        return len(self.req.prefix_ids) + self.produced
 
 
 class TorchEngine(Engine):
@@ -255,11 +256,16 @@ class TorchEngine(Engine):
             raise EngineError(f"request {rid!r}: duplicate rid (already queued or running)")
         if not req.prompt_ids:
             raise EngineError(f"request {rid!r}: empty prompt_ids")
-        if not isinstance(req.max_new_tokens, int) or req.max_new_tokens < 1:
+        if isinstance(req.max_new_tokens, bool) or not isinstance(req.max_new_tokens, int) or req.max_new_tokens < 1:
             raise EngineError(f"request {rid!r}: max_new_tokens must be an int ≥ 1, got {req.max_new_tokens!r}")
         V = self.config.vocab_size
+        clean: dict[str, list[int]] = {}
         for name, ids in (("prompt_ids", req.prompt_ids), ("prefix_ids", req.prefix_ids)):
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < V]
+            try:
+                clean[name] = [operator.index(t) for t in ids]
+            except TypeError:
+                raise EngineError(f"request {rid!r}: {name} holds non-integer ids") from None
+            bad = [t for t in clean[name] if not 0 <= t < V]
             if bad:
                 raise EngineError(f"request {rid!r}: {name} holds ids outside [0, {V}): {bad[:5]}")
         sp = req.sampling
@@ -273,8 +279,8 @@ class TorchEngine(Engine):
                 f"request {rid!r}: prompt ({len(req.prompt_ids)}) + prefix ({len(req.prefix_ids)}) + "
                 f"max_new_tokens ({req.max_new_tokens}) = {total} exceeds max_len {self.max_len}"
             )
-        copy = GenRequest(rid=rid, prompt_ids=[int(t) for t in req.prompt_ids], max_new_tokens=req.max_new_tokens,
-                          sampling=sp, prefix_ids=[int(t) for t in req.prefix_ids])
+        copy = GenRequest(rid=rid, prompt_ids=clean["prompt_ids"], max_new_tokens=req.max_new_tokens,
+                          sampling=sp, prefix_ids=clean["prefix_ids"])
         self._waiting.append(_Running(req=copy, stop=frozenset(int(t) for t in sp.stop_token_ids)))
 
     def step(self) -> list[TokenEvent]:

@@ -1,0 +1,86 @@
+"""Decode throughput of TorchEngine vs transformers' ``LlamaForCausalLM.generate()`` on stories260K.
+
+Both generate ``--new`` tokens per sequence from a BOS prompt at temperature 1 (no top-k/top-p truncation, no
+stop: ``min_new_tokens`` forces the length in HF) for each batch size, measured side by side in one process
+with the same thread count; the figure is generated tokens / wall time (prefill included; best of ``--repeat``).
+
+Usage: ``.venv/bin/python benchmarks/bench_engine.py [--batches 1 8 32] [--new 128] [--threads 1]``
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rlboost_hpc.models.llama2c import ensure_converted, load_hf_dir  # noqa: E402
+from rlboost_hpc.rollout.engines.base import GenRequest, SamplingParams  # noqa: E402
+from rlboost_hpc.rollout.engines.torch_engine import TorchEngine, generate_all  # noqa: E402
+
+
+def bench_engine(cfg, sd, batch: int, new: int, repeat: int, device: str) -> float:
+    eng = TorchEngine(cfg, sd, max_batch=batch, device=device)
+    sp = lambda i: SamplingParams(temperature=1.0, top_p=1.0, seed=i, stop_token_ids=())  # noqa: E731
+    reqs = lambda tag: [GenRequest(f"{tag}{i}", [1], new, sp(i)) for i in range(batch)]  # noqa: E731
+    generate_all(eng, reqs("w"))  # warm-up
+    best = float("inf")
+    for r in range(repeat):
+        t0 = time.perf_counter()
+        out = generate_all(eng, reqs(f"r{r}-"))
+        best = min(best, time.perf_counter() - t0)
+        assert all(len(v[0]) == new for v in out.values())
+    return batch * new / best
+
+
+def bench_hf(hf, batch: int, new: int, repeat: int, device: str) -> float:
+    ids = torch.ones(batch, 1, dtype=torch.long, device=device)
+    mask = torch.ones_like(ids)
+    kw = dict(attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new,
+              min_new_tokens=new, pad_token_id=0)
+    with torch.no_grad():
+        hf.generate(ids, **kw)  # warm-up
+        best = float("inf")
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            out = hf.generate(ids, **kw)
+            best = min(best, time.perf_counter() - t0)
+            assert out.shape == (batch, 1 + new)
+    return batch * new / best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--new", type=int, default=128, help="new tokens per sequence")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for this tiny model)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = ensure_converted(tmp)
+        cfg, sd = load_hf_dir(hf_dir)
+        hf = None
+        if not args.no_hf:
+            import transformers
+
+            transformers.logging.set_verbosity_error()
+            hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir).to(args.device).eval()
+        print(f"stories260K, {args.new} new tokens/sequence, temperature 1, threads={args.threads}, "
+              f"device={args.device}, torch {torch.__version__}")
+        print(f"{'batch':>5} {'TorchEngine tok/s':>18} {'HF generate tok/s':>18} {'ratio':>7}")
+        for b in args.batches:
+            ours = bench_engine(cfg, sd, b, args.new, args.repeat, args.device)
+            theirs = bench_hf(hf, b, args.new, args.repeat, args.device) if hf is not None else float("nan")
+            print(f"{b:>5} {ours:>18,.0f} {theirs:>18,.0f} {ours / theirs:>6.1f}x", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

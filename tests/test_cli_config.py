@@ -1,0 +1,73 @@
+"""Config validation and CLI error paths: bad input gets a specific error and exit code 2."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from rlboost_hpc.config import ConfigError, load_config
+
+
+def test_default_config_file_matches_defaults(repo_root):
+    cfg = load_config(repo_root / "configs/local.toml")
+    assert cfg.rollout.group_size == 8 and cfg.weights.dtype == "bfloat16"
+
+
+def test_dotted_overrides_are_typed(repo_root):
+    cfg = load_config(repo_root / "configs/local.toml", ["trainer.steps=3", "weights.dtype=float32",
+                                                         "cluster.kill_fraction=0.5"])
+    assert cfg.trainer.steps == 3 and cfg.weights.dtype == "float32" and cfg.cluster.kill_fraction == 0.5
+
+
+@pytest.mark.parametrize("override,needle", [
+    (["trainer.stepz=3"], "trainer.stepz"),
+    (["nonsense.key=1"], "nonsense"),
+    (["trainer.steps=-1"], "trainer.steps"),
+    (["weights.dtype=float8"], "weights.dtype"),
+    (["trainer"], "key.path=value"),
+])
+def test_bad_overrides_name_the_key(override, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        load_config(None, override)
+
+
+def test_malformed_toml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[trainer\nsteps = 3\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_heartbeat_timeout_must_exceed_interval():
+    with pytest.raises(ConfigError, match="heartbeat_timeout_s"):
+        load_config(None, ["manager.heartbeat_s=1.0", "manager.heartbeat_timeout_s=1.5"])
+
+
+def _run_cli(*args, cwd=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "rlboost_hpc.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+def test_cli_unknown_config_key_exits_2(tmp_path):
+    p = _run_cli("run", "--out", str(tmp_path / "o"), "--set", "trainer.stepz=1")
+    assert p.returncode == 2 and "trainer.stepz" in p.stderr
+
+
+def test_cli_missing_model_file_exits_2_with_origin(tmp_path):
+    (tmp_path / "data").mkdir()
+    p = _run_cli("run", "--out", str(tmp_path / "o"), "--set", f"data.dir='{tmp_path / 'data'}'",
+                 "--set", f"model.cache_dir='{tmp_path / 'cache'}'")
+    assert p.returncode == 2
+    assert "stories260K" in p.stderr and "Public origin" in p.stderr
+
+
+def test_cli_bad_trace_file_exits_2_naming_the_line(tmp_path, repo_root):
+    trace = tmp_path / "bad.csv"
+    trace.write_text("0,add,node1\n1000,add,node2\nxx,remove,node1\n")
+    p = _run_cli("run", "--config", str(repo_root / "configs/local.toml"), "--out", str(tmp_path / "o"),
+                 "--set", f"cluster.trace='{trace}'", "--set", "trainer.steps=1")
+    assert p.returncode == 2
+    assert "bad.csv:3" in p.stderr
