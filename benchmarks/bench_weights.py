@@ -8,7 +8,9 @@ included, as a naive receiver pays it); timed from connect (+ allocation) to the
 and receiver in one process, as the raw baseline), each into a fresh buffer (the default: earlier
 pulls stay valid) and into a reused staging buffer (``pull(into=...)``). Reps are interleaved; the table shows the median and
 best GB/s (1 GB = 1e9 bytes) and the ratio of medians to raw. Also: publish() seconds per GB of output
-(fp32 → bf16 cast-copy + chunk checksums).
+(fp32 → bf16 cast-copy + chunk checksums) with torch's default intra-op threads and with one thread
+(``WeightServer(copy_threads=1)``; on a small shared machine the OpenMP team waits for descheduled
+threads, and torchrun ranks default to 1 thread anyway).
 
 Run: ``.venv/bin/python benchmarks/bench_weights.py [--sizes-mib 64 256] [--reps 7] [--chunk-mib 4]``
 """
@@ -103,13 +105,16 @@ def main() -> None:
         sd = make_state(size_mib << 20)
         with WeightServer(chunk_bytes=int(args.chunk_mib * (1 << 20)), keep_versions=2,
                           io_threads=args.server_io_threads) as srv:
-            pub = []
-            for v in range(3):
+            pub: dict[str, list[float]] = {"default": [], "1thr": []}
+            threads = torch.get_num_threads()
+            for v in range(6):
+                kind = "default" if v < 3 else "1thr"
+                srv._copy_threads = None if kind == "default" else 1  # the copy_threads= setting
                 t = time.perf_counter()
                 m = srv.publish(v, sd, dtype=torch.bfloat16)
-                pub.append(time.perf_counter() - t)
+                pub[kind].append(time.perf_counter() - t)
             n = m.total_bytes
-            held_view = memoryview(srv._held[m.version].view)  # the exact bytes a pull moves
+            held_view = memoryview(srv._held[m.version].view)  # (private) the exact bytes a pull moves
             raw = RawSender(held_view)
             pullers = {s: WeightPuller(srv.endpoint, streams=s, window=args.window, io_threads=args.io_threads)
                        for s in args.streams}
@@ -156,9 +161,10 @@ def main() -> None:
                     extra += f"  hash {100 * statistics.median(hash_frac[name]):4.1f}% of wall"
                 rows.append((size_mib, name, n / med / 1e9, n / best / 1e9, base[kind] / med,
                              base["warm"] / med, extra))
-            pub_s_per_gb = statistics.median(pub) / (n / 1e9)
-            rows.append((size_mib, "publish", 1 / pub_s_per_gb, None, None, None,
-                         f"{pub_s_per_gb:.3f} s/GB of bf16 output (fp32->bf16 cast-copy + xxh3)"))
+            for kind, label in (("default", f"publish {threads}thr"), ("1thr", "publish 1thr")):
+                spg = statistics.median(pub[kind]) / (n / 1e9)
+                rows.append((size_mib, label, 1 / spg, None, None, None,
+                             f"{spg:.3f} s/GB of bf16 output (fp32->bf16 cast-copy + xxh3), torch threads"))
     print("x same-buf: ratio of medians to the raw copy into the same kind of buffer (fresh vs fresh, "
           "warm vs warm); x warm: to the raw TCP ceiling; cpu: process CPU seconds (all threads, both "
           "ends) per GB moved")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing as mp
 import os
 import threading
 import time
@@ -41,22 +40,13 @@ def load_model(cfg: RunConfig):
     return config, sd, tok
 
 
-def _start_manager(cfg: RunConfig) -> tuple[mp.Process, str]:
-    from rlboost_hpc.manager.service import run_manager_process
+def _start_manager(cfg: RunConfig):
+    from rlboost_hpc.manager.service import spawn_manager
 
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    params = dict(pending_limit=cfg.manager.pending_limit, heartbeat_s=cfg.manager.heartbeat_s,
-                  heartbeat_timeout_s=cfg.manager.heartbeat_timeout_s, max_attempts=cfg.manager.max_attempts,
-                  stream_every_tokens=cfg.rollout.stream_every_tokens, stream_every_s=cfg.rollout.stream_every_s)
-    proc = ctx.Process(target=run_manager_process, args=("tcp://127.0.0.1:0", params, child),
-                       name="rlboost-manager", daemon=True)
-    proc.start()
-    child.close()
-    if not parent.poll(60):
-        proc.kill()
-        raise RuntimeError("the rollout manager process did not report its endpoint within 60 s")
-    return proc, parent.recv()
+    return spawn_manager(dict(
+        pending_limit=cfg.manager.pending_limit, heartbeat_s=cfg.manager.heartbeat_s,
+        heartbeat_timeout_s=cfg.manager.heartbeat_timeout_s, max_attempts=cfg.manager.max_attempts,
+        stream_every_tokens=cfg.rollout.stream_every_tokens, stream_every_s=cfg.rollout.stream_every_s))
 
 
 def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:

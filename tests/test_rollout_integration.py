@@ -5,7 +5,6 @@ real ``python -m rlboost_hpc.rollout.worker`` processes that are SIGKILLed / SIG
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -17,7 +16,7 @@ import torch
 import zmq
 
 from rlboost_hpc.models.llama2c import load_hf_dir
-from rlboost_hpc.manager.service import run_manager_process
+from rlboost_hpc.manager.service import spawn_manager
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.rollout.engines.base import GenRequest, SamplingParams
 from rlboost_hpc.rollout.engines.torch_engine import TorchEngine, generate_all
@@ -34,13 +33,8 @@ MAX_NEW = 160
 def harness(stories260k_hf_dir):
     config, sd = load_hf_dir(stories260k_hf_dir)
     server = WeightServer(chunk_bytes=64 << 10).start()
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    params = dict(pending_limit=32, heartbeat_s=0.1, heartbeat_timeout_s=1.0, max_attempts=3,
-                  stream_every_tokens=2, stream_every_s=0.02)
-    mproc = ctx.Process(target=run_manager_process, args=("tcp://127.0.0.1:0", params, child), daemon=True)
-    mproc.start()
-    endpoint = parent.recv()
+    mproc, endpoint = spawn_manager(dict(pending_limit=32, heartbeat_s=0.1, heartbeat_timeout_s=1.0,
+                                         max_attempts=3, stream_every_tokens=2, stream_every_s=0.02))
     client = ManagerClient(endpoint)
     client.call(M.TrainerHello(weights_endpoint=server.endpoint, model_config=config.to_hf_dict()))
     server.publish(0, sd, dtype=torch.float32)

@@ -203,11 +203,12 @@ def test_no_server_listening_fails_within_deadline():
     before = threading.active_count()
     t0 = time.perf_counter()
     with pytest.raises(WeightTransferError) as ei:
-        WeightPuller(endpoint, streams=4, timeout_s=0.5).pull(7)
+        WeightPuller(endpoint, streams=4, timeout_s=0.5, label="instance job42.0").pull(7)
     took = time.perf_counter() - t0
     assert took < 3.0
     e = ei.value
     assert e.phase == "manifest" and "timeout" in e.cause and endpoint in str(e) and "version 7" in str(e)
+    assert "instance job42.0" in str(e) and "holder" in str(e)  # both sides are named
     assert threading.active_count() == before  # nothing left behind
 
 
@@ -521,3 +522,30 @@ def test_validate_manifest_catches_inconsistencies():
 def test_puller_module_exports():
     assert issubclass(WeightTransferError, RuntimeError)
     assert puller_mod.WeightPuller is WeightPuller
+
+
+def test_publish_with_copy_threads_restores_torch_threads():
+    before = torch.get_num_threads()
+    with WeightServer(chunk_bytes=CHUNK, copy_threads=1) as srv:
+        srv.publish(1, stories_state())
+        assert torch.get_num_threads() == before
+        got = WeightPuller(srv.endpoint, streams=2).pull()
+    assert_same(got.state_dict, expected(stories_state(), torch.bfloat16))
+
+
+def test_failing_hook_is_an_internal_error_not_a_crash(server):
+    """A bug while serving one request must not take the holder down for everyone."""
+    server.publish(1, stories_state())
+
+    def boom(version, index, payload):
+        if index == 1:
+            raise RuntimeError("injected")
+        return payload
+
+    server._payload_hook = boom
+    with pytest.raises(WeightTransferError) as ei:
+        WeightPuller(server.endpoint, streams=1, timeout_s=5).pull()
+    assert ei.value.phase == "transfer" and ei.value.code == ErrorCode.INTERNAL and "injected" in str(ei.value)
+    assert server.stats["internal_errors"] >= 1 and server.is_alive()
+    server._payload_hook = None
+    assert WeightPuller(server.endpoint).pull().version == 1

@@ -65,7 +65,7 @@ class LocalCluster:
                "--threads", str(self.threads), "--streams", str(self.weights.streams),
                "--window", str(self.weights.window), "--pull-timeout", str(self.weights.pull_timeout_s),
                "--signal", self.cfg.preempt_signal]
-        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads))
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), RLBOOST_SPAWNED_AT=repr(time.time()))
         try:
             return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         finally:

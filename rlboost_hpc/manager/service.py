@@ -98,11 +98,42 @@ def run_manager_process(bind: str, params: dict, conn) -> None:
     from rlboost_hpc.observe.logs import setup_logging
 
     setup_logging("manager")
+    import os
+    import threading
+
     core = ManagerCore(clock=time.monotonic, **params)
     svc = ManagerService(core, bind)
     conn.send(svc.endpoint)
     conn.close()
+    parent = os.getppid()
+
+    def watch_parent() -> None:  # never outlive the trainer that started us (no orphaned manager)
+        while not svc._stop:
+            if os.getppid() != parent:
+                log.error("parent process %d is gone; manager exits", parent)
+                svc.stop()
+            time.sleep(1.0)
+
+    threading.Thread(target=watch_parent, daemon=True).start()
     try:
         svc.serve_forever()
     finally:
         svc.close()
+
+
+def spawn_manager(params: dict, bind: str = "tcp://127.0.0.1:0", timeout_s: float = 60.0):
+    """Start the manager in its own (spawned) process. ``params`` are :class:`ManagerCore` keyword arguments.
+
+    Returns ``(process, endpoint)``. Raises RuntimeError if the process does not report its endpoint in time.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=run_manager_process, args=(bind, params, child), name="rlboost-manager", daemon=True)
+    proc.start()
+    child.close()
+    if not parent.poll(timeout_s):
+        proc.kill()
+        raise RuntimeError(f"the rollout manager process did not report its endpoint within {timeout_s:.0f} s")
+    return proc, parent.recv()

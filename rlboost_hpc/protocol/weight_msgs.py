@@ -92,6 +92,7 @@ class ErrorCode:
     UNKNOWN_VERSION: Final = "unknown_version"  #: the version is newer than anything published
     BAD_INDEX: Final = "bad_index"  #: chunk index outside the version's chunk range
     BAD_REQUEST: Final = "bad_request"  #: the request frame was rejected (see message)
+    INTERNAL: Final = "internal"  #: the holder failed while serving a valid request (see message)
 
 
 class _Msg(Struct, tag_field="t", frozen=True, forbid_unknown_fields=True):

@@ -13,6 +13,7 @@ in a thread of the trainer process. Invariants:
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -109,7 +110,8 @@ class RolloutAgent:
         self._pulled: tuple | None = None
         self._pull_failures = 0
         self._next_pull_at = 0.0
-        self.timings: dict[str, float] = {"start": time.monotonic()}
+        self._startup_logged = False
+        self.timings: dict[str, float] = {"agent_start": time.time()}  # wall-clock seconds (comparable across processes)
 
     # ------------------------------------------------------------------ control
     def request_stop(self, reason: str) -> None:
@@ -163,7 +165,7 @@ class RolloutAgent:
                 self._send(M.WeightsFailed(version=version, error=f"load failed: {type(e).__name__}: {e}"))
                 return
             self._pull, self._pulled, self._pull_failures = None, None, 0
-            self.timings.setdefault("first_weights", time.monotonic())
+            self.timings.setdefault("weights_loaded", time.time())
             self._send(M.WeightsLoaded(version=version, checksum=info.get("checksum", 0),
                                        nbytes=info.get("nbytes", 0), pull_s=info.get("pull_s", 0.0),
                                        load_s=time.monotonic() - t0))
@@ -206,8 +208,24 @@ class RolloutAgent:
                 self._pos.pop(ev.rid, None)
                 finished = True
         if self.tokens_generated and "first_token" not in self.timings:
-            self.timings["first_token"] = time.monotonic()
+            self.timings["first_token"] = time.time()
         return finished
+
+    def startup_phases(self) -> dict[str, float]:
+        """Seconds spent in each start-up phase: process start → agent start (interpreter, imports) →
+        Welcome (registration) → weights loaded (pull + verify + load) → first token produced."""
+        spawned = os.environ.get("RLBOOST_SPAWNED_AT")  # wall time set by the spawner (precise)
+        if spawned is None:
+            import psutil
+
+            spawned = psutil.Process().create_time()  # kernel start time (coarse: clock-tick resolution)
+        t = dict(self.timings, process_start=float(spawned))
+        order = ["process_start", "agent_start", "welcome", "weights_loaded", "first_token"]
+        out = {}
+        for a, b in zip(order, order[1:]):
+            if a in t and b in t:
+                out[f"{a}->{b}_s"] = round(t[b] - t[a], 4)
+        return out
 
     def _release(self, rids: list[str]) -> None:
         """Abort ``rids`` locally, flush everything produced, then hand them back (order matters)."""
@@ -229,7 +247,7 @@ class RolloutAgent:
             self.welcome = msg
             self._source = self.weight_source_factory(msg.weights_endpoint)
             self.want_version = max(self.want_version, msg.latest_version)
-            self.timings.setdefault("welcome", time.monotonic())
+            self.timings.setdefault("welcome", time.time())
         elif isinstance(msg, M.Assign):
             for w in msg.works:
                 if self.engine is None or w.version != self.engine.version:
@@ -316,6 +334,9 @@ class RolloutAgent:
                     last_flush, steps_since_flush = now, 0
             elif self._pending:
                 self._flush()
+            if "first_token" in self.timings and not self._startup_logged:
+                self._startup_logged = True
+                log.info("startup phases %s", json.dumps(self.startup_phases()))
             self._weights_step()
             now = time.monotonic()
             if now - last_hb >= self.welcome.heartbeat_s:

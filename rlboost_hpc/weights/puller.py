@@ -58,18 +58,24 @@ _SLICE_S = 0.05  # longest single poll, so that a failure on one stream stops th
 
 
 class WeightTransferError(RuntimeError):
-    """A pull failed. Attributes: ``phase`` (manifest | transfer | verify | assemble), ``endpoint``,
-    ``version`` (requested; None = latest), ``cause`` (human-readable), ``code`` (the holder's
-    :class:`~rlboost_hpc.protocol.weight_msgs.ErrorCode` when the holder refused, else None)."""
+    """A pull failed. Attributes: ``phase`` (manifest | transfer | verify | assemble), ``endpoint`` (the
+    holder), ``version`` (requested, or resolved once the manifest arrived; None = latest), ``cause``
+    (human-readable), ``code`` (the holder's :class:`~rlboost_hpc.protocol.weight_msgs.ErrorCode` when the
+    holder refused, else None), ``puller`` (the puller's label, e.g. the rollout instance id)."""
 
-    def __init__(self, phase: str, endpoint: str, version: int | None, cause: str, code: str | None = None):
+    def __init__(self, phase: str, endpoint: str, version: int | None, cause: str, code: str | None = None,
+                 puller: str = ""):
         self.phase = phase
         self.endpoint = endpoint
         self.version = version
         self.cause = cause
         self.code = code
+        self.puller = puller
         v = "latest" if version is None else str(version)
-        super().__init__(f"weight pull of version {v} from {endpoint} failed in phase {phase!r}: {cause}")
+        who = f" by {puller}" if puller else ""
+        super().__init__(
+            f"weight pull{who} of version {v} from holder {endpoint} failed in phase {phase!r}: {cause}"
+        )
 
 
 @dataclass
@@ -81,6 +87,7 @@ class PulledWeights:
     (``manifest_s``, ``transfer_s`` — includes per-chunk verification overlapped with receiving,
     ``verify_s``, ``assemble_s``) plus ``chunk_hash_s`` (summed CPU seconds of per-chunk xxh3 over all
     streams) and ``chunk_retries``. checksum: the whole-version checksum (equal to the manifest's).
+    buffer: the uint8 buffer every tensor views (``nbytes`` long).
     """
 
     version: int
@@ -143,6 +150,7 @@ class WeightPuller:
             (seconds without any reply on a stream that is waiting for one).
         deadline_s: optional overall deadline of the whole pull (seconds), checked in every phase.
         io_threads: libzmq I/O threads of the pull's private context (default: ``min(streams, 4)``).
+        label: who is pulling (e.g. the rollout instance id); named in every error message.
 
     A puller holds no sockets between pulls; it is safe to call :meth:`pull` repeatedly (not concurrently).
     """
@@ -156,6 +164,7 @@ class WeightPuller:
         *,
         deadline_s: float | None = None,
         io_threads: int | None = None,
+        label: str = "",
     ) -> None:
         if streams < 1 or window < 1:
             raise ValueError(f"streams and window must be >= 1, got {streams}, {window}")
@@ -167,6 +176,7 @@ class WeightPuller:
         self.timeout_s = float(timeout_s)
         self.deadline_s = deadline_s
         self.io_threads = io_threads if io_threads is not None else min(self.streams, 4)
+        self.label = label
 
     # ------------------------------------------------------------------ public
     def pull(self, version: int | None = None, *, into: torch.Tensor | None = None) -> PulledWeights:
@@ -236,9 +246,9 @@ class WeightPuller:
             phases["assemble_s"] = t4 - t3
             self._check_deadline(deadline)
         except _Failed as e:
-            raise WeightTransferError(phase, self.endpoint, want, e.cause, e.code) from None
+            raise WeightTransferError(phase, self.endpoint, want, e.cause, e.code, self.label) from None
         except zmq.ZMQError as e:
-            raise WeightTransferError(phase, self.endpoint, want, f"ZeroMQ error: {e}") from e
+            raise WeightTransferError(phase, self.endpoint, want, f"ZeroMQ error: {e}", puller=self.label) from e
         finally:
             ctx.term()  # every socket was closed with linger 0, so this cannot block
         return PulledWeights(
