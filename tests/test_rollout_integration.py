@@ -32,7 +32,7 @@ MAX_NEW = 160
 @pytest.fixture
 def harness(stories260k_hf_dir):
     config, sd = load_hf_dir(stories260k_hf_dir)
-    server = WeightServer(chunk_bytes=64 << 10).start()
+    server = WeightServer(chunk_bytes=8 << 10).start()  # ~72 chunks: transfers take many round trips
     mproc, endpoint = spawn_manager(dict(pending_limit=32, heartbeat_s=0.1, heartbeat_timeout_s=1.0,
                                          max_attempts=3, stream_every_tokens=2, stream_every_s=0.02))
     client = ManagerClient(endpoint)
@@ -170,3 +170,43 @@ def test_worker_without_manager_exits_with_clear_error(tmp_path):
                        timeout=60)
     assert p.returncode == 3
     assert "no answer from manager" in p.stderr
+
+
+def test_worker_killed_mid_weight_transfer_is_never_routed(harness):
+    """Cases W1/W3: an instance that dies while pulling never receives work; the step completes elsewhere
+    and the weight server keeps serving the next puller."""
+    h = harness
+    h.server._payload_hook = lambda v, i, payload: (time.sleep(0.05), payload)[1]  # slow link: ~4 s per pull
+    spec = M.GroupSpec(gid="g", prompt_ids=PROMPT, n=3, max_new_tokens=20, temperature=0.0, top_p=1.0, seed=1,
+                       stop_ids=[])
+    h.client.call(M.SubmitStep(step=0, version=0, groups=[spec]))
+    victim = h.worker("victim")
+    st = wait_stats(h.client, lambda s: s["instances_by_state"].get("pulling") == 1)
+    time.sleep(0.5)
+    assert h.client.stats()["instances_by_state"].get("pulling") == 1  # still mid-transfer
+    victim.kill()
+    h.server._payload_hook = None
+    h.worker("rescuer")
+    ev = h.client.next_event(60)
+    assert isinstance(ev, M.GroupDone)
+    assert all(r.instances == ["rescuer#0"] for r in ev.responses)
+    st = h.client.stats()
+    assert st["instances_lost"] == 1 and st["responses_migrated"] == 0
+
+
+def test_corrupted_weight_transfer_is_reported_and_fenced_until_a_clean_pull(harness):
+    """Cases W2/W3: a checksum failure reaches the manager with its cause; the instance is not routed until
+    it loads a complete, verified copy of the latest version."""
+    h = harness
+    h.server._payload_hook = lambda v, i, payload: bytes(len(payload))  # zeros: checksum mismatch
+    spec = M.GroupSpec(gid="g", prompt_ids=PROMPT, n=2, max_new_tokens=10, temperature=0.0, top_p=1.0, seed=1,
+                       stop_ids=[])
+    h.client.call(M.SubmitStep(step=0, version=0, groups=[spec]))
+    h.worker("w")
+    wait_stats(h.client, lambda s: s["weight_load_failures"] >= 1)
+    st = h.client.stats()
+    assert st["dispatched"] == 0 and st["routable_preemptible"] == 0
+    h.server._payload_hook = None  # the link heals; the agent retries with backoff
+    ev = h.client.next_event(60)
+    assert isinstance(ev, M.GroupDone) and len(ev.responses) == 2
+    assert h.client.stats()["weight_loads"] == 1
