@@ -121,9 +121,21 @@ def main() -> None:
           "engine), the manager process and the trainer\n(which also hosts the reserved engine and the weight server) "
           "all share those cores, so (a) mostly measures the protocol's overhead and the spot\ntrace's disruption "
           "(preemptions, migrations, weight pulls), not the offload gain RLBoost targets — that needs rollout "
-          "capacity that does not\nshare the trainer's CPUs. CPU s: children = manager + worker processes (reaped). "
-          "Reward after depends on the rollouts each run sampled,\nso (a) and (b) differ even with the same seed. "
-          f"Run directories: {base}")
+          "capacity that does not\nshare the trainer's CPUs. CPU s: children = manager + worker processes (reaped).")
+    if len(runs) == 2:
+        a, b = runs
+        if a["tokens_trained"] == b["tokens_trained"] and a["reward_heldout_after"] == b["reward_heldout_after"]:
+            print("(a) and (b) trained the same number of tokens and reached the same held-out reward: sampling is seeded "
+                  "per response, so where a response was\ngenerated (and whether it migrated) did not change what was "
+                  "trained — the runs differ only in time.")
+        else:
+            print("(a) and (b) trained different tokens / reached different rewards: the rollouts differed between "
+                  "the runs (placement changed the samples).")
+        replay_s = load_config(args.config, common).cluster.replay_s
+        if a["wall_s"] < replay_s:
+            print(f"Run (a) lasted {a['wall_s']:.0f} s of the {replay_s:.0f} s trace window, so only part of the "
+                  "window's preemptions happened; raise --steps to replay all of it.")
+    print(f"Run directories: {base}")
 
 
 if __name__ == "__main__":

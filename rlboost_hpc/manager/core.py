@@ -52,7 +52,8 @@ class Instance:
 
 @dataclass
 class Request:
-    """Token-level state of one response. ``ids``/``logprobs``/``versions`` are packed parallel arrays."""
+    """Token-level state of one response: ``ids`` (int32) and ``logprobs`` (float32) are packed parallel
+    arrays of ``n`` tokens, all produced by weight ``version`` (deltas of any other version are rejected)."""
 
     rid: str
     step: int
@@ -67,7 +68,6 @@ class Request:
     version: int
     ids: bytearray = field(default_factory=bytearray)
     logprobs: bytearray = field(default_factory=bytearray)
-    versions: bytearray = field(default_factory=bytearray)
     n: int = 0
     state: str = "queued"  # queued | running | done
     instance: str | None = None
@@ -138,7 +138,6 @@ class ManagerCore:
             )
         }
         self.pull_seconds: list[float] = []
-        self._vcache: dict[tuple[int, int], bytes] = {}
 
     # ------------------------------------------------------------------ helpers
     def send(self, peer: bytes, msg: M._Msg) -> None:
@@ -272,41 +271,42 @@ class ManagerCore:
             self.counters["instances_fenced"] += 1
 
     def _on_Tokens(self, peer: bytes, inst: Instance | None, msg: M.Tokens) -> None:
+        """Append each delta to its request (the hot path: one frame carries many deltas)."""
+        counts = msg.counts
+        total = sum(counts)
+        self.counters["tokens_received"] += total
         if inst is None:
-            self.counters["late_tokens"] += sum(msg.counts)
+            self.counters["late_tokens"] += total
             return self._unknown(peer, "tokens")
-        pos = 0
-        ids, lps = msg.ids, msg.logprobs
-        for rid, off, cnt, ver, fin in zip(msg.rids, msg.offsets, msg.counts, msg.versions, msg.finish):
-            lo, hi = pos * 4, (pos + cnt) * 4
-            pos += cnt
-            inst.tokens_received += cnt
-            self.counters["tokens_received"] += cnt
-            req = self.requests.get(rid)
-            if req is None or req.state != "running" or req.instance != inst.key:
-                self.counters["late_tokens"] += cnt
-                continue
-            if ver != req.version:
+        inst.tokens_received += total
+        requests, key = self.requests, inst.key
+        ids, lps = memoryview(msg.ids), memoryview(msg.logprobs)
+        lo = late = 0
+        for i, (rid, off, cnt, ver, fin) in enumerate(zip(msg.rids, msg.offsets, counts, msg.versions, msg.finish)):
+            hi = lo + 4 * cnt
+            req = requests.get(rid)
+            if req is None or req.instance != key or req.state != "running":
+                late += cnt
+            elif ver != req.version:
                 self.counters["off_version_tokens_rejected"] += cnt
                 self._fence(inst, f"sent {cnt} tokens of version {ver} for {rid} of version {req.version}")
-                return
-            if off != req.n or req.n + cnt > req.max_new_tokens:
+                break
+            elif off != req.n or off + cnt > req.max_new_tokens:
                 self._fence(inst, f"delta for {rid} at {off}+{cnt} does not continue {req.n} "
                                   f"within budget {req.max_new_tokens}")
-                return
-            req.ids += ids[lo:hi]
-            req.logprobs += lps[lo:hi]
-            vb = self._vcache.get((ver, cnt))
-            if vb is None:
-                vb = self._vcache[(ver, cnt)] = np.full(cnt, ver, dtype="<i4").tobytes()
-            req.versions += vb
-            req.n += cnt
-            if fin:
-                req.state, req.instance = "done", None
-                req.finish_reason = M.FINISH_NAMES[fin]
-                inst.inflight.discard(rid)
-                inst.releasing.discard(rid)
-                self._group_progress(req)
+                break
+            else:
+                req.ids += ids[lo:hi]
+                req.logprobs += lps[lo:hi]
+                req.n = off + cnt
+                if fin:
+                    req.state, req.instance = "done", None
+                    req.finish_reason = M.FINISH_NAMES[fin]
+                    inst.inflight.discard(rid)
+                    inst.releasing.discard(rid)
+                    self._group_progress(req)
+            lo = hi
+        self.counters["late_tokens"] += late
 
     def _on_RequestFailed(self, peer: bytes, inst: Instance | None, msg: M.RequestFailed) -> None:
         if inst is None:
@@ -433,9 +433,11 @@ class ManagerCore:
         responses = []
         for rid in grp.rids:
             r = self.requests[rid]
+            # Every accepted token carries the request's version (others are rejected above), so the
+            # per-token version array is materialised here instead of appended delta by delta.
             responses.append(M.Response(
                 rid=rid, sample=r.sample, ids=bytes(r.ids), logprobs=bytes(r.logprobs),
-                versions=bytes(r.versions), finish_reason=r.finish_reason, migrations=r.migrations,
+                versions=np.full(r.n, r.version, dtype="<i4").tobytes(), finish_reason=r.finish_reason, migrations=r.migrations,
                 instances=r.instances))
         self.send(self.trainer_peer, M.GroupDone(step=grp.step, gid=grp.gid, responses=responses))
         self.counters["groups_delivered"] += 1

@@ -60,7 +60,8 @@ class ManagerService:
         while not self._stop:
             events = dict(poller.poll(int(tick_s * 1000)))
             if self.sock in events:
-                for _ in range(10_000):
+                batch_end = time.monotonic() + tick_s  # bound a receive burst so replies are not held back
+                while time.monotonic() < batch_end:
                     try:
                         frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
                     except zmq.Again:
@@ -82,7 +83,7 @@ class ManagerService:
                         break
                     self.core.on_message(peer, msg)
             now = time.monotonic()
-            if now - last_tick >= tick_s or self.core.queue:
+            if now - last_tick >= tick_s or (self.core.queue and now - last_tick >= 0.002):
                 self.core.tick()
                 last_tick = now
             if self.core.outbox:

@@ -9,7 +9,7 @@ The only module (with ``weight_msgs``) that knows bytes. Invariants:
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 import numpy as np
@@ -74,25 +74,24 @@ class Tokens(_Msg, tag="tok"):
     FINISH_* code. ``ids`` (int32) and ``logprobs`` (float32) are the concatenated payloads (little-endian)."""
 
     rids: list[str]
-    offsets: list[int]
-    counts: list[int]
+    offsets: list[Annotated[int, msgspec.Meta(ge=0)]]
+    counts: list[Annotated[int, msgspec.Meta(ge=0)]]
     versions: list[int]
-    finish: list[int]
+    finish: list[Literal[0, 1, 2]]
     ids: bytes
     logprobs: bytes
 
     def validate(self) -> None:
-        """Raise ProtocolError unless the columns are parallel and the payload sizes match."""
+        """Raise ProtocolError unless the columns are parallel and the payload sizes match (value ranges are
+        checked by the schema during decoding)."""
         n = len(self.rids)
         if not (len(self.offsets) == len(self.counts) == len(self.versions) == len(self.finish) == n):
             raise ProtocolError("tok: column lengths differ")
         total = sum(self.counts)
-        if total > MAX_PAYLOAD_TOKENS or any(c < 0 for c in self.counts) or any(o < 0 for o in self.offsets):
-            raise ProtocolError("tok: negative or oversized counts/offsets")
+        if total > MAX_PAYLOAD_TOKENS:
+            raise ProtocolError(f"tok: {total} tokens in one frame exceeds {MAX_PAYLOAD_TOKENS}")
         if len(self.ids) != 4 * total or len(self.logprobs) != 4 * total:
             raise ProtocolError(f"tok: payload sizes {len(self.ids)}/{len(self.logprobs)} != 4×{total} tokens")
-        if any(f not in (FINISH_NONE, FINISH_STOP, FINISH_LENGTH) for f in self.finish):
-            raise ProtocolError("tok: unknown finish code")
 
 
 class RequestFailed(_Msg, tag="rfail"):

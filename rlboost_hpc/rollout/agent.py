@@ -175,12 +175,23 @@ class RolloutAgent:
             self._start_pull(self.want_version)
 
     # ------------------------------------------------------------------ tokens
-    def _flush(self) -> None:
+    def _flush(self, only_finished: bool = False) -> None:
+        """Send buffered deltas as one ``Tokens`` frame (all of them, or only those that finished: finished
+        responses go out at once, the rest keep accumulating up to k tokens per delta)."""
         if not self._pending:
             return
         rids, offs, cnts, vers, fins, ids, lps = [], [], [], [], [], [], []
         v = self.engine.version if self.engine is not None else -1
-        for rid, p in self._pending.items():
+        if only_finished:
+            items = [(r, p) for r, p in self._pending.items() if p.finish]
+            for r, _ in items:
+                del self._pending[r]
+        else:
+            items = list(self._pending.items())
+            self._pending.clear()
+        if not items:
+            return
+        for rid, p in items:
             rids.append(rid)
             offs.append(p.offset)
             cnts.append(len(p.ids))
@@ -188,7 +199,6 @@ class RolloutAgent:
             fins.append(p.finish)
             ids.extend(p.ids)
             lps.extend(p.lps)
-        self._pending.clear()
         self._send(M.Tokens(rids=rids, offsets=offs, counts=cnts, versions=vers, finish=fins,
                             ids=M.pack_i32(ids), logprobs=M.pack_f32(lps)))
 
@@ -328,10 +338,12 @@ class RolloutAgent:
                 done = self._on_events(self.engine.step())
                 steps_since_flush += 1
                 now = time.monotonic()
-                if done or steps_since_flush >= self.welcome.stream_every_tokens or \
+                if steps_since_flush >= self.welcome.stream_every_tokens or \
                         now - last_flush >= self.welcome.stream_every_s:
                     self._flush()
                     last_flush, steps_since_flush = now, 0
+                elif done:
+                    self._flush(only_finished=True)
             elif self._pending:
                 self._flush()
             if "first_token" in self.timings and not self._startup_logged:
