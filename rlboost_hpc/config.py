@@ -86,8 +86,14 @@ class TrainerCfg(_Strict):
 
 
 class LocalClusterCfg(_Strict):
-    """Embedded local preemptible cluster: rollout-worker processes replaying a spot trace."""
+    """Where preemptible rollout instances come from.
 
+    ``kind = "local"``: the embedded local cluster — rollout-worker processes replaying a spot trace.
+    ``kind = "slurm"``: rollout jobs submitted by the scavenger daemon find the run through ``endpoints.json``
+    in the run directory; ``max_workers`` is then the N_prem target written to ``target.json``.
+    """
+
+    kind: Literal["local", "slurm"] = "local"
     trace: str = "spot_traces/bamboo/p3-trace.csv"
     max_workers: int = Field(2, ge=0)
     time_scale: float = Field(80.0, gt=0, description="trace seconds per wall-clock second")
@@ -100,6 +106,14 @@ class LocalClusterCfg(_Strict):
     kill_fraction: float = Field(0.0, ge=0, le=1, description="share of removals delivered as SIGKILL (no warning)")
     preempt_signal: Literal["SIGTERM", "SIGUSR2"] = "SIGTERM"
     seed: int = 0
+
+
+class NetworkCfg(_Strict):
+    """Sockets of the manager and the weight server."""
+
+    bind_host: str = Field("127.0.0.1", description="interface to bind; 0.0.0.0 on a real cluster")
+    advertise_host: str | None = Field(None, description="host rollout jobs dial; default: bind_host, or this "
+                                                         "node's hostname when binding 0.0.0.0")
 
 
 class DataCfg(_Strict):
@@ -116,6 +130,7 @@ class RunConfig(_Strict):
     weights: WeightsCfg = WeightsCfg()
     trainer: TrainerCfg = TrainerCfg()
     cluster: LocalClusterCfg = LocalClusterCfg()
+    network: NetworkCfg = NetworkCfg()
     data: DataCfg = DataCfg()
 
     @model_validator(mode="after")

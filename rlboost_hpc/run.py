@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 
 from rlboost_hpc.config import ConfigError, RunConfig
 from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.rundir import advertised, write_endpoints, write_target
 
 log = logging.getLogger("rlboost.run")
 
@@ -43,7 +45,7 @@ def load_model(cfg: RunConfig):
 def _start_manager(cfg: RunConfig):
     from rlboost_hpc.manager.service import spawn_manager
 
-    return spawn_manager(dict(
+    return spawn_manager(bind=f"tcp://{cfg.network.bind_host}:0", params=dict(
         pending_limit=cfg.manager.pending_limit, heartbeat_s=cfg.manager.heartbeat_s,
         heartbeat_timeout_s=cfg.manager.heartbeat_timeout_s, max_attempts=cfg.manager.max_attempts,
         stream_every_tokens=cfg.rollout.stream_every_tokens, stream_every_s=cfg.rollout.stream_every_s))
@@ -84,9 +86,14 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
     eval_kw = dict(samples=cfg.trainer.eval_samples, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                    top_p=r.top_p, stop_ids=stop_ids)
 
-    server = WeightServer(chunk_bytes=cfg.weights.chunk_bytes).start()
-    mproc, endpoint = _start_manager(cfg)
+    server = WeightServer(bind=f"tcp://{cfg.network.bind_host}:0", chunk_bytes=cfg.weights.chunk_bytes).start()
+    mproc, bound = _start_manager(cfg)
+    host = cfg.network.advertise_host or (socket.gethostname() if cfg.network.bind_host in ("0.0.0.0", "*")
+                                          else cfg.network.bind_host)
+    endpoint, weights_endpoint = advertised(bound, host), advertised(server.endpoint, host)
     client = ManagerClient(endpoint)
+    write_endpoints(out_dir, endpoint, weights_endpoint, run_id=os.environ["RLBOOST_RUN_ID"])
+    slurm = cfg.cluster.kind == "slurm"
     cluster = reserved = reserved_thread = None
     backend = TorchBackend(config, sd, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
                            grad_clip=cfg.trainer.grad_clip, clip_eps=cfg.trainer.clip_eps,
@@ -105,7 +112,7 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
     failure: BaseException | None = None
     report: dict = {}
     try:
-        client.call(M.TrainerHello(weights_endpoint=server.endpoint, model_config=config.to_hf_dict()))
+        client.call(M.TrainerHello(weights_endpoint=weights_endpoint, model_config=config.to_hf_dict()))
         publish(0)
         client.call(M.SetVersion(version=0))
         before = evaluate(config, server.local_state_dict(0), tok, task, **eval_kw)
@@ -123,9 +130,12 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
                                 weight_source_factory=local_source)
         reserved_thread = threading.Thread(target=reserved.run, name="reserved-engine", daemon=True)
         reserved_thread.start()
-        cluster = LocalCluster(cfg.cluster, endpoint, out_dir, weights=cfg.weights,
-                               max_batch=r.max_batch, threads=r.torch_threads, t_origin=t_start)
-        cluster.start()
+        if slurm:  # rollout jobs come from the scavenger; tell it how many we want
+            write_target(out_dir, cfg.cluster.max_workers, active=True, step=0)
+        else:
+            cluster = LocalCluster(cfg.cluster, endpoint, out_dir, weights=cfg.weights,
+                                   max_batch=r.max_batch, threads=r.torch_threads, t_origin=t_start)
+            cluster.start()
         settings = StepSettings(prompts_per_step=r.prompts_per_step, group_size=r.group_size,
                                 max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                 micro_batch=cfg.trainer.micro_batch, seed_window_s=cfg.trainer.seed_window_s,
@@ -139,7 +149,10 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
                 m = trainer.run_step(step)
                 st = client.stats()
                 m.update(t_s=time.monotonic() - t_start, live_preemptible=st["live_preemptible"],
-                         routable_preemptible=st["routable_preemptible"], cluster_live=cluster.live())
+                         routable_preemptible=st["routable_preemptible"],
+                         cluster_live=cluster.live() if cluster else st["live_preemptible"])
+                if slurm:
+                    write_target(out_dir, cfg.cluster.max_workers, active=True, step=step + 1)
                 step_metrics.append(m)
                 metrics_f.write(json.dumps(m) + "\n")
                 metrics_f.flush()
@@ -149,7 +162,12 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
         after = evaluate(config, server.local_state_dict(trainer.version), tok, task, **eval_kw)
         drift = _drift(backend, task, tok, stop_ids, r.max_new_tokens)
         tot = trainer.totals
-        csum = cluster.summary()
+        if cluster is not None:
+            csum = cluster.summary()
+        else:  # Slurm: what the manager saw (warned preemptions and losses without warning)
+            csum = {"preemptions_warned": final_stats["instances_preempted_with_warning"],
+                    "kills": final_stats["instances_lost"], "starts": final_stats["registrations"] - 1,
+                    "window_start_s": None}
         report = {
             "steps": len(step_metrics),
             "reward_heldout_before": before["reward_sampled"],
@@ -191,6 +209,8 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
         failure = e
     finally:
         metrics_f.close()
+        if slurm:
+            write_target(out_dir, 0, active=False, step=len(step_metrics))
         if cluster is not None:
             cluster.stop()
         if reserved is not None:

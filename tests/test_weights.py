@@ -212,6 +212,17 @@ def test_no_server_listening_fails_within_deadline():
     assert threading.active_count() == before  # nothing left behind
 
 
+@pytest.mark.parametrize("endpoint", ["bogus://x", "tcp://127.0.0.1:notaport", "tcp://no-such-host.invalid:5"])
+def test_bad_endpoint_fails_fast_without_leaks(endpoint):
+    before = threading.active_count()
+    t0 = time.perf_counter()
+    with pytest.raises(WeightTransferError) as ei:
+        WeightPuller(endpoint, timeout_s=0.3).pull()
+    assert time.perf_counter() - t0 < 3.0
+    assert ei.value.phase == "manifest" and endpoint in str(ei.value)
+    assert threading.active_count() == before
+
+
 def _fake_holder(manifest_frame: bytes | None):
     """A ROUTER that answers GetManifest with ``manifest_frame`` and ignores (or never gets) chunks."""
     ctx = zmq.Context()

@@ -133,7 +133,7 @@ class ManagerCore:
                 "registrations", "rejected_registrations", "dispatched", "responses_migrated",
                 "tokens_migrated", "tokens_regenerated", "tokens_regenerated_after_warning", "tokens_received", "late_tokens",
                 "off_version_tokens_rejected", "instances_preempted_with_warning", "instances_lost",
-                "instances_fenced", "weight_loads", "weight_load_failures", "groups_delivered",
+                "instances_fenced", "instances_drained", "weight_loads", "weight_load_failures", "groups_delivered",
                 "responses_delivered", "request_failures", "protocol_rejects", "released_requests",
             )
         }
@@ -180,7 +180,10 @@ class ManagerCore:
         self.counters["tokens_regenerated"] += unsent
         if warned:
             self.counters["tokens_regenerated_after_warning"] += unsent
-            self.counters["instances_preempted_with_warning"] += 1
+            if reason.startswith("deregistered: preempted"):
+                self.counters["instances_preempted_with_warning"] += 1
+            else:
+                self.counters["instances_drained"] += 1
         else:
             self.counters["instances_lost"] += 1
         inst.state, inst.gone_reason = "gone", reason

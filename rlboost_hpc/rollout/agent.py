@@ -101,6 +101,7 @@ class RolloutAgent:
         self.ctx = ctx or zmq.Context.instance()
         self.engine: Engine | None = None
         self.tokens_generated = 0
+        self.tokens_handed_off = 0  # response tokens of unfinished requests handed back (released)
         self.stop_reason: str | None = None  # set (signal-safe) to drain and exit
         self.welcome: M.Welcome | None = None
         self.want_version = -1
@@ -242,7 +243,7 @@ class RolloutAgent:
         for rid in rids:
             if self.engine is not None:
                 self.engine.abort(rid)
-            self._pos.pop(rid, None)
+            self.tokens_handed_off += self._pos.pop(rid, 0)
         self._flush()
         self._send(M.Released(rids=list(rids), tokens_generated=self.tokens_generated))
 

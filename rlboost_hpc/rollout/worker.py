@@ -1,21 +1,62 @@
-"""Entry point of a preemptible rollout-worker process: ``python -m rlboost_hpc.rollout.worker``.
+"""Entry point of a preemptible rollout-worker process: ``rlboost-hpc worker`` / ``python -m rlboost_hpc.rollout.worker``.
 
-Invariant: a warning signal (SIGTERM, or the configured preemption signal such as SIGUSR2 — never SIGUSR1,
-which NCCL claims; case S1) makes the agent drain — flush every produced token, release its requests,
-deregister — and exit 0. Without a warning (SIGKILL) the manager detects the loss by missed heartbeats.
+Invariants:
+- Identity = (job id, attempt). Under Slurm: ``SLURM_JOB_ID`` and ``SLURM_RESTART_COUNT`` (a requeued job is
+  a new instance that never merges with its previous attempt; case S2).
+- A warning signal (SIGTERM, or the configured preemption signal — SIGUSR2 by default; never SIGUSR1, which
+  NCCL claims; case S1) makes the agent drain: flush every produced token, release its requests, deregister.
+  Under Slurm the job then requeues itself (``scontrol requeue``), because a job that exits on its own during
+  the grace time is COMPLETED, not requeued (case S3). A drain requested by the manager (run finished) exits
+  without requeue. Without a warning (SIGKILL) the manager detects the loss by missed heartbeats.
+- Life-cycle events (warned, tokens, requeue) are appended to the run directory's ``events.jsonl`` when one
+  is given.
 """
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import signal
+import subprocess
 import sys
+import time
+
+log = logging.getLogger("rlboost.worker")
+
+
+def _event(run_dir: str | None, record: dict) -> None:
+    if not run_dir:
+        return
+    try:
+        from scavenger.events import append_event
+
+        append_event(run_dir, record)
+    except Exception as e:  # statistics must never take a worker down
+        log.warning("could not append event %s: %s", record.get("event"), e)
+
+
+def requeue_self(job_id: str, timeout_s: float = 15.0) -> bool:
+    """``scontrol requeue JOB`` with a deadline; True on success (errors are logged, not raised)."""
+    try:
+        p = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.error("scontrol requeue %s failed: %s", job_id, e)
+        return False
+    if p.returncode != 0:
+        log.error("scontrol requeue %s exited %d: %s", job_id, p.returncode, p.stderr.strip())
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rlboost-hpc worker", description="Run one preemptible rollout instance.")
-    p.add_argument("--manager", required=True, help="manager endpoint, e.g. tcp://127.0.0.1:5555")
-    p.add_argument("--job-id", required=True, help="instance identity (Slurm job id or local slot name)")
-    p.add_argument("--attempt", type=int, default=0, help="restart count (SLURM_RESTART_COUNT)")
+    p.add_argument("--manager", help="manager endpoint, e.g. tcp://127.0.0.1:5555 (or use --run-dir)")
+    p.add_argument("--run-dir", help="shared run directory holding endpoints.json (Slurm rollout jobs)")
+    p.add_argument("--wait-endpoints", type=float, default=600.0, help="seconds to wait for endpoints.json")
+    p.add_argument("--job-id", default=os.environ.get("SLURM_JOB_ID"),
+                   help="instance identity (default $SLURM_JOB_ID)")
+    p.add_argument("--attempt", type=int, default=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+                   help="restart count (default $SLURM_RESTART_COUNT)")
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--streams", type=int, default=4, help="parallel weight-pull streams")
@@ -23,27 +64,66 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pull-timeout", type=float, default=30.0)
     p.add_argument("--register-timeout", type=float, default=15.0, help="seconds to wait for the manager's Welcome")
     p.add_argument("--signal", default="SIGUSR2", help="preemption warning signal (SIGTERM is always honoured)")
+    p.add_argument("--requeue", choices=["auto", "yes", "no"], default="auto",
+                   help="after a warned preemption, requeue the Slurm job (auto: when SLURM_JOB_ID is set)")
     args = p.parse_args(argv)
+    if not args.job_id:
+        p.error("--job-id is required outside Slurm")
+    if not (args.manager or args.run_dir):
+        p.error("give --manager or --run-dir")
 
     from rlboost_hpc.observe.logs import setup_logging
 
     setup_logging(f"worker:{args.job_id}#{args.attempt}")
+    warn = getattr(signal, args.signal)
+    if warn == signal.SIGUSR1:
+        p.error("SIGUSR1 is taken by NCCL; use SIGUSR2 (case S1)")
+    holder: dict = {}
+
+    def on_signal(s, _f):
+        holder.setdefault("warned_at", time.time())
+        holder.setdefault("signal", signal.Signals(s).name)
+        if "agent" in holder:
+            holder["agent"].request_stop(f"preempted ({signal.Signals(s).name})")
+
+    for sig in {signal.SIGTERM, warn}:  # installed before the slow imports: a warning is never missed
+        signal.signal(sig, on_signal)
+    manager = args.manager
+    if args.run_dir:
+        from rlboost_hpc.rundir import read_endpoints
+
+        manager = read_endpoints(args.run_dir, wait_s=args.wait_endpoints)["manager"]
+    _event(args.run_dir, {"event": "started", "job_id": args.job_id, "attempt": args.attempt,
+                          "node": os.environ.get("SLURMD_NODENAME", ""), "pid": os.getpid(),
+                          "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "")})
     import torch
 
     torch.set_num_threads(args.threads)
     from rlboost_hpc.rollout.agent import RolloutAgent, remote_weight_source
 
     agent = RolloutAgent(
-        args.manager, args.job_id, args.attempt, kind="preemptible", max_batch=args.max_batch,
-        register_timeout_s=args.register_timeout,
+        manager, args.job_id, args.attempt, kind="preemptible", max_batch=args.max_batch,
+        register_timeout_s=args.register_timeout, node=os.environ.get("SLURMD_NODENAME", ""),
         weight_source_factory=lambda ep: remote_weight_source(ep, args.streams, args.window, args.pull_timeout),
     )
-    warn = getattr(signal, args.signal)
-    if warn == signal.SIGUSR1:
-        p.error("SIGUSR1 is taken by NCCL; use SIGUSR2 (case S1)")
-    for sig in {signal.SIGTERM, warn}:
-        signal.signal(sig, lambda s, f: agent.request_stop(f"preempted ({signal.Signals(s).name})"))
-    return agent.run()
+    holder["agent"] = agent
+    if "warned_at" in holder:  # the warning came while importing
+        agent.request_stop(f"preempted ({holder['signal']})")
+    code = agent.run()
+    preempted = (agent.stop_reason or "").startswith("preempted")
+    _event(args.run_dir, {"event": "tokens", "job_id": args.job_id, "attempt": args.attempt,
+                          "produced": agent.tokens_generated, "handed_off": agent.tokens_handed_off,
+                          "exit_code": code, "stop_reason": agent.stop_reason or ""})
+    if preempted:
+        _event(args.run_dir, {"event": "warned", "job_id": args.job_id, "attempt": args.attempt,
+                              "signal": holder.get("signal"), "warned_at": holder.get("warned_at"),
+                              "drained_s": time.time() - holder.get("warned_at", time.time())})
+        in_slurm = bool(os.environ.get("SLURM_JOB_ID"))
+        if args.requeue == "yes" or (args.requeue == "auto" and in_slurm):
+            ok = requeue_self(args.job_id)
+            _event(args.run_dir, {"event": "requeue_requested", "job_id": args.job_id, "attempt": args.attempt,
+                                  "ok": ok})
+    return code
 
 
 if __name__ == "__main__":

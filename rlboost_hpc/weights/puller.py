@@ -269,9 +269,13 @@ class WeightPuller:
 
     def _socket(self, ctx: zmq.Context, max_frame: int) -> zmq.Socket:
         s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.MAXMSGSIZE, max_frame)
-        s.connect(self.endpoint)
+        try:
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.MAXMSGSIZE, max_frame)
+            s.connect(self.endpoint)
+        except BaseException:
+            s.close(0)  # an open socket would make ctx.term() block forever
+            raise
         return s
 
     def _get_manifest(self, ctx: zmq.Context, version: int | None, deadline: float | None) -> Manifest:
@@ -323,17 +327,16 @@ class WeightPuller:
         if tr.n == 0:
             return
         n_streams = min(self.streams, tr.n)
-        threads = [
-            threading.Thread(target=self._stream, args=(ctx, tr), name=f"weight-pull-{i}", daemon=True)
-            for i in range(n_streams)
-        ]
-        for t in threads:
-            t.start()
+        threads: list[threading.Thread] = []
         try:
+            for i in range(n_streams):
+                t = threading.Thread(target=self._stream, args=(ctx, tr), name=f"weight-pull-{i}", daemon=True)
+                t.start()
+                threads.append(t)
             for t in threads:
                 while t.is_alive():
                     t.join(0.1)
-        except BaseException:
+        except BaseException:  # interrupted, or a thread could not start: stop and reap the others
             tr.fail(_Failed("interrupted"))
             for t in threads:
                 t.join()
