@@ -1,16 +1,20 @@
 """Benchmark: pull-based weight transfer vs a raw loopback TCP copy of the same bytes.
 
-For each size: (a) raw — one TCP stream, a sender thread ``sendall`` of a memoryview of the published
-buffer, the receiver ``recv_into`` a preallocated, already faulted-in buffer (``raw``: the TCP ceiling,
-the baseline of the ratios) or a freshly allocated ``torch.empty`` buffer (``raw fresh``: page-fault cost
-included, as a naive receiver pays it); timed from connect (+ allocation) to the last byte; (b) ``WeightPuller.pull`` (manifest + transfer + per-chunk xxh3
-+ whole-version check + views) with streams = 1, 2, 4, same machine, same process layout (holder thread
-and receiver in one process, as the raw baseline), each into a fresh buffer (the default: earlier
-pulls stay valid) and into a reused staging buffer (``pull(into=...)``). Reps are interleaved; the table shows the median and
-best GB/s (1 GB = 1e9 bytes) and the ratio of medians to raw. Also: publish() seconds per GB of output
-(fp32 → bf16 cast-copy + chunk checksums) with torch's default intra-op threads and with one thread
-(``WeightServer(copy_threads=1)``; on a small shared machine the OpenMP team waits for descheduled
-threads, and torchrun ranks default to 1 thread anyway).
+For each size:
+(a) raw: one TCP stream, a sender thread ``sendall`` of a memoryview of the published buffer, the
+    receiver ``recv_into`` either a preallocated, already faulted-in buffer (``raw warm``: the TCP
+    ceiling, the headline baseline) or a fresh ``torch.empty`` buffer (``raw fresh``: 4 KiB page faults
+    included, as a naive receiver pays them); timed from allocation + connect to the last byte;
+(b) ``WeightPuller.pull`` (manifest + transfer + per-chunk xxh3 + whole-version check + views) with
+    streams = 1, 2, 4, into a fresh buffer (the default, so earlier pulls stay valid; it is a
+    MADV_HUGEPAGE mapping) and into a reused, faulted-in staging buffer (``pull(into=...)``, the
+    like-for-like comparison with ``raw warm``).
+Same process layout for both (holder thread and receiver in one process). Reps are interleaved; the table
+shows median and best GB/s (1 GB = 1e9 bytes), ratios of medians, and process CPU seconds per GB (all
+threads, both ends — less sensitive to other load on a shared machine than wall time). Also publish()
+seconds per GB of output (fp32 → bf16 cast-copy + chunk checksums) with torch's default intra-op threads
+and with one thread (``WeightServer(copy_threads=1)``; on a small shared machine the OpenMP team waits for
+descheduled threads, and torchrun ranks default to 1 thread anyway).
 
 Run: ``.venv/bin/python benchmarks/bench_weights.py [--sizes-mib 64 256] [--reps 7] [--chunk-mib 4]``
 """
@@ -165,9 +169,9 @@ def main() -> None:
                 spg = statistics.median(pub[kind]) / (n / 1e9)
                 rows.append((size_mib, label, 1 / spg, None, None, None,
                              f"{spg:.3f} s/GB of bf16 output (fp32->bf16 cast-copy + xxh3), torch threads"))
-    print("x same-buf: ratio of medians to the raw copy into the same kind of buffer (fresh vs fresh, "
-          "warm vs warm); x warm: to the raw TCP ceiling; cpu: process CPU seconds (all threads, both "
-          "ends) per GB moved")
+    print("x same-buf: ratio of medians to raw into the same kind of buffer (pull fresh vs raw fresh — "
+          "ours uses huge pages; pull into vs raw warm); x warm: to the raw TCP ceiling; cpu: process CPU "
+          "seconds (all threads, both ends) per GB moved")
     print(f"{'size':>8} {'method':>17} {'GB/s med':>9} {'GB/s best':>9} {'x same-buf':>10} {'x warm':>7}  notes")
     for size_mib, name, med, best, ratio, ratio_w, extra in rows:
         b = f"{best:9.2f}" if best is not None else " " * 9

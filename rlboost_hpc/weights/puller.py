@@ -267,11 +267,12 @@ class WeightPuller:
         if deadline is not None and time.perf_counter() > deadline:
             raise _Failed("overall deadline passed")
 
-    def _socket(self, ctx: zmq.Context, max_frame: int) -> zmq.Socket:
+    def _socket(self, ctx: zmq.Context, max_frame: int, rcvtimeo_ms: int = -1) -> zmq.Socket:
         s = ctx.socket(zmq.DEALER)
         try:
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.MAXMSGSIZE, max_frame)
+            s.setsockopt(zmq.RCVTIMEO, rcvtimeo_ms)
             s.connect(self.endpoint)
         except BaseException:
             s.close(0)  # an open socket would make ctx.term() block forever
@@ -346,7 +347,7 @@ class WeightPuller:
 
     def _stream(self, ctx: zmq.Context, tr: _Transfer) -> None:
         try:
-            sock = self._socket(ctx, max(tr.m.chunk_bytes, MAX_HEADER_BYTES))
+            sock = self._socket(ctx, max(tr.m.chunk_bytes, MAX_HEADER_BYTES), rcvtimeo_ms=int(_SLICE_S * 1000))
         except zmq.ZMQError as e:
             tr.fail(_Failed(f"cannot open a stream socket: {e}"))
             return
@@ -390,10 +391,11 @@ class WeightPuller:
                 )
             if tr.deadline is not None and now > tr.deadline:
                 raise _Failed(f"overall deadline passed ({tr.received}/{tr.n} chunks received)")
-            if not sock.poll(_SLICE_S * 1000, zmq.POLLIN):
+            try:
+                header = sock.recv()  # waits at most RCVTIMEO = _SLICE_S, without the GIL
+            except zmq.Again:
                 continue
             last_reply = time.perf_counter()
-            header = sock.recv(zmq.NOBLOCK)
             try:
                 reply = decode_reply(header, MAX_HEADER_BYTES)
             except ProtocolError as e:

@@ -1,0 +1,69 @@
+"""Preemptible-pool cap ``N_prem`` (MISSION.md §1, "The pool is capped at ...").
+
+::
+
+    N_prem = (t_remote · n_prem + T_seed · N_resv) / t_train
+
+The numerator is the step's rollout work in instance-seconds — ``n_prem`` remote instances busy ``t_remote``
+seconds each, plus ``N_resv`` reserved rollout engines (counted in preemptible-instance equivalents) seeding
+for ``T_seed`` seconds — and dividing by the training time gives how many instances would finish that work
+while the trainer trains. The manager uses no more instances than that even when more are available, because
+extra instances would only wait for the trainer (and cost money).
+
+Rounding and clamping (all deterministic):
+
+* ``raw = (t_remote·n_prem + T_seed·N_resv) / t_train``; the cap is ``ceil(raw − 1e-9)`` (round *up*: one
+  instance too many costs a little idle time, one too few makes the trainer wait; the epsilon keeps an exact
+  integer such as 4.0000000001 from floating-point noise at 4).
+* then clamped to ``[minimum, available]`` (``available=None``: no upper clamp; ``minimum`` defaults to 0).
+  ``minimum`` wins over ``available`` only if ``available`` is ``None``; with ``available < minimum`` the
+  result is ``available`` (you cannot use instances that do not exist).
+* ``t_train <= 0`` (no training-time measurement yet, e.g. before the first step): no information, so no cap —
+  the result is ``available`` (or ``None`` when ``available`` is ``None``, meaning "unbounded").
+* All-zero work with positive ``t_train`` gives ``raw = 0`` → cap ``minimum``.
+
+Pure function; negative or non-finite inputs raise :class:`ValueError`.
+"""
+from __future__ import annotations
+
+import math
+
+
+def n_prem_raw(t_remote_s: float, n_prem: float, t_seed_s: float, n_resv: float, t_train_s: float) -> float:
+    """The unrounded ``(t_remote·n_prem + T_seed·N_resv)/t_train`` (``inf`` when ``t_train <= 0``)."""
+    for name, v in (("t_remote_s", t_remote_s), ("n_prem", n_prem), ("t_seed_s", t_seed_s),
+                    ("n_resv", n_resv), ("t_train_s", t_train_s)):
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+    if t_train_s <= 0:
+        return math.inf
+    return (t_remote_s * n_prem + t_seed_s * n_resv) / t_train_s
+
+
+def n_prem_cap(t_remote_s: float, n_prem: float, t_seed_s: float, n_resv: float, t_train_s: float, *,
+               available: int | None = None, minimum: int = 0) -> int | None:
+    """How many preemptible instances to use next step (see the module docstring for rounding/clamping).
+
+    Args:
+        t_remote_s: mean busy seconds per remote instance in the last step (busy = held at least one request).
+        n_prem: remote instances that took part in the last step.
+        t_seed_s: the seeding window of the last step.
+        n_resv: reserved rollout engines, in preemptible-instance equivalents (e.g. 8 GPUs / 2 = 4).
+        t_train_s: trainer compute seconds of the last step (waits excluded).
+        available: instances that could be used now (upper clamp); ``None``: unbounded.
+        minimum: lower clamp (default 0; the co-located fallback covers zero instances).
+
+    Returns:
+        The cap, or ``None`` when it is unbounded (``t_train <= 0`` and ``available is None``).
+    """
+    if minimum < 0:
+        raise ValueError(f"minimum must be >= 0, got {minimum}")
+    if available is not None and available < 0:
+        raise ValueError(f"available must be >= 0, got {available}")
+    raw = n_prem_raw(t_remote_s, n_prem, t_seed_s, n_resv, t_train_s)
+    if math.isinf(raw):
+        return available
+    cap = max(minimum, math.ceil(raw - 1e-9))
+    if available is not None:
+        cap = min(cap, available)
+    return int(cap)

@@ -1,0 +1,93 @@
+"""Per-step rollout controller: the seeding window and the pool cap, fed by one observation per step.
+
+This is the single object the live manager and the simulator both drive (DESIGN.md: "policy/ ... shared
+verbatim by the manager and the simulator"). The protocol, once per RL step:
+
+1. at step start: ``t_seed = ctl.begin_step(n_instances)`` — ``n_instances`` = preemptible instances held now
+   (recalls ``M[n]`` when the count changed since the last step, see :mod:`.seeding`);
+2. run the step with that window; the pool may not exceed ``ctl.cap`` (``None`` = no cap yet);
+3. at step end: ``decision = ctl.end_step(StepObservation(...))`` — updates ``T_seed`` (η rule + memory) and
+   recomputes ``N_prem`` (:mod:`.cap`) from the same observation; ``decision.t_seed_s`` and
+   ``decision.n_prem_cap`` are what the next step should use, and what the scavenger/local cluster obeys.
+
+Pure and deterministic: the decisions are a function of the sequence of observations (the replay test in
+``tests/test_policy_controller.py`` checks that re-feeding a recorded sequence reproduces them exactly).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from rlboost_hpc.policy.cap import n_prem_cap
+from rlboost_hpc.policy.seeding import SeedingWindow
+
+
+@dataclass(frozen=True)
+class StepObservation:
+    """What one finished step exhibited (seconds unless noted).
+
+    Attributes:
+        t_seed_s: the seeding window the step used.
+        t_wait_train_s: trainer idle time after switching to training, waiting for completed groups.
+        t_wait_remote_s: remote pool idle time after its last response, waiting for the next version
+            (0 when no remote instance took part).
+        t_remote_s: mean busy seconds per remote instance (busy = at least one request running or queued).
+        n_remote: remote instances that took part in the step.
+        t_train_s: trainer compute time of the step (micro-batches + optimizer step; waits excluded).
+        n_instances_start / n_instances_end: preemptible instances held at step start / end.
+        n_available: instances that could be held now (the cap's upper clamp); ``None``: unknown/unbounded.
+    """
+
+    t_seed_s: float
+    t_wait_train_s: float
+    t_wait_remote_s: float
+    t_remote_s: float
+    n_remote: int
+    t_train_s: float
+    n_instances_start: int
+    n_instances_end: int
+    n_available: int | None = None
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """What the next step should use: its seeding window and the preemptible-pool cap (``None``: none)."""
+
+    t_seed_s: float
+    n_prem_cap: int | None
+
+
+@dataclass
+class RolloutController:
+    """Seeding window + pool cap. ``n_resv``: reserved rollout engines in preemptible-instance equivalents.
+
+    ``use_cap=False`` disables the cap (every available instance is used). ``cap_minimum``: lower clamp of the
+    cap (0 by default: with zero instances the manager falls back to co-located rollout).
+    """
+
+    n_resv: float
+    seeding: SeedingWindow = field(default_factory=SeedingWindow)
+    use_cap: bool = True
+    cap_minimum: int = 0
+    cap: int | None = None
+    history: list = field(default_factory=list)
+
+    def begin_step(self, n_instances: int) -> float:
+        """The window for the step that starts now, given the preemptible instances held now."""
+        return self.seeding.begin_step(n_instances)
+
+    def end_step(self, obs: StepObservation) -> StepDecision:
+        """Feed the finished step's observation; returns (and remembers) the decision for the next step."""
+        t_seed = self.seeding.update(obs.t_wait_train_s, obs.t_wait_remote_s,
+                                     obs.n_instances_start, obs.n_instances_end)
+        if self.use_cap:
+            self.cap = n_prem_cap(obs.t_remote_s, obs.n_remote, obs.t_seed_s, self.n_resv, obs.t_train_s,
+                                  available=obs.n_available, minimum=self.cap_minimum)
+        else:
+            self.cap = obs.n_available
+        decision = StepDecision(t_seed_s=t_seed, n_prem_cap=self.cap)
+        self.history.append((asdict(obs), asdict(decision)))
+        return decision
+
+    @property
+    def t_seed_s(self) -> float:
+        return self.seeding.value

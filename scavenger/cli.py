@@ -1,0 +1,109 @@
+"""``rlboost-hpc scavenger RUN_DIR [flags]``: run the scavenger daemon (or one step with ``--once``).
+
+Exit codes: 0 success (``--once``: the step succeeded); 1 ``--once`` step failed (a Slurm command failed —
+the message says which and why); 2 bad usage or configuration.
+``rlboost-hpc stats`` lives in :mod:`scavenger.stats` (:func:`stats_main`, re-exported here).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from typing import Sequence
+
+from scavenger.config import ScavengerConfig, ScavengerConfigError, load_scavenger_config
+from scavenger.stats import stats_main  # noqa: F401  (re-exported for the main CLI)
+
+_FIELDS = ScavengerConfig.model_fields
+
+
+def _help(name: str) -> str:
+    f = _FIELDS[name]
+    return f"{f.description} (default: {f.default if f.default_factory is None else '[]'})"
+
+
+def build_parser(prog: str = "rlboost-hpc scavenger") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p.add_argument("run_dir", metavar="RUN_DIR", help="run directory: target.json in, events.jsonl out")
+    p.add_argument("--config", help="TOML file ([scavenger] table or top level); flags override it")
+    p.add_argument("--partition", help=_help("partition"))
+    p.add_argument("--qos", help=_help("qos"))
+    p.add_argument("--account", help=_help("account"))
+    p.add_argument("--gpus-per-job", type=int, help=_help("gpus_per_job"))
+    p.add_argument("--cpus-per-job", type=int, help=_help("cpus_per_job"))
+    p.add_argument("--time-limit", help=_help("time_limit"))
+    p.add_argument("--max-jobs", type=int, help=_help("max_jobs"))
+    p.add_argument("--grace-s", type=int, help=_help("grace_s"))
+    p.add_argument("--signal", help=_help("signal"))
+    rq = p.add_mutually_exclusive_group()
+    rq.add_argument("--requeue", dest="requeue", action="store_true", default=None, help=_help("requeue"))
+    rq.add_argument("--no-requeue", dest="requeue", action="store_false", help="submit with --no-requeue")
+    p.add_argument("--script", help=_help("script"))
+    p.add_argument("--job-name-prefix", help=_help("job_name_prefix"))
+    p.add_argument("--run-id", help=_help("run_id"))
+    p.add_argument("--tag", help=_help("tag"))
+    p.add_argument("--log-dir", help=_help("log_dir"))
+    p.add_argument("--sbatch-arg", action="append", dest="extra_sbatch_args", metavar="ARG",
+                   help="extra sbatch argument, e.g. --sbatch-arg=--mem=8G (repeatable)")
+    p.add_argument("--poll-s", type=float, help=_help("poll_s"))
+    p.add_argument("--command-timeout-s", type=float, help=_help("command_timeout_s"))
+    p.add_argument("--max-backoff-s", type=float, help=_help("max_backoff_s"))
+    p.add_argument("--max-submit-per-cycle", type=int, help=_help("max_submit_per_cycle"))
+    p.add_argument("--failed-job-backoff-s", type=float, help=_help("failed_job_backoff_s"))
+    p.add_argument("--once", action="store_true", help="run one reconciliation, print its result as JSON, exit")
+    p.add_argument("--exit-when-done", action="store_true",
+                   help="exit once target.json says active=false and no rollout job is left")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+_KNOBS = ("partition", "qos", "account", "gpus_per_job", "cpus_per_job", "time_limit", "max_jobs", "grace_s",
+          "signal", "requeue", "script", "job_name_prefix", "run_id", "tag", "log_dir", "extra_sbatch_args",
+          "poll_s", "command_timeout_s", "max_backoff_s", "max_submit_per_cycle", "failed_job_backoff_s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``rlboost-hpc scavenger``; returns the exit code."""
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    try:
+        cfg = load_scavenger_config(args.config, **{k: getattr(args, k) for k in _KNOBS})
+        script = cfg.resolved_script()
+    except ScavengerConfigError as e:
+        print(f"rlboost-hpc scavenger: {e}", file=sys.stderr)
+        return 2
+    try:
+        from rlboost_hpc.observe.logs import setup_logging
+
+        setup_logging("scavenger", level=args.log_level.upper())
+    except ImportError:  # standalone use of the scavenger package
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+    from scavenger.daemon import Scavenger
+
+    daemon = Scavenger(cfg, args.run_dir, script=script)
+    if args.once:
+        res = daemon.reconcile_once()
+        out = {"ok": res.ok, "error": res.error, "desired": res.desired, "live": res.live,
+               "pending": res.pending, "running": res.running, "leaving": res.draining,
+               "free_slots": res.free_slots, "submitted": res.submitted, "cancelled": res.cancelled,
+               "signalled": res.signalled,
+               "target": None if res.target is None else {"n_prem": res.target.n, "active": res.target.active,
+                                                          "source": res.target.source}}
+        print(json.dumps(out))
+        if not res.ok:
+            print(f"rlboost-hpc scavenger: {res.error}", file=sys.stderr)
+        return 0 if res.ok else 1
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        logging.getLogger("scavenger").info("scavenger: %s received; stopping (jobs are left running)",
+                                            signal.Signals(signum).name)
+        daemon.stop()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    return daemon.run_forever(exit_when_done=args.exit_when_done)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Scavenger daemon configuration (pydantic, strict: unknown keys are errors).
+
+Invariants: every knob has a unit in its name or description; the warning signal is never USR1 (NCCL
+installs its own SIGUSR1 handler, case S1); :meth:`ScavengerConfig.sbatch_args` is the only place the
+submission command line is built, so what the daemon submits is what the tests check.
+"""
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+#: The project root (``scavenger/..``): a relative ``script`` is looked up here when not found from the cwd.
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ScavengerConfigError(ValueError):
+    """The scavenger configuration is invalid (bad value, unknown key, unreadable file)."""
+
+
+class ScavengerConfig(BaseModel):
+    """What the daemon submits and how many. Defaults fit the local cluster of ``sbatch/local-cluster/up``."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    partition: str = Field("scavenger", min_length=1, description="low-priority, preemptible partition")
+    qos: str | None = Field(None, description="sbatch --qos (optional)")
+    account: str | None = Field(None, description="sbatch --account (optional)")
+    gpus_per_job: int = Field(1, ge=0, description="GPUs per rollout job (--gres=gpu:N); 0 = CPU-only job")
+    cpus_per_job: int = Field(1, ge=1, description="CPUs per rollout job (--cpus-per-task)")
+    time_limit: str = Field("1:00:00", description="sbatch --time ([D-]HH:MM:SS or minutes)")
+    max_jobs: int = Field(4, ge=0, description="upper bound on live rollout jobs (target when no target.json)")
+    grace_s: int = Field(15, ge=1, description=(
+        "seconds of warning: --signal=B:<signal>@<grace_s> before the time limit, and how long a surplus job "
+        "has between the drain signal and a plain scancel"))
+    signal: str = Field("USR2", description="warning signal sent to the batch shell (never USR1: NCCL takes it)")
+    requeue: bool = Field(True, description="submit with --requeue (preempted jobs come back)")
+    script: str = Field("sbatch/rollout.sbatch", description="the rollout sbatch script (relative: cwd, then "
+                                                             "project root)")
+    job_name_prefix: str = Field("rlboost-rollout-", description="job name = prefix + run id")
+    run_id: str | None = Field(None, description="run id (default: the run directory's name)")
+    tag: str | None = Field(None, description="--comment tag that marks our jobs (default rlboost:<run_id>)")
+    log_dir: str | None = Field(None, description="job stdout/stderr directory (default RUN_DIR/scavenger/logs)")
+    extra_sbatch_args: list[str] = Field(default_factory=list, description="appended to every sbatch call")
+    poll_s: float = Field(5.0, gt=0, description="seconds between reconciliations")
+    command_timeout_s: float = Field(15.0, gt=0, description="timeout of each Slurm command, seconds")
+    max_backoff_s: float = Field(60.0, gt=0, description="longest wait after repeated command failures, s")
+    max_submit_per_cycle: int = Field(16, ge=1, description="most sbatch calls in one reconciliation")
+    failed_job_backoff_s: float = Field(30.0, ge=0, description=(
+        "base pause of submissions after a rollout job FAILED soon after starting (doubles per consecutive "
+        "failure, up to max_backoff_s) — stops a crash loop from hammering the scheduler"))
+
+    @field_validator("signal")
+    @classmethod
+    def _no_usr1(cls, v: str) -> str:
+        s = v.strip().upper().removeprefix("SIG")
+        if s in ("USR1", "10"):
+            raise ValueError("USR1 is taken by NCCL's own handler; use USR2 (the default)")
+        if not re.fullmatch(r"[A-Z0-9]+", s):
+            raise ValueError(f"not a signal name: {v!r}")
+        return s
+
+    @field_validator("time_limit")
+    @classmethod
+    def _time(cls, v: str) -> str:
+        v = str(v).strip()
+        if not re.fullmatch(r"(\d+-)?\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE", v, flags=re.I):
+            raise ValueError(f"time_limit {v!r}: use minutes, MM:SS, HH:MM:SS or D-HH:MM:SS")
+        return v
+
+    @field_validator("job_name_prefix", "tag", "run_id")
+    @classmethod
+    def _no_commas(cls, v: str | None) -> str | None:
+        if v is not None and ("," in v or "\n" in v):
+            raise ValueError("must not contain commas or newlines")
+        return v
+
+    # -- derived ------------------------------------------------------------------------------------
+    def resolved_run_id(self, run_dir: str | os.PathLike[str]) -> str:
+        """``run_id`` or the run directory's name."""
+        return self.run_id or Path(run_dir).resolve().name
+
+    def resolved_tag(self, run_dir: str | os.PathLike[str]) -> str:
+        """The ``--comment`` that marks this run's jobs: ``tag`` or ``rlboost:<run_id>``."""
+        return self.tag or f"rlboost:{self.resolved_run_id(run_dir)}"
+
+    def job_name(self, run_dir: str | os.PathLike[str]) -> str:
+        return f"{self.job_name_prefix}{self.resolved_run_id(run_dir)}"
+
+    def resolved_script(self) -> Path:
+        """The script path: absolute as given; relative from the cwd if it exists there, else from the
+        project root. Raises :class:`ScavengerConfigError` when it exists in neither place."""
+        p = Path(self.script).expanduser()
+        candidates = [p] if p.is_absolute() else [Path.cwd() / p, PROJECT_ROOT / p]
+        for c in candidates:
+            if c.is_file():
+                return c.resolve()
+        raise ScavengerConfigError(
+            f"rollout script {self.script!r} not found (looked in {', '.join(str(c) for c in candidates)}); "
+            "pass --script PATH")
+
+    def sbatch_args(self, run_dir: str | os.PathLike[str]) -> list[str]:
+        """The sbatch options of one rollout job (without ``--parsable`` and the script).
+
+        Exports the whole environment plus ``RLBOOST_RUN_DIR`` (absolute) and ``RLBOOST_RUN_ID`` to the
+        job. Raises :class:`ScavengerConfigError` if the run directory's path contains a comma (``--export``
+        could not carry it)."""
+        rd = str(Path(run_dir).resolve())
+        if "," in rd:
+            raise ScavengerConfigError(f"run directory {rd!r} contains a comma; sbatch --export cannot pass it")
+        log_dir = Path(self.log_dir) if self.log_dir else Path(rd) / "scavenger" / "logs"
+        args = [
+            f"--job-name={self.job_name(run_dir)}",
+            f"--comment={self.resolved_tag(run_dir)}",
+            f"--partition={self.partition}",
+        ]
+        if self.qos:
+            args.append(f"--qos={self.qos}")
+        if self.account:
+            args.append(f"--account={self.account}")
+        if self.gpus_per_job > 0:
+            args.append(f"--gres=gpu:{self.gpus_per_job}")
+        args += [
+            "--nodes=1",
+            "--ntasks=1",
+            f"--cpus-per-task={self.cpus_per_job}",
+            f"--time={self.time_limit}",
+            "--requeue" if self.requeue else "--no-requeue",
+            f"--signal=B:{self.signal}@{self.grace_s}",
+            f"--export=ALL,RLBOOST_RUN_DIR={rd},RLBOOST_RUN_ID={self.resolved_run_id(run_dir)}",
+            f"--output={log_dir}/%x-%j.out",
+            "--open-mode=append",
+            *self.extra_sbatch_args,
+        ]
+        return args
+
+
+def load_scavenger_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> ScavengerConfig:
+    """Config from an optional TOML file (its ``[scavenger]`` table if present, else the top level) with
+    ``overrides`` (``None`` values ignored) on top. Raises :class:`ScavengerConfigError`."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ScavengerConfigError(f"cannot read scavenger config {path}: {e}") from None
+        data = dict(raw.get("scavenger", raw))
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return ScavengerConfig(**data)
+    except ValidationError as e:
+        lines = [f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()]
+        raise ScavengerConfigError("invalid scavenger config: " + "; ".join(lines)) from None

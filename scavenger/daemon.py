@@ -1,0 +1,504 @@
+"""The scavenger daemon: keeps the number of live rollout jobs at the target the run publishes.
+
+One :meth:`Scavenger.reconcile_once` step:
+
+1. read the target (``RUN_DIR/target.json`` = ``{"n_prem": int, "active": bool}``; missing → ``max_jobs``;
+   unreadable → keep the last good target and submit nothing new);
+2. list OUR jobs — those whose ``--comment`` equals the run's tag — in every state (so a restarted daemon
+   reconciles with what is already queued), and log every lifecycle change it sees to ``RUN_DIR/events.jsonl``;
+3. cancel surplus jobs (target dropped), newest pending first, then newest running: a running job first gets
+   the warning signal on its batch shell (``scancel --signal=USR2 --batch``) and a drain marker, so it can hand
+   off its tokens and exit; if it is still alive ``grace_s`` later, a plain ``scancel``. ``active: false`` →
+   plain ``scancel`` of everything at once (the run is over);
+4. submit the missing jobs, never more than the partition's idle capacity allows.
+
+Invariants:
+
+* desired = 0 if not active else min(n_prem, max_jobs); live jobs (pending, running, requeued, completing)
+  minus those already draining are what is compared with it; a draining job is never counted twice.
+* Submissions never exceed capacity: pending_ours + new ≤ Σ_nodes ⌊free_gpus / gpus_per_job⌋ (free CPUs for
+  CPU-only jobs) over usable nodes of the partition; our running jobs already hold their GPUs, so the
+  effective target is min(desired, running_ours + free slots). Pending jobs beyond capacity that already
+  exist (e.g. requeued after a preemption) are kept: they start when capacity returns.
+* Every sbatch/scancel is preceded by a fresh listing in the same step; a job is counted from the listing,
+  never from memory, so a crash between sbatch and the event write cannot cause a duplicate.
+* One event per observed change, also across daemon restarts: the daemon replays its own past events at
+  start-up, so it does not log a job's ``submitted``/``started`` twice.
+* A failing Slurm command aborts the step (nothing after it runs), is logged as one line, and the next step
+  comes after an exponential backoff (``poll_s`` · 2^k, at most ``max_backoff_s``). Rollout jobs that FAIL
+  within a minute of starting pause submissions (``failed_job_backoff_s`` · 2^k) so a broken script does not
+  become a submission storm.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from scavenger.config import ScavengerConfig
+from scavenger.events import append_event, drain_marker_path, iter_events
+from scavenger.slurm import JobInfo, NodeInfo, SlurmClient, SlurmCommandError
+
+log = logging.getLogger("scavenger")
+
+TARGET_FILE = "target.json"
+SOURCE = "scavenger"
+#: Job states that wait for resources; every other live state holds an allocation.
+PENDING_LIKE = frozenset({"PENDING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "SPECIAL_EXIT"})
+#: States counted as live by the daemon (Slurm's live states plus COMPLETING, which may still requeue).
+COUNTED_LIVE = frozenset({"PENDING", "RUNNING", "CONFIGURING", "SUSPENDED", "REQUEUED", "REQUEUE_FED",
+                          "REQUEUE_HOLD", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "SPECIAL_EXIT",
+                          "COMPLETING"})
+RUNNING_LIKE = frozenset({"RUNNING", "SUSPENDED", "COMPLETING", "SIGNALING", "STAGE_OUT", "STOPPED",
+                          "RESIZING"})
+#: A FAILED attempt shorter than this (seconds) counts toward the crash-loop pause.
+QUICK_FAILURE_S = 60.0
+#: A job missing from this many consecutive listings is logged as finished with state UNKNOWN.
+VANISH_AFTER = 2
+
+
+class SlurmAPI(Protocol):
+    """What the daemon needs from a Slurm client (:class:`scavenger.slurm.SlurmClient` and test doubles)."""
+
+    def sinfo_nodes(self, partition: str | None = None) -> list[NodeInfo]: ...
+    def squeue_jobs(self, name_prefix: str | None = None, comment_tag: str | None = None,
+                    all_states: bool = False, only_mine: bool = True) -> list[JobInfo]: ...
+    def sbatch(self, script_path: Any, args: Any = (), env: Any = None) -> str: ...
+    def scancel(self, job_ids: Any, signal: str | None = None, batch: bool = False) -> None: ...
+
+
+class Clock(Protocol):
+    def time(self) -> float: ...
+    def sleep(self, seconds: float) -> None: ...
+
+
+class SystemClock:
+    """Wall clock; :meth:`sleep` returns early when :meth:`wake` is called (daemon stop)."""
+
+    def __init__(self) -> None:
+        self._wake = threading.Event()
+
+    def time(self) -> float:
+        return time.time()
+
+    def sleep(self, seconds: float) -> None:
+        self._wake.wait(max(0.0, seconds))
+
+    def wake(self) -> None:
+        self._wake.set()
+
+
+class TargetError(ValueError):
+    """``target.json`` exists but is not ``{"n_prem": int ≥ 0, "active": bool}``."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """The run's wish: ``n`` live rollout jobs while ``active``. ``source``: file | default | last_good."""
+
+    n: int
+    active: bool
+    source: str
+
+
+def read_target(run_dir: str | os.PathLike[str], default_n: int) -> Target:
+    """Read ``RUN_DIR/target.json``. Missing → ``Target(default_n, True, "default")``.
+    Raises :class:`TargetError` when it cannot be read or has the wrong shape (writers should replace it
+    atomically: write a temp file, then ``os.replace``)."""
+    p = Path(run_dir) / TARGET_FILE
+    try:
+        raw = p.read_text()
+    except FileNotFoundError:
+        return Target(default_n, True, "default")
+    except OSError as e:
+        raise TargetError(f"{p}: {e}") from None
+    try:
+        d = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise TargetError(f"{p}: not JSON ({e.msg})") from None
+    if not isinstance(d, dict):
+        raise TargetError(f"{p}: expected an object")
+    n = d.get("n_prem")
+    active = d.get("active", True)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise TargetError(f"{p}: n_prem must be an integer ≥ 0, got {n!r}")
+    if not isinstance(active, bool):
+        raise TargetError(f"{p}: active must be true/false, got {active!r}")
+    return Target(n, active, "file")
+
+
+@dataclass
+class _Track:
+    """What the daemon last saw of one of its jobs (rebuilt from events.jsonl after a restart)."""
+
+    state: str = "PENDING"
+    restart_cnt: int = 0
+    started_attempt: int | None = None
+    start_ts: float | None = None
+    finished: bool = False
+    drain_signalled_at: float | None = None
+    cancel_sent_at: float | None = None
+    missing: int = 0
+
+
+@dataclass
+class ReconcileResult:
+    """Outcome of one step. ``ok`` is False when a command failed (``error`` has the one-line reason);
+    counts are of OUR live jobs as listed at the start of the step."""
+
+    ok: bool = True
+    error: str | None = None
+    target: Target | None = None
+    desired: int = 0
+    free_slots: int | None = None
+    live: int = 0
+    pending: int = 0
+    running: int = 0
+    draining: int = 0  # live jobs already signalled or cancelled (leaving)
+    submitted: list[str] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    signalled: list[str] = field(default_factory=list)
+    submit_paused_until: float | None = None
+
+
+class Scavenger:
+    """Keeps OUR rollout jobs (tagged ``--comment=<tag>``) at the run's target. See the module docstring.
+
+    ``config``: :class:`ScavengerConfig`; ``run_dir``: the run directory (target.json in, events.jsonl out);
+    ``slurm``: a :class:`SlurmAPI` (default: a :class:`SlurmClient` with the configured timeout);
+    ``clock``: ``time()``/``sleep()`` (default: wall clock); ``script``: the sbatch script to submit
+    (default: ``config.resolved_script()``, resolved lazily at the first submission).
+    """
+
+    def __init__(self, config: ScavengerConfig, run_dir: str | os.PathLike[str], slurm: SlurmAPI | None = None,
+                 clock: Clock | None = None, script: str | os.PathLike[str] | None = None) -> None:
+        self.config = config
+        self.run_dir = Path(run_dir).resolve()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.slurm: SlurmAPI = slurm if slurm is not None else SlurmClient(timeout_s=config.command_timeout_s)
+        self.clock: Clock = clock if clock is not None else SystemClock()
+        self._script = Path(script) if script is not None else None
+        self.tag = config.resolved_tag(self.run_dir)
+        self.job_name = config.job_name(self.run_dir)
+        self._tracks: dict[str, _Track] = {}
+        self._last_target: Target | None = None
+        self._failed_streak = 0
+        self._submit_paused_until = 0.0
+        self._stop = threading.Event()
+        self.consecutive_errors = 0
+        self._replay_events()
+
+    # ---------------------------------------------------------------------------------------------
+    def _replay_events(self) -> None:
+        """Rebuild per-job state from this daemon's own past events (same tag), so a restart logs nothing
+        twice and remembers which jobs it asked to drain."""
+        for ev in iter_events(self.run_dir):
+            if ev.get("source") != SOURCE or ev.get("tag") != self.tag or "job_id" not in ev:
+                continue
+            jid = str(ev["job_id"])
+            t = self._tracks.setdefault(jid, _Track())
+            rc = int(ev.get("restart_cnt", t.restart_cnt) or 0)
+            kind = ev["event"]
+            if kind in ("submitted", "adopted"):
+                t.restart_cnt = max(t.restart_cnt, rc)
+                t.state = str(ev.get("state", "PENDING"))
+            elif kind == "requeued":
+                t.restart_cnt = max(t.restart_cnt, rc)
+                t.state = "PENDING"
+                t.finished = False
+            elif kind == "started":
+                t.started_attempt = rc
+                t.start_ts = ev.get("start_time") or ev.get("ts")
+                t.state = "RUNNING"
+            elif kind == "finished":
+                t.finished = True
+                t.state = str(ev.get("state", "UNKNOWN"))
+            elif kind == "cancelled":
+                if ev.get("mode") == "signal":
+                    t.drain_signalled_at = float(ev.get("ts", 0.0))
+                else:
+                    t.cancel_sent_at = float(ev.get("ts", 0.0))
+
+    def _emit(self, event: str, job_id: str, restart_cnt: int, **fields: Any) -> None:
+        rec = {"ts": round(self.clock.time(), 3), "event": event, "source": SOURCE, "tag": self.tag,
+               "job_id": str(job_id), "restart_cnt": int(restart_cnt)}
+        rec.update({k: v for k, v in fields.items() if v is not None})
+        try:
+            append_event(self.run_dir, rec)
+        except (OSError, ValueError) as e:
+            log.error("scavenger: cannot append %s event of job %s to %s: %s", event, job_id,
+                      self.run_dir / "events.jsonl", e)
+
+    # ---------------------------------------------------------------------------------------------
+    def _observe(self, jobs: list[JobInfo], now: float) -> None:
+        """Log lifecycle changes of OUR jobs (first sight, start, requeue, finish, vanish)."""
+        seen: set[str] = set()
+        for j in jobs:
+            seen.add(j.job_id)
+            t = self._tracks.get(j.job_id)
+            if t is None:
+                t = _Track(state="PENDING", restart_cnt=j.restart_cnt)
+                self._tracks[j.job_id] = t
+                self._emit("adopted", j.job_id, j.restart_cnt, state=j.state, name=j.name,
+                           partition=j.partition, submit_time=j.submit_time, gpus=j.gpus or None)
+                log.info("scavenger: found job %s (%s) from an earlier daemon or a lost submission",
+                         j.job_id, j.state)
+            t.missing = 0
+            if j.restart_cnt > t.restart_cnt:
+                cause = "drain" if t.drain_signalled_at is not None else "preempted_or_requeued"
+                for k in range(t.restart_cnt + 1, j.restart_cnt + 1):
+                    self._emit("requeued", j.job_id, k, previous_state=t.state, state=j.state,
+                               reason=j.state_reason or None, cause=cause,
+                               attempt_start_time=t.start_ts if k == t.restart_cnt + 1 else None,
+                               skipped=True if k < j.restart_cnt else None)
+                log.info("scavenger: job %s requeued (restart_cnt %d → %d, %s)", j.job_id, t.restart_cnt,
+                         j.restart_cnt, j.state_reason or j.state)
+                t.restart_cnt = j.restart_cnt
+                t.finished = False
+                t.start_ts = None
+            if t.started_attempt != j.restart_cnt:
+                ran = j.state in RUNNING_LIKE and j.state != "COMPLETING"
+                inferred = (j.terminal or j.state == "COMPLETING") and j.start_time is not None \
+                    and j.end_time is not None and j.end_time > j.start_time
+                if ran or inferred:
+                    self._emit("started", j.job_id, j.restart_cnt, node=j.nodes or None, gpus=j.gpus,
+                               start_time=j.start_time, partition=j.partition,
+                               inferred=True if inferred and not ran else None)
+                    t.started_attempt = j.restart_cnt
+                    t.start_ts = j.start_time or now
+            if j.terminal and not t.finished:
+                self._emit("finished", j.job_id, j.restart_cnt, state=j.state, exit_code=j.exit_code,
+                           exit_signal=j.exit_signal, end_time=j.end_time, reason=j.state_reason or None,
+                           node=j.nodes or None)
+                t.finished = True
+                self._note_finish(j, t, now)
+            elif j.live and t.finished:  # e.g. `scontrol requeue` of a finished job
+                t.finished = False
+            t.state = j.state
+        for jid, t in self._tracks.items():
+            if t.finished or jid in seen:
+                continue
+            t.missing += 1
+            if t.missing >= VANISH_AFTER:
+                self._emit("finished", jid, t.restart_cnt, state="UNKNOWN", vanished=True)
+                log.warning("scavenger: job %s vanished from squeue (aged out or lost by slurmctld)", jid)
+                t.finished = True
+
+    def _note_finish(self, j: JobInfo, t: _Track, now: float) -> None:
+        if j.state in ("FAILED", "OUT_OF_MEMORY", "BOOT_FAIL"):
+            start = j.start_time or t.start_ts
+            end = j.end_time or now
+            if start is None or end - start < QUICK_FAILURE_S:
+                self._failed_streak += 1
+                pause = min(self.config.max_backoff_s,
+                            self.config.failed_job_backoff_s * 2 ** (self._failed_streak - 1))
+                self._submit_paused_until = max(self._submit_paused_until, now + pause)
+                log.warning("scavenger: rollout job %s %s after %s s (exit %s); pausing submissions %.0f s "
+                            "(%d quick failure(s) in a row) — see its log in %s", j.job_id, j.state,
+                            f"{end - start:.0f}" if start else "?", j.exit_code, pause, self._failed_streak,
+                            self._log_dir())
+                return
+        if j.state == "COMPLETED":
+            self._failed_streak = 0
+
+    # ---------------------------------------------------------------------------------------------
+    def _log_dir(self) -> Path:
+        return Path(self.config.log_dir) if self.config.log_dir else self.run_dir / "scavenger" / "logs"
+
+    def _free_slots(self) -> int:
+        nodes = self.slurm.sinfo_nodes(self.config.partition)
+        g = self.config.gpus_per_job
+        slots = 0
+        for n in nodes:
+            if self.config.partition not in n.partitions:
+                continue
+            if g > 0:
+                slots += n.free_gpus // g
+            else:
+                slots += n.free_cpus // self.config.cpus_per_job
+        return slots
+
+    def _read_target(self, res: ReconcileResult) -> Target | None:
+        try:
+            t = read_target(self.run_dir, self.config.max_jobs)
+            self._last_target = t
+            return t
+        except TargetError as e:
+            log.warning("scavenger: %s; keeping the last good target, submitting nothing new", e)
+            if self._last_target is None:
+                return None
+            return Target(self._last_target.n, self._last_target.active, "last_good")
+
+    def reconcile_once(self) -> ReconcileResult:
+        """One reconciliation step (see the module docstring). Never raises on Slurm failures: they end
+        the step and come back as ``ok=False`` with ``error`` set."""
+        res = ReconcileResult()
+        now = self.clock.time()
+        target = self._read_target(res)
+        res.target = target
+        try:
+            jobs = self.slurm.squeue_jobs(comment_tag=self.tag, all_states=True)
+            self._observe(jobs, now)
+            live = [j for j in jobs if j.state in COUNTED_LIVE]
+            leaving = [j for j in live if self._tracks[j.job_id].drain_signalled_at is not None
+                       or self._tracks[j.job_id].cancel_sent_at is not None]
+            leaving_ids = {j.job_id for j in leaving}
+            active = [j for j in live if j.job_id not in leaving_ids]
+            res.live, res.draining = len(live), len(leaving)
+            res.pending = sum(1 for j in live if j.state in PENDING_LIKE)
+            res.running = res.live - res.pending
+            if target is not None and not target.active:
+                res.desired = 0
+                self._cancel_all(live, now, res)
+                return res
+            desired = min(target.n, self.config.max_jobs) if target is not None else len(active)
+            res.desired = desired
+            self._finish_leaving(leaving, now, res)
+            surplus = len(active) - desired
+            if surplus > 0:
+                self._cancel_surplus(active, surplus, now, res)
+                return res
+            if target is None or desired - len(active) <= 0:
+                return res
+            if now < self._submit_paused_until:
+                res.submit_paused_until = self._submit_paused_until
+                return res
+            free = self._free_slots()
+            res.free_slots = free
+            pending_active = sum(1 for j in active if j.state in PENDING_LIKE)
+            n_new = min(desired - len(active), free - pending_active, self.config.max_submit_per_cycle)
+            for _ in range(max(0, n_new)):
+                res.submitted.append(self._submit())
+        except SlurmCommandError as e:
+            res.ok = False
+            res.error = str(e)
+        return res
+
+    # ---------------------------------------------------------------------------------------------
+    def _submit(self) -> str:
+        if self._script is None:
+            self._script = self.config.resolved_script()
+        self._log_dir().mkdir(parents=True, exist_ok=True)  # sbatch does not create --output directories
+        args = self.config.sbatch_args(self.run_dir)
+        jid = self.slurm.sbatch(self._script, args)
+        self._tracks[jid] = _Track(state="PENDING", restart_cnt=0)
+        self._emit("submitted", jid, 0, name=self.job_name, partition=self.config.partition,
+                   gpus=self.config.gpus_per_job, state="PENDING")
+        log.info("scavenger: submitted rollout job %s (%s, gpu:%d)", jid, self.config.partition,
+                 self.config.gpus_per_job)
+        return jid
+
+    def _scancel(self, jobs: list[JobInfo], now: float, res: ReconcileResult, reason: str) -> None:
+        ids = [j.job_id for j in jobs]
+        if not ids:
+            return
+        self.slurm.scancel(ids)
+        for j in jobs:
+            self._tracks[j.job_id].cancel_sent_at = now
+            self._emit("cancelled", j.job_id, j.restart_cnt, mode="cancel", reason=reason, state=j.state)
+        res.cancelled += ids
+        log.info("scavenger: cancelled %s (%s)", ",".join(ids), reason)
+
+    def _resend_due(self, t: _Track, now: float) -> bool:
+        return t.cancel_sent_at is None or now - t.cancel_sent_at >= self.config.grace_s
+
+    def _cancel_all(self, live: list[JobInfo], now: float, res: ReconcileResult) -> None:
+        due = [j for j in live if self._resend_due(self._tracks[j.job_id], now)]
+        self._scancel(due, now, res, "run_inactive")
+
+    def _finish_leaving(self, leaving: list[JobInfo], now: float, res: ReconcileResult) -> None:
+        """Plain-cancel jobs on their way out that did not leave: drained jobs that requeued themselves
+        anyway (pending) or outlived the grace, and cancelled jobs still live a grace period later."""
+        again, drained = [], []
+        for j in leaving:
+            t = self._tracks[j.job_id]
+            if t.cancel_sent_at is not None:
+                if self._resend_due(t, now):
+                    again.append(j)
+            elif t.drain_signalled_at is not None:
+                if j.state in PENDING_LIKE or now - t.drain_signalled_at >= self.config.grace_s:
+                    drained.append(j)
+        self._scancel(again, now, res, "still_live_after_cancel")
+        self._scancel(drained, now, res, "drain_grace_expired")
+
+    def _cancel_surplus(self, active: list[JobInfo], surplus: int, now: float, res: ReconcileResult) -> None:
+        """Newest pending first (plain scancel), then newest running (warning signal + drain marker)."""
+        def newest(j: JobInfo) -> tuple[float, int]:
+            return (j.start_time or j.submit_time or 0.0, _id_num(j.job_id))
+
+        pending = sorted((j for j in active if j.state in PENDING_LIKE), key=newest, reverse=True)
+        running = sorted((j for j in active if j.state not in PENDING_LIKE), key=newest, reverse=True)
+        victims = (pending + running)[:surplus]
+        self._scancel([j for j in victims if j.state in PENDING_LIKE], now, res, "surplus")
+        to_signal = [j for j in victims if j.state not in PENDING_LIKE]
+        if not to_signal:
+            return
+        for j in to_signal:
+            marker = drain_marker_path(self.run_dir, j.job_id)
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(json.dumps({"ts": now, "reason": "surplus"}) + "\n")
+        ids = [j.job_id for j in to_signal]
+        self.slurm.scancel(ids, signal=self.config.signal, batch=True)
+        for j in to_signal:
+            self._tracks[j.job_id].drain_signalled_at = now
+            self._emit("cancelled", j.job_id, j.restart_cnt, mode="signal", signal=self.config.signal,
+                       reason="surplus", state=j.state)
+        res.signalled += ids
+        log.info("scavenger: asked %s to drain (SIG%s to the batch shell; scancel after %d s)",
+                 ",".join(ids), self.config.signal, self.config.grace_s)
+
+    # ---------------------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Ask :meth:`run_forever` to return after the current step (safe from signal handlers/threads)."""
+        self._stop.set()
+        wake = getattr(self.clock, "wake", None)
+        if callable(wake):
+            wake()
+
+    def next_delay(self, res: ReconcileResult, poll_s: float) -> float:
+        """Seconds to wait after ``res``: ``poll_s`` after success, else ``poll_s`` · 2^k (k = consecutive
+        failures, capped at ``max_backoff_s``). Updates the failure counter."""
+        if res.ok:
+            self.consecutive_errors = 0
+            return poll_s
+        self.consecutive_errors += 1
+        return min(self.config.max_backoff_s, poll_s * 2 ** min(self.consecutive_errors, 16))
+
+    def run_forever(self, poll_s: float | None = None, max_cycles: int | None = None,
+                    exit_when_done: bool = False) -> int:
+        """Reconcile every ``poll_s`` seconds (default ``config.poll_s``) until :meth:`stop`, ``max_cycles``
+        steps, or — with ``exit_when_done`` — the target is inactive and none of our jobs is live.
+        Returns 0. Failures are logged (one line each) and retried with backoff; they never end the loop."""
+        poll = self.config.poll_s if poll_s is None else poll_s
+        cycles = 0
+        while not self._stop.is_set():
+            res = self.reconcile_once()
+            cycles += 1
+            delay = self.next_delay(res, poll)
+            if not res.ok:
+                log.warning("scavenger: %s; retrying in %.0f s (failure %d in a row)", res.error, delay,
+                            self.consecutive_errors)
+            elif res.submitted or res.cancelled or res.signalled:
+                log.info("scavenger: target %s desired %d live %d (pending %d) free slots %s → submitted %s "
+                         "cancelled %s signalled %s", res.target and res.target.n, res.desired, res.live,
+                         res.pending, res.free_slots, res.submitted, res.cancelled, res.signalled)
+            if exit_when_done and res.ok and res.target is not None and not res.target.active \
+                    and res.live == 0:
+                log.info("scavenger: run inactive and no rollout job left; exiting")
+                return 0
+            if max_cycles is not None and cycles >= max_cycles:
+                return 0
+            if self._stop.is_set():
+                break
+            self.clock.sleep(delay)
+        return 0
+
+
+def _id_num(job_id: str) -> int:
+    digits = "".join(ch for ch in job_id.split("_")[0] if ch.isdigit())
+    return int(digits) if digits else 0

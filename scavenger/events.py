@@ -1,0 +1,124 @@
+"""The run's job event log: ``RUN_DIR/events.jsonl``, one JSON object per line, appended by several writers.
+
+Writers: the scavenger daemon (``submitted``, ``adopted``, ``started``, ``requeued``, ``finished``,
+``cancelled``), rollout jobs (``warned``, ``tokens``), anything else that follows the format.
+
+Record format (every line): ``{"ts": <epoch seconds, float>, "event": <str>, ...}``; job records carry
+``"job_id": <str>`` and the attempt (``"restart_cnt"`` from the daemon, ``"attempt"`` from rollout jobs —
+both equal ``SLURM_RESTART_COUNT`` of that attempt). ``tokens`` records:
+``{"event": "tokens", "job_id", "attempt", "produced": n, "handed_off": m}`` with optional
+``"regenerated": k`` and ``"cumulative": true`` (counts are running totals of the attempt, so readers take the
+last one; without it each record's counts are increments to be summed).
+
+Invariants:
+
+* :func:`append_event` is the only writer: one ``write(2)`` of one complete line on an ``O_APPEND`` descriptor
+  under an exclusive ``lockf`` lock, then ``fsync`` — concurrent writers on one host never interleave, and
+  the lock makes appends from several NFS clients safe too (NFS has no atomic ``O_APPEND`` of its own).
+* Readers (:func:`read_events`) skip lines that are not a JSON object (a torn write after a crash) and count
+  them; they never raise on content.
+* The drain marker (:func:`drain_marker_path`) is created by the daemon *before* it signals a surplus job,
+  so a rollout job that receives the warning signal can tell "drain and exit" from "preempted: requeue".
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+EVENTS_FILE = "events.jsonl"
+#: One line must fit one write; records are small (a few hundred bytes).
+MAX_LINE_BYTES = 64 * 1024
+
+
+def events_path(run_dir: str | os.PathLike[str]) -> Path:
+    """``RUN_DIR/events.jsonl``."""
+    return Path(run_dir) / EVENTS_FILE
+
+
+def append_event(run_dir: str | os.PathLike[str], record: Mapping[str, Any], *, fsync: bool = True) -> dict:
+    """Append ``record`` as one line to ``RUN_DIR/events.jsonl`` (created with the directory if missing).
+
+    Adds ``ts`` (time.time(), seconds) when absent. ``record`` must have a string ``event`` and be JSON
+    serialisable. Returns the record as written. Raises ``ValueError`` (no ``event``, not serialisable, or
+    longer than :data:`MAX_LINE_BYTES`) and ``OSError`` (the file cannot be written)."""
+    rec = dict(record)
+    if not isinstance(rec.get("event"), str) or not rec["event"]:
+        raise ValueError("an event record needs a non-empty string 'event'")
+    rec.setdefault("ts", round(time.time(), 3))
+    try:
+        line = json.dumps(rec, separators=(",", ":"), allow_nan=False) + "\n"
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"event record is not JSON serialisable: {e}") from None
+    data = line.encode()
+    if len(data) > MAX_LINE_BYTES:
+        raise ValueError(f"event record too long ({len(data)} bytes > {MAX_LINE_BYTES})")
+    path = events_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        locked = False
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX)
+            locked = True
+        except OSError:
+            pass  # filesystems without locks: O_APPEND alone is still atomic on a local filesystem
+        try:
+            written = os.write(fd, data)
+            if written != len(data):  # only on a full disk or an interrupted NFS write
+                raise OSError(f"short write to {path}: {written} of {len(data)} bytes")
+            if fsync:
+                os.fsync(fd)
+        finally:
+            if locked:
+                fcntl.lockf(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+    return rec
+
+
+def iter_events(run_dir: str | os.PathLike[str], stats: dict[str, int] | None = None) -> Iterator[dict]:
+    """Yield each well-formed record of ``RUN_DIR/events.jsonl`` in file order (nothing if the file is
+    missing). Bad lines are skipped; if ``stats`` is given, ``stats["bad_lines"]`` counts them."""
+    path = events_path(run_dir)
+    if stats is not None:
+        stats.setdefault("bad_lines", 0)
+    try:
+        f = path.open("rb")
+    except FileNotFoundError:
+        return
+    with f:
+        for raw in f:
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                rec = None
+            if not isinstance(rec, dict) or not isinstance(rec.get("event"), str):
+                if stats is not None:
+                    stats["bad_lines"] += 1
+                continue
+            yield rec
+
+
+def read_events(run_dir: str | os.PathLike[str], stats: dict[str, int] | None = None) -> list[dict]:
+    """All well-formed records of ``RUN_DIR/events.jsonl`` (see :func:`iter_events`)."""
+    return list(iter_events(run_dir, stats))
+
+
+def drain_marker_path(run_dir: str | os.PathLike[str], job_id: str | int) -> Path:
+    """``RUN_DIR/scavenger/drain/<job_id>``: exists once the daemon asked this job to drain and exit
+    (it is surplus). A rollout job that gets the warning signal and finds it must hand off and exit
+    *without* requeueing itself."""
+    return Path(run_dir) / "scavenger" / "drain" / str(job_id)
+
+
+def drain_requested(run_dir: str | os.PathLike[str], job_id: str | int | None = None) -> bool:
+    """True when the daemon asked ``job_id`` (default ``$SLURM_JOB_ID``) to drain (see
+    :func:`drain_marker_path`). For rollout jobs' signal handlers."""
+    jid = job_id if job_id is not None else os.environ.get("SLURM_JOB_ID", "")
+    return bool(jid) and drain_marker_path(run_dir, jid).exists()
