@@ -65,19 +65,20 @@ def write_plot(steps: list[dict], live_series: list[tuple[float, int]], path: Pa
     ax[0].plot(t, [m["reward_mean"] for m in steps], marker=".", label="train reward (step mean)")
     if t:
         ax[0].hlines([before, after], t[0], t[-1], colors=["gray", "green"], linestyles="dashed")
-        ax[0].annotate(f"held-out before {before:.2f}", (t[0], before), fontsize=8)
-        ax[0].annotate(f"held-out after {after:.2f}", (t[0], after), fontsize=8)
+        ax[0].annotate(f"held-out before {before:.2f}", (t[-1], before), fontsize=8, ha="right", va="top")
+        ax[0].annotate(f"held-out after {after:.2f}", (t[0], after), fontsize=8, va="bottom")
     ax[0].set_ylabel("reward")
-    ax[0].legend(loc="lower right")
+    ax[0].legend(loc="center left")
     ax[1].plot(t, [m["throughput_tokens_per_s"] for m in steps], marker=".")
     ax[1].set_ylabel("tokens/s (step)")
     if live_series:
         ax[2].step([x for x, _ in live_series], [n for _, n in live_series], where="post",
                    label="live preemptible workers (trace)")
-    ax[2].plot(t, [m["routable_preemptible"] for m in steps], "o", label="routable at step end")
+    ax[2].plot(t, [m["preemptible_instances_served"] for m in steps], "o", ms=3,
+               label="preemptible instances that generated in the step")
     ax[2].set_ylabel("instances")
     ax[2].set_xlabel("seconds since start")
-    ax[2].legend(loc="upper right")
+    ax[2].legend(loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

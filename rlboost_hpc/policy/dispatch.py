@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Sequence
+from typing import Callable, Hashable, Iterable, Sequence
 
 InstanceId = Hashable
 
@@ -34,40 +34,48 @@ InstanceId = Hashable
 # ------------------------------------------------------------------------------------------- JSQ + Θ
 
 
-def choose_instance(loads: Sequence[float], theta: float) -> int | None:
+def choose_instance(loads: Sequence[float], theta: float, tiebreak: Sequence[float] | None = None) -> int | None:
     """Join-shortest-queue with pending threshold Θ (MISSION.md §3).
 
     Args:
-        loads: pending requests per routable instance (the caller decides what "pending" counts; the
-            simulator and the manager count requests assigned but not yet running).
+        loads: pending requests per routable instance. The caller decides what "pending" counts: the
+            simulator counts requests waiting inside the engine (assigned, not yet running) and passes the
+            in-flight count (running + waiting) as ``tiebreak``; a manager that cannot see inside its engines
+            passes in-flight counts as ``loads`` and ``min(Θ, max_batch)`` as the threshold.
         theta: the threshold Θ; a request is dispatched only to an instance with ``load < theta``.
+        tiebreak: optional secondary key among instances with equal ``loads`` (smaller first).
 
     Returns:
-        The index of the instance with the smallest load (ties: lowest index), or ``None`` if there is no
-        instance or every load is ``>= theta`` (the request waits at the manager).
+        The index of the instance with the smallest ``(load, tiebreak, index)``, or ``None`` if there is no
+        instance or every load is ``>= theta`` (the request waits at the manager: delayed dispatch).
     """
     best: int | None = None
-    best_load = math.inf
+    best_key = (math.inf, math.inf)
     for i, load in enumerate(loads):
-        if load < best_load:
-            best, best_load = i, load
-    if best is None or best_load >= theta:
+        key = (load, tiebreak[i] if tiebreak is not None else 0)
+        if key < best_key:
+            best, best_key = i, key
+    if best is None or best_key[0] >= theta:
         return None
     return best
 
 
-def plan_dispatch(n_queued: int, loads: Sequence[float], theta: float) -> list[int]:
+def plan_dispatch(n_queued: int, loads: Sequence[float], theta: float,
+                  tiebreak: Sequence[float] | None = None) -> list[int]:
     """Assign up to ``n_queued`` requests one by one with :func:`choose_instance`, each assignment raising
-    that instance's load by one. Returns the chosen instance index per dispatched request, in queue order
-    (shorter than ``n_queued`` when the rest must wait)."""
+    that instance's load (and tiebreak) by one. Returns the chosen instance index per dispatched request, in
+    queue order (shorter than ``n_queued`` when the rest must wait at the manager)."""
     cur = list(loads)
+    tb = list(tiebreak) if tiebreak is not None else None
     out: list[int] = []
     for _ in range(n_queued):
-        i = choose_instance(cur, theta)
+        i = choose_instance(cur, theta, tb)
         if i is None:
             break
         out.append(i)
         cur[i] += 1
+        if tb is not None:
+            tb[i] += 1
     return out
 
 
@@ -320,15 +328,26 @@ class Balancer:
         at most one move; a request cooling down is not moved (the plan is cut short instead).
         """
         capacities = capacities or {}
-        cool = self.cooling(now)
         loads = [InstanceLoad(iid, len(q), len(r), capacities.get(iid)) for iid, q, r in instances]
         by_id = {iid: (q, r) for iid, q, r in instances}
+        return self.moves_for(loads, now, lambda i: by_id[i][0], lambda i: by_id[i][1])
+
+    def moves_for(self, loads: Sequence[InstanceLoad], now: float,
+                  queued_of: Callable[[InstanceId], Sequence[Hashable]],
+                  running_of: Callable[[InstanceId], Sequence[tuple[Hashable, int]]]) -> list[Move]:
+        """As :meth:`moves`, from counts plus callbacks that list a donor's requests only when needed."""
+        plan = self.plan(loads)
+        if not plan:
+            return []
+        cool = self.cooling(now)
         taken: set = set()
         out: list[Move] = []
-        for t in self.plan(loads):
-            q, r = by_id[t.src]
+        for t in plan:
             excl = cool | taken
-            rids = select_queued(q, t.count, excl) if t.kind == "queued" else select_running(r, t.count, excl)
+            if t.kind == "queued":
+                rids = select_queued(queued_of(t.src), t.count, excl)
+            else:
+                rids = select_running(running_of(t.src), t.count, excl)
             for rid in rids:
                 taken.add(rid)
                 out.append(Move(rid, t.src, t.dst, t.kind))

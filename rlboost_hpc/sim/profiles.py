@@ -182,6 +182,7 @@ class Profile:
     optimizer_s: float = 3.0           # optimizer step + grad sync (estimate)
     boot_s: float = 90.0               # spot instance: container + engine start before it can pull (estimate)
     train_scale_eff: float = 0.9       # data-parallel efficiency when the trainer doubles (verl 2×, estimate)
+    train_eff_mult: float = 1.0        # multiplies ``mfu`` (set to ``train_scale_eff`` by :meth:`doubled`)
     gpu: GPU = field(default_factory=GPU)
     eff: Efficiency = field(default_factory=Efficiency)
     workload: Workload = field(default_factory=Workload)
@@ -212,11 +213,11 @@ class Profile:
         n = n_gpus or self.reserved_gpus
         m = self.model
         flops = self.eff.train_flops_factor * m.params * tokens + self.eff.attn_factor * 2 * m.layers * m.d_attn * sq_tokens / 2
-        return flops / (n * self.gpu.peak_flops * self.eff.mfu)
+        return flops / (n * self.gpu.peak_flops * self.eff.mfu * self.train_eff_mult)
 
     def doubled(self) -> "Profile":
         """verl on twice the reserved GPUs."""
-        return replace(self, reserved_nodes=2 * self.reserved_nodes)
+        return replace(self, reserved_nodes=2 * self.reserved_nodes, train_eff_mult=self.train_scale_eff)
 
 
 def profile(name: str, **overrides) -> Profile:

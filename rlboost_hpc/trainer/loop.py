@@ -131,6 +131,7 @@ class RLTrainer:
         lens: list[int] = []
         m_acc: dict[str, float] = {}
         n_groups = n_trained = n_mig = 0
+        served: set[str] = set()
         deadline = t0 + s.step_timeout_s
 
         def take(ev) -> None:
@@ -152,6 +153,7 @@ class RLTrainer:
                                         f"{len(ids)}/{len(lps)}/{len(vers)} (budget {s.max_new_tokens})")
                 self.totals.tokens_trained_off_version += int(np.count_nonzero(vers != self.version))
                 n_mig += int(resp.migrations > 0)
+                served.update(resp.instances)
                 text = self.tok.decode(strip_stop(ids.tolist(), self.stop_ids))
                 r.append(self.task.reward(p, text))
                 lens.append(len(ids))
@@ -216,6 +218,7 @@ class RLTrainer:
             "seeding_close": close.what, "t_wait_train_s": t_wait, "train_s": t_train,
             "reward_mean": sum(rewards) / max(1, len(rewards)), "response_len_mean": sum(lens) / max(1, len(lens)),
             "responses": n_trained, "responses_migrated": n_mig, "tokens": tokens,
+            "preemptible_instances_served": sum(1 for k in served if not k.startswith("reserved#")),
             "throughput_tokens_per_s": tokens / wall if wall > 0 else 0.0, **om, **pub,
         }
         for k, v in m_acc.items():
