@@ -1,4 +1,4 @@
-"""``rlboost-hpc`` command line: ``run`` (the main job), ``worker`` (one rollout instance), ``manager``.
+"""``rlboost-hpc`` command line: ``run`` (the main job), ``worker``, ``scavenger``, ``stats``, ``simulate``.
 
 Exit codes: 0 success; 1 the run failed (rollout unrecoverable, a service died); 2 bad usage or config.
 """
@@ -51,12 +51,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="dotted override, e.g. --set trainer.steps=10 (repeatable)")
     r.add_argument("--log-level", default="WARNING")
     r.add_argument("--no-progress", action="store_true")
-    sub.add_parser("worker", help="run one preemptible rollout instance", add_help=False)
+    passthrough = {
+        "worker": ("run one preemptible rollout instance", "rlboost_hpc.rollout.worker", "main"),
+        "scavenger": ("keep preemptible rollout jobs on idle Slurm capacity", "scavenger.cli", "main"),
+        "stats": ("preemption and harvesting statistics of a run directory", "scavenger.stats", "stats_main"),
+        "simulate": ("discrete-event simulation of RLBoost vs baselines on spot traces", "rlboost_hpc.sim.cli", "main"),
+    }
+    for name, (help_, _, _) in passthrough.items():
+        sub.add_parser(name, help=help_, add_help=False)
     args, rest = p.parse_known_args(argv)
-    if args.cmd == "worker":
-        from rlboost_hpc.rollout.worker import main as worker_main
+    if args.cmd in passthrough:
+        import importlib
 
-        return worker_main(rest)
+        _, module, func = passthrough[args.cmd]
+        return getattr(importlib.import_module(module), func)(rest)
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     return _cmd_run(args)
