@@ -429,7 +429,9 @@ class Scavenger:
     def _cancel_surplus(self, active: list[JobInfo], surplus: int, now: float, res: ReconcileResult) -> None:
         """Newest pending first (plain scancel), then newest running (warning signal + drain marker)."""
         def newest(j: JobInfo) -> tuple[float, int]:
-            return (j.start_time or j.submit_time or 0.0, _id_num(j.job_id))
+            # a pending job's start_time is Slurm's estimate: order pending ones by submission
+            t = j.submit_time if j.state in PENDING_LIKE else (j.start_time or j.submit_time)
+            return (t or 0.0, _id_num(j.job_id))
 
         pending = sorted((j for j in active if j.state in PENDING_LIKE), key=newest, reverse=True)
         running = sorted((j for j in active if j.state not in PENDING_LIKE), key=newest, reverse=True)

@@ -393,6 +393,12 @@ def job_state_of(j: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
     return _states(j.get("job_state", j.get("state")))
 
 
+def job_reason_of(j: Mapping[str, Any]) -> str:
+    """Why the job is pending/was stopped (``"Priority"``, ``"BeginTime"``…); Slurm's ``"None"`` → ``""``."""
+    r = _text(j.get("state_reason"))
+    return "" if r == "None" else r
+
+
 def job_gpus_of(j: Mapping[str, Any]) -> int:
     """Total GPUs of a job: allocated TRES if known, else requested (per node × nodes, or per job),
     else ``gres_detail``."""
@@ -543,7 +549,7 @@ def parse_squeue_json(doc: Mapping[str, Any]) -> list[JobInfo]:
         req = j.get("requeue")
         out.append(JobInfo(
             job_id=job_id_of(j), name=_text(j.get("name")), comment=_text(j.get("comment")),
-            state=base, state_reason=_text(j.get("state_reason")), partition=_text(j.get("partition")),
+            state=base, state_reason=job_reason_of(j), partition=_text(j.get("partition")),
             restart_cnt=_int_or_zero(j.get("restart_cnt")), nodes=_text(j.get("nodes")),
             submit_time=_epoch(j.get("submit_time")), start_time=_epoch(j.get("start_time")),
             end_time=_epoch(j.get("end_time")), gpus=job_gpus_of(j), tres=job_tres_of(j),

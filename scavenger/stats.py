@@ -7,7 +7,9 @@ migrated (handed off at a warning), tokens regenerated.
 Definitions (invariants of :func:`compute_stats`):
 
 * a job is a Slurm job id seen in a daemon lifecycle event (``submitted``/``adopted``/``started``/
-  ``requeued``/``finished``/``cancelled``); an attempt is one ``started`` event (job id × restart count);
+  ``requeued``/``finished``/``cancelled`` with ``"source": "scavenger"``; events of the same names written by
+  other components, e.g. the worker's own ``started``, are not lifecycle events); an attempt is one daemon
+  ``started`` event (job id × restart count);
 * requeues = ``requeued`` events (= the sum of restart-count increments Slurm reported); preemptions =
   requeues not caused by our own drain request, plus ``finished`` with state PREEMPTED not followed by a
   requeue of that job (PreemptMode=CANCEL);
@@ -100,6 +102,18 @@ def _jid(ev: dict) -> str | None:
     return None if v is None else str(v)
 
 
+def _int(v: Any) -> int:
+    """A count from an event field; anything that is not a number counts as 0."""
+    if isinstance(v, bool):
+        return 0
+    if isinstance(v, (int, float)):
+        return int(v)
+    try:
+        return int(str(v))
+    except (TypeError, ValueError):
+        return 0
+
+
 def _attempt_of(ev: dict) -> int:
     v = ev.get("attempt", ev.get("restart_cnt", 0))
     try:
@@ -138,7 +152,7 @@ def compute_stats(events: Iterable[dict], now: float | None = None, report: dict
         if kind == "tokens" and jid is not None:
             key = (jid, _attempt_of(ev))
             acc = tokens.setdefault(key, {"produced": 0, "handed_off": 0, "regenerated": 0})
-            vals = {k: int(ev.get(k) or 0) for k in ("produced", "handed_off", "regenerated")}
+            vals = {k: _int(ev.get(k)) for k in ("produced", "handed_off", "regenerated")}
             regen_seen |= "regenerated" in ev
             if ev.get("cumulative"):
                 acc.update(vals)
@@ -149,13 +163,13 @@ def compute_stats(events: Iterable[dict], now: float | None = None, report: dict
         if kind == "warned":
             st.warned += 1
             continue
-        if kind not in LIFECYCLE or jid is None:
+        if kind not in LIFECYCLE or jid is None or ev.get("source") != "scavenger":
             continue
         js = job(jid)
         if kind == "started":
             close(jid, ts, "requeued")  # a previous attempt whose requeue we never saw
             start = float(ev.get("start_time") or ts)
-            a = Attempt(jid, _attempt_of(ev), start, gpus=int(ev.get("gpus") or 0), node=str(ev.get("node") or ""))
+            a = Attempt(jid, _attempt_of(ev), start, gpus=_int(ev.get("gpus")), node=str(ev.get("node") or ""))
             open_att[jid] = a
             js.attempts += 1
             if a.node and a.node not in js.nodes:

@@ -18,3 +18,13 @@ def stories260k_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from rlboost_hpc.models.llama2c import ensure_converted
 
     return ensure_converted(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_local_slurm_we_started():
+    """Stop the local Slurm cluster at the end of the session if a test of this session started it."""
+    yield
+    from rlboost_hpc.cluster.slurm_local import started_by_this_process, stop_local_slurm
+
+    if started_by_this_process():
+        stop_local_slurm()

@@ -80,6 +80,13 @@ def slurm_available(timeout_s: float = 10.0) -> bool:
         env = local_slurm_env()
     except (OSError, LocalSlurmError):
         return False
+    # A dead controller makes sinfo hang ~9 s: look at its pid file first.
+    try:
+        pid = int((Path(env.get("RLBOOST_SLURM_DIR", state_dir())) / "run" / "slurmctld.pid").read_text().strip())
+        if not Path(f"/proc/{pid}").exists():
+            return False
+    except (OSError, ValueError):
+        return False
     usable = _usable_nodes(env, timeout_s)
     return usable is not None and usable >= int(env.get("RLBOOST_SLURM_NODES", "1"))
 

@@ -29,6 +29,19 @@ from __future__ import annotations
 import math
 
 
+def work_seconds(tokens: float, peak_tokens_per_s: float | None) -> float:
+    """Rollout work of an instance in instance-seconds: the tokens it generated divided by its peak decode
+    rate (learned online, :attr:`rlboost_hpc.policy.dispatch.PlateauEstimator.peak`). This is the ``t_remote``
+    the simulator feeds to :func:`n_prem_cap` (averaged over the instances that took part): time at full
+    efficiency, so that an instance idling on one long response does not count as a fully used one.
+    Returns 0 when the peak is unknown or not positive."""
+    if tokens < 0 or not math.isfinite(tokens):
+        raise ValueError(f"tokens must be a finite number >= 0, got {tokens!r}")
+    if peak_tokens_per_s is None or not (peak_tokens_per_s > 0) or not math.isfinite(peak_tokens_per_s):
+        return 0.0
+    return tokens / peak_tokens_per_s
+
+
 def n_prem_raw(t_remote_s: float, n_prem: float, t_seed_s: float, n_resv: float, t_train_s: float) -> float:
     """The unrounded ``(t_remote·n_prem + T_seed·N_resv)/t_train`` (``inf`` when ``t_train <= 0``)."""
     for name, v in (("t_remote_s", t_remote_s), ("n_prem", n_prem), ("t_seed_s", t_seed_s),
@@ -45,7 +58,9 @@ def n_prem_cap(t_remote_s: float, n_prem: float, t_seed_s: float, n_resv: float,
     """How many preemptible instances to use next step (see the module docstring for rounding/clamping).
 
     Args:
-        t_remote_s: mean busy seconds per remote instance in the last step (busy = held at least one request).
+        t_remote_s: mean rollout work per remote instance in the last step, seconds (the simulator uses
+            :func:`work_seconds`: tokens generated / peak decode rate; plain busy time also works but
+            over-counts instances idling on a long tail).
         n_prem: remote instances that took part in the last step.
         t_seed_s: the seeding window of the last step.
         n_resv: reserved rollout engines, in preemptible-instance equivalents (e.g. 8 GPUs / 2 = 4).

@@ -81,16 +81,19 @@ def plan_dispatch(n_queued: int, loads: Sequence[float], theta: float,
 
 @dataclass
 class RoundRobin:
-    """Round-robin dispatch (ablation): every request is dispatched at once, to instances in turn."""
+    """Round-robin dispatch (ablation of JSQ): instances are taken in turn, skipping those at or above Θ
+    (the delayed-dispatch threshold is kept, so only the choice rule differs from :func:`choose_instance`)."""
 
     next_index: int = 0
 
-    def choose(self, n_instances: int) -> int | None:
-        if n_instances <= 0:
-            return None
-        i = self.next_index % n_instances
-        self.next_index = i + 1
-        return i
+    def choose(self, loads: Sequence[float], theta: float = math.inf) -> int | None:
+        n = len(loads)
+        for k in range(n):
+            i = (self.next_index + k) % n
+            if loads[i] < theta:
+                self.next_index = i + 1
+                return i
+        return None
 
 
 # ------------------------------------------------------------------------------------------- plateau
@@ -136,6 +139,11 @@ class PlateauEstimator:
         old = self.ema.get(b)
         self.ema[b] = tokens_per_s if old is None else old + self.alpha * (tokens_per_s - old)
         self.n_samples += 1
+
+    @property
+    def peak(self) -> float | None:
+        """Best smoothed throughput over all buckets (tokens/s), ``None`` before any measurement."""
+        return max(self.ema.values()) if self.ema else None
 
     @property
     def plateau(self) -> int:
@@ -245,6 +253,11 @@ class Balancer:
     def plateau(self, iid: InstanceId) -> int:
         est = self.estimators.get(iid)
         return est.plateau if est is not None else self.prior_plateau
+
+    def peak(self, iid: InstanceId) -> float | None:
+        """Best smoothed throughput learned for ``iid`` (tokens/s), ``None`` if never measured."""
+        est = self.estimators.get(iid)
+        return est.peak if est is not None else None
 
     def forget(self, iid: InstanceId) -> None:
         """Drop what was learned about an instance that left."""

@@ -72,15 +72,15 @@ class Efficiency:
     """Achieved fractions of peak (estimates; ``mfu`` fitted, see docs/simulator.md)."""
 
     e_weights: float = 0.75        # weight streaming during decode (estimate)
-    e_kv: float = 0.55             # paged-attention KV reads (estimate)
+    e_kv: float = 0.65             # paged-attention KV reads (fitted, with mfu, to verl ~10k tok/s)
     e_decode_flops: float = 0.5    # decode GEMMs (estimate)
     e_prefill: float = 0.55        # prefill (estimate)
     overhead_s: float = 2.0e-3     # scheduler + kernel launch per iteration with CUDA graphs (estimate)
     tp_allreduce_s: float = 2 * 8e-6  # two all-reduces per layer over NVLink, ~8 µs each (estimate)
     prefill_fixed_s: float = 0.02  # per admission batch (estimate)
-    mfu: float = 0.38              # training model-FLOPs utilisation, FSDP (fitted)
-    train_flops_factor: float = 12.0   # 6P fwd+bwd + 2P recompute (grad ckpt) + 2P old logprob + 2P ref logprob
-    attn_factor: float = 6.0       # same passes for the attention term (fwd = 1, bwd = 2, recompute 1, 2 fwd)
+    mfu: float = 0.42              # training model-FLOPs utilisation, FSDP (fitted, with e_kv)
+    train_flops_factor: float = 10.0   # 6P fwd+bwd + 2P recompute (grad ckpt) + 2P old-logprob pass (no ref/KL)
+    attn_factor: float = 5.0       # same passes for the attention term (fwd 1 + bwd 2 + recompute 1 + logprob 1)
 
 
 @dataclass(frozen=True)

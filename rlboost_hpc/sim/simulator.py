@@ -1,0 +1,622 @@
+"""Discrete-event simulator of one RL run (co-located verl, verl 2×, disaggregated, RLBoost and its ablations).
+
+One :class:`Simulation` replays a spot-availability window (:class:`~rlboost_hpc.sim.workload.Availability`)
+against a :class:`~rlboost_hpc.sim.profiles.Profile` under a :class:`SystemSpec` and drives the policy code of
+``rlboost_hpc.policy`` unchanged: :class:`~rlboost_hpc.policy.controller.RolloutController` (seeding window +
+pool cap) once per step, :func:`~rlboost_hpc.policy.dispatch.choose_instance` for every dispatch and
+:class:`~rlboost_hpc.policy.dispatch.Balancer` every ``balance_interval_s``.
+
+One step (MISSION.md "Data flow of one RL step"):
+
+1. version ``v`` is published at the step start ``t0``; every held remote instance starts pulling it (time =
+   weight bytes / min(instance NIC, trainer egress shared by concurrent pulls)); it is routable once it holds
+   ``v`` (zero staleness).
+2. Reserved GPUs switch to rollout (co-located resharding), seed for ``T_seed``, then — if a remote instance
+   is routable or pulling — release every unfinished response (a *seed*: prompt + generated tokens, resumed
+   elsewhere after one prefill) and switch to training. Without remote capacity they keep generating
+   (co-located fallback) until capacity appears or the rollout is done. ``T_seed = 0`` skips the switches.
+3. The trainer consumes completed groups as micro-batches of ``m_b`` responses (arrival order is free);
+   after the last one, optimizer step + publish end the step.
+4. A preempted instance's responses resume elsewhere from their generated tokens (``migration``) or restart
+   from zero (recompute ablation). Instances that appear mid-step boot, pull and take work in the same step.
+5. After the step the controller turns the observed waits/times into the next ``T_seed`` and ``N_prem``; the
+   pool is trimmed or grown to ``min(N_prem, available)``.
+
+Deterministic: the event heap is ordered by ``(time, sequence number)``, all iteration orders are fixed, and
+step ``s`` draws its lengths from ``default_rng([seed, s])``.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+from rlboost_hpc.policy.cap import work_seconds
+from rlboost_hpc.policy.controller import RolloutController, StepObservation
+from rlboost_hpc.policy.dispatch import Balancer, InstanceLoad, RoundRobin, choose_instance
+from rlboost_hpc.policy.seeding import SeedingWindow
+from rlboost_hpc.sim.engine import DONE, QUEUED, RUNNING, Engine, Req
+from rlboost_hpc.sim.profiles import Profile
+from rlboost_hpc.sim.workload import Availability, step_work
+
+# event kinds (ints: cheap heap comparisons)
+ENG, TICK, TRACE, BOOT, PULL, SEED_OPEN, SEED_CLOSE, TRAIN_READY, TRAIN_DONE, STEP_END = range(10)
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    """How a system behaves. See :data:`rlboost_hpc.sim.systems.SYSTEMS` for the named ones."""
+
+    name: str
+    colocated: bool = False        # verl: reserved GPUs do the whole rollout, then train (no remote pool)
+    seeding: bool = True           # reserved GPUs seed for T_seed (False: T_seed = 0, fallback only)
+    t_seed_initial: float = 150.0
+    eta: float = 3.0
+    floor_s: float = 5.0
+    adapt: bool = True
+    memory: bool = True
+    use_cap: bool = True
+    dispatch: str = "jsq"          # jsq | rr | static
+    theta: int = 96                # Θ: most requests in flight (running + waiting) per instance
+    balancer: bool = True
+    migration: bool = True         # per-sample migration on preemption (False: recompute from scratch)
+    remote_on_demand: bool = False  # remote instances billed at the on-demand rate (disaggregated)
+    balance_interval_s: float = 2.0
+
+
+@dataclass
+class Remote:
+    name: str
+    engine: Engine
+    state: str            # booting | pulling | ready
+    acquired_at: float
+    version: int = -1     # version held
+    pulling: int = -1     # version being pulled
+    tok_mark: float = 0.0
+
+
+@dataclass
+class RunResult:
+    """Outcome of one run. ``throughput`` = (prompt + response tokens of completed steps) / their wall time."""
+
+    system: str
+    model: str
+    availability: str
+    steps: int
+    tokens: int
+    wall_s: float
+    throughput: float
+    cost_usd: float
+    tokens_per_dollar: float
+    reserved_usd: float
+    remote_usd: float
+    remote_instance_hours: float
+    mean_remote_held: float
+    events: int
+    counters: dict
+    timeline: list = field(default_factory=list)
+
+    def to_dict(self, timeline: bool = True) -> dict:
+        d = asdict(self)
+        if not timeline:
+            d.pop("timeline")
+        return d
+
+
+class Simulation:
+    """One run. ``duration_s``: steps start only before this time; ``max_steps`` bounds the step count."""
+
+    def __init__(self, profile: Profile, system: SystemSpec, avail: Availability | None = None, *,
+                 duration_s: float = 7200.0, max_steps: int | None = None, seed: int = 0,
+                 model_name: str = "") -> None:
+        self.p = profile
+        self.sys = system
+        self.avail = avail or Availability.none()
+        self.duration_s = duration_s
+        self.max_steps = max_steps
+        self.seed = seed
+        self.model_name = model_name or profile.model.name
+        self.heap: list = []
+        self.seq = 0
+        self.now = 0.0
+        self.events = 0
+        self.dirty: set = set()
+        self.resv_perf = profile.reserved_perf()
+        self.inst_perf = profile.instance_perf()
+        self.reserved = [Engine(f"resv{i}", "reserved", self.resv_perf, self._on_done)
+                         for i in range(profile.n_resv_engines)]
+        self.remotes: dict[str, Remote] = {}
+        self.available: dict[str, None] = {}  # live in the trace, not held (insertion order = acquisition order)
+        self.held_log: list[tuple[str, float, float | None]] = []  # (name, from, to)
+        self._held_idx: dict[str, int] = {}
+        self.controller = RolloutController(
+            n_resv=profile.n_resv_equiv,
+            seeding=SeedingWindow(initial_s=system.t_seed_initial if system.seeding else 0.0, eta=system.eta,
+                                  floor_s=system.floor_s if system.seeding else 0.0,
+                                  adapt=system.adapt and system.seeding, memory=system.memory),
+            use_cap=system.use_cap)
+        self.cap: int | None = None
+        # The balancer always learns (its peak rates also measure remote work for the cap); it proposes moves
+        # only when the system balances.
+        self.balancer = Balancer(move_running=system.migration)
+        self.rr = RoundRobin()
+        self.queue: deque[Req] = deque()
+        self.version = 0
+        self.step = -1
+        self.timeline: list[dict] = []
+        self.counters = {k: 0.0 for k in ("preemptions", "responses_migrated", "tokens_migrated",
+                                          "tokens_regenerated", "seeds", "seed_tokens", "moves_queued",
+                                          "moves_running", "acquired", "released", "fallbacks")}
+        self.finished = False
+        self.t_last_end = 0.0
+        self.tokens_done = 0
+
+    # ------------------------------------------------------------------ event plumbing
+    def push(self, t: float, kind: int, a=None, b=None) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, a, b))
+
+    def _resched(self, e: Engine) -> None:
+        e.ver += 1
+        t = e.next_event()
+        if t is not None:
+            self.push(t, ENG, e, e.ver)
+
+    def run(self) -> RunResult:
+        for name in self.avail.initial:
+            self.available[name] = None
+        for ev in self.avail.events:
+            self.push(ev.t_s, TRACE, ev)
+        self._acquire_if_needed(0.0)
+        self._start_step(0.0)
+        self.push(self.sys.balance_interval_s, TICK)
+        heap = self.heap
+        while heap and not self.finished:
+            t, _, kind, a, b = heapq.heappop(heap)
+            self.now = t
+            self.events += 1
+            if kind == ENG:
+                if b != a.ver:
+                    continue
+                a.on_event(t)
+                self.dirty.add(a)
+            elif kind == TICK:
+                self._tick(t)
+            elif kind == TRACE:
+                self._trace(a, t)
+            elif kind == BOOT:
+                self._boot_done(a, t)
+            elif kind == PULL:
+                self._pull_done(a, b, t)
+            elif kind == SEED_OPEN:
+                if b == self.step:
+                    self._seed_open(t)
+            elif kind == SEED_CLOSE:
+                if b == self.step:
+                    self._try_close(t, deadline=True)
+            elif kind == TRAIN_READY:
+                if b == self.step:
+                    self._train_ready(t)
+            elif kind == TRAIN_DONE:
+                if b == self.step:
+                    self._train_done(a, t)
+            elif kind == STEP_END:
+                if b == self.step:
+                    self._step_end(t)
+            if self.queue:
+                self._dispatch(t)
+            if self.dirty:
+                for e in self.dirty:
+                    self._resched(e)
+                self.dirty.clear()
+        return self._result()
+
+    # ------------------------------------------------------------------ pool
+    def _held(self) -> int:
+        return len(self.remotes)
+
+    def _acquire_if_needed(self, t: float) -> None:
+        if self.sys.colocated:
+            return
+        target = math.inf if self.cap is None else self.cap
+        while self._held() < target and self.available:
+            name = next(iter(self.available))
+            del self.available[name]
+            eng = Engine(name, "remote", self.inst_perf, self._on_done)
+            eng.t = t
+            r = Remote(name, eng, "booting", acquired_at=t)
+            self.remotes[name] = r
+            self._held_idx[name] = len(self.held_log)
+            self.held_log.append((name, t, None))
+            self.counters["acquired"] += 1
+            self.push(t + self.p.boot_s, BOOT, r)
+
+    def _release(self, r: Remote, t: float, *, preempted: bool) -> None:
+        del self.remotes[r.name]
+        i = self._held_idx.pop(r.name)
+        self.held_log[i] = (r.name, self.held_log[i][1], t)
+        reqs = r.engine.evict_all(t)
+        self._gone_work.append(self._work(r))
+        self.balancer.forget(r.name)
+        r.engine.ver += 1  # invalidate pending engine events
+        self.dirty.discard(r.engine)
+        if reqs:
+            for q in reqs:
+                if self.sys.migration:
+                    self.counters["responses_migrated"] += 1
+                    self.counters["tokens_migrated"] += q.n
+                    q.migrations += 1
+                else:
+                    self.counters["tokens_regenerated"] += q.n
+                    q.regenerated += q.n
+                    q.n = 0.0
+            self.queue.extendleft(reversed(reqs))
+        if preempted:
+            self.counters["preemptions"] += 1
+        else:
+            self.counters["released"] += 1
+
+    def _trim_to_cap(self, t: float) -> None:
+        if self.cap is None:
+            return
+        excess = self._held() - self.cap
+        if excess <= 0:
+            return
+        rank = {"booting": 0, "pulling": 1, "ready": 2}
+        order = sorted(self.remotes.values(), key=lambda r: (rank[r.state], -r.acquired_at, r.name))
+        for r in order[:excess]:
+            self._release(r, t, preempted=False)
+            self.available[r.name] = None  # still live in the trace: it may be taken again later
+
+    def _trace(self, ev, t: float) -> None:
+        if ev.kind == "add":
+            self.available[ev.instance] = None
+        else:
+            self.available.pop(ev.instance, None)
+            r = self.remotes.get(ev.instance)
+            if r is not None:
+                self._release(r, t, preempted=True)
+        self._acquire_if_needed(t)
+        self._maybe_fallback(t)
+
+    def _start_pull(self, r: Remote, t: float, n_starting: int = 1) -> None:
+        """Start pulling the latest version. The trainer's egress is shared by every pull in progress,
+        counted when the pull starts (pulls starting together finish together)."""
+        n_pulling = n_starting + sum(1 for x in self.remotes.values() if x.state == "pulling" and x is not r)
+        r.state = "pulling"
+        r.pulling = self.version
+        net = self.p.net
+        egress = net.trainer_egress_Bps * self.p.reserved_nodes
+        rate = min(net.instance_ingress_Bps, egress / n_pulling) * net.efficiency
+        self.push(t + self.p.model.weight_bytes / rate, PULL, r, self.version)
+
+    def _boot_done(self, r: Remote, t: float) -> None:
+        if self.remotes.get(r.name) is not r:
+            return
+        self._start_pull(r, t)
+        self._try_close(t)
+
+    def _pull_done(self, r: Remote, version: int, t: float) -> None:
+        if self.remotes.get(r.name) is not r or r.pulling != version:
+            return
+        r.version = version
+        if version != self.version:
+            self._start_pull(r, t)
+            return
+        r.state = "ready"
+        self._try_close(t)
+
+    # ------------------------------------------------------------------ step lifecycle
+    def _start_step(self, t: float) -> None:
+        self.step += 1
+        self.version += 1
+        s = self.step
+        w = step_work(self.p.workload, self.seed, s)
+        G = self.p.workload.group
+        self.reqs = [Req(i, i // G, int(w.prompt[i]), int(w.response[i])) for i in range(len(w.response))]
+        self.step_tokens = w.tokens
+        self.n_groups = len(self.reqs) // G
+        self.gdone = [0] * self.n_groups
+        self.n_done = 0
+        self.queue = deque(self.reqs)
+        self.t0 = t
+        ready = [r for r in self.remotes.values() if r.state == "ready"]
+        for k, r in enumerate(ready):
+            self._start_pull(r, t, n_starting=len(ready) - k)
+        self.n_start = self._held()
+        if self.sys.colocated:
+            self.t_seed = math.inf
+        else:
+            self.t_seed = self.controller.begin_step(self.n_start)
+        self.resv_routable = False
+        self.seed_state = "pre"   # pre | open | closed | reopening (fallback)
+        self.close_pending = False
+        self.train_started = False
+        self.train_avail: deque = deque()
+        self.train_busy = False
+        self.trained = 0
+        self.t_train = 0.0
+        self.t_wait_train = 0.0
+        self.idle_since: float | None = None
+        self.rollout_done_at: float | None = None
+        self.remote_seen = False
+        self.step_counters = dict(self.counters)
+        self._gone_work: list[float] = []
+        for r in self.remotes.values():
+            r.tok_mark = r.engine.tokens_out
+        if self.t_seed <= 0 and self._remote_capacity():
+            self.seed_state = "closed"
+            self.push(t, TRAIN_READY, None, s)
+        else:
+            t_open = t + self.p.switch_to_rollout_s
+            self.push(t_open, SEED_OPEN, None, s)
+            if math.isfinite(self.t_seed):
+                self.push(t_open + self.t_seed, SEED_CLOSE, None, s)
+
+    def _work(self, r: Remote) -> float:
+        """Rollout work of remote ``r`` this step in instance-seconds (:func:`work_seconds`)."""
+        return work_seconds(r.engine.tokens_out - r.tok_mark, self.balancer.peak(r.name))
+
+    def _remote_capacity(self) -> bool:
+        return any(r.state in ("ready", "pulling") for r in self.remotes.values())
+
+    def _seed_open(self, t: float) -> None:
+        self.seed_state = "open"
+        self.resv_routable = True
+        if self.sys.dispatch == "static":
+            self._static_split(t)
+        if self.close_pending:  # a fallback reopening: close again at once if capacity came back meanwhile
+            self._try_close(t)
+
+    def _try_close(self, t: float, deadline: bool = False) -> None:
+        if self.seed_state != "open":
+            return
+        if deadline:
+            self.close_pending = True
+        if not self.close_pending and self.n_done < len(self.reqs):
+            return
+        if self.n_done < len(self.reqs) and not self._remote_capacity():
+            return  # co-located fallback: keep generating until capacity appears or the rollout is done
+        self.seed_state = "closed"
+        self.resv_routable = False
+        seeds: list[Req] = []
+        for e in self.reserved:
+            seeds.extend(e.evict_all(t))
+            e.ver += 1
+            self.dirty.discard(e)
+        if seeds:
+            seeds.sort(key=lambda r: r.rid)
+            self.counters["seeds"] += len(seeds)
+            self.counters["seed_tokens"] += sum(r.n for r in seeds)
+            self.queue.extendleft(reversed(seeds))
+        self.push(t + self.p.switch_to_train_s, TRAIN_READY, None, self.step)
+
+    def _maybe_fallback(self, t: float) -> None:
+        """Co-located fallback after seeding closed: if the trainer is idle waiting, work remains and no remote
+        instance is routable or pulling, the reserved GPUs switch back to rollout (they close again, releasing
+        their unfinished responses, as soon as remote capacity returns or the rollout is done)."""
+        if (self.seed_state != "closed" or not self.train_started or self.train_busy
+                or self.n_done >= len(self.reqs) or self._remote_capacity()):
+            return
+        if self.idle_since is not None:
+            self.t_wait_train += t - self.idle_since
+            self.idle_since = None
+        self.train_started = False
+        self.seed_state = "reopening"
+        self.close_pending = True
+        self.counters["fallbacks"] += 1
+        self.push(t + self.p.switch_to_rollout_s, SEED_OPEN, None, self.step)
+
+    def _on_done(self, r: Req, t: float) -> None:
+        self.n_done += 1
+        eng = None
+        g = r.gid
+        self.gdone[g] += 1
+        if self.gdone[g] == self.p.workload.group:
+            G = self.p.workload.group
+            for q in self.reqs[g * G:(g + 1) * G]:
+                self.train_avail.append(q)
+            if self.train_started and not self.train_busy:
+                self._train_next(t)
+        if self.n_done == len(self.reqs):
+            self.rollout_done_at = t
+            if self.seed_state == "open":
+                self._try_close(t)
+        del eng
+
+    def _train_ready(self, t: float) -> None:
+        self.train_started = True
+        self.idle_since = t
+        self._train_next(t)
+        self._maybe_fallback(t)
+
+    def _train_next(self, t: float) -> None:
+        mb = self.p.workload.micro_batch
+        n_left = len(self.reqs) - self.trained
+        k = min(mb, len(self.train_avail))
+        if k == 0 or (k < mb and k < n_left and self.n_done < len(self.reqs)):
+            return
+        if self.idle_since is not None:
+            self.t_wait_train += t - self.idle_since
+            self.idle_since = None
+        tok = sq = 0.0
+        for _ in range(k):
+            q = self.train_avail.popleft()
+            L = q.prompt + q.target
+            tok += L
+            sq += L * L
+        dt = self.p.train_time(tok, sq)
+        self.t_train += dt
+        self.train_busy = True
+        self.push(t + dt, TRAIN_DONE, k, self.step)
+
+    def _train_done(self, k: int, t: float) -> None:
+        self.train_busy = False
+        self.trained += k
+        if self.trained >= len(self.reqs):
+            dt = self.p.optimizer_s + self.p.net.publish_s
+            self.t_train += self.p.optimizer_s
+            self.push(t + dt, STEP_END, None, self.step)
+            return
+        self.idle_since = t
+        self._train_next(t)
+        self._maybe_fallback(t)
+
+    def _step_end(self, t: float) -> None:
+        n_end = self._held()
+        busy = [w for w in self._gone_work if w > 0]
+        for r in self.remotes.values():
+            w = self._work(r)
+            if w > 0:
+                busy.append(w)
+        n_remote = len(busy)
+        t_remote = sum(busy) / n_remote if n_remote else 0.0
+        t_seed_used = 0.0 if not math.isfinite(self.t_seed) else self.t_seed
+        t_wait_remote = (t - self.rollout_done_at) if (n_remote and self.rollout_done_at is not None) else 0.0
+        obs = StepObservation(
+            t_seed_s=t_seed_used, t_wait_train_s=self.t_wait_train, t_wait_remote_s=max(0.0, t_wait_remote),
+            t_remote_s=t_remote, n_remote=n_remote, t_train_s=self.t_train, n_instances_start=self.n_start,
+            n_instances_end=n_end, n_available=n_end + len(self.available))
+        if not self.sys.colocated:
+            dec = self.controller.end_step(obs)
+            self.cap = dec.n_prem_cap if self.sys.use_cap else None
+        c0 = self.step_counters
+        self.timeline.append({
+            "step": self.step, "t_start": self.t0, "t_end": t, "step_s": t - self.t0, "tokens": self.step_tokens,
+            "throughput": self.step_tokens / (t - self.t0), "t_seed_s": t_seed_used,
+            "n_start": self.n_start, "n_end": n_end, "cap_next": self.cap,
+            "t_wait_train_s": self.t_wait_train, "t_wait_remote_s": obs.t_wait_remote_s,
+            "t_train_s": self.t_train, "t_remote_s": t_remote, "n_remote": n_remote,
+            "rollout_s": (self.rollout_done_at or t) - self.t0,
+            **{k: self.counters[k] - c0[k] for k in ("preemptions", "responses_migrated", "tokens_migrated",
+                                                      "tokens_regenerated", "seeds", "seed_tokens",
+                                                      "moves_queued", "moves_running", "fallbacks")},
+        })
+        self.tokens_done += self.step_tokens
+        self.t_last_end = t
+        if t >= self.duration_s or (self.max_steps is not None and self.step + 1 >= self.max_steps):
+            self.finished = True
+            return
+        self._trim_to_cap(t)
+        self._acquire_if_needed(t)
+        self._start_step(t)
+
+    # ------------------------------------------------------------------ dispatch and balancing
+    def _routable(self) -> list[Engine]:
+        out = list(self.reserved) if self.resv_routable else []
+        v = self.version
+        for r in self.remotes.values():
+            if r.state == "ready" and r.version == v:
+                out.append(r.engine)
+                self.remote_seen = True
+        return out
+
+    def _static_split(self, t: float) -> None:
+        engs = self._routable()
+        if not engs or not self.queue:
+            return
+        reqs = list(self.queue)
+        self.queue.clear()
+        n, E = len(reqs), len(engs)
+        per = -(-n // E)
+        for i, e in enumerate(engs):
+            for r in reqs[i * per:(i + 1) * per]:
+                e.take(r)
+            e.admit(t)
+            self.dirty.add(e)
+
+    def _dispatch(self, t: float) -> None:
+        engs = self._routable()
+        if not engs:
+            return
+        q = self.queue
+        theta = self.sys.theta
+        loads = [e.B + len(e.waiting) for e in engs]
+        rr = self.sys.dispatch != "jsq"
+        while q:
+            i = self.rr.choose(loads, theta) if rr else choose_instance(loads, theta)
+            if i is None:
+                break
+            r = q.popleft()
+            if r.state == DONE:
+                continue
+            e = engs[i]
+            e.take(r)
+            e.admit(t)
+            self.dirty.add(e)
+            loads[i] = e.B + len(e.waiting)
+
+    def _tick(self, t: float) -> None:
+        if self.finished:
+            return
+        self.push(t + self.sys.balance_interval_s, TICK)
+        if self.n_done >= len(self.reqs):
+            return
+        engs = self._routable()
+        bal = self.balancer
+        loads = []
+        by_id = {}
+        for e in engs:
+            e.advance(t)
+            if e.B:
+                bal.observe(e.eid, e.B, e.throughput())
+            cap = e.B if e.waiting else None
+            loads.append(InstanceLoad(e.eid, len(e.waiting), e.B, cap))
+            by_id[e.eid] = e
+        if not self.sys.balancer or len(engs) < 2:
+            return
+        moves = bal.moves_for(
+            loads, t,
+            lambda iid: [r.rid for r in by_id[iid].waiting],
+            lambda iid: [(r.rid, by_id[iid].generated(r)) for r in by_id[iid].running.values()])
+        if not moves:
+            return
+        by_src: dict = {}
+        for m in moves:
+            by_src.setdefault((m.src, m.kind), []).append(m)
+        for (src, kind), ms in by_src.items():
+            e = by_id[src]
+            rids = [m.rid for m in ms]
+            got = e.pop_waiting(rids, t) if kind == "queued" else e.pop_running(rids, t)
+            self.dirty.add(e)
+            dst_of = {m.rid: m.dst for m in ms}
+            for r in got:
+                d = by_id[dst_of[r.rid]]
+                if kind == "running":
+                    r.migrations += 1
+                    self.counters["moves_running"] += 1
+                else:
+                    self.counters["moves_queued"] += 1
+                d.take(r)
+                self.dirty.add(d)
+        for e in engs:
+            if e in self.dirty:
+                e.admit(t)
+
+    # ------------------------------------------------------------------ results
+    def _result(self) -> RunResult:
+        T = self.t_last_end
+        pr = self.p.prices
+        reserved_usd = self.p.reserved_nodes * pr.on_demand_node * T / 3600.0
+        rate = pr.on_demand_instance if self.sys.remote_on_demand else pr.spot_instance
+        inst_s = 0.0
+        for _, a, b in self.held_log:
+            end = T if b is None else min(b, T)
+            if end > a:
+                inst_s += end - a
+        remote_usd = rate * inst_s / 3600.0
+        cost = reserved_usd + remote_usd
+        return RunResult(
+            system=self.sys.name, model=self.model_name, availability=self.avail.source,
+            steps=len(self.timeline), tokens=self.tokens_done, wall_s=T,
+            throughput=self.tokens_done / T if T > 0 else 0.0, cost_usd=cost,
+            tokens_per_dollar=self.tokens_done / cost if cost > 0 else 0.0, reserved_usd=reserved_usd,
+            remote_usd=remote_usd, remote_instance_hours=inst_s / 3600.0,
+            mean_remote_held=inst_s / T if T > 0 else 0.0, events=self.events,
+            counters=dict(self.counters), timeline=self.timeline)
+
+
+def simulate(profile: Profile, system: SystemSpec, avail: Availability | None = None, **kw) -> RunResult:
+    """Convenience wrapper: ``Simulation(...).run()``."""
+    return Simulation(profile, system, avail, **kw).run()
