@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from scavenger.config import ScavengerConfig
+from scavenger.config import ScavengerConfig, ScavengerConfigError
 from scavenger.events import append_event, drain_marker_path, iter_events
 from scavenger.slurm import JobInfo, NodeInfo, SlurmClient, SlurmCommandError
 
@@ -323,7 +323,7 @@ class Scavenger:
                 slots += n.free_cpus // self.config.cpus_per_job
         return slots
 
-    def _read_target(self, res: ReconcileResult) -> Target | None:
+    def _read_target(self) -> Target | None:
         try:
             t = read_target(self.run_dir, self.config.max_jobs)
             self._last_target = t
@@ -335,11 +335,12 @@ class Scavenger:
             return Target(self._last_target.n, self._last_target.active, "last_good")
 
     def reconcile_once(self) -> ReconcileResult:
-        """One reconciliation step (see the module docstring). Never raises on Slurm failures: they end
-        the step and come back as ``ok=False`` with ``error`` set."""
+        """One reconciliation step (see the module docstring). Never raises on Slurm failures, a missing
+        rollout script or an unwritable log directory: they end the step and come back as ``ok=False``
+        with ``error`` set (one line)."""
         res = ReconcileResult()
         now = self.clock.time()
-        target = self._read_target(res)
+        target = self._read_target()
         res.target = target
         try:
             jobs = self.slurm.squeue_jobs(comment_tag=self.tag, all_states=True)
@@ -374,7 +375,7 @@ class Scavenger:
             n_new = min(desired - len(active), free - pending_active, self.config.max_submit_per_cycle)
             for _ in range(max(0, n_new)):
                 res.submitted.append(self._submit())
-        except SlurmCommandError as e:
+        except (SlurmCommandError, ScavengerConfigError, OSError) as e:
             res.ok = False
             res.error = str(e)
         return res

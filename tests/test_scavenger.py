@@ -583,3 +583,30 @@ def test_events_from_rollout_jobs_share_the_log(env):
     assert res.ok and res.submitted == [] and events_of(run_dir, "adopted") == []
     st = compute_stats(read_events(run_dir), now=clock.t)
     assert st.attempts == 0 and st.tokens_produced == 10
+
+
+def test_missing_script_is_a_step_error_not_a_crash(env, tmp_path):
+    clock, fake, run_dir, make = env
+    sc = Scavenger(ScavengerConfig(script=str(tmp_path / "gone.sbatch")), run_dir, slurm=fake, clock=clock)
+    res = sc.reconcile_once()
+    assert not res.ok and "not found" in res.error and fake.our_calls("sbatch") == []
+
+
+def test_s3_job_that_exits_during_grace_is_replaced(env):
+    """Case S3: a scavenger job that exits by itself during the grace time is COMPLETED, not requeued —
+    the daemon brings the capacity back by submitting a replacement as soon as there is room."""
+    clock, fake, run_dir, make = env
+    set_target(run_dir, 2)
+    sc = make()
+    first = sc.reconcile_once().submitted
+    fake.schedule()
+    clock.t += 5
+    sc.reconcile_once()
+    fake.finish(first[0], "COMPLETED")  # handed off and exited instead of `scontrol requeue`
+    fake.external["n1"] = 2  # the high-priority job now holds that node
+    clock.t += 5
+    res = sc.reconcile_once()
+    assert len(res.submitted) == 1 and res.live == 1
+    assert fake.jobs[res.submitted[0]]["state"] == "PENDING"
+    fake.schedule()
+    assert fake.jobs[res.submitted[0]]["node"] != "n1"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from scavenger.slurm import (
-    JobInfo, SlurmClient, SlurmCommandError, exit_code_of, gres_gpu_count, parse_elapsed, parse_sacct,
+    SlurmClient, SlurmCommandError, exit_code_of, gres_gpu_count, parse_elapsed, parse_sacct,
     parse_sbatch_parsable, parse_sinfo_json, parse_sinfo_text, parse_squeue_json, parse_tres,
 )
 

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         from rlboost_hpc.rundir import read_endpoints
 
         manager = read_endpoints(args.run_dir, wait_s=args.wait_endpoints)["manager"]
-    _event(args.run_dir, {"event": "started", "job_id": args.job_id, "attempt": args.attempt,
+    _event(args.run_dir, {"event": "worker_started", "source": "worker", "job_id": args.job_id, "attempt": args.attempt,
                           "node": os.environ.get("SLURMD_NODENAME", ""), "pid": os.getpid(),
                           "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "")})
     import torch
@@ -111,17 +111,23 @@ def main(argv: list[str] | None = None) -> int:
         agent.request_stop(f"preempted ({holder['signal']})")
     code = agent.run()
     preempted = (agent.stop_reason or "").startswith("preempted")
-    _event(args.run_dir, {"event": "tokens", "job_id": args.job_id, "attempt": args.attempt,
+    _event(args.run_dir, {"event": "tokens", "source": "worker", "job_id": args.job_id, "attempt": args.attempt,
                           "produced": agent.tokens_generated, "handed_off": agent.tokens_handed_off,
                           "exit_code": code, "stop_reason": agent.stop_reason or ""})
     if preempted:
-        _event(args.run_dir, {"event": "warned", "job_id": args.job_id, "attempt": args.attempt,
+        _event(args.run_dir, {"event": "warned", "source": "worker", "job_id": args.job_id, "attempt": args.attempt,
                               "signal": holder.get("signal"), "warned_at": holder.get("warned_at"),
                               "drained_s": time.time() - holder.get("warned_at", time.time())})
         in_slurm = bool(os.environ.get("SLURM_JOB_ID"))
-        if args.requeue == "yes" or (args.requeue == "auto" and in_slurm):
+        drained = False
+        if args.run_dir:  # the scavenger drains surplus jobs with the same signal: those must not come back
+            from scavenger.events import drain_requested
+
+            drained = drain_requested(args.run_dir, args.job_id)
+        if not drained and (args.requeue == "yes" or (args.requeue == "auto" and in_slurm)):
             ok = requeue_self(args.job_id)
-            _event(args.run_dir, {"event": "requeue_requested", "job_id": args.job_id, "attempt": args.attempt,
+            _event(args.run_dir, {"event": "requeue_requested", "source": "worker", "job_id": args.job_id,
+                                  "attempt": args.attempt,
                                   "ok": ok})
     return code
 

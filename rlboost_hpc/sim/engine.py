@@ -9,8 +9,9 @@ token by token. With ``g`` the engine's iteration counter, request ``i`` that (r
 Internal events: the next completion (smallest remaining budget among running requests) and the KV cache
 filling up (``S`` reaching the capacity: requests with the fewest generated tokens are retracted back to the
 engine's waiting queue, keeping their tokens, until ``S <= retract_to·capacity`` — SGLang's retract
-behaviour). Admission from the waiting queue (FIFO) needs ``S + ctx + (B+1)·reserve <= capacity`` and
-``B < max_running`` (always admits one request into an empty batch); admitted requests cost a prefill of
+behaviour). Admission from the waiting queue (FIFO) needs ``S + ctx + (B+1)·reserve <= retract_to·capacity``
+(below the retraction point, so a retracted request is never re-admitted at once) and ``B < max_running``
+(an empty batch always admits one request); admitted requests cost a prefill of
 their whole context (prompt + tokens generated so far), during which decode stalls.
 
 Token counts are floats (fluid); a request completes when its generated count reaches its target length.
@@ -197,7 +198,6 @@ class Engine:
             self._remove(r)
             r.state = WAITING
             self.waiting.appendleft(r)
-        # admission must not immediately re-admit what was just retracted: the reserve check prevents it
 
     def take(self, r: Req) -> None:
         """Put ``r`` into this engine's waiting queue (dispatch or migration target)."""
@@ -219,7 +219,8 @@ class Engine:
         while self.waiting:
             r = self.waiting[0]
             ctx = r.prompt + r.n
-            if self.B > 0 and (self.B >= p.max_running or S + ctx + (self.B + 1) * p.reserve_tokens > p.kv_capacity):
+            if self.B > 0 and (self.B >= p.max_running
+                               or S + ctx + (self.B + 1) * p.reserve_tokens > self.retract_to * p.kv_capacity):
                 break
             self.waiting.popleft()
             stall += p.prefill_time(ctx)

@@ -464,6 +464,10 @@ class Simulation:
         self._maybe_fallback(t)
 
     def _step_end(self, t: float) -> None:
+        G = self.p.workload.group
+        if self.n_done != len(self.reqs) or any(g != G for g in self.gdone) or self.trained != len(self.reqs):
+            raise AssertionError(f"step {self.step}: exactly-once violated ({self.n_done} done, "
+                                 f"{self.trained} trained of {len(self.reqs)})")
         n_end = self._held()
         busy = [w for w in self._gone_work if w > 0]
         for r in self.remotes.values():
