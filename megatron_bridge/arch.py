@@ -9,12 +9,13 @@ Invariants:
 - :func:`arch_from_hf` accepts exactly what it can reproduce bit-for-bit in fp32 and raises
   :class:`UnsupportedArchitecture` (naming every offending field) for anything else — rope scaling, sliding
   windows, MLP/output biases, non-silu activations, MoE.
-- The parallel layout is explicit: ``num_layers % pp == 0``, ``num_kv_heads % tp == 0`` (Megatron splits
+- The parallel layout is explicit: ``num_layers >= pp`` (stage 0 takes the remainder of an uneven split,
+  e.g. 5 layers at PP=2 → 3 + 2), ``num_kv_heads % tp == 0`` (Megatron splits
   query groups across TP ranks), ``intermediate_size % tp == 0``; the vocabulary is padded up to a multiple of
   ``tp`` (:attr:`ArchSpec.padded_vocab`); padded rows are zero and their logits are masked (never sampled,
   never exported).
-- Pipeline stage ``p`` holds HF layers ``[p·L/pp, (p+1)·L/pp)`` (:func:`stage_layers`), the same split Megatron
-  uses for ``GPTModel`` without virtual stages.
+- Pipeline stage ``p`` holds the HF layers :func:`stage_layers` names — the split Megatron uses for ``GPTModel``
+  without virtual stages, given ``num_layers_in_first_pipeline_stage`` set by :func:`transformer_config`.
 """
 from __future__ import annotations
 
@@ -101,8 +102,8 @@ class ArchSpec:
         if tp < 1 or pp < 1:
             problems.append(f"tp={tp}, pp={pp} must be >= 1")
         else:
-            if self.num_layers % pp:
-                problems.append(f"num_layers={self.num_layers} is not divisible by pp={pp}")
+            if self.num_layers < pp:
+                problems.append(f"num_layers={self.num_layers} is smaller than pp={pp}")
             if self.num_kv_heads % tp:
                 problems.append(f"num_key_value_heads={self.num_kv_heads} is not divisible by tp={tp}")
             if self.intermediate_size % tp:
@@ -201,10 +202,18 @@ def arch_from_hf(cfg: Any) -> ArchSpec:
     )
 
 
+def first_stage_layers(arch: ArchSpec, pp: int) -> int:
+    """Layers of pipeline stage 0: ``L//pp`` plus the remainder ``L % pp`` (the other stages hold ``L//pp``
+    each; Megatron's ``num_layers_in_first_pipeline_stage``)."""
+    return arch.num_layers // pp + arch.num_layers % pp
+
+
 def stage_layers(arch: ArchSpec, pp: int, pp_rank: int) -> range:
-    """Global (HF) layer indices held by pipeline stage ``pp_rank``."""
-    n = arch.num_layers // pp
-    return range(pp_rank * n, (pp_rank + 1) * n)
+    """Global (HF) layer indices held by pipeline stage ``pp_rank`` (see :func:`first_stage_layers`)."""
+    base, first = arch.num_layers // pp, first_stage_layers(arch, pp)
+    if pp_rank == 0:
+        return range(0, first)
+    return range(first + (pp_rank - 1) * base, first + pp_rank * base)
 
 
 def transformer_config(arch: ArchSpec, *, tp: int = 1, pp: int = 1, bf16: bool = False,
@@ -256,9 +265,12 @@ def transformer_config(arch: ArchSpec, *, tp: int = 1, pp: int = 1, bf16: bool =
         perform_initialization=init_weights,
         init_method_std=init_method_std,
         calculate_per_token_loss=True,
-        variable_seq_lengths=pp > 1,
+        variable_seq_lengths=pp > 1,  # micro-batches of one RL step have different padded lengths
+        moe_token_dispatcher_type="alltoall",  # 0.16.1 rejects variable_seq_lengths with the (unused) default
         batch_p2p_comm=True,
     )
+    if pp > 1 and arch.num_layers % pp:
+        kw["num_layers_in_first_pipeline_stage"] = first_stage_layers(arch, pp)
     if recompute == "full":
         kw.update(recompute_granularity="full", recompute_method="uniform",
                   recompute_num_layers=recompute_num_layers)
@@ -292,6 +304,35 @@ def build_gpt_model(arch: ArchSpec, config, *, pre_process: bool, post_process: 
             rotary_percent=1.0,
             rotary_base=arch.rope_theta,
         )
+        if not config.perform_initialization:
+            _mark_tensor_parallel(model)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
     return model
+
+
+def _mark_tensor_parallel(model: torch.nn.Module) -> None:
+    """Set the ``tensor_model_parallel`` attributes Megatron only sets inside its random init.
+
+    With ``perform_initialization=False`` (weights are loaded right after), Megatron 0.16.1 skips
+    ``set_tensor_model_parallel_attributes`` for the weights of column/row-parallel linears and vocab-parallel
+    embeddings; the optimizer then counts TP-sharded weights as duplicates (gradient-norm clipping sees only
+    TP rank 0's shard). Set them as the init path would.
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    for mod in model.modules():
+        if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(mod, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        w = getattr(mod, "weight", None)
+        if w is not None and not getattr(w, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(w, True, dim, getattr(mod, "stride", 1))

@@ -20,6 +20,8 @@ and changes nothing):
   ``manual_seed(_all)`` and Megatron's ``_get/_set_cuda_rng_state`` act on the CPU generator, so
   ``model_parallel_cuda_manual_seed``, ``get_cuda_rng_tracker().fork()`` and activation recompute keep their
   semantics (fork = save CPU state, switch to the tracked state, restore).
+- Python ``autograd.Function`` backwards run inside the scope too (activation recompute re-runs the forward
+  there).
 - Streams, events, ``synchronize``, ``empty_cache``, NVTX, memory statistics: no-op stand-ins.
 
 Known not to work on CPU even with the layer (TransformerEngine/Apex kernels): ``apply_rope_fusion``,
@@ -175,6 +177,29 @@ def _patch_megatron_rng() -> None:
     mrandom._set_cuda_rng_state = _set_state
 
 
+def _patch_autograd_functions() -> None:
+    """Run every Python ``autograd.Function.backward`` inside :func:`scope`.
+
+    The mode is popped while it handles ``torch.autograd.backward`` itself, so Python backward code — notably
+    activation recompute, which re-runs the layer forward inside ``CheckpointFunction.backward`` — would run
+    without it. The autograd engine looks up ``_get_user_fn`` dynamically for each custom-Function node.
+    """
+    from torch.autograd.function import BackwardCFunction
+
+    orig = BackwardCFunction._get_user_fn
+
+    def _get_user_fn(self):
+        fn = orig(self)
+
+        def run(*a, **k):
+            with scope():
+                return fn(*a, **k)
+
+        return run
+
+    BackwardCFunction._get_user_fn = _get_user_fn
+
+
 def install() -> bool:
     """Install the layer if CUDA is absent. Idempotent, thread-safe.
 
@@ -189,6 +214,7 @@ def install() -> bool:
             return False
         _patch_torch_cuda()
         _patch_megatron_rng()
+        _patch_autograd_functions()
         _ACTIVE = True
         return True
 

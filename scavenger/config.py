@@ -6,6 +6,8 @@ submission command line is built, so what the daemon submits is what the tests c
 """
 from __future__ import annotations
 
+import hashlib
+
 import os
 import re
 import tomllib
@@ -42,7 +44,7 @@ class ScavengerConfig(BaseModel):
     script: str = Field("sbatch/rollout.sbatch", description="the rollout sbatch script (relative: cwd, then "
                                                              "project root)")
     job_name_prefix: str = Field("rlboost-rollout-", description="job name = prefix + run id")
-    run_id: str | None = Field(None, description="run id (default: the run directory's name)")
+    run_id: str | None = Field(None, description="run id (default: the run directory's name + a hash of its path)")
     tag: str | None = Field(None, description="--comment tag that marks our jobs (default rlboost:<run_id>)")
     log_dir: str | None = Field(None, description="job stdout/stderr directory (default RUN_DIR/scavenger/logs)")
     extra_sbatch_args: list[str] = Field(default_factory=list, description="appended to every sbatch call")
@@ -81,8 +83,12 @@ class ScavengerConfig(BaseModel):
 
     # -- derived ------------------------------------------------------------------------------------
     def resolved_run_id(self, run_dir: str | os.PathLike[str]) -> str:
-        """``run_id`` or the run directory's name."""
-        return self.run_id or Path(run_dir).resolve().name
+        """``run_id``, or the run directory's name plus a hash of its absolute path (two runs in directories
+        with the same name never adopt each other's jobs)."""
+        if self.run_id:
+            return self.run_id
+        path = Path(run_dir).resolve()
+        return f"{path.name}-{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
 
     def resolved_tag(self, run_dir: str | os.PathLike[str]) -> str:
         """The ``--comment`` that marks this run's jobs: ``tag`` or ``rlboost:<run_id>``."""

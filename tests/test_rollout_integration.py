@@ -21,6 +21,7 @@ from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.rollout.engines.base import GenRequest, SamplingParams
 from rlboost_hpc.rollout.engines.torch_engine import TorchEngine, generate_all
 from rlboost_hpc.trainer.client import ManagerClient
+from rlboost_hpc.rundir import write_endpoints
 from rlboost_hpc.weights.server import WeightServer
 
 pytestmark = pytest.mark.integration
@@ -30,7 +31,7 @@ MAX_NEW = 160
 
 
 @pytest.fixture
-def harness(stories260k_hf_dir):
+def harness(stories260k_hf_dir, tmp_path):
     config, sd = load_hf_dir(stories260k_hf_dir)
     server = WeightServer(chunk_bytes=8 << 10).start()  # ~72 chunks: transfers take many round trips
     mproc, endpoint = spawn_manager(dict(pending_limit=32, heartbeat_s=0.1, heartbeat_timeout_s=1.0,
@@ -40,15 +41,17 @@ def harness(stories260k_hf_dir):
     server.publish(0, sd, dtype=torch.float32)
     client.call(M.SetVersion(version=0))
     procs: list[subprocess.Popen] = []
+    write_endpoints(tmp_path, endpoint, server.endpoint, run_id="test")  # workers find the run like Slurm jobs
 
     class H:
         pass
 
     h = H()
     h.endpoint, h.client, h.server, h.config, h.sd, h.procs, h.mproc = endpoint, client, server, config, sd, procs, mproc
+    h.run_dir = tmp_path
 
     def worker(job: str, attempt: int = 0, *extra: str) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, "-m", "rlboost_hpc.rollout.worker", "--manager", endpoint,
+        p = subprocess.Popen([sys.executable, "-m", "rlboost_hpc.rollout.worker", "--run-dir", str(tmp_path),
                               "--job-id", job, "--attempt", str(attempt), *extra],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         procs.append(p)
@@ -126,6 +129,13 @@ def test_worker_preempted_mid_stream_response_continues_exactly(harness, sig, te
     if sig == signal.SIGTERM:
         assert st["tokens_regenerated"] == 0 and st["instances_preempted_with_warning"] == 1
         assert victim.wait(10) == 0
+        from scavenger.events import read_events
+
+        ev_v = [e for e in read_events(h.run_dir) if e.get("job_id") == "victim"]
+        tok = next(e for e in ev_v if e["event"] == "tokens")
+        assert tok["handed_off"] > 0 and tok["produced"] >= 40 // 2
+        assert any(e["event"] == "warned" for e in ev_v)
+        assert not any(e["event"] == "requeue_requested" for e in ev_v)  # not a Slurm job
     else:
         assert st["instances_lost"] == 1
 

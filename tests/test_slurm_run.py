@@ -46,6 +46,21 @@ def wait_for(pred, timeout, what):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def node_of(job):
+    n = job.get("nodes") or ""
+    return n if isinstance(n, str) else ",".join(n)
+
+
+def preempt_rollout_nodes(env, tag, trainer_job):
+    """Submit a high-priority exclusive job onto the nodes of running rollout jobs (not the trainer's node)."""
+    jobs = json.loads(sh(["squeue", "--json"], env))["jobs"]
+    trainer_node = next(node_of(j) for j in jobs if str(j["job_id"]) == trainer_job)
+    nodes = sorted({node_of(j) for j in our_jobs(env, tag) if "RUNNING" in str(j["job_state"])} - {trainer_node, ""})
+    assert nodes, "no rollout job outside the trainer's node"
+    return sh(["sbatch", "--parsable", "-p", "train", "-N", str(len(nodes)), "--nodelist", ",".join(nodes),
+               "--exclusive", "--gres", "gpu:2", "--wrap", "sleep 6"], env).strip()
+
+
 def events(run_dir):
     p = run_dir / "events.jsonl"
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
@@ -61,7 +76,8 @@ def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_resta
     env["RLBOOST_PYTHON"] = sys.executable
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    overrides = ("--set trainer.steps=70 --set rollout.max_new_tokens=64 --set rollout.prompts_per_step=12 "
+    run_id = f"accept-{os.getpid()}-{int(time.time())}"
+    overrides = ("--set trainer.steps=60 --set rollout.max_new_tokens=128 --set rollout.prompts_per_step=16 "
                  "--set cluster.max_workers=3 --set trainer.seed_window_s=0.3 --set network.bind_host=127.0.0.1")
     job = sh(["sbatch", "--parsable", "--partition", "train", "--gres", "gpu:1", "--output",
               str(run_dir / "train-%j.out"),
@@ -70,21 +86,18 @@ def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_resta
     scav_cmd = [sys.executable, "-m", "rlboost_hpc.cli", "scavenger", str(run_dir), "--partition", "scavenger",
                 "--gpus-per-job", "1", "--max-jobs", "3", "--grace-s", "10", "--poll-s", "1",
                 "--script", str(REPO / "sbatch/rollout.sbatch"), "--log-dir", str(run_dir / "logs"),
-                "--exit-when-done"]
+                "--exit-when-done", "--run-id", run_id]
     scav_log = open(run_dir / "scavenger.log", "a")
     scav = subprocess.Popen(scav_cmd, env=env, stdout=scav_log, stderr=subprocess.STDOUT)
-    tag = None
+    tag = f"rlboost:{run_id}"
     try:
         # rollout jobs start, register and serve
         wait_for(lambda: steps_done(run_dir) >= 3 and any(e.get("event") in ("tokens", "worker_started")
                                                          for e in events(run_dir)), 180, "rollout jobs serving")
-        tag = wait_for(lambda: next((j["comment"] for j in json.loads(sh(["squeue", "--json"], env))["jobs"]
-                                     if (j.get("comment") or "").startswith("rlboost")), None), 60, "tagged jobs")
-        # 1st preemption: a 2-node high-priority job takes nodes away from rollout jobs
+        # 1st preemption: a high-priority job takes the rollout jobs' nodes
         wait_for(lambda: sum(1 for j in our_jobs(env, tag) if "RUNNING" in str(j["job_state"])) >= 2, 120,
                  "2 running rollout jobs")
-        hp1 = sh(["sbatch", "--parsable", "-p", "train", "-N", "2", "--gres", "gpu:2", "--exclusive",
-                  "--wrap", "sleep 6"], env).strip()
+        preempt_rollout_nodes(env, tag, job)
         wait_for(lambda: any(e.get("event") == "requeue_requested" for e in events(run_dir)), 60, "first requeue")
         # kill the scavenger without warning, restart it: no duplicate submissions
         scav.send_signal(signal.SIGKILL)
@@ -98,8 +111,7 @@ def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_resta
         # 2nd preemption after the controller is back
         wait_for(lambda: sum(1 for j in our_jobs(env, tag) if "RUNNING" in str(j["job_state"])) >= 2, 120,
                  "rollout jobs running again")
-        hp2 = sh(["sbatch", "--parsable", "-p", "train", "-N", "2", "--gres", "gpu:2", "--exclusive",
-                  "--wrap", "sleep 6"], env).strip()
+        preempt_rollout_nodes(env, tag, job)
         wait_for(lambda: sum(1 for e in events(run_dir) if e.get("event") == "requeue_requested") >= 2, 90,
                  "second requeue")
         # the run finishes
@@ -110,13 +122,12 @@ def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_resta
             scav.kill()
         scav_log.close()
         subprocess.run(["scancel", job], env=env, capture_output=True)
-        if tag:
-            ids = [str(j["job_id"]) for j in our_jobs(env, tag)]
-            if ids:
-                subprocess.run(["scancel", *ids], env=env, capture_output=True)
+        ids = [str(j["job_id"]) for j in our_jobs(env, tag)]
+        if ids:
+            subprocess.run(["scancel", *ids], env=env, capture_output=True)
     rep = json.loads((run_dir / "report.json").read_text())
     assert "failed" not in rep, rep
-    assert rep["steps"] == 70
+    assert rep["steps"] == 60
     assert rep["preemptions"] >= 2
     assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0
     assert rep["tokens_trained_off_version"] == 0

@@ -4,10 +4,10 @@
 
     N_prem = (t_remote · n_prem + T_seed · N_resv) / t_train
 
-The numerator is the step's rollout work in instance-seconds — ``n_prem`` remote instances busy ``t_remote``
-seconds each, plus ``N_resv`` reserved rollout engines (counted in preemptible-instance equivalents) seeding
-for ``T_seed`` seconds — and dividing by the training time gives how many instances would finish that work
-while the trainer trains. The manager uses no more instances than that even when more are available, because
+The numerator is the step's rollout work in instance-seconds — ``n_prem`` remote instances doing ``t_remote``
+seconds of work each (see :func:`work_seconds`), plus ``N_resv`` reserved rollout engines (counted in
+preemptible-instance equivalents) seeding for ``T_seed`` seconds — and dividing by the training time gives how
+many instances would finish that work while the trainer trains. The manager uses no more instances than that even when more are available, because
 extra instances would only wait for the trainer (and cost money).
 
 Rounding and clamping (all deterministic):

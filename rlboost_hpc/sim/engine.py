@@ -21,12 +21,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from typing import TYPE_CHECKING
-
 from rlboost_hpc.sim.profiles import EnginePerf
-
-if TYPE_CHECKING:  # pragma: no cover
-    pass
 
 # request states
 QUEUED, WAITING, RUNNING, DONE = 0, 1, 2, 3

@@ -60,7 +60,7 @@ def plot_table(table: dict, path: str | Path) -> Path:
     """Bars of throughput and cost-efficiency ratios vs co-located per model; paper targets as markers."""
     plt = _plt()
     models = [m for m in table if m != "meta"]
-    fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, ax = plt.subplots(1, 2, figsize=(12, 5.2))
     width = 0.8 / len(MAIN_SYSTEMS)
     for k, key in enumerate(("throughput_ratio_vs_colocated", "cost_efficiency_ratio_vs_colocated")):
         for i, sname in enumerate(MAIN_SYSTEMS):
@@ -74,8 +74,9 @@ def plot_table(table: dict, path: str | Path) -> Path:
         ax[k].set_xticks([j + 0.4 - width / 2 for j in range(len(models))])
         ax[k].set_xticklabels([f"Qwen3-{m.upper()}" for m in models])
         ax[k].set_title("throughput vs co-located" if k == 0 else "tokens per dollar vs co-located")
-    ax[0].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
+    handles, labels = ax[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     path = Path(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)

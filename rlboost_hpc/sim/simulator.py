@@ -36,7 +36,7 @@ from rlboost_hpc.policy.cap import work_seconds
 from rlboost_hpc.policy.controller import RolloutController, StepObservation
 from rlboost_hpc.policy.dispatch import Balancer, InstanceLoad, RoundRobin, choose_instance
 from rlboost_hpc.policy.seeding import SeedingWindow
-from rlboost_hpc.sim.engine import DONE, QUEUED, RUNNING, Engine, Req
+from rlboost_hpc.sim.engine import DONE, Engine, Req
 from rlboost_hpc.sim.profiles import Profile
 from rlboost_hpc.sim.workload import Availability, step_work
 
@@ -410,7 +410,6 @@ class Simulation:
 
     def _on_done(self, r: Req, t: float) -> None:
         self.n_done += 1
-        eng = None
         g = r.gid
         self.gdone[g] += 1
         if self.gdone[g] == self.p.workload.group:
@@ -423,7 +422,6 @@ class Simulation:
             self.rollout_done_at = t
             if self.seed_state == "open":
                 self._try_close(t)
-        del eng
 
     def _train_ready(self, t: float) -> None:
         self.train_started = True

@@ -1,0 +1,143 @@
+"""``python -m megatron_bridge.launch``: run a program under ``torchrun`` with the Megatron backend's layout.
+
+Usage::
+
+    python -m megatron_bridge.launch [--nproc-per-node N] [--tp T] [--pp P] [--spmd]
+        [--nnodes K --node-rank R --master-addr HOST --master-port PORT]
+        (-m MODULE | SCRIPT) [ARGS...]
+
+Examples::
+
+    # 2 processes, TP=2, the ordinary RL run on rank 0 (the others serve the Megatron backend):
+    python -m megatron_bridge.launch --nproc-per-node 2 --tp 2 -m rlboost_hpc.cli run --set trainer.backend=megatron
+    # in an sbatch script, one task per node:
+    srun python -m megatron_bridge.launch --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID" \\
+        --master-addr "$MASTER_ADDR" --master-port 29500 --nproc-per-node 8 --tp 8 -m rlboost_hpc.cli run ...
+
+Modes:
+- *leader* (default): global rank 0 runs the program; every other rank runs
+  :func:`megatron_bridge.driver.follow`, executing the collective calls that rank 0's ``MegatronBackend``
+  broadcasts. So single-process programs (the RL loop, the manager, the weight server) run unchanged.
+- ``--spmd``: every rank runs the program (Megatron-LM style); the program makes the same calls on all ranks.
+
+The launcher re-executes itself under ``python -m torch.distributed.run`` (``--standalone`` on one node
+unless ``--master-port`` is given: a free rendezvous port, so concurrent jobs never collide), sets
+``MEGATRON_BRIDGE_TP``/``_PP``/``_DRIVER`` for the workers, initialises the process groups once per worker,
+and releases the followers when rank 0's program ends (also on ``SystemExit``). If any rank fails, torchrun
+stops the others and exits non-zero.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+
+WORKER_ENV = "MEGATRON_BRIDGE_WORKER"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron_bridge.launch", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc-per-node", type=int, default=1)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--master-addr", default=None)
+    p.add_argument("--master-port", type=int, default=None)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--spmd", action="store_true", help="run the program on every rank (default: rank 0 only)")
+    p.add_argument("-m", dest="module", default=None, help="run a module as the program (then its ARGS)")
+    return p
+
+
+def _split(argv: list[str]) -> tuple[list[str], str | None, list[str]]:
+    """(launcher options, module or None, program argv): everything after ``-m MODULE`` or the first
+    non-option token (the script) belongs to the program."""
+    with_value = {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--tp", "--pp",
+                  "--seed"}
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "-m":
+            if i + 1 >= len(argv):
+                raise SystemExit("megatron_bridge.launch: -m needs a module name")
+            return argv[:i], argv[i + 1], argv[i + 2 :]
+        if a in with_value:
+            i += 2
+            continue
+        if a.startswith("-"):
+            i += 1
+            continue
+        return argv[:i], None, argv[i:]
+    return argv, None, []
+
+
+def _torchrun_argv(a: argparse.Namespace) -> list[str]:
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={a.nproc_per_node}"]
+    if a.nnodes == 1 and a.master_port is None:
+        argv.append("--standalone")
+    else:
+        argv += [f"--nnodes={a.nnodes}", f"--node-rank={a.node_rank}",
+                 f"--master-addr={a.master_addr or '127.0.0.1'}", f"--master-port={a.master_port or 29500}"]
+    argv += ["-m", "megatron_bridge.launch", f"--tp={a.tp}", f"--pp={a.pp}", f"--seed={a.seed}"]
+    if a.spmd:
+        argv.append("--spmd")
+    if a.module:
+        argv += ["-m", a.module]
+    return argv + list(a.program)
+
+
+def _run_program(a: argparse.Namespace) -> None:
+    if a.module:
+        sys.argv = [a.module, *a.program]
+        runpy.run_module(a.module, run_name="__main__", alter_sys=True)
+    else:
+        if not a.program:
+            raise SystemExit("megatron_bridge.launch: no program given (-m MODULE or SCRIPT)")
+        sys.argv = list(a.program)
+        runpy.run_path(a.program[0], run_name="__main__")
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts, module, program = _split(list(sys.argv[1:] if argv is None else argv))
+    a = _parser().parse_args(opts)
+    a.module, a.program = module, program
+    if not a.module and not a.program:
+        _parser().error("give -m MODULE or SCRIPT")
+    if os.environ.get(WORKER_ENV) != "1" and "LOCAL_RANK" not in os.environ:
+        os.environ[WORKER_ENV] = "1"
+        cmd = _torchrun_argv(a)
+        os.execv(cmd[0], cmd)
+    os.environ.update({"MEGATRON_BRIDGE_TP": str(a.tp), "MEGATRON_BRIDGE_PP": str(a.pp),
+                       "MEGATRON_BRIDGE_DRIVER": "spmd" if a.spmd else "leader"})
+    import torch.distributed as dist
+
+    from megatron_bridge import driver, parallel
+
+    parallel.initialize(a.tp, a.pp, seed=a.seed)
+    rank = dist.get_rank()
+    code = 0
+    try:
+        if a.spmd or rank == 0:
+            try:
+                _run_program(a)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            finally:
+                if not a.spmd:
+                    driver.shutdown_followers()
+        else:
+            driver.follow()
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.barrier(group=parallel.control_group())
+            except Exception:  # noqa: BLE001 - a peer already failed; torchrun reports it
+                pass
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
