@@ -57,6 +57,19 @@ class ManagerCfg(_Strict):
     max_attempts: int = Field(5, ge=1, description="dispatch attempts of one response before the step fails")
 
 
+class PolicyCfg(_Strict):
+    """RLBoost's scheduling decisions (MISSION §1, §3; ``rlboost_hpc/policy``). The initial seeding window is
+    ``trainer.seed_window_s``."""
+
+    adaptive_seeding: bool = Field(True, description="T_seed += (t_wait_train − t_wait_remote)/η after each step")
+    seed_memory: bool = Field(True, description="remember T_seed per instance count M[n]")
+    eta: float = Field(3.0, gt=0, description="η of the seeding update")
+    seed_floor_s: float = Field(0.05, ge=0, description="smallest T_seed (the paper uses 5 s at its scale)")
+    seed_ceil_s: float | None = Field(None, description="largest T_seed (None: unbounded)")
+    cap: bool = Field(True, description="obey N_prem = (t_remote·n_prem + T_seed·N_resv)/t_train")
+    dispatch: Literal["jsq", "round_robin"] = Field("jsq", description="JSQ with Θ (RLBoost) or round robin (ablation)")
+
+
 class WeightsCfg(_Strict):
     """Pull-based weight transfer."""
 
@@ -127,6 +140,7 @@ class RunConfig(_Strict):
     task: TaskCfg = TaskCfg()
     rollout: RolloutCfg = RolloutCfg()
     manager: ManagerCfg = ManagerCfg()
+    policy: PolicyCfg = PolicyCfg()
     weights: WeightsCfg = WeightsCfg()
     trainer: TrainerCfg = TrainerCfg()
     cluster: LocalClusterCfg = LocalClusterCfg()

@@ -48,7 +48,8 @@ def _start_manager(cfg: RunConfig):
     return spawn_manager(bind=f"tcp://{cfg.network.bind_host}:0", params=dict(
         pending_limit=cfg.manager.pending_limit, heartbeat_s=cfg.manager.heartbeat_s,
         heartbeat_timeout_s=cfg.manager.heartbeat_timeout_s, max_attempts=cfg.manager.max_attempts,
-        stream_every_tokens=cfg.rollout.stream_every_tokens, stream_every_s=cfg.rollout.stream_every_s))
+        stream_every_tokens=cfg.rollout.stream_every_tokens, stream_every_s=cfg.rollout.stream_every_s,
+        dispatch_policy=cfg.policy.dispatch))
 
 
 def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
@@ -59,6 +60,8 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
     """
     from rlboost_hpc.cluster.local import LocalCluster
     from rlboost_hpc.observe.report import ProgressView, write_plot
+    from rlboost_hpc.policy.controller import RolloutController
+    from rlboost_hpc.policy.seeding import SeedingWindow
     from rlboost_hpc.rollout.agent import RolloutAgent
     from rlboost_hpc.tasks.base import get_task
     from rlboost_hpc.trainer.backends.torch_backend import TorchBackend
@@ -141,8 +144,14 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
                                 micro_batch=cfg.trainer.micro_batch, seed_window_s=cfg.trainer.seed_window_s,
                                 step_timeout_s=cfg.trainer.step_timeout_s,
                                 seed=cfg.trainer.seed)
+        pol = cfg.policy
+        controller = RolloutController(
+            n_resv=1.0, use_cap=pol.cap,
+            seeding=SeedingWindow(initial_s=cfg.trainer.seed_window_s, eta=pol.eta, floor_s=pol.seed_floor_s,
+                                  adapt=pol.adaptive_seeding, memory=pol.seed_memory, ceil_s=pol.seed_ceil_s))
         trainer = RLTrainer(client=client, backend=backend, task=task, tokenizer=tok, settings=settings,
-                            stop_ids=stop_ids, publish=publish)
+                            stop_ids=stop_ids, publish=publish, controller=controller,
+                            available=lambda: cfg.cluster.max_workers)
         t_train0 = time.monotonic()
         with ProgressView(cfg.trainer.steps, enabled=progress) as view:
             for step in range(cfg.trainer.steps):
@@ -151,8 +160,12 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
                 m.update(t_s=time.monotonic() - t_start, live_preemptible=st["live_preemptible"],
                          routable_preemptible=st["routable_preemptible"],
                          cluster_live=cluster.live() if cluster else st["live_preemptible"])
+                cap = trainer.decision.n_prem_cap if trainer.decision else None
+                n_prem = cfg.cluster.max_workers if cap is None else min(cap, cfg.cluster.max_workers)
                 if slurm:
-                    write_target(out_dir, cfg.cluster.max_workers, active=True, step=step + 1)
+                    write_target(out_dir, n_prem, active=True, step=step + 1)
+                elif cluster is not None:
+                    cluster.set_cap(n_prem)
                 step_metrics.append(m)
                 metrics_f.write(json.dumps(m) + "\n")
                 metrics_f.flush()

@@ -25,6 +25,7 @@ from typing import Callable
 
 import numpy as np
 
+from rlboost_hpc.policy.dispatch import choose_instance
 from rlboost_hpc.protocol import messages as M
 
 log = logging.getLogger("rlboost.manager")
@@ -107,7 +108,15 @@ class ManagerCore:
         max_attempts: int = 5,
         stream_every_tokens: int = 4,
         stream_every_s: float = 0.05,
+        dispatch_policy: str = "jsq",
     ) -> None:
+        if dispatch_policy not in ("jsq", "round_robin"):
+            raise ValueError(f"dispatch_policy must be 'jsq' or 'round_robin', not {dispatch_policy!r}")
+        self.dispatch_policy = dispatch_policy
+        self._rr = 0
+        # Per-step view of the preemptible pool: key -> [first assignment, last token, tokens] (seconds, count)
+        self.step_remote: dict[str, list] = {}
+        self.last_step_remote: dict = {"t_remote_s": 0.0, "t_wait_remote_s": 0.0, "n_remote": 0, "tokens": 0}
         self.clock = clock
         self.pending_limit = pending_limit
         self.heartbeat_s = heartbeat_s
@@ -310,6 +319,10 @@ class ManagerCore:
                     self._group_progress(req)
             lo = hi
         self.counters["late_tokens"] += late
+        obs = self.step_remote.get(key)
+        if obs is not None:
+            obs[1] = self.clock()
+            obs[2] += total - late
 
     def _on_RequestFailed(self, peer: bytes, inst: Instance | None, msg: M.RequestFailed) -> None:
         if inst is None:
@@ -367,6 +380,13 @@ class ManagerCore:
         if msg.version <= self.latest_version:
             self.send(peer, M.Error(what="setver", error=f"version {msg.version} ≤ latest {self.latest_version}"))
             return
+        now = self.clock()
+        obs = list(self.step_remote.values())
+        self.last_step_remote = {
+            "t_remote_s": sum(o[1] - o[0] for o in obs) / len(obs) if obs else 0.0,
+            "t_wait_remote_s": sum(now - o[1] for o in obs) / len(obs) if obs else 0.0,
+            "n_remote": len(obs), "tokens": sum(o[2] for o in obs)}
+        self.step_remote = {}
         self.latest_version = msg.version
         for i in self.live_instances():
             if i.state in ("ready", "pulling", "fenced"):
@@ -460,18 +480,24 @@ class ManagerCore:
         self.dispatch()
 
     def dispatch(self) -> None:
-        """Join-shortest-queue: give each queued request to the routable instance with the fewest requests in
-        flight, as long as that count is below the pending limit Θ; the rest wait here (case R7)."""
+        """Join-shortest-queue (``policy.dispatch.choose_instance``): give each queued request to the routable
+        instance with the fewest requests in flight, among those below min(Θ, its batch); the rest wait here
+        (delayed dispatch, case R7). ``dispatch_policy="round_robin"`` is the ablation baseline."""
         if not self.queue:
             return
-        cands = [i for i in self.instances.values() if self.routable(i)]
+        cands = sorted((i for i in self.instances.values() if self.routable(i)), key=lambda i: i.key)
         if not cands:
             return
         batches: dict[str, list[M.Work]] = {}
         while self.queue:
-            inst = min(cands, key=lambda i: len(i.inflight))
-            if len(inst.inflight) >= min(self.pending_limit, inst.max_batch):
+            free = [i for i in cands if len(i.inflight) < min(self.pending_limit, i.max_batch)]
+            if not free:
                 break
+            if self.dispatch_policy == "round_robin":
+                self._rr += 1
+                inst = free[self._rr % len(free)]
+            else:
+                inst = free[choose_instance([len(i.inflight) for i in free], self.pending_limit)]
             rid = self.queue.popleft()
             req = self.requests.get(rid)
             if req is None or req.state != "queued":
@@ -482,6 +508,8 @@ class ManagerCore:
             inst.inflight.add(rid)
             batches.setdefault(inst.key, []).append(req.work())
             self.counters["dispatched"] += 1
+            if inst.kind == "preemptible":
+                self.step_remote.setdefault(inst.key, [self.clock(), self.clock(), 0])
         for key, works in batches.items():
             self.send(self.instances[key].peer, M.Assign(works=works))
 
@@ -504,4 +532,5 @@ class ManagerCore:
                                     if i.kind == "preemptible" and i.state != "gone"),
             "pull_seconds_mean": (sum(self.pull_seconds) / len(self.pull_seconds)) if self.pull_seconds else 0.0,
             "failed_step": self.failed_step,
+            "last_step_remote": self.last_step_remote,
         }

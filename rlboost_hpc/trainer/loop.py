@@ -24,6 +24,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from rlboost_hpc.policy.controller import RolloutController, StepDecision, StepObservation
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.tasks.base import Prompt, Task
 from rlboost_hpc.trainer.algorithms.grpo import group_advantages
@@ -95,12 +96,17 @@ class RLTrainer:
 
     def __init__(self, *, client: ManagerClient, backend: TrainerBackend, task: Task, tokenizer,
                  settings: StepSettings, stop_ids: tuple[int, ...], publish: Callable[[int], dict],
+                 controller: RolloutController | None = None, available: Callable[[], int | None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.client, self.backend, self.task, self.tok = client, backend, task, tokenizer
         self.s = settings
         self.stop_ids = stop_ids
         self.publish = publish
         self.clock = clock
+        # T_seed and N_prem decisions (policy/controller.py); None: fixed T_seed = settings.seed_window_s
+        self.controller = controller
+        self.available = available
+        self.decision: StepDecision | None = None
         self.version = 0
         self.frontier = DataFrontier(task.train_prompts(), settings.seed)
         self.totals = Totals()
@@ -124,6 +130,8 @@ class RLTrainer:
                                      stop_ids=list(self.stop_ids)))
         n_resp = len(specs) * s.group_size
         self.totals.responses_expected += n_resp
+        n_start = self.client.stats()["live_preemptible"] if self.controller else 0
+        t_seed = self.controller.begin_step(n_start) if self.controller else s.seed_window_s
         self.client.call(M.SubmitStep(step=step, version=self.version, groups=specs))
 
         ready: list[Sample] = []
@@ -169,7 +177,7 @@ class RLTrainer:
             self.client.send(M.AckGroup(gid=ev.gid))
 
         # Seeding window: the reserved engine generates; completed groups are buffered.
-        seed_end = t0 + s.seed_window_s
+        seed_end = t0 + t_seed
         while n_groups < len(specs) and self.clock() < seed_end:
             ev = self.client.next_event(max(0.0, seed_end - self.clock()))
             if ev is not None:
@@ -209,6 +217,17 @@ class RLTrainer:
         self.version += 1
         pub = self.publish(self.version)
         self.client.call(M.SetVersion(version=self.version))
+        policy = {}
+        if self.controller is not None:
+            st = self.client.stats()
+            rem = st["last_step_remote"]
+            self.decision = self.controller.end_step(StepObservation(
+                t_seed_s=t_seed_actual, t_wait_train_s=t_wait, t_wait_remote_s=rem["t_wait_remote_s"],
+                t_remote_s=rem["t_remote_s"], n_remote=rem["n_remote"], t_train_s=t_train,
+                n_instances_start=n_start, n_instances_end=st["live_preemptible"], n_available=self.available()))
+            policy = {"t_seed_next_s": self.decision.t_seed_s, "n_prem_cap": self.decision.n_prem_cap,
+                      "t_remote_s": rem["t_remote_s"], "t_wait_remote_s": rem["t_wait_remote_s"],
+                      "n_remote": rem["n_remote"]}
         self.totals.responses_trained += n_trained
         self.totals.migrated_responses_trained += n_mig
         wall = self.clock() - t0
@@ -219,7 +238,7 @@ class RLTrainer:
             "reward_mean": sum(rewards) / max(1, len(rewards)), "response_len_mean": sum(lens) / max(1, len(lens)),
             "responses": n_trained, "responses_migrated": n_mig, "tokens": tokens,
             "preemptible_instances_served": sum(1 for k in served if not k.startswith("reserved#")),
-            "throughput_tokens_per_s": tokens / wall if wall > 0 else 0.0, **om, **pub,
+            "throughput_tokens_per_s": tokens / wall if wall > 0 else 0.0, **om, **pub, **policy,
         }
         for k, v in m_acc.items():
             out[k] = v / max(1, n_trained) if k != "tokens" else v
