@@ -82,6 +82,7 @@ class MegatronBackend(TrainerBackend):
             ``config.json`` / an HF directory). Llama, Qwen2 and Qwen3 families.
         weights: HF state dict (name → tensor) or a path (HF directory with ``model.safetensors`` / a sharded
             index, or one ``.safetensors`` file). With several ranks prefer a path: each rank reads its shard.
+            None: Megatron's random init (``init_method_std`` 0.02, seeded) — for benchmarks.
         lr, weight_decay, grad_clip, clip_eps, kl_coef, temperature, keep_reference: as ``TorchBackend``.
         tp, pp: tensor/pipeline parallel sizes (default: env ``MEGATRON_BRIDGE_TP``/``_PP`` set by the launcher,
             else 1). DP is what remains of the world.
@@ -102,7 +103,7 @@ class MegatronBackend(TrainerBackend):
         UnsupportedArchitecture: the HF config or the TP/PP split is not supported (the message says why).
     """
 
-    def __init__(self, config: Any, weights: Mapping[str, torch.Tensor] | str | os.PathLike, *, lr: float,
+    def __init__(self, config: Any, weights: Mapping[str, torch.Tensor] | str | os.PathLike | None, *, lr: float,
                  weight_decay: float = 0.0, grad_clip: float = 1.0, clip_eps: float = 0.2, kl_coef: float = 0.0,
                  temperature: float = 1.0, keep_reference: bool = True, tp: int | None = None,
                  pp: int | None = None, micro_batch_size: int | None = None, bf16: bool = False,
@@ -156,24 +157,29 @@ class MegatronBackend(TrainerBackend):
         L = self.layout
         arch = self.arch
         self.tconfig = transformer_config(arch, tp=L.tp, pp=L.pp, bf16=self.bf16, recompute=recompute,
-                                          init_weights=False)
-        source = SafetensorsSource(weights) if isinstance(weights, str) else weights
-        local = hf_to_megatron(source, arch, tp=L.tp, tp_rank=L.tp_rank, pp=L.pp, pp_rank=L.pp_rank)
+                                          init_weights=weights is None)
+        local = None
+        if weights is not None:
+            source = SafetensorsSource(weights) if isinstance(weights, str) else weights
+            local = hf_to_megatron(source, arch, tp=L.tp, tp_rank=L.tp_rank, pp=L.pp, pp_rank=L.pp_rank)
 
-        def make() -> torch.nn.Module:
+        def make(state: Mapping[str, torch.Tensor] | None) -> torch.nn.Module:
             m = build_gpt_model(arch, self.tconfig, pre_process=L.first_stage, post_process=L.last_stage, tp=L.tp)
-            missing, unexpected = m.load_state_dict(local, strict=False)
-            missing = [k for k in missing if not k.endswith("_extra_state")]
-            if missing or unexpected:
-                raise RuntimeError(f"weight bridge mismatch: missing {missing}, unexpected {unexpected}")
+            if state is not None:
+                missing, unexpected = m.load_state_dict(state, strict=False)
+                missing = [k for k in missing if not k.endswith("_extra_state")]
+                if missing or unexpected:
+                    raise RuntimeError(f"weight bridge mismatch: missing {missing}, unexpected {unexpected}")
             if self.bf16:
                 m = Float16Module(self.tconfig, m)
             return m
 
-        policy = make()
+        policy = make(local)
+        if local is None:  # random init: the reference starts as an exact copy of the policy
+            local = {k: v for k, v in self._unwrap(policy).state_dict().items() if not k.endswith("_extra_state")}
         self.ref = None
         if keep_reference:
-            self.ref = make().eval().requires_grad_(False)
+            self.ref = make(local).eval().requires_grad_(False)
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                 use_distributed_optimizer=distributed_optimizer)
         self.ddp = DistributedDataParallel(config=self.tconfig, ddp_config=ddp_cfg, module=policy)
@@ -220,6 +226,7 @@ class MegatronBackend(TrainerBackend):
         mask = torch.zeros(B, T, dtype=torch.bool)
         mask[:, :-1] = rmask
         mb: dict[str, Any] = {"mode": mode, "ids": ids, "labels": labels, "mask": mask, "plens": plens,
+                              "ntok": int(rmask.sum()),
                               "rlens": [len(s.response_ids) for s in samples],
                               "pos": torch.arange(T).unsqueeze(0).expand(B, T)}
         if mode == "train":
@@ -268,27 +275,26 @@ class MegatronBackend(TrainerBackend):
                 {"logits": full.detach().cpu()}
         logp = self._token_logp(logits, mb["labels"])
         mask = mb["mask"]
-        ntok = int(mask.sum())
+        ntok = mb["ntok"]
         if mode == "logp":
-            rows = [logp[i, p - 1 : p - 1 + r].detach().cpu().clone()
-                    for i, (p, r) in enumerate(zip(mb["plens"], mb["rlens"]))]
+            host = logp.detach().float().cpu()  # one device→host copy, then slices
+            rows = [host[i, p - 1 : p - 1 + r].clone() for i, (p, r) in enumerate(zip(mb["plens"], mb["rlens"]))]
             return torch.zeros((), device=logits.device), torch.tensor(ntok, dtype=torch.int), {"logp": rows}
         old = logp.detach()
         ref = mb.get("ref")
         loss_sum, _ = grpo_loss(logp, old, mb["adv"], mask, clip_eps=self.clip_eps, ref_logp=ref,
                                 kl_coef=self.kl_coef)
         loss = loss_sum / mb["responses_in_step"]
-        with torch.no_grad():
+        with torch.no_grad():  # metric sums, fetched in one device→host transfer
             m = mask.to(torch.float32)
-            ratio = torch.exp(logp - old)
-            stats = {
-                "loss_sum": float(loss_sum.detach()),
-                "ntok": ntok,
-                "clipped": float((((ratio - 1.0).abs() > self.clip_eps).float() * m).sum()),
-                "diff_sum": float(((old - mb["beh"]).abs() * m).sum()),
-                "kl_sum": float(((torch.exp(ref - old) - (ref - old) - 1.0) * m).sum()) if ref is not None else 0.0,
-                "ratio_max": float((ratio * m).max()) if ntok else 1.0,
-            }
+            ratio = torch.exp(logp.detach() - old)
+            zero = torch.zeros((), device=logp.device)
+            kl = (torch.exp(ref - old) - (ref - old) - 1.0) * m if ref is not None else zero
+            vals = torch.stack([loss_sum.detach(), (((ratio - 1.0).abs() > self.clip_eps).float() * m).sum(),
+                                ((old - mb["beh"]).abs() * m).sum(), kl.sum(),
+                                (ratio * m).max() if ntok else torch.ones((), device=logp.device)]).tolist()
+        stats = {"loss_sum": vals[0], "ntok": ntok, "clipped": vals[1], "diff_sum": vals[2], "kl_sum": vals[3],
+                 "ratio_max": vals[4]}
         return loss, torch.tensor(ntok, dtype=torch.int), stats
 
     def _run(self, chunks: list[torch.nn.Module], mbs: list[dict[str, Any]], forward_only: bool) -> list[dict]:

@@ -41,14 +41,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Iterable, Mapping
 
 import torch
 
 from megatron_bridge.arch import ArchSpec, stage_layers
 
-__all__ = ["Piece", "hf_to_megatron", "megatron_to_pieces", "assemble", "hf_shapes", "SafetensorsSource",
-           "piece_key"]
+__all__ = ["Piece", "hf_to_megatron", "megatron_to_pieces", "assemble", "check_tiling", "hf_shapes",
+           "SafetensorsSource", "piece_key"]
 
 
 @dataclass(frozen=True)
@@ -146,10 +146,6 @@ class SafetensorsSource(Mapping):
 
     def __len__(self) -> int:
         return len(self._files)
-
-
-def _rows(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
-    return t[a:b]
 
 
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ArchSpec, *, tp: int, tp_rank: int, pp: int,
@@ -305,6 +301,34 @@ def megatron_to_pieces(local: Mapping[str, torch.Tensor], arch: ArchSpec, *, tp:
     return pieces
 
 
+def check_tiling(specs: Iterable[Mapping]) -> dict[str, list[Mapping]]:
+    """Group piece specs by HF name (sorted along their split dim) and check that each HF tensor's pieces tile
+    it exactly once along one dim.
+
+    Raises:
+        ValueError: pieces along several dims, a gap, an overlap, or incomplete coverage (named).
+    """
+    by_name: dict[str, list[Mapping]] = {}
+    for s in specs:
+        by_name.setdefault(s["hf_name"], []).append(s)
+    for name, ps in by_name.items():
+        ps.sort(key=lambda s: (s["dim"], s["start"]))
+        full = tuple(ps[0]["full_shape"])
+        dims = {s["dim"] for s in ps}
+        if len(dims) != 1:
+            raise ValueError(f"{name}: pieces split along several dims {sorted(dims)}")
+        dim = dims.pop()
+        pos = 0
+        for s in ps:
+            if s["start"] != pos:
+                raise ValueError(f"{name}: pieces do not tile dim {dim} (gap/overlap at {pos}, next starts at "
+                                 f"{s['start']})")
+            pos = s["stop"]
+        if pos != full[dim]:
+            raise ValueError(f"{name}: pieces cover {pos} of {full[dim]} along dim {dim}")
+    return by_name
+
+
 def assemble(specs: Iterable[Mapping], tensors: Mapping[str, torch.Tensor], *,
              aliases: Mapping[str, str] | None = None, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """HF-named full tensors from pieces.
@@ -321,25 +345,10 @@ def assemble(specs: Iterable[Mapping], tensors: Mapping[str, torch.Tensor], *,
     Raises:
         ValueError: a tensor is not covered exactly (gaps or overlaps), or a piece has the wrong size.
     """
-    by_name: dict[str, list[Mapping]] = {}
-    for s in specs:
-        by_name.setdefault(s["hf_name"], []).append(s)
+    by_name = check_tiling(specs)
     out: dict[str, torch.Tensor] = {}
     for name, ps in by_name.items():
-        ps = sorted(ps, key=lambda s: (s["dim"], s["start"]))
-        full = tuple(ps[0]["full_shape"])
-        dims = {s["dim"] for s in ps}
-        if len(dims) != 1:
-            raise ValueError(f"{name}: pieces split along several dims {sorted(dims)}")
-        dim = dims.pop()
-        pos = 0
-        for s in ps:
-            if s["start"] != pos:
-                raise ValueError(f"{name}: pieces do not tile dim {dim} (gap/overlap at {pos}, next starts at "
-                                 f"{s['start']})")
-            pos = s["stop"]
-        if pos != full[dim]:
-            raise ValueError(f"{name}: pieces cover {pos} of {full[dim]} along dim {dim}")
+        dim = ps[0]["dim"]
         parts = []
         for s in ps:
             t = tensors[s["key"]]

@@ -13,14 +13,18 @@ Invariant (tested): saving after step k, constructing a fresh backend with the s
 options, loading, and running step k+1 gives exactly (fp32) the same loss and weights as the uninterrupted run.
 The reference policy is not saved (it is the initial weights, which the constructor loads again).
 
-``dist_checkpointing``'s writer may start worker processes: scripts that save must have an
-``if __name__ == "__main__":`` guard (torchrun entry points and ``python -m`` modules do).
+Saving is synchronous. ``dist_checkpointing``'s writer forks one process per write bucket and collects their
+results through a queue it creates with a *spawn*-context ``multiprocessing.Manager`` — which re-imports the
+``__main__`` module, so a script without an ``if __name__ == "__main__":`` guard dies with ``EOFError``. For a
+synchronous save that queue is only used inside the saving process, so :func:`save` installs a plain
+thread-safe ``queue.Queue`` first (:func:`_in_process_results_queue`): no spawned process, no guard needed.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 __all__ = ["save", "load", "FORMAT"]
@@ -52,19 +56,71 @@ def _meta(backend) -> dict[str, Any]:
             "bf16": backend.bf16}
 
 
-def save(backend, path: Path, extra_state: dict[str, Any]) -> None:
-    """Write the checkpoint of ``backend`` into ``path`` (all ranks call; the directory is created)."""
-    from megatron.core import dist_checkpointing
+def _in_process_results_queue() -> None:
+    """See the module docstring: a synchronous save needs no cross-process results queue."""
+    import queue
 
-    path = Path(path)
-    if backend.layout.rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", "absent") is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+def _barrier(backend) -> None:
     if dist.is_initialized() and backend.layout.world > 1:
         dist.barrier()
+
+
+def save(backend, path: Path, extra_state: dict[str, Any]) -> None:
+    """Write the checkpoint of ``backend`` into the directory ``path`` (all ranks call).
+
+    Atomic: written into ``<path>.partial`` and renamed by rank 0 once every rank has finished, so ``path`` is
+    either a complete checkpoint or absent (an existing one is replaced only after the new one is complete) —
+    a job preempted mid-save resumes from the previous checkpoint.
+    """
+    import shutil
+
+    from megatron.core import dist_checkpointing
+
+    _in_process_results_queue()
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    if backend.layout.rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    _barrier(backend)
     sd = _sharded(backend, is_loading=False)
     sd["extra"] = dict(extra_state)
     sd["bridge"] = _meta(backend)
-    dist_checkpointing.save(sd, str(path))
+    dist_checkpointing.save(sd, str(partial))
+    _barrier(backend)
+    if backend.layout.rank == 0:
+        old = path.with_name(path.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            path.rename(old)
+        partial.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier(backend)
+
+
+def _restore_adam_steps(opt) -> None:
+    """Copy the step count the distributed optimizer restores into ``param_groups[i]["step"]`` (the
+    TransformerEngine/Apex FusedAdam convention) into the per-parameter ``state[p]["step"]`` that
+    ``torch.optim.AdamW`` — Megatron's fallback without TE/Apex, as on CPU — actually reads. Without this
+    the bias correction restarts from the pre-load count and the first step after resume differs."""
+    for o in getattr(opt, "chained_optimizers", [opt]):
+        inner = getattr(o, "optimizer", None)
+        if inner is None:
+            continue
+        for g in inner.param_groups:
+            if "step" not in g:
+                continue
+            for p in g["params"]:
+                st = inner.state.get(p)
+                if st and "step" in st:
+                    old = st["step"]
+                    st["step"] = (torch.full_like(old, float(g["step"])) if torch.is_tensor(old) else g["step"])
 
 
 def load(backend, path: Path) -> dict[str, Any]:
@@ -79,15 +135,17 @@ def load(backend, path: Path) -> dict[str, Any]:
     from megatron_bridge.backend import set_rng_state
 
     path = Path(path)
-    if not (path / "metadata.json").exists() and not any(path.glob("*.distcp")) and not path.is_dir():
-        raise FileNotFoundError(f"{path}: not a checkpoint directory")
+    if not (path / "metadata.json").is_file():
+        raise FileNotFoundError(f"{path}: not a complete checkpoint directory (no metadata.json)")
     common = dist_checkpointing.load_common_state_dict(str(path))
     meta = common.get("bridge", {})
     want = _meta(backend)
     if meta != want:
         raise ValueError(f"{path}: checkpoint is for {meta}, this backend is {want}")
     loaded = dist_checkpointing.load(_sharded(backend, is_loading=True), str(path))
-    backend.gpt.load_state_dict(loaded["model"], strict=False)
-    backend.opt.load_state_dict(loaded["optimizer"])
+    with torch.no_grad():  # the distributed optimizer copies into views of parameters
+        backend.gpt.load_state_dict(loaded["model"], strict=False)
+        backend.opt.load_state_dict(loaded["optimizer"])
+        _restore_adam_steps(backend.opt)
     set_rng_state(loaded["rng_state"])
     return dict(loaded.get("extra", {}))

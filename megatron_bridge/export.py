@@ -40,7 +40,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from megatron_bridge.arch import ArchSpec
-from megatron_bridge.bridge import Piece, assemble
+from megatron_bridge.bridge import Piece, assemble, check_tiling
 
 __all__ = ["FORMAT", "holder_entry", "build_manifest", "pull_sharded", "positions", "manifest_nbytes"]
 
@@ -86,6 +86,10 @@ def build_manifest(entries: Iterable[Mapping[str, Any]], arch: ArchSpec, hf_conf
     if names != expected:
         raise ValueError(f"shard manifest does not cover the model: missing {sorted(expected - names)[:5]}, "
                          f"extra {sorted(names - expected)[:5]}")
+    try:
+        check_tiling(pieces)
+    except ValueError as e:
+        raise ValueError(f"shard manifest does not cover the model: {e}") from None
     return man
 
 

@@ -217,7 +217,7 @@ def parity(model: str, models_dir: Path, ckpt_root: Path, *, steps: int = 3, mb_
                        "dtype_ok": all(v.dtype == torch.bfloat16 for v in pulled.values()), "pull_s": st["seconds"]}
     # 4. RL steps (two streamed micro-batches per step), same batches to both backends
     r["steps"] = []
-    ckpt = ckpt_root / f"ckpt-{model}-{L.tp}-{L.pp}-{L.dp}"
+    ckpt = ckpt_root / f"ckpt-{model}-{L.tp}-{L.pp}-{L.dp}-{'-'.join(sorted(mb_kw)) or 'plain'}"
     k_save = steps - 1
     last_losses = None
     for s in range(steps):
@@ -257,8 +257,9 @@ def parity(model: str, models_dir: Path, ckpt_root: Path, *, steps: int = 3, mb_
         batch = make_samples(8, vocab, seed=1000 + k_save)
         losses = [mb2.accumulate(part, len(batch))["loss"] for part in (batch[:5], batch[5:])]
         losses.append(mb2.optimizer_step()["grad_norm"])
-        r["resume"] = {"extra": extra, "losses": losses, "uninterrupted": last_losses,
-                       "exact": losses == last_losses, "weights_maxabs": _maxdiff(mb2.export_weights(), after)}
+        wd = _maxdiff(mb2.export_weights(), after)
+        r["resume"] = {"extra": extra, "losses": losses, "uninterrupted": last_losses, "weights_maxabs": wd,
+                       "exact": losses == last_losses and wd == 0.0}
         mb2.close()
     mb.close()
     return r
@@ -275,6 +276,10 @@ def run_single(models_dir: Path, out: Path) -> dict[str, Any]:
         res["stories"] = parity("stories", models_dir, tmp)
         res["qwen3"] = parity("qwen3", models_dir, tmp, check_ckpt=False)
         res["qwen2-tied"] = parity("qwen2-tied", models_dir, tmp, steps=1, check_ckpt=False, check_shards=False)
+        res["llama-untied"] = parity("llama", models_dir, tmp, steps=1, check_ckpt=False, check_shards=False)
+        # bf16 + distributed optimizer: numbers within bf16 rounding, resume still exact
+        res["stories-bf16-distopt"] = parity("stories", models_dir, tmp, check_shards=False,
+                                             mb_kw={"bf16": True, "distributed_optimizer": True})
         # options: same first-step numbers (recompute exactly; bf16 within bf16 rounding)
         cfg_d, weights, sd, vocab, lcfg = _load("stories", models_dir)
         kw = dict(lr=1e-4, kl_coef=0.05, temperature=0.9)
@@ -329,13 +334,34 @@ def run_parallel(models_dir: Path, out: Path, *, distributed_optimizer: bool = F
     return res
 
 
+def run_demo(config: Path, out_dir: Path, overrides: list[str]) -> int:
+    """The ordinary ``rlboost-hpc run`` with ``MegatronBackend`` constructed where ``run.py`` constructs
+    ``TorchBackend`` — exactly the call ``trainer.backend = "megatron"`` makes (until the config switch is
+    wired, this substitution stands in for it). Under the launcher this is rank 0's program."""
+    import rlboost_hpc.trainer.backends.torch_backend as tbm
+    from megatron_bridge.backend import MegatronBackend
+    from rlboost_hpc.cli import main as cli_main
+
+    tbm.TorchBackend = lambda config, sd, **kw: MegatronBackend(config, sd, **kw)  # type: ignore[misc]
+    args = ["run", "--config", str(config), "--out", str(out_dir), "--no-progress"]
+    for o in overrides:
+        args += ["--set", o]
+    return cli_main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megatron_bridge.testing")
-    p.add_argument("scenario", choices=["single", "parallel"])
-    p.add_argument("--models", required=True, type=Path, help="directory for the converted stories260K")
-    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("scenario", choices=["single", "parallel", "demo"])
+    p.add_argument("--models", type=Path, help="directory for the converted stories260K")
+    p.add_argument("--out", type=Path, help="results JSON (single/parallel) or run directory (demo)")
     p.add_argument("--distributed-optimizer", action="store_true")
+    p.add_argument("--config", type=Path, default=Path("configs/local.toml"), help="demo: run config")
+    p.add_argument("--set", dest="overrides", action="append", default=[], help="demo: config override")
     a = p.parse_args(argv)
+    if a.out is None or (a.scenario != "demo" and a.models is None):
+        p.error("--out (and --models for single/parallel) are required")
+    if a.scenario == "demo":
+        return run_demo(a.config, a.out, a.overrides)
     torch.set_num_threads(1)
     if a.scenario == "single":
         run_single(a.models, a.out)

@@ -129,6 +129,12 @@ class NetworkCfg(_Strict):
                                                          "node's hostname when binding 0.0.0.0")
 
 
+class SecurityCfg(_Strict):
+    """Authentication of every socket (README "Security")."""
+
+    curve: bool = Field(True, description="ZeroMQ CURVE on manager and weight-server sockets with per-run keys")
+
+
 class DataCfg(_Strict):
     dir: str | None = Field(None, description="shared data directory; default RLBOOST_DATA or ../shared/data")
 
@@ -145,6 +151,7 @@ class RunConfig(_Strict):
     trainer: TrainerCfg = TrainerCfg()
     cluster: LocalClusterCfg = LocalClusterCfg()
     network: NetworkCfg = NetworkCfg()
+    security: SecurityCfg = SecurityCfg()
     data: DataCfg = DataCfg()
 
     @model_validator(mode="after")

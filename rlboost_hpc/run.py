@@ -23,6 +23,7 @@ import torch
 
 from rlboost_hpc.config import ConfigError, RunConfig
 from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.protocol.auth import RunKeys
 from rlboost_hpc.rundir import advertised, write_endpoints, write_target
 
 log = logging.getLogger("rlboost.run")
@@ -42,10 +43,10 @@ def load_model(cfg: RunConfig):
     return config, sd, tok
 
 
-def _start_manager(cfg: RunConfig):
+def _start_manager(cfg: RunConfig, keys_dir: str | None):
     from rlboost_hpc.manager.service import spawn_manager
 
-    return spawn_manager(bind=f"tcp://{cfg.network.bind_host}:0", params=dict(
+    return spawn_manager(bind=f"tcp://{cfg.network.bind_host}:0", keys_dir=keys_dir, params=dict(
         pending_limit=cfg.manager.pending_limit, heartbeat_s=cfg.manager.heartbeat_s,
         heartbeat_timeout_s=cfg.manager.heartbeat_timeout_s, max_attempts=cfg.manager.max_attempts,
         stream_every_tokens=cfg.rollout.stream_every_tokens, stream_every_s=cfg.rollout.stream_every_s,
@@ -89,13 +90,18 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
     eval_kw = dict(samples=cfg.trainer.eval_samples, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                    top_p=r.top_p, stop_ids=stop_ids)
 
-    server = WeightServer(bind=f"tcp://{cfg.network.bind_host}:0", chunk_bytes=cfg.weights.chunk_bytes).start()
-    mproc, bound = _start_manager(cfg)
+    keys = None
+    if cfg.security.curve:  # fresh per-run keys, owner-only, in the run directory (protocol/auth.py)
+        keys = RunKeys.generate()
+        keys.save(out_dir)
+    server = WeightServer(bind=f"tcp://{cfg.network.bind_host}:0", chunk_bytes=cfg.weights.chunk_bytes,
+                          keys=keys).start()
+    mproc, bound = _start_manager(cfg, str(out_dir) if keys else None)
     host = cfg.network.advertise_host or (socket.gethostname() if cfg.network.bind_host in ("0.0.0.0", "*")
                                           else cfg.network.bind_host)
     endpoint, weights_endpoint = advertised(bound, host), advertised(server.endpoint, host)
-    client = ManagerClient(endpoint)
-    write_endpoints(out_dir, endpoint, weights_endpoint, run_id=os.environ["RLBOOST_RUN_ID"])
+    client = ManagerClient(endpoint, keys=keys)
+    write_endpoints(out_dir, endpoint, weights_endpoint, run_id=os.environ["RLBOOST_RUN_ID"], curve=keys is not None)
     slurm = cfg.cluster.kind == "slurm"
     cluster = reserved = reserved_thread = None
     backend = TorchBackend(config, sd, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
@@ -130,7 +136,7 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
             return pull
 
         reserved = RolloutAgent(endpoint, "reserved", 0, kind="reserved", max_batch=r.max_batch,
-                                weight_source_factory=local_source)
+                                weight_source_factory=local_source, keys=keys)
         reserved_thread = threading.Thread(target=reserved.run, name="reserved-engine", daemon=True)
         reserved_thread.start()
         if slurm:  # rollout jobs come from the scavenger; tell it how many we want

@@ -35,6 +35,7 @@ class LocalCluster:
                  t_origin: float | None = None) -> None:
         self.cfg = cfg
         self.manager_endpoint = manager_endpoint
+        self.run_dir = Path(run_dir)  # workers find endpoints.json (and the run's keys) here, like Slurm jobs
         self.log_dir = Path(run_dir) / "workers"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.weights, self.max_batch, self.threads = weights, max_batch, threads
@@ -60,7 +61,7 @@ class LocalCluster:
 
     def _spawn(self, slot: int, attempt: int) -> subprocess.Popen:
         logf = open(self.log_dir / f"slot{slot}-attempt{attempt}.log", "ab")
-        cmd = [sys.executable, "-m", "rlboost_hpc.rollout.worker", "--manager", self.manager_endpoint,
+        cmd = [sys.executable, "-m", "rlboost_hpc.rollout.worker", "--run-dir", str(self.run_dir),
                "--job-id", f"local-slot{slot}", "--attempt", str(attempt), "--max-batch", str(self.max_batch),
                "--threads", str(self.threads), "--streams", str(self.weights.streams),
                "--window", str(self.weights.window), "--pull-timeout", str(self.weights.pull_timeout_s),

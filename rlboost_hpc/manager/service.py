@@ -12,6 +12,7 @@ import time
 import zmq
 
 from rlboost_hpc.manager.core import ManagerCore
+from rlboost_hpc.protocol.auth import RunKeys, secure_server
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.errors import ProtocolError
 
@@ -22,13 +23,16 @@ class ManagerService:
     """Bind ``bind`` (``tcp://127.0.0.1:0`` picks a free port; see :attr:`endpoint`) and serve until a
     ``Shutdown`` from the trainer or :meth:`stop`."""
 
-    def __init__(self, core: ManagerCore, bind: str = "tcp://127.0.0.1:0", *, ctx: zmq.Context | None = None):
+    def __init__(self, core: ManagerCore, bind: str = "tcp://127.0.0.1:0", *, ctx: zmq.Context | None = None,
+                 keys: RunKeys | None = None):
         self.core = core
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.SNDHWM, 100_000)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, M.MAX_FRAME_BYTES)
+        secure_server(self.sock, keys)
         self.sock.bind(bind)
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._stop = False
@@ -94,8 +98,9 @@ class ManagerService:
         self.sock.close(linger=0)
 
 
-def run_manager_process(bind: str, params: dict, conn) -> None:
-    """Entry point of the manager process: serve, report the bound endpoint through ``conn`` (a Pipe end)."""
+def run_manager_process(bind: str, params: dict, conn, keys_dir: str | None = None) -> None:
+    """Entry point of the manager process: serve, report the bound endpoint through ``conn`` (a Pipe end).
+    With ``keys_dir`` (a run directory holding ``keys/keys.json``) every connection must prove the run's key."""
     from rlboost_hpc.observe.logs import setup_logging
 
     setup_logging("manager")
@@ -103,7 +108,7 @@ def run_manager_process(bind: str, params: dict, conn) -> None:
     import threading
 
     core = ManagerCore(clock=time.monotonic, **params)
-    svc = ManagerService(core, bind)
+    svc = ManagerService(core, bind, keys=RunKeys.load(keys_dir) if keys_dir else None)
     conn.send(svc.endpoint)
     conn.close()
     parent = os.getppid()
@@ -122,7 +127,8 @@ def run_manager_process(bind: str, params: dict, conn) -> None:
         svc.close()
 
 
-def spawn_manager(params: dict, bind: str = "tcp://127.0.0.1:0", timeout_s: float = 60.0):
+def spawn_manager(params: dict, bind: str = "tcp://127.0.0.1:0", timeout_s: float = 60.0,
+                  keys_dir: str | None = None):
     """Start the manager in its own (spawned) process. ``params`` are :class:`ManagerCore` keyword arguments.
 
     Returns ``(process, endpoint)``. Raises RuntimeError if the process does not report its endpoint in time.
@@ -131,7 +137,8 @@ def spawn_manager(params: dict, bind: str = "tcp://127.0.0.1:0", timeout_s: floa
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=run_manager_process, args=(bind, params, child), name="rlboost-manager", daemon=True)
+    proc = ctx.Process(target=run_manager_process, args=(bind, params, child, keys_dir), name="rlboost-manager",
+                       daemon=True)
     proc.start()
     child.close()
     if not parent.poll(timeout_s):

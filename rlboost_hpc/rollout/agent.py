@@ -25,6 +25,7 @@ from typing import Callable, Mapping
 import zmq
 
 from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.protocol.auth import RunKeys, secure_client
 from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.rollout.engines.base import Engine, GenRequest, SamplingParams
 
@@ -49,14 +50,15 @@ def default_engine_factory(max_batch: int) -> EngineFactory:
     return make
 
 
-def remote_weight_source(endpoint: str, streams: int, window: int, timeout_s: float) -> WeightSource:
+def remote_weight_source(endpoint: str, streams: int, window: int, timeout_s: float,
+                         keys: RunKeys | None = None) -> WeightSource:
     """Pull versions from the weight server at ``endpoint`` over ``streams`` parallel ZeroMQ streams."""
 
     def pull(version: int):
         from rlboost_hpc.weights.puller import WeightPuller
 
         t0 = time.monotonic()
-        got = WeightPuller(endpoint, streams=streams, window=window, timeout_s=timeout_s).pull(version)
+        got = WeightPuller(endpoint, streams=streams, window=window, timeout_s=timeout_s, keys=keys).pull(version)
         return got.state_dict, {"checksum": int(getattr(got, "checksum", 0) or 0), "nbytes": int(got.nbytes),
                                 "pull_s": time.monotonic() - t0, "phases": getattr(got, "phases", {})}
 
@@ -88,8 +90,10 @@ class RolloutAgent:
         manager_timeout_s: float = 30.0,
         node: str = "",
         ctx: zmq.Context | None = None,
+        keys: RunKeys | None = None,
     ) -> None:
         self.manager_endpoint = manager_endpoint
+        self.keys = keys
         self.job_id, self.attempt, self.kind = job_id, attempt, kind
         self.max_batch = max_batch
         self.engine_factory = engine_factory or default_engine_factory(max_batch)
@@ -290,6 +294,7 @@ class RolloutAgent:
         """Serve until stopped. Returns an exit code (EXIT_*)."""
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 2000)
+        secure_client(self.sock, self.keys)
         self.sock.connect(self.manager_endpoint)
         try:
             return self._loop()

@@ -88,11 +88,15 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in {signal.SIGTERM, warn}:  # installed before the slow imports: a warning is never missed
         signal.signal(sig, on_signal)
-    manager = args.manager
+    manager, keys = args.manager, None
     if args.run_dir:
+        from rlboost_hpc.protocol.auth import RunKeys
         from rlboost_hpc.rundir import read_endpoints
 
-        manager = read_endpoints(args.run_dir, wait_s=args.wait_endpoints)["manager"]
+        ends = read_endpoints(args.run_dir, wait_s=args.wait_endpoints)
+        manager = args.manager or ends["manager"]
+        if ends.get("curve"):  # the run is authenticated: our keys come from the (owner-only) run directory
+            keys = RunKeys.load(args.run_dir).client_view()
     _event(args.run_dir, {"event": "worker_started", "source": "worker", "job_id": args.job_id, "attempt": args.attempt,
                           "node": os.environ.get("SLURMD_NODENAME", ""), "pid": os.getpid(),
                           "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "")})
@@ -103,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
 
     agent = RolloutAgent(
         manager, args.job_id, args.attempt, kind="preemptible", max_batch=args.max_batch,
-        register_timeout_s=args.register_timeout, node=os.environ.get("SLURMD_NODENAME", ""),
-        weight_source_factory=lambda ep: remote_weight_source(ep, args.streams, args.window, args.pull_timeout),
+        register_timeout_s=args.register_timeout, node=os.environ.get("SLURMD_NODENAME", ""), keys=keys,
+        weight_source_factory=lambda ep: remote_weight_source(ep, args.streams, args.window, args.pull_timeout, keys),
     )
     holder["agent"] = agent
     if "warned_at" in holder:  # the warning came while importing

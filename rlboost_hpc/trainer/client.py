@@ -12,6 +12,7 @@ from collections import deque
 import zmq
 
 from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.protocol.auth import RunKeys, secure_client
 
 
 class ManagerError(RuntimeError):
@@ -19,11 +20,13 @@ class ManagerError(RuntimeError):
 
 
 class ManagerClient:
-    def __init__(self, endpoint: str, *, ctx: zmq.Context | None = None, timeout_s: float = 10.0) -> None:
+    def __init__(self, endpoint: str, *, ctx: zmq.Context | None = None, timeout_s: float = 10.0,
+                 keys: RunKeys | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.sock = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        secure_client(self.sock, keys)
         self.sock.connect(endpoint)
         self.events: deque[M._Msg] = deque()
 

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
+from rlboost_hpc.protocol.auth import RunKeys, secure_client
+
 from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.protocol.weight_msgs import (
     MAX_HEADER_BYTES,
@@ -165,6 +167,7 @@ class WeightPuller:
         deadline_s: float | None = None,
         io_threads: int | None = None,
         label: str = "",
+        keys: "RunKeys | None" = None,
     ) -> None:
         if streams < 1 or window < 1:
             raise ValueError(f"streams and window must be >= 1, got {streams}, {window}")
@@ -177,6 +180,7 @@ class WeightPuller:
         self.deadline_s = deadline_s
         self.io_threads = io_threads if io_threads is not None else min(self.streams, 4)
         self.label = label
+        self.keys = keys  # CURVE client keys of the run (protocol/auth.py); None: plain TCP
 
     # ------------------------------------------------------------------ public
     def pull(self, version: int | None = None, *, into: torch.Tensor | None = None) -> PulledWeights:
@@ -273,6 +277,7 @@ class WeightPuller:
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.MAXMSGSIZE, max_frame)
             s.setsockopt(zmq.RCVTIMEO, rcvtimeo_ms)
+            secure_client(s, self.keys)
             s.connect(self.endpoint)
         except BaseException:
             s.close(0)  # an open socket would make ctx.term() block forever

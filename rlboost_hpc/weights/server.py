@@ -31,6 +31,8 @@ from typing import Any, Callable, Mapping
 import torch
 import zmq
 
+from rlboost_hpc.protocol.auth import RunKeys, secure_server, stop_authenticator
+
 from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.protocol.weight_msgs import (
     Chunk,
@@ -97,12 +99,14 @@ class WeightServer:
         sndhwm: int = 1024,
         pin_memory: bool = False,
         copy_threads: int | None = None,
+        keys: "RunKeys | None" = None,
     ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
         if keep_versions < 1:
             raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
         self._bind = bind
+        self._keys = keys  # CURVE: only clients with the run's key may connect (protocol/auth.py)
         self.chunk_bytes = int(chunk_bytes)
         self.keep_versions = int(keep_versions)
         self._io_threads = io_threads
@@ -153,10 +157,12 @@ class WeightServer:
             sock.setsockopt(zmq.SNDHWM, self._sndhwm)
             sock.setsockopt(zmq.RCVHWM, 4096)
             sock.setsockopt(zmq.MAXMSGSIZE, _MAX_INBOUND_FRAME)
+            secure_server(sock, self._keys)
             sock.bind(self._bind)
             self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except BaseException:
             sock.close(0)
+            stop_authenticator(ctx)
             ctx.term()
             raise
         self._ctx, self._sock = ctx, sock
@@ -175,6 +181,7 @@ class WeightServer:
             self._sock.close(0)
             self._sock = None
         if self._ctx is not None:
+            stop_authenticator(self._ctx)
             self._ctx.term()
             self._ctx = None
         with self._lock:
