@@ -27,7 +27,7 @@ from rlboost_hpc.weights.server import WeightServer
 pytestmark = pytest.mark.integration
 
 PROMPT = [1, 403, 407, 261, 378]  # BOS "Once upon a time"-ish ids
-MAX_NEW = 160
+MAX_NEW = 400  # long enough that a preemption always lands mid-stream, even on a loaded machine
 
 
 @pytest.fixture

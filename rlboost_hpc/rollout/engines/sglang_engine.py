@@ -273,13 +273,14 @@ class SGLangServer:
     def log_tail(self, n_lines: int = 40) -> str:
         return _tail(self.log_path, n_lines)
 
-    def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM the server's process group, SIGKILL after ``timeout_s``. Idempotent."""
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the server's main process (it tears its children down), SIGKILL the whole process group
+        after ``timeout_s``. Idempotent."""
         p = self.proc
         if p is not None and p.poll() is None:
             try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
+                p.terminate()
+            except ProcessLookupError:
                 pass
             try:
                 p.wait(timeout=timeout_s)

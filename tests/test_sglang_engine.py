@@ -1,0 +1,431 @@
+"""SGLangEngine against a real SGLang 0.5.23 server on CPU (stories260K, head_dim 8, torch_native attention).
+
+One server is shared by the whole session (start-up ≈ 25–45 s on 2 cores); the crash test starts its own.
+Needs the CPU route installed: ``scripts/install-sglang-cpu.sh`` (the fixture fails, naming it, otherwise).
+Exactness is asserted for greedy decoding only: SGLang's sampled decoding uses its own RNG (per-request seeded
+sampling needs ``--enable-deterministic-inference``, which SGLang refuses with the CPU attention backend).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlboost_hpc.models.llama2c import load_hf_dir
+from rlboost_hpc.models.tokenizer import Llama2cTokenizer
+from rlboost_hpc.rollout.engines.base import EngineError, GenRequest, SamplingParams, TokenEvent
+from rlboost_hpc.rollout.engines.sglang_engine import (
+    SGLangEngine,
+    SGLangServer,
+    free_port,
+    init_weight_sender_group,
+    make_sglang_engine,
+)
+from rlboost_hpc.rollout.engines.torch_engine import TorchEngine, generate_all
+from sglang_cpu import INSTALL_SCRIPT, stub_env
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(300)]
+
+torch.set_num_threads(1)
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = [
+    "Once upon a time, there was a little",
+    "One day, a boy named",
+    "Lily and her mom went to the",
+    "Tom had a big red",
+    "The sun was shining and",
+    "Sam wanted to play with his",
+]
+ATOL = 1e-4  # SGLang (fp32, torch_native) vs our torch engine: observed ≤ 5e-6
+
+
+def _require_sglang() -> None:
+    if importlib.util.find_spec("sglang") is None:
+        pytest.fail(f"sglang is not installed in this venv; run `{INSTALL_SCRIPT}` first (the CPU route: "
+                    f"SGLang 0.5.23 without CUDA packages, see docs/sglang.md)", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def loaded(stories260k_hf_dir: Path):
+    return load_hf_dir(stories260k_hf_dir)
+
+
+@pytest.fixture(scope="session")
+def tok(stories260k_hf_dir: Path) -> Llama2cTokenizer:
+    return Llama2cTokenizer.from_file(stories260k_hf_dir / "tok512.bin")
+
+
+@pytest.fixture(scope="session")
+def sgl(loaded, tmp_path_factory: pytest.TempPathFactory):
+    """One SGLang server + engine for the session, built like the rollout agent builds engines."""
+    _require_sglang()
+    cfg, sd = loaded
+    d = tmp_path_factory.mktemp("sglang")
+    eng = make_sglang_engine(cfg.to_hf_dict(), sd, 8, work_dir=d / "model", device="cpu", env=stub_env(),
+                             log_path=d / "server.log", startup_timeout_s=240)
+    yield eng
+    eng.close()
+    assert not eng.server.alive()
+
+
+@pytest.fixture
+def engine(sgl: SGLangEngine, loaded):
+    """The shared engine, idle and holding the original stories260K weights (restored after a test changed them)."""
+    assert sgl.num_active == 0
+    yield sgl
+    sgl.abort_all()
+    if sgl.version != 0:
+        sgl.load_weights(loaded[1], 0)
+
+
+def _torch(loaded, sd=None, max_batch=8) -> TorchEngine:
+    cfg, base = loaded
+    return TorchEngine(cfg, base if sd is None else sd, max_batch=max_batch)
+
+
+def _run(eng, rid, prompt, n, sp=GREEDY, prefix=()):
+    return generate_all(eng, [GenRequest(rid, list(prompt), n, sp, list(prefix))])[rid]
+
+
+def _collect_until(eng, req: GenRequest, k: int):
+    """Run ``req`` until ≥ k tokens came back (or it finished), abort it, and return (ids, lps, reason): every
+    token the engine produced, including those handed back by ``abort``."""
+    eng.add(req)
+    ids: list[int] = []
+    lps: list[float] = []
+    while True:
+        for e in eng.step():
+            assert e.rid == req.rid and len(e.token_ids) == len(e.logprobs)
+            ids += e.token_ids
+            lps += e.logprobs
+            if e.finished:
+                return ids, lps, e.finish_reason
+        if len(ids) >= k:
+            ev = eng.abort(req.rid)
+            if ev is not None:
+                assert len(ev.token_ids) == len(ev.logprobs)
+                ids += ev.token_ids
+                lps += ev.logprobs
+                if ev.finished:
+                    return ids, lps, ev.finish_reason
+            assert eng.num_active == 0
+            return ids, lps, None
+
+
+def _close(a, b, atol=ATOL):
+    torch.testing.assert_close(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64),
+                               rtol=0, atol=atol)
+
+
+def _perturbed(sd: dict, seed: int, scale: float = 0.05) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    out = {k: v * (1 + scale * torch.randn(v.shape, generator=g)) for k, v in sd.items() if k != "lm_head.weight"}
+    out["lm_head.weight"] = out["model.embed_tokens.weight"]  # stories260K is tied
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- parity
+def test_greedy_ids_and_logprobs_equal_torch_engine(engine, loaded, tok):
+    reqs = [GenRequest(f"p{i}", tok.encode(p), 24 + 8 * i, GREEDY) for i, p in enumerate(PROMPTS)]
+    reqs.append(GenRequest("bos", [1], 64, GREEDY))
+    ref = generate_all(_torch(loaded), reqs)
+    got = generate_all(engine, reqs)
+    assert set(got) == set(ref)
+    for r in reqs:
+        ids, lps, reason = got[r.rid]
+        assert ids == ref[r.rid][0], r.rid
+        assert reason == ref[r.rid][2] and len(lps) == len(ids) <= r.max_new_tokens
+        _close(lps, ref[r.rid][1])
+    assert engine.num_active == 0 and engine.step() == []
+
+
+def test_step_streams_every_token_once(engine, tok):
+    engine.add(GenRequest("s", tok.encode(PROMPTS[0]), 30, GREEDY))
+    seen, steps = [], 0
+    while engine.num_active:
+        evs = engine.step()
+        assert evs, "step() returned nothing while a request was active"
+        steps += 1
+        for e in evs:
+            assert len(e.token_ids) == len(e.logprobs) >= 1 or e.finished
+            seen += e.token_ids
+    assert len(seen) == 30 and steps > 1  # streamed in pieces, nothing duplicated or dropped
+
+
+@pytest.mark.parametrize("stop_kind", ["with_eos", "without_eos"])
+def test_stop_tokens_match_torch_engine(engine, loaded, tok, stop_kind):
+    """A stop set containing the model's EOS is applied by the server; one without it is enforced by the
+    adapter (the server runs with ignore_eos and is cut) — the result equals the torch engine either way."""
+    prompt = tok.encode(PROMPTS[2])
+    full = _run(_torch(loaded), "f", prompt, 60)[0]
+    stop_tok = full[10]  # a token the greedy continuation emits at position 10 (maybe earlier too)
+    stops = (1, 2, stop_tok) if stop_kind == "with_eos" else (stop_tok,)
+    sp = SamplingParams(temperature=0.0, stop_token_ids=stops)
+    ref = _run(_torch(loaded), "r", prompt, 60, sp)
+    got = _run(engine, "g", prompt, 60, sp)
+    assert got[2] == ref[2] == "stop" and got[0] == ref[0] and got[0][-1] == stop_tok
+    _close(got[1], ref[1])
+
+
+# ---------------------------------------------------------------------------------------------- migration
+def test_migration_torch_to_sglang_resumes_exactly(engine, loaded, tok):
+    """Start on torch, abort at k, resume on SGLang with prefix ids and the remaining budget (R1)."""
+    N = 48
+    for pi in (0, 3):
+        prompt = tok.encode(PROMPTS[pi])
+        full_ids, full_lps, full_reason = _run(_torch(loaded), "u", prompt, N)
+        rng = random.Random(pi)
+        for k in sorted({1, N - 1, *rng.sample(range(2, N - 1), 3)}):
+            head, head_lps, reason = _collect_until(_torch(loaded, max_batch=2), GenRequest("m", prompt, N, GREEDY), k)
+            assert reason is None and head == full_ids[:len(head)]
+            tail, tail_lps, tail_reason = _run(engine, "m", prompt, N - len(head), prefix=head)
+            assert len(head) + len(tail) == N  # the original budget, never more
+            assert head + tail == full_ids and tail_reason == full_reason, (pi, k)
+            _close(head_lps + tail_lps, full_lps)
+
+
+def test_migration_sglang_to_torch_resumes_exactly(engine, loaded, tok):
+    """Start on SGLang, abort mid-way (abort hands back what step() had not), resume on torch."""
+    N = 64
+    prompt = tok.encode(PROMPTS[1])
+    full_ids, full_lps, full_reason = _run(_torch(loaded), "u", prompt, N)
+    for k in (1, 9, 33):
+        head, head_lps, reason = _collect_until(engine, GenRequest(f"m{k}", prompt, N, GREEDY), k)
+        assert reason is None and len(head) >= k and head == full_ids[:len(head)]
+        _close(head_lps, full_lps[:len(head)])
+        tail, tail_lps, tail_reason = _run(_torch(loaded), "r", prompt, N - len(head), prefix=head)
+        assert head + tail == full_ids and tail_reason == full_reason
+        _close(head_lps + tail_lps, full_lps)
+
+
+def test_migration_chain_sglang_torch_sglang(engine, loaded, tok):
+    N = 50
+    prompt = tok.encode(PROMPTS[4])
+    full_ids, full_lps, _ = _run(_torch(loaded), "u", prompt, N)
+    ids: list[int] = []
+    lps: list[float] = []
+    for eng, k in ((engine, 7), (_torch(loaded, max_batch=2), 13)):
+        got, got_lps, reason = _collect_until(eng, GenRequest("c", prompt, N - len(ids), GREEDY, list(ids)), k)
+        assert reason is None
+        ids += got
+        lps += got_lps
+    tail, tail_lps, reason = _run(engine, "c", prompt, N - len(ids), prefix=ids)
+    assert ids + tail == full_ids and reason == "length"
+    _close(lps + tail_lps, full_lps)
+
+
+# ---------------------------------------------------------------------------------------------- abort (R2)
+def test_abort_returns_every_token_and_leaves_others_running(engine, loaded, tok):
+    prompts = [tok.encode(p) for p in PROMPTS[:3]]
+    full = {i: _run(_torch(loaded), "u", p, 200)[0] for i, p in enumerate(prompts)}
+    for i, p in enumerate(prompts):
+        engine.add(GenRequest(f"a{i}", p, 200, GREEDY))
+    got: dict[str, list[int]] = {f"a{i}": [] for i in range(3)}
+    while len(got["a1"]) < 5:
+        for e in engine.step():
+            got[e.rid] += e.token_ids
+    ev = engine.abort("a1")
+    assert ev is None or (isinstance(ev, TokenEvent) and not ev.finished and len(ev.token_ids) == len(ev.logprobs))
+    got["a1"] += ev.token_ids if ev else []
+    assert engine.abort("a1") is None and engine.abort("nope") is None
+    assert engine.num_active == 2
+    assert got["a1"] == full[1][:len(got["a1"])] and len(got["a1"]) >= 5  # nothing lost, nothing invented
+    done = {}
+    while engine.num_active:
+        for e in engine.step():
+            assert e.rid != "a1"
+            got[e.rid] += e.token_ids
+            if e.finished:
+                done[e.rid] = e.finish_reason
+    assert done == {"a0": "length", "a2": "length"}
+    assert got["a0"] == full[0] and got["a2"] == full[2]
+
+
+def test_abort_right_after_add_and_abort_all(engine, tok):
+    """Aborting before the server has seen the request (or while it is queued) neither hangs nor leaks."""
+    engine.add(GenRequest("q", tok.encode(PROMPTS[0]), 300, GREEDY))
+    ev = engine.abort("q")
+    assert ev is None or len(ev.token_ids) == len(ev.logprobs)
+    for i in range(10):  # more than max_batch=8: some wait in SGLang's queue
+        engine.add(GenRequest(f"z{i}", tok.encode(PROMPTS[i % len(PROMPTS)]), 300, GREEDY))
+    engine.step()
+    evs = engine.abort_all()
+    assert engine.num_active == 0 and engine.step() == []
+    assert all(len(e.token_ids) == len(e.logprobs) for e in evs)
+
+
+# ---------------------------------------------------------------------------------------------- weights
+def test_load_weights_logprobs_equal_trainer_model(engine, loaded, tok):
+    """After loading modified weights the engine's greedy ids and logprobs equal those of the torch engine
+    (the trainer's model) with the same weights — also for a prompt already in SGLang's prefix cache (W5)."""
+    cfg, base = loaded
+    prompt = tok.encode(PROMPTS[5])
+    _run(engine, "warm", prompt, 8)  # prompt now in the radix cache under the old weights
+    new = _perturbed(base, 1)
+    engine.load_weights(new, 1)
+    assert engine.version == 1 and engine.fenced is None
+    info = engine._control("GET", "/model_info", None, what="model_info")
+    assert info["weight_version"] == "1"
+    reqs = [GenRequest("w0", prompt, 40, GREEDY), GenRequest("w1", tok.encode(PROMPTS[0]), 40, GREEDY)]
+    ref = generate_all(_torch(loaded, new), reqs)
+    old = generate_all(_torch(loaded), reqs)
+    got = generate_all(engine, reqs)
+    for r in reqs:
+        assert got[r.rid][0] == ref[r.rid][0]
+        _close(got[r.rid][1], ref[r.rid][1])
+    assert any(got[r.rid][1] != old[r.rid][1] for r in reqs)  # the update took effect
+    # and back: a second version change
+    engine.load_weights(base, 0)
+    again = generate_all(engine, reqs)
+    for r in reqs:
+        assert again[r.rid][0] == old[r.rid][0]
+        _close(again[r.rid][1], old[r.rid][1])
+
+
+def test_load_weights_refused_while_active_and_validated(engine, loaded, tok):
+    cfg, base = loaded
+    prompt = tok.encode(PROMPTS[3])
+    full = _run(_torch(loaded), "u", prompt, 60)[0]
+    engine.add(GenRequest("busy", prompt, 60, GREEDY))
+    with pytest.raises(EngineError, match="refused: 1 request"):
+        engine.load_weights(_perturbed(base, 2), 5)
+    # W4: setting the weight version label never aborts in-flight work
+    engine.version = 3
+    ids, reason = [], None
+    while engine.num_active:
+        for e in engine.step():
+            ids += e.token_ids
+            reason = e.finish_reason if e.finished else reason
+    assert ids == full and reason == "length"
+    engine.version = 0
+    bad = dict(base)
+    bad["model.norm.weight"] = torch.ones(3)
+    with pytest.raises(EngineError, match="model.norm.weight"):
+        engine.load_weights(bad, 6)
+    missing = {k: v for k, v in base.items() if "layers.1." not in k}
+    with pytest.raises(EngineError, match="missing"):
+        engine.load_weights(missing, 6)
+    assert engine.version == 0 and engine.fenced is None  # validation failures change nothing
+    assert _run(engine, "after", prompt, 60)[0] == full
+
+
+def test_failed_update_fences_until_a_complete_load(engine, loaded, tok, monkeypatch):
+    """W2/W3: a server-side failure in the middle of an update surfaces with its message and fences the engine."""
+    cfg, base = loaded
+    real = engine._control
+
+    def skip_begin(method, path, body, what, timeout=None):
+        if path == "/begin_weight_update":  # lose the begin: the server then refuses the load itself
+            return {"success": True}
+        return real(method, path, body, what, timeout)
+
+    monkeypatch.setattr(engine, "_control", skip_begin)
+    with pytest.raises(EngineError, match="(?s)update_weights_from_tensor.*failed.*begin_weight_update"):
+        engine.load_weights(_perturbed(base, 3), 7)
+    monkeypatch.undo()
+    assert engine.version == -1 and engine.fenced
+    with pytest.raises(EngineError, match="fenced"):
+        engine.add(GenRequest("x", [1], 4, GREEDY))
+    engine.load_weights(base, 0)  # the session left by the failure was closed: a full load works again
+    assert engine.version == 0 and engine.fenced is None
+    assert _run(engine, "ok", tok.encode(PROMPTS[0]), 16)[0] == _run(_torch(loaded), "t", tok.encode(PROMPTS[0]), 16)[0]
+
+
+def test_load_weights_from_distributed_gloo(engine, loaded, tok):
+    """/init_weights_update_group + /update_weights_from_distributed over a gloo group (this process = holder)."""
+    import torch.distributed as dist
+
+    cfg, base = loaded
+    new = _perturbed(base, 4)
+    port = free_port()
+    holder: dict = {}
+    engine.init_weight_update_group("127.0.0.1", port, rank_offset=1, world_size=2, group_name="t_gloo",
+                                    backend="gloo", join=lambda: holder.setdefault(
+                                        "g", init_weight_sender_group("127.0.0.1", port, 2, 0, "t_gloo", "gloo")))
+    sent = {k: v for k, v in new.items() if k != "lm_head.weight"}
+
+    def send():
+        for v in sent.values():
+            dist.broadcast(v.contiguous(), src=0, group=holder["g"])
+
+    engine.load_weights_from_distributed([(k, v.dtype, tuple(v.shape)) for k, v in sent.items()], 2, send,
+                                         group_name="t_gloo")
+    assert engine.version == 2
+    reqs = [GenRequest("d0", tok.encode(PROMPTS[1]), 32, GREEDY)]
+    ref = generate_all(_torch(loaded, new), reqs)["d0"]
+    got = generate_all(engine, reqs)["d0"]
+    assert got[0] == ref[0]
+    _close(got[1], ref[1])
+
+
+# ---------------------------------------------------------------------------------------------- supervision
+def test_add_validation(engine):
+    with pytest.raises(EngineError, match="empty prompt"):
+        engine.add(GenRequest("e", [], 4, GREEDY))
+    with pytest.raises(EngineError, match="outside"):
+        engine.add(GenRequest("e", [1, 512], 4, GREEDY))
+    with pytest.raises(EngineError, match="exceeds max_len"):
+        engine.add(GenRequest("e", [1] * 500, 20, GREEDY))
+    with pytest.raises(EngineError, match="max_new_tokens"):
+        engine.add(GenRequest("e", [1], 0, GREEDY))
+    engine.add(GenRequest("dup", [1], 50, GREEDY))
+    with pytest.raises(EngineError, match="duplicate"):
+        engine.add(GenRequest("dup", [1], 50, GREEDY))
+    engine.abort("dup")
+    assert engine.num_active == 0
+
+
+def test_startup_failure_and_deadline_carry_the_log_tail(stories260k_hf_dir, tmp_path):
+    _require_sglang()
+    with pytest.raises(EngineError, match="(?s)exited with code.*unrecognized arguments"):
+        SGLangServer(stories260k_hf_dir, device="cpu", env=stub_env(), log_path=tmp_path / "bad.log",
+                     extra_args=["--no-such-flag"], startup_timeout_s=120).start()
+    s = SGLangServer(stories260k_hf_dir, device="cpu", env=stub_env(), log_path=tmp_path / "slow.log",
+                     startup_timeout_s=2)
+    with pytest.raises(EngineError, match="(?s)not healthy within 2s.*rlboost: launching"):
+        s.start()
+    assert not s.alive()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(s.proc.pid, 0)  # the whole process group is gone
+
+
+def test_server_crash_surfaces_as_engine_error_with_log_tail(loaded, tok, tmp_path):
+    _require_sglang()
+    eng = SGLangEngine.launch(_model_dir(loaded, tmp_path), max_batch=4, device="cpu", env=stub_env(), log_path=tmp_path / "crash.log",
+                              startup_timeout_s=240)
+    try:
+        eng.add(GenRequest("c", tok.encode(PROMPTS[0]), 400, GREEDY))
+        got = []
+        while len(got) < 3:
+            for e in eng.step():
+                got += e.token_ids
+        os.kill(eng.server.proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(EngineError) as ei:
+            while True:
+                for e in eng.step():
+                    got += e.token_ids
+        msg = str(ei.value)
+        assert "died" in msg and str(tmp_path / "crash.log") in msg and "tail" in msg
+        assert time.monotonic() - t0 < 60
+        with pytest.raises(EngineError, match="died"):
+            eng.add(GenRequest("d", [1], 4, GREEDY))
+        with pytest.raises(EngineError, match="died|unreachable"):
+            eng.load_weights(loaded[1], 1)
+    finally:
+        eng.close()
+    assert not eng.server.alive()
+
+
+def _model_dir(loaded, tmp_path) -> Path:
+    from rlboost_hpc.rollout.engines.sglang_engine import write_hf_dir
+
+    cfg, sd = loaded
+    return write_hf_dir(cfg.to_hf_dict(), sd, tmp_path / "model")
