@@ -23,8 +23,9 @@ Modes:
 The launcher re-executes itself under ``python -m torch.distributed.run`` (``--standalone`` on one node
 unless ``--master-port`` is given: a free rendezvous port, so concurrent jobs never collide), sets
 ``MEGATRON_BRIDGE_TP``/``_PP``/``_DRIVER`` for the workers, initialises the process groups once per worker,
-and releases the followers when rank 0's program ends (also on ``SystemExit``). If any rank fails, torchrun
-stops the others and exits non-zero.
+and releases the followers when rank 0's program returns or calls ``sys.exit`` (its exit status becomes the
+job's). If rank 0's program raises, or any rank fails, that process exits at once and torchrun stops the
+others and exits non-zero (a follower may be inside a collective rank 0 will never join).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import argparse
 import os
 import runpy
 import sys
+import traceback
 
 WORKER_ENV = "MEGATRON_BRIDGE_WORKER"
 
@@ -119,23 +121,26 @@ def main(argv: list[str] | None = None) -> int:
     parallel.initialize(a.tp, a.pp, seed=a.seed)
     rank = dist.get_rank()
     code = 0
+    if a.spmd or rank == 0:
+        try:
+            _run_program(a)
+        except SystemExit as e:  # the program's own exit status (e.g. the CLI's 1 or 2)
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:  # noqa: BLE001
+            # The followers may be inside a collective this rank will never join: do not try to release
+            # them; exit at once and let torchrun stop the job.
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        if not a.spmd:
+            driver.shutdown_followers()
+    else:
+        driver.follow()
     try:
-        if a.spmd or rank == 0:
-            try:
-                _run_program(a)
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            finally:
-                if not a.spmd:
-                    driver.shutdown_followers()
-        else:
-            driver.follow()
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.barrier(group=parallel.control_group())
-            except Exception:  # noqa: BLE001 - a peer already failed; torchrun reports it
-                pass
+        dist.barrier(group=parallel.control_group())
+    except Exception:  # noqa: BLE001 - a peer already failed; torchrun reports it
+        pass
     return code
 
 

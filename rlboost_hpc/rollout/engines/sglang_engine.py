@@ -592,54 +592,57 @@ class SGLangEngine(Engine):
             A :class:`TokenEvent` with the undelivered tokens (``finished`` True only if the request had
             already finished on its own), or ``None`` when nothing was pending.
         """
+        return self._abort_many([rid]).get(rid)
+
+    def abort_all(self) -> list[TokenEvent]:
+        """Abort every active request of this engine (other clients of the server are untouched); return
+        their undelivered tokens (see :meth:`abort`)."""
         with self._lock:
-            r = self._reqs.get(rid)
-            if r is None:
-                return None
-            r.aborting = True
+            rids = list(self._order)
+        evs = self._abort_many(rids)
+        return [evs[r] for r in rids if r in evs]
+
+    def _abort_many(self, rids: Sequence[str]) -> dict[str, TokenEvent]:
+        with self._lock:
+            reqs = [self._reqs[r] for r in rids if r in self._reqs]
+            for r in reqs:
+                r.aborting = True
         deadline = time.monotonic() + self.abort_timeout_s
         next_send = 0.0
         while True:
             with self._lock:
-                if r.done:
-                    break
-            now = time.monotonic()
-            if now > deadline:
-                log.warning("abort(%s): no final chunk within %.0fs; returning what was received", rid,
-                            self.abort_timeout_s)
-                self._close_conn(r)
+                pending = [r for r in reqs if not r.done]
+            if not pending:
                 break
-            if self.server is not None and not self.server.alive():
-                self._close_conn(r)
+            now = time.monotonic()
+            dead = self.server is not None and not self.server.alive()
+            if now > deadline or dead:
+                if not dead:
+                    log.warning("abort: no final chunk for %s within %.0fs; returning what was received",
+                                [r.rid for r in pending], self.abort_timeout_s)
+                for r in pending:
+                    self._close_conn(r)
                 break
             if now >= next_send:
-                try:
-                    _http(self.host, self.port, "POST", "/abort_request", {"rid": r.srid}, timeout=10.0)
-                except (OSError, http.client.HTTPException) as e:
-                    log.warning("abort(%s): /abort_request failed: %s", rid, e)
-                next_send = now + 1.0
+                for r in pending:  # re-sent while the server has not registered the request yet
+                    try:
+                        _http(self.host, self.port, "POST", "/abort_request", {"rid": r.srid}, timeout=10.0)
+                    except (OSError, http.client.HTTPException) as e:
+                        log.warning("abort(%s): /abort_request failed: %s", r.rid, e)
+                next_send = now + 0.25
             with self._cond:
-                if not r.done:
-                    self._cond.wait(timeout=0.05)
+                if any(not r.done for r in pending):
+                    self._cond.wait(timeout=0.02)
+        out: dict[str, TokenEvent] = {}
         with self._lock:
-            self._reqs.pop(rid, None)
-            self._remove_order(rid)
-            ids, lps = r.ids[r.delivered:], r.lps[r.delivered:]
-            r.delivered = len(r.ids)
-            if not ids and not r.finished:
-                return None
-            return TokenEvent(rid=rid, token_ids=list(ids), logprobs=list(lps), finished=r.finished,
-                              finish_reason=r.finish_reason if r.finished else None)
-
-    def abort_all(self) -> list[TokenEvent]:
-        """Abort every active request; return their undelivered tokens (see :meth:`abort`)."""
-        with self._lock:
-            rids = list(self._order)
-        out = []
-        for rid in rids:
-            ev = self.abort(rid)
-            if ev is not None:
-                out.append(ev)
+            for r in reqs:
+                self._reqs.pop(r.rid, None)
+                self._remove_order(r.rid)
+                ids, lps = r.ids[r.delivered:], r.lps[r.delivered:]
+                r.delivered = len(r.ids)
+                if ids or r.finished:
+                    out[r.rid] = TokenEvent(rid=r.rid, token_ids=list(ids), logprobs=list(lps), finished=r.finished,
+                                            finish_reason=r.finish_reason if r.finished else None)
         return out
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
@@ -842,10 +845,10 @@ class SGLangEngine(Engine):
         for rid in list(self._order):
             r = self._reqs[rid]
             new = len(r.ids) - r.delivered
-            if new > 0 or (r.finished and r.done):
+            if new > 0 or r.finished:  # a finished request's tokens are final (later chunks are ignored)
                 ev = TokenEvent(rid=rid, token_ids=r.ids[r.delivered:], logprobs=r.lps[r.delivered:])
                 r.delivered = len(r.ids)
-                if r.finished and r.done:
+                if r.finished:
                     ev.finished, ev.finish_reason = True, r.finish_reason
                     del self._reqs[rid]
                     self._order.remove(rid)
