@@ -212,7 +212,8 @@ def start_manager(params: dict, target=run_manager_process) -> tuple[mp.Process,
     if not parent.poll(60):
         proc.kill()
         raise RuntimeError("manager did not report its endpoint within 60 s")
-    return proc, parent.recv()
+    got = parent.recv()  # run_manager_process sends (endpoint, metrics_url)
+    return proc, got[0] if isinstance(got, tuple) else got
 
 
 def group_specs(groups: int, group_size: int, max_new: int, prefix: str = "") -> list[M.GroupSpec]:

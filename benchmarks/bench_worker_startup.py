@@ -34,7 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     config, sd = load_hf_dir(ensure_converted(Path(tempfile.mkdtemp())))
     server = WeightServer().start()
-    mproc, endpoint = spawn_manager(dict(pending_limit=32, heartbeat_s=0.25, heartbeat_timeout_s=2.0))
+    mproc, endpoint, _ = spawn_manager(dict(pending_limit=32, heartbeat_s=0.25, heartbeat_timeout_s=2.0))
     client = ManagerClient(endpoint)
     client.call(M.TrainerHello(weights_endpoint=server.endpoint, model_config=config.to_hf_dict()))
     man = server.publish(0, sd, dtype=torch.bfloat16)

@@ -53,8 +53,9 @@ class ManagerCfg(_Strict):
 
     pending_limit: int = Field(64, ge=1, description="Θ: max requests in flight per instance (JSQ threshold)")
     heartbeat_s: float = Field(0.25, gt=0)
-    heartbeat_timeout_s: float = Field(2.0, gt=0, description="missed-heartbeat deadline before an instance is declared dead")
+    heartbeat_timeout_s: float = Field(4.0, gt=0, description="missed-heartbeat deadline before an instance is declared dead")
     max_attempts: int = Field(5, ge=1, description="dispatch attempts of one response before the step fails")
+    metrics: bool = Field(True, description="serve Prometheus metrics (URL in endpoints.json)")
 
 
 class PolicyCfg(_Strict):

@@ -46,7 +46,9 @@ def load_model(cfg: RunConfig):
 def _start_manager(cfg: RunConfig, keys_dir: str | None):
     from rlboost_hpc.manager.service import spawn_manager
 
-    return spawn_manager(bind=f"tcp://{cfg.network.bind_host}:0", keys_dir=keys_dir, params=dict(
+    metrics_host = None if cfg.manager.metrics is False else cfg.network.bind_host
+    return spawn_manager(bind=f"tcp://{cfg.network.bind_host}:0", keys_dir=keys_dir, metrics_host=metrics_host,
+                         params=dict(
         pending_limit=cfg.manager.pending_limit, heartbeat_s=cfg.manager.heartbeat_s,
         heartbeat_timeout_s=cfg.manager.heartbeat_timeout_s, max_attempts=cfg.manager.max_attempts,
         stream_every_tokens=cfg.rollout.stream_every_tokens, stream_every_s=cfg.rollout.stream_every_s,
@@ -96,12 +98,15 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
         keys.save(out_dir)
     server = WeightServer(bind=f"tcp://{cfg.network.bind_host}:0", chunk_bytes=cfg.weights.chunk_bytes,
                           keys=keys).start()
-    mproc, bound = _start_manager(cfg, str(out_dir) if keys else None)
+    mproc, bound, metrics_url = _start_manager(cfg, str(out_dir) if keys else None)
     host = cfg.network.advertise_host or (socket.gethostname() if cfg.network.bind_host in ("0.0.0.0", "*")
                                           else cfg.network.bind_host)
     endpoint, weights_endpoint = advertised(bound, host), advertised(server.endpoint, host)
     client = ManagerClient(endpoint, keys=keys)
-    write_endpoints(out_dir, endpoint, weights_endpoint, run_id=os.environ["RLBOOST_RUN_ID"], curve=keys is not None)
+    write_endpoints(out_dir, endpoint, weights_endpoint, run_id=os.environ["RLBOOST_RUN_ID"], curve=keys is not None,
+                    metrics=metrics_url.replace("0.0.0.0", host))
+    if metrics_url:
+        log.warning("manager metrics: %s", metrics_url.replace("0.0.0.0", host))
     slurm = cfg.cluster.kind == "slurm"
     cluster = reserved = reserved_thread = None
     backend = TorchBackend(config, sd, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,

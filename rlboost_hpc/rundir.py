@@ -40,10 +40,13 @@ def write_json_atomic(path: Path, data: dict) -> None:
         raise
 
 
-def write_endpoints(run_dir: Path, manager: str, weights: str, run_id: str, curve: bool = False) -> None:
-    """``curve``: the servers require the run's CURVE keys (``keys/keys.json``, protocol/auth.py)."""
+def write_endpoints(run_dir: Path, manager: str, weights: str, run_id: str, curve: bool = False,
+                    metrics: str = "") -> None:
+    """``curve``: the servers require the run's CURVE keys (``keys/keys.json``, protocol/auth.py);
+    ``metrics``: the manager's Prometheus URL."""
     write_json_atomic(Path(run_dir) / "endpoints.json", {"manager": manager, "weights": weights, "run_id": run_id,
-                                                          "curve": curve, "written_at": time.time()})
+                                                          "curve": curve, "metrics": metrics,
+                                                          "written_at": time.time()})
 
 
 def read_endpoints(run_dir: Path, wait_s: float = 0.0, poll_s: float = 0.5) -> dict:

@@ -34,7 +34,7 @@ MAX_NEW = 400  # long enough that a preemption always lands mid-stream, even on 
 def harness(stories260k_hf_dir, tmp_path):
     config, sd = load_hf_dir(stories260k_hf_dir)
     server = WeightServer(chunk_bytes=8 << 10).start()  # ~72 chunks: transfers take many round trips
-    mproc, endpoint = spawn_manager(dict(pending_limit=32, heartbeat_s=0.1, heartbeat_timeout_s=2.0,
+    mproc, endpoint, _ = spawn_manager(dict(pending_limit=32, heartbeat_s=0.1, heartbeat_timeout_s=2.0,
                                          max_attempts=3, stream_every_tokens=2, stream_every_s=0.02))
     client = ManagerClient(endpoint)
     client.call(M.TrainerHello(weights_endpoint=server.endpoint, model_config=config.to_hf_dict()))

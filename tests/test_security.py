@@ -50,7 +50,7 @@ def _stranger(endpoint: str, keys: RunKeys | None):
 def secured(tmp_path):
     keys = RunKeys.generate()
     keys.save(tmp_path)
-    proc, endpoint = spawn_manager(dict(pending_limit=8), keys_dir=str(tmp_path))
+    proc, endpoint, _ = spawn_manager(dict(pending_limit=8), keys_dir=str(tmp_path))
     server = WeightServer(keys=keys).start()
     server.publish(0, {"w": torch.arange(1000, dtype=torch.float32)}, dtype=torch.float32)
     yield keys, endpoint, server

@@ -118,6 +118,7 @@ class ManagerCore:
         self.step_remote: dict[str, list] = {}
         self.last_step_remote: dict = {"t_remote_s": 0.0, "t_wait_remote_s": 0.0, "n_remote": 0, "tokens": 0}
         self.clock = clock
+        self.policy_state: dict = {"t_seed_s": None, "n_prem_cap": None}
         self.pending_limit = pending_limit
         self.heartbeat_s = heartbeat_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -436,6 +437,10 @@ class ManagerCore:
                     self.send(i.peer, M.Release(rids=rids))
         self.send(peer, M.Ok(what=f"closeseed released={released} remote={int(remote)}"))
 
+    def _on_PolicyState(self, peer: bytes, inst: Instance | None, msg: M.PolicyState) -> None:
+        if self._trainer_only(peer, "policy-state"):
+            self.policy_state = {"t_seed_s": msg.t_seed_s, "n_prem_cap": msg.n_prem_cap}
+
     def _on_AckGroup(self, peer: bytes, inst: Instance | None, msg: M.AckGroup) -> None:
         if self._trainer_only(peer, "ack"):
             grp = self.groups.get(msg.gid)
@@ -533,4 +538,5 @@ class ManagerCore:
             "pull_seconds_mean": (sum(self.pull_seconds) / len(self.pull_seconds)) if self.pull_seconds else 0.0,
             "failed_step": self.failed_step,
             "last_step_remote": self.last_step_remote,
+            **self.policy_state,
         }

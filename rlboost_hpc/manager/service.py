@@ -24,7 +24,7 @@ class ManagerService:
     ``Shutdown`` from the trainer or :meth:`stop`."""
 
     def __init__(self, core: ManagerCore, bind: str = "tcp://127.0.0.1:0", *, ctx: zmq.Context | None = None,
-                 keys: RunKeys | None = None):
+                 keys: RunKeys | None = None, metrics: "ManagerMetrics | None" = None):
         self.core = core
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -35,6 +35,7 @@ class ManagerService:
         secure_server(self.sock, keys)
         self.sock.bind(bind)
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.metrics = metrics
         self._stop = False
         self._bad_peers: dict[bytes, float] = {}
 
@@ -60,7 +61,7 @@ class ManagerService:
         """Run the loop: receive and apply every pending frame, tick (liveness + dispatch), send."""
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        last_tick = 0.0
+        last_tick = last_metrics = 0.0
         while not self._stop:
             events = dict(poller.poll(int(tick_s * 1000)))
             if self.sock in events:
@@ -87,6 +88,9 @@ class ManagerService:
                         break
                     self.core.on_message(peer, msg)
             now = time.monotonic()
+            if self.metrics is not None and now - last_metrics >= 0.5:
+                self.metrics.refresh(self.core)
+                last_metrics = now
             if now - last_tick >= tick_s or (self.core.queue and now - last_tick >= 0.002):
                 self.core.tick()
                 last_tick = now
@@ -98,7 +102,8 @@ class ManagerService:
         self.sock.close(linger=0)
 
 
-def run_manager_process(bind: str, params: dict, conn, keys_dir: str | None = None) -> None:
+def run_manager_process(bind: str, params: dict, conn, keys_dir: str | None = None,
+                        metrics_host: str | None = None) -> None:
     """Entry point of the manager process: serve, report the bound endpoint through ``conn`` (a Pipe end).
     With ``keys_dir`` (a run directory holding ``keys/keys.json``) every connection must prove the run's key."""
     from rlboost_hpc.observe.logs import setup_logging
@@ -108,8 +113,16 @@ def run_manager_process(bind: str, params: dict, conn, keys_dir: str | None = No
     import threading
 
     core = ManagerCore(clock=time.monotonic, **params)
-    svc = ManagerService(core, bind, keys=RunKeys.load(keys_dir) if keys_dir else None)
-    conn.send(svc.endpoint)
+    metrics = None
+    metrics_url = ""
+    if metrics_host is not None:  # Prometheus endpoint on a free port (its URL goes to endpoints.json)
+        from rlboost_hpc.observe.metrics import ManagerMetrics, serve_metrics
+
+        metrics = ManagerMetrics()
+        h, port = serve_metrics(metrics, host=metrics_host)
+        metrics_url = f"http://{h}:{port}/metrics"
+    svc = ManagerService(core, bind, keys=RunKeys.load(keys_dir) if keys_dir else None, metrics=metrics)
+    conn.send((svc.endpoint, metrics_url))
     conn.close()
     parent = os.getppid()
 
@@ -128,20 +141,22 @@ def run_manager_process(bind: str, params: dict, conn, keys_dir: str | None = No
 
 
 def spawn_manager(params: dict, bind: str = "tcp://127.0.0.1:0", timeout_s: float = 60.0,
-                  keys_dir: str | None = None):
+                  keys_dir: str | None = None, metrics_host: str | None = None):
     """Start the manager in its own (spawned) process. ``params`` are :class:`ManagerCore` keyword arguments.
 
-    Returns ``(process, endpoint)``. Raises RuntimeError if the process does not report its endpoint in time.
+    Returns ``(process, endpoint, metrics_url)`` (``metrics_url`` is "" unless ``metrics_host`` is given).
+    Raises RuntimeError if the process does not report its endpoint in time.
     """
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=run_manager_process, args=(bind, params, child, keys_dir), name="rlboost-manager",
-                       daemon=True)
+    proc = ctx.Process(target=run_manager_process, args=(bind, params, child, keys_dir, metrics_host),
+                       name="rlboost-manager", daemon=True)
     proc.start()
     child.close()
     if not parent.poll(timeout_s):
         proc.kill()
         raise RuntimeError(f"the rollout manager process did not report its endpoint within {timeout_s:.0f} s")
-    return proc, parent.recv()
+    endpoint, metrics_url = parent.recv()
+    return proc, endpoint, metrics_url

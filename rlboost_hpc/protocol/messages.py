@@ -213,6 +213,13 @@ class CloseSeeding(_Msg, tag="closeseed"):
     step: int
 
 
+class PolicyState(_Msg, tag="policy"):
+    """The trainer's scheduling decisions in force (for metrics): T_seed and the N_prem cap (None: no cap)."""
+
+    t_seed_s: float
+    n_prem_cap: int | None = None
+
+
 class AckGroup(_Msg, tag="ack"):
     gid: str
 
@@ -265,7 +272,7 @@ class Stats(_Msg, tag="stats"):
 Message = (
     Register | Heartbeat | WeightsLoaded | WeightsFailed | Tokens | RequestFailed | Draining | Released
     | Deregister | Welcome | Reject | Assign | Release | NewVersion | Drain | TrainerHello | SetVersion
-    | SubmitStep | CloseSeeding | AckGroup | GetStats | Shutdown | GroupDone | StepFailed | Ok | Error | Stats
+    | SubmitStep | CloseSeeding | PolicyState | AckGroup | GetStats | Shutdown | GroupDone | StepFailed | Ok | Error | Stats
 )
 
 _encoder = msgspec.msgpack.Encoder()

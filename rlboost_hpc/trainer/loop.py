@@ -225,6 +225,7 @@ class RLTrainer:
                 t_seed_s=t_seed_actual, t_wait_train_s=t_wait, t_wait_remote_s=rem["t_wait_remote_s"],
                 t_remote_s=rem["t_remote_s"], n_remote=rem["n_remote"], t_train_s=t_train,
                 n_instances_start=n_start, n_instances_end=st["live_preemptible"], n_available=self.available()))
+            self.client.send(M.PolicyState(t_seed_s=self.decision.t_seed_s, n_prem_cap=self.decision.n_prem_cap))
             policy = {"t_seed_next_s": self.decision.t_seed_s, "n_prem_cap": self.decision.n_prem_cap,
                       "t_remote_s": rem["t_remote_s"], "t_wait_remote_s": rem["t_wait_remote_s"],
                       "n_remote": rem["n_remote"]}
