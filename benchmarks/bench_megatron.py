@@ -4,6 +4,8 @@ Measures, on one model and one fixed batch of GRPO samples (``--responses`` per 
 ``--micro-batches`` per RL step, prompts of ``--prompt-len`` and responses of ``--response-len`` tokens, no
 padding), after ``--warmup`` steps, the median over ``--steps`` RL steps of:
 
+Steps are interleaved between the two backends of the ratio pair, so load from other processes hits both.
+
 1. **Megatron step** — ``accumulate`` of every micro-batch (1F1B schedule, vocab-parallel logprobs, GRPO loss)
    + ``optimizer_step`` (finalize grads, clip, Adam) — tokens/s, model TFLOP/s and MFU (model FLOPs =
    3 × forward: 2·params_matmul + 2·hidden·vocab per token, causal attention 2·seq·q_dim per token and layer;
@@ -192,11 +194,14 @@ def main(argv: list[str] | None = None) -> int:
                                       "the ratio is measured on CPU with the tiny preset"}
         else:
             tb = TorchBackend(lc, sd, **kw)
-            t_torch = statistics.median(time_steps(tb, batches, seqs, a.warmup, a.steps))
-            del tb
             m2 = MegatronBackend(twin, sd, **kw)
-            t_meg = statistics.median(time_steps(m2, batches, seqs, a.warmup, a.steps))
+            tt, tm = [], []
+            for _ in range(a.warmup + a.steps):  # interleaved, so machine noise hits both alike
+                tt += time_steps(tb, batches, seqs, 0, 1)
+                tm += time_steps(m2, batches, seqs, 0, 1)
+            t_torch, t_meg = statistics.median(tt[a.warmup:]), statistics.median(tm[a.warmup:])
             m2.close()
+            del tb
             res["ratio"] = {"model": "llama twin" if twin is not model else "same", "torch_step_s": t_torch,
                             "megatron_fp32_step_s": t_meg, "megatron_over_torch": t_meg / t_torch}
 

@@ -96,7 +96,8 @@ class MegatronBackend(TrainerBackend):
         shard_bind: ZeroMQ bind address of those servers (port 0 = free port). shard_advertise_host: host name
             written into the manifest instead of the bound address (multi-node).
         shard_dtype: dtype of published shards (bf16). shard_replicas: also publish from DP ranks > 0 (more
-            holders to pull from in parallel).
+            holders to pull from in parallel). shard_keys: the run's CURVE ``RunKeys`` (None: plain TCP), so the
+            shard servers accept only the run's pullers, like the run's own weight server.
         adam_eps: Adam epsilon (torch default 1e-8).
 
     Raises:
@@ -110,7 +111,8 @@ class MegatronBackend(TrainerBackend):
                  distributed_optimizer: bool = False, recompute: str | None = None, seed: int = 1234,
                  shard_export: bool = False, shard_bind: str = "tcp://127.0.0.1:0",
                  shard_advertise_host: str | None = None, shard_dtype: torch.dtype = torch.bfloat16,
-                 shard_replicas: bool = False, adam_eps: float = 1e-8, _bid: int | None = None) -> None:
+                 shard_replicas: bool = False, shard_keys: Any = None, adam_eps: float = 1e-8,
+                 _bid: int | None = None) -> None:
         hf_cfg = load_hf_config(config)
         if isinstance(weights, os.PathLike):
             weights = str(weights)
@@ -121,7 +123,7 @@ class MegatronBackend(TrainerBackend):
                       micro_batch_size=micro_batch_size, bf16=bf16, distributed_optimizer=distributed_optimizer,
                       recompute=recompute, seed=seed, shard_export=shard_export, shard_bind=shard_bind,
                       shard_advertise_host=shard_advertise_host, shard_dtype=shard_dtype,
-                      shard_replicas=shard_replicas, adam_eps=adam_eps)
+                      shard_replicas=shard_replicas, shard_keys=shard_keys, adam_eps=adam_eps)
         self.layout = parallel.initialize(tp, pp, seed=seed)
         if _bid is None:
             _bid = driver.new_id()
@@ -145,7 +147,7 @@ class MegatronBackend(TrainerBackend):
         self._shard_export = shard_export
         self.shard_manifest: dict | None = None
         if shard_export:
-            self._start_shard_server(shard_bind, shard_advertise_host, shard_replicas)
+            self._start_shard_server(shard_bind, shard_advertise_host, shard_replicas, shard_keys)
 
     # ------------------------------------------------------------------ construction
     def _build(self, weights, *, weight_decay: float, keep_reference: bool, distributed_optimizer: bool,
@@ -451,7 +453,7 @@ class MegatronBackend(TrainerBackend):
         return assemble(specs, tensors, aliases=aliases)
 
     # ------------------------------------------------------------------ sharded export
-    def _start_shard_server(self, bind: str, advertise_host: str | None, replicas: bool) -> None:
+    def _start_shard_server(self, bind: str, advertise_host: str | None, replicas: bool, keys: Any) -> None:
         from megatron_bridge.export import build_manifest, holder_entry
         from rlboost_hpc.weights.server import WeightServer
 
@@ -459,7 +461,7 @@ class MegatronBackend(TrainerBackend):
         holds = bool(self.pieces) and (replicas or L.dp_rank == 0)
         entry = None
         if holds:
-            self._server = WeightServer(bind=bind, copy_threads=1).start()
+            self._server = WeightServer(bind=bind, copy_threads=1, keys=keys).start()
             endpoint = self._server.endpoint
             if advertise_host:
                 endpoint = endpoint.rsplit(":", 1)

@@ -108,7 +108,7 @@ def manifest_nbytes(manifest: Mapping[str, Any]) -> int:
 
 def pull_sharded(manifest: Mapping[str, Any], version: int, *, streams: int = 4, window: int = 4,
                  timeout_s: float = 30.0, deadline_s: float | None = None, label: str = "",
-                 replica: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+                 replica: int = 0, keys: Any = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Pull ``version`` from one holder per position, all positions in parallel, and assemble HF tensors.
 
     Args:
@@ -116,6 +116,7 @@ def pull_sharded(manifest: Mapping[str, Any], version: int, *, streams: int = 4,
         version: the weight version to pull (explicit: every holder must serve the same one).
         streams, window, timeout_s, deadline_s, label: per-holder :class:`WeightPuller` settings.
         replica: which DP replica to prefer per position (``replica % len(replicas)``), to spread pullers.
+        keys: the run's CURVE ``RunKeys`` when the holders were started with ``shard_keys`` (None: plain TCP).
 
     Returns:
         ``(state_dict, stats)``: HF name → tensor (dtype as published; single-piece tensors are views of the
@@ -134,7 +135,7 @@ def pull_sharded(manifest: Mapping[str, Any], version: int, *, streams: int = 4,
     def one(h: dict) -> None:
         try:
             p = WeightPuller(h["endpoint"], streams=streams, window=window, timeout_s=timeout_s,
-                             deadline_s=deadline_s, label=label)
+                             deadline_s=deadline_s, label=label, keys=keys)
             results[h["position"]] = p.pull(version)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append(e)

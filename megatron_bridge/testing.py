@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import tempfile
 import time
@@ -305,6 +304,22 @@ def run_single(models_dir: Path, out: Path) -> dict[str, Any]:
                                                                           base["losses_after_step"]))
             b.close()
         res["options"] = opts
+        # CURVE: shard holders started with the run's keys serve only pullers holding them
+        from megatron_bridge.export import pull_sharded
+        from rlboost_hpc.protocol.auth import RunKeys
+        from rlboost_hpc.weights.puller import WeightTransferError
+
+        keys = RunKeys.generate()
+        b = MegatronBackend(cfg_d, weights, shard_export=True, shard_keys=keys, **kw)
+        b.publish_shards(1)
+        sd_k, _ = pull_sharded(b.shard_manifest, 1, keys=keys, timeout_s=5)
+        try:
+            pull_sharded(b.shard_manifest, 1, timeout_s=1.0)
+            refused = False
+        except WeightTransferError:
+            refused = True
+        res["curve"] = {"pulled_with_keys": set(sd_k) == set(sd) | {"lm_head.weight"}, "refused_without": refused}
+        b.close()
     # the compatibility layer is scoped and CPU-only
     c: dict[str, Any] = {"active": compat.is_active(), "cuda_available": torch.cuda.is_available()}
     with compat.scope():
@@ -335,15 +350,11 @@ def run_parallel(models_dir: Path, out: Path, *, distributed_optimizer: bool = F
 
 
 def run_demo(config: Path, out_dir: Path, overrides: list[str]) -> int:
-    """The ordinary ``rlboost-hpc run`` with ``MegatronBackend`` constructed where ``run.py`` constructs
-    ``TorchBackend`` — exactly the call ``trainer.backend = "megatron"`` makes (until the config switch is
-    wired, this substitution stands in for it). Under the launcher this is rank 0's program."""
-    import rlboost_hpc.trainer.backends.torch_backend as tbm
-    from megatron_bridge.backend import MegatronBackend
+    """The ordinary ``rlboost-hpc run`` with ``trainer.backend = "megatron"``. Under the launcher this is rank
+    0's program (the other ranks follow its backend calls)."""
     from rlboost_hpc.cli import main as cli_main
 
-    tbm.TorchBackend = lambda config, sd, **kw: MegatronBackend(config, sd, **kw)  # type: ignore[misc]
-    args = ["run", "--config", str(config), "--out", str(out_dir), "--no-progress"]
+    args = ["run", "--config", str(config), "--out", str(out_dir), "--no-progress", "--set", "trainer.backend=megatron"]
     for o in overrides:
         args += ["--set", o]
     return cli_main(args)

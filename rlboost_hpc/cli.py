@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         "scavenger": ("keep preemptible rollout jobs on idle Slurm capacity", "scavenger.cli", "main"),
         "stats": ("preemption and harvesting statistics of a run directory", "scavenger.stats", "stats_main"),
         "simulate": ("discrete-event simulation of RLBoost vs baselines on spot traces", "rlboost_hpc.sim.cli", "main"),
+        "chaos": ("run the demo under random preemptions and kills, check the invariants", "rlboost_hpc.cluster.chaos",
+                  "chaos_main"),
     }
     for name, (help_, _, _) in passthrough.items():
         sub.add_parser(name, help=help_, add_help=False)

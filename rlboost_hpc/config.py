@@ -84,7 +84,11 @@ class WeightsCfg(_Strict):
 class TrainerCfg(_Strict):
     """GRPO trainer (CPU torch backend)."""
 
-    backend: Literal["torch"] = "torch"
+    backend: Literal["torch", "megatron"] = Field("torch", description="torch (CPU/GPU plain PyTorch) or megatron "
+                                                                       "(megatron_bridge; pip install '.[megatron]')")
+    bf16: bool = Field(False, description="megatron: bf16 parameters/activations (fp32 main params)")
+    distributed_optimizer: bool = Field(False, description="megatron: shard optimizer state across DP")
+    recompute: Literal["full", "selective"] | None = Field(None, description="megatron: activation recompute")
     steps: int = Field(40, ge=1)
     lr: float = Field(3e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)

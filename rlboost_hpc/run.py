@@ -109,9 +109,16 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
         log.warning("manager metrics: %s", metrics_url.replace("0.0.0.0", host))
     slurm = cfg.cluster.kind == "slurm"
     cluster = reserved = reserved_thread = None
-    backend = TorchBackend(config, sd, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
-                           grad_clip=cfg.trainer.grad_clip, clip_eps=cfg.trainer.clip_eps,
-                           kl_coef=cfg.trainer.kl_coef, temperature=r.temperature)
+    t = cfg.trainer
+    common = dict(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, clip_eps=t.clip_eps,
+                  kl_coef=t.kl_coef, temperature=r.temperature)
+    if t.backend == "megatron":  # Megatron-core (TP/PP from megatron_bridge.launch, else 1)
+        from megatron_bridge.backend import MegatronBackend
+
+        backend = MegatronBackend(config, sd, seed=t.seed, bf16=t.bf16, distributed_optimizer=t.distributed_optimizer,
+                                  recompute=t.recompute, **common)
+    else:
+        backend = TorchBackend(config, sd, **common)
     publishes: list[dict] = []
 
     def publish(version: int) -> dict:
@@ -220,6 +227,8 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
             "weight_pull_failures": final_stats["weight_load_failures"],
             "weight_pull_seconds_mean": final_stats["pull_seconds_mean"],
             "instances_lost_without_warning": final_stats["instances_lost"],
+            "instances_lost_while_pulling": final_stats["instances_lost_while_pulling"],
+            "prompts_not_trained_exactly_once": trainer.prompts_not_trained_once(),
             "instances_preempted_with_warning": final_stats["instances_preempted_with_warning"],
             "protocol_rejects": final_stats["protocol_rejects"],
             "tokens_trained": tot.tokens_trained,
@@ -249,6 +258,8 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
         if mproc.is_alive():
             mproc.kill()
         server.close()
+        if hasattr(backend, "close"):  # the Megatron backend holds process groups / shard servers
+            backend.close()
     if failure is not None:
         (out_dir / "report.json").write_text(json.dumps(
             {"failed": True, "error": f"{type(failure).__name__}: {failure}", "steps": len(step_metrics)}, indent=2))

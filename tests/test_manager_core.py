@@ -326,3 +326,23 @@ def test_no_response_lost_or_duplicated_under_random_preemptions(seed, n_inst, k
     assert len(delivered) == groups * n
     for rid, ids in delivered.items():
         assert ids == [_tok(rid, i) for i in range(max_new)]
+
+
+def test_an_instance_declared_lost_is_told_so_and_can_return_as_a_new_attempt():
+    """Regression (chaos run): the reserved engine, starved of CPU past the heartbeat deadline, was declared
+    lost but kept heartbeating into the void; with no routable instance left the step stalled for 300 s."""
+    core, clock = make()
+    register(core, b"r", "reserved", kind="reserved")
+    clock.t = 10.0
+    core.tick()
+    assert core.instances["reserved#0"].state == "gone"
+    core.outbox.clear()
+    core.on_message(b"r", M.Heartbeat(version=0, active=0, tokens_generated=0))
+    rej = sent(core, b"r", M.Reject)
+    assert rej and "register as a new attempt" in rej[0].reason
+    core.on_message(b"r", M.Heartbeat(version=0, active=0, tokens_generated=0))  # rate-limited: told once a second
+    assert len(sent(core, b"r", M.Reject)) == 1
+    register(core, b"r", "reserved", attempt=1, kind="reserved")
+    submit(core, n=2)
+    core.tick()
+    assert sum(len(m.works) for m in sent(core, b"r", M.Assign)) == 2

@@ -238,6 +238,10 @@ def test_options_keep_the_numbers(single):
     assert all(math.isfinite(x) for v in o.values() for x in v["losses"] + v["losses_after_step"])
 
 
+def test_shard_holders_use_the_runs_curve_keys(single):
+    assert single["curve"] == {"pulled_with_keys": True, "refused_without": True}
+
+
 def test_cpu_compatibility_layer_is_scoped(single):
     c = single["compat"]
     assert c["active"] and not c["cuda_available"]

@@ -119,6 +119,7 @@ class ManagerCore:
         self.last_step_remote: dict = {"t_remote_s": 0.0, "t_wait_remote_s": 0.0, "n_remote": 0, "tokens": 0}
         self.clock = clock
         self.policy_state: dict = {"t_seed_s": None, "n_prem_cap": None}
+        self._told_unknown: dict[bytes, float] = {}
         self.pending_limit = pending_limit
         self.heartbeat_s = heartbeat_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -143,7 +144,7 @@ class ManagerCore:
                 "registrations", "rejected_registrations", "dispatched", "responses_migrated",
                 "tokens_migrated", "tokens_regenerated", "tokens_regenerated_after_warning", "tokens_received", "late_tokens",
                 "off_version_tokens_rejected", "instances_preempted_with_warning", "instances_lost",
-                "instances_fenced", "instances_drained", "weight_loads", "weight_load_failures", "groups_delivered",
+                "instances_fenced", "instances_drained", "instances_lost_while_pulling", "weight_loads", "weight_load_failures", "groups_delivered",
                 "responses_delivered", "request_failures", "protocol_rejects", "released_requests",
             )
         }
@@ -187,6 +188,8 @@ class ManagerCore:
         for rid in list(inst.inflight):
             self._requeue(rid, inst, reason)
         unsent = max(0, inst.tokens_generated - inst.tokens_received)
+        if inst.state == "pulling" and not warned:
+            self.counters["instances_lost_while_pulling"] += 1
         self.counters["tokens_regenerated"] += unsent
         if warned:
             self.counters["tokens_regenerated_after_warning"] += unsent
@@ -254,8 +257,19 @@ class ManagerCore:
             stream_every_tokens=self.stream_every_tokens, stream_every_s=self.stream_every_s))
 
     def _unknown(self, peer: bytes, what: str) -> None:
+        """A message from a peer that is not (or no longer) a registered instance: drop it and tell the peer
+        once a second, so an instance declared lost (e.g. starved of CPU past the heartbeat deadline) learns it
+        and re-registers as a new attempt instead of talking into the void."""
         self.counters["protocol_rejects"] += 1
-        log.warning("%s from unregistered peer %r dropped", what, peer)
+        now = self.clock()
+        if now - self._told_unknown.get(peer, -1e9) >= 1.0:
+            if len(self._told_unknown) > 10_000:
+                self._told_unknown.clear()
+            self._told_unknown[peer] = now
+            log.warning("%s from unregistered peer %r dropped", what, peer)
+            if peer != self.trainer_peer:
+                self.send(peer, M.Reject(reason=f"unknown instance ({what} from a peer that is not registered: "
+                                                "declared lost or never registered); register as a new attempt"))
 
     def _on_Heartbeat(self, peer: bytes, inst: Instance | None, msg: M.Heartbeat) -> None:
         if inst is None:

@@ -262,6 +262,8 @@ class RolloutAgent:
             self.welcome = msg
             self._source = self.weight_source_factory(msg.weights_endpoint)
             self.want_version = max(self.want_version, msg.latest_version)
+            if self.engine is not None and self.engine.version == msg.latest_version:  # re-registration
+                self._send(M.WeightsLoaded(version=self.engine.version, checksum=0, nbytes=0, pull_s=0.0, load_s=0.0))
             self.timings.setdefault("welcome", time.time())
         elif isinstance(msg, M.Assign):
             for w in msg.works:
@@ -285,9 +287,29 @@ class RolloutAgent:
         elif isinstance(msg, M.Drain):
             self.request_stop(f"drain: {msg.reason}")
         elif isinstance(msg, M.Reject):
-            raise _Rejected(msg.reason)
+            if self.welcome is not None and self.kind == "reserved":
+                self._reregister(msg.reason)
+            else:
+                raise _Rejected(msg.reason)
         else:
             log.warning("agent ignored unexpected %s", type(msg).__name__)
+
+    def _reregister(self, reason: str) -> None:
+        """The manager no longer knows us (it declared us lost and migrated our work): drop local work and
+        register again as a new attempt (never merging with the old identity, case S2). Used by the reserved
+        engine, which must stay available for co-located fallback; preemptible workers exit instead."""
+        log.warning("instance %s#%d unknown to the manager (%s); registering as attempt %d",
+                    self.job_id, self.attempt, reason, self.attempt + 1)
+        for rid in list(self._pos):
+            if self.engine is not None:
+                self.engine.abort(rid)
+        self._pos.clear()
+        self._pending.clear()
+        self.attempt += 1
+        self.welcome = None
+        self._t_reg = time.monotonic()
+        self._send(M.Register(job_id=self.job_id, attempt=self.attempt, kind=self.kind, max_batch=self.max_batch,
+                              host=socket.gethostname(), pid=os.getpid(), node=self.node))
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:
@@ -308,7 +330,7 @@ class RolloutAgent:
         reg = M.Register(job_id=self.job_id, attempt=self.attempt, kind=self.kind, max_batch=self.max_batch,
                          host=socket.gethostname(), pid=os.getpid(), node=self.node)
         self._send(reg)
-        t_reg = last_rx = time.monotonic()
+        self._t_reg = last_rx = time.monotonic()
         last_hb = last_flush = 0.0
         steps_since_flush = 0
         while True:
@@ -317,7 +339,7 @@ class RolloutAgent:
                 if self.welcome is not None:
                     self._drain(self.stop_reason)
                 return EXIT_OK
-            if self.welcome is None and now - t_reg > self.register_timeout_s:
+            if self.welcome is None and now - self._t_reg > self.register_timeout_s:
                 log.error("no answer from manager %s within %.0fs", self.manager_endpoint, self.register_timeout_s)
                 return EXIT_UNREACHABLE
             if self.welcome is not None and now - last_rx > self.manager_timeout_s:

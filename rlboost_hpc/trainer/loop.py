@@ -111,6 +111,16 @@ class RLTrainer:
         self.frontier = DataFrontier(task.train_prompts(), settings.seed)
         self.totals = Totals()
         self.seen: set[str] = set()
+        self.trained_groups: dict[str, int] = {}  # prompt id -> responses trained (the data-frontier check)
+        self.taken: list[str] = []
+
+    def prompts_not_trained_once(self) -> int:
+        """Prompts taken from the data frontier whose group was not trained exactly once (all G responses, once
+        per time the frontier handed the prompt out). 0 is the exactly-once property over the data."""
+        want: dict[str, int] = {}
+        for pid in self.taken:
+            want[pid] = want.get(pid, 0) + self.s.group_size
+        return sum(1 for pid, n in want.items() if self.trained_groups.get(pid, 0) != n)
 
     def _group_seed(self, step: int, g: int) -> int:
         return (self.s.seed * 7_919 + step * 104_729 + g * 1_299_709) % (2**31)
@@ -120,6 +130,7 @@ class RLTrainer:
         s = self.s
         t0 = self.clock()
         prompts = self.frontier.take(s.prompts_per_step)
+        self.taken.extend(p.pid for p in prompts)
         specs, by_gid = [], {}
         for g, p in enumerate(prompts):
             ids = self.tok.encode(self.task.format_prompt(p), bos=True)
@@ -168,6 +179,7 @@ class RLTrainer:
                 samples.append(Sample(prompt_ids=pids, response_ids=ids.tolist(),
                                       behaviour_logprobs=lps.tolist(), advantage=0.0))
             if samples:
+                self.trained_groups[p.pid] = self.trained_groups.get(p.pid, 0) + len(samples)
                 adv = group_advantages(torch.tensor(r, dtype=torch.float32))
                 for smp, a in zip(samples, adv.tolist()):
                     smp.advantage = a

@@ -449,6 +449,13 @@ class SGLangEngine(Engine):
             self._close_conn(r)
         if self.owns_server and self.server is not None:
             self.server.stop()
+        d = getattr(self, "_cleanup_dir", None)
+        if d is not None:
+            for name in ("model.safetensors", "config.json"):
+                try:
+                    (d / name).unlink()
+                except OSError:
+                    pass
 
     def __enter__(self) -> "SGLangEngine":
         return self
@@ -562,6 +569,7 @@ class SGLangEngine(Engine):
                 request received anything for ``stall_timeout_s``.
         """
         deadline = time.monotonic() + self.stall_timeout_s
+        failed: _Req | None = None
         with self._cond:
             while True:
                 if not self._reqs:
@@ -572,14 +580,20 @@ class SGLangEngine(Engine):
                 if failed is not None:
                     self._reqs.pop(failed.rid, None)
                     self._remove_order(failed.rid)
-                    raise EngineError(self._failure_message(failed))
+                    break
                 if self.server is not None and not self.server.alive():
-                    raise EngineError(self._crash_message("step()"))
+                    break
                 now = time.monotonic()
                 if now > deadline:
-                    raise EngineError(f"sglang engine: no token from {self.base_url} for {self.stall_timeout_s:.0f}s "
-                                      f"with {len(self._reqs)} request(s) active; " + self._log_hint())
+                    n = len(self._reqs)
+                    break
                 self._cond.wait(timeout=min(0.5, deadline - now))
+        if failed is not None:
+            raise EngineError(self._failure_message(failed))
+        if self.server is not None and not self.server.alive():
+            raise EngineError(self._crash_message("step()"))
+        raise EngineError(f"sglang engine: no token from {self.base_url} for {self.stall_timeout_s:.0f}s with "
+                          f"{n} request(s) active; " + self._log_hint())
 
     def abort(self, rid: str) -> TokenEvent | None:
         """Abort ``rid`` on the server and return its tokens that :meth:`step` has not returned yet.
@@ -664,14 +678,17 @@ class SGLangEngine(Engine):
         self._check_server(f"load_weights(version={version})")
         t0 = time.monotonic()
         try:
-            payload = serialize_named_tensors(
-                [(k, _as_shared(v, self.server_dtype)) for k, v in state_dict.items()])
+            # one shared-memory copy, alive until the server answered; one pickle per TP rank (each pickle
+            # takes its own reference on the shared segments, each rank's unpickling releases one)
+            shared = [(k, _as_shared(v, self.server_dtype)) for k, v in state_dict.items()]
+            payloads = [serialize_named_tensors(shared) for _ in range(self.tp_size)]
             self._weight_session(
                 lambda: self._control("POST", "/update_weights_from_tensor", {
-                    "serialized_named_tensors": [payload] * self.tp_size,
+                    "serialized_named_tensors": payloads,
                     "flush_cache": True, "abort_all_requests": False, "weight_version": str(version)},
                     what=f"update_weights_from_tensor(version={version})"),
                 version)
+            del shared, payloads
         except EngineError as e:
             self._fence(str(e))
             raise
@@ -816,6 +833,14 @@ class SGLangEngine(Engine):
             raise EngineError(f"sglang {what} failed (HTTP {status}): {msg}; " + self._log_hint())
         return reply
 
+    def _dies_within(self, grace_s: float) -> bool:
+        deadline = time.monotonic() + grace_s
+        while self.server.alive():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
     def _check_server(self, what: str) -> None:
         if self.server is not None and not self.server.alive():
             raise EngineError(self._crash_message(what))
@@ -858,7 +883,8 @@ class SGLangEngine(Engine):
         return events, failed
 
     def _failure_message(self, r: _Req) -> str:
-        if self.server is not None and not self.server.alive():
+        # a broken stream is usually the server dying: its sockets close before the exit status is visible
+        if self.server is not None and self._dies_within(2.0):
             return self._crash_message(f"request {r.rid!r} after {len(r.ids)} token(s)")
         why = r.error or ("aborted by the server" if r.server_aborted else "stream ended without a finish")
         return f"sglang request {r.rid!r} failed after {len(r.ids)} token(s): {why}; " + self._log_hint()
@@ -919,9 +945,7 @@ class SGLangEngine(Engine):
         total = meta.get("completion_tokens")
         with self._cond:
             have = len(r.ids)
-            if total is None:
-                total = have + len(out_ids) if len(out_ids) != len(lp_entries) or len(out_ids) <= have else len(out_ids)
-            total = int(total)
+            total = len(out_ids) if total is None else int(total)  # no count: a cumulative chunk
             need = total - have
             if need < 0:
                 raise EngineError(f"chunk reports {total} tokens, {have} already received")
@@ -1051,7 +1075,11 @@ def write_hf_dir(model_config: Mapping[str, Any], state_dict: Mapping[str, torch
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(dict(model_config), indent=2, sort_keys=True) + "\n")
+    cfg = dict(model_config)
+    if cfg.get("model_type", "llama") == "llama":  # the manager's dict may omit what SGLang dispatches on
+        cfg.setdefault("model_type", "llama")
+        cfg.setdefault("architectures", ["LlamaForCausalLM"])
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return out
 
 
@@ -1067,7 +1095,10 @@ def make_sglang_engine(model_config: Mapping[str, Any], state_dict: Mapping[str,
     d = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="rlboost-sglang-model-"))
     write_hf_dir(model_config, state_dict, d)
     launch_kw.setdefault("log_path", d / "server.log")
-    return SGLangEngine.launch(d, max_batch=max_batch, version=version, model_config=model_config, **launch_kw)
+    eng = SGLangEngine.launch(d, max_batch=max_batch, version=version, model_config=model_config, **launch_kw)
+    if work_dir is None:
+        eng._cleanup_dir = d  # a temp dir of ours: removed (weights; the log is kept) by close()
+    return eng
 
 
 def sglang_engine_factory(max_batch: int, **launch_kw) -> Callable[[dict, Mapping], Engine]:
