@@ -41,7 +41,10 @@ Invariants (the base contract of :mod:`rlboost_hpc.rollout.engines.base`, and ho
 - Supervision: the server runs in its own session (killed as a group by :meth:`close`, at interpreter exit
   and, on Linux, when this process dies: ``PR_SET_PDEATHSIG``); its output goes to a log file; start-up has
   a deadline; a dead server or a stalled stream raises :class:`EngineError` carrying the log tail.
-- Not thread-safe (one agent thread drives it); internally one reader thread per streaming request.
+- Batching: requests added between two :meth:`step` calls are submitted together as ONE streaming
+  ``/generate`` call (lists of ``input_ids`` / ``sampling_params`` / ``rid``; SGLang multiplexes their chunks on
+  one SSE stream, told apart by ``meta_info.id``), read by one thread; abort stays per request.
+- Not thread-safe (one agent thread drives it).
 """
 from __future__ import annotations
 
@@ -149,6 +152,8 @@ class SGLangServer:
         stream_interval: ``--stream-interval``: tokens per streamed chunk (≥ 1).
         deterministic: ``--enable-deterministic-inference`` (per-request seeded sampling, see module doc).
         weight_version: ``--weight-version`` at start.
+        sleep_on_idle: ``--sleep-on-idle`` (default on): an idle scheduler blocks in ``zmq.Poller`` instead of
+            spinning a core (it wakes at once on a request). Rollout servers idle while the trainer trains.
         python: interpreter that has sglang installed (default: this one).
         env: extra environment variables for the server (merged over ``os.environ``).
         extra_args: more ``launch_server`` arguments, appended last.
@@ -159,6 +164,7 @@ class SGLangServer:
                  device: str = "auto", dtype: str = "float32", max_running_requests: int = 32,
                  max_total_tokens: int | None = None, context_length: int | None = None,
                  stream_interval: int = 1, deterministic: bool = False, weight_version: str | int = 0,
+                 sleep_on_idle: bool = True,
                  random_seed: int = 0, python: str | None = None, env: Mapping[str, str] | None = None,
                  extra_args: Sequence[str] = ()) -> None:
         if device == "auto":
@@ -193,6 +199,8 @@ class SGLangServer:
             args += ["--max-total-tokens", str(max_total_tokens)]
         if deterministic:
             args += ["--enable-deterministic-inference"]
+        if sleep_on_idle:  # otherwise an idle scheduler spins a whole core (measured: 100 % on CPU)
+            args += ["--sleep-on-idle"]
         self.deterministic = deterministic
         self.base_args = args
         self.extra_args = list(extra_args)
@@ -310,6 +318,22 @@ def _model_context_length(model_path: str) -> int | None:
 
 
 # ====================================================================================== HTTP helpers
+try:  # SGLang depends on orjson, so it is normally there; the stdlib is the fallback
+    import orjson as _orjson
+
+    def _loads(b: bytes) -> Any:
+        return _orjson.loads(b)
+
+    def _dumps(o: Any) -> bytes:
+        return _orjson.dumps(o)
+except ImportError:  # pragma: no cover
+    def _loads(b: bytes) -> Any:
+        return json.loads(b)
+
+    def _dumps(o: Any) -> bytes:
+        return json.dumps(o).encode()
+
+
 def _http(host: str, port: int, method: str, path: str, body: Any, timeout: float) -> tuple[int, Any]:
     """One request; returns ``(status, parsed JSON or text)``. Raises OSError / HTTPException on I/O errors."""
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
@@ -329,11 +353,12 @@ def _http(host: str, port: int, method: str, path: str, body: Any, timeout: floa
 
 
 # ====================================================================================== per-request state
-@dataclass
+@dataclass(eq=False)
 class _Req:
     rid: str
     srid: str  # the id the server knows (unique per engine instance and submission)
-    body: dict
+    input_ids: list[int]
+    sampling: dict
     stop: frozenset[int]
     max_new: int
     enforce_stop: bool  # the server cannot express our stop set exactly; we cut the stream ourselves
@@ -342,11 +367,19 @@ class _Req:
     delivered: int = 0
     finished: bool = False
     finish_reason: FinishReason | None = None
-    done: bool = False  # the reader thread ended (finish, abort, error)
+    done: bool = False  # no more chunks will be used (final chunk seen, stream ended, or given up)
     error: str | None = None
     aborting: bool = False
     server_aborted: bool = False  # the server ended the request with finish type "abort"
-    last_chunk_at: float = field(default_factory=time.monotonic)
+    batch: "_Batch | None" = None
+
+
+@dataclass(eq=False)
+class _Batch:
+    """One streaming ``/generate`` call carrying every request added since the previous submission (SGLang
+    multiplexes their chunks on one SSE stream, told apart by ``meta_info.id``)."""
+
+    reqs: dict[str, _Req]  # by srid
     thread: threading.Thread | None = None
     conn: http.client.HTTPConnection | None = None
 
@@ -396,6 +429,8 @@ class SGLangEngine(Engine):
         self._cond = threading.Condition(self._lock)
         self._reqs: dict[str, _Req] = {}
         self._order: deque[str] = deque()
+        self._unsent: list[_Req] = []  # added, submitted at the next step()/abort()
+        self._batches: set[_Batch] = set()
         self._seq = itertools.count()
         self._tag = f"{os.getpid():x}{id(self) & 0xFFFFFF:06x}"
         self._fenced: str | None = None
@@ -443,10 +478,12 @@ class SGLangEngine(Engine):
             return
         self._closed = True
         with self._lock:
-            reqs = list(self._reqs.values())
-        for r in reqs:
-            r.aborting = True
-            self._close_conn(r)
+            for r in self._reqs.values():
+                r.aborting = True
+            self._unsent.clear()
+            batches = list(self._batches)
+        for b in batches:
+            self._close_batch(b)
         if self.owns_server and self.server is not None:
             self.server.stop()
         d = getattr(self, "_cleanup_dir", None)
@@ -489,7 +526,8 @@ class SGLangEngine(Engine):
             return len(self._reqs)
 
     def add(self, req: GenRequest) -> None:
-        """Validate ``req`` and start streaming it from the server (it runs at once; the server batches).
+        """Validate ``req`` and queue it; the next :meth:`step` submits every queued request in ONE streaming
+        ``/generate`` call (the server prefills them together, like its own batched ``/generate``).
 
         Raises:
             EngineError: the engine is fenced or closed; duplicate rid; empty prompt; ``max_new_tokens < 1``;
@@ -548,14 +586,12 @@ class SGLangEngine(Engine):
         elif stop:
             sampling["stop_token_ids"] = sorted(stop)
         srid = f"{rid}@{self._tag}.{next(self._seq)}"
-        body = {"input_ids": clean["prompt_ids"] + clean["prefix_ids"], "sampling_params": sampling,
-                "return_logprob": True, "logprob_start_len": -1, "stream": True, "rid": srid}
-        r = _Req(rid=rid, srid=srid, body=body, stop=stop, max_new=req.max_new_tokens, enforce_stop=enforce)
-        r.thread = threading.Thread(target=self._stream, args=(r,), name=f"sglang-{rid}", daemon=True)
+        r = _Req(rid=rid, srid=srid, input_ids=clean["prompt_ids"] + clean["prefix_ids"], sampling=sampling,
+                 stop=stop, max_new=req.max_new_tokens, enforce_stop=enforce)
         with self._lock:
             self._reqs[rid] = r
             self._order.append(rid)
-        r.thread.start()
+            self._unsent.append(r)
 
     def step(self) -> list[TokenEvent]:
         """Return every token streamed since the previous call, one event per request.
@@ -568,6 +604,7 @@ class SGLangEngine(Engine):
                 (after the tokens received before the failure were returned by an earlier call), or no
                 request received anything for ``stall_timeout_s``.
         """
+        self._submit()
         deadline = time.monotonic() + self.stall_timeout_s
         failed: _Req | None = None
         with self._cond:
@@ -621,6 +658,9 @@ class SGLangEngine(Engine):
             reqs = [self._reqs[r] for r in rids if r in self._reqs]
             for r in reqs:
                 r.aborting = True
+                if r in self._unsent:  # never reached the server: nothing was produced
+                    self._unsent.remove(r)
+                    r.done = True
         deadline = time.monotonic() + self.abort_timeout_s
         next_send = 0.0
         while True:
@@ -634,8 +674,9 @@ class SGLangEngine(Engine):
                 if not dead:
                     log.warning("abort: no final chunk for %s within %.0fs; returning what was received",
                                 [r.rid for r in pending], self.abort_timeout_s)
-                for r in pending:
-                    self._close_conn(r)
+                with self._lock:
+                    for r in pending:
+                        r.done = True  # later chunks of these are ignored
                 break
             if now >= next_send:
                 for r in pending:  # re-sent while the server has not registered the request yet
@@ -889,8 +930,8 @@ class SGLangEngine(Engine):
         why = r.error or ("aborted by the server" if r.server_aborted else "stream ended without a finish")
         return f"sglang request {r.rid!r} failed after {len(r.ids)} token(s): {why}; " + self._log_hint()
 
-    def _close_conn(self, r: _Req) -> None:
-        c = r.conn
+    def _close_batch(self, b: _Batch) -> None:
+        c = b.conn
         if c is not None:
             try:
                 if c.sock is not None:
@@ -898,14 +939,35 @@ class SGLangEngine(Engine):
             except OSError:
                 pass
 
-    def _stream(self, r: _Req) -> None:
-        """Reader thread: POST /generate (stream) and fold every chunk into ``r``."""
+    def _submit(self) -> None:
+        """Send every queued request as one streaming ``/generate`` call, read by one thread."""
+        with self._lock:
+            reqs, self._unsent = self._unsent, []
+        if not reqs:
+            return
+        if len(reqs) == 1:
+            r = reqs[0]
+            body = {"input_ids": r.input_ids, "sampling_params": r.sampling, "rid": r.srid}
+        else:
+            body = {"input_ids": [r.input_ids for r in reqs], "sampling_params": [r.sampling for r in reqs],
+                    "rid": [r.srid for r in reqs]}
+        body.update(return_logprob=True, logprob_start_len=-1, stream=True)
+        b = _Batch(reqs={r.srid: r for r in reqs})
+        for r in reqs:
+            r.batch = b
+        b.thread = threading.Thread(target=self._stream, args=(b, body), name=f"sglang-{reqs[0].rid}+{len(reqs) - 1}",
+                                    daemon=True)
+        with self._lock:
+            self._batches.add(b)
+        b.thread.start()
+
+    def _stream(self, b: _Batch, body: dict) -> None:
+        """Reader thread: POST /generate (stream) and fold every chunk into its request."""
         err: str | None = None
         try:
             conn = http.client.HTTPConnection(self.host, self.port, timeout=self.stall_timeout_s)
-            r.conn = conn
-            conn.request("POST", "/generate", body=json.dumps(r.body).encode(),
-                         headers={"Content-Type": "application/json"})
+            b.conn = conn
+            conn.request("POST", "/generate", body=_dumps(body), headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
             if resp.status != 200:
                 err = f"HTTP {resp.status}: {resp.read()[:2000].decode('utf-8', 'replace')}"
@@ -916,30 +978,45 @@ class SGLangEngine(Engine):
                     data = line[5:].strip()
                     if data == b"[DONE]":
                         break
-                    chunk = json.loads(data)
-                    if self._fold(r, chunk):
-                        break
+                    self._dispatch(b, _loads(data))
         except (OSError, http.client.HTTPException, ValueError) as e:
-            if not r.aborting:
-                err = f"{type(e).__name__}: {e}"
-        except EngineError as e:
-            err = str(e)
+            err = f"{type(e).__name__}: {e}"
         finally:
             try:
-                r.conn.close() if r.conn is not None else None
+                if b.conn is not None:
+                    b.conn.close()
             except Exception:
                 pass
             with self._cond:
-                if err is not None and r.error is None and not r.finished:
-                    r.error = err
-                r.done = True
+                for r in b.reqs.values():
+                    if not r.done:
+                        if not r.finished and not r.aborting and r.error is None:
+                            r.error = err or "stream ended without a finish"
+                        r.done = True
+                self._batches.discard(b)
                 self._cond.notify_all()
 
-    def _fold(self, r: _Req, chunk: dict) -> bool:
-        """Merge one chunk into ``r``; True when the stream should stop being read."""
-        if "error" in chunk and "output_ids" not in chunk:
-            raise EngineError(f"server error: {chunk.get('error')}")
+    def _dispatch(self, b: _Batch, chunk: dict) -> None:
         meta = chunk.get("meta_info") or {}
+        r = b.reqs.get(meta.get("id"))
+        if r is None:
+            if "error" in chunk or "object" in chunk:
+                raise ValueError(f"server error on the stream: {str(chunk)[:2000]}")
+            raise ValueError(f"chunk for unknown request id {meta.get('id')!r}")
+        if r.done:
+            return
+        try:
+            cut = self._fold(r, chunk, meta)
+        except EngineError as e:
+            with self._cond:
+                r.error, r.done = str(e), True
+                self._cond.notify_all()
+            cut = not r.aborting
+        if cut:  # we ended it before the server did (our stop set) or it broke: stop it server-side
+            threading.Thread(target=self._abort_quietly, args=(r.srid,), daemon=True).start()
+
+    def _fold(self, r: _Req, chunk: dict, meta: dict) -> bool:
+        """Merge one chunk into ``r``; True when the server-side request must be aborted."""
         out_ids = chunk.get("output_ids") or []
         lp_entries = meta.get("output_token_logprobs") or []
         total = meta.get("completion_tokens")
@@ -967,7 +1044,6 @@ class SGLangEngine(Engine):
                 lps.append(float(e[0]))
             fr = meta.get("finish_reason")
             ftype = fr.get("type") if isinstance(fr, dict) else fr
-            stop_now = False
             # our stop set / budget, enforced on every token (exact semantics whatever the server does)
             for i, t in enumerate(ids):
                 if r.finished:
@@ -978,9 +1054,10 @@ class SGLangEngine(Engine):
                     r.finished, r.finish_reason = True, "stop"
                 elif len(r.ids) >= r.max_new:
                     r.finished, r.finish_reason = True, "length"
-            r.last_chunk_at = time.monotonic()
+            cut = False
             if r.finished:
-                stop_now = ftype is None  # we ended it before the server did: stop reading, abort server-side
+                cut = ftype is None  # the server would go on: abort it there
+                r.done = True
             elif ftype in ("stop", "length"):
                 # the server ended on its own rule; must agree with ours (stop token or budget)
                 last = r.ids[-1] if r.ids else None
@@ -991,15 +1068,14 @@ class SGLangEngine(Engine):
                 else:
                     raise EngineError(f"server finished with {fr!r} after {len(r.ids)} token(s) (last {last}), "
                                       f"which our stop set {sorted(r.stop)} / budget {r.max_new} does not explain")
-            elif ftype == "abort":
+                r.done = True
+            elif ftype is not None:  # "abort" (ours or someone else's) or anything new
                 r.server_aborted = not r.aborting
                 if r.server_aborted:
-                    r.error = f"aborted by the server: {fr.get('message') if isinstance(fr, dict) else fr}"
+                    r.error = f"ended by the server: {fr!r}"
+                r.done = True
             self._cond.notify_all()
-        if stop_now:
-            threading.Thread(target=self._abort_quietly, args=(r.srid,), daemon=True).start()
-            return True
-        return False
+        return cut
 
     def _abort_quietly(self, srid: str) -> None:
         try:
