@@ -269,8 +269,12 @@ def test_abort_returns_every_token_and_leaves_others_running(engine, loaded, tok
 def test_abort_right_after_add_and_abort_all(engine, tok):
     """Aborting before the server has seen the request (or while it is queued) neither hangs nor leaks."""
     engine.add(GenRequest("q", tok.encode(PROMPTS[0]), 300, GREEDY))
+    assert engine.abort("q") is None and engine.num_active == 0  # never submitted: dropped locally
+    engine.add(GenRequest("q", tok.encode(PROMPTS[0]), 300, GREEDY))
+    engine._submit()  # on the wire now; the server may not have registered the rid yet (abort is re-sent)
     ev = engine.abort("q")
     assert ev is None or len(ev.token_ids) == len(ev.logprobs)
+    assert engine.num_active == 0
     for i in range(10):  # more than max_batch=8: some wait in SGLang's queue
         engine.add(GenRequest(f"z{i}", tok.encode(PROMPTS[i % len(PROMPTS)]), 300, GREEDY))
     engine.step()

@@ -15,6 +15,7 @@ Invariants every engine honours (tested per engine):
 from __future__ import annotations
 
 import abc
+import operator
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
@@ -75,6 +76,43 @@ class TokenEvent:
 
 class EngineError(RuntimeError):
     """The engine failed; the message says which request or call and why."""
+
+
+def validate_request(req: GenRequest, *, vocab_size: int | None, max_len: int | None) -> GenRequest:
+    """Check a request against the engine's limits and return a copy with plain-int id lists.
+
+    Raises:
+        EngineError: empty prompt; ``max_new_tokens`` not an int ≥ 1; a non-integer id or one outside
+            ``[0, vocab_size)``; temperature < 0 or top_p outside (0, 1];
+            ``len(prompt) + len(prefix) + max_new_tokens > max_len``.
+    """
+    rid = req.rid
+    if not req.prompt_ids:
+        raise EngineError(f"request {rid!r}: empty prompt_ids")
+    if isinstance(req.max_new_tokens, bool) or not isinstance(req.max_new_tokens, int) or req.max_new_tokens < 1:
+        raise EngineError(f"request {rid!r}: max_new_tokens must be an int ≥ 1, got {req.max_new_tokens!r}")
+    clean: dict[str, list[int]] = {}
+    for name, ids in (("prompt_ids", req.prompt_ids), ("prefix_ids", req.prefix_ids)):
+        try:
+            clean[name] = [operator.index(t) for t in ids]
+        except TypeError:
+            raise EngineError(f"request {rid!r}: {name} holds non-integer ids") from None
+        if vocab_size is not None:
+            bad = [t for t in clean[name] if not 0 <= t < vocab_size]
+            if bad:
+                raise EngineError(f"request {rid!r}: {name} holds ids outside [0, {vocab_size}): {bad[:5]}")
+    sp = req.sampling
+    if not sp.temperature >= 0:
+        raise EngineError(f"request {rid!r}: temperature must be ≥ 0, got {sp.temperature}")
+    if not 0 < sp.top_p <= 1:
+        raise EngineError(f"request {rid!r}: top_p must be in (0, 1], got {sp.top_p}")
+    total = len(clean["prompt_ids"]) + len(clean["prefix_ids"]) + req.max_new_tokens
+    if max_len is not None and total > max_len:
+        raise EngineError(
+            f"request {rid!r}: prompt ({len(clean['prompt_ids'])}) + prefix ({len(clean['prefix_ids'])}) + "
+            f"max_new_tokens ({req.max_new_tokens}) = {total} exceeds max_len {max_len}")
+    return GenRequest(rid=rid, prompt_ids=clean["prompt_ids"], max_new_tokens=req.max_new_tokens, sampling=sp,
+                      prefix_ids=clean["prefix_ids"])
 
 
 class Engine(abc.ABC):

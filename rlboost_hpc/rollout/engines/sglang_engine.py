@@ -149,7 +149,9 @@ class SGLangServer:
         max_total_tokens: KV-cache size in tokens (``None``: SGLang's memory-fraction default; on CPU we pass
             ``max_running_requests * context_length`` because the CPU default takes a fraction of host RAM).
         context_length: ``--context-length`` (``None``: the model's ``max_position_embeddings``).
-        stream_interval: ``--stream-interval``: tokens per streamed chunk (≥ 1).
+        stream_interval: ``--stream-interval``: tokens per streamed chunk (≥ 1; default 8: per-token chunks
+            cost throughput — see benchmarks/bench_sglang.py — while a finish or an abort is always sent at once
+            with the complete output, so nothing waits for or loses a partial interval).
         deterministic: ``--enable-deterministic-inference`` (per-request seeded sampling, see module doc).
         weight_version: ``--weight-version`` at start.
         sleep_on_idle: ``--sleep-on-idle`` (default on): an idle scheduler blocks in ``zmq.Poller`` instead of
@@ -163,7 +165,7 @@ class SGLangServer:
                  log_path: str | os.PathLike[str] | None = None, startup_timeout_s: float = 300.0,
                  device: str = "auto", dtype: str = "float32", max_running_requests: int = 32,
                  max_total_tokens: int | None = None, context_length: int | None = None,
-                 stream_interval: int = 1, deterministic: bool = False, weight_version: str | int = 0,
+                 stream_interval: int = 8, deterministic: bool = False, weight_version: str | int = 0,
                  sleep_on_idle: bool = True,
                  random_seed: int = 0, python: str | None = None, env: Mapping[str, str] | None = None,
                  extra_args: Sequence[str] = ()) -> None:
@@ -462,7 +464,7 @@ class SGLangEngine(Engine):
             EngineError: the server did not come up (log tail included).
         """
         server_kw.setdefault("max_running_requests", max_batch)
-        server_kw.setdefault("weight_version", version)
+        server_kw.setdefault("weight_version", version if version >= 0 else "none")
         server = SGLangServer(model_path, **server_kw).start()
         try:
             return cls(server.url, max_batch=max_batch, version=version, server=server, owns_server=True,
@@ -643,17 +645,19 @@ class SGLangEngine(Engine):
             A :class:`TokenEvent` with the undelivered tokens (``finished`` True only if the request had
             already finished on its own), or ``None`` when nothing was pending.
         """
-        return self._abort_many([rid]).get(rid)
+        return self.abort_many([rid]).get(rid)
 
     def abort_all(self) -> list[TokenEvent]:
         """Abort every active request of this engine (other clients of the server are untouched); return
         their undelivered tokens (see :meth:`abort`)."""
         with self._lock:
             rids = list(self._order)
-        evs = self._abort_many(rids)
+        evs = self.abort_many(rids)
         return [evs[r] for r in rids if r in evs]
 
-    def _abort_many(self, rids: Sequence[str]) -> dict[str, TokenEvent]:
+    def abort_many(self, rids: Sequence[str]) -> dict[str, TokenEvent]:
+        """:meth:`abort` for several requests at once (one wait for all final chunks): ``{rid: event}`` for
+        those with undelivered tokens."""
         with self._lock:
             reqs = [self._reqs[r] for r in rids if r in self._reqs]
             for r in reqs:
@@ -1141,16 +1145,18 @@ def init_weight_sender_group(master_address: str, master_port: int, world_size: 
 
 
 # ====================================================================================== factory for the agent
-def write_hf_dir(model_config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor],
+def write_hf_dir(model_config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor] | None,
                  out_dir: str | os.PathLike[str]) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (what ``--model-path`` needs; no tokenizer: the server
-    runs with ``--skip-tokenizer-init``). Tied copies (``lm_head.weight`` equal to the embedding) are kept."""
-    from safetensors.torch import save_file
-
+    runs with ``--skip-tokenizer-init``). Tied copies (``lm_head.weight`` equal to the embedding) are kept.
+    ``state_dict=None`` writes the config only (for ``--load-format dummy``)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if state_dict is not None:
+        from safetensors.torch import save_file
+
+        tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = dict(model_config)
     if cfg.get("model_type", "llama") == "llama":  # the manager's dict may omit what SGLang dispatches on
         cfg.setdefault("model_type", "llama")
@@ -1159,11 +1165,15 @@ def write_hf_dir(model_config: Mapping[str, Any], state_dict: Mapping[str, torch
     return out
 
 
-def make_sglang_engine(model_config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor], max_batch: int = 32,
-                       *, work_dir: str | os.PathLike[str] | None = None, version: int = 0,
+def make_sglang_engine(model_config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor] | None,
+                       max_batch: int = 32, *, work_dir: str | os.PathLike[str] | None = None, version: int = 0,
                        **launch_kw) -> SGLangEngine:
     """Build an :class:`SGLangEngine` the way the rollout agent builds engines: write the manager's HF config and
     the first pulled weights to ``work_dir`` (default: a temp dir), launch a supervised server on them.
+
+    ``state_dict=None`` starts the server on random weights (``--load-format dummy``, no weight file) so it
+    can boot while the first version is still being pulled; the engine is then FENCED (``version == -1``,
+    :meth:`SGLangEngine.add` refused) until :meth:`SGLangEngine.load_weights` succeeds.
 
     ``launch_kw`` go to :meth:`SGLangEngine.launch` / :class:`SGLangServer` (``device``, ``dtype``,
     ``stream_interval``, ``deterministic``, ``startup_timeout_s``, ``log_path``, ``env``, ``python``, …).
@@ -1171,7 +1181,13 @@ def make_sglang_engine(model_config: Mapping[str, Any], state_dict: Mapping[str,
     d = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="rlboost-sglang-model-"))
     write_hf_dir(model_config, state_dict, d)
     launch_kw.setdefault("log_path", d / "server.log")
-    eng = SGLangEngine.launch(d, max_batch=max_batch, version=version, model_config=model_config, **launch_kw)
+    if state_dict is None:
+        launch_kw["extra_args"] = [*launch_kw.get("extra_args", ()), "--load-format", "dummy"]
+        launch_kw.setdefault("weight_version", "none")
+    eng = SGLangEngine.launch(d, max_batch=max_batch, version=version if state_dict is not None else -1,
+                              model_config=model_config, **launch_kw)
+    if state_dict is None:
+        eng._fence("no weights loaded yet (started with dummy weights)")
     if work_dir is None:
         eng._cleanup_dir = d  # a temp dir of ours: removed (weights; the log is kept) by close()
     return eng

@@ -26,7 +26,6 @@ Implements :class:`rlboost_hpc.rollout.engines.base.Engine` exactly. Invariants 
 from __future__ import annotations
 
 import heapq
-import operator
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Mapping
@@ -38,6 +37,7 @@ from rlboost_hpc.models.llama import KVCache, LlamaModel
 from rlboost_hpc.rollout.engines.base import (
     Engine,
     EngineError,
+    validate_request,
     FinishReason,
     GenRequest,
     TokenEvent,
@@ -254,33 +254,8 @@ class TorchEngine(Engine):
         rid = req.rid
         if rid in self._running or any(w.req.rid == rid for w in self._waiting):
             raise EngineError(f"request {rid!r}: duplicate rid (already queued or running)")
-        if not req.prompt_ids:
-            raise EngineError(f"request {rid!r}: empty prompt_ids")
-        if isinstance(req.max_new_tokens, bool) or not isinstance(req.max_new_tokens, int) or req.max_new_tokens < 1:
-            raise EngineError(f"request {rid!r}: max_new_tokens must be an int ≥ 1, got {req.max_new_tokens!r}")
-        V = self.config.vocab_size
-        clean: dict[str, list[int]] = {}
-        for name, ids in (("prompt_ids", req.prompt_ids), ("prefix_ids", req.prefix_ids)):
-            try:
-                clean[name] = [operator.index(t) for t in ids]
-            except TypeError:
-                raise EngineError(f"request {rid!r}: {name} holds non-integer ids") from None
-            bad = [t for t in clean[name] if not 0 <= t < V]
-            if bad:
-                raise EngineError(f"request {rid!r}: {name} holds ids outside [0, {V}): {bad[:5]}")
-        sp = req.sampling
-        if not sp.temperature >= 0:
-            raise EngineError(f"request {rid!r}: temperature must be ≥ 0, got {sp.temperature}")
-        if not 0 < sp.top_p <= 1:
-            raise EngineError(f"request {rid!r}: top_p must be in (0, 1], got {sp.top_p}")
-        total = len(req.prompt_ids) + len(req.prefix_ids) + req.max_new_tokens
-        if total > self.max_len:
-            raise EngineError(
-                f"request {rid!r}: prompt ({len(req.prompt_ids)}) + prefix ({len(req.prefix_ids)}) + "
-                f"max_new_tokens ({req.max_new_tokens}) = {total} exceeds max_len {self.max_len}"
-            )
-        copy = GenRequest(rid=rid, prompt_ids=clean["prompt_ids"], max_new_tokens=req.max_new_tokens,
-                          sampling=sp, prefix_ids=clean["prefix_ids"])
+        copy = validate_request(req, vocab_size=self.config.vocab_size, max_len=self.max_len)
+        sp = copy.sampling
         self._waiting.append(_Running(req=copy, stop=frozenset(int(t) for t in sp.stop_token_ids)))
 
     def step(self) -> list[TokenEvent]:
