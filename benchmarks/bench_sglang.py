@@ -17,7 +17,7 @@ On a CPU-only machine the server needs the test stand-ins for torchvision/sgl_ke
 test aid); they are used automatically when ``--device cpu``.
 
 Usage: ``.venv/bin/python benchmarks/bench_sglang.py [--prompts 16] [--new 128] [--repeat 3]
-[--stream-intervals 1 8] [--weight-hidden 256 512 1024] [--json out.json]``
+[--stream-intervals 1 8 16] [--weight-hidden 256 512 1024] [--json out.json]``
 """
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--stream-intervals", type=int, nargs="*", default=[1, 8])
+    ap.add_argument("--stream-intervals", type=int, nargs="*", default=[1, 8, 16])
     ap.add_argument("--weight-hidden", type=int, nargs="*", default=[256, 512, 1024],
                     help="hidden sizes of the random 8-layer Llamas for the weight-load curve (none: skip)")
     ap.add_argument("--device", default="cpu")

@@ -387,6 +387,28 @@ def test_load_weights_from_distributed_gloo(engine, loaded, tok):
     _close(got[1], ref[1])
 
 
+def test_prestart_on_dummy_weights_is_fenced_until_the_first_load(loaded, tok, tmp_path):
+    """The agent can boot the server while the first version is still being pulled (``state_dict=None`` →
+    ``--load-format dummy``); it serves nothing until a complete version is loaded (W3)."""
+    _require_sglang()
+    cfg, sd = loaded
+    eng = make_sglang_engine(cfg.to_hf_dict(), None, 4, work_dir=tmp_path / "m", device="cpu", env=stub_env(),
+                             startup_timeout_s=240)
+    try:
+        assert eng.version == -1 and eng.fenced and not (tmp_path / "m" / "model.safetensors").exists()
+        with pytest.raises(EngineError, match="fenced"):
+            eng.add(GenRequest("x", [1], 4, GREEDY))
+        eng.load_weights(sd, 0)
+        assert eng.version == 0 and eng.fenced is None
+        prompt = tok.encode(PROMPTS[2])
+        got = _run(eng, "a", prompt, 32)
+        ref = _run(_torch(loaded), "a", prompt, 32)
+        assert got[0] == ref[0]
+        _close(got[1], ref[1])
+    finally:
+        eng.close()
+
+
 # ---------------------------------------------------------------------------------------------- supervision
 def test_add_validation(engine):
     with pytest.raises(EngineError, match="empty prompt"):

@@ -19,7 +19,9 @@ Invariants (the base contract of :mod:`rlboost_hpc.rollout.engines.base`, and ho
   ``sampling_seed`` (we pass ``SamplingParams.seed``) and Gumbel noise hashed from (seed, sequence position),
   so a response resumed on an SGLang server equals the uninterrupted one on an SGLang server; a response
   migrated between SGLang and the torch engine keeps every token already produced but continues with a
-  different random stream (valid on-policy samples, not bit-identical ones).
+  different random stream (valid on-policy samples, not bit-identical ones). SGLang 0.5.23 refuses
+  deterministic inference with the CPU attention backend (``torch_native``), so on CPU sampled decoding is not
+  reproducible at all; tests assert exactness for greedy only.
 - Behaviour logprobs: SGLang returns ``log(softmax(logits / T))`` of the sampled token before top-p
   truncation (raw logits for greedy) — the same quantity as the torch engine, equal up to float rounding.
 - Stop semantics: a token in ``stop_token_ids`` ends the request (included, ``"stop"``); reaching
@@ -37,7 +39,9 @@ Invariants (the base contract of :mod:`rlboost_hpc.rollout.engines.base`, and ho
   ``flush_cache=true``, ``abort_all_requests=false``) → ``/end_weight_update`` → ``/flush_cache`` and checks the
   server's reported weight version. Every reply is checked; any failure raises :class:`EngineError` with the
   server's message and log tail and FENCES the engine (``version = -1``, :meth:`add` refused) until a later
-  load succeeds. ``/update_weight_version`` is only ever called with ``abort_all_requests=false``.
+  load succeeds. ``/update_weight_version`` is only ever called with ``abort_all_requests=false``. A server
+  started without weights (:func:`make_sglang_engine` with ``state_dict=None``: ``--load-format dummy``, so it
+  can boot while the first version is pulled) starts fenced.
 - Supervision: the server runs in its own session (killed as a group by :meth:`close`, at interpreter exit
   and, on Linux, when this process dies: ``PR_SET_PDEATHSIG``); its output goes to a log file; start-up has
   a deadline; a dead server or a stalled stream raises :class:`EngineError` carrying the log tail.
@@ -149,9 +153,10 @@ class SGLangServer:
         max_total_tokens: KV-cache size in tokens (``None``: SGLang's memory-fraction default; on CPU we pass
             ``max_running_requests * context_length`` because the CPU default takes a fraction of host RAM).
         context_length: ``--context-length`` (``None``: the model's ``max_position_embeddings``).
-        stream_interval: ``--stream-interval``: tokens per streamed chunk (≥ 1; default 8: per-token chunks
-            cost throughput — see benchmarks/bench_sglang.py — while a finish or an abort is always sent at once
-            with the complete output, so nothing waits for or loses a partial interval).
+        stream_interval: ``--stream-interval``: tokens per streamed chunk (≥ 1). Default 16: per-token chunks
+            cost ~20 % throughput on CPU, 16 costs ≈ 0–3 % (benchmarks/bench_sglang.py). A finish or an abort is
+            always sent at once with the complete output, so nothing waits for or loses a partial interval;
+            only an unwarned kill of the whole instance loses < ``stream_interval`` tokens per response.
         deterministic: ``--enable-deterministic-inference`` (per-request seeded sampling, see module doc).
         weight_version: ``--weight-version`` at start.
         sleep_on_idle: ``--sleep-on-idle`` (default on): an idle scheduler blocks in ``zmq.Poller`` instead of
@@ -165,7 +170,7 @@ class SGLangServer:
                  log_path: str | os.PathLike[str] | None = None, startup_timeout_s: float = 300.0,
                  device: str = "auto", dtype: str = "float32", max_running_requests: int = 32,
                  max_total_tokens: int | None = None, context_length: int | None = None,
-                 stream_interval: int = 8, deterministic: bool = False, weight_version: str | int = 0,
+                 stream_interval: int = 16, deterministic: bool = False, weight_version: str | int = 0,
                  sleep_on_idle: bool = True,
                  random_seed: int = 0, python: str | None = None, env: Mapping[str, str] | None = None,
                  extra_args: Sequence[str] = ()) -> None:
@@ -511,6 +516,9 @@ class SGLangEngine(Engine):
     def version(self, v: int) -> None:
         """Record ``v`` and label the server's weights with it (``/update_weight_version`` WITHOUT aborting)."""
         v = int(v)
+        if self._fenced is not None and v != self._version:
+            raise EngineError(f"cannot label the weights as version {v}: engine fenced ({self._fenced}); "
+                              f"load_weights() a complete version instead")
         if v != self._version and v >= 0:
             self._control("POST", "/update_weight_version", {"new_version": str(v), "abort_all_requests": False},
                           what=f"update_weight_version({v})")
