@@ -72,8 +72,9 @@ trap 'rm -f "$CONSTRAINTS"' EXIT
 echo "torch==$TORCH_VERSION" >"$CONSTRAINTS"   # never let a dependency swap our CPU torch for a CUDA build
 
 echo "install-sglang-cpu: installing sglang $SGLANG_VERSION (no deps) + CPU dependencies into $VENV (torch $TORCH_VERSION kept)"
-"${PIP[@]}" install -q --no-deps "sglang==$SGLANG_VERSION"
-"${PIP[@]}" install -q -c "$CONSTRAINTS" "${DEPS[@]}"
+# (--no-warn-conflicts: pip would otherwise list every CUDA package sglang's metadata asks for and we skip on purpose)
+"${PIP[@]}" install -q --no-warn-conflicts --no-deps "sglang==$SGLANG_VERSION"
+"${PIP[@]}" install -q --no-warn-conflicts -c "$CONSTRAINTS" "${DEPS[@]}"
 # A CUDA torchvision would shadow the stand-in and fail at import; remove it if something pulled it in.
 if "$PY" -c 'import importlib.metadata as m; m.version("torchvision")' >/dev/null 2>&1; then
   "${PIP[@]}" uninstall -q -y torchvision

@@ -534,12 +534,14 @@ def test_sbatch_command_line(env):
     make(cfg).reconcile_once()
     [(_, script, args)] = fake.our_calls("sbatch")
     assert script.endswith("rollout.sbatch")
+    rid = cfg.resolved_run_id(run_dir)  # directory name + hash of its path: same-named runs never collide
+    assert rid.startswith(run_dir.resolve().name + "-")
     for want in ("--partition=scav", "--qos=low", "--account=rl", "--gres=gpu:2", "--time=2:00:00",
-                 "--requeue", "--signal=B:USR2@30", "--comment=rlboost:run1", "--job-name=rlboost-rollout-run1",
+                 "--requeue", "--signal=B:USR2@30", f"--comment=rlboost:{rid}", f"--job-name=rlboost-rollout-{rid}",
                  "--mem=8G", "--open-mode=append"):
         assert want in args
     export = next(a for a in args if a.startswith("--export="))
-    assert export == f"--export=ALL,RLBOOST_RUN_DIR={run_dir.resolve()},RLBOOST_RUN_ID=run1"
+    assert export == f"--export=ALL,RLBOOST_RUN_DIR={run_dir.resolve()},RLBOOST_RUN_ID={rid}"
     assert (run_dir / "scavenger" / "logs").is_dir()  # sbatch would not create the --output directory
 
 

@@ -211,20 +211,26 @@ def test_migration_torch_to_sglang_resumes_exactly(engine, loaded, tok):
 
 def test_migration_sglang_to_torch_resumes_exactly(engine, loaded, tok):
     """Start on SGLang, abort mid-way (abort hands back what step() had not), resume on torch."""
-    N = 64
+    N = 200
     prompt = tok.encode(PROMPTS[1])
     full_ids, full_lps, full_reason = _run(_torch(loaded), "u", prompt, N)
-    for k in (1, 9, 33):
+    migrated = 0
+    for k in (1, 9, 33, 120):
         head, head_lps, reason = _collect_until(engine, GenRequest(f"m{k}", prompt, N, GREEDY), k)
-        assert reason is None and len(head) >= k and head == full_ids[:len(head)]
+        assert head == full_ids[:len(head)] and len(head) >= min(k, len(full_ids))
         _close(head_lps, full_lps[:len(head)])
+        if reason is not None:  # the server finished before the abort landed: nothing to migrate
+            assert head == full_ids and reason == full_reason
+            continue
+        migrated += 1
         tail, tail_lps, tail_reason = _run(_torch(loaded), "r", prompt, N - len(head), prefix=head)
         assert head + tail == full_ids and tail_reason == full_reason
         _close(head_lps + tail_lps, full_lps)
+    assert migrated >= 3
 
 
 def test_migration_chain_sglang_torch_sglang(engine, loaded, tok):
-    N = 50
+    N = 200
     prompt = tok.encode(PROMPTS[4])
     full_ids, full_lps, _ = _run(_torch(loaded), "u", prompt, N)
     ids: list[int] = []
@@ -242,9 +248,9 @@ def test_migration_chain_sglang_torch_sglang(engine, loaded, tok):
 # ---------------------------------------------------------------------------------------------- abort (R2)
 def test_abort_returns_every_token_and_leaves_others_running(engine, loaded, tok):
     prompts = [tok.encode(p) for p in PROMPTS[:3]]
-    full = {i: _run(_torch(loaded), "u", p, 100)[0] for i, p in enumerate(prompts)}
+    full = {i: _run(_torch(loaded), "u", p, 300)[0] for i, p in enumerate(prompts)}
     for i, p in enumerate(prompts):
-        engine.add(GenRequest(f"a{i}", p, 100, GREEDY))
+        engine.add(GenRequest(f"a{i}", p, 300, GREEDY))
     got: dict[str, list[int]] = {f"a{i}": [] for i in range(3)}
     while len(got["a1"]) < 5:
         for e in engine.step():
@@ -262,7 +268,7 @@ def test_abort_returns_every_token_and_leaves_others_running(engine, loaded, tok
             got[e.rid] += e.token_ids
             if e.finished:
                 done[e.rid] = e.finish_reason
-    assert done == {"a0": "length", "a2": "length"}
+    assert set(done) == {"a0", "a2"}
     assert got["a0"] == full[0] and got["a2"] == full[2]
 
 
@@ -314,18 +320,20 @@ def test_load_weights_logprobs_equal_trainer_model(engine, loaded, tok):
 def test_load_weights_refused_while_active_and_validated(engine, loaded, tok):
     cfg, base = loaded
     prompt = tok.encode(PROMPTS[3])
-    full = _run(_torch(loaded), "u", prompt, 60)[0]
-    engine.add(GenRequest("busy", prompt, 60, GREEDY))
+    full, _, full_reason = _run(_torch(loaded), "u", prompt, 300)
+    engine.add(GenRequest("busy", prompt, 300, GREEDY))
+    ids, reason = [], None
+    ids += [t for e in engine.step() for t in e.token_ids]  # in flight on the server now
     with pytest.raises(EngineError, match="refused: 1 request"):
         engine.load_weights(_perturbed(base, 2), 5)
     # W4: setting the weight version label never aborts in-flight work
     engine.version = 3
-    ids, reason = [], None
+    assert engine._control("GET", "/model_info", None, what="model_info")["weight_version"] == "3"
     while engine.num_active:
         for e in engine.step():
             ids += e.token_ids
             reason = e.finish_reason if e.finished else reason
-    assert ids == full and reason == "length"
+    assert ids == full and reason == full_reason
     engine.version = 0
     bad = dict(base)
     bad["model.norm.weight"] = torch.ones(3)
@@ -335,7 +343,7 @@ def test_load_weights_refused_while_active_and_validated(engine, loaded, tok):
     with pytest.raises(EngineError, match="missing"):
         engine.load_weights(missing, 6)
     assert engine.version == 0 and engine.fenced is None  # validation failures change nothing
-    assert _run(engine, "after", prompt, 60)[0] == full
+    assert _run(engine, "after", prompt, 300)[0] == full
 
 
 def test_failed_update_fences_until_a_complete_load(engine, loaded, tok, monkeypatch):

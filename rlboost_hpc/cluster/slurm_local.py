@@ -14,6 +14,7 @@ every Slurm command run from here has a timeout (clients hang ~9 s when a daemon
 from __future__ import annotations
 
 import os
+import time
 import shlex
 import shutil
 import subprocess
@@ -91,7 +92,7 @@ def slurm_available(timeout_s: float = 10.0) -> bool:
     return usable is not None and usable >= int(env.get("RLBOOST_SLURM_NODES", "1"))
 
 
-def ensure_local_slurm(timeout_s: float = 180) -> dict[str, str]:
+def ensure_local_slurm(timeout_s: float = 420) -> dict[str, str]:
     """Bring the local cluster up unless it already answers; return its client variables (see module doc).
 
     ``up`` is idempotent: it starts only the daemons that are not running. Raises LocalSlurmError with the
@@ -103,14 +104,22 @@ def ensure_local_slurm(timeout_s: float = 180) -> dict[str, str]:
     up = LOCAL_CLUSTER_DIR / "up"
     if not up.exists():
         raise LocalSlurmError(f"{up} is missing (the local cluster script ships with the source checkout)")
-    try:
-        out = subprocess.run([str(up)], capture_output=True, text=True, timeout=timeout_s,
-                             env={**os.environ, "RLBOOST_SLURM_DIR": str(state_dir())})
-    except subprocess.TimeoutExpired as e:
-        raise LocalSlurmError(f"{up} took longer than {timeout_s:.0f} s; output:\n"
-                              f"{(e.stderr or b'')[-3000:]!r}") from e
-    if out.returncode != 0:
-        raise LocalSlurmError(f"{up} failed (exit {out.returncode}):\n{(out.stdout + out.stderr)[-4000:]}")
+    # Right after the daemons of an earlier session were killed, a restart can fail for a while (seen: slurmctld
+    # exiting during start-up for ~2 minutes); `up` is idempotent, so retry it until the deadline.
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = max(10.0, deadline - time.monotonic())
+        try:
+            out = subprocess.run([str(up)], capture_output=True, text=True, timeout=left,
+                                 env={**os.environ, "RLBOOST_SLURM_DIR": str(state_dir())})
+        except subprocess.TimeoutExpired as e:
+            raise LocalSlurmError(f"{up} took longer than {timeout_s:.0f} s; output:\n"
+                                  f"{(e.stderr or b'')[-3000:]!r}") from e
+        if out.returncode == 0:
+            break
+        if time.monotonic() + 10 > deadline:
+            raise LocalSlurmError(f"{up} failed (exit {out.returncode}):\n{(out.stdout + out.stderr)[-4000:]}")
+        time.sleep(5.0)
     _started_here = True
     return local_slurm_env()
 
