@@ -17,8 +17,15 @@ from scavenger.slurm import (
 DATA = Path(__file__).parent / "data" / "slurm"
 
 
+SHARED = {"sinfo_out.json", "squeue_out.json"}  # real 21.08 outputs, read from the shared data set
+
+
 def load(name: str) -> dict:
-    return json.loads((DATA / name).read_text())
+    """A fixture: the shared data set's real outputs (never copied into the repo), or our own captures."""
+    from rlboost_hpc.paths import data_file
+
+    path = data_file(f"slurm_fixtures/squeue_sinfo_json/{name}") if name in SHARED else DATA / name
+    return json.loads(path.read_text())
 
 
 # -------------------------------------------------------------------------------------------------- sinfo
