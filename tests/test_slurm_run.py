@@ -51,11 +51,30 @@ def node_of(job):
     return n if isinstance(n, str) else ",".join(n)
 
 
+def settled_running(env, tag, min_age_s=8.0):
+    """Rollout jobs running for at least ``min_age_s`` (their batch shell has installed its USR2 trap)."""
+    now = time.time()
+    out = []
+    for j in our_jobs(env, tag):
+        st = j.get("start_time")
+        st = st.get("number", 0) if isinstance(st, dict) else (st or 0)
+        if "RUNNING" in str(j["job_state"]) and 0 < st <= now - min_age_s:
+            out.append(j)
+    return out
+
+
+def requeues(run_dir):
+    """Preempted attempts that came back: the worker's own requeue or a restart seen by the scavenger."""
+    ev = events(run_dir)
+    return max(sum(1 for e in ev if e.get("event") == "requeue_requested"),
+               sum(1 for e in ev if e.get("event") == "requeued"))
+
+
 def preempt_rollout_nodes(env, tag, trainer_job):
     """Submit a high-priority exclusive job onto the nodes of running rollout jobs (not the trainer's node)."""
     jobs = json.loads(sh(["squeue", "--json"], env))["jobs"]
     trainer_node = next(node_of(j) for j in jobs if str(j["job_id"]) == trainer_job)
-    nodes = sorted({node_of(j) for j in our_jobs(env, tag) if "RUNNING" in str(j["job_state"])} - {trainer_node, ""})
+    nodes = sorted({node_of(j) for j in settled_running(env, tag)} - {trainer_node, ""})
     assert nodes, "no rollout job outside the trainer's node"
     return sh(["sbatch", "--parsable", "-p", "train", "-N", str(len(nodes)), "--nodelist", ",".join(nodes),
                "--exclusive", "--gres", "gpu:2", "--wrap", "sleep 6"], env).strip()
@@ -77,8 +96,9 @@ def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_resta
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     run_id = f"accept-{os.getpid()}-{int(time.time())}"
-    overrides = ("--set trainer.steps=60 --set rollout.max_new_tokens=128 --set rollout.prompts_per_step=16 "
-                 "--set cluster.max_workers=3 --set trainer.seed_window_s=0.3 --set network.bind_host=127.0.0.1")
+    overrides = ("--set trainer.steps=100 --set rollout.max_new_tokens=128 --set rollout.prompts_per_step=16 "
+                 "--set cluster.max_workers=3 --set trainer.seed_window_s=0.3 --set network.bind_host=127.0.0.1 "
+                 "--set policy.cap=false")  # a steady target: every rollout job ends by preemption or at the end
     job = sh(["sbatch", "--parsable", "--partition", "train", "--gres", "gpu:1", "--output",
               str(run_dir / "train-%j.out"),
               f"--export=ALL,RLBOOST_RUN_DIR={run_dir},RLBOOST_CONFIG={REPO / 'configs/local.toml'},"
@@ -95,10 +115,9 @@ def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_resta
         wait_for(lambda: steps_done(run_dir) >= 3 and any(e.get("event") in ("tokens", "worker_started")
                                                          for e in events(run_dir)), 180, "rollout jobs serving")
         # 1st preemption: a high-priority job takes the rollout jobs' nodes
-        wait_for(lambda: sum(1 for j in our_jobs(env, tag) if "RUNNING" in str(j["job_state"])) >= 2, 120,
-                 "2 running rollout jobs")
+        wait_for(lambda: len(settled_running(env, tag)) >= 2, 120, "2 settled running rollout jobs")
         preempt_rollout_nodes(env, tag, job)
-        wait_for(lambda: any(e.get("event") == "requeue_requested" for e in events(run_dir)), 60, "first requeue")
+        wait_for(lambda: requeues(run_dir) >= 1, 60, "first requeue")
         # kill the scavenger without warning, restart it: no duplicate submissions
         scav.send_signal(signal.SIGKILL)
         scav.wait(10)
@@ -109,11 +128,10 @@ def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_resta
         # restart slurmctld mid-run
         sh([str(REPO / "sbatch/local-cluster/restart-slurmctld"), "2"], env, timeout=120)
         # 2nd preemption after the controller is back
-        wait_for(lambda: sum(1 for j in our_jobs(env, tag) if "RUNNING" in str(j["job_state"])) >= 2, 120,
-                 "rollout jobs running again")
+        n1 = requeues(run_dir)
+        wait_for(lambda: len(settled_running(env, tag)) >= 2, 150, "settled rollout jobs running again")
         preempt_rollout_nodes(env, tag, job)
-        wait_for(lambda: sum(1 for e in events(run_dir) if e.get("event") == "requeue_requested") >= 2, 90,
-                 "second requeue")
+        wait_for(lambda: requeues(run_dir) > n1, 90, "second requeue")
         # the run finishes
         wait_for(lambda: (run_dir / "report.json").exists(), 400, "report.json")
         scav.wait(120)
@@ -127,7 +145,7 @@ def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_resta
             subprocess.run(["scancel", *ids], env=env, capture_output=True)
     rep = json.loads((run_dir / "report.json").read_text())
     assert "failed" not in rep, rep
-    assert rep["steps"] == 60
+    assert rep["steps"] == 100
     assert rep["preemptions"] >= 2
     assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0
     assert rep["tokens_trained_off_version"] == 0
