@@ -60,7 +60,6 @@ import io
 import itertools
 import json
 import logging
-import operator
 import os
 import signal
 import socket
@@ -77,7 +76,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from rlboost_hpc.rollout.engines.base import Engine, EngineError, FinishReason, GenRequest, TokenEvent
+from rlboost_hpc.rollout.engines.base import Engine, EngineError, FinishReason, GenRequest, TokenEvent, validate_request
 
 __all__ = [
     "SGLangServer",
@@ -552,30 +551,9 @@ class SGLangEngine(Engine):
         with self._lock:
             if rid in self._reqs:
                 raise EngineError(f"request {rid!r}: duplicate rid (already queued or running)")
-        if not req.prompt_ids:
-            raise EngineError(f"request {rid!r}: empty prompt_ids")
-        if isinstance(req.max_new_tokens, bool) or not isinstance(req.max_new_tokens, int) or req.max_new_tokens < 1:
-            raise EngineError(f"request {rid!r}: max_new_tokens must be an int ≥ 1, got {req.max_new_tokens!r}")
-        clean: dict[str, list[int]] = {}
-        for name, ids in (("prompt_ids", req.prompt_ids), ("prefix_ids", req.prefix_ids)):
-            try:
-                clean[name] = [operator.index(t) for t in ids]
-            except TypeError:
-                raise EngineError(f"request {rid!r}: {name} holds non-integer ids") from None
-            if self.vocab_size is not None:
-                bad = [t for t in clean[name] if not 0 <= t < self.vocab_size]
-                if bad:
-                    raise EngineError(f"request {rid!r}: {name} holds ids outside [0, {self.vocab_size}): {bad[:5]}")
-        sp = req.sampling
-        if not sp.temperature >= 0:
-            raise EngineError(f"request {rid!r}: temperature must be ≥ 0, got {sp.temperature}")
-        if not 0 < sp.top_p <= 1:
-            raise EngineError(f"request {rid!r}: top_p must be in (0, 1], got {sp.top_p}")
-        total = len(clean["prompt_ids"]) + len(clean["prefix_ids"]) + req.max_new_tokens
-        if self.max_len is not None and total > self.max_len:
-            raise EngineError(
-                f"request {rid!r}: prompt ({len(req.prompt_ids)}) + prefix ({len(req.prefix_ids)}) + "
-                f"max_new_tokens ({req.max_new_tokens}) = {total} exceeds max_len {self.max_len}")
+        checked = validate_request(req, vocab_size=self.vocab_size, max_len=self.max_len)
+        clean = {"prompt_ids": checked.prompt_ids, "prefix_ids": checked.prefix_ids}
+        sp = checked.sampling
         self._check_server(f"add({rid!r})")
         stop = frozenset(int(t) for t in sp.stop_token_ids)
         # The server always stops on the model's EOS unless ignore_eos (which also disables stop_token_ids):
