@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from _util import wait_for
 
 from rlboost_hpc.cluster.slurm_local import LOCAL_CLUSTER_DIR, ensure_local_slurm, local_slurm_env
 
@@ -33,16 +34,6 @@ def sl(env: dict[str, str], *args: str, timeout: float = 30) -> str:
     assert out.returncode == 0, f"{' '.join(args)} -> {out.returncode}: {out.stderr}"
     return out.stdout
 
-
-def wait_for(pred, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
 
 
 class Jobs:

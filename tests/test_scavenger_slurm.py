@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from _util import wait_for
 
 from rlboost_hpc.cluster.slurm_local import ensure_local_slurm
 from scavenger.config import ScavengerConfig
@@ -45,16 +46,6 @@ while :; do sleep 300 & wait $!; done
 def slurm_env() -> dict[str, str]:
     return ensure_local_slurm()
 
-
-def wait_for(pred, timeout: float, what: str, interval: float = 0.25):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _util import wait_for
 
 from rlboost_hpc.cluster.slurm_local import ensure_local_slurm
 
@@ -35,15 +36,6 @@ def our_jobs(env, tag):
     out = json.loads(sh(["squeue", "--json"], env))
     return [j for j in out["jobs"] if tag in (j.get("comment") or "")]
 
-
-def wait_for(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def node_of(job):
