@@ -34,7 +34,8 @@ def test_synthetic_trace_is_valid_and_seeded(tmp_path):
 def test_chaos_short(tmp_path, capsys):
     """Workers preempted with warning, killed without warning (some while pulling weights), restarted,
     many times per step: nothing lost, nothing duplicated, nothing trained off-version, every prompt once."""
-    rc = chaos_main(["--out", str(tmp_path / "chaos"), "--steps", "12", "--lifetime-s", "2.0", "--seed", "1"])
+    rc = chaos_main(["--out", str(tmp_path / "chaos"), "--steps", "16", "--lifetime-s", "1.0",
+                     "--downtime-s", "0.5", "--seed", "1"])
     rep = json.loads((tmp_path / "chaos/report.json").read_text())
     assert rc == 0
     assert rep["preemptions_with_warning"] + rep["kills_without_warning"] >= 10

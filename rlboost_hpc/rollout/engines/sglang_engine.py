@@ -91,6 +91,8 @@ __all__ = [
 log = logging.getLogger("rlboost.sglang")
 
 _INT64_MAX = (1 << 63) - 1
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "half": torch.float16}
 
 
 # ====================================================================================== process supervision
@@ -455,7 +457,10 @@ class SGLangEngine(Engine):
         self.eos_ids: frozenset[int] = frozenset(
             [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos]))
         self._version = version
-        self.server_dtype = self._server_dtype()
+        sinfo = self._server_info()
+        self.server_dtype = _DTYPES.get(str(sinfo.get("dtype", "")))
+        if isinstance(sinfo.get("context_length"), int):  # --context-length overrides the model's
+            self.max_len = min(self.max_len or sinfo["context_length"], sinfo["context_length"])
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod
@@ -487,6 +492,8 @@ class SGLangEngine(Engine):
             for r in self._reqs.values():
                 r.aborting = True
             self._unsent.clear()
+            self._reqs.clear()
+            self._order.clear()
             batches = list(self._batches)
         for b in batches:
             self._close_batch(b)
@@ -814,14 +821,12 @@ class SGLangEngine(Engine):
         except ModelFormatError as e:
             raise EngineError(str(e)) from None
 
-    def _server_dtype(self) -> torch.dtype | None:
+    def _server_info(self) -> dict:
         try:
             info = self._control("GET", "/server_info", None, what="server_info", timeout=30.0)
         except EngineError:
-            return None
-        name = str(info.get("dtype", "")) if isinstance(info, dict) else ""
-        return {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-                "float16": torch.float16, "half": torch.float16}.get(name)
+            return {}
+        return info if isinstance(info, dict) else {}
 
     def _with_peer(self, call: Callable[[], Any], peer: Callable[[], Any] | None) -> Any:
         if peer is None:
