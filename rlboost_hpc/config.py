@@ -33,10 +33,30 @@ class TaskCfg(_Strict):
     heldout_prompts: int = Field(32, ge=1)
 
 
+class SGLangCfg(_Strict):
+    """How a preemptible worker starts its SGLang server (``rollout.engine = "sglang"``; docs/sglang.md).
+
+    Every key goes to :class:`rlboost_hpc.rollout.engines.sglang_engine.SGLangServer`.
+    """
+
+    python: str | None = Field(None, description="interpreter with sglang installed (None: the worker's own)")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="--dtype of the server")
+    stream_interval: int = Field(16, ge=1, description="tokens per streamed chunk (--stream-interval)")
+    startup_timeout_s: float = Field(300.0, gt=0, description="deadline for the server's /health")
+    env: dict[str, str] = Field(default_factory=dict, description=(
+        "extra environment of the server process. CPU test route only: tests put the import-time stand-ins "
+        "there (PYTHONPATH=tests/sglang_cpu/stubs, SGLANG_USE_CPU_ENGINE=1); never needed on GPU machines"))
+    extra_args: list[str] = Field(default_factory=list, description="more sglang.launch_server arguments")
+
+
 class RolloutCfg(_Strict):
     """Sampling and engine settings of every rollout instance (reserved and preemptible)."""
 
-    engine: Literal["torch"] = "torch"
+    engine: Literal["torch", "sglang"] = Field("torch", description=(
+        "engine of the preemptible workers: torch (CPU/GPU, built in) or sglang (an SGLang server per worker; "
+        "pip install '.[sglang]'). The reserved seeding engine is always torch."))
+    sglang: SGLangCfg = Field(default_factory=SGLangCfg)
     group_size: int = Field(8, ge=2, description="G: responses per prompt (one GRPO group)")
     prompts_per_step: int = Field(8, ge=1)
     max_new_tokens: int = Field(48, ge=1)

@@ -24,6 +24,7 @@ import torch
 from rlboost_hpc.config import ConfigError, RunConfig
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.auth import RunKeys
+from rlboost_hpc.rollout.engines.factory import engine_spec
 from rlboost_hpc.rundir import advertised, write_endpoints, write_target
 
 log = logging.getLogger("rlboost.run")
@@ -104,7 +105,7 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
     endpoint, weights_endpoint = advertised(bound, host), advertised(server.endpoint, host)
     client = ManagerClient(endpoint, keys=keys)
     write_endpoints(out_dir, endpoint, weights_endpoint, run_id=os.environ["RLBOOST_RUN_ID"], curve=keys is not None,
-                    metrics=metrics_url.replace("0.0.0.0", host))
+                    metrics=metrics_url.replace("0.0.0.0", host), engine=engine_spec(cfg.rollout))
     if metrics_url:
         log.warning("manager metrics: %s", metrics_url.replace("0.0.0.0", host))
     slurm = cfg.cluster.kind == "slurm"
@@ -216,6 +217,8 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
             "kills_without_warning": csum["kills"],
             "worker_starts": csum["starts"],
             "responses_migrated": final_stats["responses_migrated"],
+            "rollout_engine": r.engine,
+            "migrations_by_engine": final_stats["migrations_by_engine"],
             "migrated_responses_trained": tot.migrated_responses_trained,
             "tokens_migrated": final_stats["tokens_migrated"],
             "tokens_regenerated": final_stats["tokens_regenerated"],

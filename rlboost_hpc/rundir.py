@@ -41,11 +41,13 @@ def write_json_atomic(path: Path, data: dict) -> None:
 
 
 def write_endpoints(run_dir: Path, manager: str, weights: str, run_id: str, curve: bool = False,
-                    metrics: str = "") -> None:
+                    metrics: str = "", engine: dict | None = None) -> None:
     """``curve``: the servers require the run's CURVE keys (``keys/keys.json``, protocol/auth.py);
-    ``metrics``: the manager's Prometheus URL."""
+    ``metrics``: the manager's Prometheus URL; ``engine``: the rollout engine spec workers build
+    (``rollout/engines/factory.py``; absent: torch)."""
     write_json_atomic(Path(run_dir) / "endpoints.json", {"manager": manager, "weights": weights, "run_id": run_id,
                                                           "curve": curve, "metrics": metrics,
+                                                          "engine": engine or {"kind": "torch"},
                                                           "written_at": time.time()})
 
 

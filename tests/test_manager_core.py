@@ -31,8 +31,8 @@ def make(pending_limit=4, max_attempts=3):
     return core, clock
 
 
-def register(core, peer: bytes, job: str, attempt=0, kind="preemptible", version=0, max_batch=32):
-    core.on_message(peer, M.Register(job_id=job, attempt=attempt, kind=kind, max_batch=max_batch))
+def register(core, peer: bytes, job: str, attempt=0, kind="preemptible", version=0, max_batch=32, engine="torch"):
+    core.on_message(peer, M.Register(job_id=job, attempt=attempt, kind=kind, max_batch=max_batch, engine=engine))
     if version is not None:
         core.on_message(peer, M.WeightsLoaded(version=version, checksum=1, nbytes=1, pull_s=0.0, load_s=0.0))
 
@@ -162,6 +162,21 @@ def test_warned_preemption_releases_everything_and_regenerates_nothing():
     assert works[mine[0]].prefix_ids == [3, 3] and works[mine[0]].max_new_tokens == 6
     assert core.counters["tokens_regenerated"] == 0
     assert core.counters["instances_preempted_with_warning"] == 1
+
+
+def test_migrations_are_counted_per_engine_kind_for_partial_responses_only():
+    core, clock = make()
+    register(core, b"s", "s", engine="sglang")
+    submit(core, n=2, max_new=8)
+    core.tick()
+    core.on_message(b"s", tokens("s0g0/0", 0, [4, 4]))  # s0g0/1 produced nothing yet
+    core.on_message(b"s", M.Released(rids=["s0g0/0", "s0g0/1"], tokens_generated=2))
+    core.on_message(b"s", M.Deregister(reason="preempted (SIGUSR2)", tokens_generated=2))
+    register(core, b"t", "t", engine="torch")
+    core.tick()
+    assert core.migrations_by_engine == {"out_of": {"sglang": 1}, "into": {"torch": 1}}
+    assert core.stats()["migrations_by_engine"]["into"] == {"torch": 1}
+    assert core.instances["s#0"].engine == "sglang"
 
 
 def test_off_version_tokens_are_rejected_and_instance_fenced():

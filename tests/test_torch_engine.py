@@ -408,3 +408,20 @@ def test_migration_across_a_stop(loaded, sp):
         tail, tail_lps, tail_reason = _run(_engine(loaded), "r", [1], N - k, sp, prefix=pre)
         assert pre + tail == full_ids and tail_reason == "stop"
         torch.testing.assert_close(torch.tensor(pre_lps + tail_lps), torch.tensor(full_lps), rtol=0, atol=1e-5)
+
+
+def test_engine_factory_from_the_runs_spec(tmp_path):
+    """endpoints.json's engine spec picks the worker's engine; unknown kinds/options are clear errors."""
+    from rlboost_hpc.config import RolloutCfg
+    from rlboost_hpc.rollout.engines.base import EngineError
+    from rlboost_hpc.rollout.engines.factory import engine_spec, factory_from_spec, torch_engine_factory
+
+    assert engine_spec(RolloutCfg()) == {"kind": "torch"}
+    spec = engine_spec(RolloutCfg(engine="sglang", sglang={"device": "cpu", "env": {"A": "1"}}))
+    assert spec["kind"] == "sglang" and spec["sglang"]["device"] == "cpu" and spec["sglang"]["env"] == {"A": "1"}
+    assert factory_from_spec(None, 4).__qualname__ == torch_engine_factory(4).__qualname__
+    assert callable(factory_from_spec(spec, 4, log_path=tmp_path / "s.log"))  # builds nothing until called
+    with pytest.raises(EngineError, match="unknown rollout engine 'vllm'"):
+        factory_from_spec({"kind": "vllm"}, 4)
+    with pytest.raises(EngineError, match=r"unknown sglang engine option\(s\) \['gpus'\]"):
+        factory_from_spec({"kind": "sglang", "sglang": {"gpus": 2}}, 4)

@@ -41,6 +41,7 @@ class Instance:
     max_batch: int
     registered_at: float
     last_seen: float
+    engine: str = "torch"
     state: str = "pulling"  # pulling → ready → draining → gone; any → fenced
     version: int = -1
     inflight: set[str] = field(default_factory=set)
@@ -149,6 +150,8 @@ class ManagerCore:
             )
         }
         self.pull_seconds: list[float] = []
+        # partial responses handed off by / resumed on instances of each engine kind ("torch", "sglang")
+        self.migrations_by_engine: dict[str, dict[str, int]] = {"out_of": {}, "into": {}}
 
     # ------------------------------------------------------------------ helpers
     def send(self, peer: bytes, msg: M._Msg) -> None:
@@ -177,6 +180,9 @@ class ManagerCore:
         req.state, req.instance = "queued", None
         req.migrations += 1
         self.counters["responses_migrated"] += 1
+        if req.n:
+            out = self.migrations_by_engine["out_of"]
+            out[inst.engine] = out.get(inst.engine, 0) + 1
         self.counters["tokens_migrated"] += req.n
         self.queue.appendleft(rid)
         log.debug("migrating %s (%d tokens) off %s: %s", rid, req.n, inst.key, why)
@@ -248,7 +254,7 @@ class ManagerCore:
         else:
             now = self.clock()
             self.instances[key] = Instance(key=key, peer=peer, kind=msg.kind, max_batch=msg.max_batch,
-                                           registered_at=now, last_seen=now)
+                                           registered_at=now, last_seen=now, engine=msg.engine)
             self.by_peer[peer] = key
             self.counters["registrations"] += 1
         self.send(peer, M.Welcome(
@@ -525,6 +531,9 @@ class ManagerCore:
             req.attempts += 1
             req.instances.append(inst.key)
             inst.inflight.add(rid)
+            if req.n:  # a partial response resumes here
+                into = self.migrations_by_engine["into"]
+                into[inst.engine] = into.get(inst.engine, 0) + 1
             batches.setdefault(inst.key, []).append(req.work())
             self.counters["dispatched"] += 1
             if inst.kind == "preemptible":
@@ -552,5 +561,6 @@ class ManagerCore:
             "pull_seconds_mean": (sum(self.pull_seconds) / len(self.pull_seconds)) if self.pull_seconds else 0.0,
             "failed_step": self.failed_step,
             "last_step_remote": self.last_step_remote,
+            "migrations_by_engine": self.migrations_by_engine,
             **self.policy_state,
         }

@@ -41,6 +41,7 @@ class Register(_Msg, tag="register"):
     host: str = ""
     pid: int = 0
     node: str = ""
+    engine: Annotated[str, msgspec.Meta(max_length=32)] = "torch"  # "torch" | "sglang": per-engine statistics
 
 
 class Heartbeat(_Msg, tag="hb"):

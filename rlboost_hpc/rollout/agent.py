@@ -9,6 +9,9 @@ in a thread of the trainer process. Invariants:
   from exactly where they stopped (``tokens_regenerated = 0`` for warned preemptions; case R2).
 - Weights change only while the engine is idle (the synchronous-RL policy for in-flight work, case W4);
   every load flushes the KV cache (W5, inside the engine).
+- The heartbeat loop never blocks on slow work: pulls AND the first engine build (an SGLang server start takes
+  tens of seconds) run on one long-lived builder thread (long-lived because a server's PR_SET_PDEATHSIG is
+  tied to the thread that started it). The engine is closed when the agent ends.
 - Every wait has a deadline: no Welcome within ``register_timeout_s`` → exit code 3 with a clear message.
 """
 from __future__ import annotations
@@ -17,8 +20,8 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -28,6 +31,7 @@ from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.auth import RunKeys, secure_client
 from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.rollout.engines.base import Engine, GenRequest, SamplingParams
+from rlboost_hpc.rollout.engines.factory import EngineFactory, torch_engine_factory
 
 log = logging.getLogger("rlboost.agent")
 
@@ -35,19 +39,6 @@ EXIT_OK, EXIT_REJECTED, EXIT_UNREACHABLE, EXIT_FAILED = 0, 2, 3, 4
 
 # (version) -> (state_dict, info dict with checksum/nbytes/pull_s); raises on failure.
 WeightSource = Callable[[int], tuple[Mapping, dict]]
-EngineFactory = Callable[[dict, Mapping], Engine]
-
-
-def default_engine_factory(max_batch: int) -> EngineFactory:
-    """Build a :class:`TorchEngine` from the manager's HF model config and the first pulled weights."""
-
-    def make(model_config: dict, state_dict: Mapping) -> Engine:
-        from rlboost_hpc.models.config import LlamaConfig
-        from rlboost_hpc.rollout.engines.torch_engine import TorchEngine
-
-        return TorchEngine(LlamaConfig.from_hf_dict(model_config), state_dict, max_batch=max_batch)
-
-    return make
 
 
 def remote_weight_source(endpoint: str, streams: int, window: int, timeout_s: float,
@@ -91,12 +82,14 @@ class RolloutAgent:
         node: str = "",
         ctx: zmq.Context | None = None,
         keys: RunKeys | None = None,
+        engine_name: str = "torch",
     ) -> None:
         self.manager_endpoint = manager_endpoint
         self.keys = keys
         self.job_id, self.attempt, self.kind = job_id, attempt, kind
         self.max_batch = max_batch
-        self.engine_factory = engine_factory or default_engine_factory(max_batch)
+        self.engine_factory = engine_factory or torch_engine_factory(max_batch)
+        self.engine_name = engine_name
         self.weight_source_factory = weight_source_factory or (
             lambda ep: remote_weight_source(ep, streams=4, window=4, timeout_s=30.0))
         self.register_timeout_s = register_timeout_s
@@ -111,8 +104,8 @@ class RolloutAgent:
         self.want_version = -1
         self._pos: dict[str, int] = {}
         self._pending: dict[str, _Pending] = {}
-        self._pull: threading.Thread | None = None
-        self._pulled: tuple | None = None
+        self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"agent-{job_id}-pull")
+        self._pull: Future | None = None
         self._pull_failures = 0
         self._next_pull_at = 0.0
         self._startup_logged = False
@@ -129,51 +122,58 @@ class RolloutAgent:
 
     # ------------------------------------------------------------------ weights
     def _start_pull(self, version: int) -> None:
+        """Pull ``version`` on the builder thread; build the engine there too when there is none yet."""
         assert self.welcome is not None
-        source = self._source
+        source, factory, model_config = self._source, self.engine_factory, self.welcome.model_config
+        build = self.engine is None
 
-        def work():
+        def work() -> tuple:  # (version, state_dict, info, error, new engine)
             try:
                 sd, info = source(version)
-                self._pulled = (version, sd, info, None)
             except Exception as e:  # reported to the manager with its cause (case W2)
-                self._pulled = (version, None, None, f"{type(e).__name__}: {e}")
+                return version, None, None, f"{type(e).__name__}: {e}", None
+            if not build:
+                return version, sd, info, None, None
+            t0 = time.monotonic()
+            try:
+                eng = factory(model_config, sd)
+                eng.version = version
+            except Exception as e:
+                return version, None, None, f"engine start failed: {type(e).__name__}: {e}", None
+            return version, sd, dict(info, build_s=time.monotonic() - t0), None, eng
 
-        self._pulled = None
-        self._pull = threading.Thread(target=work, name=f"pull-v{version}", daemon=True)
-        self._pull.start()
+        self._pull = self._builder.submit(work)
 
     def _weights_step(self) -> None:
-        """Start a pull when stale; load a finished pull once the engine is idle."""
+        """Start a pull when stale; install a freshly built engine, or load a finished pull once idle."""
         current = self.engine.version if self.engine is not None else -1
-        if self._pull is not None and not self._pull.is_alive() and self._pulled is not None:
-            version, sd, info, err = self._pulled
+        if self._pull is not None and self._pull.done():
+            version, sd, info, err, new_engine = self._pull.result()
             if err is not None:
-                self._pull, self._pulled = None, None
+                self._pull = None
                 self._pull_failures += 1
                 self._next_pull_at = time.monotonic() + min(5.0, 0.2 * 2 ** self._pull_failures)
                 log.warning("pull of version %d failed: %s", version, err)
                 self._send(M.WeightsFailed(version=version, error=err))
                 return
-            if self.engine is not None and self.engine.num_active:
+            if new_engine is None and self.engine is not None and self.engine.num_active:
                 return  # load only when idle (W4)
             t0 = time.monotonic()
-            try:
-                if self.engine is None:
-                    self.engine = self.engine_factory(self.welcome.model_config, sd)
-                    self.engine.version = version
-                else:
+            if new_engine is not None:
+                self.engine = new_engine
+            else:
+                try:
                     self.engine.load_weights(sd, version)
-            except Exception as e:
-                self._pull, self._pulled = None, None
-                self._pull_failures += 1
-                self._send(M.WeightsFailed(version=version, error=f"load failed: {type(e).__name__}: {e}"))
-                return
-            self._pull, self._pulled, self._pull_failures = None, None, 0
+                except Exception as e:
+                    self._pull = None
+                    self._pull_failures += 1
+                    self._send(M.WeightsFailed(version=version, error=f"load failed: {type(e).__name__}: {e}"))
+                    return
+            self._pull, self._pull_failures = None, 0
             self.timings.setdefault("weights_loaded", time.time())
             self._send(M.WeightsLoaded(version=version, checksum=info.get("checksum", 0),
                                        nbytes=info.get("nbytes", 0), pull_s=info.get("pull_s", 0.0),
-                                       load_s=time.monotonic() - t0))
+                                       load_s=info.get("build_s", time.monotonic() - t0)))
             return
         if (self._pull is None and self.want_version > current and self.want_version >= 0
                 and time.monotonic() >= self._next_pull_at):
@@ -243,10 +243,12 @@ class RolloutAgent:
         return out
 
     def _release(self, rids: list[str]) -> None:
-        """Abort ``rids`` locally, flush everything produced, then hand them back (order matters)."""
+        """Abort ``rids`` locally, flush everything produced (including tokens the engine still held, which
+        ``abort_many`` returns), then hand them back (order matters)."""
+        live = [r for r in rids if r in self._pos]
+        if self.engine is not None and live:
+            self._on_events(self.engine.abort_many(live).values())
         for rid in rids:
-            if self.engine is not None:
-                self.engine.abort(rid)
             self.tokens_handed_off += self._pos.pop(rid, 0)
         self._flush()
         self._send(M.Released(rids=list(rids), tokens_generated=self.tokens_generated))
@@ -300,16 +302,15 @@ class RolloutAgent:
         engine, which must stay available for co-located fallback; preemptible workers exit instead."""
         log.warning("instance %s#%d unknown to the manager (%s); registering as attempt %d",
                     self.job_id, self.attempt, reason, self.attempt + 1)
-        for rid in list(self._pos):
-            if self.engine is not None:
-                self.engine.abort(rid)
+        if self.engine is not None and self._pos:
+            self.engine.abort_many(list(self._pos))  # the manager already resumed these elsewhere
         self._pos.clear()
         self._pending.clear()
         self.attempt += 1
         self.welcome = None
         self._t_reg = time.monotonic()
         self._send(M.Register(job_id=self.job_id, attempt=self.attempt, kind=self.kind, max_batch=self.max_batch,
-                              host=socket.gethostname(), pid=os.getpid(), node=self.node))
+                              host=socket.gethostname(), pid=os.getpid(), node=self.node, engine=self.engine_name))
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:
@@ -325,10 +326,13 @@ class RolloutAgent:
             return EXIT_REJECTED
         finally:
             self.sock.close(linger=2000)
+            self._builder.shutdown(wait=False, cancel_futures=True)
+            if self.engine is not None:
+                self.engine.close()
 
     def _loop(self) -> int:
         reg = M.Register(job_id=self.job_id, attempt=self.attempt, kind=self.kind, max_batch=self.max_batch,
-                         host=socket.gethostname(), pid=os.getpid(), node=self.node)
+                         host=socket.gethostname(), pid=os.getpid(), node=self.node, engine=self.engine_name)
         self._send(reg)
         self._t_reg = last_rx = time.monotonic()
         last_hb = last_flush = 0.0

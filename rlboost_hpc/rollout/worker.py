@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attempt", type=int, default=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
                    help="restart count (default $SLURM_RESTART_COUNT)")
     p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--engine", choices=["torch", "sglang"], default=None,
+                   help="rollout engine (default: the run's rollout.engine from endpoints.json, else torch)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--streams", type=int, default=4, help="parallel weight-pull streams")
     p.add_argument("--window", type=int, default=4, help="outstanding chunk requests per stream")
@@ -69,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.job_id:
         p.error("--job-id is required outside Slurm")
+    if args.engine is not None and args.engine != "torch" and not args.run_dir:
+        p.error("--engine sglang needs --run-dir (the engine's settings come from the run's endpoints.json)")
     if not (args.manager or args.run_dir):
         p.error("give --manager or --run-dir")
 
@@ -88,13 +92,14 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in {signal.SIGTERM, warn}:  # installed before the slow imports: a warning is never missed
         signal.signal(sig, on_signal)
-    manager, keys = args.manager, None
+    manager, keys, spec = args.manager, None, None
     if args.run_dir:
         from rlboost_hpc.protocol.auth import RunKeys
         from rlboost_hpc.rundir import read_endpoints
 
         ends = read_endpoints(args.run_dir, wait_s=args.wait_endpoints)
         manager = args.manager or ends["manager"]
+        spec = ends.get("engine")
         if ends.get("curve"):  # the run is authenticated: our keys come from the (owner-only) run directory
             keys = RunKeys.load(args.run_dir).client_view()
     _event(args.run_dir, {"event": "worker_started", "source": "worker", "job_id": args.job_id, "attempt": args.attempt,
@@ -104,10 +109,24 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     from rlboost_hpc.rollout.agent import RolloutAgent, remote_weight_source
+    from rlboost_hpc.rollout.engines.base import EngineError
+    from rlboost_hpc.rollout.engines.factory import factory_from_spec
 
+    if args.engine is not None:
+        spec = dict(spec or {}, kind=args.engine)
+    server_log = None
+    if args.run_dir:
+        server_log = os.path.join(args.run_dir, "workers", f"{args.job_id}-attempt{args.attempt}-engine.log")
+        os.makedirs(os.path.dirname(server_log), exist_ok=True)
+    try:
+        factory = factory_from_spec(spec, args.max_batch, log_path=server_log)
+    except EngineError as e:
+        log.error("%s", e)
+        return 2
     agent = RolloutAgent(
         manager, args.job_id, args.attempt, kind="preemptible", max_batch=args.max_batch,
         register_timeout_s=args.register_timeout, node=os.environ.get("SLURMD_NODENAME", ""), keys=keys,
+        engine_factory=factory, engine_name=(spec or {}).get("kind", "torch"),
         weight_source_factory=lambda ep: remote_weight_source(ep, args.streams, args.window, args.pull_timeout, keys),
     )
     holder["agent"] = agent

@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 import operator
 from dataclasses import dataclass, field
-from typing import Literal, Mapping
+from typing import Literal, Mapping, Sequence
 
 import torch
 
@@ -133,8 +133,23 @@ class Engine(abc.ABC):
         """
 
     @abc.abstractmethod
-    def abort(self, rid: str) -> None:
-        """Drop ``rid`` (all its tokens were already returned by earlier steps). Unknown rid: no-op."""
+    def abort(self, rid: str) -> TokenEvent | None:
+        """Drop ``rid`` and return its tokens that :meth:`step` has not returned yet (``finished=False`` unless
+        it had finished on its own), or ``None`` when there are none (always, for engines that return every
+        token from :meth:`step`, like the torch engine). Unknown rid: ``None``. A caller handing a partial
+        response over to another instance must forward the returned tokens first (nothing produced is lost)."""
+
+    def abort_many(self, rids: Sequence[str]) -> dict[str, TokenEvent]:
+        """:meth:`abort` for several requests: ``{rid: event}`` for those with undelivered tokens."""
+        out = {}
+        for rid in rids:
+            ev = self.abort(rid)
+            if ev is not None:
+                out[rid] = ev
+        return out
+
+    def close(self) -> None:
+        """Release what the engine holds (processes, sockets); no-op by default. Idempotent."""
 
     @abc.abstractmethod
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:

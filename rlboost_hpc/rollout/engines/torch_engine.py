@@ -289,7 +289,7 @@ class TorchEngine(Engine):
             self._release(self._running.pop(rid))
         return list(events.values())
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: str) -> None:  # every token was returned by step()
         """Drop ``rid`` whether queued or running and free its slot. Unknown rid: no-op."""
         r = self._running.pop(rid, None)
         if r is not None:

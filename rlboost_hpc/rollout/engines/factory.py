@@ -1,0 +1,63 @@
+"""Which engine a rollout worker builds: the run's engine spec (``endpoints.json`` → ``engine``) → an EngineFactory.
+
+Invariant: the spec is plain JSON written by the trainer from ``rollout.engine`` / ``rollout.sglang`` (config.py),
+so local workers and Slurm rollout jobs build the same engine without any per-job flag; an unknown engine kind or
+option is an :class:`EngineError` naming it, raised before the worker registers.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from rlboost_hpc.rollout.engines.base import Engine, EngineError
+
+EngineFactory = Callable[[dict, Mapping], Engine]
+_SGLANG_KEYS = {"python", "device", "dtype", "stream_interval", "startup_timeout_s", "env", "extra_args"}
+
+
+def torch_engine_factory(max_batch: int) -> EngineFactory:
+    """Build a :class:`TorchEngine` from the manager's HF model config and the first pulled weights."""
+
+    def make(model_config: dict, state_dict: Mapping) -> Engine:
+        from rlboost_hpc.models.config import LlamaConfig
+        from rlboost_hpc.rollout.engines.torch_engine import TorchEngine
+
+        return TorchEngine(LlamaConfig.from_hf_dict(model_config), state_dict, max_batch=max_batch)
+
+    return make
+
+
+def engine_spec(cfg) -> dict[str, Any]:
+    """The JSON spec of ``cfg.rollout`` (a :class:`rlboost_hpc.config.RolloutCfg`) for ``endpoints.json``."""
+    spec: dict[str, Any] = {"kind": cfg.engine}
+    if cfg.engine == "sglang":
+        spec["sglang"] = cfg.sglang.model_dump()
+    return spec
+
+
+def factory_from_spec(spec: Mapping[str, Any] | None, max_batch: int, *,
+                      log_path: str | Path | None = None) -> EngineFactory:
+    """An EngineFactory for ``spec`` (``None`` or ``{"kind": "torch"}``: the torch engine).
+
+    ``{"kind": "sglang", "sglang": {...}}`` starts one SGLang server per engine (its log at ``log_path``),
+    with the weights the agent pulled first; the server's start-up (seconds to a minute) runs on the agent's
+    build thread, never on its heartbeat loop.
+
+    Raises:
+        EngineError: unknown kind or unknown sglang option.
+    """
+    kind = (spec or {}).get("kind", "torch")
+    if kind == "torch":
+        return torch_engine_factory(max_batch)
+    if kind != "sglang":
+        raise EngineError(f"unknown rollout engine {kind!r} in the run's engine spec (expected 'torch' or 'sglang')")
+    opts = dict((spec or {}).get("sglang") or {})
+    unknown = set(opts) - _SGLANG_KEYS
+    if unknown:
+        raise EngineError(f"unknown sglang engine option(s) {sorted(unknown)}; known: {sorted(_SGLANG_KEYS)}")
+    from rlboost_hpc.rollout.engines.sglang_engine import sglang_engine_factory
+
+    launch = {k: v for k, v in opts.items() if v is not None}
+    if log_path is not None:
+        launch["log_path"] = str(log_path)
+    return sglang_engine_factory(max_batch, **launch)

@@ -1,0 +1,104 @@
+"""Unit tests of the rollout agent's engine hand-off logic (no manager process: a socket stand-in records frames)."""
+from __future__ import annotations
+
+import threading
+import time
+
+from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.rollout.agent import RolloutAgent
+from rlboost_hpc.rollout.engines.base import Engine, TokenEvent
+
+
+class _Frames:
+    def __init__(self) -> None:
+        self.msgs: list = []
+
+    def send(self, frame: bytes) -> None:
+        self.msgs.append(M.decode(frame))
+
+
+class _HoldingEngine(Engine):
+    """Like the SGLang engine: tokens produced since the last step are only returned by abort()."""
+
+    def __init__(self) -> None:
+        self.max_batch, self.version, self.held, self.closed = 4, 0, {}, False
+
+    def add(self, req):
+        self.held[req.rid] = []
+
+    def step(self):
+        return []
+
+    def abort(self, rid):
+        ids = self.held.pop(rid, None)
+        return TokenEvent(rid=rid, token_ids=ids, logprobs=[-0.5] * len(ids)) if ids else None
+
+    def load_weights(self, state_dict, version):
+        self.version = version
+
+    def close(self):
+        self.closed = True
+
+    @property
+    def num_active(self):
+        return len(self.held)
+
+
+def _agent(**kw) -> RolloutAgent:
+    a = RolloutAgent("tcp://127.0.0.1:1", "job", 0, **kw)
+    a.sock = _Frames()
+    return a
+
+
+def test_release_forwards_tokens_the_engine_still_held_before_handing_off():
+    a = _agent()
+    a.engine = eng = _HoldingEngine()
+    a._pos = {"g/0": 3, "g/1": 0}
+    eng.held = {"g/0": [7, 8], "g/1": []}
+    a._release(["g/0", "g/1"])
+    tok, rel = a.sock.msgs
+    assert isinstance(tok, M.Tokens) and tok.rids == ["g/0"] and tok.offsets == [3] and tok.counts == [2]
+    assert M.unpack_i32(tok.ids).tolist() == [7, 8] and tok.finish == [M.FINISH_NONE]
+    assert isinstance(rel, M.Released) and rel.rids == ["g/0", "g/1"]
+    assert a.tokens_handed_off == 5 and a.tokens_generated == 2
+
+
+def test_first_engine_is_built_on_the_builder_thread_not_the_heartbeat_loop():
+    built_on: list[str] = []
+    gate = threading.Event()
+
+    def slow_factory(model_config, sd):
+        built_on.append(threading.current_thread().name)
+        gate.wait(5)  # an SGLang server start: the agent loop must keep running meanwhile
+        return _HoldingEngine()
+
+    a = _agent(engine_factory=slow_factory, weight_source_factory=lambda ep: (lambda v: ({}, {"nbytes": 1})))
+    a._handle(M.Welcome(instance="job#0", latest_version=2, weights_endpoint="tcp://w", model_config={},
+                        heartbeat_s=0.25, stream_every_tokens=4, stream_every_s=0.05))
+    a._weights_step()  # starts pull + build
+    deadline = time.monotonic() + 5
+    while not built_on and time.monotonic() < deadline:
+        a._weights_step()  # returns at once while the build runs
+    assert built_on and built_on[0] != threading.current_thread().name and a.engine is None
+    gate.set()
+    while a.engine is None and time.monotonic() < deadline:
+        a._weights_step()
+        time.sleep(0.01)
+    assert a.engine is not None and a.engine.version == 2
+    loaded = [m for m in a.sock.msgs if isinstance(m, M.WeightsLoaded)]
+    assert [m.version for m in loaded] == [2]
+
+
+def test_engine_start_failure_is_reported_as_a_failed_pull():
+    def broken(model_config, sd):
+        raise RuntimeError("sglang: address already in use")
+
+    a = _agent(engine_factory=broken, weight_source_factory=lambda ep: (lambda v: ({}, {})))
+    a._handle(M.Welcome(instance="job#0", latest_version=0, weights_endpoint="tcp://w", model_config={},
+                        heartbeat_s=0.25, stream_every_tokens=4, stream_every_s=0.05))
+    deadline = time.monotonic() + 5
+    while not any(isinstance(m, M.WeightsFailed) for m in a.sock.msgs) and time.monotonic() < deadline:
+        a._weights_step()
+        time.sleep(0.01)
+    (f,) = [m for m in a.sock.msgs if isinstance(m, M.WeightsFailed)]
+    assert "engine start failed: RuntimeError: sglang: address already in use" in f.error and a.engine is None
