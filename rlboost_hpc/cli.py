@@ -13,7 +13,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from rlboost_hpc.config import ConfigError, load_config
 
     try:
-        cfg = load_config(args.config, args.set)
+        cfg = load_config(args.config, args.set + (["trainer.resume='require'"] if args.resume else []))
     except ConfigError as e:
         print(f"rlboost-hpc: {e}", file=sys.stderr)
         return 2
@@ -25,12 +25,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from rlboost_hpc.run import run
     from rlboost_hpc.trainer.client import ManagerError
     from rlboost_hpc.trainer.loop import RolloutFailed
+    from rlboost_hpc.manager.journal import JournalError
+    from rlboost_hpc.trainer.checkpoint import CheckpointError
 
     setup_logging("trainer", level=args.log_level)
     out = Path(args.out)
     try:
         report = run(cfg, out, progress=not args.no_progress)
-    except (ConfigError, DataFileMissing, ModelFormatError, TraceFormatError) as e:
+    except (ConfigError, DataFileMissing, ModelFormatError, TraceFormatError, CheckpointError, JournalError) as e:
         print(f"rlboost-hpc: {e}", file=sys.stderr)
         return 2
     except (RolloutFailed, ManagerError) as e:
@@ -51,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="dotted override, e.g. --set trainer.steps=10 (repeatable)")
     r.add_argument("--log-level", default="WARNING")
     r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--resume", action="store_true",
+                   help="resume from the last checkpoint in --out and fail if there is none (= trainer.resume=require)")
     passthrough = {
         "worker": ("run one preemptible rollout instance", "rlboost_hpc.rollout.worker", "main"),
         "scavenger": ("keep preemptible rollout jobs on idle Slurm capacity", "scavenger.cli", "main"),

@@ -121,6 +121,10 @@ class TrainerCfg(_Strict):
     torch_threads: int = Field(1, ge=1)
     eval_samples: int = Field(4, ge=1, description="sampled responses per held-out prompt in evaluation")
     seed: int = 0
+    checkpoint_every: int = Field(1, ge=0, description="checkpoint every k steps into <out>/checkpoints (0: never)")
+    resume: Literal["auto", "require", "never"] = Field("auto", description=(
+        "auto: resume from <out>/checkpoints/latest when there is one (a Slurm requeue of the trainer job); "
+        "require: fail unless there is one; never: start from step 0 (overwriting)"))
 
 
 class LocalClusterCfg(_Strict):

@@ -44,12 +44,44 @@ def load_model(cfg: RunConfig):
     return config, sd, tok
 
 
-def _start_manager(cfg: RunConfig, keys_dir: str | None):
+def _resume_point(cfg: RunConfig, out_dir: Path) -> Path | None:
+    """The checkpoint to resume from (``trainer.resume``), verified against the manager journal.
+
+    Raises:
+        CheckpointError: ``require`` without a checkpoint; a dangling ``latest``; a checkpoint whose run the
+            journal does not know (missing journal, or a checkpoint ahead of every version it recorded).
+        JournalError: a corrupt journal.
+    """
+    from rlboost_hpc.manager import journal as journal_mod
+    from rlboost_hpc.trainer import checkpoint
+
+    if cfg.trainer.resume == "never":
+        return None
+    ckpt = checkpoint.latest(out_dir)
+    if ckpt is None:
+        if cfg.trainer.resume == "require":
+            raise checkpoint.CheckpointError(f"trainer.resume = require but {out_dir}/checkpoints has no checkpoint")
+        return None
+    records = journal_mod.read(out_dir / journal_mod.NAME)
+    step = int(ckpt.name.split("-")[1])
+    if not records:
+        raise checkpoint.CheckpointError(
+            f"{ckpt} exists but the manager journal {out_dir / journal_mod.NAME} is missing or empty: the checkpoint "
+            "does not belong to this run directory's history; restore the journal or use trainer.resume=never")
+    if journal_mod.last_version(records) < step:
+        raise checkpoint.CheckpointError(
+            f"{ckpt} is at version {step} but the manager journal records versions up to "
+            f"{journal_mod.last_version(records)} only: journal and checkpoint come from different runs")
+    log.warning("resuming from %s (manager epoch %d next)", ckpt, 1 + max(int(r.get("epoch", 0)) for r in records))
+    return ckpt
+
+
+def _start_manager(cfg: RunConfig, keys_dir: str | None, journal_path: str | None = None):
     from rlboost_hpc.manager.service import spawn_manager
 
     metrics_host = None if cfg.manager.metrics is False else cfg.network.bind_host
     return spawn_manager(bind=f"tcp://{cfg.network.bind_host}:0", keys_dir=keys_dir, metrics_host=metrics_host,
-                         params=dict(
+                         journal_path=journal_path, params=dict(
         pending_limit=cfg.manager.pending_limit, heartbeat_s=cfg.manager.heartbeat_s,
         heartbeat_timeout_s=cfg.manager.heartbeat_timeout_s, max_attempts=cfg.manager.max_attempts,
         stream_every_tokens=cfg.rollout.stream_every_tokens, stream_every_s=cfg.rollout.stream_every_s,
@@ -74,7 +106,11 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
     from rlboost_hpc.trainer.loop import RLTrainer, StepSettings
     from rlboost_hpc.weights.server import WeightServer
 
+    from rlboost_hpc.manager import journal as journal_mod
+    from rlboost_hpc.trainer import checkpoint
+
     out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = _resume_point(cfg, out_dir)
     t_start = time.monotonic()
     torch.manual_seed(cfg.trainer.seed)
     torch.set_num_threads(cfg.trainer.torch_threads)
@@ -94,16 +130,22 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
                    top_p=r.top_p, stop_ids=stop_ids)
 
     keys = None
-    if cfg.security.curve:  # fresh per-run keys, owner-only, in the run directory (protocol/auth.py)
-        keys = RunKeys.generate()
-        keys.save(out_dir)
+    if cfg.security.curve:  # per-run keys, owner-only, in the run directory (protocol/auth.py); a resumed run
+        try:                # keeps them, so rollout jobs that outlived the crash can reconnect
+            keys = RunKeys.load(out_dir) if ckpt is not None else None
+        except Exception:  # noqa: BLE001 - unreadable or absent: new keys (old rollout jobs then cannot rejoin)
+            keys = None
+        if keys is None:
+            keys = RunKeys.generate()
+            keys.save(out_dir)
     server = WeightServer(bind=f"tcp://{cfg.network.bind_host}:0", chunk_bytes=cfg.weights.chunk_bytes,
                           keys=keys).start()
-    mproc, bound, metrics_url = _start_manager(cfg, str(out_dir) if keys else None)
+    mproc, bound, metrics_url = _start_manager(cfg, str(out_dir) if keys else None,
+                                               str(out_dir / journal_mod.NAME))
     host = cfg.network.advertise_host or (socket.gethostname() if cfg.network.bind_host in ("0.0.0.0", "*")
                                           else cfg.network.bind_host)
     endpoint, weights_endpoint = advertised(bound, host), advertised(server.endpoint, host)
-    client = ManagerClient(endpoint, keys=keys)
+    client = ManagerClient(endpoint, keys=keys, alive=mproc.is_alive)
     write_endpoints(out_dir, endpoint, weights_endpoint, run_id=os.environ["RLBOOST_RUN_ID"], curve=keys is not None,
                     metrics=metrics_url.replace("0.0.0.0", host), engine=engine_spec(cfg.rollout))
     if metrics_url:
@@ -129,15 +171,25 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
         publishes.append(d)
         return d
 
-    metrics_f = open(out_dir / "metrics.jsonl", "w")
     step_metrics: list[dict] = []
+    metrics_f = None
     failure: BaseException | None = None
     report: dict = {}
     try:
+        start_step, trainer_state, resumes, prior_counts = 0, None, 0, {}
+        if ckpt is not None:  # model, optimizer, RNG now; the loop's state once the trainer exists
+            start_step, trainer_state, run_state = checkpoint.load(ckpt, backend)
+            step_metrics, before, resumes = run_state["step_metrics"], run_state["before"], run_state["resumes"] + 1
+            prior_counts = run_state["counts"]
+        metrics_f = open(out_dir / "metrics.jsonl", "w")  # what the checkpoint covers, then the new steps
+        metrics_f.writelines(json.dumps(m) + "\n" for m in step_metrics)
+        metrics_f.flush()
+        version0 = trainer_state["version"] if trainer_state else 0
         client.call(M.TrainerHello(weights_endpoint=weights_endpoint, model_config=config.to_hf_dict()))
-        publish(0)
-        client.call(M.SetVersion(version=0))
-        before = evaluate(config, server.local_state_dict(0), tok, task, **eval_kw)
+        publish(version0)
+        client.call(M.SetVersion(version=version0))
+        if ckpt is None:
+            before = evaluate(config, server.local_state_dict(0), tok, task, **eval_kw)
         log.info("held-out reward before training: %.3f (greedy %.3f)", before["reward_sampled"], before["reward_greedy"])
 
         def local_source(_endpoint: str):
@@ -171,9 +223,11 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
         trainer = RLTrainer(client=client, backend=backend, task=task, tokenizer=tok, settings=settings,
                             stop_ids=stop_ids, publish=publish, controller=controller,
                             available=lambda: cfg.cluster.max_workers)
+        if trainer_state is not None:
+            trainer.load_state_dict(trainer_state)
         t_train0 = time.monotonic()
         with ProgressView(cfg.trainer.steps, enabled=progress) as view:
-            for step in range(cfg.trainer.steps):
+            for step in range(start_step, cfg.trainer.steps):
                 m = trainer.run_step(step)
                 st = client.stats()
                 m.update(t_s=time.monotonic() - t_start, live_preemptible=st["live_preemptible"],
@@ -188,20 +242,23 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
                 step_metrics.append(m)
                 metrics_f.write(json.dumps(m) + "\n")
                 metrics_f.flush()
+                every = cfg.trainer.checkpoint_every
+                if every and ((step + 1) % every == 0 or step + 1 == cfg.trainer.steps):
+                    checkpoint.save(out_dir, step + 1, backend, trainer.state_dict(), {
+                        "step_metrics": step_metrics, "before": before, "resumes": resumes,
+                        "counts": _add_counts(prior_counts, _counts(cluster, st))})
                 view.update(m)
         train_wall = time.monotonic() - t_train0
         final_stats = client.stats()
         after = evaluate(config, server.local_state_dict(trainer.version), tok, task, **eval_kw)
         drift = _drift(backend, task, tok, stop_ids, r.max_new_tokens)
         tot = trainer.totals
-        if cluster is not None:
-            csum = cluster.summary()
-        else:  # Slurm: what the manager saw (warned preemptions and losses without warning)
-            csum = {"preemptions_warned": final_stats["instances_preempted_with_warning"],
-                    "kills": final_stats["instances_lost"], "starts": final_stats["registrations"] - 1,
-                    "window_start_s": None}
+        window_start = cluster.summary()["window_start_s"] if cluster is not None else None
+        tally = _add_counts(prior_counts, _counts(cluster, final_stats))  # all incarnations of the run
         report = {
             "steps": len(step_metrics),
+            "resumes": resumes,
+            "resumed_from_step": start_step if ckpt is not None else None,
             "reward_heldout_before": before["reward_sampled"],
             "reward_heldout_after": after["reward_sampled"],
             "reward_heldout_greedy_before": before["reward_greedy"],
@@ -212,16 +269,16 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
             "responses_trained": tot.responses_trained,
             "responses_lost": tot.responses_expected - tot.responses_trained,
             "responses_duplicated": tot.responses_duplicated,
-            "preemptions": csum["preemptions_warned"] + csum["kills"],
-            "preemptions_with_warning": csum["preemptions_warned"],
-            "kills_without_warning": csum["kills"],
-            "worker_starts": csum["starts"],
-            "responses_migrated": final_stats["responses_migrated"],
+            "preemptions": tally["preemptions_warned"] + tally["kills"],
+            "preemptions_with_warning": tally["preemptions_warned"],
+            "kills_without_warning": tally["kills"],
+            "worker_starts": tally["starts"],
+            "responses_migrated": tally["responses_migrated"],
             "rollout_engine": r.engine,
             "migrations_by_engine": final_stats["migrations_by_engine"],
             "migrated_responses_trained": tot.migrated_responses_trained,
-            "tokens_migrated": final_stats["tokens_migrated"],
-            "tokens_regenerated": final_stats["tokens_regenerated"],
+            "tokens_migrated": tally["tokens_migrated"],
+            "tokens_regenerated": tally["tokens_regenerated"],
             "tokens_regenerated_after_warning": final_stats["tokens_regenerated_after_warning"],
             "tokens_trained_off_version": tot.tokens_trained_off_version,
             "off_version_tokens_rejected": final_stats["off_version_tokens_rejected"],
@@ -230,7 +287,7 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
             "weight_pull_failures": final_stats["weight_load_failures"],
             "weight_pull_seconds_mean": final_stats["pull_seconds_mean"],
             "instances_lost_without_warning": final_stats["instances_lost"],
-            "instances_lost_while_pulling": final_stats["instances_lost_while_pulling"],
+            "instances_lost_while_pulling": tally["instances_lost_while_pulling"],
             "prompts_not_trained_exactly_once": trainer.prompts_not_trained_once(),
             "instances_preempted_with_warning": final_stats["instances_preempted_with_warning"],
             "protocol_rejects": final_stats["protocol_rejects"],
@@ -238,13 +295,14 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
             "throughput_tokens_per_s": tot.tokens_trained / train_wall if train_wall > 0 else 0.0,
             "train_wall_s": train_wall,
             "wall_s": time.monotonic() - t_start,
-            "trace_window_start_s": csum["window_start_s"],
+            "trace_window_start_s": window_start,
             "examples_after": after["examples"],
         }
     except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
         failure = e
     finally:
-        metrics_f.close()
+        if metrics_f is not None:
+            metrics_f.close()
         if slurm:
             write_target(out_dir, 0, active=False, step=len(step_metrics))
         if cluster is not None:
@@ -271,6 +329,26 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
     write_plot(step_metrics, cluster.live_series if cluster else [], out_dir / "run.png",
                before=report["reward_heldout_before"], after=report["reward_heldout_after"])
     return report
+
+
+_COUNTS = ("preemptions_warned", "kills", "starts", "instances_lost_while_pulling", "responses_migrated",
+           "tokens_migrated", "tokens_regenerated")
+
+
+def _counts(cluster, stats: dict) -> dict:
+    """Fault and migration counters of this incarnation: the local cluster's (or, under Slurm, what the manager
+    saw: warned preemptions, losses without warning, registrations other than the reserved engine's)."""
+    if cluster is not None:
+        c = cluster.summary()
+        out = {"preemptions_warned": c["preemptions_warned"], "kills": c["kills"], "starts": c["starts"]}
+    else:
+        out = {"preemptions_warned": stats["instances_preempted_with_warning"], "kills": stats["instances_lost"],
+               "starts": max(0, stats["registrations"] - 1)}
+    return {**out, **{k: stats[k] for k in _COUNTS[3:]}}
+
+
+def _add_counts(a: dict, b: dict) -> dict:
+    return {k: a.get(k, 0) + b.get(k, 0) for k in _COUNTS}
 
 
 def _drift(backend, task, tok, stop_ids, max_new_tokens: int) -> float:

@@ -44,6 +44,27 @@ def test_chaos_short(tmp_path, capsys):
     assert rep["tokens_trained_off_version"] == 0 and rep["prompts_not_trained_exactly_once"] == 0
 
 
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_chaos_trainer_and_manager_kills_resume_exactly_once(tmp_path, capsys):
+    """Issue 7 §2–3 / case C1: on top of worker churn, SIGKILL the trainer or the rollout manager at random points
+    three times; each restart resumes from the last checkpoint. Across all incarnations: nothing lost or
+    duplicated, nothing trained off-version, every prompt of the data frontier trained exactly once."""
+    out = tmp_path / "chaos"
+    rc = chaos_main(["--out", str(out), "--steps", "20", "--lifetime-s", "1.0", "--downtime-s", "0.5",
+                     "--seed", "3", "--trainer-kills", "3", "--kill-after-s", "5", "10"])
+    summary = json.loads(capsys.readouterr().out)
+    rep = json.loads((out / "report.json").read_text())
+    assert rc == 0, summary
+    f = summary["faults"]
+    assert f["trainer_kills"] + f["manager_kills"] == 3 and f["resumes"] >= 1, f
+    assert rep["steps"] == 20 and rep["resumes"] == f["resumes"]
+    assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0
+    assert rep["tokens_trained_off_version"] == 0 and rep["prompts_not_trained_exactly_once"] == 0
+    assert rep["responses_trained"] == 20 * 8 * 8  # every step's 8 groups × G=8, once
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 20
+
+
 def _fuzz_frames(rng: random.Random, n: int) -> list[list[bytes]]:
     valid = [M.encode(m) for m in [
         M.Register(job_id="fz", attempt=0, kind="preemptible", max_batch=4),

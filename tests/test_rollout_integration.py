@@ -220,3 +220,62 @@ def test_corrupted_weight_transfer_is_reported_and_fenced_until_a_clean_pull(har
     ev = h.client.next_event(60)
     assert isinstance(ev, M.GroupDone) and len(ev.responses) == 2
     assert h.client.stats()["weight_loads"] == 1
+
+
+def test_rollout_job_outlives_a_trainer_crash_and_reconnects_to_the_restarted_run(stories260k_hf_dir, tmp_path):
+    """Issue 7 §2: the manager (trainer job) dies; a rollout job with --run-dir keeps its process and engine, waits
+    for the restarted trainer's endpoints.json, registers with the new manager (next journal epoch) and pulls that
+    epoch's weights even though the version NUMBER equals the one it already holds (versions are (epoch, v))."""
+    from rlboost_hpc.manager.journal import read
+
+    config, sd = load_hf_dir(stories260k_hf_dir)
+    journal = str(tmp_path / "manager-journal.jsonl")
+    params = dict(pending_limit=32, heartbeat_s=0.1, heartbeat_timeout_s=2.0, max_attempts=3,
+                  stream_every_tokens=2, stream_every_s=0.02)
+    procs, clients, servers = [], [], []
+
+    def start_run(version: int, weights):  # what a (re)started trainer job does
+        server = WeightServer(chunk_bytes=64 << 10).start()
+        servers.append(server)
+        mproc, endpoint, _ = spawn_manager(params, journal_path=journal)
+        client = ManagerClient(endpoint, alive=mproc.is_alive)
+        client.call(M.TrainerHello(weights_endpoint=server.endpoint, model_config=config.to_hf_dict()))
+        server.publish(version, weights, dtype=torch.float32)
+        client.call(M.SetVersion(version=version))
+        write_endpoints(tmp_path, endpoint, server.endpoint, run_id="test")
+        procs.append(mproc)
+        clients.append(client)
+        return mproc, client
+
+    w = None
+    try:
+        mproc, client = start_run(3, sd)
+        w = subprocess.Popen([sys.executable, "-m", "rlboost_hpc.rollout.worker", "--run-dir", str(tmp_path),
+                              "--job-id", "job7", "--manager-timeout", "2"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_stats(client, lambda st: st["routable_preemptible"] == 1, timeout=60)
+        mproc.kill()  # the trainer job crashed
+        mproc.join(5)
+        time.sleep(3)  # the worker notices (manager-timeout 2 s) and waits for new endpoints
+        assert w.poll() is None, w.stdout.read()
+        changed = {k: v + 0.5 for k, v in sd.items()}  # "version 3" of the new epoch holds different weights
+        _, client2 = start_run(3, changed)
+        st = wait_stats(client2, lambda st: st["routable_preemptible"] == 1, timeout=60)
+        assert st["registrations"] == 1 and st["weight_loads"] == 1  # it pulled, not trusted its old "v3"
+        assert [r["epoch"] for r in read(journal) if r["event"] == "start"] == [1, 2]
+        spec = M.GroupSpec(gid="g", prompt_ids=PROMPT, n=2, max_new_tokens=8, temperature=0.0, top_p=1.0, seed=1,
+                           stop_ids=[])
+        client2.call(M.SubmitStep(step=0, version=3, groups=[spec]))
+        ev = client2.next_event(60)
+        assert isinstance(ev, M.GroupDone) and len(ev.responses) == 2
+    finally:
+        if w is not None:
+            w.kill()
+            w.wait(10)
+        for c in clients:
+            c.close()
+        for p in procs:
+            p.kill()
+            p.join(5)
+        for s in servers:
+            s.close()

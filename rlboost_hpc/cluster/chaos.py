@@ -4,9 +4,15 @@ The trace is written in the Bamboo CSV format (``<ms>,add|remove,<name>``) so th
 replays it; with ``cluster.kill_fraction`` a share of the removals arrive as SIGKILL without warning, some of
 them while a worker is still pulling weights. ``rlboost-hpc chaos`` runs the demo on such a trace and checks the
 invariants at the end (responses lost/duplicated, tokens trained off-version, every prompt trained once).
+
+With ``--trainer-kills K`` the run is a child process (``rlboost-hpc run``) and the harness SIGKILLs, at random
+moments, either the trainer or the rollout manager (its pid from the manager journal) K times, restarting the
+run each time; the run resumes from its last checkpoint (trainer/checkpoint.py). The final report covers every
+incarnation, so the invariants are checked across crashes (case C1).
 """
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -59,6 +65,10 @@ def chaos_main(argv: list[str] | None = None) -> int:
     p.add_argument("--downtime-s", type=float, default=1.0, help="mean time a slot stays empty (s)")
     p.add_argument("--kill-fraction", type=float, default=0.5, help="share of removals without warning")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trainer-kills", type=int, default=0,
+                   help="SIGKILL the trainer or the manager this many times at random moments, resuming each time")
+    p.add_argument("--kill-after-s", type=float, nargs=2, default=(6.0, 14.0), metavar=("MIN", "MAX"),
+                   help="uniform range of seconds after a (re)start before the next trainer/manager kill")
     p.add_argument("--set", action="append", default=[])
     a = p.parse_args(argv)
     out = Path(a.out)
@@ -66,17 +76,69 @@ def chaos_main(argv: list[str] | None = None) -> int:
     trace = out / "chaos-trace.csv"
     n_remove = synthetic_trace(trace, duration_s=a.duration_s, instances=a.workers, mean_lifetime_s=a.lifetime_s,
                                mean_downtime_s=a.downtime_s, seed=a.seed)
-    cfg = load_config(a.config, [
+    overrides = [
         f"trainer.steps={a.steps}", f"cluster.trace='{trace}'", "cluster.time_scale=1.0",
         f"cluster.replay_s={a.duration_s}", "cluster.window_start_s=0", f"cluster.max_workers={a.workers}",
-        f"cluster.kill_fraction={a.kill_fraction}", f"cluster.seed={a.seed}", "policy.cap=false", *a.set])
-    rep = run(cfg, out, progress=False)
+        f"cluster.kill_fraction={a.kill_fraction}", f"cluster.seed={a.seed}", "policy.cap=false", *a.set]
+    crashes = {"trainer_kills": 0, "manager_kills": 0}
+    if a.trainer_kills:
+        rc = run_with_restarts(a.config, out, overrides, a.trainer_kills, tuple(a.kill_after_s), a.seed, crashes)
+        if rc != 0:
+            print(f"rlboost-hpc chaos: the final incarnation of the run exited {rc} (see {out}/report.json)")
+            return 1
+        rep = json.loads((out / "report.json").read_text())
+    else:
+        rep = run(load_config(a.config, overrides), out, progress=False)
     faults = {"preemptions_with_warning": rep["preemptions_with_warning"],
               "kills_without_warning": rep["kills_without_warning"],
               "kills_during_weight_transfer": rep["instances_lost_while_pulling"],
-              "worker_starts": rep["worker_starts"], "trace_removals_planned": n_remove}
+              "worker_starts": rep["worker_starts"], "trace_removals_planned": n_remove, **crashes,
+              "resumes": rep.get("resumes", 0)}
     checks = {"responses_lost": rep["responses_lost"], "responses_duplicated": rep["responses_duplicated"],
               "tokens_trained_off_version": rep["tokens_trained_off_version"],
               "prompts_not_trained_exactly_once": rep["prompts_not_trained_exactly_once"]}
     print(json.dumps({"faults": faults, "checks": checks, "steps": rep["steps"]}, indent=2))
     return 0 if all(v == 0 for v in checks.values()) else 1
+
+
+def run_with_restarts(config: str, out: Path, overrides: list[str], kills: int, kill_after_s: tuple[float, float],
+                      seed: int, crashes: dict) -> int:
+    """Run ``rlboost-hpc run`` as a child; ``kills`` times SIGKILL the trainer or the manager at a random moment
+    and start the run again (it resumes from its checkpoint). Returns the exit code of the final incarnation.
+    ``crashes`` receives ``trainer_kills`` / ``manager_kills``."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from rlboost_hpc.manager.journal import NAME, read
+
+    rng = random.Random(seed + 7)
+    cmd = [sys.executable, "-m", "rlboost_hpc.cli", "run", "--config", config, "--out", str(out), "--no-progress"]
+    for o in overrides:
+        cmd += ["--set", o]
+    log = open(out / "chaos-runs.log", "ab")
+    try:
+        for i in range(kills + 1):
+            starts = sum(r.get("event") == "start" for r in read(out / NAME))
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            if i == kills:
+                return proc.wait()
+            deadline = time.monotonic() + rng.uniform(*kill_after_s)
+            while time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.1)
+            if proc.poll() is not None:  # finished (or failed) before its kill: nothing left to crash
+                return proc.returncode
+            victim = rng.choice(["trainer", "manager"])
+            records = read(out / NAME)
+            mgr = [r for r in records if r.get("event") == "start"]
+            if victim == "manager" and len(mgr) > starts:
+                os.kill(int(mgr[-1]["pid"]), signal.SIGKILL)
+                crashes["manager_kills"] += 1
+            else:  # (also when this incarnation's manager has not started yet)
+                proc.send_signal(signal.SIGKILL)
+                crashes["trainer_kills"] += 1
+            proc.wait()
+        return 0
+    finally:
+        log.close()

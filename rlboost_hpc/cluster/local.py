@@ -20,6 +20,7 @@ from pathlib import Path
 from rlboost_hpc.cluster.replay import ReplayDriver, ReplayPlan, choose_window
 from rlboost_hpc.cluster.traces import load_trace
 from rlboost_hpc.config import LocalClusterCfg, WeightsCfg
+from rlboost_hpc.procutil import die_with_parent
 
 log = logging.getLogger("rlboost.cluster")
 
@@ -68,7 +69,9 @@ class LocalCluster:
                "--signal", self.cfg.preempt_signal]
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), RLBOOST_SPAWNED_AT=repr(time.time()))
         try:
-            return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            # die_with_parent: the simulated cluster ends with the trainer process, even when it is SIGKILLed
+            return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    preexec_fn=die_with_parent)
         finally:
             logf.close()
 

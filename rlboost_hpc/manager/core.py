@@ -110,10 +110,16 @@ class ManagerCore:
         stream_every_tokens: int = 4,
         stream_every_s: float = 0.05,
         dispatch_policy: str = "jsq",
+        epoch: int = 0,
+        alive_every_s: float = 1.0,
     ) -> None:
         if dispatch_policy not in ("jsq", "round_robin"):
             raise ValueError(f"dispatch_policy must be 'jsq' or 'round_robin', not {dispatch_policy!r}")
         self.dispatch_policy = dispatch_policy
+        self.epoch = epoch  # incarnation of the run's manager (manager/journal.py); 0 without a journal
+        self.alive_every_s = alive_every_s
+        self.on_version: Callable[[int], None] | None = None  # set by the service (manager/journal.py)
+        self._last_alive = -1e9
         self._rr = 0
         # Per-step view of the preemptible pool: key -> [first assignment, last token, tokens] (seconds, count)
         self.step_remote: dict[str, list] = {}
@@ -260,7 +266,7 @@ class ManagerCore:
         self.send(peer, M.Welcome(
             instance=key, latest_version=self.latest_version, weights_endpoint=self.weights_endpoint,
             model_config=self.model_config, heartbeat_s=self.heartbeat_s,
-            stream_every_tokens=self.stream_every_tokens, stream_every_s=self.stream_every_s))
+            stream_every_tokens=self.stream_every_tokens, stream_every_s=self.stream_every_s, epoch=self.epoch))
 
     def _unknown(self, peer: bytes, what: str) -> None:
         """A message from a peer that is not (or no longer) a registered instance: drop it and tell the peer
@@ -409,6 +415,8 @@ class ManagerCore:
             "n_remote": len(obs), "tokens": sum(o[2] for o in obs)}
         self.step_remote = {}
         self.latest_version = msg.version
+        if self.on_version is not None:  # the journal records it durably before anyone acts on it
+            self.on_version(msg.version)
         for i in self.live_instances():
             if i.state in ("ready", "pulling", "fenced"):
                 self.send(i.peer, M.NewVersion(version=msg.version))
@@ -502,6 +510,11 @@ class ManagerCore:
         for inst in list(self.instances.values()):
             if inst.state != "gone" and now - inst.last_seen > self.heartbeat_timeout_s:
                 self._instance_gone(inst, f"no heartbeat for {now - inst.last_seen:.1f}s", warned=False)
+        if now - self._last_alive >= self.alive_every_s:
+            self._last_alive = now
+            for inst in self.instances.values():
+                if inst.state != "gone":
+                    self.send(inst.peer, M.Alive(epoch=self.epoch))
         self.dispatch()
 
     def dispatch(self) -> None:

@@ -103,9 +103,10 @@ class ManagerService:
 
 
 def run_manager_process(bind: str, params: dict, conn, keys_dir: str | None = None,
-                        metrics_host: str | None = None) -> None:
+                        metrics_host: str | None = None, journal_path: str | None = None) -> None:
     """Entry point of the manager process: serve, report the bound endpoint through ``conn`` (a Pipe end).
-    With ``keys_dir`` (a run directory holding ``keys/keys.json``) every connection must prove the run's key."""
+    With ``keys_dir`` (a run directory holding ``keys/keys.json``) every connection must prove the run's key.
+    With ``journal_path`` the manager starts a new epoch in that journal and records every version there."""
     from rlboost_hpc.observe.logs import setup_logging
 
     setup_logging("manager")
@@ -113,6 +114,14 @@ def run_manager_process(bind: str, params: dict, conn, keys_dir: str | None = No
     import threading
 
     core = ManagerCore(clock=time.monotonic, **params)
+    journal = None
+    if journal_path is not None:
+        from rlboost_hpc.manager.journal import Journal
+
+        journal = Journal(journal_path)
+        core.epoch = journal.epoch
+        core.on_version = lambda v: journal.append({"event": "version", "version": v})
+        log.info("manager epoch %d (journal %s)", journal.epoch, journal_path)
     metrics = None
     metrics_url = ""
     if metrics_host is not None:  # Prometheus endpoint on a free port (its URL goes to endpoints.json)
@@ -138,10 +147,12 @@ def run_manager_process(bind: str, params: dict, conn, keys_dir: str | None = No
         svc.serve_forever()
     finally:
         svc.close()
+        if journal is not None:
+            journal.close()
 
 
 def spawn_manager(params: dict, bind: str = "tcp://127.0.0.1:0", timeout_s: float = 60.0,
-                  keys_dir: str | None = None, metrics_host: str | None = None):
+                  keys_dir: str | None = None, metrics_host: str | None = None, journal_path: str | None = None):
     """Start the manager in its own (spawned) process. ``params`` are :class:`ManagerCore` keyword arguments.
 
     Returns ``(process, endpoint, metrics_url)`` (``metrics_url`` is "" unless ``metrics_host`` is given).
@@ -151,7 +162,7 @@ def spawn_manager(params: dict, bind: str = "tcp://127.0.0.1:0", timeout_s: floa
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=run_manager_process, args=(bind, params, child, keys_dir, metrics_host),
+    proc = ctx.Process(target=run_manager_process, args=(bind, params, child, keys_dir, metrics_host, journal_path),
                        name="rlboost-manager", daemon=True)
     proc.start()
     child.close()

@@ -133,6 +133,14 @@ class Welcome(_Msg, tag="welcome"):
     heartbeat_s: float
     stream_every_tokens: int
     stream_every_s: float
+    epoch: int = 0  # the manager's incarnation (journal): weight versions are (epoch, version)
+
+
+class Alive(_Msg, tag="alive"):
+    """Sent by the manager to every registered instance about once a second, so an idle instance can tell a
+    quiet manager from a dead one (and reconnect to a restarted run, rollout/worker.py)."""
+
+    epoch: int = 0
 
 
 class Reject(_Msg, tag="reject"):
@@ -272,7 +280,7 @@ class Stats(_Msg, tag="stats"):
 
 Message = (
     Register | Heartbeat | WeightsLoaded | WeightsFailed | Tokens | RequestFailed | Draining | Released
-    | Deregister | Welcome | Reject | Assign | Release | NewVersion | Drain | TrainerHello | SetVersion
+    | Deregister | Welcome | Alive | Reject | Assign | Release | NewVersion | Drain | TrainerHello | SetVersion
     | SubmitStep | CloseSeeding | PolicyState | AckGroup | GetStats | Shutdown | GroupDone | StepFailed | Ok | Error | Stats
 )
 

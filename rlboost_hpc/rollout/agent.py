@@ -12,7 +12,11 @@ in a thread of the trainer process. Invariants:
 - The heartbeat loop never blocks on slow work: pulls AND the first engine build (an SGLang server start takes
   tens of seconds) run on one long-lived builder thread (long-lived because a server's PR_SET_PDEATHSIG is
   tied to the thread that started it). The engine is closed when the agent ends.
-- Every wait has a deadline: no Welcome within ``register_timeout_s`` → exit code 3 with a clear message.
+- Every wait has a deadline: no Welcome within ``register_timeout_s`` → exit code 3 with a clear message; a
+  manager silent for ``manager_timeout_s`` (it sends ``Alive`` every second) → exit code 3 too, so the worker
+  can reconnect to a restarted run.
+- Weight versions are (manager epoch, version): after a manager restart (new epoch) an engine's weights count
+  as unknown until a version of the new epoch is loaded, even if the version numbers happen to match.
 """
 from __future__ import annotations
 
@@ -78,11 +82,15 @@ class RolloutAgent:
         engine_factory: EngineFactory | None = None,
         weight_source_factory: Callable[[str], WeightSource] | None = None,
         register_timeout_s: float = 15.0,
-        manager_timeout_s: float = 30.0,
+        manager_timeout_s: float = 10.0,
         node: str = "",
         ctx: zmq.Context | None = None,
         keys: RunKeys | None = None,
         engine_name: str = "torch",
+        engine: Engine | None = None,
+        engine_epoch: int | None = None,
+        close_engine: bool = True,
+        builder: ThreadPoolExecutor | None = None,
     ) -> None:
         self.manager_endpoint = manager_endpoint
         self.keys = keys
@@ -96,7 +104,9 @@ class RolloutAgent:
         self.manager_timeout_s = manager_timeout_s
         self.node = node or socket.gethostname()
         self.ctx = ctx or zmq.Context.instance()
-        self.engine: Engine | None = None
+        self.engine: Engine | None = engine  # an engine kept from a previous connection (worker reconnect)
+        self.engine_epoch = engine_epoch  # manager epoch of the engine's weights (versions are (epoch, version))
+        self.close_engine = close_engine
         self.tokens_generated = 0
         self.tokens_handed_off = 0  # response tokens of unfinished requests handed back (released)
         self.stop_reason: str | None = None  # set (signal-safe) to drain and exit
@@ -104,7 +114,8 @@ class RolloutAgent:
         self.want_version = -1
         self._pos: dict[str, int] = {}
         self._pending: dict[str, _Pending] = {}
-        self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"agent-{job_id}-pull")
+        self._own_builder = builder is None  # a caller's builder outlives this agent (worker reconnects)
+        self._builder = builder or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"agent-{job_id}-pull")
         self._pull: Future | None = None
         self._pull_failures = 0
         self._next_pull_at = 0.0
@@ -112,6 +123,12 @@ class RolloutAgent:
         self.timings: dict[str, float] = {"agent_start": time.time()}  # wall-clock seconds (comparable across processes)
 
     # ------------------------------------------------------------------ control
+    def held_version(self) -> int:
+        """The version the engine holds in the current manager's epoch (-1: none / unknown weights)."""
+        if self.engine is None or self.welcome is None or self.engine_epoch != self.welcome.epoch:
+            return -1
+        return self.engine.version
+
     def request_stop(self, reason: str) -> None:
         """Ask the agent to drain and exit (safe from a signal handler or another thread)."""
         if self.stop_reason is None:
@@ -146,7 +163,7 @@ class RolloutAgent:
 
     def _weights_step(self) -> None:
         """Start a pull when stale; install a freshly built engine, or load a finished pull once idle."""
-        current = self.engine.version if self.engine is not None else -1
+        current = self.held_version()
         if self._pull is not None and self._pull.done():
             version, sd, info, err, new_engine = self._pull.result()
             if err is not None:
@@ -170,6 +187,7 @@ class RolloutAgent:
                     self._send(M.WeightsFailed(version=version, error=f"load failed: {type(e).__name__}: {e}"))
                     return
             self._pull, self._pull_failures = None, 0
+            self.engine_epoch = self.welcome.epoch
             self.timings.setdefault("weights_loaded", time.time())
             self._send(M.WeightsLoaded(version=version, checksum=info.get("checksum", 0),
                                        nbytes=info.get("nbytes", 0), pull_s=info.get("pull_s", 0.0),
@@ -264,14 +282,14 @@ class RolloutAgent:
             self.welcome = msg
             self._source = self.weight_source_factory(msg.weights_endpoint)
             self.want_version = max(self.want_version, msg.latest_version)
-            if self.engine is not None and self.engine.version == msg.latest_version:  # re-registration
+            if self.held_version() == msg.latest_version >= 0:  # re-registration with this manager
                 self._send(M.WeightsLoaded(version=self.engine.version, checksum=0, nbytes=0, pull_s=0.0, load_s=0.0))
             self.timings.setdefault("welcome", time.time())
         elif isinstance(msg, M.Assign):
             for w in msg.works:
-                if self.engine is None or w.version != self.engine.version:
+                if w.version != self.held_version() or self.engine is None:
                     self._send(M.RequestFailed(rid=w.rid, error=f"assigned version {w.version}, instance holds "
-                                               f"{self.engine.version if self.engine else 'none'}"))
+                                               f"{self.held_version()}"))
                     continue
                 try:
                     self.engine.add(GenRequest(
@@ -286,6 +304,8 @@ class RolloutAgent:
             self._release(msg.rids)
         elif isinstance(msg, M.NewVersion):
             self.want_version = max(self.want_version, msg.version)
+        elif isinstance(msg, M.Alive):
+            pass  # liveness only (last_rx was updated)
         elif isinstance(msg, M.Drain):
             self.request_stop(f"drain: {msg.reason}")
         elif isinstance(msg, M.Reject):
@@ -326,8 +346,9 @@ class RolloutAgent:
             return EXIT_REJECTED
         finally:
             self.sock.close(linger=2000)
-            self._builder.shutdown(wait=False, cancel_futures=True)
-            if self.engine is not None:
+            if self._own_builder:
+                self._builder.shutdown(wait=False, cancel_futures=True)
+            if self.engine is not None and self.close_engine:
                 self.engine.close()
 
     def _loop(self) -> int:
@@ -384,7 +405,7 @@ class RolloutAgent:
             self._weights_step()
             now = time.monotonic()
             if now - last_hb >= self.welcome.heartbeat_s:
-                self._send(M.Heartbeat(version=self.engine.version if self.engine else -1,
+                self._send(M.Heartbeat(version=self.held_version(),
                                        active=self.engine.num_active if self.engine else 0,
                                        tokens_generated=self.tokens_generated))
                 last_hb = now

@@ -10,6 +10,9 @@ Invariants:
   without requeue. Without a warning (SIGKILL) the manager detects the loss by missed heartbeats.
 - Life-cycle events (warned, tokens, requeue) are appended to the run directory's ``events.jsonl`` when one
   is given.
+- A rollout job outlives a trainer crash: when the manager goes silent, a worker with ``--run-dir`` waits
+  (``--reconnect`` seconds) for the restarted trainer's new ``endpoints.json`` and registers there, keeping its
+  engine (weights of the old epoch are never trusted: they are pulled again, rollout/agent.py).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger("rlboost.worker")
 
@@ -48,6 +52,31 @@ def requeue_self(job_id: str, timeout_s: float = 15.0) -> bool:
     return True
 
 
+def _run_keys(run_dir: str, ends: dict):
+    """The run's CURVE client keys when the run is authenticated (from the owner-only run directory)."""
+    if not ends.get("curve"):
+        return None
+    from rlboost_hpc.protocol.auth import RunKeys
+
+    return RunKeys.load(run_dir).client_view()
+
+
+def _next_endpoints(run_dir: str, previous: dict, wait_s: float) -> dict | None:
+    """Wait up to ``wait_s`` for an ``endpoints.json`` newer than ``previous`` (a restarted trainer's)."""
+    from rlboost_hpc.rundir import RunDirError, read_endpoints
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            ends = read_endpoints(run_dir)
+        except RunDirError:
+            ends = {}
+        if ends and (ends.get("written_at"), ends.get("manager")) != (previous.get("written_at"), previous.get("manager")):
+            return ends
+        time.sleep(0.5)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rlboost-hpc worker", description="Run one preemptible rollout instance.")
     p.add_argument("--manager", help="manager endpoint, e.g. tcp://127.0.0.1:5555 (or use --run-dir)")
@@ -65,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=4, help="outstanding chunk requests per stream")
     p.add_argument("--pull-timeout", type=float, default=30.0)
     p.add_argument("--register-timeout", type=float, default=15.0, help="seconds to wait for the manager's Welcome")
+    p.add_argument("--manager-timeout", type=float, default=10.0,
+                   help="seconds of manager silence (it sends Alive every second) before it counts as gone")
+    p.add_argument("--reconnect", type=float, default=600.0,
+                   help="with --run-dir: seconds to wait for a restarted trainer's new endpoints.json after the "
+                        "manager is gone (0: exit at once); the engine and its process are kept meanwhile")
     p.add_argument("--signal", default="SIGUSR2", help="preemption warning signal (SIGTERM is always honoured)")
     p.add_argument("--requeue", choices=["auto", "yes", "no"], default="auto",
                    help="after a warned preemption, requeue the Slurm job (auto: when SLURM_JOB_ID is set)")
@@ -92,23 +126,21 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in {signal.SIGTERM, warn}:  # installed before the slow imports: a warning is never missed
         signal.signal(sig, on_signal)
-    manager, keys, spec = args.manager, None, None
+    manager, keys, spec, ends = args.manager, None, None, {}
     if args.run_dir:
-        from rlboost_hpc.protocol.auth import RunKeys
         from rlboost_hpc.rundir import read_endpoints
 
         ends = read_endpoints(args.run_dir, wait_s=args.wait_endpoints)
         manager = args.manager or ends["manager"]
         spec = ends.get("engine")
-        if ends.get("curve"):  # the run is authenticated: our keys come from the (owner-only) run directory
-            keys = RunKeys.load(args.run_dir).client_view()
+        keys = _run_keys(args.run_dir, ends)
     _event(args.run_dir, {"event": "worker_started", "source": "worker", "job_id": args.job_id, "attempt": args.attempt,
                           "node": os.environ.get("SLURMD_NODENAME", ""), "pid": os.getpid(),
                           "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "")})
     import torch
 
     torch.set_num_threads(args.threads)
-    from rlboost_hpc.rollout.agent import RolloutAgent, remote_weight_source
+    from rlboost_hpc.rollout.agent import EXIT_UNREACHABLE, RolloutAgent, remote_weight_source
     from rlboost_hpc.rollout.engines.base import EngineError
     from rlboost_hpc.rollout.engines.factory import factory_from_spec
 
@@ -123,19 +155,50 @@ def main(argv: list[str] | None = None) -> int:
     except EngineError as e:
         log.error("%s", e)
         return 2
-    agent = RolloutAgent(
-        manager, args.job_id, args.attempt, kind="preemptible", max_batch=args.max_batch,
-        register_timeout_s=args.register_timeout, node=os.environ.get("SLURMD_NODENAME", ""), keys=keys,
-        engine_factory=factory, engine_name=(spec or {}).get("kind", "torch"),
-        weight_source_factory=lambda ep: remote_weight_source(ep, args.streams, args.window, args.pull_timeout, keys),
-    )
+    # One builder thread for every connection: an SGLang server dies with the thread that started it
+    # (PR_SET_PDEATHSIG), so that thread must outlive reconnects.
+    builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{args.job_id}-builder")
+    produced = handed_off = 0
+
+    def make_agent(manager: str, keys, engine=None, engine_epoch=None) -> RolloutAgent:
+        return RolloutAgent(
+            manager, args.job_id, args.attempt, kind="preemptible", max_batch=args.max_batch,
+            register_timeout_s=args.register_timeout, manager_timeout_s=args.manager_timeout,
+            node=os.environ.get("SLURMD_NODENAME", ""), keys=keys, engine_factory=factory,
+            engine_name=(spec or {}).get("kind", "torch"), engine=engine, engine_epoch=engine_epoch,
+            close_engine=False, builder=builder,
+            weight_source_factory=lambda ep: remote_weight_source(ep, args.streams, args.window, args.pull_timeout,
+                                                                  keys))
+
+    agent = make_agent(manager, keys)
     holder["agent"] = agent
     if "warned_at" in holder:  # the warning came while importing
         agent.request_stop(f"preempted ({holder['signal']})")
-    code = agent.run()
+    try:
+        code = agent.run()
+        while (code == EXIT_UNREACHABLE and args.run_dir and args.reconnect > 0 and agent.stop_reason is None
+               and "warned_at" not in holder):
+            log.warning("manager %s is gone; waiting up to %.0fs for a restarted trainer's endpoints.json",
+                        manager, args.reconnect)
+            nxt = _next_endpoints(args.run_dir, ends, args.reconnect)
+            if nxt is None or "warned_at" in holder:
+                break
+            ends, manager = nxt, nxt["manager"]
+            keys = _run_keys(args.run_dir, nxt)
+            _event(args.run_dir, {"event": "reconnect", "source": "worker", "job_id": args.job_id,
+                                  "attempt": args.attempt, "manager": manager})
+            produced, handed_off = produced + agent.tokens_generated, handed_off + agent.tokens_handed_off
+            agent = make_agent(manager, keys, engine=agent.engine, engine_epoch=agent.engine_epoch)
+            holder["agent"] = agent
+            code = agent.run()
+    finally:
+        if agent.engine is not None:
+            agent.engine.close()
+        builder.shutdown(wait=False, cancel_futures=True)
     preempted = (agent.stop_reason or "").startswith("preempted")
     _event(args.run_dir, {"event": "tokens", "source": "worker", "job_id": args.job_id, "attempt": args.attempt,
-                          "produced": agent.tokens_generated, "handed_off": agent.tokens_handed_off,
+                          "produced": produced + agent.tokens_generated,
+                          "handed_off": handed_off + agent.tokens_handed_off,
                           "exit_code": code, "stop_reason": agent.stop_reason or ""})
     if preempted:
         _event(args.run_dir, {"event": "warned", "source": "worker", "job_id": args.job_id, "attempt": args.attempt,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Callable
 
 import zmq
 
@@ -21,8 +22,11 @@ class ManagerError(RuntimeError):
 
 class ManagerClient:
     def __init__(self, endpoint: str, *, ctx: zmq.Context | None = None, timeout_s: float = 10.0,
-                 keys: RunKeys | None = None) -> None:
+                 keys: RunKeys | None = None, alive: Callable[[], bool] | None = None) -> None:
+        """``alive``: tells whether the manager process still runs (every wait checks it at least every 0.5 s
+        and raises :class:`ManagerError` at once when it died, instead of waiting out a step deadline)."""
         self.endpoint = endpoint
+        self.alive = alive
         self.timeout_s = timeout_s
         self.sock = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -31,8 +35,13 @@ class ManagerClient:
         self.events: deque[M._Msg] = deque()
 
     def _recv(self, timeout_s: float) -> M._Msg | None:
-        if not self.sock.poll(int(max(0.0, timeout_s) * 1000), zmq.POLLIN):
-            return None
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while not self.sock.poll(int(min(0.5, max(0.0, deadline - time.monotonic())) * 1000), zmq.POLLIN):
+            if self.alive is not None and not self.alive():
+                raise ManagerError(f"the manager process ({self.endpoint}) exited; the run cannot continue "
+                                   "without it (a restart resumes from the last checkpoint)")
+            if time.monotonic() >= deadline:
+                return None
         return M.decode(self.sock.recv())
 
     def send(self, msg: M._Msg) -> None:

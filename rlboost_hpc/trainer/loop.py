@@ -114,6 +114,28 @@ class RLTrainer:
         self.trained_groups: dict[str, int] = {}  # prompt id -> responses trained (the data-frontier check)
         self.taken: list[str] = []
 
+    def state_dict(self) -> dict:
+        """Everything of the loop a resume needs, consistent with the last optimizer step (case C1): version,
+        data frontier, totals, the exactly-once ledgers and the scheduling policy's state (T_seed, M[n])."""
+        return {"version": self.version, "frontier": (self.frontier.epoch, self.frontier.pos),
+                "totals": dict(vars(self.totals)), "seen": sorted(self.seen),
+                "trained_groups": dict(self.trained_groups), "taken": list(self.taken),
+                "controller": self.controller, "decision": self.decision}
+
+    def load_state_dict(self, st: dict) -> None:
+        """Restore :meth:`state_dict` (same task and settings)."""
+        self.version = int(st["version"])
+        epoch, pos = st["frontier"]
+        self.frontier.epoch, self.frontier.pos = int(epoch), int(pos)
+        self.frontier._order = self.frontier._perm(self.frontier.epoch)
+        self.totals = Totals(**st["totals"])
+        self.seen = set(st["seen"])
+        self.trained_groups = dict(st["trained_groups"])
+        self.taken = list(st["taken"])
+        if st.get("controller") is not None:
+            self.controller = st["controller"]
+        self.decision = st.get("decision")
+
     def prompts_not_trained_once(self) -> int:
         """Prompts taken from the data frontier whose group was not trained exactly once (all G responses, once
         per time the frontier handed the prompt out). 0 is the exactly-once property over the data."""

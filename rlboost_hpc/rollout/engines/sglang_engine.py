@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import atexit
 import base64
-import ctypes
 import http.client
 import io
 import itertools
@@ -76,6 +75,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from rlboost_hpc.procutil import die_with_parent
 from rlboost_hpc.rollout.engines.base import Engine, EngineError, FinishReason, GenRequest, TokenEvent, validate_request
 
 __all__ = [
@@ -101,14 +101,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the process that launched us
-    except Exception:
-        pass
 
 
 def _tail(path: Path | None, n_lines: int = 40, max_bytes: int = 64 * 1024) -> str:
@@ -256,7 +248,7 @@ class SGLangServer:
         self.proc = subprocess.Popen(
             self.command(), stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
             env=env, start_new_session=True,
-            preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None)
+            preexec_fn=die_with_parent)
         _LIVE_SERVERS.add(self)
         log.info("sglang server pid %d on %s (log %s)", self.proc.pid, self.url, self.log_path)
 

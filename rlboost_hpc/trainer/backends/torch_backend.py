@@ -8,6 +8,8 @@ of the same forward pass (no second pass needed); the engine's behaviour logprob
 from __future__ import annotations
 
 import copy
+import os
+from pathlib import Path
 from typing import Mapping
 
 import torch
@@ -85,6 +87,21 @@ class TorchBackend(TrainerBackend):
 
     def export_weights(self) -> Mapping[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def save_checkpoint(self, path: str | os.PathLike, extra_state: Mapping | None = None) -> None:
+        """Model (fp32), AdamW state and torch's RNG into ``path/torch_backend.pt`` (directory created). The
+        reference policy is not saved: it is the initial weights the backend is constructed with."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+        torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "rng": torch.get_rng_state(),
+                    "extra": dict(extra_state or {})}, Path(path) / "torch_backend.pt")
+
+    def load_checkpoint(self, path: str | os.PathLike) -> dict:
+        """Restore :meth:`save_checkpoint`; returns its ``extra_state``."""
+        st = torch.load(Path(path) / "torch_backend.pt", map_location="cpu", weights_only=False)
+        self.model.load_state_dict(st["model"])
+        self.opt.load_state_dict(st["opt"])
+        torch.set_rng_state(st["rng"])
+        return st["extra"]
 
     @torch.no_grad()
     def token_logprobs(self, batch: list[Sample], *, reference: bool = False) -> list[torch.Tensor]:

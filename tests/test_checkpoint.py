@@ -1,0 +1,132 @@
+"""Crash-resume building blocks (issue 7 §2, case C1): trainer checkpoints, the manager journal, resume checks."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlboost_hpc.config import load_config
+from rlboost_hpc.manager.journal import Journal, JournalError, last_version, read
+from rlboost_hpc.models.llama2c import load_hf_dir
+from rlboost_hpc.run import _resume_point
+from rlboost_hpc.trainer import checkpoint
+from rlboost_hpc.trainer.backends.base import Sample
+from rlboost_hpc.trainer.backends.torch_backend import TorchBackend
+from rlboost_hpc.trainer.loop import DataFrontier
+
+
+@pytest.fixture(scope="module")
+def model(stories260k_hf_dir):
+    return load_hf_dir(stories260k_hf_dir)
+
+
+def _batch():
+    return [Sample(prompt_ids=[1, 5, 9], response_ids=[7, 8, 2], behaviour_logprobs=[-1.0, -2.0, -0.5], advantage=a)
+            for a in (1.0, -1.0)]
+
+
+def _step(b: TorchBackend) -> float:
+    m = b.accumulate(_batch(), 2)
+    b.optimizer_step()
+    return m["loss"]
+
+
+def test_resume_reproduces_the_next_step_exactly(model, tmp_path):
+    """Stop after step k, restore into a fresh backend built from the initial weights: the next step's loss and
+    weights equal the uninterrupted run's (fp32, same order of operations)."""
+    config, sd = model
+    a = TorchBackend(config, sd, lr=1e-3)
+    _step(a)
+    checkpoint.save(tmp_path, 1, a, {"version": 1}, {"note": "x"})
+    want_loss = _step(a)
+    b = TorchBackend(config, sd, lr=1e-3)
+    step, tstate, rstate = checkpoint.load(checkpoint.latest(tmp_path), b)
+    assert (step, tstate, rstate) == (1, {"version": 1}, {"note": "x"})
+    assert _step(b) == want_loss
+    for k, v in a.export_weights().items():
+        assert torch.equal(v, b.export_weights()[k]), k
+
+
+def test_checkpoints_are_atomic_rotated_and_verified(model, tmp_path):
+    config, sd = model
+    b = TorchBackend(config, sd, lr=1e-3)
+    for s in (1, 2, 3):
+        checkpoint.save(tmp_path, s, b, {"s": s}, {}, keep=2)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000002", "step-000003"]
+    (root / "step-000004.tmp").mkdir()  # a crash in the middle of writing step 4: ignored
+    assert checkpoint.latest(tmp_path).name == "step-000003"
+    f = root / "step-000003" / "backend" / "torch_backend.pt"
+    f.write_bytes(f.read_bytes()[:-10])  # truncated on disk
+    with pytest.raises(checkpoint.CheckpointError, match=r"is corrupt: 1 file\(s\) missing or changed .*torch_backend.pt"):
+        checkpoint.load(root / "step-000003", b)
+    (root / "latest").write_text("step-000009\n")
+    with pytest.raises(checkpoint.CheckpointError, match="names 'step-000009', which is not a checkpoint"):
+        checkpoint.latest(tmp_path)
+
+
+def test_journal_epochs_torn_tail_and_corruption(tmp_path):
+    p = tmp_path / "j.jsonl"
+    j = Journal(p)
+    j.append({"event": "version", "version": 0})
+    j.append({"event": "version", "version": 1})
+    j.close()
+    with open(p, "a") as f:
+        f.write('{"event": "version", "vers')  # the crash hit mid-write
+    assert last_version(read(p)) == 1
+    j2 = Journal(p)  # cuts the torn line, next epoch
+    assert j2.epoch == 2
+    j2.append({"event": "version", "version": 2})
+    j2.close()
+    assert [(r["event"], r["epoch"]) for r in read(p)] == [("start", 1), ("version", 1), ("version", 1),
+                                                            ("start", 2), ("version", 2)]
+    lines = p.read_text().splitlines()
+    lines[1] = "garbage"
+    p.write_text("\n".join(lines) + "\n")
+    with pytest.raises(JournalError, match="line 2 is corrupt"):
+        read(p)
+
+
+def test_resume_point_refuses_what_does_not_add_up(model, tmp_path):
+    config, sd = model
+    b = TorchBackend(config, sd, lr=1e-3)
+    req = load_config(None, ["trainer.resume='require'"])
+    with pytest.raises(checkpoint.CheckpointError, match="trainer.resume = require but .* has no checkpoint"):
+        _resume_point(req, tmp_path)
+    assert _resume_point(load_config(None, []), tmp_path) is None  # auto, nothing there: a fresh start
+    checkpoint.save(tmp_path, 5, b, {}, {})
+    with pytest.raises(checkpoint.CheckpointError, match="manager journal .* is missing or empty"):
+        _resume_point(req, tmp_path)
+    j = Journal(tmp_path / "manager-journal.jsonl")
+    j.append({"event": "version", "version": 3})
+    j.close()
+    with pytest.raises(checkpoint.CheckpointError, match="at version 5 but the manager journal records versions up to 3"):
+        _resume_point(req, tmp_path)
+    j = Journal(tmp_path / "manager-journal.jsonl")
+    j.append({"event": "version", "version": 6})
+    j.close()
+    assert _resume_point(req, tmp_path).name == "step-000005"
+    assert _resume_point(load_config(None, ["trainer.resume='never'"]), tmp_path) is None
+
+
+def test_data_frontier_state_resumes_the_same_prompt_order():
+    from rlboost_hpc.tasks.base import Prompt
+
+    prompts = [Prompt(pid=f"p{i}", text=str(i)) for i in range(10)]
+    a = DataFrontier(prompts, seed=3)
+    a.take(13)  # into the second epoch
+    b = DataFrontier(prompts, seed=3)
+    b.epoch, b.pos = a.epoch, a.pos
+    b._order = b._perm(b.epoch)
+    assert [p.pid for p in a.take(25)] == [p.pid for p in b.take(25)]
+
+
+def test_cli_resume_without_a_checkpoint_is_a_clear_error(repo_root, tmp_path):
+    p = subprocess.run([sys.executable, "-m", "rlboost_hpc.cli", "run", "--out", str(tmp_path / "r"), "--resume",
+                        "--no-progress"], capture_output=True, text=True, timeout=120, cwd=repo_root)
+    assert p.returncode == 2
+    assert "trainer.resume = require but" in p.stderr and "has no checkpoint" in p.stderr
+    assert not (tmp_path / "r" / "report.json").exists()
