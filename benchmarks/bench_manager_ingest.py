@@ -127,8 +127,12 @@ class FakeAgent:
         return M.encode(msg), ntok
 
 
-def loadgen_main(endpoint: str, job_ids: list[str], k: int, max_batch: int, conn) -> None:
-    """Process entry: run ``job_ids`` as fake instances (one DEALER each) until the manager drains them."""
+def loadgen_main(endpoint: str, job_ids: list[str], k: int, max_batch: int, conn, keys_dir: str | None = None) -> None:
+    """Process entry: run ``job_ids`` as fake instances (one DEALER each) until the manager drains them.
+    ``keys_dir``: the run's CURVE keys (the manager then requires them, as in an authenticated run)."""
+    from rlboost_hpc.protocol.auth import RunKeys, secure_client
+
+    keys = RunKeys.load(keys_dir).client_view() if keys_dir else None
     ctx = zmq.Context()
     agents = [FakeAgent(j, k) for j in job_ids]
     socks = []
@@ -136,6 +140,7 @@ def loadgen_main(endpoint: str, job_ids: list[str], k: int, max_batch: int, conn
     for a in agents:
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 500)
+        secure_client(s, keys)
         s.connect(endpoint)
         s.send(M.encode(M.Register(job_id=a.job_id, attempt=0, kind="preemptible", max_batch=max_batch,
                                    host="loadgen", pid=os.getpid(), node="loadgen")))
@@ -201,11 +206,12 @@ def loadgen_main(endpoint: str, job_ids: list[str], k: int, max_batch: int, conn
 
 
 # ---------------------------------------------------------------- live run
-def start_manager(params: dict, target=run_manager_process) -> tuple[mp.Process, str]:
+def start_manager(params: dict, target=run_manager_process, keys_dir: str | None = None) -> tuple[mp.Process, str]:
     """Start the manager process as ``run._start_manager`` does; (process, endpoint)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=target, args=("tcp://127.0.0.1:0", params, child), name="rlboost-manager",
+    extra = (keys_dir,) if keys_dir else ()
+    proc = ctx.Process(target=target, args=("tcp://127.0.0.1:0", params, child, *extra), name="rlboost-manager",
                        daemon=True)
     proc.start()
     child.close()
@@ -237,13 +243,16 @@ def check_group(ev: M.GroupDone, group_size: int, max_new: int) -> list[str]:
     return errs
 
 
-def run_live(n_inst: int, k: int, args, target=run_manager_process) -> dict:
+def run_live(n_inst: int, k: int, args, target=run_manager_process, keys_dir: str | None = None) -> dict:
     """One manager + load generators; steps of ``args.groups`` groups are submitted back to back (as a trainer
-    that does not train would) until ``args.min_run_s`` has passed, so short runs are not timer noise."""
+    that does not train would) until ``args.min_run_s`` has passed, so short runs are not timer noise.
+    ``keys_dir``: run authenticated (CURVE on every socket, keys from that run directory)."""
+    from rlboost_hpc.protocol.auth import RunKeys
+
     params = dict(pending_limit=args.batch, heartbeat_s=0.25, heartbeat_timeout_s=args.heartbeat_timeout_s,
                   max_attempts=5, stream_every_tokens=k, stream_every_s=0.05)
-    mproc, endpoint = start_manager(params, target)
-    client = ManagerClient(endpoint, timeout_s=30)
+    mproc, endpoint = start_manager(params, target, keys_dir)
+    client = ManagerClient(endpoint, timeout_s=30, keys=RunKeys.load(keys_dir).client_view() if keys_dir else None)
     ctx = mp.get_context("spawn")
     gens = []
     try:
@@ -253,7 +262,7 @@ def run_live(n_inst: int, k: int, args, target=run_manager_process) -> dict:
         for p in range(nproc):
             parent, child = ctx.Pipe(duplex=False)
             jobs = [f"fake{i}" for i in range(p, n_inst, nproc)]
-            g = ctx.Process(target=loadgen_main, args=(endpoint, jobs, k, args.batch, child), daemon=True)
+            g = ctx.Process(target=loadgen_main, args=(endpoint, jobs, k, args.batch, child, keys_dir), daemon=True)
             g.start()
             child.close()
             gens.append((g, parent))

@@ -52,6 +52,10 @@ def build_parser(prog: str = "rlboost-hpc scavenger") -> argparse.ArgumentParser
     p.add_argument("--max-backoff-s", type=float, help=_help("max_backoff_s"))
     p.add_argument("--max-submit-per-cycle", type=int, help=_help("max_submit_per_cycle"))
     p.add_argument("--failed-job-backoff-s", type=float, help=_help("failed_job_backoff_s"))
+    p.add_argument("--metrics-port", type=int, help=_help("metrics_port"))
+    p.add_argument("--metrics-host", help=_help("metrics_host"))
+    p.add_argument("--spot-price-per-gpu-hour", type=float, help=_help("spot_price_per_gpu_hour"))
+    p.add_argument("--on-demand-price-per-gpu-hour", type=float, help=_help("on_demand_price_per_gpu_hour"))
     p.add_argument("--once", action="store_true", help="run one reconciliation, print its result as JSON, exit")
     p.add_argument("--exit-when-done", action="store_true",
                    help="exit once target.json says active=false and no rollout job is left")
@@ -61,7 +65,8 @@ def build_parser(prog: str = "rlboost-hpc scavenger") -> argparse.ArgumentParser
 
 _KNOBS = ("partition", "qos", "account", "gpus_per_job", "cpus_per_job", "time_limit", "max_jobs", "grace_s",
           "signal", "requeue", "script", "job_name_prefix", "run_id", "tag", "log_dir", "extra_sbatch_args",
-          "poll_s", "command_timeout_s", "max_backoff_s", "max_submit_per_cycle", "failed_job_backoff_s")
+          "poll_s", "command_timeout_s", "max_backoff_s", "max_submit_per_cycle", "failed_job_backoff_s",
+          "metrics_port", "metrics_host", "spot_price_per_gpu_hour", "on_demand_price_per_gpu_hour")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -102,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
+    if cfg.metrics_port is not None:
+        daemon.start_metrics()
     return daemon.run_forever(exit_when_done=args.exit_when_done)
 
 

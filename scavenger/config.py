@@ -55,6 +55,14 @@ class ScavengerConfig(BaseModel):
     failed_job_backoff_s: float = Field(30.0, ge=0, description=(
         "base pause of submissions after a rollout job FAILED soon after starting (doubles per consecutive "
         "failure, up to max_backoff_s) — stops a crash loop from hammering the scheduler"))
+    metrics_port: int | None = Field(None, ge=0, le=65535, description=(
+        "serve Prometheus metrics on this port (0: a free one; the URL goes to RUN_DIR/scavenger-metrics.json); "
+        "None: off"))
+    metrics_host: str = Field("127.0.0.1", description="address the metrics endpoint binds")
+    spot_price_per_gpu_hour: float = Field(0.0, ge=0, description=(
+        "price of one harvested (preemptible) GPU-hour, for cost per token (e.g. the cluster's internal charge)"))
+    on_demand_price_per_gpu_hour: float = Field(0.0, ge=0, description=(
+        "price of one reserved GPU-hour, for the saving reported next to the harvested cost"))
 
     @field_validator("signal")
     @classmethod

@@ -191,6 +191,7 @@ class Scavenger:
         self._submit_paused_until = 0.0
         self._stop = threading.Event()
         self.consecutive_errors = 0
+        self.metrics = None  # a ScavengerMetrics refreshed after every reconciliation (start_metrics)
         self._replay_events()
 
     # ---------------------------------------------------------------------------------------------
@@ -456,6 +457,28 @@ class Scavenger:
                  ",".join(ids), self.config.signal, self.config.grace_s)
 
     # ---------------------------------------------------------------------------------------------
+    def start_metrics(self) -> str:
+        """Serve Prometheus metrics (``config.metrics_port``/``metrics_host``); returns the URL, also written to
+        ``RUN_DIR/scavenger-metrics.json``. Refreshed after every reconciliation of :meth:`run_forever`."""
+        from rlboost_hpc.observe.metrics import serve_metrics
+        from rlboost_hpc.rundir import write_json_atomic
+        from scavenger.metrics import ScavengerMetrics
+
+        self.metrics = ScavengerMetrics(self.config.spot_price_per_gpu_hour, self.config.on_demand_price_per_gpu_hour)
+        host, port = serve_metrics(self.metrics, host=self.config.metrics_host, port=self.config.metrics_port or 0)
+        url = f"http://{host}:{port}/metrics"
+        write_json_atomic(self.run_dir / "scavenger-metrics.json", {"url": url, "tag": self.tag})
+        log.info("scavenger: metrics at %s", url)
+        return url
+
+    def _refresh_metrics(self, res: ReconcileResult) -> None:
+        from scavenger.stats import load_run_stats
+
+        try:
+            self.metrics.refresh(res, load_run_stats(self.run_dir, now=self.clock.time()))
+        except Exception as e:  # noqa: BLE001 - metrics must never stop the daemon
+            log.warning("scavenger: metrics refresh failed: %s", e)
+
     def stop(self) -> None:
         """Ask :meth:`run_forever` to return after the current step (safe from signal handlers/threads)."""
         self._stop.set()
@@ -482,6 +505,8 @@ class Scavenger:
         while not self._stop.is_set():
             res = self.reconcile_once()
             cycles += 1
+            if self.metrics is not None:
+                self._refresh_metrics(res)
             delay = self.next_delay(res, poll)
             if not res.ok:
                 log.warning("scavenger: %s; retrying in %.0f s (failure %d in a row)", res.error, delay,

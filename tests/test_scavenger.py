@@ -612,3 +612,36 @@ def test_s3_job_that_exits_during_grace_is_replaced(env):
     assert fake.jobs[res.submitted[0]]["state"] == "PENDING"
     fake.schedule()
     assert fake.jobs[res.submitted[0]]["node"] != "n1"
+
+
+def test_metrics_endpoint_serves_capacity_preemptions_and_cost(env):
+    """Issue 7 §5: the scavenger's Prometheus endpoint (real HTTP) shows its jobs by state, the target, preemptions
+    and requeues, harvested GPU-hours and the cost per token at the configured prices."""
+    import urllib.request
+
+    clock, fake, run_dir, make = env
+    sc = make(ScavengerConfig(max_jobs=4, grace_s=15, poll_s=5, metrics_port=0, spot_price_per_gpu_hour=2.0,
+                              on_demand_price_per_gpu_hour=10.0))
+    url = sc.start_metrics()
+    assert json.loads((run_dir / "scavenger-metrics.json").read_text())["url"] == url
+    set_target(run_dir, 2)
+    sc.run_forever(max_cycles=1)
+    fake.schedule()
+    clock.t += 3600
+    sc.run_forever(max_cycles=1)
+    jid = live_ids(fake)[0]
+    fake.preempt(jid)
+    clock.t += 60
+    append_event(run_dir, {"event": "tokens", "source": "worker", "job_id": jid, "attempt": 0, "produced": 1_000_000})
+    sc.run_forever(max_cycles=1)
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    got = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+           if line.startswith("rlboost_scavenger") and " " in line}
+    assert got['rlboost_scavenger_jobs{state="live"}'] == 2 and got["rlboost_scavenger_target"] == 2
+    assert got["rlboost_scavenger_submitted_total"] == 2 and got["rlboost_scavenger_reconciliations_total"] == 3
+    assert got["rlboost_scavenger_preemptions_total"] == 1 and got["rlboost_scavenger_requeues_total"] == 1
+    hours = got["rlboost_scavenger_harvested_gpu_hours"]
+    assert 2.0 <= hours <= 2.1  # two 1-GPU jobs for ~1 h each
+    assert got["rlboost_scavenger_tokens_produced"] == 1_000_000
+    assert got["rlboost_scavenger_cost_per_million_tokens"] == pytest.approx(hours * 2.0)
+    assert got["rlboost_scavenger_saving_vs_on_demand"] == pytest.approx(hours * 8.0)
