@@ -89,6 +89,9 @@ class PolicyCfg(_Strict):
     seed_ceil_s: float | None = Field(None, description="largest T_seed (None: unbounded)")
     cap: bool = Field(True, description="obey N_prem = (t_remote·n_prem + T_seed·N_resv)/t_train")
     dispatch: Literal["jsq", "round_robin"] = Field("jsq", description="JSQ with Θ (RLBoost) or round robin (ablation)")
+    balance: bool = Field(True, description="continuous balancing: move running requests beyond an instance's "
+                                            "learned throughput plateau to instances with headroom")
+    balance_every_s: float = Field(0.5, gt=0, description="balancer period (also the throughput sampling interval)")
 
 
 class WeightsCfg(_Strict):

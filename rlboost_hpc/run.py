@@ -78,6 +78,7 @@ def _resume_point(cfg: RunConfig, out_dir: Path) -> Path | None:
 
 def _start_manager(cfg: RunConfig, keys_dir: str | None, journal_path: str | None = None):
     from rlboost_hpc.manager.service import spawn_manager
+    from rlboost_hpc.policy.dispatch import Balancer
 
     metrics_host = None if cfg.manager.metrics is False else cfg.network.bind_host
     return spawn_manager(bind=f"tcp://{cfg.network.bind_host}:0", keys_dir=keys_dir, metrics_host=metrics_host,
@@ -85,7 +86,8 @@ def _start_manager(cfg: RunConfig, keys_dir: str | None, journal_path: str | Non
         pending_limit=cfg.manager.pending_limit, heartbeat_s=cfg.manager.heartbeat_s,
         heartbeat_timeout_s=cfg.manager.heartbeat_timeout_s, max_attempts=cfg.manager.max_attempts,
         stream_every_tokens=cfg.rollout.stream_every_tokens, stream_every_s=cfg.rollout.stream_every_s,
-        dispatch_policy=cfg.policy.dispatch))
+        dispatch_policy=cfg.policy.dispatch, balance_every_s=cfg.policy.balance_every_s,
+        balancer=Balancer() if cfg.policy.balance else None))
 
 
 def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
@@ -274,6 +276,7 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
             "kills_without_warning": tally["kills"],
             "worker_starts": tally["starts"],
             "responses_migrated": tally["responses_migrated"],
+            "balancer_moves": final_stats["balancer_moves"],
             "rollout_engine": r.engine,
             "migrations_by_engine": final_stats["migrations_by_engine"],
             "migrated_responses_trained": tot.migrated_responses_trained,

@@ -361,3 +361,59 @@ def test_an_instance_declared_lost_is_told_so_and_can_return_as_a_new_attempt():
     submit(core, n=2)
     core.tick()
     assert sum(len(m.works) for m in sent(core, b"r", M.Assign)) == 2
+
+
+def test_balancer_moves_running_requests_beyond_a_learned_plateau_to_an_idle_instance():
+    """Invariant 6 (MISSION §3): instance a's decode rate stops growing beyond batch ~8 (learned online from its
+    own token stream); when b joins idle, a's running requests beyond its plateau are released and resume on b
+    per sample (prefix kept, budget reduced), fewest generated tokens first."""
+    from rlboost_hpc.policy.dispatch import Balancer
+
+    clock = Clock()
+    core = ManagerCore(clock=clock, pending_limit=32, heartbeat_s=0.25, heartbeat_timeout_s=1e9,
+                       balancer=Balancer(min_samples=4, min_buckets=3, cooldown_s=100.0), balance_every_s=1.0)
+    core.on_message(TRAINER, M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
+    core.on_message(TRAINER, M.SetVersion(version=0))
+    register(core, b"a", "a", max_batch=32)
+    pos: dict[str, int] = {}
+
+    def stream(peer, rids, per_rid):  # each running request advances by per_rid tokens
+        for r in rids:
+            core.on_message(peer, tokens(r, pos.get(r, 0), [5] * per_rid, version=core.latest_version))
+            pos[r] = pos.get(r, 0) + per_rid
+
+    step = 0
+    for batch in (2, 4, 8, 16, 24):  # plateau: 8+ requests decode at the same total rate (~80 tokens/s)
+        submit(core, step=step, groups=1, n=batch, max_new=400, version=step)
+        core.tick()
+        rids = sorted(core.instances["a#0"].inflight)
+        for _ in range(3):
+            clock.t += 1.0
+            stream(b"a", rids, max(1, 80 // max(batch, 8)) if batch >= 8 else 10)
+            core.tick()
+        for r in rids:  # finish this step's requests
+            core.on_message(b"a", tokens(r, pos[r], [5], version=step, finish=M.FINISH_STOP))
+        core.on_message(TRAINER, M.SetVersion(version=step + 1))
+        core.on_message(b"a", M.WeightsLoaded(version=step + 1, checksum=1, nbytes=1, pull_s=0.0, load_s=0.0))
+        step += 1
+        pos.clear()
+    assert core.balancer.plateau("a#0") == 8
+    submit(core, step=step, groups=1, n=24, max_new=400, version=step)
+    core.tick()
+    running = sorted(core.instances["a#0"].inflight)
+    stream(b"a", running[:12], 2)  # some requests already produced tokens
+    register(core, b"b", "b", max_batch=32, version=step)
+    core.outbox.clear()
+    clock.t += 1.0
+    core.tick()
+    (rel,) = sent(core, b"a", M.Release)
+    # 24 vs 0: move 12 (never past equal loads), the 12 that have generated nothing yet (cheapest re-prefill)
+    assert sorted(rel.rids) == running[12:] and core.counters["balancer_moves"] == 12
+    core.on_message(b"a", M.Released(rids=rel.rids, tokens_generated=0))
+    core.tick()
+    works = [w for m in sent(core, b"b", M.Assign) for w in m.works]
+    assert sorted(w.rid for w in works) == sorted(rel.rids)
+    clock.t += 1.0
+    core.outbox.clear()
+    core.tick()  # 12 vs 12: no ping-pong
+    assert not sent(core, b"a", M.Release) and not sent(core, b"b", M.Release)

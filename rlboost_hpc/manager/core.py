@@ -15,6 +15,11 @@ Invariants (DESIGN.md; each has a test in tests/test_manager_core.py):
    open or no preemptible instance is routable — the co-located fallback).
 5. Resumed budget: a migrated request continues from prompt + generated ids with
    ``max_new_tokens − generated``; a delta that would exceed the budget is rejected.
+6. Continuous balancing (MISSION §3, ``policy.dispatch.Balancer``; off unless ``balancer`` is given): every
+   ``balance_every_s`` the manager feeds each routable preemptible instance's measured decode rate at its
+   running batch into that instance's plateau estimator, and releases running requests beyond a donor's
+   learned plateau (fewest generated tokens first) when another routable instance has headroom; released
+   requests migrate per sample (invariant 5) and JSQ gives them to the least-loaded instance.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from rlboost_hpc.policy.dispatch import choose_instance
+from rlboost_hpc.policy.dispatch import Balancer, InstanceLoad, choose_instance
 from rlboost_hpc.protocol import messages as M
 
 log = logging.getLogger("rlboost.manager")
@@ -112,6 +117,8 @@ class ManagerCore:
         dispatch_policy: str = "jsq",
         epoch: int = 0,
         alive_every_s: float = 1.0,
+        balancer: Balancer | None = None,
+        balance_every_s: float = 0.5,
     ) -> None:
         if dispatch_policy not in ("jsq", "round_robin"):
             raise ValueError(f"dispatch_policy must be 'jsq' or 'round_robin', not {dispatch_policy!r}")
@@ -119,6 +126,10 @@ class ManagerCore:
         self.epoch = epoch  # incarnation of the run's manager (manager/journal.py); 0 without a journal
         self.alive_every_s = alive_every_s
         self.on_version: Callable[[int], None] | None = None  # set by the service (manager/journal.py)
+        self.balancer = balancer
+        self.balance_every_s = balance_every_s
+        self._last_balance: float | None = None
+        self._rate_marks: dict[str, tuple[int, int]] = {}  # key -> (tokens_received, running) at the last tick
         self._last_alive = -1e9
         self._rr = 0
         # Per-step view of the preemptible pool: key -> [first assignment, last token, tokens] (seconds, count)
@@ -153,6 +164,7 @@ class ManagerCore:
                 "off_version_tokens_rejected", "instances_preempted_with_warning", "instances_lost",
                 "instances_fenced", "instances_drained", "instances_lost_while_pulling", "weight_loads", "weight_load_failures", "groups_delivered",
                 "responses_delivered", "request_failures", "protocol_rejects", "released_requests",
+                "balancer_moves",
             )
         }
         self.pull_seconds: list[float] = []
@@ -510,12 +522,56 @@ class ManagerCore:
         for inst in list(self.instances.values()):
             if inst.state != "gone" and now - inst.last_seen > self.heartbeat_timeout_s:
                 self._instance_gone(inst, f"no heartbeat for {now - inst.last_seen:.1f}s", warned=False)
+        if self.balancer is not None:
+            self._balance(now)
         if now - self._last_alive >= self.alive_every_s:
             self._last_alive = now
             for inst in self.instances.values():
                 if inst.state != "gone":
                     self.send(inst.peer, M.Alive(epoch=self.epoch))
         self.dispatch()
+
+    def _balance(self, now: float) -> None:
+        """Invariant 6: learn each routable preemptible instance's decode rate at its batch, then release
+        running requests beyond a donor's plateau toward instances with headroom."""
+        if self._last_balance is None:
+            self._last_balance = now
+        dt = now - self._last_balance
+        if dt < self.balance_every_s:
+            return
+        self._last_balance = now
+        insts = [i for i in self.instances.values() if i.kind == "preemptible" and self.routable(i)]
+        marks = {}
+        for i in insts:
+            running = len(i.inflight - i.releasing)
+            prev = self._rate_marks.get(i.key)
+            if prev is not None and prev[1] > 0 and running > 0:  # busy through the whole interval
+                self.balancer.observe(i.key, min(prev[1], running), (i.tokens_received - prev[0]) / dt)
+            marks[i.key] = (i.tokens_received, running)
+        for key in set(self._rate_marks) - set(marks):
+            if key not in self.instances or self.instances[key].state == "gone":
+                self.balancer.forget(key)
+        self._rate_marks = marks
+        if len(insts) < 2 or self.queue:  # queued work goes to idle instances by JSQ, not by moves
+            return
+        by_key = {i.key: i for i in insts}
+        loads = [InstanceLoad(i.key, 0, len(i.inflight - i.releasing), min(i.max_batch, self.pending_limit))
+                 for i in insts]
+        moves = self.balancer.moves_for(
+            loads, now, queued_of=lambda k: [],
+            running_of=lambda k: [(r, self.requests[r].n) for r in sorted(by_key[k].inflight - by_key[k].releasing)
+                                  if r in self.requests])
+        release: dict[str, list[str]] = {}
+        for m in moves:
+            if m.kind == "running":
+                release.setdefault(m.src, []).append(m.rid)
+        for key, rids in release.items():
+            inst = by_key[key]
+            inst.releasing |= set(rids)
+            self.counters["balancer_moves"] += len(rids)
+            self.send(inst.peer, M.Release(rids=rids))
+            log.debug("balancer: releasing %d running requests of %s (plateau %d)", len(rids), key,
+                      self.balancer.plateau(key))
 
     def dispatch(self) -> None:
         """Join-shortest-queue (``policy.dispatch.choose_instance``): give each queued request to the routable
