@@ -91,3 +91,18 @@ def test_weight_server_refuses_pullers_without_the_run_key(secured, who):
         WeightPuller(server.endpoint, timeout_s=1.5, keys=bad).pull()
     got = WeightPuller(server.endpoint, timeout_s=5, keys=keys.client_view()).pull()
     assert torch.equal(got.state_dict["w"], torch.arange(1000, dtype=torch.float32))
+
+
+def test_curve_pull_of_full_size_chunks():
+    """Regression (found by benchmarks/bench_curve.py): with CURVE on, libzmq applies MAXMSGSIZE to the encrypted
+    frame (payload + 33 bytes), so a puller whose limit equalled chunk_bytes dropped every full-size chunk and
+    stalled ("no chunk for 10s, 0/17 chunks received") — only versions smaller than one chunk ever worked."""
+    keys = RunKeys.generate()
+    g = torch.Generator().manual_seed(0)
+    sd = {f"w{i}": torch.randn(1 << 17, generator=g) for i in range(8)}  # 8 × 256 KiB in bf16 = 8 full chunks
+    with WeightServer(chunk_bytes=256 << 10, keys=keys) as srv:
+        man = srv.publish(0, sd, dtype=torch.bfloat16)
+        assert man.total_bytes >= 8 * (256 << 10)
+        got = WeightPuller(srv.endpoint, streams=2, window=2, timeout_s=10, keys=keys.client_view()).pull()
+    for k, v in sd.items():
+        assert torch.equal(got.state_dict[k], v.to(torch.bfloat16)), k

@@ -12,7 +12,7 @@ import time
 import zmq
 
 from rlboost_hpc.manager.core import ManagerCore
-from rlboost_hpc.protocol.auth import RunKeys, secure_server
+from rlboost_hpc.protocol.auth import RunKeys, max_msg_size, secure_server
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.errors import ProtocolError
 
@@ -31,7 +31,7 @@ class ManagerService:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.SNDHWM, 100_000)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, M.MAX_FRAME_BYTES)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size(M.MAX_FRAME_BYTES, keys))
         secure_server(self.sock, keys)
         self.sock.bind(bind)
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()

@@ -131,6 +131,17 @@ def secure_server(sock: zmq.Socket, keys: RunKeys | None) -> None:
     sock.zap_domain = ZAP_DOMAIN
 
 
+# A CURVE MESSAGE command wraps each frame: command name (8) + nonce (8) + flags (1) + Poly1305 MAC (16) bytes.
+# libzmq applies MAXMSGSIZE to that wire size, so a limit equal to the payload size rejects full-size payloads
+# (and drops the connection) only when CURVE is on. Use :func:`max_msg_size` for every limit.
+CURVE_OVERHEAD_BYTES = 64
+
+
+def max_msg_size(payload_limit: int, keys: "RunKeys | None") -> int:
+    """The ``zmq.MAXMSGSIZE`` that admits payloads up to ``payload_limit`` bytes (plus CURVE's framing)."""
+    return payload_limit + (CURVE_OVERHEAD_BYTES if keys is not None else 0)
+
+
 def secure_client(sock: zmq.Socket, keys: RunKeys | None) -> None:
     """Make ``sock`` a CURVE client of the run's servers (call before connect; no-op for ``None``)."""
     if keys is None:

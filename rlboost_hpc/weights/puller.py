@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from rlboost_hpc.protocol.auth import RunKeys, secure_client
+from rlboost_hpc.protocol.auth import RunKeys, max_msg_size, secure_client
 
 from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.protocol.weight_msgs import (
@@ -275,7 +275,7 @@ class WeightPuller:
         s = ctx.socket(zmq.DEALER)
         try:
             s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.MAXMSGSIZE, max_frame)
+            s.setsockopt(zmq.MAXMSGSIZE, max_msg_size(max_frame, self.keys))
             s.setsockopt(zmq.RCVTIMEO, rcvtimeo_ms)
             secure_client(s, self.keys)
             s.connect(self.endpoint)

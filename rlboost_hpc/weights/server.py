@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping
 import torch
 import zmq
 
-from rlboost_hpc.protocol.auth import RunKeys, secure_server, stop_authenticator
+from rlboost_hpc.protocol.auth import RunKeys, max_msg_size, secure_server, stop_authenticator
 
 from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.protocol.weight_msgs import (
@@ -156,7 +156,7 @@ class WeightServer:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             sock.setsockopt(zmq.SNDHWM, self._sndhwm)
             sock.setsockopt(zmq.RCVHWM, 4096)
-            sock.setsockopt(zmq.MAXMSGSIZE, _MAX_INBOUND_FRAME)
+            sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size(_MAX_INBOUND_FRAME, self._keys))
             secure_server(sock, self._keys)
             sock.bind(self._bind)
             self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
