@@ -49,7 +49,7 @@ def pull_gbps(size_mib: int, streams: int, reps: int, keys: RunKeys | None) -> t
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes-mib", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--sizes-mib", type=int, nargs="*", default=[64, 256], help="weight sizes (none: skip the pull part)")
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--ks", type=int, nargs="+", default=[4, 16], help="tokens per delta (stream_every_tokens)")

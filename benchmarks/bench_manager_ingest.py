@@ -234,9 +234,9 @@ def check_group(ev: M.GroupDone, group_size: int, max_new: int) -> list[str]:
     if len(ev.responses) != group_size:
         errs.append(f"{ev.gid}: {len(ev.responses)} responses")
     want_ids, want_lps = POS_IDS[:4 * max_new], POS_LPS[:4 * max_new]
-    want_ver = bytes(4 * max_new)
+    want_ver = M.version_runs([0] * max_new)
     for i, r in enumerate(ev.responses):
-        if r.sample != i or r.ids != want_ids or r.logprobs != want_lps or r.versions != want_ver \
+        if r.sample != i or r.ids != want_ids or r.logprobs != want_lps or r.version_runs != want_ver \
                 or r.finish_reason != "length":
             errs.append(f"{ev.gid}/{i}: {len(r.ids) // 4} tokens, finish={r.finish_reason}, content "
                         f"{'ok' if r.ids == want_ids else 'WRONG'}")

@@ -115,7 +115,7 @@ def test_tokens_complete_group_delivered_exactly_once():
     assert len(done) == 1
     r = {x.rid: x for x in done[0].responses}
     assert M.unpack_i32(r["s0g0/1"].ids).tolist() == [9, 9, 4]
-    assert M.unpack_i32(r["s0g0/1"].versions).tolist() == [0, 0, 0]
+    assert M.expand_version_runs(r["s0g0/1"].version_runs).tolist() == [0, 0, 0]
     assert r["s0g0/0"].finish_reason == "stop" and r["s0g0/1"].finish_reason == "length"
     core.outbox.clear()
     core.on_message(b"a", tokens("s0g0/1", 3, [4], finish=M.FINISH_LENGTH))  # replayed frame

@@ -84,3 +84,15 @@ def test_fuzz_decoder_only_raises_protocol_error():
         if isinstance(msg, M.Tokens):  # whatever decodes is internally consistent
             assert len(msg.ids) == 4 * sum(msg.counts)
     assert n_ok < 12_000
+
+
+def test_version_runs_round_trip_and_reject_garbage():
+    from rlboost_hpc.protocol.errors import ProtocolError
+
+    for vs in ([], [3], [3, 3, 3], [1, 1, 2, 2, 2, 1]):
+        assert M.expand_version_runs(M.version_runs(vs)).tolist() == vs
+    assert len(M.version_runs([7] * 1000)) == 8  # one (version, count) pair
+    with pytest.raises(ProtocolError, match="whole number of"):
+        M.expand_version_runs(M.pack_i32([1, 2, 3]))
+    with pytest.raises(ProtocolError, match="negative count"):
+        M.expand_version_runs(M.pack_i32([1, -2]))

@@ -501,12 +501,11 @@ class ManagerCore:
         responses = []
         for rid in grp.rids:
             r = self.requests[rid]
-            # Every accepted token carries the request's version (others are rejected above), so the
-            # per-token version array is materialised here instead of appended delta by delta.
+            # Every accepted token carries the request's version (others are rejected above): one run.
             responses.append(M.Response(
                 rid=rid, sample=r.sample, ids=bytes(r.ids), logprobs=bytes(r.logprobs),
-                versions=np.full(r.n, r.version, dtype="<i4").tobytes(), finish_reason=r.finish_reason, migrations=r.migrations,
-                instances=r.instances))
+                version_runs=np.array([r.version, r.n], dtype="<i4").tobytes(), finish_reason=r.finish_reason,
+                migrations=r.migrations, instances=r.instances))
         self.send(self.trainer_peer, M.GroupDone(step=grp.step, gid=grp.gid, responses=responses))
         self.counters["groups_delivered"] += 1
         self.counters["responses_delivered"] += len(responses)

@@ -242,13 +242,16 @@ class Shutdown(_Msg, tag="shutdown"):
 
 
 class Response(msgspec.Struct, forbid_unknown_fields=True):
-    """A finished response. ``ids`` int32, ``logprobs`` float32, ``versions`` int32: parallel packed arrays."""
+    """A finished response. ``ids`` int32 and ``logprobs`` float32: parallel packed arrays (one entry per token).
+    ``version_runs``: the producing weight version of every token, run-length encoded as packed int32
+    ``(version, count)`` pairs in token order (:func:`expand_version_runs`); one pair when, as the manager
+    guarantees, every token has the step's version — 8 bytes instead of 4 per token on the wire."""
 
     rid: str
     sample: int
     ids: bytes
     logprobs: bytes
-    versions: bytes
+    version_runs: bytes
     finish_reason: str
     migrations: int
     instances: list[str]
@@ -319,6 +322,31 @@ def pack_i32(values) -> bytes:
 def pack_f32(values) -> bytes:
     """Pack floats as little-endian float32 bytes."""
     return np.asarray(values, dtype="<f4").tobytes()
+
+
+def version_runs(versions) -> bytes:
+    """Run-length encode per-token versions (any int sequence) as packed int32 (version, count) pairs."""
+    v = np.asarray(versions, dtype=np.int64)
+    if v.size == 0:
+        return b""
+    starts = np.flatnonzero(np.r_[True, v[1:] != v[:-1]])
+    counts = np.diff(np.r_[starts, v.size])
+    return np.stack([v[starts], counts], axis=1).astype("<i4").tobytes()
+
+
+def expand_version_runs(buf: bytes) -> np.ndarray:
+    """Per-token versions (int32 array) from :func:`version_runs` bytes.
+
+    Raises:
+        ProtocolError: the buffer is not whole (version, count) pairs or a count is negative.
+    """
+    pairs = unpack_i32(buf)
+    if pairs.size % 2:
+        raise ProtocolError(f"version runs: {len(buf)} bytes is not a whole number of (version, count) pairs")
+    pairs = pairs.reshape(-1, 2)
+    if (pairs[:, 1] < 0).any():
+        raise ProtocolError("version runs: negative count")
+    return np.repeat(pairs[:, 0], pairs[:, 1])
 
 
 def unpack_i32(buf: bytes) -> np.ndarray:

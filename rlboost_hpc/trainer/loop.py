@@ -26,6 +26,7 @@ import torch
 
 from rlboost_hpc.policy.controller import RolloutController, StepDecision, StepObservation
 from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.tasks.base import Prompt, Task
 from rlboost_hpc.trainer.algorithms.grpo import group_advantages
 from rlboost_hpc.trainer.backends.base import Sample, TrainerBackend
@@ -188,7 +189,10 @@ class RLTrainer:
                 self.seen.add(resp.rid)
                 ids = M.unpack_i32(resp.ids)
                 lps = M.unpack_f32(resp.logprobs)
-                vers = M.unpack_i32(resp.versions)
+                try:
+                    vers = M.expand_version_runs(resp.version_runs)
+                except ProtocolError as e:
+                    raise RolloutFailed(f"step {step}: response {resp.rid}: {e}") from None
                 if not (len(ids) == len(lps) == len(vers)) or len(ids) == 0 or len(ids) > s.max_new_tokens:
                     raise RolloutFailed(f"step {step}: response {resp.rid} has ids/logprobs/versions of lengths "
                                         f"{len(ids)}/{len(lps)}/{len(vers)} (budget {s.max_new_tokens})")
