@@ -7,19 +7,17 @@ runs a Slurm command or races the daemon. Harvest statistics come from the run's
 """
 from __future__ import annotations
 
-import threading
-from typing import Any
-
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from rlboost_hpc.observe.metrics import SnapshotCollector
 
-class ScavengerMetrics:
+
+class ScavengerMetrics(SnapshotCollector):
     """Collector over the daemon's last reconciliation and the run's harvest statistics."""
 
     def __init__(self, spot_price_per_gpu_hour: float = 0.0, on_demand_price_per_gpu_hour: float = 0.0) -> None:
+        super().__init__()
         self.spot_price, self.on_demand_price = spot_price_per_gpu_hour, on_demand_price_per_gpu_hour
-        self._lock = threading.Lock()
-        self._snap: dict[str, Any] = {}
         self._totals = {"submitted": 0, "cancelled": 0, "signalled": 0, "command_failures": 0, "reconciliations": 0}
 
     def refresh(self, res, stats) -> None:
@@ -43,12 +41,10 @@ class ScavengerMetrics:
             "cost_per_million_tokens": (cost / stats.tokens_produced * 1e6) if stats.tokens_produced else 0.0,
             "saving_vs_on_demand": stats.gpu_hours * (self.on_demand_price - self.spot_price),
         }
-        with self._lock:
-            self._snap = snap
+        self.publish(snap)
 
     def collect(self):
-        with self._lock:
-            s = dict(self._snap)
+        s = self.snapshot()
         if not s:
             return
         jobs = GaugeMetricFamily("rlboost_scavenger_jobs", "our rollout jobs by state at the last reconciliation",

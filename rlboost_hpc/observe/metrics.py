@@ -27,12 +27,26 @@ COUNTERS = {
 }
 
 
-class ManagerMetrics:
-    """Collector over a stats snapshot (``ManagerCore.stats()`` plus per-instance details)."""
+class SnapshotCollector:
+    """Base of our collectors: the owner's loop publishes a dict snapshot; scrapes read a copy of it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._snap: dict = {}
+
+    def publish(self, snap: dict) -> None:
+        """Replace the snapshot (called by the owner's loop)."""
+        with self._lock:
+            self._snap = snap
+
+    def snapshot(self) -> dict:
+        """A copy of the last snapshot (``{}`` before the first :meth:`publish`)."""
+        with self._lock:
+            return dict(self._snap)
+
+
+class ManagerMetrics(SnapshotCollector):
+    """Collector over a stats snapshot (``ManagerCore.stats()`` plus per-instance details)."""
 
     def refresh(self, core) -> None:
         """Take a snapshot of ``core`` (call from the manager's loop)."""
@@ -41,12 +55,10 @@ class ManagerMetrics:
                              if i.state != "gone"]
         snap["pull_seconds_sum"] = float(sum(core.pull_seconds))
         snap["pull_seconds_count"] = len(core.pull_seconds)
-        with self._lock:
-            self._snap = snap
+        self.publish(snap)
 
     def collect(self):
-        with self._lock:
-            s = dict(self._snap)
+        s = self.snapshot()
         if not s:
             return
         for name, doc in COUNTERS.items():
