@@ -130,3 +130,21 @@ def test_cli_resume_without_a_checkpoint_is_a_clear_error(repo_root, tmp_path):
     assert p.returncode == 2
     assert "trainer.resume = require but" in p.stderr and "has no checkpoint" in p.stderr
     assert not (tmp_path / "r" / "report.json").exists()
+
+
+@pytest.mark.megatron
+@pytest.mark.integration
+def test_megatron_backend_run_resumes_from_its_dist_checkpoint(repo_root, tmp_path):
+    """trainer.backend=megatron: the checkpoint's backend part is Megatron's dist_checkpointing; a second
+    invocation resumes from it and the run's ledgers stay exact."""
+    from test_demo_run import run_cli
+
+    out = tmp_path / "mg"
+    for steps in (2, 4):
+        p = run_cli(repo_root, out, f"trainer.steps={steps}", 'trainer.backend="megatron"', timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+    rep = json.loads((out / "report.json").read_text())
+    assert (rep["steps"], rep["resumes"], rep["resumed_from_step"]) == (4, 1, 2)
+    assert rep["responses_lost"] == 0 and rep["prompts_not_trained_exactly_once"] == 0
+    assert rep["responses_trained"] == 4 * 64
+    assert any((out / "checkpoints/step-000004/backend").glob("*.distcp"))
