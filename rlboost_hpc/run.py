@@ -178,11 +178,12 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
     failure: BaseException | None = None
     report: dict = {}
     try:
-        start_step, trainer_state, resumes, prior_counts = 0, None, 0, {}
+        start_step, trainer_state, resumes, prior_counts, prior_wall = 0, None, 0, {}, 0.0
         if ckpt is not None:  # model, optimizer, RNG now; the loop's state once the trainer exists
-            start_step, trainer_state, run_state = checkpoint.load(ckpt, backend)
+            start_step, trainer_state, run_state = checkpoint.load(ckpt, backend, run_keys=(
+                "step_metrics", "before", "resumes", "counts", "train_wall_s"))
             step_metrics, before, resumes = run_state["step_metrics"], run_state["before"], run_state["resumes"] + 1
-            prior_counts = run_state["counts"]
+            prior_counts, prior_wall = run_state["counts"], run_state["train_wall_s"]
         metrics_f = open(out_dir / "metrics.jsonl", "w")  # what the checkpoint covers, then the new steps
         metrics_f.writelines(json.dumps(m) + "\n" for m in step_metrics)
         metrics_f.flush()
@@ -248,9 +249,10 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
                 if every and ((step + 1) % every == 0 or step + 1 == cfg.trainer.steps):
                     checkpoint.save(out_dir, step + 1, backend, trainer.state_dict(), {
                         "step_metrics": step_metrics, "before": before, "resumes": resumes,
-                        "counts": _add_counts(prior_counts, _counts(cluster, st))})
+                        "counts": _add_counts(prior_counts, _counts(cluster, st)),
+                        "train_wall_s": prior_wall + time.monotonic() - t_train0})
                 view.update(m)
-        train_wall = time.monotonic() - t_train0
+        train_wall = prior_wall + time.monotonic() - t_train0  # training time of every incarnation
         final_stats = client.stats()
         after = evaluate(config, server.local_state_dict(trainer.version), tok, task, **eval_kw)
         drift = _drift(backend, task, tok, stop_ids, r.max_new_tokens)

@@ -148,3 +148,29 @@ def test_megatron_backend_run_resumes_from_its_dist_checkpoint(repo_root, tmp_pa
     assert rep["responses_lost"] == 0 and rep["prompts_not_trained_exactly_once"] == 0
     assert rep["responses_trained"] == 4 * 64
     assert any((out / "checkpoints/step-000004/backend").glob("*.distcp"))
+
+
+def test_checkpoint_from_another_version_is_a_clear_error(model, tmp_path):
+    """Regression: a checkpoint whose run state lacked a key added later ('counts') crashed the resume with a bare
+    KeyError; it is now a CheckpointError naming the key."""
+    config, sd = model
+    b = TorchBackend(config, sd, lr=1e-3)
+    checkpoint.save(tmp_path, 7, b, {}, {"step_metrics": [], "before": {}, "resumes": 0})
+    with pytest.raises(checkpoint.CheckpointError, match=r"lacks \['counts'\] \(written by another version"):
+        checkpoint.load(checkpoint.latest(tmp_path), b, run_keys=("step_metrics", "counts"))
+
+
+@pytest.mark.integration
+def test_rerunning_a_finished_run_reports_the_same_totals(repo_root, tmp_path):
+    """Regression: the same command again on a finished run resumed with 0 steps left and divided the restored
+    tokens by ~0 s of training (6.7 M tokens/s); throughput now uses the training time of every incarnation."""
+    from test_demo_run import run_cli
+
+    reps = []
+    for _ in range(2):
+        p = run_cli(repo_root, tmp_path / "r", "trainer.steps=2", timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        reps.append(json.loads((tmp_path / "r/report.json").read_text()))
+    a, b = reps
+    assert b["resumes"] == 1 and b["steps"] == a["steps"] == 2 and b["responses_trained"] == a["responses_trained"]
+    assert b["throughput_tokens_per_s"] == pytest.approx(a["throughput_tokens_per_s"], rel=0.5)

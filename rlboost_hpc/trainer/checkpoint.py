@@ -95,11 +95,12 @@ def latest(run_dir: str | os.PathLike) -> Path | None:
     return path
 
 
-def load(path: Path, backend) -> tuple[int, dict[str, Any], dict[str, Any]]:
+def load(path: Path, backend, run_keys: tuple[str, ...] = ()) -> tuple[int, dict[str, Any], dict[str, Any]]:
     """Verify ``path`` against its manifest and restore the backend; returns (step, trainer_state, run_state).
 
     Raises:
-        CheckpointError: missing/extra/changed file, unreadable manifest or state.
+        CheckpointError: missing/extra/changed file, unreadable manifest or state, or a ``run_state`` without
+            one of ``run_keys`` (a checkpoint written by another version of rlboost-hpc).
     """
     man_path = path / "manifest.json"
     try:
@@ -118,6 +119,10 @@ def load(path: Path, backend) -> tuple[int, dict[str, Any], dict[str, Any]]:
         st = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - any failure here means the run cannot resume
         raise CheckpointError(f"checkpoint {path}: cannot restore ({type(e).__name__}: {e})") from None
+    missing = [k for k in run_keys if k not in st.get("run", {})]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks {missing} (written by another version of rlboost-hpc); "
+                              "resume it with that version, or start a fresh run (trainer.resume=never / new --out)")
     random.setstate(st["rng"]["python"])
     np.random.set_state(st["rng"]["numpy"])
     return step, st["trainer"], st["run"]
