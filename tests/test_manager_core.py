@@ -417,3 +417,19 @@ def test_balancer_moves_running_requests_beyond_a_learned_plateau_to_an_idle_ins
     core.outbox.clear()
     core.tick()  # 12 vs 12: no ping-pong
     assert not sent(core, b"a", M.Release) and not sent(core, b"b", M.Release)
+
+
+def test_alive_reaches_every_live_instance_once_a_second_even_when_idle():
+    """Idle instances hear from the manager (Alive with its epoch) at least every alive_every_s, so a quiet manager
+    is never mistaken for a dead one during a long training step (agent manager_timeout_s = 10 s)."""
+    core, clock = make()
+    core.epoch = 3
+    register(core, b"a", "a")
+    register(core, b"b", "b")
+    core.on_message(b"b", M.Deregister(reason="preempted", tokens_generated=0))
+    for _ in range(5):
+        core.outbox.clear()
+        clock.t += 1.0
+        core.on_message(b"a", M.Heartbeat(version=0, active=0, tokens_generated=0))
+        core.tick()
+        assert [m.epoch for m in sent(core, b"a", M.Alive)] == [3] and not sent(core, b"b", M.Alive)
