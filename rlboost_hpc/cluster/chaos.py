@@ -73,6 +73,7 @@ def chaos_main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    _forget_previous_run(out)  # a chaos run always starts from step 0; its own restarts then resume
     trace = out / "chaos-trace.csv"
     n_remove = synthetic_trace(trace, duration_s=a.duration_s, instances=a.workers, mean_lifetime_s=a.lifetime_s,
                                mean_downtime_s=a.downtime_s, seed=a.seed)
@@ -99,6 +100,16 @@ def chaos_main(argv: list[str] | None = None) -> int:
               "prompts_not_trained_exactly_once": rep["prompts_not_trained_exactly_once"]}
     print(json.dumps({"faults": faults, "checks": checks, "steps": rep["steps"]}, indent=2))
     return 0 if all(v == 0 for v in checks.values()) else 1
+
+
+def _forget_previous_run(out: Path) -> None:
+    """Remove an earlier run's checkpoints and manager journal from ``out`` (the harness's own output dir)."""
+    import shutil
+
+    from rlboost_hpc.manager.journal import NAME
+
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    (out / NAME).unlink(missing_ok=True)
 
 
 def run_with_restarts(config: str, out: Path, overrides: list[str], kills: int, kill_after_s: tuple[float, float],
