@@ -27,7 +27,8 @@ def test_metrics_endpoint_exposes_manager_state():
         client.close()
         proc.join(5)
     for name in ["rlboost_tokens_received_total", "rlboost_responses_migrated_total", "rlboost_queue_depth",
-                 "rlboost_instances_lost_total", "rlboost_weight_pulls_total", "rlboost_tokens_regenerated_total"]:
+                 "rlboost_instances_lost_total", "rlboost_weight_pulls_total", "rlboost_tokens_regenerated_total",
+                 "rlboost_balancer_moves_total"]:
         assert name in text, name
     assert "rlboost_latest_weight_version 3.0" in text
     assert "rlboost_t_seed_seconds 1.5" in text and "rlboost_n_prem_cap 4.0" in text

@@ -24,6 +24,7 @@ COUNTERS = {
     "responses_delivered": "responses delivered to the trainer",
     "protocol_rejects": "frames rejected by schema or from unknown peers",
     "late_tokens": "tokens dropped because their request had moved on",
+    "balancer_moves": "running requests released by the continuous balancer (beyond a learned plateau)",
 }
 
 
