@@ -119,8 +119,7 @@ def test_data_frontier_state_resumes_the_same_prompt_order():
     a = DataFrontier(prompts, seed=3)
     a.take(13)  # into the second epoch
     b = DataFrontier(prompts, seed=3)
-    b.epoch, b.pos = a.epoch, a.pos
-    b._order = b._perm(b.epoch)
+    b.restore(*a.state())
     assert [p.pid for p in a.take(25)] == [p.pid for p in b.take(25)]
 
 

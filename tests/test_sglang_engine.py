@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _util import collect_until
 from rlboost_hpc.models.llama2c import load_hf_dir
 from rlboost_hpc.models.tokenizer import Llama2cTokenizer
 from rlboost_hpc.rollout.engines.base import EngineError, GenRequest, SamplingParams, TokenEvent
@@ -112,31 +113,6 @@ def _run(eng, rid, prompt, n, sp=GREEDY, prefix=()):
     return generate_all(eng, [GenRequest(rid, list(prompt), n, sp, list(prefix))])[rid]
 
 
-def _collect_until(eng, req: GenRequest, k: int):
-    """Run ``req`` until ≥ k tokens came back (or it finished), abort it, and return (ids, lps, reason): every
-    token the engine produced, including those handed back by ``abort``."""
-    eng.add(req)
-    ids: list[int] = []
-    lps: list[float] = []
-    while True:
-        for e in eng.step():
-            assert e.rid == req.rid and len(e.token_ids) == len(e.logprobs)
-            ids += e.token_ids
-            lps += e.logprobs
-            if e.finished:
-                return ids, lps, e.finish_reason
-        if len(ids) >= k:
-            ev = eng.abort(req.rid)
-            if ev is not None:
-                assert len(ev.token_ids) == len(ev.logprobs)
-                ids += ev.token_ids
-                lps += ev.logprobs
-                if ev.finished:
-                    return ids, lps, ev.finish_reason
-            assert eng.num_active == 0
-            return ids, lps, None
-
-
 def _close(a, b, atol=ATOL):
     torch.testing.assert_close(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64),
                                rtol=0, atol=atol)
@@ -201,7 +177,7 @@ def test_migration_torch_to_sglang_resumes_exactly(engine, loaded, tok):
         full_ids, full_lps, full_reason = _run(_torch(loaded), "u", prompt, N)
         rng = random.Random(pi)
         for k in sorted({1, N - 1, *rng.sample(range(2, N - 1), 3)}):
-            head, head_lps, reason = _collect_until(_torch(loaded, max_batch=2), GenRequest("m", prompt, N, GREEDY), k)
+            head, head_lps, reason = collect_until(_torch(loaded, max_batch=2), GenRequest("m", prompt, N, GREEDY), k)
             assert reason is None and head == full_ids[:len(head)]
             tail, tail_lps, tail_reason = _run(engine, "m", prompt, N - len(head), prefix=head)
             assert len(head) + len(tail) == N  # the original budget, never more
@@ -216,7 +192,7 @@ def test_migration_sglang_to_torch_resumes_exactly(engine, loaded, tok):
     full_ids, full_lps, full_reason = _run(_torch(loaded), "u", prompt, N)
     migrated = 0
     for k in (1, 9, 33, 120):
-        head, head_lps, reason = _collect_until(engine, GenRequest(f"m{k}", prompt, N, GREEDY), k)
+        head, head_lps, reason = collect_until(engine, GenRequest(f"m{k}", prompt, N, GREEDY), k)
         assert head == full_ids[:len(head)] and len(head) >= min(k, len(full_ids))
         _close(head_lps, full_lps[:len(head)])
         if reason is not None:  # the server finished before the abort landed: nothing to migrate
@@ -236,7 +212,7 @@ def test_migration_chain_sglang_torch_sglang(engine, loaded, tok):
     ids: list[int] = []
     lps: list[float] = []
     for eng, k in ((engine, 7), (_torch(loaded, max_batch=2), 13)):
-        got, got_lps, reason = _collect_until(eng, GenRequest("c", prompt, N - len(ids), GREEDY, list(ids)), k)
+        got, got_lps, reason = collect_until(eng, GenRequest("c", prompt, N - len(ids), GREEDY, list(ids)), k)
         assert reason is None
         ids += got
         lps += got_lps

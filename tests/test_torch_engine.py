@@ -11,6 +11,7 @@ import torch
 
 from rlboost_hpc import paths
 from rlboost_hpc.models.llama import LlamaModel
+from _util import collect_until
 from rlboost_hpc.models.llama2c import load_hf_dir
 from rlboost_hpc.models.tokenizer import Llama2cTokenizer
 from rlboost_hpc.rollout.engines import torch_engine as te
@@ -129,24 +130,6 @@ def test_step_events_contract(engine, tok):
 
 
 # ---------------------------------------------------------------------------------------------- migration
-def _collect_until(eng: TorchEngine, req: GenRequest, k: int):
-    """Run ``req`` until at least k tokens came back (or it finished); abort it; return (ids, lps, finished)."""
-    eng.add(req)
-    ids: list[int] = []
-    lps: list[float] = []
-    while True:
-        for e in eng.step():
-            assert e.rid == req.rid and len(e.token_ids) == len(e.logprobs)
-            ids += e.token_ids
-            lps += e.logprobs
-            if e.finished:
-                return ids, lps, e.finish_reason
-        if len(ids) >= k:
-            eng.abort(req.rid)
-            assert eng.num_active == 0
-            return ids, lps, None
-
-
 @pytest.mark.parametrize("sp", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("stop", [(), (1, 2)], ids=["nostop", "stop"])
 def test_migration_resume_equals_uninterrupted(loaded, tok, sp, stop):
@@ -161,7 +144,7 @@ def test_migration_resume_equals_uninterrupted(loaded, tok, sp, stop):
             if k < 1:
                 continue
             # (a) stopped by abort after >= k tokens, resumed on a NEW engine
-            head, head_lps, reason = _collect_until(_engine(loaded, max_batch=4), GenRequest("m", prompt, N, sp), k)
+            head, head_lps, reason = collect_until(_engine(loaded, max_batch=4), GenRequest("m", prompt, N, sp), k)
             # (b) exactly k tokens via a smaller budget
             ex_ids, ex_lps, ex_reason = _run(_engine(loaded, max_batch=2), "e", prompt, k, sp)
             assert ex_ids == full_ids[:len(ex_ids)]
@@ -186,7 +169,7 @@ def test_migration_chain_of_three_engines_sampled(loaded, tok):
     got_ids: list[int] = []
     got_lps: list[float] = []
     for k in (7, 19):
-        ids, lps, reason = _collect_until(_engine(loaded, max_batch=2),
+        ids, lps, reason = collect_until(_engine(loaded, max_batch=2),
                                           GenRequest("m", prompt, N - len(got_ids), SAMPLED, list(got_ids)), k)
         assert reason is None
         got_ids += ids

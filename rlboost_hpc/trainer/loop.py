@@ -80,6 +80,15 @@ class DataFrontier:
         random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
+    def state(self) -> tuple[int, int]:
+        """(epoch, position): all the frontier's state (the order is derived from the epoch)."""
+        return self.epoch, self.pos
+
+    def restore(self, epoch: int, pos: int) -> None:
+        """Continue from a :meth:`state` taken earlier (same prompts and seed)."""
+        self.epoch, self.pos = int(epoch), int(pos)
+        self._order = self._perm(self.epoch)
+
     def take(self, n: int) -> list[Prompt]:
         out = []
         while len(out) < n:
@@ -118,7 +127,7 @@ class RLTrainer:
     def state_dict(self) -> dict:
         """Everything of the loop a resume needs, consistent with the last optimizer step (case C1): version,
         data frontier, totals, the exactly-once ledgers and the scheduling policy's state (T_seed, M[n])."""
-        return {"version": self.version, "frontier": (self.frontier.epoch, self.frontier.pos),
+        return {"version": self.version, "frontier": self.frontier.state(),
                 "totals": dict(vars(self.totals)), "seen": sorted(self.seen),
                 "trained_groups": dict(self.trained_groups), "taken": list(self.taken),
                 "controller": self.controller, "decision": self.decision}
@@ -126,9 +135,7 @@ class RLTrainer:
     def load_state_dict(self, st: dict) -> None:
         """Restore :meth:`state_dict` (same task and settings)."""
         self.version = int(st["version"])
-        epoch, pos = st["frontier"]
-        self.frontier.epoch, self.frontier.pos = int(epoch), int(pos)
-        self.frontier._order = self.frontier._perm(self.frontier.epoch)
+        self.frontier.restore(*st["frontier"])
         self.totals = Totals(**st["totals"])
         self.seen = set(st["seen"])
         self.trained_groups = dict(st["trained_groups"])

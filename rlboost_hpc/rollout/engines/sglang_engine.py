@@ -551,7 +551,6 @@ class SGLangEngine(Engine):
             if rid in self._reqs:
                 raise EngineError(f"request {rid!r}: duplicate rid (already queued or running)")
         checked = validate_request(req, vocab_size=self.vocab_size, max_len=self.max_len)
-        clean = {"prompt_ids": checked.prompt_ids, "prefix_ids": checked.prefix_ids}
         sp = checked.sampling
         self._check_server(f"add({rid!r})")
         stop = frozenset(int(t) for t in sp.stop_token_ids)
@@ -573,7 +572,7 @@ class SGLangEngine(Engine):
         elif stop:
             sampling["stop_token_ids"] = sorted(stop)
         srid = f"{rid}@{self._tag}.{next(self._seq)}"
-        r = _Req(rid=rid, srid=srid, input_ids=clean["prompt_ids"] + clean["prefix_ids"], sampling=sampling,
+        r = _Req(rid=rid, srid=srid, input_ids=checked.prompt_ids + checked.prefix_ids, sampling=sampling,
                  stop=stop, max_new=req.max_new_tokens, enforce_stop=enforce)
         with self._lock:
             self._reqs[rid] = r

@@ -37,10 +37,10 @@ from rlboost_hpc.models.llama import KVCache, LlamaModel
 from rlboost_hpc.rollout.engines.base import (
     Engine,
     EngineError,
-    validate_request,
     FinishReason,
     GenRequest,
     TokenEvent,
+    validate_request,
 )
 
 __all__ = ["TorchEngine", "generate_all", "uniform", "uniform_reference", "sample_tokens"]
