@@ -28,10 +28,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from rlboost_hpc.manager.journal import JournalError
     from rlboost_hpc.trainer.checkpoint import CheckpointError
 
-    setup_logging("trainer", level=args.log_level)
+    import os
+
     out = Path(args.out)
+    run_id = os.environ.get("RLBOOST_RUN_ID") or out.resolve().name
+    setup_logging("trainer", level=args.log_level, run_id=run_id)
     try:
-        report = run(cfg, out, progress=not args.no_progress)
+        report = run(cfg, out, progress=not args.no_progress, run_id=run_id)
     except (ConfigError, DataFileMissing, ModelFormatError, TraceFormatError, CheckpointError, JournalError) as e:
         print(f"rlboost-hpc: {e}", file=sys.stderr)
         return 2

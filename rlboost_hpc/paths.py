@@ -4,13 +4,17 @@ Invariant: every file the project reads from the shared data set is resolved thr
 so a missing file always produces the same actionable :class:`DataFileMissing` error naming the file,
 the data directory searched and the public origin to fetch it from.
 
-The data directory is, in order: the ``RLBOOST_DATA`` environment variable, else ``../shared/data``
-relative to the project root (the checkout's parent directory holds ``shared/``).
+The data directory is, in order: the directory set by :func:`using_data_dir` for the duration of a run
+(``data.dir`` of the run's config), else the ``RLBOOST_DATA`` environment variable, else ``../shared/data``
+relative to the project root (the checkout's parent directory holds ``shared/``). A run never writes
+``RLBOOST_DATA`` into the process environment, so nothing it sets outlives it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
+from typing import Iterator
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA_DIR = PROJECT_ROOT.parent / "shared" / "data"
@@ -29,8 +33,26 @@ class DataFileMissing(FileNotFoundError):
     """A shared data file is absent; the message names the file, where it was looked for and its origin."""
 
 
+_override: Path | None = None
+
+
+@contextlib.contextmanager
+def using_data_dir(path: str | os.PathLike[str] | None) -> Iterator[None]:
+    """Within the ``with`` block, :func:`data_dir` is ``path`` (``None``: unchanged); restored on exit."""
+    global _override
+    before = _override
+    if path is not None:
+        _override = Path(path).expanduser().resolve()
+    try:
+        yield
+    finally:
+        _override = before
+
+
 def data_dir() -> Path:
-    """The data directory in force (``RLBOOST_DATA`` or ``../shared/data``); not checked for existence."""
+    """The data directory in force (see the module docstring); not checked for existence."""
+    if _override is not None:
+        return _override
     env = os.environ.get("RLBOOST_DATA")
     return Path(env).expanduser().resolve() if env else DEFAULT_DATA_DIR
 

@@ -71,3 +71,31 @@ def test_cli_bad_trace_file_exits_2_naming_the_line(tmp_path, repo_root):
                  "--set", f"cluster.trace='{trace}'", "--set", "trainer.steps=1")
     assert p.returncode == 2
     assert "bad.csv:3" in p.stderr
+
+
+@pytest.mark.integration
+def test_an_in_process_run_leaves_the_process_environment_as_it_was(repo_root, tmp_path, monkeypatch):
+    """Regression: ``run()`` once set ``RLBOOST_RUN_ID`` (and ``RLBOOST_DATA`` for ``data.dir``) in the calling
+    process; a later run in the same process (a pytest session) then carried the first run's id in its logs
+    and endpoints. The run id and data directory are now passed, never stored in ``os.environ``."""
+    import json
+    import os
+    import shutil
+
+    from rlboost_hpc.paths import DEFAULT_DATA_DIR, data_dir
+    from rlboost_hpc.run import run
+
+    monkeypatch.delenv("RLBOOST_RUN_ID", raising=False)
+    monkeypatch.delenv("RLBOOST_DATA", raising=False)
+    data = tmp_path / "data"
+    shutil.copytree(DEFAULT_DATA_DIR / "stories260K", data / "stories260K")
+    before = dict(os.environ)
+    cfg = load_config(repo_root / "configs/local.toml", [
+        "trainer.steps=1", "cluster.max_workers=0", "trainer.eval_samples=1", "task.heldout_prompts=2",
+        f"data.dir='{data}'", f"model.cache_dir='{tmp_path / 'models'}'"])
+    rep = run(cfg, tmp_path / "first", progress=False)
+    assert rep["steps"] == 1
+    assert json.loads((tmp_path / "first/endpoints.json").read_text())["run_id"] == "first"
+    assert {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"} == {
+        k: v for k, v in before.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    assert data_dir() == DEFAULT_DATA_DIR  # data.dir held only while the run ran

@@ -131,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         from rlboost_hpc.rundir import read_endpoints
 
         ends = read_endpoints(args.run_dir, wait_s=args.wait_endpoints)
+        if ends.get("run_id"):
+            from rlboost_hpc.observe.logs import set_run_id
+
+            set_run_id(str(ends["run_id"]))
         manager = args.manager or ends["manager"]
         spec = ends.get("engine")
         keys = _run_keys(args.run_dir, ends)
