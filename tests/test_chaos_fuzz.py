@@ -10,7 +10,7 @@ import pytest
 import torch
 import zmq
 
-from rlboost_hpc.cluster.chaos import chaos_main, synthetic_trace
+from rlboost_hpc.cluster.chaos import chaos_main, kill_steps, synthetic_trace
 from rlboost_hpc.manager.service import spawn_manager
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.auth import RunKeys, secure_client
@@ -27,6 +27,14 @@ def test_synthetic_trace_is_valid_and_seeded(tmp_path):
     assert sum(e.kind == "remove" for e in ev) == n > 10
     synthetic_trace(tmp_path / "u.csv", duration_s=60, instances=3, mean_lifetime_s=2, mean_downtime_s=1, seed=4)
     assert (tmp_path / "t.csv").read_text() == (tmp_path / "u.csv").read_text()
+
+
+def test_kill_steps_spread_kills_over_checkpoints_with_steps_left_to_resume_into():
+    assert kill_steps(20, 3) == [5, 10, 15]
+    assert kill_steps(400, 5) == [67, 133, 200, 267, 333]
+    assert kill_steps(2, 1) == [1] and kill_steps(5, 0) == []
+    with pytest.raises(ValueError, match="need at least 4 steps"):
+        kill_steps(3, 3)
 
 
 @pytest.mark.chaos
@@ -47,17 +55,18 @@ def test_chaos_short(tmp_path, capsys):
 @pytest.mark.chaos
 @pytest.mark.slow
 def test_chaos_trainer_and_manager_kills_resume_exactly_once(tmp_path, capsys):
-    """Issue 7 §2–3 / case C1: on top of worker churn, SIGKILL the trainer or the rollout manager at random points
-    three times; each restart resumes from the last checkpoint. Across all incarnations: nothing lost or
-    duplicated, nothing trained off-version, every prompt of the data frontier trained exactly once."""
+    """Case C1: on top of worker churn, SIGKILL the trainer or the rollout manager three times, each after a
+    checkpoint (by progress, not by the clock: a slow machine once had every kill land before the first
+    checkpoint, so nothing resumed); each restart resumes from the last checkpoint. Across all incarnations:
+    nothing lost or duplicated, nothing trained off-version, every prompt of the data frontier trained once."""
     out = tmp_path / "chaos"
     rc = chaos_main(["--out", str(out), "--steps", "20", "--lifetime-s", "1.0", "--downtime-s", "0.5",
-                     "--seed", "3", "--trainer-kills", "3", "--kill-after-s", "5", "10"])
+                     "--seed", "3", "--trainer-kills", "3"])
     summary = json.loads(capsys.readouterr().out)
     rep = json.loads((out / "report.json").read_text())
     assert rc == 0, summary
     f = summary["faults"]
-    assert f["trainer_kills"] + f["manager_kills"] == 3 and f["resumes"] >= 1, f
+    assert f["trainer_kills"] + f["manager_kills"] == 3 and f["resumes"] == 3, f
     assert rep["steps"] == 20 and rep["resumes"] == f["resumes"]
     assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0
     assert rep["tokens_trained_off_version"] == 0 and rep["prompts_not_trained_exactly_once"] == 0

@@ -5,10 +5,13 @@ replays it; with ``cluster.kill_fraction`` a share of the removals arrive as SIG
 them while a worker is still pulling weights. ``rlboost-hpc chaos`` runs the demo on such a trace and checks the
 invariants at the end (responses lost/duplicated, tokens trained off-version, every prompt trained once).
 
-With ``--trainer-kills K`` the run is a child process (``rlboost-hpc run``) and the harness SIGKILLs, at random
-moments, either the trainer or the rollout manager (its pid from the manager journal) K times, restarting the
-run each time; the run resumes from its last checkpoint (trainer/checkpoint.py). The final report covers every
-incarnation, so the invariants are checked across crashes (case C1).
+With ``--trainer-kills K`` the run is a child process (``rlboost-hpc run``) and the harness SIGKILLs either the
+trainer or the rollout manager (its pid from the manager journal) K times, restarting the run each time; the run
+resumes from its last checkpoint (trainer/checkpoint.py). Kills are scheduled by progress, not by the clock: kill
+``i`` fires a random ``[0, --kill-jitter-s)`` seconds after the run's checkpoint reached step
+``round((i + 1) · steps / (K + 1))`` and at least one step past the checkpoint its incarnation resumed from — so
+every restart resumes from a checkpoint however slow the machine is. The final report covers every incarnation,
+so the invariants are checked across crashes (case C1).
 """
 from __future__ import annotations
 
@@ -67,10 +70,13 @@ def chaos_main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trainer-kills", type=int, default=0,
                    help="SIGKILL the trainer or the manager this many times at random moments, resuming each time")
-    p.add_argument("--kill-after-s", type=float, nargs=2, default=(6.0, 14.0), metavar=("MIN", "MAX"),
-                   help="uniform range of seconds after a (re)start before the next trainer/manager kill")
+    p.add_argument("--kill-jitter-s", type=float, default=1.0,
+                   help="a trainer/manager kill fires up to this many seconds (uniform) after the checkpoint it "
+                        "waits for; kills are spread evenly over the run's checkpoints")
     p.add_argument("--set", action="append", default=[])
     a = p.parse_args(argv)
+    if a.trainer_kills > max(0, a.steps - 1):
+        p.error(f"--trainer-kills {a.trainer_kills} needs --steps ≥ {a.trainer_kills + 1} (one checkpoint per kill)")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     _forget_previous_run(out)  # a chaos run always starts from step 0; its own restarts then resume
@@ -83,7 +89,8 @@ def chaos_main(argv: list[str] | None = None) -> int:
         f"cluster.kill_fraction={a.kill_fraction}", f"cluster.seed={a.seed}", "policy.cap=false", *a.set]
     crashes = {"trainer_kills": 0, "manager_kills": 0}
     if a.trainer_kills:
-        rc = run_with_restarts(a.config, out, overrides, a.trainer_kills, tuple(a.kill_after_s), a.seed, crashes)
+        rc = run_with_restarts(a.config, out, overrides, kill_steps(a.steps, a.trainer_kills), a.kill_jitter_s,
+                               a.seed, crashes)
         if rc != 0:
             print(f"rlboost-hpc chaos: the final incarnation of the run exited {rc} (see {out}/report.json)")
             return 1
@@ -112,17 +119,31 @@ def _forget_previous_run(out: Path) -> None:
     (out / NAME).unlink(missing_ok=True)
 
 
-def run_with_restarts(config: str, out: Path, overrides: list[str], kills: int, kill_after_s: tuple[float, float],
-                      seed: int, crashes: dict) -> int:
-    """Run ``rlboost-hpc run`` as a child; ``kills`` times SIGKILL the trainer or the manager at a random moment
-    and start the run again (it resumes from its checkpoint). Returns the exit code of the final incarnation.
-    ``crashes`` receives ``trainer_kills`` / ``manager_kills``."""
+def kill_steps(steps: int, kills: int) -> list[int]:
+    """Checkpoint steps after which the harness's ``kills`` trainer/manager kills fire: spread evenly over
+    ``1 … steps − 1`` (``round((i + 1) · steps / (kills + 1))``), so each kill leaves steps to resume into.
+
+    Raises:
+        ValueError: more kills than ``steps − 1`` distinct checkpoints can separate.
+    """
+    if kills > max(0, steps - 1):
+        raise ValueError(f"{kills} trainer/manager kills need at least {kills + 1} steps (got {steps})")
+    return [max(1, min(steps - 1, round((i + 1) * steps / (kills + 1)))) for i in range(kills)]
+
+
+def run_with_restarts(config: str, out: Path, overrides: list[str], at_steps: list[int], jitter_s: float,
+                      seed: int, crashes: dict, poll_s: float = 0.1) -> int:
+    """Run ``rlboost-hpc run`` as a child; SIGKILL the trainer or the manager once per entry of ``at_steps`` and
+    start the run again (it resumes from its checkpoint). Kill ``i`` fires ``uniform(0, jitter_s)`` seconds after
+    the run's latest checkpoint reached ``max(at_steps[i], resumed step + 1)``. Returns the exit code of the final
+    incarnation (or of one that ended before its kill). ``crashes`` receives ``trainer_kills`` / ``manager_kills``."""
     import signal
     import subprocess
     import sys
     import time
 
     from rlboost_hpc.manager.journal import NAME, read
+    from rlboost_hpc.trainer.checkpoint import latest_step
 
     rng = random.Random(seed + 7)
     cmd = [sys.executable, "-m", "rlboost_hpc.cli", "run", "--config", config, "--out", str(out), "--no-progress"]
@@ -130,19 +151,22 @@ def run_with_restarts(config: str, out: Path, overrides: list[str], kills: int, 
         cmd += ["--set", o]
     log = open(out / "chaos-runs.log", "ab")
     try:
-        for i in range(kills + 1):
+        for i in range(len(at_steps) + 1):
             starts = sum(r.get("event") == "start" for r in read(out / NAME))
+            resumed = latest_step(out)
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            if i == kills:
+            if i == len(at_steps):
                 return proc.wait()
-            deadline = time.monotonic() + rng.uniform(*kill_after_s)
+            target = max(at_steps[i], resumed + 1)
+            while proc.poll() is None and latest_step(out) < target:
+                time.sleep(poll_s)
+            deadline = time.monotonic() + rng.uniform(0.0, jitter_s)
             while time.monotonic() < deadline and proc.poll() is None:
-                time.sleep(0.1)
+                time.sleep(poll_s / 2)
             if proc.poll() is not None:  # finished (or failed) before its kill: nothing left to crash
                 return proc.returncode
             victim = rng.choice(["trainer", "manager"])
-            records = read(out / NAME)
-            mgr = [r for r in records if r.get("event") == "start"]
+            mgr = [r for r in read(out / NAME) if r.get("event") == "start"]
             if victim == "manager" and len(mgr) > starts:
                 os.kill(int(mgr[-1]["pid"]), signal.SIGKILL)
                 crashes["manager_kills"] += 1

@@ -95,6 +95,20 @@ def latest(run_dir: str | os.PathLike) -> Path | None:
     return path
 
 
+def step_of(path: Path) -> int:
+    """The step a checkpoint directory ``step-000012`` was taken after (12)."""
+    return int(Path(path).name.split("-")[1])
+
+
+def latest_step(run_dir: str | os.PathLike) -> int:
+    """Step of the newest complete checkpoint of ``run_dir`` (0 when it has none, or ``latest`` dangles)."""
+    try:
+        ckpt = latest(run_dir)
+    except CheckpointError:
+        return 0
+    return 0 if ckpt is None else step_of(ckpt)
+
+
 def load(path: Path, backend, run_keys: tuple[str, ...] = ()) -> tuple[int, dict[str, Any], dict[str, Any]]:
     """Verify ``path`` against its manifest and restore the backend; returns (step, trainer_state, run_state).
 
