@@ -151,6 +151,10 @@ class LocalClusterCfg(_Strict):
     kill_fraction: float = Field(0.0, ge=0, le=1, description="share of removals delivered as SIGKILL (no warning)")
     preempt_signal: Literal["SIGTERM", "SIGUSR2"] = "SIGTERM"
     seed: int = 0
+    preempt_when_busy: bool = Field(False, description=(
+        "hold each due removal until its worker holds ≥ 1 partial response at the manager (tokens to hand over), "
+        "at most busy_wait_max_s; for tests and chaos runs that must exercise the hand-off, not hope for it"))
+    busy_wait_max_s: float = Field(30.0, ge=0, description="longest a removal is held by preempt_when_busy (s)")
 
 
 class NetworkCfg(_Strict):

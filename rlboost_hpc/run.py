@@ -35,8 +35,6 @@ def load_model(cfg: RunConfig):
     from rlboost_hpc.models.llama2c import ensure_converted, load_hf_dir
     from rlboost_hpc.models.tokenizer import Llama2cTokenizer
 
-    if cfg.data.dir:
-        os.environ["RLBOOST_DATA"] = str(Path(cfg.data.dir).expanduser().resolve())
     hf_dir = Path(cfg.model.hf_dir).expanduser() if cfg.model.hf_dir else ensure_converted(
         Path(cfg.model.cache_dir).expanduser())
     config, sd = load_hf_dir(hf_dir)
@@ -63,7 +61,7 @@ def _resume_point(cfg: RunConfig, out_dir: Path) -> Path | None:
             raise checkpoint.CheckpointError(f"trainer.resume = require but {out_dir}/checkpoints has no checkpoint")
         return None
     records = journal_mod.read(out_dir / journal_mod.NAME)
-    step = int(ckpt.name.split("-")[1])
+    step = checkpoint.step_of(ckpt)
     if not records:
         raise checkpoint.CheckpointError(
             f"{ckpt} exists but the manager journal {out_dir / journal_mod.NAME} is missing or empty: the checkpoint "
@@ -90,12 +88,24 @@ def _start_manager(cfg: RunConfig, keys_dir: str | None, journal_path: str | Non
         balancer=Balancer() if cfg.policy.balance else None))
 
 
-def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
+def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True, run_id: str | None = None) -> dict:
     """Run the configured job; returns the report (also written to ``out_dir/report.json``).
+
+    ``run_id`` names the run in ``endpoints.json`` (rollout jobs tag their events with it); default
+    ``$RLBOOST_RUN_ID`` (set by the Slurm launcher), else the output directory's name. The calling process's
+    environment is left as it was (the data directory of ``data.dir`` holds only for the run's duration).
 
     Raises:
         RolloutFailed: a step could not be completed (after the services were stopped).
     """
+    from rlboost_hpc.paths import using_data_dir
+
+    with using_data_dir(cfg.data.dir):
+        return _run(cfg, Path(out_dir), progress=progress,
+                    run_id=run_id or os.environ.get("RLBOOST_RUN_ID") or Path(out_dir).name)
+
+
+def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
     from rlboost_hpc.cluster.local import LocalCluster
     from rlboost_hpc.observe.report import ProgressView, write_plot
     from rlboost_hpc.policy.controller import RolloutController
@@ -116,7 +126,6 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
     t_start = time.monotonic()
     torch.manual_seed(cfg.trainer.seed)
     torch.set_num_threads(cfg.trainer.torch_threads)
-    os.environ.setdefault("RLBOOST_RUN_ID", out_dir.name)
     (out_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
 
     config, sd, tok = load_model(cfg)
@@ -148,7 +157,7 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
                                           else cfg.network.bind_host)
     endpoint, weights_endpoint = advertised(bound, host), advertised(server.endpoint, host)
     client = ManagerClient(endpoint, keys=keys, alive=mproc.is_alive)
-    write_endpoints(out_dir, endpoint, weights_endpoint, run_id=os.environ["RLBOOST_RUN_ID"], curve=keys is not None,
+    write_endpoints(out_dir, endpoint, weights_endpoint, run_id=run_id, curve=keys is not None,
                     metrics=metrics_url.replace("0.0.0.0", host), engine=engine_spec(cfg.rollout))
     if metrics_url:
         log.warning("manager metrics: %s", metrics_url.replace("0.0.0.0", host))
@@ -174,6 +183,7 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
         return d
 
     step_metrics: list[dict] = []
+    closers: list = []  # called after the cluster has stopped
     metrics_f = None
     failure: BaseException | None = None
     report: dict = {}
@@ -210,8 +220,15 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
         if slurm:  # rollout jobs come from the scavenger; tell it how many we want
             write_target(out_dir, cfg.cluster.max_workers, active=True, step=0)
         else:
-            cluster = LocalCluster(cfg.cluster, endpoint, out_dir, weights=cfg.weights,
-                                   max_batch=r.max_batch, threads=r.torch_threads, t_origin=t_start)
+            partial = None
+            if cfg.cluster.preempt_when_busy:  # the cluster's thread asks the manager on a socket of its own
+                probe = ManagerClient(endpoint, keys=keys, alive=mproc.is_alive, timeout_s=2.0)
+                closers.append(probe.close)
+
+                def partial() -> dict[str, int]:
+                    return {k: i["partial"] for k, i in probe.stats()["instances"].items()}
+            cluster = LocalCluster(cfg.cluster, endpoint, out_dir, weights=cfg.weights, max_batch=r.max_batch,
+                                   threads=r.torch_threads, t_origin=t_start, partial_by_instance=partial)
             cluster.start()
         settings = StepSettings(prompts_per_step=r.prompts_per_step, group_size=r.group_size,
                                 max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
@@ -312,6 +329,8 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict:
             write_target(out_dir, 0, active=False, step=len(step_metrics))
         if cluster is not None:
             cluster.stop()
+        for close in closers:
+            close()
         if reserved is not None:
             reserved.request_stop("run finished")
             reserved_thread.join(timeout=10)

@@ -498,6 +498,33 @@ def test_driver_late_poll_applies_everything_due_in_order():
     assert actions_of(drv.poll(), "exit") == [("exit", 0, 0)]
 
 
+def test_driver_holds_a_due_removal_until_its_worker_is_busy_and_keeps_plan_order():
+    """A fault scheduled by progress: the preemption of slot 0 waits until ``fire_when`` says its worker holds
+    work; the start planned after it waits with it; a removal is never held past ``max_hold_s``."""
+    busy: set[tuple[int, int]] = set()
+    asked: list[tuple[int, int]] = []
+
+    def fire_when(slot, attempt):
+        asked.append((slot, attempt))
+        return (slot, attempt) in busy
+
+    drv, clock, sp = make_driver([ReplayAction(0, "start", 0), ReplayAction(0, "start", 1),
+                                  ReplayAction(5, "preempt", 0), ReplayAction(6, "start", 0),
+                                  ReplayAction(7, "kill", 1)], fire_when=fire_when, max_hold_s=10)
+    drv.poll()
+    clock.set(6.5)
+    assert drv.poll() == [] and asked == [(0, 0)] and sp.of(0).signals == []
+    busy.add((0, 0))
+    clock.set(8)
+    new = drv.poll()
+    assert actions_of(new) == [("preempt", 0, 0), ("start", 0, 1)] and new[0]["held_s"] == 3.0
+    clock.set(16.9)  # the kill of slot 1 (due at 7) is held: its worker never becomes busy
+    assert actions_of(drv.poll(), "kill") == []
+    clock.set(17)  # ... until it is max_hold_s overdue
+    new = drv.poll()
+    assert actions_of(new, "kill") == [("kill", 1, 0)] and new[0]["held_s"] == 10.0
+
+
 def test_driver_custom_preempt_signal():
     drv, clock, sp = make_driver([ReplayAction(0, "start", 0), ReplayAction(1, "preempt", 0)],
                                  preempt_signal=signal.SIGUSR2)

@@ -3,8 +3,9 @@
 Stands in for Slurm + the scavenger on one machine (DESIGN "Local embedded default"); nothing else in the
 run changes. Invariants: workers are real OS processes (``python -m rlboost_hpc.rollout.worker``); a trace
 ``remove`` ends one with the warning signal (SIGTERM by default) or, for ``kill_fraction`` of removals,
-SIGKILL without warning; each restart of a slot is a new attempt (new identity, case S2); :meth:`stop`
-leaves no worker process behind.
+SIGKILL without warning; each restart of a slot is a new attempt (new identity ``local-slot<k>#<attempt>``, case
+S2); with ``cfg.preempt_when_busy`` a due removal waits (at most ``cfg.busy_wait_max_s``) until its worker holds a
+partial response at the manager; :meth:`stop` leaves no worker process behind.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from rlboost_hpc.cluster.replay import ReplayDriver, ReplayPlan, choose_window
 from rlboost_hpc.cluster.traces import load_trace
@@ -29,12 +31,18 @@ class LocalCluster:
     """Replays ``cfg.trace`` compressed by ``cfg.time_scale`` onto at most ``cfg.max_workers`` workers.
 
     The replayed window is ``cfg.replay_s`` wall seconds long (``replay_s × time_scale`` trace seconds).
+    ``partial_by_instance``: returns ``{instance key: partial responses it holds}`` from the manager (called from
+    the cluster's thread, only while ``cfg.preempt_when_busy`` holds a removal back).
     """
 
     def __init__(self, cfg: LocalClusterCfg, manager_endpoint: str, run_dir: Path, *,
                  weights: WeightsCfg, max_batch: int, threads: int = 1,
-                 t_origin: float | None = None) -> None:
+                 t_origin: float | None = None,
+                 partial_by_instance: Callable[[], dict[str, int]] | None = None) -> None:
+        if cfg.preempt_when_busy and partial_by_instance is None:
+            raise ValueError("cluster.preempt_when_busy needs the manager's view of partial responses")
         self.cfg = cfg
+        self.partial_by_instance = partial_by_instance
         self.manager_endpoint = manager_endpoint
         self.run_dir = Path(run_dir)  # workers find endpoints.json (and the run's keys) here, like Slurm jobs
         self.log_dir = Path(run_dir) / "workers"
@@ -60,10 +68,22 @@ class LocalCluster:
                                           time_scale=cfg.time_scale, max_workers=cfg.max_workers,
                                           kill_fraction=cfg.kill_fraction, seed=cfg.seed)
 
+    @staticmethod
+    def job_id(slot: int) -> str:
+        """The job id of the workers of ``slot`` (the manager's instance key is ``<job id>#<attempt>``)."""
+        return f"local-slot{slot}"
+
+    def _busy(self, slot: int, attempt: int) -> bool:
+        try:
+            return self.partial_by_instance().get(f"{self.job_id(slot)}#{attempt}", 0) > 0
+        except Exception as e:  # noqa: BLE001 - the manager did not answer: keep holding (bounded by max_hold_s)
+            log.warning("cluster: cannot ask the manager whether slot %d is busy: %s", slot, e)
+            return False
+
     def _spawn(self, slot: int, attempt: int) -> subprocess.Popen:
         logf = open(self.log_dir / f"slot{slot}-attempt{attempt}.log", "ab")
         cmd = [sys.executable, "-m", "rlboost_hpc.rollout.worker", "--run-dir", str(self.run_dir),
-               "--job-id", f"local-slot{slot}", "--attempt", str(attempt), "--max-batch", str(self.max_batch),
+               "--job-id", self.job_id(slot), "--attempt", str(attempt), "--max-batch", str(self.max_batch),
                "--threads", str(self.threads), "--streams", str(self.weights.streams),
                "--window", str(self.weights.window), "--pull-timeout", str(self.weights.pull_timeout_s),
                "--signal", self.cfg.preempt_signal]
@@ -79,7 +99,9 @@ class LocalCluster:
         """Start replaying in a background thread (no-op with ``max_workers = 0``)."""
         if self.plan is None:
             return
-        self.driver = ReplayDriver(self.plan, self._spawn, preempt_signal=getattr(signal, self.cfg.preempt_signal))
+        self.driver = ReplayDriver(self.plan, self._spawn, preempt_signal=getattr(signal, self.cfg.preempt_signal),
+                                   fire_when=self._busy if self.cfg.preempt_when_busy else None,
+                                   max_hold_s=self.cfg.busy_wait_max_s)
         self.driver.start()
         self._thread = threading.Thread(target=self._loop, name="local-cluster", daemon=True)
         self._thread.start()
@@ -95,8 +117,8 @@ class LocalCluster:
                     new = []
                 for ev in new:
                     if ev["action"] in ("start", "preempt", "kill", "exit", "spawn_failed"):
-                        log.info("cluster: %s slot %s attempt %s pid %s exit %s", ev["action"], ev["slot"],
-                                 ev["attempt"], ev["pid"], ev.get("exit_code"))
+                        log.info("cluster: %s slot %s attempt %s pid %s exit %s held %.1fs", ev["action"],
+                                 ev["slot"], ev["attempt"], ev["pid"], ev.get("exit_code"), ev.get("held_s", 0.0))
                 self.live_series.append((time.monotonic() - t0, len(self.driver.live_slots())))
             self._stop.wait(0.1)
 

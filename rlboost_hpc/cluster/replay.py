@@ -30,6 +30,9 @@ Driver invariants:
 
 * :meth:`ReplayDriver.poll` first reaps exited processes, then applies every action whose ``at_s`` is due
   (``clock() - t0 >= at_s``; ``t0`` is the clock at the first ``poll``/``start``), in plan order;
+* with a ``fire_when`` predicate a due ``preempt``/``kill`` of a live worker waits until
+  ``fire_when(slot, attempt)`` is true (e.g. the worker holds work to hand over: a fault scheduled by progress,
+  not by the clock) or it is ``max_hold_s`` overdue; the actions after it wait with it (plan order is kept);
 * with a cap (:meth:`ReplayDriver.set_cap`) the number of live workers is ``min(cap, offered)``, where
   *offered* is the set of slots the plan currently has started; an offered slot without a worker because of
   the cap is *held* and started (lowest slot first) as soon as room frees up; lowering the cap below the live
@@ -506,11 +509,15 @@ class ReplayDriver:
         restart_exited: a worker that exits on its own while its slot is offered is respawned (next attempt) at
             the next poll if True; if False (default) the slot stays down until the plan removes and re-adds it.
         sleep: wait function used by :meth:`stop_all` between polls (inject one that advances a fake clock).
+        fire_when: ``fire_when(slot, attempt) -> bool``; a due removal of a live worker is held until it returns
+            True or the action is ``max_hold_s`` seconds overdue (``None``: removals fire when due).
+        max_hold_s: the longest a removal is held by ``fire_when`` (seconds).
 
     Event records (:attr:`events`, also returned by :meth:`poll`) are dicts with the keys ``t`` (seconds since
     ``t0``), ``slot``, ``attempt``, ``pid``, ``action``, ``exit_code``, ``planned_at_s`` and ``cause``; actions:
     ``start``, ``preempt`` (warning signal sent), ``kill`` (SIGKILL), ``retire`` (cap lowered), ``withdraw``
-    (the plan removed a slot that had no worker), ``exit`` (reaped; ``cause`` says why it ended, ``None`` if on
+    (the plan removed a slot that had no worker; a removal's record has ``held_s``, how long ``fire_when`` held
+    it), ``exit`` (reaped; ``cause`` says why it ended, ``None`` if on
     its own), ``stop_term``/``stop_kill`` (from :meth:`stop_all`), ``spawn_failed`` (with ``error``).
 
     Not thread-safe: call it from one thread.
@@ -519,7 +526,11 @@ class ReplayDriver:
     def __init__(self, plan: ReplayPlan | Iterable[ReplayAction], spawn: SpawnFn,
                  clock: Callable[[], float] = time.monotonic, *, preempt_signal: int = signal.SIGTERM,
                  cap: int | None = None, restart_exited: bool = False,
-                 sleep: Callable[[float], Any] = time.sleep) -> None:
+                 sleep: Callable[[float], Any] = time.sleep,
+                 fire_when: Callable[[int, int], bool] | None = None, max_hold_s: float = 30.0) -> None:
+        _check_number("max_hold_s", max_hold_s, lo=0)
+        self.fire_when = fire_when
+        self.max_hold_s = max_hold_s
         self.plan = plan if isinstance(plan, ReplayPlan) else ReplayPlan.from_actions(plan)
         if preempt_signal == signal.SIGKILL:
             raise ValueError("preempt_signal must be a catchable signal (SIGKILL is what 'kill' actions send)")
@@ -650,6 +661,8 @@ class ReplayDriver:
         acts = self.plan.actions
         while self._next < len(acts) and acts[self._next].at_s <= now:
             a = acts[self._next]
+            if self._held(a, now):
+                break
             self._next += 1
             self._apply(a, now, new)
         self._reconcile(now, new)
@@ -772,6 +785,13 @@ class ReplayDriver:
                     self._kill_descendants(w.descendants)
         self._dying = still
 
+    def _held(self, a: ReplayAction, now: float) -> bool:
+        """Whether ``fire_when`` holds the due removal ``a`` back (see the class docstring)."""
+        w = self._running.get(a.slot)
+        if self.fire_when is None or a.action == "start" or w is None or now - a.at_s >= self.max_hold_s:
+            return False
+        return not self.fire_when(w.slot, w.attempt)
+
     def _apply(self, a: ReplayAction, now: float, out: list[dict[str, Any]]) -> None:
         if a.action == "start":
             self._offered.add(a.slot)
@@ -793,7 +813,7 @@ class ReplayDriver:
                 w.descendants = _descendants(w.proc)  # swept once the worker has exited
                 _signal(w.proc, self.preempt_signal)
             self._dying.append(w)
-            self._record(out, now, w, a.action, planned=a.at_s)
+            self._record(out, now, w, a.action, planned=a.at_s, held_s=max(0.0, now - a.at_s))
         self._reconcile(now, out, planned=a.at_s)
 
     def _reconcile(self, now: float, out: list[dict[str, Any]], *, planned: float | None = None,

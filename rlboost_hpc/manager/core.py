@@ -611,11 +611,20 @@ class ManagerCore:
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict:
-        """Counters plus a snapshot of instances and queue (JSON-serialisable)."""
+        """Counters plus a snapshot of instances and queue (JSON-serialisable).
+
+        ``instances`` maps each instance that is not gone to its ``kind``, ``engine``, ``state``, ``version``,
+        ``inflight`` (responses it owns) and ``partial`` (those of them with ≥ 1 token already received: what a
+        preemption of it would hand over)."""
         states: dict[str, int] = {}
         for i in self.instances.values():
             states[i.state] = states.get(i.state, 0) + 1
+        reqs = self.requests
         return {
+            "instances": {i.key: {"kind": i.kind, "engine": i.engine, "state": i.state, "version": i.version,
+                                  "inflight": len(i.inflight),
+                                  "partial": sum(1 for r in i.inflight if r in reqs and reqs[r].n > 0)}
+                          for i in self.instances.values() if i.state != "gone"},
             **self.counters,
             "latest_version": self.latest_version,
             "step": self.step,

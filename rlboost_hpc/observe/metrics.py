@@ -47,13 +47,11 @@ class SnapshotCollector:
 
 
 class ManagerMetrics(SnapshotCollector):
-    """Collector over a stats snapshot (``ManagerCore.stats()`` plus per-instance details)."""
+    """Collector over a stats snapshot (``ManagerCore.stats()``, whose ``instances`` has per-instance details)."""
 
     def refresh(self, core) -> None:
         """Take a snapshot of ``core`` (call from the manager's loop)."""
         snap = core.stats()
-        snap["instances"] = [(i.key, i.kind, i.state, i.version, len(i.inflight)) for i in core.instances.values()
-                             if i.state != "gone"]
         snap["pull_seconds_sum"] = float(sum(core.pull_seconds))
         snap["pull_seconds_count"] = len(core.pull_seconds)
         self.publish(snap)
@@ -68,16 +66,16 @@ class ManagerMetrics(SnapshotCollector):
             yield c
         g = GaugeMetricFamily("rlboost_instances", "rollout instances by kind and state", labels=["kind", "state"])
         counts: dict[tuple[str, str], int] = {}
-        for _, kind, state, _, _ in s["instances"]:
-            counts[(kind, state)] = counts.get((kind, state), 0) + 1
+        for i in s["instances"].values():
+            counts[(i["kind"], i["state"])] = counts.get((i["kind"], i["state"]), 0) + 1
         for (kind, state), n in counts.items():
             g.add_metric([kind, state], n)
         yield g
         v = GaugeMetricFamily("rlboost_instance_weight_version", "weight version held per instance", labels=["instance"])
         q = GaugeMetricFamily("rlboost_instance_inflight", "requests in flight per instance", labels=["instance"])
-        for key, _, _, ver, infl in s["instances"]:
-            v.add_metric([key], ver)
-            q.add_metric([key], infl)
+        for key, i in s["instances"].items():
+            v.add_metric([key], i["version"])
+            q.add_metric([key], i["inflight"])
         yield v
         yield q
         for name, doc, val in [
