@@ -2,18 +2,48 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
+from typing import Callable
 
 
-def wait_for(pred, timeout: float, what: str, interval: float = 0.25):
-    """Poll ``pred`` until it returns something truthy (returned) or ``timeout`` seconds pass (AssertionError)."""
+def wait_for(pred, timeout: float, what: str, interval: float = 0.25, state: Callable[[], str] | None = None):
+    """Poll ``pred`` until it returns something truthy (returned) or ``timeout`` seconds pass (AssertionError,
+    with ``state()`` appended: what is needed to diagnose the wait)."""
     deadline = time.monotonic() + timeout
     while True:
         value = pred()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}" + (f"\n{state()}" if state else ""))
         time.sleep(interval)
+
+
+def wait_progressing(pred, progress: Callable[[], object], stall_s: float, what: str,
+                     state: Callable[[], str] | None = None, interval: float = 0.5):
+    """Poll ``pred`` until it returns something truthy (returned). Bounded by progress, not by a total: fail
+    (AssertionError with ``state()``) only when ``progress()`` (e.g. the steps completed) has not changed for
+    ``stall_s`` seconds — a slow machine is waited for, a stuck run is not."""
+    last, since = progress(), time.monotonic()
+    while True:
+        value = pred()
+        if value:
+            return value
+        now_p = progress()
+        if now_p != last:
+            last, since = now_p, time.monotonic()
+        elif time.monotonic() - since > stall_s:
+            raise AssertionError(f"no progress for {stall_s} s (still at {last!r}) waiting for {what}"
+                                 + (f"\n{state()}" if state else ""))
+        time.sleep(interval)
+
+
+def tail(path: Path, n: int = 20) -> str:
+    """The last ``n`` lines of a text file (``<missing>`` when it does not exist), for failure messages."""
+    p = Path(path)
+    if not p.exists():
+        return f"--- {p}: <missing>"
+    return f"--- {p} (last {n} lines):\n" + "\n".join(p.read_text(errors="replace").splitlines()[-n:])
 
 
 def collect_until(eng, req, k: int):

@@ -54,10 +54,13 @@ def secured(tmp_path):
     server = WeightServer(keys=keys).start()
     server.publish(0, {"w": torch.arange(1000, dtype=torch.float32)}, dtype=torch.float32)
     yield keys, endpoint, server
-    try:
-        ManagerClient(endpoint, keys=keys).call(M.Shutdown(reason="test"), timeout_s=3)
+    client = ManagerClient(endpoint, keys=keys)
+    try:  # only the trainer may shut the manager down: this client becomes it first
+        client.call(M.TrainerHello(weights_endpoint="tcp://w:1", model_config={}), timeout_s=3)
+        client.call(M.Shutdown(reason="test"), timeout_s=3)
     except ManagerError:
         pass
+    client.close()
     proc.join(5)
     if proc.is_alive():
         proc.kill()

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _util import wait_for
+from _util import tail, wait_for, wait_progressing
 
 from rlboost_hpc.cluster.slurm_local import ensure_local_slurm
 
@@ -82,6 +82,18 @@ def steps_done(run_dir):
     return len(p.read_text().splitlines()) if p.exists() else 0
 
 
+def diagnosis(env, tag, run_dir) -> str:
+    """What a failed wait needs to be diagnosed: steps done, the run's Slurm jobs, last events and log lines."""
+    try:
+        jobs = [(j["job_id"], str(j["job_state"]), node_of(j), j.get("restart_cnt")) for j in our_jobs(env, tag)]
+    except Exception as e:  # noqa: BLE001 - the controller may be the problem
+        jobs = f"squeue failed: {e}"
+    trainer = sorted(run_dir.glob("train-*.out"))
+    return "\n".join([f"steps done: {steps_done(run_dir)}; rollout jobs (id, state, node, restarts): {jobs}",
+                      f"last events: {events(run_dir)[-8:]}",
+                      tail(trainer[-1] if trainer else run_dir / "train.out"), tail(run_dir / "scavenger.log")])
+
+
 def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_restarts(tmp_path):
     env = dict(os.environ, **ensure_local_slurm())
     env["RLBOOST_PYTHON"] = sys.executable
@@ -93,7 +105,8 @@ def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_resta
                  "--set policy.cap=false")  # a steady target: every rollout job ends by preemption or at the end
     job = sh(["sbatch", "--parsable", "--partition", "train", "--gres", "gpu:1", "--output",
               str(run_dir / "train-%j.out"),
-              f"--export=ALL,RLBOOST_RUN_DIR={run_dir},RLBOOST_CONFIG={REPO / 'configs/local.toml'},"
+              f"--export=ALL,RLBOOST_RUN_DIR={run_dir},RLBOOST_RUN_ID={run_id},"
+              f"RLBOOST_CONFIG={REPO / 'configs/local.toml'},"
               f"RLBOOST_TRAIN_ARGS={overrides}", str(REPO / "sbatch/train.sbatch")], env).strip().split(";")[0]
     scav_cmd = [sys.executable, "-m", "rlboost_hpc.cli", "scavenger", str(run_dir), "--partition", "scavenger",
                 "--gpus-per-job", "1", "--max-jobs", "3", "--grace-s", "10", "--poll-s", "1",
@@ -102,14 +115,16 @@ def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_resta
     scav_log = open(run_dir / "scavenger.log", "a")
     scav = subprocess.Popen(scav_cmd, env=env, stdout=scav_log, stderr=subprocess.STDOUT)
     tag = f"rlboost:{run_id}"
+    state = lambda: diagnosis(env, tag, run_dir)  # noqa: E731
     try:
         # rollout jobs start, register and serve
         wait_for(lambda: steps_done(run_dir) >= 3 and any(e.get("event") in ("tokens", "worker_started")
-                                                         for e in events(run_dir)), 180, "rollout jobs serving")
+                                                         for e in events(run_dir)), 180, "rollout jobs serving",
+                 state=state)
         # 1st preemption: a high-priority job takes the rollout jobs' nodes
-        wait_for(lambda: len(settled_running(env, tag)) >= 2, 120, "2 settled running rollout jobs")
+        wait_for(lambda: len(settled_running(env, tag)) >= 2, 120, "2 settled running rollout jobs", state=state)
         preempt_rollout_nodes(env, tag, job)
-        wait_for(lambda: requeues(run_dir) >= 1, 60, "first requeue")
+        wait_for(lambda: requeues(run_dir) >= 1, 60, "first requeue", state=state)
         # kill the scavenger without warning, restart it: no duplicate submissions
         scav.send_signal(signal.SIGKILL)
         scav.wait(10)
@@ -121,11 +136,13 @@ def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_resta
         sh([str(REPO / "sbatch/local-cluster/restart-slurmctld"), "2"], env, timeout=120)
         # 2nd preemption after the controller is back
         n1 = requeues(run_dir)
-        wait_for(lambda: len(settled_running(env, tag)) >= 2, 150, "settled rollout jobs running again")
+        wait_for(lambda: len(settled_running(env, tag)) >= 2, 150, "settled rollout jobs running again", state=state)
+        assert not (run_dir / "report.json").exists(), "the run ended before its second preemption:\n" + state()
         preempt_rollout_nodes(env, tag, job)
-        wait_for(lambda: requeues(run_dir) > n1, 90, "second requeue")
-        # the run finishes
-        wait_for(lambda: (run_dir / "report.json").exists(), 400, "report.json")
+        wait_for(lambda: requeues(run_dir) > n1, 90, "second requeue", state=state)
+        # the run finishes: waited for as long as steps keep completing (a loaded machine is slow, not stuck)
+        wait_progressing(lambda: (run_dir / "report.json").exists(), lambda: steps_done(run_dir), 180,
+                         "report.json", state=state)
         scav.wait(120)
     finally:
         if scav.poll() is None:
@@ -137,6 +154,12 @@ def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_resta
             subprocess.run(["scancel", *ids], env=env, capture_output=True)
     rep = json.loads((run_dir / "report.json").read_text())
     assert "failed" not in rep, rep
+    # the trainer's log lines and endpoints.json carry this run's id (an earlier in-process run of the same
+    # pytest process once leaked its own through the environment)
+    assert json.loads((run_dir / "endpoints.json").read_text())["run_id"] == run_id
+    runs = {json.loads(line)["run"] for f in run_dir.glob("train-*.out") for line in f.read_text().splitlines()
+            if line.startswith('{"ts"')}
+    assert runs == {run_id}, runs
     assert rep["steps"] == 100
     assert rep["preemptions"] >= 2
     assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0
