@@ -164,14 +164,20 @@ echo "start restart=${{SLURM_RESTART_COUNT:-0}}" >> $M
 while :; do sleep 300 & wait $!; done
 """)
     ids = _fill_scavenger(jobs, script, tmp_path, "--signal=B:USR2@10")
+    marker = {i: tmp_path / f"marker.{i}" for i in ids}
+    # RUNNING in squeue does not mean the batch shell has installed its trap yet (a job preempted before that
+    # once left no marker at all): preempt only shells that wrote "start", which follows the trap.
+    wait_for(lambda: all(m.exists() and "start" in m.read_text() for m in marker.values()), 30,
+             "every batch shell to install its USR2 trap")
     t0 = time.monotonic()
     train = jobs.sbatch("-p", "train", "--gres=gpu:2", "-N1", "-o", "/dev/null", "--wrap", "sleep 120")
 
     def warned() -> list[int]:
-        return [i for i in ids if "usr2" in (tmp_path / f"marker.{i}").read_text()]
+        return [i for i in ids if "usr2" in marker[i].read_text()]
 
     got = wait_for(warned, 10, "a USR2 marker from a preempted batch shell", interval=0.05)
-    assert time.monotonic() - t0 < 5, "USR2 did not arrive at preemption"
+    grace = int(env["RLBOOST_SLURM_GRACE"])
+    assert time.monotonic() - t0 < grace, "USR2 did not arrive at preemption (only at the end of the grace time)"
     # self-requeue frees the GPUs long before the grace time ends
     wait_for(lambda: jobs.in_state("RUNNING", [train]), 8, "the train job to start after the self-requeue")
     got = warned()
