@@ -1,10 +1,11 @@
-"""Decode throughput of TorchEngine vs transformers' ``LlamaForCausalLM.generate()`` on stories260K.
+"""Decode throughput of TorchEngine vs transformers' ``generate()`` on stories260K or any model directory.
 
 Both generate ``--new`` tokens per sequence from a BOS prompt at temperature 1 (no top-k/top-p truncation, no
 stop: ``min_new_tokens`` forces the length in HF) for each batch size, measured side by side in one process
 with the same thread count; the figure is generated tokens / wall time (prefill included; best of ``--repeat`` interleaved runs).
 
-Usage: ``.venv/bin/python benchmarks/bench_engine.py [--batches 1 8 32] [--new 128] [--threads 1]``
+Usage: ``.venv/bin/python benchmarks/bench_engine.py [--batches 1 8 32] [--new 128] [--threads 1]
+[--model DIR] [--device cuda --dtype bfloat16]`` (a model directory: Llama, Qwen2, Qwen3; default stories260K).
 """
 from __future__ import annotations
 
@@ -18,14 +19,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlboost_hpc.models.llama2c import ensure_converted, load_hf_dir  # noqa: E402
+from rlboost_hpc.models.hf_dir import load_model_dir  # noqa: E402
+from rlboost_hpc.models.llama2c import ensure_converted  # noqa: E402
 from rlboost_hpc.rollout.engines.base import GenRequest, SamplingParams  # noqa: E402
 from rlboost_hpc.rollout.engines.torch_engine import TorchEngine, generate_all  # noqa: E402
 
 
-def engine_runner(cfg, sd, batch: int, new: int, device: str):
+def engine_runner(cfg, sd, batch: int, new: int, device: str, dtype: torch.dtype = torch.float32):
     """A callable that generates ``batch`` × ``new`` tokens on one TorchEngine and returns the seconds taken."""
-    eng = TorchEngine(cfg, sd, max_batch=batch, device=device)
+    eng = TorchEngine(cfg, sd, max_batch=batch, device=device, dtype=dtype, max_len=new + 8)
     count = [0]
 
     def run() -> float:
@@ -66,23 +68,28 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=5, help="timed runs per side (best is reported)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for this tiny model)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--model", type=Path, help="a model directory (default: stories260K, converted)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
-        hf_dir = ensure_converted(tmp)
-        cfg, sd = load_hf_dir(hf_dir)
+        hf_dir = args.model or ensure_converted(tmp)
+        policy = load_model_dir(hf_dir)
+        cfg, sd = policy.arch, policy.state_dict
         hf = None
         if not args.no_hf:
             import transformers
 
             transformers.logging.set_verbosity_error()
-            hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir).to(args.device).eval()
-        print(f"stories260K, {args.new} new tokens/sequence, temperature 1, threads={args.threads}, "
-              f"device={args.device}, torch {torch.__version__}")
+            hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(args.device).eval()
+        print(f"{cfg.architecture} ({cfg.num_params() / 1e6:.1f} M parameters, {hf_dir}), {args.new} new "
+              f"tokens/sequence, temperature 1, threads={args.threads}, device={args.device}, dtype={args.dtype}, "
+              f"torch {torch.__version__}")
         print(f"{'batch':>5} {'TorchEngine tok/s':>18} {'HF generate tok/s':>18} {'ratio':>7}")
         for b in args.batches:
-            ours = engine_runner(cfg, sd, b, args.new, args.device)
+            ours = engine_runner(cfg, sd, b, args.new, args.device, dtype)
             theirs = hf_runner(hf, b, args.new, args.device) if hf is not None else None
             ours()  # warm-up
             if theirs is not None:

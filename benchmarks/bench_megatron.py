@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_bridge.arch import ArchSpec, arch_from_hf  # noqa: E402
+from megatron_bridge.arch import ModelArch, arch_from_hf  # noqa: E402
 from rlboost_hpc.trainer.backends.base import Sample  # noqa: E402
 
 QWEN3_06B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
@@ -77,9 +77,9 @@ def samples(n: int, prompt_len: int, response_len: int, vocab: int, seed: int) -
             for _ in range(n)]
 
 
-def step_flops(arch: ArchSpec, seqs: int, seq_len: int) -> float:
+def step_flops(arch: ModelArch, seqs: int, seq_len: int) -> float:
     """Model FLOPs of one training pass (forward + backward = 3 × forward) over ``seqs`` sequences."""
-    D, F, V, L = arch.hidden_size, arch.intermediate_size, arch.vocab_size, arch.num_layers
+    D, F, V, L = arch.hidden_size, arch.intermediate_size, arch.vocab_size, arch.num_hidden_layers
     mm = L * (D * (arch.q_dim + 2 * arch.kv_dim) + arch.q_dim * D + 3 * D * F)
     per_token = 2 * mm + 2 * D * V + L * 2 * seq_len * arch.q_dim  # causal attention: half of 4·S·q_dim
     return 3.0 * per_token * seq_len * seqs
@@ -101,11 +101,11 @@ def time_steps(backend, batches: list[list[Sample]], responses_in_step: int, war
 
 
 def random_hf_state(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
-    from rlboost_hpc.models.config import LlamaConfig
+    from rlboost_hpc.models.arch import arch_from_hf as read_arch
     from rlboost_hpc.models.llama import LlamaModel
 
     torch.manual_seed(seed)
-    m = LlamaModel(LlamaConfig.from_hf_dict(cfg))
+    m = LlamaModel(read_arch(cfg))
     return {k: v.detach().clone() for k, v in m.state_dict().items()}
 
 
@@ -183,15 +183,14 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. torch backend vs Megatron (fp32) on the same Llama-shaped model and batch
     if not a.no_torch:
-        from rlboost_hpc.models.config import LlamaConfig
+        from rlboost_hpc.models.arch import arch_from_hf as read_arch
         from rlboost_hpc.trainer.backends.torch_backend import TorchBackend
 
         twin = model if arch.family == "llama" else llama_twin(model)
         sd = random_hf_state(twin, 1)
-        lc = LlamaConfig.from_hf_dict(twin)
+        lc = read_arch(twin)
         if gpu:
-            res["ratio"] = {"skipped": "TorchBackend has no device option (it would run on the CPU); "
-                                      "the ratio is measured on CPU with the tiny preset"}
+            res["ratio"] = {"skipped": "measured on CPU with the tiny preset (fp32 on both sides)"}
         else:
             tb = TorchBackend(lc, sd, **kw)
             m2 = MegatronBackend(twin, sd, **kw)

@@ -35,8 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from rlboost_hpc.models.config import LlamaConfig  # noqa: E402
-from rlboost_hpc.models.llama2c import ensure_converted, load_hf_dir  # noqa: E402
+from rlboost_hpc.models.arch import ModelArch  # noqa: E402
+from rlboost_hpc.models.hf_dir import load_model_dir  # noqa: E402
+from rlboost_hpc.models.llama2c import ensure_converted  # noqa: E402
 from rlboost_hpc.models.tokenizer import Llama2cTokenizer  # noqa: E402
 from rlboost_hpc.rollout.engines import sglang_engine as se  # noqa: E402
 from rlboost_hpc.rollout.engines.base import GenRequest, SamplingParams  # noqa: E402
@@ -101,18 +102,20 @@ def bench_streaming(model_dir: Path, model_config: dict, prompts: list[list[int]
             "adapter_runs_s": [round(x, 3) for x in ta], "native_runs_s": [round(x, 3) for x in tn]}
 
 
-def random_llama(hidden: int, layers: int, vocab: int = 512, seed: int = 0) -> tuple[LlamaConfig, dict]:
+def random_llama(hidden: int, layers: int, vocab: int = 512, seed: int = 0) -> tuple[ModelArch, dict]:
     heads = max(1, hidden // 64)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 8 / 3) // 16 * 16,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                      max_position_embeddings=512, tie_word_embeddings=False)
+    cfg = ModelArch(family="llama", vocab_size=vocab, hidden_size=hidden,
+                    intermediate_size=int(hidden * 8 / 3) // 16 * 16, num_hidden_layers=layers,
+                    num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
+                    max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1,
+                    eos_token_ids=(2,))
     g = torch.Generator().manual_seed(seed)
     sd = {k: (torch.randn(s, generator=g) * 0.02 if len(s) == 2 else torch.ones(s))
           for k, s in cfg.expected_shapes().items()}
     return cfg, sd
 
 
-def bench_weights(cfg: LlamaConfig, sd: dict, name: str, repeat: int, device: str, log_dir: Path) -> dict:
+def bench_weights(cfg: ModelArch, sd: dict, name: str, repeat: int, device: str, log_dir: Path) -> dict:
     nbytes = sum(v.numel() * v.element_size() for v in sd.values())
     eng = se.make_sglang_engine(cfg.to_hf_dict(), sd, 4, work_dir=log_dir / f"model-{name}", device=device,
                                 env=_env(device), log_path=log_dir / f"weights-{name}.log", startup_timeout_s=300)
@@ -158,7 +161,8 @@ def main() -> int:
     torch.set_num_threads(1)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-sglang-"))
     model_dir = ensure_converted(log_dir / "models")
-    cfg, sd = load_hf_dir(model_dir)
+    policy = load_model_dir(model_dir)
+    cfg, sd = policy.arch, policy.state_dict
     tok = Llama2cTokenizer.from_file(model_dir / "tok512.bin")
     prompts = [tok.encode(STORY_PROMPTS[i % len(STORY_PROMPTS)]) + [i % 7 + 3] for i in range(args.prompts)]
     results: dict = {"streaming": [], "weights": [], "logs": str(log_dir)}

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from rlboost_hpc.manager.service import spawn_manager
-from rlboost_hpc.models.llama2c import ensure_converted, load_hf_dir
+from rlboost_hpc.models.hf_dir import load_model_dir
+from rlboost_hpc.models.llama2c import ensure_converted
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.trainer.client import ManagerClient
 from rlboost_hpc.weights.server import WeightServer
@@ -32,7 +33,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    config, sd = load_hf_dir(ensure_converted(Path(tempfile.mkdtemp())))
+    policy = load_model_dir(ensure_converted(Path(tempfile.mkdtemp())))
+    config, sd = policy.arch, policy.state_dict
     server = WeightServer().start()
     mproc, endpoint, _ = spawn_manager(dict(pending_limit=32, heartbeat_s=0.25, heartbeat_timeout_s=2.0))
     client = ManagerClient(endpoint)

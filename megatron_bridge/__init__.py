@@ -2,7 +2,7 @@
 
 Modules (importing the package imports nothing heavy; Megatron-core is imported on first use):
 
-- :mod:`~megatron_bridge.arch` — HF config (Llama / Qwen2 / Qwen3) → :class:`~megatron_bridge.arch.ArchSpec` →
+- :mod:`~megatron_bridge.arch` — HF config (Llama / Qwen2 / Qwen3) → :class:`~rlboost_hpc.models.arch.ModelArch` →
   Megatron ``TransformerConfig`` and ``GPTModel`` (local layer spec), TP/PP split rules.
 - :mod:`~megatron_bridge.bridge` — weights both ways for any TP × PP: ``hf_to_megatron`` (one rank's shard,
   lazily from safetensors) and ``megatron_to_pieces`` (this rank's share of the HF tensors as zero-copy views) +

@@ -52,7 +52,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_bridge import compat, driver, parallel
-from megatron_bridge.arch import ArchSpec, arch_from_hf, build_gpt_model, load_hf_config, transformer_config
+from megatron_bridge.arch import (ModelArch, arch_from_hf, build_gpt_model, check_layout, load_hf_config,
+                                 transformer_config)
 from megatron_bridge.bridge import Piece, SafetensorsSource, assemble, hf_to_megatron, megatron_to_pieces
 from rlboost_hpc.trainer.algorithms.grpo import grpo_loss
 from rlboost_hpc.trainer.backends.base import Sample, TrainerBackend
@@ -63,22 +64,11 @@ __all__ = ["MegatronBackend"]
 TP_ENV, PP_ENV = "MEGATRON_BRIDGE_TP", "MEGATRON_BRIDGE_PP"
 
 
-class _LogitsModel:
-    """``backend.model(input_ids) -> [B, T, V]`` full-vocabulary fp32 logits (what ``run._drift`` calls on
-    the torch backend's ``model``). Collective; result on rank 0."""
-
-    def __init__(self, backend: "MegatronBackend") -> None:
-        self._b = backend
-
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self._b.logits(input_ids)
-
-
 class MegatronBackend(TrainerBackend):
     """GRPO trainer backend on Megatron-core.
 
     Args:
-        config: HF config of the policy (dict, ``transformers`` config, project ``LlamaConfig``, or a path to
+        config: HF config of the policy (dict, ``transformers`` config, a ``ModelArch``, or a path to
             ``config.json`` / an HF directory). Llama, Qwen2 and Qwen3 families.
         weights: HF state dict (name → tensor) or a path (HF directory with ``model.safetensors`` / a sharded
             index, or one ``.safetensors`` file). With several ranks prefer a path: each rank reads its shard.
@@ -131,8 +121,8 @@ class MegatronBackend(TrainerBackend):
                                 kwargs)
         self._bid = _bid
         self.hf_config = hf_cfg
-        self.arch: ArchSpec = arch_from_hf(hf_cfg)
-        self.arch.check_layout(tp, pp)
+        self.arch: ModelArch = arch_from_hf(hf_cfg)
+        check_layout(self.arch, tp, pp)
         self.lr, self.grad_clip, self.clip_eps, self.kl_coef = lr, grad_clip, clip_eps, kl_coef
         self.temperature = temperature if temperature > 0 else 1.0
         self.micro_batch_size = micro_batch_size
@@ -142,7 +132,6 @@ class MegatronBackend(TrainerBackend):
         with compat.scope():
             self._build(weights, weight_decay=weight_decay, keep_reference=keep_reference or kl_coef > 0,
                         distributed_optimizer=distributed_optimizer, recompute=recompute, adam_eps=adam_eps)
-        self.model = _LogitsModel(self)
         self._server = None
         self._shard_export = shard_export
         self.shard_manifest: dict | None = None

@@ -45,7 +45,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from megatron_bridge.arch import ArchSpec, stage_layers
+from megatron_bridge.arch import ModelArch, check_layout, padded_vocab, stage_layers
 
 __all__ = ["Piece", "hf_to_megatron", "megatron_to_pieces", "assemble", "check_tiling", "hf_shapes",
            "SafetensorsSource", "piece_key"]
@@ -80,7 +80,7 @@ def piece_key(hf_name: str, dim: int, start: int, stop: int, full: int) -> str:
     return hf_name if (start == 0 and stop == full) else f"{hf_name}@{dim}:{start}:{stop}"
 
 
-def hf_shapes(arch: ArchSpec) -> dict[str, tuple[int, ...]]:
+def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     """HF name → shape for every tensor of ``arch`` (``lm_head.weight`` only when untied)."""
     D, F, V, hd = arch.hidden_size, arch.intermediate_size, arch.vocab_size, arch.head_dim
     out: dict[str, tuple[int, ...]] = {}
@@ -148,7 +148,7 @@ class SafetensorsSource(Mapping):
         return len(self._files)
 
 
-def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ArchSpec, *, tp: int, tp_rank: int, pp: int,
+def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ModelArch, *, tp: int, tp_rank: int, pp: int,
                    pp_rank: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """The local Megatron state dict (unwrapped ``GPTModel`` names, no ``_extra_state``) of one (tp, pp) rank.
 
@@ -160,7 +160,7 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ArchSpec, *, tp: int, t
     Raises:
         KeyError: a needed HF tensor is missing (named). ValueError: a tensor has the wrong shape (named).
     """
-    arch.check_layout(tp, pp)
+    check_layout(arch, tp, pp)
     shapes = hf_shapes(arch)
 
     def get(name: str) -> torch.Tensor:
@@ -174,11 +174,11 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ArchSpec, *, tp: int, t
 
     out: dict[str, torch.Tensor] = {}
     D, hd = arch.hidden_size, arch.head_dim
-    ng, qpg = arch.num_kv_heads, arch.num_heads // arch.num_kv_heads
+    ng, qpg = arch.num_key_value_heads, arch.num_attention_heads // arch.num_key_value_heads
     ngl = ng // tp
     g0 = tp_rank * ngl
     Fl = arch.intermediate_size // tp
-    Vp = arch.padded_vocab(tp)
+    Vp = padded_vocab(arch, tp)
     Vl = Vp // tp
 
     def vocab_rows(t: torch.Tensor) -> torch.Tensor:
@@ -224,7 +224,7 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], arch: ArchSpec, *, tp: int, t
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def megatron_to_pieces(local: Mapping[str, torch.Tensor], arch: ArchSpec, *, tp: int, tp_rank: int, pp: int,
+def megatron_to_pieces(local: Mapping[str, torch.Tensor], arch: ModelArch, *, tp: int, tp_rank: int, pp: int,
                        pp_rank: int) -> list[Piece]:
     """This rank's share of the HF weights as :class:`Piece` views of ``local`` (no copies).
 
@@ -237,11 +237,11 @@ def megatron_to_pieces(local: Mapping[str, torch.Tensor], arch: ArchSpec, *, tp:
     """
     shapes = hf_shapes(arch)
     D, hd = arch.hidden_size, arch.head_dim
-    ng, qpg = arch.num_kv_heads, arch.num_heads // arch.num_kv_heads
+    ng, qpg = arch.num_key_value_heads, arch.num_attention_heads // arch.num_key_value_heads
     ngl = ng // tp
     g0 = tp_rank * ngl
     Fl = arch.intermediate_size // tp
-    Vl = arch.padded_vocab(tp) // tp
+    Vl = padded_vocab(arch, tp) // tp
     ql = arch.q_dim // tp
     pieces: list[Piece] = []
 

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_bridge.arch import arch_dict
+
 __all__ = ["save", "load", "FORMAT"]
 
 FORMAT = "megatron_bridge.ckpt/1"
@@ -52,7 +54,7 @@ def _sharded(backend, is_loading: bool) -> dict[str, Any]:
 
 def _meta(backend) -> dict[str, Any]:
     L = backend.layout
-    return {"format": FORMAT, "arch": backend.arch.to_dict(), "tp": L.tp, "pp": L.pp, "dp": L.dp,
+    return {"format": FORMAT, "arch": arch_dict(backend.arch), "tp": L.tp, "pp": L.pp, "dp": L.dp,
             "bf16": backend.bf16}
 
 

@@ -19,7 +19,7 @@ How it plugs into :class:`rlboost_hpc.weights.server.WeightServer` (unchanged):
 
 Manifest format (``format = "megatron_bridge.shards/1"``)::
 
-    {"format": ..., "dtype": "bfloat16", "arch": {...ArchSpec...}, "hf_config": {...},
+    {"format": ..., "dtype": "bfloat16", "arch": {...ModelArch...}, "hf_config": {...},
      "layout": {"tp": 2, "pp": 1, "dp": 1},
      "holders": [{"holder": 0, "rank": 0, "tp_rank": 0, "pp_rank": 0, "dp_rank": 0,
                   "endpoint": "tcp://host:port", "nbytes": 12345, "position": "tp0-pp0"}, ...],
@@ -39,7 +39,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from megatron_bridge.arch import ArchSpec
+from megatron_bridge.arch import ModelArch, arch_dict
 from megatron_bridge.bridge import Piece, assemble, check_tiling
 
 __all__ = ["FORMAT", "holder_entry", "build_manifest", "pull_sharded", "positions", "manifest_nbytes"]
@@ -60,7 +60,7 @@ def holder_entry(layout, endpoint: str, pieces: list[Piece], dtype: torch.dtype)
             "pieces": [dict(p.spec(), position=pos) for p in pieces]}
 
 
-def build_manifest(entries: Iterable[Mapping[str, Any]], arch: ArchSpec, hf_config: Mapping[str, Any],
+def build_manifest(entries: Iterable[Mapping[str, Any]], arch: ModelArch, hf_config: Mapping[str, Any],
                    dtype: torch.dtype) -> dict[str, Any]:
     """The assembly manifest from all holders' :func:`holder_entry` dicts.
 
@@ -77,7 +77,7 @@ def build_manifest(entries: Iterable[Mapping[str, Any]], arch: ArchSpec, hf_conf
         if e["position"] not in seen:
             seen.add(e["position"])
             pieces.extend(e["pieces"])
-    man = {"format": FORMAT, "dtype": str(dtype).removeprefix("torch."), "arch": arch.to_dict(),
+    man = {"format": FORMAT, "dtype": str(dtype).removeprefix("torch."), "arch": arch_dict(arch),
            "hf_config": dict(hf_config), "layout": {"tp": tp, "pp": pp},
            "holders": holders, "pieces": pieces,
            "aliases": {"lm_head.weight": "model.embed_tokens.weight"} if arch.tie_word_embeddings else {}}

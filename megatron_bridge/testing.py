@@ -156,13 +156,15 @@ def _rel(a: float, b: float) -> float:
 
 
 def _load(model: str, models_dir: Path):
-    """(hf config dict, weights for MegatronBackend, fp32 HF state dict, vocab, project LlamaConfig or None)."""
+    """(hf config dict, weights for MegatronBackend, fp32 HF state dict, vocab, project ModelArch or None)."""
     if model == "stories":
-        from rlboost_hpc.models.llama2c import ensure_converted, load_hf_dir
+        from rlboost_hpc.models.arch import arch_from_hf, read_config_json
+        from rlboost_hpc.models.hf_dir import read_state_dict
+        from rlboost_hpc.models.llama2c import ensure_converted
 
         d = ensure_converted(models_dir)
-        cfg, sd = load_hf_dir(d)
-        return cfg.to_hf_dict(), str(d), sd, cfg.vocab_size, cfg
+        arch = arch_from_hf(d)
+        return read_config_json(d), str(d), read_state_dict(d, arch), arch.vocab_size, arch
     fam, _, rest = model.partition("-")
     cfg, sd = tiny_hf(fam, tie=rest == "tied", vocab=301 if fam != "llama" else 256)
     return cfg, sd, sd, cfg["vocab_size"], None

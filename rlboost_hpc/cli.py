@@ -20,7 +20,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from rlboost_hpc.observe.logs import setup_logging
     from rlboost_hpc.observe.report import print_summary
     from rlboost_hpc.cluster.traces import TraceFormatError
-    from rlboost_hpc.models.config import ModelFormatError
+    from rlboost_hpc.models.arch import ModelFormatError
+    from rlboost_hpc.models.device import DeviceError
     from rlboost_hpc.paths import DataFileMissing
     from rlboost_hpc.run import run
     from rlboost_hpc.trainer.client import ManagerError
@@ -35,7 +36,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     setup_logging("trainer", level=args.log_level, run_id=run_id)
     try:
         report = run(cfg, out, progress=not args.no_progress, run_id=run_id)
-    except (ConfigError, DataFileMissing, ModelFormatError, TraceFormatError, CheckpointError, JournalError) as e:
+    except (ConfigError, DataFileMissing, ModelFormatError, DeviceError, TraceFormatError, CheckpointError,
+            JournalError) as e:
         print(f"rlboost-hpc: {e}", file=sys.stderr)
         return 2
     except (RolloutFailed, ManagerError) as e:

@@ -18,11 +18,22 @@ class _Strict(BaseModel):
 
 
 class ModelCfg(_Strict):
-    """Which policy model to load. ``name = "stories260K"`` converts the llama2.c checkpoint from the data dir."""
+    """Which policy model to load: a Hugging Face model directory (``path``: Llama, Qwen2 or Qwen3 —
+    ``config.json``, safetensors shards, tokenizer, generation config), or the embedded default ``name =
+    "stories260K"`` (the llama2.c checkpoint of the data dir, converted once into such a directory)."""
 
-    name: Literal["stories260K"] | str = "stories260K"
-    hf_dir: str | None = Field(None, description="an existing Hugging Face Llama directory (overrides name)")
-    cache_dir: str = Field("~/.cache/rlboost-hpc/models", description="where converted checkpoints are kept")
+    name: Literal["stories260K"] = Field("stories260K", description="the embedded default model (used when "
+                                                                     "path is not set)")
+    path: str | None = Field(None, description="a Hugging Face model directory (Llama, Qwen2, Qwen3); on a "
+                                               "cluster, on a filesystem the trainer job sees")
+    cache_dir: str = Field("~/.cache/rlboost-hpc/models", description="where the converted stories260K is kept")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "hf_dir" in data:
+            raise ValueError("model.hf_dir was renamed: use model.path (a Hugging Face model directory)")
+        return data
 
 
 class TaskCfg(_Strict):
@@ -31,17 +42,28 @@ class TaskCfg(_Strict):
     name: str = "stories"
     train_prompts: int = Field(64, ge=1)
     heldout_prompts: int = Field(32, ge=1)
+    chat_template: Literal["auto", "on", "off"] = Field("auto", description=(
+        "render prompts through the tokenizer's chat template (one user message + generation prompt): auto = "
+        "when the tokenizer has one (instruct models), on = require one, off = plain prompt text"))
 
 
 class SGLangCfg(_Strict):
     """How a preemptible worker starts its SGLang server (``rollout.engine = "sglang"``; docs/sglang.md).
 
-    Every key goes to :class:`rlboost_hpc.rollout.engines.sglang_engine.SGLangServer`.
+    Every key goes to :class:`rlboost_hpc.rollout.engines.sglang_engine.SGLangServer` (its device and dtype
+    are ``rollout.device`` / ``rollout.dtype``).
     """
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for k in ("device", "dtype"):
+                if k in data:
+                    raise ValueError(f"rollout.sglang.{k} moved: use rollout.{k} (every rollout engine's)")
+        return data
+
     python: str | None = Field(None, description="interpreter with sglang installed (None: the worker's own)")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="--dtype of the server")
     stream_interval: int = Field(16, ge=1, description="tokens per streamed chunk (--stream-interval)")
     startup_timeout_s: float = Field(300.0, gt=0, description="deadline for the server's /health")
     env: dict[str, str] = Field(default_factory=dict, description=(
@@ -57,6 +79,11 @@ class RolloutCfg(_Strict):
         "engine of the preemptible workers: torch (CPU/GPU, built in) or sglang (an SGLang server per worker; "
         "pip install '.[sglang]'). The reserved seeding engine is always torch."))
     sglang: SGLangCfg = Field(default_factory=SGLangCfg)
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
+        "device of the rollout engines (reserved engine, workers, evaluation): auto = the GPU a job is given "
+        "(CUDA_VISIBLE_DEVICES) when there is one, else the CPU; the reserved engine shares the trainer's GPU"))
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="weights and KV cache of the engines: "
+                                                                              "auto = bf16 on GPU, fp32 on CPU")
     group_size: int = Field(8, ge=2, description="G: responses per prompt (one GRPO group)")
     prompts_per_step: int = Field(8, ge=1)
     max_new_tokens: int = Field(48, ge=1)
@@ -109,6 +136,10 @@ class TrainerCfg(_Strict):
 
     backend: Literal["torch", "megatron"] = Field("torch", description="torch (CPU/GPU plain PyTorch) or megatron "
                                                                        "(megatron_bridge; pip install '.[megatron]')")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="torch backend: where the policy trains "
+                                                                       "(auto = the GPU when there is one)")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
+        "torch backend: compute dtype (auto = bf16 autocast with fp32 master weights on GPU, fp32 on CPU)"))
     bf16: bool = Field(False, description="megatron: bf16 parameters/activations (fp32 main params)")
     distributed_optimizer: bool = Field(False, description="megatron: shard optimizer state across DP")
     recompute: Literal["full", "selective"] | None = Field(None, description="megatron: activation recompute")
@@ -125,6 +156,9 @@ class TrainerCfg(_Strict):
     eval_samples: int = Field(4, ge=1, description="sampled responses per held-out prompt in evaluation")
     seed: int = 0
     checkpoint_every: int = Field(1, ge=0, description="checkpoint every k steps into <out>/checkpoints (0: never)")
+    export_model: bool = Field(True, description=(
+        "at the end, pull the trained policy from the weight server (weights.dtype) and write it to <out>/model "
+        "as a Hugging Face model directory (safetensors + the model's config, tokenizer and generation config)"))
     resume: Literal["auto", "require", "never"] = Field("auto", description=(
         "auto: resume from <out>/checkpoints/latest when there is one (a Slurm requeue of the trainer job); "
         "require: fail unless there is one; never: start from step 0 (overwriting)"))

@@ -31,15 +31,19 @@ log = logging.getLogger("rlboost.run")
 
 
 def load_model(cfg: RunConfig):
-    """(LlamaConfig, fp32 HF state dict, tokenizer) of the configured model."""
-    from rlboost_hpc.models.llama2c import ensure_converted, load_hf_dir
-    from rlboost_hpc.models.tokenizer import Llama2cTokenizer
+    """The configured policy as a :class:`~rlboost_hpc.models.hf_dir.PolicyModel`: ``model.path`` (a Hugging Face
+    model directory), else stories260K converted once into ``model.cache_dir``.
 
-    hf_dir = Path(cfg.model.hf_dir).expanduser() if cfg.model.hf_dir else ensure_converted(
+    Raises:
+        ModelFormatError: the directory lacks or has inconsistent files (named); DataFileMissing: stories260K's
+            source files are absent.
+    """
+    from rlboost_hpc.models.hf_dir import load_model_dir
+    from rlboost_hpc.models.llama2c import ensure_converted
+
+    path = Path(cfg.model.path).expanduser() if cfg.model.path else ensure_converted(
         Path(cfg.model.cache_dir).expanduser())
-    config, sd = load_hf_dir(hf_dir)
-    tok = Llama2cTokenizer.from_file(hf_dir / "tok512.bin")
-    return config, sd, tok
+    return load_model_dir(path, chat=cfg.task.chat_template)
 
 
 def _resume_point(cfg: RunConfig, out_dir: Path) -> Path | None:
@@ -74,13 +78,13 @@ def _resume_point(cfg: RunConfig, out_dir: Path) -> Path | None:
     return ckpt
 
 
-def _start_manager(cfg: RunConfig, keys_dir: str | None, journal_path: str | None = None):
+def _start_manager(cfg: RunConfig, keys_dir: str | None, journal_path: str | None = None, run_id: str | None = None):
     from rlboost_hpc.manager.service import spawn_manager
     from rlboost_hpc.policy.dispatch import Balancer
 
     metrics_host = None if cfg.manager.metrics is False else cfg.network.bind_host
     return spawn_manager(bind=f"tcp://{cfg.network.bind_host}:0", keys_dir=keys_dir, metrics_host=metrics_host,
-                         journal_path=journal_path, params=dict(
+                         journal_path=journal_path, run_id=run_id, params=dict(
         pending_limit=cfg.manager.pending_limit, heartbeat_s=cfg.manager.heartbeat_s,
         heartbeat_timeout_s=cfg.manager.heartbeat_timeout_s, max_attempts=cfg.manager.max_attempts,
         stream_every_tokens=cfg.rollout.stream_every_tokens, stream_every_s=cfg.rollout.stream_every_s,
@@ -114,7 +118,11 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
     from rlboost_hpc.tasks.base import get_task
     from rlboost_hpc.trainer.backends.torch_backend import TorchBackend
     from rlboost_hpc.trainer.client import ManagerClient
-    from rlboost_hpc.trainer.eval import evaluate
+    from rlboost_hpc.models.device import resolve_device, resolve_dtype
+    from rlboost_hpc.models.hf_dir import save_model_dir
+    from rlboost_hpc.weights.puller import WeightPuller
+    from rlboost_hpc.rollout.engines.factory import torch_engine_factory
+    from rlboost_hpc.trainer.eval import evaluate, kl_to_reference
     from rlboost_hpc.trainer.loop import RLTrainer, StepSettings
     from rlboost_hpc.weights.server import WeightServer
 
@@ -128,17 +136,25 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
     torch.set_num_threads(cfg.trainer.torch_threads)
     (out_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
 
-    config, sd, tok = load_model(cfg)
+    policy = load_model(cfg)
+    arch, tok = policy.arch, policy.tokenizer
     task = get_task(cfg.task.name, n_train=cfg.task.train_prompts, n_heldout=cfg.task.heldout_prompts)
-    longest = max(len(tok.encode(task.format_prompt(p), bos=True)) for p in task.train_prompts() + task.heldout_prompts())
-    if longest + cfg.rollout.max_new_tokens > config.max_position_embeddings:
+    longest = max(len(task.prompt_ids(p, tok)) for p in task.train_prompts() + task.heldout_prompts())
+    if longest + cfg.rollout.max_new_tokens > arch.max_position_embeddings:
         raise ConfigError(f"rollout.max_new_tokens = {cfg.rollout.max_new_tokens} plus the longest prompt ({longest} "
-                          f"tokens) exceeds the model's context of {config.max_position_embeddings} tokens")
-    stop_ids = (tok.bos_id, tok.eos_id)
+                          f"tokens) exceeds the model's context of {arch.max_position_embeddings} tokens")
     wdtype = getattr(torch, cfg.weights.dtype)
     r = cfg.rollout
+    train_device = resolve_device(cfg.trainer.device, "trainer.device")
+    train_dtype = resolve_dtype(cfg.trainer.dtype, train_device, "trainer.dtype")
+    rollout_device = resolve_device(r.device, "rollout.device")
+    rollout_dtype = resolve_dtype(r.dtype, rollout_device, "rollout.dtype")
     eval_kw = dict(samples=cfg.trainer.eval_samples, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                   top_p=r.top_p, stop_ids=stop_ids)
+                   top_p=r.top_p, device=rollout_device, dtype=rollout_dtype)
+    log.info("model %s (%s, %.1f M parameters, chat template %s); trainer on %s/%s, rollout on %s/%s",
+             policy.path, arch.architecture, arch.num_params() / 1e6, "on" if tok.use_chat else "off",
+             train_device, str(train_dtype).removeprefix("torch."), rollout_device,
+             str(rollout_dtype).removeprefix("torch."))
 
     keys = None
     if cfg.security.curve:  # per-run keys, owner-only, in the run directory (protocol/auth.py); a resumed run
@@ -152,7 +168,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
     server = WeightServer(bind=f"tcp://{cfg.network.bind_host}:0", chunk_bytes=cfg.weights.chunk_bytes,
                           keys=keys).start()
     mproc, bound, metrics_url = _start_manager(cfg, str(out_dir) if keys else None,
-                                               str(out_dir / journal_mod.NAME))
+                                               str(out_dir / journal_mod.NAME), run_id)
     host = cfg.network.advertise_host or (socket.gethostname() if cfg.network.bind_host in ("0.0.0.0", "*")
                                           else cfg.network.bind_host)
     endpoint, weights_endpoint = advertised(bound, host), advertised(server.endpoint, host)
@@ -169,10 +185,10 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
     if t.backend == "megatron":  # Megatron-core (TP/PP from megatron_bridge.launch, else 1)
         from megatron_bridge.backend import MegatronBackend
 
-        backend = MegatronBackend(config, sd, seed=t.seed, bf16=t.bf16, distributed_optimizer=t.distributed_optimizer,
-                                  recompute=t.recompute, **common)
+        backend = MegatronBackend(policy.hf_config, policy.state_dict, seed=t.seed, bf16=t.bf16,
+                                  distributed_optimizer=t.distributed_optimizer, recompute=t.recompute, **common)
     else:
-        backend = TorchBackend(config, sd, **common)
+        backend = TorchBackend(arch, policy.state_dict, device=train_device, dtype=train_dtype, **common)
     publishes: list[dict] = []
 
     def publish(version: int) -> dict:
@@ -198,11 +214,12 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
         metrics_f.writelines(json.dumps(m) + "\n" for m in step_metrics)
         metrics_f.flush()
         version0 = trainer_state["version"] if trainer_state else 0
-        client.call(M.TrainerHello(weights_endpoint=weights_endpoint, model_config=config.to_hf_dict()))
+        client.call(M.TrainerHello(weights_endpoint=weights_endpoint, model_config=policy.hf_config))
         publish(version0)
         client.call(M.SetVersion(version=version0))
         if ckpt is None:
-            before = evaluate(config, server.local_state_dict(0), tok, task, **eval_kw)
+            before = evaluate(arch, server.local_state_dict(0), tok, task, **eval_kw)
+            before.pop("sampled")
         log.info("held-out reward before training: %.3f (greedy %.3f)", before["reward_sampled"], before["reward_greedy"])
 
         def local_source(_endpoint: str):
@@ -214,7 +231,8 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
             return pull
 
         reserved = RolloutAgent(endpoint, "reserved", 0, kind="reserved", max_batch=r.max_batch,
-                                weight_source_factory=local_source, keys=keys)
+                                weight_source_factory=local_source, keys=keys,
+                                engine_factory=torch_engine_factory(r.max_batch, r.device, r.dtype))
         reserved_thread = threading.Thread(target=reserved.run, name="reserved-engine", daemon=True)
         reserved_thread.start()
         if slurm:  # rollout jobs come from the scavenger; tell it how many we want
@@ -241,7 +259,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
             seeding=SeedingWindow(initial_s=cfg.trainer.seed_window_s, eta=pol.eta, floor_s=pol.seed_floor_s,
                                   adapt=pol.adaptive_seeding, memory=pol.seed_memory, ceil_s=pol.seed_ceil_s))
         trainer = RLTrainer(client=client, backend=backend, task=task, tokenizer=tok, settings=settings,
-                            stop_ids=stop_ids, publish=publish, controller=controller,
+                            publish=publish, controller=controller,
                             available=lambda: cfg.cluster.max_workers)
         if trainer_state is not None:
             trainer.load_state_dict(trainer_state)
@@ -271,8 +289,14 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
                 view.update(m)
         train_wall = prior_wall + time.monotonic() - t_train0  # training time of every incarnation
         final_stats = client.stats()
-        after = evaluate(config, server.local_state_dict(trainer.version), tok, task, **eval_kw)
-        drift = _drift(backend, task, tok, stop_ids, r.max_new_tokens)
+        after = evaluate(arch, server.local_state_dict(trainer.version), tok, task, **eval_kw)
+        kl = kl_to_reference(backend, after.pop("sampled"))
+        model_out = None
+        if cfg.trainer.export_model:  # the trained policy as rollout instances receive it: pulled, then written
+            w = cfg.weights
+            pulled = WeightPuller(weights_endpoint, streams=w.streams, window=w.window, timeout_s=w.pull_timeout_s,
+                                  keys=keys.client_view() if keys else None, label="final export").pull(trainer.version)
+            model_out = str(save_model_dir(out_dir / "model", policy, pulled.state_dict))
         tot = trainer.totals
         window_start = cluster.summary()["window_start_s"] if cluster is not None else None
         tally = _add_counts(prior_counts, _counts(cluster, final_stats))  # all incarnations of the run
@@ -286,7 +310,11 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
             "reward_heldout_greedy_after": after["reward_greedy"],
             "repetition_rate_before": before["repetition_rate"],
             "repetition_rate_after": after["repetition_rate"],
-            "drift_nats_per_token": drift,
+            "kl_to_reference_nats_per_token": kl,
+            "model_out": model_out,
+            "model": {"path": str(policy.path), "architecture": arch.architecture, "parameters": arch.num_params(),
+                      "chat_template": tok.use_chat, "trainer_device": str(train_device),
+                      "rollout_device": str(rollout_device)},
             "responses_trained": tot.responses_trained,
             "responses_lost": tot.responses_expected - tot.responses_trained,
             "responses_duplicated": tot.responses_duplicated,
@@ -373,26 +401,3 @@ def _counts(cluster, stats: dict) -> dict:
 
 def _add_counts(a: dict, b: dict) -> dict:
     return {k: a.get(k, 0) + b.get(k, 0) for k in _COUNTS}
-
-
-def _drift(backend, task, tok, stop_ids, max_new_tokens: int) -> float:
-    """Mean per-token log-ratio log π_θ − log π_ref on greedy held-out continuations of the final policy
-    (a cheap drift monitor; ≈ KL(π_θ‖π_ref) on the policy's own samples)."""
-    from rlboost_hpc.trainer.backends.base import Sample
-
-    samples = []
-    for p in task.heldout_prompts()[:16]:
-        ids = tok.encode(task.format_prompt(p), bos=True)
-        with torch.no_grad():
-            cur = list(ids)
-            for _ in range(min(32, max_new_tokens)):
-                nxt = int(backend.model(torch.tensor([cur]))[0, -1].argmax())
-                cur.append(nxt)
-                if nxt in stop_ids:
-                    break
-        samples.append(Sample(prompt_ids=ids, response_ids=cur[len(ids):], behaviour_logprobs=[], advantage=0.0))
-    pol = backend.token_logprobs(samples)
-    ref = backend.token_logprobs(samples, reference=True)
-    num = sum(float((a - b).sum()) for a, b in zip(pol, ref))
-    den = sum(len(a) for a in pol)
-    return num / max(1, den)

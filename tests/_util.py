@@ -70,3 +70,12 @@ def collect_until(eng, req, k: int):
                     return ids, lps, ev.finish_reason
             assert eng.num_active == 0
             return ids, lps, None
+
+
+def load_hf_dir(d):
+    """(architecture, fp32 full state dict) of a model directory, read as the run reads them."""
+    from rlboost_hpc.models.arch import arch_from_hf
+    from rlboost_hpc.models.hf_dir import read_state_dict
+
+    arch = arch_from_hf(d)
+    return arch, read_state_dict(d, arch)

@@ -10,7 +10,7 @@ import torch
 
 from rlboost_hpc.config import load_config
 from rlboost_hpc.manager.journal import Journal, JournalError, last_version, read
-from rlboost_hpc.models.llama2c import load_hf_dir
+from _util import load_hf_dir
 from rlboost_hpc.run import _resume_point
 from rlboost_hpc.trainer import checkpoint
 from rlboost_hpc.trainer.backends.base import Sample

@@ -14,6 +14,21 @@ def test_default_config_file_matches_defaults(repo_root):
     assert cfg.rollout.group_size == 8 and cfg.weights.dtype == "bfloat16"
 
 
+@pytest.mark.parametrize("name", ["local.toml", "gsm8k-qwen3.toml"])
+def test_shipped_configs_load(repo_root, name):
+    cfg = load_config(repo_root / "configs" / name)
+    assert cfg.model.name == "stories260K"
+    if name == "gsm8k-qwen3.toml":  # the template a user copies: their model directory, the chat template
+        assert cfg.task.name == "gsm8k" and cfg.model.path and cfg.task.chat_template == "auto"
+
+
+def test_renamed_and_moved_keys_name_their_new_home():
+    with pytest.raises(ConfigError, match="model.hf_dir was renamed: use model.path"):
+        load_config(None, ["model.hf_dir='/x'"])
+    with pytest.raises(ConfigError, match="rollout.sglang.device moved: use rollout.device"):
+        load_config(None, ["rollout.sglang.device='cpu'"])
+
+
 def test_dotted_overrides_are_typed(repo_root):
     cfg = load_config(repo_root / "configs/local.toml", ["trainer.steps=3", "weights.dtype=float32",
                                                          "cluster.kill_fraction=0.5"])
@@ -71,6 +86,15 @@ def test_cli_bad_trace_file_exits_2_naming_the_line(tmp_path, repo_root):
                  "--set", f"cluster.trace='{trace}'", "--set", "trainer.steps=1")
     assert p.returncode == 2
     assert "bad.csv:3" in p.stderr
+
+
+def test_cli_trace_window_the_settings_cannot_find_exits_2_naming_the_keys(tmp_path, repo_root):
+    """Regression: ``cluster.max_workers=1`` with the default window requirements once ended in a ValueError
+    traceback (exit 1) from the window search; it is bad input: exit 2 naming the keys to change."""
+    p = _run_cli("run", "--config", str(repo_root / "configs/local.toml"), "--out", str(tmp_path / "o"),
+                 "--set", "cluster.max_workers=1", "--set", "trainer.steps=1")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "no 2560 s window" in p.stderr and "cluster.min_changes" in p.stderr
 
 
 @pytest.mark.integration

@@ -53,6 +53,10 @@ def test_default_demo_meets_the_report_contract(repo_root, tmp_path):
     assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0, why
     assert rep["tokens_trained_off_version"] == 0
     assert rep["tokens_regenerated"] == 0  # every preemption of the default demo comes with a warning
+    # quality gate: a reward-hacked policy (the "…" or ",,,," collapse at too high a learning rate) repeats
+    # itself (3-gram repetition ≈ 0.6) and drifts 7–8 nats/token from the reference; a healthy run: ≈ 0.01, ≈ 0.2
+    assert rep["repetition_rate_after"] < 0.2 and 0 <= rep["kl_to_reference_nats_per_token"] < 1.0, why
+    assert rep["model"]["architecture"] == "LlamaForCausalLM" and (tmp_path / "demo/model/config.json").is_file()
     lines = (tmp_path / "demo/metrics.jsonl").read_text().splitlines()
     assert len(lines) == rep["steps"]
     assert (tmp_path / "demo/run.png").stat().st_size > 10_000

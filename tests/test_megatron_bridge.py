@@ -15,29 +15,33 @@ import torch
 
 pytestmark = pytest.mark.megatron
 
-from megatron_bridge.arch import ArchSpec, UnsupportedArchitecture, arch_from_hf, stage_layers  # noqa: E402
+from megatron_bridge.arch import (  # noqa: E402
+    ModelArch,
+    UnsupportedArchitecture,
+    arch_from_hf,
+    check_layout,
+    padded_vocab,
+    stage_layers,
+)
 from megatron_bridge.bridge import assemble, hf_shapes, hf_to_megatron, megatron_to_pieces  # noqa: E402
 
 
-def _arch(**kw) -> ArchSpec:
-    base = dict(family="qwen3", vocab_size=301, hidden_size=64, intermediate_size=96, num_layers=5, num_heads=8,
-                num_kv_heads=4, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1e6,
-                tie_word_embeddings=False, qkv_bias=True, qk_norm=True)
+def _arch(**kw) -> ModelArch:
+    base = dict(family="qwen3", vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
+                num_attention_heads=8, num_key_value_heads=4, head_dim=16, max_position_embeddings=64,
+                rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False, qkv_bias=True, qk_norm=True)
     base.update(kw)
-    return ArchSpec(**base)
+    return ModelArch(**base)
 
 
-def _random_hf(arch: ArchSpec, seed: int = 0) -> dict[str, torch.Tensor]:
+def _random_hf(arch: ModelArch, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {k: torch.randn(s, generator=g) for k, s in hf_shapes(arch).items()}
 
 
 # ------------------------------------------------------------------------------------------------ config
 def test_families_and_features_are_parsed():
-    from rlboost_hpc.models.config import LlamaConfig
-
-    lc = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=5,
-                     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)
+    lc = ModelArch("llama", 512, 64, 172, 5, 8, 4, 8, 512, tie_word_embeddings=True)
     a = arch_from_hf(lc)
     assert (a.family, a.tie_word_embeddings, a.qkv_bias, a.qk_norm, a.head_dim) == ("llama", True, False, False, 8)
     q3 = arch_from_hf({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 10, "hidden_size": 16,
@@ -45,17 +49,20 @@ def test_families_and_features_are_parsed():
                        "num_key_value_heads": 1, "head_dim": 32, "rope_theta": 1e6})
     assert q3.qk_norm and not q3.qkv_bias and q3.head_dim == 32 and q3.q_dim == 64
     q2 = arch_from_hf({"model_type": "qwen2", "vocab_size": 10, "hidden_size": 16, "intermediate_size": 8,
-                       "num_hidden_layers": 2, "num_attention_heads": 2, "tie_word_embeddings": True})
-    assert q2.qkv_bias and not q2.qk_norm and q2.num_kv_heads == 2
+                       "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+                       "tie_word_embeddings": True})
+    assert q2.qkv_bias and not q2.qk_norm and q2.num_key_value_heads == 2
 
 
 @pytest.mark.parametrize("extra, needle", [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "rope_type='yarn'"),
+    ({"max_position_embeddings": 8192, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
+      "high_freq_factor": 4.0, "original_max_position_embeddings": 4096}}, "only RoPE scaling Megatron"),
     ({"use_sliding_window": True}, "use_sliding_window"),
     ({"num_local_experts": 8}, "mixture of experts"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"attention_bias": True}, "attention_bias"),
-    ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "unsupported model family"),
+    ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "unsupported architecture"),
 ])
 def test_unsupported_variants_are_refused_by_name(extra, needle):
     d = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 16, "intermediate_size": 8,
@@ -68,12 +75,12 @@ def test_unsupported_variants_are_refused_by_name(extra, needle):
 def test_parallel_layout_checks_and_uneven_pipeline_split():
     a = _arch()
     with pytest.raises(UnsupportedArchitecture, match="num_key_value_heads=4 is not divisible by tp=3"):
-        a.check_layout(3, 1)
+        check_layout(a, 3, 1)
     with pytest.raises(UnsupportedArchitecture, match="smaller than pp=6"):
-        a.check_layout(1, 6)
+        check_layout(a, 1, 6)
     assert [list(stage_layers(a, 2, r)) for r in range(2)] == [[0, 1, 2], [3, 4]]
     assert [list(stage_layers(a, 3, r)) for r in range(3)] == [[0, 1, 2], [3], [4]]
-    assert a.padded_vocab(2) == 302 and a.padded_vocab(4) == 304 and a.padded_vocab(1) == 301
+    assert padded_vocab(a, 2) == 302 and padded_vocab(a, 4) == 304 and padded_vocab(a, 1) == 301
 
 
 # ------------------------------------------------------------------------------------------------ bridge
@@ -97,9 +104,9 @@ def test_bridge_round_trip_is_exact_for_every_layout(tp, pp, kind):
             assert f"decoder.layers.{nl}.input_layernorm.weight" not in local
             if p == 0:
                 emb = local["embedding.word_embeddings.weight"]
-                assert emb.shape == (a.padded_vocab(tp) // tp, 64)
-                if t == tp - 1 and a.padded_vocab(tp) > a.vocab_size:
-                    assert emb[-(a.padded_vocab(tp) - a.vocab_size):].abs().sum() == 0
+                assert emb.shape == (padded_vocab(a, tp) // tp, 64)
+                if t == tp - 1 and padded_vocab(a, tp) > a.vocab_size:
+                    assert emb[-(padded_vocab(a, tp) - a.vocab_size):].abs().sum() == 0
             if p == pp - 1:
                 assert ("output_layer.weight" in local) == (not a.tie_word_embeddings or pp > 1)
             for piece in megatron_to_pieces(local, a, tp=tp, tp_rank=t, pp=pp, pp_rank=p):
@@ -142,7 +149,7 @@ def test_manifest_lists_one_position_per_shard_and_checks_coverage():
 
     from megatron_bridge.export import build_manifest, holder_entry, manifest_nbytes, positions
 
-    a = _arch(num_layers=2)
+    a = _arch(num_hidden_layers=2)
     hf = _random_hf(a)
     entries = []
     for dp in range(2):

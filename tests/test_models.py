@@ -10,12 +10,15 @@ import pytest
 import torch
 
 from rlboost_hpc import paths
-from rlboost_hpc.models.config import LlamaConfig, ModelFormatError, validate_state_dict
+import transformers
+from _util import load_hf_dir
+
+from rlboost_hpc.models.arch import ModelArch, ModelFormatError, arch_from_hf, validate_state_dict
 from rlboost_hpc.models.llama import LlamaModel
 from rlboost_hpc.models.llama2c import (
+    STORIES260K_DIRNAME,
     convert_llama2c,
     ensure_converted,
-    load_hf_dir,
     read_llama2c,
 )
 from rlboost_hpc.models.tokenizer import Llama2cTokenizer
@@ -38,7 +41,6 @@ def model(loaded) -> LlamaModel:
 
 @pytest.fixture(scope="module")
 def hf_eager(stories260k_hf_dir: Path):
-    transformers = pytest.importorskip("transformers")
     return transformers.LlamaForCausalLM.from_pretrained(stories260k_hf_dir, attn_implementation="eager").eval()
 
 
@@ -78,24 +80,28 @@ def test_config_roundtrip_and_validation(loaded):
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (64, 172, 5)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (8, 4, 8, 512)
     assert cfg.max_position_embeddings == 512 and cfg.tie_word_embeddings
-    assert LlamaConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
-    with pytest.raises(ModelFormatError, match="not divisible"):
-        LlamaConfig(512, 65, 172, 5, 8, 4, 512)
+    assert cfg.family == "llama" and cfg.eos_token_ids == (2, 1) and cfg.bos_token_id == 1
+    assert arch_from_hf(cfg.to_hf_dict()) == cfg
+    with pytest.raises(ModelFormatError, match="head_dim=7 must be even"):
+        ModelArch("llama", 512, 56, 172, 5, 8, 4, 7, 512)
     with pytest.raises(ModelFormatError, match="num_hidden_layers=0"):
-        LlamaConfig(512, 64, 172, 0, 8, 4, 512)
+        ModelArch("llama", 512, 64, 172, 0, 8, 4, 8, 512)
     with pytest.raises(ModelFormatError, match="multiple of num_key_value_heads"):
-        LlamaConfig(512, 64, 172, 5, 8, 3, 512)
+        ModelArch("llama", 512, 64, 172, 5, 8, 3, 8, 512)
 
 
 def test_hf_config_json_reads_in_transformers(stories260k_hf_dir: Path, loaded):
-    transformers = pytest.importorskip("transformers")
     cfg, _ = loaded
     raw = json.loads((stories260k_hf_dir / "config.json").read_text())
     for key in ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "rms_norm_eps",
                 "rope_theta", "tie_word_embeddings", "bos_token_id", "eos_token_id", "torch_dtype"):
         assert key in raw, key
-    assert raw["bos_token_id"] == 1 and raw["eos_token_id"] == 2 and raw["torch_dtype"] == "float32"
+    # the model ends stories with BOS and never emits EOS: both stop generation
+    assert raw["bos_token_id"] == 1 and raw["eos_token_id"] == [2, 1] and raw["torch_dtype"] == "float32"
+    gen = json.loads((stories260k_hf_dir / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [2, 1]
+    assert (stories260k_hf_dir / "tokenizer.json").is_file() and (stories260k_hf_dir / "tokenizer_config.json").is_file()
     hc = transformers.LlamaConfig.from_pretrained(stories260k_hf_dir)
     assert hc.num_key_value_heads == 4 and hc.head_dim == 8 and hc.tie_word_embeddings
     theta = getattr(hc, "rope_theta", None) or hc.rope_parameters["rope_theta"]
@@ -106,7 +112,6 @@ def test_hf_config_json_reads_in_transformers(stories260k_hf_dir: Path, loaded):
 
 # ---------------------------------------------------------------------------------------------- loader
 def test_state_dict_names_match_hf_and_our_model(loaded):
-    transformers = pytest.importorskip("transformers")
     cfg, sd = loaded
     assert set(sd) == set(cfg.expected_shapes())
     assert all(tuple(v.shape) == cfg.expected_shapes()[k] and v.dtype == torch.float32 for k, v in sd.items())
@@ -144,7 +149,6 @@ def test_rope_row_permutation(loaded):
 
 
 def test_greedy_200_hf_from_pretrained_reproduces_llama2c(stories260k_hf_dir, tok, expected_text):
-    transformers = pytest.importorskip("transformers")
     hf = transformers.LlamaForCausalLM.from_pretrained(stories260k_hf_dir).eval()  # default (sdpa) attention
     with torch.no_grad():
         out = hf.generate(torch.tensor([[1]]), max_new_tokens=STEPS, do_sample=False,
@@ -192,7 +196,6 @@ def test_forward_matches_transformers_with_padding(model, hf_eager, stories260k_
     assert torch.isfinite(ours).all()
     assert (plain - ref_plain).abs().max().item() <= 1e-5
     # transformers' default SDPA kernel differs from eager by fp32 rounding only (logits are O(10))
-    transformers = pytest.importorskip("transformers")
     sdpa = transformers.LlamaForCausalLM.from_pretrained(stories260k_hf_dir, attn_implementation="sdpa").eval()
     with torch.no_grad():
         ref_sdpa = sdpa(input_ids=ids).logits
@@ -283,7 +286,8 @@ SENTENCES = [
 
 
 def test_tokenizer_matches_sentencepiece(tok):
-    spm = pytest.importorskip("sentencepiece")
+    import sentencepiece as spm
+
     sp = spm.SentencePieceProcessor(model_file=str(paths.data_file("stories260K/tok512.reconstructed.model")))
     assert tok.vocab_size == sp.get_piece_size() == 512
     for s in SENTENCES:
@@ -365,11 +369,15 @@ def test_hf_dir_errors(tmp_path, stories260k_hf_dir):
     d = tmp_path / "hf"
     shutil.copytree(stories260k_hf_dir, d)
     cfg_json = json.loads((d / "config.json").read_text())
-    # config.json missing a key
-    broken = dict(cfg_json)
-    del broken["num_key_value_heads"]
+    # config.json of another architecture (transformers fills defaults for missing keys: the weights then disagree)
+    broken = dict(cfg_json, architectures=["MistralForCausalLM"], model_type="mistral")
     (d / "config.json").write_text(json.dumps(broken))
-    with pytest.raises(ModelFormatError, match="num_key_value_heads"):
+    with pytest.raises(ModelFormatError, match="unsupported architecture.*supported: LlamaForCausalLM, "
+                                               "Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        load_hf_dir(d)
+    broken = {k: v for k, v in cfg_json.items() if k != "num_key_value_heads"}
+    (d / "config.json").write_text(json.dumps(broken))
+    with pytest.raises(ModelFormatError, match=r"k_proj.weight has shape \[32, 64\], expected \[64, 64\]"):
         load_hf_dir(d)
     (d / "config.json").write_text("{not json")
     with pytest.raises(ModelFormatError, match="not valid JSON"):
@@ -401,7 +409,7 @@ def test_hf_dir_errors(tmp_path, stories260k_hf_dir):
     with pytest.raises(ModelFormatError, match="safetensors"):
         load_hf_dir(d)
     (d / "model.safetensors").unlink()
-    with pytest.raises(ModelFormatError, match="model.safetensors not found"):
+    with pytest.raises(ModelFormatError, match="no weights"):
         load_hf_dir(d)
     (d / "config.json").unlink()
     with pytest.raises(ModelFormatError, match="config.json not found"):
@@ -426,7 +434,7 @@ def test_ensure_converted_idempotent_and_missing_data(tmp_path, monkeypatch, sto
     monkeypatch.setenv("RLBOOST_DATA", str(tmp_path / "empty"))
     with pytest.raises(paths.DataFileMissing, match="stories260K.bin"):
         ensure_converted(tmp_path / "other")
-    assert not (tmp_path / "other" / "stories260K-hf").exists()
+    assert not (tmp_path / "other" / STORIES260K_DIRNAME).exists()
 
 
 def test_convert_rejects_missing_tokenizer(tmp_path):

@@ -15,7 +15,7 @@ import pytest
 import torch
 import zmq
 
-from rlboost_hpc.models.llama2c import load_hf_dir
+from _util import load_hf_dir
 from rlboost_hpc.manager.service import spawn_manager
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.rollout.engines.base import GenRequest, SamplingParams

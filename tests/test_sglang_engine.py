@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from _util import collect_until
-from rlboost_hpc.models.llama2c import load_hf_dir
+from _util import load_hf_dir
 from rlboost_hpc.models.tokenizer import Llama2cTokenizer
 from rlboost_hpc.rollout.engines.base import EngineError, GenRequest, SamplingParams, TokenEvent
 from rlboost_hpc.rollout.engines.sglang_engine import (
@@ -36,6 +36,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.timeout(300)]
 torch.set_num_threads(1)
 
 GREEDY = SamplingParams(temperature=0.0)
+NOSTOP = SamplingParams(temperature=0.0, stop_token_ids=())  # long greedy runs: stories260K ends a story with BOS
 PROMPTS = [
     "Once upon a time, there was a little",
     "One day, a boy named",
@@ -141,7 +142,9 @@ def test_greedy_ids_and_logprobs_equal_torch_engine(engine, loaded, tok):
 
 
 def test_step_streams_every_token_once(engine, tok):
-    engine.add(GenRequest("s", tok.encode(PROMPTS[0]), 30, GREEDY))
+    # 300 tokens (≈ 19 chunks of the server's 16, seconds of decoding): a consumer descheduled for all of it on a
+    # loaded machine is not plausible; with 30 tokens it was (everything arrived within one step)
+    engine.add(GenRequest("s", tok.encode(PROMPTS[0]), 300, NOSTOP))
     seen, steps = [], 0
     while engine.num_active:
         evs = engine.step()
@@ -150,7 +153,7 @@ def test_step_streams_every_token_once(engine, tok):
         for e in evs:
             assert len(e.token_ids) == len(e.logprobs) >= 1 or e.finished
             seen += e.token_ids
-    assert len(seen) == 30 and steps > 1  # streamed in pieces, nothing duplicated or dropped
+    assert len(seen) == 300 and steps > 1  # streamed in pieces, nothing duplicated or dropped
 
 
 @pytest.mark.parametrize("stop_kind", ["with_eos", "without_eos"])
@@ -186,37 +189,39 @@ def test_migration_torch_to_sglang_resumes_exactly(engine, loaded, tok):
 
 
 def test_migration_sglang_to_torch_resumes_exactly(engine, loaded, tok):
-    """Start on SGLang, abort mid-way (abort hands back what step() had not), resume on torch."""
-    N = 200
+    """Start on SGLang, abort mid-way (abort hands back what step() had not), resume on torch. N leaves seconds
+    of decoding after the last abort point, so the abort lands mid-response even on a loaded machine (with 200,
+    a server that outran its descheduled client once finished two of the four before their abort)."""
+    N = 480
     prompt = tok.encode(PROMPTS[1])
-    full_ids, full_lps, full_reason = _run(_torch(loaded), "u", prompt, N)
+    full_ids, full_lps, full_reason = _run(_torch(loaded), "u", prompt, N, NOSTOP)
     migrated = 0
     for k in (1, 9, 33, 120):
-        head, head_lps, reason = collect_until(engine, GenRequest(f"m{k}", prompt, N, GREEDY), k)
+        head, head_lps, reason = collect_until(engine, GenRequest(f"m{k}", prompt, N, NOSTOP), k)
         assert head == full_ids[:len(head)] and len(head) >= min(k, len(full_ids))
         _close(head_lps, full_lps[:len(head)])
         if reason is not None:  # the server finished before the abort landed: nothing to migrate
             assert head == full_ids and reason == full_reason
             continue
         migrated += 1
-        tail, tail_lps, tail_reason = _run(_torch(loaded), "r", prompt, N - len(head), prefix=head)
+        tail, tail_lps, tail_reason = _run(_torch(loaded), "r", prompt, N - len(head), NOSTOP, prefix=head)
         assert head + tail == full_ids and tail_reason == full_reason
         _close(head_lps + tail_lps, full_lps)
     assert migrated >= 3
 
 
 def test_migration_chain_sglang_torch_sglang(engine, loaded, tok):
-    N = 200
+    N = 480
     prompt = tok.encode(PROMPTS[4])
-    full_ids, full_lps, _ = _run(_torch(loaded), "u", prompt, N)
+    full_ids, full_lps, _ = _run(_torch(loaded), "u", prompt, N, NOSTOP)
     ids: list[int] = []
     lps: list[float] = []
     for eng, k in ((engine, 7), (_torch(loaded, max_batch=2), 13)):
-        got, got_lps, reason = collect_until(eng, GenRequest("c", prompt, N - len(ids), GREEDY, list(ids)), k)
+        got, got_lps, reason = collect_until(eng, GenRequest("c", prompt, N - len(ids), NOSTOP, list(ids)), k)
         assert reason is None
         ids += got
         lps += got_lps
-    tail, tail_lps, reason = _run(engine, "c", prompt, N - len(ids), prefix=ids)
+    tail, tail_lps, reason = _run(engine, "c", prompt, N - len(ids), NOSTOP, prefix=ids)
     assert ids + tail == full_ids and reason == "length"
     _close(lps + tail_lps, full_lps)
 

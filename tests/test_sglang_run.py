@@ -29,7 +29,7 @@ TRACE = "0,add,a0\n35000,remove,a0\n36000,add,a1\n70000,remove,a1\n71000,add,a2\
 def test_demo_with_sglang_workers_meets_the_report_contract(repo_root, tmp_path):
     (tmp_path / "trace.csv").write_text(TRACE)
     env = stub_env()
-    p = run_cli(repo_root, tmp_path / "run", 'rollout.engine="sglang"', 'rollout.sglang.device="cpu"',
+    p = run_cli(repo_root, tmp_path / "run", 'rollout.engine="sglang"', 'rollout.device="cpu"',
                 *[f'rollout.sglang.env.{k}="{v}"' for k, v in env.items()],
                 f'cluster.trace="{tmp_path / "trace.csv"}"', "cluster.time_scale=1.0", "cluster.replay_s=300",
                 "cluster.window_start_s=0", "cluster.max_workers=1", "policy.cap=false", "trainer.steps=60",

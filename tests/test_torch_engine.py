@@ -12,7 +12,7 @@ import torch
 from rlboost_hpc import paths
 from rlboost_hpc.models.llama import LlamaModel
 from _util import collect_until
-from rlboost_hpc.models.llama2c import load_hf_dir
+from _util import load_hf_dir
 from rlboost_hpc.models.tokenizer import Llama2cTokenizer
 from rlboost_hpc.rollout.engines import torch_engine as te
 from rlboost_hpc.rollout.engines.base import EngineError, GenRequest, SamplingParams
@@ -393,18 +393,25 @@ def test_migration_across_a_stop(loaded, sp):
         torch.testing.assert_close(torch.tensor(pre_lps + tail_lps), torch.tensor(full_lps), rtol=0, atol=1e-5)
 
 
-def test_engine_factory_from_the_runs_spec(tmp_path):
+def test_engine_factory_from_the_runs_spec(tmp_path, loaded):
     """endpoints.json's engine spec picks the worker's engine; unknown kinds/options are clear errors."""
     from rlboost_hpc.config import RolloutCfg
     from rlboost_hpc.rollout.engines.base import EngineError
     from rlboost_hpc.rollout.engines.factory import engine_spec, factory_from_spec, torch_engine_factory
 
-    assert engine_spec(RolloutCfg()) == {"kind": "torch"}
-    spec = engine_spec(RolloutCfg(engine="sglang", sglang={"device": "cpu", "env": {"A": "1"}}))
-    assert spec["kind"] == "sglang" and spec["sglang"]["device"] == "cpu" and spec["sglang"]["env"] == {"A": "1"}
+    assert engine_spec(RolloutCfg()) == {"kind": "torch", "device": "auto", "dtype": "auto"}
+    spec = engine_spec(RolloutCfg(engine="sglang", device="cpu", sglang={"env": {"A": "1"}}))
+    assert spec["kind"] == "sglang" and spec["device"] == "cpu" and spec["sglang"]["env"] == {"A": "1"}
     assert factory_from_spec(None, 4).__qualname__ == torch_engine_factory(4).__qualname__
     assert callable(factory_from_spec(spec, 4, log_path=tmp_path / "s.log"))  # builds nothing until called
     with pytest.raises(EngineError, match="unknown rollout engine 'vllm'"):
         factory_from_spec({"kind": "vllm"}, 4)
     with pytest.raises(EngineError, match=r"unknown sglang engine option\(s\) \['gpus'\]"):
         factory_from_spec({"kind": "sglang", "sglang": {"gpus": 2}}, 4)
+    # the engine is built where it runs: a device that is not there is an EngineError naming the setting
+    sd = {k: v for k, v in loaded[1].items()}
+    if not torch.cuda.is_available():
+        with pytest.raises(EngineError, match="rollout.device = 'cuda'"):
+            torch_engine_factory(4, "cuda")(loaded[0].to_hf_dict(), sd)
+    eng = torch_engine_factory(4, "cpu", "float32")(loaded[0].to_hf_dict(), sd)
+    assert eng.device.type == "cpu" and eng.dtype == torch.float32

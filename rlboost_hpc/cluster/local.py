@@ -21,7 +21,7 @@ from typing import Callable
 
 from rlboost_hpc.cluster.replay import ReplayDriver, ReplayPlan, choose_window
 from rlboost_hpc.cluster.traces import load_trace
-from rlboost_hpc.config import LocalClusterCfg, WeightsCfg
+from rlboost_hpc.config import ConfigError, LocalClusterCfg, WeightsCfg
 from rlboost_hpc.procutil import die_with_parent
 
 log = logging.getLogger("rlboost.cluster")
@@ -61,8 +61,12 @@ class LocalCluster:
         window_s = cfg.replay_s * cfg.time_scale
         start = cfg.window_start_s
         if start is None:
-            start = choose_window(events, window_s, cfg.min_changes, max_workers=cfg.max_workers,
-                                  min_removals=cfg.min_removals, min_starts=cfg.min_starts)
+            try:
+                start = choose_window(events, window_s, cfg.min_changes, max_workers=cfg.max_workers,
+                                      min_removals=cfg.min_removals, min_starts=cfg.min_starts)
+            except ValueError as e:  # bad input: the settings ask for a window the trace does not have
+                raise ConfigError(f"cluster.trace {cfg.trace}: {e}; lower cluster.min_changes / min_removals / "
+                                  "min_starts, or set cluster.window_start_s, max_workers or replay_s") from None
         self.window_start_s = start
         self.plan = ReplayPlan.from_trace(events, window_start_s=start, window_s=window_s,
                                           time_scale=cfg.time_scale, max_workers=cfg.max_workers,

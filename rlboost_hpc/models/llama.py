@@ -1,12 +1,18 @@
-"""A pure-torch Llama (GQA, RMSNorm, SwiGLU, RoPE, optionally tied embeddings) with HF parameter names.
+"""A pure-torch Llama-family decoder (Llama, Qwen2, Qwen3) with HF parameter names.
+
+GQA, RMSNorm, SwiGLU, RoPE (theta, optional ``llama3`` scaling), optionally tied embeddings, Qwen2's q/k/v
+biases, Qwen3's per-head q/k RMSNorm and explicit ``head_dim``: whatever :class:`~rlboost_hpc.models.arch.ModelArch`
+describes.
 
 Invariants:
-- ``LlamaModel(cfg).state_dict()`` keys are exactly ``cfg.expected_shapes()`` — the HF ``LlamaForCausalLM``
+- ``LlamaModel(arch).state_dict()`` keys are exactly ``arch.expected_shapes()`` — the HF ``*ForCausalLM``
   names (``lm_head.weight`` included, sharing storage with ``model.embed_tokens.weight`` when tied) — so an HF
   state dict loads with ``load_state_dict(strict=True)`` and vice versa. No persistent buffers.
-- Numerics follow HF's fp32 path (RMSNorm ``w * x * rsqrt(mean(x²) + eps)``, rotate-half RoPE with
-  ``cos/sin(pos * theta^(-2i/hd))`` duplicated over both halves, scale ``hd^-0.5``, softmax in fp32, query head
-  ``h`` reads KV head ``h // (n_heads / n_kv_heads)``): logits agree with ``transformers`` to ~1e-6 in fp32.
+- Numerics follow HF's (RMSNorm ``w * (x·rsqrt(mean(x²) + eps))`` computed in fp32 and cast back, rotate-half
+  RoPE with ``cos/sin(pos · inv_freq)`` duplicated over both halves and cast to the activations' dtype, scale
+  ``hd^-0.5``, softmax in fp32, query head ``h`` reads KV head ``h // (n_heads / n_kv_heads)``, Qwen3's q/k
+  norm before RoPE): logits agree with ``transformers`` to ~1e-6 in fp32. Parameters may be any float dtype
+  (bf16 on GPU); logits are returned as fp32.
 - Two paths share the weights: :meth:`LlamaModel.forward` (differentiable, batched, padded) for training and
   scoring; :meth:`LlamaModel.prefill` / :meth:`LlamaModel.decode` (no grad) over a :class:`KVCache` for
   generation. For the same tokens and positions both paths give the same logits up to float rounding.
@@ -21,13 +27,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlboost_hpc.models.config import LlamaConfig
+from rlboost_hpc.models.arch import ModelArch
 
-__all__ = ["LlamaModel", "KVCache", "RMSNorm"]
+__all__ = ["LlamaModel", "KVCache", "RMSNorm", "rope_inv_freq"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm: ``weight * (x·rsqrt(mean(x², -1) + eps))`` with the normalisation in fp32, cast back to
+    ``x.dtype`` before the weight multiplies (``[..., D]`` in, same shape and dtype out)."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
-    """HF LlamaRMSNorm: ``weight * x * rsqrt(mean(x², -1) + eps)`` (fp32 in, fp32 out)."""
+    """HF LlamaRMSNorm / Qwen3RMSNorm (see :func:`rms_norm`)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -35,21 +48,44 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
+    """RoPE inverse frequencies ``[head_dim/2]`` fp32: ``theta^(-2i/hd)``, transformed by ``llama3`` scaling
+    when the model has it (Llama 3.1's rule, as ``transformers``' ``_compute_llama3_parameters``)."""
+    import math
+
+    hd = arch.head_dim
+    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    rs = arch.rope_scaling
+    if rs is None:
+        return inv
+    old = rs.original_max_position_embeddings
+    low_wl, high_wl = old / rs.low_freq_factor, old / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wl, inv / rs.factor, inv)
+    smooth = (old / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
+    return torch.where(medium, smoothed, scaled)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: ModelArch) -> None:
         super().__init__()
-        D, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(D, cfg.num_attention_heads * hd, bias=False)
-        self.k_proj = nn.Linear(D, cfg.kv_dim, bias=False)
-        self.v_proj = nn.Linear(D, cfg.kv_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, D, bias=False)
+        D = cfg.hidden_size
+        self.q_proj = nn.Linear(D, cfg.q_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(D, cfg.kv_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(D, cfg.kv_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.q_dim, D, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: ModelArch) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -60,7 +96,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: ModelArch) -> None:
         super().__init__()
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
@@ -69,7 +105,7 @@ class DecoderLayer(nn.Module):
 
 
 class _Backbone(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: ModelArch) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
@@ -86,7 +122,7 @@ class KVCache:
         ValueError: ``num_slots`` or ``max_len`` < 1.
     """
 
-    def __init__(self, config: LlamaConfig, num_slots: int, max_len: int,
+    def __init__(self, config: ModelArch, num_slots: int, max_len: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> None:
         if num_slots < 1 or max_len < 1:
             raise ValueError(f"KVCache needs num_slots ≥ 1 and max_len ≥ 1, got {num_slots}, {max_len}")
@@ -120,30 +156,30 @@ class KVCache:
 
 
 class LlamaModel(nn.Module):
-    """Llama causal LM whose ``state_dict`` uses HF ``LlamaForCausalLM`` names.
+    """Llama-family causal LM whose ``state_dict`` uses HF ``*ForCausalLM`` names.
 
     Args:
         config: the architecture; ``tie_word_embeddings`` makes ``lm_head.weight`` the embedding parameter.
     """
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: ModelArch) -> None:
         super().__init__()
         self.config = config
         self.model = _Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        hd = config.head_dim
-        self._inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
-        self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._scale = hd ** -0.5
+        self._inv_freq = rope_inv_freq(config)
+        self._rope_cache: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._scale = config.head_dim ** -0.5
 
     # ------------------------------------------------------------------ helpers
     @classmethod
-    def from_state_dict(cls, config: LlamaConfig, state_dict: dict[str, torch.Tensor]) -> "LlamaModel":
-        """Build a model and load ``state_dict`` strictly (cast to fp32)."""
-        m = cls(config)
-        m.load_state_dict({k: v.to(torch.float32) for k, v in state_dict.items()}, strict=True)
+    def from_state_dict(cls, config: ModelArch, state_dict: dict[str, torch.Tensor], *,
+                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "LlamaModel":
+        """Build a model on ``device`` with ``dtype`` parameters and load ``state_dict`` strictly (cast)."""
+        m = cls(config).to(device=device, dtype=dtype)
+        m.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}, strict=True)
         return m
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # type: ignore[override]
@@ -154,9 +190,15 @@ class LlamaModel(nn.Module):
             state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the parameters (activations and the KV cache use it too)."""
+        return self.model.embed_tokens.weight.dtype
+
     def _rope_tables(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape ``[≥n, head_dim]`` (HF rotate-half layout); the sin table is sign-folded."""
-        key = torch.device(device)
+        """cos, sin of shape ``[≥n, head_dim]`` in the model's dtype (HF rotate-half layout, computed in fp32);
+        the sin table is sign-folded."""
+        key = (torch.device(device), self.dtype)
         cached = self._rope_cache.get(key)
         if cached is not None and cached[0].shape[0] >= n:
             return cached
@@ -167,7 +209,7 @@ class LlamaModel(nn.Module):
         cos, sin = emb.cos(), emb.sin()
         h = sin.shape[-1] // 2
         sin_signed = torch.cat((-sin[:, :h], sin[:, h:]), dim=-1)  # rotate_half(x)*sin == roll(x,h)*sin_signed
-        out = (cos.to(device), sin_signed.to(device))
+        out = (cos.to(device=device, dtype=self.dtype), sin_signed.to(device=device, dtype=self.dtype))
         self._rope_cache[key] = out
         return out
 
@@ -175,6 +217,16 @@ class LlamaModel(nn.Module):
     def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         h = x.shape[-1] // 2
         return x * cos + torch.cat((x[..., h:], x[..., :h]), dim=-1) * sin_signed
+
+    def _qkv(self, a: Attention, h: torch.Tensor, lead: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """q ``[*lead, H, hd]``, k and v ``[*lead, KV, hd]`` of normed hidden states ``h`` (biases, q/k norm)."""
+        cfg = self.config
+        q = a.q_proj(h).view(*lead, cfg.num_attention_heads, cfg.head_dim)
+        k = a.k_proj(h).view(*lead, cfg.num_key_value_heads, cfg.head_dim)
+        v = a.v_proj(h).view(*lead, cfg.num_key_value_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = a.q_norm(q), a.k_norm(k)
+        return q, k, v
 
     # ------------------------------------------------------------------ training / scoring
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -216,7 +268,7 @@ class LlamaModel(nn.Module):
         allowed = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None]  # [1,T,T]
         if attention_mask is not None:
             allowed = allowed & attention_mask[:, None, :]
-        return self.lm_head(self.model.norm(self._trunk(input_ids, cos, sin, allowed)))
+        return self.lm_head(self.model.norm(self._trunk(input_ids, cos, sin, allowed))).float()
 
     def _trunk(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor,
                kv_out: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
@@ -234,16 +286,14 @@ class LlamaModel(nn.Module):
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = a.q_proj(h).view(B, T, H, hd).transpose(1, 2)
-            k = a.k_proj(h).view(B, T, KV, hd).transpose(1, 2)
-            v = a.v_proj(h).view(B, T, KV, hd).transpose(1, 2)
-            q = self._apply_rope(q, cos, sin).view(B, KV, G, T, hd)
-            k = self._apply_rope(k, cos, sin)
+            q, k, v = self._qkv(a, layer.input_layernorm(x), (B, T))
+            q = self._apply_rope(q.transpose(1, 2), cos, sin).view(B, KV, G, T, hd)
+            k = self._apply_rope(k.transpose(1, 2), cos, sin)
+            v = v.transpose(1, 2)
             if kv_out is not None:
                 kv_out.append((k, v))
-            scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * self._scale + bias
-            p = torch.softmax(scores, dim=-1)
+            scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)).float() * self._scale + bias
+            p = torch.softmax(scores, dim=-1).to(v.dtype)
             o = torch.matmul(p, v.unsqueeze(2))  # [B,KV,G,T,hd]
             o = o.view(B, H, T, hd).transpose(1, 2).reshape(B, T, H * hd)
             x = x + a.o_proj(o)
@@ -286,7 +336,7 @@ class LlamaModel(nn.Module):
             cache.k[li, slot, :, :T] = k[0]
             cache.v[li, slot, :, :T] = v[0]
         cache.lengths[slot] = T
-        return self.lm_head(self.model.norm(x[0, -1]))
+        return self.lm_head(self.model.norm(x[0, -1])).float()
 
     @torch.no_grad()
     def decode(self, cache: KVCache, slots: torch.Tensor | Sequence[int], input_ids: torch.Tensor) -> torch.Tensor:
@@ -340,10 +390,9 @@ class LlamaModel(nn.Module):
         x = F.embedding(ids, self.model.embed_tokens.weight)  # [S,D]
         for li, layer in enumerate(self.model.layers):
             a, mlp = layer.self_attn, layer.mlp
-            h = layer.input_layernorm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-            q = self._apply_rope(F.linear(h, a.q_proj.weight).view(S, H, hd), cos, sin).view(S, KV, G, hd)
-            k = self._apply_rope(F.linear(h, a.k_proj.weight).view(S, KV, hd), cos, sin)
-            v = F.linear(h, a.v_proj.weight).view(S, KV, hd)
+            q, k, v = self._qkv(a, rms_norm(x, layer.input_layernorm.weight, eps), (S,))
+            q = self._apply_rope(q, cos, sin).view(S, KV, G, hd)
+            k = self._apply_rope(k, cos, sin)
             ck, cv = cache.k[li], cache.v[li]
             ck[write_slots, :, pos] = k
             cv[write_slots, :, pos] = v
@@ -351,12 +400,12 @@ class LlamaModel(nn.Module):
                 K, V_ = ck[s0:s0 + S, :, :Tm], cv[s0:s0 + S, :, :Tm]
             else:
                 K, V_ = ck[slot_t, :, :Tm], cv[slot_t, :, :Tm]
-            scores = torch.matmul(q, K.transpose(-1, -2)) * self._scale + bias  # [S,KV,G,Tm]
-            o = torch.matmul(torch.softmax(scores, dim=-1), V_).reshape(S, H * hd)
+            scores = torch.matmul(q, K.transpose(-1, -2)).float() * self._scale + bias  # [S,KV,G,Tm]
+            o = torch.matmul(torch.softmax(scores, dim=-1).to(V_.dtype), V_).reshape(S, H * hd)
             x = x + F.linear(o, a.o_proj.weight)
-            h = layer.post_attention_layernorm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+            h = rms_norm(x, layer.post_attention_layernorm.weight, eps)
             x = x + F.linear(F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight),
                              mlp.down_proj.weight)
         for s in sl:
             lens[s] += 1
-        return self.lm_head(self.model.norm(x))
+        return self.lm_head(self.model.norm(x)).float()

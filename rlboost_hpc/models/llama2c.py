@@ -1,17 +1,27 @@
-"""llama2.c legacy checkpoints (``stories260K.bin``) → Hugging Face ``LlamaForCausalLM`` state dicts and dirs.
+"""llama2.c legacy checkpoints (``stories260K.bin`` + ``tok512.bin``) → a Hugging Face model directory.
+
+The converted directory is an ordinary HF Llama directory (``config.json``, ``model.safetensors``,
+``tokenizer.json``/``tokenizer_config.json``, ``generation_config.json``) that the run loads like any user's
+checkpoint (:mod:`rlboost_hpc.models.hf_dir`).
 
 Invariants:
 - :func:`read_llama2c` returns fp32, contiguous tensors under exactly the HF names of
-  :meth:`LlamaConfig.expected_shapes` (``lm_head.weight`` included: a copy of the embedding when the
+  :meth:`ModelArch.expected_shapes` (``lm_head.weight`` included: a copy of the embedding when the
   checkpoint is tied, so ``LlamaForCausalLM.load_state_dict(..., strict=True)`` works).
+- The model never emits EOS (id 2): it ends a story with BOS (id 1), so ``config.json`` and
+  ``generation_config.json`` write ``eos_token_id: [2, 1]`` (generation stops at either).
+- :func:`hf_tokenizer` reproduces llama2.c's encoder exactly (a byte-fallback BPE whose merges are ranked by
+  the merged piece's score; dummy-prefix ``▁``; every space kept, none collapsed) and adds BOS; decoding keeps
+  a response's leading space (no ``Strip`` decoder), as llama2.c prints a continuation.
 - q_proj / k_proj rows are permuted per head from llama2.c's interleaved-pair RoPE layout to HF's
   rotate-half layout (``[n_heads, hd/2, 2, D]`` → swap axes 1, 2 → back); nothing else is transformed.
   So HF (and :class:`rlboost_hpc.models.llama.LlamaModel`) reproduce llama2.c's logits.
 - A file is accepted only if its size equals exactly what its header implies; anything else raises
   :class:`ModelFormatError` saying expected vs actual bytes. Header values are validated through
-  :class:`LlamaConfig` before any size arithmetic.
+  :class:`ModelArch` before any size arithmetic.
 - :func:`ensure_converted` is idempotent and atomic: the HF directory appears complete (written to a temp
   dir in the same parent, then renamed) or not at all; concurrent callers all end up with one complete dir.
+  Its name carries the format version, so a cache written by an older converter is never mistaken for it.
 - Shared data files are resolved with :func:`rlboost_hpc.paths.data_file`, so a missing one raises
   :class:`rlboost_hpc.paths.DataFileMissing` (not wrapped).
 """
@@ -28,22 +38,25 @@ import numpy as np
 import torch
 
 from rlboost_hpc import paths
-from rlboost_hpc.models.config import LlamaConfig, ModelFormatError, validate_state_dict
+from rlboost_hpc.models.arch import ModelArch, ModelFormatError
+from rlboost_hpc.models.hf_dir import WEIGHTS_NAME
+from rlboost_hpc.models.tokenizer import Llama2cTokenizer
 
 __all__ = [
     "ModelFormatError",
     "read_llama2c",
     "convert_llama2c",
-    "load_hf_dir",
+    "hf_tokenizer",
     "ensure_converted",
     "STORIES260K_DIRNAME",
 ]
 
 _HEADER = struct.Struct("<7i")
-STORIES260K_DIRNAME = "stories260K-hf"
-WEIGHTS_NAME = "model.safetensors"
+STORIES260K_DIRNAME = "stories260K-hf-v2"
 CONFIG_NAME = "config.json"
 TOKENIZER_NAME = "tok512.bin"
+#: The stop tokens of stories260K: EOS (2), which it never emits, and BOS (1), which ends its stories.
+STORIES_EOS = (2, 1)
 
 
 def _permute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -53,7 +66,7 @@ def _permute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, hd // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim).contiguous()
 
 
-def _expected_llama2c_bytes(cfg: LlamaConfig, seq_len: int, shared: bool) -> int:
+def _expected_llama2c_bytes(cfg: ModelArch, seq_len: int, shared: bool) -> int:
     D, H, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
     kv = cfg.kv_dim
     n = V * D + L * D + L * D * D + 2 * L * kv * D + L * D * D + L * D + 2 * L * H * D + L * D * H + D
@@ -63,7 +76,7 @@ def _expected_llama2c_bytes(cfg: LlamaConfig, seq_len: int, shared: bool) -> int
     return _HEADER.size + 4 * n
 
 
-def read_llama2c(path: str | os.PathLike[str]) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+def read_llama2c(path: str | os.PathLike[str]) -> tuple[ModelArch, dict[str, torch.Tensor]]:
     """Read a llama2.c legacy (version-0) checkpoint.
 
     Returns:
@@ -86,17 +99,23 @@ def read_llama2c(path: str | os.PathLike[str]) -> tuple[LlamaConfig, dict[str, t
     dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len = _HEADER.unpack_from(raw)
     shared = vocab > 0
     try:
-        cfg = LlamaConfig(
+        if n_heads > 0 and dim % n_heads:
+            raise ModelFormatError(f"hidden_size={dim} is not divisible by num_attention_heads={n_heads}")
+        cfg = ModelArch(
+            family="llama",
             vocab_size=abs(vocab),
             hidden_size=dim,
             intermediate_size=hidden,
             num_hidden_layers=n_layers,
             num_attention_heads=n_heads,
             num_key_value_heads=n_kv,
+            head_dim=dim // n_heads if n_heads > 0 else 0,
             max_position_embeddings=seq_len,
             rms_norm_eps=1e-5,
             rope_theta=10000.0,
             tie_word_embeddings=shared,
+            bos_token_id=Llama2cTokenizer.bos_id,
+            eos_token_ids=STORIES_EOS,
         )
     except ModelFormatError as e:
         raise ModelFormatError(
@@ -154,9 +173,42 @@ def read_llama2c(path: str | os.PathLike[str]) -> tuple[LlamaConfig, dict[str, t
     return cfg, sd
 
 
+def hf_tokenizer(tok: Llama2cTokenizer):
+    """``tok`` as a ``transformers`` fast tokenizer encoding exactly as llama2.c does (module docstring).
+
+    Pieces: id 0 ``<unk>``, 1 ``<s>``, 2 ``</s>``, 3–258 ``<0xNN>``, then BPE pieces with ``▁`` for a space;
+    merges are every pair of pieces whose concatenation is a piece, ranked by that piece's score (highest
+    first), as llama2.c merges the best-scoring adjacent pair.
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    special = {0: "<unk>", tok.bos_id: "<s>", tok.eos_id: "</s>"}
+    pieces = [special.get(i) or p.decode("utf-8").replace(" ", "\u2581") for i, p in enumerate(tok.pieces)]
+    vocab = {p: i for i, p in enumerate(pieces)}
+    first_bpe = tok.byte_offset + 256
+    ranked = []
+    for i in range(tok.byte_offset, len(pieces)):
+        for j in range(tok.byte_offset, len(pieces)):
+            k = vocab.get(pieces[i] + pieces[j])
+            if k is not None and k >= first_bpe:
+                ranked.append((-tok.scores[k], k, i, j))
+    ranked.sort()
+    bpe = models.BPE(vocab=vocab, merges=[(pieces[i], pieces[j]) for _, _, i, j in ranked], byte_fallback=True,
+                     unk_token="<unk>", fuse_unk=True)
+    t = Tokenizer(bpe)
+    t.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    t.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    t.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                     special_tokens=[("<s>", tok.bos_id)])
+    t.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
 def convert_llama2c(bin_path: str | os.PathLike[str], tok_path: str | os.PathLike[str],
                     out_dir: str | os.PathLike[str]) -> Path:
-    """Write an HF directory (``model.safetensors``, ``config.json``, a copy of the tokenizer file).
+    """Write an HF model directory: ``model.safetensors``, ``config.json``, ``generation_config.json``,
+    ``tokenizer.json``/``tokenizer_config.json`` (see :func:`hf_tokenizer`) and a copy of ``tok512.bin``.
 
     ``out_dir`` is created if needed; existing files of the same names are overwritten (not atomic: use
     :func:`ensure_converted` for a cache). The llama2.c licence next to ``bin_path``, if any, is copied too.
@@ -165,63 +217,27 @@ def convert_llama2c(bin_path: str | os.PathLike[str], tok_path: str | os.PathLik
         ``Path(out_dir)``.
 
     Raises:
-        ModelFormatError: see :func:`read_llama2c`; or the tokenizer file does not exist.
+        ModelFormatError: see :func:`read_llama2c` and :meth:`Llama2cTokenizer.from_file`.
     """
     from safetensors.torch import save_file
 
     cfg, sd = read_llama2c(bin_path)
-    tok = Path(tok_path)
-    if not tok.is_file():
-        raise ModelFormatError(f"{tok}: tokenizer file not found")
+    tok = Llama2cTokenizer.from_file(tok_path, vocab_size=cfg.vocab_size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in sd.items()}, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     (out / CONFIG_NAME).write_text(json.dumps(cfg.to_hf_dict(), indent=2, sort_keys=True) + "\n")
-    shutil.copyfile(tok, out / TOKENIZER_NAME)
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": tok.bos_id, "eos_token_id": list(STORIES_EOS), "do_sample": True}, indent=2) + "\n")
+    hf_tokenizer(tok).save_pretrained(str(out))
+    shutil.copyfile(tok_path, out / TOKENIZER_NAME)
     for lic in Path(bin_path).parent.glob("LICENSE*"):
         shutil.copyfile(lic, out / lic.name)
     return out
 
 
-def load_hf_dir(out_dir: str | os.PathLike[str]) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """Load an HF Llama directory (``config.json`` + ``model.safetensors``) as ``(config, state_dict)``.
-
-    The state dict holds fp32 CPU tensors under the HF names, with ``lm_head.weight`` always present
-    (a copy of the embedding when tied and absent from the file).
-
-    Raises:
-        ModelFormatError: directory / config.json / model.safetensors missing or unreadable; config.json
-            not a JSON object or missing keys (named); tensors missing, unexpected or of the wrong shape (named).
-    """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    d = Path(out_dir)
-    cfg_path, w_path = d / CONFIG_NAME, d / WEIGHTS_NAME
-    if not cfg_path.is_file():
-        raise ModelFormatError(f"{cfg_path}: config.json not found")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelFormatError(f"{cfg_path}: not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ModelFormatError(f"{cfg_path}: expected a JSON object, got {type(raw).__name__}")
-    cfg = LlamaConfig.from_hf_dict(raw, source=str(cfg_path))
-    if not w_path.is_file():
-        raise ModelFormatError(f"{w_path}: model.safetensors not found")
-    try:
-        sd = load_file(str(w_path))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ModelFormatError(f"{w_path}: unreadable safetensors file: {e}") from None
-    validate_state_dict(cfg, sd, source=str(w_path))
-    sd = {k: v.to(torch.float32).contiguous() for k, v in sd.items()}
-    if "lm_head.weight" not in sd:
-        sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
-    return cfg, sd
-
-
 def ensure_converted(cache_dir: str | os.PathLike[str]) -> Path:
-    """Convert the shared ``stories260K`` checkpoint into ``cache_dir/stories260K-hf`` once; return that dir.
+    """Convert the shared ``stories260K`` checkpoint into ``cache_dir/stories260K-hf-v2`` once; return that dir.
 
     Inputs are resolved with :func:`rlboost_hpc.paths.data_file`. An existing complete directory is reused
     without re-reading the checkpoint. Writing goes to a temp dir in ``cache_dir`` then an atomic rename.
@@ -254,4 +270,4 @@ def ensure_converted(cache_dir: str | os.PathLike[str]) -> Path:
 
 
 def _complete(d: Path) -> bool:
-    return (d / CONFIG_NAME).is_file() and (d / WEIGHTS_NAME).is_file() and (d / TOKENIZER_NAME).is_file()
+    return all((d / n).is_file() for n in (CONFIG_NAME, WEIGHTS_NAME, "tokenizer.json", "generation_config.json"))

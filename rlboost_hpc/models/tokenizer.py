@@ -20,7 +20,7 @@ import struct
 from pathlib import Path
 from typing import Iterable
 
-from rlboost_hpc.models.config import ModelFormatError
+from rlboost_hpc.models.arch import ModelFormatError
 
 __all__ = ["Llama2cTokenizer"]
 

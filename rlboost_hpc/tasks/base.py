@@ -71,8 +71,22 @@ class Task(abc.ABC):
         """
 
     def format_prompt(self, prompt: Prompt) -> str:
-        """The text given to the tokenizer for ``prompt`` (BOS is the tokenizer's business)."""
+        """The plain-text prompt given to the tokenizer for ``prompt`` (BOS is the tokenizer's business)."""
         return prompt.text
+
+    def chat_content(self, prompt: Prompt) -> str:
+        """The user message for ``prompt`` when the model's chat template is used (instruct models)."""
+        return prompt.text
+
+    def prompt_ids(self, prompt: Prompt, tokenizer) -> list[int]:
+        """The token ids a rollout starts from: the chat template applied to :meth:`chat_content` when
+        ``tokenizer.use_chat`` (the standard RLVR setup for instruct models), else :meth:`format_prompt` encoded
+        with the tokenizer's own special tokens. ``tokenizer``: a
+        :class:`~rlboost_hpc.models.hf_dir.PolicyTokenizer` (anything with ``use_chat``, ``encode_chat``,
+        ``encode_text``). Every component that builds prompts calls this one method."""
+        if tokenizer.use_chat:
+            return tokenizer.encode_chat(self.chat_content(prompt))
+        return tokenizer.encode_text(self.format_prompt(prompt))
 
     def prompts(self, split: Literal["train", "heldout"]) -> list[Prompt]:
         """:meth:`train_prompts` or :meth:`heldout_prompts` by name.

@@ -51,6 +51,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: The instruction appended to a math question in chat mode (the usual RLVR prompt for Qwen-style instruct models).
+BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
 
 # --------------------------------------------------------------------------------------------- data files
 
@@ -355,6 +358,9 @@ class GSM8KTask(Task):
     def format_prompt(self, prompt: Prompt) -> str:
         return f"Question: {prompt.text.strip()}\nAnswer:"
 
+    def chat_content(self, prompt: Prompt) -> str:
+        return f"{prompt.text.strip()}\n{BOXED_INSTRUCTION}"
+
     def reward(self, prompt: Prompt, response_text: str) -> float:
         """1.0 iff :func:`extract_answer` (GSM8K style) of the response matches the gold number."""
         gold = _gold_of(prompt)
@@ -429,6 +435,9 @@ class Math500Task(Task):
 
     def format_prompt(self, prompt: Prompt) -> str:
         return f"Question: {prompt.text.strip()}\nGive the final answer in \\boxed{{}}.\nAnswer:"
+
+    def chat_content(self, prompt: Prompt) -> str:
+        return f"{prompt.text.strip()}\n{BOXED_INSTRUCTION}"
 
     def reward(self, prompt: Prompt, response_text: str) -> float:
         """1.0 iff :func:`extract_answer` (math style) of the response is equivalent to the gold LaTeX."""

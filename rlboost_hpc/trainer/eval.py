@@ -1,7 +1,13 @@
-"""Held-out evaluation of a policy version with a local torch engine.
+"""Held-out evaluation of a policy version with a local torch engine, and the quality gate's KL estimate.
 
-Invariant: evaluation is reproducible — sample j of held-out prompt i uses seed ``base_seed + 1000·i + j``,
-so "before" and "after" see the same random draws and differ only by the weights.
+Invariants:
+- Evaluation is reproducible: sample j of held-out prompt i uses seed ``base_seed + 1000·i + j``, so "before"
+  and "after" see the same random draws and differ only by the weights. Prompts are encoded exactly as the
+  trainer encodes them (:meth:`rlboost_hpc.tasks.base.Task.prompt_ids`: the chat template when the tokenizer
+  is in chat mode), and responses stop at the model's stop tokens.
+- :func:`kl_to_reference` is the k3 estimator of KL(π_θ ‖ π_ref) per token, on responses sampled from π_θ:
+  mean over tokens of ``exp(r) − r − 1`` with ``r = log π_ref(t) − log π_θ(t)`` (unbiased, never negative;
+  Schulman, "Approximating KL divergence", 2020), both logprobs at the sampling temperature.
 """
 from __future__ import annotations
 
@@ -9,11 +15,12 @@ from typing import Mapping
 
 import torch
 
-from rlboost_hpc.models.config import LlamaConfig
+from rlboost_hpc.models.arch import ModelArch
 from rlboost_hpc.rollout.engines.base import GenRequest, SamplingParams
 from rlboost_hpc.rollout.engines.torch_engine import TorchEngine, generate_all
 from rlboost_hpc.tasks.base import Task
 from rlboost_hpc.tasks.stories import repetition_rate
+from rlboost_hpc.trainer.backends.base import Sample, TrainerBackend
 
 
 def strip_stop(ids: list[int], stop_ids: tuple[int, ...]) -> list[int]:
@@ -21,30 +28,35 @@ def strip_stop(ids: list[int], stop_ids: tuple[int, ...]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in stop_ids else ids
 
 
-def evaluate(config: LlamaConfig, weights: Mapping[str, torch.Tensor], tokenizer, task: Task, *,
-             samples: int, max_new_tokens: int, temperature: float, top_p: float, stop_ids: tuple[int, ...],
-             base_seed: int = 12345) -> dict:
+def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, task: Task, *,
+             samples: int, max_new_tokens: int, temperature: float, top_p: float, base_seed: int = 12345,
+             device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> dict:
     """Mean reward over held-out prompts (``samples`` sampled responses each, plus one greedy).
 
-    Returns a dict: reward_sampled, reward_greedy, repetition_rate (mean over sampled responses),
-    responses (int), examples (first few greedy texts).
+    Args:
+        tokenizer: a :class:`~rlboost_hpc.models.hf_dir.PolicyTokenizer` (prompt ids, stop ids, decoding).
+
+    Returns:
+        A dict: reward_sampled, reward_greedy, repetition_rate (mean over sampled responses), responses (int),
+        examples (first few greedy texts), sampled (the sampled responses as :class:`Sample` s, advantage 0,
+        for :func:`kl_to_reference`).
     """
-    eng = TorchEngine(config, weights, max_batch=64)
-    prompts = task.heldout_prompts()
+    eng = TorchEngine(arch, weights, max_batch=64, device=device, dtype=dtype)
+    stop_ids = tokenizer.stop_ids
     reqs, meta = [], {}
-    for i, p in enumerate(prompts):
-        ids = tokenizer.encode(task.format_prompt(p), bos=True)
+    for i, p in enumerate(task.heldout_prompts()):
+        ids = task.prompt_ids(p, tokenizer)
         for j in range(samples + 1):
             greedy = j == samples
             rid = f"eval/{i}/{j}"
             sp = SamplingParams(temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
                                 seed=base_seed + 1000 * i + j, stop_token_ids=stop_ids)
             reqs.append(GenRequest(rid=rid, prompt_ids=ids, max_new_tokens=max_new_tokens, sampling=sp))
-            meta[rid] = (p, greedy)
+            meta[rid] = (p, greedy, ids)
     out = generate_all(eng, reqs)
-    sampled, greedy_r, rep, examples = [], [], [], []
-    for rid, (ids, _lps, _fin) in out.items():
-        p, greedy = meta[rid]
+    sampled, greedy_r, rep, examples, drawn = [], [], [], [], []
+    for rid, (ids, lps, _fin) in out.items():
+        p, greedy, prompt_ids = meta[rid]
         text = tokenizer.decode(strip_stop(list(ids), stop_ids))
         r = task.reward(p, text)
         if greedy:
@@ -54,10 +66,33 @@ def evaluate(config: LlamaConfig, weights: Mapping[str, torch.Tensor], tokenizer
         else:
             sampled.append(r)
             rep.append(repetition_rate(text))
+            drawn.append(Sample(prompt_ids=list(prompt_ids), response_ids=list(ids), behaviour_logprobs=list(lps),
+                                advantage=0.0))
     return {
         "reward_sampled": sum(sampled) / len(sampled),
         "reward_greedy": sum(greedy_r) / len(greedy_r),
         "repetition_rate": sum(rep) / len(rep),
         "responses": len(sampled) + len(greedy_r),
         "examples": examples,
+        "sampled": drawn,
     }
+
+
+def kl_to_reference(backend: TrainerBackend, samples: list[Sample], batch: int = 16) -> float:
+    """k3 estimate of KL(π_θ ‖ π_ref) in nats per token over ``samples`` drawn from π_θ (module docstring).
+
+    Raises:
+        ValueError: the backend keeps no reference policy.
+    """
+    num, den = 0.0, 0
+    for i in range(0, len(samples), batch):
+        part = [s for s in samples[i:i + batch] if s.response_ids]
+        if not part:
+            continue
+        pol = backend.token_logprobs(part)
+        ref = backend.token_logprobs(part, reference=True)
+        for a, b in zip(pol, ref):
+            r = (b - a).double()
+            num += float((torch.exp(r) - r - 1.0).sum())
+            den += r.numel()
+    return num / max(1, den)

@@ -101,16 +101,17 @@ class DataFrontier:
 
 
 class RLTrainer:
-    """Drives steps against a live manager. ``publish(version)`` publishes the backend's weights into the
-    weight server and returns a dict with publish timings."""
+    """Drives steps against a live manager. ``tokenizer``: a :class:`~rlboost_hpc.models.hf_dir.PolicyTokenizer`
+    (prompt ids via ``task.prompt_ids``, stop ids, response text for rewards). ``publish(version)`` publishes the
+    backend's weights into the weight server and returns a dict with publish timings."""
 
     def __init__(self, *, client: ManagerClient, backend: TrainerBackend, task: Task, tokenizer,
-                 settings: StepSettings, stop_ids: tuple[int, ...], publish: Callable[[int], dict],
+                 settings: StepSettings, publish: Callable[[int], dict],
                  controller: RolloutController | None = None, available: Callable[[], int | None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.client, self.backend, self.task, self.tok = client, backend, task, tokenizer
         self.s = settings
-        self.stop_ids = stop_ids
+        self.stop_ids = tuple(tokenizer.stop_ids)
         self.publish = publish
         self.clock = clock
         # T_seed and N_prem decisions (policy/controller.py); None: fixed T_seed = settings.seed_window_s
@@ -163,7 +164,7 @@ class RLTrainer:
         self.taken.extend(p.pid for p in prompts)
         specs, by_gid = [], {}
         for g, p in enumerate(prompts):
-            ids = self.tok.encode(self.task.format_prompt(p), bos=True)
+            ids = self.task.prompt_ids(p, self.tok)
             gid = f"s{step}g{g}"
             by_gid[gid] = (p, ids)
             specs.append(M.GroupSpec(gid=gid, prompt_ids=ids, n=s.group_size, max_new_tokens=s.max_new_tokens,

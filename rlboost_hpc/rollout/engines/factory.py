@@ -12,24 +12,37 @@ from typing import Any, Callable, Mapping
 from rlboost_hpc.rollout.engines.base import Engine, EngineError
 
 EngineFactory = Callable[[dict, Mapping], Engine]
-_SGLANG_KEYS = {"python", "device", "dtype", "stream_interval", "startup_timeout_s", "env", "extra_args"}
+_SGLANG_KEYS = {"python", "stream_interval", "startup_timeout_s", "env", "extra_args"}
 
 
-def torch_engine_factory(max_batch: int) -> EngineFactory:
-    """Build a :class:`TorchEngine` from the manager's HF model config and the first pulled weights."""
+def torch_engine_factory(max_batch: int, device: str = "auto", dtype: str = "auto") -> EngineFactory:
+    """Build a :class:`TorchEngine` from the manager's HF model config (the model's ``config.json``) and the
+    first pulled weights, on ``device`` / ``dtype`` (``rlboost_hpc.models.device``; resolved when the engine
+    is built, in the process that runs it).
+
+    The engine raises :class:`EngineError` for a model the project does not support or an unavailable device.
+    """
 
     def make(model_config: dict, state_dict: Mapping) -> Engine:
-        from rlboost_hpc.models.config import LlamaConfig
+        from rlboost_hpc.models.arch import ModelFormatError, arch_from_hf
+        from rlboost_hpc.models.device import DeviceError, resolve_device, resolve_dtype
         from rlboost_hpc.rollout.engines.torch_engine import TorchEngine
 
-        return TorchEngine(LlamaConfig.from_hf_dict(model_config), state_dict, max_batch=max_batch)
+        try:
+            arch = arch_from_hf(model_config, name="the run's model config")
+            dev = resolve_device(device, "rollout.device")
+            dt = resolve_dtype(dtype, dev, "rollout.dtype")
+        except (ModelFormatError, DeviceError) as e:
+            raise EngineError(str(e)) from None
+        return TorchEngine(arch, state_dict, max_batch=max_batch, device=dev, dtype=dt)
 
     return make
 
 
 def engine_spec(cfg) -> dict[str, Any]:
-    """The JSON spec of ``cfg.rollout`` (a :class:`rlboost_hpc.config.RolloutCfg`) for ``endpoints.json``."""
-    spec: dict[str, Any] = {"kind": cfg.engine}
+    """The JSON spec of ``cfg.rollout`` (a :class:`rlboost_hpc.config.RolloutCfg`) for ``endpoints.json``:
+    the engine kind, its device and dtype, and the SGLang server options."""
+    spec: dict[str, Any] = {"kind": cfg.engine, "device": cfg.device, "dtype": cfg.dtype}
     if cfg.engine == "sglang":
         spec["sglang"] = cfg.sglang.model_dump()
     return spec
@@ -47,8 +60,9 @@ def factory_from_spec(spec: Mapping[str, Any] | None, max_batch: int, *,
         EngineError: unknown kind or unknown sglang option.
     """
     kind = (spec or {}).get("kind", "torch")
+    device, dtype = (spec or {}).get("device", "auto"), (spec or {}).get("dtype", "auto")
     if kind == "torch":
-        return torch_engine_factory(max_batch)
+        return torch_engine_factory(max_batch, device, dtype)
     if kind != "sglang":
         raise EngineError(f"unknown rollout engine {kind!r} in the run's engine spec (expected 'torch' or 'sglang')")
     opts = dict((spec or {}).get("sglang") or {})
@@ -58,6 +72,7 @@ def factory_from_spec(spec: Mapping[str, Any] | None, max_batch: int, *,
     from rlboost_hpc.rollout.engines.sglang_engine import sglang_engine_factory
 
     launch = {k: v for k, v in opts.items() if v is not None}
+    launch.update(device=device, dtype=dtype)
     if log_path is not None:
         launch["log_path"] = str(log_path)
     return sglang_engine_factory(max_batch, **launch)

@@ -141,7 +141,8 @@ class SGLangServer:
         device: ``"cpu"``, ``"cuda"`` or ``"auto"`` (cuda when torch sees a GPU, else cpu). On cpu the launch
             adds ``--device cpu --attention-backend torch_native --sampling-backend pytorch`` and
             ``SGLANG_USE_CPU_ENGINE=1``.
-        dtype: ``--dtype`` (``"float32"`` default: logprob parity with the fp32 trainer/torch engine).
+        dtype: ``--dtype``; ``"auto"`` is bf16 on cuda and fp32 on cpu (logprob parity with the fp32 trainer and
+            torch engine there).
         max_running_requests: ``--max-running-requests`` (the engine's ``max_batch``).
         max_total_tokens: KV-cache size in tokens (``None``: SGLang's memory-fraction default; on CPU we pass
             ``max_running_requests * context_length`` because the CPU default takes a fraction of host RAM).
@@ -161,7 +162,7 @@ class SGLangServer:
 
     def __init__(self, model_path: str | os.PathLike[str], *, host: str = "127.0.0.1", port: int | None = None,
                  log_path: str | os.PathLike[str] | None = None, startup_timeout_s: float = 300.0,
-                 device: str = "auto", dtype: str = "float32", max_running_requests: int = 32,
+                 device: str = "auto", dtype: str = "auto", max_running_requests: int = 32,
                  max_total_tokens: int | None = None, context_length: int | None = None,
                  stream_interval: int = 16, deterministic: bool = False, weight_version: str | int = 0,
                  sleep_on_idle: bool = True,
@@ -169,6 +170,8 @@ class SGLangServer:
                  extra_args: Sequence[str] = ()) -> None:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        if dtype == "auto":
+            dtype = "bfloat16" if device.startswith("cuda") else "float32"
         if stream_interval < 1:
             raise EngineError(f"stream_interval must be ≥ 1, got {stream_interval}")
         self.model_path = str(model_path)
@@ -310,10 +313,11 @@ class SGLangServer:
 
 
 def _model_context_length(model_path: str) -> int | None:
+    from rlboost_hpc.models.arch import ModelFormatError, arch_from_hf
+
     try:
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
-        return int(cfg.get("max_position_embeddings")) if cfg.get("max_position_embeddings") else None
-    except (OSError, ValueError, TypeError):
+        return arch_from_hf(model_path).max_position_embeddings
+    except ModelFormatError:
         return None
 
 
@@ -437,17 +441,24 @@ class SGLangEngine(Engine):
         self._closed = False
         info = self._control("GET", "/model_info", None, what="model_info")
         if model_config is None:
+            from rlboost_hpc.models.arch import ModelFormatError, read_config_json
+
             try:
-                model_config = json.loads((Path(info["model_path"]) / "config.json").read_text())
-            except (OSError, ValueError, KeyError, TypeError):
+                model_config = read_config_json(Path(info["model_path"]))
+            except (ModelFormatError, KeyError, TypeError):
                 model_config = None
         self.model_config = dict(model_config) if model_config is not None else None
-        mc = self.model_config or {}
-        self.vocab_size: int | None = mc.get("vocab_size")
-        self.max_len: int | None = mc.get("max_position_embeddings")
-        eos = mc.get("eos_token_id")
-        self.eos_ids: frozenset[int] = frozenset(
-            [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos]))
+        self.arch = None  # a model the project does not describe: the server's replies are the only check
+        if self.model_config is not None:
+            from rlboost_hpc.models.arch import ModelFormatError, arch_from_hf
+
+            try:
+                self.arch = arch_from_hf(self.model_config, name="the served model's config")
+            except ModelFormatError:
+                pass
+        self.vocab_size: int | None = self.arch.vocab_size if self.arch else None
+        self.max_len: int | None = self.arch.max_position_embeddings if self.arch else None
+        self.eos_ids: frozenset[int] = frozenset(self.arch.eos_token_ids if self.arch else ())
         self._version = version
         sinfo = self._server_info()
         self.server_dtype = _DTYPES.get(str(sinfo.get("dtype", "")))
@@ -799,16 +810,12 @@ class SGLangEngine(Engine):
         self._version = -1
 
     def _validate_state_dict(self, state_dict: Mapping[str, Any], version: int) -> None:
-        if self.model_config is None:
+        if self.arch is None:
             return
-        from rlboost_hpc.models.config import LlamaConfig, ModelFormatError, validate_state_dict
+        from rlboost_hpc.models.arch import ModelFormatError, validate_state_dict
 
         try:
-            cfg = LlamaConfig.from_hf_dict(self.model_config)
-        except ModelFormatError:
-            return  # not a Llama we describe: the server's reply is the check
-        try:
-            validate_state_dict(cfg, state_dict, source=f"load_weights(version={version})")
+            validate_state_dict(self.arch, state_dict, source=f"load_weights(version={version})")
         except ModelFormatError as e:
             raise EngineError(str(e)) from None
 
@@ -1139,10 +1146,7 @@ def write_hf_dir(model_config: Mapping[str, Any], state_dict: Mapping[str, torch
 
         tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = dict(model_config)
-    if cfg.get("model_type", "llama") == "llama":  # the manager's dict may omit what SGLang dispatches on
-        cfg.setdefault("model_type", "llama")
-        cfg.setdefault("architectures", ["LlamaForCausalLM"])
+    cfg = dict(model_config)  # the model's own config.json (architectures, model_type: what SGLang dispatches on)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return out
 

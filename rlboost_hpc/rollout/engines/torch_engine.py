@@ -1,4 +1,5 @@
-"""A pure-torch, continuously batched, resumable rollout engine over :class:`rlboost_hpc.models.llama.LlamaModel`.
+"""A pure-torch, continuously batched, resumable rollout engine over :class:`rlboost_hpc.models.llama.LlamaModel`
+(Llama, Qwen2, Qwen3), on the CPU or a CUDA device, in fp32 or bf16.
 
 Implements :class:`rlboost_hpc.rollout.engines.base.Engine` exactly. Invariants (beyond the base contract):
 - One KV-cache slot per running request (``max_batch`` slots, lowest free slot first); requests added beyond
@@ -19,7 +20,8 @@ Implements :class:`rlboost_hpc.rollout.engines.base.Engine` exactly. Invariants 
   behaviour logprob is ``log_softmax(logits / temperature)[token]`` in fp32 (raw logits when greedy), before
   truncation. Hence migrated (resumed) responses equal uninterrupted ones given equal weights.
 - ``load_weights`` is refused while any request is queued or running; it checks every name and shape before
-  changing anything (all-or-nothing), casts to fp32, and empties every cache slot.
+  changing anything (all-or-nothing), casts to the engine's dtype, and empties every cache slot.
+- Logits are fp32 whatever the weights' dtype, so sampling is the same rule on every device.
 - Not thread-safe. The engine does not change torch's thread settings; tiny models run fastest with
   ``torch.set_num_threads(1)`` on a busy CPU.
 """
@@ -32,7 +34,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from rlboost_hpc.models.config import LlamaConfig, ModelFormatError, validate_state_dict
+from rlboost_hpc.models.arch import ModelArch, ModelFormatError, validate_state_dict
 from rlboost_hpc.models.llama import KVCache, LlamaModel
 from rlboost_hpc.rollout.engines.base import (
     Engine,
@@ -210,14 +212,16 @@ class TorchEngine(Engine):
         max_len: most positions per request (prompt + prefix + new tokens); default
             ``config.max_position_embeddings``.
         device: torch device for weights, cache and sampling.
+        dtype: dtype of the weights and the KV cache (fp32 on CPU; bf16 is the GPU default of the run).
         version: initial weight version (``self.version``).
 
     Raises:
         EngineError: bad ``max_batch``/``max_len`` or a state dict that does not match ``config``.
     """
 
-    def __init__(self, config: LlamaConfig, state_dict: Mapping[str, torch.Tensor], max_batch: int = 32,
-                 max_len: int | None = None, device: str | torch.device = "cpu", version: int = 0) -> None:
+    def __init__(self, config: ModelArch, state_dict: Mapping[str, torch.Tensor], max_batch: int = 32,
+                 max_len: int | None = None, device: str | torch.device = "cpu", version: int = 0,
+                 dtype: torch.dtype = torch.float32) -> None:
         if max_batch < 1:
             raise EngineError(f"max_batch must be ≥ 1, got {max_batch}")
         max_len = config.max_position_embeddings if max_len is None else max_len
@@ -227,7 +231,8 @@ class TorchEngine(Engine):
         self.max_batch = max_batch
         self.max_len = max_len
         self.device = torch.device(device)
-        self.model = LlamaModel(config).to(self.device).eval()
+        self.dtype = dtype
+        self.model = LlamaModel(config).to(device=self.device, dtype=dtype).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.cache: KVCache = self.model.new_cache(max_batch, max_len)
@@ -301,7 +306,7 @@ class TorchEngine(Engine):
                 return
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Replace all weights (HF names, any float dtype → fp32), empty every cache slot, set ``version``.
+        """Replace all weights (HF names, any float dtype → the engine's), empty every cache slot, set ``version``.
 
         Raises:
             EngineError: requests are queued or running (nothing changes); or a tensor is missing, unexpected,
@@ -321,7 +326,7 @@ class TorchEngine(Engine):
             validate_state_dict(self.config, state_dict, source="load_weights")
         except ModelFormatError as e:
             raise EngineError(str(e)) from None
-        sd = {k: v.detach().to(device=self.device, dtype=torch.float32) for k, v in state_dict.items()}
+        sd = {k: v.detach().to(device=self.device, dtype=self.dtype) for k, v in state_dict.items()}
         if self.config.tie_word_embeddings and "lm_head.weight" in sd \
                 and not torch.equal(sd["lm_head.weight"], sd["model.embed_tokens.weight"]):
             raise EngineError("load_weights: tied model but lm_head.weight differs from model.embed_tokens.weight")

@@ -1,20 +1,21 @@
 """CPU/GPU plain-PyTorch trainer backend (the reference implementation of ``TrainerBackend``).
 
-Invariant: ``old_logp`` is recomputed by the trainer, not taken from the rollout engine: with one optimizer
-step per RL step θ_old = θ at every micro-batch, so the recomputed old logprob is exactly ``logp.detach()``
+Invariants: the parameters and AdamW state are fp32 on ``device``; with a lower ``dtype`` (bf16, the GPU
+default) forward passes run under ``torch.autocast`` in that dtype (mixed precision: fp32 master weights),
+while logprobs, losses and gradients' accumulation stay fp32. ``old_logp`` is recomputed by the trainer, not
+taken from the rollout engine: with one optimizer step per RL step θ_old = θ at every micro-batch, so the recomputed old logprob is exactly ``logp.detach()``
 of the same forward pass (no second pass needed); the engine's behaviour logprobs are only compared
 (``logprob_diff``) to catch trainer/engine mismatch.
 """
 from __future__ import annotations
 
-import copy
 import os
 from pathlib import Path
 from typing import Mapping
 
 import torch
 
-from rlboost_hpc.models.config import LlamaConfig
+from rlboost_hpc.models.arch import ModelArch
 from rlboost_hpc.models.llama import LlamaModel
 from rlboost_hpc.trainer.algorithms.grpo import grpo_loss
 from rlboost_hpc.trainer.backends.base import Sample, TrainerBackend
@@ -43,38 +44,58 @@ def pack(batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
 
 
 class TorchBackend(TrainerBackend):
-    """AdamW on an fp32 :class:`LlamaModel`; logprobs at ``temperature`` (matching the engine)."""
+    """AdamW on an fp32 :class:`LlamaModel` on ``device``; logprobs at ``temperature`` (matching the engine).
 
-    def __init__(self, config: LlamaConfig, state_dict: Mapping[str, torch.Tensor], *, lr: float,
+    Args:
+        config / state_dict: the policy (HF names, any float dtype).
+        device: where the model trains (``cpu`` or a CUDA device).
+        dtype: compute dtype of forward passes (``torch.float32``: none; ``torch.bfloat16``: autocast).
+        keep_reference: keep a frozen copy of the initial policy (the KL penalty's and the quality gate's
+            reference), in ``dtype`` on ``device``.
+    """
+
+    def __init__(self, config: ModelArch, state_dict: Mapping[str, torch.Tensor], *, lr: float,
                  weight_decay: float = 0.0, grad_clip: float = 1.0, clip_eps: float = 0.2,
-                 kl_coef: float = 0.0, temperature: float = 1.0, keep_reference: bool = True) -> None:
-        self.model = LlamaModel.from_state_dict(config, {k: v.float() for k, v in state_dict.items()})
+                 kl_coef: float = 0.0, temperature: float = 1.0, keep_reference: bool = True,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        self.device = torch.device(device)
+        self.amp_dtype = None if dtype == torch.float32 else dtype
+        self.model = LlamaModel.from_state_dict(config, dict(state_dict), device=self.device)
         self.model.train()
-        self.ref = copy.deepcopy(self.model).eval().requires_grad_(False) if (keep_reference or kl_coef > 0) else None
+        self.ref = None
+        if keep_reference or kl_coef > 0:
+            self.ref = LlamaModel.from_state_dict(config, dict(state_dict), device=self.device, dtype=dtype)
+            self.ref.eval().requires_grad_(False)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999))
         self.grad_clip, self.clip_eps, self.kl_coef = grad_clip, clip_eps, kl_coef
         self.temperature = temperature if temperature > 0 else 1.0
         self.lr = lr
 
     def _logp(self, model: LlamaModel, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
-        logits = model(ids, attention_mask=att)[:, :-1].float() / self.temperature
+        """``[B, L-1]`` fp32 logprobs of tokens 1.. of ``ids`` (``[B, L]``) under ``model``."""
+        ids, att = ids.to(self.device), att.to(self.device)
+        with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.bfloat16, enabled=self.amp_dtype is not None):
+            logits = model(ids, attention_mask=att)
+        logits = logits[:, :-1].float() / self.temperature
         return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
     def accumulate(self, batch: list[Sample], responses_in_step: int) -> dict[str, float]:
         ids, att, rmask, _ = pack(batch)
+        rmask = rmask.to(self.device)
         logp = self._logp(self.model, ids, att)
         old = logp.detach()
         ref = None
         if self.kl_coef > 0:
             with torch.no_grad():
                 ref = self._logp(self.ref, ids, att)
-        adv = torch.tensor([s.advantage for s in batch], dtype=torch.float32)
+        adv = torch.tensor([s.advantage for s in batch], dtype=torch.float32, device=self.device)
         loss_sum, m = grpo_loss(logp, old, adv, rmask, clip_eps=self.clip_eps, ref_logp=ref, kl_coef=self.kl_coef)
         (loss_sum / responses_in_step).backward()
         beh = torch.zeros_like(old)
         for i, s in enumerate(batch):
             P = len(s.prompt_ids)
-            beh[i, P - 1 : P - 1 + len(s.response_ids)] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+            beh[i, P - 1 : P - 1 + len(s.response_ids)] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32,
+                                                                       device=self.device)
         ntok = int(rmask.sum())
         diff = float(((old - beh).abs() * rmask).sum() / max(1, ntok))
         return {"loss": float(loss_sum.detach()) / responses_in_step, "tokens": ntok, "logprob_diff": diff, **m}
@@ -97,10 +118,10 @@ class TorchBackend(TrainerBackend):
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
         """Restore :meth:`save_checkpoint`; returns its ``extra_state``."""
-        st = torch.load(Path(path) / "torch_backend.pt", map_location="cpu", weights_only=False)
+        st = torch.load(Path(path) / "torch_backend.pt", map_location=self.device, weights_only=False)
         self.model.load_state_dict(st["model"])
         self.opt.load_state_dict(st["opt"])
-        torch.set_rng_state(st["rng"])
+        torch.set_rng_state(st["rng"].cpu())
         return st["extra"]
 
     @torch.no_grad()
@@ -110,4 +131,4 @@ class TorchBackend(TrainerBackend):
             raise ValueError("no reference model kept (keep_reference=False)")
         ids, att, rmask, plens = pack(batch)
         logp = self._logp(model, ids, att)
-        return [logp[i, p - 1 : p - 1 + len(s.response_ids)].clone() for i, (s, p) in enumerate(zip(batch, plens))]
+        return [logp[i, p - 1 : p - 1 + len(s.response_ids)].cpu() for i, (s, p) in enumerate(zip(batch, plens))]
