@@ -111,23 +111,22 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True, run_id: str | N
 
 def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
     from rlboost_hpc.cluster.local import LocalCluster
+    from rlboost_hpc.manager import journal as journal_mod
+    from rlboost_hpc.models.device import resolve_device, resolve_dtype
+    from rlboost_hpc.models.hf_dir import save_model_dir
     from rlboost_hpc.observe.report import ProgressView, write_plot
     from rlboost_hpc.policy.controller import RolloutController
     from rlboost_hpc.policy.seeding import SeedingWindow
     from rlboost_hpc.rollout.agent import RolloutAgent
+    from rlboost_hpc.rollout.engines.factory import torch_engine_factory
     from rlboost_hpc.tasks.base import get_task
+    from rlboost_hpc.trainer import checkpoint
     from rlboost_hpc.trainer.backends.torch_backend import TorchBackend
     from rlboost_hpc.trainer.client import ManagerClient
-    from rlboost_hpc.models.device import resolve_device, resolve_dtype
-    from rlboost_hpc.models.hf_dir import save_model_dir
-    from rlboost_hpc.weights.puller import WeightPuller
-    from rlboost_hpc.rollout.engines.factory import torch_engine_factory
     from rlboost_hpc.trainer.eval import evaluate, kl_to_reference
     from rlboost_hpc.trainer.loop import RLTrainer, StepSettings
+    from rlboost_hpc.weights.puller import WeightPuller
     from rlboost_hpc.weights.server import WeightServer
-
-    from rlboost_hpc.manager import journal as journal_mod
-    from rlboost_hpc.trainer import checkpoint
 
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt = _resume_point(cfg, out_dir)
