@@ -38,7 +38,8 @@ def main() -> None:
     server = WeightServer().start()
     mproc, endpoint, _ = spawn_manager(dict(pending_limit=32, heartbeat_s=0.25, heartbeat_timeout_s=2.0))
     client = ManagerClient(endpoint)
-    client.call(M.TrainerHello(weights_endpoint=server.endpoint, model_config=config.to_hf_dict()))
+    client.call(M.TrainerHello(weights_endpoint=server.endpoint, model_config=policy.hf_config,
+                               model_arch=config.to_json()))
     man = server.publish(0, sd, dtype=torch.bfloat16)
     client.call(M.SetVersion(version=0))
     rows = []

@@ -64,7 +64,7 @@ def check_layout(arch: ModelArch, tp: int, pp: int) -> None:
 
 def arch_dict(arch: ModelArch) -> dict[str, Any]:
     """``arch`` as plain JSON data (checkpoint and export manifests; lists, not tuples)."""
-    return {**asdict(arch), "eos_token_ids": list(arch.eos_token_ids)}
+    return arch.to_json()
 
 
 def load_hf_config(source: Any) -> dict[str, Any]:

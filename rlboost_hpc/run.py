@@ -213,7 +213,8 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
         metrics_f.writelines(json.dumps(m) + "\n" for m in step_metrics)
         metrics_f.flush()
         version0 = trainer_state["version"] if trainer_state else 0
-        client.call(M.TrainerHello(weights_endpoint=weights_endpoint, model_config=policy.hf_config))
+        client.call(M.TrainerHello(weights_endpoint=weights_endpoint, model_config=policy.hf_config,
+                                   model_arch=arch.to_json()))
         publish(version0)
         client.call(M.SetVersion(version=version0))
         if ckpt is None:

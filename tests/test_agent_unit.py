@@ -67,7 +67,7 @@ def test_first_engine_is_built_on_the_builder_thread_not_the_heartbeat_loop():
     built_on: list[str] = []
     gate = threading.Event()
 
-    def slow_factory(model_config, sd):
+    def slow_factory(model_config, sd, arch=None):
         built_on.append(threading.current_thread().name)
         gate.wait(5)  # an SGLang server start: the agent loop must keep running meanwhile
         return _HoldingEngine()
@@ -90,7 +90,7 @@ def test_first_engine_is_built_on_the_builder_thread_not_the_heartbeat_loop():
 
 
 def test_engine_start_failure_is_reported_as_a_failed_pull():
-    def broken(model_config, sd):
+    def broken(model_config, sd, arch=None):
         raise RuntimeError("sglang: address already in use")
 
     a = _agent(engine_factory=broken, weight_source_factory=lambda ep: (lambda v: ({}, {})))

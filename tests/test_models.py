@@ -82,6 +82,7 @@ def test_config_roundtrip_and_validation(loaded):
     assert cfg.max_position_embeddings == 512 and cfg.tie_word_embeddings
     assert cfg.family == "llama" and cfg.eos_token_ids == (2, 1) and cfg.bos_token_id == 1
     assert arch_from_hf(cfg.to_hf_dict()) == cfg
+    assert ModelArch.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg  # what instances receive
     with pytest.raises(ModelFormatError, match="head_dim=7 must be even"):
         ModelArch("llama", 512, 56, 172, 5, 8, 4, 7, 512)
     with pytest.raises(ModelFormatError, match="num_hidden_layers=0"):

@@ -415,3 +415,6 @@ def test_engine_factory_from_the_runs_spec(tmp_path, loaded):
             torch_engine_factory(4, "cuda")(loaded[0].to_hf_dict(), sd)
     eng = torch_engine_factory(4, "cpu", "float32")(loaded[0].to_hf_dict(), sd)
     assert eng.device.type == "cpu" and eng.dtype == torch.float32
+    # with the trainer's parsed architecture (Welcome.model_arch) the worker never re-reads config.json
+    eng = torch_engine_factory(4, "cpu")({}, sd, arch=loaded[0])
+    assert eng.config == loaded[0]

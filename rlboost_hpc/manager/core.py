@@ -153,6 +153,7 @@ class ManagerCore:
         self.trainer_peer: bytes | None = None
         self.weights_endpoint = ""
         self.model_config: dict = {}
+        self.model_arch: dict = {}
         self.latest_version = -1
         self.step = -1
         self.seeding_open = False
@@ -277,7 +278,7 @@ class ManagerCore:
             self.counters["registrations"] += 1
         self.send(peer, M.Welcome(
             instance=key, latest_version=self.latest_version, weights_endpoint=self.weights_endpoint,
-            model_config=self.model_config, heartbeat_s=self.heartbeat_s,
+            model_config=self.model_config, model_arch=self.model_arch, heartbeat_s=self.heartbeat_s,
             stream_every_tokens=self.stream_every_tokens, stream_every_s=self.stream_every_s, epoch=self.epoch))
 
     def _unknown(self, peer: bytes, what: str) -> None:
@@ -399,6 +400,7 @@ class ManagerCore:
         self.trainer_peer = peer
         self.weights_endpoint = msg.weights_endpoint
         self.model_config = msg.model_config
+        self.model_arch = msg.model_arch
         self.send(peer, M.Ok(what="hello"))
 
     def _trainer_only(self, peer: bytes, what: str) -> bool:

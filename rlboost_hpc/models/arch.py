@@ -162,6 +162,27 @@ class ModelArch:
             total += n
         return total
 
+    def to_json(self) -> dict[str, Any]:
+        """This architecture as plain JSON data (what the trainer sends rollout instances, so they need not parse
+        ``config.json`` again — nor import ``transformers``, ≈ 2 s per process start); :meth:`from_json` inverts it."""
+        d = asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "ModelArch":
+        """Inverse of :meth:`to_json`, validated like every construction.
+
+        Raises:
+            ModelFormatError: a missing, unknown or invalid field (named).
+        """
+        try:
+            rs = d.get("rope_scaling")
+            return cls(**{**d, "rope_scaling": RopeScaling(**rs) if rs else None,
+                          "eos_token_ids": tuple(int(e) for e in d.get("eos_token_ids", ()))})
+        except TypeError as e:
+            raise ModelFormatError(f"model architecture record: {e}") from None
+
     def to_hf_dict(self) -> dict[str, Any]:
         """A ``config.json`` payload that ``transformers`` reads back as this architecture (fp32)."""
         d: dict[str, Any] = {

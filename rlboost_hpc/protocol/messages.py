@@ -124,7 +124,9 @@ class Deregister(_Msg, tag="dereg"):
 
 # ---------------------------------------------------------------- manager → agent
 class Welcome(_Msg, tag="welcome"):
-    """Registration accepted: where to pull weights, which version is latest, the model's HF config."""
+    """Registration accepted: where to pull weights, which version is latest, the model's HF config
+    (``config.json`` as the trainer read it) and its architecture as the trainer's config reader parsed it
+    (``ModelArch.to_json()``; instances never re-derive it)."""
 
     instance: str
     latest_version: int
@@ -134,6 +136,7 @@ class Welcome(_Msg, tag="welcome"):
     stream_every_tokens: int
     stream_every_s: float
     epoch: int = 0  # the manager's incarnation (journal): weight versions are (epoch, version)
+    model_arch: dict = {}
 
 
 class Alive(_Msg, tag="alive"):
@@ -200,8 +203,11 @@ class GroupSpec(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class TrainerHello(_Msg, tag="thello"):
+    """The trainer's first message: the weight server, the model's ``config.json`` and its parsed architecture."""
+
     weights_endpoint: str
     model_config: dict
+    model_arch: dict = {}
 
 
 class SetVersion(_Msg, tag="setver"):

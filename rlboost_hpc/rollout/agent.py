@@ -35,6 +35,7 @@ from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.auth import RunKeys, secure_client
 from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.rollout.engines.base import Engine, GenRequest, SamplingParams
+from rlboost_hpc.models.arch import ModelArch
 from rlboost_hpc.rollout.engines.factory import EngineFactory, torch_engine_factory
 
 log = logging.getLogger("rlboost.agent")
@@ -142,6 +143,7 @@ class RolloutAgent:
         """Pull ``version`` on the builder thread; build the engine there too when there is none yet."""
         assert self.welcome is not None
         source, factory, model_config = self._source, self.engine_factory, self.welcome.model_config
+        arch_json = self.welcome.model_arch
         build = self.engine is None
 
         def work() -> tuple:  # (version, state_dict, info, error, new engine)
@@ -153,7 +155,7 @@ class RolloutAgent:
                 return version, sd, info, None, None
             t0 = time.monotonic()
             try:
-                eng = factory(model_config, sd)
+                eng = factory(model_config, sd, arch=ModelArch.from_json(arch_json) if arch_json else None)
                 eng.version = version
             except Exception as e:
                 return version, None, None, f"engine start failed: {type(e).__name__}: {e}", None

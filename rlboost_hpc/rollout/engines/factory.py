@@ -11,25 +11,26 @@ from typing import Any, Callable, Mapping
 
 from rlboost_hpc.rollout.engines.base import Engine, EngineError
 
-EngineFactory = Callable[[dict, Mapping], Engine]
+# (the model's config.json, the first pulled state dict, arch=the trainer's parsed ModelArch or None) -> Engine
+EngineFactory = Callable[..., Engine]
 _SGLANG_KEYS = {"python", "stream_interval", "startup_timeout_s", "env", "extra_args"}
 
 
 def torch_engine_factory(max_batch: int, device: str = "auto", dtype: str = "auto") -> EngineFactory:
-    """Build a :class:`TorchEngine` from the manager's HF model config (the model's ``config.json``) and the
-    first pulled weights, on ``device`` / ``dtype`` (``rlboost_hpc.models.device``; resolved when the engine
-    is built, in the process that runs it).
+    """Build a :class:`TorchEngine` from the run's model (the architecture the trainer parsed, else its
+    ``config.json`` read here) and the first pulled weights, on ``device`` / ``dtype``
+    (``rlboost_hpc.models.device``; resolved when the engine is built, in the process that runs it).
 
     The engine raises :class:`EngineError` for a model the project does not support or an unavailable device.
     """
 
-    def make(model_config: dict, state_dict: Mapping) -> Engine:
+    def make(model_config: dict, state_dict: Mapping, arch=None) -> Engine:
         from rlboost_hpc.models.arch import ModelFormatError, arch_from_hf
         from rlboost_hpc.models.device import DeviceError, resolve_device, resolve_dtype
         from rlboost_hpc.rollout.engines.torch_engine import TorchEngine
 
         try:
-            arch = arch_from_hf(model_config, name="the run's model config")
+            arch = arch or arch_from_hf(model_config, name="the run's model config")
             dev = resolve_device(device, "rollout.device")
             dt = resolve_dtype(dtype, dev, "rollout.dtype")
         except (ModelFormatError, DeviceError) as e:

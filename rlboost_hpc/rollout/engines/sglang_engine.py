@@ -1182,7 +1182,7 @@ def make_sglang_engine(model_config: Mapping[str, Any], state_dict: Mapping[str,
 def sglang_engine_factory(max_batch: int, **launch_kw) -> Callable[[dict, Mapping], Engine]:
     """An ``EngineFactory`` for :class:`rlboost_hpc.rollout.agent.RolloutAgent` (``engine_factory=``)."""
 
-    def make(model_config: dict, state_dict: Mapping) -> Engine:
+    def make(model_config: dict, state_dict: Mapping, arch=None) -> Engine:  # the server reads config.json itself
         return make_sglang_engine(model_config, state_dict, max_batch, **launch_kw)
 
     return make
