@@ -122,6 +122,29 @@ def test_tokens_complete_group_delivered_exactly_once():
     assert not sent(core, TRAINER, M.GroupDone)
 
 
+def test_group_done_carries_the_versions_the_engines_stamped():
+    """GroupDone's version runs come from each accepted delta's stamp (not from the request's version): a
+    delta stamped with another version is refused (its instance fenced) and never reaches the runs; the
+    response finishes elsewhere and the trainer sees exactly the stamps of the tokens it trains."""
+    core, _ = make()
+    register(core, b"a", "a")
+    register(core, b"b", "b")
+    submit(core, n=1, max_new=4)
+    core.tick()
+    (peer,) = [p for p in (b"a", b"b") if sent(core, p, M.Assign)]
+    other = b"b" if peer == b"a" else b"a"
+    core.on_message(peer, tokens("s0g0/0", 0, [7, 8]))
+    core.on_message(peer, tokens("s0g0/0", 2, [9], version=5))  # an engine stamping the wrong version
+    assert core.counters["off_version_tokens_rejected"] == 1 and core.instances[f"{peer.decode()}#0"].state == "fenced"
+    core.outbox.clear()
+    core.tick()
+    assert sent(core, other, M.Assign)[0].works[0].prefix_ids == [7, 8]  # resumes after the accepted tokens
+    core.on_message(other, tokens("s0g0/0", 2, [3, 4], finish=M.FINISH_LENGTH))
+    (done,) = sent(core, TRAINER, M.GroupDone)
+    assert M.unpack_i32(done.responses[0].version_runs).tolist() == [0, 4]  # two deltas, one run of version 0
+    assert M.expand_version_runs(done.responses[0].version_runs).tolist() == [0, 0, 0, 0]
+
+
 def test_killed_instance_migrates_each_response_with_reduced_budget():
     core, clock = make()
     register(core, b"a", "a")

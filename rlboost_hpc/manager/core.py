@@ -60,7 +60,9 @@ class Instance:
 @dataclass
 class Request:
     """Token-level state of one response: ``ids`` (int32) and ``logprobs`` (float32) are packed parallel
-    arrays of ``n`` tokens, all produced by weight ``version`` (deltas of any other version are rejected)."""
+    arrays of ``n`` tokens, all produced by weight ``version`` (deltas of any other version are rejected);
+    ``runs`` records, run-length encoded, the version each accepted delta was stamped with by its engine — what
+    the trainer checks independently (it is never re-derived from ``version``)."""
 
     rid: str
     step: int
@@ -75,6 +77,7 @@ class Request:
     version: int
     ids: bytearray = field(default_factory=bytearray)
     logprobs: bytearray = field(default_factory=bytearray)
+    runs: list[int] = field(default_factory=list)  # (version, count) pairs as the engines stamped the tokens
     n: int = 0
     state: str = "queued"  # queued | running | done
     instance: str | None = None
@@ -351,6 +354,11 @@ class ManagerCore:
                 req.ids += ids[lo:hi]
                 req.logprobs += lps[lo:hi]
                 req.n = off + cnt
+                runs = req.runs
+                if runs and runs[-2] == ver:
+                    runs[-1] += cnt
+                else:
+                    runs += (ver, cnt)
                 if fin:
                     req.state, req.instance = "done", None
                     req.finish_reason = M.FINISH_NAMES[fin]
@@ -503,10 +511,10 @@ class ManagerCore:
         responses = []
         for rid in grp.rids:
             r = self.requests[rid]
-            # Every accepted token carries the request's version (others are rejected above): one run.
+            # the versions the engines stamped (checked per delta above, and again by the trainer)
             responses.append(M.Response(
                 rid=rid, sample=r.sample, ids=bytes(r.ids), logprobs=bytes(r.logprobs),
-                version_runs=np.array([r.version, r.n], dtype="<i4").tobytes(), finish_reason=r.finish_reason,
+                version_runs=np.array(r.runs, dtype="<i4").tobytes(), finish_reason=r.finish_reason,
                 migrations=r.migrations, instances=r.instances))
         self.send(self.trainer_peer, M.GroupDone(step=grp.step, gid=grp.gid, responses=responses))
         self.counters["groups_delivered"] += 1

@@ -1,0 +1,74 @@
+"""The RL step against a scripted manager (pure, no sockets): the trainer's own on-policy check."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.tasks.base import get_task
+from rlboost_hpc.trainer.loop import RLTrainer, StepSettings
+
+
+class ScriptedManager:
+    """Answers the trainer's calls; delivers every submitted group at once, stamping the tokens of one response
+    with ``bad_version`` in its last ``bad_tokens`` tokens (an engine that stamped a wrong version)."""
+
+    def __init__(self, bad_version: int | None = None, bad_tokens: int = 0) -> None:
+        self.events: list = []
+        self.bad_version, self.bad_tokens = bad_version, bad_tokens
+
+    def call(self, msg, timeout_s=None):
+        if isinstance(msg, M.SubmitStep):
+            for g in msg.groups:
+                rs = []
+                for i in range(g.n):
+                    n = 4
+                    runs = [msg.version, n]
+                    if self.bad_version is not None and i == 0 and g.gid.endswith("g0"):
+                        runs = [msg.version, n - self.bad_tokens, self.bad_version, self.bad_tokens]
+                    rs.append(M.Response(rid=f"{g.gid}/{i}", sample=i, ids=M.pack_i32([5, 6, 7, 8]),
+                                         logprobs=M.pack_f32([-1.0] * n), version_runs=np.array(runs, "<i4").tobytes(),
+                                         finish_reason="length", migrations=0, instances=["x#0"]))
+                self.events.append(M.GroupDone(step=msg.step, gid=g.gid, responses=rs))
+        return M.Ok(what=type(msg).__name__)
+
+    def next_event(self, timeout_s):
+        return self.events.pop(0) if self.events else None
+
+    def send(self, msg):
+        pass
+
+    def stats(self):
+        return {"live_preemptible": 0, "queued": 0, "running": 0, "instances_by_state": {}}
+
+
+class CountingBackend:
+    def __init__(self) -> None:
+        self.trained = 0
+
+    def accumulate(self, batch, responses_in_step):
+        self.trained += len(batch)
+        return {"loss": 0.0, "tokens": sum(len(s.response_ids) for s in batch)}
+
+    def optimizer_step(self):
+        return {"grad_norm": 0.0, "lr": 0.0}
+
+
+def _trainer(manager) -> RLTrainer:
+    tok = SimpleNamespace(use_chat=False, stop_ids=(1, 2), encode_text=lambda t: [1, 3, 4], decode=lambda ids: "x")
+    s = StepSettings(prompts_per_step=2, group_size=4, max_new_tokens=8, temperature=1.0, top_p=1.0, micro_batch=4,
+                     seed_window_s=0.0)
+    return RLTrainer(client=manager, backend=CountingBackend(), task=get_task("stories"), tokenizer=tok, settings=s,
+                     publish=lambda v: {})
+
+
+def test_tokens_stamped_with_another_version_are_counted_by_the_trainer():
+    """The trainer checks the versions the engines stamped (carried in GroupDone), independently of the manager:
+    a response whose last two tokens carry version 7 counts 2 tokens trained off-version."""
+    clean = _trainer(ScriptedManager())
+    clean.run_step(0)
+    assert clean.totals.tokens_trained_off_version == 0 and clean.totals.responses_trained == 8
+    bad = _trainer(ScriptedManager(bad_version=7, bad_tokens=2))
+    bad.run_step(0)
+    assert bad.totals.tokens_trained_off_version == 2
