@@ -100,7 +100,11 @@ class ManagerCfg(_Strict):
 
     pending_limit: int = Field(64, ge=1, description="Θ: max requests in flight per instance (JSQ threshold)")
     heartbeat_s: float = Field(0.25, gt=0)
-    heartbeat_timeout_s: float = Field(4.0, gt=0, description="missed-heartbeat deadline before an instance is declared dead")
+    heartbeat_timeout_s: float = Field(4.0, gt=0, description=(
+        "silence after which an instance is suspect: out of routing, its work migrates; it returns when it speaks "
+        "again (instances heartbeat from a thread that does no engine or weight work)"))
+    instance_expiry_s: float = Field(60.0, ge=60.0, description="silence after which a suspect instance is gone "
+                                                                "for good (told to register anew if it returns)")
     max_attempts: int = Field(5, ge=1, description="dispatch attempts of one response before the step fails")
     metrics: bool = Field(True, description="serve Prometheus metrics (URL in endpoints.json)")
 

@@ -87,6 +87,7 @@ def _start_manager(cfg: RunConfig, keys_dir: str | None, journal_path: str | Non
                          journal_path=journal_path, run_id=run_id, params=dict(
         pending_limit=cfg.manager.pending_limit, heartbeat_s=cfg.manager.heartbeat_s,
         heartbeat_timeout_s=cfg.manager.heartbeat_timeout_s, max_attempts=cfg.manager.max_attempts,
+        instance_expiry_s=cfg.manager.instance_expiry_s,
         stream_every_tokens=cfg.rollout.stream_every_tokens, stream_every_s=cfg.rollout.stream_every_s,
         dispatch_policy=cfg.policy.dispatch, balance_every_s=cfg.policy.balance_every_s,
         balancer=Balancer() if cfg.policy.balance else None))
@@ -337,6 +338,8 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
             "weight_pull_failures": final_stats["weight_load_failures"],
             "weight_pull_seconds_mean": final_stats["pull_seconds_mean"],
             "instances_lost_without_warning": final_stats["instances_lost"],
+            "instances_suspected": final_stats["instances_suspected"],
+            "instances_recovered": final_stats["instances_recovered"],
             "instances_lost_while_pulling": tally["instances_lost_while_pulling"],
             "prompts_not_trained_exactly_once": trainer.prompts_not_trained_once(),
             "instances_preempted_with_warning": final_stats["instances_preempted_with_warning"],

@@ -79,3 +79,76 @@ def load_hf_dir(d):
 
     arch = arch_from_hf(d)
     return arch, read_state_dict(d, arch)
+
+
+class TcpForwarder:
+    """A TCP proxy (test aid) between ZeroMQ peers: ``endpoint`` forwards to ``target``; :meth:`reset` closes every
+    connection through it at once with an RST (as a flaky link or a middlebox would), after which the peers'
+    ZeroMQ sockets reconnect through it transparently."""
+
+    def __init__(self, target: str) -> None:
+        import socket
+        import threading
+
+        host, port = target.removeprefix("tcp://").rsplit(":", 1)
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.pairs: list = []
+        self.resets = 0
+        self._lock = threading.Lock()
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while not self._stop:
+            try:
+                a, _ = self.listener.accept()
+                b = socket.create_connection(self.target)
+            except OSError:
+                return
+            with self._lock:
+                self.pairs.append((a, b))
+            for src, dst in ((a, b), (b, a)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src, dst) -> None:
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def reset(self) -> None:
+        """Drop every live connection (RST both ways)."""
+        import socket
+        import struct
+
+        with self._lock:
+            pairs, self.pairs = self.pairs, []
+        for pair in pairs:
+            for s in pair:
+                try:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    s.shutdown(socket.SHUT_RDWR)
+                    s.close()
+                except OSError:
+                    pass
+        self.resets += 1
+
+    def close(self) -> None:
+        self._stop = True
+        self.listener.close()
+        self.reset()

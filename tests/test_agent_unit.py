@@ -46,7 +46,7 @@ class _HoldingEngine(Engine):
 
 def _agent(**kw) -> RolloutAgent:
     a = RolloutAgent("tcp://127.0.0.1:1", "job", 0, **kw)
-    a.sock = _Frames()
+    a.link = _Frames()
     return a
 
 
@@ -56,7 +56,7 @@ def test_release_forwards_tokens_the_engine_still_held_before_handing_off():
     a._pos = {"g/0": 3, "g/1": 0}
     eng.held = {"g/0": [7, 8], "g/1": []}
     a._release(["g/0", "g/1"])
-    tok, rel = a.sock.msgs
+    tok, rel = a.link.msgs
     assert isinstance(tok, M.Tokens) and tok.rids == ["g/0"] and tok.offsets == [3] and tok.counts == [2]
     assert M.unpack_i32(tok.ids).tolist() == [7, 8] and tok.finish == [M.FINISH_NONE]
     assert isinstance(rel, M.Released) and rel.rids == ["g/0", "g/1"]
@@ -85,7 +85,7 @@ def test_first_engine_is_built_on_the_builder_thread_not_the_heartbeat_loop():
         a._weights_step()
         time.sleep(0.01)
     assert a.engine is not None and a.engine.version == 2
-    loaded = [m for m in a.sock.msgs if isinstance(m, M.WeightsLoaded)]
+    loaded = [m for m in a.link.msgs if isinstance(m, M.WeightsLoaded)]
     assert [m.version for m in loaded] == [2]
 
 
@@ -97,8 +97,8 @@ def test_engine_start_failure_is_reported_as_a_failed_pull():
     a._handle(M.Welcome(instance="job#0", latest_version=0, weights_endpoint="tcp://w", model_config={},
                         heartbeat_s=0.25, stream_every_tokens=4, stream_every_s=0.05))
     deadline = time.monotonic() + 5
-    while not any(isinstance(m, M.WeightsFailed) for m in a.sock.msgs) and time.monotonic() < deadline:
+    while not any(isinstance(m, M.WeightsFailed) for m in a.link.msgs) and time.monotonic() < deadline:
         a._weights_step()
         time.sleep(0.01)
-    (f,) = [m for m in a.sock.msgs if isinstance(m, M.WeightsFailed)]
+    (f,) = [m for m in a.link.msgs if isinstance(m, M.WeightsFailed)]
     assert "engine start failed: RuntimeError: sglang: address already in use" in f.error and a.engine is None

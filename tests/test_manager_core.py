@@ -162,8 +162,8 @@ def test_killed_instance_migrates_each_response_with_reduced_budget():
     assert works["s0g0/1"].prefix_ids == [] and works["s0g0/1"].max_new_tokens == 8
     assert core.counters["responses_migrated"] == 2
     assert core.counters["tokens_regenerated"] == 2
-    assert core.counters["instances_lost"] == 1
-    # the dead instance's late frame is dropped, never appended twice
+    assert core.stats()["instances_lost"] == 1 and core.instances["a#0"].state == "suspect"
+    # the silent instance's late frame is dropped, never appended twice
     core.on_message(b"a", tokens("s0g0/0", 3, [8]))
     assert core.requests["s0g0/0"].n == 3
 
@@ -213,15 +213,43 @@ def test_off_version_tokens_are_rejected_and_instance_fenced():
     assert core.requests["s0g0/0"].n == 0 and core.requests["s0g0/0"].state == "queued"
 
 
-@pytest.mark.parametrize("offset,ids", [(1, [4]), (0, [4] * 9)])
-def test_gap_or_budget_overrun_fences(offset, ids):
+def test_budget_overrun_fences():
     core, _ = make()
     register(core, b"a", "a")
     submit(core, n=1, max_new=8)
     core.tick()
-    core.on_message(b"a", tokens("s0g0/0", offset, ids))
+    core.on_message(b"a", tokens("s0g0/0", 0, [4] * 9))
     assert core.instances["a#0"].state == "fenced"
     assert core.requests["s0g0/0"].n == 0
+
+
+def test_a_gap_after_lost_frames_migrates_the_response_and_keeps_the_instance():
+    """Frames lost with a connection (a TCP reset) leave a gap: the response resumes from what arrived (the
+    instance is told to release it), the gap's tokens are dropped, and the instance stays routable."""
+    core, _ = make()
+    register(core, b"a", "a")
+    submit(core, n=1, max_new=8)
+    core.tick()
+    core.on_message(b"a", tokens("s0g0/0", 0, [4, 5]))
+    core.outbox.clear()
+    core.on_message(b"a", tokens("s0g0/0", 4, [6]))  # tokens 2-3 were lost
+    core.on_message(b"a", tokens("s0g0/0", 5, [7]))  # streamed before it saw the Release: late too
+    assert core.instances["a#0"].state == "ready" and core.requests["s0g0/0"].n == 2
+    assert [m.rids for m in sent(core, b"a", M.Release)] == [["s0g0/0"]] and core.counters["deltas_out_of_order"] == 1
+    core.on_message(b"a", M.Released(rids=["s0g0/0"], tokens_generated=6))
+    core.tick()
+    assert sent(core, b"a", M.Assign)[0].works[0].prefix_ids == [4, 5]  # resumes from the accepted prefix
+
+
+def test_a_closed_connection_makes_the_instance_suspect_at_once():
+    core, _ = make()
+    register(core, b"a", "a")
+    submit(core, n=2, max_new=8)
+    core.tick()
+    core.disconnected(b"a")
+    assert core.instances["a#0"].state == "suspect" and core.requests["s0g0/0"].state == "queued"
+    assert core.counters["connections_closed"] == 1
+    core.disconnected(b"nobody")  # unknown peers (a stranger, the trainer) change nothing
 
 
 def test_version_changes_only_between_steps():
@@ -373,7 +401,10 @@ def test_an_instance_declared_lost_is_told_so_and_can_return_as_a_new_attempt():
     register(core, b"r", "reserved", kind="reserved")
     clock.t = 10.0
     core.tick()
-    assert core.instances["reserved#0"].state == "gone"
+    assert core.instances["reserved#0"].state == "suspect"
+    clock.t = 10.0 + core.instance_expiry_s + 1  # silent past the expiry: gone for good
+    core.tick()
+    assert core.instances["reserved#0"].state == "gone" and core.counters["instances_expired"] == 1
     core.outbox.clear()
     core.on_message(b"r", M.Heartbeat(version=0, active=0, tokens_generated=0))
     rej = sent(core, b"r", M.Reject)
@@ -384,6 +415,84 @@ def test_an_instance_declared_lost_is_told_so_and_can_return_as_a_new_attempt():
     submit(core, n=2)
     core.tick()
     assert sum(len(m.works) for m in sent(core, b"r", M.Assign)) == 2
+
+
+def test_a_short_stall_makes_an_instance_suspect_and_it_returns_without_registering():
+    """Invariant 7 / case L3: two routable instances stall past the heartbeat deadline: both leave routing at
+    once, their work migrates to the third (tokens already received kept), they are not told to exit; when they
+    speak again under their identity they are routable again (no Register), told to release what was taken from
+    them, and what they still send for it is dropped as late."""
+    core, clock = make(pending_limit=8)
+    for peer in (b"a", b"b", b"c"):
+        register(core, peer, peer.decode())
+    submit(core, n=6, max_new=8)
+    core.tick()
+    mine = {p: [w.rid for m in sent(core, p, M.Assign) for w in m.works] for p in (b"a", b"b", b"c")}
+    core.on_message(b"a", tokens(mine[b"a"][0], 0, [5, 6]))
+    clock.t = 3.0  # a and b stalled (SIGSTOP); c keeps heartbeating
+    core.on_message(b"c", M.Heartbeat(version=0, active=2, tokens_generated=0))
+    core.outbox.clear()
+    core.tick()
+    assert [core.instances[k].state for k in ("a#0", "b#0", "c#0")] == ["suspect", "suspect", "ready"]
+    assert not sent(core, b"a", M.Reject) and not sent(core, b"b", M.Reject)
+    moved = {w.rid: w for m in sent(core, b"c", M.Assign) for w in m.works}
+    assert moved[mine[b"a"][0]].prefix_ids == [5, 6]  # received tokens kept
+    assert core.stats()["instances_lost"] == 2 and core.counters["instances_suspected"] == 2
+    clock.t = 9.0  # a 6 s stall ends: a speaks again
+    core.outbox.clear()
+    core.on_message(b"a", tokens(mine[b"a"][0], 2, [7]))  # generated before the stall: late now
+    assert core.instances["a#0"].state == "ready" and core.requests[mine[b"a"][0]].n == 2
+    assert core.counters["late_tokens"] == 1 and core.counters["instances_recovered"] == 1
+    assert sorted(sent(core, b"a", M.Release)[0].rids) == sorted(mine[b"a"])
+    assert not sent(core, b"a", M.Welcome) and core.counters["registrations"] == 3
+    submit(core, step=1, n=1)  # new work reaches the returned instance again
+    assert core.routable(core.instances["a#0"]) and not core.routable(core.instances["b#0"])
+
+
+def test_a_suspect_that_missed_a_version_returns_pulling_and_is_told_the_latest():
+    core, clock = make()
+    register(core, b"a", "a")
+    clock.t = 5.0
+    core.tick()
+    assert core.instances["a#0"].state == "suspect"
+    core.on_message(TRAINER, M.SetVersion(version=1))  # published while a was silent
+    core.outbox.clear()
+    core.on_message(b"a", M.Heartbeat(version=0, active=0, tokens_generated=0))
+    assert core.instances["a#0"].state == "pulling" and sent(core, b"a", M.NewVersion)[0].version == 1
+    core.on_message(b"a", M.WeightsLoaded(version=1, checksum=1, nbytes=1, pull_s=0.1, load_s=0.1))
+    assert core.routable(core.instances["a#0"])
+
+
+def test_work_taken_from_a_suspect_is_not_given_back_to_it_before_it_released_it():
+    """Regression (TCP reset test): a returning suspect was re-assigned the responses taken from it before it
+    had processed their Release; its late Released then requeued the new assignment and the next Assign hit a
+    'duplicate rid' in its engine until the step failed."""
+    core, clock = make()
+    register(core, b"a", "a")
+    submit(core, n=2, max_new=8)
+    core.tick()
+    core.disconnected(b"a")
+    clock.t = 0.5
+    core.outbox.clear()
+    core.on_message(b"a", M.Heartbeat(version=0, active=2, tokens_generated=3))  # reconnected
+    core.tick()
+    assert sent(core, b"a", M.Release) and not sent(core, b"a", M.Assign)  # held at the manager meanwhile
+    core.on_message(b"a", M.Released(rids=["s0g0/0", "s0g0/1"], tokens_generated=3))
+    core.tick()
+    assert sorted(w.rid for w in sent(core, b"a", M.Assign)[0].works) == ["s0g0/0", "s0g0/1"]
+    core.on_message(b"a", M.Released(rids=["s0g0/0"], tokens_generated=3))  # a duplicate, late confirmation
+    assert core.requests["s0g0/0"].state == "queued"  # (a Released always means: I no longer run it)
+
+
+def test_instance_state_changes_only_along_the_state_machine():
+    from rlboost_hpc.manager.core import InstanceState
+
+    core, clock = make()
+    register(core, b"a", "a")
+    inst = core.instances["a#0"]
+    core._set_state(inst, InstanceState.DRAINING)
+    with pytest.raises(RuntimeError, match="no transition draining → ready"):
+        core._set_state(inst, InstanceState.READY)
 
 
 def test_balancer_moves_running_requests_beyond_a_learned_plateau_to_an_idle_instance():

@@ -27,7 +27,7 @@ def test_metrics_endpoint_exposes_manager_state():
         client.close()
         proc.join(5)
     for name in ["rlboost_tokens_received_total", "rlboost_responses_migrated_total", "rlboost_queue_depth",
-                 "rlboost_instances_lost_total", "rlboost_weight_pulls_total", "rlboost_tokens_regenerated_total",
+                 "rlboost_instances_suspected_total", "rlboost_instances_lost", "rlboost_weight_pulls_total", "rlboost_tokens_regenerated_total",
                  "rlboost_balancer_moves_total"]:
         assert name in text, name
     assert "rlboost_latest_weight_version 3.0" in text

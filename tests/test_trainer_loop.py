@@ -72,3 +72,25 @@ def test_tokens_stamped_with_another_version_are_counted_by_the_trainer():
     bad = _trainer(ScriptedManager(bad_version=7, bad_tokens=2))
     bad.run_step(0)
     assert bad.totals.tokens_trained_off_version == 2
+
+
+def test_a_group_delivered_twice_is_trained_once_and_acknowledged_again():
+    """After a lost connection the manager delivers unacknowledged groups again: the loop skips a copy of a group
+    it already took (and one of an earlier step), acknowledging it, and never counts it as a duplicate."""
+    mgr = ScriptedManager()
+    t = _trainer(mgr)
+    orig = mgr.call
+
+    def call(msg, timeout_s=None):
+        out = orig(msg, timeout_s)
+        if isinstance(msg, M.SubmitStep):
+            mgr.events.insert(1, mgr.events[0])  # the first group arrives twice
+            mgr.events.insert(0, M.GroupDone(step=msg.step - 1, gid="s-1g0", responses=[]))  # an old step's
+        return out
+
+    mgr.call = call
+    acks = []
+    mgr.send = lambda m: acks.append(m.gid) if isinstance(m, M.AckGroup) else None
+    t.run_step(0)
+    assert t.totals.responses_trained == 8 and t.totals.responses_duplicated == 0
+    assert t.totals.groups_redelivered == 2 and sorted(acks) == ["s-1g0", "s0g0", "s0g0", "s0g1"]

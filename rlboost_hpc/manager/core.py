@@ -13,6 +13,14 @@ Invariants (DESIGN.md; each has a test in tests/test_manager_core.py):
 3. Ids are ids: a delta must start exactly at the response's current length (no gap, no overlap).
 4. Routable ⇔ state ready ∧ version == latest ∧ not draining ∧ (preemptible, or reserved while seeding is
    open or no preemptible instance is routable — the co-located fallback).
+7. Busy is not dead, dead is not alive (:class:`InstanceState`, one transition function): an instance silent past
+   ``heartbeat_timeout_s`` (instances heartbeat from a thread that does nothing else, so weight loads and engine
+   steps of any length never silence them) becomes SUSPECT at once — out of routing, its unfinished responses
+   migrate (tokens already received are kept; whatever it sends later for them is counted late and dropped).
+   A suspect that speaks again under the same identity returns without re-registering: to READY when it holds
+   the latest version (else to PULLING, told the latest version), and is told to release what was taken from
+   it. It is GONE (and told to register anew if it ever speaks again) only after ``instance_expiry_s`` of
+   silence, or when it deregisters.
 5. Resumed budget: a migrated request continues from prompt + generated ids with
    ``max_new_tokens − generated``; a delta that would exceed the budget is rejected.
 6. Continuous balancing (MISSION §3, ``policy.dispatch.Balancer``; off unless ``balancer`` is given): every
@@ -26,6 +34,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Callable
 
 import numpy as np
@@ -34,6 +43,28 @@ from rlboost_hpc.policy.dispatch import Balancer, InstanceLoad, choose_instance
 from rlboost_hpc.protocol import messages as M
 
 log = logging.getLogger("rlboost.manager")
+
+
+class InstanceState(StrEnum):
+    """Life of a registered rollout instance (invariant 7); changed only by :meth:`ManagerCore._set_state`."""
+
+    PULLING = "pulling"  # registered, loading the latest version
+    READY = "ready"  # holds a verified version (routable when it is the latest)
+    FENCED = "fenced"  # a failed or wrong load: never routed until it loads the latest version
+    DRAINING = "draining"  # warned (preempted / drained): finishing its hand-off
+    SUSPECT = "suspect"  # silent past the heartbeat deadline: out of routing, its work migrated; may return
+    GONE = "gone"  # deregistered, or silent past the expiry: never routed again
+
+
+S = InstanceState
+_ALLOWED: dict[InstanceState, frozenset[InstanceState]] = {
+    S.PULLING: frozenset({S.READY, S.FENCED, S.DRAINING, S.SUSPECT, S.GONE}),
+    S.READY: frozenset({S.FENCED, S.DRAINING, S.SUSPECT, S.GONE}),
+    S.FENCED: frozenset({S.READY, S.DRAINING, S.SUSPECT, S.GONE}),
+    S.DRAINING: frozenset({S.SUSPECT, S.GONE}),
+    S.SUSPECT: frozenset({S.PULLING, S.READY, S.FENCED, S.DRAINING, S.GONE}),
+    S.GONE: frozenset(),
+}
 
 
 @dataclass
@@ -47,7 +78,7 @@ class Instance:
     registered_at: float
     last_seen: float
     engine: str = "torch"
-    state: str = "pulling"  # pulling → ready → draining → gone; any → fenced
+    state: InstanceState = InstanceState.PULLING
     version: int = -1
     inflight: set[str] = field(default_factory=set)
     releasing: set[str] = field(default_factory=set)
@@ -55,6 +86,9 @@ class Instance:
     tokens_generated: int = 0
     ready_at: float | None = None
     gone_reason: str = ""
+    suspect_since: float = 0.0
+    suspect_from: InstanceState | None = None  # the state it was in when it went silent
+    taken_back: set[str] = field(default_factory=set)  # responses migrated off it while it was suspect
 
 
 @dataclass
@@ -122,6 +156,7 @@ class ManagerCore:
         alive_every_s: float = 1.0,
         balancer: Balancer | None = None,
         balance_every_s: float = 0.5,
+        instance_expiry_s: float = 60.0,
     ) -> None:
         if dispatch_policy not in ("jsq", "round_robin"):
             raise ValueError(f"dispatch_policy must be 'jsq' or 'round_robin', not {dispatch_policy!r}")
@@ -144,6 +179,7 @@ class ManagerCore:
         self.pending_limit = pending_limit
         self.heartbeat_s = heartbeat_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.instance_expiry_s = instance_expiry_s
         self.max_attempts = max_attempts
         self.stream_every_tokens = stream_every_tokens
         self.stream_every_s = stream_every_s
@@ -165,10 +201,12 @@ class ManagerCore:
             k: 0 for k in (
                 "registrations", "rejected_registrations", "dispatched", "responses_migrated",
                 "tokens_migrated", "tokens_regenerated", "tokens_regenerated_after_warning", "tokens_received", "late_tokens",
-                "off_version_tokens_rejected", "instances_preempted_with_warning", "instances_lost",
-                "instances_fenced", "instances_drained", "instances_lost_while_pulling", "weight_loads", "weight_load_failures", "groups_delivered",
+                "off_version_tokens_rejected", "instances_preempted_with_warning",
+                "instances_fenced", "instances_drained", "weight_loads", "weight_load_failures", "groups_delivered",
                 "responses_delivered", "request_failures", "protocol_rejects", "released_requests",
-                "balancer_moves",
+                "balancer_moves", "instances_suspected", "instances_recovered", "instances_expired",
+                "suspected_while_pulling", "recovered_while_pulling", "groups_redelivered", "connections_closed",
+                "deltas_out_of_order",
             )
         }
         self.pull_seconds: list[float] = []
@@ -180,17 +218,70 @@ class ManagerCore:
         self.outbox.append((peer, msg))
 
     def routable(self, inst: Instance) -> bool:
-        if inst.state != "ready" or inst.version != self.latest_version:
+        if inst.state != S.READY or inst.version != self.latest_version:
             return False
         if inst.kind == "reserved":
             return self.seeding_open or not any(
-                i.kind == "preemptible" and i.state == "ready" and i.version == self.latest_version
+                i.kind == "preemptible" and i.state == S.READY and i.version == self.latest_version
                 for i in self.instances.values()
             )
         return True
 
     def live_instances(self) -> list[Instance]:
-        return [i for i in self.instances.values() if i.state in ("pulling", "ready", "draining", "fenced")]
+        """Instances that still talk to us (not gone; a suspect is not presumed alive)."""
+        return [i for i in self.instances.values() if i.state not in (S.GONE, S.SUSPECT)]
+
+    def _set_state(self, inst: Instance, new: InstanceState) -> None:
+        """The one place an instance's state changes (transitions in ``_ALLOWED``).
+
+        Raises:
+            RuntimeError: a transition the state machine does not have (a manager bug, never the peer's input).
+        """
+        if new == inst.state:
+            return
+        if new not in _ALLOWED[inst.state]:
+            raise RuntimeError(f"instance {inst.key}: no transition {inst.state} → {new}")
+        inst.state = new
+
+    def _suspect(self, inst: Instance, reason: str) -> None:
+        """Invariant 7: out of routing now, its unfinished responses migrate; it may come back."""
+        if inst.state in (S.SUSPECT, S.GONE):
+            return
+        taken = list(inst.inflight)
+        for rid in taken:
+            self._requeue(rid, inst, reason)
+        inst.taken_back.update(taken)
+        inst.releasing.clear()
+        unsent = max(0, inst.tokens_generated - inst.tokens_received)
+        self.counters["tokens_regenerated"] += unsent
+        self.counters["instances_suspected"] += 1
+        if inst.state == S.PULLING and inst.kind == "preemptible":
+            self.counters["suspected_while_pulling"] += 1
+        inst.suspect_from, inst.suspect_since = inst.state, self.clock()
+        self._set_state(inst, S.SUSPECT)
+        log.info("instance %s suspect (%s); %d responses migrated, %d unsent tokens", inst.key, reason,
+                 len(taken), unsent)
+
+    def _recover(self, inst: Instance) -> None:
+        """A suspect spoke again under its identity: back where it was, without re-registering."""
+        back = inst.suspect_from or S.PULLING
+        if back in (S.DRAINING, S.FENCED):
+            new = back
+        elif inst.version == self.latest_version:
+            new = S.READY
+        else:
+            new = S.PULLING
+            self.send(inst.peer, M.NewVersion(version=self.latest_version))
+        self._set_state(inst, new)
+        self.counters["instances_recovered"] += 1
+        if back == S.PULLING and inst.kind == "preemptible":
+            self.counters["recovered_while_pulling"] += 1
+        if inst.taken_back:  # whatever it still generates for these was resumed elsewhere; until it confirms
+            inst.releasing |= inst.taken_back  # (Released), none of them is dispatched to it again
+            self.send(inst.peer, M.Release(rids=sorted(inst.taken_back)))
+            inst.taken_back.clear()
+        log.info("instance %s answers again after %.1f s suspect; now %s", inst.key,
+                 self.clock() - inst.suspect_since, new)
 
     def _requeue(self, rid: str, inst: Instance, why: str) -> None:
         """Take ``rid`` back from ``inst`` and put it at the head of the queue (a migration)."""
@@ -210,15 +301,16 @@ class ManagerCore:
         log.debug("migrating %s (%d tokens) off %s: %s", rid, req.n, inst.key, why)
 
     def _instance_gone(self, inst: Instance, reason: str, *, warned: bool) -> None:
-        """Remove ``inst`` from routing; every unfinished response it held resumes elsewhere."""
-        if inst.state == "gone":
+        """Remove ``inst`` for good (it deregistered, or a suspect expired); unfinished responses resume
+        elsewhere. A suspect's work and unsent tokens were accounted when it went silent."""
+        if inst.state == S.GONE:
             return
-        for rid in list(inst.inflight):
-            self._requeue(rid, inst, reason)
-        unsent = max(0, inst.tokens_generated - inst.tokens_received)
-        if inst.state == "pulling" and not warned:
-            self.counters["instances_lost_while_pulling"] += 1
-        self.counters["tokens_regenerated"] += unsent
+        unsent = 0
+        if inst.state != S.SUSPECT:
+            for rid in list(inst.inflight):
+                self._requeue(rid, inst, reason)
+            unsent = max(0, inst.tokens_generated - inst.tokens_received)
+            self.counters["tokens_regenerated"] += unsent
         if warned:
             self.counters["tokens_regenerated_after_warning"] += unsent
             if reason.startswith("deregistered: preempted"):
@@ -226,25 +318,35 @@ class ManagerCore:
             else:
                 self.counters["instances_drained"] += 1
         else:
-            self.counters["instances_lost"] += 1
-        inst.state, inst.gone_reason = "gone", reason
+            self.counters["instances_expired"] += 1
+        self._set_state(inst, S.GONE)
+        inst.gone_reason = reason
         self.by_peer.pop(inst.peer, None)
         log.info("instance %s gone (%s); %d unsent tokens", inst.key, reason, unsent)
 
     def _fence(self, inst: Instance, reason: str) -> None:
         """Stop routing to ``inst`` and take its work back; it may recover only by loading the latest version."""
-        if inst.state in ("gone", "fenced"):
+        if inst.state in (S.GONE, S.FENCED, S.SUSPECT):
             return
         taken = sorted(inst.inflight)
         for rid in taken:
             self._requeue(rid, inst, reason)
-        inst.state = "fenced"
+        self._set_state(inst, S.FENCED)
         self.counters["instances_fenced"] += 1
         log.warning("instance %s fenced: %s", inst.key, reason)
         if taken:  # tell it to stop working on them; whatever it still sends is dropped as late
             self.send(inst.peer, M.Release(rids=taken))
 
     # ------------------------------------------------------------------ input
+    def disconnected(self, peer: bytes) -> None:
+        """The connection of ``peer`` is closed (the service found it unreachable): a live instance becomes
+        suspect at once (invariant 7) — a killed process leaves routing without waiting for its silence."""
+        key = self.by_peer.get(peer)
+        inst = self.instances.get(key) if key else None
+        if inst is not None and inst.state not in (S.SUSPECT, S.GONE):
+            self.counters["connections_closed"] += 1
+            self._suspect(inst, "connection closed")
+
     def on_message(self, peer: bytes, msg: M._Msg) -> None:
         """Apply one decoded message from ``peer``. Unknown peers may only Register or speak as the trainer."""
         now = self.clock()
@@ -252,6 +354,8 @@ class ManagerCore:
         inst = self.instances.get(key) if key else None
         if inst is not None:
             inst.last_seen = now
+            if inst.state == S.SUSPECT:
+                self._recover(inst)
         handler = getattr(self, "_on_" + type(msg).__name__, None)
         if handler is None:
             self.counters["protocol_rejects"] += 1
@@ -263,11 +367,11 @@ class ManagerCore:
     def _on_Register(self, peer: bytes, inst: Instance | None, msg: M.Register) -> None:
         key = f"{msg.job_id}#{msg.attempt}"
         existing = self.instances.get(key)
-        if existing is not None and existing.peer == peer and existing.state != "gone":
-            pass  # a retried Register from the same connection: answer again
+        if existing is not None and existing.peer == peer and existing.state != S.GONE:
+            pass  # a retried Register from the same identity (a reconnect keeps it): answer again
         elif existing is not None:
             self.counters["rejected_registrations"] += 1
-            why = ("identity %s is already registered (live)" if existing.state != "gone"
+            why = ("identity %s is already registered (live)" if existing.state != S.GONE
                    else "identity %s belongs to an attempt that already ended; a requeued job must register "
                         "with a new attempt number")
             self.send(peer, M.Reject(reason=why % key))
@@ -310,8 +414,8 @@ class ManagerCore:
         self.counters["weight_loads"] += 1
         self.pull_seconds.append(msg.pull_s)
         inst.version = msg.version
-        if inst.state in ("pulling", "fenced") and msg.version == self.latest_version:
-            inst.state = "ready"
+        if inst.state in (S.PULLING, S.FENCED) and msg.version == self.latest_version:
+            self._set_state(inst, S.READY)
             inst.ready_at = inst.ready_at or self.clock()
 
     def _on_WeightsFailed(self, peer: bytes, inst: Instance | None, msg: M.WeightsFailed) -> None:
@@ -319,10 +423,10 @@ class ManagerCore:
             return self._unknown(peer, "weights-failed")
         self.counters["weight_load_failures"] += 1
         log.warning("instance %s failed to load version %d: %s", inst.key, msg.version, msg.error)
-        if inst.state == "ready":
+        if inst.state == S.READY:
             self._fence(inst, f"weight load failed: {msg.error}")
-        elif inst.state == "pulling":
-            inst.state = "fenced"
+        elif inst.state == S.PULLING:
+            self._set_state(inst, S.FENCED)
             self.counters["instances_fenced"] += 1
 
     def _on_Tokens(self, peer: bytes, inst: Instance | None, msg: M.Tokens) -> None:
@@ -346,10 +450,15 @@ class ManagerCore:
                 self.counters["off_version_tokens_rejected"] += cnt
                 self._fence(inst, f"sent {cnt} tokens of version {ver} for {rid} of version {req.version}")
                 break
-            elif off != req.n or off + cnt > req.max_new_tokens:
-                self._fence(inst, f"delta for {rid} at {off}+{cnt} does not continue {req.n} "
-                                  f"within budget {req.max_new_tokens}")
+            elif off + cnt > req.max_new_tokens:
+                self._fence(inst, f"delta for {rid} at {off}+{cnt} exceeds the budget {req.max_new_tokens}")
                 break
+            elif off != req.n:  # frames lost with a connection: drop the rest, resume from what arrived once the
+                late += cnt    # instance released it (Released requeues it; never racing a re-dispatch)
+                if rid not in inst.releasing:
+                    self.counters["deltas_out_of_order"] += 1
+                    inst.releasing.add(rid)
+                    self.send(inst.peer, M.Release(rids=[rid]))
             else:
                 req.ids += ids[lo:hi]
                 req.logprobs += lps[lo:hi]
@@ -386,8 +495,8 @@ class ManagerCore:
     def _on_Draining(self, peer: bytes, inst: Instance | None, msg: M.Draining) -> None:
         if inst is None:
             return self._unknown(peer, "draining")
-        if inst.state not in ("gone",):
-            inst.state = "draining"
+        if inst.state != S.GONE:
+            self._set_state(inst, S.DRAINING)
 
     def _on_Released(self, peer: bytes, inst: Instance | None, msg: M.Released) -> None:
         if inst is None:
@@ -409,7 +518,7 @@ class ManagerCore:
         self.weights_endpoint = msg.weights_endpoint
         self.model_config = msg.model_config
         self.model_arch = msg.model_arch
-        self.send(peer, M.Ok(what="hello"))
+        self.send(peer, M.Ok(what="hello", cid=msg.cid))
 
     def _trainer_only(self, peer: bytes, what: str) -> bool:
         if peer != self.trainer_peer:
@@ -420,14 +529,18 @@ class ManagerCore:
     def _on_SetVersion(self, peer: bytes, inst: Instance | None, msg: M.SetVersion) -> None:
         if not self._trainer_only(peer, "set-version"):
             return
+        if msg.version == self.latest_version:  # a resent call (its reply was lost): already in force
+            self.send(peer, M.Ok(what="setver", cid=msg.cid))
+            return
         unfinished = [r for r in self.requests.values() if r.state != "done"]
         if unfinished:
-            self.send(peer, M.Error(what="setver", error=(
+            self.send(peer, M.Error(what="setver", cid=msg.cid, error=(
                 f"{len(unfinished)} responses of version {self.latest_version} are unfinished; the version "
                 "changes only between steps (in-flight work is never discarded)")))
             return
-        if msg.version <= self.latest_version:
-            self.send(peer, M.Error(what="setver", error=f"version {msg.version} ≤ latest {self.latest_version}"))
+        if msg.version < self.latest_version:
+            self.send(peer, M.Error(what="setver", cid=msg.cid,
+                                    error=f"version {msg.version} < latest {self.latest_version}"))
             return
         now = self.clock()
         obs = list(self.step_remote.values())
@@ -440,16 +553,20 @@ class ManagerCore:
         if self.on_version is not None:  # the journal records it durably before anyone acts on it
             self.on_version(msg.version)
         for i in self.live_instances():
-            if i.state in ("ready", "pulling", "fenced"):
+            if i.state in (S.READY, S.PULLING, S.FENCED):
                 self.send(i.peer, M.NewVersion(version=msg.version))
-        self.send(peer, M.Ok(what="setver"))
+        self.send(peer, M.Ok(what="setver", cid=msg.cid))
 
     def _on_SubmitStep(self, peer: bytes, inst: Instance | None, msg: M.SubmitStep) -> None:
         if not self._trainer_only(peer, "submit"):
             return
         if msg.version != self.latest_version:
-            self.send(peer, M.Error(what="submit", error=f"step {msg.step} asks version {msg.version}, "
-                                                         f"latest is {self.latest_version}"))
+            self.send(peer, M.Error(what="submit", cid=msg.cid, error=f"step {msg.step} asks version {msg.version}, "
+                                                                      f"latest is {self.latest_version}"))
+            return
+        if msg.step == self.step and msg.groups and all(
+                g.gid in self.groups and self.groups[g.gid].step == msg.step for g in msg.groups):
+            self.send(peer, M.Ok(what="submit", cid=msg.cid))  # a resent call: the step is already submitted
             return
         # Delivered groups of earlier steps are no longer needed.
         for gid in [g for g, grp in self.groups.items() if grp.delivered]:
@@ -461,7 +578,7 @@ class ManagerCore:
             for i in range(g.n):
                 rid = f"{g.gid}/{i}"
                 if rid in self.requests:
-                    self.send(peer, M.Error(what="submit", error=f"duplicate request id {rid}"))
+                    self.send(peer, M.Error(what="submit", cid=msg.cid, error=f"duplicate request id {rid}"))
                     return
                 self.requests[rid] = Request(
                     rid=rid, step=msg.step, gid=g.gid, sample=i, prompt_ids=list(g.prompt_ids),
@@ -470,7 +587,7 @@ class ManagerCore:
                 self.queue.append(rid)
                 rids.append(rid)
             self.groups[g.gid] = Group(step=msg.step, gid=g.gid, rids=rids)
-        self.send(peer, M.Ok(what="submit"))
+        self.send(peer, M.Ok(what="submit", cid=msg.cid))
 
     def _on_CloseSeeding(self, peer: bytes, inst: Instance | None, msg: M.CloseSeeding) -> None:
         if not self._trainer_only(peer, "close-seeding"):
@@ -480,12 +597,12 @@ class ManagerCore:
         released = 0
         if remote:
             for i in self.instances.values():
-                if i.kind == "reserved" and i.state == "ready" and i.inflight:
+                if i.kind == "reserved" and i.state == S.READY and i.inflight:
                     rids = sorted(i.inflight - i.releasing)
                     i.releasing |= set(rids)
                     released += len(rids)
                     self.send(i.peer, M.Release(rids=rids))
-        self.send(peer, M.Ok(what=f"closeseed released={released} remote={int(remote)}"))
+        self.send(peer, M.Ok(what=f"closeseed released={released} remote={int(remote)}", cid=msg.cid))
 
     def _on_PolicyState(self, peer: bytes, inst: Instance | None, msg: M.PolicyState) -> None:
         if self._trainer_only(peer, "policy-state"):
@@ -498,16 +615,27 @@ class ManagerCore:
                 grp.delivered = True
 
     def _on_GetStats(self, peer: bytes, inst: Instance | None, msg: M.GetStats) -> None:
-        self.send(peer, M.Stats(stats=self.stats()))
+        self.send(peer, M.Stats(stats=self.stats(), cid=msg.cid))
+
+    def _on_Redeliver(self, peer: bytes, inst: Instance | None, msg: M.Redeliver) -> None:
+        if self._trainer_only(peer, "redeliver"):
+            for grp in self.groups.values():
+                if grp.done == len(grp.rids) and not grp.delivered:
+                    self._deliver(grp)
+                    self.counters["groups_redelivered"] += 1
 
     # ------------------------------------------------------------------ progress
     def _group_progress(self, req: Request) -> None:
         grp = self.groups[req.gid]
         grp.done += 1
-        if grp.done < len(grp.rids):
+        if grp.done < len(grp.rids) or self.trainer_peer is None:
             return
-        if self.trainer_peer is None:
-            return
+        self._deliver(grp)
+        self.counters["groups_delivered"] += 1
+        self.counters["responses_delivered"] += len(grp.rids)
+
+    def _deliver(self, grp: Group) -> None:
+        """Send a finished group to the trainer (again, when it asks: it acknowledges what it took)."""
         responses = []
         for rid in grp.rids:
             r = self.requests[rid]
@@ -517,8 +645,6 @@ class ManagerCore:
                 version_runs=np.array(r.runs, dtype="<i4").tobytes(), finish_reason=r.finish_reason,
                 migrations=r.migrations, instances=r.instances))
         self.send(self.trainer_peer, M.GroupDone(step=grp.step, gid=grp.gid, responses=responses))
-        self.counters["groups_delivered"] += 1
-        self.counters["responses_delivered"] += len(responses)
 
     def _fail_step(self, error: str) -> None:
         self.failed_step = error
@@ -526,17 +652,21 @@ class ManagerCore:
             self.send(self.trainer_peer, M.StepFailed(step=self.step, error=error))
 
     def tick(self) -> None:
-        """Detect dead instances (missed heartbeats), then dispatch queued requests (JSQ with Θ)."""
+        """Liveness (invariant 7: silent → suspect; suspect past the expiry → gone), then dispatch queued requests
+        (JSQ with Θ)."""
         now = self.clock()
         for inst in list(self.instances.values()):
-            if inst.state != "gone" and now - inst.last_seen > self.heartbeat_timeout_s:
-                self._instance_gone(inst, f"no heartbeat for {now - inst.last_seen:.1f}s", warned=False)
+            if inst.state == S.SUSPECT:
+                if now - inst.suspect_since > self.instance_expiry_s:
+                    self._instance_gone(inst, f"silent for {now - inst.last_seen:.1f}s", warned=False)
+            elif inst.state != S.GONE and now - inst.last_seen > self.heartbeat_timeout_s:
+                self._suspect(inst, f"no heartbeat for {now - inst.last_seen:.1f}s")
         if self.balancer is not None:
             self._balance(now)
         if now - self._last_alive >= self.alive_every_s:
             self._last_alive = now
             for inst in self.instances.values():
-                if inst.state != "gone":
+                if inst.state not in (S.GONE, S.SUSPECT):
                     self.send(inst.peer, M.Alive(epoch=self.epoch))
         self.dispatch()
 
@@ -558,7 +688,7 @@ class ManagerCore:
                 self.balancer.observe(i.key, min(prev[1], running), (i.tokens_received - prev[0]) / dt)
             marks[i.key] = (i.tokens_received, running)
         for key in set(self._rate_marks) - set(marks):
-            if key not in self.instances or self.instances[key].state == "gone":
+            if key not in self.instances or self.instances[key].state in (S.GONE, S.SUSPECT):
                 self.balancer.forget(key)
         self._rate_marks = marks
         if len(insts) < 2 or self.queue:  # queued work goes to idle instances by JSQ, not by moves
@@ -592,19 +722,24 @@ class ManagerCore:
         if not cands:
             return
         batches: dict[str, list[M.Work]] = {}
+        deferred: list[str] = []
         while self.queue:
             free = [i for i in cands if len(i.inflight) < min(self.pending_limit, i.max_batch)]
             if not free:
                 break
+            rid = self.queue.popleft()
+            req = self.requests.get(rid)
+            if req is None or req.state != "queued":
+                continue
+            free = [i for i in free if rid not in i.releasing]  # not back where a Release is still pending
+            if not free:
+                deferred.append(rid)
+                continue
             if self.dispatch_policy == "round_robin":
                 self._rr += 1
                 inst = free[self._rr % len(free)]
             else:
                 inst = free[choose_instance([len(i.inflight) for i in free], self.pending_limit)]
-            rid = self.queue.popleft()
-            req = self.requests.get(rid)
-            if req is None or req.state != "queued":
-                continue
             req.state, req.instance = "running", inst.key
             req.attempts += 1
             req.instances.append(inst.key)
@@ -616,6 +751,7 @@ class ManagerCore:
             self.counters["dispatched"] += 1
             if inst.kind == "preemptible":
                 self.step_remote.setdefault(inst.key, [self.clock(), self.clock(), 0])
+        self.queue.extendleft(reversed(deferred))
         for key, works in batches.items():
             self.send(self.instances[key].peer, M.Assign(works=works))
 
@@ -623,18 +759,24 @@ class ManagerCore:
     def stats(self) -> dict:
         """Counters plus a snapshot of instances and queue (JSON-serialisable).
 
-        ``instances`` maps each instance that is not gone to its ``kind``, ``engine``, ``state``, ``version``,
+        ``instances_lost`` / ``instances_lost_while_pulling``: instances that went silent (suspect) and have not
+        come back, expired or not. ``instances`` maps each instance that is not gone to its ``kind``, ``engine``,
+        ``state``, ``version``,
         ``inflight`` (responses it owns) and ``partial`` (those of them with ≥ 1 token already received: what a
         preemption of it would hand over)."""
         states: dict[str, int] = {}
         for i in self.instances.values():
             states[i.state] = states.get(i.state, 0) + 1
         reqs = self.requests
+        c = self.counters
         return {
+            # went silent and have not come back (expired, or still suspect): lost without warning
+            "instances_lost": c["instances_suspected"] - c["instances_recovered"],
+            "instances_lost_while_pulling": c["suspected_while_pulling"] - c["recovered_while_pulling"],
             "instances": {i.key: {"kind": i.kind, "engine": i.engine, "state": i.state, "version": i.version,
                                   "inflight": len(i.inflight),
                                   "partial": sum(1 for r in i.inflight if r in reqs and reqs[r].n > 0)}
-                          for i in self.instances.values() if i.state != "gone"},
+                          for i in self.instances.values() if i.state != S.GONE},
             **self.counters,
             "latest_version": self.latest_version,
             "step": self.step,
@@ -644,7 +786,7 @@ class ManagerCore:
             "routable_preemptible": sum(1 for i in self.instances.values()
                                         if i.kind == "preemptible" and self.routable(i)),
             "live_preemptible": sum(1 for i in self.instances.values()
-                                    if i.kind == "preemptible" and i.state != "gone"),
+                                    if i.kind == "preemptible" and i.state not in (S.GONE, S.SUSPECT)),
             "pull_seconds_mean": (sum(self.pull_seconds) / len(self.pull_seconds)) if self.pull_seconds else 0.0,
             "failed_step": self.failed_step,
             "last_step_remote": self.last_step_remote,

@@ -1,8 +1,11 @@
 """The rollout manager process: a ZeroMQ ROUTER around :class:`~rlboost_hpc.manager.core.ManagerCore`.
 
-Invariant: a frame reaches the core only after it decoded against the typed schema; a bad frame is
+Invariants: a frame reaches the core only after it decoded against the typed schema; a bad frame is
 dropped with one log line per offending peer (rate-limited) and counted, and the service keeps serving.
-Sends never block (a vanished peer's messages are dropped by ZeroMQ).
+Sends never block. Dead is not alive: the socket is ``ROUTER_MANDATORY``, so a send to a peer whose connection
+closed fails at once; whenever the socket monitor reports a closed connection, every live instance is probed
+that way and the core is told which ones are no longer connected (they leave routing within one loop
+iteration, tens of milliseconds after the kernel closed the connection of a killed process).
 """
 from __future__ import annotations
 
@@ -32,7 +35,12 @@ class ManagerService:
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.SNDHWM, 100_000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size(M.MAX_FRAME_BYTES, keys))
+        # peers keep a fixed routing id per (job, attempt) (the trainer: per client); after a transparent
+        # reconnect (a TCP reset) the new connection takes the identity over instead of being refused
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable peer is an error, not a silent drop
         secure_server(self.sock, keys)
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.bind(bind)
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.metrics = metrics
@@ -49,21 +57,51 @@ class ManagerService:
             log.warning("rejected frame from peer %s: %s", peer.hex(), err)
             self._bad_peers[peer] = now
 
+    def _send(self, peer: bytes, frame: bytes) -> bool:
+        """Send without blocking; False (and the core told) when the peer is no longer connected."""
+        try:
+            self.sock.send_multipart([peer, frame], flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            log.warning("send to %s dropped (peer not reading)", peer.hex())
+            return True
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self.core.disconnected(peer)
+            return False
+
     def _flush(self) -> None:
         out, self.core.outbox = self.core.outbox, []
         for peer, msg in out:
-            try:
-                self.sock.send_multipart([peer, M.encode(msg)], flags=zmq.NOBLOCK)
-            except zmq.Again:
-                log.warning("send to %s dropped (peer not reading)", peer.hex())
+            self._send(peer, M.encode(msg))
+
+    def _probe(self) -> None:
+        """A connection closed somewhere: find which live instances are no longer reachable."""
+        alive = M.encode(M.Alive(epoch=self.core.epoch))
+        for inst in self.core.live_instances():
+            self._send(inst.peer, alive)
 
     def serve_forever(self, tick_s: float = 0.02) -> None:
         """Run the loop: receive and apply every pending frame, tick (liveness + dispatch), send."""
+        from zmq.utils.monitor import recv_monitor_message
+
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         last_tick = last_metrics = 0.0
         while not self._stop:
             events = dict(poller.poll(int(tick_s * 1000)))
+            if self._monitor in events:
+                closed = 0
+                while True:
+                    try:
+                        recv_monitor_message(self._monitor, flags=zmq.NOBLOCK)
+                        closed += 1
+                    except zmq.Again:
+                        break
+                if closed:
+                    self._probe()
             if self.sock in events:
                 batch_end = time.monotonic() + tick_s  # bound a receive burst so replies are not held back
                 while time.monotonic() < batch_end:
@@ -82,7 +120,7 @@ class ManagerService:
                         continue
                     if isinstance(msg, M.Shutdown) and peer == self.core.trainer_peer:
                         self._stop = True
-                        self.core.send(peer, M.Ok(what="shutdown"))
+                        self.core.send(peer, M.Ok(what="shutdown", cid=msg.cid))
                         for i in self.core.live_instances():
                             self.core.send(i.peer, M.Drain(reason=msg.reason))
                         break
@@ -99,6 +137,8 @@ class ManagerService:
         self._flush()
 
     def close(self) -> None:
+        self.sock.disable_monitor()
+        self._monitor.close(linger=0)
         self.sock.close(linger=0)
 
 

@@ -202,30 +202,39 @@ class GroupSpec(msgspec.Struct, forbid_unknown_fields=True):
     stop_ids: list[int]
 
 
+# Trainer calls carry a call id ``cid`` that the reply (Ok / Error / Stats) echoes, so a client that resends a
+# call after a lost reply (a TCP reset) never takes a late reply for the answer to a later call; the manager
+# answers a resent call idempotently.
+
+
 class TrainerHello(_Msg, tag="thello"):
     """The trainer's first message: the weight server, the model's ``config.json`` and its parsed architecture."""
 
     weights_endpoint: str
     model_config: dict
     model_arch: dict = {}
+    cid: int = 0
 
 
 class SetVersion(_Msg, tag="setver"):
     """The weight server holds ``version``; from now on only its holders are routable."""
 
     version: int
+    cid: int = 0
 
 
 class SubmitStep(_Msg, tag="submit"):
     step: int
     version: int
     groups: list[GroupSpec]
+    cid: int = 0
 
 
 class CloseSeeding(_Msg, tag="closeseed"):
     """End of the seeding window T_seed of ``step``: reserved instances hand their work back."""
 
     step: int
+    cid: int = 0
 
 
 class PolicyState(_Msg, tag="policy"):
@@ -240,11 +249,17 @@ class AckGroup(_Msg, tag="ack"):
 
 
 class GetStats(_Msg, tag="getstats"):
-    pass
+    cid: int = 0
+
+
+class Redeliver(_Msg, tag="redeliver"):
+    """The trainer has waited without news: send again every finished group it has not acknowledged (a
+    ``GroupDone`` lost with a connection; the trainer skips groups it already took)."""
 
 
 class Shutdown(_Msg, tag="shutdown"):
     reason: str
+    cid: int = 0
 
 
 class Response(msgspec.Struct, forbid_unknown_fields=True):
@@ -276,21 +291,25 @@ class StepFailed(_Msg, tag="stepfail"):
 
 class Ok(_Msg, tag="ok"):
     what: str
+    cid: int = 0
 
 
 class Error(_Msg, tag="err"):
     what: str
     error: str
+    cid: int = 0
 
 
 class Stats(_Msg, tag="stats"):
     stats: dict
+    cid: int = 0
 
 
 Message = (
     Register | Heartbeat | WeightsLoaded | WeightsFailed | Tokens | RequestFailed | Draining | Released
     | Deregister | Welcome | Alive | Reject | Assign | Release | NewVersion | Drain | TrainerHello | SetVersion
-    | SubmitStep | CloseSeeding | PolicyState | AckGroup | GetStats | Shutdown | GroupDone | StepFailed | Ok | Error | Stats
+    | SubmitStep | CloseSeeding | PolicyState | AckGroup | GetStats | Redeliver | Shutdown | GroupDone | StepFailed | Ok
+    | Error | Stats
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -9,9 +9,16 @@ in a thread of the trainer process. Invariants:
   from exactly where they stopped (``tokens_regenerated = 0`` for warned preemptions; case R2).
 - Weights change only while the engine is idle (the synchronous-RL policy for in-flight work, case W4);
   every load flushes the KV cache (W5, inside the engine).
-- The heartbeat loop never blocks on slow work: pulls AND the first engine build (an SGLang server start takes
-  tens of seconds) run on one long-lived builder thread (long-lived because a server's PR_SET_PDEATHSIG is
-  tied to the thread that started it). The engine is closed when the agent ends.
+- Busy is not dead: the connection to the manager belongs to :class:`ManagerLink`, whose I/O thread does
+  nothing else — it forwards what the agent sends, receives (noting when the manager last spoke) and sends
+  the heartbeats — so a weight load or an engine step of any length never silences the instance, and the
+  manager's silence is judged from frames already received, never from a loop that was busy. Pulls and the
+  first engine build (an SGLang server start takes tens of seconds) run on one long-lived builder thread
+  (long-lived because a server's PR_SET_PDEATHSIG is tied to the thread that started it). The engine is
+  closed when the agent ends.
+- Identity survives reconnects: the socket's ZeroMQ routing id is fixed for the agent's life
+  (``job_id#attempt/<pid>-<nonce>``), so after a transparent reconnect (a TCP reset) the manager knows the
+  instance as before; another process claiming the same (job, attempt) has another id and is refused.
 - Every wait has a deadline: no Welcome within ``register_timeout_s`` → exit code 3 with a clear message; a
   manager silent for ``manager_timeout_s`` (it sends ``Alive`` every second) → exit code 3 too, so the worker
   can reconnect to a restarted run.
@@ -24,7 +31,9 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -59,6 +68,102 @@ def remote_weight_source(endpoint: str, streams: int, window: int, timeout_s: fl
                                 "pull_s": time.monotonic() - t0, "phases": getattr(got, "phases", {})}
 
     return pull
+
+
+class ManagerLink:
+    """The agent's ZeroMQ connection to the manager, owned by an I/O thread that does nothing else.
+
+    The agent's thread queues frames with :meth:`send` (an inproc pipe wakes the I/O thread at once) and takes
+    what arrived with :meth:`take`; the I/O thread forwards, receives into the inbox, records :attr:`last_rx`
+    (monotonic seconds of the last frame from the manager) and, once :attr:`heartbeat_s` is set, sends
+    ``heartbeat()`` every that many seconds — whatever the agent's thread is doing.
+
+    Args:
+        identity: the routing id, kept across reconnects.
+        heartbeat: builds the heartbeat frame (called on the I/O thread: it must only read plain attributes).
+    """
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, keys: RunKeys | None, identity: bytes,
+                 heartbeat: Callable[[], bytes]) -> None:
+        self._ctx, self._endpoint, self._keys, self._identity = ctx, endpoint, keys, identity
+        self._heartbeat = heartbeat
+        self.heartbeat_s: float | None = None
+        self.last_rx = time.monotonic()
+        self._inbox: deque[bytes] = deque()
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._pipe_addr = f"inproc://agent-link-{id(self):x}"
+        self._tx = ctx.socket(zmq.PAIR)
+        self._tx.setsockopt(zmq.LINGER, 2000)
+        self._rx = ctx.socket(zmq.PAIR)
+        self._rx.bind(self._pipe_addr)
+        self._tx.connect(self._pipe_addr)
+        self._thread = threading.Thread(target=self._run, name=f"agent-link-{identity.decode(errors='replace')}",
+                                        daemon=True)
+        self._thread.start()
+
+    def send(self, frame: bytes) -> None:
+        """Queue ``frame`` for the manager (agent thread only)."""
+        self._tx.send(frame)
+
+    def take(self, wait_s: float = 0.0) -> list[bytes]:
+        """Every frame received so far (waiting up to ``wait_s`` for one when there is none)."""
+        with self._cond:
+            if not self._inbox and wait_s > 0:
+                self._cond.wait(wait_s)
+            out = list(self._inbox)
+            self._inbox.clear()
+        return out
+
+    def _run(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.setsockopt(zmq.ROUTING_ID, self._identity)
+        secure_client(sock, self._keys)
+        sock.connect(self._endpoint)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._rx, zmq.POLLIN)
+        last_hb = 0.0
+        try:
+            while True:
+                stopping = self._stop.is_set()
+                hb = self.heartbeat_s
+                wait = 0.05 if hb is None else max(0.0, min(0.05, last_hb + hb - time.monotonic()))
+                events = dict(poller.poll(0 if stopping else int(wait * 1000)))
+                if self._rx in events or stopping:
+                    while True:  # the agent's frames, in order
+                        try:
+                            sock.send(self._rx.recv(zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
+                if stopping:
+                    return
+                if sock in events:
+                    got = []
+                    while True:
+                        try:
+                            got.append(sock.recv(zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
+                    if got:
+                        self.last_rx = time.monotonic()
+                        with self._cond:
+                            self._inbox.extend(got)
+                            self._cond.notify_all()
+                hb = self.heartbeat_s
+                if hb is not None and time.monotonic() - last_hb >= hb:
+                    last_hb = time.monotonic()
+                    sock.send(self._heartbeat())
+        finally:
+            sock.close(linger=2000)  # flushes what was sent last (the drain's Released / Deregister)
+
+    def close(self) -> None:
+        """Forward what is queued, stop the I/O thread and close the sockets (agent thread only)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._tx.close(linger=0)
+        self._rx.close(linger=0)
 
 
 @dataclass
@@ -136,7 +241,13 @@ class RolloutAgent:
             self.stop_reason = reason
 
     def _send(self, msg: M._Msg) -> None:
-        self.sock.send(M.encode(msg))
+        self.link.send(M.encode(msg))
+
+    def _heartbeat_frame(self) -> bytes:
+        """The heartbeat (built on the link's I/O thread: plain attribute reads only)."""
+        eng = self.engine
+        return M.encode(M.Heartbeat(version=self.held_version(), active=eng.num_active if eng is not None else 0,
+                                    tokens_generated=self.tokens_generated))
 
     # ------------------------------------------------------------------ weights
     def _start_pull(self, version: int) -> None:
@@ -282,6 +393,7 @@ class RolloutAgent:
     def _handle(self, msg: M._Msg) -> None:
         if isinstance(msg, M.Welcome):
             self.welcome = msg
+            self.link.heartbeat_s = msg.heartbeat_s
             self._source = self.weight_source_factory(msg.weights_endpoint)
             self.want_version = max(self.want_version, msg.latest_version)
             if self.held_version() == msg.latest_version >= 0:  # re-registration with this manager
@@ -337,17 +449,17 @@ class RolloutAgent:
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:
         """Serve until stopped. Returns an exit code (EXIT_*)."""
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 2000)
-        secure_client(self.sock, self.keys)
-        self.sock.connect(self.manager_endpoint)
+        # one routing id per process life: kept across reconnects, distinct for another process claiming the
+        # same (job, attempt) (which the manager then refuses as a duplicate registration)
+        ident = f"{self.job_id}#{self.attempt}/{os.getpid()}-{os.urandom(3).hex()}".encode()
+        self.link = ManagerLink(self.ctx, self.manager_endpoint, self.keys, ident, self._heartbeat_frame)
         try:
             return self._loop()
         except _Rejected as e:
             log.error("manager rejected %s#%d: %s", self.job_id, self.attempt, e)
             return EXIT_REJECTED
         finally:
-            self.sock.close(linger=2000)
+            self.link.close()
             if self._own_builder:
                 self._builder.shutdown(wait=False, cancel_futures=True)
             if self.engine is not None and self.close_engine:
@@ -357,36 +469,29 @@ class RolloutAgent:
         reg = M.Register(job_id=self.job_id, attempt=self.attempt, kind=self.kind, max_batch=self.max_batch,
                          host=socket.gethostname(), pid=os.getpid(), node=self.node, engine=self.engine_name)
         self._send(reg)
-        self._t_reg = last_rx = time.monotonic()
-        last_hb = last_flush = 0.0
+        self._t_reg = time.monotonic()
+        last_flush = 0.0
         steps_since_flush = 0
         while True:
-            now = time.monotonic()
             if self.stop_reason is not None:
                 if self.welcome is not None:
                     self._drain(self.stop_reason)
                 return EXIT_OK
+            busy = self.engine is not None and self.engine.num_active > 0
+            for frame in self.link.take(0.0 if busy else 0.02):  # what arrived, before judging silence
+                try:
+                    msg = M.decode(frame)
+                except ProtocolError as e:
+                    log.warning("bad frame from manager dropped: %s", e)
+                    continue
+                self._handle(msg)
+            now = time.monotonic()
             if self.welcome is None and now - self._t_reg > self.register_timeout_s:
                 log.error("no answer from manager %s within %.0fs", self.manager_endpoint, self.register_timeout_s)
                 return EXIT_UNREACHABLE
-            if self.welcome is not None and now - last_rx > self.manager_timeout_s:
-                log.error("manager %s silent for %.0fs; exiting", self.manager_endpoint, now - last_rx)
+            if self.welcome is not None and now - self.link.last_rx > self.manager_timeout_s:
+                log.error("manager %s silent for %.0fs; exiting", self.manager_endpoint, now - self.link.last_rx)
                 return EXIT_UNREACHABLE
-            busy = self.engine is not None and self.engine.num_active > 0
-            timeout_ms = 0 if busy else 20
-            if self.sock.poll(timeout_ms, zmq.POLLIN):
-                while True:
-                    try:
-                        frame = self.sock.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    last_rx = time.monotonic()
-                    try:
-                        msg = M.decode(frame)
-                    except ProtocolError as e:
-                        log.warning("bad frame from manager dropped: %s", e)
-                        continue
-                    self._handle(msg)
             if self.welcome is None:
                 continue
             if self.engine is not None and self.engine.num_active:
@@ -405,12 +510,6 @@ class RolloutAgent:
                 self._startup_logged = True
                 log.info("startup phases %s", json.dumps(self.startup_phases()))
             self._weights_step()
-            now = time.monotonic()
-            if now - last_hb >= self.welcome.heartbeat_s:
-                self._send(M.Heartbeat(version=self.held_version(),
-                                       active=self.engine.num_active if self.engine else 0,
-                                       tokens_generated=self.tokens_generated))
-                last_hb = now
 
 
 class _Rejected(Exception):

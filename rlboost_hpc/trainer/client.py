@@ -1,15 +1,25 @@
 """The trainer's connection to the rollout manager (a ZeroMQ DEALER).
 
-Invariant: every call has a deadline and raises :class:`ManagerError` naming the call on timeout or on an
-``Error`` reply; ``GroupDone``/``StepFailed`` messages that arrive while waiting for a reply are kept, in
-order, for :meth:`ManagerClient.next_event`.
+Invariants:
+- Every call has a deadline and raises :class:`ManagerError` naming the call on timeout or on an ``Error``
+  reply; ``GroupDone``/``StepFailed`` messages that arrive while waiting for a reply are kept, in order, for
+  :meth:`ManagerClient.next_event`.
+- Identity survives reconnects: the socket has a fixed ZeroMQ routing id for its life, so after a transparent
+  reconnect (a TCP reset) the manager still knows it as the trainer.
+- Nothing is lost with a connection: a call whose reply does not come within ``resend_s`` is sent again with
+  the same call id (the manager answers resent calls idempotently; only the reply with the current id is taken),
+  and a wait for events that sees nothing for ``resend_s`` asks the manager to deliver again every finished
+  group not yet acknowledged (the loop skips groups it already took).
 """
 from __future__ import annotations
 
+import itertools
+import os
 import time
 from collections import deque
 from typing import Callable
 
+import msgspec
 import zmq
 
 from rlboost_hpc.protocol import messages as M
@@ -22,17 +32,25 @@ class ManagerError(RuntimeError):
 
 class ManagerClient:
     def __init__(self, endpoint: str, *, ctx: zmq.Context | None = None, timeout_s: float = 10.0,
-                 keys: RunKeys | None = None, alive: Callable[[], bool] | None = None) -> None:
+                 keys: RunKeys | None = None, alive: Callable[[], bool] | None = None,
+                 resend_s: float = 2.0, identity: bytes | None = None) -> None:
         """``alive``: tells whether the manager process still runs (every wait checks it at least every 0.5 s
-        and raises :class:`ManagerError` at once when it died, instead of waiting out a step deadline)."""
+        and raises :class:`ManagerError` at once when it died, instead of waiting out a step deadline).
+        ``resend_s``: seconds without a reply (or, waiting for events, without news) before resending / asking
+        for redelivery. ``identity``: the routing id (default: ``trainer-<pid>-<random>``)."""
         self.endpoint = endpoint
         self.alive = alive
         self.timeout_s = timeout_s
+        self.resend_s = resend_s
+        self.identity = identity or f"trainer-{os.getpid()}-{os.urandom(4).hex()}".encode()
         self.sock = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTING_ID, self.identity)
         secure_client(self.sock, keys)
         self.sock.connect(endpoint)
         self.events: deque[M._Msg] = deque()
+        self._cids = itertools.count(1)
+        self.resends = 0
 
     def _recv(self, timeout_s: float) -> M._Msg | None:
         deadline = time.monotonic() + max(0.0, timeout_s)
@@ -49,32 +67,50 @@ class ManagerClient:
         self.sock.send(M.encode(msg))
 
     def call(self, msg: M._Msg, timeout_s: float | None = None) -> M._Msg:
-        """Send ``msg`` and wait for its ``Ok``/``Stats`` reply. Raises ManagerError on Error or timeout."""
-        self.sock.send(M.encode(msg))
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        """Send ``msg`` (given a fresh call id when it has one) and wait for its ``Ok``/``Stats`` reply, resending
+        it every ``resend_s``. Raises ManagerError on Error or timeout."""
+        if hasattr(msg, "cid"):
+            msg = msgspec.structs.replace(msg, cid=next(self._cids))
+        frame = M.encode(msg)
+        self.sock.send(frame)
+        total = timeout_s or self.timeout_s
+        deadline = time.monotonic() + total
+        resend_at = time.monotonic() + self.resend_s
         while True:
-            left = deadline - time.monotonic()
-            reply = self._recv(left) if left > 0 else None
+            now = time.monotonic()
+            if now >= deadline:
+                raise ManagerError(f"manager {self.endpoint} did not answer {type(msg).__name__} within {total:.0f}s")
+            if now >= resend_at:
+                self.sock.send(frame)
+                self.resends += 1
+                resend_at = now + self.resend_s
+            reply = self._recv(min(deadline, resend_at) - now)
             if reply is None:
-                raise ManagerError(f"manager {self.endpoint} did not answer {type(msg).__name__} within "
-                                   f"{timeout_s or self.timeout_s:.0f}s")
+                continue
             if isinstance(reply, (M.GroupDone, M.StepFailed)):
                 self.events.append(reply)
+            elif getattr(reply, "cid", 0) != getattr(msg, "cid", 0):
+                continue  # the late answer to an earlier call (resent after a lost reply)
             elif isinstance(reply, M.Error):
                 raise ManagerError(f"manager refused {type(msg).__name__}: {reply.error}")
             else:
                 return reply
 
     def next_event(self, timeout_s: float) -> M.GroupDone | M.StepFailed | None:
-        """The next GroupDone/StepFailed, waiting up to ``timeout_s``; None on timeout."""
+        """The next GroupDone/StepFailed, waiting up to ``timeout_s``; None on timeout. Every ``resend_s`` without
+        one, the manager is asked to deliver again what the trainer has not acknowledged."""
         if self.events:
             return self.events.popleft()
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
-            msg = self._recv(left) if left > 0 else None
-            if msg is None:
+            if left <= 0:
                 return None
+            msg = self._recv(min(left, self.resend_s))
+            if msg is None:
+                if time.monotonic() < deadline:
+                    self.send(M.Redeliver())
+                continue
             if isinstance(msg, (M.GroupDone, M.StepFailed)):
                 return msg
 

@@ -61,6 +61,7 @@ class Totals:
     tokens_trained: int = 0
     tokens_trained_off_version: int = 0
     migrated_responses_trained: int = 0
+    groups_redelivered: int = 0  # GroupDone copies skipped (the manager sent a group again: never trained twice)
 
 
 class DataFrontier:
@@ -184,10 +185,17 @@ class RLTrainer:
         served: set[str] = set()
         deadline = t0 + s.step_timeout_s
 
+        took: set[str] = set()
+
         def take(ev) -> None:
             nonlocal n_groups, n_mig
             if isinstance(ev, M.StepFailed):
                 raise RolloutFailed(f"step {step}: {ev.error}")
+            if ev.gid not in by_gid or ev.gid in took:  # delivered again (its ack or first copy was lost)
+                self.totals.groups_redelivered += 1
+                self.client.send(M.AckGroup(gid=ev.gid))
+                return
+            took.add(ev.gid)
             p, pids = by_gid[ev.gid]
             r, samples = [], []
             for resp in ev.responses:
