@@ -193,6 +193,16 @@ class LocalClusterCfg(_Strict):
         "hold each due removal until its worker holds ≥ 1 partial response at the manager (tokens to hand over), "
         "at most busy_wait_max_s; for tests and chaos runs that must exercise the hand-off, not hope for it"))
     busy_wait_max_s: float = Field(30.0, ge=0, description="longest a removal is held by preempt_when_busy (s)")
+    # chaos: faults injected on purpose (cluster/faults.py); all off by default
+    stall_every_s: float = Field(0.0, ge=0, description="mean seconds between stalls: one random live worker "
+                                                        "SIGSTOPped for stall_s, then SIGCONTed (0: none)")
+    stall_s: float = Field(6.0, gt=0, description="length of a stall (longer than manager.heartbeat_timeout_s: "
+                                                  "the worker looks dead and must come back)")
+    link_reset_every_s: float = Field(0.0, ge=0, description="mean seconds between resets of every worker's TCP "
+                                                             "connection to the manager (through a forwarder; 0: none)")
+    slow_load_s: float = Field(0.0, ge=0, description="extra seconds every weight load takes on a share "
+                                                      "slow_load_fraction of worker attempts (0: none)")
+    slow_load_fraction: float = Field(0.5, ge=0, le=1)
 
 
 class NetworkCfg(_Strict):

@@ -338,8 +338,12 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
             "weight_pull_failures": final_stats["weight_load_failures"],
             "weight_pull_seconds_mean": final_stats["pull_seconds_mean"],
             "instances_lost_without_warning": final_stats["instances_lost"],
-            "instances_suspected": final_stats["instances_suspected"],
-            "instances_recovered": final_stats["instances_recovered"],
+            "instances_suspected": tally["instances_suspected"],
+            "instances_recovered": tally["instances_recovered"],
+            "stalls": tally["stalls"],
+            "link_resets": tally["link_resets"],
+            "slow_weight_loads": tally["slow_weight_loads"],
+            "deltas_out_of_order": tally["deltas_out_of_order"],
             "instances_lost_while_pulling": tally["instances_lost_while_pulling"],
             "prompts_not_trained_exactly_once": trainer.prompts_not_trained_once(),
             "instances_preempted_with_warning": final_stats["instances_preempted_with_warning"],
@@ -386,8 +390,10 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
     return report
 
 
-_COUNTS = ("preemptions_warned", "kills", "starts", "instances_lost_while_pulling", "responses_migrated",
-           "tokens_migrated", "tokens_regenerated")
+_COUNTS = ("preemptions_warned", "kills", "starts", "stalls", "link_resets", "instances_lost_while_pulling",
+           "responses_migrated", "tokens_migrated", "tokens_regenerated", "instances_suspected", "instances_recovered",
+           "slow_weight_loads", "deltas_out_of_order")
+_CLUSTER_COUNTS = 5  # the first ones come from the local cluster (under Slurm: from what the manager saw)
 
 
 def _counts(cluster, stats: dict) -> dict:
@@ -395,11 +401,12 @@ def _counts(cluster, stats: dict) -> dict:
     saw: warned preemptions, losses without warning, registrations other than the reserved engine's)."""
     if cluster is not None:
         c = cluster.summary()
-        out = {"preemptions_warned": c["preemptions_warned"], "kills": c["kills"], "starts": c["starts"]}
+        out = {"preemptions_warned": c["preemptions_warned"], "kills": c["kills"], "starts": c["starts"],
+               "stalls": c["stalls"], "link_resets": c["link_resets"]}
     else:
         out = {"preemptions_warned": stats["instances_preempted_with_warning"], "kills": stats["instances_lost"],
-               "starts": max(0, stats["registrations"] - 1)}
-    return {**out, **{k: stats[k] for k in _COUNTS[3:]}}
+               "starts": max(0, stats["registrations"] - 1), "stalls": 0, "link_resets": 0}
+    return {**out, **{k: stats[k] for k in _COUNTS[_CLUSTER_COUNTS:]}}
 
 
 def _add_counts(a: dict, b: dict) -> dict:

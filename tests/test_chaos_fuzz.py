@@ -54,6 +54,23 @@ def test_chaos_short(tmp_path, capsys):
 
 @pytest.mark.chaos
 @pytest.mark.slow
+def test_chaos_with_stalls_resets_and_slow_loads_loses_nothing(tmp_path, capsys):
+    """Every liveness fault next to warned preemptions: workers stopped past the heartbeat deadline (5 s against
+    4 s), every worker's TCP connection reset through a forwarder, weight loads 5 s slower than the deadline.
+    Stalled and reset workers are suspected and come back; nothing lost, duplicated or trained off-version."""
+    rc = chaos_main(["--out", str(tmp_path / "chaos"), "--steps", "24", "--lifetime-s", "8", "--downtime-s", "1",
+                     "--seed", "2", "--kill-fraction", "0.3", "--stall-every-s", "2.5", "--stall-s", "5",
+                     "--reset-every-s", "2.5", "--slow-load-s", "5", "--set", "cluster.slow_load_fraction=0.8"])
+    summary = json.loads(capsys.readouterr().out)
+    assert rc == 0, summary
+    f, live = summary["faults"], summary["liveness"]
+    assert f["stalls"] >= 1 and f["link_resets"] >= 1 and f["slow_weight_loads"] >= 1, f
+    assert live["instances_suspected"] >= 1 and live["instances_recovered"] >= 1, live
+    assert all(v == 0 for v in summary["checks"].values()), summary["checks"]
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
 def test_chaos_trainer_and_manager_kills_resume_exactly_once(tmp_path, capsys):
     """Case C1: on top of worker churn, SIGKILL the trainer or the rollout manager three times, each after a
     checkpoint (by progress, not by the clock: a slow machine once had every kill land before the first

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from _util import TcpForwarder, load_hf_dir
+from _util import load_hf_dir
 from test_rollout_integration import MAX_NEW, PROMPT, harness, reference, wait_stats  # noqa: F401 (fixture)
 
+from rlboost_hpc.cluster.faults import TcpForwarder
 from rlboost_hpc.manager.service import spawn_manager
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.rundir import write_endpoints

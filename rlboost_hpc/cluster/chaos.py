@@ -1,8 +1,11 @@
-"""Chaos: synthetic, high-churn availability traces that drive the local cluster into frequent preemptions.
+"""Chaos: synthetic, high-churn availability traces that drive the local cluster into frequent preemptions, plus
+the faults that make healthy instances look dead.
 
 The trace is written in the Bamboo CSV format (``<ms>,add|remove,<name>``) so the unchanged local cluster
 replays it; with ``cluster.kill_fraction`` a share of the removals arrive as SIGKILL without warning, some of
-them while a worker is still pulling weights. ``rlboost-hpc chaos`` runs the demo on such a trace and checks the
+them while a worker is still pulling weights. ``--stall-every-s`` / ``--reset-every-s`` / ``--slow-load-s``
+add stalls longer than the heartbeat deadline (SIGSTOP … SIGCONT), TCP resets of every worker's connection
+(through a forwarder) and weight loads slower than the deadline (:mod:`rlboost_hpc.cluster.faults`). ``rlboost-hpc chaos`` runs the demo on such a trace and checks the
 invariants at the end (responses lost/duplicated, tokens trained off-version, every prompt trained once).
 
 With ``--trainer-kills K`` the run is a child process (``rlboost-hpc run``) and the harness SIGKILLs either the
@@ -73,6 +76,12 @@ def chaos_main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-jitter-s", type=float, default=1.0,
                    help="a trainer/manager kill fires up to this many seconds (uniform) after the checkpoint it "
                         "waits for; kills are spread evenly over the run's checkpoints")
+    p.add_argument("--stall-every-s", type=float, default=0.0, help="mean seconds between worker stalls (0: none)")
+    p.add_argument("--stall-s", type=float, default=6.0, help="length of a stall (past the heartbeat deadline)")
+    p.add_argument("--reset-every-s", type=float, default=0.0,
+                   help="mean seconds between resets of the workers' TCP connections (0: none)")
+    p.add_argument("--slow-load-s", type=float, default=0.0,
+                   help="extra seconds of every weight load on half of the worker attempts (0: none)")
     p.add_argument("--set", action="append", default=[])
     a = p.parse_args(argv)
     if a.trainer_kills > max(0, a.steps - 1):
@@ -86,7 +95,9 @@ def chaos_main(argv: list[str] | None = None) -> int:
     overrides = [
         f"trainer.steps={a.steps}", f"cluster.trace='{trace}'", "cluster.time_scale=1.0",
         f"cluster.replay_s={a.duration_s}", "cluster.window_start_s=0", f"cluster.max_workers={a.workers}",
-        f"cluster.kill_fraction={a.kill_fraction}", f"cluster.seed={a.seed}", "policy.cap=false", *a.set]
+        f"cluster.kill_fraction={a.kill_fraction}", f"cluster.seed={a.seed}", "policy.cap=false",
+        f"cluster.stall_every_s={a.stall_every_s}", f"cluster.stall_s={a.stall_s}",
+        f"cluster.link_reset_every_s={a.reset_every_s}", f"cluster.slow_load_s={a.slow_load_s}", *a.set]
     crashes = {"trainer_kills": 0, "manager_kills": 0}
     if a.trainer_kills:
         rc = run_with_restarts(a.config, out, overrides, kill_steps(a.steps, a.trainer_kills), a.kill_jitter_s,
@@ -100,12 +111,17 @@ def chaos_main(argv: list[str] | None = None) -> int:
     faults = {"preemptions_with_warning": rep["preemptions_with_warning"],
               "kills_without_warning": rep["kills_without_warning"],
               "kills_during_weight_transfer": rep["instances_lost_while_pulling"],
+              "stalls": rep["stalls"], "link_resets": rep["link_resets"],
+              "slow_weight_loads": rep["slow_weight_loads"],
               "worker_starts": rep["worker_starts"], "trace_removals_planned": n_remove, **crashes,
               "resumes": rep.get("resumes", 0)}
+    faults["total"] = sum(faults[k] for k in ("preemptions_with_warning", "kills_without_warning", "stalls",
+                                              "link_resets", "slow_weight_loads", "trainer_kills", "manager_kills"))
+    liveness = {k: rep[k] for k in ("instances_suspected", "instances_recovered", "deltas_out_of_order")}
     checks = {"responses_lost": rep["responses_lost"], "responses_duplicated": rep["responses_duplicated"],
               "tokens_trained_off_version": rep["tokens_trained_off_version"],
               "prompts_not_trained_exactly_once": rep["prompts_not_trained_exactly_once"]}
-    print(json.dumps({"faults": faults, "checks": checks, "steps": rep["steps"]}, indent=2))
+    print(json.dumps({"faults": faults, "liveness": liveness, "checks": checks, "steps": rep["steps"]}, indent=2))
     return 0 if all(v == 0 for v in checks.values()) else 1
 
 

@@ -5,7 +5,9 @@ run changes. Invariants: workers are real OS processes (``python -m rlboost_hpc.
 ``remove`` ends one with the warning signal (SIGTERM by default) or, for ``kill_fraction`` of removals,
 SIGKILL without warning; each restart of a slot is a new attempt (new identity ``local-slot<k>#<attempt>``, case
 S2); with ``cfg.preempt_when_busy`` a due removal waits (at most ``cfg.busy_wait_max_s``) until its worker holds a
-partial response at the manager; :meth:`stop` leaves no worker process behind.
+partial response at the manager; chaos faults (``cfg.stall_every_s``, ``link_reset_every_s``, ``slow_load_s``:
+:mod:`rlboost_hpc.cluster.faults`) stall workers, reset their connections and slow their weight loads;
+:meth:`stop` continues every stalled worker and leaves no worker process behind.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from rlboost_hpc.cluster.faults import FaultPlan, TcpForwarder
 from rlboost_hpc.cluster.replay import ReplayDriver, ReplayPlan, choose_window
 from rlboost_hpc.cluster.traces import load_trace
 from rlboost_hpc.config import ConfigError, LocalClusterCfg, WeightsCfg
@@ -54,6 +57,14 @@ class LocalCluster:
         self._lock = threading.Lock()
         self.live_series: list[tuple[float, int]] = []  # (seconds since t_origin, live workers)
         self.t_origin = time.monotonic() if t_origin is None else t_origin
+        self.faults = FaultPlan(cfg.stall_every_s, cfg.link_reset_every_s, cfg.slow_load_fraction if cfg.slow_load_s
+                                else 0.0, seed=cfg.seed)
+        self.fault_counts = {"stalls": 0, "link_resets": 0, "slow_load_attempts": 0}
+        self._stalled: list[tuple[float, int]] = []  # (continue at, pid)
+        now = time.monotonic()
+        self._next_stall = now + self.faults.next_gap(cfg.stall_every_s)
+        self._next_reset = now + self.faults.next_gap(cfg.link_reset_every_s)
+        self.link = TcpForwarder(manager_endpoint) if cfg.link_reset_every_s > 0 and cfg.max_workers else None
         if cfg.max_workers == 0:
             self.plan = None
             return
@@ -91,6 +102,11 @@ class LocalCluster:
                "--threads", str(self.threads), "--streams", str(self.weights.streams),
                "--window", str(self.weights.window), "--pull-timeout", str(self.weights.pull_timeout_s),
                "--signal", self.cfg.preempt_signal]
+        if self.link is not None:  # through the forwarder whose connections the chaos run resets
+            cmd += ["--manager", self.link.endpoint]
+        if self.faults.slow_load():
+            cmd += ["--fault-load-delay-s", str(self.cfg.slow_load_s)]
+            self.fault_counts["slow_load_attempts"] += 1
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), RLBOOST_SPAWNED_AT=repr(time.time()))
         try:
             # die_with_parent: the simulated cluster ends with the trainer process, even when it is SIGKILLed
@@ -124,7 +140,37 @@ class LocalCluster:
                         log.info("cluster: %s slot %s attempt %s pid %s exit %s held %.1fs", ev["action"],
                                  ev["slot"], ev["attempt"], ev["pid"], ev.get("exit_code"), ev.get("held_s", 0.0))
                 self.live_series.append((time.monotonic() - t0, len(self.driver.live_slots())))
+                self._inject_faults()
             self._stop.wait(0.1)
+
+    def _inject_faults(self) -> None:
+        """Chaos (cluster/faults.py): continue stalls that are over, start a stall or a link reset when due."""
+        now = time.monotonic()
+        for until, pid in [x for x in self._stalled if x[0] <= now]:
+            self._signal(pid, signal.SIGCONT)
+            self._stalled.remove((until, pid))
+        if now >= self._next_stall:
+            self._next_stall = now + self.faults.next_gap(self.cfg.stall_every_s)
+            stalled = {pid for _, pid in self._stalled}
+            pids = [p for p in self.driver.live_pids().values() if p is not None and p not in stalled]
+            if pids:
+                pid = self.faults.rng.choice(pids)
+                if self._signal(pid, signal.SIGSTOP):
+                    self._stalled.append((now + self.cfg.stall_s, pid))
+                    self.fault_counts["stalls"] += 1
+                    log.info("cluster: stalled pid %d for %.1f s", pid, self.cfg.stall_s)
+        if self.link is not None and now >= self._next_reset:
+            self._next_reset = now + self.faults.next_gap(self.cfg.link_reset_every_s)
+            if self.link.reset():
+                self.fault_counts["link_resets"] += 1
+
+    @staticmethod
+    def _signal(pid: int, sig: int) -> bool:
+        try:
+            os.kill(pid, sig)
+            return True
+        except ProcessLookupError:
+            return False
 
     def set_cap(self, n: int | None) -> None:
         """Obey an instance cap (N_prem): never more than ``n`` live workers."""
@@ -140,6 +186,11 @@ class LocalCluster:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        for _, pid in self._stalled:  # a stopped process cannot exit on its warning
+            self._signal(pid, signal.SIGCONT)
+        self._stalled.clear()
+        if self.link is not None:
+            self.link.close()
         if self.driver is not None:
             with self._lock:
                 self.driver.stop_all(grace_s)
@@ -147,7 +198,8 @@ class LocalCluster:
     def summary(self) -> dict:
         """Counts of what the cluster did: starts, preemptions with warning, kills without warning, exits."""
         if self.driver is None:
-            return {"starts": 0, "preemptions_warned": 0, "kills": 0, "exits": 0, "window_start_s": None}
+            return {"starts": 0, "preemptions_warned": 0, "kills": 0, "exits": 0, "window_start_s": None,
+                    **self.fault_counts}
         c = self.driver.counts
         return {"starts": c["start"], "preemptions_warned": c["preempt"], "kills": c["kill"], "exits": c["exit"],
-                "window_start_s": self.window_start_s, "plan_actions": len(self.plan)}
+                "window_start_s": self.window_start_s, "plan_actions": len(self.plan), **self.fault_counts}

@@ -206,7 +206,7 @@ class ManagerCore:
                 "responses_delivered", "request_failures", "protocol_rejects", "released_requests",
                 "balancer_moves", "instances_suspected", "instances_recovered", "instances_expired",
                 "suspected_while_pulling", "recovered_while_pulling", "groups_redelivered", "connections_closed",
-                "deltas_out_of_order",
+                "deltas_out_of_order", "slow_weight_loads",
             )
         }
         self.pull_seconds: list[float] = []
@@ -412,6 +412,8 @@ class ManagerCore:
         if inst is None:
             return self._unknown(peer, "weights-loaded")
         self.counters["weight_loads"] += 1
+        if msg.load_s > self.heartbeat_timeout_s:
+            self.counters["slow_weight_loads"] += 1  # longer than the deadline: it had to keep heartbeating
         self.pull_seconds.append(msg.pull_s)
         inst.version = msg.version
         if inst.state in (S.PULLING, S.FENCED) and msg.version == self.latest_version:

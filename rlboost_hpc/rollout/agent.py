@@ -197,6 +197,7 @@ class RolloutAgent:
         engine_epoch: int | None = None,
         close_engine: bool = True,
         builder: ThreadPoolExecutor | None = None,
+        fault_load_delay_s: float = 0.0,
     ) -> None:
         self.manager_endpoint = manager_endpoint
         self.keys = keys
@@ -213,6 +214,7 @@ class RolloutAgent:
         self.engine: Engine | None = engine  # an engine kept from a previous connection (worker reconnect)
         self.engine_epoch = engine_epoch  # manager epoch of the engine's weights (versions are (epoch, version))
         self.close_engine = close_engine
+        self.fault_load_delay_s = fault_load_delay_s  # chaos: weight loads slower than the heartbeat deadline
         self.tokens_generated = 0
         self.tokens_handed_off = 0  # response tokens of unfinished requests handed back (released)
         self.stop_reason: str | None = None  # set (signal-safe) to drain and exit
@@ -293,6 +295,8 @@ class RolloutAgent:
                 self.engine = new_engine
             else:
                 try:
+                    if self.fault_load_delay_s:
+                        time.sleep(self.fault_load_delay_s)  # on this thread, like a slow real load
                     self.engine.load_weights(sd, version)
                 except Exception as e:
                     self._pull = None

@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=4, help="parallel weight-pull streams")
     p.add_argument("--window", type=int, default=4, help="outstanding chunk requests per stream")
     p.add_argument("--pull-timeout", type=float, default=30.0)
+    p.add_argument("--fault-load-delay-s", type=float, default=0.0,
+                   help="chaos runs: every weight load after the first takes this many seconds longer")
     p.add_argument("--register-timeout", type=float, default=15.0, help="seconds to wait for the manager's Welcome")
     p.add_argument("--manager-timeout", type=float, default=10.0,
                    help="seconds of manager silence (it sends Alive every second) before it counts as gone")
@@ -169,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             manager, args.job_id, args.attempt, kind="preemptible", max_batch=args.max_batch,
             register_timeout_s=args.register_timeout, manager_timeout_s=args.manager_timeout,
             node=os.environ.get("SLURMD_NODENAME", ""), keys=keys, engine_factory=factory,
+            fault_load_delay_s=args.fault_load_delay_s,
             engine_name=(spec or {}).get("kind", "torch"), engine=engine, engine_epoch=engine_epoch,
             close_engine=False, builder=builder,
             weight_source_factory=lambda ep: remote_weight_source(ep, args.streams, args.window, args.pull_timeout,
