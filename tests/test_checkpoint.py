@@ -140,7 +140,7 @@ def test_megatron_backend_run_resumes_from_its_dist_checkpoint(repo_root, tmp_pa
 
     out = tmp_path / "mg"
     for steps in (2, 4):
-        p = run_cli(repo_root, out, f"trainer.steps={steps}", 'trainer.backend="megatron"', timeout=300)
+        p = run_cli(repo_root, out, f"trainer.steps={steps}", 'trainer.backend="megatron"')
         assert p.returncode == 0, p.stderr[-3000:]
     rep = json.loads((out / "report.json").read_text())
     assert (rep["steps"], rep["resumes"], rep["resumed_from_step"]) == (4, 1, 2)
@@ -167,7 +167,7 @@ def test_rerunning_a_finished_run_reports_the_same_totals(repo_root, tmp_path):
 
     reps = []
     for _ in range(2):
-        p = run_cli(repo_root, tmp_path / "r", "trainer.steps=2", timeout=300)
+        p = run_cli(repo_root, tmp_path / "r", "trainer.steps=2")
         assert p.returncode == 0, p.stderr[-3000:]
         reps.append(json.loads((tmp_path / "r/report.json").read_text()))
     a, b = reps

@@ -257,7 +257,7 @@ def test_main_job_trains_a_qwen3_checkpoint_with_preemption_and_exports_it(tiny_
                 "rollout.max_new_tokens=96", "weights.dtype=float32", f"cluster.trace='{trace}'",
                 "cluster.time_scale=1.0", "cluster.replay_s=120", "cluster.window_start_s=0", "cluster.max_workers=2",
                 "cluster.min_changes=0", "cluster.min_removals=0", "cluster.min_starts=0",
-                "cluster.preempt_when_busy=true", "policy.cap=false", timeout=900)
+                "cluster.preempt_when_busy=true", "policy.cap=false")
     assert p.returncode == 0, p.stderr[-3000:]
     rep = json.loads((out / "report.json").read_text())
     why = diagnose(p, out)

@@ -142,36 +142,21 @@ def test_greedy_ids_and_logprobs_equal_torch_engine(engine, loaded, tok):
 
 
 def test_step_streams_every_token_once(engine, tok):
-    # 300 tokens (≈ 19 chunks of the server's 16, seconds of decoding): a consumer descheduled for all of it on a
-    # loaded machine is not plausible; with 30 tokens it was (everything arrived within one step)
-    engine.add(GenRequest("s", tok.encode(PROMPTS[0]), 300, NOSTOP))
-    seen, steps = [], 0
+    """The server streams a response in pieces (counted as they arrive, whatever a consumer's step() merges:
+    on a loaded machine one step can take a whole response) and step() returns every token exactly once."""
+    chunks0 = engine.chunks_received
+    engine.add(GenRequest("s", tok.encode(PROMPTS[0]), 120, NOSTOP))
+    seen = []
     while engine.num_active:
         evs = engine.step()
         assert evs, "step() returned nothing while a request was active"
-        steps += 1
         for e in evs:
             assert len(e.token_ids) == len(e.logprobs) >= 1 or e.finished
             seen += e.token_ids
-    assert len(seen) == 300 and steps > 1  # streamed in pieces, nothing duplicated or dropped
+    assert len(seen) == 120  # nothing duplicated or dropped
+    assert engine.chunks_received - chunks0 >= 120 // 16  # streamed: --stream-interval 16
 
 
-@pytest.mark.parametrize("stop_kind", ["with_eos", "without_eos"])
-def test_stop_tokens_match_torch_engine(engine, loaded, tok, stop_kind):
-    """A stop set containing the model's EOS is applied by the server; one without it is enforced by the
-    adapter (the server runs with ignore_eos and is cut) — the result equals the torch engine either way."""
-    prompt = tok.encode(PROMPTS[2])
-    full = _run(_torch(loaded), "f", prompt, 60)[0]
-    stop_tok = full[10]  # a token the greedy continuation emits at position 10 (maybe earlier too)
-    stops = (1, 2, stop_tok) if stop_kind == "with_eos" else (stop_tok,)
-    sp = SamplingParams(temperature=0.0, stop_token_ids=stops)
-    ref = _run(_torch(loaded), "r", prompt, 60, sp)
-    got = _run(engine, "g", prompt, 60, sp)
-    assert got[2] == ref[2] == "stop" and got[0] == ref[0] and got[0][-1] == stop_tok
-    _close(got[1], ref[1])
-
-
-# ---------------------------------------------------------------------------------------------- migration
 def test_migration_torch_to_sglang_resumes_exactly(engine, loaded, tok):
     """Start on torch, abort at k, resume on SGLang with prefix ids and the remaining budget (R1)."""
     N = 48

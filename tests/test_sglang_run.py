@@ -17,7 +17,9 @@ import pytest
 from sglang_cpu import stub_env
 from test_demo_run import CONTRACT_KEYS, MARGIN, diagnose, run_cli
 
-pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(600)]
+# 60 steps take ≈ 3.5 min on an idle 2-core machine and several times that under load: the run is waited for
+# as long as it makes progress (run_cli), the pytest timeout is only the last resort
+pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 # One slot, three warned preemptions spaced so every attempt has booted its server (≈ 25 s) and served for a
 # while before its removal; trace seconds = wall seconds (time_scale 1). Each removal is held until the SGLang
@@ -38,8 +40,7 @@ def test_demo_with_sglang_workers_meets_the_report_contract(repo_root, tmp_path)
                 # alone within a fixed seeding window that outlasts the server's per-step weight load
                 # (pull + load ≈ 0.3 s): its partial responses are then handed over to the SGLang server
                 "rollout.prompts_per_step=16", "rollout.max_new_tokens=96",
-                "trainer.seed_window_s=0.6", "policy.adaptive_seeding=false",
-                timeout=580)
+                "trainer.seed_window_s=0.6", "policy.adaptive_seeding=false")
     assert p.returncode == 0, p.stderr[-3000:]
     rep = json.loads((tmp_path / "run/report.json").read_text())
     for k in CONTRACT_KEYS:

@@ -439,6 +439,7 @@ class SGLangEngine(Engine):
         self._tag = f"{os.getpid():x}{id(self) & 0xFFFFFF:06x}"
         self._fenced: str | None = None
         self._closed = False
+        self.chunks_received = 0  # stream chunks that carried tokens, over the engine's life
         info = self._control("GET", "/model_info", None, what="model_info")
         if model_config is None:
             from rlboost_hpc.models.arch import ModelFormatError, read_config_json
@@ -1030,6 +1031,8 @@ class SGLangEngine(Engine):
                 raise EngineError(f"inconsistent chunk: completion_tokens={total}, {have} received, "
                                   f"{len(out_ids)} output_ids, {len(lp_entries)} logprobs")
             ids = [int(t) for t in new_ids]
+            if ids:
+                self.chunks_received += 1  # streamed pieces (whatever a consumer's step() merges)
             lps = []
             for t, e in zip(ids, new_lp):
                 if int(e[1]) != t:
