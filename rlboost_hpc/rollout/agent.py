@@ -124,6 +124,7 @@ class ManagerLink:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._rx, zmq.POLLIN)
+        outbox: deque[bytes] = deque()  # the agent's frames not yet accepted by the socket (never dropped)
         last_hb = 0.0
         try:
             while True:
@@ -132,11 +133,17 @@ class ManagerLink:
                 wait = 0.05 if hb is None else max(0.0, min(0.05, last_hb + hb - time.monotonic()))
                 events = dict(poller.poll(0 if stopping else int(wait * 1000)))
                 if self._rx in events or stopping:
-                    while True:  # the agent's frames, in order
+                    while True:
                         try:
-                            sock.send(self._rx.recv(zmq.NOBLOCK))
+                            outbox.append(self._rx.recv(zmq.NOBLOCK))
                         except zmq.Again:
                             break
+                while outbox:  # in order; a full queue (the manager unreachable) never blocks this thread
+                    try:
+                        sock.send(outbox[0], zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    outbox.popleft()
                 if stopping:
                     return
                 if sock in events:
@@ -154,7 +161,11 @@ class ManagerLink:
                 hb = self.heartbeat_s
                 if hb is not None and time.monotonic() - last_hb >= hb:
                     last_hb = time.monotonic()
-                    sock.send(self._heartbeat())
+                    if not outbox:  # (behind a backlog a heartbeat would only add to it)
+                        try:
+                            sock.send(self._heartbeat(), zmq.NOBLOCK)
+                        except zmq.Again:
+                            pass
         finally:
             sock.close(linger=2000)  # flushes what was sent last (the drain's Released / Deregister)
 
@@ -246,9 +257,9 @@ class RolloutAgent:
         self.link.send(M.encode(msg))
 
     def _heartbeat_frame(self) -> bytes:
-        """The heartbeat (built on the link's I/O thread: plain attribute reads only)."""
-        eng = self.engine
-        return M.encode(M.Heartbeat(version=self.held_version(), active=eng.num_active if eng is not None else 0,
+        """The heartbeat (built on the link's I/O thread: plain attribute reads only — never an engine call,
+        which may hold the engine's lock through a long weight load)."""
+        return M.encode(M.Heartbeat(version=self.held_version(), active=len(self._pos),
                                     tokens_generated=self.tokens_generated))
 
     # ------------------------------------------------------------------ weights
