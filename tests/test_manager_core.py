@@ -484,6 +484,26 @@ def test_work_taken_from_a_suspect_is_not_given_back_to_it_before_it_released_it
     assert core.requests["s0g0/0"].state == "queued"  # (a Released always means: I no longer run it)
 
 
+def test_a_release_lost_with_a_connection_is_sent_again_and_the_work_stays_away_until_confirmed():
+    """Regression (long chaos run: 'duplicate rid' until the step failed): an instance suspected twice — the
+    Release after its first return lost with a reset — kept the first batch excluded and is told again."""
+    core, clock = make()
+    register(core, b"a", "a")
+    register(core, b"b", "b")
+    submit(core, n=4, max_new=8)
+    core.tick()
+    mine = sorted(w.rid for m in sent(core, b"a", M.Assign) for w in m.works)
+    core.disconnected(b"a")
+    core.on_message(b"a", M.Heartbeat(version=0, active=2, tokens_generated=0))  # back; its Release gets lost
+    core.disconnected(b"a")  # reset again before it answered
+    core.outbox.clear()
+    core.on_message(b"a", M.Heartbeat(version=0, active=2, tokens_generated=0))
+    assert sorted(sent(core, b"a", M.Release)[0].rids) == mine  # told again about the first batch
+    assert core.instances["a#0"].releasing == set(mine)  # and none of it is dispatched to a before it confirms
+    core.on_message(b"a", M.Released(rids=mine, tokens_generated=0))
+    assert not core.instances["a#0"].releasing
+
+
 def test_instance_state_changes_only_along_the_state_machine():
     from rlboost_hpc.manager.core import InstanceState
 

@@ -251,7 +251,6 @@ class ManagerCore:
         for rid in taken:
             self._requeue(rid, inst, reason)
         inst.taken_back.update(taken)
-        inst.releasing.clear()
         unsent = max(0, inst.tokens_generated - inst.tokens_received)
         self.counters["tokens_regenerated"] += unsent
         self.counters["instances_suspected"] += 1
@@ -276,10 +275,13 @@ class ManagerCore:
         self.counters["instances_recovered"] += 1
         if back == S.PULLING and inst.kind == "preemptible":
             self.counters["recovered_while_pulling"] += 1
-        if inst.taken_back:  # whatever it still generates for these was resumed elsewhere; until it confirms
-            inst.releasing |= inst.taken_back  # (Released), none of them is dispatched to it again
-            self.send(inst.peer, M.Release(rids=sorted(inst.taken_back)))
-            inst.taken_back.clear()
+        # Whatever it still generates for what was taken from it (now, or in an earlier silence whose Release may
+        # have been lost with a connection) was resumed elsewhere: none of it is dispatched to it again until it
+        # confirms (Released); the Release goes out again for all of it.
+        inst.releasing |= inst.taken_back
+        inst.taken_back.clear()
+        if inst.releasing:
+            self.send(inst.peer, M.Release(rids=sorted(inst.releasing)))
         log.info("instance %s answers again after %.1f s suspect; now %s", inst.key,
                  self.clock() - inst.suspect_since, new)
 
@@ -331,6 +333,7 @@ class ManagerCore:
         taken = sorted(inst.inflight)
         for rid in taken:
             self._requeue(rid, inst, reason)
+        inst.releasing.update(taken)  # not given back to it before it confirmed the Release below
         self._set_state(inst, S.FENCED)
         self.counters["instances_fenced"] += 1
         log.warning("instance %s fenced: %s", inst.key, reason)

@@ -416,6 +416,13 @@ class RolloutAgent:
             self.timings.setdefault("welcome", time.time())
         elif isinstance(msg, M.Assign):
             for w in msg.works:
+                if w.rid in self._pos and self.engine is not None:
+                    # the manager's assignment is authoritative: it resumed this response from its own prefix
+                    # (a Release of our earlier copy was lost with a connection); drop ours, unsent tokens too
+                    log.warning("assignment of %s replaces the copy this instance still ran", w.rid)
+                    self.engine.abort_many([w.rid])
+                    self._pos.pop(w.rid, None)
+                    self._pending.pop(w.rid, None)
                 if w.version != self.held_version() or self.engine is None:
                     self._send(M.RequestFailed(rid=w.rid, error=f"assigned version {w.version}, instance holds "
                                                f"{self.held_version()}"))
