@@ -504,6 +504,28 @@ def test_a_release_lost_with_a_connection_is_sent_again_and_the_work_stays_away_
     assert not core.instances["a#0"].releasing
 
 
+@pytest.mark.parametrize("before,after", [("pulling", "pulling"), ("ready", "ready"), ("fenced", "fenced"),
+                                          ("draining", "draining")])
+def test_every_state_goes_suspect_on_silence_and_returns_to_where_it_was(before, after):
+    core, clock = make()
+    register(core, b"a", "a", version=None if before == "pulling" else 0)
+    if before == "fenced":
+        core.on_message(b"a", M.WeightsFailed(version=0, error="x"))
+    if before == "draining":
+        core.on_message(b"a", M.Draining(reason="preempted (SIGUSR2)"))
+    assert core.instances["a#0"].state == before
+    clock.t = 3.0
+    core.tick()
+    assert core.instances["a#0"].state == "suspect" and core.stats()["instances_lost"] == 1
+    core.on_message(b"a", M.Heartbeat(version=-1 if before == "pulling" else 0, active=0, tokens_generated=0))
+    assert core.instances["a#0"].state == after and core.stats()["instances_lost"] == 0
+    if before == "pulling":  # a suspect that was still pulling is counted lost while pulling until it returns
+        assert core.counters["suspected_while_pulling"] == core.counters["recovered_while_pulling"] == 1
+    if before == "draining":
+        core.on_message(b"a", M.Deregister(reason="preempted (SIGUSR2)", tokens_generated=0))
+        assert core.instances["a#0"].state == "gone" and core.counters["instances_preempted_with_warning"] == 1
+
+
 def test_instance_state_changes_only_along_the_state_machine():
     from rlboost_hpc.manager.core import InstanceState
 
