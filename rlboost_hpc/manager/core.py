@@ -23,9 +23,10 @@ Invariants (DESIGN.md; each has a test in tests/test_manager_core.py):
    silence, or when it deregisters.
 5. Resumed budget: a migrated request continues from prompt + generated ids with
    ``max_new_tokens − generated``; a delta that would exceed the budget is rejected.
-6. Continuous balancing (MISSION §3, ``policy.dispatch.Balancer``; off unless ``balancer`` is given): every
-   ``balance_every_s`` the manager feeds each routable preemptible instance's measured decode rate at its
-   running batch into that instance's plateau estimator, and releases running requests beyond a donor's
+6. Continuous balancing (MISSION §3, ``policy.dispatch.Balancer``): every ``balance_every_s`` the manager
+   feeds each routable preemptible instance's measured decode rate at its running batch into that instance's
+   plateau estimator (always: the learned peaks measure remote work for the step observation,
+   ``policy/observation.py``), and, only when a ``balancer`` is given, releases running requests beyond a donor's
    learned plateau (fewest generated tokens first) when another routable instance has headroom; released
    requests migrate per sample (invariant 5) and JSQ gives them to the least-loaded instance.
 """
@@ -40,6 +41,7 @@ from typing import Callable
 import numpy as np
 
 from rlboost_hpc.policy.dispatch import Balancer, InstanceLoad, choose_instance
+from rlboost_hpc.policy.observation import RemoteWork, observe_remote
 from rlboost_hpc.protocol import messages as M
 
 log = logging.getLogger("rlboost.manager")
@@ -130,6 +132,17 @@ class Request:
 
 
 @dataclass
+class _StepWork:
+    """A preemptible instance's part in the current step: first dispatch and last accepted token (manager clock,
+    seconds), tokens accepted, and its last learned peak decode rate (tokens/s) — the observation law's record."""
+
+    first_s: float
+    last_s: float
+    tokens: int = 0
+    peak: float | None = None
+
+
+@dataclass
 class Group:
     step: int
     gid: str
@@ -164,14 +177,19 @@ class ManagerCore:
         self.epoch = epoch  # incarnation of the run's manager (manager/journal.py); 0 without a journal
         self.alive_every_s = alive_every_s
         self.on_version: Callable[[int], None] | None = None  # set by the service (manager/journal.py)
-        self.balancer = balancer
+        # The balancer's rate learner always runs (its peak rates measure remote work for the observation law,
+        # policy/observation.py); it moves work only when a balancer was given.
+        self.balancing = balancer is not None
+        self.balancer = balancer if balancer is not None else Balancer()
         self.balance_every_s = balance_every_s
         self._last_balance: float | None = None
         self._rate_marks: dict[str, tuple[int, int]] = {}  # key -> (tokens_received, running) at the last tick
         self._last_alive = -1e9
         self._rr = 0
-        # Per-step view of the preemptible pool: key -> [first assignment, last token, tokens] (seconds, count)
-        self.step_remote: dict[str, list] = {}
+        # Per-step view of the preemptible pool (the records of the observation law) and when the step's last
+        # response completed.
+        self.step_remote: dict[str, _StepWork] = {}
+        self.step_rollout_done_at: float | None = None
         self.last_step_remote: dict = {"t_remote_s": 0.0, "t_wait_remote_s": 0.0, "n_remote": 0, "tokens": 0}
         self.clock = clock
         self.policy_state: dict = {"t_seed_s": None, "n_prem_cap": None}
@@ -481,10 +499,10 @@ class ManagerCore:
                     self._group_progress(req)
             lo = hi
         self.counters["late_tokens"] += late
-        obs = self.step_remote.get(key)
-        if obs is not None:
-            obs[1] = self.clock()
-            obs[2] += total - late
+        rec = self.step_remote.get(key)
+        if rec is not None:
+            rec.last_s = self.clock()
+            rec.tokens += total - late
 
     def _on_RequestFailed(self, peer: bytes, inst: Instance | None, msg: M.RequestFailed) -> None:
         if inst is None:
@@ -547,13 +565,15 @@ class ManagerCore:
             self.send(peer, M.Error(what="setver", cid=msg.cid,
                                     error=f"version {msg.version} < latest {self.latest_version}"))
             return
-        now = self.clock()
-        obs = list(self.step_remote.values())
-        self.last_step_remote = {
-            "t_remote_s": sum(o[1] - o[0] for o in obs) / len(obs) if obs else 0.0,
-            "t_wait_remote_s": sum(now - o[1] for o in obs) / len(obs) if obs else 0.0,
-            "n_remote": len(obs), "tokens": sum(o[2] for o in obs)}
-        self.step_remote = {}
+        for key, rec in self.step_remote.items():
+            if key in self.instances and self.balancer.peak(key) is not None:
+                rec.peak = self.balancer.peak(key)
+        obs = observe_remote([RemoteWork(tokens=r.tokens, peak_tokens_per_s=r.peak, busy_s=r.last_s - r.first_s)
+                              for r in self.step_remote.values()],
+                             rollout_done_s=self.step_rollout_done_at, step_end_s=self.clock())
+        self.last_step_remote = {"t_remote_s": obs.t_remote_s, "t_wait_remote_s": obs.t_wait_remote_s,
+                                 "n_remote": obs.n_remote, "tokens": obs.tokens}
+        self.step_remote, self.step_rollout_done_at = {}, None
         self.latest_version = msg.version
         if self.on_version is not None:  # the journal records it durably before anyone acts on it
             self.on_version(msg.version)
@@ -633,7 +653,11 @@ class ManagerCore:
     def _group_progress(self, req: Request) -> None:
         grp = self.groups[req.gid]
         grp.done += 1
-        if grp.done < len(grp.rids) or self.trainer_peer is None:
+        if grp.done < len(grp.rids):
+            return
+        if grp.step == self.step and all(g.done >= len(g.rids) for g in self.groups.values() if g.step == self.step):
+            self.step_rollout_done_at = self.clock()
+        if self.trainer_peer is None:
             return
         self._deliver(grp)
         self.counters["groups_delivered"] += 1
@@ -666,8 +690,7 @@ class ManagerCore:
                     self._instance_gone(inst, f"silent for {now - inst.last_seen:.1f}s", warned=False)
             elif inst.state != S.GONE and now - inst.last_seen > self.heartbeat_timeout_s:
                 self._suspect(inst, f"no heartbeat for {now - inst.last_seen:.1f}s")
-        if self.balancer is not None:
-            self._balance(now)
+        self._balance(now)
         if now - self._last_alive >= self.alive_every_s:
             self._last_alive = now
             for inst in self.instances.values():
@@ -692,11 +715,13 @@ class ManagerCore:
             if prev is not None and prev[1] > 0 and running > 0:  # busy through the whole interval
                 self.balancer.observe(i.key, min(prev[1], running), (i.tokens_received - prev[0]) / dt)
             marks[i.key] = (i.tokens_received, running)
+            if i.key in self.step_remote and self.balancer.peak(i.key) is not None:
+                self.step_remote[i.key].peak = self.balancer.peak(i.key)  # kept if the instance leaves
         for key in set(self._rate_marks) - set(marks):
             if key not in self.instances or self.instances[key].state in (S.GONE, S.SUSPECT):
                 self.balancer.forget(key)
         self._rate_marks = marks
-        if len(insts) < 2 or self.queue:  # queued work goes to idle instances by JSQ, not by moves
+        if not self.balancing or len(insts) < 2 or self.queue:  # queued work goes to idle instances by JSQ, not by moves
             return
         by_key = {i.key: i for i in insts}
         loads = [InstanceLoad(i.key, 0, len(i.inflight - i.releasing), min(i.max_batch, self.pending_limit))
@@ -755,7 +780,7 @@ class ManagerCore:
             batches.setdefault(inst.key, []).append(req.work())
             self.counters["dispatched"] += 1
             if inst.kind == "preemptible":
-                self.step_remote.setdefault(inst.key, [self.clock(), self.clock(), 0])
+                self.step_remote.setdefault(inst.key, _StepWork(self.clock(), self.clock()))
         self.queue.extendleft(reversed(deferred))
         for key, works in batches.items():
             self.send(self.instances[key].peer, M.Assign(works=works))

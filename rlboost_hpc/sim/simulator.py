@@ -32,8 +32,8 @@ import math
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
-from rlboost_hpc.policy.cap import work_seconds
 from rlboost_hpc.policy.controller import RolloutController, StepObservation
+from rlboost_hpc.policy.observation import RemoteWork, observe_remote
 from rlboost_hpc.policy.dispatch import Balancer, InstanceLoad, RoundRobin, choose_instance
 from rlboost_hpc.policy.seeding import SeedingWindow
 from rlboost_hpc.sim.engine import DONE, Engine, Req
@@ -342,7 +342,7 @@ class Simulation:
         self.rollout_done_at: float | None = None
         self.remote_seen = False
         self.step_counters = dict(self.counters)
-        self._gone_work: list[float] = []
+        self._gone_work: list[RemoteWork] = []
         for r in self.remotes.values():
             r.tok_mark = r.engine.tokens_out
         if self.t_seed <= 0 and self._remote_capacity():
@@ -354,9 +354,11 @@ class Simulation:
             if math.isfinite(self.t_seed):
                 self.push(t_open + self.t_seed, SEED_CLOSE, None, s)
 
-    def _work(self, r: Remote) -> float:
-        """Rollout work of remote ``r`` this step in instance-seconds (:func:`work_seconds`)."""
-        return work_seconds(r.engine.tokens_out - r.tok_mark, self.balancer.peak(r.name))
+    def _work(self, r: Remote) -> RemoteWork:
+        """Remote ``r``'s record for the observation law (``policy/observation.py``). The simulator's balancer
+        samples every busy engine each balance period, so a peak is known for any engine that served a period;
+        busy seconds (the law's last resort) are not tracked here (0)."""
+        return RemoteWork(tokens=r.engine.tokens_out - r.tok_mark, peak_tokens_per_s=self.balancer.peak(r.name))
 
     def _remote_capacity(self) -> bool:
         return any(r.state in ("ready", "pulling") for r in self.remotes.values())
@@ -467,17 +469,12 @@ class Simulation:
             raise AssertionError(f"step {self.step}: exactly-once violated ({self.n_done} done, "
                                  f"{self.trained} trained of {len(self.reqs)})")
         n_end = self._held()
-        busy = [w for w in self._gone_work if w > 0]
-        for r in self.remotes.values():
-            w = self._work(r)
-            if w > 0:
-                busy.append(w)
-        n_remote = len(busy)
-        t_remote = sum(busy) / n_remote if n_remote else 0.0
+        rem = observe_remote(self._gone_work + [self._work(r) for r in self.remotes.values()],
+                             rollout_done_s=self.rollout_done_at, step_end_s=t)
+        n_remote, t_remote = rem.n_remote, rem.t_remote_s
         t_seed_used = 0.0 if not math.isfinite(self.t_seed) else self.t_seed
-        t_wait_remote = (t - self.rollout_done_at) if (n_remote and self.rollout_done_at is not None) else 0.0
         obs = StepObservation(
-            t_seed_s=t_seed_used, t_wait_train_s=self.t_wait_train, t_wait_remote_s=max(0.0, t_wait_remote),
+            t_seed_s=t_seed_used, t_wait_train_s=self.t_wait_train, t_wait_remote_s=rem.t_wait_remote_s,
             t_remote_s=t_remote, n_remote=n_remote, t_train_s=self.t_train, n_instances_start=self.n_start,
             n_instances_end=n_end, n_available=n_end + len(self.available))
         if not self.sys.colocated:
