@@ -347,6 +347,8 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
             "instances_lost_while_pulling": tally["instances_lost_while_pulling"],
             "prompts_not_trained_exactly_once": trainer.prompts_not_trained_once(),
             "instances_preempted_with_warning": final_stats["instances_preempted_with_warning"],
+            "instances_time_limit": final_stats["instances_time_limit"],
+            "instances_drained": final_stats["instances_drained"],
             "protocol_rejects": final_stats["protocol_rejects"],
             "tokens_trained": tot.tokens_trained,
             "throughput_tokens_per_s": tot.tokens_trained / train_wall if train_wall > 0 else 0.0,

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from scavenger.config import ScavengerConfig, ScavengerConfigError
-from scavenger.events import append_event, drain_marker_path, iter_events
+from rlboost_hpc.events import append_event, drain_marker_path, iter_events
 from scavenger.slurm import JobInfo, NodeInfo, SlurmClient, SlurmCommandError
 
 log = logging.getLogger("scavenger")

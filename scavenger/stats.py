@@ -6,13 +6,16 @@ migrated (handed off at a warning), tokens regenerated.
 
 Definitions (invariants of :func:`compute_stats`):
 
-* a job is a Slurm job id seen in a daemon lifecycle event (``submitted``/``adopted``/``started``/
-  ``requeued``/``finished``/``cancelled`` with ``"source": "scavenger"``; events of the same names written by
-  other components, e.g. the worker's own ``started``, are not lifecycle events); an attempt is one daemon
-  ``started`` event (job id × restart count);
-* requeues = ``requeued`` events (= the sum of restart-count increments Slurm reported); preemptions =
-  requeues not caused by our own drain request, plus ``finished`` with state PREEMPTED not followed by a
-  requeue of that job (PreemptMode=CANCEL);
+* a job is a job id seen in a lifecycle event (``submitted``/``adopted``/``started``/``requeued``/
+  ``finished``/``cancelled`` whose ``source`` is one of ``rlboost_hpc.events.LIFECYCLE_SOURCES``: the scavenger
+  for Slurm jobs, the embedded local cluster for its slots; events of the same names written by other
+  components are not lifecycle events); an attempt is one lifecycle ``started`` event (job id × restart count);
+* requeues = ``requeued`` events (= the sum of restart-count increments Slurm reported); time limits = requeues
+  of an attempt whose worker classified its warning as the job's own time limit (``warned`` with
+  ``"cause": "time_limit"``); preemptions = the other requeues not caused by our own drain request, plus
+  ``finished`` with state PREEMPTED not followed by a requeue of that job (PreemptMode=CANCEL, and every
+  trace removal of the local cluster); drains = the scavenger's signal cancellations plus the local cluster's
+  ``finished`` with ``"cause": "drain"``;
 * an attempt lasts from its Slurm start time (else the ``started`` event's ts) to its end: the ``requeued``
   event of the next restart count, or the ``finished`` event's Slurm end time (else ts). Lifetimes count
   closed attempts only; GPU-hours = Σ attempts duration × GPUs, open attempts counted up to ``now``;
@@ -33,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from scavenger.events import read_events
+from rlboost_hpc.events import LIFECYCLE_SOURCES, read_events
 from scavenger.slurm import SacctRecord
 
 LIFECYCLE = frozenset({"submitted", "adopted", "started", "requeued", "finished", "cancelled"})
@@ -61,6 +64,7 @@ class JobStats:
     attempts: int = 0
     requeues: int = 0
     preemptions: int = 0
+    time_limits: int = 0
     gpu_hours: float = 0.0
     final_state: str = "LIVE"
     nodes: list[str] = field(default_factory=list)
@@ -76,9 +80,11 @@ class RunStats:
     open_attempts: int = 0
     requeues: int = 0
     preemptions: int = 0
+    time_limits: int = 0
     drains: int = 0
     cancelled_by_us: int = 0
     warned: int = 0
+    warned_by_cause: dict[str, int] = field(default_factory=dict)
     lifetime_mean_s: float | None = None
     lifetime_median_s: float | None = None
     gpu_hours: float = 0.0
@@ -146,6 +152,9 @@ def compute_stats(events: Iterable[dict], now: float | None = None, report: dict
             a.end, a.ended_by = max(end, a.start), how
             closed.append(a)
 
+    # attempts whose worker classified its warning as the job's own time limit (rollout/worker.py)
+    time_limited = {(_jid(e), _attempt_of(e)) for e in evs
+                    if e["event"] == "warned" and e.get("cause") == "time_limit"}
     for ev in evs:
         kind, jid = ev["event"], _jid(ev)
         ts = float(ev.get("ts") or 0.0)
@@ -162,8 +171,10 @@ def compute_stats(events: Iterable[dict], now: float | None = None, report: dict
             continue
         if kind == "warned":
             st.warned += 1
+            cause = str(ev.get("cause") or "preempted")
+            st.warned_by_cause[cause] = st.warned_by_cause.get(cause, 0) + 1
             continue
-        if kind not in LIFECYCLE or jid is None or ev.get("source") != "scavenger":
+        if kind not in LIFECYCLE or jid is None or ev.get("source") not in LIFECYCLE_SOURCES:
             continue
         js = job(jid)
         if kind == "started":
@@ -179,7 +190,9 @@ def compute_stats(events: Iterable[dict], now: float | None = None, report: dict
             close(jid, ts, "requeued")
             js.requeues += 1
             preempted_finish.pop(jid, None)
-            if ev.get("cause") != "drain":
+            if (jid, _attempt_of(ev) - 1) in time_limited:  # the attempt that ended reached its time limit
+                js.time_limits += 1
+            elif ev.get("cause") != "drain":
                 js.preemptions += 1
             js.final_state = "PENDING"
         elif kind == "finished":
@@ -188,6 +201,8 @@ def compute_stats(events: Iterable[dict], now: float | None = None, report: dict
             js.final_state = state
             if state == "PREEMPTED":
                 preempted_finish[jid] = preempted_finish.get(jid, 0) + 1
+            elif ev.get("cause") == "drain":  # the local cluster's cap retired it
+                st.drains += 1
         elif kind == "cancelled":
             if ev.get("mode") == "signal":
                 st.drains += 1
@@ -205,6 +220,7 @@ def compute_stats(events: Iterable[dict], now: float | None = None, report: dict
     st.open_attempts = len(open_att)
     st.requeues = sum(j.requeues for j in jobs.values())
     st.preemptions = sum(j.preemptions for j in jobs.values())
+    st.time_limits = sum(j.time_limits for j in jobs.values())
     st.lifetime_mean_s = statistics.fmean(lifetimes) if lifetimes else None
     st.lifetime_median_s = statistics.median(lifetimes) if lifetimes else None
     st.gpu_hours = sum(j.gpu_hours for j in jobs.values())
@@ -326,9 +342,12 @@ def render_table(stats: RunStats, check: SacctCheck | None = None, per_job: bool
         ("jobs", str(stats.jobs)),
         ("attempts (started)", f"{stats.attempts} ({stats.open_attempts} running)"),
         ("preemptions", str(stats.preemptions)),
+        ("time limits reached", str(stats.time_limits)),
         ("requeues (all causes)", str(stats.requeues)),
         ("drained / cancelled by scavenger", f"{stats.drains} / {stats.cancelled_by_us}"),
-        ("warnings received", str(stats.warned)),
+        ("warnings received", f"{stats.warned}" + (" (" + ", ".join(
+            f"{k.replace('_', ' ')} {v}" for k, v in sorted(stats.warned_by_cause.items())) + ")"
+            if stats.warned_by_cause else "")),
         ("attempt lifetime mean", _fmt_s(stats.lifetime_mean_s)),
         ("attempt lifetime median", _fmt_s(stats.lifetime_median_s)),
         ("harvested GPU-hours", f"{stats.gpu_hours:.3f}"),

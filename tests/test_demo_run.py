@@ -83,6 +83,22 @@ def test_default_demo_meets_the_report_contract(repo_root, tmp_path):
     # itself (3-gram repetition ≈ 0.6) and drifts 7–8 nats/token from the reference; a healthy run: ≈ 0.01, ≈ 0.2
     assert rep["repetition_rate_after"] < 0.2 and 0 <= rep["kl_to_reference_nats_per_token"] < 1.0, why
     assert rep["model"]["architecture"] == "LlamaForCausalLM" and (tmp_path / "demo/model/config.json").is_file()
+    # one definition of each counter (regression, issue 13: warned-while-starting workers were "lost without
+    # warning", and `stats` printed 0 jobs): the cluster's preemptions = the manager's warned deregistrations =
+    # the event log's; every worker attempt has exactly one terminal event
+    from rlboost_hpc.events import read_events
+    from scavenger.stats import load_run_stats
+
+    assert rep["instances_lost_without_warning"] == 0, why
+    assert rep["instances_preempted_with_warning"] == rep["preemptions_with_warning"] == rep["preemptions"], why
+    st = load_run_stats(tmp_path / "demo")
+    assert (st.preemptions, st.attempts, st.open_attempts) == (rep["preemptions"], rep["worker_starts"], 0), why
+    ends: dict = {}
+    for e in read_events(tmp_path / "demo"):
+        if e.get("source") == "local-cluster" and e["event"] == "finished":
+            key = (e["job_id"], e["restart_cnt"])
+            ends[key] = ends.get(key, 0) + 1
+    assert len(ends) == rep["worker_starts"] and set(ends.values()) == {1}, ends
     lines = (tmp_path / "demo/metrics.jsonl").read_text().splitlines()
     assert len(lines) == rep["steps"]
     assert (tmp_path / "demo/run.png").stat().st_size > 10_000

@@ -215,6 +215,8 @@ def test_every_worker_stopped_for_6_s_during_the_demo_comes_back_and_serves(repo
     assert rep["tokens_trained_off_version"] == 0 and rep["prompts_not_trained_exactly_once"] == 0
     assert rep["instances_suspected"] >= 2 and rep["instances_recovered"] >= 2, rep
     assert rep["worker_starts"] == 2 and rep["preemptions"] == 0  # the same two processes throughout
+    print("suspect cost:", {k: rep[k] for k in ("instances_suspected", "instances_recovered", "responses_migrated",
+                                                  "tokens_migrated", "late_tokens_dropped", "tokens_regenerated")})
     steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     after = [m for m in steps[stalled["at_step"] + 3:] if m["preemptible_instances_served"] > 0]
     assert after, "the returned workers served no later step"

@@ -179,12 +179,29 @@ def test_warned_preemption_releases_everything_and_regenerates_nothing():
     core.on_message(b"a", M.Draining(reason="preempted (SIGTERM)"))
     core.on_message(b"a", tokens(mine[0], 0, [3, 3]))
     core.on_message(b"a", M.Released(rids=mine, tokens_generated=2))
-    core.on_message(b"a", M.Deregister(reason="preempted", tokens_generated=2))
+    core.on_message(b"a", M.Deregister(reason="preempted", tokens_generated=2, cause="preempted"))
     core.tick()
     works = {w.rid: w for m in sent(core, b"b", M.Assign) for w in m.works}
     assert works[mine[0]].prefix_ids == [3, 3] and works[mine[0]].max_new_tokens == 6
     assert core.counters["tokens_regenerated"] == 0
     assert core.counters["instances_preempted_with_warning"] == 1
+
+
+@pytest.mark.parametrize("cause,counter", [("preempted", "instances_preempted_with_warning"),
+                                           ("time_limit", "instances_time_limit"), ("drained", "instances_drained"),
+                                           ("stopped", "instances_drained")])
+def test_each_kind_of_warned_end_has_one_counter_even_before_the_instance_was_welcomed(cause, counter):
+    """A worker warned while starting sends Deregister right behind its Register (regression: it used to exit
+    without deregistering and was counted lost without warning)."""
+    core, _ = make()
+    core.on_message(b"a", M.Register(job_id="a", attempt=0, kind="preemptible", max_batch=8, engine="torch"))
+    core.on_message(b"a", M.Draining(reason="warned"))
+    core.on_message(b"a", M.Released(rids=[], tokens_generated=0))
+    core.on_message(b"a", M.Deregister(reason="warned", tokens_generated=0, cause=cause))
+    counted = {k: core.counters[k] for k in ("instances_preempted_with_warning", "instances_time_limit",
+                                              "instances_drained")}
+    assert counted == {k: int(k == counter) for k in counted}
+    assert core.instances["a#0"].state == "gone" and core.stats()["instances_lost"] == 0
 
 
 def test_migrations_are_counted_per_engine_kind_for_partial_responses_only():
@@ -194,7 +211,7 @@ def test_migrations_are_counted_per_engine_kind_for_partial_responses_only():
     core.tick()
     core.on_message(b"s", tokens("s0g0/0", 0, [4, 4]))  # s0g0/1 produced nothing yet
     core.on_message(b"s", M.Released(rids=["s0g0/0", "s0g0/1"], tokens_generated=2))
-    core.on_message(b"s", M.Deregister(reason="preempted (SIGUSR2)", tokens_generated=2))
+    core.on_message(b"s", M.Deregister(reason="preempted (SIGUSR2)", tokens_generated=2, cause="preempted"))
     register(core, b"t", "t", engine="torch")
     core.tick()
     assert core.migrations_by_engine == {"out_of": {"sglang": 1}, "into": {"torch": 1}}
@@ -522,7 +539,7 @@ def test_every_state_goes_suspect_on_silence_and_returns_to_where_it_was(before,
     if before == "pulling":  # a suspect that was still pulling is counted lost while pulling until it returns
         assert core.counters["suspected_while_pulling"] == core.counters["recovered_while_pulling"] == 1
     if before == "draining":
-        core.on_message(b"a", M.Deregister(reason="preempted (SIGUSR2)", tokens_generated=0))
+        core.on_message(b"a", M.Deregister(reason="preempted (SIGUSR2)", tokens_generated=0, cause="preempted"))
         assert core.instances["a#0"].state == "gone" and core.counters["instances_preempted_with_warning"] == 1
 
 

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,7 +130,7 @@ def test_worker_preempted_mid_stream_response_continues_exactly(harness, sig, te
     if sig == signal.SIGTERM:
         assert st["tokens_regenerated"] == 0 and st["instances_preempted_with_warning"] == 1
         assert victim.wait(10) == 0
-        from scavenger.events import read_events
+        from rlboost_hpc.events import read_events
 
         ev_v = [e for e in read_events(h.run_dir) if e.get("job_id") == "victim"]
         tok = next(e for e in ev_v if e["event"] == "tokens")
@@ -138,6 +139,63 @@ def test_worker_preempted_mid_stream_response_continues_exactly(harness, sig, te
         assert not any(e["event"] == "requeue_requested" for e in ev_v)  # not a Slurm job
     else:
         assert st["instances_lost"] >= 1  # (a worker starved of CPU on a loaded machine may be declared lost too)
+
+
+def _handler_installed(pid: int, sig: int) -> bool:
+    """True once process ``pid`` catches ``sig`` (its SigCgt mask in /proc)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except OSError:
+        pass
+    return False
+
+
+def test_each_warning_is_counted_by_its_kind_even_while_the_worker_starts(harness):
+    """Regression (issue 13): a worker warned before it registered exited without deregistering and was counted
+    lost without warning; a scavenger drain and a job's own time limit were counted as preemptions. Three real
+    workers get SIGUSR2: one while still importing (before registering), one drained (marker written first), one
+    whose job ends within the time-limit window. Each is counted once, by its kind, in the manager and the event
+    log; none is lost."""
+    from rlboost_hpc.events import drain_marker_path, read_events
+
+    h = harness
+    starting = h.worker("starting", 0, "--signal", "SIGUSR2", "--requeue", "no")
+    deadline = time.monotonic() + 30
+    while not _handler_installed(starting.pid, signal.SIGUSR2):
+        assert time.monotonic() < deadline and starting.poll() is None
+        time.sleep(0.005)
+    starting.send_signal(signal.SIGUSR2)  # still importing torch: it has not registered yet
+    assert starting.wait(60) == 0, starting.stdout.read()[-3000:]
+    drain_marker_path(h.run_dir, "surplus").parent.mkdir(parents=True, exist_ok=True)
+    drain_marker_path(h.run_dir, "surplus").touch()
+    surplus = h.worker("surplus", 0, "--signal", "SIGUSR2", "--requeue", "no")
+    env = dict(os.environ, SLURM_JOB_END_TIME=str(int(time.time()) + 30))
+    ending = subprocess.Popen([sys.executable, "-m", "rlboost_hpc.rollout.worker", "--run-dir", str(h.run_dir),
+                               "--job-id", "ending", "--signal", "SIGUSR2", "--requeue", "no"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    h.procs.append(ending)
+    wait_stats(h.client, lambda s: s["routable_preemptible"] == 2, timeout=60)
+    for p in (surplus, ending):
+        p.send_signal(signal.SIGUSR2)
+        assert p.wait(30) == 0
+    st = wait_stats(h.client, lambda s: s["instances_preempted_with_warning"] + s["instances_drained"]
+                    + s["instances_time_limit"] == 3, timeout=30)
+    assert (st["instances_preempted_with_warning"], st["instances_drained"], st["instances_time_limit"],
+            st["instances_lost"], st["registrations"]) == (1, 1, 1, 0, 3)
+    causes = {e["job_id"]: e["cause"] for e in read_events(h.run_dir) if e["event"] == "warned"}
+    assert causes == {"starting": "preempted", "surplus": "drained", "ending": "time_limit"}
+
+
+def test_warning_classification_by_drain_marker_and_job_end_time():
+    from rlboost_hpc.rollout.worker import classify_warning
+
+    assert classify_warning(1000.0, drained=False, job_end_s=None) == "preempted"
+    assert classify_warning(1000.0, drained=False, job_end_s=5000.0) == "preempted"
+    assert classify_warning(1000.0, drained=False, job_end_s=1010.0) == "time_limit"
+    assert classify_warning(1000.0, drained=False, job_end_s=990.0) == "time_limit"  # late delivery
+    assert classify_warning(1000.0, drained=True, job_end_s=1010.0) == "drained"
 
 
 def test_duplicate_identity_is_rejected_and_exits(harness):

@@ -9,7 +9,7 @@ import pytest
 
 from scavenger.config import ScavengerConfig, ScavengerConfigError, load_scavenger_config
 from scavenger.daemon import Scavenger, Target, read_target, TargetError
-from scavenger.events import append_event, drain_marker_path, read_events
+from rlboost_hpc.events import append_event, drain_marker_path, read_events
 from scavenger.slurm import JobInfo, NodeInfo, SlurmCommandError
 from scavenger.stats import compute_stats
 

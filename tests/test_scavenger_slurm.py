@@ -21,7 +21,7 @@ from _util import wait_for
 from rlboost_hpc.cluster.slurm_local import ensure_local_slurm
 from scavenger.config import ScavengerConfig
 from scavenger.daemon import Scavenger
-from scavenger.events import read_events
+from rlboost_hpc.events import read_events
 from scavenger.slurm import SlurmClient, SlurmCommandError
 from scavenger.stats import compute_stats, cross_check_sacct
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from scavenger.events import append_event, drain_requested, drain_marker_path, read_events
+from rlboost_hpc.events import append_event, drain_requested, drain_marker_path, read_events
 from scavenger.slurm import parse_sacct
 from scavenger.stats import compute_stats, cross_check_sacct, load_run_stats, sacct_requeues, stats_main
 
@@ -233,3 +233,39 @@ def test_drain_marker_helpers(tmp_path, monkeypatch):
     assert drain_requested(tmp_path) and not drain_requested(tmp_path, "56")
     monkeypatch.delenv("SLURM_JOB_ID")
     assert not drain_requested(tmp_path)
+
+
+def test_a_job_reaching_its_time_limit_is_not_a_preemption():
+    """Regression (issue 13): a rollout job's own --time end got the same USR2 as a preemption and was counted
+    as one. Its worker classifies the warning from the job's end time; the requeue of that attempt counts as a
+    time limit."""
+    events = [
+        ev(0, "submitted", "20"), ev(1, "started", "20", start_time=T + 1, gpus=1),
+        {"ts": T + 60, "event": "warned", "job_id": "20", "attempt": 0, "signal": "SIGUSR2", "cause": "time_limit"},
+        ev(62, "requeued", "20", 1, cause="preempted_or_requeued"),
+        ev(70, "started", "20", 1, start_time=T + 70, gpus=1),
+        {"ts": T + 80, "event": "warned", "job_id": "20", "attempt": 1, "signal": "SIGUSR2", "cause": "preempted"},
+        ev(82, "requeued", "20", 2, cause="preempted_or_requeued"),
+    ]
+    st = compute_stats(events, now=T + 100)
+    assert (st.requeues, st.preemptions, st.time_limits) == (2, 1, 1)
+    assert st.warned_by_cause == {"time_limit": 1, "preempted": 1}
+
+
+def test_local_cluster_slots_are_jobs_with_one_terminal_event_per_attempt():
+    """Regression (issue 13): `stats` on a local run printed jobs 0, attempts 0, preemptions 0 next to warnings
+    and tokens, because only the scavenger wrote life-cycle events."""
+    def lc(t, event, slot, attempt, **kw):
+        return {"ts": T + t, "event": event, "source": "local-cluster", "job_id": f"local-slot{slot}",
+                "restart_cnt": attempt, **kw}
+
+    events = [
+        lc(0, "started", 0, 0, gpus=0), lc(0, "started", 1, 0, gpus=0),
+        lc(5, "finished", 0, 0, state="PREEMPTED", cause="preempt"),
+        lc(6, "started", 0, 1, gpus=0),
+        lc(8, "finished", 1, 0, state="PREEMPTED", cause="kill"),
+        lc(9, "finished", 0, 1, state="CANCELLED", cause="drain"),
+        lc(12, "started", 1, 1, gpus=0), lc(20, "finished", 1, 1, state="CANCELLED", cause="run_end"),
+    ]
+    st = compute_stats(events, now=T + 30)
+    assert (st.jobs, st.attempts, st.open_attempts, st.preemptions, st.drains) == (2, 4, 0, 2, 1)

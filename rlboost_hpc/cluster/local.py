@@ -25,6 +25,7 @@ from rlboost_hpc.cluster.faults import FaultPlan, TcpForwarder
 from rlboost_hpc.cluster.replay import ReplayDriver, ReplayPlan, choose_window
 from rlboost_hpc.cluster.traces import load_trace
 from rlboost_hpc.config import ConfigError, LocalClusterCfg, WeightsCfg
+from rlboost_hpc.events import LOCAL_CLUSTER_SOURCE, append_event, drain_marker_path
 from rlboost_hpc.procutil import die_with_parent
 
 log = logging.getLogger("rlboost.cluster")
@@ -52,6 +53,7 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.weights, self.max_batch, self.threads = weights, max_batch, threads
         self.driver: ReplayDriver | None = None
+        self._recorded = 0  # driver events already written to the run's event log
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -121,7 +123,7 @@ class LocalCluster:
             return
         self.driver = ReplayDriver(self.plan, self._spawn, preempt_signal=getattr(signal, self.cfg.preempt_signal),
                                    fire_when=self._busy if self.cfg.preempt_when_busy else None,
-                                   max_hold_s=self.cfg.busy_wait_max_s)
+                                   max_hold_s=self.cfg.busy_wait_max_s, before_retire=self._mark_drain)
         self.driver.start()
         self._thread = threading.Thread(target=self._loop, name="local-cluster", daemon=True)
         self._thread.start()
@@ -139,9 +141,42 @@ class LocalCluster:
                     if ev["action"] in ("start", "preempt", "kill", "exit", "spawn_failed"):
                         log.info("cluster: %s slot %s attempt %s pid %s exit %s held %.1fs", ev["action"],
                                  ev["slot"], ev["attempt"], ev["pid"], ev.get("exit_code"), ev.get("held_s", 0.0))
+                self._record_lifecycle()
                 self.live_series.append((time.monotonic() - t0, len(self.driver.live_slots())))
                 self._inject_faults()
             self._stop.wait(0.1)
+
+    def _mark_drain(self, slot: int, attempt: int) -> None:
+        """A lowered cap retires this worker: its drain marker makes the warning count as a drain."""
+        path = drain_marker_path(self.run_dir, self.job_id(slot))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+
+    def _record_lifecycle(self) -> None:
+        """Append the driver's new start/exit records to the run's event log as job life-cycle events (the same
+        records the scavenger writes for Slurm jobs; a slot is a job, each spawn an attempt): ``started`` per
+        attempt and exactly one terminal ``finished`` per attempt, with the Slurm-like state its end maps to —
+        PREEMPTED (trace removal, warned or killed), CANCELLED (retired by the cap: a drain; or the run ended),
+        COMPLETED / FAILED (it exited on its own)."""
+        evs = self.driver.events
+        for ev in evs[self._recorded:]:
+            job = self.job_id(ev["slot"])
+            base = {"source": LOCAL_CLUSTER_SOURCE, "job_id": job, "restart_cnt": ev["attempt"]}
+            try:
+                if ev["action"] == "start":
+                    drain_marker_path(self.run_dir, job).unlink(missing_ok=True)  # a new attempt is not drained
+                    append_event(self.run_dir, {"event": "started", **base, "gpus": 0, "node": "local",
+                                                "pid": ev["pid"]})
+                elif ev["action"] == "exit":
+                    cause = ev.get("cause")
+                    state = {"preempt": "PREEMPTED", "kill": "PREEMPTED", "retire": "CANCELLED",
+                             "stop": "CANCELLED"}.get(cause) or ("COMPLETED" if ev.get("exit_code") == 0 else "FAILED")
+                    append_event(self.run_dir, {"event": "finished", **base, "state": state,
+                                                "cause": {"retire": "drain", "stop": "run_end"}.get(cause, cause),
+                                                "exit_code": ev.get("exit_code")})
+            except (OSError, ValueError) as e:  # statistics never stop the cluster
+                log.warning("cluster: could not record %s of %s: %s", ev["action"], job, e)
+        self._recorded = len(evs)
 
     def _inject_faults(self) -> None:
         """Chaos (cluster/faults.py): continue stalls that are over, start a stall or a link reset when due."""
@@ -193,7 +228,10 @@ class LocalCluster:
             self.link.close()
         if self.driver is not None:
             with self._lock:
+                for slot in self.driver.live_slots():  # the run ends: a drain, not a preemption
+                    self._mark_drain(slot, 0)
                 self.driver.stop_all(grace_s)
+                self._record_lifecycle()
 
     def summary(self) -> dict:
         """Counts of what the cluster did: starts, preemptions with warning, kills without warning, exits."""

@@ -512,6 +512,8 @@ class ReplayDriver:
         fire_when: ``fire_when(slot, attempt) -> bool``; a due removal of a live worker is held until it returns
             True or the action is ``max_hold_s`` seconds overdue (``None``: removals fire when due).
         max_hold_s: the longest a removal is held by ``fire_when`` (seconds).
+        before_retire: ``before_retire(slot, attempt)`` runs before a retire's warning signal (the local cluster
+            writes the worker's drain marker there, so the worker counts itself drained, not preempted).
 
     Event records (:attr:`events`, also returned by :meth:`poll`) are dicts with the keys ``t`` (seconds since
     ``t0``), ``slot``, ``attempt``, ``pid``, ``action``, ``exit_code``, ``planned_at_s`` and ``cause``; actions:
@@ -527,9 +529,11 @@ class ReplayDriver:
                  clock: Callable[[], float] = time.monotonic, *, preempt_signal: int = signal.SIGTERM,
                  cap: int | None = None, restart_exited: bool = False,
                  sleep: Callable[[float], Any] = time.sleep,
-                 fire_when: Callable[[int, int], bool] | None = None, max_hold_s: float = 30.0) -> None:
+                 fire_when: Callable[[int, int], bool] | None = None, max_hold_s: float = 30.0,
+                 before_retire: Callable[[int, int], Any] | None = None) -> None:
         _check_number("max_hold_s", max_hold_s, lo=0)
         self.fire_when = fire_when
+        self.before_retire = before_retire
         self.max_hold_s = max_hold_s
         self.plan = plan if isinstance(plan, ReplayPlan) else ReplayPlan.from_actions(plan)
         if preempt_signal == signal.SIGKILL:
@@ -824,6 +828,8 @@ class ReplayDriver:
             del self._running[w.slot]
             w.cause = "retire"
             w.descendants = _descendants(w.proc)
+            if self.before_retire is not None:
+                self.before_retire(w.slot, w.attempt)
             _signal(w.proc, self.preempt_signal)
             self._dying.append(w)
             self._record(out, now, w, "retire")

@@ -131,6 +131,12 @@ class Request:
         )
 
 
+#: The counter of each kind of warned end (``Deregister.cause``): one definition, shared by the report and
+#: Prometheus.
+_LEAVE_COUNTER = {"preempted": "instances_preempted_with_warning", "time_limit": "instances_time_limit",
+                  "drained": "instances_drained", "stopped": "instances_drained"}
+
+
 @dataclass
 class _StepWork:
     """A preemptible instance's part in the current step: first dispatch and last accepted token (manager clock,
@@ -220,7 +226,7 @@ class ManagerCore:
                 "registrations", "rejected_registrations", "dispatched", "responses_migrated",
                 "tokens_migrated", "tokens_regenerated", "tokens_regenerated_after_warning", "tokens_received", "late_tokens",
                 "off_version_tokens_rejected", "instances_preempted_with_warning",
-                "instances_fenced", "instances_drained", "weight_loads", "weight_load_failures", "groups_delivered",
+                "instances_fenced", "instances_drained", "instances_time_limit", "weight_loads", "weight_load_failures", "groups_delivered",
                 "responses_delivered", "request_failures", "protocol_rejects", "released_requests",
                 "balancer_moves", "instances_suspected", "instances_recovered", "instances_expired",
                 "suspected_while_pulling", "recovered_while_pulling", "groups_redelivered", "connections_closed",
@@ -320,9 +326,10 @@ class ManagerCore:
         self.queue.appendleft(rid)
         log.debug("migrating %s (%d tokens) off %s: %s", rid, req.n, inst.key, why)
 
-    def _instance_gone(self, inst: Instance, reason: str, *, warned: bool) -> None:
-        """Remove ``inst`` for good (it deregistered, or a suspect expired); unfinished responses resume
-        elsewhere. A suspect's work and unsent tokens were accounted when it went silent."""
+    def _instance_gone(self, inst: Instance, reason: str, *, cause: str | None) -> None:
+        """Remove ``inst`` for good: it deregistered (``cause``: its :data:`M.LeaveCause`), or a suspect expired
+        (``cause=None``); unfinished responses resume elsewhere. A suspect's work and unsent tokens were
+        accounted when it went silent."""
         if inst.state == S.GONE:
             return
         unsent = 0
@@ -331,12 +338,9 @@ class ManagerCore:
                 self._requeue(rid, inst, reason)
             unsent = max(0, inst.tokens_generated - inst.tokens_received)
             self.counters["tokens_regenerated"] += unsent
-        if warned:
+        if cause is not None:  # it deregistered: a warned end, counted by its kind
             self.counters["tokens_regenerated_after_warning"] += unsent
-            if reason.startswith("deregistered: preempted"):
-                self.counters["instances_preempted_with_warning"] += 1
-            else:
-                self.counters["instances_drained"] += 1
+            self.counters[_LEAVE_COUNTER[cause]] += 1
         else:
             self.counters["instances_expired"] += 1
         self._set_state(inst, S.GONE)
@@ -533,7 +537,7 @@ class ManagerCore:
         if inst is None:
             return self._unknown(peer, "deregister")
         inst.tokens_generated = max(inst.tokens_generated, msg.tokens_generated)
-        self._instance_gone(inst, f"deregistered: {msg.reason}", warned=True)
+        self._instance_gone(inst, f"deregistered: {msg.reason}", cause=msg.cause)
 
     # trainer messages ----------------------------------------------------------
     def _on_TrainerHello(self, peer: bytes, inst: Instance | None, msg: M.TrainerHello) -> None:
@@ -687,7 +691,7 @@ class ManagerCore:
         for inst in list(self.instances.values()):
             if inst.state == S.SUSPECT:
                 if now - inst.suspect_since > self.instance_expiry_s:
-                    self._instance_gone(inst, f"silent for {now - inst.last_seen:.1f}s", warned=False)
+                    self._instance_gone(inst, f"silent for {now - inst.last_seen:.1f}s", cause=None)
             elif inst.state != S.GONE and now - inst.last_seen > self.heartbeat_timeout_s:
                 self._suspect(inst, f"no heartbeat for {now - inst.last_seen:.1f}s")
         self._balance(now)

@@ -115,11 +115,20 @@ class Released(_Msg, tag="released"):
     tokens_generated: int
 
 
+#: Why an instance leaves (``Deregister.cause``), one word per kind of end that is counted separately:
+#: ``preempted`` (Slurm preempted its job, or the local cluster's trace removed it, with a warning),
+#: ``time_limit`` (its job reached its own ``--time``: the warning came at the job's end time),
+#: ``drained`` (the scavenger or the cap retired a surplus instance), ``stopped`` (the run ended / told to stop).
+LeaveCause = Literal["preempted", "time_limit", "drained", "stopped"]
+
+
 class Deregister(_Msg, tag="dereg"):
-    """The instance leaves for good (after Released). ``tokens_generated`` as in Heartbeat."""
+    """The instance leaves for good (after Released). ``tokens_generated`` as in Heartbeat; ``cause`` is the
+    counted kind of end (:data:`LeaveCause`), ``reason`` the human-readable detail."""
 
     reason: str
     tokens_generated: int
+    cause: LeaveCause = "stopped"
 
 
 # ---------------------------------------------------------------- manager → agent

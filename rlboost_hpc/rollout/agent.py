@@ -229,6 +229,7 @@ class RolloutAgent:
         self.tokens_generated = 0
         self.tokens_handed_off = 0  # response tokens of unfinished requests handed back (released)
         self.stop_reason: str | None = None  # set (signal-safe) to drain and exit
+        self.stop_cause: M.LeaveCause = "stopped"
         self.welcome: M.Welcome | None = None
         self.want_version = -1
         self._pos: dict[str, int] = {}
@@ -248,9 +249,11 @@ class RolloutAgent:
             return -1
         return self.engine.version
 
-    def request_stop(self, reason: str) -> None:
-        """Ask the agent to drain and exit (safe from a signal handler or another thread)."""
+    def request_stop(self, reason: str, cause: M.LeaveCause = "stopped") -> None:
+        """Ask the agent to drain and exit (safe from a signal handler or another thread). ``cause`` is the
+        counted kind of end its Deregister carries; the first request wins."""
         if self.stop_reason is None:
+            self.stop_cause = cause
             self.stop_reason = reason
 
     def _send(self, msg: M._Msg) -> None:
@@ -402,7 +405,7 @@ class RolloutAgent:
     def _drain(self, reason: str) -> None:
         self._send(M.Draining(reason=reason))
         self._release(list(self._pos))
-        self._send(M.Deregister(reason=reason, tokens_generated=self.tokens_generated))
+        self._send(M.Deregister(reason=reason, tokens_generated=self.tokens_generated, cause=self.stop_cause))
 
     # ------------------------------------------------------------------ messages
     def _handle(self, msg: M._Msg) -> None:
@@ -443,7 +446,7 @@ class RolloutAgent:
         elif isinstance(msg, M.Alive):
             pass  # liveness only (last_rx was updated)
         elif isinstance(msg, M.Drain):
-            self.request_stop(f"drain: {msg.reason}")
+            self.request_stop(f"drain: {msg.reason}", "stopped")  # the run ends (manager shutdown)
         elif isinstance(msg, M.Reject):
             if self.welcome is not None and self.kind == "reserved":
                 self._reregister(msg.reason)
@@ -496,8 +499,10 @@ class RolloutAgent:
         steps_since_flush = 0
         while True:
             if self.stop_reason is not None:
-                if self.welcome is not None:
-                    self._drain(self.stop_reason)
+                # Registered or not yet answered: deregister either way. The manager handles frames of one
+                # connection in order, so a Deregister right behind a Register it has not answered yet still
+                # removes the instance it creates (a warning while starting is a warned preemption too).
+                self._drain(self.stop_reason)
                 return EXIT_OK
             busy = self.engine is not None and self.engine.num_active > 0
             for frame in self.link.take(0.0 if busy else 0.02):  # what arrived, before judging silence

@@ -7,7 +7,10 @@ Invariants:
   NCCL claims; case S1) makes the agent drain: flush every produced token, release its requests, deregister.
   Under Slurm the job then requeues itself (``scontrol requeue``), because a job that exits on its own during
   the grace time is COMPLETED, not requeued (case S3). A drain requested by the manager (run finished) exits
-  without requeue. Without a warning (SIGKILL) the manager detects the loss by missed heartbeats.
+  without requeue. Each warning is classified once, when it arrives (:func:`classify_warning`): ``drained`` (the
+  scavenger's drain marker exists: no requeue), ``time_limit`` (within :data:`TIME_LIMIT_WINDOW_S` of the job's
+  own end time: requeued, counted apart from preemptions) or ``preempted``; the class travels in
+  ``Deregister.cause`` and the ``warned`` event — at any point of the worker's life, registered or not yet. Without a warning (SIGKILL) the manager detects the loss by missed heartbeats.
 - Life-cycle events (warned, tokens, requeue) are appended to the run directory's ``events.jsonl`` when one
   is given.
 - A rollout job outlives a trainer crash: when the manager goes silent, a worker with ``--run-dir`` waits
@@ -25,6 +28,10 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+# imported before the signal handlers exist: a handler must never import (a warning that interrupts the main
+# thread's import of the same module sees it half-initialised)
+from rlboost_hpc.events import append_event, drain_requested  # light: no torch
+
 log = logging.getLogger("rlboost.worker")
 
 
@@ -32,11 +39,47 @@ def _event(run_dir: str | None, record: dict) -> None:
     if not run_dir:
         return
     try:
-        from scavenger.events import append_event
-
         append_event(run_dir, record)
     except Exception as e:  # statistics must never take a worker down
         log.warning("could not append event %s: %s", record.get("event"), e)
+
+
+#: A warning that arrives this close to the job's own end time (seconds) is the time limit's warning
+#: (``--signal=B:USR2@N`` sends it N seconds before the end; N is 10 in sbatch/rollout.sbatch), not a preemption.
+TIME_LIMIT_WINDOW_S = 60.0
+
+
+def classify_warning(now_s: float, *, drained: bool, job_end_s: float | None,
+                     window_s: float = TIME_LIMIT_WINDOW_S) -> str:
+    """What a warning signal means, as the counted kind of end (``protocol.messages.LeaveCause``).
+
+    ``drained`` (the scavenger wrote this job's drain marker before signalling it) wins; else a warning within
+    ``window_s`` seconds of the job's own end time (``job_end_s``, epoch seconds as read when the job started;
+    ``None``: no time limit known) is ``time_limit``; anything else is ``preempted``. Classified from the job's end
+    time, never from the signal, which is the same for all three."""
+    if drained:
+        return "drained"
+    if job_end_s is not None and now_s >= job_end_s - window_s:
+        return "time_limit"
+    return "preempted"
+
+
+def job_end_time(job_id: str | None) -> float | None:
+    """The job's end time (epoch seconds) from ``$SLURM_JOB_END_TIME``, else ``squeue -o %e``; ``None`` outside
+    Slurm, without a time limit, or when Slurm does not answer within 5 s (then warnings count as preemptions)."""
+    env = os.environ.get("SLURM_JOB_END_TIME", "")
+    if env.isdigit() and int(env) > 0:
+        return float(env)
+    if not job_id or not os.environ.get("SLURM_JOB_ID"):
+        return None
+    try:
+        p = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%e"], capture_output=True, text=True,
+                           timeout=5)
+        import datetime as _dt
+
+        return _dt.datetime.fromisoformat(p.stdout.strip()).timestamp() if p.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None
 
 
 def requeue_self(job_id: str, timeout_s: float = 15.0) -> bool:
@@ -75,6 +118,14 @@ def _next_endpoints(run_dir: str, previous: dict, wait_s: float) -> dict | None:
             return ends
         time.sleep(0.5)
     return None
+
+
+def _drained(run_dir: str | None, job_id: str) -> bool:
+    return bool(run_dir) and drain_requested(run_dir, job_id)
+
+
+def _stop_reason(holder: dict) -> str:
+    return f"{holder['cause'].replace('_', ' ')} ({holder['signal']})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,13 +172,21 @@ def main(argv: list[str] | None = None) -> int:
     holder: dict = {}
 
     def on_signal(s, _f):
-        holder.setdefault("warned_at", time.time())
-        holder.setdefault("signal", signal.Signals(s).name)
+        if "warned_at" in holder:
+            return
+        holder["warned_at"] = time.time()
+        holder["signal"] = signal.Signals(s).name
+        try:
+            drained = _drained(args.run_dir, args.job_id)
+        except OSError:  # an unreachable shared filesystem: a warning is a preemption unless shown otherwise
+            drained = False
+        holder["cause"] = classify_warning(holder["warned_at"], drained=drained, job_end_s=holder.get("job_end_s"))
         if "agent" in holder:
-            holder["agent"].request_stop(f"preempted ({signal.Signals(s).name})")
+            holder["agent"].request_stop(_stop_reason(holder), holder["cause"])
 
     for sig in {signal.SIGTERM, warn}:  # installed before the slow imports: a warning is never missed
         signal.signal(sig, on_signal)
+    holder["job_end_s"] = job_end_time(args.job_id)
     manager, keys, spec, ends = args.manager, None, None, {}
     if args.run_dir:
         from rlboost_hpc.rundir import read_endpoints
@@ -180,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     agent = make_agent(manager, keys)
     holder["agent"] = agent
     if "warned_at" in holder:  # the warning came while importing
-        agent.request_stop(f"preempted ({holder['signal']})")
+        agent.request_stop(_stop_reason(holder), holder["cause"])
     try:
         code = agent.run()
         while (code == EXIT_UNREACHABLE and args.run_dir and args.reconnect > 0 and agent.stop_reason is None
@@ -202,22 +261,18 @@ def main(argv: list[str] | None = None) -> int:
         if agent.engine is not None:
             agent.engine.close()
         builder.shutdown(wait=False, cancel_futures=True)
-    preempted = (agent.stop_reason or "").startswith("preempted")
+    cause = holder.get("cause")
     _event(args.run_dir, {"event": "tokens", "source": "worker", "job_id": args.job_id, "attempt": args.attempt,
                           "produced": produced + agent.tokens_generated,
                           "handed_off": handed_off + agent.tokens_handed_off,
                           "exit_code": code, "stop_reason": agent.stop_reason or ""})
-    if preempted:
+    if cause is not None:
         _event(args.run_dir, {"event": "warned", "source": "worker", "job_id": args.job_id, "attempt": args.attempt,
-                              "signal": holder.get("signal"), "warned_at": holder.get("warned_at"),
+                              "signal": holder.get("signal"), "warned_at": holder.get("warned_at"), "cause": cause,
                               "drained_s": time.time() - holder.get("warned_at", time.time())})
         in_slurm = bool(os.environ.get("SLURM_JOB_ID"))
-        drained = False
-        if args.run_dir:  # the scavenger drains surplus jobs with the same signal: those must not come back
-            from scavenger.events import drain_requested
-
-            drained = drain_requested(args.run_dir, args.job_id)
-        if not drained and (args.requeue == "yes" or (args.requeue == "auto" and in_slurm)):
+        # a drained (surplus) job must not come back; a preempted or timed-out one requeues
+        if cause != "drained" and (args.requeue == "yes" or (args.requeue == "auto" and in_slurm)):
             ok = requeue_self(args.job_id)
             _event(args.run_dir, {"event": "requeue_requested", "source": "worker", "job_id": args.job_id,
                                   "attempt": args.attempt,

@@ -1,7 +1,8 @@
 """The run's job event log: ``RUN_DIR/events.jsonl``, one JSON object per line, appended by several writers.
 
 Writers: the scavenger daemon (``submitted``, ``adopted``, ``started``, ``requeued``, ``finished``,
-``cancelled``), rollout jobs (``warned``, ``tokens``), anything else that follows the format.
+``cancelled``), the embedded local cluster (``started``, ``finished``: one per attempt), rollout jobs
+(``worker_started``, ``warned`` with its ``cause``, ``tokens``), anything else that follows the format.
 
 Record format (every line): ``{"ts": <epoch seconds, float>, "event": <str>, ...}``; job records carry
 ``"job_id": <str>`` and the attempt (``"restart_cnt"`` from the daemon, ``"attempt"`` from rollout jobs —
@@ -30,6 +31,10 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 EVENTS_FILE = "events.jsonl"
+#: Writers of job life-cycle events (``submitted`` … ``finished``): the scavenger for Slurm jobs, the embedded
+#: local cluster for its worker slots (a slot is a job, each spawn an attempt). Statistics read only these.
+LOCAL_CLUSTER_SOURCE = "local-cluster"
+LIFECYCLE_SOURCES = frozenset({"scavenger", LOCAL_CLUSTER_SOURCE})
 #: One line must fit one write; records are small (a few hundred bytes).
 MAX_LINE_BYTES = 64 * 1024
 
