@@ -93,6 +93,9 @@ class RolloutCfg(_Strict):
     stream_every_tokens: int = Field(4, ge=1, description="flush token chunks to the manager every k tokens")
     stream_every_s: float = Field(0.05, gt=0, description="... or after this many seconds, whichever first")
     torch_threads: int = Field(1, ge=1)
+    gpus_per_instance: int = Field(1, ge=1, description=(
+        "GPUs of one rollout instance: Slurm rollout jobs ask --gres=gpu:N with it, and N_resv = the trainer "
+        "allocation's GPUs / N"))
 
 
 class ManagerCfg(_Strict):
@@ -156,6 +159,10 @@ class TrainerCfg(_Strict):
     micro_batch: int = Field(16, ge=1, description="m_b: responses per micro-batch")
     seed_window_s: float = Field(3.0, ge=0, description="T_seed: seconds the reserved engine generates at step start")
     step_timeout_s: float = Field(300.0, gt=0, description="deadline for collecting one step's responses")
+    gpus: int | None = Field(None, ge=0, description=(
+        "GPUs of the trainer allocation, used only when Slurm's environment does not say (SLURM_GPUS_ON_NODE x "
+        "SLURM_JOB_NUM_NODES, else SLURM_JOB_GPUS); unset outside Slurm: the reserved side counts as one rollout "
+        "instance (N_resv = 1)"))
     torch_threads: int = Field(1, ge=1)
     eval_samples: int = Field(4, ge=1, description="sampled responses per held-out prompt in evaluation")
     seed: int = 0

@@ -24,7 +24,8 @@ import torch
 from rlboost_hpc.config import ConfigError, RunConfig
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.auth import RunKeys
-from rlboost_hpc.rollout.engines.factory import engine_spec
+from rlboost_hpc.rollout.spec import WorkerSpec
+from rlboost_hpc.cluster.capacity import available_from_scavenger, reserved_instances
 from rlboost_hpc.rundir import advertised, write_endpoints, write_target
 
 log = logging.getLogger("rlboost.run")
@@ -174,7 +175,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
     endpoint, weights_endpoint = advertised(bound, host), advertised(server.endpoint, host)
     client = ManagerClient(endpoint, keys=keys, alive=mproc.is_alive)
     write_endpoints(out_dir, endpoint, weights_endpoint, run_id=run_id, curve=keys is not None,
-                    metrics=metrics_url.replace("0.0.0.0", host), engine=engine_spec(cfg.rollout))
+                    metrics=metrics_url.replace("0.0.0.0", host), worker=WorkerSpec.from_config(cfg).to_json())
     if metrics_url:
         log.warning("manager metrics: %s", metrics_url.replace("0.0.0.0", host))
     slurm = cfg.cluster.kind == "slurm"
@@ -237,7 +238,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
         reserved_thread = threading.Thread(target=reserved.run, name="reserved-engine", daemon=True)
         reserved_thread.start()
         if slurm:  # rollout jobs come from the scavenger; tell it how many we want
-            write_target(out_dir, cfg.cluster.max_workers, active=True, step=0)
+            write_target(out_dir, cfg.cluster.max_workers, active=True, step=0, gpus_per_instance=r.gpus_per_instance)
         else:
             partial = None
             if cfg.cluster.preempt_when_busy:  # the cluster's thread asks the manager on a socket of its own
@@ -246,8 +247,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
 
                 def partial() -> dict[str, int]:
                     return {k: i["partial"] for k, i in probe.stats()["instances"].items()}
-            cluster = LocalCluster(cfg.cluster, endpoint, out_dir, weights=cfg.weights, max_batch=r.max_batch,
-                                   threads=r.torch_threads, t_origin=t_start, partial_by_instance=partial)
+            cluster = LocalCluster(cfg.cluster, endpoint, out_dir, t_origin=t_start, partial_by_instance=partial)
             cluster.start()
         settings = StepSettings(prompts_per_step=r.prompts_per_step, group_size=r.group_size,
                                 max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
@@ -255,13 +255,16 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
                                 step_timeout_s=cfg.trainer.step_timeout_s,
                                 seed=cfg.trainer.seed)
         pol = cfg.policy
+        n_resv, n_resv_source = reserved_instances(r.gpus_per_instance, cfg.trainer.gpus)
+        log.info("N_resv = %g rollout instances (trainer GPUs from %s, %d GPU(s) per instance)", n_resv, n_resv_source,
+                 r.gpus_per_instance)
         controller = RolloutController(
-            n_resv=1.0, use_cap=pol.cap,
+            n_resv=n_resv, use_cap=pol.cap,
             seeding=SeedingWindow(initial_s=cfg.trainer.seed_window_s, eta=pol.eta, floor_s=pol.seed_floor_s,
                                   adapt=pol.adaptive_seeding, memory=pol.seed_memory, ceil_s=pol.seed_ceil_s))
         trainer = RLTrainer(client=client, backend=backend, task=task, tokenizer=tok, settings=settings,
                             publish=publish, controller=controller,
-                            available=lambda: cfg.cluster.max_workers)
+                            available=lambda: _available(cfg, out_dir, cluster))
         if trainer_state is not None:
             trainer.load_state_dict(trainer_state)
         t_train0 = time.monotonic()
@@ -275,7 +278,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
                 cap = trainer.decision.n_prem_cap if trainer.decision else None
                 n_prem = cfg.cluster.max_workers if cap is None else min(cap, cfg.cluster.max_workers)
                 if slurm:
-                    write_target(out_dir, n_prem, active=True, step=step + 1)
+                    write_target(out_dir, n_prem, active=True, step=step + 1, gpus_per_instance=r.gpus_per_instance)
                 elif cluster is not None:
                     cluster.set_cap(n_prem)
                 step_metrics.append(m)
@@ -348,6 +351,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
             "prompts_not_trained_exactly_once": trainer.prompts_not_trained_once(),
             "instances_preempted_with_warning": final_stats["instances_preempted_with_warning"],
             "instances_time_limit": final_stats["instances_time_limit"],
+            "n_resv": n_resv, "n_resv_source": n_resv_source,
             "instances_drained": final_stats["instances_drained"],
             "protocol_rejects": final_stats["protocol_rejects"],
             "tokens_trained": tot.tokens_trained,
@@ -363,7 +367,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
         if metrics_f is not None:
             metrics_f.close()
         if slurm:
-            write_target(out_dir, 0, active=False, step=len(step_metrics))
+            write_target(out_dir, 0, active=False, step=len(step_metrics), gpus_per_instance=r.gpus_per_instance)
         if cluster is not None:
             cluster.stop()
         for close in closers:
@@ -409,6 +413,16 @@ def _counts(cluster, stats: dict) -> dict:
         out = {"preemptions_warned": stats["instances_preempted_with_warning"], "kills": stats["instances_lost"],
                "starts": max(0, stats["registrations"] - 1), "stalls": 0, "link_resets": 0}
     return {**out, **{k: stats[k] for k in _COUNTS[_CLUSTER_COUNTS:]}}
+
+
+def _available(cfg, out_dir: Path, cluster) -> int:
+    """Preemptible instances the run could hold now (the N_prem cap's upper clamp), at most
+    ``cluster.max_workers``: the scavenger's capacity view under Slurm (unknown → ``max_workers``), the replayed
+    trace's offered slots with the local cluster."""
+    if cluster is not None:
+        return min(cfg.cluster.max_workers, cluster.offered())
+    seen = available_from_scavenger(out_dir) if cfg.cluster.kind == "slurm" else None
+    return cfg.cluster.max_workers if seen is None else min(cfg.cluster.max_workers, seen)
 
 
 def _add_counts(a: dict, b: dict) -> dict:

@@ -2,9 +2,12 @@
 
 Layout (owner in parentheses):
 - ``endpoints.json`` (trainer): ``{"manager": "tcp://host:port", "weights": "tcp://host:port", "run_id": str,
-  "written_at": unix s}`` — where rollout jobs register and pull weights.
-- ``target.json`` (trainer; read by the scavenger): ``{"n_prem": int, "active": bool, "step": int}`` — how
-  many preemptible rollout jobs the run wants now; ``active: false`` ends the run's harvesting.
+  "worker": {...}, "written_at": unix s}`` — where rollout jobs register and pull weights, and every rollout
+  setting they run with (``rollout/spec.py``).
+- ``target.json`` (trainer; read by the scavenger): ``{"n_prem": int, "active": bool, "step": int,
+  "gpus_per_instance": int}`` — how many preemptible rollout jobs the run wants now, of which size;
+  ``active: false`` ends the run's harvesting.
+- ``capacity.json`` (scavenger; read by the trainer at step boundaries): :class:`CapacityView`.
 - ``events.jsonl`` (scavenger and rollout jobs, append-only): job life-cycle events for statistics.
 - ``report.json``, ``metrics.jsonl``, ``run.png`` (trainer): results.
 
@@ -17,6 +20,7 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 
@@ -41,13 +45,12 @@ def write_json_atomic(path: Path, data: dict) -> None:
 
 
 def write_endpoints(run_dir: Path, manager: str, weights: str, run_id: str, curve: bool = False,
-                    metrics: str = "", engine: dict | None = None) -> None:
+                    metrics: str = "", worker: dict | None = None) -> None:
     """``curve``: the servers require the run's CURVE keys (``keys/keys.json``, protocol/auth.py);
-    ``metrics``: the manager's Prometheus URL; ``engine``: the rollout engine spec workers build
-    (``rollout/engines/factory.py``; absent: torch)."""
+    ``metrics``: the manager's Prometheus URL; ``worker``: every rollout setting workers build from
+    (``rollout/spec.py`` ``WorkerSpec.to_json()``; absent: the spec's defaults)."""
     write_json_atomic(Path(run_dir) / "endpoints.json", {"manager": manager, "weights": weights, "run_id": run_id,
-                                                          "curve": curve, "metrics": metrics,
-                                                          "engine": engine or {"kind": "torch"},
+                                                          "curve": curve, "metrics": metrics, "worker": worker,
                                                           "written_at": time.time()})
 
 
@@ -72,8 +75,52 @@ def read_endpoints(run_dir: Path, wait_s: float = 0.0, poll_s: float = 0.5) -> d
     return data
 
 
-def write_target(run_dir: Path, n_prem: int, active: bool, step: int) -> None:
-    write_json_atomic(Path(run_dir) / "target.json", {"n_prem": int(n_prem), "active": bool(active), "step": step})
+def write_target(run_dir: Path, n_prem: int, active: bool, step: int, gpus_per_instance: int | None = None) -> None:
+    """``target.json``: ``n_prem`` live rollout jobs wanted while ``active``; ``gpus_per_instance`` (when given)
+    is the GPU count each rollout job must ask for (the scavenger submits ``--gres=gpu:N`` with it)."""
+    data: dict = {"n_prem": int(n_prem), "active": bool(active), "step": step}
+    if gpus_per_instance is not None:
+        data["gpus_per_instance"] = int(gpus_per_instance)
+    write_json_atomic(Path(run_dir) / "target.json", data)
+
+
+CAPACITY_FILE = "capacity.json"
+
+
+@dataclass(frozen=True)
+class CapacityView:
+    """The scavenger's view of capacity at one reconciliation: ``live_jobs`` rollout jobs of the run live and not
+    leaving, ``idle_slots`` more that its partition could start now (free GPUs ÷ GPUs per job, summed over
+    nodes), ``gpus_per_instance`` the job size it counted with, ``ts`` epoch seconds."""
+
+    live_jobs: int
+    idle_slots: int
+    gpus_per_instance: int
+    ts: float
+
+
+def write_capacity(run_dir: Path, view: CapacityView) -> None:
+    """Replace ``capacity.json`` atomically (the scavenger, at every reconciliation)."""
+    write_json_atomic(Path(run_dir) / CAPACITY_FILE, asdict(view))
+
+
+def read_capacity(run_dir: Path) -> CapacityView | None:
+    """``capacity.json`` (``None`` when the scavenger has written none). Raises RunDirError when malformed."""
+    path = Path(run_dir) / CAPACITY_FILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise RunDirError(f"{path}: unreadable ({e})") from None
+    try:
+        view = CapacityView(live_jobs=int(data["live_jobs"]), idle_slots=int(data["idle_slots"]),
+                            gpus_per_instance=int(data["gpus_per_instance"]), ts=float(data["ts"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise RunDirError(f"{path}: expected live_jobs, idle_slots, gpus_per_instance, ts ({e})") from None
+    if view.live_jobs < 0 or view.idle_slots < 0:
+        raise RunDirError(f"{path}: negative counts")
+    return view
 
 
 def advertised(endpoint: str, host: str) -> str:

@@ -2,10 +2,13 @@
 
 One :meth:`Scavenger.reconcile_once` step:
 
-1. read the target (``RUN_DIR/target.json`` = ``{"n_prem": int, "active": bool}``; missing → ``max_jobs``;
-   unreadable → keep the last good target and submit nothing new);
+1. read the target (``RUN_DIR/target.json`` = ``{"n_prem": int, "active": bool, "gpus_per_instance": int}``;
+   missing → 0 (nothing is submitted before the run says how many jobs of which size); unreadable → keep the last good target and submit nothing new); a
+   ``gpus_per_instance`` from the run replaces ``gpus_per_job`` (jobs are submitted with the run's instance size);
 2. list OUR jobs — those whose ``--comment`` equals the run's tag — in every state (so a restarted daemon
    reconciles with what is already queued), and log every lifecycle change it sees to ``RUN_DIR/events.jsonl``;
+   write the capacity view (``RUN_DIR/capacity.json``: live jobs not leaving + idle slots of the partition)
+   that the trainer's N_prem cap is clamped to;
 3. cancel surplus jobs (target dropped), newest pending first, then newest running: a running job first gets
    the warning signal on its batch shell (``scancel --signal=USR2 --batch``) and a drain marker, so it can hand
    off its tokens and exit; if it is still alive ``grace_s`` later, a plain ``scancel``. ``active: false`` →
@@ -42,6 +45,7 @@ from typing import Any, Protocol
 
 from scavenger.config import ScavengerConfig, ScavengerConfigError
 from rlboost_hpc.events import append_event, drain_marker_path, iter_events
+from rlboost_hpc.rundir import CapacityView, write_capacity
 from scavenger.slurm import JobInfo, NodeInfo, SlurmClient, SlurmCommandError
 
 log = logging.getLogger("scavenger")
@@ -104,6 +108,7 @@ class Target:
     n: int
     active: bool
     source: str
+    gpus_per_instance: int | None = None
 
 
 def read_target(run_dir: str | os.PathLike[str], default_n: int) -> Target:
@@ -129,7 +134,10 @@ def read_target(run_dir: str | os.PathLike[str], default_n: int) -> Target:
         raise TargetError(f"{p}: n_prem must be an integer ≥ 0, got {n!r}")
     if not isinstance(active, bool):
         raise TargetError(f"{p}: active must be true/false, got {active!r}")
-    return Target(n, active, "file")
+    g = d.get("gpus_per_instance")
+    if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g < 0):
+        raise TargetError(f"{p}: gpus_per_instance must be an integer ≥ 0, got {g!r}")
+    return Target(n, active, "file", g)
 
 
 @dataclass
@@ -324,16 +332,27 @@ class Scavenger:
                 slots += n.free_cpus // self.config.cpus_per_job
         return slots
 
+    def _write_capacity(self, live: int, free: int, now: float) -> None:
+        """The run's view of capacity for the trainer's cap (``capacity.json``); never fails a reconciliation."""
+        try:
+            write_capacity(self.run_dir, CapacityView(live_jobs=live, idle_slots=max(0, free),
+                                                      gpus_per_instance=self.config.gpus_per_job, ts=now))
+        except OSError as e:
+            log.warning("scavenger: could not write capacity.json: %s", e)
+
     def _read_target(self) -> Target | None:
         try:
-            t = read_target(self.run_dir, self.config.max_jobs)
+            # no target yet: the run has not started, and its job size is unknown; a rollout job submitted now
+            # would hold GPUs of a possibly wrong size only to wait for endpoints.json
+            t = read_target(self.run_dir, 0)
             self._last_target = t
             return t
         except TargetError as e:
             log.warning("scavenger: %s; keeping the last good target, submitting nothing new", e)
             if self._last_target is None:
                 return None
-            return Target(self._last_target.n, self._last_target.active, "last_good")
+            return Target(self._last_target.n, self._last_target.active, "last_good",
+                          self._last_target.gpus_per_instance)
 
     def reconcile_once(self) -> ReconcileResult:
         """One reconciliation step (see the module docstring). Never raises on Slurm failures, a missing
@@ -343,6 +362,11 @@ class Scavenger:
         now = self.clock.time()
         target = self._read_target()
         res.target = target
+        if target is not None and target.gpus_per_instance is not None \
+                and target.gpus_per_instance != self.config.gpus_per_job:
+            log.info("scavenger: the run's rollout instances take %d GPU(s); submitting --gres=gpu:%d (was %d)",
+                     target.gpus_per_instance, target.gpus_per_instance, self.config.gpus_per_job)
+            self.config = self.config.model_copy(update={"gpus_per_job": target.gpus_per_instance})
         try:
             jobs = self.slurm.squeue_jobs(comment_tag=self.tag, all_states=True)
             self._observe(jobs, now)
@@ -354,6 +378,8 @@ class Scavenger:
             res.live, res.draining = len(live), len(leaving)
             res.pending = sum(1 for j in live if j.state in PENDING_LIKE)
             res.running = res.live - res.pending
+            free = res.free_slots = self._free_slots()
+            self._write_capacity(len(active), free, now)
             if target is not None and not target.active:
                 res.desired = 0
                 self._cancel_all(live, now, res)
@@ -370,8 +396,6 @@ class Scavenger:
             if now < self._submit_paused_until:
                 res.submit_paused_until = self._submit_paused_until
                 return res
-            free = self._free_slots()
-            res.free_slots = free
             pending_active = sum(1 for j in active if j.state in PENDING_LIKE)
             n_new = min(desired - len(active), free - pending_active, self.config.max_submit_per_cycle)
             for _ in range(max(0, n_new)):

@@ -99,6 +99,13 @@ def test_default_demo_meets_the_report_contract(repo_root, tmp_path):
             key = (e["job_id"], e["restart_cnt"])
             ends[key] = ends.get(key, 0) + 1
     assert len(ends) == rep["worker_starts"] and set(ends.values()) == {1}, ends
+    # local workers build from the run's worker spec alone, like Slurm rollout jobs
+    from rlboost_hpc.config import load_config
+    from rlboost_hpc.rollout.spec import WorkerSpec
+
+    want = WorkerSpec.from_config(load_config(repo_root / "configs/local.toml")).to_json()
+    effective = [e["settings"] for e in read_events(tmp_path / "demo") if e["event"] == "worker_started"]
+    assert len(effective) == rep["worker_starts"] and all(x == want for x in effective), effective
     lines = (tmp_path / "demo/metrics.jsonl").read_text().splitlines()
     assert len(lines) == rep["steps"]
     assert (tmp_path / "demo/run.png").stat().st_size > 10_000

@@ -180,11 +180,16 @@ def events_of(run_dir: Path, kind: str) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------------------------
-def test_missing_target_file_uses_max_jobs(env):
+def test_nothing_is_submitted_before_the_run_says_how_many_jobs_of_which_size(env):
+    """Regression (issue 13): with no target.json yet the daemon submitted max_jobs of its own default size, so a
+    run whose instances take 2 GPUs got 1-GPU rollout jobs."""
     clock, fake, run_dir, make = env
-    res = make().reconcile_once()
-    assert res.ok and res.target == Target(4, True, "default")
-    assert len(res.submitted) == 4 == len(live_ids(fake))
+    sc = make()
+    res = sc.reconcile_once()
+    assert res.ok and res.target == Target(0, True, "default") and res.submitted == [] and live_ids(fake) == []
+    set_target(run_dir, 4)
+    clock.t += 5
+    assert len(sc.reconcile_once().submitted) == 4 == len(live_ids(fake))
 
 
 def test_target_follows_up_and_down(env):
@@ -243,6 +248,28 @@ def test_clamped_to_idle_capacity(env):
     fake.external["n1"] = 0  # capacity frees up: the 4th job goes in
     clock.t += 5
     assert len(sc.reconcile_once().submitted) == 1
+
+
+def test_capacity_view_and_the_runs_instance_size_reach_the_trainer_and_sbatch(env):
+    """Issue 13: the trainer clamps N_prem to what the scavenger sees (live jobs + idle slots, capacity.json), and
+    the run's rollout.gpus_per_instance (target.json) is what jobs ask for, not the daemon's own default."""
+    from rlboost_hpc.cluster.capacity import available_from_scavenger
+    from rlboost_hpc.rundir import read_capacity, write_target
+
+    clock, fake, run_dir, make = env
+    fake.external.update(n1=2, n2=1)  # 5 of 8 GPUs free: n2 1, n3 2, n4 2
+    write_target(run_dir, 1, active=True, step=0, gpus_per_instance=2)
+    sc = make()
+    res = sc.reconcile_once()
+    assert len(res.submitted) == 1 and "--gres=gpu:2" in fake.calls[-1][2]
+    view = read_capacity(run_dir)
+    assert (view.live_jobs, view.idle_slots, view.gpus_per_instance, view.ts) == (0, 2, 2, clock.t)
+    fake.schedule()
+    clock.t += 5
+    sc.reconcile_once()
+    assert (read_capacity(run_dir).live_jobs, read_capacity(run_dir).idle_slots) == (1, 1)
+    assert available_from_scavenger(run_dir, now=clock.t) == 2
+    assert available_from_scavenger(run_dir, now=clock.t + 1000) is None  # a dead scavenger's view is stale
 
 
 def test_capacity_counts_whole_jobs_per_node(env):
@@ -529,6 +556,7 @@ def test_sbatch_command_line(env):
     clock, fake, run_dir, make = env
     cfg = ScavengerConfig(partition="scav", qos="low", account="rl", gpus_per_job=2, time_limit="2:00:00",
                           grace_s=30, max_jobs=1, extra_sbatch_args=["--mem=8G"])
+    set_target(run_dir, 1)
     assert make(cfg).reconcile_once().free_slots == 0  # no node in partition "scav": nothing submitted
     fake.partition = "scav"
     make(cfg).reconcile_once()
@@ -590,6 +618,7 @@ def test_events_from_rollout_jobs_share_the_log(env):
 def test_missing_script_is_a_step_error_not_a_crash(env, tmp_path):
     clock, fake, run_dir, make = env
     sc = Scavenger(ScavengerConfig(script=str(tmp_path / "gone.sbatch")), run_dir, slurm=fake, clock=clock)
+    set_target(run_dir, 2)
     res = sc.reconcile_once()
     assert not res.ok and "not found" in res.error and fake.our_calls("sbatch") == []
 

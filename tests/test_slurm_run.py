@@ -102,7 +102,10 @@ def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_resta
     run_id = f"accept-{os.getpid()}-{int(time.time())}"
     overrides = ("--set trainer.steps=100 --set rollout.max_new_tokens=128 --set rollout.prompts_per_step=16 "
                  "--set cluster.max_workers=3 --set trainer.seed_window_s=0.3 --set network.bind_host=127.0.0.1 "
-                 "--set policy.cap=false")  # a steady target: every rollout job ends by preemption or at the end
+                 "--set policy.cap=false "  # a steady target: every rollout job ends by preemption or at the end
+                 # rollout settings off their defaults: each Slurm rollout job must run with them (worker spec)
+                 "--set rollout.max_batch=24 --set weights.streams=2 --set weights.window=3 "
+                 "--set weights.pull_timeout_s=45")
     job = sh(["sbatch", "--parsable", "--partition", "train", "--gres", "gpu:1", "--output",
               str(run_dir / "train-%j.out"),
               f"--export=ALL,RLBOOST_RUN_DIR={run_dir},RLBOOST_RUN_ID={run_id},"
@@ -168,9 +171,67 @@ def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_resta
     ev = events(run_dir)
     again = [e for e in ev if e.get("event") == "tokens" and int(e.get("attempt", 0)) >= 1 and e.get("produced", 0) > 0]
     assert again, "no requeued attempt produced tokens"
+    # every rollout job ran with the run's rollout settings (endpoints.json's worker spec; issue 13: they read
+    # only the engine spec, and weights.* / rollout.max_batch / rollout.torch_threads were silently ignored)
+    from rlboost_hpc.config import load_config
+    from rlboost_hpc.rollout.spec import WorkerSpec
+
+    want = WorkerSpec.from_config(load_config(REPO / "configs/local.toml", overrides.split()[1::2])).to_json()
+    assert want["max_batch"] == 24 and want["weight_streams"] == 2 and want["pull_timeout_s"] == 45
+    assert json.loads((run_dir / "endpoints.json").read_text())["worker"] == want
+    effective = [e["settings"] for e in ev if e.get("event") == "worker_started"]
+    assert effective and all(x == want for x in effective), effective
     st = subprocess.run([sys.executable, "-m", "rlboost_hpc.cli", "stats", str(run_dir), "--sacct", "--json"],
                         capture_output=True, text=True, env=env, timeout=60)
     assert st.returncode == 0, st.stderr
     data = json.loads(st.stdout)
     assert data["preemptions"] >= 2
     assert data.get("sacct", {}).get("agree", False), data
+
+
+def test_n_resv_and_the_rollout_job_size_come_from_the_trainer_allocation(tmp_path):
+    """Issue 13: the trainer job holds 4 GPUs (-N 2 --gres=gpu:2), rollout instances take 2 GPUs each
+    (rollout.gpus_per_instance = 2): N_resv = 4 / 2 = 2 reaches the controller from Slurm's environment (it was
+    hard-coded to 1), the scavenger — started with its own default of 1 GPU per job — submits --gres=gpu:2 because
+    the run asks for it, and the cap is clamped to the capacity the scavenger reported (at most the 2 idle nodes)."""
+    env = dict(os.environ, **ensure_local_slurm())
+    env["RLBOOST_PYTHON"] = sys.executable
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    run_id = f"nresv-{os.getpid()}-{int(time.time())}"
+    overrides = ("--set trainer.steps=6 --set rollout.gpus_per_instance=2 --set cluster.max_workers=3 "
+                 "--set trainer.seed_window_s=0.3 --set network.bind_host=127.0.0.1")
+    job = sh(["sbatch", "--parsable", "--partition", "train", "--nodes", "2", "--gres", "gpu:2", "--output",
+              str(run_dir / "train-%j.out"),
+              f"--export=ALL,RLBOOST_RUN_DIR={run_dir},RLBOOST_RUN_ID={run_id},"
+              f"RLBOOST_CONFIG={REPO / 'configs/local.toml'},"
+              f"RLBOOST_TRAIN_ARGS={overrides}", str(REPO / "sbatch/train.sbatch")], env).strip().split(";")[0]
+    scav_log = open(run_dir / "scavenger.log", "a")
+    scav = subprocess.Popen([sys.executable, "-m", "rlboost_hpc.cli", "scavenger", str(run_dir), "--partition",
+                             "scavenger", "--max-jobs", "3", "--grace-s", "10", "--poll-s", "1",
+                             "--script", str(REPO / "sbatch/rollout.sbatch"), "--log-dir", str(run_dir / "logs"),
+                             "--exit-when-done", "--run-id", run_id],
+                            env=env, stdout=scav_log, stderr=subprocess.STDOUT)
+    tag = f"rlboost:{run_id}"
+    try:
+        wait_progressing(lambda: (run_dir / "report.json").exists(), lambda: steps_done(run_dir), 180,
+                         "report.json", state=lambda: diagnosis(env, tag, run_dir))
+        scav.wait(120)
+    finally:
+        if scav.poll() is None:
+            scav.kill()
+        scav_log.close()
+        subprocess.run(["scancel", job], env=env, capture_output=True)
+        ids = [str(j["job_id"]) for j in our_jobs(env, tag)]
+        if ids:
+            subprocess.run(["scancel", *ids], env=env, capture_output=True)
+    rep = json.loads((run_dir / "report.json").read_text())
+    assert "failed" not in rep, rep
+    assert (rep["n_resv"], rep["n_resv_source"]) == (2.0, "slurm"), rep
+    submitted = [e for e in events(run_dir) if e.get("event") == "submitted"]
+    assert submitted and {e["gpus"] for e in submitted} == {2}, submitted
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    avail = [m["n_available"] for m in steps]
+    # 4 nodes × 2 GPUs, the trainer holds 2 nodes: the scavenger sees at most 2 instances of 2 GPUs
+    assert all(a is not None and a <= 2 for a in avail), avail
+    assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0

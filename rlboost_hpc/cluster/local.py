@@ -24,7 +24,7 @@ from typing import Callable
 from rlboost_hpc.cluster.faults import FaultPlan, TcpForwarder
 from rlboost_hpc.cluster.replay import ReplayDriver, ReplayPlan, choose_window
 from rlboost_hpc.cluster.traces import load_trace
-from rlboost_hpc.config import ConfigError, LocalClusterCfg, WeightsCfg
+from rlboost_hpc.config import ConfigError, LocalClusterCfg
 from rlboost_hpc.events import LOCAL_CLUSTER_SOURCE, append_event, drain_marker_path
 from rlboost_hpc.procutil import die_with_parent
 
@@ -40,7 +40,6 @@ class LocalCluster:
     """
 
     def __init__(self, cfg: LocalClusterCfg, manager_endpoint: str, run_dir: Path, *,
-                 weights: WeightsCfg, max_batch: int, threads: int = 1,
                  t_origin: float | None = None,
                  partial_by_instance: Callable[[], dict[str, int]] | None = None) -> None:
         if cfg.preempt_when_busy and partial_by_instance is None:
@@ -51,7 +50,6 @@ class LocalCluster:
         self.run_dir = Path(run_dir)  # workers find endpoints.json (and the run's keys) here, like Slurm jobs
         self.log_dir = Path(run_dir) / "workers"
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.weights, self.max_batch, self.threads = weights, max_batch, threads
         self.driver: ReplayDriver | None = None
         self._recorded = 0  # driver events already written to the run's event log
         self._thread: threading.Thread | None = None
@@ -100,16 +98,14 @@ class LocalCluster:
     def _spawn(self, slot: int, attempt: int) -> subprocess.Popen:
         logf = open(self.log_dir / f"slot{slot}-attempt{attempt}.log", "ab")
         cmd = [sys.executable, "-m", "rlboost_hpc.rollout.worker", "--run-dir", str(self.run_dir),
-               "--job-id", self.job_id(slot), "--attempt", str(attempt), "--max-batch", str(self.max_batch),
-               "--threads", str(self.threads), "--streams", str(self.weights.streams),
-               "--window", str(self.weights.window), "--pull-timeout", str(self.weights.pull_timeout_s),
-               "--signal", self.cfg.preempt_signal]
+               "--job-id", self.job_id(slot), "--attempt", str(attempt), "--signal", self.cfg.preempt_signal]
+        # every rollout setting comes from the run's worker spec in endpoints.json, as for Slurm rollout jobs
         if self.link is not None:  # through the forwarder whose connections the chaos run resets
             cmd += ["--manager", self.link.endpoint]
         if self.faults.slow_load():
             cmd += ["--fault-load-delay-s", str(self.cfg.slow_load_s)]
             self.fault_counts["slow_load_attempts"] += 1
-        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), RLBOOST_SPAWNED_AT=repr(time.time()))
+        env = dict(os.environ, RLBOOST_SPAWNED_AT=repr(time.time()))
         try:
             # die_with_parent: the simulated cluster ends with the trainer process, even when it is SIGKILLed
             return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -212,6 +208,10 @@ class LocalCluster:
         if self.driver is not None:
             with self._lock:
                 self.driver.set_cap(n)
+
+    def offered(self) -> int:
+        """Slots the replayed trace offers now (live or held back by the cap): the cluster's capacity."""
+        return len(self.driver.offered_slots()) if self.driver else 0
 
     def live(self) -> int:
         return len(self.driver.live_slots()) if self.driver else 0

@@ -137,13 +137,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="instance identity (default $SLURM_JOB_ID)")
     p.add_argument("--attempt", type=int, default=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
                    help="restart count (default $SLURM_RESTART_COUNT)")
-    p.add_argument("--max-batch", type=int, default=32)
-    p.add_argument("--engine", choices=["torch", "sglang"], default=None,
-                   help="rollout engine (default: the run's rollout.engine from endpoints.json, else torch)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--streams", type=int, default=4, help="parallel weight-pull streams")
-    p.add_argument("--window", type=int, default=4, help="outstanding chunk requests per stream")
-    p.add_argument("--pull-timeout", type=float, default=30.0)
+    # Rollout settings come from the run's worker spec (endpoints.json, rollout/spec.py); these flags only
+    # override it by hand (logged), and give the settings of a worker started with --manager alone.
+    p.add_argument("--max-batch", type=int, default=None, help="override rollout.max_batch")
+    p.add_argument("--engine", choices=["torch", "sglang"], default=None, help="override rollout.engine")
+    p.add_argument("--threads", type=int, default=None, help="override rollout.torch_threads")
+    p.add_argument("--streams", type=int, default=None, help="override weights.streams")
+    p.add_argument("--window", type=int, default=None, help="override weights.window")
+    p.add_argument("--pull-timeout", type=float, default=None, help="override weights.pull_timeout_s")
     p.add_argument("--fault-load-delay-s", type=float, default=0.0,
                    help="chaos runs: every weight load after the first takes this many seconds longer")
     p.add_argument("--register-timeout", type=float, default=15.0, help="seconds to wait for the manager's Welcome")
@@ -187,36 +188,51 @@ def main(argv: list[str] | None = None) -> int:
     for sig in {signal.SIGTERM, warn}:  # installed before the slow imports: a warning is never missed
         signal.signal(sig, on_signal)
     holder["job_end_s"] = job_end_time(args.job_id)
-    manager, keys, spec, ends = args.manager, None, None, {}
-    if args.run_dir:
-        from rlboost_hpc.rundir import read_endpoints
+    import msgspec
 
-        ends = read_endpoints(args.run_dir, wait_s=args.wait_endpoints)
+    from rlboost_hpc.rollout.spec import WorkerSpec, WorkerSpecError
+    from rlboost_hpc.rundir import RunDirError, read_endpoints
+
+    manager, keys, ends, wspec = args.manager, None, {}, WorkerSpec()
+    if args.run_dir:
+        try:
+            ends = read_endpoints(args.run_dir, wait_s=args.wait_endpoints)
+            wspec = WorkerSpec.from_json(ends.get("worker"), where=os.path.join(args.run_dir, "endpoints.json"))
+        except (RunDirError, WorkerSpecError) as e:
+            log.error("%s", e)
+            return 2
         if ends.get("run_id"):
             from rlboost_hpc.observe.logs import set_run_id
 
             set_run_id(str(ends["run_id"]))
         manager = args.manager or ends["manager"]
-        spec = ends.get("engine")
         keys = _run_keys(args.run_dir, ends)
+    overrides = {k: v for k, v in (("max_batch", args.max_batch), ("torch_threads", args.threads),
+                                   ("weight_streams", args.streams), ("weight_window", args.window),
+                                   ("pull_timeout_s", args.pull_timeout)) if v is not None}
+    if args.engine is not None:
+        overrides["engine"] = dict(wspec.engine, kind=args.engine)
+    if overrides:
+        log.info("command-line overrides of the run's worker spec: %s", overrides)
+        wspec = msgspec.structs.replace(wspec, **overrides)
     _event(args.run_dir, {"event": "worker_started", "source": "worker", "job_id": args.job_id, "attempt": args.attempt,
                           "node": os.environ.get("SLURMD_NODENAME", ""), "pid": os.getpid(),
-                          "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "")})
+                          "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "settings": wspec.to_json()})
+    os.environ["OMP_NUM_THREADS"] = str(wspec.torch_threads)  # before torch is imported
     import torch
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(wspec.torch_threads)
     from rlboost_hpc.rollout.agent import EXIT_UNREACHABLE, RolloutAgent, remote_weight_source
     from rlboost_hpc.rollout.engines.base import EngineError
     from rlboost_hpc.rollout.engines.factory import factory_from_spec
 
-    if args.engine is not None:
-        spec = dict(spec or {}, kind=args.engine)
+    spec = wspec.engine
     server_log = None
     if args.run_dir:
         server_log = os.path.join(args.run_dir, "workers", f"{args.job_id}-attempt{args.attempt}-engine.log")
         os.makedirs(os.path.dirname(server_log), exist_ok=True)
     try:
-        factory = factory_from_spec(spec, args.max_batch, log_path=server_log)
+        factory = factory_from_spec(spec, wspec.max_batch, log_path=server_log)
     except EngineError as e:
         log.error("%s", e)
         return 2
@@ -227,14 +243,14 @@ def main(argv: list[str] | None = None) -> int:
 
     def make_agent(manager: str, keys, engine=None, engine_epoch=None) -> RolloutAgent:
         return RolloutAgent(
-            manager, args.job_id, args.attempt, kind="preemptible", max_batch=args.max_batch,
+            manager, args.job_id, args.attempt, kind="preemptible", max_batch=wspec.max_batch,
             register_timeout_s=args.register_timeout, manager_timeout_s=args.manager_timeout,
             node=os.environ.get("SLURMD_NODENAME", ""), keys=keys, engine_factory=factory,
             fault_load_delay_s=args.fault_load_delay_s,
-            engine_name=(spec or {}).get("kind", "torch"), engine=engine, engine_epoch=engine_epoch,
+            engine_name=spec.get("kind", "torch"), engine=engine, engine_epoch=engine_epoch,
             close_engine=False, builder=builder,
-            weight_source_factory=lambda ep: remote_weight_source(ep, args.streams, args.window, args.pull_timeout,
-                                                                  keys))
+            weight_source_factory=lambda ep: remote_weight_source(ep, wspec.weight_streams, wspec.weight_window,
+                                                                  wspec.pull_timeout_s, keys))
 
     agent = make_agent(manager, keys)
     holder["agent"] = agent

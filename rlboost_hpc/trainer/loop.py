@@ -275,14 +275,15 @@ class RLTrainer:
         if self.controller is not None:
             st = self.client.stats()
             rem = st["last_step_remote"]
+            avail = self.available()
             self.decision = self.controller.end_step(StepObservation(
                 t_seed_s=t_seed_actual, t_wait_train_s=t_wait, t_wait_remote_s=rem["t_wait_remote_s"],
                 t_remote_s=rem["t_remote_s"], n_remote=rem["n_remote"], t_train_s=t_train,
-                n_instances_start=n_start, n_instances_end=st["live_preemptible"], n_available=self.available()))
+                n_instances_start=n_start, n_instances_end=st["live_preemptible"], n_available=avail))
             self.client.send(M.PolicyState(t_seed_s=self.decision.t_seed_s, n_prem_cap=self.decision.n_prem_cap))
             policy = {"t_seed_next_s": self.decision.t_seed_s, "n_prem_cap": self.decision.n_prem_cap,
                       "t_remote_s": rem["t_remote_s"], "t_wait_remote_s": rem["t_wait_remote_s"],
-                      "n_remote": rem["n_remote"]}
+                      "n_remote": rem["n_remote"], "n_available": avail}
         self.totals.responses_trained += n_trained
         self.totals.migrated_responses_trained += n_mig
         wall = self.clock() - t0

@@ -1,0 +1,72 @@
+"""The worker spec: every rollout setting a rollout worker needs, written once by the trainer into the run's
+``endpoints.json`` (key ``worker``) and read by every worker — local-cluster processes and Slurm rollout jobs
+alike — so a setting in the run's config reaches all of them and none is silently ignored.
+
+Invariants:
+- One source: :meth:`WorkerSpec.from_config` is the only translation from the run config; a worker builds its
+  engine, weight puller and agent from the spec alone (command-line flags exist only to override it by hand and
+  are logged when they do).
+- Strict: unknown keys, a missing key or a wrong type in ``endpoints.json`` raise :class:`WorkerSpecError`
+  naming the file and the key (a worker then exits 2 before it registers).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import msgspec
+
+
+class WorkerSpecError(ValueError):
+    """``endpoints.json``'s ``worker`` section is malformed; the message names the key."""
+
+
+class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Every rollout setting of a worker (units in the names: seconds ``_s``; counts otherwise).
+
+    Attributes:
+        engine: the engine spec (``rollout/engines/factory.py``: kind, device, dtype, SGLang options).
+        max_batch: engine batch slots (``rollout.max_batch``).
+        torch_threads: torch intra-op threads of the worker process (``rollout.torch_threads``).
+        weight_streams / weight_window / pull_timeout_s: the weight puller (``weights.streams``, ``weights.window``,
+            ``weights.pull_timeout_s``).
+    """
+
+    engine: dict[str, Any] = msgspec.field(default_factory=lambda: {"kind": "torch"})
+    max_batch: int = 32
+    torch_threads: int = 1
+    weight_streams: int = 4
+    weight_window: int = 4
+    pull_timeout_s: float = 30.0
+
+    @classmethod
+    def from_config(cls, cfg) -> "WorkerSpec":
+        """The spec of a run config (:class:`rlboost_hpc.config.RunConfig`)."""
+        from rlboost_hpc.rollout.engines.factory import engine_spec
+
+        return cls(engine=engine_spec(cfg.rollout), max_batch=cfg.rollout.max_batch,
+                   torch_threads=cfg.rollout.torch_threads, weight_streams=cfg.weights.streams,
+                   weight_window=cfg.weights.window, pull_timeout_s=cfg.weights.pull_timeout_s)
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON for ``endpoints.json``."""
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any] | None, where: str = "endpoints.json") -> "WorkerSpec":
+        """Parse the ``worker`` section (``None``: an older trainer wrote none → the defaults).
+
+        Raises:
+            WorkerSpecError: unknown or missing key, wrong type, or a count < 1 / a timeout <= 0.
+        """
+        if data is None:
+            return cls()
+        try:
+            spec = msgspec.convert(dict(data), cls)
+        except (msgspec.ValidationError, TypeError) as e:
+            raise WorkerSpecError(f"{where}: worker: {e}") from None
+        for key in ("max_batch", "torch_threads", "weight_streams", "weight_window"):
+            if getattr(spec, key) < 1:
+                raise WorkerSpecError(f"{where}: worker.{key} must be >= 1, got {getattr(spec, key)}")
+        if not spec.pull_timeout_s > 0:
+            raise WorkerSpecError(f"{where}: worker.pull_timeout_s must be > 0, got {spec.pull_timeout_s}")
+        return spec
