@@ -46,20 +46,14 @@ from typing import Any, Protocol
 from scavenger.config import ScavengerConfig, ScavengerConfigError
 from rlboost_hpc.events import append_event, drain_marker_path, iter_events
 from rlboost_hpc.rundir import CapacityView, write_capacity
-from scavenger.slurm import JobInfo, NodeInfo, SlurmClient, SlurmCommandError
+from scavenger.slurm import JobClass, JobInfo, NodeInfo, SlurmClient, SlurmCommandError
 
 log = logging.getLogger("scavenger")
 
 TARGET_FILE = "target.json"
 SOURCE = "scavenger"
-#: Job states that wait for resources; every other live state holds an allocation.
-PENDING_LIKE = frozenset({"PENDING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "SPECIAL_EXIT"})
-#: States counted as live by the daemon (Slurm's live states plus COMPLETING, which may still requeue).
-COUNTED_LIVE = frozenset({"PENDING", "RUNNING", "CONFIGURING", "SUSPENDED", "REQUEUED", "REQUEUE_FED",
-                          "REQUEUE_HOLD", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "SPECIAL_EXIT",
-                          "COMPLETING"})
-RUNNING_LIKE = frozenset({"RUNNING", "SUSPENDED", "COMPLETING", "SIGNALING", "STAGE_OUT", "STOPPED",
-                          "RESIZING"})
+#: Job classes (scavenger/slurm.py ``classify_job``) that wait for resources: they hold no allocation yet.
+WAITING = frozenset({JobClass.PENDING, JobClass.HELD})
 #: A FAILED attempt shorter than this (seconds) counts toward the crash-loop pause.
 QUICK_FAILURE_S = 60.0
 #: A job missing from this many consecutive listings is logged as finished with state UNKNOWN.
@@ -165,7 +159,8 @@ class ReconcileResult:
     desired: int = 0
     free_slots: int | None = None
     live: int = 0
-    pending: int = 0
+    pending: int = 0  # waiting for resources, held ones included
+    held: int = 0  # waiting, but only a release starts them (cancelled with everything else at run end)
     running: int = 0
     draining: int = 0  # live jobs already signalled or cancelled (leaving)
     submitted: list[str] = field(default_factory=list)
@@ -194,6 +189,8 @@ class Scavenger:
         self.tag = config.resolved_tag(self.run_dir)
         self.job_name = config.job_name(self.run_dir)
         self._tracks: dict[str, _Track] = {}
+        self._unknown_seen: set[tuple[str, str]] = set()
+        self.unknown_states_total = 0  # jobs seen in a state classify_job does not know
         self._last_target: Target | None = None
         self._failed_streak = 0
         self._submit_paused_until = 0.0
@@ -271,7 +268,7 @@ class Scavenger:
                 t.finished = False
                 t.start_ts = None
             if t.started_attempt != j.restart_cnt:
-                ran = j.state in RUNNING_LIKE and j.state != "COMPLETING"
+                ran = j.job_class is JobClass.RUNNING and j.state not in ("COMPLETING", "CONFIGURING")
                 inferred = (j.terminal or j.state == "COMPLETING") and j.start_time is not None \
                     and j.end_time is not None and j.end_time > j.start_time
                 if ran or inferred:
@@ -332,6 +329,15 @@ class Scavenger:
                 slots += n.free_cpus // self.config.cpus_per_job
         return slots
 
+    def _note_unknown(self, live: list[JobInfo]) -> None:
+        """Log (once per job and state) and count jobs in a state this code does not know."""
+        for j in live:
+            if j.job_class is JobClass.UNKNOWN and (j.job_id, j.state) not in self._unknown_seen:
+                self._unknown_seen.add((j.job_id, j.state))
+                self.unknown_states_total += 1
+                log.warning("scavenger: job %s is in state %s (flags %s), unknown to this version; counted as "
+                            "occupying capacity", j.job_id, j.state, ",".join(j.state_flags) or "-")
+
     def _write_capacity(self, live: int, free: int, now: float) -> None:
         """The run's view of capacity for the trainer's cap (``capacity.json``); never fails a reconciliation."""
         try:
@@ -370,13 +376,15 @@ class Scavenger:
         try:
             jobs = self.slurm.squeue_jobs(comment_tag=self.tag, all_states=True)
             self._observe(jobs, now)
-            live = [j for j in jobs if j.state in COUNTED_LIVE]
+            live = [j for j in jobs if j.live]  # unknown states count: they may hold capacity
+            self._note_unknown(live)
             leaving = [j for j in live if self._tracks[j.job_id].drain_signalled_at is not None
                        or self._tracks[j.job_id].cancel_sent_at is not None]
             leaving_ids = {j.job_id for j in leaving}
             active = [j for j in live if j.job_id not in leaving_ids]
             res.live, res.draining = len(live), len(leaving)
-            res.pending = sum(1 for j in live if j.state in PENDING_LIKE)
+            res.pending = sum(1 for j in live if j.job_class in WAITING)
+            res.held = sum(1 for j in live if j.job_class is JobClass.HELD)
             res.running = res.live - res.pending
             free = res.free_slots = self._free_slots()
             self._write_capacity(len(active), free, now)
@@ -396,7 +404,7 @@ class Scavenger:
             if now < self._submit_paused_until:
                 res.submit_paused_until = self._submit_paused_until
                 return res
-            pending_active = sum(1 for j in active if j.state in PENDING_LIKE)
+            pending_active = sum(1 for j in active if j.job_class in WAITING)
             n_new = min(desired - len(active), free - pending_active, self.config.max_submit_per_cycle)
             for _ in range(max(0, n_new)):
                 res.submitted.append(self._submit())
@@ -447,7 +455,7 @@ class Scavenger:
                 if self._resend_due(t, now):
                     again.append(j)
             elif t.drain_signalled_at is not None:
-                if j.state in PENDING_LIKE or now - t.drain_signalled_at >= self.config.grace_s:
+                if j.job_class in WAITING or now - t.drain_signalled_at >= self.config.grace_s:
                     drained.append(j)
         self._scancel(again, now, res, "still_live_after_cancel")
         self._scancel(drained, now, res, "drain_grace_expired")
@@ -456,14 +464,14 @@ class Scavenger:
         """Newest pending first (plain scancel), then newest running (warning signal + drain marker)."""
         def newest(j: JobInfo) -> tuple[float, int]:
             # a pending job's start_time is Slurm's estimate: order pending ones by submission
-            t = j.submit_time if j.state in PENDING_LIKE else (j.start_time or j.submit_time)
+            t = j.submit_time if j.job_class in WAITING else (j.start_time or j.submit_time)
             return (t or 0.0, _id_num(j.job_id))
 
-        pending = sorted((j for j in active if j.state in PENDING_LIKE), key=newest, reverse=True)
-        running = sorted((j for j in active if j.state not in PENDING_LIKE), key=newest, reverse=True)
+        pending = sorted((j for j in active if j.job_class in WAITING), key=newest, reverse=True)
+        running = sorted((j for j in active if j.job_class not in WAITING), key=newest, reverse=True)
         victims = (pending + running)[:surplus]
-        self._scancel([j for j in victims if j.state in PENDING_LIKE], now, res, "surplus")
-        to_signal = [j for j in victims if j.state not in PENDING_LIKE]
+        self._scancel([j for j in victims if j.job_class in WAITING], now, res, "surplus")
+        to_signal = [j for j in victims if j.job_class not in WAITING]
         if not to_signal:
             return
         for j in to_signal:

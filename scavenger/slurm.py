@@ -31,21 +31,61 @@ import re
 import signal as _signal
 import subprocess
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 DEFAULT_TIMEOUT_S = 15.0
 
-#: Base job states in which a job holds or waits for resources (it is "live").
-LIVE_JOB_STATES = frozenset({
-    "PENDING", "RUNNING", "CONFIGURING", "SUSPENDED", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
-    "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "SPECIAL_EXIT",
-})
 #: Base job states after which the job (this attempt and the job itself) is over.
 TERMINAL_JOB_STATES = frozenset({
     "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
     "OUT_OF_MEMORY", "REVOKED",
 })
+#: Job states (base or flag) that hold an allocation: the job runs, is suspended, or is finishing/starting.
+RUNNING_JOB_STATES = frozenset({
+    "RUNNING", "SUSPENDED", "COMPLETING", "CONFIGURING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESIZING",
+    "POWER_UP_NODE", "UPDATE_DB",
+})
+#: Job states that wait for resources and start by themselves.
+PENDING_JOB_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_FED", "SPECIAL_EXIT"})
+#: Job states (or pending reasons) that wait and will not start until someone releases them.
+HELD_JOB_STATES = frozenset({"REQUEUE_HOLD", "RESV_DEL_HOLD"})
+HELD_REASONS = frozenset({"JobHeldUser", "JobHeldAdmin"})
+#: Flags that can end a job's life without being one of TERMINAL_JOB_STATES' names.
+TERMINAL_JOB_FLAGS = frozenset({"LAUNCH_FAILED", "RECONFIG_FAIL"})
+
+
+class JobClass(StrEnum):
+    """What a job state means for capacity (:func:`classify_job`)."""
+
+    PENDING = "pending"  # waits for resources; starts by itself
+    HELD = "held"  # waits, but starts only when released (held by a user/admin, REQUEUE_HOLD, RESV_DEL_HOLD)
+    RUNNING = "running"  # holds an allocation
+    TERMINAL = "terminal"  # over
+    UNKNOWN = "unknown"  # a state this code does not know: counted as occupying capacity (never ignored)
+
+
+def classify_job(state: str, flags: Iterable[str] = (), reason: str = "") -> JobClass:
+    """The class of a job from its base state, flags and pending reason, for every state Slurm 21.08–25.x
+    prints: base states (``PENDING``, ``RUNNING``, ``SUSPENDED``, ``COMPLETED``, ``CANCELLED``, ``FAILED``,
+    ``TIMEOUT``, ``NODE_FAIL``, ``PREEMPTED``, ``BOOT_FAIL``, ``DEADLINE``, ``OUT_OF_MEMORY``) and the flag names
+    that ≤ 23.02 print in place of the base state (``COMPLETING``, ``CONFIGURING``, ``REQUEUED``, ``REQUEUE_FED``,
+    ``REQUEUE_HOLD``, ``RESV_DEL_HOLD``, ``SPECIAL_EXIT``, ``STOPPED``, ``SIGNALING``, ``STAGE_OUT``,
+    ``RESIZING``, ``REVOKED``, ``LAUNCH_FAILED``, ``POWER_UP_NODE``, ``UPDATE_DB``, ``RECONFIG_FAIL``).
+    Order: terminal, then held, running, pending; anything else is UNKNOWN."""
+    names = {state, *flags}
+    if state in TERMINAL_JOB_STATES or names & TERMINAL_JOB_FLAGS:
+        return JobClass.TERMINAL
+    if names & HELD_JOB_STATES or (reason in HELD_REASONS and state not in RUNNING_JOB_STATES):
+        return JobClass.HELD
+    if state in RUNNING_JOB_STATES:
+        return JobClass.RUNNING
+    if state in PENDING_JOB_STATES:
+        return JobClass.PENDING
+    return JobClass.UNKNOWN
+
+
 #: Node base states that can run new work (flags are checked separately).
 USABLE_NODE_STATES = frozenset({"IDLE", "MIXED", "ALLOCATED", "COMPLETING"})
 #: Node flags that make a node unusable for new work.
@@ -179,14 +219,19 @@ class JobInfo:
     requeue: bool | None = None
 
     @property
+    def job_class(self) -> JobClass:
+        """:func:`classify_job` of this job's state, flags and reason."""
+        return classify_job(self.state, self.state_flags, self.state_reason)
+
+    @property
     def live(self) -> bool:
-        """True while the job runs or waits to (pending, running, requeued, suspended, …)."""
-        return self.state in LIVE_JOB_STATES
+        """True while the job runs or waits to, held or in a state we do not know (it may hold capacity)."""
+        return self.job_class is not JobClass.TERMINAL
 
     @property
     def terminal(self) -> bool:
         """True once the job is over (completed, failed, cancelled, timeout, preempted-without-requeue, …)."""
-        return self.state in TERMINAL_JOB_STATES
+        return self.job_class is JobClass.TERMINAL
 
 
 @dataclass(frozen=True)

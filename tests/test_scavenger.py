@@ -272,6 +272,26 @@ def test_capacity_view_and_the_runs_instance_size_reach_the_trainer_and_sbatch(e
     assert available_from_scavenger(run_dir, now=clock.t + 1000) is None  # a dead scavenger's view is stale
 
 
+def test_unknown_states_occupy_capacity_and_held_jobs_are_cancelled_at_run_end(env, caplog):
+    """Issue 13: a job in a state the daemon does not know was ignored (so the daemon submitted another); a held
+    job of the run outlived it."""
+    clock, fake, run_dir, make = env
+    set_target(run_dir, 2)
+    sc = make()
+    a, b = sc.reconcile_once().submitted
+    fake.jobs[a]["state"] = "FROBNICATING"  # a state from a future Slurm
+    fake.jobs[b]["reason"] = "JobHeldUser"
+    clock.t += 5
+    with caplog.at_level(logging.WARNING, logger="scavenger"):
+        res = sc.reconcile_once()
+    assert res.submitted == [] and res.live == 2 and res.held == 1, res
+    assert sc.unknown_states_total == 1 and "FROBNICATING" in caplog.text
+    set_target(run_dir, 0, active=False)
+    clock.t += 5
+    res = sc.reconcile_once()
+    assert sorted(res.cancelled) == sorted([a, b])
+
+
 def test_capacity_counts_whole_jobs_per_node(env):
     clock, fake, run_dir, make = env
     fake.external.update(n1=1, n2=1, n3=1, n4=2)  # 3 free GPUs, but never 2 on one node

@@ -148,6 +148,45 @@ def test_job_state_lists_and_flags():
     assert (d.state, d.gpus, d.restart_cnt) == ("UNKNOWN", 0, 0)
 
 
+# Every job state Slurm 21.08–25.x prints, in the two JSON shapes: a string (21.08–23.02: the base state, or a
+# flag name in its place) and a list (23.11+: base state then flags). Records DERIVED from Slurm's documented
+# output (squeue(1) JOB STATE CODES, slurm/slurm.h job_state_string); only 22.05 is installable here (its real
+# records are in test_squeue_2205_real_records).
+_CLASSES = {
+    "PENDING": "pending", "REQUEUED": "pending", "REQUEUE_FED": "pending", "SPECIAL_EXIT": "pending",
+    "REQUEUE_HOLD": "held", "RESV_DEL_HOLD": "held",
+    "RUNNING": "running", "SUSPENDED": "running", "COMPLETING": "running", "CONFIGURING": "running",
+    "SIGNALING": "running", "STAGE_OUT": "running", "STOPPED": "running", "RESIZING": "running",
+    "POWER_UP_NODE": "running", "UPDATE_DB": "running",
+    "COMPLETED": "terminal", "CANCELLED": "terminal", "FAILED": "terminal", "TIMEOUT": "terminal",
+    "NODE_FAIL": "terminal", "PREEMPTED": "terminal", "BOOT_FAIL": "terminal", "DEADLINE": "terminal",
+    "OUT_OF_MEMORY": "terminal", "REVOKED": "terminal", "LAUNCH_FAILED": "terminal", "RECONFIG_FAIL": "terminal",
+}
+_FLAG_BASE = {"REQUEUED": "PENDING", "REQUEUE_FED": "PENDING", "SPECIAL_EXIT": "PENDING", "REQUEUE_HOLD": "PENDING",
+              "RESV_DEL_HOLD": "PENDING", "COMPLETING": "RUNNING", "CONFIGURING": "RUNNING", "SIGNALING": "RUNNING",
+              "STAGE_OUT": "RUNNING", "STOPPED": "RUNNING", "RESIZING": "RUNNING", "POWER_UP_NODE": "RUNNING",
+              "UPDATE_DB": "RUNNING", "REVOKED": "CANCELLED", "LAUNCH_FAILED": "FAILED", "RECONFIG_FAIL": "FAILED"}
+
+
+@pytest.mark.parametrize("shape", ["string-2108-2302-derived", "list-2311-25x-derived"])
+@pytest.mark.parametrize("state", sorted(_CLASSES))
+def test_every_job_state_is_classified_in_every_json_shape(state, shape):
+    value = state if shape.startswith("string") else (
+        [_FLAG_BASE[state], state] if state in _FLAG_BASE else [state])
+    [job] = parse_squeue_json({"jobs": [{"job_id": 9, "job_state": value}]})
+    assert job.job_class == _CLASSES[state]
+    assert job.live == (_CLASSES[state] != "terminal") and job.terminal == (_CLASSES[state] == "terminal")
+
+
+def test_held_by_reason_and_unknown_states():
+    held = {"job_id": 1, "job_state": "PENDING", "state_reason": "JobHeldUser"}
+    admin = {"job_id": 2, "job_state": ["PENDING"], "state_reason": "JobHeldAdmin"}
+    odd = {"job_id": 3, "job_state": ["FROBNICATING"]}
+    a, b, c = parse_squeue_json({"jobs": [held, admin, odd]})
+    assert (a.job_class, b.job_class, c.job_class) == ("held", "held", "unknown")
+    assert c.live and not c.terminal  # an unknown state may hold capacity: never ignored
+
+
 def test_exit_code_shapes():
     assert exit_code_of({"exit_code": 0}) == (0, None)
     assert exit_code_of({"exit_code": 256 * 2}) == (2, None)
