@@ -492,6 +492,29 @@ def test_sbatch_failure_mid_batch_then_no_duplicates(env):
     assert res.ok and len(res.submitted) == 2 and len(live_ids(fake)) == 3
 
 
+def test_sbatch_that_timed_out_after_creating_the_job_is_adopted_not_duplicated(env):
+    """sbatch's reply was lost (timeout) but slurmctld created the job: the next listing finds it by its comment
+    tag and adopts it; the target is met without a second submission."""
+    clock, fake, run_dir, make = env
+    set_target(run_dir, 2)
+    sc = make()
+    real_sbatch, calls = fake.sbatch, {"n": 0}
+
+    def created_then_timed_out(script, args=(), env=None):
+        calls["n"] += 1
+        jid = real_sbatch(script, args, env)
+        if calls["n"] == 1:
+            raise SlurmCommandError(["sbatch"], None, "", True)
+        return jid
+
+    fake.sbatch = created_then_timed_out  # type: ignore[method-assign]
+    assert not sc.reconcile_once().ok
+    clock.t += 10
+    res = sc.reconcile_once()
+    assert res.ok and len(res.submitted) == 1 and len(live_ids(fake)) == 2
+    assert len(events_of(run_dir, "adopted")) == 1 and calls["n"] == 2
+
+
 def test_sinfo_failure_blocks_submission_only(env):
     clock, fake, run_dir, make = env
     sc = make()
