@@ -272,11 +272,12 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
             for step in range(start_step, cfg.trainer.steps):
                 m = trainer.run_step(step)
                 st = client.stats()
-                m.update(t_s=time.monotonic() - t_start, live_preemptible=st["live_preemptible"],
-                         routable_preemptible=st["routable_preemptible"],
+                m.update(t_s=time.monotonic() - t_start, ts=round(time.time(), 3),
+                         live_preemptible=st["live_preemptible"], routable_preemptible=st["routable_preemptible"],
                          cluster_live=cluster.live() if cluster else st["live_preemptible"])
                 cap = trainer.decision.n_prem_cap if trainer.decision else None
                 n_prem = cfg.cluster.max_workers if cap is None else min(cap, cfg.cluster.max_workers)
+                m["n_prem_target"] = n_prem
                 if slurm:
                     write_target(out_dir, n_prem, active=True, step=step + 1, gpus_per_instance=r.gpus_per_instance)
                 elif cluster is not None:

@@ -56,6 +56,11 @@ SOURCE = "scavenger"
 WAITING = frozenset({JobClass.PENDING, JobClass.HELD})
 #: A FAILED attempt shorter than this (seconds) counts toward the crash-loop pause.
 QUICK_FAILURE_S = 60.0
+#: The reconcile log (one JSON object per changed view: ts, target, desired, live, draining, pending, held,
+#: running, idle_slots), written by :meth:`Scavenger.run_forever`, read by :func:`read_reconcile_log`.
+RECONCILE_LOG = "scavenger/reconcile.jsonl"
+#: An unchanged view is still logged this often (seconds), so a plot shows it held.
+VIEW_EVERY_S = 30.0
 #: A job missing from this many consecutive listings is logged as finished with state UNKNOWN.
 VANISH_AFTER = 2
 
@@ -190,6 +195,8 @@ class Scavenger:
         self.job_name = config.job_name(self.run_dir)
         self._tracks: dict[str, _Track] = {}
         self._unknown_seen: set[tuple[str, str]] = set()
+        self._last_view: dict | None = None
+        self._last_view_ts = float("-inf")
         self.unknown_states_total = 0  # jobs seen in a state classify_job does not know
         self._last_target: Target | None = None
         self._failed_streak = 0
@@ -329,6 +336,27 @@ class Scavenger:
                 slots += n.free_cpus // self.config.cpus_per_job
         return slots
 
+    def _record_view(self, res: ReconcileResult) -> None:
+        """Append this reconciliation's view to the reconcile log when it changed (or every
+        :data:`VIEW_EVERY_S`): the time series of target, live jobs and idle capacity that ``stats`` plots and
+        the acceptance test checks."""
+        if not res.ok:
+            return
+        now = self.clock.time()
+        view = {"target": res.target.n if res.target else None, "active": res.target.active if res.target else None,
+                "desired": res.desired, "live": res.live, "draining": res.draining, "pending": res.pending,
+                "held": res.held, "running": res.running, "idle_slots": res.free_slots}
+        if view == self._last_view and now - self._last_view_ts < VIEW_EVERY_S:
+            return
+        self._last_view, self._last_view_ts = view, now
+        try:
+            path = self.run_dir / RECONCILE_LOG
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as f:
+                f.write(json.dumps({"ts": round(now, 3), **view}) + "\n")
+        except OSError as e:
+            log.warning("scavenger: could not append to %s: %s", RECONCILE_LOG, e)
+
     def _note_unknown(self, live: list[JobInfo]) -> None:
         """Log (once per job and state) and count jobs in a state this code does not know."""
         for j in live:
@@ -431,12 +459,20 @@ class Scavenger:
         ids = [j.job_id for j in jobs]
         if not ids:
             return
+        for jid in ids:  # scancel's SIGTERM reaches the worker as a warning: it must not requeue itself
+            self._mark_drain(jid, now, reason)
         self.slurm.scancel(ids)
         for j in jobs:
             self._tracks[j.job_id].cancel_sent_at = now
             self._emit("cancelled", j.job_id, j.restart_cnt, mode="cancel", reason=reason, state=j.state)
         res.cancelled += ids
         log.info("scavenger: cancelled %s (%s)", ",".join(ids), reason)
+
+    def _mark_drain(self, job_id: str, now: float, reason: str) -> None:
+        """The job's drain marker: a worker warned while it exists leaves for good (no requeue)."""
+        marker = drain_marker_path(self.run_dir, job_id)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps({"ts": now, "reason": reason}) + "\n")
 
     def _resend_due(self, t: _Track, now: float) -> bool:
         return t.cancel_sent_at is None or now - t.cancel_sent_at >= self.config.grace_s
@@ -475,9 +511,7 @@ class Scavenger:
         if not to_signal:
             return
         for j in to_signal:
-            marker = drain_marker_path(self.run_dir, j.job_id)
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(json.dumps({"ts": now, "reason": "surplus"}) + "\n")
+            self._mark_drain(j.job_id, now, "surplus")
         ids = [j.job_id for j in to_signal]
         self.slurm.scancel(ids, signal=self.config.signal, batch=True)
         for j in to_signal:
@@ -537,6 +571,7 @@ class Scavenger:
         while not self._stop.is_set():
             res = self.reconcile_once()
             cycles += 1
+            self._record_view(res)
             if self.metrics is not None:
                 self._refresh_metrics(res)
             delay = self.next_delay(res, poll)
@@ -557,6 +592,23 @@ class Scavenger:
                 break
             self.clock.sleep(delay)
         return 0
+
+
+def read_reconcile_log(run_dir: str | os.PathLike[str]) -> list[dict]:
+    """The reconcile log's records in order (``[]`` without one); torn or malformed lines are skipped."""
+    try:
+        lines = (Path(run_dir) / RECONCILE_LOG).read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("ts"), (int, float)):
+            out.append(rec)
+    return out
 
 
 def _id_num(job_id: str) -> int:

@@ -395,6 +395,7 @@ def stats_main(argv: Sequence[str] | None = None, slurm: Any = None) -> int:
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of a table")
     p.add_argument("--per-job", action="store_true", help="also print one row per job")
     p.add_argument("--timeout-s", type=float, default=30.0, help="sacct timeout, seconds (default 30)")
+    p.add_argument("--plot", metavar="PNG", help="write the N_prem target, live rollout jobs and capacity over time")
     args = p.parse_args(list(argv) if argv is not None else None)
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
@@ -432,9 +433,86 @@ def stats_main(argv: Sequence[str] | None = None, slurm: Any = None) -> int:
         if check is not None and check.agree:
             print(f"sacct agrees: {check.sacct_jobs} jobs, {check.sacct_attempts} attempts, "
                   f"{check.sacct_requeues} requeues")
+    if args.plot:
+        series = capacity_series(run_dir)
+        if not series["target"]:
+            print(f"rlboost-hpc stats: {run_dir} has no per-step N_prem target (metrics.jsonl) to plot",
+                  file=sys.stderr)
+            return 2
+        plot_capacity(series, args.plot, title=str(run_dir))
+        print(f"plot: {args.plot}")
     if err:
         print(f"rlboost-hpc stats: sacct cross-check failed: {err}", file=sys.stderr)
     return rc
+
+
+def capacity_series(run_dir: str | Path) -> dict[str, list[tuple[float, float]]]:
+    """Time series (seconds since the run's first record, value) for the capacity plot:
+
+    * ``target``: the N_prem target the trainer set after each step (``metrics.jsonl`` ``n_prem_target``);
+    * ``live``: rollout jobs live and not leaving — the scavenger's reconcile log under Slurm, the local cluster's
+      live workers (``cluster_live``) per step otherwise;
+    * ``capacity``: instances the run could hold (live + idle slots from the reconcile log, else the trainer's
+      ``n_available``)."""
+    from scavenger.daemon import read_reconcile_log
+
+    run_dir = Path(run_dir)
+    steps = []
+    try:
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            try:
+                m = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(m, dict) and isinstance(m.get("ts"), (int, float)):
+                steps.append(m)
+    except OSError:
+        pass
+    views = read_reconcile_log(run_dir)
+    t0 = min([m["ts"] for m in steps[:1]] + [v["ts"] for v in views[:1]], default=0.0)
+    out: dict[str, list[tuple[float, float]]] = {"target": [], "live": [], "capacity": []}
+    for m in steps:
+        if m.get("n_prem_target") is not None:
+            out["target"].append((m["ts"] - t0, m["n_prem_target"]))
+    if views:
+        for v in views:
+            out["live"].append((v["ts"] - t0, v["live"] - v.get("draining", 0)))
+            if v.get("idle_slots") is not None:
+                out["capacity"].append((v["ts"] - t0, v["live"] - v.get("draining", 0) + v["idle_slots"]))
+    else:
+        for m in steps:
+            if m.get("cluster_live") is not None:
+                out["live"].append((m["ts"] - t0, m["cluster_live"]))
+            if m.get("n_available") is not None:
+                out["capacity"].append((m["ts"] - t0, m["n_available"]))
+    return out
+
+
+def plot_capacity(series: dict[str, list[tuple[float, float]]], path: str | Path, title: str = "") -> None:
+    """Step plot of :func:`capacity_series` to a PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    for key, label, style in (("capacity", "capacity (live + idle slots)", dict(color="0.7", lw=3)),
+                              ("live", "live rollout jobs", dict(color="tab:blue")),
+                              ("target", "N_prem target (controller)", dict(color="tab:red", ls="--"))):
+        pts = series.get(key) or []
+        if pts:
+            ax.step([t for t, _ in pts], [v for _, v in pts], where="post", label=label, **style)
+    ax.set_xlabel("seconds since the run started")
+    ax.set_ylabel("rollout instances")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title(f"N_prem and capacity — {title}" if title else "N_prem and capacity")
+    ax.legend(loc="upper right", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -292,6 +292,20 @@ def test_unknown_states_occupy_capacity_and_held_jobs_are_cancelled_at_run_end(e
     assert sorted(res.cancelled) == sorted([a, b])
 
 
+def test_reconcile_log_records_each_changed_view(env):
+    from scavenger.daemon import read_reconcile_log
+
+    clock, fake, run_dir, make = env
+    set_target(run_dir, 2)
+    sc = make()
+    sc.run_forever(poll_s=5, max_cycles=3)  # submit 2; unchanged; unchanged
+    set_target(run_dir, 1)
+    sc.run_forever(poll_s=5, max_cycles=1)  # one is told to leave (pending: cancelled)
+    views = read_reconcile_log(run_dir)
+    assert [(v["target"], v["live"]) for v in views] == [(2, 0), (2, 2), (1, 2)], views
+    assert all(v["idle_slots"] is not None for v in views)
+
+
 def test_capacity_counts_whole_jobs_per_node(env):
     clock, fake, run_dir, make = env
     fake.external.update(n1=1, n2=1, n3=1, n4=2)  # 3 free GPUs, but never 2 on one node

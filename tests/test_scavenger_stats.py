@@ -269,3 +269,26 @@ def test_local_cluster_slots_are_jobs_with_one_terminal_event_per_attempt():
     ]
     st = compute_stats(events, now=T + 30)
     assert (st.jobs, st.attempts, st.open_attempts, st.preemptions, st.drains) == (2, 4, 0, 2, 1)
+
+
+def test_capacity_series_and_plot_from_the_trainer_and_the_scavengers_logs(tmp_path, capsys):
+    """`stats --plot`: the controller's N_prem target per step, the scavenger's live jobs and live + idle slots."""
+    run = tmp_path / "run"
+    (run / "scavenger").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in [
+        {"step": 0, "ts": T + 10, "n_prem_target": 1}, {"step": 1, "ts": T + 20, "n_prem_target": 3}]) + "\n")
+    (run / "scavenger" / "reconcile.jsonl").write_text("\n".join(json.dumps(v) for v in [
+        {"ts": T + 5, "target": 3, "live": 3, "draining": 0, "idle_slots": 1},
+        {"ts": T + 11, "target": 1, "live": 3, "draining": 2, "idle_slots": 0},
+        '{"ts": torn'] if isinstance(v, dict)) + "\n")
+    from scavenger.stats import capacity_series
+
+    s = capacity_series(run)
+    assert s["target"] == [(5.0, 1), (15.0, 3)] and s["live"] == [(0.0, 3), (6.0, 1)]
+    assert s["capacity"] == [(0.0, 4), (6.0, 1)]
+    assert stats_main([str(run), "--plot", str(tmp_path / "cap.png")]) == 0
+    assert (tmp_path / "cap.png").stat().st_size > 10_000
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert stats_main([str(empty), "--plot", str(tmp_path / "x.png")]) == 2
+    assert "no per-step N_prem target" in capsys.readouterr().err

@@ -235,3 +235,95 @@ def test_n_resv_and_the_rollout_job_size_come_from_the_trainer_allocation(tmp_pa
     # 4 nodes × 2 GPUs, the trainer holds 2 nodes: the scavenger sees at most 2 instances of 2 GPUs
     assert all(a is not None and a <= 2 for a in avail), avail
     assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0
+
+
+def test_the_controller_steers_the_scavenger_on_slurm(tmp_path):
+    """Issue 13, the RLBoost loop on Slurm with the cap on: every N_prem the scavenger obeys comes from the
+    controller (no scripted target). The target takes at least two values; after each change the scavenger's live
+    jobs (not leaving) match it within 3 reconciliation periods wherever capacity allows; a drop drains a running
+    surplus job (USR2 + drain marker) that then leaves without requeueing; high-priority jobs preempt rollout jobs
+    twice; nothing is lost, duplicated or trained off-version; `stats --plot` draws it."""
+    from scavenger.daemon import read_reconcile_log
+
+    env = dict(os.environ, **ensure_local_slurm())
+    env["RLBOOST_PYTHON"] = sys.executable
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    run_id = f"loop-{os.getpid()}-{int(time.time())}"
+    poll_s = 1.0
+    overrides = ("--set trainer.steps=50 --set rollout.max_new_tokens=128 --set rollout.prompts_per_step=16 "
+                 "--set cluster.max_workers=3 --set trainer.seed_window_s=0.3 --set network.bind_host=127.0.0.1 "
+                 "--set policy.cap=true")
+    job = sh(["sbatch", "--parsable", "--partition", "train", "--gres", "gpu:1", "--output",
+              str(run_dir / "train-%j.out"),
+              f"--export=ALL,RLBOOST_RUN_DIR={run_dir},RLBOOST_RUN_ID={run_id},"
+              f"RLBOOST_CONFIG={REPO / 'configs/local.toml'},"
+              f"RLBOOST_TRAIN_ARGS={overrides}", str(REPO / "sbatch/train.sbatch")], env).strip().split(";")[0]
+    scav_log = open(run_dir / "scavenger.log", "a")
+    scav = subprocess.Popen([sys.executable, "-m", "rlboost_hpc.cli", "scavenger", str(run_dir), "--partition",
+                             "scavenger", "--max-jobs", "3", "--grace-s", "10", "--poll-s", str(poll_s),
+                             "--script", str(REPO / "sbatch/rollout.sbatch"), "--log-dir", str(run_dir / "logs"),
+                             "--exit-when-done", "--run-id", run_id],
+                            env=env, stdout=scav_log, stderr=subprocess.STDOUT)
+    tag = f"rlboost:{run_id}"
+    state = lambda: diagnosis(env, tag, run_dir)  # noqa: E731
+    preemptions = 0
+
+    def off_trainer() -> list:
+        jobs = json.loads(sh(["squeue", "--json"], env))["jobs"]
+        trainer_node = next((node_of(j) for j in jobs if str(j["job_id"]) == job), "")
+        return [j for j in settled_running(env, tag) if node_of(j) not in ("", trainer_node)]
+
+    try:
+        for _ in range(2):  # high-priority jobs take the nodes of running rollout jobs, twice
+            wait_progressing(lambda: off_trainer() or (run_dir / "report.json").exists(),
+                             lambda: steps_done(run_dir), 180, "a settled rollout job off the trainer's node",
+                             state=state)
+            if (run_dir / "report.json").exists():
+                break
+            n = requeues(run_dir)
+            preempt_rollout_nodes(env, tag, job)
+            wait_for(lambda: requeues(run_dir) > n, 90, "the preempted job's requeue", state=state)
+            preemptions += 1
+        wait_progressing(lambda: (run_dir / "report.json").exists(), lambda: steps_done(run_dir), 180,
+                         "report.json", state=state)
+        scav.wait(120)
+    finally:
+        if scav.poll() is None:
+            scav.kill()
+        scav_log.close()
+        subprocess.run(["scancel", job], env=env, capture_output=True)
+        ids = [str(j["job_id"]) for j in our_jobs(env, tag)]
+        if ids:
+            subprocess.run(["scancel", *ids], env=env, capture_output=True)
+    why = state()
+    rep = json.loads((run_dir / "report.json").read_text())
+    assert "failed" not in rep, rep
+    assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0 and rep["tokens_trained_off_version"] == 0
+    assert preemptions == 2, why
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    caps = [m["n_prem_cap"] for m in steps]
+    assert all(c is not None for c in caps[1:]), caps  # the controller decided every target after the first step
+    targets = [m["n_prem_target"] for m in steps]
+    assert len(set(targets)) >= 2, targets
+    views = [v for v in read_reconcile_log(run_dir) if v.get("active")]
+    # after each target change, live jobs (not leaving) = min(target, capacity) within 3 reconciliation periods
+    changes = [(v["ts"], v["target"]) for a, v in zip(views, views[1:]) if v["target"] != a["target"]]
+    assert len(changes) >= 1, views
+    for t, n in changes:
+        later = [v for v in views if t <= v["ts"] <= t + 3 * poll_s + 1.0 and v["target"] == n]
+        assert any(v["live"] - v["draining"] == min(n, v["live"] - v["draining"] + (v["idle_slots"] or 0))
+                   for v in later), (t, n, later)
+    ev = events(run_dir)
+    drained = [e for e in ev if e.get("event") == "cancelled" and e.get("mode") == "signal" and e.get("reason") == "surplus"]
+    assert drained, "no running surplus job was drained when the target dropped\n" + why
+    causes = {(e["job_id"], e["attempt"]): e.get("cause") for e in ev if e.get("event") == "warned"}
+    for d in drained:
+        assert causes.get((d["job_id"], d["restart_cnt"])) == "drained", (d, causes)
+    assert not [e for e in ev if e.get("event") == "requeue_requested"
+                and causes.get((e["job_id"], e["attempt"])) == "drained"]
+    assert rep["instances_drained"] >= len(drained) and rep["instances_preempted_with_warning"] >= 2, rep
+    p = subprocess.run([sys.executable, "-m", "rlboost_hpc.cli", "stats", str(run_dir), "--plot",
+                        str(run_dir / "capacity.png")], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert (run_dir / "capacity.png").stat().st_size > 10_000

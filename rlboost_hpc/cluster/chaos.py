@@ -95,7 +95,7 @@ def chaos_main(argv: list[str] | None = None) -> int:
     overrides = [
         f"trainer.steps={a.steps}", f"cluster.trace='{trace}'", "cluster.time_scale=1.0",
         f"cluster.replay_s={a.duration_s}", "cluster.window_start_s=0", f"cluster.max_workers={a.workers}",
-        f"cluster.kill_fraction={a.kill_fraction}", f"cluster.seed={a.seed}", "policy.cap=false",
+        f"cluster.kill_fraction={a.kill_fraction}", f"cluster.seed={a.seed}",
         f"cluster.stall_every_s={a.stall_every_s}", f"cluster.stall_s={a.stall_s}",
         f"cluster.link_reset_every_s={a.reset_every_s}", f"cluster.slow_load_s={a.slow_load_s}", *a.set]
     crashes = {"trainer_kills": 0, "manager_kills": 0}

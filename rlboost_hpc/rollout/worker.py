@@ -9,7 +9,8 @@ Invariants:
   the grace time is COMPLETED, not requeued (case S3). A drain requested by the manager (run finished) exits
   without requeue. Each warning is classified once, when it arrives (:func:`classify_warning`): ``drained`` (the
   scavenger's drain marker exists: no requeue), ``time_limit`` (within :data:`TIME_LIMIT_WINDOW_S` of the job's
-  own end time: requeued, counted apart from preemptions) or ``preempted``; the class travels in
+  own end time: requeued, counted apart from preemptions) or ``preempted``; under Slurm a SIGTERM that is not
+  the warning signal is a cancellation (``scancel``): ``stopped``, never requeued. The class travels in
   ``Deregister.cause`` and the ``warned`` event — at any point of the worker's life, registered or not yet. Without a warning (SIGKILL) the manager detects the loss by missed heartbeats.
 - Life-cycle events (warned, tokens, requeue) are appended to the run directory's ``events.jsonl`` when one
   is given.
@@ -181,7 +182,13 @@ def main(argv: list[str] | None = None) -> int:
             drained = _drained(args.run_dir, args.job_id)
         except OSError:  # an unreachable shared filesystem: a warning is a preemption unless shown otherwise
             drained = False
-        holder["cause"] = classify_warning(holder["warned_at"], drained=drained, job_end_s=holder.get("job_end_s"))
+        if s != warn and os.environ.get("SLURM_JOB_ID"):
+            # Under Slurm the preemption warning is --signal (USR2); a SIGTERM is scancel (a user's, or the end
+            # of a grace time): the job is being cancelled and must not requeue itself
+            holder["cause"] = "drained" if drained else "stopped"
+        else:
+            holder["cause"] = classify_warning(holder["warned_at"], drained=drained,
+                                               job_end_s=holder.get("job_end_s"))
         if "agent" in holder:
             holder["agent"].request_stop(_stop_reason(holder), holder["cause"])
 
@@ -287,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                               "signal": holder.get("signal"), "warned_at": holder.get("warned_at"), "cause": cause,
                               "drained_s": time.time() - holder.get("warned_at", time.time())})
         in_slurm = bool(os.environ.get("SLURM_JOB_ID"))
-        # a drained (surplus) job must not come back; a preempted or timed-out one requeues
-        if cause != "drained" and (args.requeue == "yes" or (args.requeue == "auto" and in_slurm)):
+        # a preempted or timed-out job requeues; a drained (surplus) or cancelled one must not come back
+        if cause in ("preempted", "time_limit") and (args.requeue == "yes" or (args.requeue == "auto" and in_slurm)):
             ok = requeue_self(args.job_id)
             _event(args.run_dir, {"event": "requeue_requested", "source": "worker", "job_id": args.job_id,
                                   "attempt": args.attempt,
