@@ -808,7 +808,7 @@ class ManagerCore:
             "instances_lost": c["instances_suspected"] - c["instances_recovered"],
             "instances_lost_while_pulling": c["suspected_while_pulling"] - c["recovered_while_pulling"],
             "instances": {i.key: {"kind": i.kind, "engine": i.engine, "state": i.state, "version": i.version,
-                                  "inflight": len(i.inflight),
+                                  "inflight": len(i.inflight), "tokens_received": i.tokens_received,
                                   "partial": sum(1 for r in i.inflight if r in reqs and reqs[r].n > 0)}
                           for i in self.instances.values() if i.state != S.GONE},
             **self.counters,
