@@ -10,7 +10,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -88,7 +88,10 @@ class RolloutCfg(_Strict):
     prompts_per_step: int = Field(8, ge=1)
     max_new_tokens: int = Field(48, ge=1)
     temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description=(
+        "nucleus sampling mass; only 1.0 is accepted: the trainer scores each token under the full softmax at the "
+        "sampling temperature, so a token drawn from a truncated, renormalised nucleus would be trained with "
+        "another probability than it was drawn with"))
     max_batch: int = Field(32, ge=1, description="engine batch slots per instance")
     stream_every_tokens: int = Field(4, ge=1, description="flush token chunks to the manager every k tokens")
     stream_every_s: float = Field(0.05, gt=0, description="... or after this many seconds, whichever first")
@@ -96,6 +99,18 @@ class RolloutCfg(_Strict):
     gpus_per_instance: int = Field(1, ge=1, description=(
         "GPUs of one rollout instance: Slurm rollout jobs ask --gres=gpu:N with it, and N_resv = the trainer "
         "allocation's GPUs / N"))
+
+
+    @field_validator("top_p")
+    @classmethod
+    def _sampling_the_trainer_can_score(cls, top_p: float) -> float:
+        if top_p != 1.0:
+            raise ValueError(
+                f"{top_p} is refused: the trainer scores every token under the full softmax at the "
+                "sampling temperature, so tokens drawn from the truncated, renormalised nucleus would be trained "
+                "off-policy (e.g. probabilities [0.45, 0.30, 0.15, 0.10] with top_p 0.5 are drawn at "
+                "[0.6, 0.4] and trained as [0.45, 0.30]); use top_p = 1.0")
+        return top_p
 
 
 class ManagerCfg(_Strict):

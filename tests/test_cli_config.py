@@ -71,6 +71,14 @@ def test_cli_unknown_config_key_exits_2(tmp_path):
     assert p.returncode == 2 and "trainer.stepz" in p.stderr
 
 
+def test_top_p_below_1_is_refused_naming_the_key(tmp_path):
+    """Regression (issue 16): top_p < 1 was accepted although the trainer scores tokens under the full softmax
+    (drawn from the renormalised nucleus, trained under another distribution)."""
+    p = _run_cli("run", "--out", str(tmp_path / "o"), "--set", "rollout.top_p=0.5")
+    assert p.returncode == 2 and "rollout.top_p" in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "o" / "report.json").exists()
+
+
 def test_cli_missing_model_file_exits_2_with_origin(tmp_path):
     (tmp_path / "data").mkdir()
     p = _run_cli("run", "--out", str(tmp_path / "o"), "--set", f"data.dir='{tmp_path / 'data'}'",
