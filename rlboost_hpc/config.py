@@ -45,6 +45,10 @@ class TaskCfg(_Strict):
     chat_template: Literal["auto", "on", "off"] = Field("auto", description=(
         "render prompts through the tokenizer's chat template (one user message + generation prompt): auto = "
         "when the tokenizer has one (instruct models), on = require one, off = plain prompt text"))
+    reward_timeout_s: float = Field(5.0, gt=0, description=(
+        "deadline of one answer's reward, seconds: a reward past it (e.g. SymPy on a runaway expression) scores 0, "
+        "is counted (rewards_timed_out) and its worker process is replaced"))
+    reward_workers: int = Field(1, ge=1, description="processes that compute rewards (persistent across steps)")
 
 
 class SGLangCfg(_Strict):

@@ -25,6 +25,7 @@ from rlboost_hpc.config import ConfigError, RunConfig
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.auth import RunKeys
 from rlboost_hpc.rollout.spec import WorkerSpec
+from rlboost_hpc.tasks.reward_pool import RewardPool
 from rlboost_hpc.cluster.capacity import available_from_scavenger, reserved_instances
 from rlboost_hpc.rundir import advertised, write_endpoints, write_target
 
@@ -211,6 +212,9 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
                 "step_metrics", "before", "resumes", "counts", "train_wall_s"))
             step_metrics, before, resumes = run_state["step_metrics"], run_state["before"], run_state["resumes"] + 1
             prior_counts, prior_wall = run_state["counts"], run_state["train_wall_s"]
+        rewards = RewardPool(task, workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s)
+        closers.append(rewards.close)
+        eval_kw["score"] = rewards.score
         metrics_f = open(out_dir / "metrics.jsonl", "w")  # what the checkpoint covers, then the new steps
         metrics_f.writelines(json.dumps(m) + "\n" for m in step_metrics)
         metrics_f.flush()
@@ -263,6 +267,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
             seeding=SeedingWindow(initial_s=cfg.trainer.seed_window_s, eta=pol.eta, floor_s=pol.seed_floor_s,
                                   adapt=pol.adaptive_seeding, memory=pol.seed_memory, ceil_s=pol.seed_ceil_s))
         trainer = RLTrainer(client=client, backend=backend, task=task, tokenizer=tok, settings=settings,
+                            score=rewards.score,
                             publish=publish, controller=controller,
                             available=lambda: _available(cfg, out_dir, cluster))
         if trainer_state is not None:
@@ -352,6 +357,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
             "prompts_not_trained_exactly_once": trainer.prompts_not_trained_once(),
             "instances_preempted_with_warning": final_stats["instances_preempted_with_warning"],
             "instances_time_limit": final_stats["instances_time_limit"],
+            "rewards_timed_out": rewards.timed_out, "reward_workers_replaced": rewards.replaced,
             "n_resv": n_resv, "n_resv_source": n_resv_source,
             "instances_drained": final_stats["instances_drained"],
             "protocol_rejects": final_stats["protocol_rejects"],

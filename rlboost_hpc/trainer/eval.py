@@ -11,7 +11,7 @@ Invariants:
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -30,11 +30,14 @@ def strip_stop(ids: list[int], stop_ids: tuple[int, ...]) -> list[int]:
 
 def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, task: Task, *,
              samples: int, max_new_tokens: int, temperature: float, top_p: float, base_seed: int = 12345,
-             device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> dict:
+             device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+             score: Callable[[list[tuple[Any, str]]], list[float]] | None = None) -> dict:
     """Mean reward over held-out prompts (``samples`` sampled responses each, plus one greedy).
 
     Args:
         tokenizer: a :class:`~rlboost_hpc.models.hf_dir.PolicyTokenizer` (prompt ids, stop ids, decoding).
+        score: rewards of ``(prompt, text)`` pairs (the run's ``RewardPool.score``; inline ``task.reward`` when
+            ``None``).
 
     Returns:
         A dict: reward_sampled, reward_greedy, repetition_rate (mean over sampled responses), responses (int),
@@ -54,11 +57,15 @@ def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, ta
             reqs.append(GenRequest(rid=rid, prompt_ids=ids, max_new_tokens=max_new_tokens, sampling=sp))
             meta[rid] = (p, greedy, ids)
     out = generate_all(eng, reqs)
+    texts = {rid: tokenizer.decode(strip_stop(list(ids), stop_ids)) for rid, (ids, _l, _f) in out.items()}
+    rids = list(out)
+    scored = (score or (lambda items: [task.reward(p, t) for p, t in items]))(
+        [(meta[rid][0], texts[rid]) for rid in rids])
+    reward_of = dict(zip(rids, scored))
     sampled, greedy_r, rep, examples, drawn = [], [], [], [], []
     for rid, (ids, lps, _fin) in out.items():
         p, greedy, prompt_ids = meta[rid]
-        text = tokenizer.decode(strip_stop(list(ids), stop_ids))
-        r = task.reward(p, text)
+        text, r = texts[rid], reward_of[rid]
         if greedy:
             greedy_r.append(r)
             if len(examples) < 4:

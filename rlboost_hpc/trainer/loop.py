@@ -19,7 +19,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -104,13 +104,17 @@ class DataFrontier:
 class RLTrainer:
     """Drives steps against a live manager. ``tokenizer``: a :class:`~rlboost_hpc.models.hf_dir.PolicyTokenizer`
     (prompt ids via ``task.prompt_ids``, stop ids, response text for rewards). ``publish(version)`` publishes the
-    backend's weights into the weight server and returns a dict with publish timings."""
+    backend's weights into the weight server and returns a dict with publish timings. ``score`` computes a
+    group's rewards (``tasks/reward_pool.py`` ``RewardPool.score``: each answer under a deadline)."""
 
     def __init__(self, *, client: ManagerClient, backend: TrainerBackend, task: Task, tokenizer,
                  settings: StepSettings, publish: Callable[[int], dict],
                  controller: RolloutController | None = None, available: Callable[[], int | None] = lambda: None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 score: Callable[[list[tuple[Any, str]]], list[float]] | None = None) -> None:
         self.client, self.backend, self.task, self.tok = client, backend, task, tokenizer
+        # rewards of (prompt, text) pairs: the run's RewardPool (a deadline per answer); inline by default
+        self.score = score or (lambda items: [task.reward(p, t) for p, t in items])
         self.s = settings
         self.stop_ids = tuple(tokenizer.stop_ids)
         self.publish = publish
@@ -197,7 +201,8 @@ class RLTrainer:
                 return
             took.add(ev.gid)
             p, pids = by_gid[ev.gid]
-            r, samples = [], []
+            samples = []
+            texts: list[str] = []
             for resp in ev.responses:
                 if resp.rid in self.seen:
                     self.totals.responses_duplicated += 1
@@ -215,11 +220,11 @@ class RLTrainer:
                 self.totals.tokens_trained_off_version += int(np.count_nonzero(vers != self.version))
                 n_mig += int(resp.migrations > 0)
                 served.update(resp.instances)
-                text = self.tok.decode(strip_stop(ids.tolist(), self.stop_ids))
-                r.append(self.task.reward(p, text))
+                texts.append(self.tok.decode(strip_stop(ids.tolist(), self.stop_ids)))
                 lens.append(len(ids))
                 samples.append(Sample(prompt_ids=pids, response_ids=ids.tolist(),
                                       behaviour_logprobs=lps.tolist(), advantage=0.0))
+            r = self.score([(p, t) for t in texts]) if texts else []
             if samples:
                 self.trained_groups[p.pid] = self.trained_groups.get(p.pid, 0) + len(samples)
                 adv = group_advantages(torch.tensor(r, dtype=torch.float32))
