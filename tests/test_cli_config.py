@@ -131,3 +131,13 @@ def test_an_in_process_run_leaves_the_process_environment_as_it_was(repo_root, t
     assert {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"} == {
         k: v for k, v in before.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     assert data_dir() == DEFAULT_DATA_DIR  # data.dir held only while the run ran
+
+
+def test_chaos_refuses_an_out_dir_holding_another_run(tmp_path):
+    """Regression (issue 16): `chaos --out DIR` silently deleted DIR's checkpoints and journal."""
+    run_dir = tmp_path / "precious"
+    (run_dir / "checkpoints" / "step-000005").mkdir(parents=True)
+    (run_dir / "report.json").write_text("{}")
+    p = _run_cli("chaos", "--out", str(run_dir), "--steps", "2")
+    assert p.returncode == 2 and "--fresh" in p.stderr and "Traceback" not in p.stderr
+    assert (run_dir / "checkpoints" / "step-000005").is_dir()

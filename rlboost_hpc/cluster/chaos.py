@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from pathlib import Path
 
 
@@ -64,6 +65,8 @@ def chaos_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rlboost-hpc chaos", description=chaos_main.__doc__)
     p.add_argument("--config", default=str(Path(__file__).resolve().parents[2] / "configs/local.toml"))
     p.add_argument("--out", default="runs/chaos")
+    p.add_argument("--fresh", action="store_true",
+                   help="start over in an --out that holds an earlier run (its checkpoints and journal are removed)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--duration-s", type=float, default=600.0, help="length of the synthetic trace (wall s)")
     p.add_argument("--workers", type=int, default=3)
@@ -88,6 +91,12 @@ def chaos_main(argv: list[str] | None = None) -> int:
         p.error(f"--trainer-kills {a.trainer_kills} needs --steps ≥ {a.trainer_kills + 1} (one checkpoint per kill)")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    earlier = _earlier_run(out)
+    if earlier and not a.fresh:
+        print(f"rlboost-hpc chaos: {out} holds another run ({', '.join(earlier)}); a chaos run starts from step 0 "
+              "and would delete its checkpoints and journal. Use another --out, or --fresh to start over there.",
+              file=sys.stderr)
+        return 2
     _forget_previous_run(out)  # a chaos run always starts from step 0; its own restarts then resume
     trace = out / "chaos-trace.csv"
     n_remove = synthetic_trace(trace, duration_s=a.duration_s, instances=a.workers, mean_lifetime_s=a.lifetime_s,
@@ -123,6 +132,13 @@ def chaos_main(argv: list[str] | None = None) -> int:
               "prompts_not_trained_exactly_once": rep["prompts_not_trained_exactly_once"]}
     print(json.dumps({"faults": faults, "liveness": liveness, "checks": checks, "steps": rep["steps"]}, indent=2))
     return 0 if all(v == 0 for v in checks.values()) else 1
+
+
+def _earlier_run(out: Path) -> list[str]:
+    """What in ``out`` belongs to an earlier run (its checkpoints, manager journal, report)."""
+    from rlboost_hpc.manager.journal import NAME
+
+    return [n for n in ("checkpoints", NAME, "report.json") if (out / n).exists()]
 
 
 def _forget_previous_run(out: Path) -> None:
