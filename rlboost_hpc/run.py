@@ -53,7 +53,8 @@ def _resume_point(cfg: RunConfig, out_dir: Path) -> Path | None:
 
     Raises:
         CheckpointError: ``require`` without a checkpoint; a dangling ``latest``; a checkpoint whose run the
-            journal does not know (missing journal, or a checkpoint ahead of every version it recorded).
+            journal does not know (missing journal, or a checkpoint ahead of every version it recorded); a journal
+            that records progress (versions ≥ ``checkpoint_every``) while no checkpoint is there.
         JournalError: a corrupt journal.
     """
     from rlboost_hpc.manager import journal as journal_mod
@@ -62,11 +63,19 @@ def _resume_point(cfg: RunConfig, out_dir: Path) -> Path | None:
     if cfg.trainer.resume == "never":
         return None
     ckpt = checkpoint.latest(out_dir)
+    records = journal_mod.read(out_dir / journal_mod.NAME)
     if ckpt is None:
         if cfg.trainer.resume == "require":
             raise checkpoint.CheckpointError(f"trainer.resume = require but {out_dir}/checkpoints has no checkpoint")
+        done = journal_mod.last_version(records)
+        if cfg.trainer.checkpoint_every and done >= cfg.trainer.checkpoint_every:
+            # progress without its resume state: starting at step 0 would silently retrain (and re-publish
+            # versions the journal already made current)
+            raise checkpoint.CheckpointError(
+                f"the manager journal {out_dir / journal_mod.NAME} records versions up to {done}, but "
+                f"{out_dir}/checkpoints has no checkpoint to resume from (checkpoints/latest or the step directories "
+                "are missing); restore them, or start over in a new --out")
         return None
-    records = journal_mod.read(out_dir / journal_mod.NAME)
     step = checkpoint.step_of(ckpt)
     if not records:
         raise checkpoint.CheckpointError(

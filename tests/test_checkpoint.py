@@ -112,6 +112,20 @@ def test_resume_point_refuses_what_does_not_add_up(model, tmp_path):
     assert _resume_point(load_config(None, ["trainer.resume='never'"]), tmp_path) is None
 
 
+def test_progress_without_its_checkpoints_is_refused_not_retrained_from_step_0(tmp_path):
+    """Regression (issue 16): deleting checkpoints/ of a run whose journal records versions up to 5 and starting it
+    again exited 0 after retraining from step 0."""
+    j = Journal(tmp_path / "manager-journal.jsonl")
+    for v in range(6):
+        j.append({"event": "version", "version": v})
+    j.close()
+    with pytest.raises(checkpoint.CheckpointError, match="records versions up to 5, but .* no checkpoint"):
+        _resume_point(load_config(None, []), tmp_path)
+    # before the first checkpoint was due there is nothing to lose: a fresh start
+    assert _resume_point(load_config(None, ["trainer.checkpoint_every=10"]), tmp_path) is None
+    assert _resume_point(load_config(None, ["trainer.checkpoint_every=0"]), tmp_path) is None
+
+
 def test_data_frontier_state_resumes_the_same_prompt_order():
     from rlboost_hpc.tasks.base import Prompt
 
