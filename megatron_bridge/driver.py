@@ -12,6 +12,10 @@ Invariants:
 - A follower that fails prints its traceback and exits non-zero at once, so the leader's next collective
   fails instead of hanging (torchrun then stops the whole job).
 - Results are returned on rank 0; followers' return values are discarded.
+- Waiting for the next call never runs into the control group's collective timeout: while the leader is idle
+  between calls (e.g. a step's rollout, minutes long) a keepalive thread broadcasts a no-op every
+  :func:`keepalive_interval_s` (a quarter of the timeout), under the same lock as every other broadcast and
+  never while a call runs, so the order of calls is unchanged.
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ import functools
 import itertools
 import os
 import sys
+import threading
+import time
 import traceback
 from typing import Any, Callable
 
@@ -29,6 +35,17 @@ __all__ = ["mode", "collective", "follow", "shutdown_followers", "MODE_ENV"]
 MODE_ENV = "MEGATRON_BRIDGE_DRIVER"
 _IDS = itertools.count()
 _FOLLOWING = False
+_LOCK = threading.Lock()  # every broadcast on the control group, and the in-call flag
+_IN_CALL = 0  # calls in progress on the leader (the followers are busy in them)
+_LAST_SEND = 0.0
+_KEEPALIVE: threading.Thread | None = None
+
+
+def keepalive_interval_s() -> float:
+    """Seconds between no-ops while the leader is idle: a quarter of the control group's timeout."""
+    from megatron_bridge.parallel import collective_timeout_s
+
+    return max(0.5, collective_timeout_s() / 4.0)
 
 
 def mode() -> str:
@@ -45,9 +62,28 @@ def _broadcasting() -> bool:
 
 
 def _send(msg: tuple) -> None:
+    """Broadcast ``msg`` to the followers (caller holds ``_LOCK``)."""
+    global _LAST_SEND
     from megatron_bridge.parallel import control_group
 
     dist.broadcast_object_list([msg], src=0, group=control_group())
+    _LAST_SEND = time.monotonic()
+
+
+def _keepalive() -> None:
+    interval = keepalive_interval_s()
+    while not _SHUT:
+        time.sleep(min(1.0, interval / 4))
+        with _LOCK:
+            if not _SHUT and _IN_CALL == 0 and time.monotonic() - _LAST_SEND >= interval:
+                _send(("noop", None, None, (), {}))
+
+
+def _ensure_keepalive() -> None:
+    global _KEEPALIVE
+    if _KEEPALIVE is None and _broadcasting():
+        _KEEPALIVE = threading.Thread(target=_keepalive, name="megatron-bridge-keepalive", daemon=True)
+        _KEEPALIVE.start()
 
 
 def new_id() -> int:
@@ -57,7 +93,9 @@ def new_id() -> int:
 def announce_new(cls_path: str, bid: int, args: tuple, kwargs: dict) -> None:
     """Leader: tell followers to construct ``cls_path(*args, **kwargs)`` under id ``bid``."""
     if _broadcasting():
-        _send(("new", bid, cls_path, args, kwargs))
+        with _LOCK:
+            _send(("new", bid, cls_path, args, kwargs))
+        _ensure_keepalive()
 
 
 def collective(fn: Callable) -> Callable:
@@ -65,9 +103,17 @@ def collective(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(self, *args: Any, **kwargs: Any):
-        if _broadcasting() and getattr(self, "_bid", None) is not None:
+        global _IN_CALL
+        if not (_broadcasting() and getattr(self, "_bid", None) is not None):
+            return fn(self, *args, **kwargs)
+        with _LOCK:
             _send(("call", self._bid, fn.__name__, args, kwargs))
-        return fn(self, *args, **kwargs)
+            _IN_CALL += 1  # the followers are busy in this call: no keepalive until it returns
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            with _LOCK:
+                _IN_CALL -= 1
 
     return wrapper
 
@@ -76,8 +122,9 @@ def shutdown_followers() -> None:
     """Leader: release the followers (they return from :func:`follow`). Idempotent, no-op elsewhere."""
     global _SHUT
     if _broadcasting() and not _SHUT:
-        _SHUT = True
-        _send(("exit", None, None, (), {}))
+        with _LOCK:
+            _SHUT = True
+            _send(("exit", None, None, (), {}))
 
 
 _SHUT = False
@@ -97,6 +144,8 @@ def follow() -> None:
         try:
             if op == "exit":
                 return
+            if op == "noop":  # the leader's keepalive while it is idle
+                continue
             if op == "new":
                 mod, _, cls = name.rpartition(".")
                 import importlib

@@ -65,24 +65,38 @@ def control_group():
     return _CONTROL
 
 
-def initialize(tp: int = 1, pp: int = 1, *, seed: int = 1234, timeout_s: float = 1800.0) -> Layout:
+#: Collective timeout of the process groups, seconds (``MEGATRON_BRIDGE_TIMEOUT_S`` overrides the default).
+DEFAULT_TIMEOUT_S = 1800.0
+_TIMEOUT_S: float | None = None
+
+
+def collective_timeout_s() -> float:
+    """The collective timeout the groups were (or will be) created with, seconds."""
+    if _TIMEOUT_S is not None:
+        return _TIMEOUT_S
+    return float(os.environ.get("MEGATRON_BRIDGE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+
+
+def initialize(tp: int = 1, pp: int = 1, *, seed: int = 1234, timeout_s: float | None = None) -> Layout:
     """Initialise ``torch.distributed`` (if needed), Megatron's model-parallel groups and RNG tracker.
 
     Args:
         tp, pp: tensor- and pipeline-parallel sizes; ``dp = world / (tp·pp)``.
         seed: Megatron's ``model_parallel_cuda_manual_seed`` seed (also seeds torch's CPU generator).
-        timeout_s: collective timeout of the process groups.
+        timeout_s: collective timeout of the process groups (default :func:`collective_timeout_s`); a follower
+            waiting for the leader's next call is kept alive within it (``driver`` keepalive).
 
     Raises:
         ValueError: the world size is not a multiple of ``tp·pp``, or a different layout is already set.
     """
-    global _LAYOUT, _CONTROL
+    global _LAYOUT, _CONTROL, _TIMEOUT_S
     if _LAYOUT is not None:
         if (_LAYOUT.tp, _LAYOUT.pp) != (tp, pp):
             raise ValueError(f"this process is already initialised with tp={_LAYOUT.tp}, pp={_LAYOUT.pp}; "
                              f"cannot switch to tp={tp}, pp={pp}")
         return _LAYOUT
     compat.install()
+    timeout_s = _TIMEOUT_S = collective_timeout_s() if timeout_s is None else float(timeout_s)
     timeout = datetime.timedelta(seconds=timeout_s)
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():

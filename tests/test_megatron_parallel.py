@@ -117,3 +117,15 @@ def test_rl_run_at_tp2_through_the_launcher(repo_root, tmp_path):
     assert rep["tokens_trained_off_version"] == 0 and rep["responses_trained"] == 4 * 64
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(abs(m["logprob_diff"]) < 0.05 for m in lines)  # trainer logprobs agree with the engine's
+
+
+def test_followers_waiting_past_the_collective_timeout_stay_alive(repo_root):
+    """Regression (issue 16): ranks other than 0 waited for the next call in a gloo collective whose timeout was
+    fixed (1,800 s) and unrelated to how long a step's rollout takes; scaled down (5 s timeout, the leader idle
+    12 s) rank 1 died. The leader's keepalive broadcasts a no-op every timeout/4 while it is idle."""
+    cmd = [sys.executable, "-m", "megatron_bridge.launch", "--nproc-per-node", "2", "--tp", "2",
+           str(repo_root / "tests" / "megatron_idle.py"), "12"]
+    p = subprocess.run(cmd, cwd=repo_root, env=dict(_env(repo_root), MEGATRON_BRIDGE_TIMEOUT_S="5"),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "OK" in p.stdout, p.stderr[-3000:]
+
