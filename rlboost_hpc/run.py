@@ -62,7 +62,7 @@ def _resume_point(cfg: RunConfig, out_dir: Path) -> Path | None:
 
     if cfg.trainer.resume == "never":
         return None
-    ckpt = checkpoint.latest(out_dir)
+    ckpt = checkpoint.newest_verified(out_dir)  # a torn newest one (power loss) falls back to the one before
     records = journal_mod.read(out_dir / journal_mod.NAME)
     if ckpt is None:
         if cfg.trainer.resume == "require":

@@ -126,6 +126,37 @@ def test_progress_without_its_checkpoints_is_refused_not_retrained_from_step_0(t
     assert _resume_point(load_config(None, ["trainer.checkpoint_every=0"]), tmp_path) is None
 
 
+def test_a_torn_newest_checkpoint_resumes_from_the_previous_verified_one(model, tmp_path, caplog):
+    """Issue 16: nothing was fsynced and a torn newest checkpoint stopped the run (exit 2) although an older
+    verified one was there. Now files and directories are fsynced, the loop state is JSON (no pickle), and a
+    newest checkpoint that does not verify is skipped for the previous one, with a log line naming both."""
+    import json
+    import logging
+
+    config, sd = model
+    b = TorchBackend(config, sd, lr=1e-3)
+    checkpoint.save(tmp_path, 4, b, {"version": 4}, {"k": 1})
+    checkpoint.save(tmp_path, 5, b, {"version": 5}, {"k": 2})
+    newest = tmp_path / "checkpoints" / "step-000005"
+    assert json.loads((newest / "trainer.json").read_text())["trainer"] == {"version": 5}
+    assert not list(newest.glob("*.pt")) or all(p.parent.name == "backend" for p in newest.rglob("*.pt"))
+    with open(newest / "trainer.json", "r+b") as f:  # torn by a power loss
+        f.truncate(10)
+    j = Journal(tmp_path / "manager-journal.jsonl")
+    j.append({"event": "version", "version": 5})
+    j.close()
+    with caplog.at_level(logging.WARNING, logger="rlboost.checkpoint"):
+        ckpt = _resume_point(load_config(None, []), tmp_path)
+    assert ckpt.name == "step-000004"
+    assert "step-000005" in caplog.text and "step-000004" in caplog.text
+    step, trainer_state, run_state = checkpoint.load(ckpt, TorchBackend(config, sd, lr=1e-3))
+    assert (step, trainer_state, run_state) == (4, {"version": 4}, {"k": 1})
+    with open(tmp_path / "checkpoints" / "step-000004" / "trainer.json", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint of this run verifies"):
+        _resume_point(load_config(None, []), tmp_path)
+
+
 def test_data_frontier_state_resumes_the_same_prompt_order():
     from rlboost_hpc.tasks.base import Prompt
 

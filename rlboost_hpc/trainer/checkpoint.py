@@ -4,8 +4,8 @@ Layout under the run directory::
 
     checkpoints/step-000012/backend/...      the backend's own files (torch: torch_backend.pt; Megatron:
                                              dist_checkpointing shards) — model, optimizer, backend RNG
-    checkpoints/step-000012/trainer.pt       loop state (version, data frontier, totals, exactly-once ledgers,
-                                             scheduling-policy state), Python/NumPy RNG, run bookkeeping
+    checkpoints/step-000012/trainer.json     loop state (version, data frontier, totals, exactly-once ledgers,
+                                             scheduling-policy state), Python/NumPy RNG, run bookkeeping — JSON
     checkpoints/step-000012/manifest.json    step + SHA-256 of every file above
     checkpoints/latest                       name of the newest complete checkpoint
 
@@ -14,9 +14,13 @@ Invariants:
   rename. A crash at any point leaves the previous checkpoint intact and ``latest`` naming a complete one.
 - Consistent with the data: it is taken after the optimizer step of step N-1 and the publication of version N,
   so its frontier holds exactly the prompts trained (no prompt skipped, none trained twice on resume).
-- Never a silent restart from zero: a ``latest`` that names a missing directory, a manifest that does not
-  match the files (corruption, truncation), or an unreadable file raises :class:`CheckpointError` naming the
-  path and what to do.
+- Durable: every file, then each directory, is fsynced before the rename that publishes it, so after a power
+  loss a checkpoint named by ``latest`` is complete.
+- Loads without executing code: the loop state is JSON, tensors load with ``torch.load(weights_only=True)``.
+- Never a silent restart from zero: a ``latest`` that names a missing directory or an unreadable file raises
+  :class:`CheckpointError` naming the path and what to do. A newest checkpoint whose files do not match its
+  manifest (torn by a crash) is skipped for the newest older one that verifies (:func:`newest_verified`), with a
+  log line naming both.
 """
 from __future__ import annotations
 
@@ -29,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 LATEST = "latest"
 
@@ -51,6 +54,44 @@ def _files(root: Path) -> dict[str, str]:
             if p.is_file() and p.name != "manifest.json"}
 
 
+def _fsync_tree(root: Path) -> None:
+    """fsync every file under ``root``, then every directory bottom-up (names durable too)."""
+    dirs = [root]
+    for p in sorted(root.rglob("*")):
+        if p.is_dir():
+            dirs.append(p)
+        elif p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for d in sorted(dirs, key=lambda x: len(x.parts), reverse=True):
+        _fsync_dir(d)
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_state() -> dict[str, Any]:
+    v, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": [v, list(internal), gauss], "numpy": [name, keys.tolist(), int(pos), int(has_gauss),
+                                                            float(cached)]}
+
+
+def _set_rng_state(st: dict[str, Any]) -> None:
+    v, internal, gauss = st["python"]
+    random.setstate((v, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = st["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
 def save(run_dir: str | os.PathLike, step: int, backend, trainer_state: dict[str, Any], run_state: dict[str, Any],
          keep: int = 2) -> Path:
     """Write the checkpoint taken after ``step`` completed steps; keep the newest ``keep``. Returns its path."""
@@ -61,16 +102,28 @@ def save(run_dir: str | os.PathLike, step: int, backend, trainer_state: dict[str
     if tmp.exists():
         shutil.rmtree(tmp)
     backend.save_checkpoint(tmp / "backend")
-    torch.save({"trainer": trainer_state, "run": run_state,
-                "rng": {"python": random.getstate(), "numpy": np.random.get_state()}}, tmp / "trainer.pt")
-    (tmp / "manifest.json").write_text(json.dumps({"format": 1, "step": step, "files": _files(tmp)}, indent=1))
+    try:
+        text = json.dumps({"trainer": trainer_state, "run": run_state, "rng": _rng_state()}, allow_nan=True)
+    except TypeError as e:
+        raise CheckpointError(f"the loop state is not JSON ({e}): a checkpoint holds data, never pickled "
+                              "objects") from None
+    (tmp / "trainer.json").write_text(text)
+    (tmp / "manifest.json").write_text(json.dumps({"format": 2, "step": step, "files": _files(tmp)}, indent=1))
+    _fsync_tree(tmp)
     final = root / name
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+    _fsync_dir(root)
     ptr = root / f"{LATEST}.tmp"
     ptr.write_text(name + "\n")
+    fd = os.open(ptr, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(ptr, root / LATEST)
+    _fsync_dir(root)
     done = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
     for old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
@@ -95,6 +148,49 @@ def latest(run_dir: str | os.PathLike) -> Path | None:
     return path
 
 
+def verify(path: Path) -> int:
+    """Check ``path`` against its manifest; returns its step. Raises :class:`CheckpointError` (unreadable
+    manifest, missing/extra/changed file)."""
+    man_path = path / "manifest.json"
+    try:
+        man = json.loads(man_path.read_text())
+        want, step = man["files"], int(man["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {path}: manifest unreadable ({e}); it is incomplete or corrupt") from None
+    have = _files(path)
+    bad = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
+    if bad:
+        raise CheckpointError(f"checkpoint {path} is corrupt: {len(bad)} file(s) missing or changed since it was "
+                              f"written ({', '.join(bad[:5])}); restore it or resume from an older checkpoint by "
+                              f"pointing {path.parent / LATEST} at it")
+    return step
+
+
+def newest_verified(run_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint to resume from: :func:`latest` if it verifies, else the newest older complete one that
+    does (logged, naming both); ``None`` when the run has none. Raises :class:`CheckpointError` when ``latest``
+    dangles, or when no checkpoint verifies (each is named)."""
+    import logging
+
+    newest = latest(run_dir)
+    if newest is None:
+        return None
+    errors = []
+    older = sorted((p for p in newest.parent.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")
+                    and p.name < newest.name), reverse=True)
+    for cand in [newest, *older]:
+        try:
+            verify(cand)
+        except CheckpointError as e:
+            errors.append(str(e))
+            continue
+        if cand != newest:
+            logging.getLogger("rlboost.checkpoint").warning(
+                "the newest checkpoint %s does not verify (%s); resuming from %s instead", newest, errors[0], cand)
+        return cand
+    raise CheckpointError("no checkpoint of this run verifies: " + "; ".join(errors))
+
+
 def step_of(path: Path) -> int:
     """The step a checkpoint directory ``step-000012`` was taken after (12)."""
     return int(Path(path).name.split("-")[1])
@@ -116,27 +212,18 @@ def load(path: Path, backend, run_keys: tuple[str, ...] = ()) -> tuple[int, dict
         CheckpointError: missing/extra/changed file, unreadable manifest or state, or a ``run_state`` without
             one of ``run_keys`` (a checkpoint written by another version of rlboost-hpc).
     """
-    man_path = path / "manifest.json"
-    try:
-        man = json.loads(man_path.read_text())
-        want, step = man["files"], int(man["step"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {path}: manifest unreadable ({e}); it is incomplete or corrupt") from None
-    have = _files(path)
-    bad = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
-    if bad:
-        raise CheckpointError(f"checkpoint {path} is corrupt: {len(bad)} file(s) missing or changed since it was "
-                              f"written ({', '.join(bad[:5])}); restore it or resume from an older checkpoint by "
-                              f"pointing {path.parent / LATEST} at it")
+    step = verify(path)
+    if not (path / "trainer.json").is_file():
+        raise CheckpointError(f"checkpoint {path} has no trainer.json (written by an older rlboost-hpc, whose "
+                              "pickled trainer.pt is not loaded); resume it with that version, or start a fresh run")
     try:
         backend.load_checkpoint(path / "backend")
-        st = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
+        st = json.loads((path / "trainer.json").read_text())
     except Exception as e:  # noqa: BLE001 - any failure here means the run cannot resume
         raise CheckpointError(f"checkpoint {path}: cannot restore ({type(e).__name__}: {e})") from None
     missing = [k for k in run_keys if k not in st.get("run", {})]
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks {missing} (written by another version of rlboost-hpc); "
                               "resume it with that version, or start a fresh run (trainer.resume=never / new --out)")
-    random.setstate(st["rng"]["python"])
-    np.random.set_state(st["rng"]["numpy"])
+    _set_rng_state(st["rng"])
     return step, st["trainer"], st["run"]

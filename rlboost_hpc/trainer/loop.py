@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -132,11 +132,15 @@ class RLTrainer:
 
     def state_dict(self) -> dict:
         """Everything of the loop a resume needs, consistent with the last optimizer step (case C1): version,
-        data frontier, totals, the exactly-once ledgers and the scheduling policy's state (T_seed, M[n])."""
+        data frontier, totals, the exactly-once ledgers and the scheduling policy's state (T_seed, M[n], the
+        cap) — plain JSON data, no pickled objects."""
         return {"version": self.version, "frontier": self.frontier.state(),
                 "totals": dict(vars(self.totals)), "seen": sorted(self.seen),
                 "trained_groups": dict(self.trained_groups), "taken": list(self.taken),
-                "controller": self.controller, "decision": self.decision}
+                "controller": None if self.controller is None else {
+                    "seeding": self.controller.seeding.snapshot(), "cap": self.controller.cap,
+                    "history": [list(h) for h in self.controller.history]},
+                "decision": None if self.decision is None else asdict(self.decision)}
 
     def load_state_dict(self, st: dict) -> None:
         """Restore :meth:`state_dict` (same task and settings)."""
@@ -146,9 +150,12 @@ class RLTrainer:
         self.seen = set(st["seen"])
         self.trained_groups = dict(st["trained_groups"])
         self.taken = list(st["taken"])
-        if st.get("controller") is not None:
-            self.controller = st["controller"]
-        self.decision = st.get("decision")
+        ctl = st.get("controller")
+        if ctl is not None and self.controller is not None:  # the policy's state; its settings come from config
+            self.controller.seeding.restore(ctl["seeding"])
+            self.controller.cap = ctl["cap"]
+            self.controller.history = [tuple(h) for h in ctl["history"]]
+        self.decision = StepDecision(**st["decision"]) if st.get("decision") else None
 
     def prompts_not_trained_once(self) -> int:
         """Prompts taken from the data frontier whose group was not trained exactly once (all G responses, once

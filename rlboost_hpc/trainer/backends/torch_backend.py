@@ -118,7 +118,7 @@ class TorchBackend(TrainerBackend):
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
         """Restore :meth:`save_checkpoint`; returns its ``extra_state``."""
-        st = torch.load(Path(path) / "torch_backend.pt", map_location=self.device, weights_only=False)
+        st = torch.load(Path(path) / "torch_backend.pt", map_location=self.device, weights_only=True)
         self.model.load_state_dict(st["model"])
         self.opt.load_state_dict(st["opt"])
         torch.set_rng_state(st["rng"].cpu())
