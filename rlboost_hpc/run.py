@@ -368,6 +368,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
             "instances_time_limit": final_stats["instances_time_limit"],
             "rewards_timed_out": rewards.timed_out, "reward_workers_replaced": rewards.replaced,
             "n_resv": n_resv, "n_resv_source": n_resv_source,
+            "decode_tokens_per_s_by_batch": final_stats["decode_tokens_per_s_by_batch"],
             "instances_drained": final_stats["instances_drained"],
             "protocol_rejects": final_stats["protocol_rejects"],
             "tokens_trained": tot.tokens_trained,

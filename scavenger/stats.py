@@ -439,6 +439,14 @@ def stats_main(argv: Sequence[str] | None = None, slurm: Any = None) -> int:
             print(f"rlboost-hpc stats: {run_dir} has no per-step N_prem target (metrics.jsonl) to plot",
                   file=sys.stderr)
             return 2
+        cmp = simulated_n_prem(run_dir, series)
+        if cmp.get("error"):
+            print(f"simulator overlay skipped: {cmp['error']}", file=sys.stderr)
+        else:
+            series["simulated"] = cmp["series"]
+            print(f"N_prem live vs simulated (same window and config, {cmp['steps']} steps): mean |difference| "
+                  f"{cmp['mean_abs_diff']:.3f} per step, mean difference {cmp['mean_diff']:+.3f}, equal in "
+                  f"{100 * cmp['equal_fraction']:.0f}% of steps")
         plot_capacity(series, args.plot, title=str(run_dir))
         print(f"plot: {args.plot}")
     if err:
@@ -488,6 +496,26 @@ def capacity_series(run_dir: str | Path) -> dict[str, list[tuple[float, float]]]
     return out
 
 
+def simulated_n_prem(run_dir: str | Path, series: dict[str, list[tuple[float, float]]]) -> dict[str, Any]:
+    """The simulator's N_prem for the same trace window and config (``rlboost_hpc/sim/calibrate.py``), step by
+    step beside the live target: ``series`` (live step end time, simulated cap after that step),
+    ``mean_abs_diff``/``mean_diff`` (live − simulated, instances per step), ``equal_fraction``; or ``error``."""
+    from rlboost_hpc.sim.calibrate import CalibrationError, simulate_run
+
+    try:
+        sim = simulate_run(run_dir, capacity=series.get("capacity"))
+    except CalibrationError as e:
+        return {"error": str(e)}
+    live = series["target"]
+    pairs = [(t, lv, s["cap_next"]) for (t, lv), s in zip(live, sim["steps"]) if s["cap_next"] is not None]
+    if not pairs:
+        return {"error": "no step to compare"}
+    diffs = [lv - sv for _, lv, sv in pairs]
+    return {"series": [(t, sv) for t, _, sv in pairs], "steps": len(pairs),
+            "mean_abs_diff": sum(abs(d) for d in diffs) / len(diffs), "mean_diff": sum(diffs) / len(diffs),
+            "equal_fraction": sum(1 for d in diffs if d == 0) / len(diffs), "profile": sim["profile"]}
+
+
 def plot_capacity(series: dict[str, list[tuple[float, float]]], path: str | Path, title: str = "") -> None:
     """Step plot of :func:`capacity_series` to a PNG at ``path``."""
     import matplotlib
@@ -498,7 +526,9 @@ def plot_capacity(series: dict[str, list[tuple[float, float]]], path: str | Path
     fig, ax = plt.subplots(figsize=(9, 3.6))
     for key, label, style in (("capacity", "capacity (live + idle slots)", dict(color="0.7", lw=3)),
                               ("live", "live rollout jobs", dict(color="tab:blue")),
-                              ("target", "N_prem target (controller)", dict(color="tab:red", ls="--"))):
+                              ("target", "N_prem target (controller)", dict(color="tab:red", ls="--")),
+                              ("simulated", "N_prem of the simulator (same window, calibrated)",
+                               dict(color="tab:green", ls=":", lw=2))):
         pts = series.get(key) or []
         if pts:
             ax.step([t for t, _ in pts], [v for _, v in pts], where="post", label=label, **style)

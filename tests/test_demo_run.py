@@ -106,6 +106,11 @@ def test_default_demo_meets_the_report_contract(repo_root, tmp_path):
     want = WorkerSpec.from_config(load_config(repo_root / "configs/local.toml")).to_json()
     effective = [e["settings"] for e in read_events(tmp_path / "demo") if e["event"] == "worker_started"]
     assert len(effective) == rep["worker_starts"] and all(x == want for x in effective), effective
+    # the simulator, calibrated from this run, replays the same window: its N_prem follows the live one
+    from scavenger.stats import capacity_series, simulated_n_prem
+
+    cmp = simulated_n_prem(tmp_path / "demo", capacity_series(tmp_path / "demo"))
+    assert "error" not in cmp and cmp["steps"] == rep["steps"] and cmp["mean_abs_diff"] < 1.0, cmp
     lines = (tmp_path / "demo/metrics.jsonl").read_text().splitlines()
     assert len(lines) == rep["steps"]
     assert (tmp_path / "demo/run.png").stat().st_size > 10_000

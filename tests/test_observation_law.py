@@ -135,3 +135,16 @@ def test_law_fallbacks_pool_peak_then_busy_time_and_leavers_count():
     assert observe_remote([], rollout_done_s=1.0, step_end_s=9.0).t_wait_remote_s == 0.0
     with pytest.raises(ValueError):
         observe_remote([RemoteWork(-1)], rollout_done_s=None, step_end_s=0.0)
+
+
+def test_the_simulators_engine_model_is_fitted_from_the_live_decode_rates():
+    from rlboost_hpc.sim.calibrate import CalibrationError, fit_decode
+
+    # t_iter(B) = 0.002 + 0.001·B  →  rate(B) = B / t_iter(B)
+    rates = {str(b): b / (0.002 + 0.001 * b) for b in (4, 8, 16, 32)}
+    perf = fit_decode(rates, max_batch=32)
+    assert perf.a == pytest.approx(0.002) and perf.b == pytest.approx(0.001) and perf.max_running == 32
+    one = fit_decode({"8": 1000.0}, max_batch=8)
+    assert (one.a, one.b) == (0.0, pytest.approx(0.001))
+    with pytest.raises(CalibrationError, match="decode_tokens_per_s_by_batch"):
+        fit_decode({}, max_batch=8)

@@ -31,6 +31,28 @@ from rlboost_hpc.procutil import die_with_parent
 log = logging.getLogger("rlboost.cluster")
 
 
+def replay_plan(cfg: LocalClusterCfg) -> tuple[ReplayPlan, float]:
+    """The replay plan of ``cfg`` and its trace window's start (seconds): deterministic, so the simulator can
+    replay the same window a run saw (``sim/calibrate.py``).
+
+    Raises:
+        ConfigError: the settings ask for a window the trace does not have.
+    """
+    events = load_trace(cfg.trace)
+    window_s = cfg.replay_s * cfg.time_scale
+    start = cfg.window_start_s
+    if start is None:
+        try:
+            start = choose_window(events, window_s, cfg.min_changes, max_workers=cfg.max_workers,
+                                  min_removals=cfg.min_removals, min_starts=cfg.min_starts)
+        except ValueError as e:
+            raise ConfigError(f"cluster.trace {cfg.trace}: {e}; lower cluster.min_changes / min_removals / "
+                              "min_starts, or set cluster.window_start_s, max_workers or replay_s") from None
+    plan = ReplayPlan.from_trace(events, window_start_s=start, window_s=window_s, time_scale=cfg.time_scale,
+                                 max_workers=cfg.max_workers, kill_fraction=cfg.kill_fraction, seed=cfg.seed)
+    return plan, start
+
+
 class LocalCluster:
     """Replays ``cfg.trace`` compressed by ``cfg.time_scale`` onto at most ``cfg.max_workers`` workers.
 
@@ -68,20 +90,7 @@ class LocalCluster:
         if cfg.max_workers == 0:
             self.plan = None
             return
-        events = load_trace(cfg.trace)
-        window_s = cfg.replay_s * cfg.time_scale
-        start = cfg.window_start_s
-        if start is None:
-            try:
-                start = choose_window(events, window_s, cfg.min_changes, max_workers=cfg.max_workers,
-                                      min_removals=cfg.min_removals, min_starts=cfg.min_starts)
-            except ValueError as e:  # bad input: the settings ask for a window the trace does not have
-                raise ConfigError(f"cluster.trace {cfg.trace}: {e}; lower cluster.min_changes / min_removals / "
-                                  "min_starts, or set cluster.window_start_s, max_workers or replay_s") from None
-        self.window_start_s = start
-        self.plan = ReplayPlan.from_trace(events, window_start_s=start, window_s=window_s,
-                                          time_scale=cfg.time_scale, max_workers=cfg.max_workers,
-                                          kill_fraction=cfg.kill_fraction, seed=cfg.seed)
+        self.plan, self.window_start_s = replay_plan(cfg)
 
     @staticmethod
     def job_id(slot: int) -> str:

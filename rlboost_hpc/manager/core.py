@@ -40,7 +40,7 @@ from typing import Callable
 
 import numpy as np
 
-from rlboost_hpc.policy.dispatch import Balancer, InstanceLoad, choose_instance
+from rlboost_hpc.policy.dispatch import Balancer, InstanceLoad, PlateauEstimator, choose_instance
 from rlboost_hpc.policy.observation import RemoteWork, observe_remote
 from rlboost_hpc.protocol import messages as M
 
@@ -190,6 +190,8 @@ class ManagerCore:
         self.balance_every_s = balance_every_s
         self._last_balance: float | None = None
         self._rate_marks: dict[str, tuple[int, int]] = {}  # key -> (tokens_received, running) at the last tick
+        # decode rate by batch over every preemptible instance (tokens/s per bucket): the simulator's calibration
+        self.pool_rates = PlateauEstimator()
         self._last_alive = -1e9
         self._rr = 0
         # Per-step view of the preemptible pool (the records of the observation law) and when the step's last
@@ -717,7 +719,9 @@ class ManagerCore:
             running = len(i.inflight - i.releasing)
             prev = self._rate_marks.get(i.key)
             if prev is not None and prev[1] > 0 and running > 0:  # busy through the whole interval
-                self.balancer.observe(i.key, min(prev[1], running), (i.tokens_received - prev[0]) / dt)
+                batch, rate = min(prev[1], running), (i.tokens_received - prev[0]) / dt
+                self.balancer.observe(i.key, batch, rate)
+                self.pool_rates.observe(batch, rate)
             marks[i.key] = (i.tokens_received, running)
             if i.key in self.step_remote and self.balancer.peak(i.key) is not None:
                 self.step_remote[i.key].peak = self.balancer.peak(i.key)  # kept if the instance leaves
@@ -812,6 +816,7 @@ class ManagerCore:
                                   "partial": sum(1 for r in i.inflight if r in reqs and reqs[r].n > 0)}
                           for i in self.instances.values() if i.state != S.GONE},
             **self.counters,
+            "decode_tokens_per_s_by_batch": {str(b): v for b, v in sorted(self.pool_rates.ema.items())},
             "latest_version": self.latest_version,
             "step": self.step,
             "queued": len(self.queue),
