@@ -44,6 +44,24 @@ def write_json_atomic(path: Path, data: dict) -> None:
         raise
 
 
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict]:
+    """The JSON-object lines of ``path`` in order (``metrics.jsonl``, the scavenger's reconcile log): ``[]`` when
+    the file is missing; a torn or malformed line (a crash mid-write) is skipped."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
 def write_endpoints(run_dir: Path, manager: str, weights: str, run_id: str, curve: bool = False,
                     metrics: str = "", worker: dict | None = None) -> None:
     """``curve``: the servers require the run's CURVE keys (``keys/keys.json``, protocol/auth.py);

@@ -45,7 +45,7 @@ from typing import Any, Protocol
 
 from scavenger.config import ScavengerConfig, ScavengerConfigError
 from rlboost_hpc.events import append_event, drain_marker_path, iter_events
-from rlboost_hpc.rundir import CapacityView, write_capacity
+from rlboost_hpc.rundir import CapacityView, read_jsonl, write_capacity
 from scavenger.slurm import JobClass, JobInfo, NodeInfo, SlurmClient, SlurmCommandError
 
 log = logging.getLogger("scavenger")
@@ -596,19 +596,7 @@ class Scavenger:
 
 def read_reconcile_log(run_dir: str | os.PathLike[str]) -> list[dict]:
     """The reconcile log's records in order (``[]`` without one); torn or malformed lines are skipped."""
-    try:
-        lines = (Path(run_dir) / RECONCILE_LOG).read_text().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and isinstance(rec.get("ts"), (int, float)):
-            out.append(rec)
-    return out
+    return [r for r in read_jsonl(Path(run_dir) / RECONCILE_LOG) if isinstance(r.get("ts"), (int, float))]
 
 
 def _id_num(job_id: str) -> int:

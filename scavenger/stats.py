@@ -464,18 +464,10 @@ def capacity_series(run_dir: str | Path) -> dict[str, list[tuple[float, float]]]
       ``n_available``)."""
     from scavenger.daemon import read_reconcile_log
 
+    from rlboost_hpc.rundir import read_jsonl
+
     run_dir = Path(run_dir)
-    steps = []
-    try:
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-            try:
-                m = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(m, dict) and isinstance(m.get("ts"), (int, float)):
-                steps.append(m)
-    except OSError:
-        pass
+    steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if isinstance(m.get("ts"), (int, float))]
     views = read_reconcile_log(run_dir)
     t0 = min([m["ts"] for m in steps[:1]] + [v["ts"] for v in views[:1]], default=0.0)
     out: dict[str, list[tuple[float, float]]] = {"target": [], "live": [], "capacity": []}

@@ -94,45 +94,80 @@ def diagnosis(env, tag, run_dir) -> str:
                       tail(trainer[-1] if trainer else run_dir / "train.out"), tail(run_dir / "scavenger.log")])
 
 
+class SlurmRun:
+    """A run on the local Slurm cluster as ``sbatch/launch`` starts one: the trainer job (``sbatch/train.sbatch``
+    with ``overrides``) and the scavenger daemon in its run directory. A context manager: on exit the scavenger
+    is stopped and every job of the run cancelled."""
+
+    def __init__(self, tmp_path, name: str, overrides: str, *, train=("--gres", "gpu:1"), scav=(), poll_s=1.0):
+        self.env = dict(os.environ, **ensure_local_slurm())
+        self.env["RLBOOST_PYTHON"] = sys.executable
+        self.run_dir = tmp_path / "run"
+        self.run_dir.mkdir()
+        self.run_id = f"{name}-{os.getpid()}-{int(time.time())}"
+        self.tag = f"rlboost:{self.run_id}"
+        self.overrides, self.poll_s = overrides, poll_s
+        self.job = sh(["sbatch", "--parsable", "--partition", "train", *train, "--output",
+                       str(self.run_dir / "train-%j.out"),
+                       f"--export=ALL,RLBOOST_RUN_DIR={self.run_dir},RLBOOST_RUN_ID={self.run_id},"
+                       f"RLBOOST_CONFIG={REPO / 'configs/local.toml'},RLBOOST_TRAIN_ARGS={overrides}",
+                       str(REPO / "sbatch/train.sbatch")], self.env).strip().split(";")[0]
+        self.scav_cmd = [sys.executable, "-m", "rlboost_hpc.cli", "scavenger", str(self.run_dir), "--partition",
+                         "scavenger", "--max-jobs", "3", "--grace-s", "10", "--poll-s", str(poll_s), "--script",
+                         str(REPO / "sbatch/rollout.sbatch"), "--log-dir", str(self.run_dir / "logs"),
+                         "--exit-when-done", "--run-id", self.run_id, *scav]
+        self.scav_log = open(self.run_dir / "scavenger.log", "a")
+        self.scav = subprocess.Popen(self.scav_cmd, env=self.env, stdout=self.scav_log, stderr=subprocess.STDOUT)
+
+    def state(self) -> str:
+        return diagnosis(self.env, self.tag, self.run_dir)
+
+    def restart_scavenger(self) -> None:
+        """SIGKILL the scavenger (no warning) and start it again."""
+        self.scav.send_signal(signal.SIGKILL)
+        self.scav.wait(10)
+        self.scav = subprocess.Popen(self.scav_cmd, env=self.env, stdout=self.scav_log, stderr=subprocess.STDOUT)
+
+    def finish(self) -> dict:
+        """Wait (bounded by progress) for the report and the scavenger's exit; returns the report."""
+        wait_progressing(lambda: (self.run_dir / "report.json").exists(), lambda: steps_done(self.run_dir), 180,
+                         "report.json", state=self.state)
+        self.scav.wait(120)
+        return json.loads((self.run_dir / "report.json").read_text())
+
+    def __enter__(self) -> "SlurmRun":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.scav.poll() is None:
+            self.scav.kill()
+        self.scav_log.close()
+        subprocess.run(["scancel", self.job], env=self.env, capture_output=True)
+        ids = [str(j["job_id"]) for j in our_jobs(self.env, self.tag)]
+        if ids:
+            subprocess.run(["scancel", *ids], env=self.env, capture_output=True)
+
+
 def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_restarts(tmp_path):
-    env = dict(os.environ, **ensure_local_slurm())
-    env["RLBOOST_PYTHON"] = sys.executable
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    run_id = f"accept-{os.getpid()}-{int(time.time())}"
     overrides = ("--set trainer.steps=100 --set rollout.max_new_tokens=128 --set rollout.prompts_per_step=16 "
                  "--set cluster.max_workers=3 --set trainer.seed_window_s=0.3 --set network.bind_host=127.0.0.1 "
                  "--set policy.cap=false "  # a steady target: every rollout job ends by preemption or at the end
                  # rollout settings off their defaults: each Slurm rollout job must run with them (worker spec)
                  "--set rollout.max_batch=24 --set weights.streams=2 --set weights.window=3 "
                  "--set weights.pull_timeout_s=45")
-    job = sh(["sbatch", "--parsable", "--partition", "train", "--gres", "gpu:1", "--output",
-              str(run_dir / "train-%j.out"),
-              f"--export=ALL,RLBOOST_RUN_DIR={run_dir},RLBOOST_RUN_ID={run_id},"
-              f"RLBOOST_CONFIG={REPO / 'configs/local.toml'},"
-              f"RLBOOST_TRAIN_ARGS={overrides}", str(REPO / "sbatch/train.sbatch")], env).strip().split(";")[0]
-    scav_cmd = [sys.executable, "-m", "rlboost_hpc.cli", "scavenger", str(run_dir), "--partition", "scavenger",
-                "--gpus-per-job", "1", "--max-jobs", "3", "--grace-s", "10", "--poll-s", "1",
-                "--script", str(REPO / "sbatch/rollout.sbatch"), "--log-dir", str(run_dir / "logs"),
-                "--exit-when-done", "--run-id", run_id]
-    scav_log = open(run_dir / "scavenger.log", "a")
-    scav = subprocess.Popen(scav_cmd, env=env, stdout=scav_log, stderr=subprocess.STDOUT)
-    tag = f"rlboost:{run_id}"
-    state = lambda: diagnosis(env, tag, run_dir)  # noqa: E731
-    try:
+    with SlurmRun(tmp_path, "accept", overrides, scav=("--gpus-per-job", "1")) as r:
+        env, tag, run_dir, state, run_id = r.env, r.tag, r.run_dir, r.state, r.run_id
         # rollout jobs start, register and serve
         wait_for(lambda: steps_done(run_dir) >= 3 and any(e.get("event") in ("tokens", "worker_started")
                                                          for e in events(run_dir)), 180, "rollout jobs serving",
                  state=state)
         # 1st preemption: a high-priority job takes the rollout jobs' nodes
         wait_for(lambda: len(settled_running(env, tag)) >= 2, 120, "2 settled running rollout jobs", state=state)
-        preempt_rollout_nodes(env, tag, job)
+        preempt_rollout_nodes(env, tag, r.job)
         wait_for(lambda: requeues(run_dir) >= 1, 60, "first requeue", state=state)
         # kill the scavenger without warning, restart it: no duplicate submissions
-        scav.send_signal(signal.SIGKILL)
-        scav.wait(10)
         n_before = len(our_jobs(env, tag))
-        scav = subprocess.Popen(scav_cmd, env=env, stdout=scav_log, stderr=subprocess.STDOUT)
+        r.restart_scavenger()
         time.sleep(4)
         assert len(our_jobs(env, tag)) <= max(3, n_before)
         # restart slurmctld mid-run
@@ -141,21 +176,10 @@ def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_resta
         n1 = requeues(run_dir)
         wait_for(lambda: len(settled_running(env, tag)) >= 2, 150, "settled rollout jobs running again", state=state)
         assert not (run_dir / "report.json").exists(), "the run ended before its second preemption:\n" + state()
-        preempt_rollout_nodes(env, tag, job)
+        preempt_rollout_nodes(env, tag, r.job)
         wait_for(lambda: requeues(run_dir) > n1, 90, "second requeue", state=state)
         # the run finishes: waited for as long as steps keep completing (a loaded machine is slow, not stuck)
-        wait_progressing(lambda: (run_dir / "report.json").exists(), lambda: steps_done(run_dir), 180,
-                         "report.json", state=state)
-        scav.wait(120)
-    finally:
-        if scav.poll() is None:
-            scav.kill()
-        scav_log.close()
-        subprocess.run(["scancel", job], env=env, capture_output=True)
-        ids = [str(j["job_id"]) for j in our_jobs(env, tag)]
-        if ids:
-            subprocess.run(["scancel", *ids], env=env, capture_output=True)
-    rep = json.loads((run_dir / "report.json").read_text())
+        rep = r.finish()
     assert "failed" not in rep, rep
     # the trainer's log lines and endpoints.json carry this run's id (an earlier in-process run of the same
     # pytest process once leaked its own through the environment)
@@ -194,38 +218,11 @@ def test_n_resv_and_the_rollout_job_size_come_from_the_trainer_allocation(tmp_pa
     (rollout.gpus_per_instance = 2): N_resv = 4 / 2 = 2 reaches the controller from Slurm's environment (it was
     hard-coded to 1), the scavenger — started with its own default of 1 GPU per job — submits --gres=gpu:2 because
     the run asks for it, and the cap is clamped to the capacity the scavenger reported (at most the 2 idle nodes)."""
-    env = dict(os.environ, **ensure_local_slurm())
-    env["RLBOOST_PYTHON"] = sys.executable
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    run_id = f"nresv-{os.getpid()}-{int(time.time())}"
     overrides = ("--set trainer.steps=6 --set rollout.gpus_per_instance=2 --set cluster.max_workers=3 "
                  "--set trainer.seed_window_s=0.3 --set network.bind_host=127.0.0.1")
-    job = sh(["sbatch", "--parsable", "--partition", "train", "--nodes", "2", "--gres", "gpu:2", "--output",
-              str(run_dir / "train-%j.out"),
-              f"--export=ALL,RLBOOST_RUN_DIR={run_dir},RLBOOST_RUN_ID={run_id},"
-              f"RLBOOST_CONFIG={REPO / 'configs/local.toml'},"
-              f"RLBOOST_TRAIN_ARGS={overrides}", str(REPO / "sbatch/train.sbatch")], env).strip().split(";")[0]
-    scav_log = open(run_dir / "scavenger.log", "a")
-    scav = subprocess.Popen([sys.executable, "-m", "rlboost_hpc.cli", "scavenger", str(run_dir), "--partition",
-                             "scavenger", "--max-jobs", "3", "--grace-s", "10", "--poll-s", "1",
-                             "--script", str(REPO / "sbatch/rollout.sbatch"), "--log-dir", str(run_dir / "logs"),
-                             "--exit-when-done", "--run-id", run_id],
-                            env=env, stdout=scav_log, stderr=subprocess.STDOUT)
-    tag = f"rlboost:{run_id}"
-    try:
-        wait_progressing(lambda: (run_dir / "report.json").exists(), lambda: steps_done(run_dir), 180,
-                         "report.json", state=lambda: diagnosis(env, tag, run_dir))
-        scav.wait(120)
-    finally:
-        if scav.poll() is None:
-            scav.kill()
-        scav_log.close()
-        subprocess.run(["scancel", job], env=env, capture_output=True)
-        ids = [str(j["job_id"]) for j in our_jobs(env, tag)]
-        if ids:
-            subprocess.run(["scancel", *ids], env=env, capture_output=True)
-    rep = json.loads((run_dir / "report.json").read_text())
+    with SlurmRun(tmp_path, "nresv", overrides, train=("--nodes", "2", "--gres", "gpu:2")) as r:
+        rep = r.finish()
+    run_dir = r.run_dir
     assert "failed" not in rep, rep
     assert (rep["n_resv"], rep["n_resv_source"]) == (2.0, "slurm"), rep
     submitted = [e for e in events(run_dir) if e.get("event") == "submitted"]
@@ -245,36 +242,18 @@ def test_the_controller_steers_the_scavenger_on_slurm(tmp_path):
     twice; nothing is lost, duplicated or trained off-version; `stats --plot` draws it."""
     from scavenger.daemon import read_reconcile_log
 
-    env = dict(os.environ, **ensure_local_slurm())
-    env["RLBOOST_PYTHON"] = sys.executable
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    run_id = f"loop-{os.getpid()}-{int(time.time())}"
-    poll_s = 1.0
     overrides = ("--set trainer.steps=50 --set rollout.max_new_tokens=128 --set rollout.prompts_per_step=16 "
                  "--set cluster.max_workers=3 --set trainer.seed_window_s=0.3 --set network.bind_host=127.0.0.1 "
                  "--set policy.cap=true")
-    job = sh(["sbatch", "--parsable", "--partition", "train", "--gres", "gpu:1", "--output",
-              str(run_dir / "train-%j.out"),
-              f"--export=ALL,RLBOOST_RUN_DIR={run_dir},RLBOOST_RUN_ID={run_id},"
-              f"RLBOOST_CONFIG={REPO / 'configs/local.toml'},"
-              f"RLBOOST_TRAIN_ARGS={overrides}", str(REPO / "sbatch/train.sbatch")], env).strip().split(";")[0]
-    scav_log = open(run_dir / "scavenger.log", "a")
-    scav = subprocess.Popen([sys.executable, "-m", "rlboost_hpc.cli", "scavenger", str(run_dir), "--partition",
-                             "scavenger", "--max-jobs", "3", "--grace-s", "10", "--poll-s", str(poll_s),
-                             "--script", str(REPO / "sbatch/rollout.sbatch"), "--log-dir", str(run_dir / "logs"),
-                             "--exit-when-done", "--run-id", run_id],
-                            env=env, stdout=scav_log, stderr=subprocess.STDOUT)
-    tag = f"rlboost:{run_id}"
-    state = lambda: diagnosis(env, tag, run_dir)  # noqa: E731
     preemptions = 0
+    with SlurmRun(tmp_path, "loop", overrides) as r:
+        env, tag, run_dir, state, poll_s = r.env, r.tag, r.run_dir, r.state, r.poll_s
 
-    def off_trainer() -> list:
-        jobs = json.loads(sh(["squeue", "--json"], env))["jobs"]
-        trainer_node = next((node_of(j) for j in jobs if str(j["job_id"]) == job), "")
-        return [j for j in settled_running(env, tag) if node_of(j) not in ("", trainer_node)]
+        def off_trainer() -> list:
+            jobs = json.loads(sh(["squeue", "--json"], env))["jobs"]
+            trainer_node = next((node_of(j) for j in jobs if str(j["job_id"]) == r.job), "")
+            return [j for j in settled_running(env, tag) if node_of(j) not in ("", trainer_node)]
 
-    try:
         for _ in range(2):  # high-priority jobs take the nodes of running rollout jobs, twice
             wait_progressing(lambda: off_trainer() or (run_dir / "report.json").exists(),
                              lambda: steps_done(run_dir), 180, "a settled rollout job off the trainer's node",
@@ -282,22 +261,11 @@ def test_the_controller_steers_the_scavenger_on_slurm(tmp_path):
             if (run_dir / "report.json").exists():
                 break
             n = requeues(run_dir)
-            preempt_rollout_nodes(env, tag, job)
+            preempt_rollout_nodes(env, tag, r.job)
             wait_for(lambda: requeues(run_dir) > n, 90, "the preempted job's requeue", state=state)
             preemptions += 1
-        wait_progressing(lambda: (run_dir / "report.json").exists(), lambda: steps_done(run_dir), 180,
-                         "report.json", state=state)
-        scav.wait(120)
-    finally:
-        if scav.poll() is None:
-            scav.kill()
-        scav_log.close()
-        subprocess.run(["scancel", job], env=env, capture_output=True)
-        ids = [str(j["job_id"]) for j in our_jobs(env, tag)]
-        if ids:
-            subprocess.run(["scancel", *ids], env=env, capture_output=True)
+        rep = r.finish()
     why = state()
-    rep = json.loads((run_dir / "report.json").read_text())
     assert "failed" not in rep, rep
     assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0 and rep["tokens_trained_off_version"] == 0
     assert preemptions == 2, why

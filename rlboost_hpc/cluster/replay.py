@@ -583,10 +583,6 @@ class ReplayDriver:
         """Slots with a running worker that was not signalled, ascending."""
         return sorted(self._running)
 
-    def offered_slots(self) -> list[int]:
-        """Slots the plan offers now (started and not removed), live or held back by the cap, ascending."""
-        return sorted(self._offered)
-
     def live_pids(self) -> dict[int, int | None]:
         """``{slot: pid}`` of the live workers."""
         return {s: w.pid for s, w in sorted(self._running.items())}

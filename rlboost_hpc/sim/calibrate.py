@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rlboost_hpc.cluster.traces import TraceEvent
+from rlboost_hpc.rundir import read_jsonl
 from rlboost_hpc.sim.profiles import EnginePerf, ModelSpec, Profile, Workload
 from rlboost_hpc.sim.simulator import Simulation, SystemSpec
 from rlboost_hpc.sim.workload import Availability
@@ -116,9 +117,9 @@ def simulate_run(run_dir: str | Path, *, capacity: list[tuple[float, float]] | N
     try:
         cfg = json.loads((run_dir / "config.json").read_text())
         rep = json.loads((run_dir / "report.json").read_text())
-        steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     except (OSError, ValueError) as e:
         raise CalibrationError(f"{run_dir}: {e}") from None
+    steps = read_jsonl(run_dir / "metrics.jsonl")
     if not steps:
         raise CalibrationError(f"{run_dir}/metrics.jsonl has no step")
     r, pol = cfg["rollout"], cfg["policy"]

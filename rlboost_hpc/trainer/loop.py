@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import numpy as np
