@@ -39,7 +39,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    print(f"{'task':<10}{'inline':>10}{'pool x1':>10}{'pool x2':>10}{'x1/inline':>11}{'x2/inline':>11}  (seconds per step of 64)")
+    print(f"{'task':<10}{'inline':>10}{'pool x1':>10}{'pool x2':>10}{'x1/inline':>11}{'x2/inline':>11}"
+          "  (seconds per step of 64 answers)")
     for name in ("stories", "gsm8k"):
         task = get_task(name)
         items = answers(name, task)

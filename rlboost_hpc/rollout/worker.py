@@ -11,7 +11,8 @@ Invariants:
   scavenger's drain marker exists: no requeue), ``time_limit`` (within :data:`TIME_LIMIT_WINDOW_S` of the job's
   own end time: requeued, counted apart from preemptions) or ``preempted``; under Slurm a SIGTERM that is not
   the warning signal is a cancellation (``scancel``): ``stopped``, never requeued. The class travels in
-  ``Deregister.cause`` and the ``warned`` event — at any point of the worker's life, registered or not yet. Without a warning (SIGKILL) the manager detects the loss by missed heartbeats.
+  ``Deregister.cause`` and the ``warned`` event — at any point of the worker's life, registered or not yet.
+  Without a warning (SIGKILL) the manager detects the loss by missed heartbeats.
 - Life-cycle events (warned, tokens, requeue) are appended to the run directory's ``events.jsonl`` when one
   is given.
 - A rollout job outlives a trainer crash: when the manager goes silent, a worker with ``--run-dir`` waits
