@@ -27,6 +27,7 @@ from rlboost_hpc.protocol.auth import RunKeys
 from rlboost_hpc.rollout.spec import WorkerSpec
 from rlboost_hpc.tasks.reward_pool import RewardPool
 from rlboost_hpc.cluster.capacity import available_from_scavenger, reserved_instances
+from rlboost_hpc.procutil import reclaim_leftovers
 from rlboost_hpc.rundir import advertised, write_endpoints, write_target
 
 log = logging.getLogger("rlboost.run")
@@ -387,6 +388,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
             write_target(out_dir, 0, active=False, step=len(step_metrics), gpus_per_instance=r.gpus_per_instance)
         if cluster is not None:
             cluster.stop()
+            reclaim_leftovers()  # what SIGKILLed local workers left on this node (shared memory, temp dirs)
         for close in closers:
             close()
         if reserved is not None:

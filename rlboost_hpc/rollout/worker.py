@@ -196,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     for sig in {signal.SIGTERM, warn}:  # installed before the slow imports: a warning is never missed
         signal.signal(sig, on_signal)
     holder["job_end_s"] = job_end_time(args.job_id)
+    from rlboost_hpc.procutil import reclaim_leftovers
+
+    reclaim_leftovers()  # what an earlier attempt on this node left when its whole tree was SIGKILLed
     import msgspec
 
     from rlboost_hpc.rollout.spec import WorkerSpec, WorkerSpecError

@@ -1167,7 +1167,9 @@ def make_sglang_engine(model_config: Mapping[str, Any], state_dict: Mapping[str,
     ``launch_kw`` go to :meth:`SGLangEngine.launch` / :class:`SGLangServer` (``device``, ``dtype``,
     ``stream_interval``, ``deterministic``, ``startup_timeout_s``, ``log_path``, ``env``, ``python``, …).
     """
-    d = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="rlboost-sglang-model-"))
+    # the pid in the name lets the next attempt on this node reclaim it after a SIGKILL (procutil.reclaim_leftovers)
+    d = Path(work_dir) if work_dir is not None else Path(
+        tempfile.mkdtemp(prefix=f"rlboost-sglang-model-{os.getpid()}-"))
     write_hf_dir(model_config, state_dict, d)
     launch_kw.setdefault("log_path", d / "server.log")
     if state_dict is None:
