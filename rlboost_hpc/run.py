@@ -28,7 +28,7 @@ from rlboost_hpc.rollout.spec import WorkerSpec
 from rlboost_hpc.tasks.reward_pool import RewardPool
 from rlboost_hpc.cluster.capacity import available_from_scavenger, reserved_instances
 from rlboost_hpc.procutil import reclaim_leftovers
-from rlboost_hpc.rundir import advertised, write_endpoints, write_target
+from rlboost_hpc.rundir import advertised, write_endpoints, write_file_sd, write_target
 
 log = logging.getLogger("rlboost.run")
 
@@ -188,7 +188,8 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
     write_endpoints(out_dir, endpoint, weights_endpoint, run_id=run_id, curve=keys is not None,
                     metrics=metrics_url.replace("0.0.0.0", host), worker=WorkerSpec.from_config(cfg).to_json())
     if metrics_url:
-        log.warning("manager metrics: %s", metrics_url.replace("0.0.0.0", host))
+        write_file_sd(out_dir, "rlboost-manager", metrics_url.replace("0.0.0.0", host), run_id)
+        log.info("manager metrics: %s (file_sd: %s/prometheus/)", metrics_url.replace("0.0.0.0", host), out_dir)
     slurm = cfg.cluster.kind == "slurm"
     cluster = reserved = reserved_thread = None
     t = cfg.trainer

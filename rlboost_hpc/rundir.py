@@ -10,6 +10,7 @@ Layout (owner in parentheses):
 - ``capacity.json`` (scavenger; read by the trainer at step boundaries): :class:`CapacityView`.
 - ``events.jsonl`` (scavenger and rollout jobs, append-only): job life-cycle events for statistics.
 - ``report.json``, ``metrics.jsonl``, ``run.png`` (trainer): results.
+- ``prometheus/<job>.json`` (trainer: ``rlboost-manager``; scavenger: ``rlboost-scavenger``): file_sd targets.
 
 Invariant: JSON files are replaced atomically (write to a temporary file in the same directory, fsync, rename),
 so a reader never sees a half-written file.
@@ -91,6 +92,22 @@ def read_endpoints(run_dir: Path, wait_s: float = 0.0, poll_s: float = 0.5) -> d
     except (ValueError, KeyError, TypeError) as e:
         raise RunDirError(f"{path} is malformed ({e}); expected keys manager, weights") from None
     return data
+
+
+PROMETHEUS_DIR = "prometheus"
+
+
+def write_file_sd(run_dir: Path, job: str, url: str, run_id: str) -> Path:
+    """Prometheus file-based service discovery for one of the run's endpoints:
+    ``RUN_DIR/prometheus/<job>.json`` = ``[{"targets": ["host:port"], "labels": {"job", "run",
+    "__metrics_path__"}}]`` (point ``file_sd_configs`` at ``RUN_DIR/prometheus/*.json``). Written atomically."""
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    path = Path(run_dir) / PROMETHEUS_DIR / f"{job}.json"
+    write_json_atomic(path, [{"targets": [u.netloc], "labels": {"job": job, "run": run_id,
+                                                                  "__metrics_path__": u.path or "/metrics"}}])
+    return path
 
 
 def write_target(run_dir: Path, n_prem: int, active: bool, step: int, gpus_per_instance: int | None = None) -> None:

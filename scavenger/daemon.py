@@ -527,13 +527,15 @@ class Scavenger:
         """Serve Prometheus metrics (``config.metrics_port``/``metrics_host``); returns the URL, also written to
         ``RUN_DIR/scavenger-metrics.json``. Refreshed after every reconciliation of :meth:`run_forever`."""
         from rlboost_hpc.observe.metrics import serve_metrics
-        from rlboost_hpc.rundir import write_json_atomic
+        from rlboost_hpc.rundir import write_file_sd, write_json_atomic
         from scavenger.metrics import ScavengerMetrics
 
-        self.metrics = ScavengerMetrics(self.config.spot_price_per_gpu_hour, self.config.on_demand_price_per_gpu_hour)
+        self.metrics = ScavengerMetrics(self.config.spot_price_per_gpu_hour, self.config.on_demand_price_per_gpu_hour,
+                                        run_id=self.config.resolved_run_id(self.run_dir))
         host, port = serve_metrics(self.metrics, host=self.config.metrics_host, port=self.config.metrics_port or 0)
         url = f"http://{host}:{port}/metrics"
         write_json_atomic(self.run_dir / "scavenger-metrics.json", {"url": url, "tag": self.tag})
+        write_file_sd(self.run_dir, "rlboost-scavenger", url, self.config.resolved_run_id(self.run_dir))
         log.info("scavenger: metrics at %s", url)
         return url
 

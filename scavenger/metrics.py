@@ -13,11 +13,15 @@ from rlboost_hpc.observe.metrics import SnapshotCollector
 
 
 class ScavengerMetrics(SnapshotCollector):
-    """Collector over the daemon's last reconciliation and the run's harvest statistics."""
+    """Collector over the daemon's last reconciliation and the run's harvest statistics (the conventions of
+    :class:`rlboost_hpc.observe.metrics.ManagerMetrics`: base units, ``_total`` counters, no sentinels, a ``run``
+    label; ``rlboost_scavenger_jobs{state}`` holds parts — pending, running — that sum to the live jobs)."""
 
-    def __init__(self, spot_price_per_gpu_hour: float = 0.0, on_demand_price_per_gpu_hour: float = 0.0) -> None:
+    def __init__(self, spot_price_per_gpu_hour: float = 0.0, on_demand_price_per_gpu_hour: float = 0.0,
+                 run_id: str = "") -> None:
         super().__init__()
         self.spot_price, self.on_demand_price = spot_price_per_gpu_hour, on_demand_price_per_gpu_hour
+        self.run_id = run_id
         self._totals = {"submitted": 0, "cancelled": 0, "signalled": 0, "command_failures": 0, "reconciliations": 0}
 
     def refresh(self, res, stats) -> None:
@@ -28,18 +32,19 @@ class ScavengerMetrics(SnapshotCollector):
         t["signalled"] += len(res.signalled)
         t["command_failures"] += 0 if res.ok else 1
         t["reconciliations"] += 1
+        gpu_s = stats.gpu_hours * 3600.0
         cost = stats.gpu_hours * self.spot_price
         snap = {
-            "target": -1 if res.target is None else res.target.n,
+            "target": None if res.target is None else res.target.n,
             "run_active": 1 if res.target is None or res.target.active else 0,
-            "desired": res.desired, "live": res.live, "pending": res.pending, "running": res.running,
-            "leaving": res.draining, "free_slots": -1 if res.free_slots is None else res.free_slots,
+            "desired": res.desired, "pending": res.pending, "running": res.running,
+            "held": getattr(res, "held", 0), "leaving": res.draining, "idle_slots": res.free_slots,
             "ok": 1 if res.ok else 0, **t,
             "preemptions": stats.preemptions, "requeues": stats.requeues, "attempts": stats.attempts,
-            "gpu_hours": stats.gpu_hours, "tokens_produced": stats.tokens_produced,
-            "harvest_cost": cost,
-            "cost_per_million_tokens": (cost / stats.tokens_produced * 1e6) if stats.tokens_produced else 0.0,
-            "saving_vs_on_demand": stats.gpu_hours * (self.on_demand_price - self.spot_price),
+            "harvested_gpu_seconds": gpu_s, "tokens_produced": stats.tokens_produced,
+            "harvest_cost_dollars": cost,
+            "cost_per_token_dollars": (cost / stats.tokens_produced) if stats.tokens_produced else None,
+            "saving_vs_on_demand_dollars": stats.gpu_hours * (self.on_demand_price - self.spot_price),
         }
         self.publish(snap)
 
@@ -47,31 +52,39 @@ class ScavengerMetrics(SnapshotCollector):
         s = self.snapshot()
         if not s:
             return
-        jobs = GaugeMetricFamily("rlboost_scavenger_jobs", "our rollout jobs by state at the last reconciliation",
-                                 labels=["state"])
-        for k in ("live", "pending", "running", "leaving"):
-            jobs.add_metric([k], s[k])
+        run = [self.run_id]
+        jobs = GaugeMetricFamily("rlboost_scavenger_jobs", "our live rollout jobs by state (pending + running = live)",
+                                 labels=["run", "state"])
+        for k in ("pending", "running"):
+            jobs.add_metric([self.run_id, k], s[k])
         yield jobs
-        for name, doc in [("target", "N_prem the run asks for (-1: no target.json)"),
-                          ("desired", "jobs the daemon aims for (target capped by max_jobs)"),
-                          ("free_slots", "idle GPU slots it may use (-1: not checked this cycle)"),
-                          ("run_active", "1 while the run wants rollout capacity"),
-                          ("ok", "1 if the last reconciliation's Slurm commands all succeeded"),
-                          ("harvested_gpu_hours", "GPU-hours of rollout jobs on harvested capacity"),
-                          ("tokens_produced", "tokens generated on harvested capacity"),
-                          ("harvest_cost", "harvested GPU-hours × spot_price_per_gpu_hour"),
-                          ("cost_per_million_tokens", "harvest cost per million tokens produced there"),
-                          ("saving_vs_on_demand", "harvested GPU-hours × (on-demand − spot price)")]:
-            key = {"harvested_gpu_hours": "gpu_hours"}.get(name, name)
-            g = GaugeMetricFamily(f"rlboost_scavenger_{name}", doc)
-            g.add_metric([], float(s[key]))
+        for name, doc, key in [
+                ("rlboost_scavenger_jobs_leaving", "live jobs told to leave (drained or cancelled, not gone yet)",
+                 "leaving"),
+                ("rlboost_scavenger_jobs_held", "pending jobs held (only a release starts them)", "held"),
+                ("rlboost_scavenger_target_jobs", "N_prem the run asks for (no sample: no target.json yet)", "target"),
+                ("rlboost_scavenger_desired_jobs", "jobs the daemon aims for (target capped by max_jobs)", "desired"),
+                ("rlboost_scavenger_idle_slots", "idle slots of the partition for one rollout job (no sample: not "
+                 "checked)", "idle_slots"),
+                ("rlboost_scavenger_run_active", "1 while the run wants rollout capacity", "run_active"),
+                ("rlboost_scavenger_up", "1 if the last reconciliation's Slurm commands all succeeded", "ok"),
+                ("rlboost_scavenger_cost_per_token_dollars", "harvest cost per token produced there (no sample: no "
+                 "token yet)", "cost_per_token_dollars")]:
+            if s[key] is None:
+                continue
+            g = GaugeMetricFamily(name, doc, labels=["run"])
+            g.add_metric(run, float(s[key]))
             yield g
         for name, doc in [("submitted", "sbatch submissions"), ("cancelled", "scancel of surplus/finished jobs"),
                           ("signalled", "drain signals to surplus jobs"),
                           ("command_failures", "reconciliations ended by a failed Slurm command"),
                           ("reconciliations", "reconciliation steps"),
                           ("preemptions", "preemptions of our jobs (warned)"), ("requeues", "requeues of our jobs"),
-                          ("attempts", "job attempts started (first starts + requeued restarts)")]:
-            c = CounterMetricFamily(f"rlboost_scavenger_{name}", doc)
-            c.add_metric([], float(s[name]))
+                          ("attempts", "job attempts started (first starts + requeued restarts)"),
+                          ("harvested_gpu_seconds", "GPU-seconds of rollout jobs on harvested capacity"),
+                          ("tokens_produced", "tokens generated on harvested capacity"),
+                          ("harvest_cost_dollars", "harvested GPU-hours x spot_price_per_gpu_hour"),
+                          ("saving_vs_on_demand_dollars", "harvested GPU-hours x (on-demand - spot price)")]:
+            c = CounterMetricFamily(f"rlboost_scavenger_{name}", doc, labels=["run"])
+            c.add_metric(run, float(s[name]))
             yield c

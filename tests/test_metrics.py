@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -26,12 +27,12 @@ def test_metrics_endpoint_exposes_manager_state():
         client.call(M.Shutdown(reason="test"), timeout_s=5)
         client.close()
         proc.join(5)
-    for name in ["rlboost_tokens_received_total", "rlboost_responses_migrated_total", "rlboost_queue_depth",
-                 "rlboost_instances_suspected_total", "rlboost_instances_lost", "rlboost_weight_pulls_total", "rlboost_tokens_regenerated_total",
-                 "rlboost_balancer_moves_total"]:
+    for name in ["rlboost_tokens_received_total", "rlboost_responses_migrated_total", "rlboost_queued_requests",
+                 "rlboost_instances_suspected_total", "rlboost_instances_lost", "rlboost_weight_pull_duration_seconds_count",
+                 "rlboost_tokens_regenerated_total", "rlboost_balancer_moves_total"]:
         assert name in text, name
-    assert "rlboost_latest_weight_version 3.0" in text
-    assert "rlboost_t_seed_seconds 1.5" in text and "rlboost_n_prem_cap 4.0" in text
+    assert 'rlboost_latest_weight_version{run=""} 3.0' in text
+    assert 'rlboost_t_seed_seconds{run=""} 1.5' in text and 'rlboost_n_prem_cap{run=""} 4.0' in text
 
 
 def test_grafana_dashboard_queries_only_metrics_that_exist(repo_root):
@@ -47,13 +48,17 @@ def test_grafana_dashboard_queries_only_metrics_that_exist(repo_root):
     from scavenger.metrics import ScavengerMetrics
 
     mm = ManagerMetrics()
-    core = ManagerCore(clock=lambda: 0.0)
+    core = ManagerCore(clock=lambda: 0.0)  # a run under way: every series has a value
+    core.on_message(b"t", M.TrainerHello(weights_endpoint="tcp://w:1", model_config={}))
+    core.on_message(b"t", M.SetVersion(version=0))
+    core.on_message(b"t", M.PolicyState(t_seed_s=1.0, n_prem_cap=2))
     core.on_message(b"i", M.Register(job_id="j", attempt=0, kind="preemptible", max_batch=4))
+    core.on_message(b"i", M.WeightsLoaded(version=0, checksum=1, nbytes=1, pull_s=0.1, load_s=0.0))
     mm.refresh(core)
     sm = ScavengerMetrics(1.0, 2.0)
-    res = SimpleNamespace(submitted=[], cancelled=[], signalled=[], ok=True, target=None, desired=0, live=0,
-                          pending=0, running=0, draining=0, free_slots=None)
-    sm.refresh(res, SimpleNamespace(gpu_hours=0.0, tokens_produced=0, preemptions=0, requeues=0, attempts=0))
+    res = SimpleNamespace(submitted=[], cancelled=[], signalled=[], ok=True, target=SimpleNamespace(n=2, active=True),
+                          desired=2, live=2, pending=1, running=1, draining=0, free_slots=3, held=0)
+    sm.refresh(res, SimpleNamespace(gpu_hours=1.0, tokens_produced=10, preemptions=0, requeues=0, attempts=2))
     exported = set()
     for c in (mm, sm):
         reg = CollectorRegistry()
@@ -62,3 +67,75 @@ def test_grafana_dashboard_queries_only_metrics_that_exist(repo_root):
     dash = json.loads((repo_root / "rlboost_hpc/observe/grafana/rlboost-manager.json").read_text())
     used = {m for p in dash["panels"] for t in p["targets"] for m in re.findall(r"rlboost_\w+", t["expr"])}
     assert used and used <= exported, sorted(used - exported)
+
+
+def test_scraped_metrics_follow_prometheus_conventions(tmp_path):
+    """Issue 16: a running manager and a running scavenger scraped over HTTP and parsed with prometheus_client:
+    base units in names, ``_total`` counters, a Histogram for pull durations, no sentinel values, the ``run``
+    label on every series, no label named ``instance``; file_sd target files in the run directory."""
+    import json
+    import sys
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from rlboost_hpc.rundir import write_file_sd
+    from scavenger.config import ScavengerConfig
+    from scavenger.daemon import Scavenger
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_scavenger import FakeClock, FakeSlurm
+
+    proc, endpoint, url = spawn_manager(dict(pending_limit=8), metrics_host="127.0.0.1", run_id="r42")
+    client = ManagerClient(endpoint)
+    try:
+        client.call(M.TrainerHello(weights_endpoint="tcp://w:1", model_config={}))
+        client.call(M.SetVersion(version=0))
+        client.call(M.Register(job_id="j", attempt=0, kind="preemptible", max_batch=4))
+        client.call(M.WeightsLoaded(version=0, checksum=1, nbytes=1, pull_s=0.3, load_s=0.0))
+        time.sleep(1.0)  # one snapshot refresh
+        manager_text = urllib.request.urlopen(url, timeout=10).read().decode()
+    finally:
+        client.call(M.Shutdown(reason="test"), timeout_s=5)
+        client.close()
+        proc.join(5)
+    write_file_sd(tmp_path, "rlboost-manager", url, "r42")
+    clock = FakeClock()
+    run_dir = tmp_path / "r42"
+    run_dir.mkdir()
+    (run_dir / "target.json").write_text(json.dumps({"n_prem": 1, "active": True}))
+    script = tmp_path / "rollout.sbatch"
+    script.write_text("#!/bin/bash\n")
+    sc = Scavenger(ScavengerConfig(metrics_port=0, run_id="r42"), run_dir, slurm=FakeSlurm(clock), clock=clock,
+                   script=script)
+    scav_url = sc.start_metrics()
+    sc.run_forever(max_cycles=1)
+    scav_text = urllib.request.urlopen(scav_url, timeout=10).read().decode()
+    for text in (manager_text, scav_text):
+        fams = list(text_string_to_metric_families(text))
+        assert fams
+        for fam in fams:
+            assert "hours" not in fam.name and "dollar" not in fam.name.replace("_dollars", ""), fam.name
+            for smp in fam.samples:
+                assert "instance" not in smp.labels, (fam.name, smp.labels)
+                assert smp.labels.get("run") == "r42", (fam.name, smp.labels)
+                assert smp.value >= 0, (fam.name, smp)  # no -1 "no value" sentinels
+                if fam.type == "counter":
+                    assert smp.name.endswith(("_total", "_created")), smp.name
+    types = {f.name: f.type for f in text_string_to_metric_families(manager_text)}
+    assert types["rlboost_weight_pull_duration_seconds"] == "histogram"
+    assert 'rlboost_weight_pull_duration_seconds_bucket{le="0.5",run="r42"} 1.0' in manager_text
+    for job in ("rlboost-manager", "rlboost-scavenger"):
+        sd_dir = tmp_path if job == "rlboost-manager" else run_dir
+        [entry] = json.loads((sd_dir / "prometheus" / f"{job}.json").read_text())
+        assert entry["labels"]["run"] == "r42" and entry["labels"]["job"] == job and len(entry["targets"]) == 1
+
+
+def test_grafana_dashboard_has_panel_ids_and_a_run_variable(repo_root):
+    import json
+
+    dash = json.loads((repo_root / "rlboost_hpc/observe/grafana/rlboost-manager.json").read_text())
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)) and all(isinstance(i, int) for i in ids)
+    assert any(v["name"] == "run" for v in dash["templating"]["list"])
+    assert all('run="$run"' in t["expr"] for p in dash["panels"] for t in p["targets"])
+

@@ -720,14 +720,20 @@ def test_metrics_endpoint_serves_capacity_preemptions_and_cost(env):
     clock.t += 60
     append_event(run_dir, {"event": "tokens", "source": "worker", "job_id": jid, "attempt": 0, "produced": 1_000_000})
     sc.run_forever(max_cycles=1)
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = urllib.request.urlopen(url, timeout=10).read().decode()
-    got = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-           if line.startswith("rlboost_scavenger") and " " in line}
-    assert got['rlboost_scavenger_jobs{state="live"}'] == 2 and got["rlboost_scavenger_target"] == 2
+    got = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            extra = ",".join(f"{k}={v}" for k, v in sorted(smp.labels.items()) if k != "run")
+            got[smp.name + (f"{{{extra}}}" if extra else "")] = smp.value
+    assert got["rlboost_scavenger_jobs{state=pending}"] + got["rlboost_scavenger_jobs{state=running}"] == 2
+    assert got["rlboost_scavenger_target_jobs"] == 2
     assert got["rlboost_scavenger_submitted_total"] == 2 and got["rlboost_scavenger_reconciliations_total"] == 3
     assert got["rlboost_scavenger_preemptions_total"] == 1 and got["rlboost_scavenger_requeues_total"] == 1
-    hours = got["rlboost_scavenger_harvested_gpu_hours"]
+    hours = got["rlboost_scavenger_harvested_gpu_seconds_total"] / 3600
     assert 2.0 <= hours <= 2.1  # two 1-GPU jobs for ~1 h each
-    assert got["rlboost_scavenger_tokens_produced"] == 1_000_000
-    assert got["rlboost_scavenger_cost_per_million_tokens"] == pytest.approx(hours * 2.0)
-    assert got["rlboost_scavenger_saving_vs_on_demand"] == pytest.approx(hours * 8.0)
+    assert got["rlboost_scavenger_tokens_produced_total"] == 1_000_000
+    assert got["rlboost_scavenger_cost_per_token_dollars"] * 1e6 == pytest.approx(hours * 2.0)
+    assert got["rlboost_scavenger_saving_vs_on_demand_dollars_total"] == pytest.approx(hours * 8.0)

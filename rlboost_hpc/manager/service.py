@@ -169,7 +169,7 @@ def run_manager_process(bind: str, params: dict, conn, keys_dir: str | None = No
     if metrics_host is not None:  # Prometheus endpoint on a free port (its URL goes to endpoints.json)
         from rlboost_hpc.observe.metrics import ManagerMetrics, serve_metrics
 
-        metrics = ManagerMetrics()
+        metrics = ManagerMetrics(run_id or "")
         h, port = serve_metrics(metrics, host=metrics_host)
         metrics_url = f"http://{h}:{port}/metrics"
     svc = ManagerService(core, bind, keys=RunKeys.load(keys_dir) if keys_dir else None, metrics=metrics)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 COUNTERS = {
     "tokens_received": "tokens streamed into the manager",
@@ -49,58 +49,77 @@ class SnapshotCollector:
             return dict(self._snap)
 
 
+#: Upper bounds (seconds) of the weight-pull duration histogram: a 1 MB demo model to a 140 GB 70B model.
+PULL_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
 class ManagerMetrics(SnapshotCollector):
-    """Collector over a stats snapshot (``ManagerCore.stats()``, whose ``instances`` has per-instance details)."""
+    """Collector over a stats snapshot (``ManagerCore.stats()``, whose ``instances`` has per-instance details).
+
+    Conventions (Prometheus'): base units in names (``_seconds``), counters end in ``_total``, durations are
+    Histograms, no sentinel values (a value that does not exist yet has no sample), every series carries the
+    ``run`` label, per-instance series label the instance ``rollout_instance`` (``instance`` is Prometheus' own
+    target label), and a labelled metric holds parts that sum to a whole, never the whole beside its parts.
+    """
+
+    def __init__(self, run_id: str = "") -> None:
+        super().__init__()
+        self.run_id = run_id
 
     def refresh(self, core) -> None:
         """Take a snapshot of ``core`` (call from the manager's loop)."""
         snap = core.stats()
-        snap["pull_seconds_sum"] = float(sum(core.pull_seconds))
-        snap["pull_seconds_count"] = len(core.pull_seconds)
+        snap["pull_seconds"] = list(core.pull_seconds)
         self.publish(snap)
 
     def collect(self):
         s = self.snapshot()
         if not s:
             return
+        run = [self.run_id]
         for name, doc in COUNTERS.items():
-            c = CounterMetricFamily(f"rlboost_{name}", doc)
-            c.add_metric([], float(s.get(name, 0)))
+            c = CounterMetricFamily(f"rlboost_{name}", doc, labels=["run"])
+            c.add_metric(run, float(s.get(name, 0)))
             yield c
-        g = GaugeMetricFamily("rlboost_instances", "rollout instances by kind and state", labels=["kind", "state"])
+        g = GaugeMetricFamily("rlboost_instances", "rollout instances by kind and state (parts of the whole)",
+                              labels=["run", "kind", "state"])
         counts: dict[tuple[str, str], int] = {}
         for i in s["instances"].values():
             counts[(i["kind"], i["state"])] = counts.get((i["kind"], i["state"]), 0) + 1
         for (kind, state), n in counts.items():
-            g.add_metric([kind, state], n)
+            g.add_metric([self.run_id, kind, state], n)
         yield g
-        v = GaugeMetricFamily("rlboost_instance_weight_version", "weight version held per instance", labels=["instance"])
-        q = GaugeMetricFamily("rlboost_instance_inflight", "requests in flight per instance", labels=["instance"])
+        v = GaugeMetricFamily("rlboost_instance_weight_version", "weight version held per rollout instance",
+                              labels=["run", "rollout_instance"])
+        q = GaugeMetricFamily("rlboost_instance_inflight_requests", "requests in flight per rollout instance",
+                              labels=["run", "rollout_instance"])
         for key, i in s["instances"].items():
-            v.add_metric([key], i["version"])
-            q.add_metric([key], i["inflight"])
+            if i["version"] >= 0:  # no version loaded yet: no sample
+                v.add_metric([self.run_id, key], i["version"])
+            q.add_metric([self.run_id, key], i["inflight"])
         yield v
         yield q
         for name, doc, val in [
             ("rlboost_latest_weight_version", "latest published weight version", s["latest_version"]),
             ("rlboost_step", "current RL step", s["step"]),
-            ("rlboost_queue_depth", "requests waiting at the manager", s["queued"]),
+            ("rlboost_queued_requests", "requests waiting at the manager", s["queued"]),
             ("rlboost_running_requests", "requests running on instances", s["running"]),
             ("rlboost_instances_lost", "instances that went silent and have not come back (lost without warning)",
              s["instances_lost"]),
-            ("rlboost_t_seed_seconds", "seeding window T_seed in force", s.get("t_seed_s") or 0.0),
-            ("rlboost_n_prem_cap", "N_prem: cap on preemptible instances (-1: none)",
-             -1 if s.get("n_prem_cap") is None else s["n_prem_cap"]),
+            ("rlboost_t_seed_seconds", "seeding window T_seed in force", s.get("t_seed_s")),
+            ("rlboost_n_prem_cap", "N_prem: the cap on preemptible instances (no sample: no cap)", s.get("n_prem_cap")),
         ]:
-            m = GaugeMetricFamily(name, doc)
-            m.add_metric([], float(val))
+            if val is None or (name in ("rlboost_latest_weight_version", "rlboost_step") and val < 0):
+                continue  # does not exist yet: no sample, never a sentinel
+            m = GaugeMetricFamily(name, doc, labels=["run"])
+            m.add_metric(run, float(val))
             yield m
-        p = CounterMetricFamily("rlboost_weight_pull_seconds", "weight pull durations (sum, count)")
-        p.add_metric(["sum"], s["pull_seconds_sum"])
-        yield p
-        pc = CounterMetricFamily("rlboost_weight_pulls", "weight pulls reported")
-        pc.add_metric([], s["pull_seconds_count"])
-        yield pc
+        pulls = s.get("pull_seconds", [])
+        h = HistogramMetricFamily("rlboost_weight_pull_duration_seconds",
+                                  "verified weight pulls by duration (pull + verify + load)", labels=["run"])
+        buckets = [(repr(b), sum(1 for x in pulls if x <= b)) for b in PULL_BUCKETS_S] + [("+Inf", len(pulls))]
+        h.add_metric(run, buckets, float(sum(pulls)))
+        yield h
 
 
 def serve_metrics(collector, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
