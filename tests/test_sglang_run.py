@@ -35,7 +35,7 @@ def test_demo_with_sglang_workers_meets_the_report_contract(repo_root, tmp_path)
                 *[f'rollout.sglang.env.{k}="{v}"' for k, v in env.items()],
                 f'cluster.trace="{tmp_path / "trace.csv"}"', "cluster.time_scale=1.0", "cluster.replay_s=300",
                 "cluster.window_start_s=0", "cluster.max_workers=1", "policy.cap=false", "trainer.steps=60",
-                "cluster.preempt_when_busy=true",
+                "cluster.preempt_when_busy=true", "cluster.busy_wait_max_s=90",  # a loaded machine is slow
                 # steps long enough (128 responses × 96 tokens) that the reserved engine cannot finish one
                 # alone within a fixed seeding window that outlasts the server's per-step weight load
                 # (pull + load ≈ 0.3 s): its partial responses are then handed over to the SGLang server

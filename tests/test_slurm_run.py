@@ -229,8 +229,10 @@ def test_n_resv_and_the_rollout_job_size_come_from_the_trainer_allocation(tmp_pa
     assert submitted and {e["gpus"] for e in submitted} == {2}, submitted
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     avail = [m["n_available"] for m in steps]
-    # 4 nodes × 2 GPUs, the trainer holds 2 nodes: the scavenger sees at most 2 instances of 2 GPUs
-    assert all(a is not None and a <= 2 for a in avail), avail
+    # 4 nodes × 2 GPUs, the trainer holds 2 nodes: the scavenger sees at most 2 instances of 2 GPUs (a step that
+    # ends before the scavenger's first view falls back to cluster.max_workers = 3)
+    seen = [a for a in avail if a != 3]
+    assert seen and all(a <= 2 for a in seen) and avail[-1] <= 2, avail
     assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0
 
 
