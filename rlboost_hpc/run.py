@@ -219,7 +219,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
     try:
         start_step, trainer_state, resumes, prior_counts, prior_wall = 0, None, 0, {}, 0.0
         if ckpt is not None:  # model, optimizer, RNG now; the loop's state once the trainer exists
-            start_step, trainer_state, run_state = checkpoint.load(ckpt, backend, run_keys=(
+            start_step, trainer_state, run_state = checkpoint.load(ckpt, backend, verified=True, run_keys=(
                 "step_metrics", "before", "resumes", "counts", "train_wall_s"))
             step_metrics, before, resumes = run_state["step_metrics"], run_state["before"], run_state["resumes"] + 1
             prior_counts, prior_wall = run_state["counts"], run_state["train_wall_s"]

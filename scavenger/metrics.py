@@ -38,7 +38,7 @@ class ScavengerMetrics(SnapshotCollector):
             "target": None if res.target is None else res.target.n,
             "run_active": 1 if res.target is None or res.target.active else 0,
             "desired": res.desired, "pending": res.pending, "running": res.running,
-            "held": getattr(res, "held", 0), "leaving": res.draining, "idle_slots": res.free_slots,
+            "held": res.held, "leaving": res.draining, "idle_slots": res.free_slots,
             "ok": 1 if res.ok else 0, **t,
             "preemptions": stats.preemptions, "requeues": stats.requeues, "attempts": stats.attempts,
             "harvested_gpu_seconds": gpu_s, "tokens_produced": stats.tokens_produced,

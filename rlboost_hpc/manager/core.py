@@ -572,9 +572,6 @@ class ManagerCore:
             self.send(peer, M.Error(what="setver", cid=msg.cid,
                                     error=f"version {msg.version} < latest {self.latest_version}"))
             return
-        for key, rec in self.step_remote.items():
-            if key in self.instances and self.balancer.peak(key) is not None:
-                rec.peak = self.balancer.peak(key)
         obs = observe_remote([RemoteWork(tokens=r.tokens, peak_tokens_per_s=r.peak, busy_s=r.last_s - r.first_s)
                               for r in self.step_remote.values()],
                              rollout_done_s=self.step_rollout_done_at, step_end_s=self.clock())
@@ -789,7 +786,9 @@ class ManagerCore:
             batches.setdefault(inst.key, []).append(req.work())
             self.counters["dispatched"] += 1
             if inst.kind == "preemptible":
-                self.step_remote.setdefault(inst.key, _StepWork(self.clock(), self.clock()))
+                if inst.key not in self.step_remote:  # its peak so far; _balance keeps it current
+                    self.step_remote[inst.key] = _StepWork(self.clock(), self.clock(),
+                                                           peak=self.balancer.peak(inst.key))
         self.queue.extendleft(reversed(deferred))
         for key, works in batches.items():
             self.send(self.instances[key].peer, M.Assign(works=works))

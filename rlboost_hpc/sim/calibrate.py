@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlboost_hpc.cluster.traces import TraceEvent
 from rlboost_hpc.rundir import read_jsonl
-from rlboost_hpc.sim.profiles import EnginePerf, ModelSpec, Profile, Workload
+from rlboost_hpc.sim.profiles import EnginePerf, ModelSpec, Network, Profile, Workload
 from rlboost_hpc.sim.simulator import Simulation, SystemSpec
 from rlboost_hpc.sim.workload import Availability
 
@@ -133,12 +133,11 @@ def simulate_run(run_dir: str | Path, *, capacity: list[tuple[float, float]] | N
                   min_response=1, response_median=max(1.0, resp), sigma_prompt=0.3, sigma_response=0.3,
                   prompt_median=prompt, micro_batch=cfg["trainer"]["micro_batch"])
     n_resv = float(rep.get("n_resv") or 1.0)
-    base = Profile(ModelSpec("live", 1e6, 1, 64, 1, 1, 64), reserved_nodes=1, gpus_per_node=1, reserved_tp=1,
-                   instance_tp=1, switch_to_rollout_s=0.0, switch_to_train_s=0.0, optimizer_s=0.0, boot_s=boot_s)
-    net = replace(base.net, publish_s=statistics.fmean(m.get("publish_s", 0.0) for m in steps))
-    prof = CalibratedProfile(**{f: getattr(base, f) for f in base.__dataclass_fields__}, perf=perf,
-                             train_s_per_token=train_s_per_token)
-    prof = replace(prof, workload=wl, net=net, gpus_per_node=max(1, round(n_resv)))
+    prof = CalibratedProfile(
+        ModelSpec("live", 1e6, 1, 64, 1, 1, 64), reserved_nodes=1, gpus_per_node=max(1, round(n_resv)),
+        reserved_tp=1, instance_tp=1, switch_to_rollout_s=0.0, switch_to_train_s=0.0, optimizer_s=0.0,
+        boot_s=boot_s, workload=wl, net=Network(publish_s=statistics.fmean(m.get("publish_s", 0.0) for m in steps)),
+        perf=perf, train_s_per_token=train_s_per_token)
     system = SystemSpec("live", t_seed_initial=cfg["trainer"]["seed_window_s"], eta=pol["eta"],
                         floor_s=pol["seed_floor_s"], adapt=pol["adaptive_seeding"], memory=pol["seed_memory"],
                         use_cap=pol["cap"], dispatch="jsq" if pol["dispatch"] == "jsq" else "rr",

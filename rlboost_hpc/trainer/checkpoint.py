@@ -205,14 +205,16 @@ def latest_step(run_dir: str | os.PathLike) -> int:
     return 0 if ckpt is None else step_of(ckpt)
 
 
-def load(path: Path, backend, run_keys: tuple[str, ...] = ()) -> tuple[int, dict[str, Any], dict[str, Any]]:
-    """Verify ``path`` against its manifest and restore the backend; returns (step, trainer_state, run_state).
+def load(path: Path, backend, run_keys: tuple[str, ...] = (), *,
+         verified: bool = False) -> tuple[int, dict[str, Any], dict[str, Any]]:
+    """Verify ``path`` against its manifest (skipped when ``verified``: the caller just did, e.g. with
+    :func:`newest_verified`) and restore the backend; returns (step, trainer_state, run_state).
 
     Raises:
         CheckpointError: missing/extra/changed file, unreadable manifest or state, or a ``run_state`` without
             one of ``run_keys`` (a checkpoint written by another version of rlboost-hpc).
     """
-    step = verify(path)
+    step = int(json.loads((path / "manifest.json").read_text())["step"]) if verified else verify(path)
     if not (path / "trainer.json").is_file():
         raise CheckpointError(f"checkpoint {path} has no trainer.json (written by an older rlboost-hpc, whose "
                               "pickled trainer.pt is not loaded); resume it with that version, or start a fresh run")
