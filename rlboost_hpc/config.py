@@ -155,6 +155,11 @@ class WeightsCfg(_Strict):
     window: int = Field(4, ge=1)
     chunk_bytes: int = Field(1 << 20, ge=4096)
     pull_timeout_s: float = Field(30.0, gt=0)
+    delta: bool = Field(True, description=(
+        "ship version v as a delta against v-1 to instances holding v-1 (they keep one host copy of the model as "
+        "the base); checksums always cover the full version"))
+    delta_max_ratio: float = Field(0.5, gt=0, le=1, description=(
+        "a version's delta is offered only when its bytes are below this fraction of the full version"))
 
 
 class TrainerCfg(_Strict):

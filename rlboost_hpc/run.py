@@ -178,7 +178,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
             keys = RunKeys.generate()
             keys.save(out_dir)
     server = WeightServer(bind=f"tcp://{cfg.network.bind_host}:0", chunk_bytes=cfg.weights.chunk_bytes,
-                          keys=keys).start()
+                          keys=keys, delta=cfg.weights.delta, delta_max_ratio=cfg.weights.delta_max_ratio).start()
     mproc, bound, metrics_url = _start_manager(cfg, str(out_dir) if keys else None,
                                                str(out_dir / journal_mod.NAME), run_id)
     host = cfg.network.advertise_host or (socket.gethostname() if cfg.network.bind_host in ("0.0.0.0", "*")
@@ -207,7 +207,9 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
     def publish(version: int) -> dict:
         t0 = time.monotonic()
         man = server.publish(version, backend.export_weights(), dtype=wdtype)
-        d = {"publish_s": time.monotonic() - t0, "weight_bytes": int(man.total_bytes)}
+        delta = server.delta_nbytes(version)
+        d = {"publish_s": time.monotonic() - t0, "weight_bytes": int(man.total_bytes), "weight_checksum": man.checksum,
+             "weight_update_bytes": int(man.total_bytes if delta is None else delta)}
         publishes.append(d)
         return d
 
@@ -232,8 +234,8 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
         version0 = trainer_state["version"] if trainer_state else 0
         client.call(M.TrainerHello(weights_endpoint=weights_endpoint, model_config=policy.hf_config,
                                    model_arch=arch.to_json()))
-        publish(version0)
-        client.call(M.SetVersion(version=version0))
+        man0 = publish(version0)
+        client.call(M.SetVersion(version=version0, checksum=man0["weight_checksum"]))
         if ckpt is None:
             before = evaluate(arch, server.local_state_dict(0), tok, task, **eval_kw)
             before.pop("sampled")
@@ -357,6 +359,11 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
             "weight_pulls": final_stats["weight_loads"],
             "weight_pull_failures": final_stats["weight_load_failures"],
             "weight_pull_seconds_mean": final_stats["pull_seconds_mean"],
+            "weight_bytes": publishes[-1]["weight_bytes"] if publishes else 0,
+            "weight_update_bytes_mean": (sum(p["weight_update_bytes"] for p in publishes[1:]) / (len(publishes) - 1)
+                                         if len(publishes) > 1 else 0.0),
+            "weight_pulled_bytes": final_stats["weight_pulled_bytes"],
+            "weight_checksum_mismatches": final_stats["weight_checksum_mismatches"],
             "instances_lost_without_warning": final_stats["instances_lost"],
             "instances_suspected": tally["instances_suspected"],
             "instances_recovered": tally["instances_recovered"],

@@ -129,7 +129,8 @@ def chaos_main(argv: list[str] | None = None) -> int:
     liveness = {k: rep[k] for k in ("instances_suspected", "instances_recovered", "deltas_out_of_order")}
     checks = {"responses_lost": rep["responses_lost"], "responses_duplicated": rep["responses_duplicated"],
               "tokens_trained_off_version": rep["tokens_trained_off_version"],
-              "prompts_not_trained_exactly_once": rep["prompts_not_trained_exactly_once"]}
+              "prompts_not_trained_exactly_once": rep["prompts_not_trained_exactly_once"],
+              "weight_checksum_mismatches": rep["weight_checksum_mismatches"]}
     print(json.dumps({"faults": faults, "liveness": liveness, "checks": checks, "steps": rep["steps"]}, indent=2))
     return 0 if all(v == 0 for v in checks.values()) else 1
 

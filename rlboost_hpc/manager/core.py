@@ -220,6 +220,7 @@ class ManagerCore:
         self.model_config: dict = {}
         self.model_arch: dict = {}
         self.latest_version = -1
+        self.latest_checksum = 0  # whole-version checksum of latest_version's manifest (0: not given)
         self.step = -1
         self.seeding_open = False
         self.failed_step: str | None = None
@@ -233,7 +234,7 @@ class ManagerCore:
                 "responses_delivered", "request_failures", "protocol_rejects", "released_requests",
                 "balancer_moves", "instances_suspected", "instances_recovered", "instances_expired",
                 "suspected_while_pulling", "recovered_while_pulling", "groups_redelivered", "connections_closed",
-                "deltas_out_of_order", "slow_weight_loads",
+                "deltas_out_of_order", "slow_weight_loads", "weight_checksum_mismatches", "weight_pulled_bytes",
             )
         }
         self.pull_seconds: list[float] = []
@@ -443,6 +444,16 @@ class ManagerCore:
         if msg.load_s > self.heartbeat_timeout_s:
             self.counters["slow_weight_loads"] += 1  # longer than the deadline: it had to keep heartbeating
         self.pull_seconds.append(msg.pull_s)
+        self.counters["weight_pulled_bytes"] += msg.wire_bytes
+        if msg.version == self.latest_version and self.latest_checksum and msg.checksum != self.latest_checksum:
+            # bytes other than the trainer's export: never routable; it is asked to leave (a replacement pulls anew)
+            self.counters["weight_checksum_mismatches"] += 1
+            self.counters["weight_load_failures"] += 1
+            reason = (f"loaded version {msg.version} with checksum {msg.checksum:x}, the trainer published "
+                      f"{self.latest_checksum:x}")
+            self._fence(inst, reason)
+            self.send(inst.peer, M.Drain(reason=reason))
+            return
         inst.version = msg.version
         if inst.state in (S.PULLING, S.FENCED) and msg.version == self.latest_version:
             self._set_state(inst, S.READY)
@@ -579,6 +590,7 @@ class ManagerCore:
                                  "n_remote": obs.n_remote, "tokens": obs.tokens}
         self.step_remote, self.step_rollout_done_at = {}, None
         self.latest_version = msg.version
+        self.latest_checksum = msg.checksum
         if self.on_version is not None:  # the journal records it durably before anyone acts on it
             self.on_version(msg.version)
         for i in self.live_instances():

@@ -23,6 +23,8 @@ COUNTERS = {
     "instances_fenced": "instances fenced (bad version, bad delta, failed weight load)",
     "weight_loads": "complete, verified weight versions loaded by instances",
     "weight_load_failures": "failed weight pulls or loads",
+    "weight_checksum_mismatches": "weight loads whose checksum differs from the trainer's manifest (instance drained)",
+    "weight_pulled_bytes": "bytes instances received for weight versions (delta pulls count their payloads)",
     "dispatched": "request dispatches",
     "responses_delivered": "responses delivered to the trainer",
     "protocol_rejects": "frames rejected by schema or from unknown peers",

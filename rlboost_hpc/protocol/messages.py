@@ -53,13 +53,16 @@ class Heartbeat(_Msg, tag="hb"):
 
 
 class WeightsLoaded(_Msg, tag="wloaded"):
-    """The instance loaded a complete, checksum-verified version (phases in seconds)."""
+    """The instance loaded a complete, checksum-verified version (phases in seconds). ``checksum``: the
+    whole-version checksum of the bytes it loaded; ``wire_bytes``: bytes it received for this version (less
+    than ``nbytes`` for a delta pull; 0 when nothing moved, e.g. a re-registration)."""
 
     version: int
     checksum: int
     nbytes: int
     pull_s: float
     load_s: float
+    wire_bytes: int = 0
 
 
 class WeightsFailed(_Msg, tag="wfailed"):
@@ -226,10 +229,12 @@ class TrainerHello(_Msg, tag="thello"):
 
 
 class SetVersion(_Msg, tag="setver"):
-    """The weight server holds ``version``; from now on only its holders are routable."""
+    """The weight server holds ``version`` (whole-version ``checksum`` of its manifest; 0: not given); from now
+    on only its holders are routable, and an instance reporting another checksum for it is not."""
 
     version: int
     cid: int = 0
+    checksum: int = 0
 
 
 class SubmitStep(_Msg, tag="submit"):

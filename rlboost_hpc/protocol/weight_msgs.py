@@ -6,8 +6,13 @@ One request/reply exchange per message; every message is one msgpack map with a 
 
 Exchanges (puller = ZeroMQ DEALER, holder = ROUTER)::
 
-    [GetManifest(version|None)]            -> [Manifest] | [Error]
-    [GetChunk(version, index)]             -> [Chunk(version, index, nbytes), <nbytes raw bytes>] | [Error]
+    [GetManifest(version|None, base)]      -> [Manifest] | [Error]
+    [GetChunk(version, index, base)]       -> [Chunk(version, index, nbytes, base), <nbytes raw bytes>] | [Error]
+
+Delta versions: a puller that holds version ``base`` says so in ``GetManifest.base``; when the holder has
+version ``version`` encoded as a delta against exactly that base, the manifest carries a :class:`DeltaInfo`
+(payload size per chunk, see :mod:`rlboost_hpc.weights.delta`), and ``GetChunk(..., base=base)`` returns a
+chunk's delta payload instead of its bytes. The manifest's checksums are always those of the full version.
 
 Invariants:
 - Decoding is total: :func:`decode_request` and :func:`decode_reply` either return a valid message of
@@ -36,6 +41,7 @@ from rlboost_hpc.protocol.errors import ProtocolError
 
 __all__ = [
     "Chunk",
+    "DeltaInfo",
     "Error",
     "ErrorCode",
     "GetChunk",
@@ -93,6 +99,7 @@ class ErrorCode:
     BAD_INDEX: Final = "bad_index"  #: chunk index outside the version's chunk range
     BAD_REQUEST: Final = "bad_request"  #: the request frame was rejected (see message)
     INTERNAL: Final = "internal"  #: the holder failed while serving a valid request (see message)
+    NO_DELTA: Final = "no_delta"  #: no delta payload of that chunk against that base (fetch it in full)
 
 
 class _Msg(Struct, tag_field="t", frozen=True, forbid_unknown_fields=True):
@@ -114,16 +121,32 @@ class TensorSpec(Struct, frozen=True, array_like=True, forbid_unknown_fields=Tru
 
 
 class GetManifest(_Msg, tag="get_manifest"):
-    """Ask for the manifest of ``version`` (``None``: the latest published version)."""
+    """Ask for the manifest of ``version`` (``None``: the latest published version). ``base``: the version the
+    puller holds (a delta against it is offered when the holder has one)."""
 
     version: Version | None = None
+    base: Version | None = None
 
 
 class GetChunk(_Msg, tag="get_chunk"):
-    """Ask for chunk ``index`` (bytes ``[index*chunk_bytes, min(total, (index+1)*chunk_bytes))``) of ``version``."""
+    """Ask for chunk ``index`` (bytes ``[index*chunk_bytes, min(total, (index+1)*chunk_bytes))``) of ``version``;
+    with ``base``, for its delta payload against version ``base`` instead."""
 
     version: Version
     index: NonNeg
+    base: Version | None = None
+
+
+class DeltaInfo(Struct, frozen=True, forbid_unknown_fields=True):
+    """How version ``Manifest.version`` is encoded against ``base_version`` (whose whole-version checksum is
+    ``base_checksum``). ``sizes``: per chunk, the delta payload in bytes — 0: the chunk equals the base's;
+    smaller than the chunk: a payload to fetch with ``GetChunk(base=base_version)``; otherwise: fetch the
+    chunk in full. ``nbytes``: what a puller receives in all (payloads plus chunks fetched in full)."""
+
+    base_version: Version
+    base_checksum: U64
+    sizes: list[NonNeg]
+    nbytes: NonNeg
 
 
 class Manifest(_Msg, tag="manifest"):
@@ -141,14 +164,17 @@ class Manifest(_Msg, tag="manifest"):
     tensors: list[TensorSpec]
     chunk_checksums: list[U64]
     checksum: U64
+    delta: DeltaInfo | None = None
 
 
 class Chunk(_Msg, tag="chunk"):
-    """Header of one chunk; the next frame of the same message holds exactly ``nbytes`` raw bytes."""
+    """Header of one chunk; the next frame of the same message holds exactly ``nbytes`` raw bytes (with
+    ``base``: the chunk's delta payload against version ``base``)."""
 
     version: Version
     index: NonNeg
     nbytes: NonNeg
+    base: Version | None = None
 
 
 class Error(_Msg, tag="error"):
@@ -241,6 +267,13 @@ def validate_manifest(m: Manifest) -> None:
         )
     if combine_checksums(m.chunk_checksums) != m.checksum:
         raise ProtocolError(f"manifest of version {m.version}: checksum does not match its chunk checksums", "invalid")
+    if m.delta is not None:
+        if len(m.delta.sizes) != n:
+            raise ProtocolError(f"manifest of version {m.version}: delta lists {len(m.delta.sizes)} chunk sizes, "
+                                f"expected {n}", "invalid")
+        if m.delta.base_version >= m.version:
+            raise ProtocolError(f"manifest of version {m.version}: delta against version {m.delta.base_version}, "
+                                "which is not older", "invalid")
     seen: set[str] = set()
     for t in m.tensors:
         item = DTYPE_ITEMSIZE.get(t.dtype)

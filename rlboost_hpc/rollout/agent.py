@@ -55,19 +55,48 @@ EXIT_OK, EXIT_REJECTED, EXIT_UNREACHABLE, EXIT_FAILED = 0, 2, 3, 4
 WeightSource = Callable[[int], tuple[Mapping, dict]]
 
 
+class RemoteWeights:
+    """Pulls weight versions for one rollout worker, keeping the last one as the base of the next (delta) pull.
+
+    One object per worker process, across reconnects to restarted trainers: :meth:`source` gives the
+    :data:`WeightSource` of a weight server endpoint. With ``keep_base`` the version last pulled stays in host
+    memory (one copy of the model in the wire dtype, e.g. 2 bytes per parameter in bf16) and is offered to the
+    holder; a holder with a delta against exactly that version ships only the changed chunks, and the base's
+    buffer is turned into the new version in place (``WeightPuller.pull(base=...)``). Without it every pull is
+    full and nothing is kept after the engine loaded it.
+
+    Precondition (held by :class:`RolloutAgent`): a version's tensors are no longer read once the next pull
+    starts — engines copy what they load.
+    """
+
+    def __init__(self, streams: int, window: int, timeout_s: float, *, keep_base: bool = True) -> None:
+        self.streams, self.window, self.timeout_s = streams, window, timeout_s
+        self.keep_base = keep_base
+        self._base = None  # PulledWeights of the last successful pull (keep_base only)
+
+    def source(self, endpoint: str, keys: RunKeys | None = None) -> WeightSource:
+        """The weight source pulling from the holder at ``endpoint`` (CURVE client ``keys`` of its run)."""
+
+        def pull(version: int):
+            from rlboost_hpc.weights.puller import WeightPuller
+
+            t0 = time.monotonic()
+            base, self._base = self._base, None  # consumed by the pull, whatever its outcome
+            got = WeightPuller(endpoint, streams=self.streams, window=self.window, timeout_s=self.timeout_s,
+                               keys=keys).pull(version, base=base)
+            if self.keep_base:
+                self._base = got
+            return got.state_dict, {"checksum": int(got.checksum), "nbytes": int(got.nbytes),
+                                    "pull_s": time.monotonic() - t0, "phases": got.phases}
+
+        return pull
+
+
 def remote_weight_source(endpoint: str, streams: int, window: int, timeout_s: float,
-                         keys: RunKeys | None = None) -> WeightSource:
-    """Pull versions from the weight server at ``endpoint`` over ``streams`` parallel ZeroMQ streams."""
-
-    def pull(version: int):
-        from rlboost_hpc.weights.puller import WeightPuller
-
-        t0 = time.monotonic()
-        got = WeightPuller(endpoint, streams=streams, window=window, timeout_s=timeout_s, keys=keys).pull(version)
-        return got.state_dict, {"checksum": int(getattr(got, "checksum", 0) or 0), "nbytes": int(got.nbytes),
-                                "pull_s": time.monotonic() - t0, "phases": getattr(got, "phases", {})}
-
-    return pull
+                         keys: RunKeys | None = None, *, keep_base: bool = True) -> WeightSource:
+    """Pull versions from the weight server at ``endpoint`` over ``streams`` parallel ZeroMQ streams
+    (:class:`RemoteWeights` for one endpoint)."""
+    return RemoteWeights(streams, window, timeout_s, keep_base=keep_base).source(endpoint, keys)
 
 
 class ManagerLink:
@@ -284,6 +313,7 @@ class RolloutAgent:
             try:
                 eng = factory(model_config, sd, arch=ModelArch.from_json(arch_json) if arch_json else None)
                 eng.version = version
+                eng.weights_checksum = int(info.get("checksum", 0))
             except Exception as e:
                 return version, None, None, f"engine start failed: {type(e).__name__}: {e}", None
             return version, sd, dict(info, build_s=time.monotonic() - t0), None, eng
@@ -312,6 +342,7 @@ class RolloutAgent:
                     if self.fault_load_delay_s:
                         time.sleep(self.fault_load_delay_s)  # on this thread, like a slow real load
                     self.engine.load_weights(sd, version)
+                    self.engine.weights_checksum = int(info.get("checksum", 0))
                 except Exception as e:
                     self._pull = None
                     self._pull_failures += 1
@@ -322,7 +353,8 @@ class RolloutAgent:
             self.timings.setdefault("weights_loaded", time.time())
             self._send(M.WeightsLoaded(version=version, checksum=info.get("checksum", 0),
                                        nbytes=info.get("nbytes", 0), pull_s=info.get("pull_s", 0.0),
-                                       load_s=info.get("build_s", time.monotonic() - t0)))
+                                       load_s=info.get("build_s", time.monotonic() - t0),
+                                       wire_bytes=int(info.get("phases", {}).get("bytes_received", 0))))
             return
         if (self._pull is None and self.want_version > current and self.want_version >= 0
                 and time.monotonic() >= self._next_pull_at):
@@ -415,7 +447,8 @@ class RolloutAgent:
             self._source = self.weight_source_factory(msg.weights_endpoint)
             self.want_version = max(self.want_version, msg.latest_version)
             if self.held_version() == msg.latest_version >= 0:  # re-registration with this manager
-                self._send(M.WeightsLoaded(version=self.engine.version, checksum=0, nbytes=0, pull_s=0.0, load_s=0.0))
+                self._send(M.WeightsLoaded(version=self.engine.version, checksum=self.engine.weights_checksum,
+                                           nbytes=0, pull_s=0.0, load_s=0.0))
             self.timings.setdefault("welcome", time.time())
         elif isinstance(msg, M.Assign):
             for w in msg.works:

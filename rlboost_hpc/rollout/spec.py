@@ -29,6 +29,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
         torch_threads: torch intra-op threads of the worker process (``rollout.torch_threads``).
         weight_streams / weight_window / pull_timeout_s: the weight puller (``weights.streams``, ``weights.window``,
             ``weights.pull_timeout_s``).
+        weight_delta: keep the last pulled version as the base of delta pulls (``weights.delta``).
     """
 
     engine: dict[str, Any] = msgspec.field(default_factory=lambda: {"kind": "torch"})
@@ -37,6 +38,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     weight_streams: int = 4
     weight_window: int = 4
     pull_timeout_s: float = 30.0
+    weight_delta: bool = True
 
     @classmethod
     def from_config(cls, cfg) -> "WorkerSpec":
@@ -45,7 +47,8 @@ class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
 
         return cls(engine=engine_spec(cfg.rollout), max_batch=cfg.rollout.max_batch,
                    torch_threads=cfg.rollout.torch_threads, weight_streams=cfg.weights.streams,
-                   weight_window=cfg.weights.window, pull_timeout_s=cfg.weights.pull_timeout_s)
+                   weight_window=cfg.weights.window, pull_timeout_s=cfg.weights.pull_timeout_s,
+                   weight_delta=cfg.weights.delta)
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON for ``endpoints.json``."""

@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(wspec.torch_threads)
-    from rlboost_hpc.rollout.agent import EXIT_UNREACHABLE, RolloutAgent, remote_weight_source
+    from rlboost_hpc.rollout.agent import EXIT_UNREACHABLE, RemoteWeights, RolloutAgent
     from rlboost_hpc.rollout.engines.base import EngineError
     from rlboost_hpc.rollout.engines.factory import factory_from_spec
 
@@ -250,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     # One builder thread for every connection: an SGLang server dies with the thread that started it
     # (PR_SET_PDEATHSIG), so that thread must outlive reconnects.
     builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{args.job_id}-builder")
+    weights = RemoteWeights(wspec.weight_streams, wspec.weight_window, wspec.pull_timeout_s,
+                            keep_base=wspec.weight_delta)  # the delta base survives reconnects
     produced = handed_off = 0
 
     def make_agent(manager: str, keys, engine=None, engine_epoch=None) -> RolloutAgent:
@@ -260,8 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             fault_load_delay_s=args.fault_load_delay_s,
             engine_name=spec.get("kind", "torch"), engine=engine, engine_epoch=engine_epoch,
             close_engine=False, builder=builder,
-            weight_source_factory=lambda ep: remote_weight_source(ep, wspec.weight_streams, wspec.weight_window,
-                                                                  wspec.pull_timeout_s, keys))
+            weight_source_factory=lambda ep: weights.source(ep, keys))
 
     agent = make_agent(manager, keys)
     holder["agent"] = agent

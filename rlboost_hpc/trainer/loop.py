@@ -282,7 +282,7 @@ class RLTrainer:
         t_train += self.clock() - tt
         self.version += 1
         pub = self.publish(self.version)
-        self.client.call(M.SetVersion(version=self.version))
+        self.client.call(M.SetVersion(version=self.version, checksum=int(pub.get("weight_checksum", 0))))
         policy = {}
         if self.controller is not None:
             st = self.client.stats()

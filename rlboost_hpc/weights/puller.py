@@ -15,6 +15,14 @@ naming the phase, the endpoint, the version and the cause):
 3. ``verify`` — the whole-version checksum is recomputed from the digests of the bytes received.
 4. ``assemble`` — tensors are views of the buffer (no copy).
 
+Delta pulls: given the version it holds (``base``), the puller announces it in the manifest request; when
+the holder has the requested version encoded against exactly that base (same whole-version checksum, same
+layout), the transfer turns the base's buffer into the new version in place — unchanged chunks cost
+nothing, changed ones arrive as delta payloads (:mod:`rlboost_hpc.weights.delta`), the rest in full. Every
+chunk is verified against the manifest's checksum of the *full* chunk; a delta that does not verify (wrong
+base, corrupt payload) or that the holder no longer has is fetched again in full, so the result is the same
+bytes as a full pull.
+
 Invariants:
 - All or nothing (case W3): a pull returns only a complete version whose every chunk matched the
   manifest's checksum and whose whole-version checksum matched; otherwise it raises and the partially
@@ -43,6 +51,7 @@ from rlboost_hpc.protocol.weight_msgs import (
     MAX_HEADER_BYTES,
     MAX_MANIFEST_BYTES,
     Chunk,
+    DeltaInfo,
     Error,
     ErrorCode,
     GetChunk,
@@ -54,6 +63,7 @@ from rlboost_hpc.protocol.weight_msgs import (
     encode,
     validate_manifest,
 )
+from rlboost_hpc.weights import delta as delta_codec
 from rlboost_hpc.weights import layout
 
 _SLICE_S = 0.05  # longest single poll, so that a failure on one stream stops the others promptly
@@ -88,8 +98,11 @@ class PulledWeights:
     uint8 buffer of ``nbytes`` bytes. seconds: wall time of the whole pull. phases: wall seconds per phase
     (``manifest_s``, ``transfer_s`` — includes per-chunk verification overlapped with receiving,
     ``verify_s``, ``assemble_s``) plus ``chunk_hash_s`` (summed CPU seconds of per-chunk xxh3 over all
-    streams) and ``chunk_retries``. checksum: the whole-version checksum (equal to the manifest's).
-    buffer: the uint8 buffer every tensor views (``nbytes`` long).
+    streams), ``chunk_retries``, ``bytes_received`` (payload bytes over the wire), and for a delta pull
+    ``delta_chunks`` / ``unchanged_chunks`` / ``full_chunks`` and ``delta_fallbacks`` (delta chunks fetched
+    again in full). checksum: the whole-version checksum (equal to the manifest's). buffer: the uint8 buffer
+    every tensor views (``nbytes`` long). manifest: the holder's manifest of this version (the layout and
+    chunk checksums a later delta pull compares against).
     """
 
     version: int
@@ -99,6 +112,7 @@ class PulledWeights:
     phases: dict[str, float]
     checksum: int
     buffer: torch.Tensor = field(repr=False, default_factory=lambda: torch.empty(0, dtype=torch.uint8))
+    manifest: Manifest | None = field(repr=False, default=None)
 
 
 class _Failed(Exception):
@@ -109,22 +123,49 @@ class _Failed(Exception):
 
 
 class _Transfer:
-    """Shared state of the transfer phase: index queue, digests, first failure."""
+    """Shared state of the transfer phase: index queue, digests, first failure.
 
-    def __init__(self, manifest: Manifest, dest: memoryview, timeout_s: float, deadline: float | None):
+    ``delta``/``base_digests``: set for a delta pull (``dest`` then holds the base version's bytes); chunk i
+    is then unchanged (its digest is known, nothing is requested), fetched as a delta payload, or in full.
+    """
+
+    def __init__(self, manifest: Manifest, dest: memoryview, timeout_s: float, deadline: float | None,
+                 delta: DeltaInfo | None = None, base_digests: list[int] | None = None):
         self.m = manifest
         self.dest = dest
         self.timeout_s = timeout_s
         self.deadline = deadline
         self.n = len(manifest.chunk_checksums)
         self.lock = threading.Lock()
-        self.todo = collections.deque(range(self.n))
         self.digests: list[int | None] = [None] * self.n
-        self.received = 0
+        self.use_delta = [False] * self.n
+        self.unchanged = self.delta_chunks = self.delta_fallbacks = 0
+        todo = range(self.n)
+        if delta is not None and base_digests is not None:
+            todo = []
+            for i, size in enumerate(delta.sizes):
+                lo, hi = self.span(i)
+                if size == 0 and base_digests[i] == manifest.chunk_checksums[i]:
+                    self.digests[i] = base_digests[i]
+                    self.unchanged += 1
+                    continue
+                self.use_delta[i] = 0 < size < hi - lo
+                todo.append(i)
+            self.delta_chunks = sum(self.use_delta)
+        self.base = None if delta is None else delta.base_version
+        self.todo = collections.deque(todo)
+        self.received = self.unchanged
         self.retries = 0
+        self.bytes_received = 0
         self.hash_s = 0.0
         self.stop = threading.Event()
         self.error: _Failed | None = None
+
+    def fall_back(self, index: int) -> None:
+        """Fetch chunk ``index`` in full from now on (its delta failed or is not served)."""
+        with self.lock:
+            self.use_delta[index] = False
+            self.delta_fallbacks += 1
 
     def take(self) -> int | None:
         with self.lock:
@@ -183,7 +224,8 @@ class WeightPuller:
         self.keys = keys  # CURVE client keys of the run (protocol/auth.py); None: plain TCP
 
     # ------------------------------------------------------------------ public
-    def pull(self, version: int | None = None, *, into: torch.Tensor | None = None) -> PulledWeights:
+    def pull(self, version: int | None = None, *, into: torch.Tensor | None = None,
+             base: PulledWeights | None = None) -> PulledWeights:
         """Fetch ``version`` (None: the holder's latest) completely and verify it.
 
         Args:
@@ -192,6 +234,10 @@ class WeightPuller:
                 staging buffer that is copied to the GPU after each pull. The caller guarantees nothing
                 reads it during the pull; on failure its contents are undefined. Default: a fresh buffer
                 (:func:`rlboost_hpc.weights.layout.host_buffer`), so earlier pulls stay valid.
+            base: a version this process pulled before and no longer reads. It is *consumed*: when the
+                holder offers a delta against it, its buffer is turned into the new version in place;
+                otherwise its buffer is reused as the receive buffer when large enough (and ``into`` is not
+                given). After the call — success or failure — only the result may be used.
 
         Returns:
             :class:`PulledWeights` whose tensors view the receive buffer.
@@ -211,13 +257,18 @@ class WeightPuller:
         phase = "manifest"
         want = version
         try:
-            manifest = self._get_manifest(ctx, version, deadline)
+            manifest = self._get_manifest(ctx, version, deadline, None if base is None else base.version)
             want = manifest.version
             t1 = time.perf_counter()
             phases["manifest_s"] = t1 - t0
 
             phase = "transfer"
-            if into is None:
+            delta = manifest.delta if base is not None and _applies(manifest, base) else None
+            if delta is not None:
+                buffer = base.buffer[: manifest.total_bytes]
+            elif into is None and base is not None and base.buffer.numel() >= manifest.total_bytes:
+                buffer = base.buffer[: manifest.total_bytes]
+            elif into is None:
                 buffer = layout.host_buffer(manifest.total_bytes)
             else:
                 if (into.dtype != torch.uint8 or into.dim() != 1 or not into.is_contiguous()
@@ -227,12 +278,19 @@ class WeightPuller:
                         f"got {into.dtype} {tuple(into.shape)} on {into.device}"
                     )
                 buffer = into[: manifest.total_bytes]
-            tr = _Transfer(manifest, memoryview(buffer.numpy()), self.timeout_s, deadline)
+            tr = _Transfer(manifest, memoryview(buffer.numpy()), self.timeout_s, deadline, delta,
+                           None if delta is None else base.manifest.chunk_checksums)
             self._transfer(ctx, tr)
             t2 = time.perf_counter()
             phases["transfer_s"] = t2 - t1
             phases["chunk_hash_s"] = tr.hash_s
             phases["chunk_retries"] = float(tr.retries)
+            phases["bytes_received"] = float(tr.bytes_received)
+            if delta is not None:
+                phases["unchanged_chunks"] = float(tr.unchanged)
+                phases["delta_chunks"] = float(sum(tr.use_delta))
+                phases["delta_fallbacks"] = float(tr.delta_fallbacks)
+                phases["full_chunks"] = float(tr.n - tr.unchanged - sum(tr.use_delta))
 
             phase = "verify"
             digests = [d for d in tr.digests if d is not None]
@@ -263,6 +321,7 @@ class WeightPuller:
             phases=phases,
             checksum=manifest.checksum,
             buffer=buffer,
+            manifest=manifest,
         )
 
     # ------------------------------------------------------------------ phases
@@ -284,13 +343,14 @@ class WeightPuller:
             raise
         return s
 
-    def _get_manifest(self, ctx: zmq.Context, version: int | None, deadline: float | None) -> Manifest:
+    def _get_manifest(self, ctx: zmq.Context, version: int | None, deadline: float | None,
+                      base: int | None = None) -> Manifest:
         end = time.perf_counter() + self.timeout_s
         if deadline is not None:
             end = min(end, deadline)
         sock = self._socket(ctx, MAX_MANIFEST_BYTES)
         try:
-            msg = encode(GetManifest(version=version))
+            msg = encode(GetManifest(version=version, base=base))
             while True:
                 try:
                     sock.send(msg, zmq.NOBLOCK)
@@ -373,8 +433,9 @@ class WeightPuller:
         last_reply = time.perf_counter()
 
         def request(i: int) -> None:
+            base = tr.base if tr.use_delta[i] else None
             try:
-                sock.send(encode(GetChunk(version=version, index=i)), zmq.NOBLOCK)
+                sock.send(encode(GetChunk(version=version, index=i, base=base)), zmq.NOBLOCK)
             except zmq.Again:
                 raise _Failed(f"stream send queue full while requesting chunk {i}") from None
             outstanding.add(i)
@@ -406,6 +467,11 @@ class WeightPuller:
             except ProtocolError as e:
                 raise _Failed(f"bad chunk reply: {e}") from None
             if isinstance(reply, Error):
+                if reply.code == ErrorCode.NO_DELTA and reply.index in outstanding and tr.use_delta[reply.index]:
+                    tr.fall_back(reply.index)
+                    outstanding.discard(reply.index)
+                    request(reply.index)
+                    continue
                 if reply.code == ErrorCode.VERSION_GONE:
                     raise _Failed(f"version no longer held by the holder ({reply.message})", reply.code)
                 raise _Failed(f"holder refused chunk {reply.index} ({reply.code}): {reply.message}", reply.code)
@@ -417,14 +483,28 @@ class WeightPuller:
                     f"unexpected chunk (version {reply.version}, index {i}) while pulling version {version}"
                 )
             lo, hi = tr.span(i)
-            if reply.nbytes != hi - lo or not sock.getsockopt(zmq.RCVMORE):
-                raise _Failed(f"chunk {i}: header says {reply.nbytes} bytes, expected {hi - lo} in one frame")
-            got = sock.recv_into(tr.dest[lo:hi])
-            if got != hi - lo or sock.getsockopt(zmq.RCVMORE):
-                raise _Failed(f"chunk {i}: payload of {got} bytes, expected {hi - lo}")
+            if tr.use_delta[i]:
+                if not self._apply_delta(sock, tr, reply, lo, hi):
+                    tr.fall_back(i)  # the base chunk in dest is spoilt now: the full chunk replaces it
+                    request(i)
+                    continue
+            elif reply.base is not None:
+                raise _Failed(f"chunk {i}: the holder sent a delta payload for a chunk asked for in full")
+            else:
+                if reply.nbytes != hi - lo or not sock.getsockopt(zmq.RCVMORE):
+                    raise _Failed(f"chunk {i}: header says {reply.nbytes} bytes, expected {hi - lo} in one frame")
+                got = sock.recv_into(tr.dest[lo:hi])
+                if got != hi - lo or sock.getsockopt(zmq.RCVMORE):
+                    raise _Failed(f"chunk {i}: payload of {got} bytes, expected {hi - lo}")
+                with tr.lock:
+                    tr.bytes_received += got
             h0 = time.perf_counter()
             digest = chunk_checksum(tr.dest[lo:hi])
             h1 = time.perf_counter()
+            if digest != tr.m.chunk_checksums[i] and tr.use_delta[i]:  # a delta that does not verify
+                tr.fall_back(i)
+                request(i)
+                continue
             if digest != tr.m.chunk_checksums[i]:
                 attempts[i] = attempts.get(i, 0) + 1
                 if attempts[i] > 1:
@@ -441,3 +521,36 @@ class WeightPuller:
                 tr.digests[i] = digest
                 tr.received += 1
                 tr.hash_s += h1 - h0
+
+    @staticmethod
+    def _apply_delta(sock: zmq.Socket, tr: _Transfer, reply: Chunk, lo: int, hi: int) -> bool:
+        """Receive chunk ``reply.index``'s delta payload and apply it to ``dest[lo:hi]`` in place.
+
+        Returns False (the caller fetches the chunk in full) for a reply that is not the delta asked for or a
+        payload that does not decode to the chunk's length. Raises _Failed for a malformed message."""
+        i = reply.index
+        if not sock.getsockopt(zmq.RCVMORE):
+            raise _Failed(f"chunk {i}: delta header without a payload frame")
+        frame = sock.recv(copy=False)
+        if sock.getsockopt(zmq.RCVMORE):
+            raise _Failed(f"chunk {i}: more than one payload frame")
+        payload = frame.buffer
+        with tr.lock:
+            tr.bytes_received += payload.nbytes
+        if reply.base != tr.base or reply.nbytes != payload.nbytes:
+            return False
+        try:
+            delta_codec.apply_chunk(tr.dest[lo:hi], payload)
+        except delta_codec.DeltaError:
+            return False
+        return True
+
+
+def _applies(manifest: Manifest, base: PulledWeights) -> bool:
+    """True when ``manifest``'s delta was encoded against exactly ``base``: same base version and whole-version
+    checksum, same layout and chunking, and a buffer large enough."""
+    d, bm = manifest.delta, base.manifest
+    return (d is not None and bm is not None and d.base_version == base.version
+            and d.base_checksum == base.checksum == bm.checksum and bm.tensors == manifest.tensors
+            and bm.chunk_bytes == manifest.chunk_bytes and bm.total_bytes == manifest.total_bytes
+            and base.buffer.numel() >= manifest.total_bytes)

@@ -18,16 +18,23 @@ Invariants:
   counted in :attr:`WeightServer.stats` and logged once per peer; the serving thread keeps running.
 - Zero copy on the send path: chunk payloads are ``memoryview`` slices of the buffer sent with
   ``copy=False``.
+- Delta versions (:mod:`rlboost_hpc.weights.delta`): with ``delta`` on, version v is also encoded against the
+  version published just before it (same layout) and offered to pullers that hold exactly that version —
+  when its bytes are below ``delta_max_ratio`` of the full version. The manifest's checksums stay those of
+  the full version, so a puller verifies what it assembled, whatever the route.
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+import msgspec
 import torch
 import zmq
 
@@ -36,6 +43,7 @@ from rlboost_hpc.protocol.auth import RunKeys, max_msg_size, secure_server, stop
 from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.protocol.weight_msgs import (
     Chunk,
+    DeltaInfo,
     Error,
     ErrorCode,
     GetChunk,
@@ -47,6 +55,7 @@ from rlboost_hpc.protocol.weight_msgs import (
     encode,
     num_chunks,
 )
+from rlboost_hpc.weights import delta as delta_codec
 from rlboost_hpc.weights import layout
 
 log = logging.getLogger(__name__)
@@ -68,6 +77,8 @@ class _Held:
     buffer: torch.Tensor  # uint8, 1-D, total_bytes
     view: memoryview  # of buffer (read-only), for zero-copy chunk frames
     n_chunks: int
+    delta: "delta_codec.Delta | None" = None  # against the version published before, when worth it
+    delta_manifest_frame: bytes | None = None  # the manifest with its DeltaInfo
 
 
 class WeightServer:
@@ -85,6 +96,11 @@ class WeightServer:
             (temporarily set process-wide, then restored); None leaves torch's setting alone. On small or
             shared hosts 1 is much faster (measured 20× on a busy 2-core VM: the OpenMP team waits for
             descheduled threads, and the copy is memory-bound anyway).
+        delta: also encode each version against the one published before it and offer that delta to
+            pullers holding it.
+        delta_max_ratio: a delta is kept only when its bytes are below this fraction of the full version.
+        delta_threads: threads encoding a delta's chunks (numpy XOR and zstd release the GIL; default
+            ``min(8, cpus)``; measured 1.3 GiB/s on 2 threads for sparse RL updates, 0.7 GiB/s for dense ones).
 
     Use as a context manager, or call :meth:`start` / :meth:`close`.
     """
@@ -100,11 +116,22 @@ class WeightServer:
         pin_memory: bool = False,
         copy_threads: int | None = None,
         keys: "RunKeys | None" = None,
+        delta: bool = True,
+        delta_max_ratio: float = 0.5,
+        delta_threads: int | None = None,
     ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
         if keep_versions < 1:
             raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
+        if delta_threads is None:
+            delta_threads = min(8, os.cpu_count() or 1)
+        if not 0 < delta_max_ratio <= 1 or delta_threads < 1:
+            raise ValueError(f"delta_max_ratio must be in (0, 1] and delta_threads >= 1, got {delta_max_ratio}, "
+                             f"{delta_threads}")
+        self._delta = bool(delta)
+        self.delta_max_ratio = float(delta_max_ratio)
+        self._delta_threads = int(delta_threads)
         self._bind = bind
         self._keys = keys  # CURVE: only clients with the run's key may connect (protocol/auth.py)
         self.chunk_bytes = int(chunk_bytes)
@@ -137,6 +164,10 @@ class WeightServer:
             "publishes": 0,
             "publish_seconds": 0.0,
             "internal_errors": 0,
+            "delta_publishes": 0,
+            "delta_seconds": 0.0,
+            "delta_chunks_served": 0,
+            "delta_bytes_served": 0,
         }
         self._stats_lock = threading.Lock()  # guards the Counters (they grow keys while being copied)
 
@@ -208,7 +239,9 @@ class WeightServer:
     def stats(self) -> dict[str, Any]:
         """Snapshot of counters: manifests/chunks/bytes served, errors sent by code, rejected frames
         (total and by :attr:`ProtocolError.reason` or ``framing``), replies dropped because the peer
-        vanished or its queue was full, publishes and total publish seconds, internal errors."""
+        vanished or its queue was full, publishes and total publish seconds (delta encoding included),
+        internal errors; versions published with a delta, seconds spent encoding deltas, delta payloads and
+        their bytes served (``chunks_served`` / ``bytes_served`` count full chunks only)."""
         with self._stats_lock:
             s = dict(self._stats)
             s["errors_sent"] = dict(s["errors_sent"])
@@ -240,7 +273,8 @@ class WeightServer:
         keep theirs. Tensors are placed in sorted-name order (:mod:`rlboost_hpc.weights.layout`).
         Checksums are computed before the version becomes visible; the oldest versions beyond
         ``keep_versions`` are then evicted. Runs in the caller's thread (≈ one cast-copy pass plus one
-        xxh3 pass over the bytes; see ``stats["publish_seconds"]``). May be called before :meth:`start`.
+        xxh3 pass over the bytes, plus the delta's XOR + zstd pass when deltas are on; see
+        ``stats["publish_seconds"]``). May be called before :meth:`start`.
 
         Returns:
             The version's :class:`Manifest`.
@@ -282,7 +316,7 @@ class WeightServer:
             chunk_checksums=digests,
             checksum=combine_checksums(digests),
         )
-        held = _Held(manifest, encode(manifest), buffer, view, n)
+        held = self._with_delta(_Held(manifest, encode(manifest), buffer, view, n))
         with self._lock:
             if self._last_version is not None and version <= self._last_version:
                 raise ValueError(
@@ -295,6 +329,37 @@ class WeightServer:
         self._stats["publishes"] += 1
         self._stats["publish_seconds"] += time.perf_counter() - t0
         return manifest
+
+    def _with_delta(self, held: _Held) -> _Held:
+        """``held`` plus its delta against the newest held version, when deltas are on, the layouts match and
+        the delta is below ``delta_max_ratio`` of the full bytes."""
+        if not self._delta:
+            return held
+        with self._lock:
+            base = self._lookup(None)
+        m = held.manifest
+        if (base is None or base.manifest.tensors != m.tensors or base.manifest.chunk_bytes != m.chunk_bytes
+                or m.total_bytes == 0):
+            return held
+        t0 = time.perf_counter()
+        d = delta_codec.encode(held.view, base.view, m.chunk_bytes, base.manifest.version, base.manifest.checksum,
+                               threads=self._delta_threads)
+        self._stats["delta_seconds"] += time.perf_counter() - t0
+        if d.nbytes >= self.delta_max_ratio * m.total_bytes:
+            return held
+        self._stats["delta_publishes"] += 1
+        info = DeltaInfo(base_version=d.base_version, base_checksum=d.base_checksum, sizes=d.sizes, nbytes=d.nbytes)
+        return dataclasses.replace(held, delta=d, delta_manifest_frame=encode(
+            msgspec.structs.replace(m, delta=info)))
+
+    def delta_nbytes(self, version: int | None = None) -> int | None:
+        """Bytes a puller holding the previous version receives for ``version`` (None: latest) through its
+        delta; None when the version has no delta. Raises KeyError if the version is not held."""
+        with self._lock:
+            held = self._lookup(version)
+        if held is None:
+            raise KeyError(f"version {version} is not held (held: {self.versions})")
+        return None if held.delta is None else held.delta.nbytes
 
     def manifest(self, version: int | None = None) -> Manifest:
         """Manifest of a held ``version`` (None: latest). Raises KeyError if not held."""
@@ -368,8 +433,11 @@ class WeightServer:
         if held is None:
             self._send_error(peer, req, *self._why_missing(req.version, versions))
             return
+        delta = held.delta if req.base is not None and held.delta is not None \
+            and held.delta.base_version == req.base else None
         if isinstance(req, GetManifest):
-            if self._send(peer, [held.manifest_frame]):
+            frame = held.manifest_frame if delta is None else held.delta_manifest_frame
+            if self._send(peer, [frame]):
                 self._stats["manifests_served"] += 1
             return
         assert isinstance(req, GetChunk)
@@ -378,6 +446,9 @@ class WeightServer:
                 peer, req, ErrorCode.BAD_INDEX,
                 f"chunk {req.index} out of range: version {req.version} has {held.n_chunks} chunks",
             )
+            return
+        if req.base is not None:
+            self._serve_delta(peer, req, delta)
             return
         cb = held.manifest.chunk_bytes
         payload: Any = held.view[req.index * cb : (req.index + 1) * cb]
@@ -388,6 +459,21 @@ class WeightServer:
         if self._send(peer, [header, payload]):
             self._stats["chunks_served"] += 1
             self._stats["bytes_served"] += nbytes
+
+    def _serve_delta(self, peer: bytes, req: GetChunk, delta: "delta_codec.Delta | None") -> None:
+        payload: Any = None if delta is None else delta.payloads[req.index]
+        if payload is None:
+            self._send_error(peer, req, ErrorCode.NO_DELTA,
+                             f"no delta payload of chunk {req.index} of version {req.version} against version "
+                             f"{req.base}: fetch it in full")
+            return
+        nbytes = len(payload)
+        if self._payload_hook is not None:
+            payload = self._payload_hook(req.version, req.index, memoryview(payload))
+        header = encode(Chunk(version=req.version, index=req.index, nbytes=nbytes, base=req.base))
+        if self._send(peer, [header, payload]):
+            self._stats["delta_chunks_served"] += 1
+            self._stats["delta_bytes_served"] += nbytes
 
     @staticmethod
     def _why_missing(version: int | None, held: list[int]) -> tuple[str, str]:

@@ -120,6 +120,8 @@ class Engine(abc.ABC):
 
     max_batch: int
     version: int = -1
+    #: whole-version checksum of the weight bytes loaded as :attr:`version` (set by whoever loads them; 0: unknown)
+    weights_checksum: int = 0
 
     @abc.abstractmethod
     def add(self, req: GenRequest) -> None:
