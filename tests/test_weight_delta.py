@@ -45,6 +45,17 @@ def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
                                         if b[k].dtype == torch.bfloat16 else b[k]) for k in a)
 
 
+def published(server: WeightServer, seed: int, frac: float, **puller_kw):
+    """Versions 0 and 1 (a step changing ``frac`` of the elements) on ``server``; version 0 pulled.
+    Returns (puller, the pulled version 0)."""
+    sd = model()
+    server.publish(0, sd)
+    p = WeightPuller(server.endpoint, timeout_s=10, **puller_kw)
+    held = p.pull(0)
+    server.publish(1, step(sd, torch.Generator().manual_seed(seed), frac))
+    return p, held
+
+
 @pytest.fixture
 def server():
     with WeightServer(chunk_bytes=CHUNK, keep_versions=2) as s:
@@ -97,15 +108,8 @@ def test_sparse_update_moves_a_small_fraction_and_dense_one_goes_full(server):
 
 
 def test_a_corrupted_base_is_detected_per_chunk_and_fetched_in_full(server):
-    g = torch.Generator().manual_seed(2)
-    sd = model()
-    server.publish(0, sd)
-    p = WeightPuller(server.endpoint, streams=1, timeout_s=10)
-    held = p.pull(0)
-    sd = step(sd, g, 0.05)
-    server.publish(1, sd)
-    d = server.delta_nbytes(1)
-    assert d is not None
+    p, held = published(server, 2, 0.05, streams=1)
+    assert server.delta_nbytes(1) is not None
     held.buffer[:held.nbytes].bitwise_xor_(torch.tensor(0x5A, dtype=torch.uint8))  # memory went bad after verify
     got = p.pull(1, base=held)
     assert got.phases["delta_fallbacks"] > 0
@@ -126,12 +130,7 @@ def test_a_base_of_another_run_with_the_same_version_number_is_not_used(server):
 
 
 def test_a_corrupt_delta_payload_falls_back_to_the_full_chunk(server):
-    g = torch.Generator().manual_seed(4)
-    sd = model()
-    server.publish(0, sd)
-    p = WeightPuller(server.endpoint, timeout_s=10)
-    held = p.pull(0)
-    server.publish(1, step(sd, g, 0.05))
+    p, held = published(server, 4, 0.05)
     server._payload_hook = lambda v, i, payload: bytes(payload[: len(payload) // 2]) \
         if isinstance(payload.obj, bytes) else payload  # every delta payload (not the full chunks) is truncated
     got = p.pull(1, base=held)
