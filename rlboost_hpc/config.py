@@ -160,6 +160,15 @@ class WeightsCfg(_Strict):
         "the base); checksums always cover the full version"))
     delta_max_ratio: float = Field(0.5, gt=0, le=1, description=(
         "a version's delta is offered only when its bytes are below this fraction of the full version"))
+    relay: bool = Field(True, description=(
+        "peer relay: instances holding the latest version serve it to others (bytes only; manifests and checksums "
+        "come from the trainer), so the trainer's egress does not grow with N_prem"))
+    relay_fanout: int = Field(4, ge=1, description="pullers one instance serves at once")
+    relay_trainer_fanout: int = Field(2, ge=1, description="pullers the trainer serves at once while relay is on")
+    relay_wait_s: float = Field(10.0, ge=0, description=(
+        "longest an instance waits for relay capacity before pulling from the trainer anyway"))
+    relay_timeout_s: float = Field(5.0, gt=0, description=(
+        "a relay peer silent this long is abandoned; the pull resumes from the next source at the chunk it reached"))
 
 
 class TrainerCfg(_Strict):

@@ -102,7 +102,9 @@ def _start_manager(cfg: RunConfig, keys_dir: str | None, journal_path: str | Non
         instance_expiry_s=cfg.manager.instance_expiry_s,
         stream_every_tokens=cfg.rollout.stream_every_tokens, stream_every_s=cfg.rollout.stream_every_s,
         dispatch_policy=cfg.policy.dispatch, balance_every_s=cfg.policy.balance_every_s,
-        balancer=Balancer() if cfg.policy.balance else None))
+        balancer=Balancer() if cfg.policy.balance else None,
+        relay_fanout=cfg.weights.relay_fanout if cfg.weights.relay else 0,
+        relay_trainer_fanout=cfg.weights.relay_trainer_fanout))
 
 
 def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True, run_id: str | None = None) -> dict:
@@ -312,6 +314,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
                 view.update(m)
         train_wall = prior_wall + time.monotonic() - t_train0  # training time of every incarnation
         final_stats = client.stats()
+        server_stats = server.stats  # what the trainer sent (the rest of weight_pulled_bytes came from relay peers)
         after = evaluate(arch, server.local_state_dict(trainer.version), tok, task, **eval_kw)
         kl = kl_to_reference(backend, after.pop("sampled"))
         model_out = None
@@ -364,6 +367,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
                                          if len(publishes) > 1 else 0.0),
             "weight_pulled_bytes": final_stats["weight_pulled_bytes"],
             "weight_checksum_mismatches": final_stats["weight_checksum_mismatches"],
+            "weight_trainer_bytes_served": server_stats["bytes_served"] + server_stats["delta_bytes_served"],
             "instances_lost_without_warning": final_stats["instances_lost"],
             "instances_suspected": tally["instances_suspected"],
             "instances_recovered": tally["instances_recovered"],

@@ -42,6 +42,7 @@ import numpy as np
 
 from rlboost_hpc.policy.dispatch import Balancer, InstanceLoad, PlateauEstimator, choose_instance
 from rlboost_hpc.policy.observation import RemoteWork, observe_remote
+from rlboost_hpc.policy.relay import RelayTree, Source
 from rlboost_hpc.protocol import messages as M
 
 log = logging.getLogger("rlboost.manager")
@@ -80,6 +81,7 @@ class Instance:
     registered_at: float
     last_seen: float
     engine: str = "torch"
+    relay_endpoint: str = ""  # where it serves the versions it holds (relay); "" = it does not serve
     state: InstanceState = InstanceState.PULLING
     version: int = -1
     inflight: set[str] = field(default_factory=set)
@@ -176,6 +178,8 @@ class ManagerCore:
         balancer: Balancer | None = None,
         balance_every_s: float = 0.5,
         instance_expiry_s: float = 60.0,
+        relay_fanout: int = 0,
+        relay_trainer_fanout: int = 2,
     ) -> None:
         if dispatch_policy not in ("jsq", "round_robin"):
             raise ValueError(f"dispatch_policy must be 'jsq' or 'round_robin', not {dispatch_policy!r}")
@@ -221,6 +225,8 @@ class ManagerCore:
         self.model_arch: dict = {}
         self.latest_version = -1
         self.latest_checksum = 0  # whole-version checksum of latest_version's manifest (0: not given)
+        # who serves the latest version to whom (policy/relay.py); reserved instances pull in-process, never relay
+        self.relay = RelayTree(fanout=relay_fanout, trainer_fanout=relay_trainer_fanout)
         self.step = -1
         self.seeding_open = False
         self.failed_step: str | None = None
@@ -270,6 +276,22 @@ class ManagerCore:
         if new not in _ALLOWED[inst.state]:
             raise RuntimeError(f"instance {inst.key}: no transition {inst.state} → {new}")
         inst.state = new
+        if new in (S.GONE, S.SUSPECT, S.FENCED, S.DRAINING):  # it neither serves nor needs relay capacity now
+            self._hand_out(self.relay.gone(inst.key))
+
+    def _pull_source(self, inst: Instance) -> Source:
+        """Where ``inst`` fetches the latest version (relay); the trainer for reserved instances."""
+        return self.relay.want(inst.key) if inst.kind == "preemptible" else Source()
+
+    def _new_version(self, inst: Instance) -> None:
+        src = self._pull_source(inst)
+        self.send(inst.peer, M.NewVersion(version=self.latest_version, peers=list(src.peers), wait=src.wait))
+
+    def _hand_out(self, handed: list[tuple[str, Source]]) -> None:
+        for key, src in handed:
+            i = self.instances.get(key)
+            if i is not None:
+                self.send(i.peer, M.PullFrom(version=self.latest_version, peers=list(src.peers)))
 
     def _suspect(self, inst: Instance, reason: str) -> None:
         """Invariant 7: out of routing now, its unfinished responses migrate; it may come back."""
@@ -298,8 +320,9 @@ class ManagerCore:
             new = S.READY
         else:
             new = S.PULLING
-            self.send(inst.peer, M.NewVersion(version=self.latest_version))
         self._set_state(inst, new)
+        if new == S.PULLING:
+            self._new_version(inst)
         self.counters["instances_recovered"] += 1
         if back == S.PULLING and inst.kind == "preemptible":
             self.counters["recovered_while_pulling"] += 1
@@ -409,13 +432,18 @@ class ManagerCore:
         else:
             now = self.clock()
             self.instances[key] = Instance(key=key, peer=peer, kind=msg.kind, max_batch=msg.max_batch,
-                                           registered_at=now, last_seen=now, engine=msg.engine)
+                                           registered_at=now, last_seen=now, engine=msg.engine,
+                                           relay_endpoint=msg.relay_endpoint)
             self.by_peer[peer] = key
             self.counters["registrations"] += 1
+        inst = self.instances[key]
+        src = self._pull_source(inst) if self.latest_version >= 0 and inst.version != self.latest_version \
+            else Source()
         self.send(peer, M.Welcome(
             instance=key, latest_version=self.latest_version, weights_endpoint=self.weights_endpoint,
             model_config=self.model_config, model_arch=self.model_arch, heartbeat_s=self.heartbeat_s,
-            stream_every_tokens=self.stream_every_tokens, stream_every_s=self.stream_every_s, epoch=self.epoch))
+            stream_every_tokens=self.stream_every_tokens, stream_every_s=self.stream_every_s, epoch=self.epoch,
+            peers=list(src.peers), wait=src.wait))
 
     def _unknown(self, peer: bytes, what: str) -> None:
         """A message from a peer that is not (or no longer) a registered instance: drop it and tell the peer
@@ -455,6 +483,8 @@ class ManagerCore:
             self.send(inst.peer, M.Drain(reason=reason))
             return
         inst.version = msg.version
+        if msg.version == self.latest_version and inst.kind == "preemptible":  # it holds it: it serves it too
+            self._hand_out(self.relay.done(inst.key, inst.relay_endpoint))
         if inst.state in (S.PULLING, S.FENCED) and msg.version == self.latest_version:
             self._set_state(inst, S.READY)
             inst.ready_at = inst.ready_at or self.clock()
@@ -591,11 +621,12 @@ class ManagerCore:
         self.step_remote, self.step_rollout_done_at = {}, None
         self.latest_version = msg.version
         self.latest_checksum = msg.checksum
+        self.relay.reset()
         if self.on_version is not None:  # the journal records it durably before anyone acts on it
             self.on_version(msg.version)
         for i in self.live_instances():
             if i.state in (S.READY, S.PULLING, S.FENCED):
-                self.send(i.peer, M.NewVersion(version=msg.version))
+                self._new_version(i)
         self.send(peer, M.Ok(what="setver", cid=msg.cid))
 
     def _on_SubmitStep(self, peer: bytes, inst: Instance | None, msg: M.SubmitStep) -> None:

@@ -42,6 +42,7 @@ class Register(_Msg, tag="register"):
     pid: int = 0
     node: str = ""
     engine: Annotated[str, msgspec.Meta(max_length=32)] = "torch"  # "torch" | "sglang": per-engine statistics
+    relay_endpoint: Annotated[str, msgspec.Meta(max_length=512)] = ""  # where it serves the versions it holds
 
 
 class Heartbeat(_Msg, tag="hb"):
@@ -149,6 +150,8 @@ class Welcome(_Msg, tag="welcome"):
     stream_every_s: float
     epoch: int = 0  # the manager's incarnation (journal): weight versions are (epoch, version)
     model_arch: dict = {}
+    peers: list[str] = []  # relay: holders to fetch the latest version's chunks from (then the trainer)
+    wait: bool = False  # relay: no holder free yet — wait for PullFrom (at most the agent's relay deadline)
 
 
 class Alive(_Msg, tag="alive"):
@@ -189,9 +192,19 @@ class Release(_Msg, tag="release"):
 
 
 class NewVersion(_Msg, tag="newver"):
-    """A newer weight version exists; pull it when idle."""
+    """A newer weight version exists; pull it when idle — chunks from ``peers`` (relay holders, in order), then
+    from the trainer; with ``wait``, only after a ``PullFrom`` (or the agent's relay deadline)."""
 
     version: int
+    peers: list[str] = []
+    wait: bool = False
+
+
+class PullFrom(_Msg, tag="pullfrom"):
+    """Relay capacity for a waiting puller: fetch ``version`` from ``peers`` (then the trainer) now."""
+
+    version: int
+    peers: list[str] = []
 
 
 class Drain(_Msg, tag="drain"):
@@ -321,7 +334,7 @@ class Stats(_Msg, tag="stats"):
 
 Message = (
     Register | Heartbeat | WeightsLoaded | WeightsFailed | Tokens | RequestFailed | Draining | Released
-    | Deregister | Welcome | Alive | Reject | Assign | Release | NewVersion | Drain | TrainerHello | SetVersion
+    | Deregister | Welcome | Alive | Reject | Assign | Release | NewVersion | PullFrom | Drain | TrainerHello | SetVersion
     | SubmitStep | CloseSeeding | PolicyState | AckGroup | GetStats | Redeliver | Shutdown | GroupDone | StepFailed | Ok
     | Error | Stats
 )

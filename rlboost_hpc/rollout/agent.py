@@ -51,8 +51,9 @@ log = logging.getLogger("rlboost.agent")
 
 EXIT_OK, EXIT_REJECTED, EXIT_UNREACHABLE, EXIT_FAILED = 0, 2, 3, 4
 
-# (version) -> (state_dict, info dict with checksum/nbytes/pull_s); raises on failure.
-WeightSource = Callable[[int], tuple[Mapping, dict]]
+# (version[, peers=relay holders]) -> (state_dict, info dict with checksum/nbytes/pull_s); raises on failure. The
+# agent passes ``peers`` only when the manager named some (sources that cannot relay need not accept it).
+WeightSource = Callable[..., tuple[Mapping, dict]]
 
 
 class RemoteWeights:
@@ -65,27 +66,70 @@ class RemoteWeights:
     buffer is turned into the new version in place (``WeightPuller.pull(base=...)``). Without it every pull is
     full and nothing is kept after the engine loaded it.
 
+    Relay (:meth:`serve_relay`): the version last pulled is also served to other instances from the same buffer
+    (a :class:`~rlboost_hpc.weights.server.WeightServer` that only holds it: no copy, no hashing), withdrawn
+    before the next pull starts to change that buffer; pulls take the peers the manager names.
+
     Precondition (held by :class:`RolloutAgent`): a version's tensors are no longer read once the next pull
     starts — engines copy what they load.
     """
 
-    def __init__(self, streams: int, window: int, timeout_s: float, *, keep_base: bool = True) -> None:
+    def __init__(self, streams: int, window: int, timeout_s: float, *, keep_base: bool = True,
+                 peer_timeout_s: float | None = None) -> None:
         self.streams, self.window, self.timeout_s = streams, window, timeout_s
         self.keep_base = keep_base
+        self.peer_timeout_s = peer_timeout_s
         self._base = None  # PulledWeights of the last successful pull (keep_base only)
+        self._relay = None  # WeightServer serving self._base (serve_relay)
+        self._relay_keys: RunKeys | None = None
+
+    def serve_relay(self, bind_host: str, advertise_host: str, keys: RunKeys | None = None) -> str:
+        """Serve the versions this worker pulls to other instances; returns the endpoint to register with.
+
+        ``keys``: the run's full key set (a relay is a CURVE *server* of the run: pullers prove the run's client
+        key, as with the trainer). Called again with other keys (a restarted trainer's run), the relay restarts
+        on them. Raises zmq.ZMQError when ``bind_host`` cannot be bound.
+        """
+        from rlboost_hpc.rundir import advertised
+        from rlboost_hpc.weights.server import WeightServer
+
+        if self._relay is not None and self._relay_keys != keys:
+            self._relay.close()
+            self._relay = None
+        if self._relay is None:
+            self._relay = WeightServer(bind=f"tcp://{bind_host}:0", keep_versions=1, delta=False, keys=keys).start()
+            self._relay_keys = keys
+            if self._base is not None and self._base.manifest is not None:
+                self._relay.hold(self._base.manifest, self._base.buffer, self._base.delta_payloads)
+        return advertised(self._relay.endpoint, advertise_host)
+
+    @property
+    def relay_stats(self) -> dict:
+        """The relay server's counters (chunks and bytes served to peers); empty without a relay."""
+        return self._relay.stats if self._relay is not None else {}
+
+    def close(self) -> None:
+        """Stop the relay server (if any)."""
+        if self._relay is not None:
+            self._relay.close()
+            self._relay = None
 
     def source(self, endpoint: str, keys: RunKeys | None = None) -> WeightSource:
         """The weight source pulling from the holder at ``endpoint`` (CURVE client ``keys`` of its run)."""
 
-        def pull(version: int):
+        def pull(version: int, peers: "list[str] | tuple[str, ...]" = ()):
             from rlboost_hpc.weights.puller import WeightPuller
 
             t0 = time.monotonic()
+            if self._relay is not None:
+                self._relay.withdraw()  # the buffer it serves is about to change
             base, self._base = self._base, None  # consumed by the pull, whatever its outcome
             got = WeightPuller(endpoint, streams=self.streams, window=self.window, timeout_s=self.timeout_s,
-                               keys=keys).pull(version, base=base)
-            if self.keep_base:
+                               keys=keys, peer_timeout_s=self.peer_timeout_s).pull(version, base=base, peers=peers)
+            if self.keep_base or self._relay is not None:
                 self._base = got
+            if self._relay is not None:
+                self._relay.hold(got.manifest, got.buffer, got.delta_payloads)
             return got.state_dict, {"checksum": int(got.checksum), "nbytes": int(got.nbytes),
                                     "pull_s": time.monotonic() - t0, "phases": got.phases}
 
@@ -238,8 +282,13 @@ class RolloutAgent:
         close_engine: bool = True,
         builder: ThreadPoolExecutor | None = None,
         fault_load_delay_s: float = 0.0,
+        relay_endpoint: str = "",
+        relay_wait_s: float = 10.0,
     ) -> None:
         self.manager_endpoint = manager_endpoint
+        self.relay_endpoint = relay_endpoint  # where this instance serves the versions it holds ("" = it does not)
+        self.relay_wait_s = relay_wait_s  # longest wait for relay capacity before pulling from the trainer
+        self.want_peers: list[str] = []
         self.keys = keys
         self.job_id, self.attempt, self.kind = job_id, attempt, kind
         self.max_batch = max_batch
@@ -299,12 +348,13 @@ class RolloutAgent:
         """Pull ``version`` on the builder thread; build the engine there too when there is none yet."""
         assert self.welcome is not None
         source, factory, model_config = self._source, self.engine_factory, self.welcome.model_config
+        peers = list(self.want_peers)
         arch_json = self.welcome.model_arch
         build = self.engine is None
 
         def work() -> tuple:  # (version, state_dict, info, error, new engine)
             try:
-                sd, info = source(version)
+                sd, info = source(version, peers=peers) if peers else source(version)
             except Exception as e:  # reported to the manager with its cause (case W2)
                 return version, None, None, f"{type(e).__name__}: {e}", None
             if not build:
@@ -440,12 +490,22 @@ class RolloutAgent:
         self._send(M.Deregister(reason=reason, tokens_generated=self.tokens_generated, cause=self.stop_cause))
 
     # ------------------------------------------------------------------ messages
+    def _want(self, version: int, peers: list[str], wait: bool) -> None:
+        """The manager's latest ``version`` and where to fetch it: relay ``peers`` (then the trainer); with
+        ``wait``, not before a ``PullFrom`` — or ``relay_wait_s``, after which the trainer serves it anyway."""
+        if version < self.want_version or self._pull is not None:
+            return
+        self.want_version = version
+        self.want_peers = list(peers)
+        if wait:
+            self._next_pull_at = max(self._next_pull_at, time.monotonic() + self.relay_wait_s)
+
     def _handle(self, msg: M._Msg) -> None:
         if isinstance(msg, M.Welcome):
             self.welcome = msg
             self.link.heartbeat_s = msg.heartbeat_s
             self._source = self.weight_source_factory(msg.weights_endpoint)
-            self.want_version = max(self.want_version, msg.latest_version)
+            self._want(msg.latest_version, msg.peers, msg.wait)
             if self.held_version() == msg.latest_version >= 0:  # re-registration with this manager
                 self._send(M.WeightsLoaded(version=self.engine.version, checksum=self.engine.weights_checksum,
                                            nbytes=0, pull_s=0.0, load_s=0.0))
@@ -475,7 +535,11 @@ class RolloutAgent:
         elif isinstance(msg, M.Release):
             self._release(msg.rids)
         elif isinstance(msg, M.NewVersion):
-            self.want_version = max(self.want_version, msg.version)
+            self._want(msg.version, msg.peers, msg.wait)
+        elif isinstance(msg, M.PullFrom):
+            if msg.version == self.want_version and self._pull is None:
+                self.want_peers = list(msg.peers)
+                self._next_pull_at = time.monotonic()  # relay capacity: start now
         elif isinstance(msg, M.Alive):
             pass  # liveness only (last_rx was updated)
         elif isinstance(msg, M.Drain):
@@ -502,7 +566,8 @@ class RolloutAgent:
         self.welcome = None
         self._t_reg = time.monotonic()
         self._send(M.Register(job_id=self.job_id, attempt=self.attempt, kind=self.kind, max_batch=self.max_batch,
-                              host=socket.gethostname(), pid=os.getpid(), node=self.node, engine=self.engine_name))
+                              host=socket.gethostname(), pid=os.getpid(), node=self.node, engine=self.engine_name,
+                              relay_endpoint=self.relay_endpoint))
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:
@@ -525,7 +590,8 @@ class RolloutAgent:
 
     def _loop(self) -> int:
         reg = M.Register(job_id=self.job_id, attempt=self.attempt, kind=self.kind, max_batch=self.max_batch,
-                         host=socket.gethostname(), pid=os.getpid(), node=self.node, engine=self.engine_name)
+                         host=socket.gethostname(), pid=os.getpid(), node=self.node, engine=self.engine_name,
+                         relay_endpoint=self.relay_endpoint)
         self._send(reg)
         self._t_reg = time.monotonic()
         last_flush = 0.0

@@ -30,6 +30,10 @@ class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
         weight_streams / weight_window / pull_timeout_s: the weight puller (``weights.streams``, ``weights.window``,
             ``weights.pull_timeout_s``).
         weight_delta: keep the last pulled version as the base of delta pulls (``weights.delta``).
+        weight_relay / relay_wait_s / relay_timeout_s: serve the versions it holds to other instances, wait for relay
+            capacity at most that long, abandon a silent peer after that long (``weights.relay*``).
+        relay_bind_host: the interface the relay server binds (``network.bind_host``; 0.0.0.0 → advertised by host
+            name).
     """
 
     engine: dict[str, Any] = msgspec.field(default_factory=lambda: {"kind": "torch"})
@@ -39,6 +43,10 @@ class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     weight_window: int = 4
     pull_timeout_s: float = 30.0
     weight_delta: bool = True
+    weight_relay: bool = False
+    relay_wait_s: float = 10.0
+    relay_timeout_s: float = 5.0
+    relay_bind_host: str = "127.0.0.1"
 
     @classmethod
     def from_config(cls, cfg) -> "WorkerSpec":
@@ -48,7 +56,9 @@ class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
         return cls(engine=engine_spec(cfg.rollout), max_batch=cfg.rollout.max_batch,
                    torch_threads=cfg.rollout.torch_threads, weight_streams=cfg.weights.streams,
                    weight_window=cfg.weights.window, pull_timeout_s=cfg.weights.pull_timeout_s,
-                   weight_delta=cfg.weights.delta)
+                   weight_delta=cfg.weights.delta, weight_relay=cfg.weights.relay,
+                   relay_wait_s=cfg.weights.relay_wait_s, relay_timeout_s=cfg.weights.relay_timeout_s,
+                   relay_bind_host=cfg.network.bind_host)
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON for ``endpoints.json``."""

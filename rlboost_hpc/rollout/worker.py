@@ -25,6 +25,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -233,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(wspec.torch_threads)
+    from rlboost_hpc.protocol.auth import RunKeys
     from rlboost_hpc.rollout.agent import EXIT_UNREACHABLE, RemoteWeights, RolloutAgent
     from rlboost_hpc.rollout.engines.base import EngineError
     from rlboost_hpc.rollout.engines.factory import factory_from_spec
@@ -251,7 +253,20 @@ def main(argv: list[str] | None = None) -> int:
     # (PR_SET_PDEATHSIG), so that thread must outlive reconnects.
     builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{args.job_id}-builder")
     weights = RemoteWeights(wspec.weight_streams, wspec.weight_window, wspec.pull_timeout_s,
-                            keep_base=wspec.weight_delta)  # the delta base survives reconnects
+                            keep_base=wspec.weight_delta, peer_timeout_s=wspec.relay_timeout_s)  # survives reconnects
+
+    def relay_endpoint() -> str:
+        """Serve held versions to peers (with the run's current keys); "" when relay is off or cannot bind."""
+        if not wspec.weight_relay:
+            return ""
+        host = wspec.relay_bind_host
+        advertise = socket.gethostname() if host in ("0.0.0.0", "*") else host
+        try:
+            server_keys = RunKeys.load(args.run_dir) if keys is not None else None
+            return weights.serve_relay(host, advertise, server_keys)
+        except Exception as e:  # noqa: BLE001 - relay is an optimisation: pull from the trainer alone
+            log.warning("relay off for this worker: %s: %s", type(e).__name__, e)
+            return ""
     produced = handed_off = 0
 
     def make_agent(manager: str, keys, engine=None, engine_epoch=None) -> RolloutAgent:
@@ -261,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             node=os.environ.get("SLURMD_NODENAME", ""), keys=keys, engine_factory=factory,
             fault_load_delay_s=args.fault_load_delay_s,
             engine_name=spec.get("kind", "torch"), engine=engine, engine_epoch=engine_epoch,
-            close_engine=False, builder=builder,
+            close_engine=False, builder=builder, relay_endpoint=relay_endpoint(), relay_wait_s=wspec.relay_wait_s,
             weight_source_factory=lambda ep: weights.source(ep, keys))
 
     agent = make_agent(manager, keys)
@@ -288,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if agent.engine is not None:
             agent.engine.close()
+        weights.close()
         builder.shutdown(wait=False, cancel_futures=True)
     cause = holder.get("cause")
     _event(args.run_dir, {"event": "tokens", "source": "worker", "job_id": args.job_id, "attempt": args.attempt,

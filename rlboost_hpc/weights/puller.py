@@ -15,6 +15,12 @@ naming the phase, the endpoint, the version and the cause):
 3. ``verify`` — the whole-version checksum is recomputed from the digests of the bytes received.
 4. ``assemble`` — tensors are views of the buffer (no copy).
 
+Relay: the manifest always comes from the trainer (``endpoint``); chunks may come from ``peers`` — relay holders
+that serve bytes only — tried in order, each with its own stall deadline (``peer_timeout_s``). A peer that
+stalls, vanishes, refuses (it moved to another version, or never held this one) or sends a chunk that fails
+its checksum twice is abandoned: the chunks already verified stay, the rest come from the next peer, finally
+from the trainer — one version, whatever the route.
+
 Delta pulls: given the version it holds (``base``), the puller announces it in the manifest request; when
 the holder has the requested version encoded against exactly that base (same whole-version checksum, same
 layout), the transfer turns the base's buffer into the new version in place — unchanged chunks cost
@@ -102,7 +108,9 @@ class PulledWeights:
     ``delta_chunks`` / ``unchanged_chunks`` / ``full_chunks`` and ``delta_fallbacks`` (delta chunks fetched
     again in full). checksum: the whole-version checksum (equal to the manifest's). buffer: the uint8 buffer
     every tensor views (``nbytes`` long). manifest: the holder's manifest of this version (the layout and
-    chunk checksums a later delta pull compares against).
+    chunk checksums a later delta pull compares against). delta_payloads: the delta payloads this pull applied
+    and verified, by chunk index (what a relay holder serves to pullers holding the same base). With peers,
+    ``phases`` also has ``peer_bytes`` (payload bytes from peers) and ``peer_failovers``.
     """
 
     version: int
@@ -113,6 +121,7 @@ class PulledWeights:
     checksum: int
     buffer: torch.Tensor = field(repr=False, default_factory=lambda: torch.empty(0, dtype=torch.uint8))
     manifest: Manifest | None = field(repr=False, default=None)
+    delta_payloads: dict[int, bytes] = field(repr=False, default_factory=dict)
 
 
 class _Failed(Exception):
@@ -157,9 +166,19 @@ class _Transfer:
         self.received = self.unchanged
         self.retries = 0
         self.bytes_received = 0
+        self.peer_bytes = 0
+        self.failovers = 0
+        self.payloads: dict[int, bytes] = {}  # verified delta payloads by chunk
         self.hash_s = 0.0
         self.stop = threading.Event()
         self.error: _Failed | None = None
+
+    def begin(self, timeout_s: float) -> None:
+        """Start (or restart, on another source) the transfer of every chunk not verified yet."""
+        self.timeout_s = timeout_s
+        self.todo = collections.deque(i for i in range(self.n) if self.digests[i] is None)
+        self.stop.clear()
+        self.error = None
 
     def fall_back(self, index: int) -> None:
         """Fetch chunk ``index`` in full from now on (its delta failed or is not served)."""
@@ -194,6 +213,8 @@ class WeightPuller:
         deadline_s: optional overall deadline of the whole pull (seconds), checked in every phase.
         io_threads: libzmq I/O threads of the pull's private context (default: ``min(streams, 4)``).
         label: who is pulling (e.g. the rollout instance id); named in every error message.
+        peer_timeout_s: stall deadline of a relay peer (default ``min(timeout_s, 5)``): a peer silent that long
+            is abandoned for the next source.
 
     A puller holds no sockets between pulls; it is safe to call :meth:`pull` repeatedly (not concurrently).
     """
@@ -209,6 +230,7 @@ class WeightPuller:
         io_threads: int | None = None,
         label: str = "",
         keys: "RunKeys | None" = None,
+        peer_timeout_s: float | None = None,
     ) -> None:
         if streams < 1 or window < 1:
             raise ValueError(f"streams and window must be >= 1, got {streams}, {window}")
@@ -222,10 +244,11 @@ class WeightPuller:
         self.io_threads = io_threads if io_threads is not None else min(self.streams, 4)
         self.label = label
         self.keys = keys  # CURVE client keys of the run (protocol/auth.py); None: plain TCP
+        self.peer_timeout_s = float(peer_timeout_s) if peer_timeout_s is not None else min(self.timeout_s, 5.0)
 
     # ------------------------------------------------------------------ public
     def pull(self, version: int | None = None, *, into: torch.Tensor | None = None,
-             base: PulledWeights | None = None) -> PulledWeights:
+             base: PulledWeights | None = None, peers: "tuple[str, ...] | list[str]" = ()) -> PulledWeights:
         """Fetch ``version`` (None: the holder's latest) completely and verify it.
 
         Args:
@@ -238,6 +261,7 @@ class WeightPuller:
                 holder offers a delta against it, its buffer is turned into the new version in place;
                 otherwise its buffer is reused as the receive buffer when large enough (and ``into`` is not
                 given). After the call — success or failure — only the result may be used.
+            peers: relay holders to fetch chunks from before the trainer (see the module docstring).
 
         Returns:
             :class:`PulledWeights` whose tensors view the receive buffer.
@@ -280,12 +304,15 @@ class WeightPuller:
                 buffer = into[: manifest.total_bytes]
             tr = _Transfer(manifest, memoryview(buffer.numpy()), self.timeout_s, deadline, delta,
                            None if delta is None else base.manifest.chunk_checksums)
-            self._transfer(ctx, tr)
+            self._transfer(ctx, tr, list(peers))
             t2 = time.perf_counter()
             phases["transfer_s"] = t2 - t1
             phases["chunk_hash_s"] = tr.hash_s
             phases["chunk_retries"] = float(tr.retries)
             phases["bytes_received"] = float(tr.bytes_received)
+            if peers:
+                phases["peer_bytes"] = float(tr.peer_bytes)
+                phases["peer_failovers"] = float(tr.failovers)
             if delta is not None:
                 phases["unchanged_chunks"] = float(tr.unchanged)
                 phases["delta_chunks"] = float(sum(tr.use_delta))
@@ -322,6 +349,7 @@ class WeightPuller:
             checksum=manifest.checksum,
             buffer=buffer,
             manifest=manifest,
+            delta_payloads=tr.payloads,
         )
 
     # ------------------------------------------------------------------ phases
@@ -330,14 +358,14 @@ class WeightPuller:
         if deadline is not None and time.perf_counter() > deadline:
             raise _Failed("overall deadline passed")
 
-    def _socket(self, ctx: zmq.Context, max_frame: int, rcvtimeo_ms: int = -1) -> zmq.Socket:
+    def _socket(self, ctx: zmq.Context, max_frame: int, rcvtimeo_ms: int = -1, endpoint: str | None = None) -> zmq.Socket:
         s = ctx.socket(zmq.DEALER)
         try:
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.MAXMSGSIZE, max_msg_size(max_frame, self.keys))
             s.setsockopt(zmq.RCVTIMEO, rcvtimeo_ms)
             secure_client(s, self.keys)
-            s.connect(self.endpoint)
+            s.connect(endpoint or self.endpoint)
         except BaseException:
             s.close(0)  # an open socket would make ctx.term() block forever
             raise
@@ -389,14 +417,26 @@ class WeightPuller:
             raise _Failed(f"invalid manifest: {e}") from None
         return reply
 
-    def _transfer(self, ctx: zmq.Context, tr: _Transfer) -> None:
-        if tr.n == 0:
-            return
-        n_streams = min(self.streams, tr.n)
+    def _transfer(self, ctx: zmq.Context, tr: _Transfer, peers: list[str]) -> None:
+        sources = [(p, self.peer_timeout_s, True) for p in peers] + [(self.endpoint, self.timeout_s, False)]
+        for endpoint, stall_s, is_peer in sources:
+            tr.begin(stall_s)
+            if not tr.todo:
+                return
+            self._streams(ctx, tr, endpoint, is_peer)
+            if tr.error is None:
+                return
+            if not is_peer:
+                raise tr.error
+            tr.failovers += 1  # the verified chunks stay; the rest come from the next source
+
+    def _streams(self, ctx: zmq.Context, tr: _Transfer, endpoint: str, is_peer: bool) -> None:
+        n_streams = min(self.streams, len(tr.todo))
         threads: list[threading.Thread] = []
         try:
             for i in range(n_streams):
-                t = threading.Thread(target=self._stream, args=(ctx, tr), name=f"weight-pull-{i}", daemon=True)
+                t = threading.Thread(target=self._stream, args=(ctx, tr, endpoint, is_peer), name=f"weight-pull-{i}",
+                                     daemon=True)
                 t.start()
                 threads.append(t)
             for t in threads:
@@ -407,17 +447,16 @@ class WeightPuller:
             for t in threads:
                 t.join()
             raise
-        if tr.error is not None:
-            raise tr.error
 
-    def _stream(self, ctx: zmq.Context, tr: _Transfer) -> None:
+    def _stream(self, ctx: zmq.Context, tr: _Transfer, endpoint: str, is_peer: bool) -> None:
         try:
-            sock = self._socket(ctx, max(tr.m.chunk_bytes, MAX_HEADER_BYTES), rcvtimeo_ms=int(_SLICE_S * 1000))
+            sock = self._socket(ctx, max(tr.m.chunk_bytes, MAX_HEADER_BYTES), rcvtimeo_ms=int(_SLICE_S * 1000),
+                                endpoint=endpoint)
         except zmq.ZMQError as e:
-            tr.fail(_Failed(f"cannot open a stream socket: {e}"))
+            tr.fail(_Failed(f"cannot open a stream socket to {endpoint}: {e}"))
             return
         try:
-            self._stream_loop(sock, tr)
+            self._stream_loop(sock, tr, is_peer)
         except _Failed as e:
             tr.fail(e)
         except BaseException as e:  # a bug or zmq failure: never leave the other streams waiting
@@ -425,7 +464,7 @@ class WeightPuller:
         finally:
             sock.close(0)
 
-    def _stream_loop(self, sock: zmq.Socket, tr: _Transfer) -> None:
+    def _stream_loop(self, sock: zmq.Socket, tr: _Transfer, is_peer: bool = False) -> None:
         version = tr.m.version
         outstanding: set[int] = set()
         attempts: dict[int, int] = {}
@@ -483,8 +522,10 @@ class WeightPuller:
                     f"unexpected chunk (version {reply.version}, index {i}) while pulling version {version}"
                 )
             lo, hi = tr.span(i)
+            payload = None
             if tr.use_delta[i]:
-                if not self._apply_delta(sock, tr, reply, lo, hi):
+                payload = self._apply_delta(sock, tr, reply, lo, hi, is_peer)
+                if payload is None:
                     tr.fall_back(i)  # the base chunk in dest is spoilt now: the full chunk replaces it
                     request(i)
                     continue
@@ -498,6 +539,8 @@ class WeightPuller:
                     raise _Failed(f"chunk {i}: payload of {got} bytes, expected {hi - lo}")
                 with tr.lock:
                     tr.bytes_received += got
+                    if is_peer:
+                        tr.peer_bytes += got
             h0 = time.perf_counter()
             digest = chunk_checksum(tr.dest[lo:hi])
             h1 = time.perf_counter()
@@ -520,13 +563,15 @@ class WeightPuller:
             with tr.lock:
                 tr.digests[i] = digest
                 tr.received += 1
+                if payload is not None:
+                    tr.payloads[i] = payload
                 tr.hash_s += h1 - h0
 
     @staticmethod
-    def _apply_delta(sock: zmq.Socket, tr: _Transfer, reply: Chunk, lo: int, hi: int) -> bool:
-        """Receive chunk ``reply.index``'s delta payload and apply it to ``dest[lo:hi]`` in place.
+    def _apply_delta(sock: zmq.Socket, tr: _Transfer, reply: Chunk, lo: int, hi: int, is_peer: bool) -> bytes | None:
+        """Receive chunk ``reply.index``'s delta payload and apply it to ``dest[lo:hi]`` in place; returns the payload.
 
-        Returns False (the caller fetches the chunk in full) for a reply that is not the delta asked for or a
+        Returns None (the caller fetches the chunk in full) for a reply that is not the delta asked for or a
         payload that does not decode to the chunk's length. Raises _Failed for a malformed message."""
         i = reply.index
         if not sock.getsockopt(zmq.RCVMORE):
@@ -537,13 +582,15 @@ class WeightPuller:
         payload = frame.buffer
         with tr.lock:
             tr.bytes_received += payload.nbytes
+            if is_peer:
+                tr.peer_bytes += payload.nbytes
         if reply.base != tr.base or reply.nbytes != payload.nbytes:
-            return False
+            return None
         try:
             delta_codec.apply_chunk(tr.dest[lo:hi], payload)
         except delta_codec.DeltaError:
-            return False
-        return True
+            return None
+        return bytes(payload)
 
 
 def _applies(manifest: Manifest, base: PulledWeights) -> bool:

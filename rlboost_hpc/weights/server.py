@@ -361,6 +361,33 @@ class WeightServer:
             raise KeyError(f"version {version} is not held (held: {self.versions})")
         return None if held.delta is None else held.delta.nbytes
 
+    def hold(self, manifest: Manifest, buffer: torch.Tensor, delta_payloads: Mapping[int, bytes] | None = None) -> None:
+        """Serve a version this process pulled and verified (a relay holder): no copy, no hashing — chunk
+        requests are answered from ``buffer`` (uint8, ≥ ``manifest.total_bytes``), and delta requests from
+        ``delta_payloads`` (chunk index → the payload it applied, against ``manifest.delta.base_version``).
+        Replaces whatever was held. The caller must :meth:`withdraw` before it modifies ``buffer``; pullers
+        verify every chunk against the trainer's manifest, so bytes sent after a modification are rejected,
+        never accepted.
+        """
+        n = num_chunks(manifest.total_bytes, manifest.chunk_bytes)
+        d = None
+        if manifest.delta is not None and delta_payloads:
+            payloads = [delta_payloads.get(i) for i in range(n)]
+            d = delta_codec.Delta(manifest.delta.base_version, manifest.delta.base_checksum, list(manifest.delta.sizes),
+                                  payloads, manifest.delta.nbytes, manifest.total_bytes)
+        plain = msgspec.structs.replace(manifest, delta=None)
+        buf = buffer[: manifest.total_bytes]
+        held = _Held(plain, encode(plain), buf, memoryview(buf.numpy()).toreadonly(), n, d, None)
+        with self._lock:
+            self._held.clear()
+            self._held[manifest.version] = held
+            self._last_version = manifest.version
+
+    def withdraw(self) -> None:
+        """Stop serving every held version (requests get ``no_version``); chunks already queued still go out."""
+        with self._lock:
+            self._held.clear()
+
     def manifest(self, version: int | None = None) -> Manifest:
         """Manifest of a held ``version`` (None: latest). Raises KeyError if not held."""
         with self._lock:
@@ -436,7 +463,7 @@ class WeightServer:
         delta = held.delta if req.base is not None and held.delta is not None \
             and held.delta.base_version == req.base else None
         if isinstance(req, GetManifest):
-            frame = held.manifest_frame if delta is None else held.delta_manifest_frame
+            frame = held.delta_manifest_frame if delta is not None and held.delta_manifest_frame else held.manifest_frame
             if self._send(peer, [frame]):
                 self._stats["manifests_served"] += 1
             return
