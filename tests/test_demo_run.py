@@ -114,6 +114,11 @@ def test_default_demo_meets_the_report_contract(repo_root, tmp_path):
     lines = (tmp_path / "demo/metrics.jsonl").read_text().splitlines()
     assert len(lines) == rep["steps"]
     assert (tmp_path / "demo/run.png").stat().st_size > 10_000
+    # weights: deltas and peer relay are on by default; every load carried the trainer's checksum
+    assert rep["weight_checksum_mismatches"] == 0, why
+    assert rep["weight_update_bytes_mean"] < rep["weight_bytes"] / 10, why  # real GRPO steps: ~1/20 measured
+    assert rep["weight_pulled_bytes"] < rep["weight_pulls"] * rep["weight_bytes"] / 4, why
+    assert rep["weight_trainer_bytes_served"] <= rep["weight_pulled_bytes"], why  # the rest came from peers
 
 
 def test_kills_without_warning_lose_nothing(repo_root, tmp_path):

@@ -22,6 +22,7 @@ from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.rollout.engines.base import GenRequest, SamplingParams
 from rlboost_hpc.rollout.engines.torch_engine import TorchEngine, generate_all
 from rlboost_hpc.trainer.client import ManagerClient
+from rlboost_hpc.rollout.spec import WorkerSpec
 from rlboost_hpc.rundir import write_endpoints
 from rlboost_hpc.weights.server import WeightServer
 
@@ -32,17 +33,20 @@ MAX_NEW = 400  # long enough that a preemption always lands mid-stream, even on 
 
 
 @pytest.fixture
-def harness(stories260k_hf_dir, tmp_path):
+def harness(stories260k_hf_dir, tmp_path, request):
+    relay = getattr(request, "param", {}).get("relay", False)  # parametrize(..., indirect=True) turns relay on
     config, sd = load_hf_dir(stories260k_hf_dir)
     server = WeightServer(chunk_bytes=8 << 10).start()  # ~72 chunks: transfers take many round trips
     mproc, endpoint, _ = spawn_manager(dict(pending_limit=32, heartbeat_s=0.1, heartbeat_timeout_s=2.0,
-                                         max_attempts=3, stream_every_tokens=2, stream_every_s=0.02))
+                                         max_attempts=3, stream_every_tokens=2, stream_every_s=0.02,
+                                         relay_fanout=4 if relay else 0, relay_trainer_fanout=1))
     client = ManagerClient(endpoint)
     client.call(M.TrainerHello(weights_endpoint=server.endpoint, model_config=config.to_hf_dict()))
     server.publish(0, sd, dtype=torch.float32)
     client.call(M.SetVersion(version=0))
     procs: list[subprocess.Popen] = []
-    write_endpoints(tmp_path, endpoint, server.endpoint, run_id="test")  # workers find the run like Slurm jobs
+    spec = WorkerSpec(weight_relay=True, relay_timeout_s=1.0).to_json() if relay else None
+    write_endpoints(tmp_path, endpoint, server.endpoint, run_id="test", worker=spec)  # found like Slurm jobs do
 
     class H:
         pass
@@ -260,6 +264,31 @@ def test_worker_killed_mid_weight_transfer_is_never_routed(harness):
     assert all(r.instances == ["rescuer#0"] for r in ev.responses)
     st = wait_stats(h.client, lambda s: s["instances_lost"] >= 1)  # detected by missed heartbeats
     assert st["responses_migrated"] == 0
+
+
+@pytest.mark.parametrize("harness", [{"relay": True}], indirect=True)
+def test_a_worker_pulls_from_a_peer_and_from_the_trainer_when_that_peer_stalls(harness):
+    """Relay with real worker processes: the second instance gets its bytes from the first, not the trainer;
+    a third assigned to a stopped (SIGSTOP) holder gives up on it after relay_timeout_s and resumes from its
+    backup holder; every instance ends with the trainer's checksum."""
+    h = harness
+    first = h.worker("first")
+    wait_stats(h.client, lambda s: s["weight_loads"] >= 1)
+    served = h.server.stats["bytes_served"]
+    h.worker("second")
+    st = wait_stats(h.client, lambda s: s["weight_loads"] >= 2)
+    assert h.server.stats["bytes_served"] == served  # all of it came from "first"
+    assert st["weight_pulled_bytes"] == 2 * h.server.manifest(0).total_bytes
+    os.kill(first.pid, signal.SIGSTOP)  # the manager still sees a holder (its heartbeat deadline is 2 s)
+    try:
+        t0 = time.monotonic()
+        h.worker("third")  # assigned "first" (equal loads: first key), backup "second"
+        st = wait_stats(h.client, lambda s: s["weight_loads"] >= 3, timeout=60)
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    assert st["weight_checksum_mismatches"] == 0 and st["weight_load_failures"] == 0
+    assert h.server.stats["bytes_served"] == served  # the backup holder served what "first" did not
+    assert time.monotonic() - t0 > 1.0  # it waited relay_timeout_s on the stopped holder first
 
 
 def test_corrupted_weight_transfer_is_reported_and_fenced_until_a_clean_pull(harness):
