@@ -32,11 +32,15 @@ from rlboost_hpc.weights.puller import WeightPuller  # noqa: E402
 from rlboost_hpc.weights.server import WeightServer  # noqa: E402
 
 
-def pull_gbps(size_mib: int, streams: int, reps: int, keys: RunKeys | None) -> tuple[float, int]:
+def pull_gbps(size_mib: int, streams: int, reps: int, keys: RunKeys | None,
+              io_threads: int | None = None) -> tuple[float, int]:
+    """GB/s of a pull into a warm buffer; ``io_threads``: libzmq I/O threads of the server and of the puller
+    (None: their defaults)."""
     sd = make_state(size_mib << 20)
-    with WeightServer(chunk_bytes=4 << 20, keys=keys) as srv:
+    with WeightServer(chunk_bytes=4 << 20, keys=keys, io_threads=io_threads) as srv:
         man = srv.publish(0, sd, dtype=torch.bfloat16)
-        puller = WeightPuller(srv.endpoint, streams=streams, window=4, keys=keys.client_view() if keys else None)
+        puller = WeightPuller(srv.endpoint, streams=streams, window=4, keys=keys.client_view() if keys else None,
+                              io_threads=io_threads)
         staging = torch.ones(man.total_bytes, dtype=torch.uint8)
         puller.pull(into=staging)  # warm-up
         times = []
@@ -64,6 +68,8 @@ def main() -> None:
     ap.add_argument("--heartbeat-timeout-s", type=float, default=4.0)
     ap.add_argument("--timeout-s", type=float, default=120.0)
     ap.add_argument("--ingest-reps", type=int, default=3)
+    ap.add_argument("--io-threads", type=int, nargs="+", default=[1, 2, 4], help="I/O thread counts to compare")
+    ap.add_argument("--skip-ingest", action="store_true", help="only the weight-pull parts")
     args = ap.parse_args()
     os.environ.setdefault("RLBOOST_LOG_LEVEL", "WARNING")
     ncpu = len(os.sched_getaffinity(0))
@@ -75,6 +81,15 @@ def main() -> None:
         plain, n = pull_gbps(size, args.streams, args.reps, None)
         curve, _ = pull_gbps(size, args.streams, args.reps, keys)
         print(f"{n / 2**20:>5.0f} {plain:>10.3f} {curve:>10.3f} {curve / plain:>6.2f}", flush=True)
+    print(f"\n== weight pull with CURVE by libzmq I/O threads (server and puller each), {args.streams} streams ==")
+    print(f"{'MiB':>5} {'io':>3} {'plain GB/s':>10} {'CURVE GB/s':>10} {'ratio':>6}")
+    for size in args.sizes_mib:
+        for io in args.io_threads:
+            plain, n = pull_gbps(size, args.streams, args.reps, None, io)
+            curve, _ = pull_gbps(size, args.streams, args.reps, keys, io)
+            print(f"{n / 2**20:>5.0f} {io:>3} {plain:>10.3f} {curve:>10.3f} {curve / plain:>6.2f}", flush=True)
+    if args.skip_ingest:
+        return
     with tempfile.TemporaryDirectory() as d:
         keys.save(d)
         print(f"\n== manager token ingest (best of {args.ingest_reps}; alternating plain/CURVE runs) ==")

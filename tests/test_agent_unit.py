@@ -102,3 +102,36 @@ def test_engine_start_failure_is_reported_as_a_failed_pull():
         time.sleep(0.01)
     (f,) = [m for m in a.link.msgs if isinstance(m, M.WeightsFailed)]
     assert "engine start failed: RuntimeError: sglang: address already in use" in f.error and a.engine is None
+
+
+def test_a_new_version_announced_during_a_pull_is_pulled_next_and_relay_sources_are_used():
+    calls: list[tuple[int, tuple]] = []
+    gate = threading.Event()
+
+    def source(version, peers=()):
+        calls.append((version, tuple(peers)))
+        if version == 1:
+            gate.wait(5)  # a slow pull of version 1 ...
+        return {}, {"nbytes": 1, "checksum": 10 + version}
+
+    a = _agent(weight_source_factory=lambda ep: source, relay_wait_s=60.0)
+    a.engine = _HoldingEngine()
+    a._handle(M.Welcome(instance="job#0", latest_version=1, weights_endpoint="tcp://w", model_config={},
+                        heartbeat_s=1.0, stream_every_tokens=4, stream_every_s=0.05, epoch=0, peers=["tcp://peer"]))
+    a.engine_epoch = 0
+    a._weights_step()  # starts pulling version 1 from the peer
+    a._handle(M.NewVersion(version=2, wait=True))  # ... while version 2 is published: no capacity yet
+    gate.set()
+    deadline = time.monotonic() + 5
+    while a.engine.version != 1 and time.monotonic() < deadline:
+        a._weights_step()
+        time.sleep(0.01)
+    a._weights_step()
+    assert a.want_version == 2 and a._pull is None  # not lost; it waits for relay capacity
+    a._handle(M.PullFrom(version=2, peers=["tcp://other"]))
+    while a.engine.version != 2 and time.monotonic() < deadline:
+        a._weights_step()
+        time.sleep(0.01)
+    assert calls == [(1, ("tcp://peer",)), (2, ("tcp://other",))]
+    loaded = [m for m in a.link.msgs if isinstance(m, M.WeightsLoaded)]
+    assert [(m.version, m.checksum) for m in loaded] == [(1, 11), (2, 12)]

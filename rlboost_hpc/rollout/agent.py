@@ -493,9 +493,9 @@ class RolloutAgent:
     def _want(self, version: int, peers: list[str], wait: bool) -> None:
         """The manager's latest ``version`` and where to fetch it: relay ``peers`` (then the trainer); with
         ``wait``, not before a ``PullFrom`` — or ``relay_wait_s``, after which the trainer serves it anyway."""
-        if version < self.want_version or self._pull is not None:
-            return
-        self.want_version = version
+        if version < self.want_version or (version == self.want_version and self._pull is not None):
+            return  # (a repeat of what the pull in flight is fetching)
+        self.want_version = version  # a pull in flight for an older version: the next pull fetches this one
         self.want_peers = list(peers)
         if wait:
             self._next_pull_at = max(self._next_pull_at, time.monotonic() + self.relay_wait_s)
@@ -537,9 +537,9 @@ class RolloutAgent:
         elif isinstance(msg, M.NewVersion):
             self._want(msg.version, msg.peers, msg.wait)
         elif isinstance(msg, M.PullFrom):
-            if msg.version == self.want_version and self._pull is None:
+            if msg.version == self.want_version:
                 self.want_peers = list(msg.peers)
-                self._next_pull_at = time.monotonic()  # relay capacity: start now
+                self._next_pull_at = time.monotonic()  # relay capacity: start now (or once the pull in flight ends)
         elif isinstance(msg, M.Alive):
             pass  # liveness only (last_rx was updated)
         elif isinstance(msg, M.Drain):

@@ -88,7 +88,9 @@ class WeightServer:
         bind: ZeroMQ endpoint to bind; port 0 picks a free port (see :attr:`endpoint`).
         chunk_bytes: chunk size in bytes (> 0); each chunk is one request/reply.
         keep_versions: number of versions held (≥ 1); older ones are evicted on publish.
-        io_threads: libzmq I/O threads of the server's private context.
+        io_threads: libzmq I/O threads of the server's private context. Default: 1 for plain TCP; with CURVE
+            ``min(4, cpus)`` — libsodium encrypts each connection on the I/O thread that owns it, so one thread
+            caps every encrypted pull near one core's ~1 GB/s whatever the number of streams.
         sndhwm: per-peer send queue limit in messages; replies beyond it are dropped (a well-behaved
             puller has at most ``window`` requests outstanding per socket).
         pin_memory: allocate host buffers in pinned memory (needs CUDA; faster device→host publish).
@@ -111,7 +113,7 @@ class WeightServer:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         keep_versions: int = 2,
         *,
-        io_threads: int = 1,
+        io_threads: int | None = None,
         sndhwm: int = 1024,
         pin_memory: bool = False,
         copy_threads: int | None = None,
@@ -136,7 +138,7 @@ class WeightServer:
         self._keys = keys  # CURVE: only clients with the run's key may connect (protocol/auth.py)
         self.chunk_bytes = int(chunk_bytes)
         self.keep_versions = int(keep_versions)
-        self._io_threads = io_threads
+        self._io_threads = io_threads if io_threads is not None else (min(4, os.cpu_count() or 1) if keys else 1)
         self._sndhwm = sndhwm
         self._pin = pin_memory
         self._copy_threads = copy_threads
