@@ -282,6 +282,9 @@ class RunConfig(_Strict):
     def _check(self) -> "RunConfig":
         if self.manager.heartbeat_timeout_s <= 2 * self.manager.heartbeat_s:
             raise ValueError("manager.heartbeat_timeout_s must exceed 2 × manager.heartbeat_s")
+        p = self.policy
+        if p.seed_ceil_s is not None and p.seed_ceil_s < p.seed_floor_s:
+            raise ValueError(f"policy.seed_ceil_s ({p.seed_ceil_s}) must be >= policy.seed_floor_s ({p.seed_floor_s})")
         return self
 
 

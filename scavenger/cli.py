@@ -59,7 +59,7 @@ def build_parser(prog: str = "rlboost-hpc scavenger") -> argparse.ArgumentParser
     p.add_argument("--once", action="store_true", help="run one reconciliation, print its result as JSON, exit")
     p.add_argument("--exit-when-done", action="store_true",
                    help="exit once target.json says active=false and no rollout job is left")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     return p
 
 

@@ -79,6 +79,20 @@ def test_top_p_below_1_is_refused_naming_the_key(tmp_path):
     assert not (tmp_path / "o" / "report.json").exists()
 
 
+def test_seeding_bounds_that_contradict_each_other_are_refused_naming_both_keys(tmp_path):
+    """Regression (issue 15): the config loaded, then the run died with a traceback and exit 1."""
+    p = _run_cli("run", "--out", str(tmp_path / "o"), "--set", "policy.seed_ceil_s=0.01")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "policy.seed_ceil_s" in p.stderr and "policy.seed_floor_s" in p.stderr
+
+
+@pytest.mark.parametrize("argv", [["run", "--log-level", "FOO"], ["scavenger", "/nonexistent", "--log-level", "FOO"]])
+def test_an_unknown_log_level_is_a_usage_error(tmp_path, argv):
+    """Regression (issue 15): ``--log-level FOO`` exited 1 from inside logging."""
+    p = _run_cli(*argv, "--out", str(tmp_path / "o")) if argv[0] == "run" else _run_cli(*argv)
+    assert p.returncode == 2 and "--log-level" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
 def test_cli_missing_model_file_exits_2_with_origin(tmp_path):
     (tmp_path / "data").mkdir()
     p = _run_cli("run", "--out", str(tmp_path / "o"), "--set", f"data.dir='{tmp_path / 'data'}'",
