@@ -10,6 +10,8 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
+from rlboost_hpc import defaults as D
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
@@ -120,14 +122,14 @@ class RolloutCfg(_Strict):
 class ManagerCfg(_Strict):
     """Rollout manager: dispatch and failure detection."""
 
-    pending_limit: int = Field(64, ge=1, description="Θ: max requests in flight per instance (JSQ threshold)")
-    heartbeat_s: float = Field(0.25, gt=0)
-    heartbeat_timeout_s: float = Field(4.0, gt=0, description=(
+    pending_limit: int = Field(D.PENDING_LIMIT, ge=1, description="Θ: max requests in flight per instance (JSQ threshold)")
+    heartbeat_s: float = Field(D.HEARTBEAT_S, gt=0)
+    heartbeat_timeout_s: float = Field(D.HEARTBEAT_TIMEOUT_S, gt=0, description=(
         "silence after which an instance is suspect: out of routing, its work migrates; it returns when it speaks "
         "again (instances heartbeat from a thread that does no engine or weight work)"))
-    instance_expiry_s: float = Field(60.0, ge=60.0, description="silence after which a suspect instance is gone "
+    instance_expiry_s: float = Field(D.INSTANCE_EXPIRY_S, ge=60.0, description="silence after which a suspect instance is gone "
                                                                 "for good (told to register anew if it returns)")
-    max_attempts: int = Field(5, ge=1, description="dispatch attempts of one response before the step fails")
+    max_attempts: int = Field(D.MAX_ATTEMPTS, ge=1, description="dispatch attempts of one response before the step fails")
     metrics: bool = Field(True, description="serve Prometheus metrics (URL in endpoints.json)")
 
 
@@ -151,10 +153,10 @@ class WeightsCfg(_Strict):
     """Pull-based weight transfer."""
 
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    streams: int = Field(4, ge=1)
-    window: int = Field(4, ge=1)
-    chunk_bytes: int = Field(1 << 20, ge=4096)
-    pull_timeout_s: float = Field(30.0, gt=0)
+    streams: int = Field(D.WEIGHT_STREAMS, ge=1)
+    window: int = Field(D.WEIGHT_WINDOW, ge=1)
+    chunk_bytes: int = Field(D.WEIGHT_CHUNK_BYTES, ge=4096)
+    pull_timeout_s: float = Field(D.PULL_TIMEOUT_S, gt=0)
     delta: bool = Field(True, description=(
         "ship version v as a delta against v-1 to instances holding v-1 (they keep one host copy of the model as "
         "the base); checksums always cover the full version"))

@@ -40,6 +40,7 @@ from typing import Callable
 
 import numpy as np
 
+from rlboost_hpc import defaults as D
 from rlboost_hpc.policy.dispatch import Balancer, InstanceLoad, PlateauEstimator, choose_instance
 from rlboost_hpc.policy.observation import RemoteWork, observe_remote
 from rlboost_hpc.policy.relay import RelayTree, Source
@@ -166,10 +167,10 @@ class ManagerCore:
         self,
         *,
         clock: Callable[[], float],
-        pending_limit: int = 32,
-        heartbeat_s: float = 0.25,
-        heartbeat_timeout_s: float = 2.0,
-        max_attempts: int = 5,
+        pending_limit: int = D.PENDING_LIMIT,
+        heartbeat_s: float = D.HEARTBEAT_S,
+        heartbeat_timeout_s: float = D.HEARTBEAT_TIMEOUT_S,
+        max_attempts: int = D.MAX_ATTEMPTS,
         stream_every_tokens: int = 4,
         stream_every_s: float = 0.05,
         dispatch_policy: str = "jsq",
@@ -177,7 +178,7 @@ class ManagerCore:
         alive_every_s: float = 1.0,
         balancer: Balancer | None = None,
         balance_every_s: float = 0.5,
-        instance_expiry_s: float = 60.0,
+        instance_expiry_s: float = D.INSTANCE_EXPIRY_S,
         relay_fanout: int = 0,
         relay_trainer_fanout: int = 2,
     ) -> None:

@@ -40,6 +40,7 @@ from typing import Callable, Mapping
 
 import zmq
 
+from rlboost_hpc import defaults as D
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.auth import RunKeys, secure_client
 from rlboost_hpc.protocol.errors import ProtocolError
@@ -295,7 +296,8 @@ class RolloutAgent:
         self.engine_factory = engine_factory or torch_engine_factory(max_batch)
         self.engine_name = engine_name
         self.weight_source_factory = weight_source_factory or (
-            lambda ep: remote_weight_source(ep, streams=4, window=4, timeout_s=30.0))
+            lambda ep: remote_weight_source(ep, streams=D.WEIGHT_STREAMS, window=D.WEIGHT_WINDOW,
+                                            timeout_s=D.PULL_TIMEOUT_S))
         self.register_timeout_s = register_timeout_s
         self.manager_timeout_s = manager_timeout_s
         self.node = node or socket.gethostname()

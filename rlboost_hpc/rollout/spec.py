@@ -15,6 +15,8 @@ from typing import Any, Mapping
 
 import msgspec
 
+from rlboost_hpc import defaults as D
+
 
 class WorkerSpecError(ValueError):
     """``endpoints.json``'s ``worker`` section is malformed; the message names the key."""
@@ -39,9 +41,9 @@ class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     engine: dict[str, Any] = msgspec.field(default_factory=lambda: {"kind": "torch"})
     max_batch: int = 32
     torch_threads: int = 1
-    weight_streams: int = 4
-    weight_window: int = 4
-    pull_timeout_s: float = 30.0
+    weight_streams: int = D.WEIGHT_STREAMS
+    weight_window: int = D.WEIGHT_WINDOW
+    pull_timeout_s: float = D.PULL_TIMEOUT_S
     weight_delta: bool = True
     weight_relay: bool = False
     relay_wait_s: float = 10.0

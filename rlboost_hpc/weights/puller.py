@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
+from rlboost_hpc import defaults as D
 from rlboost_hpc.protocol.auth import RunKeys, max_msg_size, secure_client
 
 from rlboost_hpc.protocol.errors import ProtocolError
@@ -222,9 +223,9 @@ class WeightPuller:
     def __init__(
         self,
         endpoint: str,
-        streams: int = 4,
-        window: int = 4,
-        timeout_s: float = 10.0,
+        streams: int = D.WEIGHT_STREAMS,
+        window: int = D.WEIGHT_WINDOW,
+        timeout_s: float = D.PULL_TIMEOUT_S,
         *,
         deadline_s: float | None = None,
         io_threads: int | None = None,

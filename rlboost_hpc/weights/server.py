@@ -38,6 +38,7 @@ import msgspec
 import torch
 import zmq
 
+from rlboost_hpc import defaults as D
 from rlboost_hpc.protocol.auth import RunKeys, max_msg_size, secure_server, stop_authenticator
 
 from rlboost_hpc.protocol.errors import ProtocolError
@@ -60,7 +61,6 @@ from rlboost_hpc.weights import layout
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_BYTES = 4 << 20
 # libzmq drops (and disconnects) any inbound frame above this; frames between MAX_REQUEST_BYTES and this
 # are rejected by us as "oversized" and counted.
 _MAX_INBOUND_FRAME = 1 << 20
@@ -110,7 +110,7 @@ class WeightServer:
     def __init__(
         self,
         bind: str = "tcp://127.0.0.1:0",
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_bytes: int = D.WEIGHT_CHUNK_BYTES,
         keep_versions: int = 2,
         *,
         io_threads: int | None = None,

@@ -1,0 +1,28 @@
+"""The one home of every default shared by the run config and the components it configures.
+
+The config (``rlboost_hpc/config.py``) and the components' own keyword defaults (the manager core, the weight
+server and puller, the rollout worker's spec and command line) read these names, so a component built without a
+config behaves as a run with the built-in config does. Units are in the names (seconds ``_S``, bytes ``_BYTES``).
+No imports: any layer may use it.
+"""
+from __future__ import annotations
+
+#: Θ: requests in flight per rollout instance before JSQ looks elsewhere (``manager.pending_limit``).
+PENDING_LIMIT = 64
+#: Seconds between heartbeats (``manager.heartbeat_s``).
+HEARTBEAT_S = 0.25
+#: Silence after which an instance is suspect (``manager.heartbeat_timeout_s``).
+HEARTBEAT_TIMEOUT_S = 4.0
+#: Silence after which a suspect instance is gone for good (``manager.instance_expiry_s``).
+INSTANCE_EXPIRY_S = 60.0
+#: Dispatch attempts of one response before its step fails (``manager.max_attempts``).
+MAX_ATTEMPTS = 5
+
+#: Chunk size of a weight version on the wire (``weights.chunk_bytes``); also the delta granularity.
+WEIGHT_CHUNK_BYTES = 1 << 20
+#: Parallel streams of one weight pull (``weights.streams``).
+WEIGHT_STREAMS = 4
+#: Outstanding chunk requests per stream (``weights.window``).
+WEIGHT_WINDOW = 4
+#: Stall deadline of a weight pull from the trainer (``weights.pull_timeout_s``).
+PULL_TIMEOUT_S = 30.0
