@@ -134,7 +134,7 @@ class ManagerCfg(_Strict):
 
 
 class PolicyCfg(_Strict):
-    """RLBoost's scheduling decisions (MISSION §1, §3; ``rlboost_hpc/policy``). The initial seeding window is
+    """RLBoost's scheduling decisions (``rlboost_hpc/policy``). The initial seeding window is
     ``trainer.seed_window_s``."""
 
     adaptive_seeding: bool = Field(True, description="T_seed += (t_wait_train − t_wait_remote)/η after each step")

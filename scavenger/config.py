@@ -1,7 +1,7 @@
 """Scavenger daemon configuration (pydantic, strict: unknown keys are errors).
 
 Invariants: every knob has a unit in its name or description; the warning signal is never USR1 (NCCL
-installs its own SIGUSR1 handler, case S1); :meth:`ScavengerConfig.sbatch_args` is the only place the
+installs its own SIGUSR1 handler); :meth:`ScavengerConfig.sbatch_args` is the only place the
 submission command line is built, so what the daemon submits is what the tests check.
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ resumes from its last checkpoint (trainer/checkpoint.py). Kills are scheduled by
 ``i`` fires a random ``[0, --kill-jitter-s)`` seconds after the run's checkpoint reached step
 ``round((i + 1) · steps / (K + 1))`` and at least one step past the checkpoint its incarnation resumed from — so
 every restart resumes from a checkpoint however slow the machine is. The final report covers every incarnation,
-so the invariants are checked across crashes (case C1).
+so the invariants are checked across crashes.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The embedded local preemptible cluster: rollout-worker processes that come and go as a real spot trace says.
 
-Stands in for Slurm + the scavenger on one machine (DESIGN "Local embedded default"); nothing else in the
+Stands in for Slurm + the scavenger on one machine (the local embedded default); nothing else in the
 run changes. Invariants: workers are real OS processes (``python -m rlboost_hpc.rollout.worker``); a trace
 ``remove`` ends one with the warning signal (SIGTERM by default) or, for ``kill_fraction`` of removals,
 SIGKILL without warning; each restart of a slot is a new attempt (new identity ``local-slot<k>#<attempt>``, case

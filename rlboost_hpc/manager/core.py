@@ -4,10 +4,10 @@ Pure logic, no sockets: messages go in through :meth:`ManagerCore.on_message`, t
 clock, and replies accumulate in :attr:`ManagerCore.outbox` as ``(peer, message)`` pairs that the service
 sends. Holds no policy arithmetic (T_seed, N_prem live in ``policy/``).
 
-Invariants (DESIGN.md; each has a test in tests/test_manager_core.py):
+Invariants (each has a test in tests/test_manager_core.py):
 1. Strict on-policy: a request carries its step's weight version; a token delta of any other version is
    rejected and its instance fenced. The version only changes between steps (SetVersion is refused while
-   requests of the old version are unfinished: the explicit in-flight policy of case W4).
+   requests of the old version are unfinished: the explicit in-flight policy).
 2. Exactly once: a request is owned by at most one instance at a time; deltas from any other instance are
    dropped as late; each group is delivered to the trainer once.
 3. Ids are ids: a delta must start exactly at the response's current length (no gap, no overlap).
@@ -23,7 +23,7 @@ Invariants (DESIGN.md; each has a test in tests/test_manager_core.py):
    silence, or when it deregisters.
 5. Resumed budget: a migrated request continues from prompt + generated ids with
    ``max_new_tokens − generated``; a delta that would exceed the budget is rejected.
-6. Continuous balancing (MISSION §3, ``policy.dispatch.Balancer``): every ``balance_every_s`` the manager
+6. Continuous balancing (``policy.dispatch.Balancer``): every ``balance_every_s`` the manager
    feeds each routable preemptible instance's measured decode rate at its running batch into that instance's
    plateau estimator (always: the learned peaks measure remote work for the step observation,
    ``policy/observation.py``), and, only when a ``balancer`` is given, releases running requests beyond a donor's
@@ -73,7 +73,7 @@ _ALLOWED: dict[InstanceState, frozenset[InstanceState]] = {
 
 @dataclass
 class Instance:
-    """One registered rollout instance; ``key`` = ``job_id#attempt`` (case S2)."""
+    """One registered rollout instance; ``key`` = ``job_id#attempt``."""
 
     key: str
     peer: bytes
@@ -795,7 +795,7 @@ class ManagerCore:
     def dispatch(self) -> None:
         """Join-shortest-queue (``policy.dispatch.choose_instance``): give each queued request to the routable
         instance with the fewest requests in flight, among those below min(Θ, its batch); the rest wait here
-        (delayed dispatch, case R7). ``dispatch_policy="round_robin"`` is the ablation baseline."""
+        (delayed dispatch). ``dispatch_policy="round_robin"`` is the ablation baseline."""
         if not self.queue:
             return
         cands = sorted((i for i in self.instances.values() if self.routable(i)), key=lambda i: i.key)

@@ -1,6 +1,6 @@
 """The rollout manager's journal: an append-only JSON-lines file in the run directory (``manager-journal.jsonl``).
 
-What the manager needs to survive a crash of the trainer job (or a Slurm requeue of it), case C1:
+What the manager needs to survive a crash of the trainer job (or a Slurm requeue of it):
 - its **epoch** (incarnation number): a restarted manager takes ``1 + the last epoch`` and tells every instance
   in ``Welcome``/``Alive``; weight versions are (epoch, version), so a rollout job that outlived the crash never
   trusts weights of an old incarnation because a version number matches (rollout/agent.py);

@@ -1,4 +1,4 @@
-"""Scheduling policies of RLBoost (MISSION.md §1 and §3): pure, deterministic functions of observed times and
+"""Scheduling policies of RLBoost: pure, deterministic functions of observed times and
 loads, shared verbatim by the live rollout manager and the simulator (``rlboost_hpc.sim``).
 
 * :mod:`.seeding` — adaptive seeding window ``T_seed`` with per-instance-count memory.

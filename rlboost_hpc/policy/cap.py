@@ -1,4 +1,4 @@
-"""Preemptible-pool cap ``N_prem`` (MISSION.md §1, "The pool is capped at ...").
+"""Preemptible-pool cap ``N_prem`` (RLBoost's cap on the preemptible pool).
 
 ::
 

@@ -1,6 +1,6 @@
 """Per-step rollout controller: the seeding window and the pool cap, fed by one observation per step.
 
-This is the single object the live manager and the simulator both drive (DESIGN.md: "policy/ ... shared
+This is the single object the live manager and the simulator both drive ("policy/ ... shared
 verbatim by the manager and the simulator"). The protocol, once per RL step:
 
 1. at step start: ``t_seed = ctl.begin_step(n_instances)`` — ``n_instances`` = preemptible instances held now

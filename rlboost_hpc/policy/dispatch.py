@@ -1,4 +1,4 @@
-"""Dispatch and continuous load balancing of rollout requests (MISSION.md §3; RLBoost §token-level migration).
+"""Dispatch and continuous load balancing of rollout requests (RLBoost §token-level migration).
 
 Three pieces, all pure and deterministic (no clock is read: the balancer is handed ``now``):
 
@@ -35,7 +35,7 @@ InstanceId = Hashable
 
 
 def choose_instance(loads: Sequence[float], theta: float, tiebreak: Sequence[float] | None = None) -> int | None:
-    """Join-shortest-queue with pending threshold Θ (MISSION.md §3).
+    """Join-shortest-queue with pending threshold Θ.
 
     Args:
         loads: pending requests per routable instance. The caller decides what "pending" counts: the
@@ -215,7 +215,7 @@ def select_queued(queued: Sequence[Hashable], k: int, exclude: frozenset | set =
 
 @dataclass
 class Balancer:
-    """Continuous load balancer (MISSION.md §3). See the module docstring.
+    """Continuous load balancer. See the module docstring.
 
     Args:
         prior_plateau / frac / min_samples / min_buckets / alpha: :class:`PlateauEstimator` settings for the

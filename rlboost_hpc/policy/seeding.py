@@ -1,10 +1,10 @@
-"""Adaptive seeding window ``T_seed`` with per-instance-count memory (MISSION.md §1; RLBoost §adaptive offload).
+"""Adaptive seeding window ``T_seed`` with per-instance-count memory (RLBoost §adaptive offload).
 
 At the start of each step the reserved (training) GPUs act as rollout engines for ``T_seed`` seconds, then
 switch to training; what they have not finished becomes *seeds* that continue on the preemptible instances.
 After each step the window is adapted from two idle times the step exhibited::
 
-    T_seed ← max(floor, T_seed + (t_wait_train − t_wait_remote) / η)          (MISSION.md §1, η = 3, floor 5 s)
+    T_seed ← max(floor, T_seed + (t_wait_train − t_wait_remote) / η)          (RLBoost: η = 3, floor 5 s)
 
 * ``t_wait_train``: seconds the trainer sat idle, after it switched to training, waiting for completed groups.
   Rollout was the bottleneck, so the reserved GPUs should generate longer (larger window).
@@ -12,7 +12,7 @@ After each step the window is adapted from two idle times the step exhibited::
   waiting for the trainer to publish the next version. Training was the bottleneck, so the reserved GPUs
   should switch to training earlier (smaller window).
 
-Memory ``M[n]`` (MISSION.md §1): the best window depends on how many preemptible instances share the rollout,
+Memory ``M[n]``: the best window depends on how many preemptible instances share the rollout,
 and availability changes abruptly, so the controller remembers one window per instance count ``n``:
 
 * **store**: at the end of a step during which the count did not change (``n_instances_start ==

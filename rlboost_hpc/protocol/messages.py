@@ -3,9 +3,9 @@
 The only module (with ``weight_msgs``) that knows bytes. Invariants:
 - Every frame is decoded against the tagged union :data:`Message` with a size limit before it touches
   state; anything else raises :class:`ProtocolError` (the caller logs one line and drops the frame).
-- Ids are ids (DESIGN invariant 3): tokens travel as packed little-endian int32 ids and float32 logprobs,
+- Ids are ids: tokens travel as packed little-endian int32 ids and float32 logprobs,
   parallel arrays whose lengths are checked on decode (:meth:`Tokens.validate`).
-- Completion and failure are different messages (case R5): ``Tokens`` with a finish code vs ``RequestFailed``.
+- Completion and failure are different messages: ``Tokens`` with a finish code vs ``RequestFailed``.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class _Msg(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, omit_defau
 
 # ---------------------------------------------------------------- agent → manager
 class Register(_Msg, tag="register"):
-    """A rollout instance announces itself. (job_id, attempt) is its identity (case S2): a new attempt
+    """A rollout instance announces itself. (job_id, attempt) is its identity: a new attempt
     of a requeued job is a new instance and never merges with the old one."""
 
     job_id: str
@@ -67,7 +67,7 @@ class WeightsLoaded(_Msg, tag="wloaded"):
 
 
 class WeightsFailed(_Msg, tag="wfailed"):
-    """A pull or load failed; the instance stays fenced. ``error`` carries the cause (case W2)."""
+    """A pull or load failed; the instance stays fenced. ``error`` carries the cause."""
 
     version: int
     error: str

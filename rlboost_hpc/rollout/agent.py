@@ -2,13 +2,13 @@
 
 Runs in a preemptible worker process (``rlboost_hpc.rollout.worker``) or, for the reserved side's seeding,
 in a thread of the trainer process. Invariants:
-- Serves only after it loaded a complete, verified version equal to the manager's latest (case W3); a
-  failed pull is reported with its cause (W2) and retried; the manager keeps the instance fenced meanwhile.
+- Serves only after it loaded a complete, verified version equal to the manager's latest; a
+  failed pull is reported with its cause and retried; the manager keeps the instance fenced meanwhile.
 - Nothing produced is lost on a warning: on preemption/drain/release every token the engine produced is
   flushed before ``Released`` (ZeroMQ keeps per-connection order), so the manager resumes those responses
-  from exactly where they stopped (``tokens_regenerated = 0`` for warned preemptions; case R2).
-- Weights change only while the engine is idle (the synchronous-RL policy for in-flight work, case W4);
-  every load flushes the KV cache (W5, inside the engine).
+  from exactly where they stopped (``tokens_regenerated = 0`` for warned preemptions).
+- Weights change only while the engine is idle (the synchronous-RL policy for in-flight work);
+  every load flushes the KV cache (inside the engine).
 - Busy is not dead: the connection to the manager belongs to :class:`ManagerLink`, whose I/O thread does
   nothing else — it forwards what the agent sends, receives (noting when the manager last spoke) and sends
   the heartbeats — so a weight load or an engine step of any length never silences the instance, and the
@@ -357,7 +357,7 @@ class RolloutAgent:
         def work() -> tuple:  # (version, state_dict, info, error, new engine)
             try:
                 sd, info = source(version, peers=peers) if peers else source(version)
-            except Exception as e:  # reported to the manager with its cause (case W2)
+            except Exception as e:  # reported to the manager with its cause
                 return version, None, None, f"{type(e).__name__}: {e}", None
             if not build:
                 return version, sd, info, None, None
@@ -385,7 +385,7 @@ class RolloutAgent:
                 self._send(M.WeightsFailed(version=version, error=err))
                 return
             if new_engine is None and self.engine is not None and self.engine.num_active:
-                return  # load only when idle (W4)
+                return  # load only when idle
             t0 = time.monotonic()
             if new_engine is not None:
                 self.engine = new_engine
@@ -556,7 +556,7 @@ class RolloutAgent:
 
     def _reregister(self, reason: str) -> None:
         """The manager no longer knows us (it declared us lost and migrated our work): drop local work and
-        register again as a new attempt (never merging with the old identity, case S2). Used by the reserved
+        register again as a new attempt (never merging with the old identity). Used by the reserved
         engine, which must stay available for co-located fallback; preemptible workers exit instead."""
         log.warning("instance %s#%d unknown to the manager (%s); registering as attempt %d",
                     self.job_id, self.attempt, reason, self.attempt + 1)

@@ -2,11 +2,11 @@
 
 Invariants:
 - Identity = (job id, attempt). Under Slurm: ``SLURM_JOB_ID`` and ``SLURM_RESTART_COUNT`` (a requeued job is
-  a new instance that never merges with its previous attempt; case S2).
+  a new instance that never merges with its previous attempt).
 - A warning signal (SIGTERM, or the configured preemption signal — SIGUSR2 by default; never SIGUSR1, which
-  NCCL claims; case S1) makes the agent drain: flush every produced token, release its requests, deregister.
+  NCCL claims) makes the agent drain: flush every produced token, release its requests, deregister.
   Under Slurm the job then requeues itself (``scontrol requeue``), because a job that exits on its own during
-  the grace time is COMPLETED, not requeued (case S3). A drain requested by the manager (run finished) exits
+  the grace time is COMPLETED, not requeued. A drain requested by the manager (run finished) exits
   without requeue. Each warning is classified once, when it arrives (:func:`classify_warning`): ``drained`` (the
   scavenger's drain marker exists: no requeue), ``time_limit`` (within :data:`TIME_LIMIT_WINDOW_S` of the job's
   own end time: requeued, counted apart from preemptions) or ``preempted``; under Slurm a SIGTERM that is not
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(f"worker:{args.job_id}#{args.attempt}")
     warn = getattr(signal, args.signal)
     if warn == signal.SIGUSR1:
-        p.error("SIGUSR1 is taken by NCCL; use SIGUSR2 (case S1)")
+        p.error("SIGUSR1 is taken by NCCL; use SIGUSR2")
     holder: dict = {}
 
     def on_signal(s, _f):

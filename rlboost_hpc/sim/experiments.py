@@ -1,4 +1,4 @@
-"""Smaller experiments of the paper (MISSION.md "Figures to reproduce"), run on the same simulator.
+"""Smaller experiments of the paper (its figures beyond the main table), run on the same simulator.
 
 * :func:`preemption_overhead` — per-sample migration vs recompute-from-scratch when one instance of a fixed
   pool is preempted ``at_s`` seconds into a step (paper: migration cuts the overhead by 33% at 100 s and 76%

@@ -1,6 +1,6 @@
 """Hardware, model, workload and price profiles of the simulator.
 
-Every number here is documented in ``docs/simulator.md`` with its source: the MISSION.md/paper text, a public
+Every number here is documented in ``docs/simulator.md`` with its source: the RLBoost paper's text, a public
 specification (H100 data sheet, Qwen3 ``config.json``), the reference artifact's README (Terra-Flux/PolyRL
 ``REPRODUCE.md``), or marked as an *estimate*. The few *fitted* numbers (efficiencies) were chosen so that the
 co-located baseline reproduces the reference artifact's verl figure (~10k tokens/s for Qwen3-8B on one
@@ -125,7 +125,7 @@ def engine_perf(model: ModelSpec, gpu: GPU, eff: Efficiency, tp: int, mem_frac: 
 
 @dataclass(frozen=True)
 class Workload:
-    """RL step shape (MISSION.md: 128 prompts × 8 responses, max response 14K) and length distribution.
+    """RL step shape (the paper's: 128 prompts × 8 responses, max response 14K) and length distribution.
 
     Response lengths (estimate, see docs/simulator.md): each prompt draws a median ``exp(N(ln median, σ_p))``
     and each of its ``group`` responses ``median·exp(N(0, σ_r))``, clipped to ``[min_response, max_response]``.
@@ -145,7 +145,7 @@ class Workload:
 
 @dataclass(frozen=True)
 class Prices:
-    """Dollars per hour (MISSION.md): on-demand 8×H100 node $83.79; spot 2×H100 instance $5.32."""
+    """Dollars per hour (the paper's prices): on-demand 8×H100 node $83.79; spot 2×H100 instance $5.32."""
 
     on_demand_node: float = 83.79
     spot_instance: float = 5.32

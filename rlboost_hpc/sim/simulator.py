@@ -6,7 +6,7 @@ against a :class:`~rlboost_hpc.sim.profiles.Profile` under a :class:`SystemSpec`
 pool cap) once per step, :func:`~rlboost_hpc.policy.dispatch.choose_instance` for every dispatch and
 :class:`~rlboost_hpc.policy.dispatch.Balancer` every ``balance_interval_s``.
 
-One step (MISSION.md "Data flow of one RL step"):
+One RL step:
 
 1. version ``v`` is published at the step start ``t0``; every held remote instance starts pulling it (time =
    weight bytes / min(instance NIC, trainer egress shared by concurrent pulls)); it is routable once it holds

@@ -1,4 +1,4 @@
-"""The simulated systems (MISSION.md "Figures to reproduce": baselines and ablations).
+"""The simulated systems (the paper's baselines and ablations).
 
 * ``colocated`` — verl hybrid engine: the reserved GPUs do the whole rollout (prompts split evenly and
   statically across engines, as verl does), then train; no preemptible capacity.

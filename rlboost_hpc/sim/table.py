@@ -1,4 +1,4 @@
-"""The paper's table (MISSION.md "Figures to reproduce"): throughput and tokens per dollar per system, as
+"""The paper's table (RLBoost vs its baselines and ablations): throughput and tokens per dollar per system, as
 ratios to co-located verl, for the 8B/14B/32B profiles.
 
 Layout of :func:`paper_table`'s result (also what ``rlboost-hpc simulate --paper-table --json`` prints)::
@@ -25,7 +25,7 @@ from rlboost_hpc.sim.simulator import RunResult, simulate
 from rlboost_hpc.sim.systems import SYSTEMS, TRACE_SYSTEMS
 from rlboost_hpc.sim.workload import SEGMENTS, Availability, segment
 
-#: MISSION.md targets: RLBoost vs co-located throughput and cost efficiency; ablation deltas vs RLBoost.
+#: The paper's figures: RLBoost vs co-located throughput and cost efficiency; ablation deltas vs RLBoost.
 TARGETS = {
     "8b": {"throughput_ratio": 1.66, "cost_efficiency_ratio": 1.34, "disagg_extra_cost_per_token": 0.62},
     "14b": {"throughput_ratio": 1.97, "cost_efficiency_ratio": 1.49, "disagg_extra_cost_per_token": 0.75},

@@ -1,4 +1,4 @@
-"""Trainer checkpoints for crash-resume (issue 7 §2, case C1).
+"""Trainer checkpoints for crash-resume (issue 7 §2).
 
 Layout under the run directory::
 

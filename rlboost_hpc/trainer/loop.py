@@ -1,4 +1,4 @@
-"""The synchronous on-policy RL loop (trainer side of RLBoost, MISSION §1).
+"""The synchronous on-policy RL loop (trainer side of RLBoost).
 
 One step: submit the step's GRPO groups to the manager → the reserved engine seeds for ``T_seed`` seconds
 → close seeding (the manager migrates the reserved engine's unfinished responses to preemptible instances,
@@ -68,7 +68,7 @@ class DataFrontier:
     """Epoch-wise shuffled prompt order; ``take(n)`` returns the next n prompts and advances the frontier.
 
     Invariant: within an epoch every prompt is taken exactly once; the frontier (epoch, position) is the
-    only state, so a checkpoint of it resumes with no prompt skipped or repeated (case C1).
+    only state, so a checkpoint of it resumes with no prompt skipped or repeated.
     """
 
     def __init__(self, prompts: list[Prompt], seed: int) -> None:
@@ -131,7 +131,7 @@ class RLTrainer:
         self.taken: list[str] = []
 
     def state_dict(self) -> dict:
-        """Everything of the loop a resume needs, consistent with the last optimizer step (case C1): version,
+        """Everything of the loop a resume needs, consistent with the last optimizer step: version,
         data frontier, totals, the exactly-once ledgers and the scheduling policy's state (T_seed, M[n], the
         cap) — plain JSON data, no pickled objects."""
         return {"version": self.version, "frontier": self.frontier.state(),

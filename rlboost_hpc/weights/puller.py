@@ -3,7 +3,7 @@
 Phases of :meth:`WeightPuller.pull` (each has a deadline; any failure raises :class:`WeightTransferError`
 naming the phase, the endpoint, the version and the cause):
 
-1. ``manifest`` — readiness handshake (case W1): ``GetManifest`` → the holder confirms it holds the version
+1. ``manifest`` — readiness handshake: ``GetManifest`` → the holder confirms it holds the version
    and states its layout and checksums *before* any weight bytes move. Deadline: ``timeout_s``.
 2. ``transfer`` — ``streams`` DEALER sockets, one thread each, share a queue of chunk indices; each keeps up
    to ``window`` ``GetChunk`` requests outstanding (credit-based pipelining: the holder never queues more
@@ -30,7 +30,7 @@ base, corrupt payload) or that the holder no longer has is fetched again in full
 bytes as a full pull.
 
 Invariants:
-- All or nothing (case W3): a pull returns only a complete version whose every chunk matched the
+- All or nothing: a pull returns only a complete version whose every chunk matched the
   manifest's checksum and whose whole-version checksum matched; otherwise it raises and the partially
   filled buffer is discarded. Never mixed versions: every reply is checked against the requested
   version and an outstanding chunk index.

@@ -8,8 +8,8 @@ Invariants every engine honours (tested per engine):
   *remaining* budget. Sampling is keyed by (seed, absolute response position) so an interrupted and
   resumed response equals the uninterrupted one (greedy always; sampled too, given equal weights).
 - Nothing hidden: every token an engine has produced is returned by the :meth:`Engine.step` call that
-  produced it, so :meth:`Engine.abort` never loses output (case R2).
-- A weight load invalidates every cached key/value (case W5); it is refused while requests run (W4 policy:
+  produced it, so :meth:`Engine.abort` never loses output.
+- A weight load invalidates every cached key/value; it is refused while requests run (the in-flight policy:
   the agent drains or aborts first, explicitly).
 """
 from __future__ import annotations

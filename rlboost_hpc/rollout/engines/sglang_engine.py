@@ -6,12 +6,12 @@ Nothing here imports ``sglang``: the adapter speaks HTTP only (stdlib ``http.cli
 process stays light and the server's Python environment may differ from the agent's.
 
 Invariants (the base contract of :mod:`rlboost_hpc.rollout.engines.base`, and how they hold here):
-- Ids are ids (R3): the server runs with ``--skip-tokenizer-init``; requests carry ``input_ids``; every token
+- Ids are ids: the server runs with ``--skip-tokenizer-init``; requests carry ``input_ids``; every token
   comes from a chunk's ``output_ids`` together with ``meta_info.output_token_logprobs`` (whose entries repeat
   the id) and ``meta_info.completion_tokens``. A chunk whose ids, logprob ids and counts disagree is an error,
   never repaired. Chunks may be cumulative (SGLang's default) or incremental
   (``--incremental-streaming-output``); the count tells which, anything else is an error.
-- Resumable (R1): a request is sent as ``input_ids = prompt_ids + prefix_ids`` with
+- Resumable: a request is sent as ``input_ids = prompt_ids + prefix_ids`` with
   ``max_new_tokens`` = the remaining budget the caller gives; the engine never returns more than that.
   Greedy (temperature 0) continuations are exactly the uninterrupted ones (SGLang's greedy is argmax over the
   same logits). Sampled decoding is NOT keyed by our (seed, position) rule: SGLang samples with its own RNG.
@@ -29,12 +29,12 @@ Invariants (the base contract of :mod:`rlboost_hpc.rollout.engines.base`, and ho
   ids unless ``ignore_eos``; when the request's stop set does not contain the model's EOS ids the engine sends
   ``ignore_eos`` and enforces the stop set itself (truncating after the first stop token and aborting the
   server request), so the semantics equal the torch engine's in every case.
-- Nothing hidden (R2): :meth:`step` returns every token received since the previous call. :meth:`abort`
+- Nothing hidden: :meth:`step` returns every token received since the previous call. :meth:`abort`
   tells the server to abort, waits (bounded) for the stream's final chunk — SGLang sends the complete
   ``output_ids`` of an aborted request — and RETURNS the tokens not yet returned by :meth:`step` as a
   :class:`TokenEvent` (``finished=False``), or ``None``. Callers that hand off partial responses must use that
   return value (the torch engine always returns ``None``: it has nothing pending).
-- Weights (W2–W5): :meth:`load_weights` is refused while requests are active; it validates names/shapes
+- Weights: :meth:`load_weights` is refused while requests are active; it validates names/shapes
   (Llama configs), then ``/begin_weight_update`` → ``/update_weights_from_tensor`` (with ``weight_version``,
   ``flush_cache=true``, ``abort_all_requests=false``) → ``/end_weight_update`` → ``/flush_cache`` and checks the
   server's reported weight version. Every reply is checked; any failure raises :class:`EngineError` with the
@@ -854,7 +854,7 @@ class SGLangEngine(Engine):
 
     # ------------------------------------------------------------------ control calls
     def _control(self, method: str, path: str, body: Any, what: str, timeout: float | None = None) -> Any:
-        """A control call whose reply is always checked (case W2)."""
+        """A control call whose reply is always checked."""
         try:
             status, reply = _http(self.host, self.port, method, path, body, timeout or self.control_timeout_s)
         except (OSError, http.client.HTTPException) as e:
