@@ -41,13 +41,11 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import time
 from functools import partial
 from pathlib import Path
 from typing import Any, Mapping
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -518,23 +516,11 @@ class MegatronBackend(TrainerBackend):
         self.ddp = self.ref = self.gpt = self.opt = None  # type: ignore[assignment]
 
 
-def rng_state() -> dict[str, Any]:
-    """Every RNG this rank uses: Python, NumPy, torch CPU, CUDA (if present) and Megatron's tracker."""
-    from megatron.core import tensor_parallel
-
-    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-          "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state()
-    return st
-
-
-def set_rng_state(st: Mapping[str, Any]) -> None:
-    from megatron.core import tensor_parallel
-
-    random.setstate(st["python"])
-    np.random.set_state(st["numpy"])
-    torch.set_rng_state(st["torch"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state(st["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(st["tracker"])
+def from_run_config(cfg: Any, policy: Any, common: Mapping[str, Any]) -> MegatronBackend:
+    """The trainer backend of a run with ``trainer.backend = "megatron"`` (entry point ``megatron`` of the group
+    ``rlboost_hpc.trainer_backends``): Megatron-core with the TP/PP layout ``megatron_bridge.launch`` set up (else
+    1), initialised from ``policy`` (``hf_config``, ``state_dict``), ``common`` = the algorithm's keyword arguments
+    (lr, weight decay, grad clip, clip ε, KL β, temperature)."""
+    t = cfg.trainer
+    return MegatronBackend(policy.hf_config, policy.state_dict, seed=t.seed, bf16=t.bf16,
+                           distributed_optimizer=t.distributed_optimizer, recompute=t.recompute, **common)

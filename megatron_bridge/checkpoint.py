@@ -37,7 +37,7 @@ FORMAT = "megatron_bridge.ckpt/1"
 def _sharded(backend, is_loading: bool) -> dict[str, Any]:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from megatron_bridge.backend import rng_state
+    from megatron_bridge.rng import rng_state
 
     L = backend.layout
     model_sd = backend.gpt.sharded_state_dict()
@@ -134,7 +134,7 @@ def load(backend, path: Path) -> dict[str, Any]:
     """
     from megatron.core import dist_checkpointing
 
-    from megatron_bridge.backend import set_rng_state
+    from megatron_bridge.rng import set_rng_state
 
     path = Path(path)
     if not (path / "metadata.json").is_file():

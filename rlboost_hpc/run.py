@@ -197,11 +197,10 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
     t = cfg.trainer
     common = dict(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, clip_eps=t.clip_eps,
                   kl_coef=t.kl_coef, temperature=r.temperature)
-    if t.backend == "megatron":  # Megatron-core (TP/PP from megatron_bridge.launch, else 1)
-        from megatron_bridge.backend import MegatronBackend
+    if t.backend != "torch":  # e.g. megatron: provided by megatron_bridge through an entry point
+        from rlboost_hpc.trainer.backends import plugin_backend
 
-        backend = MegatronBackend(policy.hf_config, policy.state_dict, seed=t.seed, bf16=t.bf16,
-                                  distributed_optimizer=t.distributed_optimizer, recompute=t.recompute, **common)
+        backend = plugin_backend(t.backend)(cfg, policy, common)
     else:
         backend = TorchBackend(arch, policy.state_dict, device=train_device, dtype=train_dtype, **common)
     publishes: list[dict] = []
