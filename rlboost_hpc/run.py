@@ -414,8 +414,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
         if mproc.is_alive():
             mproc.kill()
         server.close()
-        if hasattr(backend, "close"):  # the Megatron backend holds process groups / shard servers
-            backend.close()
+        backend.close()  # the Megatron backend holds process groups / shard servers
     if failure is not None:
         (out_dir / "report.json").write_text(json.dumps(
             {"failed": True, "error": f"{type(failure).__name__}: {failure}", "steps": len(step_metrics)}, indent=2))

@@ -7,6 +7,7 @@ gradients of micro-batches and steps its optimizer, and exports full HF-named we
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -25,6 +26,9 @@ class Sample:
 
 
 class TrainerBackend(abc.ABC):
+    """What the RL loop (``trainer/loop.py``), checkpoints (``trainer/checkpoint.py``) and the run use of a training
+    framework — nothing else is called on a backend."""
+
     @abc.abstractmethod
     def accumulate(self, batch: list[Sample], responses_in_step: int) -> dict[str, float]:
         """Forward + backward of one micro-batch, adding its share of the step loss to the gradients.
@@ -46,3 +50,15 @@ class TrainerBackend(abc.ABC):
     def token_logprobs(self, batch: list[Sample], *, reference: bool = False) -> list[torch.Tensor]:
         """No-grad logprobs of each response's tokens under the policy (or the frozen reference):
         a list of [len(response)] float32 tensors."""
+
+    @abc.abstractmethod
+    def save_checkpoint(self, path: str | os.PathLike, extra_state: Mapping | None = None) -> None:
+        """Write model and optimizer state (and ``extra_state``, plain data) into the directory ``path`` (created);
+        collective for distributed backends. Restored by :meth:`load_checkpoint` with the same layout."""
+
+    @abc.abstractmethod
+    def load_checkpoint(self, path: str | os.PathLike) -> dict:
+        """Restore what :meth:`save_checkpoint` wrote into ``path``; returns its ``extra_state`` ({} if none)."""
+
+    def close(self) -> None:
+        """Release what the backend holds beyond memory (process groups, servers). Idempotent; default: nothing."""
