@@ -623,3 +623,17 @@ def test_alive_reaches_every_live_instance_once_a_second_even_when_idle():
         core.on_message(b"a", M.Heartbeat(version=0, active=0, tokens_generated=0))
         core.tick()
         assert [m.epoch for m in sent(core, b"a", M.Alive)] == [3] and not sent(core, b"b", M.Alive)
+
+
+def test_round_robin_ablation_takes_instances_in_turn():
+    clock = Clock()
+    core = ManagerCore(clock=clock, pending_limit=8, heartbeat_s=0.25, heartbeat_timeout_s=2.0,
+                       dispatch_policy="round_robin")
+    core.on_message(TRAINER, M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
+    core.on_message(TRAINER, M.SetVersion(version=0))
+    for p in (b"a", b"b", b"c"):
+        register(core, p, p.decode())
+    core.outbox.clear()
+    submit(core, groups=1, n=6)
+    got = {p: sum(len(m.works) for m in sent(core, p, M.Assign)) for p in (b"a", b"b", b"c")}
+    assert got == {b"a": 2, b"b": 2, b"c": 2}  # JSQ would do the same here; the order is what differs

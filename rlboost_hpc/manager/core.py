@@ -41,7 +41,7 @@ from typing import Callable
 import numpy as np
 
 from rlboost_hpc import defaults as D
-from rlboost_hpc.policy.dispatch import Balancer, InstanceLoad, PlateauEstimator, choose_instance
+from rlboost_hpc.policy.dispatch import Balancer, InstanceLoad, PlateauEstimator, RoundRobin, choose_instance
 from rlboost_hpc.policy.observation import RemoteWork, observe_remote
 from rlboost_hpc.policy.relay import RelayTree, Source
 from rlboost_hpc.protocol import messages as M
@@ -198,7 +198,7 @@ class ManagerCore:
         # decode rate by batch over every preemptible instance (tokens/s per bucket): the simulator's calibration
         self.pool_rates = PlateauEstimator()
         self._last_alive = -1e9
-        self._rr = 0
+        self._rr = RoundRobin()  # the ablation's rule, the same object the simulator uses
         # Per-step view of the preemptible pool (the records of the observation law) and when the step's last
         # response completed.
         self.step_remote: dict[str, _StepWork] = {}
@@ -815,11 +815,9 @@ class ManagerCore:
             if not free:
                 deferred.append(rid)
                 continue
-            if self.dispatch_policy == "round_robin":
-                self._rr += 1
-                inst = free[self._rr % len(free)]
-            else:
-                inst = free[choose_instance([len(i.inflight) for i in free], self.pending_limit)]
+            loads = [len(i.inflight) for i in free]  # all below Θ (and their batch size)
+            choose = self._rr.choose if self.dispatch_policy == "round_robin" else choose_instance
+            inst = free[choose(loads, self.pending_limit)]
             req.state, req.instance = "running", inst.key
             req.attempts += 1
             req.instances.append(inst.key)
