@@ -61,6 +61,18 @@ class InstanceState(StrEnum):
 
 
 S = InstanceState
+
+
+class RequestState(StrEnum):
+    """Life of one response at the manager: queued → running (on one instance) → done; running → queued when its
+    instance leaves, is fenced or releases it (the tokens so far stay: it resumes from them)."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+
+
+R = RequestState
 _ALLOWED: dict[InstanceState, frozenset[InstanceState]] = {
     S.PULLING: frozenset({S.READY, S.FENCED, S.DRAINING, S.SUSPECT, S.GONE}),
     S.READY: frozenset({S.FENCED, S.DRAINING, S.SUSPECT, S.GONE}),
@@ -118,7 +130,7 @@ class Request:
     logprobs: bytearray = field(default_factory=bytearray)
     runs: list[int] = field(default_factory=list)  # (version, count) pairs as the engines stamped the tokens
     n: int = 0
-    state: str = "queued"  # queued | running | done
+    state: RequestState = RequestState.QUEUED
     instance: str | None = None
     attempts: int = 0
     migrations: int = 0
@@ -342,9 +354,9 @@ class ManagerCore:
         req = self.requests.get(rid)
         inst.inflight.discard(rid)
         inst.releasing.discard(rid)
-        if req is None or req.state != "running" or req.instance != inst.key:
+        if req is None or req.state != R.RUNNING or req.instance != inst.key:
             return
-        req.state, req.instance = "queued", None
+        req.state, req.instance = R.QUEUED, None
         req.migrations += 1
         self.counters["responses_migrated"] += 1
         if req.n:
@@ -516,7 +528,7 @@ class ManagerCore:
         for i, (rid, off, cnt, ver, fin) in enumerate(zip(msg.rids, msg.offsets, counts, msg.versions, msg.finish)):
             hi = lo + 4 * cnt
             req = requests.get(rid)
-            if req is None or req.instance != key or req.state != "running":
+            if req is None or req.instance != key or req.state != R.RUNNING:
                 late += cnt
             elif ver != req.version:
                 self.counters["off_version_tokens_rejected"] += cnt
@@ -541,7 +553,7 @@ class ManagerCore:
                 else:
                     runs += (ver, cnt)
                 if fin:
-                    req.state, req.instance = "done", None
+                    req.state, req.instance = R.DONE, None
                     req.finish_reason = M.FINISH_NAMES[fin]
                     inst.inflight.discard(rid)
                     inst.releasing.discard(rid)
@@ -559,7 +571,7 @@ class ManagerCore:
         self.counters["request_failures"] += 1
         req = self.requests.get(msg.rid)
         log.warning("instance %s failed request %s: %s", inst.key, msg.rid, msg.error)
-        if req is not None and req.instance == inst.key and req.state == "running":
+        if req is not None and req.instance == inst.key and req.state == R.RUNNING:
             self._requeue(msg.rid, inst, "engine failure")
             if req.attempts >= self.max_attempts:
                 self._fail_step(f"request {msg.rid} failed {req.attempts} times; last error: {msg.error}")
@@ -604,7 +616,7 @@ class ManagerCore:
         if msg.version == self.latest_version:  # a resent call (its reply was lost): already in force
             self.send(peer, M.Ok(what="setver", cid=msg.cid))
             return
-        unfinished = [r for r in self.requests.values() if r.state != "done"]
+        unfinished = [r for r in self.requests.values() if r.state != R.DONE]
         if unfinished:
             self.send(peer, M.Error(what="setver", cid=msg.cid, error=(
                 f"{len(unfinished)} responses of version {self.latest_version} are unfinished; the version "
@@ -809,7 +821,7 @@ class ManagerCore:
                 break
             rid = self.queue.popleft()
             req = self.requests.get(rid)
-            if req is None or req.state != "queued":
+            if req is None or req.state != R.QUEUED:
                 continue
             free = [i for i in free if rid not in i.releasing]  # not back where a Release is still pending
             if not free:
@@ -818,7 +830,7 @@ class ManagerCore:
             loads = [len(i.inflight) for i in free]  # all below Θ (and their batch size)
             choose = self._rr.choose if self.dispatch_policy == "round_robin" else choose_instance
             inst = free[choose(loads, self.pending_limit)]
-            req.state, req.instance = "running", inst.key
+            req.state, req.instance = R.RUNNING, inst.key
             req.attempts += 1
             req.instances.append(inst.key)
             inst.inflight.add(rid)
