@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from rlboost_hpc.cluster.slurm_local import ensure_local_slurm
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the local Slurm cluster's helper
+from _slurm_local import ensure_local_slurm  # noqa: E402
 from rlboost_hpc.events import read_events
 from rlboost_hpc.manager.service import spawn_manager
 from rlboost_hpc.models.hf_dir import load_model_dir

@@ -24,7 +24,7 @@ def stories260k_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _stop_local_slurm_we_started():
     """Stop the local Slurm cluster at the end of the session if a test of this session started it."""
     yield
-    from rlboost_hpc.cluster.slurm_local import started_by_this_process, stop_local_slurm
+    from _slurm_local import started_by_this_process, stop_local_slurm
 
     if started_by_this_process():
         stop_local_slurm()
@@ -74,7 +74,7 @@ def _no_slurm_jobs_left_behind(request):
     import subprocess
     import time
 
-    from rlboost_hpc.cluster.slurm_local import local_slurm_env, slurm_available
+    from _slurm_local import local_slurm_env, slurm_available
 
     if not slurm_available():
         return

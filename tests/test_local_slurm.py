@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from _util import wait_for
 
-from rlboost_hpc.cluster.slurm_local import LOCAL_CLUSTER_DIR, ensure_local_slurm, local_slurm_env
+from _slurm_local import LOCAL_CLUSTER_DIR, ensure_local_slurm, local_slurm_env
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(180)]
 

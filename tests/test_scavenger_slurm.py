@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from _util import wait_for
 
-from rlboost_hpc.cluster.slurm_local import ensure_local_slurm
+from _slurm_local import ensure_local_slurm
 from scavenger.config import ScavengerConfig
 from scavenger.daemon import Scavenger
 from rlboost_hpc.events import read_events

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from _util import tail, wait_for, wait_progressing
 
-from rlboost_hpc.cluster.slurm_local import ensure_local_slurm
+from _slurm_local import ensure_local_slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.integration]
 

@@ -21,10 +21,10 @@ import subprocess
 from pathlib import Path
 
 from rlboost_hpc.paths import PROJECT_ROOT
+from scavenger.slurm import USABLE_NODE_STATES  # one vocabulary of node states (the scavenger's)
 
 DEFAULT_DIR = "/tmp/rlboost-slurm"
 LOCAL_CLUSTER_DIR = PROJECT_ROOT / "sbatch" / "local-cluster"
-USABLE_NODE_STATES = {"idle", "mixed", "allocated", "completing"}
 
 _started_here = False
 
@@ -69,7 +69,7 @@ def _usable_nodes(env: dict[str, str], timeout_s: float) -> int | None:
     if out.returncode != 0:
         return None
     nodes = {ln.split()[0] for ln in out.stdout.splitlines()
-             if len(ln.split()) == 2 and ln.split()[1] in USABLE_NODE_STATES}
+             if len(ln.split()) == 2 and ln.split()[1].upper() in USABLE_NODE_STATES}
     return len(nodes)
 
 
