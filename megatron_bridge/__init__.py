@@ -17,7 +17,6 @@ Modules (importing the package imports nothing heavy; Megatron-core is imported 
 - :mod:`~megatron_bridge.parallel` / :mod:`~megatron_bridge.driver` / :mod:`~megatron_bridge.launch` —
   process groups, leader/follower execution, the ``torchrun`` launcher (``python -m megatron_bridge.launch``).
 - :mod:`~megatron_bridge.compat` — the CPU compatibility layer (a test aid; installed only without CUDA).
-- :mod:`~megatron_bridge.testing` — verification scenarios used by ``tests/test_megatron*.py``.
 
 Quick use (one process, CPU or one GPU)::
 

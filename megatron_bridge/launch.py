@@ -99,6 +99,7 @@ def _run_program(a: argparse.Namespace) -> None:
         if not a.program:
             raise SystemExit("megatron_bridge.launch: no program given (-m MODULE or SCRIPT)")
         sys.argv = list(a.program)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(a.program[0])))  # as ``python SCRIPT`` does
         runpy.run_path(a.program[0], run_name="__main__")
 
 

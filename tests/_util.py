@@ -79,3 +79,7 @@ def load_hf_dir(d):
 
     arch = arch_from_hf(d)
     return arch, read_state_dict(d, arch)
+
+
+#: The Megatron verification scenarios (``python tests/megatron_scenarios.py SCENARIO``; test support).
+SCENARIOS = str(Path(__file__).resolve().parent / "megatron_scenarios.py")

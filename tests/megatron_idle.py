@@ -6,7 +6,7 @@ import time
 import torch
 
 from megatron_bridge.backend import MegatronBackend
-from megatron_bridge.testing import make_samples, tiny_hf
+from megatron_scenarios import make_samples, tiny_hf
 
 torch.set_num_threads(1)
 cfg, sd = tiny_hf("llama", vocab=256)

@@ -26,6 +26,8 @@ from rlboost_hpc.rollout.engines.base import GenRequest, SamplingParams
 from rlboost_hpc.rollout.engines.torch_engine import TorchEngine, generate_all
 from rlboost_hpc.tasks.base import get_task
 
+from _util import SCENARIOS  # noqa: E402
+
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -292,7 +294,7 @@ def test_the_tiny_qwen3_trains_with_the_megatron_backend_at_tp2(tiny_dirs, tmp_p
     out = tmp_path / "tp2"
     sets = [f"model.path='{tiny_dirs['qwen3']}'", "task.name=gsm8k", "trainer.steps=2", "task.train_prompts=16",
             "task.heldout_prompts=4", "trainer.eval_samples=1", "rollout.max_new_tokens=32"]
-    p = _launch(REPO, ["--tp", "2"], ["-m", "megatron_bridge.testing", "demo", "--out", str(out),
+    p = _launch(REPO, ["--tp", "2"], [SCENARIOS, "demo", "--out", str(out),
                                       *[a for s in sets for a in ("--set", s)]], timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     rep = json.loads((out / "report.json").read_text())

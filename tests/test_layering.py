@@ -28,3 +28,8 @@ def test_the_scavenger_and_the_bridge_do_not_import_each_other_or_tests():
     bad = [i for i in imports("scavenger") if i[2].split(".")[0] in ("megatron_bridge", "tests")]
     bad += [i for i in imports("megatron_bridge") if i[2].split(".")[0] in ("scavenger", "tests")]
     assert not bad, bad
+
+
+def test_test_scenarios_and_cluster_helpers_live_under_tests():
+    for gone in ("megatron_bridge/testing.py", "rlboost_hpc/cluster/slurm_local.py"):
+        assert not (ROOT / gone).exists(), f"{gone} is test support: it belongs under tests/"

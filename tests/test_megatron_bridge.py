@@ -1,6 +1,6 @@
 """megatron_bridge in a world of one: HF config parsing, the weight bridge for every TP/PP layout (pure tensor
 code, in-process), and the Megatron backend against the torch backend / ``transformers`` (one subprocess
-running ``python -m megatron_bridge.testing single``, so Megatron's global state and the CPU compatibility
+running ``python tests/megatron_scenarios.py single``, so Megatron's global state and the CPU compatibility
 layer never touch the pytest process)."""
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ from megatron_bridge.arch import (  # noqa: E402
     stage_layers,
 )
 from megatron_bridge.bridge import assemble, hf_shapes, hf_to_megatron, megatron_to_pieces  # noqa: E402
+
+from _util import SCENARIOS  # noqa: E402
 
 
 def _arch(**kw) -> ModelArch:
@@ -186,7 +188,7 @@ def test_launcher_splits_its_options_from_the_program():
 def single(repo_root, stories260k_hf_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("megatron") / "single.json"
     env = dict(os.environ, PYTHONPATH=str(repo_root), OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "megatron_bridge.testing", "single", "--models",
+    p = subprocess.run([sys.executable, SCENARIOS, "single", "--models",
                         str(stories260k_hf_dir.parent), "--out", str(out)], cwd=repo_root, env=env,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
@@ -194,7 +196,7 @@ def single(repo_root, stories260k_hf_dir, tmp_path_factory):
 
 
 def check_parity(r: dict, *, logprob_tol: float = 1e-4, weight_tol: float = 1e-4, rl_tol: float = 1e-5) -> None:
-    """The assertions shared by every layout: see megatron_bridge.testing.parity for what is measured."""
+    """The assertions shared by every layout: see tests/megatron_scenarios.py for what is measured."""
     assert r["logits_shape_ok"] and r["logits_close"], (r["logits_maxabs"], r["logits_scale"])
     assert r["export_names_ok"] and r["export_maxabs"] == 0.0
     if "shards" in r:

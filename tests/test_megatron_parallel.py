@@ -3,7 +3,7 @@ PP=2 (stories260K's 5 layers split 3 + 2, tied embeddings across stages, 1F1B ov
 DP=2 with the distributed optimizer, in leader mode (rank 0 runs the program, rank 1 follows); and the
 ordinary RL run with the Megatron backend at TP=1 and TP=2.
 
-Each 2-process job runs ``megatron_bridge.testing parallel`` on rank 0: the same checks as the TP=1 tests
+Each 2-process job runs ``tests/megatron_scenarios.py parallel`` on rank 0: the same checks as the TP=1 tests
 (logits vs ``transformers``, gathered export round trip, sharded publish → parallel pull → assembly, GRPO step
 numbers vs the torch backend on the same batches, exact resume from ``dist_checkpointing``). The launcher
 picks a free rendezvous port per job (``torchrun --standalone``), so jobs never share a MASTER_PORT.
@@ -18,6 +18,8 @@ import sys
 import pytest
 
 from test_megatron_bridge import check_parity
+
+from _util import SCENARIOS  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.integration]
 
@@ -36,7 +38,7 @@ def _launch(repo_root, layout: list[str], program: list[str], timeout: int = 300
 
 
 def _parallel(repo_root, models, out, layout, extra=()):
-    p = _launch(repo_root, layout, ["-m", "megatron_bridge.testing", "parallel", "--models", str(models),
+    p = _launch(repo_root, layout, [SCENARIOS, "parallel", "--models", str(models),
                                     "--out", str(out), *extra])
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(out.read_text())
@@ -91,7 +93,7 @@ def test_default_demo_with_the_megatron_backend_meets_the_report_contract(repo_r
     """The walking skeleton's default demo (60 steps, real workers and preemptions) with MegatronBackend (TP=1)
     constructed where run.py constructs the torch backend."""
     out = tmp_path / "demo"
-    p = subprocess.run([sys.executable, "-m", "megatron_bridge.testing", "demo", "--out", str(out)], cwd=repo_root,
+    p = subprocess.run([sys.executable, SCENARIOS, "demo", "--out", str(out)], cwd=repo_root,
                        env=_env(repo_root), capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stderr[-4000:]
     rep = json.loads((out / "report.json").read_text())
@@ -108,7 +110,7 @@ def test_default_demo_with_the_megatron_backend_meets_the_report_contract(repo_r
 def test_rl_run_at_tp2_through_the_launcher(repo_root, tmp_path):
     """Rank 0 runs the ordinary RL program (manager, weight server, workers); rank 1 follows its backend calls."""
     out = tmp_path / "demo-tp2"
-    p = _launch(repo_root, ["--tp", "2"], ["-m", "megatron_bridge.testing", "demo", "--out", str(out),
+    p = _launch(repo_root, ["--tp", "2"], [SCENARIOS, "demo", "--out", str(out),
                                            "--set", "trainer.steps=4", "--set", "task.heldout_prompts=8",
                                            "--set", "trainer.eval_samples=1"], timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]

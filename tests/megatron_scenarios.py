@@ -2,8 +2,8 @@
 
 Run one scenario (results as JSON)::
 
-    python -m megatron_bridge.testing single --models DIR --out r.json            # world of one
-    python -m megatron_bridge.launch --nproc-per-node 2 --tp 2 -m megatron_bridge.testing parallel \\
+    python tests/megatron_scenarios.py single --models DIR --out r.json            # world of one
+    python -m megatron_bridge.launch --nproc-per-node 2 --tp 2 tests/megatron_scenarios.py parallel \\
         --models DIR --out r.json                                                 # TP=2 (or --pp 2, or DP=2)
 
 Each scenario compares the Megatron backend with an independent reference on the same batches:
@@ -11,7 +11,7 @@ Each scenario compares the Megatron backend with an independent reference on the
 :class:`HFReference` (the same GRPO step on a ``transformers`` model) for the tiny random Qwen2/Qwen3 configs.
 It records logits differences against ``transformers``, bridge round trips, sharded export + pull through real
 ``WeightServer`` s, per-step RL losses/metrics, reference logprobs, and an exact checkpoint-resume check.
-Nothing here is imported by production code.
+Test support (it lives under ``tests/``): nothing in the product imports it.
 """
 from __future__ import annotations
 
@@ -363,7 +363,7 @@ def run_demo(config: Path, out_dir: Path, overrides: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_bridge.testing")
+    p = argparse.ArgumentParser(prog="python tests/megatron_scenarios.py")
     p.add_argument("scenario", choices=["single", "parallel", "demo"])
     p.add_argument("--models", type=Path, help="directory for the converted stories260K")
     p.add_argument("--out", type=Path, help="results JSON (single/parallel) or run directory (demo)")
