@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         "scavenger": ("keep preemptible rollout jobs on idle Slurm capacity", "scavenger.cli", "main"),
         "stats": ("preemption and harvesting statistics of a run directory", "scavenger.stats", "stats_main"),
         "simulate": ("discrete-event simulation of RLBoost vs baselines on spot traces", "rlboost_hpc.sim.cli", "main"),
-        "chaos": ("run the demo under random preemptions and kills, check the invariants", "rlboost_hpc.cluster.chaos",
+        "chaos": ("run the demo under random preemptions and kills, check the invariants", "rlboost_hpc.chaos",
                   "chaos_main"),
     }
     for name, (help_, _, _) in passthrough.items():

@@ -10,7 +10,7 @@ import pytest
 import torch
 import zmq
 
-from rlboost_hpc.cluster.chaos import chaos_main, kill_steps, synthetic_trace
+from rlboost_hpc.chaos import chaos_main, kill_steps, synthetic_trace
 from rlboost_hpc.manager.service import spawn_manager
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.auth import RunKeys, secure_client
