@@ -23,6 +23,9 @@ import random
 import sys
 from pathlib import Path
 
+from rlboost_hpc.paths import PROJECT_ROOT
+from rlboost_hpc.rundir import RunDir
+
 
 def synthetic_trace(path: str | Path, *, duration_s: float, instances: int, mean_lifetime_s: float,
                     mean_downtime_s: float, seed: int = 0) -> int:
@@ -63,7 +66,7 @@ def chaos_main(argv: list[str] | None = None) -> int:
     from rlboost_hpc.run import run
 
     p = argparse.ArgumentParser(prog="rlboost-hpc chaos", description=chaos_main.__doc__)
-    p.add_argument("--config", default=str(Path(__file__).resolve().parents[2] / "configs/local.toml"))
+    p.add_argument("--config", default=str(PROJECT_ROOT / "configs/local.toml"))
     p.add_argument("--out", default="runs/chaos")
     p.add_argument("--fresh", action="store_true",
                    help="start over in an --out that holds an earlier run (its checkpoints and journal are removed)")
@@ -112,9 +115,9 @@ def chaos_main(argv: list[str] | None = None) -> int:
         rc = run_with_restarts(a.config, out, overrides, kill_steps(a.steps, a.trainer_kills), a.kill_jitter_s,
                                a.seed, crashes)
         if rc != 0:
-            print(f"rlboost-hpc chaos: the final incarnation of the run exited {rc} (see {out}/report.json)")
+            print(f"rlboost-hpc chaos: the final incarnation of the run exited {rc} (see {RunDir(out).report})")
             return 1
-        rep = json.loads((out / "report.json").read_text())
+        rep = json.loads(RunDir(out).report.read_text())
     else:
         rep = run(load_config(a.config, overrides), out, progress=False)
     faults = {"preemptions_with_warning": rep["preemptions_with_warning"],
@@ -137,19 +140,16 @@ def chaos_main(argv: list[str] | None = None) -> int:
 
 def _earlier_run(out: Path) -> list[str]:
     """What in ``out`` belongs to an earlier run (its checkpoints, manager journal, report)."""
-    from rlboost_hpc.manager.journal import NAME
-
-    return [n for n in ("checkpoints", NAME, "report.json") if (out / n).exists()]
+    rd = RunDir(out)
+    return [p.name for p in (rd.checkpoints, rd.journal, rd.report) if p.exists()]
 
 
 def _forget_previous_run(out: Path) -> None:
     """Remove an earlier run's checkpoints and manager journal from ``out`` (the harness's own output dir)."""
     import shutil
 
-    from rlboost_hpc.manager.journal import NAME
-
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    (out / NAME).unlink(missing_ok=True)
+    shutil.rmtree(RunDir(out).checkpoints, ignore_errors=True)
+    RunDir(out).journal.unlink(missing_ok=True)
 
 
 def kill_steps(steps: int, kills: int) -> list[int]:
@@ -175,7 +175,7 @@ def run_with_restarts(config: str, out: Path, overrides: list[str], at_steps: li
     import sys
     import time
 
-    from rlboost_hpc.manager.journal import NAME, read
+    from rlboost_hpc.manager.journal import read
     from rlboost_hpc.trainer.checkpoint import latest_step
 
     rng = random.Random(seed + 7)
@@ -185,7 +185,7 @@ def run_with_restarts(config: str, out: Path, overrides: list[str], at_steps: li
     log = open(out / "chaos-runs.log", "ab")
     try:
         for i in range(len(at_steps) + 1):
-            starts = sum(r.get("event") == "start" for r in read(out / NAME))
+            starts = sum(r.get("event") == "start" for r in read(RunDir(out).journal))
             resumed = latest_step(out)
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             if i == len(at_steps):
@@ -199,7 +199,7 @@ def run_with_restarts(config: str, out: Path, overrides: list[str], at_steps: li
             if proc.poll() is not None:  # finished (or failed) before its kill: nothing left to crash
                 return proc.returncode
             victim = rng.choice(["trainer", "manager"])
-            mgr = [r for r in read(out / NAME) if r.get("event") == "start"]
+            mgr = [r for r in read(RunDir(out).journal) if r.get("event") == "start"]
             if victim == "manager" and len(mgr) > starts:
                 os.kill(int(mgr[-1]["pid"]), signal.SIGKILL)
                 crashes["manager_kills"] += 1

@@ -23,6 +23,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from rlboost_hpc.models.arch import ModelFormatError
     from rlboost_hpc.models.device import DeviceError
     from rlboost_hpc.paths import DataFileMissing
+    from rlboost_hpc.rundir import RunDir
     from rlboost_hpc.run import run
     from rlboost_hpc.trainer.client import ManagerError
     from rlboost_hpc.trainer.loop import RolloutFailed
@@ -41,10 +42,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"rlboost-hpc: {e}", file=sys.stderr)
         return 2
     except (RolloutFailed, ManagerError) as e:
-        print(f"rlboost-hpc: rollout failed unrecoverably: {e} (see {out}/report.json)", file=sys.stderr)
+        print(f"rlboost-hpc: rollout failed unrecoverably: {e} (see {RunDir(out).report})", file=sys.stderr)
         return 1
     print_summary(report)
-    print(f"report: {out / 'report.json'}  metrics: {out / 'metrics.jsonl'}  plot: {out / 'run.png'}")
+    rd = RunDir(out)
+    print(f"report: {rd.report}  metrics: {rd.metrics}  plot: {rd.plot}")
     return 0
 
 

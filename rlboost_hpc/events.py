@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-EVENTS_FILE = "events.jsonl"
+from rlboost_hpc.rundir import EVENTS_FILE  # the run directory's layout has one owner
+
 #: Writers of job life-cycle events (``submitted`` … ``finished``): the scavenger for Slurm jobs, the embedded
 #: local cluster for its worker slots (a slot is a job, each spawn an attempt). Statistics read only these.
 LOCAL_CLUSTER_SOURCE = "local-cluster"

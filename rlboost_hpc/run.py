@@ -28,7 +28,7 @@ from rlboost_hpc.rollout.spec import WorkerSpec
 from rlboost_hpc.tasks.reward_pool import RewardPool
 from rlboost_hpc.cluster.capacity import available_from_scavenger, reserved_instances
 from rlboost_hpc.procutil import reclaim_leftovers
-from rlboost_hpc.rundir import advertised, write_endpoints, write_file_sd, write_target
+from rlboost_hpc.rundir import RunDir, advertised, write_endpoints, write_file_sd, write_target
 
 log = logging.getLogger("rlboost.run")
 
@@ -64,7 +64,7 @@ def _resume_point(cfg: RunConfig, out_dir: Path) -> Path | None:
     if cfg.trainer.resume == "never":
         return None
     ckpt = checkpoint.newest_verified(out_dir)  # a torn newest one (power loss) falls back to the one before
-    records = journal_mod.read(out_dir / journal_mod.NAME)
+    records = journal_mod.read(RunDir(out_dir).journal)
     if ckpt is None:
         if cfg.trainer.resume == "require":
             raise checkpoint.CheckpointError(f"trainer.resume = require but {out_dir}/checkpoints has no checkpoint")
@@ -73,14 +73,14 @@ def _resume_point(cfg: RunConfig, out_dir: Path) -> Path | None:
             # progress without its resume state: starting at step 0 would silently retrain (and re-publish
             # versions the journal already made current)
             raise checkpoint.CheckpointError(
-                f"the manager journal {out_dir / journal_mod.NAME} records versions up to {done}, but "
+                f"the manager journal {RunDir(out_dir).journal} records versions up to {done}, but "
                 f"{out_dir}/checkpoints has no checkpoint to resume from (checkpoints/latest or the step directories "
                 "are missing); restore them, or start over in a new --out")
         return None
     step = checkpoint.step_of(ckpt)
     if not records:
         raise checkpoint.CheckpointError(
-            f"{ckpt} exists but the manager journal {out_dir / journal_mod.NAME} is missing or empty: the checkpoint "
+            f"{ckpt} exists but the manager journal {RunDir(out_dir).journal} is missing or empty: the checkpoint "
             "does not belong to this run directory's history; restore the journal or use trainer.resume=never")
     if journal_mod.last_version(records) < step:
         raise checkpoint.CheckpointError(
@@ -126,7 +126,6 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True, run_id: str | N
 
 def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
     from rlboost_hpc.cluster.local import LocalCluster
-    from rlboost_hpc.manager import journal as journal_mod
     from rlboost_hpc.models.device import resolve_device, resolve_dtype
     from rlboost_hpc.models.hf_dir import save_model_dir
     from rlboost_hpc.observe.report import ProgressView, write_plot
@@ -182,7 +181,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
     server = WeightServer(bind=f"tcp://{cfg.network.bind_host}:0", chunk_bytes=cfg.weights.chunk_bytes,
                           keys=keys, delta=cfg.weights.delta, delta_max_ratio=cfg.weights.delta_max_ratio).start()
     mproc, bound, metrics_url = _start_manager(cfg, str(out_dir) if keys else None,
-                                               str(out_dir / journal_mod.NAME), run_id)
+                                               str(RunDir(out_dir).journal), run_id)
     host = cfg.network.advertise_host or (socket.gethostname() if cfg.network.bind_host in ("0.0.0.0", "*")
                                           else cfg.network.bind_host)
     endpoint, weights_endpoint = advertised(bound, host), advertised(server.endpoint, host)
@@ -229,7 +228,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
         rewards = RewardPool(task, workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s)
         closers.append(rewards.close)
         eval_kw["score"] = rewards.score
-        metrics_f = open(out_dir / "metrics.jsonl", "w")  # what the checkpoint covers, then the new steps
+        metrics_f = open(RunDir(out_dir).metrics, "w")  # what the checkpoint covers, then the new steps
         metrics_f.writelines(json.dumps(m) + "\n" for m in step_metrics)
         metrics_f.flush()
         version0 = trainer_state["version"] if trainer_state else 0
@@ -416,11 +415,11 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
         server.close()
         backend.close()  # the Megatron backend holds process groups / shard servers
     if failure is not None:
-        (out_dir / "report.json").write_text(json.dumps(
+        RunDir(out_dir).report.write_text(json.dumps(
             {"failed": True, "error": f"{type(failure).__name__}: {failure}", "steps": len(step_metrics)}, indent=2))
         raise failure
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2))
-    write_plot(step_metrics, cluster.live_series if cluster else [], out_dir / "run.png",
+    RunDir(out_dir).report.write_text(json.dumps(report, indent=2))
+    write_plot(step_metrics, cluster.live_series if cluster else [], RunDir(out_dir).plot,
                before=report["reward_heldout_before"], after=report["reward_heldout_after"])
     return report
 

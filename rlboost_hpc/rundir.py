@@ -12,6 +12,11 @@ Layout (owner in parentheses):
 - ``report.json``, ``metrics.jsonl``, ``run.png`` (trainer): results.
 - ``prometheus/<job>.json`` (trainer: ``rlboost-manager``; scavenger: ``rlboost-scavenger``): file_sd targets.
 
+- ``manager-journal.jsonl`` (manager): epochs and weight versions for crash-resume; ``checkpoints/`` (trainer);
+  ``workers/`` (rollout workers' and engines' logs); ``keys/`` (CURVE keys, owner-only).
+
+Every name above is spelled once, here (:class:`RunDir`); other modules ask it for paths.
+
 Invariant: JSON files are replaced atomically (write to a temporary file in the same directory, fsync, rename),
 so a reader never sees a half-written file.
 """
@@ -27,6 +32,85 @@ from pathlib import Path
 
 class RunDirError(RuntimeError):
     """The run directory does not (yet) hold what a job needs; the message says which file and why."""
+
+
+ENDPOINTS_FILE = "endpoints.json"
+TARGET_FILE = "target.json"
+CAPACITY_FILE = "capacity.json"
+EVENTS_FILE = "events.jsonl"
+REPORT_FILE = "report.json"
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "run.png"
+JOURNAL_FILE = "manager-journal.jsonl"
+CHECKPOINTS_DIR = "checkpoints"
+WORKERS_DIR = "workers"
+PROMETHEUS_DIR = "prometheus"
+@dataclass(frozen=True)
+class RunDir:
+    """The paths of one run directory (``root``): the only place the layout's names are spelled."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def endpoints(self) -> Path:
+        return self.root / ENDPOINTS_FILE
+
+    @property
+    def target(self) -> Path:
+        return self.root / TARGET_FILE
+
+    @property
+    def capacity(self) -> Path:
+        return self.root / CAPACITY_FILE
+
+    @property
+    def events(self) -> Path:
+        return self.root / EVENTS_FILE
+
+    @property
+    def report(self) -> Path:
+        return self.root / REPORT_FILE
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / METRICS_FILE
+
+    @property
+    def plot(self) -> Path:
+        return self.root / PLOT_FILE
+
+    @property
+    def journal(self) -> Path:
+        return self.root / JOURNAL_FILE
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINTS_DIR
+
+    @property
+    def workers(self) -> Path:
+        return self.root / WORKERS_DIR
+
+    @property
+    def prometheus(self) -> Path:
+        return self.root / PROMETHEUS_DIR
+
+    def read_report(self) -> dict:
+        """``report.json`` as a dict.
+
+        Raises:
+            RunDirError: it is missing or not a JSON object (names the file).
+        """
+        try:
+            data = json.loads(self.report.read_text())
+        except (OSError, ValueError) as e:
+            raise RunDirError(f"{self.report}: cannot read the run's report ({e})") from None
+        if not isinstance(data, dict):
+            raise RunDirError(f"{self.report}: not a JSON object")
+        return data
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -68,7 +152,7 @@ def write_endpoints(run_dir: Path, manager: str, weights: str, run_id: str, curv
     """``curve``: the servers require the run's CURVE keys (``keys/keys.json``, protocol/auth.py);
     ``metrics``: the manager's Prometheus URL; ``worker``: every rollout setting workers build from
     (``rollout/spec.py`` ``WorkerSpec.to_json()``; absent: the spec's defaults)."""
-    write_json_atomic(Path(run_dir) / "endpoints.json", {"manager": manager, "weights": weights, "run_id": run_id,
+    write_json_atomic(RunDir(run_dir).endpoints, {"manager": manager, "weights": weights, "run_id": run_id,
                                                           "curve": curve, "metrics": metrics, "worker": worker,
                                                           "written_at": time.time()})
 
@@ -79,7 +163,7 @@ def read_endpoints(run_dir: Path, wait_s: float = 0.0, poll_s: float = 0.5) -> d
     Raises:
         RunDirError: not there after ``wait_s``, or unreadable/missing keys.
     """
-    path = Path(run_dir) / "endpoints.json"
+    path = RunDir(run_dir).endpoints
     deadline = time.monotonic() + wait_s
     while not path.exists():
         if time.monotonic() >= deadline:
@@ -94,7 +178,6 @@ def read_endpoints(run_dir: Path, wait_s: float = 0.0, poll_s: float = 0.5) -> d
     return data
 
 
-PROMETHEUS_DIR = "prometheus"
 
 
 def write_file_sd(run_dir: Path, job: str, url: str, run_id: str) -> Path:
@@ -116,10 +199,9 @@ def write_target(run_dir: Path, n_prem: int, active: bool, step: int, gpus_per_i
     data: dict = {"n_prem": int(n_prem), "active": bool(active), "step": step}
     if gpus_per_instance is not None:
         data["gpus_per_instance"] = int(gpus_per_instance)
-    write_json_atomic(Path(run_dir) / "target.json", data)
+    write_json_atomic(RunDir(run_dir).target, data)
 
 
-CAPACITY_FILE = "capacity.json"
 
 
 @dataclass(frozen=True)

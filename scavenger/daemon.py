@@ -45,12 +45,12 @@ from typing import Any, Protocol
 
 from scavenger.config import ScavengerConfig, ScavengerConfigError
 from rlboost_hpc.events import append_event, drain_marker_path, iter_events
-from rlboost_hpc.rundir import CapacityView, read_jsonl, write_capacity
+from rlboost_hpc.rundir import TARGET_FILE, CapacityView, RunDir, read_jsonl, write_capacity
 from scavenger.slurm import JobClass, JobInfo, NodeInfo, SlurmClient, SlurmCommandError
 
 log = logging.getLogger("scavenger")
 
-TARGET_FILE = "target.json"
+
 SOURCE = "scavenger"
 #: Job classes (scavenger/slurm.py ``classify_job``) that wait for resources: they hold no allocation yet.
 WAITING = frozenset({JobClass.PENDING, JobClass.HELD})
@@ -245,7 +245,7 @@ class Scavenger:
             append_event(self.run_dir, rec)
         except (OSError, ValueError) as e:
             log.error("scavenger: cannot append %s event of job %s to %s: %s", event, job_id,
-                      self.run_dir / "events.jsonl", e)
+                      RunDir(self.run_dir).events, e)
 
     # ---------------------------------------------------------------------------------------------
     def _observe(self, jobs: list[JobInfo], now: float) -> None:

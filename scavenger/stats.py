@@ -38,6 +38,7 @@ from typing import Any, Iterable, Sequence
 
 from rlboost_hpc.events import LIFECYCLE_SOURCES, read_events
 from scavenger.slurm import SacctRecord
+from rlboost_hpc.rundir import RunDir
 
 LIFECYCLE = frozenset({"submitted", "adopted", "started", "requeued", "finished", "cancelled"})
 
@@ -245,7 +246,7 @@ def load_run_stats(run_dir: str | Path, now: float | None = None) -> RunStats:
     events = read_events(run_dir, counters)
     report = None
     try:
-        report = json.loads((run_dir / "report.json").read_text())
+        report = json.loads(RunDir(run_dir).report.read_text())
     except (OSError, json.JSONDecodeError):
         pass
     return compute_stats(events, now=now, report=report if isinstance(report, dict) else None,
@@ -467,7 +468,7 @@ def capacity_series(run_dir: str | Path) -> dict[str, list[tuple[float, float]]]
     from rlboost_hpc.rundir import read_jsonl
 
     run_dir = Path(run_dir)
-    steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if isinstance(m.get("ts"), (int, float))]
+    steps = [m for m in read_jsonl(RunDir(run_dir).metrics) if isinstance(m.get("ts"), (int, float))]
     views = read_reconcile_log(run_dir)
     t0 = min([m["ts"] for m in steps[:1]] + [v["ts"] for v in views[:1]], default=0.0)
     out: dict[str, list[tuple[float, float]]] = {"target": [], "live": [], "capacity": []}

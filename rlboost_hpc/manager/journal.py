@@ -19,7 +19,6 @@ import os
 import time
 from pathlib import Path
 
-NAME = "manager-journal.jsonl"
 
 
 class JournalError(RuntimeError):

@@ -203,13 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     import msgspec
 
     from rlboost_hpc.rollout.spec import WorkerSpec, WorkerSpecError
-    from rlboost_hpc.rundir import RunDirError, read_endpoints
+    from rlboost_hpc.rundir import RunDir, RunDirError, read_endpoints
 
     manager, keys, ends, wspec = args.manager, None, {}, WorkerSpec()
     if args.run_dir:
         try:
             ends = read_endpoints(args.run_dir, wait_s=args.wait_endpoints)
-            wspec = WorkerSpec.from_json(ends.get("worker"), where=os.path.join(args.run_dir, "endpoints.json"))
+            wspec = WorkerSpec.from_json(ends.get("worker"), where=str(RunDir(args.run_dir).endpoints))
         except (RunDirError, WorkerSpecError) as e:
             log.error("%s", e)
             return 2

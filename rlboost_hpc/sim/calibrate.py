@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rlboost_hpc.cluster.traces import TraceEvent
-from rlboost_hpc.rundir import read_jsonl
+from rlboost_hpc.rundir import RunDir, read_jsonl
 from rlboost_hpc.sim.profiles import EnginePerf, ModelSpec, Network, Profile, Workload
 from rlboost_hpc.sim.simulator import Simulation, SystemSpec
 from rlboost_hpc.sim.workload import Availability
@@ -116,10 +116,10 @@ def simulate_run(run_dir: str | Path, *, capacity: list[tuple[float, float]] | N
     run_dir = Path(run_dir)
     try:
         cfg = json.loads((run_dir / "config.json").read_text())
-        rep = json.loads((run_dir / "report.json").read_text())
+        rep = json.loads(RunDir(run_dir).report.read_text())
     except (OSError, ValueError) as e:
         raise CalibrationError(f"{run_dir}: {e}") from None
-    steps = read_jsonl(run_dir / "metrics.jsonl")
+    steps = read_jsonl(RunDir(run_dir).metrics)
     if not steps:
         raise CalibrationError(f"{run_dir}/metrics.jsonl has no step")
     r, pol = cfg["rollout"], cfg["policy"]

@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from rlboost_hpc.rundir import RunDir
+
 LATEST = "latest"
 
 
@@ -95,7 +97,7 @@ def _set_rng_state(st: dict[str, Any]) -> None:
 def save(run_dir: str | os.PathLike, step: int, backend, trainer_state: dict[str, Any], run_state: dict[str, Any],
          keep: int = 2) -> Path:
     """Write the checkpoint taken after ``step`` completed steps; keep the newest ``keep``. Returns its path."""
-    root = Path(run_dir) / "checkpoints"
+    root = RunDir(run_dir).checkpoints
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:06d}"
     tmp = root / f"{name}.tmp"
@@ -136,7 +138,7 @@ def latest(run_dir: str | os.PathLike) -> Path | None:
     Raises:
         CheckpointError: ``latest`` names a checkpoint that is missing.
     """
-    root = Path(run_dir) / "checkpoints"
+    root = RunDir(run_dir).checkpoints
     ptr = root / LATEST
     if not ptr.exists():
         return None
