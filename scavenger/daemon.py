@@ -303,7 +303,9 @@ class Scavenger:
                 t.finished = True
 
     def _note_finish(self, j: JobInfo, t: _Track, now: float) -> None:
-        if j.state in ("FAILED", "OUT_OF_MEMORY", "BOOT_FAIL"):
+        # a job this daemon asked to drain ended because of that: its exit status says nothing about whether
+        # rollout jobs can start, so it never counts as a quick failure (nor pauses submissions)
+        if j.state in ("FAILED", "OUT_OF_MEMORY", "BOOT_FAIL") and t.drain_signalled_at is None:
             start = j.start_time or t.start_ts
             end = j.end_time or now
             if start is None or end - start < QUICK_FAILURE_S:

@@ -570,6 +570,26 @@ def test_quickly_failing_jobs_pause_submissions(env):
     assert res.submit_paused_until == pytest.approx(clock.t + 60)  # doubled, capped at max_backoff_s
 
 
+def test_a_drained_job_that_ends_failed_does_not_pause_submissions(env):
+    """Regression: jobs the scavenger asked to drain ended FAILED (exit 140, the batch shell's status when the
+    warning interrupted its wait) and counted as quick failures: submissions paused 30 s, then 60 s."""
+    clock, fake, run_dir, make = env
+    set_target(run_dir, 2)
+    sc = make()
+    sc.reconcile_once()
+    fake.schedule()
+    clock.t += 2
+    set_target(run_dir, 1)
+    [victim] = sc.reconcile_once().signalled
+    clock.t += 1
+    fake.finish(victim, "FAILED", exit_code=140)
+    res = sc.reconcile_once()
+    assert res.submit_paused_until is None or res.submit_paused_until <= clock.t
+    set_target(run_dir, 2)
+    clock.t += 1
+    assert len(sc.reconcile_once().submitted) == 1  # at once, no back-off
+
+
 def test_malformed_target_keeps_last_good(env, caplog):
     clock, fake, run_dir, make = env
     sc = make()
