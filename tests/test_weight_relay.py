@@ -41,8 +41,7 @@ def relay_of(trainer: WeightServer, version: int) -> WeightServer:
     """A relay holder that pulled ``version`` from the trainer and holds it (like an instance would)."""
     got = WeightPuller(trainer.endpoint, timeout_s=10).pull(version)
     r = WeightServer(keep_versions=1, delta=False).start()
-    r.hold(got.manifest, got.buffer, got.delta_payloads)
-    r._pulled = got  # keep the buffer alive
+    r.hold(got.manifest, got.buffer, got.delta_payloads)  # the held version keeps the buffer alive
     return r
 
 

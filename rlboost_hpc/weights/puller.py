@@ -149,7 +149,7 @@ class _Transfer:
         self.lock = threading.Lock()
         self.digests: list[int | None] = [None] * self.n
         self.use_delta = [False] * self.n
-        self.unchanged = self.delta_chunks = self.delta_fallbacks = 0
+        self.unchanged = self.delta_fallbacks = 0
         todo = range(self.n)
         if delta is not None and base_digests is not None:
             todo = []
@@ -161,7 +161,6 @@ class _Transfer:
                     continue
                 self.use_delta[i] = 0 < size < hi - lo
                 todo.append(i)
-            self.delta_chunks = sum(self.use_delta)
         self.base = None if delta is None else delta.base_version
         self.todo = collections.deque(todo)
         self.received = self.unchanged
