@@ -82,6 +82,30 @@ class ManagerService:
         for inst in self.core.live_instances():
             self._send(inst.peer, alive)
 
+    def _receive(self, deadline: float | None) -> None:
+        """Apply every frame already queued on the socket (until ``deadline``, monotonic seconds, if given)."""
+        while deadline is None or time.monotonic() < deadline:
+            try:
+                frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                self._reject(frames[0], ProtocolError(f"expected 2 frames, got {len(frames)}"))
+                continue
+            peer, frame = frames
+            try:
+                msg = M.decode(frame)
+            except ProtocolError as e:
+                self._reject(peer, e)
+                continue
+            if isinstance(msg, M.Shutdown) and peer == self.core.trainer_peer:
+                self._stop = True
+                self.core.send(peer, M.Ok(what="shutdown", cid=msg.cid))
+                for i in self.core.live_instances():
+                    self.core.send(i.peer, M.Drain(reason=msg.reason))
+                return
+            self.core.on_message(peer, msg)
+
     def serve_forever(self, tick_s: float = 0.02) -> None:
         """Run the loop: receive and apply every pending frame, tick (liveness + dispatch), send."""
         from zmq.utils.monitor import recv_monitor_message
@@ -101,30 +125,14 @@ class ManagerService:
                     except zmq.Again:
                         break
                 if closed:
+                    # what a peer sent before its connection closed (a SIGTERM-ed worker's last tokens and its
+                    # Deregister) is already queued on the socket: apply it first, then probe — else a clean
+                    # goodbye would race the monitor and look like a crash (its unsent tokens regenerated)
+                    self._receive(deadline=None)
                     self._probe()
-            if self.sock in events:
-                batch_end = time.monotonic() + tick_s  # bound a receive burst so replies are not held back
-                while time.monotonic() < batch_end:
-                    try:
-                        frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
-                    except zmq.Again:
-                        break
-                    if len(frames) != 2:
-                        self._reject(frames[0], ProtocolError(f"expected 2 frames, got {len(frames)}"))
-                        continue
-                    peer, frame = frames
-                    try:
-                        msg = M.decode(frame)
-                    except ProtocolError as e:
-                        self._reject(peer, e)
-                        continue
-                    if isinstance(msg, M.Shutdown) and peer == self.core.trainer_peer:
-                        self._stop = True
-                        self.core.send(peer, M.Ok(what="shutdown", cid=msg.cid))
-                        for i in self.core.live_instances():
-                            self.core.send(i.peer, M.Drain(reason=msg.reason))
-                        break
-                    self.core.on_message(peer, msg)
+            if self.sock in events and not self._stop:
+                # bound a receive burst so replies are not held back
+                self._receive(deadline=time.monotonic() + tick_s)
             now = time.monotonic()
             if self.metrics is not None and now - last_metrics >= 0.5:
                 self.metrics.refresh(self.core)
