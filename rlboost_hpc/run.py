@@ -26,6 +26,7 @@ from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.auth import RunKeys
 from rlboost_hpc.rollout.spec import WorkerSpec
 from rlboost_hpc.tasks.reward_pool import RewardPool
+from rlboost_hpc.observe.timeline import Phase, add_phase, summarize
 from rlboost_hpc.cluster.capacity import available_from_scavenger, reserved_instances
 from rlboost_hpc.procutil import reclaim_leftovers
 from rlboost_hpc.rundir import RunDir, advertised, write_endpoints, write_file_sd, write_target
@@ -206,9 +207,11 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
 
     def publish(version: int) -> dict:
         t0 = time.monotonic()
-        man = server.publish(version, backend.export_weights(), dtype=wdtype)
+        exported = backend.export_weights()
+        t_export = time.monotonic() - t0
+        man = server.publish(version, exported, dtype=wdtype)
         delta = server.delta_nbytes(version)
-        d = {"publish_s": time.monotonic() - t0, "weight_bytes": int(man.total_bytes), "weight_checksum": man.checksum,
+        d = {"publish_s": time.monotonic() - t0, "export_s": t_export, "weight_bytes": int(man.total_bytes), "weight_checksum": man.checksum,
              "weight_update_bytes": int(man.total_bytes if delta is None else delta)}
         publishes.append(d)
         return d
@@ -289,6 +292,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
         with ProgressView(cfg.trainer.steps, enabled=progress) as view:
             for step in range(start_step, cfg.trainer.steps):
                 m = trainer.run_step(step)
+                t_after = time.monotonic()  # the step's own bookkeeping and checkpoint: part of its timeline
                 st = client.stats()
                 m.update(t_s=time.monotonic() - t_start, ts=round(time.time(), 3),
                          live_preemptible=st["live_preemptible"], routable_preemptible=st["routable_preemptible"],
@@ -301,14 +305,18 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
                 elif cluster is not None:
                     cluster.set_cap(n_prem)
                 step_metrics.append(m)
-                metrics_f.write(json.dumps(m) + "\n")
-                metrics_f.flush()
                 every = cfg.trainer.checkpoint_every
                 if every and ((step + 1) % every == 0 or step + 1 == cfg.trainer.steps):
                     checkpoint.save(out_dir, step + 1, backend, trainer.state_dict(), {
                         "step_metrics": step_metrics, "before": before, "resumes": resumes,
                         "counts": _add_counts(prior_counts, _counts(cluster, st)),
                         "train_wall_s": prior_wall + time.monotonic() - t_train0})
+                # (the checkpoint keeps the step as it was before its own save: its phases sum to its wall time too)
+                add_phase(m, Phase.CHECKPOINT, time.monotonic() - t_after)
+                client.send(M.StepTimes(step=step, wall_s=m["wall_s"], phases=m["phase_s"],
+                                        fixed_overhead_s=m["fixed_overhead_s"]))
+                metrics_f.write(json.dumps(m) + "\n")
+                metrics_f.flush()
                 view.update(m)
         train_wall = prior_wall + time.monotonic() - t_train0  # training time of every incarnation
         final_stats = client.stats()
@@ -385,6 +393,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
             "tokens_trained": tot.tokens_trained,
             "throughput_tokens_per_s": tot.tokens_trained / train_wall if train_wall > 0 else 0.0,
             "train_wall_s": train_wall,
+            **summarize(step_metrics),
             "wall_s": time.monotonic() - t_start,
             "trace_window_start_s": window_start,
             "examples_after": after["examples"],

@@ -52,6 +52,7 @@ def test_grafana_dashboard_queries_only_metrics_that_exist(repo_root):
     core.on_message(b"t", M.TrainerHello(weights_endpoint="tcp://w:1", model_config={}))
     core.on_message(b"t", M.SetVersion(version=0))
     core.on_message(b"t", M.PolicyState(t_seed_s=1.0, n_prem_cap=2))
+    core.on_message(b"t", M.StepTimes(step=0, wall_s=2.0, phases={"seeding": 2.0}, fixed_overhead_s=0.0))
     core.on_message(b"i", M.Register(job_id="j", attempt=0, kind="preemptible", max_batch=4))
     core.on_message(b"i", M.WeightsLoaded(version=0, checksum=1, nbytes=1, pull_s=0.1, load_s=0.0))
     mm.refresh(core)
@@ -92,6 +93,7 @@ def test_scraped_metrics_follow_prometheus_conventions(tmp_path):
         client.call(M.SetVersion(version=0))
         client.call(M.Register(job_id="j", attempt=0, kind="preemptible", max_batch=4))
         client.call(M.WeightsLoaded(version=0, checksum=1, nbytes=1, pull_s=0.3, load_s=0.0))
+        client.send(M.StepTimes(step=0, wall_s=3.0, phases={"seeding": 2.0, "train": 1.0}, fixed_overhead_s=0.25))
         time.sleep(1.0)  # one snapshot refresh
         manager_text = urllib.request.urlopen(url, timeout=10).read().decode()
     finally:
@@ -124,6 +126,13 @@ def test_scraped_metrics_follow_prometheus_conventions(tmp_path):
     types = {f.name: f.type for f in text_string_to_metric_families(manager_text)}
     assert types["rlboost_weight_pull_duration_seconds"] == "histogram"
     assert 'rlboost_weight_pull_duration_seconds_bucket{le="0.5",run="r42"} 1.0' in manager_text
+    # the step timeline: durations as a Histogram, phases as parts of the wall time, instance-seconds by activity
+    assert types["rlboost_step_duration_seconds"] == "histogram"
+    assert 'rlboost_step_duration_seconds_bucket{le="5.0",run="r42"} 1.0' in manager_text
+    assert 'rlboost_step_phase_seconds_total{phase="seeding",run="r42"} 2.0' in manager_text
+    assert 'rlboost_step_fixed_overhead_seconds_total{run="r42"} 0.25' in manager_text
+    assert types["rlboost_rollout_instance_seconds"] == "counter"
+    assert 'rlboost_instance_activity_seconds_total{activity="idle",rollout_instance="j#0",run="r42"}' in manager_text
     for job in ("rlboost-manager", "rlboost-scavenger"):
         sd_dir = tmp_path if job == "rlboost-manager" else run_dir
         [entry] = json.loads((sd_dir / "prometheus" / f"{job}.json").read_text())

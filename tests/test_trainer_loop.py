@@ -40,7 +40,9 @@ class ScriptedManager:
         pass
 
     def stats(self):
-        return {"live_preemptible": 0, "queued": 0, "running": 0, "instances_by_state": {}}
+        return {"live_preemptible": 0, "queued": 0, "running": 0, "instances_by_state": {},
+                "last_step_activity": {"instance_s": {"busy": 0.0, "idle": 0.0, "pulling": 0.0}, "by_instance_s": {},
+                                       "generating": []}}
 
 
 class CountingBackend:
@@ -67,8 +69,11 @@ def test_tokens_stamped_with_another_version_are_counted_by_the_trainer():
     """The trainer checks the versions the engines stamped (carried in GroupDone), independently of the manager:
     a response whose last two tokens carry version 7 counts 2 tokens trained off-version."""
     clean = _trainer(ScriptedManager())
-    clean.run_step(0)
+    m = clean.run_step(0)
     assert clean.totals.tokens_trained_off_version == 0 and clean.totals.responses_trained == 8
+    assert abs(sum(m["phase_s"].values()) - m["wall_s"]) < 1e-9 and {"submit", "train"} <= set(m["phase_s"])
+    compute = m["phase_s"]["train"] + m["phase_s"].get("optimizer", 0.0)
+    assert abs(m["fixed_overhead_s"] - (m["wall_s"] - compute)) < 1e-9  # no engine generated: all but compute
     bad = _trainer(ScriptedManager(bad_version=7, bad_tokens=2))
     bad.run_step(0)
     assert bad.totals.tokens_trained_off_version == 2

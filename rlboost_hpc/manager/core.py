@@ -41,6 +41,7 @@ from typing import Callable
 import numpy as np
 
 from rlboost_hpc import defaults as D
+from rlboost_hpc.observe.timeline import Activity, ActivityClock
 from rlboost_hpc.policy.dispatch import Balancer, InstanceLoad, PlateauEstimator, RoundRobin, choose_instance
 from rlboost_hpc.policy.observation import RemoteWork, observe_remote
 from rlboost_hpc.policy.relay import RelayTree, Source
@@ -216,6 +217,13 @@ class ManagerCore:
         self.step_remote: dict[str, _StepWork] = {}
         self.step_rollout_done_at: float | None = None
         self.last_step_remote: dict = {"t_remote_s": 0.0, "t_wait_remote_s": 0.0, "n_remote": 0, "tokens": 0}
+        # instance-seconds busy / idle / pulling, and when some engine was generating (sampled at every tick)
+        self.activity = ActivityClock()
+        self.last_step_activity: dict = self.activity.take()
+        # the trainer's step timeline (StepTimes): wall time per step, seconds per phase and fixed overhead, summed
+        self.step_seconds: list[float] = []
+        self.step_phase_s: dict[str, float] = {}
+        self.step_fixed_overhead_s = 0.0
         self.clock = clock
         self.policy_state: dict = {"t_seed_s": None, "n_prem_cap": None}
         self._told_unknown: dict[bytes, float] = {}
@@ -383,7 +391,9 @@ class ManagerCore:
             self.counters[_LEAVE_COUNTER[cause]] += 1
         else:
             self.counters["instances_expired"] += 1
+        self._account_activity()
         self._set_state(inst, S.GONE)
+        self.activity.forget(inst.key)
         inst.gone_reason = reason
         self.by_peer.pop(inst.peer, None)
         log.info("instance %s gone (%s); %d unsent tokens", inst.key, reason, unsent)
@@ -626,6 +636,8 @@ class ManagerCore:
             self.send(peer, M.Error(what="setver", cid=msg.cid,
                                     error=f"version {msg.version} < latest {self.latest_version}"))
             return
+        self._account_activity()
+        self.last_step_activity = self.activity.take()
         obs = observe_remote([RemoteWork(tokens=r.tokens, peak_tokens_per_s=r.peak, busy_s=r.last_s - r.first_s)
                               for r in self.step_remote.values()],
                              rollout_done_s=self.step_rollout_done_at, step_end_s=self.clock())
@@ -693,6 +705,13 @@ class ManagerCore:
         if self._trainer_only(peer, "policy-state"):
             self.policy_state = {"t_seed_s": msg.t_seed_s, "n_prem_cap": msg.n_prem_cap}
 
+    def _on_StepTimes(self, peer: bytes, inst: Instance | None, msg: M.StepTimes) -> None:
+        if self._trainer_only(peer, "step-times"):
+            self.step_seconds.append(msg.wall_s)
+            self.step_fixed_overhead_s += msg.fixed_overhead_s
+            for phase, sec in msg.phases.items():
+                self.step_phase_s[phase] = self.step_phase_s.get(phase, 0.0) + sec
+
     def _on_AckGroup(self, peer: bytes, inst: Instance | None, msg: M.AckGroup) -> None:
         if self._trainer_only(peer, "ack"):
             grp = self.groups.get(msg.gid)
@@ -740,10 +759,25 @@ class ManagerCore:
         if self.trainer_peer is not None:
             self.send(self.trainer_peer, M.StepFailed(step=self.step, error=error))
 
+    def _activity(self, inst: Instance) -> Activity | None:
+        """What ``inst`` is doing now, for the instance-seconds (None: suspect, fenced, gone, or draining with
+        nothing left in flight — not counted)."""
+        if inst.state in (S.GONE, S.SUSPECT, S.FENCED):
+            return None
+        if inst.inflight:
+            return Activity.BUSY
+        if inst.state == S.PULLING or (inst.state == S.READY and inst.version != self.latest_version):
+            return Activity.PULLING
+        return Activity.IDLE if inst.state == S.READY else None
+
+    def _account_activity(self) -> None:
+        self.activity.account(self.clock(), ((i.key, self._activity(i)) for i in self.instances.values()))
+
     def tick(self) -> None:
         """Liveness (invariant 7: silent → suspect; suspect past the expiry → gone), then dispatch queued requests
         (JSQ with Θ)."""
         now = self.clock()
+        self._account_activity()
         for inst in list(self.instances.values()):
             if inst.state == S.SUSPECT:
                 if now - inst.suspect_since > self.instance_expiry_s:
@@ -867,6 +901,7 @@ class ManagerCore:
             "instances_lost_while_pulling": c["suspected_while_pulling"] - c["recovered_while_pulling"],
             "instances": {i.key: {"kind": i.kind, "engine": i.engine, "state": i.state, "version": i.version,
                                   "inflight": len(i.inflight), "tokens_received": i.tokens_received,
+                                  "activity_s": dict(self.activity.by_instance_s.get(i.key, {})),
                                   "partial": sum(1 for r in i.inflight if r in reqs and reqs[r].n > 0)}
                           for i in self.instances.values() if i.state != S.GONE},
             **self.counters,
@@ -883,6 +918,8 @@ class ManagerCore:
             "pull_seconds_mean": (sum(self.pull_seconds) / len(self.pull_seconds)) if self.pull_seconds else 0.0,
             "failed_step": self.failed_step,
             "last_step_remote": self.last_step_remote,
+            "last_step_activity": self.last_step_activity,
+            "instance_activity_s": dict(self.activity.total_s),
             "migrations_by_engine": self.migrations_by_engine,
             **self.policy_state,
         }

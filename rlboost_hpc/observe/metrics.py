@@ -51,6 +51,8 @@ class SnapshotCollector:
             return dict(self._snap)
 
 
+#: Upper bounds (seconds) of the step duration histogram: a demo step to a 70B model's long-response step.
+STEP_BUCKETS_S = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 #: Upper bounds (seconds) of the weight-pull duration histogram: a 1 MB demo model to a 140 GB 70B model.
 PULL_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -72,6 +74,9 @@ class ManagerMetrics(SnapshotCollector):
         """Take a snapshot of ``core`` (call from the manager's loop)."""
         snap = core.stats()
         snap["pull_seconds"] = list(core.pull_seconds)
+        snap["step_seconds"] = list(core.step_seconds)
+        snap["step_phase_s"] = dict(core.step_phase_s)
+        snap["step_fixed_overhead_s"] = core.step_fixed_overhead_s
         self.publish(snap)
 
     def collect(self):
@@ -116,12 +121,38 @@ class ManagerMetrics(SnapshotCollector):
             m = GaugeMetricFamily(name, doc, labels=["run"])
             m.add_metric(run, float(val))
             yield m
-        pulls = s.get("pull_seconds", [])
-        h = HistogramMetricFamily("rlboost_weight_pull_duration_seconds",
-                                  "verified weight pulls by duration (pull + verify + load)", labels=["run"])
-        buckets = [(repr(b), sum(1 for x in pulls if x <= b)) for b in PULL_BUCKETS_S] + [("+Inf", len(pulls))]
-        h.add_metric(run, buckets, float(sum(pulls)))
-        yield h
+        yield _histogram("rlboost_weight_pull_duration_seconds",
+                         "verified weight pulls by duration (pull + verify + load)", run, PULL_BUCKETS_S,
+                         s.get("pull_seconds", []))
+        yield _histogram("rlboost_step_duration_seconds", "RL steps by wall time", run, STEP_BUCKETS_S,
+                         s.get("step_seconds", []))
+        ph = CounterMetricFamily("rlboost_step_phase_seconds", "trainer step wall time by phase (parts of the "
+                                 "steps' wall time)", labels=["run", "phase"])
+        for phase, sec in sorted(s.get("step_phase_s", {}).items()):
+            ph.add_metric([self.run_id, phase], sec)
+        yield ph
+        fo = CounterMetricFamily("rlboost_step_fixed_overhead_seconds", "step wall time in which no engine "
+                                 "generated and the trainer did not compute", labels=["run"])
+        fo.add_metric(run, float(s.get("step_fixed_overhead_s", 0.0)))
+        yield fo
+        act = CounterMetricFamily("rlboost_rollout_instance_seconds", "instance-seconds of all rollout instances by "
+                                  "activity (busy, idle, pulling)", labels=["run", "activity"])
+        for a, sec in sorted(s.get("instance_activity_s", {}).items()):
+            act.add_metric([self.run_id, a], sec)
+        yield act
+        per = CounterMetricFamily("rlboost_instance_activity_seconds", "seconds per live rollout instance by "
+                                  "activity (busy, idle, pulling)", labels=["run", "rollout_instance", "activity"])
+        for key, i in s["instances"].items():
+            for a, sec in sorted(i.get("activity_s", {}).items()):
+                per.add_metric([self.run_id, key, a], sec)
+        yield per
+
+
+def _histogram(name: str, doc: str, labels: list[str], bounds: tuple[float, ...], values: list[float]):
+    h = HistogramMetricFamily(name, doc, labels=["run"])
+    buckets = [(repr(b), sum(1 for x in values if x <= b)) for b in bounds] + [("+Inf", len(values))]
+    h.add_metric(labels, buckets, float(sum(values)))
+    return h
 
 
 def serve_metrics(collector, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:

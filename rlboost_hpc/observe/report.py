@@ -55,13 +55,18 @@ def print_summary(report: dict, console: Console | None = None) -> None:
 
 def write_plot(steps: list[dict], live_series: list[tuple[float, int]], path: Path, *, before: float,
                after: float) -> None:
-    """Three panels over time: training reward (with held-out before/after), throughput, live instances."""
+    """Four panels: over time, training reward (with held-out before/after), throughput and live instances; by
+    step, where the step's wall time went (seconds per phase, stacked, and the fixed overhead)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    from rlboost_hpc.observe.timeline import Phase
+
+    fig, ax = plt.subplots(4, 1, figsize=(8, 10.5), gridspec_kw={"height_ratios": [1, 1, 1, 1.2]})
+    for a in ax[1:3]:
+        a.sharex(ax[0])
     t = [m["t_s"] for m in steps]
     ax[0].plot(t, [m["reward_mean"] for m in steps], marker=".", label="train reward (step mean)")
     if t:
@@ -80,6 +85,19 @@ def write_plot(steps: list[dict], live_series: list[tuple[float, int]], path: Pa
     ax[2].set_ylabel("instances")
     ax[2].set_xlabel("seconds since start")
     ax[2].legend(loc="lower left")
+    x = [m["step"] for m in steps]
+    bottom = [0.0] * len(steps)
+    cmap = plt.get_cmap("tab20")
+    for k, phase in enumerate(Phase):
+        h = [m.get("phase_s", {}).get(phase.value, 0.0) for m in steps]
+        if any(h):
+            ax[3].bar(x, h, bottom=bottom, color=cmap(k), width=0.8, label=phase.value)
+            bottom = [b + v for b, v in zip(bottom, h)]
+    if any("fixed_overhead_s" in m for m in steps):
+        ax[3].plot(x, [m.get("fixed_overhead_s", 0.0) for m in steps], "k.-", lw=1, label="fixed overhead")
+    ax[3].set_ylabel("seconds (step)")
+    ax[3].set_xlabel("step")
+    ax[3].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

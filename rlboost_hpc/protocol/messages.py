@@ -271,6 +271,16 @@ class PolicyState(_Msg, tag="policy"):
     n_prem_cap: int | None = None
 
 
+class StepTimes(_Msg, tag="steptimes"):
+    """Where a finished step's wall time went (for metrics): seconds per phase (they sum to ``wall_s``) and the
+    fixed overhead (seconds in which no engine generated and the trainer did not compute)."""
+
+    step: int
+    wall_s: float
+    phases: Annotated[dict[Annotated[str, msgspec.Meta(max_length=32)], float], msgspec.Meta(max_length=64)]
+    fixed_overhead_s: float
+
+
 class AckGroup(_Msg, tag="ack"):
     gid: str
 
@@ -335,7 +345,7 @@ class Stats(_Msg, tag="stats"):
 Message = (
     Register | Heartbeat | WeightsLoaded | WeightsFailed | Tokens | RequestFailed | Draining | Released
     | Deregister | Welcome | Alive | Reject | Assign | Release | NewVersion | PullFrom | Drain | TrainerHello | SetVersion
-    | SubmitStep | CloseSeeding | PolicyState | AckGroup | GetStats | Redeliver | Shutdown | GroupDone | StepFailed | Ok
+    | SubmitStep | CloseSeeding | PolicyState | StepTimes | AckGroup | GetStats | Redeliver | Shutdown | GroupDone | StepFailed | Ok
     | Error | Stats
 )
 

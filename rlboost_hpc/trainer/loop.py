@@ -24,6 +24,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from rlboost_hpc.observe.timeline import TAIL_FRACTION, Phase, StepTimeline, fixed_overhead_s
 from rlboost_hpc.policy.controller import RolloutController, StepDecision, StepObservation
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.errors import ProtocolError
@@ -169,9 +170,15 @@ class RLTrainer:
         return (self.s.seed * 7_919 + step * 104_729 + g * 1_299_709) % (2**31)
 
     def run_step(self, step: int) -> dict:
-        """Run one RL step; returns its metrics. Raises RolloutFailed."""
+        """Run one RL step; returns its metrics. Raises RolloutFailed.
+
+        The metrics include the step's timeline: ``phase_s`` (seconds per :class:`Phase`, summing to ``wall_s``),
+        ``fixed_overhead_s`` (seconds in which no engine generated and the trainer did not compute) and
+        ``instance_s`` / ``instance_activity_s`` (instance-seconds busy, idle, pulling: all instances, and by
+        instance) as the manager counted them since the previous step's version change."""
         s = self.s
-        t0 = self.clock()
+        tl = StepTimeline(self.clock)
+        t0 = tl.start
         prompts = self.frontier.take(s.prompts_per_step)
         self.taken.extend(p.pid for p in prompts)
         specs, by_gid = [], {}
@@ -231,33 +238,33 @@ class RLTrainer:
                 lens.append(len(ids))
                 samples.append(Sample(prompt_ids=pids, response_ids=ids.tolist(),
                                       behaviour_logprobs=lps.tolist(), advantage=0.0))
-            r = self.score([(p, t) for t in texts]) if texts else []
-            if samples:
-                self.trained_groups[p.pid] = self.trained_groups.get(p.pid, 0) + len(samples)
-                adv = group_advantages(torch.tensor(r, dtype=torch.float32))
-                for smp, a in zip(samples, adv.tolist()):
-                    smp.advantage = a
-                ready.extend(samples)
-                rewards.extend(r)
+            with tl.phase(Phase.REWARD):
+                r = self.score([(p, t) for t in texts]) if texts else []
+                if samples:
+                    self.trained_groups[p.pid] = self.trained_groups.get(p.pid, 0) + len(samples)
+                    adv = group_advantages(torch.tensor(r, dtype=torch.float32))
+                    for smp, a in zip(samples, adv.tolist()):
+                        smp.advantage = a
+                    ready.extend(samples)
+                    rewards.extend(r)
             n_groups += 1
             self.client.send(M.AckGroup(gid=ev.gid))
 
         # Seeding window: the reserved engine generates; completed groups are buffered.
+        tl.enter(Phase.SEEDING)
         seed_end = t0 + t_seed
         while n_groups < len(specs) and self.clock() < seed_end:
             ev = self.client.next_event(max(0.0, seed_end - self.clock()))
             if ev is not None:
                 take(ev)
         t_seed_actual = self.clock() - t0
+        tl.enter(Phase.HANDOFF)
         close = self.client.call(M.CloseSeeding(step=step))
-        t_wait = 0.0
-        t_train = 0.0
         while True:
             if len(ready) >= s.micro_batch or (n_groups == len(specs) and ready):
                 batch, ready[:] = ready[: s.micro_batch], ready[s.micro_batch:]
-                tt = self.clock()
-                m = self.backend.accumulate(batch, n_resp)
-                t_train += self.clock() - tt
+                with tl.phase(Phase.TRAIN):
+                    m = self.backend.accumulate(batch, n_resp)
                 for k, v in m.items():
                     m_acc[k] = m_acc.get(k, 0.0) + v * (len(batch) if k != "tokens" else 1)
                 n_trained += len(batch)
@@ -265,10 +272,9 @@ class RLTrainer:
                 continue
             if n_groups == len(specs):
                 break
-            tw = self.clock()
-            left = deadline - tw
+            tl.enter(Phase.TAIL if n_groups >= TAIL_FRACTION * len(specs) else Phase.REMOTE)
+            left = deadline - self.clock()
             ev = self.client.next_event(min(left, 5.0)) if left > 0 else None
-            t_wait += self.clock() - tw
             if ev is None:
                 if self.clock() >= deadline:
                     st = self.client.stats()
@@ -277,15 +283,22 @@ class RLTrainer:
                                         f"instances {st['instances_by_state']})")
                 continue
             take(ev)
-        tt = self.clock()
+        tl.enter(Phase.OPTIMIZER)
         om = self.backend.optimizer_step()
-        t_train += self.clock() - tt
         self.version += 1
+        tl.enter(Phase.PUBLISH)
         pub = self.publish(self.version)
+        tl.enter(Phase.SET_VERSION)
+        tl.split_last(Phase.PUBLISH, Phase.EXPORT, float(pub.get("export_s", 0.0)))  # the export came first
         self.client.call(M.SetVersion(version=self.version, checksum=int(pub.get("weight_checksum", 0))))
+        tl.enter(Phase.POLICY)
+        phase_s = tl.seconds()
+        t_train = phase_s.get(Phase.TRAIN, 0.0) + phase_s.get(Phase.OPTIMIZER, 0.0)
+        t_wait = phase_s.get(Phase.REMOTE, 0.0) + phase_s.get(Phase.TAIL, 0.0)
+        st = self.client.stats()
+        activity = st["last_step_activity"]
         policy = {}
         if self.controller is not None:
-            st = self.client.stats()
             rem = st["last_step_remote"]
             avail = self.available()
             self.decision = self.controller.end_step(StepObservation(
@@ -298,7 +311,7 @@ class RLTrainer:
                       "n_remote": rem["n_remote"], "n_available": avail}
         self.totals.responses_trained += n_trained
         self.totals.migrated_responses_trained += n_mig
-        wall = self.clock() - t0
+        wall = tl.finish()
         tokens = sum(lens) + sum(len(by_gid[g][1]) for g in by_gid) * s.group_size
         out = {
             "step": step, "version": self.version, "wall_s": wall, "seed_window_s": t_seed_actual,
@@ -307,6 +320,10 @@ class RLTrainer:
             "responses": n_trained, "responses_migrated": n_mig, "tokens": tokens,
             "preemptible_instances_served": sum(1 for k in served if not k.startswith("reserved#")),
             "throughput_tokens_per_s": tokens / wall if wall > 0 else 0.0, **om, **pub, **policy,
+            "phase_s": tl.seconds(),
+            "fixed_overhead_s": fixed_overhead_s(tl.start, tl.end, tl.compute_intervals() + [
+                (a, b) for a, b in activity["generating"]]),
+            "instance_s": activity["instance_s"], "instance_activity_s": activity["by_instance_s"],
         }
         for k, v in m_acc.items():
             out[k] = v / max(1, n_trained) if k != "tokens" else v

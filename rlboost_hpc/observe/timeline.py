@@ -1,0 +1,207 @@
+"""Where a step's wall time goes: phases that partition it, instance activity, and the fixed overhead.
+
+Pure (clocks are injected); shared by the trainer (its step's phases), the manager (instance activity and the
+intervals in which some engine was generating) and the report.
+
+Invariants:
+
+* A step's phases partition its wall time exactly: :class:`StepTimeline` keeps one current phase at a time and
+  every instant between its start and :meth:`StepTimeline.finish` belongs to exactly one span.
+* Fixed overhead = the part of a step's wall time in which no rollout engine was generating and the trainer was not
+  computing (``train``, ``optimizer``): ``wall − |generating ∪ computing|`` over the step's window
+  (:func:`fixed_overhead_s`). It is what a faster engine or trainer cannot shorten.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Phase(StrEnum):
+    """What the trainer's step is doing. Every instant of a step is in exactly one phase."""
+
+    SUBMIT = "submit"  # taking prompts, tokenising, submitting the step to the manager
+    SEEDING = "seeding"  # the seeding window T_seed: the reserved engine (and ready preemptible ones) generate
+    HANDOFF = "handoff"  # closing the seeding window: unfinished seeds migrate to preemptible instances
+    REMOTE = "remote_generation"  # waiting for responses while < TAIL_FRACTION of the groups arrived
+    TAIL = "tail"  # waiting for the last groups (≥ TAIL_FRACTION arrived): the long-response tail
+    REWARD = "reward"  # scoring responses and GRPO advantages
+    TRAIN = "train"  # forward/backward of micro-batches (trainer compute)
+    OPTIMIZER = "optimizer"  # the optimizer step (trainer compute)
+    EXPORT = "export"  # the trainer's weights to host memory (``export_weights``)
+    PUBLISH = "publish"  # flattening, checksums and deltas into the weight server
+    SET_VERSION = "set_version"  # the manager makes the new version current; instances start pulling
+    POLICY = "policy"  # observing the step and deciding T_seed and N_prem
+    CHECKPOINT = "checkpoint"  # the run's per-step bookkeeping: checkpoint save (when due), targets, metrics
+
+
+#: Phases in which the trainer computes (the rest of its time is overhead unless an engine generates meanwhile).
+COMPUTE_PHASES = frozenset({Phase.TRAIN, Phase.OPTIMIZER})
+#: Share of a step's groups after which waiting for rollout counts as the tail.
+TAIL_FRACTION = 0.9
+
+
+@dataclass
+class StepTimeline:
+    """The phases of one step, measured with ``clock`` (seconds, monotonic). Starts in ``initial`` at creation.
+
+    ``spans``: ``(phase, start_s, end_s)``, contiguous and in time order once :meth:`finish` was called."""
+
+    clock: Callable[[], float]
+    initial: Phase = Phase.SUBMIT
+    spans: list[tuple[Phase, float, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.start = self._since = self.clock()
+        self.current: Phase = self.initial
+        self.end: float | None = None
+
+    def enter(self, phase: Phase) -> None:
+        """Close the current phase now and continue in ``phase``."""
+        now = self.clock()
+        if now > self._since:
+            self.spans.append((self.current, self._since, now))
+        self.current, self._since = phase, now
+
+    @contextlib.contextmanager
+    def phase(self, phase: Phase) -> Iterator[None]:
+        """``phase`` for the duration of the block, then back to the phase it interrupted."""
+        before = self.current
+        self.enter(phase)
+        try:
+            yield
+        finally:
+            self.enter(before)
+
+    def split_last(self, phase: Phase, first: Phase, first_s: float) -> None:
+        """Relabel the first ``first_s`` seconds of the last span of ``phase`` as ``first`` (a callee measured its
+        own first part, e.g. the export inside a publish). No-op when there is no such span."""
+        for i in range(len(self.spans) - 1, -1, -1):
+            p, a, b = self.spans[i]
+            if p == phase:
+                cut = min(b, a + max(0.0, first_s))
+                self.spans[i:i + 1] = [s for s in ((first, a, cut), (phase, cut, b)) if s[2] > s[1]]
+                return
+
+    def finish(self) -> float:
+        """Close the current phase; returns the wall time (seconds) from the start."""
+        self.enter(self.current)
+        self.end = self._since
+        return self.end - self.start
+
+    def seconds(self) -> dict[str, float]:
+        """Seconds per phase (only phases that occurred), summing to the wall time."""
+        out: dict[str, float] = {}
+        for p, a, b in self.spans:
+            out[p.value] = out.get(p.value, 0.0) + (b - a)
+        return out
+
+    def compute_intervals(self) -> list[tuple[float, float]]:
+        """The spans in which the trainer computed (:data:`COMPUTE_PHASES`)."""
+        return [(a, b) for p, a, b in self.spans if p in COMPUTE_PHASES]
+
+
+def merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, non-overlapping union of ``intervals`` (``(start, end)`` seconds; empty ones dropped)."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted((a, b) for a, b in intervals if b > a):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def fixed_overhead_s(start: float, end: float, busy: Iterable[tuple[float, float]]) -> float:
+    """Seconds of ``[start, end]`` covered by none of ``busy`` (engines generating, trainer computing): the union
+    of the busy intervals clipped to the window, subtracted from its length. Never negative."""
+    covered = sum(min(b, end) - max(a, start) for a, b in merge(busy) if min(b, end) > max(a, start))
+    return max(0.0, (end - start) - covered)
+
+
+class Activity(StrEnum):
+    """What a rollout instance is doing, as the manager sees it (instance-seconds are counted per activity)."""
+
+    BUSY = "busy"  # has responses in flight
+    IDLE = "idle"  # holds the latest version, nothing in flight
+    PULLING = "pulling"  # loading a weight version
+
+
+@dataclass
+class ActivityClock:
+    """Instance-seconds per :class:`Activity` and the intervals in which at least one instance was busy,
+    accumulated by sampling (:meth:`account`) — the activity seen at a sample is charged for the time since the
+    previous one, so the error is at most one sampling period per change.
+
+    ``generating``: merged ``(start_s, end_s)`` intervals since the last :meth:`take`, at most ``max_intervals``
+    (older ones are merged into one when the cap is reached, so the list stays bounded whatever the churn)."""
+
+    max_intervals: int = 10_000
+    total_s: dict[str, float] = field(default_factory=lambda: {a.value: 0.0 for a in Activity})
+    by_instance_s: dict[str, dict[str, float]] = field(default_factory=dict)
+    step_s: dict[str, float] = field(default_factory=lambda: {a.value: 0.0 for a in Activity})
+    step_by_instance_s: dict[str, dict[str, float]] = field(default_factory=dict)
+    generating: list[tuple[float, float]] = field(default_factory=list)
+    _last: float | None = None
+
+    def account(self, now: float, activities: Iterable[tuple[str, Activity | None]]) -> None:
+        """Charge ``now − previous sample`` seconds to each ``(instance key, activity)`` (``None``: not counted)."""
+        last, self._last = self._last, now
+        if last is None or now <= last:
+            return
+        dt = now - last
+        any_busy = False
+        for key, act in activities:
+            if act is None:
+                continue
+            for acc in (self.by_instance_s, self.step_by_instance_s):
+                acc.setdefault(key, {a.value: 0.0 for a in Activity})[act.value] += dt
+            self.total_s[act.value] += dt
+            self.step_s[act.value] += dt
+            any_busy |= act is Activity.BUSY
+        if any_busy:
+            if self.generating and self.generating[-1][1] >= last:
+                self.generating[-1] = (self.generating[-1][0], now)
+            else:
+                if len(self.generating) >= self.max_intervals:
+                    self.generating[:2] = [(self.generating[0][0], self.generating[1][1])]
+                self.generating.append((last, now))
+
+    def forget(self, key: str) -> None:
+        """Drop the per-instance record of an instance that is gone (its seconds stay in the totals)."""
+        self.by_instance_s.pop(key, None)
+
+    def take(self) -> dict:
+        """The step's instance-seconds per activity (``instance_s``: all instances; ``by_instance_s``: per instance)
+        and its generating intervals; starts the next step."""
+        out = {"instance_s": dict(self.step_s), "by_instance_s": self.step_by_instance_s,
+               "generating": [list(iv) for iv in self.generating]}
+        self.step_s = {a.value: 0.0 for a in Activity}
+        self.step_by_instance_s = {}
+        self.generating = []
+        return out
+
+
+def add_phase(step: dict, phase: Phase, seconds: float) -> None:
+    """Extend a finished step's metrics (``phase_s``, ``wall_s``, ``fixed_overhead_s``) by ``seconds`` of
+    ``phase`` spent after the trainer's step returned, while no engine generated (between steps nothing is in
+    flight) and the trainer did not compute — e.g. the run's checkpoint of that step."""
+    step["phase_s"][phase.value] = step["phase_s"].get(phase.value, 0.0) + seconds
+    step["wall_s"] += seconds
+    step["fixed_overhead_s"] += seconds
+
+
+def summarize(steps: list[dict]) -> dict:
+    """The report's view of the step timelines: mean seconds per step of each phase and of the fixed overhead,
+    and the overhead's share of the summed wall time (0 with no steps)."""
+    n = max(1, len(steps))
+    wall = sum(m["wall_s"] for m in steps)
+    over = sum(m.get("fixed_overhead_s", 0.0) for m in steps)
+    phases: dict[str, float] = {}
+    for m in steps:
+        for p, sec in m.get("phase_s", {}).items():
+            phases[p] = phases.get(p, 0.0) + sec / n
+    return {"step_phase_s_mean": {p.value: phases[p.value] for p in Phase if p.value in phases},
+            "fixed_overhead_s_per_step": over / n, "fixed_overhead_share": over / wall if wall > 0 else 0.0}

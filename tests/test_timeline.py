@@ -1,0 +1,122 @@
+"""Step timeline, instance activity and fixed overhead (pure; injected clocks)."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from rlboost_hpc.manager.core import ManagerCore
+from rlboost_hpc.observe.timeline import (
+    Activity, ActivityClock, Phase, StepTimeline, add_phase, fixed_overhead_s, merge, summarize)
+from rlboost_hpc.protocol import messages as M
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_phases_partition_the_step_nested_phases_return_to_what_they_interrupted():
+    c = Clock()
+    tl = StepTimeline(c)
+    c.t += 1.0  # submit
+    tl.enter(Phase.SEEDING)
+    c.t += 2.0
+    with tl.phase(Phase.REWARD):
+        c.t += 0.5
+    c.t += 1.0  # seeding again
+    tl.enter(Phase.PUBLISH)
+    c.t += 3.0
+    tl.enter(Phase.SET_VERSION)
+    tl.split_last(Phase.PUBLISH, Phase.EXPORT, 1.25)
+    c.t += 0.25
+    wall = tl.finish()
+    assert wall == pytest.approx(7.75)
+    sec = tl.seconds()
+    assert sec == pytest.approx({"submit": 1.0, "seeding": 3.0, "reward": 0.5, "export": 1.25, "publish": 1.75,
+                                 "set_version": 0.25})
+    assert sum(sec.values()) == pytest.approx(wall)
+    spans = tl.spans
+    assert all(a[2] == b[1] for a, b in zip(spans, spans[1:])) and spans[0][1] == tl.start and spans[-1][2] == tl.end
+    assert tl.compute_intervals() == []
+
+
+def test_an_export_longer_than_its_publish_span_is_clipped_to_it():
+    c = Clock()
+    tl = StepTimeline(c, initial=Phase.PUBLISH)
+    c.t += 1.0
+    tl.enter(Phase.POLICY)
+    tl.split_last(Phase.PUBLISH, Phase.EXPORT, 5.0)
+    tl.finish()
+    assert tl.seconds() == {"export": 1.0}
+
+
+intervals = st.lists(st.tuples(st.integers(0, 200), st.integers(0, 200)).map(lambda t: (min(t), max(t))),
+                     max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(intervals, st.integers(0, 100), st.integers(100, 200))
+def test_fixed_overhead_is_the_uncovered_part_of_the_window(ivs, start, end):
+    """Against a brute-force count of uncovered unit cells of the window."""
+    uncovered = sum(1 for x in range(start, end) if not any(a <= x and x + 1 <= b for a, b in ivs))
+    assert fixed_overhead_s(start, end, ivs) == pytest.approx(uncovered)
+    m = merge(ivs)
+    assert all(a < b for a, b in m) and all(p[1] < q[0] for p, q in zip(m, m[1:]))
+
+
+def test_activity_clock_counts_instance_seconds_and_generating_intervals():
+    a = ActivityClock(max_intervals=3)
+    a.account(0.0, [("i", Activity.PULLING)])
+    a.account(1.0, [("i", Activity.PULLING), ("j", None)])
+    a.account(2.0, [("i", Activity.BUSY), ("j", Activity.IDLE)])
+    a.account(3.0, [("i", Activity.BUSY), ("j", Activity.BUSY)])
+    a.account(4.0, [("i", Activity.IDLE), ("j", Activity.IDLE)])
+    a.account(5.0, [("i", Activity.BUSY)])
+    out = a.take()
+    assert out["instance_s"] == {"busy": 4.0, "idle": 3.0, "pulling": 1.0}
+    assert out["by_instance_s"]["i"] == {"busy": 3.0, "idle": 1.0, "pulling": 1.0}
+    assert out["generating"] == [[1.0, 3.0], [4.0, 5.0]]
+    assert a.take()["instance_s"] == {"busy": 0.0, "idle": 0.0, "pulling": 0.0}  # a new step
+    assert a.total_s["busy"] == 4.0  # the running totals stay
+    for k in range(10):  # churn: the interval list stays bounded
+        a.account(10.0 + 2 * k, [("i", Activity.IDLE)])
+        a.account(11.0 + 2 * k, [("i", Activity.BUSY)])
+    assert len(a.take()["generating"]) <= 3
+
+
+def test_manager_counts_what_each_instance_did_per_step():
+    c = Clock()
+    core = ManagerCore(clock=c)
+    core.on_message(b"t", M.TrainerHello(weights_endpoint="tcp://w:1", model_config={}))
+    core.on_message(b"t", M.SetVersion(version=0))
+    core.on_message(b"i", M.Register(job_id="j", attempt=0, kind="preemptible", max_batch=4))
+    core.tick()
+    c.t += 2.0
+    core.tick()  # 2 s pulling
+    core.on_message(b"i", M.WeightsLoaded(version=0, checksum=0, nbytes=1, pull_s=2.0, load_s=0.0))
+    c.t += 1.0
+    core.tick()  # 1 s idle, then work arrives
+    core.on_message(b"t", M.SubmitStep(step=0, version=0, groups=[M.GroupSpec(
+        gid="g", prompt_ids=[1, 2], n=2, max_new_tokens=4, temperature=0.0, top_p=1.0, seed=1, stop_ids=[])]))
+    core.tick()
+    assert core.instances["j#0"].inflight
+    c.t += 3.0
+    core.tick()  # 3 s busy
+    assert core.stats()["instances"]["j#0"]["activity_s"] == pytest.approx({"busy": 3.0, "idle": 1.0, "pulling": 2.0})
+    core.on_message(b"t", M.StepTimes(step=0, wall_s=6.0, phases={"seeding": 4.0, "train": 2.0},
+                                      fixed_overhead_s=0.5))
+    assert core.step_phase_s == {"seeding": 4.0, "train": 2.0} and core.step_seconds == [6.0]
+
+
+def test_summaries_and_the_checkpoint_phase():
+    steps = [{"wall_s": 2.0, "phase_s": {"seeding": 1.0, "train": 1.0}, "fixed_overhead_s": 0.0},
+             {"wall_s": 4.0, "phase_s": {"seeding": 3.0, "train": 1.0}, "fixed_overhead_s": 1.0}]
+    add_phase(steps[0], Phase.CHECKPOINT, 1.0)
+    assert steps[0]["wall_s"] == 3.0 and steps[0]["fixed_overhead_s"] == 1.0
+    s = summarize(steps)
+    assert s["fixed_overhead_s_per_step"] == 1.0 and s["fixed_overhead_share"] == pytest.approx(2 / 7)
+    assert list(s["step_phase_s_mean"]) == ["seeding", "train", "checkpoint"]  # in Phase order
+    assert summarize([])["fixed_overhead_share"] == 0.0
