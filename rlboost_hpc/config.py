@@ -202,6 +202,9 @@ class TrainerCfg(_Strict):
     eval_samples: int = Field(4, ge=1, description="sampled responses per held-out prompt in evaluation")
     seed: int = 0
     checkpoint_every: int = Field(1, ge=0, description="checkpoint every k steps into <out>/checkpoints (0: never)")
+    checkpoint_background: bool = Field(True, description=(
+        "write each checkpoint in a background thread while the next step runs (its state is captured at the end "
+        "of its step; at most one in flight); false: write it before the next step starts"))
     export_model: bool = Field(True, description=(
         "at the end, pull the trained policy from the weight server (weights.dtype) and write it to <out>/model "
         "as a Hugging Face model directory (safetensors + the model's config, tokenizer and generation config)"))

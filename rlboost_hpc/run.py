@@ -289,6 +289,8 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
         if trainer_state is not None:
             trainer.load_state_dict(trainer_state)
         t_train0 = time.monotonic()
+        ckpt_writer = checkpoint.CheckpointWriter(out_dir, background=cfg.trainer.checkpoint_background)
+        closers.append(lambda: _settle(ckpt_writer))  # on a failure too: finish (or report) the one in flight
         with ProgressView(cfg.trainer.steps, enabled=progress) as view:
             for step in range(start_step, cfg.trainer.steps):
                 m = trainer.run_step(step)
@@ -307,7 +309,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
                 step_metrics.append(m)
                 every = cfg.trainer.checkpoint_every
                 if every and ((step + 1) % every == 0 or step + 1 == cfg.trainer.steps):
-                    checkpoint.save(out_dir, step + 1, backend, trainer.state_dict(), {
+                    ckpt_writer.save(step + 1, backend, trainer.state_dict(), {
                         "step_metrics": step_metrics, "before": before, "resumes": resumes,
                         "counts": _add_counts(prior_counts, _counts(cluster, st)),
                         "train_wall_s": prior_wall + time.monotonic() - t_train0})
@@ -318,6 +320,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
                 metrics_f.write(json.dumps(m) + "\n")
                 metrics_f.flush()
                 view.update(m)
+        ckpt_writer.wait()  # the last checkpoint is durable before the run reports
         train_wall = prior_wall + time.monotonic() - t_train0  # training time of every incarnation
         final_stats = client.stats()
         server_stats = server.stats  # what the trainer sent (the rest of weight_pulled_bytes came from relay peers)
@@ -450,6 +453,15 @@ def _counts(cluster, stats: dict) -> dict:
         out = {"preemptions_warned": stats["instances_preempted_with_warning"], "kills": stats["instances_lost"],
                "starts": max(0, stats["registrations"] - 1), "stalls": 0, "link_resets": 0}
     return {**out, **{k: stats[k] for k in _COUNTS[_CLUSTER_COUNTS:]}}
+
+
+def _settle(writer) -> None:
+    """Wait for a checkpoint still in flight when the run stops early; its failure is logged (the run's own
+    error is the one raised)."""
+    try:
+        writer.wait()
+    except Exception as e:  # noqa: BLE001 - the run is already failing
+        log.error("the checkpoint in flight failed: %s", e)
 
 
 def _available(cfg, out_dir: Path, cluster) -> int:

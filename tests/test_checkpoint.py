@@ -50,6 +50,53 @@ def test_resume_reproduces_the_next_step_exactly(model, tmp_path):
         assert torch.equal(v, b.export_weights()[k]), k
 
 
+def test_background_checkpoint_holds_the_state_of_its_step_while_training_goes_on(model, tmp_path):
+    """The writer captures model, optimizer and loop state at save(); the next step runs while it is written; what
+    lands equals the synchronous save of the same moment, and resuming from it reproduces the next step."""
+    import threading
+
+    config, sd = model
+    a = TorchBackend(config, sd, lr=1e-3)
+    _step(a)
+    gate = threading.Event()
+    inner = a.checkpoint_writer
+
+    def held(path):  # the file write waits until the next step has changed the live weights
+        write = inner(path)
+        return lambda: (gate.wait(10), write())
+
+    a.checkpoint_writer = held
+    w = checkpoint.CheckpointWriter(tmp_path)
+    loop_state = {"version": 1}
+    w.save(1, a, loop_state, {"note": "x"})
+    assert checkpoint.latest(tmp_path) is None  # not written yet: save() returned at once
+    want_loss = _step(a)
+    loop_state["version"] = 99  # the loop moves on: the checkpoint keeps what it captured
+    gate.set()
+    assert w.wait() == checkpoint.latest(tmp_path)
+    b = TorchBackend(config, sd, lr=1e-3)
+    step, tstate, _ = checkpoint.load(checkpoint.latest(tmp_path), b, verified=True)
+    assert (step, tstate) == (1, {"version": 1})
+    assert _step(b) == want_loss
+
+
+def test_a_failed_background_checkpoint_is_raised_by_the_next_save(model, tmp_path):
+    config, sd = model
+    a = TorchBackend(config, sd, lr=1e-3)
+
+    def broken(path):
+        def write():
+            raise OSError(28, "No space left on device")
+        return write
+
+    a.checkpoint_writer = broken
+    w = checkpoint.CheckpointWriter(tmp_path)
+    w.save(1, a, {}, {})
+    with pytest.raises(OSError, match="No space"):
+        w.save(2, a, {}, {})
+    assert checkpoint.latest(tmp_path) is None
+
+
 def test_checkpoints_are_atomic_rotated_and_verified(model, tmp_path):
     config, sd = model
     b = TorchBackend(config, sd, lr=1e-3)

@@ -41,6 +41,11 @@ def test_phases_partition_the_step_nested_phases_return_to_what_they_interrupted
     spans = tl.spans
     assert all(a[2] == b[1] for a, b in zip(spans, spans[1:])) and spans[0][1] == tl.start and spans[-1][2] == tl.end
     assert tl.compute_intervals() == []
+    # the overhead split by phase sums to the step's overhead; generation during seeding is not overhead
+    gen = [(101.0, 104.5)]
+    by = tl.overhead_by_phase(gen)
+    assert sum(by.values()) == pytest.approx(fixed_overhead_s(tl.start, tl.end, gen + tl.compute_intervals()))
+    assert by["seeding"] == pytest.approx(0.0) and by["reward"] == pytest.approx(0.0) and by["submit"] == 1.0
 
 
 def test_an_export_longer_than_its_publish_span_is_clipped_to_it():
@@ -112,11 +117,14 @@ def test_manager_counts_what_each_instance_did_per_step():
 
 
 def test_summaries_and_the_checkpoint_phase():
-    steps = [{"wall_s": 2.0, "phase_s": {"seeding": 1.0, "train": 1.0}, "fixed_overhead_s": 0.0},
-             {"wall_s": 4.0, "phase_s": {"seeding": 3.0, "train": 1.0}, "fixed_overhead_s": 1.0}]
+    steps = [{"wall_s": 2.0, "phase_s": {"seeding": 1.0, "train": 1.0}, "fixed_overhead_s": 0.0,
+              "fixed_overhead_s_by_phase": {"seeding": 0.0}},
+             {"wall_s": 4.0, "phase_s": {"seeding": 3.0, "train": 1.0}, "fixed_overhead_s": 1.0,
+              "fixed_overhead_s_by_phase": {"seeding": 1.0}}]
     add_phase(steps[0], Phase.CHECKPOINT, 1.0)
     assert steps[0]["wall_s"] == 3.0 and steps[0]["fixed_overhead_s"] == 1.0
     s = summarize(steps)
     assert s["fixed_overhead_s_per_step"] == 1.0 and s["fixed_overhead_share"] == pytest.approx(2 / 7)
     assert list(s["step_phase_s_mean"]) == ["seeding", "train", "checkpoint"]  # in Phase order
+    assert s["fixed_overhead_s_by_phase"] == {"seeding": 0.5, "checkpoint": 0.5}
     assert summarize([])["fixed_overhead_share"] == 0.0

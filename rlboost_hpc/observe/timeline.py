@@ -98,6 +98,17 @@ class StepTimeline:
             out[p.value] = out.get(p.value, 0.0) + (b - a)
         return out
 
+    def overhead_by_phase(self, generating: Iterable[tuple[float, float]]) -> dict[str, float]:
+        """The fixed overhead of the step split by the phase it fell in: for each span outside
+        :data:`COMPUTE_PHASES`, the seconds in which no engine was generating (``generating``: ``(start_s,
+        end_s)`` intervals, same clock). Sums to :func:`fixed_overhead_s` over the step's window."""
+        gen = merge(generating)
+        out: dict[str, float] = {}
+        for p, a, b in self.spans:
+            if p not in COMPUTE_PHASES:
+                out[p.value] = out.get(p.value, 0.0) + fixed_overhead_s(a, b, gen)
+        return out
+
     def compute_intervals(self) -> list[tuple[float, float]]:
         """The spans in which the trainer computed (:data:`COMPUTE_PHASES`)."""
         return [(a, b) for p, a, b in self.spans if p in COMPUTE_PHASES]
@@ -188,20 +199,27 @@ def add_phase(step: dict, phase: Phase, seconds: float) -> None:
     """Extend a finished step's metrics (``phase_s``, ``wall_s``, ``fixed_overhead_s``) by ``seconds`` of
     ``phase`` spent after the trainer's step returned, while no engine generated (between steps nothing is in
     flight) and the trainer did not compute — e.g. the run's checkpoint of that step."""
-    step["phase_s"][phase.value] = step["phase_s"].get(phase.value, 0.0) + seconds
+    for key in ("phase_s", "fixed_overhead_s_by_phase"):
+        step[key][phase.value] = step[key].get(phase.value, 0.0) + seconds
     step["wall_s"] += seconds
     step["fixed_overhead_s"] += seconds
 
 
 def summarize(steps: list[dict]) -> dict:
-    """The report's view of the step timelines: mean seconds per step of each phase and of the fixed overhead,
-    and the overhead's share of the summed wall time (0 with no steps)."""
+    """The report's view of the step timelines: mean seconds per step of each phase (``step_phase_s_mean``), of the
+    fixed overhead (``fixed_overhead_s_per_step``) and of the overhead by phase (``fixed_overhead_s_by_phase``),
+    and the overhead's share of the summed wall time (``fixed_overhead_share``; 0 with no steps)."""
     n = max(1, len(steps))
     wall = sum(m["wall_s"] for m in steps)
     over = sum(m.get("fixed_overhead_s", 0.0) for m in steps)
-    phases: dict[str, float] = {}
-    for m in steps:
-        for p, sec in m.get("phase_s", {}).items():
-            phases[p] = phases.get(p, 0.0) + sec / n
-    return {"step_phase_s_mean": {p.value: phases[p.value] for p in Phase if p.value in phases},
-            "fixed_overhead_s_per_step": over / n, "fixed_overhead_share": over / wall if wall > 0 else 0.0}
+
+    def mean_by_phase(key: str) -> dict[str, float]:
+        acc: dict[str, float] = {}
+        for m in steps:
+            for p, sec in m.get(key, {}).items():
+                acc[p] = acc.get(p, 0.0) + sec / n
+        return {p.value: acc[p.value] for p in Phase if p.value in acc}
+
+    return {"step_phase_s_mean": mean_by_phase("phase_s"), "fixed_overhead_s_by_phase": mean_by_phase(
+        "fixed_overhead_s_by_phase"), "fixed_overhead_s_per_step": over / n,
+            "fixed_overhead_share": over / wall if wall > 0 else 0.0}

@@ -29,6 +29,7 @@ import json
 import os
 import random
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -97,39 +98,99 @@ def _set_rng_state(st: dict[str, Any]) -> None:
 def save(run_dir: str | os.PathLike, step: int, backend, trainer_state: dict[str, Any], run_state: dict[str, Any],
          keep: int = 2) -> Path:
     """Write the checkpoint taken after ``step`` completed steps; keep the newest ``keep``. Returns its path."""
-    root = RunDir(run_dir).checkpoints
-    root.mkdir(parents=True, exist_ok=True)
-    name = f"step-{step:06d}"
-    tmp = root / f"{name}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    backend.save_checkpoint(tmp / "backend")
-    try:
-        text = json.dumps({"trainer": trainer_state, "run": run_state, "rng": _rng_state()}, allow_nan=True)
-    except TypeError as e:
-        raise CheckpointError(f"the loop state is not JSON ({e}): a checkpoint holds data, never pickled "
-                              "objects") from None
-    (tmp / "trainer.json").write_text(text)
-    (tmp / "manifest.json").write_text(json.dumps({"format": 2, "step": step, "files": _files(tmp)}, indent=1))
-    _fsync_tree(tmp)
-    final = root / name
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    ptr = root / f"{LATEST}.tmp"
-    ptr.write_text(name + "\n")
-    fd = os.open(ptr, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(ptr, root / LATEST)
-    _fsync_dir(root)
-    done = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
-    for old in done[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+    w = CheckpointWriter(run_dir, keep=keep, background=False)
+    w.save(step, backend, trainer_state, run_state)
+    return w.wait()
+
+
+class CheckpointWriter:
+    """Checkpoints of one run directory, written in the background: :meth:`save` captures the state (the
+    backend's :meth:`~rlboost_hpc.trainer.backends.base.TrainerBackend.checkpoint_writer`, the loop state as JSON,
+    the RNGs) and returns; a thread writes, fsyncs and publishes it while the next step runs. At most one is in
+    flight: :meth:`save` and :meth:`wait` first wait for the previous one and re-raise its error.
+
+    A crash while one is in flight leaves the previous checkpoint named by ``latest`` (the same as a crash during
+    a synchronous save); a resume then repeats the steps after it, which the journal allows.
+    ``background=False``: write in the caller's thread (same files)."""
+
+    def __init__(self, run_dir: str | os.PathLike, keep: int = 2, background: bool = True) -> None:
+        self.root = RunDir(run_dir).checkpoints
+        self.keep, self.background = keep, background
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._last: Path | None = None
+
+    def save(self, step: int, backend, trainer_state: dict[str, Any], run_state: dict[str, Any]) -> None:
+        """Capture the checkpoint of ``step`` completed steps now; it is written before the next :meth:`save`
+        returns or :meth:`wait` returns.
+
+        Raises:
+            CheckpointError: the loop state is not JSON; the previous checkpoint failed (its error).
+        """
+        self.wait()
+        self.root.mkdir(parents=True, exist_ok=True)
+        name = f"step-{step:06d}"
+        tmp = self.root / f"{name}.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        write_backend = backend.checkpoint_writer(tmp / "backend")
+        try:
+            text = json.dumps({"trainer": trainer_state, "run": run_state, "rng": _rng_state()}, allow_nan=True)
+        except TypeError as e:
+            raise CheckpointError(f"the loop state is not JSON ({e}): a checkpoint holds data, never pickled "
+                                  "objects") from None
+
+        def write() -> None:
+            try:
+                write_backend()
+                self._last = self._publish(step, name, tmp, text)
+            except BaseException as e:  # noqa: BLE001 - re-raised by wait()
+                self._error = e
+
+        if self.background:
+            self._thread = threading.Thread(target=write, name=f"checkpoint-{name}", daemon=True)
+            self._thread.start()
+        else:
+            write()
+
+    def wait(self) -> Path | None:
+        """Wait for the checkpoint in flight; returns the newest one written by this writer (None: none yet).
+
+        Raises:
+            CheckpointError, OSError: writing the checkpoint in flight failed.
+        """
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+        return self._last
+
+    def _publish(self, step: int, name: str, tmp: Path, text: str) -> Path:
+        root = self.root
+        tmp.mkdir(parents=True, exist_ok=True)
+        (tmp / "trainer.json").write_text(text)
+        (tmp / "manifest.json").write_text(json.dumps({"format": 2, "step": step, "files": _files(tmp)}, indent=1))
+        _fsync_tree(tmp)
+        final = root / name
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        ptr = root / f"{LATEST}.tmp"
+        ptr.write_text(name + "\n")
+        fd = os.open(ptr, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(ptr, root / LATEST)
+        _fsync_dir(root)
+        done = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+        for old in done[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
 
 
 def latest(run_dir: str | os.PathLike) -> Path | None:

@@ -297,6 +297,7 @@ class RLTrainer:
         t_wait = phase_s.get(Phase.REMOTE, 0.0) + phase_s.get(Phase.TAIL, 0.0)
         st = self.client.stats()
         activity = st["last_step_activity"]
+        generating = [(a, b) for a, b in activity["generating"]]  # manager's clock: CLOCK_MONOTONIC, same host
         policy = {}
         if self.controller is not None:
             rem = st["last_step_remote"]
@@ -321,8 +322,8 @@ class RLTrainer:
             "preemptible_instances_served": sum(1 for k in served if not k.startswith("reserved#")),
             "throughput_tokens_per_s": tokens / wall if wall > 0 else 0.0, **om, **pub, **policy,
             "phase_s": tl.seconds(),
-            "fixed_overhead_s": fixed_overhead_s(tl.start, tl.end, tl.compute_intervals() + [
-                (a, b) for a, b in activity["generating"]]),
+            "fixed_overhead_s": fixed_overhead_s(tl.start, tl.end, tl.compute_intervals() + generating),
+            "fixed_overhead_s_by_phase": tl.overhead_by_phase(generating),
             "instance_s": activity["instance_s"], "instance_activity_s": activity["by_instance_s"],
         }
         for k, v in m_acc.items():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 import os
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -55,6 +55,13 @@ class TrainerBackend(abc.ABC):
     def save_checkpoint(self, path: str | os.PathLike, extra_state: Mapping | None = None) -> None:
         """Write model and optimizer state (and ``extra_state``, plain data) into the directory ``path`` (created);
         collective for distributed backends. Restored by :meth:`load_checkpoint` with the same layout."""
+
+    def checkpoint_writer(self, path: str | os.PathLike) -> Callable[[], None]:
+        """Capture the state :meth:`save_checkpoint` would write into ``path``, now; return the function that
+        writes it, which may run in another thread while training goes on (the captured state never changes).
+        Default: write now (collective backends save together) and return a no-op."""
+        self.save_checkpoint(path)
+        return lambda: None
 
     @abc.abstractmethod
     def load_checkpoint(self, path: str | os.PathLike) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -115,6 +115,26 @@ class TorchBackend(TrainerBackend):
         Path(path).mkdir(parents=True, exist_ok=True)
         torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "rng": torch.get_rng_state(),
                     "extra": dict(extra_state or {})}, Path(path) / "torch_backend.pt")
+
+    def checkpoint_writer(self, path: str | os.PathLike) -> Callable[[], None]:
+        """Copy model, AdamW state and RNG now (host memory: the model's fp32 bytes plus the optimizer's two
+        moments); the returned function writes the copy as :meth:`save_checkpoint` would, in any thread."""
+        def copy(x):
+            if isinstance(x, torch.Tensor):
+                return x.detach().to("cpu", copy=True)
+            if isinstance(x, dict):
+                return {k: copy(v) for k, v in x.items()}
+            if isinstance(x, (list, tuple)):
+                return type(x)(copy(v) for v in x)
+            return x
+
+        state = {"model": copy(self.model.state_dict()), "opt": copy(self.opt.state_dict()),
+                 "rng": torch.get_rng_state(), "extra": {}}
+
+        def write() -> None:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            torch.save(state, Path(path) / "torch_backend.pt")
+        return write
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
         """Restore :meth:`save_checkpoint`; returns its ``extra_state``."""
