@@ -60,23 +60,24 @@ def synthetic_trace(path: str | Path, *, duration_s: float, instances: int, mean
 def chaos_main(argv: list[str] | None = None) -> int:
     """``rlboost-hpc chaos``: run the demo under random preemptions/kills; exit 1 if an invariant broke."""
     import argparse
-    import json
 
-    from rlboost_hpc.config import load_config
-    from rlboost_hpc.run import run
+    from rlboost_hpc.observe.logs import logging_setup
 
-    p = argparse.ArgumentParser(prog="rlboost-hpc chaos", description=chaos_main.__doc__)
-    p.add_argument("--config", default=str(PROJECT_ROOT / "configs/local.toml"))
-    p.add_argument("--out", default="runs/chaos")
+    from rlboost_hpc.clihelp import DefaultsHelpFormatter
+
+    p = argparse.ArgumentParser(prog="rlboost-hpc chaos", description=chaos_main.__doc__,
+                                formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--config", default=str(PROJECT_ROOT / "configs/local.toml"), help="TOML config of the run")
+    p.add_argument("--out", default="runs/chaos", help="run directory (refused if it holds another run)")
     p.add_argument("--fresh", action="store_true",
                    help="start over in an --out that holds an earlier run (its checkpoints and journal are removed)")
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=40, help="RL steps of the run")
     p.add_argument("--duration-s", type=float, default=600.0, help="length of the synthetic trace (wall s)")
-    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--workers", type=int, default=3, help="preemptible worker slots of the synthetic trace")
     p.add_argument("--lifetime-s", type=float, default=3.0, help="mean worker lifetime (s)")
     p.add_argument("--downtime-s", type=float, default=1.0, help="mean time a slot stays empty (s)")
     p.add_argument("--kill-fraction", type=float, default=0.5, help="share of removals without warning")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the trace and of the fault schedule")
     p.add_argument("--trainer-kills", type=int, default=0,
                    help="SIGKILL the trainer or the manager this many times at random moments, resuming each time")
     p.add_argument("--kill-jitter-s", type=float, default=1.0,
@@ -88,7 +89,8 @@ def chaos_main(argv: list[str] | None = None) -> int:
                    help="mean seconds between resets of the workers' TCP connections (0: none)")
     p.add_argument("--slow-load-s", type=float, default=0.0,
                    help="extra seconds of every weight load on half of the worker attempts (0: none)")
-    p.add_argument("--set", action="append", default=[])
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="dotted config override, e.g. --set rollout.max_new_tokens=32 (repeatable)")
     a = p.parse_args(argv)
     if a.trainer_kills > max(0, a.steps - 1):
         p.error(f"--trainer-kills {a.trainer_kills} needs --steps ≥ {a.trainer_kills + 1} (one checkpoint per kill)")
@@ -111,15 +113,28 @@ def chaos_main(argv: list[str] | None = None) -> int:
         f"cluster.stall_every_s={a.stall_every_s}", f"cluster.stall_s={a.stall_s}",
         f"cluster.link_reset_every_s={a.reset_every_s}", f"cluster.slow_load_s={a.slow_load_s}", *a.set]
     crashes = {"trainer_kills": 0, "manager_kills": 0}
+    terminal = sys.stdout.isatty()  # a progress bar then owns the screen; JSON log lines go to <out>/logs/
+    with logging_setup("trainer", run_id=out.resolve().name, log_dir=RunDir(out).logs, console=not terminal):
+        return _chaos_run(a, out, overrides, n_remove, crashes, terminal)
+
+
+def _chaos_run(a, out: Path, overrides: list[str], n_remove: int, crashes: dict, terminal: bool) -> int:
+    import json
+
+    from rlboost_hpc.config import load_config
+    from rlboost_hpc.observe.report import Bar
+    from rlboost_hpc.run import run
+
     if a.trainer_kills:
-        rc = run_with_restarts(a.config, out, overrides, kill_steps(a.steps, a.trainer_kills), a.kill_jitter_s,
-                               a.seed, crashes)
+        with Bar(a.steps, "step", enabled=terminal, transient=True) as bar:
+            rc = run_with_restarts(a.config, out, overrides, kill_steps(a.steps, a.trainer_kills), a.kill_jitter_s,
+                                   a.seed, crashes, bar=bar)
         if rc != 0:
             print(f"rlboost-hpc chaos: the final incarnation of the run exited {rc} (see {RunDir(out).report})")
             return 1
         rep = json.loads(RunDir(out).report.read_text())
     else:
-        rep = run(load_config(a.config, overrides), out, progress=False)
+        rep = run(load_config(a.config, overrides), out, progress=terminal)
     faults = {"preemptions_with_warning": rep["preemptions_with_warning"],
               "kills_without_warning": rep["kills_without_warning"],
               "kills_during_weight_transfer": rep["instances_lost_while_pulling"],
@@ -165,11 +180,12 @@ def kill_steps(steps: int, kills: int) -> list[int]:
 
 
 def run_with_restarts(config: str, out: Path, overrides: list[str], at_steps: list[int], jitter_s: float,
-                      seed: int, crashes: dict, poll_s: float = 0.1) -> int:
+                      seed: int, crashes: dict, poll_s: float = 0.1, bar=None) -> int:
     """Run ``rlboost-hpc run`` as a child; SIGKILL the trainer or the manager once per entry of ``at_steps`` and
     start the run again (it resumes from its checkpoint). Kill ``i`` fires ``uniform(0, jitter_s)`` seconds after
     the run's latest checkpoint reached ``max(at_steps[i], resumed step + 1)``. Returns the exit code of the final
-    incarnation (or of one that ended before its kill). ``crashes`` receives ``trainer_kills`` / ``manager_kills``."""
+    incarnation (or of one that ended before its kill). ``crashes`` receives ``trainer_kills`` / ``manager_kills``;
+    ``bar`` (a :class:`~rlboost_hpc.observe.report.Bar`) shows the checkpointed steps."""
     import signal
     import subprocess
     import sys
@@ -188,11 +204,15 @@ def run_with_restarts(config: str, out: Path, overrides: list[str], at_steps: li
             starts = sum(r.get("event") == "start" for r in read(RunDir(out).journal))
             resumed = latest_step(out)
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            if i == len(at_steps):
-                return proc.wait()
-            target = max(at_steps[i], resumed + 1)
-            while proc.poll() is None and latest_step(out) < target:
+            info = f"incarnation {i + 1}/{len(at_steps) + 1}, killed trainer {crashes['trainer_kills']} " \
+                   f"manager {crashes['manager_kills']}"
+            target = max(at_steps[i], resumed + 1) if i < len(at_steps) else None
+            while proc.poll() is None and (target is None or latest_step(out) < target):
+                if bar is not None:
+                    bar.set(max(0, latest_step(out)), info)
                 time.sleep(poll_s)
+            if target is None:
+                return proc.wait()
             deadline = time.monotonic() + rng.uniform(0.0, jitter_s)
             while time.monotonic() < deadline and proc.poll() is None:
                 time.sleep(poll_s / 2)

@@ -34,7 +34,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     run_id = os.environ.get("RLBOOST_RUN_ID") or out.resolve().name
-    setup_logging("trainer", level=args.log_level, run_id=run_id)
+    # on a terminal the progress bar owns the screen: JSON lines (trainer and manager) go to RUN_DIR/logs/ only
+    terminal = not args.no_progress and sys.stdout.isatty()
+    setup_logging("trainer", level=args.log_level, run_id=run_id, log_dir=RunDir(out).logs, console=not terminal)
     try:
         report = run(cfg, out, progress=not args.no_progress, run_id=run_id)
     except (ConfigError, DataFileMissing, ModelFormatError, DeviceError, TraceFormatError, CheckpointError,
@@ -46,21 +48,31 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 1
     print_summary(report)
     rd = RunDir(out)
-    print(f"report: {rd.report}  metrics: {rd.metrics}  plot: {rd.plot}")
+    print(f"report: {rd.report}  metrics: {rd.metrics}  plot: {rd.plot}  logs: {rd.logs}/")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="rlboost-hpc", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="run RL training with rollout on (local) preemptible workers")
-    r.add_argument("--config", help="TOML config (default: the built-in defaults of rlboost_hpc/config.py; the demo "
-                                    "is configs/local.toml: 60 steps, Θ = 32, T_seed = 0.2 s)")
+    from rlboost_hpc.clihelp import DefaultsHelpFormatter
+
+    p = argparse.ArgumentParser(prog="rlboost-hpc", description="RL training of LLMs with rollout on harvested, "
+                                "preemptible cluster capacity (RLBoost).")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND",
+                           help="`rlboost-hpc COMMAND --help` describes each command's flags and their defaults")
+    r = sub.add_parser("run", help="run RL training with rollout on (local) preemptible workers",
+                       description="Run RL training (GRPO) with rollout on the reserved engine and on preemptible "
+                                   "instances; writes report.json, metrics.jsonl, run.png and logs/ into --out.",
+                       formatter_class=DefaultsHelpFormatter)
+    r.add_argument("--config", help="TOML config; without it, the built-in defaults of rlboost_hpc/config.py (the "
+                                    "demo is configs/local.toml: 60 steps, Θ = 32, T_seed = 0.2 s)")
     r.add_argument("--out", default="runs/latest", help="output directory for report.json, metrics.jsonl, run.png")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="dotted override, e.g. --set trainer.steps=10 (repeatable)")
-    r.add_argument("--log-level", default="WARNING", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
-    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                   help="level of the JSON log lines (trainer and manager), always appended to <out>/logs/; on stderr "
+                        "too unless a progress bar owns the terminal")
+    r.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (JSON log lines go to stderr as well as to <out>/logs/)")
     r.add_argument("--resume", action="store_true",
                    help="resume from the last checkpoint in --out and fail if there is none (= trainer.resume=require)")
     passthrough = {

@@ -87,7 +87,7 @@ def _resume_point(cfg: RunConfig, out_dir: Path) -> Path | None:
         raise checkpoint.CheckpointError(
             f"{ckpt} is at version {step} but the manager journal records versions up to "
             f"{journal_mod.last_version(records)} only: journal and checkpoint come from different runs")
-    log.warning("resuming from %s (manager epoch %d next)", ckpt, 1 + max(int(r.get("epoch", 0)) for r in records))
+    log.info("resuming from %s (manager epoch %d next)", ckpt, 1 + max(int(r.get("epoch", 0)) for r in records))
     return ckpt
 
 

@@ -13,7 +13,8 @@ Layout (owner in parentheses):
 - ``prometheus/<job>.json`` (trainer: ``rlboost-manager``; scavenger: ``rlboost-scavenger``): file_sd targets.
 
 - ``manager-journal.jsonl`` (manager): epochs and weight versions for crash-resume; ``checkpoints/`` (trainer);
-  ``workers/`` (rollout workers' and engines' logs); ``keys/`` (CURVE keys, owner-only).
+  ``workers/`` (rollout workers' and engines' logs); ``keys/`` (CURVE keys, owner-only); ``logs/<role>.jsonl``
+  (trainer, manager: their JSON log lines, appended by every incarnation).
 
 Every name above is spelled once, here (:class:`RunDir`); other modules ask it for paths.
 
@@ -45,6 +46,7 @@ JOURNAL_FILE = "manager-journal.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
 WORKERS_DIR = "workers"
 PROMETHEUS_DIR = "prometheus"
+LOGS_DIR = "logs"
 @dataclass(frozen=True)
 class RunDir:
     """The paths of one run directory (``root``): the only place the layout's names are spelled."""
@@ -97,6 +99,10 @@ class RunDir:
     @property
     def prometheus(self) -> Path:
         return self.root / PROMETHEUS_DIR
+
+    @property
+    def logs(self) -> Path:
+        return self.root / LOGS_DIR
 
     def read_report(self) -> dict:
         """``report.json`` as a dict.

@@ -25,7 +25,10 @@ def _help(name: str) -> str:
 
 
 def build_parser(prog: str = "rlboost-hpc scavenger") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    from rlboost_hpc.clihelp import DefaultsHelpFormatter
+
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("run_dir", metavar="RUN_DIR", help="run directory: target.json in, events.jsonl out")
     p.add_argument("--config", help="TOML file ([scavenger] table or top level); flags override it")
     p.add_argument("--partition", help=_help("partition"))
@@ -59,7 +62,8 @@ def build_parser(prog: str = "rlboost-hpc scavenger") -> argparse.ArgumentParser
     p.add_argument("--once", action="store_true", help="run one reconciliation, print its result as JSON, exit")
     p.add_argument("--exit-when-done", action="store_true",
                    help="exit once target.json says active=false and no rollout job is left")
-    p.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                   help="level of the JSON log lines on stderr")
     return p
 
 

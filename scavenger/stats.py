@@ -390,12 +390,15 @@ def stats_main(argv: Sequence[str] | None = None, slurm: Any = None) -> int:
     """``rlboost-hpc stats RUN_DIR [--sacct] [--json] [--per-job]``. Exit codes: 0 ok (with ``--sacct``: the
     event log and accounting agree); 1 they disagree, or sacct failed; 2 bad usage (no such run directory).
     ``slurm`` overrides the Slurm client (tests)."""
-    p = argparse.ArgumentParser(prog="rlboost-hpc stats", description=__doc__.splitlines()[0])
-    p.add_argument("run_dir", metavar="RUN_DIR")
+    from rlboost_hpc.clihelp import DefaultsHelpFormatter
+
+    p = argparse.ArgumentParser(prog="rlboost-hpc stats", description=__doc__.splitlines()[0],
+                                formatter_class=DefaultsHelpFormatter)
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (events.jsonl, target.json, capacity.json)")
     p.add_argument("--sacct", action="store_true", help="cross-check job and requeue counts with sacct -D")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of a table")
     p.add_argument("--per-job", action="store_true", help="also print one row per job")
-    p.add_argument("--timeout-s", type=float, default=30.0, help="sacct timeout, seconds (default 30)")
+    p.add_argument("--timeout-s", type=float, default=30.0, help="sacct timeout, seconds")
     p.add_argument("--plot", metavar="PNG", help="write the N_prem target, live rollout jobs and capacity over time")
     args = p.parse_args(list(argv) if argv is not None else None)
     run_dir = Path(args.run_dir)

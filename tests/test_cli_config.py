@@ -155,3 +155,72 @@ def test_chaos_refuses_an_out_dir_holding_another_run(tmp_path):
     p = _run_cli("chaos", "--out", str(run_dir), "--steps", "2")
     assert p.returncode == 2 and "--fresh" in p.stderr and "Traceback" not in p.stderr
     assert (run_dir / "checkpoints" / "step-000005").is_dir()
+
+
+@pytest.mark.integration
+def test_on_a_terminal_the_progress_bar_owns_the_screen_and_json_lines_go_to_the_run_directory(repo_root, tmp_path):
+    """Issue 16: run with stdout on a terminal (a pseudo-terminal here): the progress bar is drawn there, no JSON
+    line reaches stderr, and the trainer's and the manager's JSON lines (INFO and up) are in ``RUN_DIR/logs/``."""
+    import json
+    import os
+    import pty
+    import threading
+
+    master, slave = pty.openpty()
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "rlboost_hpc.cli", "run", "--config",
+                             str(repo_root / "configs/local.toml"), "--out", str(out), "--set", "trainer.steps=2",
+                             "--set", "cluster.max_workers=0", "--set", "trainer.export_model=false"],
+                            stdout=slave, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, cwd=repo_root)
+    os.close(slave)
+    screen = bytearray()
+
+    def drain() -> None:
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the child closed its end
+                return
+            if not chunk:
+                return
+            screen.extend(chunk)
+
+    t = threading.Thread(target=drain, daemon=True)
+    t.start()
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    t.join(10)
+    os.close(master)
+    text = screen.decode(errors="replace")
+    assert proc.returncode == 0, err[-3000:]
+    assert "step 2/2" in text and "run summary" in text, text[-2000:]
+    assert not [ln for ln in err.splitlines() if ln.lstrip().startswith("{")], err[-2000:]
+    for role in ("trainer", "manager"):
+        lines = [json.loads(ln) for ln in (out / "logs" / f"{role}.jsonl").read_text().splitlines()]
+        assert lines and all(x["role"] == role and x["run"] == "run" for x in lines), lines[:3]
+        assert any(x["level"] == "INFO" for x in lines), role
+
+
+@pytest.mark.parametrize("cmd", ["run", "worker", "scavenger", "stats", "simulate", "chaos"])
+def test_help_describes_every_flag_with_its_default(cmd, monkeypatch, capsys):
+    """Issue 16: ``rlboost-hpc CMD --help`` describes every argument, and shows each default that exists."""
+    import argparse
+
+    from rlboost_hpc import cli
+    from rlboost_hpc.clihelp import DefaultsHelpFormatter
+
+    shown: list[argparse.ArgumentParser] = []
+    real = argparse.ArgumentParser.print_help
+    monkeypatch.setattr(argparse.ArgumentParser, "print_help",
+                        lambda self, file=None: (shown.append(self), real(self, file)))
+    with pytest.raises(SystemExit) as e:
+        cli.main([cmd, "--help"])
+    assert e.value.code == 0
+    parser, text = shown[-1], capsys.readouterr().out
+    assert parser.formatter_class is DefaultsHelpFormatter and parser.description
+    for a in parser._actions:
+        assert a.help, (cmd, a.option_strings or a.dest)
+        if a.default not in (None, False, [], argparse.SUPPRESS) and a.option_strings:
+            assert f"(default: {a.default})" in " ".join(text.split()), (cmd, a.option_strings)

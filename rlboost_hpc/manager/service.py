@@ -152,14 +152,14 @@ class ManagerService:
 
 def run_manager_process(bind: str, params: dict, conn, keys_dir: str | None = None,
                         metrics_host: str | None = None, journal_path: str | None = None,
-                        run_id: str | None = None) -> None:
+                        run_id: str | None = None, log_sink=None) -> None:
     """Entry point of the manager process: serve, report the bound endpoint through ``conn`` (a Pipe end).
     With ``keys_dir`` (a run directory holding ``keys/keys.json``) every connection must prove the run's key.
     With ``journal_path`` the manager starts a new epoch in that journal and records every version there.
     ``run_id`` tags its log lines."""
-    from rlboost_hpc.observe.logs import setup_logging
+    from rlboost_hpc.observe.logs import LogSink, setup_logging_from
 
-    setup_logging("manager", run_id=run_id)
+    setup_logging_from(log_sink or LogSink(), "manager", run_id=run_id)
     import os
     import threading
 
@@ -207,13 +207,17 @@ def spawn_manager(params: dict, bind: str = "tcp://127.0.0.1:0", timeout_s: floa
     """Start the manager in its own (spawned) process. ``params`` are :class:`ManagerCore` keyword arguments.
 
     Returns ``(process, endpoint, metrics_url)`` (``metrics_url`` is "" unless ``metrics_host`` is given).
+    The manager logs where this process logs (:func:`~rlboost_hpc.observe.logs.current_sink`).
     Raises RuntimeError if the process does not report its endpoint in time.
     """
     import multiprocessing as mp
 
+    from rlboost_hpc.observe.logs import current_sink
+
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=run_manager_process, args=(bind, params, child, keys_dir, metrics_host, journal_path, run_id),
+    proc = ctx.Process(target=run_manager_process, args=(bind, params, child, keys_dir, metrics_host, journal_path, run_id,
+                                                             current_sink()),
                        name="rlboost-manager", daemon=True)
     proc.start()
     child.close()

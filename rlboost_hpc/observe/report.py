@@ -8,27 +8,40 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 
-class ProgressView:
-    """A rich progress bar over RL steps showing reward, throughput and live instances."""
+class Bar:
+    """A rich progress bar on stdout: ``{unit} done/total``, a bar, a free-text field and the elapsed time.
+    ``enabled=False`` draws nothing; ``transient`` erases it when done (for commands that print a result)."""
 
-    def __init__(self, steps: int, enabled: bool = True) -> None:
+    def __init__(self, total: int, unit: str, enabled: bool = True, transient: bool = False) -> None:
         self.enabled = enabled
-        self.progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+        self.progress = Progress(TextColumn(unit + " {task.completed}/{task.total}"), BarColumn(),
                                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
-                                 console=Console(stderr=True), disable=not enabled)
-        self.task = self.progress.add_task("rl", total=steps, info="")
+                                 console=Console(), disable=not enabled, transient=transient)
+        self.task = self.progress.add_task(unit, total=total, info="")
 
-    def __enter__(self) -> "ProgressView":
+    def __enter__(self) -> "Bar":
         self.progress.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self.progress.__exit__(*exc)
 
-    def update(self, m: dict) -> None:
-        info = (f"reward {m['reward_mean']:.2f}  {m['throughput_tokens_per_s']:.0f} tok/s  "
-                f"remote {m['live_preemptible']}  migrated {m['responses_migrated']}")
+    def set(self, completed: int, info: str = "", total: int | None = None) -> None:
+        self.progress.update(self.task, completed=completed, info=info, total=total)
+
+    def advance(self, info: str = "") -> None:
         self.progress.update(self.task, advance=1, info=info)
+
+
+class ProgressView(Bar):
+    """The run's bar over RL steps showing reward, throughput and live instances."""
+
+    def __init__(self, steps: int, enabled: bool = True) -> None:
+        super().__init__(steps, "step", enabled)
+
+    def update(self, m: dict) -> None:
+        self.advance(f"reward {m['reward_mean']:.2f}  {m['throughput_tokens_per_s']:.0f} tok/s  "
+                     f"remote {m['live_preemptible']}  migrated {m['responses_migrated']}")
 
 
 SUMMARY_KEYS = [

@@ -132,7 +132,10 @@ def _stop_reason(holder: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="rlboost-hpc worker", description="Run one preemptible rollout instance.")
+    from rlboost_hpc.clihelp import DefaultsHelpFormatter
+
+    p = argparse.ArgumentParser(prog="rlboost-hpc worker", description="Run one preemptible rollout instance.",
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("--manager", help="manager endpoint, e.g. tcp://127.0.0.1:5555 (or use --run-dir)")
     p.add_argument("--run-dir", help="shared run directory holding endpoints.json (Slurm rollout jobs)")
     p.add_argument("--wait-endpoints", type=float, default=600.0, help="seconds to wait for endpoints.json")

@@ -20,7 +20,10 @@ import time
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlboost-hpc simulate", description="RLBoost discrete-event simulator")
+    from rlboost_hpc.clihelp import DefaultsHelpFormatter
+
+    p = argparse.ArgumentParser(prog="rlboost-hpc simulate", description="RLBoost discrete-event simulator",
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("--paper-table", action="store_true", help="run the paper's table (all systems and models)")
     p.add_argument("--experiment", choices=("preemption", "lengths"), help="run a smaller paper experiment")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -32,10 +35,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default="p3", help="p3 | g4dn | parcae-hh|hl|lh|ll | a trace file")
     p.add_argument("--start", type=float, default=0.0, help="trace window start, seconds")
     p.add_argument("--duration", type=float, default=None,
-                   help="seconds of simulated time (default: 7200 for the table, 43200 for a run)")
+                   help="seconds of simulated time (none: 7200 for the table, 43200 for a run)")
     p.add_argument("--fixed", type=int, default=None, help="use N never-preempted instances instead of a trace")
     p.add_argument("--keep-every", type=int, default=2, help="sample every k-th trace instance (paper: half)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of response lengths and preemption draws")
     p.add_argument("--timeline", help="write per-step records (JSON lines) to this file")
     p.add_argument("--plot", help="write a PNG plot to this file")
     return p
@@ -55,9 +58,13 @@ def main(argv: list[str] | None = None) -> int:
             models = tuple(m.strip().lower() for m in args.models.split(",") if m.strip())
             for m in models:
                 profile(m)
+            from rlboost_hpc.observe.report import Bar
+
             t0 = time.perf_counter()
-            table = paper_table(models, tuple(s.strip() for s in args.segments.split(",") if s.strip()),
-                                duration_s=args.duration or 7200.0, seed=args.seed, jobs=max(1, args.jobs))
+            with Bar(0, "simulated runs", enabled=sys.stdout.isatty(), transient=True) as bar:
+                table = paper_table(models, tuple(s.strip() for s in args.segments.split(",") if s.strip()),
+                                    duration_s=args.duration or 7200.0, seed=args.seed, jobs=max(1, args.jobs),
+                                    on_run=lambda done, total: bar.set(done, total=total))
             table["meta"]["wall_s"] = time.perf_counter() - t0
             if args.plot:
                 from rlboost_hpc.sim.plots import plot_table

@@ -17,6 +17,8 @@ Trace systems are pooled over the segments (total tokens / total time; total tok
 """
 from __future__ import annotations
 
+import contextlib
+
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
@@ -85,8 +87,9 @@ def _pooled(results: list[RunResult]) -> dict:
 
 
 def paper_table(models=MODELS, segments=tuple(SEGMENTS), *, duration_s: float = 7200.0, seed: int = 0,
-                jobs: int = 1, fixed_pool: bool = True) -> dict:
-    """Run every system for every model and return the table (see the module docstring)."""
+                jobs: int = 1, fixed_pool: bool = True, on_run=None) -> dict:
+    """Run every system for every model and return the table (see the module docstring). ``on_run(done, total)``
+    is called after each simulated run (a progress bar)."""
     plan: list[Job] = []
     for m in models:
         plan.append(Job(m, "colocated", "none", duration_s, seed))
@@ -96,11 +99,12 @@ def paper_table(models=MODELS, segments=tuple(SEGMENTS), *, duration_s: float = 
             plan.extend(Job(m, s, f"seg:{g}", duration_s, seed) for g in segments)
         if fixed_pool:
             plan.extend(Job(m, s, f"fixed:{FIXED_POOL}", duration_s, seed) for s in FIXED_SYSTEMS)
-    if jobs > 1:
-        with ProcessPoolExecutor(max_workers=jobs) as ex:
-            results = list(ex.map(run_job, plan, chunksize=4))
-    else:
-        results = [run_job(j) for j in plan]
+    results: list[RunResult] = []
+    with ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else contextlib.nullcontext() as ex:
+        for r in (ex.map(run_job, plan, chunksize=4) if ex is not None else map(run_job, plan)):
+            results.append(r)
+            if on_run is not None:
+                on_run(len(results), len(plan))
     by: dict[tuple, list[RunResult]] = {}
     for j, r in zip(plan, results):
         key = (j.model, j.system if not j.avail.startswith("fixed") or j.system == "disaggregated"
