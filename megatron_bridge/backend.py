@@ -39,6 +39,7 @@ bf16 rounding.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -56,6 +57,8 @@ from megatron_bridge.bridge import Piece, SafetensorsSource, assemble, hf_to_meg
 from rlboost_hpc.trainer.algorithms.grpo import grpo_loss
 from rlboost_hpc.trainer.backends.base import Sample, TrainerBackend
 from rlboost_hpc.trainer.backends.torch_backend import pack
+
+log = logging.getLogger("rlboost.megatron")
 
 __all__ = ["MegatronBackend"]
 
@@ -121,6 +124,9 @@ class MegatronBackend(TrainerBackend):
         self.hf_config = hf_cfg
         self.arch: ModelArch = arch_from_hf(hf_cfg)
         check_layout(self.arch, tp, pp)
+        L = self.layout
+        log.info("Megatron backend: world %d = TP %d x PP %d x DP %d (this is rank %d)", L.world, L.tp, L.pp,
+                 L.world // (L.tp * L.pp), L.rank)
         self.lr, self.grad_clip, self.clip_eps, self.kl_coef = lr, grad_clip, clip_eps, kl_coef
         self.temperature = temperature if temperature > 0 else 1.0
         self.micro_batch_size = micro_batch_size

@@ -1,0 +1,98 @@
+"""The trainer launched from Python with submitit on the real local Slurm cluster (issue 16 item 4)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from _slurm_local import ensure_local_slurm
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.integration]
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _job_output(out: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+                     for p in sorted((out / "submitit").glob("*.out")) + sorted((out / "submitit").glob("*.err")))
+
+
+def test_a_trainer_submitted_with_submitit_is_requeued_mid_run_and_resumes_losing_nothing(tmp_path, monkeypatch):
+    """Submit a run with :func:`rlboost_hpc.launch.submit_run`; once it has checkpointed step 3, ``scontrol
+    requeue`` it (Slurm kills the job and starts it again, same id); the second start resumes from the checkpoint
+    and the run finishes: ``resumes ≥ 1``, nothing lost or duplicated, every prompt trained exactly once, and the
+    manager journal records two epochs."""
+    from rlboost_hpc.launch import submit_run
+    from rlboost_hpc.manager.journal import read
+    from rlboost_hpc.rundir import RunDir
+    from rlboost_hpc.trainer.checkpoint import latest_step
+
+    for k, v in ensure_local_slurm().items():
+        monkeypatch.setenv(k, v)
+    out = tmp_path / "run"
+    job = submit_run(REPO / "configs/local.toml", out, partition="train", timeout_min=30, cpus_per_task=1,
+                     overrides=["trainer.steps=40", "trainer.export_model=false"])
+    deadline = time.monotonic() + 300
+    while latest_step(out) < 3:
+        assert time.monotonic() < deadline and not job.done(), f"no checkpoint of step 3:\n{_job_output(out)}"
+        time.sleep(0.5)
+    p = subprocess.run(["scontrol", "requeue", str(job.job_id)], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    deadline = time.monotonic() + 600
+    while not job.done():
+        assert time.monotonic() < deadline, f"the requeued run did not finish:\n{_job_output(out)}"
+        time.sleep(2.0)
+    rep = job.result()
+    assert rep == json.loads(RunDir(out).report.read_text())
+    assert rep["steps"] == 40 and rep["resumes"] >= 1 and rep["resumed_from_step"] >= 3, _job_output(out)
+    assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0
+    assert rep["prompts_not_trained_exactly_once"] == 0 and rep["tokens_trained_off_version"] == 0
+    assert sum(1 for r in read(RunDir(out).journal) if r.get("event") == "start") >= 2
+
+
+def _wait_gone(job: str, env: dict, timeout_s: float, what) -> None:
+    deadline = time.monotonic() + timeout_s
+    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, env=env,
+                         timeout=30).stdout.strip():
+        assert time.monotonic() < deadline, what()
+        time.sleep(1.0)
+
+
+@pytest.mark.megatron
+def test_train_sbatch_runs_the_megatron_trainer_as_two_tasks_at_tp2(tmp_path):
+    """``sbatch/train.sbatch`` with 2 Slurm tasks, ``RLBOOST_TP=2`` (gloo, fake GPUs): each task runs the
+    Megatron launcher with its task rank as node rank; rank 0 runs the RL program, rank 1 follows; 3 steps."""
+    import os
+    import sys
+
+    env = dict(os.environ, **ensure_local_slurm())
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    env.update(RLBOOST_PYTHON=sys.executable, RLBOOST_RUN_DIR=str(run_dir), RLBOOST_CONFIG=str(REPO / "configs/local.toml"),
+               RLBOOST_TP="2", RLBOOST_MASTER_ADDR="127.0.0.1", RLBOOST_TRAIN_ARGS=(
+                   "--set trainer.backend=megatron --set trainer.steps=3 --set task.heldout_prompts=8 "
+                   "--set trainer.eval_samples=1 --set trainer.export_model=false"))
+    p = subprocess.run(["sbatch", "--parsable", "--partition", "train", "--nodes", "1", "--ntasks-per-node", "2",
+                        "--cpus-per-task", "1", "--gres", "gpu:2", "--output", str(run_dir / "train-%j.out"),
+                        "--export", "ALL", str(REPO / "sbatch/train.sbatch")], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert p.returncode == 0, p.stderr
+    job = p.stdout.strip().split(";")[0]
+    log = run_dir / f"train-{job}.out"
+
+    def output() -> str:
+        return log.read_text(errors="replace")[-6000:] if log.exists() else "(no output yet)"
+
+    try:
+        _wait_gone(job, env, 600, output)
+    finally:
+        subprocess.run(["scancel", job], env=env, timeout=30)
+    rep = json.loads((run_dir / "report.json").read_text())
+    assert rep["steps"] == 3 and rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0, output()
+    assert json.loads((run_dir / "config.json").read_text())["trainer"]["backend"] == "megatron"
+    layouts = [json.loads(x)["msg"] for x in (run_dir / "logs" / "trainer.jsonl").read_text().splitlines()
+               if "Megatron backend" in x]
+    assert layouts and all("world 2 = TP 2 x PP 1 x DP 1 (this is rank 0)" in m for m in layouts), (layouts, output())
