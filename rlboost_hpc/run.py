@@ -295,7 +295,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
             for step in range(start_step, cfg.trainer.steps):
                 m = trainer.run_step(step)
                 t_after = time.monotonic()  # the step's own bookkeeping and checkpoint: part of its timeline
-                st = client.stats()
+                st = trainer.last_stats  # taken at the end of the step, after its version change
                 m.update(t_s=time.monotonic() - t_start, ts=round(time.time(), 3),
                          live_preemptible=st["live_preemptible"], routable_preemptible=st["routable_preemptible"],
                          cluster_live=cluster.live() if cluster else st["live_preemptible"])

@@ -149,6 +149,8 @@ class Request:
 
 #: The counter of each kind of warned end (``Deregister.cause``): one definition, shared by the report and
 #: Prometheus.
+#: Instance activity is accounted at most this often on the message path (seconds; see _account_activity).
+ACTIVITY_EVERY_S = 0.002
 _LEAVE_COUNTER = {"preempted": "instances_preempted_with_warning", "time_limit": "instances_time_limit",
                   "drained": "instances_drained", "stopped": "instances_drained"}
 
@@ -416,6 +418,7 @@ class ManagerCore:
     def disconnected(self, peer: bytes) -> None:
         """The connection of ``peer`` is closed (the service found it unreachable): a live instance becomes
         suspect at once (invariant 7) — a killed process leaves routing without waiting for its silence."""
+        self._account_activity()
         key = self.by_peer.get(peer)
         inst = self.instances.get(key) if key else None
         if inst is not None and inst.state not in (S.SUSPECT, S.GONE):
@@ -425,6 +428,7 @@ class ManagerCore:
     def on_message(self, peer: bytes, msg: M._Msg) -> None:
         """Apply one decoded message from ``peer``. Unknown peers may only Register or speak as the trainer."""
         now = self.clock()
+        self._account_activity(now, every_s=ACTIVITY_EVERY_S)
         key = self.by_peer.get(peer)
         inst = self.instances.get(key) if key else None
         if inst is not None:
@@ -770,8 +774,15 @@ class ManagerCore:
             return Activity.PULLING
         return Activity.IDLE if inst.state == S.READY else None
 
-    def _account_activity(self) -> None:
-        self.activity.account(self.clock(), ((i.key, self._activity(i)) for i in self.instances.values()))
+    def _account_activity(self, now: float | None = None, *, every_s: float = 0.0) -> None:
+        """Charge the time since the last accounting to what each instance has been doing since then. Called
+        before anything changes an instance or a request (every message, tick, closed connection), so each
+        interval is charged to the state that held during it; ``every_s`` skips calls closer together than that
+        (the token path: the error is then at most ``every_s`` per change)."""
+        now = self.clock() if now is None else now
+        if every_s and self.activity.last_s is not None and now - self.activity.last_s < every_s:
+            return
+        self.activity.account(now, ((i.key, self._activity(i)) for i in self.instances.values()))
 
     def tick(self) -> None:
         """Liveness (invariant 7: silent → suspect; suspect past the expiry → gone), then dispatch queued requests

@@ -142,9 +142,10 @@ class Activity(StrEnum):
 
 @dataclass
 class ActivityClock:
-    """Instance-seconds per :class:`Activity` and the intervals in which at least one instance was busy,
-    accumulated by sampling (:meth:`account`) — the activity seen at a sample is charged for the time since the
-    previous one, so the error is at most one sampling period per change.
+    """Instance-seconds per :class:`Activity` and the intervals in which at least one instance was busy.
+    :meth:`account` charges the time since its previous call to the activities it is given — exact when the owner
+    calls it before every change (then they held over the whole interval), else off by at most the time between
+    calls, per change.
 
     ``generating``: merged ``(start_s, end_s)`` intervals since the last :meth:`take`, at most ``max_intervals``
     (older ones are merged into one when the cap is reached, so the list stays bounded whatever the churn)."""
@@ -179,6 +180,11 @@ class ActivityClock:
                 if len(self.generating) >= self.max_intervals:
                     self.generating[:2] = [(self.generating[0][0], self.generating[1][1])]
                 self.generating.append((last, now))
+
+    @property
+    def last_s(self) -> float | None:
+        """When :meth:`account` was last called (None: never)."""
+        return self._last
 
     def forget(self, key: str) -> None:
         """Drop the per-instance record of an instance that is gone (its seconds stay in the totals)."""

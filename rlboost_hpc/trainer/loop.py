@@ -130,6 +130,8 @@ class RLTrainer:
         self.seen: set[str] = set()
         self.trained_groups: dict[str, int] = {}  # prompt id -> responses trained (the data-frontier check)
         self.taken: list[str] = []
+        self.last_stats: dict | None = None  # the manager's stats taken at the end of the last step
+        self._prompt_ids: dict[str, list[int]] = {}
 
     def state_dict(self) -> dict:
         """Everything of the loop a resume needs, consistent with the last optimizer step: version,
@@ -183,7 +185,9 @@ class RLTrainer:
         self.taken.extend(p.pid for p in prompts)
         specs, by_gid = [], {}
         for g, p in enumerate(prompts):
-            ids = self.task.prompt_ids(p, self.tok)
+            ids = self._prompt_ids.get(p.pid)
+            if ids is None:  # tokenised once per prompt (epochs revisit it)
+                ids = self._prompt_ids[p.pid] = self.task.prompt_ids(p, self.tok)
             gid = f"s{step}g{g}"
             by_gid[gid] = (p, ids)
             specs.append(M.GroupSpec(gid=gid, prompt_ids=ids, n=s.group_size, max_new_tokens=s.max_new_tokens,
@@ -191,7 +195,8 @@ class RLTrainer:
                                      stop_ids=list(self.stop_ids)))
         n_resp = len(specs) * s.group_size
         self.totals.responses_expected += n_resp
-        n_start = self.client.stats()["live_preemptible"] if self.controller else 0
+        # the manager's view at the step boundary: the previous step's closing stats (one round trip less)
+        n_start = (self.last_stats or self.client.stats())["live_preemptible"] if self.controller else 0
         t_seed = self.controller.begin_step(n_start) if self.controller else s.seed_window_s
         self.client.call(M.SubmitStep(step=step, version=self.version, groups=specs))
 
@@ -295,7 +300,7 @@ class RLTrainer:
         phase_s = tl.seconds()
         t_train = phase_s.get(Phase.TRAIN, 0.0) + phase_s.get(Phase.OPTIMIZER, 0.0)
         t_wait = phase_s.get(Phase.REMOTE, 0.0) + phase_s.get(Phase.TAIL, 0.0)
-        st = self.client.stats()
+        st = self.last_stats = self.client.stats()
         activity = st["last_step_activity"]
         generating = [(a, b) for a, b in activity["generating"]]  # manager's clock: CLOCK_MONOTONIC, same host
         policy = {}
