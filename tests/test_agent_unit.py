@@ -10,11 +10,17 @@ from rlboost_hpc.rollout.engines.base import Engine, TokenEvent
 
 
 class _Frames:
+    """Stands in for ManagerLink: records what the agent sends; counts wake-ups (a finished pull wakes the agent)."""
+
     def __init__(self) -> None:
         self.msgs: list = []
+        self.wakes = 0
 
     def send(self, frame: bytes) -> None:
         self.msgs.append(M.decode(frame))
+
+    def wake(self) -> None:
+        self.wakes += 1
 
 
 class _HoldingEngine(Engine):
@@ -86,7 +92,7 @@ def test_first_engine_is_built_on_the_builder_thread_not_the_heartbeat_loop():
         time.sleep(0.01)
     assert a.engine is not None and a.engine.version == 2
     loaded = [m for m in a.link.msgs if isinstance(m, M.WeightsLoaded)]
-    assert [m.version for m in loaded] == [2]
+    assert [m.version for m in loaded] == [2] and a.link.wakes >= 1
 
 
 def test_engine_start_failure_is_reported_as_a_failed_pull():
@@ -135,3 +141,28 @@ def test_a_new_version_announced_during_a_pull_is_pulled_next_and_relay_sources_
     assert calls == [(1, ("tcp://peer",)), (2, ("tcp://other",))]
     loaded = [m for m in a.link.msgs if isinstance(m, M.WeightsLoaded)]
     assert [(m.version, m.checksum) for m in loaded] == [(1, 11), (2, 12)]
+
+
+def test_a_finished_pull_wakes_the_agent_instead_of_waiting_out_its_idle_poll():
+    """Regression (step timeline): the agent noticed a finished weight pull only after its 20 ms idle wait on the
+    link, so the reserved engine started each step ~10 ms late. ``wake`` ends the current or the next wait."""
+    import zmq
+
+    from rlboost_hpc.rollout.agent import ManagerLink
+
+    ctx = zmq.Context()
+    link = ManagerLink(ctx, "tcp://127.0.0.1:9", None, b"wake-test", lambda: b"")
+    try:
+        link.wake()  # before the wait: not lost
+        t0 = time.monotonic()
+        assert link.take(5.0) == [] and time.monotonic() - t0 < 1.0
+        threading.Timer(0.05, link.wake).start()  # during the wait
+        t0 = time.monotonic()
+        link.take(5.0)
+        assert time.monotonic() - t0 < 1.0
+        t0 = time.monotonic()
+        link.take(0.1)  # consumed: the next take waits again
+        assert time.monotonic() - t0 >= 0.09
+    finally:
+        link.close()
+        ctx.term()

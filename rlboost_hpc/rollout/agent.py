@@ -164,6 +164,7 @@ class ManagerLink:
         self.heartbeat_s: float | None = None
         self.last_rx = time.monotonic()
         self._inbox: deque[bytes] = deque()
+        self._woken = False
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._pipe_addr = f"inproc://agent-link-{id(self):x}"
@@ -181,13 +182,22 @@ class ManagerLink:
         self._tx.send(frame)
 
     def take(self, wait_s: float = 0.0) -> list[bytes]:
-        """Every frame received so far (waiting up to ``wait_s`` for one when there is none)."""
+        """Every frame received so far (waiting up to ``wait_s`` for one when there is none, unless
+        :meth:`wake` was called since the last take)."""
         with self._cond:
-            if not self._inbox and wait_s > 0:
+            if not self._inbox and wait_s > 0 and not self._woken:
                 self._cond.wait(wait_s)
+            self._woken = False
             out = list(self._inbox)
             self._inbox.clear()
         return out
+
+    def wake(self) -> None:
+        """End the agent's current (or next) :meth:`take` wait now: something other than a frame is ready
+        (a finished weight pull), so the agent acts on it at once instead of after its idle wait."""
+        with self._cond:
+            self._woken = True
+            self._cond.notify_all()
 
     def _run(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
@@ -371,6 +381,7 @@ class RolloutAgent:
             return version, sd, dict(info, build_s=time.monotonic() - t0), None, eng
 
         self._pull = self._builder.submit(work)
+        self._pull.add_done_callback(lambda _f: self.link.wake())  # load it without waiting out the idle poll
 
     def _weights_step(self) -> None:
         """Start a pull when stale; install a freshly built engine, or load a finished pull once idle."""
