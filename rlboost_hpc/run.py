@@ -225,8 +225,9 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
         start_step, trainer_state, resumes, prior_counts, prior_wall = 0, None, 0, {}, 0.0
         if ckpt is not None:  # model, optimizer, RNG now; the loop's state once the trainer exists
             start_step, trainer_state, run_state = checkpoint.load(ckpt, backend, verified=True, run_keys=(
-                "step_metrics", "before", "resumes", "counts", "train_wall_s"))
-            step_metrics, before, resumes = run_state["step_metrics"], run_state["before"], run_state["resumes"] + 1
+                "metrics_lines", "last_step_metrics", "before", "resumes", "counts", "train_wall_s"))
+            step_metrics = _metrics_before(out_dir, run_state["metrics_lines"]) + [run_state["last_step_metrics"]]
+            before, resumes = run_state["before"], run_state["resumes"] + 1
             prior_counts, prior_wall = run_state["counts"], run_state["train_wall_s"]
         rewards = RewardPool(task, workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s)
         closers.append(rewards.close)
@@ -309,10 +310,12 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
                 step_metrics.append(m)
                 every = cfg.trainer.checkpoint_every
                 if every and ((step + 1) % every == 0 or step + 1 == cfg.trainer.steps):
+                    # the steps before this one are in metrics.jsonl (fsynced before the checkpoint is published):
+                    # a checkpoint holds one step's record, whatever the run's length
                     ckpt_writer.save(step + 1, backend, trainer.state_dict(), {
-                        "step_metrics": step_metrics, "before": before, "resumes": resumes,
-                        "counts": _add_counts(prior_counts, _counts(cluster, st)),
-                        "train_wall_s": prior_wall + time.monotonic() - t_train0})
+                        "metrics_lines": len(step_metrics) - 1, "last_step_metrics": m, "before": before,
+                        "resumes": resumes, "counts": _add_counts(prior_counts, _counts(cluster, st)),
+                        "train_wall_s": prior_wall + time.monotonic() - t_train0}, durable=[RunDir(out_dir).metrics])
                 # (the checkpoint keeps the step as it was before its own save: its phases sum to its wall time too)
                 add_phase(m, Phase.CHECKPOINT, time.monotonic() - t_after)
                 client.send(M.StepTimes(step=step, wall_s=m["wall_s"], phases=m["phase_s"],
@@ -453,6 +456,26 @@ def _counts(cluster, stats: dict) -> dict:
         out = {"preemptions_warned": stats["instances_preempted_with_warning"], "kills": stats["instances_lost"],
                "starts": max(0, stats["registrations"] - 1), "stalls": 0, "link_resets": 0}
     return {**out, **{k: stats[k] for k in _COUNTS[_CLUSTER_COUNTS:]}}
+
+
+def _metrics_before(out_dir: Path, n: int) -> list[dict]:
+    """The step records a checkpoint covers besides its own last one: the first ``n`` lines of ``metrics.jsonl``
+    (fsynced before the checkpoint was published). Fewer (the file was lost or truncated by hand) is logged and the
+    run goes on with what is there: step records are observability, not training state."""
+    out: list[dict] = []
+    try:
+        lines = RunDir(out_dir).metrics.read_text().splitlines()[:n]
+    except OSError:
+        lines = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            break
+    if len(out) < n:
+        log.warning("%s holds %d of the %d step records before the checkpoint; the report and plot cover those",
+                    RunDir(out_dir).metrics, len(out), n)
+    return out
 
 
 def _settle(writer) -> None:

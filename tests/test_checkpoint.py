@@ -265,3 +265,21 @@ def test_rerunning_a_finished_run_reports_the_same_totals(repo_root, tmp_path):
     a, b = reps
     assert b["resumes"] == 1 and b["steps"] == a["steps"] == 2 and b["responses_trained"] == a["responses_trained"]
     assert b["throughput_tokens_per_s"] == pytest.approx(a["throughput_tokens_per_s"], rel=0.5)
+    # a checkpoint holds its own step's record only (it held every step's: O(steps) per checkpoint); the earlier
+    # records come back from metrics.jsonl, fsynced before the checkpoint was published
+    run_state = json.loads((checkpoint.latest(tmp_path / "r") / "trainer.json").read_text())["run"]
+    assert "step_metrics" not in run_state and run_state["metrics_lines"] == 1
+    assert run_state["last_step_metrics"]["step"] == 1
+    steps = [json.loads(x)["step"] for x in (tmp_path / "r/metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1]
+
+
+def test_step_records_before_a_checkpoint_come_from_metrics_jsonl_and_a_short_file_is_not_fatal(tmp_path, caplog):
+    from rlboost_hpc.run import _metrics_before
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": i}) + "\n" for i in range(5)))
+    assert [m["step"] for m in _metrics_before(tmp_path, 3)] == [0, 1, 2]  # later lines: steps after the checkpoint
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1, "tor')  # truncated by hand
+    with caplog.at_level("WARNING"):
+        assert [m["step"] for m in _metrics_before(tmp_path, 3)] == [0]
+    assert "holds 1 of the 3 step records" in caplog.text

@@ -31,7 +31,7 @@ import random
 import shutil
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -95,6 +95,14 @@ def _set_rng_state(st: dict[str, Any]) -> None:
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save(run_dir: str | os.PathLike, step: int, backend, trainer_state: dict[str, Any], run_state: dict[str, Any],
          keep: int = 2) -> Path:
     """Write the checkpoint taken after ``step`` completed steps; keep the newest ``keep``. Returns its path."""
@@ -120,9 +128,11 @@ class CheckpointWriter:
         self._error: BaseException | None = None
         self._last: Path | None = None
 
-    def save(self, step: int, backend, trainer_state: dict[str, Any], run_state: dict[str, Any]) -> None:
+    def save(self, step: int, backend, trainer_state: dict[str, Any], run_state: dict[str, Any],
+             durable: Sequence[Path] = ()) -> None:
         """Capture the checkpoint of ``step`` completed steps now; it is written before the next :meth:`save`
-        returns or :meth:`wait` returns.
+        returns or :meth:`wait` returns. ``durable``: files (e.g. ``metrics.jsonl``) fsynced, as far as they were
+        flushed now, before the checkpoint is published — the checkpoint may then refer to their contents.
 
         Raises:
             CheckpointError: the loop state is not JSON; the previous checkpoint failed (its error).
@@ -142,6 +152,8 @@ class CheckpointWriter:
 
         def write() -> None:
             try:
+                for path in durable:
+                    _fsync_file(path)
                 write_backend()
                 self._last = self._publish(step, name, tmp, text)
             except BaseException as e:  # noqa: BLE001 - re-raised by wait()
@@ -180,11 +192,7 @@ class CheckpointWriter:
         _fsync_dir(root)
         ptr = root / f"{LATEST}.tmp"
         ptr.write_text(name + "\n")
-        fd = os.open(ptr, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_file(ptr)
         os.replace(ptr, root / LATEST)
         _fsync_dir(root)
         done = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
