@@ -126,26 +126,27 @@ class ManagerMetrics(SnapshotCollector):
                          s.get("pull_seconds", []))
         yield _histogram("rlboost_step_duration_seconds", "RL steps by wall time", run, STEP_BUCKETS_S,
                          s.get("step_seconds", []))
-        ph = CounterMetricFamily("rlboost_step_phase_seconds", "trainer step wall time by phase (parts of the "
-                                 "steps' wall time)", labels=["run", "phase"])
-        for phase, sec in sorted(s.get("step_phase_s", {}).items()):
-            ph.add_metric([self.run_id, phase], sec)
-        yield ph
+        yield self._counter_by("rlboost_step_phase_seconds", "trainer step wall time by phase (parts of the steps' "
+                               "wall time)", "phase", s.get("step_phase_s", {}))
         fo = CounterMetricFamily("rlboost_step_fixed_overhead_seconds", "step wall time in which no engine "
                                  "generated and the trainer did not compute", labels=["run"])
         fo.add_metric(run, float(s.get("step_fixed_overhead_s", 0.0)))
         yield fo
-        act = CounterMetricFamily("rlboost_rollout_instance_seconds", "instance-seconds of all rollout instances by "
-                                  "activity (busy, idle, pulling)", labels=["run", "activity"])
-        for a, sec in sorted(s.get("instance_activity_s", {}).items()):
-            act.add_metric([self.run_id, a], sec)
-        yield act
+        yield self._counter_by("rlboost_rollout_instance_seconds", "instance-seconds of all rollout instances by "
+                               "activity (busy, idle, pulling)", "activity", s.get("instance_activity_s", {}))
         per = CounterMetricFamily("rlboost_instance_activity_seconds", "seconds per live rollout instance by "
                                   "activity (busy, idle, pulling)", labels=["run", "rollout_instance", "activity"])
         for key, i in s["instances"].items():
             for a, sec in sorted(i.get("activity_s", {}).items()):
                 per.add_metric([self.run_id, key, a], sec)
         yield per
+
+
+    def _counter_by(self, name: str, doc: str, label: str, values: dict[str, float]) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=["run", label])
+        for key, val in sorted(values.items()):
+            c.add_metric([self.run_id, key], val)
+        return c
 
 
 def _histogram(name: str, doc: str, labels: list[str], bounds: tuple[float, ...], values: list[float]):
