@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", default="runs/latest", help="output directory for report.json, metrics.jsonl, run.png")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="dotted override, e.g. --set trainer.steps=10 (repeatable)")
-    r.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+    r.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    help="level of the JSON log lines (trainer and manager), always appended to <out>/logs/; on stderr "
                         "too unless a progress bar owns the terminal")
     r.add_argument("--no-progress", action="store_true",

@@ -211,7 +211,8 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
         t_export = time.monotonic() - t0
         man = server.publish(version, exported, dtype=wdtype)
         delta = server.delta_nbytes(version)
-        d = {"publish_s": time.monotonic() - t0, "export_s": t_export, "weight_bytes": int(man.total_bytes), "weight_checksum": man.checksum,
+        d = {"publish_s": time.monotonic() - t0, "export_s": t_export, "weight_bytes": int(man.total_bytes),
+             "weight_checksum": man.checksum,
              "weight_update_bytes": int(man.total_bytes if delta is None else delta)}
         publishes.append(d)
         return d

@@ -216,8 +216,8 @@ def spawn_manager(params: dict, bind: str = "tcp://127.0.0.1:0", timeout_s: floa
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=run_manager_process, args=(bind, params, child, keys_dir, metrics_host, journal_path, run_id,
-                                                             current_sink()),
+    proc = ctx.Process(target=run_manager_process,
+                       args=(bind, params, child, keys_dir, metrics_host, journal_path, run_id, current_sink()),
                        name="rlboost-manager", daemon=True)
     proc.start()
     child.close()

@@ -265,6 +265,7 @@ class RLTrainer:
         t_seed_actual = self.clock() - t0
         tl.enter(Phase.HANDOFF)
         close = self.client.call(M.CloseSeeding(step=step))
+        tl.enter(Phase.REMOTE)
         while True:
             if len(ready) >= s.micro_batch or (n_groups == len(specs) and ready):
                 batch, ready[:] = ready[: s.micro_batch], ready[s.micro_batch:]
