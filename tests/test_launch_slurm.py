@@ -30,22 +30,29 @@ def test_a_trainer_submitted_with_submitit_is_requeued_mid_run_and_resumes_losin
     from rlboost_hpc.rundir import RunDir
     from rlboost_hpc.trainer.checkpoint import latest_step
 
+    import os
+
     for k, v in ensure_local_slurm().items():
         monkeypatch.setenv(k, v)
     out = tmp_path / "run"
     job = submit_run(REPO / "configs/local.toml", out, partition="train", timeout_min=30, cpus_per_task=1,
                      overrides=["trainer.steps=40", "trainer.export_model=false"])
-    deadline = time.monotonic() + 300
-    while latest_step(out) < 3:
-        assert time.monotonic() < deadline and not job.done(), f"no checkpoint of step 3:\n{_job_output(out)}"
-        time.sleep(0.5)
-    p = subprocess.run(["scontrol", "requeue", str(job.job_id)], capture_output=True, text=True, timeout=30)
-    assert p.returncode == 0, p.stderr
-    deadline = time.monotonic() + 600
-    while not job.done():
-        assert time.monotonic() < deadline, f"the requeued run did not finish:\n{_job_output(out)}"
-        time.sleep(2.0)
-    rep = job.result()
+    try:
+        deadline = time.monotonic() + 300
+        while latest_step(out) < 3:
+            assert time.monotonic() < deadline and not job.done(), f"no checkpoint of step 3:\n{_job_output(out)}"
+            time.sleep(0.5)
+        p = subprocess.run(["scontrol", "requeue", str(job.job_id)], capture_output=True, text=True, timeout=30)
+        assert p.returncode == 0, p.stderr
+        deadline = time.monotonic() + 600
+        while not job.done():
+            assert time.monotonic() < deadline, f"the requeued run did not finish:\n{_job_output(out)}"
+            time.sleep(2.0)
+        rep = job.result()
+        # the result file is written just before the job's processes exit: wait for Slurm to see it end
+        _wait_gone(str(job.job_id), dict(os.environ), 120, lambda: _job_output(out))
+    finally:
+        subprocess.run(["scancel", str(job.job_id)], capture_output=True, timeout=30)
     assert rep == json.loads(RunDir(out).report.read_text())
     assert rep["steps"] == 40 and rep["resumes"] >= 1 and rep["resumed_from_step"] >= 3, _job_output(out)
     assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0
