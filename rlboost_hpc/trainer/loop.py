@@ -266,6 +266,7 @@ class RLTrainer:
         tl.enter(Phase.HANDOFF)
         close = self.client.call(M.CloseSeeding(step=step))
         tl.enter(Phase.REMOTE)
+        t_wait = 0.0
         while True:
             if len(ready) >= s.micro_batch or (n_groups == len(specs) and ready):
                 batch, ready[:] = ready[: s.micro_batch], ready[s.micro_batch:]
@@ -279,8 +280,10 @@ class RLTrainer:
             if n_groups == len(specs):
                 break
             tl.enter(Phase.TAIL if n_groups >= TAIL_FRACTION * len(specs) else Phase.REMOTE)
-            left = deadline - self.clock()
+            tw = self.clock()
+            left = deadline - tw
             ev = self.client.next_event(min(left, 5.0)) if left > 0 else None
+            t_wait += self.clock() - tw  # the controller's t_wait_train: the wait itself, not the groups' decoding
             if ev is None:
                 if self.clock() >= deadline:
                     st = self.client.stats()
@@ -300,7 +303,6 @@ class RLTrainer:
         tl.enter(Phase.POLICY)
         phase_s = tl.seconds()
         t_train = phase_s.get(Phase.TRAIN, 0.0) + phase_s.get(Phase.OPTIMIZER, 0.0)
-        t_wait = phase_s.get(Phase.REMOTE, 0.0) + phase_s.get(Phase.TAIL, 0.0)
         st = self.last_stats = self.client.stats()
         activity = st["last_step_activity"]
         generating = [(a, b) for a, b in activity["generating"]]  # manager's clock: CLOCK_MONOTONIC, same host
