@@ -29,7 +29,7 @@ from rlboost_hpc.tasks.reward_pool import RewardPool
 from rlboost_hpc.observe.timeline import Phase, add_phase, summarize
 from rlboost_hpc.cluster.capacity import available_from_scavenger, reserved_instances
 from rlboost_hpc.procutil import reclaim_leftovers
-from rlboost_hpc.rundir import RunDir, advertised, write_endpoints, write_file_sd, write_target
+from rlboost_hpc.rundir import RunDir, advertised, read_jsonl, write_endpoints, write_file_sd, write_target
 
 log = logging.getLogger("rlboost.run")
 
@@ -463,16 +463,7 @@ def _metrics_before(out_dir: Path, n: int) -> list[dict]:
     """The step records a checkpoint covers besides its own last one: the first ``n`` lines of ``metrics.jsonl``
     (fsynced before the checkpoint was published). Fewer (the file was lost or truncated by hand) is logged and the
     run goes on with what is there: step records are observability, not training state."""
-    out: list[dict] = []
-    try:
-        lines = RunDir(out_dir).metrics.read_text().splitlines()[:n]
-    except OSError:
-        lines = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            break
+    out = read_jsonl(RunDir(out_dir).metrics)[:n]
     if len(out) < n:
         log.warning("%s holds %d of the %d step records before the checkpoint; the report and plot cover those",
                     RunDir(out_dir).metrics, len(out), n)

@@ -147,10 +147,10 @@ class Request:
         )
 
 
-#: The counter of each kind of warned end (``Deregister.cause``): one definition, shared by the report and
-#: Prometheus.
 #: Instance activity is accounted at most this often on the message path (seconds; see _account_activity).
 ACTIVITY_EVERY_S = 0.002
+#: The counter of each kind of warned end (``Deregister.cause``): one definition, shared by the report and
+#: Prometheus.
 _LEAVE_COUNTER = {"preempted": "instances_preempted_with_warning", "time_limit": "instances_time_limit",
                   "drained": "instances_drained", "stopped": "instances_drained"}
 
@@ -219,7 +219,7 @@ class ManagerCore:
         self.step_remote: dict[str, _StepWork] = {}
         self.step_rollout_done_at: float | None = None
         self.last_step_remote: dict = {"t_remote_s": 0.0, "t_wait_remote_s": 0.0, "n_remote": 0, "tokens": 0}
-        # instance-seconds busy / idle / pulling, and when some engine was generating (sampled at every tick)
+        # instance-seconds busy / idle / pulling, and when some engine was generating (accounted before every change)
         self.activity = ActivityClock()
         self.last_step_activity: dict = self.activity.take()
         # the trainer's step timeline (StepTimes): wall time per step, seconds per phase and fixed overhead, summed

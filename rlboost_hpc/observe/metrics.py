@@ -141,7 +141,6 @@ class ManagerMetrics(SnapshotCollector):
                 per.add_metric([self.run_id, key, a], sec)
         yield per
 
-
     def _counter_by(self, name: str, doc: str, label: str, values: dict[str, float]) -> CounterMetricFamily:
         c = CounterMetricFamily(name, doc, labels=["run", label])
         for key, val in sorted(values.items()):
@@ -149,10 +148,10 @@ class ManagerMetrics(SnapshotCollector):
         return c
 
 
-def _histogram(name: str, doc: str, labels: list[str], bounds: tuple[float, ...], values: list[float]):
+def _histogram(name: str, doc: str, run: list[str], bounds: tuple[float, ...], values: list[float]):
     h = HistogramMetricFamily(name, doc, labels=["run"])
     buckets = [(repr(b), sum(1 for x in values if x <= b)) for b in bounds] + [("+Inf", len(values))]
-    h.add_metric(labels, buckets, float(sum(values)))
+    h.add_metric(run, buckets, float(sum(values)))
     return h
 
 

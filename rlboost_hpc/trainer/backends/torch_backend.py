@@ -112,9 +112,7 @@ class TorchBackend(TrainerBackend):
     def save_checkpoint(self, path: str | os.PathLike, extra_state: Mapping | None = None) -> None:
         """Model (fp32), AdamW state and torch's RNG into ``path/torch_backend.pt`` (directory created). The
         reference policy is not saved: it is the initial weights the backend is constructed with."""
-        Path(path).mkdir(parents=True, exist_ok=True)
-        torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "rng": torch.get_rng_state(),
-                    "extra": dict(extra_state or {})}, Path(path) / "torch_backend.pt")
+        _write_checkpoint(self._checkpoint_state(extra_state), path)
 
     def checkpoint_writer(self, path: str | os.PathLike) -> Callable[[], None]:
         """Copy model, AdamW state and RNG now (host memory: the model's fp32 bytes plus the optimizer's two
@@ -128,13 +126,12 @@ class TorchBackend(TrainerBackend):
                 return type(x)(copy(v) for v in x)
             return x
 
-        state = {"model": copy(self.model.state_dict()), "opt": copy(self.opt.state_dict()),
-                 "rng": torch.get_rng_state(), "extra": {}}
+        state = copy(self._checkpoint_state())
+        return lambda: _write_checkpoint(state, path)
 
-        def write() -> None:
-            Path(path).mkdir(parents=True, exist_ok=True)
-            torch.save(state, Path(path) / "torch_backend.pt")
-        return write
+    def _checkpoint_state(self, extra_state: Mapping | None = None) -> dict:
+        return {"model": self.model.state_dict(), "opt": self.opt.state_dict(), "rng": torch.get_rng_state(),
+                "extra": dict(extra_state or {})}
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
         """Restore :meth:`save_checkpoint`; returns its ``extra_state``."""
@@ -152,3 +149,9 @@ class TorchBackend(TrainerBackend):
         ids, att, rmask, plens = pack(batch)
         logp = self._logp(model, ids, att)
         return [logp[i, p - 1 : p - 1 + len(s.response_ids)].cpu() for i, (s, p) in enumerate(zip(batch, plens))]
+
+
+def _write_checkpoint(state: dict, path: str | os.PathLike) -> None:
+    """The one format of a torch-backend checkpoint: ``state`` into ``path/torch_backend.pt`` (directory created)."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    torch.save(state, Path(path) / "torch_backend.pt")
