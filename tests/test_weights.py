@@ -30,6 +30,7 @@ from rlboost_hpc.protocol.weight_msgs import (
     GetManifest,
     Manifest,
     TensorSpec,
+    TensorTable,
     combine_checksums,
     decode_reply,
     decode_request,
@@ -110,7 +111,7 @@ def test_round_trip_exact(server, dtype, streams, window):
     # deterministic layout: tensors in sorted-name order, views of one buffer
     assert list(got.state_dict) == sorted(sd)
     base = got.buffer.data_ptr()
-    for t, spec in zip(got.state_dict.values(), m.tensors):
+    for t, spec in zip(got.state_dict.values(), m.tensors.specs()):
         if t.numel():
             assert t.data_ptr() == base + spec.offset
 
@@ -254,7 +255,7 @@ def _fake_holder(manifest_frame: bytes | None):
 def test_stalled_transfer_times_out():
     """Holder agrees on the manifest and then sends nothing: the transfer phase has its own deadline."""
     digests = [1, 2]
-    m = Manifest(version=4, total_bytes=CHUNK + 10, chunk_bytes=CHUNK, tensors=[],
+    m = Manifest(version=4, total_bytes=CHUNK + 10, chunk_bytes=CHUNK, tensors=TensorTable.from_specs([]),
                  chunk_checksums=digests, checksum=combine_checksums(digests))
     endpoint, close = _fake_holder(encode(m))
     try:
@@ -271,7 +272,7 @@ def test_stalled_transfer_times_out():
 
 def test_overall_deadline():
     digests = [1]
-    m = Manifest(version=4, total_bytes=10, chunk_bytes=CHUNK, tensors=[],
+    m = Manifest(version=4, total_bytes=10, chunk_bytes=CHUNK, tensors=TensorTable.from_specs([]),
                  chunk_checksums=digests, checksum=combine_checksums(digests))
     endpoint, close = _fake_holder(encode(m))
     try:
@@ -285,7 +286,7 @@ def test_overall_deadline():
 def test_invalid_manifest_from_holder_is_rejected():
     digests = [1]
     bad = Manifest(version=1, total_bytes=16, chunk_bytes=CHUNK,
-                   tensors=[TensorSpec("w", "float32", (8,), 0, 32)],  # outside the buffer
+                   tensors=TensorTable.from_specs([TensorSpec("w", "float32", (8,), 0, 32)]),  # outside the buffer
                    chunk_checksums=digests, checksum=combine_checksums(digests))
     endpoint, close = _fake_holder(encode(bad))
     try:
@@ -513,17 +514,32 @@ def test_decoders_raise_protocol_error_only():
 def test_validate_manifest_catches_inconsistencies():
     d = [7, 8]
     ok = Manifest(version=1, total_bytes=CHUNK + 4, chunk_bytes=CHUNK,
-                  tensors=[TensorSpec("a", "bfloat16", (2, 3), 0, 12), TensorSpec("b", "int64", (), 64, 8)],
+                  tensors=TensorTable.from_specs([TensorSpec("a", "bfloat16", (2, 3), 0, 12),
+                                                  TensorSpec("b", "int64", (), 64, 8)]),
                   chunk_checksums=d, checksum=combine_checksums(d))
     validate_manifest(ok)
+    assert ok.tensors.specs() == [TensorSpec("a", "bfloat16", (2, 3), 0, 12), TensorSpec("b", "int64", (), 64, 8)]
+
+    def table(*specs):
+        return msgspec.structs.replace(ok, tensors=TensorTable.from_specs(list(specs)))
+
+    def columns(**kw):
+        return msgspec.structs.replace(ok, tensors=msgspec.structs.replace(ok.tensors, **kw))
+
     bad = [
         msgspec.structs.replace(ok, chunk_checksums=[7]),
         msgspec.structs.replace(ok, checksum=ok.checksum ^ 1),
-        msgspec.structs.replace(ok, tensors=[TensorSpec("a", "complex64", (1,), 0, 8)]),
-        msgspec.structs.replace(ok, tensors=[TensorSpec("a", "float32", (2,), 0, 4)]),
-        msgspec.structs.replace(ok, tensors=[TensorSpec("a", "float32", (1,), 2, 4)]),
-        msgspec.structs.replace(ok, tensors=[TensorSpec("a", "uint8", (1,), CHUNK + 4, 1)]),
-        msgspec.structs.replace(ok, tensors=[TensorSpec("a", "uint8", (1,), 0, 1)] * 2),
+        table(TensorSpec("a", "complex64", (1,), 0, 8)),
+        table(TensorSpec("a", "float32", (1,), 2, 4)),  # misaligned
+        table(TensorSpec("a", "uint8", (1,), CHUNK + 4, 1)),  # outside the buffer
+        table(TensorSpec("a", "uint8", (1,), 0, 1), TensorSpec("a", "uint8", (1,), 0, 1)),  # twice
+        table(TensorSpec("a", "uint8", (-1,), 0, 1)),  # negative dimension
+        table(TensorSpec("a", "uint8", (1 << 30, 1 << 30, 1 << 30), 0, 1)),  # astronomically large
+        columns(ndim=bytes([17, 0])),  # more dimensions than the shape matrix has
+        columns(dtype_index=bytes([0, 9])),  # no such dtype
+        columns(offsets=ok.tensors.offsets[:8]),  # column shorter than the names
+        columns(shapes=ok.tensors.shapes[:-8]),  # ragged shape matrix
+        columns(shapes=(2).to_bytes(8, "little") * 2 + (3).to_bytes(8, "little") * 2),  # padding of a scalar is 3
     ]
     for m in bad:
         with pytest.raises(ProtocolError):

@@ -20,20 +20,21 @@ Invariants:
   (checked before parsing), malformed msgpack, truncated input, huge declared lengths, unknown tags,
   messages of the other direction, wrong field types and out-of-range values.
 - A :class:`Manifest` that passes :func:`validate_manifest` describes a buffer that can be allocated
-  and viewed without any out-of-bounds access: every tensor lies inside ``total_bytes``, its ``nbytes``
-  equals ``prod(shape) * itemsize(dtype)``, its offset is aligned to its item size, and there is one
-  checksum per chunk of ``chunk_bytes`` (the last one possibly shorter).
+  and viewed without any out-of-bounds access: every tensor (``prod(shape) * itemsize(dtype)`` bytes,
+  derived from its shape, never carried) lies inside ``total_bytes``, its offset is aligned to its item size,
+  names are unique, and there is one checksum per chunk of ``chunk_bytes`` (the last one possibly shorter).
 - Checksums are xxh3_64 (seed 0). ``Manifest.checksum`` is xxh3_64 of the concatenated per-chunk digests,
   each as 8 little-endian bytes (:func:`combine_checksums`); a puller recomputes it from the digests of
   the bytes it actually received, so it vouches for the whole version without a second pass.
 """
 from __future__ import annotations
 
-import math
 import struct
+from dataclasses import dataclass
 from typing import Annotated, Final, Union
 
 import msgspec
+import numpy as np
 import xxhash
 from msgspec import Meta, Struct
 
@@ -48,6 +49,12 @@ __all__ = [
     "GetManifest",
     "Manifest",
     "TensorSpec",
+    "TensorTable",
+    "TableArrays",
+    "table_arrays",
+    "validate_table",
+    "MAX_NDIM",
+    "MAX_TENSOR_BYTES",
     "DTYPE_ITEMSIZE",
     "MAX_REQUEST_BYTES",
     "MAX_HEADER_BYTES",
@@ -107,17 +114,158 @@ class _Msg(Struct, tag_field="t", frozen=True, forbid_unknown_fields=True):
 
 
 class TensorSpec(Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
-    """Placement of one tensor in a version's flat buffer.
+    """Placement of one tensor in a version's flat buffer (one row of a :class:`TensorTable`).
 
     name: state-dict key. dtype: torch dtype name without ``torch.`` (a key of :data:`DTYPE_ITEMSIZE`).
     shape: tensor shape. offset: byte offset in the buffer. nbytes: ``prod(shape) * itemsize`` bytes.
     """
 
-    name: Annotated[str, Meta(max_length=4096)]
-    dtype: Annotated[str, Meta(max_length=32)]
-    shape: tuple[NonNeg, ...]
-    offset: NonNeg
-    nbytes: NonNeg
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+#: Most dimensions a tensor of a manifest may have.
+MAX_NDIM: Final = 16
+#: Largest tensor a manifest may describe (bytes); keeps every size computation exact in int64 and float64.
+MAX_TENSOR_BYTES: Final = 1 << 52
+
+
+class TensorTable(Struct, frozen=True, forbid_unknown_fields=True):
+    """Placement of every tensor of a version in its flat buffer, one column per field.
+
+    Columnar so that encoding, decoding, validating and comparing a manifest cost per byte, not per tensor
+    (a 10,000-tensor MoE layer list is one msgpack string list plus five binary blobs).
+
+    names: state-dict keys, in buffer order (≤ 4096 characters each). dtypes: the distinct dtype names
+    (keys of :data:`DTYPE_ITEMSIZE`). dtype_index: one uint8 per tensor, an index into ``dtypes``. ndim: one
+    uint8 per tensor (≤ :data:`MAX_NDIM`). shapes: little-endian int64, ``len(names) × width`` row-major
+    (``width = max(ndim)``); row i is tensor i's shape padded with 1s. offsets: little-endian int64 per
+    tensor, the byte offset in the buffer (aligned to the dtype's item size). A tensor's byte size is derived,
+    never carried: ``prod(shape) * itemsize``. Build one with :meth:`from_specs` or
+    :func:`rlboost_hpc.weights.layout.plan`; :func:`table_arrays` reads the columns as numpy arrays.
+    """
+
+    names: list[Annotated[str, Meta(max_length=4096)]]
+    dtypes: list[Annotated[str, Meta(max_length=32)]]
+    dtype_index: bytes
+    ndim: bytes
+    shapes: bytes
+    offsets: bytes
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    @classmethod
+    def from_specs(cls, specs: "list[TensorSpec] | tuple[TensorSpec, ...]") -> "TensorTable":
+        """The table of ``specs`` (in that order; each spec's ``nbytes`` is not stored, it follows from its
+        shape and dtype). Raises ValueError for a shape of more than :data:`MAX_NDIM` dimensions."""
+        dtypes: list[str] = []
+        index: dict[str, int] = {}
+        for s in specs:
+            if s.dtype not in index:
+                index[s.dtype] = len(dtypes)
+                dtypes.append(s.dtype)
+        if any(len(s.shape) > MAX_NDIM for s in specs):
+            raise ValueError(f"a tensor has more than {MAX_NDIM} dimensions")
+        width = max((len(s.shape) for s in specs), default=0)
+        shapes = np.ones((len(specs), width), dtype="<i8")
+        for i, s in enumerate(specs):
+            shapes[i, : len(s.shape)] = s.shape
+        return cls(
+            names=[s.name for s in specs],
+            dtypes=dtypes,
+            dtype_index=bytes(index[s.dtype] for s in specs),
+            ndim=bytes(len(s.shape) for s in specs),
+            shapes=shapes.tobytes(),
+            offsets=np.array([s.offset for s in specs], dtype="<i8").tobytes(),
+        )
+
+    def specs(self) -> list[TensorSpec]:
+        """One :class:`TensorSpec` per tensor, in buffer order (per-tensor Python objects: for tests and
+        diagnostics, not for the transfer path). Assumes a table that passed :func:`validate_table`."""
+        a = table_arrays(self)
+        return [TensorSpec(name, self.dtypes[a.dtype_index[i]], tuple(int(d) for d in a.shapes[i, : a.ndim[i]]),
+                           int(a.offsets[i]), int(a.nbytes[i])) for i, name in enumerate(self.names)]
+
+
+@dataclass(frozen=True)
+class TableArrays:
+    """The columns of a :class:`TensorTable` as numpy arrays (each of length n = number of tensors):
+    ``dtype_index`` (uint8), ``ndim`` (uint8), ``shapes`` (int64, n × width), ``offsets`` (int64, bytes),
+    ``itemsize`` (int64, bytes per element), ``numel`` (int64) and ``nbytes`` (int64, bytes)."""
+
+    dtype_index: np.ndarray
+    ndim: np.ndarray
+    shapes: np.ndarray
+    offsets: np.ndarray
+    itemsize: np.ndarray
+    numel: np.ndarray
+    nbytes: np.ndarray
+
+
+def table_arrays(t: TensorTable) -> TableArrays:
+    """Read ``t``'s columns (no per-tensor Python work).
+
+    Raises:
+        ProtocolError: a column's length does not match the number of names, a dtype index is out of range,
+            a dtype is not in :data:`DTYPE_ITEMSIZE`, a dimension is negative or more than :data:`MAX_NDIM`, a
+            padding entry is not 1, or a tensor exceeds :data:`MAX_TENSOR_BYTES`.
+    """
+    n = len(t.names)
+    if len(t.dtype_index) != n or len(t.ndim) != n or len(t.offsets) != 8 * n:
+        raise ProtocolError(f"tensor table of {n} names has columns of {len(t.dtype_index)} dtype indices, "
+                            f"{len(t.ndim)} ndims and {len(t.offsets)} offset bytes", "invalid")
+    for name in t.dtypes:
+        if name not in DTYPE_ITEMSIZE:
+            raise ProtocolError(f"tensor table: unsupported dtype {name!r}", "invalid")
+    dtype_index = np.frombuffer(t.dtype_index, dtype=np.uint8)
+    ndim = np.frombuffer(t.ndim, dtype=np.uint8)
+    offsets = np.frombuffer(t.offsets, dtype="<i8")
+    width = int(ndim.max()) if n else 0
+    if width > MAX_NDIM or len(t.shapes) != 8 * n * width:
+        raise ProtocolError(f"tensor table: {len(t.shapes)} shape bytes for {n} tensors of at most {width} "
+                            f"dimensions (limit {MAX_NDIM})", "invalid")
+    shapes = np.frombuffer(t.shapes, dtype="<i8").reshape(n, width)
+
+    def first(bad: np.ndarray, what: str) -> None:
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ProtocolError(f"manifest tensor {t.names[i]!r}: {what}", "invalid")
+
+    first(dtype_index >= len(t.dtypes), f"dtype index out of range ({len(t.dtypes)} dtypes)")
+    first((shapes < 0).any(axis=1), "negative dimension")
+    first(((shapes != 1) & (np.arange(width) >= ndim[:, None])).any(axis=1), "shape padding is not 1")
+    first(offsets < 0, "negative offset")
+    itemsize = np.array([DTYPE_ITEMSIZE[d] for d in t.dtypes], dtype=np.int64)[dtype_index] if n else \
+        np.zeros(0, dtype=np.int64)
+    approx = shapes.astype(np.float64).prod(axis=1) * itemsize  # exact below 2**53; no int64 overflow
+    first(approx > MAX_TENSOR_BYTES, f"larger than {MAX_TENSOR_BYTES} bytes")
+    numel = shapes.prod(axis=1) if width else np.ones(n, dtype=np.int64)
+    return TableArrays(dtype_index, ndim, shapes, offsets, itemsize, numel, numel * itemsize)
+
+
+def validate_table(t: TensorTable, total_bytes: int) -> TableArrays:
+    """Check that every tensor of ``t`` can be viewed inside a ``total_bytes`` buffer: valid columns
+    (:func:`table_arrays`), offsets aligned to the item size, ``offset + nbytes <= total_bytes``, names unique.
+    Returns the columns. Raises ProtocolError naming the first offending tensor."""
+    a = table_arrays(t)
+
+    def first(bad: np.ndarray, what: str) -> None:
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ProtocolError(f"manifest tensor {t.names[i]!r}: bytes [{a.offsets[i]}, {a.offsets[i] + a.nbytes[i]}) "
+                                f"{what}", "invalid")
+
+    first(a.offsets % np.maximum(a.itemsize, 1) != 0, "misaligned")
+    first(a.offsets + a.nbytes > total_bytes, f"outside the {total_bytes}-byte buffer")
+    if len(set(t.names)) != len(t.names):
+        seen: set[str] = set()
+        dup = next(name for name in t.names if name in seen or seen.add(name))  # type: ignore[func-returns-value]
+        raise ProtocolError(f"manifest tensor {dup!r} appears twice", "invalid")
+    return a
 
 
 class GetManifest(_Msg, tag="get_manifest"):
@@ -161,7 +309,7 @@ class Manifest(_Msg, tag="manifest"):
     version: Version
     total_bytes: NonNeg
     chunk_bytes: Annotated[int, Meta(gt=0, le=_U63)]
-    tensors: list[TensorSpec]
+    tensors: TensorTable
     chunk_checksums: list[U64]
     checksum: U64
     delta: DeltaInfo | None = None
@@ -274,22 +422,4 @@ def validate_manifest(m: Manifest) -> None:
         if m.delta.base_version >= m.version:
             raise ProtocolError(f"manifest of version {m.version}: delta against version {m.delta.base_version}, "
                                 "which is not older", "invalid")
-    seen: set[str] = set()
-    for t in m.tensors:
-        item = DTYPE_ITEMSIZE.get(t.dtype)
-        if item is None:
-            raise ProtocolError(f"manifest tensor {t.name!r}: unsupported dtype {t.dtype!r}", "invalid")
-        if t.name in seen:
-            raise ProtocolError(f"manifest tensor {t.name!r} appears twice", "invalid")
-        seen.add(t.name)
-        if math.prod(t.shape) * item != t.nbytes:
-            raise ProtocolError(
-                f"manifest tensor {t.name!r}: nbytes {t.nbytes} != prod{tuple(t.shape)} * {item}",
-                "invalid",
-            )
-        if t.offset % item or t.offset + t.nbytes > m.total_bytes:
-            raise ProtocolError(
-                f"manifest tensor {t.name!r}: bytes [{t.offset}, {t.offset + t.nbytes}) misaligned or "
-                f"outside the {m.total_bytes}-byte buffer",
-                "invalid",
-            )
+    validate_table(m.tensors, m.total_bytes)

@@ -9,13 +9,13 @@ Invariants:
 """
 from __future__ import annotations
 
-import math
 import mmap
 from typing import Mapping
 
+import numpy as np
 import torch
 
-from rlboost_hpc.protocol.weight_msgs import DTYPE_ITEMSIZE, TensorSpec
+from rlboost_hpc.protocol.weight_msgs import DTYPE_ITEMSIZE, MAX_NDIM, TableArrays, TensorTable, table_arrays
 
 #: Byte alignment of every tensor in the flat buffer.
 ALIGN = 64
@@ -64,58 +64,118 @@ def target_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if dtype is not None and t.is_floating_point() else t.dtype
 
 
-def plan(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> tuple[list[TensorSpec], int]:
+def plan(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> tuple[TensorTable, int]:
     """Place every tensor of ``state_dict`` (sorted by name) in a flat buffer.
 
+    Per-tensor work is one attribute read each (shape, dtype); sizes and offsets are computed with numpy.
+
     Returns:
-        (specs, total_bytes): one :class:`TensorSpec` per tensor, in buffer order, and the buffer size
+        (table, total_bytes): the :class:`TensorTable` of every tensor, in buffer order, and the buffer size
         in bytes (the end of the last tensor; 0 for an empty state dict).
 
     Raises:
-        TypeError: a value is not a tensor. ValueError: a dtype cannot be transferred.
+        TypeError: a value is not a tensor. ValueError: a dtype cannot be transferred, or a tensor has more
+        than :data:`~rlboost_hpc.protocol.weight_msgs.MAX_NDIM` dimensions.
     """
-    specs: list[TensorSpec] = []
-    offset = 0
-    for name in sorted(state_dict):
-        t = state_dict[name]
+    names = sorted(state_dict)
+    tensors = [state_dict[k] for k in names]
+    for k, t in zip(names, tensors):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"state_dict[{name!r}] is a {type(t).__name__}, not a torch.Tensor")
-        dt = target_dtype(t, dtype)
-        dname = dtype_name(dt)
-        nbytes = math.prod(t.shape) * DTYPE_ITEMSIZE[dname]
-        offset = -(-offset // ALIGN) * ALIGN
-        specs.append(TensorSpec(name, dname, tuple(int(s) for s in t.shape), offset, nbytes))
-        offset += nbytes
-    return specs, offset
+            raise TypeError(f"state_dict[{k!r}] is a {type(t).__name__}, not a torch.Tensor")
+    codes: dict[torch.dtype, int] = {}
+    index = bytes([codes.setdefault(target_dtype(t, dtype), len(codes)) for t in tensors])
+    dtypes = [dtype_name(d) for d in codes]
+    shapes = [tuple(t.shape) for t in tensors]
+    ndim = [len(s) for s in shapes]
+    width = max(ndim, default=0)
+    if width > MAX_NDIM:
+        raise ValueError(f"a tensor has more than {MAX_NDIM} dimensions")
+    rows = np.ones((len(names), width), dtype="<i8")
+    for k in set(ndim) - {0}:
+        sel = [i for i, d in enumerate(ndim) if d == k]
+        rows[sel, :k] = np.array([shapes[i] for i in sel], dtype=np.int64)
+    itemsize = np.array([DTYPE_ITEMSIZE[d] for d in dtypes], dtype=np.int64)[np.frombuffer(index, np.uint8)] \
+        if names else np.zeros(0, dtype=np.int64)
+    nbytes = rows.prod(axis=1) * itemsize
+    padded = -(-nbytes // ALIGN) * ALIGN
+    offsets = np.zeros(len(names), dtype="<i8")
+    np.cumsum(padded[:-1], out=offsets[1:])
+    total = int(offsets[-1] + nbytes[-1]) if names else 0
+    table = TensorTable(names=names, dtypes=dtypes, dtype_index=index, ndim=bytes(ndim), shapes=rows.tobytes(),
+                        offsets=offsets.tobytes())
+    return table, total
 
 
-def flatten_into(
-    buffer: torch.Tensor, state_dict: Mapping[str, torch.Tensor], specs: list[TensorSpec]
-) -> None:
-    """Copy (and cast) every tensor into its place in ``buffer`` (uint8, 1-D, ≥ total_bytes).
+def _views(buffer: torch.Tensor, table: TensorTable, a: TableArrays) -> list[torch.Tensor]:
+    """One tensor per row of ``table`` viewing ``buffer`` (uint8, 1-D): a single ``as_strided`` each, strides and
+    element offsets computed with numpy. Expects a table that fits the buffer (``validate_table``)."""
+    bases = []
+    for name in table.dtypes:
+        item = DTYPE_ITEMSIZE[name]
+        if buffer.storage_offset() % item:
+            raise ValueError(f"a buffer at storage offset {buffer.storage_offset()} cannot hold {name} tensors")
+        bases.append(buffer[: buffer.numel() // item * item].view(dtype_from_name(name)))
+    rows = a.shapes
+    strides = np.ones_like(rows)
+    if rows.shape[1] > 1:  # row-major strides; the padding 1s do not change them
+        strides[:, :-1] = np.cumprod(rows[:, :0:-1], axis=1)[:, ::-1]
+    first = [int(bases[g].storage_offset()) for g in range(len(bases))]
+    elem = (a.offsets // np.maximum(a.itemsize, 1)).tolist()
+    return [torch.as_strided(bases[g], row[:k], srow[:k], first[g] + off)
+            for g, k, row, srow, off in zip(a.dtype_index.tolist(), a.ndim.tolist(), rows.tolist(), strides.tolist(), elem)]
 
-    One pass per tensor (cast fused with the copy; a CUDA tensor is copied device→host here).
-    Padding bytes are zeroed.
+
+def _padding(a: TableArrays, total_bytes: int) -> np.ndarray:
+    """Byte indices of a ``total_bytes`` buffer that no tensor of ``a`` covers (tensors in ascending,
+    non-overlapping order, as :func:`plan` places them)."""
+    starts = np.concatenate(([0], a.offsets + a.nbytes))
+    lengths = np.concatenate((a.offsets, [total_bytes])) - starts
+    if np.any(lengths < 0):
+        raise ValueError("tensors overlap or exceed the buffer")
+    keep = lengths > 0
+    starts, lengths = starts[keep], lengths[keep]
+    return np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths) + np.arange(lengths.sum())
+
+
+def flatten_into(buffer: torch.Tensor, state_dict: Mapping[str, torch.Tensor], table: TensorTable) -> None:
+    """Copy (and cast) every tensor into its place in ``buffer`` (uint8, 1-D, ≥ total_bytes); zero the padding.
+
+    Tensors as placed by :func:`plan`. All tensors are copied by one ``torch._foreach_copy_`` (the cast fused
+    with the copy; a CUDA tensor is copied device→host) into views made with one ``as_strided`` each, and the
+    padding is zeroed by one numpy scatter: per tensor, the Python work is one view, not a copy call.
+
+    Raises:
+        ValueError: the table's tensors overlap or exceed the buffer.
     """
-    end = 0
-    for s in specs:
-        if s.offset > end:
-            buffer[end : s.offset].zero_()
-        if s.nbytes:
-            view = buffer[s.offset : s.offset + s.nbytes].view(dtype_from_name(s.dtype)).view(s.shape)
-            view.copy_(state_dict[s.name].detach())
-        end = s.offset + s.nbytes
-    if buffer.numel() > end:
-        buffer[end:].zero_()
+    a = table_arrays(table)
+    total = int((a.offsets + a.nbytes).max()) if len(table) else 0
+    if total > buffer.numel():
+        raise ValueError(f"a buffer of {buffer.numel()} bytes cannot hold the table's {total} bytes")
+    pad = _padding(a, buffer.numel())
+    if len(pad):
+        buffer.numpy()[pad] = 0
+    copy_tensors(_views(buffer, table, a), [state_dict[k] for k in table.names])
 
 
-def tensor_views(buffer: torch.Tensor, specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
-    """Tensors viewing ``buffer`` (uint8, 1-D) according to ``specs``, keyed by name, in buffer order.
+def tensor_views(buffer: torch.Tensor, table: TensorTable) -> dict[str, torch.Tensor]:
+    """Tensors viewing ``buffer`` (uint8, 1-D) according to ``table``, keyed by name, in buffer order.
 
-    Shapes and dtypes are those of the specs; no data is copied.
+    Shapes and dtypes are those of the table; no data is copied. Expects a table that passed
+    :func:`~rlboost_hpc.protocol.weight_msgs.validate_table` for this buffer's size.
     """
-    out: dict[str, torch.Tensor] = {}
-    for s in specs:
-        dt = dtype_from_name(s.dtype)
-        out[s.name] = buffer[s.offset : s.offset + s.nbytes].view(dt).view(s.shape)
-    return out
+    return dict(zip(table.names, _views(buffer, table, table_arrays(table))))
+
+
+def copy_tensors(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for every i (casting; shapes must match), in as few calls as the devices allow:
+    one ``torch._foreach_copy_`` — per-tensor cost is C++ dispatch, not Python. Under ``no_grad``, so
+    parameters that require grad can be either side.
+
+    Raises:
+        ValueError: the lists differ in length. RuntimeError: a shape mismatch (from torch).
+    """
+    if len(dst) != len(src):
+        raise ValueError(f"copy_tensors: {len(dst)} destinations for {len(src)} sources")
+    if dst:
+        with torch.no_grad():
+            torch._foreach_copy_(dst, src)

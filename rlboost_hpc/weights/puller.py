@@ -13,7 +13,8 @@ naming the phase, the endpoint, the version and the cause):
    then the pull fails. Deadlines: no reply on a stream for ``timeout_s`` (stall), and the optional
    overall ``deadline_s``.
 3. ``verify`` — the whole-version checksum is recomputed from the digests of the bytes received.
-4. ``assemble`` — tensors are views of the buffer (no copy).
+4. ``assemble`` — tensors are views of the buffer (no copy); a pull into its base's buffer with the base's layout
+   reuses the base's views (no per-tensor work).
 
 Relay: the manifest always comes from the trainer (``endpoint``); chunks may come from ``peers`` — relay holders
 that serve bytes only — tried in order, each with its own stall deadline (``peer_timeout_s``). A peer that
@@ -330,7 +331,11 @@ class WeightPuller:
             self._check_deadline(deadline)
 
             phase = "assemble"
-            state = layout.tensor_views(buffer, manifest.tensors)
+            if (base is not None and base.manifest is not None and base.manifest.tensors == manifest.tensors
+                    and base.buffer.data_ptr() == buffer.data_ptr() and len(base.state_dict) == len(manifest.tensors)):
+                state = dict(base.state_dict)  # same layout in the same memory: the base's views see the new bytes
+            else:
+                state = layout.tensor_views(buffer, manifest.tensors)
             t4 = time.perf_counter()
             phases["assemble_s"] = t4 - t3
             self._check_deadline(deadline)

@@ -294,16 +294,16 @@ class WeightServer:
                 raise ValueError(
                     f"weight versions must strictly increase: got {version} after {self._last_version}"
                 )
-        specs, total = layout.plan(state_dict, dtype)
+        table, total = layout.plan(state_dict, dtype)
         buffer = layout.host_buffer(total, pin_memory=self._pin)
         if self._copy_threads is None:
-            layout.flatten_into(buffer, state_dict, specs)
+            layout.flatten_into(buffer, state_dict, table)
         else:
             with _COPY_THREADS_LOCK:
                 before = torch.get_num_threads()
                 torch.set_num_threads(self._copy_threads)
                 try:
-                    layout.flatten_into(buffer, state_dict, specs)
+                    layout.flatten_into(buffer, state_dict, table)
                 finally:
                     torch.set_num_threads(before)
         view = memoryview(buffer.numpy()).toreadonly()
@@ -314,7 +314,7 @@ class WeightServer:
             version=version,
             total_bytes=total,
             chunk_bytes=cb,
-            tensors=specs,
+            tensors=table,
             chunk_checksums=digests,
             checksum=combine_checksums(digests),
         )

@@ -44,6 +44,7 @@ from rlboost_hpc.rollout.engines.base import (
     TokenEvent,
     validate_request,
 )
+from rlboost_hpc.weights.layout import copy_tensors
 
 __all__ = ["TorchEngine", "generate_all", "uniform", "uniform_reference", "sample_tokens"]
 
@@ -235,6 +236,7 @@ class TorchEngine(Engine):
         self.model = LlamaModel(config).to(device=self.device, dtype=dtype).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
+        self._tensors = self.model.state_dict(keep_vars=True)  # HF name → the model's own tensor
         self.cache: KVCache = self.model.new_cache(max_batch, max_len)
         self._waiting: deque[_Running] = deque()
         self._running: dict[str, _Running] = {}
@@ -326,12 +328,13 @@ class TorchEngine(Engine):
             validate_state_dict(self.config, state_dict, source="load_weights")
         except ModelFormatError as e:
             raise EngineError(str(e)) from None
-        sd = {k: v.detach().to(device=self.device, dtype=self.dtype) for k, v in state_dict.items()}
-        if self.config.tie_word_embeddings and "lm_head.weight" in sd \
-                and not torch.equal(sd["lm_head.weight"], sd["model.embed_tokens.weight"]):
+        if self.config.tie_word_embeddings and "lm_head.weight" in state_dict \
+                and not torch.equal(state_dict["lm_head.weight"], state_dict["model.embed_tokens.weight"]):
             raise EngineError("load_weights: tied model but lm_head.weight differs from model.embed_tokens.weight")
-        with torch.no_grad():
-            self.model.load_state_dict(sd, strict=True)
+        # names and shapes were checked above: one fused cast-copy into the model's own tensors (a tied head
+        # is the embedding tensor, so copying both names writes the same values twice)
+        names = list(state_dict)
+        copy_tensors([self._tensors[k] for k in names], [state_dict[k] for k in names])
         self.cache.reset()
 
     def _release(self, r: _Running) -> None:

@@ -1,0 +1,123 @@
+"""The flat-buffer layout and its columnar tensor table: exact round trips, zeroed padding, tensor-count-independent
+paths (one copy call, one view per tensor), and a pull into the base's buffer reusing its views."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlboost_hpc.protocol.weight_msgs import TensorTable, table_arrays, validate_table
+from rlboost_hpc.weights import WeightPuller, WeightServer, layout
+
+
+def awkward_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "a.weight": torch.randn(3, 5, generator=g),
+        "b.scalar": torch.tensor(2.5),
+        "c.empty": torch.zeros(0, 4),
+        "d.ids": torch.arange(7, dtype=torch.int64),
+        "e.mask": torch.tensor([True, False, True]),
+        "f.4d": torch.randn(2, 1, 3, 2, generator=g),
+        "g.transposed": torch.randn(4, 6, generator=g).t(),  # not contiguous
+        "h.half": torch.randn(5, generator=g).half(),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, None])
+def test_flatten_then_views_round_trip_exactly_and_padding_is_zero(dtype):
+    sd = awkward_state()
+    table, total = layout.plan(sd, dtype)
+    validate_table(table, total)
+    assert table.names == sorted(sd)
+    dirty = torch.full((total,), 0xAB, dtype=torch.uint8)  # e.g. a pinned buffer: contents undefined
+    layout.flatten_into(dirty, sd, table)
+    fresh = layout.host_buffer(total)
+    layout.flatten_into(fresh, sd, table)
+    assert torch.equal(dirty, fresh)  # padding zeroed: byte-identical to a zero-filled buffer
+    views = layout.tensor_views(dirty, table)
+    for name, t in sd.items():
+        want = t.to(layout.target_dtype(t, dtype))
+        assert views[name].dtype == want.dtype and views[name].shape == want.shape
+        assert torch.equal(views[name], want), name
+        if views[name].numel():
+            assert views[name].data_ptr() == dirty.data_ptr() + int(table_arrays(table).offsets[
+                table.names.index(name)])
+    spec = {s.name: s for s in table.specs()}
+    assert spec["a.weight"].shape == (3, 5) and spec["b.scalar"].shape == () and spec["a.weight"].offset % 64 == 0
+
+
+def test_views_of_a_table_in_another_order():
+    """A holder may order its tensors differently from layout.plan: views still land where the table says."""
+    sd = {"x": torch.arange(4, dtype=torch.int32), "y": torch.arange(3, dtype=torch.int16)}
+    table, total = layout.plan(sd, None)
+    specs = table.specs()
+    swapped = TensorTable.from_specs([specs[1], specs[0]])
+    buf = layout.host_buffer(total)
+    layout.flatten_into(buf, sd, table)
+    views = layout.tensor_views(buf, swapped)
+    assert list(views) == ["y", "x"] and torch.equal(views["x"], sd["x"]) and torch.equal(views["y"], sd["y"])
+
+
+def test_copy_tensors_casts_into_parameters_and_checks_lengths():
+    dst = [torch.nn.Parameter(torch.zeros(2, 3)), torch.zeros(4, dtype=torch.bfloat16)]
+    src = [torch.ones(2, 3, dtype=torch.bfloat16), torch.arange(4.0)]
+    layout.copy_tensors(dst, src)
+    assert torch.equal(dst[0].detach(), torch.ones(2, 3)) and dst[0].grad_fn is None
+    assert torch.equal(dst[1], torch.arange(4.0).bfloat16())
+    with pytest.raises(ValueError, match="2 destinations for 1 sources"):
+        layout.copy_tensors(dst, src[:1])
+    layout.copy_tensors([], [])
+
+
+@pytest.mark.integration
+def test_pull_into_the_base_buffer_reuses_its_views_with_the_new_bytes():
+    with WeightServer(chunk_bytes=4096, delta=False) as srv:
+        srv.publish(1, awkward_state(1))
+        first = WeightPuller(srv.endpoint).pull()
+        views_before = {k: id(v) for k, v in first.state_dict.items()}
+        srv.publish(2, awkward_state(2))
+        second = WeightPuller(srv.endpoint).pull(base=first)
+        assert second.buffer.data_ptr() == first.buffer.data_ptr()  # received into the base's buffer
+        assert {k: id(v) for k, v in second.state_dict.items()} == views_before  # no per-tensor work
+        for name, t in awkward_state(2).items():
+            assert torch.equal(second.state_dict[name], t.to(layout.target_dtype(t, torch.bfloat16))), name
+        # another layout: fresh views, never the base's
+        srv.publish(3, {"only": torch.ones(3)})
+        third = WeightPuller(srv.endpoint).pull(base=second)
+        assert list(third.state_dict) == ["only"] and torch.equal(third.state_dict["only"], torch.ones(3).bfloat16())
+
+
+@pytest.mark.fuzz
+def test_mutated_manifests_are_rejected_or_viewable():
+    """Decoding is total and a manifest that validates can be viewed without out-of-bounds access: random byte
+    flips in an encoded manifest either raise ProtocolError or yield a table whose views fit the buffer."""
+    import random
+
+    import msgspec
+
+    from rlboost_hpc.protocol.errors import ProtocolError
+    from rlboost_hpc.protocol.weight_msgs import Manifest, combine_checksums, decode_reply, encode, num_chunks, \
+        validate_manifest
+
+    table, total = layout.plan(awkward_state(), torch.bfloat16)
+    digests = [i + 1 for i in range(num_chunks(total, 64))]
+    frame = encode(Manifest(version=3, total_bytes=total, chunk_bytes=64, tensors=table, chunk_checksums=digests,
+                            checksum=combine_checksums(digests)))
+    rng = random.Random(0)
+    viewed = 0
+    for _ in range(3000):
+        data = bytearray(frame)
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        try:
+            m = decode_reply(bytes(data))
+            if not isinstance(m, Manifest):
+                continue
+            m = msgspec.structs.replace(m, checksum=combine_checksums(list(m.chunk_checksums)))
+            validate_manifest(m)
+        except ProtocolError:
+            continue
+        views = layout.tensor_views(torch.zeros(m.total_bytes, dtype=torch.uint8), m.tensors)
+        assert len(views) == len(set(m.tensors.names))
+        viewed += 1
+    assert viewed > 0  # some mutations (e.g. of checksum digits) keep the manifest valid
