@@ -57,6 +57,7 @@ def build_parser(prog: str = "rlboost-hpc scavenger") -> argparse.ArgumentParser
     p.add_argument("--failed-job-backoff-s", type=float, help=_help("failed_job_backoff_s"))
     p.add_argument("--metrics-port", type=int, help=_help("metrics_port"))
     p.add_argument("--metrics-host", help=_help("metrics_host"))
+    p.add_argument("--slurm-api", choices=["auto", "cli", "pyslurm"], help=_help("slurm_api"))
     p.add_argument("--spot-price-per-gpu-hour", type=float, help=_help("spot_price_per_gpu_hour"))
     p.add_argument("--on-demand-price-per-gpu-hour", type=float, help=_help("on_demand_price_per_gpu_hour"))
     p.add_argument("--once", action="store_true", help="run one reconciliation, print its result as JSON, exit")
@@ -70,7 +71,7 @@ def build_parser(prog: str = "rlboost-hpc scavenger") -> argparse.ArgumentParser
 _KNOBS = ("partition", "qos", "account", "gpus_per_job", "cpus_per_job", "time_limit", "max_jobs", "grace_s",
           "signal", "requeue", "script", "job_name_prefix", "run_id", "tag", "log_dir", "extra_sbatch_args",
           "poll_s", "command_timeout_s", "max_backoff_s", "max_submit_per_cycle", "failed_job_backoff_s",
-          "metrics_port", "metrics_host", "spot_price_per_gpu_hour", "on_demand_price_per_gpu_hour")
+          "metrics_port", "metrics_host", "slurm_api", "spot_price_per_gpu_hour", "on_demand_price_per_gpu_hour")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -90,7 +91,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     from scavenger.daemon import Scavenger
 
-    daemon = Scavenger(cfg, args.run_dir, script=script)
+    from scavenger.pyslurm_api import PyslurmUnavailable
+
+    try:
+        daemon = Scavenger(cfg, args.run_dir, script=script)
+    except PyslurmUnavailable as e:
+        print(f"rlboost-hpc scavenger: {e} (set slurm_api = 'auto' or 'cli')", file=sys.stderr)
+        return 2
     if args.once:
         res = daemon.reconcile_once()
         out = {"ok": res.ok, "error": res.error, "desired": res.desired, "live": res.live,

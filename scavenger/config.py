@@ -12,7 +12,7 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -59,6 +59,10 @@ class ScavengerConfig(BaseModel):
         "serve Prometheus metrics on this port (0: a free one; the URL goes to RUN_DIR/scavenger-metrics.json); "
         "None: off"))
     metrics_host: str = Field("127.0.0.1", description="address the metrics endpoint binds")
+    slurm_api: Literal["auto", "cli", "pyslurm"] = Field("auto", description=(
+        "how the daemon talks to Slurm: 'cli' (sinfo/squeue/sbatch/scancel, every release ≥ 21.08), 'pyslurm' "
+        "(queries and signals in-process; needs a pyslurm built for the cluster's Slurm release), 'auto' "
+        "(pyslurm when it imports and matches `sinfo --version`, else the CLI)"))
     spot_price_per_gpu_hour: float = Field(0.0, ge=0, description=(
         "price of one harvested (preemptible) GPU-hour, for cost per token (e.g. the cluster's internal charge)"))
     on_demand_price_per_gpu_hour: float = Field(0.0, ge=0, description=(

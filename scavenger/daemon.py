@@ -46,7 +46,8 @@ from typing import Any, Protocol
 from scavenger.config import ScavengerConfig, ScavengerConfigError
 from rlboost_hpc.events import append_event, drain_marker_path, iter_events
 from rlboost_hpc.rundir import TARGET_FILE, CapacityView, RunDir, read_jsonl, write_capacity
-from scavenger.slurm import JobClass, JobInfo, NodeInfo, SlurmClient, SlurmCommandError
+from scavenger.pyslurm_api import slurm_api
+from scavenger.slurm import JobClass, JobInfo, NodeInfo, SlurmCommandError
 
 log = logging.getLogger("scavenger")
 
@@ -178,7 +179,8 @@ class Scavenger:
     """Keeps OUR rollout jobs (tagged ``--comment=<tag>``) at the run's target. See the module docstring.
 
     ``config``: :class:`ScavengerConfig`; ``run_dir``: the run directory (target.json in, events.jsonl out);
-    ``slurm``: a :class:`SlurmAPI` (default: a :class:`SlurmClient` with the configured timeout);
+    ``slurm``: a :class:`SlurmAPI` (default: :func:`scavenger.pyslurm_api.slurm_api` of ``config.slurm_api`` —
+    the CLI client, or pyslurm when configured/available — with the configured timeout);
     ``clock``: ``time()``/``sleep()`` (default: wall clock); ``script``: the sbatch script to submit
     (default: ``config.resolved_script()``, resolved lazily at the first submission).
     """
@@ -188,7 +190,8 @@ class Scavenger:
         self.config = config
         self.run_dir = Path(run_dir).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.slurm: SlurmAPI = slurm if slurm is not None else SlurmClient(timeout_s=config.command_timeout_s)
+        self.slurm: SlurmAPI = slurm if slurm is not None else slurm_api(config.slurm_api,
+                                                                          timeout_s=config.command_timeout_s)
         self.clock: Clock = clock if clock is not None else SystemClock()
         self._script = Path(script) if script is not None else None
         self.tag = config.resolved_tag(self.run_dir)
