@@ -138,6 +138,8 @@ class MegatronBackend(TrainerBackend):
                         distributed_optimizer=distributed_optimizer, recompute=recompute, adam_eps=adam_eps)
         self._server = None
         self._shard_export = shard_export
+        self._position = f"tp{self.layout.tp_rank}-pp{self.layout.pp_rank}"
+        self.gathered_exports = 0  # export_weights() calls that gathered pieces from other ranks
         self.shard_manifest: dict | None = None
         if shard_export:
             self._start_shard_server(shard_bind, shard_advertise_host, shard_replicas, shard_keys)
@@ -430,6 +432,7 @@ class MegatronBackend(TrainerBackend):
         Otherwise every model-parallel rank sends its pieces to rank 0 — a gather, so the scalable path is
         :meth:`publish_shards`."""
         aliases = {"lm_head.weight": "model.embed_tokens.weight"} if self.arch.tie_word_embeddings else None
+        self.gathered_exports += self.layout.world > 1
         if self.layout.world == 1:
             return assemble([p.spec() for p in self.pieces], {p.key: p.tensor for p in self.pieces}, aliases=aliases)
         mine = None
@@ -469,11 +472,14 @@ class MegatronBackend(TrainerBackend):
     def publish_shards(self, version: int) -> dict[str, Any]:
         """Every holder rank publishes its own pieces (cast to ``shard_dtype``) as ``version`` into its own
         ``WeightServer`` — in parallel, no gather. Collective; on rank 0 returns ``{"publish_s": max over
-        holders, "per_rank": [{rank, seconds, bytes}]}``.
+        holders, "bytes", "update_bytes", "checksum", "per_rank": [{rank, position, seconds, bytes, checksum,
+        update_bytes}]}`` (see :meth:`TrainerBackend.publish_shards`).
 
         Raises:
             RuntimeError: the backend was built without ``shard_export=True``.
         """
+        from rlboost_hpc.weights.sharded import version_checksum
+
         if not self._shard_export:
             raise RuntimeError("publish_shards needs MegatronBackend(..., shard_export=True)")
         stat = None
@@ -481,12 +487,33 @@ class MegatronBackend(TrainerBackend):
             t0 = time.perf_counter()
             with compat.scope():
                 man = self._server.publish(version, {p.key: p.tensor for p in self.pieces}, dtype=self.shard_dtype)
-            stat = {"rank": self.layout.rank, "seconds": time.perf_counter() - t0, "bytes": int(man.total_bytes)}
+            delta = self._server.delta_nbytes(version)
+            stat = {"rank": self.layout.rank, "position": self._position, "seconds": time.perf_counter() - t0,
+                    "bytes": int(man.total_bytes), "checksum": int(man.checksum),
+                    "update_bytes": int(man.total_bytes if delta is None else delta)}
         got = self._gather(stat)
         if got is None:
             return {}
         per = [s for s in got if s is not None]
-        return {"publish_s": max((s["seconds"] for s in per), default=0.0), "per_rank": per}
+        first = {s["position"]: s for s in reversed(per)}  # one holder per position (DP replicas are identical)
+        return {"publish_s": max((s["seconds"] for s in per), default=0.0), "per_rank": per,
+                "bytes": sum(s["bytes"] for s in first.values()),
+                "update_bytes": sum(s["update_bytes"] for s in first.values()),
+                "checksum": version_checksum({k: s["checksum"] for k, s in first.items()})}
+
+    @driver.collective
+    def shard_stats(self) -> list[dict]:
+        """Per holder rank: ``{"rank", "position", "bytes_served", "delta_bytes_served", "chunks_served",
+        "publishes"}`` (rank 0; []
+        elsewhere and without shard export). Collective."""
+        stat = None
+        if self._server is not None:
+            st = self._server.stats
+            stat = {"rank": self.layout.rank, "position": self._position, "bytes_served": int(st["bytes_served"]),
+                    "delta_bytes_served": int(st["delta_bytes_served"]), "chunks_served": int(st["chunks_served"]),
+                    "publishes": int(st["publishes"])}
+        got = self._gather(stat)
+        return [s for s in got if s is not None] if got is not None else []
 
     # ------------------------------------------------------------------ checkpoints
     @driver.collective
@@ -522,11 +549,17 @@ class MegatronBackend(TrainerBackend):
         self.ddp = self.ref = self.gpt = self.opt = None  # type: ignore[assignment]
 
 
-def from_run_config(cfg: Any, policy: Any, common: Mapping[str, Any]) -> MegatronBackend:
+def from_run_config(cfg: Any, policy: Any, common: Mapping[str, Any], *, keys: Any = None,
+                    advertise_host: str | None = None) -> MegatronBackend:
     """The trainer backend of a run with ``trainer.backend = "megatron"`` (entry point ``megatron`` of the group
     ``rlboost_hpc.trainer_backends``): Megatron-core with the TP/PP layout ``megatron_bridge.launch`` set up (else
     1), initialised from ``policy`` (``hf_config``, ``state_dict``), ``common`` = the algorithm's keyword arguments
-    (lr, weight decay, grad clip, clip ε, KL β, temperature)."""
-    t = cfg.trainer
+    (lr, weight decay, grad clip, clip ε, KL β, temperature). With TP or PP > 1 and ``weights.sharded``, every
+    holder rank serves its own weight shards (bound on ``network.bind_host``, advertised as ``advertise_host``,
+    CURVE with the run's ``keys``)."""
+    t, w = cfg.trainer, cfg.weights
+    model_parallel = int(os.environ.get(TP_ENV, 1)) * int(os.environ.get(PP_ENV, 1)) > 1
+    shards = dict(shard_export=True, shard_bind=f"tcp://{cfg.network.bind_host}:0", shard_keys=keys,
+                  shard_advertise_host=advertise_host) if w.sharded and model_parallel else {}
     return MegatronBackend(policy.hf_config, policy.state_dict, seed=t.seed, bf16=t.bf16,
-                           distributed_optimizer=t.distributed_optimizer, recompute=t.recompute, **common)
+                           distributed_optimizer=t.distributed_optimizer, recompute=t.recompute, **shards, **common)

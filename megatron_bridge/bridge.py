@@ -41,11 +41,12 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import torch
 
 from megatron_bridge.arch import ModelArch, check_layout, padded_vocab, stage_layers
+from rlboost_hpc.weights.sharded import assemble, check_tiling  # noqa: F401 (re-exported)
 
 __all__ = ["Piece", "hf_to_megatron", "megatron_to_pieces", "assemble", "check_tiling", "hf_shapes",
            "SafetensorsSource", "piece_key"]
@@ -301,66 +302,3 @@ def megatron_to_pieces(local: Mapping[str, torch.Tensor], arch: ModelArch, *, tp
     return pieces
 
 
-def check_tiling(specs: Iterable[Mapping]) -> dict[str, list[Mapping]]:
-    """Group piece specs by HF name (sorted along their split dim) and check that each HF tensor's pieces tile
-    it exactly once along one dim.
-
-    Raises:
-        ValueError: pieces along several dims, a gap, an overlap, or incomplete coverage (named).
-    """
-    by_name: dict[str, list[Mapping]] = {}
-    for s in specs:
-        by_name.setdefault(s["hf_name"], []).append(s)
-    for name, ps in by_name.items():
-        ps.sort(key=lambda s: (s["dim"], s["start"]))
-        full = tuple(ps[0]["full_shape"])
-        dims = {s["dim"] for s in ps}
-        if len(dims) != 1:
-            raise ValueError(f"{name}: pieces split along several dims {sorted(dims)}")
-        dim = dims.pop()
-        pos = 0
-        for s in ps:
-            if s["start"] != pos:
-                raise ValueError(f"{name}: pieces do not tile dim {dim} (gap/overlap at {pos}, next starts at "
-                                 f"{s['start']})")
-            pos = s["stop"]
-        if pos != full[dim]:
-            raise ValueError(f"{name}: pieces cover {pos} of {full[dim]} along dim {dim}")
-    return by_name
-
-
-def assemble(specs: Iterable[Mapping], tensors: Mapping[str, torch.Tensor], *,
-             aliases: Mapping[str, str] | None = None, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """HF-named full tensors from pieces.
-
-    Args:
-        specs: :meth:`Piece.spec` dicts (from any number of holders) covering every HF tensor exactly once.
-        tensors: piece key → received tensor (any shape with the slice's element count).
-        aliases: extra HF names that are copies of another (e.g. ``lm_head.weight`` → embedding when tied);
-            they share the tensor.
-        dtype: cast to this dtype (None keeps the received one).
-
-    A tensor covered by a single piece is returned as a reshaped view of the received tensor (no copy).
-
-    Raises:
-        ValueError: a tensor is not covered exactly (gaps or overlaps), or a piece has the wrong size.
-    """
-    by_name = check_tiling(specs)
-    out: dict[str, torch.Tensor] = {}
-    for name, ps in by_name.items():
-        dim = ps[0]["dim"]
-        parts = []
-        for s in ps:
-            t = tensors[s["key"]]
-            if t.numel() != math.prod(s["slice_shape"]):
-                raise ValueError(f"{name}: piece {s['key']} has {t.numel()} elements, expected "
-                                 f"{math.prod(s['slice_shape'])}")
-            parts.append(t.reshape(s["slice_shape"]))
-        if len(parts) == 1:
-            full_t = parts[0]
-        else:
-            full_t = torch.cat(parts, dim=dim)
-        out[name] = full_t if dtype is None else full_t.to(dtype)
-    for alias, target in (aliases or {}).items():
-        out[alias] = out[target]
-    return out

@@ -171,6 +171,9 @@ class WeightsCfg(_Strict):
         "longest an instance waits for relay capacity before pulling from the trainer anyway"))
     relay_timeout_s: float = Field(5.0, gt=0, description=(
         "a relay peer silent this long is abandoned; the pull resumes from the next source at the chunk it reached"))
+    sharded: bool = Field(True, description=(
+        "with a model-parallel trainer (Megatron TP or PP > 1), every holder rank serves its own pieces and instances "
+        "pull from all of them in parallel (no gather on rank 0); peer relay does not apply to sharded versions"))
 
 
 class TrainerCfg(_Strict):

@@ -141,7 +141,9 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
     from rlboost_hpc.trainer.eval import evaluate, kl_to_reference
     from rlboost_hpc.trainer.loop import RLTrainer, StepSettings
     from rlboost_hpc.weights.puller import WeightPuller
+    from rlboost_hpc.trainer.publisher import WeightPublisher
     from rlboost_hpc.weights.server import WeightServer
+    from rlboost_hpc.weights.sharded import manifest_nbytes
 
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt = _resume_point(cfg, out_dir)
@@ -200,22 +202,16 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
     if t.backend != "torch":  # e.g. megatron: provided by megatron_bridge through an entry point
         from rlboost_hpc.trainer.backends import plugin_backend
 
-        backend = plugin_backend(t.backend)(cfg, policy, common)
+        backend = plugin_backend(t.backend)(cfg, policy, common, keys=keys, advertise_host=host)
     else:
         backend = TorchBackend(arch, policy.state_dict, device=train_device, dtype=train_dtype, **common)
-    publishes: list[dict] = []
-
-    def publish(version: int) -> dict:
-        t0 = time.monotonic()
-        exported = backend.export_weights()
-        t_export = time.monotonic() - t0
-        man = server.publish(version, exported, dtype=wdtype)
-        delta = server.delta_nbytes(version)
-        d = {"publish_s": time.monotonic() - t0, "export_s": t_export, "weight_bytes": int(man.total_bytes),
-             "weight_checksum": man.checksum,
-             "weight_update_bytes": int(man.total_bytes if delta is None else delta)}
-        publishes.append(d)
-        return d
+    w = cfg.weights
+    publisher = WeightPublisher(server, backend, wdtype, client_keys=keys.client_view() if keys else None,
+                                streams=w.streams, window=w.window, timeout_s=w.pull_timeout_s)
+    publishes, publish = publisher.history, publisher.publish
+    if publisher.shards:
+        log.info("weights: every model-parallel rank serves its own shards (%d holders, %.1f MB per version)",
+                 len(publisher.shards["holders"]), manifest_nbytes(publisher.shards) / 1e6)
 
     step_metrics: list[dict] = []
     closers: list = []  # called after the cluster has stopped
@@ -238,20 +234,19 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
         metrics_f.flush()
         version0 = trainer_state["version"] if trainer_state else 0
         client.call(M.TrainerHello(weights_endpoint=weights_endpoint, model_config=policy.hf_config,
-                                   model_arch=arch.to_json()))
+                                   model_arch=arch.to_json(), weights_shards=publisher.shards_json))
         man0 = publish(version0)
         client.call(M.SetVersion(version=version0, checksum=man0["weight_checksum"]))
         if ckpt is None:
-            before = evaluate(arch, server.local_state_dict(0), tok, task, **eval_kw)
+            before = evaluate(arch, publisher.state_dict(version0)[0], tok, task, **eval_kw)
             before.pop("sampled")
         log.info("held-out reward before training: %.3f (greedy %.3f)", before["reward_sampled"], before["reward_greedy"])
 
-        def local_source(_endpoint: str):
+        def local_source(_endpoint: str, _shards: str = ""):
             def pull(version: int):
                 t0 = time.monotonic()
-                return server.local_state_dict(version), {
-                    "checksum": int(server.manifest(version).checksum), "nbytes": int(server.manifest(version).total_bytes),
-                    "pull_s": time.monotonic() - t0}
+                sd, info = publisher.state_dict(version, follow=True)  # the engine copies what it loads
+                return sd, {**info, "pull_s": time.monotonic() - t0}
             return pull
 
         reserved = RolloutAgent(endpoint, "reserved", 0, kind="reserved", max_batch=r.max_batch,
@@ -327,15 +322,18 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
         ckpt_writer.wait()  # the last checkpoint is durable before the run reports
         train_wall = prior_wall + time.monotonic() - t_train0  # training time of every incarnation
         final_stats = client.stats()
-        server_stats = server.stats  # what the trainer sent (the rest of weight_pulled_bytes came from relay peers)
-        after = evaluate(arch, server.local_state_dict(trainer.version), tok, task, **eval_kw)
+        served = publisher.served()  # what the trainer sent (the rest of weight_pulled_bytes came from relay peers)
+        after = evaluate(arch, publisher.state_dict(trainer.version)[0], tok, task, **eval_kw)
         kl = kl_to_reference(backend, after.pop("sampled"))
         model_out = None
         if cfg.trainer.export_model:  # the trained policy as rollout instances receive it: pulled, then written
-            w = cfg.weights
-            pulled = WeightPuller(weights_endpoint, streams=w.streams, window=w.window, timeout_s=w.pull_timeout_s,
-                                  keys=keys.client_view() if keys else None, label="final export").pull(trainer.version)
-            model_out = str(save_model_dir(out_dir / "model", policy, pulled.state_dict))
+            if publisher.shards:
+                exported = publisher.state_dict(trainer.version)[0]
+            else:
+                exported = WeightPuller(weights_endpoint, streams=w.streams, window=w.window,
+                                        timeout_s=w.pull_timeout_s, keys=keys.client_view() if keys else None,
+                                        label="final export").pull(trainer.version).state_dict
+            model_out = str(save_model_dir(out_dir / "model", policy, exported))
         tot = trainer.totals
         window_start = cluster.summary()["window_start_s"] if cluster is not None else None
         tally = _add_counts(prior_counts, _counts(cluster, final_stats))  # all incarnations of the run
@@ -380,7 +378,8 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
                                          if len(publishes) > 1 else 0.0),
             "weight_pulled_bytes": final_stats["weight_pulled_bytes"],
             "weight_checksum_mismatches": final_stats["weight_checksum_mismatches"],
-            "weight_trainer_bytes_served": server_stats["bytes_served"] + server_stats["delta_bytes_served"],
+            "weight_trainer_bytes_served": served["bytes_served"] + served["delta_bytes_served"],
+            "weight_shards": served["shards"],
             "instances_lost_without_warning": final_stats["instances_lost"],
             "instances_suspected": tally["instances_suspected"],
             "instances_recovered": tally["instances_recovered"],

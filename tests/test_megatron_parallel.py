@@ -108,7 +108,8 @@ def test_default_demo_with_the_megatron_backend_meets_the_report_contract(repo_r
 
 
 def test_rl_run_at_tp2_through_the_launcher(repo_root, tmp_path):
-    """Rank 0 runs the ordinary RL program (manager, weight server, workers); rank 1 follows its backend calls."""
+    """Rank 0 runs the ordinary RL program (manager, workers); rank 1 follows its backend calls. Both TP ranks serve
+    their own weight shards; instances pull from both and assemble HF tensors."""
     out = tmp_path / "demo-tp2"
     p = _launch(repo_root, ["--tp", "2"], [SCENARIOS, "demo", "--out", str(out),
                                            "--set", "trainer.steps=4", "--set", "task.heldout_prompts=8",
@@ -119,6 +120,13 @@ def test_rl_run_at_tp2_through_the_launcher(repo_root, tmp_path):
     assert rep["tokens_trained_off_version"] == 0 and rep["responses_trained"] == 4 * 64
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(abs(m["logprob_diff"]) < 0.05 for m in lines)  # trainer logprobs agree with the engine's
+    # sharded serving (issue 14): each TP rank served its own pieces to the instances; nothing was gathered
+    shards = rep["weight_shards"]
+    assert shards["gathered_exports"] == 0
+    assert sorted(h["position"] for h in shards["holders"]) == ["tp0-pp0", "tp1-pp0"]
+    assert all(h["bytes_served"] > 0 and h["publishes"] == 5 for h in shards["holders"]), shards
+    assert rep["weight_update_bytes_mean"] < rep["weight_bytes"] / 2  # deltas per holder
+    assert rep["weight_checksum_mismatches"] == 0 and rep["weight_pull_failures"] == 0
 
 
 def test_followers_waiting_past_the_collective_timeout_stay_alive(repo_root):

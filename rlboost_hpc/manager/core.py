@@ -244,6 +244,7 @@ class ManagerCore:
         self.queue: deque[str] = deque()
         self.trainer_peer: bytes | None = None
         self.weights_endpoint = ""
+        self.weights_shards = ""  # the assembly manifest of sharded versions (JSON), "" = one weight server
         self.model_config: dict = {}
         self.model_arch: dict = {}
         self.latest_version = -1
@@ -470,7 +471,7 @@ class ManagerCore:
             instance=key, latest_version=self.latest_version, weights_endpoint=self.weights_endpoint,
             model_config=self.model_config, model_arch=self.model_arch, heartbeat_s=self.heartbeat_s,
             stream_every_tokens=self.stream_every_tokens, stream_every_s=self.stream_every_s, epoch=self.epoch,
-            peers=list(src.peers), wait=src.wait))
+            peers=list(src.peers), wait=src.wait, weights_shards=self.weights_shards))
 
     def _unknown(self, peer: bytes, what: str) -> None:
         """A message from a peer that is not (or no longer) a registered instance: drop it and tell the peer
@@ -614,6 +615,9 @@ class ManagerCore:
     def _on_TrainerHello(self, peer: bytes, inst: Instance | None, msg: M.TrainerHello) -> None:
         self.trainer_peer = peer
         self.weights_endpoint = msg.weights_endpoint
+        self.weights_shards = msg.weights_shards
+        if msg.weights_shards:  # a relay holder serves one buffer; a sharded version has one per trainer holder
+            self.relay.fanout = 0
         self.model_config = msg.model_config
         self.model_arch = msg.model_arch
         self.send(peer, M.Ok(what="hello", cid=msg.cid))

@@ -152,6 +152,7 @@ class Welcome(_Msg, tag="welcome"):
     model_arch: dict = {}
     peers: list[str] = []  # relay: holders to fetch the latest version's chunks from (then the trainer)
     wait: bool = False  # relay: no holder free yet — wait for PullFrom (at most the agent's relay deadline)
+    weights_shards: str = ""  # sharded versions: the assembly manifest (JSON, weights/sharded.py); "" = one server
 
 
 class Alive(_Msg, tag="alive"):
@@ -233,12 +234,15 @@ class GroupSpec(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class TrainerHello(_Msg, tag="thello"):
-    """The trainer's first message: the weight server, the model's ``config.json`` and its parsed architecture."""
+    """The trainer's first message: the weight server, the model's ``config.json`` and its parsed architecture;
+    ``weights_shards``: when every model-parallel trainer rank serves its own pieces, their assembly manifest
+    (JSON, :mod:`rlboost_hpc.weights.sharded`) — instances pull from those holders, and peer relay is off."""
 
     weights_endpoint: str
     model_config: dict
     model_arch: dict = {}
     cid: int = 0
+    weights_shards: str = ""
 
 
 class SetVersion(_Msg, tag="setver"):

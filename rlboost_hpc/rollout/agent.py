@@ -80,7 +80,8 @@ class RemoteWeights:
         self.streams, self.window, self.timeout_s = streams, window, timeout_s
         self.keep_base = keep_base
         self.peer_timeout_s = peer_timeout_s
-        self._base = None  # PulledWeights of the last successful pull (keep_base only)
+        # the last successful pull (keep_base only): its PulledWeights, or position → PulledWeights of a sharded one
+        self._base = None
         self._relay = None  # WeightServer serving self._base (serve_relay)
         self._relay_keys: RunKeys | None = None
 
@@ -100,7 +101,7 @@ class RemoteWeights:
         if self._relay is None:
             self._relay = WeightServer(bind=f"tcp://{bind_host}:0", keep_versions=1, delta=False, keys=keys).start()
             self._relay_keys = keys
-            if self._base is not None and self._base.manifest is not None:
+            if self._base is not None and not isinstance(self._base, dict) and self._base.manifest is not None:
                 self._relay.hold(self._base.manifest, self._base.buffer, self._base.delta_payloads)
         return advertised(self._relay.endpoint, advertise_host)
 
@@ -115,8 +116,14 @@ class RemoteWeights:
             self._relay.close()
             self._relay = None
 
-    def source(self, endpoint: str, keys: RunKeys | None = None) -> WeightSource:
-        """The weight source pulling from the holder at ``endpoint`` (CURVE client ``keys`` of its run)."""
+    def source(self, endpoint: str, keys: RunKeys | None = None, shards: str = "") -> WeightSource:
+        """The weight source pulling from the holder at ``endpoint`` (CURVE client ``keys`` of its run), or — with
+        ``shards``, the assembly manifest of a sharded version (JSON) — from every trainer holder in parallel
+        (:func:`rlboost_hpc.weights.sharded.pull_sharded`; the base is kept per holder; no relay).
+
+        Raises ValueError for an unreadable ``shards`` manifest."""
+        if shards:
+            return self._sharded_source(shards, keys)
 
         def pull(version: int, peers: "list[str] | tuple[str, ...]" = ()):
             from rlboost_hpc.weights.puller import WeightPuller
@@ -125,6 +132,8 @@ class RemoteWeights:
             if self._relay is not None:
                 self._relay.withdraw()  # the buffer it serves is about to change
             base, self._base = self._base, None  # consumed by the pull, whatever its outcome
+            if isinstance(base, dict):  # per-holder bases of sharded versions (another trainer): not a base here
+                base = None
             got = WeightPuller(endpoint, streams=self.streams, window=self.window, timeout_s=self.timeout_s,
                                keys=keys, peer_timeout_s=self.peer_timeout_s).pull(version, base=base, peers=peers)
             if self.keep_base or self._relay is not None:
@@ -133,6 +142,25 @@ class RemoteWeights:
                 self._relay.hold(got.manifest, got.buffer, got.delta_payloads)
             return got.state_dict, {"checksum": int(got.checksum), "nbytes": int(got.nbytes),
                                     "pull_s": time.monotonic() - t0, "phases": got.phases}
+
+        return pull
+
+    def _sharded_source(self, shards: str, keys: RunKeys | None) -> WeightSource:
+        from rlboost_hpc.weights.sharded import load_manifest, pull_sharded
+
+        manifest = load_manifest(shards)
+
+        def pull(version: int, peers: "list[str] | tuple[str, ...]" = ()):
+            t0 = time.monotonic()
+            if self._relay is not None:
+                self._relay.withdraw()  # it serves single-buffer versions only
+            base, self._base = self._base, None  # consumed by the pull, whatever its outcome
+            sd, st = pull_sharded(manifest, version, streams=self.streams, window=self.window,
+                                  timeout_s=self.timeout_s, keys=keys, bases=base if isinstance(base, dict) else None)
+            if self.keep_base:
+                self._base = st["pulled"]
+            return sd, {"checksum": int(st["checksum"]), "nbytes": int(st["bytes"]), "pull_s": time.monotonic() - t0,
+                        "phases": {"bytes_received": float(st["bytes_received"])}}
 
         return pull
 
@@ -281,7 +309,7 @@ class RolloutAgent:
         kind: str = "preemptible",
         max_batch: int = 32,
         engine_factory: EngineFactory | None = None,
-        weight_source_factory: Callable[[str], WeightSource] | None = None,
+        weight_source_factory: Callable[..., WeightSource] | None = None,
         register_timeout_s: float = 15.0,
         manager_timeout_s: float = 10.0,
         node: str = "",
@@ -517,7 +545,9 @@ class RolloutAgent:
         if isinstance(msg, M.Welcome):
             self.welcome = msg
             self.link.heartbeat_s = msg.heartbeat_s
-            self._source = self.weight_source_factory(msg.weights_endpoint)
+            # a factory that cannot pull sharded versions need not accept the manifest
+            self._source = (self.weight_source_factory(msg.weights_endpoint, msg.weights_shards) if msg.weights_shards
+                            else self.weight_source_factory(msg.weights_endpoint))
             self._want(msg.latest_version, msg.peers, msg.wait)
             if self.held_version() == msg.latest_version >= 0:  # re-registration with this manager
                 self._send(M.WeightsLoaded(version=self.engine.version, checksum=self.engine.weights_checksum,

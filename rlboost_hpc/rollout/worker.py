@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             fault_load_delay_s=args.fault_load_delay_s,
             engine_name=spec.get("kind", "torch"), engine=engine, engine_epoch=engine_epoch,
             close_engine=False, builder=builder, relay_endpoint=relay_endpoint(), relay_wait_s=wspec.relay_wait_s,
-            weight_source_factory=lambda ep: weights.source(ep, keys))
+            weight_source_factory=lambda ep, shards="": weights.source(ep, keys, shards))
 
     agent = make_agent(manager, keys)
     holder["agent"] = agent

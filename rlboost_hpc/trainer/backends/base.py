@@ -67,5 +67,21 @@ class TrainerBackend(abc.ABC):
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
         """Restore what :meth:`save_checkpoint` wrote into ``path``; returns its ``extra_state`` ({} if none)."""
 
+    #: The assembly manifest (:mod:`rlboost_hpc.weights.sharded`) when the backend serves its own weight shards —
+    #: one weight server per model-parallel holder rank — else None (the run publishes :meth:`export_weights`).
+    shard_manifest: dict | None = None
+
+    def publish_shards(self, version: int) -> dict:
+        """Every holder publishes its own pieces as ``version`` (collective for distributed backends). Returns, on
+        the rank that runs the RL loop, ``{"publish_s", "bytes" (one full version), "update_bytes" (what a puller
+        holding the previous version receives), "checksum" (``weights.sharded.version_checksum``), "per_rank"}``.
+        Only called when :attr:`shard_manifest` is set. Raises RuntimeError otherwise."""
+        raise RuntimeError(f"{type(self).__name__} does not serve weight shards")
+
+    def shard_stats(self) -> list[dict]:
+        """Per holder: ``{"rank", "position", "bytes_served", "delta_bytes_served", "chunks_served", "publishes"}``
+        (bytes: full chunks / delta payloads sent). Collective for distributed backends; [] without shards."""
+        return []
+
     def close(self) -> None:
         """Release what the backend holds beyond memory (process groups, servers). Idempotent; default: nothing."""

@@ -1,0 +1,118 @@
+"""The run's side of weight versions: one owner for how a version leaves the trainer and how the trainer process
+reads a version back.
+
+Two ways a version is served, chosen once from the backend:
+
+- **gathered** (every single-process backend, and a model-parallel one with ``weights.sharded = false``): the run's
+  own :class:`~rlboost_hpc.weights.server.WeightServer` publishes ``backend.export_weights()`` — on a model-parallel
+  backend that export is a gather of every rank's pieces on rank 0;
+- **sharded** (``backend.shard_manifest`` is set: Megatron with TP or PP > 1): every holder rank publishes its own
+  pieces into its own server (``backend.publish_shards``), instances pull from all holders in parallel
+  (:func:`rlboost_hpc.weights.sharded.pull_sharded`) — no gather; the run's server stays idle.
+
+Invariant: the checksum :meth:`WeightPublisher.publish` returns for a version is the one every rollout instance
+reports after loading it (the whole-version checksum, or :func:`~rlboost_hpc.weights.sharded.version_checksum` of a
+sharded version), so the manager's check is the same either way.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any, Mapping
+
+import torch
+
+from rlboost_hpc.trainer.backends.base import TrainerBackend
+from rlboost_hpc.weights import sharded
+from rlboost_hpc.weights.server import WeightServer
+
+__all__ = ["WeightPublisher"]
+
+
+class WeightPublisher:
+    """Publishes the trainer's weight versions and reads them back for the trainer's own process.
+
+    Args:
+        server: the run's weight server (serves gathered versions; idle when the backend serves shards).
+        backend: the trainer backend (``export_weights``; ``shard_manifest``/``publish_shards``/``shard_stats``).
+        dtype: wire dtype of floating-point tensors (gathered path; the backend's shards carry their own).
+        client_keys: the run's CURVE client keys, to pull sharded versions back (None: plain TCP).
+        streams, window, timeout_s: per-holder puller settings for those pulls.
+    """
+
+    def __init__(self, server: WeightServer, backend: TrainerBackend, dtype: torch.dtype, *,
+                 client_keys: Any = None, streams: int = 4, window: int = 4, timeout_s: float = 30.0) -> None:
+        self.server = server
+        self.backend = backend
+        self.dtype = dtype
+        self.shards: dict | None = getattr(backend, "shard_manifest", None)
+        self._pull_kw = dict(streams=streams, window=window, timeout_s=timeout_s, keys=client_keys)
+        self._checksums: dict[int, tuple[int, int]] = {}  # version → (checksum, bytes), sharded path
+        self.history: list[dict] = []
+        self._lock = threading.Lock()
+        self._bases: dict | None = None  # the followed sharded version, per holder position
+
+    @property
+    def shards_json(self) -> str:
+        """The assembly manifest as JSON for the manager's ``TrainerHello`` ("" when versions are gathered)."""
+        return json.dumps(self.shards) if self.shards else ""
+
+    def publish(self, version: int) -> dict:
+        """Publish ``version``. Returns (and appends to :attr:`history`) ``{"publish_s", "export_s" (the gather or
+        view of the weights; 0 when sharded), "weight_bytes", "weight_checksum", "weight_update_bytes"}`` — seconds
+        and bytes. Raises what the backend or the server raise (ValueError for a non-increasing version)."""
+        t0 = time.monotonic()
+        if self.shards:
+            res = self.backend.publish_shards(version)
+            self._checksums[version] = (int(res["checksum"]), int(res["bytes"]))
+            d = {"publish_s": time.monotonic() - t0, "export_s": 0.0, "weight_bytes": int(res["bytes"]),
+                 "weight_checksum": int(res["checksum"]), "weight_update_bytes": int(res["update_bytes"])}
+        else:
+            exported = self.backend.export_weights()
+            t_export = time.monotonic() - t0
+            man = self.server.publish(version, exported, dtype=self.dtype)
+            delta = self.server.delta_nbytes(version)
+            d = {"publish_s": time.monotonic() - t0, "export_s": t_export, "weight_bytes": int(man.total_bytes),
+                 "weight_checksum": man.checksum,
+                 "weight_update_bytes": int(man.total_bytes if delta is None else delta)}
+        self.history.append(d)
+        return d
+
+    def state_dict(self, version: int, *, follow: bool = False) -> tuple[Mapping[str, torch.Tensor], dict]:
+        """HF-named tensors of a published ``version`` and ``{"checksum", "nbytes"}``, for this process (the
+        reserved engine, evaluation, the exported model): views of the server's buffer, or — sharded — a parallel
+        pull from every holder over loopback (verified like any instance's pull).
+
+        ``follow``: the caller reads each version only until it asks for the next (an engine that copies what it
+        loads): the sharded pull then starts from the previous one (a delta per holder, buffers reused) instead
+        of moving the whole model each time. One caller may follow; calls are serialised.
+
+        Raises:
+            KeyError: (gathered) the version is not held. WeightTransferError: (sharded) a holder's pull failed.
+        """
+        if not self.shards:
+            m = self.server.manifest(version)
+            return self.server.local_state_dict(version), {"checksum": int(m.checksum), "nbytes": int(m.total_bytes)}
+        with self._lock:
+            bases, self._bases = (self._bases, None) if follow else (None, self._bases)
+            sd, st = sharded.pull_sharded(self.shards, version, label="trainer", bases=bases, **self._pull_kw)
+            if follow:
+                self._bases = st["pulled"]
+        return sd, {"checksum": int(st["checksum"]), "nbytes": int(st["bytes"]),
+                    "phases": {"bytes_received": float(st["bytes_received"])}}
+
+    def served(self) -> dict:
+        """What the trainer side sent: ``{"bytes_served", "delta_bytes_served"}`` of the run's server plus, when
+        sharded, every holder's ``bytes_served`` and ``shards = {"holders": the backend's shard_stats() (a
+        collective), "gathered_exports": export_weights() calls that gathered on rank 0}`` (``shards`` None
+        otherwise)."""
+        st = self.server.stats
+        out = {"bytes_served": int(st["bytes_served"]), "delta_bytes_served": int(st["delta_bytes_served"]),
+               "shards": None}
+        if self.shards:
+            holders = self.backend.shard_stats()
+            out["shards"] = {"holders": holders, "gathered_exports": int(getattr(self.backend, "gathered_exports", 0))}
+            out["bytes_served"] += sum(h["bytes_served"] for h in holders)
+            out["delta_bytes_served"] += sum(h.get("delta_bytes_served", 0) for h in holders)
+        return out
