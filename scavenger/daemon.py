@@ -45,21 +45,20 @@ from typing import Any, Protocol
 
 from scavenger.config import ScavengerConfig, ScavengerConfigError
 from rlboost_hpc.events import append_event, drain_marker_path, iter_events
-from rlboost_hpc.rundir import TARGET_FILE, CapacityView, RunDir, read_jsonl, write_capacity
+from rlboost_hpc.rundir import TARGET_FILE, CapacityView, RunDir, write_capacity
 from scavenger.pyslurm_api import slurm_api
-from scavenger.slurm import JobClass, JobInfo, NodeInfo, SlurmCommandError
+from scavenger.slurm import SlurmCommandError
+from scavenger.slurm_records import JobClass, JobInfo, NodeInfo
+from scavenger.stats import RECONCILE_LOG, load_run_stats
 
 log = logging.getLogger("scavenger")
 
 
 SOURCE = "scavenger"
-#: Job classes (scavenger/slurm.py ``classify_job``) that wait for resources: they hold no allocation yet.
+#: Job classes (``scavenger.slurm_records.classify_job``) that wait for resources: they hold no allocation yet.
 WAITING = frozenset({JobClass.PENDING, JobClass.HELD})
 #: A FAILED attempt shorter than this (seconds) counts toward the crash-loop pause.
 QUICK_FAILURE_S = 60.0
-#: The reconcile log (one JSON object per changed view: ts, target, desired, live, draining, pending, held,
-#: running, idle_slots), written by :meth:`Scavenger.run_forever`, read by :func:`read_reconcile_log`.
-RECONCILE_LOG = "scavenger/reconcile.jsonl"
 #: An unchanged view is still logged this often (seconds), so a plot shows it held.
 VIEW_EVERY_S = 30.0
 #: A job missing from this many consecutive listings is logged as finished with state UNKNOWN.
@@ -545,8 +544,6 @@ class Scavenger:
         return url
 
     def _refresh_metrics(self, res: ReconcileResult) -> None:
-        from scavenger.stats import load_run_stats
-
         try:
             self.metrics.refresh(res, load_run_stats(self.run_dir, now=self.clock.time()))
         except Exception as e:  # noqa: BLE001 - metrics must never stop the daemon
@@ -599,11 +596,6 @@ class Scavenger:
                 break
             self.clock.sleep(delay)
         return 0
-
-
-def read_reconcile_log(run_dir: str | os.PathLike[str]) -> list[dict]:
-    """The reconcile log's records in order (``[]`` without one); torn or malformed lines are skipped."""
-    return [r for r in read_jsonl(Path(run_dir) / RECONCILE_LOG) if isinstance(r.get("ts"), (int, float))]
 
 
 def _id_num(job_id: str) -> int:

@@ -30,7 +30,8 @@ import re
 import signal as _signal
 from typing import Any, Iterable, Mapping
 
-from scavenger.slurm import JobInfo, NodeInfo, SlurmClient, SlurmCommandError, _states
+from scavenger.slurm import SlurmClient, SlurmCommandError
+from scavenger.slurm_records import JobInfo, NodeInfo, states_of
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +90,8 @@ def _epoch(v: Any) -> float | None:
 
 
 def node_info(n: Any) -> NodeInfo:
-    """A :class:`~scavenger.slurm.NodeInfo` from a ``pyslurm.Node`` (``state`` like ``"IDLE+DRAIN"``)."""
-    base, flags = _states(getattr(n, "state", None))
+    """A :class:`~scavenger.slurm_records.NodeInfo` from a ``pyslurm.Node`` (``state`` like ``"IDLE+DRAIN"``)."""
+    base, flags = states_of(getattr(n, "state", None))
     return NodeInfo(
         name=str(n.name), state=base, partitions=tuple(getattr(n, "partitions", None) or ()),
         cpus=int(getattr(n, "total_cpus", 0) or 0), gres_total_gpus=_gpus(getattr(n, "configured_gres", None)),
@@ -99,8 +100,8 @@ def node_info(n: Any) -> NodeInfo:
 
 
 def job_info(j: Any) -> JobInfo:
-    """A :class:`~scavenger.slurm.JobInfo` from a ``pyslurm.Job``."""
-    base, flags = _states(getattr(j, "state", None))
+    """A :class:`~scavenger.slurm_records.JobInfo` from a ``pyslurm.Job``."""
+    base, flags = states_of(getattr(j, "state", None))
     reason = str(getattr(j, "state_reason", "") or "")
     alloc, req = getattr(j, "allocated_tres", None), getattr(j, "requested_tres", None)
     tres = alloc or req or {}

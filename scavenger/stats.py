@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import statistics
 import sys
 import time
@@ -37,8 +38,18 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from rlboost_hpc.events import LIFECYCLE_SOURCES, read_events
-from scavenger.slurm import SacctRecord
-from rlboost_hpc.rundir import RunDir
+from scavenger.slurm_records import SacctRecord
+from rlboost_hpc.rundir import RunDir, read_jsonl
+
+#: The reconcile log (one JSON object per changed view: ts, target, desired, live, draining, pending, held,
+#: running, idle_slots), relative to the run directory: written by ``Scavenger.run_forever``, read by
+#: :func:`read_reconcile_log`.
+RECONCILE_LOG = "scavenger/reconcile.jsonl"
+
+
+def read_reconcile_log(run_dir: str | os.PathLike[str]) -> list[dict]:
+    """The reconcile log's records in order (``[]`` without one); torn or malformed lines are skipped."""
+    return [r for r in read_jsonl(Path(run_dir) / RECONCILE_LOG) if isinstance(r.get("ts"), (int, float))]
 
 LIFECYCLE = frozenset({"submitted", "adopted", "started", "requeued", "finished", "cancelled"})
 
@@ -466,7 +477,6 @@ def capacity_series(run_dir: str | Path) -> dict[str, list[tuple[float, float]]]
       live workers (``cluster_live``) per step otherwise;
     * ``capacity``: instances the run could hold (live + idle slots from the reconcile log, else the trainer's
       ``n_available``)."""
-    from scavenger.daemon import read_reconcile_log
 
     from rlboost_hpc.rundir import read_jsonl
 

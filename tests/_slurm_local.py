@@ -21,7 +21,7 @@ import subprocess
 from pathlib import Path
 
 from rlboost_hpc.paths import PROJECT_ROOT
-from scavenger.slurm import USABLE_NODE_STATES  # one vocabulary of node states (the scavenger's)
+from scavenger.slurm_records import USABLE_NODE_STATES  # one vocabulary of node states (the scavenger's)
 
 DEFAULT_DIR = "/tmp/rlboost-slurm"
 LOCAL_CLUSTER_DIR = PROJECT_ROOT / "sbatch" / "local-cluster"

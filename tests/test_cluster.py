@@ -17,13 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlboost_hpc.cluster.replay import (
-    ReplayAction,
-    ReplayDriver,
-    ReplayPlan,
-    choose_window,
-    scale_window,
-)
+from rlboost_hpc.cluster.replay import ReplayDriver
+from rlboost_hpc.cluster.replay_plan import ReplayAction, ReplayPlan, choose_window, scale_window
 from rlboost_hpc.cluster.traces import (
     G4DN_TRACE,
     P3_TRACE,

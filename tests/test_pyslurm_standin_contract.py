@@ -16,7 +16,8 @@ from _util import wait_for
 
 from scavenger import pyslurm_api
 from scavenger.pyslurm_api import PyslurmClient, PyslurmUnavailable, job_info, node_info, release_of, slurm_api
-from scavenger.slurm import JobClass, SlurmClient
+from scavenger.slurm import SlurmClient
+from scavenger.slurm_records import JobClass
 
 
 def test_release_of_versions_as_slurm_and_pyslurm_print_them():

@@ -10,7 +10,8 @@ import pytest
 from scavenger.config import ScavengerConfig, ScavengerConfigError, load_scavenger_config
 from scavenger.daemon import Scavenger, Target, read_target, TargetError
 from rlboost_hpc.events import append_event, drain_marker_path, read_events
-from scavenger.slurm import JobInfo, NodeInfo, SlurmCommandError
+from scavenger.slurm import SlurmCommandError
+from scavenger.slurm_records import JobInfo, NodeInfo
 from scavenger.stats import compute_stats
 
 
@@ -293,7 +294,7 @@ def test_unknown_states_occupy_capacity_and_held_jobs_are_cancelled_at_run_end(e
 
 
 def test_reconcile_log_records_each_changed_view(env):
-    from scavenger.daemon import read_reconcile_log
+    from scavenger.stats import read_reconcile_log
 
     clock, fake, run_dir, make = env
     set_target(run_dir, 2)

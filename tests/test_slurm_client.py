@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from scavenger.slurm import (
-    SlurmClient, SlurmCommandError, exit_code_of, gres_gpu_count, parse_elapsed, parse_sacct,
-    parse_sbatch_parsable, parse_sinfo_json, parse_sinfo_text, parse_squeue_json, parse_tres,
+from scavenger.slurm import SlurmClient, SlurmCommandError
+from scavenger.slurm_records import (
+    exit_code_of, gres_gpu_count, parse_elapsed, parse_sacct, parse_sbatch_parsable, parse_sinfo_json,
+    parse_sinfo_text, parse_squeue_json, parse_tres,
 )
 
 DATA = Path(__file__).parent / "data" / "slurm"

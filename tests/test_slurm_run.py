@@ -242,7 +242,7 @@ def test_the_controller_steers_the_scavenger_on_slurm(tmp_path):
     jobs (not leaving) match it within 3 reconciliation periods wherever capacity allows; a drop drains a running
     surplus job (USR2 + drain marker) that then leaves without requeueing; high-priority jobs preempt rollout jobs
     twice; nothing is lost, duplicated or trained off-version; `stats --plot` draws it."""
-    from scavenger.daemon import read_reconcile_log
+    from scavenger.stats import read_reconcile_log
 
     overrides = ("--set trainer.steps=50 --set rollout.max_new_tokens=128 --set rollout.prompts_per_step=16 "
                  "--set cluster.max_workers=3 --set trainer.seed_window_s=0.3 --set network.bind_host=127.0.0.1 "

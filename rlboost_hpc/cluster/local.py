@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Callable
 
 from rlboost_hpc.cluster.faults import FaultPlan, TcpForwarder
-from rlboost_hpc.cluster.replay import ReplayDriver, ReplayPlan, choose_window
+from rlboost_hpc.cluster.replay import ReplayDriver
+from rlboost_hpc.cluster.replay_plan import ReplayPlan, choose_window
 from rlboost_hpc.cluster.traces import load_trace
 from rlboost_hpc.config import ConfigError, LocalClusterCfg
 from rlboost_hpc.events import LOCAL_CLUSTER_SOURCE, append_event, drain_marker_path
