@@ -1,0 +1,143 @@
+"""The product's shape, read from the source (AST; an import inside a function counts as much as one at the top):
+no import cycle, imports only towards lower layers, no product module that only the tests use, no file over 700 lines.
+
+Layers (README, "Architecture"): (1) protocol, policy, config, observe, rundir and the leaf helpers; (2) models,
+tasks, weights, manager; (3) rollout, trainer, cluster, sim; (4) run, cli and the other entry points; (5) scavenger
+and megatron_bridge, above rlboost_hpc.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("rlboost_hpc", "scavenger", "megatron_bridge")
+LAYER = {
+    "protocol": 1, "policy": 1, "config": 1, "observe": 1, "rundir": 1, "defaults": 1, "paths": 1, "events": 1,
+    "procutil": 1, "clihelp": 1,
+    "models": 2, "tasks": 2, "weights": 2, "manager": 2,
+    "rollout": 3, "trainer": 3, "cluster": 3, "sim": 3,
+    "run": 4, "cli": 4, "chaos": 4, "launch": 4,
+}
+MAX_LINES = 700
+#: Files still over MAX_LINES, with the size they may not exceed (a ratchet: split them, then delete the entry).
+OVERSIZE = {"rlboost_hpc/rollout/engines/sglang_engine.py": 1200, "rlboost_hpc/manager/core.py": 950}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports() -> dict[str, set[str]]:
+    """module → the product modules it imports (``from pkg import mod`` counts ``pkg.mod`` when it is one)."""
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for mod, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            for n in names:
+                target = _resolve(n)
+                if target and target != mod and not mod.startswith(target + "."):
+                    graph[mod].add(target)
+    return graph
+
+
+GRAPH = _imports()
+
+
+def _layer(mod: str) -> int:
+    top, _, rest = mod.partition(".")
+    if top != "rlboost_hpc":
+        return 5
+    return LAYER[rest.split(".")[0]] if rest else 4
+
+
+def test_every_module_has_a_layer():
+    unknown = sorted(m for m in MODULES if m.startswith("rlboost_hpc.") and m.split(".")[1] not in LAYER)
+    assert not unknown, f"add these to LAYER (and README's Architecture table): {unknown}"
+
+
+def test_imports_go_to_the_same_or_a_lower_layer():
+    bad = [f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)})"
+           for m, targets in GRAPH.items() for t in targets if _layer(t) > _layer(m)]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycle():
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    assert not cycles, cycles
+
+
+def test_every_product_module_is_used_by_the_product():
+    """Imported by another product module, or an entry point: pyproject's scripts and entry points, a module run
+    by name (``-m``, a ``"module.path"`` string in product code or scripts), or a public API README documents."""
+    imported = {t for targets in GRAPH.values() for t in targets}
+    imported |= {p for t in imported for p in (t.rsplit(".", k)[0] for k in range(1, t.count(".") + 1))}
+    texts = [(ROOT / "pyproject.toml").read_text(), (ROOT / "README.md").read_text()]
+    texts += [p.read_text() for p in MODULES.values()]
+    texts += [p.read_text() for p in (ROOT / "sbatch").rglob("*") if p.is_file() and p.suffix in ("", ".sbatch", ".sh")]
+    named = set()
+    for text in texts:
+        named |= set(re.findall(r"\b((?:rlboost_hpc|scavenger|megatron_bridge)(?:\.\w+)+)", text))
+    unused = sorted(m for m in MODULES if "." in m and m not in imported and not any(
+        n == m or n.startswith(m + ".") or n.startswith(m + ":") for n in named))
+    assert not unused, f"product modules nothing in the product uses (test helpers belong under tests/): {unused}"
+
+
+def test_no_product_file_over_the_line_limit():
+    over = {}
+    for mod, path in MODULES.items():
+        rel = str(path.relative_to(ROOT))
+        n = len(path.read_text().splitlines())
+        if n > OVERSIZE.get(rel, MAX_LINES):
+            over[rel] = n
+    assert not over, f"over {MAX_LINES} lines (split along concerns): {over}"
+    shrunk = [rel for rel, limit in OVERSIZE.items() if len((ROOT / rel).read_text().splitlines()) <= MAX_LINES]
+    assert not shrunk, f"now within {MAX_LINES} lines: remove from OVERSIZE: {shrunk}"
