@@ -543,7 +543,7 @@ def test_every_state_goes_suspect_on_silence_and_returns_to_where_it_was(before,
 
 
 def test_instance_state_changes_only_along_the_state_machine():
-    from rlboost_hpc.manager.core import InstanceState
+    from rlboost_hpc.manager.state import InstanceState
 
     core, clock = make()
     register(core, b"a", "a")

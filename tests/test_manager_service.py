@@ -6,7 +6,8 @@ import time
 
 import zmq
 
-from rlboost_hpc.manager.core import InstanceState as S, ManagerCore
+from rlboost_hpc.manager.core import ManagerCore
+from rlboost_hpc.manager.state import InstanceState as S
 from rlboost_hpc.manager.service import ManagerService
 from rlboost_hpc.protocol import messages as M
 

@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Callable
 
 import numpy as np
@@ -45,106 +43,20 @@ from rlboost_hpc.observe.timeline import Activity, ActivityClock
 from rlboost_hpc.policy.dispatch import Balancer, InstanceLoad, PlateauEstimator, RoundRobin, choose_instance
 from rlboost_hpc.policy.observation import RemoteWork, observe_remote
 from rlboost_hpc.policy.relay import RelayTree, Source
+from rlboost_hpc.manager.state import (
+    ALLOWED_TRANSITIONS,
+    Group,
+    Instance,
+    InstanceState,
+    Request,
+    RequestState,
+    StepWork,
+)
 from rlboost_hpc.protocol import messages as M
 
+S, R = InstanceState, RequestState
+
 log = logging.getLogger("rlboost.manager")
-
-
-class InstanceState(StrEnum):
-    """Life of a registered rollout instance (invariant 7); changed only by :meth:`ManagerCore._set_state`."""
-
-    PULLING = "pulling"  # registered, loading the latest version
-    READY = "ready"  # holds a verified version (routable when it is the latest)
-    FENCED = "fenced"  # a failed or wrong load: never routed until it loads the latest version
-    DRAINING = "draining"  # warned (preempted / drained): finishing its hand-off
-    SUSPECT = "suspect"  # silent past the heartbeat deadline: out of routing, its work migrated; may return
-    GONE = "gone"  # deregistered, or silent past the expiry: never routed again
-
-
-S = InstanceState
-
-
-class RequestState(StrEnum):
-    """Life of one response at the manager: queued → running (on one instance) → done; running → queued when its
-    instance leaves, is fenced or releases it (the tokens so far stay: it resumes from them)."""
-
-    QUEUED = "queued"
-    RUNNING = "running"
-    DONE = "done"
-
-
-R = RequestState
-_ALLOWED: dict[InstanceState, frozenset[InstanceState]] = {
-    S.PULLING: frozenset({S.READY, S.FENCED, S.DRAINING, S.SUSPECT, S.GONE}),
-    S.READY: frozenset({S.FENCED, S.DRAINING, S.SUSPECT, S.GONE}),
-    S.FENCED: frozenset({S.READY, S.DRAINING, S.SUSPECT, S.GONE}),
-    S.DRAINING: frozenset({S.SUSPECT, S.GONE}),
-    S.SUSPECT: frozenset({S.PULLING, S.READY, S.FENCED, S.DRAINING, S.GONE}),
-    S.GONE: frozenset(),
-}
-
-
-@dataclass
-class Instance:
-    """One registered rollout instance; ``key`` = ``job_id#attempt``."""
-
-    key: str
-    peer: bytes
-    kind: str
-    max_batch: int
-    registered_at: float
-    last_seen: float
-    engine: str = "torch"
-    relay_endpoint: str = ""  # where it serves the versions it holds (relay); "" = it does not serve
-    state: InstanceState = InstanceState.PULLING
-    version: int = -1
-    inflight: set[str] = field(default_factory=set)
-    releasing: set[str] = field(default_factory=set)
-    tokens_received: int = 0
-    tokens_generated: int = 0
-    ready_at: float | None = None
-    gone_reason: str = ""
-    suspect_since: float = 0.0
-    suspect_from: InstanceState | None = None  # the state it was in when it went silent
-    taken_back: set[str] = field(default_factory=set)  # responses migrated off it while it was suspect
-
-
-@dataclass
-class Request:
-    """Token-level state of one response: ``ids`` (int32) and ``logprobs`` (float32) are packed parallel
-    arrays of ``n`` tokens, all produced by weight ``version`` (deltas of any other version are rejected);
-    ``runs`` records, run-length encoded, the version each accepted delta was stamped with by its engine — what
-    the trainer checks independently (it is never re-derived from ``version``)."""
-
-    rid: str
-    step: int
-    gid: str
-    sample: int
-    prompt_ids: list[int]
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
-    stop_ids: list[int]
-    version: int
-    ids: bytearray = field(default_factory=bytearray)
-    logprobs: bytearray = field(default_factory=bytearray)
-    runs: list[int] = field(default_factory=list)  # (version, count) pairs as the engines stamped the tokens
-    n: int = 0
-    state: RequestState = RequestState.QUEUED
-    instance: str | None = None
-    attempts: int = 0
-    migrations: int = 0
-    instances: list[str] = field(default_factory=list)
-    finish_reason: str = ""
-
-    def work(self) -> M.Work:
-        return M.Work(
-            rid=self.rid, prompt_ids=self.prompt_ids,
-            prefix_ids=np.frombuffer(bytes(self.ids), dtype="<i4").tolist(),
-            max_new_tokens=self.max_new_tokens - self.n, temperature=self.temperature, top_p=self.top_p,
-            seed=self.seed, stop_ids=self.stop_ids, version=self.version,
-        )
 
 
 #: Instance activity is accounted at most this often on the message path (seconds; see _account_activity).
@@ -153,26 +65,6 @@ ACTIVITY_EVERY_S = 0.002
 #: Prometheus.
 _LEAVE_COUNTER = {"preempted": "instances_preempted_with_warning", "time_limit": "instances_time_limit",
                   "drained": "instances_drained", "stopped": "instances_drained"}
-
-
-@dataclass
-class _StepWork:
-    """A preemptible instance's part in the current step: first dispatch and last accepted token (manager clock,
-    seconds), tokens accepted, and its last learned peak decode rate (tokens/s) — the observation law's record."""
-
-    first_s: float
-    last_s: float
-    tokens: int = 0
-    peak: float | None = None
-
-
-@dataclass
-class Group:
-    step: int
-    gid: str
-    rids: list[str]
-    done: int = 0
-    delivered: bool = False
 
 
 class ManagerCore:
@@ -216,7 +108,7 @@ class ManagerCore:
         self._rr = RoundRobin()  # the ablation's rule, the same object the simulator uses
         # Per-step view of the preemptible pool (the records of the observation law) and when the step's last
         # response completed.
-        self.step_remote: dict[str, _StepWork] = {}
+        self.step_remote: dict[str, StepWork] = {}
         self.step_rollout_done_at: float | None = None
         self.last_step_remote: dict = {"t_remote_s": 0.0, "t_wait_remote_s": 0.0, "n_remote": 0, "tokens": 0}
         # instance-seconds busy / idle / pulling, and when some engine was generating (accounted before every change)
@@ -290,14 +182,14 @@ class ManagerCore:
         return [i for i in self.instances.values() if i.state not in (S.GONE, S.SUSPECT)]
 
     def _set_state(self, inst: Instance, new: InstanceState) -> None:
-        """The one place an instance's state changes (transitions in ``_ALLOWED``).
+        """The one place an instance's state changes (transitions in ``ALLOWED_TRANSITIONS``).
 
         Raises:
             RuntimeError: a transition the state machine does not have (a manager bug, never the peer's input).
         """
         if new == inst.state:
             return
-        if new not in _ALLOWED[inst.state]:
+        if new not in ALLOWED_TRANSITIONS[inst.state]:
             raise RuntimeError(f"instance {inst.key}: no transition {inst.state} → {new}")
         inst.state = new
         if new in (S.GONE, S.SUSPECT, S.FENCED, S.DRAINING):  # it neither serves nor needs relay capacity now
@@ -890,7 +782,7 @@ class ManagerCore:
             self.counters["dispatched"] += 1
             if inst.kind == "preemptible":
                 if inst.key not in self.step_remote:  # its peak so far; _balance keeps it current
-                    self.step_remote[inst.key] = _StepWork(self.clock(), self.clock(),
+                    self.step_remote[inst.key] = StepWork(self.clock(), self.clock(),
                                                            peak=self.balancer.peak(inst.key))
         self.queue.extendleft(reversed(deferred))
         for key, works in batches.items():

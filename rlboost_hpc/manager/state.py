@@ -1,0 +1,132 @@
+"""The rollout manager's records: instances and their life (:class:`InstanceState` and the transitions it allows),
+responses at token level (:class:`Request`, :class:`RequestState`), GRPO groups and a step's per-instance work.
+
+Plain data: :class:`~rlboost_hpc.manager.core.ManagerCore` is the only writer, and changes an instance's state only
+through its one transition function (checked against :data:`ALLOWED_TRANSITIONS`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import numpy as np
+
+from rlboost_hpc.protocol import messages as M
+
+__all__ = ["ALLOWED_TRANSITIONS", "Group", "Instance", "InstanceState", "Request", "RequestState", "StepWork"]
+
+
+class InstanceState(StrEnum):
+    """Life of a registered rollout instance (invariant 7); changed only by :meth:`ManagerCore._set_state`."""
+
+    PULLING = "pulling"  # registered, loading the latest version
+    READY = "ready"  # holds a verified version (routable when it is the latest)
+    FENCED = "fenced"  # a failed or wrong load: never routed until it loads the latest version
+    DRAINING = "draining"  # warned (preempted / drained): finishing its hand-off
+    SUSPECT = "suspect"  # silent past the heartbeat deadline: out of routing, its work migrated; may return
+    GONE = "gone"  # deregistered, or silent past the expiry: never routed again
+
+
+S = InstanceState  # short names for the transition table
+
+
+class RequestState(StrEnum):
+    """Life of one response at the manager: queued → running (on one instance) → done; running → queued when its
+    instance leaves, is fenced or releases it (the tokens so far stay: it resumes from them)."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+
+
+ALLOWED_TRANSITIONS: dict[InstanceState, frozenset[InstanceState]] = {
+    S.PULLING: frozenset({S.READY, S.FENCED, S.DRAINING, S.SUSPECT, S.GONE}),
+    S.READY: frozenset({S.FENCED, S.DRAINING, S.SUSPECT, S.GONE}),
+    S.FENCED: frozenset({S.READY, S.DRAINING, S.SUSPECT, S.GONE}),
+    S.DRAINING: frozenset({S.SUSPECT, S.GONE}),
+    S.SUSPECT: frozenset({S.PULLING, S.READY, S.FENCED, S.DRAINING, S.GONE}),
+    S.GONE: frozenset(),
+}
+
+
+@dataclass
+class Instance:
+    """One registered rollout instance; ``key`` = ``job_id#attempt``."""
+
+    key: str
+    peer: bytes
+    kind: str
+    max_batch: int
+    registered_at: float
+    last_seen: float
+    engine: str = "torch"
+    relay_endpoint: str = ""  # where it serves the versions it holds (relay); "" = it does not serve
+    state: InstanceState = InstanceState.PULLING
+    version: int = -1
+    inflight: set[str] = field(default_factory=set)
+    releasing: set[str] = field(default_factory=set)
+    tokens_received: int = 0
+    tokens_generated: int = 0
+    ready_at: float | None = None
+    gone_reason: str = ""
+    suspect_since: float = 0.0
+    suspect_from: InstanceState | None = None  # the state it was in when it went silent
+    taken_back: set[str] = field(default_factory=set)  # responses migrated off it while it was suspect
+
+
+@dataclass
+class Request:
+    """Token-level state of one response: ``ids`` (int32) and ``logprobs`` (float32) are packed parallel
+    arrays of ``n`` tokens, all produced by weight ``version`` (deltas of any other version are rejected);
+    ``runs`` records, run-length encoded, the version each accepted delta was stamped with by its engine — what
+    the trainer checks independently (it is never re-derived from ``version``)."""
+
+    rid: str
+    step: int
+    gid: str
+    sample: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop_ids: list[int]
+    version: int
+    ids: bytearray = field(default_factory=bytearray)
+    logprobs: bytearray = field(default_factory=bytearray)
+    runs: list[int] = field(default_factory=list)  # (version, count) pairs as the engines stamped the tokens
+    n: int = 0
+    state: RequestState = RequestState.QUEUED
+    instance: str | None = None
+    attempts: int = 0
+    migrations: int = 0
+    instances: list[str] = field(default_factory=list)
+    finish_reason: str = ""
+
+    def work(self) -> M.Work:
+        return M.Work(
+            rid=self.rid, prompt_ids=self.prompt_ids,
+            prefix_ids=np.frombuffer(bytes(self.ids), dtype="<i4").tolist(),
+            max_new_tokens=self.max_new_tokens - self.n, temperature=self.temperature, top_p=self.top_p,
+            seed=self.seed, stop_ids=self.stop_ids, version=self.version,
+        )
+
+
+@dataclass
+class StepWork:
+    """A preemptible instance's part in the current step: first dispatch and last accepted token (manager clock,
+    seconds), tokens accepted, and its last learned peak decode rate (tokens/s) — the observation law's record."""
+
+    first_s: float
+    last_s: float
+    tokens: int = 0
+    peak: float | None = None
+
+
+@dataclass
+class Group:
+    step: int
+    gid: str
+    rids: list[str]
+    done: int = 0
+    delivered: bool = False
