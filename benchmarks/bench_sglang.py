@@ -39,7 +39,10 @@ from rlboost_hpc.models.arch import ModelArch  # noqa: E402
 from rlboost_hpc.models.hf_dir import load_model_dir  # noqa: E402
 from rlboost_hpc.models.llama2c import ensure_converted  # noqa: E402
 from rlboost_hpc.models.tokenizer import Llama2cTokenizer  # noqa: E402
-from rlboost_hpc.rollout.engines import sglang_engine as se  # noqa: E402
+from rlboost_hpc.rollout.engines.factory import make_sglang_engine  # noqa: E402
+from rlboost_hpc.rollout.engines.sglang_engine import SGLangEngine  # noqa: E402
+from rlboost_hpc.rollout.engines.sglang_server import http_json  # noqa: E402
+from rlboost_hpc.rollout.engines.sglang_weights import as_shared, serialize_named_tensors  # noqa: E402
 from rlboost_hpc.rollout.engines.base import GenRequest, SamplingParams  # noqa: E402
 from rlboost_hpc.rollout.engines.torch_engine import TorchEngine, generate_all  # noqa: E402
 
@@ -60,7 +63,7 @@ def _env(device: str) -> dict[str, str]:
 
 def bench_streaming(model_dir: Path, model_config: dict, prompts: list[list[int]], new: int, repeat: int,
                     stream_interval: int, device: str, log_dir: Path) -> dict:
-    eng = se.SGLangEngine.launch(model_dir, max_batch=len(prompts), model_config=model_config, device=device,
+    eng = SGLangEngine.launch(model_dir, max_batch=len(prompts), model_config=model_config, device=device,
                                  env=_env(device), stream_interval=stream_interval,
                                  log_path=log_dir / f"stream{stream_interval}.log", startup_timeout_s=300)
     sp = SamplingParams(temperature=0.0, stop_token_ids=())
@@ -79,7 +82,7 @@ def bench_streaming(model_dir: Path, model_config: dict, prompts: list[list[int]
         body = {"input_ids": prompts, "return_logprob": True,
                 "sampling_params": {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}}
         t0 = time.perf_counter()
-        status, out = se._http(eng.host, eng.port, "POST", "/generate", body, timeout=600)
+        status, out = http_json(eng.host, eng.port, "POST", "/generate", body, timeout=600)
         dt = time.perf_counter() - t0
         assert status == 200 and len(out) == len(prompts), (status, str(out)[:300])
         assert all(len(o["output_ids"]) == new for o in out)
@@ -117,14 +120,14 @@ def random_llama(hidden: int, layers: int, vocab: int = 512, seed: int = 0) -> t
 
 def bench_weights(cfg: ModelArch, sd: dict, name: str, repeat: int, device: str, log_dir: Path) -> dict:
     nbytes = sum(v.numel() * v.element_size() for v in sd.values())
-    eng = se.make_sglang_engine(cfg.to_hf_dict(), sd, 4, work_dir=log_dir / f"model-{name}", device=device,
+    eng = make_sglang_engine(cfg.to_hf_dict(), sd, 4, work_dir=log_dir / f"model-{name}", device=device,
                                 env=_env(device), log_path=log_dir / f"weights-{name}.log", startup_timeout_s=300)
     try:
         total, prep = [], []
         for v in range(1, repeat + 1):
             new = {k: t * (1 + 0.01 * v) for k, t in sd.items()}
             t0 = time.perf_counter()
-            payload = se.serialize_named_tensors([(k, se._as_shared(t, eng.server_dtype)) for k, t in new.items()])
+            payload = serialize_named_tensors([(k, as_shared(t, eng.server_dtype)) for k, t in new.items()])
             prep.append(time.perf_counter() - t0)
             del payload
             t0 = time.perf_counter()

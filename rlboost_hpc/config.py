@@ -56,7 +56,7 @@ class TaskCfg(_Strict):
 class SGLangCfg(_Strict):
     """How a preemptible worker starts its SGLang server (``rollout.engine = "sglang"``; docs/sglang.md).
 
-    Every key goes to :class:`rlboost_hpc.rollout.engines.sglang_engine.SGLangServer` (its device and dtype
+    Every key goes to :class:`rlboost_hpc.rollout.engines.sglang_server.SGLangServer` (its device and dtype
     are ``rollout.device`` / ``rollout.dtype``).
     """
 

@@ -22,7 +22,7 @@ LAYER = {
 }
 MAX_LINES = 700
 #: Files still over MAX_LINES, with the size they may not exceed (a ratchet: split them, then delete the entry).
-OVERSIZE = {"rlboost_hpc/rollout/engines/sglang_engine.py": 1200, "rlboost_hpc/manager/core.py": 950}
+OVERSIZE = {"rlboost_hpc/manager/core.py": 840}
 
 
 def _modules() -> dict[str, Path]:

@@ -312,7 +312,7 @@ def test_sglang_serves_the_tiny_qwen3_with_transformers_logprobs(tiny_dirs, tmp_
     weights; its greedy tokens' logprobs equal transformers' within 1e-4."""
     from sglang_cpu import stub_env
 
-    from rlboost_hpc.rollout.engines.sglang_engine import make_sglang_engine
+    from rlboost_hpc.rollout.engines.factory import make_sglang_engine
 
     m = load_model_dir(tiny_dirs["qwen3"])
     eng = make_sglang_engine(m.hf_config, m.state_dict, 4, work_dir=tmp_path / "model", device="cpu",

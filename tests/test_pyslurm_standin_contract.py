@@ -29,7 +29,8 @@ def test_release_of_versions_as_slurm_and_pyslurm_print_them():
 
 def test_pyslurm_objects_map_to_node_and_job_info():
     n = SimpleNamespace(name="g1", state="MIXED+DRAIN", partitions=["scavenger"], total_cpus=64, allocated_cpus=8,
-                        configured_gres={"gpu:a100": 8, "shard": 16}, allocated_gres={"gpu": {"count": 3, "indexes": "0-2"}})
+                        configured_gres={"gpu:a100": 8, "shard": 16},
+                        allocated_gres={"gpu": {"count": 3, "indexes": "0-2"}})
     ni = node_info(n)
     assert (ni.name, ni.state, ni.state_flags, ni.partitions) == ("g1", "MIXED", ("DRAIN",), ("scavenger",))
     assert (ni.cpus, ni.alloc_cpus, ni.gres_total_gpus, ni.gres_used_gpus) == (64, 8, 8, 3)

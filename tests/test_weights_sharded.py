@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 def full_state(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    sd = {"model.embed_tokens.weight": torch.randn(64, 16, generator=g), "model.norm.weight": torch.randn(16, generator=g),
+    sd = {"model.embed_tokens.weight": torch.randn(64, 16, generator=g),
+          "model.norm.weight": torch.randn(16, generator=g),
           "model.layers.0.mlp.up_proj.weight": torch.randn(32, 16, generator=g)}
     if seed:  # a sparse RL-like update
         for t in sd.values():
@@ -58,8 +59,9 @@ def publish(servers, version, sd, only=(0, 1)):
 def test_sharded_pulls_assemble_follow_deltas_and_never_mix_versions(holders):
     specs, checks = publish(holders, 1, full_state(0))
     manifest = {"format": FORMAT, "dtype": "bfloat16", "layout": {"tp": 2, "pp": 1}, "pieces": specs, "aliases": {},
-                "holders": [{"holder": h, "rank": h, "tp_rank": h, "pp_rank": 0, "dp_rank": 0, "position": f"tp{h}-pp0",
-                             "endpoint": s.endpoint, "nbytes": s.manifest().total_bytes} for h, s in enumerate(holders)]}
+                "holders": [{"holder": h, "rank": h, "tp_rank": h, "pp_rank": 0, "dp_rank": 0,
+                             "position": f"tp{h}-pp0", "endpoint": s.endpoint, "nbytes": s.manifest().total_bytes}
+                            for h, s in enumerate(holders)]}
     weights = RemoteWeights(streams=2, window=4, timeout_s=5.0)
     source = weights.source("tcp://127.0.0.1:1", shards=json.dumps(manifest))  # the single endpoint is not used
 

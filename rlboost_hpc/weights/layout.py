@@ -122,7 +122,8 @@ def _views(buffer: torch.Tensor, table: TensorTable, a: TableArrays) -> list[tor
     first = [int(bases[g].storage_offset()) for g in range(len(bases))]
     elem = (a.offsets // np.maximum(a.itemsize, 1)).tolist()
     return [torch.as_strided(bases[g], row[:k], srow[:k], first[g] + off)
-            for g, k, row, srow, off in zip(a.dtype_index.tolist(), a.ndim.tolist(), rows.tolist(), strides.tolist(), elem)]
+            for g, k, row, srow, off in zip(a.dtype_index.tolist(), a.ndim.tolist(), rows.tolist(), strides.tolist(),
+                                            elem)]
 
 
 def _padding(a: TableArrays, total_bytes: int) -> np.ndarray:

@@ -6,10 +6,17 @@ option is an :class:`EngineError` naming it, raised before the worker registers.
 """
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from rlboost_hpc.rollout.engines.base import Engine, EngineError
+
+if TYPE_CHECKING:
+    import torch
+
+    from rlboost_hpc.rollout.engines.sglang_engine import SGLangEngine
 
 # (the model's config.json, the first pulled state dict, arch=the trainer's parsed ModelArch or None) -> Engine
 EngineFactory = Callable[..., Engine]
@@ -70,10 +77,50 @@ def factory_from_spec(spec: Mapping[str, Any] | None, max_batch: int, *,
     unknown = set(opts) - _SGLANG_KEYS
     if unknown:
         raise EngineError(f"unknown sglang engine option(s) {sorted(unknown)}; known: {sorted(_SGLANG_KEYS)}")
-    from rlboost_hpc.rollout.engines.sglang_engine import sglang_engine_factory
-
     launch = {k: v for k, v in opts.items() if v is not None}
     launch.update(device=device, dtype=dtype)
     if log_path is not None:
         launch["log_path"] = str(log_path)
     return sglang_engine_factory(max_batch, **launch)
+
+
+def make_sglang_engine(model_config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor] | None,
+                       max_batch: int = 32, *, work_dir: str | os.PathLike[str] | None = None, version: int = 0,
+                       **launch_kw) -> "SGLangEngine":
+    """Build an :class:`SGLangEngine` the way the rollout agent builds engines: write the manager's HF config and
+    the first pulled weights to ``work_dir`` (default: a temp dir), launch a supervised server on them.
+
+    ``state_dict=None`` starts the server on random weights (``--load-format dummy``, no weight file) so it
+    can boot while the first version is still being pulled; the engine is then FENCED (``version == -1``,
+    :meth:`SGLangEngine.add` refused) until :meth:`SGLangEngine.load_weights` succeeds.
+
+    ``launch_kw`` go to :meth:`SGLangEngine.launch` / :class:`SGLangServer` (``device``, ``dtype``,
+    ``stream_interval``, ``deterministic``, ``startup_timeout_s``, ``log_path``, ``env``, ``python``, …).
+    """
+    from rlboost_hpc.rollout.engines.sglang_engine import SGLangEngine
+    from rlboost_hpc.rollout.engines.sglang_server import write_hf_dir
+
+    # the pid in the name lets the next attempt on this node reclaim it after a SIGKILL (procutil.reclaim_leftovers)
+    d = Path(work_dir) if work_dir is not None else Path(
+        tempfile.mkdtemp(prefix=f"rlboost-sglang-model-{os.getpid()}-"))
+    write_hf_dir(model_config, state_dict, d)
+    launch_kw.setdefault("log_path", d / "server.log")
+    if state_dict is None:
+        launch_kw["extra_args"] = [*launch_kw.get("extra_args", ()), "--load-format", "dummy"]
+        launch_kw.setdefault("weight_version", "none")
+    eng = SGLangEngine.launch(d, max_batch=max_batch, version=version if state_dict is not None else -1,
+                              model_config=model_config, **launch_kw)
+    if state_dict is None:
+        eng._fence("no weights loaded yet (started with dummy weights)")
+    if work_dir is None:
+        eng._cleanup_dir = d  # a temp dir of ours: removed (weights; the log is kept) by close()
+    return eng
+
+
+def sglang_engine_factory(max_batch: int, **launch_kw) -> Callable[[dict, Mapping], Engine]:
+    """An ``EngineFactory`` for :class:`rlboost_hpc.rollout.agent.RolloutAgent` (``engine_factory=``)."""
+
+    def make(model_config: dict, state_dict: Mapping, arch=None) -> Engine:  # the server reads config.json itself
+        return make_sglang_engine(model_config, state_dict, max_batch, **launch_kw)
+
+    return make

@@ -34,17 +34,8 @@ Invariants (the base contract of :mod:`rlboost_hpc.rollout.engines.base`, and ho
   ``output_ids`` of an aborted request — and RETURNS the tokens not yet returned by :meth:`step` as a
   :class:`TokenEvent` (``finished=False``), or ``None``. Callers that hand off partial responses must use that
   return value (the torch engine always returns ``None``: it has nothing pending).
-- Weights: :meth:`load_weights` is refused while requests are active; it validates names/shapes
-  (Llama configs), then ``/begin_weight_update`` → ``/update_weights_from_tensor`` (with ``weight_version``,
-  ``flush_cache=true``, ``abort_all_requests=false``) → ``/end_weight_update`` → ``/flush_cache`` and checks the
-  server's reported weight version. Every reply is checked; any failure raises :class:`EngineError` with the
-  server's message and log tail and FENCES the engine (``version = -1``, :meth:`add` refused) until a later
-  load succeeds. ``/update_weight_version`` is only ever called with ``abort_all_requests=false``. A server
-  started without weights (:func:`make_sglang_engine` with ``state_dict=None``: ``--load-format dummy``, so it
-  can boot while the first version is pulled) starts fenced.
-- Supervision: the server runs in its own session (killed as a group by :meth:`close`, at interpreter exit
-  and, on Linux, when this process dies: ``PR_SET_PDEATHSIG``); its output goes to a log file; start-up has
-  a deadline; a dead server or a stalled stream raises :class:`EngineError` carrying the log tail.
+- Weights: see :mod:`rlboost_hpc.rollout.engines.sglang_weights`; the server process: see
+  :mod:`rlboost_hpc.rollout.engines.sglang_server`.
 - Batching: requests added between two :meth:`step` calls are submitted together as ONE streaming
   ``/generate`` call (lists of ``input_ids`` / ``sampling_params`` / ``rid``; SGLang multiplexes their chunks on
   one SSE stream, told apart by ``meta_info.id``), read by one thread; abort stays per request.
@@ -52,308 +43,31 @@ Invariants (the base contract of :mod:`rlboost_hpc.rollout.engines.base`, and ho
 """
 from __future__ import annotations
 
-import atexit
-import base64
 import http.client
-import io
 import itertools
-import json
 import logging
 import os
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from rlboost_hpc.procutil import die_with_parent
 from rlboost_hpc.rollout.engines.base import Engine, EngineError, FinishReason, GenRequest, TokenEvent, validate_request
+from rlboost_hpc.rollout.engines.sglang_server import SGLangServer, fast_dumps, fast_loads, http_json
+from rlboost_hpc.rollout.engines.sglang_weights import SGLangWeightUpdates
 
-__all__ = [
-    "SGLangServer",
-    "SGLangEngine",
-    "make_sglang_engine",
-    "sglang_engine_factory",
-    "write_hf_dir",
-    "free_port",
-    "init_weight_sender_group",
-]
+__all__ = ["SGLangEngine"]
 
 log = logging.getLogger("rlboost.sglang")
 
 _INT64_MAX = (1 << 63) - 1
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "half": torch.float16}
-
-
-# ====================================================================================== process supervision
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (bind to port 0, read it back, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _tail(path: Path | None, n_lines: int = 40, max_bytes: int = 64 * 1024) -> str:
-    if path is None:
-        return "(no log file)"
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            data = f.read().decode("utf-8", "replace")
-    except OSError as e:
-        return f"(log {path} unreadable: {e})"
-    lines = data.splitlines()[-n_lines:]
-    return "\n".join(lines) if lines else "(log empty)"
-
-
-_LIVE_SERVERS: "weakref.WeakSet[SGLangServer]" = weakref.WeakSet()
-
-
-@atexit.register
-def _stop_all_servers() -> None:  # never leave a server behind when the interpreter exits
-    for s in list(_LIVE_SERVERS):
-        try:
-            s.stop(timeout_s=5.0)
-        except Exception:
-            pass
-
-
-class SGLangServer:
-    """One supervised ``python -m sglang.launch_server`` process.
-
-    Args:
-        model_path: HF model directory (config.json + safetensors).
-        host / port: where the HTTP server listens (port ``None``: a free port is chosen).
-        log_path: file receiving the server's stdout+stderr (default: a new temp file).
-        startup_timeout_s: deadline for ``/health`` to answer 200.
-        device: ``"cpu"``, ``"cuda"`` or ``"auto"`` (cuda when torch sees a GPU, else cpu). On cpu the launch
-            adds ``--device cpu --attention-backend torch_native --sampling-backend pytorch`` and
-            ``SGLANG_USE_CPU_ENGINE=1``.
-        dtype: ``--dtype``; ``"auto"`` is bf16 on cuda and fp32 on cpu (logprob parity with the fp32 trainer and
-            torch engine there).
-        max_running_requests: ``--max-running-requests`` (the engine's ``max_batch``).
-        max_total_tokens: KV-cache size in tokens (``None``: SGLang's memory-fraction default; on CPU we pass
-            ``max_running_requests * context_length`` because the CPU default takes a fraction of host RAM).
-        context_length: ``--context-length`` (``None``: the model's ``max_position_embeddings``).
-        stream_interval: ``--stream-interval``: tokens per streamed chunk (≥ 1). Default 16: per-token chunks
-            cost ~20 % throughput on CPU, 16 costs ≈ 0–3 % (benchmarks/bench_sglang.py). A finish or an abort is
-            always sent at once with the complete output, so nothing waits for or loses a partial interval;
-            only an unwarned kill of the whole instance loses < ``stream_interval`` tokens per response.
-        deterministic: ``--enable-deterministic-inference`` (per-request seeded sampling, see module doc).
-        weight_version: ``--weight-version`` at start.
-        sleep_on_idle: ``--sleep-on-idle`` (default on): an idle scheduler blocks in ``zmq.Poller`` instead of
-            spinning a core (it wakes at once on a request). Rollout servers idle while the trainer trains.
-        python: interpreter that has sglang installed (default: this one).
-        env: extra environment variables for the server (merged over ``os.environ``).
-        extra_args: more ``launch_server`` arguments, appended last.
-    """
-
-    def __init__(self, model_path: str | os.PathLike[str], *, host: str = "127.0.0.1", port: int | None = None,
-                 log_path: str | os.PathLike[str] | None = None, startup_timeout_s: float = 300.0,
-                 device: str = "auto", dtype: str = "auto", max_running_requests: int = 32,
-                 max_total_tokens: int | None = None, context_length: int | None = None,
-                 stream_interval: int = 16, deterministic: bool = False, weight_version: str | int = 0,
-                 sleep_on_idle: bool = True,
-                 random_seed: int = 0, python: str | None = None, env: Mapping[str, str] | None = None,
-                 extra_args: Sequence[str] = ()) -> None:
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if dtype == "auto":
-            dtype = "bfloat16" if device.startswith("cuda") else "float32"
-        if stream_interval < 1:
-            raise EngineError(f"stream_interval must be ≥ 1, got {stream_interval}")
-        self.model_path = str(model_path)
-        self.host = host
-        self.port = port
-        self.device = device
-        self.startup_timeout_s = startup_timeout_s
-        self.python = python or sys.executable
-        if log_path is None:
-            fd, p = tempfile.mkstemp(prefix="sglang-server-", suffix=".log")
-            os.close(fd)
-            log_path = p
-        self.log_path = Path(log_path)
-        self.env = dict(env or {})
-        args = ["--model-path", self.model_path, "--skip-tokenizer-init", "--dtype", dtype,
-                "--max-running-requests", str(max_running_requests), "--stream-interval", str(stream_interval),
-                "--random-seed", str(random_seed), "--weight-version", str(weight_version),
-                "--log-level-http", "warning"]
-        if context_length is not None:
-            args += ["--context-length", str(context_length)]
-        if device == "cpu":
-            args += ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch"]
-            self.env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-            if max_total_tokens is None:
-                ctx = context_length or _model_context_length(self.model_path) or 4096
-                max_total_tokens = max(max_running_requests * ctx, 2048)
-        if max_total_tokens is not None:
-            args += ["--max-total-tokens", str(max_total_tokens)]
-        if deterministic:
-            args += ["--enable-deterministic-inference"]
-        if sleep_on_idle:  # otherwise an idle scheduler spins a whole core (measured: 100 % on CPU)
-            args += ["--sleep-on-idle"]
-        self.deterministic = deterministic
-        self.base_args = args
-        self.extra_args = list(extra_args)
-        self.proc: subprocess.Popen | None = None
-        self._log_file = None
-
-    # ------------------------------------------------------------------ lifecycle
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def command(self) -> list[str]:
-        return [self.python, "-m", "sglang.launch_server", *self.base_args, "--host", self.host,
-                "--port", str(self.port), *self.extra_args]
-
-    def start(self) -> "SGLangServer":
-        """Launch and wait until ``/health`` answers 200.
-
-        Raises:
-            EngineError: the process exited during start-up, or the deadline passed (the process group is
-                killed); the message holds the command, the exit code and the log tail. A port clash is
-                retried once on a fresh port.
-        """
-        for attempt in range(2):
-            if self.port is None or attempt:
-                self.port = free_port(self.host)
-            self._spawn()
-            try:
-                self._wait_ready()
-                return self
-            except EngineError as e:
-                clash = "address already in use" in _tail(self.log_path, 200).lower()
-                self.stop()
-                if attempt == 0 and clash:
-                    log.warning("sglang port %d clashed; retrying on another port", self.port)
-                    continue
-                raise e
-        raise AssertionError("unreachable")
-
-    def _spawn(self) -> None:
-        env = dict(os.environ)
-        env.update(self.env)
-        self._log_file = open(self.log_path, "ab", buffering=0)
-        self._log_file.write(f"=== rlboost: launching {' '.join(self.command())}\n".encode())
-        self.proc = subprocess.Popen(
-            self.command(), stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
-            env=env, start_new_session=True,
-            preexec_fn=die_with_parent)
-        _LIVE_SERVERS.add(self)
-        log.info("sglang server pid %d on %s (log %s)", self.proc.pid, self.url, self.log_path)
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        while True:
-            rc = self.proc.poll() if self.proc is not None else -1
-            if rc is not None:
-                raise EngineError(f"sglang server exited with code {rc} during start-up "
-                                  f"(command: {' '.join(self.command())}); log {self.log_path} tail:\n"
-                                  f"{_tail(self.log_path)}")
-            try:
-                status, _ = _http(self.host, self.port, "GET", "/health", None, timeout=5.0)
-                if status == 200:
-                    return
-            except (OSError, http.client.HTTPException):
-                pass
-            if time.monotonic() > deadline:
-                raise EngineError(f"sglang server not healthy within {self.startup_timeout_s:.0f}s "
-                                  f"(pid {self.proc.pid}, {self.url}); log {self.log_path} tail:\n"
-                                  f"{_tail(self.log_path)}")
-            time.sleep(0.5)
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def returncode(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
-
-    def log_tail(self, n_lines: int = 40) -> str:
-        return _tail(self.log_path, n_lines)
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM the server's main process (it tears its children down), SIGKILL the whole process group
-        after ``timeout_s``. Idempotent."""
-        p = self.proc
-        if p is not None and p.poll() is None:
-            try:
-                p.terminate()
-            except ProcessLookupError:
-                pass
-            try:
-                p.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-        if p is not None:
-            try:  # children (scheduler, detokenizer) too, even if the main process is gone
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                p.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                pass
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
-        _LIVE_SERVERS.discard(self)
-
-
-def _model_context_length(model_path: str) -> int | None:
-    from rlboost_hpc.models.arch import ModelFormatError, arch_from_hf
-
-    try:
-        return arch_from_hf(model_path).max_position_embeddings
-    except ModelFormatError:
-        return None
-
-
-# ====================================================================================== HTTP helpers
-try:  # SGLang depends on orjson, so it is normally there; the stdlib is the fallback
-    import orjson as _orjson
-
-    def _loads(b: bytes) -> Any:
-        return _orjson.loads(b)
-
-    def _dumps(o: Any) -> bytes:
-        return _orjson.dumps(o)
-except ImportError:  # pragma: no cover
-    def _loads(b: bytes) -> Any:
-        return json.loads(b)
-
-    def _dumps(o: Any) -> bytes:
-        return json.dumps(o).encode()
-
-
-def _http(host: str, port: int, method: str, path: str, body: Any, timeout: float) -> tuple[int, Any]:
-    """One request; returns ``(status, parsed JSON or text)``. Raises OSError / HTTPException on I/O errors."""
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    try:
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if data is not None else {}
-        conn.request(method, path, body=data, headers=headers)
-        resp = conn.getresponse()
-        raw = resp.read()
-        try:
-            parsed = json.loads(raw) if raw else None
-        except ValueError:
-            parsed = raw.decode("utf-8", "replace")
-        return resp.status, parsed
-    finally:
-        conn.close()
 
 
 # ====================================================================================== per-request state
@@ -389,12 +103,13 @@ class _Batch:
 
 
 # ====================================================================================== the engine
-class SGLangEngine(Engine):
+class SGLangEngine(SGLangWeightUpdates, Engine):
     """:class:`Engine` over an SGLang HTTP server.
 
-    Build with :meth:`launch` (starts and owns a supervised server), :func:`make_sglang_engine` (from the
-    manager's HF config + a state dict, for the rollout agent), or the constructor (attach to a running
-    server at ``base_url``; ``server`` may be given to supervise it).
+    Build with :meth:`launch` (starts and owns a supervised server),
+    :func:`~rlboost_hpc.rollout.engines.factory.make_sglang_engine` (from the manager's HF config + a state dict,
+    for the rollout agent), or the constructor (attach to a running server at ``base_url``; ``server`` may be
+    given to supervise it).
 
     Args:
         base_url: ``http://host:port`` of the server.
@@ -681,7 +396,7 @@ class SGLangEngine(Engine):
             if now >= next_send:
                 for r in pending:  # re-sent while the server has not registered the request yet
                     try:
-                        _http(self.host, self.port, "POST", "/abort_request", {"rid": r.srid}, timeout=10.0)
+                        http_json(self.host, self.port, "POST", "/abort_request", {"rid": r.srid}, timeout=10.0)
                     except (OSError, http.client.HTTPException) as e:
                         log.warning("abort(%s): /abort_request failed: %s", r.rid, e)
                 next_send = now + 0.25
@@ -700,126 +415,6 @@ class SGLangEngine(Engine):
                                             finish_reason=r.finish_reason if r.finished else None)
         return out
 
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load a complete version through ``/update_weights_from_tensor`` and label the server with it.
-
-        Sequence: validate → ``/begin_weight_update`` → ``/update_weights_from_tensor`` (shared-memory
-        tensors, ``weight_version``, ``flush_cache``, never aborting) → ``/end_weight_update`` →
-        ``/flush_cache`` → check the server's weight version. Sets :attr:`version` on success.
-
-        Raises:
-            EngineError: requests are active (nothing changes); a tensor is missing/unexpected/misshapen
-                (nothing changes); or any server reply is a failure — then the engine is fenced
-                (``version = -1``, :meth:`add` refused) until a later load succeeds.
-        """
-        if self.num_active:
-            raise EngineError(f"load_weights(version={version}) refused: {self.num_active} request(s) active; "
-                              f"drain or abort them first")
-        self._validate_state_dict(state_dict, version)
-        self._check_server(f"load_weights(version={version})")
-        t0 = time.monotonic()
-        try:
-            # one shared-memory copy, alive until the server answered; one pickle per TP rank (each pickle
-            # takes its own reference on the shared segments, each rank's unpickling releases one)
-            shared = [(k, _as_shared(v, self.server_dtype)) for k, v in state_dict.items()]
-            payloads = [serialize_named_tensors(shared) for _ in range(self.tp_size)]
-            self._weight_session(
-                lambda: self._control("POST", "/update_weights_from_tensor", {
-                    "serialized_named_tensors": payloads,
-                    "flush_cache": True, "abort_all_requests": False, "weight_version": str(version)},
-                    what=f"update_weights_from_tensor(version={version})"),
-                version)
-            del shared, payloads
-        except EngineError as e:
-            self._fence(str(e))
-            raise
-        log.info("sglang: loaded version %d (%d tensors) in %.2fs", version, len(state_dict), time.monotonic() - t0)
-
-    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                 group_name: str = "rlboost_weights", backend: str = "gloo",
-                                 join: Callable[[], Any] | None = None) -> None:
-        """Make the server join a collective group with the weight holders (``/init_weights_update_group``).
-
-        The server's ranks are ``rank_offset .. rank_offset + tp_size - 1``. The call blocks until every member
-        joined: pass ``join`` (the holders' side, e.g. ``lambda: init_weight_sender_group(...)``) to run it
-        concurrently. Use ``backend="nccl"`` on GPUs, ``"gloo"`` on CPU.
-
-        Raises:
-            EngineError: the server's reply is a failure, or ``join`` raised.
-        """
-        body = {"master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
-                "world_size": int(world_size), "group_name": group_name, "backend": backend}
-        self._with_peer(lambda: self._control("POST", "/init_weights_update_group", body,
-                                              what="init_weights_update_group"), join)
-
-    def load_weights_from_distributed(self, params: Sequence[tuple[str, torch.dtype, Sequence[int]]], version: int,
-                                      send: Callable[[], Any], group_name: str = "rlboost_weights") -> None:
-        """Load a version broadcast by the weight holders over the group of :meth:`init_weight_update_group`.
-
-        ``params`` lists (HF name, dtype, shape) in broadcast order; ``send`` runs the holders' broadcasts
-        (``torch.distributed.broadcast(t, src=0, group=g)`` for each tensor, in that order) concurrently with
-        the server's ``/update_weights_from_distributed`` call. Wrapped in ``/begin_weight_update`` …
-        ``/end_weight_update`` + ``/flush_cache`` like :meth:`load_weights`; same refusal and fencing rules.
-        """
-        if self.num_active:
-            raise EngineError(f"load_weights_from_distributed(version={version}) refused: {self.num_active} "
-                              f"request(s) active")
-        names = [p[0] for p in params]
-        if self.model_config is not None:
-            fake = {n: torch.empty(tuple(s), dtype=d, device="meta") for n, d, s in params}
-            self._validate_state_dict(fake, version)
-        body = {"names": names, "dtypes": [str(p[1]).replace("torch.", "") for p in params],
-                "shapes": [list(p[2]) for p in params], "group_name": group_name, "flush_cache": True,
-                "abort_all_requests": False, "weight_version": str(version)}
-        try:
-            self._weight_session(lambda: self._with_peer(
-                lambda: self._control("POST", "/update_weights_from_distributed", body,
-                                      what=f"update_weights_from_distributed(version={version})"), send), version)
-        except EngineError as e:
-            self._fence(str(e))
-            raise
-
-    # ------------------------------------------------------------------ weights internals
-    def _weight_session(self, load: Callable[[], Any], version: int) -> None:
-        begin = {"selector": "all"}
-        try:
-            self._control("POST", "/begin_weight_update", begin, what="begin_weight_update")
-        except EngineError as e:
-            if "already open" not in str(e):
-                raise
-            # a session left open by an earlier failed load: close it, then begin afresh
-            self._control("POST", "/end_weight_update", {}, what="end_weight_update (stale session)")
-            self._control("POST", "/begin_weight_update", begin, what="begin_weight_update")
-        try:
-            load()
-        except BaseException:
-            try:
-                self._control("POST", "/end_weight_update", {}, what="end_weight_update (after failure)")
-            except EngineError as e2:
-                log.warning("sglang: closing the weight-update session failed too: %s", e2)
-            raise
-        self._control("POST", "/end_weight_update", {}, what="end_weight_update")
-        self._control("POST", "/flush_cache", None, what="flush_cache")
-        got = self._control("GET", "/model_info", None, what="model_info").get("weight_version")
-        if str(got) != str(version):
-            raise EngineError(f"sglang: server reports weight_version {got!r} after loading version {version}")
-        self._version = int(version)
-        self._fenced = None
-
-    def _fence(self, why: str) -> None:
-        self._fenced = why.splitlines()[0][:300]
-        self._version = -1
-
-    def _validate_state_dict(self, state_dict: Mapping[str, Any], version: int) -> None:
-        if self.arch is None:
-            return
-        from rlboost_hpc.models.arch import ModelFormatError, validate_state_dict
-
-        try:
-            validate_state_dict(self.arch, state_dict, source=f"load_weights(version={version})")
-        except ModelFormatError as e:
-            raise EngineError(str(e)) from None
-
     def _server_info(self) -> dict:
         try:
             info = self._control("GET", "/server_info", None, what="server_info", timeout=30.0)
@@ -827,36 +422,11 @@ class SGLangEngine(Engine):
             return {}
         return info if isinstance(info, dict) else {}
 
-    def _with_peer(self, call: Callable[[], Any], peer: Callable[[], Any] | None) -> Any:
-        if peer is None:
-            return call()
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["result"] = call()
-            except BaseException as e:
-                box["error"] = e
-
-        t = threading.Thread(target=run, name="sglang-control", daemon=True)
-        t.start()
-        try:
-            peer()
-        except BaseException as e:
-            t.join(timeout=1.0)
-            raise EngineError(f"weight holders' side failed: {type(e).__name__}: {e}") from e
-        t.join(timeout=self.control_timeout_s)
-        if t.is_alive():
-            raise EngineError(f"sglang control call still running after {self.control_timeout_s:.0f}s")
-        if "error" in box:
-            raise box["error"]
-        return box.get("result")
-
     # ------------------------------------------------------------------ control calls
     def _control(self, method: str, path: str, body: Any, what: str, timeout: float | None = None) -> Any:
         """A control call whose reply is always checked."""
         try:
-            status, reply = _http(self.host, self.port, method, path, body, timeout or self.control_timeout_s)
+            status, reply = http_json(self.host, self.port, method, path, body, timeout or self.control_timeout_s)
         except (OSError, http.client.HTTPException) as e:
             raise EngineError(f"sglang {what}: {self.base_url}{path} unreachable: {type(e).__name__}: {e}; "
                               + self._log_hint()) from None
@@ -961,7 +531,7 @@ class SGLangEngine(Engine):
         try:
             conn = http.client.HTTPConnection(self.host, self.port, timeout=self.stall_timeout_s)
             b.conn = conn
-            conn.request("POST", "/generate", body=_dumps(body), headers={"Content-Type": "application/json"})
+            conn.request("POST", "/generate", body=fast_dumps(body), headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
             if resp.status != 200:
                 err = f"HTTP {resp.status}: {resp.read()[:2000].decode('utf-8', 'replace')}"
@@ -972,7 +542,7 @@ class SGLangEngine(Engine):
                     data = line[5:].strip()
                     if data == b"[DONE]":
                         break
-                    self._dispatch(b, _loads(data))
+                    self._dispatch(b, fast_loads(data))
         except (OSError, http.client.HTTPException, ValueError) as e:
             err = f"{type(e).__name__}: {e}"
         finally:
@@ -1075,119 +645,6 @@ class SGLangEngine(Engine):
 
     def _abort_quietly(self, srid: str) -> None:
         try:
-            _http(self.host, self.port, "POST", "/abort_request", {"rid": srid}, timeout=10.0)
+            http_json(self.host, self.port, "POST", "/abort_request", {"rid": srid}, timeout=10.0)
         except (OSError, http.client.HTTPException):
             pass
-
-
-# ====================================================================================== weights: serialization
-def serialize_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """What ``/update_weights_from_tensor`` expects per TP rank: base64 of ``ForkingPickler`` of a list of
-    ``(name, tensor)`` (SGLang's ``MultiprocessingSerializer``).
-
-    CPU tensors travel as shared-memory file names: the sharing strategy must be ``file_system`` (the default
-    ``file_descriptor`` strategy pickles fds that cannot cross HTTP and crashes the server's scheduler), so
-    this sets it for the whole process. Keep the tensors alive until the server has answered.
-    """
-    import torch.multiprocessing as tmp
-    from multiprocessing.reduction import ForkingPickler
-
-    if tmp.get_sharing_strategy() != "file_system":
-        tmp.set_sharing_strategy("file_system")
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(list(named))
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def _as_shared(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """A shared-memory copy of ``t`` (one copy; the caller's tensor is left untouched)."""
-    import torch.multiprocessing as tmp
-
-    if tmp.get_sharing_strategy() != "file_system":
-        tmp.set_sharing_strategy("file_system")
-    t = t.detach()
-    if t.is_cuda:  # CUDA tensors travel as CUDA IPC handles
-        return t.to(dtype) if dtype is not None and t.dtype != dtype else t.contiguous()
-    out = torch.empty(t.shape, dtype=dtype or t.dtype).share_memory_()
-    out.copy_(t)
-    return out
-
-
-def init_weight_sender_group(master_address: str, master_port: int, world_size: int, rank: int = 0,
-                             group_name: str = "rlboost_weights", backend: str = "gloo",
-                             timeout_s: float = 300.0):
-    """The weight holders' side of :meth:`SGLangEngine.init_weight_update_group`: a process group that is not
-    the default group (same rendezvous as SGLang's ``init_custom_process_group``: TCP store at
-    ``master_address:master_port``, keys prefixed by ``group_name``). Returns the group for
-    ``torch.distributed.broadcast(t, src=rank, group=g)``.
-    """
-    from datetime import timedelta
-
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
-
-    timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                              timeout=timeout))
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                      backend_options=None, timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
-
-
-# ====================================================================================== factory for the agent
-def write_hf_dir(model_config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor] | None,
-                 out_dir: str | os.PathLike[str]) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` (what ``--model-path`` needs; no tokenizer: the server
-    runs with ``--skip-tokenizer-init``). Tied copies (``lm_head.weight`` equal to the embedding) are kept.
-    ``state_dict=None`` writes the config only (for ``--load-format dummy``)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if state_dict is not None:
-        from safetensors.torch import save_file
-
-        tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = dict(model_config)  # the model's own config.json (architectures, model_type: what SGLang dispatches on)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    return out
-
-
-def make_sglang_engine(model_config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor] | None,
-                       max_batch: int = 32, *, work_dir: str | os.PathLike[str] | None = None, version: int = 0,
-                       **launch_kw) -> SGLangEngine:
-    """Build an :class:`SGLangEngine` the way the rollout agent builds engines: write the manager's HF config and
-    the first pulled weights to ``work_dir`` (default: a temp dir), launch a supervised server on them.
-
-    ``state_dict=None`` starts the server on random weights (``--load-format dummy``, no weight file) so it
-    can boot while the first version is still being pulled; the engine is then FENCED (``version == -1``,
-    :meth:`SGLangEngine.add` refused) until :meth:`SGLangEngine.load_weights` succeeds.
-
-    ``launch_kw`` go to :meth:`SGLangEngine.launch` / :class:`SGLangServer` (``device``, ``dtype``,
-    ``stream_interval``, ``deterministic``, ``startup_timeout_s``, ``log_path``, ``env``, ``python``, …).
-    """
-    # the pid in the name lets the next attempt on this node reclaim it after a SIGKILL (procutil.reclaim_leftovers)
-    d = Path(work_dir) if work_dir is not None else Path(
-        tempfile.mkdtemp(prefix=f"rlboost-sglang-model-{os.getpid()}-"))
-    write_hf_dir(model_config, state_dict, d)
-    launch_kw.setdefault("log_path", d / "server.log")
-    if state_dict is None:
-        launch_kw["extra_args"] = [*launch_kw.get("extra_args", ()), "--load-format", "dummy"]
-        launch_kw.setdefault("weight_version", "none")
-    eng = SGLangEngine.launch(d, max_batch=max_batch, version=version if state_dict is not None else -1,
-                              model_config=model_config, **launch_kw)
-    if state_dict is None:
-        eng._fence("no weights loaded yet (started with dummy weights)")
-    if work_dir is None:
-        eng._cleanup_dir = d  # a temp dir of ours: removed (weights; the log is kept) by close()
-    return eng
-
-
-def sglang_engine_factory(max_batch: int, **launch_kw) -> Callable[[dict, Mapping], Engine]:
-    """An ``EngineFactory`` for :class:`rlboost_hpc.rollout.agent.RolloutAgent` (``engine_factory=``)."""
-
-    def make(model_config: dict, state_dict: Mapping, arch=None) -> Engine:  # the server reads config.json itself
-        return make_sglang_engine(model_config, state_dict, max_batch, **launch_kw)
-
-    return make

@@ -1,0 +1,239 @@
+"""Weights into an SGLang server: the weight-update half of the SGLang engine
+(:class:`~rlboost_hpc.rollout.engines.sglang_engine.SGLangEngine`, mixed into it) and what the weight holders send.
+
+Invariants:
+- :meth:`load_weights` is refused while requests are active; it validates names/shapes
+  (Llama configs), then ``/begin_weight_update`` → ``/update_weights_from_tensor`` (with ``weight_version``,
+  ``flush_cache=true``, ``abort_all_requests=false``) → ``/end_weight_update`` → ``/flush_cache`` and checks the
+  server's reported weight version. Every reply is checked; any failure raises :class:`EngineError` with the
+  server's message and log tail and FENCES the engine (``version = -1``, :meth:`add` refused) until a later
+  load succeeds. ``/update_weight_version`` is only ever called with ``abort_all_requests=false``. A server
+  started without weights (:func:`~rlboost_hpc.rollout.engines.factory.make_sglang_engine` with
+  ``state_dict=None``: ``--load-format dummy``, so it can boot while the first version is pulled) starts fenced.
+- A load is one session: ``/begin_weight_update`` … ``/end_weight_update``; a session left open by an earlier
+  failed load is closed first; the session is closed on every failure path.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import threading
+import time
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from rlboost_hpc.rollout.engines.base import EngineError
+
+__all__ = ["SGLangWeightUpdates", "as_shared", "init_weight_sender_group", "serialize_named_tensors"]
+
+log = logging.getLogger("rlboost.sglang")
+
+
+class SGLangWeightUpdates:
+    """The weight-update methods of :class:`~rlboost_hpc.rollout.engines.sglang_engine.SGLangEngine`.
+
+    Uses the engine's ``_control`` (a checked control call), ``_check_server``, ``num_active``, ``arch``,
+    ``model_config``, ``server_dtype``, ``tp_size``, ``control_timeout_s`` and its ``_version`` / ``_fenced``
+    state (the fence is set and cleared only here).
+    """
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load a complete version through ``/update_weights_from_tensor`` and label the server with it.
+
+        Sequence: validate → ``/begin_weight_update`` → ``/update_weights_from_tensor`` (shared-memory
+        tensors, ``weight_version``, ``flush_cache``, never aborting) → ``/end_weight_update`` →
+        ``/flush_cache`` → check the server's weight version. Sets :attr:`version` on success.
+
+        Raises:
+            EngineError: requests are active (nothing changes); a tensor is missing/unexpected/misshapen
+                (nothing changes); or any server reply is a failure — then the engine is fenced
+                (``version = -1``, :meth:`add` refused) until a later load succeeds.
+        """
+        if self.num_active:
+            raise EngineError(f"load_weights(version={version}) refused: {self.num_active} request(s) active; "
+                              f"drain or abort them first")
+        self._validate_state_dict(state_dict, version)
+        self._check_server(f"load_weights(version={version})")
+        t0 = time.monotonic()
+        try:
+            # one shared-memory copy, alive until the server answered; one pickle per TP rank (each pickle
+            # takes its own reference on the shared segments, each rank's unpickling releases one)
+            shared = [(k, as_shared(v, self.server_dtype)) for k, v in state_dict.items()]
+            payloads = [serialize_named_tensors(shared) for _ in range(self.tp_size)]
+            self._weight_session(
+                lambda: self._control("POST", "/update_weights_from_tensor", {
+                    "serialized_named_tensors": payloads,
+                    "flush_cache": True, "abort_all_requests": False, "weight_version": str(version)},
+                    what=f"update_weights_from_tensor(version={version})"),
+                version)
+        except EngineError as e:
+            self._fence(str(e))
+            raise
+        log.info("sglang: loaded version %d (%d tensors) in %.2fs", version, len(state_dict), time.monotonic() - t0)
+
+    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                 group_name: str = "rlboost_weights", backend: str = "gloo",
+                                 join: Callable[[], Any] | None = None) -> None:
+        """Make the server join a collective group with the weight holders (``/init_weights_update_group``).
+
+        The server's ranks are ``rank_offset .. rank_offset + tp_size - 1``. The call blocks until every member
+        joined: pass ``join`` (the holders' side, e.g. ``lambda: init_weight_sender_group(...)``) to run it
+        concurrently. Use ``backend="nccl"`` on GPUs, ``"gloo"`` on CPU.
+
+        Raises:
+            EngineError: the server's reply is a failure, or ``join`` raised.
+        """
+        body = {"master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+                "world_size": int(world_size), "group_name": group_name, "backend": backend}
+        self._with_peer(lambda: self._control("POST", "/init_weights_update_group", body,
+                                              what="init_weights_update_group"), join)
+
+    def load_weights_from_distributed(self, params: Sequence[tuple[str, torch.dtype, Sequence[int]]], version: int,
+                                      send: Callable[[], Any], group_name: str = "rlboost_weights") -> None:
+        """Load a version broadcast by the weight holders over the group of :meth:`init_weight_update_group`.
+
+        ``params`` lists (HF name, dtype, shape) in broadcast order; ``send`` runs the holders' broadcasts
+        (``torch.distributed.broadcast(t, src=0, group=g)`` for each tensor, in that order) concurrently with
+        the server's ``/update_weights_from_distributed`` call. Wrapped in ``/begin_weight_update`` …
+        ``/end_weight_update`` + ``/flush_cache`` like :meth:`load_weights`; same refusal and fencing rules.
+        """
+        if self.num_active:
+            raise EngineError(f"load_weights_from_distributed(version={version}) refused: {self.num_active} "
+                              f"request(s) active")
+        names = [p[0] for p in params]
+        if self.model_config is not None:
+            fake = {n: torch.empty(tuple(s), dtype=d, device="meta") for n, d, s in params}
+            self._validate_state_dict(fake, version)
+        body = {"names": names, "dtypes": [str(p[1]).replace("torch.", "") for p in params],
+                "shapes": [list(p[2]) for p in params], "group_name": group_name, "flush_cache": True,
+                "abort_all_requests": False, "weight_version": str(version)}
+        try:
+            self._weight_session(lambda: self._with_peer(
+                lambda: self._control("POST", "/update_weights_from_distributed", body,
+                                      what=f"update_weights_from_distributed(version={version})"), send), version)
+        except EngineError as e:
+            self._fence(str(e))
+            raise
+
+    # ------------------------------------------------------------------ weights internals
+    def _weight_session(self, load: Callable[[], Any], version: int) -> None:
+        begin = {"selector": "all"}
+        try:
+            self._control("POST", "/begin_weight_update", begin, what="begin_weight_update")
+        except EngineError as e:
+            if "already open" not in str(e):
+                raise
+            # a session left open by an earlier failed load: close it, then begin afresh
+            self._control("POST", "/end_weight_update", {}, what="end_weight_update (stale session)")
+            self._control("POST", "/begin_weight_update", begin, what="begin_weight_update")
+        try:
+            load()
+        except BaseException:
+            try:
+                self._control("POST", "/end_weight_update", {}, what="end_weight_update (after failure)")
+            except EngineError as e2:
+                log.warning("sglang: closing the weight-update session failed too: %s", e2)
+            raise
+        self._control("POST", "/end_weight_update", {}, what="end_weight_update")
+        self._control("POST", "/flush_cache", None, what="flush_cache")
+        got = self._control("GET", "/model_info", None, what="model_info").get("weight_version")
+        if str(got) != str(version):
+            raise EngineError(f"sglang: server reports weight_version {got!r} after loading version {version}")
+        self._version = int(version)
+        self._fenced = None
+
+    def _fence(self, why: str) -> None:
+        self._fenced = why.splitlines()[0][:300]
+        self._version = -1
+
+    def _validate_state_dict(self, state_dict: Mapping[str, Any], version: int) -> None:
+        if self.arch is None:
+            return
+        from rlboost_hpc.models.arch import ModelFormatError, validate_state_dict
+
+        try:
+            validate_state_dict(self.arch, state_dict, source=f"load_weights(version={version})")
+        except ModelFormatError as e:
+            raise EngineError(str(e)) from None
+
+    def _with_peer(self, call: Callable[[], Any], peer: Callable[[], Any] | None) -> Any:
+        if peer is None:
+            return call()
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["result"] = call()
+            except BaseException as e:
+                box["error"] = e
+
+        t = threading.Thread(target=run, name="sglang-control", daemon=True)
+        t.start()
+        try:
+            peer()
+        except BaseException as e:
+            t.join(timeout=1.0)
+            raise EngineError(f"weight holders' side failed: {type(e).__name__}: {e}") from e
+        t.join(timeout=self.control_timeout_s)
+        if t.is_alive():
+            raise EngineError(f"sglang control call still running after {self.control_timeout_s:.0f}s")
+        if "error" in box:
+            raise box["error"]
+        return box.get("result")
+
+
+def serialize_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """What ``/update_weights_from_tensor`` expects per TP rank: base64 of ``ForkingPickler`` of a list of
+    ``(name, tensor)`` (SGLang's ``MultiprocessingSerializer``).
+
+    CPU tensors travel as shared-memory file names: the sharing strategy must be ``file_system`` (the default
+    ``file_descriptor`` strategy pickles fds that cannot cross HTTP and crashes the server's scheduler), so
+    this sets it for the whole process. Keep the tensors alive until the server has answered.
+    """
+    import torch.multiprocessing as tmp
+    from multiprocessing.reduction import ForkingPickler
+
+    if tmp.get_sharing_strategy() != "file_system":
+        tmp.set_sharing_strategy("file_system")
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(list(named))
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def as_shared(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A shared-memory copy of ``t`` (one copy; the caller's tensor is left untouched)."""
+    import torch.multiprocessing as tmp
+
+    if tmp.get_sharing_strategy() != "file_system":
+        tmp.set_sharing_strategy("file_system")
+    t = t.detach()
+    if t.is_cuda:  # CUDA tensors travel as CUDA IPC handles
+        return t.to(dtype) if dtype is not None and t.dtype != dtype else t.contiguous()
+    out = torch.empty(t.shape, dtype=dtype or t.dtype).share_memory_()
+    out.copy_(t)
+    return out
+
+
+def init_weight_sender_group(master_address: str, master_port: int, world_size: int, rank: int = 0,
+                             group_name: str = "rlboost_weights", backend: str = "gloo",
+                             timeout_s: float = 300.0):
+    """The weight holders' side of :meth:`SGLangEngine.init_weight_update_group`: a process group that is not
+    the default group (same rendezvous as SGLang's ``init_custom_process_group``: TCP store at
+    ``master_address:master_port``, keys prefixed by ``group_name``). Returns the group for
+    ``torch.distributed.broadcast(t, src=rank, group=g)``.
+    """
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                              timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                      backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
