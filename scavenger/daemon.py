@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal as _signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -305,9 +306,15 @@ class Scavenger:
                 t.finished = True
 
     def _note_finish(self, j: JobInfo, t: _Track, now: float) -> None:
-        # a job this daemon asked to drain ended because of that: its exit status says nothing about whether
-        # rollout jobs can start, so it never counts as a quick failure (nor pauses submissions)
-        if j.state in ("FAILED", "OUT_OF_MEMORY", "BOOT_FAIL") and t.drain_signalled_at is None:
+        # A job that ended because it was told to leave — this daemon drained it, or the warning signal (a
+        # preemption, the time limit) killed it before its batch shell trapped it — says nothing about whether
+        # rollout jobs can start: it never counts as a quick failure (nor pauses submissions).
+        warn = int(_signal.Signals["SIG" + self.config.signal.upper().removeprefix("SIG")])
+        told_to_leave = t.drain_signalled_at is not None or j.exit_signal == warn or j.exit_code == 128 + warn
+        if j.state in ("FAILED", "OUT_OF_MEMORY", "BOOT_FAIL") and told_to_leave:
+            log.info("scavenger: rollout job %s %s (exit %s, signal %s): it was told to leave — not a crash",
+                     j.job_id, j.state, j.exit_code, j.exit_signal)
+        elif j.state in ("FAILED", "OUT_OF_MEMORY", "BOOT_FAIL"):
             start = j.start_time or t.start_ts
             end = j.end_time or now
             if start is None or end - start < QUICK_FAILURE_S:

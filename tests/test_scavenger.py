@@ -591,6 +591,26 @@ def test_a_drained_job_that_ends_failed_does_not_pause_submissions(env):
     assert len(sc.reconcile_once().submitted) == 1  # at once, no back-off
 
 
+def test_a_job_killed_by_the_warning_signal_does_not_pause_submissions(env):
+    """Regression: a rollout job preempted 1 s after it started died of USR2 before its batch shell trapped it
+    (FAILED, exit 140) and counted as a quick failure: submissions paused 30 s while the target asked for more
+    (the Slurm control-loop test). Any other quick failure still pauses."""
+    clock, fake, run_dir, make = env
+    set_target(run_dir, 1)
+    sc = make()
+    [jid] = sc.reconcile_once().submitted
+    fake.schedule()
+    clock.t += 1
+    fake.finish(jid, "FAILED", exit_code=128 + 12)  # SIGUSR2, the configured warning signal
+    res = sc.reconcile_once()
+    assert res.submit_paused_until is None or res.submit_paused_until <= clock.t
+    assert len(res.submitted) == 1  # replaced at once
+    fake.schedule()
+    clock.t += 1
+    fake.finish(res.submitted[0], "FAILED", exit_code=128 + 9)  # SIGKILL: not a warning
+    assert sc.reconcile_once().submit_paused_until == pytest.approx(clock.t + 30)
+
+
 def test_malformed_target_keeps_last_good(env, caplog):
     clock, fake, run_dir, make = env
     sc = make()
