@@ -31,7 +31,7 @@ import signal as _signal
 from typing import Any, Iterable, Mapping
 
 from scavenger.slurm import SlurmClient, SlurmCommandError
-from scavenger.slurm_records import JobInfo, NodeInfo, states_of
+from scavenger.slurm_records import JobInfo, NodeInfo, select_jobs, states_of
 
 log = logging.getLogger(__name__)
 
@@ -149,14 +149,7 @@ class PyslurmClient(SlurmClient):
         if only_mine:
             uid = os.getuid()
             raw = [j for j in raw if getattr(j, "user_id", uid) == uid]
-        jobs = [job_info(j) for j in raw]
-        if name_prefix is not None:
-            jobs = [j for j in jobs if j.name.startswith(name_prefix)]
-        if comment_tag is not None:
-            jobs = [j for j in jobs if j.comment == comment_tag]
-        if not all_states:
-            jobs = [j for j in jobs if not j.terminal]
-        return jobs
+        return select_jobs([job_info(j) for j in raw], name_prefix, comment_tag, all_states)
 
     def scancel(self, job_ids: Iterable[str], signal: str | None = None, batch: bool = False) -> None:
         """As :meth:`SlurmClient.scancel`: cancel, or only send ``signal`` (``"USR2"``) to the job's steps — with

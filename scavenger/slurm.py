@@ -33,6 +33,7 @@ from scavenger.slurm_records import (
     parse_sinfo_json,
     parse_sinfo_text,
     parse_squeue_json,
+    select_jobs,
     sinfo_text_format,
 )
 
@@ -221,13 +222,7 @@ class SlurmClient:
             jobs = parse_squeue_json(doc)
         except ValueError as e:
             raise SlurmCommandError(argv + ["--json"], 0, "", False, detail=str(e)) from None
-        if name_prefix is not None:
-            jobs = [j for j in jobs if j.name.startswith(name_prefix)]
-        if comment_tag is not None:
-            jobs = [j for j in jobs if j.comment == comment_tag]
-        if not all_states:
-            jobs = [j for j in jobs if not j.terminal]
-        return jobs
+        return select_jobs(jobs, name_prefix, comment_tag, all_states)
 
     # -- actions ---------------------------------------------------------------------------------
     def sbatch(self, script_path: str | os.PathLike[str], args: Sequence[str] = (),

@@ -487,6 +487,18 @@ def parse_sinfo_json(doc: Mapping[str, Any]) -> list[NodeInfo]:
     return list(merged.values())
 
 
+def select_jobs(jobs: list[JobInfo], name_prefix: str | None = None, comment_tag: str | None = None,
+                all_states: bool = False) -> list[JobInfo]:
+    """The jobs whose name starts with ``name_prefix`` and whose comment equals ``comment_tag`` (each filter only
+    when given), finished ones only with ``all_states`` — the filters of ``squeue_jobs``, applied on our side
+    because some releases ignore them in JSON mode."""
+    if name_prefix is not None:
+        jobs = [j for j in jobs if j.name.startswith(name_prefix)]
+    if comment_tag is not None:
+        jobs = [j for j in jobs if j.comment == comment_tag]
+    return jobs if all_states else [j for j in jobs if not j.terminal]
+
+
 def parse_squeue_json(doc: Mapping[str, Any]) -> list[JobInfo]:
     """Jobs from a ``squeue --json`` document (any known shape). Raises :class:`ValueError` without ``jobs``."""
     jobs = doc.get("jobs")
