@@ -140,8 +140,8 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
     from rlboost_hpc.trainer.client import ManagerClient
     from rlboost_hpc.trainer.eval import evaluate, kl_to_reference
     from rlboost_hpc.trainer.loop import RLTrainer, StepSettings
-    from rlboost_hpc.weights.puller import WeightPuller
     from rlboost_hpc.trainer.publisher import WeightPublisher
+    from rlboost_hpc.weights.puller import WeightPuller
     from rlboost_hpc.weights.server import WeightServer
     from rlboost_hpc.weights.sharded import manifest_nbytes
 
