@@ -192,6 +192,36 @@ def test_each_warning_is_counted_by_its_kind_even_while_the_worker_starts(harnes
     assert causes == {"starting": "preempted", "surplus": "drained", "ending": "time_limit"}
 
 
+def test_a_preemption_whose_sigterm_comes_first_is_counted_as_a_preemption(harness):
+    """Regression: Slurm preempts with SIGTERM and the warning signal (USR2), in either order; a worker that got
+    SIGTERM first took its end for a cancellation (``stopped``), so that preemption went uncounted (the Slurm
+    control-loop test counted 1 of 2). A lone SIGTERM under Slurm is still a cancellation."""
+    from rlboost_hpc.events import read_events
+
+    h = harness
+    env = dict(os.environ, SLURM_JOB_ID="4242", SLURM_JOB_END_TIME=str(int(time.time()) + 3600))
+
+    def spawn(job: str) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-m", "rlboost_hpc.rollout.worker", "--run-dir", str(h.run_dir),
+                              "--job-id", job, "--signal", "SIGUSR2", "--requeue", "no"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        h.procs.append(p)
+        return p
+
+    both, term = spawn("both"), spawn("term")
+    wait_stats(h.client, lambda s: s["routable_preemptible"] == 2, timeout=60)
+    both.send_signal(signal.SIGTERM)
+    time.sleep(0.05)
+    both.send_signal(signal.SIGUSR2)
+    term.send_signal(signal.SIGTERM)
+    assert both.wait(30) == 0 and term.wait(30) == 0
+    st = wait_stats(h.client, lambda s: s["instances_preempted_with_warning"] + s["instances_drained"] == 2,
+                    timeout=30)
+    assert (st["instances_preempted_with_warning"], st["instances_drained"], st["instances_lost"]) == (1, 1, 0)
+    causes = {e["job_id"]: e["cause"] for e in read_events(h.run_dir) if e["event"] == "warned"}
+    assert causes == {"both": "preempted", "term": "stopped"}
+
+
 def test_warning_classification_by_drain_marker_and_job_end_time():
     from rlboost_hpc.rollout.worker import classify_warning
 

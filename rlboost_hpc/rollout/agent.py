@@ -348,6 +348,9 @@ class RolloutAgent:
         self.tokens_handed_off = 0  # response tokens of unfinished requests handed back (released)
         self.stop_reason: str | None = None  # set (signal-safe) to drain and exit
         self.stop_cause: M.LeaveCause = "stopped"
+        #: After a stop without a known cause, how long (seconds) the Deregister waits for a refining one — Slurm
+        #: preempts with SIGTERM *and* the warning signal, in either order (the worker sets it under Slurm).
+        self.cause_settle_s = 0.0
         self.welcome: M.Welcome | None = None
         self.want_version = -1
         self._pos: dict[str, int] = {}
@@ -369,10 +372,13 @@ class RolloutAgent:
 
     def request_stop(self, reason: str, cause: M.LeaveCause = "stopped") -> None:
         """Ask the agent to drain and exit (safe from a signal handler or another thread). ``cause`` is the
-        counted kind of end its Deregister carries; the first request wins."""
+        counted kind of end its Deregister carries; the first request wins, except that a cause refines
+        ``"stopped"`` until the Deregister is sent (see :attr:`cause_settle_s`)."""
         if self.stop_reason is None:
             self.stop_cause = cause
             self.stop_reason = reason
+        elif self.stop_cause == "stopped" and cause != "stopped":
+            self.stop_cause = cause
 
     def _send(self, msg: M._Msg) -> None:
         self.link.send(M.encode(msg))
@@ -528,6 +534,9 @@ class RolloutAgent:
     def _drain(self, reason: str) -> None:
         self._send(M.Draining(reason=reason))
         self._release(list(self._pos))
+        settle = time.monotonic() + self.cause_settle_s
+        while self.stop_cause == "stopped" and time.monotonic() < settle:  # a warning may still refine the cause
+            time.sleep(0.01)
         self._send(M.Deregister(reason=reason, tokens_generated=self.tokens_generated, cause=self.stop_cause))
 
     # ------------------------------------------------------------------ messages

@@ -10,7 +10,9 @@ Invariants:
   without requeue. Each warning is classified once, when it arrives (:func:`classify_warning`): ``drained`` (the
   scavenger's drain marker exists: no requeue), ``time_limit`` (within :data:`TIME_LIMIT_WINDOW_S` of the job's
   own end time: requeued, counted apart from preemptions) or ``preempted``; under Slurm a SIGTERM that is not
-  the warning signal is a cancellation (``scancel``): ``stopped``, never requeued. The class travels in
+  the warning signal is a cancellation (``scancel``): ``stopped``, never requeued — unless the warning signal
+  follows before the worker deregisters (Slurm preempts with both, in either order; it waits
+  :data:`SLURM_CAUSE_SETTLE_S` for it), which makes it a preemption. The class travels in
   ``Deregister.cause`` and the ``warned`` event — at any point of the worker's life, registered or not yet.
   Without a warning (SIGKILL) the manager detects the loss by missed heartbeats.
 - Life-cycle events (warned, tokens, requeue) are appended to the run directory's ``events.jsonl`` when one
@@ -37,6 +39,10 @@ from rlboost_hpc.events import append_event, drain_requested  # light: no torch
 
 log = logging.getLogger("rlboost.worker")
 
+
+#: Under Slurm, how long (seconds) a worker stopped by SIGTERM waits, before it deregisters, for the warning signal
+#: that tells a preemption from a cancellation (Slurm sends both at preemption, in either order).
+SLURM_CAUSE_SETTLE_S = 0.5
 
 def _event(run_dir: str | None, record: dict) -> None:
     if not run_dir:
@@ -180,6 +186,14 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_signal(s, _f):
         if "warned_at" in holder:
+            # Slurm preempts with SIGTERM and the warning signal, in either order: the warning refines a SIGTERM's
+            # "stopped" (the agent waits SLURM_CAUSE_SETTLE_S for it before it deregisters)
+            if s == warn and holder.get("cause") == "stopped" and holder.get("signal") == "SIGTERM":
+                holder["cause"] = classify_warning(holder["warned_at"], drained=False,
+                                                   job_end_s=holder.get("job_end_s"))
+                holder["signal"] = f"SIGTERM+{signal.Signals(s).name}"
+                if "agent" in holder:
+                    holder["agent"].request_stop(_stop_reason(holder), holder["cause"])
             return
         holder["warned_at"] = time.time()
         holder["signal"] = signal.Signals(s).name
@@ -273,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     produced = handed_off = 0
 
     def make_agent(manager: str, keys, engine=None, engine_epoch=None) -> RolloutAgent:
-        return RolloutAgent(
+        agent = RolloutAgent(
             manager, args.job_id, args.attempt, kind="preemptible", max_batch=wspec.max_batch,
             register_timeout_s=args.register_timeout, manager_timeout_s=args.manager_timeout,
             node=os.environ.get("SLURMD_NODENAME", ""), keys=keys, engine_factory=factory,
@@ -281,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
             engine_name=spec.get("kind", "torch"), engine=engine, engine_epoch=engine_epoch,
             close_engine=False, builder=builder, relay_endpoint=relay_endpoint(), relay_wait_s=wspec.relay_wait_s,
             weight_source_factory=lambda ep, shards="": weights.source(ep, keys, shards))
+        if os.environ.get("SLURM_JOB_ID"):
+            agent.cause_settle_s = SLURM_CAUSE_SETTLE_S
+        return agent
 
     agent = make_agent(manager, keys)
     holder["agent"] = agent
