@@ -80,8 +80,8 @@ class RemoteWeights:
         self.streams, self.window, self.timeout_s = streams, window, timeout_s
         self.keep_base = keep_base
         self.peer_timeout_s = peer_timeout_s
-        # the last successful pull (keep_base only): its PulledWeights, or position → PulledWeights of a sharded one
-        self._base = None
+        self._base = None  # PulledWeights of the last successful pull (keep_base only)
+        self._shard_bases: dict | None = None  # ... of a sharded version: position → PulledWeights
         self._relay = None  # WeightServer serving self._base (serve_relay)
         self._relay_keys: RunKeys | None = None
 
@@ -101,7 +101,7 @@ class RemoteWeights:
         if self._relay is None:
             self._relay = WeightServer(bind=f"tcp://{bind_host}:0", keep_versions=1, delta=False, keys=keys).start()
             self._relay_keys = keys
-            if self._base is not None and not isinstance(self._base, dict) and self._base.manifest is not None:
+            if self._base is not None and self._base.manifest is not None:
                 self._relay.hold(self._base.manifest, self._base.buffer, self._base.delta_payloads)
         return advertised(self._relay.endpoint, advertise_host)
 
@@ -131,9 +131,7 @@ class RemoteWeights:
             t0 = time.monotonic()
             if self._relay is not None:
                 self._relay.withdraw()  # the buffer it serves is about to change
-            base, self._base = self._base, None  # consumed by the pull, whatever its outcome
-            if isinstance(base, dict):  # per-holder bases of sharded versions (another trainer): not a base here
-                base = None
+            base, self._base, self._shard_bases = self._base, None, None  # consumed, whatever the outcome
             got = WeightPuller(endpoint, streams=self.streams, window=self.window, timeout_s=self.timeout_s,
                                keys=keys, peer_timeout_s=self.peer_timeout_s).pull(version, base=base, peers=peers)
             if self.keep_base or self._relay is not None:
@@ -154,11 +152,11 @@ class RemoteWeights:
             t0 = time.monotonic()
             if self._relay is not None:
                 self._relay.withdraw()  # it serves single-buffer versions only
-            base, self._base = self._base, None  # consumed by the pull, whatever its outcome
+            bases, self._base, self._shard_bases = self._shard_bases, None, None  # consumed, whatever the outcome
             sd, st = pull_sharded(manifest, version, streams=self.streams, window=self.window,
-                                  timeout_s=self.timeout_s, keys=keys, bases=base if isinstance(base, dict) else None)
+                                  timeout_s=self.timeout_s, keys=keys, bases=bases)
             if self.keep_base:
-                self._base = st["pulled"]
+                self._shard_bases = st["pulled"]
             return sd, {"checksum": int(st["checksum"]), "nbytes": int(st["bytes"]), "pull_s": time.monotonic() - t0,
                         "phases": {"bytes_received": float(st["bytes_received"])}}
 

@@ -48,7 +48,6 @@ class WeightPublisher:
         self.dtype = dtype
         self.shards: dict | None = getattr(backend, "shard_manifest", None)
         self._pull_kw = dict(streams=streams, window=window, timeout_s=timeout_s, keys=client_keys)
-        self._checksums: dict[int, tuple[int, int]] = {}  # version → (checksum, bytes), sharded path
         self.history: list[dict] = []
         self._lock = threading.Lock()
         self._bases: dict | None = None  # the followed sharded version, per holder position
@@ -65,7 +64,6 @@ class WeightPublisher:
         t0 = time.monotonic()
         if self.shards:
             res = self.backend.publish_shards(version)
-            self._checksums[version] = (int(res["checksum"]), int(res["bytes"]))
             d = {"publish_s": time.monotonic() - t0, "export_s": 0.0, "weight_bytes": int(res["bytes"]),
                  "weight_checksum": int(res["checksum"]), "weight_update_bytes": int(res["update_bytes"])}
         else:
