@@ -51,6 +51,29 @@ class TaskCfg(_Strict):
         "deadline of one answer's reward, seconds: a reward past it (e.g. SymPy on a runaway expression) scores 0, "
         "is counted (rewards_timed_out) and its worker process is replaced"))
     reward_workers: int = Field(1, ge=1, description="processes that compute rewards (persistent across steps)")
+    max_turns: int = Field(1, ge=1, description=(
+        "assistant turns per trajectory: 1 = single-turn responses; > 1 = multi-turn tool use: a turn that ends "
+        "with tool_call_close is a tool call, answered by the tool (in the trainer's allocation, never on a "
+        "preemptible instance) with an observation the next turn continues from"))
+    max_trajectory_tokens: int = Field(0, ge=0, description=(
+        "tokens after the prompt in a trajectory, turns and observations together (0 = max_turns × "
+        "rollout.max_new_tokens); rollout.max_new_tokens bounds each turn"))
+    tool: Literal["calculator"] = Field("calculator", description=(
+        "the tool of multi-turn tasks: calculator = arithmetic by the simpleeval library (never eval)"))
+    tool_call_open: str = Field("<tool_call>", description=(
+        "text that opens a tool call in an assistant turn (\"\" = the whole turn is the call); the payload is JSON "
+        "{\"name\": \"calculator\", \"arguments\": {\"expression\": ...}} or the bare expression"))
+    tool_call_close: str = Field("</tool_call>", min_length=1, description=(
+        "text that ends a tool call and the turn: must be one token of the policy's tokenizer (a stop id of "
+        "every turn); a turn that ends otherwise ends the trajectory"))
+    tool_timeout_s: float = Field(5.0, gt=0, description=(
+        "deadline of one tool call, seconds: past it the call's worker is killed and replaced, and the "
+        "trajectory continues from an error observation (counted: environment_timeouts)"))
+    tool_workers: int = Field(1, ge=1, description="processes that run tool calls (persistent across steps)")
+    max_observation_tokens: int = Field(64, ge=1, description="a tool result longer than this many tokens is cut")
+    tool_plain_format: str = Field("\nResult: {result}\n", description=(
+        "the observation's text when prompts do not use a chat template ({result} is replaced); with a chat "
+        "template, the observation is the template's rendering of a tool message"))
 
 
 class SGLangCfg(_Strict):
@@ -293,7 +316,18 @@ class RunConfig(_Strict):
         p = self.policy
         if p.seed_ceil_s is not None and p.seed_ceil_s < p.seed_floor_s:
             raise ValueError(f"policy.seed_ceil_s ({p.seed_ceil_s}) must be >= policy.seed_floor_s ({p.seed_floor_s})")
+        t = self.task
+        if t.max_turns == 1 and t.max_trajectory_tokens not in (0, self.rollout.max_new_tokens):
+            raise ValueError("task.max_trajectory_tokens applies to multi-turn tasks only (task.max_turns > 1)")
+        if t.max_turns > 1 and 0 < t.max_trajectory_tokens < self.rollout.max_new_tokens:
+            raise ValueError(f"task.max_trajectory_tokens ({t.max_trajectory_tokens}) must be >= "
+                             f"rollout.max_new_tokens ({self.rollout.max_new_tokens}) or 0")
         return self
+
+    def trajectory_tokens(self) -> int:
+        """Tokens after the prompt of one response: ``task.max_trajectory_tokens``, or ``task.max_turns ×
+        rollout.max_new_tokens`` when 0 (= ``rollout.max_new_tokens`` for single-turn tasks)."""
+        return self.task.max_trajectory_tokens or self.task.max_turns * self.rollout.max_new_tokens
 
 
 class ConfigError(ValueError):

@@ -91,13 +91,48 @@ def _resume_point(cfg: RunConfig, out_dir: Path) -> Path | None:
     return ckpt
 
 
-def _start_manager(cfg: RunConfig, keys_dir: str | None, journal_path: str | None = None, run_id: str | None = None):
+def tool_stop_ids(cfg: RunConfig, tok) -> tuple[int, ...]:
+    """The token id that ends a tool call (``task.tool_call_close``), as a one-element tuple; () for single-turn
+    tasks.
+
+    Raises:
+        ConfigError: ``task.tool_call_close`` is not exactly one token of the policy's tokenizer.
+    """
+    if cfg.task.max_turns == 1:
+        return ()
+    close = cfg.task.tool_call_close
+    tid = tok.hf.convert_tokens_to_ids(close)  # a token of the vocabulary as it is (e.g. Qwen's </tool_call>)
+    if not isinstance(tid, int) or tid == tok.hf.unk_token_id:
+        ids = tok.hf(close, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            raise ConfigError(f"task.tool_call_close = {close!r} is {len(ids)} tokens of the policy's tokenizer "
+                              f"({ids}); it must be exactly one (it ends the turn as a stop id)")
+        tid = ids[0]
+    return (int(tid),)
+
+
+def _environment(cfg: RunConfig, policy) -> dict | None:
+    """The manager's tool-call pool (multi-turn tasks): :func:`~rlboost_hpc.manager.service.run_manager_process`'s
+    ``environment``; None for single-turn tasks."""
+    from rlboost_hpc.tasks.tools import ToolEnvironment, ToolSyntax
+
+    t = cfg.task
+    if t.max_turns == 1:
+        return None
+    env = ToolEnvironment(tokenizer_dir=str(policy.path), use_chat=policy.tokenizer.use_chat,
+                          syntax=ToolSyntax(t.tool_call_open, t.tool_call_close), tool=t.tool,
+                          plain_format=t.tool_plain_format, max_observation_tokens=t.max_observation_tokens)
+    return dict(handler=env, workers=t.tool_workers, timeout_s=t.tool_timeout_s)
+
+
+def _start_manager(cfg: RunConfig, keys_dir: str | None, journal_path: str | None = None, run_id: str | None = None,
+                   environment: dict | None = None):
     from rlboost_hpc.manager.service import spawn_manager
     from rlboost_hpc.policy.dispatch import Balancer
 
     metrics_host = None if cfg.manager.metrics is False else cfg.network.bind_host
     return spawn_manager(bind=f"tcp://{cfg.network.bind_host}:0", keys_dir=keys_dir, metrics_host=metrics_host,
-                         journal_path=journal_path, run_id=run_id, params=dict(
+                         journal_path=journal_path, run_id=run_id, environment=environment, params=dict(
         pending_limit=cfg.manager.pending_limit, heartbeat_s=cfg.manager.heartbeat_s,
         heartbeat_timeout_s=cfg.manager.heartbeat_timeout_s, max_attempts=cfg.manager.max_attempts,
         instance_expiry_s=cfg.manager.instance_expiry_s,
@@ -156,9 +191,12 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
     arch, tok = policy.arch, policy.tokenizer
     task = get_task(cfg.task.name, n_train=cfg.task.train_prompts, n_heldout=cfg.task.heldout_prompts)
     longest = max(len(task.prompt_ids(p, tok)) for p in task.train_prompts() + task.heldout_prompts())
-    if longest + cfg.rollout.max_new_tokens > arch.max_position_embeddings:
-        raise ConfigError(f"rollout.max_new_tokens = {cfg.rollout.max_new_tokens} plus the longest prompt ({longest} "
-                          f"tokens) exceeds the model's context of {arch.max_position_embeddings} tokens")
+    if longest + cfg.trajectory_tokens() > arch.max_position_embeddings:
+        key = ("rollout.max_new_tokens" if cfg.task.max_turns == 1 else
+               "task.max_trajectory_tokens (0: task.max_turns × rollout.max_new_tokens)")
+        raise ConfigError(f"{key} = {cfg.trajectory_tokens()} plus the longest prompt ({longest} tokens) exceeds the "
+                          f"model's context of {arch.max_position_embeddings} tokens")
+    tool_stops = tool_stop_ids(cfg, tok)
     wdtype = getattr(torch, cfg.weights.dtype)
     r = cfg.rollout
     train_device = resolve_device(cfg.trainer.device, "trainer.device")
@@ -184,7 +222,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
     server = WeightServer(bind=f"tcp://{cfg.network.bind_host}:0", chunk_bytes=cfg.weights.chunk_bytes,
                           keys=keys, delta=cfg.weights.delta, delta_max_ratio=cfg.weights.delta_max_ratio).start()
     mproc, bound, metrics_url = _start_manager(cfg, str(out_dir) if keys else None,
-                                               str(RunDir(out_dir).journal), run_id)
+                                               str(RunDir(out_dir).journal), run_id, _environment(cfg, policy))
     host = cfg.network.advertise_host or (socket.gethostname() if cfg.network.bind_host in ("0.0.0.0", "*")
                                           else cfg.network.bind_host)
     endpoint, weights_endpoint = advertised(bound, host), advertised(server.endpoint, host)
@@ -270,7 +308,8 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
                                 max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                 micro_batch=cfg.trainer.micro_batch, seed_window_s=cfg.trainer.seed_window_s,
                                 step_timeout_s=cfg.trainer.step_timeout_s,
-                                seed=cfg.trainer.seed)
+                                seed=cfg.trainer.seed, max_turns=cfg.task.max_turns,
+                                max_trajectory_tokens=cfg.trajectory_tokens(), tool_stop_ids=tool_stops)
         pol = cfg.policy
         n_resv, n_resv_source = reserved_instances(r.gpus_per_instance, cfg.trainer.gpus)
         log.info("N_resv = %g rollout instances (trainer GPUs from %s, %d GPU(s) per instance)", n_resv, n_resv_source,
@@ -396,6 +435,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
             "decode_tokens_per_s_by_batch": final_stats["decode_tokens_per_s_by_batch"],
             "instances_drained": final_stats["instances_drained"],
             "protocol_rejects": final_stats["protocol_rejects"],
+            **_trajectory_report(cfg, final_stats, step_metrics, train_wall),
             "tokens_trained": tot.tokens_trained,
             "throughput_tokens_per_s": tot.tokens_trained / train_wall if train_wall > 0 else 0.0,
             "train_wall_s": train_wall,
@@ -456,6 +496,24 @@ def _counts(cluster, stats: dict) -> dict:
         out = {"preemptions_warned": stats["instances_preempted_with_warning"], "kills": stats["instances_lost"],
                "starts": max(0, stats["registrations"] - 1), "stalls": 0, "link_resets": 0}
     return {**out, **{k: stats[k] for k in _COUNTS[_CLUSTER_COUNTS:]}}
+
+
+def _trajectory_report(cfg: RunConfig, stats: dict, step_metrics: list[dict], train_wall: float) -> dict:
+    """Multi-turn keys of the report (empty for single-turn tasks): turns per trajectory, tool calls and their
+    share of the training wall time, migrations by turn index, and what restarting instead of resuming at the token
+    would have regenerated (tokens of the interrupted turns; assistant tokens of the interrupted trajectories)."""
+    if cfg.task.max_turns == 1:
+        return {}
+    turns = [m["turns_mean"] for m in step_metrics if "turns_mean" in m]
+    return {
+        "turns_per_trajectory_mean": sum(turns) / len(turns) if turns else 0.0,
+        "environment_calls": stats["environment_calls"], "environment_errors": stats["environment_errors"],
+        "environment_timeouts": stats["environment_timeouts"], "environment_seconds": stats["environment_seconds"],
+        "tool_time_share": stats["environment_seconds"] / train_wall if train_wall > 0 else 0.0,
+        "observation_tokens": stats["observation_tokens"], "migrations_by_turn": stats["migrations_by_turn"],
+        "tokens_in_interrupted_turns": stats["tokens_in_interrupted_turns"],
+        "assistant_tokens_in_interrupted_trajectories": stats["assistant_tokens_in_interrupted_trajectories"],
+    }
 
 
 def _metrics_before(out_dir: Path, n: int) -> list[dict]:

@@ -40,11 +40,12 @@ import numpy as np
 
 from rlboost_hpc import defaults as D
 from rlboost_hpc.observe.timeline import Activity, ActivityClock
-from rlboost_hpc.policy.dispatch import Balancer, InstanceLoad, PlateauEstimator, RoundRobin, choose_instance
+from rlboost_hpc.policy.dispatch import Balancer, PlateauEstimator, RoundRobin, choose_instance
 from rlboost_hpc.policy.observation import RemoteWork, observe_remote
 from rlboost_hpc.policy.relay import RelayTree, Source
 from rlboost_hpc.manager.state import (
     ALLOWED_TRANSITIONS,
+    ENV_PEER,
     Group,
     Instance,
     InstanceState,
@@ -52,6 +53,8 @@ from rlboost_hpc.manager.state import (
     RequestState,
     StepWork,
 )
+from rlboost_hpc.manager.balance import balance
+from rlboost_hpc.manager.stats import manager_stats
 from rlboost_hpc.protocol import messages as M
 
 S, R = InstanceState, RequestState
@@ -88,10 +91,12 @@ class ManagerCore:
         instance_expiry_s: float = D.INSTANCE_EXPIRY_S,
         relay_fanout: int = 0,
         relay_trainer_fanout: int = 2,
+        environment: bool = False,
     ) -> None:
         if dispatch_policy not in ("jsq", "round_robin"):
             raise ValueError(f"dispatch_policy must be 'jsq' or 'round_robin', not {dispatch_policy!r}")
         self.dispatch_policy = dispatch_policy
+        self.environment = environment  # an environment answers tool calls (multi-turn trajectories accepted)
         self.epoch = epoch  # incarnation of the run's manager (manager/journal.py); 0 without a journal
         self.alive_every_s = alive_every_s
         self.on_version: Callable[[int], None] | None = None  # set by the service (manager/journal.py)
@@ -157,8 +162,12 @@ class ManagerCore:
                 "balancer_moves", "instances_suspected", "instances_recovered", "instances_expired",
                 "suspected_while_pulling", "recovered_while_pulling", "groups_redelivered", "connections_closed",
                 "deltas_out_of_order", "slow_weight_loads", "weight_checksum_mismatches", "weight_pulled_bytes",
+                "turns_completed", "environment_calls", "environment_errors", "environment_timeouts",
+                "environment_seconds", "observation_tokens", "tokens_in_interrupted_turns",
+                "assistant_tokens_in_interrupted_trajectories",
             )
         }
+        self.migrations_by_turn: dict[str, int] = {}  # partial responses migrated, by the turn they were in
         self.pull_seconds: list[float] = []
         # partial responses handed off by / resumed on instances of each engine kind ("torch", "sglang")
         self.migrations_by_engine: dict[str, dict[str, int]] = {"out_of": {}, "into": {}}
@@ -265,6 +274,12 @@ class ManagerCore:
         if req.n:
             out = self.migrations_by_engine["out_of"]
             out[inst.engine] = out.get(inst.engine, 0) + 1
+            t = str(req.turn)
+            self.migrations_by_turn[t] = self.migrations_by_turn.get(t, 0) + 1
+            # what restarting the interrupted turn / the whole trajectory would regenerate (the benchmark's
+            # alternatives to resuming at the token)
+            self.counters["tokens_in_interrupted_turns"] += req.n - req.turn_start
+            self.counters["assistant_tokens_in_interrupted_trajectories"] += req.n - req.observation_tokens()
         self.counters["tokens_migrated"] += req.n
         self.queue.appendleft(rid)
         log.debug("migrating %s (%d tokens) off %s: %s", rid, req.n, inst.key, why)
@@ -441,10 +456,10 @@ class ManagerCore:
                 self.counters["off_version_tokens_rejected"] += cnt
                 self._fence(inst, f"sent {cnt} tokens of version {ver} for {rid} of version {req.version}")
                 break
-            elif off + cnt > req.max_new_tokens:
-                self._fence(inst, f"delta for {rid} at {off}+{cnt} exceeds the budget {req.max_new_tokens}")
+            elif off + cnt > req.turn_budget():
+                self._fence(inst, f"delta for {rid} at {off}+{cnt} exceeds the budget {req.turn_budget()}")
                 break
-            elif off != req.n:  # frames lost with a connection: drop the rest, resume from what arrived once the
+            elif req.turn_start + off != req.n:  # frames lost with a connection: drop the rest, resume from what arrived once the
                 late += cnt    # instance released it (Released requeues it; never racing a re-dispatch)
                 if rid not in inst.releasing:
                     self.counters["deltas_out_of_order"] += 1
@@ -453,24 +468,56 @@ class ManagerCore:
             else:
                 req.ids += ids[lo:hi]
                 req.logprobs += lps[lo:hi]
-                req.n = off + cnt
+                req.n += cnt
                 runs = req.runs
                 if runs and runs[-2] == ver:
                     runs[-1] += cnt
                 else:
                     runs += (ver, cnt)
                 if fin:
-                    req.state, req.instance = R.DONE, None
-                    req.finish_reason = M.FINISH_NAMES[fin]
                     inst.inflight.discard(rid)
                     inst.releasing.discard(rid)
-                    self._group_progress(req)
+                    self._turn_done(req, fin)
             lo = hi
         self.counters["late_tokens"] += late
         rec = self.step_remote.get(key)
         if rec is not None:
             rec.last_s = self.clock()
             rec.tokens += total - late
+
+    def _turn_done(self, req: Request, fin: int) -> None:
+        """An assistant turn finished: a tool call goes to the environment (the trajectory waits, owned by no
+        instance), anything else finishes the response."""
+        self.counters["turns_completed"] += 1
+        req.instance = None
+        if fin == M.FINISH_STOP and req.calls_tool():
+            req.state = R.ENVIRONMENT
+            self.counters["environment_calls"] += 1
+            self.send(ENV_PEER, M.EnvCall(rid=req.rid, turn=req.turn, turn_ids=req.turn_ids()))
+            return
+        req.state, req.finish_reason = R.DONE, M.FINISH_NAMES[fin]
+        self._group_progress(req)
+
+    def _on_EnvResult(self, peer: bytes, inst: Instance | None, msg: M.EnvResult) -> None:
+        """The environment's observation for a trajectory's tool call: appended, and the next turn is queued
+        first (it is the tail of its step); no room left for it and one more token finishes the trajectory."""
+        if peer != ENV_PEER:
+            return self._unknown(peer, "environment result")
+        req = self.requests.get(msg.rid)
+        if req is None or req.state != R.ENVIRONMENT or req.turn != msg.turn:
+            self.counters["protocol_rejects"] += 1
+            return
+        self.counters["environment_seconds"] += msg.tool_s
+        if msg.status != "ok":
+            self.counters["environment_errors" if msg.status == "error" else "environment_timeouts"] += 1
+        if req.n + len(msg.obs_ids) // 4 >= req.max_trajectory_tokens or not msg.obs_ids:
+            req.state, req.finish_reason = R.DONE, "length"
+            self._group_progress(req)
+            return
+        self.counters["observation_tokens"] += len(msg.obs_ids) // 4
+        req.append_observation(msg.obs_ids)
+        req.state = R.QUEUED
+        self.queue.appendleft(req.rid)
 
     def _on_RequestFailed(self, peer: bytes, inst: Instance | None, msg: M.RequestFailed) -> None:
         if inst is None:
@@ -565,6 +612,10 @@ class ManagerCore:
                 g.gid in self.groups and self.groups[g.gid].step == msg.step for g in msg.groups):
             self.send(peer, M.Ok(what="submit", cid=msg.cid))  # a resent call: the step is already submitted
             return
+        if not self.environment and any(g.max_turns > 1 for g in msg.groups):
+            self.send(peer, M.Error(what="submit", cid=msg.cid, error="multi-turn groups need an environment "
+                                                                      "(the manager was started without one)"))
+            return
         # Delivered groups of earlier steps are no longer needed.
         for gid in [g for g, grp in self.groups.items() if grp.delivered]:
             for rid in self.groups.pop(gid).rids:
@@ -580,7 +631,9 @@ class ManagerCore:
                 self.requests[rid] = Request(
                     rid=rid, step=msg.step, gid=g.gid, sample=i, prompt_ids=list(g.prompt_ids),
                     max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                    seed=g.seed + i, stop_ids=list(g.stop_ids), version=msg.version)
+                    seed=g.seed + i, stop_ids=sorted(set(g.stop_ids) | set(g.tool_stop_ids)), version=msg.version,
+                    max_turns=g.max_turns, max_trajectory_tokens=g.max_trajectory_tokens,
+                    tool_stop_ids=frozenset(g.tool_stop_ids))
                 self.queue.append(rid)
                 rids.append(rid)
             self.groups[g.gid] = Group(step=msg.step, gid=g.gid, rids=rids)
@@ -651,7 +704,8 @@ class ManagerCore:
             responses.append(M.Response(
                 rid=rid, sample=r.sample, ids=bytes(r.ids), logprobs=bytes(r.logprobs),
                 version_runs=np.array(r.runs, dtype="<i4").tobytes(), finish_reason=r.finish_reason,
-                migrations=r.migrations, instances=r.instances))
+                migrations=r.migrations, instances=r.instances,
+                observation_runs=np.array(r.observations, dtype="<i4").tobytes(), turns=r.turn + 1))
         self.send(self.trainer_peer, M.GroupDone(step=grp.step, gid=grp.gid, responses=responses))
 
     def _fail_step(self, error: str) -> None:
@@ -700,50 +754,8 @@ class ManagerCore:
         self.dispatch()
 
     def _balance(self, now: float) -> None:
-        """Invariant 6: learn each routable preemptible instance's decode rate at its batch, then release
-        running requests beyond a donor's plateau toward instances with headroom."""
-        if self._last_balance is None:
-            self._last_balance = now
-        dt = now - self._last_balance
-        if dt < self.balance_every_s:
-            return
-        self._last_balance = now
-        insts = [i for i in self.instances.values() if i.kind == "preemptible" and self.routable(i)]
-        marks = {}
-        for i in insts:
-            running = len(i.inflight - i.releasing)
-            prev = self._rate_marks.get(i.key)
-            if prev is not None and prev[1] > 0 and running > 0:  # busy through the whole interval
-                batch, rate = min(prev[1], running), (i.tokens_received - prev[0]) / dt
-                self.balancer.observe(i.key, batch, rate)
-                self.pool_rates.observe(batch, rate)
-            marks[i.key] = (i.tokens_received, running)
-            if i.key in self.step_remote and self.balancer.peak(i.key) is not None:
-                self.step_remote[i.key].peak = self.balancer.peak(i.key)  # kept if the instance leaves
-        for key in set(self._rate_marks) - set(marks):
-            if key not in self.instances or self.instances[key].state in (S.GONE, S.SUSPECT):
-                self.balancer.forget(key)
-        self._rate_marks = marks
-        if not self.balancing or len(insts) < 2 or self.queue:  # queued work goes to idle instances by JSQ, not by moves
-            return
-        by_key = {i.key: i for i in insts}
-        loads = [InstanceLoad(i.key, 0, len(i.inflight - i.releasing), min(i.max_batch, self.pending_limit))
-                 for i in insts]
-        moves = self.balancer.moves_for(
-            loads, now, queued_of=lambda k: [],
-            running_of=lambda k: [(r, self.requests[r].n) for r in sorted(by_key[k].inflight - by_key[k].releasing)
-                                  if r in self.requests])
-        release: dict[str, list[str]] = {}
-        for m in moves:
-            if m.kind == "running":
-                release.setdefault(m.src, []).append(m.rid)
-        for key, rids in release.items():
-            inst = by_key[key]
-            inst.releasing |= set(rids)
-            self.counters["balancer_moves"] += len(rids)
-            self.send(inst.peer, M.Release(rids=rids))
-            log.debug("balancer: releasing %d running requests of %s (plateau %d)", len(rids), key,
-                      self.balancer.plateau(key))
+        """Invariant 6 (:func:`~rlboost_hpc.manager.balance.balance`)."""
+        balance(self, now)
 
     def dispatch(self) -> None:
         """Join-shortest-queue (``policy.dispatch.choose_instance``): give each queued request to the routable
@@ -789,44 +801,7 @@ class ManagerCore:
             self.send(self.instances[key].peer, M.Assign(works=works))
 
     # ------------------------------------------------------------------ reporting
-    def stats(self) -> dict:
-        """Counters plus a snapshot of instances and queue (JSON-serialisable).
 
-        ``instances_lost`` / ``instances_lost_while_pulling``: instances that went silent (suspect) and have not
-        come back, expired or not. ``instances`` maps each instance that is not gone to its ``kind``, ``engine``,
-        ``state``, ``version``,
-        ``inflight`` (responses it owns) and ``partial`` (those of them with ≥ 1 token already received: what a
-        preemption of it would hand over)."""
-        states: dict[str, int] = {}
-        for i in self.instances.values():
-            states[i.state] = states.get(i.state, 0) + 1
-        reqs = self.requests
-        c = self.counters
-        return {
-            # went silent and have not come back (expired, or still suspect): lost without warning
-            "instances_lost": c["instances_suspected"] - c["instances_recovered"],
-            "instances_lost_while_pulling": c["suspected_while_pulling"] - c["recovered_while_pulling"],
-            "instances": {i.key: {"kind": i.kind, "engine": i.engine, "state": i.state, "version": i.version,
-                                  "inflight": len(i.inflight), "tokens_received": i.tokens_received,
-                                  "activity_s": dict(self.activity.by_instance_s.get(i.key, {})),
-                                  "partial": sum(1 for r in i.inflight if r in reqs and reqs[r].n > 0)}
-                          for i in self.instances.values() if i.state != S.GONE},
-            **self.counters,
-            "decode_tokens_per_s_by_batch": {str(b): v for b, v in sorted(self.pool_rates.ema.items())},
-            "latest_version": self.latest_version,
-            "step": self.step,
-            "queued": len(self.queue),
-            "running": sum(len(i.inflight) for i in self.instances.values()),
-            "instances_by_state": states,
-            "routable_preemptible": sum(1 for i in self.instances.values()
-                                        if i.kind == "preemptible" and self.routable(i)),
-            "live_preemptible": sum(1 for i in self.instances.values()
-                                    if i.kind == "preemptible" and i.state not in (S.GONE, S.SUSPECT)),
-            "pull_seconds_mean": (sum(self.pull_seconds) / len(self.pull_seconds)) if self.pull_seconds else 0.0,
-            "failed_step": self.failed_step,
-            "last_step_remote": self.last_step_remote,
-            "last_step_activity": self.last_step_activity,
-            "instance_activity_s": dict(self.activity.total_s),
-            "migrations_by_engine": self.migrations_by_engine,
-            **self.policy_state,
-        }
+    def stats(self) -> dict:
+        """Counters plus a snapshot of instances and queue (JSON-serialisable): :func:`manager_stats`."""
+        return manager_stats(self)

@@ -15,9 +15,11 @@ import time
 import zmq
 
 from rlboost_hpc.manager.core import ManagerCore
+from rlboost_hpc.manager.state import ENV_PEER
 from rlboost_hpc.protocol.auth import RunKeys, max_msg_size, secure_server
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.errors import ProtocolError
+from rlboost_hpc.tasks.pool import CallStatus, DeadlinePool
 
 log = logging.getLogger("rlboost.manager")
 
@@ -27,8 +29,12 @@ class ManagerService:
     ``Shutdown`` from the trainer or :meth:`stop`."""
 
     def __init__(self, core: ManagerCore, bind: str = "tcp://127.0.0.1:0", *, ctx: zmq.Context | None = None,
-                 keys: RunKeys | None = None, metrics: "ManagerMetrics | None" = None):
+                 keys: RunKeys | None = None, metrics: "ManagerMetrics | None" = None,
+                 environment: "DeadlinePool | None" = None):
         self.core = core
+        # tool calls of multi-turn trajectories (EnvCall → a call in the pool → EnvResult), in worker processes
+        self.env = environment
+        self._env_timed_out: dict[tuple[str, int], float] = {}  # calls past their deadline: seconds they ran
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -74,7 +80,35 @@ class ManagerService:
     def _flush(self) -> None:
         out, self.core.outbox = self.core.outbox, []
         for peer, msg in out:
-            self._send(peer, M.encode(msg))
+            if peer == ENV_PEER:
+                self.env.submit((msg.rid, msg.turn, "step"), ("step", M.unpack_i32(msg.turn_ids).tolist()))
+            else:
+                self._send(peer, M.encode(msg))
+
+    def _environment(self) -> None:
+        """Hand every finished tool call to the core as an :class:`~M.EnvResult`. A call past its deadline (its
+        worker was killed) or whose environment failed is answered with an error observation rendered by a
+        worker; if even that fails, with no observation (the core then ends the trajectory)."""
+        for c in self.env.poll(0.0):
+            rid, turn, kind = c.key
+            if c.status == CallStatus.OK:
+                status = "error" if c.value.error else "ok"
+                if kind == "error":
+                    status = "timeout" if (rid, turn) in self._env_timed_out else "error"
+                seconds = self._env_timed_out.pop((rid, turn), c.seconds) if kind == "error" else c.seconds
+                self.core.on_message(ENV_PEER, M.EnvResult(rid=rid, turn=turn, obs_ids=M.pack_i32(c.value.obs_ids),
+                                                           status=status, tool_s=seconds))
+            elif kind == "step":
+                if c.status == CallStatus.TIMEOUT:
+                    self._env_timed_out[(rid, turn)] = c.seconds
+                why = (f"the tool call ran past its {self.env.timeout_s:g} s deadline"
+                       if c.status == CallStatus.TIMEOUT else f"the environment failed ({c.error})")
+                self.env.submit((rid, turn, "error"), ("error", why))
+            else:
+                log.warning("environment of %s turn %d failed twice (%s); the trajectory ends", rid, turn, c.error)
+                seconds = self._env_timed_out.pop((rid, turn), c.seconds)
+                self.core.on_message(ENV_PEER, M.EnvResult(rid=rid, turn=turn, obs_ids=b"", status="error",
+                                                           tool_s=seconds))
 
     def _probe(self) -> None:
         """A connection closed somewhere: find which live instances are no longer reachable."""
@@ -133,6 +167,8 @@ class ManagerService:
             if self.sock in events and not self._stop:
                 # bound a receive burst so replies are not held back
                 self._receive(deadline=time.monotonic() + tick_s)
+            if self.env is not None and self.env.pending:
+                self._environment()
             now = time.monotonic()
             if self.metrics is not None and now - last_metrics >= 0.5:
                 self.metrics.refresh(self.core)
@@ -145,6 +181,8 @@ class ManagerService:
         self._flush()
 
     def close(self) -> None:
+        if self.env is not None:
+            self.env.close()
         self.sock.disable_monitor()
         self._monitor.close(linger=0)
         self.sock.close(linger=0)
@@ -152,18 +190,20 @@ class ManagerService:
 
 def run_manager_process(bind: str, params: dict, conn, keys_dir: str | None = None,
                         metrics_host: str | None = None, journal_path: str | None = None,
-                        run_id: str | None = None, log_sink=None) -> None:
+                        run_id: str | None = None, log_sink=None, environment: dict | None = None) -> None:
     """Entry point of the manager process: serve, report the bound endpoint through ``conn`` (a Pipe end).
     With ``keys_dir`` (a run directory holding ``keys/keys.json``) every connection must prove the run's key.
     With ``journal_path`` the manager starts a new epoch in that journal and records every version there.
-    ``run_id`` tags its log lines."""
+    ``run_id`` tags its log lines. ``environment``: :class:`~rlboost_hpc.tasks.pool.DeadlinePool` keyword
+    arguments (``handler``: e.g. a :class:`~rlboost_hpc.tasks.tools.ToolEnvironment`, ``workers``, ``timeout_s``)
+    of the pool that answers multi-turn trajectories' tool calls; None: single-turn only."""
     from rlboost_hpc.observe.logs import LogSink, setup_logging_from
 
     setup_logging_from(log_sink or LogSink(), "manager", run_id=run_id)
     import os
     import threading
 
-    core = ManagerCore(clock=time.monotonic, **params)
+    core = ManagerCore(clock=time.monotonic, environment=environment is not None, **params)
     journal = None
     if journal_path is not None:
         from rlboost_hpc.manager.journal import Journal
@@ -180,7 +220,8 @@ def run_manager_process(bind: str, params: dict, conn, keys_dir: str | None = No
         metrics = ManagerMetrics(run_id or "")
         h, port = serve_metrics(metrics, host=metrics_host)
         metrics_url = f"http://{h}:{port}/metrics"
-    svc = ManagerService(core, bind, keys=RunKeys.load(keys_dir) if keys_dir else None, metrics=metrics)
+    svc = ManagerService(core, bind, keys=RunKeys.load(keys_dir) if keys_dir else None, metrics=metrics,
+                         environment=DeadlinePool(**environment) if environment is not None else None)
     conn.send((svc.endpoint, metrics_url))
     conn.close()
     parent = os.getppid()
@@ -203,8 +244,9 @@ def run_manager_process(bind: str, params: dict, conn, keys_dir: str | None = No
 
 def spawn_manager(params: dict, bind: str = "tcp://127.0.0.1:0", timeout_s: float = 60.0,
                   keys_dir: str | None = None, metrics_host: str | None = None, journal_path: str | None = None,
-                  run_id: str | None = None):
-    """Start the manager in its own (spawned) process. ``params`` are :class:`ManagerCore` keyword arguments.
+                  run_id: str | None = None, environment: dict | None = None):
+    """Start the manager in its own (spawned) process. ``params`` are :class:`ManagerCore` keyword arguments;
+    ``environment`` as in :func:`run_manager_process`.
 
     Returns ``(process, endpoint, metrics_url)`` (``metrics_url`` is "" unless ``metrics_host`` is given).
     The manager logs where this process logs (:func:`~rlboost_hpc.observe.logs.current_sink`).
@@ -217,8 +259,11 @@ def spawn_manager(params: dict, bind: str = "tcp://127.0.0.1:0", timeout_s: floa
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=run_manager_process,
-                       args=(bind, params, child, keys_dir, metrics_host, journal_path, run_id, current_sink()),
-                       name="rlboost-manager", daemon=True)
+                       args=(bind, params, child, keys_dir, metrics_host, journal_path, run_id, current_sink(),
+                             environment),
+                       # a daemonic process may not start the environment's worker processes; without the flag the
+                       # manager still never outlives its parent (watch_parent) and the run joins or kills it
+                       name="rlboost-manager", daemon=environment is None)
     proc.start()
     child.close()
     if not parent.poll(timeout_s):

@@ -13,7 +13,13 @@ import numpy as np
 
 from rlboost_hpc.protocol import messages as M
 
-__all__ = ["ALLOWED_TRANSITIONS", "Group", "Instance", "InstanceState", "Request", "RequestState", "StepWork"]
+__all__ = ["ALLOWED_TRANSITIONS", "ENV_PEER", "Group", "Instance", "InstanceState", "Request", "RequestState",
+           "StepWork"]
+
+#: The peer id of the environment (tool calls of multi-turn trajectories): a pool in the manager's own process.
+#: ZeroMQ never gives a network peer this id (peer-chosen ids cannot start with a zero byte, generated ones are 5
+#: bytes long), so only the manager's service can speak as the environment.
+ENV_PEER = b"\x00environment"
 
 
 class InstanceState(StrEnum):
@@ -32,10 +38,13 @@ S = InstanceState  # short names for the transition table
 
 class RequestState(StrEnum):
     """Life of one response at the manager: queued → running (on one instance) → done; running → queued when its
-    instance leaves, is fenced or releases it (the tokens so far stay: it resumes from them)."""
+    instance leaves, is fenced or releases it (the tokens so far stay: it resumes from them). A trajectory
+    (multi-turn) whose assistant turn ended with a tool call goes running → environment → queued (its next turn)
+    once the environment's observation is appended."""
 
     QUEUED = "queued"
     RUNNING = "running"
+    ENVIRONMENT = "environment"
     DONE = "done"
 
 
@@ -79,7 +88,13 @@ class Request:
     """Token-level state of one response: ``ids`` (int32) and ``logprobs`` (float32) are packed parallel
     arrays of ``n`` tokens, all produced by weight ``version`` (deltas of any other version are rejected);
     ``runs`` records, run-length encoded, the version each accepted delta was stamped with by its engine — what
-    the trainer checks independently (it is never re-derived from ``version``)."""
+    the trainer checks independently (it is never re-derived from ``version``).
+
+    A trajectory (``max_turns`` > 1) keeps its assistant turns and observations in the same arrays: the current
+    turn starts at ``turn_start``; ``observations`` lists the ``(start, count)`` ranges the environment appended
+    (logprob 0, stamped with the request's version). ``max_new_tokens`` is the original budget of one turn,
+    ``max_trajectory_tokens`` of everything after the prompt; an instance only ever sees the current turn
+    (:meth:`work`)."""
 
     rid: str
     step: int
@@ -102,13 +117,58 @@ class Request:
     migrations: int = 0
     instances: list[str] = field(default_factory=list)
     finish_reason: str = ""
+    max_turns: int = 1
+    max_trajectory_tokens: int = 0  # 0: max_new_tokens (one turn)
+    tool_stop_ids: frozenset[int] = frozenset()
+    turn: int = 0
+    turn_start: int = 0
+    observations: list[int] = field(default_factory=list)  # (start, count) pairs
+
+    def __post_init__(self) -> None:
+        if not self.max_trajectory_tokens:
+            self.max_trajectory_tokens = self.max_new_tokens
+
+    def turn_budget(self) -> int:
+        """Tokens the current turn may have in all (its original budget, bounded by the trajectory's)."""
+        return min(self.max_new_tokens, self.max_trajectory_tokens - self.turn_start)
+
+    def turn_ids(self) -> bytes:
+        """Packed int32 ids of the current turn."""
+        return bytes(self.ids[4 * self.turn_start:])
+
+    def calls_tool(self) -> bool:
+        """The finished current turn ended with a tool call that the trajectory has turns and room left for."""
+        return (self.turn + 1 < self.max_turns and self.n < self.max_trajectory_tokens and self.n > self.turn_start
+                and int.from_bytes(self.ids[-4:], "little", signed=True) in self.tool_stop_ids)
+
+    def append_observation(self, obs: bytes) -> None:
+        """Append an observation (packed int32 ids) and open the next turn."""
+        k = len(obs) // 4
+        self.observations += (self.n, k)
+        self.ids += obs
+        self.logprobs += bytes(4 * k)
+        if self.runs and self.runs[-2] == self.version:
+            self.runs[-1] += k
+        else:
+            self.runs += (self.version, k)
+        self.n += k
+        self.turn += 1
+        self.turn_start = self.n
+
+    def observation_tokens(self) -> int:
+        return sum(self.observations[1::2])
 
     def work(self) -> M.Work:
+        """The current turn for an instance: the prompt is the original prompt + every earlier turn and
+        observation, the prefix the current turn's tokens so far, the budget what the turn has left. Turn t > 0
+        samples with its own seed (a pure function of the response's seed and t)."""
+        ids = np.frombuffer(bytes(self.ids), dtype="<i4")
         return M.Work(
-            rid=self.rid, prompt_ids=self.prompt_ids,
-            prefix_ids=np.frombuffer(bytes(self.ids), dtype="<i4").tolist(),
-            max_new_tokens=self.max_new_tokens - self.n, temperature=self.temperature, top_p=self.top_p,
-            seed=self.seed, stop_ids=self.stop_ids, version=self.version,
+            rid=self.rid, prompt_ids=self.prompt_ids + ids[: self.turn_start].tolist(),
+            prefix_ids=ids[self.turn_start:].tolist(),
+            max_new_tokens=self.turn_budget() - (self.n - self.turn_start), temperature=self.temperature,
+            top_p=self.top_p, seed=self.seed if self.turn == 0 else (self.seed * 1_000_003 + self.turn) % (2**31),
+            stop_ids=self.stop_ids, version=self.version,
         )
 
 

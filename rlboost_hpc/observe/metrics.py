@@ -30,6 +30,12 @@ COUNTERS = {
     "protocol_rejects": "frames rejected by schema or from unknown peers",
     "late_tokens": "tokens dropped because their request had moved on",
     "balancer_moves": "running requests released by the continuous balancer (beyond a learned plateau)",
+    "turns_completed": "assistant turns finished (a single-turn response is one turn)",
+    "environment_calls": "tool calls of multi-turn trajectories sent to the environment",
+    "environment_errors": "tool calls answered with an error observation (malformed call, failing tool)",
+    "environment_timeouts": "tool calls past their deadline (worker replaced; an error observation continues)",
+    "environment_seconds": "seconds tool calls took (summed over calls)",
+    "observation_tokens": "observation tokens appended to trajectories (never trained)",
 }
 
 
@@ -132,6 +138,8 @@ class ManagerMetrics(SnapshotCollector):
                                  "generated and the trainer did not compute", labels=["run"])
         fo.add_metric(run, float(s.get("step_fixed_overhead_s", 0.0)))
         yield fo
+        yield self._counter_by("rlboost_migrations_by_turn", "partial responses migrated, by the index of the "
+                               "assistant turn they were in (0 = the first)", "turn", s.get("migrations_by_turn", {}))
         yield self._counter_by("rlboost_rollout_instance_seconds", "instance-seconds of all rollout instances by "
                                "activity (busy, idle, pulling)", "activity", s.get("instance_activity_s", {}))
         per = CounterMetricFamily("rlboost_instance_activity_seconds", "seconds per live rollout instance by "

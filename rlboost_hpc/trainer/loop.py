@@ -52,6 +52,9 @@ class StepSettings:
     seed_window_s: float
     step_timeout_s: float = 300.0
     seed: int = 0
+    max_turns: int = 1  # > 1: multi-turn trajectories (tool calls answered by the manager's environment)
+    max_trajectory_tokens: int = 0  # turns and observations after the prompt (0: max_new_tokens)
+    tool_stop_ids: tuple[int, ...] = ()  # a turn ending with one of these is a tool call
 
 
 @dataclass
@@ -192,7 +195,9 @@ class RLTrainer:
             by_gid[gid] = (p, ids)
             specs.append(M.GroupSpec(gid=gid, prompt_ids=ids, n=s.group_size, max_new_tokens=s.max_new_tokens,
                                      temperature=s.temperature, top_p=s.top_p, seed=self._group_seed(step, g),
-                                     stop_ids=list(self.stop_ids)))
+                                     stop_ids=list(self.stop_ids), max_turns=s.max_turns,
+                                     max_trajectory_tokens=s.max_trajectory_tokens,
+                                     tool_stop_ids=list(s.tool_stop_ids)))
         n_resp = len(specs) * s.group_size
         self.totals.responses_expected += n_resp
         # the manager's view at the step boundary: the previous step's closing stats (one round trip less)
@@ -203,6 +208,8 @@ class RLTrainer:
         ready: list[Sample] = []
         rewards: list[float] = []
         lens: list[int] = []
+        turns: list[int] = []
+        budget = s.max_trajectory_tokens or s.max_new_tokens
         m_acc: dict[str, float] = {}
         n_groups = n_trained = n_mig = 0
         served: set[str] = set()
@@ -231,18 +238,22 @@ class RLTrainer:
                 lps = M.unpack_f32(resp.logprobs)
                 try:
                     vers = M.expand_version_runs(resp.version_runs)
+                    obs = M.observation_mask(resp.observation_runs, len(ids))
                 except ProtocolError as e:
                     raise RolloutFailed(f"step {step}: response {resp.rid}: {e}") from None
-                if not (len(ids) == len(lps) == len(vers)) or len(ids) == 0 or len(ids) > s.max_new_tokens:
+                if not (len(ids) == len(lps) == len(vers)) or len(ids) == 0 or len(ids) > budget:
                     raise RolloutFailed(f"step {step}: response {resp.rid} has ids/logprobs/versions of lengths "
-                                        f"{len(ids)}/{len(lps)}/{len(vers)} (budget {s.max_new_tokens})")
+                                        f"{len(ids)}/{len(lps)}/{len(vers)} (budget {budget})")
                 self.totals.tokens_trained_off_version += int(np.count_nonzero(vers != self.version))
                 n_mig += int(resp.migrations > 0)
                 served.update(resp.instances)
-                texts.append(self.tok.decode(strip_stop(ids.tolist(), self.stop_ids)))
+                # the reward reads the final assistant turn (after the last observation)
+                last = int(np.flatnonzero(obs)[-1]) + 1 if obs.any() else 0
+                texts.append(self.tok.decode(strip_stop(ids[last:].tolist(), self.stop_ids)))
                 lens.append(len(ids))
-                samples.append(Sample(prompt_ids=pids, response_ids=ids.tolist(),
-                                      behaviour_logprobs=lps.tolist(), advantage=0.0))
+                turns.append(resp.turns)
+                samples.append(Sample(prompt_ids=pids, response_ids=ids.tolist(), behaviour_logprobs=lps.tolist(),
+                                      advantage=0.0, loss_mask=(~obs).tolist() if obs.any() else None))
             with tl.phase(Phase.REWARD):
                 r = self.score([(p, t) for t in texts]) if texts else []
                 if samples:
@@ -303,6 +314,7 @@ class RLTrainer:
         tl.enter(Phase.POLICY)
         phase_s = tl.seconds()
         t_train = phase_s.get(Phase.TRAIN, 0.0) + phase_s.get(Phase.OPTIMIZER, 0.0)
+        prev_env_s = (self.last_stats or {}).get("environment_seconds", 0.0)
         st = self.last_stats = self.client.stats()
         activity = st["last_step_activity"]
         generating = [(a, b) for a, b in activity["generating"]]  # manager's clock: CLOCK_MONOTONIC, same host
@@ -327,6 +339,8 @@ class RLTrainer:
             "seeding_close": close.what, "t_wait_train_s": t_wait, "train_s": t_train,
             "reward_mean": sum(rewards) / max(1, len(rewards)), "response_len_mean": sum(lens) / max(1, len(lens)),
             "responses": n_trained, "responses_migrated": n_mig, "tokens": tokens,
+            "turns_mean": sum(turns) / max(1, len(turns)),
+            "environment_s": st.get("environment_seconds", 0.0) - prev_env_s,  # tool calls' seconds (summed over calls)
             "preemptible_instances_served": sum(1 for k in served if not k.startswith("reserved#")),
             "throughput_tokens_per_s": tokens / wall if wall > 0 else 0.0, **om, **pub, **policy,
             "phase_s": tl.seconds(),

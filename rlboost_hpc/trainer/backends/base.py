@@ -17,12 +17,15 @@ import torch
 @dataclass
 class Sample:
     """One trained response: prompt and response ids (int), behaviour logprobs (float32, len = response),
-    and its GRPO advantage (float)."""
+    and its GRPO advantage (float). ``loss_mask`` (bool, len = response; None = all True): which response tokens
+    the policy generated and are trained — a multi-turn trajectory's observation tokens are False (context only:
+    no loss, no logprob comparison)."""
 
     prompt_ids: list[int]
     response_ids: list[int]
     behaviour_logprobs: list[float]
     advantage: float
+    loss_mask: list[bool] | None = None
 
 
 class TrainerBackend(abc.ABC):

@@ -25,7 +25,8 @@ def pack(batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
     """Right-pad prompt+response sequences.
 
     Returns: input_ids [B, L] long, attention_mask [B, L] bool, response mask over *predicted positions*
-    [B, L-1] bool (True where position j's logits predict a response token j+1), and the prompt lengths.
+    [B, L-1] bool (True where position j's logits predict a trained response token j+1: every response token, or
+    those of ``Sample.loss_mask`` when given), and the prompt lengths.
     """
     lens = [len(s.prompt_ids) + len(s.response_ids) for s in batch]
     L = max(lens)
@@ -38,7 +39,8 @@ def pack(batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
         ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         att[i, : len(seq)] = True
         P = len(s.prompt_ids)
-        rmask[i, P - 1 : P - 1 + len(s.response_ids)] = True
+        rmask[i, P - 1 : P - 1 + len(s.response_ids)] = True if s.loss_mask is None else torch.tensor(
+            s.loss_mask, dtype=torch.bool)
         plens.append(P)
     return ids, att, rmask, plens
 

@@ -1,0 +1,58 @@
+"""Continuous balancing of the rollout manager (its invariant 6): learn each routable preemptible instance's decode
+rate at its running batch, and release running requests beyond a donor's learned plateau toward instances with
+headroom (released requests migrate per sample and dispatch gives them to the least-loaded instance)."""
+from __future__ import annotations
+
+import logging
+from rlboost_hpc.manager.state import InstanceState as S
+from rlboost_hpc.policy.dispatch import InstanceLoad
+from rlboost_hpc.protocol import messages as M
+
+log = logging.getLogger("rlboost.manager")
+
+
+def balance(core, now: float) -> None:
+    """Invariant 6 for ``core`` (a :class:`~rlboost_hpc.manager.core.ManagerCore`): learn each routable preemptible instance's decode rate at its batch, then release
+    running requests beyond a donor's plateau toward instances with headroom."""
+    if core._last_balance is None:
+        core._last_balance = now
+    dt = now - core._last_balance
+    if dt < core.balance_every_s:
+        return
+    core._last_balance = now
+    insts = [i for i in core.instances.values() if i.kind == "preemptible" and core.routable(i)]
+    marks = {}
+    for i in insts:
+        running = len(i.inflight - i.releasing)
+        prev = core._rate_marks.get(i.key)
+        if prev is not None and prev[1] > 0 and running > 0:  # busy through the whole interval
+            batch, rate = min(prev[1], running), (i.tokens_received - prev[0]) / dt
+            core.balancer.observe(i.key, batch, rate)
+            core.pool_rates.observe(batch, rate)
+        marks[i.key] = (i.tokens_received, running)
+        if i.key in core.step_remote and core.balancer.peak(i.key) is not None:
+            core.step_remote[i.key].peak = core.balancer.peak(i.key)  # kept if the instance leaves
+    for key in set(core._rate_marks) - set(marks):
+        if key not in core.instances or core.instances[key].state in (S.GONE, S.SUSPECT):
+            core.balancer.forget(key)
+    core._rate_marks = marks
+    if not core.balancing or len(insts) < 2 or core.queue:  # queued work goes to idle instances by JSQ, not by moves
+        return
+    by_key = {i.key: i for i in insts}
+    loads = [InstanceLoad(i.key, 0, len(i.inflight - i.releasing), min(i.max_batch, core.pending_limit))
+             for i in insts]
+    moves = core.balancer.moves_for(
+        loads, now, queued_of=lambda k: [],
+        running_of=lambda k: [(r, core.requests[r].n) for r in sorted(by_key[k].inflight - by_key[k].releasing)
+                              if r in core.requests])
+    release: dict[str, list[str]] = {}
+    for m in moves:
+        if m.kind == "running":
+            release.setdefault(m.src, []).append(m.rid)
+    for key, rids in release.items():
+        inst = by_key[key]
+        inst.releasing |= set(rids)
+        core.counters["balancer_moves"] += len(rids)
+        core.send(inst.peer, M.Release(rids=rids))
+        log.debug("balancer: releasing %d running requests of %s (plateau %d)", len(rids), key,
+                  core.balancer.plateau(key))

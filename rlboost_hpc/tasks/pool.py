@@ -1,0 +1,235 @@
+"""User-level code on model output in a persistent pool of worker processes, each call under a deadline.
+
+Rewards (math-verify runs SymPy on whatever the policy wrote) and tool calls (a calculator on a model-written
+expression) are functions of model output: one call can take unbounded time, and run inline it would stall the
+process that waits on it. :class:`DeadlinePool` is the one implementation both use:
+
+* ``workers`` processes (``spawn``: no inherited threads or CUDA state) each hold a copy of the ``handler`` (a
+  picklable callable; its optional ``setup()`` runs once in the worker, e.g. to load a tokenizer) and serve calls
+  one at a time; they persist (no start-up cost per call). A worker is given work only after its ``setup()``
+  finished, so a call's deadline never pays for it.
+* Every call has a deadline of ``timeout_s`` seconds from when a worker took it. A worker past its deadline is
+  killed (SIGKILL: SymPy or a runaway power cannot be interrupted cooperatively) and replaced; the call completes
+  as ``TIMEOUT``. A worker that dies otherwise is replaced and its call re-run once on another worker (then
+  ``FAILED``). A handler that raises completes its call as ``FAILED`` with the exception's text (the worker lives on).
+* Nothing is lost: every submitted key completes exactly once, through :meth:`DeadlinePool.poll`.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import time
+from collections import deque
+from dataclasses import dataclass
+from enum import StrEnum
+from multiprocessing.connection import Connection, wait
+from typing import Any, Hashable
+
+log = logging.getLogger("rlboost.pool")
+
+__all__ = ["CallStatus", "Completed", "DeadlinePool"]
+
+
+class CallStatus(StrEnum):
+    OK = "ok"  # the handler returned ``value``
+    TIMEOUT = "timeout"  # past the deadline: its worker was killed and replaced
+    FAILED = "failed"  # the handler raised (``error``), or its worker died twice
+
+
+@dataclass(frozen=True)
+class Completed:
+    """One finished call: its key, status, the handler's return value (``OK`` only), the error text (otherwise)
+    and the seconds from when a worker took it to its completion."""
+
+    key: Hashable
+    status: CallStatus
+    value: Any = None
+    error: str = ""
+    seconds: float = 0.0
+
+
+def _worker(handler: Any, conn: Connection) -> None:  # pragma: no cover - runs in the child
+    """Run ``handler.setup()`` if it has one, say ready, then serve ``(key, item)`` → ``(key, ok, value|error)``."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C
+    setup = getattr(handler, "setup", None)
+    if setup is not None:
+        setup()
+    conn.send(("ready",))
+    while True:
+        try:
+            key, item = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            conn.send((key, True, handler(item)))
+        except Exception as e:  # noqa: BLE001 - user-level code on model output: report, keep serving
+            conn.send((key, False, f"{type(e).__name__}: {e}"))
+
+
+class _Slot:
+    def __init__(self, ctx, handler) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker, args=(handler, child), daemon=True, name="rlboost-pool")
+        self.proc.start()
+        child.close()
+        self.ready = False
+        self.key: Hashable | None = None  # the call it serves
+        self.since = 0.0
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
+
+
+class DeadlinePool:
+    """Run ``handler(item)`` calls in ``workers`` processes with a per-call deadline (see the module docstring).
+
+    Args:
+        handler: a picklable callable (sent to each worker once); may define ``setup()``.
+        workers: processes (≥ 1).
+        timeout_s: per-call deadline, seconds (> 0).
+
+    Raises:
+        ValueError: ``workers < 1`` or ``timeout_s <= 0``.
+    """
+
+    def __init__(self, handler: Any, *, workers: int = 1, timeout_s: float = 5.0) -> None:
+        if workers < 1 or not timeout_s > 0:
+            raise ValueError(f"workers must be >= 1 and timeout_s > 0, got {workers}, {timeout_s}")
+        self.handler, self.timeout_s = handler, timeout_s
+        self._ctx = mp.get_context("spawn")
+        self._slots = [_Slot(self._ctx, handler) for _ in range(workers)]
+        self._todo: deque[tuple[Hashable, Any]] = deque()
+        self._items: dict[Hashable, Any] = {}
+        self._retried: set[Hashable] = set()
+        self.timed_out = 0  # calls that ran past their deadline
+        self.failed = 0  # calls whose handler raised or whose worker died twice
+        self.replaced = 0  # workers killed or died and started anew
+
+    @property
+    def pending(self) -> int:
+        """Calls submitted and not yet returned by :meth:`poll`."""
+        return len(self._items)
+
+    def connections(self) -> list[Connection]:
+        """The workers' pipe ends (to wait on them together with other sockets; :meth:`poll` reads them)."""
+        return [s.conn for s in self._slots]
+
+    def submit(self, key: Hashable, item: Any) -> None:
+        """Queue ``handler(item)``; it completes (once) through :meth:`poll` under ``key``.
+
+        Raises:
+            ValueError: ``key`` is already pending.
+        """
+        if key in self._items:
+            raise ValueError(f"call {key!r} is already pending")
+        self._items[key] = item
+        self._todo.append((key, item))
+
+    def _start_calls(self) -> None:
+        for s in self._slots:
+            if s.ready and s.key is None and self._todo:
+                key, item = self._todo.popleft()
+                try:
+                    s.conn.send((key, item))
+                except (BrokenPipeError, OSError):
+                    self._todo.appendleft((key, item))
+                    self._replace(s, "its pipe broke")
+                    continue
+                s.key, s.since = key, time.monotonic()
+
+    def poll(self, timeout_s: float = 0.0) -> list[Completed]:
+        """Start queued calls on free workers and return the calls that completed, waiting up to ``timeout_s``
+        seconds for the first one (0: do not wait)."""
+        out: list[Completed] = []
+        end = time.monotonic() + timeout_s
+        while True:
+            self._start_calls()
+            busy = [s for s in self._slots if s.key is not None]
+            waiting = [s for s in self._slots if not s.ready]
+            now = time.monotonic()
+            left = end - now
+            if busy:
+                left = min(left, min(s.since + self.timeout_s for s in busy) - now)
+            ready = wait([s.conn for s in busy + waiting], timeout=max(0.0, left)) if busy or waiting else []
+            for s in waiting:
+                if s.conn in ready:
+                    try:
+                        s.conn.recv()
+                        s.ready = True
+                    except (EOFError, OSError):
+                        self._replace(s, "it died during setup")
+            for s in busy:
+                if s.conn in ready:
+                    try:
+                        key, ok, value = s.conn.recv()
+                    except (EOFError, OSError):
+                        key = s.key
+                        self._replace(s, "it died")
+                        if key in self._retried:
+                            out.append(self._complete(key, CallStatus.FAILED, error="its worker died twice"))
+                        else:
+                            self._retried.add(key)
+                            self._todo.appendleft((key, self._items[key]))
+                        continue
+                    secs = time.monotonic() - s.since
+                    s.key = None
+                    out.append(self._complete(key, CallStatus.OK if ok else CallStatus.FAILED,
+                                              value=value if ok else None, error="" if ok else value, seconds=secs))
+                elif time.monotonic() - s.since >= self.timeout_s:
+                    key = s.key
+                    log.warning("call %r ran past its %.1f s deadline; its worker is replaced", key, self.timeout_s)
+                    out.append(self._complete(key, CallStatus.TIMEOUT, error=f"ran past {self.timeout_s:g} s",
+                                              seconds=time.monotonic() - s.since))
+                    self._replace(s, "it ran past its deadline")
+            self._start_calls()
+            if out or not self._items or time.monotonic() >= end:
+                return out
+
+    def _complete(self, key: Hashable, status: CallStatus, **kw) -> Completed:
+        self._items.pop(key, None)
+        self._retried.discard(key)
+        if status == CallStatus.TIMEOUT:
+            self.timed_out += 1
+        elif status == CallStatus.FAILED:
+            self.failed += 1
+        return Completed(key, status, **kw)
+
+    def run_all(self, items: list[Any]) -> list[Completed]:
+        """Run every item and return their completions in input order (blocks until all completed).
+
+        Raises:
+            RuntimeError: other calls are pending on this pool (their completions would be taken here).
+        """
+        if self._items:
+            raise RuntimeError(f"run_all on a pool with {len(self._items)} other calls pending")
+        for i, item in enumerate(items):
+            self.submit(("run_all", i), item)
+        done: dict[int, Completed] = {}
+        while len(done) < len(items):
+            for c in self.poll(timeout_s=1.0):
+                done[c.key[1]] = c
+        return [done[i] for i in range(len(items))]
+
+    def _replace(self, s: _Slot, why: str) -> None:
+        log.debug("pool worker %s replaced: %s", s.proc.pid, why)
+        s.kill()
+        fresh = _Slot(self._ctx, self.handler)
+        s.__dict__.update(fresh.__dict__)
+        self.replaced += 1
+
+    def close(self) -> None:
+        """Stop every worker (idempotent)."""
+        for s in self._slots:
+            s.kill()
+        self._slots = []
+
+    def __enter__(self) -> "DeadlinePool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
