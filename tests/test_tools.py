@@ -1,0 +1,147 @@
+"""Tools of multi-turn rollouts: the calculator (a safe evaluator, never eval), the tool-call syntax, observations
+rendered as token ids, and tool calls under a deadline in the manager's process (a hung tool never hangs a
+trajectory)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from rlboost_hpc.manager.core import ManagerCore
+from rlboost_hpc.manager.service import ManagerService
+from rlboost_hpc.manager.state import ENV_PEER
+from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.tasks.pool import CallStatus, DeadlinePool
+from rlboost_hpc.tasks.tools import ToolEnvironment, ToolError, ToolSyntax, calculate, parse_tool_call
+
+
+@pytest.mark.parametrize("expr, value", [("2+3*4", "14"), ("(48/2)", "24"), ("1,000 * 3 =", "3000"),
+                                         ("7/3", "2.333333333"), ("2**10", "1024"), ("-5 % 3", "1")])
+def test_the_calculator_evaluates_arithmetic(expr, value):
+    assert calculate(expr) == value
+
+
+@pytest.mark.parametrize("expr", ["__import__('os').system('touch /tmp/pwned')", "().__class__.__bases__", "open('x')",
+                                  "x + 1", "1/0", "", "9" * 300, "'a' * 10", "9**99999", "[1, 2]", "1 < 2"])
+def test_anything_but_arithmetic_is_a_tool_error_never_code(expr):
+    with pytest.raises(ToolError):
+        calculate(expr)
+
+
+def test_tool_call_syntax_json_bare_and_malformed():
+    s = ToolSyntax("<tool_call>", "</tool_call>")
+    text = 'I add. <tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>'
+    assert parse_tool_call(text, s) == ("calculator", {"expression": "2+2"})
+    assert parse_tool_call("so <tool_call> 3*4 </tool_call>", s) == ("calculator", {"expression": "3*4"})
+    assert parse_tool_call("Tom had 3 apples.", ToolSyntax("", ".")) == ("calculator", {"expression": "Tom had 3 apples"})
+    for bad in ['<tool_call>{"name": 3}</tool_call>', "<tool_call>{oops</tool_call>", "no call here</tool_call>",
+                "<tool_call>  </tool_call>"]:
+        with pytest.raises(ToolError):
+            parse_tool_call(bad, s)
+
+
+@pytest.fixture(scope="module")
+def chatml_dir(tmp_path_factory):
+    from _models import train_tokenizer
+
+    d = tmp_path_factory.mktemp("chatml")
+    tok = train_tokenizer(bos=False)
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    tok.save_pretrained(d)
+    return d
+
+
+def test_observations_are_the_chat_templates_tool_message_as_ids(chatml_dir):
+    """With a chat template the observation is the template's rendering after the assistant's turn: its end-of-turn
+    marker, the tool message, the next assistant header — appended as ids, nothing generated re-tokenised."""
+    env = ToolEnvironment(str(chatml_dir), use_chat=True)
+    env.setup()
+    hf = env._hf
+    turn = hf('<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>',
+              add_special_tokens=False)["input_ids"]
+    out = env(("step", turn))
+    assert not out.error and out.text == "42"
+    assert hf.decode(out.obs_ids) == "<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    bad = env(("step", hf("<tool_call>6 *</tool_call>", add_special_tokens=False)["input_ids"]))
+    assert bad.error and "not an arithmetic expression" in hf.decode(bad.obs_ids)
+    assert "ran past" in hf.decode(env(("error", "the tool call ran past its 5 s deadline")).obs_ids)
+    long = ToolEnvironment(str(chatml_dir), use_chat=True, max_observation_tokens=4)
+    long.setup()
+    text = long._hf.decode(long(("step", long._hf("<tool_call>99**60</tool_call>")["input_ids"])).obs_ids)
+    assert text.startswith("<|im_end|>\n<|im_start|>tool\n") and text.endswith("<|im_start|>assistant\n")
+
+
+def test_plain_observations_without_a_template(stories260k_hf_dir):
+    env = ToolEnvironment(str(stories260k_hf_dir), use_chat=False, syntax=ToolSyntax("", "."))
+    env.setup()
+    out = env(("step", env._hf("2 + 3.", add_special_tokens=False)["input_ids"]))
+    assert out.text == "5" and env._hf.decode(out.obs_ids).strip() == "Result: 5"
+
+
+class HangingEnvironment(ToolEnvironment):
+    """A tool that never returns when the turn holds token 999 (a runaway tool), else the calculator."""
+
+    def __call__(self, item):
+        if item[0] == "step" and 999 in item[1]:
+            time.sleep(600)
+        return super().__call__(item)
+
+
+def test_a_hung_tool_call_times_out_into_an_error_observation_and_the_trajectory_goes_on(stories260k_hf_dir):
+    """The manager's service runs tool calls in its deadline pool: a hung call's worker is killed and replaced, the
+    trajectory continues from an error observation (counted as a timeout); a good call in parallel is unaffected."""
+    env = HangingEnvironment(str(stories260k_hf_dir), use_chat=False, syntax=ToolSyntax("", "."))
+    core = ManagerCore(clock=time.monotonic, environment=True)
+    svc = ManagerService(core, environment=DeadlinePool(env, workers=2, timeout_s=1.0))
+    try:
+        core.on_message(b"t", M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
+        core.on_message(b"t", M.SetVersion(version=0))
+        core.on_message(b"a", M.Register(job_id="a", attempt=0, kind="preemptible", max_batch=8))
+        core.on_message(b"a", M.WeightsLoaded(version=0, checksum=1, nbytes=1, pull_s=0.0, load_s=0.0))
+        core.on_message(b"t", M.SubmitStep(step=0, version=0, groups=[M.GroupSpec(
+            gid="g", prompt_ids=[1], n=2, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=0, stop_ids=[2],
+            max_turns=2, max_trajectory_tokens=60, tool_stop_ids=[426])]))
+        core.tick()
+        env.setup()  # this process's copy (the pool's workers load their own)
+        two = env._hf("2 + 3.", add_special_tokens=False)["input_ids"]
+        for rid, ids in (("g/0", [999, 426]), ("g/1", two)):
+            core.on_message(b"a", M.Tokens(rids=[rid], offsets=[0], counts=[len(ids)], versions=[0], finish=[1],
+                                           ids=M.pack_i32(ids), logprobs=M.pack_f32([-1.0] * len(ids))))
+        core.outbox = [(p, m) for p, m in core.outbox if p == ENV_PEER]
+        svc._flush()  # the two EnvCalls go to the pool
+        t0 = time.monotonic()
+        while svc.env.pending and time.monotonic() - t0 < 60:
+            svc._environment()
+            time.sleep(0.01)
+        good, hung = core.requests["g/1"], core.requests["g/0"]
+        assert good.state == hung.state == "queued" and good.turn == hung.turn == 1
+        obs = lambda r: env._hf.decode(M.unpack_i32(bytes(r.ids[4 * r.observations[0]:4 * r.turn_start])).tolist())
+        assert "Result: 5" in obs(good) and "ran past its 1 s deadline" in obs(hung)
+        assert core.counters["environment_timeouts"] == 1 and svc.env.replaced == 1
+        assert core.counters["environment_seconds"] >= 1.0
+    finally:
+        svc.close()
+
+
+class Flaky:
+    """Raises on "boom", dies on "die", answers otherwise."""
+
+    def __call__(self, item):
+        if item == "boom":
+            raise ValueError("bad input")
+        if item == "die":
+            import os
+
+            os._exit(3)
+        return item.upper()
+
+
+def test_the_deadline_pool_completes_every_call_once():
+    with DeadlinePool(Flaky(), workers=2, timeout_s=5.0) as pool:
+        done = pool.run_all(["a", "boom", "die", "b"])
+        assert [c.status for c in done] == [CallStatus.OK, CallStatus.FAILED, CallStatus.FAILED, CallStatus.OK]
+        assert done[0].value == "A" and "ValueError: bad input" in done[1].error and "twice" in done[2].error
+        assert pool.replaced == 2 and pool.pending == 0
+        pool.submit("k", "x")
+        with pytest.raises(ValueError):
+            pool.submit("k", "y")

@@ -1,0 +1,349 @@
+"""Multi-turn trajectories: the manager's turns and observations (pure core, injected clock), per-turn migration with
+real engines (the uninterrupted trajectory, exactly), observation masks in training, and a local run with
+preemptions."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from rlboost_hpc.manager.core import ManagerCore
+from rlboost_hpc.manager.state import ENV_PEER
+from rlboost_hpc.protocol import messages as M
+
+TRAINER = b"trainer"
+DOT, EOS = 426, 2  # stories260K: "." (the tool-call close of these tests) and end of story
+PROMPT = [1, 274, 287, 286, 296, 418]  # "Tom was sad" (BOS first)
+
+
+class Clock:
+    t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(environment=True):
+    core = ManagerCore(clock=Clock(), pending_limit=8, heartbeat_s=0.25, heartbeat_timeout_s=2.0,
+                       environment=environment)
+    core.on_message(TRAINER, M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
+    core.on_message(TRAINER, M.SetVersion(version=0))
+    return core
+
+
+def register(core, peer: bytes, job: str):
+    core.on_message(peer, M.Register(job_id=job, attempt=0, kind="preemptible", max_batch=8))
+    core.on_message(peer, M.WeightsLoaded(version=0, checksum=1, nbytes=1, pull_s=0.0, load_s=0.0))
+
+
+def spec(n=1, max_new=6, turns=3, total=30, prompt=(1, 5, 6), seed=10):
+    return M.GroupSpec(gid="s0g0", prompt_ids=list(prompt), n=n, max_new_tokens=max_new, temperature=1.0, top_p=1.0,
+                       seed=seed, stop_ids=[EOS], max_turns=turns, max_trajectory_tokens=total, tool_stop_ids=[DOT])
+
+
+def submit(core, *specs):
+    core.outbox.clear()
+    core.on_message(TRAINER, M.SubmitStep(step=0, version=0, groups=list(specs)))
+    return [m for _, m in core.outbox]
+
+
+def take(core, peer=None, kind=None):
+    out = [(p, m) for p, m in core.outbox if (peer is None or p == peer) and (kind is None or isinstance(m, kind))]
+    core.outbox.clear()
+    return [m for _, m in out]
+
+
+def tok(rid, offset, ids, finish=M.FINISH_NONE):
+    return M.Tokens(rids=[rid], offsets=[offset], counts=[len(ids)], versions=[0], finish=[finish],
+                    ids=M.pack_i32(ids), logprobs=M.pack_f32([-0.25] * len(ids)))
+
+
+def observe(core, rid, turn, obs, status="ok"):
+    core.on_message(ENV_PEER, M.EnvResult(rid=rid, turn=turn, obs_ids=M.pack_i32(obs), status=status, tool_s=0.01))
+
+
+# ------------------------------------------------------------------------------------------------ the core
+def test_a_tool_call_goes_to_the_environment_and_the_next_turn_continues_from_the_observation():
+    core = make()
+    register(core, b"a", "a")
+    submit(core, spec())
+    core.tick()
+    (w0,) = take(core, b"a", M.Assign)[0].works
+    assert w0.prompt_ids == [1, 5, 6] and w0.prefix_ids == [] and w0.max_new_tokens == 6
+    assert DOT in w0.stop_ids and EOS in w0.stop_ids  # the tool-call close ends a turn
+    core.on_message(b"a", tok("s0g0/0", 0, [7, 8, DOT], M.FINISH_STOP))
+    (call,) = take(core, ENV_PEER)
+    assert call.turn == 0 and M.unpack_i32(call.turn_ids).tolist() == [7, 8, DOT]
+    assert core.requests["s0g0/0"].state == "environment" and not core.instances["a#0"].inflight
+    observe(core, "s0g0/0", 0, [90, 91])
+    core.tick()
+    (w1,) = take(core, b"a", M.Assign)[0].works
+    # an instance only ever sees the current turn: earlier turns and the observation are its prompt
+    assert w1.prompt_ids == [1, 5, 6, 7, 8, DOT, 90, 91] and w1.prefix_ids == []
+    assert w1.max_new_tokens == 6 and w1.seed != w0.seed
+    core.on_message(b"a", tok("s0g0/0", 0, [9, EOS], M.FINISH_STOP))  # offsets are relative to the turn
+    (done,) = take(core, TRAINER, M.GroupDone)
+    r = done.responses[0]
+    assert M.unpack_i32(r.ids).tolist() == [7, 8, DOT, 90, 91, 9, EOS] and r.turns == 2
+    assert M.observation_mask(r.observation_runs, 7).tolist() == [False] * 3 + [True] * 2 + [False] * 2
+    assert M.unpack_f32(r.logprobs)[3:5].tolist() == [0.0, 0.0]
+    assert M.expand_version_runs(r.version_runs).tolist() == [0] * 7
+    assert core.counters["environment_calls"] == 1 and core.counters["turns_completed"] == 2
+    assert core.counters["observation_tokens"] == 2
+
+
+def test_budgets_per_turn_and_per_trajectory():
+    core = make()
+    register(core, b"a", "a")
+    submit(core, spec(max_new=6, total=12))
+    core.tick()
+    take(core)
+    core.on_message(b"a", tok("s0g0/0", 0, [7, 8, 9, 10, 11, DOT], M.FINISH_STOP))
+    observe(core, "s0g0/0", 0, [90, 91, 92])
+    core.tick()
+    (w1,) = take(core, b"a", M.Assign)[0].works
+    assert w1.max_new_tokens == 3  # 12 − 6 − 3: the trajectory's budget bounds the turn's
+    core.on_message(b"a", tok("s0g0/0", 0, [1, 2, 3, 4]))  # past it: fenced, never appended
+    assert core.instances["a#0"].state == "fenced" and core.requests["s0g0/0"].n == 9
+
+
+def test_an_observation_that_leaves_no_room_ends_the_trajectory():
+    core = make()
+    register(core, b"a", "a")
+    submit(core, spec(max_new=6, total=10))
+    core.tick()
+    take(core)
+    core.on_message(b"a", tok("s0g0/0", 0, [7, 8, 9, 10, 11, DOT], M.FINISH_STOP))
+    take(core)
+    observe(core, "s0g0/0", 0, [90, 91, 92, 93])  # 6 + 4 = 10: no token left for a next turn
+    (done,) = take(core, TRAINER, M.GroupDone)
+    assert done.responses[0].finish_reason == "length" and len(done.responses[0].ids) == 24
+
+
+def test_the_last_turn_never_calls_the_environment():
+    core = make()
+    register(core, b"a", "a")
+    submit(core, spec(turns=2))
+    core.tick()
+    take(core)
+    core.on_message(b"a", tok("s0g0/0", 0, [7, DOT], M.FINISH_STOP))
+    observe(core, "s0g0/0", 0, [90])
+    core.tick()
+    take(core)
+    core.on_message(b"a", tok("s0g0/0", 0, [8, DOT], M.FINISH_STOP))  # a call in turn 2 of 2: the end
+    assert not [m for p, m in core.outbox if p == ENV_PEER]
+    assert core.requests["s0g0/0"].state == "done" and core.counters["environment_calls"] == 1
+
+
+def test_environment_results_only_from_the_environment_and_only_for_the_waiting_turn():
+    core = make()
+    register(core, b"a", "a")
+    submit(core, spec())
+    core.tick()
+    take(core)
+    core.on_message(b"a", tok("s0g0/0", 0, [7, DOT], M.FINISH_STOP))
+    take(core)
+    core.on_message(b"a", M.EnvResult(rid="s0g0/0", turn=0, obs_ids=M.pack_i32([5])))  # an instance cannot
+    observe(core, "s0g0/0", 3, [5])  # a stale turn
+    assert core.requests["s0g0/0"].state == "environment" and core.requests["s0g0/0"].n == 2
+    observe(core, "s0g0/0", 0, [5], status="timeout")
+    assert core.requests["s0g0/0"].state == "queued" and core.counters["environment_timeouts"] == 1
+
+
+def test_the_version_never_changes_under_a_trajectory_waiting_for_its_tool():
+    core = make()
+    register(core, b"a", "a")
+    submit(core, spec())
+    core.tick()
+    core.on_message(b"a", tok("s0g0/0", 0, [7, DOT], M.FINISH_STOP))
+    take(core)
+    core.on_message(TRAINER, M.SetVersion(version=1))
+    (err,) = take(core, TRAINER, M.Error)
+    assert "unfinished" in err.error and core.latest_version == 0
+
+
+def test_multi_turn_groups_need_an_environment():
+    core = make(environment=False)
+    (err,) = [m for m in submit(core, spec()) if isinstance(m, M.Error)]
+    assert "environment" in err.error
+
+
+def test_a_turn_interrupted_mid_way_resumes_elsewhere_from_its_tokens_so_far():
+    core = make()
+    register(core, b"a", "a")
+    submit(core, spec(max_new=6))
+    core.tick()
+    take(core)
+    core.on_message(b"a", tok("s0g0/0", 0, [7, DOT], M.FINISH_STOP))
+    observe(core, "s0g0/0", 0, [90])
+    core.tick()
+    take(core)
+    core.on_message(b"a", tok("s0g0/0", 0, [11, 12]))
+    register(core, b"b", "b")
+    core.on_message(b"a", M.Deregister(reason="preempted", tokens_generated=0, cause="preempted"))
+    core.tick()
+    (w,) = take(core, b"b", M.Assign)[0].works
+    assert w.prompt_ids == [1, 5, 6, 7, DOT, 90] and w.prefix_ids == [11, 12] and w.max_new_tokens == 4
+    assert core.migrations_by_turn == {"1": 1}
+    assert core.counters["tokens_in_interrupted_turns"] == 2  # what restarting the turn would regenerate
+    assert core.counters["assistant_tokens_in_interrupted_trajectories"] == 4  # ... restarting the trajectory
+
+
+# ----------------------------------------------------------------------- per-turn migration, real engines
+def _env(turn_ids: list[int]) -> list[int]:
+    """A deterministic environment: the observation is a pure function of the turn's ids."""
+    return [300 + sum(turn_ids) % 50, 13, 14 + len(turn_ids) % 3]
+
+
+def _drive(factory, core: ManagerCore, interrupt: tuple[str, int] | None) -> dict[str, M.Response]:
+    """Run one step of trajectories through ``core`` with real engines (``factory()``) behind two instances; at
+    ``interrupt`` = (rid, k) the instance generating rid is preempted once the trajectory holds ≥ k tokens while
+    running (its unsent tokens are lost, its work migrates, a fresh instance replaces it). Tool calls are answered
+    by :func:`_env`. Returns the delivered responses by rid."""
+    from rlboost_hpc.rollout.engines.base import GenRequest, SamplingParams
+
+    engines = {b"i0": factory(), b"i1": factory()}
+    for p in engines:
+        register(core, p, p.decode())
+    fresh = 0
+    out: dict[str, M.Response] = {}
+    pos: dict[str, int] = {}
+    total = sum(len(g.rids) for g in core.groups.values())
+    for _ in range(20_000):
+        core.tick()
+        outbox, core.outbox = core.outbox, []
+        for peer, msg in outbox:
+            if isinstance(msg, M.Assign) and peer in engines:
+                for w in msg.works:
+                    engines[peer].add(GenRequest(w.rid, list(w.prompt_ids), w.max_new_tokens, SamplingParams(
+                        temperature=w.temperature, top_p=w.top_p, seed=w.seed, stop_token_ids=tuple(w.stop_ids)),
+                        list(w.prefix_ids)))
+                    pos[w.rid] = len(w.prefix_ids)
+            elif peer == ENV_PEER:
+                core.on_message(ENV_PEER, M.EnvResult(rid=msg.rid, turn=msg.turn, obs_ids=M.pack_i32(
+                    _env(M.unpack_i32(msg.turn_ids).tolist()))))
+            elif isinstance(msg, M.GroupDone):
+                out.update({r.rid: r for r in msg.responses})
+        if len(out) == total:
+            return out
+        for peer, eng in list(engines.items()):
+            for ev in eng.step():
+                core.on_message(peer, M.Tokens(
+                    rids=[ev.rid], offsets=[pos[ev.rid]], counts=[len(ev.token_ids)], versions=[0],
+                    finish=[M.FINISH_CODES[ev.finish_reason] if ev.finished else 0],
+                    ids=M.pack_i32(ev.token_ids), logprobs=M.pack_f32(ev.logprobs)))
+                pos[ev.rid] += len(ev.token_ids)
+                req = core.requests[ev.rid]
+                if interrupt and ev.rid == interrupt[0] and req.n >= interrupt[1] and req.state == "running":
+                    interrupt = None  # preempted: what it has not sent yet is lost, its work migrates
+                    core.on_message(peer, M.Deregister(reason="preempted", tokens_generated=0, cause="preempted"))
+                    del engines[peer]
+                    fresh += 1
+                    engines[b"n%d" % fresh] = factory()
+                    register(core, b"n%d" % fresh, "n%d" % fresh)
+                    break
+    raise AssertionError("trajectories did not finish")
+
+
+@pytest.fixture(scope="module")
+def stories(stories260k_hf_dir):
+    from _util import load_hf_dir
+
+    return load_hf_dir(stories260k_hf_dir)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
+def test_interrupting_any_token_of_any_turn_gives_the_uninterrupted_trajectory(stories, temperature):
+    """The property: preempt the instance at any token of any turn of a trajectory, resume on another, and the
+    trajectory (ids, logprobs, observations, turns) is the uninterrupted one exactly."""
+    from rlboost_hpc.rollout.engines.torch_engine import TorchEngine
+
+    cfg, sd = stories
+
+    def factory():
+        return TorchEngine(cfg, sd, max_batch=4)
+
+    def run(interrupt):
+        core = make()
+        submit(core, M.GroupSpec(gid="s0g0", prompt_ids=PROMPT, n=2, max_new_tokens=20, temperature=temperature,
+                                 top_p=1.0, seed=3, stop_ids=[EOS], max_turns=4, max_trajectory_tokens=70,
+                                 tool_stop_ids=[DOT]))
+        return _drive(factory, core, interrupt), core
+
+    base, core0 = run(None)
+    traj = base["s0g0/0"]
+    n = len(traj.ids) // 4
+    assert traj.turns >= 2 and core0.counters["environment_calls"] >= 1, "the prompt must lead to a tool call"
+    obs = M.observation_mask(traj.observation_runs, n)
+    points = [k for k in range(1, n) if not obs[k - 1]]  # every token an engine generated
+    for k in points:
+        got, core = run(("s0g0/0", k))
+        for rid, want in base.items():
+            g = got[rid]
+            assert g.ids == want.ids and g.observation_runs == want.observation_runs and g.turns == want.turns, k
+            np.testing.assert_allclose(M.unpack_f32(g.logprobs), M.unpack_f32(want.logprobs), atol=1e-4, rtol=0)  # batching: fp32 sums
+        assert core.counters["responses_migrated"] >= 1
+
+
+# ------------------------------------------------------------------------------------------------ training
+def test_observation_tokens_carry_no_loss_and_no_logprob_comparison(stories):
+    """Garbage behaviour logprobs on observation tokens change nothing; the trained tokens are the assistant's."""
+    from rlboost_hpc.trainer.backends.base import Sample
+    from rlboost_hpc.trainer.backends.torch_backend import TorchBackend, pack
+
+    cfg, sd = stories
+    resp = [400, 401, DOT, 90, 91, 92, 402, EOS]
+    mask = [True, True, True, False, False, False, True, True]
+    lps = [-1.0, -2.0, -0.5, 0.0, 0.0, 0.0, -1.5, -0.1]
+
+    def sample(obs_lp):
+        return Sample(prompt_ids=[1, 365], response_ids=resp, advantage=1.0, loss_mask=mask,
+                      behaviour_logprobs=[lp if m else obs_lp for lp, m in zip(lps, mask)])
+
+    _ids, _att, rmask, _ = pack([sample(0.0)])
+    assert rmask[0].tolist() == [False] + mask
+    out = []
+    for obs_lp in (0.0, -1e6):
+        torch.manual_seed(0)
+        be = TorchBackend(cfg, sd, lr=1e-3, device=torch.device("cpu"))
+        m = be.accumulate([sample(obs_lp)], 1)
+        out.append((m, [p.grad.clone() for p in be.model.parameters() if p.grad is not None]))
+    (m0, g0), (m1, g1) = out
+    assert m0["tokens"] == 5 and m0 == m1
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+    # and the loss is over those 5 tokens: the same sample with the observation unmasked differs
+    be = TorchBackend(cfg, sd, lr=1e-3, device=torch.device("cpu"))
+    full = Sample(prompt_ids=[1, 365], response_ids=resp, advantage=1.0, behaviour_logprobs=lps)
+    assert be.accumulate([full], 1)["tokens"] == 8
+
+
+# ------------------------------------------------------------------------------------------------ a run
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_local_run_with_tool_calls_and_preemptions_loses_nothing(tmp_path):
+    """The main job with multi-turn trajectories on stories260K (its "." is the tool-call close: the calculator
+    answers with error observations, the trajectories go on), a warned preemption held until the victim holds
+    partial responses: nothing lost, duplicated or off-version, every trajectory trained once, tool calls made."""
+    from pathlib import Path
+
+    from test_demo_run import diagnose, run_cli
+
+    repo = Path(__file__).resolve().parent.parent
+    out = tmp_path / "run"
+    p = run_cli(repo, out, "trainer.steps=3", "task.max_turns=3", "task.tool_call_open=''",
+                "task.tool_call_close='.'", "rollout.max_new_tokens=24", "cluster.preempt_when_busy=true",
+                "policy.cap=false")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = json.loads((out / "report.json").read_text())
+    why = diagnose(p, out)
+    assert rep["steps"] == 3 and rep["responses_trained"] == 3 * 8 * 8, why
+    assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0, why
+    assert rep["tokens_trained_off_version"] == 0 and rep["prompts_not_trained_exactly_once"] == 0, why
+    assert rep["environment_calls"] > 0 and rep["turns_per_trajectory_mean"] > 1.0, why
+    assert rep["environment_errors"] + rep["environment_timeouts"] <= rep["environment_calls"], why
+    assert rep["preemptions"] >= 1 and rep["responses_migrated"] >= 1, why
+    assert sum(rep["migrations_by_turn"].values()) >= 1, why
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all("turns_mean" in m and "environment_s" in m for m in lines)
