@@ -190,6 +190,10 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
     policy = load_model(cfg)
     arch, tok = policy.arch, policy.tokenizer
     task = get_task(cfg.task.name, n_train=cfg.task.train_prompts, n_heldout=cfg.task.heldout_prompts)
+    if hasattr(task, "tool_syntax"):  # a tool task tells the policy how to call its tool: the run's syntax
+        from rlboost_hpc.tasks.tools import ToolSyntax
+
+        task.tool_syntax = ToolSyntax(cfg.task.tool_call_open, cfg.task.tool_call_close)
     longest = max(len(task.prompt_ids(p, tok)) for p in task.train_prompts() + task.heldout_prompts())
     if longest + cfg.trajectory_tokens() > arch.max_position_embeddings:
         key = ("rollout.max_new_tokens" if cfg.task.max_turns == 1 else

@@ -14,12 +14,25 @@ def test_default_config_file_matches_defaults(repo_root):
     assert cfg.rollout.group_size == 8 and cfg.weights.dtype == "bfloat16"
 
 
-@pytest.mark.parametrize("name", ["local.toml", "gsm8k-qwen3.toml"])
+@pytest.mark.parametrize("name", ["local.toml", "gsm8k-qwen3.toml", "gsm8k-tools.toml"])
 def test_shipped_configs_load(repo_root, name):
     cfg = load_config(repo_root / "configs" / name)
     assert cfg.model.name == "stories260K"
     if name == "gsm8k-qwen3.toml":  # the template a user copies: their model directory, the chat template
         assert cfg.task.name == "gsm8k" and cfg.model.path and cfg.task.chat_template == "auto"
+    if name == "gsm8k-tools.toml":  # multi-turn: the calculator, Qwen's tool-call tokens
+        assert cfg.task.name == "gsm8k_tools" and cfg.task.max_turns > 1 and cfg.model.path
+        assert cfg.trajectory_tokens() == cfg.task.max_trajectory_tokens >= cfg.rollout.max_new_tokens
+
+
+def test_multi_turn_keys_are_checked_together():
+    assert load_config(None, ["task.max_turns=3", "rollout.max_new_tokens=10"]).trajectory_tokens() == 30
+    with pytest.raises(ConfigError, match="task.max_trajectory_tokens applies to multi-turn tasks only"):
+        load_config(None, ["task.max_trajectory_tokens=100"])
+    with pytest.raises(ConfigError, match=r"task.max_trajectory_tokens \(5\) must be >= rollout.max_new_tokens"):
+        load_config(None, ["task.max_turns=2", "task.max_trajectory_tokens=5", "rollout.max_new_tokens=10"])
+    with pytest.raises(ConfigError, match="tool_call_close"):
+        load_config(None, ["task.max_turns=2", "task.tool_call_close=''"])
 
 
 def test_renamed_and_moved_keys_name_their_new_home():

@@ -28,7 +28,7 @@ from rlboost_hpc.tasks.stories import OPENINGS, StoryQuoteTask, quote_reward, re
 
 
 def test_registry_builds_known_tasks() -> None:
-    assert known_tasks() == ["gsm8k", "math500", "stories"]
+    assert known_tasks() == ["gsm8k", "gsm8k_tools", "math500", "stories"]
     assert isinstance(get_task("stories"), StoryQuoteTask)
     assert get_task("stories", strict=True).strict is True
     assert isinstance(get_task("gsm8k", n_heldout=5), GSM8KTask)
@@ -36,7 +36,7 @@ def test_registry_builds_known_tasks() -> None:
 
 
 def test_registry_unknown_name_lists_known() -> None:
-    with pytest.raises(ValueError, match=r"unknown task 'gsm9k'.*gsm8k, math500, stories"):
+    with pytest.raises(ValueError, match=r"unknown task 'gsm9k'.*gsm8k, gsm8k_tools, math500, stories"):
         get_task("gsm9k")
 
 

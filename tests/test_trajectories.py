@@ -347,3 +347,51 @@ def test_a_local_run_with_tool_calls_and_preemptions_loses_nothing(tmp_path):
     assert sum(rep["migrations_by_turn"].values()) >= 1, why
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert all("turns_mean" in m and "environment_s" in m for m in lines)
+
+
+@pytest.mark.integration
+def test_a_tool_call_close_that_is_not_one_token_is_refused_naming_the_key(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    p = subprocess.run([sys.executable, "-m", "rlboost_hpc.cli", "run", "--config", str(repo / "configs/local.toml"),
+                        "--out", str(tmp_path / "r"), "--no-progress", "--set", "task.max_turns=2",
+                        "--set", "task.tool_call_close='<end of call>'"], capture_output=True, text=True, cwd=repo,
+                       timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "task.tool_call_close = '<end of call>'" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_gsm8k_with_the_calculator_on_a_chat_model_renders_tool_messages(tmp_path):
+    """``task.name = "gsm8k_tools"`` on the tiny Qwen3 (ChatML template): a random model does not write tool calls,
+    so a token it does emit closes them (``task.tool_call_close``); observations are the template's tool messages,
+    appended as ids, masked out of training; preemptions lose nothing."""
+    from pathlib import Path
+
+    from _models import make_model_dir
+    from test_demo_run import diagnose, run_cli
+
+    d = make_model_dir(tmp_path / "qwen3", "qwen3", tied=False, seed=1)
+    repo = Path(__file__).resolve().parent.parent
+    trace = tmp_path / "trace.csv"
+    trace.write_text("0,add,a\n0,add,b\n1000,remove,a\n1500,add,c\n")
+    out = tmp_path / "run"
+    p = run_cli(repo, out, f"model.path='{d}'", "task.name=gsm8k_tools", "task.max_turns=3",
+                "task.tool_call_close='Ġthe'", "trainer.steps=2", "task.train_prompts=16", "task.heldout_prompts=2",
+                "trainer.eval_samples=1", "rollout.prompts_per_step=8", "rollout.max_new_tokens=32",
+                "weights.dtype=float32", f"cluster.trace='{trace}'", "cluster.time_scale=1.0", "cluster.replay_s=120",
+                "cluster.window_start_s=0", "cluster.max_workers=2", "cluster.min_changes=0", "cluster.min_removals=0",
+                "cluster.min_starts=0", "cluster.preempt_when_busy=true", "policy.cap=false")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = json.loads((out / "report.json").read_text())
+    why = diagnose(p, out)
+    assert rep["model"]["chat_template"] is True and rep["steps"] == 2, why
+    assert rep["responses_trained"] == 2 * 8 * 8 and rep["responses_lost"] == 0, why
+    assert rep["responses_duplicated"] == 0 and rep["tokens_trained_off_version"] == 0, why
+    assert rep["environment_calls"] > 0 and rep["turns_per_trajectory_mean"] > 1.0, why
+    assert rep["observation_tokens"] >= 10 * rep["environment_calls"], why  # a ChatML tool message: ≥ 10 tokens
+    assert rep["preemptions_with_warning"] >= 1 and rep["responses_migrated"] >= 1, why

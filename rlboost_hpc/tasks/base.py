@@ -108,6 +108,7 @@ class Task(abc.ABC):
 _REGISTRY: dict[str, str | type[Task]] = {
     "stories": "rlboost_hpc.tasks.stories:StoryQuoteTask",
     "gsm8k": "rlboost_hpc.tasks.math:GSM8KTask",
+    "gsm8k_tools": "rlboost_hpc.tasks.math:GSM8KToolTask",
     "math500": "rlboost_hpc.tasks.math:Math500Task",
 }
 
@@ -141,7 +142,8 @@ def get_task(name: str, **options: Any) -> Task:
     """Build the task registered as ``name`` with constructor ``options``.
 
     Known names: ``"stories"`` (:class:`~rlboost_hpc.tasks.stories.StoryQuoteTask`, the stories260K demo),
-    ``"gsm8k"`` (:class:`~rlboost_hpc.tasks.math.GSM8KTask`), ``"math500"``
+    ``"gsm8k"`` (:class:`~rlboost_hpc.tasks.math.GSM8KTask`), ``"gsm8k_tools"`` (GSM8K with a calculator,
+    :class:`~rlboost_hpc.tasks.math.GSM8KToolTask`), ``"math500"``
     (:class:`~rlboost_hpc.tasks.math.Math500Task`).
 
     Raises:

@@ -371,6 +371,33 @@ class GSM8KTask(Task):
             return 0.0
 
 
+class GSM8KToolTask(GSM8KTask):
+    """GSM8K with a calculator (multi-turn: ``task.max_turns`` > 1): the prompt tells the policy how to call the
+    calculator — ``<open>{"name": "calculator", "arguments": {"expression": "..."}}<close>`` with the run's
+    ``task.tool_call_open`` / ``task.tool_call_close`` (:attr:`tool_syntax`, set by the run) — and to give the
+    final answer in ``\\boxed{}``. Prompts, splits and reward are :class:`GSM8KTask`'s; the reward reads the
+    trajectory's final assistant turn."""
+
+    name = "gsm8k_tools"
+
+    def __init__(self, n_train: int | None = None, n_heldout: int | None = None) -> None:
+        super().__init__(n_train, n_heldout)
+        from rlboost_hpc.tasks.tools import ToolSyntax
+
+        self.tool_syntax = ToolSyntax()
+
+    def tool_instruction(self) -> str:
+        s = self.tool_syntax
+        return (f"You have a calculator. To use it, write {s.call_open}{{\"name\": \"calculator\", \"arguments\": "
+                f"{{\"expression\": \"<arithmetic>\"}}}}{s.call_close} and stop; its result comes back to you.")
+
+    def format_prompt(self, prompt: Prompt) -> str:
+        return f"Question: {prompt.text.strip()}\n{self.tool_instruction()}\nAnswer:"
+
+    def chat_content(self, prompt: Prompt) -> str:
+        return f"{prompt.text.strip()}\n{self.tool_instruction()}\n{BOXED_INSTRUCTION}"
+
+
 class Math500Task(Task):
     """MATH-500 competition problems; reward 1.0 when the last ``\\boxed{}`` answer is equivalent to the gold.
 
