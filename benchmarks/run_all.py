@@ -52,6 +52,7 @@ BENCHES = [
     Bench("bench_end_to_end", (), ("--steps", "6")),
     Bench("bench_step_timeline", (), ("--steps", "8", "--variants", "demo,demo-sync-checkpoint")),
     Bench("bench_megatron", (), ("--steps", "1", "--warmup", "0")),
+    Bench("bench_multiturn", ("--steps", "16"), ("--steps", "6")),
     Bench("bench_sglang", (), ("--prompts", "4", "--new", "16", "--repeat", "1", "--stream-intervals", "1", "8",
                                "--weight-hidden", "256"), needs="sglang"),
     Bench("bench_slurm_phases", (), ("--repeats", "1"), needs="slurm"),

@@ -68,8 +68,9 @@ def print_summary(report: dict, console: Console | None = None) -> None:
 
 def write_plot(steps: list[dict], live_series: list[tuple[float, int]], path: Path, *, before: float,
                after: float) -> None:
-    """Four panels: over time, training reward (with held-out before/after), throughput and live instances; by
-    step, where the step's wall time went (seconds per phase, stacked, and the fixed overhead)."""
+    """Four panels: over time, training reward (with held-out before/after), throughput (and, for multi-turn
+    trajectories, turns per trajectory) and live instances; by step, where the step's wall time went (seconds per
+    phase, stacked, the fixed overhead and, multi-turn, the seconds of tool calls)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -108,6 +109,12 @@ def write_plot(steps: list[dict], live_series: list[tuple[float, int]], path: Pa
             bottom = [b + v for b, v in zip(bottom, h)]
     if any("fixed_overhead_s" in m for m in steps):
         ax[3].plot(x, [m.get("fixed_overhead_s", 0.0) for m in steps], "k.-", lw=1, label="fixed overhead")
+    if any(m.get("environment_s") for m in steps):  # multi-turn: tool calls (in parallel with generation)
+        ax[3].plot(x, [m.get("environment_s", 0.0) for m in steps], "r^--", lw=1, ms=4,
+                   label="tool calls (s, summed over calls)")
+        tw = ax[1].twinx()
+        tw.plot(t, [m.get("turns_mean", 1.0) for m in steps], "g.--", lw=1)
+        tw.set_ylabel("turns per trajectory", color="g")
     ax[3].set_ylabel("seconds (step)")
     ax[3].set_xlabel("step")
     ax[3].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
