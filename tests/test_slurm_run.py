@@ -299,3 +299,26 @@ def test_the_controller_steers_the_scavenger_on_slurm(tmp_path):
     assert (run_dir / "capacity.png").stat().st_size > 10_000
     assert "N_prem live vs simulated" in p.stdout, p.stderr  # the simulator's N_prem for the same capacity
     print([ln for ln in p.stdout.splitlines() if ln.startswith("N_prem live vs simulated")])
+
+
+def test_a_tool_using_run_on_slurm_loses_no_trajectory_to_preemption(tmp_path):
+    """Issue 17's acceptance run: multi-turn trajectories with tool calls (the tool runs in the trainer job, in the
+    manager's tool workers; "." closes a call) while a high-priority job preempts the rollout jobs: nothing lost,
+    duplicated or off-version; tool calls made. (Whether the preempted jobs held partial trajectories at that moment
+    is up to Slurm's timing; per-turn migration itself is tested with real engines and local preemptions in
+    tests/test_trajectories.py.)"""
+    overrides = ("--set trainer.steps=12 --set task.max_turns=3 --set task.tool_call_open='' "
+                 "--set task.tool_call_close='.' --set rollout.max_new_tokens=32 --set cluster.max_workers=3 "
+                 "--set trainer.seed_window_s=0.3 --set network.bind_host=127.0.0.1 --set policy.cap=false")
+    with SlurmRun(tmp_path, "tools", overrides, scav=("--gpus-per-job", "1")) as r:
+        env, tag, run_dir, state = r.env, r.tag, r.run_dir, r.state
+        wait_for(lambda: steps_done(run_dir) >= 2 and len(settled_running(env, tag)) >= 2, 180,
+                 "2 settled rollout jobs serving", state=state)
+        preempt_rollout_nodes(env, tag, r.job)
+        wait_for(lambda: requeues(run_dir) >= 1, 60, "a requeue", state=state)
+        rep = r.finish()
+    assert "failed" not in rep, rep
+    assert rep["steps"] == 12 and rep["preemptions"] >= 1, rep
+    assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0, rep
+    assert rep["tokens_trained_off_version"] == 0 and rep["prompts_not_trained_exactly_once"] == 0, rep
+    assert rep["environment_calls"] > 0 and rep["turns_per_trajectory_mean"] > 1.0, rep
