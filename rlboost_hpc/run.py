@@ -122,7 +122,7 @@ def _environment(cfg: RunConfig, policy) -> dict | None:
     env = ToolEnvironment(tokenizer_dir=str(policy.path), use_chat=policy.tokenizer.use_chat,
                           syntax=ToolSyntax(t.tool_call_open, t.tool_call_close), tool=t.tool,
                           plain_format=t.tool_plain_format, max_observation_tokens=t.max_observation_tokens)
-    return dict(handler=env, workers=t.tool_workers, timeout_s=t.tool_timeout_s)
+    return dict(env=env, workers=t.tool_workers, timeout_s=t.tool_timeout_s)
 
 
 def _start_manager(cfg: RunConfig, keys_dir: str | None, journal_path: str | None = None, run_id: str | None = None,
@@ -225,8 +225,9 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
             keys.save(out_dir)
     server = WeightServer(bind=f"tcp://{cfg.network.bind_host}:0", chunk_bytes=cfg.weights.chunk_bytes,
                           keys=keys, delta=cfg.weights.delta, delta_max_ratio=cfg.weights.delta_max_ratio).start()
+    environment = _environment(cfg, policy)
     mproc, bound, metrics_url = _start_manager(cfg, str(out_dir) if keys else None,
-                                               str(RunDir(out_dir).journal), run_id, _environment(cfg, policy))
+                                               str(RunDir(out_dir).journal), run_id, environment)
     host = cfg.network.advertise_host or (socket.gethostname() if cfg.network.bind_host in ("0.0.0.0", "*")
                                           else cfg.network.bind_host)
     endpoint, weights_endpoint = advertised(bound, host), advertised(server.endpoint, host)
@@ -271,6 +272,13 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
         rewards = RewardPool(task, workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s)
         closers.append(rewards.close)
         eval_kw["score"] = rewards.score
+        if environment is not None:  # held-out trajectories call the tool too (their own workers, same deadline)
+            from rlboost_hpc.tasks.tools import ToolCalls
+            from rlboost_hpc.trainer.eval import TurnSettings
+
+            eval_tools = ToolCalls(**environment)
+            closers.append(eval_tools.close)
+            eval_kw["turns"] = TurnSettings(cfg.task.max_turns, cfg.trajectory_tokens(), tool_stops, eval_tools)
         metrics_f = open(RunDir(out_dir).metrics, "w")  # what the checkpoint covers, then the new steps
         metrics_f.writelines(json.dumps(m) + "\n" for m in step_metrics)
         metrics_f.flush()

@@ -12,7 +12,7 @@ from rlboost_hpc.manager.service import ManagerService
 from rlboost_hpc.manager.state import ENV_PEER
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.tasks.pool import CallStatus, DeadlinePool
-from rlboost_hpc.tasks.tools import ToolEnvironment, ToolError, ToolSyntax, calculate, parse_tool_call
+from rlboost_hpc.tasks.tools import ToolCalls, ToolEnvironment, ToolError, ToolSyntax, calculate, parse_tool_call
 
 
 @pytest.mark.parametrize("expr, value", [("2+3*4", "14"), ("(48/2)", "24"), ("1,000 * 3 =", "3000"),
@@ -92,7 +92,7 @@ def test_a_hung_tool_call_times_out_into_an_error_observation_and_the_trajectory
     trajectory continues from an error observation (counted as a timeout); a good call in parallel is unaffected."""
     env = HangingEnvironment(str(stories260k_hf_dir), use_chat=False, syntax=ToolSyntax("", "."))
     core = ManagerCore(clock=time.monotonic, environment=True)
-    svc = ManagerService(core, environment=DeadlinePool(env, workers=2, timeout_s=1.0))
+    svc = ManagerService(core, environment=ToolCalls(env, workers=2, timeout_s=1.0))
     try:
         core.on_message(b"t", M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
         core.on_message(b"t", M.SetVersion(version=0))
@@ -117,7 +117,7 @@ def test_a_hung_tool_call_times_out_into_an_error_observation_and_the_trajectory
         assert good.state == hung.state == "queued" and good.turn == hung.turn == 1
         obs = lambda r: env._hf.decode(M.unpack_i32(bytes(r.ids[4 * r.observations[0]:4 * r.turn_start])).tolist())
         assert "Result: 5" in obs(good) and "ran past its 1 s deadline" in obs(hung)
-        assert core.counters["environment_timeouts"] == 1 and svc.env.replaced == 1
+        assert core.counters["environment_timeouts"] == 1 and svc.env.pool.replaced == 1
         assert core.counters["environment_seconds"] >= 1.0
     finally:
         svc.close()

@@ -395,3 +395,28 @@ def test_gsm8k_with_the_calculator_on_a_chat_model_renders_tool_messages(tmp_pat
     assert rep["environment_calls"] > 0 and rep["turns_per_trajectory_mean"] > 1.0, why
     assert rep["observation_tokens"] >= 10 * rep["environment_calls"], why  # a ChatML tool message: ≥ 10 tokens
     assert rep["preemptions_with_warning"] >= 1 and rep["responses_migrated"] >= 1, why
+
+
+def test_held_out_evaluation_plays_trajectories_with_the_tool(stories, stories260k_hf_dir):
+    """Evaluation of a multi-turn task calls the tool like the rollouts do: trajectories with observations (masked
+    out of the KL samples), the reward on the final turn, the same draws on a second evaluation."""
+    from rlboost_hpc.models.hf_dir import PolicyTokenizer
+    from rlboost_hpc.tasks.base import get_task
+    from rlboost_hpc.tasks.tools import ToolCalls, ToolEnvironment, ToolSyntax
+    from rlboost_hpc.trainer.eval import TurnSettings, evaluate
+
+    cfg, sd = stories
+    tok = PolicyTokenizer.from_dir(stories260k_hf_dir, cfg)
+    task = get_task("stories", n_heldout=3)
+    with_tools = ToolCalls(ToolEnvironment(str(stories260k_hf_dir), use_chat=False, syntax=ToolSyntax("", ".")))
+    try:
+        turns = TurnSettings(max_turns=3, max_trajectory_tokens=80, tool_stop_ids=(DOT,), tools=with_tools)
+        kw = dict(samples=2, max_new_tokens=24, temperature=1.0, top_p=1.0, turns=turns)
+        a, b = evaluate(cfg, sd, tok, task, **kw), evaluate(cfg, sd, tok, task, **kw)
+    finally:
+        with_tools.close()
+    masked = [s for s in a["sampled"] if s.loss_mask is not None]
+    assert masked and all(len(s.loss_mask) == len(s.response_ids) <= 80 for s in masked)
+    assert any(not m for s in masked for m in s.loss_mask)
+    assert a["reward_sampled"] == b["reward_sampled"] and [s.response_ids for s in a["sampled"]] == \
+        [s.response_ids for s in b["sampled"]]

@@ -19,7 +19,7 @@ from rlboost_hpc.manager.state import ENV_PEER
 from rlboost_hpc.protocol.auth import RunKeys, max_msg_size, secure_server
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.errors import ProtocolError
-from rlboost_hpc.tasks.pool import CallStatus, DeadlinePool
+from rlboost_hpc.tasks.tools import ToolCalls
 
 log = logging.getLogger("rlboost.manager")
 
@@ -30,11 +30,10 @@ class ManagerService:
 
     def __init__(self, core: ManagerCore, bind: str = "tcp://127.0.0.1:0", *, ctx: zmq.Context | None = None,
                  keys: RunKeys | None = None, metrics: "ManagerMetrics | None" = None,
-                 environment: "DeadlinePool | None" = None):
+                 environment: ToolCalls | None = None):
         self.core = core
         # tool calls of multi-turn trajectories (EnvCall → a call in the pool → EnvResult), in worker processes
         self.env = environment
-        self._env_timed_out: dict[tuple[str, int], float] = {}  # calls past their deadline: seconds they ran
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -81,34 +80,16 @@ class ManagerService:
         out, self.core.outbox = self.core.outbox, []
         for peer, msg in out:
             if peer == ENV_PEER:
-                self.env.submit((msg.rid, msg.turn, "step"), ("step", M.unpack_i32(msg.turn_ids).tolist()))
+                self.env.submit((msg.rid, msg.turn), M.unpack_i32(msg.turn_ids).tolist())
             else:
                 self._send(peer, M.encode(msg))
 
     def _environment(self) -> None:
-        """Hand every finished tool call to the core as an :class:`~M.EnvResult`. A call past its deadline (its
-        worker was killed) or whose environment failed is answered with an error observation rendered by a
-        worker; if even that fails, with no observation (the core then ends the trajectory)."""
-        for c in self.env.poll(0.0):
-            rid, turn, kind = c.key
-            if c.status == CallStatus.OK:
-                status = "error" if c.value.error else "ok"
-                if kind == "error":
-                    status = "timeout" if (rid, turn) in self._env_timed_out else "error"
-                seconds = self._env_timed_out.pop((rid, turn), c.seconds) if kind == "error" else c.seconds
-                self.core.on_message(ENV_PEER, M.EnvResult(rid=rid, turn=turn, obs_ids=M.pack_i32(c.value.obs_ids),
-                                                           status=status, tool_s=seconds))
-            elif kind == "step":
-                if c.status == CallStatus.TIMEOUT:
-                    self._env_timed_out[(rid, turn)] = c.seconds
-                why = (f"the tool call ran past its {self.env.timeout_s:g} s deadline"
-                       if c.status == CallStatus.TIMEOUT else f"the environment failed ({c.error})")
-                self.env.submit((rid, turn, "error"), ("error", why))
-            else:
-                log.warning("environment of %s turn %d failed twice (%s); the trajectory ends", rid, turn, c.error)
-                seconds = self._env_timed_out.pop((rid, turn), c.seconds)
-                self.core.on_message(ENV_PEER, M.EnvResult(rid=rid, turn=turn, obs_ids=b"", status="error",
-                                                           tool_s=seconds))
+        """Hand every finished tool call to the core as an :class:`~M.EnvResult`."""
+        for o in self.env.poll(0.0):
+            rid, turn = o.key
+            self.core.on_message(ENV_PEER, M.EnvResult(rid=rid, turn=turn, obs_ids=M.pack_i32(o.obs_ids),
+                                                       status=o.status, tool_s=o.seconds))
 
     def _probe(self) -> None:
         """A connection closed somewhere: find which live instances are no longer reachable."""
@@ -194,9 +175,9 @@ def run_manager_process(bind: str, params: dict, conn, keys_dir: str | None = No
     """Entry point of the manager process: serve, report the bound endpoint through ``conn`` (a Pipe end).
     With ``keys_dir`` (a run directory holding ``keys/keys.json``) every connection must prove the run's key.
     With ``journal_path`` the manager starts a new epoch in that journal and records every version there.
-    ``run_id`` tags its log lines. ``environment``: :class:`~rlboost_hpc.tasks.pool.DeadlinePool` keyword
-    arguments (``handler``: e.g. a :class:`~rlboost_hpc.tasks.tools.ToolEnvironment`, ``workers``, ``timeout_s``)
-    of the pool that answers multi-turn trajectories' tool calls; None: single-turn only."""
+    ``run_id`` tags its log lines. ``environment``: :class:`~rlboost_hpc.tasks.tools.ToolCalls` arguments
+    (``env``: a :class:`~rlboost_hpc.tasks.tools.ToolEnvironment`, ``workers``, ``timeout_s``) of the pool that
+    answers multi-turn trajectories' tool calls; None: single-turn only."""
     from rlboost_hpc.observe.logs import LogSink, setup_logging_from
 
     setup_logging_from(log_sink or LogSink(), "manager", run_id=run_id)
@@ -221,7 +202,7 @@ def run_manager_process(bind: str, params: dict, conn, keys_dir: str | None = No
         h, port = serve_metrics(metrics, host=metrics_host)
         metrics_url = f"http://{h}:{port}/metrics"
     svc = ManagerService(core, bind, keys=RunKeys.load(keys_dir) if keys_dir else None, metrics=metrics,
-                         environment=DeadlinePool(**environment) if environment is not None else None)
+                         environment=ToolCalls(**environment) if environment is not None else None)
     conn.send((svc.endpoint, metrics_url))
     conn.close()
     parent = os.getppid()

@@ -12,6 +12,7 @@ from enum import StrEnum
 import numpy as np
 
 from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.tasks.tools import turn_seed
 
 __all__ = ["ALLOWED_TRANSITIONS", "ENV_PEER", "Group", "Instance", "InstanceState", "Request", "RequestState",
            "StepWork"]
@@ -160,14 +161,14 @@ class Request:
 
     def work(self) -> M.Work:
         """The current turn for an instance: the prompt is the original prompt + every earlier turn and
-        observation, the prefix the current turn's tokens so far, the budget what the turn has left. Turn t > 0
-        samples with its own seed (a pure function of the response's seed and t)."""
+        observation, the prefix the current turn's tokens so far, the budget what the turn has left. Turn t samples
+        with :func:`~rlboost_hpc.tasks.tools.turn_seed` of the response's seed."""
         ids = np.frombuffer(bytes(self.ids), dtype="<i4")
         return M.Work(
             rid=self.rid, prompt_ids=self.prompt_ids + ids[: self.turn_start].tolist(),
             prefix_ids=ids[self.turn_start:].tolist(),
             max_new_tokens=self.turn_budget() - (self.n - self.turn_start), temperature=self.temperature,
-            top_p=self.top_p, seed=self.seed if self.turn == 0 else (self.seed * 1_000_003 + self.turn) % (2**31),
+            top_p=self.top_p, seed=turn_seed(self.seed, self.turn),
             stop_ids=self.stop_ids, version=self.version,
         )
 

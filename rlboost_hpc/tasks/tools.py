@@ -23,11 +23,19 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ToolEnvironment", "ToolSyntax", "calculate", "parse_tool_call", "EnvStep"]
+__all__ = ["EnvStep", "Observation", "ToolCalls", "ToolEnvironment", "ToolSyntax", "calculate", "parse_tool_call",
+           "turn_seed"]
 
 #: the tools a task can give its policy (``task.tool``); each maps its call's arguments to a result text
 TOOLS = ("calculator",)
 _SENTINEL = "\u2063RLBOOST-TURN-END\u2063"  # an assistant message content no template rewrites
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The sampling seed of assistant turn ``turn`` of a trajectory whose response seed is ``seed``: the seed itself
+    for the first turn (a single-turn response samples as it always did), a pure function of both after it — every
+    engine that generates (or resumes) a turn, and evaluation, draw the same tokens."""
+    return seed if turn == 0 else (seed * 1_000_003 + turn) % (2**31)
 
 
 class ToolError(ValueError):
@@ -189,3 +197,83 @@ class ToolEnvironment:
         else:
             text = self.plain_format.replace("{result}", result)
         return list(hf(text, add_special_tokens=False)["input_ids"]) or list(hf("\n", add_special_tokens=False)["input_ids"])
+
+
+@dataclass(frozen=True)
+class Observation:
+    """A finished tool call: its key, the observation ids (int; empty only when even rendering an error failed),
+    ``status`` (``ok``, ``error``: a malformed call or failing tool, ``timeout``: past the deadline) and the seconds
+    the call took."""
+
+    key: Any
+    obs_ids: list[int]
+    status: str
+    seconds: float
+
+
+class ToolCalls:
+    """Tool calls of trajectories in a :class:`~rlboost_hpc.tasks.pool.DeadlinePool` of ``env`` workers.
+
+    Every submitted call completes once as an :class:`Observation`: the tool's result, or — when the call ran past
+    ``timeout_s`` (its worker is killed and replaced) or the environment failed — an error observation rendered by a
+    worker (status ``timeout`` / ``error``); if even that fails, an empty observation (the trajectory then ends).
+
+    Raises:
+        ValueError: ``workers < 1`` or ``timeout_s <= 0``.
+    """
+
+    def __init__(self, env: ToolEnvironment, *, workers: int = 1, timeout_s: float = 5.0) -> None:
+        from rlboost_hpc.tasks.pool import DeadlinePool
+
+        self.pool = DeadlinePool(env, workers=workers, timeout_s=timeout_s)
+        self.timeout_s = timeout_s
+        self._failed: dict[Any, tuple[str, float]] = {}  # key -> (status, seconds) of a call answered by an error
+
+    @property
+    def pending(self) -> int:
+        return self.pool.pending
+
+    def submit(self, key: Any, turn_ids: list[int]) -> None:
+        """Run the tool call of an assistant turn (``turn_ids``: its token ids)."""
+        self.pool.submit((key, "step"), ("step", list(turn_ids)))
+
+    def poll(self, timeout_s: float = 0.0) -> list[Observation]:
+        """The calls that completed (waiting up to ``timeout_s`` seconds for the first)."""
+        from rlboost_hpc.tasks.pool import CallStatus
+
+        out = []
+        for c in self.pool.poll(timeout_s):
+            key, kind = c.key
+            if c.status == CallStatus.OK:
+                status, secs = ("error" if c.value.error else "ok"), c.seconds
+                if kind == "error":
+                    status, secs = self._failed.pop(key)
+                out.append(Observation(key, list(c.value.obs_ids), status, secs))
+            elif kind == "step":
+                status = "timeout" if c.status == CallStatus.TIMEOUT else "error"
+                self._failed[key] = (status, c.seconds)
+                why = (f"the tool call ran past its {self.timeout_s:g} s deadline" if status == "timeout"
+                       else f"the environment failed ({c.error})")
+                self.pool.submit((key, "error"), ("error", why))
+            else:
+                status, secs = self._failed.pop(key)
+                out.append(Observation(key, [], status, secs))
+        return out
+
+    def observe_all(self, turns: dict[Any, list[int]]) -> dict[Any, Observation]:
+        """Run every ``{key: turn_ids}`` call and wait for all of them.
+
+        Raises:
+            RuntimeError: other calls are pending (their observations would be taken here).
+        """
+        if self.pending:
+            raise RuntimeError(f"observe_all with {self.pending} other calls pending")
+        for key, ids in turns.items():
+            self.submit(key, ids)
+        done: dict[Any, Observation] = {}
+        while len(done) < len(turns):
+            done.update((o.key, o) for o in self.poll(1.0))
+        return done
+
+    def close(self) -> None:
+        self.pool.close()

@@ -11,6 +11,7 @@ Invariants:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
@@ -20,6 +21,7 @@ from rlboost_hpc.rollout.engines.base import GenRequest, SamplingParams
 from rlboost_hpc.rollout.engines.torch_engine import TorchEngine, generate_all
 from rlboost_hpc.tasks.base import Task
 from rlboost_hpc.tasks.stories import repetition_rate
+from rlboost_hpc.tasks.tools import ToolCalls, turn_seed
 from rlboost_hpc.trainer.backends.base import Sample, TrainerBackend
 
 
@@ -28,53 +30,107 @@ def strip_stop(ids: list[int], stop_ids: tuple[int, ...]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in stop_ids else ids
 
 
+@dataclass(frozen=True)
+class TurnSettings:
+    """How evaluation plays multi-turn trajectories — as the run's rollouts do: at most ``max_turns`` assistant turns
+    of at most ``max_new_tokens`` each (evaluate's argument) and ``max_trajectory_tokens`` after the prompt; a turn
+    ending with one of ``tool_stop_ids`` is a tool call answered by ``tools`` (under its deadline)."""
+
+    max_turns: int
+    max_trajectory_tokens: int
+    tool_stop_ids: tuple[int, ...]
+    tools: ToolCalls
+
+
+@dataclass
+class _Trajectory:
+    prompt_ids: list[int]
+    seed: int
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    generated: list[bool] = field(default_factory=list)
+    turn: int = 0
+    turn_start: int = 0
+
+
 def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, task: Task, *,
              samples: int, max_new_tokens: int, temperature: float, top_p: float, base_seed: int = 12345,
              device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-             score: Callable[[list[tuple[Any, str]]], list[float]] | None = None) -> dict:
+             score: Callable[[list[tuple[Any, str]]], list[float]] | None = None,
+             turns: TurnSettings | None = None) -> dict:
     """Mean reward over held-out prompts (``samples`` sampled responses each, plus one greedy).
 
     Args:
         tokenizer: a :class:`~rlboost_hpc.models.hf_dir.PolicyTokenizer` (prompt ids, stop ids, decoding).
         score: rewards of ``(prompt, text)`` pairs (the run's ``RewardPool.score``; inline ``task.reward`` when
             ``None``).
+        turns: multi-turn trajectories with tool calls (:class:`TurnSettings`); None: single-turn responses. The
+            reward reads a trajectory's final assistant turn.
 
     Returns:
         A dict: reward_sampled, reward_greedy, repetition_rate (mean over sampled responses), responses (int),
         examples (first few greedy texts), sampled (the sampled responses as :class:`Sample` s, advantage 0,
-        for :func:`kl_to_reference`).
+        observation tokens masked, for :func:`kl_to_reference`).
     """
     eng = TorchEngine(arch, weights, max_batch=64, device=device, dtype=dtype)
     stop_ids = tokenizer.stop_ids
-    reqs, meta = [], {}
+    tool_stops = turns.tool_stop_ids if turns else ()
+    total = turns.max_trajectory_tokens if turns else max_new_tokens
+    trajs: dict[str, _Trajectory] = {}
+    meta = {}
     for i, p in enumerate(task.heldout_prompts()):
         ids = task.prompt_ids(p, tokenizer)
         for j in range(samples + 1):
-            greedy = j == samples
             rid = f"eval/{i}/{j}"
+            trajs[rid] = _Trajectory(ids, base_seed + 1000 * i + j)
+            meta[rid] = (p, j == samples)
+    active = dict(trajs)
+    while active:  # one round per turn: every trajectory's current turn, then its tool calls
+        reqs = []
+        for rid, t in active.items():
+            greedy = meta[rid][1]
             sp = SamplingParams(temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
-                                seed=base_seed + 1000 * i + j, stop_token_ids=stop_ids)
-            reqs.append(GenRequest(rid=rid, prompt_ids=ids, max_new_tokens=max_new_tokens, sampling=sp))
-            meta[rid] = (p, greedy, ids)
-    out = generate_all(eng, reqs)
-    texts = {rid: tokenizer.decode(strip_stop(list(ids), stop_ids)) for rid, (ids, _l, _f) in out.items()}
-    rids = list(out)
+                                seed=turn_seed(t.seed, t.turn), stop_token_ids=tuple(stop_ids) + tuple(tool_stops))
+            reqs.append(GenRequest(rid=rid, prompt_ids=t.prompt_ids + t.ids,
+                                   max_new_tokens=min(max_new_tokens, total - len(t.ids)), sampling=sp))
+        calls = {}
+        for rid, (ids, lps, fin) in generate_all(eng, reqs).items():
+            t = active[rid]
+            t.ids += ids
+            t.logprobs += lps
+            t.generated += [True] * len(ids)
+            if (turns and fin == "stop" and ids and ids[-1] in tool_stops and t.turn + 1 < turns.max_turns
+                    and len(t.ids) < total):
+                calls[rid] = ids
+        active = {}
+        for rid, o in (turns.tools.observe_all(calls) if calls else {}).items():
+            t = trajs[rid]
+            if o.obs_ids and len(t.ids) + len(o.obs_ids) < total:
+                t.ids += o.obs_ids
+                t.logprobs += [0.0] * len(o.obs_ids)
+                t.generated += [False] * len(o.obs_ids)
+                t.turn += 1
+                t.turn_start = len(t.ids)
+                active[rid] = t
+    texts = {rid: tokenizer.decode(strip_stop(t.ids[t.turn_start:], stop_ids)) for rid, t in trajs.items()}
+    rids = list(trajs)
     scored = (score or (lambda items: [task.reward(p, t) for p, t in items]))(
         [(meta[rid][0], texts[rid]) for rid in rids])
     reward_of = dict(zip(rids, scored))
     sampled, greedy_r, rep, examples, drawn = [], [], [], [], []
-    for rid, (ids, lps, _fin) in out.items():
-        p, greedy, prompt_ids = meta[rid]
+    for rid, t in trajs.items():
+        p, greedy = meta[rid]
         text, r = texts[rid], reward_of[rid]
         if greedy:
             greedy_r.append(r)
             if len(examples) < 4:
-                examples.append(task.format_prompt(p) + text)
+                examples.append(task.format_prompt(p) + (tokenizer.decode(t.ids) if t.turn else text))
         else:
             sampled.append(r)
             rep.append(repetition_rate(text))
-            drawn.append(Sample(prompt_ids=list(prompt_ids), response_ids=list(ids), behaviour_logprobs=list(lps),
-                                advantage=0.0))
+            drawn.append(Sample(prompt_ids=list(t.prompt_ids), response_ids=list(t.ids),
+                                behaviour_logprobs=list(t.logprobs), advantage=0.0,
+                                loss_mask=None if all(t.generated) else list(t.generated)))
     return {
         "reward_sampled": sum(sampled) / len(sampled),
         "reward_greedy": sum(greedy_r) / len(greedy_r),
@@ -86,7 +142,8 @@ def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, ta
 
 
 def kl_to_reference(backend: TrainerBackend, samples: list[Sample], batch: int = 16) -> float:
-    """k3 estimate of KL(π_θ ‖ π_ref) in nats per token over ``samples`` drawn from π_θ (module docstring).
+    """k3 estimate of KL(π_θ ‖ π_ref) in nats per token over ``samples`` drawn from π_θ (module docstring); the
+    tokens of ``Sample.loss_mask`` only, when given (a trajectory's observations were not drawn from π_θ).
 
     Raises:
         ValueError: the backend keeps no reference policy.
@@ -98,8 +155,10 @@ def kl_to_reference(backend: TrainerBackend, samples: list[Sample], batch: int =
             continue
         pol = backend.token_logprobs(part)
         ref = backend.token_logprobs(part, reference=True)
-        for a, b in zip(pol, ref):
+        for smp, a, b in zip(part, pol, ref):
             r = (b - a).double()
+            if smp.loss_mask is not None:  # observation tokens were not drawn from π_θ
+                r = r[torch.tensor(smp.loss_mask, dtype=torch.bool)]
             num += float((torch.exp(r) - r - 1.0).sum())
             den += r.numel()
     return num / max(1, den)
