@@ -331,10 +331,14 @@ def test_a_local_run_with_tool_calls_and_preemptions_loses_nothing(tmp_path):
     from test_demo_run import diagnose, run_cli
 
     repo = Path(__file__).resolve().parent.parent
+    trace = tmp_path / "trace.csv"  # a worker removed (warned) once it holds partial trajectories, one added
+    trace.write_text("0,add,a\n0,add,b\n1000,remove,a\n1500,add,c\n")
     out = tmp_path / "run"
     p = run_cli(repo, out, "trainer.steps=3", "task.max_turns=3", "task.tool_call_open=''",
-                "task.tool_call_close='.'", "rollout.max_new_tokens=24", "cluster.preempt_when_busy=true",
-                "policy.cap=false")
+                "task.tool_call_close='.'", "rollout.max_new_tokens=24", "task.heldout_prompts=8",
+                f"cluster.trace='{trace}'", "cluster.time_scale=1.0", "cluster.replay_s=120",
+                "cluster.window_start_s=0", "cluster.max_workers=2", "cluster.min_changes=0",
+                "cluster.min_removals=0", "cluster.min_starts=0", "cluster.preempt_when_busy=true", "policy.cap=false")
     assert p.returncode == 0, p.stderr[-3000:]
     rep = json.loads((out / "report.json").read_text())
     why = diagnose(p, out)
