@@ -129,7 +129,14 @@ class ManagerService:
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         last_tick = last_metrics = 0.0
+        watched: list = []  # the tool workers' pipes: a finished tool call wakes the loop (no tick of latency)
         while not self._stop:
+            if self.env is not None and watched != self.env.connections():
+                for c in watched:
+                    poller.unregister(c)
+                watched = self.env.connections()
+                for c in watched:
+                    poller.register(c, zmq.POLLIN)
             events = dict(poller.poll(int(tick_s * 1000)))
             if self._monitor in events:
                 closed = 0

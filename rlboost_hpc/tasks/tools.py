@@ -233,6 +233,10 @@ class ToolCalls:
     def pending(self) -> int:
         return self.pool.pending
 
+    def connections(self) -> list:
+        """The tool workers' pipe ends (to wait on them with other sockets; :meth:`poll` reads them)."""
+        return self.pool.connections()
+
     def submit(self, key: Any, turn_ids: list[int]) -> None:
         """Run the tool call of an assistant turn (``turn_ids``: its token ids)."""
         self.pool.submit((key, "step"), ("step", list(turn_ids)))
