@@ -215,7 +215,10 @@ class TrainerCfg(_Strict):
     lr: float = Field(3e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
-    clip_eps: float = Field(0.2, gt=0, description="PPO clip range ε")
+    clip_eps: float = Field(0.2, gt=0, description=(
+        "PPO clip range ε of the GRPO loss. Inactive under this project's strict on-policy step (one optimizer step "
+        "per RL step, every token drawn by the version being trained: the ratio π_θ/π_old is exactly 1, so nothing "
+        "is clipped and clip_frac is 0); it acts only if a step ever takes several optimizer steps"))
     kl_coef: float = Field(0.0, ge=0, description="β of the k3 KL penalty to the reference policy; 0 skips the reference")
     micro_batch: int = Field(16, ge=1, description="m_b: responses per micro-batch")
     seed_window_s: float = Field(3.0, ge=0, description="T_seed: seconds the reserved engine generates at step start")

@@ -22,7 +22,7 @@ LAYER = {
 }
 MAX_LINES = 700
 #: Files still over MAX_LINES, with the size they may not exceed (a ratchet: split them, then delete the entry).
-OVERSIZE = {"rlboost_hpc/manager/core.py": 810}
+OVERSIZE: dict[str, int] = {}
 
 
 def _modules() -> dict[str, Path]:

@@ -36,12 +36,10 @@ import logging
 from collections import deque
 from typing import Callable
 
-import numpy as np
 
 from rlboost_hpc import defaults as D
 from rlboost_hpc.observe.timeline import Activity, ActivityClock
 from rlboost_hpc.policy.dispatch import Balancer, PlateauEstimator, RoundRobin, choose_instance
-from rlboost_hpc.policy.observation import RemoteWork, observe_remote
 from rlboost_hpc.policy.relay import RelayTree, Source
 from rlboost_hpc.manager.state import (
     ALLOWED_TRANSITIONS,
@@ -55,6 +53,7 @@ from rlboost_hpc.manager.state import (
 )
 from rlboost_hpc.manager.balance import balance
 from rlboost_hpc.manager.stats import manager_stats
+from rlboost_hpc.manager.trainer_calls import TrainerCalls
 from rlboost_hpc.protocol import messages as M
 
 S, R = InstanceState, RequestState
@@ -70,7 +69,7 @@ _LEAVE_COUNTER = {"preempted": "instances_preempted_with_warning", "time_limit":
                   "drained": "instances_drained", "stopped": "instances_drained"}
 
 
-class ManagerCore:
+class ManagerCore(TrainerCalls):
     """See the module docstring. ``clock`` returns seconds (monotonic)."""
 
     def __init__(
@@ -549,169 +548,6 @@ class ManagerCore:
             return self._unknown(peer, "deregister")
         inst.tokens_generated = max(inst.tokens_generated, msg.tokens_generated)
         self._instance_gone(inst, f"deregistered: {msg.reason}", cause=msg.cause)
-
-    # trainer messages ----------------------------------------------------------
-    def _on_TrainerHello(self, peer: bytes, inst: Instance | None, msg: M.TrainerHello) -> None:
-        self.trainer_peer = peer
-        self.weights_endpoint = msg.weights_endpoint
-        self.weights_shards = msg.weights_shards
-        if msg.weights_shards:  # a relay holder serves one buffer; a sharded version has one per trainer holder
-            self.relay.fanout = 0
-        self.model_config = msg.model_config
-        self.model_arch = msg.model_arch
-        self.send(peer, M.Ok(what="hello", cid=msg.cid))
-
-    def _trainer_only(self, peer: bytes, what: str) -> bool:
-        if peer != self.trainer_peer:
-            self._unknown(peer, what)
-            return False
-        return True
-
-    def _on_SetVersion(self, peer: bytes, inst: Instance | None, msg: M.SetVersion) -> None:
-        if not self._trainer_only(peer, "set-version"):
-            return
-        if msg.version == self.latest_version:  # a resent call (its reply was lost): already in force
-            self.send(peer, M.Ok(what="setver", cid=msg.cid))
-            return
-        unfinished = [r for r in self.requests.values() if r.state != R.DONE]
-        if unfinished:
-            self.send(peer, M.Error(what="setver", cid=msg.cid, error=(
-                f"{len(unfinished)} responses of version {self.latest_version} are unfinished; the version "
-                "changes only between steps (in-flight work is never discarded)")))
-            return
-        if msg.version < self.latest_version:
-            self.send(peer, M.Error(what="setver", cid=msg.cid,
-                                    error=f"version {msg.version} < latest {self.latest_version}"))
-            return
-        self._account_activity()
-        self.last_step_activity = self.activity.take()
-        obs = observe_remote([RemoteWork(tokens=r.tokens, peak_tokens_per_s=r.peak, busy_s=r.last_s - r.first_s)
-                              for r in self.step_remote.values()],
-                             rollout_done_s=self.step_rollout_done_at, step_end_s=self.clock())
-        self.last_step_remote = {"t_remote_s": obs.t_remote_s, "t_wait_remote_s": obs.t_wait_remote_s,
-                                 "n_remote": obs.n_remote, "tokens": obs.tokens}
-        self.step_remote, self.step_rollout_done_at = {}, None
-        self.latest_version = msg.version
-        self.latest_checksum = msg.checksum
-        self.relay.reset()
-        if self.on_version is not None:  # the journal records it durably before anyone acts on it
-            self.on_version(msg.version)
-        for i in self.live_instances():
-            if i.state in (S.READY, S.PULLING, S.FENCED):
-                self._new_version(i)
-        self.send(peer, M.Ok(what="setver", cid=msg.cid))
-
-    def _on_SubmitStep(self, peer: bytes, inst: Instance | None, msg: M.SubmitStep) -> None:
-        if not self._trainer_only(peer, "submit"):
-            return
-        if msg.version != self.latest_version:
-            self.send(peer, M.Error(what="submit", cid=msg.cid, error=f"step {msg.step} asks version {msg.version}, "
-                                                                      f"latest is {self.latest_version}"))
-            return
-        if msg.step == self.step and msg.groups and all(
-                g.gid in self.groups and self.groups[g.gid].step == msg.step for g in msg.groups):
-            self.send(peer, M.Ok(what="submit", cid=msg.cid))  # a resent call: the step is already submitted
-            return
-        if not self.environment and any(g.max_turns > 1 for g in msg.groups):
-            self.send(peer, M.Error(what="submit", cid=msg.cid, error="multi-turn groups need an environment "
-                                                                      "(the manager was started without one)"))
-            return
-        # Delivered groups of earlier steps are no longer needed.
-        for gid in [g for g, grp in self.groups.items() if grp.delivered]:
-            for rid in self.groups.pop(gid).rids:
-                self.requests.pop(rid, None)
-        self.step, self.seeding_open, self.failed_step = msg.step, True, None
-        for g in msg.groups:
-            rids = []
-            for i in range(g.n):
-                rid = f"{g.gid}/{i}"
-                if rid in self.requests:
-                    self.send(peer, M.Error(what="submit", cid=msg.cid, error=f"duplicate request id {rid}"))
-                    return
-                self.requests[rid] = Request(
-                    rid=rid, step=msg.step, gid=g.gid, sample=i, prompt_ids=list(g.prompt_ids),
-                    max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                    seed=g.seed + i, stop_ids=sorted(set(g.stop_ids) | set(g.tool_stop_ids)), version=msg.version,
-                    max_turns=g.max_turns, max_trajectory_tokens=g.max_trajectory_tokens,
-                    tool_stop_ids=frozenset(g.tool_stop_ids))
-                self.queue.append(rid)
-                rids.append(rid)
-            self.groups[g.gid] = Group(step=msg.step, gid=g.gid, rids=rids)
-        self.send(peer, M.Ok(what="submit", cid=msg.cid))
-
-    def _on_CloseSeeding(self, peer: bytes, inst: Instance | None, msg: M.CloseSeeding) -> None:
-        if not self._trainer_only(peer, "close-seeding"):
-            return
-        self.seeding_open = False
-        remote = any(i.kind == "preemptible" and self.routable(i) for i in self.instances.values())
-        released = 0
-        if remote:
-            for i in self.instances.values():
-                if i.kind == "reserved" and i.state == S.READY and i.inflight:
-                    rids = sorted(i.inflight - i.releasing)
-                    i.releasing |= set(rids)
-                    released += len(rids)
-                    self.send(i.peer, M.Release(rids=rids))
-        self.send(peer, M.Ok(what=f"closeseed released={released} remote={int(remote)}", cid=msg.cid))
-
-    def _on_PolicyState(self, peer: bytes, inst: Instance | None, msg: M.PolicyState) -> None:
-        if self._trainer_only(peer, "policy-state"):
-            self.policy_state = {"t_seed_s": msg.t_seed_s, "n_prem_cap": msg.n_prem_cap}
-
-    def _on_StepTimes(self, peer: bytes, inst: Instance | None, msg: M.StepTimes) -> None:
-        if self._trainer_only(peer, "step-times"):
-            self.step_seconds.append(msg.wall_s)
-            self.step_fixed_overhead_s += msg.fixed_overhead_s
-            for phase, sec in msg.phases.items():
-                self.step_phase_s[phase] = self.step_phase_s.get(phase, 0.0) + sec
-
-    def _on_AckGroup(self, peer: bytes, inst: Instance | None, msg: M.AckGroup) -> None:
-        if self._trainer_only(peer, "ack"):
-            grp = self.groups.get(msg.gid)
-            if grp is not None:
-                grp.delivered = True
-
-    def _on_GetStats(self, peer: bytes, inst: Instance | None, msg: M.GetStats) -> None:
-        self.send(peer, M.Stats(stats=self.stats(), cid=msg.cid))
-
-    def _on_Redeliver(self, peer: bytes, inst: Instance | None, msg: M.Redeliver) -> None:
-        if self._trainer_only(peer, "redeliver"):
-            for grp in self.groups.values():
-                if grp.done == len(grp.rids) and not grp.delivered:
-                    self._deliver(grp)
-                    self.counters["groups_redelivered"] += 1
-
-    # ------------------------------------------------------------------ progress
-    def _group_progress(self, req: Request) -> None:
-        grp = self.groups[req.gid]
-        grp.done += 1
-        if grp.done < len(grp.rids):
-            return
-        if grp.step == self.step and all(g.done >= len(g.rids) for g in self.groups.values() if g.step == self.step):
-            self.step_rollout_done_at = self.clock()
-        if self.trainer_peer is None:
-            return
-        self._deliver(grp)
-        self.counters["groups_delivered"] += 1
-        self.counters["responses_delivered"] += len(grp.rids)
-
-    def _deliver(self, grp: Group) -> None:
-        """Send a finished group to the trainer (again, when it asks: it acknowledges what it took)."""
-        responses = []
-        for rid in grp.rids:
-            r = self.requests[rid]
-            # the versions the engines stamped (checked per delta above, and again by the trainer)
-            responses.append(M.Response(
-                rid=rid, sample=r.sample, ids=bytes(r.ids), logprobs=bytes(r.logprobs),
-                version_runs=np.array(r.runs, dtype="<i4").tobytes(), finish_reason=r.finish_reason,
-                migrations=r.migrations, instances=r.instances,
-                observation_runs=np.array(r.observations, dtype="<i4").tobytes(), turns=r.turn + 1))
-        self.send(self.trainer_peer, M.GroupDone(step=grp.step, gid=grp.gid, responses=responses))
-
-    def _fail_step(self, error: str) -> None:
-        self.failed_step = error
-        if self.trainer_peer is not None:
-            self.send(self.trainer_peer, M.StepFailed(step=self.step, error=error))
 
     def _activity(self, inst: Instance) -> Activity | None:
         """What ``inst`` is doing now, for the instance-seconds (None: suspect, fenced, gone, or draining with
