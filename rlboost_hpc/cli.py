@@ -1,6 +1,7 @@
 """``rlboost-hpc`` command line: ``run`` (the main job), ``worker``, ``scavenger``, ``stats``, ``simulate``.
 
-Exit codes: 0 success; 1 the run failed (rollout unrecoverable, a service died); 2 bad usage or config.
+Exit codes: 0 success; 1 the run failed (rollout unrecoverable, a service died: :class:`~rlboost_hpc.errors.RunFailed`);
+2 bad usage, config or input file (:class:`~rlboost_hpc.errors.BadInput`).
 """
 from __future__ import annotations
 
@@ -10,25 +11,18 @@ from pathlib import Path
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from rlboost_hpc.config import ConfigError, load_config
+    from rlboost_hpc.config import load_config
+    from rlboost_hpc.errors import BadInput, RunFailed
 
     try:
         cfg = load_config(args.config, args.set + (["trainer.resume='require'"] if args.resume else []))
-    except ConfigError as e:
+    except BadInput as e:
         print(f"rlboost-hpc: {e}", file=sys.stderr)
-        return 2
+        return BadInput.exit_status
     from rlboost_hpc.observe.logs import setup_logging
     from rlboost_hpc.observe.report import print_summary
-    from rlboost_hpc.cluster.traces import TraceFormatError
-    from rlboost_hpc.models.arch import ModelFormatError
-    from rlboost_hpc.models.device import DeviceError
-    from rlboost_hpc.paths import DataFileMissing
     from rlboost_hpc.rundir import RunDir
     from rlboost_hpc.run import run
-    from rlboost_hpc.trainer.client import ManagerError
-    from rlboost_hpc.trainer.loop import RolloutFailed
-    from rlboost_hpc.manager.journal import JournalError
-    from rlboost_hpc.trainer.checkpoint import CheckpointError
 
     import os
 
@@ -39,13 +33,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     setup_logging("trainer", level=args.log_level, run_id=run_id, log_dir=RunDir(out).logs, console=not terminal)
     try:
         report = run(cfg, out, progress=not args.no_progress, run_id=run_id)
-    except (ConfigError, DataFileMissing, ModelFormatError, DeviceError, TraceFormatError, CheckpointError,
-            JournalError) as e:
+    except BadInput as e:
         print(f"rlboost-hpc: {e}", file=sys.stderr)
-        return 2
-    except (RolloutFailed, ManagerError) as e:
+        return BadInput.exit_status
+    except RunFailed as e:
         print(f"rlboost-hpc: rollout failed unrecoverably: {e} (see {RunDir(out).report})", file=sys.stderr)
-        return 1
+        return RunFailed.exit_status
     print_summary(report)
     rd = RunDir(out)
     print(f"report: {rd.report}  metrics: {rd.metrics}  plot: {rd.plot}  logs: {rd.logs}/")

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from rlboost_hpc import defaults as D
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from rlboost_hpc.errors import BadInput
 
 
 class _Strict(BaseModel):
@@ -333,7 +334,7 @@ class RunConfig(_Strict):
         return self.task.max_trajectory_tokens or self.task.max_turns * self.rollout.max_new_tokens
 
 
-class ConfigError(ValueError):
+class ConfigError(BadInput, ValueError):
     """A config file or override is malformed; the message names the key and the problem."""
 
 

@@ -15,6 +15,7 @@ import contextlib
 import os
 from pathlib import Path
 from typing import Iterator
+from rlboost_hpc.errors import BadInput
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA_DIR = PROJECT_ROOT.parent / "shared" / "data"
@@ -29,7 +30,7 @@ ORIGINS: dict[str, str] = {
 }
 
 
-class DataFileMissing(FileNotFoundError):
+class DataFileMissing(BadInput, FileNotFoundError):
     """A shared data file is absent; the message names the file, where it was looked for and its origin."""
 
 

@@ -29,9 +29,10 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from rlboost_hpc.errors import BadInput
 
 
-class RunDirError(RuntimeError):
+class RunDirError(BadInput, RuntimeError):
     """The run directory does not (yet) hold what a job needs; the message says which file and why."""
 
 

@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from rlboost_hpc.errors import BadInput
 
 #: The project root (``scavenger/..``): a relative ``script`` is looked up here when not found from the cwd.
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
-class ScavengerConfigError(ValueError):
+class ScavengerConfigError(BadInput, ValueError):
     """The scavenger configuration is invalid (bad value, unknown key, unreadable file)."""
 
 

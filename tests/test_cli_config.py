@@ -238,3 +238,26 @@ def test_help_describes_every_flag_with_its_default(cmd, monkeypatch, capsys):
         assert a.help, (cmd, a.option_strings or a.dest)
         if a.default not in (None, False, [], argparse.SUPPRESS) and a.option_strings:
             assert "".join(f"(default: {a.default})".split()) in flat, (cmd, a.option_strings)
+
+
+def test_every_error_a_command_reports_has_exactly_one_of_the_two_bases():
+    """Commands catch two bases, never a hand-kept list: bad input → exit 2, a failed run → exit 1."""
+    from rlboost_hpc.cluster.traces import TraceFormatError
+    from rlboost_hpc.config import ConfigError
+    from rlboost_hpc.errors import BadInput, RunFailed
+    from rlboost_hpc.manager.journal import JournalError
+    from rlboost_hpc.models.arch import ModelFormatError
+    from rlboost_hpc.models.device import DeviceError
+    from rlboost_hpc.paths import DataFileMissing
+    from rlboost_hpc.rollout.spec import WorkerSpecError
+    from rlboost_hpc.rundir import RunDirError
+    from rlboost_hpc.trainer.checkpoint import CheckpointError
+    from rlboost_hpc.trainer.client import ManagerError
+    from rlboost_hpc.trainer.loop import RolloutFailed
+    from scavenger.config import ScavengerConfigError
+
+    bad = [ConfigError, TraceFormatError, JournalError, ModelFormatError, DeviceError, DataFileMissing,
+           WorkerSpecError, RunDirError, CheckpointError, ScavengerConfigError]
+    assert all(issubclass(c, BadInput) and not issubclass(c, RunFailed) for c in bad)
+    assert all(issubclass(c, RunFailed) and not issubclass(c, BadInput) for c in (ManagerError, RolloutFailed))
+    assert (BadInput.exit_status, RunFailed.exit_status) == (2, 1)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Iterable, Literal
 
 from rlboost_hpc.paths import data_file
+from rlboost_hpc.errors import BadInput
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ NAMED_TRACES: dict[str, str] = {
 _SNIPPET = 120  # characters of an offending line quoted in an error message
 
 
-class TraceFormatError(ValueError):
+class TraceFormatError(BadInput, ValueError):
     """A trace file is malformed or empty; the message names the file, the line number and the text."""
 
 

@@ -18,10 +18,11 @@ import json
 import os
 import time
 from pathlib import Path
+from rlboost_hpc.errors import BadInput
 
 
 
-class JournalError(RuntimeError):
+class JournalError(BadInput, RuntimeError):
     """The journal is corrupt (an unparseable record before the last line) or unreadable."""
 
 

@@ -26,12 +26,13 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
+from rlboost_hpc.errors import BadInput
 
 __all__ = ["ModelArch", "ModelFormatError", "UnsupportedModel", "RopeScaling", "arch_from_hf", "read_config_json",
            "validate_state_dict", "SUPPORTED_ARCHITECTURES"]
 
 
-class ModelFormatError(ValueError):
+class ModelFormatError(BadInput, ValueError):
     """A model file or config is missing, truncated or inconsistent; the message names the file and the problem."""
 
 

@@ -8,13 +8,14 @@ Invariants: ``auto`` is CUDA when a CUDA device is visible (a Slurm job sees the
 from __future__ import annotations
 
 import torch
+from rlboost_hpc.errors import BadInput
 
 __all__ = ["DeviceError", "resolve_device", "resolve_dtype", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class DeviceError(ValueError):
+class DeviceError(BadInput, ValueError):
     """A requested device or dtype is not available here; the message names the setting."""
 
 

@@ -16,9 +16,10 @@ from typing import Any, Mapping
 import msgspec
 
 from rlboost_hpc import defaults as D
+from rlboost_hpc.errors import BadInput
 
 
-class WorkerSpecError(ValueError):
+class WorkerSpecError(BadInput, ValueError):
     """``endpoints.json``'s ``worker`` section is malformed; the message names the key."""
 
 

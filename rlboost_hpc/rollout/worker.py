@@ -219,17 +219,18 @@ def main(argv: list[str] | None = None) -> int:
     reclaim_leftovers()  # what an earlier attempt on this node left when its whole tree was SIGKILLed
     import msgspec
 
-    from rlboost_hpc.rollout.spec import WorkerSpec, WorkerSpecError
-    from rlboost_hpc.rundir import RunDir, RunDirError, read_endpoints
+    from rlboost_hpc.errors import BadInput
+    from rlboost_hpc.rollout.spec import WorkerSpec
+    from rlboost_hpc.rundir import RunDir, read_endpoints
 
     manager, keys, ends, wspec = args.manager, None, {}, WorkerSpec()
     if args.run_dir:
         try:
             ends = read_endpoints(args.run_dir, wait_s=args.wait_endpoints)
             wspec = WorkerSpec.from_json(ends.get("worker"), where=str(RunDir(args.run_dir).endpoints))
-        except (RunDirError, WorkerSpecError) as e:
+        except BadInput as e:
             log.error("%s", e)
-            return 2
+            return BadInput.exit_status
         if ends.get("run_id"):
             from rlboost_hpc.observe.logs import set_run_id
 

@@ -46,8 +46,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from rlboost_hpc.cluster.traces import TraceFormatError
-    from rlboost_hpc.paths import DataFileMissing
+    from rlboost_hpc.errors import BadInput
     from rlboost_hpc.sim.profiles import profile
     from rlboost_hpc.sim.systems import SYSTEMS
 
@@ -128,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{res.counters['responses_migrated']:.0f}, seeds {res.counters['seeds']:.0f}, "
                   f"balancer moves {res.counters['moves_queued'] + res.counters['moves_running']:.0f}")
         return 0
-    except (ValueError, TraceFormatError, DataFileMissing) as e:
+    except (BadInput, ValueError) as e:
         print(f"rlboost-hpc simulate: {e}", file=sys.stderr)
-        return 2
+        return BadInput.exit_status
 
 
 if __name__ == "__main__":

@@ -36,11 +36,12 @@ from typing import Any, Sequence
 import numpy as np
 
 from rlboost_hpc.rundir import RunDir
+from rlboost_hpc.errors import BadInput
 
 LATEST = "latest"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(BadInput, RuntimeError):
     """A checkpoint is missing, incomplete or corrupt; the message names the file and the remedy."""
 
 

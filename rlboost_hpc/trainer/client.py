@@ -24,9 +24,10 @@ import zmq
 
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.auth import RunKeys, secure_client
+from rlboost_hpc.errors import RunFailed
 
 
-class ManagerError(RuntimeError):
+class ManagerError(RunFailed, RuntimeError):
     """The manager did not answer in time or refused a call; the message says which call and why."""
 
 

@@ -33,11 +33,12 @@ from rlboost_hpc.trainer.algorithms.grpo import group_advantages
 from rlboost_hpc.trainer.backends.base import Sample, TrainerBackend
 from rlboost_hpc.trainer.client import ManagerClient
 from rlboost_hpc.trainer.eval import strip_stop
+from rlboost_hpc.errors import RunFailed
 
 log = logging.getLogger("rlboost.trainer")
 
 
-class RolloutFailed(RuntimeError):
+class RolloutFailed(RunFailed, RuntimeError):
     """A step could not collect its responses (manager error, timeout, unrecoverable rollout failure)."""
 
 
