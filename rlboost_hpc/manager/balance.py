@@ -12,7 +12,8 @@ log = logging.getLogger("rlboost.manager")
 
 
 def balance(core, now: float) -> None:
-    """Invariant 6 for ``core`` (a :class:`~rlboost_hpc.manager.core.ManagerCore`): learn each routable preemptible instance's decode rate at its batch, then release
+    """Invariant 6 for ``core`` (a :class:`~rlboost_hpc.manager.core.ManagerCore`): learn each routable
+    preemptible instance's decode rate at its batch, then release
     running requests beyond a donor's plateau toward instances with headroom."""
     if core._last_balance is None:
         core._last_balance = now

@@ -23,6 +23,12 @@ Invariants (each has a test in tests/test_manager_core.py):
    silence, or when it deregisters.
 5. Resumed budget: a migrated request continues from prompt + generated ids with
    ``max_new_tokens − generated``; a delta that would exceed the budget is rejected.
+8. Trajectories (multi-turn): the manager owns every turn and observation as token ids; an instance only ever
+   generates the current turn (its prompt: the original prompt + earlier turns and observations; its budget: what
+   the turn and the trajectory have left, invariant 5 per turn). A turn that ends with a tool-call stop id waits
+   for the environment (``ENV_PEER``, in the manager's own process), owned by no instance; its observation is
+   appended and the next turn queued first. A trajectory is unfinished while it waits, so the version never
+   changes under it (invariant 1).
 6. Continuous balancing (``policy.dispatch.Balancer``): every ``balance_every_s`` the manager
    feeds each routable preemptible instance's measured decode rate at its running batch into that instance's
    plateau estimator (always: the learned peaks measure remote work for the step observation,
@@ -35,7 +41,6 @@ from __future__ import annotations
 import logging
 from collections import deque
 from typing import Callable
-
 
 from rlboost_hpc import defaults as D
 from rlboost_hpc.observe.timeline import Activity, ActivityClock
@@ -458,8 +463,9 @@ class ManagerCore(TrainerCalls):
             elif off + cnt > req.turn_budget():
                 self._fence(inst, f"delta for {rid} at {off}+{cnt} exceeds the budget {req.turn_budget()}")
                 break
-            elif req.turn_start + off != req.n:  # frames lost with a connection: drop the rest, resume from what arrived once the
-                late += cnt    # instance released it (Released requeues it; never racing a re-dispatch)
+            elif req.turn_start + off != req.n:  # (offsets count from the turn's start) frames lost with a
+                late += cnt  # connection: drop the rest, resume from what arrived once the instance released it
+                # (Released requeues it; never racing a re-dispatch)
                 if rid not in inst.releasing:
                     self.counters["deltas_out_of_order"] += 1
                     inst.releasing.add(rid)

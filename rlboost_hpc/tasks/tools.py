@@ -138,7 +138,8 @@ class ToolEnvironment:
         syntax: the tool-call syntax.
         tool: one of :data:`TOOLS`.
         plain_format: the observation text without a chat template (``{result}`` is replaced).
-        max_observation_tokens: observations are cut to this many tokens.
+        max_observation_tokens: a tool result longer than this many tokens is cut (its rendering keeps the
+            template's markers).
 
     Calling it with ``("step", turn_ids)`` runs steps 1–4 of the module docstring; ``("error", message)`` renders
     ``message`` as an error observation without running a tool (after a timed-out call).
@@ -196,7 +197,8 @@ class ToolEnvironment:
             text = full[full.index(_SENTINEL) + len(_SENTINEL):]
         else:
             text = self.plain_format.replace("{result}", result)
-        return list(hf(text, add_special_tokens=False)["input_ids"]) or list(hf("\n", add_special_tokens=False)["input_ids"])
+        ids = hf(text, add_special_tokens=False)["input_ids"] or hf("\n", add_special_tokens=False)["input_ids"]
+        return list(ids)
 
 
 @dataclass(frozen=True)
