@@ -91,3 +91,14 @@ class RolloutController:
     @property
     def t_seed_s(self) -> float:
         return self.seeding.value
+
+    def state_dict(self) -> dict:
+        """The controller's learned state as plain JSON data: the seeding window's, the cap in force and the
+        history of (observation, decision) pairs. Its settings (``n_resv``, ``use_cap``, …) come from config."""
+        return {"seeding": self.seeding.snapshot(), "cap": self.cap, "history": [list(h) for h in self.history]}
+
+    def load_state_dict(self, st: dict) -> None:
+        """Continue from a :meth:`state_dict` taken earlier (same settings)."""
+        self.seeding.restore(st["seeding"])
+        self.cap = st["cap"]
+        self.history = [tuple(h) for h in st["history"]]

@@ -144,9 +144,7 @@ class RLTrainer:
         return {"version": self.version, "frontier": self.frontier.state(),
                 "totals": dict(vars(self.totals)), "seen": sorted(self.seen),
                 "trained_groups": dict(self.trained_groups), "taken": list(self.taken),
-                "controller": None if self.controller is None else {
-                    "seeding": self.controller.seeding.snapshot(), "cap": self.controller.cap,
-                    "history": [list(h) for h in self.controller.history]},
+                "controller": None if self.controller is None else self.controller.state_dict(),
                 "decision": None if self.decision is None else asdict(self.decision)}
 
     def load_state_dict(self, st: dict) -> None:
@@ -159,9 +157,7 @@ class RLTrainer:
         self.taken = list(st["taken"])
         ctl = st.get("controller")
         if ctl is not None and self.controller is not None:  # the policy's state; its settings come from config
-            self.controller.seeding.restore(ctl["seeding"])
-            self.controller.cap = ctl["cap"]
-            self.controller.history = [tuple(h) for h in ctl["history"]]
+            self.controller.load_state_dict(ctl)
         self.decision = StepDecision(**st["decision"]) if st.get("decision") else None
 
     def prompts_not_trained_once(self) -> int:
