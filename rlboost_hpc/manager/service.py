@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -20,6 +21,9 @@ from rlboost_hpc.protocol.auth import RunKeys, max_msg_size, secure_server
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.tasks.tools import ToolCalls
+
+if TYPE_CHECKING:
+    from rlboost_hpc.observe.metrics import ManagerMetrics
 
 log = logging.getLogger("rlboost.manager")
 
