@@ -145,3 +145,23 @@ def test_the_deadline_pool_completes_every_call_once():
         pool.submit("k", "x")
         with pytest.raises(ValueError):
             pool.submit("k", "y")
+
+
+class BrokenSetup:
+    def setup(self):
+        raise OSError("no tokenizer here")
+
+    def __call__(self, item):
+        return item
+
+
+def test_a_handler_whose_setup_always_fails_is_an_error_not_an_endless_respawn():
+    pool = DeadlinePool(BrokenSetup(), workers=1, timeout_s=1.0)
+    try:
+        pool.submit("k", "x")
+        with pytest.raises(RuntimeError, match="died during their handler's setup"):
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 60:
+                pool.poll(0.5)
+    finally:
+        pool.close()

@@ -29,6 +29,10 @@ log = logging.getLogger("rlboost.pool")
 
 __all__ = ["CallStatus", "Completed", "DeadlinePool"]
 
+#: Workers in a row that may die before they are ready (the handler's ``setup()`` fails) before
+#: :meth:`DeadlinePool.poll` gives up with a RuntimeError instead of starting processes forever.
+MAX_SETUP_DEATHS = 3
+
 
 class CallStatus(StrEnum):
     OK = "ok"  # the handler returned ``value``
@@ -106,6 +110,7 @@ class DeadlinePool:
         self._todo: deque[tuple[Hashable, Any]] = deque()
         self._items: dict[Hashable, Any] = {}
         self._retried: set[Hashable] = set()
+        self._setup_deaths = 0  # workers in a row that died before they were ready
         self.timed_out = 0  # calls that ran past their deadline
         self.failed = 0  # calls whose handler raised or whose worker died twice
         self.replaced = 0  # workers killed or died and started anew
@@ -144,7 +149,11 @@ class DeadlinePool:
 
     def poll(self, timeout_s: float = 0.0) -> list[Completed]:
         """Start queued calls on free workers and return the calls that completed, waiting up to ``timeout_s``
-        seconds for the first one (0: do not wait)."""
+        seconds for the first one (0: do not wait).
+
+        Raises:
+            RuntimeError: more than :data:`MAX_SETUP_DEATHS` workers in a row died in the handler's ``setup()``.
+        """
         out: list[Completed] = []
         end = time.monotonic() + timeout_s
         while True:
@@ -160,8 +169,13 @@ class DeadlinePool:
                 if s.conn in ready:
                     try:
                         s.conn.recv()
-                        s.ready = True
+                        s.ready, self._setup_deaths = True, 0
                     except (EOFError, OSError):
+                        self._setup_deaths += 1
+                        if self._setup_deaths > MAX_SETUP_DEATHS:
+                            raise RuntimeError(f"{self._setup_deaths} pool workers in a row died during their "
+                                               f"handler's setup ({type(self.handler).__name__}); see their "
+                                               "stderr") from None
                         self._replace(s, "it died during setup")
             for s in busy:
                 if s.conn in ready:
