@@ -60,6 +60,16 @@ def tok(rid, offset, ids, finish=M.FINISH_NONE):
                     ids=M.pack_i32(ids), logprobs=M.pack_f32([-0.25] * len(ids)))
 
 
+def started(group) -> ManagerCore:
+    """A core with one instance ("a") that holds ``group``'s responses (the Assign taken off the outbox)."""
+    core = make()
+    register(core, b"a", "a")
+    submit(core, group)
+    core.tick()
+    take(core)
+    return core
+
+
 def observe(core, rid, turn, obs, status="ok"):
     core.on_message(ENV_PEER, M.EnvResult(rid=rid, turn=turn, obs_ids=M.pack_i32(obs), status=status, tool_s=0.01))
 
@@ -95,11 +105,7 @@ def test_a_tool_call_goes_to_the_environment_and_the_next_turn_continues_from_th
 
 
 def test_budgets_per_turn_and_per_trajectory():
-    core = make()
-    register(core, b"a", "a")
-    submit(core, spec(max_new=6, total=12))
-    core.tick()
-    take(core)
+    core = started(spec(max_new=6, total=12))
     core.on_message(b"a", tok("s0g0/0", 0, [7, 8, 9, 10, 11, DOT], M.FINISH_STOP))
     observe(core, "s0g0/0", 0, [90, 91, 92])
     core.tick()
@@ -110,11 +116,7 @@ def test_budgets_per_turn_and_per_trajectory():
 
 
 def test_an_observation_that_leaves_no_room_ends_the_trajectory():
-    core = make()
-    register(core, b"a", "a")
-    submit(core, spec(max_new=6, total=10))
-    core.tick()
-    take(core)
+    core = started(spec(max_new=6, total=10))
     core.on_message(b"a", tok("s0g0/0", 0, [7, 8, 9, 10, 11, DOT], M.FINISH_STOP))
     take(core)
     observe(core, "s0g0/0", 0, [90, 91, 92, 93])  # 6 + 4 = 10: no token left for a next turn
@@ -123,11 +125,7 @@ def test_an_observation_that_leaves_no_room_ends_the_trajectory():
 
 
 def test_the_last_turn_never_calls_the_environment():
-    core = make()
-    register(core, b"a", "a")
-    submit(core, spec(turns=2))
-    core.tick()
-    take(core)
+    core = started(spec(turns=2))
     core.on_message(b"a", tok("s0g0/0", 0, [7, DOT], M.FINISH_STOP))
     observe(core, "s0g0/0", 0, [90])
     core.tick()
@@ -138,11 +136,7 @@ def test_the_last_turn_never_calls_the_environment():
 
 
 def test_environment_results_only_from_the_environment_and_only_for_the_waiting_turn():
-    core = make()
-    register(core, b"a", "a")
-    submit(core, spec())
-    core.tick()
-    take(core)
+    core = started(spec())
     core.on_message(b"a", tok("s0g0/0", 0, [7, DOT], M.FINISH_STOP))
     take(core)
     core.on_message(b"a", M.EnvResult(rid="s0g0/0", turn=0, obs_ids=M.pack_i32([5])))  # an instance cannot
@@ -171,11 +165,7 @@ def test_multi_turn_groups_need_an_environment():
 
 
 def test_a_turn_interrupted_mid_way_resumes_elsewhere_from_its_tokens_so_far():
-    core = make()
-    register(core, b"a", "a")
-    submit(core, spec(max_new=6))
-    core.tick()
-    take(core)
+    core = started(spec(max_new=6))
     core.on_message(b"a", tok("s0g0/0", 0, [7, DOT], M.FINISH_STOP))
     observe(core, "s0g0/0", 0, [90])
     core.tick()
