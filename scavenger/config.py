@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from rlboost_hpc.errors import BadInput
+from scavenger.slurm_records import signal_number
 
 #: The project root (``scavenger/..``): a relative ``script`` is looked up here when not found from the cwd.
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -75,8 +76,7 @@ class ScavengerConfig(BaseModel):
         s = v.strip().upper().removeprefix("SIG")
         if s in ("USR1", "10"):
             raise ValueError("USR1 is taken by NCCL's own handler; use USR2 (the default)")
-        if not re.fullmatch(r"[A-Z0-9]+", s):
-            raise ValueError(f"not a signal name: {v!r}")
+        signal_number(s)  # a signal of this platform, else ValueError naming it
         return s
 
     @field_validator("time_limit")

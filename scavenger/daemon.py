@@ -37,7 +37,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal as _signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -49,7 +48,7 @@ from rlboost_hpc.events import append_event, drain_marker_path, iter_events
 from rlboost_hpc.rundir import TARGET_FILE, CapacityView, RunDir, write_capacity
 from scavenger.pyslurm_api import slurm_api
 from scavenger.slurm import SlurmCommandError
-from scavenger.slurm_records import JobClass, JobInfo, NodeInfo
+from scavenger.slurm_records import JobClass, JobInfo, NodeInfo, signal_number
 from scavenger.stats import RECONCILE_LOG, load_run_stats
 
 log = logging.getLogger("scavenger")
@@ -309,7 +308,7 @@ class Scavenger:
         # A job that ended because it was told to leave — this daemon drained it, or the warning signal (a
         # preemption, the time limit) killed it before its batch shell trapped it — says nothing about whether
         # rollout jobs can start: it never counts as a quick failure (nor pauses submissions).
-        warn = int(_signal.Signals["SIG" + self.config.signal.upper().removeprefix("SIG")])
+        warn = signal_number(self.config.signal)
         told_to_leave = t.drain_signalled_at is not None or j.exit_signal == warn or j.exit_code == 128 + warn
         if j.state in ("FAILED", "OUT_OF_MEMORY", "BOOT_FAIL") and told_to_leave:
             log.info("scavenger: rollout job %s %s (exit %s, signal %s): it was told to leave — not a crash",

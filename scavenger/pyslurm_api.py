@@ -27,11 +27,10 @@ import importlib
 import logging
 import os
 import re
-import signal as _signal
 from typing import Any, Iterable, Mapping
 
 from scavenger.slurm import SlurmClient, SlurmCommandError
-from scavenger.slurm_records import JobInfo, NodeInfo, select_jobs, states_of
+from scavenger.slurm_records import JobInfo, NodeInfo, select_jobs, signal_number, states_of
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +158,7 @@ class PyslurmClient(SlurmClient):
         other = [j for j in ids if not j.isdigit()]
         if other:
             super().scancel(other, signal=signal, batch=batch)
-        sig = None if signal is None else int(_signal.Signals["SIG" + signal.upper().removeprefix("SIG")])
+        sig = None if signal is None else signal_number(signal)
         for jid in plain:
             job = self._call("Job", self.pyslurm.Job, int(jid))
             if sig is None:

@@ -74,6 +74,22 @@ def classify_job(state: str, flags: Iterable[str] = (), reason: str = "") -> Job
 
 
 #: Node base states that can run new work (flags are checked separately).
+def signal_number(name: str) -> int:
+    """The number of a signal given as Slurm and ``scancel --signal`` take it: a name with or without ``SIG``, any
+    case (``"USR2"``, ``"sigterm"``), or a number (``"12"``).
+
+    Raises:
+        ValueError: not a signal of this platform.
+    """
+    import signal as _signal
+
+    s = str(name).strip().upper().removeprefix("SIG")
+    try:
+        return int(_signal.Signals(int(s)) if s.isdigit() else _signal.Signals["SIG" + s])
+    except (KeyError, ValueError):
+        raise ValueError(f"not a signal: {name!r}") from None
+
+
 USABLE_NODE_STATES = frozenset({"IDLE", "MIXED", "ALLOCATED", "COMPLETING"})
 #: Node flags that make a node unusable for new work.
 UNUSABLE_NODE_FLAGS = frozenset({

@@ -778,3 +778,19 @@ def test_metrics_endpoint_serves_capacity_preemptions_and_cost(env):
     assert got["rlboost_scavenger_tokens_produced_total"] == 1_000_000
     assert got["rlboost_scavenger_cost_per_token_dollars"] * 1e6 == pytest.approx(hours * 2.0)
     assert got["rlboost_scavenger_saving_vs_on_demand_dollars_total"] == pytest.approx(hours * 8.0)
+
+
+def test_the_warning_signal_is_read_in_one_place_and_checked_at_load():
+    """The config's ``signal`` and every Slurm client's ``scancel(signal=...)`` resolve names the same way; a name
+    that is no signal is a config error (exit 2 in the CLI), not a KeyError when the first job finishes."""
+    import signal
+
+    from scavenger.config import ScavengerConfig
+    from scavenger.slurm_records import signal_number
+
+    assert signal_number("USR2") == signal_number("sigusr2") == signal_number(str(int(signal.SIGUSR2))) \
+        == int(signal.SIGUSR2)
+    assert ScavengerConfig(signal="sigterm").signal == "TERM"
+    for bad in ("NOPE", "999"):
+        with pytest.raises(ValueError, match="not a signal"):
+            ScavengerConfig(signal=bad)
