@@ -60,3 +60,28 @@ def test_demo_with_sglang_workers_meets_the_report_contract(repo_root, tmp_path)
     pids = [int(m) for f in logs for m in re.findall(r"sglang server pid (\d+)", f.read_text())]
     assert len(pids) >= 3, [f.name for f in logs]
     assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+def test_multi_turn_trajectories_on_sglang_workers(repo_root, tmp_path):
+    """Issue 17 with SGLang: every turn an SGLang server generates is the current turn only (its prompt holds the
+    earlier turns and observations as ids); trajectories resume on the server after the reserved engine's seeding
+    and after a warned preemption; nothing lost, duplicated or off-version."""
+    (tmp_path / "trace.csv").write_text("0,add,a0\n35000,remove,a0\n36000,add,a1\n")
+    env = stub_env()
+    out = tmp_path / "run"
+    p = run_cli(repo_root, out, 'rollout.engine="sglang"', 'rollout.device="cpu"',
+                *[f'rollout.sglang.env.{k}="{v}"' for k, v in env.items()],
+                f'cluster.trace="{tmp_path / "trace.csv"}"', "cluster.time_scale=1.0", "cluster.replay_s=300",
+                "cluster.window_start_s=0", "cluster.max_workers=1", "policy.cap=false", "trainer.steps=40",
+                "cluster.preempt_when_busy=true", "cluster.busy_wait_max_s=90", "task.max_turns=3",
+                "task.tool_call_open=''", "task.tool_call_close='.'", "task.heldout_prompts=8",
+                "rollout.prompts_per_step=16", "rollout.max_new_tokens=32", "trainer.seed_window_s=0.6",
+                "policy.adaptive_seeding=false")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = json.loads((out / "report.json").read_text())
+    why = diagnose(p, out)
+    assert rep["rollout_engine"] == "sglang" and rep["environment_calls"] > 0, why
+    assert rep["turns_per_trajectory_mean"] > 1.0, why
+    assert rep["migrations_by_engine"]["into"].get("sglang", 0) >= 1, why
+    assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0, why
+    assert rep["tokens_trained_off_version"] == 0 and rep["prompts_not_trained_exactly_once"] == 0, why
