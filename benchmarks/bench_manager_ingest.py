@@ -81,7 +81,7 @@ class FakeAgent:
         by: dict[tuple[int, int], list[str]] = {}
         for w in works:
             off = len(w.prefix_ids)
-            by.setdefault((off, off + w.max_new_tokens), []).append(w.rid)
+            by.setdefault((off, off + w.tokens_left), []).append(w.rid)
         for (off, end), rids in by.items():
             self.cohorts.append([rids, off, end])
 

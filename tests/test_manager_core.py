@@ -157,8 +157,8 @@ def test_killed_instance_migrates_each_response_with_reduced_budget():
     core.outbox.clear()
     core.tick()
     works = {w.rid: w for m in sent(core, b"b", M.Assign) for w in m.works}
-    assert works["s0g0/0"].prefix_ids == [5, 6, 7] and works["s0g0/0"].max_new_tokens == 5  # case R1
-    assert works["s0g0/1"].prefix_ids == [] and works["s0g0/1"].max_new_tokens == 8
+    assert works["s0g0/0"].prefix_ids == [5, 6, 7] and works["s0g0/0"].tokens_left == 5  # case R1
+    assert works["s0g0/1"].prefix_ids == [] and works["s0g0/1"].tokens_left == 8
     assert core.counters["responses_migrated"] == 2
     assert core.counters["tokens_regenerated"] == 2
     assert core.stats()["instances_lost"] == 1 and core.instances["a#0"].state == "suspect"
@@ -181,7 +181,7 @@ def test_warned_preemption_releases_everything_and_regenerates_nothing():
     core.on_message(b"a", M.Deregister(reason="preempted", tokens_generated=2, cause="preempted"))
     core.tick()
     works = {w.rid: w for m in sent(core, b"b", M.Assign) for w in m.works}
-    assert works[mine[0]].prefix_ids == [3, 3] and works[mine[0]].max_new_tokens == 6
+    assert works[mine[0]].prefix_ids == [3, 3] and works[mine[0]].tokens_left == 6
     assert core.counters["tokens_regenerated"] == 0
     assert core.counters["instances_preempted_with_warning"] == 1
 
@@ -365,7 +365,7 @@ def test_no_response_lost_or_duplicated_under_random_preemptions(seed, n_inst, k
         for peer, m in core.outbox:
             if isinstance(m, M.Assign) and peer in alive:
                 for w in m.works:
-                    alive[peer]["work"][w.rid] = [len(w.prefix_ids), w.max_new_tokens]
+                    alive[peer]["work"][w.rid] = [len(w.prefix_ids), w.tokens_left]
             elif isinstance(m, M.Release) and peer in alive:
                 for rid in m.rids:
                     alive[peer]["work"].pop(rid, None)

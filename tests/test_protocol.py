@@ -14,7 +14,7 @@ SAMPLES = [
     M.WeightsLoaded(version=1, checksum=2**63, nbytes=10, pull_s=0.1, load_s=0.2),
     M.Tokens(rids=["a", "b"], offsets=[0, 4], counts=[2, 1], versions=[1, 1], finish=[0, 1],
              ids=M.pack_i32([5, 6, 7]), logprobs=M.pack_f32([-1.0, -2.0, -3.0])),
-    M.Assign(works=[M.Work(rid="r", prompt_ids=[1, 2], prefix_ids=[3], max_new_tokens=4, temperature=1.0,
+    M.Assign(works=[M.Work(rid="r", prompt_ids=[1, 2], prefix_ids=[3], tokens_left=4, temperature=1.0,
                            top_p=0.9, seed=5, stop_ids=[1, 2], version=0)]),
     M.SubmitStep(step=0, version=0, groups=[M.GroupSpec(gid="g", prompt_ids=[1], n=2, max_new_tokens=3,
                                                          temperature=1.0, top_p=1.0, seed=0, stop_ids=[])]),

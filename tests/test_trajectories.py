@@ -81,7 +81,7 @@ def test_a_tool_call_goes_to_the_environment_and_the_next_turn_continues_from_th
     submit(core, spec())
     core.tick()
     (w0,) = take(core, b"a", M.Assign)[0].works
-    assert w0.prompt_ids == [1, 5, 6] and w0.prefix_ids == [] and w0.max_new_tokens == 6
+    assert w0.prompt_ids == [1, 5, 6] and w0.prefix_ids == [] and w0.tokens_left == 6
     assert DOT in w0.stop_ids and EOS in w0.stop_ids  # the tool-call close ends a turn
     core.on_message(b"a", tok("s0g0/0", 0, [7, 8, DOT], M.FINISH_STOP))
     (call,) = take(core, ENV_PEER)
@@ -92,7 +92,7 @@ def test_a_tool_call_goes_to_the_environment_and_the_next_turn_continues_from_th
     (w1,) = take(core, b"a", M.Assign)[0].works
     # an instance only ever sees the current turn: earlier turns and the observation are its prompt
     assert w1.prompt_ids == [1, 5, 6, 7, 8, DOT, 90, 91] and w1.prefix_ids == []
-    assert w1.max_new_tokens == 6 and w1.seed != w0.seed
+    assert w1.tokens_left == 6 and w1.seed != w0.seed
     core.on_message(b"a", tok("s0g0/0", 0, [9, EOS], M.FINISH_STOP))  # offsets are relative to the turn
     (done,) = take(core, TRAINER, M.GroupDone)
     r = done.responses[0]
@@ -110,7 +110,7 @@ def test_budgets_per_turn_and_per_trajectory():
     observe(core, "s0g0/0", 0, [90, 91, 92])
     core.tick()
     (w1,) = take(core, b"a", M.Assign)[0].works
-    assert w1.max_new_tokens == 3  # 12 − 6 − 3: the trajectory's budget bounds the turn's
+    assert w1.tokens_left == 3  # 12 − 6 − 3: the trajectory's budget bounds the turn's
     core.on_message(b"a", tok("s0g0/0", 0, [1, 2, 3, 4]))  # past it: fenced, never appended
     assert core.instances["a#0"].state == "fenced" and core.requests["s0g0/0"].n == 9
 
@@ -175,7 +175,7 @@ def test_a_turn_interrupted_mid_way_resumes_elsewhere_from_its_tokens_so_far():
     core.on_message(b"a", M.Deregister(reason="preempted", tokens_generated=0, cause="preempted"))
     core.tick()
     (w,) = take(core, b"b", M.Assign)[0].works
-    assert w.prompt_ids == [1, 5, 6, 7, DOT, 90] and w.prefix_ids == [11, 12] and w.max_new_tokens == 4
+    assert w.prompt_ids == [1, 5, 6, 7, DOT, 90] and w.prefix_ids == [11, 12] and w.tokens_left == 4
     assert core.migrations_by_turn == {"1": 1}
     assert core.counters["tokens_in_interrupted_turns"] == 2  # what restarting the turn would regenerate
     assert core.counters["assistant_tokens_in_interrupted_trajectories"] == 4  # ... restarting the trajectory
@@ -207,7 +207,7 @@ def _drive(factory, core: ManagerCore, interrupt: tuple[str, int] | None) -> dic
         for peer, msg in outbox:
             if isinstance(msg, M.Assign) and peer in engines:
                 for w in msg.works:
-                    engines[peer].add(GenRequest(w.rid, list(w.prompt_ids), w.max_new_tokens, SamplingParams(
+                    engines[peer].add(GenRequest(w.rid, list(w.prompt_ids), w.tokens_left, SamplingParams(
                         temperature=w.temperature, top_p=w.top_p, seed=w.seed, stop_token_ids=tuple(w.stop_ids)),
                         list(w.prefix_ids)))
                     pos[w.rid] = len(w.prefix_ids)

@@ -21,8 +21,9 @@ Invariants (each has a test in tests/test_manager_core.py):
    the latest version (else to PULLING, told the latest version), and is told to release what was taken from
    it. It is GONE (and told to register anew if it ever speaks again) only after ``instance_expiry_s`` of
    silence, or when it deregisters.
-5. Resumed budget: a migrated request continues from prompt + generated ids with
-   ``max_new_tokens − generated``; a delta that would exceed the budget is rejected.
+5. Resumed budget: a migrated request continues from prompt + generated ids with ``Work.tokens_left`` =
+   ``max_new_tokens − generated`` (``max_new_tokens`` is always the original budget; what is left is
+   ``tokens_left``); a delta that would exceed the budget is rejected.
 8. Trajectories (multi-turn): the manager owns every turn and observation as token ids; an instance only ever
    generates the current turn (its prompt: the original prompt + earlier turns and observations; its budget: what
    the turn and the trajectory have left, invariant 5 per turn). A turn that ends with a tool-call stop id waits

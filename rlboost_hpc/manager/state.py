@@ -167,7 +167,7 @@ class Request:
         return M.Work(
             rid=self.rid, prompt_ids=self.prompt_ids + ids[: self.turn_start].tolist(),
             prefix_ids=ids[self.turn_start:].tolist(),
-            max_new_tokens=self.turn_budget() - (self.n - self.turn_start), temperature=self.temperature,
+            tokens_left=self.turn_budget() - (self.n - self.turn_start), temperature=self.temperature,
             top_p=self.top_p, seed=turn_seed(self.seed, self.turn),
             stop_ids=self.stop_ids, version=self.version,
         )

@@ -169,12 +169,15 @@ class Reject(_Msg, tag="reject"):
 
 
 class Work(msgspec.Struct, forbid_unknown_fields=True):
-    """One response to (continue to) generate. ``max_new_tokens`` is the remaining budget (invariant 5)."""
+    """One response (or a trajectory's current turn) to (continue to) generate after ``prefix_ids``.
+    ``tokens_left``: the budget that remains — the original ``max_new_tokens`` of its group minus what was
+    generated (and, for a trajectory, bounded by what the trajectory has left); the engine generates at most that
+    many more tokens."""
 
     rid: str
     prompt_ids: list[int]
     prefix_ids: list[int]
-    max_new_tokens: int
+    tokens_left: int
     temperature: float
     top_p: float
     seed: int

@@ -576,7 +576,7 @@ class RolloutAgent:
                 try:
                     self.engine.add(GenRequest(
                         rid=w.rid, prompt_ids=list(w.prompt_ids), prefix_ids=list(w.prefix_ids),
-                        max_new_tokens=w.max_new_tokens,
+                        max_new_tokens=w.tokens_left,
                         sampling=SamplingParams(temperature=w.temperature, top_p=w.top_p, seed=w.seed,
                                                 stop_token_ids=tuple(w.stop_ids))))
                     self._pos[w.rid] = len(w.prefix_ids)
