@@ -460,3 +460,20 @@ def test_untied_checkpoint_layout(tmp_path, loaded):
     convert_llama2c(p, paths.data_file("stories260K/tok512.bin"), tmp_path / "hf")
     cfg3, sd3 = load_hf_dir(tmp_path / "hf")
     assert cfg3 == cfg2 and torch.equal(sd3["lm_head.weight"], head)
+
+
+def test_the_torch_backend_gives_the_policys_logits_as_the_interface_says(stories260k_hf_dir):
+    """``TrainerBackend.logits`` (both backends): the policy's fp32 logits on the CPU, equal to the model's forward."""
+    from rlboost_hpc.models.llama import LlamaModel
+    from rlboost_hpc.trainer.backends.torch_backend import TorchBackend
+
+    from _util import load_hf_dir
+
+    cfg, sd = load_hf_dir(stories260k_hf_dir)
+    be = TorchBackend(cfg, sd, lr=1e-3)
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    got = be.logits(ids)
+    with torch.no_grad():
+        want = LlamaModel.from_state_dict(cfg, dict(sd)).eval()(ids)
+    assert got.shape == (2, 9, cfg.vocab_size) and got.dtype == torch.float32 and got.device.type == "cpu"
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

@@ -55,6 +55,12 @@ class TrainerBackend(abc.ABC):
         a list of [len(response)] float32 tensors."""
 
     @abc.abstractmethod
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """No-grad full-vocabulary fp32 logits ``[B, T, V]`` of the policy for ``input_ids`` (``[B, T]`` int, no
+        padding), on the CPU — what an exported model must reproduce (a check and monitoring path, never the RL
+        loop's). Collective for distributed backends: the result on the rank that runs the loop, None elsewhere."""
+
+    @abc.abstractmethod
     def save_checkpoint(self, path: str | os.PathLike, extra_state: Mapping | None = None) -> None:
         """Write model and optimizer state (and ``extra_state``, plain data) into the directory ``path`` (created);
         collective for distributed backends. Restored by :meth:`load_checkpoint` with the same layout."""

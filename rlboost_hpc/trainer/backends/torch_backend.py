@@ -144,6 +144,13 @@ class TorchBackend(TrainerBackend):
         return st["extra"]
 
     @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device)
+        amp = self.amp_dtype
+        with torch.autocast(self.device.type, dtype=amp or torch.bfloat16, enabled=amp is not None):
+            return self.model(ids).float().cpu()
+
+    @torch.no_grad()
     def token_logprobs(self, batch: list[Sample], *, reference: bool = False) -> list[torch.Tensor]:
         model = self.ref if reference else self.model
         if model is None:
