@@ -26,8 +26,6 @@ from typing import Any
 __all__ = ["EnvStep", "Observation", "ToolCalls", "ToolEnvironment", "ToolSyntax", "calculate", "parse_tool_call",
            "turn_seed"]
 
-#: the tools a task can give its policy (``task.tool``); each maps its call's arguments to a result text
-TOOLS = ("calculator",)
 _SENTINEL = "\u2063RLBOOST-TURN-END\u2063"  # an assistant message content no template rewrites
 
 
@@ -136,7 +134,7 @@ class ToolEnvironment:
         tokenizer_dir: the policy's model directory (its tokenizer: the one the policy generates with).
         use_chat: render observations through the tokenizer's chat template (as the prompts were).
         syntax: the tool-call syntax.
-        tool: one of :data:`TOOLS`.
+        tool: the tool's name, as a call names it (``"calculator"``: the only one, ``task.tool``).
         plain_format: the observation text without a chat template (``{result}`` is replaced).
         max_observation_tokens: a tool result longer than this many tokens is cut (its rendering keeps the
             template's markers).
