@@ -267,7 +267,7 @@ def run_live(n_inst: int, k: int, args, target=run_manager_process, keys_dir: st
             child.close()
             gens.append((g, parent))
         deadline = time.monotonic() + 60
-        while client.stats()["routable_preemptible"] < n_inst:
+        while client.stats().routable_preemptible < n_inst:
             if time.monotonic() > deadline:
                 raise RuntimeError("fake instances did not become routable within 60 s")
             time.sleep(0.02)
@@ -320,9 +320,9 @@ def run_live(n_inst: int, k: int, args, target=run_manager_process, keys_dir: st
     wall = t_end - t_first
     expected = step * args.groups * args.group_size * args.max_new_tokens
     dup = sum(1 for c in seen.values() if c > 1)
-    ok = (not errs and dup == 0 and len(seen) == step * args.groups and st["tokens_received"] == expected
-          and st["late_tokens"] == 0 and st["instances_fenced"] == 0 and st["instances_lost"] == 0
-          and st["responses_migrated"] == 0)
+    ok = (not errs and dup == 0 and len(seen) == step * args.groups and st.tokens_received == expected
+          and st.late_tokens == 0 and st.instances_fenced == 0 and st.instances_lost == 0
+          and st.responses_migrated == 0)
     if not ok:
         print(f"  !! verification failed: errors={errs[:3]} dup_groups={dup} groups={len(seen)} "
               f"tokens_received={st['tokens_received']}/{expected} late={st['late_tokens']} "
@@ -330,9 +330,9 @@ def run_live(n_inst: int, k: int, args, target=run_manager_process, keys_dir: st
     frames = sum(r["frames"] for r in results)
     gen_wall = max(r["t_last"] for r in results) - t_first
     mgr_cpu_s = cpu_m1 - cpu_m0
-    return dict(instances=n_inst, k=k, steps=step, tokens=st["tokens_received"], frames=frames, wall_s=wall,
-                tok_s=st["tokens_received"] / wall, frames_s=frames / wall, mgr_cpu=mgr_cpu_s / wall,
-                tok_per_mgr_cpu_s=st["tokens_received"] / mgr_cpu_s if mgr_cpu_s > 0 else float("nan"),
+    return dict(instances=n_inst, k=k, steps=step, tokens=st.tokens_received, frames=frames, wall_s=wall,
+                tok_s=st.tokens_received / wall, frames_s=frames / wall, mgr_cpu=mgr_cpu_s / wall,
+                tok_per_mgr_cpu_s=st.tokens_received / mgr_cpu_s if mgr_cpu_s > 0 else float("nan"),
                 gen_cpu=sum(r["cpu_s"] for r in results) / wall,
                 gen_build=sum(r["build_s"] for r in results) / wall, gen_lag_s=wall - gen_wall, ok=ok)
 
@@ -402,7 +402,7 @@ def record(n_inst: int, k: int, args) -> list:
                 progressed = True
         if not progressed and not core.outbox and delivered < args.groups and not core.queue:
             raise RuntimeError("simulation stalled")
-    assert core.counters["tokens_received"] == args.groups * args.group_size * args.max_new_tokens
+    assert core.counters.tokens_received == args.groups * args.group_size * args.max_new_tokens
     return events
 
 
@@ -453,8 +453,8 @@ def replay(events: list, k: int, args, core_cls=ManagerCore) -> dict:
             t["other"] += t3 - t0
     for _peer, msg in core.outbox:
         M.encode(msg)
-    assert core.counters["groups_delivered"] == args.groups, core.counters
-    t["frames"], t["deltas"], t["tokens"] = frames, deltas, core.counters["tokens_received"]
+    assert core.counters.groups_delivered == args.groups, core.counters
+    t["frames"], t["deltas"], t["tokens"] = frames, deltas, core.counters.tokens_received
     return t
 
 

@@ -81,19 +81,19 @@ def one_run(rep: int, env: dict, run_dir: Path, client: ManagerClient) -> dict:
               str(REPO / "sbatch/rollout.sbatch")], env).strip().split(";")[0]
     key = f"{job}#0"
 
-    def inst() -> dict:
-        return client.stats()["instances"].get(key) or {}
+    def inst():
+        return client.stats().instances.get(key)
 
-    first = wait(lambda: inst().get("tokens_received", 0) > 0 and time.time(), 120, "the first token")
+    first = wait(lambda: (i := inst()) is not None and i.tokens_received > 0 and time.time(), 120, "the first token")
     rec = job_record(env, job)
     slurm_wait = number(rec.get("start_time")) - number(rec.get("submit_time"))  # Slurm's clock, 1 s resolution
     node = rec.get("nodes") or ""
     # the preemption: an exclusive high-priority job on the rollout job's node
-    wait(lambda: inst().get("inflight", 0) > 0, 30, "in-flight work")
+    wait(lambda: (i := inst()) is not None and i.inflight > 0, 30, "in-flight work")
     time.sleep(1.0)
     hp = sh(["sbatch", "--parsable", "-p", "train", "--nodelist", node, "--exclusive", "--gres", "gpu:2",
              "--wrap", "sleep 3"], env).strip()
-    t_gone = wait(lambda: key not in client.stats()["instances"] and time.time(), 60,
+    t_gone = wait(lambda: key not in client.stats().instances and time.time(), 60,
                   "the preempted instance to deregister")
     warned = wait(lambda: next((e for e in read_events(run_dir) if e["event"] == "warned" and e["job_id"] == job),
                                None), 30, "the warned event")

@@ -47,12 +47,12 @@ def main() -> None:
         spec = M.GroupSpec(gid=f"r{rep}", prompt_ids=[1, 403, 407], n=8, max_new_tokens=64, temperature=1.0,
                            top_p=1.0, seed=rep, stop_ids=[])
         client.call(M.SubmitStep(step=rep, version=0, groups=[spec]))
-        before = client.stats()["tokens_received"]
+        before = client.stats().tokens_received
         t0 = time.time()
         p = subprocess.Popen([sys.executable, "-m", "rlboost_hpc.rollout.worker", "--manager", endpoint,
                               "--job-id", "bench", "--attempt", str(rep)], stderr=subprocess.PIPE, text=True,
                              env=dict(os.environ, RLBOOST_LOG_LEVEL="INFO", RLBOOST_SPAWNED_AT=repr(t0)))
-        while client.stats()["tokens_received"] == before:
+        while client.stats().tokens_received == before:
             time.sleep(0.005)
         t_first = time.time() - t0
         while not isinstance(client.next_event(60), M.GroupDone):

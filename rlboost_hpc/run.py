@@ -24,6 +24,7 @@ import torch
 from rlboost_hpc.config import ConfigError, RunConfig
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.auth import RunKeys
+from rlboost_hpc.protocol.stats import ManagerStats
 from rlboost_hpc.rollout.spec import WorkerSpec
 from rlboost_hpc.tasks.reward_pool import RewardPool
 from rlboost_hpc.observe.timeline import Phase, add_phase, summarize
@@ -313,7 +314,7 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
                 closers.append(probe.close)
 
                 def partial() -> dict[str, int]:
-                    return {k: i["partial"] for k, i in probe.stats()["instances"].items()}
+                    return {k: i.partial for k, i in probe.stats().instances.items()}
             cluster = LocalCluster(cfg.cluster, endpoint, out_dir, t_origin=t_start, partial_by_instance=partial)
             cluster.start()
         settings = StepSettings(prompts_per_step=r.prompts_per_step, group_size=r.group_size,
@@ -345,8 +346,8 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
                 t_after = time.monotonic()  # the step's own bookkeeping and checkpoint: part of its timeline
                 st = trainer.last_stats  # taken at the end of the step, after its version change
                 m.update(t_s=time.monotonic() - t_start, ts=round(time.time(), 3),
-                         live_preemptible=st["live_preemptible"], routable_preemptible=st["routable_preemptible"],
-                         cluster_live=cluster.live() if cluster else st["live_preemptible"])
+                         live_preemptible=st.live_preemptible, routable_preemptible=st.routable_preemptible,
+                         cluster_live=cluster.live() if cluster else st.live_preemptible)
                 cap = trainer.decision.n_prem_cap if trainer.decision else None
                 n_prem = cfg.cluster.max_workers if cap is None else min(cap, cfg.cluster.max_workers)
                 m["n_prem_target"] = n_prem
@@ -411,27 +412,27 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
             "kills_without_warning": tally["kills"],
             "worker_starts": tally["starts"],
             "responses_migrated": tally["responses_migrated"],
-            "balancer_moves": final_stats["balancer_moves"],
+            "balancer_moves": final_stats.balancer_moves,
             "rollout_engine": r.engine,
-            "migrations_by_engine": final_stats["migrations_by_engine"],
+            "migrations_by_engine": final_stats.migrations_by_engine,
             "migrated_responses_trained": tot.migrated_responses_trained,
             "tokens_migrated": tally["tokens_migrated"],
             "tokens_regenerated": tally["tokens_regenerated"],
-            "tokens_regenerated_after_warning": final_stats["tokens_regenerated_after_warning"],
+            "tokens_regenerated_after_warning": final_stats.tokens_regenerated_after_warning,
             "tokens_trained_off_version": tot.tokens_trained_off_version,
-            "off_version_tokens_rejected": final_stats["off_version_tokens_rejected"],
-            "late_tokens_dropped": final_stats["late_tokens"],
-            "weight_pulls": final_stats["weight_loads"],
-            "weight_pull_failures": final_stats["weight_load_failures"],
-            "weight_pull_seconds_mean": final_stats["pull_seconds_mean"],
+            "off_version_tokens_rejected": final_stats.off_version_tokens_rejected,
+            "late_tokens_dropped": final_stats.late_tokens,
+            "weight_pulls": final_stats.weight_loads,
+            "weight_pull_failures": final_stats.weight_load_failures,
+            "weight_pull_seconds_mean": final_stats.pull_seconds_mean,
             "weight_bytes": publishes[-1]["weight_bytes"] if publishes else 0,
             "weight_update_bytes_mean": (sum(p["weight_update_bytes"] for p in publishes[1:]) / (len(publishes) - 1)
                                          if len(publishes) > 1 else 0.0),
-            "weight_pulled_bytes": final_stats["weight_pulled_bytes"],
-            "weight_checksum_mismatches": final_stats["weight_checksum_mismatches"],
+            "weight_pulled_bytes": final_stats.weight_pulled_bytes,
+            "weight_checksum_mismatches": final_stats.weight_checksum_mismatches,
             "weight_trainer_bytes_served": served["bytes_served"] + served["delta_bytes_served"],
             "weight_shards": served["shards"],
-            "instances_lost_without_warning": final_stats["instances_lost"],
+            "instances_lost_without_warning": final_stats.instances_lost,
             "instances_suspected": tally["instances_suspected"],
             "instances_recovered": tally["instances_recovered"],
             "stalls": tally["stalls"],
@@ -440,13 +441,13 @@ def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
             "deltas_out_of_order": tally["deltas_out_of_order"],
             "instances_lost_while_pulling": tally["instances_lost_while_pulling"],
             "prompts_not_trained_exactly_once": trainer.prompts_not_trained_once(),
-            "instances_preempted_with_warning": final_stats["instances_preempted_with_warning"],
-            "instances_time_limit": final_stats["instances_time_limit"],
+            "instances_preempted_with_warning": final_stats.instances_preempted_with_warning,
+            "instances_time_limit": final_stats.instances_time_limit,
             "rewards_timed_out": rewards.timed_out, "reward_workers_replaced": rewards.replaced,
             "n_resv": n_resv, "n_resv_source": n_resv_source,
-            "decode_tokens_per_s_by_batch": final_stats["decode_tokens_per_s_by_batch"],
-            "instances_drained": final_stats["instances_drained"],
-            "protocol_rejects": final_stats["protocol_rejects"],
+            "decode_tokens_per_s_by_batch": final_stats.decode_tokens_per_s_by_batch,
+            "instances_drained": final_stats.instances_drained,
+            "protocol_rejects": final_stats.protocol_rejects,
             **_trajectory_report(cfg, final_stats, step_metrics, train_wall),
             "tokens_trained": tot.tokens_trained,
             "throughput_tokens_per_s": tot.tokens_trained / train_wall if train_wall > 0 else 0.0,
@@ -497,7 +498,7 @@ _COUNTS = ("preemptions_warned", "kills", "starts", "stalls", "link_resets", "in
 _CLUSTER_COUNTS = 5  # the first ones come from the local cluster (under Slurm: from what the manager saw)
 
 
-def _counts(cluster, stats: dict) -> dict:
+def _counts(cluster, stats: ManagerStats) -> dict:
     """Fault and migration counters of this incarnation: the local cluster's (or, under Slurm, what the manager
     saw: warned preemptions, losses without warning, registrations other than the reserved engine's)."""
     if cluster is not None:
@@ -505,12 +506,12 @@ def _counts(cluster, stats: dict) -> dict:
         out = {"preemptions_warned": c["preemptions_warned"], "kills": c["kills"], "starts": c["starts"],
                "stalls": c["stalls"], "link_resets": c["link_resets"]}
     else:
-        out = {"preemptions_warned": stats["instances_preempted_with_warning"], "kills": stats["instances_lost"],
-               "starts": max(0, stats["registrations"] - 1), "stalls": 0, "link_resets": 0}
-    return {**out, **{k: stats[k] for k in _COUNTS[_CLUSTER_COUNTS:]}}
+        out = {"preemptions_warned": stats.instances_preempted_with_warning, "kills": stats.instances_lost,
+               "starts": max(0, stats.registrations - 1), "stalls": 0, "link_resets": 0}
+    return {**out, **{k: getattr(stats, k) for k in _COUNTS[_CLUSTER_COUNTS:]}}
 
 
-def _trajectory_report(cfg: RunConfig, stats: dict, step_metrics: list[dict], train_wall: float) -> dict:
+def _trajectory_report(cfg: RunConfig, stats: ManagerStats, step_metrics: list[dict], train_wall: float) -> dict:
     """Multi-turn keys of the report (empty for single-turn tasks): turns per trajectory, tool calls and their
     share of the training wall time, migrations by turn index, and what restarting instead of resuming at the token
     would have regenerated (tokens of the interrupted turns; assistant tokens of the interrupted trajectories)."""
@@ -519,12 +520,12 @@ def _trajectory_report(cfg: RunConfig, stats: dict, step_metrics: list[dict], tr
     turns = [m["turns_mean"] for m in step_metrics if "turns_mean" in m]
     return {
         "turns_per_trajectory_mean": sum(turns) / len(turns) if turns else 0.0,
-        "environment_calls": stats["environment_calls"], "environment_errors": stats["environment_errors"],
-        "environment_timeouts": stats["environment_timeouts"], "environment_seconds": stats["environment_seconds"],
-        "tool_time_share": stats["environment_seconds"] / train_wall if train_wall > 0 else 0.0,
-        "observation_tokens": stats["observation_tokens"], "migrations_by_turn": stats["migrations_by_turn"],
-        "tokens_in_interrupted_turns": stats["tokens_in_interrupted_turns"],
-        "assistant_tokens_in_interrupted_trajectories": stats["assistant_tokens_in_interrupted_trajectories"],
+        "environment_calls": stats.environment_calls, "environment_errors": stats.environment_errors,
+        "environment_timeouts": stats.environment_timeouts, "environment_seconds": stats.environment_seconds,
+        "tool_time_share": stats.environment_seconds / train_wall if train_wall > 0 else 0.0,
+        "observation_tokens": stats.observation_tokens, "migrations_by_turn": stats.migrations_by_turn,
+        "tokens_in_interrupted_turns": stats.tokens_in_interrupted_turns,
+        "assistant_tokens_in_interrupted_trajectories": stats.assistant_tokens_in_interrupted_trajectories,
     }
 
 

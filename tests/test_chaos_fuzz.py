@@ -157,7 +157,7 @@ def test_fuzz_every_listening_socket_with_an_authenticated_peer(tmp_path):
         assert sent >= 10_000
         assert proc.is_alive() and server.is_alive()
         st = client.stats()
-        assert st["latest_version"] == 0  # the fuzzer's SetVersion was refused (not the trainer)
+        assert st.latest_version == 0  # the fuzzer's SetVersion was refused (not the trainer)
         got = WeightPuller(server.endpoint, timeout_s=10, keys=keys.client_view()).pull()
         assert all(torch.equal(got.state_dict[k], v) for k, v in weights.items())
         assert server.stats["rejected"] > 1000

@@ -55,7 +55,7 @@ def test_slow_builds_first_steps_and_weight_loads_never_make_an_instance_look_de
         worker = subprocess.Popen([sys.executable, str(TESTS / "slow_worker.py"), endpoint, server.endpoint, "slow",
                                    "--build-s", "6", "--first-step-s", "10", "--load-s", "30"],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        wait_stats(client, lambda s: s["routable_preemptible"] == 1, timeout=60)
+        wait_stats(client, lambda s: s.routable_preemptible == 1, timeout=60)
         _group(client, 4, "a", max_new=32)
         ev = client.next_event(60)
         assert isinstance(ev, M.GroupDone) and all(len(M.unpack_i32(r.ids)) == 32 for r in ev.responses)
@@ -63,14 +63,14 @@ def test_slow_builds_first_steps_and_weight_loads_never_make_an_instance_look_de
         server.publish(1, {k: v * 1.01 for k, v in sd.items()}, dtype=torch.float32)
         client.call(M.SetVersion(version=1))
         t0 = time.monotonic()
-        wait_stats(client, lambda s: s["routable_preemptible"] == 1 and s["instances"]["slow#0"]["version"] == 1,
+        wait_stats(client, lambda s: s.routable_preemptible == 1 and s.instances["slow#0"].version == 1,
                    timeout=90)
         assert time.monotonic() - t0 >= 25  # the 30 s load really happened (on the agent's main thread)
         _group(client, 4, "b", step=1, version=1, max_new=32)
         ev = client.next_event(60)
         assert isinstance(ev, M.GroupDone) and ev.gid == "b"
         st = client.stats()
-        assert st["instances_suspected"] == 0 and st["responses_migrated"] == 0, st
+        assert st.instances_suspected == 0 and st.responses_migrated == 0, st
         assert worker.poll() is None
     finally:
         if worker is not None:
@@ -92,14 +92,14 @@ def test_a_killed_worker_leaves_routing_when_its_connection_closes(harness):  # 
     h = harness
     victim = h.worker("victim")
     h.worker("other")
-    wait_stats(h.client, lambda s: s["routable_preemptible"] == 2)
+    wait_stats(h.client, lambda s: s.routable_preemptible == 2)
     _group(h.client, 8, "g")
-    wait_stats(h.client, lambda s: s["instances"].get("victim#0", {}).get("partial", 0) > 0)
+    wait_stats(h.client, lambda s: "victim#0" in s.instances and s.instances["victim#0"].partial > 0)
     t0 = time.monotonic()
     victim.send_signal(signal.SIGKILL)
-    st = wait_stats(h.client, lambda s: s["instances"]["victim#0"]["state"] == "suspect", timeout=10)
+    st = wait_stats(h.client, lambda s: s.instances["victim#0"].state == "suspect", timeout=10)
     left = time.monotonic() - t0
-    assert st["instances"]["victim#0"]["inflight"] == 0 and st["connections_closed"] >= 1
+    assert st.instances["victim#0"].inflight == 0 and st.connections_closed >= 1
     ev = h.client.next_event(120)
     assert isinstance(ev, M.GroupDone)
     ref = reference(h, 8, 0.0)
@@ -120,9 +120,9 @@ def test_a_tcp_reset_between_a_worker_and_the_manager_loses_nothing(harness):  #
                           "flaky", "--attempt", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     h.procs.append(w)
     try:
-        wait_stats(h.client, lambda s: s["routable_preemptible"] == 1)
+        wait_stats(h.client, lambda s: s.routable_preemptible == 1)
         _group(h.client, 4, "g")
-        wait_stats(h.client, lambda s: s["tokens_received"] > 100)
+        wait_stats(h.client, lambda s: s.tokens_received > 100)
         fwd.reset()
         ev = h.client.next_event(120)
         assert isinstance(ev, M.GroupDone)
@@ -130,8 +130,8 @@ def test_a_tcp_reset_between_a_worker_and_the_manager_loses_nothing(harness):  #
         for r in ev.responses:
             assert M.unpack_i32(r.ids).tolist() == ref[r.rid][0]
         st = h.client.stats()
-        assert w.poll() is None and st["registrations"] == 1 and st["rejected_registrations"] == 0, st
-        assert st["instances"]["flaky#0"]["state"] in ("ready", "pulling"), st
+        assert w.poll() is None and st.registrations == 1 and st.rejected_registrations == 0, st
+        assert st.instances["flaky#0"].state in ("ready", "pulling"), st
     finally:
         fwd.close()
 
@@ -145,7 +145,7 @@ def test_a_tcp_reset_between_the_trainer_and_the_manager_loses_nothing(harness):
     client = ManagerClient(fwd.endpoint, resend_s=0.5)
     try:
         client.call(M.TrainerHello(weights_endpoint=h.server.endpoint, model_config=h.config.to_hf_dict()))
-        wait_stats(client, lambda s: s["routable_preemptible"] == 1)
+        wait_stats(client, lambda s: s.routable_preemptible == 1)
         specs = [M.GroupSpec(gid=f"g{i}", prompt_ids=PROMPT, n=2, max_new_tokens=64, temperature=0.0, top_p=1.0,
                              seed=100, stop_ids=[]) for i in range(4)]
         client.call(M.SubmitStep(step=0, version=0, groups=specs))

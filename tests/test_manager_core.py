@@ -59,7 +59,7 @@ def test_registration_identity_is_job_and_attempt_and_never_merges():
     core.outbox.clear()
     register(core, b"b", "job7", 0, version=None)  # same identity from another connection
     assert isinstance(sent(core, b"b")[0], M.Reject)
-    assert core.counters["rejected_registrations"] == 1
+    assert core.counters.rejected_registrations == 1
     register(core, b"c", "job7", 1)  # the requeued attempt is a new instance
     assert isinstance(sent(core, b"c", M.Welcome)[0], M.Welcome)
     assert set(core.instances) == {"job7#0", "job7#1"}
@@ -134,7 +134,7 @@ def test_group_done_carries_the_versions_the_engines_stamped():
     other = b"b" if peer == b"a" else b"a"
     core.on_message(peer, tokens("s0g0/0", 0, [7, 8]))
     core.on_message(peer, tokens("s0g0/0", 2, [9], version=5))  # an engine stamping the wrong version
-    assert core.counters["off_version_tokens_rejected"] == 1 and core.instances[f"{peer.decode()}#0"].state == "fenced"
+    assert core.counters.off_version_tokens_rejected == 1 and core.instances[f"{peer.decode()}#0"].state == "fenced"
     core.outbox.clear()
     core.tick()
     assert sent(core, other, M.Assign)[0].works[0].prefix_ids == [7, 8]  # resumes after the accepted tokens
@@ -159,9 +159,9 @@ def test_killed_instance_migrates_each_response_with_reduced_budget():
     works = {w.rid: w for m in sent(core, b"b", M.Assign) for w in m.works}
     assert works["s0g0/0"].prefix_ids == [5, 6, 7] and works["s0g0/0"].tokens_left == 5  # case R1
     assert works["s0g0/1"].prefix_ids == [] and works["s0g0/1"].tokens_left == 8
-    assert core.counters["responses_migrated"] == 2
-    assert core.counters["tokens_regenerated"] == 2
-    assert core.stats()["instances_lost"] == 1 and core.instances["a#0"].state == "suspect"
+    assert core.counters.responses_migrated == 2
+    assert core.counters.tokens_regenerated == 2
+    assert core.stats().instances_lost == 1 and core.instances["a#0"].state == "suspect"
     # the silent instance's late frame is dropped, never appended twice
     core.on_message(b"a", tokens("s0g0/0", 3, [8]))
     assert core.requests["s0g0/0"].n == 3
@@ -182,8 +182,8 @@ def test_warned_preemption_releases_everything_and_regenerates_nothing():
     core.tick()
     works = {w.rid: w for m in sent(core, b"b", M.Assign) for w in m.works}
     assert works[mine[0]].prefix_ids == [3, 3] and works[mine[0]].tokens_left == 6
-    assert core.counters["tokens_regenerated"] == 0
-    assert core.counters["instances_preempted_with_warning"] == 1
+    assert core.counters.tokens_regenerated == 0
+    assert core.counters.instances_preempted_with_warning == 1
 
 
 @pytest.mark.parametrize("cause,counter", [("preempted", "instances_preempted_with_warning"),
@@ -197,10 +197,10 @@ def test_each_kind_of_warned_end_has_one_counter_even_before_the_instance_was_we
     core.on_message(b"a", M.Draining(reason="warned"))
     core.on_message(b"a", M.Released(rids=[], tokens_generated=0))
     core.on_message(b"a", M.Deregister(reason="warned", tokens_generated=0, cause=cause))
-    counted = {k: core.counters[k] for k in ("instances_preempted_with_warning", "instances_time_limit",
+    counted = {k: getattr(core.counters, k) for k in ("instances_preempted_with_warning", "instances_time_limit",
                                               "instances_drained")}
     assert counted == {k: int(k == counter) for k in counted}
-    assert core.instances["a#0"].state == "gone" and core.stats()["instances_lost"] == 0
+    assert core.instances["a#0"].state == "gone" and core.stats().instances_lost == 0
 
 
 def test_migrations_are_counted_per_engine_kind_for_partial_responses_only():
@@ -214,7 +214,7 @@ def test_migrations_are_counted_per_engine_kind_for_partial_responses_only():
     register(core, b"t", "t", engine="torch")
     core.tick()
     assert core.migrations_by_engine == {"out_of": {"sglang": 1}, "into": {"torch": 1}}
-    assert core.stats()["migrations_by_engine"]["into"] == {"torch": 1}
+    assert core.stats().migrations_by_engine["into"] == {"torch": 1}
     assert core.instances["s#0"].engine == "sglang"
 
 
@@ -224,7 +224,7 @@ def test_off_version_tokens_are_rejected_and_instance_fenced():
     submit(core, n=1)
     core.tick()
     core.on_message(b"a", tokens("s0g0/0", 0, [4, 4], version=7))
-    assert core.counters["off_version_tokens_rejected"] == 2
+    assert core.counters.off_version_tokens_rejected == 2
     assert core.instances["a#0"].state == "fenced"
     assert core.requests["s0g0/0"].n == 0 and core.requests["s0g0/0"].state == "queued"
 
@@ -251,7 +251,7 @@ def test_a_gap_after_lost_frames_migrates_the_response_and_keeps_the_instance():
     core.on_message(b"a", tokens("s0g0/0", 4, [6]))  # tokens 2-3 were lost
     core.on_message(b"a", tokens("s0g0/0", 5, [7]))  # streamed before it saw the Release: late too
     assert core.instances["a#0"].state == "ready" and core.requests["s0g0/0"].n == 2
-    assert [m.rids for m in sent(core, b"a", M.Release)] == [["s0g0/0"]] and core.counters["deltas_out_of_order"] == 1
+    assert [m.rids for m in sent(core, b"a", M.Release)] == [["s0g0/0"]] and core.counters.deltas_out_of_order == 1
     core.on_message(b"a", M.Released(rids=["s0g0/0"], tokens_generated=6))
     core.tick()
     assert sent(core, b"a", M.Assign)[0].works[0].prefix_ids == [4, 5]  # resumes from the accepted prefix
@@ -264,7 +264,7 @@ def test_a_closed_connection_makes_the_instance_suspect_at_once():
     core.tick()
     core.disconnected(b"a")
     assert core.instances["a#0"].state == "suspect" and core.requests["s0g0/0"].state == "queued"
-    assert core.counters["connections_closed"] == 1
+    assert core.counters.connections_closed == 1
     core.disconnected(b"nobody")  # unknown peers (a stranger, the trainer) change nothing
 
 
@@ -329,7 +329,7 @@ def test_unregistered_peers_cannot_inject_tokens_or_steer():
     core.on_message(b"x", tokens("s0g0/0", 0, [4]))
     core.on_message(b"x", M.SetVersion(version=5))
     assert core.latest_version == 0 and core.requests["s0g0/0"].n == 0
-    assert core.counters["protocol_rejects"] >= 2
+    assert core.counters.protocol_rejects >= 2
 
 
 # --------------------------------------------------------------------------- property test
@@ -420,7 +420,7 @@ def test_an_instance_declared_lost_is_told_so_and_can_return_as_a_new_attempt():
     assert core.instances["reserved#0"].state == "suspect"
     clock.t = 10.0 + core.instance_expiry_s + 1  # silent past the expiry: gone for good
     core.tick()
-    assert core.instances["reserved#0"].state == "gone" and core.counters["instances_expired"] == 1
+    assert core.instances["reserved#0"].state == "gone" and core.counters.instances_expired == 1
     core.outbox.clear()
     core.on_message(b"r", M.Heartbeat(version=0, active=0, tokens_generated=0))
     rej = sent(core, b"r", M.Reject)
@@ -453,14 +453,14 @@ def test_a_short_stall_makes_an_instance_suspect_and_it_returns_without_register
     assert not sent(core, b"a", M.Reject) and not sent(core, b"b", M.Reject)
     moved = {w.rid: w for m in sent(core, b"c", M.Assign) for w in m.works}
     assert moved[mine[b"a"][0]].prefix_ids == [5, 6]  # received tokens kept
-    assert core.stats()["instances_lost"] == 2 and core.counters["instances_suspected"] == 2
+    assert core.stats().instances_lost == 2 and core.counters.instances_suspected == 2
     clock.t = 9.0  # a 6 s stall ends: a speaks again
     core.outbox.clear()
     core.on_message(b"a", tokens(mine[b"a"][0], 2, [7]))  # generated before the stall: late now
     assert core.instances["a#0"].state == "ready" and core.requests[mine[b"a"][0]].n == 2
-    assert core.counters["late_tokens"] == 1 and core.counters["instances_recovered"] == 1
+    assert core.counters.late_tokens == 1 and core.counters.instances_recovered == 1
     assert sorted(sent(core, b"a", M.Release)[0].rids) == sorted(mine[b"a"])
-    assert not sent(core, b"a", M.Welcome) and core.counters["registrations"] == 3
+    assert not sent(core, b"a", M.Welcome) and core.counters.registrations == 3
     submit(core, step=1, n=1)  # new work reaches the returned instance again
     assert core.routable(core.instances["a#0"]) and not core.routable(core.instances["b#0"])
 
@@ -532,14 +532,14 @@ def test_every_state_goes_suspect_on_silence_and_returns_to_where_it_was(before,
     assert core.instances["a#0"].state == before
     clock.t = 3.0
     core.tick()
-    assert core.instances["a#0"].state == "suspect" and core.stats()["instances_lost"] == 1
+    assert core.instances["a#0"].state == "suspect" and core.stats().instances_lost == 1
     core.on_message(b"a", M.Heartbeat(version=-1 if before == "pulling" else 0, active=0, tokens_generated=0))
-    assert core.instances["a#0"].state == after and core.stats()["instances_lost"] == 0
+    assert core.instances["a#0"].state == after and core.stats().instances_lost == 0
     if before == "pulling":  # a suspect that was still pulling is counted lost while pulling until it returns
-        assert core.counters["suspected_while_pulling"] == core.counters["recovered_while_pulling"] == 1
+        assert core.counters.suspected_while_pulling == core.counters.recovered_while_pulling == 1
     if before == "draining":
         core.on_message(b"a", M.Deregister(reason="preempted (SIGUSR2)", tokens_generated=0, cause="preempted"))
-        assert core.instances["a#0"].state == "gone" and core.counters["instances_preempted_with_warning"] == 1
+        assert core.instances["a#0"].state == "gone" and core.counters.instances_preempted_with_warning == 1
 
 
 def test_instance_state_changes_only_along_the_state_machine():
@@ -598,7 +598,7 @@ def test_balancer_moves_running_requests_beyond_a_learned_plateau_to_an_idle_ins
     core.tick()
     (rel,) = sent(core, b"a", M.Release)
     # 24 vs 0: move 12 (never past equal loads), the 12 that have generated nothing yet (cheapest re-prefill)
-    assert sorted(rel.rids) == running[12:] and core.counters["balancer_moves"] == 12
+    assert sorted(rel.rids) == running[12:] and core.counters.balancer_moves == 12
     core.on_message(b"a", M.Released(rids=rel.rids, tokens_generated=0))
     core.tick()
     works = [w for m in sent(core, b"b", M.Assign) for w in m.works]

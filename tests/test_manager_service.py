@@ -54,8 +54,8 @@ def test_a_goodbye_queued_before_the_connection_closed_is_applied_before_the_clo
         svc.stop()
         t.join(5)
         assert core.instances["j#0"].state is S.GONE
-        assert core.counters["connections_closed"] == 0
-        assert core.counters["instances_preempted_with_warning"] == 1
+        assert core.counters.connections_closed == 0
+        assert core.counters.instances_preempted_with_warning == 1
     finally:
         svc.close()
         ctx.term()

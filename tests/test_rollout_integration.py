@@ -115,24 +115,24 @@ def test_worker_preempted_mid_stream_response_continues_exactly(harness, sig, te
     uninterrupted output exactly (greedy, and seeded sampling since draws are keyed by response position)."""
     h = harness
     victim = h.worker("victim")
-    wait_stats(h.client, lambda s: s["routable_preemptible"] == 1)
+    wait_stats(h.client, lambda s: s.routable_preemptible == 1)
 
     def preempt():
-        wait_stats(h.client, lambda s: s["tokens_received"] >= 40)
+        wait_stats(h.client, lambda s: s.tokens_received >= 40)
         victim.send_signal(sig)
         h.worker("rescuer")
 
     ev = submit_and_collect(h, n=4, temperature=temperature, during=preempt)
     ref = reference(h, 4, temperature)
     st = h.client.stats()
-    assert st["responses_migrated"] >= 1
+    assert st.responses_migrated >= 1
     for r in ev.responses:
         ids, lps, _ = ref[f"g/{r.sample}"]
         assert M.unpack_i32(r.ids).tolist() == ids
         assert M.unpack_f32(r.logprobs) == pytest.approx(lps, abs=1e-4)
         assert len(r.instances) >= 2 or len(ids) == 0
     if sig == signal.SIGTERM:
-        assert st["tokens_regenerated"] == 0 and st["instances_preempted_with_warning"] == 1
+        assert st.tokens_regenerated == 0 and st.instances_preempted_with_warning == 1
         assert victim.wait(10) == 0
         from rlboost_hpc.events import read_events
 
@@ -142,7 +142,7 @@ def test_worker_preempted_mid_stream_response_continues_exactly(harness, sig, te
         assert any(e["event"] == "warned" for e in ev_v)
         assert not any(e["event"] == "requeue_requested" for e in ev_v)  # not a Slurm job
     else:
-        assert st["instances_lost"] >= 1  # (a worker starved of CPU on a loaded machine may be declared lost too)
+        assert st.instances_lost >= 1  # (a worker starved of CPU on a loaded machine may be declared lost too)
 
 
 def _handler_installed(pid: int, sig: int) -> bool:
@@ -180,14 +180,14 @@ def test_each_warning_is_counted_by_its_kind_even_while_the_worker_starts(harnes
                                "--job-id", "ending", "--signal", "SIGUSR2", "--requeue", "no"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     h.procs.append(ending)
-    wait_stats(h.client, lambda s: s["routable_preemptible"] == 2, timeout=60)
+    wait_stats(h.client, lambda s: s.routable_preemptible == 2, timeout=60)
     for p in (surplus, ending):
         p.send_signal(signal.SIGUSR2)
         assert p.wait(30) == 0
-    st = wait_stats(h.client, lambda s: s["instances_preempted_with_warning"] + s["instances_drained"]
-                    + s["instances_time_limit"] == 3, timeout=30)
-    assert (st["instances_preempted_with_warning"], st["instances_drained"], st["instances_time_limit"],
-            st["instances_lost"], st["registrations"]) == (1, 1, 1, 0, 3)
+    st = wait_stats(h.client, lambda s: s.instances_preempted_with_warning + s.instances_drained
+                    + s.instances_time_limit == 3, timeout=30)
+    assert (st.instances_preempted_with_warning, st.instances_drained, st.instances_time_limit,
+            st.instances_lost, st.registrations) == (1, 1, 1, 0, 3)
     causes = {e["job_id"]: e["cause"] for e in read_events(h.run_dir) if e["event"] == "warned"}
     assert causes == {"starting": "preempted", "surplus": "drained", "ending": "time_limit"}
 
@@ -209,15 +209,15 @@ def test_a_preemption_whose_sigterm_comes_first_is_counted_as_a_preemption(harne
         return p
 
     both, term = spawn("both"), spawn("term")
-    wait_stats(h.client, lambda s: s["routable_preemptible"] == 2, timeout=60)
+    wait_stats(h.client, lambda s: s.routable_preemptible == 2, timeout=60)
     both.send_signal(signal.SIGTERM)
     time.sleep(0.05)
     both.send_signal(signal.SIGUSR2)
     term.send_signal(signal.SIGTERM)
     assert both.wait(30) == 0 and term.wait(30) == 0
-    st = wait_stats(h.client, lambda s: s["instances_preempted_with_warning"] + s["instances_drained"] == 2,
+    st = wait_stats(h.client, lambda s: s.instances_preempted_with_warning + s.instances_drained == 2,
                     timeout=30)
-    assert (st["instances_preempted_with_warning"], st["instances_drained"], st["instances_lost"]) == (1, 1, 0)
+    assert (st.instances_preempted_with_warning, st.instances_drained, st.instances_lost) == (1, 1, 0)
     causes = {e["job_id"]: e["cause"] for e in read_events(h.run_dir) if e["event"] == "warned"}
     assert causes == {"both": "preempted", "term": "stopped"}
 
@@ -236,11 +236,11 @@ def test_duplicate_identity_is_rejected_and_exits(harness):
     """Case S2: a second process with the same (job id, attempt) never merges with the live one."""
     h = harness
     h.worker("job42", 0)
-    wait_stats(h.client, lambda s: s["registrations"] == 1)
+    wait_stats(h.client, lambda s: s.registrations == 1)
     dup = h.worker("job42", 0)
     assert dup.wait(30) == 2
     assert "already registered" in dup.stdout.read()
-    assert h.client.stats()["rejected_registrations"] == 1
+    assert h.client.stats().rejected_registrations == 1
 
 
 def test_garbage_frames_do_not_stop_the_manager(harness):
@@ -258,10 +258,10 @@ def test_garbage_frames_do_not_stop_the_manager(harness):
         s.send(f)
     s.send_multipart([b"a", b"b", b"c"])
     s.close()
-    st = wait_stats(h.client, lambda st: st["protocol_rejects"] >= len(frames))
-    assert st["protocol_rejects"] >= len(frames)
+    st = wait_stats(h.client, lambda st: st.protocol_rejects >= len(frames))
+    assert st.protocol_rejects >= len(frames)
     h.worker("after-garbage")
-    wait_stats(h.client, lambda s: s["routable_preemptible"] == 1)
+    wait_stats(h.client, lambda s: s.routable_preemptible == 1)
     ev = submit_and_collect(h, n=2, temperature=0.0)
     assert len(ev.responses) == 2
 
@@ -283,17 +283,17 @@ def test_worker_killed_mid_weight_transfer_is_never_routed(harness):
                        stop_ids=[])
     h.client.call(M.SubmitStep(step=0, version=0, groups=[spec]))
     victim = h.worker("victim")
-    st = wait_stats(h.client, lambda s: s["instances_by_state"].get("pulling") == 1)
+    st = wait_stats(h.client, lambda s: s.instances_by_state.get("pulling") == 1)
     time.sleep(0.5)
-    assert h.client.stats()["instances_by_state"].get("pulling") == 1  # still mid-transfer
+    assert h.client.stats().instances_by_state.get("pulling") == 1  # still mid-transfer
     victim.kill()
     h.server._payload_hook = None
     h.worker("rescuer")
     ev = h.client.next_event(60)
     assert isinstance(ev, M.GroupDone)
     assert all(r.instances == ["rescuer#0"] for r in ev.responses)
-    st = wait_stats(h.client, lambda s: s["instances_lost"] >= 1)  # detected by missed heartbeats
-    assert st["responses_migrated"] == 0
+    st = wait_stats(h.client, lambda s: s.instances_lost >= 1)  # detected by missed heartbeats
+    assert st.responses_migrated == 0
 
 
 @pytest.mark.parametrize("harness", [{"relay": True}], indirect=True)
@@ -303,20 +303,20 @@ def test_a_worker_pulls_from_a_peer_and_from_the_trainer_when_that_peer_stalls(h
     backup holder; every instance ends with the trainer's checksum."""
     h = harness
     first = h.worker("first")
-    wait_stats(h.client, lambda s: s["weight_loads"] >= 1)
+    wait_stats(h.client, lambda s: s.weight_loads >= 1)
     served = h.server.stats["bytes_served"]
     h.worker("second")
-    st = wait_stats(h.client, lambda s: s["weight_loads"] >= 2)
+    st = wait_stats(h.client, lambda s: s.weight_loads >= 2)
     assert h.server.stats["bytes_served"] == served  # all of it came from "first"
-    assert st["weight_pulled_bytes"] == 2 * h.server.manifest(0).total_bytes
+    assert st.weight_pulled_bytes == 2 * h.server.manifest(0).total_bytes
     os.kill(first.pid, signal.SIGSTOP)  # the manager still sees a holder (its heartbeat deadline is 2 s)
     try:
         t0 = time.monotonic()
         h.worker("third")  # assigned "first" (equal loads: first key), backup "second"
-        st = wait_stats(h.client, lambda s: s["weight_loads"] >= 3, timeout=60)
+        st = wait_stats(h.client, lambda s: s.weight_loads >= 3, timeout=60)
     finally:
         os.kill(first.pid, signal.SIGCONT)
-    assert st["weight_checksum_mismatches"] == 0 and st["weight_load_failures"] == 0
+    assert st.weight_checksum_mismatches == 0 and st.weight_load_failures == 0
     assert h.server.stats["bytes_served"] == served  # the backup holder served what "first" did not
     assert time.monotonic() - t0 > 1.0  # it waited relay_timeout_s on the stopped holder first
 
@@ -330,13 +330,13 @@ def test_corrupted_weight_transfer_is_reported_and_fenced_until_a_clean_pull(har
                        stop_ids=[])
     h.client.call(M.SubmitStep(step=0, version=0, groups=[spec]))
     h.worker("w")
-    wait_stats(h.client, lambda s: s["weight_load_failures"] >= 1)
+    wait_stats(h.client, lambda s: s.weight_load_failures >= 1)
     st = h.client.stats()
-    assert st["dispatched"] == 0 and st["routable_preemptible"] == 0
+    assert st.dispatched == 0 and st.routable_preemptible == 0
     h.server._payload_hook = None  # the link heals; the agent retries with backoff
     ev = h.client.next_event(60)
     assert isinstance(ev, M.GroupDone) and len(ev.responses) == 2
-    assert h.client.stats()["weight_loads"] == 1
+    assert h.client.stats().weight_loads == 1
 
 
 def test_rollout_job_outlives_a_trainer_crash_and_reconnects_to_the_restarted_run(stories260k_hf_dir, tmp_path):
@@ -370,15 +370,15 @@ def test_rollout_job_outlives_a_trainer_crash_and_reconnects_to_the_restarted_ru
         w = subprocess.Popen([sys.executable, "-m", "rlboost_hpc.rollout.worker", "--run-dir", str(tmp_path),
                               "--job-id", "job7", "--manager-timeout", "2"],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        wait_stats(client, lambda st: st["routable_preemptible"] == 1, timeout=60)
+        wait_stats(client, lambda st: st.routable_preemptible == 1, timeout=60)
         mproc.kill()  # the trainer job crashed
         mproc.join(5)
         time.sleep(3)  # the worker notices (manager-timeout 2 s) and waits for new endpoints
         assert w.poll() is None, w.stdout.read()
         changed = {k: v + 0.5 for k, v in sd.items()}  # "version 3" of the new epoch holds different weights
         _, client2 = start_run(3, changed)
-        st = wait_stats(client2, lambda st: st["routable_preemptible"] == 1, timeout=60)
-        assert st["registrations"] == 1 and st["weight_loads"] == 1  # it pulled, not trusted its old "v3"
+        st = wait_stats(client2, lambda st: st.routable_preemptible == 1, timeout=60)
+        assert st.registrations == 1 and st.weight_loads == 1  # it pulled, not trusted its old "v3"
         assert [r["epoch"] for r in read(journal) if r["event"] == "start"] == [1, 2]
         spec = M.GroupSpec(gid="g", prompt_ids=PROMPT, n=2, max_new_tokens=8, temperature=0.0, top_p=1.0, seed=1,
                            stop_ids=[])

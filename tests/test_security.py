@@ -79,7 +79,7 @@ def test_manager_refuses_clients_without_the_run_key(secured, who):
     client = ManagerClient(endpoint, keys=keys)  # the run's own client still works
     client.call(M.TrainerHello(weights_endpoint="tcp://w:1", model_config={}))
     st = client.stats()
-    assert st["registrations"] == 0 and st["latest_version"] == -1
+    assert st.registrations == 0 and st.latest_version == -1
     client.close()
 
 

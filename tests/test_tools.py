@@ -117,8 +117,8 @@ def test_a_hung_tool_call_times_out_into_an_error_observation_and_the_trajectory
         assert good.state == hung.state == "queued" and good.turn == hung.turn == 1
         obs = lambda r: env._hf.decode(M.unpack_i32(bytes(r.ids[4 * r.observations[0]:4 * r.turn_start])).tolist())
         assert "Result: 5" in obs(good) and "ran past its 1 s deadline" in obs(hung)
-        assert core.counters["environment_timeouts"] == 1 and svc.env.pool.replaced == 1
-        assert core.counters["environment_seconds"] >= 1.0
+        assert core.counters.environment_timeouts == 1 and svc.env.pool.replaced == 1
+        assert core.counters.environment_seconds >= 1.0
     finally:
         svc.close()
 

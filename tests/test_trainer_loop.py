@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.protocol.stats import ManagerStats, StepActivity
 from rlboost_hpc.tasks.base import get_task
 from rlboost_hpc.trainer.loop import RLTrainer, StepSettings
 
@@ -40,9 +41,7 @@ class ScriptedManager:
         pass
 
     def stats(self):
-        return {"live_preemptible": 0, "queued": 0, "running": 0, "instances_by_state": {},
-                "last_step_activity": {"instance_s": {"busy": 0.0, "idle": 0.0, "pulling": 0.0}, "by_instance_s": {},
-                                       "generating": []}}
+        return ManagerStats(last_step_activity=StepActivity(instance_s={"busy": 0.0, "idle": 0.0, "pulling": 0.0}))
 
 
 class CountingBackend:

@@ -100,8 +100,8 @@ def test_a_tool_call_goes_to_the_environment_and_the_next_turn_continues_from_th
     assert M.observation_mask(r.observation_runs, 7).tolist() == [False] * 3 + [True] * 2 + [False] * 2
     assert M.unpack_f32(r.logprobs)[3:5].tolist() == [0.0, 0.0]
     assert M.expand_version_runs(r.version_runs).tolist() == [0] * 7
-    assert core.counters["environment_calls"] == 1 and core.counters["turns_completed"] == 2
-    assert core.counters["observation_tokens"] == 2
+    assert core.counters.environment_calls == 1 and core.counters.turns_completed == 2
+    assert core.counters.observation_tokens == 2
 
 
 def test_budgets_per_turn_and_per_trajectory():
@@ -132,7 +132,7 @@ def test_the_last_turn_never_calls_the_environment():
     take(core)
     core.on_message(b"a", tok("s0g0/0", 0, [8, DOT], M.FINISH_STOP))  # a call in turn 2 of 2: the end
     assert not [m for p, m in core.outbox if p == ENV_PEER]
-    assert core.requests["s0g0/0"].state == "done" and core.counters["environment_calls"] == 1
+    assert core.requests["s0g0/0"].state == "done" and core.counters.environment_calls == 1
 
 
 def test_environment_results_only_from_the_environment_and_only_for_the_waiting_turn():
@@ -143,7 +143,7 @@ def test_environment_results_only_from_the_environment_and_only_for_the_waiting_
     observe(core, "s0g0/0", 3, [5])  # a stale turn
     assert core.requests["s0g0/0"].state == "environment" and core.requests["s0g0/0"].n == 2
     observe(core, "s0g0/0", 0, [5], status="timeout")
-    assert core.requests["s0g0/0"].state == "queued" and core.counters["environment_timeouts"] == 1
+    assert core.requests["s0g0/0"].state == "queued" and core.counters.environment_timeouts == 1
 
 
 def test_the_version_never_changes_under_a_trajectory_waiting_for_its_tool():
@@ -177,8 +177,8 @@ def test_a_turn_interrupted_mid_way_resumes_elsewhere_from_its_tokens_so_far():
     (w,) = take(core, b"b", M.Assign)[0].works
     assert w.prompt_ids == [1, 5, 6, 7, DOT, 90] and w.prefix_ids == [11, 12] and w.tokens_left == 4
     assert core.migrations_by_turn == {"1": 1}
-    assert core.counters["tokens_in_interrupted_turns"] == 2  # what restarting the turn would regenerate
-    assert core.counters["assistant_tokens_in_interrupted_trajectories"] == 4  # ... restarting the trajectory
+    assert core.counters.tokens_in_interrupted_turns == 2  # what restarting the turn would regenerate
+    assert core.counters.assistant_tokens_in_interrupted_trajectories == 4  # ... restarting the trajectory
 
 
 # ----------------------------------------------------------------------- per-turn migration, real engines
@@ -265,7 +265,7 @@ def test_interrupting_any_token_of_any_turn_gives_the_uninterrupted_trajectory(s
     base, core0 = run(None)
     traj = base["s0g0/0"]
     n = len(traj.ids) // 4
-    assert traj.turns >= 2 and core0.counters["environment_calls"] >= 1, "the prompt must lead to a tool call"
+    assert traj.turns >= 2 and core0.counters.environment_calls >= 1, "the prompt must lead to a tool call"
     obs = M.observation_mask(traj.observation_runs, n)
     points = [k for k in range(1, n) if not obs[k - 1]]  # every token an engine generated
     for k in points:
@@ -275,7 +275,7 @@ def test_interrupting_any_token_of_any_turn_gives_the_uninterrupted_trajectory(s
             assert g.ids == want.ids and g.observation_runs == want.observation_runs and g.turns == want.turns, k
             # the ids are exact; logprobs to fp32 sums in batches of other compositions
             np.testing.assert_allclose(M.unpack_f32(g.logprobs), M.unpack_f32(want.logprobs), atol=1e-4, rtol=0)
-        assert core.counters["responses_migrated"] >= 1
+        assert core.counters.responses_migrated >= 1
 
 
 # ------------------------------------------------------------------------------------------------ training

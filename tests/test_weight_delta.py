@@ -236,7 +236,7 @@ def test_manager_drains_an_instance_whose_checksum_differs_from_the_trainers():
     core.on_message(b"b", M.WeightsLoaded(version=0, checksum=0xABC, nbytes=8, pull_s=0.1, load_s=0.1, wire_bytes=3))
     assert core.instances["j#0"].state.value != "ready" and core.instances["k#0"].state.value == "ready"
     assert any(p == b"a" and isinstance(m, M.Drain) for p, m in core.outbox)
-    assert core.counters["weight_checksum_mismatches"] == 1 and core.counters["weight_pulled_bytes"] == 11
+    assert core.counters.weight_checksum_mismatches == 1 and core.counters.weight_pulled_bytes == 11
 
 
 @settings(max_examples=40, deadline=None)

@@ -53,7 +53,7 @@ def balance(core, now: float) -> None:
     for key, rids in release.items():
         inst = by_key[key]
         inst.releasing |= set(rids)
-        core.counters["balancer_moves"] += len(rids)
+        core.counters.balancer_moves += len(rids)
         core.send(inst.peer, M.Release(rids=rids))
         log.debug("balancer: releasing %d running requests of %s (plateau %d)", len(rids), key,
                   core.balancer.plateau(key))

@@ -61,6 +61,7 @@ from rlboost_hpc.manager.balance import balance
 from rlboost_hpc.manager.stats import manager_stats
 from rlboost_hpc.manager.trainer_calls import TrainerCalls
 from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.protocol.stats import ManagerCounters, ManagerStats, StepActivity, StepRemote
 
 S, R = InstanceState, RequestState
 
@@ -120,16 +121,16 @@ class ManagerCore(TrainerCalls):
         # response completed.
         self.step_remote: dict[str, StepWork] = {}
         self.step_rollout_done_at: float | None = None
-        self.last_step_remote: dict = {"t_remote_s": 0.0, "t_wait_remote_s": 0.0, "n_remote": 0, "tokens": 0}
+        self.last_step_remote = StepRemote()
         # instance-seconds busy / idle / pulling, and when some engine was generating (accounted before every change)
         self.activity = ActivityClock()
-        self.last_step_activity: dict = self.activity.take()
+        self.last_step_activity = StepActivity(**self.activity.take())
         # the trainer's step timeline (StepTimes): wall time per step, seconds per phase and fixed overhead, summed
         self.step_seconds: list[float] = []
         self.step_phase_s: dict[str, float] = {}
         self.step_fixed_overhead_s = 0.0
         self.clock = clock
-        self.policy_state: dict = {"t_seed_s": None, "n_prem_cap": None}
+        self.policy_decision: M.PolicyState | None = None  # the controller's last T_seed and N_prem cap
         self._told_unknown: dict[bytes, float] = {}
         self.pending_limit = pending_limit
         self.heartbeat_s = heartbeat_s
@@ -156,22 +157,7 @@ class ManagerCore(TrainerCalls):
         self.step = -1
         self.seeding_open = False
         self.failed_step: str | None = None
-        self.counters: dict[str, int | float] = {
-            k: 0 for k in (
-                "registrations", "rejected_registrations", "dispatched", "responses_migrated",
-                "tokens_migrated", "tokens_regenerated", "tokens_regenerated_after_warning", "tokens_received", "late_tokens",
-                "off_version_tokens_rejected", "instances_preempted_with_warning",
-                "instances_fenced", "instances_drained", "instances_time_limit", "weight_loads",
-                "weight_load_failures", "groups_delivered",
-                "responses_delivered", "request_failures", "protocol_rejects", "released_requests",
-                "balancer_moves", "instances_suspected", "instances_recovered", "instances_expired",
-                "suspected_while_pulling", "recovered_while_pulling", "groups_redelivered", "connections_closed",
-                "deltas_out_of_order", "slow_weight_loads", "weight_checksum_mismatches", "weight_pulled_bytes",
-                "turns_completed", "environment_calls", "environment_errors", "environment_timeouts",
-                "environment_seconds", "observation_tokens", "tokens_in_interrupted_turns",
-                "assistant_tokens_in_interrupted_trajectories",
-            )
-        }
+        self.counters = ManagerCounters()  # every counter is a field: a misspelt one fails where it is used
         self.migrations_by_turn: dict[str, int] = {}  # partial responses migrated, by the turn they were in
         self.pull_seconds: list[float] = []
         # partial responses handed off by / resumed on instances of each engine kind ("torch", "sglang")
@@ -232,10 +218,10 @@ class ManagerCore(TrainerCalls):
             self._requeue(rid, inst, reason)
         inst.taken_back.update(taken)
         unsent = max(0, inst.tokens_generated - inst.tokens_received)
-        self.counters["tokens_regenerated"] += unsent
-        self.counters["instances_suspected"] += 1
+        self.counters.tokens_regenerated += unsent
+        self.counters.instances_suspected += 1
         if inst.state == S.PULLING and inst.kind == "preemptible":
-            self.counters["suspected_while_pulling"] += 1
+            self.counters.suspected_while_pulling += 1
         inst.suspect_from, inst.suspect_since = inst.state, self.clock()
         self._set_state(inst, S.SUSPECT)
         log.info("instance %s suspect (%s); %d responses migrated, %d unsent tokens", inst.key, reason,
@@ -253,9 +239,9 @@ class ManagerCore(TrainerCalls):
         self._set_state(inst, new)
         if new == S.PULLING:
             self._new_version(inst)
-        self.counters["instances_recovered"] += 1
+        self.counters.instances_recovered += 1
         if back == S.PULLING and inst.kind == "preemptible":
-            self.counters["recovered_while_pulling"] += 1
+            self.counters.recovered_while_pulling += 1
         # Whatever it still generates for what was taken from it (now, or in an earlier silence whose Release may
         # have been lost with a connection) was resumed elsewhere: none of it is dispatched to it again until it
         # confirms (Released); the Release goes out again for all of it.
@@ -275,7 +261,7 @@ class ManagerCore(TrainerCalls):
             return
         req.state, req.instance = R.QUEUED, None
         req.migrations += 1
-        self.counters["responses_migrated"] += 1
+        self.counters.responses_migrated += 1
         if req.n:
             out = self.migrations_by_engine["out_of"]
             out[inst.engine] = out.get(inst.engine, 0) + 1
@@ -283,9 +269,9 @@ class ManagerCore(TrainerCalls):
             self.migrations_by_turn[t] = self.migrations_by_turn.get(t, 0) + 1
             # what restarting the interrupted turn / the whole trajectory would regenerate (the benchmark's
             # alternatives to resuming at the token)
-            self.counters["tokens_in_interrupted_turns"] += req.n - req.turn_start
-            self.counters["assistant_tokens_in_interrupted_trajectories"] += req.n - req.observation_tokens()
-        self.counters["tokens_migrated"] += req.n
+            self.counters.tokens_in_interrupted_turns += req.n - req.turn_start
+            self.counters.assistant_tokens_in_interrupted_trajectories += req.n - req.observation_tokens()
+        self.counters.tokens_migrated += req.n
         self.queue.appendleft(rid)
         log.debug("migrating %s (%d tokens) off %s: %s", rid, req.n, inst.key, why)
 
@@ -300,12 +286,13 @@ class ManagerCore(TrainerCalls):
             for rid in list(inst.inflight):
                 self._requeue(rid, inst, reason)
             unsent = max(0, inst.tokens_generated - inst.tokens_received)
-            self.counters["tokens_regenerated"] += unsent
+            self.counters.tokens_regenerated += unsent
         if cause is not None:  # it deregistered: a warned end, counted by its kind
-            self.counters["tokens_regenerated_after_warning"] += unsent
-            self.counters[_LEAVE_COUNTER[cause]] += 1
+            self.counters.tokens_regenerated_after_warning += unsent
+            field = _LEAVE_COUNTER[cause]
+            setattr(self.counters, field, getattr(self.counters, field) + 1)
         else:
-            self.counters["instances_expired"] += 1
+            self.counters.instances_expired += 1
         self._account_activity()
         self._set_state(inst, S.GONE)
         self.activity.forget(inst.key)
@@ -322,7 +309,7 @@ class ManagerCore(TrainerCalls):
             self._requeue(rid, inst, reason)
         inst.releasing.update(taken)  # not given back to it before it confirmed the Release below
         self._set_state(inst, S.FENCED)
-        self.counters["instances_fenced"] += 1
+        self.counters.instances_fenced += 1
         log.warning("instance %s fenced: %s", inst.key, reason)
         if taken:  # tell it to stop working on them; whatever it still sends is dropped as late
             self.send(inst.peer, M.Release(rids=taken))
@@ -335,7 +322,7 @@ class ManagerCore(TrainerCalls):
         key = self.by_peer.get(peer)
         inst = self.instances.get(key) if key else None
         if inst is not None and inst.state not in (S.SUSPECT, S.GONE):
-            self.counters["connections_closed"] += 1
+            self.counters.connections_closed += 1
             self._suspect(inst, "connection closed")
 
     def on_message(self, peer: bytes, msg: M._Msg) -> None:
@@ -350,7 +337,7 @@ class ManagerCore(TrainerCalls):
                 self._recover(inst)
         handler = getattr(self, "_on_" + type(msg).__name__, None)
         if handler is None:
-            self.counters["protocol_rejects"] += 1
+            self.counters.protocol_rejects += 1
             log.warning("peer %r sent %s, which the manager does not accept", peer, type(msg).__name__)
             return
         handler(peer, inst, msg)
@@ -362,7 +349,7 @@ class ManagerCore(TrainerCalls):
         if existing is not None and existing.peer == peer and existing.state != S.GONE:
             pass  # a retried Register from the same identity (a reconnect keeps it): answer again
         elif existing is not None:
-            self.counters["rejected_registrations"] += 1
+            self.counters.rejected_registrations += 1
             why = ("identity %s is already registered (live)" if existing.state != S.GONE
                    else "identity %s belongs to an attempt that already ended; a requeued job must register "
                         "with a new attempt number")
@@ -375,7 +362,7 @@ class ManagerCore(TrainerCalls):
                                            registered_at=now, last_seen=now, engine=msg.engine,
                                            relay_endpoint=msg.relay_endpoint)
             self.by_peer[peer] = key
-            self.counters["registrations"] += 1
+            self.counters.registrations += 1
         inst = self.instances[key]
         src = self._pull_source(inst) if self.latest_version >= 0 and inst.version != self.latest_version \
             else Source()
@@ -389,7 +376,7 @@ class ManagerCore(TrainerCalls):
         """A message from a peer that is not (or no longer) a registered instance: drop it and tell the peer
         once a second, so an instance declared lost (e.g. starved of CPU past the heartbeat deadline) learns it
         and re-registers as a new attempt instead of talking into the void."""
-        self.counters["protocol_rejects"] += 1
+        self.counters.protocol_rejects += 1
         now = self.clock()
         if now - self._told_unknown.get(peer, -1e9) >= 1.0:
             if len(self._told_unknown) > 10_000:
@@ -408,15 +395,15 @@ class ManagerCore(TrainerCalls):
     def _on_WeightsLoaded(self, peer: bytes, inst: Instance | None, msg: M.WeightsLoaded) -> None:
         if inst is None:
             return self._unknown(peer, "weights-loaded")
-        self.counters["weight_loads"] += 1
+        self.counters.weight_loads += 1
         if msg.load_s > self.heartbeat_timeout_s:
-            self.counters["slow_weight_loads"] += 1  # longer than the deadline: it had to keep heartbeating
+            self.counters.slow_weight_loads += 1  # longer than the deadline: it had to keep heartbeating
         self.pull_seconds.append(msg.pull_s)
-        self.counters["weight_pulled_bytes"] += msg.wire_bytes
+        self.counters.weight_pulled_bytes += msg.wire_bytes
         if msg.version == self.latest_version and self.latest_checksum and msg.checksum != self.latest_checksum:
             # bytes other than the trainer's export: never routable; it is asked to leave (a replacement pulls anew)
-            self.counters["weight_checksum_mismatches"] += 1
-            self.counters["weight_load_failures"] += 1
+            self.counters.weight_checksum_mismatches += 1
+            self.counters.weight_load_failures += 1
             reason = (f"loaded version {msg.version} with checksum {msg.checksum:x}, the trainer published "
                       f"{self.latest_checksum:x}")
             self._fence(inst, reason)
@@ -432,21 +419,21 @@ class ManagerCore(TrainerCalls):
     def _on_WeightsFailed(self, peer: bytes, inst: Instance | None, msg: M.WeightsFailed) -> None:
         if inst is None:
             return self._unknown(peer, "weights-failed")
-        self.counters["weight_load_failures"] += 1
+        self.counters.weight_load_failures += 1
         log.warning("instance %s failed to load version %d: %s", inst.key, msg.version, msg.error)
         if inst.state == S.READY:
             self._fence(inst, f"weight load failed: {msg.error}")
         elif inst.state == S.PULLING:
             self._set_state(inst, S.FENCED)
-            self.counters["instances_fenced"] += 1
+            self.counters.instances_fenced += 1
 
     def _on_Tokens(self, peer: bytes, inst: Instance | None, msg: M.Tokens) -> None:
         """Append each delta to its request (the hot path: one frame carries many deltas)."""
         counts = msg.counts
         total = sum(counts)
-        self.counters["tokens_received"] += total
+        self.counters.tokens_received += total
         if inst is None:
-            self.counters["late_tokens"] += total
+            self.counters.late_tokens += total
             return self._unknown(peer, "tokens")
         inst.tokens_received += total
         requests, key = self.requests, inst.key
@@ -458,7 +445,7 @@ class ManagerCore(TrainerCalls):
             if req is None or req.instance != key or req.state != R.RUNNING:
                 late += cnt
             elif ver != req.version:
-                self.counters["off_version_tokens_rejected"] += cnt
+                self.counters.off_version_tokens_rejected += cnt
                 self._fence(inst, f"sent {cnt} tokens of version {ver} for {rid} of version {req.version}")
                 break
             elif off + cnt > req.turn_budget():
@@ -468,7 +455,7 @@ class ManagerCore(TrainerCalls):
                 late += cnt  # connection: drop the rest, resume from what arrived once the instance released it
                 # (Released requeues it; never racing a re-dispatch)
                 if rid not in inst.releasing:
-                    self.counters["deltas_out_of_order"] += 1
+                    self.counters.deltas_out_of_order += 1
                     inst.releasing.add(rid)
                     self.send(inst.peer, M.Release(rids=[rid]))
             else:
@@ -485,7 +472,7 @@ class ManagerCore(TrainerCalls):
                     inst.releasing.discard(rid)
                     self._turn_done(req, fin)
             lo = hi
-        self.counters["late_tokens"] += late
+        self.counters.late_tokens += late
         rec = self.step_remote.get(key)
         if rec is not None:
             rec.last_s = self.clock()
@@ -494,11 +481,11 @@ class ManagerCore(TrainerCalls):
     def _turn_done(self, req: Request, fin: int) -> None:
         """An assistant turn finished: a tool call goes to the environment (the trajectory waits, owned by no
         instance), anything else finishes the response."""
-        self.counters["turns_completed"] += 1
+        self.counters.turns_completed += 1
         req.instance = None
         if fin == M.FINISH_STOP and req.calls_tool():
             req.state = R.ENVIRONMENT
-            self.counters["environment_calls"] += 1
+            self.counters.environment_calls += 1
             self.send(ENV_PEER, M.EnvCall(rid=req.rid, turn=req.turn, turn_ids=req.turn_ids()))
             return
         req.state, req.finish_reason = R.DONE, M.FINISH_NAMES[fin]
@@ -511,16 +498,19 @@ class ManagerCore(TrainerCalls):
             return self._unknown(peer, "environment result")
         req = self.requests.get(msg.rid)
         if req is None or req.state != R.ENVIRONMENT or req.turn != msg.turn:
-            self.counters["protocol_rejects"] += 1
+            self.counters.protocol_rejects += 1
             return
-        self.counters["environment_seconds"] += msg.tool_s
+        self.counters.environment_seconds += msg.tool_s
         if msg.status != "ok":
-            self.counters["environment_errors" if msg.status == "error" else "environment_timeouts"] += 1
+            if msg.status == "error":
+                self.counters.environment_errors += 1
+            else:
+                self.counters.environment_timeouts += 1
         if req.n + len(msg.obs_ids) // 4 >= req.max_trajectory_tokens or not msg.obs_ids:
             req.state, req.finish_reason = R.DONE, "length"
             self._group_progress(req)
             return
-        self.counters["observation_tokens"] += len(msg.obs_ids) // 4
+        self.counters.observation_tokens += len(msg.obs_ids) // 4
         req.append_observation(msg.obs_ids)
         req.state = R.QUEUED
         self.queue.appendleft(req.rid)
@@ -528,7 +518,7 @@ class ManagerCore(TrainerCalls):
     def _on_RequestFailed(self, peer: bytes, inst: Instance | None, msg: M.RequestFailed) -> None:
         if inst is None:
             return self._unknown(peer, "request-failed")
-        self.counters["request_failures"] += 1
+        self.counters.request_failures += 1
         req = self.requests.get(msg.rid)
         log.warning("instance %s failed request %s: %s", inst.key, msg.rid, msg.error)
         if req is not None and req.instance == inst.key and req.state == R.RUNNING:
@@ -546,7 +536,7 @@ class ManagerCore(TrainerCalls):
         if inst is None:
             return self._unknown(peer, "released")
         inst.tokens_generated = max(inst.tokens_generated, msg.tokens_generated)
-        self.counters["released_requests"] += len(msg.rids)
+        self.counters.released_requests += len(msg.rids)
         for rid in msg.rids:
             self._requeue(rid, inst, "released")
 
@@ -634,7 +624,7 @@ class ManagerCore(TrainerCalls):
                 into = self.migrations_by_engine["into"]
                 into[inst.engine] = into.get(inst.engine, 0) + 1
             batches.setdefault(inst.key, []).append(req.work())
-            self.counters["dispatched"] += 1
+            self.counters.dispatched += 1
             if inst.kind == "preemptible":
                 if inst.key not in self.step_remote:  # its peak so far; _balance keeps it current
                     self.step_remote[inst.key] = StepWork(self.clock(), self.clock(),
@@ -645,6 +635,6 @@ class ManagerCore(TrainerCalls):
 
     # ------------------------------------------------------------------ reporting
 
-    def stats(self) -> dict:
-        """Counters plus a snapshot of instances and queue (JSON-serialisable): :func:`manager_stats`."""
+    def stats(self) -> ManagerStats:
+        """Counters plus a snapshot of instances and queue: :func:`manager_stats`."""
         return manager_stats(self)

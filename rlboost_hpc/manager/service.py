@@ -60,7 +60,7 @@ class ManagerService:
         self._stop = True
 
     def _reject(self, peer: bytes, err: Exception) -> None:
-        self.core.counters["protocol_rejects"] += 1
+        self.core.counters.protocol_rejects += 1
         now = time.monotonic()
         if now - self._bad_peers.get(peer, -1e9) > 10.0:
             log.warning("rejected frame from peer %s: %s", peer.hex(), err)

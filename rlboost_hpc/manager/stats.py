@@ -1,51 +1,49 @@
-"""The rollout manager's statistics: its counters and a snapshot of instances, requests and the step's records,
-as one JSON-serialisable dict (what ``GetStats`` answers, the report and Prometheus read)."""
+"""The rollout manager's statistics: its counters and a snapshot of instances, requests and the step's records as
+one :class:`~rlboost_hpc.protocol.stats.ManagerStats` (what ``GetStats`` answers, the report and Prometheus read)."""
 from __future__ import annotations
 
+import msgspec
+
 from rlboost_hpc.manager.state import InstanceState as S, RequestState as R
+from rlboost_hpc.protocol.stats import InstanceSnapshot, ManagerStats
 
 
-def manager_stats(core) -> dict:
+def manager_stats(core) -> ManagerStats:
     """Counters of ``core`` (a :class:`~rlboost_hpc.manager.core.ManagerCore`) plus a snapshot of its instances
-    and queue (JSON-serialisable).
-
-    ``instances_lost`` / ``instances_lost_while_pulling``: instances that went silent (suspect) and have not
-    come back, expired or not. ``instances`` maps each instance that is not gone to its ``kind``, ``engine``,
-    ``state``, ``version``,
-    ``inflight`` (responses it owns) and ``partial`` (those of them with ≥ 1 token already received: what a
-    preemption of it would hand over)."""
+    (every one that is not gone) and queue; the fields are documented on :class:`ManagerStats`."""
     states: dict[str, int] = {}
     for i in core.instances.values():
         states[i.state] = states.get(i.state, 0) + 1
     reqs = core.requests
     c = core.counters
-    return {
+    decision = core.policy_decision
+    return ManagerStats(
+        **msgspec.structs.asdict(c),
         # went silent and have not come back (expired, or still suspect): lost without warning
-        "instances_lost": c["instances_suspected"] - c["instances_recovered"],
-        "instances_lost_while_pulling": c["suspected_while_pulling"] - c["recovered_while_pulling"],
-        "instances": {i.key: {"kind": i.kind, "engine": i.engine, "state": i.state, "version": i.version,
-                              "inflight": len(i.inflight), "tokens_received": i.tokens_received,
-                              "activity_s": dict(core.activity.by_instance_s.get(i.key, {})),
-                              "partial": sum(1 for r in i.inflight if r in reqs and reqs[r].n > 0)}
-                      for i in core.instances.values() if i.state != S.GONE},
-        **core.counters,
-        "decode_tokens_per_s_by_batch": {str(b): v for b, v in sorted(core.pool_rates.ema.items())},
-        "latest_version": core.latest_version,
-        "step": core.step,
-        "queued": len(core.queue),
-        "running": sum(len(i.inflight) for i in core.instances.values()),
-        "instances_by_state": states,
-        "routable_preemptible": sum(1 for i in core.instances.values()
-                                    if i.kind == "preemptible" and core.routable(i)),
-        "live_preemptible": sum(1 for i in core.instances.values()
-                                if i.kind == "preemptible" and i.state not in (S.GONE, S.SUSPECT)),
-        "pull_seconds_mean": (sum(core.pull_seconds) / len(core.pull_seconds)) if core.pull_seconds else 0.0,
-        "failed_step": core.failed_step,
-        "last_step_remote": core.last_step_remote,
-        "last_step_activity": core.last_step_activity,
-        "instance_activity_s": dict(core.activity.total_s),
-        "migrations_by_engine": core.migrations_by_engine,
-        "migrations_by_turn": core.migrations_by_turn,
-        "environment_pending": sum(1 for r in reqs.values() if r.state == R.ENVIRONMENT),
-        **core.policy_state,
-    }
+        instances_lost=c.instances_suspected - c.instances_recovered,
+        instances_lost_while_pulling=c.suspected_while_pulling - c.recovered_while_pulling,
+        instances={i.key: InstanceSnapshot(
+            kind=i.kind, engine=i.engine, state=str(i.state), version=i.version, inflight=len(i.inflight),
+            tokens_received=i.tokens_received, activity_s=dict(core.activity.by_instance_s.get(i.key, {})),
+            partial=sum(1 for r in i.inflight if r in reqs and reqs[r].n > 0))
+            for i in core.instances.values() if i.state != S.GONE},
+        decode_tokens_per_s_by_batch={str(b): v for b, v in sorted(core.pool_rates.ema.items())},
+        latest_version=core.latest_version,
+        step=core.step,
+        queued=len(core.queue),
+        running=sum(len(i.inflight) for i in core.instances.values()),
+        instances_by_state={str(k): v for k, v in states.items()},
+        routable_preemptible=sum(1 for i in core.instances.values() if i.kind == "preemptible" and core.routable(i)),
+        live_preemptible=sum(1 for i in core.instances.values()
+                             if i.kind == "preemptible" and i.state not in (S.GONE, S.SUSPECT)),
+        pull_seconds_mean=(sum(core.pull_seconds) / len(core.pull_seconds)) if core.pull_seconds else 0.0,
+        failed_step=core.failed_step,
+        last_step_remote=core.last_step_remote,
+        last_step_activity=core.last_step_activity,
+        instance_activity_s=dict(core.activity.total_s),
+        migrations_by_engine={k: dict(v) for k, v in core.migrations_by_engine.items()},
+        migrations_by_turn=dict(core.migrations_by_turn),
+        environment_pending=sum(1 for r in reqs.values() if r.state == R.ENVIRONMENT),
+        t_seed_s=decision.t_seed_s if decision else None,
+        n_prem_cap=decision.n_prem_cap if decision else None,
+    )

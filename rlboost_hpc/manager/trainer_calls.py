@@ -16,6 +16,7 @@ import numpy as np
 from rlboost_hpc.manager.state import Group, Instance, Request, RequestState as R, InstanceState as S
 from rlboost_hpc.policy.observation import RemoteWork, observe_remote
 from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.protocol.stats import StepActivity, StepRemote
 
 log = logging.getLogger("rlboost.manager")
 
@@ -56,12 +57,12 @@ class TrainerCalls:
                                     error=f"version {msg.version} < latest {self.latest_version}"))
             return
         self._account_activity()
-        self.last_step_activity = self.activity.take()
+        self.last_step_activity = StepActivity(**self.activity.take())
         obs = observe_remote([RemoteWork(tokens=r.tokens, peak_tokens_per_s=r.peak, busy_s=r.last_s - r.first_s)
                               for r in self.step_remote.values()],
                              rollout_done_s=self.step_rollout_done_at, step_end_s=self.clock())
-        self.last_step_remote = {"t_remote_s": obs.t_remote_s, "t_wait_remote_s": obs.t_wait_remote_s,
-                                 "n_remote": obs.n_remote, "tokens": obs.tokens}
+        self.last_step_remote = StepRemote(t_remote_s=obs.t_remote_s, t_wait_remote_s=obs.t_wait_remote_s,
+                                           n_remote=obs.n_remote, tokens=obs.tokens)
         self.step_remote, self.step_rollout_done_at = {}, None
         self.latest_version = msg.version
         self.latest_checksum = msg.checksum
@@ -128,7 +129,7 @@ class TrainerCalls:
 
     def _on_PolicyState(self, peer: bytes, inst: Instance | None, msg: M.PolicyState) -> None:
         if self._trainer_only(peer, "policy-state"):
-            self.policy_state = {"t_seed_s": msg.t_seed_s, "n_prem_cap": msg.n_prem_cap}
+            self.policy_decision = msg
 
     def _on_StepTimes(self, peer: bytes, inst: Instance | None, msg: M.StepTimes) -> None:
         if self._trainer_only(peer, "step-times"):
@@ -151,7 +152,7 @@ class TrainerCalls:
             for grp in self.groups.values():
                 if grp.done == len(grp.rids) and not grp.delivered:
                     self._deliver(grp)
-                    self.counters["groups_redelivered"] += 1
+                    self.counters.groups_redelivered += 1
 
     # ------------------------------------------------------------------ progress
     def _group_progress(self, req: Request) -> None:
@@ -164,8 +165,8 @@ class TrainerCalls:
         if self.trainer_peer is None:
             return
         self._deliver(grp)
-        self.counters["groups_delivered"] += 1
-        self.counters["responses_delivered"] += len(grp.rids)
+        self.counters.groups_delivered += 1
+        self.counters.responses_delivered += len(grp.rids)
 
     def _deliver(self, grp: Group) -> None:
         """Send a finished group to the trainer (again, when it asks: it acknowledges what it took)."""

@@ -6,9 +6,13 @@ loop refreshes (:meth:`ManagerMetrics.refresh`), so a scrape can neither block n
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from rlboost_hpc.protocol.stats import ManagerStats
 
 COUNTERS = {
     "tokens_received": "tokens streamed into the manager",
@@ -40,27 +44,39 @@ COUNTERS = {
 
 
 class SnapshotCollector:
-    """Base of our collectors: the owner's loop publishes a dict snapshot; scrapes read a copy of it."""
+    """Base of our collectors: the owner's loop publishes a snapshot (an object it no longer changes); scrapes
+    read that object."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._snap: dict = {}
+        self._snap: Any = None
 
-    def publish(self, snap: dict) -> None:
-        """Replace the snapshot (called by the owner's loop)."""
+    def publish(self, snap: Any) -> None:
+        """Replace the snapshot (called by the owner's loop; the owner must not change ``snap`` afterwards)."""
         with self._lock:
             self._snap = snap
 
-    def snapshot(self) -> dict:
-        """A copy of the last snapshot (``{}`` before the first :meth:`publish`)."""
+    def snapshot(self) -> Any:
+        """The last published snapshot (``None`` before the first :meth:`publish`)."""
         with self._lock:
-            return dict(self._snap)
+            return self._snap
 
 
 #: Upper bounds (seconds) of the step duration histogram: a demo step to a 70B model's long-response step.
 STEP_BUCKETS_S = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 #: Upper bounds (seconds) of the weight-pull duration histogram: a 1 MB demo model to a 140 GB 70B model.
 PULL_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@dataclass(frozen=True)
+class _ManagerSnapshot:
+    """What one scrape reads: the manager's stats and its step / pull durations (seconds)."""
+
+    stats: ManagerStats
+    pull_seconds: list[float]
+    step_seconds: list[float]
+    step_phase_s: dict[str, float]
+    step_fixed_overhead_s: float
 
 
 class ManagerMetrics(SnapshotCollector):
@@ -78,27 +94,25 @@ class ManagerMetrics(SnapshotCollector):
 
     def refresh(self, core) -> None:
         """Take a snapshot of ``core`` (call from the manager's loop)."""
-        snap = core.stats()
-        snap["pull_seconds"] = list(core.pull_seconds)
-        snap["step_seconds"] = list(core.step_seconds)
-        snap["step_phase_s"] = dict(core.step_phase_s)
-        snap["step_fixed_overhead_s"] = core.step_fixed_overhead_s
-        self.publish(snap)
+        self.publish(_ManagerSnapshot(stats=core.stats(), pull_seconds=list(core.pull_seconds),
+                                      step_seconds=list(core.step_seconds), step_phase_s=dict(core.step_phase_s),
+                                      step_fixed_overhead_s=core.step_fixed_overhead_s))
 
     def collect(self):
-        s = self.snapshot()
-        if not s:
+        snap = self.snapshot()
+        if snap is None:
             return
+        s = snap.stats
         run = [self.run_id]
         for name, doc in COUNTERS.items():
             c = CounterMetricFamily(f"rlboost_{name}", doc, labels=["run"])
-            c.add_metric(run, float(s.get(name, 0)))
+            c.add_metric(run, float(getattr(s, name)))
             yield c
         g = GaugeMetricFamily("rlboost_instances", "rollout instances by kind and state (parts of the whole)",
                               labels=["run", "kind", "state"])
         counts: dict[tuple[str, str], int] = {}
-        for i in s["instances"].values():
-            counts[(i["kind"], i["state"])] = counts.get((i["kind"], i["state"]), 0) + 1
+        for i in s.instances.values():
+            counts[(i.kind, i.state)] = counts.get((i.kind, i.state), 0) + 1
         for (kind, state), n in counts.items():
             g.add_metric([self.run_id, kind, state], n)
         yield g
@@ -106,21 +120,21 @@ class ManagerMetrics(SnapshotCollector):
                               labels=["run", "rollout_instance"])
         q = GaugeMetricFamily("rlboost_instance_inflight_requests", "requests in flight per rollout instance",
                               labels=["run", "rollout_instance"])
-        for key, i in s["instances"].items():
-            if i["version"] >= 0:  # no version loaded yet: no sample
-                v.add_metric([self.run_id, key], i["version"])
-            q.add_metric([self.run_id, key], i["inflight"])
+        for key, i in s.instances.items():
+            if i.version >= 0:  # no version loaded yet: no sample
+                v.add_metric([self.run_id, key], i.version)
+            q.add_metric([self.run_id, key], i.inflight)
         yield v
         yield q
         for name, doc, val in [
-            ("rlboost_latest_weight_version", "latest published weight version", s["latest_version"]),
-            ("rlboost_step", "current RL step", s["step"]),
-            ("rlboost_queued_requests", "requests waiting at the manager", s["queued"]),
-            ("rlboost_running_requests", "requests running on instances", s["running"]),
+            ("rlboost_latest_weight_version", "latest published weight version", s.latest_version),
+            ("rlboost_step", "current RL step", s.step),
+            ("rlboost_queued_requests", "requests waiting at the manager", s.queued),
+            ("rlboost_running_requests", "requests running on instances", s.running),
             ("rlboost_instances_lost", "instances that went silent and have not come back (lost without warning)",
-             s["instances_lost"]),
-            ("rlboost_t_seed_seconds", "seeding window T_seed in force", s.get("t_seed_s")),
-            ("rlboost_n_prem_cap", "N_prem: the cap on preemptible instances (no sample: no cap)", s.get("n_prem_cap")),
+             s.instances_lost),
+            ("rlboost_t_seed_seconds", "seeding window T_seed in force", s.t_seed_s),
+            ("rlboost_n_prem_cap", "N_prem: the cap on preemptible instances (no sample: no cap)", s.n_prem_cap),
         ]:
             if val is None or (name in ("rlboost_latest_weight_version", "rlboost_step") and val < 0):
                 continue  # does not exist yet: no sample, never a sentinel
@@ -129,23 +143,23 @@ class ManagerMetrics(SnapshotCollector):
             yield m
         yield _histogram("rlboost_weight_pull_duration_seconds",
                          "verified weight pulls by duration (pull + verify + load)", run, PULL_BUCKETS_S,
-                         s.get("pull_seconds", []))
+                         snap.pull_seconds)
         yield _histogram("rlboost_step_duration_seconds", "RL steps by wall time", run, STEP_BUCKETS_S,
-                         s.get("step_seconds", []))
+                         snap.step_seconds)
         yield self._counter_by("rlboost_step_phase_seconds", "trainer step wall time by phase (parts of the steps' "
-                               "wall time)", "phase", s.get("step_phase_s", {}))
+                               "wall time)", "phase", snap.step_phase_s)
         fo = CounterMetricFamily("rlboost_step_fixed_overhead_seconds", "step wall time in which no engine "
                                  "generated and the trainer did not compute", labels=["run"])
-        fo.add_metric(run, float(s.get("step_fixed_overhead_s", 0.0)))
+        fo.add_metric(run, float(snap.step_fixed_overhead_s))
         yield fo
         yield self._counter_by("rlboost_migrations_by_turn", "partial responses migrated, by the index of the "
-                               "assistant turn they were in (0 = the first)", "turn", s.get("migrations_by_turn", {}))
+                               "assistant turn they were in (0 = the first)", "turn", s.migrations_by_turn)
         yield self._counter_by("rlboost_rollout_instance_seconds", "instance-seconds of all rollout instances by "
-                               "activity (busy, idle, pulling)", "activity", s.get("instance_activity_s", {}))
+                               "activity (busy, idle, pulling)", "activity", s.instance_activity_s)
         per = CounterMetricFamily("rlboost_instance_activity_seconds", "seconds per live rollout instance by "
                                   "activity (busy, idle, pulling)", labels=["run", "rollout_instance", "activity"])
-        for key, i in s["instances"].items():
-            for a, sec in sorted(i.get("activity_s", {}).items()):
+        for key, i in s.instances.items():
+            for a, sec in sorted(i.activity_s.items()):
                 per.add_metric([self.run_id, key, a], sec)
         yield per
 

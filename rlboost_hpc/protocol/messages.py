@@ -15,6 +15,7 @@ import msgspec
 import numpy as np
 
 from rlboost_hpc.protocol.errors import ProtocolError
+from rlboost_hpc.protocol.stats import ManagerStats
 
 MAX_FRAME_BYTES = 64 << 20
 MAX_PAYLOAD_TOKENS = 1 << 20
@@ -359,7 +360,7 @@ class Error(_Msg, tag="err"):
 
 
 class Stats(_Msg, tag="stats"):
-    stats: dict
+    stats: ManagerStats
     cid: int = 0
 
 

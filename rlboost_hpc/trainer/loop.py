@@ -28,6 +28,7 @@ from rlboost_hpc.observe.timeline import TAIL_FRACTION, Phase, StepTimeline, fix
 from rlboost_hpc.policy.controller import RolloutController, StepDecision, StepObservation
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.errors import ProtocolError
+from rlboost_hpc.protocol.stats import ManagerStats
 from rlboost_hpc.tasks.base import Prompt, Task
 from rlboost_hpc.trainer.algorithms.grpo import group_advantages
 from rlboost_hpc.trainer.backends.base import Sample, TrainerBackend
@@ -134,7 +135,7 @@ class RLTrainer:
         self.seen: set[str] = set()
         self.trained_groups: dict[str, int] = {}  # prompt id -> responses trained (the data-frontier check)
         self.taken: list[str] = []
-        self.last_stats: dict | None = None  # the manager's stats taken at the end of the last step
+        self.last_stats: ManagerStats | None = None  # the manager's stats taken at the end of the last step
         self._prompt_ids: dict[str, list[int]] = {}
 
     def state_dict(self) -> dict:
@@ -198,7 +199,7 @@ class RLTrainer:
         n_resp = len(specs) * s.group_size
         self.totals.responses_expected += n_resp
         # the manager's view at the step boundary: the previous step's closing stats (one round trip less)
-        n_start = (self.last_stats or self.client.stats())["live_preemptible"] if self.controller else 0
+        n_start = (self.last_stats or self.client.stats()).live_preemptible if self.controller else 0
         t_seed = self.controller.begin_step(n_start) if self.controller else s.seed_window_s
         self.client.call(M.SubmitStep(step=step, version=self.version, groups=specs))
 
@@ -296,8 +297,8 @@ class RLTrainer:
                 if self.clock() >= deadline:
                     st = self.client.stats()
                     raise RolloutFailed(f"step {step}: only {n_groups}/{len(specs)} groups within "
-                                        f"{s.step_timeout_s:.0f}s (queued {st['queued']}, running {st['running']}, "
-                                        f"instances {st['instances_by_state']})")
+                                        f"{s.step_timeout_s:.0f}s (queued {st.queued}, running {st.running}, "
+                                        f"instances {st.instances_by_state})")
                 continue
             take(ev)
         tl.enter(Phase.OPTIMIZER)
@@ -311,22 +312,22 @@ class RLTrainer:
         tl.enter(Phase.POLICY)
         phase_s = tl.seconds()
         t_train = phase_s.get(Phase.TRAIN, 0.0) + phase_s.get(Phase.OPTIMIZER, 0.0)
-        prev_env_s = (self.last_stats or {}).get("environment_seconds", 0.0)
+        prev_env_s = self.last_stats.environment_seconds if self.last_stats else 0.0
         st = self.last_stats = self.client.stats()
-        activity = st["last_step_activity"]
-        generating = [(a, b) for a, b in activity["generating"]]  # manager's clock: CLOCK_MONOTONIC, same host
+        activity = st.last_step_activity
+        generating = [(a, b) for a, b in activity.generating]  # manager's clock: CLOCK_MONOTONIC, same host
         policy = {}
         if self.controller is not None:
-            rem = st["last_step_remote"]
+            rem = st.last_step_remote
             avail = self.available()
             self.decision = self.controller.end_step(StepObservation(
-                t_seed_s=t_seed_actual, t_wait_train_s=t_wait, t_wait_remote_s=rem["t_wait_remote_s"],
-                t_remote_s=rem["t_remote_s"], n_remote=rem["n_remote"], t_train_s=t_train,
-                n_instances_start=n_start, n_instances_end=st["live_preemptible"], n_available=avail))
+                t_seed_s=t_seed_actual, t_wait_train_s=t_wait, t_wait_remote_s=rem.t_wait_remote_s,
+                t_remote_s=rem.t_remote_s, n_remote=rem.n_remote, t_train_s=t_train,
+                n_instances_start=n_start, n_instances_end=st.live_preemptible, n_available=avail))
             self.client.send(M.PolicyState(t_seed_s=self.decision.t_seed_s, n_prem_cap=self.decision.n_prem_cap))
             policy = {"t_seed_next_s": self.decision.t_seed_s, "n_prem_cap": self.decision.n_prem_cap,
-                      "t_remote_s": rem["t_remote_s"], "t_wait_remote_s": rem["t_wait_remote_s"],
-                      "n_remote": rem["n_remote"], "n_available": avail}
+                      "t_remote_s": rem.t_remote_s, "t_wait_remote_s": rem.t_wait_remote_s,
+                      "n_remote": rem.n_remote, "n_available": avail}
         self.totals.responses_trained += n_trained
         self.totals.migrated_responses_trained += n_mig
         wall = tl.finish()
@@ -337,13 +338,13 @@ class RLTrainer:
             "reward_mean": sum(rewards) / max(1, len(rewards)), "response_len_mean": sum(lens) / max(1, len(lens)),
             "responses": n_trained, "responses_migrated": n_mig, "tokens": tokens,
             "turns_mean": sum(turns) / max(1, len(turns)),
-            "environment_s": st.get("environment_seconds", 0.0) - prev_env_s,  # tool calls' seconds (summed over calls)
+            "environment_s": st.environment_seconds - prev_env_s,  # tool calls' seconds (summed over calls)
             "preemptible_instances_served": sum(1 for k in served if not k.startswith("reserved#")),
             "throughput_tokens_per_s": tokens / wall if wall > 0 else 0.0, **om, **pub, **policy,
             "phase_s": tl.seconds(),
             "fixed_overhead_s": fixed_overhead_s(tl.start, tl.end, tl.compute_intervals() + generating),
             "fixed_overhead_s_by_phase": tl.overhead_by_phase(generating),
-            "instance_s": activity["instance_s"], "instance_activity_s": activity["by_instance_s"],
+            "instance_s": activity.instance_s, "instance_activity_s": activity.by_instance_s,
         }
         for k, v in m_acc.items():
             out[k] = v / max(1, n_trained) if k != "tokens" else v

@@ -1,0 +1,126 @@
+"""The rollout manager's statistics as typed records: its running counters and the snapshot ``GetStats`` answers.
+
+Invariant: every counter the manager keeps is a field of :class:`ManagerCounters` (a misspelt counter is an
+``AttributeError``, never a new key that nothing reads), and every reader — the trainer's step loop, the run's
+report, the Prometheus collector, tests — reads :class:`ManagerStats` attributes, so a renamed or removed field
+fails where it is read. Both are msgspec structs: the snapshot crosses the manager ↔ trainer socket as-is.
+"""
+from __future__ import annotations
+
+import msgspec
+
+
+class ManagerCounters(msgspec.Struct, kw_only=True):
+    """Running totals of one manager since it started (counts; ``environment_seconds`` in seconds;
+    ``weight_pulled_bytes`` in bytes). Only the manager's core increments them."""
+
+    registrations: int = 0
+    rejected_registrations: int = 0
+    dispatched: int = 0
+    responses_migrated: int = 0  # unfinished responses moved to another instance
+    tokens_migrated: int = 0  # generated tokens carried over by those moves
+    tokens_regenerated: int = 0  # tokens lost with an instance (unsent at a kill) and generated again
+    tokens_regenerated_after_warning: int = 0
+    tokens_received: int = 0
+    late_tokens: int = 0  # dropped: their request had moved on
+    off_version_tokens_rejected: int = 0
+    instances_preempted_with_warning: int = 0
+    instances_fenced: int = 0
+    instances_drained: int = 0
+    instances_time_limit: int = 0
+    weight_loads: int = 0  # complete, verified versions loaded
+    weight_load_failures: int = 0
+    groups_delivered: int = 0
+    responses_delivered: int = 0
+    request_failures: int = 0
+    protocol_rejects: int = 0
+    released_requests: int = 0
+    balancer_moves: int = 0
+    instances_suspected: int = 0
+    instances_recovered: int = 0
+    instances_expired: int = 0
+    suspected_while_pulling: int = 0
+    recovered_while_pulling: int = 0
+    groups_redelivered: int = 0
+    connections_closed: int = 0
+    deltas_out_of_order: int = 0
+    slow_weight_loads: int = 0
+    weight_checksum_mismatches: int = 0
+    weight_pulled_bytes: int = 0
+    turns_completed: int = 0
+    environment_calls: int = 0
+    environment_errors: int = 0
+    environment_timeouts: int = 0
+    environment_seconds: float = 0.0
+    observation_tokens: int = 0
+    tokens_in_interrupted_turns: int = 0
+    assistant_tokens_in_interrupted_trajectories: int = 0
+
+
+class InstanceSnapshot(msgspec.Struct, kw_only=True):
+    """One registered rollout instance that is not gone: its ``kind`` (``reserved`` / ``preemptible``),
+    ``engine``, ``state`` (an ``InstanceState`` value), weight ``version`` (-1: none loaded), ``inflight``
+    (responses it owns), ``partial`` (those with ≥ 1 token already received: what a preemption of it would hand
+    over), ``tokens_received`` and ``activity_s`` (seconds by activity: busy, idle, pulling)."""
+
+    kind: str
+    engine: str
+    state: str
+    version: int
+    inflight: int
+    partial: int
+    tokens_received: int
+    activity_s: dict[str, float]
+
+
+class StepRemote(msgspec.Struct, kw_only=True):
+    """Remote (preemptible) rollout of the last finished step: seconds the remote instances generated
+    (``t_remote_s``), seconds the trainer waited for them after the reserved engine finished
+    (``t_wait_remote_s``), how many took part (``n_remote``) and the tokens they generated."""
+
+    t_remote_s: float = 0.0
+    t_wait_remote_s: float = 0.0
+    n_remote: int = 0
+    tokens: int = 0
+
+
+class StepActivity(msgspec.Struct, kw_only=True):
+    """Instance activity of the last finished step: instance-seconds per activity over all instances
+    (``instance_s``), per instance (``by_instance_s``), and the intervals ``[start, end]`` (the manager's
+    monotonic clock, seconds) in which at least one engine generated (``generating``)."""
+
+    instance_s: dict[str, float] = {}
+    by_instance_s: dict[str, dict[str, float]] = {}
+    generating: list[tuple[float, float]] = []
+
+
+class ManagerStats(ManagerCounters, kw_only=True):
+    """What ``GetStats`` answers: the counters (inherited fields) plus a snapshot of instances, queue, the last
+    step and the policy's decision in force (every field defaults to the state of a manager that has seen nothing).
+
+    ``instances_lost`` / ``instances_lost_while_pulling``: instances that went silent (suspect) and have not come
+    back, expired or not. ``routable_preemptible``: preemptible instances the manager would route to now;
+    ``live_preemptible``: those neither gone nor suspect. ``t_seed_s`` / ``n_prem_cap``: the seeding window T_seed
+    (seconds) and the cap N_prem the trainer's controller set last (``None``: not set / no cap)."""
+
+    instances_lost: int = 0
+    instances_lost_while_pulling: int = 0
+    instances: dict[str, InstanceSnapshot] = {}
+    decode_tokens_per_s_by_batch: dict[str, float] = {}
+    latest_version: int = -1
+    step: int = -1
+    queued: int = 0
+    running: int = 0
+    instances_by_state: dict[str, int] = {}
+    routable_preemptible: int = 0
+    live_preemptible: int = 0
+    pull_seconds_mean: float = 0.0
+    failed_step: str | None = None
+    last_step_remote: StepRemote = msgspec.field(default_factory=StepRemote)
+    last_step_activity: StepActivity = msgspec.field(default_factory=StepActivity)
+    instance_activity_s: dict[str, float] = {}
+    migrations_by_engine: dict[str, dict[str, int]] = {}
+    migrations_by_turn: dict[str, int] = {}
+    environment_pending: int = 0
+    t_seed_s: float | None = None
+    n_prem_cap: int | None = None
