@@ -207,7 +207,7 @@ def loadgen_main(endpoint: str, job_ids: list[str], k: int, max_batch: int, conn
 
 # ---------------------------------------------------------------- live run
 def start_manager(params: dict, target=run_manager_process, keys_dir: str | None = None) -> tuple[mp.Process, str]:
-    """Start the manager process as ``run._start_manager`` does; (process, endpoint)."""
+    """Start the manager process as ``RunServices`` does (services.py); (process, endpoint)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     extra = (keys_dir,) if keys_dir else ()

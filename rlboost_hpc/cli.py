@@ -24,10 +24,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from rlboost_hpc.rundir import RunDir
     from rlboost_hpc.run import run
 
-    import os
-
     out = Path(args.out)
-    run_id = os.environ.get("RLBOOST_RUN_ID") or out.resolve().name
+    run_id = RunDir(out).run_id()  # set before logging starts: every line carries it
     # on a terminal the progress bar owns the screen: JSON lines (trainer and manager) go to RUN_DIR/logs/ only
     terminal = not args.no_progress and sys.stdout.isatty()
     setup_logging("trainer", level=args.log_level, run_id=run_id, log_dir=RunDir(out).logs, console=not terminal)

@@ -50,7 +50,7 @@ class TrainerJob(submitit.helpers.Checkpointable):
         from rlboost_hpc.run import run
 
         out = Path(self.out_dir)
-        run_id = os.environ.get("RLBOOST_RUN_ID") or out.resolve().name
+        run_id = RunDir(out).run_id()
         setup_logging("trainer", run_id=run_id, log_dir=RunDir(out).logs)
         cfg = load_config(self.config, self.overrides)
         terminated = threading.Event()

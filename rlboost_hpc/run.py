@@ -1,9 +1,11 @@
 """``rlboost-hpc run``: one RLBoost run on this machine (embedded local default).
 
-Starts, as real processes and sockets: the rollout manager (its own process), the weight server (a thread
-of the trainer process, serving the host buffer), the reserved engine (a rollout agent in a trainer thread,
-the seeding instance), the local preemptible cluster (worker processes replaying a spot trace), and the
-trainer loop. Writes ``report.json``, ``metrics.jsonl`` and ``run.png`` into the output directory.
+The composition root: :class:`RunSetup` loads model and task, :class:`~rlboost_hpc.services.RunServices` starts
+(and stops) the processes and sockets — the rollout manager (its own process), the weight server (a thread of
+the trainer process), the reserved engine (a rollout agent in a trainer thread, the seeding instance), the local
+preemptible cluster (worker processes replaying a spot trace) or the scavenger's target —, :func:`_train` runs
+the step loop, and :func:`~rlboost_hpc.observe.run_report.build_report` makes the report. Writes
+``report.json``, ``metrics.jsonl`` and ``run.png`` into the output directory.
 
 Invariant: the run never reports success it did not have — a rollout failure that no migration could
 recover raises :class:`~rlboost_hpc.trainer.loop.RolloutFailed` and the CLI exits non-zero; every process
@@ -13,24 +15,22 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import socket
-import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from rlboost_hpc.cluster.capacity import reserved_instances
 from rlboost_hpc.config import ConfigError, RunConfig
+from rlboost_hpc.models.hf_dir import save_model_dir
+from rlboost_hpc.observe.report import write_plot
+from rlboost_hpc.observe.run_report import FailedReport, FaultTally, RunReport, build_report, write_report
+from rlboost_hpc.observe.timeline import Phase, add_phase
 from rlboost_hpc.protocol import messages as M
-from rlboost_hpc.protocol.auth import RunKeys
-from rlboost_hpc.protocol.stats import ManagerStats
-from rlboost_hpc.rollout.spec import WorkerSpec
-from rlboost_hpc.tasks.reward_pool import RewardPool
-from rlboost_hpc.observe.timeline import Phase, add_phase, summarize
-from rlboost_hpc.cluster.capacity import available_from_scavenger, reserved_instances
-from rlboost_hpc.procutil import reclaim_leftovers
-from rlboost_hpc.rundir import RunDir, advertised, read_jsonl, write_endpoints, write_file_sd, write_target
+from rlboost_hpc.rundir import RunDir, read_jsonl
+from rlboost_hpc.services import RunServices
 
 log = logging.getLogger("rlboost.run")
 
@@ -112,421 +112,262 @@ def tool_stop_ids(cfg: RunConfig, tok) -> tuple[int, ...]:
     return (int(tid),)
 
 
-def _environment(cfg: RunConfig, policy) -> dict | None:
-    """The manager's tool-call pool (multi-turn tasks): :func:`~rlboost_hpc.manager.service.run_manager_process`'s
-    ``environment``; None for single-turn tasks."""
-    from rlboost_hpc.tasks.tools import ToolEnvironment, ToolSyntax
-
-    t = cfg.task
-    if t.max_turns == 1:
-        return None
-    env = ToolEnvironment(tokenizer_dir=str(policy.path), use_chat=policy.tokenizer.use_chat,
-                          syntax=ToolSyntax(t.tool_call_open, t.tool_call_close), tool=t.tool,
-                          plain_format=t.tool_plain_format, max_observation_tokens=t.max_observation_tokens)
-    return dict(env=env, workers=t.tool_workers, timeout_s=t.tool_timeout_s)
-
-
-def _start_manager(cfg: RunConfig, keys_dir: str | None, journal_path: str | None = None, run_id: str | None = None,
-                   environment: dict | None = None):
-    from rlboost_hpc.manager.service import spawn_manager
-    from rlboost_hpc.policy.dispatch import Balancer
-
-    metrics_host = None if cfg.manager.metrics is False else cfg.network.bind_host
-    return spawn_manager(bind=f"tcp://{cfg.network.bind_host}:0", keys_dir=keys_dir, metrics_host=metrics_host,
-                         journal_path=journal_path, run_id=run_id, environment=environment, params=dict(
-        pending_limit=cfg.manager.pending_limit, heartbeat_s=cfg.manager.heartbeat_s,
-        heartbeat_timeout_s=cfg.manager.heartbeat_timeout_s, max_attempts=cfg.manager.max_attempts,
-        instance_expiry_s=cfg.manager.instance_expiry_s,
-        stream_every_tokens=cfg.rollout.stream_every_tokens, stream_every_s=cfg.rollout.stream_every_s,
-        dispatch_policy=cfg.policy.dispatch, balance_every_s=cfg.policy.balance_every_s,
-        balancer=Balancer() if cfg.policy.balance else None,
-        relay_fanout=cfg.weights.relay_fanout if cfg.weights.relay else 0,
-        relay_trainer_fanout=cfg.weights.relay_trainer_fanout))
-
-
 def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True, run_id: str | None = None) -> dict:
-    """Run the configured job; returns the report (also written to ``out_dir/report.json``).
+    """Run the configured job; returns the report (:class:`~rlboost_hpc.observe.run_report.RunReport` as a
+    dict, also written to ``out_dir/report.json``).
 
     ``run_id`` names the run in ``endpoints.json`` (rollout jobs tag their events with it); default
-    ``$RLBOOST_RUN_ID`` (set by the Slurm launcher), else the output directory's name. The calling process's
-    environment is left as it was (the data directory of ``data.dir`` holds only for the run's duration).
+    :meth:`RunDir.run_id`. The calling process's environment is left as it was (the data directory of
+    ``data.dir`` holds only for the run's duration).
 
     Raises:
+        BadInput: a bad config, model, checkpoint or run directory (exit 2; nothing started, or all stopped).
         RolloutFailed: a step could not be completed (after the services were stopped).
     """
     from rlboost_hpc.paths import using_data_dir
 
+    rd = RunDir(Path(out_dir))
     with using_data_dir(cfg.data.dir):
-        return _run(cfg, Path(out_dir), progress=progress,
-                    run_id=run_id or os.environ.get("RLBOOST_RUN_ID") or Path(out_dir).name)
+        return _run(cfg, rd, progress=progress, run_id=run_id or rd.run_id()).to_dict()
 
 
-def _run(cfg: RunConfig, out_dir: Path, *, progress: bool, run_id: str) -> dict:
-    from rlboost_hpc.cluster.local import LocalCluster
-    from rlboost_hpc.models.device import resolve_device, resolve_dtype
-    from rlboost_hpc.models.hf_dir import save_model_dir
-    from rlboost_hpc.observe.report import ProgressView, write_plot
-    from rlboost_hpc.policy.controller import RolloutController
-    from rlboost_hpc.policy.seeding import SeedingWindow
-    from rlboost_hpc.rollout.agent import RolloutAgent
-    from rlboost_hpc.rollout.engines.factory import torch_engine_factory
-    from rlboost_hpc.tasks.base import get_task
-    from rlboost_hpc.trainer import checkpoint
-    from rlboost_hpc.trainer.backends.torch_backend import TorchBackend
-    from rlboost_hpc.trainer.client import ManagerClient
-    from rlboost_hpc.trainer.eval import evaluate, kl_to_reference
-    from rlboost_hpc.trainer.loop import RLTrainer, StepSettings
-    from rlboost_hpc.trainer.publisher import WeightPublisher
-    from rlboost_hpc.weights.puller import WeightPuller
-    from rlboost_hpc.weights.server import WeightServer
-    from rlboost_hpc.weights.sharded import manifest_nbytes
+@dataclass
+class RunSetup:
+    """What the run is made of before any service starts: the policy (``PolicyModel``), the task (told the run's
+    tool-call syntax), the tool call's stop id, and the trainer's and rollout's devices and dtypes."""
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ckpt = _resume_point(cfg, out_dir)
+    policy: Any
+    task: Any
+    tool_stops: tuple[int, ...]
+    train_device: torch.device
+    train_dtype: torch.dtype
+    rollout_device: torch.device
+    rollout_dtype: torch.dtype
+
+    @classmethod
+    def load(cls, cfg: RunConfig) -> "RunSetup":
+        """Load the model and task and check them against the config.
+
+        Raises:
+            ConfigError: the response (or trajectory) budget plus the longest prompt exceeds the model's context;
+                ``task.tool_call_close`` is not one token; a device or dtype the machine lacks.
+        """
+        from rlboost_hpc.models.device import resolve_device, resolve_dtype
+        from rlboost_hpc.tasks.base import get_task
+
+        policy = load_model(cfg)
+        arch, tok = policy.arch, policy.tokenizer
+        task = get_task(cfg.task.name, n_train=cfg.task.train_prompts, n_heldout=cfg.task.heldout_prompts)
+        if hasattr(task, "tool_syntax"):  # a tool task tells the policy how to call its tool: the run's syntax
+            from rlboost_hpc.tasks.tools import ToolSyntax
+
+            task.tool_syntax = ToolSyntax(cfg.task.tool_call_open, cfg.task.tool_call_close)
+        longest = max(len(task.prompt_ids(p, tok)) for p in task.train_prompts() + task.heldout_prompts())
+        if longest + cfg.trajectory_tokens() > arch.max_position_embeddings:
+            key = ("rollout.max_new_tokens" if cfg.task.max_turns == 1 else
+                   "task.max_trajectory_tokens (0: task.max_turns × rollout.max_new_tokens)")
+            raise ConfigError(f"{key} = {cfg.trajectory_tokens()} plus the longest prompt ({longest} tokens) exceeds "
+                              f"the model's context of {arch.max_position_embeddings} tokens")
+        train_device = resolve_device(cfg.trainer.device, "trainer.device")
+        rollout_device = resolve_device(cfg.rollout.device, "rollout.device")
+        setup = cls(policy=policy, task=task, tool_stops=tool_stop_ids(cfg, tok), train_device=train_device,
+                    train_dtype=resolve_dtype(cfg.trainer.dtype, train_device, "trainer.dtype"),
+                    rollout_device=rollout_device,
+                    rollout_dtype=resolve_dtype(cfg.rollout.dtype, rollout_device, "rollout.dtype"))
+        log.info("model %s (%s, %.1f M parameters, chat template %s); trainer on %s/%s, rollout on %s/%s",
+                 policy.path, arch.architecture, arch.num_params() / 1e6, "on" if tok.use_chat else "off",
+                 train_device, str(setup.train_dtype).removeprefix("torch."), rollout_device,
+                 str(setup.rollout_dtype).removeprefix("torch."))
+        return setup
+
+    def model_info(self) -> dict:
+        """The report's ``model`` entry."""
+        return {"path": str(self.policy.path), "architecture": self.policy.arch.architecture,
+                "parameters": self.policy.arch.num_params(), "chat_template": self.policy.tokenizer.use_chat,
+                "trainer_device": str(self.train_device), "rollout_device": str(self.rollout_device)}
+
+
+@dataclass
+class ResumeState:
+    """Where a run starts: step 0, or a checkpoint's step with the trainer loop's state, the held-out evaluation
+    before training, how often it was resumed, the fault tally and training seconds of earlier incarnations."""
+
+    start_step: int = 0
+    trainer_state: dict | None = None
+    before: dict | None = None
+    resumes: int = 0
+    tally: FaultTally = field(default_factory=FaultTally)
+    train_wall_s: float = 0.0
+    steps: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, ckpt: Path | None, backend, rd: RunDir) -> "ResumeState":
+        """Restore model, optimizer and RNG from ``ckpt`` into ``backend`` (nothing for ``None``) and return the
+        run's state at that checkpoint, with the step records it covers."""
+        from rlboost_hpc.trainer import checkpoint
+
+        if ckpt is None:
+            return cls()
+        step, trainer_state, run_state = checkpoint.load(ckpt, backend, verified=True, run_keys=(
+            "metrics_lines", "last_step_metrics", "before", "resumes", "counts", "train_wall_s"))
+        return cls(start_step=step, trainer_state=trainer_state, before=run_state["before"],
+                   resumes=run_state["resumes"] + 1, tally=FaultTally.from_json(run_state["counts"]),
+                   train_wall_s=run_state["train_wall_s"],
+                   steps=_metrics_before(rd.root, run_state["metrics_lines"]) + [run_state["last_step_metrics"]])
+
+
+def _run(cfg: RunConfig, rd: RunDir, *, progress: bool, run_id: str) -> RunReport:
+    rd.root.mkdir(parents=True, exist_ok=True)
+    ckpt = _resume_point(cfg, rd.root)
     t_start = time.monotonic()
     torch.manual_seed(cfg.trainer.seed)
     torch.set_num_threads(cfg.trainer.torch_threads)
-    (out_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
-
-    policy = load_model(cfg)
-    arch, tok = policy.arch, policy.tokenizer
-    task = get_task(cfg.task.name, n_train=cfg.task.train_prompts, n_heldout=cfg.task.heldout_prompts)
-    if hasattr(task, "tool_syntax"):  # a tool task tells the policy how to call its tool: the run's syntax
-        from rlboost_hpc.tasks.tools import ToolSyntax
-
-        task.tool_syntax = ToolSyntax(cfg.task.tool_call_open, cfg.task.tool_call_close)
-    longest = max(len(task.prompt_ids(p, tok)) for p in task.train_prompts() + task.heldout_prompts())
-    if longest + cfg.trajectory_tokens() > arch.max_position_embeddings:
-        key = ("rollout.max_new_tokens" if cfg.task.max_turns == 1 else
-               "task.max_trajectory_tokens (0: task.max_turns × rollout.max_new_tokens)")
-        raise ConfigError(f"{key} = {cfg.trajectory_tokens()} plus the longest prompt ({longest} tokens) exceeds the "
-                          f"model's context of {arch.max_position_embeddings} tokens")
-    tool_stops = tool_stop_ids(cfg, tok)
-    wdtype = getattr(torch, cfg.weights.dtype)
-    r = cfg.rollout
-    train_device = resolve_device(cfg.trainer.device, "trainer.device")
-    train_dtype = resolve_dtype(cfg.trainer.dtype, train_device, "trainer.dtype")
-    rollout_device = resolve_device(r.device, "rollout.device")
-    rollout_dtype = resolve_dtype(r.dtype, rollout_device, "rollout.dtype")
-    eval_kw = dict(samples=cfg.trainer.eval_samples, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                   top_p=r.top_p, device=rollout_device, dtype=rollout_dtype)
-    log.info("model %s (%s, %.1f M parameters, chat template %s); trainer on %s/%s, rollout on %s/%s",
-             policy.path, arch.architecture, arch.num_params() / 1e6, "on" if tok.use_chat else "off",
-             train_device, str(train_dtype).removeprefix("torch."), rollout_device,
-             str(rollout_dtype).removeprefix("torch."))
-
-    keys = None
-    if cfg.security.curve:  # per-run keys, owner-only, in the run directory (protocol/auth.py); a resumed run
-        try:                # keeps them, so rollout jobs that outlived the crash can reconnect
-            keys = RunKeys.load(out_dir) if ckpt is not None else None
-        except Exception:  # noqa: BLE001 - unreadable or absent: new keys (old rollout jobs then cannot rejoin)
-            keys = None
-        if keys is None:
-            keys = RunKeys.generate()
-            keys.save(out_dir)
-    server = WeightServer(bind=f"tcp://{cfg.network.bind_host}:0", chunk_bytes=cfg.weights.chunk_bytes,
-                          keys=keys, delta=cfg.weights.delta, delta_max_ratio=cfg.weights.delta_max_ratio).start()
-    environment = _environment(cfg, policy)
-    mproc, bound, metrics_url = _start_manager(cfg, str(out_dir) if keys else None,
-                                               str(RunDir(out_dir).journal), run_id, environment)
-    host = cfg.network.advertise_host or (socket.gethostname() if cfg.network.bind_host in ("0.0.0.0", "*")
-                                          else cfg.network.bind_host)
-    endpoint, weights_endpoint = advertised(bound, host), advertised(server.endpoint, host)
-    client = ManagerClient(endpoint, keys=keys, alive=mproc.is_alive)
-    write_endpoints(out_dir, endpoint, weights_endpoint, run_id=run_id, curve=keys is not None,
-                    metrics=metrics_url.replace("0.0.0.0", host), worker=WorkerSpec.from_config(cfg).to_json())
-    if metrics_url:
-        write_file_sd(out_dir, "rlboost-manager", metrics_url.replace("0.0.0.0", host), run_id)
-        log.info("manager metrics: %s (file_sd: %s/prometheus/)", metrics_url.replace("0.0.0.0", host), out_dir)
-    slurm = cfg.cluster.kind == "slurm"
-    cluster = reserved = reserved_thread = None
-    t = cfg.trainer
-    common = dict(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, clip_eps=t.clip_eps,
-                  kl_coef=t.kl_coef, temperature=r.temperature)
-    if t.backend != "torch":  # e.g. megatron: provided by megatron_bridge through an entry point
-        from rlboost_hpc.trainer.backends import plugin_backend
-
-        backend = plugin_backend(t.backend)(cfg, policy, common, keys=keys, advertise_host=host)
-    else:
-        backend = TorchBackend(arch, policy.state_dict, device=train_device, dtype=train_dtype, **common)
-    w = cfg.weights
-    publisher = WeightPublisher(server, backend, wdtype, client_keys=keys.client_view() if keys else None,
-                                streams=w.streams, window=w.window, timeout_s=w.pull_timeout_s)
-    publishes, publish = publisher.history, publisher.publish
-    if publisher.shards:
-        log.info("weights: every model-parallel rank serves its own shards (%d holders, %.1f MB per version)",
-                 len(publisher.shards["holders"]), manifest_nbytes(publisher.shards) / 1e6)
-
-    step_metrics: list[dict] = []
-    closers: list = []  # called after the cluster has stopped
-    metrics_f = None
+    rd.config.write_text(cfg.model_dump_json(indent=2))
+    setup = RunSetup.load(cfg)
+    steps: list[dict] = []  # every step record of the run, also those of earlier incarnations
     failure: BaseException | None = None
-    report: dict = {}
-    try:
-        start_step, trainer_state, resumes, prior_counts, prior_wall = 0, None, 0, {}, 0.0
-        if ckpt is not None:  # model, optimizer, RNG now; the loop's state once the trainer exists
-            start_step, trainer_state, run_state = checkpoint.load(ckpt, backend, verified=True, run_keys=(
-                "metrics_lines", "last_step_metrics", "before", "resumes", "counts", "train_wall_s"))
-            step_metrics = _metrics_before(out_dir, run_state["metrics_lines"]) + [run_state["last_step_metrics"]]
-            before, resumes = run_state["before"], run_state["resumes"] + 1
-            prior_counts, prior_wall = run_state["counts"], run_state["train_wall_s"]
-        rewards = RewardPool(task, workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s)
-        closers.append(rewards.close)
-        eval_kw["score"] = rewards.score
-        if environment is not None:  # held-out trajectories call the tool too (their own workers, same deadline)
-            from rlboost_hpc.tasks.tools import ToolCalls
-            from rlboost_hpc.trainer.eval import TurnSettings
-
-            eval_tools = ToolCalls(**environment)
-            closers.append(eval_tools.close)
-            eval_kw["turns"] = TurnSettings(cfg.task.max_turns, cfg.trajectory_tokens(), tool_stops, eval_tools)
-        metrics_f = open(RunDir(out_dir).metrics, "w")  # what the checkpoint covers, then the new steps
-        metrics_f.writelines(json.dumps(m) + "\n" for m in step_metrics)
-        metrics_f.flush()
-        version0 = trainer_state["version"] if trainer_state else 0
-        client.call(M.TrainerHello(weights_endpoint=weights_endpoint, model_config=policy.hf_config,
-                                   model_arch=arch.to_json(), weights_shards=publisher.shards_json))
-        man0 = publish(version0)
-        client.call(M.SetVersion(version=version0, checksum=man0["weight_checksum"]))
-        if ckpt is None:
-            before = evaluate(arch, publisher.state_dict(version0)[0], tok, task, **eval_kw)
-            before.pop("sampled")
-        log.info("held-out reward before training: %.3f (greedy %.3f)", before["reward_sampled"], before["reward_greedy"])
-
-        def local_source(_endpoint: str, _shards: str = ""):
-            def pull(version: int):
-                t0 = time.monotonic()
-                sd, info = publisher.state_dict(version, follow=True)  # the engine copies what it loads
-                return sd, {**info, "pull_s": time.monotonic() - t0}
-            return pull
-
-        reserved = RolloutAgent(endpoint, "reserved", 0, kind="reserved", max_batch=r.max_batch,
-                                weight_source_factory=local_source, keys=keys,
-                                engine_factory=torch_engine_factory(r.max_batch, r.device, r.dtype))
-        reserved_thread = threading.Thread(target=reserved.run, name="reserved-engine", daemon=True)
-        reserved_thread.start()
-        if slurm:  # rollout jobs come from the scavenger; tell it how many we want
-            write_target(out_dir, cfg.cluster.max_workers, active=True, step=0, gpus_per_instance=r.gpus_per_instance)
-        else:
-            partial = None
-            if cfg.cluster.preempt_when_busy:  # the cluster's thread asks the manager on a socket of its own
-                probe = ManagerClient(endpoint, keys=keys, alive=mproc.is_alive, timeout_s=2.0)
-                closers.append(probe.close)
-
-                def partial() -> dict[str, int]:
-                    return {k: i.partial for k, i in probe.stats().instances.items()}
-            cluster = LocalCluster(cfg.cluster, endpoint, out_dir, t_origin=t_start, partial_by_instance=partial)
-            cluster.start()
-        settings = StepSettings(prompts_per_step=r.prompts_per_step, group_size=r.group_size,
-                                max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                micro_batch=cfg.trainer.micro_batch, seed_window_s=cfg.trainer.seed_window_s,
-                                step_timeout_s=cfg.trainer.step_timeout_s,
-                                seed=cfg.trainer.seed, max_turns=cfg.task.max_turns,
-                                max_trajectory_tokens=cfg.trajectory_tokens(), tool_stop_ids=tool_stops)
-        pol = cfg.policy
-        n_resv, n_resv_source = reserved_instances(r.gpus_per_instance, cfg.trainer.gpus)
-        log.info("N_resv = %g rollout instances (trainer GPUs from %s, %d GPU(s) per instance)", n_resv, n_resv_source,
-                 r.gpus_per_instance)
-        controller = RolloutController(
-            n_resv=n_resv, use_cap=pol.cap,
-            seeding=SeedingWindow(initial_s=cfg.trainer.seed_window_s, eta=pol.eta, floor_s=pol.seed_floor_s,
-                                  adapt=pol.adaptive_seeding, memory=pol.seed_memory, ceil_s=pol.seed_ceil_s))
-        trainer = RLTrainer(client=client, backend=backend, task=task, tokenizer=tok, settings=settings,
-                            score=rewards.score,
-                            publish=publish, controller=controller,
-                            available=lambda: _available(cfg, out_dir, cluster))
-        if trainer_state is not None:
-            trainer.load_state_dict(trainer_state)
-        t_train0 = time.monotonic()
-        ckpt_writer = checkpoint.CheckpointWriter(out_dir, background=cfg.trainer.checkpoint_background)
-        closers.append(lambda: _settle(ckpt_writer))  # on a failure too: finish (or report) the one in flight
-        with ProgressView(cfg.trainer.steps, enabled=progress) as view:
-            for step in range(start_step, cfg.trainer.steps):
-                m = trainer.run_step(step)
-                t_after = time.monotonic()  # the step's own bookkeeping and checkpoint: part of its timeline
-                st = trainer.last_stats  # taken at the end of the step, after its version change
-                m.update(t_s=time.monotonic() - t_start, ts=round(time.time(), 3),
-                         live_preemptible=st.live_preemptible, routable_preemptible=st.routable_preemptible,
-                         cluster_live=cluster.live() if cluster else st.live_preemptible)
-                cap = trainer.decision.n_prem_cap if trainer.decision else None
-                n_prem = cfg.cluster.max_workers if cap is None else min(cap, cfg.cluster.max_workers)
-                m["n_prem_target"] = n_prem
-                if slurm:
-                    write_target(out_dir, n_prem, active=True, step=step + 1, gpus_per_instance=r.gpus_per_instance)
-                elif cluster is not None:
-                    cluster.set_cap(n_prem)
-                step_metrics.append(m)
-                every = cfg.trainer.checkpoint_every
-                if every and ((step + 1) % every == 0 or step + 1 == cfg.trainer.steps):
-                    # the steps before this one are in metrics.jsonl (fsynced before the checkpoint is published):
-                    # a checkpoint holds one step's record, whatever the run's length
-                    ckpt_writer.save(step + 1, backend, trainer.state_dict(), {
-                        "metrics_lines": len(step_metrics) - 1, "last_step_metrics": m, "before": before,
-                        "resumes": resumes, "counts": _add_counts(prior_counts, _counts(cluster, st)),
-                        "train_wall_s": prior_wall + time.monotonic() - t_train0}, durable=[RunDir(out_dir).metrics])
-                # (the checkpoint keeps the step as it was before its own save: its phases sum to its wall time too)
-                add_phase(m, Phase.CHECKPOINT, time.monotonic() - t_after)
-                client.send(M.StepTimes(step=step, wall_s=m["wall_s"], phases=m["phase_s"],
-                                        fixed_overhead_s=m["fixed_overhead_s"]))
-                metrics_f.write(json.dumps(m) + "\n")
-                metrics_f.flush()
-                view.update(m)
-        ckpt_writer.wait()  # the last checkpoint is durable before the run reports
-        train_wall = prior_wall + time.monotonic() - t_train0  # training time of every incarnation
-        final_stats = client.stats()
-        served = publisher.served()  # what the trainer sent (the rest of weight_pulled_bytes came from relay peers)
-        after = evaluate(arch, publisher.state_dict(trainer.version)[0], tok, task, **eval_kw)
-        kl = kl_to_reference(backend, after.pop("sampled"))
-        model_out = None
-        if cfg.trainer.export_model:  # the trained policy as rollout instances receive it: pulled, then written
-            if publisher.shards:
-                exported = publisher.state_dict(trainer.version)[0]
-            else:
-                exported = WeightPuller(weights_endpoint, streams=w.streams, window=w.window,
-                                        timeout_s=w.pull_timeout_s, keys=keys.client_view() if keys else None,
-                                        label="final export").pull(trainer.version).state_dict
-            model_out = str(save_model_dir(out_dir / "model", policy, exported))
-        tot = trainer.totals
-        window_start = cluster.summary()["window_start_s"] if cluster is not None else None
-        tally = _add_counts(prior_counts, _counts(cluster, final_stats))  # all incarnations of the run
-        report = {
-            "steps": len(step_metrics),
-            "resumes": resumes,
-            "resumed_from_step": start_step if ckpt is not None else None,
-            "reward_heldout_before": before["reward_sampled"],
-            "reward_heldout_after": after["reward_sampled"],
-            "reward_heldout_greedy_before": before["reward_greedy"],
-            "reward_heldout_greedy_after": after["reward_greedy"],
-            "repetition_rate_before": before["repetition_rate"],
-            "repetition_rate_after": after["repetition_rate"],
-            "kl_to_reference_nats_per_token": kl,
-            "model_out": model_out,
-            "model": {"path": str(policy.path), "architecture": arch.architecture, "parameters": arch.num_params(),
-                      "chat_template": tok.use_chat, "trainer_device": str(train_device),
-                      "rollout_device": str(rollout_device)},
-            "responses_trained": tot.responses_trained,
-            "responses_lost": tot.responses_expected - tot.responses_trained,
-            "responses_duplicated": tot.responses_duplicated,
-            "preemptions": tally["preemptions_warned"] + tally["kills"],
-            "preemptions_with_warning": tally["preemptions_warned"],
-            "kills_without_warning": tally["kills"],
-            "worker_starts": tally["starts"],
-            "responses_migrated": tally["responses_migrated"],
-            "balancer_moves": final_stats.balancer_moves,
-            "rollout_engine": r.engine,
-            "migrations_by_engine": final_stats.migrations_by_engine,
-            "migrated_responses_trained": tot.migrated_responses_trained,
-            "tokens_migrated": tally["tokens_migrated"],
-            "tokens_regenerated": tally["tokens_regenerated"],
-            "tokens_regenerated_after_warning": final_stats.tokens_regenerated_after_warning,
-            "tokens_trained_off_version": tot.tokens_trained_off_version,
-            "off_version_tokens_rejected": final_stats.off_version_tokens_rejected,
-            "late_tokens_dropped": final_stats.late_tokens,
-            "weight_pulls": final_stats.weight_loads,
-            "weight_pull_failures": final_stats.weight_load_failures,
-            "weight_pull_seconds_mean": final_stats.pull_seconds_mean,
-            "weight_bytes": publishes[-1]["weight_bytes"] if publishes else 0,
-            "weight_update_bytes_mean": (sum(p["weight_update_bytes"] for p in publishes[1:]) / (len(publishes) - 1)
-                                         if len(publishes) > 1 else 0.0),
-            "weight_pulled_bytes": final_stats.weight_pulled_bytes,
-            "weight_checksum_mismatches": final_stats.weight_checksum_mismatches,
-            "weight_trainer_bytes_served": served["bytes_served"] + served["delta_bytes_served"],
-            "weight_shards": served["shards"],
-            "instances_lost_without_warning": final_stats.instances_lost,
-            "instances_suspected": tally["instances_suspected"],
-            "instances_recovered": tally["instances_recovered"],
-            "stalls": tally["stalls"],
-            "link_resets": tally["link_resets"],
-            "slow_weight_loads": tally["slow_weight_loads"],
-            "deltas_out_of_order": tally["deltas_out_of_order"],
-            "instances_lost_while_pulling": tally["instances_lost_while_pulling"],
-            "prompts_not_trained_exactly_once": trainer.prompts_not_trained_once(),
-            "instances_preempted_with_warning": final_stats.instances_preempted_with_warning,
-            "instances_time_limit": final_stats.instances_time_limit,
-            "rewards_timed_out": rewards.timed_out, "reward_workers_replaced": rewards.replaced,
-            "n_resv": n_resv, "n_resv_source": n_resv_source,
-            "decode_tokens_per_s_by_batch": final_stats.decode_tokens_per_s_by_batch,
-            "instances_drained": final_stats.instances_drained,
-            "protocol_rejects": final_stats.protocol_rejects,
-            **_trajectory_report(cfg, final_stats, step_metrics, train_wall),
-            "tokens_trained": tot.tokens_trained,
-            "throughput_tokens_per_s": tot.tokens_trained / train_wall if train_wall > 0 else 0.0,
-            "train_wall_s": train_wall,
-            **summarize(step_metrics),
-            "wall_s": time.monotonic() - t_start,
-            "trace_window_start_s": window_start,
-            "examples_after": after["examples"],
-        }
-    except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
-        failure = e
-    finally:
-        if metrics_f is not None:
-            metrics_f.close()
-        if slurm:
-            write_target(out_dir, 0, active=False, step=len(step_metrics), gpus_per_instance=r.gpus_per_instance)
-        if cluster is not None:
-            cluster.stop()
-            reclaim_leftovers()  # what SIGKILLed local workers left on this node (shared memory, temp dirs)
-        for close in closers:
-            close()
-        if reserved is not None:
-            reserved.request_stop("run finished")
-            reserved_thread.join(timeout=10)
+    with RunServices(cfg, rd, run_id, setup.policy, setup.task, resuming=ckpt is not None,
+                     train_device=setup.train_device, train_dtype=setup.train_dtype, t_origin=t_start) as svc:
         try:
-            client.call(M.Shutdown(reason="run finished"), timeout_s=5)
-        except Exception:  # noqa: BLE001 - the manager may already be gone
-            pass
-        client.close()
-        mproc.join(timeout=10)
-        if mproc.is_alive():
-            mproc.kill()
-        server.close()
-        backend.close()  # the Megatron backend holds process groups / shard servers
+            report, live_series = _train(cfg, rd, svc, setup, ckpt, steps, progress=progress, t_start=t_start)
+        except BaseException as e:  # noqa: BLE001 - re-raised once the services are stopped
+            failure = e
     if failure is not None:
-        RunDir(out_dir).report.write_text(json.dumps(
-            {"failed": True, "error": f"{type(failure).__name__}: {failure}", "steps": len(step_metrics)}, indent=2))
+        write_report(rd.report, FailedReport(error=f"{type(failure).__name__}: {failure}", steps=len(steps)))
         raise failure
-    RunDir(out_dir).report.write_text(json.dumps(report, indent=2))
-    write_plot(step_metrics, cluster.live_series if cluster else [], RunDir(out_dir).plot,
-               before=report["reward_heldout_before"], after=report["reward_heldout_after"])
+    write_report(rd.report, report)
+    write_plot(steps, live_series, rd.plot, before=report.reward_heldout_before, after=report.reward_heldout_after)
     return report
 
 
-_COUNTS = ("preemptions_warned", "kills", "starts", "stalls", "link_resets", "instances_lost_while_pulling",
-           "responses_migrated", "tokens_migrated", "tokens_regenerated", "instances_suspected", "instances_recovered",
-           "slow_weight_loads", "deltas_out_of_order")
-_CLUSTER_COUNTS = 5  # the first ones come from the local cluster (under Slurm: from what the manager saw)
+def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: Path | None, steps: list[dict], *,
+           progress: bool, t_start: float) -> tuple[RunReport, list[tuple[float, int]]]:
+    """The run inside its services: restore or evaluate, the step loop with its checkpoints, the final
+    evaluation and export. Returns the report and the local cluster's live-worker series (for the plot)."""
+    from rlboost_hpc.observe.report import ProgressView
+    from rlboost_hpc.trainer import checkpoint
+
+    resume = ResumeState.load(ckpt, svc.backend, rd)
+    steps.extend(resume.steps)
+    metrics_f = open(rd.metrics, "w")  # what the checkpoint covers, then the new steps
+    svc.defer(metrics_f.close)
+    metrics_f.writelines(json.dumps(m) + "\n" for m in steps)
+    metrics_f.flush()
+    held_out = _held_out(cfg, setup, svc)
+    version0 = resume.trainer_state["version"] if resume.trainer_state else 0
+    svc.hello(version0)
+    before = resume.before or held_out.evaluate(version0)
+    log.info("held-out reward before training: %.3f (greedy %.3f)", before["reward_sampled"], before["reward_greedy"])
+    svc.start_rollout()
+    r = cfg.rollout
+    n_resv, n_resv_source = reserved_instances(r.gpus_per_instance, cfg.trainer.gpus)
+    log.info("N_resv = %g rollout instances (trainer GPUs from %s, %d GPU(s) per instance)", n_resv, n_resv_source,
+             r.gpus_per_instance)
+    trainer = _trainer(cfg, svc, setup, n_resv)
+    if resume.trainer_state is not None:
+        trainer.load_state_dict(resume.trainer_state)
+    t_train0 = time.monotonic()
+    ckpt_writer = checkpoint.CheckpointWriter(rd.root, background=cfg.trainer.checkpoint_background)
+    svc.defer(lambda: _settle(ckpt_writer))  # on a failure too: finish (or report) the one in flight
+    with ProgressView(cfg.trainer.steps, enabled=progress) as view:
+        for step in range(resume.start_step, cfg.trainer.steps):
+            m = trainer.run_step(step)
+            t_after = time.monotonic()  # the step's own bookkeeping and checkpoint: part of its timeline
+            st = trainer.last_stats  # taken at the end of the step, after its version change
+            m.update(t_s=time.monotonic() - t_start, ts=round(time.time(), 3),
+                     live_preemptible=st.live_preemptible, routable_preemptible=st.routable_preemptible,
+                     cluster_live=svc.cluster.live() if svc.cluster else st.live_preemptible)
+            cap = trainer.decision.n_prem_cap if trainer.decision else None
+            m["n_prem_target"] = n_prem = min(cap if cap is not None else cfg.cluster.max_workers,
+                                              cfg.cluster.max_workers)
+            svc.set_target(n_prem, step=step + 1)
+            steps.append(m)
+            every = cfg.trainer.checkpoint_every
+            if every and ((step + 1) % every == 0 or step + 1 == cfg.trainer.steps):
+                # the steps before this one are in metrics.jsonl (fsynced before the checkpoint is published):
+                # a checkpoint holds one step's record, whatever the run's length
+                tally = resume.tally + FaultTally.observe(st, svc.cluster.summary() if svc.cluster else None)
+                ckpt_writer.save(step + 1, svc.backend, trainer.state_dict(), {
+                    "metrics_lines": len(steps) - 1, "last_step_metrics": m, "before": before,
+                    "resumes": resume.resumes, "counts": tally.to_json(),
+                    "train_wall_s": resume.train_wall_s + time.monotonic() - t_train0}, durable=[rd.metrics])
+            # (the checkpoint keeps the step as it was before its own save: its phases sum to its wall time too)
+            add_phase(m, Phase.CHECKPOINT, time.monotonic() - t_after)
+            svc.client.send(M.StepTimes(step=step, wall_s=m["wall_s"], phases=m["phase_s"],
+                                        fixed_overhead_s=m["fixed_overhead_s"]))
+            metrics_f.write(json.dumps(m) + "\n")
+            metrics_f.flush()
+            view.update(m)
+    ckpt_writer.wait()  # the last checkpoint is durable before the run reports
+    train_wall = resume.train_wall_s + time.monotonic() - t_train0  # training time of every incarnation
+    final = svc.client.stats()
+    served = svc.publisher.served()  # what the trainer sent (the rest of weight_pulled_bytes came from relay peers)
+    after = held_out.evaluate(trainer.version, keep_samples=True)
+    kl = held_out.drift(svc.backend, after.pop("sampled"))
+    model_out = str(save_model_dir(rd.model, setup.policy, _exported(cfg, svc, trainer.version))) \
+        if cfg.trainer.export_model else None
+    cluster = svc.cluster.summary() if svc.cluster else None
+    report = build_report(
+        steps=steps, stats=final, tally=resume.tally + FaultTally.observe(final, cluster), totals=trainer.totals,
+        before=before, after=after, kl=kl, model=setup.model_info(), model_out=model_out,
+        publishes=svc.publisher.history, served=served, rewards_timed_out=svc.rewards.timed_out,
+        reward_workers_replaced=svc.rewards.replaced, n_resv=n_resv, n_resv_source=n_resv_source,
+        rollout_engine=cfg.rollout.engine,
+        prompts_not_trained_once=trainer.prompts_not_trained_once(), multi_turn=cfg.task.max_turns > 1,
+        resumes=resume.resumes, resumed_from_step=resume.start_step if ckpt is not None else None,
+        train_wall_s=train_wall, wall_s=time.monotonic() - t_start,
+        trace_window_start_s=cluster["window_start_s"] if cluster else None)
+    return report, svc.cluster.live_series if svc.cluster else []
 
 
-def _counts(cluster, stats: ManagerStats) -> dict:
-    """Fault and migration counters of this incarnation: the local cluster's (or, under Slurm, what the manager
-    saw: warned preemptions, losses without warning, registrations other than the reserved engine's)."""
-    if cluster is not None:
-        c = cluster.summary()
-        out = {"preemptions_warned": c["preemptions_warned"], "kills": c["kills"], "starts": c["starts"],
-               "stalls": c["stalls"], "link_resets": c["link_resets"]}
-    else:
-        out = {"preemptions_warned": stats.instances_preempted_with_warning, "kills": stats.instances_lost,
-               "starts": max(0, stats.registrations - 1), "stalls": 0, "link_resets": 0}
-    return {**out, **{k: getattr(stats, k) for k in _COUNTS[_CLUSTER_COUNTS:]}}
+def _held_out(cfg: RunConfig, setup: RunSetup, svc: RunServices):
+    """Held-out evaluation as the run's rollouts sample (same budgets, the run's reward pool, multi-turn with its
+    own tool workers), of versions read back from the publisher, on the rollout device."""
+    from rlboost_hpc.trainer.eval import HeldOut, TurnSettings
+
+    r = cfg.rollout
+    turns = None
+    if svc.eval_tools is not None:
+        turns = TurnSettings(cfg.task.max_turns, cfg.trajectory_tokens(), setup.tool_stops, svc.eval_tools)
+    return HeldOut(setup.policy.arch, setup.policy.tokenizer, setup.task,
+                   weights=lambda v: svc.publisher.state_dict(v)[0], samples=cfg.trainer.eval_samples,
+                   max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                   device=setup.rollout_device, dtype=setup.rollout_dtype, score=svc.rewards.score, turns=turns)
 
 
-def _trajectory_report(cfg: RunConfig, stats: ManagerStats, step_metrics: list[dict], train_wall: float) -> dict:
-    """Multi-turn keys of the report (empty for single-turn tasks): turns per trajectory, tool calls and their
-    share of the training wall time, migrations by turn index, and what restarting instead of resuming at the token
-    would have regenerated (tokens of the interrupted turns; assistant tokens of the interrupted trajectories)."""
-    if cfg.task.max_turns == 1:
-        return {}
-    turns = [m["turns_mean"] for m in step_metrics if "turns_mean" in m]
-    return {
-        "turns_per_trajectory_mean": sum(turns) / len(turns) if turns else 0.0,
-        "environment_calls": stats.environment_calls, "environment_errors": stats.environment_errors,
-        "environment_timeouts": stats.environment_timeouts, "environment_seconds": stats.environment_seconds,
-        "tool_time_share": stats.environment_seconds / train_wall if train_wall > 0 else 0.0,
-        "observation_tokens": stats.observation_tokens, "migrations_by_turn": stats.migrations_by_turn,
-        "tokens_in_interrupted_turns": stats.tokens_in_interrupted_turns,
-        "assistant_tokens_in_interrupted_trajectories": stats.assistant_tokens_in_interrupted_trajectories,
-    }
+def _trainer(cfg: RunConfig, svc: RunServices, setup: RunSetup, n_resv: float):
+    """The RL step loop over the run's services, with its controller (T_seed and N_prem, from ``policy.*``)."""
+    from rlboost_hpc.policy.controller import RolloutController
+    from rlboost_hpc.policy.seeding import SeedingWindow
+    from rlboost_hpc.trainer.loop import RLTrainer, StepSettings
+
+    r, t, pol = cfg.rollout, cfg.trainer, cfg.policy
+    settings = StepSettings(prompts_per_step=r.prompts_per_step, group_size=r.group_size,
+                            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                            micro_batch=t.micro_batch, seed_window_s=t.seed_window_s,
+                            step_timeout_s=t.step_timeout_s, seed=t.seed, max_turns=cfg.task.max_turns,
+                            max_trajectory_tokens=cfg.trajectory_tokens(), tool_stop_ids=setup.tool_stops)
+    controller = RolloutController(
+        n_resv=n_resv, use_cap=pol.cap,
+        seeding=SeedingWindow(initial_s=t.seed_window_s, eta=pol.eta, floor_s=pol.seed_floor_s,
+                              adapt=pol.adaptive_seeding, memory=pol.seed_memory, ceil_s=pol.seed_ceil_s))
+    trainer = RLTrainer(client=svc.client, backend=svc.backend, task=setup.task, tokenizer=setup.policy.tokenizer,
+                        settings=settings, score=svc.rewards.score, publish=svc.publisher.publish,
+                        controller=controller, available=svc.available)
+    return trainer
+
+
+def _exported(cfg: RunConfig, svc: RunServices, version: int):
+    """The trained policy as rollout instances receive it: pulled over the wire (gathered) or assembled from
+    the ranks' shards."""
+    from rlboost_hpc.weights.puller import WeightPuller
+
+    if svc.publisher.shards:
+        return svc.publisher.state_dict(version)[0]
+    w = cfg.weights
+    return WeightPuller(svc.weights_endpoint, streams=w.streams, window=w.window, timeout_s=w.pull_timeout_s,
+                        keys=svc.keys.client_view() if svc.keys else None,
+                        label="final export").pull(version).state_dict
 
 
 def _metrics_before(out_dir: Path, n: int) -> list[dict]:
@@ -547,17 +388,3 @@ def _settle(writer) -> None:
         writer.wait()
     except Exception as e:  # noqa: BLE001 - the run is already failing
         log.error("the checkpoint in flight failed: %s", e)
-
-
-def _available(cfg, out_dir: Path, cluster) -> int:
-    """Preemptible instances the run could hold now (the N_prem cap's upper clamp), at most
-    ``cluster.max_workers``: the scavenger's capacity view under Slurm (unknown → ``max_workers``), the replayed
-    trace's offered slots with the local cluster."""
-    if cluster is not None:
-        return min(cfg.cluster.max_workers, cluster.offered())
-    seen = available_from_scavenger(out_dir) if cfg.cluster.kind == "slurm" else None
-    return cfg.cluster.max_workers if seen is None else min(cfg.cluster.max_workers, seen)
-
-
-def _add_counts(a: dict, b: dict) -> dict:
-    return {k: a.get(k, 0) + b.get(k, 0) for k in _COUNTS}

@@ -48,6 +48,8 @@ CHECKPOINTS_DIR = "checkpoints"
 WORKERS_DIR = "workers"
 PROMETHEUS_DIR = "prometheus"
 LOGS_DIR = "logs"
+CONFIG_FILE = "config.json"  # the run's resolved configuration
+MODEL_DIR = "model"  # the trained policy (trainer.export_model)
 @dataclass(frozen=True)
 class RunDir:
     """The paths of one run directory (``root``): the only place the layout's names are spelled."""
@@ -104,6 +106,19 @@ class RunDir:
     @property
     def logs(self) -> Path:
         return self.root / LOGS_DIR
+
+    @property
+    def config(self) -> Path:
+        return self.root / CONFIG_FILE
+
+    @property
+    def model(self) -> Path:
+        return self.root / MODEL_DIR
+
+    def run_id(self) -> str:
+        """The run's id: ``$RLBOOST_RUN_ID`` when a launcher set it (the Slurm launcher and the scavenger's rollout
+        jobs carry it), else the directory's name. The one reader of that variable."""
+        return os.environ.get("RLBOOST_RUN_ID") or self.root.resolve().name
 
     def read_report(self) -> dict:
         """``report.json`` as a dict.

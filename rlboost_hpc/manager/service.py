@@ -226,6 +226,10 @@ def run_manager_process(bind: str, params: dict, conn, keys_dir: str | None = No
             time.sleep(1.0)
 
     threading.Thread(target=watch_parent, daemon=True).start()
+    import signal
+
+    # SIGTERM (the run stopping a manager no trainer ever said hello to): leave the loop, close the tool workers
+    signal.signal(signal.SIGTERM, lambda *_: svc.stop())
     try:
         svc.serve_forever()
     finally:

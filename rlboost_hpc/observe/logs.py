@@ -54,7 +54,7 @@ def setup_logging(role: str, level: str | None = None, run_id: str | None = None
     """Route the root logger to JSON lines: on stderr (``console``) and/or appended to ``log_dir/<role>.jsonl``
     (the directory is created). Level: ``level``, else ``RLBOOST_LOG_LEVEL``, else INFO.
 
-    ``run_id``: the run the lines belong to (default ``$RLBOOST_RUN_ID``, set by the Slurm launcher; a process
+    ``run_id``: the run the lines belong to ("" when the process serves none, e.g. the scavenger; a process
     that learns it later calls :func:`set_run_id`)."""
     global _sink
     level = (level or os.environ.get("RLBOOST_LOG_LEVEL", "INFO")).upper()
@@ -64,7 +64,7 @@ def setup_logging(role: str, level: str | None = None, run_id: str | None = None
         root.removeHandler(h)
         if isinstance(h, logging.FileHandler):  # ours, from an earlier call
             h.close()
-    fmt = JsonFormatter(role, run_id if run_id is not None else os.environ.get("RLBOOST_RUN_ID", ""))
+    fmt = JsonFormatter(role, run_id or "")
     handlers: list[logging.Handler] = []
     if console:
         handlers.append(logging.StreamHandler(sys.stderr))

@@ -115,7 +115,7 @@ def simulate_run(run_dir: str | Path, *, capacity: list[tuple[float, float]] | N
     """
     run_dir = Path(run_dir)
     try:
-        cfg = json.loads((run_dir / "config.json").read_text())
+        cfg = json.loads(RunDir(run_dir).config.read_text())
         rep = json.loads(RunDir(run_dir).report.read_text())
     except (OSError, ValueError) as e:
         raise CalibrationError(f"{run_dir}: {e}") from None

@@ -162,3 +162,27 @@ def kl_to_reference(backend: TrainerBackend, samples: list[Sample], batch: int =
             num += float((torch.exp(r) - r - 1.0).sum())
             den += r.numel()
     return num / max(1, den)
+
+
+class HeldOut:
+    """The run's held-out evaluation and drift measurement, bound to how it samples: :func:`evaluate` of a
+    version's weights (``weights(version)``: the state dict rollout instances receive) with fixed ``evaluate``
+    keyword arguments (samples, budgets, temperature, device, reward ``score``, multi-turn ``turns``)."""
+
+    def __init__(self, arch: ModelArch, tokenizer, task: Task, *,
+                 weights: Callable[[int], Mapping[str, torch.Tensor]], **evaluate_kw: Any) -> None:
+        self.arch, self.tokenizer, self.task, self.weights, self.kw = arch, tokenizer, task, weights, evaluate_kw
+
+    def evaluate(self, version: int, keep_samples: bool = False) -> dict:
+        """:func:`evaluate` of ``version``; its ``sampled`` responses (for :meth:`drift`) only with
+        ``keep_samples``."""
+        out = evaluate(self.arch, self.weights(version), self.tokenizer, self.task, **self.kw)
+        if not keep_samples:
+            out.pop("sampled")
+        return out
+
+    @staticmethod
+    def drift(backend: TrainerBackend, sampled: list[Sample]) -> float:
+        """KL to the reference policy in nats per token over responses sampled from the trained policy
+        (:func:`kl_to_reference`)."""
+        return kl_to_reference(backend, sampled)

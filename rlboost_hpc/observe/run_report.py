@@ -1,0 +1,264 @@
+"""The run's report (``RUN_DIR/report.json``): its schema and the one function that builds it.
+
+Schema (:class:`RunReport`; every key below is always present except the multi-turn ones, written only when
+``task.max_turns > 1``). Counts are integers, seconds floats, bytes integers:
+
+- outcome: ``steps`` (step records written), ``resumes`` (times the run was resumed), ``resumed_from_step``
+  (``null``: started fresh), held-out reward before/after training (``reward_heldout_*``: sampled; ``_greedy_``:
+  greedy decoding), ``repetition_rate_before/after`` (repeated 3-grams), ``kl_to_reference_nats_per_token``
+  (k3 estimator against the initial policy), ``model_out`` (the exported model directory, or ``null``),
+  ``model`` (path, architecture, parameters, chat template, devices), ``examples_after`` (held-out samples).
+- exactly-once: ``responses_trained``, ``responses_lost`` (expected − trained), ``responses_duplicated``,
+  ``prompts_not_trained_exactly_once``, ``tokens_trained``, ``tokens_trained_off_version`` (must be 0),
+  ``off_version_tokens_rejected``, ``late_tokens_dropped``.
+- faults and migration (summed over every incarnation of a resumed run): ``preemptions`` (=
+  ``preemptions_with_warning`` + ``kills_without_warning``), ``worker_starts``, ``responses_migrated``,
+  ``tokens_migrated``, ``tokens_regenerated`` (and ``_after_warning``), ``instances_suspected`` /
+  ``_recovered`` / ``_lost_without_warning`` / ``_lost_while_pulling`` / ``_preempted_with_warning`` /
+  ``_time_limit`` / ``_drained``, ``stalls``, ``link_resets``, ``slow_weight_loads``, ``deltas_out_of_order``,
+  ``balancer_moves``, ``migrations_by_engine`` (``out_of`` / ``into`` → engine → count),
+  ``migrated_responses_trained``, ``protocol_rejects``.
+- weights: ``weight_pulls`` (verified loads), ``weight_pull_failures``, ``weight_pull_seconds_mean``,
+  ``weight_bytes`` (one full version), ``weight_update_bytes_mean`` (bytes a version update takes, deltas
+  counted as sent), ``weight_pulled_bytes`` (received by instances), ``weight_trainer_bytes_served`` (sent by the
+  trainer; the rest came from relay peers), ``weight_checksum_mismatches`` (must be 0), ``weight_shards`` (per
+  serving rank: bytes served; gathered exports).
+- capacity and speed: ``n_resv`` / ``n_resv_source``, ``rollout_engine``, ``decode_tokens_per_s_by_batch``,
+  ``rewards_timed_out``, ``reward_workers_replaced``, ``throughput_tokens_per_s`` (tokens trained per second of
+  training wall time), ``train_wall_s``, ``wall_s``, ``trace_window_start_s`` (the replayed spot trace's window, or
+  ``null``), and the step timeline's summary: ``step_phase_s_mean``, ``fixed_overhead_s_per_step``,
+  ``fixed_overhead_s_by_phase``, ``fixed_overhead_share``.
+- multi-turn only: ``turns_per_trajectory_mean``, ``environment_calls`` / ``_errors`` / ``_timeouts`` /
+  ``_seconds``, ``tool_time_share`` (tool seconds ÷ training wall time), ``observation_tokens``,
+  ``migrations_by_turn``, ``tokens_in_interrupted_turns``, ``assistant_tokens_in_interrupted_trajectories``.
+
+A run that fails writes :class:`FailedReport` instead (``failed``, ``error``, ``steps``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from rlboost_hpc.observe.timeline import summarize
+from rlboost_hpc.protocol.stats import ManagerStats
+
+
+class FaultTally(msgspec.Struct, kw_only=True):
+    """Fault and migration counts of one incarnation of a run (or, added up, of all of them; a checkpoint keeps
+    the sum of the incarnations before it). The first five come from the local cluster that caused them or, under
+    Slurm, from what the manager saw; the rest from the manager."""
+
+    preemptions_warned: int = 0
+    kills: int = 0
+    starts: int = 0
+    stalls: int = 0
+    link_resets: int = 0
+    instances_lost_while_pulling: int = 0
+    responses_migrated: int = 0
+    tokens_migrated: int = 0
+    tokens_regenerated: int = 0
+    instances_suspected: int = 0
+    instances_recovered: int = 0
+    slow_weight_loads: int = 0
+    deltas_out_of_order: int = 0
+
+    @classmethod
+    def observe(cls, stats: ManagerStats, cluster: dict[str, int] | None) -> "FaultTally":
+        """This incarnation's tally: ``cluster`` is the local cluster's summary (``preemptions_warned``,
+        ``kills``, ``starts``, ``stalls``, ``link_resets``); ``None`` under Slurm, where the manager's view counts
+        (warned preemptions, losses without warning, registrations other than the reserved engine's)."""
+        if cluster is not None:
+            own = {k: int(cluster[k]) for k in ("preemptions_warned", "kills", "starts", "stalls", "link_resets")}
+        else:
+            own = {"preemptions_warned": stats.instances_preempted_with_warning, "kills": stats.instances_lost,
+                   "starts": max(0, stats.registrations - 1), "stalls": 0, "link_resets": 0}
+        manager = {f: getattr(stats, f) for f in cls.__struct_fields__ if f not in own}
+        return cls(**own, **manager)
+
+    def __add__(self, other: "FaultTally") -> "FaultTally":
+        return FaultTally(**{f: getattr(self, f) + getattr(other, f) for f in self.__struct_fields__})
+
+    def to_json(self) -> dict[str, int]:
+        return msgspec.structs.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, int]) -> "FaultTally":
+        """A tally saved by :meth:`to_json` (missing fields: 0)."""
+        return cls(**{f: int(d.get(f, 0)) for f in cls.__struct_fields__})
+
+
+class RunReport(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``report.json`` of a finished run; the keys are documented in the module docstring. The multi-turn keys
+    default to ``None`` and are then omitted."""
+
+    steps: int
+    resumes: int
+    resumed_from_step: int | None
+    reward_heldout_before: float
+    reward_heldout_after: float
+    reward_heldout_greedy_before: float
+    reward_heldout_greedy_after: float
+    repetition_rate_before: float
+    repetition_rate_after: float
+    kl_to_reference_nats_per_token: float
+    model_out: str | None
+    model: dict[str, Any]
+    responses_trained: int
+    responses_lost: int
+    responses_duplicated: int
+    preemptions: int
+    preemptions_with_warning: int
+    kills_without_warning: int
+    worker_starts: int
+    responses_migrated: int
+    balancer_moves: int
+    rollout_engine: str
+    migrations_by_engine: dict[str, dict[str, int]]
+    migrated_responses_trained: int
+    tokens_migrated: int
+    tokens_regenerated: int
+    tokens_regenerated_after_warning: int
+    tokens_trained_off_version: int
+    off_version_tokens_rejected: int
+    late_tokens_dropped: int
+    weight_pulls: int
+    weight_pull_failures: int
+    weight_pull_seconds_mean: float
+    weight_bytes: int
+    weight_update_bytes_mean: float
+    weight_pulled_bytes: int
+    weight_checksum_mismatches: int
+    weight_trainer_bytes_served: int
+    weight_shards: list[dict[str, Any]]
+    instances_lost_without_warning: int
+    instances_suspected: int
+    instances_recovered: int
+    stalls: int
+    link_resets: int
+    slow_weight_loads: int
+    deltas_out_of_order: int
+    instances_lost_while_pulling: int
+    prompts_not_trained_exactly_once: int
+    instances_preempted_with_warning: int
+    instances_time_limit: int
+    rewards_timed_out: int
+    reward_workers_replaced: int
+    n_resv: float
+    n_resv_source: str
+    decode_tokens_per_s_by_batch: dict[str, float]
+    instances_drained: int
+    protocol_rejects: int
+    turns_per_trajectory_mean: float | None = None
+    environment_calls: int | None = None
+    environment_errors: int | None = None
+    environment_timeouts: int | None = None
+    environment_seconds: float | None = None
+    tool_time_share: float | None = None
+    observation_tokens: int | None = None
+    migrations_by_turn: dict[str, int] | None = None
+    tokens_in_interrupted_turns: int | None = None
+    assistant_tokens_in_interrupted_trajectories: int | None = None
+    tokens_trained: int
+    throughput_tokens_per_s: float
+    train_wall_s: float
+    step_phase_s_mean: dict[str, float]
+    fixed_overhead_s_by_phase: dict[str, float]
+    fixed_overhead_s_per_step: float
+    fixed_overhead_share: float
+    wall_s: float
+    trace_window_start_s: float | None
+    examples_after: list[Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as ``report.json`` holds it (plain JSON types, multi-turn keys only when set)."""
+        return msgspec.to_builtins(self)
+
+
+class FailedReport(msgspec.Struct, kw_only=True):
+    """``report.json`` of a run that failed: the error (``Type: message``) and the step records written."""
+
+    failed: bool = True
+    error: str
+    steps: int
+
+
+def write_report(path: Path, report: RunReport | FailedReport) -> None:
+    """Write ``report`` as indented JSON to ``path``."""
+    path.write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=2))
+
+
+def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, totals: Any,
+                 before: dict, after: dict, kl: float, model: dict[str, Any], model_out: str | None,
+                 publishes: list[dict], served: dict, rewards_timed_out: int, reward_workers_replaced: int,
+                 n_resv: float, n_resv_source: str, rollout_engine: str, prompts_not_trained_once: int,
+                 multi_turn: bool, resumes: int, resumed_from_step: int | None, train_wall_s: float, wall_s: float,
+                 trace_window_start_s: float | None) -> RunReport:
+    """The report of a finished run.
+
+    Args:
+        steps: every step record of the run (``metrics.jsonl``'s lines, all incarnations).
+        stats: the manager's statistics at the end of training. ``tally``: faults of all incarnations.
+        totals: the trainer's running totals (``responses_trained``, ``responses_expected``,
+            ``responses_duplicated``, ``tokens_trained``, ``tokens_trained_off_version``,
+            ``migrated_responses_trained``).
+        before, after: held-out evaluations (``reward_sampled``, ``reward_greedy``, ``repetition_rate``;
+            ``after`` also ``examples``). ``kl``: nats per token to the reference policy.
+        publishes: the weight publisher's record per version (``weight_bytes``, ``weight_update_bytes``).
+        served: what the trainer's weight servers sent (``bytes_served``, ``delta_bytes_served``, ``shards``).
+        train_wall_s: training seconds of all incarnations; ``wall_s``: this incarnation's seconds.
+    """
+    multi = {}
+    if multi_turn:
+        turns = [m["turns_mean"] for m in steps if "turns_mean" in m]
+        multi = dict(
+            turns_per_trajectory_mean=sum(turns) / len(turns) if turns else 0.0,
+            environment_calls=stats.environment_calls, environment_errors=stats.environment_errors,
+            environment_timeouts=stats.environment_timeouts, environment_seconds=stats.environment_seconds,
+            tool_time_share=stats.environment_seconds / train_wall_s if train_wall_s > 0 else 0.0,
+            observation_tokens=stats.observation_tokens, migrations_by_turn=stats.migrations_by_turn,
+            tokens_in_interrupted_turns=stats.tokens_in_interrupted_turns,
+            assistant_tokens_in_interrupted_trajectories=stats.assistant_tokens_in_interrupted_trajectories)
+    updates = [p["weight_update_bytes"] for p in publishes[1:]]
+    return RunReport(
+        steps=len(steps), resumes=resumes, resumed_from_step=resumed_from_step,
+        reward_heldout_before=before["reward_sampled"], reward_heldout_after=after["reward_sampled"],
+        reward_heldout_greedy_before=before["reward_greedy"], reward_heldout_greedy_after=after["reward_greedy"],
+        repetition_rate_before=before["repetition_rate"], repetition_rate_after=after["repetition_rate"],
+        kl_to_reference_nats_per_token=kl, model_out=model_out, model=model,
+        responses_trained=totals.responses_trained,
+        responses_lost=totals.responses_expected - totals.responses_trained,
+        responses_duplicated=totals.responses_duplicated,
+        preemptions=tally.preemptions_warned + tally.kills, preemptions_with_warning=tally.preemptions_warned,
+        kills_without_warning=tally.kills, worker_starts=tally.starts, responses_migrated=tally.responses_migrated,
+        balancer_moves=stats.balancer_moves, rollout_engine=rollout_engine,
+        migrations_by_engine=stats.migrations_by_engine,
+        migrated_responses_trained=totals.migrated_responses_trained,
+        tokens_migrated=tally.tokens_migrated, tokens_regenerated=tally.tokens_regenerated,
+        tokens_regenerated_after_warning=stats.tokens_regenerated_after_warning,
+        tokens_trained_off_version=totals.tokens_trained_off_version,
+        off_version_tokens_rejected=stats.off_version_tokens_rejected, late_tokens_dropped=stats.late_tokens,
+        weight_pulls=stats.weight_loads, weight_pull_failures=stats.weight_load_failures,
+        weight_pull_seconds_mean=stats.pull_seconds_mean,
+        weight_bytes=publishes[-1]["weight_bytes"] if publishes else 0,
+        weight_update_bytes_mean=sum(updates) / len(updates) if updates else 0.0,
+        weight_pulled_bytes=stats.weight_pulled_bytes, weight_checksum_mismatches=stats.weight_checksum_mismatches,
+        weight_trainer_bytes_served=served["bytes_served"] + served["delta_bytes_served"],
+        weight_shards=served["shards"],
+        instances_lost_without_warning=stats.instances_lost, instances_suspected=tally.instances_suspected,
+        instances_recovered=tally.instances_recovered, stalls=tally.stalls, link_resets=tally.link_resets,
+        slow_weight_loads=tally.slow_weight_loads, deltas_out_of_order=tally.deltas_out_of_order,
+        instances_lost_while_pulling=tally.instances_lost_while_pulling,
+        prompts_not_trained_exactly_once=prompts_not_trained_once,
+        instances_preempted_with_warning=stats.instances_preempted_with_warning,
+        instances_time_limit=stats.instances_time_limit,
+        rewards_timed_out=rewards_timed_out, reward_workers_replaced=reward_workers_replaced,
+        n_resv=n_resv, n_resv_source=n_resv_source,
+        decode_tokens_per_s_by_batch=stats.decode_tokens_per_s_by_batch,
+        instances_drained=stats.instances_drained, protocol_rejects=stats.protocol_rejects,
+        **multi,
+        tokens_trained=totals.tokens_trained,
+        throughput_tokens_per_s=totals.tokens_trained / train_wall_s if train_wall_s > 0 else 0.0,
+        train_wall_s=train_wall_s, **summarize(steps), wall_s=wall_s,
+        trace_window_start_s=trace_window_start_s, examples_after=after["examples"])

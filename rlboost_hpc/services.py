@@ -1,0 +1,279 @@
+"""The services of one run in the trainer's allocation, started and stopped as one unit.
+
+:class:`RunServices` is a context manager. Entering starts, in order: the run's CURVE keys, the weight server, the
+rollout manager (its own process), the trainer's client to it, ``endpoints.json`` and the Prometheus
+``file_sd`` target, the trainer backend, the weight publisher, the reward pool and (multi-turn) the evaluation's
+tool workers. After the first version is published, :meth:`RunServices.start_rollout` starts the reserved
+engine and the preemptible capacity (the local cluster, or the scavenger's target under Slurm).
+
+Invariant: whatever was started is stopped on every exit path, in the reverse order of starting — also when
+start-up itself fails half-way (a backend that cannot start stops the manager and the weight server it came
+after); the manager is asked to shut down by the trainer it knows, or terminated when no trainer ever said hello.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from typing import Any, Callable
+
+import torch
+
+from rlboost_hpc.config import RunConfig
+from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.protocol.auth import RunKeys
+from rlboost_hpc.rundir import RunDir, advertised, write_endpoints, write_file_sd, write_target
+
+log = logging.getLogger("rlboost.run")
+
+
+class RunServices:
+    """The run's processes, threads and sockets (see the module docstring). Attributes once entered: ``keys``
+    (``RunKeys`` or None without CURVE), ``server``, ``client``, ``mproc``, ``endpoint`` / ``weights_endpoint``
+    (what peers dial), ``backend``, ``publisher``, ``rewards``, ``eval_tools`` (None: single-turn), ``cluster``
+    (the local cluster; None under Slurm or before :meth:`start_rollout`).
+
+    Args:
+        cfg: the run's configuration. ``run_dir``: its directory. ``run_id``: tags endpoints and metrics.
+        policy: the loaded :class:`~rlboost_hpc.models.hf_dir.PolicyModel`. ``task``: the run's task (its rewards).
+        resuming: a checkpoint will be loaded: keep the run's keys, so rollout jobs that outlived a crash rejoin.
+        train_device, train_dtype: where the torch backend trains.
+        t_origin: the run's start (``time.monotonic()`` seconds) — the local cluster's trace clock.
+    """
+
+    def __init__(self, cfg: RunConfig, run_dir: RunDir, run_id: str, policy, task, *, resuming: bool,
+                 train_device: torch.device, train_dtype: torch.dtype, t_origin: float) -> None:
+        self.cfg, self.run_dir, self.run_id, self.policy, self.task = cfg, run_dir, run_id, policy, task
+        self._resuming, self._device, self._dtype, self._t_origin = resuming, train_device, train_dtype, t_origin
+        self._stack = contextlib.ExitStack()
+        self._hello = False
+        self.eval_tools = self.cluster = None
+
+    # ------------------------------------------------------------------ lifetime
+    def __enter__(self) -> "RunServices":
+        try:
+            self._start()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def defer(self, fn: Callable[[], Any]) -> None:
+        """Call ``fn`` at teardown, before everything started so far is stopped."""
+        self._stack.callback(fn)
+
+    def _start(self) -> None:
+        from rlboost_hpc.rollout.spec import WorkerSpec
+        from rlboost_hpc.tasks.reward_pool import RewardPool
+        from rlboost_hpc.trainer.client import ManagerClient
+        from rlboost_hpc.trainer.publisher import WeightPublisher
+        from rlboost_hpc.weights.server import WeightServer
+        from rlboost_hpc.weights.sharded import manifest_nbytes
+
+        cfg, rd, w = self.cfg, self.run_dir, self.cfg.weights
+        self.keys = self._keys()
+        self.server = WeightServer(bind=f"tcp://{cfg.network.bind_host}:0", chunk_bytes=w.chunk_bytes,
+                                   keys=self.keys, delta=w.delta, delta_max_ratio=w.delta_max_ratio).start()
+        self.defer(self.server.close)
+        environment = self.environment()
+        self.mproc, bound, metrics_url = self._spawn_manager(environment)
+        self.client = None
+        self.defer(self._stop_manager)  # and its client
+        net = cfg.network
+        self.host = net.advertise_host or (socket.gethostname() if net.bind_host in ("0.0.0.0", "*")
+                                           else net.bind_host)
+        self.endpoint, self.weights_endpoint = advertised(bound, self.host), advertised(self.server.endpoint,
+                                                                                         self.host)
+        self.client = ManagerClient(self.endpoint, keys=self.keys, alive=self.mproc.is_alive)
+        metrics_url = metrics_url.replace("0.0.0.0", self.host)
+        write_endpoints(rd.root, self.endpoint, self.weights_endpoint, run_id=self.run_id,
+                        curve=self.keys is not None, metrics=metrics_url, worker=WorkerSpec.from_config(cfg).to_json())
+        if metrics_url:
+            write_file_sd(rd.root, "rlboost-manager", metrics_url, self.run_id)
+            log.info("manager metrics: %s (file_sd: %s/prometheus/)", metrics_url, rd.root)
+        self.backend = self._backend()
+        self.defer(self.backend.close)  # the Megatron backend holds process groups / shard servers
+        self.publisher = WeightPublisher(self.server, self.backend, getattr(torch, w.dtype),
+                                         client_keys=self.keys.client_view() if self.keys else None,
+                                         streams=w.streams, window=w.window, timeout_s=w.pull_timeout_s)
+        if self.publisher.shards:
+            log.info("weights: every model-parallel rank serves its own shards (%d holders, %.1f MB per version)",
+                     len(self.publisher.shards["holders"]), manifest_nbytes(self.publisher.shards) / 1e6)
+        self.rewards = RewardPool(self.task, workers=cfg.task.reward_workers,
+                                  timeout_s=cfg.task.reward_timeout_s)
+        self.defer(self.rewards.close)
+        if environment is not None:  # held-out trajectories call the tool too (their own workers, same deadline)
+            from rlboost_hpc.tasks.tools import ToolCalls
+
+            self.eval_tools = ToolCalls(**environment)
+            self.defer(self.eval_tools.close)
+
+    def _keys(self) -> RunKeys | None:
+        """Per-run CURVE keys, owner-only, in the run directory; a resumed run keeps them."""
+        if not self.cfg.security.curve:
+            return None
+        keys = None
+        if self._resuming:
+            try:
+                keys = RunKeys.load(self.run_dir.root)
+            except Exception:  # noqa: BLE001 - unreadable or absent: new keys (old rollout jobs then cannot rejoin)
+                keys = None
+        if keys is None:
+            keys = RunKeys.generate()
+            keys.save(self.run_dir.root)
+        return keys
+
+    def environment(self) -> dict | None:
+        """The tool-call pool's arguments (multi-turn tasks; None for single-turn):
+        :func:`~rlboost_hpc.manager.service.run_manager_process`'s ``environment``."""
+        from rlboost_hpc.tasks.tools import ToolEnvironment, ToolSyntax
+
+        t = self.cfg.task
+        if t.max_turns == 1:
+            return None
+        env = ToolEnvironment(tokenizer_dir=str(self.policy.path), use_chat=self.policy.tokenizer.use_chat,
+                              syntax=ToolSyntax(t.tool_call_open, t.tool_call_close), tool=t.tool,
+                              plain_format=t.tool_plain_format, max_observation_tokens=t.max_observation_tokens)
+        return dict(env=env, workers=t.tool_workers, timeout_s=t.tool_timeout_s)
+
+    def _spawn_manager(self, environment: dict | None):
+        """The manager process with the run's settings (``manager.*``, ``policy.*``, streaming and relay);
+        ``(process, endpoint, metrics_url)``."""
+        from rlboost_hpc.manager.service import spawn_manager
+        from rlboost_hpc.policy.dispatch import Balancer
+
+        cfg = self.cfg
+        metrics_host = None if cfg.manager.metrics is False else cfg.network.bind_host
+        return spawn_manager(
+            bind=f"tcp://{cfg.network.bind_host}:0", keys_dir=str(self.run_dir.root) if self.keys else None,
+            metrics_host=metrics_host, journal_path=str(self.run_dir.journal), run_id=self.run_id,
+            environment=environment, params=dict(
+                pending_limit=cfg.manager.pending_limit, heartbeat_s=cfg.manager.heartbeat_s,
+                heartbeat_timeout_s=cfg.manager.heartbeat_timeout_s, max_attempts=cfg.manager.max_attempts,
+                instance_expiry_s=cfg.manager.instance_expiry_s,
+                stream_every_tokens=cfg.rollout.stream_every_tokens, stream_every_s=cfg.rollout.stream_every_s,
+                dispatch_policy=cfg.policy.dispatch, balance_every_s=cfg.policy.balance_every_s,
+                balancer=Balancer() if cfg.policy.balance else None,
+                relay_fanout=cfg.weights.relay_fanout if cfg.weights.relay else 0,
+                relay_trainer_fanout=cfg.weights.relay_trainer_fanout))
+
+    def _stop_manager(self) -> None:
+        if self._hello:  # the manager takes Shutdown from the trainer it knows only
+            try:
+                self.client.call(M.Shutdown(reason="run finished"), timeout_s=5)
+            except Exception:  # noqa: BLE001 - the manager may already be gone
+                pass
+        if self.client is not None:
+            self.client.close()
+        if not self._hello:
+            self.mproc.terminate()  # no trainer yet: SIGTERM stops its loop and closes its tool workers
+        self.mproc.join(timeout=10)
+        if self.mproc.is_alive():
+            self.mproc.kill()
+            self.mproc.join(timeout=5)
+
+    def _backend(self):
+        cfg, t = self.cfg, self.cfg.trainer
+        common = dict(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, clip_eps=t.clip_eps,
+                      kl_coef=t.kl_coef, temperature=cfg.rollout.temperature)
+        if t.backend != "torch":  # e.g. megatron: provided by megatron_bridge through an entry point
+            from rlboost_hpc.trainer.backends import plugin_backend
+
+            return plugin_backend(t.backend)(cfg, self.policy, common, keys=self.keys, advertise_host=self.host)
+        from rlboost_hpc.trainer.backends.torch_backend import TorchBackend
+
+        return TorchBackend(self.policy.arch, self.policy.state_dict, device=self._device, dtype=self._dtype,
+                            **common)
+
+    # ------------------------------------------------------------------ the first version, then rollout
+    def hello(self, version: int) -> dict:
+        """Introduce the trainer to the manager (weight server, model config and architecture, shard layout),
+        publish ``version`` and make it current. Returns the publish record (``weight_checksum``, bytes, …)."""
+        policy = self.policy
+        self.client.call(M.TrainerHello(weights_endpoint=self.weights_endpoint, model_config=policy.hf_config,
+                                        model_arch=policy.arch.to_json(), weights_shards=self.publisher.shards_json))
+        self._hello = True
+        man = self.publisher.publish(version)
+        self.client.call(M.SetVersion(version=version, checksum=man["weight_checksum"]))
+        return man
+
+    def start_rollout(self) -> None:
+        """Start the reserved engine (a rollout agent in a thread of this process, following versions through the
+        publisher) and the preemptible capacity: the scavenger's target under Slurm, else the local cluster."""
+        from rlboost_hpc.procutil import reclaim_leftovers
+        from rlboost_hpc.rollout.agent import RolloutAgent
+        from rlboost_hpc.rollout.engines.factory import torch_engine_factory
+
+        cfg, r = self.cfg, self.cfg.rollout
+        publisher = self.publisher
+
+        def local_source(_endpoint: str, _shards: str = ""):
+            def pull(version: int):
+                import time
+
+                t0 = time.monotonic()
+                sd, info = publisher.state_dict(version, follow=True)  # the engine copies what it loads
+                return sd, {**info, "pull_s": time.monotonic() - t0}
+            return pull
+
+        reserved = RolloutAgent(self.endpoint, "reserved", 0, kind="reserved", max_batch=r.max_batch,
+                                weight_source_factory=local_source, keys=self.keys,
+                                engine_factory=torch_engine_factory(r.max_batch, r.device, r.dtype))
+        thread = threading.Thread(target=reserved.run, name="reserved-engine", daemon=True)
+        thread.start()
+
+        def stop_reserved() -> None:
+            reserved.request_stop("run finished")
+            thread.join(timeout=10)
+        self.defer(stop_reserved)
+        if cfg.cluster.kind == "slurm":  # rollout jobs come from the scavenger; tell it how many we want
+            self.set_target(cfg.cluster.max_workers, step=0)
+            self.defer(lambda: write_target(self.run_dir.root, 0, active=False, step=self._target_step,
+                                            gpus_per_instance=r.gpus_per_instance))
+            return
+        from rlboost_hpc.cluster.local import LocalCluster
+
+        partial: Callable[[], dict[str, int]] | None = None
+        if cfg.cluster.preempt_when_busy:  # the cluster's thread asks the manager on a socket of its own
+            from rlboost_hpc.trainer.client import ManagerClient
+
+            probe = ManagerClient(self.endpoint, keys=self.keys, alive=self.mproc.is_alive, timeout_s=2.0)
+            self.defer(probe.close)
+            partial = lambda: {k: i.partial for k, i in probe.stats().instances.items()}  # noqa: E731
+        self.cluster = LocalCluster(cfg.cluster, self.endpoint, self.run_dir.root, t_origin=self._t_origin,
+                                    partial_by_instance=partial)
+        self.cluster.start()
+
+        def stop_cluster() -> None:
+            self.cluster.stop()
+            reclaim_leftovers()  # what SIGKILLed local workers left on this node (shared memory, temp dirs)
+        self.defer(stop_cluster)
+
+    _target_step = 0
+
+    def set_target(self, n_prem: int, step: int) -> None:
+        """The preemptible instances the run wants now: the scavenger's ``target.json`` under Slurm, the local
+        cluster's cap otherwise (``step``: the next step, recorded in the target)."""
+        if self.cfg.cluster.kind == "slurm":
+            self._target_step = step
+            write_target(self.run_dir.root, n_prem, active=True, step=step,
+                         gpus_per_instance=self.cfg.rollout.gpus_per_instance)
+        elif self.cluster is not None:
+            self.cluster.set_cap(n_prem)
+
+    def available(self) -> int:
+        """Preemptible instances the run could hold now (the N_prem cap's upper clamp), at most
+        ``cluster.max_workers``: the replayed trace's offered slots with the local cluster, the scavenger's
+        capacity view under Slurm (unknown → ``max_workers``)."""
+        from rlboost_hpc.cluster.capacity import available_from_scavenger
+
+        most = self.cfg.cluster.max_workers
+        if self.cluster is not None:
+            return min(most, self.cluster.offered())
+        seen = available_from_scavenger(self.run_dir.root) if self.cfg.cluster.kind == "slurm" else None
+        return most if seen is None else min(most, seen)
+
