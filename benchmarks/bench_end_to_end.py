@@ -79,7 +79,7 @@ def main() -> None:
     cfg_a = load_config(args.config, common)
     print(f"config {args.config}, steps={args.steps}, seed={cfg_a.trainer.seed}, "
           f"{cfg_a.rollout.prompts_per_step}×{cfg_a.rollout.group_size} responses/step, max_new_tokens="
-          f"{cfg_a.rollout.max_new_tokens}, T_seed={cfg_a.trainer.seed_window_s} s, preemptible workers ≤ "
+          f"{cfg_a.rollout.max_new_tokens}, T_seed={cfg_a.policy.t_seed_initial_s} s, preemptible workers ≤ "
           f"{cfg_a.cluster.max_workers}; {ncpu} CPU cores; load average {os.getloadavg()[0]:.2f}")
     runs = []
     if args.only in (None, "a"):

@@ -2,7 +2,7 @@
 
 (a) default config: adaptive T_seed (η rule + memory), N_prem cap, JSQ with Θ, continuous balancer;
 (b) the same without the balancer (``policy.balance=false``);
-(c) ablation: fixed T_seed = trainer.seed_window_s, no cap, round-robin dispatch, no balancer.
+(c) ablation: fixed T_seed = policy.t_seed_initial_s, no cap, round-robin dispatch, no balancer.
 Prints tokens trained per second of each and the ratios to (c), measured in one invocation.
 
 Usage: python benchmarks/bench_policies_live.py [--steps 60] [--set key=value ...]

@@ -158,14 +158,16 @@ class ManagerCfg(_Strict):
 
 
 class PolicyCfg(_Strict):
-    """RLBoost's scheduling decisions (``rlboost_hpc/policy``). The initial seeding window is
-    ``trainer.seed_window_s``."""
+    """RLBoost's scheduling decisions (``rlboost_hpc/policy``): the seeding window T_seed (``t_seed_*``), the cap
+    N_prem, dispatch with Θ and continuous balancing."""
 
+    t_seed_initial_s: float = Field(3.0, ge=0, description="T_seed of the first step: seconds the reserved engine "
+                                                           "generates at step start before it hands over")
     adaptive_seeding: bool = Field(True, description="T_seed += (t_wait_train − t_wait_remote)/η after each step")
-    seed_memory: bool = Field(True, description="remember T_seed per instance count M[n]")
+    t_seed_memory: bool = Field(True, description="remember T_seed per instance count M[n]")
     eta: float = Field(3.0, gt=0, description="η of the seeding update")
-    seed_floor_s: float = Field(0.05, ge=0, description="smallest T_seed (the paper uses 5 s at its scale)")
-    seed_ceil_s: float | None = Field(None, description="largest T_seed (None: unbounded)")
+    t_seed_floor_s: float = Field(0.05, ge=0, description="smallest T_seed (the paper uses 5 s at its scale)")
+    t_seed_ceil_s: float | None = Field(None, description="largest T_seed (None: unbounded)")
     cap: bool = Field(True, description="obey N_prem = (t_remote·n_prem + T_seed·N_resv)/t_train")
     dispatch: Literal["jsq", "round_robin"] = Field("jsq", description="JSQ with Θ (RLBoost) or round robin (ablation)")
     balance: bool = Field(True, description="continuous balancing: move running requests beyond an instance's "
@@ -222,7 +224,6 @@ class TrainerCfg(_Strict):
         "is clipped and clip_frac is 0); it acts only if a step ever takes several optimizer steps"))
     kl_coef: float = Field(0.0, ge=0, description="β of the k3 KL penalty to the reference policy; 0 skips the reference")
     micro_batch: int = Field(16, ge=1, description="m_b: responses per micro-batch")
-    seed_window_s: float = Field(3.0, ge=0, description="T_seed: seconds the reserved engine generates at step start")
     step_timeout_s: float = Field(300.0, gt=0, description="deadline for collecting one step's responses")
     gpus: int | None = Field(None, ge=0, description=(
         "GPUs of the trainer allocation, used only when Slurm's environment does not say (SLURM_GPUS_ON_NODE x "
@@ -318,8 +319,9 @@ class RunConfig(_Strict):
         if self.manager.heartbeat_timeout_s <= 2 * self.manager.heartbeat_s:
             raise ValueError("manager.heartbeat_timeout_s must exceed 2 × manager.heartbeat_s")
         p = self.policy
-        if p.seed_ceil_s is not None and p.seed_ceil_s < p.seed_floor_s:
-            raise ValueError(f"policy.seed_ceil_s ({p.seed_ceil_s}) must be >= policy.seed_floor_s ({p.seed_floor_s})")
+        if p.t_seed_ceil_s is not None and p.t_seed_ceil_s < p.t_seed_floor_s:
+            raise ValueError(f"policy.t_seed_ceil_s ({p.t_seed_ceil_s}) must be >= policy.t_seed_floor_s "
+                             f"({p.t_seed_floor_s})")
         t = self.task
         if t.max_turns == 1 and t.max_trajectory_tokens not in (0, self.rollout.max_new_tokens):
             raise ValueError("task.max_trajectory_tokens applies to multi-turn tasks only (task.max_turns > 1)")
@@ -336,6 +338,27 @@ class RunConfig(_Strict):
 
 class ConfigError(BadInput, ValueError):
     """A config file or override is malformed; the message names the key and the problem."""
+
+
+#: Keys that were renamed: old dotted key → new one (a config or override using the old name is refused, naming
+#: the new one, rather than reported as merely unknown).
+RENAMED = {
+    "trainer.seed_window_s": "policy.t_seed_initial_s",
+    "policy.seed_floor_s": "policy.t_seed_floor_s",
+    "policy.seed_ceil_s": "policy.t_seed_ceil_s",
+    "policy.seed_memory": "policy.t_seed_memory",
+}
+
+
+def _check_renamed(data: dict[str, Any], where: str) -> None:
+    """Raise ConfigError for every key of ``data`` that :data:`RENAMED` lists."""
+    def present(key: str) -> bool:
+        table, name = key.split(".")
+        return isinstance(data.get(table), dict) and name in data[table]
+
+    old = [k for k in RENAMED if present(k)]
+    if old:
+        raise ConfigError(f"renamed configuration keys{where}: " + "; ".join(f"{k} is now {RENAMED[k]}" for k in old))
 
 
 def _parse_value(raw: str) -> Any:
@@ -383,6 +406,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
     apply_overrides(data, overrides or [])
+    _check_renamed(data, f" in {path} or --set" if path else "")
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:

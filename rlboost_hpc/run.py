@@ -344,13 +344,13 @@ def _trainer(cfg: RunConfig, svc: RunServices, setup: RunSetup, n_resv: float):
     r, t, pol = cfg.rollout, cfg.trainer, cfg.policy
     settings = StepSettings(prompts_per_step=r.prompts_per_step, group_size=r.group_size,
                             max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                            micro_batch=t.micro_batch, seed_window_s=t.seed_window_s,
+                            micro_batch=t.micro_batch,
                             step_timeout_s=t.step_timeout_s, seed=t.seed, max_turns=cfg.task.max_turns,
                             max_trajectory_tokens=cfg.trajectory_tokens(), tool_stop_ids=setup.tool_stops)
     controller = RolloutController(
         n_resv=n_resv, use_cap=pol.cap,
-        seeding=SeedingWindow(initial_s=t.seed_window_s, eta=pol.eta, floor_s=pol.seed_floor_s,
-                              adapt=pol.adaptive_seeding, memory=pol.seed_memory, ceil_s=pol.seed_ceil_s))
+        seeding=SeedingWindow(initial_s=pol.t_seed_initial_s, eta=pol.eta, floor_s=pol.t_seed_floor_s,
+                              adapt=pol.adaptive_seeding, memory=pol.t_seed_memory, ceil_s=pol.t_seed_ceil_s))
     trainer = RLTrainer(client=svc.client, backend=svc.backend, task=setup.task, tokenizer=setup.policy.tokenizer,
                         settings=settings, score=svc.rewards.score, publish=svc.publisher.publish,
                         controller=controller, available=svc.available)

@@ -34,7 +34,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
   timeout 300 python3 -m rlboost_hpc.cli run --config configs/gsm8k-qwen3.toml --out "$OUT/run" --no-progress \
       --set model.path="'$PWD/.gpu/qwen3-0.6b'" --set trainer.backend=megatron --set trainer.bf16=true \
       --set trainer.steps=10 --set cluster.max_workers=4 --set rollout.max_new_tokens=256 \
-      --set rollout.prompts_per_step=16 --set task.heldout_prompts=16 --set trainer.seed_window_s=5 \
+      --set rollout.prompts_per_step=16 --set task.heldout_prompts=16 --set policy.t_seed_initial_s=5 \
       --set cluster.min_changes=0 --set cluster.min_removals=0 --set cluster.min_starts=0 \
       --set trainer.export_model=false
   python3 - "$OUT/run" <<'PY'

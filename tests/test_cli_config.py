@@ -94,9 +94,22 @@ def test_top_p_below_1_is_refused_naming_the_key(tmp_path):
 
 def test_seeding_bounds_that_contradict_each_other_are_refused_naming_both_keys(tmp_path):
     """Regression (issue 15): the config loaded, then the run died with a traceback and exit 1."""
-    p = _run_cli("run", "--out", str(tmp_path / "o"), "--set", "policy.seed_ceil_s=0.01")
+    p = _run_cli("run", "--out", str(tmp_path / "o"), "--set", "policy.t_seed_ceil_s=0.01")
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
-    assert "policy.seed_ceil_s" in p.stderr and "policy.seed_floor_s" in p.stderr
+    assert "policy.t_seed_ceil_s" in p.stderr and "policy.t_seed_floor_s" in p.stderr
+
+
+def test_a_renamed_key_is_refused_naming_its_new_name(tmp_path):
+    """T_seed has one name (``policy.t_seed_*``): a config still using ``trainer.seed_window_s`` exits 2 and says
+    what the key is called now, in a file or an override."""
+    cfg = tmp_path / "old.toml"
+    cfg.write_text("[trainer]\nsteps = 2\nseed_window_s = 0.5\n")
+    p = _run_cli("run", "--config", str(cfg), "--out", str(tmp_path / "o"))
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "trainer.seed_window_s is now policy.t_seed_initial_s" in p.stderr and str(cfg) in p.stderr
+    p = _run_cli("run", "--out", str(tmp_path / "o"), "--set", "policy.seed_floor_s=1")
+    assert p.returncode == 2 and "policy.seed_floor_s is now policy.t_seed_floor_s" in p.stderr
+    assert not (tmp_path / "o" / "report.json").exists()
 
 
 @pytest.mark.parametrize("argv", [["run", "--log-level", "FOO"], ["scavenger", "/nonexistent", "--log-level", "FOO"]])

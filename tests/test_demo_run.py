@@ -161,7 +161,7 @@ def test_rollout_that_cannot_complete_exits_nonzero(repo_root, tmp_path):
     """Case R5/R6: a step whose responses cannot be collected within its deadline fails the run with exit 1
     and a failure report — never a silent success, never trained as zero rewards."""
     p = run_cli(repo_root, tmp_path / "fail", "trainer.steps=2", "trainer.step_timeout_s=0.05",
-                "trainer.seed_window_s=0", "cluster.max_workers=0")
+                "policy.t_seed_initial_s=0", "cluster.max_workers=0")
     assert p.returncode == 1, p.stderr[-3000:]
     assert "rollout failed unrecoverably" in p.stderr
     rep = json.loads((tmp_path / "fail/report.json").read_text())

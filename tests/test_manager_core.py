@@ -638,3 +638,25 @@ def test_round_robin_ablation_takes_instances_in_turn():
     core.tick()
     order = [(p, w.rid) for p, m in core.outbox if isinstance(m, M.Assign) for w in m.works]
     assert sorted(p for p, _ in order) == [b"a", b"a", b"b", b"b", b"c", b"c"]  # each in turn, twice
+
+
+def test_request_states_change_only_along_the_transition_table():
+    """A response's state changes in one place (Request.move): queued → running (with its instance) → done, never
+    back from done, never running without an instance or owned while not running."""
+    from rlboost_hpc.manager.state import REQUEST_TRANSITIONS, Request, RequestState as R
+
+    req = Request(rid="s0g0/0", step=0, gid="s0g0", sample=0, prompt_ids=[1], max_new_tokens=4, temperature=1.0,
+                  top_p=1.0, seed=0, stop_ids=[2], version=0)
+    with pytest.raises(ValueError):
+        req.move(R.RUNNING)  # running needs the instance that runs it
+    req.move(R.RUNNING, "a#0")
+    assert (req.state, req.instance) == (R.RUNNING, "a#0")
+    req.move(R.QUEUED)  # its instance left: resumes elsewhere
+    assert req.instance is None
+    req.move(R.RUNNING, "b#0")
+    req.move(R.DONE, finish_reason="stop")
+    assert (req.state, req.instance, req.finish_reason) == (R.DONE, None, "stop")
+    for new in R:
+        with pytest.raises(ValueError):
+            req.move(new, "a#0" if new == R.RUNNING else None)
+    assert set(REQUEST_TRANSITIONS) == set(R)

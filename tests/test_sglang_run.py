@@ -40,7 +40,7 @@ def test_demo_with_sglang_workers_meets_the_report_contract(repo_root, tmp_path)
                 # alone within a fixed seeding window that outlasts the server's per-step weight load
                 # (pull + load ≈ 0.3 s): its partial responses are then handed over to the SGLang server
                 "rollout.prompts_per_step=16", "rollout.max_new_tokens=96",
-                "trainer.seed_window_s=0.6", "policy.adaptive_seeding=false")
+                "policy.t_seed_initial_s=0.6", "policy.adaptive_seeding=false")
     assert p.returncode == 0, p.stderr[-3000:]
     rep = json.loads((tmp_path / "run/report.json").read_text())
     for k in CONTRACT_KEYS:
@@ -75,7 +75,7 @@ def test_multi_turn_trajectories_on_sglang_workers(repo_root, tmp_path):
                 "cluster.window_start_s=0", "cluster.max_workers=1", "policy.cap=false", "trainer.steps=40",
                 "cluster.preempt_when_busy=true", "cluster.busy_wait_max_s=90", "task.max_turns=3",
                 "task.tool_call_open=''", "task.tool_call_close='.'", "task.heldout_prompts=8",
-                "rollout.prompts_per_step=16", "rollout.max_new_tokens=32", "trainer.seed_window_s=0.6",
+                "rollout.prompts_per_step=16", "rollout.max_new_tokens=32", "policy.t_seed_initial_s=0.6",
                 "policy.adaptive_seeding=false")
     assert p.returncode == 0, p.stderr[-3000:]
     rep = json.loads((out / "report.json").read_text())

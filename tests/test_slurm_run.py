@@ -150,7 +150,7 @@ class SlurmRun:
 
 def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_restarts(tmp_path):
     overrides = ("--set trainer.steps=100 --set rollout.max_new_tokens=128 --set rollout.prompts_per_step=16 "
-                 "--set cluster.max_workers=3 --set trainer.seed_window_s=0.3 --set network.bind_host=127.0.0.1 "
+                 "--set cluster.max_workers=3 --set policy.t_seed_initial_s=0.3 --set network.bind_host=127.0.0.1 "
                  "--set policy.cap=false "  # a steady target: every rollout job ends by preemption or at the end
                  # rollout settings off their defaults: each Slurm rollout job must run with them (worker spec)
                  "--set rollout.max_batch=24 --set weights.streams=2 --set weights.window=3 "
@@ -219,7 +219,7 @@ def test_n_resv_and_the_rollout_job_size_come_from_the_trainer_allocation(tmp_pa
     hard-coded to 1), the scavenger — started with its own default of 1 GPU per job — submits --gres=gpu:2 because
     the run asks for it, and the cap is clamped to the capacity the scavenger reported (at most the 2 idle nodes)."""
     overrides = ("--set trainer.steps=6 --set rollout.gpus_per_instance=2 --set cluster.max_workers=3 "
-                 "--set trainer.seed_window_s=0.3 --set network.bind_host=127.0.0.1")
+                 "--set policy.t_seed_initial_s=0.3 --set network.bind_host=127.0.0.1")
     with SlurmRun(tmp_path, "nresv", overrides, train=("--nodes", "2", "--gres", "gpu:2")) as r:
         rep = r.finish()
     run_dir = r.run_dir
@@ -245,7 +245,7 @@ def test_the_controller_steers_the_scavenger_on_slurm(tmp_path):
     from scavenger.stats import read_reconcile_log
 
     overrides = ("--set trainer.steps=50 --set rollout.max_new_tokens=128 --set rollout.prompts_per_step=16 "
-                 "--set cluster.max_workers=3 --set trainer.seed_window_s=0.3 --set network.bind_host=127.0.0.1 "
+                 "--set cluster.max_workers=3 --set policy.t_seed_initial_s=0.3 --set network.bind_host=127.0.0.1 "
                  "--set policy.cap=true")
     preemptions = 0
     with SlurmRun(tmp_path, "loop", overrides) as r:
@@ -309,7 +309,7 @@ def test_a_tool_using_run_on_slurm_loses_no_trajectory_to_preemption(tmp_path):
     tests/test_trajectories.py.)"""
     overrides = ("--set trainer.steps=12 --set task.max_turns=3 --set task.tool_call_open='' "
                  "--set task.tool_call_close='.' --set rollout.max_new_tokens=32 --set cluster.max_workers=3 "
-                 "--set trainer.seed_window_s=0.3 --set network.bind_host=127.0.0.1 --set policy.cap=false")
+                 "--set policy.t_seed_initial_s=0.3 --set network.bind_host=127.0.0.1 --set policy.cap=false")
     with SlurmRun(tmp_path, "tools", overrides, scav=("--gpus-per-job", "1")) as r:
         env, tag, run_dir, state = r.env, r.tag, r.run_dir, r.state
         wait_for(lambda: steps_done(run_dir) >= 2 and len(settled_running(env, tag)) >= 2, 180,

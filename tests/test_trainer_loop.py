@@ -5,6 +5,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from rlboost_hpc.policy.controller import RolloutController
+from rlboost_hpc.policy.seeding import SeedingWindow
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.stats import ManagerStats, StepActivity
 from rlboost_hpc.tasks.base import get_task
@@ -58,10 +60,10 @@ class CountingBackend:
 
 def _trainer(manager) -> RLTrainer:
     tok = SimpleNamespace(use_chat=False, stop_ids=(1, 2), encode_text=lambda t: [1, 3, 4], decode=lambda ids: "x")
-    s = StepSettings(prompts_per_step=2, group_size=4, max_new_tokens=8, temperature=1.0, top_p=1.0, micro_batch=4,
-                     seed_window_s=0.0)
+    s = StepSettings(prompts_per_step=2, group_size=4, max_new_tokens=8, temperature=1.0, top_p=1.0, micro_batch=4)
+    fixed = RolloutController(n_resv=1.0, seeding=SeedingWindow(initial_s=0.0, adapt=False))  # T_seed = 0
     return RLTrainer(client=manager, backend=CountingBackend(), task=get_task("stories"), tokenizer=tok, settings=s,
-                     publish=lambda v: {})
+                     publish=lambda v: {}, controller=fixed)
 
 
 def test_tokens_stamped_with_another_version_are_counted_by_the_trainer():

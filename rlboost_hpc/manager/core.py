@@ -259,7 +259,7 @@ class ManagerCore(TrainerCalls):
         inst.releasing.discard(rid)
         if req is None or req.state != R.RUNNING or req.instance != inst.key:
             return
-        req.state, req.instance = R.QUEUED, None
+        req.move(R.QUEUED)
         req.migrations += 1
         self.counters.responses_migrated += 1
         if req.n:
@@ -482,13 +482,12 @@ class ManagerCore(TrainerCalls):
         """An assistant turn finished: a tool call goes to the environment (the trajectory waits, owned by no
         instance), anything else finishes the response."""
         self.counters.turns_completed += 1
-        req.instance = None
         if fin == M.FINISH_STOP and req.calls_tool():
-            req.state = R.ENVIRONMENT
+            req.move(R.ENVIRONMENT)
             self.counters.environment_calls += 1
             self.send(ENV_PEER, M.EnvCall(rid=req.rid, turn=req.turn, turn_ids=req.turn_ids()))
             return
-        req.state, req.finish_reason = R.DONE, M.FINISH_NAMES[fin]
+        req.move(R.DONE, finish_reason=M.FINISH_NAMES[fin])
         self._group_progress(req)
 
     def _on_EnvResult(self, peer: bytes, inst: Instance | None, msg: M.EnvResult) -> None:
@@ -507,12 +506,12 @@ class ManagerCore(TrainerCalls):
             else:
                 self.counters.environment_timeouts += 1
         if req.n + len(msg.obs_ids) // 4 >= req.max_trajectory_tokens or not msg.obs_ids:
-            req.state, req.finish_reason = R.DONE, "length"
+            req.move(R.DONE, finish_reason="length")
             self._group_progress(req)
             return
         self.counters.observation_tokens += len(msg.obs_ids) // 4
         req.append_observation(msg.obs_ids)
-        req.state = R.QUEUED
+        req.move(R.QUEUED)
         self.queue.appendleft(req.rid)
 
     def _on_RequestFailed(self, peer: bytes, inst: Instance | None, msg: M.RequestFailed) -> None:
@@ -616,7 +615,7 @@ class ManagerCore(TrainerCalls):
             loads = [len(i.inflight) for i in free]  # all below Θ (and their batch size)
             choose = self._rr.choose if self.dispatch_policy == "round_robin" else choose_instance
             inst = free[choose(loads, self.pending_limit)]
-            req.state, req.instance = R.RUNNING, inst.key
+            req.move(R.RUNNING, inst.key)
             req.attempts += 1
             req.instances.append(inst.key)
             inst.inflight.add(rid)

@@ -14,7 +14,7 @@ import numpy as np
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.tasks.tools import turn_seed
 
-__all__ = ["ALLOWED_TRANSITIONS", "ENV_PEER", "Group", "Instance", "InstanceState", "Request", "RequestState",
+__all__ = ["ALLOWED_TRANSITIONS", "REQUEST_TRANSITIONS", "ENV_PEER", "Group", "Instance", "InstanceState", "Request", "RequestState",
            "StepWork"]
 
 #: The peer id of the environment (tool calls of multi-turn trajectories): a pool in the manager's own process.
@@ -47,6 +47,14 @@ class RequestState(StrEnum):
     RUNNING = "running"
     ENVIRONMENT = "environment"
     DONE = "done"
+
+
+REQUEST_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    RequestState.QUEUED: frozenset({RequestState.RUNNING}),
+    RequestState.RUNNING: frozenset({RequestState.QUEUED, RequestState.ENVIRONMENT, RequestState.DONE}),
+    RequestState.ENVIRONMENT: frozenset({RequestState.QUEUED, RequestState.DONE}),
+    RequestState.DONE: frozenset(),
+}
 
 
 ALLOWED_TRANSITIONS: dict[InstanceState, frozenset[InstanceState]] = {
@@ -128,6 +136,22 @@ class Request:
     def __post_init__(self) -> None:
         if not self.max_trajectory_tokens:
             self.max_trajectory_tokens = self.max_new_tokens
+
+    def move(self, new: RequestState, instance: str | None = None, finish_reason: str = "") -> None:
+        """The one place a response's state changes (transitions in ``REQUEST_TRANSITIONS``). ``instance``: the
+        instance that runs it (``RUNNING`` only; every other state is owned by no instance); ``finish_reason``:
+        why it is ``DONE``.
+
+        Raises:
+            ValueError: a transition the table does not allow (a bug in the caller, never input).
+        """
+        if new not in REQUEST_TRANSITIONS[self.state]:
+            raise ValueError(f"response {self.rid}: {self.state} → {new} is not a transition")
+        if (new == RequestState.RUNNING) != (instance is not None):
+            raise ValueError(f"response {self.rid}: an instance runs it exactly when it is running")
+        self.state, self.instance = new, instance
+        if new == RequestState.DONE:
+            self.finish_reason = finish_reason
 
     def turn_budget(self) -> int:
         """Tokens the current turn may have in all (its original budget, bounded by the trajectory's)."""

@@ -17,7 +17,7 @@ Calibration (every number from the run directory; nothing fitted to N_prem itsel
 * **Capacity**: the local cluster's replay plan (the same trace, window, time scale and cap as the run, rebuilt
   deterministically); under Slurm the caller's capacity series (the scavenger's live + idle slots, at most
   ``max_workers``).
-* **Policy**: the run's ``policy`` settings and ``trainer.seed_window_s`` as the initial T_seed.
+* **Policy**: the run's ``policy`` settings and ``policy.t_seed_initial_s`` as the initial T_seed.
 """
 from __future__ import annotations
 
@@ -138,8 +138,8 @@ def simulate_run(run_dir: str | Path, *, capacity: list[tuple[float, float]] | N
         reserved_tp=1, instance_tp=1, switch_to_rollout_s=0.0, switch_to_train_s=0.0, optimizer_s=0.0,
         boot_s=boot_s, workload=wl, net=Network(publish_s=statistics.fmean(m.get("publish_s", 0.0) for m in steps)),
         perf=perf, train_s_per_token=train_s_per_token)
-    system = SystemSpec("live", t_seed_initial=cfg["trainer"]["seed_window_s"], eta=pol["eta"],
-                        floor_s=pol["seed_floor_s"], adapt=pol["adaptive_seeding"], memory=pol["seed_memory"],
+    system = SystemSpec("live", t_seed_initial_s=cfg["policy"]["t_seed_initial_s"], eta=pol["eta"],
+                        floor_s=pol["t_seed_floor_s"], adapt=pol["adaptive_seeding"], memory=pol["t_seed_memory"],
                         use_cap=pol["cap"], dispatch="jsq" if pol["dispatch"] == "jsq" else "rr",
                         theta=cfg["manager"]["pending_limit"], balancer=pol["balance"],
                         balance_interval_s=pol["balance_every_s"])

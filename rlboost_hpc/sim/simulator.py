@@ -51,7 +51,7 @@ class SystemSpec:
     name: str
     colocated: bool = False        # verl: reserved GPUs do the whole rollout, then train (no remote pool)
     seeding: bool = True           # reserved GPUs seed for T_seed (False: T_seed = 0, fallback only)
-    t_seed_initial: float = 150.0
+    t_seed_initial_s: float = 150.0
     eta: float = 3.0
     floor_s: float = 5.0
     adapt: bool = True
@@ -132,7 +132,7 @@ class Simulation:
         self._held_idx: dict[str, int] = {}
         self.controller = RolloutController(
             n_resv=profile.n_resv_equiv,
-            seeding=SeedingWindow(initial_s=system.t_seed_initial if system.seeding else 0.0, eta=system.eta,
+            seeding=SeedingWindow(initial_s=system.t_seed_initial_s if system.seeding else 0.0, eta=system.eta,
                                   floor_s=system.floor_s if system.seeding else 0.0,
                                   adapt=system.adapt and system.seeding, memory=system.memory),
             use_cap=system.use_cap)

@@ -51,7 +51,6 @@ class StepSettings:
     temperature: float
     top_p: float
     micro_batch: int
-    seed_window_s: float
     step_timeout_s: float = 300.0
     seed: int = 0
     max_turns: int = 1  # > 1: multi-turn trajectories (tool calls answered by the manager's environment)
@@ -115,7 +114,7 @@ class RLTrainer:
 
     def __init__(self, *, client: ManagerClient, backend: TrainerBackend, task: Task, tokenizer,
                  settings: StepSettings, publish: Callable[[int], dict],
-                 controller: RolloutController | None = None, available: Callable[[], int | None] = lambda: None,
+                 controller: RolloutController, available: Callable[[], int | None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic,
                  score: Callable[[list[tuple[Any, str]]], list[float]] | None = None) -> None:
         self.client, self.backend, self.task, self.tok = client, backend, task, tokenizer
@@ -125,7 +124,7 @@ class RLTrainer:
         self.stop_ids = tuple(tokenizer.stop_ids)
         self.publish = publish
         self.clock = clock
-        # T_seed and N_prem decisions (policy/controller.py); None: fixed T_seed = settings.seed_window_s
+        # T_seed and N_prem decisions (policy/controller.py; a fixed T_seed is a SeedingWindow with adapt=False)
         self.controller = controller
         self.available = available
         self.decision: StepDecision | None = None
@@ -145,7 +144,7 @@ class RLTrainer:
         return {"version": self.version, "frontier": self.frontier.state(),
                 "totals": dict(vars(self.totals)), "seen": sorted(self.seen),
                 "trained_groups": dict(self.trained_groups), "taken": list(self.taken),
-                "controller": None if self.controller is None else self.controller.state_dict(),
+                "controller": self.controller.state_dict(),
                 "decision": None if self.decision is None else asdict(self.decision)}
 
     def load_state_dict(self, st: dict) -> None:
@@ -156,9 +155,8 @@ class RLTrainer:
         self.seen = set(st["seen"])
         self.trained_groups = dict(st["trained_groups"])
         self.taken = list(st["taken"])
-        ctl = st.get("controller")
-        if ctl is not None and self.controller is not None:  # the policy's state; its settings come from config
-            self.controller.load_state_dict(ctl)
+        if st.get("controller") is not None:  # the policy's state; its settings come from config
+            self.controller.load_state_dict(st["controller"])
         self.decision = StepDecision(**st["decision"]) if st.get("decision") else None
 
     def prompts_not_trained_once(self) -> int:
@@ -199,8 +197,8 @@ class RLTrainer:
         n_resp = len(specs) * s.group_size
         self.totals.responses_expected += n_resp
         # the manager's view at the step boundary: the previous step's closing stats (one round trip less)
-        n_start = (self.last_stats or self.client.stats()).live_preemptible if self.controller else 0
-        t_seed = self.controller.begin_step(n_start) if self.controller else s.seed_window_s
+        n_start = (self.last_stats or self.client.stats()).live_preemptible
+        t_seed = self.controller.begin_step(n_start)
         self.client.call(M.SubmitStep(step=step, version=self.version, groups=specs))
 
         ready: list[Sample] = []
@@ -316,24 +314,22 @@ class RLTrainer:
         st = self.last_stats = self.client.stats()
         activity = st.last_step_activity
         generating = [(a, b) for a, b in activity.generating]  # manager's clock: CLOCK_MONOTONIC, same host
-        policy = {}
-        if self.controller is not None:
-            rem = st.last_step_remote
-            avail = self.available()
-            self.decision = self.controller.end_step(StepObservation(
-                t_seed_s=t_seed_actual, t_wait_train_s=t_wait, t_wait_remote_s=rem.t_wait_remote_s,
-                t_remote_s=rem.t_remote_s, n_remote=rem.n_remote, t_train_s=t_train,
-                n_instances_start=n_start, n_instances_end=st.live_preemptible, n_available=avail))
-            self.client.send(M.PolicyState(t_seed_s=self.decision.t_seed_s, n_prem_cap=self.decision.n_prem_cap))
-            policy = {"t_seed_next_s": self.decision.t_seed_s, "n_prem_cap": self.decision.n_prem_cap,
-                      "t_remote_s": rem.t_remote_s, "t_wait_remote_s": rem.t_wait_remote_s,
-                      "n_remote": rem.n_remote, "n_available": avail}
+        rem = st.last_step_remote
+        avail = self.available()
+        self.decision = self.controller.end_step(StepObservation(
+            t_seed_s=t_seed_actual, t_wait_train_s=t_wait, t_wait_remote_s=rem.t_wait_remote_s,
+            t_remote_s=rem.t_remote_s, n_remote=rem.n_remote, t_train_s=t_train,
+            n_instances_start=n_start, n_instances_end=st.live_preemptible, n_available=avail))
+        self.client.send(M.PolicyState(t_seed_s=self.decision.t_seed_s, n_prem_cap=self.decision.n_prem_cap))
+        policy = {"t_seed_next_s": self.decision.t_seed_s, "n_prem_cap": self.decision.n_prem_cap,
+                  "t_remote_s": rem.t_remote_s, "t_wait_remote_s": rem.t_wait_remote_s,
+                  "n_remote": rem.n_remote, "n_available": avail}
         self.totals.responses_trained += n_trained
         self.totals.migrated_responses_trained += n_mig
         wall = tl.finish()
         tokens = sum(lens) + sum(len(by_gid[g][1]) for g in by_gid) * s.group_size
         out = {
-            "step": step, "version": self.version, "wall_s": wall, "seed_window_s": t_seed_actual,
+            "step": step, "version": self.version, "wall_s": wall, "t_seed_s": t_seed_actual,
             "seeding_close": close.what, "t_wait_train_s": t_wait, "train_s": t_train,
             "reward_mean": sum(rewards) / max(1, len(rewards)), "response_len_mean": sum(lens) / max(1, len(lens)),
             "responses": n_trained, "responses_migrated": n_mig, "tokens": tokens,
