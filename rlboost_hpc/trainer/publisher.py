@@ -46,7 +46,7 @@ class WeightPublisher:
         self.server = server
         self.backend = backend
         self.dtype = dtype
-        self.shards: dict | None = getattr(backend, "shard_manifest", None)
+        self.shards: dict | None = backend.shard_manifest
         self._pull_kw = dict(streams=streams, window=window, timeout_s=timeout_s, keys=client_keys)
         self.history: list[dict] = []
         self._lock = threading.Lock()
@@ -110,7 +110,7 @@ class WeightPublisher:
                "shards": None}
         if self.shards:
             holders = self.backend.shard_stats()
-            out["shards"] = {"holders": holders, "gathered_exports": int(getattr(self.backend, "gathered_exports", 0))}
+            out["shards"] = {"holders": holders, "gathered_exports": int(self.backend.gathered_exports)}
             out["bytes_served"] += sum(h["bytes_served"] for h in holders)
             out["delta_bytes_served"] += sum(h.get("delta_bytes_served", 0) for h in holders)
         return out

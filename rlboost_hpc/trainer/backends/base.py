@@ -79,6 +79,8 @@ class TrainerBackend(abc.ABC):
     #: The assembly manifest (:mod:`rlboost_hpc.weights.sharded`) when the backend serves its own weight shards —
     #: one weight server per model-parallel holder rank — else None (the run publishes :meth:`export_weights`).
     shard_manifest: dict | None = None
+    #: :meth:`export_weights` calls that gathered pieces from other ranks (0 for a single-process backend).
+    gathered_exports: int = 0
 
     def publish_shards(self, version: int) -> dict:
         """Every holder publishes its own pieces as ``version`` (collective for distributed backends). Returns, on
