@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rlboost_hpc.weights import WeightPuller, WeightServer  # noqa: E402
+from rlboost_hpc.weights.puller import auto_streams, usable_cores  # noqa: E402
 
 
 class RawSender:
@@ -178,6 +179,8 @@ def main() -> None:
         r = f"{ratio:10.2f}" if ratio is not None else " " * 10
         w = f"{ratio_w:7.2f}" if ratio_w is not None else " " * 7
         print(f"{size_mib:>5}MiB {name:>17} {med:9.2f} {b} {r} {w}  {extra}")
+    print(f"# the default weights.streams = 0 pulls with {auto_streams()} stream(s) here ({usable_cores()} usable cores): "
+          f"its rows are s={auto_streams()}")
     print(f"# total {time.perf_counter() - t_start:.1f}s")
 
 

@@ -179,7 +179,8 @@ class WeightsCfg(_Strict):
     """Pull-based weight transfer."""
 
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    streams: int = Field(D.WEIGHT_STREAMS, ge=1)
+    streams: int = Field(D.WEIGHT_STREAMS, ge=0, description="parallel streams of one pull; 0: one per two usable "
+                                                             "CPU cores of the puller, at most 4")
     window: int = Field(D.WEIGHT_WINDOW, ge=1)
     chunk_bytes: int = Field(D.WEIGHT_CHUNK_BYTES, ge=4096)
     pull_timeout_s: float = Field(D.PULL_TIMEOUT_S, gt=0)

@@ -20,8 +20,11 @@ MAX_ATTEMPTS = 5
 
 #: Chunk size of a weight version on the wire (``weights.chunk_bytes``); also the delta granularity.
 WEIGHT_CHUNK_BYTES = 1 << 20
-#: Parallel streams of one weight pull (``weights.streams``).
-WEIGHT_STREAMS = 4
+#: Parallel streams of one weight pull (``weights.streams``); 0: automatic, one per two usable CPU cores, at most
+#: 4 (each stream keeps its receiving thread and a libzmq I/O thread busy; more streams than that only contend).
+WEIGHT_STREAMS = 0
+#: Most streams the automatic choice takes.
+WEIGHT_STREAMS_MAX = 4
 #: Outstanding chunk requests per stream (``weights.window``).
 WEIGHT_WINDOW = 4
 #: Stall deadline of a weight pull from the trainer (``weights.pull_timeout_s``).

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import socket
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -48,6 +49,7 @@ class RunServices:
         self._resuming, self._device, self._dtype, self._t_origin = resuming, train_device, train_dtype, t_origin
         self._stack = contextlib.ExitStack()
         self._hello = False
+        self._target_step = 0  # the step the scavenger's target was last written for
         self.eval_tools = self.cluster = None
 
     # ------------------------------------------------------------------ lifetime
@@ -213,8 +215,6 @@ class RunServices:
 
         def local_source(_endpoint: str, _shards: str = ""):
             def pull(version: int):
-                import time
-
                 t0 = time.monotonic()
                 sd, info = publisher.state_dict(version, follow=True)  # the engine copies what it loads
                 return sd, {**info, "pull_s": time.monotonic() - t0}
@@ -252,8 +252,6 @@ class RunServices:
             self.cluster.stop()
             reclaim_leftovers()  # what SIGKILLed local workers left on this node (shared memory, temp dirs)
         self.defer(stop_cluster)
-
-    _target_step = 0
 
     def set_target(self, n_prem: int, step: int) -> None:
         """The preemptible instances the run wants now: the scavenger's ``target.json`` under Slurm, the local

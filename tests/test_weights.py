@@ -576,3 +576,17 @@ def test_failing_hook_is_an_internal_error_not_a_crash(server):
     assert server.stats["internal_errors"] >= 1 and server.is_alive()
     server._payload_hook = None
     assert WeightPuller(server.endpoint).pull().version == 1
+
+
+def test_automatic_streams_follow_the_usable_cores():
+    """``weights.streams = 0`` (the default): one stream per two usable cores, 1 to 4 — on the 2-core machine one
+    stream is what reaches the socket's ceiling (bench_weights); explicit counts are kept; negative ones refused."""
+    from rlboost_hpc.config import load_config
+    from rlboost_hpc.weights.puller import auto_streams, usable_cores
+
+    assert [auto_streams(c) for c in (1, 2, 3, 4, 8, 16, 128)] == [1, 1, 1, 2, 4, 4, 4]
+    assert load_config(None, []).weights.streams == 0
+    assert WeightPuller("tcp://127.0.0.1:1").streams == auto_streams(usable_cores())
+    assert WeightPuller("tcp://127.0.0.1:1", streams=3).streams == 3
+    with pytest.raises(ValueError, match="streams"):
+        WeightPuller("tcp://127.0.0.1:1", streams=-1)

@@ -80,9 +80,11 @@ class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
             spec = msgspec.convert(dict(data), cls)
         except (msgspec.ValidationError, TypeError) as e:
             raise WorkerSpecError(f"{where}: worker: {e}") from None
-        for key in ("max_batch", "torch_threads", "weight_streams", "weight_window"):
+        for key in ("max_batch", "torch_threads", "weight_window"):
             if getattr(spec, key) < 1:
                 raise WorkerSpecError(f"{where}: worker.{key} must be >= 1, got {getattr(spec, key)}")
+        if spec.weight_streams < 0:
+            raise WorkerSpecError(f"{where}: worker.weight_streams must be >= 0 (0: automatic), got {spec.weight_streams}")
         if not spec.pull_timeout_s > 0:
             raise WorkerSpecError(f"{where}: worker.pull_timeout_s must be > 0, got {spec.pull_timeout_s}")
         return spec

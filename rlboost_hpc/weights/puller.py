@@ -44,6 +44,7 @@ Invariants:
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -75,6 +76,22 @@ from rlboost_hpc.weights import delta as delta_codec
 from rlboost_hpc.weights import layout
 
 _SLICE_S = 0.05  # longest single poll, so that a failure on one stream stops the others promptly
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask: a Slurm job's allocation, a container's cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def auto_streams(cores: int | None = None) -> int:
+    """Streams of a pull when ``weights.streams = 0``: one per two usable cores (``cores``; default
+    :func:`usable_cores`), at least 1, at most ``WEIGHT_STREAMS_MAX``. Each stream keeps two threads busy (its
+    receiver, which also checksums, and a libzmq I/O thread); on 2 cores one stream reaches the socket's ceiling
+    and more only contend (``benchmarks/bench_weights.py``)."""
+    return max(1, min(D.WEIGHT_STREAMS_MAX, (cores if cores is not None else usable_cores()) // 2))
 
 
 class WeightTransferError(RuntimeError):
@@ -207,7 +224,7 @@ class WeightPuller:
 
     Args:
         endpoint: holder address, e.g. ``"tcp://10.0.0.5:5601"``.
-        streams: parallel DEALER connections (≥ 1), one receiving thread each.
+        streams: parallel DEALER connections, one receiving thread each; 0: :func:`auto_streams`.
         window: outstanding chunk requests per stream (≥ 1).
         timeout_s: readiness deadline of the manifest phase and stall deadline of the transfer phase
             (seconds without any reply on a stream that is waiting for one).
@@ -233,12 +250,12 @@ class WeightPuller:
         keys: "RunKeys | None" = None,
         peer_timeout_s: float | None = None,
     ) -> None:
-        if streams < 1 or window < 1:
-            raise ValueError(f"streams and window must be >= 1, got {streams}, {window}")
+        if streams < 0 or window < 1:
+            raise ValueError(f"streams must be >= 0 (0: automatic) and window >= 1, got {streams}, {window}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.endpoint = endpoint
-        self.streams = int(streams)
+        self.streams = int(streams) or auto_streams()
         self.window = int(window)
         self.timeout_s = float(timeout_s)
         self.deadline_s = deadline_s

@@ -31,6 +31,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from rlboost_hpc import defaults as D
 from rlboost_hpc.protocol.weight_msgs import combine_checksums
 from rlboost_hpc.weights.puller import PulledWeights, WeightPuller
 
@@ -136,7 +137,7 @@ def assemble(specs: Iterable[Mapping], tensors: Mapping[str, torch.Tensor], *,
     return out
 
 
-def pull_sharded(manifest: Mapping[str, Any], version: int, *, streams: int = 4, window: int = 4,
+def pull_sharded(manifest: Mapping[str, Any], version: int, *, streams: int = D.WEIGHT_STREAMS, window: int = D.WEIGHT_WINDOW,
                  timeout_s: float = 30.0, deadline_s: float | None = None, label: str = "",
                  replica: int = 0, keys: Any = None,
                  bases: "Mapping[str, PulledWeights] | None" = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
