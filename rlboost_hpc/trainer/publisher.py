@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 import torch
 
+from rlboost_hpc import defaults as D
 from rlboost_hpc.trainer.backends.base import TrainerBackend
 from rlboost_hpc.weights import sharded
 from rlboost_hpc.weights.server import WeightServer
@@ -42,7 +43,8 @@ class WeightPublisher:
     """
 
     def __init__(self, server: WeightServer, backend: TrainerBackend, dtype: torch.dtype, *,
-                 client_keys: Any = None, streams: int = 4, window: int = 4, timeout_s: float = 30.0) -> None:
+                 client_keys: Any = None, streams: int = D.WEIGHT_STREAMS, window: int = D.WEIGHT_WINDOW,
+                 timeout_s: float = D.PULL_TIMEOUT_S) -> None:
         self.server = server
         self.backend = backend
         self.dtype = dtype
