@@ -439,7 +439,7 @@ class ManagerCore(TrainerCalls):
         requests, key = self.requests, inst.key
         ids, lps = memoryview(msg.ids), memoryview(msg.logprobs)
         lo = late = 0
-        for i, (rid, off, cnt, ver, fin) in enumerate(zip(msg.rids, msg.offsets, counts, msg.versions, msg.finish)):
+        for rid, off, cnt, ver, fin in zip(msg.rids, msg.offsets, counts, msg.versions, msg.finish):
             hi = lo + 4 * cnt
             req = requests.get(rid)
             if req is None or req.instance != key or req.state != R.RUNNING:
@@ -448,7 +448,8 @@ class ManagerCore(TrainerCalls):
                 self.counters.off_version_tokens_rejected += cnt
                 self._fence(inst, f"sent {cnt} tokens of version {ver} for {rid} of version {req.version}")
                 break
-            elif off + cnt > req.turn_budget():
+            elif off + cnt > req.max_new_tokens or off + cnt > req.max_trajectory_tokens - req.turn_start:
+                # (= past req.turn_budget(), spelt out: a method call per delta costs ~15 % of this loop)
                 self._fence(inst, f"delta for {rid} at {off}+{cnt} exceeds the budget {req.turn_budget()}")
                 break
             elif req.turn_start + off != req.n:  # (offsets count from the turn's start) frames lost with a
