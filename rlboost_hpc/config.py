@@ -123,8 +123,8 @@ class RolloutCfg(_Strict):
         "sampling temperature, so a token drawn from a truncated, renormalised nucleus would be trained with "
         "another probability than it was drawn with"))
     max_batch: int = Field(32, ge=1, description="engine batch slots per instance")
-    stream_every_tokens: int = Field(4, ge=1, description="flush token chunks to the manager every k tokens")
-    stream_every_s: float = Field(0.05, gt=0, description="... or after this many seconds, whichever first")
+    stream_every_tokens: int = Field(D.STREAM_EVERY_TOKENS, ge=1, description="flush token chunks to the manager every k tokens")
+    stream_every_s: float = Field(D.STREAM_EVERY_S, gt=0, description="... or after this many seconds, whichever first")
     torch_threads: int = Field(1, ge=1)
     gpus_per_instance: int = Field(1, ge=1, description=(
         "GPUs of one rollout instance: Slurm rollout jobs ask --gres=gpu:N with it, and N_resv = the trainer "
@@ -172,7 +172,7 @@ class PolicyCfg(_Strict):
     dispatch: Literal["jsq", "round_robin"] = Field("jsq", description="JSQ with Θ (RLBoost) or round robin (ablation)")
     balance: bool = Field(True, description="continuous balancing: move running requests beyond an instance's "
                                             "learned throughput plateau to instances with headroom")
-    balance_every_s: float = Field(0.5, gt=0, description="balancer period (also the throughput sampling interval)")
+    balance_every_s: float = Field(D.BALANCE_EVERY_S, gt=0, description="balancer period (also the throughput sampling interval)")
 
 
 class WeightsCfg(_Strict):
@@ -192,8 +192,8 @@ class WeightsCfg(_Strict):
     relay: bool = Field(True, description=(
         "peer relay: instances holding the latest version serve it to others (bytes only; manifests and checksums "
         "come from the trainer), so the trainer's egress does not grow with N_prem"))
-    relay_fanout: int = Field(4, ge=1, description="pullers one instance serves at once")
-    relay_trainer_fanout: int = Field(2, ge=1, description="pullers the trainer serves at once while relay is on")
+    relay_fanout: int = Field(D.RELAY_FANOUT, ge=1, description="pullers one instance serves at once")
+    relay_trainer_fanout: int = Field(D.RELAY_TRAINER_FANOUT, ge=1, description="pullers the trainer serves at once while relay is on")
     relay_wait_s: float = Field(10.0, ge=0, description=(
         "longest an instance waits for relay capacity before pulling from the trainer anyway"))
     relay_timeout_s: float = Field(5.0, gt=0, description=(

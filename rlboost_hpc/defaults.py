@@ -29,3 +29,14 @@ WEIGHT_STREAMS_MAX = 4
 WEIGHT_WINDOW = 4
 #: Stall deadline of a weight pull from the trainer (``weights.pull_timeout_s``).
 PULL_TIMEOUT_S = 30.0
+
+#: Tokens per streamed delta: an engine flushes every k tokens (``rollout.stream_every_tokens``) ...
+STREAM_EVERY_TOKENS = 4
+#: ... or after this many seconds, whichever first (``rollout.stream_every_s``).
+STREAM_EVERY_S = 0.05
+#: Continuous balancer period, also the throughput sampling interval (``policy.balance_every_s``).
+BALANCE_EVERY_S = 0.5
+#: Pullers one relay holder serves at once (``weights.relay_fanout``).
+RELAY_FANOUT = 4
+#: Pullers the trainer serves at once while relay is on (``weights.relay_trainer_fanout``).
+RELAY_TRAINER_FANOUT = 2
