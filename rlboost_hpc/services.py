@@ -146,22 +146,14 @@ class RunServices:
         """The manager process with the run's settings (``manager.*``, ``policy.*``, streaming and relay);
         ``(process, endpoint, metrics_url)``."""
         from rlboost_hpc.manager.service import spawn_manager
-        from rlboost_hpc.policy.dispatch import Balancer
+        from rlboost_hpc.manager.settings import ManagerSettings
 
         cfg = self.cfg
         metrics_host = None if cfg.manager.metrics is False else cfg.network.bind_host
         return spawn_manager(
             bind=f"tcp://{cfg.network.bind_host}:0", keys_dir=str(self.run_dir.root) if self.keys else None,
             metrics_host=metrics_host, journal_path=str(self.run_dir.journal), run_id=self.run_id,
-            environment=environment, params=dict(
-                pending_limit=cfg.manager.pending_limit, heartbeat_s=cfg.manager.heartbeat_s,
-                heartbeat_timeout_s=cfg.manager.heartbeat_timeout_s, max_attempts=cfg.manager.max_attempts,
-                instance_expiry_s=cfg.manager.instance_expiry_s,
-                stream_every_tokens=cfg.rollout.stream_every_tokens, stream_every_s=cfg.rollout.stream_every_s,
-                dispatch_policy=cfg.policy.dispatch, balance_every_s=cfg.policy.balance_every_s,
-                balancer=Balancer() if cfg.policy.balance else None,
-                relay_fanout=cfg.weights.relay_fanout if cfg.weights.relay else 0,
-                relay_trainer_fanout=cfg.weights.relay_trainer_fanout))
+            environment=environment, params=ManagerSettings.from_config(cfg).core_kwargs())
 
     def _stop_manager(self) -> None:
         if self._hello:  # the manager takes Shutdown from the trainer it knows only

@@ -660,3 +660,25 @@ def test_request_states_change_only_along_the_transition_table():
         with pytest.raises(ValueError):
             req.move(new, "a#0" if new == R.RUNNING else None)
     assert set(REQUEST_TRANSITIONS) == set(R)
+
+
+def test_manager_settings_have_the_cores_defaults_and_come_from_the_config():
+    """One home per default: ManagerSettings' defaults are ManagerCore's (field by field), and a run's settings
+    are its config's (relay off → fan-out 0; balancing → a Balancer)."""
+    import inspect
+
+    from rlboost_hpc.config import load_config
+    from rlboost_hpc.manager.settings import ManagerSettings
+    from rlboost_hpc.policy.dispatch import Balancer
+
+    sig = inspect.signature(ManagerCore.__init__).parameters
+    kw = ManagerSettings().core_kwargs()
+    assert kw.pop("balancer") is None and sig["balancer"].default is None
+    assert {k: sig[k].default for k in kw} == kw
+    cfg = load_config(None, ["manager.pending_limit=7", "rollout.stream_every_tokens=3", "policy.dispatch=round_robin",
+                             "weights.relay=false", "policy.balance=true"])
+    s = ManagerSettings.from_config(cfg)
+    assert (s.pending_limit, s.stream_every_tokens, s.dispatch_policy, s.relay_fanout, s.balance) == (
+        7, 3, "round_robin", 0, True)
+    assert isinstance(s.core_kwargs()["balancer"], Balancer)
+    ManagerCore(clock=lambda: 0.0, **s.core_kwargs())  # every field is a keyword the core takes

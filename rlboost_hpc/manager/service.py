@@ -214,6 +214,11 @@ def run_manager_process(bind: str, params: dict, conn, keys_dir: str | None = No
         metrics_url = f"http://{h}:{port}/metrics"
     svc = ManagerService(core, bind, keys=RunKeys.load(keys_dir) if keys_dir else None, metrics=metrics,
                          environment=ToolCalls(**environment) if environment is not None else None)
+    import signal
+
+    # SIGTERM (the run stopping a manager no trainer ever said hello to): leave the loop, close the tool workers.
+    # Installed before the endpoint is reported, so a stop that follows at once is never a kill.
+    signal.signal(signal.SIGTERM, lambda *_: svc.stop())
     conn.send((svc.endpoint, metrics_url))
     conn.close()
     parent = os.getppid()
@@ -226,10 +231,6 @@ def run_manager_process(bind: str, params: dict, conn, keys_dir: str | None = No
             time.sleep(1.0)
 
     threading.Thread(target=watch_parent, daemon=True).start()
-    import signal
-
-    # SIGTERM (the run stopping a manager no trainer ever said hello to): leave the loop, close the tool workers
-    signal.signal(signal.SIGTERM, lambda *_: svc.stop())
     try:
         svc.serve_forever()
     finally:

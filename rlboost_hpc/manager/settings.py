@@ -1,0 +1,56 @@
+"""The rollout manager's settings as one typed record, derived from the run's configuration in one place."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from rlboost_hpc import defaults as D
+from rlboost_hpc.config import RunConfig
+from rlboost_hpc.policy.dispatch import Balancer
+
+
+@dataclass(frozen=True)
+class ManagerSettings:
+    """What a run's manager is configured with (seconds in ``_s`` fields; counts otherwise). The defaults are
+    those of :class:`~rlboost_hpc.manager.core.ManagerCore` (``defaults.py``); a run derives every field from its
+    :class:`RunConfig` with :meth:`from_config`.
+
+    ``pending_limit``: Θ, requests in flight per instance before JSQ looks elsewhere. ``heartbeat_s`` /
+    ``heartbeat_timeout_s`` / ``instance_expiry_s``: liveness. ``max_attempts``: dispatches of one response
+    before its step fails. ``stream_every_tokens`` / ``stream_every_s``: the engines' streaming cadence (sent in
+    ``Welcome``). ``dispatch_policy``: ``jsq`` (RLBoost) or ``round_robin`` (ablation). ``balance``: continuous
+    balancing on, every ``balance_every_s``. ``relay_fanout``: pullers a relay holder serves (0: relay off);
+    ``relay_trainer_fanout``: pullers the trainer serves while relay is on."""
+
+    pending_limit: int = D.PENDING_LIMIT
+    heartbeat_s: float = D.HEARTBEAT_S
+    heartbeat_timeout_s: float = D.HEARTBEAT_TIMEOUT_S
+    instance_expiry_s: float = D.INSTANCE_EXPIRY_S
+    max_attempts: int = D.MAX_ATTEMPTS
+    stream_every_tokens: int = D.STREAM_EVERY_TOKENS
+    stream_every_s: float = D.STREAM_EVERY_S
+    dispatch_policy: Literal["jsq", "round_robin"] = "jsq"
+    balance: bool = False
+    balance_every_s: float = D.BALANCE_EVERY_S
+    relay_fanout: int = 0
+    relay_trainer_fanout: int = D.RELAY_TRAINER_FANOUT
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> "ManagerSettings":
+        """The manager settings of a run: ``manager.*``, the streaming cadence of ``rollout.*``, dispatch and
+        balancing of ``policy.*``, relay of ``weights.*`` (``weights.relay = false`` → fan-out 0)."""
+        m = cfg.manager
+        return cls(pending_limit=m.pending_limit, heartbeat_s=m.heartbeat_s,
+                   heartbeat_timeout_s=m.heartbeat_timeout_s, instance_expiry_s=m.instance_expiry_s,
+                   max_attempts=m.max_attempts, stream_every_tokens=cfg.rollout.stream_every_tokens,
+                   stream_every_s=cfg.rollout.stream_every_s, dispatch_policy=cfg.policy.dispatch,
+                   balance=cfg.policy.balance, balance_every_s=cfg.policy.balance_every_s,
+                   relay_fanout=cfg.weights.relay_fanout if cfg.weights.relay else 0,
+                   relay_trainer_fanout=cfg.weights.relay_trainer_fanout)
+
+    def core_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of :class:`~rlboost_hpc.manager.core.ManagerCore` (what ``spawn_manager`` takes as
+        ``params``; picklable, so they cross to the spawned process): ``balance`` becomes a fresh ``Balancer``."""
+        kw = asdict(self)
+        kw["balancer"] = Balancer() if kw.pop("balance") else None
+        return kw
