@@ -246,6 +246,7 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
     evaluation and export. Returns the report and the local cluster's live-worker series (for the plot)."""
     from rlboost_hpc.observe.report import ProgressView
     from rlboost_hpc.trainer import checkpoint
+    from rlboost_hpc.trainer.eval import kl_to_reference
 
     resume = ResumeState.load(ckpt, svc.backend, rd)
     steps.extend(resume.steps)
@@ -303,7 +304,7 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
     final = svc.client.stats()
     served = svc.publisher.served()  # what the trainer sent (the rest of weight_pulled_bytes came from relay peers)
     after = held_out.evaluate(trainer.version, keep_samples=True)
-    kl = held_out.drift(svc.backend, after.pop("sampled"))
+    kl = kl_to_reference(svc.backend, after.pop("sampled"))
     model_out = str(save_model_dir(rd.model, setup.policy, _exported(cfg, svc, trainer.version))) \
         if cfg.trainer.export_model else None
     cluster = svc.cluster.summary() if svc.cluster else None
@@ -351,10 +352,9 @@ def _trainer(cfg: RunConfig, svc: RunServices, setup: RunSetup, n_resv: float):
         n_resv=n_resv, use_cap=pol.cap,
         seeding=SeedingWindow(initial_s=pol.t_seed_initial_s, eta=pol.eta, floor_s=pol.t_seed_floor_s,
                               adapt=pol.adaptive_seeding, memory=pol.t_seed_memory, ceil_s=pol.t_seed_ceil_s))
-    trainer = RLTrainer(client=svc.client, backend=svc.backend, task=setup.task, tokenizer=setup.policy.tokenizer,
-                        settings=settings, score=svc.rewards.score, publish=svc.publisher.publish,
-                        controller=controller, available=svc.available)
-    return trainer
+    return RLTrainer(client=svc.client, backend=svc.backend, task=setup.task, tokenizer=setup.policy.tokenizer,
+                     settings=settings, score=svc.rewards.score, publish=svc.publisher.publish,
+                     controller=controller, available=svc.available)
 
 
 def _exported(cfg: RunConfig, svc: RunServices, version: int):

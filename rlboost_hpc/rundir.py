@@ -50,6 +50,8 @@ PROMETHEUS_DIR = "prometheus"
 LOGS_DIR = "logs"
 CONFIG_FILE = "config.json"  # the run's resolved configuration
 MODEL_DIR = "model"  # the trained policy (trainer.export_model)
+
+
 @dataclass(frozen=True)
 class RunDir:
     """The paths of one run directory (``root``): the only place the layout's names are spelled."""

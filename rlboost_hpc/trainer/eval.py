@@ -165,7 +165,7 @@ def kl_to_reference(backend: TrainerBackend, samples: list[Sample], batch: int =
 
 
 class HeldOut:
-    """The run's held-out evaluation and drift measurement, bound to how it samples: :func:`evaluate` of a
+    """The run's held-out evaluation, bound to how it samples: :func:`evaluate` of a
     version's weights (``weights(version)``: the state dict rollout instances receive) with fixed ``evaluate``
     keyword arguments (samples, budgets, temperature, device, reward ``score``, multi-turn ``turns``)."""
 
@@ -174,15 +174,9 @@ class HeldOut:
         self.arch, self.tokenizer, self.task, self.weights, self.kw = arch, tokenizer, task, weights, evaluate_kw
 
     def evaluate(self, version: int, keep_samples: bool = False) -> dict:
-        """:func:`evaluate` of ``version``; its ``sampled`` responses (for :meth:`drift`) only with
+        """:func:`evaluate` of ``version``; its ``sampled`` responses (for :func:`kl_to_reference`) only with
         ``keep_samples``."""
         out = evaluate(self.arch, self.weights(version), self.tokenizer, self.task, **self.kw)
         if not keep_samples:
             out.pop("sampled")
         return out
-
-    @staticmethod
-    def drift(backend: TrainerBackend, sampled: list[Sample]) -> float:
-        """KL to the reference policy in nats per token over responses sampled from the trained policy
-        (:func:`kl_to_reference`)."""
-        return kl_to_reference(backend, sampled)

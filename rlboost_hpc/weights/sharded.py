@@ -138,7 +138,7 @@ def assemble(specs: Iterable[Mapping], tensors: Mapping[str, torch.Tensor], *,
 
 
 def pull_sharded(manifest: Mapping[str, Any], version: int, *, streams: int = D.WEIGHT_STREAMS, window: int = D.WEIGHT_WINDOW,
-                 timeout_s: float = 30.0, deadline_s: float | None = None, label: str = "",
+                 timeout_s: float = D.PULL_TIMEOUT_S, deadline_s: float | None = None, label: str = "",
                  replica: int = 0, keys: Any = None,
                  bases: "Mapping[str, PulledWeights] | None" = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Pull ``version`` from one holder per position, all positions in parallel, and assemble HF tensors.
