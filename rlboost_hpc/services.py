@@ -181,7 +181,7 @@ class RunServices:
         from rlboost_hpc.trainer.backends.torch_backend import TorchBackend
 
         return TorchBackend(self.policy.arch, self.policy.state_dict, device=self._device, dtype=self._dtype,
-                            **common)
+                            wire_dtype=getattr(torch, cfg.weights.dtype), **common)
 
     # ------------------------------------------------------------------ the first version, then rollout
     def hello(self, version: int) -> dict:

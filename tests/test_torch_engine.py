@@ -418,3 +418,33 @@ def test_engine_factory_from_the_runs_spec(tmp_path, loaded):
     # with the trainer's parsed architecture (Welcome.model_arch) the worker never re-reads config.json
     eng = torch_engine_factory(4, "cpu")({}, sd, arch=loaded[0])
     assert eng.config == loaded[0]
+
+
+def test_a_flat_version_loads_with_one_copy_into_flat_weights_and_other_layouts_take_the_checked_path(loaded, tok):
+    """A pulled single-dtype version is a FlatState: the engine moves its parameters into one flat tensor of the same
+    layout on the first such load, then loads each version with one copy; a FlatState of another layout (an extra
+    tensor) goes through the per-tensor checks and is refused with the same error as a dict."""
+    from rlboost_hpc.weights.layout import FlatState
+
+    cfg, sd = loaded
+    prompt = tok.encode(PROMPTS[6])
+    bf16 = {k: v.to(torch.bfloat16) for k, v in sd.items() if k != "lm_head.weight"}  # tied head: the embedding
+    reference = _run(TorchEngine(cfg, bf16, max_batch=4), "r", prompt, 40, SAMPLED)
+    eng = _engine(loaded, max_batch=4)
+    eng.load_weights(FlatState.pack(bf16), 1)
+    flat = eng._flat
+    assert flat is not None and len(flat) == len(bf16)
+    lo, hi = flat.flat.data_ptr(), flat.flat.data_ptr() + flat.flat.numel() * flat.flat.element_size()
+    assert all(lo <= p.data_ptr() < hi for p in eng.model.parameters())  # the weights live in the flat tensor
+    assert _run(eng, "a", prompt, 40, SAMPLED) == reference
+    eng.load_weights(FlatState.pack({k: v * 0 for k, v in bf16.items()}), 2)
+    assert all(not p.any() for p in eng.model.parameters())  # one copy reached every parameter, the head too
+    assert eng._flat is flat and eng.version == 2
+    eng.load_weights(FlatState.pack(bf16), 3)
+    assert _run(eng, "b", prompt, 40, SAMPLED) == reference
+    extra = FlatState.pack(dict(bf16, **{"model.layers.0.self_attn.q_proj.bias": torch.zeros(64, dtype=torch.bfloat16)}))
+    with pytest.raises(EngineError, match="unexpected.*q_proj.bias"):
+        eng.load_weights(extra, 4)
+    assert eng.version == 3 and _run(eng, "c", prompt, 40, SAMPLED) == reference
+    eng.load_weights(sd, 5)  # a dict still loads tensor by tensor, into the flat weights
+    assert all(lo <= p.data_ptr() < hi for p in eng.model.parameters())

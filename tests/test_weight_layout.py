@@ -121,3 +121,104 @@ def test_mutated_manifests_are_rejected_or_viewable():
         assert len(views) == len(set(m.tensors.names))
         viewed += 1
     assert viewed > 0  # some mutations (e.g. of checksum digits) keep the manifest valid
+
+
+def _model_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.w": torch.randn(3, i + 1, generator=g) for i in range(9)} | {"norm": torch.randn(5, generator=g)}
+
+
+@pytest.mark.parametrize("wire", [torch.bfloat16, None])
+def test_a_flat_state_publishes_the_bytes_of_its_tensors_with_one_copy(wire):
+    sd = _model_state()
+    flat = layout.FlatState.pack(sd, wire)
+    assert layout.plan(flat, wire) == layout.plan(sd, wire)  # its table is the one the tensors would get
+    table, total = layout.plan(sd, wire)
+    want, got = layout.host_buffer(total), torch.full((total,), 0xCD, dtype=torch.uint8)
+    layout.flatten_into(want, sd, table)
+    layout.flatten_into(got, flat, table)
+    assert torch.equal(want, got)  # padding included: the flat tensor's padding is zero
+    assert list(flat) == sorted(sd) and all(torch.equal(flat[k], sd[k]) for k in sd) and "norm" in flat
+    other = torch.float16 if wire is None else None  # published in a dtype it was not packed for: tensor by tensor
+    assert layout.plan(flat, other) == layout.plan(sd, other)
+
+
+def test_adopted_parameters_train_inside_the_flat_tensor_and_its_padding_stays_zero():
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 7), torch.nn.Linear(7, 2))
+    params = dict(model.named_parameters())
+    flat = layout.FlatState.pack(params)
+    before = {k: p.detach().clone() for k, p in params.items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)  # built before adopt: parameters keep their identity
+    flat.adopt(params)
+    assert all(torch.equal(p.detach(), before[k]) for k, p in params.items())
+    for _ in range(3):
+        model(torch.randn(4, 5)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    for k, p in model.named_parameters():
+        assert p.data_ptr() == flat[k].data_ptr() and torch.equal(p.detach(), flat[k]) and not torch.equal(p, before[k])
+    a = table_arrays(flat.table)
+    item = 2  # bf16 wire elements
+    covered = torch.zeros(flat.flat.numel(), dtype=torch.bool)
+    for off, n in zip((a.offsets // item).tolist(), a.numel.tolist()):
+        covered[off: off + n] = True
+    assert not flat.flat[~covered].any()  # nothing reached the padding
+    table, total = layout.plan(flat, torch.bfloat16)
+    a_buf, b_buf = layout.host_buffer(total), layout.host_buffer(total)
+    layout.flatten_into(a_buf, flat, table)
+    layout.flatten_into(b_buf, {k: p.detach() for k, p in model.named_parameters()}, table)
+    assert torch.equal(a_buf, b_buf)
+
+
+def test_flat_state_errors_and_copies_only_between_equal_layouts():
+    with pytest.raises(ValueError, match="one dtype"):
+        layout.FlatState.pack({"a": torch.ones(2), "b": torch.ones(2, dtype=torch.float16)})
+    with pytest.raises(ValueError, match="floating-point"):
+        layout.FlatState.pack({"a": torch.ones(2), "ids": torch.arange(3)})
+    table, total = layout.plan({"a": torch.ones(2), "ids": torch.arange(3)}, None)
+    with pytest.raises(ValueError, match="one wire dtype"):
+        layout.FlatState(table, torch.zeros(total))
+    flat = layout.FlatState.pack(_model_state(0))
+    with pytest.raises(ValueError, match="contiguous elements"):
+        layout.FlatState(flat.table, torch.zeros(flat.flat.numel() + 1))
+    same = layout.FlatState.pack({k: v.bfloat16() for k, v in _model_state(1).items()})
+    other = layout.FlatState.pack({k: v for k, v in _model_state(1).items() if k != "norm"})
+    kept = flat.flat.clone()
+    assert not flat.copy_from(other) and torch.equal(flat.flat, kept)
+    assert flat.copy_from(same) and all(torch.equal(flat[k], same[k].float()) for k in same)
+    with pytest.raises(ValueError, match="cannot live"):
+        flat.adopt({"norm": torch.nn.Parameter(torch.zeros(6))})
+
+
+def test_state_view_is_flat_for_one_dtype_and_per_tensor_views_otherwise():
+    one = {k: v.bfloat16() for k, v in _model_state().items()}
+    table, total = layout.plan(one, None)
+    buf = layout.host_buffer(total)
+    layout.flatten_into(buf, one, table)
+    view = layout.state_view(buf, table)
+    assert isinstance(view, layout.FlatState) and view.flat.data_ptr() == buf.data_ptr()
+    assert all(torch.equal(view[k], one[k]) for k in one)
+    table, total = layout.plan(awkward_state(), None)
+    buf = layout.host_buffer(total)
+    layout.flatten_into(buf, awkward_state(), table)
+    assert isinstance(layout.state_view(buf, table), dict)
+
+
+@pytest.mark.parametrize("nbytes", [1, 4096, (2 << 20) - 1, 2 << 20, (4 << 20) + 12345])
+def test_host_buffers_have_the_asked_size_however_they_are_mapped(nbytes):
+    buf = layout.host_buffer(nbytes)
+    assert buf.numel() == nbytes and buf.dtype == torch.uint8
+    buf[-1] = 7
+    assert int(buf[-1]) == 7
+
+
+@pytest.mark.integration
+def test_a_pulled_single_dtype_version_is_flat_and_loads_into_an_equal_layout_with_one_copy():
+    sd = _model_state(2)
+    with WeightServer(chunk_bytes=256, delta=False) as srv:
+        srv.publish(1, layout.FlatState.pack(sd))
+        got = WeightPuller(srv.endpoint).pull()
+    assert isinstance(got.state_dict, layout.FlatState) and got.state_dict.wire_dtype == torch.bfloat16
+    engine = layout.FlatState.pack({k: torch.zeros(v.shape) for k, v in sd.items()})  # fp32 weights, bf16 wire
+    assert engine.copy_from(got.state_dict)
+    assert all(torch.equal(engine[k], sd[k].bfloat16().float()) for k in sd)

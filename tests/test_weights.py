@@ -35,6 +35,7 @@ from rlboost_hpc.protocol.weight_msgs import (
     decode_reply,
     decode_request,
     encode,
+    layout_checksum,
     validate_manifest,
 )
 from rlboost_hpc.weights import WeightPuller, WeightServer, WeightTransferError
@@ -297,6 +298,60 @@ def test_invalid_manifest_from_holder_is_rejected():
         close()
 
 
+def _ask_manifest(endpoint: str, req: GetManifest) -> tuple[Manifest, int]:
+    """One raw GetManifest exchange: the decoded reply and its frame's size in bytes."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send(encode(req))
+        assert sock.poll(5000)
+        frame = sock.recv()
+        return decode_reply(frame), len(frame)
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def test_a_manifest_leaves_out_the_table_a_puller_holds_and_only_that_one(server):
+    """Layouts change only when the model does: a puller that says which table it holds gets the manifest without
+    it (a 10,000-tensor table is ~330 KB per pull), uses its own copy, and still gets every byte right; after a
+    layout change it gets the new table."""
+    sd = stories_state(1)
+    server.publish(1, sd)
+    m1 = server.manifest(1)
+    assert m1.layout == layout_checksum(m1.tensors)
+    whole, n_whole = _ask_manifest(server.endpoint, GetManifest(version=1))
+    lean, n_lean = _ask_manifest(server.endpoint, GetManifest(version=1, layout=m1.layout))
+    stranger, _ = _ask_manifest(server.endpoint, GetManifest(version=1, layout=m1.layout ^ 1))
+    assert whole.tensors == m1.tensors and stranger.tensors == m1.tensors
+    assert lean.tensors is None and lean.layout == m1.layout and n_lean < n_whole // 4
+    first = WeightPuller(server.endpoint).pull()
+    server.publish(2, stories_state(2))
+    second = WeightPuller(server.endpoint).pull(base=first)
+    assert second.manifest.tensors is first.manifest.tensors  # the base's table stood in for the left-out one
+    assert_same(second.state_dict, expected(stories_state(2), torch.bfloat16))
+    changed = dict(stories_state(3), extra=torch.ones(3))
+    server.publish(3, changed)
+    third = WeightPuller(server.endpoint).pull(base=second)
+    assert "extra" in third.manifest.tensors.names
+    assert_same(third.state_dict, expected(changed, torch.bfloat16))
+
+
+def test_a_table_left_out_for_a_puller_that_does_not_hold_it_fails_the_pull():
+    digests = [1]
+    m = Manifest(version=4, total_bytes=10, chunk_bytes=CHUNK, tensors=None, chunk_checksums=digests,
+                 checksum=combine_checksums(digests), layout=12345)
+    endpoint, close = _fake_holder(encode(m))
+    try:
+        with pytest.raises(WeightTransferError) as ei:
+            WeightPuller(endpoint, timeout_s=2).pull()
+        assert ei.value.phase == "manifest" and "left out the tensor table" in ei.value.cause
+    finally:
+        close()
+
+
 # ---------------------------------------------------------------------------------------------- checksums (W3)
 def test_corrupt_chunk_is_named_and_never_returned(server):
     m = server.publish(1, stories_state())
@@ -540,7 +595,10 @@ def test_validate_manifest_catches_inconsistencies():
         columns(offsets=ok.tensors.offsets[:8]),  # column shorter than the names
         columns(shapes=ok.tensors.shapes[:-8]),  # ragged shape matrix
         columns(shapes=(2).to_bytes(8, "little") * 2 + (3).to_bytes(8, "little") * 2),  # padding of a scalar is 3
+        msgspec.structs.replace(ok, tensors=None),  # no table: only a puller holding its layout may accept it
+        msgspec.structs.replace(ok, layout=layout_checksum(ok.tensors) ^ 1),  # layout claim of another table
     ]
+    validate_manifest(msgspec.structs.replace(ok, layout=layout_checksum(ok.tensors)))
     for m in bad:
         with pytest.raises(ProtocolError):
             validate_manifest(m)

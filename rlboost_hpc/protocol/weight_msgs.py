@@ -6,13 +6,18 @@ One request/reply exchange per message; every message is one msgpack map with a 
 
 Exchanges (puller = ZeroMQ DEALER, holder = ROUTER)::
 
-    [GetManifest(version|None, base)]      -> [Manifest] | [Error]
+    [GetManifest(version|None, base, layout)] -> [Manifest] | [Error]
     [GetChunk(version, index, base)]       -> [Chunk(version, index, nbytes, base), <nbytes raw bytes>] | [Error]
 
 Delta versions: a puller that holds version ``base`` says so in ``GetManifest.base``; when the holder has
 version ``version`` encoded as a delta against exactly that base, the manifest carries a :class:`DeltaInfo`
 (payload size per chunk, see :mod:`rlboost_hpc.weights.delta`), and ``GetChunk(..., base=base)`` returns a
 chunk's delta payload instead of its bytes. The manifest's checksums are always those of the full version.
+
+Layouts: a puller that holds a version says which tensor table it holds (``GetManifest.layout``, a
+:func:`layout_checksum`); when the requested version has the same layout the manifest comes without its table
+(``tensors`` None) and the puller uses its own copy — a 10,000-tensor table is ~330 KB to send, decode and
+check on every pull, while layouts change only when the model does.
 
 Invariants:
 - Decoding is total: :func:`decode_request` and :func:`decode_reply` either return a valid message of
@@ -29,9 +34,11 @@ Invariants:
 """
 from __future__ import annotations
 
+import collections
 import struct
+import threading
 from dataclasses import dataclass
-from typing import Annotated, Final, Union
+from typing import Annotated, Any, Callable, Final, Union
 
 import msgspec
 import numpy as np
@@ -53,6 +60,7 @@ __all__ = [
     "TableArrays",
     "table_arrays",
     "validate_table",
+    "layout_checksum",
     "MAX_NDIM",
     "MAX_TENSOR_BYTES",
     "DTYPE_ITEMSIZE",
@@ -206,14 +214,49 @@ class TableArrays:
     nbytes: np.ndarray
 
 
+_MEMO: "collections.OrderedDict[tuple[int, str], tuple[TensorTable, Any]]" = collections.OrderedDict()
+_MEMO_SIZE = 16
+_MEMO_LOCK = threading.Lock()
+
+
+def _memo(t: TensorTable, what: str, compute: "Callable[[TensorTable], Any]") -> Any:
+    """``compute(t)``, remembered for the last few tables by identity (a table is immutable; the memo holds it,
+    so its id is not reused while remembered)."""
+    key = (id(t), what)
+    with _MEMO_LOCK:
+        hit = _MEMO.get(key)
+        if hit is not None and hit[0] is t:
+            _MEMO.move_to_end(key)
+            return hit[1]
+    value = compute(t)
+    with _MEMO_LOCK:
+        _MEMO[key] = (t, value)
+        while len(_MEMO) > _MEMO_SIZE:
+            _MEMO.popitem(last=False)
+    return value
+
+
+def layout_checksum(t: TensorTable) -> int:
+    """xxh3_64 (seed 0) of ``t``'s msgpack encoding: equal for equal tables, so a puller holding a table can say
+    which one in 8 bytes (:attr:`GetManifest.layout`). Remembered per table (:func:`table_arrays`)."""
+    return _memo(t, "layout", lambda x: xxhash.xxh3_64_intdigest(_encoder.encode(x)))
+
+
 def table_arrays(t: TensorTable) -> TableArrays:
     """Read ``t``'s columns (no per-tensor Python work).
+
+    The columns of the last few tables read are remembered by identity (a table is immutable): a pull's
+    validation, its views and a load read the columns once.
 
     Raises:
         ProtocolError: a column's length does not match the number of names, a dtype index is out of range,
             a dtype is not in :data:`DTYPE_ITEMSIZE`, a dimension is negative or more than :data:`MAX_NDIM`, a
             padding entry is not 1, or a tensor exceeds :data:`MAX_TENSOR_BYTES`.
     """
+    return _memo(t, "arrays", _read_columns)
+
+
+def _read_columns(t: TensorTable) -> TableArrays:
     n = len(t.names)
     if len(t.dtype_index) != n or len(t.ndim) != n or len(t.offsets) != 8 * n:
         raise ProtocolError(f"tensor table of {n} names has columns of {len(t.dtype_index)} dtype indices, "
@@ -244,7 +287,10 @@ def table_arrays(t: TensorTable) -> TableArrays:
     approx = shapes.astype(np.float64).prod(axis=1) * itemsize  # exact below 2**53; no int64 overflow
     first(approx > MAX_TENSOR_BYTES, f"larger than {MAX_TENSOR_BYTES} bytes")
     numel = shapes.prod(axis=1) if width else np.ones(n, dtype=np.int64)
-    return TableArrays(dtype_index, ndim, shapes, offsets, itemsize, numel, numel * itemsize)
+    nbytes = numel * itemsize
+    for arr in (itemsize, numel, nbytes):  # shared through the memo: nobody may change them
+        arr.flags.writeable = False
+    return TableArrays(dtype_index, ndim, shapes, offsets, itemsize, numel, nbytes)
 
 
 def validate_table(t: TensorTable, total_bytes: int) -> TableArrays:
@@ -270,10 +316,13 @@ def validate_table(t: TensorTable, total_bytes: int) -> TableArrays:
 
 class GetManifest(_Msg, tag="get_manifest"):
     """Ask for the manifest of ``version`` (``None``: the latest published version). ``base``: the version the
-    puller holds (a delta against it is offered when the holder has one)."""
+    puller holds (a delta against it is offered when the holder has one). ``layout``: the
+    :func:`layout_checksum` of the tensor table the puller holds; a holder whose version has that layout
+    leaves the table out of the reply (``Manifest.tensors`` None) — the puller uses its own copy."""
 
     version: Version | None = None
     base: Version | None = None
+    layout: U64 | None = None
 
 
 class GetChunk(_Msg, tag="get_chunk"):
@@ -301,18 +350,21 @@ class Manifest(_Msg, tag="manifest"):
     """Everything a puller needs before bytes move: layout, sizes and checksums of one version.
 
     total_bytes: size of the flat buffer (bytes). chunk_bytes: chunk size (bytes, > 0); the last chunk
-    holds the remainder. tensors: placement of every tensor, in buffer order. chunk_checksums: xxh3_64 of
-    each chunk, ``num_chunks(total_bytes, chunk_bytes)`` of them. checksum: :func:`combine_checksums`
-    of ``chunk_checksums``.
+    holds the remainder. tensors: placement of every tensor, in buffer order — None only in a reply to a
+    :class:`GetManifest` whose ``layout`` equals this manifest's (the puller holds the table already).
+    chunk_checksums: xxh3_64 of each chunk, ``num_chunks(total_bytes, chunk_bytes)`` of them. checksum:
+    :func:`combine_checksums` of ``chunk_checksums``. layout: :func:`layout_checksum` of ``tensors`` (None:
+    not stated; such a manifest is always sent whole).
     """
 
     version: Version
     total_bytes: NonNeg
     chunk_bytes: Annotated[int, Meta(gt=0, le=_U63)]
-    tensors: TensorTable
+    tensors: TensorTable | None
     chunk_checksums: list[U64]
     checksum: U64
     delta: DeltaInfo | None = None
+    layout: U64 | None = None
 
 
 class Chunk(_Msg, tag="chunk"):
@@ -422,4 +474,9 @@ def validate_manifest(m: Manifest) -> None:
         if m.delta.base_version >= m.version:
             raise ProtocolError(f"manifest of version {m.version}: delta against version {m.delta.base_version}, "
                                 "which is not older", "invalid")
+    if m.tensors is None:
+        raise ProtocolError(f"manifest of version {m.version} has no tensor table", "invalid")
     validate_table(m.tensors, m.total_bytes)
+    if m.layout is not None and layout_checksum(m.tensors) != m.layout:
+        raise ProtocolError(f"manifest of version {m.version}: layout checksum does not match its tensor table",
+                            "invalid")

@@ -48,7 +48,9 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Mapping
 
+import msgspec
 import torch
 import zmq
 
@@ -120,7 +122,8 @@ class PulledWeights:
     """One complete, verified weight version.
 
     version: the version pulled. state_dict: name → tensor (dtypes/shapes as published), all views of one
-    uint8 buffer of ``nbytes`` bytes. seconds: wall time of the whole pull. phases: wall seconds per phase
+    uint8 buffer of ``nbytes`` bytes — a :class:`~rlboost_hpc.weights.layout.FlatState` when every tensor has
+    one dtype (views made on first use; an engine whose weights share the layout loads it with one copy). seconds: wall time of the whole pull. phases: wall seconds per phase
     (``manifest_s``, ``transfer_s`` — includes per-chunk verification overlapped with receiving,
     ``verify_s``, ``assemble_s``) plus ``chunk_hash_s`` (summed CPU seconds of per-chunk xxh3 over all
     streams), ``chunk_retries``, ``bytes_received`` (payload bytes over the wire), and for a delta pull
@@ -133,7 +136,7 @@ class PulledWeights:
     """
 
     version: int
-    state_dict: dict[str, torch.Tensor]
+    state_dict: Mapping[str, torch.Tensor]
     nbytes: int
     seconds: float
     phases: dict[str, float]
@@ -299,7 +302,7 @@ class WeightPuller:
         phase = "manifest"
         want = version
         try:
-            manifest = self._get_manifest(ctx, version, deadline, None if base is None else base.version)
+            manifest = self._get_manifest(ctx, version, deadline, base)
             want = manifest.version
             t1 = time.perf_counter()
             phases["manifest_s"] = t1 - t0
@@ -350,9 +353,10 @@ class WeightPuller:
             phase = "assemble"
             if (base is not None and base.manifest is not None and base.manifest.tensors == manifest.tensors
                     and base.buffer.data_ptr() == buffer.data_ptr() and len(base.state_dict) == len(manifest.tensors)):
-                state = dict(base.state_dict)  # same layout in the same memory: the base's views see the new bytes
+                # same layout in the same memory: the base's views (made or not yet) see the new bytes
+                state = base.state_dict if isinstance(base.state_dict, layout.FlatState) else dict(base.state_dict)
             else:
-                state = layout.tensor_views(buffer, manifest.tensors)
+                state = layout.state_view(buffer, manifest.tensors)
             t4 = time.perf_counter()
             phases["assemble_s"] = t4 - t3
             self._check_deadline(deadline)
@@ -394,13 +398,18 @@ class WeightPuller:
         return s
 
     def _get_manifest(self, ctx: zmq.Context, version: int | None, deadline: float | None,
-                      base: int | None = None) -> Manifest:
+                      base: PulledWeights | None = None) -> Manifest:
+        """The holder's manifest of ``version``, validated. With ``base``, asks for a delta against it and — when
+        the base's manifest states its layout — for the manifest without its tensor table if the layout is
+        unchanged; the base's (already validated) table then stands in for it."""
         end = time.perf_counter() + self.timeout_s
         if deadline is not None:
             end = min(end, deadline)
+        held = base.manifest if base is not None else None
         sock = self._socket(ctx, MAX_MANIFEST_BYTES)
         try:
-            msg = encode(GetManifest(version=version, base=base))
+            msg = encode(GetManifest(version=version, base=None if base is None else base.version,
+                                     layout=None if held is None else held.layout))
             while True:
                 try:
                     sock.send(msg, zmq.NOBLOCK)
@@ -433,6 +442,11 @@ class WeightPuller:
             raise _Failed(f"expected a Manifest, got {type(reply).__name__}")
         if version is not None and reply.version != version:
             raise _Failed(f"holder sent the manifest of version {reply.version}, asked for {version}")
+        if reply.tensors is None:
+            if held is None or held.layout is None or reply.layout != held.layout:
+                raise _Failed(f"holder left out the tensor table of version {reply.version}, whose layout "
+                              f"{reply.layout} this puller does not hold")
+            reply = msgspec.structs.replace(reply, tensors=held.tensors)
         try:
             validate_manifest(reply)
         except ProtocolError as e:

@@ -54,6 +54,7 @@ from rlboost_hpc.protocol.weight_msgs import (
     combine_checksums,
     decode_request,
     encode,
+    layout_checksum,
     num_chunks,
 )
 from rlboost_hpc.weights import delta as delta_codec
@@ -70,15 +71,28 @@ _MAX_LOGGED_PEERS = 4096
 _COPY_THREADS_LOCK = threading.Lock()
 
 
+def _frames(manifest: Manifest) -> tuple[bytes, bytes]:
+    """The manifest's reply frames: whole, and without its tensor table (for pullers holding its layout)."""
+    whole = encode(manifest)
+    return whole, whole if manifest.layout is None else encode(msgspec.structs.replace(manifest, tensors=None))
+
+
 @dataclass(frozen=True)
 class _Held:
     manifest: Manifest
-    manifest_frame: bytes
+    manifest_frames: tuple[bytes, bytes]  # (whole, without the table): :func:`_frames`
     buffer: torch.Tensor  # uint8, 1-D, total_bytes
     view: memoryview  # of buffer (read-only), for zero-copy chunk frames
     n_chunks: int
     delta: "delta_codec.Delta | None" = None  # against the version published before, when worth it
-    delta_manifest_frame: bytes | None = None  # the manifest with its DeltaInfo
+    delta_manifest_frames: tuple[bytes, bytes] | None = None  # the manifest with its DeltaInfo
+
+    def manifest_frame(self, req: GetManifest) -> bytes:
+        """The reply to ``req``: with the delta when it asks from the delta's base, without the table when it
+        holds this layout."""
+        frames = self.delta_manifest_frames if self.delta_manifest_frames is not None and self.delta is not None \
+            and req.base == self.delta.base_version else self.manifest_frames
+        return frames[1] if req.layout is not None and req.layout == self.manifest.layout else frames[0]
 
 
 class WeightServer:
@@ -317,8 +331,9 @@ class WeightServer:
             tensors=table,
             chunk_checksums=digests,
             checksum=combine_checksums(digests),
+            layout=layout_checksum(table),
         )
-        held = self._with_delta(_Held(manifest, encode(manifest), buffer, view, n))
+        held = self._with_delta(_Held(manifest, _frames(manifest), buffer, view, n))
         with self._lock:
             if self._last_version is not None and version <= self._last_version:
                 raise ValueError(
@@ -351,8 +366,7 @@ class WeightServer:
             return held
         self._stats["delta_publishes"] += 1
         info = DeltaInfo(base_version=d.base_version, base_checksum=d.base_checksum, sizes=d.sizes, nbytes=d.nbytes)
-        return dataclasses.replace(held, delta=d, delta_manifest_frame=encode(
-            msgspec.structs.replace(m, delta=info)))
+        return dataclasses.replace(held, delta=d, delta_manifest_frames=_frames(msgspec.structs.replace(m, delta=info)))
 
     def delta_nbytes(self, version: int | None = None) -> int | None:
         """Bytes a puller holding the previous version receives for ``version`` (None: latest) through its
@@ -379,7 +393,7 @@ class WeightServer:
                                   payloads, manifest.delta.nbytes, manifest.total_bytes)
         plain = msgspec.structs.replace(manifest, delta=None)
         buf = buffer[: manifest.total_bytes]
-        held = _Held(plain, encode(plain), buf, memoryview(buf.numpy()).toreadonly(), n, d, None)
+        held = _Held(plain, _frames(plain), buf, memoryview(buf.numpy()).toreadonly(), n, d, None)
         with self._lock:
             self._held.clear()
             self._held[manifest.version] = held
@@ -398,10 +412,11 @@ class WeightServer:
             raise KeyError(f"version {version} is not held (held: {self.versions})")
         return held.manifest
 
-    def local_state_dict(self, version: int | None = None) -> dict[str, torch.Tensor]:
+    def local_state_dict(self, version: int | None = None) -> Mapping[str, torch.Tensor]:
         """Tensors viewing the published buffer of ``version`` (None: latest), for an in-process engine.
 
-        Dtypes/shapes as published; no copy. The tensors keep the buffer alive after eviction; they must
+        Dtypes/shapes as published; no copy (a :class:`~rlboost_hpc.weights.layout.FlatState` when the
+        version has one dtype). The tensors keep the buffer alive after eviction; they must
         be treated as read-only.
 
         Raises:
@@ -411,7 +426,7 @@ class WeightServer:
             held = self._lookup(version)
         if held is None:
             raise KeyError(f"version {version} is not held (held: {self.versions})")
-        return layout.tensor_views(held.buffer, held.manifest.tensors)
+        return layout.state_view(held.buffer, held.manifest.tensors)
 
     def _lookup(self, version: int | None) -> _Held | None:
         if version is None:
@@ -465,8 +480,7 @@ class WeightServer:
         delta = held.delta if req.base is not None and held.delta is not None \
             and held.delta.base_version == req.base else None
         if isinstance(req, GetManifest):
-            frame = held.delta_manifest_frame if delta is not None and held.delta_manifest_frame else held.manifest_frame
-            if self._send(peer, [frame]):
+            if self._send(peer, [held.manifest_frame(req)]):
                 self._stats["manifests_served"] += 1
             return
         assert isinstance(req, GetChunk)

@@ -44,7 +44,7 @@ from rlboost_hpc.rollout.engines.base import (
     TokenEvent,
     validate_request,
 )
-from rlboost_hpc.weights.layout import copy_tensors
+from rlboost_hpc.weights.layout import FlatState, copy_tensors
 
 __all__ = ["TorchEngine", "generate_all", "uniform", "uniform_reference", "sample_tokens"]
 
@@ -237,6 +237,7 @@ class TorchEngine(Engine):
         for p in self.model.parameters():
             p.requires_grad_(False)
         self._tensors = self.model.state_dict(keep_vars=True)  # HF name → the model's own tensor
+        self._flat: FlatState | None = None  # the parameters in one flat tensor, once a FlatState was loaded
         self.cache: KVCache = self.model.new_cache(max_batch, max_len)
         self._waiting: deque[_Running] = deque()
         self._running: dict[str, _Running] = {}
@@ -324,6 +325,9 @@ class TorchEngine(Engine):
 
     # ------------------------------------------------------------------ internals
     def _load(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        if isinstance(state_dict, FlatState) and self._load_flat(state_dict):
+            self.cache.reset()
+            return
         try:
             validate_state_dict(self.config, state_dict, source="load_weights")
         except ModelFormatError as e:
@@ -336,6 +340,18 @@ class TorchEngine(Engine):
         names = list(state_dict)
         copy_tensors([self._tensors[k] for k in names], [state_dict[k] for k in names])
         self.cache.reset()
+
+    def _load_flat(self, state: FlatState) -> bool:
+        """Load ``state`` with one (cast-)copy when its layout is the engine's own; False (nothing loaded) when it
+        is not — then the tensor-by-tensor path checks and loads it. On the first call for a wire dtype the
+        parameters move into one flat tensor laid out for it (a tied head once, as the embedding). Equal layouts
+        mean equal names and shapes, so the checks of the other path hold without running them."""
+        if self._flat is None or self._flat.wire_dtype != state.wire_dtype:
+            params = dict(self.model.named_parameters())
+            own = FlatState.pack(params, state.wire_dtype)
+            own.adopt(params)
+            self._flat = own
+        return self._flat.copy_from(state)
 
     def _release(self, r: _Running) -> None:
         if r.slot >= 0:

@@ -5,7 +5,9 @@ default) forward passes run under ``torch.autocast`` in that dtype (mixed precis
 while logprobs, losses and gradients' accumulation stay fp32. ``old_logp`` is recomputed by the trainer, not
 taken from the rollout engine: with one optimizer step per RL step θ_old = θ at every micro-batch, so the recomputed old logprob is exactly ``logp.detach()``
 of the same forward pass (no second pass needed); the engine's behaviour logprobs are only compared
-(``logprob_diff``) to catch trainer/engine mismatch.
+(``logprob_diff``) to catch trainer/engine mismatch. The parameters live in one flat fp32 tensor laid out like the
+wire buffer of ``wire_dtype`` (:class:`~rlboost_hpc.weights.layout.FlatState`): exporting is a view, publishing
+one cast-copy whatever the number of tensors; a tied head is its embedding, so it is not exported twice.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from rlboost_hpc.models.arch import ModelArch
 from rlboost_hpc.models.llama import LlamaModel
 from rlboost_hpc.trainer.algorithms.grpo import grpo_loss
 from rlboost_hpc.trainer.backends.base import Sample, TrainerBackend
+from rlboost_hpc.weights.layout import FlatState
 
 
 def pack(batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
@@ -54,16 +57,22 @@ class TorchBackend(TrainerBackend):
         dtype: compute dtype of forward passes (``torch.float32``: none; ``torch.bfloat16``: autocast).
         keep_reference: keep a frozen copy of the initial policy (the KL penalty's and the quality gate's
             reference), in ``dtype`` on ``device``.
+        wire_dtype: the dtype versions are published in (None: fp32), which the flat parameter layout follows
+            (another publish dtype still works, tensor by tensor).
     """
 
     def __init__(self, config: ModelArch, state_dict: Mapping[str, torch.Tensor], *, lr: float,
                  weight_decay: float = 0.0, grad_clip: float = 1.0, clip_eps: float = 0.2,
                  kl_coef: float = 0.0, temperature: float = 1.0, keep_reference: bool = True,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> None:
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 wire_dtype: torch.dtype | None = torch.bfloat16) -> None:
         self.device = torch.device(device)
         self.amp_dtype = None if dtype == torch.float32 else dtype
         self.model = LlamaModel.from_state_dict(config, dict(state_dict), device=self.device)
         self.model.train()
+        params = dict(self.model.named_parameters())  # a tied head once, under the embedding's name
+        self.flat = FlatState.pack(params, wire_dtype)
+        self.flat.adopt(params)
         self.ref = None
         if keep_reference or kl_coef > 0:
             self.ref = LlamaModel.from_state_dict(config, dict(state_dict), device=self.device, dtype=dtype)
@@ -109,7 +118,9 @@ class TorchBackend(TrainerBackend):
         return {"grad_norm": float(gn), "lr": self.lr}
 
     def export_weights(self) -> Mapping[str, torch.Tensor]:
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+        """The parameters as a :class:`FlatState` (fp32 views of the live weights; no copy). A tied
+        ``lm_head.weight`` is absent: it is ``model.embed_tokens.weight``."""
+        return self.flat
 
     def save_checkpoint(self, path: str | os.PathLike, extra_state: Mapping | None = None) -> None:
         """Model (fp32), AdamW state and torch's RNG into ``path/torch_backend.pt`` (directory created). The
