@@ -201,6 +201,16 @@ def test_tree_gives_a_backup_holder_and_drops_a_holder_that_leaves():
     assert t.want("d").peers == ("tcp://b",)
 
 
+def test_a_holder_that_wants_the_version_again_is_not_its_own_source():
+    """Found by the fuzz test below: the only holder restarts and wants the version again; it used to wait for
+    itself (no other holder, no pull in flight) forever. It holds nothing now: the trainer serves it."""
+    t = RelayTree(fanout=1, trainer_fanout=1)
+    t.want("i0")
+    t.done("i0", "tcp://i0")
+    assert t.want("i0") == Source() and t.source_of["i0"] == TRAINER and "i0" not in t.holders
+    assert not t.waiting
+
+
 def test_relay_off_sends_everyone_to_the_trainer_at_once():
     t = RelayTree(fanout=0)
     assert all(t.want(p) == Source() for p in "abcdefgh") and not t.waiting

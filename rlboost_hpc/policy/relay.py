@@ -81,6 +81,8 @@ class RelayTree:
             return Source()
         if puller in self.source_of:
             return self._source(puller, self.source_of[puller])
+        if puller in self.holders:  # it held the version and wants it again (restarted): it holds nothing now
+            self._forget_holder(puller)
         free = sorted((self.load(h), h) for h in self.holders if h != puller and self.load(h) < self.fanout)
         if free:
             return self._assign(puller, free[0][1])
@@ -104,13 +106,16 @@ class RelayTree:
         """``key`` left or stopped serving (gone, suspect, fenced, draining): it is no longer a holder and its
         source is free. Returns the waiting pullers handed capacity."""
         self._drop(key)
+        self._forget_holder(key)
+        return self._hand_out()
+
+    # ------------------------------------------------------------------ internals
+    def _forget_holder(self, key: str) -> None:
         self.holders.pop(key, None)
         self.serving.pop(key, None)
         for p in [p for p, s in self.source_of.items() if s == key]:
             del self.source_of[p]  # its pullers fail over by themselves; they are not counted anywhere now
-        return self._hand_out()
 
-    # ------------------------------------------------------------------ internals
     def _drop(self, puller: str, finished: bool = False) -> None:
         src = self.source_of.pop(puller, None)
         if src is not None:
