@@ -222,3 +222,48 @@ def test_a_pulled_single_dtype_version_is_flat_and_loads_into_an_equal_layout_wi
     engine = layout.FlatState.pack({k: torch.zeros(v.shape) for k, v in sd.items()})  # fp32 weights, bf16 wire
     assert engine.copy_from(got.state_dict)
     assert all(torch.equal(engine[k], sd[k].bfloat16().float()) for k in sd)
+
+
+def test_a_pooled_buffer_is_never_handed_out_again_while_anything_views_it():
+    pool = layout.HostBufferPool(keep=2)
+    a = pool.take(3 << 20)
+    first = a.data_ptr()
+    keep_alive = [a[6:10].view(torch.int16), a.numpy(), memoryview(a.numpy())]
+    del a
+    for held in keep_alive:  # a tensor view, an array, a memoryview: each alone keeps the buffer taken
+        others = [x for x in keep_alive if x is not held]
+        keep_alive = [held]
+        del others
+        b = pool.take(3 << 20)
+        assert b.data_ptr() != first
+        del b
+    del held
+    keep_alive.clear()
+    assert pool.take(3 << 20).data_ptr() == first and pool.reused >= 1
+    assert len(pool._regions) <= 2  # bounded: free mappings beyond `keep` are released
+    assert pool.take(64 << 20).numel() == 64 << 20  # too small to reuse: a new mapping of the asked size
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("chunk_bytes", [4096, 4097])  # 4097: not a multiple of bf16's 2 bytes — cast in one piece
+def test_a_flat_publish_overlaps_cast_and_checksums_reuses_evicted_buffers_and_never_touches_a_viewed_one(
+        chunk_bytes):
+    sd = {k: v.repeat(40, 1) for k, v in _model_state(4).items() if v.dim() == 2}
+    with WeightServer(chunk_bytes=chunk_bytes, keep_versions=1, delta=False) as flat_srv, \
+            WeightServer(chunk_bytes=chunk_bytes, keep_versions=1, delta=False) as dict_srv:
+        flat = layout.FlatState.pack(sd)
+        m1 = flat_srv.publish(1, flat)
+        assert m1.chunk_checksums == dict_srv.publish(1, sd).chunk_checksums and m1.checksum
+        reader = flat_srv.local_state_dict(1)  # an in-process engine still reads version 1
+        snapshot = {k: reader[k].clone() for k in reader}
+        for v in range(2, 6):
+            with torch.no_grad():
+                for t in flat.values():  # as an optimizer does: through the views, never the padding
+                    t.mul_(-1.5)
+            m = flat_srv.publish(v, flat)
+            assert m.chunk_checksums == dict_srv.publish(v, dict(flat)).chunk_checksums
+        assert all(torch.equal(reader[k], snapshot[k]) for k in snapshot)  # its buffer was never reused
+        st = flat_srv.stats
+        assert st["publish_buffers_reused"] >= 2 and st["publish_copy_seconds"] > 0 and st["publish_hash_seconds"] > 0
+        got = WeightPuller(flat_srv.endpoint).pull()
+        assert all(torch.equal(got.state_dict[k], flat[k].bfloat16()) for k in sd)

@@ -26,13 +26,15 @@ Invariants:
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import msgspec
 import torch
@@ -155,6 +157,7 @@ class WeightServer:
         self._io_threads = io_threads if io_threads is not None else (min(4, os.cpu_count() or 1) if keys else 1)
         self._sndhwm = sndhwm
         self._pin = pin_memory
+        self._buffers = layout.HostBufferPool(keep_versions + 2, pin_memory=pin_memory)
         self._copy_threads = copy_threads
         self._lock = threading.Lock()
         self._held: "collections.OrderedDict[int, _Held]" = collections.OrderedDict()
@@ -179,6 +182,8 @@ class WeightServer:
             "dropped_full": 0,
             "publishes": 0,
             "publish_seconds": 0.0,
+            "publish_copy_seconds": 0.0,
+            "publish_hash_seconds": 0.0,
             "internal_errors": 0,
             "delta_publishes": 0,
             "delta_seconds": 0.0,
@@ -255,13 +260,17 @@ class WeightServer:
     def stats(self) -> dict[str, Any]:
         """Snapshot of counters: manifests/chunks/bytes served, errors sent by code, rejected frames
         (total and by :attr:`ProtocolError.reason` or ``framing``), replies dropped because the peer
-        vanished or its queue was full, publishes and total publish seconds (delta encoding included),
+        vanished or its queue was full, publishes and total publish seconds (delta encoding included) — of
+        them, seconds spent casting/copying into the buffer and hashing chunks (each summed over the threads
+        doing it: they overlap for a :class:`~rlboost_hpc.weights.layout.FlatState`), and publishes into a
+        buffer reused from an evicted version (``publish_buffers_reused``) —
         internal errors; versions published with a delta, seconds spent encoding deltas, delta payloads and
         their bytes served (``chunks_served`` / ``bytes_served`` count full chunks only)."""
         with self._stats_lock:
             s = dict(self._stats)
             s["errors_sent"] = dict(s["errors_sent"])
             s["rejected_by_reason"] = dict(s["rejected_by_reason"])
+        s["publish_buffers_reused"] = self._buffers.reused
         return s
 
     # ------------------------------------------------------------------ publishing
@@ -290,7 +299,11 @@ class WeightServer:
         Checksums are computed before the version becomes visible; the oldest versions beyond
         ``keep_versions`` are then evicted. Runs in the caller's thread (≈ one cast-copy pass plus one
         xxh3 pass over the bytes, plus the delta's XOR + zstd pass when deltas are on; see
-        ``stats["publish_seconds"]``). May be called before :meth:`start`.
+        ``stats["publish_seconds"]``). A :class:`~rlboost_hpc.weights.layout.FlatState` packed for ``dtype``
+        costs the same whatever its tensor count: one cast-copy, chunk by chunk in a helper thread while this
+        one hashes the chunks already copied. The buffer is one an evicted version used once nothing views it
+        any more (:class:`~rlboost_hpc.weights.layout.HostBufferPool`: no page faults), else a new one. May be
+        called before :meth:`start`.
 
         Returns:
             The version's :class:`Manifest`.
@@ -309,21 +322,20 @@ class WeightServer:
                     f"weight versions must strictly increase: got {version} after {self._last_version}"
                 )
         table, total = layout.plan(state_dict, dtype)
-        buffer = layout.host_buffer(total, pin_memory=self._pin)
-        if self._copy_threads is None:
-            layout.flatten_into(buffer, state_dict, table)
-        else:
-            with _COPY_THREADS_LOCK:
-                before = torch.get_num_threads()
-                torch.set_num_threads(self._copy_threads)
-                try:
-                    layout.flatten_into(buffer, state_dict, table)
-                finally:
-                    torch.set_num_threads(before)
+        buffer = self._buffers.take(total)
         view = memoryview(buffer.numpy()).toreadonly()
         cb = self.chunk_bytes
         n = num_chunks(total, cb)
-        digests = [chunk_checksum(view[i * cb : (i + 1) * cb]) for i in range(n)]
+        with self._torch_threads():
+            if isinstance(state_dict, layout.FlatState) and state_dict.table is table:
+                digests = self._cast_and_hash(state_dict, buffer, view, n)
+            else:
+                t_copy = time.perf_counter()
+                layout.flatten_into(buffer, state_dict, table)
+                t_hash = time.perf_counter()
+                digests = [chunk_checksum(view[i * cb : (i + 1) * cb]) for i in range(n)]
+                self._stats["publish_copy_seconds"] += t_hash - t_copy
+                self._stats["publish_hash_seconds"] += time.perf_counter() - t_hash
         manifest = Manifest(
             version=version,
             total_bytes=total,
@@ -346,6 +358,48 @@ class WeightServer:
         self._stats["publishes"] += 1
         self._stats["publish_seconds"] += time.perf_counter() - t0
         return manifest
+
+    @contextlib.contextmanager
+    def _torch_threads(self) -> Iterator[None]:
+        """torch's intra-op threads set to ``copy_threads`` for the block (process-wide; restored after)."""
+        if self._copy_threads is None:
+            yield
+            return
+        with _COPY_THREADS_LOCK:
+            before = torch.get_num_threads()
+            torch.set_num_threads(self._copy_threads)
+            try:
+                yield
+            finally:
+                torch.set_num_threads(before)
+
+    def _cast_and_hash(self, state: layout.FlatState, buffer: torch.Tensor, view: memoryview, n: int) -> list[int]:
+        """Chunk checksums of ``state`` cast into ``buffer``: a helper thread casts chunk after chunk while this one
+        hashes the chunks already cast (both release the GIL), so the copy and the checksums overlap instead of
+        adding up. Chunk sizes that are not a multiple of the wire item size are cast in one piece first."""
+        cb = self.chunk_bytes
+        spent = {"copy": 0.0, "hash": 0.0}
+
+        def timed(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                spent[what] += time.perf_counter() - t
+
+        def digest(i: int) -> int:
+            return timed("hash", chunk_checksum, view[i * cb : (i + 1) * cb])
+
+        if n <= 1 or cb % state.wire_dtype.itemsize:
+            timed("copy", state.cast_into, buffer)
+            digests = [digest(i) for i in range(n)]
+        else:
+            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="publish-cast") as ex:
+                cast = [ex.submit(timed, "copy", state.cast_into, buffer, i * cb, (i + 1) * cb) for i in range(n)]
+                digests = [(cast[i].result(), digest(i))[1] for i in range(n)]
+        self._stats["publish_copy_seconds"] += spent["copy"]
+        self._stats["publish_hash_seconds"] += spent["hash"]
+        return digests
 
     def _with_delta(self, held: _Held) -> _Held:
         """``held`` plus its delta against the newest held version, when deltas are on, the layouts match and
