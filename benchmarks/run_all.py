@@ -41,6 +41,7 @@ BENCHES = [
     Bench("bench_engine", (), ("--batches", "1", "8", "--new", "32", "--repeat", "2", "--no-hf")),
     Bench("bench_weights", (), ("--sizes-mib", "32", "--streams", "1", "4", "--reps", "2")),
     Bench("bench_tensor_count", (), ("--sizes-mib", "4", "--reps", "2")),
+    Bench("bench_export", (), ("--sizes-mib", "32", "--reps", "2")),
     Bench("bench_delta", (), ("--size-mib", "32", "--reps", "1", "--demo-steps", "8")),
     Bench("bench_relay", (), ("--size-mib", "8", "--pullers", "1", "4")),
     Bench("bench_curve", (), ("--sizes-mib", "32", "--reps", "2", "--ks", "4", "--instances", "2", "--groups", "16",

@@ -157,7 +157,9 @@ class WeightServer:
         self._io_threads = io_threads if io_threads is not None else (min(4, os.cpu_count() or 1) if keys else 1)
         self._sndhwm = sndhwm
         self._pin = pin_memory
-        self._buffers = layout.HostBufferPool(keep_versions + 2, pin_memory=pin_memory)
+        # the held versions plus the one being written rotate; between publishes the spare stays mapped (host
+        # memory: one version's bytes more than the held versions, for no page faults on the next publish)
+        self._buffers = layout.HostBufferPool(keep_versions + 1, pin_memory=pin_memory)
         self._copy_threads = copy_threads
         self._lock = threading.Lock()
         self._held: "collections.OrderedDict[int, _Held]" = collections.OrderedDict()
