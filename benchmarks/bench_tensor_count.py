@@ -118,8 +118,8 @@ def main() -> None:
                                                    "total_load_state_dict")}
             extra = "" if flat else f" (fresh pull + load_state_dict: {ratio['total_load_state_dict']:.2f}×)"
             print(f"  {how}: ratio {args.tensors} ÷ 1 tensor at {mib:g} MiB: publish {ratio['publish']:.2f}×, pull "
-                  f"{ratio['pull']:.2f}× (into the base's buffer {ratio['pull_base']:.2f}×), load {ratio['load']:.2f}×, "
-                  f"publish+pull+load {ratio['total']:.2f}×{extra}; per tensor "
+                  f"{ratio['pull']:.2f}× (into the base's buffer {ratio['pull_base']:.2f}×), load "
+                  f"{ratio['load']:.2f}×, publish+pull+load {ratio['total']:.2f}×{extra}; per tensor "
                   f"{(many['total'] - one['total']) / args.tensors * 1e6:.2f} µs")
 
 

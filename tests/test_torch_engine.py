@@ -442,7 +442,8 @@ def test_a_flat_version_loads_with_one_copy_into_flat_weights_and_other_layouts_
     assert eng._flat is flat and eng.version == 2
     eng.load_weights(FlatState.pack(bf16), 3)
     assert _run(eng, "b", prompt, 40, SAMPLED) == reference
-    extra = FlatState.pack(dict(bf16, **{"model.layers.0.self_attn.q_proj.bias": torch.zeros(64, dtype=torch.bfloat16)}))
+    bias = {"model.layers.0.self_attn.q_proj.bias": torch.zeros(64, dtype=torch.bfloat16)}
+    extra = FlatState.pack(dict(bf16, **bias))
     with pytest.raises(EngineError, match="unexpected.*q_proj.bias"):
         eng.load_weights(extra, 4)
     assert eng.version == 3 and _run(eng, "c", prompt, 40, SAMPLED) == reference

@@ -125,7 +125,8 @@ def test_mutated_manifests_are_rejected_or_viewable():
 
 def _model_state(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {f"layers.{i}.w": torch.randn(3, i + 1, generator=g) for i in range(9)} | {"norm": torch.randn(5, generator=g)}
+    sd = {f"layers.{i}.w": torch.randn(3, i + 1, generator=g) for i in range(9)}
+    return sd | {"norm": torch.randn(5, generator=g)}
 
 
 @pytest.mark.parametrize("wire", [torch.bfloat16, None])

@@ -175,26 +175,26 @@ def plan(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> t
     return table, total
 
 
-def _views(buffer: torch.Tensor, table: TensorTable, a: TableArrays,
-           flat: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """One tensor per row of ``table`` viewing ``buffer`` (uint8, 1-D): a single ``as_strided`` each, strides and
-    element offsets computed with numpy. Expects a table that fits the buffer (``validate_table``).
-
-    ``flat`` (a single-dtype table only): view this 1-D tensor instead, element i of it standing for element i
-    of the table's dtype in ``buffer`` (the views then have ``flat``'s dtype and device)."""
+def _views(buffer: torch.Tensor, table: TensorTable, a: TableArrays) -> list[torch.Tensor]:
+    """One tensor per row of ``table`` viewing ``buffer`` (uint8, 1-D). Expects a table that fits the buffer
+    (``validate_table``)."""
     bases = []
-    if flat is not None:
-        bases.append(flat)
-    for name in () if flat is not None else table.dtypes:
+    for name in table.dtypes:
         item = DTYPE_ITEMSIZE[name]
         if buffer.storage_offset() % item:
             raise ValueError(f"a buffer at storage offset {buffer.storage_offset()} cannot hold {name} tensors")
         bases.append(buffer[: buffer.numel() // item * item].view(dtype_from_name(name)))
+    return _strided(bases, a)
+
+
+def _strided(bases: list[torch.Tensor], a: TableArrays) -> list[torch.Tensor]:
+    """Row i of ``a`` as a view of ``bases[dtype_index[i]]`` (1-D) at element ``offsets[i] // itemsize[i]``: a
+    single ``as_strided`` each, strides and element offsets computed with numpy."""
     rows = a.shapes
     strides = np.ones_like(rows)
     if rows.shape[1] > 1:  # row-major strides; the padding 1s do not change them
         strides[:, :-1] = np.cumprod(rows[:, :0:-1], axis=1)[:, ::-1]
-    first = [int(bases[g].storage_offset()) for g in range(len(bases))]
+    first = [int(b.storage_offset()) for b in bases]
     elem = (a.offsets // np.maximum(a.itemsize, 1)).tolist()
     return [torch.as_strided(bases[g], row[:k], srow[:k], first[g] + off)
             for g, k, row, srow, off in zip(a.dtype_index.tolist(), a.ndim.tolist(), rows.tolist(), strides.tolist(),
@@ -217,9 +217,9 @@ def flatten_into(buffer: torch.Tensor, state_dict: Mapping[str, torch.Tensor], t
     """Copy (and cast) every tensor into its place in ``buffer`` (uint8, 1-D, ≥ total_bytes); zero the padding.
 
     Tensors as placed by :func:`plan`. A :class:`FlatState` laid out as ``table`` is one cast-copy of its flat
-    tensor (its padding is zero already). Otherwise all tensors are copied by one ``torch._foreach_copy_`` (the cast fused
-    with the copy; a CUDA tensor is copied device→host) into views made with one ``as_strided`` each, and the
-    padding is zeroed by one numpy scatter: per tensor, the Python work is one view, not a copy call.
+    tensor (its padding is zero already). Otherwise all tensors are copied by one ``torch._foreach_copy_`` (the
+    cast fused with the copy; a CUDA tensor is copied device→host) into views made with one ``as_strided`` each,
+    and the padding is zeroed by one numpy scatter: per tensor, the Python work is one view, not a copy call.
 
     Raises:
         ValueError: the table's tensors overlap or exceed the buffer.
@@ -299,7 +299,7 @@ class FlatState(Mapping[str, torch.Tensor]):
         a = table_arrays(table)
         self.table = table
         self.wire_dtype = dtype_from_name(table.dtypes[0]) if table.dtypes else flat.dtype
-        item = DTYPE_ITEMSIZE[table.dtypes[0]] if table.dtypes else 1
+        item = self.wire_dtype.itemsize
         self.nbytes = int((a.offsets + a.nbytes).max()) if len(table) else 0
         if flat.dim() != 1 or not flat.is_contiguous() or flat.numel() * item != self.nbytes:
             raise ValueError(f"flat tensor of shape {list(flat.shape)} for a {self.nbytes}-byte {self.wire_dtype} "
@@ -322,10 +322,11 @@ class FlatState(Mapping[str, torch.Tensor]):
         kinds = {(t.dtype, t.device) for t in state_dict.values() if isinstance(t, torch.Tensor)}
         if len(kinds) > 1 or any(not t.is_floating_point() for t in state_dict.values()
                                  if isinstance(t, torch.Tensor)):
-            raise ValueError(f"FlatState.pack needs floating-point tensors of one dtype and device, got {sorted(map(str, kinds))}")
+            raise ValueError("FlatState.pack needs floating-point tensors of one dtype and device, got "
+                             f"{sorted(map(str, kinds))}")
         table, total = plan(state_dict, wire_dtype)
         dtype, device = next(iter(kinds)) if kinds else (torch.float32, torch.device("cpu"))
-        item = DTYPE_ITEMSIZE[table.dtypes[0]] if table.dtypes else 1
+        item = DTYPE_ITEMSIZE[table.dtypes[0]] if table.dtypes else dtype.itemsize
         out = cls(table, torch.zeros(total // item, dtype=dtype, device=device))
         copy_tensors(list(out.values()), [state_dict[k] for k in table.names])
         return out
@@ -358,8 +359,8 @@ class FlatState(Mapping[str, torch.Tensor]):
             ValueError: ``start``/``end`` are not multiples of the wire item size within ``[0, nbytes]``.
         """
         end = self.nbytes if end is None else min(end, self.nbytes)
-        item = self.flat.numel() and self.nbytes // self.flat.numel()
-        if not 0 <= start <= end or (item and (start % item or end % item)):
+        item = self.wire_dtype.itemsize
+        if not 0 <= start <= end or start % item or end % item:
             raise ValueError(f"cannot cast bytes [{start}, {end}) of a {self.nbytes}-byte {self.wire_dtype} layout")
         if end > start:
             with torch.no_grad():
@@ -378,7 +379,7 @@ class FlatState(Mapping[str, torch.Tensor]):
 
     def _tensor_views(self) -> dict[str, torch.Tensor]:
         if self._views is None:
-            self._views = dict(zip(self.table.names, _views(self.flat, self.table, self._arrays, flat=self.flat)))
+            self._views = dict(zip(self.table.names, _strided([self.flat], self._arrays)))
         return self._views
 
     def __getitem__(self, name: str) -> torch.Tensor:
