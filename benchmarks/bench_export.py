@@ -5,7 +5,8 @@ checksum per chunk. Measured side by side in one run, per size, on a model-shape
 tensors of equal size, the torch backend's layout):
 
 - ``memcpy``: ``dst.copy_(src)`` of the version's wire bytes (bf16 → a warm uint8 buffer) — the CPU stand-in for
-  a pinned ``tensor.to("cpu", non_blocking=True)``: the floor any export pays to move its bytes once;
+  a pinned ``tensor.to("cpu", non_blocking=True)`` (that one with ``--device cuda``): the floor any export pays to
+  move its bytes once;
 - ``publish``: ``WeightServer.publish`` of the torch backend's ``FlatState`` as the run does it (one cast-copy
   per chunk in a helper thread overlapped with the checksums, into a buffer reused from an evicted version);
 - ablations: the same ``FlatState`` cast then hashed in sequence into a fresh buffer (``flat, fresh, serial``:
@@ -15,9 +16,15 @@ tensors of equal size, the torch backend's layout):
 Phases of ``publish`` (copy = cast seconds, hash = checksum seconds, each summed over its thread; they overlap)
 come from the server's stats. Ratio = memcpy ÷ export time (1.0 = the export moves its bytes as fast as a plain
 copy; the goal is ≥ 0.8×). Deltas are off (their encoding is a separate pass, ``bench_delta.py``); one torch
-thread (``WeightServer(copy_threads=1)``, as the run sets it). Reps interleaved, medians.
+thread (``WeightServer(copy_threads=1)``, as the run sets it). Each arm runs its reps in a block (the fresh-buffer
+ablation last: its new mappings make the kernel compact memory, which slows what runs beside it); medians after
+3 warm-up reps.
 
-Run: ``.venv/bin/python benchmarks/bench_export.py [--sizes-mib 64 256] [--tensors 300] [--reps 7]``
+With ``--device cuda`` the weights live on the GPU: the export is a device-to-host cast-copy and the baseline a
+pinned ``non_blocking`` copy of the bf16 bytes (the issue's comparison; host buffers of the publish are not pinned —
+the pool reuses pageable mappings).
+
+Run: ``.venv/bin/python benchmarks/bench_export.py [--sizes-mib 64 256] [--tensors 300] [--reps 7] [--device cpu]``
 """
 from __future__ import annotations
 
@@ -35,11 +42,27 @@ from rlboost_hpc.protocol.weight_msgs import chunk_checksum, num_chunks  # noqa:
 from rlboost_hpc.weights import WeightServer, layout  # noqa: E402
 
 
-def model_state(total_bytes_bf16: int, tensors: int) -> dict[str, torch.Tensor]:
-    """``tensors`` fp32 tensors of shape (rows, 1024) whose bf16 cast totals about ``total_bytes_bf16``."""
+def model_state(total_bytes_bf16: int, tensors: int, device: str) -> dict[str, torch.Tensor]:
+    """``tensors`` fp32 tensors of shape (rows, 1024) on ``device`` whose bf16 cast totals about
+    ``total_bytes_bf16``."""
     rows = max(1, total_bytes_bf16 // 2 // 1024 // tensors)
     g = torch.Generator().manual_seed(0)
-    return {f"model.layers.{i:04d}.weight": torch.randn(rows, 1024, generator=g) for i in range(tensors)}
+    return {f"model.layers.{i:04d}.weight": torch.randn(rows, 1024, generator=g).to(device) for i in range(tensors)}
+
+
+def plain_copy(device: str, flat: layout.FlatState):
+    """The baseline: a function moving the version's wire bytes once — ``dst.copy_(src)`` into a warm host
+    buffer on CPU; on CUDA a ``non_blocking`` device-to-host copy into a pinned buffer, synchronised."""
+    src = torch.empty(flat.nbytes, dtype=torch.uint8, device=device)
+    flat.cast_into(src) if device == "cpu" else src.view(flat.wire_dtype).copy_(flat.flat)
+    dst = torch.empty(flat.nbytes, dtype=torch.uint8, pin_memory=device != "cpu")
+    dst.copy_(src)
+
+    def copy() -> None:
+        dst.copy_(src, non_blocking=device != "cpu")
+        if device != "cpu":
+            torch.cuda.synchronize()
+    return copy
 
 
 def serial_fresh(flat: layout.FlatState, chunk_bytes: int) -> list[int]:
@@ -57,49 +80,51 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=300)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--chunk-mib", type=float, default=4)
+    ap.add_argument("--device", default="cpu", help="where the fp32 weights live (cuda: a GPU's export)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     cb = int(args.chunk_mib * (1 << 20))
     print(f"{'MiB':>6} {'memcpy':>8} {'publish':>8} {'copy':>7} {'hash':>7} {'serial':>8} {'per-tensor':>10}   "
           "ms (medians); ratios = memcpy ÷ export")
     for mib in args.sizes_mib:
-        sd = model_state(int(mib * (1 << 20)), args.tensors)
+        sd = model_state(int(mib * (1 << 20)), args.tensors, args.device)
         flat = layout.FlatState.pack(sd)
-        src = torch.empty(flat.nbytes, dtype=torch.uint8)
-        flat.cast_into(src)
-        warm = torch.empty_like(src)
-        warm.copy_(src)
+        memcpy = plain_copy(args.device, flat)
         out: dict[str, list[float]] = {k: [] for k in ("memcpy", "publish", "copy", "hash", "serial", "per_tensor")}
-        with WeightServer(chunk_bytes=cb, keep_versions=2, delta=False, copy_threads=1) as srv, \
-                WeightServer(chunk_bytes=cb, keep_versions=2, delta=False, copy_threads=1) as plain:
-            for v in range(args.reps + 3):
-                t0 = time.perf_counter()
-                warm.copy_(src)
-                t1 = time.perf_counter()
+        warmup = 3  # keep_versions + 1 buffers rotate through a server's pool from then on
+        for _ in range(args.reps + warmup):
+            t0 = time.perf_counter()
+            memcpy()
+            out["memcpy"].append(time.perf_counter() - t0)
+        # each arm in its own block: fresh mappings (the serial ablation, last) make the kernel compact memory for
+        # huge pages, which slows whatever runs next to them
+        with WeightServer(chunk_bytes=cb, keep_versions=2, delta=False, copy_threads=1) as srv:
+            for v in range(args.reps + warmup):
                 before = srv.stats
+                t0 = time.perf_counter()
                 man = srv.publish(v, flat)
-                t2 = time.perf_counter()
+                out["publish"].append(time.perf_counter() - t0)
                 after = srv.stats
-                digests = serial_fresh(flat, cb)
-                t3 = time.perf_counter()
-                plain.publish(v, sd)
-                t4 = time.perf_counter()
-                assert digests == man.chunk_checksums
-                if v < 3:
-                    continue  # warm-up: keep_versions + 1 buffers rotate through the pool from then on
-                out["memcpy"].append(t1 - t0)
-                out["publish"].append(t2 - t1)
                 out["copy"].append(after["publish_copy_seconds"] - before["publish_copy_seconds"])
                 out["hash"].append(after["publish_hash_seconds"] - before["publish_hash_seconds"])
-                out["serial"].append(t3 - t2)
-                out["per_tensor"].append(t4 - t3)
             reused = srv.stats["publish_buffers_reused"]
+        with WeightServer(chunk_bytes=cb, keep_versions=2, delta=False, copy_threads=1) as plain:
+            for v in range(args.reps + warmup):
+                t0 = time.perf_counter()
+                plain.publish(v, sd)
+                out["per_tensor"].append(time.perf_counter() - t0)
+        for _ in range(args.reps + warmup):
+            t0 = time.perf_counter()
+            digests = serial_fresh(flat, cb)
+            out["serial"].append(time.perf_counter() - t0)
+        assert digests == man.chunk_checksums
+        out = {k: v[warmup:] for k, v in out.items()}
         med = {k: statistics.median(v) for k, v in out.items()}
         print(f"{mib:>6g} {med['memcpy'] * 1e3:>8.1f} {med['publish'] * 1e3:>8.1f} {med['copy'] * 1e3:>7.1f} "
               f"{med['hash'] * 1e3:>7.1f} {med['serial'] * 1e3:>8.1f} {med['per_tensor'] * 1e3:>10.1f}")
         print(f"  {mib:g} MiB ({flat.nbytes / 1e6:.0f} MB bf16, {len(sd)} tensors): memcpy ÷ publish "
               f"{med['memcpy'] / med['publish']:.2f}× ({flat.nbytes / med['publish'] / 1e9:.2f} GB/s; "
-              f"{reused} of {args.reps + 3} publishes into a reused buffer); ablations: memcpy ÷ flat fresh serial "
+              f"{reused} of {args.reps + warmup} publishes into a reused buffer); ablations: memcpy ÷ flat fresh serial "
               f"{med['memcpy'] / med['serial']:.2f}×, memcpy ÷ per-tensor {med['memcpy'] / med['per_tensor']:.2f}×; "
               f"publish ÷ (copy + hash) {med['publish'] / (med['copy'] + med['hash']):.2f}")
 

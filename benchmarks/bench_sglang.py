@@ -11,7 +11,8 @@ request produces exactly ``--new`` tokens), (a) through :class:`SGLangEngine` (`
 
 Weights: random Llama models of growing size (plus stories260K); for each, the median of ``--repeat`` full
 :meth:`SGLangEngine.load_weights` calls, split into the client-side shared-memory copy + pickling and the
-server calls, and MB/s.
+server calls, and MB/s; side by side, the same version in bf16 tensor by tensor and as a pull delivers it (a bf16
+``FlatState``: one shared-memory segment in SGLang's flattened-bucket format instead of one per tensor).
 
 On a CPU-only machine the server needs the test stand-ins for torchvision/sgl_kernel (tests/sglang_cpu, a
 test aid); they are used automatically when ``--device cpu``.
@@ -38,6 +39,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from rlboost_hpc.models.arch import ModelArch  # noqa: E402
 from rlboost_hpc.models.hf_dir import load_model_dir  # noqa: E402
 from rlboost_hpc.models.llama2c import ensure_converted  # noqa: E402
+from rlboost_hpc.weights.layout import FlatState  # noqa: E402
 from rlboost_hpc.models.tokenizer import Llama2cTokenizer  # noqa: E402
 from rlboost_hpc.rollout.engines.factory import make_sglang_engine  # noqa: E402
 from rlboost_hpc.rollout.engines.sglang_engine import SGLangEngine  # noqa: E402
@@ -123,7 +125,7 @@ def bench_weights(cfg: ModelArch, sd: dict, name: str, repeat: int, device: str,
     eng = make_sglang_engine(cfg.to_hf_dict(), sd, 4, work_dir=log_dir / f"model-{name}", device=device,
                                 env=_env(device), log_path=log_dir / f"weights-{name}.log", startup_timeout_s=300)
     try:
-        total, prep = [], []
+        total, prep, flat_total, bf16_total = [], [], [], []
         for v in range(1, repeat + 1):
             new = {k: t * (1 + 0.01 * v) for k, t in sd.items()}
             t0 = time.perf_counter()
@@ -131,8 +133,16 @@ def bench_weights(cfg: ModelArch, sd: dict, name: str, repeat: int, device: str,
             prep.append(time.perf_counter() - t0)
             del payload
             t0 = time.perf_counter()
-            eng.load_weights(new, v)
+            eng.load_weights(new, 3 * v - 2)
             total.append(time.perf_counter() - t0)
+            bf16 = {k: t.to(torch.bfloat16) for k, t in new.items()}
+            t0 = time.perf_counter()
+            eng.load_weights(bf16, 3 * v - 1)  # bf16 tensor by tensor (a version with several dtypes)
+            bf16_total.append(time.perf_counter() - t0)
+            pulled = FlatState.pack(bf16)  # as a pull delivers a bf16 version
+            t0 = time.perf_counter()
+            eng.load_weights(pulled, 3 * v)  # one shared-memory segment (flattened bucket)
+            flat_total.append(time.perf_counter() - t0)
         probe = generate_all(eng, [GenRequest("p", [1, 5, 9], 4, SamplingParams(temperature=0.0, stop_token_ids=()))])
         assert len(probe["p"][0]) == 4
     finally:
@@ -145,7 +155,9 @@ def bench_weights(cfg: ModelArch, sd: dict, name: str, repeat: int, device: str,
         t_torch.append(time.perf_counter() - t0)
     med = statistics.median(total)
     return {"model": name, "params_M": round(sum(v.numel() for v in sd.values()) / 1e6, 2),
-            "bytes_MB": round(nbytes / 1e6, 1), "load_s": round(med, 3),
+            "bytes_MB": round(nbytes / 1e6, 1), "load_s": round(med, 3), "tensors": len(sd),
+            "load_bf16_s": round(statistics.median(bf16_total), 3),
+            "load_flat_bf16_s": round(statistics.median(flat_total), 3),
             "client_shm_pickle_s": round(statistics.median(prep), 3), "MB_per_s": round(nbytes / 1e6 / med, 1),
             "torch_engine_load_s": round(statistics.median(t_torch), 3)}
 
@@ -180,8 +192,9 @@ def main() -> int:
     for name, c, s in models:
         r = bench_weights(c, s, name, args.repeat, args.device, log_dir)
         results["weights"].append(r)
-        print(f"weights    {name:<14} {r['bytes_MB']:8.1f} MB  load {r['load_s']:7.3f} s "
+        print(f"weights    {name:<14} {r['bytes_MB']:8.1f} MB {r['tensors']:4d} tensors  load {r['load_s']:7.3f} s "
               f"(client shm+pickle {r['client_shm_pickle_s']:.3f} s)  {r['MB_per_s']:8.1f} MB/s   "
+              f"bf16 per tensor {r['load_bf16_s']:.3f} s / as one FlatState segment {r['load_flat_bf16_s']:.3f} s   "
               f"torch engine {r['torch_engine_load_s']:.3f} s", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

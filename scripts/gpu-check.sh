@@ -30,6 +30,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
   timeout 180 python3 benchmarks/bench_engine.py --device cuda --dtype bfloat16 --model .gpu/qwen3-0.6b \
       --batches 1 32 128 --new 128 --repeat 3
   echo "== Megatron step MFU"; timeout 120 python3 benchmarks/bench_megatron.py --no-torch
+  echo "== export: device-to-host publish vs a pinned non_blocking copy (issue 14 item 4)"
+  timeout 120 python3 benchmarks/bench_export.py --device cuda --sizes-mib 256 1024 --reps 5
   echo "== main job: Qwen3-0.6B shape, Megatron on CUDA, reserved engine + 4 torch workers on CUDA"
   timeout 300 python3 -m rlboost_hpc.cli run --config configs/gsm8k-qwen3.toml --out "$OUT/run" --no-progress \
       --set model.path="'$PWD/.gpu/qwen3-0.6b'" --set trainer.backend=megatron --set trainer.bf16=true \

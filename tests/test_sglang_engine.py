@@ -280,6 +280,35 @@ def test_load_weights_logprobs_equal_trainer_model(engine, loaded, tok):
         _close(again[r.rid][1], old[r.rid][1])
 
 
+def test_a_pulled_flat_version_loads_as_one_flattened_bucket_with_the_same_result(engine, loaded, tok, monkeypatch):
+    """A pulled version is a FlatState: it reaches SGLang as ONE shared-memory segment (``flattened_bucket``, the
+    layout's padding skipped by the metadata), and the engine then generates exactly what the torch engine does
+    with the same weights; the tensor-by-tensor path is not taken."""
+    from rlboost_hpc.rollout.engines import sglang_weights
+    from rlboost_hpc.weights.layout import FlatState
+
+    cfg, base = loaded
+    new = {k: v for k, v in _perturbed(base, 2).items() if k != "lm_head.weight"}
+    flat = FlatState.pack({k: v.to(torch.bfloat16) for k, v in new.items()})  # as pulled: bf16 over one buffer
+    per_tensor = []
+    monkeypatch.setattr(sglang_weights, "serialize_named_tensors",
+                        lambda named: per_tensor.append(1) or pytest.fail("sent tensor by tensor"))
+    engine.load_weights(flat, 3)
+    assert engine.version == 3 and engine.fenced is None and not per_tensor
+    bucket = sglang_weights.flat_bucket(flat, engine.server_dtype)
+    item = (engine.server_dtype or flat.flat.dtype).itemsize
+    assert bucket["flattened_tensor"].numel() == flat.flat.numel() * item  # one segment: every byte, padding too
+    meta = bucket["metadata"]
+    assert [m.name for m in meta] == flat.table.names and all(m.end_idx - m.start_idx == m.numel for m in meta)
+    assert all(m.numel == flat[m.name].numel() * item and tuple(m.shape) == tuple(flat[m.name].shape) for m in meta)
+    reqs = [GenRequest("f0", tok.encode(PROMPTS[1]), 40, GREEDY), GenRequest("f1", tok.encode(PROMPTS[2]), 40, GREEDY)]
+    ref = generate_all(_torch(loaded, {k: flat[k].float() for k in flat}), reqs)
+    got = generate_all(engine, reqs)
+    for r in reqs:
+        assert got[r.rid][0] == ref[r.rid][0]
+        _close(got[r.rid][1], ref[r.rid][1])
+
+
 def test_load_weights_refused_while_active_and_validated(engine, loaded, tok):
     cfg, base = loaded
     prompt = tok.encode(PROMPTS[3])

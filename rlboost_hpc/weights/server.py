@@ -264,7 +264,7 @@ class WeightServer:
         (total and by :attr:`ProtocolError.reason` or ``framing``), replies dropped because the peer
         vanished or its queue was full, publishes and total publish seconds (delta encoding included) — of
         them, seconds spent casting/copying into the buffer and hashing chunks (each summed over the threads
-        doing it: they overlap for a :class:`~rlboost_hpc.weights.layout.FlatState`), and publishes into a
+        doing it: they overlap for a :class:`~rlboost_hpc.weights.layout.FlatState` on a device), and publishes into a
         buffer reused from an evicted version (``publish_buffers_reused``) —
         internal errors; versions published with a delta, seconds spent encoding deltas, delta payloads and
         their bytes served (``chunks_served`` / ``bytes_served`` count full chunks only)."""
@@ -302,10 +302,10 @@ class WeightServer:
         ``keep_versions`` are then evicted. Runs in the caller's thread (≈ one cast-copy pass plus one
         xxh3 pass over the bytes, plus the delta's XOR + zstd pass when deltas are on; see
         ``stats["publish_seconds"]``). A :class:`~rlboost_hpc.weights.layout.FlatState` packed for ``dtype``
-        costs the same whatever its tensor count: one cast-copy, chunk by chunk in a helper thread while this
-        one hashes the chunks already copied. The buffer is one an evicted version used once nothing views it
-        any more (:class:`~rlboost_hpc.weights.layout.HostBufferPool`: no page faults), else a new one. May be
-        called before :meth:`start`.
+        costs the same whatever its tensor count: one cast-copy, chunk by chunk, each chunk hashed right after
+        it (overlapped with the next chunks' copies when the weights are on a device). The buffer is one an
+        evicted version used once nothing views it any more (:class:`~rlboost_hpc.weights.layout.HostBufferPool`:
+        no page faults), else a new one. May be called before :meth:`start`.
 
         Returns:
             The version's :class:`Manifest`.
@@ -376,9 +376,12 @@ class WeightServer:
                 torch.set_num_threads(before)
 
     def _cast_and_hash(self, state: layout.FlatState, buffer: torch.Tensor, view: memoryview, n: int) -> list[int]:
-        """Chunk checksums of ``state`` cast into ``buffer``: a helper thread casts chunk after chunk while this one
-        hashes the chunks already cast (both release the GIL), so the copy and the checksums overlap instead of
-        adding up. Chunk sizes that are not a multiple of the wire item size are cast in one piece first."""
+        """Chunk checksums of ``state`` cast into ``buffer``, chunk by chunk: each chunk is hashed right after its
+        cast, while it is still in cache — from host memory in this thread (a concurrent cast and hash only
+        compete for the same memory bandwidth: measured 40 ms interleaved vs 56 ms in two threads for 275 MB on
+        2 cores), from a device in overlap: a helper thread drives the device-to-host copies of the next
+        chunks while this one hashes. Chunk sizes that are not a multiple of the wire item size: one cast first.
+        """
         cb = self.chunk_bytes
         spent = {"copy": 0.0, "hash": 0.0}
 
@@ -392,11 +395,13 @@ class WeightServer:
         def digest(i: int) -> int:
             return timed("hash", chunk_checksum, view[i * cb : (i + 1) * cb])
 
-        if n <= 1 or cb % state.wire_dtype.itemsize:
+        if cb % state.wire_dtype.itemsize:
             timed("copy", state.cast_into, buffer)
             digests = [digest(i) for i in range(n)]
+        elif state.flat.device.type == "cpu" or n <= 1:
+            digests = [(timed("copy", state.cast_into, buffer, i * cb, (i + 1) * cb), digest(i))[1] for i in range(n)]
         else:
-            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="publish-cast") as ex:
+            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="publish-copy") as ex:
                 cast = [ex.submit(timed, "copy", state.cast_into, buffer, i * cb, (i + 1) * cb) for i in range(n)]
                 digests = [(cast[i].result(), digest(i))[1] for i in range(n)]
         self._stats["publish_copy_seconds"] += spent["copy"]

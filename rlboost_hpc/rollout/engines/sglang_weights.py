@@ -18,15 +18,19 @@ from __future__ import annotations
 import base64
 import io
 import logging
+import os
 import threading
 import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from rlboost_hpc.protocol.weight_msgs import table_arrays
 from rlboost_hpc.rollout.engines.base import EngineError
+from rlboost_hpc.weights.layout import FlatState
 
-__all__ = ["SGLangWeightUpdates", "as_shared", "init_weight_sender_group", "serialize_named_tensors"]
+__all__ = ["SGLangWeightUpdates", "as_shared", "flat_bucket", "init_weight_sender_group", "serialize_named_tensors",
+           "serialize_object"]
 
 log = logging.getLogger("rlboost.sglang")
 
@@ -44,7 +48,10 @@ class SGLangWeightUpdates:
 
         Sequence: validate → ``/begin_weight_update`` → ``/update_weights_from_tensor`` (shared-memory
         tensors, ``weight_version``, ``flush_cache``, never aborting) → ``/end_weight_update`` →
-        ``/flush_cache`` → check the server's weight version. Sets :attr:`version` on success.
+        ``/flush_cache`` → check the server's weight version. Sets :attr:`version` on success. A
+        :class:`~rlboost_hpc.weights.layout.FlatState` (a pulled version) goes as one shared-memory segment in
+        SGLang's ``flattened_bucket`` format (:func:`flat_bucket`) — per-tensor segments cost a shared-memory
+        file each.
 
         Raises:
             EngineError: requests are active (nothing changes); a tensor is missing/unexpected/misshapen
@@ -59,14 +66,21 @@ class SGLangWeightUpdates:
         t0 = time.monotonic()
         try:
             # one shared-memory copy, alive until the server answered; one pickle per TP rank (each pickle
-            # takes its own reference on the shared segments, each rank's unpickling releases one)
-            shared = [(k, as_shared(v, self.server_dtype)) for k, v in state_dict.items()]
-            payloads = [serialize_named_tensors(shared) for _ in range(self.tp_size)]
+            # takes its own reference on the shared segments, each rank's unpickling releases one). A FlatState
+            # travels as ONE segment (SGLang's flattened bucket), not one per tensor.
+            bucket = flat_bucket(state_dict, self.server_dtype) if isinstance(state_dict, FlatState) else None
+            if bucket is not None:
+                payloads = [serialize_object(bucket) for _ in range(self.tp_size)]
+            else:
+                shared = [(k, as_shared(v, self.server_dtype)) for k, v in state_dict.items()]
+                payloads = [serialize_named_tensors(shared) for _ in range(self.tp_size)]
+            body = {"serialized_named_tensors": payloads, "flush_cache": True, "abort_all_requests": False,
+                    "weight_version": str(version)}
+            if bucket is not None:
+                body["load_format"] = "flattened_bucket"
             self._weight_session(
-                lambda: self._control("POST", "/update_weights_from_tensor", {
-                    "serialized_named_tensors": payloads,
-                    "flush_cache": True, "abort_all_requests": False, "weight_version": str(version)},
-                    what=f"update_weights_from_tensor(version={version})"),
+                lambda: self._control("POST", "/update_weights_from_tensor", body,
+                                      what=f"update_weights_from_tensor(version={version})"),
                 version)
         except EngineError as e:
             self._fence(str(e))
@@ -184,6 +198,56 @@ class SGLangWeightUpdates:
         return box.get("result")
 
 
+def flat_bucket(state: FlatState, dtype: torch.dtype | None) -> dict | None:
+    """``state`` as SGLang's flattened bucket (``load_format="flattened_bucket"``): ``{"flattened_tensor": one
+    shared-memory uint8 tensor — the flat tensor cast to ``dtype`` (None: kept), "metadata": one
+    ``FlattenedTensorMetadata`` per tensor (name, shape, dtype, byte range)}``; the layout's padding travels
+    along and no tensor is copied on its own. None when this SGLang has no flattened buckets (the caller then
+    sends tensor by tensor)."""
+    meta_class = _sglang_bucket_metadata()
+    if meta_class is None:
+        return None
+    shared = as_shared(state.flat, dtype)
+    item = shared.element_size()
+    a = table_arrays(state.table)
+    starts = (a.offsets // a.itemsize * item).tolist()
+    numel = a.numel.tolist()
+    shapes = [torch.Size(row[:k]) for row, k in zip(a.shapes.tolist(), a.ndim.tolist())]
+    metadata = [meta_class(name=name, shape=shape, dtype=shared.dtype, start_idx=start,
+                           end_idx=start + n * item, numel=n * item)
+                for name, shape, start, n in zip(state.table.names, shapes, starts, numel)]
+    return {"flattened_tensor": shared.view(torch.uint8), "metadata": metadata}
+
+
+def _sglang_bucket_metadata() -> type | None:
+    """SGLang's ``FlattenedTensorMetadata`` (what its server unpickles), or None when SGLang is not importable
+    here. Importing the ``sglang`` package sets cache-directory variables in ``os.environ``; this process does
+    not run SGLang, so the environment is put back as it was (child processes see it unchanged)."""
+    before = dict(os.environ)
+    try:
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+    except ImportError:
+        return None
+    finally:
+        if dict(os.environ) != before:
+            os.environ.clear()
+            os.environ.update(before)
+    return FlattenedTensorMetadata
+
+
+def serialize_object(obj: Any) -> str:
+    """``obj`` pickled as :func:`serialize_named_tensors` pickles its list (base64 of ``ForkingPickler``; CPU
+    tensors as shared-memory file names)."""
+    import torch.multiprocessing as tmp
+    from multiprocessing.reduction import ForkingPickler
+
+    if tmp.get_sharing_strategy() != "file_system":
+        tmp.set_sharing_strategy("file_system")
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
 def serialize_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     """What ``/update_weights_from_tensor`` expects per TP rank: base64 of ``ForkingPickler`` of a list of
     ``(name, tensor)`` (SGLang's ``MultiprocessingSerializer``).
@@ -192,14 +256,7 @@ def serialize_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     ``file_descriptor`` strategy pickles fds that cannot cross HTTP and crashes the server's scheduler), so
     this sets it for the whole process. Keep the tensors alive until the server has answered.
     """
-    import torch.multiprocessing as tmp
-    from multiprocessing.reduction import ForkingPickler
-
-    if tmp.get_sharing_strategy() != "file_system":
-        tmp.set_sharing_strategy("file_system")
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(list(named))
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    return serialize_object(list(named))
 
 
 def as_shared(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
