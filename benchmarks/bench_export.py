@@ -124,7 +124,8 @@ def main() -> None:
               f"{med['hash'] * 1e3:>7.1f} {med['serial'] * 1e3:>8.1f} {med['per_tensor'] * 1e3:>10.1f}")
         print(f"  {mib:g} MiB ({flat.nbytes / 1e6:.0f} MB bf16, {len(sd)} tensors): memcpy ÷ publish "
               f"{med['memcpy'] / med['publish']:.2f}× ({flat.nbytes / med['publish'] / 1e9:.2f} GB/s; "
-              f"{reused} of {args.reps + warmup} publishes into a reused buffer); ablations: memcpy ÷ flat fresh serial "
+              f"{reused} of {args.reps + warmup} publishes into a reused buffer); ablations: memcpy ÷ flat fresh "
+              f"serial "
               f"{med['memcpy'] / med['serial']:.2f}×, memcpy ÷ per-tensor {med['memcpy'] / med['per_tensor']:.2f}×; "
               f"publish ÷ (copy + hash) {med['publish'] / (med['copy'] + med['hash']):.2f}")
 

@@ -264,9 +264,9 @@ class WeightServer:
         (total and by :attr:`ProtocolError.reason` or ``framing``), replies dropped because the peer
         vanished or its queue was full, publishes and total publish seconds (delta encoding included) — of
         them, seconds spent casting/copying into the buffer and hashing chunks (each summed over the threads
-        doing it: they overlap for a :class:`~rlboost_hpc.weights.layout.FlatState` on a device), and publishes into a
-        buffer reused from an evicted version (``publish_buffers_reused``) —
-        internal errors; versions published with a delta, seconds spent encoding deltas, delta payloads and
+        doing it: they overlap for a :class:`~rlboost_hpc.weights.layout.FlatState` on a device), and
+        publishes into a buffer reused from an evicted version (``publish_buffers_reused``) — internal
+        errors; versions published with a delta, seconds spent encoding deltas, delta payloads and
         their bytes served (``chunks_served`` / ``bytes_served`` count full chunks only)."""
         with self._stats_lock:
             s = dict(self._stats)
