@@ -121,18 +121,18 @@ class WeightTransferError(RuntimeError):
 class PulledWeights:
     """One complete, verified weight version.
 
-    version: the version pulled. state_dict: name → tensor (dtypes/shapes as published), all views of one
-    uint8 buffer of ``nbytes`` bytes — a :class:`~rlboost_hpc.weights.layout.FlatState` when every tensor has
-    one dtype (views made on first use; an engine whose weights share the layout loads it with one copy).
-    seconds: wall time of the whole pull. phases: wall seconds per phase (``manifest_s``, ``transfer_s`` —
-    includes per-chunk verification overlapped with receiving, ``verify_s``, ``assemble_s``) plus
-    ``chunk_hash_s`` (summed CPU seconds of per-chunk xxh3 over all streams), ``chunk_retries``,
-    ``bytes_received`` (payload bytes over the wire), and for a delta pull ``delta_chunks`` / ``unchanged_chunks`` / ``full_chunks`` and ``delta_fallbacks`` (delta chunks fetched
-    again in full). checksum: the whole-version checksum (equal to the manifest's). buffer: the uint8 buffer
-    every tensor views (``nbytes`` long). manifest: the holder's manifest of this version (the layout and
-    chunk checksums a later delta pull compares against). delta_payloads: the delta payloads this pull applied
-    and verified, by chunk index (what a relay holder serves to pullers holding the same base). With peers,
-    ``phases`` also has ``peer_bytes`` (payload bytes from peers) and ``peer_failovers``.
+    version: the version pulled. state_dict: name → tensor (dtypes/shapes as published), all views of one uint8
+    buffer of ``nbytes`` bytes — a :class:`~rlboost_hpc.weights.layout.FlatState` when every tensor has one dtype
+    (views made on first use; an engine whose weights share the layout loads it with one copy). seconds: wall time
+    of the whole pull. phases: wall seconds per phase (``manifest_s``, ``transfer_s`` — includes per-chunk
+    verification overlapped with receiving, ``verify_s``, ``assemble_s``) plus ``chunk_hash_s`` (summed CPU seconds
+    of per-chunk xxh3 over all streams), ``chunk_retries``, ``bytes_received`` (payload bytes over the wire), and
+    for a delta pull ``delta_chunks`` / ``unchanged_chunks`` / ``full_chunks`` and ``delta_fallbacks`` (delta chunks
+    fetched again in full). checksum: the whole-version checksum (equal to the manifest's). buffer: the uint8 buffer
+    every tensor views (``nbytes`` long). manifest: the holder's manifest of this version (the layout and chunk
+    checksums a later delta pull compares against). delta_payloads: the delta payloads this pull applied and
+    verified, by chunk index (what a relay holder serves to pullers holding the same base). With peers, ``phases``
+    also has ``peer_bytes`` (payload bytes from peers) and ``peer_failovers``.
     """
 
     version: int
