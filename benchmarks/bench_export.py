@@ -54,7 +54,7 @@ def plain_copy(device: str, flat: layout.FlatState):
     """The baseline: a function moving the version's wire bytes once — ``dst.copy_(src)`` into a warm host
     buffer on CPU; on CUDA a ``non_blocking`` device-to-host copy into a pinned buffer, synchronised."""
     src = torch.empty(flat.nbytes, dtype=torch.uint8, device=device)
-    flat.cast_into(src) if device == "cpu" else src.view(flat.wire_dtype).copy_(flat.flat)
+    flat.cast_into(src)
     dst = torch.empty(flat.nbytes, dtype=torch.uint8, pin_memory=device != "cpu")
     dst.copy_(src)
 

@@ -331,6 +331,16 @@ class FlatState(Mapping[str, torch.Tensor]):
         copy_tensors(list(out.values()), [state_dict[k] for k in table.names])
         return out
 
+    @classmethod
+    def of_parameters(cls, module: torch.nn.Module, wire_dtype: torch.dtype | None) -> "FlatState":
+        """Move ``module``'s parameters (a shared one — a tied head — once, under its first name) into one new
+        flat tensor laid out for ``wire_dtype``: :meth:`pack` then :meth:`adopt`. Returns the state; the
+        parameters are its views from now on."""
+        params = dict(module.named_parameters())
+        out = cls.pack(params, wire_dtype)
+        out.adopt(params)
+        return out
+
     def adopt(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Make every tensor of ``tensors`` (a model's parameters, same names, shapes and dtype as this state)
         live in :attr:`flat`: its ``.data`` becomes the view (values copied first). Parameters keep their

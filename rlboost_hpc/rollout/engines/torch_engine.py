@@ -347,10 +347,7 @@ class TorchEngine(Engine):
         parameters move into one flat tensor laid out for it (a tied head once, as the embedding). Equal layouts
         mean equal names and shapes, so the checks of the other path hold without running them."""
         if self._flat is None or self._flat.wire_dtype != state.wire_dtype:
-            params = dict(self.model.named_parameters())
-            own = FlatState.pack(params, state.wire_dtype)
-            own.adopt(params)
-            self._flat = own
+            self._flat = FlatState.of_parameters(self.model, state.wire_dtype)
         return self._flat.copy_from(state)
 
     def _release(self, r: _Running) -> None:

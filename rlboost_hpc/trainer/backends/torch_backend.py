@@ -70,9 +70,7 @@ class TorchBackend(TrainerBackend):
         self.amp_dtype = None if dtype == torch.float32 else dtype
         self.model = LlamaModel.from_state_dict(config, dict(state_dict), device=self.device)
         self.model.train()
-        params = dict(self.model.named_parameters())  # a tied head once, under the embedding's name
-        self.flat = FlatState.pack(params, wire_dtype)
-        self.flat.adopt(params)
+        self.flat = FlatState.of_parameters(self.model, wire_dtype)  # a tied head once, as the embedding
         self.ref = None
         if keep_reference or kl_coef > 0:
             self.ref = LlamaModel.from_state_dict(config, dict(state_dict), device=self.device, dtype=dtype)
