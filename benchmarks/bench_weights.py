@@ -16,6 +16,9 @@ seconds per GB of output (fp32 → bf16 cast-copy + chunk checksums) with torch'
 and with one thread (``WeightServer(copy_threads=1)``; on a small shared machine the OpenMP team waits for
 descheduled threads, and torchrun ranks default to 1 thread anyway).
 
+``--ablate-retain N`` alternates N pairs of child runs with the receive buffers retained (what the puller does:
+``layout.retain_receive_buffers``) and with glibc's default malloc thresholds (``--no-retain``).
+
 Run: ``.venv/bin/python benchmarks/bench_weights.py [--sizes-mib 64 256] [--reps 7] [--chunk-mib 4]``
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ import argparse
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -34,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rlboost_hpc.weights import WeightPuller, WeightServer  # noqa: E402
 from rlboost_hpc.weights.puller import auto_streams, usable_cores  # noqa: E402
+from rlboost_hpc.weights import layout  # noqa: E402
 
 
 class RawSender:
@@ -91,6 +96,24 @@ def make_state(total_bytes_bf16: int) -> dict[str, torch.Tensor]:
     return sd
 
 
+def ablate_retain(rounds: int, argv: list[str]) -> None:
+    """Alternate child runs with and without ``--no-retain``; print each run's pull-into ÷ raw-warm ratios."""
+    ratios: dict[tuple[str, str], list[float]] = {}
+    for r in range(rounds):
+        for label, extra in (("retained", []), ("glibc default", ["--no-retain"])):
+            out = subprocess.run([sys.executable, __file__, *argv, *extra], capture_output=True, text=True,
+                                 check=True).stdout
+            for line in out.splitlines():
+                f = line.split()
+                if len(f) > 5 and f[1] == "pull" and f[3] == "into":
+                    ratios.setdefault((f"{f[0]} {f[2]}", label), []).append(float(f[7]))
+                    cpu = f[8:11]
+                    print(f"round {r}: {label:>13} {f[0]} {f[2]} into ÷ raw warm {f[7]}  {' '.join(cpu)}")
+    print("# pull into a reused buffer ÷ raw socket copy into a warm buffer, medians over rounds")
+    for (row, label), rs in sorted(ratios.items()):
+        print(f"{row:>16} {label:>13}: {statistics.median(rs):.2f}  ({' '.join(f'{x:.2f}' for x in rs)})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[64, 256])
@@ -100,7 +123,18 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=4)
     ap.add_argument("--io-threads", type=int, default=None, help="puller libzmq I/O threads (default min(streams,4))")
     ap.add_argument("--server-io-threads", type=int, default=1)
+    ap.add_argument("--no-retain", action="store_true",
+                    help="ablation: leave glibc's malloc thresholds alone (layout.retain_receive_buffers off)")
+    ap.add_argument("--ablate-retain", type=int, default=0, metavar="ROUNDS",
+                    help="run ROUNDS alternated pairs of child runs, with and without --no-retain, and print the "
+                         "pull-into ÷ raw ratios side by side (the setting is process-wide, hence children)")
     args = ap.parse_args()
+    if args.ablate_retain:
+        ablate_retain(args.ablate_retain, [a for a in sys.argv[1:] if a != "--ablate-retain"
+                                           and a != str(args.ablate_retain)])
+        return
+    if args.no_retain:
+        layout.retain_receive_buffers = lambda *a: False  # the puller calls it through the module
 
     print(f"# {os.cpu_count()} CPUs, torch {torch.__version__}, chunk {args.chunk_mib} MiB, window {args.window}, "
           f"reps {args.reps} (median / best)")
@@ -112,12 +146,13 @@ def main() -> None:
                           io_threads=args.server_io_threads) as srv:
             pub: dict[str, list[float]] = {"default": [], "1thr": []}
             threads = torch.get_num_threads()
-            for v in range(6):
-                kind = "default" if v < 3 else "1thr"
+            for v in range(10):  # the first 4 fill the buffer pool (fresh pages); then the two kinds alternate
+                kind = "default" if v % 2 == 0 else "1thr"
                 srv._copy_threads = None if kind == "default" else 1  # the copy_threads= setting
                 t = time.perf_counter()
                 m = srv.publish(v, sd, dtype=torch.bfloat16)
-                pub[kind].append(time.perf_counter() - t)
+                if v >= 4:
+                    pub[kind].append(time.perf_counter() - t)
             n = m.total_bytes
             held_view = memoryview(srv._held[m.version].view)  # (private) the exact bytes a pull moves
             raw = RawSender(held_view)

@@ -635,3 +635,34 @@ def test_automatic_streams_follow_the_usable_cores():
     assert WeightPuller("tcp://127.0.0.1:1", streams=3).streams == 3
     with pytest.raises(ValueError, match="streams"):
         WeightPuller("tcp://127.0.0.1:1", streams=-1)
+
+
+def test_a_pull_into_a_reused_buffer_faults_no_pages_back_in():
+    """Regression: libzmq mallocs each received frame and glibc trimmed the freed frames of a pull's window, so
+    every pull faulted its first ``window`` chunks back in page by page (4,096 minor faults per pull here)."""
+    import resource
+    import statistics
+
+    chunk, window = 4 << 20, 4
+    with WeightServer(chunk_bytes=chunk, keep_versions=1) as srv:
+        m = srv.publish(1, {"w": torch.randn(8 << 20)}, dtype=torch.bfloat16)  # 16 MiB: one window of chunks
+        pages = m.total_bytes // resource.getpagesize()
+        p = WeightPuller(srv.endpoint, streams=1, window=window, timeout_s=10)
+        staging = torch.ones(m.total_bytes, dtype=torch.uint8)
+        for _ in range(2):
+            p.pull(into=staging)
+        faults = []
+        for _ in range(5):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            got = p.pull(into=staging)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+            assert got.checksum == m.checksum
+    assert statistics.median(faults) < pages / 8, (faults, pages)
+
+
+def test_retain_receive_buffers_only_raises_the_thresholds():
+    from rlboost_hpc.weights import layout
+
+    assert layout.retain_receive_buffers(64 << 20, 4) is False  # mmapped whatever the threshold
+    layout.retain_receive_buffers(4 << 20, 4)
+    assert layout.retain_receive_buffers(1 << 20, 1) is False  # already at least that

@@ -323,6 +323,7 @@ class WeightPuller:
                         f"got {into.dtype} {tuple(into.shape)} on {into.device}"
                     )
                 buffer = into[: manifest.total_bytes]
+            layout.retain_receive_buffers(manifest.chunk_bytes, self.streams * self.window)
             tr = _Transfer(manifest, memoryview(buffer.numpy()), self.timeout_s, deadline, delta,
                            None if delta is None else base.manifest.chunk_checksums)
             self._transfer(ctx, tr, list(peers))
