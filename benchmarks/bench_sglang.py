@@ -12,7 +12,9 @@ request produces exactly ``--new`` tokens), (a) through :class:`SGLangEngine` (`
 Weights: random Llama models of growing size (plus stories260K); for each, the median of ``--repeat`` full
 :meth:`SGLangEngine.load_weights` calls, split into the client-side shared-memory copy + pickling and the
 server calls, and MB/s; side by side, the same version in bf16 tensor by tensor and as a pull delivers it (a bf16
-``FlatState``: one shared-memory segment in SGLang's flattened-bucket format instead of one per tensor).
+``FlatState``: one shared-memory segment in SGLang's flattened-bucket format instead of one per tensor); and a
+version in the server's dtype pulled into private memory (copied into a fresh segment per load) vs into the
+worker's shared-memory base buffer (``shared_host_buffer``: SGLang maps the pulled bytes, no copy).
 
 On a CPU-only machine the server needs the test stand-ins for torchvision/sgl_kernel (tests/sglang_cpu, a
 test aid); they are used automatically when ``--device cpu``.
@@ -39,12 +41,13 @@ sys.path.insert(0, str(ROOT / "tests"))
 from rlboost_hpc.models.arch import ModelArch  # noqa: E402
 from rlboost_hpc.models.hf_dir import load_model_dir  # noqa: E402
 from rlboost_hpc.models.llama2c import ensure_converted  # noqa: E402
-from rlboost_hpc.weights.layout import FlatState  # noqa: E402
+from rlboost_hpc.weights.layout import FlatState, state_view  # noqa: E402
 from rlboost_hpc.models.tokenizer import Llama2cTokenizer  # noqa: E402
 from rlboost_hpc.rollout.engines.factory import make_sglang_engine  # noqa: E402
 from rlboost_hpc.rollout.engines.sglang_engine import SGLangEngine  # noqa: E402
 from rlboost_hpc.rollout.engines.sglang_server import http_json  # noqa: E402
-from rlboost_hpc.rollout.engines.sglang_weights import as_shared, serialize_named_tensors  # noqa: E402
+from rlboost_hpc.rollout.engines.sglang_weights import (  # noqa: E402
+    as_shared, serialize_named_tensors, shared_host_buffer)
 from rlboost_hpc.rollout.engines.base import GenRequest, SamplingParams  # noqa: E402
 from rlboost_hpc.rollout.engines.torch_engine import TorchEngine, generate_all  # noqa: E402
 
@@ -125,7 +128,9 @@ def bench_weights(cfg: ModelArch, sd: dict, name: str, repeat: int, device: str,
     eng = make_sglang_engine(cfg.to_hf_dict(), sd, 4, work_dir=log_dir / f"model-{name}", device=device,
                                 env=_env(device), log_path=log_dir / f"weights-{name}.log", startup_timeout_s=300)
     try:
-        total, prep, flat_total, bf16_total = [], [], [], []
+        total, prep, flat_total, bf16_total, copy_total, shm_total = [], [], [], [], [], []
+        sdt = eng.server_dtype or torch.bfloat16
+        shm = None
         for v in range(1, repeat + 1):
             new = {k: t * (1 + 0.01 * v) for k, t in sd.items()}
             t0 = time.perf_counter()
@@ -133,16 +138,29 @@ def bench_weights(cfg: ModelArch, sd: dict, name: str, repeat: int, device: str,
             prep.append(time.perf_counter() - t0)
             del payload
             t0 = time.perf_counter()
-            eng.load_weights(new, 3 * v - 2)
+            eng.load_weights(new, 5 * v - 4)
             total.append(time.perf_counter() - t0)
             bf16 = {k: t.to(torch.bfloat16) for k, t in new.items()}
             t0 = time.perf_counter()
-            eng.load_weights(bf16, 3 * v - 1)  # bf16 tensor by tensor (a version with several dtypes)
+            eng.load_weights(bf16, 5 * v - 3)  # bf16 tensor by tensor (a version with several dtypes)
             bf16_total.append(time.perf_counter() - t0)
             pulled = FlatState.pack(bf16)  # as a pull delivers a bf16 version
             t0 = time.perf_counter()
-            eng.load_weights(pulled, 3 * v)  # one shared-memory segment (flattened bucket)
+            eng.load_weights(pulled, 5 * v - 2)  # one shared-memory segment (flattened bucket)
             flat_total.append(time.perf_counter() - t0)
+            # a version in the server's dtype: pulled into private memory (copied into a fresh shared-memory
+            # segment per load) vs pulled into the worker's shared-memory base buffer (no copy)
+            packed = FlatState.pack(new, sdt)
+            if shm is None:
+                shm = shared_host_buffer(packed.nbytes)
+            shm.view(sdt).copy_(packed.flat)  # what the pull writes into the base buffer
+            in_shm = state_view(shm, packed.table)
+            t0 = time.perf_counter()
+            eng.load_weights(packed, 5 * v - 1)
+            copy_total.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            eng.load_weights(in_shm, 5 * v)
+            shm_total.append(time.perf_counter() - t0)
         probe = generate_all(eng, [GenRequest("p", [1, 5, 9], 4, SamplingParams(temperature=0.0, stop_token_ids=()))])
         assert len(probe["p"][0]) == 4
     finally:
@@ -158,6 +176,9 @@ def bench_weights(cfg: ModelArch, sd: dict, name: str, repeat: int, device: str,
             "bytes_MB": round(nbytes / 1e6, 1), "load_s": round(med, 3), "tensors": len(sd),
             "load_bf16_s": round(statistics.median(bf16_total), 3),
             "load_flat_bf16_s": round(statistics.median(flat_total), 3),
+            "server_dtype": str(sdt).replace("torch.", ""),
+            "load_flat_private_s": round(statistics.median(copy_total), 3),
+            "load_flat_shared_s": round(statistics.median(shm_total), 3),
             "client_shm_pickle_s": round(statistics.median(prep), 3), "MB_per_s": round(nbytes / 1e6 / med, 1),
             "torch_engine_load_s": round(statistics.median(t_torch), 3)}
 
@@ -196,6 +217,8 @@ def main() -> int:
               f"(client shm+pickle {r['client_shm_pickle_s']:.3f} s)  {r['MB_per_s']:8.1f} MB/s   "
               f"bf16 per tensor {r['load_bf16_s']:.3f} s / as one FlatState segment {r['load_flat_bf16_s']:.3f} s   "
               f"torch engine {r['torch_engine_load_s']:.3f} s", flush=True)
+        print(f"           {'':<14} in the server's dtype ({r['server_dtype']}): pulled into private memory "
+              f"{r['load_flat_private_s']:.3f} s / into shared memory {r['load_flat_shared_s']:.3f} s", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     return 0

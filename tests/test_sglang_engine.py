@@ -309,6 +309,34 @@ def test_a_pulled_flat_version_loads_as_one_flattened_bucket_with_the_same_resul
         _close(got[r.rid][1], ref[r.rid][1])
 
 
+def test_a_version_pulled_into_shared_memory_reaches_sglang_without_a_copy(engine, loaded, tok, monkeypatch):
+    """A worker running SGLang pulls into shared memory (``receive_buffer_factory``): a version in the server's
+    dtype is handed to SGLang as the pulled bytes themselves — no copy into a fresh segment — and generates what
+    the torch engine does with those weights; the next pull into the same (base) buffer loads the same way."""
+    from rlboost_hpc.rollout.engines import sglang_weights
+    from rlboost_hpc.rollout.engines.factory import receive_buffer_factory
+    from rlboost_hpc.weights import WeightPuller, WeightServer
+
+    cfg, base = loaded
+    factory = receive_buffer_factory({"kind": "sglang"})
+    assert factory is sglang_weights.shared_host_buffer and receive_buffer_factory({"kind": "torch"}) is None
+    dtype = engine.server_dtype or torch.float32
+    monkeypatch.setattr(sglang_weights, "as_shared", lambda *a: pytest.fail("the pulled version was copied"))
+    reqs = [GenRequest("s0", tok.encode(PROMPTS[0]), 30, GREEDY), GenRequest("s1", tok.encode(PROMPTS[4]), 30, GREEDY)]
+    got = None
+    with WeightServer(chunk_bytes=1 << 16, keep_versions=1) as srv:
+        for v, seed in ((6, 5), (7, 6)):
+            srv.publish(v, {k: t for k, t in _perturbed(base, seed).items() if k != "lm_head.weight"}, dtype=dtype)
+            got = WeightPuller(srv.endpoint, buffer_factory=factory).pull(v, base=got)
+            assert got.buffer.is_shared()
+            engine.load_weights(got.state_dict, v)
+            assert engine.version == v and engine.fenced is None
+            ref = generate_all(_torch(loaded, {k: got.state_dict[k].float() for k in got.state_dict}), reqs)
+            out = generate_all(engine, reqs)
+            for r in reqs:
+                assert out[r.rid][0] == ref[r.rid][0]
+
+
 def test_load_weights_refused_while_active_and_validated(engine, loaded, tok):
     cfg, base = loaded
     prompt = tok.encode(PROMPTS[3])

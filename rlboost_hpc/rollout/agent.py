@@ -36,7 +36,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import zmq
 
@@ -47,6 +47,9 @@ from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.rollout.engines.base import Engine, GenRequest, SamplingParams
 from rlboost_hpc.models.arch import ModelArch
 from rlboost_hpc.rollout.engines.factory import EngineFactory, torch_engine_factory
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("rlboost.agent")
 
@@ -76,10 +79,12 @@ class RemoteWeights:
     """
 
     def __init__(self, streams: int, window: int, timeout_s: float, *, keep_base: bool = True,
-                 peer_timeout_s: float | None = None) -> None:
+                 peer_timeout_s: float | None = None,
+                 buffer_factory: "Callable[[int], torch.Tensor] | None" = None) -> None:
         self.streams, self.window, self.timeout_s = streams, window, timeout_s
         self.keep_base = keep_base
         self.peer_timeout_s = peer_timeout_s
+        self.buffer_factory = buffer_factory  # of WeightPuller: where a pull that reuses no base lands
         self._base = None  # PulledWeights of the last successful pull (keep_base only)
         self._shard_bases: dict | None = None  # ... of a sharded version: position → PulledWeights
         self._relay = None  # WeightServer serving self._base (serve_relay)
@@ -133,7 +138,8 @@ class RemoteWeights:
                 self._relay.withdraw()  # the buffer it serves is about to change
             base, self._base, self._shard_bases = self._base, None, None  # consumed, whatever the outcome
             got = WeightPuller(endpoint, streams=self.streams, window=self.window, timeout_s=self.timeout_s,
-                               keys=keys, peer_timeout_s=self.peer_timeout_s).pull(version, base=base, peers=peers)
+                               keys=keys, peer_timeout_s=self.peer_timeout_s,
+                               buffer_factory=self.buffer_factory).pull(version, base=base, peers=peers)
             if self.keep_base or self._relay is not None:
                 self._base = got
             if self._relay is not None:

@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlboost_hpc.protocol.auth import RunKeys
     from rlboost_hpc.rollout.agent import EXIT_UNREACHABLE, RemoteWeights, RolloutAgent
     from rlboost_hpc.rollout.engines.base import EngineError
-    from rlboost_hpc.rollout.engines.factory import factory_from_spec
+    from rlboost_hpc.rollout.engines.factory import factory_from_spec, receive_buffer_factory
 
     spec = wspec.engine
     server_log = None
@@ -271,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     # (PR_SET_PDEATHSIG), so that thread must outlive reconnects.
     builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{args.job_id}-builder")
     weights = RemoteWeights(wspec.weight_streams, wspec.weight_window, wspec.pull_timeout_s,
-                            keep_base=wspec.weight_delta, peer_timeout_s=wspec.relay_timeout_s)  # survives reconnects
+                            keep_base=wspec.weight_delta, peer_timeout_s=wspec.relay_timeout_s,
+                            buffer_factory=receive_buffer_factory(spec))  # survives reconnects
 
     def relay_endpoint() -> str:
         """Serve held versions to peers (with the run's current keys); "" when relay is off or cannot bind."""

@@ -48,7 +48,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 import msgspec
 import torch
@@ -236,6 +236,9 @@ class WeightPuller:
         label: who is pulling (e.g. the rollout instance id); named in every error message.
         peer_timeout_s: stall deadline of a relay peer (default ``min(timeout_s, 5)``): a peer silent that long
             is abandoned for the next source.
+        buffer_factory: allocates a fresh receive buffer of n bytes (uint8, 1-D, contiguous, CPU) when a pull has
+            neither ``into`` nor a large enough base (default :func:`rlboost_hpc.weights.layout.host_buffer`;
+            e.g. a shared-memory buffer that another process loads from without a copy).
 
     A puller holds no sockets between pulls; it is safe to call :meth:`pull` repeatedly (not concurrently).
     """
@@ -252,6 +255,7 @@ class WeightPuller:
         label: str = "",
         keys: "RunKeys | None" = None,
         peer_timeout_s: float | None = None,
+        buffer_factory: "Callable[[int], torch.Tensor] | None" = None,
     ) -> None:
         if streams < 0 or window < 1:
             raise ValueError(f"streams must be >= 0 (0: automatic) and window >= 1, got {streams}, {window}")
@@ -266,6 +270,7 @@ class WeightPuller:
         self.label = label
         self.keys = keys  # CURVE client keys of the run (protocol/auth.py); None: plain TCP
         self.peer_timeout_s = float(peer_timeout_s) if peer_timeout_s is not None else min(self.timeout_s, 5.0)
+        self.buffer_factory = buffer_factory or layout.host_buffer
 
     # ------------------------------------------------------------------ public
     def pull(self, version: int | None = None, *, into: torch.Tensor | None = None,
@@ -277,7 +282,7 @@ class WeightPuller:
             into: optional reusable receive buffer (CPU, uint8, 1-D, contiguous, ≥ ``total_bytes``), e.g. a
                 staging buffer that is copied to the GPU after each pull. The caller guarantees nothing
                 reads it during the pull; on failure its contents are undefined. Default: a fresh buffer
-                (:func:`rlboost_hpc.weights.layout.host_buffer`), so earlier pulls stay valid.
+                (``buffer_factory``), so earlier pulls stay valid.
             base: a version this process pulled before and no longer reads. It is *consumed*: when the
                 holder offers a delta against it, its buffer is turned into the new version in place;
                 otherwise its buffer is reused as the receive buffer when large enough (and ``into`` is not
@@ -314,7 +319,7 @@ class WeightPuller:
             elif into is None and base is not None and base.buffer.numel() >= manifest.total_bytes:
                 buffer = base.buffer[: manifest.total_bytes]
             elif into is None:
-                buffer = layout.host_buffer(manifest.total_bytes)
+                buffer = self.buffer_factory(manifest.total_bytes)
             else:
                 if (into.dtype != torch.uint8 or into.dim() != 1 or not into.is_contiguous()
                         or into.device.type != "cpu" or into.numel() < manifest.total_bytes):

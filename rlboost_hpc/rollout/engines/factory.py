@@ -56,6 +56,18 @@ def engine_spec(cfg) -> dict[str, Any]:
     return spec
 
 
+def receive_buffer_factory(spec: Mapping[str, Any] | None) -> "Callable[[int], torch.Tensor] | None":
+    """Where a rollout worker running ``spec``'s engine pulls weight versions (``WeightPuller(buffer_factory=)``):
+    shared memory for SGLang, whose server process then loads the pulled bytes without a copy
+    (:func:`~rlboost_hpc.rollout.engines.sglang_weights.shared_host_buffer`); None — the puller's default
+    private host buffer — for the in-process torch engine."""
+    if (spec or {}).get("kind", "torch") != "sglang":
+        return None
+    from rlboost_hpc.rollout.engines.sglang_weights import shared_host_buffer
+
+    return shared_host_buffer
+
+
 def factory_from_spec(spec: Mapping[str, Any] | None, max_batch: int, *,
                       log_path: str | Path | None = None) -> EngineFactory:
     """An EngineFactory for ``spec`` (``None`` or ``{"kind": "torch"}``: the torch engine).
