@@ -1,8 +1,10 @@
 """Benchmark: what ZeroMQ CURVE (issue 7 §1: authenticated, encrypted sockets) costs, measured side by side.
 
 1. Weight pull: the same version (bf16 bytes of ``--sizes-mib``) pulled from a :class:`WeightServer` by a
-   :class:`WeightPuller` (``--streams`` parallel streams), once without keys and once with the run's CURVE keys
-   (server requires them; every chunk is encrypted + authenticated by libsodium). GB/s, median of ``--reps``.
+   :class:`WeightPuller` (``--streams`` parallel streams) three ways, pulls interleaved: without keys (plain),
+   with the run's CURVE keys and every chunk encrypted + authenticated by libsodium on libzmq's I/O threads
+   (``sealed=False``: what every pull did before sealed chunks), and with CURVE keys and the chunks sealed with
+   AES-256-GCM on the holder's sealed port (the default). GB/s, median of ``--reps``; ratios to plain.
 2. Token ingest: the live part of ``bench_manager_ingest.py`` (a manager process, fake rollout instances in a
    load-generator process streaming real ``Tokens`` frames, a trainer client), without and with CURVE on every
    socket. tokens/s (best of ``--reps``) and tokens per manager CPU-second.
@@ -17,7 +19,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
@@ -32,23 +33,36 @@ from rlboost_hpc.weights.puller import WeightPuller  # noqa: E402
 from rlboost_hpc.weights.server import WeightServer  # noqa: E402
 
 
-def pull_gbps(size_mib: int, streams: int, reps: int, keys: RunKeys | None,
-              io_threads: int | None = None) -> tuple[float, int]:
-    """GB/s of a pull into a warm buffer; ``io_threads``: libzmq I/O threads of the server and of the puller
-    (None: their defaults)."""
+MODES = ("plain", "curve", "sealed")
+
+
+def pull_gbps(size_mib: int, streams: int, reps: int, keys: RunKeys, io_threads: int | None = None
+              ) -> tuple[dict[str, float], int]:
+    """GB/s of a pull into a warm buffer for each of :data:`MODES` (pulls interleaved, each from its own holder);
+    ``io_threads``: libzmq I/O threads of the servers and of the pullers (None: their defaults)."""
     sd = make_state(size_mib << 20)
-    with WeightServer(chunk_bytes=4 << 20, keys=keys, io_threads=io_threads) as srv:
-        man = srv.publish(0, sd, dtype=torch.bfloat16)
-        puller = WeightPuller(srv.endpoint, streams=streams, window=4, keys=keys.client_view() if keys else None,
-                              io_threads=io_threads)
-        staging = torch.ones(man.total_bytes, dtype=torch.uint8)
-        puller.pull(into=staging)  # warm-up
-        times = []
+    servers = {"plain": WeightServer(chunk_bytes=4 << 20, io_threads=io_threads),
+               "curve": WeightServer(chunk_bytes=4 << 20, keys=keys, io_threads=io_threads, sealed=False),
+               "sealed": WeightServer(chunk_bytes=4 << 20, keys=keys, io_threads=io_threads)}
+    try:
+        pullers, staging, times = {}, {}, {m: [] for m in MODES}
+        for mode, srv in servers.items():
+            srv.start()
+            man = srv.publish(0, sd, dtype=torch.bfloat16)
+            assert (man.sealed is not None) == (mode == "sealed")
+            pullers[mode] = WeightPuller(srv.endpoint, streams=streams, window=4, io_threads=io_threads,
+                                         keys=None if mode == "plain" else keys.client_view())
+            staging[mode] = torch.ones(man.total_bytes, dtype=torch.uint8)
+            pullers[mode].pull(into=staging[mode])  # warm-up
         for _ in range(reps):
-            t = time.perf_counter()
-            puller.pull(into=staging)
-            times.append(time.perf_counter() - t)
-    return man.total_bytes / statistics.median(times) / 1e9, man.total_bytes
+            for mode in MODES:
+                got = pullers[mode].pull(into=staging[mode])
+                assert (got.phases["sealed_bytes"] > 0) == (mode == "sealed")
+                times[mode].append(got.seconds)
+    finally:
+        for srv in servers.values():
+            srv.close()
+    return {m: man.total_bytes / statistics.median(t) / 1e9 for m, t in times.items()}, man.total_bytes
 
 
 def main() -> None:
@@ -74,20 +88,25 @@ def main() -> None:
     os.environ.setdefault("RLBOOST_LOG_LEVEL", "WARNING")
     ncpu = len(os.sched_getaffinity(0))
     keys = RunKeys.generate()
-    print(f"# {ncpu} CPU cores, torch {torch.__version__}; CURVE = libzmq's curve25519 + xsalsa20-poly1305")
-    print(f"\n== weight pull, {args.streams} streams, median of {args.reps} ==")
-    print(f"{'MiB':>5} {'plain GB/s':>10} {'CURVE GB/s':>10} {'ratio':>6}")
+    print(f"# {ncpu} CPU cores, torch {torch.__version__}; CURVE = libzmq's curve25519 + xsalsa20-poly1305; "
+          f"sealed = CURVE for the manifest, AES-256-GCM chunks on a plain port")
+    head = f"{'plain GB/s':>10} {'CURVE GB/s':>10} {'sealed GB/s':>11} {'CURVE/plain':>11} {'sealed/plain':>12}"
+
+    def row(g: dict[str, float]) -> str:
+        return (f"{g['plain']:>10.3f} {g['curve']:>10.3f} {g['sealed']:>11.3f} {g['curve'] / g['plain']:>11.2f} "
+                f"{g['sealed'] / g['plain']:>12.2f}")
+
+    print(f"\n== weight pull, {args.streams} streams, median of {args.reps} (defaults' I/O threads) ==")
+    print(f"{'MiB':>5} {head}")
     for size in args.sizes_mib:
-        plain, n = pull_gbps(size, args.streams, args.reps, None)
-        curve, _ = pull_gbps(size, args.streams, args.reps, keys)
-        print(f"{n / 2**20:>5.0f} {plain:>10.3f} {curve:>10.3f} {curve / plain:>6.2f}", flush=True)
-    print(f"\n== weight pull with CURVE by libzmq I/O threads (server and puller each), {args.streams} streams ==")
-    print(f"{'MiB':>5} {'io':>3} {'plain GB/s':>10} {'CURVE GB/s':>10} {'ratio':>6}")
+        g, n = pull_gbps(size, args.streams, args.reps, keys)
+        print(f"{n / 2**20:>5.0f} {row(g)}", flush=True)
+    print(f"\n== weight pull by libzmq I/O threads (servers and pullers each), {args.streams} streams ==")
+    print(f"{'MiB':>5} {'io':>3} {head}")
     for size in args.sizes_mib:
         for io in args.io_threads:
-            plain, n = pull_gbps(size, args.streams, args.reps, None, io)
-            curve, _ = pull_gbps(size, args.streams, args.reps, keys, io)
-            print(f"{n / 2**20:>5.0f} {io:>3} {plain:>10.3f} {curve:>10.3f} {curve / plain:>6.2f}", flush=True)
+            g, n = pull_gbps(size, args.streams, args.reps, keys, io)
+            print(f"{n / 2**20:>5.0f} {io:>3} {row(g)}", flush=True)
     if args.skip_ingest:
         return
     with tempfile.TemporaryDirectory() as d:

@@ -17,7 +17,7 @@ and with one thread (``WeightServer(copy_threads=1)``; on a small shared machine
 descheduled threads, and torchrun ranks default to 1 thread anyway).
 
 ``--ablate-retain N`` alternates N pairs of child runs with the receive buffers retained (what the puller does:
-``layout.retain_receive_buffers``) and with glibc's default malloc thresholds (``--no-retain``).
+``layout.retain_frame_buffers``) and with glibc's default malloc thresholds (``--no-retain``).
 
 Run: ``.venv/bin/python benchmarks/bench_weights.py [--sizes-mib 64 256] [--reps 7] [--chunk-mib 4]``
 """
@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--io-threads", type=int, default=None, help="puller libzmq I/O threads (default min(streams,4))")
     ap.add_argument("--server-io-threads", type=int, default=1)
     ap.add_argument("--no-retain", action="store_true",
-                    help="ablation: leave glibc's malloc thresholds alone (layout.retain_receive_buffers off)")
+                    help="ablation: leave glibc's malloc thresholds alone (layout.retain_frame_buffers off)")
     ap.add_argument("--ablate-retain", type=int, default=0, metavar="ROUNDS",
                     help="run ROUNDS alternated pairs of child runs, with and without --no-retain, and print the "
                          "pull-into ÷ raw ratios side by side (the setting is process-wide, hence children)")
@@ -134,7 +134,7 @@ def main() -> None:
                                            and a != str(args.ablate_retain)])
         return
     if args.no_retain:
-        layout.retain_receive_buffers = lambda *a: False  # the puller calls it through the module
+        layout.retain_frame_buffers = lambda *a: False  # the puller calls it through the module
 
     print(f"# {os.cpu_count()} CPUs, torch {torch.__version__}, chunk {args.chunk_mib} MiB, window {args.window}, "
           f"reps {args.reps} (median / best)")

@@ -88,7 +88,8 @@ class MegatronBackend(TrainerBackend):
             written into the manifest instead of the bound address (multi-node).
         shard_dtype: dtype of published shards (bf16). shard_replicas: also publish from DP ranks > 0 (more
             holders to pull from in parallel). shard_keys: the run's CURVE ``RunKeys`` (None: plain TCP), so the
-            shard servers accept only the run's pullers, like the run's own weight server.
+            shard servers accept only the run's pullers, like the run's own weight server. shard_sealed: with
+            keys, shards travel AES-256-GCM-sealed on a plain port (``weights.sealed``; see ``WeightServer``).
         adam_eps: Adam epsilon (torch default 1e-8).
 
     Raises:
@@ -102,8 +103,8 @@ class MegatronBackend(TrainerBackend):
                  distributed_optimizer: bool = False, recompute: str | None = None, seed: int = 1234,
                  shard_export: bool = False, shard_bind: str = "tcp://127.0.0.1:0",
                  shard_advertise_host: str | None = None, shard_dtype: torch.dtype = torch.bfloat16,
-                 shard_replicas: bool = False, shard_keys: Any = None, adam_eps: float = 1e-8,
-                 _bid: int | None = None) -> None:
+                 shard_replicas: bool = False, shard_keys: Any = None, shard_sealed: bool = True,
+                 adam_eps: float = 1e-8, _bid: int | None = None) -> None:
         hf_cfg = load_hf_config(config)
         if isinstance(weights, os.PathLike):
             weights = str(weights)
@@ -114,7 +115,8 @@ class MegatronBackend(TrainerBackend):
                       micro_batch_size=micro_batch_size, bf16=bf16, distributed_optimizer=distributed_optimizer,
                       recompute=recompute, seed=seed, shard_export=shard_export, shard_bind=shard_bind,
                       shard_advertise_host=shard_advertise_host, shard_dtype=shard_dtype,
-                      shard_replicas=shard_replicas, shard_keys=shard_keys, adam_eps=adam_eps)
+                      shard_replicas=shard_replicas, shard_keys=shard_keys, shard_sealed=shard_sealed,
+                      adam_eps=adam_eps)
         self.layout = parallel.initialize(tp, pp, seed=seed)
         if _bid is None:
             _bid = driver.new_id()
@@ -142,7 +144,7 @@ class MegatronBackend(TrainerBackend):
         self.gathered_exports = 0  # export_weights() calls that gathered pieces from other ranks
         self.shard_manifest: dict | None = None
         if shard_export:
-            self._start_shard_server(shard_bind, shard_advertise_host, shard_replicas, shard_keys)
+            self._start_shard_server(shard_bind, shard_advertise_host, shard_replicas, shard_keys, shard_sealed)
 
     # ------------------------------------------------------------------ construction
     def _build(self, weights, *, weight_decay: float, keep_reference: bool, distributed_optimizer: bool,
@@ -449,7 +451,8 @@ class MegatronBackend(TrainerBackend):
         return assemble(specs, tensors, aliases=aliases)
 
     # ------------------------------------------------------------------ sharded export
-    def _start_shard_server(self, bind: str, advertise_host: str | None, replicas: bool, keys: Any) -> None:
+    def _start_shard_server(self, bind: str, advertise_host: str | None, replicas: bool, keys: Any,
+                            sealed: bool = True) -> None:
         from megatron_bridge.export import build_manifest, holder_entry
         from rlboost_hpc.weights.server import WeightServer
 
@@ -457,7 +460,7 @@ class MegatronBackend(TrainerBackend):
         holds = bool(self.pieces) and (replicas or L.dp_rank == 0)
         entry = None
         if holds:
-            self._server = WeightServer(bind=bind, copy_threads=1, keys=keys).start()
+            self._server = WeightServer(bind=bind, copy_threads=1, keys=keys, sealed=sealed).start()
             endpoint = self._server.endpoint
             if advertise_host:
                 endpoint = endpoint.rsplit(":", 1)
@@ -503,15 +506,15 @@ class MegatronBackend(TrainerBackend):
 
     @driver.collective
     def shard_stats(self) -> list[dict]:
-        """Per holder rank: ``{"rank", "position", "bytes_served", "delta_bytes_served", "chunks_served",
-        "publishes"}`` (rank 0; []
+        """Per holder rank: ``{"rank", "position", "bytes_served", "delta_bytes_served", "sealed_bytes_served",
+        "chunks_served", "publishes"}`` (rank 0; []
         elsewhere and without shard export). Collective."""
         stat = None
         if self._server is not None:
             st = self._server.stats
             stat = {"rank": self.layout.rank, "position": self._position, "bytes_served": int(st["bytes_served"]),
                     "delta_bytes_served": int(st["delta_bytes_served"]), "chunks_served": int(st["chunks_served"]),
-                    "publishes": int(st["publishes"])}
+                    "sealed_bytes_served": int(st["sealed_bytes_served"]), "publishes": int(st["publishes"])}
         got = self._gather(stat)
         return [s for s in got if s is not None] if got is not None else []
 
@@ -560,6 +563,6 @@ def from_run_config(cfg: Any, policy: Any, common: Mapping[str, Any], *, keys: A
     t, w = cfg.trainer, cfg.weights
     model_parallel = int(os.environ.get(TP_ENV, 1)) * int(os.environ.get(PP_ENV, 1)) > 1
     shards = dict(shard_export=True, shard_bind=f"tcp://{cfg.network.bind_host}:0", shard_keys=keys,
-                  shard_advertise_host=advertise_host) if w.sharded and model_parallel else {}
+                  shard_sealed=w.sealed, shard_advertise_host=advertise_host) if w.sharded and model_parallel else {}
     return MegatronBackend(policy.hf_config, policy.state_dict, seed=t.seed, bf16=t.bf16,
                            distributed_optimizer=t.distributed_optimizer, recompute=t.recompute, **shards, **common)

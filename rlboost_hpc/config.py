@@ -181,7 +181,8 @@ class WeightsCfg(_Strict):
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     streams: int = Field(D.WEIGHT_STREAMS, ge=0, description="parallel streams of one pull; 0: one per two usable "
                                                              "CPU cores of the puller, at most 4")
-    window: int = Field(D.WEIGHT_WINDOW, ge=1)
+    window: int = Field(D.WEIGHT_WINDOW, ge=1, le=16, description="chunk requests outstanding per pull stream (a "
+                        "sealed port queues at most 32 chunks per connection)")
     chunk_bytes: int = Field(D.WEIGHT_CHUNK_BYTES, ge=4096)
     pull_timeout_s: float = Field(D.PULL_TIMEOUT_S, gt=0)
     delta: bool = Field(True, description=(
@@ -198,6 +199,10 @@ class WeightsCfg(_Strict):
         "longest an instance waits for relay capacity before pulling from the trainer anyway"))
     relay_timeout_s: float = Field(5.0, gt=0, description=(
         "a relay peer silent this long is abandoned; the pull resumes from the next source at the chunk it reached"))
+    sealed: bool = Field(True, description=(
+        "with CURVE on, weight chunks travel AES-256-GCM-sealed under a per-version key over a plain TCP port of "
+        "each holder (key and ticket only in the CURVE-protected manifest) instead of CURVE-encrypted: ~7x the "
+        "encryption rate per core; false: everything over CURVE"))
     sharded: bool = Field(True, description=(
         "with a model-parallel trainer (Megatron TP or PP > 1), every holder rank serves its own pieces and instances "
         "pull from all of them in parallel (no gather on rank 0); peer relay does not apply to sharded versions"))

@@ -79,7 +79,8 @@ class RunServices:
         cfg, rd, w = self.cfg, self.run_dir, self.cfg.weights
         self.keys = self._keys()
         self.server = WeightServer(bind=f"tcp://{cfg.network.bind_host}:0", chunk_bytes=w.chunk_bytes,
-                                   keys=self.keys, delta=w.delta, delta_max_ratio=w.delta_max_ratio).start()
+                                   keys=self.keys, delta=w.delta, delta_max_ratio=w.delta_max_ratio,
+                                   sealed=w.sealed).start()
         self.defer(self.server.close)
         environment = self.environment()
         self.mproc, bound, metrics_url = self._spawn_manager(environment)

@@ -132,6 +132,8 @@ def test_default_demo_meets_the_report_contract(repo_root, tmp_path):
     assert rep["weight_update_bytes_mean"] < rep["weight_bytes"] / 10, why  # real GRPO steps: ~1/20 measured
     assert rep["weight_pulled_bytes"] < rep["weight_pulls"] * rep["weight_bytes"] / 4, why
     assert rep["weight_trainer_bytes_served"] <= rep["weight_pulled_bytes"], why  # the rest came from peers
+    # CURVE is on by default and the chunks went sealed (AES-256-GCM), not CURVE-encrypted
+    assert rep["weight_trainer_sealed_bytes_served"] == rep["weight_trainer_bytes_served"] > 0, why
 
 
 def test_kills_without_warning_lose_nothing(repo_root, tmp_path):

@@ -125,6 +125,7 @@ def test_rl_run_at_tp2_through_the_launcher(repo_root, tmp_path):
     assert shards["gathered_exports"] == 0
     assert sorted(h["position"] for h in shards["holders"]) == ["tp0-pp0", "tp1-pp0"]
     assert all(h["bytes_served"] > 0 and h["publishes"] == 5 for h in shards["holders"]), shards
+    assert all(h["sealed_bytes_served"] == h["bytes_served"] + h["delta_bytes_served"] for h in shards["holders"])
     assert rep["weight_update_bytes_mean"] < rep["weight_bytes"] / 2  # deltas per holder
     assert rep["weight_checksum_mismatches"] == 0 and rep["weight_pull_failures"] == 0
 

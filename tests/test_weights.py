@@ -660,9 +660,9 @@ def test_a_pull_into_a_reused_buffer_faults_no_pages_back_in():
     assert statistics.median(faults) < pages / 8, (faults, pages)
 
 
-def test_retain_receive_buffers_only_raises_the_thresholds():
+def test_retain_frame_buffers_only_raises_the_thresholds():
     from rlboost_hpc.weights import layout
 
-    assert layout.retain_receive_buffers(64 << 20, 4) is False  # mmapped whatever the threshold
-    layout.retain_receive_buffers(4 << 20, 4)
-    assert layout.retain_receive_buffers(1 << 20, 1) is False  # already at least that
+    assert layout.retain_frame_buffers(64 << 20, 4) is False  # mmapped whatever the threshold
+    layout.retain_frame_buffers(4 << 20, 4)
+    assert layout.retain_frame_buffers(1 << 20, 1) is False  # already at least that

@@ -21,7 +21,8 @@ Schema (:class:`RunReport`; every key below is always present except the multi-t
 - weights: ``weight_pulls`` (verified loads), ``weight_pull_failures``, ``weight_pull_seconds_mean``,
   ``weight_bytes`` (one full version), ``weight_update_bytes_mean`` (bytes a version update takes, deltas
   counted as sent), ``weight_pulled_bytes`` (received by instances), ``weight_trainer_bytes_served`` (sent by the
-  trainer; the rest came from relay peers), ``weight_checksum_mismatches`` (must be 0), ``weight_shards`` (per
+  trainer; the rest came from relay peers), ``weight_trainer_sealed_bytes_served`` (of it, sent as sealed chunks
+  instead of over CURVE), ``weight_checksum_mismatches`` (must be 0), ``weight_shards`` (per
   serving rank: bytes served; gathered exports).
 - capacity and speed: ``n_resv`` / ``n_resv_source``, ``rollout_engine``, ``decode_tokens_per_s_by_batch``,
   ``rewards_timed_out``, ``reward_workers_replaced``, ``throughput_tokens_per_s`` (tokens trained per second of
@@ -131,6 +132,7 @@ class RunReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     weight_pulled_bytes: int
     weight_checksum_mismatches: int
     weight_trainer_bytes_served: int
+    weight_trainer_sealed_bytes_served: int
     weight_shards: list[dict[str, Any]]
     instances_lost_without_warning: int
     instances_suspected: int
@@ -206,7 +208,8 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         before, after: held-out evaluations (``reward_sampled``, ``reward_greedy``, ``repetition_rate``;
             ``after`` also ``examples``). ``kl``: nats per token to the reference policy.
         publishes: the weight publisher's record per version (``weight_bytes``, ``weight_update_bytes``).
-        served: what the trainer's weight servers sent (``bytes_served``, ``delta_bytes_served``, ``shards``).
+        served: what the trainer's weight servers sent (``bytes_served``, ``delta_bytes_served``,
+            ``sealed_bytes_served``, ``shards``).
         train_wall_s: training seconds of all incarnations; ``wall_s``: this incarnation's seconds.
     """
     multi = {}
@@ -245,6 +248,7 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         weight_update_bytes_mean=sum(updates) / len(updates) if updates else 0.0,
         weight_pulled_bytes=stats.weight_pulled_bytes, weight_checksum_mismatches=stats.weight_checksum_mismatches,
         weight_trainer_bytes_served=served["bytes_served"] + served["delta_bytes_served"],
+        weight_trainer_sealed_bytes_served=served.get("sealed_bytes_served", 0),
         weight_shards=served["shards"],
         instances_lost_without_warning=stats.instances_lost, instances_suspected=tally.instances_suspected,
         instances_recovered=tally.instances_recovered, stalls=tally.stalls, link_resets=tally.link_resets,

@@ -57,6 +57,7 @@ __all__ = [
     "Manifest",
     "TensorSpec",
     "TensorTable",
+    "Sealed",
     "TableArrays",
     "table_arrays",
     "validate_table",
@@ -115,6 +116,7 @@ class ErrorCode:
     BAD_REQUEST: Final = "bad_request"  #: the request frame was rejected (see message)
     INTERNAL: Final = "internal"  #: the holder failed while serving a valid request (see message)
     NO_DELTA: Final = "no_delta"  #: no delta payload of that chunk against that base (fetch it in full)
+    UNAUTHORIZED: Final = "unauthorized"  #: a request on the sealed port without the version's ticket
 
 
 class _Msg(Struct, tag_field="t", frozen=True, forbid_unknown_fields=True):
@@ -327,11 +329,13 @@ class GetManifest(_Msg, tag="get_manifest"):
 
 class GetChunk(_Msg, tag="get_chunk"):
     """Ask for chunk ``index`` (bytes ``[index*chunk_bytes, min(total, (index+1)*chunk_bytes))``) of ``version``;
-    with ``base``, for its delta payload against version ``base`` instead."""
+    with ``base``, for its delta payload against version ``base`` instead. ``ticket``: the version's
+    ``Sealed.ticket`` (on the sealed port)."""
 
     version: Version
     index: NonNeg
     base: Version | None = None
+    ticket: Annotated[bytes, Meta(max_length=64)] | None = None  #: required on the sealed port
 
 
 class DeltaInfo(Struct, frozen=True, forbid_unknown_fields=True):
@@ -346,6 +350,19 @@ class DeltaInfo(Struct, frozen=True, forbid_unknown_fields=True):
     nbytes: NonNeg
 
 
+class Sealed(Struct, frozen=True, forbid_unknown_fields=True):
+    """Access to the sealed chunks of one version (:mod:`rlboost_hpc.weights.sealed`), stated in its manifest,
+    which travels only over CURVE. port: the holder's plain TCP port for ``GetChunk`` (same host as the holder's
+    endpoint). key: the version's AES-256-GCM key. ticket: what every request on that port must carry."""
+
+    port: Annotated[int, Meta(ge=1, le=65535)]
+    key: Annotated[bytes, Meta(min_length=32, max_length=32)]
+    ticket: Annotated[bytes, Meta(min_length=16, max_length=16)]
+
+    def __repr__(self) -> str:  # never print the key or the ticket
+        return f"Sealed(port={self.port}, key=<{len(self.key)} bytes>, ticket=<{len(self.ticket)} bytes>)"
+
+
 class Manifest(_Msg, tag="manifest"):
     """Everything a puller needs before bytes move: layout, sizes and checksums of one version.
 
@@ -354,7 +371,8 @@ class Manifest(_Msg, tag="manifest"):
     :class:`GetManifest` whose ``layout`` equals this manifest's (the puller holds the table already).
     chunk_checksums: xxh3_64 of each chunk, ``num_chunks(total_bytes, chunk_bytes)`` of them. checksum:
     :func:`combine_checksums` of ``chunk_checksums``. layout: :func:`layout_checksum` of ``tensors`` (None:
-    not stated; such a manifest is always sent whole).
+    not stated; such a manifest is always sent whole). sealed: where and how to fetch the chunks sealed instead
+    of over CURVE (None: over the holder's endpoint only).
     """
 
     version: Version
@@ -365,16 +383,19 @@ class Manifest(_Msg, tag="manifest"):
     checksum: U64
     delta: DeltaInfo | None = None
     layout: U64 | None = None
+    sealed: Sealed | None = None
 
 
 class Chunk(_Msg, tag="chunk"):
     """Header of one chunk; the next frame of the same message holds exactly ``nbytes`` raw bytes (with
-    ``base``: the chunk's delta payload against version ``base``)."""
+    ``base``: the chunk's delta payload against version ``base``). With ``nonce`` (replies on the sealed port)
+    the frame is the payload sealed under the version's key: ciphertext plus a 16-byte tag."""
 
     version: Version
     index: NonNeg
     nbytes: NonNeg
     base: Version | None = None
+    nonce: Annotated[bytes, Meta(min_length=12, max_length=12)] | None = None
 
 
 class Error(_Msg, tag="error"):

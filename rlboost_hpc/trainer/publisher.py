@@ -103,16 +103,18 @@ class WeightPublisher:
                     "phases": {"bytes_received": float(st["bytes_received"])}}
 
     def served(self) -> dict:
-        """What the trainer side sent: ``{"bytes_served", "delta_bytes_served"}`` of the run's server plus, when
+        """What the trainer side sent: ``{"bytes_served", "delta_bytes_served", "sealed_bytes_served"}`` (the
+        last: of both, what went sealed instead of over CURVE) of the run's server plus, when
         sharded, every holder's ``bytes_served`` and ``shards = {"holders": the backend's shard_stats() (a
         collective), "gathered_exports": export_weights() calls that gathered on rank 0}`` (``shards`` None
         otherwise)."""
         st = self.server.stats
         out = {"bytes_served": int(st["bytes_served"]), "delta_bytes_served": int(st["delta_bytes_served"]),
-               "shards": None}
+               "sealed_bytes_served": int(st["sealed_bytes_served"]), "shards": None}
         if self.shards:
             holders = self.backend.shard_stats()
             out["shards"] = {"holders": holders, "gathered_exports": int(self.backend.gathered_exports)}
             out["bytes_served"] += sum(h["bytes_served"] for h in holders)
             out["delta_bytes_served"] += sum(h.get("delta_bytes_served", 0) for h in holders)
+            out["sealed_bytes_served"] += sum(h.get("sealed_bytes_served", 0) for h in holders)
         return out

@@ -62,11 +62,12 @@ _retained = 0  # M_TRIM_THRESHOLD this process set (0: not yet); only ever raise
 _retained_lock = threading.Lock()
 
 
-def retain_receive_buffers(frame_bytes: int, frames_in_flight: int) -> bool:
-    """Keep the memory of received ZeroMQ frames mapped between pulls (glibc ``mallopt``; no-op elsewhere).
+def retain_frame_buffers(frame_bytes: int, frames_in_flight: int) -> bool:
+    """Keep the memory of large message frames mapped between transfers (glibc ``mallopt``; no-op elsewhere).
 
     libzmq receives every frame larger than its batch buffer into a fresh ``malloc`` of the frame's size in an
-    I/O thread, and the receiver frees it after copying the payload out. glibc adapts its thresholds to the
+    I/O thread, and the receiver frees it after copying the payload out (a holder sealing chunks likewise
+    allocates each sealed frame and frees it once sent). glibc adapts its thresholds to the
     largest chunk freed so far: after 4 MiB frames it keeps them on the heap but trims any free top above 8 MiB,
     so the ``frames_in_flight`` frames of each pull's window were unmapped when the pull drained and faulted
     back in, page by page, at the next one (4,055 minor faults per 64 MiB pull of 4 MiB chunks, ~20 % of its

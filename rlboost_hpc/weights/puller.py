@@ -22,6 +22,13 @@ stalls, vanishes, refuses (it moved to another version, or never held this one) 
 its checksum twice is abandoned: the chunks already verified stay, the rest come from the next peer, finally
 from the trainer — one version, whatever the route.
 
+Sealed chunks: when the trainer's manifest (received over CURVE) offers ``sealed`` access, the streams fetch
+the chunks from the holder's sealed port instead — plain TCP, every request carrying the version's ticket, every
+payload AES-256-GCM-sealed under the version's key and opened straight into its place in the buffer
+(:mod:`rlboost_hpc.weights.sealed`); a frame that does not open is treated like one that fails its checksum. A
+relay peer is asked (over CURVE) for its sealed port; one that seals under the same key is used on it, any
+other over CURVE.
+
 Delta pulls: given the version it holds (``base``), the puller announces it in the manifest request; when
 the holder has the requested version encoded against exactly that base (same whole-version checksum, same
 layout), the transfer turns the base's buffer into the new version in place — unchanged chunks cost
@@ -68,6 +75,7 @@ from rlboost_hpc.protocol.weight_msgs import (
     GetChunk,
     GetManifest,
     Manifest,
+    Sealed,
     chunk_checksum,
     combine_checksums,
     decode_reply,
@@ -76,6 +84,7 @@ from rlboost_hpc.protocol.weight_msgs import (
 )
 from rlboost_hpc.weights import delta as delta_codec
 from rlboost_hpc.weights import layout
+from rlboost_hpc.weights import sealed as sealing
 
 _SLICE_S = 0.05  # longest single poll, so that a failure on one stream stops the others promptly
 
@@ -193,6 +202,10 @@ class _Transfer:
         self.hash_s = 0.0
         self.stop = threading.Event()
         self.error: _Failed | None = None
+        # of the current source: the sealed access (ticket) and its sealer, or None over CURVE
+        self.sealed: Sealed | None = None
+        self.sealer: sealing.Sealer | None = None
+        self.sealed_bytes = 0
 
     def begin(self, timeout_s: float) -> None:
         """Start (or restart, on another source) the transfer of every chunk not verified yet."""
@@ -239,6 +252,8 @@ class WeightPuller:
         buffer_factory: allocates a fresh receive buffer of n bytes (uint8, 1-D, contiguous, CPU) when a pull has
             neither ``into`` nor a large enough base (default :func:`rlboost_hpc.weights.layout.host_buffer`;
             e.g. a shared-memory buffer that another process loads from without a copy).
+        sealed: fetch the chunks sealed (AES-256-GCM on the holder's sealed port) when the manifest offers it;
+            False: always over CURVE.
 
     A puller holds no sockets between pulls; it is safe to call :meth:`pull` repeatedly (not concurrently).
     """
@@ -256,6 +271,7 @@ class WeightPuller:
         keys: "RunKeys | None" = None,
         peer_timeout_s: float | None = None,
         buffer_factory: "Callable[[int], torch.Tensor] | None" = None,
+        sealed: bool = True,
     ) -> None:
         if streams < 0 or window < 1:
             raise ValueError(f"streams must be >= 0 (0: automatic) and window >= 1, got {streams}, {window}")
@@ -271,6 +287,7 @@ class WeightPuller:
         self.keys = keys  # CURVE client keys of the run (protocol/auth.py); None: plain TCP
         self.peer_timeout_s = float(peer_timeout_s) if peer_timeout_s is not None else min(self.timeout_s, 5.0)
         self.buffer_factory = buffer_factory or layout.host_buffer
+        self.sealed = bool(sealed)
 
     # ------------------------------------------------------------------ public
     def pull(self, version: int | None = None, *, into: torch.Tensor | None = None,
@@ -297,8 +314,8 @@ class WeightPuller:
             WeightTransferError: no holder answered within ``timeout_s`` (phase ``manifest``); the holder
                 refused (``code`` = ``no_version`` / ``version_gone`` / ``unknown_version`` / …, with its
                 message); an invalid manifest or reply; a stream stalled for ``timeout_s``; the overall
-                deadline passed; a chunk failed its checksum twice (``checksum mismatch at chunk i``); the
-                whole-version checksum did not match.
+                deadline passed; a chunk failed its checksum twice (``checksum mismatch at chunk i``) or, sealed,
+                did not open twice; the whole-version checksum did not match.
         """
         t0 = time.perf_counter()
         deadline = None if self.deadline_s is None else t0 + self.deadline_s
@@ -328,7 +345,7 @@ class WeightPuller:
                         f"got {into.dtype} {tuple(into.shape)} on {into.device}"
                     )
                 buffer = into[: manifest.total_bytes]
-            layout.retain_receive_buffers(manifest.chunk_bytes, self.streams * self.window)
+            layout.retain_frame_buffers(manifest.chunk_bytes, self.streams * self.window)
             tr = _Transfer(manifest, memoryview(buffer.numpy()), self.timeout_s, deadline, delta,
                            None if delta is None else base.manifest.chunk_checksums)
             self._transfer(ctx, tr, list(peers))
@@ -337,6 +354,7 @@ class WeightPuller:
             phases["chunk_hash_s"] = tr.hash_s
             phases["chunk_retries"] = float(tr.retries)
             phases["bytes_received"] = float(tr.bytes_received)
+            phases["sealed_bytes"] = float(tr.sealed_bytes)
             if peers:
                 phases["peer_bytes"] = float(tr.peer_bytes)
                 phases["peer_failovers"] = float(tr.failovers)
@@ -390,13 +408,17 @@ class WeightPuller:
         if deadline is not None and time.perf_counter() > deadline:
             raise _Failed("overall deadline passed")
 
-    def _socket(self, ctx: zmq.Context, max_frame: int, rcvtimeo_ms: int = -1, endpoint: str | None = None) -> zmq.Socket:
+    def _socket(self, ctx: zmq.Context, max_frame: int, rcvtimeo_ms: int = -1, endpoint: str | None = None,
+                plain: bool = False) -> zmq.Socket:
+        """A DEALER connected to ``endpoint`` (default the holder's): CURVE with the run's keys unless ``plain``
+        (a sealed port: its payloads are sealed instead)."""
+        keys = None if plain else self.keys
         s = ctx.socket(zmq.DEALER)
         try:
             s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.MAXMSGSIZE, max_msg_size(max_frame, self.keys))
+            s.setsockopt(zmq.MAXMSGSIZE, max_msg_size(max_frame, keys))
             s.setsockopt(zmq.RCVTIMEO, rcvtimeo_ms)
-            secure_client(s, self.keys)
+            secure_client(s, keys)
             s.connect(endpoint or self.endpoint)
         except BaseException:
             s.close(0)  # an open socket would make ctx.term() block forever
@@ -461,16 +483,45 @@ class WeightPuller:
 
     def _transfer(self, ctx: zmq.Context, tr: _Transfer, peers: list[str]) -> None:
         sources = [(p, self.peer_timeout_s, True) for p in peers] + [(self.endpoint, self.timeout_s, False)]
+        access = tr.m.sealed if self.sealed else None
         for endpoint, stall_s, is_peer in sources:
             tr.begin(stall_s)
             if not tr.todo:
                 return
+            tr.sealed = tr.sealer = None
+            if access is not None:
+                port = self._peer_sealed_port(ctx, endpoint, tr.m, access) if is_peer else access.port
+                if port is False:  # the peer did not answer within its deadline: next source
+                    tr.failovers += 1
+                    continue
+                if port is not None:
+                    endpoint = f"{endpoint.rsplit(':', 1)[0]}:{port}"
+                    tr.sealed, tr.sealer = access, sealing.Sealer(access.key)
             self._streams(ctx, tr, endpoint, is_peer)
             if tr.error is None:
                 return
             if not is_peer:
                 raise tr.error
             tr.failovers += 1  # the verified chunks stay; the rest come from the next source
+
+    def _peer_sealed_port(self, ctx: zmq.Context, endpoint: str, m: Manifest, access: Sealed) -> int | None | bool:
+        """The sealed port of relay peer ``endpoint`` for version ``m.version`` when it seals under ``access``'s
+        key and ticket (asked over CURVE, within ``peer_timeout_s``); None: use the peer over CURVE (it does not
+        seal this version); False: no answer in time."""
+        sock = self._socket(ctx, MAX_MANIFEST_BYTES, rcvtimeo_ms=int(self.peer_timeout_s * 1000), endpoint=endpoint)
+        try:
+            sock.send(encode(GetManifest(version=m.version, layout=m.layout)), zmq.NOBLOCK)
+            reply = decode_reply(sock.recv(), MAX_MANIFEST_BYTES)
+        except zmq.ZMQError:
+            return False
+        except ProtocolError:
+            return None
+        finally:
+            sock.close(0)
+        theirs = reply.sealed if isinstance(reply, Manifest) and reply.version == m.version else None
+        if theirs is None or theirs.key != access.key or theirs.ticket != access.ticket:
+            return None
+        return theirs.port
 
     def _streams(self, ctx: zmq.Context, tr: _Transfer, endpoint: str, is_peer: bool) -> None:
         n_streams = min(self.streams, len(tr.todo))
@@ -492,8 +543,8 @@ class WeightPuller:
 
     def _stream(self, ctx: zmq.Context, tr: _Transfer, endpoint: str, is_peer: bool) -> None:
         try:
-            sock = self._socket(ctx, max(tr.m.chunk_bytes, MAX_HEADER_BYTES), rcvtimeo_ms=int(_SLICE_S * 1000),
-                                endpoint=endpoint)
+            sock = self._socket(ctx, max(tr.m.chunk_bytes + sealing.TAG_BYTES, MAX_HEADER_BYTES),
+                                rcvtimeo_ms=int(_SLICE_S * 1000), endpoint=endpoint, plain=tr.sealed is not None)
         except zmq.ZMQError as e:
             tr.fail(_Failed(f"cannot open a stream socket to {endpoint}: {e}"))
             return
@@ -513,13 +564,27 @@ class WeightPuller:
         exhausted = False
         last_reply = time.perf_counter()
 
+        ticket = None if tr.sealed is None else tr.sealed.ticket
+        sealer = tr.sealer
+
         def request(i: int) -> None:
             base = tr.base if tr.use_delta[i] else None
             try:
-                sock.send(encode(GetChunk(version=version, index=i, base=base)), zmq.NOBLOCK)
+                sock.send(encode(GetChunk(version=version, index=i, base=base, ticket=ticket)), zmq.NOBLOCK)
             except zmq.Again:
                 raise _Failed(f"stream send queue full while requesting chunk {i}") from None
             outstanding.add(i)
+
+        def again(i: int, what: str) -> None:
+            """Request chunk ``i`` once more after ``what`` happened to it; raises _Failed the second time."""
+            attempts[i] = attempts.get(i, 0) + 1
+            if attempts[i] > 1:
+                lo, hi = tr.span(i)
+                raise _Failed(f"{what} at chunk {i} (bytes {lo}..{hi}) after one retry")
+            with tr.lock:
+                tr.retries += 1
+            outstanding.discard(i)
+            request(i)
 
         while not tr.stop.is_set():
             while not exhausted and len(outstanding) < self.window:
@@ -563,6 +628,9 @@ class WeightPuller:
                 raise _Failed(
                     f"unexpected chunk (version {reply.version}, index {i}) while pulling version {version}"
                 )
+            if (reply.nonce is None) != (sealer is None):
+                raise _Failed(f"chunk {i}: {'unsealed' if sealer is not None else 'sealed'} reply from a "
+                              f"{'sealed' if sealer is not None else 'CURVE'} source")
             lo, hi = tr.span(i)
             payload = None
             if tr.use_delta[i]:
@@ -574,15 +642,32 @@ class WeightPuller:
             elif reply.base is not None:
                 raise _Failed(f"chunk {i}: the holder sent a delta payload for a chunk asked for in full")
             else:
-                if reply.nbytes != hi - lo or not sock.getsockopt(zmq.RCVMORE):
-                    raise _Failed(f"chunk {i}: header says {reply.nbytes} bytes, expected {hi - lo} in one frame")
-                got = sock.recv_into(tr.dest[lo:hi])
-                if got != hi - lo or sock.getsockopt(zmq.RCVMORE):
-                    raise _Failed(f"chunk {i}: payload of {got} bytes, expected {hi - lo}")
+                tag = 0 if sealer is None else sealing.TAG_BYTES
+                if reply.nbytes != hi - lo + tag or not sock.getsockopt(zmq.RCVMORE):
+                    raise _Failed(f"chunk {i}: header says {reply.nbytes} bytes, expected {hi - lo + tag} in one "
+                                  f"frame")
+                opened = True
+                if sealer is None:
+                    got = sock.recv_into(tr.dest[lo:hi])
+                else:  # opened straight into its place: the one copy a plain pull makes too
+                    frame = sock.recv(copy=False)
+                    got = len(frame)
+                    try:
+                        sealer.open_into(reply.nonce, frame.buffer, version, i, None, tr.dest[lo:hi])
+                    except sealing.SealError:
+                        opened = False  # like a checksum mismatch: fetched once more, then the pull fails
+                    del frame
+                if got != hi - lo + tag or sock.getsockopt(zmq.RCVMORE):
+                    raise _Failed(f"chunk {i}: payload of {got} bytes, expected {hi - lo + tag}")
                 with tr.lock:
                     tr.bytes_received += got
+                    if sealer is not None:
+                        tr.sealed_bytes += got
                     if is_peer:
                         tr.peer_bytes += got
+                if not opened:
+                    again(i, "sealed frame that did not open under the version's key")
+                    continue
             h0 = time.perf_counter()
             digest = chunk_checksum(tr.dest[lo:hi])
             h1 = time.perf_counter()
@@ -591,15 +676,7 @@ class WeightPuller:
                 request(i)
                 continue
             if digest != tr.m.chunk_checksums[i]:
-                attempts[i] = attempts.get(i, 0) + 1
-                if attempts[i] > 1:
-                    raise _Failed(
-                        f"checksum mismatch at chunk {i} (bytes {lo}..{hi}) after one retry"
-                    )
-                with tr.lock:
-                    tr.retries += 1
-                outstanding.discard(i)
-                request(i)
+                again(i, "checksum mismatch")
                 continue
             outstanding.discard(i)
             with tr.lock:
@@ -624,10 +701,17 @@ class WeightPuller:
         payload = frame.buffer
         with tr.lock:
             tr.bytes_received += payload.nbytes
+            if tr.sealer is not None:
+                tr.sealed_bytes += payload.nbytes
             if is_peer:
                 tr.peer_bytes += payload.nbytes
         if reply.base != tr.base or reply.nbytes != payload.nbytes:
             return None
+        if tr.sealer is not None:
+            try:
+                payload = memoryview(tr.sealer.open(reply.nonce, payload, reply.version, i, reply.base))
+            except sealing.SealError:
+                return None
         try:
             delta_codec.apply_chunk(tr.dest[lo:hi], payload)
         except delta_codec.DeltaError:

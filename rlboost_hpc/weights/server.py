@@ -18,6 +18,10 @@ Invariants:
   counted in :attr:`WeightServer.stats` and logged once per peer; the serving thread keeps running.
 - Zero copy on the send path: chunk payloads are ``memoryview`` slices of the buffer sent with
   ``copy=False``.
+- Sealed chunks (with CURVE keys and ``sealed`` on; :mod:`rlboost_hpc.weights.sealed`): a second, plain ROUTER
+  socket on the same host serves ``GetChunk`` requests carrying the version's ticket with the chunk sealed under
+  the version's AES-256-GCM key; key, ticket and port travel only in the manifest, which is served only on the
+  CURVE socket. The CURVE socket serves chunks too (pullers that do not seal).
 - Delta versions (:mod:`rlboost_hpc.weights.delta`): with ``delta`` on, version v is also encoded against the
   version published just before it (same layout) and offered to pullers that hold exactly that version —
   when its bytes are below ``delta_max_ratio`` of the full version. The manifest's checksums stay those of
@@ -29,6 +33,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import hmac
 import logging
 import os
 import threading
@@ -52,6 +57,7 @@ from rlboost_hpc.protocol.weight_msgs import (
     GetChunk,
     GetManifest,
     Manifest,
+    Sealed,
     chunk_checksum,
     combine_checksums,
     decode_request,
@@ -61,6 +67,7 @@ from rlboost_hpc.protocol.weight_msgs import (
 )
 from rlboost_hpc.weights import delta as delta_codec
 from rlboost_hpc.weights import layout
+from rlboost_hpc.weights import sealed as sealing
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +78,10 @@ _POLL_MS = 50
 _MAX_BATCH = 256
 _MAX_LOGGED_PEERS = 4096
 _COPY_THREADS_LOCK = threading.Lock()
+# Per-connection send queue of the sealed port, in message parts (a chunk is 2): sealed frames are allocations,
+# not views of the held buffer, so a peer that requests without reading holds at most 32 chunks of memory; a
+# puller keeps at most `window` (default 4) requests outstanding per stream.
+_SEALED_SNDHWM = 64
 
 
 def _frames(manifest: Manifest) -> tuple[bytes, bytes]:
@@ -88,6 +99,7 @@ class _Held:
     n_chunks: int
     delta: "delta_codec.Delta | None" = None  # against the version published before, when worth it
     delta_manifest_frames: tuple[bytes, bytes] | None = None  # the manifest with its DeltaInfo
+    sealer: "sealing.Sealer | None" = None  # under manifest.sealed.key, when the version is served sealed
 
     def manifest_frame(self, req: GetManifest) -> bytes:
         """The reply to ``req``: with the delta when it asks from the delta's base, without the table when it
@@ -117,6 +129,9 @@ class WeightServer:
         delta: also encode each version against the one published before it and offer that delta to
             pullers holding it.
         delta_max_ratio: a delta is kept only when its bytes are below this fraction of the full version.
+        sealed: with ``keys``, also serve every version's chunks sealed with AES-256-GCM on a plain TCP port of
+            the same host (:mod:`rlboost_hpc.weights.sealed`: ~7× CURVE's encryption rate per core); versions
+            published before :meth:`start` are served over CURVE only.
         delta_threads: threads encoding a delta's chunks (numpy XOR and zstd release the GIL; default
             ``min(8, cpus)``; measured 1.3 GiB/s on 2 threads for sparse RL updates, 0.7 GiB/s for dense ones).
 
@@ -137,6 +152,7 @@ class WeightServer:
         delta: bool = True,
         delta_max_ratio: float = 0.5,
         delta_threads: int | None = None,
+        sealed: bool = True,
     ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
@@ -152,6 +168,9 @@ class WeightServer:
         self._delta_threads = int(delta_threads)
         self._bind = bind
         self._keys = keys  # CURVE: only clients with the run's key may connect (protocol/auth.py)
+        self._sealed = bool(sealed) and keys is not None and bind.startswith("tcp://")
+        self._bulk_sock: zmq.Socket | None = None  # the sealed port's ROUTER (plain TCP)
+        self._bulk_port: int | None = None
         self.chunk_bytes = int(chunk_bytes)
         self.keep_versions = int(keep_versions)
         self._io_threads = io_threads if io_threads is not None else (min(4, os.cpu_count() or 1) if keys else 1)
@@ -191,6 +210,8 @@ class WeightServer:
             "delta_seconds": 0.0,
             "delta_chunks_served": 0,
             "delta_bytes_served": 0,
+            "sealed_chunks_served": 0,
+            "sealed_bytes_served": 0,
         }
         self._stats_lock = threading.Lock()  # guards the Counters (they grow keys while being copied)
 
@@ -204,22 +225,25 @@ class WeightServer:
         if self._thread is not None:
             return self
         ctx = zmq.Context(io_threads=self._io_threads)
-        sock = ctx.socket(zmq.ROUTER)
+        sock = bulk = None
         try:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            sock.setsockopt(zmq.SNDHWM, self._sndhwm)
-            sock.setsockopt(zmq.RCVHWM, 4096)
-            sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size(_MAX_INBOUND_FRAME, self._keys))
+            sock = self._router(ctx, self._keys, self._sndhwm)
             secure_server(sock, self._keys)
             sock.bind(self._bind)
             self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            if self._sealed:  # same interface, any free port; plain TCP: the chunks are sealed instead
+                bulk = self._router(ctx, None, _SEALED_SNDHWM)
+                bulk.bind(self._bind.rsplit(":", 1)[0] + ":0")
+                self._bulk_port = int(bulk.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+                layout.retain_frame_buffers(self.chunk_bytes + sealing.TAG_BYTES, 16)  # sealed frames: no faults
         except BaseException:
-            sock.close(0)
+            for s in (sock, bulk):
+                if s is not None:
+                    s.close(0)
             stop_authenticator(ctx)
             ctx.term()
             raise
-        self._ctx, self._sock = ctx, sock
+        self._ctx, self._sock, self._bulk_sock = ctx, sock, bulk
         self._stop.clear()
         self._thread = threading.Thread(target=self._serve, name=f"weight-server {self._endpoint}", daemon=True)
         self._thread.start()
@@ -231,15 +255,31 @@ class WeightServer:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
+        for s in (self._sock, self._bulk_sock):
+            if s is not None:
+                s.close(0)
+        self._sock = self._bulk_sock = None
+        self._bulk_port = None
         if self._ctx is not None:
             stop_authenticator(self._ctx)
             self._ctx.term()
             self._ctx = None
         with self._lock:
             self._held.clear()
+
+    @staticmethod
+    def _router(ctx: zmq.Context, keys: "RunKeys | None", sndhwm: int) -> zmq.Socket:
+        sock = ctx.socket(zmq.ROUTER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.SNDHWM, sndhwm)
+            sock.setsockopt(zmq.RCVHWM, 4096)
+            sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size(_MAX_INBOUND_FRAME, keys))
+        except BaseException:
+            sock.close(0)
+            raise
+        return sock
 
     def __enter__(self) -> "WeightServer":
         return self.start()
@@ -338,6 +378,7 @@ class WeightServer:
                 digests = [chunk_checksum(view[i * cb : (i + 1) * cb]) for i in range(n)]
                 self._stats["publish_copy_seconds"] += t_hash - t_copy
                 self._stats["publish_hash_seconds"] += time.perf_counter() - t_hash
+        access, sealer = self._new_access()
         manifest = Manifest(
             version=version,
             total_bytes=total,
@@ -346,8 +387,9 @@ class WeightServer:
             chunk_checksums=digests,
             checksum=combine_checksums(digests),
             layout=layout_checksum(table),
+            sealed=access,
         )
-        held = self._with_delta(_Held(manifest, _frames(manifest), buffer, view, n))
+        held = self._with_delta(_Held(manifest, _frames(manifest), buffer, view, n, sealer=sealer))
         with self._lock:
             if self._last_version is not None and version <= self._last_version:
                 raise ValueError(
@@ -360,6 +402,17 @@ class WeightServer:
         self._stats["publishes"] += 1
         self._stats["publish_seconds"] += time.perf_counter() - t0
         return manifest
+
+    def _new_access(self, key: bytes | None = None, ticket: bytes | None = None
+                    ) -> "tuple[Sealed | None, sealing.Sealer | None]":
+        """The sealed access of a version served here: fresh key and ticket (or the given ones: a relay holder
+        adopts the trainer's) with this server's sealed port; (None, None) when this server does not seal."""
+        port = self._bulk_port
+        if port is None:
+            return None, None
+        if key is None or ticket is None:
+            key, ticket = sealing.new_access()
+        return Sealed(port=port, key=key, ticket=ticket), sealing.Sealer(key)
 
     @contextlib.contextmanager
     def _torch_threads(self) -> Iterator[None]:
@@ -442,6 +495,8 @@ class WeightServer:
         """Serve a version this process pulled and verified (a relay holder): no copy, no hashing — chunk
         requests are answered from ``buffer`` (uint8, ≥ ``manifest.total_bytes``), and delta requests from
         ``delta_payloads`` (chunk index → the payload it applied, against ``manifest.delta.base_version``).
+        A version the trainer serves sealed is sealed here too, under the trainer's key and ticket, on this
+        server's sealed port (when it has one).
         Replaces whatever was held. The caller must :meth:`withdraw` before it modifies ``buffer``; pullers
         verify every chunk against the trainer's manifest, so bytes sent after a modification are rejected,
         never accepted.
@@ -452,9 +507,11 @@ class WeightServer:
             payloads = [delta_payloads.get(i) for i in range(n)]
             d = delta_codec.Delta(manifest.delta.base_version, manifest.delta.base_checksum, list(manifest.delta.sizes),
                                   payloads, manifest.delta.nbytes, manifest.total_bytes)
-        plain = msgspec.structs.replace(manifest, delta=None)
+        access, sealer = (None, None) if manifest.sealed is None else \
+            self._new_access(manifest.sealed.key, manifest.sealed.ticket)
+        plain = msgspec.structs.replace(manifest, delta=None, sealed=access)
         buf = buffer[: manifest.total_bytes]
-        held = _Held(plain, _frames(plain), buf, memoryview(buf.numpy()).toreadonly(), n, d, None)
+        held = _Held(plain, _frames(plain), buf, memoryview(buf.numpy()).toreadonly(), n, d, None, sealer)
         with self._lock:
             self._held.clear()
             self._held[manifest.version] = held
@@ -496,48 +553,67 @@ class WeightServer:
 
     # ------------------------------------------------------------------ serving
     def _serve(self) -> None:
-        sock = self._sock
-        assert sock is not None
+        socks = [s for s in (self._sock, self._bulk_sock) if s is not None]
+        assert socks
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
+        for s in socks:
+            poller.register(s, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not poller.poll(_POLL_MS):
-                    continue
-                for _ in range(_MAX_BATCH):
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    try:
-                        self._handle(frames)
-                    except zmq.ZMQError:
-                        raise
-                    except Exception as e:  # a bug or a failing test hook: say so, keep serving
-                        self._stats["internal_errors"] += 1
-                        log.exception("weight server %s: error while handling a request", self._endpoint)
-                        self._send_error(frames[0].bytes, None, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+                ready = dict(poller.poll(_POLL_MS))
+                for sock in socks:
+                    if sock in ready:
+                        self._drain(sock)
         except BaseException as e:  # pragma: no cover - socket-level failure; make it visible
             self._crash = e
             log.exception("weight server %s: serving thread crashed", self._endpoint)
             raise
 
-    def _handle(self, frames: list[zmq.Frame]) -> None:
+    def _drain(self, sock: zmq.Socket) -> None:
+        """Handle up to ``_MAX_BATCH`` requests waiting on ``sock``."""
+        for _ in range(_MAX_BATCH):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self._handle(frames, sock)
+            except zmq.ZMQError:
+                raise
+            except Exception as e:  # a bug or a failing test hook: say so, keep serving
+                self._stats["internal_errors"] += 1
+                log.exception("weight server %s: error while handling a request", self._endpoint)
+                self._send_error(frames[0].bytes, None, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", sock)
+
+    def _handle(self, frames: list[zmq.Frame], sock: zmq.Socket) -> None:
         peer = frames[0].bytes
         if len(frames) != 2:
-            self._reject(peer, "framing", f"expected 1 frame after the identity, got {len(frames) - 1}")
+            self._reject(peer, "framing", f"expected 1 frame after the identity, got {len(frames) - 1}", sock)
             return
         try:
             req = decode_request(frames[1].buffer)
         except ProtocolError as e:
-            self._reject(peer, e.reason, str(e))
+            self._reject(peer, e.reason, str(e), sock)
+            return
+        sealed_port = sock is self._bulk_sock
+        if sealed_port and isinstance(req, GetManifest):
+            self._reject(peer, "sealed_port", "manifests are served on the authenticated endpoint only", sock)
             return
         with self._lock:
             held = self._lookup(req.version)
             versions = list(self._held)
         if held is None:
-            self._send_error(peer, req, *self._why_missing(req.version, versions))
+            self._send_error(peer, req, *self._why_missing(req.version, versions), sock)
             return
+        sealer = None
+        if sealed_port:
+            access = held.manifest.sealed
+            if access is None or held.sealer is None or req.ticket is None \
+                    or not hmac.compare_digest(req.ticket, access.ticket):
+                self._send_error(peer, req, ErrorCode.UNAUTHORIZED, f"no valid ticket for version {req.version} "
+                                 "(it is in the version's manifest, served on the authenticated endpoint)", sock)
+                return
+            sealer = held.sealer
         delta = held.delta if req.base is not None and held.delta is not None \
             and held.delta.base_version == req.base else None
         if isinstance(req, GetManifest):
@@ -548,36 +624,40 @@ class WeightServer:
         if req.index >= held.n_chunks:
             self._send_error(
                 peer, req, ErrorCode.BAD_INDEX,
-                f"chunk {req.index} out of range: version {req.version} has {held.n_chunks} chunks",
+                f"chunk {req.index} out of range: version {req.version} has {held.n_chunks} chunks", sock,
             )
             return
         if req.base is not None:
-            self._serve_delta(peer, req, delta)
-            return
-        cb = held.manifest.chunk_bytes
-        payload: Any = held.view[req.index * cb : (req.index + 1) * cb]
-        nbytes = payload.nbytes
-        if self._payload_hook is not None:
-            payload = self._payload_hook(req.version, req.index, payload)
-        header = encode(Chunk(version=req.version, index=req.index, nbytes=nbytes))
-        if self._send(peer, [header, payload]):
-            self._stats["chunks_served"] += 1
-            self._stats["bytes_served"] += nbytes
+            payload: Any = None if delta is None else delta.payloads[req.index]
+            if payload is None:
+                self._send_error(peer, req, ErrorCode.NO_DELTA,
+                                 f"no delta payload of chunk {req.index} of version {req.version} against version "
+                                 f"{req.base}: fetch it in full", sock)
+                return
+            payload = memoryview(payload)
+        else:
+            cb = held.manifest.chunk_bytes
+            payload = held.view[req.index * cb : (req.index + 1) * cb]
+        self._serve_chunk(peer, req, payload, sealer, sock)
 
-    def _serve_delta(self, peer: bytes, req: GetChunk, delta: "delta_codec.Delta | None") -> None:
-        payload: Any = None if delta is None else delta.payloads[req.index]
-        if payload is None:
-            self._send_error(peer, req, ErrorCode.NO_DELTA,
-                             f"no delta payload of chunk {req.index} of version {req.version} against version "
-                             f"{req.base}: fetch it in full")
-            return
-        nbytes = len(payload)
+    def _serve_chunk(self, peer: bytes, req: GetChunk, payload: memoryview, sealer: "sealing.Sealer | None",
+                     sock: zmq.Socket) -> None:
+        """Send ``payload`` (chunk ``req.index`` of ``req.version``, or its delta payload against ``req.base``) —
+        sealed when ``sealer`` is given. The test hook sees the frame as it goes on the wire."""
+        nbytes, nonce, frame = payload.nbytes, None, payload
+        if sealer is not None:
+            nonce, frame = sealer.seal(payload, req.version, req.index, req.base)
         if self._payload_hook is not None:
-            payload = self._payload_hook(req.version, req.index, memoryview(payload))
-        header = encode(Chunk(version=req.version, index=req.index, nbytes=nbytes, base=req.base))
-        if self._send(peer, [header, payload]):
-            self._stats["delta_chunks_served"] += 1
-            self._stats["delta_bytes_served"] += nbytes
+            frame = self._payload_hook(req.version, req.index, memoryview(frame))
+        header = encode(Chunk(version=req.version, index=req.index, nbytes=len(frame), base=req.base, nonce=nonce))
+        if not self._send(peer, [header, frame], sock):
+            return
+        kind = "delta_chunks_served" if req.base is not None else "chunks_served"
+        self._stats[kind] += 1
+        self._stats["delta_bytes_served" if req.base is not None else "bytes_served"] += nbytes
+        if sealer is not None:
+            self._stats["sealed_chunks_served"] += 1
+            self._stats["sealed_bytes_served"] += nbytes
 
     @staticmethod
     def _why_missing(version: int | None, held: list[int]) -> tuple[str, str]:
@@ -587,19 +667,20 @@ class WeightServer:
             return ErrorCode.VERSION_GONE, f"version {version} is no longer held (held: {held})"
         return ErrorCode.UNKNOWN_VERSION, f"version {version} has not been published (latest: {held[-1]})"
 
-    def _send_error(self, peer: bytes, req: GetManifest | GetChunk | None, code: str, message: str) -> None:
+    def _send_error(self, peer: bytes, req: GetManifest | GetChunk | None, code: str, message: str,
+                    sock: zmq.Socket | None = None) -> None:
         err = Error(
             code=code,
             message=message,
             version=getattr(req, "version", None),
             index=getattr(req, "index", None),
         )
-        if self._send(peer, [encode(err)]):
+        if self._send(peer, [encode(err)], sock):
             with self._stats_lock:
                 self._stats["errors_sent"][code] += 1
 
-    def _send(self, peer: bytes, parts: list[Any]) -> bool:
-        sock = self._sock
+    def _send(self, peer: bytes, parts: list[Any], sock: zmq.Socket | None = None) -> bool:
+        sock = sock or self._sock
         assert sock is not None
         try:
             sock.send_multipart([peer, *parts], flags=zmq.NOBLOCK, copy=False)
@@ -612,7 +693,7 @@ class WeightServer:
             self._stats["dropped_unreachable"] += 1
         return False
 
-    def _reject(self, peer: bytes, reason: str, detail: str) -> None:
+    def _reject(self, peer: bytes, reason: str, detail: str, sock: zmq.Socket | None = None) -> None:
         with self._stats_lock:
             self._stats["rejected"] += 1
             self._stats["rejected_by_reason"][reason] += 1
@@ -624,4 +705,4 @@ class WeightServer:
                 "weight server %s: rejected %s frame from peer %s: %s (later rejections from this peer "
                 "are counted, not logged)", self._endpoint, reason, peer.hex(), detail[:200],
             )
-        self._send_error(peer, None, ErrorCode.BAD_REQUEST, f"{reason}: {detail[:1000]}")
+        self._send_error(peer, None, ErrorCode.BAD_REQUEST, f"{reason}: {detail[:1000]}", sock)
