@@ -83,3 +83,19 @@ def load_hf_dir(d):
 
 #: The Megatron verification scenarios (``python tests/megatron_scenarios.py SCENARIO``; test support).
 SCENARIOS = str(Path(__file__).resolve().parent / "megatron_scenarios.py")
+
+
+class FlipBit:
+    """A weight server ``_payload_hook`` that flips one bit of chunk ``index``'s frame — the first time it is sent
+    (``always=False``) or every time; ``hits`` counts the frames it altered."""
+
+    def __init__(self, index: int, always: bool = False, byte: int = 0) -> None:
+        self.index, self.always, self.byte, self.hits = index, always, byte, 0
+
+    def __call__(self, version: int, index: int, frame):
+        if index != self.index or (self.hits and not self.always):
+            return frame
+        self.hits += 1
+        b = bytearray(frame)
+        b[self.byte] ^= 0x80
+        return bytes(b)

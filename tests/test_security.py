@@ -7,6 +7,7 @@ import pytest
 import torch
 import zmq
 
+from _util import FlipBit
 from rlboost_hpc.manager.service import spawn_manager
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.auth import AuthError, RunKeys
@@ -194,20 +195,10 @@ def test_pulls_are_sealed_by_default_and_a_tampered_frame_never_reaches_the_weig
         assert srv.stats["sealed_chunks_served"] == len(man.chunk_checksums)
         over_curve = WeightPuller(srv.endpoint, timeout_s=10, keys=keys.client_view(), sealed=False).pull()
         assert over_curve.phases["sealed_bytes"] == 0 and torch.equal(over_curve.state_dict["w"], want)
-        hits = []
-
-        def flip(version, index, frame, always=False):
-            if index == 1 and (always or not hits):
-                hits.append(index)
-                b = bytearray(frame)
-                b[7] ^= 0x80
-                return bytes(b)
-            return frame
-
-        srv._payload_hook = flip
+        srv._payload_hook = flip = FlipBit(1, byte=7)
         again = WeightPuller(srv.endpoint, timeout_s=10, keys=keys.client_view()).pull()
-        assert hits == [1] and again.phases["chunk_retries"] == 1 and torch.equal(again.state_dict["w"], want)
-        srv._payload_hook = lambda v, i, f: flip(v, i, f, always=True)
+        assert flip.hits == 1 and again.phases["chunk_retries"] == 1 and torch.equal(again.state_dict["w"], want)
+        srv._payload_hook = FlipBit(1, always=True, byte=7)
         with pytest.raises(WeightTransferError, match="did not open under the version's key"):
             WeightPuller(srv.endpoint, timeout_s=10, keys=keys.client_view()).pull()
     finally:

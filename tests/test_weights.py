@@ -20,6 +20,7 @@ import pytest
 import torch
 import zmq
 
+from _util import FlipBit
 from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.protocol.weight_msgs import (
     MAX_REQUEST_BYTES,
@@ -353,19 +354,9 @@ def test_corrupt_chunk_is_named_and_never_returned(server):
 
 def test_transient_corruption_is_retried_once(server):
     server.publish(1, stories_state())
-    seen: set[int] = set()
-
-    def flip_first_time(version, index, payload):
-        if index == 3 and index not in seen:
-            seen.add(index)
-            b = bytearray(payload)
-            b[0] ^= 1
-            return bytes(b)
-        return payload
-
-    server._payload_hook = flip_first_time
+    server._payload_hook = flip = FlipBit(3)
     got = WeightPuller(server.endpoint, streams=2, window=2).pull()
-    assert got.phases["chunk_retries"] == 1
+    assert got.phases["chunk_retries"] == 1 and flip.hits == 1
     assert_same(got.state_dict, expected(stories_state(), torch.bfloat16))
 
 
