@@ -680,7 +680,7 @@ class WeightServer:
                 self._stats["errors_sent"][code] += 1
 
     def _send(self, peer: bytes, parts: list[Any], sock: zmq.Socket | None = None) -> bool:
-        sock = sock or self._sock
+        sock = sock if sock is not None else self._sock
         assert sock is not None
         try:
             sock.send_multipart([peer, *parts], flags=zmq.NOBLOCK, copy=False)
@@ -693,11 +693,13 @@ class WeightServer:
             self._stats["dropped_unreachable"] += 1
         return False
 
-    def _reject(self, peer: bytes, reason: str, detail: str, sock: zmq.Socket | None = None) -> None:
+    def _reject(self, peer: bytes, reason: str, detail: str, sock: zmq.Socket) -> None:
         with self._stats_lock:
             self._stats["rejected"] += 1
             self._stats["rejected_by_reason"][reason] += 1
-        if peer not in self._logged_peers:
+        sealed_port = self._bulk_sock is not None and sock is self._bulk_sock
+        if peer not in self._logged_peers and not sealed_port:  # anyone can reach the sealed port: its
+            # rejections are counted, never logged (no log flooding by strangers)
             if len(self._logged_peers) >= _MAX_LOGGED_PEERS:
                 self._logged_peers.clear()
             self._logged_peers.add(peer)
