@@ -6,7 +6,8 @@
 #   3. the Megatron step's MFU (benchmarks/bench_megatron.py) and TorchEngine vs transformers.generate at batch
 #      1/32/128 for stories260K and the Qwen3-0.6B shape (bf16).
 # Prepare on the CPU machine first (see ../shared/notes/gpu-device.md): wheels in .whl/ for what the GPU machine
-# lacks, `bash scripts/fetch-test-tokenizers.sh`, then copy the tokenizer and stories260K into the tree:
+# lacks (the note's list plus cryptography>=47 — an abi3 wheel — and cffi), `bash scripts/fetch-test-tokenizers.sh`,
+# then copy the tokenizer and stories260K into the tree:
 #   mkdir -p .gpu && cp -r ~/.cache/rlboost-hpc/test-assets/qwen2-tokenizer .gpu/ && cp -r ../shared/data .gpu/data
 # and run it with carry [".whl", ".gpu"]. Results go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -32,6 +33,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
   echo "== Megatron step MFU"; timeout 120 python3 benchmarks/bench_megatron.py --no-torch
   echo "== export: device-to-host publish vs a pinned non_blocking copy (issue 14 item 4)"
   timeout 120 python3 benchmarks/bench_export.py --device cuda --sizes-mib 256 1024 --reps 5
+  echo "== weight pull on 16 cores: plain vs CURVE vs sealed chunks by I/O threads (issue 14 item 7)"
+  timeout 150 python3 benchmarks/bench_curve.py --skip-ingest --sizes-mib 256 --streams 4 --io-threads 1 4 --reps 3
   echo "== main job: Qwen3-0.6B shape, Megatron on CUDA, reserved engine + 4 torch workers on CUDA"
   timeout 300 python3 -m rlboost_hpc.cli run --config configs/gsm8k-qwen3.toml --out "$OUT/run" --no-progress \
       --set model.path="'$PWD/.gpu/qwen3-0.6b'" --set trainer.backend=megatron --set trainer.bf16=true \
