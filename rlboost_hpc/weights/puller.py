@@ -42,15 +42,16 @@ Invariants:
   manifest's checksum and whose whole-version checksum matched; otherwise it raises and the partially
   filled buffer is discarded. Never mixed versions: every reply is checked against the requested
   version and an outstanding chunk index.
-- Nothing left behind: every socket is closed with linger 0 and the private ZeroMQ context terminated
-  on every exit path (success, error, timeout, KeyboardInterrupt), so a failed pull leaves no thread,
-  no socket and no queued request that could block the holder.
+- Nothing left behind: every socket is closed with linger 0 and every stream thread joined on every exit path
+  (success, error, timeout, KeyboardInterrupt), so a failed pull leaves no thread, no socket and no queued
+  request that could block the holder. The ZeroMQ context is the process's puller context for that I/O-thread
+  count (:func:`_context`), kept across pulls: its I/O threads — and the malloc arena the frames they receive
+  come from, kept faulted in by :func:`~rlboost_hpc.weights.layout.retain_frame_buffers` — persist.
 - Bounded input: reply headers above :data:`~rlboost_hpc.protocol.weight_msgs.MAX_HEADER_BYTES`, manifests
   above ``MAX_MANIFEST_BYTES`` and frames above ``chunk_bytes`` are rejected (libzmq ``MAXMSGSIZE``).
 """
 from __future__ import annotations
 
-import collections
 import os
 import threading
 import time
@@ -69,7 +70,6 @@ from rlboost_hpc.protocol.weight_msgs import (
     MAX_HEADER_BYTES,
     MAX_MANIFEST_BYTES,
     Chunk,
-    DeltaInfo,
     Error,
     ErrorCode,
     GetChunk,
@@ -85,6 +85,8 @@ from rlboost_hpc.protocol.weight_msgs import (
 from rlboost_hpc.weights import delta as delta_codec
 from rlboost_hpc.weights import layout
 from rlboost_hpc.weights import sealed as sealing
+from rlboost_hpc.weights.transfer import Failed as _Failed
+from rlboost_hpc.weights.transfer import Transfer as _Transfer
 
 _SLICE_S = 0.05  # longest single poll, so that a failure on one stream stops the others promptly
 
@@ -103,6 +105,23 @@ def auto_streams(cores: int | None = None) -> int:
     receiver, which also checksums, and a libzmq I/O thread); on 2 cores one stream reaches the socket's ceiling
     and more only contend (``benchmarks/bench_weights.py``)."""
     return max(1, min(D.WEIGHT_STREAMS_MAX, (cores if cores is not None else usable_cores()) // 2))
+
+
+_contexts: dict[tuple[int, int], zmq.Context] = {}  # (pid, I/O threads) → the process's puller context
+_contexts_lock = threading.Lock()
+
+
+def _context(io_threads: int) -> zmq.Context:
+    """This process's puller context with ``io_threads`` libzmq I/O threads, made on first use and kept. One
+    context per pull started (and ended) I/O threads every time, and each new thread could be handed another
+    malloc arena, whose heap then faulted the received frames in afresh (~2,000 minor faults per 16 MiB pull in
+    a process with many threads). A forked child makes its own."""
+    key = (os.getpid(), int(io_threads))
+    with _contexts_lock:
+        ctx = _contexts.get(key)
+        if ctx is None or ctx.closed:
+            ctx = _contexts[key] = zmq.Context(io_threads=io_threads)
+        return ctx
 
 
 class WeightTransferError(RuntimeError):
@@ -155,86 +174,6 @@ class PulledWeights:
     delta_payloads: dict[int, bytes] = field(repr=False, default_factory=dict)
 
 
-class _Failed(Exception):
-    def __init__(self, cause: str, code: str | None = None):
-        super().__init__(cause)
-        self.cause = cause
-        self.code = code
-
-
-class _Transfer:
-    """Shared state of the transfer phase: index queue, digests, first failure.
-
-    ``delta``/``base_digests``: set for a delta pull (``dest`` then holds the base version's bytes); chunk i
-    is then unchanged (its digest is known, nothing is requested), fetched as a delta payload, or in full.
-    """
-
-    def __init__(self, manifest: Manifest, dest: memoryview, timeout_s: float, deadline: float | None,
-                 delta: DeltaInfo | None = None, base_digests: list[int] | None = None):
-        self.m = manifest
-        self.dest = dest
-        self.timeout_s = timeout_s
-        self.deadline = deadline
-        self.n = len(manifest.chunk_checksums)
-        self.lock = threading.Lock()
-        self.digests: list[int | None] = [None] * self.n
-        self.use_delta = [False] * self.n
-        self.unchanged = self.delta_fallbacks = 0
-        todo = range(self.n)
-        if delta is not None and base_digests is not None:
-            todo = []
-            for i, size in enumerate(delta.sizes):
-                lo, hi = self.span(i)
-                if size == 0 and base_digests[i] == manifest.chunk_checksums[i]:
-                    self.digests[i] = base_digests[i]
-                    self.unchanged += 1
-                    continue
-                self.use_delta[i] = 0 < size < hi - lo
-                todo.append(i)
-        self.base = None if delta is None else delta.base_version
-        self.todo = collections.deque(todo)
-        self.received = self.unchanged
-        self.retries = 0
-        self.bytes_received = 0
-        self.peer_bytes = 0
-        self.failovers = 0
-        self.payloads: dict[int, bytes] = {}  # verified delta payloads by chunk
-        self.hash_s = 0.0
-        self.stop = threading.Event()
-        self.error: _Failed | None = None
-        # of the current source: the sealed access (ticket) and its sealer, or None over CURVE
-        self.sealed: Sealed | None = None
-        self.sealer: sealing.Sealer | None = None
-        self.sealed_bytes = 0
-
-    def begin(self, timeout_s: float) -> None:
-        """Start (or restart, on another source) the transfer of every chunk not verified yet."""
-        self.timeout_s = timeout_s
-        self.todo = collections.deque(i for i in range(self.n) if self.digests[i] is None)
-        self.stop.clear()
-        self.error = None
-
-    def fall_back(self, index: int) -> None:
-        """Fetch chunk ``index`` in full from now on (its delta failed or is not served)."""
-        with self.lock:
-            self.use_delta[index] = False
-            self.delta_fallbacks += 1
-
-    def take(self) -> int | None:
-        with self.lock:
-            return self.todo.popleft() if self.todo else None
-
-    def fail(self, err: _Failed) -> None:
-        with self.lock:
-            if self.error is None:
-                self.error = err
-        self.stop.set()
-
-    def span(self, index: int) -> tuple[int, int]:
-        cb = self.m.chunk_bytes
-        return index * cb, min(self.m.total_bytes, (index + 1) * cb)
-
-
 class WeightPuller:
     """Pulls weight versions from one holder endpoint.
 
@@ -245,7 +184,7 @@ class WeightPuller:
         timeout_s: readiness deadline of the manifest phase and stall deadline of the transfer phase
             (seconds without any reply on a stream that is waiting for one).
         deadline_s: optional overall deadline of the whole pull (seconds), checked in every phase.
-        io_threads: libzmq I/O threads of the pull's private context (default: ``min(streams, 4)``).
+        io_threads: libzmq I/O threads of the puller context a pull uses (default: ``min(streams, 4)``).
         label: who is pulling (e.g. the rollout instance id); named in every error message.
         peer_timeout_s: stall deadline of a relay peer (default ``min(timeout_s, 5)``): a peer silent that long
             is abandoned for the next source.
@@ -320,7 +259,7 @@ class WeightPuller:
         t0 = time.perf_counter()
         deadline = None if self.deadline_s is None else t0 + self.deadline_s
         phases: dict[str, float] = {}
-        ctx = zmq.Context(io_threads=self.io_threads)
+        ctx = _context(self.io_threads)
         phase = "manifest"
         want = version
         try:
@@ -388,8 +327,6 @@ class WeightPuller:
             raise WeightTransferError(phase, self.endpoint, want, e.cause, e.code, self.label) from None
         except zmq.ZMQError as e:
             raise WeightTransferError(phase, self.endpoint, want, f"ZeroMQ error: {e}", puller=self.label) from e
-        finally:
-            ctx.term()  # every socket was closed with linger 0, so this cannot block
         return PulledWeights(
             version=manifest.version,
             state_dict=state,
@@ -421,7 +358,7 @@ class WeightPuller:
             secure_client(s, keys)
             s.connect(endpoint or self.endpoint)
         except BaseException:
-            s.close(0)  # an open socket would make ctx.term() block forever
+            s.close(0)  # nothing stays open after a pull
             raise
         return s
 

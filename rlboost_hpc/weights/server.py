@@ -38,7 +38,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 import msgspec
@@ -68,6 +67,7 @@ from rlboost_hpc.protocol.weight_msgs import (
 from rlboost_hpc.weights import delta as delta_codec
 from rlboost_hpc.weights import layout
 from rlboost_hpc.weights import sealed as sealing
+from rlboost_hpc.weights.held import Held, reply_frames
 
 log = logging.getLogger(__name__)
 
@@ -82,31 +82,6 @@ _COPY_THREADS_LOCK = threading.Lock()
 # not views of the held buffer, so a peer that requests without reading holds at most 32 chunks of memory; a
 # puller keeps at most `window` (default 4) requests outstanding per stream.
 _SEALED_SNDHWM = 64
-
-
-def _frames(manifest: Manifest) -> tuple[bytes, bytes]:
-    """The manifest's reply frames: whole, and without its tensor table (for pullers holding its layout)."""
-    whole = encode(manifest)
-    return whole, whole if manifest.layout is None else encode(msgspec.structs.replace(manifest, tensors=None))
-
-
-@dataclass(frozen=True)
-class _Held:
-    manifest: Manifest
-    manifest_frames: tuple[bytes, bytes]  # (whole, without the table): :func:`_frames`
-    buffer: torch.Tensor  # uint8, 1-D, total_bytes
-    view: memoryview  # of buffer (read-only), for zero-copy chunk frames
-    n_chunks: int
-    delta: "delta_codec.Delta | None" = None  # against the version published before, when worth it
-    delta_manifest_frames: tuple[bytes, bytes] | None = None  # the manifest with its DeltaInfo
-    sealer: "sealing.Sealer | None" = None  # under manifest.sealed.key, when the version is served sealed
-
-    def manifest_frame(self, req: GetManifest) -> bytes:
-        """The reply to ``req``: with the delta when it asks from the delta's base, without the table when it
-        holds this layout."""
-        frames = self.delta_manifest_frames if self.delta_manifest_frames is not None and self.delta is not None \
-            and req.base == self.delta.base_version else self.manifest_frames
-        return frames[1] if req.layout is not None and req.layout == self.manifest.layout else frames[0]
 
 
 class WeightServer:
@@ -181,7 +156,7 @@ class WeightServer:
         self._buffers = layout.HostBufferPool(keep_versions + 1, pin_memory=pin_memory)
         self._copy_threads = copy_threads
         self._lock = threading.Lock()
-        self._held: "collections.OrderedDict[int, _Held]" = collections.OrderedDict()
+        self._held: "collections.OrderedDict[int, Held]" = collections.OrderedDict()
         self._last_version: int | None = None
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
@@ -389,7 +364,7 @@ class WeightServer:
             layout=layout_checksum(table),
             sealed=access,
         )
-        held = self._with_delta(_Held(manifest, _frames(manifest), buffer, view, n, sealer=sealer))
+        held = self._with_delta(Held(manifest, reply_frames(manifest), buffer, view, n, sealer=sealer))
         with self._lock:
             if self._last_version is not None and version <= self._last_version:
                 raise ValueError(
@@ -461,7 +436,7 @@ class WeightServer:
         self._stats["publish_hash_seconds"] += spent["hash"]
         return digests
 
-    def _with_delta(self, held: _Held) -> _Held:
+    def _with_delta(self, held: Held) -> Held:
         """``held`` plus its delta against the newest held version, when deltas are on, the layouts match and
         the delta is below ``delta_max_ratio`` of the full bytes."""
         if not self._delta:
@@ -480,7 +455,8 @@ class WeightServer:
             return held
         self._stats["delta_publishes"] += 1
         info = DeltaInfo(base_version=d.base_version, base_checksum=d.base_checksum, sizes=d.sizes, nbytes=d.nbytes)
-        return dataclasses.replace(held, delta=d, delta_manifest_frames=_frames(msgspec.structs.replace(m, delta=info)))
+        frames = reply_frames(msgspec.structs.replace(m, delta=info))
+        return dataclasses.replace(held, delta=d, delta_manifest_frames=frames)
 
     def delta_nbytes(self, version: int | None = None) -> int | None:
         """Bytes a puller holding the previous version receives for ``version`` (None: latest) through its
@@ -511,7 +487,7 @@ class WeightServer:
             self._new_access(manifest.sealed.key, manifest.sealed.ticket)
         plain = msgspec.structs.replace(manifest, delta=None, sealed=access)
         buf = buffer[: manifest.total_bytes]
-        held = _Held(plain, _frames(plain), buf, memoryview(buf.numpy()).toreadonly(), n, d, None, sealer)
+        held = Held(plain, reply_frames(plain), buf, memoryview(buf.numpy()).toreadonly(), n, d, None, sealer)
         with self._lock:
             self._held.clear()
             self._held[manifest.version] = held
@@ -546,7 +522,7 @@ class WeightServer:
             raise KeyError(f"version {version} is not held (held: {self.versions})")
         return layout.state_view(held.buffer, held.manifest.tensors)
 
-    def _lookup(self, version: int | None) -> _Held | None:
+    def _lookup(self, version: int | None) -> Held | None:
         if version is None:
             return self._held[next(reversed(self._held))] if self._held else None
         return self._held.get(version)
