@@ -646,7 +646,7 @@ class WeightPuller:
             return None
         if tr.sealer is not None:
             try:
-                payload = memoryview(tr.sealer.open(reply.nonce, payload, reply.version, i, reply.base))
+                payload = tr.sealer.open(reply.nonce, payload, reply.version, i, reply.base)  # bytes: kept as is
             except sealing.SealError:
                 return None
         try:

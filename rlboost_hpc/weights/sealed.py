@@ -38,6 +38,8 @@ TAG_BYTES = 16  #: a sealed frame is the plaintext's length plus this
 
 _AAD = struct.Struct("<16sQQq")
 _DOMAIN = b"rlboost-weights\x00"
+_NOT_OPEN = ("the sealed frame does not open under the version's key (tampered, or another version's, chunk's "
+             "or base's)")
 
 
 class SealError(ValueError):
@@ -82,11 +84,13 @@ class Sealer:
         try:
             self._aead.decrypt_into(nonce, frame, _aad(version, index, base), dest)
         except InvalidTag:
-            raise SealError("the sealed frame does not open under the version's key (tampered, or another "
-                            "version's, chunk's or base's)") from None
+            raise SealError(_NOT_OPEN) from None
 
     def open(self, nonce: bytes, frame: "bytes | memoryview", version: int, index: int, base: int | None) -> bytes:
         """The plaintext of a sealed delta payload (a new ``bytes``). Raises SealError like :meth:`open_into`."""
-        out = bytearray(max(0, len(frame) - TAG_BYTES))
-        self.open_into(nonce, frame, version, index, base, memoryview(out))
-        return bytes(out)
+        if len(nonce) != NONCE_BYTES:
+            raise SealError(f"sealed frame with a {len(nonce)}-byte nonce")
+        try:
+            return self._aead.decrypt(nonce, frame, _aad(version, index, base))
+        except InvalidTag:
+            raise SealError(_NOT_OPEN) from None
