@@ -237,3 +237,36 @@ def test_up_is_idempotent(env):
     assert "source " in out.stdout and "env.sh" in out.stdout
     assert _daemon_pids(directory) == before
     assert _cluster_processes(directory) == procs_before
+
+
+def test_a_cluster_killed_without_down_comes_back_with_an_empty_queue(env, jobs):
+    """A session killed mid-test leaves its jobs in slurmctld's saved state; the next ``up`` restored them as
+    RUNNING with no process behind them (ghosts holding GPUs — a CI run once failed on the jobs a killed session
+    left). ``up`` from a cold start (no controller, no slurmd running) cancels them."""
+    directory = env["RLBOOST_SLURM_DIR"]
+    ghosts = [jobs.sbatch("-p", "scavenger", "--wrap", "sleep 600") for _ in range(2)]
+    wait_for(lambda: len(jobs.in_state("RUNNING")) == 2, 30, "both jobs running")
+    pids = _daemon_pids(directory)
+    # the controller and every slurmd die without warning, their job processes with them (a killed session)
+    for name in ("slurmctld", *[k for k in pids if k.startswith("slurmd-")]):
+        os.kill(pids[name], 9)
+    for p in Path("/proc").iterdir():
+        try:
+            comm = (p / "comm").read_text().strip() if p.name.isdigit() else ""
+            mine = (comm == "slurmstepd" and any(f"[{j}.".encode() in (p / "cmdline").read_bytes() for j in ghosts)
+                    or comm == "sleep" and any(f"SLURM_JOB_ID={j}\0".encode() in (p / "environ").read_bytes()
+                                               for j in ghosts))
+            if mine:
+                os.kill(int(p.name), 9)
+        except OSError:
+            continue
+    wait_for(lambda: not any(Path(f"/proc/{pids[k]}").exists() and
+                             (Path(f"/proc/{pids[k]}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z")
+                             for k in pids if k == "slurmctld" or k.startswith("slurmd-")), 15, "the daemons to die")
+    out = subprocess.run([str(LOCAL_CLUSTER_DIR / "up")], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "cancelling jobs left from an earlier life" in out.stderr, out.stderr
+    assert sl(env, "squeue", "-h", "-o", "%i %T").strip() == ""
+    # no capacity is held by them (their accounting records are another matter: slurmdbd keeps the attempt that
+    # was running when the controller died as a runaway job — `sacctmgr show runawayjobs` closes such records)
+    wait_for(lambda: set(sl(env, "sinfo", "-h", "-N", "-o", "%T").split()) == {"idle"}, 30, "all nodes idle")

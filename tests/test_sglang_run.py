@@ -1,6 +1,6 @@
 """The main job with SGLang preemptible workers (issue 5 acceptance): real SGLang servers on CPU, real preemptions.
 
-Each preemptible worker starts its own SGLang server (``rollout.engine = "sglang"``; start-up ≈ 25 s on this
+Each preemptible worker starts its own SGLang server (``rollout.engine = "sglang"``; start-up 30–45 s on this
 box, off the agent's heartbeat loop); the reserved seeding engine stays torch. Responses therefore migrate
 torch → SGLang (seeding hand-off) and SGLang → torch/SGLang (warned preemptions), and the walking skeleton's
 report contract must hold. CPU route only: the import-time stand-ins go into the servers' environment through
@@ -21,11 +21,14 @@ from test_demo_run import CONTRACT_KEYS, MARGIN, diagnose, run_cli
 # as long as it makes progress (run_cli), the pytest timeout is only the last resort
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(2400)]
 
-# One slot, three warned preemptions spaced so every attempt has booted its server (≈ 25 s) and served for a
-# while before its removal; trace seconds = wall seconds (time_scale 1). Each removal is held until the SGLang
-# worker holds a partial response (cluster.preempt_when_busy): a preemption that finds the server idle hands
-# nothing off, and once all three did (a loaded machine), the hand-off this test is about never happened.
-TRACE = "0,add,a0\n35000,remove,a0\n36000,add,a1\n70000,remove,a1\n71000,add,a2\n105000,remove,a2\n106000,add,a3\n"
+# One slot, three warned preemptions; trace seconds = wall seconds (time_scale 1). A worker's start-up (its SGLang
+# server boots, then loads the pulled weights) takes 30–45 s on this 2-core box while the run goes on. Each removal
+# is held until the SGLang worker holds a partial response (cluster.preempt_when_busy): a preemption that finds the
+# server idle hands nothing off. A held removal fires at the worker's first busy moment, before any step boundary
+# could hand it the reserved engine's partial responses — so the first attempt is removed only at 80 s, leaving it
+# ≥ 35 s of service (several seeding hand-offs) however slow its start; with removals every 35 s from start, a
+# loaded CI machine once booted every attempt past its removal and no hand-off into SGLang ever happened.
+TRACE = "0,add,a0\n80000,remove,a0\n81000,add,a1\n115000,remove,a1\n116000,add,a2\n150000,remove,a2\n151000,add,a3\n"
 
 
 def test_demo_with_sglang_workers_meets_the_report_contract(repo_root, tmp_path):
@@ -66,7 +69,7 @@ def test_multi_turn_trajectories_on_sglang_workers(repo_root, tmp_path):
     """Issue 17 with SGLang: every turn an SGLang server generates is the current turn only (its prompt holds the
     earlier turns and observations as ids); trajectories resume on the server after the reserved engine's seeding
     and after a warned preemption; nothing lost, duplicated or off-version."""
-    (tmp_path / "trace.csv").write_text("0,add,a0\n35000,remove,a0\n36000,add,a1\n")
+    (tmp_path / "trace.csv").write_text("0,add,a0\n80000,remove,a0\n81000,add,a1\n")  # 80 s: see TRACE
     env = stub_env()
     out = tmp_path / "run"
     p = run_cli(repo_root, out, 'rollout.engine="sglang"', 'rollout.device="cpu"',

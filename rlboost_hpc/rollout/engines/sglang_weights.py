@@ -225,6 +225,16 @@ def flat_bucket(state: FlatState, dtype: torch.dtype | None) -> dict | None:
     return {"flattened_tensor": shared.view(torch.uint8), "metadata": metadata}
 
 
+def _share_by_file_name() -> None:
+    """Set torch's ``file_system`` sharing strategy (process-wide): CPU tensors then pickle as shared-memory file
+    names another process can open (the default ``file_descriptor`` strategy pickles fds that cannot cross HTTP
+    and crash SGLang's scheduler)."""
+    import torch.multiprocessing as tmp
+
+    if tmp.get_sharing_strategy() != "file_system":
+        tmp.set_sharing_strategy("file_system")
+
+
 def shared_host_buffer(nbytes: int) -> torch.Tensor:
     """A new uint8 host buffer of ``nbytes`` bytes in shared memory that SGLang's server process can map by name
     (torch's ``file_system`` sharing strategy, which this sets process-wide as :func:`serialize_object` does).
@@ -234,10 +244,7 @@ def shared_host_buffer(nbytes: int) -> torch.Tensor:
     them into a fresh shared-memory segment per load (the copy faulted in the whole model 4 KiB at a time on
     tmpfs: 140 ms for 200 MiB, 12 ms as a warm copy). The buffer is the rollout worker's base version (the next
     pull writes it in place), so it costs no memory beyond the copy a worker keeps anyway."""
-    import torch.multiprocessing as tmp
-
-    if tmp.get_sharing_strategy() != "file_system":
-        tmp.set_sharing_strategy("file_system")
+    _share_by_file_name()
     return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
 
 
@@ -260,11 +267,9 @@ def _sglang_bucket_metadata() -> type | None:
 def serialize_object(obj: Any) -> str:
     """``obj`` pickled as :func:`serialize_named_tensors` pickles its list (base64 of ``ForkingPickler``; CPU
     tensors as shared-memory file names)."""
-    import torch.multiprocessing as tmp
     from multiprocessing.reduction import ForkingPickler
 
-    if tmp.get_sharing_strategy() != "file_system":
-        tmp.set_sharing_strategy("file_system")
+    _share_by_file_name()
     buf = io.BytesIO()
     ForkingPickler(buf).dump(obj)
     return base64.b64encode(buf.getvalue()).decode("ascii")
@@ -283,10 +288,7 @@ def serialize_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 def as_shared(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """A shared-memory copy of ``t`` (one copy; the caller's tensor is left untouched)."""
-    import torch.multiprocessing as tmp
-
-    if tmp.get_sharing_strategy() != "file_system":
-        tmp.set_sharing_strategy("file_system")
+    _share_by_file_name()
     t = t.detach()
     if t.is_cuda:  # CUDA tensors travel as CUDA IPC handles
         return t.to(dtype) if dtype is not None and t.dtype != dtype else t.contiguous()
