@@ -7,6 +7,9 @@ tensors of equal size, the torch backend's layout):
 - ``memcpy``: ``dst.copy_(src)`` of the version's wire bytes (bf16 → a warm uint8 buffer) — the CPU stand-in for
   a pinned ``tensor.to("cpu", non_blocking=True)`` (that one with ``--device cuda``): the floor any export pays to
   move its bytes once;
+- ``source copy`` (CPU only): a copy of the fp32 master weights' own bytes into a warm tensor — what reading
+  the source once costs: a cast from fp32 must read twice the wire bytes, so on a CPU this, not ``memcpy``, is the
+  floor of an export from fp32 weights (on a GPU the cast runs on the device and only wire bytes cross the link);
 - ``publish``: ``WeightServer.publish`` of the torch backend's ``FlatState`` as the run does it (one cast-copy
   per chunk in a helper thread overlapped with the checksums, into a buffer reused from an evicted version);
 - ablations: the same ``FlatState`` cast then hashed in sequence into a fresh buffer (``flat, fresh, serial``:
@@ -21,8 +24,9 @@ ablation last: its new mappings make the kernel compact memory, which slows what
 3 warm-up reps.
 
 With ``--device cuda`` the weights live on the GPU: the export is a device-to-host cast-copy and the baseline a
-pinned ``non_blocking`` copy of the bf16 bytes (the issue's comparison; host buffers of the publish are not pinned —
-the pool reuses pageable mappings).
+pinned ``non_blocking`` copy of the bf16 bytes (the issue's comparison); the publish writes pinned buffers (the
+pool's mappings registered with CUDA once, as the run does for weights on a GPU), and an ablation repeats it into
+pageable buffers.
 
 Run: ``.venv/bin/python benchmarks/bench_export.py [--sizes-mib 64 256] [--tensors 300] [--reps 7] [--device cpu]``
 """
@@ -90,15 +94,24 @@ def main() -> None:
         sd = model_state(int(mib * (1 << 20)), args.tensors, args.device)
         flat = layout.FlatState.pack(sd)
         memcpy = plain_copy(args.device, flat)
-        out: dict[str, list[float]] = {k: [] for k in ("memcpy", "publish", "copy", "hash", "serial", "per_tensor")}
+        out: dict[str, list[float]] = {k: [] for k in ("memcpy", "publish", "copy", "hash", "serial", "per_tensor",
+                                                       "pageable", "source")}
         warmup = 3  # keep_versions + 1 buffers rotate through a server's pool from then on
         for _ in range(args.reps + warmup):
             t0 = time.perf_counter()
             memcpy()
             out["memcpy"].append(time.perf_counter() - t0)
+        if args.device == "cpu":
+            master = torch.empty_like(flat.flat)
+            for _ in range(args.reps + warmup):
+                t0 = time.perf_counter()
+                master.copy_(flat.flat)
+                out["source"].append(time.perf_counter() - t0)
+            del master
         # each arm in its own block: fresh mappings (the serial ablation, last) make the kernel compact memory for
         # huge pages, which slows whatever runs next to them
-        with WeightServer(chunk_bytes=cb, keep_versions=2, delta=False, copy_threads=1) as srv:
+        cuda = args.device != "cpu"
+        with WeightServer(chunk_bytes=cb, keep_versions=2, delta=False, copy_threads=1, pin_memory=cuda) as srv:
             for v in range(args.reps + warmup):
                 before = srv.stats
                 t0 = time.perf_counter()
@@ -107,7 +120,13 @@ def main() -> None:
                 after = srv.stats
                 out["copy"].append(after["publish_copy_seconds"] - before["publish_copy_seconds"])
                 out["hash"].append(after["publish_hash_seconds"] - before["publish_hash_seconds"])
-            reused = srv.stats["publish_buffers_reused"]
+            reused, pinned = srv.stats["publish_buffers_reused"], srv.stats["publish_buffers_pinned"]
+        if cuda:  # ablation: the same publish into pageable buffers (what the run did before pinning them)
+            with WeightServer(chunk_bytes=cb, keep_versions=2, delta=False, copy_threads=1) as pageable:
+                for v in range(args.reps + warmup):
+                    t0 = time.perf_counter()
+                    pageable.publish(v, flat)
+                    out["pageable"].append(time.perf_counter() - t0)
         with WeightServer(chunk_bytes=cb, keep_versions=2, delta=False, copy_threads=1) as plain:
             for v in range(args.reps + warmup):
                 t0 = time.perf_counter()
@@ -118,7 +137,7 @@ def main() -> None:
             digests = serial_fresh(flat, cb)
             out["serial"].append(time.perf_counter() - t0)
         assert digests == man.chunk_checksums
-        out = {k: v[warmup:] for k, v in out.items()}
+        out = {k: v[warmup:] for k, v in out.items() if v}
         med = {k: statistics.median(v) for k, v in out.items()}
         print(f"{mib:>6g} {med['memcpy'] * 1e3:>8.1f} {med['publish'] * 1e3:>8.1f} {med['copy'] * 1e3:>7.1f} "
               f"{med['hash'] * 1e3:>7.1f} {med['serial'] * 1e3:>8.1f} {med['per_tensor'] * 1e3:>10.1f}")
@@ -128,6 +147,14 @@ def main() -> None:
               f"serial "
               f"{med['memcpy'] / med['serial']:.2f}×, memcpy ÷ per-tensor {med['memcpy'] / med['per_tensor']:.2f}×; "
               f"publish ÷ (copy + hash) {med['publish'] / (med['copy'] + med['hash']):.2f}")
+        if not cuda:
+            print(f"  source copy of the fp32 weights {med['source'] * 1e3:.1f} ms: source copy ÷ publish "
+                  f"{med['source'] / med['publish']:.2f}× (the cast reads {flat.flat.element_size() // 2}× the wire "
+                  f"bytes)")
+        if cuda:
+            print(f"  pinned buffers ({pinned} pinned): memcpy ÷ publish {med['memcpy'] / med['publish']:.2f}×; "
+                  f"ablation, pageable buffers: memcpy ÷ publish {med['memcpy'] / med['pageable']:.2f}× "
+                  f"({flat.nbytes / med['pageable'] / 1e9:.2f} GB/s)")
 
 
 if __name__ == "__main__":

@@ -460,7 +460,8 @@ class MegatronBackend(TrainerBackend):
         holds = bool(self.pieces) and (replicas or L.dp_rank == 0)
         entry = None
         if holds:
-            self._server = WeightServer(bind=bind, copy_threads=1, keys=keys, sealed=sealed).start()
+            self._server = WeightServer(bind=bind, copy_threads=1, keys=keys, sealed=sealed,
+                                        pin_memory=any(p.tensor.is_cuda for p in self.pieces)).start()
             endpoint = self._server.endpoint
             if advertise_host:
                 endpoint = endpoint.rsplit(":", 1)

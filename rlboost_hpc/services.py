@@ -80,7 +80,7 @@ class RunServices:
         self.keys = self._keys()
         self.server = WeightServer(bind=f"tcp://{cfg.network.bind_host}:0", chunk_bytes=w.chunk_bytes,
                                    keys=self.keys, delta=w.delta, delta_max_ratio=w.delta_max_ratio,
-                                   sealed=w.sealed).start()
+                                   sealed=w.sealed, pin_memory=self._device.type == "cuda").start()
         self.defer(self.server.close)
         environment = self.environment()
         self.mproc, bound, metrics_url = self._spawn_manager(environment)

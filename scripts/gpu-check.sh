@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check of "bring your own model" (run on a lent GPU machine through the device tool, ≤ 10 minutes):
-#   1. the gpu-marked tests (engine logits CUDA bf16 vs CPU fp32, one torch-backend step on CUDA);
+#   1. the gpu-marked tests (engine logits CUDA bf16 vs CPU fp32, one torch-backend step on CUDA, pinned pool);
 #   2. a Qwen3-0.6B-shaped random checkpoint with the real Qwen2 tokenizer, 10 steps of the main job with the
 #      Megatron backend on CUDA, the reserved engine and 4 torch workers on CUDA (tokens/s, logprob gap);
 #   3. the Megatron step's MFU (benchmarks/bench_megatron.py) and TorchEngine vs transformers.generate at batch
@@ -23,7 +23,7 @@ fi
 export RLBOOST_DATA=${RLBOOST_DATA:-$PWD/.gpu/data}
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 {
-  echo "== gpu tests"; timeout 120 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -5
+  echo "== gpu tests"; timeout 120 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_weight_layout.py -p no:cacheprovider 2>&1 | tail -5
   echo "== checkpoint"; python3 benchmarks/make_random_checkpoint.py .gpu/qwen3-0.6b --tokenizer .gpu/qwen2-tokenizer
   echo "== engine vs HF generate: stories260K fp32"
   timeout 120 python3 benchmarks/bench_engine.py --device cuda --batches 1 32 128 --new 128 --repeat 3

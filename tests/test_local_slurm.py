@@ -244,7 +244,7 @@ def test_a_cluster_killed_without_down_comes_back_with_an_empty_queue(env, jobs)
     RUNNING with no process behind them (ghosts holding GPUs — a CI run once failed on the jobs a killed session
     left). ``up`` from a cold start (no controller, no slurmd running) cancels them."""
     directory = env["RLBOOST_SLURM_DIR"]
-    ghosts = [jobs.sbatch("-p", "scavenger", "--wrap", "sleep 600") for _ in range(2)]
+    ghosts = [jobs.sbatch("-p", "scavenger", "--output", "/dev/null", "--wrap", "sleep 600") for _ in range(2)]
     wait_for(lambda: len(jobs.in_state("RUNNING")) == 2, 30, "both jobs running")
     pids = _daemon_pids(directory)
     # the controller and every slurmd die without warning, their job processes with them (a killed session)

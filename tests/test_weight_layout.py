@@ -245,6 +245,87 @@ def test_a_pooled_buffer_is_never_handed_out_again_while_anything_views_it():
     assert pool.take(64 << 20).numel() == 64 << 20  # too small to reuse: a new mapping of the asked size
 
 
+class RecordingPinner:
+    """A contract stand-in for :class:`layout.CudaHostPinner` (CUDA cannot run here): records what the pool pins
+    and unpins, checks every unpin matches a live pin and that a pinned range is never unpinned twice."""
+
+    def __init__(self, refuse: int = 0) -> None:
+        self.pinned: dict[int, int] = {}
+        self.calls: list[tuple[str, int]] = []
+        self.refuse = refuse  # refuse this many pins first (the driver out of pinnable memory)
+
+    def pin(self, address: int, nbytes: int) -> bool:
+        self.calls.append(("pin", address))
+        if self.refuse:
+            self.refuse -= 1
+            return False
+        assert address not in self.pinned
+        self.pinned[address] = nbytes
+        return True
+
+    def unpin(self, address: int) -> None:
+        self.calls.append(("unpin", address))
+        assert address in self.pinned, "unpinned a range that is not pinned"
+        del self.pinned[address]
+
+
+def test_contract_a_pinning_pool_pins_each_mapping_once_and_unpins_before_releasing_it():
+    pinner = RecordingPinner()
+    pool = layout.HostBufferPool(keep=2, pinner=pinner)
+    a = pool.take(3 << 20)
+    assert pinner.pinned == {a.data_ptr(): 4 << 20}  # the whole mapping (whole 2 MiB pages)
+    first = a.data_ptr()
+    del a
+    for _ in range(3):  # reused: pinned once, not again per version
+        b = pool.take(3 << 20)
+        assert b.data_ptr() == first
+        del b
+    assert [c for c, _ in pinner.calls] == ["pin"] and pool.pinned == 1
+    # a viewed buffer forgotten beyond `keep` stays pinned until its last view goes, then is unpinned
+    viewed = pool.take(3 << 20)
+    others = [pool.take(8 << 20), pool.take(16 << 20)]  # two more mappings: `viewed`'s is the oldest
+    assert viewed.data_ptr() in pinner.pinned and len(pool._regions) == 2
+    gone = viewed.data_ptr()
+    del viewed
+    pool.take(1 << 20)
+    assert gone not in pinner.pinned and ("unpin", gone) in pinner.calls
+    del others
+    pool.take(40 << 20)  # free mappings beyond `keep` are unpinned as they are released
+    assert len(pinner.pinned) == len([r for r in pool._regions if r.address]) <= 2
+
+
+def test_contract_a_pin_the_driver_refuses_leaves_a_working_pageable_buffer():
+    pinner = RecordingPinner(refuse=1)
+    pool = layout.HostBufferPool(keep=1, pinner=pinner)
+    a = pool.take(1 << 20)
+    a.fill_(7)
+    assert int(a.sum()) == 7 << 20 and pool.pin_failures == 1 and pool.pinned == 0 and not pinner.pinned
+    del a
+    pool.take(5 << 20)  # the refused mapping is released without an unpin
+    assert [c for c, _ in pinner.calls] == ["pin", "pin"] and pool.pinned == 1
+
+
+@pytest.mark.gpu
+def test_a_cuda_pinned_pool_buffer_is_pinned_and_receives_device_copies():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pool = layout.HostBufferPool(keep=1, pin_memory=True)
+    src = torch.arange(1 << 20, dtype=torch.int32, device="cuda").view(torch.uint8)
+    buf = pool.take(src.numel())
+    assert buf.is_pinned() and pool.pinned == 1
+    buf.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(buf, src.cpu())
+    del buf
+    pool.take(64 << 20)  # the first mapping is unpinned and released
+    assert pool.pinned == 2 and pool.pin_failures == 0
+    # a rollout worker's torch engine on the GPU pulls into pinned buffers (its load is a host-to-device copy)
+    from rlboost_hpc.rollout.engines.factory import receive_buffer_factory
+
+    assert receive_buffer_factory({"kind": "torch", "device": "cuda"})(1 << 20).is_pinned()
+    assert receive_buffer_factory({"kind": "torch", "device": "cpu"}) is None
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("chunk_bytes", [4096, 4097])  # 4097: not a multiple of bf16's 2 bytes — cast in one piece
 def test_a_flat_publish_overlaps_cast_and_checksums_reuses_evicted_buffers_and_never_touches_a_viewed_one(

@@ -14,10 +14,11 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import mmap
 import sys
 import threading
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Protocol
 
 import numpy as np
 import torch
@@ -29,18 +30,17 @@ ALIGN = 64
 _HUGE_PAGE = 2 << 20  # bytes of a transparent huge page on x86-64 and most arm64 kernels
 
 
-def host_buffer(nbytes: int, pin_memory: bool = False) -> torch.Tensor:
+def host_buffer(nbytes: int) -> torch.Tensor:
     """A new uint8 host buffer of ``nbytes`` bytes (contents undefined).
 
-    Unpinned buffers are anonymous mmaps advised ``MADV_HUGEPAGE`` where the OS offers it: first touch
-    then faults 2 MiB pages instead of 4 KiB ones (≈5× faster to fill on a VM), which matters because
-    every publish and every pull writes a fresh buffer. From 2 MiB up the mapping is rounded up to whole
-    2 MiB pages (the kernel then aligns it to them, and the tail is not left in 4 KiB pages: 2.4× faster to
-    fill at 4.3 MiB); at most 2 MiB more is mapped. The mapping is released when the last tensor viewing it is
-    freed. ``pin_memory`` uses torch's pinned allocator instead (needs CUDA).
+    Buffers are anonymous mmaps advised ``MADV_HUGEPAGE`` where the OS offers it: first touch then faults
+    2 MiB pages instead of 4 KiB ones (≈5× faster to fill on a VM), which matters because every publish and
+    every pull writes a fresh buffer. From 2 MiB up the mapping is rounded up to whole 2 MiB pages (the kernel
+    then aligns it to them, and the tail is not left in 4 KiB pages: 2.4× faster to fill at 4.3 MiB); at most
+    2 MiB more is mapped. The mapping is released when the last tensor viewing it is freed.
     """
-    if pin_memory or nbytes == 0:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(_map(nbytes), dtype=torch.uint8)[:nbytes]  # holds a reference to the mapping
 
 
@@ -96,6 +96,44 @@ def retain_frame_buffers(frame_bytes: int, frames_in_flight: int) -> bool:
     return True
 
 
+class HostPinner(Protocol):
+    """Page-locks host memory for device copies: ``pin(address, nbytes)`` → True when the range is now pinned
+    (False: it stays pageable); ``unpin(address)`` undoes a successful ``pin`` and must come before the memory is
+    unmapped."""
+
+    def pin(self, address: int, nbytes: int) -> bool: ...
+    def unpin(self, address: int) -> None: ...
+
+
+class CudaHostPinner:
+    """:class:`HostPinner` through CUDA's ``cudaHostRegister`` / ``cudaHostUnregister`` (torch's ``cudart``
+    bindings): an existing mapping becomes pinned memory that device-to-host copies write at the link's rate
+    (a pageable destination goes through the driver's staging buffer). Registration is paid once per mapping —
+    a pool reuses it for every later version. Unlike ``torch.empty(pin_memory=True)`` (torch's caching host
+    allocator, which rounds every block up to a power of two: up to 2× the host memory for a model's version),
+    the buffer keeps the pool's size and huge pages."""
+
+    def __init__(self) -> None:
+        self._cudart = torch.cuda.cudart()
+
+    def pin(self, address: int, nbytes: int) -> bool:
+        # cudaHostRegisterPortable (1): pinned for every CUDA context of the process, not only the current one
+        return int(self._cudart.cudaHostRegister(address, nbytes, 1)) == 0
+
+    def unpin(self, address: int) -> None:
+        self._cudart.cudaHostUnregister(address)
+
+
+@dataclasses.dataclass(eq=False)
+class _Region:
+    mapping: mmap.mmap
+    address: int = 0  # where a pinner pinned it; 0: pageable
+
+    def free(self) -> bool:
+        """Nothing but the pool views the mapping (this record's reference and getrefcount's argument)."""
+        return sys.getrefcount(self.mapping) == 2
+
+
 class HostBufferPool:
     """Host buffers (as :func:`host_buffer` makes them) that are used again once nothing views them.
 
@@ -106,45 +144,77 @@ class HostBufferPool:
     tensor's storage, and the storage keeps its reference to the mapping, so "free" is the mapping's reference
     count falling back to the pool's own. Nothing still viewing a buffer is ever handed out again.
 
+    With a ``pinner`` every mapping is pinned once when made, stays pinned while the pool reuses it, and is
+    unpinned before the pool lets it go — a mapping forgotten while still viewed waits in the pool until it is
+    free, then is unpinned and released. A mapping the pinner refuses stays pageable (counted in
+    :attr:`pin_failures`; the buffer works the same, only device copies into it are slower).
+
     Args:
         keep: mappings remembered at most (≥ 1); beyond it free ones are released first, then the oldest are
             forgotten (released by the last view that goes).
-        pin_memory: pinned buffers (needs CUDA) are not pooled: each :meth:`take` allocates one.
+        pin_memory: pin every mapping through CUDA (:class:`CudaHostPinner`; needs CUDA).
+        pinner: the :class:`HostPinner` to use instead (implies pinning).
     """
 
-    def __init__(self, keep: int, pin_memory: bool = False) -> None:
+    def __init__(self, keep: int, pin_memory: bool = False, pinner: HostPinner | None = None) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.keep = int(keep)
-        self._pin = pin_memory
-        self._regions: list[mmap.mmap] = []
+        self._pinner = pinner if pinner is not None else (CudaHostPinner() if pin_memory else None)
+        self._regions: list[_Region] = []
+        self._retiring: list[_Region] = []  # pinned, forgotten while still viewed: unpinned once free
         self._lock = threading.Lock()
-        #: Buffers handed out again (``reused``) and mappings made (``mapped``).
+        #: Buffers handed out again (``reused``), mappings made (``mapped``), pinned (``pinned``) and left
+        #: pageable because the pinner refused them (``pin_failures``).
         self.reused = 0
         self.mapped = 0
+        self.pinned = 0
+        self.pin_failures = 0
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of ``nbytes`` bytes (contents undefined): a free remembered mapping of at least
-        ``nbytes`` and at most twice that (plus a huge page), else a new one."""
-        if self._pin or nbytes == 0:
-            return host_buffer(nbytes, pin_memory=self._pin)
+        ``nbytes`` and at most twice that (plus a huge page), else a new one (pinned when the pool pins)."""
+        if nbytes == 0:
+            return host_buffer(0)
         with self._lock:
+            retiring, self._retiring = self._retiring, []
+            for r in retiring:
+                self._let_go(r)
             region = None
-            for i in range(len(self._regions)):
-                # the list's reference and getrefcount's argument: nothing else holds the mapping
-                if sys.getrefcount(self._regions[i]) == 2 and \
-                        nbytes <= len(self._regions[i]) <= 2 * nbytes + _HUGE_PAGE:
+            for i, r in enumerate(self._regions):
+                if r.free() and nbytes <= len(r.mapping) <= 2 * nbytes + _HUGE_PAGE:
                     region = self._regions.pop(i)
                     self.reused += 1
                     break
             if region is None:
-                region = _map(nbytes)
-                self.mapped += 1
+                region = self._new_region(nbytes)
             self._regions.append(region)  # most recently used last
             while len(self._regions) > self.keep:
-                free = [i for i in range(len(self._regions) - 1) if sys.getrefcount(self._regions[i]) == 2]
-                self._regions.pop(free[0] if free else 0)
-        return torch.frombuffer(region, dtype=torch.uint8)[:nbytes]
+                free = [i for i in range(len(self._regions) - 1) if self._regions[i].free()]
+                self._let_go(self._regions.pop(free[0] if free else 0))
+            return torch.frombuffer(region.mapping, dtype=torch.uint8)[:nbytes]
+
+    def _new_region(self, nbytes: int) -> _Region:
+        region = _Region(_map(nbytes))
+        self.mapped += 1
+        if self._pinner is not None:
+            address = torch.frombuffer(region.mapping, dtype=torch.uint8).data_ptr()
+            if self._pinner.pin(address, len(region.mapping)):
+                region.address = address
+                self.pinned += 1
+            else:
+                self.pin_failures += 1
+        return region
+
+    def _let_go(self, region: _Region) -> None:
+        """Drop the pool's reference to ``region``, unpinning it first; a pinned region still viewed is kept
+        (in ``_retiring``) until it is free — pinned memory must be unpinned before it is unmapped."""
+        if region.address:
+            if not region.free():
+                self._retiring.append(region)
+                return
+            self._pinner.unpin(region.address)
+            region.address = 0
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -96,7 +96,9 @@ class WeightServer:
             caps every encrypted pull near one core's ~1 GB/s whatever the number of streams.
         sndhwm: per-peer send queue limit in messages; replies beyond it are dropped (a well-behaved
             puller has at most ``window`` requests outstanding per socket).
-        pin_memory: allocate host buffers in pinned memory (needs CUDA; faster device→host publish).
+        pin_memory: pin the host buffers versions are published into (``cudaHostRegister``, once per pooled
+            buffer; needs CUDA): device-to-host export at the link's rate instead of through the driver's
+            staging copy. A buffer the driver refuses to pin stays pageable (``stats["publish_pin_failures"]``).
         copy_threads: torch intra-op threads for the cast-copy of CPU tensors in :meth:`publish`
             (temporarily set process-wide, then restored); None leaves torch's setting alone. On small or
             shared hosts 1 is much faster (measured 20× on a busy 2-core VM: the OpenMP team waits for
@@ -150,7 +152,6 @@ class WeightServer:
         self.keep_versions = int(keep_versions)
         self._io_threads = io_threads if io_threads is not None else (min(4, os.cpu_count() or 1) if keys else 1)
         self._sndhwm = sndhwm
-        self._pin = pin_memory
         # the held versions plus the one being written rotate; between publishes the spare stays mapped (host
         # memory: one version's bytes more than the held versions, for no page faults on the next publish)
         self._buffers = layout.HostBufferPool(keep_versions + 1, pin_memory=pin_memory)
@@ -280,7 +281,8 @@ class WeightServer:
         vanished or its queue was full, publishes and total publish seconds (delta encoding included) — of
         them, seconds spent casting/copying into the buffer and hashing chunks (each summed over the threads
         doing it: they overlap for a :class:`~rlboost_hpc.weights.layout.FlatState` on a device), and
-        publishes into a buffer reused from an evicted version (``publish_buffers_reused``) — internal
+        publishes into a buffer reused from an evicted version (``publish_buffers_reused``), buffers pinned and
+        left pageable by a refused pin (``publish_buffers_pinned``, ``publish_pin_failures``) — internal
         errors; versions published with a delta, seconds spent encoding deltas, delta payloads and
         their bytes served (``chunks_served`` / ``bytes_served`` count full chunks only)."""
         with self._stats_lock:
@@ -288,6 +290,7 @@ class WeightServer:
             s["errors_sent"] = dict(s["errors_sent"])
             s["rejected_by_reason"] = dict(s["rejected_by_reason"])
         s["publish_buffers_reused"] = self._buffers.reused
+        s["publish_buffers_pinned"], s["publish_pin_failures"] = self._buffers.pinned, self._buffers.pin_failures
         return s
 
     # ------------------------------------------------------------------ publishing
