@@ -98,7 +98,8 @@ class WeightServer:
             puller has at most ``window`` requests outstanding per socket).
         pin_memory: pin the host buffers versions are published into (``cudaHostRegister``, once per pooled
             buffer; needs CUDA): device-to-host export at the link's rate instead of through the driver's
-            staging copy. A buffer the driver refuses to pin stays pageable (``stats["publish_pin_failures"]``).
+            staging copy; ``keep_versions + 1`` versions' bytes stay locked in host memory. A buffer the driver
+            refuses to pin stays pageable (``stats["publish_pin_failures"]``).
         copy_threads: torch intra-op threads for the cast-copy of CPU tensors in :meth:`publish`
             (temporarily set process-wide, then restored); None leaves torch's setting alone. On small or
             shared hosts 1 is much faster (measured 20× on a busy 2-core VM: the OpenMP team waits for
