@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlboost_hpc.policy.relay import RelayTree  # noqa: E402
-from rlboost_hpc.rollout.agent import RemoteWeights  # noqa: E402
+from rlboost_hpc.rollout.remote_weights import RemoteWeights  # noqa: E402
 from rlboost_hpc.weights import WeightServer  # noqa: E402
 
 

@@ -11,7 +11,8 @@ import sys
 import time
 
 from rlboost_hpc.models.arch import arch_from_hf
-from rlboost_hpc.rollout.agent import RolloutAgent, remote_weight_source
+from rlboost_hpc.rollout.agent import RolloutAgent
+from rlboost_hpc.rollout.remote_weights import remote_weight_source
 from rlboost_hpc.rollout.engines.torch_engine import TorchEngine
 
 

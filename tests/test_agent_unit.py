@@ -6,7 +6,7 @@ import time
 
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.rollout.agent import RolloutAgent
-from rlboost_hpc.rollout.engines.base import Engine, TokenEvent
+from rlboost_hpc.rollout.engines.base import Engine, EngineError, RequestError, TokenEvent
 
 
 class _Frames:
@@ -166,3 +166,70 @@ def test_a_finished_pull_wakes_the_agent_instead_of_waiting_out_its_idle_poll():
     finally:
         link.close()
         ctx.term()
+
+
+class _LinkStandIn(_Frames):
+    """ManagerLink as run() makes it: nothing arrives, the manager counts as heard from just now."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__()
+        self.last_rx = time.monotonic()
+
+    def take(self, wait_s: float = 0.0) -> list[bytes]:
+        self.last_rx = time.monotonic()
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class _FailingEngine(_HoldingEngine):
+    """step() 1: tokens of r1 and r2; step() 2: r1's stream fails alone (the engine drops it); step() 3: r2 gets a
+    token; step() 4: the whole engine fails (its server died)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def step(self):
+        self.calls += 1
+        if self.calls == 1:
+            return [TokenEvent("r1", [5, 6], [-0.1, -0.2]), TokenEvent("r2", [7], [-0.3])]
+        if self.calls == 2:
+            self.held.pop("r1")
+            raise RequestError("r1", "sglang request 'r1' failed after 2 token(s): inconsistent chunk")
+        if self.calls == 3:
+            return [TokenEvent("r2", [8], [-0.4])]
+        raise EngineError("sglang server exited with code -9")
+
+
+def test_a_request_the_engine_drops_is_handed_back_and_a_broken_engine_ends_the_worker_losing_no_token(monkeypatch):
+    """Regression: one request's bad stream chunk (the engine's RequestError) killed the worker with a traceback and
+    30 requests in flight. Now its tokens go out, then RequestFailed (the manager resumes it elsewhere), and the
+    others go on; an engine that fails as a whole ends the worker with exit code 4 after flushing what it produced."""
+    from rlboost_hpc.rollout import agent as agent_mod
+
+    monkeypatch.setattr(agent_mod, "ManagerLink", _LinkStandIn)
+    eng = _FailingEngine()
+    a = RolloutAgent("tcp://127.0.0.1:1", "job", 0, engine=eng)
+    for rid in ("r1", "r2"):
+        eng.add(type("R", (), {"rid": rid})())
+        a._pos[rid] = 0
+    a.welcome = M.Welcome(instance="job#0", latest_version=0, weights_endpoint="tcp://w", model_config={},
+                          heartbeat_s=0.25, stream_every_tokens=1000, stream_every_s=1000.0)
+    assert a.run() == agent_mod.EXIT_FAILED
+    sent = [m for m in a.link.msgs if not isinstance(m, (M.Register, M.Heartbeat))]
+    failed = [i for i, m in enumerate(sent) if isinstance(m, M.RequestFailed)]
+    assert len(failed) == 1 and sent[failed[0]].rid == "r1" and "inconsistent chunk" in sent[failed[0]].error
+    tokens = [(m, i) for i, m in enumerate(sent) if isinstance(m, M.Tokens)]
+    got: dict[str, list[int]] = {}
+    for m, i in tokens:
+        ids = M.unpack_i32(m.ids)
+        k = 0
+        for rid, off, cnt in zip(m.rids, m.offsets, m.counts):
+            assert off == len(got.get(rid, []))  # in order, nothing skipped
+            got.setdefault(rid, []).extend(ids[k:k + cnt])
+            k += cnt
+            if rid == "r1":
+                assert i < failed[0]  # r1's tokens before its RequestFailed
+    assert got == {"r1": [5, 6], "r2": [7, 8]}  # every token produced reached the manager

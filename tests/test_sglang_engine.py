@@ -22,7 +22,7 @@ from _util import load_hf_dir
 from rlboost_hpc.models.tokenizer import Llama2cTokenizer
 from rlboost_hpc.rollout.engines.base import EngineError, GenRequest, SamplingParams, TokenEvent
 from rlboost_hpc.rollout.engines.factory import make_sglang_engine
-from rlboost_hpc.rollout.engines.sglang_engine import SGLangEngine
+from rlboost_hpc.rollout.engines.sglang_engine import SGLangEngine, new_entries
 from rlboost_hpc.rollout.engines.sglang_server import SGLangServer, free_port
 from rlboost_hpc.rollout.engines.sglang_weights import init_weight_sender_group
 from rlboost_hpc.rollout.engines.torch_engine import TorchEngine, generate_all
@@ -152,6 +152,28 @@ def test_step_streams_every_token_once(engine, tok):
             seen += e.token_ids
     assert len(seen) == 120  # nothing duplicated or dropped
     assert engine.chunks_received - chunks0 >= 120 // 16  # streamed: --stream-interval 16
+    assert "--incremental-streaming-output" in engine.server.base_args  # each chunk only its new tokens
+
+
+def test_stream_chunks_incremental_cumulative_and_cumulative_running_ahead_of_their_count():
+    """Regression: SGLang streams an intermediate cumulative chunk as a reference to its growing lists and
+    serialises it later, so a loaded server sent ``completion_tokens=1`` with 3 ids and 3 logprobs — the engine
+    called it inconsistent and the worker died with 30 requests in flight. Our servers now stream incrementally
+    (fresh lists, O(n) per response); a cumulative chunk running ahead of its count is taken whole, and the next
+    one (whose count is behind what was received) adds only what is new."""
+    lp = [[-0.5, t, None] for t in range(10)]
+    ids = list(range(10))
+    assert new_entries(ids[:3], lp[:3], 1, 0) == (ids[:3], lp[:3])  # ahead of its count: all 3 are real tokens
+    assert new_entries(ids[:5], lp[:5], 2, 3) == (ids[3:5], lp[3:5])  # count behind what was received
+    assert new_entries(ids[:5], lp[:5], 5, 5) == ([], [])  # nothing new
+    assert new_entries(ids[5:8], lp[5:8], 8, 5) == (ids[5:8], lp[5:8])  # incremental
+    assert new_entries([], [], 8, 8) == ([], [])  # an empty finishing chunk
+    assert new_entries(ids[:4], lp[:4], None, 2) == (ids[2:4], lp[2:4])  # no count: cumulative
+    for bad in [(ids[:3], lp[:2], 3, 0),  # ids and logprobs disagree
+                (ids[:2], lp[:2], 6, 3),  # fewer entries than received, not the 3 new ones
+                (ids[:2], lp[:2], 9, 5)]:  # incremental with the wrong number of entries
+        with pytest.raises(EngineError, match="inconsistent chunk"):
+            new_entries(*bad)
 
 
 def test_migration_torch_to_sglang_resumes_exactly(engine, loaded, tok):

@@ -27,8 +27,10 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(2400)]
 # server idle hands nothing off. A held removal fires at the worker's first busy moment, before any step boundary
 # could hand it the reserved engine's partial responses — so the first attempt is removed only at 80 s, leaving it
 # ≥ 35 s of service (several seeding hand-offs) however slow its start; with removals every 35 s from start, a
-# loaded CI machine once booted every attempt past its removal and no hand-off into SGLang ever happened.
-TRACE = "0,add,a0\n80000,remove,a0\n81000,add,a1\n115000,remove,a1\n116000,add,a2\n150000,remove,a2\n151000,add,a3\n"
+# loaded CI machine once booted every attempt past its removal and no hand-off into SGLang ever happened. The later
+# removals are due before their attempt can have booted: each fires at its attempt's first busy moment (a hand-off
+# out of SGLang), so the preemptions come as early as start-ups allow (an idle run lasts ≈ 150 s).
+TRACE = "0,add,a0\n80000,remove,a0\n81000,add,a1\n100000,remove,a1\n101000,add,a2\n120000,remove,a2\n121000,add,a3\n"
 
 
 def test_demo_with_sglang_workers_meets_the_report_contract(repo_root, tmp_path):
@@ -68,8 +70,9 @@ def test_demo_with_sglang_workers_meets_the_report_contract(repo_root, tmp_path)
 def test_multi_turn_trajectories_on_sglang_workers(repo_root, tmp_path):
     """Issue 17 with SGLang: every turn an SGLang server generates is the current turn only (its prompt holds the
     earlier turns and observations as ids); trajectories resume on the server after the reserved engine's seeding
-    and after a warned preemption; nothing lost, duplicated or off-version."""
-    (tmp_path / "trace.csv").write_text("0,add,a0\n80000,remove,a0\n81000,add,a1\n")  # 80 s: see TRACE
+    and after a warned preemption (when the run lasts until the removal); nothing lost, duplicated or off-version."""
+    # removed at 60 s (see TRACE; the run lasts ≈ 90 s): ≥ 15 s of service after the slowest start-up seen
+    (tmp_path / "trace.csv").write_text("0,add,a0\n60000,remove,a0\n61000,add,a1\n")
     env = stub_env()
     out = tmp_path / "run"
     p = run_cli(repo_root, out, 'rollout.engine="sglang"', 'rollout.device="cpu"',

@@ -14,7 +14,7 @@ from rlboost_hpc.manager.core import ManagerCore
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.protocol.weight_msgs import DeltaInfo, Manifest, validate_manifest
-from rlboost_hpc.rollout.agent import RemoteWeights
+from rlboost_hpc.rollout.remote_weights import RemoteWeights
 from rlboost_hpc.weights import delta as delta_codec
 from rlboost_hpc.weights.puller import WeightPuller, WeightTransferError
 from rlboost_hpc.weights.server import WeightServer

@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 from rlboost_hpc.manager.core import ManagerCore
 from rlboost_hpc.policy.relay import TRAINER, RelayTree, Source
 from rlboost_hpc.protocol import messages as M
-from rlboost_hpc.rollout.agent import RemoteWeights
+from rlboost_hpc.rollout.remote_weights import RemoteWeights
 from rlboost_hpc.weights.puller import WeightPuller
 from rlboost_hpc.weights.server import WeightServer
 

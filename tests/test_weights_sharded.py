@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from rlboost_hpc.rollout.agent import RemoteWeights
+from rlboost_hpc.rollout.remote_weights import RemoteWeights
 from rlboost_hpc.weights import WeightServer, WeightTransferError
 from rlboost_hpc.weights.sharded import FORMAT, load_manifest, version_checksum
 

@@ -36,7 +36,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import Callable
 
 import zmq
 
@@ -44,137 +44,14 @@ from rlboost_hpc import defaults as D
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.auth import RunKeys, secure_client
 from rlboost_hpc.protocol.errors import ProtocolError
-from rlboost_hpc.rollout.engines.base import Engine, GenRequest, SamplingParams
+from rlboost_hpc.rollout.engines.base import Engine, EngineError, GenRequest, RequestError, SamplingParams
 from rlboost_hpc.models.arch import ModelArch
 from rlboost_hpc.rollout.engines.factory import EngineFactory, torch_engine_factory
-
-if TYPE_CHECKING:
-    import torch
+from rlboost_hpc.rollout.remote_weights import WeightSource, remote_weight_source
 
 log = logging.getLogger("rlboost.agent")
 
 EXIT_OK, EXIT_REJECTED, EXIT_UNREACHABLE, EXIT_FAILED = 0, 2, 3, 4
-
-# (version[, peers=relay holders]) -> (state_dict, info dict with checksum/nbytes/pull_s); raises on failure. The
-# agent passes ``peers`` only when the manager named some (sources that cannot relay need not accept it).
-WeightSource = Callable[..., tuple[Mapping, dict]]
-
-
-class RemoteWeights:
-    """Pulls weight versions for one rollout worker, keeping the last one as the base of the next (delta) pull.
-
-    One object per worker process, across reconnects to restarted trainers: :meth:`source` gives the
-    :data:`WeightSource` of a weight server endpoint. With ``keep_base`` the version last pulled stays in host
-    memory (one copy of the model in the wire dtype, e.g. 2 bytes per parameter in bf16) and is offered to the
-    holder; a holder with a delta against exactly that version ships only the changed chunks, and the base's
-    buffer is turned into the new version in place (``WeightPuller.pull(base=...)``). Without it every pull is
-    full and nothing is kept after the engine loaded it.
-
-    Relay (:meth:`serve_relay`): the version last pulled is also served to other instances from the same buffer
-    (a :class:`~rlboost_hpc.weights.server.WeightServer` that only holds it: no copy, no hashing), withdrawn
-    before the next pull starts to change that buffer; pulls take the peers the manager names.
-
-    Precondition (held by :class:`RolloutAgent`): a version's tensors are no longer read once the next pull
-    starts — engines copy what they load.
-    """
-
-    def __init__(self, streams: int, window: int, timeout_s: float, *, keep_base: bool = True,
-                 peer_timeout_s: float | None = None,
-                 buffer_factory: "Callable[[int], torch.Tensor] | None" = None) -> None:
-        self.streams, self.window, self.timeout_s = streams, window, timeout_s
-        self.keep_base = keep_base
-        self.peer_timeout_s = peer_timeout_s
-        self.buffer_factory = buffer_factory  # of WeightPuller: where a pull that reuses no base lands
-        self._base = None  # PulledWeights of the last successful pull (keep_base only)
-        self._shard_bases: dict | None = None  # ... of a sharded version: position → PulledWeights
-        self._relay = None  # WeightServer serving self._base (serve_relay)
-        self._relay_keys: RunKeys | None = None
-
-    def serve_relay(self, bind_host: str, advertise_host: str, keys: RunKeys | None = None) -> str:
-        """Serve the versions this worker pulls to other instances; returns the endpoint to register with.
-
-        ``keys``: the run's full key set (a relay is a CURVE *server* of the run: pullers prove the run's client
-        key, as with the trainer). Called again with other keys (a restarted trainer's run), the relay restarts
-        on them. Raises zmq.ZMQError when ``bind_host`` cannot be bound.
-        """
-        from rlboost_hpc.rundir import advertised
-        from rlboost_hpc.weights.server import WeightServer
-
-        if self._relay is not None and self._relay_keys != keys:
-            self._relay.close()
-            self._relay = None
-        if self._relay is None:
-            self._relay = WeightServer(bind=f"tcp://{bind_host}:0", keep_versions=1, delta=False, keys=keys).start()
-            self._relay_keys = keys
-            if self._base is not None and self._base.manifest is not None:
-                self._relay.hold(self._base.manifest, self._base.buffer, self._base.delta_payloads)
-        return advertised(self._relay.endpoint, advertise_host)
-
-    @property
-    def relay_stats(self) -> dict:
-        """The relay server's counters (chunks and bytes served to peers); empty without a relay."""
-        return self._relay.stats if self._relay is not None else {}
-
-    def close(self) -> None:
-        """Stop the relay server (if any)."""
-        if self._relay is not None:
-            self._relay.close()
-            self._relay = None
-
-    def source(self, endpoint: str, keys: RunKeys | None = None, shards: str = "") -> WeightSource:
-        """The weight source pulling from the holder at ``endpoint`` (CURVE client ``keys`` of its run), or — with
-        ``shards``, the assembly manifest of a sharded version (JSON) — from every trainer holder in parallel
-        (:func:`rlboost_hpc.weights.sharded.pull_sharded`; the base is kept per holder; no relay).
-
-        Raises ValueError for an unreadable ``shards`` manifest."""
-        if shards:
-            return self._sharded_source(shards, keys)
-
-        def pull(version: int, peers: "list[str] | tuple[str, ...]" = ()):
-            from rlboost_hpc.weights.puller import WeightPuller
-
-            t0 = time.monotonic()
-            if self._relay is not None:
-                self._relay.withdraw()  # the buffer it serves is about to change
-            base, self._base, self._shard_bases = self._base, None, None  # consumed, whatever the outcome
-            got = WeightPuller(endpoint, streams=self.streams, window=self.window, timeout_s=self.timeout_s,
-                               keys=keys, peer_timeout_s=self.peer_timeout_s,
-                               buffer_factory=self.buffer_factory).pull(version, base=base, peers=peers)
-            if self.keep_base or self._relay is not None:
-                self._base = got
-            if self._relay is not None:
-                self._relay.hold(got.manifest, got.buffer, got.delta_payloads)
-            return got.state_dict, {"checksum": int(got.checksum), "nbytes": int(got.nbytes),
-                                    "pull_s": time.monotonic() - t0, "phases": got.phases}
-
-        return pull
-
-    def _sharded_source(self, shards: str, keys: RunKeys | None) -> WeightSource:
-        from rlboost_hpc.weights.sharded import load_manifest, pull_sharded
-
-        manifest = load_manifest(shards)
-
-        def pull(version: int, peers: "list[str] | tuple[str, ...]" = ()):
-            t0 = time.monotonic()
-            if self._relay is not None:
-                self._relay.withdraw()  # it serves single-buffer versions only
-            bases, self._base, self._shard_bases = self._shard_bases, None, None  # consumed, whatever the outcome
-            sd, st = pull_sharded(manifest, version, streams=self.streams, window=self.window,
-                                  timeout_s=self.timeout_s, keys=keys, bases=bases)
-            if self.keep_base:
-                self._shard_bases = st["pulled"]
-            return sd, {"checksum": int(st["checksum"]), "nbytes": int(st["bytes"]), "pull_s": time.monotonic() - t0,
-                        "phases": {"bytes_received": float(st["bytes_received"])}}
-
-        return pull
-
-
-def remote_weight_source(endpoint: str, streams: int, window: int, timeout_s: float,
-                         keys: RunKeys | None = None, *, keep_base: bool = True) -> WeightSource:
-    """Pull versions from the weight server at ``endpoint`` over ``streams`` parallel ZeroMQ streams
-    (:class:`RemoteWeights` for one endpoint)."""
-    return RemoteWeights(streams, window, timeout_s, keep_base=keep_base).source(endpoint, keys)
-
 
 class ManagerLink:
     """The agent's ZeroMQ connection to the manager, owned by an I/O thread that does nothing else.
@@ -489,6 +366,14 @@ class RolloutAgent:
         self._send(M.Tokens(rids=rids, offsets=offs, counts=cnts, versions=vers, finish=fins,
                             ids=M.pack_i32(ids), logprobs=M.pack_f32(lps)))
 
+    def _hand_back_failed(self, rid: str, error: str) -> None:
+        """The engine dropped ``rid`` (its stream failed; the engine serves the others): send every token it
+        produced first, then ``RequestFailed`` — the manager resumes the response from those tokens elsewhere."""
+        log.warning("request %s failed on this engine; handing it back: %s", rid, error)
+        self._flush()
+        self._pos.pop(rid, None)
+        self._send(M.RequestFailed(rid=rid, error=error[:2000]))
+
     def _on_events(self, events) -> bool:
         """Buffer one engine step's tokens; True when a request finished (flush promptly)."""
         finished = False
@@ -637,6 +522,13 @@ class RolloutAgent:
         except _Rejected as e:
             log.error("manager rejected %s#%d: %s", self.job_id, self.attempt, e)
             return EXIT_REJECTED
+        except EngineError as e:  # the engine as a whole broke (server died, stalled): leave, losing no token
+            log.error("engine of %s#%d failed; leaving: %s", self.job_id, self.attempt, e)
+            try:
+                self._flush()  # what it produced before: the manager resumes those responses elsewhere
+            except Exception as fe:  # noqa: BLE001 - the link may be gone too; the manager then has what it has
+                log.warning("could not send the last tokens: %s", fe)
+            return EXIT_FAILED
         finally:
             self.link.close()
             if self._own_builder:
@@ -677,7 +569,12 @@ class RolloutAgent:
             if self.welcome is None:
                 continue
             if self.engine is not None and self.engine.num_active:
-                done = self._on_events(self.engine.step())
+                try:
+                    events = self.engine.step()
+                except RequestError as e:
+                    self._hand_back_failed(e.rid, str(e))
+                    continue
+                done = self._on_events(events)
                 steps_since_flush += 1
                 now = time.monotonic()
                 if steps_since_flush >= self.welcome.stream_every_tokens or \

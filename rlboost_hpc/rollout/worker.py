@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(wspec.torch_threads)
     from rlboost_hpc.protocol.auth import RunKeys
-    from rlboost_hpc.rollout.agent import EXIT_UNREACHABLE, RemoteWeights, RolloutAgent
+    from rlboost_hpc.rollout.agent import EXIT_UNREACHABLE, RolloutAgent
+    from rlboost_hpc.rollout.remote_weights import RemoteWeights
     from rlboost_hpc.rollout.engines.base import EngineError
     from rlboost_hpc.rollout.engines.factory import factory_from_spec, receive_buffer_factory
 

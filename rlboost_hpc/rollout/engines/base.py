@@ -78,6 +78,15 @@ class EngineError(RuntimeError):
     """The engine failed; the message says which request or call and why."""
 
 
+class RequestError(EngineError):
+    """One request (``rid``) failed while the engine serves the others: the engine dropped it, and the tokens it
+    returned for it before the failure stand (a caller hands the rest of the response to another engine)."""
+
+    def __init__(self, rid: str, message: str) -> None:
+        super().__init__(message)
+        self.rid = rid
+
+
 def validate_request(req: GenRequest, *, vocab_size: int | None, max_len: int | None) -> GenRequest:
     """Check a request against the engine's limits and return a copy with plain-int id lists.
 

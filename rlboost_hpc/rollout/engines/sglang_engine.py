@@ -9,8 +9,11 @@ Invariants (the base contract of :mod:`rlboost_hpc.rollout.engines.base`, and ho
 - Ids are ids: the server runs with ``--skip-tokenizer-init``; requests carry ``input_ids``; every token
   comes from a chunk's ``output_ids`` together with ``meta_info.output_token_logprobs`` (whose entries repeat
   the id) and ``meta_info.completion_tokens``. A chunk whose ids, logprob ids and counts disagree is an error,
-  never repaired. Chunks may be cumulative (SGLang's default) or incremental
-  (``--incremental-streaming-output``); the count tells which, anything else is an error.
+  never repaired. Chunks may be incremental (``--incremental-streaming-output``, how this engine launches its
+  servers: exactly the ``completion_tokens − received`` new entries) or cumulative (SGLang's default, e.g. an
+  attached server: the full lists from the first token — which may run ahead of ``completion_tokens``, because
+  SGLang streams an intermediate cumulative chunk as a reference to its growing lists and serialises it later);
+  the lengths tell which, anything else is an error.
 - Resumable: a request is sent as ``input_ids = prompt_ids + prefix_ids`` with
   ``max_new_tokens`` = the remaining budget the caller gives; the engine never returns more than that.
   Greedy (temperature 0) continuations are exactly the uninterrupted ones (SGLang's greedy is argmax over the
@@ -57,7 +60,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from rlboost_hpc.rollout.engines.base import Engine, EngineError, FinishReason, GenRequest, TokenEvent, validate_request
+from rlboost_hpc.rollout.engines.base import (Engine, EngineError, FinishReason, GenRequest, RequestError, TokenEvent,
+                                             validate_request)
 from rlboost_hpc.rollout.engines.sglang_server import SGLangServer, fast_dumps, fast_loads, http_json
 from rlboost_hpc.rollout.engines.sglang_weights import SGLangWeightUpdates
 
@@ -103,6 +107,30 @@ class _Batch:
 
 
 # ====================================================================================== the engine
+def new_entries(out_ids: list, lp_entries: list, completion_tokens: int | None, have: int) -> tuple[list, list]:
+    """The output ids and logprob entries of one ``/generate`` stream chunk that are new to a consumer holding
+    ``have`` tokens of the request: an incremental chunk (``--incremental-streaming-output``) carries exactly
+    ``completion_tokens − have`` new entries; a cumulative one (SGLang's default; no count: cumulative) carries the
+    full lists from the first token, which may run ahead of ``completion_tokens`` (SGLang streams an intermediate
+    cumulative chunk as a reference to its growing lists and serialises it later: seen as ``completion_tokens=1``
+    with 3 ids and 3 logprobs) but never behind what was received.
+
+    Raises:
+        EngineError: the lengths fit neither form (ids and logprobs of different lengths, fewer entries than
+            already received, more than the count in an incremental chunk).
+    """
+    n = len(out_ids)
+    total = n if completion_tokens is None else int(completion_tokens)
+    if n == len(lp_entries) and n >= total and n >= have:
+        return out_ids[have:], lp_entries[have:]
+    if n == len(lp_entries) == total - have:
+        return out_ids, lp_entries
+    if not out_ids and total <= have:
+        return [], []
+    raise EngineError(f"inconsistent chunk: completion_tokens={total}, {have} received, {n} output_ids, "
+                      f"{len(lp_entries)} logprobs")
+
+
 class SGLangEngine(SGLangWeightUpdates, Engine):
     """:class:`Engine` over an SGLang HTTP server.
 
@@ -313,9 +341,11 @@ class SGLangEngine(SGLangWeightUpdates, Engine):
         progress like one iteration of a local engine. Returns ``[]`` only when idle.
 
         Raises:
-            EngineError: the server died (log tail included), a stream broke or returned inconsistent data
-                (after the tokens received before the failure were returned by an earlier call), or no
-                request received anything for ``stall_timeout_s``.
+            RequestError: one request's stream broke or returned inconsistent data while the server lives (the
+                tokens received before the failure were returned by an earlier call; the request is dropped,
+                the others go on).
+            EngineError: the server died (log tail included), or no request received anything for
+                ``stall_timeout_s``.
         """
         self._submit()
         deadline = time.monotonic() + self.stall_timeout_s
@@ -339,7 +369,10 @@ class SGLangEngine(SGLangWeightUpdates, Engine):
                     break
                 self._cond.wait(timeout=min(0.5, deadline - now))
         if failed is not None:
-            raise EngineError(self._failure_message(failed))
+            message = self._failure_message(failed)
+            if self.server is not None and not self.server.alive():
+                raise EngineError(message)
+            raise RequestError(failed.rid, message)  # the server serves the other requests
         if self.server is not None and not self.server.alive():
             raise EngineError(self._crash_message("step()"))
         raise EngineError(f"sglang engine: no token from {self.base_url} for {self.stall_timeout_s:.0f}s with "
@@ -585,21 +618,7 @@ class SGLangEngine(SGLangWeightUpdates, Engine):
         lp_entries = meta.get("output_token_logprobs") or []
         total = meta.get("completion_tokens")
         with self._cond:
-            have = len(r.ids)
-            total = len(out_ids) if total is None else int(total)  # no count: a cumulative chunk
-            need = total - have
-            if need < 0:
-                raise EngineError(f"chunk reports {total} tokens, {have} already received")
-            # cumulative chunk: full lists; incremental chunk: the last `need` entries
-            if len(out_ids) == total and len(lp_entries) == total:
-                new_ids, new_lp = out_ids[have:], lp_entries[have:]
-            elif len(out_ids) == need and len(lp_entries) == need:
-                new_ids, new_lp = out_ids, lp_entries
-            elif need == 0 and not out_ids:
-                new_ids, new_lp = [], []
-            else:
-                raise EngineError(f"inconsistent chunk: completion_tokens={total}, {have} received, "
-                                  f"{len(out_ids)} output_ids, {len(lp_entries)} logprobs")
+            new_ids, new_lp = new_entries(out_ids, lp_entries, total, len(r.ids))
             ids = [int(t) for t in new_ids]
             if ids:
                 self.chunks_received += 1  # streamed pieces (whatever a consumer's step() merges)

@@ -89,6 +89,10 @@ class SGLangServer:
             cost ~20 % throughput on CPU, 16 costs ≈ 0–3 % (benchmarks/bench_sglang.py). A finish or an abort is
             always sent at once with the complete output, so nothing waits for or loses a partial interval;
             only an unwarned kill of the whole instance loses < ``stream_interval`` tokens per response.
+            Chunks are incremental (``--incremental-streaming-output``): each carries only its new tokens, so a
+            response of n tokens streams O(n) ids and logprobs instead of SGLang's default cumulative
+            O(n² / stream_interval), and each chunk is its own copy (SGLang's cumulative intermediate chunks are
+            its growing lists by reference: serialised late, they hold more tokens than their count).
         deterministic: ``--enable-deterministic-inference`` (per-request seeded sampling, see module doc).
         weight_version: ``--weight-version`` at start.
         sleep_on_idle: ``--sleep-on-idle`` (default on): an idle scheduler blocks in ``zmq.Poller`` instead of
@@ -126,6 +130,7 @@ class SGLangServer:
         self.env = dict(env or {})
         args = ["--model-path", self.model_path, "--skip-tokenizer-init", "--dtype", dtype,
                 "--max-running-requests", str(max_running_requests), "--stream-interval", str(stream_interval),
+                "--incremental-streaming-output",
                 "--random-seed", str(random_seed), "--weight-version", str(weight_version),
                 "--log-level-http", "warning"]
         if context_length is not None:
