@@ -19,8 +19,11 @@ worker's shared-memory base buffer (``shared_host_buffer``: SGLang maps the pull
 On a CPU-only machine the server needs the test stand-ins for torchvision/sgl_kernel (tests/sglang_cpu, a
 test aid); they are used automatically when ``--device cpu``.
 
+Streaming chunks are cumulative (every chunk the whole response so far: SGLang's default, as the run's servers
+stream); ``--incremental`` adds the ablation with ``--incremental-streaming-output`` (each chunk its new tokens).
+
 Usage: ``.venv/bin/python benchmarks/bench_sglang.py [--prompts 16] [--new 128] [--repeat 3]
-[--stream-intervals 1 8 16] [--weight-hidden 256 512 1024] [--json out.json]``
+[--stream-intervals 1 8 16] [--incremental] [--weight-hidden 256 512 1024] [--json out.json]``
 """
 from __future__ import annotations
 
@@ -67,10 +70,10 @@ def _env(device: str) -> dict[str, str]:
 
 
 def bench_streaming(model_dir: Path, model_config: dict, prompts: list[list[int]], new: int, repeat: int,
-                    stream_interval: int, device: str, log_dir: Path) -> dict:
+                    stream_interval: int, device: str, log_dir: Path, incremental: bool = False) -> dict:
     eng = SGLangEngine.launch(model_dir, max_batch=len(prompts), model_config=model_config, device=device,
-                                 env=_env(device), stream_interval=stream_interval,
-                                 log_path=log_dir / f"stream{stream_interval}.log", startup_timeout_s=300)
+                                 env=_env(device), stream_interval=stream_interval, incremental_streaming=incremental,
+                                 log_path=log_dir / f"stream{stream_interval}-{incremental}.log", startup_timeout_s=300)
     sp = SamplingParams(temperature=0.0, stop_token_ids=())
     n = [0]
 
@@ -104,7 +107,7 @@ def bench_streaming(model_dir: Path, model_config: dict, prompts: list[list[int]
     toks = len(prompts) * new
     a, b = toks / statistics.median(ta), toks / statistics.median(tn)
     pairs = sorted(x / y for x, y in zip(tn, ta))  # per interleaved pair: native time / adapter time
-    return {"stream_interval": stream_interval, "requests": len(prompts), "new_tokens": new,
+    return {"stream_interval": stream_interval, "incremental": incremental, "requests": len(prompts), "new_tokens": new,
             "adapter_tok_s": round(a, 1), "native_nonstream_tok_s": round(b, 1), "ratio": round(a / b, 3),
             "ratio_best_of": round(min(tn) / min(ta), 3), "ratio_median_pair": round(statistics.median(pairs), 3),
             "adapter_runs_s": [round(x, 3) for x in ta], "native_runs_s": [round(x, 3) for x in tn]}
@@ -192,6 +195,8 @@ def main() -> int:
     ap.add_argument("--weight-hidden", type=int, nargs="*", default=[256, 512, 1024],
                     help="hidden sizes of the random 8-layer Llamas for the weight-load curve (none: skip)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--incremental", action="store_true",
+                    help="ablation: also stream each interval as incremental chunks (--incremental-streaming-output)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -202,10 +207,13 @@ def main() -> int:
     tok = Llama2cTokenizer.from_file(model_dir / "tok512.bin")
     prompts = [tok.encode(STORY_PROMPTS[i % len(STORY_PROMPTS)]) + [i % 7 + 3] for i in range(args.prompts)]
     results: dict = {"streaming": [], "weights": [], "logs": str(log_dir)}
-    for si in args.stream_intervals:
-        r = bench_streaming(model_dir, cfg.to_hf_dict(), prompts, args.new, args.repeat, si, args.device, log_dir)
+    for si, incremental in [(si, inc) for si in args.stream_intervals for inc in (False, True)
+                            if not inc or args.incremental]:
+        r = bench_streaming(model_dir, cfg.to_hf_dict(), prompts, args.new, args.repeat, si, args.device, log_dir,
+                            incremental)
         results["streaming"].append(r)
-        print(f"streaming  interval={si:<3} {r['requests']} req x {r['new_tokens']} tok: adapter "
+        print(f"streaming  interval={si:<3} {'incremental' if incremental else 'cumulative ':<11} "
+              f"{r['requests']} req x {r['new_tokens']} tok: adapter "
               f"{r['adapter_tok_s']:8.1f} tok/s   native non-streaming {r['native_nonstream_tok_s']:8.1f} tok/s   "
               f"ratio {r['ratio']:.3f} (best-of {r['ratio_best_of']:.3f}, median pair {r['ratio_median_pair']:.3f})",
               flush=True)

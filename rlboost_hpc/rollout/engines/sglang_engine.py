@@ -9,11 +9,11 @@ Invariants (the base contract of :mod:`rlboost_hpc.rollout.engines.base`, and ho
 - Ids are ids: the server runs with ``--skip-tokenizer-init``; requests carry ``input_ids``; every token
   comes from a chunk's ``output_ids`` together with ``meta_info.output_token_logprobs`` (whose entries repeat
   the id) and ``meta_info.completion_tokens``. A chunk whose ids, logprob ids and counts disagree is an error,
-  never repaired. Chunks may be incremental (``--incremental-streaming-output``, how this engine launches its
-  servers: exactly the ``completion_tokens − received`` new entries) or cumulative (SGLang's default, e.g. an
-  attached server: the full lists from the first token — which may run ahead of ``completion_tokens``, because
-  SGLang streams an intermediate cumulative chunk as a reference to its growing lists and serialises it later);
-  the lengths tell which, anything else is an error.
+  never repaired. Chunks may be cumulative (SGLang's default, how this engine launches its servers: the full
+  lists from the first token — which may run ahead of ``completion_tokens``, because SGLang streams an
+  intermediate cumulative chunk as a reference to its growing lists and serialises it later) or incremental
+  (``--incremental-streaming-output``: exactly the ``completion_tokens − received`` new entries); the lengths
+  tell which, anything else is an error.
 - Resumable: a request is sent as ``input_ids = prompt_ids + prefix_ids`` with
   ``max_new_tokens`` = the remaining budget the caller gives; the engine never returns more than that.
   Greedy (temperature 0) continuations are exactly the uninterrupted ones (SGLang's greedy is argmax over the

@@ -89,10 +89,12 @@ class SGLangServer:
             cost ~20 % throughput on CPU, 16 costs ≈ 0–3 % (benchmarks/bench_sglang.py). A finish or an abort is
             always sent at once with the complete output, so nothing waits for or loses a partial interval;
             only an unwarned kill of the whole instance loses < ``stream_interval`` tokens per response.
-            Chunks are incremental (``--incremental-streaming-output``): each carries only its new tokens, so a
-            response of n tokens streams O(n) ids and logprobs instead of SGLang's default cumulative
-            O(n² / stream_interval), and each chunk is its own copy (SGLang's cumulative intermediate chunks are
-            its growing lists by reference: serialised late, they hold more tokens than their count).
+        incremental_streaming: ``--incremental-streaming-output`` (default off). On, each chunk carries only its
+            new tokens — O(n) ids and logprobs per response of n tokens instead of the cumulative chunks'
+            O(n² / stream_interval) — but SGLang 0.5.23 then answers an abort of a request it holds queued (one it
+            retracted for memory, with tokens already generated) with only the last output id: the tokens since
+            the previous chunk would be lost at a preemption's hand-off. Off: cumulative chunks, whose lists may
+            run ahead of their count (the engine reads both forms; benchmarks/bench_sglang.py compares them).
         deterministic: ``--enable-deterministic-inference`` (per-request seeded sampling, see module doc).
         weight_version: ``--weight-version`` at start.
         sleep_on_idle: ``--sleep-on-idle`` (default on): an idle scheduler blocks in ``zmq.Poller`` instead of
@@ -107,7 +109,7 @@ class SGLangServer:
                  device: str = "auto", dtype: str = "auto", max_running_requests: int = 32,
                  max_total_tokens: int | None = None, context_length: int | None = None,
                  stream_interval: int = 16, deterministic: bool = False, weight_version: str | int = 0,
-                 sleep_on_idle: bool = True,
+                 sleep_on_idle: bool = True, incremental_streaming: bool = False,
                  random_seed: int = 0, python: str | None = None, env: Mapping[str, str] | None = None,
                  extra_args: Sequence[str] = ()) -> None:
         if device == "auto":
@@ -130,9 +132,10 @@ class SGLangServer:
         self.env = dict(env or {})
         args = ["--model-path", self.model_path, "--skip-tokenizer-init", "--dtype", dtype,
                 "--max-running-requests", str(max_running_requests), "--stream-interval", str(stream_interval),
-                "--incremental-streaming-output",
                 "--random-seed", str(random_seed), "--weight-version", str(weight_version),
                 "--log-level-http", "warning"]
+        if incremental_streaming:
+            args.append("--incremental-streaming-output")
         if context_length is not None:
             args += ["--context-length", str(context_length)]
         if device == "cpu":
