@@ -22,6 +22,9 @@ in a thread of the trainer process. Invariants:
 - Every wait has a deadline: no Welcome within ``register_timeout_s`` → exit code 3 with a clear message; a
   manager silent for ``manager_timeout_s`` (it sends ``Alive`` every second) → exit code 3 too, so the worker
   can reconnect to a restarted run.
+- An engine failure loses no token: a request whose stream fails alone (:class:`RequestError`) is handed back —
+  its tokens, then ``RequestFailed`` — while the engine serves the rest; an engine that fails as a whole ends the
+  agent with exit code 4 after flushing what it produced (the manager resumes those responses elsewhere).
 - Weight versions are (manager epoch, version): after a manager restart (new epoch) an engine's weights count
   as unknown until a version of the new epoch is loaded, even if the version numbers happen to match.
 """
