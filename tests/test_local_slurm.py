@@ -245,7 +245,10 @@ def test_a_cluster_killed_without_down_comes_back_with_an_empty_queue(env, jobs)
     left). ``up`` from a cold start (no controller, no slurmd running) cancels them."""
     directory = env["RLBOOST_SLURM_DIR"]
     ghosts = [jobs.sbatch("-p", "scavenger", "--output", "/dev/null", "--wrap", "sleep 600") for _ in range(2)]
+    submitted, saved = time.time(), Path(directory, "state", "slurmctld", "job_state")
     wait_for(lambda: len(jobs.in_state("RUNNING")) == 2, 30, "both jobs running")
+    # slurmctld saves job state a few seconds after a change (it batches saves): wait for a save that holds them
+    wait_for(lambda: saved.exists() and saved.stat().st_mtime > submitted, 60, "slurmctld to save its job state")
     pids = _daemon_pids(directory)
     # the controller and every slurmd die without warning, their job processes with them (a killed session)
     for name in ("slurmctld", *[k for k in pids if k.startswith("slurmd-")]):

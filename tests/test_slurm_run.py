@@ -107,6 +107,7 @@ class SlurmRun:
         self.run_id = f"{name}-{os.getpid()}-{int(time.time())}"
         self.tag = f"rlboost:{self.run_id}"
         self.overrides, self.poll_s = overrides, poll_s
+        self.preemptors: list[str] = []  # high-priority jobs this test submitted (preempt)
         self.job = sh(["sbatch", "--parsable", "--partition", "train", *train, "--output",
                        str(self.run_dir / "train-%j.out"),
                        f"--export=ALL,RLBOOST_RUN_DIR={self.run_dir},RLBOOST_RUN_ID={self.run_id},"
@@ -121,6 +122,13 @@ class SlurmRun:
 
     def state(self) -> str:
         return diagnosis(self.env, self.tag, self.run_dir)
+
+    def preempt(self) -> str:
+        """:func:`preempt_rollout_nodes` for this run; the high-priority job is the run's to cancel on exit (a short
+        run can end while it still sleeps)."""
+        job = preempt_rollout_nodes(self.env, self.tag, self.job)
+        self.preemptors.append(job)
+        return job
 
     def restart_scavenger(self) -> None:
         """SIGKILL the scavenger (no warning) and start it again."""
@@ -142,10 +150,12 @@ class SlurmRun:
         if self.scav.poll() is None:
             self.scav.kill()
         self.scav_log.close()
-        subprocess.run(["scancel", self.job], env=self.env, capture_output=True)
-        ids = [str(j["job_id"]) for j in our_jobs(self.env, self.tag)]
-        if ids:
-            subprocess.run(["scancel", *ids], env=self.env, capture_output=True)
+        ids = [self.job, *self.preemptors, *[str(j["job_id"]) for j in our_jobs(self.env, self.tag)]]
+        subprocess.run(["scancel", *ids], env=self.env, capture_output=True)
+        deadline = time.monotonic() + 30  # gone from the queue (cancelling takes the jobs' steps a moment)
+        while time.monotonic() < deadline and sh(["squeue", "-h", "-t", "PD,R,S", "-j", ",".join(ids), "-o", "%i"],
+                                                  self.env, check=False).strip():
+            time.sleep(0.5)
 
 
 def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_restarts(tmp_path):
@@ -163,7 +173,7 @@ def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_resta
                  state=state)
         # 1st preemption: a high-priority job takes the rollout jobs' nodes
         wait_for(lambda: len(settled_running(env, tag)) >= 2, 120, "2 settled running rollout jobs", state=state)
-        preempt_rollout_nodes(env, tag, r.job)
+        r.preempt()
         wait_for(lambda: requeues(run_dir) >= 1, 60, "first requeue", state=state)
         # kill the scavenger without warning, restart it: no duplicate submissions
         n_before = len(our_jobs(env, tag))
@@ -176,7 +186,7 @@ def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_resta
         n1 = requeues(run_dir)
         wait_for(lambda: len(settled_running(env, tag)) >= 2, 150, "settled rollout jobs running again", state=state)
         assert not (run_dir / "report.json").exists(), "the run ended before its second preemption:\n" + state()
-        preempt_rollout_nodes(env, tag, r.job)
+        r.preempt()
         wait_for(lambda: requeues(run_dir) > n1, 90, "second requeue", state=state)
         # the run finishes: waited for as long as steps keep completing (a loaded machine is slow, not stuck)
         rep = r.finish()
@@ -263,7 +273,7 @@ def test_the_controller_steers_the_scavenger_on_slurm(tmp_path):
             if (run_dir / "report.json").exists():
                 break
             n = requeues(run_dir)
-            preempt_rollout_nodes(env, tag, r.job)
+            r.preempt()
             wait_for(lambda: requeues(run_dir) > n, 90, "the preempted job's requeue", state=state)
             preemptions += 1
         rep = r.finish()
@@ -314,7 +324,7 @@ def test_a_tool_using_run_on_slurm_loses_no_trajectory_to_preemption(tmp_path):
         env, tag, run_dir, state = r.env, r.tag, r.run_dir, r.state
         wait_for(lambda: steps_done(run_dir) >= 2 and len(settled_running(env, tag)) >= 2, 180,
                  "2 settled rollout jobs serving", state=state)
-        preempt_rollout_nodes(env, tag, r.job)
+        r.preempt()
         wait_for(lambda: requeues(run_dir) >= 1, 60, "a requeue", state=state)
         rep = r.finish()
     assert "failed" not in rep, rep
