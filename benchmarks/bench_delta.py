@@ -6,7 +6,11 @@ Three parts, all measured in this run:
     workers) with deltas on; from its report: the full version's bytes, the mean bytes a puller holding v−1
     receives per update, and the bytes all instances actually received. Then the two newest checkpoints'
     policies (consecutive steps) cast to bf16 compare the encodings: XOR + zstd on byte planes (what ships),
-    XOR + zstd without the split, (position, value) pairs.
+    XOR + zstd without the split, (position, value) pairs. ``--model-dir`` runs the same task with a Hugging
+    Face model directory instead (``--tiny-qwen3``: the tests' random tiny Qwen3, made here), ``--demo-lrs``
+    at several learning rates: a bf16 element changes when Adam's fp32 master (moved by about ``lr`` per step)
+    crosses a rounding boundary, whose spacing is 2^-8 of the weight's magnitude — the fraction that changes
+    grows with ``lr / |w|``.
 (b) ``synthetic``: a model of ``--size-mib`` bf16 bytes with fp32 master weights moved each step by an
     Adam-like update (every element by ``lr`` in a random direction; bf16 elements change only where the
     master crosses a rounding boundary — the mechanism that makes RL deltas sparse), at ``--lrs``; per lr the
@@ -51,15 +55,22 @@ def encodings(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
             "positions_values": int((A != B).sum()) * 6 / n}
 
 
-def demo(steps: int) -> None:
+def demo(steps: int, model_dir: Path | None, lr: float | None) -> None:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "demo"
         cmd = [sys.executable, "-m", "rlboost_hpc.cli", "run", "--config", str(ROOT / "configs/local.toml"),
-               "--out", str(out), "--set", f"trainer.steps={steps}"]
+               "--out", str(out), "--set", f"trainer.steps={steps}", "--no-progress"]
+        if model_dir is not None:
+            cmd += ["--set", f"model.path='{model_dir}'"]
+        if lr is not None:
+            cmd += ["--set", f"trainer.lr={lr}"]
         t0 = time.monotonic()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
         r = json.loads((out / "report.json").read_text())
-        print(f"(a) demo, {r['steps']} GRPO steps ({time.monotonic() - t0:.0f} s): full version "
+        model = model_dir.name if model_dir is not None else "stories260K"
+        print(f"(a) demo, {model}, lr {lr if lr is not None else 'of the config'}: {r['steps']} GRPO steps "
+              f"({time.monotonic() - t0:.0f} s), greedy held-out reward {r['reward_heldout_greedy_before']:.2f} -> "
+              f"{r['reward_heldout_greedy_after']:.2f}; full version "
               f"{r['weight_bytes']} B; mean update for a holder of v-1 {r['weight_update_bytes_mean']:.0f} B = "
               f"{r['weight_update_bytes_mean'] / r['weight_bytes']:.4f} of full (1/{r['weight_bytes'] / max(1, r['weight_update_bytes_mean']):.1f}); "
               f"{r['weight_pulls']} pulls received {r['weight_pulled_bytes']} B in all "
@@ -138,12 +149,25 @@ def main() -> int:
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 3e-5])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--demo-steps", type=int, default=60)
+    p.add_argument("--demo-lrs", type=float, nargs="+", default=[None],
+                   help="learning rates of the demo part (default: the config's)")
+    p.add_argument("--model-dir", type=Path, default=None, help="a Hugging Face model directory for the demo part")
+    p.add_argument("--tiny-qwen3", action="store_true",
+                   help="the demo part with the tests' random tiny Qwen3 (vocabulary 512, hidden 64), made here")
     p.add_argument("--skip-demo", action="store_true")
+    p.add_argument("--skip-synthetic", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(1)
-    if not a.skip_demo:
-        demo(a.demo_steps)
-    synthetic(a.size_mib, a.lrs, a.reps, a.chunk_mib)
+    with tempfile.TemporaryDirectory() as d:
+        model_dir = a.model_dir
+        if a.tiny_qwen3:
+            sys.path.insert(0, str(ROOT / "tests"))
+            from _models import make_model_dir  # the tests' checkpoint maker (a dev tool, not the product)
+            model_dir = make_model_dir(Path(d) / "tiny-qwen3", "qwen3", tied=False)
+        for lr in [] if a.skip_demo else a.demo_lrs:
+            demo(a.demo_steps, model_dir, lr)
+    if not a.skip_synthetic:
+        synthetic(a.size_mib, a.lrs, a.reps, a.chunk_mib)
     return 0
 
 

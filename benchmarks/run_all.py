@@ -46,6 +46,7 @@ BENCHES = [
     Bench("bench_relay", (), ("--size-mib", "8", "--pullers", "1", "4")),
     Bench("bench_curve", (), ("--sizes-mib", "32", "--reps", "2", "--ks", "4", "--instances", "2", "--groups", "16",
                               "--max-new-tokens", "64", "--min-run-s", "0.5", "--max-steps", "5")),
+    Bench("bench_nccl", (), ("--sizes-mib", "32", "--reps", "2")),
     Bench("bench_manager_ingest", (), ("--ks", "4", "--instances", "4", "--groups", "16", "--max-new-tokens", "64",
                                        "--min-run-s", "0.5", "--max-steps", "5", "--reps", "1")),
     Bench("bench_rewards", (), ("--repeats", "2")),

@@ -4,7 +4,9 @@
 #   2. a Qwen3-0.6B-shaped random checkpoint with the real Qwen2 tokenizer, 10 steps of the main job with the
 #      Megatron backend on CUDA, the reserved engine and 4 torch workers on CUDA (tokens/s, logprob gap);
 #   3. the Megatron step's MFU (benchmarks/bench_megatron.py) and TorchEngine vs transformers.generate at batch
-#      1/32/128 for stories260K and the Qwen3-0.6B shape (bf16).
+#      1/32/128 for stories260K and the Qwen3-0.6B shape (bf16);
+#   4. weight transfer: export pinned vs pageable, plain vs encrypted pulls on 16 cores, the pull (+ H2D) vs a
+#      torch.distributed broadcast (gloo; NCCL needs two devices).
 # Prepare on the CPU machine first (see ../shared/notes/gpu-device.md): wheels in .whl/ for what the GPU machine
 # lacks (the note's list plus cryptography>=47 — an abi3 wheel — and cffi), `bash scripts/fetch-test-tokenizers.sh`,
 # then copy the tokenizer and stories260K into the tree:
@@ -35,6 +37,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
   timeout 120 python3 benchmarks/bench_export.py --device cuda --sizes-mib 256 1024 --reps 5
   echo "== weight pull on 16 cores: plain vs CURVE vs sealed chunks by I/O threads (issue 14 item 7)"
   timeout 150 python3 benchmarks/bench_curve.py --skip-ingest --sizes-mib 256 --streams 4 --io-threads 1 4 --reps 3
+  echo "== weight pull (+ H2D) vs a torch.distributed broadcast: gloo; NCCL with >= 2 GPUs (issue 14 item 3)"
+  timeout 120 python3 benchmarks/bench_nccl.py --device cuda --sizes-mib 256 1024 --reps 3
   echo "== main job: Qwen3-0.6B shape, Megatron on CUDA, reserved engine + 4 torch workers on CUDA"
   timeout 300 python3 -m rlboost_hpc.cli run --config configs/gsm8k-qwen3.toml --out "$OUT/run" --no-progress \
       --set model.path="'$PWD/.gpu/qwen3-0.6b'" --set trainer.backend=megatron --set trainer.bf16=true \
