@@ -5,12 +5,13 @@ Three parts, all measured in this run:
 (a) ``demo``: the default demo (``configs/local.toml``, real GRPO steps of the tiny Llama, real local rollout
     workers) with deltas on; from its report: the full version's bytes, the mean bytes a puller holding v−1
     receives per update, and the bytes all instances actually received. Then the two newest checkpoints'
-    policies (consecutive steps) cast to bf16 compare the encodings: XOR + zstd on byte planes (what ships),
-    XOR + zstd without the split, (position, value) pairs. ``--model-dir`` runs the same task with a Hugging
-    Face model directory instead (``--tiny-qwen3``: the tests' random tiny Qwen3, made here), ``--demo-lrs``
-    at several learning rates: a bf16 element changes when Adam's fp32 master (moved by about ``lr`` per step)
-    crosses a rounding boundary, whose spacing is 2^-8 of the weight's magnitude — the fraction that changes
-    grows with ``lr / |w|``.
+    policies (consecutive steps) cast to bf16 compare the encodings: zstd of the byte planes of the 16-bit
+    differences offset by 128 (what ships), XOR + zstd on byte planes (what shipped before), XOR + zstd without
+    the split, (position, value) pairs. ``--model-dir`` runs the same task with a Hugging Face model directory
+    instead (``--tiny-qwen3``: the tests' random tiny Qwen3, made here), ``--demo-lrs`` at several learning
+    rates: a bf16 element changes when Adam's fp32 master (moved by about ``lr`` per step) crosses a rounding
+    boundary, whose spacing is 2^-8 of the weight's magnitude — the fraction that changes grows with
+    ``lr / |w|``.
 (b) ``synthetic``: a model of ``--size-mib`` bf16 bytes with fp32 master weights moved each step by an
     Adam-like update (every element by ``lr`` in a random direction; bf16 elements change only where the
     master crosses a rounding boundary — the mechanism that makes RL deltas sparse), at ``--lrs``; per lr the
@@ -48,10 +49,13 @@ def encodings(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     A, B = a.view(torch.int16).numpy(), b.view(torch.int16).numpy()
     n = B.nbytes
     x = np.bitwise_xor(A, B).view(np.uint8)
-    planes = delta_codec.encode_chunk(memoryview(B.view(np.uint8)), memoryview(A.view(np.uint8)))
+    shipped = delta_codec.encode_chunk(memoryview(B.view(np.uint8)), memoryview(A.view(np.uint8)))
+    xor_planes = np.concatenate([x[0::2], x[1::2]])
+    zstd1 = zstandard.ZstdCompressor(level=delta_codec.ZSTD_LEVEL)
     return {"changed_elements": float((A != B).mean()),
-            "xor_zstd_planes": (len(planes) if planes else 0) / n,
-            "xor_zstd": len(zstandard.ZstdCompressor(level=1).compress(x.tobytes())) / n,
+            "diff_planes": (len(shipped) if shipped else 0) / n,
+            "xor_planes": len(zstd1.compress(xor_planes.tobytes())) / n,
+            "xor_zstd": len(zstd1.compress(x.tobytes())) / n,
             "positions_values": int((A != B).sum()) * 6 / n}
 
 
@@ -87,8 +91,54 @@ def demo(steps: int, model_dir: Path | None, lr: float | None) -> None:
             flat = [torch.cat([sd[k].to(torch.bfloat16).flatten() for k in keys]) for sd in (a, b)]
             e = encodings(*flat)
             print(f"    encodings of {ck[-1].name} against {ck[-2].name}: changed bf16 elements "
-                  f"{e['changed_elements']:.4f}; XOR+zstd byte planes {e['xor_zstd_planes']:.4f}, XOR+zstd "
-                  f"{e['xor_zstd']:.4f}, (position, value) pairs {e['positions_values']:.4f} of full")
+                  f"{e['changed_elements']:.4f}; offset difference byte planes + zstd (shipped) {e['diff_planes']:.4f}, "
+                  f"XOR byte planes + zstd {e['xor_planes']:.4f}, XOR + zstd {e['xor_zstd']:.4f}, (position, value) "
+                  f"pairs {e['positions_values']:.4f} of full")
+
+
+def xor_encode_chunk(new: np.ndarray, base: np.ndarray) -> bytes:
+    """The previous codec (ablation): zstd of the byte planes of ``new XOR base`` (uint8 arrays, even length)."""
+    x = np.bitwise_xor(new, base)
+    return zstandard.ZstdCompressor(level=delta_codec.ZSTD_LEVEL).compress(np.concatenate([x[0::2], x[1::2]]).data)
+
+
+def xor_apply_chunk(dest: np.ndarray, payload: bytes) -> None:
+    planes = np.frombuffer(zstandard.ZstdDecompressor().decompress(payload), dtype=np.uint8)
+    h = dest.size // 2
+    x16 = planes[h:].astype("<u2")
+    x16 <<= 8
+    x16 |= planes[:h]
+    dest.view("<u2")[:] ^= x16
+
+
+def codec_ablation(base: torch.Tensor, new: torch.Tensor, chunk_bytes: int, reps: int = 5) -> str:
+    """Shipped codec vs XOR planes on one tensor pair (bf16), chunk by chunk on one thread: bytes, and GB/s of
+    the median of ``reps`` interleaved repetitions."""
+    a, b = base.view(torch.uint8).numpy(), new.view(torch.uint8).numpy()
+    spans = [(lo, min(a.size, lo + chunk_bytes)) for lo in range(0, a.size, chunk_bytes)]
+    codecs = {"offset difference": (lambda n, o: delta_codec.encode_chunk(memoryview(n), memoryview(o)),
+                                    lambda d, p: delta_codec.apply_chunk(memoryview(d), p)),
+              "XOR (before)": (xor_encode_chunk, xor_apply_chunk)}
+    enc_s: dict[str, list[float]] = {k: [] for k in codecs}
+    app_s: dict[str, list[float]] = {k: [] for k in codecs}
+    size = {}
+    for _ in range(reps):
+        for name, (enc, app) in codecs.items():
+            t0 = time.perf_counter()
+            payloads = [enc(b[lo:hi], a[lo:hi]) for lo, hi in spans]
+            t1 = time.perf_counter()
+            dest = a.copy()
+            t2 = time.perf_counter()
+            for (lo, hi), pl in zip(spans, payloads):
+                if pl is not None:
+                    app(dest[lo:hi], pl)
+            t3 = time.perf_counter()
+            assert np.array_equal(dest, b)
+            enc_s[name].append(t1 - t0)
+            app_s[name].append(t3 - t2)
+            size[name] = sum(len(pl) for pl in payloads if pl is not None)
+    return "; ".join(f"{k} {size[k] / a.size:.4f} of full, encode {a.size / statistics.median(enc_s[k]) / 1e9:.2f} "
+                     f"GB/s, apply {a.size / statistics.median(app_s[k]) / 1e9:.2f} GB/s" for k in codecs)
 
 
 def synthetic(size_mib: int, lrs: list[float], reps: int, chunk_mib: int) -> None:
@@ -109,6 +159,7 @@ def synthetic(size_mib: int, lrs: list[float], reps: int, chunk_mib: int) -> Non
             staging = puller_f.pull(0).buffer
             held = puller_d.pull(0)
             prev = held.state_dict["w0"].clone()
+            ablation = ""
             for v in range(1, reps + 1):
                 for k, w in master.items():
                     w.add_(torch.randn(w.shape, generator=g).sign_() * lr)
@@ -125,6 +176,8 @@ def synthetic(size_mib: int, lrs: list[float], reps: int, chunk_mib: int) -> Non
                 assert held.checksum == got_f.checksum
                 cur = held.state_dict["w0"]
                 rows["changed"].append(float((cur.view(torch.int16) != prev.view(torch.int16)).float().mean()))
+                if v == reps:
+                    ablation = codec_ablation(prev, cur, chunk_mib << 20)
                 prev = cur.clone()
                 d = delta_srv.delta_nbytes(v)
                 rows["ratio"].append((d if d is not None else held.nbytes) / held.nbytes)
@@ -137,6 +190,7 @@ def synthetic(size_mib: int, lrs: list[float], reps: int, chunk_mib: int) -> Non
               f"(1/{1 / max(med['ratio'], 1e-9):.0f}); publish {med['pub_full']:.3f} s (copy + checksums) + delta "
               f"encoding {med['pub_delta']:.3f} s ({size_mib / 1024 / med['pub_delta']:.2f} GiB/s on 2 threads); pull delta "
               f"{med['pull_delta']:.3f} s vs full {med['pull_full']:.3f} s = {med['pull_delta'] / med['pull_full']:.2f}x")
+        print(f"      codecs on w0 ({size_mib // 8} MiB) of the last step, 1 thread: {ablation}")
     print(f"(c) base copy kept per rollout instance: one version in the wire dtype = {size_mib} MiB here "
           f"(2 bytes per parameter in bf16: 16 GB for an 8B model); while a delta is applied nothing more "
           f"(in place; per stream one chunk of {chunk_mib} MiB)")

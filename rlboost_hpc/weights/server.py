@@ -110,7 +110,7 @@ class WeightServer:
         sealed: with ``keys``, also serve every version's chunks sealed with AES-256-GCM on a plain TCP port of
             the same host (:mod:`rlboost_hpc.weights.sealed`: ~7× CURVE's encryption rate per core); versions
             published before :meth:`start` are served over CURVE only.
-        delta_threads: threads encoding a delta's chunks (numpy XOR and zstd release the GIL; default
+        delta_threads: threads encoding a delta's chunks (numpy and zstd release the GIL; default
             ``min(8, cpus)``; measured 1.3 GiB/s on 2 threads for sparse RL updates, 0.7 GiB/s for dense ones).
 
     Use as a context manager, or call :meth:`start` / :meth:`close`.
@@ -319,7 +319,7 @@ class WeightServer:
         keep theirs. Tensors are placed in sorted-name order (:mod:`rlboost_hpc.weights.layout`).
         Checksums are computed before the version becomes visible; the oldest versions beyond
         ``keep_versions`` are then evicted. Runs in the caller's thread (≈ one cast-copy pass plus one
-        xxh3 pass over the bytes, plus the delta's XOR + zstd pass when deltas are on; see
+        xxh3 pass over the bytes, plus the delta's difference + zstd pass when deltas are on; see
         ``stats["publish_seconds"]``). A :class:`~rlboost_hpc.weights.layout.FlatState` packed for ``dtype``
         costs the same whatever its tensor count: one cast-copy, chunk by chunk, each chunk hashed right after
         it (overlapped with the next chunks' copies when the weights are on a device). The buffer is one an
