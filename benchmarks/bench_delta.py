@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from rlboost_hpc.weights import WeightPuller, WeightServer  # noqa: E402
 from rlboost_hpc.weights import delta as delta_codec  # noqa: E402
+from rlboost_hpc.weights import layout  # noqa: E402
 
 
 def encodings(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
@@ -141,55 +142,68 @@ def codec_ablation(base: torch.Tensor, new: torch.Tensor, chunk_bytes: int, reps
                      f"GB/s, apply {a.size / statistics.median(app_s[k]) / 1e9:.2f} GB/s" for k in codecs)
 
 
-def synthetic(size_mib: int, lrs: list[float], reps: int, chunk_mib: int) -> None:
+def synthetic(size_mib: int, lrs: list[float], reps: int, chunk_mib: int, warmup: int = 3) -> None:
     n_el = size_mib * (1 << 20) // 2
     shapes = [(n_el // 8,)] * 8
     g = torch.Generator().manual_seed(0)
-    print(f"(b) synthetic {size_mib} MiB bf16 ({n_el / 1e6:.0f} M parameters, fp32 master), chunks {chunk_mib} MiB, "
-          f"{reps} steps per lr")
+    print(f"(b) synthetic {size_mib} MiB bf16 ({n_el / 1e6:.0f} M parameters, fp32 master as the torch backend's "
+          f"FlatState), chunks {chunk_mib} MiB, {warmup} warm-up + {reps} steps per lr, medians")
+    cb = chunk_mib << 20
     for lr in lrs:
-        master = {f"w{i}": torch.randn(s, generator=g) * 0.02 for i, s in enumerate(shapes)}
-        rows: dict[str, list[float]] = {k: [] for k in ("changed", "ratio", "pub_full", "pub_delta", "pull_full",
-                                                         "pull_delta")}
-        with WeightServer(chunk_bytes=chunk_mib << 20, delta=False, copy_threads=1) as full_srv, \
-                WeightServer(chunk_bytes=chunk_mib << 20, delta=True, copy_threads=1) as delta_srv:
-            full_srv.publish(0, master)
-            delta_srv.publish(0, master)
+        master = layout.FlatState.pack({f"w{i}": torch.randn(s, generator=g) * 0.02 for i, s in enumerate(shapes)},
+                                       torch.bfloat16)
+        rows: dict[str, list[float]] = {k: [] for k in ("changed", "ratio", "pub_full", "pub_delta", "pub_serial",
+                                                         "delta_wait", "serial_wait", "pull_full", "pull_delta")}
+        with WeightServer(chunk_bytes=cb, delta=False, copy_threads=1) as full_srv, \
+                WeightServer(chunk_bytes=cb, delta=True, copy_threads=1) as delta_srv, \
+                WeightServer(chunk_bytes=cb, delta=True, copy_threads=1) as serial_srv:
+            serial_srv._delta_overlap = False  # ablation: every chunk's delta encoded after the last is hashed
+            for srv in (full_srv, delta_srv, serial_srv):
+                srv.publish(0, master)
             puller_f, puller_d = WeightPuller(full_srv.endpoint, streams=2), WeightPuller(delta_srv.endpoint, streams=2)
             staging = puller_f.pull(0).buffer
             held = puller_d.pull(0)
             prev = held.state_dict["w0"].clone()
             ablation = ""
-            for v in range(1, reps + 1):
-                for k, w in master.items():
-                    w.add_(torch.randn(w.shape, generator=g).sign_() * lr)
-                full_srv.publish(v, master)
-                enc0 = delta_srv.stats["delta_seconds"]
-                t1 = time.perf_counter()
-                delta_srv.publish(v, master)
+            for v in range(1, warmup + reps + 1):
+                master.flat.add_(torch.randn(master.flat.shape, generator=g).sign_() * lr)
+                waits = {}
+                times = {}
+                for key, srv in (("pub_full", full_srv), ("pub_delta", delta_srv), ("pub_serial", serial_srv)):
+                    w0 = srv.stats["delta_seconds"]
+                    t = time.perf_counter()
+                    srv.publish(v, master)
+                    times[key] = time.perf_counter() - t
+                    waits[key] = srv.stats["delta_seconds"] - w0
                 t2 = time.perf_counter()
-                enc = delta_srv.stats["delta_seconds"] - enc0
                 got_f = puller_f.pull(v, into=staging)
                 t3 = time.perf_counter()
                 held = puller_d.pull(v, base=held)
                 t4 = time.perf_counter()
                 assert held.checksum == got_f.checksum
                 cur = held.state_dict["w0"]
-                rows["changed"].append(float((cur.view(torch.int16) != prev.view(torch.int16)).float().mean()))
-                if v == reps:
-                    ablation = codec_ablation(prev, cur, chunk_mib << 20)
+                if v == warmup + reps:
+                    ablation = codec_ablation(prev, cur, cb)
+                if v > warmup:
+                    rows["changed"].append(float((cur.view(torch.int16) != prev.view(torch.int16)).float().mean()))
+                    d = delta_srv.delta_nbytes(v)
+                    rows["ratio"].append((d if d is not None else held.nbytes) / held.nbytes)
+                    for key, t in times.items():
+                        rows[key].append(t)
+                    rows["delta_wait"].append(waits["pub_delta"])
+                    rows["serial_wait"].append(waits["pub_serial"])
+                    rows["pull_full"].append(t3 - t2)
+                    rows["pull_delta"].append(t4 - t3)
                 prev = cur.clone()
-                d = delta_srv.delta_nbytes(v)
-                rows["ratio"].append((d if d is not None else held.nbytes) / held.nbytes)
-                rows["pub_full"].append(t2 - t1 - enc)
-                rows["pub_delta"].append(enc)
-                rows["pull_full"].append(t3 - t2)
-                rows["pull_delta"].append(t4 - t3)
         med = {k: statistics.median(v) for k, v in rows.items()}
         print(f"    lr {lr:g}: changed bf16 elements {med['changed']:.4f}; delta/full bytes {med['ratio']:.4f} "
-              f"(1/{1 / max(med['ratio'], 1e-9):.0f}); publish {med['pub_full']:.3f} s (copy + checksums) + delta "
-              f"encoding {med['pub_delta']:.3f} s ({size_mib / 1024 / med['pub_delta']:.2f} GiB/s on 2 threads); pull delta "
-              f"{med['pull_delta']:.3f} s vs full {med['pull_full']:.3f} s = {med['pull_delta'] / med['pull_full']:.2f}x")
+              f"(1/{1 / max(med['ratio'], 1e-9):.0f}); pull delta {med['pull_delta']:.3f} s vs full "
+              f"{med['pull_full']:.3f} s = {med['pull_delta'] / med['pull_full']:.2f}x")
+        print(f"      publish: no delta {med['pub_full']:.3f} s (cast + checksums); with the delta encoded chunk by "
+              f"chunk as each is hashed {med['pub_delta']:.3f} s (waited {med['delta_wait']:.3f} s for it) vs encoded "
+              f"after the last chunk {med['pub_serial']:.3f} s (encoding {med['serial_wait']:.3f} s = "
+              f"{size_mib / 1024 / med['serial_wait']:.2f} GiB/s on {delta_srv._delta_threads} threads): the delta "
+              f"adds {med['pub_delta'] - med['pub_full']:.3f} s vs {med['pub_serial'] - med['pub_full']:.3f} s")
         print(f"      codecs on w0 ({size_mib // 8} MiB) of the last step, 1 thread: {ablation}")
     print(f"(c) base copy kept per rollout instance: one version in the wire dtype = {size_mib} MiB here "
           f"(2 bytes per parameter in bf16: 16 GB for an 8B model); while a delta is applied nothing more "

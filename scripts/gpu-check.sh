@@ -37,6 +37,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
   timeout 120 python3 benchmarks/bench_export.py --device cuda --sizes-mib 256 1024 --reps 5
   echo "== weight pull on 16 cores: plain vs CURVE vs sealed chunks by I/O threads (issue 14 item 7)"
   timeout 150 python3 benchmarks/bench_curve.py --skip-ingest --sizes-mib 256 --streams 4 --io-threads 1 4 --reps 3
+  echo "== delta versions on 16 cores: encoding rate, overlapped with the publish vs after it (issue 14 item 1)"
+  timeout 150 python3 benchmarks/bench_delta.py --skip-demo --size-mib 1024 --reps 3 --lrs 1e-6 3e-5
   echo "== weight pull (+ H2D) vs a torch.distributed broadcast: gloo; NCCL with >= 2 GPUs (issue 14 item 3)"
   timeout 120 python3 benchmarks/bench_nccl.py --device cuda --sizes-mib 256 1024 --reps 3
   echo "== main job: Qwen3-0.6B shape, Megatron on CUDA, reserved engine + 4 torch workers on CUDA"

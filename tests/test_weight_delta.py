@@ -276,3 +276,56 @@ def test_one_ulp_steps_with_carries_code_to_small_numbers():
     dest = bytearray(base.view(np.uint8).tobytes())
     delta_codec.apply_chunk(memoryview(dest), payload)
     assert bytes(dest) == new.view(np.uint8).tobytes()
+
+
+def test_each_chunk_is_encoded_as_soon_as_it_is_hashed_and_the_delta_is_the_same(monkeypatch):
+    """The publish hands chunk i to the delta encoder right after hashing it (overlapped with the next chunks),
+    not after the last one; the delta equals the one encoded after the whole version is written."""
+    from rlboost_hpc.weights import layout
+
+    events: list[tuple[str, int]] = []
+    ready = delta_codec.Encoder.chunk_ready
+    monkeypatch.setattr(delta_codec.Encoder, "chunk_ready", lambda self, i: (events.append(("ready", i)),
+                                                                             ready(self, i))[1])
+    sd = {k: v for k, v in model().items() if v.is_floating_point()}  # one FlatState: floats only
+    nxt = step(sd, torch.Generator().manual_seed(3), 0.05)
+    deltas = {}
+    for overlap in (True, False):
+        with WeightServer(chunk_bytes=CHUNK, keep_versions=2) as srv:
+            srv._delta_overlap = overlap
+            hashed = srv._hash_chunk
+            monkeypatch.setattr(srv, "_hash_chunk", lambda view, i, r: (events.append(("hash", i)),
+                                                                         hashed(view, i, r))[1])
+            srv.publish(0, layout.FlatState.pack(sd, torch.bfloat16))
+            events.clear()
+            srv.publish(1, layout.FlatState.pack(nxt, torch.bfloat16))
+            n = srv.manifest(1).total_bytes // CHUNK + 1
+            deltas[overlap] = srv._held[1].delta
+        assert n > 2 and events.count(("hash", n - 1)) == 1
+        first_ready = events.index(("ready", 0))
+        if overlap:
+            assert first_ready < events.index(("hash", 1))  # chunk 0 encoded while chunk 1 is written
+        else:
+            assert first_ready > events.index(("hash", n - 1))
+    assert deltas[True] is not None and deltas[True] == deltas[False]
+
+
+def test_the_encoder_encodes_chunks_never_declared_ready_and_stops_cleanly():
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    base = rng.integers(0, 256, 10_000, dtype=np.uint8)
+    new = base.copy()
+    new[::97] ^= 1
+    with delta_codec.Encoder(memoryview(new), memoryview(base), 1024, 4, 0xAB, threads=2) as enc:
+        enc.chunk_ready(3)
+        enc.chunk_ready(3)
+        d = enc.result()
+    assert (d.base_version, d.base_checksum, len(d.sizes), d.full_nbytes) == (4, 0xAB, 10, 10_000)
+    dest = bytearray(base.tobytes())
+    for i, payload in enumerate(d.payloads):
+        assert payload is not None
+        delta_codec.apply_chunk(memoryview(dest)[i * 1024:(i + 1) * 1024], payload)
+    assert bytes(dest) == new.tobytes()
+    with pytest.raises(ValueError, match="differ in length"):
+        delta_codec.Encoder(memoryview(new), memoryview(base[:10]), 1024, 0, 0)

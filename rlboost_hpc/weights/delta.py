@@ -30,12 +30,13 @@ Invariants:
 - Bounded decoding: :func:`apply_chunk` never produces more than the chunk's raw length (zstd's output is
   capped), so a hostile payload cannot make a puller allocate more than one chunk.
 
-All functions release the GIL in their heavy parts (numpy, zstd), so chunks are encoded on a thread pool.
+All functions release the GIL in their heavy parts (numpy, zstd), so chunks are encoded on a thread pool
+(:class:`Encoder`), each as soon as the publish has written and hashed it.
 """
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -144,45 +145,73 @@ class Delta:
         return self.nbytes / self.full_nbytes if self.full_nbytes else 0.0
 
 
-def encode(new: memoryview, base: memoryview, chunk_bytes: int, base_version: int, base_checksum: int,
-           threads: int = 2) -> Delta:
-    """Encode ``new`` against ``base`` (two flat buffers of the same layout), chunk by chunk on ``threads``.
+class Encoder:
+    """Encodes the chunks of a version that is being written against ``base``, each as soon as it is ready.
 
-    A chunk whose payload would not be smaller than the chunk itself gets ``size = raw`` and no payload.
+    The writer (the weight server's publish) calls :meth:`chunk_ready` for chunk ``i`` once its bytes in ``new``
+    are final; the chunk is encoded on the pool while the writer goes on with the next chunks (it is read again
+    while still in cache), so the delta costs the publish only what has not overlapped. :meth:`result` waits for
+    every chunk and builds the :class:`Delta`; :meth:`close` (or leaving the ``with`` block) drops what is left.
+
+    Args:
+        new, base: the flat buffers of the new and of the base version (same layout and length; ``new`` is
+            written while encoding, a chunk never after its :meth:`chunk_ready`).
+        chunk_bytes: chunk size in bytes (≥ 1). threads: encoding threads (≥ 1; numpy and zstd release the GIL).
+        base_version, base_checksum: the base's version and whole-version checksum (recorded in the delta).
 
     Raises:
         ValueError: the buffers' lengths differ, or ``chunk_bytes`` / ``threads`` < 1.
     """
-    if new.nbytes != base.nbytes:
-        raise ValueError(f"buffers differ in length: {new.nbytes} vs {base.nbytes} bytes")
-    if chunk_bytes < 1 or threads < 1:
-        raise ValueError(f"chunk_bytes and threads must be >= 1, got {chunk_bytes}, {threads}")
-    total = new.nbytes
-    spans = [(lo, min(total, lo + chunk_bytes)) for lo in range(0, total, chunk_bytes)]
 
-    def one(span: tuple[int, int]) -> bytes | None:
-        lo, hi = span
-        return encode_chunk(new[lo:hi], base[lo:hi])
+    def __init__(self, new: memoryview, base: memoryview, chunk_bytes: int, base_version: int,
+                 base_checksum: int, threads: int = 2) -> None:
+        if new.nbytes != base.nbytes:
+            raise ValueError(f"buffers differ in length: {new.nbytes} vs {base.nbytes} bytes")
+        if chunk_bytes < 1 or threads < 1:
+            raise ValueError(f"chunk_bytes and threads must be >= 1, got {chunk_bytes}, {threads}")
+        self._new, self._base = new, base
+        self._spans = [(lo, min(new.nbytes, lo + chunk_bytes)) for lo in range(0, new.nbytes, chunk_bytes)]
+        self._base_version, self._base_checksum = base_version, base_checksum
+        self._pool = ThreadPoolExecutor(max_workers=max(1, min(threads, len(self._spans))),
+                                        thread_name_prefix="weight-delta")
+        self._futures: dict[int, Future[bytes | None]] = {}
 
-    if threads == 1 or len(spans) < 2:
-        encoded = [one(s) for s in spans]
-    else:
-        with ThreadPoolExecutor(max_workers=min(threads, len(spans)), thread_name_prefix="weight-delta") as pool:
-            encoded = list(pool.map(one, spans))
-    sizes: list[int] = []
-    payloads: list[bytes | None] = []
-    nbytes = 0
-    for (lo, hi), p in zip(spans, encoded):
-        raw = hi - lo
-        if p is None:
-            sizes.append(0)
-            payloads.append(None)
-        elif len(p) >= raw:
-            sizes.append(raw)
-            payloads.append(None)
-            nbytes += raw
-        else:
-            sizes.append(len(p))
-            payloads.append(p)
-            nbytes += len(p)
-    return Delta(base_version, base_checksum, sizes, payloads, nbytes, total)
+    def chunk_ready(self, i: int) -> None:
+        """Chunk ``i``'s bytes in ``new`` are final: encode it (once; later calls are ignored)."""
+        if i not in self._futures:
+            lo, hi = self._spans[i]
+            self._futures[i] = self._pool.submit(encode_chunk, self._new[lo:hi], self._base[lo:hi])
+
+    def result(self) -> Delta:
+        """The delta, once every chunk is encoded (chunks not declared ready are encoded now). A chunk whose
+        payload would not be smaller than the chunk itself gets ``size = raw`` and no payload."""
+        for i in range(len(self._spans)):
+            self.chunk_ready(i)
+        sizes: list[int] = []
+        payloads: list[bytes | None] = []
+        nbytes = 0
+        for i, (lo, hi) in enumerate(self._spans):
+            p = self._futures[i].result()
+            raw = hi - lo
+            if p is None:
+                sizes.append(0)
+                payloads.append(None)
+            elif len(p) >= raw:
+                sizes.append(raw)
+                payloads.append(None)
+                nbytes += raw
+            else:
+                sizes.append(len(p))
+                payloads.append(p)
+                nbytes += len(p)
+        return Delta(self._base_version, self._base_checksum, sizes, payloads, nbytes, self._new.nbytes)
+
+    def close(self) -> None:
+        """Stop: queued chunks are dropped, running ones finish. Idempotent."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "Encoder":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

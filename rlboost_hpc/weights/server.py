@@ -142,6 +142,7 @@ class WeightServer:
             raise ValueError(f"delta_max_ratio must be in (0, 1] and delta_threads >= 1, got {delta_max_ratio}, "
                              f"{delta_threads}")
         self._delta = bool(delta)
+        self._delta_overlap = True  # encode each chunk's delta as soon as it is hashed (False: after the last; ablation)
         self.delta_max_ratio = float(delta_max_ratio)
         self._delta_threads = int(delta_threads)
         self._bind = bind
@@ -170,25 +171,11 @@ class WeightServer:
         #: Test hook: ``f(version, index, payload) -> payload`` applied to every chunk before sending.
         self._payload_hook: Callable[[int, int, memoryview], Any] | None = None
         self._stats: dict[str, Any] = {
-            "manifests_served": 0,
-            "chunks_served": 0,
-            "bytes_served": 0,
-            "errors_sent": collections.Counter(),
-            "rejected": 0,
-            "rejected_by_reason": collections.Counter(),
-            "dropped_unreachable": 0,
-            "dropped_full": 0,
-            "publishes": 0,
-            "publish_seconds": 0.0,
-            "publish_copy_seconds": 0.0,
-            "publish_hash_seconds": 0.0,
-            "internal_errors": 0,
-            "delta_publishes": 0,
-            "delta_seconds": 0.0,
-            "delta_chunks_served": 0,
-            "delta_bytes_served": 0,
-            "sealed_chunks_served": 0,
-            "sealed_bytes_served": 0,
+            **dict.fromkeys(("manifests_served", "chunks_served", "bytes_served", "rejected", "dropped_unreachable",
+                             "dropped_full", "publishes", "internal_errors", "delta_publishes", "delta_chunks_served",
+                             "delta_bytes_served", "sealed_chunks_served", "sealed_bytes_served"), 0),
+            **dict.fromkeys(("publish_seconds", "publish_copy_seconds", "publish_hash_seconds", "delta_seconds"), 0.0),
+            "errors_sent": collections.Counter(), "rejected_by_reason": collections.Counter(),
         }
         self._stats_lock = threading.Lock()  # guards the Counters (they grow keys while being copied)
 
@@ -319,8 +306,9 @@ class WeightServer:
         keep theirs. Tensors are placed in sorted-name order (:mod:`rlboost_hpc.weights.layout`).
         Checksums are computed before the version becomes visible; the oldest versions beyond
         ``keep_versions`` are then evicted. Runs in the caller's thread (≈ one cast-copy pass plus one
-        xxh3 pass over the bytes, plus the delta's difference + zstd pass when deltas are on; see
-        ``stats["publish_seconds"]``). A :class:`~rlboost_hpc.weights.layout.FlatState` packed for ``dtype``
+        xxh3 pass over the bytes; see ``stats["publish_seconds"]``); with deltas on, each chunk's delta against
+        the previous version is encoded on ``delta_threads`` as soon as the chunk is hashed, overlapped with the
+        next chunks, and the publish waits for the last (``stats["delta_seconds"]``). A :class:`~rlboost_hpc.weights.layout.FlatState` packed for ``dtype``
         costs the same whatever its tensor count: one cast-copy, chunk by chunk, each chunk hashed right after
         it (overlapped with the next chunks' copies when the weights are on a device). The buffer is one an
         evicted version used once nothing views it any more (:class:`~rlboost_hpc.weights.layout.HostBufferPool`:
@@ -338,42 +326,36 @@ class WeightServer:
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
         with self._lock:
-            if self._last_version is not None and version <= self._last_version:
-                raise ValueError(
-                    f"weight versions must strictly increase: got {version} after {self._last_version}"
-                )
+            self._check_newer(version)
         table, total = layout.plan(state_dict, dtype)
         buffer = self._buffers.take(total)
         view = memoryview(buffer.numpy()).toreadonly()
         cb = self.chunk_bytes
         n = num_chunks(total, cb)
-        with self._torch_threads():
-            if isinstance(state_dict, layout.FlatState) and state_dict.table is table:
-                digests = self._cast_and_hash(state_dict, buffer, view, n)
-            else:
-                t_copy = time.perf_counter()
-                layout.flatten_into(buffer, state_dict, table)
-                t_hash = time.perf_counter()
-                digests = [chunk_checksum(view[i * cb : (i + 1) * cb]) for i in range(n)]
-                self._stats["publish_copy_seconds"] += t_hash - t_copy
-                self._stats["publish_hash_seconds"] += time.perf_counter() - t_hash
-        access, sealer = self._new_access()
-        manifest = Manifest(
-            version=version,
-            total_bytes=total,
-            chunk_bytes=cb,
-            tensors=table,
-            chunk_checksums=digests,
-            checksum=combine_checksums(digests),
-            layout=layout_checksum(table),
-            sealed=access,
-        )
-        held = self._with_delta(Held(manifest, reply_frames(manifest), buffer, view, n, sealer=sealer))
+        base = self._delta_base(table, total)
+        with contextlib.ExitStack() as stack:
+            enc = None if base is None else stack.enter_context(delta_codec.Encoder(
+                view, base.view, cb, base.manifest.version, base.manifest.checksum, threads=self._delta_threads))
+            ready = enc.chunk_ready if enc is not None and self._delta_overlap else None
+            with self._torch_threads():
+                if isinstance(state_dict, layout.FlatState) and state_dict.table is table:
+                    digests = self._cast_and_hash(state_dict, buffer, view, n, ready)
+                else:
+                    t_copy = time.perf_counter()
+                    layout.flatten_into(buffer, state_dict, table)
+                    t_hash = time.perf_counter()
+                    digests = [self._hash_chunk(view, i, ready) for i in range(n)]
+                    self._stats["publish_copy_seconds"] += t_hash - t_copy
+                    self._stats["publish_hash_seconds"] += time.perf_counter() - t_hash
+            access, sealer = self._new_access()
+            manifest = Manifest(version=version, total_bytes=total, chunk_bytes=cb, tensors=table,
+                                chunk_checksums=digests, checksum=combine_checksums(digests),
+                                layout=layout_checksum(table), sealed=access)
+            held = Held(manifest, reply_frames(manifest), buffer, view, n, sealer=sealer)
+            if enc is not None:
+                held = self._with_delta(held, enc)
         with self._lock:
-            if self._last_version is not None and version <= self._last_version:
-                raise ValueError(
-                    f"weight versions must strictly increase: got {version} after {self._last_version}"
-                )
+            self._check_newer(version)  # again: another publish may have run meanwhile
             self._held[version] = held
             self._last_version = version
             while len(self._held) > self.keep_versions:
@@ -381,6 +363,11 @@ class WeightServer:
         self._stats["publishes"] += 1
         self._stats["publish_seconds"] += time.perf_counter() - t0
         return manifest
+
+    def _check_newer(self, version: int) -> None:
+        """Raise ValueError unless ``version`` is above every version published before (hold the lock)."""
+        if self._last_version is not None and version <= self._last_version:
+            raise ValueError(f"weight versions must strictly increase: got {version} after {self._last_version}")
 
     def _new_access(self, key: bytes | None = None, ticket: bytes | None = None
                     ) -> "tuple[Sealed | None, sealing.Sealer | None]":
@@ -407,13 +394,22 @@ class WeightServer:
             finally:
                 torch.set_num_threads(before)
 
-    def _cast_and_hash(self, state: layout.FlatState, buffer: torch.Tensor, view: memoryview, n: int) -> list[int]:
+    def _hash_chunk(self, view: memoryview, i: int, ready: Callable[[int], None] | None) -> int:
+        """Chunk ``i``'s checksum; then ``ready(i)`` (its delta is encoded while the next chunks are written)."""
+        cb = self.chunk_bytes
+        digest = chunk_checksum(view[i * cb : (i + 1) * cb])
+        if ready is not None:
+            ready(i)
+        return digest
+
+    def _cast_and_hash(self, state: layout.FlatState, buffer: torch.Tensor, view: memoryview, n: int,
+                       ready: Callable[[int], None] | None = None) -> list[int]:
         """Chunk checksums of ``state`` cast into ``buffer``, chunk by chunk: each chunk is hashed right after its
-        cast, while it is still in cache — from host memory in this thread (a concurrent cast and hash only
-        compete for the same memory bandwidth: measured 40 ms interleaved vs 56 ms in two threads for 275 MB on
-        2 cores), from a device in overlap: a helper thread drives the device-to-host copies of the next
-        chunks while this one hashes. Chunk sizes that are not a multiple of the wire item size: one cast first.
-        """
+        cast, while it is still in cache, then handed to ``ready`` (the delta encoder) — from host memory in this
+        thread (a concurrent cast and hash only compete for the same memory bandwidth: measured 40 ms interleaved
+        vs 56 ms in two threads for 275 MB on 2 cores), from a device in overlap: a helper thread drives the
+        device-to-host copies of the next chunks while this one hashes. Chunk sizes that are not a multiple of
+        the wire item size: one cast first."""
         cb = self.chunk_bytes
         spent = {"copy": 0.0, "hash": 0.0}
 
@@ -425,7 +421,7 @@ class WeightServer:
                 spent[what] += time.perf_counter() - t
 
         def digest(i: int) -> int:
-            return timed("hash", chunk_checksum, view[i * cb : (i + 1) * cb])
+            return timed("hash", self._hash_chunk, view, i, ready)
 
         if cb % state.wire_dtype.itemsize:
             timed("copy", state.cast_into, buffer)
@@ -440,21 +436,25 @@ class WeightServer:
         self._stats["publish_hash_seconds"] += spent["hash"]
         return digests
 
-    def _with_delta(self, held: Held) -> Held:
-        """``held`` plus its delta against the newest held version, when deltas are on, the layouts match and
-        the delta is below ``delta_max_ratio`` of the full bytes."""
-        if not self._delta:
-            return held
+    def _delta_base(self, table: Any, total: int) -> Held | None:
+        """The version a new one of layout ``table`` is encoded against: the newest held version when deltas are
+        on and it has the same layout and chunk size; else None."""
+        if not self._delta or total == 0:
+            return None
         with self._lock:
             base = self._lookup(None)
-        m = held.manifest
-        if (base is None or base.manifest.tensors != m.tensors or base.manifest.chunk_bytes != m.chunk_bytes
-                or m.total_bytes == 0):
-            return held
+        if base is None or base.manifest.tensors != table or base.manifest.chunk_bytes != self.chunk_bytes:
+            return None
+        return base
+
+    def _with_delta(self, held: Held, enc: delta_codec.Encoder) -> Held:
+        """``held`` plus its delta (``enc``'s, waited for), when it is below ``delta_max_ratio`` of the full
+        bytes. ``stats["delta_seconds"]`` counts the wait: the delta's cost to the publish beyond what overlapped
+        with the copy and the checksums."""
         t0 = time.perf_counter()
-        d = delta_codec.encode(held.view, base.view, m.chunk_bytes, base.manifest.version, base.manifest.checksum,
-                               threads=self._delta_threads)
+        d = enc.result()
         self._stats["delta_seconds"] += time.perf_counter() - t0
+        m = held.manifest
         if d.nbytes >= self.delta_max_ratio * m.total_bytes:
             return held
         self._stats["delta_publishes"] += 1
