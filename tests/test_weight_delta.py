@@ -116,6 +116,23 @@ def test_a_corrupted_base_is_detected_per_chunk_and_fetched_in_full(server):
     assert same_bytes(got.state_dict, server.local_state_dict(1))
 
 
+def test_a_base_byte_gone_bad_in_an_unchanged_chunk_is_detected_and_fetched_in_full(server):
+    """Regression: an unchanged chunk was taken from the base on the strength of the base manifest's checksum, so a
+    byte of the base that went bad after its pull stayed in the new version, under the right whole checksum."""
+    sd = {"a": torch.randn(64, 1024)}  # 8 chunks of CHUNK bytes in bf16
+    server.publish(0, sd)
+    p = WeightPuller(server.endpoint, streams=1, timeout_s=10)
+    held = p.pull(0)
+    nxt = {"a": sd["a"].clone()}
+    nxt["a"][0, :10] += 1.0  # only chunk 0 changes
+    server.publish(1, nxt)
+    held.buffer[6 * CHUNK + 100] ^= 0xFF  # the base's bytes of unchanged chunk 6 go bad
+    got = p.pull(1, base=held)
+    assert got.phases["unchanged_chunks"] == 6 and got.phases["base_mismatches"] == 1
+    assert got.phases["full_chunks"] == 1 and got.phases["bytes_received"] < 2 * CHUNK
+    assert same_bytes(got.state_dict, server.local_state_dict(1))
+
+
 def test_a_base_of_another_run_with_the_same_version_number_is_not_used(server):
     with WeightServer(chunk_bytes=CHUNK) as other:
         other.publish(0, model(seed=99))
@@ -329,3 +346,34 @@ def test_the_encoder_encodes_chunks_never_declared_ready_and_stops_cleanly():
     assert bytes(dest) == new.tobytes()
     with pytest.raises(ValueError, match="differ in length"):
         delta_codec.Encoder(memoryview(new), memoryview(base[:10]), 1024, 0, 0)
+    with delta_codec.Encoder(memoryview(new), memoryview(base), 1024, 0, 0) as enc:
+        for bad in (10, -1):
+            with pytest.raises(IndexError, match="out of range"):
+                enc.chunk_ready(bad)
+        enc.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            enc.result()
+
+
+def test_a_publish_overtaken_by_a_newer_one_is_refused_and_not_counted(monkeypatch):
+    """Regression: a publish refused because a newer version was published meanwhile counted a delta publish."""
+    sd = model()
+    with WeightServer(chunk_bytes=CHUNK, keep_versions=2) as srv:
+        srv.publish(0, sd)
+        hashed = srv._hash_chunk
+        raced = []
+
+        def hash_then_race(view, i, ready):
+            if not raced:
+                raced.append(True)
+                t = threading.Thread(target=srv.publish, args=(2, step(sd, torch.Generator().manual_seed(5), 0.01)))
+                t.start()
+                t.join()
+            return hashed(view, i, ready)
+
+        monkeypatch.setattr(srv, "_hash_chunk", hash_then_race)
+        with pytest.raises(ValueError, match="strictly increase"):
+            srv.publish(1, step(sd, torch.Generator().manual_seed(4), 0.01))
+        assert srv.versions == [0, 2]
+        st = srv.stats
+        assert (st["publishes"], st["delta_publishes"]) == (2, 1)

@@ -36,7 +36,7 @@ All functions release the GIL in their heavy parts (numpy, zstd), so chunks are 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -175,23 +175,39 @@ class Encoder:
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(threads, len(self._spans))),
                                         thread_name_prefix="weight-delta")
         self._futures: dict[int, Future[bytes | None]] = {}
+        self._closed = False
 
     def chunk_ready(self, i: int) -> None:
-        """Chunk ``i``'s bytes in ``new`` are final: encode it (once; later calls are ignored)."""
+        """Chunk ``i``'s bytes in ``new`` are final: encode it (once; later calls are ignored).
+
+        Raises:
+            IndexError: ``i`` is not a chunk index. RuntimeError: the encoder is closed.
+        """
+        if not 0 <= i < len(self._spans):
+            raise IndexError(f"chunk {i} out of range: the buffer has {len(self._spans)} chunks")
+        if self._closed:
+            raise RuntimeError("the delta encoder is closed")
         if i not in self._futures:
             lo, hi = self._spans[i]
             self._futures[i] = self._pool.submit(encode_chunk, self._new[lo:hi], self._base[lo:hi])
 
     def result(self) -> Delta:
         """The delta, once every chunk is encoded (chunks not declared ready are encoded now). A chunk whose
-        payload would not be smaller than the chunk itself gets ``size = raw`` and no payload."""
+        payload would not be smaller than the chunk itself gets ``size = raw`` and no payload.
+
+        Raises:
+            RuntimeError: the encoder was closed before every chunk was encoded.
+        """
         for i in range(len(self._spans)):
             self.chunk_ready(i)
         sizes: list[int] = []
         payloads: list[bytes | None] = []
         nbytes = 0
         for i, (lo, hi) in enumerate(self._spans):
-            p = self._futures[i].result()
+            try:
+                p = self._futures[i].result()
+            except CancelledError:
+                raise RuntimeError("the delta encoder was closed before every chunk was encoded") from None
             raw = hi - lo
             if p is None:
                 sizes.append(0)
@@ -208,6 +224,7 @@ class Encoder:
 
     def close(self) -> None:
         """Stop: queued chunks are dropped, running ones finish. Idempotent."""
+        self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> "Encoder":

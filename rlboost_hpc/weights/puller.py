@@ -32,9 +32,10 @@ other over CURVE.
 Delta pulls: given the version it holds (``base``), the puller announces it in the manifest request; when
 the holder has the requested version encoded against exactly that base (same whole-version checksum, same
 layout), the transfer turns the base's buffer into the new version in place — unchanged chunks cost
-nothing, changed ones arrive as delta payloads (:mod:`rlboost_hpc.weights.delta`), the rest in full. Every
-chunk is verified against the manifest's checksum of the *full* chunk; a delta that does not verify (wrong
-base, corrupt payload) or that the holder no longer has is fetched again in full, so the result is the same
+no bytes (the base's bytes are hashed in place), changed ones arrive as delta payloads
+(:mod:`rlboost_hpc.weights.delta`), the rest in full. Every chunk is verified against the manifest's checksum of
+the *full* chunk; an unchanged chunk whose base bytes went bad, a delta that does not verify (wrong base, corrupt
+payload) or that the holder no longer has is fetched again in full, so the result is the same
 bytes as a full pull.
 
 Invariants:
@@ -155,8 +156,9 @@ class PulledWeights:
     of the whole pull. phases: wall seconds per phase (``manifest_s``, ``transfer_s`` — includes per-chunk
     verification overlapped with receiving, ``verify_s``, ``assemble_s``) plus ``chunk_hash_s`` (summed CPU seconds
     of per-chunk xxh3 over all streams), ``chunk_retries``, ``bytes_received`` (payload bytes over the wire), and
-    for a delta pull ``delta_chunks`` / ``unchanged_chunks`` / ``full_chunks`` and ``delta_fallbacks`` (delta chunks
-    fetched again in full). checksum: the whole-version checksum (equal to the manifest's). buffer: the uint8 buffer
+    for a delta pull ``delta_chunks`` / ``unchanged_chunks`` / ``full_chunks``, ``delta_fallbacks`` (delta chunks
+    fetched again in full) and ``base_mismatches`` (unchanged chunks whose base bytes no longer matched: fetched in
+    full). checksum: the whole-version checksum (equal to the manifest's). buffer: the uint8 buffer
     every tensor views (``nbytes`` long). manifest: the holder's manifest of this version (the layout and chunk
     checksums a later delta pull compares against). delta_payloads: the delta payloads this pull applied and
     verified, by chunk index (what a relay holder serves to pullers holding the same base). With peers, ``phases``
@@ -236,7 +238,8 @@ class WeightPuller:
         Args:
             version: version to pull; None asks the holder for its latest.
             into: optional reusable receive buffer (CPU, uint8, 1-D, contiguous, ≥ ``total_bytes``), e.g. a
-                staging buffer that is copied to the GPU after each pull. The caller guarantees nothing
+                staging buffer that is copied to the GPU after each pull (not used when a delta against ``base``
+                applies: the result is then in the base's buffer). The caller guarantees nothing
                 reads it during the pull; on failure its contents are undefined. Default: a fresh buffer
                 (``buffer_factory``), so earlier pulls stay valid.
             base: a version this process pulled before and no longer reads. It is *consumed*: when the
@@ -301,6 +304,7 @@ class WeightPuller:
                 phases["unchanged_chunks"] = float(tr.unchanged)
                 phases["delta_chunks"] = float(sum(tr.use_delta))
                 phases["delta_fallbacks"] = float(tr.delta_fallbacks)
+                phases["base_mismatches"] = float(tr.base_mismatches)
                 phases["full_chunks"] = float(tr.n - tr.unchanged - sum(tr.use_delta))
 
             phase = "verify"
@@ -529,7 +533,8 @@ class WeightPuller:
                 if i is None:
                     exhausted = True
                     break
-                request(i)
+                if not (tr.local[i] and self._verify_local(tr, i)):
+                    request(i)
             if not outstanding:
                 return
             now = time.perf_counter()
@@ -622,6 +627,23 @@ class WeightPuller:
                 if payload is not None:
                     tr.payloads[i] = payload
                 tr.hash_s += h1 - h0
+
+    @staticmethod
+    def _verify_local(tr: _Transfer, i: int) -> bool:
+        """Chunk ``i`` is unchanged since the base: True when the base's bytes in place match its checksum (it is
+        then received); else the chunk is marked for a full fetch."""
+        lo, hi = tr.span(i)
+        h0 = time.perf_counter()
+        digest = chunk_checksum(tr.dest[lo:hi])
+        h1 = time.perf_counter()
+        if digest != tr.m.chunk_checksums[i]:
+            tr.spoilt_base(i)
+            return False
+        with tr.lock:
+            tr.digests[i] = digest
+            tr.received += 1
+            tr.hash_s += h1 - h0
+        return True
 
     @staticmethod
     def _apply_delta(sock: zmq.Socket, tr: _Transfer, reply: Chunk, lo: int, hi: int, is_peer: bool) -> bytes | None:

@@ -357,6 +357,7 @@ class WeightServer:
         with self._lock:
             self._check_newer(version)  # again: another publish may have run meanwhile
             self._held[version] = held
+            self._stats["delta_publishes"] += held.delta is not None
             self._last_version = version
             while len(self._held) > self.keep_versions:
                 self._held.popitem(last=False)
@@ -457,7 +458,6 @@ class WeightServer:
         m = held.manifest
         if d.nbytes >= self.delta_max_ratio * m.total_bytes:
             return held
-        self._stats["delta_publishes"] += 1
         info = DeltaInfo(base_version=d.base_version, base_checksum=d.base_checksum, sizes=d.sizes, nbytes=d.nbytes)
         frames = reply_frames(msgspec.structs.replace(m, delta=info))
         return dataclasses.replace(held, delta=d, delta_manifest_frames=frames)

@@ -26,7 +26,9 @@ class Transfer:
     """Shared state of the transfer phase: index queue, digests, first failure.
 
     ``delta``/``base_digests``: set for a delta pull (``dest`` then holds the base version's bytes); chunk i
-    is then unchanged (its digest is known, nothing is requested), fetched as a delta payload, or in full.
+    is then unchanged (``local[i]``: nothing is requested, a stream hashes the base's bytes in place and fetches
+    the chunk in full when they no longer match — a base is never taken on trust), fetched as a delta payload,
+    or in full.
     """
 
     def __init__(self, manifest: Manifest, dest: memoryview, timeout_s: float, deadline: float | None,
@@ -39,21 +41,17 @@ class Transfer:
         self.lock = threading.Lock()
         self.digests: list[int | None] = [None] * self.n
         self.use_delta = [False] * self.n
-        self.unchanged = self.delta_fallbacks = 0
-        todo = range(self.n)
+        self.local = [False] * self.n
+        self.unchanged = self.delta_fallbacks = self.base_mismatches = 0
         if delta is not None and base_digests is not None:
-            todo = []
             for i, size in enumerate(delta.sizes):
                 lo, hi = self.span(i)
-                if size == 0 and base_digests[i] == manifest.chunk_checksums[i]:
-                    self.digests[i] = base_digests[i]
-                    self.unchanged += 1
-                    continue
+                self.local[i] = size == 0 and base_digests[i] == manifest.chunk_checksums[i]
                 self.use_delta[i] = 0 < size < hi - lo
-                todo.append(i)
+            self.unchanged = sum(self.local)
         self.base = None if delta is None else delta.base_version
-        self.todo = collections.deque(todo)
-        self.received = self.unchanged
+        self.todo = collections.deque(range(self.n))
+        self.received = 0
         self.retries = 0
         self.bytes_received = 0
         self.peer_bytes = 0
@@ -79,6 +77,13 @@ class Transfer:
         with self.lock:
             self.use_delta[index] = False
             self.delta_fallbacks += 1
+
+    def spoilt_base(self, index: int) -> None:
+        """The base's bytes of unchanged chunk ``index`` fail its checksum: fetch it in full."""
+        with self.lock:
+            self.local[index] = False
+            self.unchanged -= 1
+            self.base_mismatches += 1
 
     def take(self) -> int | None:
         with self.lock:
