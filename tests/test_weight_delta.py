@@ -377,3 +377,18 @@ def test_a_publish_overtaken_by_a_newer_one_is_refused_and_not_counted(monkeypat
         assert srv.versions == [0, 2]
         st = srv.stats
         assert (st["publishes"], st["delta_publishes"]) == (2, 1)
+
+
+def test_a_delta_that_runs_out_of_memory_leaves_the_version_served_in_full(monkeypatch):
+    """A delta only saves bytes: an encoder out of memory must not fail the publish (it did: MemoryError)."""
+    sd = model()
+    with WeightServer(chunk_bytes=CHUNK, keep_versions=2) as srv:
+        srv.publish(0, sd)
+        p = WeightPuller(srv.endpoint, timeout_s=10)
+        held = p.pull(0)
+        monkeypatch.setattr(delta_codec, "encode_chunk", lambda new, base: (_ for _ in ()).throw(MemoryError()))
+        nxt = step(sd, torch.Generator().manual_seed(6), 0.01)
+        srv.publish(1, nxt)
+        assert srv.delta_nbytes(1) is None and srv.stats["delta_failures"] == 1
+        got = p.pull(1, base=held)
+        assert "delta_chunks" not in got.phases and same_bytes(got.state_dict, srv.local_state_dict(1))

@@ -172,8 +172,9 @@ class WeightServer:
         self._payload_hook: Callable[[int, int, memoryview], Any] | None = None
         self._stats: dict[str, Any] = {
             **dict.fromkeys(("manifests_served", "chunks_served", "bytes_served", "rejected", "dropped_unreachable",
-                             "dropped_full", "publishes", "internal_errors", "delta_publishes", "delta_chunks_served",
-                             "delta_bytes_served", "sealed_chunks_served", "sealed_bytes_served"), 0),
+                             "dropped_full", "publishes", "internal_errors", "delta_publishes", "delta_failures",
+                             "delta_chunks_served", "delta_bytes_served", "sealed_chunks_served", "sealed_bytes_served"),
+                            0),
             **dict.fromkeys(("publish_seconds", "publish_copy_seconds", "publish_hash_seconds", "delta_seconds"), 0.0),
             "errors_sent": collections.Counter(), "rejected_by_reason": collections.Counter(),
         }
@@ -271,8 +272,9 @@ class WeightServer:
         doing it: they overlap for a :class:`~rlboost_hpc.weights.layout.FlatState` on a device), and
         publishes into a buffer reused from an evicted version (``publish_buffers_reused``), buffers pinned and
         left pageable by a refused pin (``publish_buffers_pinned``, ``publish_pin_failures``) — internal
-        errors; versions published with a delta, seconds spent encoding deltas, delta payloads and
-        their bytes served (``chunks_served`` / ``bytes_served`` count full chunks only)."""
+        errors; versions published with a delta (and deltas dropped for lack of memory: ``delta_failures``), seconds
+        waited for deltas, delta payloads and their bytes served (``chunks_served`` / ``bytes_served`` count full
+        chunks only)."""
         with self._stats_lock:
             s = dict(self._stats)
             s["errors_sent"] = dict(s["errors_sent"])
@@ -451,10 +453,17 @@ class WeightServer:
     def _with_delta(self, held: Held, enc: delta_codec.Encoder) -> Held:
         """``held`` plus its delta (``enc``'s, waited for), when it is below ``delta_max_ratio`` of the full
         bytes. ``stats["delta_seconds"]`` counts the wait: the delta's cost to the publish beyond what overlapped
-        with the copy and the checksums."""
+        with the copy and the checksums. A delta that runs out of memory is dropped (the version is served full;
+        ``stats["delta_failures"]``): it only saves bytes."""
         t0 = time.perf_counter()
-        d = enc.result()
-        self._stats["delta_seconds"] += time.perf_counter() - t0
+        try:
+            d = enc.result()
+        except MemoryError:
+            log.warning("version %d: out of memory encoding its delta; served in full", held.manifest.version)
+            self._stats["delta_failures"] += 1
+            return held
+        finally:
+            self._stats["delta_seconds"] += time.perf_counter() - t0
         m = held.manifest
         if d.nbytes >= self.delta_max_ratio * m.total_bytes:
             return held
