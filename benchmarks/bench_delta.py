@@ -95,10 +95,10 @@ def demo(steps: int, model_dir: Path | None, lr: float | None) -> None:
             flat = [torch.cat([sd[k].to(torch.bfloat16).flatten() for k in keys]) for sd in (a, b)]
             e = encodings(*flat)
             print(f"    encodings of {ck[-1].name} against {ck[-2].name}: changed bf16 elements "
-                  f"{e['changed_elements']:.4f}; offset difference byte planes + zstd (shipped) {e['diff_planes']:.4f}, "
-                  f"XOR byte planes + zstd {e['xor_planes']:.4f}, XOR + zstd {e['xor_zstd']:.4f}, (position, value) "
-                  f"pairs {e['positions_values']:.4f} of full; order-0 entropy of the 16-bit differences {e['entropy']:.4f} (what "
-                  f"a coder of independent elements cannot beat)")
+                  f"{e['changed_elements']:.4f}; offset difference byte planes + zstd (shipped) "
+                  f"{e['diff_planes']:.4f}, XOR byte planes + zstd {e['xor_planes']:.4f}, XOR + zstd "
+                  f"{e['xor_zstd']:.4f}, (position, value) pairs {e['positions_values']:.4f} of full; order-0 entropy "
+                  f"of the 16-bit differences {e['entropy']:.4f} (what a coder of independent elements cannot beat)")
 
 
 def xor_encode_chunk(new: np.ndarray, base: np.ndarray) -> bytes:

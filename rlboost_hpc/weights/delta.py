@@ -151,7 +151,8 @@ class Encoder:
     The writer (the weight server's publish) calls :meth:`chunk_ready` for chunk ``i`` once its bytes in ``new``
     are final; the chunk is encoded on the pool while the writer goes on with the next chunks (it is read again
     while still in cache), so the delta costs the publish only what has not overlapped. :meth:`result` waits for
-    every chunk and builds the :class:`Delta`; :meth:`close` (or leaving the ``with`` block) drops what is left.
+    every chunk and builds the :class:`Delta`; :meth:`close` (or leaving the ``with`` block) drops what is left and
+    stops the threads, which live until then.
 
     Args:
         new, base: the flat buffers of the new and of the base version (same layout and length; ``new`` is
