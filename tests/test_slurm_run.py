@@ -130,6 +130,13 @@ class SlurmRun:
         self.preemptors.append(job)
         return job
 
+    def preemptor_started(self, job: str) -> bool:
+        """The high-priority job ``job`` has started (or already ended): every rollout job on its nodes is gone —
+        also one that started just before the preemption and, its warning signal sent before its batch shell
+        could trap it, is requeued by Slurm only when the grace time ends."""
+        state = sh(["squeue", "-h", "-j", job, "-o", "%T"], self.env, check=False).strip()
+        return state in ("", "RUNNING", "COMPLETING", "COMPLETED")
+
     def restart_scavenger(self) -> None:
         """SIGKILL the scavenger (no warning) and start it again."""
         self.scav.send_signal(signal.SIGKILL)
@@ -273,8 +280,12 @@ def test_the_controller_steers_the_scavenger_on_slurm(tmp_path):
             if (run_dir / "report.json").exists():
                 break
             n = requeues(run_dir)
-            r.preempt()
+            job = r.preempt()
             wait_for(lambda: requeues(run_dir) > n, 90, "the preempted job's requeue", state=state)
+            # every job this preemption takes is gone before the next one counts (a job started just before it
+            # loses its warning and leaves only at the end of the grace time: its requeue once passed for the
+            # second preemption's)
+            wait_for(lambda: r.preemptor_started(job), 90, "the high-priority job started", state=state)
             preemptions += 1
         rep = r.finish()
     why = state()
