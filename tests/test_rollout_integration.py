@@ -16,7 +16,7 @@ import pytest
 import torch
 import zmq
 
-from _util import load_hf_dir
+from _util import load_hf_dir, wait_for
 from rlboost_hpc.manager.service import spawn_manager
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.rollout.engines.base import GenRequest, SamplingParams
@@ -304,6 +304,8 @@ def test_a_worker_pulls_from_a_peer_and_from_the_trainer_when_that_peer_stalls(h
     h = harness
     first = h.worker("first")
     wait_stats(h.client, lambda s: s.weight_loads >= 1)
+    # a holder counts a chunk after its send returns: wait until first's pull is counted
+    wait_for(lambda: h.server.stats["bytes_served"] >= h.server.manifest(0).total_bytes, 5, "the trainer's count")
     served = h.server.stats["bytes_served"]
     h.worker("second")
     st = wait_stats(h.client, lambda s: s.weight_loads >= 2)

@@ -10,6 +10,7 @@ import socket
 
 import pytest
 import torch
+from _util import wait_for
 from hypothesis import given, settings, strategies as st
 
 from rlboost_hpc.manager.core import ManagerCore
@@ -53,16 +54,23 @@ def closed_port() -> str:
     return f"tcp://127.0.0.1:{port}"
 
 
+def served_count(server: WeightServer, want: int, key: str = "bytes_served") -> int:
+    """``server.stats[key]`` once it has reached ``want`` (a holder counts a chunk after its send returns, so a
+    puller can hold the bytes a moment before the holder has counted them)."""
+    wait_for(lambda: server.stats[key] >= want, 5, f"the holder's {key} to reach {want}", interval=0.01)
+    return server.stats[key]
+
+
 def test_a_peer_serves_the_bytes_and_the_trainer_only_the_manifest(trainer):
     trainer.publish(0, model())
     peer = relay_of(trainer, 0)
     try:
-        served = trainer.stats["bytes_served"]
+        served = served_count(trainer, trainer.manifest(0).total_bytes)  # the relay's own pull
         got = WeightPuller(trainer.endpoint, timeout_s=10).pull(0, peers=[peer.endpoint])
         assert equal(got.state_dict, trainer.local_state_dict(0))
         assert got.phases["peer_bytes"] == got.nbytes and got.phases["peer_failovers"] == 0
+        assert served_count(peer, got.nbytes) == got.nbytes
         assert trainer.stats["bytes_served"] == served  # nothing more from the trainer
-        assert peer.stats["bytes_served"] == got.nbytes
     finally:
         peer.close()
 
@@ -147,12 +155,14 @@ def test_a_peer_relays_the_delta_payloads_it_applied(trainer):
         sd["layers.2.w"][3, :50] += 0.5
         trainer.publish(1, sd)
         a.source(trainer.endpoint)(1)  # a pulls the delta from the trainer and now relays version 1
-        served = trainer.stats["delta_bytes_served"] + trainer.stats["bytes_served"]
+        full = served_count(trainer, 2 * trainer.manifest(0).total_bytes)  # a's and b's first pulls
+        delta = served_count(trainer, trainer.delta_nbytes(1), "delta_bytes_served")  # a's delta pull
         state, info = b.source(trainer.endpoint)(1, peers=[ep_a])
         assert equal(dict(state), trainer.local_state_dict(1))
         assert info["phases"]["peer_bytes"] == trainer.delta_nbytes(1)  # b got the delta, from a
-        assert trainer.stats["delta_bytes_served"] + trainer.stats["bytes_served"] == served
+        wait_for(lambda: a.relay_stats["delta_bytes_served"] >= trainer.delta_nbytes(1), 5, "the relay's count")
         assert a.relay_stats["delta_bytes_served"] == trainer.delta_nbytes(1)
+        assert (trainer.stats["bytes_served"], trainer.stats["delta_bytes_served"]) == (full, delta)
     finally:
         a.close()
         b.close()
