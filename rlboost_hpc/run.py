@@ -301,6 +301,8 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
             view.update(m)
     ckpt_writer.wait()  # the last checkpoint is durable before the run reports
     train_wall = resume.train_wall_s + time.monotonic() - t_train0  # training time of every incarnation
+    if svc.cluster:
+        svc.cluster.freeze()  # no fault while the run reports: the cluster's counts and the manager's agree
     final = svc.client.stats()
     served = svc.publisher.served()  # what the trainer sent (the rest of weight_pulled_bytes came from relay peers)
     after = held_out.evaluate(trainer.version, keep_samples=True)

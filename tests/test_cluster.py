@@ -608,6 +608,23 @@ def test_stop_all_escalates_after_grace_with_injected_clock():
     assert drv.poll() == [] and drv.done  # no action after stop
 
 
+def test_a_frozen_driver_applies_no_more_actions_but_reaps_and_keeps_its_live_workers():
+    """The run freezes the cluster when training ends, so no preemption lands while it reports (one fired during
+    the final evaluation was counted by the cluster and not yet by the manager)."""
+    drv, clock, sp = make_driver([ReplayAction(0, "start", 0), ReplayAction(0, "start", 1),
+                                  ReplayAction(5, "preempt", 0), ReplayAction(8, "kill", 1)],
+                                 spawner=Spawner(ignore_term={0}))
+    drv.poll()
+    clock.set(5)
+    assert actions_of(drv.poll()) == [("preempt", 0, 0)]  # warned; still draining (it ignores SIGTERM here)
+    drv.freeze()
+    clock.set(20)
+    assert drv.poll() == [] and drv.counts["kill"] == 0 and drv.live_slots() == [1]
+    sp.of(0).exit(0)  # the warned worker finishes its drain
+    assert actions_of(drv.poll(), "exit") == [("exit", 0, 0)] and drv.dying_pids() == []
+    assert drv.counts["preempt"] == 1 and drv.live_slots() == [1]
+
+
 def test_stop_all_does_not_wait_when_everyone_exits():
     drv, clock, sp = make_driver([ReplayAction(0, "start", 0)])
     with drv:

@@ -226,6 +226,20 @@ class LocalCluster:
     def live(self) -> int:
         return len(self.driver.live_slots()) if self.driver else 0
 
+    def freeze(self, settle_s: float = 10.0) -> None:
+        """Replay no more of the trace (no start, preemption or kill from now on) and wait up to ``settle_s`` until
+        every worker already warned or killed has exited — so the report's counts of the cluster's faults and the
+        manager's view of them describe the same events (a preemption fired during the final evaluation was
+        counted by the cluster but not yet by the manager). The workers alive keep serving."""
+        if self.driver is None:
+            return
+        with self._lock:
+            self.driver.freeze()
+        deadline = time.monotonic() + settle_s
+        while self.driver.dying_pids() and time.monotonic() < deadline and self._thread is not None \
+                and self._thread.is_alive():
+            time.sleep(0.05)  # the replay thread reaps them
+
     def stop(self, grace_s: float = 5.0) -> None:
         """Stop replaying and end every worker (warning first, SIGKILL after ``grace_s``)."""
         self._stop.set()

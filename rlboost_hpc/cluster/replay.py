@@ -273,6 +273,11 @@ class ReplayDriver:
         self._reconcile(now, new)
         return new
 
+    def freeze(self) -> None:
+        """Apply no more plan actions (nor a cap): the workers alive stay, :meth:`poll` still reaps the ones that
+        exit. For the end of a run, so that no fault lands while it reports."""
+        self._stopped = True
+
     def stop_all(self, grace_s: float = 5.0, *, poll_interval_s: float = 0.05,
                  kill_wait_s: float = 5.0) -> list[dict[str, Any]]:
         """Terminate every worker: SIGTERM, wait up to ``grace_s`` (injected clock/sleep), then SIGKILL.
