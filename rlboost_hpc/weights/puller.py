@@ -301,11 +301,12 @@ class WeightPuller:
                 phases["peer_bytes"] = float(tr.peer_bytes)
                 phases["peer_failovers"] = float(tr.failovers)
             if delta is not None:
-                phases["unchanged_chunks"] = float(tr.unchanged)
+                unchanged = sum(tr.local)  # verified in place (a spoilt one was fetched in full)
+                phases["unchanged_chunks"] = float(unchanged)
                 phases["delta_chunks"] = float(sum(tr.use_delta))
                 phases["delta_fallbacks"] = float(tr.delta_fallbacks)
                 phases["base_mismatches"] = float(tr.base_mismatches)
-                phases["full_chunks"] = float(tr.n - tr.unchanged - sum(tr.use_delta))
+                phases["full_chunks"] = float(tr.n - unchanged - sum(tr.use_delta))
 
             phase = "verify"
             digests = [d for d in tr.digests if d is not None]

@@ -42,13 +42,12 @@ class Transfer:
         self.digests: list[int | None] = [None] * self.n
         self.use_delta = [False] * self.n
         self.local = [False] * self.n
-        self.unchanged = self.delta_fallbacks = self.base_mismatches = 0
+        self.delta_fallbacks = self.base_mismatches = 0
         if delta is not None and base_digests is not None:
             for i, size in enumerate(delta.sizes):
                 lo, hi = self.span(i)
                 self.local[i] = size == 0 and base_digests[i] == manifest.chunk_checksums[i]
                 self.use_delta[i] = 0 < size < hi - lo
-            self.unchanged = sum(self.local)
         self.base = None if delta is None else delta.base_version
         self.todo = collections.deque(range(self.n))
         self.received = 0
@@ -82,7 +81,6 @@ class Transfer:
         """The base's bytes of unchanged chunk ``index`` fail its checksum: fetch it in full."""
         with self.lock:
             self.local[index] = False
-            self.unchanged -= 1
             self.base_mismatches += 1
 
     def take(self) -> int | None:
