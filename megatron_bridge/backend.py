@@ -1,10 +1,12 @@
 """``MegatronBackend``: the :class:`~rlboost_hpc.trainer.backends.base.TrainerBackend` on Megatron-core.
 
 Same contract and same numbers as :class:`~rlboost_hpc.trainer.backends.torch_backend.TorchBackend`: token
-logprobs at ``temperature``, the GRPO loss of :func:`rlboost_hpc.trainer.algorithms.grpo.grpo_loss` summed
-per micro-batch and divided by ``responses_in_step`` (so any split of a step gives the same gradient), the
-trainer-recomputed ``old_logp = logp.detach()`` (one optimizer step per RL step), a frozen reference policy for
-the k3 KL term and for ``token_logprobs(reference=True)``.
+logprobs at ``temperature``, the GRPO loss of :func:`rlboost_hpc.trainer.algorithms.grpo.grpo_loss` with the same
+:class:`~rlboost_hpc.trainer.algorithms.grpo.GRPOOptions` (loss aggregation, clip-higher, KL estimator, behaviour
+correction, truncation mask) summed per micro-batch and divided by ``responses_in_step``, the gradients rescaled at the
+optimizer step by the same :class:`~rlboost_hpc.trainer.backends.base.StepAccumulator` (so any split of a step gives
+the same gradient), the trainer-recomputed ``old_logp = logp.detach()`` (one optimizer step per RL step), a frozen
+reference policy for the KL term and for ``token_logprobs(reference=True)``.
 
 Megatron pieces used:
 - model: ``GPTModel`` (local layer spec) built from the HF config (:mod:`megatron_bridge.arch`), TP/PP from
@@ -54,8 +56,9 @@ from megatron_bridge import compat, driver, parallel
 from megatron_bridge.arch import (ModelArch, arch_from_hf, build_gpt_model, check_layout, load_hf_config,
                                  transformer_config)
 from megatron_bridge.bridge import Piece, SafetensorsSource, assemble, hf_to_megatron, megatron_to_pieces
-from rlboost_hpc.trainer.algorithms.grpo import grpo_loss
-from rlboost_hpc.trainer.backends.base import Sample, TrainerBackend
+from rlboost_hpc.trainer.algorithms.grpo import GRPOOptions, finish_stats, grpo_loss, merge_stats, stats_to_floats
+from rlboost_hpc.trainer.backends.base import (Sample, StepAccumulator, TrainerBackend, behaviour_tensor,
+                                              truncated_tensor)
 from rlboost_hpc.trainer.backends.torch_backend import pack
 
 log = logging.getLogger("rlboost.megatron")
@@ -74,7 +77,8 @@ class MegatronBackend(TrainerBackend):
         weights: HF state dict (name → tensor) or a path (HF directory with ``model.safetensors`` / a sharded
             index, or one ``.safetensors`` file). With several ranks prefer a path: each rank reads its shard.
             None: Megatron's random init (``init_method_std`` 0.02, seeded) — for benchmarks.
-        lr, weight_decay, grad_clip, clip_eps, kl_coef, temperature, keep_reference: as ``TorchBackend``.
+        lr, weight_decay, grad_clip, clip_eps, kl_coef, temperature, keep_reference, objective: as
+            ``TorchBackend`` (``objective``, when given, replaces ``clip_eps`` and ``kl_coef``).
         tp, pp: tensor/pipeline parallel sizes (default: env ``MEGATRON_BRIDGE_TP``/``_PP`` set by the launcher,
             else 1). DP is what remains of the world.
         micro_batch_size: sequences per Megatron micro-batch inside one :meth:`accumulate` call (None: the
@@ -104,7 +108,9 @@ class MegatronBackend(TrainerBackend):
                  shard_export: bool = False, shard_bind: str = "tcp://127.0.0.1:0",
                  shard_advertise_host: str | None = None, shard_dtype: torch.dtype = torch.bfloat16,
                  shard_replicas: bool = False, shard_keys: Any = None, shard_sealed: bool = True,
-                 adam_eps: float = 1e-8, _bid: int | None = None) -> None:
+                 adam_eps: float = 1e-8, objective: GRPOOptions | None = None, _bid: int | None = None) -> None:
+        objective = objective or GRPOOptions(clip_eps=clip_eps, kl_coef=kl_coef)
+        clip_eps, kl_coef = objective.clip_eps, objective.kl_coef
         hf_cfg = load_hf_config(config)
         if isinstance(weights, os.PathLike):
             weights = str(weights)
@@ -116,7 +122,7 @@ class MegatronBackend(TrainerBackend):
                       recompute=recompute, seed=seed, shard_export=shard_export, shard_bind=shard_bind,
                       shard_advertise_host=shard_advertise_host, shard_dtype=shard_dtype,
                       shard_replicas=shard_replicas, shard_keys=shard_keys, shard_sealed=shard_sealed,
-                      adam_eps=adam_eps)
+                      adam_eps=adam_eps, objective=objective)
         self.layout = parallel.initialize(tp, pp, seed=seed)
         if _bid is None:
             _bid = driver.new_id()
@@ -129,7 +135,8 @@ class MegatronBackend(TrainerBackend):
         L = self.layout
         log.info("Megatron backend: world %d = TP %d x PP %d x DP %d (this is rank %d)", L.world, L.tp, L.pp,
                  L.world // (L.tp * L.pp), L.rank)
-        self.lr, self.grad_clip, self.clip_eps, self.kl_coef = lr, grad_clip, clip_eps, kl_coef
+        self.lr, self.grad_clip, self.objective = lr, grad_clip, objective
+        self.step = StepAccumulator(objective)
         self.temperature = temperature if temperature > 0 else 1.0
         self.micro_batch_size = micro_batch_size
         self.bf16 = bf16
@@ -230,11 +237,9 @@ class MegatronBackend(TrainerBackend):
                               "pos": torch.arange(T).unsqueeze(0).expand(B, T)}
         if mode == "train":
             mb["adv"] = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-            beh = torch.zeros(B, T, dtype=torch.float32)
-            for i, s in enumerate(samples):
-                P = len(s.prompt_ids)
-                beh[i, P - 1 : P - 1 + len(s.response_ids)] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
-            mb["beh"] = beh
+            mb["beh"] = torch.zeros(B, T, dtype=torch.float32)
+            mb["beh"][:, :-1] = behaviour_tensor(samples, (B, T - 1))
+            mb["trunc"] = truncated_tensor(samples)
         if extra:
             mb.update(extra)
         return mb
@@ -280,21 +285,10 @@ class MegatronBackend(TrainerBackend):
             rows = [host[i, p - 1 : p - 1 + r].clone() for i, (p, r) in enumerate(zip(mb["plens"], mb["rlens"]))]
             return torch.zeros((), device=logits.device), torch.tensor(ntok, dtype=torch.int), {"logp": rows}
         old = logp.detach()
-        ref = mb.get("ref")
-        loss_sum, _ = grpo_loss(logp, old, mb["adv"], mask, clip_eps=self.clip_eps, ref_logp=ref,
-                                kl_coef=self.kl_coef)
+        loss_sum, st = grpo_loss(logp, old, mb["adv"], mask, self.objective, ref_logp=mb.get("ref"),
+                                 behaviour_logp=mb["beh"], truncated=mb["trunc"])
         loss = loss_sum / mb["responses_in_step"]
-        with torch.no_grad():  # metric sums, fetched in one device→host transfer
-            m = mask.to(torch.float32)
-            ratio = torch.exp(logp.detach() - old)
-            zero = torch.zeros((), device=logp.device)
-            kl = (torch.exp(ref - old) - (ref - old) - 1.0) * m if ref is not None else zero
-            vals = torch.stack([loss_sum.detach(), (((ratio - 1.0).abs() > self.clip_eps).float() * m).sum(),
-                                ((old - mb["beh"]).abs() * m).sum(), kl.sum(),
-                                (ratio * m).max() if ntok else torch.ones((), device=logp.device)]).tolist()
-        stats = {"loss_sum": vals[0], "ntok": ntok, "clipped": vals[1], "diff_sum": vals[2], "kl_sum": vals[3],
-                 "ratio_max": vals[4]}
-        return loss, torch.tensor(ntok, dtype=torch.int), stats
+        return loss, torch.tensor(ntok, dtype=torch.int), stats_to_floats(st)  # one device→host transfer
 
     def _run(self, chunks: list[torch.nn.Module], mbs: list[dict[str, Any]], forward_only: bool) -> list[dict]:
         """One schedule call over ``mbs`` (this replica's micro-batches); the loss dicts on the last stage."""
@@ -349,7 +343,7 @@ class MegatronBackend(TrainerBackend):
             for smb in mbs:
                 extra = {"responses_in_step": float(responses_in_step)}
                 datas.append(self._tensors(smb, "train", extra))
-            if self.kl_coef > 0 and mbs:
+            if self.objective.kl_coef > 0 and mbs:
                 refs = self._run([self.ref], [self._tensors(smb, "logp") for smb in mbs], True)
                 # rebuild [B, T] ref tensors for the last stage (others ignore them)
                 for d, o in zip(datas, refs):
@@ -358,40 +352,38 @@ class MegatronBackend(TrainerBackend):
                         ref[i, p - 1 : p - 1 + len(row)] = row
                     d["ref"] = ref
             outs = self._run([self.ddp], datas, False)
-            agg = {"loss_sum": 0.0, "ntok": 0, "clipped": 0.0, "diff_sum": 0.0, "kl_sum": 0.0, "ratio_max": 0.0}
+            agg: dict[str, float] = {}
             for o in outs:
-                for k in ("loss_sum", "ntok", "clipped", "diff_sum", "kl_sum"):
-                    agg[k] += o[k]
-                agg["ratio_max"] = max(agg["ratio_max"], o["ratio_max"])
+                agg = merge_stats(agg, o)
             per = self._replica_results(agg if outs or self._reporter() else None)
+        self.step.add_batch(batch, responses_in_step)  # every rank: the whole batch's loss tokens
         if per is None:
             return {}
-        tot = {"loss_sum": 0.0, "ntok": 0, "clipped": 0.0, "diff_sum": 0.0, "kl_sum": 0.0, "ratio_max": 0.0}
+        tot: dict[str, float] = {}
         for a in per:
-            if a is None:
-                continue
-            for k in ("loss_sum", "ntok", "clipped", "diff_sum", "kl_sum"):
-                tot[k] += a[k]
-            tot["ratio_max"] = max(tot["ratio_max"], a["ratio_max"])
-        n = max(1, tot["ntok"])
-        return {"loss": tot["loss_sum"] / responses_in_step, "tokens": int(tot["ntok"]),
-                "logprob_diff": tot["diff_sum"] / n, "clip_frac": tot["clipped"] / n,
-                "kl": tot["kl_sum"] / n if self.kl_coef > 0 else 0.0,
-                "ratio_max": tot["ratio_max"] if tot["ntok"] else 1.0}
+            tot = merge_stats(tot, a or {})
+        self.step.add_stats(tot)
+        return {"loss": tot.get("loss_sum", 0.0) / responses_in_step, "tokens": int(tot.get("tokens", 0)),
+                **finish_stats(tot)}
 
     @driver.collective
     def optimizer_step(self) -> dict[str, float]:
-        """Finalise grads (DP sum, tied-embedding sync), clip, step, zero. Collective."""
+        """Finalise grads (DP sum, tied-embedding sync), scale them to the step's normaliser (``token_mean``), clip,
+        step, zero. Collective; the step's loss metrics on rank 0."""
         from megatron.core.distributed import finalize_model_grads
 
         with compat.scope():
             finalize_model_grads([self.ddp])
+            scale = self.step.gradient_scale()
+            if scale != 1.0:
+                self.ddp.scale_gradients(scale)
             ok, grad_norm, _ = self.opt.step()
             self.ddp.zero_grad_buffer()
             self.opt.zero_grad()
         if not ok:  # pragma: no cover - only with fp16 loss scaling
             raise RuntimeError("optimizer step skipped (inf/nan gradients)")
-        return {"grad_norm": float(grad_norm if grad_norm is not None else 0.0), "lr": self.lr}
+        return {"grad_norm": float(grad_norm if grad_norm is not None else 0.0), "lr": self.lr,
+                **self.step.finish()}
 
     @driver.collective
     def token_logprobs(self, batch: list[Sample], *, reference: bool = False) -> list[torch.Tensor]:

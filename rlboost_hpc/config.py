@@ -224,11 +224,43 @@ class TrainerCfg(_Strict):
     lr: float = Field(3e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
-    clip_eps: float = Field(0.2, gt=0, description=(
+    clip_eps: float = Field(D.CLIP_EPS, gt=0, description=(
         "PPO clip range ε of the GRPO loss. Inactive under this project's strict on-policy step (one optimizer step "
         "per RL step, every token drawn by the version being trained: the ratio π_θ/π_old is exactly 1, so nothing "
-        "is clipped and clip_frac is 0); it acts only if a step ever takes several optimizer steps"))
-    kl_coef: float = Field(0.0, ge=0, description="β of the k3 KL penalty to the reference policy; 0 skips the reference")
+        "is clipped and clip_frac is 0); it acts only if a step ever takes several optimizer steps. Also the band "
+        "of mismatch_outside_clip_share (engine vs trainer ratios)"))
+    clip_eps_high: float | None = Field(None, gt=0, description=(
+        "DAPO clip-higher (arXiv 2503.14476 §3.1): the ratio's upper bound is 1 + clip_eps_high (>= clip_eps; "
+        "unset: clip_eps). TRL epsilon_high, verl clip_ratio_high"))
+    loss_aggregation: Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"] = Field(
+        D.LOSS_AGGREGATION, description=(
+            "how token losses make the step's loss: seq_mean_token_mean = mean over responses of each response's "
+            "token mean (GRPO; TRL loss_type grpo); token_mean = one mean over every token of the step (DAPO; TRL "
+            "dapo/bnpo); seq_mean_token_sum_norm = each response's token sum / the response budget, mean over "
+            "responses (Dr. GRPO; TRL dr_grpo). verl loss_agg_mode with - for _"))
+    advantage_std_norm: bool = Field(D.ADVANTAGE_STD_NORM, description=(
+        "divide each group's centred rewards by the group's std (GRPO); false: centre only (Dr. GRPO). TRL "
+        "scale_rewards, verl norm_adv_by_std_in_grpo"))
+    kl_coef: float = Field(0.0, ge=0, description=(
+        "β of the KL penalty to the reference policy (estimator: trainer.kl_estimator); 0 skips the reference"))
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(D.KL_ESTIMATOR, description=(
+        "estimator of KL(policy ‖ reference) in the penalty and in the report's kl_to_reference: k1 = log ratio, "
+        "k2 = half its square, k3 = low_var_kl = exp(r) − r − 1 (Schulman 2020); the log ratio clamped to ±20 "
+        "nats and k3 to ±10 (verl's bounds), so one token far below the reference cannot dominate a step. verl "
+        "kl_loss_type"))
+    behaviour_correction: Literal["none", "tis", "mis"] = Field(D.BEHAVIOUR_CORRECTION, description=(
+        "importance correction of the engine–trainer mismatch with the engine's behaviour logprobs: tis = weight "
+        "each token's loss by min(π_trainer/π_engine, behaviour_cap) (truncated IS, verl PR #2953); mis = drop the "
+        "units whose ratio exceeds the cap (masked IS); none = measure only"))
+    behaviour_cap: float = Field(D.BEHAVIOUR_CAP, gt=0, description=(
+        "C: the cap of the importance ratio π_trainer/π_engine (verl rollout_is_threshold)"))
+    behaviour_level: Literal["token", "sequence"] = Field(D.BEHAVIOUR_LEVEL, description=(
+        "the importance ratio per token, or per response (the product over its generated tokens). verl "
+        "rollout_is_level"))
+    mask_truncated: bool = Field(D.MASK_TRUNCATED, description=(
+        "responses cut by a budget (rollout.max_new_tokens, task.max_turns, task.max_trajectory_tokens) carry no "
+        "loss; they still count in their group's advantages (DAPO overlong filtering; TRL "
+        "mask_truncated_completions)"))
     micro_batch: int = Field(16, ge=1, description="m_b: responses per micro-batch")
     step_timeout_s: float = Field(300.0, gt=0, description="deadline for collecting one step's responses")
     gpus: int | None = Field(None, ge=0, description=(
@@ -328,6 +360,10 @@ class RunConfig(_Strict):
         if p.t_seed_ceil_s is not None and p.t_seed_ceil_s < p.t_seed_floor_s:
             raise ValueError(f"policy.t_seed_ceil_s ({p.t_seed_ceil_s}) must be >= policy.t_seed_floor_s "
                              f"({p.t_seed_floor_s})")
+        tr = self.trainer
+        if tr.clip_eps_high is not None and tr.clip_eps_high < tr.clip_eps:
+            raise ValueError(f"trainer.clip_eps_high ({tr.clip_eps_high}) must be >= trainer.clip_eps "
+                             f"({tr.clip_eps})")
         t = self.task
         if t.max_turns == 1 and t.max_trajectory_tokens not in (0, self.rollout.max_new_tokens):
             raise ValueError("task.max_trajectory_tokens applies to multi-turn tasks only (task.max_turns > 1)")

@@ -40,3 +40,21 @@ BALANCE_EVERY_S = 0.5
 RELAY_FANOUT = 4
 #: Pullers the trainer serves at once while relay is on (``weights.relay_trainer_fanout``).
 RELAY_TRAINER_FANOUT = 2
+
+# GRPO objective (``trainer.*``; rlboost_hpc/trainer/algorithms/grpo.py ``GRPOOptions`` reads the same names).
+#: PPO clip range ε (``trainer.clip_eps``); the upper bound is 1 + ``trainer.clip_eps_high`` (None: ε).
+CLIP_EPS = 0.2
+#: How token losses become the step loss (``trainer.loss_aggregation``): GRPO's per-sequence token mean.
+LOSS_AGGREGATION = "seq_mean_token_mean"
+#: Divide group-centred rewards by the group's std (``trainer.advantage_std_norm``; Dr. GRPO turns it off).
+ADVANTAGE_STD_NORM = True
+#: The KL penalty's estimator (``trainer.kl_estimator``) — also the report's ``kl_to_reference`` estimator.
+KL_ESTIMATOR = "k3"
+#: Importance correction of the engine–trainer mismatch (``trainer.behaviour_correction``): none by default.
+BEHAVIOUR_CORRECTION = "none"
+#: Cap C of the importance ratio π_trainer/π_engine (``trainer.behaviour_cap``; Yao et al. use 2).
+BEHAVIOUR_CAP = 2.0
+#: Whether the ratio is per token or per sequence (``trainer.behaviour_level``).
+BEHAVIOUR_LEVEL = "token"
+#: Leave truncated responses out of the loss (``trainer.mask_truncated``; DAPO's overlong filtering): off.
+MASK_TRUNCATED = False

@@ -29,6 +29,19 @@ from rlboost_hpc.rundir import RunDir, advertised, write_endpoints, write_file_s
 log = logging.getLogger("rlboost.run")
 
 
+def grpo_options(cfg: RunConfig):
+    """The run's GRPO objective (:class:`~rlboost_hpc.trainer.algorithms.grpo.GRPOOptions`) from ``trainer.*``; the
+    ``seq_mean_token_sum_norm`` constant is the response (or trajectory) budget, ``cfg.trajectory_tokens()``."""
+    from rlboost_hpc.trainer.algorithms.grpo import GRPOOptions
+
+    t = cfg.trainer
+    return GRPOOptions(clip_eps=t.clip_eps, clip_eps_high=t.clip_eps_high, kl_coef=t.kl_coef,
+                       kl_estimator=t.kl_estimator, loss_aggregation=t.loss_aggregation,
+                       max_response_tokens=cfg.trajectory_tokens(), behaviour_correction=t.behaviour_correction,
+                       behaviour_cap=t.behaviour_cap, behaviour_level=t.behaviour_level,
+                       mask_truncated=t.mask_truncated)
+
+
 class RunServices:
     """The run's processes, threads and sockets (see the module docstring). Attributes once entered: ``keys``
     (``RunKeys`` or None without CURVE), ``server``, ``client``, ``mproc``, ``endpoint`` / ``weights_endpoint``
@@ -173,8 +186,8 @@ class RunServices:
 
     def _backend(self):
         cfg, t = self.cfg, self.cfg.trainer
-        common = dict(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, clip_eps=t.clip_eps,
-                      kl_coef=t.kl_coef, temperature=cfg.rollout.temperature)
+        common = dict(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, objective=grpo_options(cfg),
+                      temperature=cfg.rollout.temperature)
         if t.backend != "torch":  # e.g. megatron: provided by megatron_bridge through an entry point
             from rlboost_hpc.trainer.backends import plugin_backend
 

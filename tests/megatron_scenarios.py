@@ -25,8 +25,8 @@ from typing import Any, Mapping
 
 import torch
 
-from rlboost_hpc.trainer.algorithms.grpo import grpo_loss
-from rlboost_hpc.trainer.backends.base import Sample
+from rlboost_hpc.trainer.algorithms.grpo import GRPOOptions, finish_stats, grpo_loss, merge_stats, stats_to_floats
+from rlboost_hpc.trainer.backends.base import Sample, behaviour_tensor
 from rlboost_hpc.trainer.backends.torch_backend import pack
 
 __all__ = ["make_samples", "tiny_hf", "hf_model", "HFReference", "run_single", "run_parallel"]
@@ -43,7 +43,8 @@ def make_samples(n: int, vocab: int, seed: int, max_prompt: int = 9, max_resp: i
         out.append(Sample(prompt_ids=torch.randint(0, vocab, (P,), generator=g).tolist(),
                           response_ids=torch.randint(0, vocab, (R,), generator=g).tolist(),
                           behaviour_logprobs=(-3 * torch.rand(R, generator=g)).tolist(),
-                          advantage=float(torch.randn(1, generator=g))))
+                          advantage=float(torch.randn(1, generator=g)),
+                          finish_reason="length" if len(out) % 3 == 2 else "stop"))
     return out
 
 
@@ -108,6 +109,7 @@ class HFReference:
         self.grad_clip, self.clip_eps, self.kl_coef = grad_clip, clip_eps, kl_coef
         self.temperature = temperature if temperature > 0 else 1.0
         self.lr = lr
+        self.step_stats: dict[str, float] = {}
 
     def _logp(self, model, ids, att):
         logits = model(input_ids=ids, attention_mask=att.long()).logits[:, :-1].float() / self.temperature
@@ -122,15 +124,19 @@ class HFReference:
             with torch.no_grad():
                 ref = self._logp(self.ref, ids, att)
         adv = torch.tensor([s.advantage for s in batch], dtype=torch.float32)
-        loss_sum, m = grpo_loss(logp, old, adv, rmask, clip_eps=self.clip_eps, ref_logp=ref, kl_coef=self.kl_coef)
+        loss_sum, st = grpo_loss(logp, old, adv, rmask, GRPOOptions(clip_eps=self.clip_eps, kl_coef=self.kl_coef),
+                                 ref_logp=ref, behaviour_logp=behaviour_tensor(batch, tuple(old.shape)))
         (loss_sum / responses_in_step).backward()
-        return {"loss": float(loss_sum.detach()) / responses_in_step, "tokens": int(rmask.sum()), **m}
+        m = stats_to_floats(st)
+        self.step_stats = merge_stats(self.step_stats, m)
+        return {"loss": m["loss_sum"] / responses_in_step, "tokens": int(rmask.sum()), **finish_stats(m)}
 
     def optimizer_step(self):
         gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return {"grad_norm": float(gn), "lr": self.lr}
+        out, self.step_stats = {"grad_norm": float(gn), "lr": self.lr, **finish_stats(self.step_stats)}, {}
+        return out
 
     @torch.no_grad()
     def token_logprobs(self, batch, *, reference=False):
@@ -172,8 +178,9 @@ def _load(model: str, models_dir: Path):
 
 def parity(model: str, models_dir: Path, ckpt_root: Path, *, steps: int = 3, mb_kw: dict | None = None,
            check_ckpt: bool = True, check_shards: bool = True, lr: float = 1e-4, kl_coef: float = 0.05,
-           temperature: float = 0.9, seed: int = 0) -> dict[str, Any]:
-    """Megatron backend vs the reference on ``model``: logits, round trip, shards, RL steps, resume."""
+           temperature: float = 0.9, seed: int = 0, objective: Any = None) -> dict[str, Any]:
+    """Megatron backend vs the reference on ``model``: logits, round trip, shards, RL steps, resume. ``objective``:
+    GRPO options for both backends (stories260K only: the reference is then the torch backend)."""
     from megatron_bridge.backend import MegatronBackend
     from megatron_bridge.export import manifest_nbytes, pull_sharded
     from rlboost_hpc.trainer.backends.torch_backend import TorchBackend
@@ -182,6 +189,8 @@ def parity(model: str, models_dir: Path, ckpt_root: Path, *, steps: int = 3, mb_
     r: dict[str, Any] = {"model": model, "options": {k: str(v) for k, v in mb_kw.items()}}
     cfg_d, weights, sd, vocab, lcfg = _load(model, models_dir)
     kw = dict(lr=lr, grad_clip=1.0, clip_eps=0.2, kl_coef=kl_coef, temperature=temperature)
+    if objective is not None:
+        kw["objective"] = objective
     ref = TorchBackend(lcfg, sd, **kw) if lcfg is not None else HFReference(cfg_d, sd, **kw)
     t0 = time.perf_counter()
     mb = MegatronBackend(cfg_d, weights, shard_export=check_shards, **kw, **mb_kw)
@@ -225,6 +234,10 @@ def parity(model: str, models_dir: Path, ckpt_root: Path, *, steps: int = 3, mb_
         if check_ckpt and s == k_save:
             mb.save_checkpoint(ckpt, {"step": s, "data_seed": 1000 + s})
         batch = make_samples(8, vocab, seed=1000 + s)
+        if objective is not None:  # behaviour logprobs near the policy's (ratios around 1, some past the cap)
+            g = torch.Generator().manual_seed(s)
+            for smp, lp in zip(batch, ref.token_logprobs(batch)):
+                smp.behaviour_logprobs = (lp + 0.3 * torch.randn(lp.shape, generator=g)).tolist()
         row: dict[str, Any] = {"ref": [], "meg": []}
         ts = time.perf_counter()
         for part in (batch[:5], batch[5:]):
@@ -235,8 +248,10 @@ def parity(model: str, models_dir: Path, ckpt_root: Path, *, steps: int = 3, mb_
         row["meg_s"] = time.perf_counter() - ts
         row["loss_rel"] = max(_rel(a["loss"], b["loss"]) for a, b in zip(row["meg"], row["ref"]))
         row["grad_norm_rel"] = _rel(row["meg_step"]["grad_norm"], row["ref_step"]["grad_norm"])
-        row["metrics_rel"] = max(_rel(a[k], b[k]) for a, b in zip(row["meg"], row["ref"])
-                                 for k in ("clip_frac", "kl", "ratio_max"))
+        row["metrics_rel"] = max(_rel(a[k], b[k]) for a, b in zip(row["meg"] + [row["meg_step"]],
+                                                                   row["ref"] + [row["ref_step"]])
+                                 for k in STEP_METRICS if k in b)
+        row["step_metrics_ok"] = set(STEP_METRICS) <= set(row["meg_step"]) and set(STEP_METRICS) <= set(row["ref_step"])
         row["tokens_ok"] = all(a["tokens"] == b["tokens"] for a, b in zip(row["meg"], row["ref"]))
         r["steps"].append(row)
         last_losses = [m["loss"] for m in row["meg"]] + [row["meg_step"]["grad_norm"]]
@@ -266,6 +281,11 @@ def parity(model: str, models_dir: Path, ckpt_root: Path, *, steps: int = 3, mb_
     return r
 
 
+#: The loss and engine–trainer mismatch metrics both backends report, per micro-batch and per step.
+STEP_METRICS = ("clip_frac", "kl", "ratio_max", "logprob_diff", "logprob_diff_max", "mismatch_kl",
+                "mismatch_outside_clip_share", "mismatch_capped_share")
+
+
 def run_single(models_dir: Path, out: Path) -> dict[str, Any]:
     """World of one: every family, options (recompute, bf16, distributed optimizer) and the compat layer."""
     from megatron_bridge import compat
@@ -276,6 +296,11 @@ def run_single(models_dir: Path, out: Path) -> dict[str, Any]:
         tmp = Path(tmp)
         res["stories"] = parity("stories", models_dir, tmp)
         res["qwen3"] = parity("qwen3", models_dir, tmp, check_ckpt=False)
+        # every option of the objective at once: the same loss, gradient and metrics as the torch backend
+        res["stories-objective"] = parity("stories", models_dir, tmp, check_ckpt=False, check_shards=False, objective=(
+            GRPOOptions(clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.05, kl_estimator="low_var_kl",
+                        loss_aggregation="token_mean", behaviour_correction="tis", behaviour_cap=1.5,
+                        behaviour_level="sequence", mask_truncated=True)))
         res["qwen2-tied"] = parity("qwen2-tied", models_dir, tmp, steps=1, check_ckpt=False, check_shards=False)
         res["llama-untied"] = parity("llama", models_dir, tmp, steps=1, check_ckpt=False, check_shards=False)
         # bf16 + distributed optimizer: numbers within bf16 rounding, resume still exact

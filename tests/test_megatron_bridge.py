@@ -210,7 +210,7 @@ def check_parity(r: dict, *, logprob_tol: float = 1e-4, weight_tol: float = 1e-4
     for row in r["steps"]:
         assert row["tokens_ok"]
         assert row["loss_rel"] <= rl_tol and row["grad_norm_rel"] <= rl_tol, row
-        assert row["metrics_rel"] <= 10 * rl_tol, row
+        assert row["metrics_rel"] <= 10 * rl_tol and row["step_metrics_ok"], row
     assert r["logprobs_policy_lens_ok"] and r["logprobs_reference_lens_ok"]
     assert r["logprobs_policy_maxabs"] <= logprob_tol and r["logprobs_reference_maxabs"] <= 2e-5
     assert r["weights_after_maxabs"] <= weight_tol
@@ -219,11 +219,14 @@ def check_parity(r: dict, *, logprob_tol: float = 1e-4, weight_tol: float = 1e-4
         assert r["resume"]["extra"] == {"step": len(r["steps"]) - 1, "data_seed": 1000 + len(r["steps"]) - 1}
 
 
-@pytest.mark.parametrize("model", ["stories", "qwen3", "qwen2-tied", "llama-untied"])
+@pytest.mark.parametrize("model", ["stories", "qwen3", "qwen2-tied", "llama-untied", "stories-objective"])
 def test_tp1_matches_the_reference(single, model):
     """Logits vs transformers (≤1e-5 rel+abs, fp32), export round trip, sharded pull, GRPO losses/metrics/grad
-    norms vs TorchBackend (stories260K) or the same step on transformers (Qwen3/Qwen2/Llama), resume."""
-    check_parity(single[model])
+    norms vs TorchBackend (stories260K) or the same step on transformers (Qwen3/Qwen2/Llama), resume; with every
+    objective option at once (token_mean, clip-higher, low_var_kl, sequence-level TIS, truncation mask) against
+    the torch backend's same options: one loss implementation. (There the sequence-level importance weight
+    exp(Σ_t Δ logprob) compounds the backends' per-token logprob difference, ≤ 2e-5, over a response: 1e-4.)"""
+    check_parity(single[model], rl_tol=1e-4 if model == "stories-objective" else 1e-5)
 
 
 def test_tp1_resume_reproduces_the_next_step_exactly(single):

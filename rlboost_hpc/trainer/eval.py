@@ -5,9 +5,11 @@ Invariants:
   and "after" see the same random draws and differ only by the weights. Prompts are encoded exactly as the
   trainer encodes them (:meth:`rlboost_hpc.tasks.base.Task.prompt_ids`: the chat template when the tokenizer
   is in chat mode), and responses stop at the model's stop tokens.
-- :func:`kl_to_reference` is the k3 estimator of KL(π_θ ‖ π_ref) per token, on responses sampled from π_θ:
-  mean over tokens of ``exp(r) − r − 1`` with ``r = log π_ref(t) − log π_θ(t)`` (unbiased, never negative;
-  Schulman, "Approximating KL divergence", 2020), both logprobs at the sampling temperature.
+- :func:`kl_to_reference` estimates KL(π_θ ‖ π_ref) per token on responses sampled from π_θ with the trainer's own
+  estimator (``trainer.kl_estimator``, default k3: mean over tokens of ``exp(r) − r − 1`` with ``r = log π_ref(t) −
+  log π_θ(t)``; Schulman, "Approximating KL divergence", 2020) and its bounds (``r`` clamped to ±20 nats, k3 to ±10:
+  :func:`~rlboost_hpc.trainer.algorithms.grpo.kl_estimate`), both logprobs at the sampling temperature — so one
+  token far below the reference moves the quality gate by at most 10 nats ÷ the tokens evaluated.
 """
 from __future__ import annotations
 
@@ -16,12 +18,14 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from rlboost_hpc import defaults as D
 from rlboost_hpc.models.arch import ModelArch
 from rlboost_hpc.rollout.engines.base import GenRequest, SamplingParams
 from rlboost_hpc.rollout.engines.torch_engine import TorchEngine, generate_all
 from rlboost_hpc.tasks.base import Task
 from rlboost_hpc.tasks.stories import repetition_rate
 from rlboost_hpc.tasks.tools import ToolCalls, turn_seed
+from rlboost_hpc.trainer.algorithms.grpo import kl_estimate
 from rlboost_hpc.trainer.backends.base import Sample, TrainerBackend
 
 
@@ -141,12 +145,14 @@ def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, ta
     }
 
 
-def kl_to_reference(backend: TrainerBackend, samples: list[Sample], batch: int = 16) -> float:
-    """k3 estimate of KL(π_θ ‖ π_ref) in nats per token over ``samples`` drawn from π_θ (module docstring); the
-    tokens of ``Sample.loss_mask`` only, when given (a trajectory's observations were not drawn from π_θ).
+def kl_to_reference(backend: TrainerBackend, samples: list[Sample], batch: int = 16,
+                    estimator: str = D.KL_ESTIMATOR) -> float:
+    """Estimate of KL(π_θ ‖ π_ref) in nats per token over ``samples`` drawn from π_θ with ``estimator`` (one of
+    ``grpo.KL_ESTIMATORS``, bounded as in the loss; module docstring); the tokens of ``Sample.loss_mask`` only, when
+    given (a trajectory's observations were not drawn from π_θ).
 
     Raises:
-        ValueError: the backend keeps no reference policy.
+        ValueError: the backend keeps no reference policy; an unknown estimator.
     """
     num, den = 0.0, 0
     for i in range(0, len(samples), batch):
@@ -156,11 +162,11 @@ def kl_to_reference(backend: TrainerBackend, samples: list[Sample], batch: int =
         pol = backend.token_logprobs(part)
         ref = backend.token_logprobs(part, reference=True)
         for smp, a, b in zip(part, pol, ref):
-            r = (b - a).double()
+            kl = kl_estimate(a.double(), b.double(), estimator)
             if smp.loss_mask is not None:  # observation tokens were not drawn from π_θ
-                r = r[torch.tensor(smp.loss_mask, dtype=torch.bool)]
-            num += float((torch.exp(r) - r - 1.0).sum())
-            den += r.numel()
+                kl = kl[torch.tensor(smp.loss_mask, dtype=torch.bool)]
+            num += float(kl.sum())
+            den += kl.numel()
     return num / max(1, den)
 
 

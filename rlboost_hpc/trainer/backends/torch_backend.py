@@ -3,9 +3,11 @@
 Invariants: the parameters and AdamW state are fp32 on ``device``; with a lower ``dtype`` (bf16, the GPU
 default) forward passes run under ``torch.autocast`` in that dtype (mixed precision: fp32 master weights),
 while logprobs, losses and gradients' accumulation stay fp32. ``old_logp`` is recomputed by the trainer, not
-taken from the rollout engine: with one optimizer step per RL step θ_old = θ at every micro-batch, so the recomputed old logprob is exactly ``logp.detach()``
-of the same forward pass (no second pass needed); the engine's behaviour logprobs are only compared
-(``logprob_diff``) to catch trainer/engine mismatch. The parameters live in one flat fp32 tensor laid out like the
+taken from the rollout engine: with one optimizer step per RL step θ_old = θ at every micro-batch, so the recomputed old
+logprob is exactly ``logp.detach()`` of the same forward pass (no second pass needed). The engine's behaviour
+logprobs measure the engine–trainer mismatch every step (``logprob_diff`` and the ``mismatch_*`` metrics) and, with
+``GRPOOptions.behaviour_correction``, weight the loss (TIS/MIS: :func:`~rlboost_hpc.trainer.algorithms.grpo.
+behaviour_weights`). The parameters live in one flat fp32 tensor laid out like the
 wire buffer of ``wire_dtype`` (:class:`~rlboost_hpc.weights.layout.FlatState`): exporting is a view, publishing
 one cast-copy whatever the number of tensors; a tied head is its embedding, so it is not exported twice.
 """
@@ -19,8 +21,9 @@ import torch
 
 from rlboost_hpc.models.arch import ModelArch
 from rlboost_hpc.models.llama import LlamaModel
-from rlboost_hpc.trainer.algorithms.grpo import grpo_loss
-from rlboost_hpc.trainer.backends.base import Sample, TrainerBackend
+from rlboost_hpc.trainer.algorithms.grpo import GRPOOptions, finish_stats, grpo_loss, stats_to_floats
+from rlboost_hpc.trainer.backends.base import (Sample, StepAccumulator, TrainerBackend, behaviour_tensor,
+                                              truncated_tensor)
 from rlboost_hpc.weights.layout import FlatState
 
 
@@ -59,13 +62,17 @@ class TorchBackend(TrainerBackend):
             reference), in ``dtype`` on ``device``.
         wire_dtype: the dtype versions are published in (None: fp32), which the flat parameter layout follows
             (another publish dtype still works, tensor by tensor).
+        objective: the GRPO objective's options (None: ``GRPOOptions(clip_eps=clip_eps, kl_coef=kl_coef)``; when
+            given, ``clip_eps`` and ``kl_coef`` are ignored).
     """
 
     def __init__(self, config: ModelArch, state_dict: Mapping[str, torch.Tensor], *, lr: float,
                  weight_decay: float = 0.0, grad_clip: float = 1.0, clip_eps: float = 0.2,
                  kl_coef: float = 0.0, temperature: float = 1.0, keep_reference: bool = True,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 wire_dtype: torch.dtype | None = torch.bfloat16) -> None:
+                 wire_dtype: torch.dtype | None = torch.bfloat16, objective: GRPOOptions | None = None) -> None:
+        objective = objective or GRPOOptions(clip_eps=clip_eps, kl_coef=kl_coef)
+        kl_coef = objective.kl_coef
         self.device = torch.device(device)
         self.amp_dtype = None if dtype == torch.float32 else dtype
         self.model = LlamaModel.from_state_dict(config, dict(state_dict), device=self.device)
@@ -76,7 +83,8 @@ class TorchBackend(TrainerBackend):
             self.ref = LlamaModel.from_state_dict(config, dict(state_dict), device=self.device, dtype=dtype)
             self.ref.eval().requires_grad_(False)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999))
-        self.grad_clip, self.clip_eps, self.kl_coef = grad_clip, clip_eps, kl_coef
+        self.grad_clip, self.objective = grad_clip, objective
+        self.step = StepAccumulator(objective)
         self.temperature = temperature if temperature > 0 else 1.0
         self.lr = lr
 
@@ -94,26 +102,29 @@ class TorchBackend(TrainerBackend):
         logp = self._logp(self.model, ids, att)
         old = logp.detach()
         ref = None
-        if self.kl_coef > 0:
+        if self.objective.kl_coef > 0:
             with torch.no_grad():
                 ref = self._logp(self.ref, ids, att)
         adv = torch.tensor([s.advantage for s in batch], dtype=torch.float32, device=self.device)
-        loss_sum, m = grpo_loss(logp, old, adv, rmask, clip_eps=self.clip_eps, ref_logp=ref, kl_coef=self.kl_coef)
+        loss_sum, st = grpo_loss(logp, old, adv, rmask, self.objective, ref_logp=ref,
+                                 behaviour_logp=behaviour_tensor(batch, tuple(old.shape), self.device),
+                                 truncated=truncated_tensor(batch, self.device))
         (loss_sum / responses_in_step).backward()
-        beh = torch.zeros_like(old)
-        for i, s in enumerate(batch):
-            P = len(s.prompt_ids)
-            beh[i, P - 1 : P - 1 + len(s.response_ids)] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32,
-                                                                       device=self.device)
-        ntok = int(rmask.sum())
-        diff = float(((old - beh).abs() * rmask).sum() / max(1, ntok))
-        return {"loss": float(loss_sum.detach()) / responses_in_step, "tokens": ntok, "logprob_diff": diff, **m}
+        stats = stats_to_floats(st)
+        self.step.add_batch(batch, responses_in_step)
+        self.step.add_stats(stats)
+        return {"loss": stats["loss_sum"] / responses_in_step, "tokens": int(stats["tokens"]), **finish_stats(stats)}
 
     def optimizer_step(self) -> dict[str, float]:
+        scale = self.step.gradient_scale()
+        if scale != 1.0:  # token_mean: the step's token count is known now (see StepAccumulator)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
         gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return {"grad_norm": float(gn), "lr": self.lr}
+        return {"grad_norm": float(gn), "lr": self.lr, **self.step.finish()}
 
     def export_weights(self) -> Mapping[str, torch.Tensor]:
         """The parameters as a :class:`FlatState` (fp32 views of the live weights; no copy). A tied
