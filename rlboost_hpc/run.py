@@ -112,6 +112,30 @@ def tool_stop_ids(cfg: RunConfig, tok) -> tuple[int, ...]:
     return (int(tid),)
 
 
+#: The step metrics (``metrics.jsonl``) of the engine–trainer mismatch that the manager's gauges show.
+MISMATCH_KEYS = ("logprob_diff", "logprob_diff_max", "mismatch_kl", "mismatch_outside_clip_share",
+                 "mismatch_capped_share")
+
+
+#: The ``trainer.*`` keys of the GRPO objective (the report's ``objective``).
+OBJECTIVE_KEYS = {"loss_aggregation", "advantage_std_norm", "clip_eps", "clip_eps_high", "kl_coef", "kl_estimator",
+                  "behaviour_correction", "behaviour_cap", "behaviour_level", "mask_truncated"}
+
+
+def check_behaviour_logprobs(cfg: RunConfig) -> None:
+    """Importance correction needs the engine's behaviour logprobs of every token.
+
+    Raises:
+        ConfigError: ``trainer.behaviour_correction`` is on and ``rollout.engine`` returns no logprobs (named).
+    """
+    from rlboost_hpc.rollout.engines.factory import returns_behaviour_logprobs
+
+    if cfg.trainer.behaviour_correction != "none" and not returns_behaviour_logprobs(cfg.rollout.engine):
+        raise ConfigError(f"trainer.behaviour_correction = {cfg.trainer.behaviour_correction} needs the behaviour "
+                          f"logprob of every token, and rollout.engine = {cfg.rollout.engine} returns none; use "
+                          "trainer.behaviour_correction = none or an engine that returns logprobs")
+
+
 def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True, run_id: str | None = None) -> dict:
     """Run the configured job; returns the report (:class:`~rlboost_hpc.observe.run_report.RunReport` as a
     dict, also written to ``out_dir/report.json``).
@@ -149,12 +173,14 @@ class RunSetup:
         """Load the model and task and check them against the config.
 
         Raises:
-            ConfigError: the response (or trajectory) budget plus the longest prompt exceeds the model's context;
+            ConfigError: behaviour correction with an engine that returns no logprobs; the response (or
+                trajectory) budget plus the longest prompt exceeds the model's context;
                 ``task.tool_call_close`` is not one token; a device or dtype the machine lacks.
         """
         from rlboost_hpc.models.device import resolve_device, resolve_dtype
         from rlboost_hpc.tasks.base import get_task
 
+        check_behaviour_logprobs(cfg)
         policy = load_model(cfg)
         arch, tok = policy.arch, policy.tokenizer
         task = get_task(cfg.task.name, n_train=cfg.task.train_prompts, n_heldout=cfg.task.heldout_prompts)
@@ -295,7 +321,8 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
             # (the checkpoint keeps the step as it was before its own save: its phases sum to its wall time too)
             add_phase(m, Phase.CHECKPOINT, time.monotonic() - t_after)
             svc.client.send(M.StepTimes(step=step, wall_s=m["wall_s"], phases=m["phase_s"],
-                                        fixed_overhead_s=m["fixed_overhead_s"]))
+                                        fixed_overhead_s=m["fixed_overhead_s"],
+                                        mismatch={k: float(m[k]) for k in MISMATCH_KEYS if k in m}))
             metrics_f.write(json.dumps(m) + "\n")
             metrics_f.flush()
             view.update(m)
@@ -306,13 +333,14 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
     final = svc.client.stats()
     served = svc.publisher.served()  # what the trainer sent (the rest of weight_pulled_bytes came from relay peers)
     after = held_out.evaluate(trainer.version, keep_samples=True)
-    kl = kl_to_reference(svc.backend, after.pop("sampled"))
+    kl = kl_to_reference(svc.backend, after.pop("sampled"), estimator=cfg.trainer.kl_estimator)
     model_out = str(save_model_dir(rd.model, setup.policy, _exported(cfg, svc, trainer.version))) \
         if cfg.trainer.export_model else None
     cluster = svc.cluster.summary() if svc.cluster else None
     report = build_report(
         steps=steps, stats=final, tally=resume.tally + FaultTally.observe(final, cluster), totals=trainer.totals,
-        before=before, after=after, kl=kl, model=setup.model_info(), model_out=model_out,
+        before=before, after=after, kl=kl, objective=cfg.trainer.model_dump(include=OBJECTIVE_KEYS),
+        model=setup.model_info(), model_out=model_out,
         publishes=svc.publisher.history, served=served, rewards_timed_out=svc.rewards.timed_out,
         reward_workers_replaced=svc.rewards.replaced, n_resv=n_resv, n_resv_source=n_resv_source,
         rollout_engine=cfg.rollout.engine,
@@ -349,7 +377,8 @@ def _trainer(cfg: RunConfig, svc: RunServices, setup: RunSetup, n_resv: float):
                             max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                             micro_batch=t.micro_batch,
                             step_timeout_s=t.step_timeout_s, seed=t.seed, max_turns=cfg.task.max_turns,
-                            max_trajectory_tokens=cfg.trajectory_tokens(), tool_stop_ids=setup.tool_stops)
+                            max_trajectory_tokens=cfg.trajectory_tokens(), tool_stop_ids=setup.tool_stops,
+                            advantage_std_norm=t.advantage_std_norm)
     controller = RolloutController(
         n_resv=n_resv, use_cap=pol.cap,
         seeding=SeedingWindow(initial_s=pol.t_seed_initial_s, eta=pol.eta, floor_s=pol.t_seed_floor_s,

@@ -84,6 +84,55 @@ def test_cli_unknown_config_key_exits_2(tmp_path):
     assert p.returncode == 2 and "trainer.stepz" in p.stderr
 
 
+@pytest.mark.parametrize("override, needle", [
+    ("trainer.loss_aggregation='sum'", "trainer.loss_aggregation"),
+    ("trainer.kl_estimator='k4'", "trainer.kl_estimator"),
+    ("trainer.behaviour_correction='is'", "trainer.behaviour_correction"),
+    ("trainer.behaviour_level='batch'", "trainer.behaviour_level"),
+    ("trainer.behaviour_cap=0", "trainer.behaviour_cap"),
+    ("trainer.behaviour_cap=-1.5", "trainer.behaviour_cap"),
+    ("trainer.clip_eps_high=0.1", "trainer.clip_eps_high"),
+    ("trainer.clip_eps_high=0", "trainer.clip_eps_high"),
+    ("trainer.advantage_std_norm='maybe'", "trainer.advantage_std_norm"),
+])
+def test_grpo_options_refuse_unknown_modes_and_bad_numbers_naming_the_key(override, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_grpo_options_load_with_their_defaults_and_overrides(repo_root):
+    t = load_config(repo_root / "configs/local.toml").trainer
+    assert (t.loss_aggregation, t.advantage_std_norm, t.kl_estimator, t.behaviour_correction, t.behaviour_cap,
+            t.behaviour_level, t.mask_truncated, t.clip_eps_high) == ("seq_mean_token_mean", True, "k3", "none", 2.0,
+                                                                     "token", False, None)
+    t = load_config(None, ["trainer.clip_eps_high=0.28", "trainer.loss_aggregation='token_mean'",
+                           "trainer.behaviour_correction='mis'", "trainer.mask_truncated=true"]).trainer
+    assert t.clip_eps_high == 0.28 and t.loss_aggregation == "token_mean" and t.behaviour_correction == "mis"
+
+
+def test_a_bad_grpo_option_exits_2_naming_the_key(tmp_path):
+    p = _run_cli("run", "--out", str(tmp_path / "o"), "--set", "trainer.clip_eps_high=0.1")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "trainer.clip_eps_high" in p.stderr and "trainer.clip_eps" in p.stderr
+
+
+def test_behaviour_correction_with_an_engine_that_returns_no_logprobs_is_refused_naming_the_engine(monkeypatch):
+    """The check runs before the model loads (RunSetup.load); ConfigError is BadInput: exit 2."""
+    from rlboost_hpc.errors import BadInput
+    from rlboost_hpc.rollout.engines import factory
+    from rlboost_hpc.run import RunSetup
+
+    cfg = load_config(None, ["rollout.engine='sglang'", "trainer.behaviour_correction='tis'"])
+    monkeypatch.setitem(factory.BEHAVIOUR_LOGPROBS, "sglang", False)
+    with pytest.raises(ConfigError, match="rollout.engine = sglang returns none") as e:
+        RunSetup.load(cfg)
+    assert isinstance(e.value, BadInput) and "trainer.behaviour_correction = tis" in str(e.value)
+    monkeypatch.setitem(factory.BEHAVIOUR_LOGPROBS, "sglang", True)
+    from rlboost_hpc.run import check_behaviour_logprobs
+
+    check_behaviour_logprobs(cfg)  # both engines of the project return them
+
+
 def test_top_p_below_1_is_refused_naming_the_key(tmp_path):
     """Regression (issue 16): top_p < 1 was accepted although the trainer scores tokens under the full softmax
     (drawn from the renormalised nucleus, trained under another distribution)."""

@@ -93,7 +93,9 @@ def test_scraped_metrics_follow_prometheus_conventions(tmp_path):
         client.call(M.SetVersion(version=0))
         client.call(M.Register(job_id="j", attempt=0, kind="preemptible", max_batch=4))
         client.call(M.WeightsLoaded(version=0, checksum=1, nbytes=1, pull_s=0.3, load_s=0.0))
-        client.send(M.StepTimes(step=0, wall_s=3.0, phases={"seeding": 2.0, "train": 1.0}, fixed_overhead_s=0.25))
+        client.send(M.StepTimes(step=0, wall_s=3.0, phases={"seeding": 2.0, "train": 1.0}, fixed_overhead_s=0.25,
+                                mismatch={"logprob_diff": 0.046, "logprob_diff_max": 0.385, "mismatch_kl": 0.002,
+                                          "mismatch_outside_clip_share": 0.013, "mismatch_capped_share": 0.001}))
         time.sleep(1.0)  # one snapshot refresh
         manager_text = urllib.request.urlopen(url, timeout=10).read().decode()
     finally:
@@ -132,6 +134,12 @@ def test_scraped_metrics_follow_prometheus_conventions(tmp_path):
     assert 'rlboost_step_phase_seconds_total{phase="seeding",run="r42"} 2.0' in manager_text
     assert 'rlboost_step_fixed_overhead_seconds_total{run="r42"} 0.25' in manager_text
     assert types["rlboost_rollout_instance_seconds"] == "counter"
+    # the trainer's engine–trainer mismatch of its last step, as gauges in base units (nats, ratios)
+    assert 'rlboost_step_logprob_diff_nats{run="r42"} 0.046' in manager_text
+    assert 'rlboost_step_logprob_diff_max_nats{run="r42"} 0.385' in manager_text
+    assert 'rlboost_step_mismatch_kl_nats{run="r42"} 0.002' in manager_text
+    assert 'rlboost_step_mismatch_outside_clip_ratio{run="r42"} 0.013' in manager_text
+    assert 'rlboost_step_mismatch_capped_ratio{run="r42"} 0.001' in manager_text
     assert 'rlboost_instance_activity_seconds_total{activity="idle",rollout_instance="j#0",run="r42"}' in manager_text
     for job in ("rlboost-manager", "rlboost-scavenger"):
         sd_dir = tmp_path if job == "rlboost-manager" else run_dir

@@ -4,22 +4,25 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from rlboost_hpc.policy.controller import RolloutController
 from rlboost_hpc.policy.seeding import SeedingWindow
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.stats import ManagerStats, StepActivity
 from rlboost_hpc.tasks.base import get_task
-from rlboost_hpc.trainer.loop import RLTrainer, StepSettings
+from rlboost_hpc.trainer.loop import RLTrainer, RolloutFailed, StepSettings
 
 
 class ScriptedManager:
     """Answers the trainer's calls; delivers every submitted group at once, stamping the tokens of one response
     with ``bad_version`` in its last ``bad_tokens`` tokens (an engine that stamped a wrong version)."""
 
-    def __init__(self, bad_version: int | None = None, bad_tokens: int = 0) -> None:
+    def __init__(self, bad_version: int | None = None, bad_tokens: int = 0,
+                 reasons: tuple[str, ...] = ("length",)) -> None:
         self.events: list = []
         self.bad_version, self.bad_tokens = bad_version, bad_tokens
+        self.reasons = reasons  # finish_reason of response i: reasons[i % len(reasons)]
 
     def call(self, msg, timeout_s=None):
         if isinstance(msg, M.SubmitStep):
@@ -32,7 +35,8 @@ class ScriptedManager:
                         runs = [msg.version, n - self.bad_tokens, self.bad_version, self.bad_tokens]
                     rs.append(M.Response(rid=f"{g.gid}/{i}", sample=i, ids=M.pack_i32([5, 6, 7, 8]),
                                          logprobs=M.pack_f32([-1.0] * n), version_runs=np.array(runs, "<i4").tobytes(),
-                                         finish_reason="length", migrations=0, instances=["x#0"]))
+                                         finish_reason=self.reasons[i % len(self.reasons)], migrations=0,
+                                         instances=["x#0"]))
                 self.events.append(M.GroupDone(step=msg.step, gid=g.gid, responses=rs))
         return M.Ok(what=type(msg).__name__)
 
@@ -49,18 +53,21 @@ class ScriptedManager:
 class CountingBackend:
     def __init__(self) -> None:
         self.trained = 0
+        self.samples = []
 
     def accumulate(self, batch, responses_in_step):
         self.trained += len(batch)
+        self.samples += batch
         return {"loss": 0.0, "tokens": sum(len(s.response_ids) for s in batch)}
 
     def optimizer_step(self):
         return {"grad_norm": 0.0, "lr": 0.0}
 
 
-def _trainer(manager) -> RLTrainer:
+def _trainer(manager, **settings) -> RLTrainer:
     tok = SimpleNamespace(use_chat=False, stop_ids=(1, 2), encode_text=lambda t: [1, 3, 4], decode=lambda ids: "x")
-    s = StepSettings(prompts_per_step=2, group_size=4, max_new_tokens=8, temperature=1.0, top_p=1.0, micro_batch=4)
+    s = StepSettings(prompts_per_step=2, group_size=4, max_new_tokens=8, temperature=1.0, top_p=1.0, micro_batch=4,
+                     **settings)
     fixed = RolloutController(n_resv=1.0, seeding=SeedingWindow(initial_s=0.0, adapt=False))  # T_seed = 0
     return RLTrainer(client=manager, backend=CountingBackend(), task=get_task("stories"), tokenizer=tok, settings=s,
                      publish=lambda v: {}, controller=fixed)
@@ -100,3 +107,32 @@ def test_a_group_delivered_twice_is_trained_once_and_acknowledged_again():
     t.run_step(0)
     assert t.totals.responses_trained == 8 and t.totals.responses_duplicated == 0
     assert t.totals.groups_redelivered == 2 and sorted(acks) == ["s-1g0", "s0g0", "s0g0", "s0g1"]
+
+
+def test_why_each_response_ended_reaches_the_trainer_and_its_metrics():
+    """finish_reason travels with every response into its Sample; the step's truncated share by cause is in its
+    metrics and the run's totals; an unknown reason fails the step (never trained as if it had stopped)."""
+    t = _trainer(ScriptedManager(reasons=("stop", "length", "turn_cap", "stop")))
+    m = t.run_step(0)
+    got = [smp.finish_reason for smp in t.backend.samples]
+    assert got == ["stop", "length", "turn_cap", "stop"] * 2
+    assert [smp.truncated for smp in t.backend.samples[:4]] == [False, True, True, False]
+    assert m["truncated_share"] == 0.5
+    assert m["truncated_share_by_cause"] == {"length": 0.25, "turn_cap": 0.25, "trajectory_budget": 0.0,
+                                             "environment_error": 0.0}
+    assert t.totals.responses_truncated_by_cause == {"length": 2, "turn_cap": 2}
+    bad = _trainer(ScriptedManager(reasons=("abort",)))
+    with pytest.raises(RolloutFailed, match="unknown reason 'abort'"):
+        bad.run_step(0)
+
+
+def test_advantages_follow_the_std_option():
+    """Rewards 1, 0, 0, 0 and 1, 1, 0, 0 in the step's two groups: GRPO divides the centred rewards by the group's
+    std; with advantage_std_norm off (Dr. GRPO) the advantages are the centred rewards."""
+    for norm, want in ((True, [1.7320508, -0.5773503, -0.5773503, -0.5773503, 1.0, 1.0, -1.0, -1.0]),
+                       (False, [0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5])):
+        t = _trainer(ScriptedManager(), advantage_std_norm=norm)
+        rewards = iter([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+        t.score = lambda items: [next(rewards) for _ in items]
+        t.run_step(0)
+        assert [smp.advantage for smp in t.backend.samples] == pytest.approx(want, abs=1e-5)

@@ -121,7 +121,66 @@ def test_an_observation_that_leaves_no_room_ends_the_trajectory():
     take(core)
     observe(core, "s0g0/0", 0, [90, 91, 92, 93])  # 6 + 4 = 10: no token left for a next turn
     (done,) = take(core, TRAINER, M.GroupDone)
-    assert done.responses[0].finish_reason == "length" and len(done.responses[0].ids) == 24
+    assert done.responses[0].finish_reason == "trajectory_budget" and len(done.responses[0].ids) == 24
+    assert core.stats().responses_truncated_by_cause == {"trajectory_budget": 1}
+
+
+@pytest.mark.parametrize("turns, total, script, reason", [
+    # a single turn cut by rollout.max_new_tokens (6)
+    (1, 6, [([7, 8, 9, 10, 11, 12], "length")], "length"),
+    # the model's stop token: not truncated
+    (3, 30, [([7, EOS], "stop")], "stop"),
+    # a stop token exactly at the budget is still a stop
+    (1, 6, [([7, 8, 9, 10, 11, EOS], "stop")], "stop"),
+    # turn 2 of 2 ends with a tool call that is never answered: the turn cap
+    (2, 30, [([7, DOT], "stop", [90]), ([8, DOT], "stop")], "turn_cap"),
+    # turn 2 is cut by what the trajectory has left (12 − 6 − 2 = 4 < 6): the trajectory budget
+    (3, 12, [([7, 8, 9, 10, 11, DOT], "stop", [90, 91]), ([1, 2, 3, 4], "length")], "trajectory_budget"),
+    # turn 2 is cut by its own max_new_tokens while the trajectory has room: length
+    (3, 30, [([7, DOT], "stop", [90]), ([1, 2, 3, 4, 5, 6], "length")], "length"),
+    # a tool call that fills the trajectory exactly: no room for its answer
+    (3, 6, [([7, 8, 9, 10, 11, DOT], "stop")], "trajectory_budget"),
+])
+def test_every_response_carries_why_it_ended(turns, total, script, reason):
+    """The manager knows why a response or trajectory ended and tells the trainer (``finish_reason``): the model
+    stopped, or a budget cut it — rollout.max_new_tokens (``length``), task.max_turns (``turn_cap``),
+    task.max_trajectory_tokens (``trajectory_budget``); truncations are counted by cause."""
+    core = started(spec(max_new=6, turns=turns, total=total))
+    for turn, (ids, fin, *obs) in enumerate(script):
+        if turn:
+            core.tick()
+            take(core)
+        core.on_message(b"a", tok("s0g0/0", 0, ids, M.FINISH_CODES[fin]))
+        if obs:
+            observe(core, "s0g0/0", turn, obs[0])
+    (done,) = take(core, TRAINER, M.GroupDone)
+    assert done.responses[0].finish_reason == reason
+    assert core.stats().responses_truncated_by_cause == ({} if reason == "stop" else {reason: 1})
+
+
+def test_truncations_are_a_prometheus_counter_by_cause():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from rlboost_hpc.observe.metrics import ManagerMetrics
+
+    core = started(spec(n=2, max_new=6, turns=2))
+    core.on_message(b"a", tok("s0g0/0", 0, [7, 8, 9, 10, 11, 12], M.FINISH_LENGTH))
+    core.on_message(b"a", tok("s0g0/1", 0, [7, EOS], M.FINISH_STOP))
+    metrics = ManagerMetrics("r")
+    metrics.refresh(core)
+    reg = CollectorRegistry()
+    reg.register(metrics)
+    text = generate_latest(reg).decode()
+    assert 'rlboost_responses_truncated_total{cause="length",run="r"} 1.0' in text
+    assert 'cause="turn_cap"' not in text  # parts that happened; no zero-filled sentinels
+
+
+def test_an_environment_that_cannot_answer_ends_the_trajectory_as_an_environment_error():
+    core = started(spec())
+    core.on_message(b"a", tok("s0g0/0", 0, [7, DOT], M.FINISH_STOP))
+    observe(core, "s0g0/0", 0, [], status="error")  # not even an error observation could be rendered
+    (done,) = take(core, TRAINER, M.GroupDone)
+    assert done.responses[0].finish_reason == "environment_error"
 
 
 def test_the_last_turn_never_calls_the_environment():

@@ -129,6 +129,7 @@ class ManagerCore(TrainerCalls):
         self.step_seconds: list[float] = []
         self.step_phase_s: dict[str, float] = {}
         self.step_fixed_overhead_s = 0.0
+        self.last_step_mismatch: dict[str, float] = {}  # the trainer's engine–trainer mismatch of its last step
         self.clock = clock
         self.policy_decision: M.PolicyState | None = None  # the controller's last T_seed and N_prem cap
         self._told_unknown: dict[bytes, float] = {}
@@ -159,6 +160,7 @@ class ManagerCore(TrainerCalls):
         self.failed_step: str | None = None
         self.counters = ManagerCounters()  # every counter is a field: a misspelt one fails where it is used
         self.migrations_by_turn: dict[str, int] = {}  # partial responses migrated, by the turn they were in
+        self.responses_truncated_by_cause: dict[str, int] = {}  # finished responses cut by a budget (M.TRUNCATION_CAUSES)
         self.pull_seconds: list[float] = []
         # partial responses handed off by / resumed on instances of each engine kind ("torch", "sglang")
         self.migrations_by_engine: dict[str, dict[str, int]] = {"out_of": {}, "into": {}}
@@ -488,7 +490,13 @@ class ManagerCore(TrainerCalls):
             self.counters.environment_calls += 1
             self.send(ENV_PEER, M.EnvCall(rid=req.rid, turn=req.turn, turn_ids=req.turn_ids()))
             return
-        req.move(R.DONE, finish_reason=M.FINISH_NAMES[fin])
+        self._finish(req, req.end_reason(fin))
+
+    def _finish(self, req: Request, reason: str) -> None:
+        """``req`` is done for ``reason`` (one of ``M.FINISH_REASONS``; truncations counted by cause)."""
+        req.move(R.DONE, finish_reason=reason)
+        if reason != "stop":
+            self.responses_truncated_by_cause[reason] = self.responses_truncated_by_cause.get(reason, 0) + 1
         self._group_progress(req)
 
     def _on_EnvResult(self, peer: bytes, inst: Instance | None, msg: M.EnvResult) -> None:
@@ -507,8 +515,7 @@ class ManagerCore(TrainerCalls):
             else:
                 self.counters.environment_timeouts += 1
         if req.n + len(msg.obs_ids) // 4 >= req.max_trajectory_tokens or not msg.obs_ids:
-            req.move(R.DONE, finish_reason="length")
-            self._group_progress(req)
+            self._finish(req, "trajectory_budget" if msg.obs_ids else "environment_error")
             return
         self.counters.observation_tokens += len(msg.obs_ids) // 4
         req.append_observation(msg.obs_ids)

@@ -157,6 +157,18 @@ class Request:
         """Tokens the current turn may have in all (its original budget, bounded by the trajectory's)."""
         return min(self.max_new_tokens, self.max_trajectory_tokens - self.turn_start)
 
+    def end_reason(self, fin: int) -> str:
+        """Why the response ends with the turn that just finished with finish code ``fin`` (``M.FINISH_STOP`` /
+        ``M.FINISH_LENGTH``) and is not a tool call the environment will answer: one of ``M.FINISH_REASONS``. A turn
+        cut by its budget is ``length`` when the turn's own ``max_new_tokens`` bound it, ``trajectory_budget`` when
+        the trajectory's did; a turn ending with a tool call is cut by the turn cap (it was the last turn allowed)
+        or by the trajectory budget (no room left)."""
+        if fin == M.FINISH_LENGTH:
+            return "length" if self.n - self.turn_start >= self.max_new_tokens else "trajectory_budget"
+        if self.n > self.turn_start and int.from_bytes(self.ids[-4:], "little", signed=True) in self.tool_stop_ids:
+            return "turn_cap" if self.turn + 1 >= self.max_turns else "trajectory_budget"
+        return "stop"
+
     def turn_ids(self) -> bytes:
         """Packed int32 ids of the current turn."""
         return bytes(self.ids[4 * self.turn_start:])

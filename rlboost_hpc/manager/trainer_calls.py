@@ -135,6 +135,7 @@ class TrainerCalls:
         if self._trainer_only(peer, "step-times"):
             self.step_seconds.append(msg.wall_s)
             self.step_fixed_overhead_s += msg.fixed_overhead_s
+            self.last_step_mismatch = dict(msg.mismatch)
             for phase, sec in msg.phases.items():
                 self.step_phase_s[phase] = self.step_phase_s.get(phase, 0.0) + sec
 

@@ -43,6 +43,21 @@ COUNTERS = {
 }
 
 
+#: The trainer's per-step engine–trainer mismatch (``metrics.jsonl`` key → gauge of its last step).
+MISMATCH_GAUGES = (
+    ("logprob_diff", "rlboost_step_logprob_diff_nats",
+     "last step: mean |trainer logprob − engine (behaviour) logprob| per generated token"),
+    ("logprob_diff_max", "rlboost_step_logprob_diff_max_nats",
+     "last step: largest |trainer logprob − engine (behaviour) logprob| of a generated token"),
+    ("mismatch_kl", "rlboost_step_mismatch_kl_nats",
+     "last step: k3 estimate (bounded) of KL(engine policy ‖ trainer policy) per generated token"),
+    ("mismatch_outside_clip_share", "rlboost_step_mismatch_outside_clip_ratio",
+     "last step: share of generated tokens whose ratio trainer/engine probability leaves the PPO clip band"),
+    ("mismatch_capped_share", "rlboost_step_mismatch_capped_ratio",
+     "last step: share of importance-correction units (tokens or responses) whose ratio exceeds trainer.behaviour_cap"),
+)
+
+
 class SnapshotCollector:
     """Base of our collectors: the owner's loop publishes a snapshot (an object it no longer changes); scrapes
     read that object."""
@@ -154,6 +169,10 @@ class ManagerMetrics(SnapshotCollector):
         yield fo
         yield self._counter_by("rlboost_migrations_by_turn", "partial responses migrated, by the index of the "
                                "assistant turn they were in (0 = the first)", "turn", s.migrations_by_turn)
+        yield self._counter_by("rlboost_responses_truncated", "finished responses cut by a budget, by cause (length: "
+                               "rollout.max_new_tokens; turn_cap: task.max_turns; trajectory_budget: "
+                               "task.max_trajectory_tokens; environment_error)", "cause", s.responses_truncated_by_cause)
+        yield from self._mismatch(s.last_step_mismatch)
         yield self._counter_by("rlboost_rollout_instance_seconds", "instance-seconds of all rollout instances by "
                                "activity (busy, idle, pulling)", "activity", s.instance_activity_s)
         per = CounterMetricFamily("rlboost_instance_activity_seconds", "seconds per live rollout instance by "
@@ -162,6 +181,14 @@ class ManagerMetrics(SnapshotCollector):
             for a, sec in sorted(i.activity_s.items()):
                 per.add_metric([self.run_id, key, a], sec)
         yield per
+
+    def _mismatch(self, last: dict[str, float]):
+        """Gauges of the trainer's last step's engine–trainer mismatch (no sample before the first step)."""
+        for key, name, doc in MISMATCH_GAUGES:
+            if key in last:
+                g = GaugeMetricFamily(name, doc, labels=["run"])
+                g.add_metric([self.run_id], float(last[key]))
+                yield g
 
     def _counter_by(self, name: str, doc: str, label: str, values: dict[str, float]) -> CounterMetricFamily:
         c = CounterMetricFamily(name, doc, labels=["run", label])

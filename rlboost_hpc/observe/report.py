@@ -46,13 +46,13 @@ class ProgressView(Bar):
 
 SUMMARY_KEYS = [
     ("steps", "RL steps"), ("reward_heldout_before", "held-out reward before"),
-    ("reward_heldout_after", "held-out reward after"), ("kl_to_reference_nats_per_token", "KL to the reference (nats/token, k3)"),
+    ("reward_heldout_after", "held-out reward after"), ("kl_to_reference_nats_per_token", "KL to the reference (nats/token)"),
     ("repetition_rate_before", "repeated 3-grams before"), ("repetition_rate_after", "repeated 3-grams after"),
     ("responses_trained", "responses trained"), ("responses_lost", "responses lost"),
     ("responses_duplicated", "responses duplicated"), ("preemptions", "preemptions (warned + killed)"),
     ("kills_without_warning", "  of which without warning"), ("responses_migrated", "responses migrated"),
     ("tokens_migrated", "tokens carried over by migration"), ("tokens_regenerated", "tokens regenerated"),
-    ("tokens_trained_off_version", "tokens trained off-version"), ("weight_pulls", "weight pulls"),
+    ("tokens_trained_off_version", "tokens trained off-version"), ("truncated_share", "share of responses truncated"), ("weight_pulls", "weight pulls"),
     ("throughput_tokens_per_s", "throughput (tokens/s)"), ("wall_s", "wall time (s)"),
 ]
 

@@ -6,11 +6,21 @@ Schema (:class:`RunReport`; every key below is always present except the multi-t
 - outcome: ``steps`` (step records written), ``resumes`` (times the run was resumed), ``resumed_from_step``
   (``null``: started fresh), held-out reward before/after training (``reward_heldout_*``: sampled; ``_greedy_``:
   greedy decoding), ``repetition_rate_before/after`` (repeated 3-grams), ``kl_to_reference_nats_per_token``
-  (k3 estimator against the initial policy), ``model_out`` (the exported model directory, or ``null``),
+  (KL to the initial policy per token, with the estimator and bounds of ``trainer.kl_estimator``), ``objective``
+  (the GRPO options trained with: ``trainer.loss_aggregation``, ``advantage_std_norm``, ``clip_eps``,
+  ``clip_eps_high``, ``kl_coef``, ``kl_estimator``, ``behaviour_correction``, ``behaviour_cap``,
+  ``behaviour_level``, ``mask_truncated``), ``model_out`` (the exported model directory, or ``null``),
   ``model`` (path, architecture, parameters, chat template, devices), ``examples_after`` (held-out samples).
 - exactly-once: ``responses_trained``, ``responses_lost`` (expected − trained), ``responses_duplicated``,
   ``prompts_not_trained_exactly_once``, ``tokens_trained``, ``tokens_trained_off_version`` (must be 0),
   ``off_version_tokens_rejected``, ``late_tokens_dropped``.
+- truncation (of the responses trained): ``responses_truncated``, ``truncated_share`` (÷ responses trained),
+  ``responses_truncated_by_cause`` (``length``, ``turn_cap``, ``trajectory_budget``, ``environment_error``: every
+  cause, 0 included).
+- engine–trainer mismatch (``engine_trainer_mismatch``, over the steps): ``logprob_diff`` (mean of the steps' mean
+  |trainer − engine logprob| per token, nats), ``logprob_diff_max`` (the largest of any token), ``mismatch_kl`` (mean
+  k3 KL(engine ‖ trainer) per token), ``mismatch_outside_clip_share`` and ``mismatch_capped_share`` (means of the
+  steps' shares); ``{}`` when the backend reported none.
 - faults and migration (summed over every incarnation of a resumed run): ``preemptions`` (=
   ``preemptions_with_warning`` + ``kills_without_warning``), ``worker_starts``, ``responses_migrated``,
   ``tokens_migrated``, ``tokens_regenerated`` (and ``_after_warning``), ``instances_suspected`` /
@@ -104,6 +114,7 @@ class RunReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     repetition_rate_before: float
     repetition_rate_after: float
     kl_to_reference_nats_per_token: float
+    objective: dict[str, Any]
     model_out: str | None
     model: dict[str, Any]
     responses_trained: int
@@ -122,6 +133,10 @@ class RunReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     tokens_regenerated: int
     tokens_regenerated_after_warning: int
     tokens_trained_off_version: int
+    responses_truncated: int
+    truncated_share: float
+    responses_truncated_by_cause: dict[str, int]
+    engine_trainer_mismatch: dict[str, float]
     off_version_tokens_rejected: int
     late_tokens_dropped: int
     weight_pulls: int
@@ -191,8 +206,29 @@ def write_report(path: Path, report: RunReport | FailedReport) -> None:
     path.write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=2))
 
 
+def truncation_summary(by_cause: dict[str, int], trained: int) -> dict[str, Any]:
+    """The report's truncation keys from the trained responses' counts by cause."""
+    from rlboost_hpc.protocol.messages import TRUNCATION_CAUSES
+
+    n = sum(by_cause.values())
+    return {"responses_truncated": n, "truncated_share": n / trained if trained else 0.0,
+            "responses_truncated_by_cause": {c: int(by_cause.get(c, 0)) for c in TRUNCATION_CAUSES}}
+
+
+def mismatch_summary(steps: list[dict]) -> dict[str, float]:
+    """``engine_trainer_mismatch`` over the step records that carry it: means, and the largest ``logprob_diff_max``."""
+    rows = [m for m in steps if "logprob_diff" in m]
+    if not rows:
+        return {}
+    out = {k: sum(m.get(k, 0.0) for m in rows) / len(rows)
+           for k in ("logprob_diff", "mismatch_kl", "mismatch_outside_clip_share", "mismatch_capped_share")}
+    out["logprob_diff_max"] = max(m.get("logprob_diff_max", 0.0) for m in rows)
+    return out
+
+
 def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, totals: Any,
-                 before: dict, after: dict, kl: float, model: dict[str, Any], model_out: str | None,
+                 before: dict, after: dict, kl: float, objective: dict[str, Any], model: dict[str, Any],
+                 model_out: str | None,
                  publishes: list[dict], served: dict, rewards_timed_out: int, reward_workers_replaced: int,
                  n_resv: float, n_resv_source: str, rollout_engine: str, prompts_not_trained_once: int,
                  multi_turn: bool, resumes: int, resumed_from_step: int | None, train_wall_s: float, wall_s: float,
@@ -204,9 +240,10 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         stats: the manager's statistics at the end of training. ``tally``: faults of all incarnations.
         totals: the trainer's running totals (``responses_trained``, ``responses_expected``,
             ``responses_duplicated``, ``tokens_trained``, ``tokens_trained_off_version``,
-            ``migrated_responses_trained``).
+            ``migrated_responses_trained``, ``responses_truncated_by_cause``).
         before, after: held-out evaluations (``reward_sampled``, ``reward_greedy``, ``repetition_rate``;
-            ``after`` also ``examples``). ``kl``: nats per token to the reference policy.
+            ``after`` also ``examples``). ``kl``: nats per token to the reference policy. ``objective``: the GRPO
+            options (``trainer.*``).
         publishes: the weight publisher's record per version (``weight_bytes``, ``weight_update_bytes``).
         served: what the trainer's weight servers sent (``bytes_served``, ``delta_bytes_served``,
             ``sealed_bytes_served``, ``shards``).
@@ -229,7 +266,7 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         reward_heldout_before=before["reward_sampled"], reward_heldout_after=after["reward_sampled"],
         reward_heldout_greedy_before=before["reward_greedy"], reward_heldout_greedy_after=after["reward_greedy"],
         repetition_rate_before=before["repetition_rate"], repetition_rate_after=after["repetition_rate"],
-        kl_to_reference_nats_per_token=kl, model_out=model_out, model=model,
+        kl_to_reference_nats_per_token=kl, objective=objective, model_out=model_out, model=model,
         responses_trained=totals.responses_trained,
         responses_lost=totals.responses_expected - totals.responses_trained,
         responses_duplicated=totals.responses_duplicated,
@@ -241,6 +278,8 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         tokens_migrated=tally.tokens_migrated, tokens_regenerated=tally.tokens_regenerated,
         tokens_regenerated_after_warning=stats.tokens_regenerated_after_warning,
         tokens_trained_off_version=totals.tokens_trained_off_version,
+        **truncation_summary(totals.responses_truncated_by_cause, totals.responses_trained),
+        engine_trainer_mismatch=mismatch_summary(steps),
         off_version_tokens_rejected=stats.off_version_tokens_rejected, late_tokens_dropped=stats.late_tokens,
         weight_pulls=stats.weight_loads, weight_pull_failures=stats.weight_load_failures,
         weight_pull_seconds_mean=stats.pull_seconds_mean,

@@ -24,6 +24,14 @@ MAX_PAYLOAD_TOKENS = 1 << 20
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
 FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
 FINISH_CODES = {"stop": FINISH_STOP, "length": FINISH_LENGTH}
+#: Why a delivered response (a single-turn response or a whole trajectory) ended, its ``Response.finish_reason``:
+#: ``stop`` (a stop token of the model) or a truncation, by cause — ``length``: an assistant turn reached
+#: ``rollout.max_new_tokens``; ``turn_cap``: the last turn ``task.max_turns`` allows ended with a tool call that is
+#: never answered; ``trajectory_budget``: ``task.max_trajectory_tokens`` left no room (a turn cut short, a tool call
+#: or an observation that did not fit); ``environment_error``: the environment could not answer a tool call at all
+#: (not even with an error observation).
+TRUNCATION_CAUSES = ("length", "turn_cap", "trajectory_budget", "environment_error")
+FINISH_REASONS = ("stop",) + TRUNCATION_CAUSES
 
 
 class _Msg(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, omit_defaults=True):
@@ -295,6 +303,10 @@ class StepTimes(_Msg, tag="steptimes"):
     wall_s: float
     phases: Annotated[dict[Annotated[str, msgspec.Meta(max_length=32)], float], msgspec.Meta(max_length=64)]
     fixed_overhead_s: float
+    #: the step's engine–trainer mismatch (``logprob_diff``, ``logprob_diff_max``, ``mismatch_kl``,
+    #: ``mismatch_outside_clip_share``, ``mismatch_capped_share``; :func:`~rlboost_hpc.trainer.algorithms.grpo.
+    #: finish_stats`), for the manager's gauges
+    mismatch: Annotated[dict[Annotated[str, msgspec.Meta(max_length=32)], float], msgspec.Meta(max_length=16)] = {}
 
 
 class AckGroup(_Msg, tag="ack"):
@@ -330,7 +342,7 @@ class Response(msgspec.Struct, forbid_unknown_fields=True):
     ids: bytes
     logprobs: bytes
     version_runs: bytes
-    finish_reason: str
+    finish_reason: str  # one of FINISH_REASONS
     migrations: int
     instances: list[str]
     observation_runs: bytes = b""

@@ -101,7 +101,9 @@ class ManagerStats(ManagerCounters, kw_only=True):
     ``instances_lost`` / ``instances_lost_while_pulling``: instances that went silent (suspect) and have not come
     back, expired or not. ``routable_preemptible``: preemptible instances the manager would route to now;
     ``live_preemptible``: those neither gone nor suspect. ``t_seed_s`` / ``n_prem_cap``: the seeding window T_seed
-    (seconds) and the cap N_prem the trainer's controller set last (``None``: not set / no cap)."""
+    (seconds) and the cap N_prem the trainer's controller set last (``None``: not set / no cap).
+    ``responses_truncated_by_cause``: finished responses cut by a budget, by cause (``messages.TRUNCATION_CAUSES``);
+    ``last_step_mismatch``: the engine–trainer mismatch of the trainer's last step (``StepTimes.mismatch``)."""
 
     instances_lost: int = 0
     instances_lost_while_pulling: int = 0
@@ -121,6 +123,8 @@ class ManagerStats(ManagerCounters, kw_only=True):
     instance_activity_s: dict[str, float] = {}
     migrations_by_engine: dict[str, dict[str, int]] = {}
     migrations_by_turn: dict[str, int] = {}
+    responses_truncated_by_cause: dict[str, int] = {}
+    last_step_mismatch: dict[str, float] = {}
     environment_pending: int = 0
     t_seed_s: float | None = None
     n_prem_cap: int | None = None

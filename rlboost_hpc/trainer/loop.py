@@ -11,6 +11,9 @@ Invariants checked here, on what the trainer actually receives (counted in the r
 - strict on-policy: tokens whose producing version ≠ the step's version are counted in
   ``tokens_trained_off_version`` (the manager already rejects them; this is the end-to-end check);
 - ids are ids: ids, logprobs and versions of a response must have equal length, else the step fails;
+- truncation is known per response: every response carries why it ended (``finish_reason``: ``stop`` or a truncation
+  cause, ``messages.FINISH_REASONS``); an unknown reason fails the step; the step's truncated share by cause is in
+  its metrics (``truncated_share``, ``truncated_share_by_cause``) and the run's totals;
 - infrastructure failures are never trained on: a step that cannot complete raises :class:`RolloutFailed`.
 """
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -56,6 +59,7 @@ class StepSettings:
     max_turns: int = 1  # > 1: multi-turn trajectories (tool calls answered by the manager's environment)
     max_trajectory_tokens: int = 0  # turns and observations after the prompt (0: max_new_tokens)
     tool_stop_ids: tuple[int, ...] = ()  # a turn ending with one of these is a tool call
+    advantage_std_norm: bool = True  # divide group-centred rewards by the group's std (trainer.advantage_std_norm)
 
 
 @dataclass
@@ -67,6 +71,15 @@ class Totals:
     tokens_trained_off_version: int = 0
     migrated_responses_trained: int = 0
     groups_redelivered: int = 0  # GroupDone copies skipped (the manager sent a group again: never trained twice)
+    responses_truncated_by_cause: dict[str, int] = field(default_factory=dict)  # trained responses cut by a budget
+
+
+def truncation_shares(reasons: list[str]) -> dict:
+    """``truncated_share`` (responses cut by a budget ÷ responses) and ``truncated_share_by_cause`` (cause →
+    share, every cause of ``messages.TRUNCATION_CAUSES``) of a step's finish reasons."""
+    n = max(1, len(reasons))
+    by = {c: sum(1 for r in reasons if r == c) / n for c in M.TRUNCATION_CAUSES}
+    return {"truncated_share": sum(1 for r in reasons if r != "stop") / n, "truncated_share_by_cause": by}
 
 
 class DataFrontier:
@@ -167,6 +180,37 @@ class RLTrainer:
             want[pid] = want.get(pid, 0) + self.s.group_size
         return sum(1 for pid, n in want.items() if self.trained_groups.get(pid, 0) != n)
 
+    def _sample(self, step: int, resp: M.Response, prompt_ids: list[int], budget: int) -> tuple[Sample, str]:
+        """A delivered response as a :class:`Sample` (advantage 0 until its group is scored) and the text its reward
+        reads (the final assistant turn, after the last observation). Counts its off-version tokens and its
+        truncation.
+
+        Raises:
+            RolloutFailed: ids, logprobs and versions of different lengths, an empty or over-budget response, malformed
+                runs, or an unknown finish reason.
+        """
+        ids = M.unpack_i32(resp.ids)
+        lps = M.unpack_f32(resp.logprobs)
+        try:
+            vers = M.expand_version_runs(resp.version_runs)
+            obs = M.observation_mask(resp.observation_runs, len(ids))
+        except ProtocolError as e:
+            raise RolloutFailed(f"step {step}: response {resp.rid}: {e}") from None
+        if not (len(ids) == len(lps) == len(vers)) or len(ids) == 0 or len(ids) > budget:
+            raise RolloutFailed(f"step {step}: response {resp.rid} has ids/logprobs/versions of lengths "
+                                f"{len(ids)}/{len(lps)}/{len(vers)} (budget {budget})")
+        if resp.finish_reason not in M.FINISH_REASONS:
+            raise RolloutFailed(f"step {step}: response {resp.rid} ended for an unknown reason "
+                                f"{resp.finish_reason!r} (known: {', '.join(M.FINISH_REASONS)})")
+        self.totals.tokens_trained_off_version += int(np.count_nonzero(vers != self.version))
+        if resp.finish_reason != "stop":
+            by = self.totals.responses_truncated_by_cause
+            by[resp.finish_reason] = by.get(resp.finish_reason, 0) + 1
+        last = int(np.flatnonzero(obs)[-1]) + 1 if obs.any() else 0
+        text = self.tok.decode(strip_stop(ids[last:].tolist(), self.stop_ids))
+        return Sample(prompt_ids=prompt_ids, response_ids=ids.tolist(), behaviour_logprobs=lps.tolist(), advantage=0.0,
+                      loss_mask=(~obs).tolist() if obs.any() else None, finish_reason=resp.finish_reason), text
+
     def _group_seed(self, step: int, g: int) -> int:
         return (self.s.seed * 7_919 + step * 104_729 + g * 1_299_709) % (2**31)
 
@@ -205,6 +249,7 @@ class RLTrainer:
         rewards: list[float] = []
         lens: list[int] = []
         turns: list[int] = []
+        reasons: list[str] = []  # finish_reason of every response trained
         budget = s.max_trajectory_tokens or s.max_new_tokens
         m_acc: dict[str, float] = {}
         n_groups = n_trained = n_mig = 0
@@ -230,31 +275,19 @@ class RLTrainer:
                     self.totals.responses_duplicated += 1
                     continue
                 self.seen.add(resp.rid)
-                ids = M.unpack_i32(resp.ids)
-                lps = M.unpack_f32(resp.logprobs)
-                try:
-                    vers = M.expand_version_runs(resp.version_runs)
-                    obs = M.observation_mask(resp.observation_runs, len(ids))
-                except ProtocolError as e:
-                    raise RolloutFailed(f"step {step}: response {resp.rid}: {e}") from None
-                if not (len(ids) == len(lps) == len(vers)) or len(ids) == 0 or len(ids) > budget:
-                    raise RolloutFailed(f"step {step}: response {resp.rid} has ids/logprobs/versions of lengths "
-                                        f"{len(ids)}/{len(lps)}/{len(vers)} (budget {budget})")
-                self.totals.tokens_trained_off_version += int(np.count_nonzero(vers != self.version))
+                smp, text = self._sample(step, resp, pids, budget)
                 n_mig += int(resp.migrations > 0)
                 served.update(resp.instances)
-                # the reward reads the final assistant turn (after the last observation)
-                last = int(np.flatnonzero(obs)[-1]) + 1 if obs.any() else 0
-                texts.append(self.tok.decode(strip_stop(ids[last:].tolist(), self.stop_ids)))
-                lens.append(len(ids))
+                texts.append(text)
+                lens.append(len(smp.response_ids))
                 turns.append(resp.turns)
-                samples.append(Sample(prompt_ids=pids, response_ids=ids.tolist(), behaviour_logprobs=lps.tolist(),
-                                      advantage=0.0, loss_mask=(~obs).tolist() if obs.any() else None))
+                reasons.append(smp.finish_reason)
+                samples.append(smp)
             with tl.phase(Phase.REWARD):
                 r = self.score([(p, t) for t in texts]) if texts else []
                 if samples:
                     self.trained_groups[p.pid] = self.trained_groups.get(p.pid, 0) + len(samples)
-                    adv = group_advantages(torch.tensor(r, dtype=torch.float32))
+                    adv = group_advantages(torch.tensor(r, dtype=torch.float32), std_norm=s.advantage_std_norm)
                     for smp, a in zip(samples, adv.tolist()):
                         smp.advantage = a
                     ready.extend(samples)
@@ -341,7 +374,9 @@ class RLTrainer:
             "fixed_overhead_s": fixed_overhead_s(tl.start, tl.end, tl.compute_intervals() + generating),
             "fixed_overhead_s_by_phase": tl.overhead_by_phase(generating),
             "instance_s": activity.instance_s, "instance_activity_s": activity.by_instance_s,
+            **truncation_shares(reasons),
         }
-        for k, v in m_acc.items():
-            out[k] = v / max(1, n_trained) if k != "tokens" else v
+        for k, v in m_acc.items():  # micro-batch means, where the backend gave no whole-step figure
+            if k not in om:
+                out[k] = v / max(1, n_trained) if k != "tokens" else v
         return out

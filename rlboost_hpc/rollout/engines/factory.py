@@ -18,6 +18,17 @@ if TYPE_CHECKING:
 
     from rlboost_hpc.rollout.engines.sglang_engine import SGLangEngine
 
+#: Whether an engine kind (``rollout.engine``) returns the behaviour logprob of every token it samples (what
+#: ``trainer.behaviour_correction`` needs): the torch engine computes log_softmax(logits / T) of each sampled token;
+#: the SGLang engine asks its server for ``return_logprob`` and refuses a stream without them.
+BEHAVIOUR_LOGPROBS = {"torch": True, "sglang": True}
+
+
+def returns_behaviour_logprobs(kind: str) -> bool:
+    """:data:`BEHAVIOUR_LOGPROBS` of ``kind`` (False for a kind it does not list)."""
+    return BEHAVIOUR_LOGPROBS.get(kind, False)
+
+
 # (the model's config.json, the first pulled state dict, arch=the trainer's parsed ModelArch or None) -> Engine
 EngineFactory = Callable[..., Engine]
 _SGLANG_KEYS = {"python", "stream_interval", "startup_timeout_s", "env", "extra_args"}
