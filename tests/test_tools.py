@@ -40,6 +40,47 @@ def test_tool_call_syntax_json_bare_and_malformed():
             parse_tool_call(bad, s)
 
 
+@pytest.mark.parametrize("payload", [
+    '{"name": "calculator", "arguments": {"expression": "6*7"}}',  # Hermes / Qwen: an object
+    '{"name": "calculator", "arguments": "{\\"expression\\": \\"6*7\\"}"}',  # OpenAI: a JSON string
+    '{"name": "calculator", "parameters": {"expression": "6*7"}}',  # Llama 3.x
+    '{"type": "function", "function": {"name": "calculator", "arguments": "{\\"expression\\": \\"6*7\\"}"}}',
+    '{"name": "calculator", "arguments": {"expression": 42}}',  # a number as the value
+    '{"name": "calculator", "arguments": "{\\"expression\\": 42}"}',  # a number inside the JSON string
+    ' 6*7 ',  # a bare expression
+])
+def test_every_tool_call_shape_a_model_emits_gets_its_result(payload):
+    """vLLM PR #22002 / smolagents PR #1003: valid calls in the OpenAI form (``arguments`` a JSON string), with
+    ``parameters`` (Llama), the OpenAI ``tool_calls`` element, or a number as the value are answered, not penalised."""
+    from rlboost_hpc.tasks.tools import calculator_expression
+
+    name, args = parse_tool_call(f"<tool_call>{payload}</tool_call>", ToolSyntax())
+    assert name == "calculator" and calculate(calculator_expression(args)) == "42"
+
+
+@pytest.mark.parametrize("payload, why", [
+    ('{"name": "calculator", "arguments": "{\\"expression\\": "}', "malformed arguments JSON"),
+    ('{"name": "calculator", "arguments": [1, 2]}', "must be an object or a JSON string"),
+    ('{"name": "calculator", "arguments": "[1, 2]"}', "must be an object or a JSON string"),
+    ('[{"name": "calculator", "arguments": {}}]', "one tool call per turn"),
+    ('{"name": "calculator", "arguments": {}, "parameters": {}}', "not both"),
+    ('{"arguments": {"expression": "1"}}', '"name": str'),
+])
+def test_malformed_calls_are_refused_saying_why(payload, why):
+    with pytest.raises(ToolError, match=why):
+        parse_tool_call(f"<tool_call>{payload}</tool_call>", ToolSyntax())
+
+
+@pytest.mark.parametrize("args, why", [({}, "is missing"), ({"expression": True}, "is a bool"),
+                                       ({"expression": [1]}, "is a list"), ({"expression": None}, "is missing")])
+def test_the_calculator_names_a_wrong_argument(args, why):
+    from rlboost_hpc.tasks.tools import calculator_expression
+
+    with pytest.raises(ToolError, match=why):
+        calculator_expression(args)
+    assert calculator_expression({"expression": 2.5}) == "2.5" and calculate(calculator_expression({"expression": -3}))
+
+
 @pytest.fixture(scope="module")
 def chatml_dir(tmp_path_factory):
     from _models import train_tokenizer

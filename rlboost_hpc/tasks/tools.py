@@ -7,7 +7,9 @@ trainer's allocation, never on a preemptible instance). One environment step (:c
 1. decode the assistant turn's token ids (int) to text;
 2. find the tool call: the text between the last ``call_open`` and the ``call_close`` that ended the turn (the
    whole turn when ``call_open`` is empty); a payload is either JSON ``{"name": ..., "arguments": {"expression":
-   ...}}`` (the Hermes / Qwen style) or the bare expression;
+   ...}}`` (the Hermes / Qwen style; ``arguments`` also as a JSON string, OpenAI's style, or ``parameters``; the
+   OpenAI ``{"type": "function", "function": {...}}`` element; a number or a string as the expression:
+   :func:`parse_tool_call`) or the bare expression;
 3. run the tool (:func:`calculate`: a well-kept safe evaluator, never ``eval``); a malformed call or a failing tool
    yields an error text, never an exception;
 4. render the result as an observation *token ids*: with a chat template, the template's rendering of a ``tool``
@@ -23,8 +25,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["EnvStep", "Observation", "ToolCalls", "ToolEnvironment", "ToolSyntax", "calculate", "parse_tool_call",
-           "turn_seed"]
+__all__ = ["EnvStep", "Observation", "ToolCalls", "ToolEnvironment", "ToolSyntax", "calculate", "calculator_expression",
+           "parse_tool_call", "turn_seed"]
 
 _SENTINEL = "\u2063RLBOOST-TURN-END\u2063"  # an assistant message content no template rewrites
 
@@ -52,9 +54,19 @@ class ToolSyntax:
 def parse_tool_call(text: str, syntax: ToolSyntax) -> tuple[str, dict[str, Any]]:
     """``(tool name, arguments)`` of the call in ``text`` (an assistant turn that ended with ``call_close``).
 
+    Accepted payloads — the shapes Qwen, Hermes, Llama 3 and OpenAI-style models emit:
+
+    - ``{"name": N, "arguments": {...}}`` (Hermes / Qwen), ``"arguments"`` also as a JSON *string* holding the object
+      (OpenAI's ``function.arguments``; vLLM PR #22002), or ``"parameters"`` instead of ``"arguments"`` (Llama 3.x);
+    - the OpenAI ``tool_calls`` element ``{"type": "function", "function": {"name": N, "arguments": ...}}``;
+    - a bare expression (no JSON): a calculator call.
+
+    Argument values are kept as written (strings, numbers; smolagents PR #1003): the tool decides what it takes.
+
     Raises:
-        ToolError: no call in the text, JSON that is not an object with ``name`` and ``arguments``, or an
-            empty expression.
+        ToolError: no call in the text; JSON that does not parse; a payload that is not one call object with a string
+            ``name``; ``arguments`` that are neither an object nor a JSON string holding one; an empty expression.
+            The message says which (it becomes the observation).
     """
     body = text
     if syntax.call_close and syntax.call_close in body:
@@ -64,18 +76,54 @@ def parse_tool_call(text: str, syntax: ToolSyntax) -> tuple[str, dict[str, Any]]
             raise ToolError(f"no tool call: {syntax.call_open!r} not found")
         body = body[body.rindex(syntax.call_open) + len(syntax.call_open):]
     body = body.strip()
-    if body.startswith("{"):
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError as e:
-            raise ToolError(f"malformed tool call JSON: {e.msg} at character {e.pos}") from None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) \
-                or not isinstance(call.get("arguments", {}), dict):
-            raise ToolError('a tool call is {"name": str, "arguments": {...}}')
-        return call["name"], call.get("arguments", {})
+    if body.startswith(("{", "[")):
+        return _json_call(_loads(body, "tool call"))
     if not body:
         raise ToolError("empty tool call")
     return "calculator", {"expression": body}
+
+
+def _loads(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ToolError(f"malformed {what} JSON: {e.msg} at character {e.pos}") from None
+
+
+def _json_call(call: Any) -> tuple[str, dict[str, Any]]:
+    """Name and arguments of one decoded JSON call (:func:`parse_tool_call`'s shapes)."""
+    shape = 'a tool call is {"name": str, "arguments": {...}}'
+    if isinstance(call, list):
+        raise ToolError(f"one tool call per turn, got a list of {len(call)}; {shape}")
+    if isinstance(call, dict) and call.get("type", "function") == "function" and isinstance(call.get("function"), dict):
+        call = call["function"]  # the OpenAI tool_calls element
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        raise ToolError(shape)
+    if "arguments" in call and "parameters" in call:
+        raise ToolError('a tool call has "arguments" or "parameters", not both')
+    args = call.get("arguments", call.get("parameters", {}))
+    if isinstance(args, str):  # OpenAI: the arguments object serialised as a JSON string
+        args = _loads(args, "arguments") if args.strip() else {}
+    if not isinstance(args, dict):
+        raise ToolError(f'"arguments" must be an object or a JSON string holding one, got {type(args).__name__}; '
+                        f"{shape}")
+    return call["name"], args
+
+
+def calculator_expression(args: dict[str, Any]) -> str:
+    """The calculator's ``expression`` argument as text: a string, or a number (int or float, not a boolean) written
+    as Python prints it.
+
+    Raises:
+        ToolError: the argument is missing or of another type (named in the message).
+    """
+    expr = args.get("expression")
+    if isinstance(expr, (int, float)) and not isinstance(expr, bool):
+        return repr(expr) if isinstance(expr, float) else str(expr)
+    if not isinstance(expr, str):
+        got = "missing" if expr is None else f"a {type(expr).__name__}"
+        raise ToolError(f'the calculator takes {{"expression": str or number}}; "expression" is {got}')
+    return expr
 
 
 _NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
@@ -171,10 +219,7 @@ class ToolEnvironment:
             name, args = parse_tool_call(text, self.syntax)
             if name != self.tool:
                 raise ToolError(f"unknown tool {name!r} (available: {self.tool})")
-            expr = args.get("expression")
-            if not isinstance(expr, str):
-                raise ToolError("the calculator takes {\"expression\": str}")
-            return self._observe(calculate(expr), False)
+            return self._observe(calculate(calculator_expression(args)), False)
         except ToolError as e:
             return self._observe(f"error: {e}", True)
 
