@@ -52,9 +52,17 @@ def test_grafana_dashboard_queries_only_metrics_that_exist(repo_root):
     core.on_message(b"t", M.TrainerHello(weights_endpoint="tcp://w:1", model_config={}))
     core.on_message(b"t", M.SetVersion(version=0))
     core.on_message(b"t", M.PolicyState(t_seed_s=1.0, n_prem_cap=2))
-    core.on_message(b"t", M.StepTimes(step=0, wall_s=2.0, phases={"seeding": 2.0}, fixed_overhead_s=0.0))
+    core.on_message(b"t", M.StepTimes(step=0, wall_s=2.0, phases={"seeding": 2.0}, fixed_overhead_s=0.0,
+                                      mismatch={k: 0.01 for k in ("logprob_diff", "logprob_diff_max", "mismatch_kl",
+                                                                  "mismatch_outside_clip_share",
+                                                                  "mismatch_capped_share")}))
     core.on_message(b"i", M.Register(job_id="j", attempt=0, kind="preemptible", max_batch=4))
     core.on_message(b"i", M.WeightsLoaded(version=0, checksum=1, nbytes=1, pull_s=0.1, load_s=0.0))
+    core.on_message(b"t", M.SubmitStep(step=0, version=0, groups=[M.GroupSpec(
+        gid="s0g0", prompt_ids=[1, 2], n=1, max_new_tokens=2, temperature=1.0, top_p=1.0, seed=0, stop_ids=[9])]))
+    core.tick()  # dispatched to j#0, which is cut by its budget: one truncated response
+    core.on_message(b"i", M.Tokens(rids=["s0g0/0"], offsets=[0], counts=[2], versions=[0], finish=[M.FINISH_LENGTH],
+                                   ids=M.pack_i32([5, 6]), logprobs=M.pack_f32([-1.0, -1.0])))
     mm.refresh(core)
     sm = ScavengerMetrics(1.0, 2.0)
     res = SimpleNamespace(submitted=[], cancelled=[], signalled=[], ok=True, target=SimpleNamespace(n=2, active=True),
