@@ -55,6 +55,8 @@ BENCHES = [
     Bench("bench_step_timeline", (), ("--steps", "8", "--variants", "demo,demo-sync-checkpoint")),
     Bench("bench_megatron", (), ("--steps", "1", "--warmup", "0")),
     Bench("bench_multiturn", ("--steps", "16"), ("--steps", "6")),
+    Bench("bench_grpo_options", (), ("--steps", "8", "--qwen3-steps", "3", "--variants", "grpo,tis")),
+    Bench("bench_mismatch", (), ("--batch", "2", "--new", "64", "--caps", "2")),
     Bench("bench_sglang", (), ("--prompts", "4", "--new", "16", "--repeat", "1", "--stream-intervals", "1", "8",
                                "--weight-hidden", "256"), needs="sglang"),
     Bench("bench_slurm_phases", (), ("--repeats", "1"), needs="slurm"),
