@@ -18,7 +18,7 @@ w = :func:`~rlboost_hpc.trainer.algorithms.grpo.behaviour_weights` (token level,
 gradient's relative L2 distance to the target and its cosine similarity.
 
 Run: ``.venv/bin/python benchmarks/bench_mismatch.py [--batch 4] [--new 256] [--init-std 0.1] [--caps 2 1.02]``
-(≈ 9 GB of memory at the defaults: the gradient holds fp32 [positions × vocabulary] tensors; ≈ 7 min on 2 cores).
+(≈ 10 GB of memory at the defaults: the gradient holds fp32 [positions × vocabulary] tensors; 7–15 min on 2 cores).
 """
 from __future__ import annotations
 
