@@ -416,9 +416,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            loc = ".".join(str(x) for x in err["loc"]) or "<root>"
-            lines.append(f"  {loc}: {err['msg']}")
-        where = f" in {path}" if path else ""
-        raise ConfigError(f"invalid configuration{where}:\n" + "\n".join(lines)) from None
+        lines = [f"  {_config_problem(err, path, overrides or [])}" for err in e.errors()]
+        raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
+
+
+def _config_problem(err: Any, path: str | Path | None, overrides: list[str]) -> str:
+    """One line of a :class:`ConfigError`: the dotted key, the problem, and where the value came from — the
+    ``--set`` overrides that touched the key (or its table, for a check across keys), else the config file."""
+    loc = ".".join(str(x) for x in err["loc"])
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    keys = [(o.split("=", 1)[0].strip(), o) for o in overrides if "=" in o]
+    touched = [o for k, o in keys
+               if (loc and (k == loc or k.startswith(loc + ".") or loc.startswith(k + "."))) or k in msg]
+    source = ("from " + ", ".join(f"--set {o}" for o in touched) if touched
+              else f"in {path}" if path is not None else "")
+    line = f"{loc}: {msg}" if loc else msg
+    return f"{line} ({source})" if source else line
