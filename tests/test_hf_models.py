@@ -210,6 +210,8 @@ def test_bad_model_directories_are_refused_naming_the_file_or_key(tiny_dirs, tmp
         (variant("unknown-arch", dict(cfg, architectures=["GPT2LMHeadModel"], model_type="gpt2")),
          "supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"),
         (variant("no-tokenizer", drop=("tokenizer.json", "tokenizer_config.json")), "no tokenizer"),
+        # regression (issue 28): transformers' advice (install sentencepiece or tiktoken) was the message
+        (variant("no-tokenizer-json", drop=("tokenizer.json",)), "tokenizer.json not found"),
         (variant("yarn", dict(cfg, rope_scaling={"rope_type": "yarn", "factor": 4.0})), "rope_type='yarn'"),
         (tmp_path / "absent", "model directory not found"),
     ]
@@ -220,12 +222,15 @@ def test_bad_model_directories_are_refused_naming_the_file_or_key(tiny_dirs, tmp
         PolicyTokenizer(SimpleNamespace(chat_template=None), (), chat="on")
     for args, needle in [
         ((f"model.path='{cases[0][0]}'",), "model-00002-of-00005.safetensors"),
+        ((f"model.path='{tmp_path / 'no-tokenizer-json'}'",), "tokenizer.json not found"),
         ((f"model.hf_dir='{base}'",), "model.hf_dir was renamed: use model.path"),
         (("task.chat_template=on",), "no chat template"),
         *([(("trainer.device=cuda",), "trainer.device = 'cuda'")] if not torch.cuda.is_available() else []),
     ]:
         p = _run(REPO, tmp_path / "out", *args)
         assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, (args, p.stderr[-2000:])
+        plain = [ln for ln in p.stderr.splitlines() if not ln.startswith("{")]  # (JSON log lines: --no-progress)
+        assert "sentencepiece" not in p.stderr and len(plain) <= 2, p.stderr[-2000:]
 
 
 def test_unsupported_variants_are_named():
@@ -269,6 +274,8 @@ def test_main_job_trains_a_qwen3_checkpoint_with_preemption_and_exports_it(tiny_
     assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0, why
     assert rep["tokens_trained_off_version"] == 0 and rep["prompts_not_trained_exactly_once"] == 0, why
     assert 0 <= rep["kl_to_reference_nats_per_token"] < 1.0 and 0 <= rep["reward_heldout_after"] <= 1, why
+    # the examples show the prompt as the model saw it: through the chat template (regression, issue 28)
+    assert rep["examples_after"] and rep["examples_after"][0].startswith("<|im_start|>user\n"), rep["examples_after"]
     # round trip: weight server → puller → RUN/model → transformers, equal to the trainer's final model
     exported = Path(rep["model_out"])
     hf = hf_model(exported)
