@@ -14,6 +14,7 @@ from rlboost_hpc import defaults as D
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from rlboost_hpc.errors import BadInput
+from rlboost_hpc.paths import ShippedFileMissing, shipped
 
 
 class _Strict(BaseModel):
@@ -395,6 +396,23 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def _config_file(p: Path) -> Path:
+    """``p``, or — a relative path that is not a file here, e.g. README's ``configs/local.toml`` typed outside the
+    checkout — the config of that name the project ships (``rlboost_hpc.paths.shipped``).
+
+    Raises:
+        ConfigError: neither exists.
+    """
+    if p.is_file():
+        return p
+    if not p.is_absolute():
+        try:
+            return shipped(str(p))
+        except ShippedFileMissing:
+            pass
+    raise ConfigError(f"config file not found: {p}")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Build a :class:`RunConfig` from an optional TOML file plus dotted overrides.
 
@@ -404,9 +422,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
+        p = _config_file(Path(path))
         try:
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
