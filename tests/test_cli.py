@@ -190,3 +190,25 @@ def test_engines_size_their_kv_cache_for_the_run_not_the_models_whole_context(st
     assert eng.max_len == 80 and eng.cache.k.shape[-2] == 80
     eng = factory_from_spec({"kind": "torch"}, 4)(policy.hf_config, policy.state_dict, arch=policy.arch)
     assert eng.max_len == policy.arch.max_position_embeddings  # (a spec of an older trainer: as before)
+
+
+def test_train_sbatch_never_retries_bad_input(tmp_path):
+    """``sbatch/train.sbatch`` restarts a trainer that exits 1 (a failed run resumes) but never one that exits 2:
+    bad input — here an ``--out`` that is a file, which exited 1 with a traceback before — costs one start, not
+    three allocations' worth (run outside Slurm: the script needs only its environment)."""
+    f = tmp_path / "run-dir-is-a-file"
+    f.write_text("")
+    env = dict(os.environ, RLBOOST_RUN_DIR=str(f), RLBOOST_CONFIG=LOCAL, RLBOOST_PYTHON=sys.executable)
+    p = subprocess.run(["bash", str(REPO / "sbatch/train.sbatch")], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert p.returncode == 2 and "restart" not in p.stderr and "is a file, not a directory" in p.stderr, p.stderr
+
+
+def test_a_librarys_python_warnings_become_json_log_lines(tmp_path):
+    """megatron-core's plain-text ``UserWarning`` lines landed in the middle of the JSON log stream."""
+    code = ("import warnings, logging; from rlboost_hpc.observe.logs import setup_logging; "
+            "setup_logging('trainer', run_id='r'); warnings.warn('a library speaks', UserWarning)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    [line] = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    rec = json.loads(line)
+    assert rec["level"] == "WARNING" and rec["logger"] == "py.warnings" and "a library speaks" in rec["msg"]
