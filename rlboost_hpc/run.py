@@ -385,10 +385,10 @@ def _announce_cost(cfg: RunConfig, setup: RunSetup) -> None:
     r, tok = cfg.rollout, setup.policy.tokenizer
     prompts = [setup.task.prompt_ids(p, tok) for p in setup.task.train_prompts()[:r.max_batch]]
     step_n = r.prompts_per_step * r.group_size
+    eval_n = cfg.task.heldout_prompts * (cfg.trainer.eval_samples + 1)  # sampled + one greedy per prompt
     rates = probe_rates(setup.policy.arch, setup.policy.state_dict, prompts, batch=min(r.max_batch, step_n),
                         device=setup.rollout_device, dtype=setup.rollout_dtype)
-    cost = estimate(rates, step_responses=step_n, eval_responses=cfg.task.heldout_prompts * (cfg.trainer.eval_samples
-                    + 1), tokens_per_response=cfg.trajectory_tokens(),
+    cost = estimate(rates, step_responses=step_n, eval_responses=eval_n, tokens_per_response=cfg.trajectory_tokens(),
                     mean_prompt_tokens=sum(map(len, prompts)) / len(prompts))
     line = cost.describe(rates, f"{setup.rollout_device}/{str(setup.rollout_dtype).removeprefix('torch.')}")
     if cost.step_s > SLOW_STEP_S or cost.eval_s > SLOW_STEP_S:

@@ -52,7 +52,7 @@ class StepCost:
     def describe(self, rates: EngineRates, device: str) -> str:
         """One line for the log: tokens, rates and the implied times."""
         return (f"a step generates up to {self.step_tokens:,} tokens ({self.step_prompt_tokens:,} prompt tokens), a "
-                f"held-out evaluation up to {self.eval_tokens:,}; the rollout engine on {device} measured "
+                f"held-out evaluation up to {self.eval_tokens:,}; the torch engine on {device} measured "
                 f"{rates.prefill_tokens_per_s:,.0f} prefill and {rates.decode_tokens_per_s:,.0f} decode tokens/s at "
                 f"batch {rates.batch}: up to ≈ {_dur(self.step_s)} per step on the reserved engine alone, "
                 f"≈ {_dur(self.eval_s)} per evaluation (run twice)")
