@@ -23,7 +23,7 @@ import random
 import sys
 from pathlib import Path
 
-from rlboost_hpc.paths import PROJECT_ROOT
+from rlboost_hpc.paths import shipped
 from rlboost_hpc.rundir import RunDir
 
 
@@ -67,7 +67,7 @@ def chaos_main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="rlboost-hpc chaos", description=chaos_main.__doc__,
                                 formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--config", default=str(PROJECT_ROOT / "configs/local.toml"), help="TOML config of the run")
+    p.add_argument("--config", help="TOML config of the run (default: the shipped configs/local.toml, the demo)")
     p.add_argument("--out", default="runs/chaos", help="run directory (refused if it holds another run)")
     p.add_argument("--fresh", action="store_true",
                    help="start over in an --out that holds an earlier run (its checkpoints and journal are removed)")
@@ -94,8 +94,11 @@ def chaos_main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.trainer_kills > max(0, a.steps - 1):
         p.error(f"--trainer-kills {a.trainer_kills} needs --steps ≥ {a.trainer_kills + 1} (one checkpoint per kill)")
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    from rlboost_hpc.config import load_config
+
+    a.config = a.config or str(shipped("configs/local.toml"))
+    load_config(a.config, a.set)  # bad input is refused before anything is written (ConfigError: exit 2)
+    out = RunDir(Path(a.out)).create().root
     earlier = _earlier_run(out)
     if earlier and not a.fresh:
         print(f"rlboost-hpc chaos: {out} holds another run ({', '.join(earlier)}); a chaos run starts from step 0 "
@@ -114,7 +117,7 @@ def chaos_main(argv: list[str] | None = None) -> int:
         f"cluster.link_reset_every_s={a.reset_every_s}", f"cluster.slow_load_s={a.slow_load_s}", *a.set]
     crashes = {"trainer_kills": 0, "manager_kills": 0}
     terminal = sys.stdout.isatty()  # a progress bar then owns the screen; JSON log lines go to <out>/logs/
-    with logging_setup("trainer", run_id=out.resolve().name, log_dir=RunDir(out).logs, console=not terminal):
+    with logging_setup("trainer", run_id=RunDir(out).run_id(), log_dir=RunDir(out).logs, console=not terminal):
         return _chaos_run(a, out, overrides, n_remove, crashes, terminal)
 
 

@@ -12,42 +12,57 @@ from pathlib import Path
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from rlboost_hpc.config import load_config
-    from rlboost_hpc.errors import BadInput, RunFailed
-
-    try:
-        cfg = load_config(args.config, args.set + (["trainer.resume='require'"] if args.resume else []))
-    except BadInput as e:
-        print(f"rlboost-hpc: {e}", file=sys.stderr)
-        return BadInput.exit_status
+    from rlboost_hpc.errors import RunFailed
     from rlboost_hpc.observe.logs import setup_logging
     from rlboost_hpc.observe.report import print_summary
     from rlboost_hpc.rundir import RunDir
     from rlboost_hpc.run import run
 
-    out = Path(args.out)
-    run_id = RunDir(out).run_id()  # set before logging starts: every line carries it
+    cfg = load_config(args.config, args.set + (["trainer.resume='require'"] if args.resume else []))
+    rd = RunDir(Path(args.out)).create()
+    run_id = rd.run_id()  # set before logging starts: every line carries it
     # on a terminal the progress bar owns the screen: JSON lines (trainer and manager) go to RUN_DIR/logs/ only
     terminal = not args.no_progress and sys.stdout.isatty()
-    setup_logging("trainer", level=args.log_level, run_id=run_id, log_dir=RunDir(out).logs, console=not terminal)
+    setup_logging("trainer", level=args.log_level, run_id=run_id, log_dir=rd.logs, console=not terminal)
     try:
-        report = run(cfg, out, progress=not args.no_progress, run_id=run_id)
-    except BadInput as e:
-        print(f"rlboost-hpc: {e}", file=sys.stderr)
-        return BadInput.exit_status
+        report = run(cfg, rd.root, progress=not args.no_progress, run_id=run_id)
     except RunFailed as e:
-        print(f"rlboost-hpc: rollout failed unrecoverably: {e} (see {RunDir(out).report})", file=sys.stderr)
-        return RunFailed.exit_status
+        raise RunFailed(f"rollout failed unrecoverably: {e} (see {rd.report})") from None
     print_summary(report)
-    rd = RunDir(out)
     print(f"report: {rd.report}  metrics: {rd.metrics}  plot: {rd.plot}  logs: {rd.logs}/")
     return 0
 
 
+#: What a user interrupting a command (Ctrl-C) can do next, by command.
+_AFTER_INTERRUPT = {
+    "run": "run the same command again to resume from the last checkpoint",
+    "chaos": "the run directory keeps what was done; rerun with --fresh to start over",
+}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rlboost-hpc")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        from rlboost_hpc import __version__
+
+        return __version__
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The ``rlboost-hpc`` entry point; returns the exit status.
+
+    Every command runs inside one error boundary: :class:`~rlboost_hpc.errors.BadInput` → one line on stderr and
+    exit 2, :class:`~rlboost_hpc.errors.RunFailed` → one line and exit 1, Ctrl-C → one line saying what to do next
+    and exit 130 — never a traceback for any of them."""
     from rlboost_hpc.clihelp import DefaultsHelpFormatter
+    from rlboost_hpc.errors import BadInput, RunFailed
 
     p = argparse.ArgumentParser(prog="rlboost-hpc", description="RL training of LLMs with rollout on harvested, "
                                 "preemptible cluster capacity (RLBoost).")
+    p.add_argument("--version", action="version", version=f"rlboost-hpc {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND",
                            help="`rlboost-hpc COMMAND --help` describes each command's flags and their defaults")
     r = sub.add_parser("run", help="run RL training with rollout on (local) preemptible workers",
@@ -74,18 +89,32 @@ def main(argv: list[str] | None = None) -> int:
         "simulate": ("discrete-event simulation of RLBoost vs baselines on spot traces", "rlboost_hpc.sim.cli", "main"),
         "chaos": ("run the demo under random preemptions and kills, check the invariants", "rlboost_hpc.chaos",
                   "chaos_main"),
+        "launch": ("submit a run to Slurm: the trainer job and the scavenger (sbatch/launch)", "rlboost_hpc.launch",
+                   "launch_main"),
     }
     for name, (help_, _, _) in passthrough.items():
         sub.add_parser(name, help=help_, add_help=False)
     args, rest = p.parse_known_args(argv)
-    if args.cmd in passthrough:
-        import importlib
-
-        _, module, func = passthrough[args.cmd]
-        return getattr(importlib.import_module(module), func)(rest)
-    if rest:
+    if args.cmd not in passthrough and rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
-    return _cmd_run(args)
+    prog = f"rlboost-hpc {args.cmd}"
+    try:
+        if args.cmd in passthrough:
+            import importlib
+
+            _, module, func = passthrough[args.cmd]
+            return getattr(importlib.import_module(module), func)(rest)
+        return _cmd_run(args)
+    except BadInput as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return BadInput.exit_status
+    except RunFailed as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return RunFailed.exit_status
+    except KeyboardInterrupt:
+        hint = _AFTER_INTERRUPT.get(args.cmd)
+        print(f"\n{prog}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from rlboost_hpc import defaults as D
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from rlboost_hpc.errors import BadInput
+from rlboost_hpc.paths import ShippedFileMissing, shipped
 
 
 class _Strict(BaseModel):
@@ -431,6 +432,23 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def _config_file(p: Path) -> Path:
+    """``p``, or — a relative path that is not a file here, e.g. README's ``configs/local.toml`` typed outside the
+    checkout — the config of that name the project ships (``rlboost_hpc.paths.shipped``).
+
+    Raises:
+        ConfigError: neither exists.
+    """
+    if p.is_file():
+        return p
+    if not p.is_absolute():
+        try:
+            return shipped(str(p))
+        except ShippedFileMissing:
+            pass
+    raise ConfigError(f"config file not found: {p}")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Build a :class:`RunConfig` from an optional TOML file plus dotted overrides.
 
@@ -440,9 +458,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
+        p = _config_file(Path(path))
         try:
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
@@ -452,9 +468,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            loc = ".".join(str(x) for x in err["loc"]) or "<root>"
-            lines.append(f"  {loc}: {err['msg']}")
-        where = f" in {path}" if path else ""
-        raise ConfigError(f"invalid configuration{where}:\n" + "\n".join(lines)) from None
+        lines = [f"  {_config_problem(err, path, overrides or [])}" for err in e.errors()]
+        raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
+
+
+def _config_problem(err: Any, path: str | Path | None, overrides: list[str]) -> str:
+    """One line of a :class:`ConfigError`: the dotted key, the problem, and where the value came from — the
+    ``--set`` overrides that touched the key (or its table, for a check across keys), else the config file."""
+    loc = ".".join(str(x) for x in err["loc"])
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    keys = [(o.split("=", 1)[0].strip(), o) for o in overrides if "=" in o]
+    touched = [o for k, o in keys
+               if (loc and (k == loc or k.startswith(loc + ".") or loc.startswith(k + "."))) or k in msg]
+    source = ("from " + ", ".join(f"--set {o}" for o in touched) if touched
+              else f"in {path}" if path is not None else "")
+    line = f"{loc}: {msg}" if loc else msg
+    return f"{line} ({source})" if source else line

@@ -1,4 +1,8 @@
-"""Where the run finds its input data: one setting, one owner.
+"""Where the project finds the files it reads but does not write: input data and the files it ships.
+
+Shipped files — ``configs/*.toml``, ``sbatch/`` (the launch and job scripts, the local test cluster) — live beside
+the code in a source checkout and under ``<prefix>/share/rlboost-hpc/`` in an installed wheel (``pyproject.toml``'s
+data files); :func:`shipped` is the one resolver of both, preferring a checkout's own copies.
 
 Invariant: every file the project reads from the shared data set is resolved through :func:`data_file`,
 so a missing file always produces the same actionable :class:`DataFileMissing` error naming the file,
@@ -13,12 +17,44 @@ from __future__ import annotations
 
 import contextlib
 import os
+import site
+import sysconfig
 from pathlib import Path
 from typing import Iterator
 from rlboost_hpc.errors import BadInput
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DATA_DIR = PROJECT_ROOT.parent / "shared" / "data"
+#: The source checkout the package runs from (``pip install -e .`` or the tree itself), ``None`` when installed.
+CHECKOUT: Path | None = PROJECT_ROOT if (PROJECT_ROOT / "pyproject.toml").is_file() else None
+#: The shared data set: ``../shared/data`` beside a checkout; an installed package has no such neighbour, so its
+#: default is a per-user directory (``RLBOOST_DATA`` or ``data.dir`` point elsewhere).
+DEFAULT_DATA_DIR = (CHECKOUT.parent / "shared" / "data" if CHECKOUT is not None
+                    else Path("~/.cache/rlboost-hpc/data").expanduser())
+SHARE_NAME = "share/rlboost-hpc"  # where a wheel installs the shipped files, under its install prefix
+
+
+class ShippedFileMissing(BadInput, FileNotFoundError):
+    """A file the project ships (a config, an sbatch script) is not where the installation put it."""
+
+
+def shipped_dirs() -> list[Path]:
+    """Where shipped files are looked for, in order: the checkout, then the install prefixes' ``share/rlboost-hpc``
+    (the environment's, then the user's ``pip install --user`` base)."""
+    dirs = [CHECKOUT] if CHECKOUT is not None else []
+    return dirs + [Path(sysconfig.get_path("data")) / SHARE_NAME, Path(site.getuserbase()) / SHARE_NAME]
+
+
+def shipped(relative: str) -> Path:
+    """The shipped file ``relative`` (e.g. ``"configs/local.toml"``, ``"sbatch/rollout.sbatch"``), absolute.
+
+    Raises:
+        ShippedFileMissing: in none of :func:`shipped_dirs` (a broken installation); names every place searched.
+    """
+    for d in shipped_dirs():
+        if (d / relative).exists():
+            return (d / relative).resolve()
+    raise ShippedFileMissing(f"{relative} is not installed (looked in {', '.join(map(str, shipped_dirs()))}); "
+                             "reinstall rlboost-hpc or pass the file's path explicitly")
 
 # Public origin of each shared data set (first path component under the data dir).
 ORIGINS: dict[str, str] = {

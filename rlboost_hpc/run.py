@@ -24,6 +24,7 @@ import torch
 
 from rlboost_hpc.cluster.capacity import reserved_instances
 from rlboost_hpc.config import ConfigError, RunConfig
+from rlboost_hpc.errors import BadInput
 from rlboost_hpc.models.hf_dir import save_model_dir
 from rlboost_hpc.observe.report import write_plot
 from rlboost_hpc.observe.run_report import FailedReport, FaultTally, RunReport, build_report, write_report
@@ -151,8 +152,53 @@ def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True, run_id: str | N
     from rlboost_hpc.paths import using_data_dir
 
     rd = RunDir(Path(out_dir))
+    finished = _finished_report(cfg, rd)
+    if finished is not None:
+        log.info("%s holds this run finished (%d steps): its report again, nothing started (a new --out or "
+                 "trainer.resume=never runs it afresh; more trainer.steps continue it)", rd.root, finished["steps"])
+        return finished
     with using_data_dir(cfg.data.dir):
         return _run(cfg, rd, progress=progress, run_id=run_id or rd.run_id()).to_dict()
+
+
+def _finished_report(cfg: RunConfig, rd: RunDir) -> dict | None:
+    """The report of this very run when ``rd`` holds it finished — a successful report of ``trainer.steps`` steps,
+    a checkpoint of the last step, and the same model and task in its ``config.json`` — else ``None`` (the run
+    starts or resumes). ``trainer.resume = "never"`` always starts afresh."""
+    from rlboost_hpc.trainer import checkpoint
+
+    if cfg.trainer.resume == "never" or not rd.report.is_file() or not rd.config.is_file():
+        return None
+    try:
+        report = rd.read_report()
+        before = json.loads(rd.config.read_text())
+    except (BadInput, OSError, ValueError):
+        return None
+    now = cfg.model_dump(mode="json")
+    same = all(before.get(k) == now.get(k) for k in ("model", "task"))
+    done = report.get("steps") == cfg.trainer.steps and "error" not in report
+    return report if same and done and checkpoint.latest_step(rd.root) >= cfg.trainer.steps else None
+
+
+def _check_same_model(ckpt: Path, setup: "RunSetup", rd: RunDir) -> None:
+    """Refuse to resume ``ckpt`` (of ``rd``) into another model, in one line and before any service starts.
+
+    Raises:
+        CheckpointError: the checkpoint's parameter shapes are not the configured model's.
+    """
+    from rlboost_hpc.models.arch import ModelArch
+    from rlboost_hpc.trainer import checkpoint
+
+    saved = checkpoint.run_state_of(ckpt).get("model")  # absent in checkpoints of older versions
+    if not isinstance(saved, dict) or "arch" not in saved:
+        return
+    arch = setup.policy.arch
+    if ModelArch.from_json(saved["arch"]).expected_shapes() != arch.expected_shapes():
+        raise checkpoint.CheckpointError(
+            f"{rd.root} holds a run of another model ({saved.get('path')}, {saved['arch'].get('family')}, "
+            f"{ModelArch.from_json(saved['arch']).num_params() / 1e6:.1f} M parameters) than this config's "
+            f"({setup.policy.path}, {arch.family}, {arch.num_params() / 1e6:.1f} M parameters): use a new --out or "
+            "--set trainer.resume=never")
 
 
 @dataclass
@@ -163,6 +209,7 @@ class RunSetup:
     policy: Any
     task: Any
     tool_stops: tuple[int, ...]
+    context_tokens: int  # the positions one request may need: the longest prompt + the response (trajectory) budget
     train_device: torch.device
     train_dtype: torch.dtype
     rollout_device: torch.device
@@ -196,7 +243,8 @@ class RunSetup:
                               f"the model's context of {arch.max_position_embeddings} tokens")
         train_device = resolve_device(cfg.trainer.device, "trainer.device")
         rollout_device = resolve_device(cfg.rollout.device, "rollout.device")
-        setup = cls(policy=policy, task=task, tool_stops=tool_stop_ids(cfg, tok), train_device=train_device,
+        setup = cls(policy=policy, task=task, tool_stops=tool_stop_ids(cfg, tok),
+                    context_tokens=longest + cfg.trajectory_tokens(), train_device=train_device,
                     train_dtype=resolve_dtype(cfg.trainer.dtype, train_device, "trainer.dtype"),
                     rollout_device=rollout_device,
                     rollout_dtype=resolve_dtype(cfg.rollout.dtype, rollout_device, "rollout.dtype"))
@@ -243,17 +291,21 @@ class ResumeState:
 
 
 def _run(cfg: RunConfig, rd: RunDir, *, progress: bool, run_id: str) -> RunReport:
-    rd.root.mkdir(parents=True, exist_ok=True)
+    rd.create()
     ckpt = _resume_point(cfg, rd.root)
     t_start = time.monotonic()
     torch.manual_seed(cfg.trainer.seed)
     torch.set_num_threads(cfg.trainer.torch_threads)
-    rd.config.write_text(cfg.model_dump_json(indent=2))
     setup = RunSetup.load(cfg)
+    if ckpt is not None:
+        _check_same_model(ckpt, setup, rd)
+    rd.config.write_text(cfg.model_dump_json(indent=2))
+    _announce_cost(cfg, setup)
     steps: list[dict] = []  # every step record of the run, also those of earlier incarnations
     failure: BaseException | None = None
     with RunServices(cfg, rd, run_id, setup.policy, setup.task, resuming=ckpt is not None,
-                     train_device=setup.train_device, train_dtype=setup.train_dtype, t_origin=t_start) as svc:
+                     train_device=setup.train_device, train_dtype=setup.train_dtype, t_origin=t_start,
+                     context_tokens=setup.context_tokens) as svc:
         try:
             report, live_series = _train(cfg, rd, svc, setup, ckpt, steps, progress=progress, t_start=t_start)
         except BaseException as e:  # noqa: BLE001 - re-raised once the services are stopped
@@ -315,6 +367,7 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
                 # a checkpoint holds one step's record, whatever the run's length
                 tally = resume.tally + FaultTally.observe(st, svc.cluster.summary() if svc.cluster else None)
                 ckpt_writer.save(step + 1, svc.backend, trainer.state_dict(), {
+                    "model": {"path": str(setup.policy.path), "arch": setup.policy.arch.to_json()},
                     "metrics_lines": len(steps) - 1, "last_step_metrics": m, "before": before,
                     "resumes": resume.resumes, "counts": tally.to_json(),
                     "train_wall_s": resume.train_wall_s + time.monotonic() - t_train0}, durable=[rd.metrics])
@@ -349,6 +402,29 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
         train_wall_s=train_wall, wall_s=time.monotonic() - t_start,
         trace_window_start_s=cluster["window_start_s"] if cluster else None)
     return report, svc.cluster.live_series if svc.cluster else []
+
+
+def _announce_cost(cfg: RunConfig, setup: RunSetup) -> None:
+    """Say what a step and an evaluation will cost on this machine before either starts
+    (:mod:`rlboost_hpc.trainer.cost`): logged, and a WARNING when a step may take over
+    :data:`~rlboost_hpc.trainer.cost.SLOW_STEP_S` (a GPU-sized config on a CPU)."""
+    from rlboost_hpc.trainer.cost import SLOW_STEP_S, estimate, probe_rates
+
+    r, tok = cfg.rollout, setup.policy.tokenizer
+    prompts = [setup.task.prompt_ids(p, tok) for p in setup.task.train_prompts()[:r.max_batch]]
+    step_n = r.prompts_per_step * r.group_size
+    eval_n = cfg.task.heldout_prompts * (cfg.trainer.eval_samples + 1)  # sampled + one greedy per prompt
+    rates = probe_rates(setup.policy.arch, setup.policy.state_dict, prompts, batch=min(r.max_batch, step_n),
+                        device=setup.rollout_device, dtype=setup.rollout_dtype)
+    cost = estimate(rates, step_responses=step_n, eval_responses=eval_n, tokens_per_response=cfg.trajectory_tokens(),
+                    mean_prompt_tokens=sum(map(len, prompts)) / len(prompts))
+    line = cost.describe(rates, f"{setup.rollout_device}/{str(setup.rollout_dtype).removeprefix('torch.')}")
+    if cost.step_s > SLOW_STEP_S or cost.eval_s > SLOW_STEP_S:
+        log.warning("%s. This config is sized for more compute than this machine has: fewer prompts_per_step, "
+                    "group_size, max_new_tokens or heldout_prompts (configs/gsm8k-qwen3-cpu.toml tries a model on "
+                    "a CPU) or a GPU", line)
+    else:
+        log.info("%s", line)
 
 
 def _held_out(cfg: RunConfig, setup: RunSetup, svc: RunServices):

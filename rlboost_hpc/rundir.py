@@ -110,12 +110,47 @@ class RunDir:
         return self.root / LOGS_DIR
 
     @property
+    def scavenger_log(self) -> Path:
+        """The scavenger's output when a launcher starts it in the background (``sbatch/launch --detach`` spells it
+        too)."""
+        return self.root / LOGS_DIR / "scavenger.log"
+
+    @property
+    def scavenger_pid(self) -> Path:
+        """The pid of a scavenger started in the background (``sbatch/launch --detach`` spells it too)."""
+        return self.root / "scavenger.pid"
+
+    @property
     def config(self) -> Path:
         return self.root / CONFIG_FILE
 
     @property
     def model(self) -> Path:
         return self.root / MODEL_DIR
+
+    def create(self) -> "RunDir":
+        """Make the run directory (and its parents) if it does not exist; returns ``self``.
+
+        Raises:
+            RunDirError: the path (or a parent) is a file, or it cannot be created (permissions, read-only
+                filesystem); the message names the path and the reason.
+        """
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            what = "is a file, not a directory" if self.root.is_file() else (e.strerror or str(e)).lower()
+            raise RunDirError(f"{self.root}: cannot be used as a run directory ({what})") from None
+        return self
+
+    def require(self, what: str) -> "RunDir":
+        """``self`` when the run directory exists; ``what`` names the command that needs it (in the message).
+
+        Raises:
+            RunDirError: no such directory (a mistyped path must not become an empty run).
+        """
+        if not self.root.is_dir():
+            raise RunDirError(f"no such run directory: {self.root} ({what} needs an existing run directory)")
+        return self
 
     def run_id(self) -> str:
         """The run's id: ``$RLBOOST_RUN_ID`` when a launcher set it (the Slurm launcher and the scavenger's rollout

@@ -57,8 +57,10 @@ class RunServices:
     """
 
     def __init__(self, cfg: RunConfig, run_dir: RunDir, run_id: str, policy, task, *, resuming: bool,
-                 train_device: torch.device, train_dtype: torch.dtype, t_origin: float) -> None:
+                 train_device: torch.device, train_dtype: torch.dtype, t_origin: float,
+                 context_tokens: int | None = None) -> None:
         self.cfg, self.run_dir, self.run_id, self.policy, self.task = cfg, run_dir, run_id, policy, task
+        self.context_tokens = context_tokens
         self._resuming, self._device, self._dtype, self._t_origin = resuming, train_device, train_dtype, t_origin
         self._stack = contextlib.ExitStack()
         self._hello = False
@@ -107,7 +109,7 @@ class RunServices:
         self.client = ManagerClient(self.endpoint, keys=self.keys, alive=self.mproc.is_alive)
         metrics_url = metrics_url.replace("0.0.0.0", self.host)
         write_endpoints(rd.root, self.endpoint, self.weights_endpoint, run_id=self.run_id,
-                        curve=self.keys is not None, metrics=metrics_url, worker=WorkerSpec.from_config(cfg).to_json())
+                        curve=self.keys is not None, metrics=metrics_url, worker=WorkerSpec.from_config(cfg, self.context_tokens).to_json())
         if metrics_url:
             write_file_sd(rd.root, "rlboost-manager", metrics_url, self.run_id)
             log.info("manager metrics: %s (file_sd: %s/prometheus/)", metrics_url, rd.root)
@@ -228,7 +230,8 @@ class RunServices:
 
         reserved = RolloutAgent(self.endpoint, "reserved", 0, kind="reserved", max_batch=r.max_batch,
                                 weight_source_factory=local_source, keys=self.keys,
-                                engine_factory=torch_engine_factory(r.max_batch, r.device, r.dtype))
+                                engine_factory=torch_engine_factory(r.max_batch, r.device, r.dtype,
+                                                                    self.context_tokens))
         thread = threading.Thread(target=reserved.run, name="reserved-engine", daemon=True)
         thread.start()
 

@@ -11,9 +11,13 @@ import json
 import logging
 import signal
 import sys
+from pathlib import Path
 from typing import Sequence
 
-from scavenger.config import ScavengerConfig, ScavengerConfigError, load_scavenger_config
+from rlboost_hpc.errors import BadInput
+from rlboost_hpc.observe.logs import setup_logging
+from rlboost_hpc.rundir import RunDir
+from scavenger.config import ScavengerConfig, load_scavenger_config
 from scavenger.stats import stats_main  # noqa: F401  (re-exported for the main CLI)
 
 _FIELDS = ScavengerConfig.model_fields
@@ -42,7 +46,8 @@ def build_parser(prog: str = "rlboost-hpc scavenger") -> argparse.ArgumentParser
     p.add_argument("--signal", help=_help("signal"))
     rq = p.add_mutually_exclusive_group()
     rq.add_argument("--requeue", dest="requeue", action="store_true", default=None, help=_help("requeue"))
-    rq.add_argument("--no-requeue", dest="requeue", action="store_false", help="submit with --no-requeue")
+    rq.add_argument("--no-requeue", dest="requeue", action="store_false", default=None,
+                    help="submit with --no-requeue (preempted jobs do not come back)")
     p.add_argument("--script", help=_help("script"))
     p.add_argument("--job-name-prefix", help=_help("job_name_prefix"))
     p.add_argument("--run-id", help=_help("run_id"))
@@ -80,15 +85,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = load_scavenger_config(args.config, **{k: getattr(args, k) for k in _KNOBS})
         script = cfg.resolved_script()
-    except ScavengerConfigError as e:
+        RunDir(Path(args.run_dir)).require("the scavenger")  # a mistyped path must not become an empty run
+    except BadInput as e:
         print(f"rlboost-hpc scavenger: {e}", file=sys.stderr)
         return 2
-    try:
-        from rlboost_hpc.observe.logs import setup_logging
-
-        setup_logging("scavenger", level=args.log_level.upper())
-    except ImportError:  # standalone use of the scavenger package
-        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+    setup_logging("scavenger", level=args.log_level.upper(), run_id=cfg.resolved_run_id(args.run_dir))
     from scavenger.daemon import Scavenger
 
     from scavenger.pyslurm_api import PyslurmUnavailable

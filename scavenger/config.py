@@ -16,10 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from rlboost_hpc.errors import BadInput
+from rlboost_hpc.rundir import RunDir
 from scavenger.slurm_records import signal_number
-
-#: The project root (``scavenger/..``): a relative ``script`` is looked up here when not found from the cwd.
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 class ScavengerConfigError(BadInput, ValueError):
@@ -43,11 +41,14 @@ class ScavengerConfig(BaseModel):
         "has between the drain signal and a plain scancel"))
     signal: str = Field("USR2", description="warning signal sent to the batch shell (never USR1: NCCL takes it)")
     requeue: bool = Field(True, description="submit with --requeue (preempted jobs come back)")
-    script: str = Field("sbatch/rollout.sbatch", description="the rollout sbatch script (relative: cwd, then "
-                                                             "project root)")
+    script: str = Field("sbatch/rollout.sbatch", description="the rollout sbatch script (relative: from the cwd, "
+                                                             "else the one rlboost-hpc ships)")
     job_name_prefix: str = Field("rlboost-rollout-", description="job name = prefix + run id")
-    run_id: str | None = Field(None, description="run id (default: the run directory's name + a hash of its path)")
-    tag: str | None = Field(None, description="--comment tag that marks our jobs (default rlboost:<run_id>)")
+    run_id: str | None = Field(None, description=(
+        "run id in job names, metrics and logs (default: the run's own id, as the trainer has it: $RLBOOST_RUN_ID, "
+        "else the run directory's name)"))
+    tag: str | None = Field(None, description=(
+        "--comment tag that marks our jobs (default rlboost:<run_id>@<hash of the run directory's path>)"))
     log_dir: str | None = Field(None, description="job stdout/stderr directory (default RUN_DIR/scavenger/logs)")
     extra_sbatch_args: list[str] = Field(default_factory=list, description="appended to every sbatch call")
     poll_s: float = Field(5.0, gt=0, description="seconds between reconciliations")
@@ -96,31 +97,35 @@ class ScavengerConfig(BaseModel):
 
     # -- derived ------------------------------------------------------------------------------------
     def resolved_run_id(self, run_dir: str | os.PathLike[str]) -> str:
-        """``run_id``, or the run directory's name plus a hash of its absolute path (two runs in directories
-        with the same name never adopt each other's jobs)."""
-        if self.run_id:
-            return self.run_id
-        path = Path(run_dir).resolve()
-        return f"{path.name}-{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+        """``run_id``, or the run's own id (:meth:`rlboost_hpc.rundir.RunDir.run_id`: the one the trainer, the
+        manager and the rollout jobs label everything with)."""
+        return self.run_id or RunDir(Path(run_dir)).run_id()
 
     def resolved_tag(self, run_dir: str | os.PathLike[str]) -> str:
-        """The ``--comment`` that marks this run's jobs: ``tag`` or ``rlboost:<run_id>``."""
-        return self.tag or f"rlboost:{self.resolved_run_id(run_dir)}"
+        """The ``--comment`` that marks this run's jobs: ``tag``, or ``rlboost:<run_id>@<8 hex digits of the run
+        directory's absolute path>`` — two runs in directories of the same name never adopt each other's jobs."""
+        path = str(Path(run_dir).resolve())
+        return self.tag or f"rlboost:{self.resolved_run_id(run_dir)}@{hashlib.sha1(path.encode()).hexdigest()[:8]}"
 
     def job_name(self, run_dir: str | os.PathLike[str]) -> str:
         return f"{self.job_name_prefix}{self.resolved_run_id(run_dir)}"
 
     def resolved_script(self) -> Path:
-        """The script path: absolute as given; relative from the cwd if it exists there, else from the
-        project root. Raises :class:`ScavengerConfigError` when it exists in neither place."""
+        """The script path: absolute as given; relative from the cwd if it exists there, else the shipped file of
+        that name (the checkout's, or the installed ``share/rlboost-hpc/``). Raises :class:`ScavengerConfigError`
+        when it is in none of them."""
+        from rlboost_hpc.paths import ShippedFileMissing, shipped
+
         p = Path(self.script).expanduser()
-        candidates = [p] if p.is_absolute() else [Path.cwd() / p, PROJECT_ROOT / p]
-        for c in candidates:
-            if c.is_file():
-                return c.resolve()
-        raise ScavengerConfigError(
-            f"rollout script {self.script!r} not found (looked in {', '.join(str(c) for c in candidates)}); "
-            "pass --script PATH")
+        if p.is_absolute() or (Path.cwd() / p).is_file():
+            if p.is_file():
+                return p.resolve()
+            raise ScavengerConfigError(f"rollout script {self.script!r} not found; pass --script PATH")
+        try:
+            return shipped(str(p))
+        except ShippedFileMissing as e:
+            raise ScavengerConfigError(f"rollout script {self.script!r} not found in {Path.cwd()} ({e}); "
+                                       "pass --script PATH") from None
 
     def sbatch_args(self, run_dir: str | os.PathLike[str]) -> list[str]:
         """The sbatch options of one rollout job (without ``--parsable`` and the script).

@@ -2,7 +2,7 @@
 
 ``rlboost-hpc stats RUN_DIR [--sacct] [--json] [--per-job]`` prints: jobs, attempts, requeues, preemptions,
 mean/median lifetime of an attempt, harvested GPU-hours, tokens produced on harvested capacity, tokens
-migrated (handed off at a warning), tokens regenerated.
+handed off (by rollout jobs leaving: at a warning or a drain), tokens regenerated.
 
 Definitions (invariants of :func:`compute_stats`):
 
@@ -101,7 +101,7 @@ class RunStats:
     lifetime_median_s: float | None = None
     gpu_hours: float = 0.0
     tokens_produced: int = 0
-    tokens_migrated: int = 0
+    tokens_handed_off: int = 0
     tokens_regenerated: int | None = None
     tokens_regenerated_source: str | None = None
     final_states: dict[str, int] = field(default_factory=dict)
@@ -237,7 +237,7 @@ def compute_stats(events: Iterable[dict], now: float | None = None, report: dict
     st.lifetime_median_s = statistics.median(lifetimes) if lifetimes else None
     st.gpu_hours = sum(j.gpu_hours for j in jobs.values())
     st.tokens_produced = sum(t["produced"] for t in tokens.values())
-    st.tokens_migrated = sum(t["handed_off"] for t in tokens.values())
+    st.tokens_handed_off = sum(t["handed_off"] for t in tokens.values())
     if regen_seen:
         st.tokens_regenerated = sum(t["regenerated"] for t in tokens.values())
         st.tokens_regenerated_source = "events"
@@ -364,7 +364,7 @@ def render_table(stats: RunStats, check: SacctCheck | None = None, per_job: bool
         ("attempt lifetime median", _fmt_s(stats.lifetime_median_s)),
         ("harvested GPU-hours", f"{stats.gpu_hours:.3f}"),
         ("tokens produced (harvested)", f"{stats.tokens_produced:,}"),
-        ("tokens migrated (handed off)", f"{stats.tokens_migrated:,}"),
+        ("tokens handed off by rollout jobs leaving", f"{stats.tokens_handed_off:,}"),
         ("tokens regenerated", "n/a" if stats.tokens_regenerated is None
          else f"{stats.tokens_regenerated:,} ({stats.tokens_regenerated_source})"),
         ("final states", ", ".join(f"{k} {v}" for k, v in sorted(stats.final_states.items())) or "-"),
@@ -415,6 +415,11 @@ def stats_main(argv: Sequence[str] | None = None, slurm: Any = None) -> int:
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         print(f"rlboost-hpc stats: no such run directory: {run_dir}", file=sys.stderr)
+        return 2
+    rd = RunDir(run_dir)
+    if not any(p.is_file() for p in (rd.events, rd.metrics, rd.report, rd.target, run_dir / RECONCILE_LOG)):
+        print(f"rlboost-hpc stats: {run_dir} holds no run (no {rd.events.name}, {rd.metrics.name}, {rd.report.name} "
+              f"or {rd.target.name}): a mistyped path, or a run that has not started yet", file=sys.stderr)
         return 2
     st = load_run_stats(run_dir)
     check: SacctCheck | None = None

@@ -69,6 +69,16 @@ def test_release_forwards_tokens_the_engine_still_held_before_handing_off():
     assert a.tokens_handed_off == 5 and a.tokens_generated == 2
 
 
+def test_no_heartbeat_follows_the_deregister():
+    """Regression (issue 28): the link's I/O thread kept heartbeating after the drain's Deregister, and the manager
+    logged a WARNING (and sent a Reject) for a heartbeat from an unregistered peer as every worker left."""
+    a = _agent()
+    a.link.heartbeat_s = 0.5
+    a.engine = _HoldingEngine()
+    a._drain("preempted")
+    assert isinstance(a.link.msgs[-1], M.Deregister) and a.link.heartbeat_s is None
+
+
 def test_first_engine_is_built_on_the_builder_thread_not_the_heartbeat_loop():
     built_on: list[str] = []
     gate = threading.Event()

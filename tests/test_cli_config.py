@@ -14,11 +14,11 @@ def test_default_config_file_matches_defaults(repo_root):
     assert cfg.rollout.group_size == 8 and cfg.weights.dtype == "bfloat16"
 
 
-@pytest.mark.parametrize("name", ["local.toml", "gsm8k-qwen3.toml", "gsm8k-tools.toml"])
+@pytest.mark.parametrize("name", ["local.toml", "gsm8k-qwen3.toml", "gsm8k-qwen3-cpu.toml", "gsm8k-tools.toml"])
 def test_shipped_configs_load(repo_root, name):
     cfg = load_config(repo_root / "configs" / name)
     assert cfg.model.name == "stories260K"
-    if name == "gsm8k-qwen3.toml":  # the template a user copies: their model directory, the chat template
+    if name.startswith("gsm8k-qwen3"):  # the template a user copies: their model directory, the chat template
         assert cfg.task.name == "gsm8k" and cfg.model.path and cfg.task.chat_template == "auto"
     if name == "gsm8k-tools.toml":  # multi-turn: the calculator, Qwen's tool-call tokens
         assert cfg.task.name == "gsm8k_tools" and cfg.task.max_turns > 1 and cfg.model.path

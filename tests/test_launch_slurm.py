@@ -20,14 +20,18 @@ def _job_output(out: Path) -> str:
                      for p in sorted((out / "submitit").glob("*.out")) + sorted((out / "submitit").glob("*.err")))
 
 
-def test_a_trainer_submitted_with_submitit_is_requeued_mid_run_and_resumes_losing_nothing(tmp_path, monkeypatch):
-    """Submit a run with :func:`rlboost_hpc.launch.submit_run`; once it has checkpointed step 3, ``scontrol
-    requeue`` it (Slurm kills the job and starts it again, same id); the second start resumes from the checkpoint
-    and the run finishes: ``resumes ≥ 1``, nothing lost or duplicated, every prompt trained exactly once, and the
-    manager journal records two epochs."""
+def test_a_run_submitted_from_python_harvests_rollout_jobs_and_survives_a_requeue_of_its_trainer(tmp_path,
+                                                                                                  monkeypatch):
+    """:func:`rlboost_hpc.launch.submit_run` gives what ``sbatch/launch`` gives (issue 28: it ran the embedded local
+    cluster inside the Slurm job, with no scavenger): the trainer job as a Slurm run and the scavenger, whose rollout
+    jobs on the scavenger partition serve the run. Once the trainer has checkpointed step 3 and a rollout job has
+    registered, ``scontrol requeue`` the trainer (Slurm kills it and starts it again, same id); the second start
+    resumes from the checkpoint, the rollout jobs rejoin, and the run finishes: ``resumes ≥ 1``, nothing lost or
+    duplicated, every prompt trained exactly once, two manager epochs in the journal; the scavenger exits by itself
+    once the run is over."""
     from rlboost_hpc.launch import submit_run
     from rlboost_hpc.manager.journal import read
-    from rlboost_hpc.rundir import RunDir
+    from rlboost_hpc.rundir import RunDir, read_jsonl
     from rlboost_hpc.trainer.checkpoint import latest_step
 
     import os
@@ -35,29 +39,49 @@ def test_a_trainer_submitted_with_submitit_is_requeued_mid_run_and_resumes_losin
     for k, v in ensure_local_slurm().items():
         monkeypatch.setenv(k, v)
     out = tmp_path / "run"
-    job = submit_run(REPO / "configs/local.toml", out, partition="train", timeout_min=30, cpus_per_task=1,
-                     overrides=["trainer.steps=40", "trainer.export_model=false"])
+    run = submit_run(REPO / "configs/local.toml", out, partition="train", timeout_min=30, cpus_per_task=1,
+                     overrides=["trainer.steps=40", "trainer.export_model=false"],
+                     scavenger=["--partition", "scavenger", "--max-jobs", "2", "--poll-s", "1"])
+    events = RunDir(out).events
+
+    def served() -> bool:  # a rollout job registered with the run's manager
+        return any(e.get("event") == "worker_started" for e in read_jsonl(events))
+
+    def state() -> str:
+        return _job_output(out) + "\n" + (RunDir(out).scavenger_log.read_text()[-3000:]
+                                          if RunDir(out).scavenger_log.exists() else "no scavenger log")
+
     try:
         deadline = time.monotonic() + 300
-        while latest_step(out) < 3:
-            assert time.monotonic() < deadline and not job.done(), f"no checkpoint of step 3:\n{_job_output(out)}"
+        while latest_step(out) < 3 or not served():
+            assert time.monotonic() < deadline and not run.done(), f"no checkpoint of step 3 and rollout job:\n" \
+                                                                    f"{state()}"
             time.sleep(0.5)
-        p = subprocess.run(["scontrol", "requeue", str(job.job_id)], capture_output=True, text=True, timeout=30)
+        p = subprocess.run(["scontrol", "requeue", run.job_id], capture_output=True, text=True, timeout=30)
         assert p.returncode == 0, p.stderr
         deadline = time.monotonic() + 600
-        while not job.done():
-            assert time.monotonic() < deadline, f"the requeued run did not finish:\n{_job_output(out)}"
+        while not run.done():
+            assert time.monotonic() < deadline, f"the requeued run did not finish:\n{state()}"
             time.sleep(2.0)
-        rep = job.result()
+        rep = run.result()
         # the result file is written just before the job's processes exit: wait for Slurm to see it end
-        _wait_gone(str(job.job_id), dict(os.environ), 120, lambda: _job_output(out))
+        _wait_gone(run.job_id, dict(os.environ), 120, state)
+        assert run.wait_scavenger(180) == 0, state()
     finally:
-        subprocess.run(["scancel", str(job.job_id)], capture_output=True, timeout=30)
+        if run.scavenger.poll() is None:
+            run.cancel()
+            run.scavenger.kill()
+        subprocess.run(["scancel", run.job_id], capture_output=True, timeout=30)
+        subprocess.run(["scancel", "--name", f"rlboost-rollout-{out.name}"], capture_output=True, timeout=30)
     assert rep == json.loads(RunDir(out).report.read_text())
-    assert rep["steps"] == 40 and rep["resumes"] >= 1 and rep["resumed_from_step"] >= 3, _job_output(out)
+    assert rep["steps"] == 40 and rep["resumes"] >= 1 and rep["resumed_from_step"] >= 3, state()
     assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0
     assert rep["prompts_not_trained_exactly_once"] == 0 and rep["tokens_trained_off_version"] == 0
     assert sum(1 for r in read(RunDir(out).journal) if r.get("event") == "start") >= 2
+    ev = read_jsonl(events)
+    started = [e for e in ev if e.get("event") == "started" and e.get("source") == "scavenger"]
+    assert started and all(e.get("partition", "scavenger") == "scavenger" for e in started), started
+    assert json.loads((out / "config.json").read_text())["cluster"]["kind"] == "slurm"
 
 
 def _wait_gone(job: str, env: dict, timeout_s: float, what) -> None:

@@ -133,6 +133,8 @@ def test_scraped_metrics_follow_prometheus_conventions(tmp_path):
                 assert smp.value >= 0, (fam.name, smp)  # no -1 "no value" sentinels
                 if fam.type == "counter":
                     assert smp.name.endswith(("_total", "_created")), smp.name
+    for text in (manager_text, scav_text):  # the serving process's own resources (issue 28), with the run label
+        assert 'process_resident_memory_bytes{run="r42"}' in text and 'process_cpu_seconds_total{run="r42"}' in text
     types = {f.name: f.type for f in text_string_to_metric_families(manager_text)}
     assert types["rlboost_weight_pull_duration_seconds"] == "histogram"
     assert 'rlboost_weight_pull_duration_seconds_bucket{le="0.5",run="r42"} 1.0' in manager_text

@@ -660,10 +660,12 @@ def test_sbatch_command_line(env):
     make(cfg).reconcile_once()
     [(_, script, args)] = fake.our_calls("sbatch")
     assert script.endswith("rollout.sbatch")
-    rid = cfg.resolved_run_id(run_dir)  # directory name + hash of its path: same-named runs never collide
-    assert rid.startswith(run_dir.resolve().name + "-")
+    rid = cfg.resolved_run_id(run_dir)  # the run's own id (the trainer's): the directory's name
+    assert rid == run_dir.resolve().name
+    tag = cfg.resolved_tag(run_dir)  # + a hash of its path: same-named runs never adopt each other's jobs
+    assert tag.startswith(f"rlboost:{rid}@") and len(tag) == len(f"rlboost:{rid}@") + 8
     for want in ("--partition=scav", "--qos=low", "--account=rl", "--gres=gpu:2", "--time=2:00:00",
-                 "--requeue", "--signal=B:USR2@30", f"--comment=rlboost:{rid}", f"--job-name=rlboost-rollout-{rid}",
+                 "--requeue", "--signal=B:USR2@30", f"--comment={tag}", f"--job-name=rlboost-rollout-{rid}",
                  "--mem=8G", "--open-mode=append"):
         assert want in args
     export = next(a for a in args if a.startswith("--export="))

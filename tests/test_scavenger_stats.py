@@ -67,7 +67,7 @@ def test_numbers_from_synthetic_log(tmp_path):
     assert st.lifetime_mean_s == pytest.approx((60 + 100 + 35 + 30) / 4)
     assert st.lifetime_median_s == pytest.approx((35 + 60) / 2)
     assert st.gpu_hours == pytest.approx((60 * 2 + 100 * 2 + 35 + 30 + 100) / 3600)
-    assert (st.tokens_produced, st.tokens_migrated) == (100 + 300 + 40, 20 + 5)
+    assert (st.tokens_produced, st.tokens_handed_off) == (100 + 300 + 40, 20 + 5)
     assert st.tokens_regenerated is None
     assert st.final_states == {"COMPLETED": 1, "CANCELLED": 1, "RUNNING": 1, "PREEMPTED": 1}
     assert st.bad_lines == 1
@@ -98,7 +98,7 @@ def test_stats_main_table_and_json(tmp_path, capsys):
     write_log(tmp_path, synthetic_events())
     assert stats_main([str(tmp_path), "--per-job"]) == 0
     out = capsys.readouterr().out
-    for want in ("preemptions", "harvested GPU-hours", "tokens migrated", "attempt lifetime median", "per job"):
+    for want in ("preemptions", "harvested GPU-hours", "tokens handed off", "attempt lifetime median", "per job"):
         assert want in out
     assert stats_main([str(tmp_path), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
@@ -288,7 +288,16 @@ def test_capacity_series_and_plot_from_the_trainer_and_the_scavengers_logs(tmp_p
     assert s["capacity"] == [(0.0, 4), (6.0, 1)]
     assert stats_main([str(run), "--plot", str(tmp_path / "cap.png")]) == 0
     assert (tmp_path / "cap.png").stat().st_size > 10_000
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    assert stats_main([str(empty), "--plot", str(tmp_path / "x.png")]) == 2
+    capsys.readouterr()
+    steps_only = tmp_path / "no-steps"  # a run directory without a step record: nothing to plot
+    (steps_only / "scavenger").mkdir(parents=True)
+    (steps_only / "target.json").write_text('{"n_prem": 1, "active": true, "step": 0}')
+    assert stats_main([str(steps_only), "--plot", str(tmp_path / "x.png")]) == 2
     assert "no per-step N_prem target" in capsys.readouterr().err
+
+
+def test_stats_of_a_directory_that_holds_no_run_exits_2_naming_it(tmp_path, capsys):
+    """Regression (issue 28): ``stats`` of a mistyped directory printed an all-zero table and exited 0."""
+    assert stats_main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path) in err and "holds no run" in err

@@ -343,3 +343,73 @@ def test_a_tool_using_run_on_slurm_loses_no_trajectory_to_preemption(tmp_path):
     assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0, rep
     assert rep["tokens_trained_off_version"] == 0 and rep["prompts_not_trained_exactly_once"] == 0, rep
     assert rep["environment_calls"] > 0 and rep["turns_per_trajectory_mean"] > 1.0, rep
+
+
+def test_a_run_launched_as_readme_says_has_one_run_id_everywhere_and_the_dashboard_shows_it(tmp_path):
+    """Issue 28: ``sbatch/launch RUN_DIR CONFIG -- --partition scavenger …`` exactly as README's Slurm section gives
+    it — no activated virtual environment (no venv on PATH, no RLBOOST_PYTHON), no ids passed by hand. The launcher
+    finds the interpreter the project is installed in; the trainer, the manager, the scavenger and every rollout job
+    label the run with one id (the run directory's name: the scavenger used ``<name>-<hash>``, and ``""`` in its
+    logs); a real Prometheus scraping ``RUN_DIR/prometheus/*.json`` answers every query of the Grafana dashboard for
+    that id, the ``run`` variable's included."""
+    from _prometheus import Prometheus
+
+    env = dict(os.environ, **ensure_local_slurm())
+    for k in ("VIRTUAL_ENV", "RLBOOST_PYTHON", "RLBOOST_RUN_ID", "PYTHONPATH"):
+        env.pop(k, None)
+    venv_bin = str(Path(sys.executable).parent)
+    env["PATH"] = ":".join(p for p in env["PATH"].split(":") if p and p != venv_bin)
+    run_dir = tmp_path / "readme-run"
+    config = REPO / "configs/local.toml"  # README's: the demo's 60 steps
+    dash = json.loads((REPO / "rlboost_hpc/observe/grafana/rlboost-manager.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    tag = f"rlboost:{run_dir.name}@"
+    with Prometheus(tmp_path / "prometheus", str(run_dir / "prometheus" / "*.json")) as prom:
+        p = subprocess.run(["bash", str(REPO / "sbatch/launch"), str(run_dir), str(config), "--detach", "--",
+                            "--partition", "scavenger", "--max-jobs", "2", "--metrics-port", "0", "--poll-s", "1"],
+                           capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+        assert p.returncode == 0, p.stdout + p.stderr
+        trainer_job = (run_dir / "train.jobid").read_text().strip().split(";")[0]
+
+        def state() -> str:
+            return diagnosis(env, tag, run_dir) + "\n" + tail(run_dir / "logs" / "scavenger.log")
+
+        try:
+            wait_for(lambda: prom.targets_up() == {"rlboost-manager": True, "rlboost-scavenger": True}, 180,
+                     "both targets scraped", state=lambda: f"{prom.targets_up()}\n{state()}")
+            wait_for(lambda: any(e.get("event") == "tokens" for e in events(run_dir)), 240, "rollout jobs serving",
+                     state=state)
+            wait_for(lambda: prom.query(f'rlboost_scavenger_tokens_produced_total{{run="{run_dir.name}"}} > 0'), 120,
+                     "the scavenger's token count from the rollout jobs' events", state=state)
+            time.sleep(5)  # several scrapes inside every [1m] range
+            assert steps_done(run_dir) < 60, "the run ended before the dashboard was read:\n" + state()
+            values = prom.query('count by (run) (rlboost_step)')
+            assert [v["metric"]["run"] for v in values] == [run_dir.name], values  # Grafana's `run` variable
+            empty = [e for e in exprs if not prom.query(e.replace("$run", run_dir.name))]
+            assert not empty, f"dashboard queries without a series for run {run_dir.name}: {empty}"
+            wait_progressing(lambda: (run_dir / "report.json").exists(), lambda: steps_done(run_dir), 180,
+                             "report.json", state=state)
+            pid = int((run_dir / "scavenger.pid").read_text())
+            wait_for(lambda: not Path(f"/proc/{pid}").exists(), 120, "the scavenger's exit", state=state)
+        finally:
+            ids = [trainer_job, *[str(j["job_id"]) for j in our_jobs(env, tag)]]
+            subprocess.run(["scancel", *ids], env=env, capture_output=True, timeout=30)
+            if (run_dir / "scavenger.pid").exists():
+                subprocess.run(["kill", (run_dir / "scavenger.pid").read_text().strip()], capture_output=True)
+    rep = json.loads((run_dir / "report.json").read_text())
+    assert rep["steps"] == 60 and rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0, rep
+    rid = run_dir.name
+    assert json.loads((run_dir / "endpoints.json").read_text())["run_id"] == rid
+    logged = {}
+    for role, path in [("trainer", run_dir / "logs/trainer.jsonl"), ("manager", run_dir / "logs/manager.jsonl"),
+                       ("scavenger", run_dir / "logs/scavenger.log")]:
+        lines = [json.loads(ln) for ln in path.read_text().splitlines() if ln.startswith('{"ts"')]
+        logged[role] = {x["run"] for x in lines}
+    workers = [json.loads(ln) for f in (run_dir / "logs").glob("rlboost-rollout-*.out") for ln in f.read_text(
+        errors="replace").splitlines() if ln.startswith('{"ts"') and '"role": "worker' in ln]
+    logged["rollout jobs"] = {x["run"] for x in workers if x["run"]}
+    assert workers and all(v == {rid} for v in logged.values()), logged
+    for sd in ("rlboost-manager", "rlboost-scavenger"):
+        assert json.loads((run_dir / f"prometheus/{sd}.json").read_text())[0]["labels"]["run"] == rid
+    submitted = [e for e in events(run_dir) if e.get("event") == "submitted"]
+    assert submitted and all(e["tag"].startswith(tag) for e in submitted), submitted

@@ -219,6 +219,9 @@ def run_manager_process(bind: str, params: dict, conn, keys_dir: str | None = No
     # SIGTERM (the run stopping a manager no trainer ever said hello to): leave the loop, close the tool workers.
     # Installed before the endpoint is reported, so a stop that follows at once is never a kill.
     signal.signal(signal.SIGTERM, lambda *_: svc.stop())
+    # Ctrl-C on a terminal reaches the whole foreground process group: the trainer that started us handles it
+    # (it stops us), so the manager never dies of it half-way or prints a KeyboardInterrupt of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn.send((svc.endpoint, metrics_url))
     conn.close()
     parent = os.getppid()

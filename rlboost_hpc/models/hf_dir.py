@@ -147,7 +147,13 @@ class PolicyTokenizer:
         try:
             hf = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
         except Exception as e:  # noqa: BLE001 - transformers raises many kinds for a broken tokenizer
-            raise ModelFormatError(f"{d}: the tokenizer does not load ({type(e).__name__}: {e})") from None
+            if not (d / "tokenizer.json").is_file():  # transformers' advice (install sentencepiece) is not the fix
+                present = sorted(p.name for p in d.iterdir() if p.name.startswith("tokenizer") or p.suffix == ".model")
+                raise ModelFormatError(
+                    f"{d / 'tokenizer.json'} not found: the tokenizer cannot be built from {', '.join(present)} "
+                    "alone; copy tokenizer.json from the model's original files (save_pretrained writes it)") from None
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise ModelFormatError(f"{d}: the tokenizer does not load ({type(e).__name__}: {first})") from None
         if len(hf) > arch.vocab_size:
             raise ModelFormatError(f"{d}: the tokenizer has {len(hf)} tokens but the model's vocab_size is "
                                    f"{arch.vocab_size} (config.json)")
@@ -167,6 +173,11 @@ class PolicyTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids`` with special tokens left out."""
         return self.hf.decode(list(ids), skip_special_tokens=True)
+
+    def render_prompt(self, ids: Iterable[int]) -> str:
+        """A prompt's text as the model saw it: a chat prompt with its template's special tokens (role markers,
+        generation prompt), a plain prompt without them (:meth:`decode`)."""
+        return self.hf.decode(list(ids), skip_special_tokens=False) if self.use_chat else self.decode(ids)
 
 
 @dataclass

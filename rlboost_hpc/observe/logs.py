@@ -52,7 +52,8 @@ def current_sink() -> LogSink:
 def setup_logging(role: str, level: str | None = None, run_id: str | None = None, *,
                   log_dir: str | os.PathLike | None = None, console: bool = True) -> None:
     """Route the root logger to JSON lines: on stderr (``console``) and/or appended to ``log_dir/<role>.jsonl``
-    (the directory is created). Level: ``level``, else ``RLBOOST_LOG_LEVEL``, else INFO.
+    (the directory is created). Level: ``level``, else ``RLBOOST_LOG_LEVEL``, else INFO. Python warnings
+    (``warnings.warn``, e.g. a library's ``UserWarning``) are logged as WARNING lines of logger ``py.warnings``.
 
     ``run_id``: the run the lines belong to ("" when the process serves none, e.g. the scavenger; a process
     that learns it later calls :func:`set_run_id`)."""
@@ -76,6 +77,7 @@ def setup_logging(role: str, level: str | None = None, run_id: str | None = None
         h.setFormatter(fmt)
         root.addHandler(h)
     root.setLevel(level)
+    logging.captureWarnings(True)  # a library's warnings.warn becomes a JSON line too, never plain text among them
 
 
 @contextlib.contextmanager

@@ -9,8 +9,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
 
 from rlboost_hpc.protocol.stats import ManagerStats
 
@@ -204,9 +205,28 @@ def _histogram(name: str, doc: str, run: list[str], bounds: tuple[float, ...], v
     return h
 
 
+class ProcessMetrics:
+    """The serving process's own resources — prometheus_client's ``ProcessCollector`` (``process_cpu_seconds_total``,
+    ``process_resident_memory_bytes``, ``process_open_fds``, ``process_max_fds``, ``process_start_time_seconds``,
+    virtual memory) — each sample labelled with the ``run``, as every series of this project is."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self._inner = ProcessCollector(registry=None)
+
+    def collect(self):
+        for fam in self._inner.collect():
+            out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            for smp in fam.samples:
+                out.add_sample(smp.name, {**smp.labels, "run": self.run_id}, smp.value, smp.timestamp, smp.exemplar)
+            yield out
+
+
 def serve_metrics(collector, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
-    """Serve ``collector`` at ``http://host:port/metrics`` (port 0: a free one). Returns (host, port)."""
+    """Serve ``collector`` (it has a ``run_id``) and the process's own resources (:class:`ProcessMetrics`) at
+    ``http://host:port/metrics`` (port 0: a free one). Returns (host, port)."""
     reg = CollectorRegistry()
     reg.register(collector)
+    reg.register(ProcessMetrics(collector.run_id))
     server, _thread = start_http_server(port, addr=host, registry=reg)
     return host, server.server_port

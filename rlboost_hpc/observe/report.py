@@ -51,8 +51,9 @@ SUMMARY_KEYS = [
     ("responses_trained", "responses trained"), ("responses_lost", "responses lost"),
     ("responses_duplicated", "responses duplicated"), ("preemptions", "preemptions (warned + killed)"),
     ("kills_without_warning", "  of which without warning"), ("responses_migrated", "responses migrated"),
-    ("tokens_migrated", "tokens carried over by migration"), ("tokens_regenerated", "tokens regenerated"),
-    ("tokens_trained_off_version", "tokens trained off-version"), ("truncated_share", "share of responses truncated"), ("weight_pulls", "weight pulls"),
+    ("tokens_migrated", "tokens carried over by migration (seeds + preempted work)"),
+    ("tokens_regenerated", "tokens regenerated"), ("tokens_trained_off_version", "tokens trained off-version"),
+    ("truncated_share", "share of responses truncated"), ("weight_pulls", "weight pulls"),
     ("throughput_tokens_per_s", "throughput (tokens/s)"), ("wall_s", "wall time (s)"),
 ]
 

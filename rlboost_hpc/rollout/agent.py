@@ -429,6 +429,7 @@ class RolloutAgent:
         settle = time.monotonic() + self.cause_settle_s
         while self.stop_cause == "stopped" and time.monotonic() < settle:  # a warning may still refine the cause
             time.sleep(0.01)
+        self.link.heartbeat_s = None  # no heartbeat after the Deregister: the manager would warn of a stranger
         self._send(M.Deregister(reason=reason, tokens_generated=self.tokens_generated, cause=self.stop_cause))
 
     # ------------------------------------------------------------------ messages

@@ -52,11 +52,12 @@ class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     relay_bind_host: str = "127.0.0.1"
 
     @classmethod
-    def from_config(cls, cfg) -> "WorkerSpec":
-        """The spec of a run config (:class:`rlboost_hpc.config.RunConfig`)."""
+    def from_config(cls, cfg, context_tokens: int | None = None) -> "WorkerSpec":
+        """The spec of a run config (:class:`rlboost_hpc.config.RunConfig`); ``context_tokens``: the positions one
+        request may need (the run's longest prompt + response budget), what an engine's KV cache is sized for."""
         from rlboost_hpc.rollout.engines.factory import engine_spec
 
-        return cls(engine=engine_spec(cfg.rollout), max_batch=cfg.rollout.max_batch,
+        return cls(engine=engine_spec(cfg.rollout, context_tokens), max_batch=cfg.rollout.max_batch,
                    torch_threads=cfg.rollout.torch_threads, weight_streams=cfg.weights.streams,
                    weight_window=cfg.weights.window, pull_timeout_s=cfg.weights.pull_timeout_s,
                    weight_delta=cfg.weights.delta, weight_relay=cfg.weights.relay,

@@ -277,6 +277,17 @@ def latest_step(run_dir: str | os.PathLike) -> int:
     return 0 if ckpt is None else step_of(ckpt)
 
 
+def run_state_of(path: Path) -> dict[str, Any]:
+    """The run's state saved with the checkpoint at ``path`` (``trainer.json``'s ``run``), without restoring
+    anything — cheap to read before a run starts its services; ``{}`` when unreadable (:func:`load` then names
+    the problem)."""
+    try:
+        st = json.loads((path / "trainer.json").read_text()).get("run", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return st if isinstance(st, dict) else {}
+
+
 def load(path: Path, backend, run_keys: tuple[str, ...] = (), *,
          verified: bool = False) -> tuple[int, dict[str, Any], dict[str, Any]]:
     """Verify ``path`` against its manifest (skipped when ``verified``: the caller just did, e.g. with
@@ -294,7 +305,8 @@ def load(path: Path, backend, run_keys: tuple[str, ...] = (), *,
         backend.load_checkpoint(path / "backend")
         st = json.loads((path / "trainer.json").read_text())
     except Exception as e:  # noqa: BLE001 - any failure here means the run cannot resume
-        raise CheckpointError(f"checkpoint {path}: cannot restore ({type(e).__name__}: {e})") from None
+        first = (str(e).strip().splitlines() or [""])[0]  # torch's state-dict errors list every tensor: one line
+        raise CheckpointError(f"checkpoint {path}: cannot restore ({type(e).__name__}: {first})") from None
     missing = [k for k in run_keys if k not in st.get("run", {})]
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks {missing} (written by another version of rlboost-hpc); "

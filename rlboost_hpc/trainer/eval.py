@@ -76,14 +76,16 @@ def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, ta
         examples (first few greedy texts), sampled (the sampled responses as :class:`Sample` s, advantage 0,
         observation tokens masked, for :func:`kl_to_reference`).
     """
-    eng = TorchEngine(arch, weights, max_batch=64, device=device, dtype=dtype)
     stop_ids = tokenizer.stop_ids
     tool_stops = turns.tool_stop_ids if turns else ()
     total = turns.max_trajectory_tokens if turns else max_new_tokens
+    prompts = [(p, task.prompt_ids(p, tokenizer)) for p in task.heldout_prompts()]
+    longest = max(len(ids) for _, ids in prompts)
+    eng = TorchEngine(arch, weights, max_batch=64, max_len=min(longest + total, arch.max_position_embeddings),
+                      device=device, dtype=dtype)
     trajs: dict[str, _Trajectory] = {}
     meta = {}
-    for i, p in enumerate(task.heldout_prompts()):
-        ids = task.prompt_ids(p, tokenizer)
+    for i, (p, ids) in enumerate(prompts):
         for j in range(samples + 1):
             rid = f"eval/{i}/{j}"
             trajs[rid] = _Trajectory(ids, base_seed + 1000 * i + j)
@@ -128,7 +130,7 @@ def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, ta
         if greedy:
             greedy_r.append(r)
             if len(examples) < 4:
-                examples.append(task.format_prompt(p) + (tokenizer.decode(t.ids) if t.turn else text))
+                examples.append(tokenizer.render_prompt(t.prompt_ids) + (tokenizer.decode(t.ids) if t.turn else text))
         else:
             sampled.append(r)
             rep.append(repetition_rate(text))

@@ -34,10 +34,13 @@ EngineFactory = Callable[..., Engine]
 _SGLANG_KEYS = {"python", "stream_interval", "startup_timeout_s", "env", "extra_args"}
 
 
-def torch_engine_factory(max_batch: int, device: str = "auto", dtype: str = "auto") -> EngineFactory:
+def torch_engine_factory(max_batch: int, device: str = "auto", dtype: str = "auto",
+                         max_len: int | None = None) -> EngineFactory:
     """Build a :class:`TorchEngine` from the run's model (the architecture the trainer parsed, else its
     ``config.json`` read here) and the first pulled weights, on ``device`` / ``dtype``
-    (``rlboost_hpc.models.device``; resolved when the engine is built, in the process that runs it).
+    (``rlboost_hpc.models.device``; resolved when the engine is built, in the process that runs it), with KV-cache
+    room for ``max_len`` positions per request (the run's longest prompt + response budget; ``None``: the model's
+    whole context — 40,960 positions for Qwen3, hundreds of GB of cache at batch 64).
 
     The engine raises :class:`EngineError` for a model the project does not support or an unavailable device.
     """
@@ -53,15 +56,19 @@ def torch_engine_factory(max_batch: int, device: str = "auto", dtype: str = "aut
             dt = resolve_dtype(dtype, dev, "rollout.dtype")
         except (ModelFormatError, DeviceError) as e:
             raise EngineError(str(e)) from None
-        return TorchEngine(arch, state_dict, max_batch=max_batch, device=dev, dtype=dt)
+        ctx = arch.max_position_embeddings if max_len is None else min(max_len, arch.max_position_embeddings)
+        return TorchEngine(arch, state_dict, max_batch=max_batch, max_len=ctx, device=dev, dtype=dt)
 
     return make
 
 
-def engine_spec(cfg) -> dict[str, Any]:
+def engine_spec(cfg, max_len: int | None = None) -> dict[str, Any]:
     """The JSON spec of ``cfg.rollout`` (a :class:`rlboost_hpc.config.RolloutCfg`) for ``endpoints.json``:
-    the engine kind, its device and dtype, and the SGLang server options."""
+    the engine kind, its device and dtype, the positions one request may need (``max_len``: the run's longest
+    prompt + response budget; absent: the model's context), and the SGLang server options."""
     spec: dict[str, Any] = {"kind": cfg.engine, "device": cfg.device, "dtype": cfg.dtype}
+    if max_len is not None:
+        spec["max_len"] = int(max_len)
     if cfg.engine == "sglang":
         spec["sglang"] = cfg.sglang.model_dump()
     return spec
@@ -103,7 +110,7 @@ def factory_from_spec(spec: Mapping[str, Any] | None, max_batch: int, *,
     kind = (spec or {}).get("kind", "torch")
     device, dtype = (spec or {}).get("device", "auto"), (spec or {}).get("dtype", "auto")
     if kind == "torch":
-        return torch_engine_factory(max_batch, device, dtype)
+        return torch_engine_factory(max_batch, device, dtype, (spec or {}).get("max_len"))
     if kind != "sglang":
         raise EngineError(f"unknown rollout engine {kind!r} in the run's engine spec (expected 'torch' or 'sglang')")
     opts = dict((spec or {}).get("sglang") or {})

@@ -1,0 +1,214 @@
+"""The ``rlboost-hpc`` command line as a user meets it (issue 28): every command's bad input exits 2 with one line
+naming the file or key (never a traceback), Ctrl-C says what to do next, a finished run reports again without
+starting anything, a run directory of another model is refused in one line, and what a step costs is said before
+the first one starts. Each runs the real command in a subprocess."""
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlboost_hpc.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parent.parent
+LOCAL = str(REPO / "configs/local.toml")
+
+
+def cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlboost_hpc.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+def one_line_refusal(p: subprocess.CompletedProcess, *needles: str) -> None:
+    """Exit 2, no traceback, every needle in stderr, and at most two plain lines there (JSON log lines aside)."""
+    plain = [ln for ln in p.stderr.splitlines() if ln.strip() and not ln.startswith("{")]
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert all(n in p.stderr for n in needles) and len(plain) <= 2, p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("cmd", ["run", "chaos"])
+def test_an_out_that_is_a_file_exits_2_naming_it(tmp_path, cmd):
+    """Regression: ``run --out F`` died in ``setup_logging`` (NotADirectoryError), ``chaos --out F`` with
+    FileExistsError — both exit 1 with a traceback."""
+    f = tmp_path / "F"
+    f.write_text("precious")
+    one_line_refusal(cli(cmd, "--config", LOCAL, "--out", str(f)), str(f), "is a file, not a directory")
+    assert f.read_text() == "precious"
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--config", "missing.toml"], "config file not found: missing.toml"),
+    (["--set", "trainer.stesp=1"], "trainer.stesp: Extra inputs are not permitted (from --set trainer.stesp=1)"),
+    (["--config", "BAD"], "trainer.stesp: Extra inputs are not permitted (in "),
+])
+def test_chaos_refuses_bad_configuration_before_writing_anything(tmp_path, args, needle):
+    """Regression: ``chaos`` never caught the configuration's errors (exit 1, traceback), after it had made its
+    output directory and trace."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[trainer]\nstesp = 1\n")
+    args = [str(bad) if a == "BAD" else a for a in args]
+    one_line_refusal(cli("chaos", *args, "--out", str(tmp_path / "out"), cwd=tmp_path), needle)
+    assert not (tmp_path / "out").exists()
+
+
+def test_set_errors_name_the_command_line_and_checks_across_keys_read_plainly(tmp_path):
+    """Regression: a bad ``--set`` was reported as "invalid configuration in configs/local.toml", and a check across
+    keys as ``<root>: Value error, …``."""
+    with pytest.raises(ConfigError) as e:
+        load_config(LOCAL, ["trainer.stesp=1"])
+    assert "(from --set trainer.stesp=1)" in str(e.value) and f"in {LOCAL}" not in str(e.value)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[trainer]\nsteps = -1\n")
+    with pytest.raises(ConfigError, match=rf"trainer.steps: .* \(in {bad}\)"):
+        load_config(bad)
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["policy.t_seed_ceil_s=0.01"])
+    assert "<root>" not in str(e.value) and "Value error" not in str(e.value)
+    assert "policy.t_seed_ceil_s (0.01) must be >= policy.t_seed_floor_s" in str(e.value)
+    assert "(from --set policy.t_seed_ceil_s=0.01)" in str(e.value)
+
+
+def test_version_and_help_print_each_default_once():
+    """``--version`` exists; the scavenger's help printed ``--no-requeue … (default: True)``, the default of the
+    flag it switches off."""
+    p = cli("--version")
+    assert p.returncode == 0 and p.stdout.startswith("rlboost-hpc ") and p.stdout.split()[1][0].isdigit()
+    text = " ".join(cli("scavenger", "--help").stdout.split())
+    assert text.count("(default: True)") == 1 and "--no-requeue submit with --no-requeue (preempted jobs" in text
+    p = cli("launch", "--help")
+    assert p.returncode == 0 and "usage: sbatch/launch RUN_DIR CONFIG.toml" in p.stdout
+
+
+def test_the_scavenger_refuses_a_run_directory_that_does_not_exist(tmp_path):
+    """Regression: the scavenger silently created a mistyped run directory and waited there for a target."""
+    p = cli("scavenger", str(tmp_path / "typo"), "--once")
+    one_line_refusal(p, "no such run directory", str(tmp_path / "typo"))
+    assert not (tmp_path / "typo").exists()
+
+
+def _finished_run(tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    p = cli("run", "--config", LOCAL, "--out", str(out), "--no-progress", "--set", "trainer.steps=2",
+            "--set", "cluster.max_workers=0", "--set", "trainer.export_model=false")
+    assert p.returncode == 0, p.stderr[-3000:]
+    return out
+
+
+@pytest.mark.integration
+def test_a_finished_run_reports_again_without_starting_anything_and_another_model_is_refused(tmp_path):
+    """Regression: the same command on a finished run restarted the manager and workers, evaluated twice more and
+    rewrote ``report.json`` with ``resumes: 1``; the same ``--out`` with another model printed a 24-line
+    ``load_state_dict`` dump after 13 s. Also: the step's cost is logged before the first step."""
+    out = _finished_run(tmp_path)
+    first = (out / "report.json").read_bytes()
+    trainer_log = (out / "logs" / "trainer.jsonl").read_text()
+    assert "a step generates up to 3,072 tokens" in trainer_log and "decode tokens/s at batch 32" in trainer_log
+    starts = (out / "manager-journal.jsonl").read_text().count('"start"')
+    p = cli("run", "--config", LOCAL, "--out", str(out), "--no-progress", "--set", "trainer.steps=2",
+            "--set", "cluster.max_workers=0", "--set", "trainer.export_model=false")
+    assert p.returncode == 0 and "run summary" in p.stdout, p.stderr[-3000:]
+    assert "holds this run finished (2 steps): its report again, nothing started" in p.stderr
+    assert (out / "report.json").read_bytes() == first
+    assert (out / "manager-journal.jsonl").read_text().count('"start"') == starts  # no manager started
+
+    from _models import make_model_dir
+
+    other = make_model_dir(tmp_path / "qwen3", "qwen3", tied=False)
+    p = cli("run", "--config", LOCAL, "--out", str(out), "--no-progress", "--set", "trainer.steps=3",
+            "--set", f"model.path='{other}'", "--set", "cluster.max_workers=0")
+    one_line_refusal(p, f"{out} holds a run of another model", "use a new --out or --set trainer.resume=never")
+    assert "size mismatch" not in p.stderr and (out / "report.json").read_bytes() == first
+
+
+@pytest.mark.integration
+def test_ctrl_c_prints_one_line_that_says_how_to_resume(tmp_path):
+    """Regression: Ctrl-C on a terminal printed two KeyboardInterrupt tracebacks (the trainer's and the manager
+    process's, ≈ 85 lines) and nothing about resuming. Ctrl-C is typed into a pseudo-terminal, so the terminal
+    sends SIGINT to the whole foreground process group, as a user's would."""
+    out = tmp_path / "run"
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the CLI on the terminal
+        os.execv(sys.executable, [sys.executable, "-m", "rlboost_hpc.cli", "run", "--config", LOCAL, "--out",
+                                  str(out), "--set", "trainer.export_model=false"])
+    screen, sent, deadline, status = bytearray(), False, time.monotonic() + 300, None
+    try:
+        while status is None and time.monotonic() < deadline:
+            if not sent and b"step 2/" in screen:
+                os.write(fd, b"\x03")
+                sent = True
+            if select.select([fd], [], [], 0.2)[0]:
+                try:
+                    screen.extend(os.read(fd, 65536))
+                except OSError:  # the child closed the terminal
+                    pass
+            done, st = os.waitpid(pid, os.WNOHANG)
+            status = os.waitstatus_to_exitcode(st) if done else None
+    finally:
+        if status is None:
+            os.kill(pid, 9)
+        os.close(fd)
+    text = screen.decode(errors="replace")
+    assert sent and status == 130, text[-3000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert "rlboost-hpc run: interrupted; run the same command again to resume from the last checkpoint" in text
+
+
+def test_probe_rates_and_the_estimate_are_consistent():
+    """The step-cost arithmetic (hand-computed): 64 responses × 100 prompt tokens at 1,000 prefill tokens/s plus
+    64 × 256 new tokens at 512 decode tokens/s = 6.4 + 32 s."""
+    from rlboost_hpc.trainer.cost import EngineRates, estimate
+
+    c = estimate(EngineRates(batch=32, prefill_tokens_per_s=1000.0, decode_tokens_per_s=512.0), step_responses=64,
+                 eval_responses=10, tokens_per_response=256, mean_prompt_tokens=100.0)
+    assert c.step_tokens == 64 * 256 and c.step_prompt_tokens == 6400
+    assert c.step_s == pytest.approx(38.4) and c.eval_s == pytest.approx(1.0 + 5.0)
+    with pytest.raises(ValueError):
+        estimate(EngineRates(1, 0.0, 1.0), step_responses=1, eval_responses=1, tokens_per_response=1,
+                 mean_prompt_tokens=1)
+
+
+def test_engines_size_their_kv_cache_for_the_run_not_the_models_whole_context(stories260k_hf_dir):
+    """Regression: every torch engine (reserved, workers, evaluation) allocated KV cache for the model's whole
+    context — for Qwen3-0.6B (40,960 positions) 300 GB at batch 64 in fp32, an out-of-memory death before the
+    first step. The run's engines hold the longest prompt + the response budget."""
+    from rlboost_hpc.models.hf_dir import load_model_dir
+    from rlboost_hpc.rollout.engines.factory import factory_from_spec
+    from rlboost_hpc.rollout.spec import WorkerSpec
+
+    policy = load_model_dir(stories260k_hf_dir)
+    cfg = load_config(LOCAL)
+    spec = WorkerSpec.from_config(cfg, context_tokens=80)
+    assert spec.engine["max_len"] == 80
+    eng = factory_from_spec(spec.engine, 4)(policy.hf_config, policy.state_dict, arch=policy.arch)
+    assert eng.max_len == 80 and eng.cache.k.shape[-2] == 80
+    eng = factory_from_spec({"kind": "torch"}, 4)(policy.hf_config, policy.state_dict, arch=policy.arch)
+    assert eng.max_len == policy.arch.max_position_embeddings  # (a spec of an older trainer: as before)
+
+
+def test_train_sbatch_never_retries_bad_input(tmp_path):
+    """``sbatch/train.sbatch`` restarts a trainer that exits 1 (a failed run resumes) but never one that exits 2:
+    bad input — here an ``--out`` that is a file, which exited 1 with a traceback before — costs one start, not
+    three allocations' worth (run outside Slurm: the script needs only its environment)."""
+    f = tmp_path / "run-dir-is-a-file"
+    f.write_text("")
+    env = dict(os.environ, RLBOOST_RUN_DIR=str(f), RLBOOST_CONFIG=LOCAL, RLBOOST_PYTHON=sys.executable)
+    p = subprocess.run(["bash", str(REPO / "sbatch/train.sbatch")], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert p.returncode == 2 and "restart" not in p.stderr and "is a file, not a directory" in p.stderr, p.stderr
+
+
+def test_a_librarys_python_warnings_become_json_log_lines(tmp_path):
+    """megatron-core's plain-text ``UserWarning`` lines landed in the middle of the JSON log stream."""
+    code = ("import warnings, logging; from rlboost_hpc.observe.logs import setup_logging; "
+            "setup_logging('trainer', run_id='r'); warnings.warn('a library speaks', UserWarning)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    [line] = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    rec = json.loads(line)
+    assert rec["level"] == "WARNING" and rec["logger"] == "py.warnings" and "a library speaks" in rec["msg"]
