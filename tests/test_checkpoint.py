@@ -254,15 +254,20 @@ def test_checkpoint_from_another_version_is_a_clear_error(model, tmp_path):
 @pytest.mark.integration
 def test_rerunning_a_finished_run_reports_the_same_totals(repo_root, tmp_path):
     """Regression: the same command again on a finished run resumed with 0 steps left and divided the restored
-    tokens by ~0 s of training (6.7 M tokens/s); throughput now uses the training time of every incarnation."""
+    tokens by ~0 s of training (6.7 M tokens/s); throughput now uses the training time of every incarnation. Since
+    issue 28 a finished run with its report reports again without resuming (the report unchanged); a resume with 0
+    steps left still happens when the report is gone (a crash after the last checkpoint, before the report)."""
     from test_demo_run import run_cli
 
     reps = []
-    for _ in range(2):
+    for i in range(3):
+        if i == 2:
+            (tmp_path / "r/report.json").unlink()  # the last checkpoint is there, the report is not
         p = run_cli(repo_root, tmp_path / "r", "trainer.steps=2")
         assert p.returncode == 0, p.stderr[-3000:]
         reps.append(json.loads((tmp_path / "r/report.json").read_text()))
-    a, b = reps
+    a, again, b = reps
+    assert again == a  # reported again, nothing run
     assert b["resumes"] == 1 and b["steps"] == a["steps"] == 2 and b["responses_trained"] == a["responses_trained"]
     assert b["throughput_tokens_per_s"] == pytest.approx(a["throughput_tokens_per_s"], rel=0.5)
     # a checkpoint holds its own step's record only (it held every step's: O(steps) per checkpoint); the earlier

@@ -103,7 +103,10 @@ def test_default_demo_meets_the_report_contract(repo_root, tmp_path):
     from rlboost_hpc.config import load_config
     from rlboost_hpc.rollout.spec import WorkerSpec
 
-    want = WorkerSpec.from_config(load_config(repo_root / "configs/local.toml")).to_json()
+    want = json.loads((tmp_path / "demo/endpoints.json").read_text())["worker"]  # what the trainer wrote
+    # (engines hold the longest prompt + the response budget, not the model's whole context)
+    assert want == WorkerSpec.from_config(load_config(repo_root / "configs/local.toml"),
+                                          want["engine"]["max_len"]).to_json() and want["engine"]["max_len"] <= 100
     effective = [e["settings"] for e in read_events(tmp_path / "demo") if e["event"] == "worker_started"]
     assert len(effective) == rep["worker_starts"] and all(x == want for x in effective), effective
     # the simulator, calibrated from this run, replays the same window: its N_prem follows the live one

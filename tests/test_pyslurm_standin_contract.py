@@ -87,6 +87,7 @@ def test_scavenger_refuses_slurm_api_pyslurm_without_pyslurm(tmp_path):
     """Exit 2 naming the setting, not a traceback (no pyslurm can be installed on this machine)."""
     cfg = tmp_path / "scav.toml"
     cfg.write_text('[scavenger]\nslurm_api = "pyslurm"\n')
+    (tmp_path / "run").mkdir()
     p = subprocess.run([sys.executable, "-m", "scavenger.cli", str(tmp_path / "run"), "--config", str(cfg), "--once"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2, p.stderr
