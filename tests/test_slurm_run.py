@@ -257,12 +257,54 @@ def test_n_resv_and_the_rollout_job_size_come_from_the_trainer_allocation(tmp_pa
     assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0
 
 
+def surplus_drains(run_dir) -> list:
+    """Running rollout jobs the scavenger drained (USR2 + drain marker) because the target dropped below them."""
+    return [e for e in events(run_dir)
+            if e.get("event") == "cancelled" and e.get("mode") == "signal" and e.get("reason") == "surplus"]
+
+
+def stall_trainer_until_a_drain(r: SlurmRun, attempts: int = 8, stall_s: float = 6.0) -> int:
+    """Make the controller lower N_prem below the running jobs — its own decision, not a scripted target — and
+    return how many trainer stalls that took (0: it dropped on its own).
+
+    The cap is ``ceil((t_remote·n_prem + T_seed·N_resv) / t_train)``; with this tiny model it settles at 2 (≈ 1.6
+    raw) and whether it ever drops while two jobs run is up to timing (it once stayed at 2 for all 50 steps). A
+    trainer stopped for ``stall_s`` inside its training phase (high CPU: the backward passes; the waits for
+    rollouts are idle) is a straggling step: its ``t_train`` grows by ``stall_s``, the raw cap falls under 1 and the
+    scavenger must drain one of the two running jobs. A stall that lands elsewhere changes nothing; try again."""
+    import psutil
+
+    run_dir, env, tag = r.run_dir, r.env, r.tag
+    lines = [json.loads(x) for f in run_dir.glob("train-*.out") for x in f.read_text().splitlines()
+             if x.startswith('{"ts"')]
+    trainer = psutil.Process(next(x["pid"] for x in lines if x["role"] == "trainer"))
+    for attempt in range(attempts + 1):
+        wait_for(lambda: surplus_drains(run_dir) or steps_done(run_dir) >= 40
+                 or len(settled_running(env, tag)) >= 2, 120, "two running rollout jobs", state=r.state)
+        if attempt and not surplus_drains(run_dir):  # the last stall's decision reaches the scavenger in a poll
+            time.sleep(3 * r.poll_s + 1.0)
+        if surplus_drains(run_dir) or steps_done(run_dir) >= 40:
+            return attempt
+        deadline = time.monotonic() + 30
+        while trainer.cpu_percent(interval=0.2) < 50 and time.monotonic() < deadline:
+            pass  # waiting for the training phase
+        trainer.suspend()
+        try:
+            time.sleep(stall_s)
+        finally:
+            trainer.resume()
+        n = steps_done(run_dir)
+        wait_for(lambda: steps_done(run_dir) >= n + 1, 120, "the stalled step's end", state=r.state)
+    return attempts
+
+
 def test_the_controller_steers_the_scavenger_on_slurm(tmp_path):
     """Issue 13, the RLBoost loop on Slurm with the cap on: every N_prem the scavenger obeys comes from the
     controller (no scripted target). The target takes at least two values; after each change the scavenger's live
     jobs (not leaving) match it within 3 reconciliation periods wherever capacity allows; a drop drains a running
-    surplus job (USR2 + drain marker) that then leaves without requeueing; high-priority jobs preempt rollout jobs
-    twice; nothing is lost, duplicated or trained off-version; `stats --plot` draws it."""
+    surplus job (USR2 + drain marker) that then leaves without requeueing — if the cap does not drop on its own, a
+    trainer stalled for 6 s in its training phase (a straggling step) makes the controller drop it; high-priority
+    jobs preempt rollout jobs twice; nothing is lost, duplicated or trained off-version; `stats --plot` draws it."""
     from scavenger.stats import read_reconcile_log
 
     overrides = ("--set trainer.steps=50 --set rollout.max_new_tokens=128 --set rollout.prompts_per_step=16 "
@@ -291,11 +333,13 @@ def test_the_controller_steers_the_scavenger_on_slurm(tmp_path):
             # second preemption's)
             wait_for(lambda: r.preemptor_started(job), 90, "the high-priority job started", state=state)
             preemptions += 1
+        stalls = stall_trainer_until_a_drain(r)
         rep = r.finish()
     why = state()
     assert "failed" not in rep, rep
     assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0 and rep["tokens_trained_off_version"] == 0
     assert preemptions == 2, why
+    print(f"trainer stalls before a drain: {stalls}")
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     caps = [m["n_prem_cap"] for m in steps]
     assert all(c is not None for c in caps[1:]), caps  # the controller decided every target after the first step
@@ -310,7 +354,7 @@ def test_the_controller_steers_the_scavenger_on_slurm(tmp_path):
         assert any(v["live"] - v["draining"] == min(n, v["live"] - v["draining"] + (v["idle_slots"] or 0))
                    for v in later), (t, n, later)
     ev = events(run_dir)
-    drained = [e for e in ev if e.get("event") == "cancelled" and e.get("mode") == "signal" and e.get("reason") == "surplus"]
+    drained = surplus_drains(run_dir)
     assert drained, "no running surplus job was drained when the target dropped\n" + why
     causes = {(e["job_id"], e["attempt"]): e.get("cause") for e in ev if e.get("event") == "warned"}
     for d in drained:  # (a job signalled before its batch shell started the worker has no warned event)
