@@ -140,7 +140,7 @@ def simulate_run(run_dir: str | Path, *, capacity: list[tuple[float, float]] | N
         perf=perf, train_s_per_token=train_s_per_token)
     system = SystemSpec("live", t_seed_initial_s=cfg["policy"]["t_seed_initial_s"], eta=pol["eta"],
                         floor_s=pol["t_seed_floor_s"], adapt=pol["adaptive_seeding"], memory=pol["t_seed_memory"],
-                        use_cap=pol["cap"], dispatch="jsq" if pol["dispatch"] == "jsq" else "rr",
+                        use_cap=pol["cap"], dispatch=pol["dispatch"],
                         theta=cfg["manager"]["pending_limit"], balancer=pol["balance"],
                         balance_interval_s=pol["balance_every_s"])
     sim = Simulation(prof, system, _availability(cfg, capacity), duration_s=1e9, max_steps=len(steps),

@@ -31,6 +31,7 @@ import heapq
 import math
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 from rlboost_hpc.policy.controller import RolloutController, StepObservation
 from rlboost_hpc.policy.observation import RemoteWork, observe_remote
@@ -57,7 +58,7 @@ class SystemSpec:
     adapt: bool = True
     memory: bool = True
     use_cap: bool = True
-    dispatch: str = "jsq"          # jsq | rr | static
+    dispatch: Literal["jsq", "round_robin", "static"] = "jsq"  # the manager's names; static: a fixed split (colocated)
     theta: int = 96                # Θ: most requests in flight (running + waiting) per instance
     balancer: bool = True
     migration: bool = True         # per-sample migration on preemption (False: recompute from scratch)

@@ -28,7 +28,7 @@ ABLATIONS = {
     "rlboost_no_memory": SystemSpec("rlboost_no_memory", memory=False),
     "rlboost_fixed_seed": SystemSpec("rlboost_fixed_seed", adapt=False),
     "rlboost_recompute": SystemSpec("rlboost_recompute", migration=False),
-    "rlboost_round_robin": SystemSpec("rlboost_round_robin", dispatch="rr", balancer=False),
+    "rlboost_round_robin": SystemSpec("rlboost_round_robin", dispatch="round_robin", balancer=False),
     "rlboost_no_cap": SystemSpec("rlboost_no_cap", use_cap=False),
 }
 SYSTEMS: dict[str, SystemSpec] = {

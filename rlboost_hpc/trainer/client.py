@@ -32,6 +32,12 @@ class ManagerError(RunFailed, RuntimeError):
 
 
 class ManagerClient:
+    """The trainer's side of the manager protocol: :meth:`call` (request → typed reply, resent with the same call
+    id until answered or ``timeout_s`` seconds pass), :meth:`send` (one-way: acknowledgements, policy state),
+    :meth:`next_event` (the next ``GroupDone``/``StepFailed``, asking for redelivery after ``resend_s`` of silence)
+    and :meth:`stats`. One instance per trainer process, not thread-safe (one ZeroMQ socket). Raises
+    :class:`ManagerError` on a timeout, an ``Error`` reply or a manager process that died (``alive``)."""
+
     def __init__(self, endpoint: str, *, ctx: zmq.Context | None = None, timeout_s: float = 10.0,
                  keys: RunKeys | None = None, alive: Callable[[], bool] | None = None,
                  resend_s: float = 2.0, identity: bytes | None = None) -> None:

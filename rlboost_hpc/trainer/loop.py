@@ -48,6 +48,12 @@ class RolloutFailed(RunFailed, RuntimeError):
 
 @dataclass
 class StepSettings:
+    """What one RL step generates and how it trains, from the run's config (``rollout.*``, ``trainer.*``,
+    ``task.*``): ``prompts_per_step`` GRPO groups of ``group_size`` responses each, at most ``max_new_tokens``
+    tokens per response, sampled at ``temperature``/``top_p``; the trainer takes ``micro_batch`` responses per
+    forward/backward pass; a step that has not got all its groups after ``step_timeout_s`` seconds fails
+    (:class:`RolloutFailed`). ``seed`` seeds the prompt order and every group's sampling seed."""
+
     prompts_per_step: int
     group_size: int
     max_new_tokens: int
@@ -64,6 +70,11 @@ class StepSettings:
 
 @dataclass
 class Totals:
+    """Run-wide counters the trainer keeps across steps (and checkpoints), reported in ``report.json``: responses
+    and tokens trained, responses the manager delivered twice (skipped, never trained twice), tokens trained from a
+    weight version other than the step's (must stay 0), responses that were migrated before they were trained,
+    and trained responses that did not end on a stop, by cause (``messages.TRUNCATION_CAUSES``)."""
+
     responses_trained: int = 0
     responses_duplicated: int = 0
     responses_expected: int = 0
