@@ -43,9 +43,10 @@ class ModelCfg(_Strict):
 class TaskCfg(_Strict):
     """The RL task (prompt set + verifiable reward)."""
 
-    name: str = "stories"
-    train_prompts: int = Field(64, ge=1)
-    heldout_prompts: int = Field(32, ge=1)
+    name: str = Field("stories", description=(
+        "the task: stories (the stories260K demo), gsm8k, gsm8k_tools (GSM8K with a calculator), math500"))
+    train_prompts: int = Field(64, ge=1, description="prompts of the training set (the data frontier cycles them)")
+    heldout_prompts: int = Field(32, ge=1, description="prompts of the held-out evaluation before and after training")
     chat_template: Literal["auto", "on", "off"] = Field("auto", description=(
         "render prompts through the tokenizer's chat template (one user message + generation prompt): auto = "
         "when the tokenizer has one (instruct models), on = require one, off = plain prompt text"))
@@ -109,16 +110,17 @@ class RolloutCfg(_Strict):
     engine: Literal["torch", "sglang"] = Field("torch", description=(
         "engine of the preemptible workers: torch (CPU/GPU, built in) or sglang (an SGLang server per worker; "
         "pip install '.[sglang]'). The reserved seeding engine is always torch."))
-    sglang: SGLangCfg = Field(default_factory=SGLangCfg)
+    sglang: SGLangCfg = Field(default_factory=SGLangCfg, description="the SGLang server of rollout.engine = sglang")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
         "device of the rollout engines (reserved engine, workers, evaluation): auto = the GPU a job is given "
         "(CUDA_VISIBLE_DEVICES) when there is one, else the CPU; the reserved engine shares the trainer's GPU"))
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="weights and KV cache of the engines: "
                                                                               "auto = bf16 on GPU, fp32 on CPU")
     group_size: int = Field(8, ge=2, description="G: responses per prompt (one GRPO group)")
-    prompts_per_step: int = Field(8, ge=1)
-    max_new_tokens: int = Field(48, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
+    prompts_per_step: int = Field(8, ge=1, description="GRPO groups per RL step (a step trains "
+                                                       "prompts_per_step × group_size responses)")
+    max_new_tokens: int = Field(48, ge=1, description="tokens one response (one turn of a trajectory) may generate")
+    temperature: float = Field(1.0, ge=0.0, description="sampling temperature; the trainer scores tokens at it")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description=(
         "nucleus sampling mass; only 1.0 is accepted: the trainer scores each token under the full softmax at the "
         "sampling temperature, so a token drawn from a truncated, renormalised nucleus would be trained with "
@@ -126,7 +128,7 @@ class RolloutCfg(_Strict):
     max_batch: int = Field(32, ge=1, description="engine batch slots per instance")
     stream_every_tokens: int = Field(D.STREAM_EVERY_TOKENS, ge=1, description="flush token chunks to the manager every k tokens")
     stream_every_s: float = Field(D.STREAM_EVERY_S, gt=0, description="... or after this many seconds, whichever first")
-    torch_threads: int = Field(1, ge=1)
+    torch_threads: int = Field(1, ge=1, description="intra-op threads of a torch rollout engine's process")
     gpus_per_instance: int = Field(1, ge=1, description=(
         "GPUs of one rollout instance: Slurm rollout jobs ask --gres=gpu:N with it, and N_resv = the trainer "
         "allocation's GPUs / N"))
@@ -148,7 +150,7 @@ class ManagerCfg(_Strict):
     """Rollout manager: dispatch and failure detection."""
 
     pending_limit: int = Field(D.PENDING_LIMIT, ge=1, description="Θ: max requests in flight per instance (JSQ threshold)")
-    heartbeat_s: float = Field(D.HEARTBEAT_S, gt=0)
+    heartbeat_s: float = Field(D.HEARTBEAT_S, gt=0, description="seconds between an instance's heartbeats")
     heartbeat_timeout_s: float = Field(D.HEARTBEAT_TIMEOUT_S, gt=0, description=(
         "silence after which an instance is suspect: out of routing, its work migrates; it returns when it speaks "
         "again (instances heartbeat from a thread that does no engine or weight work)"))
@@ -179,13 +181,15 @@ class PolicyCfg(_Strict):
 class WeightsCfg(_Strict):
     """Pull-based weight transfer."""
 
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description=(
+        "dtype of a published weight version on the wire (and of the exported model)"))
     streams: int = Field(D.WEIGHT_STREAMS, ge=0, description="parallel streams of one pull; 0: one per two usable "
                                                              "CPU cores of the puller, at most 4")
     window: int = Field(D.WEIGHT_WINDOW, ge=1, le=16, description="chunk requests outstanding per pull stream (a "
                         "sealed port queues at most 32 chunks per connection)")
-    chunk_bytes: int = Field(D.WEIGHT_CHUNK_BYTES, ge=4096)
-    pull_timeout_s: float = Field(D.PULL_TIMEOUT_S, gt=0)
+    chunk_bytes: int = Field(D.WEIGHT_CHUNK_BYTES, ge=4096, description="bytes of one chunk of a pull (one request)")
+    pull_timeout_s: float = Field(D.PULL_TIMEOUT_S, gt=0, description=(
+        "stall deadline of a weight pull: one that receives nothing for this many seconds fails"))
     delta: bool = Field(True, description=(
         "ship version v as a delta against v-1 to instances holding v-1 (they keep one host copy of the model as "
         "the base); checksums always cover the full version"))
@@ -221,10 +225,10 @@ class TrainerCfg(_Strict):
     bf16: bool = Field(False, description="megatron: bf16 parameters/activations (fp32 main params)")
     distributed_optimizer: bool = Field(False, description="megatron: shard optimizer state across DP")
     recompute: Literal["full", "selective"] | None = Field(None, description="megatron: activation recompute")
-    steps: int = Field(40, ge=1)
-    lr: float = Field(3e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
+    steps: int = Field(40, ge=1, description="RL steps of the run (one optimizer step and one weight version each)")
+    lr: float = Field(3e-5, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    grad_clip: float = Field(1.0, gt=0, description="largest global gradient norm (clipped above it)")
     clip_eps: float = Field(D.CLIP_EPS, gt=0, description=(
         "PPO clip range ε of the GRPO loss. Inactive under this project's strict on-policy step (one optimizer step "
         "per RL step, every token drawn by the version being trained: the ratio π_θ/π_old is exactly 1, so nothing "
@@ -268,9 +272,9 @@ class TrainerCfg(_Strict):
         "GPUs of the trainer allocation, used only when Slurm's environment does not say (SLURM_GPUS_ON_NODE x "
         "SLURM_JOB_NUM_NODES, else SLURM_JOB_GPUS); unset outside Slurm: the reserved side counts as one rollout "
         "instance (N_resv = 1)"))
-    torch_threads: int = Field(1, ge=1)
+    torch_threads: int = Field(1, ge=1, description="intra-op threads of the trainer process (torch backend)")
     eval_samples: int = Field(4, ge=1, description="sampled responses per held-out prompt in evaluation")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the model's initial RNG, the prompt order and every group's sampling")
     checkpoint_every: int = Field(1, ge=0, description="checkpoint every k steps into <out>/checkpoints (0: never)")
     checkpoint_background: bool = Field(True, description=(
         "write each checkpoint in a background thread while the next step runs (its state is captured at the end "
@@ -291,9 +295,12 @@ class LocalClusterCfg(_Strict):
     in the run directory; ``max_workers`` is then the N_prem target written to ``target.json``.
     """
 
-    kind: Literal["local", "slurm"] = "local"
-    trace: str = "spot_traces/bamboo/p3-trace.csv"
-    max_workers: int = Field(2, ge=0)
+    kind: Literal["local", "slurm"] = Field("local", description=(
+        "local: the embedded cluster replays a spot trace on this machine; slurm: the scavenger's rollout jobs"))
+    trace: str = Field("spot_traces/bamboo/p3-trace.csv", description=(
+        "local: the spot trace replayed (a name such as p3 or g4dn, a path, or a path under the data directory)"))
+    max_workers: int = Field(2, ge=0, description=(
+        "most preemptible instances at once (local: worker processes; slurm: the largest N_prem target)"))
     time_scale: float = Field(80.0, gt=0, description="trace seconds per wall-clock second")
     replay_s: float = Field(32.0, gt=0, description="wall seconds of trace replayed (window = replay_s × time_scale)")
     window_start_s: float | None = Field(None, description="trace second to start at; None picks the earliest "
@@ -302,8 +309,9 @@ class LocalClusterCfg(_Strict):
     min_removals: int = Field(3, ge=0, description="removals (preemptions) the chosen window must have")
     min_starts: int = Field(2, ge=0, description="worker (re)starts after t=0 the chosen window must have")
     kill_fraction: float = Field(0.0, ge=0, le=1, description="share of removals delivered as SIGKILL (no warning)")
-    preempt_signal: Literal["SIGTERM", "SIGUSR2"] = "SIGTERM"
-    seed: int = 0
+    preempt_signal: Literal["SIGTERM", "SIGUSR2"] = Field("SIGTERM", description=(
+        "local: the warning signal a preempted worker gets (Slurm sends its own: --signal of the rollout job)"))
+    seed: int = Field(0, description="local: seed of the trace window's kill choices and of injected faults")
     preempt_when_busy: bool = Field(False, description=(
         "hold each due removal until its worker holds ≥ 1 partial response at the manager (tokens to hand over), "
         "at most busy_wait_max_s; for tests and chaos runs that must exercise the hand-off, not hope for it"))
@@ -317,7 +325,7 @@ class LocalClusterCfg(_Strict):
                                                              "connection to the manager (through a forwarder; 0: none)")
     slow_load_s: float = Field(0.0, ge=0, description="extra seconds every weight load takes on a share "
                                                       "slow_load_fraction of worker attempts (0: none)")
-    slow_load_fraction: float = Field(0.5, ge=0, le=1)
+    slow_load_fraction: float = Field(0.5, ge=0, le=1, description="share of worker attempts slowed by slow_load_s")
 
 
 class NetworkCfg(_Strict):
@@ -335,23 +343,25 @@ class SecurityCfg(_Strict):
 
 
 class DataCfg(_Strict):
+    """Where the shared data (model checkpoints, prompt sets, spot traces) are read from."""
+
     dir: str | None = Field(None, description="shared data directory; default RLBOOST_DATA or ../shared/data")
 
 
 class RunConfig(_Strict):
     """Everything one run needs."""
 
-    model: ModelCfg = ModelCfg()
-    task: TaskCfg = TaskCfg()
-    rollout: RolloutCfg = RolloutCfg()
-    manager: ManagerCfg = ManagerCfg()
-    policy: PolicyCfg = PolicyCfg()
-    weights: WeightsCfg = WeightsCfg()
-    trainer: TrainerCfg = TrainerCfg()
-    cluster: LocalClusterCfg = LocalClusterCfg()
-    network: NetworkCfg = NetworkCfg()
-    security: SecurityCfg = SecurityCfg()
-    data: DataCfg = DataCfg()
+    model: ModelCfg = Field(ModelCfg(), description="the policy model")
+    task: TaskCfg = Field(TaskCfg(), description="prompts, verifiable reward and tools")
+    rollout: RolloutCfg = Field(RolloutCfg(), description="sampling and the rollout engines")
+    manager: ManagerCfg = Field(ManagerCfg(), description="the rollout manager: dispatch, failure detection")
+    policy: PolicyCfg = Field(PolicyCfg(), description="RLBoost's scheduling: T_seed, N_prem, dispatch, balancing")
+    weights: WeightsCfg = Field(WeightsCfg(), description="weight versions from the trainer to the instances")
+    trainer: TrainerCfg = Field(TrainerCfg(), description="the GRPO trainer")
+    cluster: LocalClusterCfg = Field(LocalClusterCfg(), description="where preemptible instances come from")
+    network: NetworkCfg = Field(NetworkCfg(), description="the sockets' interfaces")
+    security: SecurityCfg = Field(SecurityCfg(), description="authentication and encryption of every socket")
+    data: DataCfg = Field(DataCfg(), description="the shared data directory")
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":

@@ -323,3 +323,39 @@ def test_every_error_a_command_reports_has_exactly_one_of_the_two_bases():
     assert all(issubclass(c, BadInput) and not issubclass(c, RunFailed) for c in bad)
     assert all(issubclass(c, RunFailed) and not issubclass(c, BadInput) for c in (ManagerError, RolloutFailed))
     assert (BadInput.exit_status, RunFailed.exit_status) == (2, 1)
+
+
+def test_every_config_key_has_a_description():
+    """Issue 32: the config is the one home of every knob, and says what each one does — every field of every
+    section (nested sections included) has a description, every section a docstring; the task key lists every
+    registered task."""
+    import typing
+
+    from pydantic import BaseModel
+
+    from rlboost_hpc.config import RunConfig
+    from rlboost_hpc.tasks.base import known_tasks
+
+    def sections(ann):
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            yield ann
+        for a in typing.get_args(ann):
+            yield from sections(a)
+
+    undescribed, undocumented, seen = [], [], set()
+
+    def walk(model, prefix):
+        if not (model.__doc__ or "").strip():
+            undocumented.append(model.__name__)
+        for name, field in model.model_fields.items():
+            if not (field.description or "").strip():
+                undescribed.append(prefix + name)
+            for sub in sections(field.annotation):
+                if sub not in seen:
+                    seen.add(sub)
+                    walk(sub, f"{prefix}{name}.")
+
+    walk(RunConfig, "")
+    assert len(seen) >= 11 and not undescribed and not undocumented, (undescribed, undocumented)
+    desc = RunConfig.model_fields["task"].annotation.model_fields["name"].description
+    assert all(t in desc for t in known_tasks()), (desc, known_tasks())
