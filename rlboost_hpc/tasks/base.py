@@ -113,6 +113,12 @@ _REGISTRY: dict[str, str | type[Task]] = {
 }
 
 
+def strip_stop(ids: list[int], stop_ids: tuple[int, ...]) -> list[int]:
+    """Response token ids without a trailing stop token (one of ``stop_ids``): what a reward reads is the text
+    the model wrote, not its end-of-sequence marker."""
+    return ids[:-1] if ids and ids[-1] in stop_ids else ids
+
+
 def register_task(name: str, cls: type[Task] | str) -> None:
     """Register ``cls`` (a :class:`Task` subclass or a ``"module:Class"`` string) under ``name``.
 

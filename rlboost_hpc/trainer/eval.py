@@ -22,16 +22,11 @@ from rlboost_hpc import defaults as D
 from rlboost_hpc.models.arch import ModelArch
 from rlboost_hpc.rollout.engines.base import GenRequest, SamplingParams
 from rlboost_hpc.rollout.engines.torch_engine import TorchEngine, generate_all
-from rlboost_hpc.tasks.base import Task
+from rlboost_hpc.tasks.base import Task, strip_stop
 from rlboost_hpc.tasks.stories import repetition_rate
 from rlboost_hpc.tasks.tools import ToolCalls, turn_seed
 from rlboost_hpc.trainer.algorithms.grpo import kl_estimate
 from rlboost_hpc.trainer.backends.base import Sample, TrainerBackend
-
-
-def strip_stop(ids: list[int], stop_ids: tuple[int, ...]) -> list[int]:
-    """Response ids without a trailing stop token (the reward sees new text only)."""
-    return ids[:-1] if ids and ids[-1] in stop_ids else ids
 
 
 @dataclass(frozen=True)

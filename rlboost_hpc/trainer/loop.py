@@ -32,11 +32,10 @@ from rlboost_hpc.policy.controller import RolloutController, StepDecision, StepO
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.protocol.stats import ManagerStats
-from rlboost_hpc.tasks.base import Prompt, Task
+from rlboost_hpc.tasks.base import Prompt, Task, strip_stop
 from rlboost_hpc.trainer.algorithms.grpo import group_advantages
 from rlboost_hpc.trainer.backends.base import Sample, TrainerBackend
 from rlboost_hpc.trainer.client import ManagerClient
-from rlboost_hpc.trainer.eval import strip_stop
 from rlboost_hpc.errors import RunFailed
 
 log = logging.getLogger("rlboost.trainer")
