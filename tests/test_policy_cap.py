@@ -1,4 +1,4 @@
-"""Behaviour of the preemptible-pool cap N_prem (rlboost_hpc/policy/cap.py; MISSION.md §1)."""
+"""Behaviour of the preemptible-pool cap N_prem (rlboost_hpc/policy/cap.py; RLBoost, arXiv 2510.19225)."""
 from __future__ import annotations
 
 import math

@@ -1,5 +1,5 @@
 """Behaviour of dispatch (JSQ + Θ, round-robin), plateau learning and the balancer
-(rlboost_hpc/policy/dispatch.py; MISSION.md §3)."""
+(rlboost_hpc/policy/dispatch.py; RLBoost, arXiv 2510.19225)."""
 from __future__ import annotations
 
 import random

@@ -1,4 +1,4 @@
-"""Behaviour of the adaptive seeding window (rlboost_hpc/policy/seeding.py; MISSION.md §1)."""
+"""Behaviour of the adaptive seeding window (rlboost_hpc/policy/seeding.py; RLBoost, arXiv 2510.19225)."""
 from __future__ import annotations
 
 import math

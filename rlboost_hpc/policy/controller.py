@@ -30,7 +30,9 @@ class StepObservation:
         t_wait_train_s: trainer idle time after switching to training, waiting for completed groups.
         t_wait_remote_s: remote pool idle time after its last response, waiting for the next version
             (0 when no remote instance took part).
-        t_remote_s: mean busy seconds per remote instance (busy = at least one request running or queued).
+        t_remote_s: mean rollout work per remote instance that took part, instance-seconds at full efficiency
+            (its tokens ÷ its learned peak decode rate; busy seconds only when no peak is known yet —
+            :func:`rlboost_hpc.policy.observation.observe_remote`).
         n_remote: remote instances that took part in the step.
         t_train_s: trainer compute time of the step (micro-batches + optimizer step; waits excluded).
         n_instances_start / n_instances_end: preemptible instances held at step start / end.
