@@ -129,15 +129,76 @@ def _next_endpoints(run_dir: str, previous: dict, wait_s: float) -> dict | None:
     return None
 
 
-def _drained(run_dir: str | None, job_id: str) -> bool:
-    return bool(run_dir) and drain_requested(run_dir, job_id)
+class WarningHandler:
+    """What ended this worker, decided once, when the signal arrives. Installed for SIGTERM and the warning signal ``warn`` before the slow imports, so a
+    warning is never missed; :meth:`attach` hands it the current agent (again after a reconnect).
+
+    Invariant, per signal:
+
+    - the first one fixes ``warned_at`` (epoch seconds) and ``signal`` and classifies the end: under Slurm a SIGTERM
+      that is not ``warn`` is a cancellation (``scancel`` by a user, or a grace time's end) — ``stopped``, or
+      ``drained`` when the scavenger's drain marker exists; any other warning goes through
+      :func:`classify_warning` (``drained`` / ``time_limit`` / ``preempted``). An unreachable shared filesystem
+      reads as no drain marker: a warning is a preemption unless shown otherwise;
+    - a later ``warn`` after a Slurm SIGTERM (Slurm preempts with both, in either order; the agent waits
+      :data:`SLURM_CAUSE_SETTLE_S` for it before it deregisters) refines ``stopped`` into the warning's class and
+      records ``SIGTERM+<warn>``; every other later signal changes nothing;
+    - the attached agent, if any, is asked to drain with that cause (``RolloutAgent.request_stop``: the first
+      request wins, a cause refines ``stopped``).
+
+    The handler never imports (the main thread may be half-way through importing the module it would need)."""
+
+    def __init__(self, warn: signal.Signals, *, run_dir: str | None, job_id: str, in_slurm: bool) -> None:
+        self.warn, self.run_dir, self.job_id, self.in_slurm = warn, run_dir, job_id, in_slurm
+        self.job_end_s: float | None = None  # the job's own end time (epoch s), read once it is known
+        self.warned_at: float | None = None
+        self.signal: str | None = None
+        self.cause: str | None = None  # protocol.messages.LeaveCause once warned
+        self.agent = None  # the RolloutAgent to stop
+
+    def install(self) -> None:
+        for sig in {signal.SIGTERM, self.warn}:
+            signal.signal(sig, self)
+
+    @property
+    def warned(self) -> bool:
+        return self.warned_at is not None
+
+    def stop_reason(self) -> str:
+        return f"{(self.cause or '').replace('_', ' ')} ({self.signal})"
+
+    def attach(self, agent) -> None:
+        """Stop ``agent`` on the next warning — at once when one came already (e.g. while importing)."""
+        self.agent = agent
+        if self.warned:
+            agent.request_stop(self.stop_reason(), self.cause)
+
+    def _drained(self) -> bool:
+        try:
+            return bool(self.run_dir) and drain_requested(self.run_dir, self.job_id)
+        except OSError:
+            return False
+
+    def __call__(self, s: int, _frame) -> None:
+        if self.warned:
+            if s == self.warn and self.cause == "stopped" and self.signal == "SIGTERM":
+                self.cause = classify_warning(self.warned_at, drained=False, job_end_s=self.job_end_s)
+                self.signal = f"SIGTERM+{signal.Signals(s).name}"
+                if self.agent is not None:
+                    self.agent.request_stop(self.stop_reason(), self.cause)
+            return
+        self.warned_at = time.time()
+        self.signal = signal.Signals(s).name
+        drained = self._drained()
+        if s != self.warn and self.in_slurm:
+            self.cause = "drained" if drained else "stopped"
+        else:
+            self.cause = classify_warning(self.warned_at, drained=drained, job_end_s=self.job_end_s)
+        if self.agent is not None:
+            self.agent.request_stop(self.stop_reason(), self.cause)
 
 
-def _stop_reason(holder: dict) -> str:
-    return f"{holder['cause'].replace('_', ' ')} ({holder['signal']})"
-
-
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     from rlboost_hpc.clihelp import DefaultsHelpFormatter
 
     p = argparse.ArgumentParser(prog="rlboost-hpc worker", description="Run one preemptible rollout instance.",
@@ -149,14 +210,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="instance identity (default $SLURM_JOB_ID)")
     p.add_argument("--attempt", type=int, default=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
                    help="restart count (default $SLURM_RESTART_COUNT)")
-    # Rollout settings come from the run's worker spec (endpoints.json, rollout/spec.py); these flags only
-    # override it by hand (logged), and give the settings of a worker started with --manager alone.
-    p.add_argument("--max-batch", type=int, default=None, help="override rollout.max_batch")
-    p.add_argument("--engine", choices=["torch", "sglang"], default=None, help="override rollout.engine")
-    p.add_argument("--threads", type=int, default=None, help="override rollout.torch_threads")
-    p.add_argument("--streams", type=int, default=None, help="override weights.streams")
-    p.add_argument("--window", type=int, default=None, help="override weights.window")
-    p.add_argument("--pull-timeout", type=float, default=None, help="override weights.pull_timeout_s")
+    # Rollout settings come from the run's worker spec (endpoints.json, rollout/spec.py). An operator overrides
+    # only what differs per node of a heterogeneous partition (RLBOOST_WORKER_ARGS of sbatch/rollout.sbatch):
+    # the batch a smaller GPU holds and the CPU threads a node has; the override is logged and in worker_started.
+    p.add_argument("--max-batch", type=int, default=None, help="override rollout.max_batch on this node")
+    p.add_argument("--threads", type=int, default=None, help="override rollout.torch_threads on this node")
     p.add_argument("--fault-load-delay-s", type=float, default=0.0,
                    help="chaos runs: every weight load after the first takes this many seconds longer")
     p.add_argument("--register-timeout", type=float, default=15.0, help="seconds to wait for the manager's Welcome")
@@ -171,179 +229,186 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.job_id:
         p.error("--job-id is required outside Slurm")
-    if args.engine is not None and args.engine != "torch" and not args.run_dir:
-        p.error("--engine sglang needs --run-dir (the engine's settings come from the run's endpoints.json)")
     if not (args.manager or args.run_dir):
         p.error("give --manager or --run-dir")
-
-    from rlboost_hpc.observe.logs import setup_logging
-
-    setup_logging(f"worker:{args.job_id}#{args.attempt}")
-    warn = getattr(signal, args.signal)
-    if warn == signal.SIGUSR1:
+    if getattr(signal, args.signal, None) is None:
+        p.error(f"--signal {args.signal}: not a signal name")
+    if getattr(signal, args.signal) == signal.SIGUSR1:
         p.error("SIGUSR1 is taken by NCCL; use SIGUSR2")
-    holder: dict = {}
+    return args
 
-    def on_signal(s, _f):
-        if "warned_at" in holder:
-            # Slurm preempts with SIGTERM and the warning signal, in either order: the warning refines a SIGTERM's
-            # "stopped" (the agent waits SLURM_CAUSE_SETTLE_S for it before it deregisters)
-            if s == warn and holder.get("cause") == "stopped" and holder.get("signal") == "SIGTERM":
-                holder["cause"] = classify_warning(holder["warned_at"], drained=False,
-                                                   job_end_s=holder.get("job_end_s"))
-                holder["signal"] = f"SIGTERM+{signal.Signals(s).name}"
-                if "agent" in holder:
-                    holder["agent"].request_stop(_stop_reason(holder), holder["cause"])
-            return
-        holder["warned_at"] = time.time()
-        holder["signal"] = signal.Signals(s).name
-        try:
-            drained = _drained(args.run_dir, args.job_id)
-        except OSError:  # an unreachable shared filesystem: a warning is a preemption unless shown otherwise
-            drained = False
-        if s != warn and os.environ.get("SLURM_JOB_ID"):
-            # Under Slurm the preemption warning is --signal (USR2); a SIGTERM is scancel (a user's, or the end
-            # of a grace time): the job is being cancelled and must not requeue itself
-            holder["cause"] = "drained" if drained else "stopped"
-        else:
-            holder["cause"] = classify_warning(holder["warned_at"], drained=drained,
-                                               job_end_s=holder.get("job_end_s"))
-        if "agent" in holder:
-            holder["agent"].request_stop(_stop_reason(holder), holder["cause"])
 
-    for sig in {signal.SIGTERM, warn}:  # installed before the slow imports: a warning is never missed
-        signal.signal(sig, on_signal)
-    holder["job_end_s"] = job_end_time(args.job_id)
-    from rlboost_hpc.procutil import reclaim_leftovers
-
-    reclaim_leftovers()  # what an earlier attempt on this node left when its whole tree was SIGKILLed
+def _worker_spec(args: argparse.Namespace):
+    """``(manager endpoint, CURVE client keys or None, endpoints.json's content, WorkerSpec)`` for this worker: the
+    run's (``--run-dir``), with this node's overrides; the defaults for a worker given ``--manager`` alone.
+    Raises BadInput naming the file or key (a malformed endpoints.json or worker spec)."""
     import msgspec
 
-    from rlboost_hpc.errors import BadInput
     from rlboost_hpc.rollout.spec import WorkerSpec
     from rlboost_hpc.rundir import RunDir, read_endpoints
 
     manager, keys, ends, wspec = args.manager, None, {}, WorkerSpec()
     if args.run_dir:
-        try:
-            ends = read_endpoints(args.run_dir, wait_s=args.wait_endpoints)
-            wspec = WorkerSpec.from_json(ends.get("worker"), where=str(RunDir(args.run_dir).endpoints))
-        except BadInput as e:
-            log.error("%s", e)
-            return BadInput.exit_status
+        ends = read_endpoints(args.run_dir, wait_s=args.wait_endpoints)
+        wspec = WorkerSpec.from_json(ends.get("worker"), where=str(RunDir(args.run_dir).endpoints))
         if ends.get("run_id"):
             from rlboost_hpc.observe.logs import set_run_id
 
             set_run_id(str(ends["run_id"]))
         manager = args.manager or ends["manager"]
         keys = _run_keys(args.run_dir, ends)
-    overrides = {k: v for k, v in (("max_batch", args.max_batch), ("torch_threads", args.threads),
-                                   ("weight_streams", args.streams), ("weight_window", args.window),
-                                   ("pull_timeout_s", args.pull_timeout)) if v is not None}
-    if args.engine is not None:
-        overrides["engine"] = dict(wspec.engine, kind=args.engine)
+    overrides = {k: v for k, v in (("max_batch", args.max_batch), ("torch_threads", args.threads)) if v is not None}
     if overrides:
-        log.info("command-line overrides of the run's worker spec: %s", overrides)
+        log.info("this node's overrides of the run's worker spec: %s", overrides)
         wspec = msgspec.structs.replace(wspec, **overrides)
-    _event(args.run_dir, {"event": "worker_started", "source": "worker", "job_id": args.job_id, "attempt": args.attempt,
-                          "node": os.environ.get("SLURMD_NODENAME", ""), "pid": os.getpid(),
-                          "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "settings": wspec.to_json()})
-    os.environ["OMP_NUM_THREADS"] = str(wspec.torch_threads)  # before torch is imported
-    import torch
+    return manager, keys, ends, wspec
 
-    torch.set_num_threads(wspec.torch_threads)
-    from rlboost_hpc.protocol.auth import RunKeys
-    from rlboost_hpc.rollout.agent import EXIT_UNREACHABLE, RolloutAgent
-    from rlboost_hpc.rollout.remote_weights import RemoteWeights
-    from rlboost_hpc.rollout.engines.base import EngineError
-    from rlboost_hpc.rollout.engines.factory import factory_from_spec, receive_buffer_factory
 
-    spec = wspec.engine
-    server_log = None
-    if args.run_dir:
-        server_log = os.path.join(args.run_dir, "workers", f"{args.job_id}-attempt{args.attempt}-engine.log")
-        os.makedirs(os.path.dirname(server_log), exist_ok=True)
-    try:
-        factory = factory_from_spec(spec, wspec.max_batch, log_path=server_log)
-    except EngineError as e:
-        log.error("%s", e)
-        return 2
-    # One builder thread for every connection: an SGLang server dies with the thread that started it
-    # (PR_SET_PDEATHSIG), so that thread must outlive reconnects.
-    builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{args.job_id}-builder")
-    weights = RemoteWeights(wspec.weight_streams, wspec.weight_window, wspec.pull_timeout_s,
-                            keep_base=wspec.weight_delta, peer_timeout_s=wspec.relay_timeout_s,
-                            buffer_factory=receive_buffer_factory(spec))  # survives reconnects
+class _Instance:
+    """What outlives a reconnect to a restarted trainer: the engine factory, the one builder thread (an SGLang
+    server dies with the thread that started it, PR_SET_PDEATHSIG, so that thread must live as long as the
+    process) and the weight puller with its base version. Raises EngineError for an engine spec that cannot be
+    built here."""
 
-    def relay_endpoint() -> str:
+    def __init__(self, args: argparse.Namespace, wspec) -> None:
+        from rlboost_hpc.rollout.engines.factory import factory_from_spec, receive_buffer_factory
+        from rlboost_hpc.rollout.remote_weights import RemoteWeights
+
+        self.args, self.wspec, self.spec = args, wspec, wspec.engine
+        server_log = None
+        if args.run_dir:
+            server_log = os.path.join(args.run_dir, "workers", f"{args.job_id}-attempt{args.attempt}-engine.log")
+            os.makedirs(os.path.dirname(server_log), exist_ok=True)
+        self.factory = factory_from_spec(self.spec, wspec.max_batch, log_path=server_log)
+        self.builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{args.job_id}-builder")
+        self.weights = RemoteWeights(wspec.weight_streams, wspec.weight_window, wspec.pull_timeout_s,
+                                     keep_base=wspec.weight_delta, peer_timeout_s=wspec.relay_timeout_s,
+                                     buffer_factory=receive_buffer_factory(self.spec))
+
+    def relay_endpoint(self, keys) -> str:
         """Serve held versions to peers (with the run's current keys); "" when relay is off or cannot bind."""
-        if not wspec.weight_relay:
+        if not self.wspec.weight_relay:
             return ""
-        host = wspec.relay_bind_host
+        from rlboost_hpc.protocol.auth import RunKeys
+
+        host = self.wspec.relay_bind_host
         advertise = socket.gethostname() if host in ("0.0.0.0", "*") else host
         try:
-            server_keys = RunKeys.load(args.run_dir) if keys is not None else None
-            return weights.serve_relay(host, advertise, server_keys)
+            server_keys = RunKeys.load(self.args.run_dir) if keys is not None else None
+            return self.weights.serve_relay(host, advertise, server_keys)
         except Exception as e:  # noqa: BLE001 - relay is an optimisation: pull from the trainer alone
             log.warning("relay off for this worker: %s: %s", type(e).__name__, e)
             return ""
-    produced = handed_off = 0
 
-    def make_agent(manager: str, keys, engine=None, engine_epoch=None) -> RolloutAgent:
+    def agent(self, manager: str, keys, engine=None, engine_epoch=None):
+        """A RolloutAgent for ``manager`` — keeping ``engine`` (built in an earlier epoch) when given."""
+        from rlboost_hpc.rollout.agent import RolloutAgent
+
+        a, w = self.args, self.wspec
         agent = RolloutAgent(
-            manager, args.job_id, args.attempt, kind="preemptible", max_batch=wspec.max_batch,
-            register_timeout_s=args.register_timeout, manager_timeout_s=args.manager_timeout,
-            node=os.environ.get("SLURMD_NODENAME", ""), keys=keys, engine_factory=factory,
-            fault_load_delay_s=args.fault_load_delay_s,
-            engine_name=spec.get("kind", "torch"), engine=engine, engine_epoch=engine_epoch,
-            close_engine=False, builder=builder, relay_endpoint=relay_endpoint(), relay_wait_s=wspec.relay_wait_s,
-            weight_source_factory=lambda ep, shards="": weights.source(ep, keys, shards))
+            manager, a.job_id, a.attempt, kind="preemptible", max_batch=w.max_batch,
+            register_timeout_s=a.register_timeout, manager_timeout_s=a.manager_timeout,
+            node=os.environ.get("SLURMD_NODENAME", ""), keys=keys, engine_factory=self.factory,
+            fault_load_delay_s=a.fault_load_delay_s,
+            engine_name=self.spec.get("kind", "torch"), engine=engine, engine_epoch=engine_epoch,
+            close_engine=False, builder=self.builder, relay_endpoint=self.relay_endpoint(keys),
+            relay_wait_s=w.relay_wait_s, weight_source_factory=lambda ep, shards="": self.weights.source(ep, keys, shards))
         if os.environ.get("SLURM_JOB_ID"):
             agent.cause_settle_s = SLURM_CAUSE_SETTLE_S
         return agent
 
-    agent = make_agent(manager, keys)
-    holder["agent"] = agent
-    if "warned_at" in holder:  # the warning came while importing
-        agent.request_stop(_stop_reason(holder), holder["cause"])
+    def close(self, agent) -> None:
+        if agent is not None and agent.engine is not None:
+            agent.engine.close()
+        self.weights.close()
+        self.builder.shutdown(wait=False, cancel_futures=True)
+
+
+def _serve(args: argparse.Namespace, inst: _Instance, handler: WarningHandler, manager: str, keys,
+           ends: dict) -> tuple[int, str, int, int]:
+    """Serve the manager until the agent exits; when the manager is gone (trainer crash) and a run directory is
+    given, wait ``--reconnect`` seconds for the restarted trainer's endpoints.json and serve it with the same engine.
+    Returns ``(exit code, stop reason, tokens produced, tokens handed off)`` over every connection."""
+    from rlboost_hpc.rollout.agent import EXIT_UNREACHABLE
+
+    produced = handed_off = 0
+    agent = None
     try:
+        agent = inst.agent(manager, keys)
+        handler.attach(agent)
         code = agent.run()
         while (code == EXIT_UNREACHABLE and args.run_dir and args.reconnect > 0 and agent.stop_reason is None
-               and "warned_at" not in holder):
+               and not handler.warned):
             log.warning("manager %s is gone; waiting up to %.0fs for a restarted trainer's endpoints.json",
                         manager, args.reconnect)
             nxt = _next_endpoints(args.run_dir, ends, args.reconnect)
-            if nxt is None or "warned_at" in holder:
+            if nxt is None or handler.warned:
                 break
             ends, manager = nxt, nxt["manager"]
             keys = _run_keys(args.run_dir, nxt)
             _event(args.run_dir, {"event": "reconnect", "source": "worker", "job_id": args.job_id,
                                   "attempt": args.attempt, "manager": manager})
             produced, handed_off = produced + agent.tokens_generated, handed_off + agent.tokens_handed_off
-            agent = make_agent(manager, keys, engine=agent.engine, engine_epoch=agent.engine_epoch)
-            holder["agent"] = agent
+            agent = inst.agent(manager, keys, engine=agent.engine, engine_epoch=agent.engine_epoch)
+            handler.attach(agent)
             code = agent.run()
     finally:
-        if agent.engine is not None:
-            agent.engine.close()
-        weights.close()
-        builder.shutdown(wait=False, cancel_futures=True)
-    cause = holder.get("cause")
-    _event(args.run_dir, {"event": "tokens", "source": "worker", "job_id": args.job_id, "attempt": args.attempt,
-                          "produced": produced + agent.tokens_generated,
-                          "handed_off": handed_off + agent.tokens_handed_off,
-                          "exit_code": code, "stop_reason": agent.stop_reason or ""})
-    if cause is not None:
-        _event(args.run_dir, {"event": "warned", "source": "worker", "job_id": args.job_id, "attempt": args.attempt,
-                              "signal": holder.get("signal"), "warned_at": holder.get("warned_at"), "cause": cause,
-                              "drained_s": time.time() - holder.get("warned_at", time.time())})
-        in_slurm = bool(os.environ.get("SLURM_JOB_ID"))
-        # a preempted or timed-out job requeues; a drained (surplus) or cancelled one must not come back
-        if cause in ("preempted", "time_limit") and (args.requeue == "yes" or (args.requeue == "auto" and in_slurm)):
-            ok = requeue_self(args.job_id)
-            _event(args.run_dir, {"event": "requeue_requested", "source": "worker", "job_id": args.job_id,
-                                  "attempt": args.attempt,
-                                  "ok": ok})
+        inst.close(agent)
+    return code, agent.stop_reason or "", produced + agent.tokens_generated, handed_off + agent.tokens_handed_off
+
+
+def _report_exit(args: argparse.Namespace, handler: WarningHandler, code: int, stop_reason: str, produced: int,
+                 handed_off: int) -> None:
+    """The exit's events (tokens; warned, with its cause) and, for a preempted or timed-out Slurm job, the
+    requeue: a drained (surplus) or cancelled job must not come back."""
+    ids = {"source": "worker", "job_id": args.job_id, "attempt": args.attempt}
+    _event(args.run_dir, {"event": "tokens", **ids, "produced": produced, "handed_off": handed_off,
+                          "exit_code": code, "stop_reason": stop_reason})
+    if handler.cause is None:
+        return
+    _event(args.run_dir, {"event": "warned", **ids, "signal": handler.signal, "warned_at": handler.warned_at,
+                          "cause": handler.cause, "drained_s": time.time() - handler.warned_at})
+    in_slurm = bool(os.environ.get("SLURM_JOB_ID"))
+    if handler.cause in ("preempted", "time_limit") and (args.requeue == "yes" or (args.requeue == "auto" and in_slurm)):
+        _event(args.run_dir, {"event": "requeue_requested", **ids, "ok": requeue_self(args.job_id)})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one preemptible rollout instance until it is preempted, drained or stopped, or the run ends. Exit 0
+    after a drain, 2 for a malformed run directory or engine spec, the agent's code otherwise."""
+    args = _parse_args(argv)
+    from rlboost_hpc.observe.logs import setup_logging
+
+    setup_logging(f"worker:{args.job_id}#{args.attempt}")
+    handler = WarningHandler(getattr(signal, args.signal), run_dir=args.run_dir, job_id=args.job_id,
+                             in_slurm=bool(os.environ.get("SLURM_JOB_ID")))
+    handler.install()  # before the slow imports: a warning is never missed
+    handler.job_end_s = job_end_time(args.job_id)
+    from rlboost_hpc.errors import BadInput
+    from rlboost_hpc.procutil import reclaim_leftovers
+
+    reclaim_leftovers()  # what an earlier attempt on this node left when its whole tree was SIGKILLed
+    try:
+        manager, keys, ends, wspec = _worker_spec(args)
+    except BadInput as e:
+        log.error("%s", e)
+        return BadInput.exit_status
+    _event(args.run_dir, {"event": "worker_started", "source": "worker", "job_id": args.job_id, "attempt": args.attempt,
+                          "node": os.environ.get("SLURMD_NODENAME", ""), "pid": os.getpid(),
+                          "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "settings": wspec.to_json()})
+    os.environ["OMP_NUM_THREADS"] = str(wspec.torch_threads)  # before torch is imported
+    import torch
+
+    from rlboost_hpc.rollout.engines.base import EngineError
+
+    torch.set_num_threads(wspec.torch_threads)
+    try:
+        inst = _Instance(args, wspec)
+    except EngineError as e:
+        log.error("%s", e)
+        return 2
+    code, stop_reason, produced, handed_off = _serve(args, inst, handler, manager, keys, ends)
+    _report_exit(args, handler, code, stop_reason, produced, handed_off)
     return code
 
 

@@ -1,0 +1,93 @@
+"""rlboost_hpc/rollout/worker.py's pure parts: how a warning is classified and what the warning handler decides,
+signal by signal, without a process (the integration tests send real signals: tests/test_rollout_integration.py,
+tests/test_slurm_run.py)."""
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from rlboost_hpc.rollout.worker import WarningHandler, _parse_args
+
+
+class Agent:
+    """Records the drain requests a real RolloutAgent would get (first request wins, a cause refines stopped)."""
+
+    def __init__(self):
+        self.requests = []
+
+    def request_stop(self, reason, cause):
+        self.requests.append((reason, cause))
+
+
+def handler(tmp_path, *, in_slurm=True, drained=False, job_end_s=None):
+    if drained:  # the scavenger's drain marker, as scavenger/daemon.py writes it
+        from rlboost_hpc.events import drain_marker_path
+
+        marker = drain_marker_path(tmp_path, "7")
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text("surplus")
+    h = WarningHandler(signal.SIGUSR2, run_dir=str(tmp_path), job_id="7", in_slurm=in_slurm)
+    h.job_end_s = job_end_s
+    return h
+
+
+def test_the_warning_signal_is_a_preemption_and_stops_the_attached_agent(tmp_path):
+    h, a = handler(tmp_path), Agent()
+    h.attach(a)
+    assert not h.warned and a.requests == []
+    h(signal.SIGUSR2, None)
+    assert h.warned and h.cause == "preempted" and h.signal == "SIGUSR2"
+    assert a.requests == [("preempted (SIGUSR2)", "preempted")]
+
+
+def test_a_slurm_sigterm_is_a_cancellation_until_the_warning_follows(tmp_path):
+    """Slurm preempts with SIGTERM and the warning signal in either order: SIGTERM alone is scancel (never requeued);
+    the warning after it refines it into a preemption; any later signal changes nothing."""
+    h, a = handler(tmp_path), Agent()
+    h.attach(a)
+    h(signal.SIGTERM, None)
+    assert h.cause == "stopped" and h.signal == "SIGTERM"
+    h(signal.SIGUSR2, None)
+    assert h.cause == "preempted" and h.signal == "SIGTERM+SIGUSR2"
+    h(signal.SIGTERM, None)
+    assert h.cause == "preempted" and h.signal == "SIGTERM+SIGUSR2"
+    assert a.requests == [("stopped (SIGTERM)", "stopped"), ("preempted (SIGTERM+SIGUSR2)", "preempted")]
+
+
+def test_outside_slurm_sigterm_is_a_warning_and_a_drain_marker_wins(tmp_path):
+    h = handler(tmp_path, in_slurm=False)
+    h(signal.SIGTERM, None)
+    assert h.cause == "preempted"
+    d = handler(tmp_path, drained=True)
+    d(signal.SIGTERM, None)
+    assert d.cause == "drained"  # the scavenger's surplus drain, even by SIGTERM: never requeued
+
+
+def test_a_warning_near_the_job_end_is_its_time_limit(tmp_path):
+    import time
+
+    h = handler(tmp_path, job_end_s=time.time() + 10)
+    h(signal.SIGUSR2, None)
+    assert h.cause == "time_limit"
+
+
+def test_a_warning_before_the_agent_exists_stops_it_when_attached(tmp_path):
+    """A warning that arrives while the worker still imports torch or builds its engine is not lost."""
+    h, a = handler(tmp_path), Agent()
+    h(signal.SIGUSR2, None)
+    h.attach(a)
+    assert a.requests == [("preempted (SIGUSR2)", "preempted")]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--job-id", "j", "--manager", "tcp://h:1", "--signal", "SIGUSR1"], "SIGUSR1 is taken by NCCL"),
+    (["--job-id", "j", "--manager", "tcp://h:1", "--signal", "SIGNOPE"], "--signal SIGNOPE: not a signal name"),
+    (["--job-id", "j"], "give --manager or --run-dir"),
+    (["--job-id", "j", "--run-dir", "d", "--engine", "sglang"], "unrecognized arguments: --engine"),
+])
+def test_bad_command_lines_exit_2_naming_the_flag(argv, says, capsys, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with pytest.raises(SystemExit) as e:
+        _parse_args(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
