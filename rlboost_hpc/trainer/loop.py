@@ -129,6 +129,83 @@ class DataFrontier:
         return out
 
 
+class StepCollector:
+    """One step's groups as the manager delivers them, checked once each: a group delivered again (its ack or its
+    first copy was lost) is acknowledged and skipped (``groups_redelivered``); a response id already seen is
+    counted in ``responses_duplicated`` and not trained; every other response becomes a :class:`Sample` (its ids,
+    logprobs and versions checked, its off-version tokens and truncation counted), each group is scored and gets
+    its GRPO advantages, and its samples join the ready queue the trainer takes micro-batches from.
+
+    Keeps the step's per-response records for its metrics: ``rewards``, ``lens`` (response tokens), ``turns``,
+    ``reasons`` (finish reasons), ``served`` (instances that generated), ``n_mig`` (responses migrated at least
+    once). Writes to the trainer's exactly-once ledgers (``seen``, ``trained_groups``, ``totals``)."""
+
+    def __init__(self, trainer: "RLTrainer", step: int, by_gid: dict[str, tuple[Prompt, list[int]]],
+                 timeline: StepTimeline) -> None:
+        self.t, self.step, self.by_gid, self.tl = trainer, step, by_gid, timeline
+        self.n_responses = len(by_gid) * trainer.s.group_size
+        self.budget = trainer.s.max_trajectory_tokens or trainer.s.max_new_tokens
+        self.took: set[str] = set()
+        self.ready: list[Sample] = []
+        self.rewards: list[float] = []
+        self.lens: list[int] = []
+        self.turns: list[int] = []
+        self.reasons: list[str] = []
+        self.served: set[str] = set()
+        self.n_groups = self.n_mig = 0
+
+    @property
+    def complete(self) -> bool:
+        """Every group of the step has arrived."""
+        return self.n_groups == len(self.by_gid)
+
+    def next_batch(self, micro_batch: int) -> list[Sample]:
+        """The next micro-batch: ``micro_batch`` ready samples, or the rest once every group has arrived; ``[]``
+        while neither."""
+        if len(self.ready) >= micro_batch or (self.complete and self.ready):
+            batch, self.ready = self.ready[:micro_batch], self.ready[micro_batch:]
+            return batch
+        return []
+
+    def take(self, ev: M.GroupDone | M.StepFailed) -> None:
+        """Take one delivered group (see the class docstring). Raises RolloutFailed for ``StepFailed`` or a response
+        that fails its checks."""
+        t = self.t
+        if isinstance(ev, M.StepFailed):
+            raise RolloutFailed(f"step {self.step}: {ev.error}")
+        if ev.gid not in self.by_gid or ev.gid in self.took:
+            t.totals.groups_redelivered += 1
+            t.client.send(M.AckGroup(gid=ev.gid))
+            return
+        self.took.add(ev.gid)
+        p, pids = self.by_gid[ev.gid]
+        samples, texts = [], []
+        for resp in ev.responses:
+            if resp.rid in t.seen:
+                t.totals.responses_duplicated += 1
+                continue
+            t.seen.add(resp.rid)
+            smp, text = t._sample(self.step, resp, pids, self.budget)
+            self.n_mig += int(resp.migrations > 0)
+            self.served.update(resp.instances)
+            texts.append(text)
+            self.lens.append(len(smp.response_ids))
+            self.turns.append(resp.turns)
+            self.reasons.append(smp.finish_reason)
+            samples.append(smp)
+        with self.tl.phase(Phase.REWARD):
+            r = t.score([(p, x) for x in texts]) if texts else []
+            if samples:
+                t.trained_groups[p.pid] = t.trained_groups.get(p.pid, 0) + len(samples)
+                adv = group_advantages(torch.tensor(r, dtype=torch.float32), std_norm=t.s.advantage_std_norm)
+                for smp, a in zip(samples, adv.tolist()):
+                    smp.advantage = a
+                self.ready.extend(samples)
+                self.rewards.extend(r)
+        self.n_groups += 1
+        t.client.send(M.AckGroup(gid=ev.gid))
+
+
 class RLTrainer:
     """Drives steps against a live manager. ``tokenizer``: a :class:`~rlboost_hpc.models.hf_dir.PolicyTokenizer`
     (prompt ids via ``task.prompt_ids``, stop ids, response text for rewards). ``publish(version)`` publishes the
@@ -227,13 +304,63 @@ class RLTrainer:
     def run_step(self, step: int) -> dict:
         """Run one RL step; returns its metrics. Raises RolloutFailed.
 
+        The step's phases, in order: submit its groups → seed (the reserved engine, ``T_seed`` seconds) → close
+        seeding → collect groups and train them in micro-batches as they come → optimizer step → publish version
+        v+1 → set the manager's version → observe the step for the controller (``T_seed``, ``N_prem``).
+
         The metrics include the step's timeline: ``phase_s`` (seconds per :class:`Phase`, summing to ``wall_s``),
         ``fixed_overhead_s`` (seconds in which no engine generated and the trainer did not compute) and
         ``instance_s`` / ``instance_activity_s`` (instance-seconds busy, idle, pulling: all instances, and by
         instance) as the manager counted them since the previous step's version change."""
-        s = self.s
         tl = StepTimeline(self.clock)
-        t0 = tl.start
+        col, n_start, t_seed = self._submit(step, tl)
+        t_seed_actual = self._seed(col, tl, t_seed)
+        tl.enter(Phase.HANDOFF)
+        close = self.client.call(M.CloseSeeding(step=step))
+        t_wait, n_trained, m_acc = self._collect_and_train(col, tl)
+        tl.enter(Phase.OPTIMIZER)
+        om = self.backend.optimizer_step()
+        self.version += 1
+        tl.enter(Phase.PUBLISH)
+        pub = self.publish(self.version)
+        tl.enter(Phase.SET_VERSION)
+        tl.split_last(Phase.PUBLISH, Phase.EXPORT, float(pub.get("export_s", 0.0)))  # the export came first
+        self.client.call(M.SetVersion(version=self.version, checksum=int(pub.get("weight_checksum", 0))))
+        tl.enter(Phase.POLICY)
+        prev_env_s = self.last_stats.environment_seconds if self.last_stats else 0.0
+        policy = self._observe(tl, t_seed_actual, t_wait, n_start)
+        self.totals.responses_trained += n_trained
+        self.totals.migrated_responses_trained += col.n_mig
+        wall = tl.finish()
+        st, s = self.last_stats, self.s
+        activity = st.last_step_activity
+        generating = [(a, b) for a, b in activity.generating]  # manager's clock: CLOCK_MONOTONIC, same host
+        tokens = sum(col.lens) + sum(len(ids) for _, ids in col.by_gid.values()) * s.group_size
+        out = {
+            "step": step, "version": self.version, "wall_s": wall, "t_seed_s": t_seed_actual,
+            "seeding_close": close.what, "t_wait_train_s": t_wait, "train_s": policy.pop("t_train_s"),
+            "reward_mean": sum(col.rewards) / max(1, len(col.rewards)),
+            "response_len_mean": sum(col.lens) / max(1, len(col.lens)),
+            "responses": n_trained, "responses_migrated": col.n_mig, "tokens": tokens,
+            "turns_mean": sum(col.turns) / max(1, len(col.turns)),
+            "environment_s": st.environment_seconds - prev_env_s,  # tool calls' seconds (summed over calls)
+            "preemptible_instances_served": sum(1 for k in col.served if not k.startswith("reserved#")),
+            "throughput_tokens_per_s": tokens / wall if wall > 0 else 0.0, **om, **pub, **policy,
+            "phase_s": tl.seconds(),
+            "fixed_overhead_s": fixed_overhead_s(tl.start, tl.end, tl.compute_intervals() + generating),
+            "fixed_overhead_s_by_phase": tl.overhead_by_phase(generating),
+            "instance_s": activity.instance_s, "instance_activity_s": activity.by_instance_s,
+            **truncation_shares(col.reasons),
+        }
+        for k, v in m_acc.items():  # micro-batch means, where the backend gave no whole-step figure
+            if k not in om:
+                out[k] = v / max(1, n_trained) if k != "tokens" else v
+        return out
+
+    def _submit(self, step: int, tl: StepTimeline) -> tuple["StepCollector", int, float]:
+        """Take the step's prompts from the data frontier and submit their GRPO groups; returns the step's
+        collector, the preemptible instances held at the step's start and the step's seeding window (s)."""
+        s = self.s
         prompts = self.frontier.take(s.prompts_per_step)
         self.taken.extend(p.pid for p in prompts)
         specs, by_gid = [], {}
@@ -248,145 +375,72 @@ class RLTrainer:
                                      stop_ids=list(self.stop_ids), max_turns=s.max_turns,
                                      max_trajectory_tokens=s.max_trajectory_tokens,
                                      tool_stop_ids=list(s.tool_stop_ids)))
-        n_resp = len(specs) * s.group_size
-        self.totals.responses_expected += n_resp
+        self.totals.responses_expected += len(specs) * s.group_size
         # the manager's view at the step boundary: the previous step's closing stats (one round trip less)
         n_start = (self.last_stats or self.client.stats()).live_preemptible
         t_seed = self.controller.begin_step(n_start)
         self.client.call(M.SubmitStep(step=step, version=self.version, groups=specs))
+        return StepCollector(self, step, by_gid, tl), n_start, t_seed
 
-        ready: list[Sample] = []
-        rewards: list[float] = []
-        lens: list[int] = []
-        turns: list[int] = []
-        reasons: list[str] = []  # finish_reason of every response trained
-        budget = s.max_trajectory_tokens or s.max_new_tokens
-        m_acc: dict[str, float] = {}
-        n_groups = n_trained = n_mig = 0
-        served: set[str] = set()
-        deadline = t0 + s.step_timeout_s
-
-        took: set[str] = set()
-
-        def take(ev) -> None:
-            nonlocal n_groups, n_mig
-            if isinstance(ev, M.StepFailed):
-                raise RolloutFailed(f"step {step}: {ev.error}")
-            if ev.gid not in by_gid or ev.gid in took:  # delivered again (its ack or first copy was lost)
-                self.totals.groups_redelivered += 1
-                self.client.send(M.AckGroup(gid=ev.gid))
-                return
-            took.add(ev.gid)
-            p, pids = by_gid[ev.gid]
-            samples = []
-            texts: list[str] = []
-            for resp in ev.responses:
-                if resp.rid in self.seen:
-                    self.totals.responses_duplicated += 1
-                    continue
-                self.seen.add(resp.rid)
-                smp, text = self._sample(step, resp, pids, budget)
-                n_mig += int(resp.migrations > 0)
-                served.update(resp.instances)
-                texts.append(text)
-                lens.append(len(smp.response_ids))
-                turns.append(resp.turns)
-                reasons.append(smp.finish_reason)
-                samples.append(smp)
-            with tl.phase(Phase.REWARD):
-                r = self.score([(p, t) for t in texts]) if texts else []
-                if samples:
-                    self.trained_groups[p.pid] = self.trained_groups.get(p.pid, 0) + len(samples)
-                    adv = group_advantages(torch.tensor(r, dtype=torch.float32), std_norm=s.advantage_std_norm)
-                    for smp, a in zip(samples, adv.tolist()):
-                        smp.advantage = a
-                    ready.extend(samples)
-                    rewards.extend(r)
-            n_groups += 1
-            self.client.send(M.AckGroup(gid=ev.gid))
-
-        # Seeding window: the reserved engine generates; completed groups are buffered.
+    def _seed(self, col: "StepCollector", tl: StepTimeline, t_seed: float) -> float:
+        """The seeding window: the reserved engine generates; completed groups are buffered. Returns the window's
+        actual length (s)."""
         tl.enter(Phase.SEEDING)
-        seed_end = t0 + t_seed
-        while n_groups < len(specs) and self.clock() < seed_end:
+        seed_end = tl.start + t_seed
+        while not col.complete and self.clock() < seed_end:
             ev = self.client.next_event(max(0.0, seed_end - self.clock()))
             if ev is not None:
-                take(ev)
-        t_seed_actual = self.clock() - t0
-        tl.enter(Phase.HANDOFF)
-        close = self.client.call(M.CloseSeeding(step=step))
+                col.take(ev)
+        return self.clock() - tl.start
+
+    def _collect_and_train(self, col: "StepCollector", tl: StepTimeline) -> tuple[float, int, dict[str, float]]:
+        """Train micro-batches as groups complete until every group is trained; returns the trainer's wait for
+        groups (s: the controller's ``t_wait_train``, the waits themselves, not the groups' decoding), the responses
+        trained and the backend's micro-batch figures summed (weighted by responses, ``tokens`` summed).
+        Raises RolloutFailed when the step's groups do not all come within ``step_timeout_s``."""
+        s = self.s
+        deadline = tl.start + s.step_timeout_s
+        t_wait, n_trained, m_acc = 0.0, 0, {}
         tl.enter(Phase.REMOTE)
-        t_wait = 0.0
         while True:
-            if len(ready) >= s.micro_batch or (n_groups == len(specs) and ready):
-                batch, ready[:] = ready[: s.micro_batch], ready[s.micro_batch:]
+            batch = col.next_batch(s.micro_batch)
+            if batch:
                 with tl.phase(Phase.TRAIN):
-                    m = self.backend.accumulate(batch, n_resp)
+                    m = self.backend.accumulate(batch, col.n_responses)
                 for k, v in m.items():
                     m_acc[k] = m_acc.get(k, 0.0) + v * (len(batch) if k != "tokens" else 1)
                 n_trained += len(batch)
                 self.totals.tokens_trained += sum(len(b.prompt_ids) + len(b.response_ids) for b in batch)
                 continue
-            if n_groups == len(specs):
-                break
-            tl.enter(Phase.TAIL if n_groups >= TAIL_FRACTION * len(specs) else Phase.REMOTE)
+            if col.complete:
+                return t_wait, n_trained, m_acc
+            tl.enter(Phase.TAIL if col.n_groups >= TAIL_FRACTION * len(col.by_gid) else Phase.REMOTE)
             tw = self.clock()
             left = deadline - tw
             ev = self.client.next_event(min(left, 5.0)) if left > 0 else None
-            t_wait += self.clock() - tw  # the controller's t_wait_train: the wait itself, not the groups' decoding
-            if ev is None:
-                if self.clock() >= deadline:
-                    st = self.client.stats()
-                    raise RolloutFailed(f"step {step}: only {n_groups}/{len(specs)} groups within "
-                                        f"{s.step_timeout_s:.0f}s (queued {st.queued}, running {st.running}, "
-                                        f"instances {st.instances_by_state})")
-                continue
-            take(ev)
-        tl.enter(Phase.OPTIMIZER)
-        om = self.backend.optimizer_step()
-        self.version += 1
-        tl.enter(Phase.PUBLISH)
-        pub = self.publish(self.version)
-        tl.enter(Phase.SET_VERSION)
-        tl.split_last(Phase.PUBLISH, Phase.EXPORT, float(pub.get("export_s", 0.0)))  # the export came first
-        self.client.call(M.SetVersion(version=self.version, checksum=int(pub.get("weight_checksum", 0))))
-        tl.enter(Phase.POLICY)
+            t_wait += self.clock() - tw
+            if ev is not None:
+                col.take(ev)
+            elif self.clock() >= deadline:
+                st = self.client.stats()
+                raise RolloutFailed(f"step {col.step}: only {col.n_groups}/{len(col.by_gid)} groups within "
+                                    f"{s.step_timeout_s:.0f}s (queued {st.queued}, running {st.running}, "
+                                    f"instances {st.instances_by_state})")
+
+    def _observe(self, tl: StepTimeline, t_seed_s: float, t_wait_s: float, n_start: int) -> dict:
+        """Feed the finished step to the controller and tell the manager its decision (the next step's ``T_seed``
+        and ``N_prem``); keeps the manager's closing stats in ``last_stats``. Returns the step's policy figures and
+        its ``t_train_s`` (trainer compute: micro-batches + optimizer step, waits excluded)."""
         phase_s = tl.seconds()
         t_train = phase_s.get(Phase.TRAIN, 0.0) + phase_s.get(Phase.OPTIMIZER, 0.0)
-        prev_env_s = self.last_stats.environment_seconds if self.last_stats else 0.0
         st = self.last_stats = self.client.stats()
-        activity = st.last_step_activity
-        generating = [(a, b) for a, b in activity.generating]  # manager's clock: CLOCK_MONOTONIC, same host
         rem = st.last_step_remote
         avail = self.available()
         self.decision = self.controller.end_step(StepObservation(
-            t_seed_s=t_seed_actual, t_wait_train_s=t_wait, t_wait_remote_s=rem.t_wait_remote_s,
+            t_seed_s=t_seed_s, t_wait_train_s=t_wait_s, t_wait_remote_s=rem.t_wait_remote_s,
             t_remote_s=rem.t_remote_s, n_remote=rem.n_remote, t_train_s=t_train,
             n_instances_start=n_start, n_instances_end=st.live_preemptible, n_available=avail))
         self.client.send(M.PolicyState(t_seed_s=self.decision.t_seed_s, n_prem_cap=self.decision.n_prem_cap))
-        policy = {"t_seed_next_s": self.decision.t_seed_s, "n_prem_cap": self.decision.n_prem_cap,
-                  "t_remote_s": rem.t_remote_s, "t_wait_remote_s": rem.t_wait_remote_s,
-                  "n_remote": rem.n_remote, "n_available": avail}
-        self.totals.responses_trained += n_trained
-        self.totals.migrated_responses_trained += n_mig
-        wall = tl.finish()
-        tokens = sum(lens) + sum(len(by_gid[g][1]) for g in by_gid) * s.group_size
-        out = {
-            "step": step, "version": self.version, "wall_s": wall, "t_seed_s": t_seed_actual,
-            "seeding_close": close.what, "t_wait_train_s": t_wait, "train_s": t_train,
-            "reward_mean": sum(rewards) / max(1, len(rewards)), "response_len_mean": sum(lens) / max(1, len(lens)),
-            "responses": n_trained, "responses_migrated": n_mig, "tokens": tokens,
-            "turns_mean": sum(turns) / max(1, len(turns)),
-            "environment_s": st.environment_seconds - prev_env_s,  # tool calls' seconds (summed over calls)
-            "preemptible_instances_served": sum(1 for k in served if not k.startswith("reserved#")),
-            "throughput_tokens_per_s": tokens / wall if wall > 0 else 0.0, **om, **pub, **policy,
-            "phase_s": tl.seconds(),
-            "fixed_overhead_s": fixed_overhead_s(tl.start, tl.end, tl.compute_intervals() + generating),
-            "fixed_overhead_s_by_phase": tl.overhead_by_phase(generating),
-            "instance_s": activity.instance_s, "instance_activity_s": activity.by_instance_s,
-            **truncation_shares(reasons),
-        }
-        for k, v in m_acc.items():  # micro-batch means, where the backend gave no whole-step figure
-            if k not in om:
-                out[k] = v / max(1, n_trained) if k != "tokens" else v
-        return out
+        return {"t_train_s": t_train, "t_seed_next_s": self.decision.t_seed_s,
+                "n_prem_cap": self.decision.n_prem_cap, "t_remote_s": rem.t_remote_s,
+                "t_wait_remote_s": rem.t_wait_remote_s, "n_remote": rem.n_remote, "n_available": avail}
