@@ -18,6 +18,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from rlboost_hpc.rundir import RunDir
     from rlboost_hpc.run import run
 
+    from rlboost_hpc import interrupts
+
+    interrupts.install()  # a Ctrl-C stops the run even when Python swallows it in a finalizer
     cfg = load_config(args.config, args.set + (["trainer.resume='require'"] if args.resume else []))
     rd = RunDir(Path(args.out)).create()
     run_id = rd.run_id()  # set before logging starts: every line carries it

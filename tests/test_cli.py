@@ -160,6 +160,40 @@ def test_ctrl_c_prints_one_line_that_says_how_to_resume(tmp_path):
     assert "rlboost-hpc run: interrupted; run the same command again to resume from the last checkpoint" in text
 
 
+def test_a_ctrl_c_python_swallows_in_a_finalizer_still_stops_the_run(monkeypatch):
+    """Regression (CI, once): Ctrl-C at step 2 of 60 and the run trained to step 60 and exited 0. A SIGINT whose
+    ``KeyboardInterrupt`` is raised inside a finalizer (a ZeroMQ socket's ``__del__``) is swallowed by Python
+    ("Exception ignored"); the run loop's check at the next step boundary raises it again."""
+    import gc
+    import signal
+
+    from rlboost_hpc import interrupts
+
+    class Finalized:
+        def __del__(self):  # the signal lands while Python runs this finalizer's bytecode
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(10_000):
+                pass
+
+    swallowed = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: swallowed.append(u.exc_type))
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        Finalized()  # Python's own handler: the interrupt is lost
+        gc.collect()
+        assert swallowed == [KeyboardInterrupt]
+        interrupts.check()  # not installed: nothing latched
+        interrupts.install()
+        Finalized()
+        gc.collect()
+        assert swallowed == [KeyboardInterrupt, KeyboardInterrupt]
+        with pytest.raises(KeyboardInterrupt):
+            interrupts.check()
+    finally:
+        interrupts.uninstall()
+    interrupts.check()  # (later tests run the loop in this process)
+
+
 def test_probe_rates_and_the_estimate_are_consistent():
     """The step-cost arithmetic (hand-computed): 64 responses × 100 prompt tokens at 1,000 prefill tokens/s plus
     64 × 256 new tokens at 512 decode tokens/s = 6.4 + 32 s."""

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from rlboost_hpc import interrupts
 from rlboost_hpc.observe.timeline import TAIL_FRACTION, Phase, StepTimeline, fixed_overhead_s
 from rlboost_hpc.policy.controller import RolloutController, StepDecision, StepObservation
 from rlboost_hpc.protocol import messages as M
@@ -302,7 +303,8 @@ class RLTrainer:
         return (self.s.seed * 7_919 + step * 104_729 + g * 1_299_709) % (2**31)
 
     def run_step(self, step: int) -> dict:
-        """Run one RL step; returns its metrics. Raises RolloutFailed.
+        """Run one RL step; returns its metrics. Raises RolloutFailed, or KeyboardInterrupt when a Ctrl-C came
+        before the step (:func:`rlboost_hpc.interrupts.check`).
 
         The step's phases, in order: submit its groups → seed (the reserved engine, ``T_seed`` seconds) → close
         seeding → collect groups and train them in micro-batches as they come → optimizer step → publish version
@@ -312,6 +314,7 @@ class RLTrainer:
         ``fixed_overhead_s`` (seconds in which no engine generated and the trainer did not compute) and
         ``instance_s`` / ``instance_activity_s`` (instance-seconds busy, idle, pulling: all instances, and by
         instance) as the manager counted them since the previous step's version change."""
+        interrupts.check()  # no step starts after a Ctrl-C, even one Python swallowed in a finalizer
         tl = StepTimeline(self.clock)
         col, n_start, t_seed = self._submit(step, tl)
         t_seed_actual = self._seed(col, tl, t_seed)
