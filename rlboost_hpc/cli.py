@@ -15,10 +15,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from rlboost_hpc.errors import RunFailed
     from rlboost_hpc.observe.logs import setup_logging
     from rlboost_hpc.observe.report import print_summary
+    from rlboost_hpc import interrupts
     from rlboost_hpc.rundir import RunDir
     from rlboost_hpc.run import run
-
-    from rlboost_hpc import interrupts
 
     interrupts.install()  # a Ctrl-C stops the run even when Python swallows it in a finalizer
     cfg = load_config(args.config, args.set + (["trainer.resume='require'"] if args.resume else []))

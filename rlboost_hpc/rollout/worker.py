@@ -368,8 +368,8 @@ def _report_exit(args: argparse.Namespace, handler: WarningHandler, code: int, s
         return
     _event(args.run_dir, {"event": "warned", **ids, "signal": handler.signal, "warned_at": handler.warned_at,
                           "cause": handler.cause, "drained_s": time.time() - handler.warned_at})
-    in_slurm = bool(os.environ.get("SLURM_JOB_ID"))
-    if handler.cause in ("preempted", "time_limit") and (args.requeue == "yes" or (args.requeue == "auto" and in_slurm)):
+    requeue = args.requeue == "yes" or (args.requeue == "auto" and handler.in_slurm)
+    if handler.cause in ("preempted", "time_limit") and requeue:
         _event(args.run_dir, {"event": "requeue_requested", **ids, "ok": requeue_self(args.job_id)})
 
 

@@ -331,7 +331,7 @@ class RLTrainer:
         self.client.call(M.SetVersion(version=self.version, checksum=int(pub.get("weight_checksum", 0))))
         tl.enter(Phase.POLICY)
         prev_env_s = self.last_stats.environment_seconds if self.last_stats else 0.0
-        policy = self._observe(tl, t_seed_actual, t_wait, n_start)
+        t_train, policy = self._observe(tl, t_seed_actual, t_wait, n_start)
         self.totals.responses_trained += n_trained
         self.totals.migrated_responses_trained += col.n_mig
         wall = tl.finish()
@@ -341,7 +341,7 @@ class RLTrainer:
         tokens = sum(col.lens) + sum(len(ids) for _, ids in col.by_gid.values()) * s.group_size
         out = {
             "step": step, "version": self.version, "wall_s": wall, "t_seed_s": t_seed_actual,
-            "seeding_close": close.what, "t_wait_train_s": t_wait, "train_s": policy.pop("t_train_s"),
+            "seeding_close": close.what, "t_wait_train_s": t_wait, "train_s": t_train,
             "reward_mean": sum(col.rewards) / max(1, len(col.rewards)),
             "response_len_mean": sum(col.lens) / max(1, len(col.lens)),
             "responses": n_trained, "responses_migrated": col.n_mig, "tokens": tokens,
@@ -430,10 +430,10 @@ class RLTrainer:
                                     f"{s.step_timeout_s:.0f}s (queued {st.queued}, running {st.running}, "
                                     f"instances {st.instances_by_state})")
 
-    def _observe(self, tl: StepTimeline, t_seed_s: float, t_wait_s: float, n_start: int) -> dict:
+    def _observe(self, tl: StepTimeline, t_seed_s: float, t_wait_s: float, n_start: int) -> tuple[float, dict]:
         """Feed the finished step to the controller and tell the manager its decision (the next step's ``T_seed``
-        and ``N_prem``); keeps the manager's closing stats in ``last_stats``. Returns the step's policy figures and
-        its ``t_train_s`` (trainer compute: micro-batches + optimizer step, waits excluded)."""
+        and ``N_prem``); keeps the manager's closing stats in ``last_stats``. Returns the step's ``t_train`` (s of trainer
+        compute: micro-batches + optimizer step, waits excluded) and its policy figures."""
         phase_s = tl.seconds()
         t_train = phase_s.get(Phase.TRAIN, 0.0) + phase_s.get(Phase.OPTIMIZER, 0.0)
         st = self.last_stats = self.client.stats()
@@ -444,6 +444,6 @@ class RLTrainer:
             t_remote_s=rem.t_remote_s, n_remote=rem.n_remote, t_train_s=t_train,
             n_instances_start=n_start, n_instances_end=st.live_preemptible, n_available=avail))
         self.client.send(M.PolicyState(t_seed_s=self.decision.t_seed_s, n_prem_cap=self.decision.n_prem_cap))
-        return {"t_train_s": t_train, "t_seed_next_s": self.decision.t_seed_s,
-                "n_prem_cap": self.decision.n_prem_cap, "t_remote_s": rem.t_remote_s,
-                "t_wait_remote_s": rem.t_wait_remote_s, "n_remote": rem.n_remote, "n_available": avail}
+        return t_train, {"t_seed_next_s": self.decision.t_seed_s, "n_prem_cap": self.decision.n_prem_cap,
+                         "t_remote_s": rem.t_remote_s, "t_wait_remote_s": rem.t_wait_remote_s,
+                         "n_remote": rem.n_remote, "n_available": avail}
