@@ -7,6 +7,9 @@ Invariants:
 - Node-local leftovers of a process tree that was SIGKILLed (shared-memory weight copies in ``/dev/shm``,
   temporary model directories) carry the creating pid in their names; :func:`reclaim_leftovers` removes those
   of this user whose pid is gone — each rollout attempt calls it when it starts, the trainer at run end.
+- A signal is never lost to a child that has not installed its handler yet: a launcher starts the child with
+  those signals held (:func:`hold_signals` in ``preexec_fn``; blocked signals stay pending across ``exec``), and
+  the child unblocks them once its handler is in place, which then receives what came meanwhile.
 """
 from __future__ import annotations
 
@@ -36,6 +39,14 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:
         pass
+
+
+def hold_signals(signals: set[int]) -> None:
+    """``preexec_fn`` part: block ``signals`` in the child. They stay pending (not delivered, not lost) until the
+    child unblocks them with ``signal.pthread_sigmask(signal.SIG_UNBLOCK, ...)`` after installing its handlers
+    — so a signal sent in the child's first instants (interpreter start, imports) reaches the handler instead of
+    the default action (termination)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
 
 
 def _alive(pid: int) -> bool:

@@ -29,6 +29,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
+
 from rlboost_hpc.errors import BadInput
 
 
@@ -216,8 +218,10 @@ def write_endpoints(run_dir: Path, manager: str, weights: str, run_id: str, curv
                                                           "written_at": time.time()})
 
 
-def read_endpoints(run_dir: Path, wait_s: float = 0.0, poll_s: float = 0.5) -> dict:
-    """Read ``endpoints.json``, waiting up to ``wait_s`` seconds for the trainer to write it.
+def read_endpoints(run_dir: Path, wait_s: float = 0.0, poll_s: float = 0.5,
+                   stop: Callable[[], bool] | None = None) -> dict | None:
+    """Read ``endpoints.json``, waiting up to ``wait_s`` seconds for the trainer to write it; ``None`` as soon as
+    ``stop()`` is true while waiting (e.g. the waiting worker was preempted) — only then.
 
     Raises:
         RunDirError: not there after ``wait_s``, or unreadable/missing keys.
@@ -225,6 +229,8 @@ def read_endpoints(run_dir: Path, wait_s: float = 0.0, poll_s: float = 0.5) -> d
     path = RunDir(run_dir).endpoints
     deadline = time.monotonic() + wait_s
     while not path.exists():
+        if stop is not None and stop():
+            return None
         if time.monotonic() >= deadline:
             raise RunDirError(f"{path} does not exist after {wait_s:.0f} s: is the trainer job running and is "
                               f"{run_dir} on a filesystem both jobs share?")

@@ -192,6 +192,59 @@ def test_each_warning_is_counted_by_its_kind_even_while_the_worker_starts(harnes
     assert causes == {"starting": "preempted", "surplus": "drained", "ending": "time_limit"}
 
 
+def test_a_warning_in_a_workers_first_instants_waits_for_its_handler(harness, repo_root):
+    """Regression (CI of stop 36: the demo's local cluster counted 3 preemptions, the manager 2): a worker
+    preempted 0.1 s after its spawn died of SIGTERM's default action before Python had installed its handler, so
+    it never registered and its preemption reached no counter. Both launchers now hold a warning until the
+    worker's handler exists — the local cluster (the signals blocked in the child) and the batch shell of
+    sbatch/rollout.sbatch (forwarded once the worker's ready file exists). Each worker here is warned at once,
+    while its interpreter is still starting; each registers, drains and is counted once, as a preemption."""
+    from rlboost_hpc.cluster.local import LocalCluster
+    from rlboost_hpc.config import LocalClusterCfg
+
+    h = harness
+    local = LocalCluster(LocalClusterCfg(max_workers=0), h.endpoint, h.run_dir)._spawn(0, 0)
+    h.procs.append(local)
+    local.send_signal(signal.SIGTERM)  # the local cluster's preemption signal, right after the spawn
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(RLBOOST_RUN_DIR=str(h.run_dir), RLBOOST_PYTHON=sys.executable,
+               RLBOOST_WORKER_ARGS="--job-id batch --requeue no")
+    shell = subprocess.Popen(["bash", str(repo_root / "sbatch/rollout.sbatch")], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    h.procs.append(shell)
+    deadline = time.monotonic() + 10
+    while not _handler_installed(shell.pid, signal.SIGUSR2):  # the shell's trap (before it, Slurm's USR2 kills it)
+        assert time.monotonic() < deadline and shell.poll() is None
+        time.sleep(0.002)
+    shell.send_signal(signal.SIGUSR2)  # what Slurm's --signal=B:USR2 does at a preemption
+    assert local.wait(60) == 0, (h.run_dir / "workers/slot0-attempt0.log").read_text()[-3000:]
+    assert shell.wait(60) == 0, shell.stdout.read()[-3000:]
+    st = wait_stats(h.client, lambda s: s.instances_preempted_with_warning == 2, timeout=30)
+    assert (st.registrations, st.instances_lost) == (2, 0)
+
+
+def test_a_worker_warned_while_it_waits_for_the_run_leaves_at_once(tmp_path):
+    """A rollout job preempted while the trainer has not written endpoints.json yet used to wait out
+    ``--wait-endpoints`` (600 s) and be killed at the grace time's end, its preemption unrecorded. It now
+    leaves at once, exit 0, with its warning in the run's event log."""
+    from rlboost_hpc.events import read_events
+
+    w = subprocess.Popen([sys.executable, "-m", "rlboost_hpc.rollout.worker", "--run-dir", str(tmp_path),
+                          "--job-id", "early", "--signal", "SIGUSR2", "--requeue", "no"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not _handler_installed(w.pid, signal.SIGUSR2):
+            assert time.monotonic() < deadline and w.poll() is None
+            time.sleep(0.01)
+        w.send_signal(signal.SIGUSR2)
+        assert w.wait(30) == 0, w.stdout.read()[-2000:]
+    finally:
+        if w.poll() is None:
+            w.kill()
+    assert [e["cause"] for e in read_events(tmp_path) if e["event"] == "warned"] == ["preempted"]
+
+
 def test_a_preemption_whose_sigterm_comes_first_is_counted_as_a_preemption(harness):
     """Regression: Slurm preempts with SIGTERM and the warning signal (USR2), in either order; a worker that got
     SIGTERM first took its end for a cancellation (``stopped``), so that preemption went uncounted (the Slurm

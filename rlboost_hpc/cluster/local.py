@@ -27,7 +27,7 @@ from rlboost_hpc.cluster.replay_plan import ReplayPlan, choose_window
 from rlboost_hpc.cluster.traces import load_trace
 from rlboost_hpc.config import ConfigError, LocalClusterCfg
 from rlboost_hpc.events import LOCAL_CLUSTER_SOURCE, append_event, drain_marker_path
-from rlboost_hpc.procutil import die_with_parent
+from rlboost_hpc.procutil import die_with_parent, hold_signals
 
 log = logging.getLogger("rlboost.cluster")
 
@@ -116,10 +116,15 @@ class LocalCluster:
             cmd += ["--fault-load-delay-s", str(self.cfg.slow_load_s)]
             self.fault_counts["slow_load_attempts"] += 1
         env = dict(os.environ, RLBOOST_SPAWNED_AT=repr(time.time()))
+        warnings = {signal.SIGTERM, getattr(signal, self.cfg.preempt_signal)}
+
+        def preexec() -> None:
+            die_with_parent()  # the simulated cluster ends with the trainer process, even when it is SIGKILLed
+            hold_signals(warnings)  # a preemption in the worker's first instants waits for its handler
+
         try:
-            # die_with_parent: the simulated cluster ends with the trainer process, even when it is SIGKILLed
             return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                    preexec_fn=die_with_parent)
+                                    preexec_fn=preexec)
         finally:
             logf.close()
 

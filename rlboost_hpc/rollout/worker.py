@@ -40,9 +40,15 @@ from rlboost_hpc.events import append_event, drain_requested  # light: no torch
 log = logging.getLogger("rlboost.worker")
 
 
+#: Environment variable naming the file a worker creates once its warning handler is installed (set by the
+#: batch shell of ``sbatch/rollout.sbatch``, which holds a warning until then).
+READY_FILE_ENV = "RLBOOST_WORKER_READY_FILE"
+
+
 #: Under Slurm, how long (seconds) a worker stopped by SIGTERM waits, before it deregisters, for the warning signal
 #: that tells a preemption from a cancellation (Slurm sends both at preemption, in either order).
 SLURM_CAUSE_SETTLE_S = 0.5
+
 
 def _event(run_dir: str | None, record: dict) -> None:
     if not run_dir:
@@ -157,8 +163,23 @@ class WarningHandler:
         self.agent = None  # the RolloutAgent to stop
 
     def install(self) -> None:
-        for sig in {signal.SIGTERM, self.warn}:
+        """Handle SIGTERM and ``warn`` from now on, then take what a launcher held back until this moment: the
+        signals are unblocked (the local cluster starts workers with them blocked, so one sent before this point is
+        pending and arrives here) and the file named by ``$RLBOOST_WORKER_READY_FILE`` is created (the batch
+        shell of ``sbatch/rollout.sbatch``, which cannot block signals in its child, forwards a warning only
+        once that file exists)."""
+        sigs = {signal.SIGTERM, self.warn}
+        for sig in sigs:
             signal.signal(sig, self)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
+        ready = os.environ.pop(READY_FILE_ENV, "")
+        if ready:
+            try:
+                with open(ready, "a"):
+                    pass
+            except OSError as e:  # the shell then holds a warning until the grace time ends: say why
+                log.error("cannot create the ready file %s (%s): a warning is not forwarded to this worker",
+                          ready, e)
 
     @property
     def warned(self) -> bool:
@@ -238,10 +259,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _worker_spec(args: argparse.Namespace):
+def _worker_spec(args: argparse.Namespace, handler: WarningHandler):
     """``(manager endpoint, CURVE client keys or None, endpoints.json's content, WorkerSpec)`` for this worker: the
     run's (``--run-dir``), with this node's overrides; the defaults for a worker given ``--manager`` alone.
-    Raises BadInput naming the file or key (a malformed endpoints.json or worker spec)."""
+    ``None`` when ``handler`` was warned while the run's endpoints.json did not exist yet (nothing to serve, nothing
+    to hand over). Raises BadInput naming the file or key (a malformed endpoints.json or worker spec)."""
     import msgspec
 
     from rlboost_hpc.rollout.spec import WorkerSpec
@@ -249,7 +271,9 @@ def _worker_spec(args: argparse.Namespace):
 
     manager, keys, ends, wspec = args.manager, None, {}, WorkerSpec()
     if args.run_dir:
-        ends = read_endpoints(args.run_dir, wait_s=args.wait_endpoints)
+        ends = read_endpoints(args.run_dir, wait_s=args.wait_endpoints, stop=lambda: handler.warned)
+        if ends is None:
+            return None
         wspec = WorkerSpec.from_json(ends.get("worker"), where=str(RunDir(args.run_dir).endpoints))
         if ends.get("run_id"):
             from rlboost_hpc.observe.logs import set_run_id
@@ -389,10 +413,15 @@ def main(argv: list[str] | None = None) -> int:
 
     reclaim_leftovers()  # what an earlier attempt on this node left when its whole tree was SIGKILLed
     try:
-        manager, keys, ends, wspec = _worker_spec(args)
+        found = _worker_spec(args, handler)
     except BadInput as e:
         log.error("%s", e)
         return BadInput.exit_status
+    if found is None:
+        log.info("warned (%s) before the run's endpoints.json existed: leaving", handler.stop_reason())
+        _report_exit(args, handler, 0, handler.stop_reason(), 0, 0)
+        return 0
+    manager, keys, ends, wspec = found
     _event(args.run_dir, {"event": "worker_started", "source": "worker", "job_id": args.job_id, "attempt": args.attempt,
                           "node": os.environ.get("SLURMD_NODENAME", ""), "pid": os.getpid(),
                           "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "settings": wspec.to_json()})
