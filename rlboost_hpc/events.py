@@ -14,8 +14,13 @@ last one; without it each record's counts are increments to be summed).
 Invariants:
 
 * :func:`append_event` is the only writer: one ``write(2)`` of one complete line on an ``O_APPEND`` descriptor
-  under an exclusive ``lockf`` lock, then ``fsync`` — concurrent writers on one host never interleave, and
-  the lock makes appends from several NFS clients safe too (NFS has no atomic ``O_APPEND`` of its own).
+  under an exclusive ``lockf`` lock, then ``fsync`` after the lock is released — concurrent writers on one host
+  never interleave, and the lock makes appends from several NFS clients safe too (NFS has no atomic ``O_APPEND``
+  of its own).
+* No writer waits on another for long: the lock is awaited at most :data:`LOCK_WAIT_S` seconds, then the line
+  is appended without it (and a warning logged). A writer that was stopped while holding it — a rollout job
+  SIGSTOPped or its node hung — must never stall the trainer, the local cluster (which would be the one to
+  continue it) or the scavenger.
 * Readers (:func:`read_events`) skip lines that are not a JSON object (a torn write after a crash) and count
   them; they never raise on content.
 * The drain marker (:func:`drain_marker_path`) is created by the daemon *before* it signals a surplus job,
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -38,6 +44,28 @@ LOCAL_CLUSTER_SOURCE = "local-cluster"
 LIFECYCLE_SOURCES = frozenset({"scavenger", LOCAL_CLUSTER_SOURCE})
 #: One line must fit one write; records are small (a few hundred bytes).
 MAX_LINE_BYTES = 64 * 1024
+#: Longest wait (seconds) for the event log's lock before appending without it (a holder may be stopped).
+LOCK_WAIT_S = 2.0
+
+log = logging.getLogger("rlboost.events")
+
+
+def _lock(fd: int, path: Path, wait_s: float) -> bool:
+    """Take the exclusive ``lockf`` lock of ``fd``, waiting at most ``wait_s`` seconds; whether it was taken
+    (False also on filesystems without locks, where ``O_APPEND`` alone is atomic locally)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except (BlockingIOError, PermissionError):  # held by another process (EAGAIN / EACCES)
+            if time.monotonic() >= deadline:
+                log.warning("%s: its lock has been held for %.1f s (a writer stopped while appending?); "
+                            "appending without it", path, wait_s)
+                return False
+            time.sleep(0.01)
+        except OSError:
+            return False
 
 
 def events_path(run_dir: str | os.PathLike[str]) -> Path:
@@ -45,12 +73,14 @@ def events_path(run_dir: str | os.PathLike[str]) -> Path:
     return Path(run_dir) / EVENTS_FILE
 
 
-def append_event(run_dir: str | os.PathLike[str], record: Mapping[str, Any], *, fsync: bool = True) -> dict:
+def append_event(run_dir: str | os.PathLike[str], record: Mapping[str, Any], *, fsync: bool = True,
+                 lock_wait_s: float = LOCK_WAIT_S) -> dict:
     """Append ``record`` as one line to ``RUN_DIR/events.jsonl`` (created with the directory if missing).
 
     Adds ``ts`` (time.time(), seconds) when absent. ``record`` must have a string ``event`` and be JSON
-    serialisable. Returns the record as written. Raises ``ValueError`` (no ``event``, not serialisable, or
-    longer than :data:`MAX_LINE_BYTES`) and ``OSError`` (the file cannot be written)."""
+    serialisable. Waits at most ``lock_wait_s`` seconds for another writer's lock (module invariants). Returns
+    the record as written. Raises ``ValueError`` (no ``event``, not serialisable, or longer than
+    :data:`MAX_LINE_BYTES`) and ``OSError`` (the file cannot be written)."""
     rec = dict(record)
     if not isinstance(rec.get("event"), str) or not rec["event"]:
         raise ValueError("an event record needs a non-empty string 'event'")
@@ -66,21 +96,16 @@ def append_event(run_dir: str | os.PathLike[str], record: Mapping[str, Any], *, 
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        locked = False
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX)
-            locked = True
-        except OSError:
-            pass  # filesystems without locks: O_APPEND alone is still atomic on a local filesystem
+        locked = _lock(fd, path, lock_wait_s)
         try:
             written = os.write(fd, data)
             if written != len(data):  # only on a full disk or an interrupted NFS write
                 raise OSError(f"short write to {path}: {written} of {len(data)} bytes")
-            if fsync:
-                os.fsync(fd)
         finally:
             if locked:
                 fcntl.lockf(fd, fcntl.LOCK_UN)
+        if fsync:  # outside the lock: a slow disk never holds the other writers
+            os.fsync(fd)
     finally:
         os.close(fd)
     return rec

@@ -213,6 +213,36 @@ def test_append_event_is_atomic_under_concurrency(tmp_path):
     assert all(isinstance(e["ts"], float) for e in evs)
 
 
+def test_a_writer_stopped_while_holding_the_lock_never_stalls_the_others(tmp_path, caplog):
+    """Regression (CI, chaos run with stalls): a rollout worker SIGSTOPped while it held the event log's lock
+    blocked the trainer's local-cluster thread in ``lockf`` — the very thread that would have continued it — for
+    585 s, until the test's timeout. A writer now waits for the lock at most ``LOCK_WAIT_S`` (2 s) and appends without
+    it; the record is there, whole."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "events.jsonl"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(path)!r}, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)\n"
+        "fcntl.lockf(fd, fcntl.LOCK_EX)\nprint('locked', flush=True)\ntime.sleep(120)\n")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        holder.send_signal(signal.SIGSTOP)  # stopped while holding it, as the chaos run's stalls do
+        t0 = time.monotonic()
+        with caplog.at_level("WARNING", logger="rlboost.events"):
+            append_event(tmp_path, {"event": "finished", "job_id": "local-slot1", "restart_cnt": 1})
+        assert time.monotonic() - t0 < 5
+        assert [e["job_id"] for e in read_events(tmp_path)] == ["local-slot1"]
+        assert "appending without it" in caplog.text
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_append_event_rejects_bad_records(tmp_path):
     with pytest.raises(ValueError):
         append_event(tmp_path, {"job_id": "1"})
