@@ -104,13 +104,33 @@ class SGLangCfg(_Strict):
     extra_args: list[str] = Field(default_factory=list, description="more sglang.launch_server arguments")
 
 
+class EmulatedCfg(_Strict):
+    """The emulated rollout engine (``rollout.engine = "emulated"``): a load-testing engine with a real model's
+    timing (the simulator's profile of a Qwen3 on H100s) and no model compute; tokens are a pure function of
+    (response seed, position), weights are pulled, verified and held like a real engine's."""
+
+    profile: Literal["8b", "14b", "32b"] = Field(D.EMULATED_PROFILE, description=(
+        "the modelled Qwen3 (the simulator's profile of that name: decode and prefill law, bf16 weight bytes)"))
+    instance_tp: int = Field(D.EMULATED_INSTANCE_TP, ge=1, description="GPUs of one modelled instance (its TP size)")
+    time_scale: float = Field(D.EMULATED_TIME_SCALE, gt=0, description=(
+        "model seconds per wall second: 10 runs every iteration and weight load ten times faster than the GPU"))
+    load_bytes_per_s: float = Field(D.EMULATED_LOAD_BYTES_PER_S, gt=0, description=(
+        "bytes/s of a weight load into the modelled engine: one load takes the model's bf16 bytes ÷ this"))
+    response_median: float = Field(D.EMULATED_RESPONSE_MEDIAN, ge=1, description=(
+        "median response length in tokens (log-normal, drawn per response seed; clipped to the budget)"))
+    response_sigma: float = Field(D.EMULATED_RESPONSE_SIGMA, ge=0, description="σ of the log of response lengths")
+
+
 class RolloutCfg(_Strict):
     """Sampling and engine settings of every rollout instance (reserved and preemptible)."""
 
-    engine: Literal["torch", "sglang"] = Field("torch", description=(
-        "engine of the preemptible workers: torch (CPU/GPU, built in) or sglang (an SGLang server per worker; "
-        "pip install '.[sglang]'). The reserved seeding engine is always torch."))
+    engine: Literal["torch", "sglang", "emulated"] = Field("torch", description=(
+        "engine of the preemptible workers: torch (CPU/GPU, built in), sglang (an SGLang server per worker; "
+        "pip install '.[sglang]') or emulated (load testing: a real model's timing, no compute; rollout.emulated). "
+        "The reserved seeding engine is always torch."))
     sglang: SGLangCfg = Field(default_factory=SGLangCfg, description="the SGLang server of rollout.engine = sglang")
+    emulated: EmulatedCfg = Field(default_factory=EmulatedCfg, description=(
+        "the timing profile of rollout.engine = emulated"))
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
         "device of the rollout engines (reserved engine, workers, evaluation): auto = the GPU a job is given "
         "(CUDA_VISIBLE_DEVICES) when there is one, else the CPU; the reserved engine shares the trainer's GPU"))

@@ -58,3 +58,15 @@ BEHAVIOUR_CAP = 2.0
 BEHAVIOUR_LEVEL = "token"
 #: Leave truncated responses out of the loss (``trainer.mask_truncated``; DAPO's overlong filtering): off.
 MASK_TRUNCATED = False
+
+#: The emulated rollout engine (``rollout.emulated``): the modelled Qwen3 (``"8b"``/``"14b"``/``"32b"``) ...
+EMULATED_PROFILE = "8b"
+#: ... on this many H100s per instance (the simulator's instance size) ...
+EMULATED_INSTANCE_TP = 2
+#: ... run this many model seconds per wall second ...
+EMULATED_TIME_SCALE = 1.0
+#: ... loading a weight version at this rate (bytes/s; the model's bf16 bytes ÷ it is one load; an estimate) ...
+EMULATED_LOAD_BYTES_PER_S = 5e9
+#: ... with response lengths log-normal around this median (tokens; the simulator's workload) and σ.
+EMULATED_RESPONSE_MEDIAN = 4300.0
+EMULATED_RESPONSE_SIGMA = 0.45

@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 
 #: Whether an engine kind (``rollout.engine``) returns the behaviour logprob of every token it samples (what
 #: ``trainer.behaviour_correction`` needs): the torch engine computes log_softmax(logits / T) of each sampled token;
-#: the SGLang engine asks its server for ``return_logprob`` and refuses a stream without them.
-BEHAVIOUR_LOGPROBS = {"torch": True, "sglang": True}
+#: the SGLang engine asks its server for ``return_logprob`` and refuses a stream without them; the emulated engine's
+#: logprobs are a function of (seed, position), not of any policy.
+BEHAVIOUR_LOGPROBS = {"torch": True, "sglang": True, "emulated": False}
 
 
 def returns_behaviour_logprobs(kind: str) -> bool:
@@ -71,6 +72,8 @@ def engine_spec(cfg, max_len: int | None = None) -> dict[str, Any]:
         spec["max_len"] = int(max_len)
     if cfg.engine == "sglang":
         spec["sglang"] = cfg.sglang.model_dump()
+    elif cfg.engine == "emulated":
+        spec["emulated"] = cfg.emulated.model_dump()
     return spec
 
 
@@ -81,7 +84,9 @@ def receive_buffer_factory(spec: Mapping[str, Any] | None) -> "Callable[[int], t
     GPU, pinned host buffers (a :class:`~rlboost_hpc.weights.layout.HostBufferPool` that registers its mappings
     with CUDA once: the engine's host-to-device load then runs at the link's rate, not through the driver's
     staging copy); None — the puller's default private host buffer — for the torch engine on the CPU (or a
-    device the spec names but this host lacks: the engine's build reports that)."""
+    device the spec names but this host lacks: the engine's build reports that) and for the emulated engine."""
+    if (spec or {}).get("kind") == "emulated":
+        return None
     if (spec or {}).get("kind", "torch") != "sglang":
         from rlboost_hpc.models.device import DeviceError, resolve_device
         from rlboost_hpc.weights.layout import HostBufferPool
@@ -100,19 +105,27 @@ def factory_from_spec(spec: Mapping[str, Any] | None, max_batch: int, *,
                       log_path: str | Path | None = None) -> EngineFactory:
     """An EngineFactory for ``spec`` (``None`` or ``{"kind": "torch"}``: the torch engine).
 
+    ``{"kind": "emulated", "emulated": {...}}`` builds emulated engines
+    (:class:`~rlboost_hpc.rollout.engines.emulated.EmulatedEngine`).
     ``{"kind": "sglang", "sglang": {...}}`` starts one SGLang server per engine (its log at ``log_path``),
     with the weights the agent pulled first; the server's start-up (seconds to a minute) runs on the agent's
     build thread, never on its heartbeat loop.
 
     Raises:
-        EngineError: unknown kind or unknown sglang option.
+        EngineError: unknown kind or unknown sglang / emulated option.
     """
     kind = (spec or {}).get("kind", "torch")
     device, dtype = (spec or {}).get("device", "auto"), (spec or {}).get("dtype", "auto")
     if kind == "torch":
         return torch_engine_factory(max_batch, device, dtype, (spec or {}).get("max_len"))
+    if kind == "emulated":
+        from rlboost_hpc.rollout.engines.emulated import emulated_engine_factory
+
+        opts = dict((spec or {}).get("emulated") or {})
+        return emulated_engine_factory(max_batch, (spec or {}).get("max_len"), **opts)
     if kind != "sglang":
-        raise EngineError(f"unknown rollout engine {kind!r} in the run's engine spec (expected 'torch' or 'sglang')")
+        raise EngineError(f"unknown rollout engine {kind!r} in the run's engine spec "
+                          "(expected 'torch', 'sglang' or 'emulated')")
     opts = dict((spec or {}).get("sglang") or {})
     unknown = set(opts) - _SGLANG_KEYS
     if unknown:

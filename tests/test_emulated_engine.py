@@ -1,0 +1,203 @@
+"""The emulated rollout engine (``rollout.engine = "emulated"``): tokens a pure function of (seed, position), the
+simulator's timing law with an injected clock, weights held, migration exact, bad profiles refused by name — and a
+real run on it (trainer, manager, workers, preemptions) that loses, duplicates and trains off-version nothing."""
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+import torch
+
+from rlboost_hpc.config import ConfigError, load_config
+from rlboost_hpc.rollout.engines.base import EngineError, GenRequest, SamplingParams
+from rlboost_hpc.rollout.engines.emulated import (
+    EmulatedEngine,
+    EmulatedProfile,
+    emulated_engine_factory,
+    emulated_length,
+    emulated_token,
+    state_nbytes,
+)
+from rlboost_hpc.rollout.engines.factory import engine_spec, factory_from_spec, receive_buffer_factory
+from rlboost_hpc.rollout.engines.torch_engine import generate_all
+from rlboost_hpc.sim.profiles import profile
+
+STOP = (1, 2)
+
+
+class FakeTime:
+    """An injected clock: ``sleep`` advances it and records each wait (seconds)."""
+
+    def __init__(self) -> None:
+        self.now, self.sleeps = 100.0, []
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.sleeps.append(s)
+        self.now += s
+
+
+def engine(time_scale=1.0, median=30.0, max_batch=8, vocab=512, max_len=None, ft=None, **kw):
+    ft = ft or FakeTime()
+    prof = EmulatedProfile(time_scale=time_scale, response_median=median, **kw)
+    return EmulatedEngine(vocab, {"w": torch.zeros(256)}, prof, max_batch=max_batch, max_len=max_len,
+                          sleep=ft.sleep, clock=ft.clock), ft
+
+
+def req(rid, seed, budget=48, prefix=(), prompt=(1, 7, 9)):
+    return GenRequest(rid=rid, prompt_ids=list(prompt), max_new_tokens=budget - len(prefix),
+                      sampling=SamplingParams(seed=seed, stop_token_ids=STOP), prefix_ids=list(prefix))
+
+
+def test_tokens_are_a_pure_function_of_seed_and_position_inside_the_vocabulary():
+    toks = [emulated_token(s, k, 64, frozenset(STOP)) for s in range(50) for k in range(40)]
+    assert toks == [emulated_token(s, k, 64, frozenset(STOP)) for s in range(50) for k in range(40)]
+    ids = [t for t, _ in toks]
+    assert min(ids) >= 3 and max(ids) < 64 and not set(ids) & set(STOP)
+    assert len(set(ids)) > 50  # spread over the vocabulary
+    assert all(-8.0 <= lp < -1.0 for _, lp in toks)
+    # a stop id inside the drawn range is skipped, never emitted
+    stops = frozenset(range(3, 60))
+    assert {emulated_token(s, 0, 64, stops)[0] for s in range(200)} <= set(range(60, 64))
+    with pytest.raises(EngineError, match="no token"):
+        emulated_token(0, 0, 5, frozenset({3, 4}))
+
+
+def test_response_lengths_follow_the_log_normal_and_end_with_a_stop_id_or_the_budget():
+    lengths = [emulated_length(s, 300.0, 0.45) for s in range(4000)]
+    assert abs(statistics.median(lengths) / 300.0 - 1) < 0.05
+    assert 0.40 < statistics.stdev([__import__("math").log(n) for n in lengths]) < 0.50
+    eng, _ = engine(median=20.0)
+    out = generate_all(eng, [req(f"r{i}", i, budget=30) for i in range(40)])
+    for i in range(40):
+        ids, lps, reason = out[f"r{i}"]
+        want = min(30, emulated_length(i, 20.0, 0.45))
+        assert len(ids) == len(lps) == want
+        assert reason == ("stop" if want < 30 else "length")
+        assert (ids[-1] in STOP) == (reason == "stop") and not set(ids[:-1]) & set(STOP)
+
+
+def test_a_migrated_response_equals_the_uninterrupted_one_token_for_token():
+    whole, _ = engine(median=40.0)
+    ref = generate_all(whole, [req(f"r{i}", 1000 + i, budget=64) for i in range(6)])
+    first, _ = engine(median=40.0)
+    for i in range(6):
+        first.add(req(f"r{i}", 1000 + i, budget=64))
+    got = {f"r{i}": ([], []) for i in range(6)}
+    for _ in range(5):  # five iterations on the first instance, then preempted
+        for ev in first.step():
+            got[ev.rid][0].extend(ev.token_ids)
+            got[ev.rid][1].extend(ev.logprobs)
+    second, _ = engine(median=40.0)
+    for i in range(6):
+        ids, lps = got[f"r{i}"]
+        first.abort(f"r{i}")
+        if len(ids) < len(ref[f"r{i}"][0]):
+            rest = generate_all(second, [req(f"r{i}", 1000 + i, budget=64, prefix=ids)])[f"r{i}"]
+            ids, lps = ids + rest[0], lps + rest[1]
+        assert (ids, lps) == tuple(ref[f"r{i}"][:2])
+
+
+def test_each_iteration_takes_the_simulators_modelled_time_divided_by_the_time_scale():
+    eng, ft = engine(time_scale=4.0, median=1000.0)
+    perf = profile("8b").instance_perf()
+    load = profile("8b").model.weight_bytes / 5e9
+    assert ft.sleeps == [pytest.approx(load / 4.0)]  # the first version's load, at build
+    for i in range(3):
+        eng.add(req(f"r{i}", i, budget=100, prompt=list(range(3, 103))))
+    eng.step()
+    ctx = 3 * 101  # 100 prompt tokens + the first sampled token each
+    prefill = 3 * perf.prefill_time(100) + perf.pf_fixed
+    assert ft.sleeps[-1] == pytest.approx((prefill + perf.iter_time(3, 3 * 100)) / 4.0)
+    eng.step()
+    assert ft.sleeps[-1] == pytest.approx(perf.iter_time(3, ctx) / 4.0)
+    assert eng.model_seconds == pytest.approx(load + prefill + perf.iter_time(3, 300) + perf.iter_time(3, ctx))
+
+
+def test_a_slow_host_runs_late_and_never_banks_time_to_run_faster():
+    eng, ft = engine(median=1000.0)
+    eng.add(req("a", 1, budget=100))
+    eng.step()
+    ft.now += 10.0  # the host stalled for 10 s (far beyond the modelled iteration)
+    eng.step()
+    assert ft.sleeps[-1] == pytest.approx(profile("8b").instance_perf().iter_time(1, 4))
+
+
+def test_weights_are_held_loads_refused_while_requests_run_and_batches_capped():
+    sd = {"a": torch.zeros(1000, dtype=torch.bfloat16), "b": torch.ones(24, dtype=torch.float32)}
+    ft = FakeTime()
+    eng = EmulatedEngine(512, sd, EmulatedProfile(), max_batch=1000, sleep=ft.sleep, clock=ft.clock)
+    assert eng.weights is sd and eng.weights_nbytes == state_nbytes(sd) == 2096
+    flat = torch.zeros(100)
+    assert state_nbytes({"x": flat[:50], "y": flat[50:]}) == 400  # one buffer counted once
+    assert eng.max_batch == profile("8b").instance_perf().max_running
+    eng.add(req("r", 3))
+    with pytest.raises(EngineError, match="refused: 1 request"):
+        eng.load_weights({"c": torch.zeros(1)}, 2)
+    assert eng.weights is sd and eng.version == 0
+    eng.abort("r")
+    new = {"c": torch.zeros(8)}
+    eng.load_weights(new, 2)
+    assert eng.weights is new and eng.version == 2 and eng.weights_nbytes == 32
+    with pytest.raises(EngineError, match="duplicate"):
+        eng.add(req("x", 1))
+        eng.add(req("x", 1))
+    with pytest.raises(EngineError, match="outside"):
+        eng.add(req("y", 1, prompt=(1, 600)))
+
+
+def test_bad_profiles_are_refused_naming_the_key():
+    for kw, needle in [({"profile": "70b"}, "unknown profile"), ({"time_scale": 0}, "time_scale"),
+                       ({"instance_tp": 0}, "instance_tp"), ({"load_bytes_per_s": -1.0}, "load_bytes_per_s")]:
+        with pytest.raises(EngineError, match=needle):
+            EmulatedProfile(**kw)
+    assert emulated_engine_factory(8, profile="32b", instance_tp=1)  # fits: 65.5 GB of weights on 80 GB
+    with pytest.raises(EngineError, match="unknown emulated engine option"):
+        factory_from_spec({"kind": "emulated", "emulated": {"speed": 2}}, 8)
+    make = factory_from_spec({"kind": "emulated", "emulated": {"time_scale": 1e6}}, 8)
+    with pytest.raises(EngineError, match="vocab_size"):
+        make({}, {})
+    for override, key in [("rollout.emulated.profile='70b'", "rollout.emulated.profile"),
+                          ("rollout.emulated.time_scale=0", "rollout.emulated.time_scale"),
+                          ("rollout.emulated.speed=2", "rollout.emulated.speed")]:
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(None, [override])
+
+
+def test_the_run_config_reaches_the_workers_engine_spec():
+    cfg = load_config(None, ["rollout.engine='emulated'", "rollout.emulated.profile='14b'",
+                             "rollout.emulated.time_scale=1000"])
+    spec = engine_spec(cfg.rollout, max_len=80)
+    assert spec["kind"] == "emulated" and spec["emulated"]["profile"] == "14b" and spec["max_len"] == 80
+    json.dumps(spec)  # endpoints.json is JSON
+    assert receive_buffer_factory(spec) is None
+    eng = factory_from_spec(spec, 4)({"vocab_size": 512}, {"w": torch.zeros(4)})
+    assert isinstance(eng, EmulatedEngine) and eng.emulated.profile == "14b" and eng.max_len == 80
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_run_on_emulated_instances_with_preemptions_loses_nothing(repo_root, tmp_path):
+    """The real main job (trainer, manager, local cluster replaying the spot trace, workers) with every preemptible
+    instance emulated: tokens flow, migrate and train like a real engine's."""
+    from test_demo_run import diagnose, run_cli
+
+    out = tmp_path / "emu"
+    # a GPU 4× slower than the profile's, so that responses live ~1 s (long enough to be preempted), with a load
+    # (16 ms of model time) shorter than T_seed: the default 3.3 s load of 8B would leave every sub-second step of
+    # this tiny run to the reserved engine, as it should — a version an instance has not loaded gets no work
+    p = run_cli(repo_root, out, "trainer.steps=10", "rollout.engine='emulated'", "rollout.emulated.response_median=24",
+                "rollout.emulated.time_scale=0.25", "rollout.emulated.load_bytes_per_s=1e12",
+                "cluster.preempt_when_busy=true", "cluster.time_scale=320", "cluster.replay_s=8", "policy.cap=false")
+    assert p.returncode == 0, diagnose(p, out)
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["steps"] == 10 and rep["responses_trained"] == 10 * 8 * 8, diagnose(p, out)
+    assert rep["preemptions_with_warning"] >= 1, diagnose(p, out)
+    assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0 and rep["tokens_trained_off_version"] == 0
+    moved = rep["migrations_by_engine"]
+    assert moved["out_of"].get("emulated", 0) >= 1 and moved["into"].get("emulated", 0) >= 1, moved
+    spec = json.loads((out / "endpoints.json").read_text())
+    assert spec["worker"]["engine"]["kind"] == "emulated", spec
