@@ -321,6 +321,11 @@ class LocalClusterCfg(_Strict):
         "local: the spot trace replayed (a name such as p3 or g4dn, a path, or a path under the data directory)"))
     max_workers: int = Field(2, ge=0, description=(
         "most preemptible instances at once (local: worker processes; slurm: the largest N_prem target)"))
+    instances_per_worker: int = Field(1, ge=1, description=(
+        "local: rollout instances one worker process hosts (threads, each its own identity <job>.<i>, sockets, "
+        "heartbeat and weights); > 1 needs rollout.engine = emulated (load tests of hundreds of instances on one "
+        "machine). max_workers still counts instances: ceil(max_workers / this) processes replay the trace, each "
+        "trace event starting or preempting all instances of one process, and N_prem caps whole processes"))
     time_scale: float = Field(80.0, gt=0, description="trace seconds per wall-clock second")
     replay_s: float = Field(32.0, gt=0, description="wall seconds of trace replayed (window = replay_s × time_scale)")
     window_start_s: float | None = Field(None, description="trace second to start at; None picks the earliest "
@@ -395,6 +400,11 @@ class RunConfig(_Strict):
         if tr.clip_eps_high is not None and tr.clip_eps_high < tr.clip_eps:
             raise ValueError(f"trainer.clip_eps_high ({tr.clip_eps_high}) must be >= trainer.clip_eps "
                              f"({tr.clip_eps})")
+        k = self.cluster.instances_per_worker
+        if k > 1 and (self.rollout.engine != "emulated" or self.cluster.kind != "local"):
+            raise ValueError(f"cluster.instances_per_worker = {k} needs rollout.engine = emulated and cluster.kind = "
+                             f"local (got {self.rollout.engine} / {self.cluster.kind}): only emulated instances "
+                             "share a process")
         t = self.task
         if t.max_turns == 1 and t.max_trajectory_tokens not in (0, self.rollout.max_new_tokens):
             raise ValueError("task.max_trajectory_tokens applies to multi-turn tasks only (task.max_turns > 1)")

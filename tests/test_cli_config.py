@@ -74,6 +74,18 @@ def test_heartbeat_timeout_must_exceed_interval():
         load_config(None, ["manager.heartbeat_s=1.0", "manager.heartbeat_timeout_s=1.5"])
 
 
+def test_several_instances_per_worker_only_for_emulated_instances_on_the_local_cluster():
+    """Only emulated instances share a worker process: a real engine's would share one device and its memory."""
+    for extra, got in [([], "torch / local"), (["rollout.engine='emulated'", "cluster.kind='slurm'"],
+                                                "emulated / slurm")]:
+        with pytest.raises(ConfigError, match=rf"cluster\.instances_per_worker = 4 needs .*\(got {got}\)"):
+            load_config(None, ["cluster.instances_per_worker=4", *extra])
+    with pytest.raises(ConfigError, match=r"cluster\.instances_per_worker"):
+        load_config(None, ["cluster.instances_per_worker=0"])
+    cfg = load_config(None, ["cluster.instances_per_worker=4", "rollout.engine='emulated'"])
+    assert cfg.cluster.instances_per_worker == 4
+
+
 def _run_cli(*args, cwd=None, timeout=120):
     return subprocess.run([sys.executable, "-m", "rlboost_hpc.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd)

@@ -201,3 +201,43 @@ def test_a_run_on_emulated_instances_with_preemptions_loses_nothing(repo_root, t
     assert moved["out_of"].get("emulated", 0) >= 1 and moved["into"].get("emulated", 0) >= 1, moved
     spec = json.loads((out / "endpoints.json").read_text())
     assert spec["worker"]["engine"]["kind"] == "emulated", spec
+
+
+def test_the_local_cluster_replays_the_trace_onto_processes_of_k_instances_and_counts_instances(tmp_path):
+    """``cluster.instances_per_worker = K``: ceil(max_workers / K) processes replay the trace; a process is busy
+    (a removal held back) when any of its instances holds partial responses; caps are in whole processes."""
+    from rlboost_hpc.cluster.local import LocalCluster, worker_slots
+
+    cfg = load_config(None, ["rollout.engine='emulated'", "cluster.max_workers=64", "cluster.instances_per_worker=16",
+                             "cluster.preempt_when_busy=true"]).cluster
+    assert worker_slots(cfg) == 4
+    partial = {"local-slot1.15#0": 2}
+    c = LocalCluster(cfg, "tcp://127.0.0.1:1", tmp_path, partial_by_instance=lambda: partial)
+    assert all(a.slot < 4 for a in c.plan) and max(n for _, n in c.plan.live_over_time()) == 4
+    assert c.instance_ids(1) == [f"local-slot1.{i}" for i in range(16)]
+    assert c._busy(1, 0) and not c._busy(0, 0) and not c._busy(1, 1)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_sixty_four_emulated_instances_on_the_local_cluster_lose_nothing(repo_root, tmp_path):
+    """N = 64 preemptible instances, 16 to a worker process, replaying the spot trace with warned preemptions of
+    whole processes: every instance registers under its own identity and nothing is lost, duplicated or trained
+    off-version."""
+    from test_demo_run import diagnose, run_cli
+
+    out = tmp_path / "emu64"
+    p = run_cli(repo_root, out, "trainer.steps=6", "rollout.engine='emulated'", "rollout.emulated.response_median=24",
+                "rollout.emulated.time_scale=0.25", "rollout.emulated.load_bytes_per_s=1e12",
+                "cluster.max_workers=64", "cluster.instances_per_worker=16", "rollout.prompts_per_step=32",
+                "manager.pending_limit=4", "cluster.preempt_when_busy=true", "cluster.time_scale=320",
+                "cluster.replay_s=8", "policy.cap=false")
+    assert p.returncode == 0, diagnose(p, out)
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["steps"] == 6 and rep["responses_trained"] == 6 * 32 * 8, diagnose(p, out)
+    assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0 and rep["tokens_trained_off_version"] == 0
+    assert rep["preemptions_with_warning"] >= 16 and rep["preemptions_with_warning"] % 16 == 0, rep
+    assert rep["migrations_by_engine"]["into"].get("emulated", 0) >= 1, rep["migrations_by_engine"]
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    started = {e["job_id"] for e in events if e.get("event") == "worker_started"}
+    assert {f"local-slot{s}.{i}" for s in range(4) for i in range(16)} <= started, sorted(started)[:20]

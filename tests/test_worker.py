@@ -7,13 +7,14 @@ import signal
 
 import pytest
 
-from rlboost_hpc.rollout.worker import WarningHandler, _parse_args
+from rlboost_hpc.rollout.worker import WarningHandler, _parse_args, instance_ids
 
 
 class Agent:
     """Records the drain requests a real RolloutAgent would get (first request wins, a cause refines stopped)."""
 
-    def __init__(self):
+    def __init__(self, job_id="7"):
+        self.job_id = job_id
         self.requests = []
 
     def request_stop(self, reason, cause):
@@ -80,7 +81,21 @@ def test_a_warning_before_the_agent_exists_stops_it_when_attached(tmp_path):
     assert a.requests == [("preempted (SIGUSR2)", "preempted")]
 
 
+def test_a_process_hosting_several_instances_drains_them_all_on_its_warning(tmp_path):
+    """One process, K emulated instances (``--instances``): the warning is the process's, so each attached agent
+    drains — and a reconnect's new agent for an instance replaces the old one rather than being stopped twice."""
+    h = handler(tmp_path)
+    first, second, renewed = Agent("7.0"), Agent("7.1"), Agent("7.0")
+    for a in (first, second, renewed):
+        h.attach(a)
+    h(signal.SIGUSR2, None)
+    assert second.requests == renewed.requests == [("preempted (SIGUSR2)", "preempted")]
+    assert first.requests == []  # replaced by its reconnect's agent
+    assert instance_ids("7", 1) == ["7"] and instance_ids("7", 3) == ["7.0", "7.1", "7.2"]
+
+
 @pytest.mark.parametrize("argv, says", [
+    (["--job-id", "j", "--run-dir", "d", "--instances", "0"], "--instances 0: must be ≥ 1"),
     (["--job-id", "j", "--manager", "tcp://h:1", "--signal", "SIGUSR1"], "SIGUSR1 is taken by NCCL"),
     (["--job-id", "j", "--manager", "tcp://h:1", "--signal", "SIGNOPE"], "--signal SIGNOPE: not a signal name"),
     (["--job-id", "j"], "give --manager or --run-dir"),

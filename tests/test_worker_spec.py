@@ -36,3 +36,18 @@ def test_a_worker_with_a_malformed_spec_exits_2_naming_the_key(tmp_path):
     p = subprocess.run([sys.executable, "-m", "rlboost_hpc.rollout.worker", "--run-dir", str(tmp_path), "--job-id",
                         "j"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "worker.max_batch" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_worker_asked_to_host_several_instances_of_a_real_engine_exits_2(tmp_path):
+    """Only emulated instances share a process (``--instances K``): a real engine's K copies would share one device."""
+    import json
+    import subprocess
+    import sys
+
+    spec = WorkerSpec.from_config(load_config(None)).to_json()
+    (tmp_path / "endpoints.json").write_text(json.dumps({"manager": "tcp://127.0.0.1:1", "weights": "tcp://x:1",
+                                                         "worker": spec}))
+    p = subprocess.run([sys.executable, "-m", "rlboost_hpc.rollout.worker", "--run-dir", str(tmp_path), "--job-id",
+                        "j", "--instances", "2"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--instances 2: only emulated instances" in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr

@@ -28,6 +28,7 @@ from rlboost_hpc.cluster.traces import load_trace
 from rlboost_hpc.config import ConfigError, LocalClusterCfg
 from rlboost_hpc.events import LOCAL_CLUSTER_SOURCE, append_event, drain_marker_path
 from rlboost_hpc.procutil import die_with_parent, hold_signals
+from rlboost_hpc.rollout.worker import instance_ids
 
 log = logging.getLogger("rlboost.cluster")
 
@@ -41,21 +42,32 @@ def replay_plan(cfg: LocalClusterCfg) -> tuple[ReplayPlan, float]:
     """
     events = load_trace(cfg.trace)
     window_s = cfg.replay_s * cfg.time_scale
+    slots = worker_slots(cfg)
     start = cfg.window_start_s
     if start is None:
         try:
-            start = choose_window(events, window_s, cfg.min_changes, max_workers=cfg.max_workers,
+            start = choose_window(events, window_s, cfg.min_changes, max_workers=slots,
                                   min_removals=cfg.min_removals, min_starts=cfg.min_starts)
         except ValueError as e:
             raise ConfigError(f"cluster.trace {cfg.trace}: {e}; lower cluster.min_changes / min_removals / "
                               "min_starts, or set cluster.window_start_s, max_workers or replay_s") from None
     plan = ReplayPlan.from_trace(events, window_start_s=start, window_s=window_s, time_scale=cfg.time_scale,
-                                 max_workers=cfg.max_workers, kill_fraction=cfg.kill_fraction, seed=cfg.seed)
+                                 max_workers=slots, kill_fraction=cfg.kill_fraction, seed=cfg.seed)
     return plan, start
 
 
+def worker_slots(cfg: LocalClusterCfg) -> int:
+    """Worker processes the trace is replayed onto: ``ceil(max_workers / instances_per_worker)`` (each hosts
+    ``instances_per_worker`` rollout instances)."""
+    return -(-cfg.max_workers // cfg.instances_per_worker)
+
+
 class LocalCluster:
-    """Replays ``cfg.trace`` compressed by ``cfg.time_scale`` onto at most ``cfg.max_workers`` workers.
+    """Replays ``cfg.trace`` compressed by ``cfg.time_scale`` onto at most ``cfg.max_workers`` instances.
+
+    A slot is one worker process (a job) hosting ``cfg.instances_per_worker`` = K instances (K > 1: emulated ones);
+    every count this cluster reports (offered, live, starts, preemptions, kills, exits) is in instances, K per slot,
+    and a cap of n instances keeps ``ceil(n / K)`` slots.
 
     The replayed window is ``cfg.replay_s`` wall seconds long (``replay_s × time_scale`` trace seconds).
     ``partial_by_instance``: returns ``{instance key: partial responses it holds}`` from the manager (called from
@@ -95,12 +107,18 @@ class LocalCluster:
 
     @staticmethod
     def job_id(slot: int) -> str:
-        """The job id of the workers of ``slot`` (the manager's instance key is ``<job id>#<attempt>``)."""
+        """The job id of the workers of ``slot`` (the manager's instance key is ``<job id>#<attempt>``, or
+        ``<job id>.<i>#<attempt>`` for the instances of a process hosting several)."""
         return f"local-slot{slot}"
+
+    def instance_ids(self, slot: int) -> list[str]:
+        """The instance identities a worker of ``slot`` hosts (``rollout.worker.instance_ids``)."""
+        return instance_ids(self.job_id(slot), self.cfg.instances_per_worker)
 
     def _busy(self, slot: int, attempt: int) -> bool:
         try:
-            return self.partial_by_instance().get(f"{self.job_id(slot)}#{attempt}", 0) > 0
+            partial = self.partial_by_instance()
+            return any(partial.get(f"{i}#{attempt}", 0) > 0 for i in self.instance_ids(slot))
         except Exception as e:  # noqa: BLE001 - the manager did not answer: keep holding (bounded by max_hold_s)
             log.warning("cluster: cannot ask the manager whether slot %d is busy: %s", slot, e)
             return False
@@ -110,6 +128,8 @@ class LocalCluster:
         cmd = [sys.executable, "-m", "rlboost_hpc.rollout.worker", "--run-dir", str(self.run_dir),
                "--job-id", self.job_id(slot), "--attempt", str(attempt), "--signal", self.cfg.preempt_signal]
         # every rollout setting comes from the run's worker spec in endpoints.json, as for Slurm rollout jobs
+        if self.cfg.instances_per_worker > 1:
+            cmd += ["--instances", str(self.cfg.instances_per_worker)]
         if self.link is not None:  # through the forwarder whose connections the chaos run resets
             cmd += ["--manager", self.link.endpoint]
         if self.faults.slow_load():
@@ -153,7 +173,7 @@ class LocalCluster:
                         log.info("cluster: %s slot %s attempt %s pid %s exit %s held %.1fs", ev["action"],
                                  ev["slot"], ev["attempt"], ev["pid"], ev.get("exit_code"), ev.get("held_s", 0.0))
                 self._record_lifecycle()
-                self.live_series.append((time.monotonic() - t0, len(self.driver.live_slots())))
+                self.live_series.append((time.monotonic() - t0, self.live()))
                 self._inject_faults()
             self._stop.wait(0.1)
 
@@ -172,19 +192,22 @@ class LocalCluster:
         evs = self.driver.events
         for ev in evs[self._recorded:]:
             job = self.job_id(ev["slot"])
-            base = {"source": LOCAL_CLUSTER_SOURCE, "job_id": job, "restart_cnt": ev["attempt"]}
             try:
                 if ev["action"] == "start":
                     drain_marker_path(self.run_dir, job).unlink(missing_ok=True)  # a new attempt is not drained
-                    append_event(self.run_dir, {"event": "started", **base, "gpus": 0, "node": "local",
-                                                "pid": ev["pid"]})
-                elif ev["action"] == "exit":
-                    cause = ev.get("cause")
-                    state = {"preempt": "PREEMPTED", "kill": "PREEMPTED", "retire": "CANCELLED",
-                             "stop": "CANCELLED"}.get(cause) or ("COMPLETED" if ev.get("exit_code") == 0 else "FAILED")
-                    append_event(self.run_dir, {"event": "finished", **base, "state": state,
-                                                "cause": {"retire": "drain", "stop": "run_end"}.get(cause, cause),
-                                                "exit_code": ev.get("exit_code")})
+                for inst in self.instance_ids(ev["slot"]):  # one record per instance, as one per Slurm job
+                    base = {"source": LOCAL_CLUSTER_SOURCE, "job_id": inst, "restart_cnt": ev["attempt"]}
+                    if ev["action"] == "start":
+                        append_event(self.run_dir, {"event": "started", **base, "gpus": 0, "node": "local",
+                                                    "pid": ev["pid"]})
+                    elif ev["action"] == "exit":
+                        cause = ev.get("cause")
+                        state = {"preempt": "PREEMPTED", "kill": "PREEMPTED", "retire": "CANCELLED",
+                                 "stop": "CANCELLED"}.get(cause) or ("COMPLETED" if ev.get("exit_code") == 0
+                                                                     else "FAILED")
+                        append_event(self.run_dir, {"event": "finished", **base, "state": state,
+                                                    "cause": {"retire": "drain", "stop": "run_end"}.get(cause, cause),
+                                                    "exit_code": ev.get("exit_code")})
             except (OSError, ValueError) as e:  # statistics never stop the cluster
                 log.warning("cluster: could not record %s of %s: %s", ev["action"], job, e)
         self._recorded = len(evs)
@@ -219,17 +242,19 @@ class LocalCluster:
             return False
 
     def set_cap(self, n: int | None) -> None:
-        """Obey an instance cap (N_prem): never more than ``n`` live workers."""
+        """Obey an instance cap (N_prem): never more than ``n`` live instances — in whole worker processes of K
+        instances, so ``ceil(n / K)`` of them (at most K − 1 instances over ``n``)."""
         if self.driver is not None:
             with self._lock:
-                self.driver.set_cap(n)
+                self.driver.set_cap(None if n is None else -(-n // self.cfg.instances_per_worker))
 
     def offered(self) -> int:
-        """Slots the replayed trace offers now (live or held back by the cap): the cluster's capacity."""
-        return len(self.driver.offered_slots()) if self.driver else 0
+        """Instances the replayed trace offers now (live or held back by the cap): the cluster's capacity."""
+        return len(self.driver.offered_slots()) * self.cfg.instances_per_worker if self.driver else 0
 
     def live(self) -> int:
-        return len(self.driver.live_slots()) if self.driver else 0
+        """Instances of the live worker processes."""
+        return len(self.driver.live_slots()) * self.cfg.instances_per_worker if self.driver else 0
 
     def freeze(self, settle_s: float = 10.0) -> None:
         """Replay no more of the trace (no start, preemption or kill from now on) and wait up to ``settle_s`` until
@@ -263,10 +288,12 @@ class LocalCluster:
                 self._record_lifecycle()
 
     def summary(self) -> dict:
-        """Counts of what the cluster did: starts, preemptions with warning, kills without warning, exits."""
+        """Counts of what the cluster did, in instances: starts, preemptions with warning, kills without warning,
+        exits."""
         if self.driver is None:
             return {"starts": 0, "preemptions_warned": 0, "kills": 0, "exits": 0, "window_start_s": None,
                     **self.fault_counts}
-        c = self.driver.counts
-        return {"starts": c["start"], "preemptions_warned": c["preempt"], "kills": c["kill"], "exits": c["exit"],
+        c, k = self.driver.counts, self.cfg.instances_per_worker
+        return {"starts": k * c["start"], "preemptions_warned": k * c["preempt"], "kills": k * c["kill"],
+                "exits": k * c["exit"],
                 "window_start_s": self.window_start_s, "plan_actions": len(self.plan), **self.fault_counts}

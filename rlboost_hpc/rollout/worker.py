@@ -149,8 +149,9 @@ class WarningHandler:
     - a later ``warn`` after a Slurm SIGTERM (Slurm preempts with both, in either order; the agent waits
       :data:`SLURM_CAUSE_SETTLE_S` for it before it deregisters) refines ``stopped`` into the warning's class and
       records ``SIGTERM+<warn>``; every other later signal changes nothing;
-    - the attached agent, if any, is asked to drain with that cause (``RolloutAgent.request_stop``: the first
-      request wins, a cause refines ``stopped``).
+    - every attached agent is asked to drain with that cause (``RolloutAgent.request_stop``: the first request wins,
+      a cause refines ``stopped``). A process hosting several instances (``--instances``) attaches one agent per
+      instance: the warning is the process's, so all of them drain.
 
     The handler never imports (the main thread may be half-way through importing the module it would need)."""
 
@@ -160,7 +161,7 @@ class WarningHandler:
         self.warned_at: float | None = None
         self.signal: str | None = None
         self.cause: str | None = None  # protocol.messages.LeaveCause once warned
-        self.agent = None  # the RolloutAgent to stop
+        self.agents: dict[str, object] = {}  # instance job id -> the RolloutAgent to stop (the latest attached)
 
     def install(self) -> None:
         """Handle SIGTERM and ``warn`` from now on, then take what a launcher held back until this moment: the
@@ -189,9 +190,14 @@ class WarningHandler:
         return f"{(self.cause or '').replace('_', ' ')} ({self.signal})"
 
     def attach(self, agent) -> None:
-        """Stop ``agent`` on the next warning — at once when one came already (e.g. while importing)."""
-        self.agent = agent
+        """Stop ``agent`` on the next warning — at once when one came already (e.g. while importing). It replaces
+        the agent attached before for the same instance (``agent.job_id``; a reconnect builds a new one)."""
+        self.agents[getattr(agent, "job_id", "")] = agent
         if self.warned:
+            agent.request_stop(self.stop_reason(), self.cause)
+
+    def _stop_agents(self) -> None:
+        for agent in list(self.agents.values()):
             agent.request_stop(self.stop_reason(), self.cause)
 
     def _drained(self) -> bool:
@@ -205,8 +211,7 @@ class WarningHandler:
             if s == self.warn and self.cause == "stopped" and self.signal == "SIGTERM":
                 self.cause = classify_warning(self.warned_at, drained=False, job_end_s=self.job_end_s)
                 self.signal = f"SIGTERM+{signal.Signals(s).name}"
-                if self.agent is not None:
-                    self.agent.request_stop(self.stop_reason(), self.cause)
+                self._stop_agents()
             return
         self.warned_at = time.time()
         self.signal = signal.Signals(s).name
@@ -215,8 +220,7 @@ class WarningHandler:
             self.cause = "drained" if drained else "stopped"
         else:
             self.cause = classify_warning(self.warned_at, drained=drained, job_end_s=self.job_end_s)
-        if self.agent is not None:
-            self.agent.request_stop(self.stop_reason(), self.cause)
+        self._stop_agents()
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -247,7 +251,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--signal", default="SIGUSR2", help="preemption warning signal (SIGTERM is always honoured)")
     p.add_argument("--requeue", choices=["auto", "yes", "no"], default="auto",
                    help="after a warned preemption, requeue the Slurm job (auto: when SLURM_JOB_ID is set)")
+    p.add_argument("--instances", type=int, default=1,
+                   help="rollout instances this process hosts, one thread each with its own identity "
+                        "(<job id>.<i>), sockets, heartbeat and weights; > 1 only for rollout.engine = emulated "
+                        "(load tests: hundreds of instances on one machine)")
     args = p.parse_args(argv)
+    if args.instances < 1:
+        p.error(f"--instances {args.instances}: must be ≥ 1")
     if not args.job_id:
         p.error("--job-id is required outside Slurm")
     if not (args.manager or args.run_dir):
@@ -382,10 +392,11 @@ def _serve(args: argparse.Namespace, inst: _Instance, handler: WarningHandler, m
 
 
 def _report_exit(args: argparse.Namespace, handler: WarningHandler, code: int, stop_reason: str, produced: int,
-                 handed_off: int) -> None:
-    """The exit's events (tokens; warned, with its cause) and, for a preempted or timed-out Slurm job, the
-    requeue: a drained (surplus) or cancelled job must not come back."""
-    ids = {"source": "worker", "job_id": args.job_id, "attempt": args.attempt}
+                 handed_off: int, *, instance: str | None = None, requeue_job: bool = True) -> None:
+    """The exit's events of ``instance`` (default: the job itself; tokens; warned, with its cause) and, when
+    ``requeue_job``, for a preempted or timed-out Slurm job, the requeue: a drained (surplus) or cancelled job must
+    not come back. A process hosting several instances reports each and requeues its job once."""
+    ids = {"source": "worker", "job_id": instance or args.job_id, "attempt": args.attempt}
     _event(args.run_dir, {"event": "tokens", **ids, "produced": produced, "handed_off": handed_off,
                           "exit_code": code, "stop_reason": stop_reason})
     if handler.cause is None:
@@ -393,13 +404,46 @@ def _report_exit(args: argparse.Namespace, handler: WarningHandler, code: int, s
     _event(args.run_dir, {"event": "warned", **ids, "signal": handler.signal, "warned_at": handler.warned_at,
                           "cause": handler.cause, "drained_s": time.time() - handler.warned_at})
     requeue = args.requeue == "yes" or (args.requeue == "auto" and handler.in_slurm)
-    if handler.cause in ("preempted", "time_limit") and requeue:
-        _event(args.run_dir, {"event": "requeue_requested", **ids, "ok": requeue_self(args.job_id)})
+    if handler.cause in ("preempted", "time_limit") and requeue and requeue_job:
+        _event(args.run_dir, {"event": "requeue_requested", **ids, "job_id": args.job_id,
+                              "ok": requeue_self(args.job_id)})
+
+
+def instance_ids(job_id: str, n: int) -> list[str]:
+    """Identities of the ``n`` rollout instances one worker process of job ``job_id`` hosts: the job id itself
+    for one, ``<job id>.<i>`` (i = 0 … n − 1) for several (the manager's instance key adds ``#<attempt>``)."""
+    return [job_id] if n == 1 else [f"{job_id}.{i}" for i in range(n)]
+
+
+def _serve_hosted(args: argparse.Namespace, hosted: list[argparse.Namespace], insts: list["_Instance"],
+                  handler: WarningHandler, manager: str, keys, ends: dict) -> list[tuple[int, str, int, int]]:
+    """:func:`_serve` for each hosted instance: the first on this thread, the others on one thread each; returns
+    their results in order (an instance whose thread raised reports exit 1)."""
+    import threading
+
+    results: list[tuple[int, str, int, int] | None] = [None] * len(hosted)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = _serve(hosted[i], insts[i], handler, manager, keys, ends)
+        except Exception:  # noqa: BLE001 - one instance's failure is reported as its exit, the others serve on
+            log.exception("instance %s failed", hosted[i].job_id)
+            results[i] = (1, "failed", 0, 0)
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"instance-{a.job_id}", daemon=True)
+               for i, a in enumerate(hosted) if i > 0]
+    for t in threads:
+        t.start()
+    run(0)
+    for t in threads:
+        t.join()
+    return results  # type: ignore[return-value]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one preemptible rollout instance until it is preempted, drained or stopped, or the run ends. Exit 0
-    after a drain, 2 for a malformed run directory or engine spec, the agent's code otherwise."""
+    """Run one preemptible rollout instance (``--instances K``: K emulated ones) until it is preempted, drained or
+    stopped, or the run ends. Exit 0 after a drain, 2 for a malformed run directory or engine spec (or several
+    instances of an engine that is not emulated), the agent's code otherwise (the first non-zero of K)."""
     args = _parse_args(argv)
     from rlboost_hpc.observe.logs import setup_logging
 
@@ -422,9 +466,15 @@ def main(argv: list[str] | None = None) -> int:
         _report_exit(args, handler, 0, handler.stop_reason(), 0, 0)
         return 0
     manager, keys, ends, wspec = found
-    _event(args.run_dir, {"event": "worker_started", "source": "worker", "job_id": args.job_id, "attempt": args.attempt,
-                          "node": os.environ.get("SLURMD_NODENAME", ""), "pid": os.getpid(),
-                          "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "settings": wspec.to_json()})
+    if args.instances > 1 and wspec.engine.get("kind") != "emulated":
+        log.error("--instances %d: only emulated instances share a process; this run's rollout.engine is %s",
+                  args.instances, wspec.engine.get("kind", "torch"))
+        return BadInput.exit_status
+    hosted = [argparse.Namespace(**{**vars(args), "job_id": jid}) for jid in instance_ids(args.job_id, args.instances)]
+    for a in hosted:
+        _event(args.run_dir, {"event": "worker_started", "source": "worker", "job_id": a.job_id, "attempt": a.attempt,
+                              "node": os.environ.get("SLURMD_NODENAME", ""), "pid": os.getpid(),
+                              "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "settings": wspec.to_json()})
     os.environ["OMP_NUM_THREADS"] = str(wspec.torch_threads)  # before torch is imported
     import torch
 
@@ -432,13 +482,15 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(wspec.torch_threads)
     try:
-        inst = _Instance(args, wspec)
+        insts = [_Instance(a, wspec) for a in hosted]
     except EngineError as e:
         log.error("%s", e)
         return 2
-    code, stop_reason, produced, handed_off = _serve(args, inst, handler, manager, keys, ends)
-    _report_exit(args, handler, code, stop_reason, produced, handed_off)
-    return code
+    results = _serve_hosted(args, hosted, insts, handler, manager, keys, ends)
+    for i, (a, (code, stop_reason, produced, handed_off)) in enumerate(zip(hosted, results)):
+        _report_exit(args, handler, code, stop_reason, produced, handed_off, instance=a.job_id,
+                     requeue_job=i == len(hosted) - 1)
+    return next((r[0] for r in results if r[0] != 0), 0)
 
 
 if __name__ == "__main__":
