@@ -167,6 +167,7 @@ class ManagerCore(TrainerCalls):
 
     # ------------------------------------------------------------------ helpers
     def send(self, peer: bytes, msg: M._Msg) -> None:
+        self.counters.messages_sent += 1
         self.outbox.append((peer, msg))
 
     def routable(self, inst: Instance) -> bool:
@@ -330,6 +331,7 @@ class ManagerCore(TrainerCalls):
     def on_message(self, peer: bytes, msg: M._Msg) -> None:
         """Apply one decoded message from ``peer``. Unknown peers may only Register or speak as the trainer."""
         now = self.clock()
+        self.counters.messages_received += 1
         self._account_activity(now, every_s=ACTIVITY_EVERY_S)
         key = self.by_peer.get(peer)
         inst = self.instances.get(key) if key else None

@@ -17,6 +17,9 @@ from rlboost_hpc.protocol.stats import ManagerStats
 
 COUNTERS = {
     "tokens_received": "tokens streamed into the manager",
+    "messages_received": "messages the manager received from rollout instances (every kind; per token: the "
+                         "control plane's cost driver)",
+    "messages_sent": "messages the manager sent to rollout instances (every kind)",
     "responses_migrated": "unfinished responses moved to another instance (seeds, preemptions, releases)",
     "tokens_migrated": "generated tokens carried over by migrations",
     "tokens_regenerated": "tokens lost with an instance (unsent at a kill) and generated again",

@@ -15,6 +15,8 @@ class ManagerCounters(msgspec.Struct, kw_only=True):
     ``weight_pulled_bytes`` in bytes). Only the manager's core increments them."""
 
     registrations: int = 0
+    messages_received: int = 0  # decoded messages from instances (every kind)
+    messages_sent: int = 0  # messages queued to instances (every kind)
     rejected_registrations: int = 0
     dispatched: int = 0
     responses_migrated: int = 0  # unfinished responses moved to another instance
