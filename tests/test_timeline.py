@@ -73,23 +73,44 @@ def test_fixed_overhead_is_the_uncovered_part_of_the_window(ivs, start, end):
 
 
 def test_activity_clock_counts_instance_seconds_and_generating_intervals():
+    """Events: ``set(key, activity, t)`` = that activity from t on; each interval is charged to what held in it."""
     a = ActivityClock(max_intervals=3)
-    a.account(0.0, [("i", Activity.PULLING)])
-    a.account(1.0, [("i", Activity.PULLING), ("j", None)])
-    a.account(2.0, [("i", Activity.BUSY), ("j", Activity.IDLE)])
-    a.account(3.0, [("i", Activity.BUSY), ("j", Activity.BUSY)])
-    a.account(4.0, [("i", Activity.IDLE), ("j", Activity.IDLE)])
-    a.account(5.0, [("i", Activity.BUSY)])
-    out = a.take()
+    a.set("i", Activity.PULLING, 0.0)
+    a.set("i", Activity.PULLING, 0.5)  # unchanged: nothing happens
+    a.set("i", Activity.BUSY, 1.0)
+    a.set("j", Activity.IDLE, 1.0)
+    a.set("j", Activity.BUSY, 2.0)
+    a.set("i", Activity.IDLE, 3.0)
+    a.set("j", Activity.IDLE, 3.0)
+    a.set("i", Activity.BUSY, 4.0)
+    a.set("j", None, 4.0)
+    out = a.take(5.0)
     assert out["instance_s"] == {"busy": 4.0, "idle": 3.0, "pulling": 1.0}
     assert out["by_instance_s"]["i"] == {"busy": 3.0, "idle": 1.0, "pulling": 1.0}
     assert out["generating"] == [[1.0, 3.0], [4.0, 5.0]]
-    assert a.take()["instance_s"] == {"busy": 0.0, "idle": 0.0, "pulling": 0.0}  # a new step
-    assert a.total_s["busy"] == 4.0  # the running totals stay
+    # i is still busy: the next step is charged from 5 on, and its generating interval starts there
+    nxt = a.take(6.0)
+    assert nxt["instance_s"] == {"busy": 1.0, "idle": 0.0, "pulling": 0.0} and nxt["generating"] == [[5.0, 6.0]]
+    assert a.total_s["busy"] == 5.0  # the running totals stay
     for k in range(10):  # churn: the interval list stays bounded
-        a.account(10.0 + 2 * k, [("i", Activity.IDLE)])
-        a.account(11.0 + 2 * k, [("i", Activity.BUSY)])
-    assert len(a.take()["generating"]) <= 3
+        a.set("i", Activity.IDLE, 10.0 + 2 * k)
+        a.set("i", Activity.BUSY, 11.0 + 2 * k)
+    assert len(a.take(40.0)["generating"]) <= 3
+
+
+def test_activity_clock_flush_brings_per_instance_seconds_to_now_without_double_counting():
+    a = ActivityClock()
+    a.set("i", Activity.BUSY, 0.0)
+    a.flush(2.0)
+    a.flush(2.0)
+    assert a.by_instance_s["i"]["busy"] == 2.0
+    a.set("i", Activity.IDLE, 3.0)
+    a.flush(4.0)
+    assert a.by_instance_s["i"] == {"busy": 3.0, "idle": 1.0, "pulling": 0.0} and a.total_s["busy"] == 3.0
+    a.set("i", None, 5.0)
+    a.forget("i")
+    assert "i" not in a.by_instance_s and a.total_s["idle"] == 2.0
+    assert a.take(9.0)["generating"] == [[0.0, 3.0]]
 
 
 def test_manager_counts_what_each_instance_did_per_step():
@@ -114,6 +135,27 @@ def test_manager_counts_what_each_instance_did_per_step():
     core.on_message(b"t", M.StepTimes(step=0, wall_s=6.0, phases={"seeding": 4.0, "train": 2.0},
                                       fixed_overhead_s=0.5))
     assert core.step_phase_s == {"seeding": 4.0, "train": 2.0} and core.step_seconds == [6.0]
+
+
+def test_a_message_costs_the_manager_o1_activity_work_whatever_the_number_of_instances(monkeypatch):
+    """Regression (bench_scale at N = 256: two thirds of the manager's CPU): every message re-read the activity of
+    all N instances, O(N) per message and O(N²) per step. Now only the instances a message changes are read."""
+    c = Clock()
+    core = ManagerCore(clock=c)
+    core.on_message(b"t", M.TrainerHello(weights_endpoint="tcp://w:1", model_config={}))
+    core.on_message(b"t", M.SetVersion(version=0))
+    for k in range(256):
+        core.on_message(b"p%d" % k, M.Register(job_id=f"j{k}", attempt=0, kind="preemptible", max_batch=4))
+        core.on_message(b"p%d" % k, M.WeightsLoaded(version=0, checksum=0, nbytes=1, pull_s=0.0, load_s=0.0))
+    reads = []
+    real = ManagerCore._activity
+    monkeypatch.setattr(ManagerCore, "_activity", lambda self, inst: reads.append(inst.key) or real(self, inst))
+    for k in range(0, 256, 8):
+        c.t += 0.01
+        core.on_message(b"p%d" % k, M.Heartbeat(version=0, active=0, tokens_generated=0))
+    assert len(reads) == 0, f"{len(reads)} activity reads for 32 heartbeats of 256 instances"
+    c.t += 1.0
+    assert core.stats().instance_activity_s["idle"] == pytest.approx(256 * 1.32)
 
 
 def test_summaries_and_the_checkpoint_phase():

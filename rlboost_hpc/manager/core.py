@@ -68,8 +68,6 @@ S, R = InstanceState, RequestState
 log = logging.getLogger("rlboost.manager")
 
 
-#: Instance activity is accounted at most this often on the message path (seconds; see _account_activity).
-ACTIVITY_EVERY_S = 0.002
 #: The counter of each kind of warned end (``Deregister.cause``): one definition, shared by the report and
 #: Prometheus.
 _LEAVE_COUNTER = {"preempted": "instances_preempted_with_warning", "time_limit": "instances_time_limit",
@@ -122,7 +120,7 @@ class ManagerCore(TrainerCalls):
         self.step_remote: dict[str, StepWork] = {}
         self.step_rollout_done_at: float | None = None
         self.last_step_remote = StepRemote()
-        # instance-seconds busy / idle / pulling, and when some engine was generating (accounted before every change)
+        # instance-seconds busy / idle / pulling, and when some engine was generating (told after every change)
         self.activity = ActivityClock()
         self.last_step_activity = StepActivity(**self.activity.take())
         # the trainer's step timeline (StepTimes): wall time per step, seconds per phase and fixed overhead, summed
@@ -195,6 +193,7 @@ class ManagerCore(TrainerCalls):
         if new not in ALLOWED_TRANSITIONS[inst.state]:
             raise RuntimeError(f"instance {inst.key}: no transition {inst.state} → {new}")
         inst.state = new
+        self._note_activity(inst)
         if new in (S.GONE, S.SUSPECT, S.FENCED, S.DRAINING):  # it neither serves nor needs relay capacity now
             self._hand_out(self.relay.gone(inst.key))
 
@@ -260,6 +259,7 @@ class ManagerCore(TrainerCalls):
         req = self.requests.get(rid)
         inst.inflight.discard(rid)
         inst.releasing.discard(rid)
+        self._note_activity(inst)
         if req is None or req.state != R.RUNNING or req.instance != inst.key:
             return
         req.move(R.QUEUED)
@@ -296,7 +296,6 @@ class ManagerCore(TrainerCalls):
             setattr(self.counters, field, getattr(self.counters, field) + 1)
         else:
             self.counters.instances_expired += 1
-        self._account_activity()
         self._set_state(inst, S.GONE)
         self.activity.forget(inst.key)
         inst.gone_reason = reason
@@ -321,7 +320,6 @@ class ManagerCore(TrainerCalls):
     def disconnected(self, peer: bytes) -> None:
         """The connection of ``peer`` is closed (the service found it unreachable): a live instance becomes
         suspect at once (invariant 7) — a killed process leaves routing without waiting for its silence."""
-        self._account_activity()
         key = self.by_peer.get(peer)
         inst = self.instances.get(key) if key else None
         if inst is not None and inst.state not in (S.SUSPECT, S.GONE):
@@ -332,7 +330,6 @@ class ManagerCore(TrainerCalls):
         """Apply one decoded message from ``peer``. Unknown peers may only Register or speak as the trainer."""
         now = self.clock()
         self.counters.messages_received += 1
-        self._account_activity(now, every_s=ACTIVITY_EVERY_S)
         key = self.by_peer.get(peer)
         inst = self.instances.get(key) if key else None
         if inst is not None:
@@ -367,6 +364,7 @@ class ManagerCore(TrainerCalls):
                                            relay_endpoint=msg.relay_endpoint)
             self.by_peer[peer] = key
             self.counters.registrations += 1
+            self._note_activity(self.instances[key])
         inst = self.instances[key]
         src = self._pull_source(inst) if self.latest_version >= 0 and inst.version != self.latest_version \
             else Source()
@@ -414,6 +412,7 @@ class ManagerCore(TrainerCalls):
             self.send(inst.peer, M.Drain(reason=reason))
             return
         inst.version = msg.version
+        self._note_activity(inst)
         if msg.version == self.latest_version and inst.kind == "preemptible":  # it holds it: it serves it too
             self._hand_out(self.relay.done(inst.key, inst.relay_endpoint))
         if inst.state in (S.PULLING, S.FENCED) and msg.version == self.latest_version:
@@ -475,6 +474,7 @@ class ManagerCore(TrainerCalls):
                 if fin:
                     inst.inflight.discard(rid)
                     inst.releasing.discard(rid)
+                    self._note_activity(inst)
                     self._turn_done(req, fin)
             lo = hi
         self.counters.late_tokens += late
@@ -566,21 +566,16 @@ class ManagerCore(TrainerCalls):
             return Activity.PULLING
         return Activity.IDLE if inst.state == S.READY else None
 
-    def _account_activity(self, now: float | None = None, *, every_s: float = 0.0) -> None:
-        """Charge the time since the last accounting to what each instance has been doing since then. Called
-        before anything changes an instance or a request (every message, tick, closed connection), so each
-        interval is charged to the state that held during it; ``every_s`` skips calls closer together than that
-        (the token path: the error is then at most ``every_s`` per change)."""
-        now = self.clock() if now is None else now
-        if every_s and self.activity.last_s is not None and now - self.activity.last_s < every_s:
-            return
-        self.activity.account(now, ((i.key, self._activity(i)) for i in self.instances.values()))
+    def _note_activity(self, inst: Instance) -> None:
+        """Tell the activity clock what ``inst`` does from now on. Called after every change of what
+        :meth:`_activity` reads — the instance's state, version or responses in flight, and the latest version —
+        so each interval is charged to the activity that held during it, at O(1) per change."""
+        self.activity.set(inst.key, self._activity(inst), self.clock())
 
     def tick(self) -> None:
         """Liveness (invariant 7: silent → suspect; suspect past the expiry → gone), then dispatch queued requests
         (JSQ with Θ)."""
         now = self.clock()
-        self._account_activity()
         for inst in list(self.instances.values()):
             if inst.state == S.SUSPECT:
                 if now - inst.suspect_since > self.instance_expiry_s:
@@ -629,6 +624,7 @@ class ManagerCore(TrainerCalls):
             req.attempts += 1
             req.instances.append(inst.key)
             inst.inflight.add(rid)
+            self._note_activity(inst)
             if req.n:  # a partial response resumes here
                 into = self.migrations_by_engine["into"]
                 into[inst.engine] = into.get(inst.engine, 0) + 1
@@ -645,5 +641,7 @@ class ManagerCore(TrainerCalls):
     # ------------------------------------------------------------------ reporting
 
     def stats(self) -> ManagerStats:
-        """Counters plus a snapshot of instances and queue: :func:`manager_stats`."""
+        """Counters plus a snapshot of instances and queue: :func:`manager_stats` (instance-seconds charged up to
+        now)."""
+        self.activity.flush(self.clock())
         return manager_stats(self)

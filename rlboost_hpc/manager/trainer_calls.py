@@ -56,8 +56,7 @@ class TrainerCalls:
             self.send(peer, M.Error(what="setver", cid=msg.cid,
                                     error=f"version {msg.version} < latest {self.latest_version}"))
             return
-        self._account_activity()
-        self.last_step_activity = StepActivity(**self.activity.take())
+        self.last_step_activity = StepActivity(**self.activity.take(self.clock()))
         obs = observe_remote([RemoteWork(tokens=r.tokens, peak_tokens_per_s=r.peak, busy_s=r.last_s - r.first_s)
                               for r in self.step_remote.values()],
                              rollout_done_s=self.step_rollout_done_at, step_end_s=self.clock())
@@ -66,6 +65,9 @@ class TrainerCalls:
         self.step_remote, self.step_rollout_done_at = {}, None
         self.latest_version = msg.version
         self.latest_checksum = msg.checksum
+        for i in self.instances.values():  # an instance holding the old version is pulling from now on
+            if i.state != S.GONE:
+                self._note_activity(i)
         self.relay.reset()
         if self.on_version is not None:  # the journal records it durably before anyone acts on it
             self.on_version(msg.version)

@@ -142,10 +142,11 @@ class Activity(StrEnum):
 
 @dataclass
 class ActivityClock:
-    """Instance-seconds per :class:`Activity` and the intervals in which at least one instance was busy.
-    :meth:`account` charges the time since its previous call to the activities it is given — exact when the owner
-    calls it before every change (then they held over the whole interval), else off by at most the time between
-    calls, per change.
+    """Instance-seconds per :class:`Activity` and the intervals in which at least one instance was busy, kept by
+    events: the owner calls :meth:`set` whenever an instance's activity may have changed, and the clock charges each
+    instance's time to the activity it held, exactly. A call costs O(1) whatever the number of instances N (a
+    sampling clock that re-reads all N instances at every message costs O(N) per message, O(N²) per step);
+    :meth:`flush` (O(N)) brings every per-instance figure up to a given instant, before they are read.
 
     ``generating``: merged ``(start_s, end_s)`` intervals since the last :meth:`take`, at most ``max_intervals``
     (older ones are merged into one when the cap is reached, so the list stays bounded whatever the churn)."""
@@ -156,43 +157,72 @@ class ActivityClock:
     step_s: dict[str, float] = field(default_factory=lambda: {a.value: 0.0 for a in Activity})
     step_by_instance_s: dict[str, dict[str, float]] = field(default_factory=dict)
     generating: list[tuple[float, float]] = field(default_factory=list)
-    _last: float | None = None
+    _current: dict[str, tuple[Activity, float]] = field(default_factory=dict)  # key -> (activity, charged until)
+    _busy: int = 0  # instances whose current activity is BUSY
+    _busy_since: float = 0.0  # start of the current generating interval (while _busy > 0)
 
-    def account(self, now: float, activities: Iterable[tuple[str, Activity | None]]) -> None:
-        """Charge ``now − previous sample`` seconds to each ``(instance key, activity)`` (``None``: not counted)."""
-        last, self._last = self._last, now
-        if last is None or now <= last:
+    def set(self, key: str, act: Activity | None, now: float) -> None:
+        """Instance ``key`` does ``act`` from ``now`` on (``None``: not counted); the time since its previous
+        change is charged to the activity it held. A repeated activity changes nothing."""
+        cur = self._current.get(key)
+        if cur is not None and cur[0] is act:
             return
-        dt = now - last
-        any_busy = False
-        for key, act in activities:
-            if act is None:
-                continue
-            for acc in (self.by_instance_s, self.step_by_instance_s):
-                acc.setdefault(key, {a.value: 0.0 for a in Activity})[act.value] += dt
-            self.total_s[act.value] += dt
-            self.step_s[act.value] += dt
-            any_busy |= act is Activity.BUSY
-        if any_busy:
-            if self.generating and self.generating[-1][1] >= last:
-                self.generating[-1] = (self.generating[-1][0], now)
-            else:
-                if len(self.generating) >= self.max_intervals:
-                    self.generating[:2] = [(self.generating[0][0], self.generating[1][1])]
-                self.generating.append((last, now))
+        if cur is not None:
+            self._charge(key, cur[0], cur[1], now)
+        if act is None:
+            self._current.pop(key, None)
+        else:
+            self._current[key] = (act, now)
+        was_busy, is_busy = cur is not None and cur[0] is Activity.BUSY, act is Activity.BUSY
+        if is_busy and not was_busy:
+            self._busy += 1
+            if self._busy == 1:
+                self._busy_since = now
+        elif was_busy and not is_busy:
+            self._busy -= 1
+            if self._busy == 0:
+                self._generating(self._busy_since, now)
 
-    @property
-    def last_s(self) -> float | None:
-        """When :meth:`account` was last called (None: never)."""
-        return self._last
+    def flush(self, now: float) -> None:
+        """Charge every instance's time up to ``now`` (O(N)); the generating interval open now is closed at
+        ``now`` and continues from it."""
+        for key, (act, since) in self._current.items():
+            self._charge(key, act, since, now)
+            self._current[key] = (act, max(since, now))
+        if self._busy and now > self._busy_since:
+            self._generating(self._busy_since, now)
+            self._busy_since = now
+
+    def _charge(self, key: str, act: Activity, since: float, now: float) -> None:
+        dt = now - since
+        if dt <= 0:
+            return
+        for acc in (self.by_instance_s, self.step_by_instance_s):
+            acc.setdefault(key, {a.value: 0.0 for a in Activity})[act.value] += dt
+        self.total_s[act.value] += dt
+        self.step_s[act.value] += dt
+
+    def _generating(self, start: float, end: float) -> None:
+        if end <= start:
+            return
+        if self.generating and self.generating[-1][1] >= start:
+            self.generating[-1] = (self.generating[-1][0], max(end, self.generating[-1][1]))
+            return
+        if len(self.generating) >= self.max_intervals:
+            self.generating[:2] = [(self.generating[0][0], self.generating[1][1])]
+        self.generating.append((start, end))
 
     def forget(self, key: str) -> None:
-        """Drop the per-instance record of an instance that is gone (its seconds stay in the totals)."""
+        """Drop the per-instance record of an instance that is gone (after ``set(key, None, …)``; its seconds stay
+        in the totals)."""
         self.by_instance_s.pop(key, None)
 
-    def take(self) -> dict:
+    def take(self, now: float | None = None) -> dict:
         """The step's instance-seconds per activity (``instance_s``: all instances; ``by_instance_s``: per instance)
-        and its generating intervals; starts the next step."""
+        and its generating intervals, charged up to ``now`` (:meth:`flush`; None: as charged so far); starts the
+        next step."""
+        if now is not None:
+            self.flush(now)
         out = {"instance_s": dict(self.step_s), "by_instance_s": self.step_by_instance_s,
                "generating": [list(iv) for iv in self.generating]}
         self.step_s = {a.value: 0.0 for a in Activity}
