@@ -605,26 +605,26 @@ class ManagerCore(TrainerCalls):
             return
         batches: dict[str, list[M.Work]] = {}
         deferred: list[str] = []
-        while self.queue:
-            free = [i for i in cands if len(i.inflight) < min(self.pending_limit, i.max_batch)]
-            if not free:
-                break
+        free = [i for i in cands if len(i.inflight) < min(self.pending_limit, i.max_batch)]  # in key order
+        choose = self._rr.choose if self.dispatch_policy == "round_robin" else choose_instance
+        while self.queue and free:
             rid = self.queue.popleft()
             req = self.requests.get(rid)
             if req is None or req.state != R.QUEUED:
                 continue
-            free = [i for i in free if rid not in i.releasing]  # not back where a Release is still pending
-            if not free:
+            ok = [i for i in free if rid not in i.releasing]  # not back where a Release is still pending
+            if not ok:
                 deferred.append(rid)
                 continue
-            loads = [len(i.inflight) for i in free]  # all below Θ (and their batch size)
-            choose = self._rr.choose if self.dispatch_policy == "round_robin" else choose_instance
-            inst = free[choose(loads, self.pending_limit)]
+            loads = [len(i.inflight) for i in ok]  # all below Θ (and their batch size)
+            inst = ok[choose(loads, self.pending_limit)]
             req.move(R.RUNNING, inst.key)
             req.attempts += 1
             req.instances.append(inst.key)
             inst.inflight.add(rid)
             self._note_activity(inst)
+            if len(inst.inflight) >= min(self.pending_limit, inst.max_batch):
+                free.remove(inst)
             if req.n:  # a partial response resumes here
                 into = self.migrations_by_engine["into"]
                 into[inst.engine] = into.get(inst.engine, 0) + 1

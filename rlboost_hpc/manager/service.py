@@ -132,7 +132,7 @@ class ManagerService:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
-        last_tick = last_metrics = 0.0
+        last_tick = last_metrics = last_dispatch = 0.0
         watched: list = []  # the tool workers' pipes: a finished tool call wakes the loop (no tick of latency)
         while not self._stop:
             if self.env is not None and watched != self.env.connections():
@@ -165,9 +165,14 @@ class ManagerService:
             if self.metrics is not None and now - last_metrics >= 0.5:
                 self.metrics.refresh(self.core)
                 last_metrics = now
-            if now - last_tick >= tick_s or (self.core.queue and now - last_tick >= 0.002):
+            if now - last_tick >= tick_s:
                 self.core.tick()
-                last_tick = now
+                last_tick = last_dispatch = now
+            elif self.core.queue and now - last_dispatch >= 0.002:
+                # queued work waits for capacity: dispatch often, but liveness (O(N) over the instances) only
+                # once per tick
+                self.core.dispatch()
+                last_dispatch = now
             if self.core.outbox:
                 self._flush()
         self._flush()
