@@ -1,0 +1,180 @@
+"""Control-plane cost against the number of rollout instances N, on emulated instances (issue 29, items 4 and 9).
+
+Each point is one real ``rlboost-hpc run`` of the demo (stories260K trainer, manager process, weight server with
+delta and relay, the local cluster replaying the p3 spot trace with preemptions) whose N preemptible instances are
+*emulated* (``rollout.engine = "emulated"``: the 8B profile's timing on 2 H100s, here 4× slower, no compute; see
+``rlboost_hpc/rollout/engines/emulated.py``), hosted N/4 (at most 16) to a worker process
+(``cluster.instances_per_worker``). The
+step grows with N (N/2 prompts × 8 responses, Θ = 4) so every instance has work; the per-token figures are what
+must stay flat.
+
+While a run goes, its manager's Prometheus endpoint is scraped every 0.5 s: its own process CPU seconds and
+resident memory (``process_*``), ``rlboost_tokens_received_total``, and the scrape's size and time; worker
+processes' resident memory is sampled with psutil. Printed per N: manager CPU-seconds per 1M tokens received and
+per step, messages (received + sent by the manager, every kind) per token, manager peak RSS, a worker process's
+peak RSS per instance, scrape bytes and time, journal and event-log bytes per step, lost / duplicated /
+off-version; then each cost's growth exponent in N (log-log slope between the smallest and the largest N).
+
+What it does not measure (yet): SetVersion → every instance serving, trainer egress ÷ S,
+the scavenger at 64 Slurm nodes, multi-GB weight versions.
+
+Usage: python benchmarks/bench_scale.py [--n 4 16 64] [--steps 6] [--per-process 16] [--set key=value ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def hosted(n: int, per_process: int) -> int:
+    """Instances per worker process: at least 4 processes (the trace window needs slots to preempt), at most
+    ``per_process`` instances each."""
+    return max(1, min(per_process, n // 4))
+
+
+def settings(n: int, steps: int, per_process: int) -> list[str]:
+    return [f"trainer.steps={steps}", "rollout.engine='emulated'", "rollout.emulated.response_median=24",
+            "rollout.emulated.time_scale=0.25", "rollout.emulated.load_bytes_per_s=1e12",
+            f"cluster.max_workers={n}", f"cluster.instances_per_worker={hosted(n, per_process)}",
+            "cluster.time_scale=320", "cluster.replay_s=8", "policy.cap=false",
+            f"rollout.prompts_per_step={max(4, n // 2)}", "manager.pending_limit=4"]
+
+
+def _metric(text: str, name: str) -> float:
+    m = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    return float(m.group(1)) if m else float("nan")
+
+
+class Sampler(threading.Thread):
+    """Scrapes the run's manager endpoint and samples the worker processes until ``stop`` is set."""
+
+    def __init__(self, out: Path, proc: subprocess.Popen) -> None:
+        super().__init__(daemon=True)
+        self.out, self.proc, self.stop = out, proc, threading.Event()
+        self.last: dict[str, float] = {}
+        self.scrape_bytes = self.scrape_ms_max = 0.0
+        self.scrape_ms: list[float] = []
+        self.worker_rss_max = 0
+
+    def _url(self) -> str | None:
+        try:
+            target = json.loads((self.out / "prometheus/rlboost-manager.json").read_text())[0]["targets"][0]
+            return f"http://{target}/metrics"
+        except (OSError, ValueError, IndexError, KeyError):
+            return None
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            url = self._url()
+            if url:
+                try:
+                    t0 = time.perf_counter()
+                    body = urllib.request.urlopen(url, timeout=2).read()
+                    ms = 1e3 * (time.perf_counter() - t0)
+                    text = body.decode()
+                    self.scrape_ms.append(ms)
+                    self.scrape_bytes = max(self.scrape_bytes, len(body))
+                    self.last = {"cpu_s": _metric(text, "process_cpu_seconds_total"),
+                                 "rss": _metric(text, "process_resident_memory_bytes"),
+                                 "tokens": _metric(text, "rlboost_tokens_received_total"),
+                                 "msgs": _metric(text, "rlboost_messages_received_total")
+                                 + _metric(text, "rlboost_messages_sent_total")}
+                    self.last["rss_max"] = max(self.last["rss"], getattr(self, "_rss_max", 0.0))
+                    self._rss_max = self.last["rss_max"]
+                except OSError:
+                    pass
+            try:
+                for child in psutil.Process(self.proc.pid).children(recursive=True):
+                    if "rlboost_hpc.rollout.worker" in " ".join(child.cmdline()):
+                        self.worker_rss_max = max(self.worker_rss_max, child.memory_info().rss)
+            except psutil.Error:
+                pass
+            self.stop.wait(0.5)
+
+
+def one_point(n: int, steps: int, per_process: int, extra: list[str], out: Path) -> dict:
+    args = [sys.executable, "-m", "rlboost_hpc.cli", "run", "--config", str(ROOT / "configs/local.toml"),
+            "--out", str(out), "--no-progress"]
+    for o in settings(n, steps, per_process) + extra:
+        args += ["--set", o]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    sampler = Sampler(out, proc)
+    sampler.start()
+    _, err = proc.communicate()
+    sampler.stop.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"N={n}: the run exited {proc.returncode}:\n{err[-3000:]}")
+    rep = json.loads((out / "report.json").read_text())
+    last = sampler.last
+    tokens = last.get("tokens", float("nan"))
+    k = hosted(n, per_process)
+    scr = sorted(sampler.scrape_ms)
+    return {
+        "N": n, "K": k, "wall_s": time.monotonic() - t0, "steps": rep["steps"], "tokens": tokens,
+        "mgr_cpu_s": last.get("cpu_s", float("nan")),
+        "mgr_cpu_per_Mtok": last.get("cpu_s", float("nan")) / tokens * 1e6,
+        "mgr_cpu_per_step": last.get("cpu_s", float("nan")) / rep["steps"],
+        "msgs_per_tok": last.get("msgs", float("nan")) / tokens,
+        "mgr_rss_MiB": last.get("rss_max", float("nan")) / 2**20,
+        "worker_rss_MiB_per_inst": sampler.worker_rss_max / k / 2**20,
+        "scrape_KiB": sampler.scrape_bytes / 1024, "scrape_ms_p50": scr[len(scr) // 2] if scr else float("nan"),
+        "scrape_ms_max": scr[-1] if scr else float("nan"),
+        "journal_B_per_step": (out / "manager-journal.jsonl").stat().st_size / rep["steps"],
+        "events_B_per_step": (out / "events.jsonl").stat().st_size / rep["steps"],
+        "preemptions": rep["preemptions"], "migrated": rep["responses_migrated"],
+        "suspected": rep["instances_suspected"],
+        "lost/dup/off": f"{rep['responses_lost']}/{rep['responses_duplicated']}/{rep['tokens_trained_off_version']}",
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, nargs="+", default=[4, 16, 64], help="instance counts N")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--per-process", type=int, default=16, help="emulated instances per worker process")
+    ap.add_argument("--set", action="append", default=[], help="more config overrides (key=value)")
+    a = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-scale-"))
+    rows = []
+    for n in a.n:
+        rows.append(one_point(n, a.steps, a.per_process, a.set, tmp / f"n{n}"))
+        print(f"N={n}: done in {rows[-1]['wall_s']:.0f} s", file=sys.stderr, flush=True)
+    cols = [("N", "{}"), ("K", "{}"), ("steps", "{}"), ("tokens", "{:,.0f}"), ("mgr_cpu_s", "{:.2f}"),
+            ("mgr_cpu_per_Mtok", "{:.1f}"), ("mgr_cpu_per_step", "{:.3f}"), ("msgs_per_tok", "{:.3f}"),
+            ("mgr_rss_MiB", "{:.0f}"),
+            ("worker_rss_MiB_per_inst", "{:.1f}"), ("scrape_KiB", "{:.1f}"), ("scrape_ms_p50", "{:.1f}"),
+            ("scrape_ms_max", "{:.1f}"), ("journal_B_per_step", "{:.0f}"), ("events_B_per_step", "{:.0f}"),
+            ("preemptions", "{}"), ("migrated", "{}"), ("suspected", "{}"), ("lost/dup/off", "{}")]
+    print("| " + " | ".join(c for c, _ in cols) + " |")
+    print("|" + " --- |" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(f.format(r[c]) for c, f in cols) + " |")
+    if len(rows) >= 2:
+        lo, hi = rows[0], rows[-1]
+        print(f"\ngrowth exponent in N (log-log slope, N = {lo['N']} → {hi['N']}; 0 = flat, 1 = linear):")
+        for c in ("mgr_cpu_per_Mtok", "mgr_cpu_per_step", "msgs_per_tok", "mgr_rss_MiB", "worker_rss_MiB_per_inst",
+                  "scrape_KiB",
+                  "scrape_ms_p50", "journal_B_per_step", "events_B_per_step"):
+            if lo[c] > 0 and hi[c] > 0:
+                print(f"  {c:26} {math.log(hi[c] / lo[c]) / math.log(hi['N'] / lo['N']):+.2f}")
+        ratio = hi["mgr_cpu_per_Mtok"] / lo["mgr_cpu_per_Mtok"]
+        print(f"\nmanager CPU per token, N = {hi['N']} ÷ N = {lo['N']}: {ratio:.2f}×")
+
+
+if __name__ == "__main__":
+    main()
