@@ -119,6 +119,17 @@ class EmulatedCfg(_Strict):
     response_median: float = Field(D.EMULATED_RESPONSE_MEDIAN, ge=1, description=(
         "median response length in tokens (log-normal, drawn per response seed; clipped to the budget)"))
     response_sigma: float = Field(D.EMULATED_RESPONSE_SIGMA, ge=0, description="σ of the log of response lengths")
+    gpu_speeds: list[float] = Field(default_factory=lambda: list(D.EMULATED_GPU_SPEEDS), min_length=1, description=(
+        "relative speeds of the GPU kinds the emulated instances run on (each > 0; 1 = the profile's H100): the "
+        "instance whose identity ends in the number j (local slot, hosted index <job>.<j>, Slurm job id) runs at "
+        "gpu_speeds[j mod len] — e.g. [1.0, 0.5, 0.333] mixes three kinds, 3:2:1"))
+
+    @field_validator("gpu_speeds")
+    @classmethod
+    def _positive_speeds(cls, v: list[float]) -> list[float]:
+        if any(not (x > 0) for x in v):
+            raise ValueError(f"every speed must be > 0 (got {v})")
+        return v
 
 
 class RolloutCfg(_Strict):

@@ -70,3 +70,5 @@ EMULATED_LOAD_BYTES_PER_S = 5e9
 #: ... with response lengths log-normal around this median (tokens; the simulator's workload) and σ.
 EMULATED_RESPONSE_MEDIAN = 4300.0
 EMULATED_RESPONSE_SIGMA = 0.45
+#: ... on GPUs of these relative speeds (1 = the profile's H100; heterogeneous harvested capacity mixes kinds).
+EMULATED_GPU_SPEEDS = (1.0,)

@@ -241,3 +241,23 @@ def test_sixty_four_emulated_instances_on_the_local_cluster_lose_nothing(repo_ro
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     started = {e["job_id"] for e in events if e.get("event") == "worker_started"}
     assert {f"local-slot{s}.{i}" for s in range(4) for i in range(16)} <= started, sorted(started)[:20]
+
+
+def test_heterogeneous_gpus_each_instance_runs_at_the_speed_its_identity_draws():
+    """``rollout.emulated.gpu_speeds``: a mix of GPU kinds, one per instance by the number its identity ends in."""
+    from rlboost_hpc.rollout.engines.emulated import instance_speed
+
+    speeds = [1.0, 0.5, 1 / 3]
+    assert [instance_speed(f"local-slot{k}", speeds) for k in range(4)] == [1.0, 0.5, 1 / 3, 1.0]
+    assert instance_speed("local-slot1.5", speeds) == 1 / 3 and instance_speed("8812", speeds) == 0.5
+    assert instance_speed("reserved", speeds) == 1.0  # no number: the first kind
+    spec = {"kind": "emulated", "emulated": {"time_scale": 6.0, "gpu_speeds": speeds}}
+    scales = [factory_from_spec(spec, 4, instance_id=f"j.{k}")({"vocab_size": 64}, {}).emulated.time_scale
+              for k in range(3)]
+    assert scales == pytest.approx([6.0, 3.0, 2.0])
+    for bad in ([], [1.0, 0.0], [-1.0]):
+        with pytest.raises(EngineError, match="gpu_speeds"):
+            instance_speed("j", bad)
+    for override in ("rollout.emulated.gpu_speeds=[1.0, 0.0]", "rollout.emulated.gpu_speeds=[]"):
+        with pytest.raises(ConfigError, match=r"rollout\.emulated\.gpu_speeds"):
+            load_config(None, [override])

@@ -158,6 +158,15 @@ def test_a_message_costs_the_manager_o1_activity_work_whatever_the_number_of_ins
     assert core.stats().instance_activity_s["idle"] == pytest.approx(256 * 1.32)
 
 
+def test_the_response_tail_is_last_completion_minus_the_ninetieth_percentile():
+    from rlboost_hpc.observe.timeline import response_tail_s
+
+    assert response_tail_s([]) == 0.0 and response_tail_s([5.0]) == 0.0
+    done = [float(t) for t in range(1, 10)] + [30.0]  # 10 responses: the 9th done at 9 s, the last at 30 s
+    assert response_tail_s(reversed(done)) == 21.0
+    assert response_tail_s(done, fraction=0.5) == 25.0
+
+
 def test_summaries_and_the_checkpoint_phase():
     steps = [{"wall_s": 2.0, "phase_s": {"seeding": 1.0, "train": 1.0}, "fixed_overhead_s": 0.0,
               "fixed_overhead_s_by_phase": {"seeding": 0.0}},

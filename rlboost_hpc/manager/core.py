@@ -122,6 +122,7 @@ class ManagerCore(TrainerCalls):
         self.last_step_remote = StepRemote()
         # instance-seconds busy / idle / pulling, and when some engine was generating (told after every change)
         self.activity = ActivityClock()
+        self.step_done_s: list[float] = []  # when each of the step's responses completed (the tail's figure)
         self.last_step_activity = StepActivity(**self.activity.take())
         # the trainer's step timeline (StepTimes): wall time per step, seconds per phase and fixed overhead, summed
         self.step_seconds: list[float] = []
@@ -497,6 +498,7 @@ class ManagerCore(TrainerCalls):
     def _finish(self, req: Request, reason: str) -> None:
         """``req`` is done for ``reason`` (one of ``M.FINISH_REASONS``; truncations counted by cause)."""
         req.move(R.DONE, finish_reason=reason)
+        self.step_done_s.append(self.clock())
         if reason != "stop":
             self.responses_truncated_by_cause[reason] = self.responses_truncated_by_cause.get(reason, 0) + 1
         self._group_progress(req)

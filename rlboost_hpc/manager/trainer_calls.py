@@ -14,6 +14,7 @@ import logging
 import numpy as np
 
 from rlboost_hpc.manager.state import Group, Instance, Request, RequestState as R, InstanceState as S
+from rlboost_hpc.observe.timeline import response_tail_s
 from rlboost_hpc.policy.observation import RemoteWork, observe_remote
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.stats import StepActivity, StepRemote
@@ -56,7 +57,9 @@ class TrainerCalls:
             self.send(peer, M.Error(what="setver", cid=msg.cid,
                                     error=f"version {msg.version} < latest {self.latest_version}"))
             return
-        self.last_step_activity = StepActivity(**self.activity.take(self.clock()))
+        self.last_step_activity = StepActivity(**self.activity.take(self.clock()),
+                                               response_tail_s=response_tail_s(self.step_done_s))
+        self.step_done_s = []
         obs = observe_remote([RemoteWork(tokens=r.tokens, peak_tokens_per_s=r.peak, busy_s=r.last_s - r.first_s)
                               for r in self.step_remote.values()],
                              rollout_done_s=self.step_rollout_done_at, step_end_s=self.clock())

@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -41,6 +42,17 @@ class Phase(StrEnum):
 COMPUTE_PHASES = frozenset({Phase.TRAIN, Phase.OPTIMIZER})
 #: Share of a step's groups after which waiting for rollout counts as the tail.
 TAIL_FRACTION = 0.9
+
+
+def response_tail_s(done_s: Iterable[float], fraction: float = TAIL_FRACTION) -> float:
+    """Seconds from the completion by which ``fraction`` of the responses were done to the last completion.
+
+    ``done_s``: completion times (seconds, one clock); with n responses the first is the ⌈fraction·n⌉-th in time
+    order. 0.0 for no responses."""
+    t = sorted(done_s)
+    if not t:
+        return 0.0
+    return t[-1] - t[max(0, math.ceil(fraction * len(t)) - 1)]
 
 
 @dataclass

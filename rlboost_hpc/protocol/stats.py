@@ -89,11 +89,14 @@ class StepRemote(msgspec.Struct, kw_only=True):
 class StepActivity(msgspec.Struct, kw_only=True):
     """Instance activity of the last finished step: instance-seconds per activity over all instances
     (``instance_s``), per instance (``by_instance_s``), and the intervals ``[start, end]`` (the manager's
-    monotonic clock, seconds) in which at least one engine generated (``generating``)."""
+    monotonic clock, seconds) in which at least one engine generated (``generating``); ``response_tail_s``: seconds
+    from the completion by which 90 % of the step's responses were done to its last completion (the long-response
+    tail that load balancing shortens)."""
 
     instance_s: dict[str, float] = {}
     by_instance_s: dict[str, dict[str, float]] = {}
     generating: list[tuple[float, float]] = []
+    response_tail_s: float = 0.0
 
 
 class ManagerStats(ManagerCounters, kw_only=True):

@@ -313,7 +313,7 @@ class _Instance:
         if args.run_dir:
             server_log = os.path.join(args.run_dir, "workers", f"{args.job_id}-attempt{args.attempt}-engine.log")
             os.makedirs(os.path.dirname(server_log), exist_ok=True)
-        self.factory = factory_from_spec(self.spec, wspec.max_batch, log_path=server_log)
+        self.factory = factory_from_spec(self.spec, wspec.max_batch, log_path=server_log, instance_id=args.job_id)
         self.builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{args.job_id}-builder")
         self.weights = RemoteWeights(wspec.weight_streams, wspec.weight_window, wspec.pull_timeout_s,
                                      keep_base=wspec.weight_delta, peer_timeout_s=wspec.relay_timeout_s,

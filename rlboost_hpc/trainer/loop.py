@@ -353,6 +353,7 @@ class RLTrainer:
             "fixed_overhead_s": fixed_overhead_s(tl.start, tl.end, tl.compute_intervals() + generating),
             "fixed_overhead_s_by_phase": tl.overhead_by_phase(generating),
             "instance_s": activity.instance_s, "instance_activity_s": activity.by_instance_s,
+            "response_tail_s": activity.response_tail_s,
             **truncation_shares(col.reasons),
         }
         for k, v in m_acc.items():  # micro-batch means, where the backend gave no whole-step figure

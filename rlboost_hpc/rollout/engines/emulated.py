@@ -31,7 +31,9 @@ are held, in host memory).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -43,7 +45,7 @@ from rlboost_hpc.rollout.engines.torch_engine import uniform_reference
 from rlboost_hpc.sim.profiles import MODELS, EnginePerf, profile
 
 __all__ = ["EmulatedEngine", "EmulatedProfile", "emulated_engine_factory", "emulated_length", "emulated_token",
-           "state_nbytes"]
+           "instance_speed", "state_nbytes"]
 
 #: The first id an emulated token may take (0–2: pad / BOS / EOS of the tokenizers this project ships).
 FIRST_TOKEN_ID = 3
@@ -295,20 +297,39 @@ class EmulatedEngine(Engine):
             self._sleep(self._due - now)
 
 
-def emulated_engine_factory(max_batch: int, max_len: int | None = None, **profile_kw):
-    """An ``EngineFactory``: an :class:`EmulatedEngine` of the run's vocabulary (``vocab_size`` of the model's
-    config) holding the first pulled weights. ``profile_kw`` are :class:`EmulatedProfile` fields.
+def instance_speed(instance_id: str, gpu_speeds) -> float:
+    """The relative GPU speed of the instance named ``instance_id``: ``gpu_speeds[j mod len]`` where ``j`` is the
+    number its identity ends in (local slot ``local-slot3`` → 3, hosted ``<job>.5`` → 5, Slurm job ``8812`` → 8812),
+    0 when it ends in none. Deterministic, so a mix of GPU kinds is reproducible run to run.
 
     Raises:
-        EngineError: an unknown profile field or value (at once, before any worker registers) or a model config
-            without ``vocab_size`` (when the engine is built).
+        EngineError: an empty list or a speed that is not > 0.
+    """
+    speeds = list(gpu_speeds)
+    if not speeds or any(not (isinstance(x, (int, float)) and x > 0) for x in speeds):
+        raise EngineError(f"emulated engine: gpu_speeds {speeds!r} must be a non-empty list of numbers > 0")
+    m = re.search(r"(\d+)$", instance_id or "")
+    return float(speeds[int(m.group(1)) % len(speeds) if m else 0])
+
+
+def emulated_engine_factory(max_batch: int, max_len: int | None = None, *, instance_id: str = "",
+                            gpu_speeds=D.EMULATED_GPU_SPEEDS, **profile_kw):
+    """An ``EngineFactory``: an :class:`EmulatedEngine` of the run's vocabulary (``vocab_size`` of the model's
+    config) holding the first pulled weights. ``profile_kw`` are :class:`EmulatedProfile` fields; the instance
+    ``instance_id`` runs on a GPU :func:`instance_speed` times the profile's (its ``time_scale`` multiplied by it).
+
+    Raises:
+        EngineError: an unknown profile field or value, or bad ``gpu_speeds`` (at once, before any worker
+            registers), or a model config without ``vocab_size`` (when the engine is built).
     """
     known = set(EmulatedProfile.__dataclass_fields__)
     unknown = set(profile_kw) - known
     if unknown:
-        raise EngineError(f"unknown emulated engine option(s) {sorted(unknown)}; known: {sorted(known)}")
+        raise EngineError(f"unknown emulated engine option(s) {sorted(unknown)}; known: "
+                          f"{sorted(known | {'gpu_speeds'})}")
     prof = EmulatedProfile(**profile_kw)
     prof.perf()  # a model that does not fit is refused now
+    prof = dataclasses.replace(prof, time_scale=prof.time_scale * instance_speed(instance_id, gpu_speeds))
 
     def make(model_config: dict, state_dict: Mapping, arch=None) -> Engine:
         vocab = arch.vocab_size if arch is not None else (model_config or {}).get("vocab_size")

@@ -102,11 +102,11 @@ def receive_buffer_factory(spec: Mapping[str, Any] | None) -> "Callable[[int], t
 
 
 def factory_from_spec(spec: Mapping[str, Any] | None, max_batch: int, *,
-                      log_path: str | Path | None = None) -> EngineFactory:
+                      log_path: str | Path | None = None, instance_id: str = "") -> EngineFactory:
     """An EngineFactory for ``spec`` (``None`` or ``{"kind": "torch"}``: the torch engine).
 
     ``{"kind": "emulated", "emulated": {...}}`` builds emulated engines
-    (:class:`~rlboost_hpc.rollout.engines.emulated.EmulatedEngine`).
+    (:class:`~rlboost_hpc.rollout.engines.emulated.EmulatedEngine`) at the GPU speed ``instance_id`` is given.
     ``{"kind": "sglang", "sglang": {...}}`` starts one SGLang server per engine (its log at ``log_path``),
     with the weights the agent pulled first; the server's start-up (seconds to a minute) runs on the agent's
     build thread, never on its heartbeat loop.
@@ -122,7 +122,7 @@ def factory_from_spec(spec: Mapping[str, Any] | None, max_batch: int, *,
         from rlboost_hpc.rollout.engines.emulated import emulated_engine_factory
 
         opts = dict((spec or {}).get("emulated") or {})
-        return emulated_engine_factory(max_batch, (spec or {}).get("max_len"), **opts)
+        return emulated_engine_factory(max_batch, (spec or {}).get("max_len"), instance_id=instance_id, **opts)
     if kind != "sglang":
         raise EngineError(f"unknown rollout engine {kind!r} in the run's engine spec "
                           "(expected 'torch', 'sglang' or 'emulated')")
