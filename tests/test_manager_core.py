@@ -682,3 +682,22 @@ def test_manager_settings_have_the_cores_defaults_and_come_from_the_config():
         7, 3, "round_robin", 0, True)
     assert isinstance(s.core_kwargs()["balancer"], Balancer)
     ManagerCore(clock=lambda: 0.0, **s.core_kwargs())  # every field is a keyword the core takes
+
+
+def test_a_request_the_balancer_moved_goes_to_the_instance_it_chose_when_that_one_has_room():
+    """A tail move (toward a faster idle instance) must not land on whichever idle instance JSQ picks first."""
+    t = [0.0]
+    core = ManagerCore(clock=lambda: t[0])
+    core.on_message(b"t", M.TrainerHello(weights_endpoint="tcp://w:1", model_config={}))
+    core.on_message(b"t", M.SetVersion(version=0))
+    for name in ("a", "b", "c"):
+        core.on_message(name.encode(), M.Register(job_id=name, attempt=0, kind="preemptible", max_batch=4))
+        core.on_message(name.encode(), M.WeightsLoaded(version=0, checksum=0, nbytes=1, pull_s=0.0, load_s=0.0))
+    core.on_message(b"t", M.SubmitStep(step=0, version=0, groups=[M.GroupSpec(
+        gid="g", prompt_ids=[1, 2], n=1, max_new_tokens=4, temperature=0.0, top_p=1.0, seed=1, stop_ids=[])]))
+    core.tick()
+    (rid,) = core.instances["a#0"].inflight  # JSQ: the first of three idle instances
+    core.requests[rid].prefer = "c#0"
+    core._requeue(rid, core.instances["a#0"], "released")
+    core.dispatch()
+    assert core.requests[rid].instance == "c#0" and core.requests[rid].prefer is None

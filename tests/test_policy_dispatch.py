@@ -121,6 +121,43 @@ def test_balancer_respects_receiver_capacity():
     assert sum(t.count for t in plan if t.dst == "b") == 2
 
 
+def _learned(bal, rates):
+    """Teach ``bal`` each instance's throughput (tokens/s) at each batch: {iid: {batch: tokens/s}}."""
+    for iid, by_batch in rates.items():
+        for b, tp in by_batch.items():
+            bal.observe(iid, b, tp)
+
+
+def test_in_the_tail_an_idle_fast_instance_takes_a_running_request_from_the_slowest():
+    """GPUs at speeds 3 : 2 : 1, below every plateau (the plateau rule moves nothing): the idle fastest instance
+    takes a request from the instance where one decodes slowest; the middle one is not slow enough to give."""
+    bal = Balancer(prior_plateau=64)
+    _learned(bal, {"fast": {1: 30.0, 4: 90.0}, "mid": {1: 20.0, 4: 60.0}, "slow": {1: 10.0, 4: 30.0}})
+    loads = [InstanceLoad("fast", 0, 0), InstanceLoad("mid", 0, 3), InstanceLoad("slow", 0, 4)]
+    assert bal.plan(loads) == []
+    assert [(t.src, t.dst, t.kind, t.count) for t in bal.tail_plan(loads)] == [("slow", "fast", "running", 1)]
+    moves = bal.moves_for(loads, 0.0, lambda i: [], lambda i: [(f"{i}-{k}", 5 * k) for k in range(4)], tail=True)
+    assert [(m.rid, m.src, m.dst) for m in moves] == [("slow-0", "slow", "fast")]
+    assert bal.moves_for(loads, 0.0, lambda i: [], lambda i: [], tail=False) == []  # the caller still has a queue
+
+
+def test_tail_moves_need_a_gain_measurements_and_an_empty_queue():
+    bal = Balancer(prior_plateau=64)
+    # the same GPU: one request alone decodes 30 tok/s, four together 25 each — below the 1.5× gain
+    _learned(bal, {"a": {1: 30.0, 4: 100.0}, "b": {1: 30.0, 4: 100.0}})
+    assert bal.tail_plan([InstanceLoad("a", 0, 0), InstanceLoad("b", 0, 4)]) == []
+    _learned(bal, {"slow": {4: 20.0}})
+    assert bal.tail_plan([InstanceLoad("a", 0, 0), InstanceLoad("slow", 1, 4)]) == []  # queued work: not the tail
+    assert bal.tail_plan([InstanceLoad("new", 0, 0), InstanceLoad("slow", 0, 4)]) == []  # never measured
+    plan = bal.tail_plan([InstanceLoad("a", 0, 0), InstanceLoad("b", 0, 0), InstanceLoad("slow", 0, 4)])
+    assert [(t.src, t.dst) for t in plan] == [("slow", "a")]  # slow at batch 3 was never measured: one move
+    _learned(bal, {"slow": {3: 15.0}})
+    plan = bal.tail_plan([InstanceLoad("a", 0, 0), InstanceLoad("b", 0, 0), InstanceLoad("slow", 0, 4)])
+    assert [(t.src, t.dst) for t in plan] == [("slow", "a"), ("slow", "b")]
+    # never back: the faster instance, now running it, is no donor to the slower one
+    assert bal.tail_plan([InstanceLoad("a", 0, 1), InstanceLoad("slow", 0, 0)]) == []
+
+
 def test_balancer_never_makes_receiver_heavier_than_donor():
     bal = Balancer(prior_plateau=100)
     plan = bal.plan([InstanceLoad("a", 3, 5), InstanceLoad("b", 0, 4)])

@@ -1,6 +1,8 @@
 """Continuous balancing of the rollout manager (its invariant 6): learn each routable preemptible instance's decode
 rate at its running batch, and release running requests beyond a donor's learned plateau toward instances with
-headroom (released requests migrate per sample and dispatch gives them to the least-loaded instance)."""
+headroom — or, in the step's tail (nothing queued), from the instance where a request decodes slowest toward an
+idle, faster one. Released requests migrate per sample; dispatch gives each to the instance the balancer chose when
+that one still has room, else to the least-loaded instance."""
 from __future__ import annotations
 
 import logging
@@ -45,11 +47,12 @@ def balance(core, now: float) -> None:
     moves = core.balancer.moves_for(
         loads, now, queued_of=lambda k: [],
         running_of=lambda k: [(r, core.requests[r].n) for r in sorted(by_key[k].inflight - by_key[k].releasing)
-                              if r in core.requests])
+                              if r in core.requests], tail=True)  # nothing is queued here (returned above otherwise)
     release: dict[str, list[str]] = {}
     for m in moves:
         if m.kind == "running":
             release.setdefault(m.src, []).append(m.rid)
+            core.requests[m.rid].prefer = m.dst  # JSQ alone could hand it to any idle instance, a slow one too
     for key, rids in release.items():
         inst = by_key[key]
         inst.releasing |= set(rids)

@@ -619,7 +619,8 @@ class ManagerCore(TrainerCalls):
                 deferred.append(rid)
                 continue
             loads = [len(i.inflight) for i in ok]  # all below Θ (and their batch size)
-            inst = ok[choose(loads, self.pending_limit)]
+            inst = next((i for i in ok if i.key == req.prefer), None) or ok[choose(loads, self.pending_limit)]
+            req.prefer = None
             req.move(R.RUNNING, inst.key)
             req.attempts += 1
             req.instances.append(inst.key)

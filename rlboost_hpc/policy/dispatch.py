@@ -11,7 +11,9 @@ Three pieces, all pure and deterministic (no clock is read: the balancer is hand
   batch bucket whose smoothed throughput reaches ``frac`` (95%) of the best bucket; until enough distinct
   buckets were seen it answers a prior. Heterogeneous GPUs get their own curves.
 * :class:`Balancer` — proposes moves: (1) requests *queued* at an instance (not yet running) to instances
-  with headroom; (2) *running* requests beyond an instance's plateau to instances with headroom. An instance
+  with headroom; (2) *running* requests beyond an instance's plateau to instances with headroom; (3) when no work
+  is queued anywhere (the step's tail), a running request from the instance where one decodes slowest to an idle
+  instance that decodes one at least ``tail_gain`` × faster (:meth:`Balancer.tail_plan`: heterogeneous GPUs). An instance
   has headroom when ``running + queued < min(plateau, capacity)``; a transfer of ``c`` requests is proposed
   only if afterwards the receiver's load is still at most the donor's (``c <= (donor − receiver)/2``, load =
   running + queued), so the sum of squared loads strictly falls and plans never oscillate, and a
@@ -222,6 +224,8 @@ class Balancer:
             instances it learns about.
         move_running: propose moves of running requests (needs per-sample migration; False in the
             recompute-from-scratch ablation).
+        tail_gain: a tail move (:meth:`tail_plan`) needs the idle receiver to decode one request at least this many
+            times faster than its donor does now.
         max_moves: most moves per plan (bounds re-prefill work per tick).
         cooldown_s: a request moved at ``t`` is not moved again before ``t + cooldown_s``.
     """
@@ -234,6 +238,7 @@ class Balancer:
     move_running: bool = True
     max_moves: int = 64
     cooldown_s: float = 10.0
+    tail_gain: float = 1.5
     estimators: dict = field(default_factory=dict)
     last_moved: dict = field(default_factory=dict)
 
@@ -258,6 +263,23 @@ class Balancer:
         """Best smoothed throughput learned for ``iid`` (tokens/s), ``None`` if never measured."""
         est = self.estimators.get(iid)
         return est.peak if est is not None else None
+
+    def per_request_rate(self, iid: InstanceId, batch: int) -> float | None:
+        """Learned decode tokens/s of one request on ``iid`` while ``batch`` requests run there: that batch's
+        bucket's smoothed throughput ÷ ``batch``; None when that bucket was never measured."""
+        est = self.estimators.get(iid)
+        if est is None or batch < 1:
+            return None
+        tp = est.ema.get(_EDGES[bisect.bisect_right(_EDGES, batch) - 1])
+        return tp / batch if tp is not None else None
+
+    def solo_rate(self, iid: InstanceId) -> float | None:
+        """The best learned tokens/s of one request on ``iid`` (a measured bucket's throughput ÷ its lower edge,
+        the largest over its buckets); None before any measurement."""
+        est = self.estimators.get(iid)
+        if est is None or not est.ema:
+            return None
+        return max(tp / b for b, tp in est.ema.items())
 
     def forget(self, iid: InstanceId) -> None:
         """Drop what was learned about an instance that left."""
@@ -333,6 +355,35 @@ class Balancer:
                 running[d] -= n
         return out
 
+    def tail_plan(self, instances: Sequence[InstanceLoad]) -> list[Transfer]:
+        """Count-level moves that shorten a step's tail on instances of different speeds (RLBoost's continuous
+        load balancing by token-level migration, when no queued work is left to hand out).
+
+        With nothing queued on any instance, each idle instance (nothing running or queued), fastest
+        (:meth:`solo_rate`) first, takes one running request from the instance where a request now decodes
+        slowest (:meth:`per_request_rate` at its running batch), if the receiver decodes a request at least
+        ``tail_gain`` × faster; instances never measured neither give nor take. A move only goes to a strictly
+        faster instance, so moves cannot oscillate (and the cooldown of :meth:`moves_for` holds besides).
+        """
+        if any(i.queued for i in instances) or not self.move_running:
+            return []
+        running = {i.iid: i.running for i in instances}
+        receivers = [(rate, k, i.iid) for k, i in enumerate(instances)
+                     if i.running == 0 and (rate := self.solo_rate(i.iid)) is not None]
+        receivers.sort(key=lambda x: (-x[0], x[1]))
+        out: list[Transfer] = []
+        for rate, _, dst in receivers[:self.max_moves]:
+            donors = [(r, k, i.iid) for k, i in enumerate(instances)
+                      if running[i.iid] > 0 and (r := self.per_request_rate(i.iid, running[i.iid])) is not None]
+            if not donors:
+                break
+            slowest, _, src = min(donors)
+            if rate < self.tail_gain * slowest:
+                break  # receivers come fastest first: no later one gains enough either
+            out.append(Transfer(src, dst, "running", 1))
+            running[src] -= 1
+        return out
+
     def moves(self, instances: Sequence[tuple[InstanceId, Sequence[Hashable], Sequence[tuple[Hashable, int]]]],
               now: float, capacities: dict | None = None) -> list[Move]:
         """Request-level plan: ``instances`` are ``(iid, queued_rids, [(running_rid, generated_tokens), ...])``.
@@ -347,9 +398,11 @@ class Balancer:
 
     def moves_for(self, loads: Sequence[InstanceLoad], now: float,
                   queued_of: Callable[[InstanceId], Sequence[Hashable]],
-                  running_of: Callable[[InstanceId], Sequence[tuple[Hashable, int]]]) -> list[Move]:
-        """As :meth:`moves`, from counts plus callbacks that list a donor's requests only when needed."""
-        plan = self.plan(loads)
+                  running_of: Callable[[InstanceId], Sequence[tuple[Hashable, int]]], *,
+                  tail: bool = False) -> list[Move]:
+        """As :meth:`moves`, from counts plus callbacks that list a donor's requests only when needed. ``tail``: the
+        caller holds no queued request either, so when :meth:`plan` has nothing to move, :meth:`tail_plan` may."""
+        plan = self.plan(loads) or (self.tail_plan(loads) if tail else [])
         if not plan:
             return []
         cool = self.cooling(now)

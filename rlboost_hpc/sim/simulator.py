@@ -569,7 +569,8 @@ class Simulation:
         moves = bal.moves_for(
             loads, t,
             lambda iid: [r.rid for r in by_id[iid].waiting],
-            lambda iid: [(r.rid, by_id[iid].generated(r)) for r in by_id[iid].running.values()])
+            lambda iid: [(r.rid, by_id[iid].generated(r)) for r in by_id[iid].running.values()],
+            tail=not self.queue)
         if not moves:
             return
         by_src: dict = {}
