@@ -13,8 +13,8 @@ Three pieces, all pure and deterministic (no clock is read: the balancer is hand
 * :class:`Balancer` — proposes moves: (1) requests *queued* at an instance (not yet running) to instances
   with headroom; (2) *running* requests beyond an instance's plateau to instances with headroom; (3) when no work
   is queued anywhere (the step's tail), a running request from the instance where one decodes slowest to an idle
-  instance that decodes one at least ``tail_gain`` × faster (:meth:`Balancer.tail_plan`: heterogeneous GPUs). An instance
-  has headroom when ``running + queued < min(plateau, capacity)``; a transfer of ``c`` requests is proposed
+  instance that decodes one at least ``tail_gain`` × faster (:meth:`Balancer.tail_plan`: heterogeneous GPUs).
+  An instance has headroom when ``running + queued < min(plateau, capacity)``; a transfer of ``c`` requests is proposed
   only if afterwards the receiver's load is still at most the donor's (``c <= (donor − receiver)/2``, load =
   running + queued), so the sum of squared loads strictly falls and plans never oscillate, and a
   request moved within the last ``cooldown_s`` is not moved again. Moves are proposals ``(rid, src, dst)``;
@@ -362,8 +362,9 @@ class Balancer:
         With nothing queued on any instance, each idle instance (nothing running or queued), fastest
         (:meth:`solo_rate`) first, takes one running request from the instance where a request now decodes
         slowest (:meth:`per_request_rate` at its running batch), if the receiver decodes a request at least
-        ``tail_gain`` × faster; instances never measured neither give nor take. A move only goes to a strictly
-        faster instance, so moves cannot oscillate (and the cooldown of :meth:`moves_for` holds besides).
+        ``tail_gain`` × faster; instances never measured neither give nor take. A moved request runs alone on its
+        receiver, at that instance's best per-request rate, so it can never be the slowest by ``tail_gain`` again
+        and move back: no oscillation (the cooldown of :meth:`moves_for` holds besides).
         """
         if any(i.queued for i in instances) or not self.move_running:
             return []
