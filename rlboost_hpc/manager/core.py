@@ -115,8 +115,7 @@ class ManagerCore(TrainerCalls):
         self.pool_rates = PlateauEstimator()
         self._last_alive = -1e9
         self._rr = RoundRobin()  # the ablation's rule, the same object the simulator uses
-        # Per-step view of the preemptible pool (the records of the observation law) and when the step's last
-        # response completed.
+        # per-step view of the preemptible pool (the observation law's records), when its last response completed
         self.step_remote: dict[str, StepWork] = {}
         self.step_rollout_done_at: float | None = None
         self.last_step_remote = StepRemote()
