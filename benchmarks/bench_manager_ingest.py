@@ -43,7 +43,8 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rlboost_hpc.manager.core import ManagerCore  # noqa: E402
+from rlboost_hpc.manager.core import ManagerCore
+from rlboost_hpc.manager.settings import ManagerSettings  # noqa: E402
 from rlboost_hpc.manager.service import run_manager_process  # noqa: E402
 from rlboost_hpc.protocol import messages as M  # noqa: E402
 from rlboost_hpc.trainer.client import ManagerClient  # noqa: E402
@@ -365,7 +366,7 @@ TRAINER = b"trainer"
 
 def record(n_inst: int, k: int, args) -> list:
     """Simulate the workload in-process; returns the event list [(peer, frame bytes) | None (= tick)]."""
-    core = ManagerCore(clock=lambda: 0.0, pending_limit=args.batch, stream_every_tokens=k)
+    core = ManagerCore(clock=lambda: 0.0, settings=ManagerSettings(pending_limit=args.batch, stream_every_tokens=k))
     events: list = []
 
     def feed(peer: bytes, msg: M._Msg) -> None:
@@ -588,7 +589,7 @@ def profile(args) -> None:
 
     k = 4 if 4 in recorded else args.ks[0]
     prof = cProfile.Profile()
-    core = ManagerCore(clock=lambda: 0.0, pending_limit=args.batch, stream_every_tokens=k)
+    core = ManagerCore(clock=lambda: 0.0, settings=ManagerSettings(pending_limit=args.batch, stream_every_tokens=k))
     prof.enable()
     for ev in recorded[k]:  # what the service does per frame/tick, without the stage timers
         if ev is None:

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the
 from _slurm_local import ensure_local_slurm  # noqa: E402
 from rlboost_hpc.events import read_events
 from rlboost_hpc.manager.service import spawn_manager
+from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.models.hf_dir import load_model_dir
 from rlboost_hpc.models.llama2c import ensure_converted
 from rlboost_hpc.protocol import messages as M
@@ -127,7 +128,7 @@ def main() -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="bench-slurm-"))
     policy = load_model_dir(ensure_converted(run_dir / "model"))
     server = WeightServer().start()
-    mproc, endpoint, _ = spawn_manager(dict(pending_limit=64, heartbeat_s=0.25, heartbeat_timeout_s=4.0))
+    mproc, endpoint, _ = spawn_manager(ManagerSettings(pending_limit=64, heartbeat_s=0.25, heartbeat_timeout_s=4.0))
     client = ManagerClient(endpoint)
     client.call(M.TrainerHello(weights_endpoint=server.endpoint, model_config=policy.hf_config,
                                model_arch=policy.arch.to_json()))

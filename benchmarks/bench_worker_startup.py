@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from rlboost_hpc.manager.service import spawn_manager
+from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.models.hf_dir import load_model_dir
 from rlboost_hpc.models.llama2c import ensure_converted
 from rlboost_hpc.protocol import messages as M
@@ -36,7 +37,7 @@ def main() -> None:
     policy = load_model_dir(ensure_converted(Path(tempfile.mkdtemp())))
     config, sd = policy.arch, policy.state_dict
     server = WeightServer().start()
-    mproc, endpoint, _ = spawn_manager(dict(pending_limit=32, heartbeat_s=0.25, heartbeat_timeout_s=2.0))
+    mproc, endpoint, _ = spawn_manager(ManagerSettings(pending_limit=32, heartbeat_s=0.25, heartbeat_timeout_s=2.0))
     client = ManagerClient(endpoint)
     client.call(M.TrainerHello(weights_endpoint=server.endpoint, model_config=policy.hf_config,
                                model_arch=config.to_json()))

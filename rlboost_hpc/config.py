@@ -185,6 +185,10 @@ class ManagerCfg(_Strict):
     heartbeat_timeout_s: float = Field(D.HEARTBEAT_TIMEOUT_S, gt=0, description=(
         "silence after which an instance is suspect: out of routing, its work migrates; it returns when it speaks "
         "again (instances heartbeat from a thread that does no engine or weight work)"))
+    dispatch_silence_s: float = Field(D.DISPATCH_SILENCE_S, gt=0, description=(
+        "silence after which an instance gets no new work while it keeps what it runs until heartbeat_timeout_s "
+        "(a node that vanished without closing its connections takes no more work with it); at least two "
+        "heartbeat intervals"))
     instance_expiry_s: float = Field(D.INSTANCE_EXPIRY_S, ge=60.0, description="silence after which a suspect instance is gone "
                                                                 "for good (told to register anew if it returns)")
     max_attempts: int = Field(D.MAX_ATTEMPTS, ge=1, description="dispatch attempts of one response before the step fails")
@@ -403,6 +407,10 @@ class RunConfig(_Strict):
     def _check(self) -> "RunConfig":
         if self.manager.heartbeat_timeout_s <= 2 * self.manager.heartbeat_s:
             raise ValueError("manager.heartbeat_timeout_s must exceed 2 × manager.heartbeat_s")
+        if self.manager.dispatch_silence_s < 2 * self.manager.heartbeat_s:
+            raise ValueError(f"manager.dispatch_silence_s ({self.manager.dispatch_silence_s}) must be at least 2 × "
+                             f"manager.heartbeat_s ({self.manager.heartbeat_s}): a healthy instance would leave "
+                             "dispatch between two heartbeats")
         p = self.policy
         if p.t_seed_ceil_s is not None and p.t_seed_ceil_s < p.t_seed_floor_s:
             raise ValueError(f"policy.t_seed_ceil_s ({p.t_seed_ceil_s}) must be >= policy.t_seed_floor_s "

@@ -13,6 +13,9 @@ PENDING_LIMIT = 64
 HEARTBEAT_S = 0.25
 #: Silence after which an instance is suspect (``manager.heartbeat_timeout_s``).
 HEARTBEAT_TIMEOUT_S = 4.0
+#: Silence after which an instance gets no new work, though it stays routable (keeps what it runs) until
+#: ``HEARTBEAT_TIMEOUT_S`` suspects it (``manager.dispatch_silence_s``): four missed heartbeats.
+DISPATCH_SILENCE_S = 1.0
 #: Silence after which a suspect instance is gone for good (``manager.instance_expiry_s``).
 INSTANCE_EXPIRY_S = 60.0
 #: Dispatch attempts of one response before its step fails (``manager.max_attempts``).

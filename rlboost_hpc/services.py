@@ -169,7 +169,7 @@ class RunServices:
         return spawn_manager(
             bind=f"tcp://{cfg.network.bind_host}:0", keys_dir=str(self.run_dir.root) if self.keys else None,
             metrics_host=metrics_host, journal_path=str(self.run_dir.journal), run_id=self.run_id,
-            environment=environment, params=ManagerSettings.from_config(cfg).core_kwargs())
+            environment=environment, settings=ManagerSettings.from_config(cfg))
 
     def _stop_manager(self) -> None:
         if self._hello:  # the manager takes Shutdown from the trainer it knows only

@@ -37,8 +37,6 @@ LONG_FUNCTIONS: dict[tuple[str, str], tuple[int, str]] = {
     ("rlboost_hpc/trainer/eval.py", "evaluate"): (
         88, "sampled and greedy passes over the held-out prompts with their bookkeeping; split with item 1"),
     ("rlboost_hpc/sim/cli.py", "main"): (86, "an argparse table: one add_argument per option"),
-    ("rlboost_hpc/manager/core.py", "__init__"): (
-        85, "its settings as keyword arguments, one per line; item 4 passes ManagerSettings whole instead"),
     ("rlboost_hpc/run.py", "_train"): (84, "the run's phases after setup; shrinks with item 1's typed step record"),
 }
 

@@ -12,6 +12,7 @@ import zmq
 
 from rlboost_hpc.chaos import chaos_main, kill_steps, synthetic_trace
 from rlboost_hpc.manager.service import spawn_manager
+from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.auth import RunKeys, secure_client
 from rlboost_hpc.trainer.client import ManagerClient
@@ -126,7 +127,7 @@ def test_fuzz_every_listening_socket_with_an_authenticated_peer(tmp_path):
     stay up and afterwards serve a clean client exactly as before."""
     keys = RunKeys.generate()
     keys.save(tmp_path)
-    proc, endpoint, _ = spawn_manager(dict(pending_limit=8), keys_dir=str(tmp_path))
+    proc, endpoint, _ = spawn_manager(ManagerSettings(pending_limit=8), keys_dir=str(tmp_path))
     server = WeightServer(keys=keys).start()
     weights = {"w": torch.randn(5000), "b": torch.arange(10, dtype=torch.float32)}
     server.publish(0, weights, dtype=torch.float32)

@@ -21,6 +21,7 @@ from test_rollout_integration import MAX_NEW, PROMPT, harness, reference, wait_s
 
 from rlboost_hpc.cluster.faults import TcpForwarder
 from rlboost_hpc.manager.service import spawn_manager
+from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.rundir import write_endpoints
 from rlboost_hpc.trainer.client import ManagerClient
@@ -44,7 +45,7 @@ def test_slow_builds_first_steps_and_weight_loads_never_make_an_instance_look_de
     versions."""
     config, sd = load_hf_dir(stories260k_hf_dir)
     server = WeightServer().start()
-    mproc, endpoint, _ = spawn_manager(dict(pending_limit=32, heartbeat_s=0.25, heartbeat_timeout_s=4.0))
+    mproc, endpoint, _ = spawn_manager(ManagerSettings(pending_limit=32, heartbeat_s=0.25, heartbeat_timeout_s=4.0))
     client = ManagerClient(endpoint, alive=mproc.is_alive)
     worker = None
     try:

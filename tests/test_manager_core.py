@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from rlboost_hpc.manager.core import ManagerCore
+from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.protocol import messages as M
 
 TRAINER = b"trainer"
@@ -20,10 +21,10 @@ class Clock:
         return self.t
 
 
-def make(pending_limit=4, max_attempts=3):
+def make(pending_limit=4, max_attempts=3, **settings):
     clock = Clock()
-    core = ManagerCore(clock=clock, pending_limit=pending_limit, heartbeat_s=0.25, heartbeat_timeout_s=2.0,
-                       max_attempts=max_attempts)
+    core = ManagerCore(clock=clock, settings=ManagerSettings(
+        pending_limit=pending_limit, heartbeat_s=0.25, heartbeat_timeout_s=2.0, max_attempts=max_attempts, **settings))
     core.on_message(TRAINER, M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
     core.on_message(TRAINER, M.SetVersion(version=0))
     core.outbox.clear()
@@ -200,7 +201,7 @@ def test_each_kind_of_warned_end_has_one_counter_even_before_the_instance_was_we
     counted = {k: getattr(core.counters, k) for k in ("instances_preempted_with_warning", "instances_time_limit",
                                               "instances_drained")}
     assert counted == {k: int(k == counter) for k in counted}
-    assert core.instances["a#0"].state == "gone" and core.stats().instances_lost == 0
+    assert "a#0" in core.ended and "a#0" not in core.instances and core.stats().instances_lost == 0
 
 
 def test_migrations_are_counted_per_engine_kind_for_partial_responses_only():
@@ -215,7 +216,7 @@ def test_migrations_are_counted_per_engine_kind_for_partial_responses_only():
     core.tick()
     assert core.migrations_by_engine == {"out_of": {"sglang": 1}, "into": {"torch": 1}}
     assert core.stats().migrations_by_engine["into"] == {"torch": 1}
-    assert core.instances["s#0"].engine == "sglang"
+    assert "s#0" in core.ended
 
 
 def test_off_version_tokens_are_rejected_and_instance_fenced():
@@ -420,7 +421,7 @@ def test_an_instance_declared_lost_is_told_so_and_can_return_as_a_new_attempt():
     assert core.instances["reserved#0"].state == "suspect"
     clock.t = 10.0 + core.instance_expiry_s + 1  # silent past the expiry: gone for good
     core.tick()
-    assert core.instances["reserved#0"].state == "gone" and core.counters.instances_expired == 1
+    assert "reserved#0" in core.ended and core.counters.instances_expired == 1
     core.outbox.clear()
     core.on_message(b"r", M.Heartbeat(version=0, active=0, tokens_generated=0))
     rej = sent(core, b"r", M.Reject)
@@ -539,7 +540,7 @@ def test_every_state_goes_suspect_on_silence_and_returns_to_where_it_was(before,
         assert core.counters.suspected_while_pulling == core.counters.recovered_while_pulling == 1
     if before == "draining":
         core.on_message(b"a", M.Deregister(reason="preempted (SIGUSR2)", tokens_generated=0, cause="preempted"))
-        assert core.instances["a#0"].state == "gone" and core.counters.instances_preempted_with_warning == 1
+        assert "a#0" in core.ended and core.counters.instances_preempted_with_warning == 1
 
 
 def test_instance_state_changes_only_along_the_state_machine():
@@ -560,8 +561,8 @@ def test_balancer_moves_running_requests_beyond_a_learned_plateau_to_an_idle_ins
     from rlboost_hpc.policy.dispatch import Balancer
 
     clock = Clock()
-    core = ManagerCore(clock=clock, pending_limit=32, heartbeat_s=0.25, heartbeat_timeout_s=1e9,
-                       balancer=Balancer(min_samples=4, min_buckets=3, cooldown_s=100.0), balance_every_s=1.0)
+    core = ManagerCore(clock=clock, balancer=Balancer(min_samples=4, min_buckets=3, cooldown_s=100.0), settings=ManagerSettings(
+            pending_limit=32, heartbeat_s=0.25, heartbeat_timeout_s=1e9, balance_every_s=1.0))
     core.on_message(TRAINER, M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
     core.on_message(TRAINER, M.SetVersion(version=0))
     register(core, b"a", "a", max_batch=32)
@@ -627,8 +628,8 @@ def test_alive_reaches_every_live_instance_once_a_second_even_when_idle():
 
 def test_round_robin_ablation_takes_instances_in_turn():
     clock = Clock()
-    core = ManagerCore(clock=clock, pending_limit=8, heartbeat_s=0.25, heartbeat_timeout_s=2.0,
-                       dispatch_policy="round_robin")
+    core = ManagerCore(clock=clock, settings=ManagerSettings(
+            pending_limit=8, heartbeat_s=0.25, heartbeat_timeout_s=2.0, dispatch_policy="round_robin"))
     core.on_message(TRAINER, M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
     core.on_message(TRAINER, M.SetVersion(version=0))
     for p in (b"a", b"b", b"c"):
@@ -662,26 +663,27 @@ def test_request_states_change_only_along_the_transition_table():
     assert set(REQUEST_TRANSITIONS) == set(R)
 
 
-def test_manager_settings_have_the_cores_defaults_and_come_from_the_config():
-    """One home per default: ManagerSettings' defaults are ManagerCore's (field by field), and a run's settings
-    are its config's (relay off → fan-out 0; balancing → a Balancer)."""
-    import inspect
+def test_manager_settings_are_the_configs_and_the_core_takes_them_whole():
+    """One home per default: a run with the built-in config gets ManagerSettings' defaults field by field (but
+    relay and balancing, which a run turns on), every setting reaches the core, and bad input to the new key
+    names it."""
+    from dataclasses import asdict, replace
 
-    from rlboost_hpc.config import load_config
-    from rlboost_hpc.manager.settings import ManagerSettings
-    from rlboost_hpc.policy.dispatch import Balancer
+    from rlboost_hpc.config import ConfigError, load_config
 
-    sig = inspect.signature(ManagerCore.__init__).parameters
-    kw = ManagerSettings().core_kwargs()
-    assert kw.pop("balancer") is None and sig["balancer"].default is None
-    assert {k: sig[k].default for k in kw} == kw
+    s = ManagerSettings.from_config(load_config(None, []))
+    assert replace(s, relay_fanout=0, balance=False) == ManagerSettings()
     cfg = load_config(None, ["manager.pending_limit=7", "rollout.stream_every_tokens=3", "policy.dispatch=round_robin",
-                             "weights.relay=false", "policy.balance=true"])
+                             "weights.relay=false", "policy.balance=true", "manager.dispatch_silence_s=1.5"])
     s = ManagerSettings.from_config(cfg)
-    assert (s.pending_limit, s.stream_every_tokens, s.dispatch_policy, s.relay_fanout, s.balance) == (
-        7, 3, "round_robin", 0, True)
-    assert isinstance(s.core_kwargs()["balancer"], Balancer)
-    ManagerCore(clock=lambda: 0.0, **s.core_kwargs())  # every field is a keyword the core takes
+    assert (s.pending_limit, s.stream_every_tokens, s.dispatch_policy, s.relay_fanout, s.balance,
+            s.dispatch_silence_s) == (7, 3, "round_robin", 0, True, 1.5)
+    core = ManagerCore(clock=lambda: 0.0, settings=s)
+    assert core.balancing and core.settings is s
+    assert {k: getattr(core, k) for k in asdict(s) if hasattr(core, k)} == {
+        k: v for k, v in asdict(s).items() if hasattr(core, k)}
+    with pytest.raises(ConfigError, match="manager.dispatch_silence_s"):
+        load_config(None, ["manager.dispatch_silence_s=0.3"])  # < 2 heartbeats of 0.25 s
 
 
 def test_a_request_the_balancer_moved_goes_to_the_instance_it_chose_when_that_one_has_room():
@@ -701,3 +703,87 @@ def test_a_request_the_balancer_moved_goes_to_the_instance_it_chose_when_that_on
     core._requeue(rid, core.instances["a#0"], "released")
     core.dispatch()
     assert core.requests[rid].instance == "c#0" and core.requests[rid].prefer is None
+
+
+def test_a_node_that_vanished_without_closing_its_connection_gets_no_new_work_before_its_deadline():
+    """Issue 29 item 8 (regression): an instance silent past ``dispatch_silence_s`` (power loss,
+    partition: no connection closes) stayed routable until the heartbeat deadline and JSQ kept giving it new work,
+    which then waited there for the deadline. Now it keeps what it runs (it is not suspect yet) but gets nothing
+    new; when it speaks again it gets work at once. Its silence is measured, and work handed to it after its last
+    word is counted when it is suspected."""
+    core, clock = make(pending_limit=4)  # heartbeat 0.25 s, deadline 2.0 s, no new work after 1.0 s of silence
+    register(core, b"a", "a")
+    register(core, b"b", "b")
+    submit(core, step=0, groups=1, n=2)
+    core.tick()
+    first = {p: [w.rid for m in sent(core, p, M.Assign) for w in m.works] for p in (b"a", b"b")}
+    assert len(first[b"a"]) == 1 and len(first[b"b"]) == 1
+    clock.t = core.dispatch_silence_s + 0.1  # a vanished at t = 0; b keeps heartbeating
+    core.on_message(b"b", M.Heartbeat(version=0, active=1, tokens_generated=0))
+    core.outbox.clear()
+    submit(core, step=1, groups=2, n=4)  # more work: 8 requests, Θ = 4 each
+    core.tick()
+    assert core.instances["a#0"].state == "ready"  # still routable: not past its deadline
+    assert not sent(core, b"a", M.Assign)
+    assert sum(len(m.works) for m in sent(core, b"b", M.Assign)) == 3  # b fills up to Θ; the rest wait here
+    clock.t = 2.5  # past the deadline: a is suspect, what it ran migrates
+    core.on_message(b"b", M.Heartbeat(version=0, active=4, tokens_generated=0))
+    core.tick()
+    assert core.instances["a#0"].state == "suspect"
+    assert core.counters.responses_assigned_to_vanished == 0  # everything it held was given before its last word
+
+
+def test_before_the_fix_a_vanished_node_was_given_work_until_its_deadline_and_that_is_counted():
+    """The counter that measured the fault: with the silence rule off (``dispatch_silence_s`` beyond the
+    deadline) a vanished instance takes new work, and each such response is counted when the instance is
+    suspected."""
+    core, clock = make(pending_limit=4, dispatch_silence_s=100.0)
+    register(core, b"a", "a")
+    register(core, b"b", "b")
+    clock.t = 1.5  # a vanished at t = 0; b heartbeats
+    core.on_message(b"b", M.Heartbeat(version=0, active=0, tokens_generated=0))
+    submit(core, step=0, groups=1, n=4)
+    core.tick()
+    given = sum(len(m.works) for m in sent(core, b"a", M.Assign))
+    assert given == 2  # JSQ split the group between the two
+    clock.t = 2.2
+    core.on_message(b"b", M.Heartbeat(version=0, active=2, tokens_generated=0))
+    core.tick()
+    assert core.instances["a#0"].state == "suspect" and core.counters.responses_assigned_to_vanished == 2
+
+
+def test_a_silent_instance_gets_work_again_as_soon_as_it_speaks_and_its_silence_is_measured():
+    core, clock = make(pending_limit=4)
+    register(core, b"a", "a")
+    clock.t = core.dispatch_silence_s + 0.2  # stopped (GC pause, a loaded host), not dead
+    submit(core, step=0, groups=1, n=2)
+    core.tick()
+    assert not sent(core, b"a", M.Assign) and core.queue
+    core.on_message(b"a", M.Heartbeat(version=0, active=0, tokens_generated=0))
+    core.dispatch()
+    assert sum(len(m.works) for m in sent(core, b"a", M.Assign)) == 2 and not core.queue
+    silences = core.dist.silence_seconds
+    assert silences.count == 1 and silences.total == pytest.approx(clock.t)
+    core.on_message(b"a", M.Heartbeat(version=0, active=2, tokens_generated=0))  # no silence: not observed
+    assert silences.count == 1
+
+
+def test_ended_attempts_leave_the_registry_so_a_tick_scans_only_live_instances(monkeypatch):
+    """Regression (bench_week): gone attempts stayed in the registry for good, so liveness, dispatch and stats —
+    every 20 ms — scanned every attempt that ever ran (a tick at 256 live instances: 0.7 ms after 100 preemptions,
+    2.4 ms after 1,000). Now a gone attempt leaves it; its identity is remembered, bounded, oldest first, and its
+    re-registration is still rejected."""
+    import rlboost_hpc.manager.core as core_mod
+
+    monkeypatch.setattr(core_mod, "ENDED_KEPT", 50)
+    core, clock = make()
+    register(core, b"live", "live")
+    for k in range(200):
+        register(core, f"p{k}".encode(), "job", attempt=k)
+        core.on_message(f"p{k}".encode(), M.Deregister(reason="preempted", tokens_generated=0, cause="preempted"))
+    assert set(core.instances) == {"live#0"}
+    assert len(core.ended) == 50 and "job#199" in core.ended and "job#0" not in core.ended
+    assert core.counters.instances_preempted_with_warning == 200
+    core.outbox.clear()
+    register(core, b"again", "job", attempt=199, version=None)
+    assert isinstance(sent(core, b"again")[0], M.Reject) and "already ended" in sent(core, b"again")[0].reason

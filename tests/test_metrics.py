@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from rlboost_hpc.manager.service import spawn_manager
+from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.trainer.client import ManagerClient
 
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_metrics_endpoint_exposes_manager_state():
-    proc, endpoint, url = spawn_manager(dict(pending_limit=8), metrics_host="127.0.0.1")
+    proc, endpoint, url = spawn_manager(ManagerSettings(pending_limit=8), metrics_host="127.0.0.1")
     client = ManagerClient(endpoint)
     try:
         client.call(M.TrainerHello(weights_endpoint="tcp://w:1", model_config={}))
@@ -94,7 +95,7 @@ def test_scraped_metrics_follow_prometheus_conventions(tmp_path):
     sys.path.insert(0, str(Path(__file__).parent))
     from test_scavenger import FakeClock, FakeSlurm
 
-    proc, endpoint, url = spawn_manager(dict(pending_limit=8), metrics_host="127.0.0.1", run_id="r42")
+    proc, endpoint, url = spawn_manager(ManagerSettings(pending_limit=8), metrics_host="127.0.0.1", run_id="r42")
     client = ManagerClient(endpoint)
     try:
         client.call(M.TrainerHello(weights_endpoint="tcp://w:1", model_config={}))

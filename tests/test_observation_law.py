@@ -12,6 +12,7 @@ import msgspec
 import pytest
 
 from rlboost_hpc.manager.core import ManagerCore
+from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.policy.dispatch import Balancer
 from rlboost_hpc.policy.controller import RolloutController, StepObservation
 from rlboost_hpc.policy.observation import RemoteWork, observe_remote
@@ -36,8 +37,8 @@ def _scripted_step(balancing: bool) -> tuple[ManagerCore, float]:
     1 token per response per 0.25 s (16 tok/s at batch 4, 4 tok/s alone in the tail). Ends at t = 12 s; the
     trainer publishes version 1 at t = 15 s. Returns the core and the step end time."""
     clock = Clock()
-    core = ManagerCore(clock=clock, pending_limit=4, heartbeat_s=0.25, heartbeat_timeout_s=2.0,
-                       balance_every_s=0.5, balancer=Balancer(move_running=False) if balancing else None)
+    core = ManagerCore(clock=clock, balancer=Balancer(move_running=False) if balancing else None, settings=ManagerSettings(
+            pending_limit=4, heartbeat_s=0.25, heartbeat_timeout_s=2.0, balance_every_s=0.5))
     core.on_message(TRAINER, M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
     core.on_message(TRAINER, M.SetVersion(version=0))
     for peer in (b"a", b"b"):

@@ -18,6 +18,7 @@ import zmq
 
 from _util import load_hf_dir, wait_for
 from rlboost_hpc.manager.service import spawn_manager
+from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.rollout.engines.base import GenRequest, SamplingParams
 from rlboost_hpc.rollout.engines.torch_engine import TorchEngine, generate_all
@@ -37,9 +38,9 @@ def harness(stories260k_hf_dir, tmp_path, request):
     relay = getattr(request, "param", {}).get("relay", False)  # parametrize(..., indirect=True) turns relay on
     config, sd = load_hf_dir(stories260k_hf_dir)
     server = WeightServer(chunk_bytes=8 << 10).start()  # ~72 chunks: transfers take many round trips
-    mproc, endpoint, _ = spawn_manager(dict(pending_limit=32, heartbeat_s=0.1, heartbeat_timeout_s=2.0,
-                                         max_attempts=3, stream_every_tokens=2, stream_every_s=0.02,
-                                         relay_fanout=4 if relay else 0, relay_trainer_fanout=1))
+    mproc, endpoint, _ = spawn_manager(ManagerSettings(pending_limit=32, heartbeat_s=0.1, heartbeat_timeout_s=2.0,
+                                                       max_attempts=3, stream_every_tokens=2, stream_every_s=0.02,
+                                                       relay_fanout=4 if relay else 0, relay_trainer_fanout=1))
     client = ManagerClient(endpoint)
     client.call(M.TrainerHello(weights_endpoint=server.endpoint, model_config=config.to_hf_dict()))
     server.publish(0, sd, dtype=torch.float32)
@@ -402,8 +403,8 @@ def test_rollout_job_outlives_a_trainer_crash_and_reconnects_to_the_restarted_ru
 
     config, sd = load_hf_dir(stories260k_hf_dir)
     journal = str(tmp_path / "manager-journal.jsonl")
-    params = dict(pending_limit=32, heartbeat_s=0.1, heartbeat_timeout_s=2.0, max_attempts=3,
-                  stream_every_tokens=2, stream_every_s=0.02)
+    params = ManagerSettings(pending_limit=32, heartbeat_s=0.1, heartbeat_timeout_s=2.0, max_attempts=3,
+                             stream_every_tokens=2, stream_every_s=0.02)
     procs, clients, servers = [], [], []
 
     def start_run(version: int, weights):  # what a (re)started trainer job does

@@ -9,6 +9,7 @@ import zmq
 
 from _util import FlipBit, wait_for
 from rlboost_hpc.manager.service import spawn_manager
+from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.auth import AuthError, RunKeys
 from rlboost_hpc.trainer.client import ManagerClient, ManagerError
@@ -51,7 +52,7 @@ def _stranger(endpoint: str, keys: RunKeys | None):
 def secured(tmp_path):
     keys = RunKeys.generate()
     keys.save(tmp_path)
-    proc, endpoint, _ = spawn_manager(dict(pending_limit=8), keys_dir=str(tmp_path))
+    proc, endpoint, _ = spawn_manager(ManagerSettings(pending_limit=8), keys_dir=str(tmp_path))
     server = WeightServer(keys=keys).start()
     server.publish(0, {"w": torch.arange(1000, dtype=torch.float32)}, dtype=torch.float32)
     yield keys, endpoint, server

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rlboost_hpc.manager.core import ManagerCore
+from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.manager.state import ENV_PEER
 from rlboost_hpc.protocol import messages as M
 
@@ -26,8 +27,8 @@ class Clock:
 
 
 def make(environment=True):
-    core = ManagerCore(clock=Clock(), pending_limit=8, heartbeat_s=0.25, heartbeat_timeout_s=2.0,
-                       environment=environment)
+    core = ManagerCore(clock=Clock(), environment=environment, settings=ManagerSettings(
+            pending_limit=8, heartbeat_s=0.25, heartbeat_timeout_s=2.0))
     core.on_message(TRAINER, M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
     core.on_message(TRAINER, M.SetVersion(version=0))
     return core

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from rlboost_hpc.manager.core import ManagerCore
+from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.protocol.weight_msgs import DeltaInfo, Manifest, validate_manifest
@@ -243,7 +244,7 @@ def test_manifest_with_a_malformed_delta_is_invalid(server):
 
 
 def test_manager_drains_an_instance_whose_checksum_differs_from_the_trainers():
-    core = ManagerCore(clock=lambda: 0.0, heartbeat_s=0.25, heartbeat_timeout_s=2.0)
+    core = ManagerCore(clock=lambda: 0.0, settings=ManagerSettings(heartbeat_s=0.25, heartbeat_timeout_s=2.0))
     core.on_message(b"t", M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
     core.on_message(b"t", M.SetVersion(version=0, checksum=0xABC))
     core.on_message(b"a", M.Register(job_id="j", attempt=0, kind="preemptible", max_batch=4, engine="torch"))

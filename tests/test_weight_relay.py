@@ -14,6 +14,7 @@ from _util import wait_for
 from hypothesis import given, settings, strategies as st
 
 from rlboost_hpc.manager.core import ManagerCore
+from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.policy.relay import TRAINER, RelayTree, Source
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.rollout.remote_weights import RemoteWeights
@@ -258,8 +259,8 @@ def test_the_trainer_serves_beyond_its_share_only_when_nothing_else_can_progress
 
 
 def test_manager_hands_waiting_instances_to_holders_as_they_finish():
-    core = ManagerCore(clock=lambda: 0.0, heartbeat_s=0.25, heartbeat_timeout_s=2.0, relay_fanout=4,
-                       relay_trainer_fanout=2)
+    core = ManagerCore(clock=lambda: 0.0, settings=ManagerSettings(
+            heartbeat_s=0.25, heartbeat_timeout_s=2.0, relay_fanout=4, relay_trainer_fanout=2))
     core.on_message(b"t", M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
     core.on_message(b"t", M.SetVersion(version=0, checksum=7))
     for i in range(5):

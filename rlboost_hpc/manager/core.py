@@ -43,7 +43,6 @@ import logging
 from collections import deque
 from typing import Callable
 
-from rlboost_hpc import defaults as D
 from rlboost_hpc.observe.timeline import Activity, ActivityClock
 from rlboost_hpc.policy.dispatch import Balancer, PlateauEstimator, RoundRobin, choose_instance
 from rlboost_hpc.policy.relay import RelayTree, Source
@@ -58,7 +57,8 @@ from rlboost_hpc.manager.state import (
     StepWork,
 )
 from rlboost_hpc.manager.balance import balance
-from rlboost_hpc.manager.stats import manager_stats
+from rlboost_hpc.manager.settings import ManagerSettings
+from rlboost_hpc.manager.stats import ManagerDistributions, manager_stats
 from rlboost_hpc.manager.trainer_calls import TrainerCalls
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.stats import ManagerCounters, ManagerStats, StepActivity, StepRemote
@@ -68,6 +68,11 @@ S, R = InstanceState, RequestState
 log = logging.getLogger("rlboost.manager")
 
 
+#: Identities of ended attempts the manager remembers (≈ 150 bytes each), to reject their re-registration: the
+#: oldest is forgotten first. A requeued job registers under a new attempt number, so only a process stopped for
+#: longer than this many other attempts took to end could ever register under a forgotten identity.
+ENDED_KEPT = 100_000
+
 #: The counter of each kind of warned end (``Deregister.cause``): one definition, shared by the report and
 #: Prometheus.
 _LEAVE_COUNTER = {"preempted": "instances_preempted_with_warning", "time_limit": "instances_time_limit",
@@ -75,40 +80,39 @@ _LEAVE_COUNTER = {"preempted": "instances_preempted_with_warning", "time_limit":
 
 
 class ManagerCore(TrainerCalls):
-    """See the module docstring. ``clock`` returns seconds (monotonic)."""
+    """See the module docstring. ``clock`` returns seconds (monotonic). ``settings``: dispatch, liveness,
+    streaming, balancing and relay (:class:`ManagerSettings`; its defaults when None). ``balancer``: a balancer of
+    one's own (balancing on whatever ``settings.balance`` says). ``epoch``: this incarnation of the run's manager.
+    ``alive_every_s``: seconds between Alive messages. ``environment``: an environment answers tool calls
+    (multi-turn trajectories accepted).
+
+    Raises:
+        ValueError: an unknown ``settings.dispatch_policy``.
+    """
 
     def __init__(
         self,
         *,
         clock: Callable[[], float],
-        pending_limit: int = D.PENDING_LIMIT,
-        heartbeat_s: float = D.HEARTBEAT_S,
-        heartbeat_timeout_s: float = D.HEARTBEAT_TIMEOUT_S,
-        max_attempts: int = D.MAX_ATTEMPTS,
-        stream_every_tokens: int = D.STREAM_EVERY_TOKENS,
-        stream_every_s: float = D.STREAM_EVERY_S,
-        dispatch_policy: str = "jsq",
+        settings: ManagerSettings | None = None,
+        balancer: Balancer | None = None,
         epoch: int = 0,
         alive_every_s: float = 1.0,
-        balancer: Balancer | None = None,
-        balance_every_s: float = D.BALANCE_EVERY_S,
-        instance_expiry_s: float = D.INSTANCE_EXPIRY_S,
-        relay_fanout: int = 0,
-        relay_trainer_fanout: int = D.RELAY_TRAINER_FANOUT,
         environment: bool = False,
     ) -> None:
-        if dispatch_policy not in ("jsq", "round_robin"):
-            raise ValueError(f"dispatch_policy must be 'jsq' or 'round_robin', not {dispatch_policy!r}")
-        self.dispatch_policy = dispatch_policy
-        self.environment = environment  # an environment answers tool calls (multi-turn trajectories accepted)
+        s = self.settings = settings if settings is not None else ManagerSettings()
+        if s.dispatch_policy not in ("jsq", "round_robin"):
+            raise ValueError(f"dispatch_policy must be 'jsq' or 'round_robin', not {s.dispatch_policy!r}")
+        self.dispatch_policy = s.dispatch_policy
+        self.environment = environment
         self.epoch = epoch  # incarnation of the run's manager (manager/journal.py); 0 without a journal
         self.alive_every_s = alive_every_s
         self.on_version: Callable[[int], None] | None = None  # set by the service (manager/journal.py)
         # The balancer's rate learner always runs (its peak rates measure remote work for the observation law,
-        # policy/observation.py); it moves work only when a balancer was given.
-        self.balancing = balancer is not None
+        # policy/observation.py); it moves work only when balancing is on.
+        self.balancing = balancer is not None or s.balance
         self.balancer = balancer if balancer is not None else Balancer()
-        self.balance_every_s = balance_every_s
+        self.balance_every_s = s.balance_every_s
         self._last_balance: float | None = None
         self._rate_marks: dict[str, tuple[int, int]] = {}  # key -> (tokens_received, running) at the last tick
         # decode rate by batch over every preemptible instance (tokens/s per bucket): the simulator's calibration
@@ -124,22 +128,21 @@ class ManagerCore(TrainerCalls):
         self.step_done_s: list[float] = []  # when each of the step's responses completed (the tail's figure)
         self.last_step_activity = StepActivity(**self.activity.take())
         # the trainer's step timeline (StepTimes): wall time per step, seconds per phase and fixed overhead, summed
-        self.step_seconds: list[float] = []
+        self.dist = ManagerDistributions()  # pulls, steps, instance silences: bounded histograms
         self.step_phase_s: dict[str, float] = {}
         self.step_fixed_overhead_s = 0.0
         self.last_step_mismatch: dict[str, float] = {}  # the trainer's engine–trainer mismatch of its last step
         self.clock = clock
         self.policy_decision: M.PolicyState | None = None  # the controller's last T_seed and N_prem cap
         self._told_unknown: dict[bytes, float] = {}
-        self.pending_limit = pending_limit
-        self.heartbeat_s = heartbeat_s
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.instance_expiry_s = instance_expiry_s
-        self.max_attempts = max_attempts
-        self.stream_every_tokens = stream_every_tokens
-        self.stream_every_s = stream_every_s
+        self.pending_limit = s.pending_limit
+        self.heartbeat_s, self.heartbeat_timeout_s = s.heartbeat_s, s.heartbeat_timeout_s
+        self.instance_expiry_s, self.dispatch_silence_s = s.instance_expiry_s, s.dispatch_silence_s
+        self.max_attempts = s.max_attempts
+        self.stream_every_tokens, self.stream_every_s = s.stream_every_tokens, s.stream_every_s
         self.outbox: list[tuple[bytes, M._Msg]] = []
-        self.instances: dict[str, Instance] = {}
+        self.instances: dict[str, Instance] = {}  # every instance not gone: what liveness and dispatch scan
+        self.ended: dict[str, str] = {}  # identity → why, of the last ENDED_KEPT attempts that are gone (never scanned)
         self.by_peer: dict[bytes, str] = {}
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, Group] = {}
@@ -152,14 +155,13 @@ class ManagerCore(TrainerCalls):
         self.latest_version = -1
         self.latest_checksum = 0  # whole-version checksum of latest_version's manifest (0: not given)
         # who serves the latest version to whom (policy/relay.py); reserved instances pull in-process, never relay
-        self.relay = RelayTree(fanout=relay_fanout, trainer_fanout=relay_trainer_fanout)
+        self.relay = RelayTree(fanout=s.relay_fanout, trainer_fanout=s.relay_trainer_fanout)
         self.step = -1
         self.seeding_open = False
         self.failed_step: str | None = None
         self.counters = ManagerCounters()  # every counter is a field: a misspelt one fails where it is used
         self.migrations_by_turn: dict[str, int] = {}  # partial responses migrated, by the turn they were in
         self.responses_truncated_by_cause: dict[str, int] = {}  # finished responses cut by a budget (M.TRUNCATION_CAUSES)
-        self.pull_seconds: list[float] = []
         # partial responses handed off by / resumed on instances of each engine kind ("torch", "sglang")
         self.migrations_by_engine: dict[str, dict[str, int]] = {"out_of": {}, "into": {}}
 
@@ -216,6 +218,8 @@ class ManagerCore(TrainerCalls):
         if inst.state in (S.SUSPECT, S.GONE):
             return
         taken = list(inst.inflight)
+        self.counters.responses_assigned_to_vanished += sum(
+            1 for rid in taken if rid in self.requests and self.requests[rid].assigned_at > inst.last_seen)
         for rid in taken:
             self._requeue(rid, inst, reason)
         inst.taken_back.update(taken)
@@ -298,8 +302,15 @@ class ManagerCore(TrainerCalls):
             self.counters.instances_expired += 1
         self._set_state(inst, S.GONE)
         self.activity.forget(inst.key)
+        self.balancer.forget(inst.key)
         inst.gone_reason = reason
         self.by_peer.pop(inst.peer, None)
+        # A gone attempt leaves the registry, so that nothing a week-long run does per tick or per dispatch grows
+        # with the attempts that ever ran; its identity is remembered (bounded) so it can never register again.
+        del self.instances[inst.key]
+        self.ended[inst.key] = reason
+        if len(self.ended) > ENDED_KEPT:
+            del self.ended[next(iter(self.ended))]
         log.info("instance %s gone (%s); %d unsent tokens", inst.key, reason, unsent)
 
     def _fence(self, inst: Instance, reason: str) -> None:
@@ -333,6 +344,8 @@ class ManagerCore(TrainerCalls):
         key = self.by_peer.get(peer)
         inst = self.instances.get(key) if key else None
         if inst is not None:
+            if now - inst.last_seen > 2 * self.heartbeat_s:  # it missed a heartbeat: how long it was silent
+                self.dist.silence_seconds.observe(now - inst.last_seen)
             inst.last_seen = now
             if inst.state == S.SUSPECT:
                 self._recover(inst)
@@ -347,11 +360,11 @@ class ManagerCore(TrainerCalls):
     def _on_Register(self, peer: bytes, inst: Instance | None, msg: M.Register) -> None:
         key = f"{msg.job_id}#{msg.attempt}"
         existing = self.instances.get(key)
-        if existing is not None and existing.peer == peer and existing.state != S.GONE:
+        if existing is not None and existing.peer == peer:
             pass  # a retried Register from the same identity (a reconnect keeps it): answer again
-        elif existing is not None:
+        elif existing is not None or key in self.ended:
             self.counters.rejected_registrations += 1
-            why = ("identity %s is already registered (live)" if existing.state != S.GONE
+            why = ("identity %s is already registered (live)" if existing is not None
                    else "identity %s belongs to an attempt that already ended; a requeued job must register "
                         "with a new attempt number")
             self.send(peer, M.Reject(reason=why % key))
@@ -400,7 +413,7 @@ class ManagerCore(TrainerCalls):
         self.counters.weight_loads += 1
         if msg.load_s > self.heartbeat_timeout_s:
             self.counters.slow_weight_loads += 1  # longer than the deadline: it had to keep heartbeating
-        self.pull_seconds.append(msg.pull_s)
+        self.dist.pull_seconds.observe(msg.pull_s)
         self.counters.weight_pulled_bytes += msg.wire_bytes
         if msg.version == self.latest_version and self.latest_checksum and msg.checksum != self.latest_checksum:
             # bytes other than the trainer's export: never routable; it is asked to leave (a replacement pulls anew)
@@ -598,10 +611,17 @@ class ManagerCore(TrainerCalls):
     def dispatch(self) -> None:
         """Join-shortest-queue (``policy.dispatch.choose_instance``): give each queued request to the routable
         instance with the fewest requests in flight, among those below min(Θ, its batch); the rest wait here
-        (delayed dispatch). ``dispatch_policy="round_robin"`` is the ablation baseline."""
+        (delayed dispatch). ``dispatch_policy="round_robin"`` is the ablation baseline.
+
+        An instance silent for more than ``dispatch_silence_s`` gets no new work while
+        it stays routable: a node that vanished without closing its connections (power loss, partition) keeps
+        its running responses until the heartbeat deadline suspects it, but takes no more with it."""
         if not self.queue:
             return
-        cands = sorted((i for i in self.instances.values() if self.routable(i)), key=lambda i: i.key)
+        now = self.clock()
+        heard = now - self.dispatch_silence_s
+        cands = sorted((i for i in self.instances.values() if i.last_seen >= heard and self.routable(i)),
+                       key=lambda i: i.key)
         if not cands:
             return
         batches: dict[str, list[M.Work]] = {}
@@ -622,6 +642,7 @@ class ManagerCore(TrainerCalls):
             req.prefer = None
             req.move(R.RUNNING, inst.key)
             req.attempts += 1
+            req.assigned_at = now
             req.instances.append(inst.key)
             inst.inflight.add(rid)
             self._note_activity(inst)

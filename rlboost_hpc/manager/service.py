@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from rlboost_hpc.manager.core import ManagerCore
+from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.manager.state import ENV_PEER
 from rlboost_hpc.protocol.auth import RunKeys, max_msg_size, secure_server
 from rlboost_hpc.protocol import messages as M
@@ -185,7 +186,7 @@ class ManagerService:
         self.sock.close(linger=0)
 
 
-def run_manager_process(bind: str, params: dict, conn, keys_dir: str | None = None,
+def run_manager_process(bind: str, settings: ManagerSettings, conn, keys_dir: str | None = None,
                         metrics_host: str | None = None, journal_path: str | None = None,
                         run_id: str | None = None, log_sink=None, environment: dict | None = None) -> None:
     """Entry point of the manager process: serve, report the bound endpoint through ``conn`` (a Pipe end).
@@ -200,7 +201,7 @@ def run_manager_process(bind: str, params: dict, conn, keys_dir: str | None = No
     import os
     import threading
 
-    core = ManagerCore(clock=time.monotonic, environment=environment is not None, **params)
+    core = ManagerCore(clock=time.monotonic, settings=settings, environment=environment is not None)
     journal = None
     if journal_path is not None:
         from rlboost_hpc.manager.journal import Journal
@@ -247,11 +248,11 @@ def run_manager_process(bind: str, params: dict, conn, keys_dir: str | None = No
             journal.close()
 
 
-def spawn_manager(params: dict, bind: str = "tcp://127.0.0.1:0", timeout_s: float = 60.0,
+def spawn_manager(settings: ManagerSettings | None = None, bind: str = "tcp://127.0.0.1:0", timeout_s: float = 60.0,
                   keys_dir: str | None = None, metrics_host: str | None = None, journal_path: str | None = None,
                   run_id: str | None = None, environment: dict | None = None):
-    """Start the manager in its own (spawned) process. ``params`` are :class:`ManagerCore` keyword arguments;
-    ``environment`` as in :func:`run_manager_process`.
+    """Start the manager in its own (spawned) process with ``settings`` (:class:`ManagerSettings`; its defaults
+    when None); ``environment`` as in :func:`run_manager_process`.
 
     Returns ``(process, endpoint, metrics_url)`` (``metrics_url`` is "" unless ``metrics_host`` is given).
     The manager logs where this process logs (:func:`~rlboost_hpc.observe.logs.current_sink`).
@@ -264,7 +265,7 @@ def spawn_manager(params: dict, bind: str = "tcp://127.0.0.1:0", timeout_s: floa
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=run_manager_process,
-                       args=(bind, params, child, keys_dir, metrics_host, journal_path, run_id, current_sink(),
+                       args=(bind, settings or ManagerSettings(), child, keys_dir, metrics_host, journal_path, run_id, current_sink(),
                              environment),
                        # a daemonic process may not start the environment's worker processes; without the flag the
                        # manager still never outlives its parent (watch_parent) and the run joins or kills it

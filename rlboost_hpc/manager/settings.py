@@ -1,22 +1,23 @@
 """The rollout manager's settings as one typed record, derived from the run's configuration in one place."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 from rlboost_hpc import defaults as D
 from rlboost_hpc.config import RunConfig
-from rlboost_hpc.policy.dispatch import Balancer
 
 
 @dataclass(frozen=True)
 class ManagerSettings:
     """What a run's manager is configured with (seconds in ``_s`` fields; counts otherwise). The defaults are
     those of :class:`~rlboost_hpc.manager.core.ManagerCore` (``defaults.py``); a run derives every field from its
-    :class:`RunConfig` with :meth:`from_config`.
+    :class:`RunConfig` with :meth:`from_config`; the core takes it whole (picklable: it crosses to the spawned
+    manager process).
 
     ``pending_limit``: Θ, requests in flight per instance before JSQ looks elsewhere. ``heartbeat_s`` /
-    ``heartbeat_timeout_s`` / ``instance_expiry_s``: liveness. ``max_attempts``: dispatches of one response
+    ``heartbeat_timeout_s`` / ``instance_expiry_s``: liveness; ``dispatch_silence_s``: silence after which an
+    instance gets no new work (it keeps what it runs until ``heartbeat_timeout_s``). ``max_attempts``: dispatches of one response
     before its step fails. ``stream_every_tokens`` / ``stream_every_s``: the engines' streaming cadence (sent in
     ``Welcome``). ``dispatch_policy``: ``jsq`` (RLBoost) or ``round_robin`` (ablation). ``balance``: continuous
     balancing on, every ``balance_every_s``. ``relay_fanout``: pullers a relay holder serves (0: relay off);
@@ -26,6 +27,7 @@ class ManagerSettings:
     heartbeat_s: float = D.HEARTBEAT_S
     heartbeat_timeout_s: float = D.HEARTBEAT_TIMEOUT_S
     instance_expiry_s: float = D.INSTANCE_EXPIRY_S
+    dispatch_silence_s: float = D.DISPATCH_SILENCE_S
     max_attempts: int = D.MAX_ATTEMPTS
     stream_every_tokens: int = D.STREAM_EVERY_TOKENS
     stream_every_s: float = D.STREAM_EVERY_S
@@ -42,15 +44,9 @@ class ManagerSettings:
         m = cfg.manager
         return cls(pending_limit=m.pending_limit, heartbeat_s=m.heartbeat_s,
                    heartbeat_timeout_s=m.heartbeat_timeout_s, instance_expiry_s=m.instance_expiry_s,
+                   dispatch_silence_s=m.dispatch_silence_s,
                    max_attempts=m.max_attempts, stream_every_tokens=cfg.rollout.stream_every_tokens,
                    stream_every_s=cfg.rollout.stream_every_s, dispatch_policy=cfg.policy.dispatch,
                    balance=cfg.policy.balance, balance_every_s=cfg.policy.balance_every_s,
                    relay_fanout=cfg.weights.relay_fanout if cfg.weights.relay else 0,
                    relay_trainer_fanout=cfg.weights.relay_trainer_fanout)
-
-    def core_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of :class:`~rlboost_hpc.manager.core.ManagerCore` (what ``spawn_manager`` takes as
-        ``params``; picklable, so they cross to the spawned process): ``balance`` becomes a fresh ``Balancer``."""
-        kw = asdict(self)
-        kw["balancer"] = Balancer() if kw.pop("balance") else None
-        return kw

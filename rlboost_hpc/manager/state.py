@@ -123,6 +123,7 @@ class Request:
     state: RequestState = RequestState.QUEUED
     instance: str | None = None
     attempts: int = 0
+    assigned_at: float = 0.0  # when it was last dispatched (manager clock, seconds)
     prefer: str | None = None  # the instance the balancer moved it toward: its next dispatch goes there if it can
     migrations: int = 0
     instances: list[str] = field(default_factory=list)

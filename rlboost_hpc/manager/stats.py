@@ -2,10 +2,28 @@
 one :class:`~rlboost_hpc.protocol.stats.ManagerStats` (what ``GetStats`` answers, the report and Prometheus read)."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import msgspec
 
 from rlboost_hpc.manager.state import InstanceState as S, RequestState as R
+from rlboost_hpc.observe.histogram import PULL_BUCKETS_S, SILENCE_BUCKETS_S, STEP_BUCKETS_S, Histogram
 from rlboost_hpc.protocol.stats import InstanceSnapshot, ManagerStats
+
+
+@dataclass
+class ManagerDistributions:
+    """The manager's distributions (seconds), each a bounded :class:`Histogram` — a week-long run makes ~10^6
+    weight pulls and ~10^5 steps, and neither its memory nor a scrape may grow with them.
+
+    ``pull_seconds``: each verified weight pull (``WeightsLoaded.pull_s``). ``step_seconds``: each RL step's wall time
+    (``StepTimes.wall_s``). ``silence_seconds``: each silence between two messages of one instance longer than two
+    heartbeat intervals (a missed heartbeat), measured when it spoke again — what ``heartbeat_timeout_s`` is chosen
+    from."""
+
+    pull_seconds: Histogram = field(default_factory=lambda: Histogram(PULL_BUCKETS_S))
+    step_seconds: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS_S))
+    silence_seconds: Histogram = field(default_factory=lambda: Histogram(SILENCE_BUCKETS_S))
 
 
 def manager_stats(core) -> ManagerStats:
@@ -36,7 +54,7 @@ def manager_stats(core) -> ManagerStats:
         routable_preemptible=sum(1 for i in core.instances.values() if i.kind == "preemptible" and core.routable(i)),
         live_preemptible=sum(1 for i in core.instances.values()
                              if i.kind == "preemptible" and i.state not in (S.GONE, S.SUSPECT)),
-        pull_seconds_mean=(sum(core.pull_seconds) / len(core.pull_seconds)) if core.pull_seconds else 0.0,
+        pull_seconds_mean=core.dist.pull_seconds.mean(),
         failed_step=core.failed_step,
         last_step_remote=core.last_step_remote,
         last_step_activity=core.last_step_activity,

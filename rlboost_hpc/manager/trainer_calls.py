@@ -138,7 +138,7 @@ class TrainerCalls:
 
     def _on_StepTimes(self, peer: bytes, inst: Instance | None, msg: M.StepTimes) -> None:
         if self._trainer_only(peer, "step-times"):
-            self.step_seconds.append(msg.wall_s)
+            self.dist.step_seconds.observe(msg.wall_s)
             self.step_fixed_overhead_s += msg.fixed_overhead_s
             self.last_step_mismatch = dict(msg.mismatch)
             for phase, sec in msg.phases.items():

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector, start_http_se
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from rlboost_hpc.observe.histogram import Histogram
 from rlboost_hpc.protocol.stats import ManagerStats
 
 COUNTERS = {
@@ -28,6 +29,8 @@ COUNTERS = {
     "instances_drained": "instances retired on purpose (scavenger drain, lowered cap, run end)",
     "instances_suspected": "instances that went silent past the heartbeat deadline (taken out of routing)",
     "instances_recovered": "suspect instances that spoke again and returned without re-registering",
+    "responses_assigned_to_vanished": "responses assigned to an instance after its last message and taken back "
+                                      "when it was suspected (work handed to a node that had already vanished)",
     "instances_fenced": "instances fenced (bad version, bad delta, failed weight load)",
     "weight_loads": "complete, verified weight versions loaded by instances",
     "weight_load_failures": "failed weight pulls or loads",
@@ -81,19 +84,14 @@ class SnapshotCollector:
             return self._snap
 
 
-#: Upper bounds (seconds) of the step duration histogram: a demo step to a 70B model's long-response step.
-STEP_BUCKETS_S = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
-#: Upper bounds (seconds) of the weight-pull duration histogram: a 1 MB demo model to a 140 GB 70B model.
-PULL_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-
-
 @dataclass(frozen=True)
 class _ManagerSnapshot:
-    """What one scrape reads: the manager's stats and its step / pull durations (seconds)."""
+    """What one scrape reads: the manager's stats, its step / pull durations and instance silences (seconds)."""
 
     stats: ManagerStats
-    pull_seconds: list[float]
-    step_seconds: list[float]
+    pull_seconds: Histogram
+    step_seconds: Histogram
+    silence_seconds: Histogram
     step_phase_s: dict[str, float]
     step_fixed_overhead_s: float
 
@@ -113,8 +111,10 @@ class ManagerMetrics(SnapshotCollector):
 
     def refresh(self, core) -> None:
         """Take a snapshot of ``core`` (call from the manager's loop)."""
-        self.publish(_ManagerSnapshot(stats=core.stats(), pull_seconds=list(core.pull_seconds),
-                                      step_seconds=list(core.step_seconds), step_phase_s=dict(core.step_phase_s),
+        d = core.dist
+        self.publish(_ManagerSnapshot(stats=core.stats(), pull_seconds=d.pull_seconds.copy(),
+                                      step_seconds=d.step_seconds.copy(), silence_seconds=d.silence_seconds.copy(),
+                                      step_phase_s=dict(core.step_phase_s),
                                       step_fixed_overhead_s=core.step_fixed_overhead_s))
 
     def collect(self):
@@ -161,10 +161,11 @@ class ManagerMetrics(SnapshotCollector):
             m.add_metric(run, float(val))
             yield m
         yield _histogram("rlboost_weight_pull_duration_seconds",
-                         "verified weight pulls by duration (pull + verify + load)", run, PULL_BUCKETS_S,
-                         snap.pull_seconds)
-        yield _histogram("rlboost_step_duration_seconds", "RL steps by wall time", run, STEP_BUCKETS_S,
-                         snap.step_seconds)
+                         "verified weight pulls by duration (pull + verify + load)", run, snap.pull_seconds)
+        yield _histogram("rlboost_step_duration_seconds", "RL steps by wall time", run, snap.step_seconds)
+        yield _histogram("rlboost_instance_silence_seconds", "silences between a rollout instance's messages longer "
+                         "than two heartbeat intervals, measured when it spoke again (what heartbeat_timeout_s is "
+                         "chosen from)", run, snap.silence_seconds)
         yield self._counter_by("rlboost_step_phase_seconds", "trainer step wall time by phase (parts of the steps' "
                                "wall time)", "phase", snap.step_phase_s)
         fo = CounterMetricFamily("rlboost_step_fixed_overhead_seconds", "step wall time in which no engine "
@@ -201,10 +202,9 @@ class ManagerMetrics(SnapshotCollector):
         return c
 
 
-def _histogram(name: str, doc: str, run: list[str], bounds: tuple[float, ...], values: list[float]):
+def _histogram(name: str, doc: str, run: list[str], hist: Histogram):
     h = HistogramMetricFamily(name, doc, labels=["run"])
-    buckets = [(repr(b), sum(1 for x in values if x <= b)) for b in bounds] + [("+Inf", len(values))]
-    h.add_metric(run, buckets, float(sum(values)))
+    h.add_metric(run, hist.cumulative(), float(hist.total))
     return h
 
 

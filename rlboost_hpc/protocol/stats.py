@@ -40,6 +40,9 @@ class ManagerCounters(msgspec.Struct, kw_only=True):
     balancer_moves: int = 0
     instances_suspected: int = 0
     instances_recovered: int = 0
+    # responses assigned to an instance after its last message and taken back when it was suspected: work handed
+    # to a node that had already vanished
+    responses_assigned_to_vanished: int = 0
     instances_expired: int = 0
     suspected_while_pulling: int = 0
     recovered_while_pulling: int = 0
