@@ -15,17 +15,29 @@ per step, messages (received + sent by the manager, every kind) per token, manag
 peak RSS per instance, scrape bytes and time, journal and event-log bytes per step, lost / duplicated /
 off-version; then each cost's growth exponent in N (log-log slope between the smallest and the largest N).
 
+Liveness (issue 29 item 8): per N, the silences longer than two heartbeats the manager measured
+(``rlboost_instance_silence_seconds``: how many, the bucket bound of the 99th percentile and of the longest) —
+what ``manager.heartbeat_timeout_s`` must exceed on that host. With ``--vanish S``, once step 2 starts one worker
+process (its K instances) is stopped with SIGSTOP — a node that vanished without closing its connections — and
+killed S seconds later; printed: responses handed to it after its last message
+(``rlboost_responses_assigned_to_vanished_total``). ``--silence`` runs each N twice, with
+``manager.dispatch_silence_s`` at its default and at 10^9 s (the rule off), interleaved.
+
 What it does not measure (yet): SetVersion → every instance serving, trainer egress ÷ S,
 the scavenger at 64 Slurm nodes, multi-GB weight versions.
 
-Usage: python benchmarks/bench_scale.py [--n 4 16 64] [--steps 6] [--per-process 16] [--set key=value ...]
+Usage: python benchmarks/bench_scale.py [--n 4 16 64] [--steps 6] [--per-process 16] [--vanish 8] [--silence]
+[--set key=value ...]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
+import random
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -61,10 +73,12 @@ def _metric(text: str, name: str) -> float:
 class Sampler(threading.Thread):
     """Scrapes the run's manager endpoint and samples the worker processes until ``stop`` is set."""
 
-    def __init__(self, out: Path, proc: subprocess.Popen) -> None:
+    def __init__(self, out: Path, proc: subprocess.Popen, vanish_s: float = 0.0) -> None:
         super().__init__(daemon=True)
         self.out, self.proc, self.stop = out, proc, threading.Event()
+        self.vanish_s, self.vanished_at = vanish_s, None
         self.last: dict[str, float] = {}
+        self.text = ""
         self.scrape_bytes = self.scrape_ms_max = 0.0
         self.scrape_ms: list[float] = []
         self.worker_rss_max = 0
@@ -84,8 +98,10 @@ class Sampler(threading.Thread):
                     t0 = time.perf_counter()
                     body = urllib.request.urlopen(url, timeout=2).read()
                     ms = 1e3 * (time.perf_counter() - t0)
-                    text = body.decode()
+                    text = self.text = body.decode()
                     self.scrape_ms.append(ms)
+                    if self.vanish_s and self.vanished_at is None and _metric(text, "rlboost_step") >= 2:
+                        self._vanish()
                     self.scrape_bytes = max(self.scrape_bytes, len(body))
                     self.last = {"cpu_s": _metric(text, "process_cpu_seconds_total"),
                                  "rss": _metric(text, "process_resident_memory_bytes"),
@@ -104,15 +120,44 @@ class Sampler(threading.Thread):
                 pass
             self.stop.wait(0.5)
 
+    def _vanish(self) -> None:
+        """SIGSTOP one worker process now (no connection closes), SIGKILL it ``vanish_s`` later."""
+        workers = [c for c in psutil.Process(self.proc.pid).children(recursive=True)
+                   if "rlboost_hpc.rollout.worker" in " ".join(c.cmdline())]
+        if not workers:
+            return
+        victim = random.Random(0).choice(sorted(workers, key=lambda c: c.pid))
+        os.kill(victim.pid, signal.SIGSTOP)
+        self.vanished_at = time.monotonic()
+        threading.Timer(self.vanish_s, lambda: _kill(victim.pid)).start()
 
-def one_point(n: int, steps: int, per_process: int, extra: list[str], out: Path) -> dict:
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def silences(text: str) -> dict:
+    """The manager's silence histogram from a scrape: count, and the bucket bounds of the p99 and the longest."""
+    buckets = [(float(le) if le != "+Inf" else math.inf, float(v)) for le, v in re.findall(
+        r'^rlboost_instance_silence_seconds_bucket{le="([^"]+)",run="[^"]*"} ([0-9.e+]+)$', text, re.M)]
+    buckets.sort()
+    count = buckets[-1][1] if buckets else 0.0
+    p99 = next((le for le, v in buckets if v >= 0.99 * count), math.nan) if count else 0.0
+    longest = next((le for le, v in buckets if v >= count), math.nan) if count else 0.0
+    return {"silences": int(count), "silence_p99_le": p99, "silence_max_le": longest}
+
+
+def one_point(n: int, steps: int, per_process: int, extra: list[str], out: Path, vanish_s: float = 0.0) -> dict:
     args = [sys.executable, "-m", "rlboost_hpc.cli", "run", "--config", str(ROOT / "configs/local.toml"),
             "--out", str(out), "--no-progress"]
     for o in settings(n, steps, per_process) + extra:
         args += ["--set", o]
     t0 = time.monotonic()
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    sampler = Sampler(out, proc)
+    sampler = Sampler(out, proc, vanish_s)
     sampler.start()
     _, err = proc.communicate()
     sampler.stop.set()
@@ -139,6 +184,10 @@ def one_point(n: int, steps: int, per_process: int, extra: list[str], out: Path)
         "preemptions": rep["preemptions"], "migrated": rep["responses_migrated"],
         "suspected": rep["instances_suspected"],
         "lost/dup/off": f"{rep['responses_lost']}/{rep['responses_duplicated']}/{rep['tokens_trained_off_version']}",
+        "silence_rule": "off" if any("dispatch_silence_s" in o for o in extra) else "on",
+        "to_vanished": int(_metric(sampler.text, "rlboost_responses_assigned_to_vanished_total")),
+        "step_s": rep["train_wall_s"] / rep["steps"],
+        **silences(sampler.text),
     }
 
 
@@ -147,23 +196,34 @@ def main() -> None:
     ap.add_argument("--n", type=int, nargs="+", default=[4, 16, 64], help="instance counts N")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--per-process", type=int, default=16, help="emulated instances per worker process")
+    ap.add_argument("--vanish", type=float, default=0.0, metavar="S",
+                    help="SIGSTOP one worker process at step 2, SIGKILL it S seconds later (0: never)")
+    ap.add_argument("--silence", action="store_true", help="each N also with manager.dispatch_silence_s = 1e9")
     ap.add_argument("--set", action="append", default=[], help="more config overrides (key=value)")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-scale-"))
     rows = []
+    arms = [[], ["manager.dispatch_silence_s=1e9"]] if a.silence else [[]]
     for n in a.n:
-        rows.append(one_point(n, a.steps, a.per_process, a.set, tmp / f"n{n}"))
-        print(f"N={n}: done in {rows[-1]['wall_s']:.0f} s", file=sys.stderr, flush=True)
+        for j, arm in enumerate(arms):
+            rows.append(one_point(n, a.steps, a.per_process, a.set + arm, tmp / f"n{n}-{j}", a.vanish))
+            print(f"N={n}: done in {rows[-1]['wall_s']:.0f} s", file=sys.stderr, flush=True)
     cols = [("N", "{}"), ("K", "{}"), ("steps", "{}"), ("tokens", "{:,.0f}"), ("mgr_cpu_s", "{:.2f}"),
             ("mgr_cpu_per_Mtok", "{:.1f}"), ("mgr_cpu_per_step", "{:.3f}"), ("msgs_per_tok", "{:.3f}"),
             ("mgr_rss_MiB", "{:.0f}"),
             ("worker_rss_MiB_per_inst", "{:.1f}"), ("scrape_KiB", "{:.1f}"), ("scrape_ms_p50", "{:.1f}"),
             ("scrape_ms_max", "{:.1f}"), ("journal_B_per_step", "{:.0f}"), ("events_B_per_step", "{:.0f}"),
             ("preemptions", "{}"), ("migrated", "{}"), ("suspected", "{}"), ("lost/dup/off", "{}")]
-    print("| " + " | ".join(c for c, _ in cols) + " |")
-    print("|" + " --- |" * len(cols))
-    for r in rows:
-        print("| " + " | ".join(f.format(r[c]) for c, f in cols) + " |")
+    live = [("N", "{}"), ("silence_rule", "{}"), ("step_s", "{:.2f}"), ("silences", "{}"),
+            ("silence_p99_le", "{}"), ("silence_max_le", "{}"), ("suspected", "{}"), ("to_vanished", "{}"),
+            ("lost/dup/off", "{}")]
+    for table in (cols, live):
+        print("| " + " | ".join(c for c, _ in table) + " |")
+        print("|" + " --- |" * len(table))
+        for r in rows:
+            print("| " + " | ".join(f.format(r[c]) for c, f in table) + " |")
+        print()
+    rows = [r for r in rows if r["silence_rule"] == "on"]
     if len(rows) >= 2:
         lo, hi = rows[0], rows[-1]
         print(f"\ngrowth exponent in N (log-log slope, N = {lo['N']} → {hi['N']}; 0 = flat, 1 = linear):")

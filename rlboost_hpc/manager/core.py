@@ -302,7 +302,6 @@ class ManagerCore(TrainerCalls):
             self.counters.instances_expired += 1
         self._set_state(inst, S.GONE)
         self.activity.forget(inst.key)
-        self.balancer.forget(inst.key)
         inst.gone_reason = reason
         self.by_peer.pop(inst.peer, None)
         # A gone attempt leaves the registry, so that nothing a week-long run does per tick or per dispatch grows
