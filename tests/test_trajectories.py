@@ -437,7 +437,7 @@ def test_gsm8k_with_the_calculator_on_a_chat_model_renders_tool_messages(tmp_pat
     out = tmp_path / "run"
     p = run_cli(repo, out, f"model.path='{d}'", "task.name=gsm8k_tools", "task.max_turns=3",
                 "task.tool_call_close='Ġthe'", "trainer.steps=2", "task.train_prompts=16", "task.heldout_prompts=2",
-                "trainer.eval_samples=1", "rollout.prompts_per_step=8", "rollout.max_new_tokens=32",
+                "trainer.eval_samples=1", "rollout.prompts_per_step=16", "rollout.max_new_tokens=32",
                 "weights.dtype=float32", f"cluster.trace='{trace}'", "cluster.time_scale=1.0", "cluster.replay_s=120",
                 "cluster.window_start_s=0", "cluster.max_workers=2", "cluster.min_changes=0", "cluster.min_removals=0",
                 "cluster.min_starts=0", "cluster.preempt_when_busy=true", "policy.cap=false")
@@ -445,7 +445,7 @@ def test_gsm8k_with_the_calculator_on_a_chat_model_renders_tool_messages(tmp_pat
     rep = json.loads((out / "report.json").read_text())
     why = diagnose(p, out)
     assert rep["model"]["chat_template"] is True and rep["steps"] == 2, why
-    assert rep["responses_trained"] == 2 * 8 * 8 and rep["responses_lost"] == 0, why
+    assert rep["responses_trained"] == 2 * 16 * 8 and rep["responses_lost"] == 0, why
     assert rep["responses_duplicated"] == 0 and rep["tokens_trained_off_version"] == 0, why
     assert rep["environment_calls"] > 0 and rep["turns_per_trajectory_mean"] > 1.0, why
     assert rep["observation_tokens"] >= 10 * rep["environment_calls"], why  # a ChatML tool message: ≥ 10 tokens
