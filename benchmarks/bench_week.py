@@ -8,7 +8,7 @@ turn), the trainer's StepTimes, and ``--churn`` preemptions (a Deregister with c
 job's next attempt registering). Defaults: 10^5 steps and 10^6 pulls, 10^5 preemptions — a week of ~6 s steps.
 No tokens are streamed (``bench_scale.py`` measures the token path); the clock advances 6 s per step.
 
-At each checkpoint (steps 10^2 … 10^5) it prints: the manager's traced Python memory (tracemalloc, MiB); the mean
+At each checkpoint (steps 10^2 … 10^5) it prints: the process's resident memory (MiB, psutil); the mean
 time of one ``tick`` (liveness + dispatch, what the manager runs every 20 ms) over 200 ticks; one scrape's time
 (``refresh`` + ``generate_latest``) and size; the number of instance records the core keeps. Bounded means: flat
 after the first checkpoint.
@@ -21,8 +21,8 @@ import argparse
 import os
 import sys
 import time
-import tracemalloc
 
+import psutil
 from prometheus_client import CollectorRegistry, generate_latest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -58,8 +58,7 @@ def measure(core: ManagerCore, clock: Clock) -> dict:
         core.tick()
     tick_s = (time.perf_counter() - t0) / 200
     core.outbox.clear()
-    mem, _ = tracemalloc.get_traced_memory()
-    return dict(mem_mib=mem / 2**20, tick_us=tick_s * 1e6, scrape_ms=scrape_s * 1e3, scrape_kib=len(text) / 1024,
+    return dict(mem_mib=psutil.Process().memory_info().rss / 2**20, tick_us=tick_s * 1e6, scrape_ms=scrape_s * 1e3, scrape_kib=len(text) / 1024,
                 records=len(core.instances))
 
 
@@ -70,7 +69,6 @@ def main() -> int:
     ap.add_argument("--pulls-per-step", type=int, default=10)
     ap.add_argument("--churn", type=int, default=1, help="preemptions (and requeued attempts) per step")
     a = ap.parse_args()
-    tracemalloc.start()
     clock = Clock()
     core = ManagerCore(clock=clock)
     core.on_message(TRAINER, M.TrainerHello(weights_endpoint="tcp://w:1", model_config={}))
@@ -83,7 +81,7 @@ def main() -> int:
     checkpoints = {10 ** k for k in range(2, 8)} | {a.steps}
     print(f"{a.instances} instances, {a.pulls_per_step} pulls and {a.churn} preemptions per step, {STEP_S:.0f} s "
           f"steps (compressed)")
-    print("| steps | pulls | preemptions | traced MiB | tick µs | scrape ms | scrape KiB | instance records |")
+    print("| steps | pulls | preemptions | RSS MiB | tick µs | scrape ms | scrape KiB | instance records |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     pulls = preempted = 0
     wall0 = time.perf_counter()

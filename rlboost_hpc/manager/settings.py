@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from rlboost_hpc import defaults as D
-from rlboost_hpc.config import RunConfig
+
+if TYPE_CHECKING:  # the manager process never needs the config models (pydantic): only their values cross
+    from rlboost_hpc.config import RunConfig
 
 
 @dataclass(frozen=True)
