@@ -2,7 +2,10 @@
 
 Writers: the scavenger daemon (``submitted``, ``adopted``, ``started``, ``requeued``, ``finished``,
 ``cancelled``), the embedded local cluster (``started``, ``finished``: one per attempt), rollout jobs
-(``worker_started``, ``warned`` with its ``cause``, ``tokens``), anything else that follows the format.
+(``worker_started``, ``instance_ready`` with the seconds of each start-up phase at its first token —
+``process_start->agent_start_s``, ``agent_start->welcome_s``, ``welcome->weights_loaded_s``,
+``weights_loaded->first_token_s`` —, ``warned`` with its ``cause``, ``tokens``), anything else that follows the
+format.
 
 Record format (every line): ``{"ts": <epoch seconds, float>, "event": <str>, ...}``; job records carry
 ``"job_id": <str>`` and the attempt (``"restart_cnt"`` from the daemon, ``"attempt"`` from rollout jobs —

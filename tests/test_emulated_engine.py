@@ -241,6 +241,8 @@ def test_sixty_four_emulated_instances_on_the_local_cluster_lose_nothing(repo_ro
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     started = {e["job_id"] for e in events if e.get("event") == "worker_started"}
     assert {f"local-slot{s}.{i}" for s in range(4) for i in range(16)} <= started, sorted(started)[:20]
+    ready = [e for e in events if e.get("event") == "instance_ready"]  # the simulator's boot_s comes from these
+    assert ready and all(e["process_start->agent_start_s"] >= 0 and "welcome->weights_loaded_s" in e for e in ready)
 
 
 def test_heterogeneous_gpus_each_instance_runs_at_the_speed_its_identity_draws():

@@ -211,6 +211,7 @@ class RolloutAgent:
         self.manager_endpoint = manager_endpoint
         self.relay_endpoint = relay_endpoint  # where this instance serves the versions it holds ("" = it does not)
         self.relay_wait_s = relay_wait_s  # longest wait for relay capacity before pulling from the trainer
+        self.on_ready: Callable[[dict[str, float]], None] | None = None  # told startup_phases() at the first token
         self.want_peers: list[str] = []
         self.keys = keys
         self.job_id, self.attempt, self.kind = job_id, attempt, kind
@@ -592,6 +593,8 @@ class RolloutAgent:
             if "first_token" in self.timings and not self._startup_logged:
                 self._startup_logged = True
                 log.info("startup phases %s", json.dumps(self.startup_phases()))
+                if self.on_ready is not None:
+                    self.on_ready(self.startup_phases())
             self._weights_step()
 
 

@@ -349,6 +349,8 @@ class _Instance:
             relay_wait_s=w.relay_wait_s, weight_source_factory=lambda ep, shards="": self.weights.source(ep, keys, shards))
         if os.environ.get("SLURM_JOB_ID"):
             agent.cause_settle_s = SLURM_CAUSE_SETTLE_S
+        agent.on_ready = lambda phases: _event(a.run_dir, {"event": "instance_ready", "source": "worker",
+                                                            "job_id": a.job_id, "attempt": a.attempt, **phases})
         return agent
 
     def close(self, agent) -> None:

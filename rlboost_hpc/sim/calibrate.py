@@ -12,7 +12,8 @@ Calibration (every number from the run directory; nothing fitted to N_prem itsel
 * **Workload**: ``rollout.prompts_per_step`` × ``group_size``, responses up to ``max_new_tokens`` with the run's
   median mean length, prompts of the run's mean prompt length.
 * **Instances**: one reserved engine and 1-GPU-equivalent instances (N_resv = the run's ``n_resv``), start-up
-  ``boot_s`` (1 s: the measured worker start → first token of ``benchmarks/bench_worker_startup.py``), no
+  ``boot_s``: the median process start → weights loaded of the run's own instances (their ``instance_ready``
+  events in ``events.jsonl``; 1 s, ``benchmarks/bench_worker_startup.py``'s figure, when it has none), no
   co-located switch costs (the reserved engine and the trainer share a process).
 * **Capacity**: the local cluster's replay plan (the same trace, window, time scale and cap as the run, rebuilt
   deterministically); under Slurm the caller's capacity series (the scavenger's live + idle slots, at most
@@ -87,8 +88,9 @@ def _availability(cfg: dict, capacity: list[tuple[float, float]] | None) -> Avai
         from rlboost_hpc.cluster.local import replay_plan
 
         plan, _ = replay_plan(LocalClusterCfg(**{k: v for k, v in c.items() if k != "kind"}, kind="local"))
-        events = tuple(TraceEvent(a.at_s, "add" if a.action == "start" else "remove", f"slot{a.slot}")
-                       for a in plan)
+        k = c.get("instances_per_worker", 1)  # a slot is one worker process hosting k instances
+        events = tuple(TraceEvent(a.at_s, "add" if a.action == "start" else "remove", f"slot{a.slot}.{i}")
+                       for a in plan for i in range(k))
         return Availability((), events, "local replay plan")
     if not capacity:
         raise CalibrationError("a Slurm run needs its capacity over time (the scavenger's reconcile log)")
@@ -104,11 +106,27 @@ def _availability(cfg: dict, capacity: list[tuple[float, float]] | None) -> Avai
     return Availability((), tuple(events), "scavenger capacity")
 
 
+#: Start-up phases before an instance can serve (``instance_ready`` events), what the simulator's ``boot_s`` is.
+BOOT_PHASES = ("process_start->agent_start_s", "agent_start->welcome_s", "welcome->weights_loaded_s")
+
+
+def measured_boot_s(run_dir: str | Path, default_s: float = 1.0) -> float:
+    """Median seconds from a rollout instance's process start to its weights loaded, over the run's
+    ``instance_ready`` events; ``default_s`` when there are none (a run from before the event existed)."""
+    from rlboost_hpc.events import read_events
+
+    boots = [sum(e[k] for k in BOOT_PHASES) for e in read_events(run_dir)
+             if e.get("event") == "instance_ready" and all(isinstance(e.get(k), (int, float)) for k in BOOT_PHASES)]
+    return statistics.median(boots) if boots else default_s
+
+
 def simulate_run(run_dir: str | Path, *, capacity: list[tuple[float, float]] | None = None,
-                 boot_s: float = 1.0) -> dict[str, Any]:
+                 boot_s: float | None = None) -> dict[str, Any]:
     """Simulate ``run_dir``'s run (see the module docstring); ``capacity``: for a Slurm run, instances the run
-    could hold over time (seconds since the run started, count), e.g. the scavenger's live + idle slots. Returns ``{"steps": [{"step", "t_end_s", "cap_next",
-    "t_seed_s"}...], "profile": {...}}`` — ``cap_next`` is the simulator's N_prem after each step.
+    could hold over time (seconds since the run started, count), e.g. the scavenger's live + idle slots. Returns
+    ``{"steps": [{"step", "t_end_s", "step_s", "tokens", "cap_next", "t_seed_s", "n_remote"}...], "profile": {...}}``
+    — ``cap_next`` is the simulator's N_prem after each step, ``step_s`` its wall seconds, ``tokens`` the tokens it
+    trained, ``n_remote`` the preemptible instances that served it.
 
     Raises:
         CalibrationError: config.json, metrics.jsonl or report.json missing, or no decode measurement.
@@ -131,8 +149,10 @@ def simulate_run(run_dir: str | Path, *, capacity: list[tuple[float, float]] | N
     prompt = max(1.0, statistics.fmean((m["tokens"] - n * m["response_len_mean"]) / n for m in steps))
     wl = Workload(prompts=r["prompts_per_step"], group=r["group_size"], max_response=r["max_new_tokens"],
                   min_response=1, response_median=max(1.0, resp), sigma_prompt=0.3, sigma_response=0.3,
-                  prompt_median=prompt, micro_batch=cfg["trainer"]["micro_batch"])
+                  prompt_median=prompt, micro_batch=cfg["trainer"]["micro_batch"], min_prompt=1)
     n_resv = float(rep.get("n_resv") or 1.0)
+    if boot_s is None:
+        boot_s = measured_boot_s(run_dir)
     prof = CalibratedProfile(
         ModelSpec("live", 1e6, 1, 64, 1, 1, 64), reserved_nodes=1, gpus_per_node=max(1, round(n_resv)),
         reserved_tp=1, instance_tp=1, switch_to_rollout_s=0.0, switch_to_train_s=0.0, optimizer_s=0.0,
@@ -146,7 +166,8 @@ def simulate_run(run_dir: str | Path, *, capacity: list[tuple[float, float]] | N
     sim = Simulation(prof, system, _availability(cfg, capacity), duration_s=1e9, max_steps=len(steps),
                      seed=cfg["trainer"].get("seed", 0), model_name="live")
     res = sim.run()
-    return {"steps": [{"step": row["step"], "t_end_s": row["t_end"], "cap_next": row["cap_next"],
-                       "t_seed_s": row["t_seed_s"]} for row in res.timeline],
+    return {"steps": [{"step": row["step"], "t_end_s": row["t_end"], "step_s": row["step_s"], "tokens": row["tokens"],
+                       "cap_next": row["cap_next"], "t_seed_s": row["t_seed_s"], "n_remote": row["n_remote"]}
+                      for row in res.timeline],
             "profile": {"decode_a_s": perf.a, "decode_b_s": perf.b, "train_s_per_token": train_s_per_token,
                         "response_median": resp, "prompt_mean": prompt, "n_resv": n_resv, "boot_s": boot_s}}

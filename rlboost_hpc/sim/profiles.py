@@ -129,7 +129,7 @@ class Workload:
 
     Response lengths (estimate, see docs/simulator.md): each prompt draws a median ``exp(N(ln median, σ_p))``
     and each of its ``group`` responses ``median·exp(N(0, σ_r))``, clipped to ``[min_response, max_response]``.
-    Prompt lengths: ``exp(N(ln prompt_median, 0.4))`` clipped to ``[32, 2048]``.
+    Prompt lengths: ``exp(N(ln prompt_median, 0.4))`` clipped to ``[min_prompt, 2048]``.
     """
 
     prompts: int = 128
@@ -141,6 +141,7 @@ class Workload:
     sigma_response: float = 0.45
     prompt_median: float = 220.0
     micro_batch: int = 16
+    min_prompt: int = 32
 
 
 @dataclass(frozen=True)

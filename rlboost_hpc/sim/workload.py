@@ -28,7 +28,7 @@ class StepWork:
 def step_work(w: Workload, seed: int, step: int) -> StepWork:
     """Draw step ``step``'s prompt and response lengths (see :class:`~rlboost_hpc.sim.profiles.Workload`)."""
     rng = np.random.default_rng([seed, step])
-    p = np.clip(np.exp(rng.normal(np.log(w.prompt_median), 0.4, w.prompts)), 32, 2048).astype(np.int64)
+    p = np.clip(np.exp(rng.normal(np.log(w.prompt_median), 0.4, w.prompts)), w.min_prompt, 2048).astype(np.int64)
     med = np.exp(rng.normal(np.log(w.response_median), w.sigma_prompt, w.prompts))
     r = med[:, None] * np.exp(rng.normal(0.0, w.sigma_response, (w.prompts, w.group)))
     r = np.clip(r, w.min_response, w.max_response).astype(np.int64).reshape(-1)
