@@ -312,6 +312,43 @@ def test_co_located_fallback_without_preemptible_instances():
     assert core.routable(core.instances["reserved#0"])
 
 
+def test_the_fallbacks_seconds_are_reported_so_the_trainer_does_not_count_them_as_waiting():
+    """Regression (bench_live_vs_sim: live T_seed 1.4 s after step 0 where the simulator's was 0.45 s): seeding closed
+    with no remote instance up, the reserved engine kept generating (the co-located fallback) and the trainer
+    counted all of it as waiting for data. The manager now measures the fallback — from the close to the first
+    preemptible instance pulling or ready, as the simulator keeps seeding open until then — and reports it with
+    the step."""
+    core, clock = make(pending_limit=8)
+    register(core, b"r", "reserved", kind="reserved")
+    submit(core, n=4)
+    core.tick()
+    assert len(core.instances["reserved#0"].inflight) == 4
+    clock.t = 1.0
+    core.on_message(TRAINER, M.CloseSeeding(step=0))  # no preemptible instance: fallback from t = 1
+    for t in (1.8, 2.6, 3.5):  # the reserved engine generates (and heartbeats) on
+        clock.t = t
+        core.on_message(b"r", M.Heartbeat(version=0, active=4, tokens_generated=0))
+        core.tick()
+    assert core.fallback_since == 1.0  # still no remote capacity
+    register(core, b"p", "p", version=None)  # booted: pulling from t = 3.5
+    clock.t = 3.6
+    core.tick()
+    assert core.fallback_since is None and core.step_fallback_s == pytest.approx(2.6)
+    for rid in sorted(core.requests):
+        core.on_message(b"r", tokens(rid, 0, [2], finish=M.FINISH_STOP))
+    core.on_message(TRAINER, M.SetVersion(version=1))
+    assert core.stats().last_step_remote.fallback_s == pytest.approx(2.6) and core.step_fallback_s == 0.0
+
+
+def test_a_step_whose_remote_capacity_was_up_at_the_close_has_no_fallback():
+    core, clock = make(pending_limit=8)
+    register(core, b"p", "p")
+    submit(core, n=2)
+    core.tick()
+    core.on_message(TRAINER, M.CloseSeeding(step=0))
+    assert core.fallback_since is None and core.step_fallback_s == 0.0
+
+
 def test_repeated_engine_failures_fail_the_step_not_train_it():
     core, _ = make(max_attempts=2)
     register(core, b"a", "a")

@@ -89,7 +89,7 @@ def test_live_manager_and_simulator_observe_the_same_step_and_decide_the_same(ba
     assert simulated.t_remote_s == pytest.approx((64 / 32 + 96 / 16) / 2)  # 4.0 s, not busy time (7.0 s)
     assert simulated.t_wait_remote_s == pytest.approx(3.0)  # not the mean idle time per instance (8.0 s)
     assert live == pytest.approx({"t_remote_s": simulated.t_remote_s, "t_wait_remote_s": simulated.t_wait_remote_s,
-                                  "n_remote": 2, "tokens": 160})
+                                  "n_remote": 2, "tokens": 160, "fallback_s": 0.0})
 
     def decide(rem) -> tuple:
         ctl = RolloutController(n_resv=1.0, seeding=SeedingWindow(initial_s=3.0, floor_s=0.2))

@@ -122,6 +122,7 @@ class ManagerCore(TrainerCalls):
         # per-step view of the preemptible pool (the observation law's records), when its last response completed
         self.step_remote: dict[str, StepWork] = {}
         self.step_rollout_done_at: float | None = None
+        self.fallback_since, self.step_fallback_s = None, 0.0  # the step's co-located fallback (StepRemote.fallback_s)
         self.last_step_remote = StepRemote()
         # instance-seconds busy / idle / pulling, and when some engine was generating (told after every change)
         self.activity = ActivityClock()
@@ -589,6 +590,8 @@ class ManagerCore(TrainerCalls):
         """Liveness (invariant 7: silent → suspect; suspect past the expiry → gone), then dispatch queued requests
         (JSQ with Θ)."""
         now = self.clock()
+        if self.fallback_since is not None:
+            self.end_fallback(now)
         for inst in list(self.instances.values()):
             if inst.state == S.SUSPECT:
                 if now - inst.suspect_since > self.instance_expiry_s:
@@ -602,6 +605,16 @@ class ManagerCore(TrainerCalls):
                 if inst.state not in (S.GONE, S.SUSPECT):
                     self.send(inst.peer, M.Alive(epoch=self.epoch))
         self.dispatch()
+
+    def end_fallback(self, now: float, *, force: bool = False) -> None:
+        """End the step's co-located fallback (seeding closed with no remote capacity) once a preemptible instance
+        is pulling or ready — remote capacity, as the simulator defines it — or when ``force`` (the rollout is done,
+        the step ends); its seconds add to ``step_fallback_s``."""
+        if self.fallback_since is None:
+            return
+        if force or any(i.kind == "preemptible" and i.state in (S.PULLING, S.READY) for i in self.instances.values()):
+            self.step_fallback_s += max(0.0, now - self.fallback_since)
+            self.fallback_since = None
 
     def _balance(self, now: float) -> None:
         """Invariant 6 (:func:`~rlboost_hpc.manager.balance.balance`)."""

@@ -63,9 +63,10 @@ class TrainerCalls:
         obs = observe_remote([RemoteWork(tokens=r.tokens, peak_tokens_per_s=r.peak, busy_s=r.last_s - r.first_s)
                               for r in self.step_remote.values()],
                              rollout_done_s=self.step_rollout_done_at, step_end_s=self.clock())
+        self.end_fallback(self.clock(), force=True)
         self.last_step_remote = StepRemote(t_remote_s=obs.t_remote_s, t_wait_remote_s=obs.t_wait_remote_s,
-                                           n_remote=obs.n_remote, tokens=obs.tokens)
-        self.step_remote, self.step_rollout_done_at = {}, None
+                                           n_remote=obs.n_remote, tokens=obs.tokens, fallback_s=self.step_fallback_s)
+        self.step_remote, self.step_rollout_done_at, self.step_fallback_s = {}, None, 0.0
         self.latest_version = msg.version
         self.latest_checksum = msg.checksum
         for i in self.instances.values():  # an instance holding the old version is pulling from now on
@@ -130,6 +131,9 @@ class TrainerCalls:
                     i.releasing |= set(rids)
                     released += len(rids)
                     self.send(i.peer, M.Release(rids=rids))
+        if not remote:  # the reserved engine keeps generating until remote capacity appears (end_fallback)
+            self.fallback_since = self.clock()
+            self.end_fallback(self.fallback_since)
         self.send(peer, M.Ok(what=f"closeseed released={released} remote={int(remote)}", cid=msg.cid))
 
     def _on_PolicyState(self, peer: bytes, inst: Instance | None, msg: M.PolicyState) -> None:
@@ -168,6 +172,7 @@ class TrainerCalls:
             return
         if grp.step == self.step and all(g.done >= len(g.rids) for g in self.groups.values() if g.step == self.step):
             self.step_rollout_done_at = self.clock()
+            self.end_fallback(self.step_rollout_done_at, force=True)
         if self.trainer_peer is None:
             return
         self._deliver(grp)

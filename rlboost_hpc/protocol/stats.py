@@ -81,12 +81,16 @@ class InstanceSnapshot(msgspec.Struct, kw_only=True):
 class StepRemote(msgspec.Struct, kw_only=True):
     """Remote (preemptible) rollout of the last finished step: seconds the remote instances generated
     (``t_remote_s``), seconds the trainer waited for them after the reserved engine finished
-    (``t_wait_remote_s``), how many took part (``n_remote``) and the tokens they generated."""
+    (``t_wait_remote_s``), how many took part (``n_remote``) and the tokens they generated; ``fallback_s``: seconds
+    after seeding closed with no remote capacity until a preemptible instance was pulling or ready (or the rollout
+    was done) — the co-located fallback, in which the reserved engine kept generating: seeding in all but name, so
+    the trainer does not count it as waiting for data."""
 
     t_remote_s: float = 0.0
     t_wait_remote_s: float = 0.0
     n_remote: int = 0
     tokens: int = 0
+    fallback_s: float = 0.0
 
 
 class StepActivity(msgspec.Struct, kw_only=True):

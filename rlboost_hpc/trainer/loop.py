@@ -341,7 +341,7 @@ class RLTrainer:
         tokens = sum(col.lens) + sum(len(ids) for _, ids in col.by_gid.values()) * s.group_size
         out = {
             "step": step, "version": self.version, "wall_s": wall, "t_seed_s": t_seed_actual,
-            "seeding_close": close.what, "t_wait_train_s": t_wait, "train_s": t_train,
+            "seeding_close": close.what, "train_s": t_train,
             "reward_mean": sum(col.rewards) / max(1, len(col.rewards)),
             "response_len_mean": sum(col.lens) / max(1, len(col.lens)),
             "responses": n_trained, "responses_migrated": col.n_mig, "tokens": tokens,
@@ -440,11 +440,13 @@ class RLTrainer:
         st = self.last_stats = self.client.stats()
         rem = st.last_step_remote
         avail = self.available()
+        t_wait_s = max(0.0, t_wait_s - rem.fallback_s)  # the reserved engine generated then: not a wait for data
         self.decision = self.controller.end_step(StepObservation(
             t_seed_s=t_seed_s, t_wait_train_s=t_wait_s, t_wait_remote_s=rem.t_wait_remote_s,
             t_remote_s=rem.t_remote_s, n_remote=rem.n_remote, t_train_s=t_train,
             n_instances_start=n_start, n_instances_end=st.live_preemptible, n_available=avail))
         self.client.send(M.PolicyState(t_seed_s=self.decision.t_seed_s, n_prem_cap=self.decision.n_prem_cap))
         return t_train, {"t_seed_next_s": self.decision.t_seed_s, "n_prem_cap": self.decision.n_prem_cap,
+                         "t_wait_train_s": t_wait_s, "fallback_s": rem.fallback_s,
                          "t_remote_s": rem.t_remote_s, "t_wait_remote_s": rem.t_wait_remote_s,
                          "n_remote": rem.n_remote, "n_available": avail}
