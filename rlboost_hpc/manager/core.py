@@ -20,7 +20,9 @@ Invariants (each has a test in tests/test_manager_core.py):
    A suspect that speaks again under the same identity returns without re-registering: to READY when it holds
    the latest version (else to PULLING, told the latest version), and is told to release what was taken from
    it. It is GONE (and told to register anew if it ever speaks again) only after ``instance_expiry_s`` of
-   silence, or when it deregisters.
+   silence, or when it deregisters; a gone attempt leaves the registry and only its identity is kept (the last
+   ``ENDED_KEPT``), so it can never register again. Before its deadline, an instance silent for
+   ``dispatch_silence_s`` gets no new work (it keeps what it runs).
 5. Resumed budget: a migrated request continues from prompt + generated ids with ``Work.tokens_left`` =
    ``max_new_tokens − generated`` (``max_new_tokens`` is always the original budget; what is left is
    ``tokens_left``); a delta that would exceed the budget is rejected.
@@ -590,8 +592,7 @@ class ManagerCore(TrainerCalls):
         """Liveness (invariant 7: silent → suspect; suspect past the expiry → gone), then dispatch queued requests
         (JSQ with Θ)."""
         now = self.clock()
-        if self.fallback_since is not None:
-            self.end_fallback(now)
+        self.end_fallback(now)
         for inst in list(self.instances.values()):
             if inst.state == S.SUSPECT:
                 if now - inst.suspect_since > self.instance_expiry_s:
@@ -625,9 +626,9 @@ class ManagerCore(TrainerCalls):
         instance with the fewest requests in flight, among those below min(Θ, its batch); the rest wait here
         (delayed dispatch). ``dispatch_policy="round_robin"`` is the ablation baseline.
 
-        An instance silent for more than ``dispatch_silence_s`` gets no new work while
-        it stays routable: a node that vanished without closing its connections (power loss, partition) keeps
-        its running responses until the heartbeat deadline suspects it, but takes no more with it."""
+        An instance silent for more than ``dispatch_silence_s`` gets no new work while it stays routable: a node
+        that vanished without closing its connections (power loss, partition) keeps its running responses until
+        the heartbeat deadline suspects it, but takes no more with it."""
         if not self.queue:
             return
         now = self.clock()
