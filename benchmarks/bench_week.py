@@ -45,7 +45,7 @@ class Clock:
         return self.t
 
 
-def measure(core: ManagerCore, clock: Clock) -> dict:
+def measure(core: ManagerCore) -> dict:
     mm = ManagerMetrics("week")
     reg = CollectorRegistry()
     reg.register(mm)
@@ -108,7 +108,7 @@ def main() -> int:
         core.tick()
         core.outbox.clear()
         if step in checkpoints:
-            r = measure(core, clock)
+            r = measure(core)
             print(f"| {step:,} | {pulls:,} | {preempted:,} | {r['mem_mib']:.1f} | {r['tick_us']:.0f} | "
                   f"{r['scrape_ms']:.1f} | {r['scrape_kib']:.1f} | {r['records']:,} |", flush=True)
     print(f"driven in {time.perf_counter() - wall0:.0f} s of wall time")
