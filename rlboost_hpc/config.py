@@ -248,11 +248,27 @@ class WeightsCfg(_Strict):
         "pull from all of them in parallel (no gather on rank 0); peer relay does not apply to sharded versions"))
 
 
+class EmulatedTrainerCfg(_Strict):
+    """The emulated trainer (``trainer.backend = "emulated"``): a model-sized bf16 weight set whose versions change
+    as an RL step's do, and the modelled trainer's time per token (``rollout.emulated``'s profile and time_scale);
+    no model compute, so no evaluation and no exported model."""
+
+    weight_bytes: int = Field(D.EMULATED_WEIGHT_BYTES, ge=2, description=(
+        "S: bytes of one weight version (bf16; an 8B model is 16.4e9, 70B 141e9); held by the trainer, its weight "
+        "server (trainer.weights' kept versions) and every rollout instance"))
+    tensor_bytes: int = Field(D.EMULATED_TENSOR_BYTES, ge=2, description="the largest tensor of a version (bytes)")
+    delta_density: float = Field(D.EMULATED_DELTA_DENSITY, gt=0, le=1, description=(
+        "share of the elements one optimizer step changes by one ulp (1–5 % at RL learning rates)"))
+
+
 class TrainerCfg(_Strict):
     """GRPO trainer (CPU torch backend)."""
 
-    backend: Literal["torch", "megatron"] = Field("torch", description="torch (CPU/GPU plain PyTorch) or megatron "
-                                                                       "(megatron_bridge; pip install '.[megatron]')")
+    backend: Literal["torch", "megatron", "emulated"] = Field("torch", description=(
+        "torch (CPU/GPU plain PyTorch), megatron (megatron_bridge; pip install '.[megatron]') or emulated (load "
+        "testing with rollout.engine = emulated: trainer.emulated)"))
+    emulated: EmulatedTrainerCfg = Field(default_factory=EmulatedTrainerCfg, description=(
+        "the weight set and timing of trainer.backend = emulated"))
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="torch backend: where the policy trains "
                                                                        "(auto = the GPU when there is one)")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
@@ -424,6 +440,9 @@ class RunConfig(_Strict):
             raise ValueError(f"cluster.instances_per_worker = {k} needs rollout.engine = emulated and cluster.kind = "
                              f"local (got {self.rollout.engine} / {self.cluster.kind}): only emulated instances "
                              "share a process")
+        if tr.backend == "emulated" and self.rollout.engine != "emulated":
+            raise ValueError(f"trainer.backend = emulated needs rollout.engine = emulated (got {self.rollout.engine}): "
+                             "its weights are no model an engine could run")
         t = self.task
         if t.max_turns == 1 and t.max_trajectory_tokens not in (0, self.rollout.max_new_tokens):
             raise ValueError("task.max_trajectory_tokens applies to multi-turn tasks only (task.max_turns > 1)")

@@ -75,3 +75,10 @@ EMULATED_RESPONSE_MEDIAN = 4300.0
 EMULATED_RESPONSE_SIGMA = 0.45
 #: ... on GPUs of these relative speeds (1 = the profile's H100; heterogeneous harvested capacity mixes kinds).
 EMULATED_GPU_SPEEDS = (1.0,)
+#: The emulated trainer (``trainer.emulated``): bytes of one weight version (bf16; 256 MiB fits any machine,
+#: an 8B model is 16.4 GB) ...
+EMULATED_WEIGHT_BYTES = 256 * 2**20
+#: ... in tensors of at most this many bytes (a 7B model's largest, its embedding, is ~1 GB) ...
+EMULATED_TENSOR_BYTES = 64 * 2**20
+#: ... of which one optimizer step changes this share of the elements (1–5 % of bf16 elements at RL rates).
+EMULATED_DELTA_DENSITY = 0.03

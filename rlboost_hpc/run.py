@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from rlboost_hpc.cluster.capacity import reserved_instances
@@ -353,9 +355,7 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
             m = trainer.run_step(step)
             t_after = time.monotonic()  # the step's own bookkeeping and checkpoint: part of its timeline
             st = trainer.last_stats  # taken at the end of the step, after its version change
-            m.update(t_s=time.monotonic() - t_start, ts=round(time.time(), 3),
-                     live_preemptible=st.live_preemptible, routable_preemptible=st.routable_preemptible,
-                     cluster_live=svc.cluster.live() if svc.cluster else st.live_preemptible)
+            _add_fleet(m, st, svc, t_start)
             cap = trainer.decision.n_prem_cap if trainer.decision else None
             m["n_prem_target"] = n_prem = min(cap if cap is not None else cfg.cluster.max_workers,
                                               cfg.cluster.max_workers)
@@ -388,7 +388,7 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
     after = held_out.evaluate(trainer.version, keep_samples=True)
     kl = kl_to_reference(svc.backend, after.pop("sampled"), estimator=cfg.trainer.kl_estimator)
     model_out = str(save_model_dir(rd.model, setup.policy, _exported(cfg, svc, trainer.version))) \
-        if cfg.trainer.export_model else None
+        if cfg.trainer.export_model and cfg.trainer.backend != "emulated" else None
     cluster = svc.cluster.summary() if svc.cluster else None
     report = build_report(
         steps=steps, stats=final, tally=resume.tally + FaultTally.observe(final, cluster), totals=trainer.totals,
@@ -404,12 +404,24 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
     return report, svc.cluster.live_series if svc.cluster else []
 
 
+def _add_fleet(m: dict, st, svc: RunServices, t_start: float) -> None:
+    """Add to the step record ``m`` the fleet at the step's end (``st``: the manager's stats then): live and
+    routable preemptible instances, the cluster's live workers, and how the version the step sampled from reached
+    the fleet (``version_serving``: :class:`~rlboost_hpc.protocol.stats.VersionServing`)."""
+    m.update(t_s=time.monotonic() - t_start, ts=round(time.time(), 3),
+             live_preemptible=st.live_preemptible, routable_preemptible=st.routable_preemptible,
+             cluster_live=svc.cluster.live() if svc.cluster else st.live_preemptible,
+             version_serving=msgspec.structs.asdict(st.last_version_serving))
+
+
 def _announce_cost(cfg: RunConfig, setup: RunSetup) -> None:
     """Say what a step and an evaluation will cost on this machine before either starts
     (:mod:`rlboost_hpc.trainer.cost`): logged, and a WARNING when a step may take over
     :data:`~rlboost_hpc.trainer.cost.SLOW_STEP_S` (a GPU-sized config on a CPU)."""
     from rlboost_hpc.trainer.cost import SLOW_STEP_S, estimate, probe_rates
 
+    if cfg.trainer.backend == "emulated":  # a load test: its time is the profile's, not this machine's
+        return
     r, tok = cfg.rollout, setup.policy.tokenizer
     prompts = [setup.task.prompt_ids(p, tok) for p in setup.task.train_prompts()[:r.max_batch]]
     step_n = r.prompts_per_step * r.group_size
@@ -432,6 +444,9 @@ def _held_out(cfg: RunConfig, setup: RunSetup, svc: RunServices):
     own tool workers), of versions read back from the publisher, on the rollout device."""
     from rlboost_hpc.trainer.eval import HeldOut, TurnSettings
 
+    if cfg.trainer.backend == "emulated":
+        log.info("trainer.backend = emulated: no model, so no held-out evaluation and no exported model")
+        return NotEvaluated()
     r = cfg.rollout
     turns = None
     if svc.eval_tools is not None:
@@ -440,6 +455,16 @@ def _held_out(cfg: RunConfig, setup: RunSetup, svc: RunServices):
                    weights=lambda v: svc.publisher.state_dict(v)[0], samples=cfg.trainer.eval_samples,
                    max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                    device=setup.rollout_device, dtype=setup.rollout_dtype, score=svc.rewards.score, turns=turns)
+
+
+class NotEvaluated:
+    """The held-out evaluation of a run without a model (``trainer.backend = "emulated"``): rewards and the
+    repetition rate are NaN (``null`` in ``report.json``), no responses, no examples."""
+
+    def evaluate(self, version: int, keep_samples: bool = False) -> dict:
+        out = {"reward_sampled": math.nan, "reward_greedy": math.nan, "repetition_rate": math.nan, "responses": 0,
+               "examples": []}
+        return {**out, "sampled": []} if keep_samples else out
 
 
 def _trainer(cfg: RunConfig, svc: RunServices, setup: RunSetup, n_resv: float):

@@ -190,6 +190,14 @@ class RunServices:
         cfg, t = self.cfg, self.cfg.trainer
         common = dict(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, objective=grpo_options(cfg),
                       temperature=cfg.rollout.temperature)
+        if t.backend == "emulated":  # the trainer half of a load test: the rollout instances' profile and clock
+            from rlboost_hpc.sim.profiles import profile
+            from rlboost_hpc.trainer.backends.emulated import EmulatedBackend
+
+            em, e = cfg.rollout.emulated, t.emulated
+            return EmulatedBackend(weight_bytes=e.weight_bytes, tensor_bytes=e.tensor_bytes,
+                                   delta_density=e.delta_density, train_time=profile(em.profile).train_time,
+                                   time_scale=em.time_scale, seed=t.seed, objective=common["objective"])
         if t.backend != "torch":  # e.g. megatron: provided by megatron_bridge through an entry point
             from rlboost_hpc.trainer.backends import plugin_backend
 
@@ -216,7 +224,7 @@ class RunServices:
         publisher) and the preemptible capacity: the scavenger's target under Slurm, else the local cluster."""
         from rlboost_hpc.procutil import reclaim_leftovers
         from rlboost_hpc.rollout.agent import RolloutAgent
-        from rlboost_hpc.rollout.engines.factory import torch_engine_factory
+        from rlboost_hpc.rollout.engines.factory import engine_spec, factory_from_spec, torch_engine_factory
 
         cfg, r = self.cfg, self.cfg.rollout
         publisher = self.publisher
@@ -228,10 +236,12 @@ class RunServices:
                 return sd, {**info, "pull_s": time.monotonic() - t0}
             return pull
 
+        if cfg.trainer.backend == "emulated":  # its weights are no model: the reserved engine is emulated too
+            engine = factory_from_spec(engine_spec(r, self.context_tokens), r.max_batch, instance_id="reserved")
+        else:
+            engine = torch_engine_factory(r.max_batch, r.device, r.dtype, self.context_tokens)
         reserved = RolloutAgent(self.endpoint, "reserved", 0, kind="reserved", max_batch=r.max_batch,
-                                weight_source_factory=local_source, keys=self.keys,
-                                engine_factory=torch_engine_factory(r.max_batch, r.device, r.dtype,
-                                                                    self.context_tokens))
+                                weight_source_factory=local_source, keys=self.keys, engine_factory=engine)
         thread = threading.Thread(target=reserved.run, name="reserved-engine", daemon=True)
         thread.start()
 

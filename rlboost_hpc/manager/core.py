@@ -60,7 +60,7 @@ from rlboost_hpc.manager.state import (
 )
 from rlboost_hpc.manager.balance import balance
 from rlboost_hpc.manager.settings import ManagerSettings
-from rlboost_hpc.manager.stats import ManagerDistributions, manager_stats
+from rlboost_hpc.manager.stats import ManagerDistributions, VersionServingClock, manager_stats
 from rlboost_hpc.manager.trainer_calls import TrainerCalls
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.stats import ManagerCounters, ManagerStats, StepActivity, StepRemote
@@ -132,6 +132,7 @@ class ManagerCore(TrainerCalls):
         self.last_step_activity = StepActivity(**self.activity.take())
         # the trainer's step timeline (StepTimes): wall time per step, seconds per phase and fixed overhead, summed
         self.dist = ManagerDistributions()  # pulls, steps, instance silences: bounded histograms
+        self.version_serving = VersionServingClock()  # SetVersion → each live instance serving it
         self.step_phase_s: dict[str, float] = {}
         self.step_fixed_overhead_s = 0.0
         self.last_step_mismatch: dict[str, float] = {}  # the trainer's engine–trainer mismatch of its last step
@@ -427,6 +428,9 @@ class ManagerCore(TrainerCalls):
             self.send(inst.peer, M.Drain(reason=reason))
             return
         inst.version = msg.version
+        delay = self.version_serving.loaded(inst.key, msg.version, self.clock())
+        if delay is not None:
+            self.dist.version_serving_seconds.observe(delay)
         self._note_activity(inst)
         if msg.version == self.latest_version and inst.kind == "preemptible":  # it holds it: it serves it too
             self._hand_out(self.relay.done(inst.key, inst.relay_endpoint))

@@ -8,7 +8,7 @@ import msgspec
 
 from rlboost_hpc.manager.state import InstanceState as S, RequestState as R
 from rlboost_hpc.observe.histogram import PULL_BUCKETS_S, SILENCE_BUCKETS_S, STEP_BUCKETS_S, Histogram
-from rlboost_hpc.protocol.stats import InstanceSnapshot, ManagerStats
+from rlboost_hpc.protocol.stats import InstanceSnapshot, ManagerStats, VersionServing
 
 
 @dataclass
@@ -19,11 +19,46 @@ class ManagerDistributions:
     ``pull_seconds``: each verified weight pull (``WeightsLoaded.pull_s``). ``step_seconds``: each RL step's wall time
     (``StepTimes.wall_s``). ``silence_seconds``: each silence between two messages of one instance longer than two
     heartbeat intervals (a missed heartbeat), measured when it spoke again — what ``heartbeat_timeout_s`` is chosen
-    from."""
+    from. ``version_serving_seconds``: :class:`VersionServingClock`'s delays."""
 
     pull_seconds: Histogram = field(default_factory=lambda: Histogram(PULL_BUCKETS_S))
+    #: each preemptible instance live at a ``SetVersion``: seconds from it to the instance's load of that version
+    version_serving_seconds: Histogram = field(default_factory=lambda: Histogram(PULL_BUCKETS_S))
     step_seconds: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS_S))
     silence_seconds: Histogram = field(default_factory=lambda: Histogram(SILENCE_BUCKETS_S))
+
+
+class VersionServingClock:
+    """SetVersion → every instance serving: for each weight version, the seconds from its ``SetVersion`` until each
+    preemptible instance live at that moment reports it loaded (``WeightsLoaded``). Instances that join later are not
+    counted (their first pull is a start-up, not a version change). Memory: one key and one delay per live
+    instance of the current version. Pure: the caller passes the clock's time."""
+
+    def __init__(self) -> None:
+        self.version, self.set_at = -1, 0.0
+        self.waiting: set[str] = set()
+        self.live, self.delays = 0, []
+        self.last = VersionServing()
+
+    def set_version(self, version: int, now: float, live_keys) -> None:
+        """``version`` is current from ``now``; ``live_keys``: the preemptible instances that must load it. The
+        version it replaces is summarised into :attr:`last`."""
+        if self.version >= 0:
+            d = sorted(self.delays)
+            self.last = VersionServing(version=self.version, live=self.live, served=len(d),
+                                       first_s=d[0] if d else 0.0, median_s=d[len(d) // 2] if d else 0.0,
+                                       last_s=d[-1] if d else 0.0)
+        self.version, self.set_at = version, now
+        self.waiting = set(live_keys)
+        self.live, self.delays = len(self.waiting), []
+
+    def loaded(self, key: str, version: int, now: float) -> float | None:
+        """An instance loaded ``version``: its delay (seconds) when it was awaited, else None."""
+        if version != self.version or key not in self.waiting:
+            return None
+        self.waiting.discard(key)
+        self.delays.append(now - self.set_at)
+        return self.delays[-1]
 
 
 def manager_stats(core) -> ManagerStats:
@@ -57,6 +92,7 @@ def manager_stats(core) -> ManagerStats:
         pull_seconds_mean=core.dist.pull_seconds.mean(),
         failed_step=core.failed_step,
         last_step_remote=core.last_step_remote,
+        last_version_serving=core.version_serving.last,
         last_step_activity=core.last_step_activity,
         instance_activity_s=dict(core.activity.total_s),
         migrations_by_engine={k: dict(v) for k, v in core.migrations_by_engine.items()},

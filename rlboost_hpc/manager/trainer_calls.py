@@ -73,6 +73,8 @@ class TrainerCalls:
             if i.state != S.GONE:
                 self._note_activity(i)
         self.relay.reset()
+        self.version_serving.set_version(msg.version, self.clock(), [
+            i.key for i in self.live_instances() if i.kind == "preemptible" and i.state != S.DRAINING])
         if self.on_version is not None:  # the journal records it durably before anyone acts on it
             self.on_version(msg.version)
         for i in self.live_instances():

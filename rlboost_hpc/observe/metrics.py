@@ -92,6 +92,7 @@ class _ManagerSnapshot:
     pull_seconds: Histogram
     step_seconds: Histogram
     silence_seconds: Histogram
+    version_serving_seconds: Histogram
     step_phase_s: dict[str, float]
     step_fixed_overhead_s: float
 
@@ -114,6 +115,7 @@ class ManagerMetrics(SnapshotCollector):
         d = core.dist
         self.publish(_ManagerSnapshot(stats=core.stats(), pull_seconds=d.pull_seconds.copy(),
                                       step_seconds=d.step_seconds.copy(), silence_seconds=d.silence_seconds.copy(),
+                                      version_serving_seconds=d.version_serving_seconds.copy(),
                                       step_phase_s=dict(core.step_phase_s),
                                       step_fixed_overhead_s=core.step_fixed_overhead_s))
 
@@ -166,6 +168,8 @@ class ManagerMetrics(SnapshotCollector):
         yield _histogram("rlboost_instance_silence_seconds", "silences between a rollout instance's messages longer "
                          "than two heartbeat intervals, measured when it spoke again (what heartbeat_timeout_s is "
                          "chosen from)", run, snap.silence_seconds)
+        yield _histogram("rlboost_version_serving_seconds", "seconds from a weight version's SetVersion until each "
+                         "preemptible instance live at that moment loaded it", run, snap.version_serving_seconds)
         yield self._counter_by("rlboost_step_phase_seconds", "trainer step wall time by phase (parts of the steps' "
                                "wall time)", "phase", snap.step_phase_s)
         fo = CounterMetricFamily("rlboost_step_fixed_overhead_seconds", "step wall time in which no engine "

@@ -106,6 +106,19 @@ class StepActivity(msgspec.Struct, kw_only=True):
     response_tail_s: float = 0.0
 
 
+class VersionServing(msgspec.Struct, kw_only=True):
+    """How the last replaced weight version reached the fleet: of the ``live`` preemptible instances at its
+    ``SetVersion``, ``served`` reported it loaded before the next ``SetVersion``; seconds from the ``SetVersion`` to
+    the first, median and last of those loads (0 when none). ``version`` −1: no version replaced yet."""
+
+    version: int = -1
+    live: int = 0
+    served: int = 0
+    first_s: float = 0.0
+    median_s: float = 0.0
+    last_s: float = 0.0
+
+
 class ManagerStats(ManagerCounters, kw_only=True):
     """What ``GetStats`` answers: the counters (inherited fields) plus a snapshot of instances, queue, the last
     step and the policy's decision in force (every field defaults to the state of a manager that has seen nothing).
@@ -131,6 +144,7 @@ class ManagerStats(ManagerCounters, kw_only=True):
     pull_seconds_mean: float = 0.0
     failed_step: str | None = None
     last_step_remote: StepRemote = msgspec.field(default_factory=StepRemote)
+    last_version_serving: VersionServing = msgspec.field(default_factory=VersionServing)
     last_step_activity: StepActivity = msgspec.field(default_factory=StepActivity)
     instance_activity_s: dict[str, float] = {}
     migrations_by_engine: dict[str, dict[str, int]] = {}
