@@ -23,11 +23,26 @@ killed S seconds later; printed: responses handed to it after its last message
 (``rlboost_responses_assigned_to_vanished_total``). ``--silence`` runs each N twice, with
 ``manager.dispatch_silence_s`` at its default and at 10^9 s (the rule off), interleaved.
 
-What it does not measure (yet): SetVersion → every instance serving, trainer egress ÷ S,
-the scavenger at 64 Slurm nodes, multi-GB weight versions.
+Weight size S (issue 29 items 2 and 4): ``--weight-gb 0.25 1`` runs each S with each ``--pullers`` N (default 8 and
+16) and the *emulated trainer* (``trainer.backend = "emulated"``: an S-byte bf16 weight set, 3 % of its elements
+changed per step, the profile's training time per token; no checkpoints), so every version is S real bytes
+published, delta-encoded, relayed, pulled, verified and held by every instance. Printed per (S, N):
+SetVersion → every instance serving (first / median / last over the instances live at the SetVersion, median over
+the updated versions 1…; the manager's ``version_serving`` in ``metrics.jsonl``), trainer egress per version ÷ S
+(``weight_trainer_bytes_served``; it includes the replacements' pulls after preemptions), the trainer's share of all
+bytes instances received (the rest came from relay peers), bytes pulled per instance per version ÷ S, the mean full
+pull (the pulls that moved the whole version — first pulls, with other instances pulling at once through the relay
+tree — the manager's ``weight_full_pull_seconds_mean``: transfer and verify) ÷ one raw loopback TCP copy of S bytes
+into a warm buffer (``bench_weights.raw_once``, measured here first), and the peak RSS of the trainer's
+process (trainer, weight server), of the manager, and of a worker process per instance (÷ S: a holder's memory is
+versions kept × S plus a constant).
+
+A point whose memory (≈ 1.35 S per instance + 4.8 S for the trainer's process) would not fit the machine is skipped
+and said so. What it does not measure: the scavenger at 64 Slurm nodes; on a 24 GiB machine S = 1 GB with 16
+pullers and every S = 4 GB point (≈ 42 GB at 4 pullers) — every instance holds its own copy, as on its own GPU.
 
 Usage: python benchmarks/bench_scale.py [--n 4 16 64] [--steps 6] [--per-process 16] [--vanish 8] [--silence]
-[--set key=value ...]
+[--weight-gb 0.25 1 4 [--pullers 4 8 16]] [--set key=value ...]
 """
 from __future__ import annotations
 
@@ -49,6 +64,7 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def hosted(n: int, per_process: int) -> int:
@@ -63,6 +79,48 @@ def settings(n: int, steps: int, per_process: int) -> list[str]:
             f"cluster.max_workers={n}", f"cluster.instances_per_worker={hosted(n, per_process)}",
             "cluster.time_scale=320", "cluster.replay_s=8", "policy.cap=false",
             f"rollout.prompts_per_step={max(4, n // 2)}", "manager.pending_limit=4"]
+
+
+def weight_settings(s_gb: float) -> list[str]:
+    """The emulated trainer at S = ``s_gb`` × 1e9 bytes; no checkpoints (their write is not what is measured)."""
+    return ["trainer.backend='emulated'", f"trainer.emulated.weight_bytes={int(s_gb * 1e9)}",
+            "trainer.checkpoint_every=0"]
+
+
+def loopback_copy_s(nbytes: int, reps: int = 3) -> float:
+    """Median seconds of one raw loopback TCP copy of ``nbytes`` into a warm (faulted-in) buffer."""
+    import torch
+    from bench_weights import RawSender, raw_once
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    warm = torch.ones(nbytes, dtype=torch.uint8)
+    sender = RawSender(memoryview(src.numpy()))
+    try:
+        times = sorted(raw_once(sender.port, nbytes, warm) for _ in range(reps))
+    finally:
+        sender.close()
+    return times[len(times) // 2]
+
+
+def weight_figures(out: Path, rep: dict, n: int, s_bytes: int) -> dict:
+    """What the S dimension prints, from one run's directory: SetVersion → serving of the updated versions (each
+    ``metrics.jsonl`` record carries the version it replaced), egress and pulled bytes ÷ S, first pulls."""
+    serving = []
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        vs = json.loads(line).get("version_serving") or {}
+        if vs.get("version", -1) >= 1 and vs.get("served", 0) > 0:
+            serving.append(vs)
+    versions = rep["steps"] + 1  # version 0 is the initial one
+
+    def med(key: str) -> float:
+        v = sorted(x[key] for x in serving)
+        return v[len(v) // 2] if v else float("nan")
+
+    return {"serving_first_s": med("first_s"), "serving_median_s": med("median_s"), "serving_last_s": med("last_s"),
+            "serving_n": f"{sum(x['served'] for x in serving)}/{sum(x['live'] for x in serving)}",
+            "egress_per_version_S": rep["weight_trainer_bytes_served"] / versions / s_bytes,
+            "pulled_per_inst_version_S": rep["weight_pulled_bytes"] / (n * versions) / s_bytes,
+            "trainer_share": rep["weight_trainer_bytes_served"] / max(1, rep["weight_pulled_bytes"]),
+            "full_pull_s": rep["weight_full_pull_seconds_mean"]}
 
 
 def _metric(text: str, name: str) -> float:
@@ -81,7 +139,7 @@ class Sampler(threading.Thread):
         self.text = ""
         self.scrape_bytes = self.scrape_ms_max = 0.0
         self.scrape_ms: list[float] = []
-        self.worker_rss_max = 0
+        self.worker_rss_max = self.trainer_rss_max = 0
 
     def _url(self) -> str | None:
         try:
@@ -113,7 +171,9 @@ class Sampler(threading.Thread):
                 except OSError:
                     pass
             try:
-                for child in psutil.Process(self.proc.pid).children(recursive=True):
+                root = psutil.Process(self.proc.pid)
+                self.trainer_rss_max = max(self.trainer_rss_max, root.memory_info().rss)
+                for child in root.children(recursive=True):
                     if "rlboost_hpc.rollout.worker" in " ".join(child.cmdline()):
                         self.worker_rss_max = max(self.worker_rss_max, child.memory_info().rss)
             except psutil.Error:
@@ -150,7 +210,12 @@ def silences(text: str) -> dict:
     return {"silences": int(count), "silence_p99_le": p99, "silence_max_le": longest}
 
 
-def one_point(n: int, steps: int, per_process: int, extra: list[str], out: Path, vanish_s: float = 0.0) -> dict:
+def one_point(n: int, steps: int, per_process: int, extra: list[str], out: Path, vanish_s: float = 0.0,
+              s_gb: float = 0.0) -> dict:
+    """One ``rlboost-hpc run`` with N emulated instances (and, when ``s_gb`` > 0, the emulated trainer at that S);
+    its row of figures (module docstring)."""
+    if s_gb:
+        extra = weight_settings(s_gb) + extra
     args = [sys.executable, "-m", "rlboost_hpc.cli", "run", "--config", str(ROOT / "configs/local.toml"),
             "--out", str(out), "--no-progress"]
     for o in settings(n, steps, per_process) + extra:
@@ -187,8 +252,54 @@ def one_point(n: int, steps: int, per_process: int, extra: list[str], out: Path,
         "silence_rule": "off" if any("dispatch_silence_s" in o for o in extra) else "on",
         "to_vanished": int(_metric(sampler.text, "rlboost_responses_assigned_to_vanished_total")),
         "step_s": rep["train_wall_s"] / rep["steps"],
+        "S_GB": s_gb, "trainer_rss_GB": sampler.trainer_rss_max / 1e9,
+        "mgr_rss_GB": last.get("rss_max", float("nan")) / 1e9,
+        "worker_rss_GB_per_inst": sampler.worker_rss_max / k / 1e9,
         **silences(sampler.text),
+        **(weight_figures(out, rep, n, int(s_gb * 1e9)) if s_gb else {}),
     }
+
+
+#: Peak resident memory per S measured at S = 1 GB (this benchmark, N = 4 and 8), with margin: an instance holds one
+#: version (a delta pull rewrites it in place) plus its process's share of ~0.3 GB; the trainer's process holds the
+#: backend's weights, the weight server's two kept versions and the one being published, plus ~0.7 GB.
+HOLDER_S_PER_INSTANCE, TRAINER_S = 1.35, 4.8
+
+
+def weight_dimension(a: argparse.Namespace, tmp: Path) -> None:
+    """Every (S, N) of ``--weight-gb`` × ``--pullers``; one table, with each S's raw loopback copy."""
+    rows, avail_gb = [], psutil.virtual_memory().available / 1e9
+    for s_gb in a.weight_gb:
+        copy_s = loopback_copy_s(int(s_gb * 1e9))
+        for n in a.pullers:
+            need_gb = s_gb * (HOLDER_S_PER_INSTANCE * n + TRAINER_S) + 1.0
+            if need_gb > 0.9 * avail_gb:
+                print(f"S={s_gb} GB, N={n}: skipped, needs ≈ {need_gb:.0f} GB of the {avail_gb:.0f} GB available",
+                      file=sys.stderr, flush=True)
+                continue
+            r = one_point(n, a.steps, a.per_process, a.set, tmp / f"s{s_gb}-n{n}", s_gb=s_gb)
+            r["loopback_copy_s"], r["full_pull_per_copy"] = copy_s, r["full_pull_s"] / copy_s
+            rows.append(r)
+            print(f"S={s_gb} GB, N={n}: done in {r['wall_s']:.0f} s", file=sys.stderr, flush=True)
+    cols = [("S_GB", "{}"), ("N", "{}"), ("steps", "{}"), ("step_s", "{:.2f}"), ("serving_first_s", "{:.2f}"),
+            ("serving_median_s", "{:.2f}"), ("serving_last_s", "{:.2f}"), ("serving_n", "{}"),
+            ("egress_per_version_S", "{:.3f}"), ("pulled_per_inst_version_S", "{:.3f}"),
+            ("trainer_share", "{:.2f}"), ("loopback_copy_s", "{:.2f}"), ("full_pull_s", "{:.2f}"),
+            ("full_pull_per_copy", "{:.1f}"),
+            ("trainer_rss_GB", "{:.2f}"), ("mgr_rss_GB", "{:.3f}"), ("worker_rss_GB_per_inst", "{:.2f}"),
+            ("lost/dup/off", "{}")]
+    print("| " + " | ".join(c for c, _ in cols) + " |")
+    print("|" + " --- |" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(f.format(r[c]) for c, f in cols) + " |")
+    for n in a.pullers:
+        pts = [r for r in rows if r["N"] == n]
+        if len(pts) >= 2:
+            lo, hi = pts[0], pts[-1]
+            print(f"\ngrowth exponent in S at N = {n} (S = {lo['S_GB']} → {hi['S_GB']} GB; 1 = linear):")
+            for c in ("serving_last_s", "full_pull_s", "trainer_rss_GB", "worker_rss_GB_per_inst", "step_s"):
+                if lo[c] > 0 and hi[c] > 0:
+                    print(f"  {c:26} {math.log(hi[c] / lo[c]) / math.log(hi['S_GB'] / lo['S_GB']):+.2f}")
 
 
 def main() -> None:
@@ -199,9 +310,14 @@ def main() -> None:
     ap.add_argument("--vanish", type=float, default=0.0, metavar="S",
                     help="SIGSTOP one worker process at step 2, SIGKILL it S seconds later (0: never)")
     ap.add_argument("--silence", action="store_true", help="each N also with manager.dispatch_silence_s = 1e9")
+    ap.add_argument("--weight-gb", type=float, nargs="+", default=[], metavar="S",
+                    help="weight sizes S (GB) with the emulated trainer, each with every --pullers N (instead of --n)")
+    ap.add_argument("--pullers", type=int, nargs="+", default=[8, 16], help="instance counts N of the S dimension")
     ap.add_argument("--set", action="append", default=[], help="more config overrides (key=value)")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-scale-"))
+    if a.weight_gb:
+        return weight_dimension(a, tmp)
     rows = []
     arms = [[], ["manager.dispatch_silence_s=1e9"]] if a.silence else [[]]
     for n in a.n:

@@ -128,6 +128,7 @@ def test_a_run_with_the_emulated_trainer_ships_deltas_of_its_density_and_loses_n
     assert rep["reward_heldout_after"] is None  # no model: nothing evaluated (null, not a number)
     assert rep["weight_bytes"] == 32 * 2**20
     assert 0.01 < rep["weight_update_bytes_mean"] / rep["weight_bytes"] < 0.06, rep["weight_update_bytes_mean"]
+    assert rep["weight_full_pull_seconds_mean"] > 0  # every instance's first pull moved the whole version
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(0.028 < s["changed_share"] <= 0.03 for s in steps)
     served = [s["version_serving"] for s in steps if s["version_serving"]["live"]]

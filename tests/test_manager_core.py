@@ -90,6 +90,18 @@ def test_routable_only_with_latest_verified_version():
     assert len(sent(core, b"a", M.Assign)[0].works) == 4
 
 
+def test_full_pulls_are_timed_apart_from_delta_pulls():
+    """A pull that moved the whole version (wire bytes ≥ the version's) is a full pull; a delta pull is not."""
+    core, _ = make()
+    register(core, b"a", "a", version=None)
+    register(core, b"b", "b", version=None)
+    core.on_message(b"a", M.WeightsLoaded(version=0, checksum=1, nbytes=1000, pull_s=2.0, load_s=0.0, wire_bytes=1000))
+    core.on_message(b"b", M.WeightsLoaded(version=0, checksum=1, nbytes=1000, pull_s=0.2, load_s=0.0, wire_bytes=30))
+    st = core.stats()
+    assert st.full_pull_seconds_mean == 2.0 and st.pull_seconds_mean == 1.1
+    assert core.dist.full_pull_seconds.count == 1 and core.dist.pull_seconds.count == 2
+
+
 def test_jsq_with_pending_limit_holds_the_rest_at_the_manager():
     core, _ = make(pending_limit=3)
     register(core, b"a", "a")

@@ -417,6 +417,8 @@ class ManagerCore(TrainerCalls):
         if msg.load_s > self.heartbeat_timeout_s:
             self.counters.slow_weight_loads += 1  # longer than the deadline: it had to keep heartbeating
         self.dist.pull_seconds.observe(msg.pull_s)
+        if msg.wire_bytes >= msg.nbytes > 0:
+            self.dist.full_pull_seconds.observe(msg.pull_s)
         self.counters.weight_pulled_bytes += msg.wire_bytes
         if msg.version == self.latest_version and self.latest_checksum and msg.checksum != self.latest_checksum:
             # bytes other than the trainer's export: never routable; it is asked to leave (a replacement pulls anew)

@@ -16,12 +16,14 @@ class ManagerDistributions:
     """The manager's distributions (seconds), each a bounded :class:`Histogram` — a week-long run makes ~10^6
     weight pulls and ~10^5 steps, and neither its memory nor a scrape may grow with them.
 
-    ``pull_seconds``: each verified weight pull (``WeightsLoaded.pull_s``). ``step_seconds``: each RL step's wall time
+    ``pull_seconds``: each verified weight pull (``WeightsLoaded.pull_s``); ``full_pull_seconds``: those of them that
+    moved the whole version (no delta: an instance's first pull, a pull without a usable base). ``step_seconds``: each RL step's wall time
     (``StepTimes.wall_s``). ``silence_seconds``: each silence between two messages of one instance longer than two
     heartbeat intervals (a missed heartbeat), measured when it spoke again — what ``heartbeat_timeout_s`` is chosen
     from. ``version_serving_seconds``: :class:`VersionServingClock`'s delays."""
 
     pull_seconds: Histogram = field(default_factory=lambda: Histogram(PULL_BUCKETS_S))
+    full_pull_seconds: Histogram = field(default_factory=lambda: Histogram(PULL_BUCKETS_S))
     #: each preemptible instance live at a ``SetVersion``: seconds from it to the instance's load of that version
     version_serving_seconds: Histogram = field(default_factory=lambda: Histogram(PULL_BUCKETS_S))
     step_seconds: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS_S))
@@ -90,6 +92,7 @@ def manager_stats(core) -> ManagerStats:
         live_preemptible=sum(1 for i in core.instances.values()
                              if i.kind == "preemptible" and i.state not in (S.GONE, S.SUSPECT)),
         pull_seconds_mean=core.dist.pull_seconds.mean(),
+        full_pull_seconds_mean=core.dist.full_pull_seconds.mean(),
         failed_step=core.failed_step,
         last_step_remote=core.last_step_remote,
         last_version_serving=core.version_serving.last,

@@ -90,6 +90,7 @@ class _ManagerSnapshot:
 
     stats: ManagerStats
     pull_seconds: Histogram
+    full_pull_seconds: Histogram
     step_seconds: Histogram
     silence_seconds: Histogram
     version_serving_seconds: Histogram
@@ -114,6 +115,7 @@ class ManagerMetrics(SnapshotCollector):
         """Take a snapshot of ``core`` (call from the manager's loop)."""
         d = core.dist
         self.publish(_ManagerSnapshot(stats=core.stats(), pull_seconds=d.pull_seconds.copy(),
+                                      full_pull_seconds=d.full_pull_seconds.copy(),
                                       step_seconds=d.step_seconds.copy(), silence_seconds=d.silence_seconds.copy(),
                                       version_serving_seconds=d.version_serving_seconds.copy(),
                                       step_phase_s=dict(core.step_phase_s),
@@ -164,6 +166,8 @@ class ManagerMetrics(SnapshotCollector):
             yield m
         yield _histogram("rlboost_weight_pull_duration_seconds",
                          "verified weight pulls by duration (pull + verify + load)", run, snap.pull_seconds)
+        yield _histogram("rlboost_weight_full_pull_duration_seconds", "of them, the pulls that moved the whole "
+                         "version (no delta: first pulls, pulls without a usable base)", run, snap.full_pull_seconds)
         yield _histogram("rlboost_step_duration_seconds", "RL steps by wall time", run, snap.step_seconds)
         yield _histogram("rlboost_instance_silence_seconds", "silences between a rollout instance's messages longer "
                          "than two heartbeat intervals, measured when it spoke again (what heartbeat_timeout_s is "

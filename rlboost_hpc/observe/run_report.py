@@ -28,7 +28,9 @@ Schema (:class:`RunReport`; every key below is always present except the multi-t
   ``_time_limit`` / ``_drained``, ``stalls``, ``link_resets``, ``slow_weight_loads``, ``deltas_out_of_order``,
   ``balancer_moves``, ``migrations_by_engine`` (``out_of`` / ``into`` → engine → count),
   ``migrated_responses_trained``, ``protocol_rejects``.
-- weights: ``weight_pulls`` (verified loads), ``weight_pull_failures``, ``weight_pull_seconds_mean``,
+- weights: ``weight_pulls`` (verified loads), ``weight_pull_failures``, ``weight_pull_seconds_mean``
+  (every verified pull: pull + verify + load), ``weight_full_pull_seconds_mean`` (of them, the pulls that moved the
+  whole version: no delta),
   ``weight_bytes`` (one full version), ``weight_update_bytes_mean`` (bytes a version update takes, deltas
   counted as sent), ``weight_pulled_bytes`` (received by instances), ``weight_trainer_bytes_served`` (sent by the
   trainer; the rest came from relay peers), ``weight_trainer_sealed_bytes_served`` (of it, sent as sealed chunks
@@ -142,6 +144,7 @@ class RunReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     weight_pulls: int
     weight_pull_failures: int
     weight_pull_seconds_mean: float
+    weight_full_pull_seconds_mean: float
     weight_bytes: int
     weight_update_bytes_mean: float
     weight_pulled_bytes: int
@@ -283,6 +286,7 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         off_version_tokens_rejected=stats.off_version_tokens_rejected, late_tokens_dropped=stats.late_tokens,
         weight_pulls=stats.weight_loads, weight_pull_failures=stats.weight_load_failures,
         weight_pull_seconds_mean=stats.pull_seconds_mean,
+        weight_full_pull_seconds_mean=stats.full_pull_seconds_mean,
         weight_bytes=publishes[-1]["weight_bytes"] if publishes else 0,
         weight_update_bytes_mean=sum(updates) / len(updates) if updates else 0.0,
         weight_pulled_bytes=stats.weight_pulled_bytes, weight_checksum_mismatches=stats.weight_checksum_mismatches,

@@ -142,6 +142,7 @@ class ManagerStats(ManagerCounters, kw_only=True):
     routable_preemptible: int = 0
     live_preemptible: int = 0
     pull_seconds_mean: float = 0.0
+    full_pull_seconds_mean: float = 0.0
     failed_step: str | None = None
     last_step_remote: StepRemote = msgspec.field(default_factory=StepRemote)
     last_version_serving: VersionServing = msgspec.field(default_factory=VersionServing)
