@@ -38,7 +38,7 @@ from rlboost_hpc.models.hf_dir import load_model_dir
 from rlboost_hpc.models.llama2c import ensure_converted
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.rollout.spec import WorkerSpec
-from rlboost_hpc.rundir import write_endpoints
+from rlboost_hpc.rundir import RunDir
 from rlboost_hpc.sim.profiles import profile
 from rlboost_hpc.trainer.client import ManagerClient
 from rlboost_hpc.weights.server import WeightServer
@@ -134,7 +134,7 @@ def main() -> None:
                                model_arch=policy.arch.to_json()))
     man = server.publish(0, policy.state_dict, dtype=torch.bfloat16)
     client.call(M.SetVersion(version=0))
-    write_endpoints(run_dir, endpoint, server.endpoint, run_id="bench-slurm", worker=WorkerSpec().to_json())
+    RunDir(run_dir).write_endpoints(endpoint, server.endpoint, run_id="bench-slurm", worker=WorkerSpec().to_json())
     rows = []
     try:
         for rep in range(args.repeats):

@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rlboost_hpc.rundir import write_target  # noqa: E402
+from rlboost_hpc.rundir import RunDir  # noqa: E402
 from scavenger.config import ScavengerConfig  # noqa: E402
 from scavenger.daemon import Scavenger  # noqa: E402
 from scavenger.slurm import SlurmClient  # noqa: E402
@@ -83,7 +83,7 @@ def one_point(j: int, work: Path, script: Path, conf: str, steady: int) -> dict:
                           max_submit_per_cycle=16, grace_s=5)
     client = CountingClient(env={"SLURM_CONF": conf})
     d = Scavenger(cfg, run_dir, slurm=client)
-    write_target(run_dir, j, active=True, step=0)
+    RunDir(run_dir).write_target(j, active=True, step=0)
     t0, cycles, deadline = time.perf_counter(), 0, time.monotonic() + 300
     while True:
         res, _, _ = cycle(d, client)
@@ -103,7 +103,7 @@ def one_point(j: int, work: Path, script: Path, conf: str, steady: int) -> dict:
     adopter = CountingClient(env={"SLURM_CONF": conf})
     res, adopt_s, adopt_calls = cycle(Scavenger(cfg, run_dir, slurm=adopter), adopter)
     adopted = (res.live, len(res.submitted))
-    write_target(run_dir, j, active=False, step=1)
+    RunDir(run_dir).write_target(j, active=False, step=1)
     t0, drain_cycles = time.perf_counter(), 0
     while True:
         res, _, _ = cycle(d, client)

@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import submitit
 
 from rlboost_hpc.paths import shipped
-from rlboost_hpc.rundir import RunDir, write_target
+from rlboost_hpc.rundir import RunDir
 
 log = logging.getLogger("rlboost.launch")
 
@@ -125,7 +125,7 @@ class LaunchedRun:
         """Cancel the trainer job and end the harvesting: ``target.json`` says the run is over, so the scavenger
         drains its rollout jobs and exits on its own."""
         self.job.cancel(check=False)
-        write_target(self.run_dir, 0, active=False, step=-1)
+        RunDir(self.run_dir).write_target(0, active=False, step=-1)
 
 
 def start_scavenger(run_dir: str | os.PathLike, args: Sequence[str] = ()) -> subprocess.Popen:

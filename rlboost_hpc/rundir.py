@@ -4,9 +4,8 @@ Layout (owner in parentheses):
 - ``endpoints.json`` (trainer): ``{"manager": "tcp://host:port", "weights": "tcp://host:port", "run_id": str,
   "worker": {...}, "written_at": unix s}`` — where rollout jobs register and pull weights, and every rollout
   setting they run with (``rollout/spec.py``).
-- ``target.json`` (trainer; read by the scavenger): ``{"n_prem": int, "active": bool, "step": int,
-  "gpus_per_instance": int}`` — how many preemptible rollout jobs the run wants now, of which size;
-  ``active: false`` ends the run's harvesting.
+- ``target.json`` (trainer; read by the scavenger): :class:`TargetFile` — how many preemptible rollout jobs the
+  run wants now, of which size; ``active: false`` ends the run's harvesting.
 - ``capacity.json`` (scavenger; read by the trainer at step boundaries): :class:`CapacityView`.
 - ``events.jsonl`` (scavenger and rollout jobs, append-only): job life-cycle events for statistics.
 - ``report.json``, ``metrics.jsonl``, ``run.png`` (trainer): results.
@@ -27,9 +26,11 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Annotated, Callable
+
+import msgspec
 
 from rlboost_hpc.errors import BadInput
 
@@ -173,6 +174,72 @@ class RunDir:
             raise RunDirError(f"{self.report}: not a JSON object")
         return data
 
+    # ---------------------------------------------------------------- the files it holds (one reader, one writer)
+    def write_endpoints(self, manager: str, weights: str, run_id: str, curve: bool = False, metrics: str = "",
+                        worker: dict | None = None) -> None:
+        """Replace ``endpoints.json`` atomically. ``curve``: the servers require the run's CURVE keys
+        (``keys/keys.json``, protocol/auth.py); ``metrics``: the manager's Prometheus URL; ``worker``: every rollout
+        setting workers build from (``rollout/spec.py`` ``WorkerSpec.to_json()``; absent: the spec's defaults)."""
+        write_json_atomic(self.endpoints, {"manager": manager, "weights": weights, "run_id": run_id, "curve": curve,
+                                           "metrics": metrics, "worker": worker, "written_at": time.time()})
+
+    def read_endpoints(self, wait_s: float = 0.0, poll_s: float = 0.5,
+                       stop: Callable[[], bool] | None = None) -> dict | None:
+        """``endpoints.json``, waiting up to ``wait_s`` seconds for the trainer to write it; ``None`` as soon as
+        ``stop()`` is true while waiting (e.g. the waiting worker was preempted) — only then.
+
+        Raises:
+            RunDirError: not there after ``wait_s``, or unreadable/missing keys.
+        """
+        path = self.endpoints
+        deadline = time.monotonic() + wait_s
+        while not path.exists():
+            if stop is not None and stop():
+                return None
+            if time.monotonic() >= deadline:
+                raise RunDirError(f"{path} does not exist after {wait_s:.0f} s: is the trainer job running and is "
+                                  f"{self.root} on a filesystem both jobs share?")
+            time.sleep(poll_s)
+        try:
+            data = json.loads(path.read_text())
+            _ = data["manager"], data["weights"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise RunDirError(f"{path} is malformed ({e}); expected keys manager, weights") from None
+        return data
+
+    def write_file_sd(self, job: str, url: str, run_id: str) -> Path:
+        """Prometheus file-based service discovery for one of the run's endpoints: ``prometheus/<job>.json`` =
+        ``[{"targets": ["host:port"], "labels": {"job", "run", "__metrics_path__"}}]`` (point ``file_sd_configs``
+        at ``RUN_DIR/prometheus/*.json``). Written atomically; returns its path."""
+        from urllib.parse import urlsplit
+
+        u = urlsplit(url)
+        path = self.prometheus / f"{job}.json"
+        write_json_atomic(path, [{"targets": [u.netloc], "labels": {"job": job, "run": run_id,
+                                                                      "__metrics_path__": u.path or "/metrics"}}])
+        return path
+
+    def write_target(self, n_prem: int, active: bool, step: int, gpus_per_instance: int | None = None) -> None:
+        """Replace ``target.json`` (:class:`TargetFile`) atomically; ``gpus_per_instance`` is left out when
+        ``None``."""
+        data = msgspec.structs.asdict(TargetFile(n_prem=int(n_prem), active=bool(active), step=step,
+                                                 gpus_per_instance=gpus_per_instance))
+        if gpus_per_instance is None:
+            del data["gpus_per_instance"]
+        write_json_atomic(self.target, data)
+
+    def read_target(self) -> "TargetFile | None":
+        """``target.json`` (``None`` when the trainer has written none). Raises RunDirError when malformed."""
+        return _read_struct(self.target, TargetFile)
+
+    def write_capacity(self, view: "CapacityView") -> None:
+        """Replace ``capacity.json`` atomically (the scavenger, at every reconciliation)."""
+        write_json_atomic(self.capacity, msgspec.structs.asdict(view))
+
+    def read_capacity(self) -> "CapacityView | None":
+        """``capacity.json`` (``None`` when the scavenger has written none). Raises RunDirError when malformed."""
+        return _read_struct(self.capacity, CapacityView)
+
 
 def write_json_atomic(path: Path, data: dict) -> None:
     """Write ``data`` to ``path`` atomically (same-directory temp file + rename)."""
@@ -208,101 +275,47 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict]:
     return out
 
 
-def write_endpoints(run_dir: Path, manager: str, weights: str, run_id: str, curve: bool = False,
-                    metrics: str = "", worker: dict | None = None) -> None:
-    """``curve``: the servers require the run's CURVE keys (``keys/keys.json``, protocol/auth.py);
-    ``metrics``: the manager's Prometheus URL; ``worker``: every rollout setting workers build from
-    (``rollout/spec.py`` ``WorkerSpec.to_json()``; absent: the spec's defaults)."""
-    write_json_atomic(RunDir(run_dir).endpoints, {"manager": manager, "weights": weights, "run_id": run_id,
-                                                          "curve": curve, "metrics": metrics, "worker": worker,
-                                                          "written_at": time.time()})
+class TargetFile(msgspec.Struct, kw_only=True):
+    """``target.json``, written by the trainer and read by the scavenger: ``n_prem`` live rollout jobs wanted while
+    ``active`` (``false`` ends the run's harvesting); ``step`` the RL step that set it (−1: the run ended before
+    its first); ``gpus_per_instance`` (when set) the GPUs each rollout job must ask for (``--gres=gpu:N``)."""
+
+    n_prem: Annotated[int, msgspec.Meta(ge=0)]
+    active: bool = True
+    step: int | None = None
+    gpus_per_instance: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
-def read_endpoints(run_dir: Path, wait_s: float = 0.0, poll_s: float = 0.5,
-                   stop: Callable[[], bool] | None = None) -> dict | None:
-    """Read ``endpoints.json``, waiting up to ``wait_s`` seconds for the trainer to write it; ``None`` as soon as
-    ``stop()`` is true while waiting (e.g. the waiting worker was preempted) — only then.
+class CapacityView(msgspec.Struct, kw_only=True, frozen=True):
+    """``capacity.json``, the scavenger's view of capacity at one reconciliation (read by the trainer at step
+    boundaries): ``live_jobs`` rollout jobs of the run live and not leaving, ``idle_slots`` more that its partition
+    could start now (free GPUs ÷ GPUs per job, summed over nodes), ``gpus_per_instance`` the job size it counted
+    with, ``ts`` epoch seconds."""
 
-    Raises:
-        RunDirError: not there after ``wait_s``, or unreadable/missing keys.
-    """
-    path = RunDir(run_dir).endpoints
-    deadline = time.monotonic() + wait_s
-    while not path.exists():
-        if stop is not None and stop():
-            return None
-        if time.monotonic() >= deadline:
-            raise RunDirError(f"{path} does not exist after {wait_s:.0f} s: is the trainer job running and is "
-                              f"{run_dir} on a filesystem both jobs share?")
-        time.sleep(poll_s)
-    try:
-        data = json.loads(path.read_text())
-        _ = data["manager"], data["weights"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise RunDirError(f"{path} is malformed ({e}); expected keys manager, weights") from None
-    return data
-
-
-
-
-def write_file_sd(run_dir: Path, job: str, url: str, run_id: str) -> Path:
-    """Prometheus file-based service discovery for one of the run's endpoints:
-    ``RUN_DIR/prometheus/<job>.json`` = ``[{"targets": ["host:port"], "labels": {"job", "run",
-    "__metrics_path__"}}]`` (point ``file_sd_configs`` at ``RUN_DIR/prometheus/*.json``). Written atomically."""
-    from urllib.parse import urlsplit
-
-    u = urlsplit(url)
-    path = Path(run_dir) / PROMETHEUS_DIR / f"{job}.json"
-    write_json_atomic(path, [{"targets": [u.netloc], "labels": {"job": job, "run": run_id,
-                                                                  "__metrics_path__": u.path or "/metrics"}}])
-    return path
-
-
-def write_target(run_dir: Path, n_prem: int, active: bool, step: int, gpus_per_instance: int | None = None) -> None:
-    """``target.json``: ``n_prem`` live rollout jobs wanted while ``active``; ``gpus_per_instance`` (when given)
-    is the GPU count each rollout job must ask for (the scavenger submits ``--gres=gpu:N`` with it)."""
-    data: dict = {"n_prem": int(n_prem), "active": bool(active), "step": step}
-    if gpus_per_instance is not None:
-        data["gpus_per_instance"] = int(gpus_per_instance)
-    write_json_atomic(RunDir(run_dir).target, data)
-
-
-
-
-@dataclass(frozen=True)
-class CapacityView:
-    """The scavenger's view of capacity at one reconciliation: ``live_jobs`` rollout jobs of the run live and not
-    leaving, ``idle_slots`` more that its partition could start now (free GPUs ÷ GPUs per job, summed over
-    nodes), ``gpus_per_instance`` the job size it counted with, ``ts`` epoch seconds."""
-
-    live_jobs: int
-    idle_slots: int
+    live_jobs: Annotated[int, msgspec.Meta(ge=0)]
+    idle_slots: Annotated[int, msgspec.Meta(ge=0)]
     gpus_per_instance: int
     ts: float
 
 
-def write_capacity(run_dir: Path, view: CapacityView) -> None:
-    """Replace ``capacity.json`` atomically (the scavenger, at every reconciliation)."""
-    write_json_atomic(Path(run_dir) / CAPACITY_FILE, asdict(view))
+def _read_struct(path: Path, kind: type):
+    """``path`` decoded as ``kind`` (``None`` when the file does not exist).
 
-
-def read_capacity(run_dir: Path) -> CapacityView | None:
-    """``capacity.json`` (``None`` when the scavenger has written none). Raises RunDirError when malformed."""
-    path = Path(run_dir) / CAPACITY_FILE
+    Raises:
+        RunDirError: unreadable, not JSON, or not of ``kind``'s shape (the message names the file and the field).
+    """
     try:
-        data = json.loads(path.read_text())
+        raw = path.read_bytes()
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
+    except OSError as e:
         raise RunDirError(f"{path}: unreadable ({e})") from None
     try:
-        view = CapacityView(live_jobs=int(data["live_jobs"]), idle_slots=int(data["idle_slots"]),
-                            gpus_per_instance=int(data["gpus_per_instance"]), ts=float(data["ts"]))
-    except (KeyError, TypeError, ValueError) as e:
-        raise RunDirError(f"{path}: expected live_jobs, idle_slots, gpus_per_instance, ts ({e})") from None
-    if view.live_jobs < 0 or view.idle_slots < 0:
-        raise RunDirError(f"{path}: negative counts")
-    return view
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as e:
+        raise RunDirError(f"{path}: {e}") from None
+    except msgspec.DecodeError as e:
+        raise RunDirError(f"{path}: not JSON ({e})") from None
 
 
 def advertised(endpoint: str, host: str) -> str:

@@ -24,7 +24,7 @@ import torch
 from rlboost_hpc.config import RunConfig
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.auth import RunKeys
-from rlboost_hpc.rundir import RunDir, advertised, write_endpoints, write_file_sd, write_target
+from rlboost_hpc.rundir import RunDir, advertised
 
 log = logging.getLogger("rlboost.run")
 
@@ -108,10 +108,10 @@ class RunServices:
                                                                                          self.host)
         self.client = ManagerClient(self.endpoint, keys=self.keys, alive=self.mproc.is_alive)
         metrics_url = metrics_url.replace("0.0.0.0", self.host)
-        write_endpoints(rd.root, self.endpoint, self.weights_endpoint, run_id=self.run_id,
+        rd.write_endpoints(self.endpoint, self.weights_endpoint, run_id=self.run_id,
                         curve=self.keys is not None, metrics=metrics_url, worker=WorkerSpec.from_config(cfg, self.context_tokens).to_json())
         if metrics_url:
-            write_file_sd(rd.root, "rlboost-manager", metrics_url, self.run_id)
+            rd.write_file_sd("rlboost-manager", metrics_url, self.run_id)
             log.info("manager metrics: %s (file_sd: %s/prometheus/)", metrics_url, rd.root)
         self.backend = self._backend()
         self.defer(self.backend.close)  # the Megatron backend holds process groups / shard servers
@@ -251,7 +251,7 @@ class RunServices:
         self.defer(stop_reserved)
         if cfg.cluster.kind == "slurm":  # rollout jobs come from the scavenger; tell it how many we want
             self.set_target(cfg.cluster.max_workers, step=0)
-            self.defer(lambda: write_target(self.run_dir.root, 0, active=False, step=self._target_step,
+            self.defer(lambda: self.run_dir.write_target(0, active=False, step=self._target_step,
                                             gpus_per_instance=r.gpus_per_instance))
             return
         from rlboost_hpc.cluster.local import LocalCluster
@@ -277,7 +277,7 @@ class RunServices:
         cluster's cap otherwise (``step``: the next step, recorded in the target)."""
         if self.cfg.cluster.kind == "slurm":
             self._target_step = step
-            write_target(self.run_dir.root, n_prem, active=True, step=step,
+            self.run_dir.write_target(n_prem, active=True, step=step,
                          gpus_per_instance=self.cfg.rollout.gpus_per_instance)
         elif self.cluster is not None:
             self.cluster.set_cap(n_prem)

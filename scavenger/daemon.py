@@ -2,7 +2,7 @@
 
 One :meth:`Scavenger.reconcile_once` step:
 
-1. read the target (``RUN_DIR/target.json`` = ``{"n_prem": int, "active": bool, "gpus_per_instance": int}``;
+1. read the target (``RUN_DIR/target.json``, :class:`rlboost_hpc.rundir.TargetFile`;
    missing → 0 (nothing is submitted before the run says how many jobs of which size); unreadable → keep the last good target and submit nothing new); a
    ``gpus_per_instance`` from the run replaces ``gpus_per_job`` (jobs are submitted with the run's instance size);
 2. list OUR jobs — those whose ``--comment`` equals the run's tag — in every state (so a restarted daemon
@@ -45,7 +45,7 @@ from typing import Any, Protocol
 
 from scavenger.config import ScavengerConfig, ScavengerConfigError
 from rlboost_hpc.events import append_event, drain_marker_path, iter_events
-from rlboost_hpc.rundir import TARGET_FILE, CapacityView, RunDir, write_capacity
+from rlboost_hpc.rundir import CapacityView, RunDir, RunDirError
 from scavenger.pyslurm_api import slurm_api
 from scavenger.slurm import SlurmCommandError
 from scavenger.slurm_records import JobClass, JobInfo, NodeInfo, signal_number
@@ -96,10 +96,6 @@ class SystemClock:
         self._wake.set()
 
 
-class TargetError(ValueError):
-    """``target.json`` exists but is not ``{"n_prem": int ≥ 0, "active": bool}``."""
-
-
 @dataclass(frozen=True)
 class Target:
     """The run's wish: ``n`` live rollout jobs while ``active``. ``source``: file | default | last_good."""
@@ -111,32 +107,13 @@ class Target:
 
 
 def read_target(run_dir: str | os.PathLike[str], default_n: int) -> Target:
-    """Read ``RUN_DIR/target.json``. Missing → ``Target(default_n, True, "default")``.
-    Raises :class:`TargetError` when it cannot be read or has the wrong shape (writers should replace it
-    atomically: write a temp file, then ``os.replace``)."""
-    p = Path(run_dir) / TARGET_FILE
-    try:
-        raw = p.read_text()
-    except FileNotFoundError:
+    """``RUN_DIR/target.json`` (:class:`rlboost_hpc.rundir.TargetFile`, its one reader); missing →
+    ``Target(default_n, True, "default")``. Raises :class:`rlboost_hpc.rundir.RunDirError` when it cannot be read
+    or has the wrong shape."""
+    t = RunDir(run_dir).read_target()
+    if t is None:
         return Target(default_n, True, "default")
-    except OSError as e:
-        raise TargetError(f"{p}: {e}") from None
-    try:
-        d = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise TargetError(f"{p}: not JSON ({e.msg})") from None
-    if not isinstance(d, dict):
-        raise TargetError(f"{p}: expected an object")
-    n = d.get("n_prem")
-    active = d.get("active", True)
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise TargetError(f"{p}: n_prem must be an integer ≥ 0, got {n!r}")
-    if not isinstance(active, bool):
-        raise TargetError(f"{p}: active must be true/false, got {active!r}")
-    g = d.get("gpus_per_instance")
-    if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g < 0):
-        raise TargetError(f"{p}: gpus_per_instance must be an integer ≥ 0, got {g!r}")
-    return Target(n, active, "file", g)
+    return Target(t.n_prem, t.active, "file", t.gpus_per_instance)
 
 
 @dataclass
@@ -379,7 +356,7 @@ class Scavenger:
     def _write_capacity(self, live: int, free: int, now: float) -> None:
         """The run's view of capacity for the trainer's cap (``capacity.json``); never fails a reconciliation."""
         try:
-            write_capacity(self.run_dir, CapacityView(live_jobs=live, idle_slots=max(0, free),
+            RunDir(self.run_dir).write_capacity(CapacityView(live_jobs=live, idle_slots=max(0, free),
                                                       gpus_per_instance=self.config.gpus_per_job, ts=now))
         except OSError as e:
             log.warning("scavenger: could not write capacity.json: %s", e)
@@ -391,7 +368,7 @@ class Scavenger:
             t = read_target(self.run_dir, 0)
             self._last_target = t
             return t
-        except TargetError as e:
+        except RunDirError as e:
             log.warning("scavenger: %s; keeping the last good target, submitting nothing new", e)
             if self._last_target is None:
                 return None
@@ -537,7 +514,7 @@ class Scavenger:
         """Serve Prometheus metrics (``config.metrics_port``/``metrics_host``); returns the URL, also written to
         ``RUN_DIR/scavenger-metrics.json``. Refreshed after every reconciliation of :meth:`run_forever`."""
         from rlboost_hpc.observe.metrics import serve_metrics
-        from rlboost_hpc.rundir import write_file_sd, write_json_atomic
+        from rlboost_hpc.rundir import write_json_atomic
         from scavenger.metrics import ScavengerMetrics
 
         self.metrics = ScavengerMetrics(self.config.spot_price_per_gpu_hour, self.config.on_demand_price_per_gpu_hour,
@@ -545,7 +522,7 @@ class Scavenger:
         host, port = serve_metrics(self.metrics, host=self.config.metrics_host, port=self.config.metrics_port or 0)
         url = f"http://{host}:{port}/metrics"
         write_json_atomic(self.run_dir / "scavenger-metrics.json", {"url": url, "tag": self.tag})
-        write_file_sd(self.run_dir, "rlboost-scavenger", url, self.config.resolved_run_id(self.run_dir))
+        RunDir(self.run_dir).write_file_sd("rlboost-scavenger", url, self.config.resolved_run_id(self.run_dir))
         log.info("scavenger: metrics at %s", url)
         return url
 

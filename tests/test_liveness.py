@@ -23,7 +23,7 @@ from rlboost_hpc.cluster.faults import TcpForwarder
 from rlboost_hpc.manager.service import spawn_manager
 from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.protocol import messages as M
-from rlboost_hpc.rundir import write_endpoints
+from rlboost_hpc.rundir import RunDir
 from rlboost_hpc.trainer.client import ManagerClient
 from rlboost_hpc.weights.server import WeightServer
 
@@ -116,7 +116,7 @@ def test_a_tcp_reset_between_a_worker_and_the_manager_loses_nothing(harness):  #
     h = harness
     fwd = TcpForwarder(h.endpoint)
     run_dir = h.run_dir / "fwd"
-    write_endpoints(run_dir, fwd.endpoint, h.server.endpoint, run_id="test")
+    RunDir(run_dir).write_endpoints(fwd.endpoint, h.server.endpoint, run_id="test")
     w = subprocess.Popen([sys.executable, "-m", "rlboost_hpc.rollout.worker", "--run-dir", str(run_dir), "--job-id",
                           "flaky", "--attempt", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     h.procs.append(w)

@@ -88,7 +88,7 @@ def test_scraped_metrics_follow_prometheus_conventions(tmp_path):
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from rlboost_hpc.rundir import write_file_sd
+    from rlboost_hpc.rundir import RunDir
     from scavenger.config import ScavengerConfig
     from scavenger.daemon import Scavenger
 
@@ -111,7 +111,7 @@ def test_scraped_metrics_follow_prometheus_conventions(tmp_path):
         client.call(M.Shutdown(reason="test"), timeout_s=5)
         client.close()
         proc.join(5)
-    write_file_sd(tmp_path, "rlboost-manager", url, "r42")
+    RunDir(tmp_path).write_file_sd("rlboost-manager", url, "r42")
     clock = FakeClock()
     run_dir = tmp_path / "r42"
     run_dir.mkdir()

@@ -24,7 +24,7 @@ from rlboost_hpc.rollout.engines.base import GenRequest, SamplingParams
 from rlboost_hpc.rollout.engines.torch_engine import TorchEngine, generate_all
 from rlboost_hpc.trainer.client import ManagerClient
 from rlboost_hpc.rollout.spec import WorkerSpec
-from rlboost_hpc.rundir import write_endpoints
+from rlboost_hpc.rundir import RunDir
 from rlboost_hpc.weights.server import WeightServer
 
 pytestmark = pytest.mark.integration
@@ -47,7 +47,7 @@ def harness(stories260k_hf_dir, tmp_path, request):
     client.call(M.SetVersion(version=0))
     procs: list[subprocess.Popen] = []
     spec = WorkerSpec(weight_relay=True, relay_timeout_s=1.0).to_json() if relay else None
-    write_endpoints(tmp_path, endpoint, server.endpoint, run_id="test", worker=spec)  # found like Slurm jobs do
+    RunDir(tmp_path).write_endpoints(endpoint, server.endpoint, run_id="test", worker=spec)  # found like Slurm jobs do
 
     class H:
         pass
@@ -415,7 +415,7 @@ def test_rollout_job_outlives_a_trainer_crash_and_reconnects_to_the_restarted_ru
         client.call(M.TrainerHello(weights_endpoint=server.endpoint, model_config=config.to_hf_dict()))
         server.publish(version, weights, dtype=torch.float32)
         client.call(M.SetVersion(version=version))
-        write_endpoints(tmp_path, endpoint, server.endpoint, run_id="test")
+        RunDir(tmp_path).write_endpoints(endpoint, server.endpoint, run_id="test")
         procs.append(mproc)
         clients.append(client)
         return mproc, client

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from scavenger.config import ScavengerConfig, ScavengerConfigError, load_scavenger_config
-from scavenger.daemon import Scavenger, Target, read_target, TargetError
+from rlboost_hpc.rundir import RunDirError
+from scavenger.daemon import Scavenger, Target, read_target
 from rlboost_hpc.events import append_event, drain_marker_path, read_events
 from scavenger.slurm import SlurmCommandError
 from scavenger.slurm_records import JobInfo, NodeInfo
@@ -255,20 +256,20 @@ def test_capacity_view_and_the_runs_instance_size_reach_the_trainer_and_sbatch(e
     """Issue 13: the trainer clamps N_prem to what the scavenger sees (live jobs + idle slots, capacity.json), and
     the run's rollout.gpus_per_instance (target.json) is what jobs ask for, not the daemon's own default."""
     from rlboost_hpc.cluster.capacity import available_from_scavenger
-    from rlboost_hpc.rundir import read_capacity, write_target
+    from rlboost_hpc.rundir import RunDir
 
     clock, fake, run_dir, make = env
     fake.external.update(n1=2, n2=1)  # 5 of 8 GPUs free: n2 1, n3 2, n4 2
-    write_target(run_dir, 1, active=True, step=0, gpus_per_instance=2)
+    RunDir(run_dir).write_target(1, active=True, step=0, gpus_per_instance=2)
     sc = make()
     res = sc.reconcile_once()
     assert len(res.submitted) == 1 and "--gres=gpu:2" in fake.calls[-1][2]
-    view = read_capacity(run_dir)
+    view = RunDir(run_dir).read_capacity()
     assert (view.live_jobs, view.idle_slots, view.gpus_per_instance, view.ts) == (0, 2, 2, clock.t)
     fake.schedule()
     clock.t += 5
     sc.reconcile_once()
-    assert (read_capacity(run_dir).live_jobs, read_capacity(run_dir).idle_slots) == (1, 1)
+    assert (RunDir(run_dir).read_capacity().live_jobs, RunDir(run_dir).read_capacity().idle_slots) == (1, 1)
     assert available_from_scavenger(run_dir, now=clock.t) == 2
     assert available_from_scavenger(run_dir, now=clock.t + 1000) is None  # a dead scavenger's view is stale
 
@@ -630,10 +631,27 @@ def test_read_target_shapes(tmp_path):
     assert read_target(tmp_path, 3) == Target(3, True, "default")
     (tmp_path / "target.json").write_text('{"n_prem": 2, "active": false, "step": 9}')
     assert read_target(tmp_path, 3) == Target(2, False, "file")
-    for bad in ('[]', '{"n_prem": true}', '{"n_prem": 1, "active": "no"}', '{"active": true}'):
+    for bad, says in (('[]', "object"), ('{"n_prem": true}', "n_prem"), ('{"n_prem": 1, "active": "no"}', "active"),
+                      ('{"active": true}', "n_prem"), ('{"n_prem": -1}', "n_prem"), ('{"n_prem": 1', "not JSON"),
+                      ('{"n_prem": 1, "gpus_per_instance": -2}', "gpus_per_instance")):
         (tmp_path / "target.json").write_text(bad)
-        with pytest.raises(TargetError):
+        with pytest.raises(RunDirError, match=f"target.json: .*{says}"):
             read_target(tmp_path, 3)
+
+
+def test_capacity_file_round_trips_and_a_malformed_one_names_its_field(tmp_path):
+    from rlboost_hpc.rundir import CapacityView, RunDir
+
+    rd = RunDir(tmp_path)
+    assert rd.read_capacity() is None
+    view = CapacityView(live_jobs=3, idle_slots=1, gpus_per_instance=2, ts=5.0)
+    rd.write_capacity(view)
+    assert rd.read_capacity() == view
+    for bad, says in (('{"live_jobs": -1, "idle_slots": 0, "gpus_per_instance": 1, "ts": 1}', "live_jobs"),
+                      ('{"live_jobs": 1, "gpus_per_instance": 1, "ts": 1}', "idle_slots"), ("", "not JSON")):
+        (tmp_path / "capacity.json").write_text(bad)
+        with pytest.raises(RunDirError, match=f"capacity.json: .*{says}"):
+            rd.read_capacity()
 
 
 def test_vanished_job_is_logged_finished_after_two_listings(env):

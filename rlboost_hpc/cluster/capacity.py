@@ -6,7 +6,7 @@ that could be held now (the cap's upper clamp).
   (:func:`allocation_gpus`), else ``trainer.gpus``; outside Slurm with neither, the reserved side counts as one
   instance (the CPU demo's reserved engine).
 * **Available capacity** (:func:`available_from_scavenger`): under Slurm the scavenger writes its view at every
-  reconciliation (``RUN_DIR/capacity.json``, :func:`rlboost_hpc.rundir.write_capacity`): rollout jobs of the run
+  reconciliation (``RUN_DIR/capacity.json``, :meth:`rlboost_hpc.rundir.RunDir.write_capacity`): rollout jobs of the run
   that are live and not leaving, plus the idle slots of its partition for the instance's GPU count. The trainer
   reads it at step boundaries; a view older than ``max_age_s`` (a dead scavenger) is "unknown" (``None``: no
   upper clamp beyond ``cluster.max_workers``). With the embedded local cluster the replayed trace's offered
@@ -17,9 +17,8 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from pathlib import Path
 
-from rlboost_hpc.rundir import RunDirError, read_capacity
+from rlboost_hpc.rundir import RunDir, RunDirError
 
 
 def allocation_gpus(env: Mapping[str, str] | None = None) -> int | None:
@@ -60,7 +59,7 @@ def available_from_scavenger(run_dir: str | os.PathLike[str], max_age_s: float =
     """Instances the run could hold now according to the scavenger's last view (live + idle slots), or
     ``None`` when there is no view, it is unreadable, or older than ``max_age_s`` seconds."""
     try:
-        view = read_capacity(Path(run_dir))
+        view = RunDir(run_dir).read_capacity()
     except RunDirError:
         return None
     if view is None or (time.time() if now is None else now) - view.ts > max_age_s:

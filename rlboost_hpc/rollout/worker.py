@@ -121,12 +121,12 @@ def _run_keys(run_dir: str, ends: dict):
 
 def _next_endpoints(run_dir: str, previous: dict, wait_s: float) -> dict | None:
     """Wait up to ``wait_s`` for an ``endpoints.json`` newer than ``previous`` (a restarted trainer's)."""
-    from rlboost_hpc.rundir import RunDirError, read_endpoints
+    from rlboost_hpc.rundir import RunDir, RunDirError
 
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         try:
-            ends = read_endpoints(run_dir)
+            ends = RunDir(run_dir).read_endpoints()
         except RunDirError:
             ends = {}
         if ends and (ends.get("written_at"), ends.get("manager")) != (previous.get("written_at"), previous.get("manager")):
@@ -277,11 +277,11 @@ def _worker_spec(args: argparse.Namespace, handler: WarningHandler):
     import msgspec
 
     from rlboost_hpc.rollout.spec import WorkerSpec
-    from rlboost_hpc.rundir import RunDir, read_endpoints
+    from rlboost_hpc.rundir import RunDir
 
     manager, keys, ends, wspec = args.manager, None, {}, WorkerSpec()
     if args.run_dir:
-        ends = read_endpoints(args.run_dir, wait_s=args.wait_endpoints, stop=lambda: handler.warned)
+        ends = RunDir(args.run_dir).read_endpoints(wait_s=args.wait_endpoints, stop=lambda: handler.warned)
         if ends is None:
             return None
         wspec = WorkerSpec.from_json(ends.get("worker"), where=str(RunDir(args.run_dir).endpoints))
