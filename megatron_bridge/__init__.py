@@ -25,7 +25,7 @@ Quick use (one process, CPU or one GPU)::
     backend.accumulate(samples, responses_in_step); backend.optimizer_step()
     server.publish(version, backend.export_weights(), dtype=torch.bfloat16)
 
-Several processes: ``python -m megatron_bridge.launch --nproc-per-node 8 --tp 8 -m rlboost_hpc.cli run ...``.
+Several processes: ``python -m megatron_bridge.launch --nproc-per-node 8 -m rlboost_hpc.cli run --set trainer.megatron.tp=8 ...``.
 """
 
 __all__ = ["arch", "bridge", "backend", "export", "checkpoint", "parallel", "driver", "launch", "compat"]

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_bridge import compat, driver, parallel
+from rlboost_hpc.config import ConfigError
 from megatron_bridge.arch import (ModelArch, arch_from_hf, build_gpt_model, check_layout, load_hf_config,
                                  transformer_config)
 from megatron_bridge.bridge import Piece, SafetensorsSource, assemble, hf_to_megatron, megatron_to_pieces
@@ -65,9 +66,6 @@ log = logging.getLogger("rlboost.megatron")
 
 __all__ = ["MegatronBackend"]
 
-TP_ENV, PP_ENV = "MEGATRON_BRIDGE_TP", "MEGATRON_BRIDGE_PP"
-
-
 class MegatronBackend(TrainerBackend):
     """GRPO trainer backend on Megatron-core.
 
@@ -79,8 +77,8 @@ class MegatronBackend(TrainerBackend):
             None: Megatron's random init (``init_method_std`` 0.02, seeded) — for benchmarks.
         lr, weight_decay, grad_clip, clip_eps, kl_coef, temperature, keep_reference, objective: as
             ``TorchBackend`` (``objective``, when given, replaces ``clip_eps`` and ``kl_coef``).
-        tp, pp: tensor/pipeline parallel sizes (default: env ``MEGATRON_BRIDGE_TP``/``_PP`` set by the launcher,
-            else 1). DP is what remains of the world.
+        tp, pp: tensor/pipeline parallel sizes (default: the layout ``megatron_bridge.launch`` initialised, else
+            1). DP is what remains of the world.
         micro_batch_size: sequences per Megatron micro-batch inside one :meth:`accumulate` call (None: the
             whole per-replica batch when pp == 1, else enough micro-batches to fill the pipeline, 2·pp).
         bf16: bf16 parameters and activations (fp32 main params, grads reduced in fp32).
@@ -114,8 +112,9 @@ class MegatronBackend(TrainerBackend):
         hf_cfg = load_hf_config(config)
         if isinstance(weights, os.PathLike):
             weights = str(weights)
-        tp = int(tp if tp is not None else os.environ.get(TP_ENV, 1))
-        pp = int(pp if pp is not None else os.environ.get(PP_ENV, 1))
+        launched = parallel.layout() if parallel.is_initialized() else None
+        tp = int(tp if tp is not None else launched.tp if launched else 1)
+        pp = int(pp if pp is not None else launched.pp if launched else 1)
         kwargs = dict(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip, clip_eps=clip_eps, kl_coef=kl_coef,
                       temperature=temperature, keep_reference=keep_reference, tp=tp, pp=pp,
                       micro_batch_size=micro_batch_size, bf16=bf16, distributed_optimizer=distributed_optimizer,
@@ -548,14 +547,23 @@ class MegatronBackend(TrainerBackend):
 def from_run_config(cfg: Any, policy: Any, common: Mapping[str, Any], *, keys: Any = None,
                     advertise_host: str | None = None) -> MegatronBackend:
     """The trainer backend of a run with ``trainer.backend = "megatron"`` (entry point ``megatron`` of the group
-    ``rlboost_hpc.trainer_backends``): Megatron-core with the TP/PP layout ``megatron_bridge.launch`` set up (else
-    1), initialised from ``policy`` (``hf_config``, ``state_dict``), ``common`` = the algorithm's keyword arguments
+    ``rlboost_hpc.trainer_backends``): Megatron-core with ``trainer.megatron``'s layout (the one
+    ``megatron_bridge.launch`` initialised; ConfigError when they differ, or when tp × pp > 1 without the launcher)
+    and options, initialised from ``policy`` (``hf_config``, ``state_dict``), ``common`` = the algorithm's keyword arguments
     (lr, weight decay, grad clip, clip ε, KL β, temperature). With TP or PP > 1 and ``weights.sharded``, every
     holder rank serves its own weight shards (bound on ``network.bind_host``, advertised as ``advertise_host``,
     CURVE with the run's ``keys``)."""
-    t, w = cfg.trainer, cfg.weights
-    model_parallel = int(os.environ.get(TP_ENV, 1)) * int(os.environ.get(PP_ENV, 1)) > 1
+    t, w, m = cfg.trainer, cfg.weights, cfg.trainer.megatron
+    launched = parallel.layout() if parallel.is_initialized() else None
+    if launched is not None and (launched.tp, launched.pp) != (m.tp, m.pp):
+        raise ConfigError(f"trainer.megatron: tp = {m.tp}, pp = {m.pp}, but the process groups were launched with "
+                          f"tp = {launched.tp}, pp = {launched.pp} (python -m megatron_bridge.launch --tp / --pp): "
+                          "drop the launcher's flags, or make them agree")
+    if launched is None and m.tp * m.pp > 1:
+        raise ConfigError(f"trainer.megatron: tp × pp = {m.tp * m.pp} needs as many processes: run under python -m "
+                          f"megatron_bridge.launch --nproc-per-node {m.tp * m.pp} -m rlboost_hpc.cli run ...")
+    model_parallel = m.tp * m.pp > 1
     shards = dict(shard_export=True, shard_bind=f"tcp://{cfg.network.bind_host}:0", shard_keys=keys,
                   shard_sealed=w.sealed, shard_advertise_host=advertise_host) if w.sharded and model_parallel else {}
-    return MegatronBackend(policy.hf_config, policy.state_dict, seed=t.seed, bf16=t.bf16,
-                           distributed_optimizer=t.distributed_optimizer, recompute=t.recompute, **shards, **common)
+    return MegatronBackend(policy.hf_config, policy.state_dict, seed=t.seed, tp=m.tp, pp=m.pp, bf16=m.bf16,
+                           distributed_optimizer=m.distributed_optimizer, recompute=m.recompute, **shards, **common)

@@ -9,10 +9,12 @@ Usage::
 Examples::
 
     # 2 processes, TP=2, the ordinary RL run on rank 0 (the others serve the Megatron backend):
-    python -m megatron_bridge.launch --nproc-per-node 2 --tp 2 -m rlboost_hpc.cli run --set trainer.backend=megatron
+    python -m megatron_bridge.launch --nproc-per-node 2 -m rlboost_hpc.cli run --set trainer.backend=megatron \\
+        --set trainer.megatron.tp=2
     # in an sbatch script, one task per node:
     srun python -m megatron_bridge.launch --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID" \\
-        --master-addr "$MASTER_ADDR" --master-port 29500 --nproc-per-node 8 --tp 8 -m rlboost_hpc.cli run ...
+        --master-addr "$MASTER_ADDR" --master-port 29500 --nproc-per-node 8 -m rlboost_hpc.cli run \\
+        --set trainer.megatron.tp=8 ...
 
 Modes:
 - *leader* (default): global rank 0 runs the program; every other rank runs
@@ -22,7 +24,8 @@ Modes:
 
 The launcher re-executes itself under ``python -m torch.distributed.run`` (``--standalone`` on one node
 unless ``--master-port`` is given: a free rendezvous port, so concurrent jobs never collide), sets
-``MEGATRON_BRIDGE_TP``/``_PP``/``_DRIVER`` for the workers, initialises the process groups once per worker,
+``MEGATRON_BRIDGE_DRIVER`` for the workers, initialises the process groups once per worker with the layout
+(``--tp`` / ``--pp``; for an ``rlboost_hpc.cli run`` program, its config's ``trainer.megatron`` — one home),
 and releases the followers when rank 0's program returns or calls ``sys.exit`` (its exit status becomes the
 job's). If rank 0's program raises, or any rank fails, that process exits at once and torchrun stops the
 others and exits non-zero (a follower may be inside a collective rank 0 will never join).
@@ -46,8 +49,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--master-addr", default=None)
     p.add_argument("--master-port", type=int, default=None)
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--tp", type=int, default=None, help=(
+        "tensor-parallel size (default: trainer.megatron.tp of an rlboost_hpc.cli run program's config, else 1)"))
+    p.add_argument("--pp", type=int, default=None, help=(
+        "pipeline-parallel size (default: trainer.megatron.pp of an rlboost_hpc.cli run program's config, else 1)"))
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--spmd", action="store_true", help="run the program on every rank (default: rank 0 only)")
     p.add_argument("-m", dest="module", default=None, help="run a module as the program (then its ARGS)")
@@ -74,6 +79,39 @@ def _split(argv: list[str]) -> tuple[list[str], str | None, list[str]]:
             continue
         return argv[:i], None, argv[i:]
     return argv, None, []
+
+
+def _run_layout(module: str | None, program: list[str]) -> tuple[int, int] | None:
+    """``trainer.megatron``'s (tp, pp) when the program is ``rlboost_hpc.cli run`` (read from its ``--config`` and
+    ``--set`` as the run will read them), else None. Raises ConfigError (exit 2) on a bad config."""
+    if module != "rlboost_hpc.cli" or program[:1] != ["run"]:
+        return None
+    from rlboost_hpc.config import load_config
+
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--config")
+    p.add_argument("--set", action="append", default=[])
+    args, _ = p.parse_known_args(program[1:])
+    m = load_config(args.config, args.set).trainer.megatron
+    return m.tp, m.pp
+
+
+def _resolve_layout(a: argparse.Namespace) -> None:
+    """Fill ``a.tp`` / ``a.pp``: the run config's layout (the flags, when given, must agree), else 1.
+
+    Raises:
+        ConfigError: the flags contradict the run's ``trainer.megatron`` (exit 2, naming both).
+    """
+    from rlboost_hpc.config import ConfigError
+
+    run = _run_layout(a.module, list(a.program))
+    if run is not None:
+        flags = (a.tp if a.tp is not None else run[0], a.pp if a.pp is not None else run[1])
+        if flags != run:
+            raise ConfigError(f"megatron_bridge.launch --tp {flags[0]} --pp {flags[1]} disagrees with the run's "
+                              f"trainer.megatron (tp = {run[0]}, pp = {run[1]}): set the layout in one place")
+        a.tp, a.pp = run
+    a.tp, a.pp = a.tp or 1, a.pp or 1
 
 
 def _torchrun_argv(a: argparse.Namespace) -> list[str]:
@@ -110,11 +148,18 @@ def main(argv: list[str] | None = None) -> int:
     if not a.module and not a.program:
         _parser().error("give -m MODULE or SCRIPT")
     if os.environ.get(WORKER_ENV) != "1" and "LOCAL_RANK" not in os.environ:
+        from rlboost_hpc.errors import BadInput
+
+        try:
+            _resolve_layout(a)  # once, before torchrun: the workers get explicit --tp / --pp
+        except BadInput as e:
+            print(f"megatron_bridge.launch: {e}", file=sys.stderr)
+            return 2
         os.environ[WORKER_ENV] = "1"
         cmd = _torchrun_argv(a)
         os.execv(cmd[0], cmd)
-    os.environ.update({"MEGATRON_BRIDGE_TP": str(a.tp), "MEGATRON_BRIDGE_PP": str(a.pp),
-                       "MEGATRON_BRIDGE_DRIVER": "spmd" if a.spmd else "leader"})
+    a.tp, a.pp = a.tp or 1, a.pp or 1  # a worker started by hand (LOCAL_RANK set) without the flags
+    os.environ["MEGATRON_BRIDGE_DRIVER"] = "spmd" if a.spmd else "leader"
     import torch.distributed as dist
 
     from megatron_bridge import driver, parallel

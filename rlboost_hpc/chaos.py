@@ -113,8 +113,8 @@ def chaos_main(argv: list[str] | None = None) -> int:
         f"trainer.steps={a.steps}", f"cluster.trace='{trace}'", "cluster.time_scale=1.0",
         f"cluster.replay_s={a.duration_s}", "cluster.window_start_s=0", f"cluster.max_workers={a.workers}",
         f"cluster.kill_fraction={a.kill_fraction}", f"cluster.seed={a.seed}",
-        f"cluster.stall_every_s={a.stall_every_s}", f"cluster.stall_s={a.stall_s}",
-        f"cluster.link_reset_every_s={a.reset_every_s}", f"cluster.slow_load_s={a.slow_load_s}", *a.set]
+        f"cluster.faults.stall_every_s={a.stall_every_s}", f"cluster.faults.stall_s={a.stall_s}",
+        f"cluster.faults.link_reset_every_s={a.reset_every_s}", f"cluster.faults.slow_load_s={a.slow_load_s}", *a.set]
     crashes = {"trainer_kills": 0, "manager_kills": 0}
     terminal = sys.stdout.isatty()  # a progress bar then owns the screen; JSON log lines go to <out>/logs/
     with logging_setup("trainer", run_id=RunDir(out).run_id(), log_dir=RunDir(out).logs, console=not terminal):

@@ -156,7 +156,7 @@ class RolloutCfg(_Strict):
         "nucleus sampling mass; only 1.0 is accepted: the trainer scores each token under the full softmax at the "
         "sampling temperature, so a token drawn from a truncated, renormalised nucleus would be trained with "
         "another probability than it was drawn with"))
-    max_batch: int = Field(32, ge=1, description="engine batch slots per instance")
+    max_batch: int = Field(D.MAX_BATCH, ge=1, description="engine batch slots per instance")
     stream_every_tokens: int = Field(D.STREAM_EVERY_TOKENS, ge=1, description="flush token chunks to the manager every k tokens")
     stream_every_s: float = Field(D.STREAM_EVERY_S, gt=0, description="... or after this many seconds, whichever first")
     torch_threads: int = Field(1, ge=1, description="intra-op threads of a torch rollout engine's process")
@@ -235,9 +235,9 @@ class WeightsCfg(_Strict):
         "come from the trainer), so the trainer's egress does not grow with N_prem"))
     relay_fanout: int = Field(D.RELAY_FANOUT, ge=1, description="pullers one instance serves at once")
     relay_trainer_fanout: int = Field(D.RELAY_TRAINER_FANOUT, ge=1, description="pullers the trainer serves at once while relay is on")
-    relay_wait_s: float = Field(10.0, ge=0, description=(
+    relay_wait_s: float = Field(D.RELAY_WAIT_S, ge=0, description=(
         "longest an instance waits for relay capacity before pulling from the trainer anyway"))
-    relay_timeout_s: float = Field(5.0, gt=0, description=(
+    relay_timeout_s: float = Field(D.RELAY_TIMEOUT_S, gt=0, description=(
         "a relay peer silent this long is abandoned; the pull resumes from the next source at the chunk it reached"))
     sealed: bool = Field(True, description=(
         "with CURVE on, weight chunks travel AES-256-GCM-sealed under a per-version key over a plain TCP port of "
@@ -261,6 +261,18 @@ class EmulatedTrainerCfg(_Strict):
         "share of the elements one optimizer step changes by one ulp (1–5 % at RL learning rates)"))
 
 
+class MegatronCfg(_Strict):
+    """``trainer.backend = "megatron"``: Megatron-core's layout and options. ``python -m megatron_bridge.launch``
+    initialises the process groups with this ``tp`` and ``pp`` when its program is ``rlboost_hpc.cli run`` (its
+    ``--tp`` / ``--pp``, when given, must agree); data parallelism is what remains of the launcher's world."""
+
+    tp: int = Field(1, ge=1, description="tensor-parallel size")
+    pp: int = Field(1, ge=1, description="pipeline-parallel size")
+    bf16: bool = Field(False, description="bf16 parameters/activations (fp32 main params, grads reduced in fp32)")
+    distributed_optimizer: bool = Field(False, description="shard optimizer state across data-parallel ranks")
+    recompute: Literal["full", "selective"] | None = Field(None, description="activation recompute (unset: none)")
+
+
 class TrainerCfg(_Strict):
     """GRPO trainer (CPU torch backend)."""
 
@@ -273,9 +285,8 @@ class TrainerCfg(_Strict):
                                                                        "(auto = the GPU when there is one)")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
         "torch backend: compute dtype (auto = bf16 autocast with fp32 master weights on GPU, fp32 on CPU)"))
-    bf16: bool = Field(False, description="megatron: bf16 parameters/activations (fp32 main params)")
-    distributed_optimizer: bool = Field(False, description="megatron: shard optimizer state across DP")
-    recompute: Literal["full", "selective"] | None = Field(None, description="megatron: activation recompute")
+    megatron: MegatronCfg = Field(default_factory=MegatronCfg, description=(
+        "the Megatron-core layout (tp, pp) and options of trainer.backend = megatron"))
     steps: int = Field(40, ge=1, description="RL steps of the run (one optimizer step and one weight version each)")
     lr: float = Field(3e-5, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
@@ -338,7 +349,22 @@ class TrainerCfg(_Strict):
         "require: fail unless there is one; never: start from step 0 (overwriting)"))
 
 
-class LocalClusterCfg(_Strict):
+class FaultsCfg(_Strict):
+    """``cluster.faults``: faults the embedded local cluster injects on purpose (chaos runs and tests; all off by
+    default; ``rlboost_hpc/cluster/faults.py`` draws them from ``cluster.seed``)."""
+
+    stall_every_s: float = Field(0.0, ge=0, description="mean seconds between stalls: one random live worker "
+                                                        "SIGSTOPped for stall_s, then SIGCONTed (0: none)")
+    stall_s: float = Field(6.0, gt=0, description="length of a stall (longer than manager.heartbeat_timeout_s: "
+                                                  "the worker looks dead and must come back)")
+    link_reset_every_s: float = Field(0.0, ge=0, description="mean seconds between resets of every worker's TCP "
+                                                             "connection to the manager (through a forwarder; 0: none)")
+    slow_load_s: float = Field(0.0, ge=0, description="extra seconds every weight load takes on a share "
+                                                      "slow_load_fraction of worker attempts (0: none)")
+    slow_load_fraction: float = Field(0.5, ge=0, le=1, description="share of worker attempts slowed by slow_load_s")
+
+
+class ClusterCfg(_Strict):
     """Where preemptible rollout instances come from.
 
     ``kind = "local"``: the embedded local cluster — rollout-worker processes replaying a spot trace.
@@ -372,16 +398,8 @@ class LocalClusterCfg(_Strict):
         "hold each due removal until its worker holds ≥ 1 partial response at the manager (tokens to hand over), "
         "at most busy_wait_max_s; for tests and chaos runs that must exercise the hand-off, not hope for it"))
     busy_wait_max_s: float = Field(30.0, ge=0, description="longest a removal is held by preempt_when_busy (s)")
-    # chaos: faults injected on purpose (cluster/faults.py); all off by default
-    stall_every_s: float = Field(0.0, ge=0, description="mean seconds between stalls: one random live worker "
-                                                        "SIGSTOPped for stall_s, then SIGCONTed (0: none)")
-    stall_s: float = Field(6.0, gt=0, description="length of a stall (longer than manager.heartbeat_timeout_s: "
-                                                  "the worker looks dead and must come back)")
-    link_reset_every_s: float = Field(0.0, ge=0, description="mean seconds between resets of every worker's TCP "
-                                                             "connection to the manager (through a forwarder; 0: none)")
-    slow_load_s: float = Field(0.0, ge=0, description="extra seconds every weight load takes on a share "
-                                                      "slow_load_fraction of worker attempts (0: none)")
-    slow_load_fraction: float = Field(0.5, ge=0, le=1, description="share of worker attempts slowed by slow_load_s")
+    faults: FaultsCfg = Field(default_factory=FaultsCfg, description=(
+        "local: faults injected on purpose (chaos): stalls, link resets, slow weight loads"))
 
 
 class NetworkCfg(_Strict):
@@ -414,7 +432,7 @@ class RunConfig(_Strict):
     policy: PolicyCfg = Field(PolicyCfg(), description="RLBoost's scheduling: T_seed, N_prem, dispatch, balancing")
     weights: WeightsCfg = Field(WeightsCfg(), description="weight versions from the trainer to the instances")
     trainer: TrainerCfg = Field(TrainerCfg(), description="the GRPO trainer")
-    cluster: LocalClusterCfg = Field(LocalClusterCfg(), description="where preemptible instances come from")
+    cluster: ClusterCfg = Field(ClusterCfg(), description="where preemptible instances come from")
     network: NetworkCfg = Field(NetworkCfg(), description="the sockets' interfaces")
     security: SecurityCfg = Field(SecurityCfg(), description="authentication and encryption of every socket")
     data: DataCfg = Field(DataCfg(), description="the shared data directory")

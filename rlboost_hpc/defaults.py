@@ -9,6 +9,8 @@ from __future__ import annotations
 
 #: Θ: requests in flight per rollout instance before JSQ looks elsewhere (``manager.pending_limit``).
 PENDING_LIMIT = 64
+#: Engine batch slots per rollout instance (``rollout.max_batch``).
+MAX_BATCH = 32
 #: Seconds between heartbeats (``manager.heartbeat_s``).
 HEARTBEAT_S = 0.25
 #: Silence after which an instance is suspect (``manager.heartbeat_timeout_s``).
@@ -43,6 +45,10 @@ BALANCE_EVERY_S = 0.5
 RELAY_FANOUT = 4
 #: Pullers the trainer serves at once while relay is on (``weights.relay_trainer_fanout``).
 RELAY_TRAINER_FANOUT = 2
+#: Longest wait for relay capacity before pulling from the trainer anyway, seconds (``weights.relay_wait_s``).
+RELAY_WAIT_S = 10.0
+#: A relay peer silent this long is abandoned, seconds (``weights.relay_timeout_s``).
+RELAY_TIMEOUT_S = 5.0
 
 # GRPO objective (``trainer.*``; rlboost_hpc/trainer/algorithms/grpo.py ``GRPOOptions`` reads the same names).
 #: PPO clip range ε (``trainer.clip_eps``); the upper bound is 1 + ``trainer.clip_eps_high`` (None: ε).

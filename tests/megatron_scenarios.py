@@ -377,11 +377,15 @@ def run_parallel(models_dir: Path, out: Path, *, distributed_optimizer: bool = F
 
 
 def run_demo(config: Path, out_dir: Path, overrides: list[str]) -> int:
-    """The ordinary ``rlboost-hpc run`` with ``trainer.backend = "megatron"``. Under the launcher this is rank
-    0's program (the other ranks follow its backend calls)."""
+    """The ordinary ``rlboost-hpc run`` with ``trainer.backend = "megatron"`` at the layout the launcher started
+    (``trainer.megatron.tp`` / ``pp``: this script is not ``rlboost_hpc.cli run``, so the launcher took ``--tp``).
+    Under the launcher this is rank 0's program (the other ranks follow its backend calls)."""
+    from megatron_bridge import parallel
     from rlboost_hpc.cli import main as cli_main
 
-    args = ["run", "--config", str(config), "--out", str(out_dir), "--no-progress", "--set", "trainer.backend=megatron"]
+    lay = parallel.layout() if parallel.is_initialized() else None
+    args = ["run", "--config", str(config), "--out", str(out_dir), "--no-progress", "--set", "trainer.backend=megatron",
+            "--set", f"trainer.megatron.tp={lay.tp if lay else 1}", "--set", f"trainer.megatron.pp={lay.pp if lay else 1}"]
     for o in overrides:
         args += ["--set", o]
     return cli_main(args)

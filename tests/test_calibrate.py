@@ -26,10 +26,10 @@ def test_a_slot_that_hosts_k_instances_adds_k_instances_to_the_simulated_pool():
     but the simulator was given one instance per slot — N_prem and the instances serving a step came out 4× low
     (simulated ÷ live 0.25 and 0.28 at N = 16)."""
     from rlboost_hpc.cluster.local import replay_plan
-    from rlboost_hpc.config import LocalClusterCfg
+    from rlboost_hpc.config import ClusterCfg
 
     cfg = _local(4)
-    plan, _ = replay_plan(LocalClusterCfg(**cfg["cluster"]))
+    plan, _ = replay_plan(ClusterCfg(**cfg["cluster"]))
     avail = _availability(cfg, None)
     assert len(plan) > 0 and len(avail.events) == 4 * len(plan)
     for a, group in zip(plan, [avail.events[i:i + 4] for i in range(0, len(avail.events), 4)]):

@@ -61,7 +61,7 @@ def test_chaos_with_stalls_resets_and_slow_loads_loses_nothing(tmp_path, capsys)
     Stalled and reset workers are suspected and come back; nothing lost, duplicated or trained off-version."""
     rc = chaos_main(["--out", str(tmp_path / "chaos"), "--steps", "24", "--lifetime-s", "8", "--downtime-s", "1",
                      "--seed", "2", "--kill-fraction", "0.3", "--stall-every-s", "2.5", "--stall-s", "5",
-                     "--reset-every-s", "2.5", "--slow-load-s", "5", "--set", "cluster.slow_load_fraction=0.8"])
+                     "--reset-every-s", "2.5", "--slow-load-s", "5", "--set", "cluster.faults.slow_load_fraction=0.8"])
     summary = json.loads(capsys.readouterr().out)
     assert rc == 0, summary
     f, live = summary["faults"], summary["liveness"]

@@ -94,7 +94,7 @@ def _wait_gone(job: str, env: dict, timeout_s: float, what) -> None:
 
 @pytest.mark.megatron
 def test_train_sbatch_runs_the_megatron_trainer_as_two_tasks_at_tp2(tmp_path):
-    """``sbatch/train.sbatch`` with 2 Slurm tasks, ``RLBOOST_TP=2`` (gloo, fake GPUs): each task runs the
+    """``sbatch/train.sbatch`` with 2 Slurm tasks, ``trainer.megatron.tp = 2`` (gloo, fake GPUs): each task runs the
     Megatron launcher with its task rank as node rank; rank 0 runs the RL program, rank 1 follows; 3 steps."""
     import os
     import sys
@@ -103,8 +103,8 @@ def test_train_sbatch_runs_the_megatron_trainer_as_two_tasks_at_tp2(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     env.update(RLBOOST_PYTHON=sys.executable, RLBOOST_RUN_DIR=str(run_dir), RLBOOST_CONFIG=str(REPO / "configs/local.toml"),
-               RLBOOST_TP="2", RLBOOST_MASTER_ADDR="127.0.0.1", RLBOOST_TRAIN_ARGS=(
-                   "--set trainer.backend=megatron --set trainer.steps=3 --set task.heldout_prompts=8 "
+               RLBOOST_MASTER_ADDR="127.0.0.1", RLBOOST_TRAIN_ARGS=(
+                   "--set trainer.backend=megatron --set trainer.megatron.tp=2 --set trainer.steps=3 --set task.heldout_prompts=8 "
                    "--set trainer.eval_samples=1 --set trainer.export_model=false"))
     p = subprocess.run(["sbatch", "--parsable", "--partition", "train", "--nodes", "1", "--ntasks-per-node", "2",
                         "--cpus-per-task", "1", "--gres", "gpu:2", "--output", str(run_dir / "train-%j.out"),

@@ -169,7 +169,7 @@ def test_manifest_lists_one_position_per_shard_and_checks_coverage():
 
 
 def test_launcher_splits_its_options_from_the_program():
-    from megatron_bridge.launch import _parser, _split, _torchrun_argv
+    from megatron_bridge.launch import _parser, _resolve_layout, _split, _torchrun_argv
 
     opts, mod, prog = _split(["--nproc-per-node", "2", "--tp", "2", "-m", "rlboost_hpc.cli", "run", "--tp", "x"])
     assert opts == ["--nproc-per-node", "2", "--tp", "2"] and mod == "rlboost_hpc.cli" and prog == ["run", "--tp", "x"]
@@ -177,10 +177,49 @@ def test_launcher_splits_its_options_from_the_program():
     assert opts == ["--spmd"] and mod is None and prog == ["script.py", "--out", "o"]
     a = _parser().parse_args(["--nproc-per-node", "2", "--pp", "2"])
     a.module, a.program = "m", ["x"]
+    _resolve_layout(a)  # not an rlboost-hpc run: the flags, else 1
+    assert (a.tp, a.pp) == (1, 2)
     argv = _torchrun_argv(a)
     assert "--standalone" in argv and argv[-4:] == ["--seed=1234", "-m", "m", "x"] and "--pp=2" in argv
     a.master_port, a.nnodes = 29555, 2
     assert "--standalone" not in _torchrun_argv(a) and "--master-port=29555" in _torchrun_argv(a)
+
+
+def test_the_launcher_takes_an_rlboost_runs_layout_from_its_config_and_refuses_contradicting_flags():
+    """trainer.megatron is the one home of tp / pp: the launcher reads them from the run's --config / --set; its own
+    --tp / --pp may only repeat them; a bad config is the run's ConfigError (the launcher exits 2)."""
+    from megatron_bridge.launch import _parser, _resolve_layout, main
+    from rlboost_hpc.config import ConfigError
+
+    run = ["run", "--out", "o", "--set", "trainer.backend='megatron'", "--set", "trainer.megatron.tp=2"]
+    a = _parser().parse_args(["--nproc-per-node", "2"])
+    a.module, a.program = "rlboost_hpc.cli", run
+    _resolve_layout(a)
+    assert (a.tp, a.pp) == (2, 1)
+    a = _parser().parse_args(["--tp", "2", "--pp", "1"])
+    a.module, a.program = "rlboost_hpc.cli", run
+    _resolve_layout(a)  # the same layout said twice is fine
+    a = _parser().parse_args(["--tp", "4"])
+    a.module, a.program = "rlboost_hpc.cli", run
+    with pytest.raises(ConfigError, match="disagrees with the run's trainer.megatron"):
+        _resolve_layout(a)
+    env_before = dict(os.environ)
+    try:
+        assert main(["--nproc-per-node", "2", "-m", "rlboost_hpc.cli", "run", "--set", "trainer.megatron.tp=0"]) == 2
+    finally:
+        os.environ.clear()
+        os.environ.update(env_before)
+
+
+def test_a_megatron_run_with_tp_above_1_and_no_launcher_is_a_config_error():
+    from megatron_bridge import parallel
+    from megatron_bridge.backend import from_run_config
+    from rlboost_hpc.config import ConfigError, load_config
+
+    cfg = load_config(None, ["trainer.backend='megatron'", "trainer.megatron.tp=2"])
+    match = "launched with tp = 1" if parallel.is_initialized() else "needs as many processes"
+    with pytest.raises(ConfigError, match=match):
+        from_run_config(cfg, None, {})
 
 
 # ------------------------------------------------------------------------------------------------ backend

@@ -201,10 +201,10 @@ def test_a_warning_in_a_workers_first_instants_waits_for_its_handler(harness, re
     sbatch/rollout.sbatch (forwarded once the worker's ready file exists). Each worker here is warned at once,
     while its interpreter is still starting; each registers, drains and is counted once, as a preemption."""
     from rlboost_hpc.cluster.local import LocalCluster
-    from rlboost_hpc.config import LocalClusterCfg
+    from rlboost_hpc.config import ClusterCfg
 
     h = harness
-    local = LocalCluster(LocalClusterCfg(max_workers=0), h.endpoint, h.run_dir)._spawn(0, 0)
+    local = LocalCluster(ClusterCfg(max_workers=0), h.endpoint, h.run_dir)._spawn(0, 0)
     h.procs.append(local)
     local.send_signal(signal.SIGTERM)  # the local cluster's preemption signal, right after the spawn
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}

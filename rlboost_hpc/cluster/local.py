@@ -5,7 +5,7 @@ run changes. Invariants: workers are real OS processes (``python -m rlboost_hpc.
 ``remove`` ends one with the warning signal (SIGTERM by default) or, for ``kill_fraction`` of removals,
 SIGKILL without warning; each restart of a slot is a new attempt (new identity ``local-slot<k>#<attempt>``, case
 S2); with ``cfg.preempt_when_busy`` a due removal waits (at most ``cfg.busy_wait_max_s``) until its worker holds a
-partial response at the manager; chaos faults (``cfg.stall_every_s``, ``link_reset_every_s``, ``slow_load_s``:
+partial response at the manager; chaos faults (``cfg.faults``: ``stall_every_s``, ``link_reset_every_s``, ``slow_load_s``:
 :mod:`rlboost_hpc.cluster.faults`) stall workers, reset their connections and slow their weight loads;
 :meth:`stop` continues every stalled worker and leaves no worker process behind.
 """
@@ -25,7 +25,7 @@ from rlboost_hpc.cluster.faults import FaultPlan, TcpForwarder
 from rlboost_hpc.cluster.replay import ReplayDriver
 from rlboost_hpc.cluster.replay_plan import ReplayPlan, choose_window
 from rlboost_hpc.cluster.traces import load_trace
-from rlboost_hpc.config import ConfigError, LocalClusterCfg
+from rlboost_hpc.config import ConfigError, ClusterCfg
 from rlboost_hpc.events import LOCAL_CLUSTER_SOURCE, append_event, drain_marker_path
 from rlboost_hpc.procutil import die_with_parent, hold_signals
 from rlboost_hpc.rollout.worker import instance_ids
@@ -33,7 +33,7 @@ from rlboost_hpc.rollout.worker import instance_ids
 log = logging.getLogger("rlboost.cluster")
 
 
-def replay_plan(cfg: LocalClusterCfg) -> tuple[ReplayPlan, float]:
+def replay_plan(cfg: ClusterCfg) -> tuple[ReplayPlan, float]:
     """The replay plan of ``cfg`` and its trace window's start (seconds): deterministic, so the simulator can
     replay the same window a run saw (``sim/calibrate.py``).
 
@@ -56,7 +56,7 @@ def replay_plan(cfg: LocalClusterCfg) -> tuple[ReplayPlan, float]:
     return plan, start
 
 
-def worker_slots(cfg: LocalClusterCfg) -> int:
+def worker_slots(cfg: ClusterCfg) -> int:
     """Worker processes the trace is replayed onto: ``ceil(max_workers / instances_per_worker)`` (each hosts
     ``instances_per_worker`` rollout instances)."""
     return -(-cfg.max_workers // cfg.instances_per_worker)
@@ -74,7 +74,7 @@ class LocalCluster:
     the cluster's thread, only while ``cfg.preempt_when_busy`` holds a removal back).
     """
 
-    def __init__(self, cfg: LocalClusterCfg, manager_endpoint: str, run_dir: Path, *,
+    def __init__(self, cfg: ClusterCfg, manager_endpoint: str, run_dir: Path, *,
                  t_origin: float | None = None,
                  partial_by_instance: Callable[[], dict[str, int]] | None = None) -> None:
         if cfg.preempt_when_busy and partial_by_instance is None:
@@ -92,14 +92,15 @@ class LocalCluster:
         self._lock = threading.Lock()
         self.live_series: list[tuple[float, int]] = []  # (seconds since t_origin, live workers)
         self.t_origin = time.monotonic() if t_origin is None else t_origin
-        self.faults = FaultPlan(cfg.stall_every_s, cfg.link_reset_every_s, cfg.slow_load_fraction if cfg.slow_load_s
-                                else 0.0, seed=cfg.seed)
+        f = cfg.faults
+        self.faults = FaultPlan(f.stall_every_s, f.link_reset_every_s, f.slow_load_fraction if f.slow_load_s else 0.0,
+                                seed=cfg.seed)
         self.fault_counts = {"stalls": 0, "link_resets": 0, "slow_load_attempts": 0}
         self._stalled: list[tuple[float, int]] = []  # (continue at, pid)
         now = time.monotonic()
-        self._next_stall = now + self.faults.next_gap(cfg.stall_every_s)
-        self._next_reset = now + self.faults.next_gap(cfg.link_reset_every_s)
-        self.link = TcpForwarder(manager_endpoint) if cfg.link_reset_every_s > 0 and cfg.max_workers else None
+        self._next_stall = now + self.faults.next_gap(cfg.faults.stall_every_s)
+        self._next_reset = now + self.faults.next_gap(cfg.faults.link_reset_every_s)
+        self.link = TcpForwarder(manager_endpoint) if cfg.faults.link_reset_every_s > 0 and cfg.max_workers else None
         if cfg.max_workers == 0:
             self.plan = None
             return
@@ -133,7 +134,7 @@ class LocalCluster:
         if self.link is not None:  # through the forwarder whose connections the chaos run resets
             cmd += ["--manager", self.link.endpoint]
         if self.faults.slow_load():
-            cmd += ["--fault-load-delay-s", str(self.cfg.slow_load_s)]
+            cmd += ["--fault-load-delay-s", str(self.cfg.faults.slow_load_s)]
             self.fault_counts["slow_load_attempts"] += 1
         env = dict(os.environ, RLBOOST_SPAWNED_AT=repr(time.time()))
         warnings = {signal.SIGTERM, getattr(signal, self.cfg.preempt_signal)}
@@ -219,17 +220,17 @@ class LocalCluster:
             self._signal(pid, signal.SIGCONT)
             self._stalled.remove((until, pid))
         if now >= self._next_stall:
-            self._next_stall = now + self.faults.next_gap(self.cfg.stall_every_s)
+            self._next_stall = now + self.faults.next_gap(self.cfg.faults.stall_every_s)
             stalled = {pid for _, pid in self._stalled}
             pids = [p for p in self.driver.live_pids().values() if p is not None and p not in stalled]
             if pids:
                 pid = self.faults.rng.choice(pids)
                 if self._signal(pid, signal.SIGSTOP):
-                    self._stalled.append((now + self.cfg.stall_s, pid))
+                    self._stalled.append((now + self.cfg.faults.stall_s, pid))
                     self.fault_counts["stalls"] += 1
-                    log.info("cluster: stalled pid %d for %.1f s", pid, self.cfg.stall_s)
+                    log.info("cluster: stalled pid %d for %.1f s", pid, self.cfg.faults.stall_s)
         if self.link is not None and now >= self._next_reset:
-            self._next_reset = now + self.faults.next_gap(self.cfg.link_reset_every_s)
+            self._next_reset = now + self.faults.next_gap(self.cfg.faults.link_reset_every_s)
             if self.link.reset():
                 self.fault_counts["link_resets"] += 1
 

@@ -191,7 +191,7 @@ class RolloutAgent:
         attempt: int = 0,
         *,
         kind: str = "preemptible",
-        max_batch: int = 32,
+        max_batch: int = D.MAX_BATCH,
         engine_factory: EngineFactory | None = None,
         weight_source_factory: Callable[..., WeightSource] | None = None,
         register_timeout_s: float = 15.0,
@@ -206,7 +206,7 @@ class RolloutAgent:
         builder: ThreadPoolExecutor | None = None,
         fault_load_delay_s: float = 0.0,
         relay_endpoint: str = "",
-        relay_wait_s: float = 10.0,
+        relay_wait_s: float = D.RELAY_WAIT_S,
     ) -> None:
         self.manager_endpoint = manager_endpoint
         self.relay_endpoint = relay_endpoint  # where this instance serves the versions it holds ("" = it does not)

@@ -40,15 +40,15 @@ class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     """
 
     engine: dict[str, Any] = msgspec.field(default_factory=lambda: {"kind": "torch"})
-    max_batch: int = 32
+    max_batch: int = D.MAX_BATCH
     torch_threads: int = 1
     weight_streams: int = D.WEIGHT_STREAMS
     weight_window: int = D.WEIGHT_WINDOW
     pull_timeout_s: float = D.PULL_TIMEOUT_S
     weight_delta: bool = True
     weight_relay: bool = False
-    relay_wait_s: float = 10.0
-    relay_timeout_s: float = 5.0
+    relay_wait_s: float = D.RELAY_WAIT_S
+    relay_timeout_s: float = D.RELAY_TIMEOUT_S
     relay_bind_host: str = "127.0.0.1"
 
     @classmethod

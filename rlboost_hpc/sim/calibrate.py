@@ -81,13 +81,13 @@ def fit_decode(rates: dict[str, float], max_batch: int) -> EnginePerf:
 
 
 def _availability(cfg: dict, capacity: list[tuple[float, float]] | None) -> Availability:
-    from rlboost_hpc.config import LocalClusterCfg
+    from rlboost_hpc.config import ClusterCfg
 
     c = cfg["cluster"]
     if c["kind"] == "local":
         from rlboost_hpc.cluster.local import replay_plan
 
-        plan, _ = replay_plan(LocalClusterCfg(**{k: v for k, v in c.items() if k != "kind"}, kind="local"))
+        plan, _ = replay_plan(ClusterCfg(**{k: v for k, v in c.items() if k != "kind"}, kind="local"))
         k = c.get("instances_per_worker", 1)  # a slot is one worker process hosting k instances
         events = tuple(TraceEvent(a.at_s, "add" if a.action == "start" else "remove", f"slot{a.slot}.{i}")
                        for a in plan for i in range(k))

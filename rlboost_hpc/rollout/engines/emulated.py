@@ -174,7 +174,7 @@ class EmulatedEngine(Engine):
         EngineError: a bad profile or ``max_batch < 1``.
     """
 
-    def __init__(self, vocab_size: int, state_dict: Mapping, emulated: EmulatedProfile, *, max_batch: int = 32,
+    def __init__(self, vocab_size: int, state_dict: Mapping, emulated: EmulatedProfile, *, max_batch: int = D.MAX_BATCH,
                  max_len: int | None = None, version: int = 0, sleep: Callable[[float], None] = time.sleep,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if max_batch < 1:

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from rlboost_hpc import defaults as D
 from rlboost_hpc.rollout.engines.base import Engine, EngineError
 
 if TYPE_CHECKING:
@@ -138,7 +139,7 @@ def factory_from_spec(spec: Mapping[str, Any] | None, max_batch: int, *,
 
 
 def make_sglang_engine(model_config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor] | None,
-                       max_batch: int = 32, *, work_dir: str | os.PathLike[str] | None = None, version: int = 0,
+                       max_batch: int = D.MAX_BATCH, *, work_dir: str | os.PathLike[str] | None = None, version: int = 0,
                        **launch_kw) -> "SGLangEngine":
     """Build an :class:`SGLangEngine` the way the rollout agent builds engines: write the manager's HF config and
     the first pulled weights to ``work_dir`` (default: a temp dir), launch a supervised server on them.

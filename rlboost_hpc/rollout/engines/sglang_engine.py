@@ -60,6 +60,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from rlboost_hpc import defaults as D
 from rlboost_hpc.rollout.engines.base import (Engine, EngineError, FinishReason, GenRequest, RequestError, TokenEvent,
                                              validate_request)
 from rlboost_hpc.rollout.engines.sglang_server import SGLangServer, fast_dumps, fast_loads, http_json
@@ -153,7 +154,7 @@ class SGLangEngine(SGLangWeightUpdates, Engine):
         tp_size: tensor-parallel ranks of the server (one serialized payload each).
     """
 
-    def __init__(self, base_url: str, *, max_batch: int = 32, version: int = 0, server: SGLangServer | None = None,
+    def __init__(self, base_url: str, *, max_batch: int = D.MAX_BATCH, version: int = 0, server: SGLangServer | None = None,
                  owns_server: bool = False, model_config: Mapping[str, Any] | None = None,
                  stall_timeout_s: float = 120.0, abort_timeout_s: float = 30.0, control_timeout_s: float = 600.0,
                  tp_size: int = 1) -> None:
@@ -211,7 +212,7 @@ class SGLangEngine(SGLangWeightUpdates, Engine):
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod
-    def launch(cls, model_path: str | os.PathLike[str], *, max_batch: int = 32, version: int = 0,
+    def launch(cls, model_path: str | os.PathLike[str], *, max_batch: int = D.MAX_BATCH, version: int = 0,
                model_config: Mapping[str, Any] | None = None, stall_timeout_s: float = 120.0,
                abort_timeout_s: float = 30.0, control_timeout_s: float = 600.0, **server_kw) -> "SGLangEngine":
         """Start a supervised server for ``model_path`` (see :class:`SGLangServer` for ``server_kw``) and attach.

@@ -26,6 +26,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from rlboost_hpc import defaults as D
 from rlboost_hpc.procutil import die_with_parent
 from rlboost_hpc.rollout.engines.base import EngineError
 
@@ -106,7 +107,7 @@ class SGLangServer:
 
     def __init__(self, model_path: str | os.PathLike[str], *, host: str = "127.0.0.1", port: int | None = None,
                  log_path: str | os.PathLike[str] | None = None, startup_timeout_s: float = 300.0,
-                 device: str = "auto", dtype: str = "auto", max_running_requests: int = 32,
+                 device: str = "auto", dtype: str = "auto", max_running_requests: int = D.MAX_BATCH,
                  max_total_tokens: int | None = None, context_length: int | None = None,
                  stream_interval: int = 16, deterministic: bool = False, weight_version: str | int = 0,
                  sleep_on_idle: bool = True, incremental_streaming: bool = False,

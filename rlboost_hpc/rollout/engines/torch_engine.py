@@ -34,6 +34,7 @@ from typing import Iterable, Mapping
 
 import torch
 
+from rlboost_hpc import defaults as D
 from rlboost_hpc.models.arch import ModelArch, ModelFormatError, validate_state_dict
 from rlboost_hpc.models.llama import KVCache, LlamaModel
 from rlboost_hpc.rollout.engines.base import (
@@ -220,7 +221,7 @@ class TorchEngine(Engine):
         EngineError: bad ``max_batch``/``max_len`` or a state dict that does not match ``config``.
     """
 
-    def __init__(self, config: ModelArch, state_dict: Mapping[str, torch.Tensor], max_batch: int = 32,
+    def __init__(self, config: ModelArch, state_dict: Mapping[str, torch.Tensor], max_batch: int = D.MAX_BATCH,
                  max_len: int | None = None, device: str | torch.device = "cpu", version: int = 0,
                  dtype: torch.dtype = torch.float32) -> None:
         if max_batch < 1:
