@@ -161,7 +161,7 @@ def synthetic(size_mib: int, lrs: list[float], reps: int, chunk_mib: int, warmup
         with WeightServer(chunk_bytes=cb, delta=False, copy_threads=1) as full_srv, \
                 WeightServer(chunk_bytes=cb, delta=True, copy_threads=1) as delta_srv, \
                 WeightServer(chunk_bytes=cb, delta=True, copy_threads=1) as serial_srv:
-            serial_srv._delta_overlap = False  # ablation: every chunk's delta encoded after the last is hashed
+            serial_srv.store._delta_overlap = False  # ablation: every chunk's delta encoded after the last is hashed
             for srv in (full_srv, delta_srv, serial_srv):
                 srv.publish(0, master)
             puller_f, puller_d = WeightPuller(full_srv.endpoint, streams=2), WeightPuller(delta_srv.endpoint, streams=2)
@@ -206,7 +206,7 @@ def synthetic(size_mib: int, lrs: list[float], reps: int, chunk_mib: int, warmup
         print(f"      publish: no delta {med['pub_full']:.3f} s (cast + checksums); with the delta encoded chunk by "
               f"chunk as each is hashed {med['pub_delta']:.3f} s (waited {med['delta_wait']:.3f} s for it) vs encoded "
               f"after the last chunk {med['pub_serial']:.3f} s (encoding {med['serial_wait']:.3f} s = "
-              f"{size_mib / 1024 / med['serial_wait']:.2f} GiB/s on {delta_srv._delta_threads} threads): the delta "
+              f"{size_mib / 1024 / med['serial_wait']:.2f} GiB/s on {delta_srv.store._delta_threads} threads): the delta "
               f"adds {med['pub_delta'] - med['pub_full']:.3f} s vs {med['pub_serial'] - med['pub_full']:.3f} s")
         print(f"      codecs on w0 ({size_mib // 8} MiB) of the last step, 1 thread: {ablation}")
     print(f"(c) base copy kept per rollout instance: one version in the wire dtype = {size_mib} MiB here "

@@ -148,13 +148,13 @@ def main() -> None:
             threads = torch.get_num_threads()
             for v in range(10):  # the first 4 fill the buffer pool (fresh pages); then the two kinds alternate
                 kind = "default" if v % 2 == 0 else "1thr"
-                srv._copy_threads = None if kind == "default" else 1  # the copy_threads= setting
+                srv.store._copy_threads = None if kind == "default" else 1  # the copy_threads= setting
                 t = time.perf_counter()
                 m = srv.publish(v, sd, dtype=torch.bfloat16)
                 if v >= 4:
                     pub[kind].append(time.perf_counter() - t)
             n = m.total_bytes
-            held_view = memoryview(srv._held[m.version].view)  # (private) the exact bytes a pull moves
+            held_view = memoryview(srv.store._held[m.version].view)  # (private) the exact bytes a pull moves
             raw = RawSender(held_view)
             pullers = {s: WeightPuller(srv.endpoint, streams=s, window=args.window, io_threads=args.io_threads)
                        for s in args.streams}

@@ -310,15 +310,15 @@ def test_each_chunk_is_encoded_as_soon_as_it_is_hashed_and_the_delta_is_the_same
     deltas = {}
     for overlap in (True, False):
         with WeightServer(chunk_bytes=CHUNK, keep_versions=2) as srv:
-            srv._delta_overlap = overlap
-            hashed = srv._hash_chunk
-            monkeypatch.setattr(srv, "_hash_chunk", lambda view, i, r: (events.append(("hash", i)),
+            srv.store._delta_overlap = overlap
+            hashed = srv.store._hash_chunk
+            monkeypatch.setattr(srv.store, "_hash_chunk", lambda view, i, r: (events.append(("hash", i)),
                                                                          hashed(view, i, r))[1])
             srv.publish(0, layout.FlatState.pack(sd, torch.bfloat16))
             events.clear()
             srv.publish(1, layout.FlatState.pack(nxt, torch.bfloat16))
             n = srv.manifest(1).total_bytes // CHUNK + 1
-            deltas[overlap] = srv._held[1].delta
+            deltas[overlap] = srv.store._held[1].delta
         assert n > 2 and events.count(("hash", n - 1)) == 1
         first_ready = events.index(("ready", 0))
         if overlap:
@@ -361,7 +361,7 @@ def test_a_publish_overtaken_by_a_newer_one_is_refused_and_not_counted(monkeypat
     sd = model()
     with WeightServer(chunk_bytes=CHUNK, keep_versions=2) as srv:
         srv.publish(0, sd)
-        hashed = srv._hash_chunk
+        hashed = srv.store._hash_chunk
         raced = []
 
         def hash_then_race(view, i, ready):
@@ -372,7 +372,7 @@ def test_a_publish_overtaken_by_a_newer_one_is_refused_and_not_counted(monkeypat
                 t.join()
             return hashed(view, i, ready)
 
-        monkeypatch.setattr(srv, "_hash_chunk", hash_then_race)
+        monkeypatch.setattr(srv.store, "_hash_chunk", hash_then_race)
         with pytest.raises(ValueError, match="strictly increase"):
             srv.publish(1, step(sd, torch.Generator().manual_seed(4), 0.01))
         assert srv.versions == [0, 2]

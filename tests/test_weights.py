@@ -344,7 +344,7 @@ def test_a_manifest_leaves_out_the_table_a_puller_holds_and_only_that_one(server
 def test_corrupt_chunk_is_named_and_never_returned(server):
     m = server.publish(1, stories_state())
     bad_chunk = 5
-    server._held[1].buffer[bad_chunk * CHUNK + 17] ^= 0xFF  # after the checksums were computed
+    server.store._held[1].buffer[bad_chunk * CHUNK + 17] ^= 0xFF  # after the checksums were computed
     with pytest.raises(WeightTransferError) as ei:
         WeightPuller(server.endpoint, streams=3, window=2).pull(1)
     e = ei.value

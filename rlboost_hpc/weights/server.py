@@ -1,15 +1,15 @@
-"""Weight holder: publishes versions of the weights in one host buffer each and serves them to pullers.
+"""Weight holder: the socket server over a :class:`~rlboost_hpc.weights.store.VersionStore`.
 
-The trainer (one holder per training node) calls :meth:`WeightServer.publish` after the optimizer step;
-rollout instances pull the version themselves (:mod:`rlboost_hpc.weights.puller`) over a ZeroMQ ROUTER
-socket served by a background thread.
+The trainer (one holder per training node) calls :meth:`WeightServer.publish` after the optimizer step (the store
+casts, hashes, delta-encodes and keeps the version); rollout instances pull it themselves
+(:mod:`rlboost_hpc.weights.puller`) over a ZeroMQ ROUTER socket served by a background thread. A relay holder
+serves a version it pulled (:meth:`WeightServer.hold`). The store's invariants (immutable, strictly increasing
+versions; bounded memory; deltas verified as full versions) are stated in :mod:`rlboost_hpc.weights.store`.
 
-Invariants:
-- Immutable versions: a published buffer is never modified; its manifest (layout + per-chunk xxh3_64
-  checksums) is computed once, before the version becomes visible. Version numbers strictly increase.
-- Bounded memory: at most ``keep_versions`` versions are held; a request for an evicted version gets an
-  explicit ``version_gone`` error, never bytes of another version. Chunks already queued for sending keep
-  their (evicted) buffer alive until sent or dropped, so a puller never receives recycled memory.
+Invariants of the serving side:
+- A request for a version the store no longer holds gets an explicit ``version_gone`` error, never bytes of
+  another version. Chunks already queued for sending keep their (evicted) buffer alive until sent or dropped, so
+  a puller never receives recycled memory.
 - Never blocks on a peer: every send is non-blocking on a ROUTER with ``ROUTER_MANDATORY``; a reply to a
   vanished peer or to one whose queue is full (a peer violating its request window) is dropped and
   counted. A slow or SIGKILLed puller therefore costs nothing but its queued frames.
@@ -22,52 +22,26 @@ Invariants:
   socket on the same host serves ``GetChunk`` requests carrying the version's ticket with the chunk sealed under
   the version's AES-256-GCM key; key, ticket and port travel only in the manifest, which is served only on the
   CURVE socket. The CURVE socket serves chunks too (pullers that do not seal).
-- Delta versions (:mod:`rlboost_hpc.weights.delta`): with ``delta`` on, version v is also encoded against the
-  version published just before it (same layout) and offered to pullers that hold exactly that version —
-  when its bytes are below ``delta_max_ratio`` of the full version. The manifest's checksums stay those of
-  the full version, so a puller verifies what it assembled, whatever the route.
 """
 from __future__ import annotations
 
 import collections
-import concurrent.futures
-import contextlib
-import dataclasses
 import hmac
 import logging
 import os
 import threading
-import time
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
-import msgspec
 import torch
 import zmq
 
 from rlboost_hpc import defaults as D
 from rlboost_hpc.protocol.auth import RunKeys, max_msg_size, secure_server, stop_authenticator
-
 from rlboost_hpc.protocol.errors import ProtocolError
-from rlboost_hpc.protocol.weight_msgs import (
-    Chunk,
-    DeltaInfo,
-    Error,
-    ErrorCode,
-    GetChunk,
-    GetManifest,
-    Manifest,
-    Sealed,
-    chunk_checksum,
-    combine_checksums,
-    decode_request,
-    encode,
-    layout_checksum,
-    num_chunks,
-)
-from rlboost_hpc.weights import delta as delta_codec
+from rlboost_hpc.protocol.weight_msgs import Chunk, Error, ErrorCode, GetChunk, GetManifest, Manifest, decode_request, encode
 from rlboost_hpc.weights import layout
 from rlboost_hpc.weights import sealed as sealing
-from rlboost_hpc.weights.held import Held, reply_frames
+from rlboost_hpc.weights.store import VersionStore
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +51,6 @@ _MAX_INBOUND_FRAME = 1 << 20
 _POLL_MS = 50
 _MAX_BATCH = 256
 _MAX_LOGGED_PEERS = 4096
-_COPY_THREADS_LOCK = threading.Lock()
 # Per-connection send queue of the sealed port, in message parts (a chunk is 2): sealed frames are allocations,
 # not views of the held buffer, so a peer that requests without reading holds at most 32 chunks of memory; a
 # puller keeps at most `window` (default 4) requests outstanding per stream.
@@ -113,7 +86,9 @@ class WeightServer:
         delta_threads: threads encoding a delta's chunks (numpy and zstd release the GIL; default
             ``min(8, cpus)``; measured 1.6 GiB/s on 2 threads for sparse RL updates, 0.9 GiB/s for dense ones).
 
-    Use as a context manager, or call :meth:`start` / :meth:`close`.
+    The versions live in :attr:`store` (a :class:`~rlboost_hpc.weights.store.VersionStore` built from
+    ``chunk_bytes``, ``keep_versions``, ``pin_memory``, ``copy_threads`` and the delta settings; ValueError when one
+    is out of range); this class adds the sockets. Use as a context manager, or call :meth:`start` / :meth:`close`.
     """
 
     def __init__(
@@ -132,35 +107,15 @@ class WeightServer:
         delta_threads: int | None = None,
         sealed: bool = True,
     ) -> None:
-        if chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
-        if keep_versions < 1:
-            raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
-        if delta_threads is None:
-            delta_threads = min(8, os.cpu_count() or 1)
-        if not 0 < delta_max_ratio <= 1 or delta_threads < 1:
-            raise ValueError(f"delta_max_ratio must be in (0, 1] and delta_threads >= 1, got {delta_max_ratio}, "
-                             f"{delta_threads}")
-        self._delta = bool(delta)
-        self._delta_overlap = True  # each chunk's delta encoded once it is hashed (False: after the last; ablation)
-        self.delta_max_ratio = float(delta_max_ratio)
-        self._delta_threads = int(delta_threads)
+        self.store = VersionStore(chunk_bytes, keep_versions, pin_memory=pin_memory, copy_threads=copy_threads,
+                                  delta=delta, delta_max_ratio=delta_max_ratio, delta_threads=delta_threads)
+        self.chunk_bytes = self.store.chunk_bytes
         self._bind = bind
         self._keys = keys  # CURVE: only clients with the run's key may connect (protocol/auth.py)
         self._sealed = bool(sealed) and keys is not None and bind.startswith("tcp://")
         self._bulk_sock: zmq.Socket | None = None  # the sealed port's ROUTER (plain TCP)
-        self._bulk_port: int | None = None
-        self.chunk_bytes = int(chunk_bytes)
-        self.keep_versions = int(keep_versions)
         self._io_threads = io_threads if io_threads is not None else (min(4, os.cpu_count() or 1) if keys else 1)
         self._sndhwm = sndhwm
-        # the held versions plus the one being written rotate; between publishes the spare stays mapped (host
-        # memory: one version's bytes more than the held versions, for no page faults on the next publish)
-        self._buffers = layout.HostBufferPool(keep_versions + 1, pin_memory=pin_memory)
-        self._copy_threads = copy_threads
-        self._lock = threading.Lock()
-        self._held: "collections.OrderedDict[int, Held]" = collections.OrderedDict()
-        self._last_version: int | None = None
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
@@ -172,10 +127,8 @@ class WeightServer:
         self._payload_hook: Callable[[int, int, memoryview], Any] | None = None
         self._stats: dict[str, Any] = {
             **dict.fromkeys(("manifests_served", "chunks_served", "bytes_served", "rejected", "dropped_unreachable",
-                             "dropped_full", "publishes", "internal_errors", "delta_publishes", "delta_failures",
-                             "delta_chunks_served", "delta_bytes_served", "sealed_chunks_served",
-                             "sealed_bytes_served"), 0),
-            **dict.fromkeys(("publish_seconds", "publish_copy_seconds", "publish_hash_seconds", "delta_seconds"), 0.0),
+                             "dropped_full", "internal_errors", "delta_chunks_served", "delta_bytes_served",
+                             "sealed_chunks_served", "sealed_bytes_served"), 0),
             "errors_sent": collections.Counter(), "rejected_by_reason": collections.Counter(),
         }
         self._stats_lock = threading.Lock()  # guards the Counters (they grow keys while being copied)
@@ -199,7 +152,7 @@ class WeightServer:
             if self._sealed:  # same interface, any free port; plain TCP: the chunks are sealed instead
                 bulk = self._router(ctx, None, _SEALED_SNDHWM)
                 bulk.bind(self._bind.rsplit(":", 1)[0] + ":0")
-                self._bulk_port = int(bulk.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+                self.store.sealed_port = int(bulk.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
                 layout.retain_frame_buffers(self.chunk_bytes + sealing.TAG_BYTES, 16)  # sealed frames: no faults
         except BaseException:
             for s in (sock, bulk):
@@ -224,13 +177,12 @@ class WeightServer:
             if s is not None:
                 s.close(0)
         self._sock = self._bulk_sock = None
-        self._bulk_port = None
+        self.store.sealed_port = None
         if self._ctx is not None:
             stop_authenticator(self._ctx)
             self._ctx.term()
             self._ctx = None
-        with self._lock:
-            self._held.clear()
+        self.store.clear()
 
     @staticmethod
     def _router(ctx: zmq.Context, keys: "RunKeys | None", sndhwm: int) -> zmq.Socket:
@@ -279,267 +231,47 @@ class WeightServer:
             s = dict(self._stats)
             s["errors_sent"] = dict(s["errors_sent"])
             s["rejected_by_reason"] = dict(s["rejected_by_reason"])
-        s["publish_buffers_reused"] = self._buffers.reused
-        s["publish_buffers_pinned"], s["publish_pin_failures"] = self._buffers.pinned, self._buffers.pin_failures
-        return s
+        return {**s, **self.store.stats}
 
-    # ------------------------------------------------------------------ publishing
+    # ------------------------------------------------------------------ the store (publishing, holding)
     @property
     def versions(self) -> list[int]:
         """Versions currently held, oldest first."""
-        with self._lock:
-            return list(self._held)
+        return self.store.versions
 
     @property
     def latest(self) -> int | None:
         """Newest held version, or None before the first publish."""
-        with self._lock:
-            return next(reversed(self._held), None)
+        return self.store.latest
 
-    def publish(
-        self,
-        version: int,
-        state_dict: Mapping[str, torch.Tensor],
-        dtype: torch.dtype | None = torch.bfloat16,
-    ) -> Manifest:
-        """Copy ``state_dict`` into one new host buffer as ``version`` and make it available to pullers.
-
-        Floating-point tensors are cast to ``dtype`` (``None`` keeps their dtype); integer/bool tensors
-        keep theirs. Tensors are placed in sorted-name order (:mod:`rlboost_hpc.weights.layout`).
-        Checksums are computed before the version becomes visible; the oldest versions beyond
-        ``keep_versions`` are then evicted. Runs in the caller's thread (≈ one cast-copy pass plus one
-        xxh3 pass over the bytes; see ``stats["publish_seconds"]``); with deltas on, each chunk's delta against
-        the previous version is encoded on ``delta_threads`` as soon as the chunk is hashed, overlapped with the
-        next chunks, and the publish waits for the last (``stats["delta_seconds"]``). A
-        :class:`~rlboost_hpc.weights.layout.FlatState` packed for ``dtype`` costs the same whatever its tensor
-        count: one cast-copy, chunk by chunk, each chunk hashed right after it (overlapped with the next chunks'
-        copies when the weights are on a device). The buffer is one an evicted version used once nothing views it
-        any more (:class:`~rlboost_hpc.weights.layout.HostBufferPool`: no page faults), else a new one. May be
-        called before :meth:`start`.
-
-        Returns:
-            The version's :class:`Manifest`.
-
-        Raises:
-            ValueError: ``version`` is negative or not greater than every version published before, or a
-                dtype cannot be transferred. TypeError: a value is not a tensor.
-        """
-        t0 = time.perf_counter()
-        version = int(version)
-        if version < 0:
-            raise ValueError(f"version must be >= 0, got {version}")
-        with self._lock:
-            self._check_newer(version)
-        table, total = layout.plan(state_dict, dtype)
-        buffer = self._buffers.take(total)
-        view = memoryview(buffer.numpy()).toreadonly()
-        cb = self.chunk_bytes
-        n = num_chunks(total, cb)
-        base = self._delta_base(table, total)
-        with contextlib.ExitStack() as stack:
-            enc = None if base is None else stack.enter_context(delta_codec.Encoder(
-                view, base.view, cb, base.manifest.version, base.manifest.checksum, threads=self._delta_threads))
-            ready = enc.chunk_ready if enc is not None and self._delta_overlap else None
-            with self._torch_threads():
-                if isinstance(state_dict, layout.FlatState) and state_dict.table is table:
-                    digests = self._cast_and_hash(state_dict, buffer, view, n, ready)
-                else:
-                    t_copy = time.perf_counter()
-                    layout.flatten_into(buffer, state_dict, table)
-                    t_hash = time.perf_counter()
-                    digests = [self._hash_chunk(view, i, ready) for i in range(n)]
-                    self._stats["publish_copy_seconds"] += t_hash - t_copy
-                    self._stats["publish_hash_seconds"] += time.perf_counter() - t_hash
-            access, sealer = self._new_access()
-            manifest = Manifest(version=version, total_bytes=total, chunk_bytes=cb, tensors=table,
-                                chunk_checksums=digests, checksum=combine_checksums(digests),
-                                layout=layout_checksum(table), sealed=access)
-            held = Held(manifest, reply_frames(manifest), buffer, view, n, sealer=sealer)
-            if enc is not None:
-                held = self._with_delta(held, enc)
-        with self._lock:
-            self._check_newer(version)  # again: another publish may have run meanwhile
-            self._held[version] = held
-            self._stats["delta_publishes"] += held.delta is not None
-            self._last_version = version
-            while len(self._held) > self.keep_versions:
-                self._held.popitem(last=False)
-        self._stats["publishes"] += 1
-        self._stats["publish_seconds"] += time.perf_counter() - t0
-        return manifest
-
-    def _check_newer(self, version: int) -> None:
-        """Raise ValueError unless ``version`` is above every version published before (hold the lock)."""
-        if self._last_version is not None and version <= self._last_version:
-            raise ValueError(f"weight versions must strictly increase: got {version} after {self._last_version}")
-
-    def _new_access(self, key: bytes | None = None, ticket: bytes | None = None
-                    ) -> "tuple[Sealed | None, sealing.Sealer | None]":
-        """The sealed access of a version served here: fresh key and ticket (or the given ones: a relay holder
-        adopts the trainer's) with this server's sealed port; (None, None) when this server does not seal."""
-        port = self._bulk_port
-        if port is None:
-            return None, None
-        if key is None or ticket is None:
-            key, ticket = sealing.new_access()
-        return Sealed(port=port, key=key, ticket=ticket), sealing.Sealer(key)
-
-    @contextlib.contextmanager
-    def _torch_threads(self) -> Iterator[None]:
-        """torch's intra-op threads set to ``copy_threads`` for the block (process-wide; restored after)."""
-        if self._copy_threads is None:
-            yield
-            return
-        with _COPY_THREADS_LOCK:
-            before = torch.get_num_threads()
-            torch.set_num_threads(self._copy_threads)
-            try:
-                yield
-            finally:
-                torch.set_num_threads(before)
-
-    def _hash_chunk(self, view: memoryview, i: int, ready: Callable[[int], None] | None) -> int:
-        """Chunk ``i``'s checksum; then ``ready(i)`` (its delta is encoded while the next chunks are written)."""
-        cb = self.chunk_bytes
-        digest = chunk_checksum(view[i * cb : (i + 1) * cb])
-        if ready is not None:
-            ready(i)
-        return digest
-
-    def _cast_and_hash(self, state: layout.FlatState, buffer: torch.Tensor, view: memoryview, n: int,
-                       ready: Callable[[int], None] | None = None) -> list[int]:
-        """Chunk checksums of ``state`` cast into ``buffer``, chunk by chunk: each chunk is hashed right after its
-        cast, while it is still in cache, then handed to ``ready`` (the delta encoder) — from host memory in this
-        thread (a concurrent cast and hash only compete for the same memory bandwidth: measured 40 ms interleaved
-        vs 56 ms in two threads for 275 MB on 2 cores), from a device in overlap: a helper thread drives the
-        device-to-host copies of the next chunks while this one hashes. Chunk sizes that are not a multiple of
-        the wire item size: one cast first."""
-        cb = self.chunk_bytes
-        spent = {"copy": 0.0, "hash": 0.0}
-
-        def timed(what: str, fn: Callable[..., Any], *args: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return fn(*args)
-            finally:
-                spent[what] += time.perf_counter() - t
-
-        def digest(i: int) -> int:
-            return timed("hash", self._hash_chunk, view, i, ready)
-
-        if cb % state.wire_dtype.itemsize:
-            timed("copy", state.cast_into, buffer)
-            digests = [digest(i) for i in range(n)]
-        elif state.flat.device.type == "cpu" or n <= 1:
-            digests = [(timed("copy", state.cast_into, buffer, i * cb, (i + 1) * cb), digest(i))[1] for i in range(n)]
-        else:
-            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="publish-copy") as ex:
-                cast = [ex.submit(timed, "copy", state.cast_into, buffer, i * cb, (i + 1) * cb) for i in range(n)]
-                digests = [(cast[i].result(), digest(i))[1] for i in range(n)]
-        self._stats["publish_copy_seconds"] += spent["copy"]
-        self._stats["publish_hash_seconds"] += spent["hash"]
-        return digests
-
-    def _delta_base(self, table: Any, total: int) -> Held | None:
-        """The version a new one of layout ``table`` is encoded against: the newest held version when deltas are
-        on and it has the same layout and chunk size; else None."""
-        if not self._delta or total == 0:
-            return None
-        with self._lock:
-            base = self._lookup(None)
-        if base is None or base.manifest.tensors != table or base.manifest.chunk_bytes != self.chunk_bytes:
-            return None
-        return base
-
-    def _with_delta(self, held: Held, enc: delta_codec.Encoder) -> Held:
-        """``held`` plus its delta (``enc``'s, waited for), when it is below ``delta_max_ratio`` of the full
-        bytes. ``stats["delta_seconds"]`` counts the wait: the delta's cost to the publish beyond what overlapped
-        with the copy and the checksums. A delta that runs out of memory is dropped (the version is served full;
-        ``stats["delta_failures"]``): it only saves bytes."""
-        t0 = time.perf_counter()
-        try:
-            d = enc.result()
-        except MemoryError:
-            log.warning("version %d: out of memory encoding its delta; served in full", held.manifest.version)
-            self._stats["delta_failures"] += 1
-            return held
-        finally:
-            self._stats["delta_seconds"] += time.perf_counter() - t0
-        m = held.manifest
-        if d.nbytes >= self.delta_max_ratio * m.total_bytes:
-            return held
-        info = DeltaInfo(base_version=d.base_version, base_checksum=d.base_checksum, sizes=d.sizes, nbytes=d.nbytes)
-        frames = reply_frames(msgspec.structs.replace(m, delta=info))
-        return dataclasses.replace(held, delta=d, delta_manifest_frames=frames)
-
-    def delta_nbytes(self, version: int | None = None) -> int | None:
-        """Bytes a puller holding the previous version receives for ``version`` (None: latest) through its
-        delta; None when the version has no delta. Raises KeyError if the version is not held."""
-        with self._lock:
-            held = self._lookup(version)
-        if held is None:
-            raise KeyError(f"version {version} is not held (held: {self.versions})")
-        return None if held.delta is None else held.delta.nbytes
+    def publish(self, version: int, state_dict: Mapping[str, torch.Tensor],
+                dtype: torch.dtype | None = torch.bfloat16) -> Manifest:
+        """:meth:`VersionStore.publish <rlboost_hpc.weights.store.VersionStore.publish>`: ``state_dict`` as
+        ``version``, served from now on (may be called before :meth:`start`)."""
+        return self.store.publish(version, state_dict, dtype)
 
     def hold(self, manifest: Manifest, buffer: torch.Tensor, delta_payloads: Mapping[int, bytes] | None = None) -> None:
-        """Serve a version this process pulled and verified (a relay holder): no copy, no hashing — chunk
-        requests are answered from ``buffer`` (uint8, ≥ ``manifest.total_bytes``), and delta requests from
-        ``delta_payloads`` (chunk index → the payload it applied, against ``manifest.delta.base_version``).
-        A version the trainer serves sealed is sealed here too, under the trainer's key and ticket, on this
-        server's sealed port (when it has one).
-        Replaces whatever was held. The caller must :meth:`withdraw` before it modifies ``buffer``; pullers
-        verify every chunk against the trainer's manifest, so bytes sent after a modification are rejected,
-        never accepted.
-        """
-        n = num_chunks(manifest.total_bytes, manifest.chunk_bytes)
-        d = None
-        if manifest.delta is not None and delta_payloads:
-            payloads = [delta_payloads.get(i) for i in range(n)]
-            d = delta_codec.Delta(manifest.delta.base_version, manifest.delta.base_checksum, list(manifest.delta.sizes),
-                                  payloads, manifest.delta.nbytes, manifest.total_bytes)
-        access, sealer = (None, None) if manifest.sealed is None else \
-            self._new_access(manifest.sealed.key, manifest.sealed.ticket)
-        plain = msgspec.structs.replace(manifest, delta=None, sealed=access)
-        buf = buffer[: manifest.total_bytes]
-        held = Held(plain, reply_frames(plain), buf, memoryview(buf.numpy()).toreadonly(), n, d, None, sealer)
-        with self._lock:
-            self._held.clear()
-            self._held[manifest.version] = held
-            self._last_version = manifest.version
+        """:meth:`VersionStore.hold <rlboost_hpc.weights.store.VersionStore.hold>`: serve a version this process
+        pulled and verified (a relay holder), from ``buffer`` without a copy."""
+        self.store.hold(manifest, buffer, delta_payloads)
 
     def withdraw(self) -> None:
         """Stop serving every held version (requests get ``no_version``); chunks already queued still go out."""
-        with self._lock:
-            self._held.clear()
+        self.store.withdraw()
 
     def manifest(self, version: int | None = None) -> Manifest:
         """Manifest of a held ``version`` (None: latest). Raises KeyError if not held."""
-        with self._lock:
-            held = self._lookup(version)
-        if held is None:
-            raise KeyError(f"version {version} is not held (held: {self.versions})")
-        return held.manifest
+        return self.store.manifest(version)
+
+    def delta_nbytes(self, version: int | None = None) -> int | None:
+        """Bytes a puller holding the previous version receives for ``version`` through its delta (None: no
+        delta). Raises KeyError if the version is not held."""
+        return self.store.delta_nbytes(version)
 
     def local_state_dict(self, version: int | None = None) -> Mapping[str, torch.Tensor]:
-        """Tensors viewing the published buffer of ``version`` (None: latest), for an in-process engine.
-
-        Dtypes/shapes as published; no copy (a :class:`~rlboost_hpc.weights.layout.FlatState` when the
-        version has one dtype). The tensors keep the buffer alive after eviction; they must
-        be treated as read-only.
-
-        Raises:
-            KeyError: the version is not held.
-        """
-        with self._lock:
-            held = self._lookup(version)
-        if held is None:
-            raise KeyError(f"version {version} is not held (held: {self.versions})")
-        return layout.state_view(held.buffer, held.manifest.tensors)
-
-    def _lookup(self, version: int | None) -> Held | None:
-        if version is None:
-            return self._held[next(reversed(self._held))] if self._held else None
-        return self._held.get(version)
+        """Read-only tensors viewing the buffer of ``version`` (None: latest), for an in-process engine (no copy).
+        Raises KeyError if not held."""
+        return self.store.local_state_dict(version)
 
     # ------------------------------------------------------------------ serving
     def _serve(self) -> None:
@@ -589,9 +321,7 @@ class WeightServer:
         if sealed_port and isinstance(req, GetManifest):
             self._reject(peer, "sealed_port", "manifests are served on the authenticated endpoint only", sock)
             return
-        with self._lock:
-            held = self._lookup(req.version)
-            versions = list(self._held)
+        held, versions = self.store.lookup(req.version)
         if held is None:
             self._send_error(peer, req, *self._why_missing(req.version, versions), sock)
             return
