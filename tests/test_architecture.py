@@ -174,3 +174,26 @@ def test_no_product_function_over_the_line_limit():
     assert not over, f"over {MAX_FUNCTION_LINES} lines (or longer than LONG_FUNCTIONS allows): {over}"
     shrunk = [k for k in LONG_FUNCTIONS if lengths.get(k, 0) <= MAX_FUNCTION_LINES]
     assert not shrunk, f"now within {MAX_FUNCTION_LINES} lines (or gone): remove from LONG_FUNCTIONS: {shrunk}"
+
+
+def test_the_trainer_calls_mixin_uses_only_what_it_declares():
+    """Issue 32: manager/trainer_calls.py is a part of ManagerCore; every ``self.x`` it touches is its own method, a
+    state attribute it declares (an annotation in its class body) or one of its CORE_METHODS — and every declared
+    name exists on a ManagerCore."""
+    from rlboost_hpc.manager.core import ManagerCore
+    from rlboost_hpc.manager.trainer_calls import TrainerCalls
+
+    path = ROOT / "rlboost_hpc/manager/trainer_calls.py"
+    cls = next(n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)
+               and n.name == "TrainerCalls")
+    own = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    declared = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    used = {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+            and n.value.id == "self"}
+    undeclared = used - own - declared - set(TrainerCalls.CORE_METHODS) - {"CORE_METHODS"}
+    assert not undeclared, f"trainer_calls.py uses core state it does not declare: {sorted(undeclared)}"
+    core = ManagerCore(clock=lambda: 0.0)
+    missing = [name for name in (*declared, *TrainerCalls.CORE_METHODS) if not hasattr(core, name)]
+    assert not missing, f"declared in TrainerCalls but not on a ManagerCore: {missing}"
+    unused = declared - used
+    assert not unused, f"declared in TrainerCalls but never used there: {sorted(unused)}"

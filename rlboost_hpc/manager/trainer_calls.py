@@ -10,20 +10,68 @@ nothing twice.
 from __future__ import annotations
 
 import logging
+from collections import deque
+from typing import Callable
 
 import numpy as np
 
-from rlboost_hpc.manager.state import Group, Instance, Request, RequestState as R, InstanceState as S
-from rlboost_hpc.observe.timeline import response_tail_s
+from rlboost_hpc.manager.state import Group, Instance, Request, RequestState as R, InstanceState as S, StepWork
+from rlboost_hpc.manager.stats import ManagerDistributions, VersionServingClock
+from rlboost_hpc.observe.timeline import ActivityClock, response_tail_s
 from rlboost_hpc.policy.observation import RemoteWork, observe_remote
+from rlboost_hpc.policy.relay import RelayTree
 from rlboost_hpc.protocol import messages as M
-from rlboost_hpc.protocol.stats import StepActivity, StepRemote
+from rlboost_hpc.protocol.stats import ManagerCounters, StepActivity, StepRemote
 
 log = logging.getLogger("rlboost.manager")
 
 
 class TrainerCalls:
-    """The trainer-facing handlers of :class:`~rlboost_hpc.manager.core.ManagerCore` (see the module docstring)."""
+    """The trainer-facing handlers of :class:`~rlboost_hpc.manager.core.ManagerCore` (see the module docstring).
+
+    What it uses of the core is declared below: the state it reads and writes (annotations only; the core's
+    ``__init__`` sets every one) and the core's methods it calls (:attr:`CORE_METHODS`). Nothing else of the core
+    is touched here (``tests/test_architecture.py`` checks it).
+    """
+
+    #: the core's methods this part calls
+    CORE_METHODS = ("send", "stats", "routable", "live_instances", "end_fallback", "_unknown", "_note_activity",
+                    "_new_version")
+
+    # the core's state this part reads and writes (set in ManagerCore.__init__)
+    clock: Callable[[], float]
+    environment: bool
+    counters: ManagerCounters
+    dist: ManagerDistributions
+    activity: ActivityClock
+    version_serving: VersionServingClock
+    relay: RelayTree
+    on_version: Callable[[int], None] | None
+    instances: dict[str, Instance]
+    requests: dict[str, Request]
+    groups: dict[str, Group]
+    queue: deque[str]
+    trainer_peer: bytes | None
+    weights_endpoint: str
+    weights_shards: str
+    model_config: dict
+    model_arch: dict
+    latest_version: int
+    latest_checksum: int
+    step: int
+    seeding_open: bool
+    failed_step: str | None
+    policy_decision: M.PolicyState | None
+    step_remote: dict[str, StepWork]
+    step_rollout_done_at: float | None
+    fallback_since: float | None
+    step_fallback_s: float
+    step_done_s: list[float]
+    step_phase_s: dict[str, float]
+    step_fixed_overhead_s: float
+    last_step_remote: StepRemote
+    last_step_activity: StepActivity
+    last_step_mismatch: dict[str, float]
 
     def _on_TrainerHello(self, peer: bytes, inst: Instance | None, msg: M.TrainerHello) -> None:
         self.trainer_peer = peer
