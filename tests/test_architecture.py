@@ -30,8 +30,6 @@ LONG_FUNCTIONS: dict[tuple[str, str], tuple[int, str]] = {
     ("rlboost_hpc/weights/puller.py", "_stream_loop"): (
         129, "one stream's loop around request/retry closures (window of outstanding chunks, one retry per "
              "chunk, reply checks); issue 32 item 3 gives the pull named phases"),
-    ("rlboost_hpc/weights/puller.py", "pull"): (
-        112, "manifest → plan → streams → verify in one body; issue 32 item 3 names those phases"),
     ("rlboost_hpc/models/llama2c.py", "read_llama2c"): (
         95, "a linear reader of llama2.c's binary header and tensor table, in file order"),
     ("rlboost_hpc/trainer/eval.py", "evaluate"): (

@@ -5,7 +5,9 @@ naming the phase, the endpoint, the version and the cause):
 
 1. ``manifest`` — readiness handshake: ``GetManifest`` → the holder confirms it holds the version
    and states its layout and checksums *before* any weight bytes move. Deadline: ``timeout_s``.
-2. ``transfer`` — ``streams`` DEALER sockets, one thread each, share a queue of chunk indices; each keeps up
+2. ``transfer`` — first the plan (``_plan``: where the bytes go — the base's buffer when a delta against it
+   applies, else ``into``, else the base's buffer when large enough, else a fresh one), then the streams:
+   ``streams`` DEALER sockets, one thread each, share a queue of chunk indices; each keeps up
    to ``window`` ``GetChunk`` requests outstanding (credit-based pipelining: the holder never queues more
    than ``streams * window`` chunks for us). Payloads are received straight into their place in one
    preallocated uint8 buffer (``recv_into``: one copy, done by libzmq without the GIL) and verified with
@@ -71,6 +73,7 @@ from rlboost_hpc.protocol.weight_msgs import (
     MAX_HEADER_BYTES,
     MAX_MANIFEST_BYTES,
     Chunk,
+    DeltaInfo,
     Error,
     ErrorCode,
     GetChunk,
@@ -263,86 +266,61 @@ class WeightPuller:
         deadline = None if self.deadline_s is None else t0 + self.deadline_s
         phases: dict[str, float] = {}
         ctx = _context(self.io_threads)
-        phase = "manifest"
-        want = version
+        phase, want = "manifest", version
         try:
             manifest = self._get_manifest(ctx, version, deadline, base)
-            want = manifest.version
-            t1 = time.perf_counter()
-            phases["manifest_s"] = t1 - t0
+            want, t = manifest.version, self._lap(phases, "manifest_s", t0)
 
-            phase = "transfer"
-            delta = manifest.delta if base is not None and _applies(manifest, base) else None
-            if delta is not None:
-                buffer = base.buffer[: manifest.total_bytes]
-            elif into is None and base is not None and base.buffer.numel() >= manifest.total_bytes:
-                buffer = base.buffer[: manifest.total_bytes]
-            elif into is None:
-                buffer = self.buffer_factory(manifest.total_bytes)
-            else:
-                if (into.dtype != torch.uint8 or into.dim() != 1 or not into.is_contiguous()
-                        or into.device.type != "cpu" or into.numel() < manifest.total_bytes):
-                    raise ValueError(
-                        f"into must be a contiguous 1-D CPU uint8 tensor of >= {manifest.total_bytes} bytes, "
-                        f"got {into.dtype} {tuple(into.shape)} on {into.device}"
-                    )
-                buffer = into[: manifest.total_bytes]
+            phase = "transfer"  # plan where the bytes go, then the streams
+            buffer, delta = self._plan(manifest, into, base)
             layout.retain_frame_buffers(manifest.chunk_bytes, self.streams * self.window)
             tr = _Transfer(manifest, memoryview(buffer.numpy()), self.timeout_s, deadline, delta,
                            None if delta is None else base.manifest.chunk_checksums)
             self._transfer(ctx, tr, list(peers))
-            t2 = time.perf_counter()
-            phases["transfer_s"] = t2 - t1
-            phases["chunk_hash_s"] = tr.hash_s
-            phases["chunk_retries"] = float(tr.retries)
-            phases["bytes_received"] = float(tr.bytes_received)
-            phases["sealed_bytes"] = float(tr.sealed_bytes)
-            if peers:
-                phases["peer_bytes"] = float(tr.peer_bytes)
-                phases["peer_failovers"] = float(tr.failovers)
-            if delta is not None:
-                unchanged = sum(tr.local)  # verified in place (a spoilt one was fetched in full)
-                phases["unchanged_chunks"] = float(unchanged)
-                phases["delta_chunks"] = float(sum(tr.use_delta))
-                phases["delta_fallbacks"] = float(tr.delta_fallbacks)
-                phases["base_mismatches"] = float(tr.base_mismatches)
-                phases["full_chunks"] = float(tr.n - unchanged - sum(tr.use_delta))
+            t = self._lap(phases, "transfer_s", t)
+            phases.update(_transfer_phases(tr, bool(peers), delta is not None))
 
             phase = "verify"
-            digests = [d for d in tr.digests if d is not None]
-            if len(digests) != tr.n:
-                raise _Failed(f"{tr.n - len(digests)} chunks missing after transfer")
-            if combine_checksums(digests) != manifest.checksum:
-                raise _Failed("whole-version checksum mismatch")
-            t3 = time.perf_counter()
-            phases["verify_s"] = t3 - t2
+            _verify(tr, manifest)
+            t = self._lap(phases, "verify_s", t)
             self._check_deadline(deadline)
 
             phase = "assemble"
-            if (base is not None and base.manifest is not None and base.manifest.tensors == manifest.tensors
-                    and base.buffer.data_ptr() == buffer.data_ptr() and len(base.state_dict) == len(manifest.tensors)):
-                # same layout in the same memory: the base's views (made or not yet) see the new bytes
-                state = base.state_dict if isinstance(base.state_dict, layout.FlatState) else dict(base.state_dict)
-            else:
-                state = layout.state_view(buffer, manifest.tensors)
-            t4 = time.perf_counter()
-            phases["assemble_s"] = t4 - t3
+            state = _assemble(manifest, buffer, base)
+            t = self._lap(phases, "assemble_s", t)
             self._check_deadline(deadline)
         except _Failed as e:
             raise WeightTransferError(phase, self.endpoint, want, e.cause, e.code, self.label) from None
         except zmq.ZMQError as e:
             raise WeightTransferError(phase, self.endpoint, want, f"ZeroMQ error: {e}", puller=self.label) from e
-        return PulledWeights(
-            version=manifest.version,
-            state_dict=state,
-            nbytes=manifest.total_bytes,
-            seconds=t4 - t0,
-            phases=phases,
-            checksum=manifest.checksum,
-            buffer=buffer,
-            manifest=manifest,
-            delta_payloads=tr.payloads,
-        )
+        return PulledWeights(version=manifest.version, state_dict=state, nbytes=manifest.total_bytes, seconds=t - t0,
+                             phases=phases, checksum=manifest.checksum, buffer=buffer, manifest=manifest,
+                             delta_payloads=tr.payloads)
+
+    @staticmethod
+    def _lap(phases: dict[str, float], name: str, since: float) -> float:
+        """Record ``name`` = seconds since ``since``; returns now."""
+        now = time.perf_counter()
+        phases[name] = now - since
+        return now
+
+    def _plan(self, manifest: Manifest, into: torch.Tensor | None,
+              base: PulledWeights | None) -> tuple[torch.Tensor, DeltaInfo | None]:
+        """Where the version's bytes go, and the delta that applies: the base's buffer when a delta against it
+        applies (turned into the new version in place), else ``into``, else the base's buffer when large enough,
+        else a fresh one. Raises ValueError when ``into`` is unsuitable (nothing transferred yet)."""
+        delta = manifest.delta if base is not None and _applies(manifest, base) else None
+        if delta is not None:
+            return base.buffer[: manifest.total_bytes], delta
+        if into is None and base is not None and base.buffer.numel() >= manifest.total_bytes:
+            return base.buffer[: manifest.total_bytes], None
+        if into is None:
+            return self.buffer_factory(manifest.total_bytes), None
+        if (into.dtype != torch.uint8 or into.dim() != 1 or not into.is_contiguous()
+                or into.device.type != "cpu" or into.numel() < manifest.total_bytes):
+            raise ValueError(f"into must be a contiguous 1-D CPU uint8 tensor of >= {manifest.total_bytes} bytes, "
+                             f"got {into.dtype} {tuple(into.shape)} on {into.device}")
+        return into[: manifest.total_bytes], None
 
     # ------------------------------------------------------------------ phases
     @staticmethod
@@ -687,3 +665,35 @@ def _applies(manifest: Manifest, base: PulledWeights) -> bool:
             and d.base_checksum == base.checksum == bm.checksum and bm.tensors == manifest.tensors
             and bm.chunk_bytes == manifest.chunk_bytes and bm.total_bytes == manifest.total_bytes
             and base.buffer.numel() >= manifest.total_bytes)
+
+
+def _transfer_phases(tr: _Transfer, peers: bool, delta: bool) -> dict[str, float]:
+    """The transfer's counters as :attr:`PulledWeights.phases` entries (see its docstring)."""
+    out = {"chunk_hash_s": tr.hash_s, "chunk_retries": float(tr.retries), "bytes_received": float(tr.bytes_received),
+           "sealed_bytes": float(tr.sealed_bytes)}
+    if peers:
+        out.update(peer_bytes=float(tr.peer_bytes), peer_failovers=float(tr.failovers))
+    if delta:
+        unchanged = sum(tr.local)  # verified in place (a spoilt one was fetched in full)
+        out.update(unchanged_chunks=float(unchanged), delta_chunks=float(sum(tr.use_delta)),
+                   delta_fallbacks=float(tr.delta_fallbacks), base_mismatches=float(tr.base_mismatches),
+                   full_chunks=float(tr.n - unchanged - sum(tr.use_delta)))
+    return out
+
+
+def _verify(tr: _Transfer, manifest: Manifest) -> None:
+    """Every chunk arrived verified and the whole-version checksum matches the manifest's. Raises _Failed."""
+    digests = [d for d in tr.digests if d is not None]
+    if len(digests) != tr.n:
+        raise _Failed(f"{tr.n - len(digests)} chunks missing after transfer")
+    if combine_checksums(digests) != manifest.checksum:
+        raise _Failed("whole-version checksum mismatch")
+
+
+def _assemble(manifest: Manifest, buffer: torch.Tensor, base: PulledWeights | None) -> Mapping[str, torch.Tensor]:
+    """The version's tensors: views of ``buffer`` — the base's own views when the bytes landed in its buffer with
+    its layout (made or not yet, they see the new bytes)."""
+    if (base is not None and base.manifest is not None and base.manifest.tensors == manifest.tensors
+            and base.buffer.data_ptr() == buffer.data_ptr() and len(base.state_dict) == len(manifest.tensors)):
+        return base.state_dict if isinstance(base.state_dict, layout.FlatState) else dict(base.state_dict)
+    return layout.state_view(buffer, manifest.tensors)

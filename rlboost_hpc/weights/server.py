@@ -292,8 +292,10 @@ class WeightServer:
             raise
 
     def _drain(self, sock: zmq.Socket) -> None:
-        """Handle up to ``_MAX_BATCH`` requests waiting on ``sock``."""
+        """Handle up to ``_MAX_BATCH`` requests waiting on ``sock``; none once the server is stopping."""
         for _ in range(_MAX_BATCH):
+            if self._stop.is_set():
+                return
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
