@@ -225,15 +225,17 @@ class RunServices:
         from rlboost_hpc.procutil import reclaim_leftovers
         from rlboost_hpc.rollout.agent import RolloutAgent
         from rlboost_hpc.rollout.engines.factory import engine_spec, factory_from_spec, torch_engine_factory
+        from rlboost_hpc.rollout.remote_weights import PulledVersion
 
         cfg, r = self.cfg, self.cfg.rollout
         publisher = self.publisher
 
         def local_source(_endpoint: str, _shards: str = ""):
-            def pull(version: int):
+            def pull(version: int) -> PulledVersion:
                 t0 = time.monotonic()
                 sd, info = publisher.state_dict(version, follow=True)  # the engine copies what it loads
-                return sd, {**info, "pull_s": time.monotonic() - t0}
+                return PulledVersion(sd, info["checksum"], info["nbytes"], time.monotonic() - t0,
+                                     int(info.get("phases", {}).get("bytes_received", 0)))
             return pull
 
         if cfg.trainer.backend == "emulated":  # its weights are no model: the reserved engine is emulated too

@@ -6,6 +6,7 @@ import time
 
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.rollout.agent import RolloutAgent
+from rlboost_hpc.rollout.remote_weights import PulledVersion
 from rlboost_hpc.rollout.engines.base import Engine, EngineError, RequestError, TokenEvent
 
 
@@ -88,7 +89,7 @@ def test_first_engine_is_built_on_the_builder_thread_not_the_heartbeat_loop():
         gate.wait(5)  # an SGLang server start: the agent loop must keep running meanwhile
         return _HoldingEngine()
 
-    a = _agent(engine_factory=slow_factory, weight_source_factory=lambda ep: (lambda v: ({}, {"nbytes": 1})))
+    a = _agent(engine_factory=slow_factory, weight_source_factory=lambda ep: (lambda v: PulledVersion({}, nbytes=1)))
     a._handle(M.Welcome(instance="job#0", latest_version=2, weights_endpoint="tcp://w", model_config={},
                         heartbeat_s=0.25, stream_every_tokens=4, stream_every_s=0.05))
     a._weights_step()  # starts pull + build
@@ -109,7 +110,7 @@ def test_engine_start_failure_is_reported_as_a_failed_pull():
     def broken(model_config, sd, arch=None):
         raise RuntimeError("sglang: address already in use")
 
-    a = _agent(engine_factory=broken, weight_source_factory=lambda ep: (lambda v: ({}, {})))
+    a = _agent(engine_factory=broken, weight_source_factory=lambda ep: (lambda v: PulledVersion({})))
     a._handle(M.Welcome(instance="job#0", latest_version=0, weights_endpoint="tcp://w", model_config={},
                         heartbeat_s=0.25, stream_every_tokens=4, stream_every_s=0.05))
     deadline = time.monotonic() + 5
@@ -128,7 +129,7 @@ def test_a_new_version_announced_during_a_pull_is_pulled_next_and_relay_sources_
         calls.append((version, tuple(peers)))
         if version == 1:
             gate.wait(5)  # a slow pull of version 1 ...
-        return {}, {"nbytes": 1, "checksum": 10 + version}
+        return PulledVersion({}, checksum=10 + version, nbytes=1)
 
     a = _agent(weight_source_factory=lambda ep: source, relay_wait_s=60.0)
     a.engine = _HoldingEngine()

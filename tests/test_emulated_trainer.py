@@ -113,17 +113,19 @@ def test_version_serving_counts_the_instances_live_at_the_set_version_only():
 @pytest.mark.integration
 def test_a_run_with_the_emulated_trainer_ships_deltas_of_its_density_and_loses_nothing(repo_root, tmp_path):
     """The live system at a stated weight size: versions of 32 MiB changed 3 % per step travel as deltas of a few %
-    of their bytes; every instance live at a version change reports when it served the new version."""
+    of their bytes; every instance live at a version change reports when it served the new version. Ten steps at
+    the profile's own speed: the reserved instance alone finishes a step in about a second, and the worker
+    processes (torch imports) may take several seconds to join on a loaded machine."""
     from test_demo_run import diagnose, run_cli
 
     out = tmp_path / "emt"
-    p = run_cli(repo_root, out, "trainer.steps=6", "rollout.engine='emulated'", "trainer.backend='emulated'",
-                "rollout.emulated.response_median=24", "rollout.emulated.time_scale=4",
+    p = run_cli(repo_root, out, "trainer.steps=10", "rollout.engine='emulated'", "trainer.backend='emulated'",
+                "rollout.emulated.response_median=24", "rollout.emulated.time_scale=1",
                 "rollout.emulated.load_bytes_per_s=1e12", f"trainer.emulated.weight_bytes={32 * 2**20}",
                 "cluster.max_workers=4", "policy.cap=false")
     assert p.returncode == 0, diagnose(p, out)
     rep = json.loads((out / "report.json").read_text())
-    assert rep["steps"] == 6 and rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0
+    assert rep["steps"] == 10 and rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0
     assert rep["tokens_trained_off_version"] == 0 and rep["model_out"] is None
     assert rep["reward_heldout_after"] is None  # no model: nothing evaluated (null, not a number)
     assert rep["weight_bytes"] == 32 * 2**20

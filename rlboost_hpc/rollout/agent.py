@@ -50,7 +50,7 @@ from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.rollout.engines.base import Engine, EngineError, GenRequest, RequestError, SamplingParams
 from rlboost_hpc.models.arch import ModelArch
 from rlboost_hpc.rollout.engines.factory import EngineFactory, torch_engine_factory
-from rlboost_hpc.rollout.remote_weights import WeightSource, remote_weight_source
+from rlboost_hpc.rollout.remote_weights import PulledVersion, WeightSource, remote_weight_source
 
 log = logging.getLogger("rlboost.agent")
 
@@ -173,6 +173,13 @@ class ManagerLink:
         self._rx.close(linger=0)
 
 
+def _weights_loaded(version: int, got: PulledVersion, load_s: float) -> M.WeightsLoaded:
+    """The one place a ``WeightsLoaded`` is built: ``version`` loaded from ``got`` in ``load_s`` seconds (engine
+    build or load; 0 for a re-registration that moved nothing)."""
+    return M.WeightsLoaded(version=version, checksum=got.checksum, nbytes=got.nbytes, pull_s=got.pull_s,
+                           load_s=load_s, wire_bytes=got.wire_bytes)
+
+
 @dataclass
 class _Pending:
     offset: int
@@ -283,21 +290,21 @@ class RolloutAgent:
         arch_json = self.welcome.model_arch
         build = self.engine is None
 
-        def work() -> tuple:  # (version, state_dict, info, error, new engine)
+        def work() -> tuple:  # (version, PulledVersion, error, new engine, its build seconds)
             try:
-                sd, info = source(version, peers=peers) if peers else source(version)
+                got = source(version, peers=peers) if peers else source(version)
             except Exception as e:  # reported to the manager with its cause
-                return version, None, None, f"{type(e).__name__}: {e}", None
+                return version, None, f"{type(e).__name__}: {e}", None, 0.0
             if not build:
-                return version, sd, info, None, None
+                return version, got, None, None, 0.0
             t0 = time.monotonic()
             try:
-                eng = factory(model_config, sd, arch=ModelArch.from_json(arch_json) if arch_json else None)
+                eng = factory(model_config, got.state_dict, arch=ModelArch.from_json(arch_json) if arch_json else None)
                 eng.version = version
-                eng.weights_checksum = int(info.get("checksum", 0))
+                eng.weights_checksum = got.checksum
             except Exception as e:
-                return version, None, None, f"engine start failed: {type(e).__name__}: {e}", None
-            return version, sd, dict(info, build_s=time.monotonic() - t0), None, eng
+                return version, None, f"engine start failed: {type(e).__name__}: {e}", None, 0.0
+            return version, got, None, eng, time.monotonic() - t0
 
         self._pull = self._builder.submit(work)
         self._pull.add_done_callback(lambda _f: self.link.wake())  # load it without waiting out the idle poll
@@ -306,7 +313,7 @@ class RolloutAgent:
         """Start a pull when stale; install a freshly built engine, or load a finished pull once idle."""
         current = self.held_version()
         if self._pull is not None and self._pull.done():
-            version, sd, info, err, new_engine = self._pull.result()
+            version, got, err, new_engine, build_s = self._pull.result()
             if err is not None:
                 self._pull = None
                 self._pull_failures += 1
@@ -323,8 +330,8 @@ class RolloutAgent:
                 try:
                     if self.fault_load_delay_s:
                         time.sleep(self.fault_load_delay_s)  # on this thread, like a slow real load
-                    self.engine.load_weights(sd, version)
-                    self.engine.weights_checksum = int(info.get("checksum", 0))
+                    self.engine.load_weights(got.state_dict, version)
+                    self.engine.weights_checksum = got.checksum
                 except Exception as e:
                     self._pull = None
                     self._pull_failures += 1
@@ -333,10 +340,7 @@ class RolloutAgent:
             self._pull, self._pull_failures = None, 0
             self.engine_epoch = self.welcome.epoch
             self.timings.setdefault("weights_loaded", time.time())
-            self._send(M.WeightsLoaded(version=version, checksum=info.get("checksum", 0),
-                                       nbytes=info.get("nbytes", 0), pull_s=info.get("pull_s", 0.0),
-                                       load_s=info.get("build_s", time.monotonic() - t0),
-                                       wire_bytes=int(info.get("phases", {}).get("bytes_received", 0))))
+            self._send(_weights_loaded(version, got, build_s if new_engine is not None else time.monotonic() - t0))
             return
         if (self._pull is None and self.want_version > current and self.want_version >= 0
                 and time.monotonic() >= self._next_pull_at):
@@ -453,8 +457,7 @@ class RolloutAgent:
                             else self.weight_source_factory(msg.weights_endpoint))
             self._want(msg.latest_version, msg.peers, msg.wait)
             if self.held_version() == msg.latest_version >= 0:  # re-registration with this manager
-                self._send(M.WeightsLoaded(version=self.engine.version, checksum=self.engine.weights_checksum,
-                                           nbytes=0, pull_s=0.0, load_s=0.0))
+                self._send(_weights_loaded(self.engine.version, PulledVersion({}, self.engine.weights_checksum), 0.0))
             self.timings.setdefault("welcome", time.time())
         elif isinstance(msg, M.Assign):
             for w in msg.works:

@@ -8,6 +8,7 @@ what it loads); the relay serves exactly the held, verified version and withdraw
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from rlboost_hpc.protocol.auth import RunKeys
@@ -15,9 +16,25 @@ from rlboost_hpc.protocol.auth import RunKeys
 if TYPE_CHECKING:
     import torch
 
-# (version[, peers=relay holders]) -> (state_dict, info dict with checksum/nbytes/pull_s); raises on failure. The
-# agent passes ``peers`` only when the manager named some (sources that cannot relay need not accept it).
-WeightSource = Callable[..., tuple[Mapping, dict]]
+
+@dataclass(frozen=True)
+class PulledVersion:
+    """What a weight source hands the rollout agent for one version — the one description of a pulled version
+    between them. ``state_dict``: name → tensor (views the engine copies from while loading); ``checksum``: the
+    whole-version checksum (0: not known); ``nbytes``: bytes of the full version; ``pull_s``: seconds the source
+    took; ``wire_bytes``: bytes received over the network for it (less than ``nbytes`` for a delta; 0 when nothing
+    moved, e.g. a view of the trainer's own buffer)."""
+
+    state_dict: Mapping
+    checksum: int = 0
+    nbytes: int = 0
+    pull_s: float = 0.0
+    wire_bytes: int = 0
+
+
+# (version[, peers=relay holders]) -> PulledVersion; raises on failure. The agent passes ``peers`` only when the
+# manager named some (sources that cannot relay need not accept it).
+WeightSource = Callable[..., PulledVersion]
 
 
 class RemoteWeights:
@@ -104,8 +121,8 @@ class RemoteWeights:
                 self._base = got
             if self._relay is not None:
                 self._relay.hold(got.manifest, got.buffer, got.delta_payloads)
-            return got.state_dict, {"checksum": int(got.checksum), "nbytes": int(got.nbytes),
-                                    "pull_s": time.monotonic() - t0, "phases": got.phases}
+            return PulledVersion(got.state_dict, int(got.checksum), int(got.nbytes), time.monotonic() - t0,
+                                 int(got.phases.get("bytes_received", 0)))
 
         return pull
 
@@ -123,8 +140,8 @@ class RemoteWeights:
                                   timeout_s=self.timeout_s, keys=keys, bases=bases)
             if self.keep_base:
                 self._shard_bases = st["pulled"]
-            return sd, {"checksum": int(st["checksum"]), "nbytes": int(st["bytes"]), "pull_s": time.monotonic() - t0,
-                        "phases": {"bytes_received": float(st["bytes_received"])}}
+            return PulledVersion(sd, int(st["checksum"]), int(st["bytes"]), time.monotonic() - t0,
+                                 int(st["bytes_received"]))
 
         return pull
 
