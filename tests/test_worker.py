@@ -21,16 +21,25 @@ class Agent:
         self.requests.append((reason, cause))
 
 
-def handler(tmp_path, *, in_slurm=True, drained=False, job_end_s=None):
+def handler(tmp_path, *, in_slurm=True, drained=False, job_end_s=None, ask_slurm=lambda job: False):
     if drained:  # the scavenger's drain marker, as scavenger/daemon.py writes it
         from rlboost_hpc.events import drain_marker_path
 
         marker = drain_marker_path(tmp_path, "7")
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text("surplus")
-    h = WarningHandler(signal.SIGUSR2, run_dir=str(tmp_path), job_id="7", in_slurm=in_slurm)
+    h = WarningHandler(signal.SIGUSR2, run_dir=str(tmp_path), job_id="7", in_slurm=in_slurm, ask_slurm=ask_slurm)
     h.job_end_s = job_end_s
     return h
+
+
+def settled(h):
+    import time
+
+    deadline = time.monotonic() + 5
+    while not h.settled and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return h.settled
 
 
 def test_the_warning_signal_is_a_preemption_and_stops_the_attached_agent(tmp_path):
@@ -54,6 +63,56 @@ def test_a_slurm_sigterm_is_a_cancellation_until_the_warning_follows(tmp_path):
     h(signal.SIGTERM, None)
     assert h.cause == "preempted" and h.signal == "SIGTERM+SIGUSR2"
     assert a.requests == [("stopped (SIGTERM)", "stopped"), ("preempted (SIGTERM+SIGUSR2)", "preempted")]
+
+
+def test_slurm_says_which_sigterm_is_a_preemption():
+    """``scontrol show job -o``: PreemptTime is stamped when Slurm selects the job for preemption (the grace time);
+    when the grace time ends Slurm kills the job to requeue it and its Restarts is already past the attempt."""
+    from rlboost_hpc.rollout.worker import preemption_seen
+
+    grace = ("JobId=5 JobState=RUNNING Reason=None Restarts=0 PreemptEligibleTime=2026-12-05T08:16:25 "
+             "PreemptTime=2026-12-05T08:16:27 SuspendTime=None")
+    killed = "JobId=5 JobState=COMPLETING Reason=None Dependency=(null) Requeue=1 Restarts=1 BatchFlag=1"
+    cancelled = "JobId=5 JobState=COMPLETING Reason=None Restarts=0 PreemptTime=None SuspendTime=None"
+    assert preemption_seen(grace, 0) is True and preemption_seen(killed, 0) is True
+    assert preemption_seen(cancelled, 0) is False and preemption_seen(killed, 1) is False
+    assert preemption_seen("slurm_load_jobs error: Invalid job id specified", 0) is None
+
+
+def test_a_slurm_sigterm_of_a_job_slurm_is_preempting_is_a_preemption(tmp_path):
+    """Issue 30: without preempt_send_user_signal Slurm preempts with SIGTERM alone; the handler asks Slurm, and a
+    job whose PreemptTime is set is preempted (requeued, counted as a preemption), not cancelled."""
+    asked = []
+    h, a = handler(tmp_path, ask_slurm=lambda job: asked.append(job) or True), Agent()
+    h.attach(a)
+    h(signal.SIGTERM, None)
+    assert settled(h) and asked == ["7"]
+    assert h.cause == "preempted" and h.signal == "SIGTERM+PreemptTime"
+    assert a.requests == [("stopped (SIGTERM)", "stopped"), ("preempted (SIGTERM+PreemptTime)", "preempted")]
+    assert a.cause_settled()  # the agent's Deregister waits no longer
+
+
+@pytest.mark.parametrize("answer", [False, None])
+def test_a_slurm_sigterm_slurm_does_not_call_a_preemption_stays_a_cancellation(tmp_path, answer):
+    """scancel (PreemptTime None), or Slurm not answering: the signal's reading stands, and the cause is settled."""
+    h, a = handler(tmp_path, ask_slurm=lambda job: answer), Agent()
+    h.attach(a)
+    h(signal.SIGTERM, None)
+    assert settled(h) and h.cause == "stopped" and h.signal == "SIGTERM"
+    assert a.requests == [("stopped (SIGTERM)", "stopped")]
+
+
+def test_a_drained_or_warned_end_is_settled_at_once_without_asking_slurm(tmp_path):
+    def never(job):
+        raise AssertionError("Slurm must not be asked")
+
+    d = handler(tmp_path, drained=True, ask_slurm=never)
+    d(signal.SIGTERM, None)
+    assert d.settled and d.cause == "drained"
+    (tmp_path / "other").mkdir()
+    w = handler(tmp_path / "other", ask_slurm=never)
+    w(signal.SIGUSR2, None)
+    assert w.settled and w.cause == "preempted"
 
 
 def test_outside_slurm_sigterm_is_a_warning_and_a_drain_marker_wins(tmp_path):

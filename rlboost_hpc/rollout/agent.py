@@ -243,6 +243,9 @@ class RolloutAgent:
         #: After a stop without a known cause, how long (seconds) the Deregister waits for a refining one — Slurm
         #: preempts with SIGTERM *and* the warning signal, in either order (the worker sets it under Slurm).
         self.cause_settle_s = 0.0
+        #: true once nothing can refine a "stopped" cause any more (set by the worker's warning handler); the
+        #: Deregister then waits no longer for it
+        self.cause_settled: Callable[[], bool] = lambda: False
         self.welcome: M.Welcome | None = None
         self.want_version = -1
         self._pos: dict[str, int] = {}
@@ -432,8 +435,8 @@ class RolloutAgent:
         self._send(M.Draining(reason=reason))
         self._release(list(self._pos))
         settle = time.monotonic() + self.cause_settle_s
-        while self.stop_cause == "stopped" and time.monotonic() < settle:  # a warning may still refine the cause
-            time.sleep(0.01)
+        while self.stop_cause == "stopped" and time.monotonic() < settle and not self.cause_settled():
+            time.sleep(0.01)  # a warning signal, or Slurm's word that the job is being preempted, may refine it
         self.link.heartbeat_s = None  # no heartbeat after the Deregister: the manager would warn of a stranger
         self._send(M.Deregister(reason=reason, tokens_generated=self.tokens_generated, cause=self.stop_cause))
 

@@ -30,8 +30,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 # imported before the signal handlers exist: a handler must never import (a warning that interrupts the main
 # thread's import of the same module sees it half-initialised)
@@ -45,9 +47,11 @@ log = logging.getLogger("rlboost.worker")
 READY_FILE_ENV = "RLBOOST_WORKER_READY_FILE"
 
 
-#: Under Slurm, how long (seconds) a worker stopped by SIGTERM waits, before it deregisters, for the warning signal
-#: that tells a preemption from a cancellation (Slurm sends both at preemption, in either order).
-SLURM_CAUSE_SETTLE_S = 0.5
+#: Under Slurm, the longest (seconds) a worker stopped by SIGTERM waits, before it deregisters, for what tells a
+#: preemption from a cancellation: the warning signal (Slurm sends both at preemption, in either order, when
+#: ``preempt_send_user_signal`` is set) or Slurm's answer about the job (:func:`preempted_in_slurm`), whichever
+#: settles it first.
+SLURM_CAUSE_SETTLE_S = 3.0
 
 
 def _event(run_dir: str | None, record: dict) -> None:
@@ -97,13 +101,42 @@ def job_end_time(job_id: str | None) -> float | None:
         return None
 
 
+def preemption_seen(show_job: str, attempt: int) -> bool | None:
+    """Whether ``scontrol show job -o`` output (one line of ``Key=Value`` fields) shows attempt ``attempt`` of the job
+    being preempted: Slurm stamps ``PreemptTime`` when it selects a job for preemption (during the grace time; it
+    stays ``None`` for a ``scancel``, a time limit, a node failure), and once the grace time is over and it kills the
+    job to requeue it, ``Restarts`` is already above the attempt's ``SLURM_RESTART_COUNT`` (the stamp is gone then).
+    None when neither field is there (not Slurm's answer about a job)."""
+    fields = dict(f.split("=", 1) for f in show_job.split() if "=" in f)
+    if "PreemptTime" not in fields and "Restarts" not in fields:
+        return None
+    restarts = fields.get("Restarts", "")
+    return (fields.get("PreemptTime", "None") not in ("None", "Unknown", "")
+            or (restarts.isdigit() and int(restarts) > attempt))
+
+
+def preempted_in_slurm(job_id: str, attempt: int, timeout_s: float = 2.0) -> bool | None:
+    """Ask Slurm whether attempt ``attempt`` of job ``job_id`` is being preempted (:func:`preemption_seen`); None when
+    ``scontrol`` does not answer within ``timeout_s`` seconds or fails (the caller keeps what the signal said)."""
+    try:
+        p = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True,
+                           timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return preemption_seen(p.stdout, attempt) if p.returncode == 0 else None
+
+
 def requeue_self(job_id: str, timeout_s: float = 15.0) -> bool:
-    """``scontrol requeue JOB`` with a deadline; True on success (errors are logged, not raised)."""
+    """``scontrol requeue JOB`` with a deadline; True on success, or when Slurm has requeued the job already ("pending
+    execution": it preempted it and the grace time is over); errors are logged, not raised."""
     try:
         p = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired) as e:
         log.error("scontrol requeue %s failed: %s", job_id, e)
         return False
+    if p.returncode != 0 and "pending execution" in p.stderr:
+        log.info("job %s is requeued already (Slurm requeues a job it preempts once the grace time is over)", job_id)
+        return True
     if p.returncode != 0:
         log.error("scontrol requeue %s exited %d: %s", job_id, p.returncode, p.stderr.strip())
         return False
@@ -143,7 +176,12 @@ class WarningHandler:
 
     - the first one fixes ``warned_at`` (epoch seconds) and ``signal`` and classifies the end: under Slurm a SIGTERM
       that is not ``warn`` is a cancellation (``scancel`` by a user, or a grace time's end) — ``stopped``, or
-      ``drained`` when the scavenger's drain marker exists; any other warning goes through
+      ``drained`` when the scavenger's drain marker exists — until Slurm says otherwise: a thread asks Slurm about
+      the job (``ask_slurm(job_id)``; default :func:`preempted_in_slurm` for ``attempt``) and a job Slurm is
+      preempting becomes ``preempted`` (or
+      ``time_limit``) with signal ``SIGTERM+PreemptTime`` — a cluster without ``preempt_send_user_signal`` sends
+      only SIGTERM at preemption, and such a job must still requeue; :attr:`settled` is true once nothing more can
+      refine the cause (at once for every other case); any other warning goes through
       :func:`classify_warning` (``drained`` / ``time_limit`` / ``preempted``). An unreachable shared filesystem
       reads as no drain marker: a warning is a preemption unless shown otherwise;
     - a later ``warn`` after a Slurm SIGTERM (Slurm preempts with both, in either order; the agent waits
@@ -155,8 +193,11 @@ class WarningHandler:
 
     The handler never imports (the main thread may be half-way through importing the module it would need)."""
 
-    def __init__(self, warn: signal.Signals, *, run_dir: str | None, job_id: str, in_slurm: bool) -> None:
+    def __init__(self, warn: signal.Signals, *, run_dir: str | None, job_id: str, in_slurm: bool, attempt: int = 0,
+                 ask_slurm: Callable[[str], bool | None] | None = None) -> None:
         self.warn, self.run_dir, self.job_id, self.in_slurm = warn, run_dir, job_id, in_slurm
+        self.ask_slurm = ask_slurm or (lambda job: preempted_in_slurm(job, attempt))
+        self.settled = False  # nothing can refine the cause any more (see the class docstring)
         self.job_end_s: float | None = None  # the job's own end time (epoch s), read once it is known
         self.warned_at: float | None = None
         self.signal: str | None = None
@@ -193,6 +234,7 @@ class WarningHandler:
         """Stop ``agent`` on the next warning — at once when one came already (e.g. while importing). It replaces
         the agent attached before for the same instance (``agent.job_id``; a reconnect builds a new one)."""
         self.agents[getattr(agent, "job_id", "")] = agent
+        agent.cause_settled = lambda: self.settled  # its Deregister waits for a settled cause (cause_settle_s)
         if self.warned:
             agent.request_stop(self.stop_reason(), self.cause)
 
@@ -211,6 +253,7 @@ class WarningHandler:
             if s == self.warn and self.cause == "stopped" and self.signal == "SIGTERM":
                 self.cause = classify_warning(self.warned_at, drained=False, job_end_s=self.job_end_s)
                 self.signal = f"SIGTERM+{signal.Signals(s).name}"
+                self.settled = True
                 self._stop_agents()
             return
         self.warned_at = time.time()
@@ -220,7 +263,20 @@ class WarningHandler:
             self.cause = "drained" if drained else "stopped"
         else:
             self.cause = classify_warning(self.warned_at, drained=drained, job_end_s=self.job_end_s)
+        self.settled = self.cause != "stopped"
         self._stop_agents()
+        if not self.settled:  # scancel, or a preemption without the warning signal: Slurm knows which
+            threading.Thread(target=self._ask, name="preempted?", daemon=True).start()
+
+    def _ask(self) -> None:
+        """Refine a Slurm SIGTERM's ``stopped`` when Slurm is preempting the job; then the cause is settled."""
+        try:
+            if self.ask_slurm(self.job_id) and self.cause == "stopped":
+                self.cause = classify_warning(self.warned_at, drained=False, job_end_s=self.job_end_s)
+                self.signal = "SIGTERM+PreemptTime"
+                self._stop_agents()
+        finally:
+            self.settled = True
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -451,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging(f"worker:{args.job_id}#{args.attempt}")
     handler = WarningHandler(getattr(signal, args.signal), run_dir=args.run_dir, job_id=args.job_id,
-                             in_slurm=bool(os.environ.get("SLURM_JOB_ID")))
+                             in_slurm=bool(os.environ.get("SLURM_JOB_ID")), attempt=args.attempt)
     handler.install()  # before the slow imports: a warning is never missed
     handler.job_end_s = job_end_time(args.job_id)
     from rlboost_hpc.errors import BadInput
