@@ -109,3 +109,11 @@ def test_a_sigterm_only_preemption_is_a_preemption_and_a_scancel_is_not(no_user_
     finally:
         if jobs:
             subprocess.run(["scancel", *jobs], env=env, timeout=30)
+
+
+def test_harvest_check_says_what_such_a_cluster_costs(no_user_signal_cluster):
+    """``rlboost-hpc harvest check`` on it: harvestable, with the warning and what to add."""
+    p = subprocess.run([sys.executable, "-m", "rlboost_hpc.cli", "harvest", "check", "--partition", "scavenger"],
+                       env=no_user_signal_cluster, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "warn no SlurmctldParameters=preempt_send_user_signal" in p.stdout and "KillWait = 5 s" in p.stdout
