@@ -38,8 +38,9 @@ process (trainer, weight server), of the manager, and of a worker process per in
 versions kept × S plus a constant).
 
 A point whose memory (≈ 1.35 S per instance + 4.8 S for the trainer's process) would not fit the machine is skipped
-and said so. What it does not measure: the scavenger at 64 Slurm nodes; on a 24 GiB machine S = 1 GB with 16
-pullers and every S = 4 GB point (≈ 42 GB at 4 pullers) — every instance holds its own copy, as on its own GPU.
+and said so. What it does not measure: rollout jobs on Slurm (the scavenger's own Slurm cost at 64 nodes and 128
+jobs: ``benchmarks/bench_slurm_scale.py``); on a 24 GiB machine S = 1 GB with 16 pullers and every S = 4 GB point
+(≈ 42 GB at 4 pullers) — every instance holds its own copy, as on its own GPU.
 
 Usage: python benchmarks/bench_scale.py [--n 4 16 64] [--steps 6] [--per-process 16] [--vanish 8] [--silence]
 [--weight-gb 0.25 1 4 [--pullers 4 8 16]] [--set key=value ...]
