@@ -175,13 +175,12 @@ class WarningHandler:
     Invariant, per signal:
 
     - the first one fixes ``warned_at`` (epoch seconds) and ``signal`` and classifies the end: under Slurm a SIGTERM
-      that is not ``warn`` is a cancellation (``scancel`` by a user, or a grace time's end) — ``stopped``, or
-      ``drained`` when the scavenger's drain marker exists — until Slurm says otherwise: a thread asks Slurm about
-      the job (``ask_slurm(job_id)``; default :func:`preempted_in_slurm` for ``attempt``) and a job Slurm is
-      preempting becomes ``preempted`` (or
+      that is not ``warn`` is a cancellation (``scancel``) — ``stopped``, or ``drained`` when the scavenger's drain
+      marker exists — until Slurm says otherwise: a thread asks Slurm about the job (``ask_slurm(job_id)``; default
+      :func:`preempted_in_slurm` for ``attempt``), and a job Slurm is preempting becomes ``preempted`` (or
       ``time_limit``) with signal ``SIGTERM+PreemptTime`` — a cluster without ``preempt_send_user_signal`` sends
-      only SIGTERM at preemption, and such a job must still requeue; :attr:`settled` is true once nothing more can
-      refine the cause (at once for every other case); any other warning goes through
+      only SIGTERM at preemption, and such a job must still count and requeue as one; :attr:`settled` is true once
+      nothing more can refine the cause (at once in every other case); any other warning goes through
       :func:`classify_warning` (``drained`` / ``time_limit`` / ``preempted``). An unreachable shared filesystem
       reads as no drain marker: a warning is a preemption unless shown otherwise;
     - a later ``warn`` after a Slurm SIGTERM (Slurm preempts with both, in either order; the agent waits
