@@ -108,8 +108,8 @@ class RunServices:
                                                                                          self.host)
         self.client = ManagerClient(self.endpoint, keys=self.keys, alive=self.mproc.is_alive)
         metrics_url = metrics_url.replace("0.0.0.0", self.host)
-        rd.write_endpoints(self.endpoint, self.weights_endpoint, run_id=self.run_id,
-                        curve=self.keys is not None, metrics=metrics_url, worker=WorkerSpec.from_config(cfg, self.context_tokens).to_json())
+        rd.write_endpoints(self.endpoint, self.weights_endpoint, run_id=self.run_id, curve=self.keys is not None,
+                           metrics=metrics_url, worker=WorkerSpec.from_config(cfg, self.context_tokens).to_json())
         if metrics_url:
             rd.write_file_sd("rlboost-manager", metrics_url, self.run_id)
             log.info("manager metrics: %s (file_sd: %s/prometheus/)", metrics_url, rd.root)
@@ -254,7 +254,7 @@ class RunServices:
         if cfg.cluster.kind == "slurm":  # rollout jobs come from the scavenger; tell it how many we want
             self.set_target(cfg.cluster.max_workers, step=0)
             self.defer(lambda: self.run_dir.write_target(0, active=False, step=self._target_step,
-                                            gpus_per_instance=r.gpus_per_instance))
+                                                         gpus_per_instance=r.gpus_per_instance))
             return
         from rlboost_hpc.cluster.local import LocalCluster
 
@@ -280,7 +280,7 @@ class RunServices:
         if self.cfg.cluster.kind == "slurm":
             self._target_step = step
             self.run_dir.write_target(n_prem, active=True, step=step,
-                         gpus_per_instance=self.cfg.rollout.gpus_per_instance)
+                                      gpus_per_instance=self.cfg.rollout.gpus_per_instance)
         elif self.cluster is not None:
             self.cluster.set_cap(n_prem)
 
