@@ -45,10 +45,10 @@ def one_version(trainer: WeightServer, n: int, relay: bool) -> tuple[int, float,
                 peers = ready.pop(key)
             else:
                 peers = s.peers
-        _, info = pullers[i].source(trainer.endpoint)(0, peers=list(peers)) if peers else \
+        got = pullers[i].source(trainer.endpoint)(0, peers=list(peers)) if peers else \
             pullers[i].source(trainer.endpoint)(0)
         with lock:
-            failovers[0] += int(info["phases"].get("peer_failovers", 0))
+            failovers[0] += int(got.phases.get("peer_failovers", 0))
             for k, src in tree.done(key, eps[i]):
                 ready[k] = src.peers
             lock.notify_all()

@@ -43,7 +43,7 @@ def test_kill_steps_spread_kills_over_checkpoints_with_steps_left_to_resume_into
 def test_chaos_short(tmp_path, capsys):
     """Workers preempted with warning, killed without warning (some while pulling weights), restarted,
     many times per step: nothing lost, nothing duplicated, nothing trained off-version, every prompt once."""
-    rc = chaos_main(["--out", str(tmp_path / "chaos"), "--steps", "16", "--lifetime-s", "1.0",
+    rc = chaos_main(["--out", str(tmp_path / "chaos"), "--steps", "28", "--lifetime-s", "1.0",
                      "--downtime-s", "0.5", "--seed", "1"])
     rep = json.loads((tmp_path / "chaos/report.json").read_text())
     assert rc == 0

@@ -103,7 +103,7 @@ def test_train_sbatch_runs_the_megatron_trainer_as_two_tasks_at_tp2(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     env.update(RLBOOST_PYTHON=sys.executable, RLBOOST_RUN_DIR=str(run_dir), RLBOOST_CONFIG=str(REPO / "configs/local.toml"),
-               RLBOOST_MASTER_ADDR="127.0.0.1", RLBOOST_TRAIN_ARGS=(
+               RLBOOST_LAUNCHER="megatron", RLBOOST_MASTER_ADDR="127.0.0.1", RLBOOST_TRAIN_ARGS=(
                    "--set trainer.backend=megatron --set trainer.megatron.tp=2 --set trainer.steps=3 --set task.heldout_prompts=8 "
                    "--set trainer.eval_samples=1 --set trainer.export_model=false"))
     p = subprocess.run(["sbatch", "--parsable", "--partition", "train", "--nodes", "1", "--ntasks-per-node", "2",

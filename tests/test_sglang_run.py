@@ -17,7 +17,7 @@ import pytest
 from sglang_cpu import stub_env
 from test_demo_run import CONTRACT_KEYS, MARGIN, diagnose, run_cli
 
-# 60 steps take ≈ 3.5 min on an idle 2-core machine and several times that under load: the run is waited for
+# 90 steps take ≈ 2.5–5 min on an idle 2-core machine and several times that under load: the run is waited for
 # as long as it makes progress (run_cli), the pytest timeout is only the last resort
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -29,7 +29,8 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(2400)]
 # ≥ 35 s of service (several seeding hand-offs) however slow its start; with removals every 35 s from start, a
 # loaded CI machine once booted every attempt past its removal and no hand-off into SGLang ever happened. The later
 # removals are due before their attempt can have booted: each fires at its attempt's first busy moment (a hand-off
-# out of SGLang), so the preemptions come as early as start-ups allow (an idle run lasts ≈ 150 s).
+# out of SGLang), so the preemptions come as early as start-ups allow. 60 steps lasted only 106 s on an idle CI
+# machine: the run ended (its workers drained) as the second removal fell due; 90 steps keep it going past it.
 TRACE = "0,add,a0\n80000,remove,a0\n81000,add,a1\n100000,remove,a1\n101000,add,a2\n120000,remove,a2\n121000,add,a3\n"
 
 
@@ -39,7 +40,7 @@ def test_demo_with_sglang_workers_meets_the_report_contract(repo_root, tmp_path)
     p = run_cli(repo_root, tmp_path / "run", 'rollout.engine="sglang"', 'rollout.device="cpu"',
                 *[f'rollout.sglang.env.{k}="{v}"' for k, v in env.items()],
                 f'cluster.trace="{tmp_path / "trace.csv"}"', "cluster.time_scale=1.0", "cluster.replay_s=300",
-                "cluster.window_start_s=0", "cluster.max_workers=1", "policy.cap=false", "trainer.steps=60",
+                "cluster.window_start_s=0", "cluster.max_workers=1", "policy.cap=false", "trainer.steps=90",
                 "cluster.preempt_when_busy=true", "cluster.busy_wait_max_s=90",  # a loaded machine is slow
                 # steps long enough (128 responses × 96 tokens) that the reserved engine cannot finish one
                 # alone within a fixed seeding window that outlasts the server's per-step weight load

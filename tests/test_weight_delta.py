@@ -205,9 +205,9 @@ def test_version_evicted_during_a_delta_pull_fails_cleanly_and_the_next_pull_is_
         assert e.value.code == "version_gone"
         srv._payload_hook = None
         assert weights._base is None  # the half-updated base is gone, never used again
-        sd2, info = pull(2)
-        assert info["checksum"] == srv.manifest(2).checksum
-        assert same_bytes(dict(sd2), srv.local_state_dict(2))
+        got = pull(2)
+        assert got.checksum == srv.manifest(2).checksum
+        assert same_bytes(dict(got.state_dict), srv.local_state_dict(2))
 
 
 def test_remote_weights_keeps_the_base_only_when_asked(server):
@@ -218,8 +218,7 @@ def test_remote_weights_keeps_the_base_only_when_asked(server):
     dropped.source(server.endpoint)(0)
     assert kept._base is not None and dropped._base is None
     server.publish(1, step(sd, torch.Generator().manual_seed(8), 0.01))
-    _, info = kept.source(server.endpoint)(1)
-    assert info["phases"]["bytes_received"] == server.delta_nbytes(1)
+    assert kept.source(server.endpoint)(1).wire_bytes == server.delta_nbytes(1)
 
 
 def test_apply_chunk_refuses_garbage_and_wrong_lengths():

@@ -158,9 +158,9 @@ def test_a_peer_relays_the_delta_payloads_it_applied(trainer):
         a.source(trainer.endpoint)(1)  # a pulls the delta from the trainer and now relays version 1
         full = served_count(trainer, 2 * trainer.manifest(0).total_bytes)  # a's and b's first pulls
         delta = served_count(trainer, trainer.delta_nbytes(1), "delta_bytes_served")  # a's delta pull
-        state, info = b.source(trainer.endpoint)(1, peers=[ep_a])
-        assert equal(dict(state), trainer.local_state_dict(1))
-        assert info["phases"]["peer_bytes"] == trainer.delta_nbytes(1)  # b got the delta, from a
+        got = b.source(trainer.endpoint)(1, peers=[ep_a])
+        assert equal(dict(got.state_dict), trainer.local_state_dict(1))
+        assert got.phases["peer_bytes"] == trainer.delta_nbytes(1)  # b got the delta, from a
         wait_for(lambda: a.relay_stats["delta_bytes_served"] >= trainer.delta_nbytes(1), 5, "the relay's count")
         assert a.relay_stats["delta_bytes_served"] == trainer.delta_nbytes(1)
         assert (trainer.stats["bytes_served"], trainer.stats["delta_bytes_served"]) == (full, delta)

@@ -65,29 +65,29 @@ def test_sharded_pulls_assemble_follow_deltas_and_never_mix_versions(holders):
     weights = RemoteWeights(streams=2, window=4, timeout_s=5.0)
     source = weights.source("tcp://127.0.0.1:1", shards=json.dumps(manifest))  # the single endpoint is not used
 
-    sd, info = source(1)
+    got = source(1)
+    sd = got.state_dict
     assert set(sd) == set(full_state(0))
     for name, t in full_state(0).items():
         assert torch.equal(sd[name], t.to(torch.bfloat16)), name
-    assert info["checksum"] == version_checksum(checks) and info["nbytes"] == sum(h.manifest().total_bytes
-                                                                                     for h in holders)
-    full_wire = info["phases"]["bytes_received"]
+    assert got.checksum == version_checksum(checks) and got.nbytes == sum(h.manifest().total_bytes for h in holders)
+    full_wire = got.wire_bytes
 
     _, checks2 = publish(holders, 2, full_state(1))
-    sd2, info2 = source(2)
+    got2 = source(2)
     for name, t in full_state(1).items():
-        assert torch.equal(sd2[name], t.to(torch.bfloat16)), name
-    assert info2["checksum"] == version_checksum(checks2) != info["checksum"]
-    assert info2["phases"]["bytes_received"] < full_wire / 2  # each holder shipped its delta against version 1
+        assert torch.equal(got2.state_dict[name], t.to(torch.bfloat16)), name
+    assert got2.checksum == version_checksum(checks2) != got.checksum
+    assert got2.wire_bytes < full_wire / 2  # each holder shipped its delta against version 1
 
     publish(holders, 3, full_state(2), only=(0,))  # holder 1 is behind: version 3 is not complete
     with pytest.raises(WeightTransferError) as ei:
         source(3)
     assert ei.value.code in ("unknown_version", "no_version")
     _, checks4 = publish(holders, 4, full_state(3))  # both hold 4: the instance recovers with a full pull
-    sd4, info4 = source(4)
-    assert info4["checksum"] == version_checksum(checks4)
-    assert torch.equal(sd4["model.norm.weight"], full_state(3)["model.norm.weight"].to(torch.bfloat16))
+    got4 = source(4)
+    assert got4.checksum == version_checksum(checks4)
+    assert torch.equal(got4.state_dict["model.norm.weight"], full_state(3)["model.norm.weight"].to(torch.bfloat16))
 
 
 def test_load_manifest_rejects_what_is_not_a_shard_manifest():

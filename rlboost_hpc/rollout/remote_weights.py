@@ -8,7 +8,7 @@ what it loads); the relay serves exactly the held, verified version and withdraw
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from rlboost_hpc.protocol.auth import RunKeys
@@ -23,13 +23,15 @@ class PulledVersion:
     between them. ``state_dict``: name → tensor (views the engine copies from while loading); ``checksum``: the
     whole-version checksum (0: not known); ``nbytes``: bytes of the full version; ``pull_s``: seconds the source
     took; ``wire_bytes``: bytes received over the network for it (less than ``nbytes`` for a delta; 0 when nothing
-    moved, e.g. a view of the trainer's own buffer)."""
+    moved, e.g. a view of the trainer's own buffer); ``phases``: the pull's own figures (seconds per phase, bytes
+    from relay peers, delta chunks: ``WeightPuller``'s ``PulledWeights.phases``; empty for other sources)."""
 
     state_dict: Mapping
     checksum: int = 0
     nbytes: int = 0
     pull_s: float = 0.0
     wire_bytes: int = 0
+    phases: Mapping[str, float] = field(default_factory=dict)
 
 
 # (version[, peers=relay holders]) -> PulledVersion; raises on failure. The agent passes ``peers`` only when the
@@ -122,7 +124,7 @@ class RemoteWeights:
             if self._relay is not None:
                 self._relay.hold(got.manifest, got.buffer, got.delta_payloads)
             return PulledVersion(got.state_dict, int(got.checksum), int(got.nbytes), time.monotonic() - t0,
-                                 int(got.phases.get("bytes_received", 0)))
+                                 int(got.phases.get("bytes_received", 0)), got.phases)
 
         return pull
 

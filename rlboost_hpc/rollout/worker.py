@@ -180,7 +180,8 @@ class WarningHandler:
       :func:`preempted_in_slurm` for ``attempt``), and a job Slurm is preempting becomes ``preempted`` (or
       ``time_limit``) with signal ``SIGTERM+PreemptTime`` — a cluster without ``preempt_send_user_signal`` sends
       only SIGTERM at preemption, and such a job must still count and requeue as one; :attr:`settled` is true once
-      nothing more can refine the cause (at once in every other case); any other warning goes through
+      nothing more can refine the cause (Slurm answered, or the warning came; at once in every other case); any
+      other warning goes through
       :func:`classify_warning` (``drained`` / ``time_limit`` / ``preempted``). An unreachable shared filesystem
       reads as no drain marker: a warning is a preemption unless shown otherwise;
     - a later ``warn`` after a Slurm SIGTERM (Slurm preempts with both, in either order; the agent waits
@@ -268,14 +269,19 @@ class WarningHandler:
             threading.Thread(target=self._ask, name="preempted?", daemon=True).start()
 
     def _ask(self) -> None:
-        """Refine a Slurm SIGTERM's ``stopped`` when Slurm is preempting the job; then the cause is settled."""
+        """Refine a Slurm SIGTERM's ``stopped`` when Slurm is preempting the job. Slurm's answer settles the cause;
+        no answer (``scontrol`` failed or timed out) leaves it open, so the agent waits out ``cause_settle_s`` for
+        a warning signal, as it did before it could ask."""
+        answer = None
         try:
-            if self.ask_slurm(self.job_id) and self.cause == "stopped":
+            answer = self.ask_slurm(self.job_id)
+        finally:
+            if answer and self.cause == "stopped":
                 self.cause = classify_warning(self.warned_at, drained=False, job_end_s=self.job_end_s)
                 self.signal = "SIGTERM+PreemptTime"
                 self._stop_agents()
-        finally:
-            self.settled = True
+            if answer is not None:
+                self.settled = True
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
