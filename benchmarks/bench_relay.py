@@ -45,8 +45,7 @@ def one_version(trainer: WeightServer, n: int, relay: bool) -> tuple[int, float,
                 peers = ready.pop(key)
             else:
                 peers = s.peers
-        got = pullers[i].source(trainer.endpoint)(0, peers=list(peers)) if peers else \
-            pullers[i].source(trainer.endpoint)(0)
+        got = pullers[i].pull(trainer.endpoint, 0, peers=list(peers))
         with lock:
             failovers[0] += int(got.phases.get("peer_failovers", 0))
             for k, src in tree.done(key, eps[i]):

@@ -452,7 +452,7 @@ def _held_out(cfg: RunConfig, setup: RunSetup, svc: RunServices):
     if svc.eval_tools is not None:
         turns = TurnSettings(cfg.task.max_turns, cfg.trajectory_tokens(), setup.tool_stops, svc.eval_tools)
     return HeldOut(setup.policy.arch, setup.policy.tokenizer, setup.task,
-                   weights=lambda v: svc.publisher.state_dict(v)[0], samples=cfg.trainer.eval_samples,
+                   weights=lambda v: svc.publisher.read(v).state_dict, samples=cfg.trainer.eval_samples,
                    max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                    device=setup.rollout_device, dtype=setup.rollout_dtype, score=svc.rewards.score, turns=turns)
 
@@ -495,7 +495,7 @@ def _exported(cfg: RunConfig, svc: RunServices, version: int):
     from rlboost_hpc.weights.puller import WeightPuller
 
     if svc.publisher.shards:
-        return svc.publisher.state_dict(version)[0]
+        return svc.publisher.read(version).state_dict
     w = cfg.weights
     return WeightPuller(svc.weights_endpoint, streams=w.streams, window=w.window, timeout_s=w.pull_timeout_s,
                         keys=svc.keys.client_view() if svc.keys else None,

@@ -16,7 +16,6 @@ import contextlib
 import logging
 import socket
 import threading
-import time
 from typing import Any, Callable
 
 import torch
@@ -225,25 +224,14 @@ class RunServices:
         from rlboost_hpc.procutil import reclaim_leftovers
         from rlboost_hpc.rollout.agent import RolloutAgent
         from rlboost_hpc.rollout.engines.factory import engine_spec, factory_from_spec, torch_engine_factory
-        from rlboost_hpc.rollout.remote_weights import PulledVersion
 
         cfg, r = self.cfg, self.cfg.rollout
-        publisher = self.publisher
-
-        def local_source(_endpoint: str, _shards: str = ""):
-            def pull(version: int) -> PulledVersion:
-                t0 = time.monotonic()
-                sd, info = publisher.state_dict(version, follow=True)  # the engine copies what it loads
-                return PulledVersion(sd, info["checksum"], info["nbytes"], time.monotonic() - t0,
-                                     int(info.get("phases", {}).get("bytes_received", 0)))
-            return pull
-
         if cfg.trainer.backend == "emulated":  # its weights are no model: the reserved engine is emulated too
             engine = factory_from_spec(engine_spec(r, self.context_tokens), r.max_batch, instance_id="reserved")
         else:
             engine = torch_engine_factory(r.max_batch, r.device, r.dtype, self.context_tokens)
         reserved = RolloutAgent(self.endpoint, "reserved", 0, kind="reserved", max_batch=r.max_batch,
-                                weight_source_factory=local_source, keys=self.keys, engine_factory=engine)
+                                weights=self.publisher, keys=self.keys, engine_factory=engine)
         thread = threading.Thread(target=reserved.run, name="reserved-engine", daemon=True)
         thread.start()
 

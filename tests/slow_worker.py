@@ -12,7 +12,7 @@ import time
 
 from rlboost_hpc.models.arch import arch_from_hf
 from rlboost_hpc.rollout.agent import RolloutAgent
-from rlboost_hpc.rollout.remote_weights import remote_weight_source
+from rlboost_hpc.rollout.remote_weights import RemoteWeights
 from rlboost_hpc.rollout.engines.torch_engine import TorchEngine
 
 
@@ -48,7 +48,7 @@ def main() -> int:
         return eng
 
     agent = RolloutAgent(a.endpoint, a.job, 0, engine_factory=factory, manager_timeout_s=10.0,
-                         weight_source_factory=lambda ep: remote_weight_source(ep, 2, 4, 30.0))
+                         weights=RemoteWeights(2, 4, 30.0))
     return agent.run()
 
 

@@ -51,6 +51,16 @@ class _HoldingEngine(Engine):
         return len(self.held)
 
 
+class _Weights:
+    """A weight source over ``fn(version, peers)`` (the agent's ``WeightSource`` protocol)."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def pull(self, endpoint, version, *, peers=(), keys=None, shards=""):
+        return self.fn(version, tuple(peers))
+
+
 def _agent(**kw) -> RolloutAgent:
     a = RolloutAgent("tcp://127.0.0.1:1", "job", 0, **kw)
     a.link = _Frames()
@@ -89,7 +99,7 @@ def test_first_engine_is_built_on_the_builder_thread_not_the_heartbeat_loop():
         gate.wait(5)  # an SGLang server start: the agent loop must keep running meanwhile
         return _HoldingEngine()
 
-    a = _agent(engine_factory=slow_factory, weight_source_factory=lambda ep: (lambda v: PulledVersion({}, nbytes=1)))
+    a = _agent(engine_factory=slow_factory, weights=_Weights(lambda v, peers: PulledVersion({}, nbytes=1)))
     a._handle(M.Welcome(instance="job#0", latest_version=2, weights_endpoint="tcp://w", model_config={},
                         heartbeat_s=0.25, stream_every_tokens=4, stream_every_s=0.05))
     a._weights_step()  # starts pull + build
@@ -110,7 +120,7 @@ def test_engine_start_failure_is_reported_as_a_failed_pull():
     def broken(model_config, sd, arch=None):
         raise RuntimeError("sglang: address already in use")
 
-    a = _agent(engine_factory=broken, weight_source_factory=lambda ep: (lambda v: PulledVersion({})))
+    a = _agent(engine_factory=broken, weights=_Weights(lambda v, peers: PulledVersion({})))
     a._handle(M.Welcome(instance="job#0", latest_version=0, weights_endpoint="tcp://w", model_config={},
                         heartbeat_s=0.25, stream_every_tokens=4, stream_every_s=0.05))
     deadline = time.monotonic() + 5
@@ -125,13 +135,13 @@ def test_a_new_version_announced_during_a_pull_is_pulled_next_and_relay_sources_
     calls: list[tuple[int, tuple]] = []
     gate = threading.Event()
 
-    def source(version, peers=()):
+    def source(version, peers):
         calls.append((version, tuple(peers)))
         if version == 1:
             gate.wait(5)  # a slow pull of version 1 ...
         return PulledVersion({}, checksum=10 + version, nbytes=1)
 
-    a = _agent(weight_source_factory=lambda ep: source, relay_wait_s=60.0)
+    a = _agent(weights=_Weights(source), relay_wait_s=60.0)
     a.engine = _HoldingEngine()
     a._handle(M.Welcome(instance="job#0", latest_version=1, weights_endpoint="tcp://w", model_config={},
                         heartbeat_s=1.0, stream_every_tokens=4, stream_every_s=0.05, epoch=0, peers=["tcp://peer"]))

@@ -187,8 +187,7 @@ def test_version_evicted_during_a_delta_pull_fails_cleanly_and_the_next_pull_is_
         sd = model()
         srv.publish(0, sd)
         weights = RemoteWeights(streams=1, window=1, timeout_s=10)
-        pull = weights.source(srv.endpoint)
-        pull(0)
+        weights.pull(srv.endpoint, 0)
         sd = step(sd, g, 0.3)
         srv.publish(1, sd)
         published = threading.Event()
@@ -201,11 +200,11 @@ def test_version_evicted_during_a_delta_pull_fails_cleanly_and_the_next_pull_is_
 
         srv._payload_hook = hook
         with pytest.raises(WeightTransferError) as e:
-            pull(1)
+            weights.pull(srv.endpoint, 1)
         assert e.value.code == "version_gone"
         srv._payload_hook = None
         assert weights._base is None  # the half-updated base is gone, never used again
-        got = pull(2)
+        got = weights.pull(srv.endpoint, 2)
         assert got.checksum == srv.manifest(2).checksum
         assert same_bytes(dict(got.state_dict), srv.local_state_dict(2))
 
@@ -214,11 +213,11 @@ def test_remote_weights_keeps_the_base_only_when_asked(server):
     sd = model()
     server.publish(0, sd)
     kept, dropped = RemoteWeights(2, 2, 10.0), RemoteWeights(2, 2, 10.0, keep_base=False)
-    kept.source(server.endpoint)(0)
-    dropped.source(server.endpoint)(0)
+    kept.pull(server.endpoint, 0)
+    dropped.pull(server.endpoint, 0)
     assert kept._base is not None and dropped._base is None
     server.publish(1, step(sd, torch.Generator().manual_seed(8), 0.01))
-    assert kept.source(server.endpoint)(1).wire_bytes == server.delta_nbytes(1)
+    assert kept.pull(server.endpoint, 1).wire_bytes == server.delta_nbytes(1)
 
 
 def test_apply_chunk_refuses_garbage_and_wrong_lengths():

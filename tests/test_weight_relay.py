@@ -150,15 +150,15 @@ def test_a_peer_relays_the_delta_payloads_it_applied(trainer):
     a, b = (RemoteWeights(2, 2, 10.0) for _ in range(2))
     ep_a = a.serve_relay("127.0.0.1", "127.0.0.1")
     try:
-        a.source(trainer.endpoint)(0)
-        b.source(trainer.endpoint)(0)
+        a.pull(trainer.endpoint, 0)
+        b.pull(trainer.endpoint, 0)
         sd = {k: v.clone() for k, v in sd.items()}
         sd["layers.2.w"][3, :50] += 0.5
         trainer.publish(1, sd)
-        a.source(trainer.endpoint)(1)  # a pulls the delta from the trainer and now relays version 1
+        a.pull(trainer.endpoint, 1)  # a pulls the delta from the trainer and now relays version 1
         full = served_count(trainer, 2 * trainer.manifest(0).total_bytes)  # a's and b's first pulls
         delta = served_count(trainer, trainer.delta_nbytes(1), "delta_bytes_served")  # a's delta pull
-        got = b.source(trainer.endpoint)(1, peers=[ep_a])
+        got = b.pull(trainer.endpoint, 1, peers=[ep_a])
         assert equal(dict(got.state_dict), trainer.local_state_dict(1))
         assert got.phases["peer_bytes"] == trainer.delta_nbytes(1)  # b got the delta, from a
         wait_for(lambda: a.relay_stats["delta_bytes_served"] >= trainer.delta_nbytes(1), 5, "the relay's count")
@@ -174,11 +174,11 @@ def test_remote_weights_withdraws_what_it_relays_before_the_buffer_changes(train
     w = RemoteWeights(2, 2, 10.0)
     ep = w.serve_relay("127.0.0.1", "127.0.0.1")
     try:
-        w.source(trainer.endpoint)(0)
+        w.pull(trainer.endpoint, 0)
         assert w._relay.versions == [0]
         trainer.publish(1, model(1))
         trainer._payload_hook = lambda v, i, p: (w._relay.versions == [] or pytest.fail("still relayed")) and p
-        w.source(trainer.endpoint)(1)
+        w.pull(trainer.endpoint, 1)
         assert w._relay.versions == [1]
         got = WeightPuller(trainer.endpoint, timeout_s=10).pull(1, peers=[ep])
         assert equal(got.state_dict, trainer.local_state_dict(1)) and got.phases["peer_bytes"] == got.nbytes

@@ -63,9 +63,9 @@ def test_sharded_pulls_assemble_follow_deltas_and_never_mix_versions(holders):
                              "position": f"tp{h}-pp0", "endpoint": s.endpoint, "nbytes": s.manifest().total_bytes}
                             for h, s in enumerate(holders)]}
     weights = RemoteWeights(streams=2, window=4, timeout_s=5.0)
-    source = weights.source("tcp://127.0.0.1:1", shards=json.dumps(manifest))  # the single endpoint is not used
+    shards = json.dumps(manifest)
 
-    got = source(1)
+    got = weights.pull("tcp://127.0.0.1:1", 1, shards=shards)  # the single endpoint is not used
     sd = got.state_dict
     assert set(sd) == set(full_state(0))
     for name, t in full_state(0).items():
@@ -74,7 +74,7 @@ def test_sharded_pulls_assemble_follow_deltas_and_never_mix_versions(holders):
     full_wire = got.wire_bytes
 
     _, checks2 = publish(holders, 2, full_state(1))
-    got2 = source(2)
+    got2 = weights.pull("tcp://127.0.0.1:1", 2, shards=shards)
     for name, t in full_state(1).items():
         assert torch.equal(got2.state_dict[name], t.to(torch.bfloat16)), name
     assert got2.checksum == version_checksum(checks2) != got.checksum
@@ -82,10 +82,10 @@ def test_sharded_pulls_assemble_follow_deltas_and_never_mix_versions(holders):
 
     publish(holders, 3, full_state(2), only=(0,))  # holder 1 is behind: version 3 is not complete
     with pytest.raises(WeightTransferError) as ei:
-        source(3)
+        weights.pull("tcp://127.0.0.1:1", 3, shards=shards)
     assert ei.value.code in ("unknown_version", "no_version")
     _, checks4 = publish(holders, 4, full_state(3))  # both hold 4: the instance recovers with a full pull
-    got4 = source(4)
+    got4 = weights.pull("tcp://127.0.0.1:1", 4, shards=shards)
     assert got4.checksum == version_checksum(checks4)
     assert torch.equal(got4.state_dict["model.norm.weight"], full_state(3)["model.norm.weight"].to(torch.bfloat16))
 

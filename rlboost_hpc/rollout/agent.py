@@ -50,7 +50,7 @@ from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.rollout.engines.base import Engine, EngineError, GenRequest, RequestError, SamplingParams
 from rlboost_hpc.models.arch import ModelArch
 from rlboost_hpc.rollout.engines.factory import EngineFactory, torch_engine_factory
-from rlboost_hpc.rollout.remote_weights import PulledVersion, WeightSource, remote_weight_source
+from rlboost_hpc.rollout.remote_weights import PulledVersion, RemoteWeights, WeightSource
 
 log = logging.getLogger("rlboost.agent")
 
@@ -200,7 +200,7 @@ class RolloutAgent:
         kind: str = "preemptible",
         max_batch: int = D.MAX_BATCH,
         engine_factory: EngineFactory | None = None,
-        weight_source_factory: Callable[..., WeightSource] | None = None,
+        weights: WeightSource | None = None,
         register_timeout_s: float = 15.0,
         manager_timeout_s: float = 10.0,
         node: str = "",
@@ -225,9 +225,7 @@ class RolloutAgent:
         self.max_batch = max_batch
         self.engine_factory = engine_factory or torch_engine_factory(max_batch)
         self.engine_name = engine_name
-        self.weight_source_factory = weight_source_factory or (
-            lambda ep: remote_weight_source(ep, streams=D.WEIGHT_STREAMS, window=D.WEIGHT_WINDOW,
-                                            timeout_s=D.PULL_TIMEOUT_S))
+        self.weights: WeightSource = weights or RemoteWeights(D.WEIGHT_STREAMS, D.WEIGHT_WINDOW, D.PULL_TIMEOUT_S)
         self.register_timeout_s = register_timeout_s
         self.manager_timeout_s = manager_timeout_s
         self.node = node or socket.gethostname()
@@ -288,14 +286,15 @@ class RolloutAgent:
     def _start_pull(self, version: int) -> None:
         """Pull ``version`` on the builder thread; build the engine there too when there is none yet."""
         assert self.welcome is not None
-        source, factory, model_config = self._source, self.engine_factory, self.welcome.model_config
+        weights, factory, model_config = self.weights, self.engine_factory, self.welcome.model_config
+        endpoint, shards, keys = self.welcome.weights_endpoint, self.welcome.weights_shards, self.keys
         peers = list(self.want_peers)
         arch_json = self.welcome.model_arch
         build = self.engine is None
 
         def work() -> tuple:  # (version, PulledVersion, error, new engine, its build seconds)
             try:
-                got = source(version, peers=peers) if peers else source(version)
+                got = weights.pull(endpoint, version, peers=peers, keys=keys, shards=shards)
             except Exception as e:  # reported to the manager with its cause
                 return version, None, f"{type(e).__name__}: {e}", None, 0.0
             if not build:
@@ -455,9 +454,6 @@ class RolloutAgent:
         if isinstance(msg, M.Welcome):
             self.welcome = msg
             self.link.heartbeat_s = msg.heartbeat_s
-            # a factory that cannot pull sharded versions need not accept the manifest
-            self._source = (self.weight_source_factory(msg.weights_endpoint, msg.weights_shards) if msg.weights_shards
-                            else self.weight_source_factory(msg.weights_endpoint))
             self._want(msg.latest_version, msg.peers, msg.wait)
             if self.held_version() == msg.latest_version >= 0:  # re-registration with this manager
                 self._send(_weights_loaded(self.engine.version, PulledVersion({}, self.engine.weights_checksum), 0.0))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
 
 from rlboost_hpc.protocol.auth import RunKeys
 
@@ -34,16 +34,23 @@ class PulledVersion:
     phases: Mapping[str, float] = field(default_factory=dict)
 
 
-# (version[, peers=relay holders]) -> PulledVersion; raises on failure. The agent passes ``peers`` only when the
-# manager named some (sources that cannot relay need not accept it).
-WeightSource = Callable[..., PulledVersion]
+class WeightSource(Protocol):
+    """Where a rollout agent's weight versions come from (:class:`RemoteWeights` over the network; the trainer's
+    :class:`~rlboost_hpc.trainer.publisher.WeightPublisher` for its own reserved engine)."""
+
+    def pull(self, endpoint: str, version: int, *, peers: Sequence[str] = (), keys: RunKeys | None = None,
+             shards: str = "") -> PulledVersion:
+        """``version`` from the holder at ``endpoint`` (the manager's ``Welcome``), through relay ``peers`` where
+        the manager named some, as a CURVE client of ``keys``; ``shards``: the assembly manifest (JSON) of a
+        sharded version ("" for one holder). Raises on failure (the agent reports the error to the manager)."""
+        ...
 
 
 class RemoteWeights:
     """Pulls weight versions for one rollout worker, keeping the last one as the base of the next (delta) pull.
 
-    One object per worker process, across reconnects to restarted trainers: :meth:`source` gives the
-    :data:`WeightSource` of a weight server endpoint. With ``keep_base`` the version last pulled stays in host
+    One object per worker process, across reconnects to restarted trainers (a :class:`WeightSource`: each
+    :meth:`pull` names the holder's endpoint and the run's keys). With ``keep_base`` the version last pulled stays in host
     memory (one copy of the model in the wire dtype, e.g. 2 bytes per parameter in bf16) and is offered to the
     holder; a holder with a delta against exactly that version ships only the changed chunks, and the base's
     buffer is turned into the new version in place (``WeightPuller.pull(base=...)``). Without it every pull is
@@ -100,56 +107,43 @@ class RemoteWeights:
             self._relay.close()
             self._relay = None
 
-    def source(self, endpoint: str, keys: RunKeys | None = None, shards: str = "") -> WeightSource:
-        """The weight source pulling from the holder at ``endpoint`` (CURVE client ``keys`` of its run), or — with
-        ``shards``, the assembly manifest of a sharded version (JSON) — from every trainer holder in parallel
-        (:func:`rlboost_hpc.weights.sharded.pull_sharded`; the base is kept per holder; no relay).
+    def pull(self, endpoint: str, version: int, *, peers: Sequence[str] = (), keys: RunKeys | None = None,
+             shards: str = "") -> PulledVersion:
+        """Pull ``version`` from the holder at ``endpoint`` (CURVE client ``keys`` of its run; through relay
+        ``peers``), or — with ``shards``, the assembly manifest of a sharded version (JSON) — from every trainer
+        holder in parallel (:func:`rlboost_hpc.weights.sharded.pull_sharded`; the base is kept per holder; no
+        relay). The base of the previous pull is consumed whatever the outcome.
 
-        Raises ValueError for an unreadable ``shards`` manifest."""
+        Raises WeightTransferError for a failed pull, ValueError for an unreadable ``shards`` manifest."""
         if shards:
-            return self._sharded_source(shards, keys)
+            return self._pull_sharded(shards, version, keys)
+        from rlboost_hpc.weights.puller import WeightPuller
 
-        def pull(version: int, peers: "list[str] | tuple[str, ...]" = ()):
-            from rlboost_hpc.weights.puller import WeightPuller
+        t0 = time.monotonic()
+        if self._relay is not None:
+            self._relay.withdraw()  # the buffer it serves is about to change
+        base, self._base, self._shard_bases = self._base, None, None
+        got = WeightPuller(endpoint, streams=self.streams, window=self.window, timeout_s=self.timeout_s,
+                           keys=keys, peer_timeout_s=self.peer_timeout_s,
+                           buffer_factory=self.buffer_factory).pull(version, base=base, peers=list(peers))
+        if self.keep_base or self._relay is not None:
+            self._base = got
+        if self._relay is not None:
+            self._relay.hold(got.manifest, got.buffer, got.delta_payloads)
+        return PulledVersion(got.state_dict, int(got.checksum), int(got.nbytes), time.monotonic() - t0,
+                             int(got.phases.get("bytes_received", 0)), got.phases)
 
-            t0 = time.monotonic()
-            if self._relay is not None:
-                self._relay.withdraw()  # the buffer it serves is about to change
-            base, self._base, self._shard_bases = self._base, None, None  # consumed, whatever the outcome
-            got = WeightPuller(endpoint, streams=self.streams, window=self.window, timeout_s=self.timeout_s,
-                               keys=keys, peer_timeout_s=self.peer_timeout_s,
-                               buffer_factory=self.buffer_factory).pull(version, base=base, peers=peers)
-            if self.keep_base or self._relay is not None:
-                self._base = got
-            if self._relay is not None:
-                self._relay.hold(got.manifest, got.buffer, got.delta_payloads)
-            return PulledVersion(got.state_dict, int(got.checksum), int(got.nbytes), time.monotonic() - t0,
-                                 int(got.phases.get("bytes_received", 0)), got.phases)
-
-        return pull
-
-    def _sharded_source(self, shards: str, keys: RunKeys | None) -> WeightSource:
+    def _pull_sharded(self, shards: str, version: int, keys: RunKeys | None) -> PulledVersion:
         from rlboost_hpc.weights.sharded import load_manifest, pull_sharded
 
         manifest = load_manifest(shards)
-
-        def pull(version: int, peers: "list[str] | tuple[str, ...]" = ()):
-            t0 = time.monotonic()
-            if self._relay is not None:
-                self._relay.withdraw()  # it serves single-buffer versions only
-            bases, self._base, self._shard_bases = self._shard_bases, None, None  # consumed, whatever the outcome
-            sd, st = pull_sharded(manifest, version, streams=self.streams, window=self.window,
-                                  timeout_s=self.timeout_s, keys=keys, bases=bases)
-            if self.keep_base:
-                self._shard_bases = st["pulled"]
-            return PulledVersion(sd, int(st["checksum"]), int(st["bytes"]), time.monotonic() - t0,
-                                 int(st["bytes_received"]))
-
-        return pull
-
-
-def remote_weight_source(endpoint: str, streams: int, window: int, timeout_s: float,
-                         keys: RunKeys | None = None, *, keep_base: bool = True) -> WeightSource:
-    """Pull versions from the weight server at ``endpoint`` over ``streams`` parallel ZeroMQ streams
-    (:class:`RemoteWeights` for one endpoint)."""
-    return RemoteWeights(streams, window, timeout_s, keep_base=keep_base).source(endpoint, keys)
+        t0 = time.monotonic()
+        if self._relay is not None:
+            self._relay.withdraw()  # it serves single-buffer versions only
+        bases, self._base, self._shard_bases = self._shard_bases, None, None
+        sd, st = pull_sharded(manifest, version, streams=self.streams, window=self.window,
+                              timeout_s=self.timeout_s, keys=keys, bases=bases)
+        if self.keep_base:
+            self._shard_bases = st["pulled"]
+        return PulledVersion(sd, int(st["checksum"]), int(st["bytes"]), time.monotonic() - t0,
+                             int(st["bytes_received"]))

@@ -407,7 +407,7 @@ class _Instance:
             fault_load_delay_s=a.fault_load_delay_s,
             engine_name=self.spec.get("kind", "torch"), engine=engine, engine_epoch=engine_epoch,
             close_engine=False, builder=self.builder, relay_endpoint=self.relay_endpoint(keys),
-            relay_wait_s=w.relay_wait_s, weight_source_factory=lambda ep, shards="": self.weights.source(ep, keys, shards))
+            relay_wait_s=w.relay_wait_s, weights=self.weights)
         if os.environ.get("SLURM_JOB_ID"):
             agent.cause_settle_s = SLURM_CAUSE_SETTLE_S
         agent.on_ready = lambda phases: _event(a.run_dir, {"event": "instance_ready", "source": "worker",

@@ -19,11 +19,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Sequence
 
 import torch
 
 from rlboost_hpc import defaults as D
+from rlboost_hpc.rollout.remote_weights import PulledVersion
 from rlboost_hpc.trainer.backends.base import TrainerBackend
 from rlboost_hpc.weights import sharded
 from rlboost_hpc.weights.server import WeightServer
@@ -79,10 +80,10 @@ class WeightPublisher:
         self.history.append(d)
         return d
 
-    def state_dict(self, version: int, *, follow: bool = False) -> tuple[Mapping[str, torch.Tensor], dict]:
-        """HF-named tensors of a published ``version`` and ``{"checksum", "nbytes"}``, for this process (the
-        reserved engine, evaluation, the exported model): views of the server's buffer, or — sharded — a parallel
-        pull from every holder over loopback (verified like any instance's pull).
+    def read(self, version: int, *, follow: bool = False) -> PulledVersion:
+        """A published ``version`` for this process (the reserved engine, evaluation, the exported model): HF-named
+        tensors that are views of the server's buffer, or — sharded — a parallel pull from every holder over
+        loopback (verified like any instance's pull), with its checksum, size and seconds taken.
 
         ``follow``: the caller reads each version only until it asks for the next (an engine that copies what it
         loads): the sharded pull then starts from the previous one (a delta per holder, buffers reused) instead
@@ -91,16 +92,24 @@ class WeightPublisher:
         Raises:
             KeyError: (gathered) the version is not held. WeightTransferError: (sharded) a holder's pull failed.
         """
+        t0 = time.monotonic()
         if not self.shards:
             m = self.server.manifest(version)
-            return self.server.local_state_dict(version), {"checksum": int(m.checksum), "nbytes": int(m.total_bytes)}
+            return PulledVersion(self.server.local_state_dict(version), int(m.checksum), int(m.total_bytes),
+                                 time.monotonic() - t0)
         with self._lock:
             bases, self._bases = (self._bases, None) if follow else (None, self._bases)
             sd, st = sharded.pull_sharded(self.shards, version, label="trainer", bases=bases, **self._pull_kw)
             if follow:
                 self._bases = st["pulled"]
-        return sd, {"checksum": int(st["checksum"]), "nbytes": int(st["bytes"]),
-                    "phases": {"bytes_received": float(st["bytes_received"])}}
+        return PulledVersion(sd, int(st["checksum"]), int(st["bytes"]), time.monotonic() - t0,
+                             int(st["bytes_received"]))
+
+    def pull(self, endpoint: str, version: int, *, peers: Sequence[str] = (), keys: Any = None,
+             shards: str = "") -> PulledVersion:
+        """The reserved engine's weight source (a rollout ``WeightSource``): :meth:`read` with ``follow`` — the
+        trainer's own versions, whatever holder, peers, keys or manifest the manager names."""
+        return self.read(version, follow=True)
 
     def served(self) -> dict:
         """What the trainer side sent: ``{"bytes_served", "delta_bytes_served", "sealed_bytes_served"}`` (the
