@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                   "chaos_main"),
         "launch": ("submit a run to Slurm: the trainer job and the scavenger (sbatch/launch)", "rlboost_hpc.launch",
                    "launch_main"),
-        "harvest": ("for cluster admins: `harvest check` says per partition whether rollout jobs can harvest it",
-                    "scavenger.check", "harvest_main"),
+        "harvest": ("for cluster admins: `harvest check` (can it be harvested), `harvest serve` (the service)",
+                    "scavenger.harvest_cli", "harvest_main"),
     }
     for name, (help_, _, _) in passthrough.items():
         sub.add_parser(name, help=help_, add_help=False)

@@ -22,12 +22,13 @@ say what would make it better); 2 — it cannot, with what to change; 1 — Slur
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Literal, Sequence
+from typing import Literal
+
+from scavenger.slurm_records import expand_hostlist
 
 Level = Literal["ok", "warn", "fail"]
 
@@ -71,22 +72,6 @@ def parse_config(text: str) -> dict[str, str]:
 def parse_partitions(text: str) -> list[dict[str, str]]:
     """``scontrol show partition -o``: one dict of ``Key=Value`` fields per line."""
     return [dict(f.split("=", 1) for f in line.split() if "=" in f) for line in text.splitlines() if line.strip()]
-
-
-def expand_hostlist(expr: str) -> set[str]:
-    """Node names of a Slurm hostlist such as ``n[1-4,7],gpu01``; an unbracketed name stands for itself."""
-    names: set[str] = set()
-    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", expr):
-        if plain:
-            names.add(plain)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            if hi and lo.isdigit() and hi.isdigit():
-                names.update(f"{prefix}{i:0{len(lo)}d}" for i in range(int(lo), int(hi) + 1))
-            else:
-                names.add(prefix + part)
-    return names
 
 
 def _seconds(value: str) -> int:
@@ -212,19 +197,11 @@ def _report(cluster: list[Finding], checks: list[PartitionCheck]) -> str:
     return "\n".join(lines)
 
 
-def harvest_main(argv: Sequence[str] | None = None) -> int:
-    """``rlboost-hpc harvest check [--partition P] [--json]`` (exit codes in the module docstring)."""
-    from rlboost_hpc.clihelp import DefaultsHelpFormatter
+def check_main(partition: str | None = None, as_json: bool = False) -> int:
+    """``rlboost-hpc harvest check [--partition P] [--json]``: print the findings; returns the exit code (module
+    docstring)."""
     from scavenger.slurm import SlurmClient, SlurmCommandError
 
-    p = argparse.ArgumentParser(prog="rlboost-hpc harvest", description=__doc__.splitlines()[0],
-                                formatter_class=DefaultsHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-    c = sub.add_parser("check", help="say, per partition, whether and how rollout jobs can harvest it",
-                       formatter_class=DefaultsHelpFormatter)
-    c.add_argument("--partition", help="judge this partition only (exit 2 when it cannot be harvested)")
-    c.add_argument("--json", action="store_true", help="machine-readable findings")
-    a = p.parse_args(argv)
     client = SlurmClient(timeout_s=15)
     try:
         config = parse_config(client.run(["scontrol", "show", "config"]))
@@ -233,13 +210,13 @@ def harvest_main(argv: Sequence[str] | None = None) -> int:
         print(f"rlboost-hpc harvest check: {e}", file=sys.stderr)
         return 1
     cluster, checks = check_cluster(config, partitions)
-    if a.partition:
-        checks = [c for c in checks if c.partition == a.partition]
+    if partition:
+        checks = [c for c in checks if c.partition == partition]
         if not checks:
-            print(f"rlboost-hpc harvest check: --partition {a.partition}: no such partition "
+            print(f"rlboost-hpc harvest check: --partition {partition}: no such partition "
                   f"(have: {', '.join(p.get('PartitionName', '?') for p in partitions)})", file=sys.stderr)
             return 2
-    if a.json:
+    if as_json:
         print(json.dumps({"cluster": [asdict(f) for f in cluster],
                           "partitions": [{**asdict(c), "harvestable": c.harvestable} for c in checks]}, indent=1))
     else:

@@ -66,6 +66,11 @@ class ScavengerConfig(BaseModel):
         "how the daemon talks to Slurm: 'cli' (sinfo/squeue/sbatch/scancel, every release ≥ 21.08), 'pyslurm' "
         "(queries and signals in-process; needs a pyslurm built for the cluster's Slurm release), 'auto' "
         "(pyslurm when it imports and matches `sinfo --version`, else the CLI)"))
+    harvest_dir: str | None = Field(None, description=(
+        "spool directory of the cluster's harvest service (`rlboost-hpc harvest serve`): post this run's demand "
+        "there and keep at most the share it grants; None: harvest alone (every idle slot of the partition)"))
+    harvest_max_age_s: float = Field(60.0, gt=0, description=(
+        "a share the harvest service has not renewed for this many seconds is stale: submit nothing new"))
     spot_price_per_gpu_hour: float = Field(0.0, ge=0, description=(
         "price of one harvested (preemptible) GPU-hour, for cost per token (e.g. the cluster's internal charge)"))
     on_demand_price_per_gpu_hour: float = Field(0.0, ge=0, description=(

@@ -15,6 +15,12 @@ One :meth:`Scavenger.reconcile_once` step:
    plain ``scancel`` of everything at once (the run is over);
 4. submit the missing jobs, never more than the partition's idle capacity allows.
 
+With ``harvest_dir`` (the cluster's harvest service, :mod:`scavenger.harvest`) step 2 posts the run's demand and
+reads its share instead of listing Slurm: the share's listing of the run's jobs replaces ``squeue``, the share
+replaces the idle slots (desired ≤ share; ``capacity.json`` = live jobs + share − live jobs), and the daemon acts
+only on a listing taken after its last action. Without a fresh share (the service is down) it lists its own jobs,
+submits nothing new and still cancels what the run no longer wants.
+
 Invariants:
 
 * desired = 0 if not active else min(n_prem, max_jobs); live jobs (pending, running, requeued, completing)
@@ -44,6 +50,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from scavenger.config import ScavengerConfig, ScavengerConfigError
+from scavenger.harvest import HarvestLink
 from rlboost_hpc.events import append_event, drain_marker_path, iter_events
 from rlboost_hpc.rundir import CapacityView, RunDir, RunDirError
 from scavenger.pyslurm_api import slurm_api
@@ -149,6 +156,8 @@ class ReconcileResult:
     cancelled: list[str] = field(default_factory=list)
     signalled: list[str] = field(default_factory=list)
     submit_paused_until: float | None = None
+    share: int | None = None  # instances the harvest service granted (harvest_dir; None: harvesting alone)
+    harvest_wait: str = ""  # why no fresh share was acted on this step ("" when it was, or alone)
 
 
 class Scavenger:
@@ -183,6 +192,12 @@ class Scavenger:
         self._stop = threading.Event()
         self.consecutive_errors = 0
         self.metrics = None  # a ScavengerMetrics refreshed after every reconciliation (start_metrics)
+        self.harvest: HarvestLink | None = None  # the cluster's harvest service grants the share (harvest_dir)
+        if config.harvest_dir:
+            self.harvest = HarvestLink(config.harvest_dir, config.resolved_run_id(self.run_dir), self.tag,
+                                       account=config.account or "", partition=config.partition,
+                                       qos=config.qos or "", max_age_s=config.harvest_max_age_s,
+                                       clock=self.clock.time)
         self._replay_events()
 
     # ---------------------------------------------------------------------------------------------
@@ -389,7 +404,15 @@ class Scavenger:
                      target.gpus_per_instance, target.gpus_per_instance, self.config.gpus_per_job)
             self.config = self.config.model_copy(update={"gpus_per_job": target.gpus_per_instance})
         try:
-            jobs = self.slurm.squeue_jobs(comment_tag=self.tag, all_states=True)
+            share = None
+            if self.harvest is not None:
+                wanted = min(target.n, self.config.max_jobs) if target is not None and target.active else 0
+                share, why, stale = self.harvest.exchange(wanted, self.config.gpus_per_job,
+                                                          target is None or target.active)
+                res.harvest_wait = why
+                if share is None and not stale:
+                    return res  # the service lists again after our last action: act on that listing
+            jobs = share.jobs if share is not None else self.slurm.squeue_jobs(comment_tag=self.tag, all_states=True)
             self._observe(jobs, now)
             live = [j for j in jobs if j.live]  # unknown states count: they may hold capacity
             self._note_unknown(live)
@@ -401,13 +424,20 @@ class Scavenger:
             res.pending = sum(1 for j in live if j.job_class in WAITING)
             res.held = sum(1 for j in live if j.job_class is JobClass.HELD)
             res.running = res.live - res.pending
-            free = res.free_slots = self._free_slots()
-            self._write_capacity(len(active), free, now)
+            if self.harvest is None:
+                free = self._free_slots()
+                self._write_capacity(len(active), free, now)
+            else:  # the granted share: what the run may keep live (nothing new without a fresh one)
+                free = res.share = share.instances if share is not None else 0
+                self._write_capacity(len(active), free - len(active), now)
+            res.free_slots = free
             if target is not None and not target.active:
                 res.desired = 0
                 self._cancel_all(live, now, res)
                 return res
             desired = min(target.n, self.config.max_jobs) if target is not None else len(active)
+            if self.harvest is not None and target is not None:  # (no target yet: keep what is there)
+                desired = min(desired, share.instances if share is not None else len(active))
             res.desired = desired
             self._finish_leaving(leaving, now, res)
             surplus = len(active) - desired
@@ -426,6 +456,9 @@ class Scavenger:
         except (SlurmCommandError, ScavengerConfigError, OSError) as e:
             res.ok = False
             res.error = str(e)
+        finally:
+            if self.harvest is not None and (res.submitted or res.cancelled or res.signalled):
+                self.harvest.acted()
         return res
 
     # ---------------------------------------------------------------------------------------------
@@ -572,6 +605,8 @@ class Scavenger:
             if exit_when_done and res.ok and res.target is not None and not res.target.active \
                     and res.live == 0:
                 log.info("scavenger: run inactive and no rollout job left; exiting")
+                if self.harvest is not None:
+                    self.harvest.leave()
                 return 0
             if max_cycles is not None and cycles >= max_cycles:
                 return 0

@@ -88,3 +88,81 @@ class ScavengerMetrics(SnapshotCollector):
             c = CounterMetricFamily(f"rlboost_scavenger_{name}", doc, labels=["run"])
             c.add_metric(run, float(s[name]))
             yield c
+
+
+class HarvestMetrics(SnapshotCollector):
+    """Collector over the harvest service's last cycle (:class:`scavenger.harvest.CycleResult`): the pool, each
+    run's demand and share (label ``run``), and run-wide counters. Same conventions as :class:`ScavengerMetrics`."""
+
+    run_id = ""  # the service serves every run: no run label on its process metrics
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._totals = {"cycles": 0, "cycle_failures": 0, "slurm_listings": 0, "vanished_job_cancels": 0}
+        self._report = None  # the last OwnersReport (the owners' delay, the harvest per run)
+        self._last: dict = {}
+
+    def refresh_report(self, rep) -> None:
+        """Record a :class:`scavenger.harvest_report.OwnersReport` (published with the next cycle's figures)."""
+        self._report = rep
+        if self._last:
+            self.publish({**self._last, "report": rep})
+
+    def refresh(self, res) -> None:
+        """Record one cycle's result."""
+        t = self._totals
+        t["cycles"] += 1
+        t["cycle_failures"] += 0 if res.ok else 1
+        t["slurm_listings"] += res.slurm_listings
+        t["vanished_job_cancels"] += len(res.cancelled)
+        self._last = {"ok": res.ok, "pool": res.pool_gpus, "idle": res.idle_gpus, "held": res.held_gpus,
+                      "blackout": res.blackout, "shares": dict(res.shares), "demands": dict(res.demands), **t}
+        self.publish({**self._last, "report": self._report})
+
+    def collect(self):
+        s = self.snapshot()
+        if not s:
+            return
+        for name, doc, key in [("rlboost_harvest_pool_gpus", "GPUs the runs share this cycle (idle + held by their "
+                                "rollout jobs, less the share left free; 0 in a blackout)", "pool"),
+                               ("rlboost_harvest_idle_gpus", "idle GPUs of the harvested partitions", "idle"),
+                               ("rlboost_harvest_held_gpus", "GPUs the runs' running rollout jobs hold", "held"),
+                               ("rlboost_harvest_blackout", "1 inside a blackout window", "blackout"),
+                               ("rlboost_harvest_up", "1 if the last cycle's Slurm listing succeeded", "ok")]:
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], float(s[key]))
+            yield g
+        for name, doc, key in [("rlboost_harvest_share_instances", "rollout instances granted to the run", "shares"),
+                               ("rlboost_harvest_demand_instances", "rollout instances the run asks for", "demands")]:
+            g = GaugeMetricFamily(name, doc, labels=["run"])
+            for run, v in sorted(s[key].items()):
+                g.add_metric([run], float(v))
+            yield g
+        rep = s["report"]
+        if rep is not None:
+            g = GaugeMetricFamily("rlboost_harvest_owner_delay_seconds", "delay of owners' jobs that preempted "
+                                  "rollout work (start - eligible) over the report window, by partition",
+                                  labels=["partition", "quantile"])
+            for part, st in sorted(rep.by_partition.items()):
+                for q, v in (("0.5", st.p50_s), ("0.99", st.p99_s), ("1", st.max_s)):
+                    g.add_metric([part, q], v)
+            yield g
+            g = GaugeMetricFamily("rlboost_harvest_owner_jobs_delayed", "owners' jobs that preempted rollout work "
+                                  "over the report window, by partition", labels=["partition"])
+            for part, st in sorted(rep.by_partition.items()):
+                g.add_metric([part], float(st.jobs))
+            yield g
+            for name, doc, key in [("rlboost_harvest_run_gpu_seconds", "GPU-seconds of the run's rollout jobs over "
+                                    "the report window (sacct)", "gpu_seconds"),
+                                   ("rlboost_harvest_run_preemptions", "preemptions of the run's rollout jobs by "
+                                    "owners' jobs over the report window", "preemptions")]:
+                g = GaugeMetricFamily(name, doc, labels=["run"])
+                for run, t in sorted(rep.by_run.items()):
+                    g.add_metric([run], t.gpu_hours * 3600.0 if key == "gpu_seconds" else float(t.preemptions))
+                yield g
+        for name, doc in [("cycles", "service cycles"), ("cycle_failures", "cycles whose Slurm listing failed"),
+                          ("slurm_listings", "Slurm listings (sinfo, squeue) made for all runs together"),
+                          ("vanished_job_cancels", "scancels of rollout jobs of runs that stopped posting demand")]:
+            c = CounterMetricFamily(f"rlboost_harvest_{name}", doc)
+            c.add_metric([], float(s[name]))
+            yield c

@@ -26,8 +26,10 @@ from scavenger.slurm_records import (
     SACCT_FIELDS,
     JobInfo,
     NodeInfo,
+    Reservation,
     SacctRecord,
     text_of,
+    parse_reservations,
     parse_sacct,
     parse_sbatch_parsable,
     parse_sinfo_json,
@@ -206,6 +208,10 @@ class SlurmClient:
             nodes = [n for n in nodes if partition in n.partitions]
         return nodes
 
+    def reservations(self) -> list[Reservation]:
+        """Every advance reservation slurmctld knows (``scontrol show reservation -o``). Raises SlurmCommandError."""
+        return parse_reservations(self.run(["scontrol", "show", "reservation", "-o"]))
+
     def squeue_jobs(self, name_prefix: str | None = None, comment_tag: str | None = None,
                     all_states: bool = False, only_mine: bool = True) -> list[JobInfo]:
         """Jobs matching ``name_prefix`` (job name starts with it) and/or ``comment_tag`` (comment equals
@@ -260,19 +266,25 @@ class SlurmClient:
         self.run(["scontrol", "requeue", str(job_id)])
 
     def sacct_records(self, job_ids: Sequence[str] = (), names: Sequence[str] = (),
-                      starttime: str | None = None, include_steps: bool = False) -> list[SacctRecord]:
+                      starttime: str | None = None, include_steps: bool = False, *,
+                      all_users: bool = False, endtime: str | None = None) -> list[SacctRecord]:
         """Accounting rows (``sacct -D -P -n``), one per attempt. Select by ``job_ids`` and/or job
         ``names`` (then ``starttime``, e.g. ``"2024-05-01T00:00:00"``, widens sacct's default window of
-        "since midnight"). Needs slurmdbd; raises SlurmCommandError without it."""
+        "since midnight"), or — ``all_users`` — every user's jobs between ``starttime`` and ``endtime`` (now when
+        None). Needs slurmdbd; raises SlurmCommandError without it."""
         argv = ["sacct", "-D", "-P", "-n", "--format=" + ",".join(SACCT_FIELDS)]
+        if all_users:
+            argv.append("--allusers")
+        if endtime:
+            argv.append(f"--endtime={endtime}")
         if job_ids:
             argv.append("--jobs=" + ",".join(str(j) for j in job_ids))
         if names:
             argv.append("--name=" + ",".join(names))
         if starttime:
             argv.append(f"--starttime={starttime}")
-        if not job_ids and not names:
-            raise ValueError("sacct_records needs job_ids or names")
+        if not job_ids and not names and not (all_users and starttime):
+            raise ValueError("sacct_records needs job_ids, names, or all_users with a starttime")
         return parse_sacct(self.run(argv), include_steps=include_steps)
 
 

@@ -189,6 +189,9 @@ class SacctRecord:
     nodelist: str
     elapsed_s: float
     alloc_tres: dict[str, str] = field(default_factory=dict)
+    partition: str = ""
+    account: str = ""
+    eligible: float | None = None  # when the job could first start (epoch s): its wait is start − eligible
 
     @property
     def gpus(self) -> int:
@@ -515,6 +518,48 @@ def select_jobs(jobs: list[JobInfo], name_prefix: str | None = None, comment_tag
     return jobs if all_states else [j for j in jobs if not j.terminal]
 
 
+def expand_hostlist(expr: str) -> set[str]:
+    """Node names of a Slurm hostlist such as ``n[1-4,7],gpu01``; an unbracketed name stands for itself."""
+    names: set[str] = set()
+    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", expr):
+        if plain:
+            names.add(plain)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            if hi and lo.isdigit() and hi.isdigit():
+                names.update(f"{prefix}{i:0{len(lo)}d}" for i in range(int(lo), int(hi) + 1))
+            else:
+                names.add(prefix + part)
+    return names
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """One advance reservation (``scontrol show reservation -o``): its name, start and end (epoch s) and the node
+    names it holds."""
+
+    name: str
+    start: float | None
+    end: float | None
+    nodes: frozenset[str]
+
+
+def parse_reservations(text: str) -> list[Reservation]:
+    """Rows of ``scontrol show reservation -o`` (one ``Key=Value`` line per reservation; "No reservations in the
+    system" → ``[]``). Lines without a ``ReservationName`` are skipped."""
+    out = []
+    for line in text.splitlines():
+        f = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
+        if "ReservationName" not in f:
+            continue
+        nodes = f.get("Nodes", "")
+        out.append(Reservation(f["ReservationName"], _sacct_time(f.get("StartTime", "")),
+                               _sacct_time(f.get("EndTime", "")),
+                               frozenset(expand_hostlist(nodes)) if nodes and nodes != "(null)" else frozenset()))
+    return out
+
+
 def parse_squeue_json(doc: Mapping[str, Any]) -> list[JobInfo]:
     """Jobs from a ``squeue --json`` document (any known shape). Raises :class:`ValueError` without ``jobs``."""
     jobs = doc.get("jobs")
@@ -603,8 +648,9 @@ def parse_elapsed(s: str) -> float:
     return days * 86400 + secs
 
 
-#: The sacct fields we ask for, in order.
-SACCT_FIELDS = ("JobID", "JobName", "State", "Start", "End", "NodeList", "Elapsed", "AllocTRES")
+#: The sacct fields we ask for, in order (rows with only the first eight, as older recordings have, still parse).
+SACCT_FIELDS = ("JobID", "JobName", "State", "Start", "End", "NodeList", "Elapsed", "AllocTRES", "Partition",
+                "Account", "Eligible")
 
 
 def parse_sacct(text: str, include_steps: bool = False) -> list[SacctRecord]:
@@ -616,15 +662,17 @@ def parse_sacct(text: str, include_steps: bool = False) -> list[SacctRecord]:
         if not line.strip():
             continue
         cols = line.split("|")
-        if len(cols) < len(SACCT_FIELDS):
+        if len(cols) < 8:
             continue
-        jid, name, state, start, end, nodelist, elapsed, tres = cols[: len(SACCT_FIELDS)]
+        jid, name, state, start, end, nodelist, elapsed, tres = cols[:8]
+        partition, account, eligible = (cols[8:11] + ["", "", ""])[:3]
         job, _, step = jid.partition(".")
         if step and not include_steps:
             continue
         out.append(SacctRecord(job_id=job, step=step or None, name=name, state=state.split(" ")[0].upper(),
                                start=_sacct_time(start), end=_sacct_time(end), nodelist=nodelist,
-                               elapsed_s=parse_elapsed(elapsed), alloc_tres=parse_tres(tres)))
+                               elapsed_s=parse_elapsed(elapsed), alloc_tres=parse_tres(tres),
+                               partition=partition, account=account, eligible=_sacct_time(eligible)))
     return out
 
 

@@ -1,0 +1,384 @@
+"""One harvest service per cluster: several runs share the idle GPUs under the admin's site policy.
+
+Each run's scavenger (``rlboost-hpc scavenger RUN_DIR --harvest-dir SPOOL``) posts its demand — the controller's
+N_prem (within the scavenger's ``max_jobs``), its instance size and account — and reads back its share. The service
+(``rlboost-hpc harvest serve --policy FILE``, run by the admin under a service account) does, every ``poll_s``:
+
+1. read every run's demand (``SPOOL/demands/<run id>.json``, :class:`DemandFile`); a demand whose ``seq`` has not
+   changed for ``demand_timeout_s`` seconds of the service's clock is a vanished run (the scavenger rewrites it every
+   reconciliation);
+2. list Slurm once for all runs: one ``sinfo``, one ``squeue -t all`` over every user's jobs and the advance
+   reservations, whatever the number of runs (nodes of a reservation that is active or begins within
+   ``reservation_horizon_s`` are not harvestable);
+3. compute the pool (:func:`scavenger.shares.harvestable_gpus`) and the shares (weighted max-min,
+   :func:`scavenger.shares.weighted_shares`) within the policy;
+4. write each run's share with its own jobs as listed (``SPOOL/shares/<run id>.json``, :class:`ShareFile`), so
+   the run's scavenger needs no listing of its own; cancel the live jobs of vanished runs (``scancel``, again every
+   ``cancel_every_s`` while they live) and forget a vanished run once none of its jobs is live.
+
+Invariants: the service never submits, never reads a run's keys and touches only the jobs of runs that vanished;
+rollout jobs are submitted by each run's own scavenger as the run's owner. A run cannot raise its share: the
+share is computed here from the policy, and ``shares/`` is written by the service only (the run's scavenger caps
+its target at the share it reads). A restarted service rebuilds everything from the spool and one listing: it
+holds no state a restart could lose and submits nothing it could duplicate. A run acts on a listing only when the
+listing was taken after the service read the demand the run posted after its last action (``seq`` echoed back):
+its own submissions are never missing from the listing it acts on.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import msgspec
+
+from rlboost_hpc.rundir import write_json_atomic
+from scavenger.harvest_policy import SitePolicy
+from scavenger.shares import RunDemand, harvestable_gpus, weighted_shares
+from scavenger.slurm_records import JobInfo
+
+log = logging.getLogger("scavenger.harvest")
+
+__all__ = ["DemandFile", "ShareFile", "HarvestSpool", "HarvestService", "HarvestLink", "CycleResult"]
+
+#: Prefix of every rollout job's ``--comment`` (:meth:`scavenger.config.ScavengerConfig.resolved_tag`).
+TAG_PREFIX = "rlboost:"
+
+
+class DemandFile(msgspec.Struct, frozen=True):
+    """A run's demand, written by its scavenger every cycle. ``instances``: rollout instances wanted (0 when the
+    run is over); ``gpus_per_instance``: GPUs each; ``tag``: the ``--comment`` of its jobs; ``account``,
+    ``partition``, ``qos``: what its jobs are submitted with ("" = Slurm's default); ``seq``: bumped after
+    each action the scavenger took (echoed in the share); ``ts``: the scavenger's wall clock (information only)."""
+
+    run_id: str
+    tag: str
+    instances: int
+    gpus_per_instance: int = 1
+    account: str = ""
+    partition: str = ""
+    qos: str = ""
+    active: bool = True
+    seq: int = 0
+    ts: float = 0.0
+
+
+class ShareFile(msgspec.Struct, frozen=True):
+    """A run's share, written by the service every cycle. ``instances``: rollout instances the run may keep live;
+    ``jobs``: the run's jobs as this cycle listed them (every state); ``seq``: the demand ``seq`` the service had
+    read before it listed; ``cycle``/``service_start``: which service cycle wrote it; ``pool_gpus``/``idle_gpus``:
+    the cycle's pool and idle GPUs; ``reason``: why the share is 0 when it is (``""`` otherwise)."""
+
+    run_id: str
+    instances: int
+    seq: int
+    cycle: int
+    service_start: float
+    jobs: list[JobInfo] = []
+    pool_gpus: int = 0
+    idle_gpus: int = 0
+    reason: str = ""
+    ts: float = 0.0
+
+
+class HarvestSpool:
+    """The one owner of the spool directory's layout: ``demands/<run id>.json`` (posted by runs; the directory
+    is sticky and world-writable on a real cluster, so a run can replace only its own file) and
+    ``shares/<run id>.json`` (the service's, world-readable)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.demands = self.root / "demands"
+        self.shares = self.root / "shares"
+
+    def create(self) -> "HarvestSpool":
+        """Make both directories (demands/ mode 1777 — writable by every run, sticky; shares/ 0755). Returns
+        self. Raises OSError."""
+        self.demands.mkdir(parents=True, exist_ok=True)
+        self.shares.mkdir(parents=True, exist_ok=True)
+        try:
+            os.chmod(self.demands, 0o1777)
+            os.chmod(self.shares, 0o755)
+        except PermissionError:  # not ours to change (the admin set it up): keep what is there
+            pass
+        return self
+
+    def post_demand(self, d: DemandFile) -> None:
+        """Replace the run's demand atomically. Raises OSError (e.g. the spool does not exist)."""
+        write_json_atomic(self.demands / f"{d.run_id}.json", msgspec.to_builtins(d))
+
+    def withdraw(self, run_id: str) -> None:
+        """Remove the run's demand (it left); missing is fine."""
+        (self.demands / f"{run_id}.json").unlink(missing_ok=True)
+
+    def read_demands(self) -> dict[str, DemandFile]:
+        """Every well-formed demand by run id; a malformed one (or one whose run id is not its file name) is
+        logged and skipped — one run's bad file never stops the others."""
+        out: dict[str, DemandFile] = {}
+        for p in sorted(self.demands.glob("*.json")):
+            try:
+                d = msgspec.json.decode(p.read_bytes(), type=DemandFile)
+            except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
+                log.warning("harvest: skipping demand %s: %s", p, e)
+                continue
+            if d.run_id != p.stem:
+                log.warning("harvest: skipping demand %s: its run_id is %r", p, d.run_id)
+                continue
+            out[d.run_id] = d
+        return out
+
+    def write_share(self, s: ShareFile) -> None:
+        """Replace the run's share atomically. Raises OSError."""
+        write_json_atomic(self.shares / f"{s.run_id}.json", msgspec.to_builtins(s))
+
+    def read_share(self, run_id: str) -> ShareFile | None:
+        """The run's share; None when there is none yet or it cannot be read."""
+        try:
+            return msgspec.json.decode((self.shares / f"{run_id}.json").read_bytes(), type=ShareFile)
+        except FileNotFoundError:
+            return None
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("harvest: cannot read the share of %s: %s", run_id, e)
+            return None
+
+    def forget(self, run_id: str) -> None:
+        """Remove both files of a run the service no longer serves."""
+        self.withdraw(run_id)
+        (self.shares / f"{run_id}.json").unlink(missing_ok=True)
+
+
+class CycleResult(msgspec.Struct):
+    """One service cycle: shares by run id, the pool, and what was done. ``slurm_listings``: Slurm queries made
+    (3 per cycle: sinfo, squeue, the reservations); ``demands``: instances each run asked for; ``reserved_nodes``:
+    nodes left out of the pool for an advance reservation (active or within ``reservation_horizon_s``)."""
+
+    cycle: int
+    shares: dict[str, int]
+    demands: dict[str, int] = {}
+    pool_gpus: int = 0
+    idle_gpus: int = 0
+    held_gpus: int = 0
+    blackout: bool = False
+    vanished: list[str] = []
+    cancelled: list[str] = []
+    reserved_nodes: list[str] = []
+    slurm_listings: int = 0
+    ok: bool = True
+    error: str = ""
+
+
+class HarvestService:
+    """The cluster's one harvest service (see the module docstring). ``slurm``: a
+    :class:`scavenger.daemon.SlurmAPI` (``only_mine=False`` listings: the service account sees every user's jobs);
+    ``clock``: wall-clock seconds; ``local_time``: the local time blackout windows are judged in."""
+
+    def __init__(self, policy: SitePolicy, slurm, *, spool: HarvestSpool | None = None,
+                 clock: Callable[[], float] = time.time,
+                 local_time: Callable[[], dt.datetime] = dt.datetime.now) -> None:
+        self.policy, self.slurm, self.clock, self.local_time = policy, slurm, clock, local_time
+        self.spool = spool or HarvestSpool(policy.spool_dir)
+        self.start = clock()
+        self.cycle = 0
+        self._seen: dict[str, tuple[tuple[int, float], float]] = {}  # run id → ((seq, ts), service time it changed)
+        self._cancelled_at: dict[str, float] = {}  # job id → last scancel (vanished runs)
+        self._stop = threading.Event()
+
+    def _weight(self, d: DemandFile) -> tuple[float, int | None, str]:
+        """(weight, run GPU cap, why 0) of a run under the policy."""
+        if d.partition and d.partition not in self.policy.partitions:
+            return 0.0, 0, f"partition {d.partition!r} is not harvested (site policy: {self.policy.partitions})"
+        if self.policy.qos and d.qos not in self.policy.qos:
+            return 0.0, 0, f"QoS {d.qos or '(default)'!r} may not harvest (site policy: {self.policy.qos})"
+        acct = self.policy.account_grant(d.account)
+        if acct is None:
+            return 0.0, 0, f"account {d.account!r} is not listed in the site policy"
+        run = self.policy.runs.get(d.run_id)
+        weight = acct.weight * (run.weight if run else 1.0)
+        return weight, run.max_gpus if run else None, ""
+
+    def run_cycle(self) -> CycleResult:
+        """One cycle (module docstring). Never raises on a Slurm failure: the shares of the last good cycle
+        stay in place (runs see them age and stop submitting) and the result says why."""
+        self.cycle += 1
+        now = self.clock()
+        res = CycleResult(cycle=self.cycle, shares={})
+        demands = self.spool.read_demands()
+        res.demands = {rid: d.instances if d.active else 0 for rid, d in demands.items()}
+        live_runs, vanished = {}, []
+        for rid, d in demands.items():
+            last = self._seen.get(rid)
+            if last is None or last[0] != (d.seq, d.ts):  # the run's scavenger rewrote it: alive
+                self._seen[rid] = ((d.seq, d.ts), now)
+            if now - self._seen[rid][1] > self.policy.demand_timeout_s:
+                vanished.append(rid)
+            else:
+                live_runs[rid] = d
+        try:
+            nodes = self.slurm.sinfo_nodes(None)
+            jobs = self.slurm.squeue_jobs(all_states=True, only_mine=False)
+            reserved = {n for r in self.slurm.reservations() if (r.end is None or r.end > now)
+                        and (r.start is None or r.start - now < self.policy.reservation_horizon_s) for n in r.nodes}
+        except Exception as e:  # noqa: BLE001 - SlurmCommandError or a parse failure: keep last shares
+            res.ok, res.error = False, f"{type(e).__name__}: {e}"
+            return res
+        res.slurm_listings, res.reserved_nodes = 3, sorted(reserved)
+        jobs = [j for j in jobs if j.comment.startswith(TAG_PREFIX)]
+        blackout = res.blackout = self.policy.in_blackout(self.local_time())
+        pool, idle, held = harvestable_gpus(
+            nodes, jobs, partitions=self.policy.partitions, run_tags={d.tag for d in live_runs.values()},
+            exclude_nodes={*self.policy.exclude_nodes, *reserved}, idle_share_free=self.policy.idle_share_free,
+            blackout=blackout)
+        res.pool_gpus, res.idle_gpus, res.held_gpus = pool, idle, held
+        asks, why, caps = [], {}, {}
+        for rid, d in live_runs.items():
+            weight, run_cap, reason = self._weight(d)
+            if reason or not d.active:
+                why[rid] = reason or "the run is over"
+                continue
+            grant = self.policy.account_grant(d.account)
+            if grant is not None and grant.max_gpus is not None:
+                caps[d.account] = grant.max_gpus
+            asks.append(RunDemand(rid, max(0, d.instances), d.gpus_per_instance, weight, d.account, run_cap))
+        shares = weighted_shares(asks, pool, caps)
+        by_tag: dict[str, list[JobInfo]] = {}
+        for j in jobs:
+            by_tag.setdefault(j.comment, []).append(j)
+        for rid, d in demands.items():
+            n = shares.get(rid, 0)
+            reason = "vanished" if rid in vanished else why.get(rid, "blackout" if blackout and not n else "")
+            res.shares[rid] = n
+            try:
+                self.spool.write_share(ShareFile(
+                    run_id=rid, instances=n, seq=d.seq, cycle=self.cycle, service_start=self.start,
+                    jobs=by_tag.get(d.tag, []), pool_gpus=pool, idle_gpus=idle, reason=reason, ts=now))
+            except OSError as e:
+                log.warning("harvest: cannot write the share of %s: %s", rid, e)
+        for p in self.spool.shares.glob("*.json"):
+            if p.stem not in demands:  # the run withdrew its demand: it left
+                p.unlink(missing_ok=True)
+        for rid in vanished:
+            self._drain_vanished(demands[rid], by_tag.get(demands[rid].tag, []), now, res)
+        res.vanished = vanished
+        return res
+
+    def _drain_vanished(self, d: DemandFile, jobs: list[JobInfo], now: float, res: CycleResult) -> None:
+        """Cancel the live jobs of a run that stopped posting its demand (again every ``cancel_every_s``);
+        forget the run once none is live."""
+        live = [j for j in jobs if j.live]
+        if not live:
+            log.info("harvest: run %s vanished and has no live job left; forgetting it", d.run_id)
+            self.spool.forget(d.run_id)
+            self._seen.pop(d.run_id, None)
+            return
+        due = [j.job_id for j in live if now - self._cancelled_at.get(j.job_id, float("-inf"))
+               >= self.policy.cancel_every_s]
+        if not due:
+            return
+        try:
+            self.slurm.scancel(due)
+        except Exception as e:  # noqa: BLE001 - retried next cycle
+            log.warning("harvest: scancel of %s (run %s vanished) failed: %s", ",".join(due), d.run_id, e)
+            return
+        for jid in due:
+            self._cancelled_at[jid] = now
+        res.cancelled += due
+        log.warning("harvest: run %s posted no demand for %.0f s: cancelled its jobs %s", d.run_id,
+                    self.policy.demand_timeout_s, ",".join(due))
+
+    def owners_report(self, since: str | None = None):
+        """The :class:`scavenger.harvest_report.OwnersReport` since ``since`` (sacct's ``--starttime``; None: the
+        last ``report_window_s``), from one ``sacct --allusers``. Raises SlurmCommandError (no accounting)."""
+        from scavenger.harvest_report import owners_report
+
+        since = since or dt.datetime.fromtimestamp(self.clock() - self.policy.report_window_s).strftime(
+            "%Y-%m-%dT%H:%M:%S")
+        rows = self.slurm.sacct_records(starttime=since, all_users=True)
+        return owners_report(rows, rollout_prefix=self.policy.rollout_job_prefix,
+                             spot_price_per_gpu_hour=self.policy.spot_price_per_gpu_hour,
+                             on_demand_price_per_gpu_hour=self.policy.on_demand_price_per_gpu_hour)
+
+    def stop(self) -> None:
+        """Ask :meth:`serve` to return after the current cycle."""
+        self._stop.set()
+
+    def serve(self, max_cycles: int | None = None, status_path: Path | None = None, metrics=None) -> int:
+        """Run cycles every ``poll_s`` until :meth:`stop` (or ``max_cycles``); each cycle's result goes to the
+        log (as JSON to ``status_path``; to ``metrics``, a :class:`scavenger.metrics.HarvestMetrics`). Returns 0."""
+        self.spool.create()
+        last_report = float("-inf")
+        while not self._stop.is_set():
+            res = self.run_cycle()
+            if metrics is not None:
+                if self.policy.report_every_s and self.clock() - last_report >= self.policy.report_every_s:
+                    last_report = self.clock()
+                    try:
+                        metrics.refresh_report(self.owners_report())
+                    except Exception as e:  # noqa: BLE001 - accounting may be down: the shares go on
+                        log.warning("harvest: owners' report failed: %s", e)
+                metrics.refresh(res)
+            if not res.ok:
+                log.warning("harvest: cycle %d: %s (shares unchanged)", res.cycle, res.error)
+            else:
+                log.info("harvest: cycle %d pool %d GPUs (idle %d, held %d%s) shares %s", res.cycle, res.pool_gpus,
+                         res.idle_gpus, res.held_gpus, ", blackout" if res.blackout else "", res.shares)
+            if status_path is not None:
+                try:
+                    write_json_atomic(status_path, msgspec.to_builtins(res))
+                except OSError as e:
+                    log.warning("harvest: cannot write %s: %s", status_path, e)
+            if max_cycles is not None and self.cycle >= max_cycles:
+                break
+            self._stop.wait(self.policy.poll_s)
+        return 0
+
+
+class HarvestLink:
+    """A run's side of the harvest service, used by its scavenger each reconciliation: :meth:`exchange` posts the
+    demand and returns the share when it is fresh and was listed after the run's last action.
+
+    ``max_age_s``: a share whose (service start, cycle) has not changed for this many seconds of the run's clock is
+    stale — the service is down: the run submits nothing new and keeps its jobs."""
+
+    def __init__(self, spool: str | os.PathLike[str], run_id: str, tag: str, *, account: str = "",
+                 partition: str = "", qos: str = "", max_age_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.spool = HarvestSpool(spool)
+        self.run_id, self.tag, self.account, self.partition, self.qos = run_id, tag, account, partition, qos
+        self.max_age_s, self.clock = max_age_s, clock
+        self.seq = 0
+        self._last: tuple[float, int] | None = None
+        self._changed_at = clock()
+
+    def exchange(self, instances: int, gpus_per_instance: int, active: bool) -> tuple[ShareFile | None, str, bool]:
+        """Post this cycle's demand; returns ``(share, "", False)`` when the share is fresh and covers the last
+        action, ``(None, why, False)`` while the listing after the last action is awaited, ``(None, why, True)``
+        when there is no fresh share at all (the service is down or not there: the run falls back to its own
+        listing and submits nothing new). Raises OSError when the demand cannot be posted (no spool)."""
+        self.spool.post_demand(DemandFile(run_id=self.run_id, tag=self.tag, instances=max(0, instances),
+                                          gpus_per_instance=gpus_per_instance, account=self.account,
+                                          partition=self.partition, qos=self.qos, active=active, seq=self.seq,
+                                          ts=time.time()))
+        s = self.spool.read_share(self.run_id)
+        now = self.clock()
+        if s is None:
+            return None, f"no share from the harvest service in {self.spool.shares} yet", True
+        key = (s.service_start, s.cycle)
+        if key != self._last:
+            self._last, self._changed_at = key, now
+        if now - self._changed_at > self.max_age_s:
+            return None, f"the harvest service's share is {now - self._changed_at:.0f} s old (service down?)", True
+        if s.seq != self.seq:
+            return None, "waiting for a listing taken after the last action", False
+        return s, "", False
+
+    def acted(self) -> None:
+        """Record that this cycle submitted or cancelled: the next share must come from a newer listing."""
+        self.seq += 1
+
+    def leave(self) -> None:
+        """Withdraw the demand (the run is over and its jobs are gone): its share goes to the others at once."""
+        self.spool.withdraw(self.run_id)

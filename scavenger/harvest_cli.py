@@ -1,0 +1,133 @@
+"""``rlboost-hpc harvest``: the cluster admin's commands.
+
+- ``harvest check [--partition P] [--json]``: can this cluster's idle GPUs be harvested, partition by partition
+  (:mod:`scavenger.check`);
+- ``harvest serve --policy FILE [--spool DIR] [--once] [--status FILE]``: the cluster's one harvest service
+  (:mod:`scavenger.harvest`): runs that pass ``--harvest-dir SPOOL`` to their scavenger share the idle GPUs under
+  the site policy (:mod:`scavenger.harvest_policy`);
+- ``harvest report [--since T | --days D] [--json] [--plot PNG]``: what harvesting cost the owners of the capacity
+  (their jobs' delay) and what each account and run harvested, from ``sacct`` (:mod:`scavenger.harvest_report`).
+
+Exit codes: 0 success; 1 Slurm did not answer (``check``, ``report``; ``serve --once``: the cycle failed); 2 bad usage, a bad
+site policy (the message names the file and key), or a partition that cannot be harvested (``check``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import msgspec
+
+__all__ = ["harvest_main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    from rlboost_hpc.clihelp import DefaultsHelpFormatter
+
+    p = argparse.ArgumentParser(prog="rlboost-hpc harvest", description=__doc__.splitlines()[0],
+                                formatter_class=DefaultsHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    c = sub.add_parser("check", help="say, per partition, whether and how rollout jobs can harvest it",
+                       formatter_class=DefaultsHelpFormatter)
+    c.add_argument("--partition", help="judge this partition only (exit 2 when it cannot be harvested)")
+    c.add_argument("--json", action="store_true", help="machine-readable findings")
+    s = sub.add_parser("serve", help="run the cluster's harvest service: share idle GPUs between runs",
+                       formatter_class=DefaultsHelpFormatter)
+    s.add_argument("--policy", help="the site policy (TOML; [harvest] table or top level); none: the defaults")
+    s.add_argument("--spool", help="spool directory (overrides the policy's spool_dir)")
+    s.add_argument("--poll-s", type=float, help="seconds between cycles (overrides the policy's poll_s)")
+    s.add_argument("--once", action="store_true", help="one cycle; print its result as JSON; exit")
+    s.add_argument("--status", help="write each cycle's result (JSON) to this file")
+    s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: a free one)")
+    s.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds")
+    s.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="level of the JSON log lines")
+    r = sub.add_parser("report", help="what harvesting cost the owners (their delay) and what the runs harvested",
+                       formatter_class=DefaultsHelpFormatter)
+    r.add_argument("--policy", help="the site policy (rollout job prefix, prices); none: the defaults")
+    r.add_argument("--since", help="start of the window (sacct --starttime, e.g. 2026-12-01T00:00:00)")
+    r.add_argument("--days", type=float, default=1.0, help="window length back from now when --since is not given")
+    r.add_argument("--json", action="store_true", help="the report as JSON")
+    r.add_argument("--plot", metavar="PNG", help="draw the owners' delays and the harvested GPU-hours")
+    return p
+
+
+def _report(a: argparse.Namespace) -> int:
+    import datetime as dt
+
+    from scavenger.harvest import HarvestService
+    from scavenger.harvest_policy import HarvestPolicyError, load_site_policy
+    from scavenger.harvest_report import format_report
+    from scavenger.slurm import SlurmClient, SlurmCommandError
+
+    try:
+        policy = load_site_policy(a.policy)
+    except HarvestPolicyError as e:
+        print(f"rlboost-hpc harvest report: {e}", file=sys.stderr)
+        return 2
+    since = a.since or (dt.datetime.now() - dt.timedelta(days=a.days)).strftime("%Y-%m-%dT%H:%M:%S")
+    try:
+        rep = HarvestService(policy, SlurmClient(timeout_s=policy.command_timeout_s)).owners_report(since)
+    except SlurmCommandError as e:
+        print(f"rlboost-hpc harvest report: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(rep.to_json(), indent=1) if a.json else format_report(rep))
+    if a.plot:
+        from scavenger.harvest_report import plot_report
+
+        plot_report(rep, a.plot)
+    return 0
+
+
+def _serve(a: argparse.Namespace) -> int:
+    from rlboost_hpc.observe.logs import setup_logging
+    from scavenger.harvest import HarvestService
+    from scavenger.harvest_policy import HarvestPolicyError, load_site_policy
+    from scavenger.slurm import SlurmClient
+
+    try:
+        policy = load_site_policy(a.policy, spool_dir=a.spool, poll_s=a.poll_s)
+    except HarvestPolicyError as e:
+        print(f"rlboost-hpc harvest serve: {e}", file=sys.stderr)
+        return 2
+    setup_logging("harvest", level=a.log_level)
+    service = HarvestService(policy, SlurmClient(timeout_s=policy.command_timeout_s))
+    try:
+        service.spool.create()
+    except OSError as e:
+        print(f"rlboost-hpc harvest serve: spool_dir {policy.spool_dir}: {e}", file=sys.stderr)
+        return 2
+    if a.once:
+        res = service.run_cycle()
+        print(json.dumps(msgspec.to_builtins(res)))
+        return 0 if res.ok else 1
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: service.stop())
+    metrics = None
+    if a.metrics_port is not None:
+        from rlboost_hpc.observe.metrics import serve_metrics
+        from scavenger.metrics import HarvestMetrics
+
+        metrics = HarvestMetrics()
+        host, port = serve_metrics(metrics, host=a.metrics_host, port=a.metrics_port)
+        logging.getLogger("scavenger.harvest").info("harvest: metrics at http://%s:%d/metrics", host, port)
+    return service.serve(status_path=Path(a.status) if a.status else None, metrics=metrics)
+
+
+def harvest_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``rlboost-hpc harvest``; returns the exit code (module docstring)."""
+    a = _parser().parse_args(list(argv) if argv is not None else None)
+    if a.cmd == "check":
+        from scavenger.check import check_main
+
+        return check_main(a.partition, a.json)
+    return _report(a) if a.cmd == "report" else _serve(a)
+
+
+if __name__ == "__main__":
+    sys.exit(harvest_main())

@@ -1,0 +1,101 @@
+"""How a cluster's harvestable GPUs are split between the runs that share them (pure functions, no I/O).
+
+The harvest service (:mod:`scavenger.harvest`) calls these once per cycle with what Slurm listed and what the runs
+asked for; the figures they return are the only thing it writes into each run's share.
+
+- :func:`harvestable_gpus`: the pool = idle GPUs of usable, not excluded nodes of the harvested partitions + the
+  GPUs the registered runs' running rollout jobs hold there, less the share the site keeps free for fast starts of
+  priority jobs (``floor((1 - idle_share_free) * pool)``; 0 in a blackout window).
+- :func:`weighted_shares`: weighted max-min fairness (progressive filling) in whole rollout instances: the next
+  instance always goes to the run whose GPUs per unit of weight, that instance included, stay lowest — never more
+  than a run asks for, within its own and its account's GPU caps and the pool. Ties go to the lexically smallest
+  run id, so the split is deterministic.
+
+Invariants: Σ shares × GPUs per instance ≤ the pool; a run's share ≤ its demand; a run whose demand is not met
+has, per unit of weight, no fewer GPUs than any other run minus one of its instances (within the caps).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from scavenger.slurm_records import JobClass, JobInfo, NodeInfo
+
+__all__ = ["RunDemand", "harvestable_gpus", "weighted_shares"]
+
+
+@dataclass(frozen=True)
+class RunDemand:
+    """What one run asks of the pool: ``instances`` rollout instances of ``gpus_per_instance`` GPUs each (0: a
+    CPU-only instance, counted as one unit), with ``weight`` > 0 (the site policy's run weight × account weight),
+    at most ``max_gpus`` GPUs for this run (None: no cap), charged to ``account``."""
+
+    run_id: str
+    instances: int
+    gpus_per_instance: int = 1
+    weight: float = 1.0
+    account: str = ""
+    max_gpus: int | None = None
+
+    @property
+    def unit(self) -> int:
+        """GPUs (or units, for CPU-only instances) one instance of this run takes."""
+        return max(1, self.gpus_per_instance)
+
+
+def harvestable_gpus(nodes: Iterable[NodeInfo], jobs: Iterable[JobInfo], *, partitions: Sequence[str],
+                     run_tags: Iterable[str], exclude_nodes: Iterable[str] = (), idle_share_free: float = 0.0,
+                     blackout: bool = False) -> tuple[int, int, int]:
+    """The pool of GPUs the registered runs may share: ``(pool, idle, held)`` — ``idle``: free GPUs of usable
+    nodes in ``partitions`` not in ``exclude_nodes``; ``held``: GPUs of the running jobs whose comment is one of
+    ``run_tags`` on those nodes; ``pool`` = ⌊(1 − ``idle_share_free``) · (idle + held)⌋, 0 when ``blackout``.
+
+    A job on several nodes counts where its first node is; pending jobs hold nothing."""
+    parts, excluded, tags = set(partitions), set(exclude_nodes), set(run_tags)
+    harvested = {n.name for n in nodes if n.name not in excluded and parts & set(n.partitions)}
+    idle = sum(n.free_gpus for n in nodes if n.name in harvested)
+    held = 0
+    for j in jobs:
+        if j.comment in tags and j.job_class is JobClass.RUNNING and j.nodes.split(",")[0] in harvested:
+            held += j.gpus
+    pool = 0 if blackout else math.floor((1.0 - idle_share_free) * (idle + held) + 1e-9)
+    return pool, idle, held
+
+
+def weighted_shares(demands: Sequence[RunDemand], pool: int,
+                    account_caps: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Rollout instances per run id: weighted max-min (progressive filling) of ``pool`` GPUs over ``demands``,
+    each run within its ``instances`` and ``max_gpus``, each account within ``account_caps`` (GPUs; absent: no
+    cap). Every run of ``demands`` is in the result (0 when it gets nothing). O(Σ shares · runs).
+
+    Raises ValueError for a weight ≤ 0 or a negative demand."""
+    caps = dict(account_caps or {})
+    for d in demands:
+        if d.weight <= 0 or d.instances < 0:
+            raise ValueError(f"run {d.run_id!r}: weight must be > 0 and instances ≥ 0 (got {d.weight}, "
+                             f"{d.instances})")
+    alloc = {d.run_id: 0 for d in demands}
+    by_account: dict[str, int] = {}
+    used = 0
+    order = sorted(demands, key=lambda d: d.run_id)
+    while True:
+        best: RunDemand | None = None
+        best_key: tuple[float, str] | None = None
+        for d in order:
+            n, u = alloc[d.run_id], d.unit
+            if n >= d.instances or used + u > pool:
+                continue
+            if d.max_gpus is not None and (n + 1) * u > d.max_gpus:
+                continue
+            cap = caps.get(d.account)
+            if cap is not None and by_account.get(d.account, 0) + u > cap:
+                continue
+            key = ((n + 1) * u / d.weight, d.run_id)  # the level it would reach: the lowest goes first
+            if best_key is None or key < best_key:
+                best, best_key = d, key
+        if best is None:
+            return alloc
+        alloc[best.run_id] += 1
+        used += best.unit
+        by_account[best.account] = by_account.get(best.account, 0) + best.unit
