@@ -352,6 +352,28 @@ def test_the_fallbacks_seconds_are_reported_so_the_trainer_does_not_count_them_a
     assert core.stats().last_step_remote.fallback_s == pytest.approx(2.6) and core.step_fallback_s == 0.0
 
 
+def test_the_first_preemptible_instance_ready_after_a_fallback_takes_the_reserved_engines_work():
+    """Regression (bench_live_vs_sim: the live controller set N_prem 2 after step 0, the simulator 16): after a
+    co-located fallback the reserved engine kept every response it had taken, so the preemptible instances that came
+    up during the step got almost none, the step's remote work looked tiny and the cap collapsed. As in the
+    simulator, remote capacity now ends the fallback by handing the reserved engine's unfinished responses back."""
+    core, clock = make(pending_limit=8)
+    register(core, b"r", "reserved", kind="reserved")
+    submit(core, n=4)
+    core.tick()
+    core.on_message(TRAINER, M.CloseSeeding(step=0))  # no preemptible instance: fallback
+    core.outbox.clear()
+    register(core, b"p", "p", version=None)  # booted, pulling: nothing released yet (it could not take the work)
+    core.tick()
+    assert not sent(core, b"r", M.Release)
+    core.on_message(b"p", M.WeightsLoaded(version=0, checksum=0, nbytes=1, pull_s=0.1, load_s=0.0))
+    (rel,) = sent(core, b"r", M.Release)
+    assert sorted(rel.rids) == sorted(core.requests) and not core.routable(core.instances["reserved#0"])
+    core.on_message(b"r", M.Released(rids=rel.rids, tokens_generated=0))
+    core.tick()
+    assert sum(len(m.works) for m in sent(core, b"p", M.Assign)) == 4
+
+
 def test_a_step_whose_remote_capacity_was_up_at_the_close_has_no_fallback():
     core, clock = make(pending_limit=8)
     register(core, b"p", "p")

@@ -12,7 +12,8 @@ Invariants (each has a test in tests/test_manager_core.py):
    dropped as late; each group is delivered to the trainer once.
 3. Ids are ids: a delta must start exactly at the response's current length (no gap, no overlap).
 4. Routable ⇔ state ready ∧ version == latest ∧ not draining ∧ (preemptible, or reserved while seeding is
-   open or no preemptible instance is routable — the co-located fallback).
+   open or no preemptible instance is routable — the co-located fallback, which the first preemptible instance
+   ready ends: the reserved engines release their unfinished responses to the remote pool).
 7. Busy is not dead, dead is not alive (:class:`InstanceState`, one transition function): an instance silent past
    ``heartbeat_timeout_s`` (instances heartbeat from a thread that does nothing else, so weight loads and engine
    steps of any length never silence them) becomes SUSPECT at once — out of routing, its unfinished responses
@@ -439,6 +440,8 @@ class ManagerCore(TrainerCalls):
         if inst.state in (S.PULLING, S.FENCED) and msg.version == self.latest_version:
             self._set_state(inst, S.READY)
             inst.ready_at = inst.ready_at or self.clock()
+            if inst.kind == "preemptible" and not self.seeding_open:  # the end of a co-located fallback
+                self.release_reserved()
 
     def _on_WeightsFailed(self, peer: bytes, inst: Instance | None, msg: M.WeightsFailed) -> None:
         if inst is None:

@@ -173,18 +173,26 @@ class TrainerCalls:
             return
         self.seeding_open = False
         remote = any(i.kind == "preemptible" and self.routable(i) for i in self.instances.values())
-        released = 0
-        if remote:
-            for i in self.instances.values():
-                if i.kind == "reserved" and i.state == S.READY and i.inflight:
-                    rids = sorted(i.inflight - i.releasing)
-                    i.releasing |= set(rids)
-                    released += len(rids)
-                    self.send(i.peer, M.Release(rids=rids))
+        released = self.release_reserved() if remote else 0
         if not remote:  # the reserved engine keeps generating until remote capacity appears (end_fallback)
             self.fallback_since = self.clock()
             self.end_fallback(self.fallback_since)
         self.send(peer, M.Ok(what=f"closeseed released={released} remote={int(remote)}", cid=msg.cid))
+
+    def release_reserved(self) -> int:
+        """Seeding is over and remote capacity serves: the reserved engines hand their unfinished responses back
+        (``Release``; they continue on preemptible instances, tokens kept). Called when seeding closes with remote
+        capacity, and when the first preemptible instance becomes ready during a co-located fallback — so the
+        remote pool takes over the step's remaining work, as the simulator's fallback does. Returns the responses
+        released."""
+        released = 0
+        for i in self.instances.values():
+            if i.kind == "reserved" and i.state == S.READY and i.inflight:
+                rids = sorted(i.inflight - i.releasing)
+                i.releasing |= set(rids)
+                released += len(rids)
+                self.send(i.peer, M.Release(rids=rids))
+        return released
 
     def _on_PolicyState(self, peer: bytes, inst: Instance | None, msg: M.PolicyState) -> None:
         if self._trainer_only(peer, "policy-state"):
