@@ -364,8 +364,9 @@ class HarvestLink:
                                           ts=time.time()))
         s = self.spool.read_share(self.run_id)
         now = self.clock()
-        if s is None:
-            return None, f"no share from the harvest service in {self.spool.shares} yet", True
+        if s is None:  # the service has not seen the demand yet; none at all for max_age_s: stale
+            return None, f"no share from the harvest service in {self.spool.shares} yet", \
+                now - self._changed_at > self.max_age_s
         key = (s.service_start, s.cycle)
         if key != self._last:
             self._last, self._changed_at = key, now

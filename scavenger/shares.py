@@ -4,8 +4,8 @@ The harvest service (:mod:`scavenger.harvest`) calls these once per cycle with w
 asked for; the figures they return are the only thing it writes into each run's share.
 
 - :func:`harvestable_gpus`: the pool = idle GPUs of usable, not excluded nodes of the harvested partitions + the
-  GPUs the registered runs' running rollout jobs hold there, less the share the site keeps free for fast starts of
-  priority jobs (``floor((1 - idle_share_free) * pool)``; 0 in a blackout window).
+  GPUs the registered runs' running rollout jobs hold there (per node at most its GPUs), less the share the site
+  keeps free for fast starts of priority jobs (``floor((1 - idle_share_free) * pool)``; 0 in a blackout window).
 - :func:`weighted_shares`: weighted max-min fairness (progressive filling) in whole rollout instances: the next
   instance always goes to the run whose GPUs per unit of weight, that instance included, stay lowest — never more
   than a run asks for, within its own and its account's GPU caps and the pool. Ties go to the lexically smallest
@@ -49,17 +49,22 @@ def harvestable_gpus(nodes: Iterable[NodeInfo], jobs: Iterable[JobInfo], *, part
                      blackout: bool = False) -> tuple[int, int, int]:
     """The pool of GPUs the registered runs may share: ``(pool, idle, held)`` — ``idle``: free GPUs of usable
     nodes in ``partitions`` not in ``exclude_nodes``; ``held``: GPUs of the running jobs whose comment is one of
-    ``run_tags`` on those nodes; ``pool`` = ⌊(1 − ``idle_share_free``) · (idle + held)⌋, 0 when ``blackout``.
+    ``run_tags`` on those nodes; ``pool`` = ⌊(1 − ``idle_share_free``) · Σ_nodes min(GPUs of the node, idle + held
+    there)⌋, 0 when ``blackout``. The per-node clamp keeps a job that ``squeue`` still lists as completing while
+    ``sinfo`` already shows its GPUs free from counting twice.
 
     A job on several nodes counts where its first node is; pending jobs hold nothing."""
     parts, excluded, tags = set(partitions), set(exclude_nodes), set(run_tags)
-    harvested = {n.name for n in nodes if n.name not in excluded and parts & set(n.partitions)}
-    idle = sum(n.free_gpus for n in nodes if n.name in harvested)
-    held = 0
+    harvested = {n.name: n for n in nodes if n.name not in excluded and parts & set(n.partitions)}
+    held_on: dict[str, int] = {}
     for j in jobs:
-        if j.comment in tags and j.job_class is JobClass.RUNNING and j.nodes.split(",")[0] in harvested:
-            held += j.gpus
-    pool = 0 if blackout else math.floor((1.0 - idle_share_free) * (idle + held) + 1e-9)
+        first = j.nodes.split(",")[0]
+        if j.comment in tags and j.job_class is JobClass.RUNNING and first in harvested:
+            held_on[first] = held_on.get(first, 0) + j.gpus
+    idle = sum(n.free_gpus for n in harvested.values())
+    held = sum(held_on.values())
+    total = sum(min(n.gres_total_gpus, n.free_gpus + held_on.get(name, 0)) for name, n in harvested.items())
+    pool = 0 if blackout else math.floor((1.0 - idle_share_free) * total + 1e-9)
     return pool, idle, held
 
 

@@ -60,6 +60,8 @@ def test_the_pool_is_idle_plus_held_less_the_share_left_free():
     assert harvestable_gpus(nodes, jobs, partitions=["scavenger"], run_tags={"rlboost:a@1"}, exclude_nodes=["n5"],
                             idle_share_free=0.25)[0] == 3
     assert harvestable_gpus(nodes, jobs, partitions=["scavenger"], run_tags=set(), blackout=True)[0] == 0
+    # a job squeue still lists as running while sinfo already shows its GPUs free counts once
+    assert harvestable_gpus([node("n1")], jobs[:2], partitions=["scavenger"], run_tags={"rlboost:a@1"})[:2] == (2, 2)
 
 
 # ---------------------------------------------------------------------------------------------- policy
@@ -216,7 +218,9 @@ def test_the_link_acts_only_on_a_listing_taken_after_its_last_action(tmp_path):
     svc = _service(tmp_path, slurm, clock)
     t = [0.0]
     link = HarvestLink(svc.spool.root, "a", "rlboost:a@0", max_age_s=20, clock=lambda: t[0])
-    assert link.exchange(2, 1, True)[2] is True  # no share yet: stale (fall back, submit nothing)
+    assert link.exchange(2, 1, True)[1:] == (f"no share from the harvest service in {svc.spool.shares} yet", False)
+    t[0] += 21
+    assert link.exchange(2, 1, True)[2] is True  # still none after max_age_s: stale (fall back, submit nothing)
     svc.run_cycle()
     share, why, stale = link.exchange(2, 1, True)
     assert share is not None and share.instances == 2 and not stale

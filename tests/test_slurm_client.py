@@ -360,8 +360,8 @@ def test_contract_commands_and_arguments(fake_bin, tmp_path):
     assert calls[4] == "scancel --signal=USR2 --batch 5 6"
     assert calls[5] == "scancel 7"
     assert calls[6] == "scontrol requeue 8"
-    assert calls[7] == ("sacct -D -P -n --format=JobID,JobName,State,Start,End,NodeList,Elapsed,AllocTRES "
-                        "--jobs=4,63")
+    assert calls[7] == ("sacct -D -P -n --format=JobID,JobName,State,Start,End,NodeList,Elapsed,AllocTRES,"
+                        "Partition,Account,Eligible --jobs=4,63")
     assert len(calls) == 8
 
 
