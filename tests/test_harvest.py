@@ -339,3 +339,14 @@ def test_a_run_on_a_partition_or_qos_the_policy_does_not_harvest_gets_nothing(tm
     svc.spool.post_demand(DemandFile("c", "rlboost:c@0", instances=2, partition="scavenger", qos="normal", ts=1.0))
     assert svc.run_cycle().shares == {"a": 2, "b": 0, "c": 0}
     assert "partition 'train'" in svc.spool.read_share("b").reason and "QoS 'normal'" in svc.spool.read_share("c").reason
+
+
+def test_the_report_plot_is_a_png(tmp_path):
+    from scavenger.harvest_report import owners_report, plot_report
+
+    t = 1_764_000_000.0
+    rep = owners_report([_row("10", "rlboost-rollout-a", "REQUEUED", t, t + 100, "n1"),
+                         _row("20", "train", "COMPLETED", t + 104, t + 200, "n1", eligible=t + 98, partition="train")])
+    out = tmp_path / "owners.png"
+    plot_report(rep, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
