@@ -35,7 +35,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +45,7 @@ from scavenger.config import ScavengerConfig  # noqa: E402
 from scavenger.daemon import Scavenger  # noqa: E402
 from scavenger.harvest import HarvestService  # noqa: E402
 from scavenger.harvest_policy import SitePolicy  # noqa: E402
-from scavenger.slurm import SlurmClient  # noqa: E402
+from bench_slurm_scale import CountingClient  # noqa: E402  (the same counting client)
 
 STAND_IN = """#!/bin/bash
 # bench_harvest stand-in rollout job: drain when marked, else hand off for HANDOFF_S seconds and requeue
@@ -63,18 +62,6 @@ while :; do sleep 300 & wait $!; done
 OWNER = """#!/bin/bash
 sleep "$1"
 """
-
-
-class CountingClient(SlurmClient):
-    """A :class:`SlurmClient` that counts the commands it runs, by program name."""
-
-    def __init__(self, **kw) -> None:
-        super().__init__(**kw)
-        self.calls: Counter[str] = Counter()
-
-    def run(self, argv, *a, **kw):
-        self.calls[Path(argv[0]).name] += 1
-        return super().run(argv, *a, **kw)
 
 
 def _scavenger(work: Path, name: str, n: int, script: Path, conf: str, spool: Path | None,

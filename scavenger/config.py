@@ -12,12 +12,15 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from rlboost_hpc.errors import BadInput
 from rlboost_hpc.rundir import RunDir
 from scavenger.slurm_records import signal_number
+
+
+_M = TypeVar("_M", bound=BaseModel)
 
 
 class ScavengerConfigError(BadInput, ValueError):
@@ -168,19 +171,27 @@ class ScavengerConfig(BaseModel):
         return args
 
 
-def load_scavenger_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> ScavengerConfig:
-    """Config from an optional TOML file (its ``[scavenger]`` table if present, else the top level) with
-    ``overrides`` (``None`` values ignored) on top. Raises :class:`ScavengerConfigError`."""
+def load_toml_model(path: str | os.PathLike[str] | None, table: str, model: type[_M], error: type[Exception],
+                    what: str, overrides: dict[str, Any]) -> _M:
+    """``model`` of TOML file ``path`` (its ``[table]`` if present, else the top level; None: the defaults) with
+    ``overrides`` (None values ignored) on top. Raises ``error`` naming ``what``, the file and every bad key."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
             raw = tomllib.loads(Path(path).read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ScavengerConfigError(f"cannot read scavenger config {path}: {e}") from None
-        data = dict(raw.get("scavenger", raw))
+            raise error(f"cannot read {what} {path}: {e}") from None
+        data = dict(raw.get(table, raw))
     data.update({k: v for k, v in overrides.items() if v is not None})
     try:
-        return ScavengerConfig(**data)
+        return model(**data)
     except ValidationError as e:
-        lines = [f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()]
-        raise ScavengerConfigError("invalid scavenger config: " + "; ".join(lines)) from None
+        lines = [f"{'.'.join(str(x) for x in err['loc']) or '(top level)'}: {err['msg']}" for err in e.errors()]
+        where = f" {path}" if path is not None else ""
+        raise error(f"invalid {what}{where}: " + "; ".join(lines)) from None
+
+
+def load_scavenger_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> ScavengerConfig:
+    """Config from an optional TOML file (its ``[scavenger]`` table if present, else the top level) with
+    ``overrides`` (``None`` values ignored) on top. Raises :class:`ScavengerConfigError`."""
+    return load_toml_model(path, "scavenger", ScavengerConfig, ScavengerConfigError, "scavenger config", overrides)

@@ -9,13 +9,12 @@ from __future__ import annotations
 import datetime as dt
 import os
 import re
-import tomllib
-from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlboost_hpc.errors import BadInput
+from scavenger.config import load_toml_model
 
 __all__ = ["HarvestPolicyError", "SitePolicy", "load_site_policy"]
 
@@ -128,17 +127,4 @@ def load_site_policy(path: str | os.PathLike[str] | None, **overrides: Any) -> S
     """The policy of TOML file ``path`` (its ``[harvest]`` table if present, else the top level; None: the
     defaults) with ``overrides`` (None values ignored) on top. Raises :class:`HarvestPolicyError` naming the
     file and every bad key."""
-    data: dict[str, Any] = {}
-    where = str(path) if path is not None else "the defaults"
-    if path is not None:
-        try:
-            raw = tomllib.loads(Path(path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise HarvestPolicyError(f"cannot read site policy {path}: {e}") from None
-        data = dict(raw.get("harvest", raw))
-    data.update({k: v for k, v in overrides.items() if v is not None})
-    try:
-        return SitePolicy(**data)
-    except ValidationError as e:
-        lines = [f"{'.'.join(str(x) for x in err['loc']) or '(top level)'}: {err['msg']}" for err in e.errors()]
-        raise HarvestPolicyError(f"invalid site policy {where}: " + "; ".join(lines)) from None
+    return load_toml_model(path, "harvest", SitePolicy, HarvestPolicyError, "site policy", overrides)

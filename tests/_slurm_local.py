@@ -136,3 +136,18 @@ def stop_local_slurm(purge: bool = False, timeout_s: float = 120) -> None:
                          env={**os.environ, "RLBOOST_SLURM_DIR": str(state_dir())})
     if out.returncode != 0:
         raise LocalSlurmError(f"down failed (exit {out.returncode}):\n{(out.stdout + out.stderr)[-4000:]}")
+
+
+def wait_until_idle(client, timeout_s: float = 40.0) -> None:
+    """Wait until every node of the scavenger partition is IDLE with no GPU in use (the jobs of an earlier test
+    gone); AssertionError after ``timeout_s``. ``client``: a :class:`scavenger.slurm.SlurmClient`."""
+    from _util import wait_for
+    from scavenger.slurm import SlurmCommandError
+
+    def idle() -> bool:
+        try:
+            return all(n.state == "IDLE" and n.gres_used_gpus == 0 for n in client.sinfo_nodes("scavenger"))
+        except SlurmCommandError:
+            return False
+
+    wait_for(idle, timeout_s, "an idle cluster (jobs of another test still running?)", interval=0.5)

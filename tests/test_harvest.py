@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from scavenger.harvest import DemandFile, HarvestLink, HarvestService, HarvestSpool
+from scavenger.harvest import DemandFile, HarvestLink, HarvestService
 from scavenger.harvest_policy import HarvestPolicyError, SitePolicy, load_site_policy
 from scavenger.shares import RunDemand, harvestable_gpus, weighted_shares
 from scavenger.slurm_records import JobInfo, NodeInfo

@@ -17,12 +17,12 @@ import pytest
 from _util import wait_for
 from test_scavenger_slurm import ROLLOUT, target
 
-from _slurm_local import ensure_local_slurm
+from _slurm_local import ensure_local_slurm, wait_until_idle
 from scavenger.config import ScavengerConfig
 from scavenger.daemon import Scavenger
 from scavenger.harvest import HarvestService
 from scavenger.harvest_policy import SitePolicy
-from scavenger.slurm import SlurmClient, SlurmCommandError
+from scavenger.slurm import SlurmClient
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240)]
 
@@ -55,14 +55,7 @@ class CountingSlurm:
 @pytest.fixture
 def cluster(slurm_env_module, tmp_path):
     client = SlurmClient(env=slurm_env_module, timeout_s=15)
-
-    def idle() -> bool:
-        try:
-            return all(n.state == "IDLE" and n.gres_used_gpus == 0 for n in client.sinfo_nodes("scavenger"))
-        except SlurmCommandError:
-            return False
-
-    wait_for(idle, 60, "an idle cluster (jobs of another test still running?)", interval=0.5)
+    wait_until_idle(client, 60)
     script = tmp_path / "rollout.sh"
     script.write_text(ROLLOUT)
     tags: list[str] = []

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from _util import wait_for
 
-from _slurm_local import ensure_local_slurm
+from _slurm_local import ensure_local_slurm, wait_until_idle
 from scavenger.config import ScavengerConfig
 from scavenger.daemon import Scavenger
 from rlboost_hpc.events import read_events
@@ -50,14 +50,7 @@ def slurm_env() -> dict[str, str]:
 @pytest.fixture
 def setup(slurm_env, tmp_path, request):
     client = SlurmClient(env=slurm_env, timeout_s=15)
-
-    def idle() -> bool:
-        try:
-            return all(n.state == "IDLE" and n.gres_used_gpus == 0 for n in client.sinfo_nodes("scavenger"))
-        except SlurmCommandError:
-            return False
-
-    wait_for(idle, 40, "an idle cluster (jobs of another test still running?)", interval=0.5)
+    wait_until_idle(client, 40)
     script = tmp_path / "rollout.sh"
     script.write_text(ROLLOUT)
     run_dir = tmp_path / f"run-{request.node.name[5:20]}-{uuid.uuid4().hex[:6]}"
