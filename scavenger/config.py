@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from rlboost_hpc.errors import BadInput
 from rlboost_hpc.rundir import RunDir
 from scavenger.slurm_records import signal_number
@@ -102,6 +102,13 @@ class ScavengerConfig(BaseModel):
         if v is not None and ("," in v or "\n" in v):
             raise ValueError("must not contain commas or newlines")
         return v
+
+    @model_validator(mode="after")
+    def _harvest_needs_the_default_tag(self) -> "ScavengerConfig":
+        if self.harvest_dir and self.tag:
+            raise ValueError("tag: leave it unset with harvest_dir (the harvest service serves a run's own tag, "
+                             "rlboost:<run id>@<hash>, only)")
+        return self
 
     # -- derived ------------------------------------------------------------------------------------
     def resolved_run_id(self, run_dir: str | os.PathLike[str]) -> str:

@@ -116,8 +116,8 @@ class HarvestSpool:
         (self.demands / f"{run_id}.json").unlink(missing_ok=True)
 
     def read_demands(self) -> dict[str, DemandFile]:
-        """Every well-formed demand by run id; a malformed one (or one whose run id is not its file name) is
-        logged and skipped — one run's bad file never stops the others."""
+        """Every well-formed demand by run id; a malformed one (or one whose run id or tag is not its file name's:
+        tags are ``rlboost:<run id>@…``) is logged and skipped — one run's bad file never stops the others."""
         out: dict[str, DemandFile] = {}
         for p in sorted(self.demands.glob("*.json")):
             try:
@@ -125,8 +125,11 @@ class HarvestSpool:
             except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
                 log.warning("harvest: skipping demand %s: %s", p, e)
                 continue
-            if d.run_id != p.stem:
-                log.warning("harvest: skipping demand %s: its run_id is %r", p, d.run_id)
+            if d.run_id != p.stem or not d.tag.startswith(f"{TAG_PREFIX}{d.run_id}@"):
+                # a demand speaks for its own run's jobs only: its file name (one owner in the sticky directory),
+                # its run id and its tag agree, so no run can have the service list or cancel another's jobs
+                log.warning("harvest: skipping demand %s: run_id %r and tag %r do not match its name", p, d.run_id,
+                            d.tag)
                 continue
             out[d.run_id] = d
         return out

@@ -209,6 +209,8 @@ def test_a_malformed_demand_is_skipped_and_the_others_are_served(tmp_path):
     svc = _service(tmp_path, slurm, clock)
     (svc.spool.demands / "x.json").write_text("{not json")
     (svc.spool.demands / "y.json").write_text(json.dumps({"run_id": "z", "tag": "t", "instances": 1}))
+    # a demand that names another run's jobs (tag) under its own name is not served: it could have them cancelled
+    (svc.spool.demands / "x2.json").write_text(json.dumps({"run_id": "x2", "tag": "rlboost:a@0", "instances": 1}))
     svc.spool.post_demand(DemandFile("a", "rlboost:a@0", instances=1, ts=1.0))
     assert svc.run_cycle().shares == {"a": 1}
 
@@ -350,3 +352,10 @@ def test_the_report_plot_is_a_png(tmp_path):
     out = tmp_path / "owners.png"
     plot_report(rep, str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+
+
+def test_a_scavenger_under_the_service_keeps_its_default_tag():
+    from scavenger.config import ScavengerConfigError, load_scavenger_config
+
+    with pytest.raises(ScavengerConfigError, match="tag: leave it unset with harvest_dir"):
+        load_scavenger_config(None, harvest_dir="/tmp/spool", tag="mine")
