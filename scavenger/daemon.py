@@ -158,6 +158,7 @@ class ReconcileResult:
     submit_paused_until: float | None = None
     share: int | None = None  # instances the harvest service granted (harvest_dir; None: harvesting alone)
     harvest_wait: str = ""  # why no fresh share was acted on this step ("" when it was, or alone)
+    listed: bool = True  # False: the step waited for the harvest service's next listing (the counts are not known)
 
 
 class Scavenger:
@@ -411,6 +412,7 @@ class Scavenger:
                                                           target is None or target.active)
                 res.harvest_wait = why
                 if share is None and not stale:
+                    res.listed = False
                     return res  # the service lists again after our last action: act on that listing
             jobs = share.jobs if share is not None else self.slurm.squeue_jobs(comment_tag=self.tag, all_states=True)
             self._observe(jobs, now)
@@ -591,9 +593,10 @@ class Scavenger:
         while not self._stop.is_set():
             res = self.reconcile_once()
             cycles += 1
-            self._record_view(res)
-            if self.metrics is not None:
-                self._refresh_metrics(res)
+            if res.listed:  # (a step that waited for the harvest service's listing saw nothing to record)
+                self._record_view(res)
+                if self.metrics is not None:
+                    self._refresh_metrics(res)
             delay = self.next_delay(res, poll)
             if not res.ok:
                 log.warning("scavenger: %s; retrying in %.0f s (failure %d in a row)", res.error, delay,
@@ -602,7 +605,7 @@ class Scavenger:
                 log.info("scavenger: target %s desired %d live %d (pending %d) free slots %s → submitted %s "
                          "cancelled %s signalled %s", res.target and res.target.n, res.desired, res.live,
                          res.pending, res.free_slots, res.submitted, res.cancelled, res.signalled)
-            if exit_when_done and res.ok and res.target is not None and not res.target.active \
+            if exit_when_done and res.ok and res.listed and res.target is not None and not res.target.active \
                     and res.live == 0:
                 log.info("scavenger: run inactive and no rollout job left; exiting")
                 if self.harvest is not None:
