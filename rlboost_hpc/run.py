@@ -34,6 +34,7 @@ from rlboost_hpc.observe.timeline import Phase, add_phase
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.rundir import RunDir, read_jsonl
 from rlboost_hpc.services import RunServices
+from rlboost_hpc.trainer.record import StepRecord
 
 log = logging.getLogger("rlboost.run")
 
@@ -352,13 +353,14 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
     svc.defer(lambda: _settle(ckpt_writer))  # on a failure too: finish (or report) the one in flight
     with ProgressView(cfg.trainer.steps, enabled=progress) as view:
         for step in range(resume.start_step, cfg.trainer.steps):
-            m = trainer.run_step(step)
+            rec = trainer.run_step(step)
             t_after = time.monotonic()  # the step's own bookkeeping and checkpoint: part of its timeline
             st = trainer.last_stats  # taken at the end of the step, after its version change
-            _add_fleet(m, st, svc, t_start)
+            _add_fleet(rec, st, svc, t_start)
             cap = trainer.decision.n_prem_cap if trainer.decision else None
-            m["n_prem_target"] = n_prem = min(cap if cap is not None else cfg.cluster.max_workers,
-                                              cfg.cluster.max_workers)
+            rec.n_prem_target = n_prem = min(cap if cap is not None else cfg.cluster.max_workers,
+                                             cfg.cluster.max_workers)
+            m = rec.line()
             svc.set_target(n_prem, step=step + 1)
             steps.append(m)
             every = cfg.trainer.checkpoint_every
@@ -404,14 +406,14 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
     return report, svc.cluster.live_series if svc.cluster else []
 
 
-def _add_fleet(m: dict, st, svc: RunServices, t_start: float) -> None:
-    """Add to the step record ``m`` the fleet at the step's end (``st``: the manager's stats then): live and
-    routable preemptible instances, the cluster's live workers, and how the version the step sampled from reached
-    the fleet (``version_serving``: :class:`~rlboost_hpc.protocol.stats.VersionServing`)."""
-    m.update(t_s=time.monotonic() - t_start, ts=round(time.time(), 3),
-             live_preemptible=st.live_preemptible, routable_preemptible=st.routable_preemptible,
-             cluster_live=svc.cluster.live() if svc.cluster else st.live_preemptible,
-             version_serving=msgspec.structs.asdict(st.last_version_serving))
+def _add_fleet(rec: StepRecord, st, svc: RunServices, t_start: float) -> None:
+    """Add to the step record the fleet at the step's end (``st``: the manager's stats then): live and routable
+    preemptible instances, the cluster's live workers, and how the version the step sampled from reached the fleet
+    (``version_serving``: :class:`~rlboost_hpc.protocol.stats.VersionServing`)."""
+    rec.t_s, rec.ts = time.monotonic() - t_start, round(time.time(), 3)
+    rec.live_preemptible, rec.routable_preemptible = st.live_preemptible, st.routable_preemptible
+    rec.cluster_live = svc.cluster.live() if svc.cluster else st.live_preemptible
+    rec.version_serving = msgspec.structs.asdict(st.last_version_serving)
 
 
 def _announce_cost(cfg: RunConfig, setup: RunSetup) -> None:

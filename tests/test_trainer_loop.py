@@ -1,6 +1,7 @@
 """The RL step against a scripted manager (pure, no sockets): the trainer's own on-policy check."""
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -77,8 +78,13 @@ def test_tokens_stamped_with_another_version_are_counted_by_the_trainer():
     """The trainer checks the versions the engines stamped (carried in GroupDone), independently of the manager:
     a response whose last two tokens carry version 7 counts 2 tokens trained off-version."""
     clean = _trainer(ScriptedManager())
-    m = clean.run_step(0)
+    rec = clean.run_step(0)
+    m = rec.line()
     assert clean.totals.tokens_trained_off_version == 0 and clean.totals.responses_trained == 8
+    # the metrics.jsonl line: every field of the typed record (the run's own once it set them), then the backend's
+    assert json.loads(json.dumps(m)) == m and "backend" not in m and "t_s" not in m
+    assert {"t_seed_next_s", "n_prem_cap", "fallback_s", "truncated_share", "phase_s"} <= set(m)
+    assert set(rec.backend) <= set(m) and all(m[k] == v for k, v in rec.backend.items())
     assert abs(sum(m["phase_s"].values()) - m["wall_s"]) < 1e-9 and {"submit", "train"} <= set(m["phase_s"])
     compute = m["phase_s"]["train"] + m["phase_s"].get("optimizer", 0.0)
     assert abs(m["fixed_overhead_s"] - (m["wall_s"] - compute)) < 1e-9  # no engine generated: all but compute
@@ -113,7 +119,7 @@ def test_why_each_response_ended_reaches_the_trainer_and_its_metrics():
     """finish_reason travels with every response into its Sample; the step's truncated share by cause is in its
     metrics and the run's totals; an unknown reason fails the step (never trained as if it had stopped)."""
     t = _trainer(ScriptedManager(reasons=("stop", "length", "turn_cap", "stop")))
-    m = t.run_step(0)
+    m = t.run_step(0).line()
     got = [smp.finish_reason for smp in t.backend.samples]
     assert got == ["stop", "length", "turn_cap", "stop"] * 2
     assert [smp.truncated for smp in t.backend.samples[:4]] == [False, True, True, False]

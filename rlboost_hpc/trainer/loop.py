@@ -37,6 +37,7 @@ from rlboost_hpc.tasks.base import Prompt, Task, strip_stop
 from rlboost_hpc.trainer.algorithms.grpo import group_advantages
 from rlboost_hpc.trainer.backends.base import Sample, TrainerBackend
 from rlboost_hpc.trainer.client import ManagerClient
+from rlboost_hpc.trainer.record import StepRecord
 from rlboost_hpc.errors import RunFailed
 
 log = logging.getLogger("rlboost.trainer")
@@ -302,15 +303,15 @@ class RLTrainer:
     def _group_seed(self, step: int, g: int) -> int:
         return (self.s.seed * 7_919 + step * 104_729 + g * 1_299_709) % (2**31)
 
-    def run_step(self, step: int) -> dict:
-        """Run one RL step; returns its metrics. Raises RolloutFailed, or KeyboardInterrupt when a Ctrl-C came
+    def run_step(self, step: int) -> StepRecord:
+        """Run one RL step; returns its record (:class:`~rlboost_hpc.trainer.record.StepRecord`). Raises RolloutFailed, or KeyboardInterrupt when a Ctrl-C came
         before the step (:func:`rlboost_hpc.interrupts.check`).
 
         The step's phases, in order: submit its groups → seed (the reserved engine, ``T_seed`` seconds) → close
         seeding → collect groups and train them in micro-batches as they come → optimizer step → publish version
         v+1 → set the manager's version → observe the step for the controller (``T_seed``, ``N_prem``).
 
-        The metrics include the step's timeline: ``phase_s`` (seconds per :class:`Phase`, summing to ``wall_s``),
+        The record includes the step's timeline: ``phase_s`` (seconds per :class:`Phase`, summing to ``wall_s``),
         ``fixed_overhead_s`` (seconds in which no engine generated and the trainer did not compute) and
         ``instance_s`` / ``instance_activity_s`` (instance-seconds busy, idle, pulling: all instances, and by
         instance) as the manager counted them since the previous step's version change."""
@@ -339,27 +340,22 @@ class RLTrainer:
         activity = st.last_step_activity
         generating = [(a, b) for a, b in activity.generating]  # manager's clock: CLOCK_MONOTONIC, same host
         tokens = sum(col.lens) + sum(len(ids) for _, ids in col.by_gid.values()) * s.group_size
-        out = {
-            "step": step, "version": self.version, "wall_s": wall, "t_seed_s": t_seed_actual,
-            "seeding_close": close.what, "train_s": t_train,
-            "reward_mean": sum(col.rewards) / max(1, len(col.rewards)),
-            "response_len_mean": sum(col.lens) / max(1, len(col.lens)),
-            "responses": n_trained, "responses_migrated": col.n_mig, "tokens": tokens,
-            "turns_mean": sum(col.turns) / max(1, len(col.turns)),
-            "environment_s": st.environment_seconds - prev_env_s,  # tool calls' seconds (summed over calls)
-            "preemptible_instances_served": sum(1 for k in col.served if not k.startswith("reserved#")),
-            "throughput_tokens_per_s": tokens / wall if wall > 0 else 0.0, **om, **pub, **policy,
-            "phase_s": tl.seconds(),
-            "fixed_overhead_s": fixed_overhead_s(tl.start, tl.end, tl.compute_intervals() + generating),
-            "fixed_overhead_s_by_phase": tl.overhead_by_phase(generating),
-            "instance_s": activity.instance_s, "instance_activity_s": activity.by_instance_s,
-            "response_tail_s": activity.response_tail_s,
-            **truncation_shares(col.reasons),
-        }
+        backend = {**om, **pub}
         for k, v in m_acc.items():  # micro-batch means, where the backend gave no whole-step figure
             if k not in om:
-                out[k] = v / max(1, n_trained) if k != "tokens" else v
-        return out
+                backend[k] = v / max(1, n_trained) if k != "tokens" else v
+        return StepRecord(
+            step=step, version=self.version, wall_s=wall, t_seed_s=t_seed_actual, seeding_close=close.what,
+            train_s=t_train, reward_mean=sum(col.rewards) / max(1, len(col.rewards)),
+            response_len_mean=sum(col.lens) / max(1, len(col.lens)), responses=n_trained,
+            responses_migrated=col.n_mig, tokens=tokens, turns_mean=sum(col.turns) / max(1, len(col.turns)),
+            environment_s=st.environment_seconds - prev_env_s,  # tool calls' seconds (summed over calls)
+            preemptible_instances_served=sum(1 for k in col.served if not k.startswith("reserved#")),
+            throughput_tokens_per_s=tokens / wall if wall > 0 else 0.0, phase_s=tl.seconds(),
+            fixed_overhead_s=fixed_overhead_s(tl.start, tl.end, tl.compute_intervals() + generating),
+            fixed_overhead_s_by_phase=tl.overhead_by_phase(generating), instance_s=dict(activity.instance_s),
+            instance_activity_s=dict(activity.by_instance_s), response_tail_s=activity.response_tail_s,
+            **policy, **truncation_shares(col.reasons), backend=backend)
 
     def _submit(self, step: int, tl: StepTimeline) -> tuple["StepCollector", int, float]:
         """Take the step's prompts from the data frontier and submit their GRPO groups; returns the step's
