@@ -156,8 +156,9 @@ class HarvestSpool:
 
 class CycleResult(msgspec.Struct):
     """One service cycle: shares by run id, the pool, and what was done. ``slurm_listings``: Slurm queries made
-    (3 per cycle: sinfo, squeue, the reservations); ``demands``: instances each run asked for; ``reserved_nodes``:
-    nodes left out of the pool for an advance reservation (active or within ``reservation_horizon_s``)."""
+    (3 per cycle: sinfo, squeue, the reservations; a 4th, the nodes' features, with ``exclude_features``);
+    ``demands``: instances each run asked for; ``reserved_nodes``: nodes left out of the pool for an advance
+    reservation (active or within ``reservation_horizon_s``); ``excluded_nodes``: by name or feature."""
 
     cycle: int
     shares: dict[str, int]
@@ -169,6 +170,7 @@ class CycleResult(msgspec.Struct):
     vanished: list[str] = []
     cancelled: list[str] = []
     reserved_nodes: list[str] = []
+    excluded_nodes: list[str] = []
     slurm_listings: int = 0
     ok: bool = True
     error: str = ""
@@ -225,15 +227,20 @@ class HarvestService:
             jobs = self.slurm.squeue_jobs(all_states=True, only_mine=False)
             reserved = {n for r in self.slurm.reservations() if (r.end is None or r.end > now)
                         and (r.start is None or r.start - now < self.policy.reservation_horizon_s) for n in r.nodes}
+            excluded = {*self.policy.exclude_nodes}
+            if self.policy.exclude_features:
+                bad = set(self.policy.exclude_features)
+                excluded |= {n for n, f in self.slurm.node_features().items() if f & bad}
         except Exception as e:  # noqa: BLE001 - SlurmCommandError or a parse failure: keep last shares
             res.ok, res.error = False, f"{type(e).__name__}: {e}"
             return res
-        res.slurm_listings, res.reserved_nodes = 3, sorted(reserved)
+        res.slurm_listings = 4 if self.policy.exclude_features else 3
+        res.reserved_nodes, res.excluded_nodes = sorted(reserved), sorted(excluded)
         jobs = [j for j in jobs if j.comment.startswith(TAG_PREFIX)]
         blackout = res.blackout = self.policy.in_blackout(self.local_time())
         pool, idle, held = harvestable_gpus(
             nodes, jobs, partitions=self.policy.partitions, run_tags={d.tag for d in live_runs.values()},
-            exclude_nodes={*self.policy.exclude_nodes, *reserved}, idle_share_free=self.policy.idle_share_free,
+            exclude_nodes=excluded | reserved, idle_share_free=self.policy.idle_share_free,
             blackout=blackout)
         res.pool_gpus, res.idle_gpus, res.held_gpus = pool, idle, held
         asks, why, caps = [], {}, {}

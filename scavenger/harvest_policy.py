@@ -81,6 +81,8 @@ class SitePolicy(BaseModel):
     qos: list[str] = Field([], description=(
         "QoS rollout jobs may be submitted with ('' for the default QoS); empty: any — a run of another QoS gets 0"))
     exclude_nodes: list[str] = Field([], description="nodes never counted as harvestable")
+    exclude_features: list[str] = Field([], description=(
+        "nodes with any of these Slurm features are never counted as harvestable (one more sinfo per cycle)"))
     idle_share_free: float = Field(0.0, ge=0, lt=1, description=(
         "share of the harvestable GPUs left free for fast starts of priority jobs (0.1: 10 %)"))
     poll_s: float = Field(5.0, gt=0, description="seconds between cycles (one sinfo + one squeue each)")

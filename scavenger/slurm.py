@@ -29,6 +29,7 @@ from scavenger.slurm_records import (
     Reservation,
     SacctRecord,
     text_of,
+    parse_node_features,
     parse_reservations,
     parse_sacct,
     parse_sbatch_parsable,
@@ -207,6 +208,10 @@ class SlurmClient:
         if partition:  # 21.08/22.05 ignore filters in JSON mode
             nodes = [n for n in nodes if partition in n.partitions]
         return nodes
+
+    def node_features(self) -> dict[str, frozenset[str]]:
+        """Every node's features (``sinfo -N -h -o %N|%f``). Raises SlurmCommandError."""
+        return parse_node_features(self.run(["sinfo", "-N", "-h", "-o", "%N|%f"]))
 
     def reservations(self) -> list[Reservation]:
         """Every advance reservation slurmctld knows (``scontrol show reservation -o``). Raises SlurmCommandError."""

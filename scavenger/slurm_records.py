@@ -560,6 +560,19 @@ def parse_reservations(text: str) -> list[Reservation]:
     return out
 
 
+def parse_node_features(text: str) -> dict[str, frozenset[str]]:
+    """Node → its features from ``sinfo -N -h -o %N|%f`` (one ``name|feat1,feat2`` line per node × partition;
+    ``(null)`` = none). Malformed lines are skipped."""
+    out: dict[str, frozenset[str]] = {}
+    for line in text.splitlines():
+        name, sep, feats = line.strip().partition("|")
+        if not sep or not name:
+            continue
+        got = frozenset(f for f in feats.split(",") if f and f != "(null)")
+        out[name] = out.get(name, frozenset()) | got
+    return out
+
+
 def parse_squeue_json(doc: Mapping[str, Any]) -> list[JobInfo]:
     """Jobs from a ``squeue --json`` document (any known shape). Raises :class:`ValueError` without ``jobs``."""
     jobs = doc.get("jobs")

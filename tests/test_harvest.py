@@ -122,6 +122,7 @@ class RecordedSlurm:
     def __init__(self, nodes: list[NodeInfo], jobs: list[JobInfo]) -> None:
         self.nodes, self.jobs, self.listings, self.cancelled = nodes, jobs, 0, []
         self.reservations_: list = []
+        self.features_: dict = {}
 
     def sinfo_nodes(self, partition=None):
         self.listings += 1
@@ -135,6 +136,10 @@ class RecordedSlurm:
     def reservations(self):
         self.listings += 1
         return list(self.reservations_)
+
+    def node_features(self):
+        self.listings += 1
+        return dict(self.features_)
 
     def scancel(self, job_ids, signal=None, batch=False):
         self.cancelled += list(job_ids)
@@ -359,3 +364,16 @@ def test_a_scavenger_under_the_service_keeps_its_default_tag():
 
     with pytest.raises(ScavengerConfigError, match="tag: leave it unset with harvest_dir"):
         load_scavenger_config(None, harvest_dir="/tmp/spool", tag="mine")
+
+
+def test_nodes_with_an_excluded_feature_are_not_harvested(tmp_path):
+    from scavenger.slurm_records import parse_node_features
+
+    feats = parse_node_features("n1|(null)\nn2|a100,ib\nn2|a100,ib\nn3|debug\nbroken line\n")
+    assert feats == {"n1": frozenset(), "n2": {"a100", "ib"}, "n3": {"debug"}}
+    slurm, clock = RecordedSlurm([node("n1"), node("n2"), node("n3")], []), Clock()
+    slurm.features_ = feats
+    svc = _service(tmp_path, slurm, clock, exclude_features=["debug"], exclude_nodes=["n1"])
+    svc.spool.post_demand(DemandFile("a", "rlboost:a@0", instances=8, ts=1.0))
+    res = svc.run_cycle()
+    assert res.excluded_nodes == ["n1", "n3"] and res.pool_gpus == 2 and res.slurm_listings == 4 == slurm.listings

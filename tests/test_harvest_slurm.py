@@ -221,12 +221,14 @@ def test_the_report_gives_an_owners_delay_that_agrees_with_sacct_and_slurms_pree
 
 def test_harvest_serve_once_lists_slurm_once_for_every_run(slurm_env_module, tmp_path):
     spool = tmp_path / "spool"
+    policy = tmp_path / "harvest.toml"
+    policy.write_text('[harvest]\nexclude_features = ["no-such-feature"]\n')  # the features' sinfo runs too
     cli = subprocess.run([sys.executable, "-m", "rlboost_hpc.cli", "harvest", "serve", "--once", "--spool",
-                          str(spool)], env={**os.environ, **slurm_env_module}, capture_output=True, text=True,
-                         timeout=60)
+                          str(spool), "--policy", str(policy)], env={**os.environ, **slurm_env_module},
+                         capture_output=True, text=True, timeout=60)
     assert cli.returncode == 0, cli.stderr
     out = json.loads(cli.stdout.strip().splitlines()[-1])
-    assert out["ok"] and out["slurm_listings"] == 3 and out["pool_gpus"] >= 0
+    assert out["ok"] and out["slurm_listings"] == 4 and out["excluded_nodes"] == [] and out["pool_gpus"] >= 0
     assert (spool / "demands").is_dir() and (spool / "shares").is_dir()
 
 
