@@ -5,8 +5,9 @@
 - ``harvest serve --policy FILE [--spool DIR] [--once] [--status FILE]``: the cluster's one harvest service
   (:mod:`scavenger.harvest`): runs that pass ``--harvest-dir SPOOL`` to their scavenger share the idle GPUs under
   the site policy (:mod:`scavenger.harvest_policy`);
-- ``harvest report [--since T | --days D] [--json] [--plot PNG]``: what harvesting cost the owners of the capacity
-  (their jobs' delay) and what each account and run harvested, from ``sacct`` (:mod:`scavenger.harvest_report`).
+- ``harvest report [--since T | --days D] [--json] [--plot PNG] [--run-dir DIR ...]``: what harvesting cost the
+  owners of the capacity (their jobs' delay) and what each account and run harvested, from ``sacct``, with the
+  tokens of the runs whose directories are given (:mod:`scavenger.harvest_report`).
 
 Exit codes: 0 success; 1 Slurm did not answer (``check``, ``report``; ``serve --once``: the cycle failed); 2 bad usage, a bad
 site policy (the message names the file and key), or a partition that cannot be harvested (``check``).
@@ -54,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--days", type=float, default=1.0, help="window length back from now when --since is not given")
     r.add_argument("--json", action="store_true", help="the report as JSON")
     r.add_argument("--plot", metavar="PNG", help="draw the owners' delays and the harvested GPU-hours")
+    r.add_argument("--run-dir", action="append", default=[], metavar="RUN_DIR",
+                   help="add the tokens this run produced on harvested capacity (repeatable)")
     return p
 
 
@@ -62,7 +65,8 @@ def _report(a: argparse.Namespace) -> int:
 
     from scavenger.harvest import HarvestService
     from scavenger.harvest_policy import HarvestPolicyError, load_site_policy
-    from scavenger.harvest_report import format_report
+    from rlboost_hpc.errors import BadInput
+    from scavenger.harvest_report import add_run_tokens, format_report
     from scavenger.slurm import SlurmClient, SlurmCommandError
 
     try:
@@ -76,6 +80,11 @@ def _report(a: argparse.Namespace) -> int:
     except SlurmCommandError as e:
         print(f"rlboost-hpc harvest report: {e}", file=sys.stderr)
         return 1
+    try:
+        add_run_tokens(rep, a.run_dir)
+    except (OSError, BadInput) as e:
+        print(f"rlboost-hpc harvest report: --run-dir: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(rep.to_json(), indent=1) if a.json else format_report(rep))
     if a.plot:
         from scavenger.harvest_report import plot_report

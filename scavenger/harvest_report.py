@@ -8,8 +8,9 @@ From Slurm's accounting alone (``sacct --allusers -D`` over a window, :func:`own
   rollout jobs drained (Slurm preempts when it picks the job, which for a job without dependencies is when it
   becomes eligible). Reported as p50 / p99 / max per partition and per day (UTC, of the start).
 - **the harvest**: per account and per run (the rollout job's name less its prefix), GPU-hours of rollout attempts
-  (elapsed × allocated GPUs), attempts, preemptions (attempts whose end preceded an owner's start as above) and the
-  saving against reserved GPUs: GPU-hours × (on-demand − harvested price per GPU-hour).
+  (elapsed × allocated GPUs), attempts, preemptions (attempts whose end preceded an owner's start as above), the
+  saving against reserved GPUs: GPU-hours × (on-demand − harvested price per GPU-hour), and — for the run
+  directories given (:func:`add_run_tokens`) — the tokens each run produced on harvested capacity.
 
 Percentiles are nearest-rank (p99 of fewer than 100 delays is the largest but one, or the max).
 """
@@ -24,7 +25,7 @@ from typing import Iterable
 from scavenger.slurm_records import SacctRecord, expand_hostlist
 
 __all__ = ["OwnerDelay", "DelayStats", "HarvestTotals", "OwnersReport", "owners_report", "format_report",
-           "plot_report"]
+           "plot_report", "add_run_tokens"]
 
 #: Attempt states that mean a rollout attempt was taken away from it (preempted, or requeued by preemption).
 TAKEN = frozenset({"PREEMPTED", "REQUEUED"})
@@ -57,12 +58,13 @@ class DelayStats:
 
 @dataclass
 class HarvestTotals:
-    """What rollout jobs of one account or run harvested: GPU-hours, attempts, preemptions, saving."""
+    """What rollout jobs of one account or run harvested: GPU-hours, attempts, preemptions, saving, tokens."""
 
     gpu_hours: float = 0.0
     attempts: int = 0
     preemptions: int = 0
     saved: float = 0.0
+    tokens: int | None = None  # produced on harvested capacity (from the run's directory; None: not given)
 
 
 @dataclass
@@ -141,10 +143,12 @@ def format_report(rep: OwnersReport) -> str:
         out.append("(no owner's job preempted a rollout job in this window)")
     out.append("")
     out.append("What the runs harvested")
-    out.append(f"{'account/run':<32}{'GPU-h':>10}{'attempts':>10}{'preempted':>10}{'saved':>10}")
+    out.append(f"{'account/run':<32}{'GPU-h':>10}{'attempts':>10}{'preempted':>10}{'saved':>10}{'tokens':>12}")
     for title, book in (("account", rep.by_account), ("run", rep.by_run)):
         for k, t in sorted(book.items()):
-            out.append(f"{title + ' ' + k:<32}{t.gpu_hours:>10.3f}{t.attempts:>10}{t.preemptions:>10}{t.saved:>10.2f}")
+            tokens = "-" if t.tokens is None else f"{t.tokens:,}"
+            out.append(f"{title + ' ' + k:<32}{t.gpu_hours:>10.3f}{t.attempts:>10}{t.preemptions:>10}"
+                       f"{t.saved:>10.2f}{tokens:>12}")
     return "\n".join(out)
 
 
@@ -177,3 +181,16 @@ def plot_report(rep: OwnersReport, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def add_run_tokens(rep: OwnersReport, run_dirs: Iterable[str]) -> None:
+    """Fill each run's ``tokens`` (produced on harvested capacity, ``rlboost-hpc stats``' figure) from its run
+    directory; a run the window has no rollout job of is added with its tokens only. Raises OSError /
+    :class:`rlboost_hpc.rundir.RunDirError` for a directory that is not a run's."""
+    from rlboost_hpc.rundir import RunDir
+    from scavenger.stats import load_run_stats
+
+    for d in run_dirs:
+        rd = RunDir(d)
+        rd.require("harvest report --run-dir")
+        rep.by_run.setdefault(rd.run_id(), HarvestTotals()).tokens = load_run_stats(d).tokens_produced

@@ -377,3 +377,16 @@ def test_nodes_with_an_excluded_feature_are_not_harvested(tmp_path):
     svc.spool.post_demand(DemandFile("a", "rlboost:a@0", instances=8, ts=1.0))
     res = svc.run_cycle()
     assert res.excluded_nodes == ["n1", "n3"] and res.pool_gpus == 2 and res.slurm_listings == 4 == slurm.listings
+
+
+def test_a_runs_tokens_come_from_its_run_directory(tmp_path):
+    from rlboost_hpc.rundir import RunDirError
+    from scavenger.harvest_report import OwnersReport, add_run_tokens, format_report
+
+    rep = OwnersReport()
+    run = tmp_path / "r7"
+    run.mkdir()
+    add_run_tokens(rep, [str(run)])
+    assert rep.by_run["r7"].tokens == 0 and "run r7" in format_report(rep)
+    with pytest.raises(RunDirError):
+        add_run_tokens(rep, [str(tmp_path / "missing")])

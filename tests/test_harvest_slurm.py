@@ -212,11 +212,15 @@ def test_the_report_gives_an_owners_delay_that_agrees_with_sacct_and_slurms_pree
 
     # the admin's command says the same (every user's jobs since the test began)
     since = dt.datetime.fromtimestamp(rows[owner].eligible - 120).strftime("%Y-%m-%dT%H:%M:%S")
-    cli = subprocess.run([sys.executable, "-m", "rlboost_hpc.cli", "harvest", "report", "--since", since, "--json"],
-                         env={**os.environ, **slurm_env_module}, capture_output=True, text=True, timeout=60)
+    cli = subprocess.run([sys.executable, "-m", "rlboost_hpc.cli", "harvest", "report", "--since", since, "--json",
+                          "--run-dir", str(run_dir)],
+                         env={**os.environ, **slurm_env_module, "RLBOOST_RUN_ID": "hreport"}, capture_output=True,
+                         text=True, timeout=60)
     assert cli.returncode == 0, cli.stderr
-    got = {x["job_id"]: x for x in json.loads(cli.stdout)["delays"]}
+    doc = json.loads(cli.stdout)
+    got = {x["job_id"]: x for x in doc["delays"]}
     assert got[owner]["delay_s"] == d.delay_s and set(got[owner]["preempted"]) == set(d.preempted)
+    assert doc["by_run"]["hreport"]["tokens"] == 0 and doc["by_run"]["hreport"]["gpu_hours"] > 0  # stand-ins
 
 
 def test_harvest_serve_once_lists_slurm_once_for_every_run(slurm_env_module, tmp_path):
