@@ -1,4 +1,4 @@
-"""``rlboost-hpc harvest``: the cluster admin's commands.
+"""rlboost-hpc harvest: the cluster admin's commands (check, serve, report).
 
 - ``harvest check [--partition P] [--json]``: can this cluster's idle GPUs be harvested, partition by partition
   (:mod:`scavenger.check`);
