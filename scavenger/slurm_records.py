@@ -561,8 +561,7 @@ def parse_reservations(text: str) -> list[Reservation]:
 
 
 def parse_node_features(text: str) -> dict[str, frozenset[str]]:
-    """Node → its features from ``sinfo -N -h -o %N|%f`` (one ``name|feat1,feat2`` line per node × partition;
-    ``(null)`` = none). Malformed lines are skipped."""
+    """Node → its features from ``sinfo -N -h -o %N|%f`` (``name|f1,f2`` per node × partition; ``(null)``: none)."""
     out: dict[str, frozenset[str]] = {}
     for line in text.splitlines():
         name, sep, feats = line.strip().partition("|")
