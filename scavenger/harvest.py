@@ -192,18 +192,18 @@ class HarvestService:
         self._cancelled_at: dict[str, float] = {}  # job id → last scancel (vanished runs)
         self._stop = threading.Event()
 
-    def _weight(self, d: DemandFile) -> tuple[float, int | None, str]:
-        """(weight, run GPU cap, why 0) of a run under the policy."""
+    def _weight(self, d: DemandFile) -> tuple[float, int | None, int | None, str]:
+        """(weight, run GPU cap, account GPU cap, why 0) of a run under the policy."""
         if d.partition and d.partition not in self.policy.partitions:
-            return 0.0, 0, f"partition {d.partition!r} is not harvested (site policy: {self.policy.partitions})"
+            return 0.0, 0, 0, f"partition {d.partition!r} is not harvested (site policy: {self.policy.partitions})"
         if self.policy.qos and d.qos not in self.policy.qos:
-            return 0.0, 0, f"QoS {d.qos or '(default)'!r} may not harvest (site policy: {self.policy.qos})"
+            return 0.0, 0, 0, f"QoS {d.qos or '(default)'!r} may not harvest (site policy: {self.policy.qos})"
         acct = self.policy.account_grant(d.account)
         if acct is None:
-            return 0.0, 0, f"account {d.account!r} is not listed in the site policy"
+            return 0.0, 0, 0, f"account {d.account!r} is not listed in the site policy"
         run = self.policy.runs.get(d.run_id)
         weight = acct.weight * (run.weight if run else 1.0)
-        return weight, run.max_gpus if run else None, ""
+        return weight, run.max_gpus if run else None, acct.max_gpus, ""
 
     def run_cycle(self) -> CycleResult:
         """One cycle (module docstring). Never raises on a Slurm failure: the shares of the last good cycle
@@ -245,13 +245,12 @@ class HarvestService:
         res.pool_gpus, res.idle_gpus, res.held_gpus = pool, idle, held
         asks, why, caps = [], {}, {}
         for rid, d in live_runs.items():
-            weight, run_cap, reason = self._weight(d)
+            weight, run_cap, account_cap, reason = self._weight(d)
             if reason or not d.active:
                 why[rid] = reason or "the run is over"
                 continue
-            grant = self.policy.account_grant(d.account)
-            if grant is not None and grant.max_gpus is not None:
-                caps[d.account] = grant.max_gpus
+            if account_cap is not None:
+                caps[d.account] = account_cap
             asks.append(RunDemand(rid, max(0, d.instances), d.gpus_per_instance, weight, d.account, run_cap))
         shares = weighted_shares(asks, pool, caps)
         by_tag: dict[str, list[JobInfo]] = {}
