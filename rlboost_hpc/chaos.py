@@ -9,8 +9,9 @@ add stalls longer than the heartbeat deadline (SIGSTOP … SIGCONT), TCP resets 
 invariants at the end (responses lost/duplicated, tokens trained off-version, every prompt trained once).
 
 With ``--trainer-kills K`` the run is a child process (``rlboost-hpc run``) and the harness SIGKILLs either the
-trainer or the rollout manager (its pid from the manager journal) K times, restarting the run each time; the run
-resumes from its last checkpoint (trainer/checkpoint.py). Kills are scheduled by progress, not by the clock: kill
+trainer or the rollout manager (its pid from the manager journal) K times. A killed trainer is started again and
+resumes from its last checkpoint (trainer/checkpoint.py); a killed manager is restarted by the trainer, which waits
+while the new manager continues the step from its work log (manager/supervisor.py). Kills are scheduled by progress, not by the clock: kill
 ``i`` fires a random ``[0, --kill-jitter-s)`` seconds after the run's checkpoint reached step
 ``round((i + 1) · steps / (K + 1))`` and at least one step past the checkpoint its incarnation resumed from — so
 every restart resumes from a checkpoint however slow the machine is. The final report covers every incarnation,
@@ -163,11 +164,13 @@ def _earlier_run(out: Path) -> list[str]:
 
 
 def _forget_previous_run(out: Path) -> None:
-    """Remove an earlier run's checkpoints and manager journal from ``out`` (the harness's own output dir)."""
+    """Remove an earlier run's checkpoints, manager journal and work log from ``out`` (the harness's own output
+    dir)."""
     import shutil
 
     shutil.rmtree(RunDir(out).checkpoints, ignore_errors=True)
     RunDir(out).journal.unlink(missing_ok=True)
+    RunDir(out).work_log.unlink(missing_ok=True)
 
 
 def kill_steps(steps: int, kills: int) -> list[int]:
@@ -184,8 +187,9 @@ def kill_steps(steps: int, kills: int) -> list[int]:
 
 def run_with_restarts(config: str, out: Path, overrides: list[str], at_steps: list[int], jitter_s: float,
                       seed: int, crashes: dict, poll_s: float = 0.1, bar=None) -> int:
-    """Run ``rlboost-hpc run`` as a child; SIGKILL the trainer or the manager once per entry of ``at_steps`` and
-    start the run again (it resumes from its checkpoint). Kill ``i`` fires ``uniform(0, jitter_s)`` seconds after
+    """Run ``rlboost-hpc run`` as a child; SIGKILL the trainer or the manager once per entry of ``at_steps``. A
+    killed trainer is started again (it resumes from its checkpoint); a killed manager is restarted by the trainer
+    (the step in flight continues from the manager's work log), so the same incarnation goes on. Kill ``i`` fires ``uniform(0, jitter_s)`` seconds after
     the run's latest checkpoint reached ``max(at_steps[i], resumed step + 1)``. Returns the exit code of the final
     incarnation (or of one that ended before its kill). ``crashes`` receives ``trainer_kills`` / ``manager_kills``;
     ``bar`` (a :class:`~rlboost_hpc.observe.report.Bar`) shows the checkpointed steps."""
@@ -203,11 +207,13 @@ def run_with_restarts(config: str, out: Path, overrides: list[str], at_steps: li
         cmd += ["--set", o]
     log = open(out / "chaos-runs.log", "ab")
     try:
+        proc, starts, resumed = None, 0, -1
         for i in range(len(at_steps) + 1):
-            starts = sum(r.get("event") == "start" for r in read(RunDir(out).journal))
-            resumed = latest_step(out)
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            info = f"incarnation {i + 1}/{len(at_steps) + 1}, killed trainer {crashes['trainer_kills']} " \
+            if proc is None:  # a new incarnation: it resumes from the latest checkpoint
+                starts = sum(r.get("event") == "start" for r in read(RunDir(out).journal))
+                resumed = latest_step(out)
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            info = f"kill {i + 1}/{len(at_steps)}, killed trainer {crashes['trainer_kills']} " \
                    f"manager {crashes['manager_kills']}"
             target = max(at_steps[i], resumed + 1) if i < len(at_steps) else None
             while proc.poll() is None and (target is None or latest_step(out) < target):
@@ -224,12 +230,15 @@ def run_with_restarts(config: str, out: Path, overrides: list[str], at_steps: li
             victim = rng.choice(["trainer", "manager"])
             mgr = [r for r in read(RunDir(out).journal) if r.get("event") == "start"]
             if victim == "manager" and len(mgr) > starts:
+                # the trainer restarts its manager, which continues the step from its work log: same incarnation
                 os.kill(int(mgr[-1]["pid"]), signal.SIGKILL)
                 crashes["manager_kills"] += 1
+                starts = len(mgr)  # the next manager kill waits for the restarted manager's start
             else:  # (also when this incarnation's manager has not started yet)
                 proc.send_signal(signal.SIGKILL)
                 crashes["trainer_kills"] += 1
-            proc.wait()
+                proc.wait()
+                proc = None
         return 0
     finally:
         log.close()

@@ -193,6 +193,13 @@ class ManagerCfg(_Strict):
                                                                 "for good (told to register anew if it returns)")
     max_attempts: int = Field(D.MAX_ATTEMPTS, ge=1, description="dispatch attempts of one response before the step fails")
     metrics: bool = Field(True, description="serve Prometheus metrics (URL in endpoints.json)")
+    commit_every_s: float = Field(D.WORK_COMMIT_S, gt=0, le=5.0, description=(
+        "group commit of the work log (the step in flight, fsynced): a manager kill loses at most the tokens "
+        "accepted in this many seconds"))
+    restarts: int = Field(D.MANAGER_RESTARTS, ge=0, description=(
+        "manager restarts the trainer makes (the step in flight continues from the work log) within "
+        "restart_window_s before the run fails (exit 1); 0: a manager death fails the run"))
+    restart_window_s: float = Field(D.MANAGER_RESTART_WINDOW_S, gt=0, description="the window restarts counts in (s)")
 
 
 class PolicyCfg(_Strict):

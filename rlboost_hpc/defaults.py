@@ -20,6 +20,12 @@ HEARTBEAT_TIMEOUT_S = 4.0
 DISPATCH_SILENCE_S = 1.0
 #: Silence after which a suspect instance is gone for good (``manager.instance_expiry_s``).
 INSTANCE_EXPIRY_S = 60.0
+#: The rollout manager's work-log group commit (``manager.commit_every_s``, seconds): a manager kill loses at most the
+#: tokens accepted in this window (its instances regenerate them). 50 ms keeps the fsyncs to ≤ 20 per second.
+WORK_COMMIT_S = 0.05
+#: Manager restarts the trainer allows within ``MANAGER_RESTART_WINDOW_S`` seconds before it gives up (exit 1).
+MANAGER_RESTARTS = 3
+MANAGER_RESTART_WINDOW_S = 600.0
 #: Dispatch attempts of one response before its step fails (``manager.max_attempts``).
 MAX_ATTEMPTS = 5
 

@@ -11,7 +11,8 @@ Layout (owner in parentheses):
 - ``report.json``, ``metrics.jsonl``, ``run.png`` (trainer): results.
 - ``prometheus/<job>.json`` (trainer: ``rlboost-manager``; scavenger: ``rlboost-scavenger``): file_sd targets.
 
-- ``manager-journal.jsonl`` (manager): epochs and weight versions for crash-resume; ``checkpoints/`` (trainer);
+- ``manager-journal.jsonl`` (manager): epochs and weight versions for crash-resume; ``manager-work.log`` (manager):
+  the step in flight, for a restarted manager (binary, ``manager/worklog.py``); ``checkpoints/`` (trainer);
   ``workers/`` (rollout workers' and engines' logs); ``keys/`` (CURVE keys, owner-only); ``logs/<role>.jsonl``
   (trainer, manager: their JSON log lines, appended by every incarnation).
 
@@ -47,6 +48,7 @@ REPORT_FILE = "report.json"
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "run.png"
 JOURNAL_FILE = "manager-journal.jsonl"
+WORK_LOG_FILE = "manager-work.log"  # the step in flight (manager/worklog.py)
 CHECKPOINTS_DIR = "checkpoints"
 WORKERS_DIR = "workers"
 PROMETHEUS_DIR = "prometheus"
@@ -95,6 +97,10 @@ class RunDir:
     @property
     def journal(self) -> Path:
         return self.root / JOURNAL_FILE
+
+    @property
+    def work_log(self) -> Path:
+        return self.root / WORK_LOG_FILE
 
     @property
     def checkpoints(self) -> Path:

@@ -43,7 +43,7 @@ def grpo_options(cfg: RunConfig):
 
 class RunServices:
     """The run's processes, threads and sockets (see the module docstring). Attributes once entered: ``keys``
-    (``RunKeys`` or None without CURVE), ``server``, ``client``, ``mproc``, ``endpoint`` / ``weights_endpoint``
+    (``RunKeys`` or None without CURVE), ``server``, ``client``, ``manager`` (its supervisor), ``endpoint`` / ``weights_endpoint``
     (what peers dial), ``backend``, ``publisher``, ``rewards``, ``eval_tools`` (None: single-turn), ``cluster``
     (the local cluster; None under Slurm or before :meth:`start_rollout`).
 
@@ -97,7 +97,8 @@ class RunServices:
                                    sealed=w.sealed, pin_memory=self._device.type == "cuda").start()
         self.defer(self.server.close)
         environment = self.environment()
-        self.mproc, bound, metrics_url = self._spawn_manager(environment)
+        self.manager = self._spawn_manager(environment)
+        bound, metrics_url = self.manager.bound, self.manager.metrics_url
         self.client = None
         self.defer(self._stop_manager)  # and its client
         net = cfg.network
@@ -105,7 +106,7 @@ class RunServices:
                                            else net.bind_host)
         self.endpoint, self.weights_endpoint = advertised(bound, self.host), advertised(self.server.endpoint,
                                                                                          self.host)
-        self.client = ManagerClient(self.endpoint, keys=self.keys, alive=self.mproc.is_alive)
+        self.client = ManagerClient(self.endpoint, keys=self.keys, alive=self.manager.alive)
         metrics_url = metrics_url.replace("0.0.0.0", self.host)
         rd.write_endpoints(self.endpoint, self.weights_endpoint, run_id=self.run_id, curve=self.keys is not None,
                            metrics=metrics_url, worker=WorkerSpec.from_config(cfg, self.context_tokens).to_json())
@@ -158,19 +159,26 @@ class RunServices:
         return dict(env=env, workers=t.tool_workers, timeout_s=t.tool_timeout_s)
 
     def _spawn_manager(self, environment: dict | None):
-        """The manager process with the run's settings (``manager.*``, ``policy.*``, streaming and relay);
-        ``(process, endpoint, metrics_url)``."""
+        """The manager process with the run's settings (``manager.*``, ``policy.*``, streaming and relay), kept
+        running by a :class:`~rlboost_hpc.manager.supervisor.ManagerSupervisor` (``manager.restarts``); a resumed
+        run's first manager continues what the work log holds."""
+        import functools
+
         from rlboost_hpc.manager.service import spawn_manager
         from rlboost_hpc.manager.settings import ManagerSettings
+        from rlboost_hpc.manager.supervisor import ManagerSupervisor
 
         cfg = self.cfg
         metrics_host = None if cfg.manager.metrics is False else cfg.network.bind_host
-        return spawn_manager(
-            bind=f"tcp://{cfg.network.bind_host}:0", keys_dir=str(self.run_dir.root) if self.keys else None,
-            metrics_host=metrics_host, journal_path=str(self.run_dir.journal), run_id=self.run_id,
-            environment=environment, settings=ManagerSettings.from_config(cfg))
+        spawn = functools.partial(
+            spawn_manager, keys_dir=str(self.run_dir.root) if self.keys else None, metrics_host=metrics_host,
+            journal_path=str(self.run_dir.journal), run_id=self.run_id, environment=environment,
+            settings=ManagerSettings.from_config(cfg), work_log=str(self.run_dir.work_log))
+        return ManagerSupervisor(spawn, restore=self._resuming, restarts=cfg.manager.restarts,
+                                 window_s=cfg.manager.restart_window_s, bind=f"tcp://{cfg.network.bind_host}:0")
 
     def _stop_manager(self) -> None:
+        self.manager.stopping = True  # no restart from here on
         if self._hello:  # the manager takes Shutdown from the trainer it knows only
             try:
                 self.client.call(M.Shutdown(reason="run finished"), timeout_s=5)
@@ -178,12 +186,13 @@ class RunServices:
                 pass
         if self.client is not None:
             self.client.close()
+        proc = self.manager.proc
         if not self._hello:
-            self.mproc.terminate()  # no trainer yet: SIGTERM stops its loop and closes its tool workers
-        self.mproc.join(timeout=10)
-        if self.mproc.is_alive():
-            self.mproc.kill()
-            self.mproc.join(timeout=5)
+            proc.terminate()  # no trainer yet: SIGTERM stops its loop and closes its tool workers
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
 
     def _backend(self):
         cfg, t = self.cfg, self.cfg.trainer
@@ -250,7 +259,7 @@ class RunServices:
         if cfg.cluster.preempt_when_busy:  # the cluster's thread asks the manager on a socket of its own
             from rlboost_hpc.trainer.client import ManagerClient
 
-            probe = ManagerClient(self.endpoint, keys=self.keys, alive=self.mproc.is_alive, timeout_s=2.0)
+            probe = ManagerClient(self.endpoint, keys=self.keys, alive=self.manager.alive, timeout_s=2.0)
             self.defer(probe.close)
             partial = lambda: {k: i.partial for k, i in probe.stats().instances.items()}  # noqa: E731
         self.cluster = LocalCluster(cfg.cluster, self.endpoint, self.run_dir.root, t_origin=self._t_origin,

@@ -47,7 +47,7 @@ def test_a_start_up_that_fails_half_way_stops_what_it_started(tmp_path, monkeypa
             pass
     assert time.monotonic() - t0 < 15
     svc = started["svc"]
-    assert not svc.mproc.is_alive() and svc.mproc.exitcode == 0  # left its loop on SIGTERM, not killed
+    assert not svc.manager.proc.is_alive() and svc.manager.proc.exitcode == 0  # left its loop on SIGTERM, not killed
     leaked = _children() - before
     assert not leaked, leaked
 
@@ -68,7 +68,7 @@ def test_services_start_hello_and_stop_in_reverse_order(tmp_path):
         st = svc.client.stats()
         assert st.latest_version == 0 and man["weight_checksum"] and "reserved#0" in st.instances
         assert RunDir(tmp_path / "run").endpoints.exists()
-    assert not svc.mproc.is_alive() and svc.mproc.exitcode == 0
+    assert not svc.manager.proc.is_alive() and svc.manager.proc.exitcode == 0
     assert time.monotonic() - t0 < 30
     leaked = _children() - before
     assert not leaked, leaked

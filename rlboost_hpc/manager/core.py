@@ -49,17 +49,11 @@ from typing import Callable
 from rlboost_hpc.observe.timeline import Activity, ActivityClock
 from rlboost_hpc.policy.dispatch import Balancer, PlateauEstimator, RoundRobin, choose_instance
 from rlboost_hpc.policy.relay import RelayTree, Source
-from rlboost_hpc.manager.state import (
-    ALLOWED_TRANSITIONS,
-    ENV_PEER,
-    Group,
-    Instance,
-    InstanceState,
-    Request,
-    RequestState,
-    StepWork,
-)
+from rlboost_hpc.manager.state import (ALLOWED_TRANSITIONS, ENV_PEER, Group, Instance, InstanceState, Request,
+                                       RequestState, StepWork)
+from rlboost_hpc.manager import worklog as W
 from rlboost_hpc.manager.balance import balance
+from rlboost_hpc.manager.restore import adopt, release_held
 from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.manager.stats import ManagerDistributions, VersionServingClock, manager_stats
 from rlboost_hpc.manager.trainer_calls import TrainerCalls
@@ -169,11 +163,20 @@ class ManagerCore(TrainerCalls):
         self.responses_truncated_by_cause: dict[str, int] = {}  # finished responses cut by a budget (M.TRUNCATION_CAUSES)
         # partial responses handed off by / resumed on instances of each engine kind ("torch", "sglang")
         self.migrations_by_engine: dict[str, dict[str, int]] = {"out_of": {}, "into": {}}
+        # crash recovery: records for the work log (manager/worklog.py; None: not journaled), and the unfinished
+        # responses a restarted manager holds for the instances that ran them until held_until (manager/restore.py)
+        self.worklog: list[W.Record] | None = None
+        self.held, self.held_until = {}, 0.0
 
     # ------------------------------------------------------------------ helpers
     def send(self, peer: bytes, msg: M._Msg) -> None:
         self.counters.messages_sent += 1
         self.outbox.append((peer, msg))
+
+    def log_work(self, rec: W.Record) -> None:
+        """Journal ``rec`` in the work log (when the manager keeps one)."""
+        if self.worklog is not None:
+            self.worklog.append(rec)
 
     def routable(self, inst: Instance) -> bool:
         if inst.state != S.READY or inst.version != self.latest_version:
@@ -309,6 +312,7 @@ class ManagerCore(TrainerCalls):
         self.activity.forget(inst.key)
         inst.gone_reason = reason
         self.by_peer.pop(inst.peer, None)
+        self.log_work(W.Left(inst.key))
         # A gone attempt leaves the registry, so that nothing a week-long run does per tick or per dispatch grows
         # with the attempts that ever ran; its identity is remembered (bounded) so it can never register again.
         del self.instances[inst.key]
@@ -380,6 +384,7 @@ class ManagerCore(TrainerCalls):
                                            registered_at=now, last_seen=now, engine=msg.engine,
                                            relay_endpoint=msg.relay_endpoint)
             self.by_peer[peer] = key
+            self.log_work(W.Joined(key, peer, msg.kind, msg.max_batch, msg.engine, msg.relay_endpoint))
             self.counters.registrations += 1
             self._note_activity(self.instances[key])
         inst = self.instances[key]
@@ -389,7 +394,8 @@ class ManagerCore(TrainerCalls):
             instance=key, latest_version=self.latest_version, weights_endpoint=self.weights_endpoint,
             model_config=self.model_config, model_arch=self.model_arch, heartbeat_s=self.heartbeat_s,
             stream_every_tokens=self.stream_every_tokens, stream_every_s=self.stream_every_s, epoch=self.epoch,
-            peers=list(src.peers), wait=src.wait, weights_shards=self.weights_shards))
+            peers=list(src.peers), wait=src.wait, weights_shards=self.weights_shards,
+            latest_checksum=self.latest_checksum, resend=inst.restored))
 
     def _unknown(self, peer: bytes, what: str) -> None:
         """A message from a peer that is not (or no longer) a registered instance: drop it and tell the peer
@@ -463,12 +469,16 @@ class ManagerCore(TrainerCalls):
             self.counters.late_tokens += total
             return self._unknown(peer, "tokens")
         inst.tokens_received += total
-        requests, key = self.requests, inst.key
+        requests, key, wl = self.requests, inst.key, self.worklog
         ids, lps = memoryview(msg.ids), memoryview(msg.logprobs)
         lo = late = 0
         for rid, off, cnt, ver, fin in zip(msg.rids, msg.offsets, counts, msg.versions, msg.finish):
             hi = lo + 4 * cnt
             req = requests.get(rid)
+            if req is not None and req.instance != key and self.held:  # (after a restart: held for its instance)
+                skip = adopt(self, req, inst, off, ids[lo:hi])  # tokens of the delta the work log already holds
+                if skip:
+                    lo, off, cnt, late = lo + 4 * skip, off + skip, cnt - skip, late + skip
             if req is None or req.instance != key or req.state != R.RUNNING:
                 late += cnt
             elif ver != req.version:
@@ -490,6 +500,8 @@ class ManagerCore(TrainerCalls):
                 req.ids += ids[lo:hi]
                 req.logprobs += lps[lo:hi]
                 req.n += cnt
+                if wl is not None:
+                    wl.append(W.Delta(rid, bytes(ids[lo:hi]), bytes(lps[lo:hi]), ver))
                 runs = req.runs
                 if runs and runs[-2] == ver:
                     runs[-1] += cnt
@@ -502,6 +514,8 @@ class ManagerCore(TrainerCalls):
                     self._turn_done(req, fin)
             lo = hi
         self.counters.late_tokens += late
+        if msg.resent:  # it sent all it holds: nothing more to adopt from it, nothing unsent (manager/restore.py)
+            inst.restored, inst.tokens_received, inst.tokens_generated = False, msg.generated, msg.generated
         rec = self.step_remote.get(key)
         if rec is not None:
             rec.last_s = self.clock()
@@ -513,6 +527,7 @@ class ManagerCore(TrainerCalls):
         self.counters.turns_completed += 1
         if fin == M.FINISH_STOP and req.calls_tool():
             req.move(R.ENVIRONMENT)
+            self.log_work(W.ToolCall(req.rid))
             self.counters.environment_calls += 1
             self.send(ENV_PEER, M.EnvCall(rid=req.rid, turn=req.turn, turn_ids=req.turn_ids()))
             return
@@ -521,6 +536,7 @@ class ManagerCore(TrainerCalls):
     def _finish(self, req: Request, reason: str) -> None:
         """``req`` is done for ``reason`` (one of ``M.FINISH_REASONS``; truncations counted by cause)."""
         req.move(R.DONE, finish_reason=reason)
+        self.log_work(W.Finished(req.rid, reason))
         self.step_done_s.append(self.clock())
         if reason != "stop":
             self.responses_truncated_by_cause[reason] = self.responses_truncated_by_cause.get(reason, 0) + 1
@@ -546,6 +562,7 @@ class ManagerCore(TrainerCalls):
             return
         self.counters.observation_tokens += len(msg.obs_ids) // 4
         req.append_observation(msg.obs_ids)
+        self.log_work(W.Observation(req.rid, msg.obs_ids))
         req.move(R.QUEUED)
         self.queue.appendleft(req.rid)
 
@@ -608,27 +625,14 @@ class ManagerCore(TrainerCalls):
                     self._instance_gone(inst, f"silent for {now - inst.last_seen:.1f}s", cause=None)
             elif inst.state != S.GONE and now - inst.last_seen > self.heartbeat_timeout_s:
                 self._suspect(inst, f"no heartbeat for {now - inst.last_seen:.1f}s")
-        self._balance(now)
+        balance(self, now)  # invariant 6
+        release_held(self, now)
         if now - self._last_alive >= self.alive_every_s:
             self._last_alive = now
             for inst in self.instances.values():
                 if inst.state not in (S.GONE, S.SUSPECT):
                     self.send(inst.peer, M.Alive(epoch=self.epoch))
         self.dispatch()
-
-    def end_fallback(self, now: float, *, force: bool = False) -> None:
-        """End the step's co-located fallback (seeding closed with no remote capacity) once a preemptible instance
-        is pulling or ready — remote capacity, as the simulator defines it — or when ``force`` (the rollout is done,
-        the step ends); its seconds add to ``step_fallback_s``."""
-        if self.fallback_since is None:
-            return
-        if force or any(i.kind == "preemptible" and i.state in (S.PULLING, S.READY) for i in self.instances.values()):
-            self.step_fallback_s += max(0.0, now - self.fallback_since)
-            self.fallback_since = None
-
-    def _balance(self, now: float) -> None:
-        """Invariant 6 (:func:`~rlboost_hpc.manager.balance.balance`)."""
-        balance(self, now)
 
     def dispatch(self) -> None:
         """Join-shortest-queue (``policy.dispatch.choose_instance``): give each queued request to the routable

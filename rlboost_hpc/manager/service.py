@@ -24,6 +24,7 @@ from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.tasks.tools import ToolCalls
 
 if TYPE_CHECKING:
+    from rlboost_hpc.manager.worklog import WorkLog
     from rlboost_hpc.observe.metrics import ManagerMetrics
 
 log = logging.getLogger("rlboost.manager")
@@ -35,8 +36,9 @@ class ManagerService:
 
     def __init__(self, core: ManagerCore, bind: str = "tcp://127.0.0.1:0", *, ctx: zmq.Context | None = None,
                  keys: RunKeys | None = None, metrics: "ManagerMetrics | None" = None,
-                 environment: ToolCalls | None = None):
+                 environment: ToolCalls | None = None, worklog: "WorkLog | None" = None):
         self.core = core
+        self.worklog = worklog  # the step in flight, journaled (group commit before the replies that need it)
         # tool calls of multi-turn trajectories (EnvCall → a call in the pool → EnvResult), in worker processes
         self.env = environment
         self.ctx = ctx or zmq.Context.instance()
@@ -80,6 +82,17 @@ class ManagerService:
                 raise
             self.core.disconnected(peer)
             return False
+
+    def _journal(self, now: float) -> None:
+        """Hand the core's new work-log records to the log and commit when one is owed — before any reply that
+        follows them is sent."""
+        if self.worklog is None:
+            return
+        if self.core.worklog:
+            self.worklog.write(self.core.worklog, now)
+            self.core.worklog.clear()
+        if self.worklog.due(now):
+            self.worklog.commit()
 
     def _flush(self) -> None:
         out, self.core.outbox = self.core.outbox, []
@@ -174,11 +187,15 @@ class ManagerService:
                 # once per tick
                 self.core.dispatch()
                 last_dispatch = now
+            self._journal(now)
             if self.core.outbox:
                 self._flush()
+        self._journal(float("inf"))
         self._flush()
 
     def close(self) -> None:
+        if self.worklog is not None:
+            self.worklog.close()
         if self.env is not None:
             self.env.close()
         self.sock.disable_monitor()
@@ -188,10 +205,14 @@ class ManagerService:
 
 def run_manager_process(bind: str, settings: ManagerSettings, conn, keys_dir: str | None = None,
                         metrics_host: str | None = None, journal_path: str | None = None,
-                        run_id: str | None = None, log_sink=None, environment: dict | None = None) -> None:
+                        run_id: str | None = None, log_sink=None, environment: dict | None = None,
+                        work_log: str | None = None, restore: bool = False, metrics_port: int = 0) -> None:
     """Entry point of the manager process: serve, report the bound endpoint through ``conn`` (a Pipe end).
     With ``keys_dir`` (a run directory holding ``keys/keys.json``) every connection must prove the run's key.
-    With ``journal_path`` the manager starts a new epoch in that journal and records every version there.
+    With ``journal_path`` the manager starts a new epoch in that journal and records every version there; with
+    ``work_log`` too, it journals the step in flight there (``manager/worklog.py``) and, when ``restore``, first
+    continues what the log holds (``manager/restore.py``; a log of another run exits 2 naming the file).
+    ``metrics_port``: the Prometheus port to take again (a restart; 0: a free one).
     ``run_id`` tags its log lines. ``environment``: :class:`~rlboost_hpc.tasks.tools.ToolCalls` arguments
     (``env``: a :class:`~rlboost_hpc.tasks.tools.ToolEnvironment`, ``workers``, ``timeout_s``) of the pool that
     answers multi-turn trajectories' tool calls; None: single-turn only."""
@@ -210,16 +231,32 @@ def run_manager_process(bind: str, settings: ManagerSettings, conn, keys_dir: st
         core.epoch = journal.epoch
         core.on_version = lambda v: journal.append({"event": "version", "version": v})
         log.info("manager epoch %d (journal %s)", journal.epoch, journal_path)
+    wlog = None
+    if work_log is not None:
+        from rlboost_hpc.manager.restore import restore as restore_core
+        from rlboost_hpc.manager.worklog import WorkLog, WorkLogError
+
+        try:
+            wlog = WorkLog(work_log, run_id or "", core.epoch, keep=restore, commit_every_s=settings.commit_every_s)
+        except WorkLogError as e:
+            conn.send(("error", str(e)))
+            raise SystemExit(2) from None
+        core.worklog = []
+        if wlog.restored:
+            restore_core(core, wlog.restored, time.monotonic(), hold_s=settings.heartbeat_timeout_s)
     metrics = None
     metrics_url = ""
     if metrics_host is not None:  # Prometheus endpoint on a free port (its URL goes to endpoints.json)
         from rlboost_hpc.observe.metrics import ManagerMetrics, serve_metrics
 
         metrics = ManagerMetrics(run_id or "")
-        h, port = serve_metrics(metrics, host=metrics_host)
+        try:
+            h, port = serve_metrics(metrics, host=metrics_host, port=metrics_port)
+        except OSError:  # the old port is taken meanwhile: a new one (endpoints.json keeps naming the old)
+            h, port = serve_metrics(metrics, host=metrics_host)
         metrics_url = f"http://{h}:{port}/metrics"
     svc = ManagerService(core, bind, keys=RunKeys.load(keys_dir) if keys_dir else None, metrics=metrics,
-                         environment=ToolCalls(**environment) if environment is not None else None)
+                         environment=ToolCalls(**environment) if environment is not None else None, worklog=wlog)
     import signal
 
     # SIGTERM (the run stopping a manager no trainer ever said hello to): leave the loop, close the tool workers.
@@ -228,7 +265,7 @@ def run_manager_process(bind: str, settings: ManagerSettings, conn, keys_dir: st
     # Ctrl-C on a terminal reaches the whole foreground process group: the trainer that started us handles it
     # (it stops us), so the manager never dies of it half-way or prints a KeyboardInterrupt of its own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    conn.send((svc.endpoint, metrics_url))
+    conn.send(("ok", (svc.endpoint, metrics_url)))
     conn.close()
     parent = os.getppid()
 
@@ -250,13 +287,15 @@ def run_manager_process(bind: str, settings: ManagerSettings, conn, keys_dir: st
 
 def spawn_manager(settings: ManagerSettings | None = None, bind: str = "tcp://127.0.0.1:0", timeout_s: float = 60.0,
                   keys_dir: str | None = None, metrics_host: str | None = None, journal_path: str | None = None,
-                  run_id: str | None = None, environment: dict | None = None):
+                  run_id: str | None = None, environment: dict | None = None, work_log: str | None = None,
+                  restore: bool = False, metrics_port: int = 0):
     """Start the manager in its own (spawned) process with ``settings`` (:class:`ManagerSettings`; its defaults
-    when None); ``environment`` as in :func:`run_manager_process`.
+    when None); ``environment``, ``work_log``, ``restore`` and ``metrics_port`` as in :func:`run_manager_process`.
 
     Returns ``(process, endpoint, metrics_url)`` (``metrics_url`` is "" unless ``metrics_host`` is given).
     The manager logs where this process logs (:func:`~rlboost_hpc.observe.logs.current_sink`).
-    Raises RuntimeError if the process does not report its endpoint in time.
+    Raises RuntimeError if the process does not report its endpoint in time, WorkLogError (exit 2) for a work log
+    of another run.
     """
     import multiprocessing as mp
 
@@ -266,7 +305,7 @@ def spawn_manager(settings: ManagerSettings | None = None, bind: str = "tcp://12
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=run_manager_process,
                        args=(bind, settings or ManagerSettings(), child, keys_dir, metrics_host, journal_path, run_id, current_sink(),
-                             environment),
+                             environment, work_log, restore, metrics_port),
                        # a daemonic process may not start the environment's worker processes; without the flag the
                        # manager still never outlives its parent (watch_parent) and the run joins or kills it
                        name="rlboost-manager", daemon=environment is None)
@@ -275,5 +314,11 @@ def spawn_manager(settings: ManagerSettings | None = None, bind: str = "tcp://12
     if not parent.poll(timeout_s):
         proc.kill()
         raise RuntimeError(f"the rollout manager process did not report its endpoint within {timeout_s:.0f} s")
-    endpoint, metrics_url = parent.recv()
+    status, got = parent.recv()
+    if status != "ok":
+        from rlboost_hpc.manager.worklog import WorkLogError
+
+        proc.join(timeout=5)
+        raise WorkLogError(got)
+    endpoint, metrics_url = got
     return proc, endpoint, metrics_url

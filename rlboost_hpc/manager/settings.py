@@ -23,7 +23,8 @@ class ManagerSettings:
     before its step fails. ``stream_every_tokens`` / ``stream_every_s``: the engines' streaming cadence (sent in
     ``Welcome``). ``dispatch_policy``: ``jsq`` (RLBoost) or ``round_robin`` (ablation). ``balance``: continuous
     balancing on, every ``balance_every_s``. ``relay_fanout``: pullers a relay holder serves (0: relay off);
-    ``relay_trainer_fanout``: pullers the trainer serves while relay is on."""
+    ``relay_trainer_fanout``: pullers the trainer serves while relay is on. ``commit_every_s``: the work log's
+    group-commit window (the most a manager kill loses, ``manager/worklog.py``)."""
 
     pending_limit: int = D.PENDING_LIMIT
     heartbeat_s: float = D.HEARTBEAT_S
@@ -38,6 +39,7 @@ class ManagerSettings:
     balance_every_s: float = D.BALANCE_EVERY_S
     relay_fanout: int = 0
     relay_trainer_fanout: int = D.RELAY_TRAINER_FANOUT
+    commit_every_s: float = D.WORK_COMMIT_S
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> "ManagerSettings":
@@ -51,4 +53,4 @@ class ManagerSettings:
                    stream_every_s=cfg.rollout.stream_every_s, dispatch_policy=cfg.policy.dispatch,
                    balance=cfg.policy.balance, balance_every_s=cfg.policy.balance_every_s,
                    relay_fanout=cfg.weights.relay_fanout if cfg.weights.relay else 0,
-                   relay_trainer_fanout=cfg.weights.relay_trainer_fanout)
+                   relay_trainer_fanout=cfg.weights.relay_trainer_fanout, commit_every_s=m.commit_every_s)

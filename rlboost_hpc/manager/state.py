@@ -15,7 +15,7 @@ from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.tasks.tools import turn_seed
 
 __all__ = ["ALLOWED_TRANSITIONS", "REQUEST_TRANSITIONS", "ENV_PEER", "Group", "Instance", "InstanceState", "Request", "RequestState",
-           "StepWork"]
+           "StepWork", "step_requests"]
 
 #: The peer id of the environment (tool calls of multi-turn trajectories): a pool in the manager's own process.
 #: ZeroMQ never gives a network peer this id (peer-chosen ids cannot start with a zero byte, generated ones are 5
@@ -90,6 +90,7 @@ class Instance:
     suspect_since: float = 0.0
     suspect_from: InstanceState | None = None  # the state it was in when it went silent
     taken_back: set[str] = field(default_factory=set)  # responses migrated off it while it was suspect
+    restored: bool = False  # rebuilt from the work log by a restarted manager (it registered with the one before)
 
 
 @dataclass
@@ -155,6 +156,17 @@ class Request:
         if new == RequestState.DONE:
             self.finish_reason = finish_reason
 
+    def append(self, ids: bytes | memoryview, logprobs: bytes | memoryview, count: int, version: int) -> None:
+        """Append ``count`` tokens (packed int32 ``ids``, float32 ``logprobs``) produced by weight ``version``."""
+        self.ids += ids
+        self.logprobs += logprobs
+        self.n += count
+        runs = self.runs
+        if runs and runs[-2] == version:
+            runs[-1] += count
+        else:
+            runs += (version, count)
+
     def turn_budget(self) -> int:
         """Tokens the current turn may have in all (its original budget, bounded by the trajectory's)."""
         return min(self.max_new_tokens, self.max_trajectory_tokens - self.turn_start)
@@ -184,13 +196,7 @@ class Request:
         """Append an observation (packed int32 ids) and open the next turn."""
         k = len(obs) // 4
         self.observations += (self.n, k)
-        self.ids += obs
-        self.logprobs += bytes(4 * k)
-        if self.runs and self.runs[-2] == self.version:
-            self.runs[-1] += k
-        else:
-            self.runs += (self.version, k)
-        self.n += k
+        self.append(obs, bytes(4 * k), k, self.version)
         self.turn += 1
         self.turn_start = self.n
 
@@ -209,6 +215,16 @@ class Request:
             top_p=self.top_p, seed=turn_seed(self.seed, self.turn),
             stop_ids=self.stop_ids, version=self.version,
         )
+
+
+def step_requests(step: int, version: int, g: M.GroupSpec) -> list[Request]:
+    """The ``g.n`` responses of GRPO group ``g`` of ``step`` (ids ``<gid>/<i>``, sampling seed ``g.seed + i``), all of
+    weight ``version``: what a submitted step, and a step rebuilt from the work log, holds."""
+    return [Request(rid=f"{g.gid}/{i}", step=step, gid=g.gid, sample=i, prompt_ids=list(g.prompt_ids),
+                    max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, seed=g.seed + i,
+                    stop_ids=sorted(set(g.stop_ids) | set(g.tool_stop_ids)), version=version, max_turns=g.max_turns,
+                    max_trajectory_tokens=g.max_trajectory_tokens, tool_stop_ids=frozenset(g.tool_stop_ids))
+            for i in range(g.n)]
 
 
 @dataclass

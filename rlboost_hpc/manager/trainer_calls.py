@@ -15,7 +15,10 @@ from typing import Callable
 
 import numpy as np
 
-from rlboost_hpc.manager.state import Group, Instance, Request, RequestState as R, InstanceState as S, StepWork
+from rlboost_hpc.manager import worklog as W
+from rlboost_hpc.manager.restore import discard_stale, new_trainer
+from rlboost_hpc.manager.state import (Group, Instance, Request, RequestState as R, InstanceState as S, StepWork,
+                                       step_requests)
 from rlboost_hpc.manager.stats import ManagerDistributions, VersionServingClock
 from rlboost_hpc.observe.timeline import ActivityClock, response_tail_s
 from rlboost_hpc.policy.observation import RemoteWork, observe_remote
@@ -35,8 +38,8 @@ class TrainerCalls:
     """
 
     #: the core's methods this part calls
-    CORE_METHODS = ("send", "stats", "routable", "live_instances", "end_fallback", "_unknown", "_note_activity",
-                    "_new_version")
+    CORE_METHODS = ("send", "stats", "routable", "live_instances", "_unknown", "_note_activity",
+                    "_new_version", "log_work")
 
     # the core's state this part reads and writes (set in ManagerCore.__init__)
     clock: Callable[[], float]
@@ -72,8 +75,13 @@ class TrainerCalls:
     last_step_remote: StepRemote
     last_step_activity: StepActivity
     last_step_mismatch: dict[str, float]
+    worklog: list | None
+    _new_trainer: bool = False  # a trainer other than the one the work log names said hello: its version rules
 
     def _on_TrainerHello(self, peer: bytes, inst: Instance | None, msg: M.TrainerHello) -> None:
+        if self.trainer_peer not in (None, peer):  # a resumed trainer takes over the restored step
+            new_trainer(self)
+            self._new_trainer = True
         self.trainer_peer = peer
         self.weights_endpoint = msg.weights_endpoint
         self.weights_shards = msg.weights_shards
@@ -81,7 +89,12 @@ class TrainerCalls:
             self.relay.fanout = 0
         self.model_config = msg.model_config
         self.model_arch = msg.model_arch
+        self.log_work(self._hello_record())
         self.send(peer, M.Ok(what="hello", cid=msg.cid))
+
+    def _hello_record(self) -> W.Hello:
+        return W.Hello(self.trainer_peer or b"", self.weights_endpoint, self.weights_shards, self.model_config,
+                       self.model_arch)
 
     def _trainer_only(self, peer: bytes, what: str) -> bool:
         if peer != self.trainer_peer:
@@ -93,15 +106,22 @@ class TrainerCalls:
         if not self._trainer_only(peer, "set-version"):
             return
         if msg.version == self.latest_version:  # a resent call (its reply was lost): already in force
+            self._new_trainer = False
             self.send(peer, M.Ok(what="setver", cid=msg.cid))
             return
+        # a trainer resumed from a checkpoint of another version: the restored work is not its own, and its version
+        # rules (it may be older than the restored one)
+        resumed, self._new_trainer = self._new_trainer, False
+        if resumed and discard_stale(self):
+            log.warning("the resumed trainer's version %d is not the restored %d: the restored unfinished "
+                        "responses are discarded", msg.version, self.latest_version)
         unfinished = [r for r in self.requests.values() if r.state != R.DONE]
         if unfinished:
             self.send(peer, M.Error(what="setver", cid=msg.cid, error=(
                 f"{len(unfinished)} responses of version {self.latest_version} are unfinished; the version "
                 "changes only between steps (in-flight work is never discarded)")))
             return
-        if msg.version < self.latest_version:
+        if msg.version < self.latest_version and not resumed:
             self.send(peer, M.Error(what="setver", cid=msg.cid,
                                     error=f"version {msg.version} < latest {self.latest_version}"))
             return
@@ -117,6 +137,7 @@ class TrainerCalls:
         self.step_remote, self.step_rollout_done_at, self.step_fallback_s = {}, None, 0.0
         self.latest_version = msg.version
         self.latest_checksum = msg.checksum
+        self.log_work(W.Version(msg.version, msg.checksum))
         for i in self.instances.values():  # an instance holding the old version is pulling from now on
             if i.state != S.GONE:
                 self._note_activity(i)
@@ -138,40 +159,46 @@ class TrainerCalls:
                                                                       f"latest is {self.latest_version}"))
             return
         if msg.step == self.step and msg.groups and all(
-                g.gid in self.groups and self.groups[g.gid].step == msg.step for g in msg.groups):
+                g.gid in self.groups and self.groups[g.gid].step == msg.step
+                and self.requests[self.groups[g.gid].rids[0]].prompt_ids == list(g.prompt_ids) for g in msg.groups):
             self.send(peer, M.Ok(what="submit", cid=msg.cid))  # a resent call: the step is already submitted
             return
         if not self.environment and any(g.max_turns > 1 for g in msg.groups):
             self.send(peer, M.Error(what="submit", cid=msg.cid, error="multi-turn groups need an environment "
                                                                       "(the manager was started without one)"))
             return
-        # Delivered groups of earlier steps are no longer needed.
+        dup = next((f"{g.gid}/{i}" for g in msg.groups for i in range(g.n) if f"{g.gid}/{i}" in self.requests
+                    and not self.groups[g.gid].delivered), None)
+        if dup is not None:
+            self.send(peer, M.Error(what="submit", cid=msg.cid, error=f"duplicate request id {dup}"))
+            return
+        self.begin_step(msg.step, msg.version, msg.groups)
+        if self.worklog is not None:  # the last step is over: its records give way to a snapshot (compaction)
+            self.worklog[:] = [W.Compact(), self._hello_record(), W.Version(self.latest_version, self.latest_checksum),
+                               *(W.Joined(i.key, i.peer, i.kind, i.max_batch, i.engine, i.relay_endpoint)
+                                 for i in self.instances.values() if i.state != S.GONE),
+                               W.Counters(self.counters), W.Submit(msg.step, msg.version, list(msg.groups))]
+        self.send(peer, M.Ok(what="submit", cid=msg.cid))
+
+    def begin_step(self, step: int, version: int, groups: list[M.GroupSpec]) -> None:
+        """Forget the delivered groups of earlier steps, open seeding and queue ``groups`` of ``step`` (weight
+        ``version``): a submitted step, or one rebuilt from the work log."""
         for gid in [g for g, grp in self.groups.items() if grp.delivered]:
             for rid in self.groups.pop(gid).rids:
                 self.requests.pop(rid, None)
-        self.step, self.seeding_open, self.failed_step = msg.step, True, None
-        for g in msg.groups:
-            rids = []
-            for i in range(g.n):
-                rid = f"{g.gid}/{i}"
-                if rid in self.requests:
-                    self.send(peer, M.Error(what="submit", cid=msg.cid, error=f"duplicate request id {rid}"))
-                    return
-                self.requests[rid] = Request(
-                    rid=rid, step=msg.step, gid=g.gid, sample=i, prompt_ids=list(g.prompt_ids),
-                    max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                    seed=g.seed + i, stop_ids=sorted(set(g.stop_ids) | set(g.tool_stop_ids)), version=msg.version,
-                    max_turns=g.max_turns, max_trajectory_tokens=g.max_trajectory_tokens,
-                    tool_stop_ids=frozenset(g.tool_stop_ids))
-                self.queue.append(rid)
-                rids.append(rid)
-            self.groups[g.gid] = Group(step=msg.step, gid=g.gid, rids=rids)
-        self.send(peer, M.Ok(what="submit", cid=msg.cid))
+        self.step, self.seeding_open, self.failed_step = step, True, None
+        for g in groups:
+            reqs = step_requests(step, version, g)
+            for r in reqs:
+                self.requests[r.rid] = r
+                self.queue.append(r.rid)
+            self.groups[g.gid] = Group(step=step, gid=g.gid, rids=[r.rid for r in reqs])
 
     def _on_CloseSeeding(self, peer: bytes, inst: Instance | None, msg: M.CloseSeeding) -> None:
         if not self._trainer_only(peer, "close-seeding"):
             return
         self.seeding_open = False
+        self.log_work(W.Seeding(False))
         remote = any(i.kind == "preemptible" and self.routable(i) for i in self.instances.values())
         released = self.release_reserved() if remote else 0
         if not remote:  # the reserved engine keeps generating until remote capacity appears (end_fallback)
@@ -209,8 +236,9 @@ class TrainerCalls:
     def _on_AckGroup(self, peer: bytes, inst: Instance | None, msg: M.AckGroup) -> None:
         if self._trainer_only(peer, "ack"):
             grp = self.groups.get(msg.gid)
-            if grp is not None:
+            if grp is not None and not grp.delivered:
                 grp.delivered = True
+                self.log_work(W.Acked(msg.gid))
 
     def _on_GetStats(self, peer: bytes, inst: Instance | None, msg: M.GetStats) -> None:
         self.send(peer, M.Stats(stats=self.stats(), cid=msg.cid))
@@ -249,6 +277,16 @@ class TrainerCalls:
                 migrations=r.migrations, instances=r.instances,
                 observation_runs=np.array(r.observations, dtype="<i4").tobytes(), turns=r.turn + 1))
         self.send(self.trainer_peer, M.GroupDone(step=grp.step, gid=grp.gid, responses=responses))
+
+    def end_fallback(self, now: float, *, force: bool = False) -> None:
+        """End the step's co-located fallback (seeding closed with no remote capacity) once a preemptible instance
+        is pulling or ready — remote capacity, as the simulator defines it — or when ``force`` (the rollout is done,
+        the step ends); its seconds add to ``step_fallback_s``."""
+        if self.fallback_since is None:
+            return
+        if force or any(i.kind == "preemptible" and i.state in (S.PULLING, S.READY) for i in self.instances.values()):
+            self.step_fallback_s += max(0.0, now - self.fallback_since)
+            self.fallback_since = None
 
     def _fail_step(self, error: str) -> None:
         self.failed_step = error

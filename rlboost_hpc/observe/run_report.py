@@ -26,6 +26,8 @@ Schema (:class:`RunReport`; every key below is always present except the multi-t
   ``tokens_migrated``, ``tokens_regenerated`` (and ``_after_warning``), ``instances_suspected`` /
   ``_recovered`` / ``_lost_without_warning`` / ``_lost_while_pulling`` / ``_preempted_with_warning`` /
   ``_time_limit`` / ``_drained``, ``stalls``, ``link_resets``, ``slow_weight_loads``, ``deltas_out_of_order``,
+  ``manager_restarts`` (manager processes the trainer restarted, each continuing the step from its work log),
+  ``responses_adopted`` (unfinished responses a restarted manager's instances continued, their tokens kept),
   ``balancer_moves``, ``migrations_by_engine`` (``out_of`` / ``into`` → engine → count),
   ``migrated_responses_trained``, ``protocol_rejects``.
 - weights: ``weight_pulls`` (verified loads), ``weight_pull_failures``, ``weight_pull_seconds_mean``
@@ -76,6 +78,8 @@ class FaultTally(msgspec.Struct, kw_only=True):
     instances_recovered: int = 0
     slow_weight_loads: int = 0
     deltas_out_of_order: int = 0
+    manager_restarts: int = 0
+    responses_adopted: int = 0
 
     @classmethod
     def observe(cls, stats: ManagerStats, cluster: dict[str, int] | None) -> "FaultTally":
@@ -159,6 +163,8 @@ class RunReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     link_resets: int
     slow_weight_loads: int
     deltas_out_of_order: int
+    manager_restarts: int
+    responses_adopted: int
     instances_lost_while_pulling: int
     prompts_not_trained_exactly_once: int
     instances_preempted_with_warning: int
@@ -296,6 +302,7 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         instances_lost_without_warning=stats.instances_lost, instances_suspected=tally.instances_suspected,
         instances_recovered=tally.instances_recovered, stalls=tally.stalls, link_resets=tally.link_resets,
         slow_weight_loads=tally.slow_weight_loads, deltas_out_of_order=tally.deltas_out_of_order,
+        manager_restarts=tally.manager_restarts, responses_adopted=tally.responses_adopted,
         instances_lost_while_pulling=tally.instances_lost_while_pulling,
         prompts_not_trained_exactly_once=prompts_not_trained_once,
         instances_preempted_with_warning=stats.instances_preempted_with_warning,

@@ -85,7 +85,9 @@ class WeightsFailed(_Msg, tag="wfailed"):
 class Tokens(_Msg, tag="tok"):
     """A batch of token deltas, columnar. Delta i covers ``counts[i]`` tokens of request ``rids[i]`` starting
     at response position ``offsets[i]``, produced by weight version ``versions[i]``; ``finish[i]`` is a
-    FINISH_* code. ``ids`` (int32) and ``logprobs`` (float32) are the concatenated payloads (little-endian)."""
+    FINISH_* code. ``ids`` (int32) and ``logprobs`` (float32) are the concatenated payloads (little-endian).
+    ``resent``: the instance's answer to ``Welcome.resend`` — every response it holds, whole (possibly none) — with
+    ``generated``, the tokens it generated in its life (all of them sent by now)."""
 
     rids: list[str]
     offsets: list[Annotated[int, msgspec.Meta(ge=0)]]
@@ -94,6 +96,8 @@ class Tokens(_Msg, tag="tok"):
     finish: list[Literal[0, 1, 2]]
     ids: bytes
     logprobs: bytes
+    resent: bool = False
+    generated: Annotated[int, msgspec.Meta(ge=0)] = 0
 
     def validate(self) -> None:
         """Raise ProtocolError unless the columns are parallel and the payload sizes match (value ranges are
@@ -162,6 +166,11 @@ class Welcome(_Msg, tag="welcome"):
     peers: list[str] = []  # relay: holders to fetch the latest version's chunks from (then the trainer)
     wait: bool = False  # relay: no holder free yet — wait for PullFrom (at most the agent's relay deadline)
     weights_shards: str = ""  # sharded versions: the assembly manifest (JSON, weights/sharded.py); "" = one server
+    # the latest version's whole-version checksum (0: unknown): an instance that re-registers with a restarted manager
+    # keeps its weights when it holds this version with this checksum
+    latest_checksum: int = 0
+    # a manager restarted from its work log knew this instance: send every response's tokens again, whole
+    resend: bool = False
 
 
 class Alive(_Msg, tag="alive"):

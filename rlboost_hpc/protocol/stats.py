@@ -60,6 +60,13 @@ class ManagerCounters(msgspec.Struct, kw_only=True):
     observation_tokens: int = 0
     tokens_in_interrupted_turns: int = 0
     assistant_tokens_in_interrupted_trajectories: int = 0
+    # crash recovery (manager/restore.py): restarts of the manager that rebuilt the step in flight from the work log,
+    # held responses an instance continued at the logged length (its tokens from the outage kept), and responses of
+    # a version a resumed trainer did not have (dropped, with their tokens)
+    manager_restarts: int = 0
+    responses_adopted: int = 0
+    responses_discarded_stale: int = 0
+    tokens_discarded_stale: int = 0
 
 
 class InstanceSnapshot(msgspec.Struct, kw_only=True):

@@ -26,7 +26,10 @@ in a thread of the trainer process. Invariants:
   its tokens, then ``RequestFailed`` — while the engine serves the rest; an engine that fails as a whole ends the
   agent with exit code 4 after flushing what it produced (the manager resumes those responses elsewhere).
 - Weight versions are (manager epoch, version): after a manager restart (new epoch) an engine's weights count
-  as unknown until a version of the new epoch is loaded, even if the version numbers happen to match.
+  as unknown until a version of the new epoch is loaded, even if the version numbers happen to match — or until the
+  restarted manager's ``Welcome`` names the version the engine holds with the engine's own whole-version checksum.
+  An agent that hears a new epoch in ``Alive`` registers again under the same identity and keeps the responses it
+  runs: a manager restarted from its work log knows it and takes them back at the length it logged.
 """
 from __future__ import annotations
 
@@ -180,6 +183,11 @@ def _weights_loaded(version: int, got: PulledVersion, load_s: float) -> M.Weight
                            load_s=load_s, wire_bytes=got.wire_bytes)
 
 
+#: Seconds an agent keeps the tokens of a finished response for a restarted manager's resend (longer than a manager
+#: restart: its death noticed, a new process started, the instance registered again).
+RESEND_KEEP_S = 10.0
+
+
 @dataclass
 class _Pending:
     offset: int
@@ -254,6 +262,11 @@ class RolloutAgent:
         self._pull_failures = 0
         self._next_pull_at = 0.0
         self._startup_logged = False
+        self._asked_epoch = -1  # the restarted manager's epoch this agent registered again with
+        # every token sent of each response in flight (and of those finished in the last RESEND_KEEP_S seconds), from
+        # the offset it was assigned at: what a manager restarted from its work log asks for again (Welcome.resend)
+        self._sent: dict[str, _Pending] = {}
+        self._sent_done: deque[tuple[float, str]] = deque()
         self.timings: dict[str, float] = {"agent_start": time.time()}  # wall-clock seconds (comparable across processes)
 
     # ------------------------------------------------------------------ control
@@ -341,6 +354,8 @@ class RolloutAgent:
                     return
             self._pull, self._pull_failures = None, 0
             self.engine_epoch = self.welcome.epoch
+            while self._sent_done:  # responses of the version before: no manager asks for them again
+                self._sent.pop(self._sent_done.popleft()[1], None)
             self.timings.setdefault("weights_loaded", time.time())
             self._send(_weights_loaded(version, got, build_s if new_engine is not None else time.monotonic() - t0))
             return
@@ -365,6 +380,7 @@ class RolloutAgent:
             self._pending.clear()
         if not items:
             return
+        now = time.monotonic()
         for rid, p in items:
             rids.append(rid)
             offs.append(p.offset)
@@ -373,8 +389,33 @@ class RolloutAgent:
             fins.append(p.finish)
             ids.extend(p.ids)
             lps.extend(p.lps)
+            h = self._sent.get(rid)
+            if h is None:
+                h = self._sent[rid] = _Pending(offset=p.offset)
+            h.ids += p.ids
+            h.lps += p.lps
+            if p.finish:
+                h.finish = p.finish
+                self._sent_done.append((now, rid))
+        while self._sent_done and now - self._sent_done[0][0] > RESEND_KEEP_S:
+            self._sent.pop(self._sent_done.popleft()[1], None)
         self._send(M.Tokens(rids=rids, offsets=offs, counts=cnts, versions=vers, finish=fins,
                             ids=M.pack_i32(ids), logprobs=M.pack_f32(lps)))
+
+    def _resend(self) -> None:
+        """A manager restarted from its work log asks for every response's tokens again (its log may end a commit
+        window earlier): everything produced is flushed, then each response held is sent whole from the offset it
+        was assigned at, in one frame (the manager keeps what its log lacks, checking the overlap)."""
+        self._flush()
+        v = self.engine.version if self.engine is not None else -1
+        items = list(self._sent.items())
+        self._send(M.Tokens(rids=[r for r, _ in items], offsets=[h.offset for _, h in items],
+                            counts=[len(h.ids) for _, h in items], versions=[v] * len(items),
+                            finish=[h.finish for _, h in items], ids=M.pack_i32([i for _, h in items for i in h.ids]),
+                            logprobs=M.pack_f32([x for _, h in items for x in h.lps]), resent=True,
+                            generated=self.tokens_generated))
+        log.info("resent %d responses (%d tokens) to the restarted manager", len(items),
+                 sum(len(h.ids) for _, h in items))
 
     def _hand_back_failed(self, rid: str, error: str) -> None:
         """The engine dropped ``rid`` (its stream failed; the engine serves the others): send every token it
@@ -382,6 +423,7 @@ class RolloutAgent:
         log.warning("request %s failed on this engine; handing it back: %s", rid, error)
         self._flush()
         self._pos.pop(rid, None)
+        self._sent.pop(rid, None)
         self._send(M.RequestFailed(rid=rid, error=error[:2000]))
 
     def _on_events(self, events) -> bool:
@@ -428,6 +470,8 @@ class RolloutAgent:
         for rid in rids:
             self.tokens_handed_off += self._pos.pop(rid, 0)
         self._flush()
+        for rid in rids:
+            self._sent.pop(rid, None)
         self._send(M.Released(rids=list(rids), tokens_generated=self.tokens_generated))
 
     def _drain(self, reason: str) -> None:
@@ -452,8 +496,17 @@ class RolloutAgent:
 
     def _handle(self, msg: M._Msg) -> None:
         if isinstance(msg, M.Welcome):
+            if (self.engine is not None and self.engine_epoch != msg.epoch and msg.latest_checksum
+                    and self.engine.version == msg.latest_version
+                    and self.engine.weights_checksum == msg.latest_checksum):
+                # a restarted manager confirms the version these weights are (its checksum): keep them
+                log.info("manager epoch %d confirms version %d held since epoch %s", msg.epoch, msg.latest_version,
+                         self.engine_epoch)
+                self.engine_epoch = msg.epoch
             self.welcome = msg
             self.link.heartbeat_s = msg.heartbeat_s
+            if msg.resend:
+                self._resend()
             self._want(msg.latest_version, msg.peers, msg.wait)
             if self.held_version() == msg.latest_version >= 0:  # re-registration with this manager
                 self._send(_weights_loaded(self.engine.version, PulledVersion({}, self.engine.weights_checksum), 0.0))
@@ -467,6 +520,7 @@ class RolloutAgent:
                     self.engine.abort_many([w.rid])
                     self._pos.pop(w.rid, None)
                     self._pending.pop(w.rid, None)
+                self._sent.pop(w.rid, None)  # (a response resumed here again: its tokens start over)
                 if w.version != self.held_version() or self.engine is None:
                     self._send(M.RequestFailed(rid=w.rid, error=f"assigned version {w.version}, instance holds "
                                                f"{self.held_version()}"))
@@ -489,7 +543,12 @@ class RolloutAgent:
                 self.want_peers = list(msg.peers)
                 self._next_pull_at = time.monotonic()  # relay capacity: start now (or once the pull in flight ends)
         elif isinstance(msg, M.Alive):
-            pass  # liveness only (last_rx was updated)
+            if self.welcome is not None and msg.epoch != self.welcome.epoch and msg.epoch != self._asked_epoch:
+                # the manager restarted (it knows us from its work log): register again under the same identity,
+                # keeping the responses in flight (the restarted manager takes them back at their logged length)
+                log.warning("manager restarted (epoch %d → %d); registering again", self.welcome.epoch, msg.epoch)
+                self._asked_epoch = msg.epoch
+                self._send(self._register())
         elif isinstance(msg, M.Drain):
             self.request_stop(f"drain: {msg.reason}", "stopped")  # the run ends (manager shutdown)
         elif isinstance(msg, M.Reject):
@@ -510,12 +569,16 @@ class RolloutAgent:
             self.engine.abort_many(list(self._pos))  # the manager already resumed these elsewhere
         self._pos.clear()
         self._pending.clear()
+        self._sent.clear()
         self.attempt += 1
         self.welcome = None
         self._t_reg = time.monotonic()
-        self._send(M.Register(job_id=self.job_id, attempt=self.attempt, kind=self.kind, max_batch=self.max_batch,
-                              host=socket.gethostname(), pid=os.getpid(), node=self.node, engine=self.engine_name,
-                              relay_endpoint=self.relay_endpoint))
+        self._send(self._register())
+
+    def _register(self) -> M.Register:
+        return M.Register(job_id=self.job_id, attempt=self.attempt, kind=self.kind, max_batch=self.max_batch,
+                          host=socket.gethostname(), pid=os.getpid(), node=self.node, engine=self.engine_name,
+                          relay_endpoint=self.relay_endpoint)
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:
@@ -544,10 +607,7 @@ class RolloutAgent:
                 self.engine.close()
 
     def _loop(self) -> int:
-        reg = M.Register(job_id=self.job_id, attempt=self.attempt, kind=self.kind, max_batch=self.max_batch,
-                         host=socket.gethostname(), pid=os.getpid(), node=self.node, engine=self.engine_name,
-                         relay_endpoint=self.relay_endpoint)
-        self._send(reg)
+        self._send(self._register())
         self._t_reg = time.monotonic()
         last_flush = 0.0
         steps_since_flush = 0

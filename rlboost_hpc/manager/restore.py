@@ -1,0 +1,170 @@
+"""A restarted rollout manager continues the step in flight: its state rebuilt from the work log
+(``manager/worklog.py``), and the responses it held handed back to the instances that were running them.
+
+What a restart keeps: the trainer (its routing id, so its resent calls are recognised), the weight version and its
+checksum, the step's groups with every token the log holds, trajectories' turns and observations (a tool call in
+flight is asked of the new manager's environment again), finished responses, acknowledged groups, the counters of
+the last compaction, and the registered instances by routing id. A restored instance is PULLING until it confirms
+the current version (it re-registers when it hears the new epoch; it keeps its weights when their checksum is the
+version's); it is suspected, as any instance, if it stays silent past the heartbeat deadline.
+
+Unfinished responses are *held* for ``hold_s`` seconds after the restart. A restored instance that re-registers is
+asked to send every response it runs (or finished in the last seconds) again, whole (``Welcome.resend``): it adopts
+those the log holds a prefix of (:func:`adopt`; the overlap must equal the log) — so neither the tokens of the last
+commit window nor those it generated while the manager was away are lost. What no instance adopted is queued when
+the hold ends and resumes, from the tokens the log holds, wherever dispatch puts it.
+"""
+from __future__ import annotations
+
+import logging
+
+from rlboost_hpc.manager import worklog as W
+from rlboost_hpc.manager.state import ENV_PEER, Instance, Request, RequestState as R
+from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.protocol.stats import ManagerCounters
+
+log = logging.getLogger("rlboost.manager")
+
+#: The owner a response is replayed through on its way to a state the log recorded (never an instance's key).
+REPLAYED = "<replayed>"
+
+
+def restore(core, records: list[W.Record], now: float, hold_s: float) -> None:
+    """Rebuild ``core`` (a fresh :class:`~rlboost_hpc.manager.core.ManagerCore`) from a work log's ``records``, as
+    of monotonic time ``now``; unfinished responses are held ``hold_s`` seconds for their instances (module
+    docstring). Records of responses the log does not hold (a torn step) are ignored."""
+    for rec in records:
+        _apply(core, rec, now)
+    core.queue.clear()
+    core.held = {rid: None for rid, r in core.requests.items() if r.state == R.QUEUED}
+    core.held_until = now + hold_s
+    for r in core.requests.values():
+        if r.state == R.ENVIRONMENT:  # its tool call died with the old manager's environment: ask again
+            core.send(ENV_PEER, M.EnvCall(rid=r.rid, turn=r.turn, turn_ids=r.turn_ids()))
+    step_groups = [g for g in core.groups.values() if g.step == core.step]
+    if step_groups and all(g.done >= len(g.rids) for g in step_groups):
+        core.step_rollout_done_at = now
+    core.counters.manager_restarts += 1
+    log.info("restored from the work log: step %d, version %d, %d responses (%d unfinished, %d tokens), "
+             "%d instances", core.step, core.latest_version, len(core.requests), len(core.held),
+             sum(r.n for r in core.requests.values()), len(core.instances))
+
+
+def _apply(core, rec: W.Record, now: float) -> None:
+    """One record, as the manager that wrote it had applied it."""
+    req: Request | None = core.requests.get(getattr(rec, "rid", ""))
+    if isinstance(rec, W.Delta):
+        if req is not None:
+            req.append(rec.ids, rec.logprobs, len(rec.ids) // 4, rec.version)
+    elif isinstance(rec, W.Finished):
+        if req is not None and req.state != R.DONE:
+            if req.state == R.QUEUED:
+                req.move(R.RUNNING, REPLAYED)
+            req.move(R.DONE, finish_reason=rec.reason)
+            core.groups[req.gid].done += 1
+    elif isinstance(rec, W.ToolCall):
+        if req is not None and req.state == R.QUEUED:
+            req.move(R.RUNNING, REPLAYED)
+            req.move(R.ENVIRONMENT)
+    elif isinstance(rec, W.Observation):
+        if req is not None and req.state == R.ENVIRONMENT:
+            req.append_observation(rec.ids)
+            req.move(R.QUEUED)
+    elif isinstance(rec, W.Submit):
+        core.begin_step(rec.step, rec.version, rec.groups)
+    elif isinstance(rec, W.Acked):
+        if rec.gid in core.groups:
+            core.groups[rec.gid].delivered = True
+    elif isinstance(rec, W.Joined):
+        core.instances[rec.key] = Instance(key=rec.key, peer=rec.peer, kind=rec.kind, max_batch=rec.max_batch,
+                                           registered_at=now, last_seen=now, engine=rec.engine,
+                                           relay_endpoint=rec.relay_endpoint, restored=True)
+        core.by_peer[rec.peer] = rec.key
+        core._note_activity(core.instances[rec.key])
+    elif isinstance(rec, W.Left):
+        inst = core.instances.pop(rec.key, None)
+        if inst is not None:
+            core.by_peer.pop(inst.peer, None)
+            core.activity.forget(rec.key)
+        core.ended[rec.key] = "gone before the manager restarted"
+    elif isinstance(rec, W.Hello):
+        core.trainer_peer, core.weights_endpoint, core.weights_shards = rec.peer or None, rec.weights_endpoint, rec.weights_shards
+        core.model_config, core.model_arch = rec.model_config, rec.model_arch
+        if rec.weights_shards:
+            core.relay.fanout = 0
+    elif isinstance(rec, W.Version):
+        core.latest_version, core.latest_checksum = rec.version, rec.checksum
+    elif isinstance(rec, W.Seeding):
+        core.seeding_open = rec.open
+    elif isinstance(rec, W.Counters):
+        core.counters = rec.counters
+
+
+def adopt(core, req: Request, inst: Instance, offset: int, ids: memoryview) -> int | None:
+    """A restored instance sent a delta of ``req`` (held since the restart) at ``offset`` (from the turn's start)
+    with packed int32 ``ids``. It takes the response over when the delta starts at or before the length the log
+    holds and the overlap equals the logged tokens (its resend, ``Welcome.resend``): returns how many leading tokens
+    of the delta the log already holds (the rest apply). None: not adopted — a delta past a gap (tokens of the last
+    commit window; the instance's resend follows) or one that disagrees with the log (it is told to release it)."""
+    if not inst.restored or req.state != R.QUEUED or req.rid not in core.held:
+        return None
+    start = req.turn_start + offset
+    skip = req.n - start
+    if skip < 0 or skip > len(ids) // 4:
+        return None
+    if bytes(req.ids[4 * start: 4 * req.n]) != bytes(ids[: 4 * skip]):
+        log.warning("instance %s resent %s with tokens other than the work log's; it is told to release it",
+                    inst.key, req.rid)
+        core.send(inst.peer, M.Release(rids=[req.rid]))
+        return None
+    del core.held[req.rid]
+    req.move(R.RUNNING, inst.key)
+    req.attempts += 1
+    req.assigned_at = core.clock()
+    req.instances.append(inst.key)
+    inst.inflight.add(req.rid)
+    core._note_activity(inst)
+    core.counters.responses_adopted += 1
+    return skip
+
+
+def release_held(core, now: float) -> None:
+    """The hold after a restart is over — its time is up, or every restored instance has resent what it holds —: what
+    no instance adopted is queued (in step order)."""
+    if core.held and (now >= core.held_until or not any(i.restored for i in core.instances.values())):
+        core.queue.extend(rid for rid in core.held if core.requests.get(rid) is not None
+                          and core.requests[rid].state == R.QUEUED)
+        log.info("%d held responses not adopted by their instances are queued", len(core.held))
+        core.held = {}
+
+
+def discard_stale(core) -> int:
+    """A new trainer (resumed from a checkpoint) makes a version other than the restored one current: the restored
+    unfinished responses were made by weights the trainer does not have. They are dropped (their instances told
+    to release them) and counted; returns how many."""
+    n = 0
+    for rid, req in list(core.requests.items()):
+        if req.state == R.DONE:
+            continue
+        n += 1
+        core.counters.responses_discarded_stale += 1
+        core.counters.tokens_discarded_stale += req.n
+        inst = core.instances.get(req.instance or "")
+        if inst is not None:
+            inst.inflight.discard(rid)
+            core._note_activity(inst)
+            core.send(inst.peer, M.Release(rids=[rid]))
+    core.requests.clear()
+    core.groups.clear()
+    core.queue.clear()
+    core.held = {}
+    return n
+
+
+def new_trainer(core) -> None:
+    """A trainer other than the restored one said hello (a resumed trainer): every finished group it has not
+    acknowledged is its to take, whoever acknowledged it before; the counters start over with it (its checkpoint
+    holds the totals of the incarnations before)."""
+    for g in core.groups.values():
+        g.delivered = False
+    core.counters = ManagerCounters()

@@ -1,0 +1,72 @@
+"""The trainer keeps its rollout manager running: a manager process that dies is started again under the same
+endpoint, keys and Prometheus port, with a new epoch, and continues the step in flight from its work log
+(``manager/worklog.py``, ``manager/restore.py``). The trainer waits for the step meanwhile — its calls are resent
+with their call ids and answered idempotently by the restarted manager — and rollout instances reconnect to the
+same address on their own (ZeroMQ), keeping their engines and weights.
+
+Invariant: at most ``restarts`` restarts within any ``window_s`` seconds; past that (or when a restart itself
+fails) :meth:`ManagerSupervisor.alive` says False and the trainer fails the run (exit 1; a requeue resumes from
+the last checkpoint).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+log = logging.getLogger("rlboost.run")
+
+
+class ManagerSupervisor:
+    """Owns the manager process of a run (see the module docstring).
+
+    Args:
+        spawn: starts a manager: ``spawn(bind=…, restore=…, metrics_port=…) -> (process, bound endpoint,
+            metrics_url)`` (:func:`~rlboost_hpc.manager.service.spawn_manager` with the run's arguments bound).
+        restore: the first manager continues what the work log holds (a resumed trainer).
+        restarts / window_s: the most restarts allowed within ``window_s`` seconds (0: none).
+        bind: the first manager's bind address (``tcp://host:0``: a free port, kept by every restart).
+        clock: monotonic seconds.
+
+    Attributes: ``proc`` (the current manager process), ``bound`` (its endpoint), ``metrics_url``, ``restarted``
+    (restarts so far) and ``restart_s`` (seconds each restart took, death noticed → endpoint reported).
+    """
+
+    def __init__(self, spawn: Callable[..., tuple], *, restore: bool, restarts: int, window_s: float, bind: str,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._spawn, self.restarts, self.window_s, self.clock = spawn, restarts, window_s, clock
+        self.proc, self.bound, self.metrics_url = spawn(bind=bind, restore=restore, metrics_port=0)
+        self._metrics_port = int(self.metrics_url.rsplit(":", 1)[1].split("/")[0]) if self.metrics_url else 0
+        self._times: list[float] = []
+        self._lock = threading.Lock()
+        self.stopping = False
+        self.restarted = 0
+        self.restart_s: list[float] = []
+
+    def alive(self) -> bool:
+        """True while a manager runs — after restarting a dead one when the budget allows (blocking for the
+        restart, about a second). False once the manager is dead for good, or the run is stopping."""
+        with self._lock:
+            if self.proc.is_alive():
+                return True
+            if self.stopping:
+                return False
+            now = self.clock()
+            self._times = [t for t in self._times if now - t < self.window_s]
+            if len(self._times) >= self.restarts:
+                log.error("the manager process died (exit code %s) and %d restarts within %.0f s are spent",
+                          self.proc.exitcode, len(self._times), self.window_s)
+                return False
+            self._times.append(now)
+            code, t0 = self.proc.exitcode, time.monotonic()
+            try:
+                self.proc, _, _ = self._spawn(bind=self.bound, restore=True, metrics_port=self._metrics_port)
+            except Exception as e:  # noqa: BLE001 - the run fails with the cause logged
+                log.error("the manager process died (exit code %s) and could not be restarted: %s", code, e)
+                return False
+            self.restarted += 1
+            self.restart_s.append(time.monotonic() - t0)
+            log.warning("the manager process died (exit code %s); restarted on %s in %.2f s, continuing the step "
+                        "from its work log (restart %d)", code, self.bound, self.restart_s[-1], self.restarted)
+            return True

@@ -1,0 +1,285 @@
+"""The rollout manager's work log: the step in flight, journaled so that a restarted manager continues it.
+
+``RUN_DIR/manager-work.log`` holds what a manager needs to pick up where a killed one stopped: the trainer it serves
+(its routing id, weight server, model), the current weight version and its checksum, the step's GRPO groups, every
+token accepted (ids, logprobs, the version that produced them), the turn structure of trajectories (observations,
+tool calls waiting for the environment), finished responses and acknowledged groups, and the instances registered
+(their routing ids, so that frames they queued while the manager was away are recognised when they reconnect).
+
+Format: a sequence of frames, each ``u32 length · u32 crc32 · msgpack record`` (little-endian; the CRC covers the
+record). A frame torn at any byte — a crash mid-write — ends the log: everything before it is recovered, the torn
+tail is cut when the log is opened for writing. Every manager start writes :class:`Begin` (the run id and the
+epoch); a log of another run, or one whose epochs go backwards, is a :class:`WorkLogError` naming the file.
+
+Durability (group commit): records are buffered and written, flushed and fsynced at most ``commit_every_s``
+seconds after the first of them, and at once when a record the trainer is answered about is among them
+(:data:`DURABLE`: trainer hello, version, step, end of seeding) — the reply leaves only after its record is on
+disk. A manager killed at any moment therefore loses at most the records of one commit window: tokens accepted in
+the last ``commit_every_s`` seconds, which the restarted manager has its instances regenerate. Nothing wrong can
+follow from a lost record: a lost token leaves a gap the next delta of that response cannot fill (the instance is
+told to release it and it resumes from what the log holds); a lost end of a response regenerates its last tokens;
+a lost acknowledgement redelivers a group the trainer skips.
+
+Compaction: a new step begins only when every response of the last one finished (strict on-policy), so at each
+:class:`Submit` the log is rewritten as a snapshot (begin, trainer, version, live instances, counters) plus the
+new step, and replaces the old file atomically. The log stays bounded by one step's tokens over a week-long run.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from pathlib import Path
+from typing import Union
+
+import msgspec
+
+from rlboost_hpc.errors import BadInput
+from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.protocol.stats import ManagerCounters
+
+
+class WorkLogError(BadInput, RuntimeError):
+    """The work log belongs to another run, or its epochs go backwards; the message names the file."""
+
+
+class _Rec(msgspec.Struct, tag_field="r", array_like=True):
+    pass
+
+
+class Begin(_Rec, tag="begin"):
+    """A manager started: the run it serves and its epoch (incarnation)."""
+
+    run_id: str
+    epoch: int
+
+
+class Hello(_Rec, tag="hello"):
+    """The trainer introduced itself (``TrainerHello``) from routing id ``peer``."""
+
+    peer: bytes
+    weights_endpoint: str
+    weights_shards: str
+    model_config: dict
+    model_arch: dict
+
+
+class Version(_Rec, tag="version"):
+    """Weight version ``version`` (whole-version checksum ``checksum``) became current."""
+
+    version: int
+    checksum: int
+
+
+class Submit(_Rec, tag="submit"):
+    """Step ``step`` of version ``version`` was submitted with these GRPO groups."""
+
+    step: int
+    version: int
+    groups: list[M.GroupSpec]
+
+
+class Seeding(_Rec, tag="seeding"):
+    """The seeding window opened or closed."""
+
+    open: bool
+
+
+class Joined(_Rec, tag="joined"):
+    """An instance registered: its key (``job#attempt``), routing id and what it is."""
+
+    key: str
+    peer: bytes
+    kind: str
+    max_batch: int
+    engine: str
+    relay_endpoint: str
+
+
+class Left(_Rec, tag="left"):
+    """An instance is gone for good."""
+
+    key: str
+
+
+class Delta(_Rec, tag="delta"):
+    """Tokens accepted for response ``rid``: packed int32 ids and float32 logprobs, produced by ``version``."""
+
+    rid: str
+    ids: bytes
+    logprobs: bytes
+    version: int
+
+
+class Observation(_Rec, tag="obs"):
+    """The environment's observation (packed int32 ids) appended to trajectory ``rid``; its next turn opens."""
+
+    rid: str
+    ids: bytes
+
+
+class ToolCall(_Rec, tag="tool"):
+    """Trajectory ``rid``'s turn ended with a tool call: it waits for the environment."""
+
+    rid: str
+
+
+class Finished(_Rec, tag="finished"):
+    """Response ``rid`` is done for ``reason`` (one of ``messages.FINISH_REASONS``)."""
+
+    rid: str
+    reason: str
+
+
+class Acked(_Rec, tag="acked"):
+    """The trainer acknowledged group ``gid``."""
+
+    gid: str
+
+
+class Counters(_Rec, tag="counters"):
+    """The manager's running totals when the log was compacted (a restarted manager continues from them)."""
+
+    counters: ManagerCounters
+
+
+class Compact(_Rec, tag="compact"):
+    """Not written: tells the writer that the records after it replace the whole log (a new step began)."""
+
+
+Record = Union[Begin, Hello, Version, Submit, Seeding, Joined, Left, Delta, Observation, ToolCall, Finished, Acked,
+               Counters, Compact]
+
+#: Records the trainer is answered about: committed before the reply leaves.
+DURABLE = (Hello, Version, Submit, Seeding)
+
+_HEAD = struct.Struct("<II")
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Record)
+
+
+def frame(rec: Record) -> bytes:
+    """One record as a frame (``u32 length · u32 crc32 · msgpack``)."""
+    body = _encoder.encode(rec)
+    return _HEAD.pack(len(body), zlib.crc32(body)) + body
+
+
+def read(path: str | os.PathLike) -> tuple[list[Record], int]:
+    """The complete records of the log at ``path`` and the byte length they span (a torn or corrupt frame ends
+    the log there). Missing file: ``([], 0)``."""
+    p = Path(path)
+    if not p.exists():
+        return [], 0
+    data = p.read_bytes()
+    out, pos = [], 0
+    while pos + _HEAD.size <= len(data):
+        n, crc = _HEAD.unpack_from(data, pos)
+        body = data[pos + _HEAD.size: pos + _HEAD.size + n]
+        if len(body) < n or zlib.crc32(body) != crc:
+            break
+        try:
+            out.append(_decoder.decode(body))
+        except msgspec.DecodeError:
+            break
+        pos += _HEAD.size + n
+    return out, pos
+
+
+def check(path: str | os.PathLike, records: list[Record], run_id: str, epoch: int) -> None:
+    """Raise :class:`WorkLogError` when ``records`` are not this run's (another ``run_id``), their epochs go
+    backwards, or one is not older than ``epoch`` (the epoch about to start)."""
+    last = 0
+    for r in records:
+        if isinstance(r, Begin):
+            if r.run_id != run_id:
+                raise WorkLogError(f"{path}: the work log belongs to run {r.run_id!r}, not {run_id!r}; restore the "
+                                   "run's own directory or start a new run in a new --out")
+            if r.epoch < last or r.epoch >= epoch:
+                raise WorkLogError(f"{path}: manager epochs go backwards ({last} then {r.epoch}, starting {epoch}); "
+                                   "the file was copied from elsewhere or edited")
+            last = r.epoch
+
+
+class WorkLog:
+    """The writer of one manager's work log (see the module docstring).
+
+    Args:
+        path: ``RUN_DIR/manager-work.log``.
+        run_id: the run's id; ``epoch``: this manager's epoch (the journal's, ``manager/journal.py``).
+        keep: keep what the log holds (a restart) — else it starts empty (a new run, or a trainer that starts over).
+        commit_every_s: the group-commit window (seconds).
+
+    Attributes: ``restored``: the records read at open (``keep`` only), for
+    :func:`~rlboost_hpc.manager.restore.restore`. ``commits`` / ``bytes_written``: totals.
+
+    Raises:
+        WorkLogError: (``keep``) the log belongs to another run or its epochs go backwards.
+    """
+
+    def __init__(self, path: str | os.PathLike, run_id: str, epoch: int, *, keep: bool,
+                 commit_every_s: float = 0.05) -> None:
+        self.path = Path(path)
+        self.run_id, self.epoch, self.commit_every_s = run_id, epoch, commit_every_s
+        self.restored: list[Record] = []
+        if keep:
+            self.restored, end = read(self.path)
+            check(self.path, self.restored, run_id, epoch)
+            if self.path.exists() and self.path.stat().st_size > end:
+                with open(self.path, "r+b") as f:  # cut the torn tail so appends stay readable
+                    f.truncate(end)
+            self._f = open(self.path, "ab")
+        else:
+            self._f = open(self.path, "wb")
+        self._buf: list[bytes] = []
+        self._first: float | None = None
+        self._durable = self._compact = False
+        self.commits = self.bytes_written = 0
+        self.write([Begin(run_id, epoch)], now=0.0)
+        self.commit()
+
+    def write(self, records: list[Record], now: float) -> None:
+        """Buffer ``records`` (``now``: monotonic seconds, the commit window's clock); a :class:`Compact` among
+        them drops everything buffered or on disk before it (the records after it are the whole log)."""
+        for rec in records:
+            if isinstance(rec, Compact):
+                self._buf, self._compact = [], True
+                continue
+            self._buf.append(frame(rec))
+            self._durable = self._durable or isinstance(rec, DURABLE)
+            if self._first is None:
+                self._first = now
+
+    def due(self, now: float) -> bool:
+        """A commit is owed now: a durable record waits, or the oldest buffered one is ``commit_every_s`` old."""
+        return bool(self._buf) and (self._durable or self._compact or now - self._first >= self.commit_every_s)
+
+    def commit(self) -> None:
+        """Write, flush and fsync what is buffered (after a :class:`Compact`: into a new file that atomically
+        replaces the log, beginning with this manager's :class:`Begin`)."""
+        if self._compact:
+            tmp = self.path.with_suffix(".tmp")
+            with open(tmp, "wb") as f:
+                f.write(frame(Begin(self.run_id, self.epoch)) + b"".join(self._buf))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            dfd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+            self._f.close()
+            self._f = open(self.path, "ab")
+        elif self._buf:
+            self._f.write(b"".join(self._buf))
+            self._f.flush()
+            os.fsync(self._f.fileno())
+        self.bytes_written += sum(map(len, self._buf))
+        self.commits += 1
+        self._buf, self._first, self._durable, self._compact = [], None, False, False
+
+    def close(self) -> None:
+        """Commit what is buffered and close the file."""
+        if self._buf or self._compact:
+            self.commit()
+        self._f.close()

@@ -1,0 +1,288 @@
+"""Issue 33: the rollout manager's work log and a restarted manager continuing the step in flight (pure logic:
+the core with an injected clock, the log on a temporary file; the real restart is in test_rollout_integration)."""
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from rlboost_hpc.manager import worklog as W
+from rlboost_hpc.manager.core import ManagerCore
+from rlboost_hpc.manager.restore import restore
+from rlboost_hpc.manager.settings import ManagerSettings
+from rlboost_hpc.protocol import messages as M
+from tests.test_manager_core import TRAINER, Clock, register, sent, submit, tokens
+
+
+LOADED = M.WeightsLoaded(version=0, checksum=77, nbytes=1, pull_s=0.0, load_s=0.0)
+
+
+def journaled(tmp_path, epoch=1, keep=False):
+    """A core journaling into a work log at tmp_path (its service's part done by :func:`commit`)."""
+    clock = Clock()
+    core = ManagerCore(clock=clock, epoch=epoch, settings=ManagerSettings(pending_limit=4, heartbeat_s=0.25,
+                                                                         heartbeat_timeout_s=2.0))
+    log = W.WorkLog(tmp_path / "work.log", "run", epoch, keep=keep)
+    core.worklog = []
+    return core, clock, log
+
+
+def commit(core, log):
+    log.write(core.worklog, 0.0)
+    core.worklog.clear()
+    log.commit()
+
+
+def started(tmp_path):
+    core, clock, log = journaled(tmp_path)
+    core.on_message(TRAINER, M.TrainerHello(weights_endpoint="tcp://w", model_config={"a": 1}))
+    core.on_message(TRAINER, M.SetVersion(version=0, checksum=77))
+    for peer in (b"a", b"b"):
+        register(core, peer, peer.decode(), version=None)
+        core.on_message(peer, LOADED)
+    submit(core, groups=2, n=2, max_new=8)
+    core.tick()
+    return core, clock, log
+
+
+def restarted(tmp_path, epoch=2):
+    clock = Clock()
+    core = ManagerCore(clock=clock, epoch=epoch, settings=ManagerSettings(pending_limit=4, heartbeat_s=0.25,
+                                                                         heartbeat_timeout_s=2.0))
+    log = W.WorkLog(tmp_path / "work.log", "run", epoch, keep=True)
+    restore(core, log.restored, clock(), hold_s=2.0)
+    core.worklog = []
+    return core, clock, log
+
+
+def owner(core, rid):
+    return core.requests[rid].instance
+
+
+def test_a_restarted_manager_rebuilds_the_step_and_the_instance_continues_at_the_logged_length(tmp_path):
+    core, clock, log = started(tmp_path)
+    a = owner(core, "s0g0/0")
+    peer = core.instances[a].peer
+    core.on_message(peer, tokens("s0g0/0", 0, [4, 5, 6]))
+    commit(core, log)
+    core.on_message(peer, tokens("s0g0/0", 3, [7]))  # accepted, but not committed: lost with the kill
+    log.close()
+
+    new, clock2, log2 = restarted(tmp_path)
+    assert new.trainer_peer == TRAINER and new.latest_version == 0 and new.latest_checksum == 77
+    assert new.step == 0 and len(new.requests) == 4 and new.requests["s0g0/0"].n == 3
+    assert set(new.instances) == {"a#0", "b#0"} and all(i.state == "pulling" for i in new.instances.values())
+    assert set(new.held) == set(new.requests) and not new.queue and new.counters.manager_restarts == 1
+    # the instance's next delta (it had sent token 7 into the void) is past the gap: dropped, nothing released
+    new.on_message(peer, tokens("s0g0/0", 4, [8]))
+    assert not sent(new, peer, M.Release) and new.requests["s0g0/0"].n == 3 and "s0g0/0" in new.held
+    # its resend (asked in the Welcome of its re-registration) overlaps the log: the rest is kept
+    new.on_message(peer, M.Register(job_id="a", attempt=0, kind="preemptible", max_batch=32))
+    welcome = sent(new, peer, M.Welcome)[-1]
+    assert welcome.resend and welcome.epoch == 2 and welcome.latest_checksum == 77
+    new.on_message(peer, tokens("s0g0/0", 0, [4, 5, 6, 7, 8]))
+    req = new.requests["s0g0/0"]
+    assert req.state == "running" and req.instance == a and req.n == 5 and M.unpack_i32(bytes(req.ids)).tolist() == [
+        4, 5, 6, 7, 8]
+    # a resend that disagrees with the log is refused and released
+    rid = next(r for r in new.requests if r != "s0g0/0" and owner(core, r) == a)
+    other = next(r for r in new.requests if owner(core, r) != a)
+    new.requests[other].append(M.pack_i32([3]), M.pack_f32([0.0]), 1, 0)  # (as if the log held a token)
+    new.on_message(peer, tokens(other, 0, [9, 9]))
+    assert [m.rids for m in sent(new, peer, M.Release)] == [[other]] and new.requests[other].state == "queued"
+    # another held response continued exactly where the log ends: adopted, tokens kept
+    new.on_message(peer, tokens(rid, 0, [9, 9]))
+    assert new.requests[rid].state == "running" and new.requests[rid].instance == a and new.requests[rid].n == 2
+    assert new.counters.responses_adopted == 2
+    # the held rest is queued once the hold ends (2 s), and dispatched when an instance confirms the version
+    new.on_message(peer, LOADED)
+    assert new.instances[a].state == "ready"
+    clock2.t = 2.5
+    new.on_message(peer, M.Heartbeat(version=0, active=1, tokens_generated=0))
+    new.tick()
+    works = {w.rid: w for m in sent(new, peer, M.Assign) for w in m.works}
+    assert works[other].prefix_ids == [3]  # not adopted: resumes from the log
+    assert rid not in works and "s0g0/0" not in works  # adopted: they run on
+
+
+def test_finished_responses_turns_and_acks_survive_and_the_step_completes_exactly_once(tmp_path):
+    core, clock, log = started(tmp_path)
+    for rid in ("s0g0/0", "s0g0/1"):
+        core.on_message(core.instances[owner(core, rid)].peer, tokens(rid, 0, [4, 1], finish=M.FINISH_STOP))
+    core.on_message(TRAINER, M.AckGroup(gid="s0g0"))
+    core.on_message(TRAINER, M.CloseSeeding(step=0))
+    commit(core, log)
+    log.close()
+    new, clock2, _ = restarted(tmp_path)
+    assert new.groups["s0g0"].delivered and new.groups["s0g0"].done == 2 and not new.seeding_open
+    assert sorted(new.held) == ["s0g1/0", "s0g1/1"]
+    # the trainer's resent calls are answered as already done
+    new.on_message(TRAINER, M.SubmitStep(step=0, version=0, groups=[M.GroupSpec(
+        gid=f"s0g{g}", prompt_ids=[1, 5, 6], n=2, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=10 * g,
+        stop_ids=[1, 2]) for g in range(2)], cid=5))
+    assert sent(new, TRAINER, M.Ok)[-1].cid == 5
+    register(new, b"c", "c", version=None)
+    new.on_message(b"c", LOADED)
+    clock2.t = 3.0
+    new.on_message(b"c", M.Heartbeat(version=0, active=0, tokens_generated=0))
+    new.tick()
+    for rid in ("s0g1/0", "s0g1/1"):
+        new.on_message(b"c", tokens(rid, 0, [3, 1], finish=M.FINISH_STOP))
+    done = sent(new, TRAINER, M.GroupDone)
+    assert [g.gid for g in done] == ["s0g1"]  # the acknowledged group is not delivered again
+    new.on_message(TRAINER, M.Redeliver())
+    assert [g.gid for g in sent(new, TRAINER, M.GroupDone)] == ["s0g1", "s0g1"]
+
+
+def test_a_resumed_trainer_of_another_version_drops_the_restored_work_and_counts_it(tmp_path):
+    core, clock, log = started(tmp_path)
+    core.on_message(core.instances[owner(core, "s0g0/0")].peer, tokens("s0g0/0", 0, [4, 5]))
+    commit(core, log)
+    log.close()
+    new, _, _ = restarted(tmp_path)
+    new.on_message(b"trainer-2", M.TrainerHello(weights_endpoint="tcp://w2", model_config={}))
+    new.on_message(b"trainer-2", M.SetVersion(version=0, checksum=78, cid=3))  # a checkpoint of version 0 again?
+    assert sent(new, b"trainer-2", M.Ok)[-1].cid == 3 and len(new.requests) == 4  # same version: kept
+    new2, _, _ = restarted(tmp_path, epoch=3)
+    new2.on_message(b"trainer-3", M.TrainerHello(weights_endpoint="tcp://w3", model_config={}))
+    new2.on_message(b"trainer-3", M.SetVersion(version=1, checksum=9, cid=4))
+    assert sent(new2, b"trainer-3", M.Ok)[-1].cid == 4 and not new2.requests and not new2.held
+    assert new2.counters.responses_discarded_stale == 4 and new2.counters.tokens_discarded_stale == 2
+
+
+def test_a_resumed_trainer_gets_every_group_of_the_restored_step_again(tmp_path):
+    core, clock, log = started(tmp_path)
+    for rid in ("s0g0/0", "s0g0/1"):
+        core.on_message(core.instances[owner(core, rid)].peer, tokens(rid, 0, [4, 1], finish=M.FINISH_STOP))
+    core.on_message(TRAINER, M.AckGroup(gid="s0g0"))
+    commit(core, log)
+    log.close()
+    new, _, _ = restarted(tmp_path)
+    new.on_message(b"trainer-2", M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
+    new.on_message(b"trainer-2", M.Redeliver())
+    assert [g.gid for g in sent(new, b"trainer-2", M.GroupDone)] == ["s0g0"]
+
+
+def test_compaction_keeps_the_log_to_one_step(tmp_path):
+    core, clock, log = started(tmp_path)
+    sizes = []
+    for step in range(6):
+        for rid in sorted(core.requests):
+            req = core.requests[rid]
+            if req.state == "running":
+                core.on_message(core.instances[req.instance].peer, tokens(rid, 0, [4] * 7 + [1], version=req.version,
+                                                                              finish=M.FINISH_STOP))
+        for gid in list(core.groups):
+            core.on_message(TRAINER, M.AckGroup(gid=gid))
+        core.on_message(TRAINER, M.SetVersion(version=step + 1, checksum=step))
+        for peer in (b"a", b"b"):
+            core.on_message(peer, M.WeightsLoaded(version=step + 1, checksum=step, nbytes=1, pull_s=0.0, load_s=0.0))
+        submit(core, step=step + 1, groups=2, n=2, max_new=8, version=step + 1)
+        core.tick()
+        commit(core, log)
+        sizes.append((tmp_path / "work.log").stat().st_size)
+    assert max(sizes) - min(sizes) <= 8 and max(sizes) < 2_000, sizes  # (counters gain digits, nothing piles up)
+    new, _, _ = restarted(tmp_path)
+    assert new.step == 6 and new.latest_version == 6 and len(new.requests) == 4
+    assert new.counters.registrations == 2  # the counters of the snapshot
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_log_torn_at_any_byte_is_recovered_up_to_its_last_complete_record(tmp_path, seed):
+    core, clock, log = started(tmp_path)
+    rng = random.Random(seed)
+    rid = "s0g0/0"
+    peer = core.instances[owner(core, rid)].peer
+    for k in range(8):  # (the response's budget)
+        core.on_message(peer, tokens(rid, k, [rng.randrange(3, 100)]))
+        commit(core, log)
+    log.close()
+    data = (tmp_path / "work.log").read_bytes()
+    full, end = W.read(tmp_path / "work.log")
+    assert end == len(data)
+    for cut in sorted(rng.sample(range(len(data)), 25)):
+        (tmp_path / "work.log").write_bytes(data[:cut])
+        got, end = W.read(tmp_path / "work.log")
+        assert got == full[:len(got)] and end <= cut
+        assert end == sum(len(W.frame(r)) for r in got)
+    (tmp_path / "work.log").write_bytes(data[:-3])
+    new, _, log2 = restarted(tmp_path)
+    assert new.requests[rid].n == 7  # the last delta was torn
+    log2.close()
+    assert W.read(tmp_path / "work.log")[1] == (tmp_path / "work.log").stat().st_size  # the tail was cut
+
+
+def test_a_log_of_another_run_or_with_epochs_going_backwards_is_an_error_naming_the_file(tmp_path):
+    W.WorkLog(tmp_path / "work.log", "run", 3, keep=False).close()
+    with pytest.raises(W.WorkLogError, match="work.log.*belongs to run 'run'"):
+        W.WorkLog(tmp_path / "work.log", "other", 4, keep=True)
+    with pytest.raises(W.WorkLogError, match="work.log.*epochs go backwards"):
+        W.WorkLog(tmp_path / "work.log", "run", 2, keep=True)
+    W.WorkLog(tmp_path / "work.log", "run", 4, keep=True).close()
+
+
+def test_group_commit_waits_its_window_but_never_for_what_the_trainer_is_answered_about(tmp_path):
+    log = W.WorkLog(tmp_path / "work.log", "run", 1, keep=False, commit_every_s=0.05)
+    log.write([W.Delta("r", b"\0\0\0\0", b"\0\0\0\0", 0)], now=10.0)
+    assert not log.due(10.01) and log.due(10.05)
+    log.commit()
+    log.write([W.Seeding(False)], now=11.0)
+    assert log.due(11.0)
+
+
+def _kill_manager_at(out, after_lines: list[int], delay_s: float, proc) -> list[int]:
+    """SIGKILL the run's current manager ``delay_s`` after metrics.jsonl reaches each count in ``after_lines``
+    (the next step's rollout is then in flight); returns the killed pids."""
+    import os
+    import signal
+
+    from rlboost_hpc.manager.journal import read
+    from rlboost_hpc.rundir import RunDir
+
+    rd, killed = RunDir(out), []
+    for n in after_lines:
+        while proc.poll() is None and (not rd.metrics.exists() or len(rd.metrics.read_text().splitlines()) < n):
+            time.sleep(0.02)
+        time.sleep(delay_s)
+        starts = [r for r in read(rd.journal) if r.get("event") == "start"]
+        if proc.poll() is not None or len(starts) != len(killed) + 1:
+            break
+        os.kill(int(starts[-1]["pid"]), signal.SIGKILL)
+        killed.append(int(starts[-1]["pid"]))
+    return killed
+
+
+@pytest.mark.chaos
+@pytest.mark.integration
+def test_a_manager_killed_mid_step_is_restarted_and_the_run_goes_on_exactly_once(tmp_path):
+    """Issue 33 item 1: the demo run (local cluster, two preemptible workers) with its manager SIGKILLed twice while a
+    step's rollout is in flight. The trainer restarts it each time (no exit, no resume), the new manager continues
+    the step from its work log, and the run ends with nothing lost, duplicated, off-version or trained twice."""
+    import json
+    import subprocess
+    import sys
+
+    from rlboost_hpc.manager.journal import read
+    from rlboost_hpc.rundir import RunDir
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "rlboost_hpc.cli", "run", "--out", str(out), "--no-progress",
+                             "--set", "trainer.steps=6", "--set", "trainer.checkpoint_every=0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        killed = _kill_manager_at(out, [2, 4], 0.6, proc)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    rep = json.loads(RunDir(out).report.read_text())
+    assert len(killed) == 2 and rep["manager_restarts"] == 2 and rep["resumes"] == 0
+    assert len([r for r in read(RunDir(out).journal) if r.get("event") == "start"]) == 3
+    assert rep["steps"] == 6 and rep["responses_trained"] == 6 * 8 * 8
+    assert rep["responses_lost"] == rep["responses_duplicated"] == rep["tokens_trained_off_version"] == 0
+    assert rep["prompts_not_trained_exactly_once"] == 0
+    restored = [json.loads(line)["msg"] for line in (RunDir(out).logs / "manager.jsonl").read_text().splitlines()
+                if "restored from the work log" in line]
+    assert len(restored) == 2, restored
+    assert rep["responses_adopted"] > 0 and rep["tokens_regenerated"] == 0  # the instances kept their work
