@@ -1,7 +1,7 @@
 """Benchmark: how many streamed tokens per second one rollout-manager process absorbs.
 
-Live part (real processes and sockets, as ``run.py`` starts them): the manager (``run_manager_process`` in a
-``spawn`` process), a trainer-side :class:`ManagerClient` in this process (TrainerHello, SetVersion(0),
+Live part (real processes and sockets, as ``run.py`` starts them): the manager (``spawn_manager``: its own
+process), a trainer-side :class:`ManagerClient` in this process (TrainerHello, SetVersion(0),
 SubmitStep of ``--groups`` × ``--group-size`` requests of ``--max-new-tokens`` each), and ``--instances``
 fake rollout instances spread over ``--loadgen-procs`` load-generator processes. Each fake instance is a
 DEALER socket that speaks the agent protocol: Register, WeightsLoaded(latest), heartbeats, and on Assign
@@ -45,7 +45,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rlboost_hpc.manager.core import ManagerCore
 from rlboost_hpc.manager.settings import ManagerSettings  # noqa: E402
-from rlboost_hpc.manager.service import run_manager_process  # noqa: E402
 from rlboost_hpc.protocol import messages as M  # noqa: E402
 from rlboost_hpc.trainer.client import ManagerClient  # noqa: E402
 
@@ -207,20 +206,18 @@ def loadgen_main(endpoint: str, job_ids: list[str], k: int, max_batch: int, conn
 
 
 # ---------------------------------------------------------------- live run
-def start_manager(params: dict, target=run_manager_process, keys_dir: str | None = None) -> tuple[mp.Process, str]:
-    """Start the manager process as ``RunServices`` does (services.py); (process, endpoint)."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    extra = (keys_dir,) if keys_dir else ()
-    proc = ctx.Process(target=target, args=("tcp://127.0.0.1:0", params, child, *extra), name="rlboost-manager",
-                       daemon=True)
-    proc.start()
-    child.close()
-    if not parent.poll(60):
-        proc.kill()
-        raise RuntimeError("manager did not report its endpoint within 60 s")
-    got = parent.recv()  # run_manager_process sends (endpoint, metrics_url)
-    return proc, got[0] if isinstance(got, tuple) else got
+def start_manager(params: dict, keys_dir: str | None = None, work_dir: str | None = None) -> tuple[mp.Process, str]:
+    """Start the manager process as ``RunServices`` does (services.py), with ``params`` as its
+    :class:`ManagerSettings`; with ``work_dir`` it journals its epochs and the step in flight there (the work log,
+    group-committed every ``commit_every_s``). Returns (process, endpoint)."""
+    from rlboost_hpc.manager.service import spawn_manager
+
+    jp = wl = None
+    if work_dir is not None:
+        jp, wl = os.path.join(work_dir, "manager-journal.jsonl"), os.path.join(work_dir, "manager-work.log")
+    proc, endpoint, _ = spawn_manager(ManagerSettings(**params), keys_dir=keys_dir, journal_path=jp, work_log=wl,
+                                      run_id="bench")
+    return proc, endpoint
 
 
 def group_specs(groups: int, group_size: int, max_new: int, prefix: str = "") -> list[M.GroupSpec]:
@@ -244,15 +241,16 @@ def check_group(ev: M.GroupDone, group_size: int, max_new: int) -> list[str]:
     return errs
 
 
-def run_live(n_inst: int, k: int, args, target=run_manager_process, keys_dir: str | None = None) -> dict:
+def run_live(n_inst: int, k: int, args, keys_dir: str | None = None, work_dir: str | None = None) -> dict:
     """One manager + load generators; steps of ``args.groups`` groups are submitted back to back (as a trainer
     that does not train would) until ``args.min_run_s`` has passed, so short runs are not timer noise.
-    ``keys_dir``: run authenticated (CURVE on every socket, keys from that run directory)."""
+    ``keys_dir``: run authenticated (CURVE on every socket, keys from that run directory). ``work_dir``: the
+    manager journals the step in flight there (its work log)."""
     from rlboost_hpc.protocol.auth import RunKeys
 
     params = dict(pending_limit=args.batch, heartbeat_s=0.25, heartbeat_timeout_s=args.heartbeat_timeout_s,
                   max_attempts=5, stream_every_tokens=k, stream_every_s=0.05)
-    mproc, endpoint = start_manager(params, target, keys_dir)
+    mproc, endpoint = start_manager(params, keys_dir, work_dir)
     client = ManagerClient(endpoint, timeout_s=30, keys=RunKeys.load(keys_dir).client_view() if keys_dir else None)
     ctx = mp.get_context("spawn")
     gens = []
@@ -331,7 +329,7 @@ def run_live(n_inst: int, k: int, args, target=run_manager_process, keys_dir: st
     frames = sum(r["frames"] for r in results)
     gen_wall = max(r["t_last"] for r in results) - t_first
     mgr_cpu_s = cpu_m1 - cpu_m0
-    return dict(instances=n_inst, k=k, steps=step, tokens=st.tokens_received, frames=frames, wall_s=wall,
+    return dict(instances=n_inst, k=k, work_log=work_dir is not None, steps=step, tokens=st.tokens_received, frames=frames, wall_s=wall,
                 tok_s=st.tokens_received / wall, frames_s=frames / wall, mgr_cpu=mgr_cpu_s / wall,
                 tok_per_mgr_cpu_s=st.tokens_received / mgr_cpu_s if mgr_cpu_s > 0 else float("nan"),
                 gen_cpu=sum(r["cpu_s"] for r in results) / wall,
@@ -341,13 +339,13 @@ def run_live(n_inst: int, k: int, args, target=run_manager_process, keys_dir: st
 def print_live_table(rows: list[dict], ncpu: int, args) -> None:
     print(f"\n== live ingest: 1 manager process + {args.loadgen_procs} load-generator process(es) + the client "
           f"(this process); {ncpu} CPU cores; best of {args.reps} by tokens/s ==")
-    hdr = (f"{'inst':>4} {'k':>3} {'steps':>5} {'tokens':>9} {'frames':>7} {'wall s':>6} {'tokens/s':>11} "
+    hdr = (f"{'inst':>4} {'k':>3} {'log':>3} {'steps':>5} {'tokens':>9} {'frames':>7} {'wall s':>6} {'tokens/s':>11} "
            f"{'frames/s':>9} {'vs 2M':>6} {'mgr CPU':>7} {'tok/mgr-CPU-s':>13} {'gen CPU':>7} {'gen build':>9} "
            f"{'lag s':>5} {'check':>5}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        print(f"{r['instances']:>4} {r['k']:>3} {r['steps']:>5} {r['tokens']:>9} {r['frames']:>7} {r['wall_s']:>6.2f} "
+        print(f"{r['instances']:>4} {r['k']:>3} {'on' if r['work_log'] else 'off':>3} {r['steps']:>5} {r['tokens']:>9} {r['frames']:>7} {r['wall_s']:>6.2f} "
               f"{r['tok_s']:>11,.0f} {r['frames_s']:>9,.0f} {r['tok_s'] / GOAL_TOKENS_PER_S:>6.3f} "
               f"{r['mgr_cpu']:>7.0%} {r['tok_per_mgr_cpu_s']:>13,.0f} {r['gen_cpu']:>7.0%} {r['gen_build']:>9.0%} "
               f"{r['gen_lag_s']:>5.2f} {'ok' if r['ok'] else 'FAIL':>5}")
@@ -357,7 +355,15 @@ def print_live_table(rows: list[dict], ncpu: int, args) -> None:
           "manager\n(its capacity per core, least sensitive to other load on the machine); gen build = share of the "
           "wall time the generator spent building+encoding frames;\nlag s = last GroupDone − generator's last send "
           "(how far the manager trails the generator). check = every group delivered once, byte-exact, nothing "
-          "late/fenced/lost.\nA generator-bound row shows gen CPU near 100% while mgr CPU stays well below it.")
+          "late/fenced/lost.\nA generator-bound row shows gen CPU near 100% while mgr CPU stays well below it. "
+          "log = the manager's work log on (every accepted token journaled, group commit) or off.")
+    pairs = {(r["instances"], r["k"], r["work_log"]): r for r in rows}
+    for (n, k, on), r in sorted(pairs.items()):
+        off = pairs.get((n, k, False))
+        if on and off:
+            print(f"work log cost at {n} instances, k = {k}: tokens per manager CPU-second {r['tok_per_mgr_cpu_s']:,.0f} "
+                  f"vs {off['tok_per_mgr_cpu_s']:,.0f} without ({r['tok_per_mgr_cpu_s'] / off['tok_per_mgr_cpu_s']:.2f}×), "
+                  f"tokens/s {r['tok_s'] / off['tok_s']:.2f}×")
 
 
 # ---------------------------------------------------------------- in-process simulation / profile
@@ -639,6 +645,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2, help="live runs per configuration (best is shown)")
     ap.add_argument("--heartbeat-timeout-s", type=float, default=2.0)
     ap.add_argument("--timeout-s", type=float, default=120.0)
+    ap.add_argument("--work-log", choices=("off", "on", "both"), default="both",
+                    help="the manager's work log (issue 33): off, on, or both side by side")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--profile-only", action="store_true")
     args = ap.parse_args()
@@ -651,12 +659,19 @@ def main() -> None:
           "skews wall-clock numbers; tok/mgr-CPU-s is the least affected)")
     if not args.profile_only:
         rows = []
+        import tempfile
+
         for n in args.instances:
             for k in args.ks:
-                reps = [run_live(n, k, args) for _ in range(args.reps)]
-                rows.append(max(reps, key=lambda r: r["tok_s"]))
-                print(f"  inst={n:>2} k={k:>2}: " + ", ".join(f"{r['tok_s']:,.0f}" for r in reps)
-                      + f" tokens/s  ({'ok' if all(r['ok'] for r in reps) else 'FAIL'})", flush=True)
+                for on in {"off": [False], "on": [True], "both": [False, True]}[args.work_log]:
+                    reps = []
+                    for _ in range(args.reps):  # (interleaving on/off would be fairer; reps are best-of)
+                        with tempfile.TemporaryDirectory() as d:
+                            reps.append(run_live(n, k, args, work_dir=d if on else None))
+                    rows.append(max(reps, key=lambda r: r["tok_s"]))
+                    print(f"  inst={n:>2} k={k:>2} work log {'on ' if on else 'off'}: "
+                          + ", ".join(f"{r['tok_s']:,.0f}" for r in reps)
+                          + f" tokens/s  ({'ok' if all(r['ok'] for r in reps) else 'FAIL'})", flush=True)
         print_live_table(rows, ncpu, args)
         print(f"load average after live runs: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if not args.no_profile:

@@ -28,6 +28,13 @@ def journaled(tmp_path, epoch=1, keep=False):
     return core, clock, log
 
 
+def feed(core, peer, msg):
+    """What the manager's service does with a frame: a Tokens frame is journaled whole, then the core applies it."""
+    if core.worklog is not None and isinstance(msg, M.Tokens):
+        core.worklog.append(W.Frame(peer, M.encode(msg)))
+    core.on_message(peer, msg)
+
+
 def commit(core, log):
     log.write(core.worklog, 0.0)
     core.worklog.clear()
@@ -36,11 +43,11 @@ def commit(core, log):
 
 def started(tmp_path):
     core, clock, log = journaled(tmp_path)
-    core.on_message(TRAINER, M.TrainerHello(weights_endpoint="tcp://w", model_config={"a": 1}))
-    core.on_message(TRAINER, M.SetVersion(version=0, checksum=77))
+    feed(core, TRAINER, M.TrainerHello(weights_endpoint="tcp://w", model_config={"a": 1}))
+    feed(core, TRAINER, M.SetVersion(version=0, checksum=77))
     for peer in (b"a", b"b"):
         register(core, peer, peer.decode(), version=None)
-        core.on_message(peer, LOADED)
+        feed(core, peer, LOADED)
     submit(core, groups=2, n=2, max_new=8)
     core.tick()
     return core, clock, log
@@ -64,9 +71,9 @@ def test_a_restarted_manager_rebuilds_the_step_and_the_instance_continues_at_the
     core, clock, log = started(tmp_path)
     a = owner(core, "s0g0/0")
     peer = core.instances[a].peer
-    core.on_message(peer, tokens("s0g0/0", 0, [4, 5, 6]))
+    feed(core, peer, tokens("s0g0/0", 0, [4, 5, 6]))
     commit(core, log)
-    core.on_message(peer, tokens("s0g0/0", 3, [7]))  # accepted, but not committed: lost with the kill
+    feed(core, peer, tokens("s0g0/0", 3, [7]))  # accepted, but not committed: lost with the kill
     log.close()
 
     new, clock2, log2 = restarted(tmp_path)
@@ -75,13 +82,13 @@ def test_a_restarted_manager_rebuilds_the_step_and_the_instance_continues_at_the
     assert set(new.instances) == {"a#0", "b#0"} and all(i.state == "pulling" for i in new.instances.values())
     assert set(new.held) == set(new.requests) and not new.queue and new.counters.manager_restarts == 1
     # the instance's next delta (it had sent token 7 into the void) is past the gap: dropped, nothing released
-    new.on_message(peer, tokens("s0g0/0", 4, [8]))
+    feed(new, peer, tokens("s0g0/0", 4, [8]))
     assert not sent(new, peer, M.Release) and new.requests["s0g0/0"].n == 3 and "s0g0/0" in new.held
     # its resend (asked in the Welcome of its re-registration) overlaps the log: the rest is kept
-    new.on_message(peer, M.Register(job_id="a", attempt=0, kind="preemptible", max_batch=32))
+    feed(new, peer, M.Register(job_id="a", attempt=0, kind="preemptible", max_batch=32))
     welcome = sent(new, peer, M.Welcome)[-1]
     assert welcome.resend and welcome.epoch == 2 and welcome.latest_checksum == 77
-    new.on_message(peer, tokens("s0g0/0", 0, [4, 5, 6, 7, 8]))
+    feed(new, peer, tokens("s0g0/0", 0, [4, 5, 6, 7, 8]))
     req = new.requests["s0g0/0"]
     assert req.state == "running" and req.instance == a and req.n == 5 and M.unpack_i32(bytes(req.ids)).tolist() == [
         4, 5, 6, 7, 8]
@@ -89,17 +96,17 @@ def test_a_restarted_manager_rebuilds_the_step_and_the_instance_continues_at_the
     rid = next(r for r in new.requests if r != "s0g0/0" and owner(core, r) == a)
     other = next(r for r in new.requests if owner(core, r) != a)
     new.requests[other].append(M.pack_i32([3]), M.pack_f32([0.0]), 1, 0)  # (as if the log held a token)
-    new.on_message(peer, tokens(other, 0, [9, 9]))
+    feed(new, peer, tokens(other, 0, [9, 9]))
     assert [m.rids for m in sent(new, peer, M.Release)] == [[other]] and new.requests[other].state == "queued"
     # another held response continued exactly where the log ends: adopted, tokens kept
-    new.on_message(peer, tokens(rid, 0, [9, 9]))
+    feed(new, peer, tokens(rid, 0, [9, 9]))
     assert new.requests[rid].state == "running" and new.requests[rid].instance == a and new.requests[rid].n == 2
     assert new.counters.responses_adopted == 2
     # the held rest is queued once the hold ends (2 s), and dispatched when an instance confirms the version
-    new.on_message(peer, LOADED)
+    feed(new, peer, LOADED)
     assert new.instances[a].state == "ready"
     clock2.t = 2.5
-    new.on_message(peer, M.Heartbeat(version=0, active=1, tokens_generated=0))
+    feed(new, peer, M.Heartbeat(version=0, active=1, tokens_generated=0))
     new.tick()
     works = {w.rid: w for m in sent(new, peer, M.Assign) for w in m.works}
     assert works[other].prefix_ids == [3]  # not adopted: resumes from the log
@@ -109,44 +116,44 @@ def test_a_restarted_manager_rebuilds_the_step_and_the_instance_continues_at_the
 def test_finished_responses_turns_and_acks_survive_and_the_step_completes_exactly_once(tmp_path):
     core, clock, log = started(tmp_path)
     for rid in ("s0g0/0", "s0g0/1"):
-        core.on_message(core.instances[owner(core, rid)].peer, tokens(rid, 0, [4, 1], finish=M.FINISH_STOP))
-    core.on_message(TRAINER, M.AckGroup(gid="s0g0"))
-    core.on_message(TRAINER, M.CloseSeeding(step=0))
+        feed(core, core.instances[owner(core, rid)].peer, tokens(rid, 0, [4, 1], finish=M.FINISH_STOP))
+    feed(core, TRAINER, M.AckGroup(gid="s0g0"))
+    feed(core, TRAINER, M.CloseSeeding(step=0))
     commit(core, log)
     log.close()
     new, clock2, _ = restarted(tmp_path)
     assert new.groups["s0g0"].delivered and new.groups["s0g0"].done == 2 and not new.seeding_open
     assert sorted(new.held) == ["s0g1/0", "s0g1/1"]
     # the trainer's resent calls are answered as already done
-    new.on_message(TRAINER, M.SubmitStep(step=0, version=0, groups=[M.GroupSpec(
+    feed(new, TRAINER, M.SubmitStep(step=0, version=0, groups=[M.GroupSpec(
         gid=f"s0g{g}", prompt_ids=[1, 5, 6], n=2, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=10 * g,
         stop_ids=[1, 2]) for g in range(2)], cid=5))
     assert sent(new, TRAINER, M.Ok)[-1].cid == 5
     register(new, b"c", "c", version=None)
-    new.on_message(b"c", LOADED)
+    feed(new, b"c", LOADED)
     clock2.t = 3.0
-    new.on_message(b"c", M.Heartbeat(version=0, active=0, tokens_generated=0))
+    feed(new, b"c", M.Heartbeat(version=0, active=0, tokens_generated=0))
     new.tick()
     for rid in ("s0g1/0", "s0g1/1"):
-        new.on_message(b"c", tokens(rid, 0, [3, 1], finish=M.FINISH_STOP))
+        feed(new, b"c", tokens(rid, 0, [3, 1], finish=M.FINISH_STOP))
     done = sent(new, TRAINER, M.GroupDone)
     assert [g.gid for g in done] == ["s0g1"]  # the acknowledged group is not delivered again
-    new.on_message(TRAINER, M.Redeliver())
+    feed(new, TRAINER, M.Redeliver())
     assert [g.gid for g in sent(new, TRAINER, M.GroupDone)] == ["s0g1", "s0g1"]
 
 
 def test_a_resumed_trainer_of_another_version_drops_the_restored_work_and_counts_it(tmp_path):
     core, clock, log = started(tmp_path)
-    core.on_message(core.instances[owner(core, "s0g0/0")].peer, tokens("s0g0/0", 0, [4, 5]))
+    feed(core, core.instances[owner(core, "s0g0/0")].peer, tokens("s0g0/0", 0, [4, 5]))
     commit(core, log)
     log.close()
     new, _, _ = restarted(tmp_path)
-    new.on_message(b"trainer-2", M.TrainerHello(weights_endpoint="tcp://w2", model_config={}))
-    new.on_message(b"trainer-2", M.SetVersion(version=0, checksum=78, cid=3))  # a checkpoint of version 0 again?
+    feed(new, b"trainer-2", M.TrainerHello(weights_endpoint="tcp://w2", model_config={}))
+    feed(new, b"trainer-2", M.SetVersion(version=0, checksum=78, cid=3))  # a checkpoint of version 0 again?
     assert sent(new, b"trainer-2", M.Ok)[-1].cid == 3 and len(new.requests) == 4  # same version: kept
     new2, _, _ = restarted(tmp_path, epoch=3)
-    new2.on_message(b"trainer-3", M.TrainerHello(weights_endpoint="tcp://w3", model_config={}))
-    new2.on_message(b"trainer-3", M.SetVersion(version=1, checksum=9, cid=4))
+    feed(new2, b"trainer-3", M.TrainerHello(weights_endpoint="tcp://w3", model_config={}))
+    feed(new2, b"trainer-3", M.SetVersion(version=1, checksum=9, cid=4))
     assert sent(new2, b"trainer-3", M.Ok)[-1].cid == 4 and not new2.requests and not new2.held
     assert new2.counters.responses_discarded_stale == 4 and new2.counters.tokens_discarded_stale == 2
 
@@ -154,13 +161,13 @@ def test_a_resumed_trainer_of_another_version_drops_the_restored_work_and_counts
 def test_a_resumed_trainer_gets_every_group_of_the_restored_step_again(tmp_path):
     core, clock, log = started(tmp_path)
     for rid in ("s0g0/0", "s0g0/1"):
-        core.on_message(core.instances[owner(core, rid)].peer, tokens(rid, 0, [4, 1], finish=M.FINISH_STOP))
-    core.on_message(TRAINER, M.AckGroup(gid="s0g0"))
+        feed(core, core.instances[owner(core, rid)].peer, tokens(rid, 0, [4, 1], finish=M.FINISH_STOP))
+    feed(core, TRAINER, M.AckGroup(gid="s0g0"))
     commit(core, log)
     log.close()
     new, _, _ = restarted(tmp_path)
-    new.on_message(b"trainer-2", M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
-    new.on_message(b"trainer-2", M.Redeliver())
+    feed(new, b"trainer-2", M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
+    feed(new, b"trainer-2", M.Redeliver())
     assert [g.gid for g in sent(new, b"trainer-2", M.GroupDone)] == ["s0g0"]
 
 
@@ -171,13 +178,13 @@ def test_compaction_keeps_the_log_to_one_step(tmp_path):
         for rid in sorted(core.requests):
             req = core.requests[rid]
             if req.state == "running":
-                core.on_message(core.instances[req.instance].peer, tokens(rid, 0, [4] * 7 + [1], version=req.version,
+                feed(core, core.instances[req.instance].peer, tokens(rid, 0, [4] * 7 + [1], version=req.version,
                                                                               finish=M.FINISH_STOP))
         for gid in list(core.groups):
-            core.on_message(TRAINER, M.AckGroup(gid=gid))
-        core.on_message(TRAINER, M.SetVersion(version=step + 1, checksum=step))
+            feed(core, TRAINER, M.AckGroup(gid=gid))
+        feed(core, TRAINER, M.SetVersion(version=step + 1, checksum=step))
         for peer in (b"a", b"b"):
-            core.on_message(peer, M.WeightsLoaded(version=step + 1, checksum=step, nbytes=1, pull_s=0.0, load_s=0.0))
+            feed(core, peer, M.WeightsLoaded(version=step + 1, checksum=step, nbytes=1, pull_s=0.0, load_s=0.0))
         submit(core, step=step + 1, groups=2, n=2, max_new=8, version=step + 1)
         core.tick()
         commit(core, log)
@@ -195,7 +202,7 @@ def test_a_log_torn_at_any_byte_is_recovered_up_to_its_last_complete_record(tmp_
     rid = "s0g0/0"
     peer = core.instances[owner(core, rid)].peer
     for k in range(8):  # (the response's budget)
-        core.on_message(peer, tokens(rid, k, [rng.randrange(3, 100)]))
+        feed(core, peer, tokens(rid, k, [rng.randrange(3, 100)]))
         commit(core, log)
     log.close()
     data = (tmp_path / "work.log").read_bytes()
@@ -224,7 +231,7 @@ def test_a_log_of_another_run_or_with_epochs_going_backwards_is_an_error_naming_
 
 def test_group_commit_waits_its_window_but_never_for_what_the_trainer_is_answered_about(tmp_path):
     log = W.WorkLog(tmp_path / "work.log", "run", 1, keep=False, commit_every_s=0.05)
-    log.write([W.Delta("r", b"\0\0\0\0", b"\0\0\0\0", 0)], now=10.0)
+    log.write([W.Frame(b"a", b"\0" * 8)], now=10.0)
     assert not log.due(10.01) and log.due(10.05)
     log.commit()
     log.write([W.Seeding(False)], now=11.0)
@@ -232,8 +239,8 @@ def test_group_commit_waits_its_window_but_never_for_what_the_trainer_is_answere
 
 
 def _kill_manager_at(out, after_lines: list[int], delay_s: float, proc) -> list[int]:
-    """SIGKILL the run's current manager ``delay_s`` after metrics.jsonl reaches each count in ``after_lines``
-    (the next step's rollout is then in flight); returns the killed pids."""
+    """SIGKILL the run's current manager ``delay_s`` after metrics.jsonl reaches each count in ``after_lines`` and
+    the work log holds tokens of the next step (its rollout is in flight); returns the killed pids."""
     import os
     import signal
 
@@ -244,6 +251,8 @@ def _kill_manager_at(out, after_lines: list[int], delay_s: float, proc) -> list[
     for n in after_lines:
         while proc.poll() is None and (not rd.metrics.exists() or len(rd.metrics.read_text().splitlines()) < n):
             time.sleep(0.02)
+        while proc.poll() is None and not any(isinstance(r, W.Frame) for r in W.read(rd.work_log)[0]):
+            time.sleep(0.01)  # the next step's tokens are coming in (journaled)
         time.sleep(delay_s)
         starts = [r for r in read(rd.journal) if r.get("event") == "start"]
         if proc.poll() is not None or len(starts) != len(killed) + 1:
@@ -271,7 +280,7 @@ def test_a_manager_killed_mid_step_is_restarted_and_the_run_goes_on_exactly_once
                              "--set", "trainer.steps=6", "--set", "trainer.checkpoint_every=0"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        killed = _kill_manager_at(out, [2, 4], 0.6, proc)
+        killed = _kill_manager_at(out, [2, 4], 0.2, proc)
         _, err = proc.communicate(timeout=300)
     finally:
         proc.kill()

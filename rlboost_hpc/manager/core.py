@@ -53,7 +53,7 @@ from rlboost_hpc.manager.state import (ALLOWED_TRANSITIONS, ENV_PEER, Group, Ins
                                        RequestState, StepWork)
 from rlboost_hpc.manager import worklog as W
 from rlboost_hpc.manager.balance import balance
-from rlboost_hpc.manager.restore import adopt, release_held
+from rlboost_hpc.manager.restore import adopt, release_held, unsent_tokens
 from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.manager.stats import ManagerDistributions, VersionServingClock, manager_stats
 from rlboost_hpc.manager.trainer_calls import TrainerCalls
@@ -231,7 +231,7 @@ class ManagerCore(TrainerCalls):
         for rid in taken:
             self._requeue(rid, inst, reason)
         inst.taken_back.update(taken)
-        unsent = max(0, inst.tokens_generated - inst.tokens_received)
+        unsent = unsent_tokens(inst)
         self.counters.tokens_regenerated += unsent
         self.counters.instances_suspected += 1
         if inst.state == S.PULLING and inst.kind == "preemptible":
@@ -300,7 +300,7 @@ class ManagerCore(TrainerCalls):
         if inst.state != S.SUSPECT:
             for rid in list(inst.inflight):
                 self._requeue(rid, inst, reason)
-            unsent = max(0, inst.tokens_generated - inst.tokens_received)
+            unsent = unsent_tokens(inst)
             self.counters.tokens_regenerated += unsent
         if cause is not None:  # it deregistered: a warned end, counted by its kind
             self.counters.tokens_regenerated_after_warning += unsent
@@ -469,7 +469,7 @@ class ManagerCore(TrainerCalls):
             self.counters.late_tokens += total
             return self._unknown(peer, "tokens")
         inst.tokens_received += total
-        requests, key, wl = self.requests, inst.key, self.worklog
+        requests, key = self.requests, inst.key
         ids, lps = memoryview(msg.ids), memoryview(msg.logprobs)
         lo = late = 0
         for rid, off, cnt, ver, fin in zip(msg.rids, msg.offsets, counts, msg.versions, msg.finish):
@@ -500,8 +500,6 @@ class ManagerCore(TrainerCalls):
                 req.ids += ids[lo:hi]
                 req.logprobs += lps[lo:hi]
                 req.n += cnt
-                if wl is not None:
-                    wl.append(W.Delta(rid, bytes(ids[lo:hi]), bytes(lps[lo:hi]), ver))
                 runs = req.runs
                 if runs and runs[-2] == ver:
                     runs[-1] += cnt

@@ -53,9 +53,8 @@ def restore(core, records: list[W.Record], now: float, hold_s: float) -> None:
 def _apply(core, rec: W.Record, now: float) -> None:
     """One record, as the manager that wrote it had applied it."""
     req: Request | None = core.requests.get(getattr(rec, "rid", ""))
-    if isinstance(rec, W.Delta):
-        if req is not None:
-            req.append(rec.ids, rec.logprobs, len(rec.ids) // 4, rec.version)
+    if isinstance(rec, W.Frame):
+        _replay_tokens(core, M.decode(rec.data))
     elif isinstance(rec, W.Finished):
         if req is not None and req.state != R.DONE:
             if req.state == R.QUEUED:
@@ -100,6 +99,18 @@ def _apply(core, rec: W.Record, now: float) -> None:
         core.counters = rec.counters
 
 
+def _replay_tokens(core, msg: M.Tokens) -> None:
+    """Apply the deltas of a journaled ``Tokens`` frame that continue their responses (:class:`W.Frame`)."""
+    ids, lps, lo = memoryview(msg.ids), memoryview(msg.logprobs), 0
+    for rid, off, cnt, ver in zip(msg.rids, msg.offsets, msg.counts, msg.versions):
+        hi = lo + 4 * cnt
+        req = core.requests.get(rid)
+        if (req is not None and req.state != R.DONE and ver == req.version and req.turn_start + off == req.n
+                and off + cnt <= req.turn_budget()):
+            req.append(ids[lo:hi], lps[lo:hi], cnt, ver)
+        lo = hi
+
+
 def adopt(core, req: Request, inst: Instance, offset: int, ids: memoryview) -> int | None:
     """A restored instance sent a delta of ``req`` (held since the restart) at ``offset`` (from the turn's start)
     with packed int32 ``ids``. It takes the response over when the delta starts at or before the length the log
@@ -126,6 +137,12 @@ def adopt(core, req: Request, inst: Instance, offset: int, ids: memoryview) -> i
     core._note_activity(inst)
     core.counters.responses_adopted += 1
     return skip
+
+
+def unsent_tokens(inst: Instance) -> int:
+    """Tokens ``inst`` generated that never reached the manager (what its loss regenerates); 0 for a restored
+    instance that has not resent yet — what it generated before the restart is not this manager's to count."""
+    return 0 if inst.restored else max(0, inst.tokens_generated - inst.tokens_received)
 
 
 def release_held(core, now: float) -> None:

@@ -18,6 +18,7 @@ import zmq
 from rlboost_hpc.manager.core import ManagerCore
 from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.manager.state import ENV_PEER
+from rlboost_hpc.manager.worklog import Frame as WorkFrame
 from rlboost_hpc.protocol.auth import RunKeys, max_msg_size, secure_server
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.errors import ProtocolError
@@ -131,6 +132,8 @@ class ManagerService:
             except ProtocolError as e:
                 self._reject(peer, e)
                 continue
+            if self.worklog is not None and isinstance(msg, M.Tokens):  # journaled whole, in order with the core's
+                self.core.worklog.append(WorkFrame(peer, frame))
             if isinstance(msg, M.Shutdown) and peer == self.core.trainer_peer:
                 self._stop = True
                 self.core.send(peer, M.Ok(what="shutdown", cid=msg.cid))

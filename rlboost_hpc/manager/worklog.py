@@ -102,13 +102,14 @@ class Left(_Rec, tag="left"):
     key: str
 
 
-class Delta(_Rec, tag="delta"):
-    """Tokens accepted for response ``rid``: packed int32 ids and float32 logprobs, produced by ``version``."""
+class Frame(_Rec, tag="frame"):
+    """A ``Tokens`` frame as it arrived from routing id ``peer`` (journaled whole, before the manager applied it:
+    one record per frame, not per delta). Replayed, each of its deltas applies to a response that is not done when
+    it continues the response exactly at its length, with the response's version and within its budget — the
+    deltas the manager accepted; a late delta that also fits is a continuation under the same weights and seed."""
 
-    rid: str
-    ids: bytes
-    logprobs: bytes
-    version: int
+    peer: bytes
+    data: bytes
 
 
 class Observation(_Rec, tag="obs"):
@@ -147,7 +148,7 @@ class Compact(_Rec, tag="compact"):
     """Not written: tells the writer that the records after it replace the whole log (a new step began)."""
 
 
-Record = Union[Begin, Hello, Version, Submit, Seeding, Joined, Left, Delta, Observation, ToolCall, Finished, Acked,
+Record = Union[Begin, Hello, Version, Submit, Seeding, Joined, Left, Frame, Observation, ToolCall, Finished, Acked,
                Counters, Compact]
 
 #: Records the trainer is answered about: committed before the reply leaves.
