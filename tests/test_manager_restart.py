@@ -295,3 +295,46 @@ def test_a_manager_killed_mid_step_is_restarted_and_the_run_goes_on_exactly_once
                 if "restored from the work log" in line]
     assert len(restored) == 2, restored
     assert rep["responses_adopted"] > 0 and rep["tokens_regenerated"] == 0  # the instances kept their work
+
+
+def test_a_trajectory_keeps_its_turns_and_a_tool_call_in_flight_is_asked_again(tmp_path):
+    """Multi-turn: the observation and turn structure come back; a tool call the old manager's environment was
+    running is asked of the restarted manager's environment."""
+    from rlboost_hpc.manager.state import ENV_PEER
+    from tests.test_trajectories import DOT, EOS
+
+    core, clock, log = journaled(tmp_path)
+    core.environment = True
+    feed(core, TRAINER, M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
+    feed(core, TRAINER, M.SetVersion(version=0, checksum=77))
+    register(core, b"a", "a", version=None)
+    feed(core, b"a", LOADED)
+    spec = M.GroupSpec(gid="s0g0", prompt_ids=[1, 5, 6], n=2, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=3,
+                       stop_ids=[EOS], max_turns=3, max_trajectory_tokens=30, tool_stop_ids=[DOT])
+    feed(core, TRAINER, M.SubmitStep(step=0, version=0, groups=[spec]))
+    core.tick()
+    feed(core, b"a", tokens("s0g0/0", 0, [7, DOT], finish=M.FINISH_STOP))  # turn 0 ends in a tool call
+    feed(core, ENV_PEER, M.EnvResult(rid="s0g0/0", turn=0, obs_ids=M.pack_i32([40, 41]), status="ok", tool_s=0.1))
+    feed(core, b"a", tokens("s0g0/1", 0, [8, DOT], finish=M.FINISH_STOP))  # its call is still running
+    commit(core, log)
+    log.close()
+    new, _, _ = restarted(tmp_path)
+    r0, r1 = new.requests["s0g0/0"], new.requests["s0g0/1"]
+    assert r0.turn == 1 and r0.turn_start == 4 and r0.observations == [2, 2] and r0.state == "queued"
+    assert M.unpack_i32(bytes(r0.ids)).tolist() == [7, DOT, 40, 41]
+    assert r1.state == "environment" and [m.rid for m in sent(new, ENV_PEER, M.EnvCall)] == ["s0g0/1"]
+    assert sorted(new.held) == ["s0g0/0"]
+
+
+def test_a_restored_instance_reconnecting_with_a_new_agent_takes_its_identity_over(tmp_path):
+    """A worker that outlived a trainer crash reconnects with a new agent (a new routing id) under the same
+    (job, attempt): the restarted manager lets it in instead of refusing a duplicate identity."""
+    core, clock, log = started(tmp_path)
+    commit(core, log)
+    log.close()
+    new, _, _ = restarted(tmp_path)
+    feed(new, b"a-new", M.Register(job_id="a", attempt=0, kind="preemptible", max_batch=32))
+    assert sent(new, b"a-new", M.Welcome) and not sent(new, b"a-new", M.Reject)
+    assert new.by_peer == {b"a-new": "a#0", b"b": "b#0"} and new.instances["a#0"].peer == b"a-new"
+    feed(new, b"c", M.Register(job_id="a", attempt=0, kind="preemptible", max_batch=32))
+    assert sent(new, b"c", M.Reject)  # once it spoke, the identity is its own again

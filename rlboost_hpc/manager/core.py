@@ -53,7 +53,7 @@ from rlboost_hpc.manager.state import (ALLOWED_TRANSITIONS, ENV_PEER, Group, Ins
                                        RequestState, StepWork)
 from rlboost_hpc.manager import worklog as W
 from rlboost_hpc.manager.balance import balance
-from rlboost_hpc.manager.restore import adopt, release_held, unsent_tokens
+from rlboost_hpc.manager.restore import adopt, release_held, take_over, unsent_tokens
 from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.manager.stats import ManagerDistributions, VersionServingClock, manager_stats
 from rlboost_hpc.manager.trainer_calls import TrainerCalls
@@ -368,6 +368,8 @@ class ManagerCore(TrainerCalls):
     def _on_Register(self, peer: bytes, inst: Instance | None, msg: M.Register) -> None:
         key = f"{msg.job_id}#{msg.attempt}"
         existing = self.instances.get(key)
+        if existing is not None and existing.peer != peer and existing.restored:  # its process, a new connection
+            take_over(self, existing, peer)
         if existing is not None and existing.peer == peer:
             pass  # a retried Register from the same identity (a reconnect keeps it): answer again
         elif existing is not None or key in self.ended:

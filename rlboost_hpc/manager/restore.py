@@ -139,6 +139,22 @@ def adopt(core, req: Request, inst: Instance, offset: int, ids: memoryview) -> i
     return skip
 
 
+def take_over(core, inst: Instance, peer: bytes) -> None:
+    """A restored instance registers from a new connection (its worker outlived a trainer crash and reconnected
+    with a new agent, keeping its engine): that connection takes the identity over — the old routing id never
+    spoke to this manager — once; the new agent holds nothing to resend. Responses it was adopting are queued."""
+    for rid in list(inst.inflight):
+        req = core.requests[rid]
+        inst.inflight.discard(rid)
+        req.move(R.QUEUED)
+        core.queue.appendleft(rid)
+    core.by_peer.pop(inst.peer, None)
+    inst.peer, inst.restored, inst.tokens_received, inst.tokens_generated = peer, False, 0, 0  # (a new agent)
+    core.by_peer[peer] = inst.key
+    core._note_activity(inst)
+    log.info("instance %s registers from a new connection after the restart; it takes its identity over", inst.key)
+
+
 def unsent_tokens(inst: Instance) -> int:
     """Tokens ``inst`` generated that never reached the manager (what its loss regenerates); 0 for a restored
     instance that has not resent yet — what it generated before the restart is not this manager's to count."""
@@ -148,11 +164,13 @@ def unsent_tokens(inst: Instance) -> int:
 def release_held(core, now: float) -> None:
     """The hold after a restart is over — its time is up, or every restored instance has resent what it holds —: what
     no instance adopted is queued (in step order)."""
-    if core.held and (now >= core.held_until or not any(i.restored for i in core.instances.values())):
+    if core.held_until and (now >= core.held_until or not any(i.restored for i in core.instances.values())):
         core.queue.extend(rid for rid in core.held if core.requests.get(rid) is not None
                           and core.requests[rid].state == R.QUEUED)
-        log.info("%d held responses not adopted by their instances are queued", len(core.held))
-        core.held = {}
+        log.info("the hold after the restart is over: %d responses adopted, %d held ones queued (%s)",
+                 core.counters.responses_adopted, len(core.held),
+                 "its time is up" if now >= core.held_until else "every restored instance resent")
+        core.held, core.held_until = {}, 0.0
 
 
 def discard_stale(core) -> int:

@@ -28,6 +28,7 @@ Schema (:class:`RunReport`; every key below is always present except the multi-t
   ``_time_limit`` / ``_drained``, ``stalls``, ``link_resets``, ``slow_weight_loads``, ``deltas_out_of_order``,
   ``manager_restarts`` (manager processes the trainer restarted, each continuing the step from its work log),
   ``responses_adopted`` (unfinished responses a restarted manager's instances continued, their tokens kept),
+  ``tokens_discarded_stale`` (restored tokens of a version the resumed trainer's checkpoint did not have),
   ``balancer_moves``, ``migrations_by_engine`` (``out_of`` / ``into`` → engine → count),
   ``migrated_responses_trained``, ``protocol_rejects``.
 - weights: ``weight_pulls`` (verified loads), ``weight_pull_failures``, ``weight_pull_seconds_mean``
@@ -80,6 +81,7 @@ class FaultTally(msgspec.Struct, kw_only=True):
     deltas_out_of_order: int = 0
     manager_restarts: int = 0
     responses_adopted: int = 0
+    tokens_discarded_stale: int = 0
 
     @classmethod
     def observe(cls, stats: ManagerStats, cluster: dict[str, int] | None) -> "FaultTally":
@@ -165,6 +167,7 @@ class RunReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     deltas_out_of_order: int
     manager_restarts: int
     responses_adopted: int
+    tokens_discarded_stale: int
     instances_lost_while_pulling: int
     prompts_not_trained_exactly_once: int
     instances_preempted_with_warning: int
@@ -300,10 +303,9 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         weight_trainer_sealed_bytes_served=served.get("sealed_bytes_served", 0),
         weight_shards=served["shards"],
         instances_lost_without_warning=stats.instances_lost, instances_suspected=tally.instances_suspected,
-        instances_recovered=tally.instances_recovered, stalls=tally.stalls, link_resets=tally.link_resets,
-        slow_weight_loads=tally.slow_weight_loads, deltas_out_of_order=tally.deltas_out_of_order,
-        manager_restarts=tally.manager_restarts, responses_adopted=tally.responses_adopted,
-        instances_lost_while_pulling=tally.instances_lost_while_pulling,
+        **{f: getattr(tally, f) for f in ("instances_recovered", "stalls", "link_resets", "slow_weight_loads",
+                                          "deltas_out_of_order", "manager_restarts", "responses_adopted",
+                                          "tokens_discarded_stale", "instances_lost_while_pulling")},
         prompts_not_trained_exactly_once=prompts_not_trained_once,
         instances_preempted_with_warning=stats.instances_preempted_with_warning,
         instances_time_limit=stats.instances_time_limit,
