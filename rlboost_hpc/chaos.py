@@ -84,6 +84,9 @@ def chaos_main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-jitter-s", type=float, default=1.0,
                    help="a trainer/manager kill fires up to this many seconds (uniform) after the checkpoint it "
                         "waits for; kills are spread evenly over the run's checkpoints")
+    p.add_argument("--manager-kill-every-s", type=float, default=0.0,
+                   help="also SIGKILL the rollout manager at random moments, this many seconds apart on average (0: "
+                        "never); the trainer restarts it each time (manager.restarts is raised to allow it)")
     p.add_argument("--stall-every-s", type=float, default=0.0, help="mean seconds between worker stalls (0: none)")
     p.add_argument("--stall-s", type=float, default=6.0, help="length of a stall (past the heartbeat deadline)")
     p.add_argument("--reset-every-s", type=float, default=0.0,
@@ -116,6 +119,8 @@ def chaos_main(argv: list[str] | None = None) -> int:
         f"cluster.kill_fraction={a.kill_fraction}", f"cluster.seed={a.seed}",
         f"cluster.faults.stall_every_s={a.stall_every_s}", f"cluster.faults.stall_s={a.stall_s}",
         f"cluster.faults.link_reset_every_s={a.reset_every_s}", f"cluster.faults.slow_load_s={a.slow_load_s}", *a.set]
+    if a.manager_kill_every_s > 0:  # every kill is restarted: the budget is the run's whole expected length
+        overrides += ["manager.restarts=1000000", "manager.restart_window_s=1"]
     crashes = {"trainer_kills": 0, "manager_kills": 0}
     terminal = sys.stdout.isatty()  # a progress bar then owns the screen; JSON log lines go to <out>/logs/
     with logging_setup("trainer", run_id=RunDir(out).run_id(), log_dir=RunDir(out).logs, console=not terminal):
@@ -129,10 +134,10 @@ def _chaos_run(a, out: Path, overrides: list[str], n_remove: int, crashes: dict,
     from rlboost_hpc.observe.report import Bar
     from rlboost_hpc.run import run
 
-    if a.trainer_kills:
+    if a.trainer_kills or a.manager_kill_every_s > 0:
         with Bar(a.steps, "step", enabled=terminal, transient=True) as bar:
             rc = run_with_restarts(a.config, out, overrides, kill_steps(a.steps, a.trainer_kills), a.kill_jitter_s,
-                                   a.seed, crashes, bar=bar)
+                                   a.seed, crashes, bar=bar, manager_every_s=a.manager_kill_every_s)
         if rc != 0:
             print(f"rlboost-hpc chaos: the final incarnation of the run exited {rc} (see {RunDir(out).report})")
             return 1
@@ -173,6 +178,16 @@ def _forget_previous_run(out: Path) -> None:
     RunDir(out).work_log.unlink(missing_ok=True)
 
 
+def _child_of(pid: int, parent: int) -> bool:
+    """``pid`` runs and is a child of ``parent`` (a journal's manager pid may be reused once that manager died)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).ppid() == parent
+    except psutil.Error:
+        return False
+
+
 def kill_steps(steps: int, kills: int) -> list[int]:
     """Checkpoint steps after which the harness's ``kills`` trainer/manager kills fire: spread evenly over
     ``1 … steps − 1`` (``round((i + 1) · steps / (kills + 1))``), so each kill leaves steps to resume into.
@@ -186,13 +201,15 @@ def kill_steps(steps: int, kills: int) -> list[int]:
 
 
 def run_with_restarts(config: str, out: Path, overrides: list[str], at_steps: list[int], jitter_s: float,
-                      seed: int, crashes: dict, poll_s: float = 0.1, bar=None) -> int:
+                      seed: int, crashes: dict, poll_s: float = 0.1, bar=None, manager_every_s: float = 0.0) -> int:
     """Run ``rlboost-hpc run`` as a child; SIGKILL the trainer or the manager once per entry of ``at_steps``. A
     killed trainer is started again (it resumes from its checkpoint); a killed manager is restarted by the trainer
     (the step in flight continues from the manager's work log), so the same incarnation goes on. Kill ``i`` fires ``uniform(0, jitter_s)`` seconds after
     the run's latest checkpoint reached ``max(at_steps[i], resumed step + 1)``. Returns the exit code of the final
     incarnation (or of one that ended before its kill). ``crashes`` receives ``trainer_kills`` / ``manager_kills``;
-    ``bar`` (a :class:`~rlboost_hpc.observe.report.Bar`) shows the checkpointed steps."""
+    ``bar`` (a :class:`~rlboost_hpc.observe.report.Bar`) shows the checkpointed steps. With ``manager_every_s``,
+    the current manager is also SIGKILLed at exponential intervals of that mean (never again before the trainer has
+    started its successor), throughout every incarnation."""
     import signal
     import subprocess
     import sys
@@ -202,6 +219,24 @@ def run_with_restarts(config: str, out: Path, overrides: list[str], at_steps: li
     from rlboost_hpc.trainer.checkpoint import latest_step
 
     rng = random.Random(seed + 7)
+    mrng = random.Random(seed + 11)
+    next_mkill = [time.monotonic() + mrng.expovariate(1 / manager_every_s) if manager_every_s > 0 else float("inf")]
+    killed_pids: set[int] = set()
+
+    def sleep(s: float) -> None:  # a wait that fires the periodic manager kills
+        if time.monotonic() >= next_mkill[0]:
+            mgr = [r for r in read(RunDir(out).journal) if r.get("event") == "start"]
+            pid = int(mgr[-1]["pid"]) if mgr else 0
+            if pid and pid not in killed_pids and proc is not None and _child_of(pid, proc.pid):
+                killed_pids.add(pid)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    crashes["manager_kills"] += 1
+                except ProcessLookupError:  # it ended on its own (an incarnation's end)
+                    pass
+            next_mkill[0] = time.monotonic() + mrng.expovariate(1 / manager_every_s)
+        time.sleep(s)
+
     cmd = [sys.executable, "-m", "rlboost_hpc.cli", "run", "--config", config, "--out", str(out), "--no-progress"]
     for o in overrides:
         cmd += ["--set", o]
@@ -219,19 +254,20 @@ def run_with_restarts(config: str, out: Path, overrides: list[str], at_steps: li
             while proc.poll() is None and (target is None or latest_step(out) < target):
                 if bar is not None:
                     bar.set(max(0, latest_step(out)), info)
-                time.sleep(poll_s)
+                sleep(poll_s)
             if target is None:
                 return proc.wait()
             deadline = time.monotonic() + rng.uniform(0.0, jitter_s)
             while time.monotonic() < deadline and proc.poll() is None:
-                time.sleep(poll_s / 2)
+                sleep(poll_s / 2)
             if proc.poll() is not None:  # finished (or failed) before its kill: nothing left to crash
                 return proc.returncode
             victim = rng.choice(["trainer", "manager"])
             mgr = [r for r in read(RunDir(out).journal) if r.get("event") == "start"]
-            if victim == "manager" and len(mgr) > starts:
+            if victim == "manager" and len(mgr) > starts and int(mgr[-1]["pid"]) not in killed_pids:
                 # the trainer restarts its manager, which continues the step from its work log: same incarnation
                 os.kill(int(mgr[-1]["pid"]), signal.SIGKILL)
+                killed_pids.add(int(mgr[-1]["pid"]))
                 crashes["manager_kills"] += 1
                 starts = len(mgr)  # the next manager kill waits for the restarted manager's start
             else:  # (also when this incarnation's manager has not started yet)

@@ -94,6 +94,25 @@ def test_chaos_trainer_and_manager_kills_resume_exactly_once(tmp_path, capsys):
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 20
 
 
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_chaos_repeated_manager_kills_restart_it_and_lose_nothing(tmp_path, capsys):
+    """Issue 33: on top of worker churn, the rollout manager is SIGKILLed every ~2 s at random moments (during
+    rollout, a commit, a compaction or its own restart); the trainer restarts it each time within the same
+    incarnation, and the run ends with nothing lost, duplicated, off-version or trained twice."""
+    out = tmp_path / "chaos"
+    rc = chaos_main(["--out", str(out), "--steps", "12", "--lifetime-s", "2.0", "--downtime-s", "0.5",
+                     "--seed", "5", "--manager-kill-every-s", "2.0"])
+    summary = json.loads(capsys.readouterr().out)
+    rep = json.loads((out / "report.json").read_text())
+    assert rc == 0, summary
+    f = summary["faults"]
+    assert f["manager_kills"] >= 4 and f["trainer_kills"] == 0 and f["resumes"] == 0, f
+    assert rep["manager_restarts"] == f["manager_kills"], (rep["manager_restarts"], f)
+    assert all(v == 0 for v in summary["checks"].values()), summary["checks"]
+    assert rep["steps"] == 12 and rep["responses_trained"] == 12 * 8 * 8
+
+
 def _fuzz_frames(rng: random.Random, n: int) -> list[list[bytes]]:
     valid = [M.encode(m) for m in [
         M.Register(job_id="fz", attempt=0, kind="preemptible", max_batch=4),

@@ -338,3 +338,13 @@ def test_a_restored_instance_reconnecting_with_a_new_agent_takes_its_identity_ov
     assert new.by_peer == {b"a-new": "a#0", b"b": "b#0"} and new.instances["a#0"].peer == b"a-new"
     feed(new, b"c", M.Register(job_id="a", attempt=0, kind="preemptible", max_batch=32))
     assert sent(new, b"c", M.Reject)  # once it spoke, the identity is its own again
+
+
+def test_every_restart_is_counted_even_several_within_one_step(tmp_path):
+    core, clock, log = started(tmp_path)
+    commit(core, log)
+    log.close()
+    for epoch in (2, 3, 4):
+        new, _, log2 = restarted(tmp_path, epoch=epoch)
+        log2.close()
+        assert new.counters.manager_restarts == epoch - 1

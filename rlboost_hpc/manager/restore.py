@@ -33,7 +33,9 @@ def restore(core, records: list[W.Record], now: float, hold_s: float) -> None:
     """Rebuild ``core`` (a fresh :class:`~rlboost_hpc.manager.core.ManagerCore`) from a work log's ``records``, as
     of monotonic time ``now``; unfinished responses are held ``hold_s`` seconds for their instances (module
     docstring). Records of responses the log does not hold (a torn step) are ignored."""
-    for rec in records:
+    for i, rec in enumerate(records):
+        if isinstance(rec, W.Begin) and i:  # a manager restarted after the log's first record (the snapshot's)
+            core.counters.manager_restarts += 1
         _apply(core, rec, now)
     core.queue.clear()
     core.held = {rid: None for rid, r in core.requests.items() if r.state == R.QUEUED}
