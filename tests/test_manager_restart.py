@@ -12,7 +12,7 @@ from rlboost_hpc.manager.core import ManagerCore
 from rlboost_hpc.manager.restore import restore
 from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.protocol import messages as M
-from tests.test_manager_core import TRAINER, Clock, register, sent, submit, tokens
+from test_manager_core import TRAINER, Clock, register, sent, submit, tokens
 
 
 LOADED = M.WeightsLoaded(version=0, checksum=77, nbytes=1, pull_s=0.0, load_s=0.0)
@@ -229,13 +229,44 @@ def test_a_log_of_another_run_or_with_epochs_going_backwards_is_an_error_naming_
     W.WorkLog(tmp_path / "work.log", "run", 4, keep=True).close()
 
 
-def test_group_commit_waits_its_window_but_never_for_what_the_trainer_is_answered_about(tmp_path):
+def test_group_commit_waits_its_window_and_nothing_reaches_the_trainer_before_it_is_on_disk(tmp_path):
+    from rlboost_hpc.manager.service import ManagerService
+
     log = W.WorkLog(tmp_path / "work.log", "run", 1, keep=False, commit_every_s=0.05)
     log.write([W.Frame(b"a", b"\0" * 8)], now=10.0)
     assert not log.due(10.01) and log.due(10.05)
     log.commit()
-    log.write([W.Seeding(False)], now=11.0)
-    assert log.due(11.0)
+    (tmp_path / "x").mkdir()
+    core, _, _ = journaled(tmp_path / "x")  # (its own log there is not used: the service writes ``log``)
+    svc = ManagerService(core, worklog=log)
+    try:
+        core.trainer_peer = TRAINER
+        size = (tmp_path / "work.log").stat().st_size
+        core.worklog.append(W.Acked("g"))
+        core.send(b"inst", M.Alive(epoch=1))
+        svc._journal(20.0, idle=False)
+        assert (tmp_path / "work.log").stat().st_size == size  # an instance's message waits for the window
+        core.send(TRAINER, M.GroupDone(step=0, gid="g", responses=[]))
+        svc._journal(20.01, idle=False)  # under load, a finished group waits for the window's commit, held back
+        assert (tmp_path / "work.log").stat().st_size == size and [p for p, _ in core.outbox] == [b"inst"]
+        core.outbox.clear()
+        svc._journal(20.06, idle=False)
+        assert (tmp_path / "work.log").stat().st_size > size and [p for p, _ in core.outbox] == [TRAINER]
+        core.outbox.clear()
+        size = (tmp_path / "work.log").stat().st_size
+        core.worklog.append(W.Acked("i"))
+        core.send(TRAINER, M.GroupDone(step=0, gid="g2", responses=[]))
+        svc._journal(20.061, idle=True)  # nothing else coming in (the step's tail): at once
+        assert (tmp_path / "work.log").stat().st_size > size and [p for p, _ in core.outbox] == [TRAINER]
+        size = (tmp_path / "work.log").stat().st_size
+        core.worklog.append(W.Acked("h"))
+        core.outbox.clear()
+        size = (tmp_path / "work.log").stat().st_size
+        core.send(TRAINER, M.Ok(what="x", cid=1))
+        svc._journal(20.07, idle=False)
+        assert (tmp_path / "work.log").stat().st_size > size  # a reply to a call commits at once
+    finally:
+        svc.close()
 
 
 def _kill_manager_at(out, after_lines: list[int], delay_s: float, proc) -> list[int]:
@@ -301,7 +332,7 @@ def test_a_trajectory_keeps_its_turns_and_a_tool_call_in_flight_is_asked_again(t
     """Multi-turn: the observation and turn structure come back; a tool call the old manager's environment was
     running is asked of the restarted manager's environment."""
     from rlboost_hpc.manager.state import ENV_PEER
-    from tests.test_trajectories import DOT, EOS
+    from test_trajectories import DOT, EOS
 
     core, clock, log = journaled(tmp_path)
     core.environment = True

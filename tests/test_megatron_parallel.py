@@ -130,6 +130,31 @@ def test_rl_run_at_tp2_through_the_launcher(repo_root, tmp_path):
     assert rep["weight_checksum_mismatches"] == 0 and rep["weight_pull_failures"] == 0
 
 
+@pytest.mark.chaos
+def test_a_manager_killed_mid_step_under_tp2_is_restarted_without_touching_the_ranks(repo_root, tmp_path):
+    """Issue 33 item 5: rank 0's manager is SIGKILLed while a step's rollout is in flight; the trainer restarts it
+    and the step continues from the work log. The distributed group (rank 1 following rank 0's backend calls) is
+    never touched: the run ends normally with nothing lost, duplicated or trained off-version."""
+    from test_manager_restart import _kill_manager_at
+
+    out = tmp_path / "demo-tp2"
+    cmd = [sys.executable, "-m", "megatron_bridge.launch", "--nproc-per-node", "2", "--tp", "2", SCENARIOS, "demo",
+           "--out", str(out), "--set", "trainer.steps=4", "--set", "task.heldout_prompts=8",
+           "--set", "trainer.eval_samples=1"]
+    proc = subprocess.Popen(cmd, cwd=repo_root, env=_env(repo_root), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        killed = _kill_manager_at(out, [2], 0.2, proc)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-4000:]
+    rep = json.loads((out / "report.json").read_text())
+    assert len(killed) == 1 and rep["manager_restarts"] == 1 and rep["resumes"] == 0
+    assert rep["steps"] == 4 and rep["responses_trained"] == 4 * 64
+    assert rep["responses_lost"] == rep["responses_duplicated"] == rep["tokens_trained_off_version"] == 0
+
+
 def test_followers_waiting_past_the_collective_timeout_stay_alive(repo_root):
     """Regression (issue 16): ranks other than 0 waited for the next call in a gloo collective whose timeout was
     fixed (1,800 s) and unrelated to how long a step's rollout takes; scaled down (5 s timeout, the leader idle

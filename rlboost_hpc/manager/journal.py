@@ -7,9 +7,8 @@ What the manager needs to survive a crash of the trainer job (or a Slurm requeue
 - every **weight version** it made current (``SetVersion``), so a resuming trainer can check that its checkpoint
   is not ahead of what the manager saw (a checkpoint from another run, or a journal from another run).
 
-Responses in flight at the crash are not journaled on purpose: the trainer's checkpoint is taken after the
-optimizer step, so a step that had not finished is regenerated from its prompts on resume (nothing trained from
-it, nothing skipped). Invariants: every record is one line, flushed and fsynced before the manager acts on it;
+The step in flight — responses at token level, turns, instances — is in the manager's work log
+(``manager/worklog.py``), which a restarted manager continues from. Invariants of this file: every record is one line, flushed and fsynced before the manager acts on it;
 a torn last line (crash mid-write) is cut on open; any other unparseable line is a :class:`JournalError`.
 """
 from __future__ import annotations

@@ -40,6 +40,7 @@ class ManagerService:
                  environment: ToolCalls | None = None, worklog: "WorkLog | None" = None):
         self.core = core
         self.worklog = worklog  # the step in flight, journaled (group commit before the replies that need it)
+        self._held: list[tuple[bytes, M._Msg]] = []  # the trainer's messages waiting for the work log's commit
         # tool calls of multi-turn trajectories (EnvCall → a call in the pool → EnvResult), in worker processes
         self.env = environment
         self.ctx = ctx or zmq.Context.instance()
@@ -84,16 +85,25 @@ class ManagerService:
             self.core.disconnected(peer)
             return False
 
-    def _journal(self, now: float) -> None:
-        """Hand the core's new work-log records to the log and commit when one is owed — before any reply that
-        follows them is sent."""
+    def _journal(self, now: float, idle: bool = True) -> None:
+        """Hand the core's new work-log records to the log, and keep the trainer from seeing anything the log does
+        not hold yet: a reply to the trainer's call commits at once (a few per step); finished groups commit at once
+        when no frame came in (``idle``: the step's tail, the trainer's critical path), else they wait for the
+        window's commit (at most ``commit_every_s``) — under load a step's many deliveries share a few fsyncs."""
         if self.worklog is None:
             return
         if self.core.worklog:
             self.worklog.write(self.core.worklog, now)
             self.core.worklog.clear()
-        if self.worklog.due(now):
+        trainer, out = self.core.trainer_peer, self.core.outbox
+        if self.worklog.pending and (self.worklog.due(now) or any(
+                p == trainer and (idle or not isinstance(m, M.GroupDone)) for p, m in out + self._held)):
             self.worklog.commit()
+        if self.worklog.pending:  # hold the trainer's groups until the commit that holds them
+            self._held += [(p, m) for p, m in out if p == trainer]
+            self.core.outbox = [(p, m) for p, m in out if p != trainer]
+        elif self._held:
+            self.core.outbox, self._held = self._held + out, []
 
     def _flush(self) -> None:
         out, self.core.outbox = self.core.outbox, []
@@ -190,7 +200,7 @@ class ManagerService:
                 # once per tick
                 self.core.dispatch()
                 last_dispatch = now
-            self._journal(now)
+            self._journal(now, idle=self.sock not in events)
             if self.core.outbox:
                 self._flush()
         self._journal(float("inf"))

@@ -12,13 +12,11 @@ tail is cut when the log is opened for writing. Every manager start writes :clas
 epoch); a log of another run, or one whose epochs go backwards, is a :class:`WorkLogError` naming the file.
 
 Durability (group commit): records are buffered and written, flushed and fsynced at most ``commit_every_s``
-seconds after the first of them, and at once when a record the trainer is answered about is among them
-(:data:`DURABLE`: trainer hello, version, step, end of seeding) — the reply leaves only after its record is on
-disk. A manager killed at any moment therefore loses at most the records of one commit window: tokens accepted in
-the last ``commit_every_s`` seconds, which the restarted manager has its instances regenerate. Nothing wrong can
-follow from a lost record: a lost token leaves a gap the next delta of that response cannot fill (the instance is
-told to release it and it resumes from what the log holds); a lost end of a response regenerates its last tokens;
-a lost acknowledgement redelivers a group the trainer skips.
+seconds after the first of them — and at once, before it is sent, when a message for the trainer is waiting (a
+reply, a finished group): nothing reaches the trainer that the log does not hold. A manager killed at any moment
+therefore loses at most the records of one commit window, none of which the trainer has seen: tokens accepted in
+the last ``commit_every_s`` seconds (the instances that survive resend them, ``manager/restore.py``), an ended
+response's end (it is finished again), an acknowledgement (the group is delivered again and skipped).
 
 Compaction: a new step begins only when every response of the last one finished (strict on-policy), so at each
 :class:`Submit` the log is rewritten as a snapshot (begin, trainer, version, live instances, counters) plus the
@@ -151,9 +149,6 @@ class Compact(_Rec, tag="compact"):
 Record = Union[Begin, Hello, Version, Submit, Seeding, Joined, Left, Frame, Observation, ToolCall, Finished, Acked,
                Counters, Compact]
 
-#: Records the trainer is answered about: committed before the reply leaves.
-DURABLE = (Hello, Version, Submit, Seeding)
-
 _HEAD = struct.Struct("<II")
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Record)
@@ -233,7 +228,7 @@ class WorkLog:
             self._f = open(self.path, "wb")
         self._buf: list[bytes] = []
         self._first: float | None = None
-        self._durable = self._compact = False
+        self._compact = False
         self.commits = self.bytes_written = 0
         self.write([Begin(run_id, epoch)], now=0.0)
         self.commit()
@@ -246,13 +241,17 @@ class WorkLog:
                 self._buf, self._compact = [], True
                 continue
             self._buf.append(frame(rec))
-            self._durable = self._durable or isinstance(rec, DURABLE)
             if self._first is None:
                 self._first = now
 
+    @property
+    def pending(self) -> bool:
+        """Records wait to be committed."""
+        return bool(self._buf) or self._compact
+
     def due(self, now: float) -> bool:
-        """A commit is owed now: a durable record waits, or the oldest buffered one is ``commit_every_s`` old."""
-        return bool(self._buf) and (self._durable or self._compact or now - self._first >= self.commit_every_s)
+        """The oldest buffered record is ``commit_every_s`` old: a commit is owed now."""
+        return bool(self._buf) and now - self._first >= self.commit_every_s
 
     def commit(self) -> None:
         """Write, flush and fsync what is buffered (after a :class:`Compact`: into a new file that atomically
@@ -277,10 +276,10 @@ class WorkLog:
             os.fsync(self._f.fileno())
         self.bytes_written += sum(map(len, self._buf))
         self.commits += 1
-        self._buf, self._first, self._durable, self._compact = [], None, False, False
+        self._buf, self._first, self._compact = [], None, False
 
     def close(self) -> None:
         """Commit what is buffered and close the file."""
-        if self._buf or self._compact:
+        if self.pending:
             self.commit()
         self._f.close()
