@@ -379,3 +379,14 @@ def test_every_restart_is_counted_even_several_within_one_step(tmp_path):
         new, _, log2 = restarted(tmp_path, epoch=epoch)
         log2.close()
         assert new.counters.manager_restarts == epoch - 1
+
+
+def test_a_step_naming_a_group_twice_is_refused(tmp_path):
+    """The step builder shared with restore: a group id twice in one SubmitStep is an error, not an overwrite."""
+    core, _, _ = journaled(tmp_path)
+    feed(core, TRAINER, M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
+    feed(core, TRAINER, M.SetVersion(version=0))
+    g = M.GroupSpec(gid="s0g0", prompt_ids=[1], n=2, max_new_tokens=4, temperature=1.0, top_p=1.0, seed=0,
+                    stop_ids=[])
+    feed(core, TRAINER, M.SubmitStep(step=0, version=0, groups=[g, g], cid=9))
+    assert "duplicate request id s0g0/0" in sent(core, TRAINER, M.Error)[-1].error and not core.requests

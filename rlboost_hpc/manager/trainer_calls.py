@@ -167,8 +167,10 @@ class TrainerCalls:
             self.send(peer, M.Error(what="submit", cid=msg.cid, error="multi-turn groups need an environment "
                                                                       "(the manager was started without one)"))
             return
-        dup = next((f"{g.gid}/{i}" for g in msg.groups for i in range(g.n) if f"{g.gid}/{i}" in self.requests
-                    and not self.groups[g.gid].delivered), None)
+        new = [(g.gid, f"{g.gid}/{i}") for g in msg.groups for i in range(g.n)]
+        dup = next((rid for gid, rid in new if rid in self.requests and not self.groups[gid].delivered), None)
+        if dup is None and len({rid for _, rid in new}) < len(new):  # (twice in this call)
+            dup = next(rid for _, rid in new if sum(r == rid for _, r in new) > 1)
         if dup is not None:
             self.send(peer, M.Error(what="submit", cid=msg.cid, error=f"duplicate request id {dup}"))
             return
