@@ -390,3 +390,21 @@ def test_a_step_naming_a_group_twice_is_refused(tmp_path):
                     stop_ids=[])
     feed(core, TRAINER, M.SubmitStep(step=0, version=0, groups=[g, g], cid=9))
     assert "duplicate request id s0g0/0" in sent(core, TRAINER, M.Error)[-1].error and not core.requests
+
+
+@pytest.mark.integration
+def test_resuming_with_a_work_log_of_another_run_exits_2_naming_the_file(repo_root, tmp_path):
+    """Bad input: a run directory whose work log names another run (copied from elsewhere) is refused on resume —
+    exit 2, the file named — instead of continuing someone else's step."""
+    from test_demo_run import run_cli
+
+    out = tmp_path / "run"
+    p = run_cli(repo_root, out, "trainer.steps=1", "cluster.max_workers=0")
+    assert p.returncode == 0, p.stderr[-3000:]
+    log = W.WorkLog(tmp_path / "other.log", "someone-else", 1, keep=False)
+    log.close()
+    (out / "manager-work.log").write_bytes((tmp_path / "other.log").read_bytes())
+    p = run_cli(repo_root, out, "trainer.steps=2", "cluster.max_workers=0")
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "manager-work.log" in p.stderr and "belongs to run 'someone-else'" in p.stderr
+    assert "Traceback" not in p.stderr
