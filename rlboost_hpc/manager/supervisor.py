@@ -4,9 +4,10 @@ endpoint, keys and Prometheus port, with a new epoch, and continues the step in 
 with their call ids and answered idempotently by the restarted manager — and rollout instances reconnect to the
 same address on their own (ZeroMQ), keeping their engines and weights.
 
-Invariant: at most ``restarts`` restarts within any ``window_s`` seconds; past that (or when a restart itself
-fails) :meth:`ManagerSupervisor.alive` says False and the trainer fails the run (exit 1; a requeue resumes from
-the last checkpoint).
+Invariant: at most ``restarts`` restarts within any ``window_s`` seconds — a new manager that dies while it
+starts counts as one and is started again; past that, :meth:`ManagerSupervisor.alive` says False and the trainer
+fails the run (exit 1; a requeue resumes from the last checkpoint). A work log that is not the run's is bad input
+(raised: exit 2).
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import logging
 import threading
 import time
 from typing import Callable
+
+from rlboost_hpc.errors import BadInput
 
 log = logging.getLogger("rlboost.run")
 
@@ -52,19 +55,22 @@ class ManagerSupervisor:
                 return True
             if self.stopping:
                 return False
-            now = self.clock()
-            self._times = [t for t in self._times if now - t < self.window_s]
-            if len(self._times) >= self.restarts:
-                log.error("the manager process died (exit code %s) and %d restarts within %.0f s are spent",
-                          self.proc.exitcode, len(self._times), self.window_s)
-                return False
-            self._times.append(now)
             code, t0 = self.proc.exitcode, time.monotonic()
-            try:
-                self.proc, _, _ = self._spawn(bind=self.bound, restore=True, metrics_port=self._metrics_port)
-            except Exception as e:  # noqa: BLE001 - the run fails with the cause logged
-                log.error("the manager process died (exit code %s) and could not be restarted: %s", code, e)
-                return False
+            while True:  # a new manager killed while it starts is started again, within the same budget
+                now = self.clock()
+                self._times = [t for t in self._times if now - t < self.window_s]
+                if len(self._times) >= self.restarts:
+                    log.error("the manager process died (exit code %s) and %d restarts within %.0f s are spent",
+                              code, len(self._times), self.window_s)
+                    return False
+                self._times.append(now)
+                try:
+                    self.proc, _, _ = self._spawn(bind=self.bound, restore=True, metrics_port=self._metrics_port)
+                    break
+                except BadInput:  # its work log is not this run's: exit 2, naming the file
+                    raise
+                except Exception as e:  # noqa: BLE001 - e.g. it died before reporting its endpoint
+                    log.warning("a restart of the manager failed (%s: %s); trying again", type(e).__name__, e)
             self.restarted += 1
             self.restart_s.append(time.monotonic() - t0)
             log.warning("the manager process died (exit code %s); restarted on %s in %.2f s, continuing the step "
