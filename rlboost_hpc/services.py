@@ -106,7 +106,8 @@ class RunServices:
                                            else net.bind_host)
         self.endpoint, self.weights_endpoint = advertised(bound, self.host), advertised(self.server.endpoint,
                                                                                          self.host)
-        self.client = ManagerClient(self.endpoint, keys=self.keys, alive=self.manager.alive)
+        self.client = ManagerClient(self.endpoint, keys=self.keys, alive=self.manager.alive,
+                                    restarts=lambda: self.manager.restarted)
         metrics_url = metrics_url.replace("0.0.0.0", self.host)
         rd.write_endpoints(self.endpoint, self.weights_endpoint, run_id=self.run_id, curve=self.keys is not None,
                            metrics=metrics_url, worker=WorkerSpec.from_config(cfg, self.context_tokens).to_json())

@@ -58,7 +58,7 @@ def restarted(tmp_path, epoch=2):
     core = ManagerCore(clock=clock, epoch=epoch, settings=ManagerSettings(pending_limit=4, heartbeat_s=0.25,
                                                                          heartbeat_timeout_s=2.0))
     log = W.WorkLog(tmp_path / "work.log", "run", epoch, keep=True)
-    restore(core, log.restored, clock(), hold_s=2.0)
+    restore(core, log.restored, clock())
     core.worklog = []
     return core, clock, log
 
@@ -308,10 +308,11 @@ def test_a_manager_killed_mid_step_is_restarted_and_the_run_goes_on_exactly_once
 
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "rlboost_hpc.cli", "run", "--out", str(out), "--no-progress",
-                             "--set", "trainer.steps=6", "--set", "trainer.checkpoint_every=0"],
+                             "--set", "trainer.steps=6", "--set", "trainer.checkpoint_every=0",
+                             "--set", "rollout.max_new_tokens=160"],  # (a rollout long enough to land in)
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        killed = _kill_manager_at(out, [2, 4], 0.2, proc)
+        killed = _kill_manager_at(out, [2, 4], 0.05, proc)
         _, err = proc.communicate(timeout=300)
     finally:
         proc.kill()

@@ -238,11 +238,13 @@ class ManagerCore(TrainerCalls):
             self.counters.suspected_while_pulling += 1
         inst.suspect_from, inst.suspect_since = inst.state, self.clock()
         self._set_state(inst, S.SUSPECT)
+        self.log_work(W.Silent(inst.key, True))
         log.info("instance %s suspect (%s); %d responses migrated, %d unsent tokens", inst.key, reason,
                  len(taken), unsent)
 
     def _recover(self, inst: Instance) -> None:
         """A suspect spoke again under its identity: back where it was, without re-registering."""
+        self.log_work(W.Silent(inst.key, False))
         back = inst.suspect_from or S.PULLING
         if back in (S.DRAINING, S.FENCED):
             new = back
@@ -338,10 +340,11 @@ class ManagerCore(TrainerCalls):
     # ------------------------------------------------------------------ input
     def disconnected(self, peer: bytes) -> None:
         """The connection of ``peer`` is closed (the service found it unreachable): a live instance becomes
-        suspect at once (invariant 7) — a killed process leaves routing without waiting for its silence."""
+        suspect at once (invariant 7) — a killed process leaves routing without waiting for its silence. Not an
+        instance restored after a manager restart: it is reconnecting (its silence deadline judges it)."""
         key = self.by_peer.get(peer)
         inst = self.instances.get(key) if key else None
-        if inst is not None and inst.state not in (S.SUSPECT, S.GONE):
+        if inst is not None and inst.state not in (S.SUSPECT, S.GONE) and not inst.restored:
             self.counters.connections_closed += 1
             self._suspect(inst, "connection closed")
 
@@ -627,7 +630,7 @@ class ManagerCore(TrainerCalls):
                 self._suspect(inst, f"no heartbeat for {now - inst.last_seen:.1f}s")
         balance(self, now)  # invariant 6
         release_held(self, now)
-        if now - self._last_alive >= self.alive_every_s:
+        if now - self._last_alive >= (0.1 if self.held else self.alive_every_s):  # (a restart: tell them soon)
             self._last_alive = now
             for inst in self.instances.values():
                 if inst.state not in (S.GONE, S.SUSPECT):

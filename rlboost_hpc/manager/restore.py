@@ -8,7 +8,7 @@ the last compaction, and the registered instances by routing id. A restored inst
 the current version (it re-registers when it hears the new epoch; it keeps its weights when their checksum is the
 version's); it is suspected, as any instance, if it stays silent past the heartbeat deadline.
 
-Unfinished responses are *held* for ``hold_s`` seconds after the restart. A restored instance that re-registers is
+Unfinished responses are *held* for up to the heartbeat deadline (``heartbeat_timeout_s``) after the restart. A restored instance that re-registers is
 asked to send every response it runs (or finished in the last seconds) again, whole (``Welcome.resend``): it adopts
 those the log holds a prefix of (:func:`adopt`; the overlap must equal the log) — so neither the tokens of the last
 commit window nor those it generated while the manager was away are lost. What no instance adopted is queued when
@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 
 from rlboost_hpc.manager import worklog as W
-from rlboost_hpc.manager.state import ENV_PEER, Instance, Request, RequestState as R
+from rlboost_hpc.manager.state import ENV_PEER, Instance, InstanceState as S, Request, RequestState as R
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.stats import ManagerCounters
 
@@ -29,17 +29,17 @@ log = logging.getLogger("rlboost.manager")
 REPLAYED = "<replayed>"
 
 
-def restore(core, records: list[W.Record], now: float, hold_s: float) -> None:
+def restore(core, records: list[W.Record], now: float) -> None:
     """Rebuild ``core`` (a fresh :class:`~rlboost_hpc.manager.core.ManagerCore`) from a work log's ``records``, as
-    of monotonic time ``now``; unfinished responses are held ``hold_s`` seconds for their instances (module
-    docstring). Records of responses the log does not hold (a torn step) are ignored."""
+    of monotonic time ``now``; unfinished responses are held for their instances up to the heartbeat deadline
+    (module docstring). Records of responses the log does not hold (a torn step) are ignored."""
     for i, rec in enumerate(records):
         if isinstance(rec, W.Begin) and i:  # a manager restarted after the log's first record (the snapshot's)
             core.counters.manager_restarts += 1
         _apply(core, rec, now)
     core.queue.clear()
     core.held = {rid: None for rid, r in core.requests.items() if r.state == R.QUEUED}
-    core.held_until = now + hold_s
+    core.held_until = now + core.heartbeat_timeout_s
     for r in core.requests.values():
         if r.state == R.ENVIRONMENT:  # its tool call died with the old manager's environment: ask again
             core.send(ENV_PEER, M.EnvCall(rid=r.rid, turn=r.turn, turn_ids=r.turn_ids()))
@@ -82,6 +82,13 @@ def _apply(core, rec: W.Record, now: float) -> None:
                                            relay_endpoint=rec.relay_endpoint, restored=True)
         core.by_peer[rec.peer] = rec.key
         core._note_activity(core.instances[rec.key])
+    elif isinstance(rec, W.Silent):
+        inst = core.instances.get(rec.key)
+        if inst is not None:  # (construction, not a transition: the instance is being rebuilt as it was)
+            inst.state, inst.suspect_since = (S.SUSPECT, now) if rec.suspect else (S.PULLING, 0.0)
+            inst.suspect_from = S.PULLING if rec.suspect else None
+            inst.restored = not rec.suspect  # its work was migrated when it went silent: nothing to resend
+            core._note_activity(inst)
     elif isinstance(rec, W.Left):
         inst = core.instances.pop(rec.key, None)
         if inst is not None:
@@ -164,9 +171,12 @@ def unsent_tokens(inst: Instance) -> int:
 
 
 def release_held(core, now: float) -> None:
-    """The hold after a restart is over — its time is up, or every restored instance has resent what it holds —: what
-    no instance adopted is queued (in step order)."""
-    if core.held_until and (now >= core.held_until or not any(i.restored for i in core.instances.values())):
+    """The hold after a restart is over — its time is up, or every restored instance has resent what it holds (one
+    that was suspect at the kill is not waited for, nor, after ``alive_every_s``, one that has not spoken since the
+    restart: it died meanwhile) —: what no instance adopted is queued (in step order)."""
+    t0 = core.held_until - core.heartbeat_timeout_s  # the restart (the hold lasts a heartbeat deadline)
+    if core.held_until and (now >= core.held_until or not any(  # (after a second, only those that spoke count)
+            i.restored and (i.last_seen > t0 or now < t0 + core.alive_every_s) for i in core.instances.values())):
         core.queue.extend(rid for rid in core.held if core.requests.get(rid) is not None
                           and core.requests[rid].state == R.QUEUED)
         log.info("the hold after the restart is over: %d responses adopted, %d held ones queued (%s)",

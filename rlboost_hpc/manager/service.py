@@ -256,7 +256,7 @@ def run_manager_process(bind: str, settings: ManagerSettings, conn, keys_dir: st
             raise SystemExit(2) from None
         core.worklog = []
         if wlog.restored:
-            restore_core(core, wlog.restored, time.monotonic(), hold_s=settings.heartbeat_timeout_s)
+            restore_core(core, wlog.restored, time.monotonic())
     metrics = None
     metrics_url = ""
     if metrics_host is not None:  # Prometheus endpoint on a free port (its URL goes to endpoints.json)

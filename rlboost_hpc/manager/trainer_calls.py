@@ -177,8 +177,9 @@ class TrainerCalls:
         self.begin_step(msg.step, msg.version, msg.groups)
         if self.worklog is not None:  # the last step is over: its records give way to a snapshot (compaction)
             self.worklog[:] = [W.Compact(), self._hello_record(), W.Version(self.latest_version, self.latest_checksum),
-                               *(W.Joined(i.key, i.peer, i.kind, i.max_batch, i.engine, i.relay_endpoint)
-                                 for i in self.instances.values() if i.state != S.GONE),
+                               *(r for i in self.instances.values() if i.state != S.GONE for r in (
+                                   W.Joined(i.key, i.peer, i.kind, i.max_batch, i.engine, i.relay_endpoint),
+                                   *((W.Silent(i.key, True),) if i.state == S.SUSPECT else ()))),
                                W.Counters(self.counters), W.Submit(msg.step, msg.version, list(msg.groups))]
         self.send(peer, M.Ok(what="submit", cid=msg.cid))
 

@@ -94,6 +94,13 @@ class Joined(_Rec, tag="joined"):
     relay_endpoint: str
 
 
+class Silent(_Rec, tag="silent"):
+    """An instance became suspect (silent past the heartbeat deadline, or its connection closed), or spoke again."""
+
+    key: str
+    suspect: bool
+
+
 class Left(_Rec, tag="left"):
     """An instance is gone for good."""
 
@@ -146,7 +153,7 @@ class Compact(_Rec, tag="compact"):
     """Not written: tells the writer that the records after it replace the whole log (a new step began)."""
 
 
-Record = Union[Begin, Hello, Version, Submit, Seeding, Joined, Left, Frame, Observation, ToolCall, Finished, Acked,
+Record = Union[Begin, Hello, Version, Submit, Seeding, Joined, Silent, Left, Frame, Observation, ToolCall, Finished, Acked,
                Counters, Compact]
 
 _HEAD = struct.Struct("<II")

@@ -40,13 +40,17 @@ class ManagerClient:
 
     def __init__(self, endpoint: str, *, ctx: zmq.Context | None = None, timeout_s: float = 10.0,
                  keys: RunKeys | None = None, alive: Callable[[], bool] | None = None,
-                 resend_s: float = 2.0, identity: bytes | None = None) -> None:
+                 resend_s: float = 2.0, identity: bytes | None = None,
+                 restarts: Callable[[], int] | None = None) -> None:
         """``alive``: tells whether the manager process still runs (every wait checks it at least every 0.5 s
         and raises :class:`ManagerError` at once when it died, instead of waiting out a step deadline).
         ``resend_s``: seconds without a reply (or, waiting for events, without news) before resending / asking
-        for redelivery. ``identity``: the routing id (default: ``trainer-<pid>-<random>``)."""
+        for redelivery. ``identity``: the routing id (default: ``trainer-<pid>-<random>``). ``restarts``: how many
+        times the manager was restarted (its supervisor's count): a call or a wait resends at once after a restart
+        instead of after ``resend_s`` (the dead manager never answered)."""
         self.endpoint = endpoint
         self.alive = alive
+        self.restarts = restarts or (lambda: 0)
         self.timeout_s = timeout_s
         self.resend_s = resend_s
         self.identity = identity or f"trainer-{os.getpid()}-{os.urandom(4).hex()}".encode()
@@ -60,12 +64,14 @@ class ManagerClient:
         self.resends = 0
 
     def _recv(self, timeout_s: float) -> M._Msg | None:
+        """The next message within ``timeout_s``; None on timeout, or at once when the manager was restarted."""
         deadline = time.monotonic() + max(0.0, timeout_s)
+        gen = self.restarts()
         while not self.sock.poll(int(min(0.5, max(0.0, deadline - time.monotonic())) * 1000), zmq.POLLIN):
             if self.alive is not None and not self.alive():
                 raise ManagerError(f"the manager process ({self.endpoint}) exited; the run cannot continue "
                                    "without it (a restart resumes from the last checkpoint)")
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or self.restarts() != gen:
                 return None
         return M.decode(self.sock.recv())
 
@@ -83,14 +89,15 @@ class ManagerClient:
         total = timeout_s or self.timeout_s
         deadline = time.monotonic() + total
         resend_at = time.monotonic() + self.resend_s
+        gen = self.restarts()
         while True:
             now = time.monotonic()
             if now >= deadline:
                 raise ManagerError(f"manager {self.endpoint} did not answer {type(msg).__name__} within {total:.0f}s")
-            if now >= resend_at:
+            if now >= resend_at or self.restarts() != gen:  # (a restarted manager never got it)
                 self.sock.send(frame)
                 self.resends += 1
-                resend_at = now + self.resend_s
+                resend_at, gen = now + self.resend_s, self.restarts()
             reply = self._recv(min(deadline, resend_at) - now)
             if reply is None:
                 continue
@@ -113,7 +120,7 @@ class ManagerClient:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            msg = self._recv(min(left, self.resend_s))
+            msg = self._recv(min(left, self.resend_s))  # (returns early after a restart: ask again at once)
             if msg is None:
                 if time.monotonic() < deadline:
                     self.send(M.Redeliver())
