@@ -409,3 +409,18 @@ def test_resuming_with_a_work_log_of_another_run_exits_2_naming_the_file(repo_ro
     assert p.returncode == 2, p.stderr[-3000:]
     assert "manager-work.log" in p.stderr and "belongs to run 'someone-else'" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_an_instance_suspect_at_the_kill_is_not_waited_for_and_its_new_agent_takes_it_over(tmp_path):
+    """Found by the long chaos run: after a trainer crash the old reserved engine was suspect in the log, and the
+    resumed trainer's new reserved engine (same identity, new connection) was refused as a duplicate."""
+    core, clock, log = started(tmp_path)
+    core.disconnected(b"b")  # its connection closed: suspect (journaled)
+    commit(core, log)
+    log.close()
+    new, clock2, _ = restarted(tmp_path)
+    assert new.instances["b#0"].state == "suspect" and not new.instances["b#0"].restored
+    feed(new, b"b-new", M.Register(job_id="b", attempt=0, kind="preemptible", max_batch=32))
+    assert sent(new, b"b-new", M.Welcome) and not sent(new, b"b-new", M.Reject)
+    feed(new, b"b-new", M.Heartbeat(version=-1, active=0, tokens_generated=0))
+    assert new.instances["b#0"].state == "pulling"  # it spoke: back from suspect

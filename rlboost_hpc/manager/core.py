@@ -357,7 +357,7 @@ class ManagerCore(TrainerCalls):
         if inst is not None:
             if now - inst.last_seen > 2 * self.heartbeat_s:  # it missed a heartbeat: how long it was silent
                 self.dist.silence_seconds.observe(now - inst.last_seen)
-            inst.last_seen = now
+            inst.last_seen, inst.spoke = now, True
             if inst.state == S.SUSPECT:
                 self._recover(inst)
         handler = getattr(self, "_on_" + type(msg).__name__, None)
@@ -371,7 +371,7 @@ class ManagerCore(TrainerCalls):
     def _on_Register(self, peer: bytes, inst: Instance | None, msg: M.Register) -> None:
         key = f"{msg.job_id}#{msg.attempt}"
         existing = self.instances.get(key)
-        if existing is not None and existing.peer != peer and existing.restored:  # its process, a new connection
+        if existing is not None and existing.peer != peer and not existing.spoke:  # its process, a new connection
             take_over(self, existing, peer)
         if existing is not None and existing.peer == peer:
             pass  # a retried Register from the same identity (a reconnect keeps it): answer again

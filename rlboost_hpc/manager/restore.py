@@ -79,7 +79,7 @@ def _apply(core, rec: W.Record, now: float) -> None:
     elif isinstance(rec, W.Joined):
         core.instances[rec.key] = Instance(key=rec.key, peer=rec.peer, kind=rec.kind, max_batch=rec.max_batch,
                                            registered_at=now, last_seen=now, engine=rec.engine,
-                                           relay_endpoint=rec.relay_endpoint, restored=True)
+                                           relay_endpoint=rec.relay_endpoint, restored=True, spoke=False)
         core.by_peer[rec.peer] = rec.key
         core._note_activity(core.instances[rec.key])
     elif isinstance(rec, W.Silent):
@@ -149,9 +149,10 @@ def adopt(core, req: Request, inst: Instance, offset: int, ids: memoryview) -> i
 
 
 def take_over(core, inst: Instance, peer: bytes) -> None:
-    """A restored instance registers from a new connection (its worker outlived a trainer crash and reconnected
-    with a new agent, keeping its engine): that connection takes the identity over — the old routing id never
-    spoke to this manager — once; the new agent holds nothing to resend. Responses it was adopting are queued."""
+    """An instance rebuilt from the work log and not heard from since registers from a new connection (its worker
+    outlived a trainer crash and reconnected with a new agent, keeping its engine; or the resumed trainer's own
+    reserved engine): that connection takes the identity over — the old routing id never spoke to this manager —
+    once; the new agent holds nothing to resend. Responses it was adopting are queued."""
     for rid in list(inst.inflight):
         req = core.requests[rid]
         inst.inflight.discard(rid)
@@ -159,6 +160,7 @@ def take_over(core, inst: Instance, peer: bytes) -> None:
         core.queue.appendleft(rid)
     core.by_peer.pop(inst.peer, None)
     inst.peer, inst.restored, inst.tokens_received, inst.tokens_generated = peer, False, 0, 0  # (a new agent)
+    inst.spoke = True
     core.by_peer[peer] = inst.key
     core._note_activity(inst)
     log.info("instance %s registers from a new connection after the restart; it takes its identity over", inst.key)

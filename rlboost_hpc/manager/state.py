@@ -90,7 +90,8 @@ class Instance:
     suspect_since: float = 0.0
     suspect_from: InstanceState | None = None  # the state it was in when it went silent
     taken_back: set[str] = field(default_factory=set)  # responses migrated off it while it was suspect
-    restored: bool = False  # rebuilt from the work log by a restarted manager (it registered with the one before)
+    restored: bool = False  # rebuilt from the work log and expected to resend what it holds (manager/restore.py)
+    spoke: bool = True  # it has spoken to this manager (False: rebuilt from the work log, not heard from since)
 
 
 @dataclass
