@@ -260,7 +260,8 @@ class RunServices:
         if cfg.cluster.preempt_when_busy:  # the cluster's thread asks the manager on a socket of its own
             from rlboost_hpc.trainer.client import ManagerClient
 
-            probe = ManagerClient(self.endpoint, keys=self.keys, alive=self.manager.alive, timeout_s=2.0)
+            probe = ManagerClient(self.endpoint, keys=self.keys, alive=self.manager.alive, timeout_s=2.0,
+                                  restarts=lambda: self.manager.restarted)
             self.defer(probe.close)
             partial = lambda: {k: i.partial for k, i in probe.stats().instances.items()}  # noqa: E731
         self.cluster = LocalCluster(cfg.cluster, self.endpoint, self.run_dir.root, t_origin=self._t_origin,

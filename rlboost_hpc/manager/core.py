@@ -164,9 +164,9 @@ class ManagerCore(TrainerCalls):
         # partial responses handed off by / resumed on instances of each engine kind ("torch", "sglang")
         self.migrations_by_engine: dict[str, dict[str, int]] = {"out_of": {}, "into": {}}
         # crash recovery: records for the work log (manager/worklog.py; None: not journaled), and the unfinished
-        # responses a restarted manager holds for the instances that ran them until held_until (manager/restore.py)
+        # responses a restarted manager holds for the instances that ran them, since held_since (manager/restore.py)
         self.worklog: list[W.Record] | None = None
-        self.held, self.held_until = {}, 0.0
+        self.held, self.held_since = {}, None
 
     # ------------------------------------------------------------------ helpers
     def send(self, peer: bytes, msg: M._Msg) -> None:

@@ -39,7 +39,7 @@ def restore(core, records: list[W.Record], now: float) -> None:
         _apply(core, rec, now)
     core.queue.clear()
     core.held = {rid: None for rid, r in core.requests.items() if r.state == R.QUEUED}
-    core.held_until = now + core.heartbeat_timeout_s
+    core.held_since = now
     for r in core.requests.values():
         if r.state == R.ENVIRONMENT:  # its tool call died with the old manager's environment: ask again
             core.send(ENV_PEER, M.EnvCall(rid=r.rid, turn=r.turn, turn_ids=r.turn_ids()))
@@ -176,15 +176,18 @@ def release_held(core, now: float) -> None:
     """The hold after a restart is over — its time is up, or every restored instance has resent what it holds (one
     that was suspect at the kill is not waited for, nor, after ``alive_every_s``, one that has not spoken since the
     restart: it died meanwhile) —: what no instance adopted is queued (in step order)."""
-    t0 = core.held_until - core.heartbeat_timeout_s  # the restart (the hold lasts a heartbeat deadline)
-    if core.held_until and (now >= core.held_until or not any(  # (after a second, only those that spoke count)
-            i.restored and (i.last_seen > t0 or now < t0 + core.alive_every_s) for i in core.instances.values())):
+    t0 = core.held_since
+    if t0 is None:
+        return
+    over = now >= t0 + core.heartbeat_timeout_s
+    if over or not any(i.restored and (i.last_seen > t0 or now < t0 + core.alive_every_s)  # (after a second, only
+                       for i in core.instances.values()):  # those that spoke since the restart count)
         core.queue.extend(rid for rid in core.held if core.requests.get(rid) is not None
                           and core.requests[rid].state == R.QUEUED)
         log.info("the hold after the restart is over: %d responses adopted, %d held ones queued (%s)",
                  core.counters.responses_adopted, len(core.held),
-                 "its time is up" if now >= core.held_until else "every restored instance resent")
-        core.held, core.held_until = {}, 0.0
+                 "its time is up" if over else "every restored instance resent")
+        core.held, core.held_since = {}, None
 
 
 def discard_stale(core) -> int:
@@ -206,7 +209,7 @@ def discard_stale(core) -> int:
     core.requests.clear()
     core.groups.clear()
     core.queue.clear()
-    core.held = {}
+    core.held, core.held_since = {}, None
     return n
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import zmq
@@ -97,7 +98,7 @@ class ManagerService:
             self.core.worklog.clear()
         trainer, out = self.core.trainer_peer, self.core.outbox
         if self.worklog.pending and (self.worklog.due(now) or any(
-                p == trainer and (idle or not isinstance(m, M.GroupDone)) for p, m in out + self._held)):
+                p == trainer and (idle or not isinstance(m, M.GroupDone)) for p, m in chain(out, self._held))):
             self.worklog.commit()
         if self.worklog.pending:  # hold the trainer's groups until the commit that holds them
             self._held += [(p, m) for p, m in out if p == trainer]
