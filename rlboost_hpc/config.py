@@ -163,6 +163,17 @@ class RolloutCfg(_Strict):
     gpus_per_instance: int = Field(1, ge=1, description=(
         "GPUs of one rollout instance: Slurm rollout jobs ask --gres=gpu:N with it, and N_resv = the trainer "
         "allocation's GPUs / N"))
+    max_staleness: int = Field(D.MAX_STALENESS, ge=0, le=8, description=(
+        "k, bounded staleness: 0 = strict on-policy (a step's responses are generated only by the version that "
+        "trains them; instances wait while the trainer trains). k >= 1 = the manager admits the prompts of steps "
+        "s+1 .. s+k while step s trains; every token is stamped with the version that produced it and none older "
+        "than k versions is ever trained (the loss is the decoupled PPO objective: needs "
+        "trainer.behaviour_correction = tis or mis and an engine that returns behaviour logprobs)"))
+    on_new_version: Literal["continue", "finish"] = Field(D.ON_NEW_VERSION, description=(
+        "max_staleness >= 1: what a response in flight does when its instance receives a newer version: finish = "
+        "the instance loads it once its batch is done (the response ends under the version that began it); "
+        "continue = the instance loads it between two decode iterations and the response goes on under the new "
+        "weights (its tokens then span versions)"))
 
 
     @field_validator("top_p")

@@ -94,3 +94,8 @@ EMULATED_WEIGHT_BYTES = 256 * 2**20
 EMULATED_TENSOR_BYTES = 64 * 2**20
 #: ... of which one optimizer step changes this share of the elements (1–5 % of bf16 elements at RL rates).
 EMULATED_DELTA_DENSITY = 0.03
+
+#: Bounded staleness (``rollout.max_staleness``): 0 = strict on-policy, RLBoost's and this project's default.
+MAX_STALENESS = 0
+#: What a response in flight does when its instance gets a newer version (``rollout.on_new_version``).
+ON_NEW_VERSION = "finish"

@@ -130,10 +130,21 @@ def check_behaviour_logprobs(cfg: RunConfig) -> None:
     """Importance correction needs the engine's behaviour logprobs of every token.
 
     Raises:
-        ConfigError: ``trainer.behaviour_correction`` is on and ``rollout.engine`` returns no logprobs (named).
+        ConfigError: ``trainer.behaviour_correction`` is on, or ``rollout.max_staleness`` ≥ 1, and ``rollout.engine``
+            returns no logprobs (named); ``rollout.max_staleness`` ≥ 1 with ``trainer.behaviour_correction = none``.
     """
     from rlboost_hpc.rollout.engines.factory import returns_behaviour_logprobs
 
+    k = cfg.rollout.max_staleness
+    if k >= 1 and not returns_behaviour_logprobs(cfg.rollout.engine):
+        raise ConfigError(f"rollout.max_staleness = {k} trains tokens of older versions with the decoupled PPO "
+                          f"objective, which needs the behaviour logprob of every token, and rollout.engine = "
+                          f"{cfg.rollout.engine} returns none; use an engine that returns logprobs (torch, sglang) "
+                          "or rollout.max_staleness = 0")
+    if k >= 1 and cfg.trainer.behaviour_correction == "none":
+        raise ConfigError(f"rollout.max_staleness = {k} needs trainer.behaviour_correction = tis or mis (the "
+                          "decoupled PPO objective weights each token by π_prox/π_behaviour, capped by "
+                          "trainer.behaviour_cap); it is none")
     if cfg.trainer.behaviour_correction != "none" and not returns_behaviour_logprobs(cfg.rollout.engine):
         raise ConfigError(f"trainer.behaviour_correction = {cfg.trainer.behaviour_correction} needs the behaviour "
                           f"logprob of every token, and rollout.engine = {cfg.rollout.engine} returns none; use "
@@ -402,7 +413,7 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
         prompts_not_trained_once=trainer.prompts_not_trained_once(), multi_turn=cfg.task.max_turns > 1,
         resumes=resume.resumes, resumed_from_step=resume.start_step if ckpt is not None else None,
         train_wall_s=train_wall, wall_s=time.monotonic() - t_start,
-        trace_window_start_s=cluster["window_start_s"] if cluster else None)
+        trace_window_start_s=cluster["window_start_s"] if cluster else None, max_staleness=cfg.rollout.max_staleness)
     return report, svc.cluster.live_series if svc.cluster else []
 
 
@@ -481,7 +492,8 @@ def _trainer(cfg: RunConfig, svc: RunServices, setup: RunSetup, n_resv: float):
                             micro_batch=t.micro_batch,
                             step_timeout_s=t.step_timeout_s, seed=t.seed, max_turns=cfg.task.max_turns,
                             max_trajectory_tokens=cfg.trajectory_tokens(), tool_stop_ids=setup.tool_stops,
-                            advantage_std_norm=t.advantage_std_norm)
+                            advantage_std_norm=t.advantage_std_norm, max_staleness=r.max_staleness,
+                            steps=t.steps)
     controller = RolloutController(
         n_resv=n_resv, use_cap=pol.cap,
         seeding=SeedingWindow(initial_s=pol.t_seed_initial_s, eta=pol.eta, floor_s=pol.t_seed_floor_s,

@@ -31,7 +31,7 @@ def journaled(tmp_path, epoch=1, keep=False):
 def feed(core, peer, msg):
     """What the manager's service does with a frame: a Tokens frame is journaled whole, then the core applies it."""
     if core.worklog is not None and isinstance(msg, M.Tokens):
-        core.worklog.append(W.Frame(peer, M.encode(msg)))
+        core.log_work(W.Frame(peer, M.encode(msg)))
     core.on_message(peer, msg)
 
 
@@ -169,6 +169,37 @@ def test_a_resumed_trainer_gets_every_group_of_the_restored_step_again(tmp_path)
     feed(new, b"trainer-2", M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
     feed(new, b"trainer-2", M.Redeliver())
     assert [g.gid for g in sent(new, b"trainer-2", M.GroupDone)] == ["s0g0"]
+
+
+def test_a_manager_restarted_after_a_trainer_resumed_still_owes_it_the_groups_the_old_trainer_took(tmp_path):
+    """Regression (the long chaos run, step 26): a trainer killed after acknowledging its step's groups resumes; the
+    manager owes the new trainer those groups — and still does after a manager restart, which replays the old
+    trainer's acknowledgements and must replay the new trainer's hello as it was applied (not as a bare address)."""
+    core, clock, log = started(tmp_path)
+    for rid in sorted(core.requests):
+        feed(core, core.instances[owner(core, rid)].peer, tokens(rid, 0, [4, 1], finish=M.FINISH_STOP))
+    for gid in ("s0g0", "s0g1"):
+        feed(core, TRAINER, M.AckGroup(gid=gid))
+    feed(core, b"trainer-2", M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
+    feed(core, b"trainer-2", M.SetVersion(version=0, checksum=77, cid=1))  # the checkpoint's version: kept
+    feed(core, b"trainer-2", M.AckGroup(gid="s0g1"))  # it took one before the manager died
+    commit(core, log)
+    log.close()
+    new, _, _ = restarted(tmp_path)
+    feed(new, b"trainer-2", M.Redeliver())
+    assert [g.gid for g in sent(new, b"trainer-2", M.GroupDone)] == ["s0g0"]
+
+
+def test_a_manager_restarted_after_a_resumed_trainer_changed_the_version_does_not_bring_the_old_work_back(tmp_path):
+    core, clock, log = started(tmp_path)
+    feed(core, core.instances[owner(core, "s0g0/0")].peer, tokens("s0g0/0", 0, [4, 5]))
+    feed(core, b"trainer-2", M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
+    feed(core, b"trainer-2", M.SetVersion(version=3, checksum=9, cid=1))
+    assert not core.requests
+    commit(core, log)
+    log.close()
+    new, _, _ = restarted(tmp_path)
+    assert not new.requests and new.latest_version == 3 and new.trainer_peer == b"trainer-2"
 
 
 def test_compaction_keeps_the_log_to_one_step(tmp_path):

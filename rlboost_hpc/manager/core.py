@@ -7,11 +7,15 @@ sends. Holds no policy arithmetic (T_seed, N_prem live in ``policy/``).
 Invariants (each has a test in tests/test_manager_core.py):
 1. Strict on-policy: a request carries its step's weight version; a token delta of any other version is
    rejected and its instance fenced. The version only changes between steps (SetVersion is refused while
-   requests of the old version are unfinished: the explicit in-flight policy).
+   requests of the old version are unfinished: the explicit in-flight policy). Bounded staleness
+   (``max_staleness`` = k ≥ 1) widens this to a window: a request carries the oldest version whose tokens it may
+   hold (the version that trains its step, minus k); a delta of a version below it or above the latest is
+   rejected; SetVersion is refused while a request whose window the new version would leave is unfinished.
 2. Exactly once: a request is owned by at most one instance at a time; deltas from any other instance are
    dropped as late; each group is delivered to the trainer once.
 3. Ids are ids: a delta must start exactly at the response's current length (no gap, no overlap).
-4. Routable ⇔ state ready ∧ version == latest ∧ not draining ∧ (preemptible, or reserved while seeding is
+4. Routable ⇔ state ready ∧ version == latest (``on_new_version = "continue"``: ≥ latest − k, and a request goes
+   only to an instance holding a version in its window) ∧ not draining ∧ (preemptible, or reserved while seeding is
    open or no preemptible instance is routable — the co-located fallback, which the first preemptible instance
    ready ends: the reserved engines release their unfinished responses to the remote pool).
 7. Busy is not dead, dead is not alive (:class:`InstanceState`, one transition function): an instance silent past
@@ -47,11 +51,12 @@ from collections import deque
 from typing import Callable
 
 from rlboost_hpc.observe.timeline import Activity, ActivityClock
-from rlboost_hpc.policy.dispatch import Balancer, PlateauEstimator, RoundRobin, choose_instance
+from rlboost_hpc.policy.dispatch import Balancer, PlateauEstimator, RoundRobin
 from rlboost_hpc.policy.relay import RelayTree, Source
 from rlboost_hpc.manager.state import (ALLOWED_TRANSITIONS, ENV_PEER, Group, Instance, InstanceState, Request,
                                        RequestState, StepWork)
 from rlboost_hpc.manager import worklog as W
+from rlboost_hpc.manager.assign import dispatch
 from rlboost_hpc.manager.balance import balance
 from rlboost_hpc.manager.restore import adopt, release_held, take_over, unsent_tokens
 from rlboost_hpc.manager.settings import ManagerSettings
@@ -104,6 +109,9 @@ class ManagerCore(TrainerCalls):
         self.environment = environment
         self.epoch = epoch  # incarnation of the run's manager (manager/journal.py); 0 without a journal
         self.alive_every_s = alive_every_s
+        # bounded staleness: k; a routable instance holds at least latest − route_lag (k with "continue", else 0)
+        self.max_staleness, self.on_new_version, self.route_lag = s.max_staleness, s.on_new_version, (
+            s.max_staleness if s.on_new_version == "continue" else 0)
         self.on_version: Callable[[int], None] | None = None  # set by the service (manager/journal.py)
         # The balancer's rate learner always runs (its peak rates measure remote work for the observation law,
         # policy/observation.py); it moves work only when balancing is on.
@@ -128,8 +136,7 @@ class ManagerCore(TrainerCalls):
         # the trainer's step timeline (StepTimes): wall time per step, seconds per phase and fixed overhead, summed
         self.dist = ManagerDistributions()  # pulls, steps, instance silences: bounded histograms
         self.version_serving = VersionServingClock()  # SetVersion → each live instance serving it
-        self.step_phase_s: dict[str, float] = {}
-        self.step_fixed_overhead_s = 0.0
+        self.step_phase_s, self.step_fixed_overhead_s = {}, 0.0
         self.last_step_mismatch: dict[str, float] = {}  # the trainer's engine–trainer mismatch of its last step
         self.clock = clock
         self.policy_decision: M.PolicyState | None = None  # the controller's last T_seed and N_prem cap
@@ -149,24 +156,22 @@ class ManagerCore(TrainerCalls):
         self.trainer_peer: bytes | None = None
         self.weights_endpoint = ""
         self.weights_shards = ""  # the assembly manifest of sharded versions (JSON), "" = one weight server
-        self.model_config: dict = {}
-        self.model_arch: dict = {}
+        self.model_config, self.model_arch = {}, {}  # the trainer's config.json and parsed ModelArch
         self.latest_version = -1
         self.latest_checksum = 0  # whole-version checksum of latest_version's manifest (0: not given)
         # who serves the latest version to whom (policy/relay.py); reserved instances pull in-process, never relay
         self.relay = RelayTree(fanout=s.relay_fanout, trainer_fanout=s.relay_trainer_fanout)
-        self.step = -1
-        self.seeding_open = False
-        self.failed_step: str | None = None
+        self.step, self.seeding_open, self.failed_step = -1, False, None  # failed_step: why the step failed
         self.counters = ManagerCounters()  # every counter is a field: a misspelt one fails where it is used
         self.migrations_by_turn: dict[str, int] = {}  # partial responses migrated, by the turn they were in
         self.responses_truncated_by_cause: dict[str, int] = {}  # finished responses cut by a budget (M.TRUNCATION_CAUSES)
         # partial responses handed off by / resumed on instances of each engine kind ("torch", "sglang")
         self.migrations_by_engine: dict[str, dict[str, int]] = {"out_of": {}, "into": {}}
-        # crash recovery: records for the work log (manager/worklog.py; None: not journaled), and the unfinished
-        # responses a restarted manager holds for the instances that ran them, since held_since (manager/restore.py)
+        # crash recovery: records for the work log (manager/worklog.py; None: not journaled; since_compact: those
+        # since the last compaction, under bounded staleness), and the unfinished responses a restarted manager holds
+        # for the instances that ran them, since held_since (manager/restore.py)
         self.worklog: list[W.Record] | None = None
-        self.held, self.held_since = {}, None
+        self.held, self.held_since, self.since_compact = {}, None, []
 
     # ------------------------------------------------------------------ helpers
     def send(self, peer: bytes, msg: M._Msg) -> None:
@@ -174,18 +179,24 @@ class ManagerCore(TrainerCalls):
         self.outbox.append((peer, msg))
 
     def log_work(self, rec: W.Record) -> None:
-        """Journal ``rec`` in the work log (when the manager keeps one)."""
+        """Journal ``rec`` in the work log (when the manager keeps one; under bounded staleness also kept until the
+        next compaction, which keeps the records of the steps still in flight)."""
         if self.worklog is not None:
             self.worklog.append(rec)
+            if self.max_staleness:
+                self.since_compact.append(rec)
+
+    def serves(self, inst: Instance) -> bool:
+        """Ready with a version new work may go to: the latest, or (``on_new_version = "continue"``) one of the
+        k before it."""
+        return inst.state == S.READY and inst.version >= self.latest_version - self.route_lag
 
     def routable(self, inst: Instance) -> bool:
-        if inst.state != S.READY or inst.version != self.latest_version:
+        if not self.serves(inst):
             return False
         if inst.kind == "reserved":
             return self.seeding_open or not any(
-                i.kind == "preemptible" and i.state == S.READY and i.version == self.latest_version
-                for i in self.instances.values()
-            )
+                i.kind == "preemptible" and self.serves(i) for i in self.instances.values())
         return True
 
     def live_instances(self) -> list[Instance]:
@@ -400,7 +411,7 @@ class ManagerCore(TrainerCalls):
             model_config=self.model_config, model_arch=self.model_arch, heartbeat_s=self.heartbeat_s,
             stream_every_tokens=self.stream_every_tokens, stream_every_s=self.stream_every_s, epoch=self.epoch,
             peers=list(src.peers), wait=src.wait, weights_shards=self.weights_shards,
-            latest_checksum=self.latest_checksum, resend=inst.restored))
+            latest_checksum=self.latest_checksum, resend=inst.restored, on_new_version=self.on_new_version))
 
     def _unknown(self, peer: bytes, what: str) -> None:
         """A message from a peer that is not (or no longer) a registered instance: drop it and tell the peer
@@ -448,7 +459,7 @@ class ManagerCore(TrainerCalls):
         self._note_activity(inst)
         if msg.version == self.latest_version and inst.kind == "preemptible":  # it holds it: it serves it too
             self._hand_out(self.relay.done(inst.key, inst.relay_endpoint))
-        if inst.state in (S.PULLING, S.FENCED) and msg.version == self.latest_version:
+        if inst.state in (S.PULLING, S.FENCED) and msg.version >= self.latest_version - self.route_lag:
             self._set_state(inst, S.READY)
             inst.ready_at = inst.ready_at or self.clock()
             if inst.kind == "preemptible" and not self.seeding_open:  # the end of a co-located fallback
@@ -474,7 +485,7 @@ class ManagerCore(TrainerCalls):
             self.counters.late_tokens += total
             return self._unknown(peer, "tokens")
         inst.tokens_received += total
-        requests, key = self.requests, inst.key
+        requests, key, latest = self.requests, inst.key, self.latest_version
         ids, lps = memoryview(msg.ids), memoryview(msg.logprobs)
         lo = late = 0
         for rid, off, cnt, ver, fin in zip(msg.rids, msg.offsets, counts, msg.versions, msg.finish):
@@ -486,9 +497,10 @@ class ManagerCore(TrainerCalls):
                     lo, off, cnt, late = lo + 4 * skip, off + skip, cnt - skip, late + skip
             if req is None or req.instance != key or req.state != R.RUNNING:
                 late += cnt
-            elif ver != req.version:
+            elif not req.version <= ver <= latest:  # (k = 0: ver == req.version == latest)
                 self.counters.off_version_tokens_rejected += cnt
-                self._fence(inst, f"sent {cnt} tokens of version {ver} for {rid} of version {req.version}")
+                self._fence(inst, f"sent {cnt} tokens of version {ver} for {rid} of version {req.version}"
+                                  + (f"..{latest}" if self.max_staleness else ""))
                 break
             elif off + cnt > req.max_new_tokens or off + cnt > req.max_trajectory_tokens - req.turn_start:
                 # (= past req.turn_budget(), spelt out: a method call per delta costs ~15 % of this loop)
@@ -638,57 +650,8 @@ class ManagerCore(TrainerCalls):
         self.dispatch()
 
     def dispatch(self) -> None:
-        """Join-shortest-queue (``policy.dispatch.choose_instance``): give each queued request to the routable
-        instance with the fewest requests in flight, among those below min(Θ, its batch); the rest wait here
-        (delayed dispatch). ``dispatch_policy="round_robin"`` is the ablation baseline.
-
-        An instance silent for more than ``dispatch_silence_s`` gets no new work while it stays routable: a node
-        that vanished without closing its connections (power loss, partition) keeps its running responses until
-        the heartbeat deadline suspects it, but takes no more with it."""
-        if not self.queue:
-            return
-        now = self.clock()
-        heard = now - self.dispatch_silence_s
-        cands = sorted((i for i in self.instances.values() if i.last_seen >= heard and self.routable(i)),
-                       key=lambda i: i.key)
-        if not cands:
-            return
-        batches: dict[str, list[M.Work]] = {}
-        deferred: list[str] = []
-        free = [i for i in cands if len(i.inflight) < min(self.pending_limit, i.max_batch)]  # in key order
-        choose = self._rr.choose if self.dispatch_policy == "round_robin" else choose_instance
-        while self.queue and free:
-            rid = self.queue.popleft()
-            req = self.requests.get(rid)
-            if req is None or req.state != R.QUEUED:
-                continue
-            ok = [i for i in free if rid not in i.releasing]  # not back where a Release is still pending
-            if not ok:
-                deferred.append(rid)
-                continue
-            loads = [len(i.inflight) for i in ok]  # all below Θ (and their batch size)
-            inst = next((i for i in ok if i.key == req.prefer), None) or ok[choose(loads, self.pending_limit)]
-            req.prefer = None
-            req.move(R.RUNNING, inst.key)
-            req.attempts += 1
-            req.assigned_at = now
-            req.instances.append(inst.key)
-            inst.inflight.add(rid)
-            self._note_activity(inst)
-            if len(inst.inflight) >= min(self.pending_limit, inst.max_batch):
-                free.remove(inst)
-            if req.n:  # a partial response resumes here
-                into = self.migrations_by_engine["into"]
-                into[inst.engine] = into.get(inst.engine, 0) + 1
-            batches.setdefault(inst.key, []).append(req.work())
-            self.counters.dispatched += 1
-            if inst.kind == "preemptible":
-                if inst.key not in self.step_remote:  # its peak so far; _balance keeps it current
-                    self.step_remote[inst.key] = StepWork(self.clock(), self.clock(),
-                                                           peak=self.balancer.peak(inst.key))
-        self.queue.extendleft(reversed(deferred))
-        for key, works in batches.items():
-            self.send(self.instances[key].peer, M.Assign(works=works))
+        """Give queued responses to routable instances (:func:`rlboost_hpc.manager.assign.dispatch`)."""
+        dispatch(self)
 
     # ------------------------------------------------------------------ reporting
 

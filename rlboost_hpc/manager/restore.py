@@ -38,6 +38,8 @@ def restore(core, records: list[W.Record], now: float) -> None:
             core.counters.manager_restarts += 1
         _apply(core, rec, now)
     core.queue.clear()
+    if core.max_staleness:  # the steps in flight survive the next compaction (TrainerCalls._steps_in_flight)
+        core.since_compact = list(records)
     core.held = {rid: None for rid, r in core.requests.items() if r.state == R.QUEUED}
     core.held_since = now
     for r in core.requests.values():
@@ -96,11 +98,17 @@ def _apply(core, rec: W.Record, now: float) -> None:
             core.activity.forget(rec.key)
         core.ended[rec.key] = "gone before the manager restarted"
     elif isinstance(rec, W.Hello):
+        if core.trainer_peer not in (None, rec.peer or None):  # a resumed trainer said hello: as it was applied
+            new_trainer(core)
+            core._new_trainer = True
         core.trainer_peer, core.weights_endpoint, core.weights_shards = rec.peer or None, rec.weights_endpoint, rec.weights_shards
         core.model_config, core.model_arch = rec.model_config, rec.model_arch
         if rec.weights_shards:
             core.relay.fanout = 0
     elif isinstance(rec, W.Version):
+        if core._new_trainer and rec.version != core.latest_version:  # the resumed trainer's version ruled
+            discard_stale(core)
+        core._new_trainer = False
         core.latest_version, core.latest_checksum = rec.version, rec.checksum
     elif isinstance(rec, W.Seeding):
         core.seeding_open = rec.open
@@ -114,7 +122,7 @@ def _replay_tokens(core, msg: M.Tokens) -> None:
     for rid, off, cnt, ver in zip(msg.rids, msg.offsets, msg.counts, msg.versions):
         hi = lo + 4 * cnt
         req = core.requests.get(rid)
-        if (req is not None and req.state != R.DONE and ver == req.version and req.turn_start + off == req.n
+        if (req is not None and req.state != R.DONE and ver >= req.version and req.turn_start + off == req.n
                 and off + cnt <= req.turn_budget()):
             req.append(ids[lo:hi], lps[lo:hi], cnt, ver)
         lo = hi

@@ -144,7 +144,7 @@ class ManagerService:
                 self._reject(peer, e)
                 continue
             if self.worklog is not None and isinstance(msg, M.Tokens):  # journaled whole, in order with the core's
-                self.core.worklog.append(WorkFrame(peer, frame))
+                self.core.log_work(WorkFrame(peer, frame))
             if isinstance(msg, M.Shutdown) and peer == self.core.trainer_peer:
                 self._stop = True
                 self.core.send(peer, M.Ok(what="shutdown", cid=msg.cid))

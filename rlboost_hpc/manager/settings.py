@@ -24,7 +24,9 @@ class ManagerSettings:
     ``Welcome``). ``dispatch_policy``: ``jsq`` (RLBoost) or ``round_robin`` (ablation). ``balance``: continuous
     balancing on, every ``balance_every_s``. ``relay_fanout``: pullers a relay holder serves (0: relay off);
     ``relay_trainer_fanout``: pullers the trainer serves while relay is on. ``commit_every_s``: the work log's
-    group-commit window (the most a manager kill loses, ``manager/worklog.py``)."""
+    group-commit window (the most a manager kill loses, ``manager/worklog.py``). ``max_staleness``: k, the versions
+    a response's tokens may lag the version that trains it (0: strict on-policy); ``on_new_version``: ``finish`` or
+    ``continue`` (sent in ``Welcome``: when an instance loads a newer version while it runs responses)."""
 
     pending_limit: int = D.PENDING_LIMIT
     heartbeat_s: float = D.HEARTBEAT_S
@@ -40,6 +42,8 @@ class ManagerSettings:
     relay_fanout: int = 0
     relay_trainer_fanout: int = D.RELAY_TRAINER_FANOUT
     commit_every_s: float = D.WORK_COMMIT_S
+    max_staleness: int = D.MAX_STALENESS
+    on_new_version: Literal["continue", "finish"] = D.ON_NEW_VERSION
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> "ManagerSettings":
@@ -53,4 +57,5 @@ class ManagerSettings:
                    stream_every_s=cfg.rollout.stream_every_s, dispatch_policy=cfg.policy.dispatch,
                    balance=cfg.policy.balance, balance_every_s=cfg.policy.balance_every_s,
                    relay_fanout=cfg.weights.relay_fanout if cfg.weights.relay else 0,
-                   relay_trainer_fanout=cfg.weights.relay_trainer_fanout, commit_every_s=m.commit_every_s)
+                   relay_trainer_fanout=cfg.weights.relay_trainer_fanout, commit_every_s=m.commit_every_s,
+                   max_staleness=cfg.rollout.max_staleness, on_new_version=cfg.rollout.on_new_version)

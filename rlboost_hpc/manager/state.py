@@ -97,7 +97,8 @@ class Instance:
 @dataclass
 class Request:
     """Token-level state of one response: ``ids`` (int32) and ``logprobs`` (float32) are packed parallel
-    arrays of ``n`` tokens, all produced by weight ``version`` (deltas of any other version are rejected);
+    arrays of ``n`` tokens, all produced by weight ``version`` (deltas of any other version are rejected; under
+    bounded staleness ``version`` is the oldest version admitted, and deltas up to the latest are accepted);
     ``runs`` records, run-length encoded, the version each accepted delta was stamped with by its engine — what
     the trainer checks independently (it is never re-derived from ``version``).
 
@@ -204,17 +205,18 @@ class Request:
     def observation_tokens(self) -> int:
         return sum(self.observations[1::2])
 
-    def work(self) -> M.Work:
-        """The current turn for an instance: the prompt is the original prompt + every earlier turn and
-        observation, the prefix the current turn's tokens so far, the budget what the turn has left. Turn t samples
-        with :func:`~rlboost_hpc.tasks.tools.turn_seed` of the response's seed."""
+    def work(self, version: int | None = None) -> M.Work:
+        """The current turn for an instance holding weight ``version`` (None: the request's own): the prompt is the
+        original prompt + every earlier turn and observation, the prefix the current turn's tokens so far, the
+        budget what the turn has left. Turn t samples with :func:`~rlboost_hpc.tasks.tools.turn_seed` of the
+        response's seed."""
         ids = np.frombuffer(bytes(self.ids), dtype="<i4")
         return M.Work(
             rid=self.rid, prompt_ids=self.prompt_ids + ids[: self.turn_start].tolist(),
             prefix_ids=ids[self.turn_start:].tolist(),
             tokens_left=self.turn_budget() - (self.n - self.turn_start), temperature=self.temperature,
             top_p=self.top_p, seed=turn_seed(self.seed, self.turn),
-            stop_ids=self.stop_ids, version=self.version,
+            stop_ids=self.stop_ids, version=self.version if version is None else version,
         )
 
 

@@ -61,6 +61,7 @@ class TrainerCalls:
     model_arch: dict
     latest_version: int
     latest_checksum: int
+    max_staleness: int
     step: int
     seeding_open: bool
     failed_step: str | None
@@ -76,6 +77,7 @@ class TrainerCalls:
     last_step_activity: StepActivity
     last_step_mismatch: dict[str, float]
     worklog: list | None
+    since_compact: list
     _new_trainer: bool = False  # a trainer other than the one the work log names said hello: its version rules
 
     def _on_TrainerHello(self, peer: bytes, inst: Instance | None, msg: M.TrainerHello) -> None:
@@ -115,11 +117,15 @@ class TrainerCalls:
         if resumed and discard_stale(self):
             log.warning("the resumed trainer's version %d is not the restored %d: the restored unfinished "
                         "responses are discarded", msg.version, self.latest_version)
-        unfinished = [r for r in self.requests.values() if r.state != R.DONE]
+        # (k = 0: every unfinished response; k ≥ 1: those whose window the new version leaves)
+        oldest = msg.version - self.max_staleness
+        unfinished = [r for r in self.requests.values() if r.state != R.DONE and r.version < oldest]
         if unfinished:
             self.send(peer, M.Error(what="setver", cid=msg.cid, error=(
-                f"{len(unfinished)} responses of version {self.latest_version} are unfinished; the version "
-                "changes only between steps (in-flight work is never discarded)")))
+                f"{len(unfinished)} responses of version {unfinished[0].version} are unfinished; the version "
+                "changes only between steps (in-flight work is never discarded)" if not self.max_staleness else
+                f"{len(unfinished)} responses admitting versions from {unfinished[0].version} are unfinished; "
+                f"version {msg.version} would make them older than max_staleness = {self.max_staleness}")))
             return
         if msg.version < self.latest_version and not resumed:
             self.send(peer, M.Error(what="setver", cid=msg.cid,
@@ -154,11 +160,13 @@ class TrainerCalls:
     def _on_SubmitStep(self, peer: bytes, inst: Instance | None, msg: M.SubmitStep) -> None:
         if not self._trainer_only(peer, "submit"):
             return
-        if msg.version != self.latest_version:
+        # msg.version: the version that will train the step; k ≥ 1 admits steps up to k versions ahead
+        if not self.latest_version <= msg.version <= self.latest_version + self.max_staleness:
             self.send(peer, M.Error(what="submit", cid=msg.cid, error=f"step {msg.step} asks version {msg.version}, "
-                                                                      f"latest is {self.latest_version}"))
+                                    f"latest is {self.latest_version}" + (
+                                        f" (max_staleness = {self.max_staleness})" if self.max_staleness else "")))
             return
-        if msg.step == self.step and msg.groups and all(
+        if msg.groups and all(
                 g.gid in self.groups and self.groups[g.gid].step == msg.step
                 and self.requests[self.groups[g.gid].rids[0]].prompt_ids == list(g.prompt_ids) for g in msg.groups):
             self.send(peer, M.Ok(what="submit", cid=msg.cid))  # a resent call: the step is already submitted
@@ -180,18 +188,46 @@ class TrainerCalls:
                                *(r for i in self.instances.values() if i.state != S.GONE for r in (
                                    W.Joined(i.key, i.peer, i.kind, i.max_batch, i.engine, i.relay_endpoint),
                                    *((W.Silent(i.key, True),) if i.state == S.SUSPECT else ()))),
-                               W.Counters(self.counters), W.Submit(msg.step, msg.version, list(msg.groups))]
+                               W.Counters(self.counters), *self._steps_in_flight(msg.step),
+                               W.Submit(msg.step, msg.version, list(msg.groups))]
+            if self.max_staleness:
+                self.since_compact.append(self.worklog[-1])
         self.send(peer, M.Ok(what="submit", cid=msg.cid))
 
+    def _steps_in_flight(self, step: int) -> list[W.Record]:
+        """Bounded staleness: the work-log records of the steps other than ``step`` that are not delivered yet (their
+        submission and everything journaled for their responses since the last compaction), so that compaction
+        keeps them; [] under strict on-policy (only one step is ever in flight)."""
+        kept = self.since_compact
+        self.since_compact = []
+        if not self.max_staleness:
+            return []
+        live = {gid for gid, g in self.groups.items() if not g.delivered and g.step != step}
+        out: list[W.Record] = []
+        for rec in kept:
+            if isinstance(rec, W.Submit):
+                groups = [g for g in rec.groups if g.gid in live]
+                if groups:
+                    out.append(W.Submit(rec.step, rec.version, groups))
+            elif isinstance(rec, W.Frame):
+                if any(r.partition("/")[0] in live for r in M.decode(rec.data).rids):
+                    out.append(rec)
+            elif isinstance(rec, (W.Finished, W.ToolCall, W.Observation)):
+                if rec.rid.partition("/")[0] in live:
+                    out.append(rec)
+        self.since_compact = list(out)
+        return out
+
     def begin_step(self, step: int, version: int, groups: list[M.GroupSpec]) -> None:
-        """Forget the delivered groups of earlier steps, open seeding and queue ``groups`` of ``step`` (weight
-        ``version``): a submitted step, or one rebuilt from the work log."""
+        """Forget the delivered groups of earlier steps, open seeding and queue ``groups`` of ``step`` (trained by
+        weight ``version``; its responses admit versions from ``version − max_staleness``): a submitted step, or one
+        rebuilt from the work log."""
         for gid in [g for g, grp in self.groups.items() if grp.delivered]:
             for rid in self.groups.pop(gid).rids:
                 self.requests.pop(rid, None)
-        self.step, self.seeding_open, self.failed_step = step, True, None
+        self.step, self.seeding_open, self.failed_step = max(self.step, step), True, None
         for g in groups:
-            reqs = step_requests(step, version, g)
+            reqs = step_requests(step, version - self.max_staleness, g)
             for r in reqs:
                 self.requests[r.rid] = r
                 self.queue.append(r.rid)

@@ -13,7 +13,8 @@ Schema (:class:`RunReport`; every key below is always present except the multi-t
   ``model`` (path, architecture, parameters, chat template, devices), ``examples_after`` (held-out samples).
 - exactly-once: ``responses_trained``, ``responses_lost`` (expected − trained), ``responses_duplicated``,
   ``prompts_not_trained_exactly_once``, ``tokens_trained``, ``tokens_trained_off_version`` (must be 0),
-  ``off_version_tokens_rejected``, ``late_tokens_dropped``.
+  ``off_version_tokens_rejected``, ``late_tokens_dropped``; ``max_staleness`` (k; 0 = strict on-policy) and
+  ``tokens_by_staleness`` (generated tokens trained, by how many versions older than the trained one made them).
 - truncation (of the responses trained): ``responses_truncated``, ``truncated_share`` (÷ responses trained),
   ``responses_truncated_by_cause`` (``length``, ``turn_cap``, ``trajectory_budget``, ``environment_error``: every
   cause, 0 included).
@@ -141,6 +142,8 @@ class RunReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     tokens_regenerated: int
     tokens_regenerated_after_warning: int
     tokens_trained_off_version: int
+    max_staleness: int
+    tokens_by_staleness: dict[str, int]
     responses_truncated: int
     truncated_share: float
     responses_truncated_by_cause: dict[str, int]
@@ -233,8 +236,13 @@ def mismatch_summary(steps: list[dict]) -> dict[str, float]:
     if not rows:
         return {}
     out = {k: sum(m.get(k, 0.0) for m in rows) / len(rows)
-           for k in ("logprob_diff", "mismatch_kl", "mismatch_outside_clip_share", "mismatch_capped_share")}
+           for k in ("logprob_diff", "mismatch_kl", "mismatch_outside_clip_share", "mismatch_capped_share",
+                     "behaviour_weight_mean")}
     out["logprob_diff_max"] = max(m.get("logprob_diff_max", 0.0) for m in rows)
+    out["behaviour_ratio_max"] = max(m.get("behaviour_ratio_max", 1.0) for m in rows)
+    for k in sorted({k for m in rows for k in m if k.startswith("logprob_diff_staleness")}):  # per staleness
+        vals = [m[k] for m in rows if k in m]
+        out[k] = sum(vals) / len(vals)
     return out
 
 
@@ -244,7 +252,7 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
                  publishes: list[dict], served: dict, rewards_timed_out: int, reward_workers_replaced: int,
                  n_resv: float, n_resv_source: str, rollout_engine: str, prompts_not_trained_once: int,
                  multi_turn: bool, resumes: int, resumed_from_step: int | None, train_wall_s: float, wall_s: float,
-                 trace_window_start_s: float | None) -> RunReport:
+                 trace_window_start_s: float | None, max_staleness: int = 0) -> RunReport:
     """The report of a finished run.
 
     Args:
@@ -289,8 +297,8 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         migrated_responses_trained=totals.migrated_responses_trained,
         tokens_migrated=tally.tokens_migrated, tokens_regenerated=tally.tokens_regenerated,
         tokens_regenerated_after_warning=stats.tokens_regenerated_after_warning,
-        tokens_trained_off_version=totals.tokens_trained_off_version,
-        **truncation_summary(totals.responses_truncated_by_cause, totals.responses_trained),
+        tokens_trained_off_version=totals.tokens_trained_off_version, max_staleness=max_staleness,
+        tokens_by_staleness=dict(totals.tokens_by_staleness), **truncation_summary(totals.responses_truncated_by_cause, totals.responses_trained),
         engine_trainer_mismatch=mismatch_summary(steps),
         off_version_tokens_rejected=stats.off_version_tokens_rejected, late_tokens_dropped=stats.late_tokens,
         weight_pulls=stats.weight_loads, weight_pull_failures=stats.weight_load_failures,

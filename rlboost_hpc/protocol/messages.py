@@ -171,6 +171,9 @@ class Welcome(_Msg, tag="welcome"):
     latest_checksum: int = 0
     # a manager restarted from its work log knew this instance: send every response's tokens again, whole
     resend: bool = False
+    # bounded staleness (rollout.on_new_version): "continue" = load a newer version between decode iterations while
+    # responses run (their tokens then span versions); "finish" = load it once the engine is idle
+    on_new_version: str = "finish"
 
 
 class Alive(_Msg, tag="alive"):

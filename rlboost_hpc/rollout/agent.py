@@ -255,6 +255,7 @@ class RolloutAgent:
         self.welcome: M.Welcome | None = None
         self.want_version = -1
         self._pos: dict[str, int] = {}
+        self._gen: dict[str, GenRequest] = {}  # each running response as the engine was given it (continue mode)
         self._pending: dict[str, _Pending] = {}
         self._own_builder = builder is None  # a caller's builder outlives this agent (worker reconnects)
         self._builder = builder or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"agent-{job_id}-pull")
@@ -336,8 +337,11 @@ class RolloutAgent:
                 log.warning("pull of version %d failed: %s", version, err)
                 self._send(M.WeightsFailed(version=version, error=err))
                 return
+            resume: list[GenRequest] = []
             if new_engine is None and self.engine is not None and self.engine.num_active:
-                return  # load only when idle
+                if self.welcome is None or self.welcome.on_new_version != "continue":
+                    return  # load only when idle
+                resume = self._interrupt_for_load()
             t0 = time.monotonic()
             if new_engine is not None:
                 self.engine = new_engine
@@ -350,10 +354,14 @@ class RolloutAgent:
                 except Exception as e:
                     self._pull = None
                     self._pull_failures += 1
+                    for gen in resume:  # (the engine kept its weights) they go on under the version they began with
+                        self.engine.add(gen)
                     self._send(M.WeightsFailed(version=version, error=f"load failed: {type(e).__name__}: {e}"))
                     return
             self._pull, self._pull_failures = None, 0
             self.engine_epoch = self.welcome.epoch
+            for gen in resume:  # under the new weights, from every token generated so far
+                self.engine.add(gen)
             while self._sent_done:  # responses of the version before: no manager asks for them again
                 self._sent.pop(self._sent_done.popleft()[1], None)
             self.timings.setdefault("weights_loaded", time.time())
@@ -362,6 +370,24 @@ class RolloutAgent:
         if (self._pull is None and self.want_version > current and self.want_version >= 0
                 and time.monotonic() >= self._next_pull_at):
             self._start_pull(self.want_version)
+
+    def _interrupt_for_load(self) -> list[GenRequest]:
+        """``on_new_version = "continue"``: stop every running response between two decode iterations, send what it
+        generated (stamped with the version that produced it), and return each one as the request that continues it
+        from there — its prefix grown by every token generated on this instance, its budget shrunk by them — to be
+        added again once the new weights are loaded (a re-prefill under them). A failed load hands them back."""
+        live = list(self._pos)
+        self._on_events(self.engine.abort_many(live).values())
+        self._flush()
+        out = []
+        for rid in live:
+            gen, done = self._gen.get(rid), self._sent.get(rid)
+            if gen is None or rid not in self._pos:
+                continue
+            made = done.ids if done is not None else []
+            out.append(GenRequest(rid=rid, prompt_ids=gen.prompt_ids, prefix_ids=list(gen.prefix_ids) + made,
+                                  max_new_tokens=gen.max_new_tokens - len(made), sampling=gen.sampling))
+        return out
 
     # ------------------------------------------------------------------ tokens
     def _flush(self, only_finished: bool = False) -> None:
@@ -423,6 +449,7 @@ class RolloutAgent:
         log.warning("request %s failed on this engine; handing it back: %s", rid, error)
         self._flush()
         self._pos.pop(rid, None)
+        self._gen.pop(rid, None)
         self._sent.pop(rid, None)
         self._send(M.RequestFailed(rid=rid, error=error[:2000]))
 
@@ -440,6 +467,7 @@ class RolloutAgent:
             if ev.finished:
                 p.finish = M.FINISH_CODES[ev.finish_reason]
                 self._pos.pop(ev.rid, None)
+                self._gen.pop(ev.rid, None)
                 finished = True
         if self.tokens_generated and "first_token" not in self.timings:
             self.timings["first_token"] = time.time()
@@ -469,6 +497,7 @@ class RolloutAgent:
             self._on_events(self.engine.abort_many(live).values())
         for rid in rids:
             self.tokens_handed_off += self._pos.pop(rid, 0)
+            self._gen.pop(rid, None)
         self._flush()
         for rid in rids:
             self._sent.pop(rid, None)
@@ -526,12 +555,13 @@ class RolloutAgent:
                                                f"{self.held_version()}"))
                     continue
                 try:
-                    self.engine.add(GenRequest(
+                    gen = GenRequest(
                         rid=w.rid, prompt_ids=list(w.prompt_ids), prefix_ids=list(w.prefix_ids),
                         max_new_tokens=w.tokens_left,
                         sampling=SamplingParams(temperature=w.temperature, top_p=w.top_p, seed=w.seed,
-                                                stop_token_ids=tuple(w.stop_ids))))
-                    self._pos[w.rid] = len(w.prefix_ids)
+                                                stop_token_ids=tuple(w.stop_ids)))
+                    self.engine.add(gen)
+                    self._pos[w.rid], self._gen[w.rid] = len(w.prefix_ids), gen
                 except Exception as e:
                     self._send(M.RequestFailed(rid=w.rid, error=f"{type(e).__name__}: {e}"))
         elif isinstance(msg, M.Release):
@@ -568,6 +598,7 @@ class RolloutAgent:
         if self.engine is not None and self._pos:
             self.engine.abort_many(list(self._pos))  # the manager already resumed these elsewhere
         self._pos.clear()
+        self._gen.clear()
         self._pending.clear()
         self._sent.clear()
         self.attempt += 1

@@ -10,6 +10,10 @@ Invariants checked here, on what the trainer actually receives (counted in the r
 - exactly once: a response id seen twice is counted in ``responses_duplicated`` and not trained again;
 - strict on-policy: tokens whose producing version ≠ the step's version are counted in
   ``tokens_trained_off_version`` (the manager already rejects them; this is the end-to-end check);
+- bounded staleness (``max_staleness`` = k ≥ 1): the prompts of steps s+1 … s+k are submitted before step s trains
+  (their groups wait, unacknowledged, until their step's turn); a token may come from the k versions before the one
+  that trains it — its staleness is counted per step (``staleness_tokens``); a token outside that window is never
+  trained (loss-masked) and is counted in ``tokens_trained_off_version``;
 - ids are ids: ids, logprobs and versions of a response must have equal length, else the step fails;
 - truncation is known per response: every response carries why it ended (``finish_reason``: ``stop`` or a truncation
   cause, ``messages.FINISH_REASONS``); an unknown reason fails the step; the step's truncated share by cause is in
@@ -67,6 +71,8 @@ class StepSettings:
     max_trajectory_tokens: int = 0  # turns and observations after the prompt (0: max_new_tokens)
     tool_stop_ids: tuple[int, ...] = ()  # a turn ending with one of these is a tool call
     advantage_std_norm: bool = True  # divide group-centred rewards by the group's std (trainer.advantage_std_norm)
+    max_staleness: int = 0  # k: steps submitted ahead, versions a token may lag (rollout.max_staleness)
+    steps: int = 0  # the run's steps (trainer.steps): none is submitted ahead past the last; 0 = no end
 
 
 @dataclass
@@ -84,6 +90,7 @@ class Totals:
     migrated_responses_trained: int = 0
     groups_redelivered: int = 0  # GroupDone copies skipped (the manager sent a group again: never trained twice)
     responses_truncated_by_cause: dict[str, int] = field(default_factory=dict)  # trained responses cut by a budget
+    tokens_by_staleness: dict[str, int] = field(default_factory=dict)  # generated tokens trained, by staleness
 
 
 def truncation_shares(reasons: list[str]) -> dict:
@@ -143,7 +150,7 @@ class StepCollector:
     once). Writes to the trainer's exactly-once ledgers (``seen``, ``trained_groups``, ``totals``)."""
 
     def __init__(self, trainer: "RLTrainer", step: int, by_gid: dict[str, tuple[Prompt, list[int]]],
-                 timeline: StepTimeline) -> None:
+                 timeline: StepTimeline | None) -> None:
         self.t, self.step, self.by_gid, self.tl = trainer, step, by_gid, timeline
         self.n_responses = len(by_gid) * trainer.s.group_size
         self.budget = trainer.s.max_trajectory_tokens or trainer.s.max_new_tokens
@@ -155,6 +162,8 @@ class StepCollector:
         self.reasons: list[str] = []
         self.served: set[str] = set()
         self.n_groups = self.n_mig = 0
+        self.staleness: dict[str, int] = {}  # generated tokens trained, by staleness (bounded staleness)
+        self.early: list[M.GroupDone] = []  # groups delivered before the step's turn (kept unacknowledged)
 
     @property
     def complete(self) -> bool:
@@ -174,7 +183,7 @@ class StepCollector:
         that fails its checks."""
         t = self.t
         if isinstance(ev, M.StepFailed):
-            raise RolloutFailed(f"step {self.step}: {ev.error}")
+            raise RolloutFailed(f"step {ev.step}: {ev.error}")
         if ev.gid not in self.by_gid or ev.gid in self.took:
             t.totals.groups_redelivered += 1
             t.client.send(M.AckGroup(gid=ev.gid))
@@ -187,7 +196,7 @@ class StepCollector:
                 t.totals.responses_duplicated += 1
                 continue
             t.seen.add(resp.rid)
-            smp, text = t._sample(self.step, resp, pids, self.budget)
+            smp, text = t._sample(self.step, resp, pids, self.budget, self.staleness)
             self.n_mig += int(resp.migrations > 0)
             self.served.update(resp.instances)
             texts.append(text)
@@ -238,14 +247,22 @@ class RLTrainer:
         self.taken: list[str] = []
         self.last_stats: ManagerStats | None = None  # the manager's stats taken at the end of the last step
         self._prompt_ids: dict[str, list[int]] = {}
+        # bounded staleness: the submitted steps not trained yet, and the ledgers as they were before each one's
+        # prompts were taken (a checkpoint holds those of the oldest: a resume takes and submits the same prompts)
+        self.submitted: dict[int, StepCollector] = {}
+        self._before: dict[int, tuple[tuple[int, int], int, int]] = {}
 
     def state_dict(self) -> dict:
         """Everything of the loop a resume needs, consistent with the last optimizer step: version,
         data frontier, totals, the exactly-once ledgers and the scheduling policy's state (T_seed, M[n], the
         cap) — plain JSON data, no pickled objects."""
-        return {"version": self.version, "frontier": self.frontier.state(),
-                "totals": dict(vars(self.totals)), "seen": sorted(self.seen),
-                "trained_groups": dict(self.trained_groups), "taken": list(self.taken),
+        frontier, taken, totals = self.frontier.state(), self.taken, dict(vars(self.totals))
+        if self.submitted:  # steps submitted ahead are not trained: they are taken and submitted again on resume
+            frontier, n_taken, totals["responses_expected"] = self._before[min(self.submitted)]
+            taken = taken[:n_taken]
+        return {"version": self.version, "frontier": frontier,
+                "totals": totals, "seen": sorted(self.seen),
+                "trained_groups": dict(self.trained_groups), "taken": list(taken),
                 "controller": self.controller.state_dict(),
                 "decision": None if self.decision is None else asdict(self.decision)}
 
@@ -269,10 +286,12 @@ class RLTrainer:
             want[pid] = want.get(pid, 0) + self.s.group_size
         return sum(1 for pid, n in want.items() if self.trained_groups.get(pid, 0) != n)
 
-    def _sample(self, step: int, resp: M.Response, prompt_ids: list[int], budget: int) -> tuple[Sample, str]:
+    def _sample(self, step: int, resp: M.Response, prompt_ids: list[int], budget: int,
+                staleness: dict[str, int]) -> tuple[Sample, str]:
         """A delivered response as a :class:`Sample` (advantage 0 until its group is scored) and the text its reward
-        reads (the final assistant turn, after the last observation). Counts its off-version tokens and its
-        truncation.
+        reads (the final assistant turn, after the last observation). Counts its off-version tokens, its truncation
+        and (bounded staleness) its generated tokens by staleness into ``staleness``; a token older than
+        ``max_staleness`` versions (or newer than the trained one) is loss-masked.
 
         Raises:
             RolloutFailed: ids, logprobs and versions of different lengths, an empty or over-budget response, malformed
@@ -291,14 +310,27 @@ class RLTrainer:
         if resp.finish_reason not in M.FINISH_REASONS:
             raise RolloutFailed(f"step {step}: response {resp.rid} ended for an unknown reason "
                                 f"{resp.finish_reason!r} (known: {', '.join(M.FINISH_REASONS)})")
-        self.totals.tokens_trained_off_version += int(np.count_nonzero(vers != self.version))
+        k = self.s.max_staleness
+        lag = self.version - vers
+        outside = (lag < 0) | (lag > k)
+        self.totals.tokens_trained_off_version += int(np.count_nonzero(outside))
+        mask = None if not obs.any() else ~obs
+        if k:
+            gen = ~obs
+            for j, n in enumerate(np.bincount(lag[gen & ~outside], minlength=1).tolist()):
+                if n:
+                    staleness[str(j)] = staleness.get(str(j), 0) + n
+                    self.totals.tokens_by_staleness[str(j)] = self.totals.tokens_by_staleness.get(str(j), 0) + n
+            if outside.any():  # never trained (the manager refuses them: this is the end-to-end guard)
+                mask = gen & ~outside
         if resp.finish_reason != "stop":
             by = self.totals.responses_truncated_by_cause
             by[resp.finish_reason] = by.get(resp.finish_reason, 0) + 1
         last = int(np.flatnonzero(obs)[-1]) + 1 if obs.any() else 0
         text = self.tok.decode(strip_stop(ids[last:].tolist(), self.stop_ids))
         return Sample(prompt_ids=prompt_ids, response_ids=ids.tolist(), behaviour_logprobs=lps.tolist(), advantage=0.0,
-                      loss_mask=(~obs).tolist() if obs.any() else None, finish_reason=resp.finish_reason), text
+                      loss_mask=None if mask is None else mask.tolist(), finish_reason=resp.finish_reason,
+                      staleness=np.clip(lag, 0, None).tolist() if k else None), text
 
     def _group_seed(self, step: int, g: int) -> int:
         return (self.s.seed * 7_919 + step * 104_729 + g * 1_299_709) % (2**31)
@@ -318,10 +350,14 @@ class RLTrainer:
         interrupts.check()  # no step starts after a Ctrl-C, even one Python swallowed in a finalizer
         tl = StepTimeline(self.clock)
         col, n_start, t_seed = self._submit(step, tl)
+        for ev in col.early:  # groups that came while earlier steps trained
+            col.take(ev)
+        col.early = []
         t_seed_actual = self._seed(col, tl, t_seed)
         tl.enter(Phase.HANDOFF)
         close = self.client.call(M.CloseSeeding(step=step))
         t_wait, n_trained, m_acc = self._collect_and_train(col, tl)
+        del self.submitted[step], self._before[step]
         tl.enter(Phase.OPTIMIZER)
         om = self.backend.optimizer_step()
         self.version += 1
@@ -355,12 +391,28 @@ class RLTrainer:
             fixed_overhead_s=fixed_overhead_s(tl.start, tl.end, tl.compute_intervals() + generating),
             fixed_overhead_s_by_phase=tl.overhead_by_phase(generating), instance_s=dict(activity.instance_s),
             instance_activity_s=dict(activity.by_instance_s), response_tail_s=activity.response_tail_s,
-            **policy, **truncation_shares(col.reasons), backend=backend)
+            **policy, **truncation_shares(col.reasons), staleness_tokens=dict(col.staleness), backend=backend)
 
     def _submit(self, step: int, tl: StepTimeline) -> tuple["StepCollector", int, float]:
-        """Take the step's prompts from the data frontier and submit their GRPO groups; returns the step's
-        collector, the preemptible instances held at the step's start and the step's seeding window (s)."""
+        """Submit the step's GRPO groups, and under bounded staleness those of the ``max_staleness`` steps after it
+        (each trained by the version one higher than the step before it), unless submitted already; returns the
+        step's collector, the preemptible instances held at the step's start and the step's seeding window (s)."""
+        # the manager's view at the step boundary: the previous step's closing stats (one round trip less)
+        n_start = (self.last_stats or self.client.stats()).live_preemptible
+        t_seed = self.controller.begin_step(n_start)
+        end = step + self.s.max_staleness + 1
+        for ahead in range(step, min(end, self.s.steps) if self.s.steps > step else step + 1):
+            if ahead not in self.submitted:
+                self.submitted[ahead] = self._submit_one(ahead, self.version + ahead - step)
+        col = self.submitted[step]
+        col.tl = tl
+        return col, n_start, t_seed
+
+    def _submit_one(self, step: int, version: int) -> "StepCollector":
+        """Take ``step``'s prompts from the data frontier and submit its GRPO groups, to be trained by ``version``;
+        returns its collector."""
         s = self.s
+        self._before[step] = (self.frontier.state(), len(self.taken), self.totals.responses_expected)
         prompts = self.frontier.take(s.prompts_per_step)
         self.taken.extend(p.pid for p in prompts)
         specs, by_gid = [], {}
@@ -376,11 +428,18 @@ class RLTrainer:
                                      max_trajectory_tokens=s.max_trajectory_tokens,
                                      tool_stop_ids=list(s.tool_stop_ids)))
         self.totals.responses_expected += len(specs) * s.group_size
-        # the manager's view at the step boundary: the previous step's closing stats (one round trip less)
-        n_start = (self.last_stats or self.client.stats()).live_preemptible
-        t_seed = self.controller.begin_step(n_start)
-        self.client.call(M.SubmitStep(step=step, version=self.version, groups=specs))
-        return StepCollector(self, step, by_gid, tl), n_start, t_seed
+        self.client.call(M.SubmitStep(step=step, version=version, groups=specs))
+        return StepCollector(self, step, by_gid, None)
+
+    def _take(self, col: "StepCollector", ev: M.GroupDone | M.StepFailed) -> None:
+        """A delivered event for the step ``col`` collects: a group of a step submitted ahead waits for its step's
+        turn (unacknowledged: a crash before it is trained leaves it to be delivered again)."""
+        if isinstance(ev, M.GroupDone) and ev.gid not in col.by_gid:
+            later = next((c for c in self.submitted.values() if ev.gid in c.by_gid), None)
+            if later is not None:
+                later.early.append(ev)
+                return
+        col.take(ev)
 
     def _seed(self, col: "StepCollector", tl: StepTimeline, t_seed: float) -> float:
         """The seeding window: the reserved engine generates; completed groups are buffered. Returns the window's
@@ -390,7 +449,7 @@ class RLTrainer:
         while not col.complete and self.clock() < seed_end:
             ev = self.client.next_event(max(0.0, seed_end - self.clock()))
             if ev is not None:
-                col.take(ev)
+                self._take(col, ev)
         return self.clock() - tl.start
 
     def _collect_and_train(self, col: "StepCollector", tl: StepTimeline) -> tuple[float, int, dict[str, float]]:
@@ -420,7 +479,7 @@ class RLTrainer:
             ev = self.client.next_event(min(left, 5.0)) if left > 0 else None
             t_wait += self.clock() - tw
             if ev is not None:
-                col.take(ev)
+                self._take(col, ev)
             elif self.clock() >= deadline:
                 st = self.client.stats()
                 raise RolloutFailed(f"step {col.step}: only {col.n_groups}/{len(col.by_gid)} groups within "

@@ -28,7 +28,8 @@ class StepRecord(msgspec.Struct, kw_only=True):
     ``instance_activity_s`` (instance-seconds by activity: all instances, by instance), ``response_tail_s``; the
     controller's observation and decision — ``t_seed_next_s``, ``n_prem_cap`` (None: no cap), ``t_wait_train_s``,
     ``fallback_s``, ``t_remote_s``, ``t_wait_remote_s``, ``n_remote``, ``n_available``; truncation —
-    ``truncated_share`` and ``truncated_share_by_cause``.
+    ``truncated_share`` and ``truncated_share_by_cause``; ``staleness_tokens`` (bounded staleness: generated tokens
+    trained, by how many versions older than the trained one made them; {} under strict on-policy).
 
     Run (after the step): ``t_s`` (seconds since the run started), ``ts`` (Unix time), ``live_preemptible``,
     ``routable_preemptible``, ``cluster_live``, ``version_serving`` (how the step's version reached the fleet),
@@ -66,6 +67,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
     n_available: int | None
     truncated_share: float
     truncated_share_by_cause: dict[str, float]
+    staleness_tokens: dict[str, int] = {}
     backend: dict[str, Any] = {}
     t_s: float | None = None
     ts: float | None = None

@@ -227,7 +227,7 @@ def loss_mask(mask: torch.Tensor, truncated: torch.Tensor | None, opts: GRPOOpti
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               opts: GRPOOptions | None = None, *, ref_logp: torch.Tensor | None = None,
               behaviour_logp: torch.Tensor | None = None, truncated: torch.Tensor | None = None,
-              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              staleness: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A micro-batch's GRPO objective (DeepSeekMath eq. 3, negated) under ``opts``, summed in the unit of its loss
     aggregation: the RL step's loss is the sum over micro-batches divided by :func:`step_normaliser`, whatever the
     split (streamed gradient accumulation).
@@ -235,6 +235,11 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     Per token: ratio r = exp(logp − old_logp); surrogate = min(r·A, clip(r, 1 − ε, 1 + ε_high)·A), times the
     behaviour weight w (:func:`behaviour_weights`; 1 without correction); with ``kl_coef`` > 0, minus β·KL
     (:func:`kl_estimate`). Tokens of truncated responses carry no loss under ``mask_truncated``.
+
+    Bounded staleness uses the same function: it is the decoupled PPO objective (AReaL, Fu et al. 2025, eq. 5) with
+    the proximal policy π_prox = ``old_logp``, the trainer's policy at the start of the step (one optimizer step per
+    RL step, so π_prox = π_θ before the update): the PPO ratio π_θ/π_prox is clipped, and the behaviour weight
+    min(π_prox/π_behaviour, C) corrects for the older versions (and the engine) that sampled the tokens.
 
     Args:
         logp: [B, T] float32 log π_θ(o_t | q, o_<t) with grad.
@@ -246,6 +251,8 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         behaviour_logp: [B, T] float32 engine logprobs of the tokens (the mismatch statistics; the correction's
             ratio), required when ``opts.behaviour_correction != "none"``.
         truncated: [B] bool, responses cut by a budget (``Sample.truncated``).
+        staleness: [B, T] int, versions between each token's producer and the trained version (bounded staleness);
+            with ``behaviour_logp``, the mismatch |log π_old − log π_beh| is also reported per staleness.
     Returns:
         (loss_sum: scalar to minimise, stats: 0-dim tensors to add up over micro-batches with :func:`merge_stats`
         after :func:`stats_to_floats`, then :func:`finish_stats`).
@@ -273,7 +280,7 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     with torch.no_grad():
         stats = _loss_stats(ratio, m, kl, opts)
         if behaviour_logp is not None:
-            stats.update(_mismatch_stats(old_logp, behaviour_logp, mask, over, opts))
+            stats.update(_mismatch_stats(old_logp, behaviour_logp, mask, over, opts, weights, staleness))
         stats["loss_sum"] = loss_sum.detach()
     return loss_sum, stats
 
@@ -289,10 +296,12 @@ def _loss_stats(ratio: torch.Tensor, m: torch.Tensor, kl: torch.Tensor | None, o
 
 
 def _mismatch_stats(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, over: torch.Tensor,
-                    opts: GRPOOptions) -> dict[str, torch.Tensor]:
+                    opts: GRPOOptions, weights: torch.Tensor, staleness: torch.Tensor | None = None
+                    ) -> dict[str, torch.Tensor]:
     """The engine–trainer mismatch over the generated tokens ``mask`` [B, T] (sums; maxima): |Δ logprob|, the k3
     estimate of KL(π_beh ‖ π_old) on the engine's samples, tokens whose ratio π_old/π_beh leaves the PPO clip band,
-    and the correction's units (tokens or sequences) whose ratio exceeds the cap."""
+    the correction's units (tokens or sequences) whose ratio exceeds the cap, the behaviour ``weights`` [B, T]
+    applied (sum) and the largest ratio; with ``staleness`` [B, T] int, |Δ logprob| and tokens per staleness."""
     m = mask.to(torch.float32)
     old, beh = old_logp.detach().float(), behaviour_logp.float()
     diff = (old - beh).abs() * m
@@ -303,13 +312,19 @@ def _mismatch_stats(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: 
         units, capped = rows.sum().float(), (over.any(dim=1) & rows).sum().float()
     else:
         units, capped = m.sum(), over.float().sum()
-    return {"tokens": m.sum(), "diff_sum": diff.sum(), "diff_max": diff.max() if diff.numel() else diff.sum(),
-            "mismatch_kl_sum": (kl_estimate(beh, old, "k3") * m).sum(), "outside_clip": outside.sum(),
-            "capped": capped, "units": units}
+    out = {"tokens": m.sum(), "diff_sum": diff.sum(), "diff_max": diff.max() if diff.numel() else diff.sum(),
+           "mismatch_kl_sum": (kl_estimate(beh, old, "k3") * m).sum(), "outside_clip": outside.sum(),
+           "capped": capped, "units": units, "weight_sum": (weights.float() * m).sum(),
+           "rho_max": (rho * m).max() if m.numel() else m.sum()}
+    if staleness is not None:
+        for j in torch.unique(staleness[mask]).tolist():
+            at = (staleness == j).float() * m
+            out[f"tokens_stale{j}"], out[f"diff_sum_stale{j}"] = at.sum(), (diff * at).sum()
+    return out
 
 
 #: Stats combined by maximum (the others add up).
-_MAX_STATS = frozenset({"ratio_max", "diff_max"})
+_MAX_STATS = frozenset({"ratio_max", "diff_max", "rho_max"})
 
 
 def stats_to_floats(stats: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -336,7 +351,11 @@ def finish_stats(s: dict[str, float]) -> dict[str, float]:
       ``logprob_diff_max`` (mean / largest |log π_old − log π_beh|, nats), ``mismatch_kl`` (k3 estimate of
       KL(π_beh ‖ π_old) per token, bounded, nats), ``mismatch_outside_clip_share`` (share of tokens whose ratio
       π_old/π_beh leaves the PPO clip band), ``mismatch_capped_share`` (share of the correction's units — tokens or
-      sequences — whose ratio exceeds ``behaviour_cap``: capped by TIS, dropped by MIS, counted either way).
+      sequences — whose ratio exceeds ``behaviour_cap``: capped by TIS, dropped by MIS, counted either way),
+      ``behaviour_weight_mean`` (the mean importance weight applied, 1 without correction) and
+      ``behaviour_ratio_max`` (the largest ratio π_old/π_beh before the cap);
+    - under bounded staleness, ``logprob_diff_staleness{j}``: the mean |Δ logprob| of the tokens made j versions
+      before the trained one.
     """
     lt = max(1.0, s.get("loss_tokens", 0.0))
     out = {"clip_frac": s.get("clipped", 0.0) / lt, "kl": s.get("kl_sum", 0.0) / lt,
@@ -345,5 +364,10 @@ def finish_stats(s: dict[str, float]) -> dict[str, float]:
         n = max(1.0, s["tokens"])
         out.update(logprob_diff=s["diff_sum"] / n, logprob_diff_max=s["diff_max"],
                    mismatch_kl=s["mismatch_kl_sum"] / n, mismatch_outside_clip_share=s["outside_clip"] / n,
-                   mismatch_capped_share=s["capped"] / max(1.0, s["units"]))
+                   mismatch_capped_share=s["capped"] / max(1.0, s["units"]),
+                   behaviour_weight_mean=s.get("weight_sum", n) / n, behaviour_ratio_max=s.get("rho_max", 1.0))
+        for k, v in s.items():
+            if k.startswith("diff_sum_stale"):
+                j = k[len("diff_sum_stale"):]
+                out[f"logprob_diff_staleness{j}"] = v / max(1.0, s[f"tokens_stale{j}"])
     return out

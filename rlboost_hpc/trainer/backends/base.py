@@ -23,7 +23,8 @@ class Sample:
     ``loss_mask`` (bool, len = response; None = all True): which response tokens the policy generated and are
     trained — a multi-turn trajectory's observation tokens are False (context only: no loss, no logprob comparison).
     ``finish_reason``: why the response (or trajectory) ended, one of
-    :data:`rlboost_hpc.protocol.messages.FINISH_REASONS` (``stop`` or a truncation cause)."""
+    :data:`rlboost_hpc.protocol.messages.FINISH_REASONS` (``stop`` or a truncation cause). ``staleness`` (int, len =
+    response; None under strict on-policy): versions between each token's producer and the version trained."""
 
     prompt_ids: list[int]
     response_ids: list[int]
@@ -31,6 +32,7 @@ class Sample:
     advantage: float
     loss_mask: list[bool] | None = None
     finish_reason: str = "stop"
+    staleness: list[int] | None = None
 
     @property
     def truncated(self) -> bool:
@@ -81,6 +83,20 @@ def behaviour_tensor(batch: list[Sample], shape: tuple[int, int], device: torch.
         P = len(s.prompt_ids)
         beh[i, P - 1 : P - 1 + len(s.response_ids)] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
     return beh.to(device)
+
+
+def staleness_tensor(batch: list[Sample], shape: tuple[int, int], device: torch.device | str = "cpu"
+                     ) -> torch.Tensor | None:
+    """``[B, L-1]`` int64 staleness of each response token at :func:`behaviour_tensor`'s positions (0 elsewhere);
+    None when no sample carries one (strict on-policy)."""
+    if all(s.staleness is None for s in batch):
+        return None
+    st = torch.zeros(shape, dtype=torch.int64)
+    for i, s in enumerate(batch):
+        if s.staleness is not None:
+            P = len(s.prompt_ids)
+            st[i, P - 1 : P - 1 + len(s.response_ids)] = torch.tensor(s.staleness, dtype=torch.int64)
+    return st.to(device)
 
 
 def truncated_tensor(batch: list[Sample], device: torch.device | str = "cpu") -> torch.Tensor:

@@ -23,7 +23,7 @@ from rlboost_hpc.models.arch import ModelArch
 from rlboost_hpc.models.llama import LlamaModel
 from rlboost_hpc.trainer.algorithms.grpo import GRPOOptions, finish_stats, grpo_loss, stats_to_floats
 from rlboost_hpc.trainer.backends.base import (Sample, StepAccumulator, TrainerBackend, behaviour_tensor,
-                                              truncated_tensor)
+                                              staleness_tensor, truncated_tensor)
 from rlboost_hpc.weights.layout import FlatState
 
 
@@ -108,7 +108,8 @@ class TorchBackend(TrainerBackend):
         adv = torch.tensor([s.advantage for s in batch], dtype=torch.float32, device=self.device)
         loss_sum, st = grpo_loss(logp, old, adv, rmask, self.objective, ref_logp=ref,
                                  behaviour_logp=behaviour_tensor(batch, tuple(old.shape), self.device),
-                                 truncated=truncated_tensor(batch, self.device))
+                                 truncated=truncated_tensor(batch, self.device),
+                                 staleness=staleness_tensor(batch, tuple(old.shape), self.device))
         (loss_sum / responses_in_step).backward()
         stats = stats_to_floats(st)
         self.step.add_batch(batch, responses_in_step)

@@ -1,0 +1,64 @@
+"""Dispatch of the rollout manager: queued responses to routable instances (its invariant 4), join-shortest-queue
+below Θ (``policy.dispatch``), each response only to an instance holding a version of its window, the balancer's
+choice first."""
+from __future__ import annotations
+
+from rlboost_hpc.manager.state import RequestState as R, StepWork
+from rlboost_hpc.policy.dispatch import choose_instance
+from rlboost_hpc.protocol import messages as M
+
+
+def dispatch(core) -> None:
+    """Invariant 4 for ``core`` (a :class:`~rlboost_hpc.manager.core.ManagerCore`). Join-shortest-queue
+    (``policy.dispatch.choose_instance``): give each queued request to the routable instance with the fewest requests
+    in flight, among those below min(Θ, its batch) and holding a version of its window; the rest wait here (delayed
+    dispatch). ``dispatch_policy="round_robin"`` is the ablation baseline.
+
+    An instance silent for more than ``dispatch_silence_s`` gets no new work while it stays routable: a node
+    that vanished without closing its connections (power loss, partition) keeps its running responses until
+    the heartbeat deadline suspects it, but takes no more with it."""
+    if not core.queue:
+        return
+    now = core.clock()
+    heard = now - core.dispatch_silence_s
+    cands = sorted((i for i in core.instances.values() if i.last_seen >= heard and core.routable(i)),
+                   key=lambda i: i.key)
+    if not cands:
+        return
+    batches: dict[str, list[M.Work]] = {}
+    deferred: list[str] = []
+    free = [i for i in cands if len(i.inflight) < min(core.pending_limit, i.max_batch)]  # in key order
+    choose = core._rr.choose if core.dispatch_policy == "round_robin" else choose_instance
+    while core.queue and free:
+        rid = core.queue.popleft()
+        req = core.requests.get(rid)
+        if req is None or req.state != R.QUEUED:
+            continue
+        # not back where a Release is still pending; holding a version of its window
+        ok = [i for i in free if rid not in i.releasing and i.version >= req.version]
+        if not ok:
+            deferred.append(rid)
+            continue
+        loads = [len(i.inflight) for i in ok]  # all below Θ (and their batch size)
+        inst = next((i for i in ok if i.key == req.prefer), None) or ok[choose(loads, core.pending_limit)]
+        req.prefer = None
+        req.move(R.RUNNING, inst.key)
+        req.attempts += 1
+        req.assigned_at = now
+        req.instances.append(inst.key)
+        inst.inflight.add(rid)
+        core._note_activity(inst)
+        if len(inst.inflight) >= min(core.pending_limit, inst.max_batch):
+            free.remove(inst)
+        if req.n:  # a partial response resumes here
+            into = core.migrations_by_engine["into"]
+            into[inst.engine] = into.get(inst.engine, 0) + 1
+        batches.setdefault(inst.key, []).append(req.work(inst.version))
+        core.counters.dispatched += 1
+        if inst.kind == "preemptible":
+            if inst.key not in core.step_remote:  # its peak so far; _balance keeps it current
+                core.step_remote[inst.key] = StepWork(core.clock(), core.clock(),
+                                                       peak=core.balancer.peak(inst.key))
+    core.queue.extendleft(reversed(deferred))
+    for key, works in batches.items():
+        core.send(core.instances[key].peer, M.Assign(works=works))

@@ -1,0 +1,275 @@
+"""Issue 34: bounded staleness (``rollout.max_staleness`` = k). The manager's window of versions (pure logic, injected
+clock), its work log keeping every step in flight across compaction, the trainer's staleness accounting and masking,
+the decoupled objective's statistics, bad input, and live runs on the local cluster with preemptions."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from rlboost_hpc.manager import worklog as W
+from rlboost_hpc.manager.core import ManagerCore
+from rlboost_hpc.manager.restore import restore
+from rlboost_hpc.manager.settings import ManagerSettings
+from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.trainer.algorithms.grpo import GRPOOptions, finish_stats, grpo_loss, stats_to_floats
+from test_manager_core import TRAINER, Clock, register, sent, submit, tokens
+from test_manager_restart import commit, feed
+
+
+def make(k=1, on_new_version="finish", worklog=False):
+    clock = Clock()
+    core = ManagerCore(clock=clock, settings=ManagerSettings(
+        pending_limit=4, heartbeat_s=0.25, heartbeat_timeout_s=2.0, max_staleness=k, on_new_version=on_new_version))
+    if worklog:
+        core.worklog = []
+    feed(core, TRAINER, M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
+    feed(core, TRAINER, M.SetVersion(version=0))
+    core.outbox.clear()
+    return core, clock
+
+
+def finish_all(core, step):
+    """Every running response of ``step`` finishes with the version its instance holds."""
+    for rid, req in sorted(core.requests.items()):
+        if req.step == step and req.state == "running":
+            inst = core.instances[req.instance]
+            feed(core, inst.peer, tokens(rid, 0, [4, 1], version=inst.version, finish=M.FINISH_STOP))
+
+
+def loaded(core, peer, version):
+    feed(core, peer, M.WeightsLoaded(version=version, checksum=1, nbytes=1, pull_s=0.0, load_s=0.0))
+
+
+def test_k_steps_ahead_are_admitted_and_no_more():
+    core, _ = make(k=1)
+    submit(core, step=0, version=0)
+    submit(core, step=1, version=1)  # trained by version 1: admitted while version 0 is the latest
+    assert [type(m) for m in sent(core, TRAINER)] == [M.Ok, M.Ok]
+    core.outbox.clear()
+    submit(core, step=2, version=2)
+    err = sent(core, TRAINER)[0]
+    assert isinstance(err, M.Error) and "max_staleness = 1" in err.error
+    assert core.requests["s1g0/0"].version == 0  # the oldest version its tokens may have
+
+
+def test_strict_on_policy_is_unchanged_at_k0():
+    core, _ = make(k=0)
+    submit(core, step=0, version=0)
+    submit(core, step=1, version=1)
+    assert isinstance(sent(core, TRAINER)[-1], M.Error)
+
+
+def test_the_version_changes_while_responses_of_its_window_run_but_not_past_it():
+    core, _ = make(k=1)
+    register(core, b"a", "a")
+    submit(core, step=0, n=2, version=0)
+    submit(core, step=1, n=2, version=1)
+    core.tick()
+    finish_all(core, 0)
+    core.outbox.clear()
+    feed(core, TRAINER, M.SetVersion(version=1))  # step 1 (window 0..1) runs on: admitted
+    assert isinstance(sent(core, TRAINER)[-1], M.Ok)
+    core.outbox.clear()
+    feed(core, TRAINER, M.SetVersion(version=2))  # would leave step 1's tokens 2 versions old
+    err = sent(core, TRAINER)[-1]
+    assert isinstance(err, M.Error) and "max_staleness = 1" in err.error
+
+
+def test_tokens_of_the_window_are_accepted_and_older_ones_fence():
+    core, _ = make(k=1, on_new_version="continue")
+    register(core, b"a", "a")
+    submit(core, step=0, n=1, version=0)
+    submit(core, step=1, n=1, version=1)
+    core.tick()
+    feed(core, b"a", tokens("s0g0/0", 0, [4, 1], finish=M.FINISH_STOP))
+    feed(core, TRAINER, M.SetVersion(version=1))
+    feed(core, b"a", tokens("s1g0/0", 0, [4, 4], version=0))  # made before the instance loaded version 1
+    loaded(core, b"a", 1)
+    feed(core, b"a", tokens("s1g0/0", 2, [4], version=1))  # the same response, continued under version 1
+    req = core.requests["s1g0/0"]
+    assert req.n == 3 and req.runs == [0, 2, 1, 1] and core.counters.off_version_tokens_rejected == 0
+    feed(core, TRAINER, M.AckGroup(gid="s0g0"))
+    submit(core, step=2, n=1, version=2)
+    core.tick()
+    feed(core, b"a", tokens("s2g0/0", 0, [4], version=0))  # window of step 2: versions 1..2
+    assert core.counters.off_version_tokens_rejected == 1 and core.instances["a#0"].state == "fenced"
+
+
+def test_finish_mode_routes_new_work_only_to_the_latest_and_continue_to_the_window():
+    for mode, routable in (("finish", False), ("continue", True)):
+        core, _ = make(k=1, on_new_version=mode)
+        register(core, b"a", "a")
+        submit(core, step=0, n=1, version=0)
+        submit(core, step=1, n=1, version=1)
+        core.tick()
+        feed(core, b"a", tokens("s0g0/0", 0, [4, 1], finish=M.FINISH_STOP))
+        feed(core, TRAINER, M.SetVersion(version=1))
+        assert core.routable(core.instances["a#0"]) is routable, mode
+
+
+def test_a_response_goes_only_to_an_instance_holding_a_version_of_its_window():
+    core, _ = make(k=1, on_new_version="continue")
+    register(core, b"a", "a")
+    submit(core, step=0, n=1, version=0)
+    core.tick()
+    feed(core, b"a", tokens("s0g0/0", 0, [4, 1], finish=M.FINISH_STOP))
+    feed(core, TRAINER, M.SetVersion(version=1))
+    feed(core, TRAINER, M.AckGroup(gid="s0g0"))
+    submit(core, step=1, n=1, version=2)  # window 1..2: not for the instance, which still holds version 0
+    core.tick()
+    assert core.requests["s1g0/0"].state == "queued"
+    loaded(core, b"a", 1)
+    core.tick()
+    assert core.requests["s1g0/0"].instance == "a#0"
+    work = sent(core, b"a", M.Assign)[-1].works[0]
+    assert work.version == 1  # the version the instance holds (its agent checks it)
+
+
+def test_compaction_keeps_every_step_in_flight_and_a_restart_restores_them(tmp_path):
+    core, _ = make(k=1, worklog=True)
+    log = W.WorkLog(tmp_path / "work.log", "run", 1, keep=False)
+    register(core, b"a", "a")
+    submit(core, step=0, n=2, version=0)
+    submit(core, step=1, n=2, version=1)
+    core.tick()
+    finish_all(core, 0)
+    running = sorted(r for r, q in core.requests.items() if q.step == 1 and q.state == "running")
+    assert running
+    feed(core, b"a", tokens(running[0], 0, [7, 7, 7]))  # a partial response of step 1
+    for g in ("s0g0",):
+        feed(core, TRAINER, M.AckGroup(gid=g))
+    feed(core, TRAINER, M.SetVersion(version=1))
+    submit(core, step=2, n=2, version=2)  # compaction: step 1 is still in flight
+    commit(core, log)
+    new = ManagerCore(clock=Clock(), epoch=2, settings=core.settings)
+    restore(new, W.WorkLog(tmp_path / "work.log", "run", 2, keep=True).restored, 0.0)
+    assert {r.step for r in new.requests.values()} == {1, 2}
+    assert new.requests[running[0]].n == 3 and new.requests[running[0]].version == 0
+    assert new.requests["s2g0/0"].version == 1
+
+
+def test_a_second_compaction_keeps_a_step_still_in_flight(tmp_path):
+    core, _ = make(k=2, worklog=True)
+    log = W.WorkLog(tmp_path / "work.log", "run", 1, keep=False)
+    register(core, b"a", "a")
+    for step in range(3):
+        submit(core, step=step, n=1, version=step)
+    core.tick()
+    rid1 = "s1g0/0"
+    feed(core, b"a", tokens(rid1, 0, [9, 9]))
+    feed(core, b"a", tokens("s0g0/0", 0, [4, 1], finish=M.FINISH_STOP))
+    feed(core, TRAINER, M.AckGroup(gid="s0g0"))
+    feed(core, TRAINER, M.SetVersion(version=1))
+    submit(core, step=3, n=1, version=3)
+    commit(core, log)
+    feed(core, b"a", tokens("s2g0/0", 0, [4, 1], finish=M.FINISH_STOP))  # step 2 done, step 1 still partial
+    submit(core, step=4, n=1, version=3)  # a second compaction: step 1 is still partial
+    commit(core, log)
+    new = ManagerCore(clock=Clock(), epoch=2, settings=core.settings)
+    restore(new, W.WorkLog(tmp_path / "work.log", "run", 2, keep=True).restored, 0.0)
+    assert new.requests[rid1].n == 2
+    assert new.requests["s2g0/0"].state == "done"
+
+
+def _response(versions: list[int], obs_runs: list[int] | None = None) -> M.Response:
+    n = len(versions)
+    runs: list[int] = []
+    for v in versions:
+        if runs and runs[-2] == v:
+            runs[-1] += 1
+        else:
+            runs += [v, 1]
+    return M.Response(rid="s3g0/0", sample=0, ids=M.pack_i32([5] * (n - 1) + [1]), logprobs=M.pack_f32([-1.0] * n),
+                      version_runs=np.array(runs, dtype="<i4").tobytes(), finish_reason="stop", migrations=0,
+                      instances=["a#0"], observation_runs=np.array(obs_runs or [], dtype="<i4").tobytes(), turns=1)
+
+
+def _trainer(k: int, version: int):
+    from rlboost_hpc.trainer.loop import RLTrainer, StepSettings, Totals
+
+    t = RLTrainer.__new__(RLTrainer)
+    t.s = StepSettings(prompts_per_step=1, group_size=2, max_new_tokens=16, temperature=1.0, top_p=1.0, micro_batch=2,
+                       max_staleness=k)
+    t.version, t.totals, t.stop_ids = version, Totals(), (1,)
+    t.tok = type("Tok", (), {"decode": staticmethod(lambda ids: "x")})()
+    return t
+
+
+def test_the_trainer_counts_staleness_and_never_trains_a_token_older_than_k():
+    t = _trainer(k=1, version=3)
+    hist: dict[str, int] = {}
+    smp, _ = t._sample(3, _response([2, 2, 3, 3, 3]), [1, 2], 16, hist)
+    assert hist == {"0": 3, "1": 2} and smp.loss_mask is None and smp.staleness == [1, 1, 0, 0, 0]
+    smp, _ = t._sample(3, _response([1, 2, 3]), [1, 2], 16, hist)  # version 1 is 2 behind: outside the window
+    assert t.totals.tokens_trained_off_version == 1 and smp.loss_mask == [False, True, True]
+    assert t.totals.tokens_by_staleness == {"0": 4, "1": 3}
+
+
+def test_strict_on_policy_counts_any_other_version_and_masks_nothing():
+    t = _trainer(k=0, version=3)
+    hist: dict[str, int] = {}
+    smp, _ = t._sample(3, _response([2, 3, 3]), [1, 2], 16, hist)
+    assert t.totals.tokens_trained_off_version == 1 and smp.loss_mask is None and smp.staleness is None and not hist
+
+
+def test_the_decoupled_objective_reports_weights_ratio_and_mismatch_per_staleness():
+    torch.manual_seed(0)
+    B, T = 2, 5
+    logp = (torch.randn(B, T) * 0.1 - 1.0).requires_grad_()
+    beh = logp.detach() + torch.tensor([[0.0, 0.0, 0.5, 0.5, 0.0], [0.0, 0.2, 0.0, 0.0, 0.0]])
+    mask = torch.ones(B, T, dtype=torch.bool)
+    stale = torch.tensor([[0, 0, 1, 1, 0], [0, 1, 0, 0, 0]])
+    opts = GRPOOptions(behaviour_correction="tis", behaviour_cap=2.0)
+    loss, st = grpo_loss(logp, logp.detach(), torch.tensor([1.0, -1.0]), mask, opts, behaviour_logp=beh,
+                         staleness=stale)
+    out = finish_stats(stats_to_floats(st))
+    assert out["logprob_diff_staleness1"] == pytest.approx((0.5 + 0.5 + 0.2) / 3, rel=1e-5)
+    assert out["logprob_diff_staleness0"] == pytest.approx(0.0, abs=1e-6)
+    assert out["behaviour_ratio_max"] == pytest.approx(1.0, abs=1e-5)  # π_old/π_beh = e^-0.5 at most below 1
+    assert out["behaviour_weight_mean"] == pytest.approx(float((torch.exp(-(beh - logp.detach()))).mean()), rel=1e-5)
+    loss.backward()
+    assert torch.isfinite(logp.grad).all()
+
+
+@pytest.mark.parametrize("sets, key", [
+    (["rollout.max_staleness=-1"], "rollout.max_staleness"),
+    (["rollout.max_staleness=1", "rollout.on_new_version=maybe"], "rollout.on_new_version"),
+    (["rollout.max_staleness=1"], "trainer.behaviour_correction"),
+    (["rollout.max_staleness=1", "trainer.behaviour_correction=tis", "trainer.behaviour_cap=0"],
+     "trainer.behaviour_cap"),
+    (["rollout.max_staleness=1", "trainer.behaviour_correction=tis", "rollout.engine=emulated"], "rollout.engine"),
+])
+def test_bad_staleness_settings_exit_2_naming_the_key(repo_root, tmp_path, sets, key):
+    args = [sys.executable, "-m", "rlboost_hpc.cli", "run", "--config", str(repo_root / "configs/local.toml"),
+            "--out", str(tmp_path / "out"), "--no-progress"]
+    for s in sets:
+        args += ["--set", s]
+    p = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert key in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("k, mode", [(1, "finish"), (2, "continue")])
+def test_a_run_with_bounded_staleness_under_preemptions_loses_nothing_and_trains_nothing_too_old(tmp_path, k, mode):
+    from rlboost_hpc.chaos import chaos_main
+
+    out = tmp_path / "run"
+    rc = chaos_main(["--out", str(out), "--steps", "8", "--seed", str(k), "--lifetime-s", "2.0",
+                     "--set", f"rollout.max_staleness={k}", "--set", f"rollout.on_new_version={mode}",
+                     "--set", "trainer.behaviour_correction=tis"])
+    assert rc == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0
+    assert rep["prompts_not_trained_exactly_once"] == 0 and rep["tokens_trained_off_version"] == 0
+    assert rep["preemptions"] >= 1 and rep["responses_migrated"] >= 1
+    stale = {int(j): n for j, n in rep["tokens_by_staleness"].items()}
+    assert max(stale) <= k and sum(stale.values()) > 0
+    assert rep["max_staleness"] == k
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(max(map(int, ln["staleness_tokens"]), default=0) <= k for ln in lines)
