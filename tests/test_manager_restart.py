@@ -29,10 +29,14 @@ def journaled(tmp_path, epoch=1, keep=False):
 
 
 def feed(core, peer, msg):
-    """What the manager's service does with a frame: a Tokens frame is journaled whole, then the core applies it."""
+    """What the manager's service does with a frame: a Tokens frame is journaled whole, then the core applies it and
+    the record learns which deltas it did not apply."""
+    rec = None
     if core.worklog is not None and isinstance(msg, M.Tokens):
-        core.log_work(W.Frame(peer, M.encode(msg)))
+        core.log_work(rec := W.Frame(peer, M.encode(msg)))
     core.on_message(peer, msg)
+    if rec is not None:
+        rec.dropped = core.dropped
 
 
 def commit(core, log):
@@ -200,6 +204,46 @@ def test_a_manager_restarted_after_a_resumed_trainer_changed_the_version_does_no
     log.close()
     new, _, _ = restarted(tmp_path)
     assert not new.requests and new.latest_version == 3 and new.trainer_peer == b"trainer-2"
+
+
+def test_deltas_the_manager_refused_are_not_replayed(tmp_path):
+    """Regression (the long chaos run, step 9): frames of a peer the manager did not know (a resumed trainer's
+    reserved engine before it registered with this manager) and late deltas of an instance that no longer owned the
+    response were journaled whole and replayed after the next restart as if accepted — a response then held its
+    whole budget without being finished, and every instance failed it (max_new_tokens = 0) until the step failed."""
+    core, clock, log = started(tmp_path)
+    rid = "s0g0/0"
+    other = next(i for i in core.instances.values() if i.key != owner(core, rid))
+    feed(core, b"stranger", tokens(rid, 0, [4] * 8, finish=M.FINISH_LENGTH))  # unknown peer: dropped
+    feed(core, other.peer, tokens(rid, 0, [6] * 8, finish=M.FINISH_LENGTH))  # not its owner: late
+    feed(core, core.instances[owner(core, rid)].peer, tokens(rid, 0, [5, 5]))  # accepted
+    assert core.requests[rid].n == 2 and core.requests[rid].state == "running"
+    commit(core, log)
+    log.close()
+    new, _, _ = restarted(tmp_path)
+    req = new.requests[rid]
+    assert req.n == 2 and bytes(req.ids) == M.pack_i32([5, 5]) and req.state == "queued"
+
+
+def test_an_adopted_resend_is_replayed_past_what_the_log_held(tmp_path):
+    core, clock, log = started(tmp_path)
+    rid = "s0g0/0"
+    peer = core.instances[owner(core, rid)].peer
+    feed(core, peer, tokens(rid, 0, [5, 5]))
+    commit(core, log)
+    log.close()
+    new, clock, log = restarted(tmp_path)
+    inst = next(i for i in new.instances.values() if i.peer == peer)
+    feed(new, peer, M.Register(job_id=inst.key.split("#")[0], attempt=int(inst.key.split("#")[1]),
+                               kind="preemptible", max_batch=32, engine="torch"))
+    resend = tokens(rid, 0, [5, 5, 7, 7])
+    feed(new, peer, M.Tokens(rids=resend.rids, offsets=resend.offsets, counts=resend.counts, versions=resend.versions,
+                             finish=resend.finish, ids=resend.ids, logprobs=resend.logprobs, resent=True))
+    assert new.requests[rid].n == 4
+    commit(new, log)
+    log.close()
+    third, _, _ = restarted(tmp_path, epoch=3)
+    assert bytes(third.requests[rid].ids) == M.pack_i32([5, 5, 7, 7])
 
 
 def test_compaction_keeps_the_log_to_one_step(tmp_path):

@@ -168,10 +168,11 @@ class ManagerCore(TrainerCalls):
         # partial responses handed off by / resumed on instances of each engine kind ("torch", "sglang")
         self.migrations_by_engine: dict[str, dict[str, int]] = {"out_of": {}, "into": {}}
         # crash recovery: records for the work log (manager/worklog.py; None: not journaled; since_compact: those
-        # since the last compaction, under bounded staleness), and the unfinished responses a restarted manager holds
-        # for the instances that ran them, since held_since (manager/restore.py)
+        # since the last compaction, under bounded staleness; dropped: the responses of the last Tokens frame whose
+        # delta was not applied), and the unfinished responses a restarted manager holds for the instances that ran
+        # them, since held_since (manager/restore.py)
         self.worklog: list[W.Record] | None = None
-        self.held, self.held_since, self.since_compact = {}, None, []
+        self.held, self.held_since, self.since_compact, self.dropped = {}, None, [], []
 
     # ------------------------------------------------------------------ helpers
     def send(self, peer: bytes, msg: M._Msg) -> None:
@@ -481,14 +482,16 @@ class ManagerCore(TrainerCalls):
         counts = msg.counts
         total = sum(counts)
         self.counters.tokens_received += total
+        self.dropped = dropped = []  # responses whose delta was not applied (the work log's Frame.dropped)
         if inst is None:
             self.counters.late_tokens += total
+            dropped += msg.rids
             return self._unknown(peer, "tokens")
         inst.tokens_received += total
         requests, key, latest = self.requests, inst.key, self.latest_version
         ids, lps = memoryview(msg.ids), memoryview(msg.logprobs)
         lo = late = 0
-        for rid, off, cnt, ver, fin in zip(msg.rids, msg.offsets, counts, msg.versions, msg.finish):
+        for i, (rid, off, cnt, ver, fin) in enumerate(zip(msg.rids, msg.offsets, counts, msg.versions, msg.finish)):
             hi = lo + 4 * cnt
             req = requests.get(rid)
             if req is not None and req.instance != key and self.held:  # (after a restart: held for its instance)
@@ -497,17 +500,21 @@ class ManagerCore(TrainerCalls):
                     lo, off, cnt, late = lo + 4 * skip, off + skip, cnt - skip, late + skip
             if req is None or req.instance != key or req.state != R.RUNNING:
                 late += cnt
+                dropped.append(rid)
             elif not req.version <= ver <= latest:  # (k = 0: ver == req.version == latest)
                 self.counters.off_version_tokens_rejected += cnt
                 self._fence(inst, f"sent {cnt} tokens of version {ver} for {rid} of version {req.version}"
                                   + (f"..{latest}" if self.max_staleness else ""))
+                dropped += msg.rids[i:]
                 break
             elif off + cnt > req.max_new_tokens or off + cnt > req.max_trajectory_tokens - req.turn_start:
                 # (= past req.turn_budget(), spelt out: a method call per delta costs ~15 % of this loop)
                 self._fence(inst, f"delta for {rid} at {off}+{cnt} exceeds the budget {req.turn_budget()}")
+                dropped += msg.rids[i:]
                 break
             elif req.turn_start + off != req.n:  # (offsets count from the turn's start) frames lost with a
                 late += cnt  # connection: drop the rest, resume from what arrived once the instance released it
+                dropped.append(rid)
                 # (Released requeues it; never racing a re-dispatch)
                 if rid not in inst.releasing:
                     self.counters.deltas_out_of_order += 1

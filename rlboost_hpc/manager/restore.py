@@ -58,7 +58,7 @@ def _apply(core, rec: W.Record, now: float) -> None:
     """One record, as the manager that wrote it had applied it."""
     req: Request | None = core.requests.get(getattr(rec, "rid", ""))
     if isinstance(rec, W.Frame):
-        _replay_tokens(core, M.decode(rec.data))
+        _replay_tokens(core, rec)
     elif isinstance(rec, W.Finished):
         if req is not None and req.state != R.DONE:
             if req.state == R.QUEUED:
@@ -116,15 +116,19 @@ def _apply(core, rec: W.Record, now: float) -> None:
         core.counters = rec.counters
 
 
-def _replay_tokens(core, msg: M.Tokens) -> None:
-    """Apply the deltas of a journaled ``Tokens`` frame that continue their responses (:class:`W.Frame`)."""
-    ids, lps, lo = memoryview(msg.ids), memoryview(msg.logprobs), 0
+def _replay_tokens(core, rec: W.Frame) -> None:
+    """Apply the deltas of a journaled ``Tokens`` frame as the manager applied them (:class:`W.Frame`)."""
+    msg: M.Tokens = M.decode(rec.data)
+    ids, lps, lo, dropped = memoryview(msg.ids), memoryview(msg.logprobs), 0, set(rec.dropped)
     for rid, off, cnt, ver in zip(msg.rids, msg.offsets, msg.counts, msg.versions):
         hi = lo + 4 * cnt
         req = core.requests.get(rid)
-        if (req is not None and req.state != R.DONE and ver >= req.version and req.turn_start + off == req.n
-                and off + cnt <= req.turn_budget()):
-            req.append(ids[lo:hi], lps[lo:hi], cnt, ver)
+        if req is not None and rid not in dropped and req.state != R.DONE and ver >= req.version:
+            start = req.turn_start + off
+            skip = req.n - start  # > 0: an adopted resend, applied past what the log held
+            if 0 <= skip < cnt and off + cnt <= req.turn_budget() and (
+                    not skip or bytes(req.ids[4 * start: 4 * req.n]) == bytes(ids[lo: lo + 4 * skip])):
+                req.append(ids[lo + 4 * skip: hi], lps[lo + 4 * skip: hi], cnt - skip, ver)
         lo = hi
 
 

@@ -143,8 +143,9 @@ class ManagerService:
             except ProtocolError as e:
                 self._reject(peer, e)
                 continue
+            rec = None
             if self.worklog is not None and isinstance(msg, M.Tokens):  # journaled whole, in order with the core's
-                self.core.log_work(WorkFrame(peer, frame))
+                self.core.log_work(rec := WorkFrame(peer, frame))
             if isinstance(msg, M.Shutdown) and peer == self.core.trainer_peer:
                 self._stop = True
                 self.core.send(peer, M.Ok(what="shutdown", cid=msg.cid))
@@ -152,6 +153,8 @@ class ManagerService:
                     self.core.send(i.peer, M.Drain(reason=msg.reason))
                 return
             self.core.on_message(peer, msg)
+            if rec is not None and self.core.dropped:  # replayed as applied: not the deltas the core refused
+                rec.dropped = self.core.dropped
 
     def serve_forever(self, tick_s: float = 0.02) -> None:
         """Run the loop: receive and apply every pending frame, tick (liveness + dispatch), send."""

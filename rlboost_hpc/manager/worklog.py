@@ -109,12 +109,15 @@ class Left(_Rec, tag="left"):
 
 class Frame(_Rec, tag="frame"):
     """A ``Tokens`` frame as it arrived from routing id ``peer`` (journaled whole, before the manager applied it:
-    one record per frame, not per delta). Replayed, each of its deltas applies to a response that is not done when
-    it continues the response exactly at its length, with the response's version and within its budget — the
-    deltas the manager accepted; a late delta that also fits is a continuation under the same weights and seed."""
+    one record per frame, not per delta), and the responses whose delta the manager did not apply (``dropped``: late,
+    refused, or the whole frame of a peer it did not know — filled in once the frame was applied, before the commit).
+    Replayed, each other delta applies to a response that is not done when it continues the response at its length
+    (a delta that overlaps the length applies past it when the overlap equals the tokens held, as an adopted resend
+    did), within the response's window of versions and its budget."""
 
     peer: bytes
     data: bytes
+    dropped: list[str] = []
 
 
 class Observation(_Rec, tag="obs"):

@@ -1,0 +1,130 @@
+"""Bounded staleness side by side on live runs: ``rollout.max_staleness`` k = 0 (strict on-policy, the default),
+1 and 2 — every variant one ``rlboost-hpc run`` of the same config, seeds and spot-trace replay (the demo's
+preemptible workers come and go), interleaved in one invocation, repeated ``--rounds`` times.
+
+Per row: training wall seconds and completion tokens trained per training second; tokens trained per instance-second
+(every instance the manager counted: reserved and preemptible, busy + idle + pulling) and the instances' idle
+share — what bounded staleness is for: instances keep generating the next steps while the trainer trains; the
+staleness of the trained tokens (share made 0 / 1 / 2 versions before the trained one); the importance weights of
+the decoupled objective (mean weight, largest ratio, share past the cap) and |Δ logprob| engine vs trainer per
+staleness; quality — held-out reward before → after (sampled), KL to the reference, repetition rate, and the
+steps each variant needs to reach k = 0's final training reward (5-step mean; "—" when never).
+
+On 2 CPU cores the trainer, the reserved engine and the preemptible workers share the same cores, so generation
+that overlaps training also slows it: the gain a GPU cluster gets (disjoint devices) is masked here. That is why
+the tokens per instance-second and the idle share are printed beside the wall-clock rate.
+
+Run: ``.venv/bin/python benchmarks/bench_staleness.py [--steps 30] [--rounds 1] [--ks 0,1,1c,2]``
+(``1c``: k = 1 with ``rollout.on_new_version = continue``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def variant(name: str) -> list[str]:
+    """``0``, ``1``, ``2`` … (finish) or ``1c`` (continue): the overrides of that variant."""
+    k = int(name.rstrip("c"))
+    sets = [f"rollout.max_staleness={k}", "trainer.behaviour_correction='tis'"]
+    if name.endswith("c"):
+        sets.append("rollout.on_new_version='continue'")
+    return sets
+
+
+def run(out: Path, sets: list[str]) -> tuple[dict, list[dict]]:
+    """One ``rlboost-hpc run`` of ``configs/local.toml`` with ``sets``: (report, step records)."""
+    cmd = [sys.executable, "-m", "rlboost_hpc.cli", "run", "--config", str(ROOT / "configs/local.toml"), "--out",
+           str(out), "--no-progress"] + [x for s in sets for x in ("--set", s)]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if p.returncode != 0:
+        raise RuntimeError(f"run {out.name} exited {p.returncode}: {p.stderr[-2000:]}")
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((out / "report.json").read_text()), steps
+
+
+def figures(r: dict, steps: list[dict]) -> dict:
+    """The row's figures from a run's report and step records."""
+    inst = {a: sum(s["instance_s"].get(a, 0.0) for s in steps) for a in ("busy", "idle", "pulling")}
+    inst_s = sum(inst.values())
+    completion = sum(s["response_len_mean"] * s["responses"] for s in steps)
+    st = {int(j): n for j, n in r["tokens_by_staleness"].items()} or {0: 1}
+    tot = sum(st.values())
+    m = r["engine_trainer_mismatch"]
+    rewards = [s["reward_mean"] for s in steps]
+    return {"train_s": r["train_wall_s"], "completion_tok_per_s": completion / r["train_wall_s"],
+            "tok_per_inst_s": completion / inst_s if inst_s else 0.0, "idle_share": inst["idle"] / inst_s if inst_s else 0.0,
+            "staleness": {j: st.get(j, 0) / tot for j in range(3)}, "w_mean": m.get("behaviour_weight_mean", 1.0),
+            "ratio_max": m.get("behaviour_ratio_max", 1.0), "capped": m.get("mismatch_capped_share", 0.0),
+            "diff": {j: m.get(f"logprob_diff_staleness{j}", m.get("logprob_diff", 0.0) if j == 0 else None)
+                     for j in range(3)},
+            "before": r["reward_heldout_before"], "after": r["reward_heldout_after"],
+            "kl": r["kl_to_reference_nats_per_token"], "rep": r["repetition_rate_after"], "rewards": rewards}
+
+
+def steps_to(rewards: list[float], target: float, window: int = 5) -> int | None:
+    """The first step whose ``window``-step mean training reward reaches ``target`` (None: never)."""
+    for i in range(window - 1, len(rewards)):
+        if sum(rewards[i - window + 1:i + 1]) / window >= target:
+            return i + 1
+    return None
+
+
+HEADER = (f"{'k':>3} {'train s':>7} {'tok/s':>6} {'tok/inst-s':>10} {'idle':>5} {'stale 0/1/2 %':>14} "
+          f"{'w mean':>6} {'ρ max':>5} {'>cap %':>6} {'|Δ| s0/s1/s2':>20} {'reward before→after':>19} "
+          f"{'KL ref':>6} {'rep':>5} {'steps to k0':>11}")
+
+
+def row(name: str, f: dict, target: float) -> str:
+    st = "/".join(f"{100 * f['staleness'][j]:.0f}" for j in range(3))
+    diff = "/".join("—" if f["diff"][j] is None else f"{f['diff'][j]:.4f}" for j in range(3))
+    reach = steps_to(f["rewards"], target)
+    return (f"{name:>3} {f['train_s']:7.1f} {f['completion_tok_per_s']:6.0f} {f['tok_per_inst_s']:10.1f} "
+            f"{100 * f['idle_share']:4.0f}% {st:>14} {f['w_mean']:6.3f} {f['ratio_max']:5.2f} "
+            f"{100 * f['capped']:6.2f} {diff:>20} {f['before']:8.3f} → {f['after']:5.3f}    {f['kl']:6.4f} "
+            f"{f['rep']:5.3f} {'—' if reach is None else reach:>11}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--ks", default="0,1,1c,2", help="comma-separated variants: k, or kc for on_new_version=continue")
+    ap.add_argument("--steps", type=int, default=30, help="RL steps of each run")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds (each runs every variant once)")
+    ap.add_argument("--seed", type=int, default=0, help="trainer.seed and cluster.seed")
+    a = ap.parse_args(argv)
+    names = [k for k in a.ks.split(",") if k]
+    tmp = Path(tempfile.mkdtemp(prefix="rlboost-staleness-"))
+    common = [f"trainer.seed={a.seed}", f"cluster.seed={a.seed}", "trainer.export_model=false",
+              f"trainer.steps={a.steps}"]
+    results: dict[str, list[dict]] = {n: [] for n in names}
+    t0 = time.monotonic()
+    for rnd in range(a.rounds):
+        for n in names:
+            r, steps = run(tmp / f"r{rnd}-k{n}", common + variant(n))
+            results[n].append(figures(r, steps))
+    ref = results.get("0") or results[names[0]]
+    print(f"## demo, {a.steps} steps, seed {a.seed}, {a.rounds} round(s) interleaved ({time.monotonic() - t0:.0f} s)")
+    print(HEADER)
+    for rnd in range(a.rounds):
+        rw = ref[rnd]["rewards"]
+        target = sum(rw[-5:]) / min(5, len(rw))
+        for n in names:
+            print(row(n, results[n][rnd], target))
+    base = sum(f["completion_tok_per_s"] for f in ref) / len(ref)
+    base_i = sum(f["tok_per_inst_s"] for f in ref) / len(ref)
+    print("ratios to k = 0 (mean over rounds): " + ", ".join(
+        f"k={n}: {sum(f['completion_tok_per_s'] for f in fs) / len(fs) / base:.2f}× tok/s, "
+        f"{sum(f['tok_per_inst_s'] for f in fs) / len(fs) / base_i:.2f}× tok/inst-s" for n, fs in results.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
