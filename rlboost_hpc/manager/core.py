@@ -167,10 +167,9 @@ class ManagerCore(TrainerCalls):
         self.responses_truncated_by_cause: dict[str, int] = {}  # finished responses cut by a budget (M.TRUNCATION_CAUSES)
         # partial responses handed off by / resumed on instances of each engine kind ("torch", "sglang")
         self.migrations_by_engine: dict[str, dict[str, int]] = {"out_of": {}, "into": {}}
-        # crash recovery: records for the work log (manager/worklog.py; None: not journaled; since_compact: those
-        # since the last compaction, under bounded staleness; dropped: the responses of the last Tokens frame whose
-        # delta was not applied), and the unfinished responses a restarted manager holds for the instances that ran
-        # them, since held_since (manager/restore.py)
+        # crash recovery (manager/worklog.py, restore.py): records for the work log (None: not journaled), those since
+        # the last compaction (bounded staleness), the last Tokens frame's responses whose delta was not applied, and
+        # the unfinished responses a restarted manager holds for the instances that ran them, since held_since
         self.worklog: list[W.Record] | None = None
         self.held, self.held_since, self.since_compact, self.dropped = {}, None, [], []
 
