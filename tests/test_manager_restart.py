@@ -499,3 +499,21 @@ def test_an_instance_suspect_at_the_kill_is_not_waited_for_and_its_new_agent_tak
     assert sent(new, b"b-new", M.Welcome) and not sent(new, b"b-new", M.Reject)
     feed(new, b"b-new", M.Heartbeat(version=-1, active=0, tokens_generated=0))
     assert new.instances["b#0"].state == "pulling"  # it spoke: back from suspect
+
+
+def test_a_manager_whose_trainer_died_while_it_started_exits_quietly(capfd):
+    """Regression (the long chaos run): a trainer SIGKILLed while its manager was starting left a BrokenPipeError
+    traceback in the run's log (the manager reporting its endpoint to nobody). It now logs one line and exits 0."""
+    import multiprocessing as mp
+
+    from rlboost_hpc.manager.service import run_manager_process
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=run_manager_process, args=("tcp://127.0.0.1:0", ManagerSettings(), child))
+    proc.start()
+    child.close()
+    parent.close()  # the trainer is gone before the manager reports its endpoint
+    proc.join(60)
+    err = capfd.readouterr().err
+    assert proc.exitcode == 0 and "Traceback" not in err and "BrokenPipeError" not in err, err[-2000:]

@@ -282,7 +282,12 @@ def run_manager_process(bind: str, settings: ManagerSettings, conn, keys_dir: st
     # Ctrl-C on a terminal reaches the whole foreground process group: the trainer that started us handles it
     # (it stops us), so the manager never dies of it half-way or prints a KeyboardInterrupt of its own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    conn.send(("ok", (svc.endpoint, metrics_url)))
+    try:
+        conn.send(("ok", (svc.endpoint, metrics_url)))
+    except (BrokenPipeError, EOFError):  # the trainer died while we started: nobody to serve (no traceback)
+        log.error("the trainer that started this manager is gone; manager exits")
+        svc.close()
+        return
     conn.close()
     parent = os.getppid()
 

@@ -1,0 +1,135 @@
+"""This project beside the peer a user would pick instead: TRL's ``GRPOTrainer`` (``pip install trl==1.16.0``) on the
+same model, task and step shape — the demo: stories260K, 8 prompts × group 8, 48 new tokens, lr 3e-5 constant,
+β = 0, GRPO's per-sequence token mean (TRL ``loss_type = "grpo"``), temperature 1 — interleaved in one invocation.
+
+Rows, each a fresh process per round:
+- ``trl tN``: TRL on the CPU with ``torch.set_num_threads(N)`` (N = 1, 2): generation with ``model.generate``, then
+  the loss, one optimizer step per RL step, all in one process.
+- ``ours colocated``: ``rlboost-hpc run`` with no preemptible worker (``cluster.max_workers = 0``): the reserved
+  engine generates, the trainer trains (streamed micro-batches of 16).
+- ``ours workers``: the demo as shipped — two preemptible worker processes replaying the spot trace beside it.
+- ``ours k=1``: the same with ``rollout.max_staleness = 1`` (TIS, the decoupled objective): the next step's prompts
+  generate while the trainer trains.
+
+Per row: training wall seconds (``trainer.train()`` for TRL; the report's ``train_wall_s`` — every step from the
+first submission to the last version change — for ours), completion tokens trained per second of it, the ratio to
+``trl t1`` of the same round, and the training reward at steps 1, 10, 20, … (mean of the step's 64 responses). Both
+sides load the same checkpoint (this project's converted stories260K directory) and score with the same reward.
+
+All of it shares this machine's cores: on 2 CPU cores generation and training of ours run on the same cores, so the
+overlap that a GPU cluster gains from is not free here.
+
+Run: ``.venv/bin/python benchmarks/bench_vs_trl.py [--steps 30] [--rounds 2] [--rows trl_t1,trl_t2,ours_colocated,
+ours_workers,ours_k1]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ROWS = ("trl_t1", "trl_t2", "ours_colocated", "ours_workers", "ours_k1")
+OURS = {"ours_colocated": ["cluster.max_workers=0"], "ours_workers": [],
+        "ours_k1": ["rollout.max_staleness=1", "trainer.behaviour_correction='tis'"]}
+
+
+def trl_worker(steps: int, threads: int, out: Path) -> None:
+    """Run TRL's GRPOTrainer on the demo's shape in this process and write ``{"train_s", "completion_tokens",
+    "rewards"}`` to ``out``."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlboost_hpc.config import RunConfig
+    from rlboost_hpc.models.llama2c import ensure_converted
+    from rlboost_hpc.tasks.stories import StoryQuoteTask, quote_reward
+
+    hf = ensure_converted(Path(RunConfig().model.cache_dir).expanduser())  # the directory the demo's run loads
+    task = StoryQuoteTask(64, 32)
+    ds = Dataset.from_list([{"prompt": p.text} for p in task.train_prompts()])
+    tok = AutoTokenizer.from_pretrained(hf)
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    cfg = GRPOConfig(output_dir=str(out.parent / "trl-out"), per_device_train_batch_size=64, num_generations=8,
+                     max_completion_length=48, learning_rate=3e-5, lr_scheduler_type="constant", beta=0.0,
+                     loss_type="grpo", max_steps=steps, logging_steps=1, use_cpu=True, temperature=1.0,
+                     report_to=[], save_strategy="no", seed=0, warmup_steps=0, weight_decay=0.0,
+                     max_grad_norm=1.0, disable_tqdm=True)
+
+    def reward(completions, **_kw) -> list[float]:
+        return [quote_reward(c) for c in completions]
+
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=cfg, train_dataset=ds, processing_class=tok)
+    t0 = time.monotonic()
+    trainer.train()
+    train_s = time.monotonic() - t0
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    out.write_text(json.dumps({"train_s": train_s, "rewards": [h["reward"] for h in logs],
+                               "completion_tokens": sum(h["completions/mean_length"] * 64 for h in logs)}))
+
+
+def run_trl(tmp: Path, steps: int, threads: int) -> dict:
+    out = tmp / f"trl-t{threads}-{time.monotonic_ns()}.json"
+    p = subprocess.run([sys.executable, __file__, "--trl-worker", "--steps", str(steps), "--threads", str(threads),
+                        "--out", str(out)], capture_output=True, text=True, cwd=ROOT)
+    if p.returncode != 0:
+        raise RuntimeError(f"TRL (threads {threads}) exited {p.returncode}: {p.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def run_ours(tmp: Path, steps: int, sets: list[str]) -> dict:
+    out = tmp / f"ours-{time.monotonic_ns()}"
+    cmd = [sys.executable, "-m", "rlboost_hpc.cli", "run", "--config", str(ROOT / "configs/local.toml"), "--out",
+           str(out), "--no-progress", "--set", f"trainer.steps={steps}", "--set", "trainer.export_model=false",
+           "--set", "trainer.seed=0"] + [x for s in sets for x in ("--set", s)]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if p.returncode != 0:
+        raise RuntimeError(f"run exited {p.returncode}: {p.stderr[-3000:]}")
+    rep = json.loads((out / "report.json").read_text())
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"train_s": rep["train_wall_s"], "rewards": [r["reward_mean"] for r in recs],
+            "completion_tokens": sum(r["response_len_mean"] * r["responses"] for r in recs)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--steps", type=int, default=30, help="RL steps of every run")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.trl_worker:
+        trl_worker(a.steps, a.threads, a.out)
+        return 0
+    rows = [r for r in a.rows.split(",") if r]
+    bad = [r for r in rows if r not in ROWS]
+    if bad:
+        ap.error(f"unknown row(s) {bad}; choose from {', '.join(ROWS)}")
+    tmp = Path(tempfile.mkdtemp(prefix="rlboost-vs-trl-"))
+    print(f"## the demo's step shape, {a.steps} steps, {a.rounds} interleaved round(s)")
+    print(f"{'round':>5} {'row':15} {'train s':>8} {'tok/s':>7} {'vs trl t1':>9}  reward at steps 1, 10, 20, …")
+    for rnd in range(a.rounds):
+        base = None
+        for row in rows:
+            res = (run_trl(tmp, a.steps, int(row[-1])) if row.startswith("trl")
+                   else run_ours(tmp, a.steps, OURS[row]))
+            rate = res["completion_tokens"] / res["train_s"]
+            base = rate if row == "trl_t1" or base is None else base
+            rw = res["rewards"]
+            marks = " ".join(f"{rw[i]:.2f}" for i in [0] + list(range(9, len(rw), 10)))
+            print(f"{rnd:>5} {row:15} {res['train_s']:8.1f} {rate:7.0f} {rate / base:8.2f}×  {marks}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
