@@ -173,6 +173,19 @@ def test_ablation_ordering(small_table):
     assert e["verl_2x"]["cost_efficiency_ratio_vs_colocated"] < 1.0
 
 
+def test_bounded_staleness_rows_overlap_rollout_with_training_and_never_exceed_k(small_table):
+    """Issue 34: k = 1 and 2 beside RLBoost — more throughput at the same prices (the pool never waits for the
+    trainer), every step trained exactly once (the simulator asserts it), no token more than k versions old."""
+    e = small_table["8b"]
+    assert e["rlboost_k1"]["throughput_tokens_per_s"] > 1.2 * e["rlboost"]["throughput_tokens_per_s"]
+    assert e["rlboost_k2"]["throughput_tokens_per_s"] >= e["rlboost_k1"]["throughput_tokens_per_s"]
+    for k in (0, 1, 2):
+        spec = SYSTEMS["rlboost"] if k == 0 else SYSTEMS[f"rlboost_k{k}"]
+        r = simulate(profile("8b"), spec, segment("A"), duration_s=3600.0, seed=0)
+        stale = {int(j) for row in r.timeline for j, n in row["staleness_tokens"].items() if n > 0}
+        assert max(stale) == k and min(stale) >= 0, (k, stale)
+
+
 def test_cli_paper_table_json(capsys):
     rc = sim_main(["--paper-table", "--json", "--models", "8b", "--segments", "A", "--duration", "1800"])
     assert rc == 0

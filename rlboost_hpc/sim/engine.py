@@ -32,11 +32,15 @@ class Req:
     """One response of the step (token-level state as the manager sees it)."""
 
     __slots__ = ("rid", "gid", "prompt", "target", "n", "state", "eng", "g0", "k", "g_fin", "migrations",
-                 "done_at", "regenerated")
+                 "done_at", "regenerated", "step", "ver", "n0", "by_ver")
 
-    def __init__(self, rid: int, gid: int, prompt: int, target: int) -> None:
+    def __init__(self, rid: int, gid: int, prompt: int, target: int, step: int = 0) -> None:
         self.rid = rid
         self.gid = gid
+        self.step = step      # the RL step it belongs to (bounded staleness: several steps are in flight)
+        self.ver = 0          # the weight version of the engine it was last dispatched to ...
+        self.n0 = 0.0         # ... when it had generated this many tokens
+        self.by_ver: dict[int, float] | None = None  # tokens generated per version, credited when it leaves an engine
         self.prompt = prompt
         self.target = float(target)
         self.n = 0.0          # generated tokens (exact while not RUNNING; see Engine.generated while RUNNING)

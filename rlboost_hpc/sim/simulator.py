@@ -22,6 +22,17 @@ One RL step:
 5. After the step the controller turns the observed waits/times into the next ``T_seed`` and ``N_prem``; the
    pool is trimmed or grown to ``min(N_prem, available)``.
 
+Bounded staleness (``SystemSpec.max_staleness`` = k ≥ 1; the live ``rollout.max_staleness`` with
+``on_new_version = "finish"``): the prompts of steps s+1 … s+k are admitted (queued behind step s's) when step s
+starts, so the pool keeps generating while the trainer trains; a response runs to its end under the version it was
+dispatched with (an instance pulling the next version finishes what it runs; new work goes only to holders of the
+latest), and the trainer takes a step's groups when the step becomes current. Each token's staleness (the version
+that trains it minus the version that made it, ≤ k) is counted per step. What the paper's model assumes and this
+changes: the seeding window and N_prem are decided per step from the step's own waits, as before — with overlap the
+trainer waits less (the next step's groups are partly done at its start), so the controller shrinks T_seed and asks
+for fewer instances. Approximations: a pull completes while old responses still run (the live agent loads once
+idle), and a response retracted by a full KV cache resumes on the same engine, credited to its dispatch version.
+
 Deterministic: the event heap is ordered by ``(time, sequence number)``, all iteration orders are fixed, and
 step ``s`` draws its lengths from ``default_rng([seed, s])``.
 """
@@ -58,12 +69,30 @@ class SystemSpec:
     adapt: bool = True
     memory: bool = True
     use_cap: bool = True
+    max_staleness: int = 0         # k ≥ 1: the next k steps' prompts generate while a step trains (module docstring)
     dispatch: Literal["jsq", "round_robin", "static"] = "jsq"  # the manager's names; static: a fixed split (colocated)
     theta: int = 96                # Θ: most requests in flight (running + waiting) per instance
     balancer: bool = True
     migration: bool = True         # per-sample migration on preemption (False: recompute from scratch)
     remote_on_demand: bool = False  # remote instances billed at the on-demand rate (disaggregated)
     balance_interval_s: float = 2.0
+
+
+#: Request ids are ``step · RID_STRIDE + index``: unique over the steps in flight, ordered as before within a step.
+RID_STRIDE = 1 << 32
+
+
+@dataclass
+class StepPool:
+    """One admitted step's responses: ``reqs`` (G consecutive per group), responses done per group, responses done,
+    groups complete before the step became current (bounded staleness), its tokens, when its last response ended."""
+
+    reqs: list[Req]
+    gdone: list[int]
+    tokens: int
+    n_done: int = 0
+    early_groups: list[int] = field(default_factory=list)
+    rollout_done_at: float | None = None
 
 
 @dataclass
@@ -143,6 +172,9 @@ class Simulation:
         self.balancer = Balancer(move_running=system.migration)
         self.rr = RoundRobin()
         self.queue: deque[Req] = deque()
+        self.k = system.max_staleness
+        self.pools: dict[int, StepPool] = {}  # the admitted steps not trained yet (k + 1 at most)
+        self.cur: StepPool | None = None  # the step the trainer trains now
         self.version = 0
         self.step = -1
         self.timeline: list[dict] = []
@@ -238,6 +270,8 @@ class Simulation:
         i = self._held_idx.pop(r.name)
         self.held_log[i] = (r.name, self.held_log[i][1], t)
         reqs = r.engine.evict_all(t)
+        for q in reqs:
+            self._left(q)
         self._gone_work.append(self._work(r))
         self.balancer.forget(r.name)
         r.engine.ver += 1  # invalidate pending engine events
@@ -251,7 +285,7 @@ class Simulation:
                 else:
                     self.counters["tokens_regenerated"] += q.n
                     q.regenerated += q.n
-                    q.n = 0.0
+                    q.n, q.n0, q.by_ver = 0.0, 0.0, None
             self.queue.extendleft(reversed(reqs))
         if preempted:
             self.counters["preemptions"] += 1
@@ -313,14 +347,11 @@ class Simulation:
         self.step += 1
         self.version += 1
         s = self.step
-        w = step_work(self.p.workload, self.seed, s)
+        for ahead in range(s, s + self.k + 1):  # this step, and under bounded staleness the k after it
+            if ahead not in self.pools:
+                self.pools[ahead] = self._admit(ahead)
+        cur = self.cur = self.pools[s]
         G = self.p.workload.group
-        self.reqs = [Req(i, i // G, int(w.prompt[i]), int(w.response[i])) for i in range(len(w.response))]
-        self.step_tokens = w.tokens
-        self.n_groups = len(self.reqs) // G
-        self.gdone = [0] * self.n_groups
-        self.n_done = 0
-        self.queue = deque(self.reqs)
         self.t0 = t
         ready = [r for r in self.remotes.values() if r.state == "ready"]
         for k, r in enumerate(ready):
@@ -334,13 +365,13 @@ class Simulation:
         self.seed_state = "pre"   # pre | open | closed | reopening (fallback)
         self.close_pending = False
         self.train_started = False
-        self.train_avail: deque = deque()
+        self.train_avail: deque = deque(q for g in cur.early_groups for q in cur.reqs[g * G:(g + 1) * G])
         self.train_busy = False
         self.trained = 0
         self.t_train = 0.0
         self.t_wait_train = 0.0
         self.idle_since: float | None = None
-        self.rollout_done_at: float | None = None
+        self.rollout_done_at = None if cur.rollout_done_at is None else max(t, cur.rollout_done_at)
         self.remote_seen = False
         self.step_counters = dict(self.counters)
         self._gone_work: list[RemoteWork] = []
@@ -354,6 +385,28 @@ class Simulation:
             self.push(t_open, SEED_OPEN, None, s)
             if math.isfinite(self.t_seed):
                 self.push(t_open + self.t_seed, SEED_CLOSE, None, s)
+
+    def _admit(self, step: int) -> StepPool:
+        """Queue ``step``'s responses (its workload: ``step_work``) behind what is queued."""
+        w = step_work(self.p.workload, self.seed, step)
+        G = self.p.workload.group
+        reqs = [Req(step * RID_STRIDE + i, i // G, int(w.prompt[i]), int(w.response[i]), step)
+                for i in range(len(w.response))]
+        self.queue.extend(reqs)
+        return StepPool(reqs, [0] * (len(reqs) // G), w.tokens)
+
+    def _took(self, r: Req) -> None:
+        """Bounded staleness: ``r`` goes to an engine that holds the current version (only holders are routable)."""
+        if self.k:
+            r.ver, r.n0 = self.version, r.n
+
+    def _left(self, r: Req) -> None:
+        """Bounded staleness: ``r`` left its engine (done, evicted, moved): credit its new tokens to the version."""
+        if self.k and r.n > r.n0:
+            if r.by_ver is None:
+                r.by_ver = {}
+            r.by_ver[r.ver] = r.by_ver.get(r.ver, 0.0) + r.n - r.n0
+            r.n0 = r.n
 
     def _work(self, r: Remote) -> RemoteWork:
         """Remote ``r``'s record for the observation law (``policy/observation.py``). The simulator's balancer
@@ -377,15 +430,18 @@ class Simulation:
             return
         if deadline:
             self.close_pending = True
-        if not self.close_pending and self.n_done < len(self.reqs):
+        cur = self.cur
+        if not self.close_pending and cur.n_done < len(cur.reqs):
             return
-        if self.n_done < len(self.reqs) and not self._remote_capacity():
+        if cur.n_done < len(cur.reqs) and not self._remote_capacity():
             return  # co-located fallback: keep generating until capacity appears or the rollout is done
         self.seed_state = "closed"
         self.resv_routable = False
         seeds: list[Req] = []
         for e in self.reserved:
-            seeds.extend(e.evict_all(t))
+            for q in e.evict_all(t):
+                self._left(q)
+                seeds.append(q)
             e.ver += 1
             self.dirty.discard(e)
         if seeds:
@@ -400,7 +456,7 @@ class Simulation:
         instance is routable or pulling, the reserved GPUs switch back to rollout (they close again, releasing
         their unfinished responses, as soon as remote capacity returns or the rollout is done)."""
         if (self.seed_state != "closed" or not self.train_started or self.train_busy
-                or self.n_done >= len(self.reqs) or self._remote_capacity()):
+                or self.cur.n_done >= len(self.cur.reqs) or self._remote_capacity()):
             return
         if self.idle_since is not None:
             self.t_wait_train += t - self.idle_since
@@ -412,19 +468,26 @@ class Simulation:
         self.push(t + self.p.switch_to_rollout_s, SEED_OPEN, None, self.step)
 
     def _on_done(self, r: Req, t: float) -> None:
-        self.n_done += 1
+        self._left(r)
+        pool = self.pools[r.step]
+        pool.n_done += 1
         g = r.gid
-        self.gdone[g] += 1
-        if self.gdone[g] == self.p.workload.group:
-            G = self.p.workload.group
-            for q in self.reqs[g * G:(g + 1) * G]:
-                self.train_avail.append(q)
-            if self.train_started and not self.train_busy:
-                self._train_next(t)
-        if self.n_done == len(self.reqs):
-            self.rollout_done_at = t
-            if self.seed_state == "open":
-                self._try_close(t)
+        pool.gdone[g] += 1
+        if pool.gdone[g] == self.p.workload.group:
+            if pool is not self.cur:  # a step ahead (bounded staleness): trained when it becomes current
+                pool.early_groups.append(g)
+            else:
+                G = self.p.workload.group
+                for q in pool.reqs[g * G:(g + 1) * G]:
+                    self.train_avail.append(q)
+                if self.train_started and not self.train_busy:
+                    self._train_next(t)
+        if pool.n_done == len(pool.reqs):
+            pool.rollout_done_at = t
+            if pool is self.cur:
+                self.rollout_done_at = t
+                if self.seed_state == "open":
+                    self._try_close(t)
 
     def _train_ready(self, t: float) -> None:
         self.train_started = True
@@ -434,9 +497,10 @@ class Simulation:
 
     def _train_next(self, t: float) -> None:
         mb = self.p.workload.micro_batch
-        n_left = len(self.reqs) - self.trained
+        cur = self.cur
+        n_left = len(cur.reqs) - self.trained
         k = min(mb, len(self.train_avail))
-        if k == 0 or (k < mb and k < n_left and self.n_done < len(self.reqs)):
+        if k == 0 or (k < mb and k < n_left and cur.n_done < len(cur.reqs)):
             return
         if self.idle_since is not None:
             self.t_wait_train += t - self.idle_since
@@ -455,7 +519,7 @@ class Simulation:
     def _train_done(self, k: int, t: float) -> None:
         self.train_busy = False
         self.trained += k
-        if self.trained >= len(self.reqs):
+        if self.trained >= len(self.cur.reqs):
             dt = self.p.optimizer_s + self.p.net.publish_s
             self.t_train += self.p.optimizer_s
             self.push(t + dt, STEP_END, None, self.step)
@@ -466,9 +530,12 @@ class Simulation:
 
     def _step_end(self, t: float) -> None:
         G = self.p.workload.group
-        if self.n_done != len(self.reqs) or any(g != G for g in self.gdone) or self.trained != len(self.reqs):
-            raise AssertionError(f"step {self.step}: exactly-once violated ({self.n_done} done, "
-                                 f"{self.trained} trained of {len(self.reqs)})")
+        cur = self.cur
+        if cur.n_done != len(cur.reqs) or any(g != G for g in cur.gdone) or self.trained != len(cur.reqs):
+            raise AssertionError(f"step {self.step}: exactly-once violated ({cur.n_done} done, "
+                                 f"{self.trained} trained of {len(cur.reqs)})")
+        del self.pools[self.step]
+        stale = self._staleness(cur)
         n_end = self._held()
         rem = observe_remote(self._gone_work + [self._work(r) for r in self.remotes.values()],
                              rollout_done_s=self.rollout_done_at, step_end_s=t)
@@ -483,8 +550,8 @@ class Simulation:
             self.cap = dec.n_prem_cap if self.sys.use_cap else None
         c0 = self.step_counters
         self.timeline.append({
-            "step": self.step, "t_start": self.t0, "t_end": t, "step_s": t - self.t0, "tokens": self.step_tokens,
-            "throughput": self.step_tokens / (t - self.t0), "t_seed_s": t_seed_used,
+            "step": self.step, "t_start": self.t0, "t_end": t, "step_s": t - self.t0, "tokens": cur.tokens,
+            "throughput": cur.tokens / (t - self.t0), "t_seed_s": t_seed_used, "staleness_tokens": stale,
             "n_start": self.n_start, "n_end": n_end, "cap_next": self.cap,
             "t_wait_train_s": self.t_wait_train, "t_wait_remote_s": obs.t_wait_remote_s,
             "t_train_s": self.t_train, "t_remote_s": t_remote, "n_remote": n_remote,
@@ -493,7 +560,7 @@ class Simulation:
                                                       "tokens_regenerated", "seeds", "seed_tokens",
                                                       "moves_queued", "moves_running", "fallbacks")},
         })
-        self.tokens_done += self.step_tokens
+        self.tokens_done += cur.tokens
         self.t_last_end = t
         if t >= self.duration_s or (self.max_steps is not None and self.step + 1 >= self.max_steps):
             self.finished = True
@@ -501,6 +568,16 @@ class Simulation:
         self._trim_to_cap(t)
         self._acquire_if_needed(t)
         self._start_step(t)
+
+    def _staleness(self, pool: StepPool) -> dict[str, float]:
+        """Generated tokens of ``pool`` (trained by the current version) by staleness: {"0": all} when k = 0."""
+        if not self.k:
+            return {"0": float(sum(r.target for r in pool.reqs))}
+        out: dict[str, float] = {}
+        for r in pool.reqs:
+            for v, n in (r.by_ver or {}).items():
+                out[str(self.version - v)] = out.get(str(self.version - v), 0.0) + n
+        return out
 
     # ------------------------------------------------------------------ dispatch and balancing
     def _routable(self) -> list[Engine]:
@@ -522,6 +599,7 @@ class Simulation:
         per = -(-n // E)
         for i, e in enumerate(engs):
             for r in reqs[i * per:(i + 1) * per]:
+                self._took(r)
                 e.take(r)
             e.admit(t)
             self.dirty.add(e)
@@ -542,6 +620,7 @@ class Simulation:
             if r.state == DONE:
                 continue
             e = engs[i]
+            self._took(r)
             e.take(r)
             e.admit(t)
             self.dirty.add(e)
@@ -551,7 +630,7 @@ class Simulation:
         if self.finished:
             return
         self.push(t + self.sys.balance_interval_s, TICK)
-        if self.n_done >= len(self.reqs):
+        if all(p.n_done >= len(p.reqs) for p in self.pools.values()):
             return
         engs = self._routable()
         bal = self.balancer
@@ -583,6 +662,8 @@ class Simulation:
             self.dirty.add(e)
             dst_of = {m.rid: m.dst for m in ms}
             for r in got:
+                self._left(r)
+                self._took(r)
                 d = by_id[dst_of[r.rid]]
                 if kind == "running":
                     r.migrations += 1

@@ -13,6 +13,9 @@
   ``rlboost_recompute`` (preempted responses restart from scratch; no running-request moves),
   ``rlboost_round_robin`` (round-robin dispatch, no Θ, no balancer), ``rlboost_no_cap`` (use every
   available instance).
+* bounded staleness (``rlboost_k1``, ``rlboost_k2``): RLBoost with ``max_staleness`` = 1 / 2 — the next steps'
+  prompts generate while a step trains (``on_new_version = "finish"``); every token trained is at most k versions
+  older than the version that trains it. Not on-policy: a choice the live system offers as ``rollout.max_staleness``.
 """
 from __future__ import annotations
 
@@ -31,7 +34,9 @@ ABLATIONS = {
     "rlboost_round_robin": SystemSpec("rlboost_round_robin", dispatch="round_robin", balancer=False),
     "rlboost_no_cap": SystemSpec("rlboost_no_cap", use_cap=False),
 }
+STALENESS = {f"rlboost_k{k}": SystemSpec(f"rlboost_k{k}", max_staleness=k) for k in (1, 2)}
 SYSTEMS: dict[str, SystemSpec] = {
     "colocated": COLOCATED, "verl_2x": VERL_2X, "disaggregated": DISAGGREGATED, "rlboost": RLBOOST, **ABLATIONS,
+    **STALENESS,
 }
-TRACE_SYSTEMS = ("rlboost", *ABLATIONS)
+TRACE_SYSTEMS = ("rlboost", *ABLATIONS, *STALENESS)
