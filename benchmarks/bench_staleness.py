@@ -6,7 +6,9 @@ Per row: training wall seconds and completion tokens trained per training second
 (every instance the manager counted: reserved and preemptible, busy + idle + pulling) and the instances' idle
 share — what bounded staleness is for: instances keep generating the next steps while the trainer trains; the
 staleness of the trained tokens (share made 0 / 1 / 2 versions before the trained one); the importance weights of
-the decoupled objective (mean weight, largest ratio, share past the cap) and |Δ logprob| engine vs trainer per
+the decoupled objective (mean weight, largest ratio, share past the cap); the staleness shares the simulator predicts
+for the same run (``sim/calibrate.py``: same trace window, config, measured decode and training rates; "finish" mode
+only) and |Δ logprob| engine vs trainer per
 staleness; quality — held-out reward before → after (sampled), KL to the reference, repetition rate, and the
 steps each variant needs to reach k = 0's final training reward (5-step mean; "—" when never).
 
@@ -37,6 +39,20 @@ def variant(name: str) -> list[str]:
     if name.endswith("c"):
         sets.append("rollout.on_new_version='continue'")
     return sets
+
+
+def simulated_staleness(run_dir: Path) -> dict[int, float]:
+    """The simulator's staleness shares for the same run (``sim/calibrate.py``: its trace window, config, measured
+    decode and training rates; the simulator models ``on_new_version = "finish"``)."""
+    sys.path.insert(0, str(ROOT))
+    from rlboost_hpc.sim.calibrate import simulate_run
+
+    got: dict[int, float] = {}
+    for row in simulate_run(run_dir)["steps"]:
+        for j, n in row["staleness_tokens"].items():
+            got[int(j)] = got.get(int(j), 0.0) + n
+    tot = sum(got.values()) or 1.0
+    return {j: got.get(j, 0.0) / tot for j in range(3)}
 
 
 def run(out: Path, sets: list[str]) -> tuple[dict, list[dict]]:
@@ -77,17 +93,18 @@ def steps_to(rewards: list[float], target: float, window: int = 5) -> int | None
     return None
 
 
-HEADER = (f"{'k':>3} {'train s':>7} {'tok/s':>6} {'tok/inst-s':>10} {'idle':>5} {'stale 0/1/2 %':>14} "
+HEADER = (f"{'k':>3} {'train s':>7} {'tok/s':>6} {'tok/inst-s':>10} {'idle':>5} {'stale 0/1/2 %':>14} {'sim':>10} "
           f"{'w mean':>6} {'ρ max':>5} {'>cap %':>6} {'|Δ| s0/s1/s2':>20} {'reward before→after':>19} "
           f"{'KL ref':>6} {'rep':>5} {'steps to k0':>11}")
 
 
 def row(name: str, f: dict, target: float) -> str:
     st = "/".join(f"{100 * f['staleness'][j]:.0f}" for j in range(3))
+    sim = "—" if f["sim_staleness"] is None else "/".join(f"{100 * f['sim_staleness'][j]:.0f}" for j in range(3))
     diff = "/".join("—" if f["diff"][j] is None else f"{f['diff'][j]:.4f}" for j in range(3))
     reach = steps_to(f["rewards"], target)
     return (f"{name:>3} {f['train_s']:7.1f} {f['completion_tok_per_s']:6.0f} {f['tok_per_inst_s']:10.1f} "
-            f"{100 * f['idle_share']:4.0f}% {st:>14} {f['w_mean']:6.3f} {f['ratio_max']:5.2f} "
+            f"{100 * f['idle_share']:4.0f}% {st:>14} {sim:>10} {f['w_mean']:6.3f} {f['ratio_max']:5.2f} "
             f"{100 * f['capped']:6.2f} {diff:>20} {f['before']:8.3f} → {f['after']:5.3f}    {f['kl']:6.4f} "
             f"{f['rep']:5.3f} {'—' if reach is None else reach:>11}")
 
@@ -110,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in names:
             r, steps = run(tmp / f"r{rnd}-k{n}", common + variant(n))
             results[n].append(figures(r, steps))
+            results[n][-1]["sim_staleness"] = None if n.endswith("c") else simulated_staleness(tmp / f"r{rnd}-k{n}")
     ref = results.get("0") or results[names[0]]
     print(f"## demo, {a.steps} steps, seed {a.seed}, {a.rounds} round(s) interleaved ({time.monotonic() - t0:.0f} s)")
     print(HEADER)

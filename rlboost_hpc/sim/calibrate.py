@@ -124,9 +124,11 @@ def simulate_run(run_dir: str | Path, *, capacity: list[tuple[float, float]] | N
                  boot_s: float | None = None) -> dict[str, Any]:
     """Simulate ``run_dir``'s run (see the module docstring); ``capacity``: for a Slurm run, instances the run
     could hold over time (seconds since the run started, count), e.g. the scavenger's live + idle slots. Returns
-    ``{"steps": [{"step", "t_end_s", "step_s", "tokens", "cap_next", "t_seed_s", "n_remote"}...], "profile": {...}}``
+    ``{"steps": [{"step", "t_end_s", "step_s", "tokens", "cap_next", "t_seed_s", "n_remote", "staleness_tokens"}...],
+    "profile": {...}}``
     — ``cap_next`` is the simulator's N_prem after each step, ``step_s`` its wall seconds, ``tokens`` the tokens it
-    trained, ``n_remote`` the preemptible instances that served it.
+    trained, ``n_remote`` the preemptible instances that served it, ``staleness_tokens`` its generated tokens by
+    staleness (``rollout.max_staleness``: the simulator's "finish" mode).
 
     Raises:
         CalibrationError: config.json, metrics.jsonl or report.json missing, or no decode measurement.
@@ -162,12 +164,13 @@ def simulate_run(run_dir: str | Path, *, capacity: list[tuple[float, float]] | N
                         floor_s=pol["t_seed_floor_s"], adapt=pol["adaptive_seeding"], memory=pol["t_seed_memory"],
                         use_cap=pol["cap"], dispatch=pol["dispatch"],
                         theta=cfg["manager"]["pending_limit"], balancer=pol["balance"],
-                        balance_interval_s=pol["balance_every_s"])
+                        balance_interval_s=pol["balance_every_s"], max_staleness=r.get("max_staleness", 0))
     sim = Simulation(prof, system, _availability(cfg, capacity), duration_s=1e9, max_steps=len(steps),
                      seed=cfg["trainer"].get("seed", 0), model_name="live")
     res = sim.run()
     return {"steps": [{"step": row["step"], "t_end_s": row["t_end"], "step_s": row["step_s"], "tokens": row["tokens"],
-                       "cap_next": row["cap_next"], "t_seed_s": row["t_seed_s"], "n_remote": row["n_remote"]}
+                       "cap_next": row["cap_next"], "t_seed_s": row["t_seed_s"], "n_remote": row["n_remote"],
+                       "staleness_tokens": row["staleness_tokens"]}
                       for row in res.timeline],
             "profile": {"decode_a_s": perf.a, "decode_b_s": perf.b, "train_s_per_token": train_s_per_token,
                         "response_median": resp, "prompt_mean": prompt, "n_resv": n_resv, "boot_s": boot_s}}
