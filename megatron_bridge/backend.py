@@ -59,7 +59,7 @@ from megatron_bridge.arch import (ModelArch, arch_from_hf, build_gpt_model, chec
 from megatron_bridge.bridge import Piece, SafetensorsSource, assemble, hf_to_megatron, megatron_to_pieces
 from rlboost_hpc.trainer.algorithms.grpo import GRPOOptions, finish_stats, grpo_loss, merge_stats, stats_to_floats
 from rlboost_hpc.trainer.backends.base import (Sample, StepAccumulator, TrainerBackend, behaviour_tensor,
-                                              truncated_tensor)
+                                              staleness_tensor, truncated_tensor)
 from rlboost_hpc.trainer.backends.torch_backend import pack
 
 log = logging.getLogger("rlboost.megatron")
@@ -239,6 +239,10 @@ class MegatronBackend(TrainerBackend):
             mb["beh"] = torch.zeros(B, T, dtype=torch.float32)
             mb["beh"][:, :-1] = behaviour_tensor(samples, (B, T - 1))
             mb["trunc"] = truncated_tensor(samples)
+            stale = staleness_tensor(samples, (B, T - 1))
+            if stale is not None:  # bounded staleness: the mismatch per staleness
+                mb["stale"] = torch.zeros(B, T, dtype=torch.int64)
+                mb["stale"][:, :-1] = stale
         if extra:
             mb.update(extra)
         return mb
@@ -285,7 +289,7 @@ class MegatronBackend(TrainerBackend):
             return torch.zeros((), device=logits.device), torch.tensor(ntok, dtype=torch.int), {"logp": rows}
         old = logp.detach()
         loss_sum, st = grpo_loss(logp, old, mb["adv"], mask, self.objective, ref_logp=mb.get("ref"),
-                                 behaviour_logp=mb["beh"], truncated=mb["trunc"])
+                                 behaviour_logp=mb["beh"], truncated=mb["trunc"], staleness=mb.get("stale"))
         loss = loss_sum / mb["responses_in_step"]
         return loss, torch.tensor(ntok, dtype=torch.int), stats_to_floats(st)  # one device→host transfer
 

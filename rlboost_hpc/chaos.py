@@ -80,7 +80,8 @@ def chaos_main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-fraction", type=float, default=0.5, help="share of removals without warning")
     p.add_argument("--seed", type=int, default=0, help="seed of the trace and of the fault schedule")
     p.add_argument("--trainer-kills", type=int, default=0,
-                   help="SIGKILL the trainer or the manager this many times at random moments, resuming each time")
+                   help="SIGKILL the trainer or the manager this many times at random moments, resuming each time "
+                        "(only the trainer with --manager-kill-every-s, which kills the manager on its own)")
     p.add_argument("--kill-jitter-s", type=float, default=1.0,
                    help="a trainer/manager kill fires up to this many seconds (uniform) after the checkpoint it "
                         "waits for; kills are spread evenly over the run's checkpoints")
@@ -262,7 +263,8 @@ def run_with_restarts(config: str, out: Path, overrides: list[str], at_steps: li
                 sleep(poll_s / 2)
             if proc.poll() is not None:  # finished (or failed) before its kill: nothing left to crash
                 return proc.returncode
-            victim = rng.choice(["trainer", "manager"])
+            # (with periodic manager kills every kill of the schedule is the trainer's)
+            victim = "trainer" if manager_every_s > 0 else rng.choice(["trainer", "manager"])
             mgr = [r for r in read(RunDir(out).journal) if r.get("event") == "start"]
             if victim == "manager" and len(mgr) > starts and int(mgr[-1]["pid"]) not in killed_pids:
                 # the trainer restarts its manager, which continues the step from its work log: same incarnation

@@ -238,6 +238,8 @@ def parity(model: str, models_dir: Path, ckpt_root: Path, *, steps: int = 3, mb_
             g = torch.Generator().manual_seed(s)
             for smp, lp in zip(batch, ref.token_logprobs(batch)):
                 smp.behaviour_logprobs = (lp + 0.3 * torch.randn(lp.shape, generator=g)).tolist()
+                # bounded staleness: tokens of the trained version and of the one before (mismatch per staleness)
+                smp.staleness = torch.randint(0, 2, lp.shape, generator=g).tolist()
         row: dict[str, Any] = {"ref": [], "meg": []}
         ts = time.perf_counter()
         for part in (batch[:5], batch[5:]):
@@ -250,7 +252,9 @@ def parity(model: str, models_dir: Path, ckpt_root: Path, *, steps: int = 3, mb_
         row["grad_norm_rel"] = _rel(row["meg_step"]["grad_norm"], row["ref_step"]["grad_norm"])
         row["metrics_rel"] = max(_rel(a[k], b[k]) for a, b in zip(row["meg"] + [row["meg_step"]],
                                                                    row["ref"] + [row["ref_step"]])
-                                 for k in STEP_METRICS if k in b)
+                                 for k in (*STEP_METRICS, *(x for x in b if x.startswith("logprob_diff_staleness")))
+                                 if k in b)
+        row["staleness_metrics"] = sorted(x for x in row["meg_step"] if x.startswith("logprob_diff_staleness"))
         row["step_metrics_ok"] = set(STEP_METRICS) <= set(row["meg_step"]) and set(STEP_METRICS) <= set(row["ref_step"])
         row["tokens_ok"] = all(a["tokens"] == b["tokens"] for a, b in zip(row["meg"], row["ref"]))
         r["steps"].append(row)
@@ -283,7 +287,7 @@ def parity(model: str, models_dir: Path, ckpt_root: Path, *, steps: int = 3, mb_
 
 #: The loss and engine–trainer mismatch metrics both backends report, per micro-batch and per step.
 STEP_METRICS = ("clip_frac", "kl", "ratio_max", "logprob_diff", "logprob_diff_max", "mismatch_kl",
-                "mismatch_outside_clip_share", "mismatch_capped_share")
+                "mismatch_outside_clip_share", "mismatch_capped_share", "behaviour_weight_mean", "behaviour_ratio_max")
 
 
 def run_single(models_dir: Path, out: Path) -> dict[str, Any]:

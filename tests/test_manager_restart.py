@@ -517,3 +517,20 @@ def test_a_manager_whose_trainer_died_while_it_started_exits_quietly(capfd):
     proc.join(60)
     err = capfd.readouterr().err
     assert proc.exitcode == 0 and "Traceback" not in err and "BrokenPipeError" not in err, err[-2000:]
+
+
+def test_a_suspect_restored_from_the_log_that_returns_is_not_counted_as_lost_while_pulling(tmp_path):
+    """Regression (the long chaos run printed kills_during_weight_transfer = -8): a suspect rebuilt from the work log
+    was marked as silent while pulling, so its return was counted as a return from a silence while pulling that this
+    manager never counted — the difference went negative."""
+    core, clock, log = started(tmp_path)
+    clock.t = 10.0
+    feed(core, b"b", M.Heartbeat(version=0, active=0, tokens_generated=0))
+    core.tick()  # "a" is silent past the deadline: suspect (it held the version: not while pulling)
+    assert core.instances["a#0"].state == "suspect" and core.counters.suspected_while_pulling == 0
+    commit(core, log)
+    log.close()
+    new, clock, _ = restarted(tmp_path)
+    feed(new, b"a", M.Heartbeat(version=0, active=0, tokens_generated=0))
+    assert new.instances["a#0"].state != "suspect"
+    assert new.counters.recovered_while_pulling == 0 and new.stats().instances_lost_while_pulling == 0

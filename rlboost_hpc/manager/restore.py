@@ -88,7 +88,8 @@ def _apply(core, rec: W.Record, now: float) -> None:
         inst = core.instances.get(rec.key)
         if inst is not None:  # (construction, not a transition: the instance is being rebuilt as it was)
             inst.state, inst.suspect_since = (S.SUSPECT, now) if rec.suspect else (S.PULLING, 0.0)
-            inst.suspect_from = S.PULLING if rec.suspect else None
+            inst.suspect_from = S.READY if rec.suspect else None  # (its version decides where it returns to; a
+            # return is not counted as one from a silence while pulling, which this manager never saw)
             inst.restored = not rec.suspect  # its work was migrated when it went silent: nothing to resend
             core._note_activity(inst)
     elif isinstance(rec, W.Left):

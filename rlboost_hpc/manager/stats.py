@@ -75,8 +75,10 @@ def manager_stats(core) -> ManagerStats:
     return ManagerStats(
         **msgspec.structs.asdict(c),
         # went silent and have not come back (expired, or still suspect): lost without warning
-        instances_lost=c.instances_suspected - c.instances_recovered,
-        instances_lost_while_pulling=c.suspected_while_pulling - c.recovered_while_pulling,
+        # (≥ 0: a manager restarted from its work log has the counters of the last compaction, so a silence before
+        # the kill may be lost while the return after it is counted)
+        instances_lost=max(0, c.instances_suspected - c.instances_recovered),
+        instances_lost_while_pulling=max(0, c.suspected_while_pulling - c.recovered_while_pulling),
         instances={i.key: InstanceSnapshot(
             kind=i.kind, engine=i.engine, state=str(i.state), version=i.version, inflight=len(i.inflight),
             tokens_received=i.tokens_received, activity_s=dict(core.activity.by_instance_s.get(i.key, {})),
