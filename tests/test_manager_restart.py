@@ -11,6 +11,7 @@ from rlboost_hpc.manager import worklog as W
 from rlboost_hpc.manager.core import ManagerCore
 from rlboost_hpc.manager.restore import restore
 from rlboost_hpc.manager.settings import ManagerSettings
+from rlboost_hpc.manager.state import RequestState
 from rlboost_hpc.protocol import messages as M
 from test_manager_core import TRAINER, Clock, register, sent, submit, tokens
 
@@ -534,3 +535,22 @@ def test_a_suspect_restored_from_the_log_that_returns_is_not_counted_as_lost_whi
     feed(new, b"a", M.Heartbeat(version=0, active=0, tokens_generated=0))
     assert new.instances["a#0"].state != "suspect"
     assert new.counters.recovered_while_pulling == 0 and new.stats().instances_lost_while_pulling == 0
+
+
+def test_a_resumed_trainer_that_kept_the_restored_version_keeps_its_steps_in_flight_across_a_restart(tmp_path):
+    """Regression (chaos with max_staleness = 1): a resumed trainer confirmed the restored version (kept), then the
+    manager restarted; the replay saw its hello but not the confirmation, so its next, ordinary version change was
+    taken for a resumed trainer's other version and discarded every response in flight — the step submitted ahead
+    lost half its groups and the run hung at the step deadline."""
+    core, clock, log = started(tmp_path)
+    feed(core, b"trainer-2", M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
+    feed(core, b"trainer-2", M.SetVersion(version=0, checksum=77, cid=1))  # the checkpoint's version: kept
+    commit(core, log)
+    log.close()
+    new, _, log = restarted(tmp_path)
+    for rid in sorted(new.requests):  # the step finishes; the trainer changes the version as always
+        req = new.requests[rid]
+        req.move(RequestState.RUNNING, "replayed")
+        new._finish(req, "stop")
+    feed(new, b"trainer-2", M.SetVersion(version=1, checksum=78, cid=2))
+    assert new.counters.responses_discarded_stale == 0 and len(new.requests) == 4

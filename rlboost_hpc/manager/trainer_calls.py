@@ -108,6 +108,8 @@ class TrainerCalls:
         if not self._trainer_only(peer, "set-version"):
             return
         if msg.version == self.latest_version:  # a resent call (its reply was lost): already in force
+            if self._new_trainer:  # a resumed trainer confirms the restored version: journaled, so a restart
+                self.log_work(W.Version(msg.version, self.latest_checksum))  # does not discard its work later
             self._new_trainer = False
             self.send(peer, M.Ok(what="setver", cid=msg.cid))
             return
