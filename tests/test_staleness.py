@@ -273,3 +273,23 @@ def test_a_run_with_bounded_staleness_under_preemptions_loses_nothing_and_trains
     assert rep["max_staleness"] == k
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(max(map(int, ln["staleness_tokens"]), default=0) <= k for ln in lines)
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_bounded_staleness_survives_trainer_and_manager_kills_exactly_once(tmp_path):
+    """k = 1 with the trainer SIGKILLed (it resumes from its checkpoint: the data frontier before the oldest untrained
+    step, so the step submitted ahead is submitted again) and the manager SIGKILLed every few seconds (the work log
+    keeps both steps in flight through compaction): nothing lost, duplicated or trained outside the window."""
+    from rlboost_hpc.chaos import chaos_main
+
+    out = tmp_path / "run"
+    rc = chaos_main(["--out", str(out), "--steps", "14", "--seed", "3", "--trainer-kills", "3",
+                     "--manager-kill-every-s", "2.5", "--set", "rollout.max_staleness=1",
+                     "--set", "trainer.behaviour_correction=tis"])
+    assert rc == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0
+    assert rep["prompts_not_trained_exactly_once"] == 0 and rep["tokens_trained_off_version"] == 0
+    assert rep["resumes"] >= 1 and rep["manager_restarts"] >= 1
+    assert max(map(int, rep["tokens_by_staleness"])) <= 1
