@@ -16,8 +16,12 @@ On 2 CPU cores the trainer, the reserved engine and the preemptible workers shar
 that overlaps training also slows it: the gain a GPU cluster gets (disjoint devices) is masked here. That is why
 the tokens per instance-second and the idle share are printed beside the wall-clock rate.
 
-Run: ``.venv/bin/python benchmarks/bench_staleness.py [--steps 30] [--rounds 1] [--ks 0,1,1c,2]``
-(``1c``: k = 1 with ``rollout.on_new_version = continue``).
+Then the simulator at paper scale (``--sim-models``, default 8b; two-hour windows of spot segments A, B and C, pooled):
+RLBoost with k = 0, 1, 2 — throughput, tokens per dollar, tokens per instance-second (preemptible instance-seconds
+plus the reserved node's GPUs as instances) and the staleness shares.
+
+Run: ``.venv/bin/python benchmarks/bench_staleness.py [--steps 30] [--rounds 1] [--ks 0,1,1c,2] [--sim-models 8b]``
+(``1c``: k = 1 with ``rollout.on_new_version = continue``; ``--sim-models ''`` skips the simulator).
 """
 from __future__ import annotations
 
@@ -85,6 +89,40 @@ def figures(r: dict, steps: list[dict]) -> dict:
             "kl": r["kl_to_reference_nats_per_token"], "rep": r["repetition_rate_after"], "rewards": rewards}
 
 
+def simulated_rows(models: list[str], segments=("A", "B", "C"), duration_s: float = 7200.0) -> list[str]:
+    """RLBoost at k = 0, 1, 2 in the simulator at paper scale, pooled over ``segments``: one printed line each."""
+    sys.path.insert(0, str(ROOT))
+    from rlboost_hpc.sim.profiles import profile
+    from rlboost_hpc.sim.simulator import simulate
+    from rlboost_hpc.sim.systems import SYSTEMS
+    from rlboost_hpc.sim.workload import segment
+
+    lines = [f"{'model':>5} {'k':>2} {'tok/s':>7} {'× k=0':>6} {'tok/$':>8} {'× k=0':>6} {'tok/inst-s':>10} "
+             f"{'× k=0':>6} {'stale 0/1/2 %':>14} {'inst':>5}"]
+    for m in models:
+        base = None
+        for k in (0, 1, 2):
+            spec = SYSTEMS["rlboost" if k == 0 else f"rlboost_k{k}"]
+            p = profile(m)
+            runs = [simulate(p, spec, segment(g), duration_s=duration_s, seed=0, model_name=m) for g in segments]
+            tokens, wall = sum(r.tokens for r in runs), sum(r.wall_s for r in runs)
+            cost = sum(r.cost_usd for r in runs)
+            inst_s = sum(r.remote_instance_hours * 3600 + p.n_resv_equiv * r.wall_s for r in runs)
+            st: dict[int, float] = {}
+            for r in runs:
+                for row in r.timeline:
+                    for j, n in row["staleness_tokens"].items():
+                        st[int(j)] = st.get(int(j), 0.0) + n
+            tot = sum(st.values()) or 1.0
+            fig = (tokens / wall, tokens / cost, tokens / inst_s)
+            base = base or fig
+            lines.append(f"{m:>5} {k:>2} {fig[0]:7.0f} {fig[0] / base[0]:6.2f} {fig[1]:8.0f} {fig[1] / base[1]:6.2f} "
+                         f"{fig[2]:10.1f} {fig[2] / base[2]:6.2f} "
+                         f"{'/'.join(f'{100 * st.get(j, 0.0) / tot:.0f}' for j in range(3)):>14} "
+                         f"{sum(r.remote_instance_hours * 3600 for r in runs) / wall:5.1f}")
+    return lines
+
+
 def steps_to(rewards: list[float], target: float, window: int = 5) -> int | None:
     """The first step whose ``window``-step mean training reward reaches ``target`` (None: never)."""
     for i in range(window - 1, len(rewards)):
@@ -116,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30, help="RL steps of each run")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds (each runs every variant once)")
     ap.add_argument("--seed", type=int, default=0, help="trainer.seed and cluster.seed")
+    ap.add_argument("--sim-models", default="8b", help="comma-separated simulator profiles ('' skips)")
     a = ap.parse_args(argv)
     names = [k for k in a.ks.split(",") if k]
     tmp = Path(tempfile.mkdtemp(prefix="rlboost-staleness-"))
@@ -141,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     print("ratios to k = 0 (mean over rounds): " + ", ".join(
         f"k={n}: {sum(f['completion_tok_per_s'] for f in fs) / len(fs) / base:.2f}× tok/s, "
         f"{sum(f['tok_per_inst_s'] for f in fs) / len(fs) / base_i:.2f}× tok/inst-s" for n, fs in results.items()))
+    models = [m for m in a.sim_models.split(",") if m]
+    if models:
+        print("\n## the simulator at paper scale: RLBoost, 2 h windows of segments A, B, C pooled, seed 0")
+        print("\n".join(simulated_rows(models)))
     return 0
 
 
