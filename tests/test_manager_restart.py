@@ -554,3 +554,32 @@ def test_a_resumed_trainer_that_kept_the_restored_version_keeps_its_steps_in_fli
         new._finish(req, "stop")
     feed(new, b"trainer-2", M.SetVersion(version=1, checksum=78, cid=2))
     assert new.counters.responses_discarded_stale == 0 and len(new.requests) == 4
+
+
+def test_a_first_manager_killed_while_it_starts_is_started_again_within_the_budget():
+    """Regression (the long chaos run, step 77): a trainer resumed, and its first manager was SIGKILLed before it
+    reported its endpoint; the trainer died of the EOFError with a traceback. The first start now retries within the
+    restart budget and, past it, fails the run in one line (RunFailed, exit 1)."""
+    from rlboost_hpc.errors import RunFailed
+    from rlboost_hpc.manager.supervisor import ManagerSupervisor
+
+    class Proc:
+        def is_alive(self):
+            return True
+
+    calls = []
+
+    def spawn(fail: int):
+        def f(**kw):
+            calls.append(kw)
+            if len(calls) <= fail:
+                raise EOFError
+            return Proc(), "tcp://127.0.0.1:5555", "http://127.0.0.1:9100/metrics"
+        return f
+
+    sup = ManagerSupervisor(spawn(1), restore=True, restarts=3, window_s=600, bind="tcp://127.0.0.1:0")
+    assert len(calls) == 2 and calls[1]["restore"] is True and sup.bound == "tcp://127.0.0.1:5555"
+    calls.clear()
+    with pytest.raises(RunFailed, match="could not be started"):
+        ManagerSupervisor(spawn(10), restore=False, restarts=3, window_s=600, bind="tcp://127.0.0.1:0")
+    assert len(calls) == 4  # the first start and its 3 restarts

@@ -5,7 +5,7 @@ with their call ids and answered idempotently by the restarted manager — and r
 same address on their own (ZeroMQ), keeping their engines and weights.
 
 Invariant: at most ``restarts`` restarts within any ``window_s`` seconds — a new manager that dies while it
-starts counts as one and is started again; past that, :meth:`ManagerSupervisor.alive` says False and the trainer
+starts (the first one included) counts as one and is started again; past that, :meth:`ManagerSupervisor.alive` says False and the trainer
 fails the run (exit 1; a requeue resumes from the last checkpoint). A work log that is not the run's is bad input
 (raised: exit 2).
 """
@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Callable
 
-from rlboost_hpc.errors import BadInput
+from rlboost_hpc.errors import BadInput, RunFailed
 
 log = logging.getLogger("rlboost.run")
 
@@ -32,6 +32,10 @@ class ManagerSupervisor:
         bind: the first manager's bind address (``tcp://host:0``: a free port, kept by every restart).
         clock: monotonic seconds.
 
+    Raises:
+        RunFailed: the first manager could not be started within the restart budget (exit 1).
+        BadInput: its work log is not the run's (exit 2, naming the file).
+
     Attributes: ``proc`` (the current manager process), ``bound`` (its endpoint), ``metrics_url``, ``restarted``
     (restarts so far) and ``restart_s`` (seconds each restart took, death noticed → endpoint reported).
     """
@@ -39,13 +43,32 @@ class ManagerSupervisor:
     def __init__(self, spawn: Callable[..., tuple], *, restore: bool, restarts: int, window_s: float, bind: str,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._spawn, self.restarts, self.window_s, self.clock = spawn, restarts, window_s, clock
-        self.proc, self.bound, self.metrics_url = spawn(bind=bind, restore=restore, metrics_port=0)
-        self._metrics_port = int(self.metrics_url.rsplit(":", 1)[1].split("/")[0]) if self.metrics_url else 0
         self._times: list[float] = []
+        while True:  # the first manager too may die before it reports its endpoint (killed while it starts)
+            try:
+                self.proc, self.bound, self.metrics_url = spawn(bind=bind, restore=restore, metrics_port=0)
+                break
+            except BadInput:
+                raise
+            except Exception as e:  # noqa: BLE001 - it died before reporting its endpoint
+                if not self._may_restart():
+                    raise RunFailed(f"the rollout manager could not be started ({type(e).__name__}: {e}); "
+                                    f"{self.restarts} restarts within {self.window_s:.0f} s are spent") from None
+                log.warning("the manager died while it started (%s: %s); starting it again", type(e).__name__, e)
+        self._metrics_port = int(self.metrics_url.rsplit(":", 1)[1].split("/")[0]) if self.metrics_url else 0
         self._lock = threading.Lock()
         self.stopping = False
         self.restarted = 0
         self.restart_s: list[float] = []
+
+    def _may_restart(self) -> bool:
+        """One more restart fits the budget (``restarts`` within ``window_s``): it is counted, and True."""
+        now = self.clock()
+        self._times = [t for t in self._times if now - t < self.window_s]
+        if len(self._times) >= self.restarts:
+            return False
+        self._times.append(now)
+        return True
 
     def alive(self) -> bool:
         """True while a manager runs — after restarting a dead one when the budget allows (blocking for the
@@ -57,13 +80,10 @@ class ManagerSupervisor:
                 return False
             code, t0 = self.proc.exitcode, time.monotonic()
             while True:  # a new manager killed while it starts is started again, within the same budget
-                now = self.clock()
-                self._times = [t for t in self._times if now - t < self.window_s]
-                if len(self._times) >= self.restarts:
+                if not self._may_restart():
                     log.error("the manager process died (exit code %s) and %d restarts within %.0f s are spent",
                               code, len(self._times), self.window_s)
                     return False
-                self._times.append(now)
                 try:
                     self.proc, _, _ = self._spawn(bind=self.bound, restore=True, metrics_port=self._metrics_port)
                     break
