@@ -1,4 +1,4 @@
-"""This project beside the peer a user would pick instead: TRL's ``GRPOTrainer`` (``pip install trl==1.16.0``) on the
+"""This project beside the peer a user would pick instead: TRL's ``GRPOTrainer`` (``pip install '.[trl]'``: 1.16.0) on the
 same model, task and step shape — the demo: stories260K, 8 prompts × group 8, 48 new tokens, lr 3e-5 constant,
 β = 0, GRPO's per-sequence token mean (TRL ``loss_type = "grpo"``), temperature 1 — interleaved in one invocation.
 
