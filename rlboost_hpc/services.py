@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import socket
 import threading
 from typing import Any, Callable
@@ -240,8 +241,11 @@ class RunServices:
             engine = factory_from_spec(engine_spec(r, self.context_tokens), r.max_batch, instance_id="reserved")
         else:
             engine = torch_engine_factory(r.max_batch, r.device, r.dtype, self.context_tokens)
+        # it never gives up on a silent manager: this process restarts its manager (or ends the run), so a manager
+        # down through several restarts in a row must not cost the run its reserved engine
         reserved = RolloutAgent(self.endpoint, "reserved", 0, kind="reserved", max_batch=r.max_batch,
-                                weights=self.publisher, keys=self.keys, engine_factory=engine)
+                                weights=self.publisher, keys=self.keys, engine_factory=engine,
+                                manager_timeout_s=math.inf)
         thread = threading.Thread(target=reserved.run, name="reserved-engine", daemon=True)
         thread.start()
 

@@ -254,3 +254,46 @@ def test_a_request_the_engine_drops_is_handed_back_and_a_broken_engine_ends_the_
             if rid == "r1":
                 assert i < failed[0]  # r1's tokens before its RequestFailed
     assert got == {"r1": [5, 6], "r2": [7, 8]}  # every token produced reached the manager
+
+
+class _GenEngine(_HoldingEngine):
+    """Records the requests it is given; ``make`` tokens appear for each at the next abort (like the SGLang engine)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.added: list = []
+
+    def add(self, req):
+        self.added.append(req)
+        self.held[req.rid] = []
+
+
+def test_continue_mode_loads_a_new_version_between_iterations_and_resumes_each_response_from_its_tokens():
+    """Issue 34, ``on_new_version = "continue"``: a pull of version 1 finishes while a response runs; the agent sends
+    its tokens stamped with version 0, loads version 1 and re-adds the response from prompt + every token so far
+    with the budget they used up taken off. In ``finish`` mode it waits for the engine to be idle."""
+    for mode in ("finish", "continue"):
+        a = _agent(weights=_Weights(lambda v, peers: PulledVersion({}, checksum=5, nbytes=1)))
+        a.engine = eng = _GenEngine()
+        a._handle(M.Welcome(instance="job#0", latest_version=0, weights_endpoint="tcp://w", model_config={},
+                            heartbeat_s=1.0, stream_every_tokens=4, stream_every_s=0.05, on_new_version=mode))
+        a.engine_epoch = 0
+        a._handle(M.Assign(works=[M.Work(rid="g/0", prompt_ids=[1, 2], prefix_ids=[9], tokens_left=10,
+                                         temperature=1.0, top_p=1.0, seed=3, stop_ids=[2], version=0)]))
+        eng.held["g/0"] = [7, 8]  # generated under version 0, not sent yet
+        a._handle(M.NewVersion(version=1))
+        deadline = time.monotonic() + 5
+        while a._pull is None or not a._pull.done():
+            a._weights_step()
+            time.sleep(0.01)
+            assert time.monotonic() < deadline
+        a._weights_step()
+        if mode == "finish":
+            assert eng.version == 0 and len(eng.added) == 1  # waits for the engine to be idle
+            continue
+        tok = next(m for m in a.link.msgs if isinstance(m, M.Tokens))
+        assert tok.versions == [0] and tok.offsets == [1] and M.unpack_i32(tok.ids).tolist() == [7, 8]
+        assert eng.version == 1 and len(eng.added) == 2
+        again = eng.added[1]
+        assert again.prompt_ids == [1, 2] and again.prefix_ids == [9, 7, 8] and again.max_new_tokens == 8
+        assert a._pos["g/0"] == 3
