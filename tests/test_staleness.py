@@ -80,14 +80,21 @@ def test_the_version_changes_while_responses_of_its_window_run_but_not_past_it()
     assert isinstance(err, M.Error) and "max_staleness = 1" in err.error
 
 
-def test_tokens_of_the_window_are_accepted_and_older_ones_fence():
-    core, _ = make(k=1, on_new_version="continue")
+def step0_done_and_version_1(mode: str):
+    """k = 1: one instance holding version 0 ran step 0 (done) while step 1 (trained by version 1) waits; the trainer
+    has made version 1 current."""
+    core, _ = make(k=1, on_new_version=mode)
     register(core, b"a", "a")
     submit(core, step=0, n=1, version=0)
     submit(core, step=1, n=1, version=1)
     core.tick()
     feed(core, b"a", tokens("s0g0/0", 0, [4, 1], finish=M.FINISH_STOP))
     feed(core, TRAINER, M.SetVersion(version=1))
+    return core
+
+
+def test_tokens_of_the_window_are_accepted_and_older_ones_fence():
+    core = step0_done_and_version_1("continue")
     feed(core, b"a", tokens("s1g0/0", 0, [4, 4], version=0))  # made before the instance loaded version 1
     loaded(core, b"a", 1)
     feed(core, b"a", tokens("s1g0/0", 2, [4], version=1))  # the same response, continued under version 1
@@ -102,13 +109,7 @@ def test_tokens_of_the_window_are_accepted_and_older_ones_fence():
 
 def test_finish_mode_routes_new_work_only_to_the_latest_and_continue_to_the_window():
     for mode, routable in (("finish", False), ("continue", True)):
-        core, _ = make(k=1, on_new_version=mode)
-        register(core, b"a", "a")
-        submit(core, step=0, n=1, version=0)
-        submit(core, step=1, n=1, version=1)
-        core.tick()
-        feed(core, b"a", tokens("s0g0/0", 0, [4, 1], finish=M.FINISH_STOP))
-        feed(core, TRAINER, M.SetVersion(version=1))
+        core = step0_done_and_version_1(mode)
         assert core.routable(core.instances["a#0"]) is routable, mode
 
 
