@@ -375,7 +375,9 @@ class RolloutAgent:
         """``on_new_version = "continue"``: stop every running response between two decode iterations, send what it
         generated (stamped with the version that produced it), and return each one as the request that continues it
         from there — its prefix grown by every token generated on this instance, its budget shrunk by them — to be
-        added again once the new weights are loaded (a re-prefill under them). A failed load hands them back."""
+        added again once the new weights are loaded (a re-prefill under them); a failed load re-adds them under the
+        weights the engine kept. (Each is rebuilt from its assignment and every token sent since, so a second
+        interruption is exact too.)"""
         live = list(self._pos)
         self._on_events(self.engine.abort_many(live).values())
         self._flush()
