@@ -282,13 +282,8 @@ def run_manager_process(bind: str, settings: ManagerSettings, conn, keys_dir: st
     # Ctrl-C on a terminal reaches the whole foreground process group: the trainer that started us handles it
     # (it stops us), so the manager never dies of it half-way or prints a KeyboardInterrupt of its own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        conn.send(("ok", (svc.endpoint, metrics_url)))
-    except (BrokenPipeError, EOFError):  # the trainer died while we started: nobody to serve (no traceback)
-        log.error("the trainer that started this manager is gone; manager exits")
-        svc.close()
+    if not _report_endpoint(conn, svc, metrics_url):
         return
-    conn.close()
     parent = os.getppid()
 
     def watch_parent() -> None:  # never outlive the trainer that started us (no orphaned manager)
@@ -305,6 +300,19 @@ def run_manager_process(bind: str, settings: ManagerSettings, conn, keys_dir: st
         svc.close()
         if journal is not None:
             journal.close()
+
+
+def _report_endpoint(conn, svc: ManagerService, metrics_url: str) -> bool:
+    """Tell the trainer that started this manager where it serves; False (the service closed, one log line, no
+    traceback) when that trainer died while the manager started."""
+    try:
+        conn.send(("ok", (svc.endpoint, metrics_url)))
+    except (BrokenPipeError, EOFError):
+        log.error("the trainer that started this manager is gone; manager exits")
+        svc.close()
+        return False
+    conn.close()
+    return True
 
 
 def spawn_manager(settings: ManagerSettings | None = None, bind: str = "tcp://127.0.0.1:0", timeout_s: float = 60.0,

@@ -22,16 +22,11 @@ One RL step:
 5. After the step the controller turns the observed waits/times into the next ``T_seed`` and ``N_prem``; the
    pool is trimmed or grown to ``min(N_prem, available)``.
 
-Bounded staleness (``SystemSpec.max_staleness`` = k ≥ 1; the live ``rollout.max_staleness`` with
-``on_new_version = "finish"``): the prompts of steps s+1 … s+k are admitted (queued behind step s's) when step s
-starts, so the pool keeps generating while the trainer trains; a response runs to its end under the version it was
-dispatched with (an instance pulling the next version finishes what it runs; new work goes only to holders of the
-latest), and the trainer takes a step's groups when the step becomes current. Each token's staleness (the version
-that trains it minus the version that made it, ≤ k) is counted per step. What the paper's model assumes and this
-changes: the seeding window and N_prem are decided per step from the step's own waits, as before — with overlap the
-trainer waits less (the next step's groups are partly done at its start), so the controller shrinks T_seed and asks
-for fewer instances. Approximations: a pull completes while old responses still run (the live agent loads once
-idle), and a response retracted by a full KV cache resumes on the same engine, credited to its dispatch version.
+Bounded staleness (``SystemSpec.max_staleness`` = k ≥ 1; live: ``rollout.max_staleness``, ``on_new_version =
+"finish"``): steps s+1 … s+k are queued behind step s's when it starts, so the pool generates while the trainer
+trains; a response ends under the version it was dispatched with; the trainer takes a step's groups when the step
+is current; each token's staleness (≤ k) is counted per step. T_seed and N_prem are still decided from the step's
+own waits, which overlap shrinks (docs/simulator.md §4: where the cap then under-provisions, and the approximations).
 
 Deterministic: the event heap is ordered by ``(time, sequence number)``, all iteration orders are fixed, and
 step ``s`` draws its lengths from ``default_rng([seed, s])``.
