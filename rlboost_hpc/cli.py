@@ -31,6 +31,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except RunFailed as e:
         raise RunFailed(f"rollout failed unrecoverably: {e} (see {rd.report})") from None
     print_summary(report)
+    for why in report.get("quality_gate_failures", []):  # the run finished; its policy may have collapsed
+        print(f"quality gate failed: {why}", file=sys.stderr)
     print(f"report: {rd.report}  metrics: {rd.metrics}  plot: {rd.plot}  logs: {rd.logs}/")
     return 0
 

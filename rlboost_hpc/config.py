@@ -337,6 +337,11 @@ class TrainerCfg(_Strict):
         "importance correction of the engine–trainer mismatch with the engine's behaviour logprobs: tis = weight "
         "each token's loss by min(π_trainer/π_engine, behaviour_cap) (truncated IS, verl PR #2953); mis = drop the "
         "units whose ratio exceeds the cap (masked IS); none = measure only"))
+    gate_max_kl: float = Field(D.GATE_MAX_KL_NATS_PER_TOKEN, gt=0, description=(
+        "quality gate: the largest KL to the reference policy (nats/token, held-out samples of the final policy) a "
+        "run passes with; report.json quality_gate_passed / quality_gate_failures"))
+    gate_max_repetition: float = Field(D.GATE_MAX_REPETITION, gt=0, le=1, description=(
+        "quality gate: the largest share of repeated 3-grams in the final policy's held-out samples"))
     behaviour_cap: float = Field(D.BEHAVIOUR_CAP, gt=0, description=(
         "C: the cap of the importance ratio π_trainer/π_engine (verl rollout_is_threshold)"))
     behaviour_level: Literal["token", "sequence"] = Field(D.BEHAVIOUR_LEVEL, description=(
@@ -365,6 +370,10 @@ class TrainerCfg(_Strict):
     resume: Literal["auto", "require", "never"] = Field("auto", description=(
         "auto: resume from <out>/checkpoints/latest when there is one (a Slurm requeue of the trainer job); "
         "require: fail unless there is one; never: start from step 0 (overwriting)"))
+
+    def gate_bounds(self) -> tuple[float, float]:
+        """The quality gate's bounds: (KL to the reference, nats/token; share of repeated 3-grams)."""
+        return self.gate_max_kl, self.gate_max_repetition
 
 
 class FaultsCfg(_Strict):

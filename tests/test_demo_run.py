@@ -82,6 +82,7 @@ def test_default_demo_meets_the_report_contract(repo_root, tmp_path):
     # quality gate: a reward-hacked policy (the "…" or ",,,," collapse at too high a learning rate) repeats
     # itself (3-gram repetition ≈ 0.6) and drifts 7–8 nats/token from the reference; a healthy run: ≈ 0.01, ≈ 0.2
     assert rep["repetition_rate_after"] < 0.2 and 0 <= rep["kl_to_reference_nats_per_token"] < 1.0, why
+    assert rep["quality_gate_passed"] and rep["quality_gate_failures"] == [], why
     assert rep["model"]["architecture"] == "LlamaForCausalLM" and (tmp_path / "demo/model/config.json").is_file()
     # one definition of each counter (regression, issue 13: warned-while-starting workers were "lost without
     # warning", and `stats` printed 0 jobs): the cluster's preemptions = the manager's warned deregistrations =

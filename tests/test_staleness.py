@@ -15,6 +15,7 @@ from rlboost_hpc.manager import worklog as W
 from rlboost_hpc.manager.core import ManagerCore
 from rlboost_hpc.manager.restore import restore
 from rlboost_hpc.manager.settings import ManagerSettings
+from rlboost_hpc.observe.run_report import quality_gate
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.trainer.algorithms.grpo import GRPOOptions, finish_stats, grpo_loss, stats_to_floats
 from test_manager_core import TRAINER, Clock, register, sent, submit, tokens
@@ -177,6 +178,36 @@ def test_a_second_compaction_keeps_a_step_still_in_flight(tmp_path):
     assert new.requests["s2g0/0"].state == "done"
 
 
+def test_a_reserved_engine_takes_only_the_step_trained_or_seeded_never_one_ahead(tmp_path):
+    """The reserved engine shares the trainer's devices: outside seeding it serves only the step being trained (its
+    co-located fallback), while seeding only the step seeded; a step submitted ahead waits for a preemptible
+    instance (before the fix it generated step s+1 while the trainer trained step s). Kept across a restart."""
+    core, _ = make(k=1, worklog=True)
+    log = W.WorkLog(tmp_path / "work.log", "run", 1, keep=False)
+    register(core, b"r", "resv", kind="reserved")
+    submit(core, step=0, n=4, version=0)
+    submit(core, step=1, n=2, version=1)
+    core.tick()
+    assert {q.step for q in core.requests.values() if q.state == "running"} == {0}  # Θ = 4: step 0 only
+    feed(core, TRAINER, M.CloseSeeding(step=0))  # no preemptible instance: the co-located fallback
+    finish_all(core, 0)
+    core.tick()
+    assert {r: q.state for r, q in core.requests.items() if q.step == 1} == {"s1g0/0": "queued", "s1g0/1": "queued"}
+    feed(core, TRAINER, M.AckGroup(gid="s0g0"))
+    feed(core, TRAINER, M.SetVersion(version=1))
+    loaded(core, b"r", 1)
+    submit(core, step=2, n=2, version=2)  # seeding step 1: its work goes to the reserved engine, step 2's does not
+    commit(core, log)
+    core.tick()
+    assert {q.step for q in core.requests.values() if q.state == "running"} == {1}
+    new = ManagerCore(clock=Clock(), epoch=2, settings=core.settings)
+    restore(new, W.WorkLog(tmp_path / "work.log", "run", 2, keep=True).restored, 0.0)
+    assert (new.train_step, new.seeding_open) == (0, True)
+    register(core, b"a", "a", version=1)  # a preemptible instance takes the step ahead
+    core.tick()
+    assert core.requests["s2g0/0"].state == "running" and core.requests["s2g0/0"].instance.startswith("a")
+
+
 def _response(versions: list[int], obs_runs: list[int] | None = None) -> M.Response:
     n = len(versions)
     runs: list[int] = []
@@ -244,6 +275,8 @@ def test_the_decoupled_objective_reports_weights_ratio_and_mismatch_per_stalenes
     (["rollout.max_staleness=1", "trainer.behaviour_correction=tis", "trainer.behaviour_cap=0"],
      "trainer.behaviour_cap"),
     (["rollout.max_staleness=1", "trainer.behaviour_correction=tis", "rollout.engine=emulated"], "rollout.engine"),
+    (["trainer.gate_max_kl=0"], "trainer.gate_max_kl"),
+    (["trainer.gate_max_repetition=1.5"], "trainer.gate_max_repetition"),
 ])
 def test_bad_staleness_settings_exit_2_naming_the_key(repo_root, tmp_path, sets, key):
     args = [sys.executable, "-m", "rlboost_hpc.cli", "run", "--config", str(repo_root / "configs/local.toml"),
@@ -294,3 +327,27 @@ def test_bounded_staleness_survives_trainer_and_manager_kills_exactly_once(tmp_p
     assert rep["prompts_not_trained_exactly_once"] == 0 and rep["tokens_trained_off_version"] == 0
     assert rep["resumes"] >= 1 and rep["manager_restarts"] >= 1
     assert max(map(int, rep["tokens_by_staleness"])) <= 1
+
+
+def test_the_quality_gate_names_what_failed_and_a_nan_fails():
+    assert quality_gate(0.04, 0.005, 1.0, 0.2) == []
+    failed = quality_gate(4.6, 0.89, 1.0, 0.2)
+    assert len(failed) == 2 and "trainer.gate_max_kl" in failed[0] and "trainer.gate_max_repetition" in failed[1]
+    assert quality_gate(float("nan"), 0.0, 1.0, 0.2)  # an undefined KL never passes
+
+
+@pytest.mark.slow
+def test_a_collapse_of_a_stale_run_is_caught_by_the_quality_gate(repo_root, tmp_path):
+    """k = 8 with 4 preemptible workers (tokens up to 5 versions old) at lr 1e-3 (33x the demo's): the policy
+    reward-hacks (held-out reward 1.0, repeated 3-grams ~0.9, KL ~4.6 nats/token). The report and the run's stderr
+    say the gate failed; the run itself completed (exit 0: its artifacts are kept for inspection)."""
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "rlboost_hpc.cli", "run", "--config", str(repo_root / "configs/local.toml"),
+                        "--out", str(out), "--no-progress", "--set", "rollout.max_staleness=8", "--set",
+                        "trainer.behaviour_correction=tis", "--set", "trainer.lr=1e-3", "--set", "trainer.steps=30",
+                        "--set", "cluster.max_workers=4"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rep = json.loads((out / "report.json").read_text())
+    assert max(int(j) for j in rep["tokens_by_staleness"]) >= 2, rep["tokens_by_staleness"]
+    assert rep["quality_gate_passed"] is False and rep["quality_gate_failures"], rep["quality_gate_failures"]
+    assert "quality gate failed" in p.stderr

@@ -1,11 +1,21 @@
 """Dispatch of the rollout manager: queued responses to routable instances (its invariant 4), join-shortest-queue
 below Θ (``policy.dispatch``), each response only to an instance holding a version of its window, the balancer's
-choice first."""
+choice first; a reserved engine only the step the trainer trains or seeds."""
 from __future__ import annotations
 
 from rlboost_hpc.manager.state import RequestState as R, StepWork
 from rlboost_hpc.policy.dispatch import choose_instance
 from rlboost_hpc.protocol import messages as M
+
+
+def ahead_of_training(core, req) -> bool:
+    """Whether ``req`` belongs to a step submitted ahead (bounded staleness) of the one the trainer trains, or seeds
+    while the seeding window is open: such work never goes to a reserved engine, which shares the trainer's devices
+    (so it never generates while the trainer trains another step; its co-located fallback still serves the trained
+    step, so no step waits on it). False when the trained step is unknown (-1: before the first close of seeding)."""
+    if not core.max_staleness or core.train_step < 0:
+        return False
+    return req.step > core.train_step + int(core.seeding_open)
 
 
 def dispatch(core) -> None:
@@ -34,8 +44,10 @@ def dispatch(core) -> None:
         req = core.requests.get(rid)
         if req is None or req.state != R.QUEUED:
             continue
-        # not back where a Release is still pending; holding a version of its window
-        ok = [i for i in free if rid not in i.releasing and i.version >= req.version]
+        # not back where a Release is still pending; holding a version of its window; no step ahead on a reserved
+        ahead = ahead_of_training(core, req)
+        ok = [i for i in free if rid not in i.releasing and i.version >= req.version
+              and not (ahead and i.kind == "reserved")]
         if not ok:
             deferred.append(rid)
             continue

@@ -17,7 +17,9 @@ Invariants (each has a test in tests/test_manager_core.py):
 4. Routable ⇔ state ready ∧ version == latest (``on_new_version = "continue"``: ≥ latest − k, and a request goes
    only to an instance holding a version in its window) ∧ not draining ∧ (preemptible, or reserved while seeding is
    open or no preemptible instance is routable — the co-located fallback, which the first preemptible instance
-   ready ends: the reserved engines release their unfinished responses to the remote pool).
+   ready ends: the reserved engines release their unfinished responses to the remote pool). The reserved engines
+   share the trainer's devices: they take only work of the step the trainer trains (or seeds), never of a step
+   submitted ahead (bounded staleness), so they never generate while the trainer trains another step.
 7. Busy is not dead, dead is not alive (:class:`InstanceState`, one transition function): an instance silent past
    ``heartbeat_timeout_s`` (instances heartbeat from a thread that does nothing else, so weight loads and engine
    steps of any length never silence them) becomes SUSPECT at once — out of routing, its unfinished responses
@@ -161,7 +163,7 @@ class ManagerCore(TrainerCalls):
         self.latest_checksum = 0  # whole-version checksum of latest_version's manifest (0: not given)
         # who serves the latest version to whom (policy/relay.py); reserved instances pull in-process, never relay
         self.relay = RelayTree(fanout=s.relay_fanout, trainer_fanout=s.relay_trainer_fanout)
-        self.step, self.seeding_open, self.failed_step = -1, False, None  # failed_step: why the step failed
+        self.step, self.seeding_open, self.failed_step, self.train_step = -1, False, None, -1  # failed_step: why it failed
         self.counters = ManagerCounters()  # every counter is a field: a misspelt one fails where it is used
         self.migrations_by_turn: dict[str, int] = {}  # partial responses migrated, by the turn they were in
         self.responses_truncated_by_cause: dict[str, int] = {}  # finished responses cut by a budget (M.TRUNCATION_CAUSES)

@@ -113,6 +113,8 @@ def _apply(core, rec: W.Record, now: float) -> None:
         core.latest_version, core.latest_checksum = rec.version, rec.checksum
     elif isinstance(rec, W.Seeding):
         core.seeding_open = rec.open
+        if not rec.open:
+            core.train_step = rec.step
     elif isinstance(rec, W.Counters):
         core.counters = rec.counters
 

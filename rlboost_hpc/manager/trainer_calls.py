@@ -64,6 +64,7 @@ class TrainerCalls:
     max_staleness: int
     step: int
     seeding_open: bool
+    train_step: int
     failed_step: str | None
     policy_decision: M.PolicyState | None
     step_remote: dict[str, StepWork]
@@ -190,7 +191,8 @@ class TrainerCalls:
                                *(r for i in self.instances.values() if i.state != S.GONE for r in (
                                    W.Joined(i.key, i.peer, i.kind, i.max_batch, i.engine, i.relay_endpoint),
                                    *((W.Silent(i.key, True),) if i.state == S.SUSPECT else ()))),
-                               W.Counters(self.counters), *self._steps_in_flight(msg.step),
+                               W.Counters(self.counters), W.Seeding(False, self.train_step),
+                               *self._steps_in_flight(msg.step),
                                W.Submit(msg.step, msg.version, list(msg.groups))]
             if self.max_staleness:
                 self.since_compact.append(self.worklog[-1])
@@ -238,8 +240,8 @@ class TrainerCalls:
     def _on_CloseSeeding(self, peer: bytes, inst: Instance | None, msg: M.CloseSeeding) -> None:
         if not self._trainer_only(peer, "close-seeding"):
             return
-        self.seeding_open = False
-        self.log_work(W.Seeding(False))
+        self.seeding_open, self.train_step = False, msg.step
+        self.log_work(W.Seeding(False, msg.step))
         remote = any(i.kind == "preemptible" and self.routable(i) for i in self.instances.values())
         released = self.release_reserved() if remote else 0
         if not remote:  # the reserved engine keeps generating until remote capacity appears (end_fallback)

@@ -78,9 +78,10 @@ class Submit(_Rec, tag="submit"):
 
 
 class Seeding(_Rec, tag="seeding"):
-    """The seeding window opened or closed."""
+    """The seeding window opened or closed; a close names the step the trainer trains from then on (-1: unknown)."""
 
     open: bool
+    step: int = -1
 
 
 class Joined(_Rec, tag="joined"):

@@ -48,7 +48,7 @@ SUMMARY_KEYS = [
     ("steps", "RL steps"), ("reward_heldout_before", "held-out reward before"),
     ("reward_heldout_after", "held-out reward after"), ("kl_to_reference_nats_per_token", "KL to the reference (nats/token)"),
     ("repetition_rate_before", "repeated 3-grams before"), ("repetition_rate_after", "repeated 3-grams after"),
-    ("responses_trained", "responses trained"), ("responses_lost", "responses lost"),
+    ("quality_gate_passed", "quality gate passed (KL, repeated 3-grams)"), ("responses_trained", "responses trained"), ("responses_lost", "responses lost"),
     ("responses_duplicated", "responses duplicated"), ("preemptions", "preemptions (warned + killed)"),
     ("kills_without_warning", "  of which without warning"), ("responses_migrated", "responses migrated"),
     ("tokens_migrated", "tokens carried over by migration (seeds + preempted work)"),

@@ -6,7 +6,10 @@ Schema (:class:`RunReport`; every key below is always present except the multi-t
 - outcome: ``steps`` (step records written), ``resumes`` (times the run was resumed), ``resumed_from_step``
   (``null``: started fresh), held-out reward before/after training (``reward_heldout_*``: sampled; ``_greedy_``:
   greedy decoding), ``repetition_rate_before/after`` (repeated 3-grams), ``kl_to_reference_nats_per_token``
-  (KL to the initial policy per token, with the estimator and bounds of ``trainer.kl_estimator``), ``objective``
+  (KL to the initial policy per token, with the estimator and bounds of ``trainer.kl_estimator``),
+  ``quality_gate_passed`` and ``quality_gate_failures`` (:func:`quality_gate`: KL below ``trainer.gate_max_kl`` and
+  repeated 3-grams below ``trainer.gate_max_repetition``; one line per failure; ``null`` without a held-out
+  evaluation: an emulated run), ``objective``
   (the GRPO options trained with: ``trainer.loss_aggregation``, ``advantage_std_norm``, ``clip_eps``,
   ``clip_eps_high``, ``kl_coef``, ``kl_estimator``, ``behaviour_correction``, ``behaviour_cap``,
   ``behaviour_level``, ``mask_truncated``), ``model_out`` (the exported model directory, or ``null``),
@@ -57,6 +60,8 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
+from rlboost_hpc import defaults as D
 
 from rlboost_hpc.observe.timeline import summarize
 from rlboost_hpc.protocol.stats import ManagerStats
@@ -123,6 +128,8 @@ class RunReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     repetition_rate_before: float
     repetition_rate_after: float
     kl_to_reference_nats_per_token: float
+    quality_gate_passed: bool | None
+    quality_gate_failures: list[str]
     objective: dict[str, Any]
     model_out: str | None
     model: dict[str, Any]
@@ -246,13 +253,40 @@ def mismatch_summary(steps: list[dict]) -> dict[str, float]:
     return out
 
 
+def quality_gate(kl: float, repetition: float, max_kl: float, max_repetition: float) -> list[str]:
+    """The quality gate of a finished run: what it failed, one line each (``[]``: passed). The final policy's KL to
+    the reference (nats/token) must be below ``max_kl`` and its held-out samples' share of repeated 3-grams below
+    ``max_repetition``; a NaN fails. A reward-hacked, collapsed policy (too high a learning rate, or data too
+    stale for its correction) fails it while its reward still looks perfect."""
+    out = []
+    if not kl < max_kl:
+        out.append(f"KL to the reference {kl:.3f} nats/token >= trainer.gate_max_kl = {max_kl:g}")
+    if not repetition < max_repetition:
+        out.append(f"repeated 3-grams {repetition:.3f} >= trainer.gate_max_repetition = {max_repetition:g}")
+    return out
+
+
+def _multi_turn_summary(steps: list[dict], stats: ManagerStats, train_wall_s: float) -> dict[str, Any]:
+    """The multi-turn keys of the report (``task.max_turns > 1``)."""
+    turns = [m["turns_mean"] for m in steps if "turns_mean" in m]
+    return dict(
+        turns_per_trajectory_mean=sum(turns) / len(turns) if turns else 0.0,
+        environment_calls=stats.environment_calls, environment_errors=stats.environment_errors,
+        environment_timeouts=stats.environment_timeouts, environment_seconds=stats.environment_seconds,
+        tool_time_share=stats.environment_seconds / train_wall_s if train_wall_s > 0 else 0.0,
+        observation_tokens=stats.observation_tokens, migrations_by_turn=stats.migrations_by_turn,
+        tokens_in_interrupted_turns=stats.tokens_in_interrupted_turns,
+        assistant_tokens_in_interrupted_trajectories=stats.assistant_tokens_in_interrupted_trajectories)
+
+
 def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, totals: Any,
                  before: dict, after: dict, kl: float, objective: dict[str, Any], model: dict[str, Any],
                  model_out: str | None,
                  publishes: list[dict], served: dict, rewards_timed_out: int, reward_workers_replaced: int,
                  n_resv: float, n_resv_source: str, rollout_engine: str, prompts_not_trained_once: int,
                  multi_turn: bool, resumes: int, resumed_from_step: int | None, train_wall_s: float, wall_s: float,
-                 trace_window_start_s: float | None, max_staleness: int = 0) -> RunReport:
+                 trace_window_start_s: float | None, max_staleness: int = 0,
+                 gate: tuple[float, float] = (D.GATE_MAX_KL_NATS_PER_TOKEN, D.GATE_MAX_REPETITION)) -> RunReport:
     """The report of a finished run.
 
     Args:
@@ -268,25 +302,19 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         served: what the trainer's weight servers sent (``bytes_served``, ``delta_bytes_served``,
             ``sealed_bytes_served``, ``shards``).
         train_wall_s: training seconds of all incarnations; ``wall_s``: this incarnation's seconds.
+        gate: the quality gate's bounds (KL nats/token, repeated 3-gram share): :func:`quality_gate`.
     """
-    multi = {}
-    if multi_turn:
-        turns = [m["turns_mean"] for m in steps if "turns_mean" in m]
-        multi = dict(
-            turns_per_trajectory_mean=sum(turns) / len(turns) if turns else 0.0,
-            environment_calls=stats.environment_calls, environment_errors=stats.environment_errors,
-            environment_timeouts=stats.environment_timeouts, environment_seconds=stats.environment_seconds,
-            tool_time_share=stats.environment_seconds / train_wall_s if train_wall_s > 0 else 0.0,
-            observation_tokens=stats.observation_tokens, migrations_by_turn=stats.migrations_by_turn,
-            tokens_in_interrupted_turns=stats.tokens_in_interrupted_turns,
-            assistant_tokens_in_interrupted_trajectories=stats.assistant_tokens_in_interrupted_trajectories)
+    multi = _multi_turn_summary(steps, stats, train_wall_s) if multi_turn else {}
     updates = [p["weight_update_bytes"] for p in publishes[1:]]
+    evaluated = after.get("responses", 1) > 0  # an emulated run has no policy to judge
+    failed = quality_gate(kl, after["repetition_rate"], *gate) if evaluated else []
     return RunReport(
         steps=len(steps), resumes=resumes, resumed_from_step=resumed_from_step,
         reward_heldout_before=before["reward_sampled"], reward_heldout_after=after["reward_sampled"],
         reward_heldout_greedy_before=before["reward_greedy"], reward_heldout_greedy_after=after["reward_greedy"],
         repetition_rate_before=before["repetition_rate"], repetition_rate_after=after["repetition_rate"],
-        kl_to_reference_nats_per_token=kl, objective=objective, model_out=model_out, model=model,
+        kl_to_reference_nats_per_token=kl, quality_gate_passed=not failed if evaluated else None,
+        quality_gate_failures=failed, objective=objective, model_out=model_out, model=model,
         responses_trained=totals.responses_trained,
         responses_lost=totals.responses_expected - totals.responses_trained,
         responses_duplicated=totals.responses_duplicated,

@@ -10,7 +10,8 @@ Calibration (every number from the run directory; nothing fitted to N_prem itsel
 * **Training**: seconds per trained token = Σ ``train_s`` / Σ ``tokens`` over the run's steps (micro-batches and
   the optimizer step together); publishing: the mean ``publish_s``.
 * **Workload**: ``rollout.prompts_per_step`` × ``group_size``, responses up to ``max_new_tokens`` with the run's
-  median mean length, prompts of the run's mean prompt length.
+  median mean length (log-normal spread 0.3 per prompt and per response; none when the run's responses all ran to
+  ``max_new_tokens``), prompts of the run's mean prompt length.
 * **Instances**: one reserved engine and 1-GPU-equivalent instances (N_resv = the run's ``n_resv``), start-up
   ``boot_s``: the median process start → weights loaded of the run's own instances (their ``instance_ready``
   events in ``events.jsonl``; 1 s, ``benchmarks/bench_worker_startup.py``'s figure, when it has none), no
@@ -149,8 +150,9 @@ def simulate_run(run_dir: str | Path, *, capacity: list[tuple[float, float]] | N
     n = r["prompts_per_step"] * r["group_size"]
     resp = statistics.median(m["response_len_mean"] for m in steps)
     prompt = max(1.0, statistics.fmean((m["tokens"] - n * m["response_len_mean"]) / n for m in steps))
+    spread = 0.0 if resp >= 0.99 * r["max_new_tokens"] else 0.3  # responses that all run to the budget: no spread
     wl = Workload(prompts=r["prompts_per_step"], group=r["group_size"], max_response=r["max_new_tokens"],
-                  min_response=1, response_median=max(1.0, resp), sigma_prompt=0.3, sigma_response=0.3,
+                  min_response=1, response_median=max(1.0, resp), sigma_prompt=spread, sigma_response=spread,
                   prompt_median=prompt, micro_batch=cfg["trainer"]["micro_batch"], min_prompt=1)
     n_resv = float(rep.get("n_resv") or 1.0)
     if boot_s is None:

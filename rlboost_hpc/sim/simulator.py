@@ -417,7 +417,8 @@ class Simulation:
         self.resv_routable = True
         if self.sys.dispatch == "static":
             self._static_split(t)
-        if self.close_pending:  # a fallback reopening: close again at once if capacity came back meanwhile
+        # a fallback reopening with capacity back, or a step generated ahead (bounded staleness): close at once
+        if self.close_pending or self.cur.n_done == len(self.cur.reqs):
             self._try_close(t)
 
     def _try_close(self, t: float, deadline: bool = False) -> None:
