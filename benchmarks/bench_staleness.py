@@ -20,8 +20,13 @@ Then the simulator at paper scale (``--sim-models``, default 8b; two-hour window
 RLBoost with k = 0, 1, 2 — throughput, tokens per dollar, tokens per instance-second (preemptible instance-seconds
 plus the reserved node's GPUs as instances) and the staleness shares.
 
-Run: ``.venv/bin/python benchmarks/bench_staleness.py [--steps 30] [--rounds 1] [--ks 0,1,1c,2] [--sim-models 8b]``
-(``1c``: k = 1 with ``rollout.on_new_version = continue``; ``--sim-models ''`` skips the simulator).
+Then, with ``--collapse-lrs``, too large a k: k = 0 beside k = 8 (four preemptible workers, so tokens get several
+versions old) at each learning rate, with the quality gate (KL to the reference < 1 nat/token, repeated 3-grams
+< 0.2: ``trainer.gate_max_kl``, ``trainer.gate_max_repetition``).
+
+Run: ``.venv/bin/python benchmarks/bench_staleness.py [--steps 30] [--rounds 1] [--ks 0,1,1c,2] [--sim-models 8b]
+[--collapse-lrs 2e-4,1e-3]`` (``1c``: k = 1 with ``rollout.on_new_version = continue``; ``--ks ''`` or
+``--sim-models ''`` skips the live or simulator rows).
 """
 from __future__ import annotations
 
@@ -155,11 +160,45 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds (each runs every variant once)")
     ap.add_argument("--seed", type=int, default=0, help="trainer.seed and cluster.seed")
     ap.add_argument("--sim-models", default="8b", help="comma-separated simulator profiles ('' skips)")
+    ap.add_argument("--collapse-lrs", default="", help="comma-separated learning rates: k = 0 beside k = 8 (four "
+                    "workers, 40 steps) at each, with the quality gate ('' skips)")
     a = ap.parse_args(argv)
     names = [k for k in a.ks.split(",") if k]
     tmp = Path(tempfile.mkdtemp(prefix="rlboost-staleness-"))
     common = [f"trainer.seed={a.seed}", f"cluster.seed={a.seed}", "trainer.export_model=false",
               f"trainer.steps={a.steps}"]
+    if names:
+        live_rows(a, names, tmp, common)
+    lrs = [x for x in a.collapse_lrs.split(",") if x]
+    if lrs:
+        print("\n" + "\n".join(collapse_rows(lrs, tmp, common[:3])))
+    models = [m for m in a.sim_models.split(",") if m]
+    if models:
+        print("\n## the simulator at paper scale: RLBoost, 2 h windows of segments A, B, C pooled, seed 0")
+        print("\n".join(simulated_rows(models)))
+    return 0
+
+
+def collapse_rows(lrs: list[str], tmp: Path, common: list[str]) -> list[str]:
+    """k = 0 and k = 8 (four preemptible workers, so tokens get several versions old) at each learning rate, 40
+    steps: held-out reward, KL to the reference, repeated 3-grams, the quality gate and the oldest staleness trained."""
+    lines = ["## too large a k: k = 0 beside k = 8 (4 workers, 40 steps) by learning rate",
+             f"{'lr':>7} {'k':>2} {'reward after':>12} {'KL ref':>7} {'rep':>6} {'gate':>5} {'max stale':>9} "
+             f"{'stale ≥ 3 %':>11}"]
+    for lr in lrs:
+        for k in (0, 8):
+            r, _ = run(tmp / f"collapse-{lr}-k{k}", common + [f"trainer.lr={lr}", "trainer.steps=40",
+                                                           "cluster.max_workers=4"] + variant(str(k)))
+            st = {int(j): n for j, n in r["tokens_by_staleness"].items()} or {0: 1}
+            old = sum(n for j, n in st.items() if j >= 3) / sum(st.values())
+            lines.append(f"{lr:>7} {k:>2} {r['reward_heldout_after']:12.3f} {r['kl_to_reference_nats_per_token']:7.3f} "
+                         f"{r['repetition_rate_after']:6.3f} {'pass' if r['quality_gate_passed'] else 'FAIL':>5} "
+                         f"{max(st):>9} {100 * old:10.0f}%")
+    return lines
+
+
+def live_rows(a, names: list[str], tmp: Path, common: list[str]) -> None:
+    """The live demo rows: every variant of ``names`` once per round, interleaved; printed with ratios to k = 0."""
     results: dict[str, list[dict]] = {n: [] for n in names}
     t0 = time.monotonic()
     for rnd in range(a.rounds):
@@ -180,11 +219,6 @@ def main(argv: list[str] | None = None) -> int:
     print("ratios to k = 0 (mean over rounds): " + ", ".join(
         f"k={n}: {sum(f['completion_tok_per_s'] for f in fs) / len(fs) / base:.2f}× tok/s, "
         f"{sum(f['tok_per_inst_s'] for f in fs) / len(fs) / base_i:.2f}× tok/inst-s" for n, fs in results.items()))
-    models = [m for m in a.sim_models.split(",") if m]
-    if models:
-        print("\n## the simulator at paper scale: RLBoost, 2 h windows of segments A, B, C pooled, seed 0")
-        print("\n".join(simulated_rows(models)))
-    return 0
 
 
 if __name__ == "__main__":
