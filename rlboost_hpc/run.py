@@ -495,7 +495,7 @@ def _trainer(cfg: RunConfig, svc: RunServices, setup: RunSetup, n_resv: float):
                             advantage_std_norm=t.advantage_std_norm, max_staleness=r.max_staleness,
                             steps=t.steps)
     controller = RolloutController(
-        n_resv=n_resv, use_cap=pol.cap,
+        n_resv=n_resv, use_cap=pol.cap, overlap=r.max_staleness > 0,
         seeding=SeedingWindow(initial_s=pol.t_seed_initial_s, eta=pol.eta, floor_s=pol.t_seed_floor_s,
                               adapt=pol.adaptive_seeding, memory=pol.t_seed_memory, ceil_s=pol.t_seed_ceil_s))
     return RLTrainer(client=svc.client, backend=svc.backend, task=setup.task, tokenizer=setup.policy.tokenizer,

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from rlboost_hpc.policy.cap import n_prem_cap, n_prem_raw, work_seconds
+from rlboost_hpc.policy.cap import n_prem_cap, n_prem_cap_overlap, n_prem_raw, work_seconds
 
 # (name, t_remote, n_prem, t_seed, n_resv, t_train, available, minimum, expected)
 CASES = [
@@ -61,3 +61,16 @@ def test_work_seconds_is_tokens_over_peak_rate(tokens, peak, expected):
 def test_work_seconds_rejects_negative_tokens():
     with pytest.raises(ValueError):
         work_seconds(-1.0, 10.0)
+
+
+def test_the_overlap_cap_keeps_a_busy_pool_shrinks_an_idle_one_and_grows_one_the_trainer_waited_for():
+    # 8 instances busy the whole 300 s step, the trainer never held back: the pool is right
+    assert n_prem_cap_overlap(300.0, 8, 300.0) == 8
+    # idle for the last 150 s (every admitted step generated): half would do
+    assert n_prem_cap_overlap(150.0, 8, 300.0) == 4
+    # the trainer waited 100 s of a 300 s step for data: 8 · 300 / 200 = 12
+    assert n_prem_cap_overlap(300.0, 8, 200.0, available=20) == 12
+    assert n_prem_cap_overlap(300.0, 8, 200.0, available=10) == 10
+    assert n_prem_cap_overlap(300.0, 8, 0.0, available=10) == 10  # no information: everything available
+    with pytest.raises(ValueError):
+        n_prem_cap_overlap(-1.0, 8, 300.0)

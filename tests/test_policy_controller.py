@@ -41,3 +41,23 @@ def test_controller_without_cap_uses_everything_available():
     ctl = RolloutController(n_resv=4, use_cap=False)
     d = ctl.end_step(StepObservation(150, 0, 0, 10, 1, 100, 1, 1, n_available=12))
     assert d.n_prem_cap == 12
+
+
+def _obs(**kw):
+    base = dict(t_seed_s=0.0, t_wait_train_s=0.0, t_wait_remote_s=0.0, t_remote_s=100.0, n_remote=8, t_train_s=300.0,
+                n_instances_start=8, n_instances_end=8, n_available=20, step_s=330.0)
+    return StepObservation(**{**base, **kw})
+
+
+def test_under_overlap_a_step_generated_ahead_keeps_t_seed_and_the_cap_follows_the_pool():
+    """Bounded staleness: a step complete at its start (no seeding window) teaches the window nothing; the cap is the
+    overlap law (the paper's would read 8 · 100 / 300 → 3 from the same step, and the pool would fall behind)."""
+    ctl = RolloutController(n_resv=4, seeding=SeedingWindow(initial_s=150.0, eta=3.0, floor_s=5.0), overlap=True)
+    d = ctl.end_step(_obs(seeded=False, t_wait_remote_s=300.0))  # a pool idle after 30 s: the waits say "shrink"
+    assert d.t_seed_s == 150.0 and d.n_prem_cap == 1  # T_seed holds; 8 · 30 / 330 → 1
+    d = ctl.end_step(_obs(seeded=False))
+    assert d.n_prem_cap == 8  # busy the whole step, the trainer never held back
+    d = ctl.end_step(_obs(seeded=True, t_seed_s=60.0, t_wait_train_s=50.0))  # behind: seeded 60 s, waited 50 s
+    assert d.n_prem_cap == 12 and d.t_seed_s != 150.0  # 8 · 330 / 220; a seeded step adapts T_seed
+    paper = RolloutController(n_resv=4, seeding=SeedingWindow(initial_s=150.0, eta=3.0, floor_s=5.0))
+    assert paper.end_step(_obs(seeded=False)).n_prem_cap == 3

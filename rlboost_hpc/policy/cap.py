@@ -23,6 +23,16 @@ Rounding and clamping (all deterministic):
 * All-zero work with positive ``t_train`` gives ``raw = 0`` → cap ``minimum``.
 
 Pure function; negative or non-finite inputs raise :class:`ValueError`.
+
+Bounded staleness (``rollout.max_staleness`` ≥ 1) breaks the law's inputs, not its aim. The aim stays: the fewest
+instances that have one step's rollout ready whenever the trainer wants it. But the pool no longer does "the step's
+work" inside the step: it generates the next steps while the trainer trains, pulls every version while it could
+be generating (at k = 0 the seeding window hides the pulls), and a step generated ahead has no seeding window. So
+:func:`n_prem_cap_overlap` uses what the pool did instead: ``n_prem`` instances busy for ``busy_s`` of the step
+(the step's seconds minus its idle tail, waiting for the window to admit a step) against ``trains_s``, the seconds
+the trainer could train (the step minus its waits for data and its seeding window, which held training back because
+the step was not ready): ``ceil(n_prem · busy_s / trains_s)``, rounded and clamped as above. A pool busy the whole
+step while the trainer never waited keeps its size; one that idled shrinks; one the trainer waited for grows.
 """
 from __future__ import annotations
 
@@ -82,3 +92,21 @@ def n_prem_cap(t_remote_s: float, n_prem: float, t_seed_s: float, n_resv: float,
     if available is not None:
         cap = min(cap, available)
     return int(cap)
+
+
+def n_prem_cap_overlap(busy_s: float, n_prem: float, trains_s: float, *, available: int | None = None,
+                       minimum: int = 0) -> int | None:
+    """The cap under bounded staleness (see the module docstring): ``ceil(n_prem · busy_s / trains_s)``, rounded and
+    clamped as :func:`n_prem_cap`.
+
+    Args:
+        busy_s: seconds of the step the pool was not idle (the step minus the time after every admitted step was
+            generated).
+        n_prem: remote instances that took part in the step.
+        trains_s: seconds of the step the trainer was not held back by data (the step minus its waits for groups
+            and its seeding window); ``<= 0``: no information, as ``t_train <= 0`` for :func:`n_prem_cap`.
+
+    Raises:
+        ValueError: a negative or non-finite input.
+    """
+    return n_prem_cap(busy_s, n_prem, 0.0, 0.0, trains_s, available=available, minimum=minimum)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from rlboost_hpc.policy.cap import n_prem_cap
+from rlboost_hpc.policy.cap import n_prem_cap, n_prem_cap_overlap
 from rlboost_hpc.policy.seeding import SeedingWindow
 
 
@@ -37,6 +37,10 @@ class StepObservation:
         t_train_s: trainer compute time of the step (micro-batches + optimizer step; waits excluded).
         n_instances_start / n_instances_end: preemptible instances held at step start / end.
         n_available: instances that could be held now (the cap's upper clamp); ``None``: unknown/unbounded.
+        seeded: the step opened its seeding window. False under bounded staleness when the step was generated
+            ahead (complete at its start): the trainer trained at once, so ``t_seed_s`` is 0 and the window's rule
+            has nothing to learn from the step.
+        step_s: the step's wall seconds (start to the next version); used by the cap under overlap.
     """
 
     t_seed_s: float
@@ -48,6 +52,8 @@ class StepObservation:
     n_instances_start: int
     n_instances_end: int
     n_available: int | None = None
+    seeded: bool = True
+    step_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -63,13 +69,15 @@ class RolloutController:
     """Seeding window + pool cap. ``n_resv``: reserved rollout engines in preemptible-instance equivalents.
 
     ``use_cap=False`` disables the cap (every available instance is used). ``cap_minimum``: lower clamp of the
-    cap (0 by default: with zero instances the manager falls back to co-located rollout).
+    cap (0 by default: with zero instances the manager falls back to co-located rollout). ``overlap``: rollout
+    overlaps training (bounded staleness, ``rollout.max_staleness`` ≥ 1): the cap's law for overlap.
     """
 
     n_resv: float
     seeding: SeedingWindow = field(default_factory=SeedingWindow)
     use_cap: bool = True
     cap_minimum: int = 0
+    overlap: bool = False
     cap: int | None = None
     history: list = field(default_factory=list)
 
@@ -78,10 +86,21 @@ class RolloutController:
         return self.seeding.begin_step(n_instances)
 
     def end_step(self, obs: StepObservation) -> StepDecision:
-        """Feed the finished step's observation; returns (and remembers) the decision for the next step."""
-        t_seed = self.seeding.update(obs.t_wait_train_s, obs.t_wait_remote_s,
-                                     obs.n_instances_start, obs.n_instances_end)
-        if self.use_cap:
+        """Feed the finished step's observation; returns (and remembers) the decision for the next step.
+
+        Bounded staleness (``overlap``): the cap is :func:`~rlboost_hpc.policy.cap.n_prem_cap_overlap` over the
+        step's seconds (``step_s``), ``t_wait_remote_s`` counts from when every admitted step was generated, and a
+        step generated ahead (``seeded`` False) leaves T_seed as it was."""
+        if obs.seeded:
+            t_seed = self.seeding.update(obs.t_wait_train_s, obs.t_wait_remote_s,
+                                         obs.n_instances_start, obs.n_instances_end)
+        else:  # generated ahead (bounded staleness): T_seed holds; the waits measured no seeding window
+            t_seed = self.seeding.value
+        if self.use_cap and self.overlap:
+            busy = max(0.0, obs.step_s - obs.t_wait_remote_s) if obs.n_remote else 0.0
+            self.cap = n_prem_cap_overlap(busy, obs.n_remote, max(0.0, obs.step_s - obs.t_wait_train_s - obs.t_seed_s),
+                                          available=obs.n_available, minimum=self.cap_minimum)
+        elif self.use_cap:
             self.cap = n_prem_cap(obs.t_remote_s, obs.n_remote, obs.t_seed_s, self.n_resv, obs.t_train_s,
                                   available=obs.n_available, minimum=self.cap_minimum)
         else:

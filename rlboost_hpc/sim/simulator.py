@@ -22,11 +22,10 @@ One RL step:
 5. After the step the controller turns the observed waits/times into the next ``T_seed`` and ``N_prem``; the
    pool is trimmed or grown to ``min(N_prem, available)``.
 
-Bounded staleness (``SystemSpec.max_staleness`` = k ≥ 1; live: ``rollout.max_staleness``, ``on_new_version =
-"finish"``): steps s+1 … s+k are queued behind step s's when it starts, so the pool generates while the trainer
-trains; a response ends under the version it was dispatched with; the trainer takes a step's groups when the step
-is current; each token's staleness (≤ k) is counted per step. T_seed and N_prem are still decided from the step's
-own waits, which overlap shrinks (docs/simulator.md §4: where the cap then under-provisions, and the approximations).
+Bounded staleness (``SystemSpec.max_staleness`` = k ≥ 1, live ``rollout.max_staleness`` with ``on_new_version =
+"finish"``): steps s+1 … s+k queue behind step s at its start, so the pool generates while the trainer trains; a
+response ends under its dispatch version; a step generated ahead skips seeding; staleness (≤ k) is counted per token;
+the controller runs its overlap law (``policy/cap.py``; docs/simulator.md §4).
 
 Deterministic: the event heap is ordered by ``(time, sequence number)``, all iteration orders are fixed, and
 step ``s`` draws its lengths from ``default_rng([seed, s])``.
@@ -160,7 +159,7 @@ class Simulation:
             seeding=SeedingWindow(initial_s=system.t_seed_initial_s if system.seeding else 0.0, eta=system.eta,
                                   floor_s=system.floor_s if system.seeding else 0.0,
                                   adapt=system.adapt and system.seeding, memory=system.memory),
-            use_cap=system.use_cap)
+            use_cap=system.use_cap, overlap=system.max_staleness > 0)
         self.cap: int | None = None
         # The balancer always learns (its peak rates also measure remote work for the cap); it proposes moves
         # only when the system balances.
@@ -356,17 +355,14 @@ class Simulation:
             self.t_seed = math.inf
         else:
             self.t_seed = self.controller.begin_step(self.n_start)
-        self.resv_routable = False
-        self.seed_state = "pre"   # pre | open | closed | reopening (fallback)
-        self.close_pending = False
-        self.train_started = False
+        self.resv_routable, self.seed_state = False, "pre"  # seed_state: pre | open | closed | reopening (fallback)
+        self.close_pending = self.train_started = False
         self.train_avail: deque = deque(q for g in cur.early_groups for q in cur.reqs[g * G:(g + 1) * G])
-        self.train_busy = False
-        self.trained = 0
-        self.t_train = 0.0
-        self.t_wait_train = 0.0
+        self.train_busy, self.trained, self.t_train, self.t_wait_train = False, 0, 0.0, 0.0
         self.idle_since: float | None = None
         self.rollout_done_at = None if cur.rollout_done_at is None else max(t, cur.rollout_done_at)
+        # seeded False: generated ahead (bounded staleness), no window; seed_closed_at: its first close
+        self.seeded, self.seed_closed_at = cur.n_done < len(cur.reqs), None
         self.remote_seen = False
         self.step_counters = dict(self.counters)
         self._gone_work: list[RemoteWork] = []
@@ -433,6 +429,7 @@ class Simulation:
             return  # co-located fallback: keep generating until capacity appears or the rollout is done
         self.seed_state = "closed"
         self.resv_routable = False
+        self.seed_closed_at = t if self.seed_closed_at is None else self.seed_closed_at
         seeds: list[Req] = []
         for e in self.reserved:
             for q in e.evict_all(t):
@@ -533,14 +530,17 @@ class Simulation:
         del self.pools[self.step]
         stale = self._staleness(cur)
         n_end = self._held()
+        done_at = self.pools[self.step + self.k].rollout_done_at if self.k else self.rollout_done_at  # pool idle after
         rem = observe_remote(self._gone_work + [self._work(r) for r in self.remotes.values()],
-                             rollout_done_s=self.rollout_done_at, step_end_s=t)
+                             rollout_done_s=done_at, step_end_s=t)
         n_remote, t_remote = rem.n_remote, rem.t_remote_s
-        t_seed_used = 0.0 if not math.isfinite(self.t_seed) else self.t_seed
+        t_seed_used = 0.0 if not (math.isfinite(self.t_seed) and self.seeded) else min(  # as the trainer measures it
+            self.t_seed, (self.seed_closed_at or t) - self.t0 - self.p.switch_to_rollout_s)
         obs = StepObservation(
             t_seed_s=t_seed_used, t_wait_train_s=self.t_wait_train, t_wait_remote_s=rem.t_wait_remote_s,
             t_remote_s=t_remote, n_remote=n_remote, t_train_s=self.t_train, n_instances_start=self.n_start,
-            n_instances_end=n_end, n_available=n_end + len(self.available))
+            n_instances_end=n_end, n_available=n_end + len(self.available), seeded=self.seeded,
+            step_s=t - self.t0)
         if not self.sys.colocated:
             dec = self.controller.end_step(obs)
             self.cap = dec.n_prem_cap if self.sys.use_cap else None
