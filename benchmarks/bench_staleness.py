@@ -17,7 +17,8 @@ that overlaps training also slows it: the gain a GPU cluster gets (disjoint devi
 the tokens per instance-second and the idle share are printed beside the wall-clock rate.
 
 Then the simulator at paper scale (``--sim-models``, default 8b; two-hour windows of spot segments A, B and C, pooled):
-RLBoost with k = 0, 1, 2 — throughput, tokens per dollar, tokens per instance-second (preemptible instance-seconds
+RLBoost with k = 0, 1, 2 and ``1p`` (k = 1 with the paper's T_seed rule and N_prem law instead of the overlap
+controller: the ablation) — throughput, tokens per dollar, tokens per instance-second (preemptible instance-seconds
 plus the reserved node's GPUs as instances) and the staleness shares.
 
 Then, with ``--collapse-lrs``, too large a k: k = 0 beside k = 8 (four preemptible workers, so tokens get several
@@ -31,6 +32,7 @@ Run: ``.venv/bin/python benchmarks/bench_staleness.py [--steps 30] [--rounds 1] 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -106,8 +108,10 @@ def simulated_rows(models: list[str], segments=("A", "B", "C"), duration_s: floa
              f"{'× k=0':>6} {'stale 0/1/2 %':>14} {'inst':>5}"]
     for m in models:
         base = None
-        for k in (0, 1, 2):
-            spec = SYSTEMS["rlboost" if k == 0 else f"rlboost_k{k}"]
+        for k in (0, 1, 2, "1p"):  # 1p: k = 1 with the paper's controller (the ablation of the overlap law)
+            spec = SYSTEMS["rlboost" if k == 0 else f"rlboost_k{str(k)[0]}"]
+            if k == "1p":
+                spec = dataclasses.replace(spec, name="rlboost_k1_paper_controller", overlap_controller=False)
             p = profile(m)
             runs = [simulate(p, spec, segment(g), duration_s=duration_s, seed=0, model_name=m) for g in segments]
             tokens, wall = sum(r.tokens for r in runs), sum(r.wall_s for r in runs)

@@ -49,15 +49,23 @@ def _obs(**kw):
     return StepObservation(**{**base, **kw})
 
 
-def test_under_overlap_a_step_generated_ahead_keeps_t_seed_and_the_cap_follows_the_pool():
-    """Bounded staleness: a step complete at its start (no seeding window) teaches the window nothing; the cap is the
+def test_under_overlap_t_seed_goes_to_its_floor_and_the_cap_follows_the_pool():
+    """Bounded staleness: T_seed goes to its floor (a step is mostly generated before it starts); the cap is the
     overlap law (the paper's would read 8 · 100 / 300 → 3 from the same step, and the pool would fall behind)."""
     ctl = RolloutController(n_resv=4, seeding=SeedingWindow(initial_s=150.0, eta=3.0, floor_s=5.0), overlap=True)
-    d = ctl.end_step(_obs(seeded=False, t_wait_remote_s=300.0))  # a pool idle after 30 s: the waits say "shrink"
-    assert d.t_seed_s == 150.0 and d.n_prem_cap == 1  # T_seed holds; 8 · 30 / 330 → 1
-    d = ctl.end_step(_obs(seeded=False))
-    assert d.n_prem_cap == 8  # busy the whole step, the trainer never held back
-    d = ctl.end_step(_obs(seeded=True, t_seed_s=60.0, t_wait_train_s=50.0))  # behind: seeded 60 s, waited 50 s
-    assert d.n_prem_cap == 12 and d.t_seed_s != 150.0  # 8 · 330 / 220; a seeded step adapts T_seed
+    d = ctl.end_step(_obs(t_wait_remote_s=300.0))  # a pool idle after 30 s of the step
+    assert d.t_seed_s == 5.0 and d.n_prem_cap == 1  # 8 · 30 / 330 → 1
+    assert ctl.end_step(_obs()).n_prem_cap == 8  # busy the whole step, the trainer never held back
+    d = ctl.end_step(_obs(t_seed_s=60.0, t_wait_train_s=50.0))  # behind: seeded 60 s, waited 50 s
+    assert d.n_prem_cap == 12 and d.t_seed_s == 5.0  # 8 · 330 / 220
     paper = RolloutController(n_resv=4, seeding=SeedingWindow(initial_s=150.0, eta=3.0, floor_s=5.0))
-    assert paper.end_step(_obs(seeded=False)).n_prem_cap == 3
+    assert paper.end_step(_obs()).n_prem_cap == 3
+
+
+def test_under_overlap_a_step_without_preemptible_instances_still_sizes_a_first_pool():
+    """Regression: the overlap law alone gave 0 for a step no preemptible instance served (0 · busy), so a live k = 1
+    run never admitted one. With no instance the paper's law, whose seeding term counts the reserved engines'
+    work, sizes the first pool."""
+    ctl = RolloutController(n_resv=1, seeding=SeedingWindow(initial_s=0.2, eta=3.0, floor_s=0.05), overlap=True)
+    d = ctl.end_step(_obs(n_remote=0, t_remote_s=0.0, t_seed_s=0.2, t_train_s=0.5, step_s=0.9, n_available=2))
+    assert d.n_prem_cap == 1

@@ -26,7 +26,8 @@ class StepObservation:
     """What one finished step exhibited (seconds unless noted).
 
     Attributes:
-        t_seed_s: the seeding window the step used.
+        t_seed_s: the seeding window the step used (0 when it had none: bounded staleness, the step was generated
+            ahead and trained at once).
         t_wait_train_s: trainer idle time after switching to training, waiting for completed groups.
         t_wait_remote_s: remote pool idle time after its last response, waiting for the next version
             (0 when no remote instance took part).
@@ -37,9 +38,6 @@ class StepObservation:
         t_train_s: trainer compute time of the step (micro-batches + optimizer step; waits excluded).
         n_instances_start / n_instances_end: preemptible instances held at step start / end.
         n_available: instances that could be held now (the cap's upper clamp); ``None``: unknown/unbounded.
-        seeded: the step opened its seeding window. False under bounded staleness when the step was generated
-            ahead (complete at its start): the trainer trained at once, so ``t_seed_s`` is 0 and the window's rule
-            has nothing to learn from the step.
         step_s: the step's wall seconds (start to the next version); used by the cap under overlap.
     """
 
@@ -52,7 +50,6 @@ class StepObservation:
     n_instances_start: int
     n_instances_end: int
     n_available: int | None = None
-    seeded: bool = True
     step_s: float = 0.0
 
 
@@ -88,15 +85,17 @@ class RolloutController:
     def end_step(self, obs: StepObservation) -> StepDecision:
         """Feed the finished step's observation; returns (and remembers) the decision for the next step.
 
-        Bounded staleness (``overlap``): the cap is :func:`~rlboost_hpc.policy.cap.n_prem_cap_overlap` over the
-        step's seconds (``step_s``), ``t_wait_remote_s`` counts from when every admitted step was generated, and a
-        step generated ahead (``seeded`` False) leaves T_seed as it was."""
-        if obs.seeded:
+        Bounded staleness (``overlap``): T_seed goes to its floor (a step is mostly generated before it starts,
+        and a longer window would hold training back), and once a preemptible instance took part the cap is
+        :func:`~rlboost_hpc.policy.cap.n_prem_cap_overlap` over the step's seconds (``step_s``; before, the paper's
+        law, whose seeding term sizes a first pool). ``t_wait_remote_s`` then counts from when every admitted step
+        was generated."""
+        if self.overlap:  # a step is mostly generated before it starts: seeding would only hold training back
+            t_seed = self.seeding.to_floor()
+        else:
             t_seed = self.seeding.update(obs.t_wait_train_s, obs.t_wait_remote_s,
                                          obs.n_instances_start, obs.n_instances_end)
-        else:  # generated ahead (bounded staleness): T_seed holds; the waits measured no seeding window
-            t_seed = self.seeding.value
-        if self.use_cap and self.overlap:
+        if self.use_cap and self.overlap and obs.n_remote:  # no instance took part: the paper's law bootstraps
             busy = max(0.0, obs.step_s - obs.t_wait_remote_s) if obs.n_remote else 0.0
             self.cap = n_prem_cap_overlap(busy, obs.n_remote, max(0.0, obs.step_s - obs.t_wait_train_s - obs.t_seed_s),
                                           available=obs.n_available, minimum=self.cap_minimum)

@@ -79,6 +79,12 @@ class SeedingWindow:
         """The window to use for the next step, seconds."""
         return self.t_seed_s
 
+    def to_floor(self) -> float:
+        """Set the window to its floor and return it (seconds): bounded staleness, where a step is mostly generated
+        before it starts and a longer window would only hold training back."""
+        self.t_seed_s = self._clamp(self.floor_s)
+        return self.t_seed_s
+
     def begin_step(self, n_instances: int) -> float:
         """Call at the start of a step with the current preemptible-instance count; returns ``T_seed``.
 

@@ -64,6 +64,7 @@ class SystemSpec:
     memory: bool = True
     use_cap: bool = True
     max_staleness: int = 0         # k ≥ 1: the next k steps' prompts generate while a step trains (module docstring)
+    overlap_controller: bool = True  # k ≥ 1: T_seed at its floor, the overlap cap (False: the paper's, ablation)
     dispatch: Literal["jsq", "round_robin", "static"] = "jsq"  # the manager's names; static: a fixed split (colocated)
     theta: int = 96                # Θ: most requests in flight (running + waiting) per instance
     balancer: bool = True
@@ -159,7 +160,7 @@ class Simulation:
             seeding=SeedingWindow(initial_s=system.t_seed_initial_s if system.seeding else 0.0, eta=system.eta,
                                   floor_s=system.floor_s if system.seeding else 0.0,
                                   adapt=system.adapt and system.seeding, memory=system.memory),
-            use_cap=system.use_cap, overlap=system.max_staleness > 0)
+            use_cap=system.use_cap, overlap=system.max_staleness > 0 and system.overlap_controller)
         self.cap: int | None = None
         # The balancer always learns (its peak rates also measure remote work for the cap); it proposes moves
         # only when the system balances.
@@ -539,8 +540,7 @@ class Simulation:
         obs = StepObservation(
             t_seed_s=t_seed_used, t_wait_train_s=self.t_wait_train, t_wait_remote_s=rem.t_wait_remote_s,
             t_remote_s=t_remote, n_remote=n_remote, t_train_s=self.t_train, n_instances_start=self.n_start,
-            n_instances_end=n_end, n_available=n_end + len(self.available), seeded=self.seeded,
-            step_s=t - self.t0)
+            n_instances_end=n_end, n_available=n_end + len(self.available), step_s=t - self.t0)
         if not self.sys.colocated:
             dec = self.controller.end_step(obs)
             self.cap = dec.n_prem_cap if self.sys.use_cap else None

@@ -353,8 +353,8 @@ class RLTrainer:
         for ev in col.early:  # groups that came while earlier steps trained
             col.take(ev)
         col.early = []
-        seeded = not col.complete  # False: generated ahead (bounded staleness), trained at once
-        t_seed_actual = self._seed(col, tl, t_seed) if seeded else 0.0
+        # a step generated ahead (bounded staleness) has no seeding window: it trains at once
+        t_seed_actual = self._seed(col, tl, t_seed) if not col.complete else 0.0
         tl.enter(Phase.HANDOFF)
         close = self.client.call(M.CloseSeeding(step=step))
         t_wait, n_trained, m_acc = self._collect_and_train(col, tl)
@@ -369,7 +369,7 @@ class RLTrainer:
         self.client.call(M.SetVersion(version=self.version, checksum=int(pub.get("weight_checksum", 0))))
         tl.enter(Phase.POLICY)
         prev_env_s = self.last_stats.environment_seconds if self.last_stats else 0.0
-        t_train, policy = self._observe(tl, t_seed_actual, t_wait, n_start, seeded)
+        t_train, policy = self._observe(tl, t_seed_actual, t_wait, n_start)
         self.totals.responses_trained += n_trained
         self.totals.migrated_responses_trained += col.n_mig
         wall = tl.finish()
@@ -487,8 +487,7 @@ class RLTrainer:
                                     f"{s.step_timeout_s:.0f}s (queued {st.queued}, running {st.running}, "
                                     f"instances {st.instances_by_state})")
 
-    def _observe(self, tl: StepTimeline, t_seed_s: float, t_wait_s: float, n_start: int,
-                 seeded: bool = True) -> tuple[float, dict]:
+    def _observe(self, tl: StepTimeline, t_seed_s: float, t_wait_s: float, n_start: int) -> tuple[float, dict]:
         """Feed the finished step to the controller and tell the manager its decision (the next step's ``T_seed``
         and ``N_prem``); keeps the manager's closing stats in ``last_stats``. Returns the step's ``t_train`` (s of trainer
         compute: micro-batches + optimizer step, waits excluded) and its policy figures."""
@@ -501,7 +500,7 @@ class RLTrainer:
         self.decision = self.controller.end_step(StepObservation(
             t_seed_s=t_seed_s, t_wait_train_s=t_wait_s, t_wait_remote_s=rem.t_wait_remote_s,
             t_remote_s=rem.t_remote_s, n_remote=rem.n_remote, t_train_s=t_train,
-            n_instances_start=n_start, n_instances_end=st.live_preemptible, n_available=avail, seeded=seeded,
+            n_instances_start=n_start, n_instances_end=st.live_preemptible, n_available=avail,
             step_s=self.clock() - tl.start))
         self.client.send(M.PolicyState(t_seed_s=self.decision.t_seed_s, n_prem_cap=self.decision.n_prem_cap))
         return t_train, {"t_seed_next_s": self.decision.t_seed_s, "n_prem_cap": self.decision.n_prem_cap,
