@@ -157,6 +157,7 @@ def _chaos_run(a, out: Path, overrides: list[str], n_remove: int, crashes: dict,
     liveness = {k: rep[k] for k in ("instances_suspected", "instances_recovered", "deltas_out_of_order")}
     checks = {"responses_lost": rep["responses_lost"], "responses_duplicated": rep["responses_duplicated"],
               "tokens_trained_off_version": rep["tokens_trained_off_version"],
+              "tokens_masked_too_stale": rep["tokens_masked_too_stale"],
               "prompts_not_trained_exactly_once": rep["prompts_not_trained_exactly_once"],
               "weight_checksum_mismatches": rep["weight_checksum_mismatches"]}
     print(json.dumps({"faults": faults, "liveness": liveness, "checks": checks, "steps": rep["steps"]}, indent=2))

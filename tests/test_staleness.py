@@ -238,7 +238,8 @@ def test_the_trainer_counts_staleness_and_never_trains_a_token_older_than_k():
     smp, _ = t._sample(3, _response([2, 2, 3, 3, 3]), [1, 2], 16, hist)
     assert hist == {"0": 3, "1": 2} and smp.loss_mask is None and smp.staleness == [1, 1, 0, 0, 0]
     smp, _ = t._sample(3, _response([1, 2, 3]), [1, 2], 16, hist)  # version 1 is 2 behind: outside the window
-    assert t.totals.tokens_trained_off_version == 1 and smp.loss_mask == [False, True, True]
+    assert t.totals.tokens_masked_too_stale == 1 and smp.loss_mask == [False, True, True]
+    assert t.totals.tokens_trained_off_version == 0  # masked: never trained
     assert t.totals.tokens_by_staleness == {"0": 4, "1": 3}
 
 
@@ -301,6 +302,7 @@ def test_a_run_with_bounded_staleness_under_preemptions_loses_nothing_and_trains
     rep = json.loads((out / "report.json").read_text())
     assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0
     assert rep["prompts_not_trained_exactly_once"] == 0 and rep["tokens_trained_off_version"] == 0
+    assert rep["tokens_masked_too_stale"] == 0  # the manager refused every token older than k first
     assert rep["preemptions"] >= 1 and rep["responses_migrated"] >= 1
     stale = {int(j): n for j, n in rep["tokens_by_staleness"].items()}
     assert max(stale) <= k and sum(stale.values()) > 0
@@ -325,6 +327,7 @@ def test_bounded_staleness_survives_trainer_and_manager_kills_exactly_once(tmp_p
     rep = json.loads((out / "report.json").read_text())
     assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0
     assert rep["prompts_not_trained_exactly_once"] == 0 and rep["tokens_trained_off_version"] == 0
+    assert rep["tokens_masked_too_stale"] == 0  # the manager refused every token older than k first
     assert rep["resumes"] >= 1 and rep["manager_restarts"] >= 1
     assert max(map(int, rep["tokens_by_staleness"])) <= 1
 

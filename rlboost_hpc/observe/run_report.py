@@ -16,6 +16,7 @@ Schema (:class:`RunReport`; every key below is always present except the multi-t
   ``model`` (path, architecture, parameters, chat template, devices), ``examples_after`` (held-out samples).
 - exactly-once: ``responses_trained``, ``responses_lost`` (expected − trained), ``responses_duplicated``,
   ``prompts_not_trained_exactly_once``, ``tokens_trained``, ``tokens_trained_off_version`` (must be 0),
+  ``tokens_masked_too_stale`` (bounded staleness: tokens older than k versions, loss-masked; must be 0),
   ``off_version_tokens_rejected``, ``late_tokens_dropped``; ``max_staleness`` (k; 0 = strict on-policy) and
   ``tokens_by_staleness`` (generated tokens trained, by how many versions older than the trained one made them).
 - truncation (of the responses trained): ``responses_truncated``, ``truncated_share`` (÷ responses trained),
@@ -149,6 +150,7 @@ class RunReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     tokens_regenerated: int
     tokens_regenerated_after_warning: int
     tokens_trained_off_version: int
+    tokens_masked_too_stale: int
     max_staleness: int
     tokens_by_staleness: dict[str, int]
     responses_truncated: int
@@ -325,7 +327,8 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         migrated_responses_trained=totals.migrated_responses_trained,
         tokens_migrated=tally.tokens_migrated, tokens_regenerated=tally.tokens_regenerated,
         tokens_regenerated_after_warning=stats.tokens_regenerated_after_warning,
-        tokens_trained_off_version=totals.tokens_trained_off_version, max_staleness=max_staleness,
+        tokens_trained_off_version=totals.tokens_trained_off_version,
+        tokens_masked_too_stale=totals.tokens_masked_too_stale, max_staleness=max_staleness,
         tokens_by_staleness=dict(totals.tokens_by_staleness), **truncation_summary(totals.responses_truncated_by_cause, totals.responses_trained),
         engine_trainer_mismatch=mismatch_summary(steps),
         off_version_tokens_rejected=stats.off_version_tokens_rejected, late_tokens_dropped=stats.late_tokens,

@@ -13,7 +13,7 @@ Invariants checked here, on what the trainer actually receives (counted in the r
 - bounded staleness (``max_staleness`` = k ≥ 1): the prompts of steps s+1 … s+k are submitted before step s trains
   (their groups wait, unacknowledged, until their step's turn); a token may come from the k versions before the one
   that trains it — its staleness is counted per step (``staleness_tokens``); a token outside that window is never
-  trained (loss-masked) and is counted in ``tokens_trained_off_version``;
+  trained (loss-masked) and is counted in ``tokens_masked_too_stale`` (the manager already refuses them);
 - ids are ids: ids, logprobs and versions of a response must have equal length, else the step fails;
 - truncation is known per response: every response carries why it ended (``finish_reason``: ``stop`` or a truncation
   cause, ``messages.FINISH_REASONS``); an unknown reason fails the step; the step's truncated share by cause is in
@@ -87,6 +87,7 @@ class Totals:
     responses_expected: int = 0
     tokens_trained: int = 0
     tokens_trained_off_version: int = 0
+    tokens_masked_too_stale: int = 0  # bounded staleness: tokens outside the window, loss-masked (must stay 0)
     migrated_responses_trained: int = 0
     groups_redelivered: int = 0  # GroupDone copies skipped (the manager sent a group again: never trained twice)
     responses_truncated_by_cause: dict[str, int] = field(default_factory=dict)  # trained responses cut by a budget
@@ -313,7 +314,10 @@ class RLTrainer:
         k = self.s.max_staleness
         lag = self.version - vers
         outside = (lag < 0) | (lag > k)
-        self.totals.tokens_trained_off_version += int(np.count_nonzero(outside))
+        if k:  # masked below: never trained
+            self.totals.tokens_masked_too_stale += int(np.count_nonzero(outside))
+        else:
+            self.totals.tokens_trained_off_version += int(np.count_nonzero(outside))
         mask = None if not obs.any() else ~obs
         if k:
             gen = ~obs
