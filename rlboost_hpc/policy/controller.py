@@ -96,7 +96,7 @@ class RolloutController:
             t_seed = self.seeding.update(obs.t_wait_train_s, obs.t_wait_remote_s,
                                          obs.n_instances_start, obs.n_instances_end)
         if self.use_cap and self.overlap and obs.n_remote:  # no instance took part: the paper's law bootstraps
-            busy = max(0.0, obs.step_s - obs.t_wait_remote_s) if obs.n_remote else 0.0
+            busy = max(0.0, obs.step_s - obs.t_wait_remote_s)
             self.cap = n_prem_cap_overlap(busy, obs.n_remote, max(0.0, obs.step_s - obs.t_wait_train_s - obs.t_seed_s),
                                           available=obs.n_available, minimum=self.cap_minimum)
         elif self.use_cap:
