@@ -247,7 +247,8 @@ def test_strict_on_policy_counts_any_other_version_and_masks_nothing():
     t = _trainer(k=0, version=3)
     hist: dict[str, int] = {}
     smp, _ = t._sample(3, _response([2, 3, 3]), [1, 2], 16, hist)
-    assert t.totals.tokens_trained_off_version == 1 and smp.loss_mask is None and smp.staleness is None and not hist
+    assert t.totals.tokens_trained_off_version == 1 and smp.loss_mask is None and smp.staleness is None
+    assert hist == {"0": 2} == t.totals.tokens_by_staleness  # the same histogram as at k >= 1: comparable runs
 
 
 def test_the_decoupled_objective_reports_weights_ratio_and_mismatch_per_staleness():

@@ -54,6 +54,8 @@ SUMMARY_KEYS = [
     ("kills_without_warning", "  of which without warning"), ("responses_migrated", "responses migrated"),
     ("tokens_migrated", "tokens carried over by migration (seeds + preempted work)"),
     ("tokens_regenerated", "tokens regenerated"), ("tokens_trained_off_version", "tokens trained off-version"),
+    ("max_staleness", "max staleness k (0: strict on-policy)"),
+    ("tokens_by_staleness", "tokens trained, by versions old"), ("tokens_masked_too_stale", "tokens older than k (masked)"),
     ("truncated_share", "share of responses truncated"), ("weight_pulls", "weight pulls"),
     ("throughput_tokens_per_s", "throughput (tokens/s)"), ("wall_s", "wall time (s)"),
 ]

@@ -319,14 +319,13 @@ class RLTrainer:
         else:
             self.totals.tokens_trained_off_version += int(np.count_nonzero(outside))
         mask = None if not obs.any() else ~obs
-        if k:
-            gen = ~obs
-            for j, n in enumerate(np.bincount(lag[gen & ~outside], minlength=1).tolist()):
-                if n:
-                    staleness[str(j)] = staleness.get(str(j), 0) + n
-                    self.totals.tokens_by_staleness[str(j)] = self.totals.tokens_by_staleness.get(str(j), 0) + n
-            if outside.any():  # never trained (the manager refuses them: this is the end-to-end guard)
-                mask = gen & ~outside
+        gen = ~obs
+        for j, n in enumerate(np.bincount(lag[gen & ~outside], minlength=1).tolist()):  # k = 0: {"0": all}
+            if n:
+                staleness[str(j)] = staleness.get(str(j), 0) + n
+                self.totals.tokens_by_staleness[str(j)] = self.totals.tokens_by_staleness.get(str(j), 0) + n
+        if k and outside.any():  # never trained (the manager refuses them: this is the end-to-end guard)
+            mask = gen & ~outside
         if resp.finish_reason != "stop":
             by = self.totals.responses_truncated_by_cause
             by[resp.finish_reason] = by.get(resp.finish_reason, 0) + 1
