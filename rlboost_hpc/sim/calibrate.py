@@ -32,7 +32,8 @@ from typing import Any
 from rlboost_hpc.cluster.traces import TraceEvent
 from rlboost_hpc.rundir import RunDir, read_jsonl
 from rlboost_hpc.sim.profiles import EnginePerf, ModelSpec, Network, Profile, Workload
-from rlboost_hpc.sim.simulator import Simulation, SystemSpec
+from rlboost_hpc.sim.simulator import Simulation
+from rlboost_hpc.sim.systems import SystemSpec
 from rlboost_hpc.sim.workload import Availability
 
 

@@ -29,6 +29,12 @@ the controller runs its overlap law (``policy/cap.py``; docs/simulator.md §4).
 
 Deterministic: the event heap is ordered by ``(time, sequence number)``, all iteration orders are fixed, and
 step ``s`` draws its lengths from ``default_rng([seed, s])``.
+
+Where the parts live: this module holds the event loop (:meth:`Simulation.run`), the step lifecycle (seeding
+window, co-located fallback, training, the step's end and the controller) and the run's result;
+:mod:`~rlboost_hpc.sim.event_queue` the event kinds and heap; :mod:`~rlboost_hpc.sim.remote_pool` the remote
+instances; :mod:`~rlboost_hpc.sim.routing` dispatch and balancing; :mod:`~rlboost_hpc.sim.staleness` the steps in
+flight and bounded staleness; :mod:`~rlboost_hpc.sim.systems` the :class:`SystemSpec` of each system.
 """
 from __future__ import annotations
 
@@ -36,69 +42,21 @@ import heapq
 import math
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Literal
 
 from rlboost_hpc.policy.controller import RolloutController, StepObservation
 from rlboost_hpc.policy.observation import RemoteWork, observe_remote
-from rlboost_hpc.policy.dispatch import Balancer, InstanceLoad, RoundRobin, choose_instance
+from rlboost_hpc.policy.dispatch import Balancer, RoundRobin
 from rlboost_hpc.policy.seeding import SeedingWindow
-from rlboost_hpc.sim.engine import DONE, Engine, Req
+from rlboost_hpc.sim.engine import Engine, Req
+from rlboost_hpc.sim.event_queue import (
+    BOOT, ENG, PULL, SEED_CLOSE, SEED_OPEN, STEP_END, TICK, TRACE, TRAIN_DONE, TRAIN_READY, EventQueue,
+)
 from rlboost_hpc.sim.profiles import Profile
-from rlboost_hpc.sim.workload import Availability, step_work
-
-# event kinds (ints: cheap heap comparisons)
-ENG, TICK, TRACE, BOOT, PULL, SEED_OPEN, SEED_CLOSE, TRAIN_READY, TRAIN_DONE, STEP_END = range(10)
-
-
-@dataclass(frozen=True)
-class SystemSpec:
-    """How a system behaves. See :data:`rlboost_hpc.sim.systems.SYSTEMS` for the named ones."""
-
-    name: str
-    colocated: bool = False        # verl: reserved GPUs do the whole rollout, then train (no remote pool)
-    seeding: bool = True           # reserved GPUs seed for T_seed (False: T_seed = 0, fallback only)
-    t_seed_initial_s: float = 150.0
-    eta: float = 3.0
-    floor_s: float = 5.0
-    adapt: bool = True
-    memory: bool = True
-    use_cap: bool = True
-    max_staleness: int = 0         # k ≥ 1: the next k steps' prompts generate while a step trains (module docstring)
-    overlap_controller: bool = True  # k ≥ 1: T_seed at its floor, the overlap cap (False: the paper's, ablation)
-    dispatch: Literal["jsq", "round_robin", "static"] = "jsq"  # the manager's names; static: a fixed split (colocated)
-    theta: int = 96                # Θ: most requests in flight (running + waiting) per instance
-    balancer: bool = True
-    migration: bool = True         # per-sample migration on preemption (False: recompute from scratch)
-    remote_on_demand: bool = False  # remote instances billed at the on-demand rate (disaggregated)
-    balance_interval_s: float = 2.0
-
-
-#: Request ids are ``step · RID_STRIDE + index``: unique over the steps in flight, ordered as before within a step.
-RID_STRIDE = 1 << 32
-
-
-@dataclass
-class StepPool:
-    """One admitted step's responses: ``reqs`` (G consecutive per group), responses done per group, responses done,
-    groups complete before the step became current (bounded staleness), its tokens, when its last response ended."""
-
-    reqs: list[Req]
-    gdone: list[int]
-    tokens: int
-    n_done: int = 0
-    early_groups: list[int] = field(default_factory=list)
-    rollout_done_at: float | None = None
-
-
-@dataclass
-class Remote:
-    name: str
-    engine: Engine
-    state: str            # booting | pulling | ready
-    acquired_at: float
-    version: int = -1     # version held
-    pulling: int = -1     # version being pulled
-    tok_mark: float = 0.0
+from rlboost_hpc.sim.remote_pool import Remote, RemotePoolMixin
+from rlboost_hpc.sim.routing import RoutingMixin
+from rlboost_hpc.sim.staleness import StalenessMixin, StepPool
+from rlboost_hpc.sim.systems import SystemSpec
+from rlboost_hpc.sim.workload import Availability
 
 
 @dataclass
@@ -129,7 +87,7 @@ class RunResult:
         return d
 
 
-class Simulation:
+class Simulation(RemotePoolMixin, RoutingMixin, StalenessMixin, EventQueue):
     """One run. ``duration_s``: steps start only before this time; ``max_steps`` bounds the step count."""
 
     def __init__(self, profile: Profile, system: SystemSpec, avail: Availability | None = None, *,
@@ -142,8 +100,7 @@ class Simulation:
         self.max_steps = max_steps
         self.seed = seed
         self.model_name = model_name or profile.model.name
-        self.heap: list = []
-        self.seq = 0
+        super().__init__()  # the event heap
         self.now = 0.0
         self.events = 0
         self.dirty: set = set()
@@ -180,17 +137,7 @@ class Simulation:
         self.t_last_end = 0.0
         self.tokens_done = 0
 
-    # ------------------------------------------------------------------ event plumbing
-    def push(self, t: float, kind: int, a=None, b=None) -> None:
-        self.seq += 1
-        heapq.heappush(self.heap, (t, self.seq, kind, a, b))
-
-    def _resched(self, e: Engine) -> None:
-        e.ver += 1
-        t = e.next_event()
-        if t is not None:
-            self.push(t, ENG, e, e.ver)
-
+    # ------------------------------------------------------------------ event loop
     def run(self) -> RunResult:
         for name in self.avail.initial:
             self.available[name] = None
@@ -240,103 +187,6 @@ class Simulation:
                 self.dirty.clear()
         return self._result()
 
-    # ------------------------------------------------------------------ pool
-    def _held(self) -> int:
-        return len(self.remotes)
-
-    def _acquire_if_needed(self, t: float) -> None:
-        if self.sys.colocated:
-            return
-        target = math.inf if self.cap is None else self.cap
-        while self._held() < target and self.available:
-            name = next(iter(self.available))
-            del self.available[name]
-            eng = Engine(name, "remote", self.inst_perf, self._on_done)
-            eng.t = t
-            r = Remote(name, eng, "booting", acquired_at=t)
-            self.remotes[name] = r
-            self._held_idx[name] = len(self.held_log)
-            self.held_log.append((name, t, None))
-            self.counters["acquired"] += 1
-            self.push(t + self.p.boot_s, BOOT, r)
-
-    def _release(self, r: Remote, t: float, *, preempted: bool) -> None:
-        del self.remotes[r.name]
-        i = self._held_idx.pop(r.name)
-        self.held_log[i] = (r.name, self.held_log[i][1], t)
-        reqs = r.engine.evict_all(t)
-        for q in reqs:
-            self._left(q)
-        self._gone_work.append(self._work(r))
-        self.balancer.forget(r.name)
-        r.engine.ver += 1  # invalidate pending engine events
-        self.dirty.discard(r.engine)
-        if reqs:
-            for q in reqs:
-                if self.sys.migration:
-                    self.counters["responses_migrated"] += 1
-                    self.counters["tokens_migrated"] += q.n
-                    q.migrations += 1
-                else:
-                    self.counters["tokens_regenerated"] += q.n
-                    q.regenerated += q.n
-                    q.n, q.n0, q.by_ver = 0.0, 0.0, None
-            self.queue.extendleft(reversed(reqs))
-        if preempted:
-            self.counters["preemptions"] += 1
-        else:
-            self.counters["released"] += 1
-
-    def _trim_to_cap(self, t: float) -> None:
-        if self.cap is None:
-            return
-        excess = self._held() - self.cap
-        if excess <= 0:
-            return
-        rank = {"booting": 0, "pulling": 1, "ready": 2}
-        order = sorted(self.remotes.values(), key=lambda r: (rank[r.state], -r.acquired_at, r.name))
-        for r in order[:excess]:
-            self._release(r, t, preempted=False)
-            self.available[r.name] = None  # still live in the trace: it may be taken again later
-
-    def _trace(self, ev, t: float) -> None:
-        if ev.kind == "add":
-            self.available[ev.instance] = None
-        else:
-            self.available.pop(ev.instance, None)
-            r = self.remotes.get(ev.instance)
-            if r is not None:
-                self._release(r, t, preempted=True)
-        self._acquire_if_needed(t)
-        self._maybe_fallback(t)
-
-    def _start_pull(self, r: Remote, t: float, n_starting: int = 1) -> None:
-        """Start pulling the latest version. The trainer's egress is shared by every pull in progress,
-        counted when the pull starts (pulls starting together finish together)."""
-        n_pulling = n_starting + sum(1 for x in self.remotes.values() if x.state == "pulling" and x is not r)
-        r.state = "pulling"
-        r.pulling = self.version
-        net = self.p.net
-        egress = net.trainer_egress_Bps * self.p.reserved_nodes
-        rate = min(net.instance_ingress_Bps, egress / n_pulling) * net.efficiency
-        self.push(t + self.p.model.weight_bytes / rate, PULL, r, self.version)
-
-    def _boot_done(self, r: Remote, t: float) -> None:
-        if self.remotes.get(r.name) is not r:
-            return
-        self._start_pull(r, t)
-        self._try_close(t)
-
-    def _pull_done(self, r: Remote, version: int, t: float) -> None:
-        if self.remotes.get(r.name) is not r or r.pulling != version:
-            return
-        r.version = version
-        if version != self.version:
-            self._start_pull(r, t)
-            return
-        r.state = "ready"
-        self._try_close(t)
-
     # ------------------------------------------------------------------ step lifecycle
     def _start_step(self, t: float) -> None:
         self.step += 1
@@ -377,37 +227,6 @@ class Simulation:
             self.push(t_open, SEED_OPEN, None, s)
             if math.isfinite(self.t_seed):
                 self.push(t_open + self.t_seed, SEED_CLOSE, None, s)
-
-    def _admit(self, step: int) -> StepPool:
-        """Queue ``step``'s responses (its workload: ``step_work``) behind what is queued."""
-        w = step_work(self.p.workload, self.seed, step)
-        G = self.p.workload.group
-        reqs = [Req(step * RID_STRIDE + i, i // G, int(w.prompt[i]), int(w.response[i]), step)
-                for i in range(len(w.response))]
-        self.queue.extend(reqs)
-        return StepPool(reqs, [0] * (len(reqs) // G), w.tokens)
-
-    def _took(self, r: Req) -> None:
-        """Bounded staleness: ``r`` goes to an engine that holds the current version (only holders are routable)."""
-        if self.k:
-            r.ver, r.n0 = self.version, r.n
-
-    def _left(self, r: Req) -> None:
-        """Bounded staleness: ``r`` left its engine (done, evicted, moved): credit its new tokens to the version."""
-        if self.k and r.n > r.n0:
-            if r.by_ver is None:
-                r.by_ver = {}
-            r.by_ver[r.ver] = r.by_ver.get(r.ver, 0.0) + r.n - r.n0
-            r.n0 = r.n
-
-    def _work(self, r: Remote) -> RemoteWork:
-        """Remote ``r``'s record for the observation law (``policy/observation.py``). The simulator's balancer
-        samples every busy engine each balance period, so a peak is known for any engine that served a period;
-        busy seconds (the law's last resort) are not tracked here (0)."""
-        return RemoteWork(tokens=r.engine.tokens_out - r.tok_mark, peak_tokens_per_s=self.balancer.peak(r.name))
-
-    def _remote_capacity(self) -> bool:
-        return any(r.state in ("ready", "pulling") for r in self.remotes.values())
 
     def _seed_open(self, t: float) -> None:
         self.seed_state = "open"
@@ -564,113 +383,6 @@ class Simulation:
         self._trim_to_cap(t)
         self._acquire_if_needed(t)
         self._start_step(t)
-
-    def _staleness(self, pool: StepPool) -> dict[str, float]:
-        """Generated tokens of ``pool`` (trained by the current version) by staleness: {"0": all} when k = 0."""
-        if not self.k:
-            return {"0": float(sum(r.target for r in pool.reqs))}
-        out: dict[str, float] = {}
-        for r in pool.reqs:
-            for v, n in (r.by_ver or {}).items():
-                out[str(self.version - v)] = out.get(str(self.version - v), 0.0) + n
-        return out
-
-    # ------------------------------------------------------------------ dispatch and balancing
-    def _routable(self) -> list[Engine]:
-        out = list(self.reserved) if self.resv_routable else []
-        v = self.version
-        for r in self.remotes.values():
-            if r.state == "ready" and r.version == v:
-                out.append(r.engine)
-                self.remote_seen = True
-        return out
-
-    def _static_split(self, t: float) -> None:
-        engs = self._routable()
-        if not engs or not self.queue:
-            return
-        reqs = list(self.queue)
-        self.queue.clear()
-        n, E = len(reqs), len(engs)
-        per = -(-n // E)
-        for i, e in enumerate(engs):
-            for r in reqs[i * per:(i + 1) * per]:
-                self._took(r)
-                e.take(r)
-            e.admit(t)
-            self.dirty.add(e)
-
-    def _dispatch(self, t: float) -> None:
-        engs = self._routable()
-        if not engs:
-            return
-        q = self.queue
-        theta = self.sys.theta
-        loads = [e.B + len(e.waiting) for e in engs]
-        rr = self.sys.dispatch != "jsq"
-        while q:
-            i = self.rr.choose(loads, theta) if rr else choose_instance(loads, theta)
-            if i is None:
-                break
-            r = q.popleft()
-            if r.state == DONE:
-                continue
-            e = engs[i]
-            self._took(r)
-            e.take(r)
-            e.admit(t)
-            self.dirty.add(e)
-            loads[i] = e.B + len(e.waiting)
-
-    def _tick(self, t: float) -> None:
-        if self.finished:
-            return
-        self.push(t + self.sys.balance_interval_s, TICK)
-        if all(p.n_done >= len(p.reqs) for p in self.pools.values()):
-            return
-        engs = self._routable()
-        bal = self.balancer
-        loads = []
-        by_id = {}
-        for e in engs:
-            e.advance(t)
-            if e.B:
-                bal.observe(e.eid, e.B, e.throughput())
-            cap = e.B if e.waiting else None
-            loads.append(InstanceLoad(e.eid, len(e.waiting), e.B, cap))
-            by_id[e.eid] = e
-        if not self.sys.balancer or len(engs) < 2:
-            return
-        moves = bal.moves_for(
-            loads, t,
-            lambda iid: [r.rid for r in by_id[iid].waiting],
-            lambda iid: [(r.rid, by_id[iid].generated(r)) for r in by_id[iid].running.values()],
-            tail=not self.queue)
-        if not moves:
-            return
-        by_src: dict = {}
-        for m in moves:
-            by_src.setdefault((m.src, m.kind), []).append(m)
-        for (src, kind), ms in by_src.items():
-            e = by_id[src]
-            rids = [m.rid for m in ms]
-            got = e.pop_waiting(rids, t) if kind == "queued" else e.pop_running(rids, t)
-            self.dirty.add(e)
-            dst_of = {m.rid: m.dst for m in ms}
-            for r in got:
-                self._left(r)
-                self._took(r)
-                d = by_id[dst_of[r.rid]]
-                if kind == "running":
-                    r.migrations += 1
-                    self.counters["moves_running"] += 1
-                else:
-                    self.counters["moves_queued"] += 1
-                d.take(r)
-                self.dirty.add(d)
-        for e in engs:
-            if e in self.dirty:
-                e.admit(t)
 
     # ------------------------------------------------------------------ results
     def _result(self) -> RunResult:

@@ -1,4 +1,5 @@
-"""The simulated systems (the paper's baselines and ablations).
+"""The simulated systems: what a system is (:class:`SystemSpec`, the knobs the simulator reads) and the named
+ones (the paper's baselines and ablations).
 
 * ``colocated`` — verl hybrid engine: the reserved GPUs do the whole rollout (prompts split evenly and
   statically across engines, as verl does), then train; no preemptible capacity.
@@ -19,7 +20,32 @@
 """
 from __future__ import annotations
 
-from rlboost_hpc.sim.simulator import SystemSpec
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    """How a system behaves. See :data:`SYSTEMS` for the named ones."""
+
+    name: str
+    colocated: bool = False        # verl: reserved GPUs do the whole rollout, then train (no remote pool)
+    seeding: bool = True           # reserved GPUs seed for T_seed (False: T_seed = 0, fallback only)
+    t_seed_initial_s: float = 150.0
+    eta: float = 3.0
+    floor_s: float = 5.0
+    adapt: bool = True
+    memory: bool = True
+    use_cap: bool = True
+    max_staleness: int = 0         # k ≥ 1: the next k steps' prompts generate while a step trains (module docstring)
+    overlap_controller: bool = True  # k ≥ 1: T_seed at its floor, the overlap cap (False: the paper's, ablation)
+    dispatch: Literal["jsq", "round_robin", "static"] = "jsq"  # the manager's names; static: a fixed split (colocated)
+    theta: int = 96                # Θ: most requests in flight (running + waiting) per instance
+    balancer: bool = True
+    migration: bool = True         # per-sample migration on preemption (False: recompute from scratch)
+    remote_on_demand: bool = False  # remote instances billed at the on-demand rate (disaggregated)
+    balance_interval_s: float = 2.0
+
 
 COLOCATED = SystemSpec("colocated", colocated=True, seeding=False, dispatch="static", balancer=False,
                        use_cap=False)
