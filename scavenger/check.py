@@ -28,7 +28,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from scavenger.slurm_records import expand_hostlist
+from scavenger.slurm_fields import expand_hostlist
 
 Level = Literal["ok", "warn", "fail"]
 

@@ -22,7 +22,8 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
-from scavenger.slurm_records import SacctRecord, expand_hostlist
+from scavenger.slurm_fields import expand_hostlist
+from scavenger.slurm_records import SacctRecord
 
 __all__ = ["OwnerDelay", "DelayStats", "HarvestTotals", "OwnersReport", "owners_report", "format_report",
            "plot_report", "add_run_tokens"]

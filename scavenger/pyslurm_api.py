@@ -30,7 +30,8 @@ import re
 from typing import Any, Iterable, Mapping
 
 from scavenger.slurm import SlurmClient, SlurmCommandError
-from scavenger.slurm_records import JobInfo, NodeInfo, select_jobs, signal_number, states_of
+from scavenger.slurm_fields import states_of
+from scavenger.slurm_records import JobInfo, NodeInfo, select_jobs, signal_number
 
 log = logging.getLogger(__name__)
 

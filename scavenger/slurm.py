@@ -1,5 +1,6 @@
 """A Slurm command-line client: ``sinfo``, ``squeue``, ``sbatch``, ``scancel``, ``scontrol requeue``, ``sacct``
-(records and parsers: :mod:`scavenger.slurm_records`).
+(records: :mod:`scavenger.slurm_records` and :mod:`scavenger.slurm_reservations`; parsers:
+:mod:`scavenger.slurm_parsing`).
 
 Why the CLI: pyslurm only builds against one exact Slurm release (25.11 refuses 22.05), while the CLI is on
 every cluster (:mod:`scavenger.pyslurm_api` uses pyslurm where it matches).
@@ -22,23 +23,19 @@ import subprocess
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from scavenger.slurm_records import (
+from scavenger.slurm_fields import text_of
+from scavenger.slurm_parsing import (
     SACCT_FIELDS,
-    JobInfo,
-    NodeInfo,
-    Reservation,
-    SacctRecord,
-    text_of,
     parse_node_features,
-    parse_reservations,
     parse_sacct,
     parse_sbatch_parsable,
     parse_sinfo_json,
     parse_sinfo_text,
     parse_squeue_json,
-    select_jobs,
     sinfo_text_format,
 )
+from scavenger.slurm_records import JobInfo, NodeInfo, SacctRecord, select_jobs
+from scavenger.slurm_reservations import Reservation, parse_reservations
 
 DEFAULT_TIMEOUT_S = 15.0
 

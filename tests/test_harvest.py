@@ -321,7 +321,7 @@ def test_the_service_metrics_cover_its_grafana_dashboard_and_follow_the_conventi
 
 
 def test_nodes_of_a_reservation_that_begins_within_the_horizon_are_not_harvested(tmp_path):
-    from scavenger.slurm_records import parse_reservations
+    from scavenger.slurm_reservations import parse_reservations
 
     text = ("ReservationName=maint StartTime=2026-12-05T12:30:00 EndTime=2026-12-05T14:00:00 Duration=01:30:00 "
             "Nodes=n[1-2] NodeCnt=2 CoreCnt=8 Features=(null) PartitionName=(null) Flags=MAINT State=INACTIVE\n"
@@ -367,7 +367,7 @@ def test_a_scavenger_under_the_service_keeps_its_default_tag():
 
 
 def test_nodes_with_an_excluded_feature_are_not_harvested(tmp_path):
-    from scavenger.slurm_records import parse_node_features
+    from scavenger.slurm_parsing import parse_node_features
 
     feats = parse_node_features("n1|(null)\nn2|a100,ib\nn2|a100,ib\nn3|debug\nbroken line\n")
     assert feats == {"n1": frozenset(), "n2": {"a100", "ib"}, "n3": {"debug"}}

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlboost_hpc.events import append_event, drain_requested, drain_marker_path, read_events
-from scavenger.slurm_records import parse_sacct
+from scavenger.slurm_parsing import parse_sacct
 from scavenger.stats import compute_stats, cross_check_sacct, load_run_stats, sacct_requeues, stats_main
 
 T = 1_800_000_000.0

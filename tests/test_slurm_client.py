@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from scavenger.slurm import SlurmClient, SlurmCommandError
-from scavenger.slurm_records import (
-    exit_code_of, gres_gpu_count, parse_elapsed, parse_sacct, parse_sbatch_parsable, parse_sinfo_json,
-    parse_sinfo_text, parse_squeue_json, parse_tres,
+from scavenger.slurm_fields import exit_code_of, gres_gpu_count, parse_elapsed, parse_tres
+from scavenger.slurm_parsing import (
+    parse_sacct, parse_sbatch_parsable, parse_sinfo_json, parse_sinfo_text, parse_squeue_json,
 )
 
 DATA = Path(__file__).parent / "data" / "slurm"
