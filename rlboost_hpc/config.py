@@ -555,7 +555,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def _config_file(p: Path) -> Path:
+def resolve_config_file(p: Path) -> Path:
     """``p``, or — a relative path that is not a file here, e.g. README's ``configs/local.toml`` typed outside the
     checkout — the config of that name the project ships (``rlboost_hpc.paths.shipped``).
 
@@ -581,7 +581,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """
     data: dict[str, Any] = {}
     if path is not None:
-        p = _config_file(Path(path))
+        p = resolve_config_file(Path(path))
         try:
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:

@@ -14,6 +14,12 @@ itself (:meth:`TrainerJob.checkpoint`). Each start runs the same :class:`Trainer
 verified checkpoint in the run directory (``trainer.resume = "auto"``), so a requeue loses nothing and trains
 nothing twice. The returned :class:`LaunchedRun`'s ``result()`` is the run's report.
 
+Both check everything on the submitting host before they submit anything (:func:`preflight`): the run config with
+the trainer's overrides (exit 2 naming the file or key), the run directory, and the scavenger's flags (its own
+``--check``: flags, rollout script, harvest spool); nothing is submitted and nothing is left running when one is
+wrong. The trainer's job is named ``rlboost-train-<run id>``, as the rollout jobs carry the run id, and the scavenger
+is told its job id (``--trainer-job``): a trainer that fails ends the run's harvesting at the next reconciliation.
+
 Rollout jobs are the scavenger's to submit, on its ``sbatch`` path (``sbatch/rollout.sbatch``), whose
 batch shell traps Slurm's preemption warning and hands unfinished responses over within the grace time — a
 pickled Python callable cannot do that from the batch shell, and thousands of short, requeued rollout attempts do
@@ -33,6 +39,7 @@ from typing import Any, Sequence
 
 import submitit
 
+from rlboost_hpc.errors import BadInput
 from rlboost_hpc.paths import shipped
 from rlboost_hpc.rundir import RunDir
 
@@ -128,14 +135,64 @@ class LaunchedRun:
         RunDir(self.run_dir).write_target(0, active=False, step=-1)
 
 
+#: Name of the trainer's Slurm job; the run id follows (the rollout jobs are ``rlboost-rollout-<run id>``).
+TRAIN_JOB_PREFIX = "rlboost-train-"
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What :func:`preflight` found: the config file as it will be read (absolute; ``None``: the built-in
+    defaults), the run directory (absolute, created) and the run id its jobs carry."""
+
+    config: Path | None
+    run_dir: Path
+    run_id: str
+
+
+def preflight(config: str | os.PathLike | None, out_dir: str | os.PathLike,
+              overrides: Sequence[str] = ()) -> Preflight:
+    """Check a run on the submitting host before anything is submitted: the config file (a relative path that is
+    not a file here is the shipped config of that name, as for ``rlboost-hpc run``), loaded with the Slurm run's
+    overrides and ``overrides`` (``key=value``) and validated; the run directory (created).
+
+    Raises:
+        BadInput: the config (ConfigError: the file, or the key and where its value came from) or the run
+            directory (RunDirError) is wrong — exit status 2, nothing submitted.
+    """
+    from rlboost_hpc.config import load_config, resolve_config_file
+
+    path = None if config is None else resolve_config_file(Path(config)).resolve()
+    load_config(path, [*SLURM_RUN, *overrides])
+    rd = RunDir(Path(out_dir)).create()
+    return Preflight(path, rd.root.resolve(), rd.run_id())
+
+
+def scavenger_command(run_dir: str | os.PathLike, args: Sequence[str] = ()) -> list[str]:
+    """The scavenger a launch starts: ``rlboost-hpc scavenger RUN_DIR`` with the shipped rollout script, logs in
+    ``RUN_DIR/logs``, ``--exit-when-done`` and ``args``, run by this interpreter."""
+    rd = RunDir(Path(run_dir))
+    return [sys.executable, "-m", "rlboost_hpc.cli", "scavenger", str(rd.root), "--script",
+            str(shipped("sbatch/rollout.sbatch")), "--log-dir", str(rd.logs), "--exit-when-done", *args]
+
+
+def check_scavenger(run_dir: str | os.PathLike, args: Sequence[str] = ()) -> None:
+    """Run the scavenger's own ``--check`` with the flags a launch will start it with (its flags, config, rollout
+    script, run directory and harvest spool; no Slurm call). Raises BadInput with its one-line message."""
+    p = subprocess.run([*scavenger_command(run_dir, args), "--check"], capture_output=True, text=True, timeout=120,
+                       stdin=subprocess.DEVNULL)
+    if p.returncode != 0:
+        lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+        raise BadInput(f"scavenger flags {' '.join(args) or '(none)'}: {lines[-1] if lines else p.returncode}")
+
+
 def start_scavenger(run_dir: str | os.PathLike, args: Sequence[str] = ()) -> subprocess.Popen:
-    """Start ``rlboost-hpc scavenger RUN_DIR --exit-when-done ARGS`` in the background, in its own session (it
-    outlives this process, as ``sbatch/launch --detach`` does), with this interpreter for the rollout jobs
-    (``RLBOOST_PYTHON``); output appended to ``RUN_DIR/logs/scavenger.log``, pid in ``RUN_DIR/scavenger.pid``."""
+    """Start ``rlboost-hpc scavenger RUN_DIR --exit-when-done ARGS`` (:func:`scavenger_command`) in the background,
+    in its own session (it outlives this process, as ``sbatch/launch --detach`` does), with this interpreter for the
+    rollout jobs (``RLBOOST_PYTHON``); output appended to ``RUN_DIR/logs/scavenger.log``, pid in
+    ``RUN_DIR/scavenger.pid``."""
     rd = RunDir(Path(run_dir))
     rd.logs.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "rlboost_hpc.cli", "scavenger", str(rd.root), "--script",
-           str(shipped("sbatch/rollout.sbatch")), "--log-dir", str(rd.logs), "--exit-when-done", *args]
+    cmd = scavenger_command(rd.root, args)
     with open(rd.scavenger_log, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env={**os.environ, "RLBOOST_PYTHON": os.environ.get("RLBOOST_PYTHON", sys.executable)},
@@ -160,13 +217,22 @@ def submit_run(config: str | os.PathLike | None, out_dir: str | os.PathLike, *, 
     ``gpus_per_node``: the trainer's GPUs (GRES). Further ``executor_params`` go to
     ``AutoExecutor.update_parameters`` (e.g. ``slurm_account``, ``slurm_qos``).
 
+    Everything is checked before anything is submitted (:func:`preflight` and the scavenger's ``--check``); the
+    trainer's job is named ``rlboost-train-<run id>`` and the scavenger watches it (``--trainer-job``).
+
     Raises:
+        BadInput: the config (ConfigError, naming the file or key), ``out_dir`` (RunDirError) or a scavenger flag
+            is wrong — nothing was submitted.
         submitit.core.utils.FailedJobError: sbatch refused the trainer job (message from Slurm).
-        RunDirError: ``out_dir`` cannot be a run directory.
     """
-    rd = RunDir(Path(out_dir)).create()
+    pre = preflight(config, out_dir, overrides)
+    scav_args = None if scavenger is False else [] if scavenger is True else list(scavenger)
+    if scav_args is not None:
+        check_scavenger(pre.run_dir, scav_args)
+    rd = RunDir(pre.run_dir)
     ex = submitit.AutoExecutor(folder=rd.root / SUBMITIT_DIR, cluster="slurm")
-    params: dict[str, Any] = dict(name="rlboost-train", timeout_min=timeout_min, slurm_signal_delay_s=signal_delay_s,
+    params: dict[str, Any] = dict(name=TRAIN_JOB_PREFIX + pre.run_id, timeout_min=timeout_min,
+                                  slurm_signal_delay_s=signal_delay_s,
                                   slurm_additional_parameters={"requeue": True, **(slurm_additional_parameters or {})})
     if partition:
         params["slurm_partition"] = partition
@@ -177,10 +243,11 @@ def submit_run(config: str | os.PathLike | None, out_dir: str | os.PathLike, *, 
     if gpus_per_node:
         params["gpus_per_node"] = gpus_per_node
     ex.update_parameters(**params, **executor_params)
-    job = ex.submit(TrainerJob(None if config is None else str(config), str(rd.root), [*SLURM_RUN, *overrides]))
+    job = ex.submit(TrainerJob(None if pre.config is None else str(pre.config), str(rd.root),
+                               [*SLURM_RUN, *overrides]))
     scav = None
-    if scavenger is not False:
-        scav = start_scavenger(rd.root, () if scavenger is True else list(scavenger))
+    if scav_args is not None:
+        scav = start_scavenger(rd.root, ["--trainer-job", str(job.job_id), *scav_args])
     return LaunchedRun(job=job, scavenger=scav, run_dir=rd.root)
 
 
@@ -192,3 +259,29 @@ def launch_main(argv: Sequence[str]) -> int:
     env = {**os.environ, "RLBOOST_PYTHON": os.environ.get("RLBOOST_PYTHON", sys.executable)}
     os.execve("/bin/bash", ["/bin/bash", str(script), *argv], env)
     return 1  # (not reached)
+
+
+def _preflight_main(argv: Sequence[str]) -> int:
+    """``python -m rlboost_hpc.launch preflight RUN_DIR CONFIG``, what ``sbatch/launch`` runs before it submits: the
+    trainer's overrides come from ``RLBOOST_TRAIN_ARGS`` (``--set key=value`` words, as ``train.sbatch`` splits
+    them). Prints ``config=<path>`` and ``run_id=<id>``; bad input: one line on stderr, exit 2."""
+    if len(argv) != 2:
+        print("usage: python -m rlboost_hpc.launch preflight RUN_DIR CONFIG", file=sys.stderr)
+        return 2
+    words = os.environ.get("RLBOOST_TRAIN_ARGS", "").split()
+    overrides = [words[i + 1] for i, w in enumerate(words[:-1]) if w == "--set"]
+    try:
+        pre = preflight(argv[1], argv[0], overrides)
+    except BadInput as e:
+        print(f"launch: {e}", file=sys.stderr)
+        return 2
+    print(f"config={pre.config}\nrun_id={pre.run_id}")
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["preflight"]:
+        print("usage: python -m rlboost_hpc.launch preflight RUN_DIR CONFIG (use `rlboost-hpc launch` to launch)",
+              file=sys.stderr)
+        sys.exit(2)
+    sys.exit(_preflight_main(sys.argv[2:]))

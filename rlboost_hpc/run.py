@@ -368,11 +368,9 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
             t_after = time.monotonic()  # the step's own bookkeeping and checkpoint: part of its timeline
             st = trainer.last_stats  # taken at the end of the step, after its version change
             _add_fleet(rec, st, svc, t_start)
-            cap = trainer.decision.n_prem_cap if trainer.decision else None
-            rec.n_prem_target = n_prem = min(cap if cap is not None else cfg.cluster.max_workers,
-                                             cfg.cluster.max_workers)
+            rec.n_prem_target, wanted = svc.target_of(trainer.decision)
             m = rec.line()
-            svc.set_target(n_prem, step=step + 1)
+            svc.set_target(rec.n_prem_target, step=step + 1, wanted=wanted)
             steps.append(m)
             every = cfg.trainer.checkpoint_every
             if every and ((step + 1) % every == 0 or step + 1 == cfg.trainer.steps):

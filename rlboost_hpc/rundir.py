@@ -225,13 +225,15 @@ class RunDir:
                                                                       "__metrics_path__": u.path or "/metrics"}}])
         return path
 
-    def write_target(self, n_prem: int, active: bool, step: int, gpus_per_instance: int | None = None) -> None:
-        """Replace ``target.json`` (:class:`TargetFile`) atomically; ``gpus_per_instance`` is left out when
-        ``None``."""
+    def write_target(self, n_prem: int, active: bool, step: int, gpus_per_instance: int | None = None,
+                     wanted: int | None = None) -> None:
+        """Replace ``target.json`` (:class:`TargetFile`) atomically; ``gpus_per_instance`` and ``wanted`` are left
+        out when ``None``."""
         data = msgspec.structs.asdict(TargetFile(n_prem=int(n_prem), active=bool(active), step=step,
-                                                 gpus_per_instance=gpus_per_instance))
-        if gpus_per_instance is None:
-            del data["gpus_per_instance"]
+                                                 gpus_per_instance=gpus_per_instance, wanted=wanted))
+        for key in ("gpus_per_instance", "wanted"):
+            if data[key] is None:
+                del data[key]
         write_json_atomic(self.target, data)
 
     def read_target(self) -> "TargetFile | None":
@@ -282,14 +284,17 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict]:
 
 
 class TargetFile(msgspec.Struct, kw_only=True):
-    """``target.json``, written by the trainer and read by the scavenger: ``n_prem`` live rollout jobs wanted while
-    ``active`` (``false`` ends the run's harvesting); ``step`` the RL step that set it (−1: the run ended before
-    its first); ``gpus_per_instance`` (when set) the GPUs each rollout job must ask for (``--gres=gpu:N``)."""
+    """``target.json``, written by the trainer and read by the scavenger: ``n_prem`` live rollout jobs to keep while
+    ``active`` (``false`` ends the run's harvesting) — the N_prem cap, clamped to the capacity the run was last
+    offered; ``wanted`` how many the run could use — the same law before that clamp, what the scavenger asks a
+    shared pool (the harvest service) for (absent: ``n_prem``); ``step`` the RL step that set it (−1: the run ended
+    before its first); ``gpus_per_instance`` (when set) the GPUs each rollout job must ask for (``--gres=gpu:N``)."""
 
     n_prem: Annotated[int, msgspec.Meta(ge=0)]
     active: bool = True
     step: int | None = None
     gpus_per_instance: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    wanted: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 class CapacityView(msgspec.Struct, kw_only=True, frozen=True):

@@ -17,7 +17,7 @@ import logging
 import math
 import socket
 import threading
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -25,6 +25,9 @@ from rlboost_hpc.config import RunConfig
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.auth import RunKeys
 from rlboost_hpc.rundir import RunDir, advertised
+
+if TYPE_CHECKING:
+    from rlboost_hpc.policy.controller import StepDecision
 
 log = logging.getLogger("rlboost.run")
 
@@ -277,12 +280,22 @@ class RunServices:
             reclaim_leftovers()  # what SIGKILLed local workers left on this node (shared memory, temp dirs)
         self.defer(stop_cluster)
 
-    def set_target(self, n_prem: int, step: int) -> None:
-        """The preemptible instances the run wants now: the scavenger's ``target.json`` under Slurm, the local
-        cluster's cap otherwise (``step``: the next step, recorded in the target)."""
+    def target_of(self, decision: "StepDecision | None") -> tuple[int, int]:
+        """``(n_prem, wanted)`` for the next step from the controller's decision, both within
+        ``cluster.max_workers``: ``n_prem`` the instances to keep (the cap, clamped to the capacity seen), ``wanted``
+        how many the run could use (the law before that clamp; no decision or no bound: ``max_workers``)."""
+        most = self.cfg.cluster.max_workers
+        cap = decision.n_prem_cap if decision is not None else None
+        wanted = decision.n_prem_wanted if decision is not None else None
+        return min(most, most if cap is None else cap), min(most, most if wanted is None else wanted)
+
+    def set_target(self, n_prem: int, step: int, wanted: int | None = None) -> None:
+        """The preemptible instances the run wants now: the scavenger's ``target.json`` under Slurm (``n_prem`` to
+        keep live, ``wanted`` — default ``n_prem`` — to ask a shared pool for), the local cluster's cap otherwise
+        (``step``: the next step, recorded in the target)."""
         if self.cfg.cluster.kind == "slurm":
             self._target_step = step
-            self.run_dir.write_target(n_prem, active=True, step=step,
+            self.run_dir.write_target(n_prem, active=True, step=step, wanted=n_prem if wanted is None else wanted,
                                       gpus_per_instance=self.cfg.rollout.gpus_per_instance)
         elif self.cluster is not None:
             self.cluster.set_cap(n_prem)

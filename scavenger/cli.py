@@ -65,9 +65,14 @@ def build_parser(prog: str = "rlboost-hpc scavenger") -> argparse.ArgumentParser
     p.add_argument("--slurm-api", choices=["auto", "cli", "pyslurm"], help=_help("slurm_api"))
     p.add_argument("--harvest-dir", help=_help("harvest_dir"))
     p.add_argument("--harvest-max-age-s", type=float, help=_help("harvest_max_age_s"))
+    p.add_argument("--trainer-job", help=_help("trainer_job"))
     p.add_argument("--spot-price-per-gpu-hour", type=float, help=_help("spot_price_per_gpu_hour"))
     p.add_argument("--on-demand-price-per-gpu-hour", type=float, help=_help("on_demand_price_per_gpu_hour"))
     p.add_argument("--once", action="store_true", help="run one reconciliation, print its result as JSON, exit")
+    p.add_argument("--check", action="store_true",
+                   help="check the flags, the config, the rollout script, the run directory and the harvest spool, "
+                        "then exit (0: all good; 2: the first problem, named) without talking to Slurm — what "
+                        "sbatch/launch and submit_run run before they submit anything")
     p.add_argument("--exit-when-done", action="store_true",
                    help="exit once target.json says active=false and no rollout job is left")
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
@@ -78,8 +83,8 @@ def build_parser(prog: str = "rlboost-hpc scavenger") -> argparse.ArgumentParser
 _KNOBS = ("partition", "qos", "account", "gpus_per_job", "cpus_per_job", "time_limit", "max_jobs", "grace_s",
           "signal", "requeue", "script", "job_name_prefix", "run_id", "tag", "log_dir", "extra_sbatch_args",
           "poll_s", "command_timeout_s", "max_backoff_s", "max_submit_per_cycle", "failed_job_backoff_s",
-          "metrics_port", "metrics_host", "slurm_api", "harvest_dir", "harvest_max_age_s", "spot_price_per_gpu_hour",
-          "on_demand_price_per_gpu_hour")
+          "metrics_port", "metrics_host", "slurm_api", "harvest_dir", "harvest_max_age_s", "trainer_job",
+          "spot_price_per_gpu_hour", "on_demand_price_per_gpu_hour")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -89,9 +94,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_scavenger_config(args.config, **{k: getattr(args, k) for k in _KNOBS})
         script = cfg.resolved_script()
         RunDir(Path(args.run_dir)).require("the scavenger")  # a mistyped path must not become an empty run
+        if cfg.harvest_dir:
+            from scavenger.harvest import HarvestSpool
+
+            HarvestSpool(cfg.harvest_dir).require()  # only a spool the cluster's service made
     except BadInput as e:
         print(f"rlboost-hpc scavenger: {e}", file=sys.stderr)
         return 2
+    if args.check:
+        print(f"rlboost-hpc scavenger: ok (run {cfg.resolved_run_id(args.run_dir)}, script {script}"
+              + (f", harvest spool {cfg.harvest_dir}" if cfg.harvest_dir else "") + ")")
+        return 0
     setup_logging("scavenger", level=args.log_level.upper(), run_id=cfg.resolved_run_id(args.run_dir))
     from scavenger.daemon import Scavenger
 

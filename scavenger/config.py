@@ -74,6 +74,10 @@ class ScavengerConfig(BaseModel):
         "there and keep at most the share it grants; None: harvest alone (every idle slot of the partition)"))
     harvest_max_age_s: float = Field(60.0, gt=0, description=(
         "a share the harvest service has not renewed for this many seconds is stale: submit nothing new"))
+    trainer_job: str | None = Field(None, description=(
+        "Slurm job id of the run's trainer (sbatch/launch and submit_run pass it): once that job has ended while "
+        "target.json still says the run is active (the trainer failed or was cancelled), the run is over — cancel "
+        "its rollout jobs (and, with --exit-when-done, exit) instead of waiting for a target that never comes"))
     spot_price_per_gpu_hour: float = Field(0.0, ge=0, description=(
         "price of one harvested (preemptible) GPU-hour, for cost per token (e.g. the cluster's internal charge)"))
     on_demand_price_per_gpu_hour: float = Field(0.0, ge=0, description=(
@@ -95,6 +99,13 @@ class ScavengerConfig(BaseModel):
         if not re.fullmatch(r"(\d+-)?\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE", v, flags=re.I):
             raise ValueError(f"time_limit {v!r}: use minutes, MM:SS, HH:MM:SS or D-HH:MM:SS")
         return v
+
+    @field_validator("trainer_job")
+    @classmethod
+    def _job_id(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"\d+(_\d+)?", str(v).strip()):
+            raise ValueError(f"{v!r} is not a Slurm job id (digits, e.g. 4711)")
+        return None if v is None else str(v).strip()
 
     @field_validator("job_name_prefix", "tag", "run_id")
     @classmethod
@@ -176,6 +187,27 @@ class ScavengerConfig(BaseModel):
             *self.extra_sbatch_args,
         ]
         return args
+
+
+def time_limit_seconds(value: str) -> float | None:
+    """Seconds of an ``sbatch --time`` value, as sbatch reads it: ``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``,
+    ``D-H:M:S``; ``None`` for ``UNLIMITED``/``INFINITE``. Raises ValueError for anything else."""
+    v = value.strip()
+    if v.upper() in ("UNLIMITED", "INFINITE"):
+        return None
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?", v)
+    if m is None:
+        raise ValueError(f"time limit {value!r}: use minutes, MM:SS, HH:MM:SS or D-HH[:MM[:SS]]")
+    days, a, b, c = m.groups()
+    nums = [int(x) for x in (a, b, c) if x is not None]
+    if days is not None:  # D-H, D-H:M, D-H:M:S
+        h, mi, se = (nums + [0, 0])[:3]
+        return float(int(days) * 86400 + h * 3600 + mi * 60 + se)
+    if len(nums) == 1:  # minutes
+        return float(nums[0] * 60)
+    if len(nums) == 2:  # minutes:seconds
+        return float(nums[0] * 60 + nums[1])
+    return float(nums[0] * 3600 + nums[1] * 60 + nums[2])
 
 
 def load_toml_model(path: str | os.PathLike[str] | None, table: str, model: type[_M], error: type[Exception],

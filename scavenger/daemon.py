@@ -2,24 +2,31 @@
 
 One :meth:`Scavenger.reconcile_once` step:
 
-1. read the target (``RUN_DIR/target.json``, :class:`rlboost_hpc.rundir.TargetFile`;
-   missing → 0 (nothing is submitted before the run says how many jobs of which size); unreadable → keep the last good target and submit nothing new); a
-   ``gpus_per_instance`` from the run replaces ``gpus_per_job`` (jobs are submitted with the run's instance size);
+1. read the target (``RUN_DIR/target.json``, :class:`rlboost_hpc.rundir.TargetFile`; missing → 0: nothing is
+   submitted before the run says how many jobs of which size; unreadable → keep the last good target and submit
+   nothing new); a ``gpus_per_instance`` from the run replaces ``gpus_per_job`` (jobs are submitted with the run's
+   instance size);
 2. list OUR jobs — those whose ``--comment`` equals the run's tag — in every state (so a restarted daemon
-   reconciles with what is already queued), and log every lifecycle change it sees to ``RUN_DIR/events.jsonl``;
-   write the capacity view (``RUN_DIR/capacity.json``: live jobs not leaving + idle slots of the partition)
-   that the trainer's N_prem cap is clamped to;
+   reconciles with what is already queued; with ``trainer_job``, the trainer job too), and log every lifecycle
+   change it sees to ``RUN_DIR/events.jsonl`` (:mod:`scavenger.job_log`); write the capacity view
+   (``RUN_DIR/capacity.json``: live jobs not leaving + idle slots of the partition) that the trainer's N_prem cap
+   is clamped to;
 3. cancel surplus jobs (target dropped), newest pending first, then newest running: a running job first gets
    the warning signal on its batch shell (``scancel --signal=USR2 --batch``) and a drain marker, so it can hand
-   off its tokens and exit; if it is still alive ``grace_s`` later, a plain ``scancel``. ``active: false`` →
-   plain ``scancel`` of everything at once (the run is over);
+   off its tokens and exit; if it is still alive ``grace_s`` later, a plain ``scancel``. ``active: false`` — or
+   a trainer job that has ended while the target still says active (it failed or was cancelled) — → plain
+   ``scancel`` of everything at once (the run is over);
 4. submit the missing jobs, never more than the partition's idle capacity allows.
 
-With ``harvest_dir`` (the cluster's harvest service, :mod:`scavenger.harvest`) step 2 posts the run's demand and
-reads its share instead of listing Slurm: the share's listing of the run's jobs replaces ``squeue``, the share
-replaces the idle slots (desired ≤ share; ``capacity.json`` = live jobs + share − live jobs), and the daemon acts
-only on a listing taken after its last action. Without a fresh share (the service is down) it lists its own jobs,
-submits nothing new and still cancels what the run no longer wants.
+With ``harvest_dir`` (the cluster's harvest service, :mod:`scavenger.harvest`) step 2 posts the run's demand — the
+rollout jobs the run could use (``target.json``'s ``wanted``: the N_prem law before its clamp to capacity, within
+``max_jobs``), never its clamped target, which would tie the demand to the share it asks for — and reads its share
+instead of listing Slurm: the share's listing of the run's jobs (and of its trainer job) replaces ``squeue``, the
+share replaces the idle slots (desired ≤ share; ``capacity.json`` = live jobs + share − live jobs), and the daemon
+acts only on a listing taken after its last action. Without a fresh share (the service is down) it lists its own
+jobs, submits nothing new and still cancels what the run no longer wants. Why the run keeps fewer jobs than it
+asks for (no target yet, a stale share, a share below the ask and the service's reason, no idle slot) is logged
+once per change.
 
 Invariants:
 
@@ -31,8 +38,7 @@ Invariants:
   exist (e.g. requeued after a preemption) are kept: they start when capacity returns.
 * Every sbatch/scancel is preceded by a fresh listing in the same step; a job is counted from the listing,
   never from memory, so a crash between sbatch and the event write cannot cause a duplicate.
-* One event per observed change, also across daemon restarts: the daemon replays its own past events at
-  start-up, so it does not log a job's ``submitted``/``started`` twice.
+* One event per observed change, also across daemon restarts (:mod:`scavenger.job_log`).
 * A failing Slurm command aborts the step (nothing after it runs), is logged as one line, and the next step
   comes after an exponential backoff (``poll_s`` · 2^k, at most ``max_backoff_s``). Rollout jobs that FAIL
   within a minute of starting pause submissions (``failed_job_backoff_s`` · 2^k) so a broken script does not
@@ -40,6 +46,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -49,9 +56,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from scavenger.config import ScavengerConfig, ScavengerConfigError
+from scavenger.config import ScavengerConfig, ScavengerConfigError, time_limit_seconds
 from scavenger.harvest import HarvestLink
-from rlboost_hpc.events import append_event, drain_marker_path, iter_events
+from scavenger.job_log import VANISH_AFTER, JobLog, JobTrack
+from rlboost_hpc.events import drain_marker_path
 from rlboost_hpc.rundir import CapacityView, RunDir, RunDirError
 from scavenger.pyslurm_api import slurm_api
 from scavenger.slurm import SlurmCommandError
@@ -61,15 +69,12 @@ from scavenger.stats import RECONCILE_LOG, load_run_stats
 log = logging.getLogger("scavenger")
 
 
-SOURCE = "scavenger"
 #: Job classes (``scavenger.slurm_records.classify_job``) that wait for resources: they hold no allocation yet.
 WAITING = frozenset({JobClass.PENDING, JobClass.HELD})
 #: A FAILED attempt shorter than this (seconds) counts toward the crash-loop pause.
 QUICK_FAILURE_S = 60.0
 #: An unchanged view is still logged this often (seconds), so a plot shows it held.
 VIEW_EVERY_S = 30.0
-#: A job missing from this many consecutive listings is logged as finished with state UNKNOWN.
-VANISH_AFTER = 2
 
 
 class SlurmAPI(Protocol):
@@ -105,12 +110,20 @@ class SystemClock:
 
 @dataclass(frozen=True)
 class Target:
-    """The run's wish: ``n`` live rollout jobs while ``active``. ``source``: file | default | last_good."""
+    """The run's wish: ``n`` live rollout jobs while ``active``; ``wanted`` how many it could use (what it asks the
+    harvest service for: the N_prem law before the clamp to the capacity it was offered, ``n`` when the run does not
+    say). ``source``: file | default | last_good."""
 
     n: int
     active: bool
     source: str
     gpus_per_instance: int | None = None
+    wanted: int | None = None
+
+    @property
+    def asks(self) -> int:
+        """Rollout jobs the run could use (``wanted``, else ``n``); 0 once the run is over."""
+        return 0 if not self.active else self.n if self.wanted is None else self.wanted
 
 
 def read_target(run_dir: str | os.PathLike[str], default_n: int) -> Target:
@@ -120,21 +133,7 @@ def read_target(run_dir: str | os.PathLike[str], default_n: int) -> Target:
     t = RunDir(run_dir).read_target()
     if t is None:
         return Target(default_n, True, "default")
-    return Target(t.n_prem, t.active, "file", t.gpus_per_instance)
-
-
-@dataclass
-class _Track:
-    """What the daemon last saw of one of its jobs (rebuilt from events.jsonl after a restart)."""
-
-    state: str = "PENDING"
-    restart_cnt: int = 0
-    started_attempt: int | None = None
-    start_ts: float | None = None
-    finished: bool = False
-    drain_signalled_at: float | None = None
-    cancel_sent_at: float | None = None
-    missing: int = 0
+    return Target(t.n_prem, t.active, "file", t.gpus_per_instance, t.wanted)
 
 
 @dataclass
@@ -159,6 +158,7 @@ class ReconcileResult:
     share: int | None = None  # instances the harvest service granted (harvest_dir; None: harvesting alone)
     harvest_wait: str = ""  # why no fresh share was acted on this step ("" when it was, or alone)
     listed: bool = True  # False: the step waited for the harvest service's next listing (the counts are not known)
+    held_back: str = ""  # why fewer jobs are kept than the run asks for ("" when nothing holds it back)
 
 
 class Scavenger:
@@ -182,7 +182,7 @@ class Scavenger:
         self._script = Path(script) if script is not None else None
         self.tag = config.resolved_tag(self.run_dir)
         self.job_name = config.job_name(self.run_dir)
-        self._tracks: dict[str, _Track] = {}
+        self.jobs = JobLog(self.run_dir, self.tag, self.clock.time)
         self._unknown_seen: set[tuple[str, str]] = set()
         self._last_view: dict | None = None
         self._last_view_ts = float("-inf")
@@ -193,111 +193,20 @@ class Scavenger:
         self._stop = threading.Event()
         self.consecutive_errors = 0
         self.metrics = None  # a ScavengerMetrics refreshed after every reconciliation (start_metrics)
+        self._last_held_back = ""
+        self._trainer_missing = 0  # consecutive listings without the trainer job
+        self._trainer_gone = ""  # why the trainer job is over (once it is: for good)
         self.harvest: HarvestLink | None = None  # the cluster's harvest service grants the share (harvest_dir)
         if config.harvest_dir:
             self.harvest = HarvestLink(config.harvest_dir, config.resolved_run_id(self.run_dir), self.tag,
                                        account=config.account or "", partition=config.partition,
                                        qos=config.qos or "", max_age_s=config.harvest_max_age_s,
-                                       clock=self.clock.time)
-        self._replay_events()
+                                       trainer_job=config.trainer_job or "",
+                                       time_limit_s=time_limit_seconds(config.time_limit), clock=self.clock.time)
+        self.jobs.replay()
 
     # ---------------------------------------------------------------------------------------------
-    def _replay_events(self) -> None:
-        """Rebuild per-job state from this daemon's own past events (same tag), so a restart logs nothing
-        twice and remembers which jobs it asked to drain."""
-        for ev in iter_events(self.run_dir):
-            if ev.get("source") != SOURCE or ev.get("tag") != self.tag or "job_id" not in ev:
-                continue
-            jid = str(ev["job_id"])
-            t = self._tracks.setdefault(jid, _Track())
-            rc = int(ev.get("restart_cnt", t.restart_cnt) or 0)
-            kind = ev["event"]
-            if kind in ("submitted", "adopted"):
-                t.restart_cnt = max(t.restart_cnt, rc)
-                t.state = str(ev.get("state", "PENDING"))
-            elif kind == "requeued":
-                t.restart_cnt = max(t.restart_cnt, rc)
-                t.state = "PENDING"
-                t.finished = False
-            elif kind == "started":
-                t.started_attempt = rc
-                t.start_ts = ev.get("start_time") or ev.get("ts")
-                t.state = "RUNNING"
-            elif kind == "finished":
-                t.finished = True
-                t.state = str(ev.get("state", "UNKNOWN"))
-            elif kind == "cancelled":
-                if ev.get("mode") == "signal":
-                    t.drain_signalled_at = float(ev.get("ts", 0.0))
-                else:
-                    t.cancel_sent_at = float(ev.get("ts", 0.0))
-
-    def _emit(self, event: str, job_id: str, restart_cnt: int, **fields: Any) -> None:
-        rec = {"ts": round(self.clock.time(), 3), "event": event, "source": SOURCE, "tag": self.tag,
-               "job_id": str(job_id), "restart_cnt": int(restart_cnt)}
-        rec.update({k: v for k, v in fields.items() if v is not None})
-        try:
-            append_event(self.run_dir, rec)
-        except (OSError, ValueError) as e:
-            log.error("scavenger: cannot append %s event of job %s to %s: %s", event, job_id,
-                      RunDir(self.run_dir).events, e)
-
-    # ---------------------------------------------------------------------------------------------
-    def _observe(self, jobs: list[JobInfo], now: float) -> None:
-        """Log lifecycle changes of OUR jobs (first sight, start, requeue, finish, vanish)."""
-        seen: set[str] = set()
-        for j in jobs:
-            seen.add(j.job_id)
-            t = self._tracks.get(j.job_id)
-            if t is None:
-                t = _Track(state="PENDING", restart_cnt=j.restart_cnt)
-                self._tracks[j.job_id] = t
-                self._emit("adopted", j.job_id, j.restart_cnt, state=j.state, name=j.name,
-                           partition=j.partition, submit_time=j.submit_time, gpus=j.gpus or None)
-                log.info("scavenger: found job %s (%s) from an earlier daemon or a lost submission",
-                         j.job_id, j.state)
-            t.missing = 0
-            if j.restart_cnt > t.restart_cnt:
-                cause = "drain" if t.drain_signalled_at is not None else "preempted_or_requeued"
-                for k in range(t.restart_cnt + 1, j.restart_cnt + 1):
-                    self._emit("requeued", j.job_id, k, previous_state=t.state, state=j.state,
-                               reason=j.state_reason or None, cause=cause,
-                               attempt_start_time=t.start_ts if k == t.restart_cnt + 1 else None,
-                               skipped=True if k < j.restart_cnt else None)
-                log.info("scavenger: job %s requeued (restart_cnt %d → %d, %s)", j.job_id, t.restart_cnt,
-                         j.restart_cnt, j.state_reason or j.state)
-                t.restart_cnt = j.restart_cnt
-                t.finished = False
-                t.start_ts = None
-            if t.started_attempt != j.restart_cnt:
-                ran = j.job_class is JobClass.RUNNING and j.state not in ("COMPLETING", "CONFIGURING")
-                inferred = (j.terminal or j.state == "COMPLETING") and j.start_time is not None \
-                    and j.end_time is not None and j.end_time > j.start_time
-                if ran or inferred:
-                    self._emit("started", j.job_id, j.restart_cnt, node=j.nodes or None, gpus=j.gpus,
-                               start_time=j.start_time, partition=j.partition,
-                               inferred=True if inferred and not ran else None)
-                    t.started_attempt = j.restart_cnt
-                    t.start_ts = j.start_time or now
-            if j.terminal and not t.finished:
-                self._emit("finished", j.job_id, j.restart_cnt, state=j.state, exit_code=j.exit_code,
-                           exit_signal=j.exit_signal, end_time=j.end_time, reason=j.state_reason or None,
-                           node=j.nodes or None)
-                t.finished = True
-                self._note_finish(j, t, now)
-            elif j.live and t.finished:  # e.g. `scontrol requeue` of a finished job
-                t.finished = False
-            t.state = j.state
-        for jid, t in self._tracks.items():
-            if t.finished or jid in seen:
-                continue
-            t.missing += 1
-            if t.missing >= VANISH_AFTER:
-                self._emit("finished", jid, t.restart_cnt, state="UNKNOWN", vanished=True)
-                log.warning("scavenger: job %s vanished from squeue (aged out or lost by slurmctld)", jid)
-                t.finished = True
-
-    def _note_finish(self, j: JobInfo, t: _Track, now: float) -> None:
+    def _note_finish(self, j: JobInfo, t: JobTrack, now: float) -> None:
         # A job that ended because it was told to leave — this daemon drained it, or the warning signal (a
         # preemption, the time limit) killed it before its batch shell trapped it — says nothing about whether
         # rollout jobs can start: it never counts as a quick failure (nor pauses submissions).
@@ -388,8 +297,7 @@ class Scavenger:
             log.warning("scavenger: %s; keeping the last good target, submitting nothing new", e)
             if self._last_target is None:
                 return None
-            return Target(self._last_target.n, self._last_target.active, "last_good",
-                          self._last_target.gpus_per_instance)
+            return dataclasses.replace(self._last_target, source="last_good")
 
     def reconcile_once(self) -> ReconcileResult:
         """One reconciliation step (see the module docstring). Never raises on Slurm failures, a missing
@@ -399,6 +307,8 @@ class Scavenger:
         now = self.clock.time()
         target = self._read_target()
         res.target = target
+        if target is None or target.source == "default":
+            res.held_back = self._held_back(None, None, "", 0, 0)
         if target is not None and target.gpus_per_instance is not None \
                 and target.gpus_per_instance != self.config.gpus_per_job:
             log.info("scavenger: the run's rollout instances take %d GPU(s); submitting --gres=gpu:%d (was %d)",
@@ -406,20 +316,23 @@ class Scavenger:
             self.config = self.config.model_copy(update={"gpus_per_job": target.gpus_per_instance})
         try:
             share = None
-            if self.harvest is not None:
-                wanted = min(target.n, self.config.max_jobs) if target is not None and target.active else 0
+            if self.harvest is not None:  # ask for what the run could use; the share caps what it keeps
+                wanted = min(target.asks, self.config.max_jobs) if target is not None else 0
                 share, why, stale = self.harvest.exchange(wanted, self.config.gpus_per_job,
                                                           target is None or target.active)
                 res.harvest_wait = why
                 if share is None and not stale:
                     res.listed = False
                     return res  # the service lists again after our last action: act on that listing
-            jobs = share.jobs if share is not None else self.slurm.squeue_jobs(comment_tag=self.tag, all_states=True)
-            self._observe(jobs, now)
+            jobs, trainer, looked = self._listing(share)
+            ended = self._trainer_ended(trainer, looked)
+            if ended and (target is None or target.active):  # the run is over without having said so
+                target = res.target = Target(0, False, "trainer_ended", self.config.gpus_per_job)
+            self.jobs.observe(jobs, now, self._note_finish)
             live = [j for j in jobs if j.live]  # unknown states count: they may hold capacity
             self._note_unknown(live)
-            leaving = [j for j in live if self._tracks[j.job_id].drain_signalled_at is not None
-                       or self._tracks[j.job_id].cancel_sent_at is not None]
+            leaving = [j for j in live if self.jobs.tracks[j.job_id].drain_signalled_at is not None
+                       or self.jobs.tracks[j.job_id].cancel_sent_at is not None]
             leaving_ids = {j.job_id for j in leaving}
             active = [j for j in live if j.job_id not in leaving_ids]
             res.live, res.draining = len(live), len(leaving)
@@ -441,6 +354,7 @@ class Scavenger:
             if self.harvest is not None and target is not None:  # (no target yet: keep what is there)
                 desired = min(desired, share.instances if share is not None else len(active))
             res.desired = desired
+            res.held_back = self._held_back(target, share, res.harvest_wait, free, len(active))
             self._finish_leaving(leaving, now, res)
             surplus = len(active) - desired
             if surplus > 0:
@@ -463,6 +377,73 @@ class Scavenger:
                 self.harvest.acted()
         return res
 
+    def _listing(self, share) -> tuple[list[JobInfo], JobInfo | None, bool]:
+        """This step's listing: OUR jobs (every state), the trainer job (``None`` when not listed) and whether the
+        listing looked for it. Under the harvest service both come with the share (no Slurm call of our own);
+        alone, one ``squeue`` of our jobs (of all our jobs, when the trainer job is to be found among them too)."""
+        tj = self.config.trainer_job
+        if share is not None:
+            looked = bool(tj) and share.trainer_job == tj  # (a service that does not look says "")
+            return share.jobs, share.trainer if looked else None, looked
+        if not tj:
+            return self.slurm.squeue_jobs(comment_tag=self.tag, all_states=True), None, False
+        every = self.slurm.squeue_jobs(all_states=True)
+        return [j for j in every if j.comment == self.tag], next((j for j in every if j.job_id == tj), None), True
+
+    def _trainer_ended(self, trainer: JobInfo | None, looked: bool) -> str:
+        """Why the run's trainer job is over ("" while it lives, or when it is not known or was not looked for): it
+        ended (any terminal state: failed, cancelled, completed) or Slurm stopped listing it for ``VANISH_AFTER``
+        listings. Logged once, as an error, when first seen."""
+        if not looked:
+            return self._trainer_gone
+        if trainer is None:
+            self._trainer_missing += 1
+            if self._trainer_missing < VANISH_AFTER:
+                return self._trainer_gone
+            why = f"the trainer job {self.config.trainer_job} is no longer listed by Slurm"
+        elif trainer.terminal:
+            code = f", exit code {trainer.exit_code}" if trainer.exit_code is not None else ""
+            why = f"the trainer job {trainer.job_id} ended {trainer.state}{code}"
+        else:
+            self._trainer_missing = 0
+            return self._trainer_gone
+        if not self._trainer_gone:
+            log.error("scavenger: %s while target.json still says the run is active: the run is over; cancelling "
+                      "its rollout jobs", why)
+            self._trainer_gone = why
+        return self._trainer_gone
+
+    def _held_back(self, target: Target | None, share, harvest_why: str, free: int, n_active: int) -> str:
+        """Why the run keeps fewer rollout jobs than it asks for, in words ("" when nothing holds it back): no
+        target yet, a stale or missing share, a share below the ask (with the service's reason: blackout, the
+        policy, other runs), or no idle slot of the partition."""
+        if target is None or target.source == "default":
+            return "no target.json yet: the trainer has not said how many rollout jobs of which size it wants"
+        asked = min(target.asks, self.config.max_jobs)
+        if not target.active or asked <= n_active:
+            return ""
+        if self.harvest is not None:
+            if share is None:
+                return f"no fresh share from the harvest service ({harvest_why}): keeping the jobs, submitting none"
+            if share.instances < asked:
+                why = share.reason or (f"the pool of {share.pool_gpus} GPUs is shared with other runs"
+                                       if share.pool_gpus else "the pool is empty (no idle GPU)")
+                return f"the harvest service grants {share.instances} of the {asked} rollout jobs asked: {why}"
+            return ""
+        if free <= 0:
+            return f"no idle slot in partition {self.config.partition} for a job of {self.config.gpus_per_job} GPU(s)"
+        return ""
+
+    def _log_held_back(self, res: ReconcileResult) -> None:
+        """Log why the run is held back once per change of the reason (and once when it is no longer)."""
+        if not res.ok or (not res.listed and not res.held_back) or res.held_back == self._last_held_back:
+            return  # (a step that waited for the service's listing knows only that there is no target yet)
+        if res.held_back:
+            log.warning("scavenger: holding back: %s", res.held_back)
+        else:
+            log.info("scavenger: no longer held back (%d live rollout job(s), desired %d)", res.live, res.desired)
+        self._last_held_back = res.held_back
+
     # ---------------------------------------------------------------------------------------------
     def _submit(self) -> str:
         if self._script is None:
@@ -470,8 +451,8 @@ class Scavenger:
         self._log_dir().mkdir(parents=True, exist_ok=True)  # sbatch does not create --output directories
         args = self.config.sbatch_args(self.run_dir)
         jid = self.slurm.sbatch(self._script, args)
-        self._tracks[jid] = _Track(state="PENDING", restart_cnt=0)
-        self._emit("submitted", jid, 0, name=self.job_name, partition=self.config.partition,
+        self.jobs.tracks[jid] = JobTrack(state="PENDING", restart_cnt=0)
+        self.jobs.emit("submitted", jid, 0, name=self.job_name, partition=self.config.partition,
                    gpus=self.config.gpus_per_job, state="PENDING")
         log.info("scavenger: submitted rollout job %s (%s, gpu:%d)", jid, self.config.partition,
                  self.config.gpus_per_job)
@@ -485,8 +466,8 @@ class Scavenger:
             self._mark_drain(jid, now, reason)
         self.slurm.scancel(ids)
         for j in jobs:
-            self._tracks[j.job_id].cancel_sent_at = now
-            self._emit("cancelled", j.job_id, j.restart_cnt, mode="cancel", reason=reason, state=j.state)
+            self.jobs.tracks[j.job_id].cancel_sent_at = now
+            self.jobs.emit("cancelled", j.job_id, j.restart_cnt, mode="cancel", reason=reason, state=j.state)
         res.cancelled += ids
         log.info("scavenger: cancelled %s (%s)", ",".join(ids), reason)
 
@@ -496,11 +477,11 @@ class Scavenger:
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(json.dumps({"ts": now, "reason": reason}) + "\n")
 
-    def _resend_due(self, t: _Track, now: float) -> bool:
+    def _resend_due(self, t: JobTrack, now: float) -> bool:
         return t.cancel_sent_at is None or now - t.cancel_sent_at >= self.config.grace_s
 
     def _cancel_all(self, live: list[JobInfo], now: float, res: ReconcileResult) -> None:
-        due = [j for j in live if self._resend_due(self._tracks[j.job_id], now)]
+        due = [j for j in live if self._resend_due(self.jobs.tracks[j.job_id], now)]
         self._scancel(due, now, res, "run_inactive")
 
     def _finish_leaving(self, leaving: list[JobInfo], now: float, res: ReconcileResult) -> None:
@@ -508,7 +489,7 @@ class Scavenger:
         anyway (pending) or outlived the grace, and cancelled jobs still live a grace period later."""
         again, drained = [], []
         for j in leaving:
-            t = self._tracks[j.job_id]
+            t = self.jobs.tracks[j.job_id]
             if t.cancel_sent_at is not None:
                 if self._resend_due(t, now):
                     again.append(j)
@@ -537,8 +518,8 @@ class Scavenger:
         ids = [j.job_id for j in to_signal]
         self.slurm.scancel(ids, signal=self.config.signal, batch=True)
         for j in to_signal:
-            self._tracks[j.job_id].drain_signalled_at = now
-            self._emit("cancelled", j.job_id, j.restart_cnt, mode="signal", signal=self.config.signal,
+            self.jobs.tracks[j.job_id].drain_signalled_at = now
+            self.jobs.emit("cancelled", j.job_id, j.restart_cnt, mode="signal", signal=self.config.signal,
                        reason="surplus", state=j.state)
         res.signalled += ids
         log.info("scavenger: asked %s to drain (SIG%s to the batch shell; scancel after %d s)",
@@ -597,6 +578,7 @@ class Scavenger:
                 self._record_view(res)
                 if self.metrics is not None:
                     self._refresh_metrics(res)
+            self._log_held_back(res)
             delay = self.next_delay(res, poll)
             if not res.ok:
                 log.warning("scavenger: %s; retrying in %.0f s (failure %d in a row)", res.error, delay,

@@ -8,13 +8,23 @@ N_prem (within the scavenger's ``max_jobs``), its instance size and account — 
    changed for ``demand_timeout_s`` seconds of the service's clock is a vanished run (the scavenger rewrites it every
    reconciliation);
 2. list Slurm once for all runs: one ``sinfo``, one ``squeue -t all`` over every user's jobs and the advance
-   reservations, whatever the number of runs (nodes of a reservation that is active or begins within
-   ``reservation_horizon_s`` are not harvestable);
+   reservations, whatever the number of runs (a node of a reservation that is active, or begins before a job of a
+   run's time limit started now would end, is not offered to that run; a run that gives no time limit uses
+   ``reservation_horizon_s``);
 3. compute the pool (:func:`scavenger.shares.harvestable_gpus`) and the shares (weighted max-min,
    :func:`scavenger.shares.weighted_shares`) within the policy;
 4. write each run's share with its own jobs as listed (``SPOOL/shares/<run id>.json``, :class:`ShareFile`), so
    the run's scavenger needs no listing of its own; cancel the live jobs of vanished runs (``scancel``, again every
    ``cancel_every_s`` while they live) and forget a vanished run once none of its jobs is live.
+
+Ownership: a demand speaks for the Unix user owning its file (the sticky ``demands/`` directory lets no one replace
+another's file). A run's jobs are those under its tag *and* of that user: another user's jobs under the tag are never
+listed to it, counted in its share or cancelled for it, and a demand whose tag only another user's jobs carry is
+refused (share 0, with the reason) — no user can have the service cancel another's jobs.
+
+What a run asks for is what it could use (the N_prem law before any clamp to capacity, within its ``--max-jobs``);
+the share caps what it keeps. Asking for its capped target instead would close the loop on itself: a run whose
+share starts at 0 would ask for 0 and never get more.
 
 Invariants: the service never submits, never reads a run's keys and touches only the jobs of runs that vanished;
 rollout jobs are submitted by each run's own scavenger as the run's owner. A run cannot raise its share: the
@@ -36,10 +46,11 @@ from typing import Callable
 
 import msgspec
 
+from rlboost_hpc.errors import BadInput
 from rlboost_hpc.rundir import write_json_atomic
 from scavenger.harvest_policy import SitePolicy
 from scavenger.shares import RunDemand, harvestable_gpus, weighted_shares
-from scavenger.slurm_records import JobInfo
+from scavenger.slurm_records import JobInfo, NodeInfo
 
 log = logging.getLogger("scavenger.harvest")
 
@@ -50,10 +61,13 @@ TAG_PREFIX = "rlboost:"
 
 
 class DemandFile(msgspec.Struct, frozen=True):
-    """A run's demand, written by its scavenger every cycle. ``instances``: rollout instances wanted (0 when the
-    run is over); ``gpus_per_instance``: GPUs each; ``tag``: the ``--comment`` of its jobs; ``account``,
-    ``partition``, ``qos``: what its jobs are submitted with ("" = Slurm's default); ``seq``: bumped after
-    each action the scavenger took (echoed in the share); ``ts``: the scavenger's wall clock (information only)."""
+    """A run's demand, written by its scavenger every cycle. ``instances``: rollout instances the run could use (the
+    N_prem law before any clamp to capacity, within its ``--max-jobs``; 0 when the run is over);
+    ``gpus_per_instance``: GPUs each; ``tag``: the ``--comment`` of its jobs; ``account``, ``partition``, ``qos``:
+    what its jobs are submitted with ("" = Slurm's default); ``time_limit_s``: its jobs' ``--time`` in seconds
+    (``None``: unlimited or not said); ``trainer_job``: the Slurm job id of its trainer ("" = not given), whose state
+    the share echoes; ``seq``: bumped after each action the scavenger took (echoed in the share); ``ts``: the
+    scavenger's wall clock (information only). The Unix user it speaks for is the file's owner, never its content."""
 
     run_id: str
     tag: str
@@ -65,13 +79,26 @@ class DemandFile(msgspec.Struct, frozen=True):
     active: bool = True
     seq: int = 0
     ts: float = 0.0
+    time_limit_s: float | None = None
+    trainer_job: str = ""
+
+
+class PostedDemand(msgspec.Struct, frozen=True):
+    """A demand as the service read it: the file's content and ``owner``, the Unix user owning the file (the user
+    whose jobs the demand may speak for)."""
+
+    demand: DemandFile
+    owner: str
 
 
 class ShareFile(msgspec.Struct, frozen=True):
     """A run's share, written by the service every cycle. ``instances``: rollout instances the run may keep live;
     ``jobs``: the run's jobs as this cycle listed them (every state); ``seq``: the demand ``seq`` the service had
     read before it listed; ``cycle``/``service_start``: which service cycle wrote it; ``pool_gpus``/``idle_gpus``:
-    the cycle's pool and idle GPUs; ``reason``: why the share is 0 when it is (``""`` otherwise)."""
+    the cycle's pool and idle GPUs (the pool as this run may use it: its reservation horizon applied); ``reason``:
+    why the share is 0 when it is (``""`` otherwise); ``trainer_job``/``trainer``: the trainer job the demand named
+    and that job as listed (``None`` when Slurm does not list it, or it is not the demand owner's; ``trainer_job``
+    ``""``: not looked for)."""
 
     run_id: str
     instances: int
@@ -83,21 +110,60 @@ class ShareFile(msgspec.Struct, frozen=True):
     idle_gpus: int = 0
     reason: str = ""
     ts: float = 0.0
+    trainer_job: str = ""
+    trainer: JobInfo | None = None
+
+
+class RunIdTaken(OSError):
+    """The run's demand file in the spool belongs to another Unix user: that user holds the run id."""
+
+
+def _user_name(uid: int) -> str:
+    """The Unix user name of ``uid`` (its number as text when the system does not know it)."""
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+class NotASpool(BadInput, ValueError):
+    """A ``--harvest-dir`` that no harvest service created (a typo, or a directory made by hand)."""
+
+
+class SpoolMarker(msgspec.Struct, frozen=True):
+    """``SPOOL/service.json``, written by the service when it creates the spool: ``kind`` (always
+    :data:`SPOOL_KIND`), the Unix ``user`` and ``uid`` it runs as, the ``host`` and the ``created`` epoch seconds.
+    A run joins only a directory that holds it."""
+
+    kind: str
+    user: str
+    uid: int
+    host: str
+    created: float
+
+
+SPOOL_KIND = "rlboost-harvest-spool"
 
 
 class HarvestSpool:
-    """The one owner of the spool directory's layout: ``demands/<run id>.json`` (posted by runs; the directory
-    is sticky and world-writable on a real cluster, so a run can replace only its own file) and
+    """The one owner of the spool directory's layout: ``service.json`` (:class:`SpoolMarker`: the service made
+    it), ``demands/<run id>.json`` (posted by runs; the directory is sticky and world-writable on a real cluster, so
+    a run can replace only its own file, and the file's owner is the Unix user the demand speaks for) and
     ``shares/<run id>.json`` (the service's, world-readable)."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
+        self.marker = self.root / "service.json"
         self.demands = self.root / "demands"
         self.shares = self.root / "shares"
 
     def create(self) -> "HarvestSpool":
-        """Make both directories (demands/ mode 1777 — writable by every run, sticky; shares/ 0755). Returns
-        self. Raises OSError."""
+        """Make both directories (demands/ mode 1777 — writable by every run, sticky; shares/ 0755) and the
+        marker (rewritten at every start: who serves it now). Returns self. Raises OSError."""
+        import socket
+
         self.demands.mkdir(parents=True, exist_ok=True)
         self.shares.mkdir(parents=True, exist_ok=True)
         try:
@@ -105,23 +171,56 @@ class HarvestSpool:
             os.chmod(self.shares, 0o755)
         except PermissionError:  # not ours to change (the admin set it up): keep what is there
             pass
+        uid = os.getuid()
+        write_json_atomic(self.marker, msgspec.to_builtins(SpoolMarker(
+            kind=SPOOL_KIND, user=_user_name(uid), uid=uid, host=socket.gethostname(), created=time.time())))
+        os.chmod(self.marker, 0o644)
         return self
 
+    def require(self) -> SpoolMarker:
+        """The spool's marker. Raises :class:`NotASpool` (exit 2, naming the directory) when ``root`` is not a
+        spool a harvest service created: no ``service.json`` of the right kind, or no ``demands/``."""
+        hint = ("pass the spool_dir of the cluster's harvest service (`rlboost-hpc harvest serve` creates it; "
+                "ask your admin), or leave --harvest-dir out to harvest alone")
+        try:
+            m = msgspec.json.decode(self.marker.read_bytes(), type=SpoolMarker)
+        except FileNotFoundError:
+            raise NotASpool(f"--harvest-dir {self.root}: not a harvest service's spool (no {self.marker.name}); "
+                            f"{hint}") from None
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise NotASpool(f"--harvest-dir {self.root}: unreadable {self.marker} ({e}); {hint}") from None
+        if m.kind != SPOOL_KIND or not self.demands.is_dir():
+            raise NotASpool(f"--harvest-dir {self.root}: {self.marker} is not a harvest spool's marker "
+                            f"(kind {m.kind!r}) or demands/ is missing; {hint}")
+        return m
+
     def post_demand(self, d: DemandFile) -> None:
-        """Replace the run's demand atomically. Raises OSError (e.g. the spool does not exist)."""
-        write_json_atomic(self.demands / f"{d.run_id}.json", msgspec.to_builtins(d))
+        """Replace the run's demand atomically. Raises :class:`RunIdTaken` when another Unix user owns the run's
+        demand file (the sticky directory would refuse the replacement anyway), OSError otherwise (e.g. the spool
+        does not exist)."""
+        path = self.demands / f"{d.run_id}.json"
+        try:
+            uid = path.stat().st_uid
+        except FileNotFoundError:
+            uid = os.getuid()
+        if uid != os.getuid():
+            raise RunIdTaken(f"run id {d.run_id!r} is held by user {_user_name(uid)} in {self.demands} (their demand "
+                             f"file): give this run another id (RLBOOST_RUN_ID or --run-id)")
+        write_json_atomic(path, msgspec.to_builtins(d))
 
     def withdraw(self, run_id: str) -> None:
         """Remove the run's demand (it left); missing is fine."""
         (self.demands / f"{run_id}.json").unlink(missing_ok=True)
 
-    def read_demands(self) -> dict[str, DemandFile]:
-        """Every well-formed demand by run id; a malformed one (or one whose run id or tag is not its file name's:
-        tags are ``rlboost:<run id>@…``) is logged and skipped — one run's bad file never stops the others."""
-        out: dict[str, DemandFile] = {}
+    def read_demands(self) -> dict[str, PostedDemand]:
+        """Every well-formed demand by run id, with the Unix user owning its file; a malformed one (or one whose run
+        id or tag is not its file name's: tags are ``rlboost:<run id>@…``) is logged and skipped — one run's bad file
+        never stops the others."""
+        out: dict[str, PostedDemand] = {}
         for p in sorted(self.demands.glob("*.json")):
             try:
-                d = msgspec.json.decode(p.read_bytes(), type=DemandFile)
+                raw, owner = p.read_bytes(), p.stat().st_uid
+                d = msgspec.json.decode(raw, type=DemandFile)
             except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
                 log.warning("harvest: skipping demand %s: %s", p, e)
                 continue
@@ -131,7 +230,7 @@ class HarvestSpool:
                 log.warning("harvest: skipping demand %s: run_id %r and tag %r do not match its name", p, d.run_id,
                             d.tag)
                 continue
-            out[d.run_id] = d
+            out[d.run_id] = PostedDemand(d, _user_name(owner))
         return out
 
     def write_share(self, s: ShareFile) -> None:
@@ -157,8 +256,10 @@ class HarvestSpool:
 class CycleResult(msgspec.Struct):
     """One service cycle: shares by run id, the pool, and what was done. ``slurm_listings``: Slurm queries made
     (3 per cycle: sinfo, squeue, the reservations; a 4th, the nodes' features, with ``exclude_features``);
-    ``demands``: instances each run asked for; ``reserved_nodes``: nodes left out of the pool for an advance
-    reservation (active or within ``reservation_horizon_s``); ``excluded_nodes``: by name or feature."""
+    ``demands``: instances each run asked for; ``pool_gpus``/``idle_gpus``/``held_gpus``: the pool as the run with
+    the shortest job time limit may use it; ``reserved_nodes``: nodes kept from at least one run for an advance
+    reservation (active, or beginning before a job of that run's time limit would end); ``excluded_nodes``: by name
+    or feature; ``unknown_partitions``: harvested partitions without a node in Slurm's listing."""
 
     cycle: int
     shares: dict[str, int]
@@ -172,6 +273,7 @@ class CycleResult(msgspec.Struct):
     reserved_nodes: list[str] = []
     excluded_nodes: list[str] = []
     slurm_listings: int = 0
+    unknown_partitions: list[str] = []
     ok: bool = True
     error: str = ""
 
@@ -190,6 +292,8 @@ class HarvestService:
         self.cycle = 0
         self._seen: dict[str, tuple[tuple[int, float], float]] = {}  # run id → ((seq, ts), service time it changed)
         self._cancelled_at: dict[str, float] = {}  # job id → last scancel (vanished runs)
+        self._clashes: set[tuple[str, str, str]] = set()  # (run id, owner, job ids) of another user's jobs, logged
+        self._missing_partitions: list[str] = []  # harvested partitions without a node in the last listing
         self._stop = threading.Event()
 
     def _weight(self, d: DemandFile) -> tuple[float, int | None, int | None, str]:
@@ -211,7 +315,8 @@ class HarvestService:
         self.cycle += 1
         now = self.clock()
         res = CycleResult(cycle=self.cycle, shares={})
-        demands = self.spool.read_demands()
+        posted = self.spool.read_demands()
+        demands = {rid: p.demand for rid, p in posted.items()}
         res.demands = {rid: d.instances if d.active else 0 for rid, d in demands.items()}
         live_runs, vanished = {}, []
         for rid, d in demands.items():
@@ -224,9 +329,8 @@ class HarvestService:
                 live_runs[rid] = d
         try:
             nodes = self.slurm.sinfo_nodes(None)
-            jobs = self.slurm.squeue_jobs(all_states=True, only_mine=False)
-            reserved = {n for r in self.slurm.reservations() if (r.end is None or r.end > now)
-                        and (r.start is None or r.start - now < self.policy.reservation_horizon_s) for n in r.nodes}
+            listed = self.slurm.squeue_jobs(all_states=True, only_mine=False)
+            reservations = [r for r in self.slurm.reservations() if r.end is None or r.end > now]
             excluded = {*self.policy.exclude_nodes}
             if self.policy.exclude_features:
                 bad = set(self.policy.exclude_features)
@@ -235,44 +339,108 @@ class HarvestService:
             res.ok, res.error = False, f"{type(e).__name__}: {e}"
             return res
         res.slurm_listings = 4 if self.policy.exclude_features else 3
-        res.reserved_nodes, res.excluded_nodes = sorted(reserved), sorted(excluded)
-        jobs = [j for j in jobs if j.comment.startswith(TAG_PREFIX)]
+        res.excluded_nodes = sorted(excluded)
+        self._note_missing_partitions(nodes, res)
+        by_id = {j.job_id: j for j in listed}
+        owned, why = self._owned_jobs(posted, [j for j in listed if j.comment.startswith(TAG_PREFIX)])
         blackout = res.blackout = self.policy.in_blackout(self.local_time())
-        pool, idle, held = harvestable_gpus(
-            nodes, jobs, partitions=self.policy.partitions, run_tags={d.tag for d in live_runs.values()},
-            exclude_nodes=excluded | reserved, idle_share_free=self.policy.idle_share_free,
-            blackout=blackout)
+        # a run is offered a node only when a job of its time limit started now ends before the node's reservation
+        horizon = {rid: d.time_limit_s if d.time_limit_s is not None else self.policy.reservation_horizon_s
+                   for rid, d in live_runs.items()}
+
+        def reserved_within(h: float) -> set[str]:
+            return {n for r in reservations if r.start is None or r.start - now < h for n in r.nodes}
+
+        run_jobs = [j for rid in live_runs for j in owned.get(rid, [])]
+        pools: dict[float, tuple[int, int, int]] = {}
+        for h in {*horizon.values(), min(horizon.values(), default=self.policy.reservation_horizon_s)}:
+            pools[h] = harvestable_gpus(
+                nodes, run_jobs, partitions=self.policy.partitions, run_tags={d.tag for d in live_runs.values()},
+                exclude_nodes=excluded | reserved_within(h), idle_share_free=self.policy.idle_share_free,
+                blackout=blackout)
+        shortest, longest = min(pools), max(pools)
+        pool, idle, held = pools[shortest]
         res.pool_gpus, res.idle_gpus, res.held_gpus = pool, idle, held
-        asks, why, caps = [], {}, {}
+        res.reserved_nodes = sorted(reserved_within(longest))  # kept from at least one run (its time limit)
+        asks, caps = [], {}
         for rid, d in live_runs.items():
             weight, run_cap, account_cap, reason = self._weight(d)
-            if reason or not d.active:
-                why[rid] = reason or "the run is over"
+            if reason or rid in why or not d.active:
+                why[rid] = why.get(rid) or reason or "the run is over"
                 continue
             if account_cap is not None:
                 caps[d.account] = account_cap
             asks.append(RunDemand(rid, max(0, d.instances), d.gpus_per_instance, weight, d.account, run_cap))
-        shares = weighted_shares(asks, pool, caps)
-        by_tag: dict[str, list[JobInfo]] = {}
-        for j in jobs:
-            by_tag.setdefault(j.comment, []).append(j)
+        # runs whose jobs live longer may use only the nodes no reservation claims within their time limit
+        groups = [(frozenset(r for r, hr in horizon.items() if hr >= h), pools[h][0]) for h in sorted(pools)
+                  if h > shortest]
+        shares = weighted_shares(asks, pool, caps, groups)
         for rid, d in demands.items():
             n = shares.get(rid, 0)
             reason = "vanished" if rid in vanished else why.get(rid, "blackout" if blackout and not n else "")
             res.shares[rid] = n
+            trainer = by_id.get(d.trainer_job) if d.trainer_job else None
+            if trainer is not None and trainer.user and trainer.user != posted[rid].owner:
+                trainer = None  # another user's job: not this run's trainer
             try:
                 self.spool.write_share(ShareFile(
                     run_id=rid, instances=n, seq=d.seq, cycle=self.cycle, service_start=self.start,
-                    jobs=by_tag.get(d.tag, []), pool_gpus=pool, idle_gpus=idle, reason=reason, ts=now))
+                    jobs=owned.get(rid, []), pool_gpus=pools[horizon[rid]][0] if rid in horizon else pool,
+                    idle_gpus=idle, reason=reason, ts=now, trainer_job=d.trainer_job, trainer=trainer))
             except OSError as e:
                 log.warning("harvest: cannot write the share of %s: %s", rid, e)
         for p in self.spool.shares.glob("*.json"):
             if p.stem not in demands:  # the run withdrew its demand: it left
                 p.unlink(missing_ok=True)
         for rid in vanished:
-            self._drain_vanished(demands[rid], by_tag.get(demands[rid].tag, []), now, res)
+            self._drain_vanished(demands[rid], owned.get(rid, []), now, res)
         res.vanished = vanished
         return res
+
+    def _note_missing_partitions(self, nodes: list[NodeInfo], res: CycleResult) -> None:
+        """Say loudly, once per change, when a partition the policy harvests has no node in Slurm's listing (the
+        partition was removed or renamed after the service started): nothing there is harvested."""
+        missing = sorted(set(self.policy.partitions) - {p for n in nodes for p in n.partitions})
+        res.unknown_partitions = missing
+        if missing != self._missing_partitions:
+            if missing:
+                log.error("harvest: the site policy's harvest.partitions %s: no node of %s is listed by Slurm "
+                          "(removed or renamed?): nothing is harvested there", self.policy.partitions,
+                          ", ".join(missing))
+            else:
+                log.info("harvest: every partition of the site policy is listed by Slurm again")
+            self._missing_partitions = missing
+
+    def _owned_jobs(self, posted: dict[str, PostedDemand], tagged: list[JobInfo]
+                    ) -> tuple[dict[str, list[JobInfo]], dict[str, str]]:
+        """Each run's jobs — those under its tag that belong to the Unix user owning its demand file — and the runs
+        refused because their tag is held by another user's jobs alone (run id → why). Jobs under a run's tag of
+        any other user are never the run's: not listed to it, not counted in its share, never cancelled for it;
+        each such clash is logged once. A job whose user Slurm did not say (``""``) counts as the owner's."""
+        by_tag: dict[str, list[JobInfo]] = {}
+        for j in tagged:
+            by_tag.setdefault(j.comment, []).append(j)
+        owned: dict[str, list[JobInfo]] = {}
+        refused: dict[str, str] = {}
+        for rid, p in posted.items():
+            jobs = by_tag.get(p.demand.tag, [])
+            mine = [j for j in jobs if not j.user or j.user == p.owner]
+            strangers = [j for j in jobs if j.user and j.user != p.owner]
+            owned[rid] = mine
+            if not strangers:
+                continue
+            users = sorted({j.user for j in strangers})
+            ids = ",".join(j.job_id for j in strangers)
+            if not [j for j in mine if j.live]:
+                refused[rid] = (f"run id {rid!r}: its tag is held by the jobs of user(s) {', '.join(users)} ({ids}); "
+                                f"the demand is user {p.owner}'s")
+            key = (rid, p.owner, ids)
+            if key not in self._clashes:
+                self._clashes.add(key)
+                log.warning("harvest: jobs %s of user(s) %s carry the tag of run %s, whose demand is user %s's: %s",
+                            ids, ", ".join(users), rid, p.owner,
+                            "the demand is refused" if rid in refused else "ignored (never counted or cancelled)")
+        return owned, refused
 
     def _drain_vanished(self, d: DemandFile, jobs: list[JobInfo], now: float, res: CycleResult) -> None:
         """Cancel the live jobs of a run that stopped posting its demand (again every ``cancel_every_s``);
@@ -353,10 +521,11 @@ class HarvestLink:
     stale — the service is down: the run submits nothing new and keeps its jobs."""
 
     def __init__(self, spool: str | os.PathLike[str], run_id: str, tag: str, *, account: str = "",
-                 partition: str = "", qos: str = "", max_age_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 partition: str = "", qos: str = "", max_age_s: float = 60.0, trainer_job: str = "",
+                 time_limit_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.spool = HarvestSpool(spool)
         self.run_id, self.tag, self.account, self.partition, self.qos = run_id, tag, account, partition, qos
+        self.trainer_job, self.time_limit_s = trainer_job, time_limit_s
         self.max_age_s, self.clock = max_age_s, clock
         self.seq = 0
         self._last: tuple[float, int] | None = None
@@ -366,11 +535,13 @@ class HarvestLink:
         """Post this cycle's demand; returns ``(share, "", False)`` when the share is fresh and covers the last
         action, ``(None, why, False)`` while the listing after the last action is awaited, ``(None, why, True)``
         when there is no fresh share at all (the service is down or not there: the run falls back to its own
-        listing and submits nothing new). Raises OSError when the demand cannot be posted (no spool)."""
+        listing and submits nothing new). Raises OSError when the demand cannot be posted (no spool; a
+        :class:`RunIdTaken` when another user holds the run id)."""
         self.spool.post_demand(DemandFile(run_id=self.run_id, tag=self.tag, instances=max(0, instances),
                                           gpus_per_instance=gpus_per_instance, account=self.account,
                                           partition=self.partition, qos=self.qos, active=active, seq=self.seq,
-                                          ts=time.time()))
+                                          ts=time.time(), time_limit_s=self.time_limit_s,
+                                          trainer_job=self.trainer_job))
         s = self.spool.read_share(self.run_id)
         now = self.clock()
         if s is None:  # the service has not seen the demand yet; none at all for max_age_s: stale

@@ -74,7 +74,18 @@ def _report(a: argparse.Namespace) -> int:
     except HarvestPolicyError as e:
         print(f"rlboost-hpc harvest report: {e}", file=sys.stderr)
         return 2
-    since = a.since or (dt.datetime.now() - dt.timedelta(days=a.days)).strftime("%Y-%m-%dT%H:%M:%S")
+    if a.since is not None:
+        try:
+            since = dt.datetime.fromisoformat(a.since).strftime("%Y-%m-%dT%H:%M:%S")
+        except ValueError:
+            print(f"rlboost-hpc harvest report: --since {a.since!r}: not a time (use YYYY-MM-DD[THH:MM[:SS]])",
+                  file=sys.stderr)
+            return 2
+    elif not (0 < a.days < 36500):
+        print(f"rlboost-hpc harvest report: --days {a.days:g}: must be a number of days > 0", file=sys.stderr)
+        return 2
+    else:
+        since = (dt.datetime.now() - dt.timedelta(days=a.days)).strftime("%Y-%m-%dT%H:%M:%S")
     try:
         rep = HarvestService(policy, SlurmClient(timeout_s=policy.command_timeout_s)).owners_report(since)
     except SlurmCommandError as e:
@@ -96,8 +107,8 @@ def _report(a: argparse.Namespace) -> int:
 def _serve(a: argparse.Namespace) -> int:
     from rlboost_hpc.observe.logs import setup_logging
     from scavenger.harvest import HarvestService
-    from scavenger.harvest_policy import HarvestPolicyError, load_site_policy
-    from scavenger.slurm import SlurmClient
+    from scavenger.harvest_policy import HarvestPolicyError, load_site_policy, unknown_names
+    from scavenger.slurm import SlurmClient, SlurmCommandError
 
     try:
         policy = load_site_policy(a.policy, spool_dir=a.spool, poll_s=a.poll_s)
@@ -105,7 +116,18 @@ def _serve(a: argparse.Namespace) -> int:
         print(f"rlboost-hpc harvest serve: {e}", file=sys.stderr)
         return 2
     setup_logging("harvest", level=a.log_level)
-    service = HarvestService(policy, SlurmClient(timeout_s=policy.command_timeout_s))
+    client = SlurmClient(timeout_s=policy.command_timeout_s)
+    try:  # a policy naming what Slurm does not know would harvest nothing there, silently: refuse it
+        problems = unknown_names(policy, client.partition_names(), client.accounting_names("qos"),
+                                 client.accounting_names("account"))
+    except SlurmCommandError as e:
+        print(f"rlboost-hpc harvest serve: Slurm did not answer: {e}", file=sys.stderr)
+        return 1
+    if problems:
+        where = a.policy or "the default site policy"
+        print("\n".join(f"rlboost-hpc harvest serve: {where}: {x}" for x in problems), file=sys.stderr)
+        return 2
+    service = HarvestService(policy, client)
     try:
         service.spool.create()
     except OSError as e:

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from rlboost_hpc.errors import BadInput
 from scavenger.config import load_toml_model
 
-__all__ = ["HarvestPolicyError", "SitePolicy", "load_site_policy"]
+__all__ = ["HarvestPolicyError", "SitePolicy", "load_site_policy", "unknown_names"]
 
 _DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 
@@ -95,8 +95,10 @@ class SitePolicy(BaseModel):
     runs: dict[str, Grant] = Field({}, description="per run id: weight (× its account's) and max_gpus")
     blackout: list[Blackout] = Field([], description="daily windows without harvesting")
     reservation_horizon_s: float = Field(3600.0, ge=0, description=(
-        "nodes of an advance reservation that is active or begins within this many seconds are not harvestable "
-        "(set it to the longest time limit of the rollout jobs: Slurm would not start them there)"))
+        "for a run whose rollout jobs have no time limit (UNLIMITED) or do not say it: nodes of an advance "
+        "reservation that is active or begins within this many seconds are not offered to it. A run that gives its "
+        "jobs' time limit is offered a node only when a job started now would end before the node's next "
+        "reservation begins (Slurm would not start it there otherwise)"))
     command_timeout_s: float = Field(15.0, gt=0, description="timeout of each Slurm command, seconds")
     rollout_job_prefix: str = Field("rlboost-rollout-", min_length=1, description=(
         "name prefix of rollout jobs (the scavengers' job_name_prefix): how the report tells them from owners' jobs"))
@@ -123,6 +125,22 @@ class SitePolicy(BaseModel):
         if account in self.accounts:
             return self.accounts[account]
         return None if self.only_listed_accounts else self.default_account
+
+
+def unknown_names(policy: SitePolicy, partitions: set[str], qos: set[str] | None,
+                  accounts: set[str] | None) -> list[str]:
+    """What the policy names that Slurm does not know, one line each naming the key (``harvest.partitions``,
+    ``harvest.qos``, ``harvest.accounts.<name>``) and what Slurm knows: ``partitions`` as slurmctld lists them,
+    ``qos`` and ``accounts`` as the accounting database does (``None``: no accounting — not checked)."""
+    out = [f"harvest.partitions: {p!r} is not a partition Slurm knows (it knows {', '.join(sorted(partitions))})"
+           for p in policy.partitions if p not in partitions]
+    if qos is not None:
+        out += [f"harvest.qos: {q!r} is not a QoS Slurm knows (it knows {', '.join(sorted(qos))})"
+                for q in policy.qos if q and q not in qos]
+    if accounts is not None:
+        out += [f"harvest.accounts.{a}: {a!r} is not an account Slurm knows (it knows {', '.join(sorted(accounts))})"
+                for a in policy.accounts if a not in accounts]
+    return out
 
 
 def load_site_policy(path: str | os.PathLike[str] | None, **overrides: Any) -> SitePolicy:

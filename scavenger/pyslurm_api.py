@@ -115,7 +115,8 @@ def job_info(j: Any) -> JobInfo:
         gpus=_tres_gpus(alloc) or _tres_gpus(req),
         tres=",".join(f"{k}={v}" for k, v in tres.items()) if isinstance(tres, Mapping) else "",
         exit_code=getattr(j, "exit_code", None), exit_signal=getattr(j, "exit_code_signal", None),
-        state_flags=flags, requeue=requeue if isinstance(requeue, bool) else None)
+        state_flags=flags, requeue=requeue if isinstance(requeue, bool) else None,
+        user=str(getattr(j, "user_name", "") or ""))
 
 
 class PyslurmClient(SlurmClient):

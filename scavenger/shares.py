@@ -68,14 +68,24 @@ def harvestable_gpus(nodes: Iterable[NodeInfo], jobs: Iterable[JobInfo], *, part
     return pool, idle, held
 
 
-def weighted_shares(demands: Sequence[RunDemand], pool: int,
-                    account_caps: Mapping[str, int] | None = None) -> dict[str, int]:
+def weighted_shares(demands: Sequence[RunDemand], pool: int, account_caps: Mapping[str, int] | None = None,
+                    groups: Sequence[tuple[frozenset[str], int]] = ()) -> dict[str, int]:
     """Rollout instances per run id: weighted max-min (progressive filling) of ``pool`` GPUs over ``demands``,
     each run within its ``instances`` and ``max_gpus``, each account within ``account_caps`` (GPUs; absent: no
-    cap). Every run of ``demands`` is in the result (0 when it gets nothing). O(Σ shares · runs).
+    cap), and each group of runs within its limit (``groups``: (run ids, GPUs) — e.g. the runs whose jobs' time
+    limits keep them off the nodes reserved soon, bounded by the GPUs they may use). Every run of ``demands`` is in
+    the result (0 when it gets nothing). O(Σ shares · runs · (1 + groups)).
+
+    With nested groups (each the runs of a longer time limit than the last) the result is still max-min fair:
+    progressive filling under such limits stops each run only where one of its own limits binds.
 
     Raises ValueError for a weight ≤ 0 or a negative demand."""
     caps = dict(account_caps or {})
+    in_group: dict[str, list[int]] = {}
+    for k, (members, _) in enumerate(groups):
+        for rid in members:
+            in_group.setdefault(rid, []).append(k)
+    group_used = [0] * len(groups)
     for d in demands:
         if d.weight <= 0 or d.instances < 0:
             raise ValueError(f"run {d.run_id!r}: weight must be > 0 and instances ≥ 0 (got {d.weight}, "
@@ -96,6 +106,8 @@ def weighted_shares(demands: Sequence[RunDemand], pool: int,
             cap = caps.get(d.account)
             if cap is not None and by_account.get(d.account, 0) + u > cap:
                 continue
+            if any(group_used[k] + u > groups[k][1] for k in in_group.get(d.run_id, ())):
+                continue
             key = ((n + 1) * u / d.weight, d.run_id)  # the level it would reach: the lowest goes first
             if best_key is None or key < best_key:
                 best, best_key = d, key
@@ -104,3 +116,5 @@ def weighted_shares(demands: Sequence[RunDemand], pool: int,
         alloc[best.run_id] += 1
         used += best.unit
         by_account[best.account] = by_account.get(best.account, 0) + best.unit
+        for k in in_group.get(best.run_id, ()):
+            group_used[k] += best.unit

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal as _signal
 import subprocess
 from pathlib import Path
@@ -209,6 +210,21 @@ class SlurmClient:
     def node_features(self) -> dict[str, frozenset[str]]:
         """Every node's features (``sinfo -N -h -o %N|%f``). Raises SlurmCommandError."""
         return parse_node_features(self.run(["sinfo", "-N", "-h", "-o", "%N|%f"]))
+
+    def partition_names(self) -> set[str]:
+        """Every partition slurmctld knows (``scontrol show partition -o``). Raises SlurmCommandError."""
+        return {m for ln in self.run(["scontrol", "show", "partition", "-o"]).splitlines()
+                for m in re.findall(r"^PartitionName=(\S+)", ln.strip())}
+
+    def accounting_names(self, entity: str) -> set[str] | None:
+        """The names of every ``entity`` (``"qos"`` or ``"account"``) the accounting database knows
+        (``sacctmgr -n -P show ENTITY format=name``); ``None`` when there is no accounting to ask."""
+        field = "Account" if entity == "account" else "Name"
+        try:
+            out = self.run(["sacctmgr", "-n", "-P", "show", entity, f"format={field}"])
+        except SlurmCommandError:
+            return None
+        return {ln.strip() for ln in out.splitlines() if ln.strip()}
 
     def reservations(self) -> list[Reservation]:
         """Every advance reservation slurmctld knows (``scontrol show reservation -o``). Raises SlurmCommandError."""

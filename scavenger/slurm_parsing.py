@@ -125,7 +125,7 @@ def parse_squeue_json(doc: Mapping[str, Any]) -> list[JobInfo]:
             submit_time=epoch_of(j.get("submit_time")), start_time=epoch_of(j.get("start_time")),
             end_time=epoch_of(j.get("end_time")), gpus=job_gpus_of(j), tres=job_tres_of(j),
             exit_code=rc, exit_signal=sig, state_flags=flags,
-            requeue=bool(req) if isinstance(req, bool) else None,
+            requeue=bool(req) if isinstance(req, bool) else None, user=text_of(j.get("user_name")),
         ))
     return out
 

@@ -129,7 +129,8 @@ class JobInfo:
     ``state`` is the upper-case base state, ``state_flags`` the extra states 24.05 lists
     (``REQUEUED``, ``COMPLETING``…); ``restart_cnt`` is Slurm's requeue counter (= ``SLURM_RESTART_COUNT``
     of the current attempt); ``gpus`` the job's total GPUs (allocated if known, else requested);
-    ``exit_code``/``exit_signal`` come from the raw wait status (``None`` when unknown)."""
+    ``exit_code``/``exit_signal`` come from the raw wait status (``None`` when unknown); ``user`` the Unix user
+    owning the job (``""`` when Slurm did not say)."""
 
     job_id: str
     name: str
@@ -148,6 +149,7 @@ class JobInfo:
     exit_signal: int | None = None
     state_flags: tuple[str, ...] = ()
     requeue: bool | None = None
+    user: str = ""
 
     @property
     def job_class(self) -> JobClass:

@@ -105,6 +105,7 @@ class PyslurmStandIn:
                 self.submit_time, self.start_time, self.end_time = (
                     int(d.get(k) or 0) for k in ("submit_time", "start_time", "end_time"))
                 self.user_id = int(d.get("user_id", -1))
+                self.user_name = d.get("user_name", "")
                 self.allocated_tres = to_dict(d.get("tres_alloc_str"))
                 self.requested_tres = to_dict(d.get("tres_req_str"))
                 status = d.get("exit_code")

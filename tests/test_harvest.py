@@ -241,13 +241,6 @@ def test_the_link_acts_only_on_a_listing_taken_after_its_last_action(tmp_path):
     assert svc.spool.read_demands() == {}
 
 
-def test_the_shipped_example_policy_loads():
-    from rlboost_hpc.paths import shipped
-
-    pol = load_site_policy(shipped("sbatch/harvest/harvest.toml"))
-    assert pol.idle_share_free == 0.1 and pol.accounts["rl-research"].weight == 2.0 and pol.blackout
-
-
 # ---------------------------------------------------------------------------------------------- the owners' report
 def _row(jid, name, state, start, end, node, eligible=None, partition="scavenger", account="acct", gpus=1):
     from scavenger.slurm_records import SacctRecord

@@ -55,10 +55,17 @@ class StepObservation:
 
 @dataclass(frozen=True)
 class StepDecision:
-    """What the next step should use: its seeding window and the preemptible-pool cap (``None``: none)."""
+    """What the next step should use: its seeding window and the preemptible-pool cap (``None``: none).
+
+    ``n_prem_wanted``: the same law before its clamp to the capacity that could be held now (``n_available``) —
+    how many instances the run could use. It is what a run asks a shared pool for (the harvest service's demand):
+    asking for the clamped cap would tie the demand to the share it is meant to obtain, and a run whose share starts
+    at 0 would never ask for more. ``None``: no measurement bounds it yet (or the cap is off): as many as allowed.
+    Invariant: ``n_prem_cap == min(n_prem_wanted, n_available)`` with ``None`` as "no bound"."""
 
     t_seed_s: float
     n_prem_cap: int | None
+    n_prem_wanted: int | None = None
 
 
 @dataclass
@@ -95,16 +102,17 @@ class RolloutController:
         else:
             t_seed = self.seeding.update(obs.t_wait_train_s, obs.t_wait_remote_s,
                                          obs.n_instances_start, obs.n_instances_end)
+        wanted: int | None = None  # the law unclamped by capacity: what the run could use (None: unbounded)
         if self.use_cap and self.overlap and obs.n_remote:  # no instance took part: the paper's law bootstraps
             busy = max(0.0, obs.step_s - obs.t_wait_remote_s)
-            self.cap = n_prem_cap_overlap(busy, obs.n_remote, max(0.0, obs.step_s - obs.t_wait_train_s - obs.t_seed_s),
-                                          available=obs.n_available, minimum=self.cap_minimum)
+            wanted = n_prem_cap_overlap(busy, obs.n_remote, max(0.0, obs.step_s - obs.t_wait_train_s - obs.t_seed_s),
+                                        minimum=self.cap_minimum)
         elif self.use_cap:
-            self.cap = n_prem_cap(obs.t_remote_s, obs.n_remote, obs.t_seed_s, self.n_resv, obs.t_train_s,
-                                  available=obs.n_available, minimum=self.cap_minimum)
-        else:
-            self.cap = obs.n_available
-        decision = StepDecision(t_seed_s=t_seed, n_prem_cap=self.cap)
+            wanted = n_prem_cap(obs.t_remote_s, obs.n_remote, obs.t_seed_s, self.n_resv, obs.t_train_s,
+                                minimum=self.cap_minimum)
+        avail = obs.n_available
+        self.cap = avail if wanted is None else wanted if avail is None else min(wanted, avail)
+        decision = StepDecision(t_seed_s=t_seed, n_prem_cap=self.cap, n_prem_wanted=wanted)
         self.history.append((asdict(obs), asdict(decision)))
         return decision
 

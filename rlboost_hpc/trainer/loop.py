@@ -507,6 +507,7 @@ class RLTrainer:
             step_s=self.clock() - tl.start))
         self.client.send(M.PolicyState(t_seed_s=self.decision.t_seed_s, n_prem_cap=self.decision.n_prem_cap))
         return t_train, {"t_seed_next_s": self.decision.t_seed_s, "n_prem_cap": self.decision.n_prem_cap,
+                         "n_prem_wanted": self.decision.n_prem_wanted,
                          "t_wait_train_s": t_wait_s, "fallback_s": rem.fallback_s,
                          "t_remote_s": rem.t_remote_s, "t_wait_remote_s": rem.t_wait_remote_s,
                          "n_remote": rem.n_remote, "n_available": avail}

@@ -26,7 +26,8 @@ class StepRecord(msgspec.Struct, kw_only=True):
     ``preemptible_instances_served``; ``throughput_tokens_per_s``; the timeline — ``phase_s`` (seconds per phase,
     summing to ``wall_s``), ``fixed_overhead_s`` and ``fixed_overhead_s_by_phase``, ``instance_s`` /
     ``instance_activity_s`` (instance-seconds by activity: all instances, by instance), ``response_tail_s``; the
-    controller's observation and decision — ``t_seed_next_s``, ``n_prem_cap`` (None: no cap), ``t_wait_train_s``,
+    controller's observation and decision — ``t_seed_next_s``, ``n_prem_cap`` (None: no cap), ``n_prem_wanted`` (the
+    cap's law before its clamp to the capacity seen: what the run could use; None: unbounded), ``t_wait_train_s``,
     ``fallback_s``, ``t_remote_s``, ``t_wait_remote_s``, ``n_remote``, ``n_available``; truncation —
     ``truncated_share`` and ``truncated_share_by_cause``; ``staleness_tokens`` (bounded staleness: generated tokens
     trained, by how many versions older than the trained one made them; {} under strict on-policy).
@@ -59,6 +60,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
     response_tail_s: float
     t_seed_next_s: float
     n_prem_cap: int | None
+    n_prem_wanted: int | None
     t_wait_train_s: float
     fallback_s: float
     t_remote_s: float
