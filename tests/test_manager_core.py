@@ -844,9 +844,9 @@ def test_ended_attempts_leave_the_registry_so_a_tick_scans_only_live_instances(m
     every 20 ms — scanned every attempt that ever ran (a tick at 256 live instances: 0.7 ms after 100 preemptions,
     2.4 ms after 1,000). Now a gone attempt leaves it; its identity is remembered, bounded, oldest first, and its
     re-registration is still rejected."""
-    import rlboost_hpc.manager.core as core_mod
+    import rlboost_hpc.manager.instance_registry as registry_mod
 
-    monkeypatch.setattr(core_mod, "ENDED_KEPT", 50)
+    monkeypatch.setattr(registry_mod, "ENDED_KEPT", 50)
     core, clock = make()
     register(core, b"live", "live")
     for k in range(200):

@@ -22,8 +22,9 @@ from _util import load_hf_dir
 from rlboost_hpc.models.tokenizer import Llama2cTokenizer
 from rlboost_hpc.rollout.engines.base import EngineError, GenRequest, SamplingParams, TokenEvent
 from rlboost_hpc.rollout.engines.factory import make_sglang_engine
-from rlboost_hpc.rollout.engines.sglang_engine import SGLangEngine, new_entries
+from rlboost_hpc.rollout.engines.sglang_engine import SGLangEngine
 from rlboost_hpc.rollout.engines.sglang_server import SGLangServer, free_port
+from rlboost_hpc.rollout.engines.sglang_stream import new_entries
 from rlboost_hpc.rollout.engines.sglang_weights import init_weight_sender_group
 from rlboost_hpc.rollout.engines.torch_engine import TorchEngine, generate_all
 from sglang_cpu import INSTALL_SCRIPT, stub_env

@@ -4,6 +4,15 @@ Pure logic, no sockets: messages go in through :meth:`ManagerCore.on_message`, t
 clock, and replies accumulate in :attr:`ManagerCore.outbox` as ``(peer, message)`` pairs that the service
 sends. Holds no policy arithmetic (T_seed, N_prem live in ``policy/``).
 
+This module holds the state, the entry points of the I/O service (:meth:`ManagerCore.on_message`,
+:meth:`~ManagerCore.disconnected`, :meth:`~ManagerCore.tick`, :meth:`~ManagerCore.stats`) and routing: which
+instance holds a version new work may go to (:meth:`~ManagerCore.serves`, :meth:`~ManagerCore.routable`). The
+message handlers are parts mixed into :class:`ManagerCore`, each declaring what of the core it uses:
+``instance_registry.py`` (instances: registration, liveness, weight loads, fencing, the end of an attempt),
+``request_table.py`` (responses: token deltas, turns and tool calls, finishes, migrations) and
+``trainer_calls.py`` (the trainer: versions, steps, the delivery of GRPO groups). Dispatch (``assign.py``),
+balancing (``balance.py``) and crash recovery (``restore.py``) are functions of the core.
+
 Invariants (each has a test in tests/test_manager_core.py):
 1. Strict on-policy: a request carries its step's weight version; a token delta of any other version is
    rejected and its instance fenced. The version only changes between steps (SetVersion is refused while
@@ -54,36 +63,26 @@ from typing import Callable
 
 from rlboost_hpc.observe.timeline import Activity, ActivityClock
 from rlboost_hpc.policy.dispatch import Balancer, PlateauEstimator, RoundRobin
-from rlboost_hpc.policy.relay import RelayTree, Source
-from rlboost_hpc.manager.state import (ALLOWED_TRANSITIONS, ENV_PEER, Group, Instance, InstanceState, Request,
-                                       RequestState, StepWork)
+from rlboost_hpc.policy.relay import RelayTree
+from rlboost_hpc.manager.state import Group, Instance, InstanceState, Request, StepWork
 from rlboost_hpc.manager import worklog as W
 from rlboost_hpc.manager.assign import dispatch
 from rlboost_hpc.manager.balance import balance
-from rlboost_hpc.manager.restore import adopt, release_held, take_over, unsent_tokens
+from rlboost_hpc.manager.instance_registry import InstanceRegistry
+from rlboost_hpc.manager.request_table import RequestTable
+from rlboost_hpc.manager.restore import release_held
 from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.manager.stats import ManagerDistributions, VersionServingClock, manager_stats
 from rlboost_hpc.manager.trainer_calls import TrainerCalls
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.stats import ManagerCounters, ManagerStats, StepActivity, StepRemote
 
-S, R = InstanceState, RequestState
+S = InstanceState
 
 log = logging.getLogger("rlboost.manager")
 
 
-#: Identities of ended attempts the manager remembers (≈ 150 bytes each), to reject their re-registration: the
-#: oldest is forgotten first. A requeued job registers under a new attempt number, so only a process stopped for
-#: longer than this many other attempts took to end could ever register under a forgotten identity.
-ENDED_KEPT = 100_000
-
-#: The counter of each kind of warned end (``Deregister.cause``): one definition, shared by the report and
-#: Prometheus.
-_LEAVE_COUNTER = {"preempted": "instances_preempted_with_warning", "time_limit": "instances_time_limit",
-                  "drained": "instances_drained", "stopped": "instances_drained"}
-
-
-class ManagerCore(TrainerCalls):
+class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
     """See the module docstring. ``clock`` returns seconds (monotonic). ``settings``: dispatch, liveness,
     streaming, balancing and relay (:class:`ManagerSettings`; its defaults when None). ``balancer``: a balancer of
     one's own (balancing on whatever ``settings.balance`` says). ``epoch``: this incarnation of the run's manager.
@@ -188,6 +187,7 @@ class ManagerCore(TrainerCalls):
             if self.max_staleness:
                 self.since_compact.append(rec)
 
+    # ------------------------------------------------------------------ routing (invariant 4)
     def serves(self, inst: Instance) -> bool:
         """Ready with a version new work may go to: the latest, or (``on_new_version = "continue"``) one of the
         k before it."""
@@ -204,151 +204,6 @@ class ManagerCore(TrainerCalls):
     def live_instances(self) -> list[Instance]:
         """Instances that still talk to us (not gone; a suspect is not presumed alive)."""
         return [i for i in self.instances.values() if i.state not in (S.GONE, S.SUSPECT)]
-
-    def _set_state(self, inst: Instance, new: InstanceState) -> None:
-        """The one place an instance's state changes (transitions in ``ALLOWED_TRANSITIONS``).
-
-        Raises:
-            RuntimeError: a transition the state machine does not have (a manager bug, never the peer's input).
-        """
-        if new == inst.state:
-            return
-        if new not in ALLOWED_TRANSITIONS[inst.state]:
-            raise RuntimeError(f"instance {inst.key}: no transition {inst.state} → {new}")
-        inst.state = new
-        self._note_activity(inst)
-        if new in (S.GONE, S.SUSPECT, S.FENCED, S.DRAINING):  # it neither serves nor needs relay capacity now
-            self._hand_out(self.relay.gone(inst.key))
-
-    def _pull_source(self, inst: Instance) -> Source:
-        """Where ``inst`` fetches the latest version (relay); the trainer for reserved instances."""
-        return self.relay.want(inst.key) if inst.kind == "preemptible" else Source()
-
-    def _new_version(self, inst: Instance) -> None:
-        src = self._pull_source(inst)
-        self.send(inst.peer, M.NewVersion(version=self.latest_version, peers=list(src.peers), wait=src.wait))
-
-    def _hand_out(self, handed: list[tuple[str, Source]]) -> None:
-        for key, src in handed:
-            i = self.instances.get(key)
-            if i is not None:
-                self.send(i.peer, M.PullFrom(version=self.latest_version, peers=list(src.peers)))
-
-    def _suspect(self, inst: Instance, reason: str) -> None:
-        """Invariant 7: out of routing now, its unfinished responses migrate; it may come back."""
-        if inst.state in (S.SUSPECT, S.GONE):
-            return
-        taken = list(inst.inflight)
-        self.counters.responses_assigned_to_vanished += sum(
-            1 for rid in taken if rid in self.requests and self.requests[rid].assigned_at > inst.last_seen)
-        for rid in taken:
-            self._requeue(rid, inst, reason)
-        inst.taken_back.update(taken)
-        unsent = unsent_tokens(inst)
-        self.counters.tokens_regenerated += unsent
-        self.counters.instances_suspected += 1
-        if inst.state == S.PULLING and inst.kind == "preemptible":
-            self.counters.suspected_while_pulling += 1
-        inst.suspect_from, inst.suspect_since = inst.state, self.clock()
-        self._set_state(inst, S.SUSPECT)
-        self.log_work(W.Silent(inst.key, True))
-        log.info("instance %s suspect (%s); %d responses migrated, %d unsent tokens", inst.key, reason,
-                 len(taken), unsent)
-
-    def _recover(self, inst: Instance) -> None:
-        """A suspect spoke again under its identity: back where it was, without re-registering."""
-        self.log_work(W.Silent(inst.key, False))
-        back = inst.suspect_from or S.PULLING
-        if back in (S.DRAINING, S.FENCED):
-            new = back
-        elif inst.version == self.latest_version:
-            new = S.READY
-        else:
-            new = S.PULLING
-        self._set_state(inst, new)
-        if new == S.PULLING:
-            self._new_version(inst)
-        self.counters.instances_recovered += 1
-        if back == S.PULLING and inst.kind == "preemptible":
-            self.counters.recovered_while_pulling += 1
-        # Whatever it still generates for what was taken from it (now, or in an earlier silence whose Release may
-        # have been lost with a connection) was resumed elsewhere: none of it is dispatched to it again until it
-        # confirms (Released); the Release goes out again for all of it.
-        inst.releasing |= inst.taken_back
-        inst.taken_back.clear()
-        if inst.releasing:
-            self.send(inst.peer, M.Release(rids=sorted(inst.releasing)))
-        log.info("instance %s answers again after %.1f s suspect; now %s", inst.key,
-                 self.clock() - inst.suspect_since, new)
-
-    def _requeue(self, rid: str, inst: Instance, why: str) -> None:
-        """Take ``rid`` back from ``inst`` and put it at the head of the queue (a migration)."""
-        req = self.requests.get(rid)
-        inst.inflight.discard(rid)
-        inst.releasing.discard(rid)
-        self._note_activity(inst)
-        if req is None or req.state != R.RUNNING or req.instance != inst.key:
-            return
-        req.move(R.QUEUED)
-        req.migrations += 1
-        self.counters.responses_migrated += 1
-        if req.n:
-            out = self.migrations_by_engine["out_of"]
-            out[inst.engine] = out.get(inst.engine, 0) + 1
-            t = str(req.turn)
-            self.migrations_by_turn[t] = self.migrations_by_turn.get(t, 0) + 1
-            # what restarting the interrupted turn / the whole trajectory would regenerate (the benchmark's
-            # alternatives to resuming at the token)
-            self.counters.tokens_in_interrupted_turns += req.n - req.turn_start
-            self.counters.assistant_tokens_in_interrupted_trajectories += req.n - req.observation_tokens()
-        self.counters.tokens_migrated += req.n
-        self.queue.appendleft(rid)
-        log.debug("migrating %s (%d tokens) off %s: %s", rid, req.n, inst.key, why)
-
-    def _instance_gone(self, inst: Instance, reason: str, *, cause: str | None) -> None:
-        """Remove ``inst`` for good: it deregistered (``cause``: its :data:`M.LeaveCause`), or a suspect expired
-        (``cause=None``); unfinished responses resume elsewhere. A suspect's work and unsent tokens were
-        accounted when it went silent."""
-        if inst.state == S.GONE:
-            return
-        unsent = 0
-        if inst.state != S.SUSPECT:
-            for rid in list(inst.inflight):
-                self._requeue(rid, inst, reason)
-            unsent = unsent_tokens(inst)
-            self.counters.tokens_regenerated += unsent
-        if cause is not None:  # it deregistered: a warned end, counted by its kind
-            self.counters.tokens_regenerated_after_warning += unsent
-            field = _LEAVE_COUNTER[cause]
-            setattr(self.counters, field, getattr(self.counters, field) + 1)
-        else:
-            self.counters.instances_expired += 1
-        self._set_state(inst, S.GONE)
-        self.activity.forget(inst.key)
-        inst.gone_reason = reason
-        self.by_peer.pop(inst.peer, None)
-        self.log_work(W.Left(inst.key))
-        # A gone attempt leaves the registry, so that nothing a week-long run does per tick or per dispatch grows
-        # with the attempts that ever ran; its identity is remembered (bounded) so it can never register again.
-        del self.instances[inst.key]
-        self.ended[inst.key] = reason
-        if len(self.ended) > ENDED_KEPT:
-            del self.ended[next(iter(self.ended))]
-        log.info("instance %s gone (%s); %d unsent tokens", inst.key, reason, unsent)
-
-    def _fence(self, inst: Instance, reason: str) -> None:
-        """Stop routing to ``inst`` and take its work back; it may recover only by loading the latest version."""
-        if inst.state in (S.GONE, S.FENCED, S.SUSPECT):
-            return
-        taken = sorted(inst.inflight)
-        for rid in taken:
-            self._requeue(rid, inst, reason)
-        inst.releasing.update(taken)  # not given back to it before it confirmed the Release below
-        self._set_state(inst, S.FENCED)
-        self.counters.instances_fenced += 1
-        log.warning("instance %s fenced: %s", inst.key, reason)
-        if taken:  # tell it to stop working on them; whatever it still sends is dropped as late
-            self.send(inst.peer, M.Release(rids=taken))
 
     # ------------------------------------------------------------------ input
     def disconnected(self, peer: bytes) -> None:
@@ -380,246 +235,7 @@ class ManagerCore(TrainerCalls):
             return
         handler(peer, inst, msg)
 
-    # agent messages ------------------------------------------------------------
-    def _on_Register(self, peer: bytes, inst: Instance | None, msg: M.Register) -> None:
-        key = f"{msg.job_id}#{msg.attempt}"
-        existing = self.instances.get(key)
-        if existing is not None and existing.peer != peer and not existing.spoke:  # its process, a new connection
-            take_over(self, existing, peer)
-        if existing is not None and existing.peer == peer:
-            pass  # a retried Register from the same identity (a reconnect keeps it): answer again
-        elif existing is not None or key in self.ended:
-            self.counters.rejected_registrations += 1
-            why = ("identity %s is already registered (live)" if existing is not None
-                   else "identity %s belongs to an attempt that already ended; a requeued job must register "
-                        "with a new attempt number")
-            self.send(peer, M.Reject(reason=why % key))
-            log.warning("rejected registration of %s from %r", key, peer)
-            return
-        else:
-            now = self.clock()
-            self.instances[key] = Instance(key=key, peer=peer, kind=msg.kind, max_batch=msg.max_batch,
-                                           registered_at=now, last_seen=now, engine=msg.engine,
-                                           relay_endpoint=msg.relay_endpoint)
-            self.by_peer[peer] = key
-            self.log_work(W.Joined(key, peer, msg.kind, msg.max_batch, msg.engine, msg.relay_endpoint))
-            self.counters.registrations += 1
-            self._note_activity(self.instances[key])
-        inst = self.instances[key]
-        src = self._pull_source(inst) if self.latest_version >= 0 and inst.version != self.latest_version \
-            else Source()
-        self.send(peer, M.Welcome(
-            instance=key, latest_version=self.latest_version, weights_endpoint=self.weights_endpoint,
-            model_config=self.model_config, model_arch=self.model_arch, heartbeat_s=self.heartbeat_s,
-            stream_every_tokens=self.stream_every_tokens, stream_every_s=self.stream_every_s, epoch=self.epoch,
-            peers=list(src.peers), wait=src.wait, weights_shards=self.weights_shards,
-            latest_checksum=self.latest_checksum, resend=inst.restored, on_new_version=self.on_new_version))
-
-    def _unknown(self, peer: bytes, what: str) -> None:
-        """A message from a peer that is not (or no longer) a registered instance: drop it and tell the peer
-        once a second, so an instance declared lost (e.g. starved of CPU past the heartbeat deadline) learns it
-        and re-registers as a new attempt instead of talking into the void."""
-        self.counters.protocol_rejects += 1
-        now = self.clock()
-        if now - self._told_unknown.get(peer, -1e9) >= 1.0:
-            if len(self._told_unknown) > 10_000:
-                self._told_unknown.clear()
-            self._told_unknown[peer] = now
-            log.warning("%s from unregistered peer %r dropped", what, peer)
-            if peer != self.trainer_peer:
-                self.send(peer, M.Reject(reason=f"unknown instance ({what} from a peer that is not registered: "
-                                                "declared lost or never registered); register as a new attempt"))
-
-    def _on_Heartbeat(self, peer: bytes, inst: Instance | None, msg: M.Heartbeat) -> None:
-        if inst is None:
-            return self._unknown(peer, "heartbeat")
-        inst.tokens_generated = max(inst.tokens_generated, msg.tokens_generated)
-
-    def _on_WeightsLoaded(self, peer: bytes, inst: Instance | None, msg: M.WeightsLoaded) -> None:
-        if inst is None:
-            return self._unknown(peer, "weights-loaded")
-        self.counters.weight_loads += 1
-        if msg.load_s > self.heartbeat_timeout_s:
-            self.counters.slow_weight_loads += 1  # longer than the deadline: it had to keep heartbeating
-        self.dist.pull_seconds.observe(msg.pull_s)
-        if msg.wire_bytes >= msg.nbytes > 0:
-            self.dist.full_pull_seconds.observe(msg.pull_s)
-        self.counters.weight_pulled_bytes += msg.wire_bytes
-        if msg.version == self.latest_version and self.latest_checksum and msg.checksum != self.latest_checksum:
-            # bytes other than the trainer's export: never routable; it is asked to leave (a replacement pulls anew)
-            self.counters.weight_checksum_mismatches += 1
-            self.counters.weight_load_failures += 1
-            reason = (f"loaded version {msg.version} with checksum {msg.checksum:x}, the trainer published "
-                      f"{self.latest_checksum:x}")
-            self._fence(inst, reason)
-            self.send(inst.peer, M.Drain(reason=reason))
-            return
-        inst.version = msg.version
-        delay = self.version_serving.loaded(inst.key, msg.version, self.clock())
-        if delay is not None:
-            self.dist.version_serving_seconds.observe(delay)
-        self._note_activity(inst)
-        if msg.version == self.latest_version and inst.kind == "preemptible":  # it holds it: it serves it too
-            self._hand_out(self.relay.done(inst.key, inst.relay_endpoint))
-        if inst.state in (S.PULLING, S.FENCED) and msg.version >= self.latest_version - self.route_lag:
-            self._set_state(inst, S.READY)
-            inst.ready_at = inst.ready_at or self.clock()
-            if inst.kind == "preemptible" and not self.seeding_open:  # the end of a co-located fallback
-                self.release_reserved()
-
-    def _on_WeightsFailed(self, peer: bytes, inst: Instance | None, msg: M.WeightsFailed) -> None:
-        if inst is None:
-            return self._unknown(peer, "weights-failed")
-        self.counters.weight_load_failures += 1
-        log.warning("instance %s failed to load version %d: %s", inst.key, msg.version, msg.error)
-        if inst.state == S.READY:
-            self._fence(inst, f"weight load failed: {msg.error}")
-        elif inst.state == S.PULLING:
-            self._set_state(inst, S.FENCED)
-            self.counters.instances_fenced += 1
-
-    def _on_Tokens(self, peer: bytes, inst: Instance | None, msg: M.Tokens) -> None:
-        """Append each delta to its request (the hot path: one frame carries many deltas)."""
-        counts = msg.counts
-        total = sum(counts)
-        self.counters.tokens_received += total
-        self.dropped = dropped = []  # responses whose delta was not applied (the work log's Frame.dropped)
-        if inst is None:
-            self.counters.late_tokens += total
-            dropped += msg.rids
-            return self._unknown(peer, "tokens")
-        inst.tokens_received += total
-        requests, key, latest = self.requests, inst.key, self.latest_version
-        ids, lps = memoryview(msg.ids), memoryview(msg.logprobs)
-        lo = late = 0
-        for i, (rid, off, cnt, ver, fin) in enumerate(zip(msg.rids, msg.offsets, counts, msg.versions, msg.finish)):
-            hi = lo + 4 * cnt
-            req = requests.get(rid)
-            if req is not None and req.instance != key and self.held:  # (after a restart: held for its instance)
-                skip = adopt(self, req, inst, off, ids[lo:hi])  # tokens of the delta the work log already holds
-                if skip:
-                    lo, off, cnt, late = lo + 4 * skip, off + skip, cnt - skip, late + skip
-            if req is None or req.instance != key or req.state != R.RUNNING:
-                late += cnt
-                dropped.append(rid)
-            elif not req.version <= ver <= latest:  # (k = 0: ver == req.version == latest)
-                self.counters.off_version_tokens_rejected += cnt
-                self._fence(inst, f"sent {cnt} tokens of version {ver} for {rid} of version {req.version}"
-                                  + (f"..{latest}" if self.max_staleness else ""))
-                dropped += msg.rids[i:]
-                break
-            elif off + cnt > req.max_new_tokens or off + cnt > req.max_trajectory_tokens - req.turn_start:
-                # (= past req.turn_budget(), spelt out: a method call per delta costs ~15 % of this loop)
-                self._fence(inst, f"delta for {rid} at {off}+{cnt} exceeds the budget {req.turn_budget()}")
-                dropped += msg.rids[i:]
-                break
-            elif req.turn_start + off != req.n:  # (offsets count from the turn's start) frames lost with a
-                late += cnt  # connection: drop the rest, resume from what arrived once the instance released it
-                dropped.append(rid)
-                # (Released requeues it; never racing a re-dispatch)
-                if rid not in inst.releasing:
-                    self.counters.deltas_out_of_order += 1
-                    inst.releasing.add(rid)
-                    self.send(inst.peer, M.Release(rids=[rid]))
-            else:
-                req.ids += ids[lo:hi]
-                req.logprobs += lps[lo:hi]
-                req.n += cnt
-                runs = req.runs
-                if runs and runs[-2] == ver:
-                    runs[-1] += cnt
-                else:
-                    runs += (ver, cnt)
-                if fin:
-                    inst.inflight.discard(rid)
-                    inst.releasing.discard(rid)
-                    self._note_activity(inst)
-                    self._turn_done(req, fin)
-            lo = hi
-        self.counters.late_tokens += late
-        if msg.resent:  # it sent all it holds: nothing more to adopt from it, nothing unsent (manager/restore.py)
-            inst.restored, inst.tokens_received, inst.tokens_generated = False, msg.generated, msg.generated
-        rec = self.step_remote.get(key)
-        if rec is not None:
-            rec.last_s = self.clock()
-            rec.tokens += total - late
-
-    def _turn_done(self, req: Request, fin: int) -> None:
-        """An assistant turn finished: a tool call goes to the environment (the trajectory waits, owned by no
-        instance), anything else finishes the response."""
-        self.counters.turns_completed += 1
-        if fin == M.FINISH_STOP and req.calls_tool():
-            req.move(R.ENVIRONMENT)
-            self.log_work(W.ToolCall(req.rid))
-            self.counters.environment_calls += 1
-            self.send(ENV_PEER, M.EnvCall(rid=req.rid, turn=req.turn, turn_ids=req.turn_ids()))
-            return
-        self._finish(req, req.end_reason(fin))
-
-    def _finish(self, req: Request, reason: str) -> None:
-        """``req`` is done for ``reason`` (one of ``M.FINISH_REASONS``; truncations counted by cause)."""
-        req.move(R.DONE, finish_reason=reason)
-        self.log_work(W.Finished(req.rid, reason))
-        self.step_done_s.append(self.clock())
-        if reason != "stop":
-            self.responses_truncated_by_cause[reason] = self.responses_truncated_by_cause.get(reason, 0) + 1
-        self._group_progress(req)
-
-    def _on_EnvResult(self, peer: bytes, inst: Instance | None, msg: M.EnvResult) -> None:
-        """The environment's observation for a trajectory's tool call: appended, and the next turn is queued
-        first (it is the tail of its step); no room left for it and one more token finishes the trajectory."""
-        if peer != ENV_PEER:
-            return self._unknown(peer, "environment result")
-        req = self.requests.get(msg.rid)
-        if req is None or req.state != R.ENVIRONMENT or req.turn != msg.turn:
-            self.counters.protocol_rejects += 1
-            return
-        self.counters.environment_seconds += msg.tool_s
-        if msg.status != "ok":
-            if msg.status == "error":
-                self.counters.environment_errors += 1
-            else:
-                self.counters.environment_timeouts += 1
-        if req.n + len(msg.obs_ids) // 4 >= req.max_trajectory_tokens or not msg.obs_ids:
-            self._finish(req, "trajectory_budget" if msg.obs_ids else "environment_error")
-            return
-        self.counters.observation_tokens += len(msg.obs_ids) // 4
-        req.append_observation(msg.obs_ids)
-        self.log_work(W.Observation(req.rid, msg.obs_ids))
-        req.move(R.QUEUED)
-        self.queue.appendleft(req.rid)
-
-    def _on_RequestFailed(self, peer: bytes, inst: Instance | None, msg: M.RequestFailed) -> None:
-        if inst is None:
-            return self._unknown(peer, "request-failed")
-        self.counters.request_failures += 1
-        req = self.requests.get(msg.rid)
-        log.warning("instance %s failed request %s: %s", inst.key, msg.rid, msg.error)
-        if req is not None and req.instance == inst.key and req.state == R.RUNNING:
-            self._requeue(msg.rid, inst, "engine failure")
-            if req.attempts >= self.max_attempts:
-                self._fail_step(f"request {msg.rid} failed {req.attempts} times; last error: {msg.error}")
-
-    def _on_Draining(self, peer: bytes, inst: Instance | None, msg: M.Draining) -> None:
-        if inst is None:
-            return self._unknown(peer, "draining")
-        if inst.state != S.GONE:
-            self._set_state(inst, S.DRAINING)
-
-    def _on_Released(self, peer: bytes, inst: Instance | None, msg: M.Released) -> None:
-        if inst is None:
-            return self._unknown(peer, "released")
-        inst.tokens_generated = max(inst.tokens_generated, msg.tokens_generated)
-        self.counters.released_requests += len(msg.rids)
-        for rid in msg.rids:
-            self._requeue(rid, inst, "released")
-
-    def _on_Deregister(self, peer: bytes, inst: Instance | None, msg: M.Deregister) -> None:
-        if inst is None:
-            return self._unknown(peer, "deregister")
-        inst.tokens_generated = max(inst.tokens_generated, msg.tokens_generated)
-        self._instance_gone(inst, f"deregistered: {msg.reason}", cause=msg.cause)
-
+    # ------------------------------------------------------------------ instance-seconds, liveness, dispatch
     def _activity(self, inst: Instance) -> Activity | None:
         """What ``inst`` is doing now, for the instance-seconds (None: suspect, fenced, gone, or draining with
         nothing left in flight — not counted)."""

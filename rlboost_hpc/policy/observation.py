@@ -1,7 +1,7 @@
 """The observation law: what the controller learns about the preemptible pool from one finished step.
 
 One function, :func:`observe_remote`, turns per-instance records of a step into the pool's part of a
-:class:`~rlboost_hpc.policy.controller.StepObservation`. The live manager (``manager/core.py``, at
+:class:`~rlboost_hpc.policy.controller.StepObservation`. The live manager (``manager/trainer_calls.py``, at
 ``SetVersion``) and the simulator (``sim/simulator.py``, at the end of a step) both build the same records
 and call it, so the table the simulator prints is what the live system would decide for the same timeline.
 

@@ -19,7 +19,8 @@ puller accepts). :class:`RelayTree` decides who serves whom:
   stopped).
 
 ``fanout = 0`` turns relay off: everyone pulls from the trainer at once (the behaviour without relay). The
-manager (``manager/core.py``) applies the tree; the benchmark drives the same class.
+manager (``manager/core.py``, in its parts ``instance_registry.py`` and ``trainer_calls.py``) applies the tree;
+the benchmark drives the same class.
 """
 from __future__ import annotations
 

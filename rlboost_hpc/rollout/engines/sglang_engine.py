@@ -38,7 +38,8 @@ Invariants (the base contract of :mod:`rlboost_hpc.rollout.engines.base`, and ho
   :class:`TokenEvent` (``finished=False``), or ``None``. Callers that hand off partial responses must use that
   return value (the torch engine always returns ``None``: it has nothing pending).
 - Weights: see :mod:`rlboost_hpc.rollout.engines.sglang_weights`; the server process: see
-  :mod:`rlboost_hpc.rollout.engines.sglang_server`.
+  :mod:`rlboost_hpc.rollout.engines.sglang_server`; the ``/generate`` streams: see
+  :mod:`rlboost_hpc.rollout.engines.sglang_stream`.
 - Batching: requests added between two :meth:`step` calls are submitted together as ONE streaming
   ``/generate`` call (lists of ``input_ids`` / ``sampling_params`` / ``rid``; SGLang multiplexes their chunks on
   one SSE stream, told apart by ``meta_info.id``), read by one thread; abort stays per request.
@@ -50,20 +51,18 @@ import http.client
 import itertools
 import logging
 import os
-import socket
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from rlboost_hpc import defaults as D
-from rlboost_hpc.rollout.engines.base import (Engine, EngineError, FinishReason, GenRequest, RequestError, TokenEvent,
-                                             validate_request)
-from rlboost_hpc.rollout.engines.sglang_server import SGLangServer, fast_dumps, fast_loads, http_json
+from rlboost_hpc.rollout.engines.base import Engine, EngineError, GenRequest, RequestError, TokenEvent, validate_request
+from rlboost_hpc.rollout.engines.sglang_server import SGLangServer, http_json
+from rlboost_hpc.rollout.engines.sglang_stream import SGLangStreams, StreamBatch, StreamRequest
 from rlboost_hpc.rollout.engines.sglang_weights import SGLangWeightUpdates
 
 __all__ = ["SGLangEngine"]
@@ -75,70 +74,18 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
            "half": torch.float16}
 
 
-# ====================================================================================== per-request state
-@dataclass(eq=False)
-class _Req:
-    rid: str
-    srid: str  # the id the server knows (unique per engine instance and submission)
-    input_ids: list[int]
-    sampling: dict
-    stop: frozenset[int]
-    max_new: int
-    enforce_stop: bool  # the server cannot express our stop set exactly; we cut the stream ourselves
-    ids: list[int] = field(default_factory=list)
-    lps: list[float] = field(default_factory=list)
-    delivered: int = 0
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    done: bool = False  # no more chunks will be used (final chunk seen, stream ended, or given up)
-    error: str | None = None
-    aborting: bool = False
-    server_aborted: bool = False  # the server ended the request with finish type "abort"
-    batch: "_Batch | None" = None
-
-
-@dataclass(eq=False)
-class _Batch:
-    """One streaming ``/generate`` call carrying every request added since the previous submission (SGLang
-    multiplexes their chunks on one SSE stream, told apart by ``meta_info.id``)."""
-
-    reqs: dict[str, _Req]  # by srid
-    thread: threading.Thread | None = None
-    conn: http.client.HTTPConnection | None = None
-
-
-# ====================================================================================== the engine
-def new_entries(out_ids: list, lp_entries: list, completion_tokens: int | None, have: int) -> tuple[list, list]:
-    """The output ids and logprob entries of one ``/generate`` stream chunk that are new to a consumer holding
-    ``have`` tokens of the request: an incremental chunk (``--incremental-streaming-output``) carries exactly
-    ``completion_tokens − have`` new entries; a cumulative one (SGLang's default; no count: cumulative) carries the
-    full lists from the first token, which may run ahead of ``completion_tokens`` (SGLang streams an intermediate
-    cumulative chunk as a reference to its growing lists and serialises it later: seen as ``completion_tokens=1``
-    with 3 ids and 3 logprobs) but never behind what was received.
-
-    Raises:
-        EngineError: the lengths fit neither form (ids and logprobs of different lengths, fewer entries than
-            already received, more than the count in an incremental chunk).
-    """
-    n = len(out_ids)
-    total = n if completion_tokens is None else int(completion_tokens)
-    if n == len(lp_entries) and n >= total and n >= have:
-        return out_ids[have:], lp_entries[have:]
-    if n == len(lp_entries) == total - have:
-        return out_ids, lp_entries
-    if not out_ids and total <= have:
-        return [], []
-    raise EngineError(f"inconsistent chunk: completion_tokens={total}, {have} received, {n} output_ids, "
-                      f"{len(lp_entries)} logprobs")
-
-
-class SGLangEngine(SGLangWeightUpdates, Engine):
+class SGLangEngine(SGLangStreams, SGLangWeightUpdates, Engine):
     """:class:`Engine` over an SGLang HTTP server.
 
     Build with :meth:`launch` (starts and owns a supervised server),
     :func:`~rlboost_hpc.rollout.engines.factory.make_sglang_engine` (from the manager's HF config + a state dict,
     for the rollout agent), or the constructor (attach to a running server at ``base_url``; ``server`` may be
     given to supervise it).
+
+    This class holds the construction, the lifecycle, the version label, the :class:`Engine` calls, and the checked
+    control calls to the server (``_control``) with its diagnostics, which every part uses. Each other server-side
+    capability is a part mixed in beside it, with its own module: :class:`SGLangStreams` (the ``/generate``
+    streams, ``sglang_stream.py``) and :class:`SGLangWeightUpdates` (weight loads, ``sglang_weights.py``).
 
     Args:
         base_url: ``http://host:port`` of the server.
@@ -175,10 +122,10 @@ class SGLangEngine(SGLangWeightUpdates, Engine):
         self.tp_size = tp_size
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._reqs: dict[str, _Req] = {}
+        self._reqs: dict[str, StreamRequest] = {}
         self._order: deque[str] = deque()
-        self._unsent: list[_Req] = []  # added, submitted at the next step()/abort()
-        self._batches: set[_Batch] = set()
+        self._unsent: list[StreamRequest] = []  # added, submitted at the next step()/abort()
+        self._batches: set[StreamBatch] = set()
         self._seq = itertools.count()
         self._tag = f"{os.getpid():x}{id(self) & 0xFFFFFF:06x}"
         self._fenced: str | None = None
@@ -328,7 +275,7 @@ class SGLangEngine(SGLangWeightUpdates, Engine):
         elif stop:
             sampling["stop_token_ids"] = sorted(stop)
         srid = f"{rid}@{self._tag}.{next(self._seq)}"
-        r = _Req(rid=rid, srid=srid, input_ids=checked.prompt_ids + checked.prefix_ids, sampling=sampling,
+        r = StreamRequest(rid=rid, srid=srid, input_ids=checked.prompt_ids + checked.prefix_ids, sampling=sampling,
                  stop=stop, max_new=req.max_new_tokens, enforce_stop=enforce)
         with self._lock:
             self._reqs[rid] = r
@@ -350,7 +297,7 @@ class SGLangEngine(SGLangWeightUpdates, Engine):
         """
         self._submit()
         deadline = time.monotonic() + self.stall_timeout_s
-        failed: _Req | None = None
+        failed: StreamRequest | None = None
         with self._cond:
             while True:
                 if not self._reqs:
@@ -496,175 +443,3 @@ class SGLangEngine(SGLangWeightUpdates, Engine):
         state = "alive" if self.server.alive() else f"DEAD (exit code {self.server.returncode()})"
         return f"server {state}; log {self.server.log_path} tail:\n{self.server.log_tail()}"
 
-    # ------------------------------------------------------------------ streaming internals
-    def _remove_order(self, rid: str) -> None:
-        try:
-            self._order.remove(rid)
-        except ValueError:
-            pass
-
-    def _collect_locked(self) -> tuple[list[TokenEvent], _Req | None]:
-        events: list[TokenEvent] = []
-        failed: _Req | None = None
-        for rid in list(self._order):
-            r = self._reqs[rid]
-            new = len(r.ids) - r.delivered
-            if new > 0 or r.finished:  # a finished request's tokens are final (later chunks are ignored)
-                ev = TokenEvent(rid=rid, token_ids=r.ids[r.delivered:], logprobs=r.lps[r.delivered:])
-                r.delivered = len(r.ids)
-                if r.finished:
-                    ev.finished, ev.finish_reason = True, r.finish_reason
-                    del self._reqs[rid]
-                    self._order.remove(rid)
-                events.append(ev)
-            elif r.done and not r.finished and failed is None:
-                failed = r
-        return events, failed
-
-    def _failure_message(self, r: _Req) -> str:
-        # a broken stream is usually the server dying: its sockets close before the exit status is visible
-        if self.server is not None and self._dies_within(2.0):
-            return self._crash_message(f"request {r.rid!r} after {len(r.ids)} token(s)")
-        why = r.error or ("aborted by the server" if r.server_aborted else "stream ended without a finish")
-        return f"sglang request {r.rid!r} failed after {len(r.ids)} token(s): {why}; " + self._log_hint()
-
-    def _close_batch(self, b: _Batch) -> None:
-        c = b.conn
-        if c is not None:
-            try:
-                if c.sock is not None:
-                    c.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def _submit(self) -> None:
-        """Send every queued request as one streaming ``/generate`` call, read by one thread."""
-        with self._lock:
-            reqs, self._unsent = self._unsent, []
-        if not reqs:
-            return
-        if len(reqs) == 1:
-            r = reqs[0]
-            body = {"input_ids": r.input_ids, "sampling_params": r.sampling, "rid": r.srid}
-        else:
-            body = {"input_ids": [r.input_ids for r in reqs], "sampling_params": [r.sampling for r in reqs],
-                    "rid": [r.srid for r in reqs]}
-        body.update(return_logprob=True, logprob_start_len=-1, stream=True)
-        b = _Batch(reqs={r.srid: r for r in reqs})
-        for r in reqs:
-            r.batch = b
-        b.thread = threading.Thread(target=self._stream, args=(b, body), name=f"sglang-{reqs[0].rid}+{len(reqs) - 1}",
-                                    daemon=True)
-        with self._lock:
-            self._batches.add(b)
-        b.thread.start()
-
-    def _stream(self, b: _Batch, body: dict) -> None:
-        """Reader thread: POST /generate (stream) and fold every chunk into its request."""
-        err: str | None = None
-        try:
-            conn = http.client.HTTPConnection(self.host, self.port, timeout=self.stall_timeout_s)
-            b.conn = conn
-            conn.request("POST", "/generate", body=fast_dumps(body), headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            if resp.status != 200:
-                err = f"HTTP {resp.status}: {resp.read()[:2000].decode('utf-8', 'replace')}"
-            else:
-                for line in resp:
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        break
-                    self._dispatch(b, fast_loads(data))
-        except (OSError, http.client.HTTPException, ValueError) as e:
-            err = f"{type(e).__name__}: {e}"
-        finally:
-            try:
-                if b.conn is not None:
-                    b.conn.close()
-            except Exception:
-                pass
-            with self._cond:
-                for r in b.reqs.values():
-                    if not r.done:
-                        if not r.finished and not r.aborting and r.error is None:
-                            r.error = err or "stream ended without a finish"
-                        r.done = True
-                self._batches.discard(b)
-                self._cond.notify_all()
-
-    def _dispatch(self, b: _Batch, chunk: dict) -> None:
-        meta = chunk.get("meta_info") or {}
-        r = b.reqs.get(meta.get("id"))
-        if r is None:
-            if "error" in chunk or "object" in chunk:
-                raise ValueError(f"server error on the stream: {str(chunk)[:2000]}")
-            raise ValueError(f"chunk for unknown request id {meta.get('id')!r}")
-        if r.done:
-            return
-        try:
-            cut = self._fold(r, chunk, meta)
-        except EngineError as e:
-            with self._cond:
-                r.error, r.done = str(e), True
-                self._cond.notify_all()
-            cut = not r.aborting
-        if cut:  # we ended it before the server did (our stop set) or it broke: stop it server-side
-            threading.Thread(target=self._abort_quietly, args=(r.srid,), daemon=True).start()
-
-    def _fold(self, r: _Req, chunk: dict, meta: dict) -> bool:
-        """Merge one chunk into ``r``; True when the server-side request must be aborted."""
-        out_ids = chunk.get("output_ids") or []
-        lp_entries = meta.get("output_token_logprobs") or []
-        total = meta.get("completion_tokens")
-        with self._cond:
-            new_ids, new_lp = new_entries(out_ids, lp_entries, total, len(r.ids))
-            ids = [int(t) for t in new_ids]
-            if ids:
-                self.chunks_received += 1  # streamed pieces (whatever a consumer's step() merges)
-            lps = []
-            for t, e in zip(ids, new_lp):
-                if int(e[1]) != t:
-                    raise EngineError(f"logprob entry for token {e[1]} where output_ids has {t}")
-                lps.append(float(e[0]))
-            fr = meta.get("finish_reason")
-            ftype = fr.get("type") if isinstance(fr, dict) else fr
-            # our stop set / budget, enforced on every token (exact semantics whatever the server does)
-            for i, t in enumerate(ids):
-                if r.finished:
-                    break
-                r.ids.append(t)
-                r.lps.append(lps[i])
-                if t in r.stop:
-                    r.finished, r.finish_reason = True, "stop"
-                elif len(r.ids) >= r.max_new:
-                    r.finished, r.finish_reason = True, "length"
-            cut = False
-            if r.finished:
-                cut = ftype is None  # the server would go on: abort it there
-                r.done = True
-            elif ftype in ("stop", "length"):
-                # the server ended on its own rule; must agree with ours (stop token or budget)
-                last = r.ids[-1] if r.ids else None
-                if ftype == "stop" and last in r.stop:
-                    r.finished, r.finish_reason = True, "stop"
-                elif ftype == "length" and len(r.ids) >= r.max_new:
-                    r.finished, r.finish_reason = True, "length"
-                else:
-                    raise EngineError(f"server finished with {fr!r} after {len(r.ids)} token(s) (last {last}), "
-                                      f"which our stop set {sorted(r.stop)} / budget {r.max_new} does not explain")
-                r.done = True
-            elif ftype is not None:  # "abort" (ours or someone else's) or anything new
-                r.server_aborted = not r.aborting
-                if r.server_aborted:
-                    r.error = f"ended by the server: {fr!r}"
-                r.done = True
-            self._cond.notify_all()
-        return cut
-
-    def _abort_quietly(self, srid: str) -> None:
-        try:
-            http_json(self.host, self.port, "POST", "/abort_request", {"rid": srid}, timeout=10.0)
-        except (OSError, http.client.HTTPException):
-            pass

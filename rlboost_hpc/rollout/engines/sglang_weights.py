@@ -1,4 +1,4 @@
-"""Weights into an SGLang server: the weight-update half of the SGLang engine
+"""Weights into an SGLang server: the weight-update part of the SGLang engine
 (:class:`~rlboost_hpc.rollout.engines.sglang_engine.SGLangEngine`, mixed into it) and what the weight holders send.
 
 Invariants:

@@ -1,0 +1,312 @@
+"""The instance registry of the rollout manager: who is registered, in which :class:`InstanceState`, and every
+change of that state — registration (and the rejection of a live or ended identity), heartbeats, weight loads and
+their failures, the relay hand-outs that follow them, silence (suspect), recovery, fencing, draining and the end of
+an attempt (gone: out of the registry, its identity kept among the last ``ENDED_KEPT``).
+
+A part of :class:`~rlboost_hpc.manager.core.ManagerCore` (a mixin: the same state, the same single writer, pure:
+no sockets, time from the core's injected clock); the invariants it keeps are the core's 7 (busy is not dead,
+dead is not alive: one transition function, :meth:`InstanceRegistry._set_state`) and the weight side of 1 and 4
+(an instance is routable only once it loaded a version new work may go to, with the trainer's checksum).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from rlboost_hpc.manager import worklog as W
+from rlboost_hpc.manager.restore import take_over, unsent_tokens
+from rlboost_hpc.manager.state import ALLOWED_TRANSITIONS, Instance, InstanceState, Request
+from rlboost_hpc.manager.stats import ManagerDistributions, VersionServingClock
+from rlboost_hpc.observe.timeline import ActivityClock
+from rlboost_hpc.policy.relay import RelayTree, Source
+from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.protocol.stats import ManagerCounters
+
+S = InstanceState
+
+log = logging.getLogger("rlboost.manager")
+
+
+#: Identities of ended attempts the manager remembers (≈ 150 bytes each), to reject their re-registration: the
+#: oldest is forgotten first. A requeued job registers under a new attempt number, so only a process stopped for
+#: longer than this many other attempts took to end could ever register under a forgotten identity.
+ENDED_KEPT = 100_000
+
+#: The counter of each kind of warned end (``Deregister.cause``): one definition, shared by the report and
+#: Prometheus.
+_LEAVE_COUNTER = {"preempted": "instances_preempted_with_warning", "time_limit": "instances_time_limit",
+                  "drained": "instances_drained", "stopped": "instances_drained"}
+
+
+class InstanceRegistry:
+    """The instance-facing handlers of :class:`~rlboost_hpc.manager.core.ManagerCore` (see the module docstring).
+
+    What it uses of the core is declared below: the state it reads and writes (annotations only; the core's
+    ``__init__`` sets every one) and the core's methods it calls (:attr:`CORE_METHODS`). Nothing else of the core
+    is touched here (``tests/test_architecture.py`` checks it).
+    """
+
+    #: the core's methods this part calls
+    CORE_METHODS = ("send", "log_work", "_note_activity", "_requeue", "release_reserved")
+
+    # the core's state this part reads and writes (set in ManagerCore.__init__): the registry and its accounts
+    clock: Callable[[], float]
+    instances: dict[str, Instance]
+    by_peer: dict[bytes, str]
+    ended: dict[str, str]
+    _told_unknown: dict[bytes, float]
+    requests: dict[str, Request]
+    counters: ManagerCounters
+    dist: ManagerDistributions
+    activity: ActivityClock
+    version_serving: VersionServingClock
+    relay: RelayTree
+    heartbeat_timeout_s: float
+    # routing: the version new work may go to, the co-located fallback, who speaks as the trainer
+    latest_version: int
+    route_lag: int
+    seeding_open: bool
+    trainer_peer: bytes | None
+    # what Welcome tells an instance
+    weights_endpoint: str
+    weights_shards: str
+    model_config: dict
+    model_arch: dict
+    latest_checksum: int
+    epoch: int
+    heartbeat_s: float
+    stream_every_tokens: int
+    stream_every_s: float
+    on_new_version: str
+
+    def _set_state(self, inst: Instance, new: InstanceState) -> None:
+        """The one place an instance's state changes (transitions in ``ALLOWED_TRANSITIONS``).
+
+        Raises:
+            RuntimeError: a transition the state machine does not have (a manager bug, never the peer's input).
+        """
+        if new == inst.state:
+            return
+        if new not in ALLOWED_TRANSITIONS[inst.state]:
+            raise RuntimeError(f"instance {inst.key}: no transition {inst.state} → {new}")
+        inst.state = new
+        self._note_activity(inst)
+        if new in (S.GONE, S.SUSPECT, S.FENCED, S.DRAINING):  # it neither serves nor needs relay capacity now
+            self._hand_out(self.relay.gone(inst.key))
+
+    def _pull_source(self, inst: Instance) -> Source:
+        """Where ``inst`` fetches the latest version (relay); the trainer for reserved instances."""
+        return self.relay.want(inst.key) if inst.kind == "preemptible" else Source()
+
+    def _new_version(self, inst: Instance) -> None:
+        src = self._pull_source(inst)
+        self.send(inst.peer, M.NewVersion(version=self.latest_version, peers=list(src.peers), wait=src.wait))
+
+    def _hand_out(self, handed: list[tuple[str, Source]]) -> None:
+        for key, src in handed:
+            i = self.instances.get(key)
+            if i is not None:
+                self.send(i.peer, M.PullFrom(version=self.latest_version, peers=list(src.peers)))
+
+    def _suspect(self, inst: Instance, reason: str) -> None:
+        """Invariant 7: out of routing now, its unfinished responses migrate; it may come back."""
+        if inst.state in (S.SUSPECT, S.GONE):
+            return
+        taken = list(inst.inflight)
+        self.counters.responses_assigned_to_vanished += sum(
+            1 for rid in taken if rid in self.requests and self.requests[rid].assigned_at > inst.last_seen)
+        for rid in taken:
+            self._requeue(rid, inst, reason)
+        inst.taken_back.update(taken)
+        unsent = unsent_tokens(inst)
+        self.counters.tokens_regenerated += unsent
+        self.counters.instances_suspected += 1
+        if inst.state == S.PULLING and inst.kind == "preemptible":
+            self.counters.suspected_while_pulling += 1
+        inst.suspect_from, inst.suspect_since = inst.state, self.clock()
+        self._set_state(inst, S.SUSPECT)
+        self.log_work(W.Silent(inst.key, True))
+        log.info("instance %s suspect (%s); %d responses migrated, %d unsent tokens", inst.key, reason,
+                 len(taken), unsent)
+
+    def _recover(self, inst: Instance) -> None:
+        """A suspect spoke again under its identity: back where it was, without re-registering."""
+        self.log_work(W.Silent(inst.key, False))
+        back = inst.suspect_from or S.PULLING
+        if back in (S.DRAINING, S.FENCED):
+            new = back
+        elif inst.version == self.latest_version:
+            new = S.READY
+        else:
+            new = S.PULLING
+        self._set_state(inst, new)
+        if new == S.PULLING:
+            self._new_version(inst)
+        self.counters.instances_recovered += 1
+        if back == S.PULLING and inst.kind == "preemptible":
+            self.counters.recovered_while_pulling += 1
+        # Whatever it still generates for what was taken from it (now, or in an earlier silence whose Release may
+        # have been lost with a connection) was resumed elsewhere: none of it is dispatched to it again until it
+        # confirms (Released); the Release goes out again for all of it.
+        inst.releasing |= inst.taken_back
+        inst.taken_back.clear()
+        if inst.releasing:
+            self.send(inst.peer, M.Release(rids=sorted(inst.releasing)))
+        log.info("instance %s answers again after %.1f s suspect; now %s", inst.key,
+                 self.clock() - inst.suspect_since, new)
+
+    def _instance_gone(self, inst: Instance, reason: str, *, cause: str | None) -> None:
+        """Remove ``inst`` for good: it deregistered (``cause``: its :data:`M.LeaveCause`), or a suspect expired
+        (``cause=None``); unfinished responses resume elsewhere. A suspect's work and unsent tokens were
+        accounted when it went silent."""
+        if inst.state == S.GONE:
+            return
+        unsent = 0
+        if inst.state != S.SUSPECT:
+            for rid in list(inst.inflight):
+                self._requeue(rid, inst, reason)
+            unsent = unsent_tokens(inst)
+            self.counters.tokens_regenerated += unsent
+        if cause is not None:  # it deregistered: a warned end, counted by its kind
+            self.counters.tokens_regenerated_after_warning += unsent
+            field = _LEAVE_COUNTER[cause]
+            setattr(self.counters, field, getattr(self.counters, field) + 1)
+        else:
+            self.counters.instances_expired += 1
+        self._set_state(inst, S.GONE)
+        self.activity.forget(inst.key)
+        inst.gone_reason = reason
+        self.by_peer.pop(inst.peer, None)
+        self.log_work(W.Left(inst.key))
+        # A gone attempt leaves the registry, so that nothing a week-long run does per tick or per dispatch grows
+        # with the attempts that ever ran; its identity is remembered (bounded) so it can never register again.
+        del self.instances[inst.key]
+        self.ended[inst.key] = reason
+        if len(self.ended) > ENDED_KEPT:
+            del self.ended[next(iter(self.ended))]
+        log.info("instance %s gone (%s); %d unsent tokens", inst.key, reason, unsent)
+
+    def _fence(self, inst: Instance, reason: str) -> None:
+        """Stop routing to ``inst`` and take its work back; it may recover only by loading the latest version."""
+        if inst.state in (S.GONE, S.FENCED, S.SUSPECT):
+            return
+        taken = sorted(inst.inflight)
+        for rid in taken:
+            self._requeue(rid, inst, reason)
+        inst.releasing.update(taken)  # not given back to it before it confirmed the Release below
+        self._set_state(inst, S.FENCED)
+        self.counters.instances_fenced += 1
+        log.warning("instance %s fenced: %s", inst.key, reason)
+        if taken:  # tell it to stop working on them; whatever it still sends is dropped as late
+            self.send(inst.peer, M.Release(rids=taken))
+
+    # agent messages ------------------------------------------------------------
+    def _on_Register(self, peer: bytes, inst: Instance | None, msg: M.Register) -> None:
+        key = f"{msg.job_id}#{msg.attempt}"
+        existing = self.instances.get(key)
+        if existing is not None and existing.peer != peer and not existing.spoke:  # its process, a new connection
+            take_over(self, existing, peer)
+        if existing is not None and existing.peer == peer:
+            pass  # a retried Register from the same identity (a reconnect keeps it): answer again
+        elif existing is not None or key in self.ended:
+            self.counters.rejected_registrations += 1
+            why = ("identity %s is already registered (live)" if existing is not None
+                   else "identity %s belongs to an attempt that already ended; a requeued job must register "
+                        "with a new attempt number")
+            self.send(peer, M.Reject(reason=why % key))
+            log.warning("rejected registration of %s from %r", key, peer)
+            return
+        else:
+            now = self.clock()
+            self.instances[key] = Instance(key=key, peer=peer, kind=msg.kind, max_batch=msg.max_batch,
+                                           registered_at=now, last_seen=now, engine=msg.engine,
+                                           relay_endpoint=msg.relay_endpoint)
+            self.by_peer[peer] = key
+            self.log_work(W.Joined(key, peer, msg.kind, msg.max_batch, msg.engine, msg.relay_endpoint))
+            self.counters.registrations += 1
+            self._note_activity(self.instances[key])
+        inst = self.instances[key]
+        src = self._pull_source(inst) if self.latest_version >= 0 and inst.version != self.latest_version \
+            else Source()
+        self.send(peer, M.Welcome(
+            instance=key, latest_version=self.latest_version, weights_endpoint=self.weights_endpoint,
+            model_config=self.model_config, model_arch=self.model_arch, heartbeat_s=self.heartbeat_s,
+            stream_every_tokens=self.stream_every_tokens, stream_every_s=self.stream_every_s, epoch=self.epoch,
+            peers=list(src.peers), wait=src.wait, weights_shards=self.weights_shards,
+            latest_checksum=self.latest_checksum, resend=inst.restored, on_new_version=self.on_new_version))
+
+    def _unknown(self, peer: bytes, what: str) -> None:
+        """A message from a peer that is not (or no longer) a registered instance: drop it and tell the peer
+        once a second, so an instance declared lost (e.g. starved of CPU past the heartbeat deadline) learns it
+        and re-registers as a new attempt instead of talking into the void."""
+        self.counters.protocol_rejects += 1
+        now = self.clock()
+        if now - self._told_unknown.get(peer, -1e9) >= 1.0:
+            if len(self._told_unknown) > 10_000:
+                self._told_unknown.clear()
+            self._told_unknown[peer] = now
+            log.warning("%s from unregistered peer %r dropped", what, peer)
+            if peer != self.trainer_peer:
+                self.send(peer, M.Reject(reason=f"unknown instance ({what} from a peer that is not registered: "
+                                                "declared lost or never registered); register as a new attempt"))
+
+    def _on_Heartbeat(self, peer: bytes, inst: Instance | None, msg: M.Heartbeat) -> None:
+        if inst is None:
+            return self._unknown(peer, "heartbeat")
+        inst.tokens_generated = max(inst.tokens_generated, msg.tokens_generated)
+
+    def _on_WeightsLoaded(self, peer: bytes, inst: Instance | None, msg: M.WeightsLoaded) -> None:
+        if inst is None:
+            return self._unknown(peer, "weights-loaded")
+        self.counters.weight_loads += 1
+        if msg.load_s > self.heartbeat_timeout_s:
+            self.counters.slow_weight_loads += 1  # longer than the deadline: it had to keep heartbeating
+        self.dist.pull_seconds.observe(msg.pull_s)
+        if msg.wire_bytes >= msg.nbytes > 0:
+            self.dist.full_pull_seconds.observe(msg.pull_s)
+        self.counters.weight_pulled_bytes += msg.wire_bytes
+        if msg.version == self.latest_version and self.latest_checksum and msg.checksum != self.latest_checksum:
+            # bytes other than the trainer's export: never routable; it is asked to leave (a replacement pulls anew)
+            self.counters.weight_checksum_mismatches += 1
+            self.counters.weight_load_failures += 1
+            reason = (f"loaded version {msg.version} with checksum {msg.checksum:x}, the trainer published "
+                      f"{self.latest_checksum:x}")
+            self._fence(inst, reason)
+            self.send(inst.peer, M.Drain(reason=reason))
+            return
+        inst.version = msg.version
+        delay = self.version_serving.loaded(inst.key, msg.version, self.clock())
+        if delay is not None:
+            self.dist.version_serving_seconds.observe(delay)
+        self._note_activity(inst)
+        if msg.version == self.latest_version and inst.kind == "preemptible":  # it holds it: it serves it too
+            self._hand_out(self.relay.done(inst.key, inst.relay_endpoint))
+        if inst.state in (S.PULLING, S.FENCED) and msg.version >= self.latest_version - self.route_lag:
+            self._set_state(inst, S.READY)
+            inst.ready_at = inst.ready_at or self.clock()
+            if inst.kind == "preemptible" and not self.seeding_open:  # the end of a co-located fallback
+                self.release_reserved()
+
+    def _on_WeightsFailed(self, peer: bytes, inst: Instance | None, msg: M.WeightsFailed) -> None:
+        if inst is None:
+            return self._unknown(peer, "weights-failed")
+        self.counters.weight_load_failures += 1
+        log.warning("instance %s failed to load version %d: %s", inst.key, msg.version, msg.error)
+        if inst.state == S.READY:
+            self._fence(inst, f"weight load failed: {msg.error}")
+        elif inst.state == S.PULLING:
+            self._set_state(inst, S.FENCED)
+            self.counters.instances_fenced += 1
+
+    def _on_Draining(self, peer: bytes, inst: Instance | None, msg: M.Draining) -> None:
+        if inst is None:
+            return self._unknown(peer, "draining")
+        if inst.state != S.GONE:
+            self._set_state(inst, S.DRAINING)
+
+    def _on_Deregister(self, peer: bytes, inst: Instance | None, msg: M.Deregister) -> None:
+        if inst is None:
+            return self._unknown(peer, "deregister")
+        inst.tokens_generated = max(inst.tokens_generated, msg.tokens_generated)
+        self._instance_gone(inst, f"deregistered: {msg.reason}", cause=msg.cause)
+

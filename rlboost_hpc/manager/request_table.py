@@ -1,0 +1,209 @@
+"""The request table of the rollout manager: what happens to a response once it is dispatched — its token deltas
+appended (the hot path: one ``Tokens`` frame carries many), an assistant turn ending in a tool call handed to the
+environment and its observation appended (multi-turn trajectories), a finished response counted and passed on to
+its GRPO group, a failed or released one requeued at the head of the queue (a migration).
+
+A part of :class:`~rlboost_hpc.manager.core.ManagerCore` (a mixin: the same state, the same single writer, pure:
+no sockets, time from the core's injected clock); the invariants it keeps are the core's token-level ones: 1
+(a delta of a version outside the request's window is rejected and its instance fenced), 2 (deltas from any
+instance but the owner are dropped as late), 3 (a delta starts exactly at the response's current length), 5 (a
+migrated response resumes within its budget) and 8 (trajectories: every turn and observation kept as token ids).
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Callable
+
+from rlboost_hpc.manager import worklog as W
+from rlboost_hpc.manager.restore import adopt
+from rlboost_hpc.manager.state import ENV_PEER, Instance, Request, RequestState, StepWork
+from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.protocol.stats import ManagerCounters
+
+R = RequestState
+
+log = logging.getLogger("rlboost.manager")
+
+
+class RequestTable:
+    """The response-facing handlers of :class:`~rlboost_hpc.manager.core.ManagerCore` (see the module docstring).
+
+    What it uses of the core is declared below: the state it reads and writes (annotations only; the core's
+    ``__init__`` sets every one) and the core's methods it calls (:attr:`CORE_METHODS`). Nothing else of the core
+    is touched here (``tests/test_architecture.py`` checks it).
+    """
+
+    #: the core's methods this part calls
+    CORE_METHODS = ("send", "log_work", "_note_activity", "_unknown", "_fence", "_fail_step", "_group_progress")
+
+    # the core's state this part reads and writes (set in ManagerCore.__init__)
+    clock: Callable[[], float]
+    counters: ManagerCounters
+    requests: dict[str, Request]
+    queue: deque[str]
+    latest_version: int
+    max_staleness: int
+    max_attempts: int
+    step_remote: dict[str, StepWork]
+    step_done_s: list[float]
+    migrations_by_turn: dict[str, int]
+    migrations_by_engine: dict[str, dict[str, int]]
+    responses_truncated_by_cause: dict[str, int]
+    held: dict
+    dropped: list[str]
+
+    def _requeue(self, rid: str, inst: Instance, why: str) -> None:
+        """Take ``rid`` back from ``inst`` and put it at the head of the queue (a migration)."""
+        req = self.requests.get(rid)
+        inst.inflight.discard(rid)
+        inst.releasing.discard(rid)
+        self._note_activity(inst)
+        if req is None or req.state != R.RUNNING or req.instance != inst.key:
+            return
+        req.move(R.QUEUED)
+        req.migrations += 1
+        self.counters.responses_migrated += 1
+        if req.n:
+            out = self.migrations_by_engine["out_of"]
+            out[inst.engine] = out.get(inst.engine, 0) + 1
+            t = str(req.turn)
+            self.migrations_by_turn[t] = self.migrations_by_turn.get(t, 0) + 1
+            # what restarting the interrupted turn / the whole trajectory would regenerate (the benchmark's
+            # alternatives to resuming at the token)
+            self.counters.tokens_in_interrupted_turns += req.n - req.turn_start
+            self.counters.assistant_tokens_in_interrupted_trajectories += req.n - req.observation_tokens()
+        self.counters.tokens_migrated += req.n
+        self.queue.appendleft(rid)
+        log.debug("migrating %s (%d tokens) off %s: %s", rid, req.n, inst.key, why)
+
+    def _on_Tokens(self, peer: bytes, inst: Instance | None, msg: M.Tokens) -> None:
+        """Append each delta to its request (the hot path: one frame carries many deltas)."""
+        counts = msg.counts
+        total = sum(counts)
+        self.counters.tokens_received += total
+        self.dropped = dropped = []  # responses whose delta was not applied (the work log's Frame.dropped)
+        if inst is None:
+            self.counters.late_tokens += total
+            dropped += msg.rids
+            return self._unknown(peer, "tokens")
+        inst.tokens_received += total
+        requests, key, latest = self.requests, inst.key, self.latest_version
+        ids, lps = memoryview(msg.ids), memoryview(msg.logprobs)
+        lo = late = 0
+        for i, (rid, off, cnt, ver, fin) in enumerate(zip(msg.rids, msg.offsets, counts, msg.versions, msg.finish)):
+            hi = lo + 4 * cnt
+            req = requests.get(rid)
+            if req is not None and req.instance != key and self.held:  # (after a restart: held for its instance)
+                skip = adopt(self, req, inst, off, ids[lo:hi])  # tokens of the delta the work log already holds
+                if skip:
+                    lo, off, cnt, late = lo + 4 * skip, off + skip, cnt - skip, late + skip
+            if req is None or req.instance != key or req.state != R.RUNNING:
+                late += cnt
+                dropped.append(rid)
+            elif not req.version <= ver <= latest:  # (k = 0: ver == req.version == latest)
+                self.counters.off_version_tokens_rejected += cnt
+                self._fence(inst, f"sent {cnt} tokens of version {ver} for {rid} of version {req.version}"
+                                  + (f"..{latest}" if self.max_staleness else ""))
+                dropped += msg.rids[i:]
+                break
+            elif off + cnt > req.max_new_tokens or off + cnt > req.max_trajectory_tokens - req.turn_start:
+                # (= past req.turn_budget(), spelt out: a method call per delta costs ~15 % of this loop)
+                self._fence(inst, f"delta for {rid} at {off}+{cnt} exceeds the budget {req.turn_budget()}")
+                dropped += msg.rids[i:]
+                break
+            elif req.turn_start + off != req.n:  # (offsets count from the turn's start) frames lost with a
+                late += cnt  # connection: drop the rest, resume from what arrived once the instance released it
+                dropped.append(rid)
+                # (Released requeues it; never racing a re-dispatch)
+                if rid not in inst.releasing:
+                    self.counters.deltas_out_of_order += 1
+                    inst.releasing.add(rid)
+                    self.send(inst.peer, M.Release(rids=[rid]))
+            else:
+                req.ids += ids[lo:hi]
+                req.logprobs += lps[lo:hi]
+                req.n += cnt
+                runs = req.runs
+                if runs and runs[-2] == ver:
+                    runs[-1] += cnt
+                else:
+                    runs += (ver, cnt)
+                if fin:
+                    inst.inflight.discard(rid)
+                    inst.releasing.discard(rid)
+                    self._note_activity(inst)
+                    self._turn_done(req, fin)
+            lo = hi
+        self.counters.late_tokens += late
+        if msg.resent:  # it sent all it holds: nothing more to adopt from it, nothing unsent (manager/restore.py)
+            inst.restored, inst.tokens_received, inst.tokens_generated = False, msg.generated, msg.generated
+        rec = self.step_remote.get(key)
+        if rec is not None:
+            rec.last_s = self.clock()
+            rec.tokens += total - late
+
+    def _turn_done(self, req: Request, fin: int) -> None:
+        """An assistant turn finished: a tool call goes to the environment (the trajectory waits, owned by no
+        instance), anything else finishes the response."""
+        self.counters.turns_completed += 1
+        if fin == M.FINISH_STOP and req.calls_tool():
+            req.move(R.ENVIRONMENT)
+            self.log_work(W.ToolCall(req.rid))
+            self.counters.environment_calls += 1
+            self.send(ENV_PEER, M.EnvCall(rid=req.rid, turn=req.turn, turn_ids=req.turn_ids()))
+            return
+        self._finish(req, req.end_reason(fin))
+
+    def _finish(self, req: Request, reason: str) -> None:
+        """``req`` is done for ``reason`` (one of ``M.FINISH_REASONS``; truncations counted by cause)."""
+        req.move(R.DONE, finish_reason=reason)
+        self.log_work(W.Finished(req.rid, reason))
+        self.step_done_s.append(self.clock())
+        if reason != "stop":
+            self.responses_truncated_by_cause[reason] = self.responses_truncated_by_cause.get(reason, 0) + 1
+        self._group_progress(req)
+
+    def _on_EnvResult(self, peer: bytes, inst: Instance | None, msg: M.EnvResult) -> None:
+        """The environment's observation for a trajectory's tool call: appended, and the next turn is queued
+        first (it is the tail of its step); no room left for it and one more token finishes the trajectory."""
+        if peer != ENV_PEER:
+            return self._unknown(peer, "environment result")
+        req = self.requests.get(msg.rid)
+        if req is None or req.state != R.ENVIRONMENT or req.turn != msg.turn:
+            self.counters.protocol_rejects += 1
+            return
+        self.counters.environment_seconds += msg.tool_s
+        if msg.status != "ok":
+            if msg.status == "error":
+                self.counters.environment_errors += 1
+            else:
+                self.counters.environment_timeouts += 1
+        if req.n + len(msg.obs_ids) // 4 >= req.max_trajectory_tokens or not msg.obs_ids:
+            self._finish(req, "trajectory_budget" if msg.obs_ids else "environment_error")
+            return
+        self.counters.observation_tokens += len(msg.obs_ids) // 4
+        req.append_observation(msg.obs_ids)
+        self.log_work(W.Observation(req.rid, msg.obs_ids))
+        req.move(R.QUEUED)
+        self.queue.appendleft(req.rid)
+
+    def _on_RequestFailed(self, peer: bytes, inst: Instance | None, msg: M.RequestFailed) -> None:
+        if inst is None:
+            return self._unknown(peer, "request-failed")
+        self.counters.request_failures += 1
+        req = self.requests.get(msg.rid)
+        log.warning("instance %s failed request %s: %s", inst.key, msg.rid, msg.error)
+        if req is not None and req.instance == inst.key and req.state == R.RUNNING:
+            self._requeue(msg.rid, inst, "engine failure")
+            if req.attempts >= self.max_attempts:
+                self._fail_step(f"request {msg.rid} failed {req.attempts} times; last error: {msg.error}")
+
+    def _on_Released(self, peer: bytes, inst: Instance | None, msg: M.Released) -> None:
+        if inst is None:
+            return self._unknown(peer, "released")
+        inst.tokens_generated = max(inst.tokens_generated, msg.tokens_generated)
+        self.counters.released_requests += len(msg.rids)
+        for rid in msg.rids:
+            self._requeue(rid, inst, "released")
+
