@@ -63,7 +63,7 @@ from rlboost_hpc.events import drain_marker_path
 from rlboost_hpc.rundir import CapacityView, RunDir, RunDirError
 from scavenger.pyslurm_api import slurm_api
 from scavenger.slurm import SlurmCommandError
-from scavenger.slurm_records import JobClass, JobInfo, NodeInfo, signal_number
+from scavenger.slurm_records import JobClass, JobInfo, NodeInfo, job_number, signal_number
 from scavenger.stats import RECONCILE_LOG, load_run_stats
 
 log = logging.getLogger("scavenger")
@@ -194,14 +194,14 @@ class Scavenger:
         self.consecutive_errors = 0
         self.metrics = None  # a ScavengerMetrics refreshed after every reconciliation (start_metrics)
         self._last_held_back = ""
-        self._trainer_missing = 0  # consecutive listings without the trainer job
+        self._trainer_over_in = 0  # listings in a row showing the trainer job over (or not at all)
         self._trainer_gone = ""  # why the trainer job is over (once it is: for good)
         self.harvest: HarvestLink | None = None  # the cluster's harvest service grants the share (harvest_dir)
         if config.harvest_dir:
             self.harvest = HarvestLink(config.harvest_dir, config.resolved_run_id(self.run_dir), self.tag,
                                        account=config.account or "", partition=config.partition,
                                        qos=config.qos or "", max_age_s=config.harvest_max_age_s,
-                                       trainer_job=config.trainer_job or "",
+                                       trainer_job=config.trainer_job or "", cpus_per_instance=config.cpus_per_job,
                                        time_limit_s=time_limit_seconds(config.time_limit), clock=self.clock.time)
         self.jobs.replay()
 
@@ -242,8 +242,8 @@ class Scavenger:
         for n in nodes:
             if self.config.partition not in n.partitions:
                 continue
-            if g > 0:
-                slots += n.free_gpus // g
+            if g > 0:  # a job needs its CPUs as well: GPUs of a node whose CPUs are taken start nothing
+                slots += min(n.free_gpus // g, n.free_cpus // self.config.cpus_per_job)
             else:
                 slots += n.free_cpus // self.config.cpus_per_job
         return slots
@@ -392,26 +392,26 @@ class Scavenger:
 
     def _trainer_ended(self, trainer: JobInfo | None, looked: bool) -> str:
         """Why the run's trainer job is over ("" while it lives, or when it is not known or was not looked for): it
-        ended (any terminal state: failed, cancelled, completed) or Slurm stopped listing it for ``VANISH_AFTER``
-        listings. Logged once, as an error, when first seen."""
-        if not looked:
+        ended (any terminal state: failed, cancelled, completed) or Slurm stopped listing it — in ``VANISH_AFTER``
+        listings in a row, so that a state seen once while Slurm requeues the job does not end the run. Logged once,
+        as an error, when first seen; for good after that."""
+        if not looked or self._trainer_gone:
             return self._trainer_gone
+        if trainer is not None and not trainer.terminal:
+            self._trainer_over_in = 0
+            return ""
+        self._trainer_over_in += 1
+        if self._trainer_over_in < VANISH_AFTER:
+            return ""
         if trainer is None:
-            self._trainer_missing += 1
-            if self._trainer_missing < VANISH_AFTER:
-                return self._trainer_gone
             why = f"the trainer job {self.config.trainer_job} is no longer listed by Slurm"
-        elif trainer.terminal:
+        else:
             code = f", exit code {trainer.exit_code}" if trainer.exit_code is not None else ""
             why = f"the trainer job {trainer.job_id} ended {trainer.state}{code}"
-        else:
-            self._trainer_missing = 0
-            return self._trainer_gone
-        if not self._trainer_gone:
-            log.error("scavenger: %s while target.json still says the run is active: the run is over; cancelling "
-                      "its rollout jobs", why)
-            self._trainer_gone = why
-        return self._trainer_gone
+        log.error("scavenger: %s while target.json still says the run is active: the run is over; cancelling its "
+                  "rollout jobs", why)
+        self._trainer_gone = why
+        return why
 
     def _held_back(self, target: Target | None, share, harvest_why: str, free: int, n_active: int) -> str:
         """Why the run keeps fewer rollout jobs than it asks for, in words ("" when nothing holds it back): no
@@ -504,7 +504,7 @@ class Scavenger:
         def newest(j: JobInfo) -> tuple[float, int]:
             # a pending job's start_time is Slurm's estimate: order pending ones by submission
             t = j.submit_time if j.job_class in WAITING else (j.start_time or j.submit_time)
-            return (t or 0.0, _id_num(j.job_id))
+            return (t or 0.0, job_number(j.job_id))
 
         pending = sorted((j for j in active if j.job_class in WAITING), key=newest, reverse=True)
         running = sorted((j for j in active if j.job_class not in WAITING), key=newest, reverse=True)
@@ -599,8 +599,3 @@ class Scavenger:
                 break
             self.clock.sleep(delay)
         return 0
-
-
-def _id_num(job_id: str) -> int:
-    digits = "".join(ch for ch in job_id.split("_")[0] if ch.isdigit())
-    return int(digits) if digits else 0

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import math
 import os
 import threading
 import time
@@ -50,7 +51,7 @@ from rlboost_hpc.errors import BadInput
 from rlboost_hpc.rundir import write_json_atomic
 from scavenger.harvest_policy import SitePolicy
 from scavenger.shares import RunDemand, harvestable_gpus, weighted_shares
-from scavenger.slurm_records import JobInfo, NodeInfo
+from scavenger.slurm_records import JobInfo, NodeInfo, job_number
 
 log = logging.getLogger("scavenger.harvest")
 
@@ -63,7 +64,7 @@ TAG_PREFIX = "rlboost:"
 class DemandFile(msgspec.Struct, frozen=True):
     """A run's demand, written by its scavenger every cycle. ``instances``: rollout instances the run could use (the
     N_prem law before any clamp to capacity, within its ``--max-jobs``; 0 when the run is over);
-    ``gpus_per_instance``: GPUs each; ``tag``: the ``--comment`` of its jobs; ``account``, ``partition``, ``qos``:
+    ``gpus_per_instance``/``cpus_per_instance``: GPUs and CPUs each; ``tag``: the ``--comment`` of its jobs; ``account``, ``partition``, ``qos``:
     what its jobs are submitted with ("" = Slurm's default); ``time_limit_s``: its jobs' ``--time`` in seconds
     (``None``: unlimited or not said); ``trainer_job``: the Slurm job id of its trainer ("" = not given), whose state
     the share echoes; ``seq``: bumped after each action the scavenger took (echoed in the share); ``ts``: the
@@ -81,6 +82,7 @@ class DemandFile(msgspec.Struct, frozen=True):
     ts: float = 0.0
     time_limit_s: float | None = None
     trainer_job: str = ""
+    cpus_per_instance: int = 1
 
 
 class PostedDemand(msgspec.Struct, frozen=True):
@@ -352,12 +354,15 @@ class HarvestService:
             return {n for r in reservations if r.start is None or r.start - now < h for n in r.nodes}
 
         run_jobs = [j for rid in live_runs for j in owned.get(rid, [])]
+        # a GPU is idle only where a job can start on it: with the CPUs the runs' jobs need per GPU (the least of them)
+        cpus_per_gpu = min((max(1, math.ceil(d.cpus_per_instance / max(1, d.gpus_per_instance)))
+                            for d in live_runs.values()), default=1)
         pools: dict[float, tuple[int, int, int]] = {}
         for h in {*horizon.values(), min(horizon.values(), default=self.policy.reservation_horizon_s)}:
             pools[h] = harvestable_gpus(
                 nodes, run_jobs, partitions=self.policy.partitions, run_tags={d.tag for d in live_runs.values()},
                 exclude_nodes=excluded | reserved_within(h), idle_share_free=self.policy.idle_share_free,
-                blackout=blackout)
+                blackout=blackout, cpus_per_gpu=cpus_per_gpu)
         shortest, longest = min(pools), max(pools)
         pool, idle, held = pools[shortest]
         res.pool_gpus, res.idle_gpus, res.held_gpus = pool, idle, held
@@ -414,9 +419,10 @@ class HarvestService:
     def _owned_jobs(self, posted: dict[str, PostedDemand], tagged: list[JobInfo]
                     ) -> tuple[dict[str, list[JobInfo]], dict[str, str]]:
         """Each run's jobs — those under its tag that belong to the Unix user owning its demand file — and the runs
-        refused because their tag is held by another user's jobs alone (run id → why). Jobs under a run's tag of
-        any other user are never the run's: not listed to it, not counted in its share, never cancelled for it;
-        each such clash is logged once. A job whose user Slurm did not say (``""``) counts as the owner's."""
+        refused because another user holds their tag (run id → why): the user of the oldest live job under the tag
+        (by submission, then job id) holds it. Jobs under a run's tag of any other user are never the run's: not
+        listed to it, not counted in its share, never cancelled for it; each clash is logged once. A job whose user
+        Slurm did not say (``""``) counts as the owner's."""
         by_tag: dict[str, list[JobInfo]] = {}
         for j in tagged:
             by_tag.setdefault(j.comment, []).append(j)
@@ -424,21 +430,21 @@ class HarvestService:
         refused: dict[str, str] = {}
         for rid, p in posted.items():
             jobs = by_tag.get(p.demand.tag, [])
-            mine = [j for j in jobs if not j.user or j.user == p.owner]
+            owned[rid] = [j for j in jobs if not j.user or j.user == p.owner]
             strangers = [j for j in jobs if j.user and j.user != p.owner]
-            owned[rid] = mine
             if not strangers:
                 continue
-            users = sorted({j.user for j in strangers})
+            live = sorted((j for j in jobs if j.live), key=lambda j: (j.submit_time or 0.0, job_number(j.job_id)))
+            holder = live[0].user if live and live[0].user else p.owner
             ids = ",".join(j.job_id for j in strangers)
-            if not [j for j in mine if j.live]:
-                refused[rid] = (f"run id {rid!r}: its tag is held by the jobs of user(s) {', '.join(users)} ({ids}); "
-                                f"the demand is user {p.owner}'s")
+            if holder != p.owner:
+                refused[rid] = (f"run id {rid!r}: its tag is held by the jobs of user(s) {holder} (oldest live job "
+                                f"{live[0].job_id}); the demand is user {p.owner}'s")
             key = (rid, p.owner, ids)
             if key not in self._clashes:
                 self._clashes.add(key)
                 log.warning("harvest: jobs %s of user(s) %s carry the tag of run %s, whose demand is user %s's: %s",
-                            ids, ", ".join(users), rid, p.owner,
+                            ids, ", ".join(sorted({j.user for j in strangers})), rid, p.owner,
                             "the demand is refused" if rid in refused else "ignored (never counted or cancelled)")
         return owned, refused
 
@@ -522,10 +528,11 @@ class HarvestLink:
 
     def __init__(self, spool: str | os.PathLike[str], run_id: str, tag: str, *, account: str = "",
                  partition: str = "", qos: str = "", max_age_s: float = 60.0, trainer_job: str = "",
-                 time_limit_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 time_limit_s: float | None = None, cpus_per_instance: int = 1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.spool = HarvestSpool(spool)
         self.run_id, self.tag, self.account, self.partition, self.qos = run_id, tag, account, partition, qos
-        self.trainer_job, self.time_limit_s = trainer_job, time_limit_s
+        self.trainer_job, self.time_limit_s, self.cpus_per_instance = trainer_job, time_limit_s, cpus_per_instance
         self.max_age_s, self.clock = max_age_s, clock
         self.seq = 0
         self._last: tuple[float, int] | None = None
@@ -541,7 +548,7 @@ class HarvestLink:
                                           gpus_per_instance=gpus_per_instance, account=self.account,
                                           partition=self.partition, qos=self.qos, active=active, seq=self.seq,
                                           ts=time.time(), time_limit_s=self.time_limit_s,
-                                          trainer_job=self.trainer_job))
+                                          trainer_job=self.trainer_job, cpus_per_instance=self.cpus_per_instance))
         s = self.spool.read_share(self.run_id)
         now = self.clock()
         if s is None:  # the service has not seen the demand yet; none at all for max_age_s: stale

@@ -3,7 +3,8 @@
 The harvest service (:mod:`scavenger.harvest`) calls these once per cycle with what Slurm listed and what the runs
 asked for; the figures they return are the only thing it writes into each run's share.
 
-- :func:`harvestable_gpus`: the pool = idle GPUs of usable, not excluded nodes of the harvested partitions + the
+- :func:`harvestable_gpus`: the pool = idle GPUs (as far as the node's free CPUs can start jobs on them) of usable,
+  not excluded nodes of the harvested partitions + the
   GPUs the registered runs' running rollout jobs hold there (per node at most its GPUs), less the share the site
   keeps free for fast starts of priority jobs (``floor((1 - idle_share_free) * pool)``; 0 in a blackout window).
 - :func:`weighted_shares`: weighted max-min fairness (progressive filling) in whole rollout instances: the next
@@ -46,9 +47,11 @@ class RunDemand:
 
 def harvestable_gpus(nodes: Iterable[NodeInfo], jobs: Iterable[JobInfo], *, partitions: Sequence[str],
                      run_tags: Iterable[str], exclude_nodes: Iterable[str] = (), idle_share_free: float = 0.0,
-                     blackout: bool = False) -> tuple[int, int, int]:
+                     blackout: bool = False, cpus_per_gpu: int = 1) -> tuple[int, int, int]:
     """The pool of GPUs the registered runs may share: ``(pool, idle, held)`` — ``idle``: free GPUs of usable
-    nodes in ``partitions`` not in ``exclude_nodes``; ``held``: GPUs of the running jobs whose comment is one of
+    nodes in ``partitions`` not in ``exclude_nodes``, each node's as far as its free CPUs can start jobs of
+    ``cpus_per_gpu`` CPUs per GPU (a node whose CPUs another job holds has no idle GPU to offer, whatever its GPUs
+    say; 0: CPUs not counted); ``held``: GPUs of the running jobs whose comment is one of
     ``run_tags`` on those nodes; ``pool`` = ⌊(1 − ``idle_share_free``) · Σ_nodes min(GPUs of the node, idle + held
     there)⌋, 0 when ``blackout``. The per-node clamp keeps a job that ``squeue`` still lists as completing while
     ``sinfo`` already shows its GPUs free from counting twice.
@@ -61,9 +64,11 @@ def harvestable_gpus(nodes: Iterable[NodeInfo], jobs: Iterable[JobInfo], *, part
         first = j.nodes.split(",")[0]
         if j.comment in tags and j.job_class is JobClass.RUNNING and first in harvested:
             held_on[first] = held_on.get(first, 0) + j.gpus
-    idle = sum(n.free_gpus for n in harvested.values())
+    free = {name: min(n.free_gpus, n.free_cpus // cpus_per_gpu) if cpus_per_gpu > 0 else n.free_gpus
+            for name, n in harvested.items()}
+    idle = sum(free.values())
     held = sum(held_on.values())
-    total = sum(min(n.gres_total_gpus, n.free_gpus + held_on.get(name, 0)) for name, n in harvested.items())
+    total = sum(min(n.gres_total_gpus, free[name] + held_on.get(name, 0)) for name, n in harvested.items())
     pool = 0 if blackout else math.floor((1.0 - idle_share_free) * total + 1e-9)
     return pool, idle, held
 

@@ -65,6 +65,12 @@ def classify_job(state: str, flags: Iterable[str] = (), reason: str = "") -> Job
     return JobClass.UNKNOWN
 
 
+def job_number(job_id: str) -> int:
+    """The numeric part of a job id for ordering (``"123"`` → 123, ``"123_4"`` → 123); 0 when there is none."""
+    digits = "".join(ch for ch in job_id.split("_")[0] if ch.isdigit())
+    return int(digits) if digits else 0
+
+
 def signal_number(name: str) -> int:
     """The number of a signal given as Slurm and ``scancel --signal`` take it: a name with or without ``SIG``, any
     case (``"USR2"``, ``"sigterm"``), or a number (``"12"``).

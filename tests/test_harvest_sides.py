@@ -164,6 +164,8 @@ def test_a_trainer_job_that_ends_ends_the_harvesting_within_one_poll(tmp_path):
     assert sc.reconcile_once().cancelled == [] and len(fake.our_calls("squeue")) == calls + 1
     fake.finish("7", "FAILED", exit_code=1)
     clock.t += 5
+    assert sc.reconcile_once().target.active  # one listing could be a requeue passing by: the next one decides
+    clock.t += 5
     res = sc.reconcile_once()
     assert not res.target.active and res.target.source == "trainer_ended" and sorted(res.cancelled) == ["100", "101"]
     assert live_ids(fake) == ["7"] or live_ids(fake) == []
@@ -291,3 +293,25 @@ def test_harvest_report_with_a_bad_window_is_exit_2_naming_the_flag(flag, value)
     p = subprocess.run([sys.executable, "-m", "rlboost_hpc.cli", "harvest", "report", flag, value],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and flag in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_gpus_of_a_node_whose_cpus_are_taken_are_not_idle(tmp_path):
+    """Regression (issue 45): a trainer job holding all of a node's CPUs (train.sbatch asks 4) and one of its GPUs
+    left the other GPU counted as idle; the service granted shares the cluster could not start, and the runs' jobs
+    sat pending. A GPU is idle only where a job's CPUs fit too — in the service's pool and the scavenger's slots."""
+    from scavenger.shares import harvestable_gpus
+    from scavenger.slurm_records import NodeInfo
+
+    full = NodeInfo("n1", "MIXED", ("scavenger",), 4, 2, 1, alloc_cpus=4)  # the trainer's node
+    half = NodeInfo("n2", "MIXED", ("scavenger",), 4, 2, 0, alloc_cpus=3)
+    assert harvestable_gpus([full, half, node("n3")], [], partitions=["scavenger"], run_tags=set())[:2] == (3, 3)
+    assert harvestable_gpus([half], [], partitions=["scavenger"], run_tags=set(), cpus_per_gpu=2)[1] == 0
+    clock = FakeClock()
+    fake = FakeSlurm(clock, nodes=1)
+    fake.sinfo_nodes = lambda partition=None: [full]
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    sc = Scavenger(ScavengerConfig(max_jobs=2), run_dir, slurm=fake, clock=clock, script=tmp_path / "s.sh")
+    write_target(run_dir, n_prem=2)
+    res = sc.reconcile_once()
+    assert res.free_slots == 0 and res.submitted == [] and "no idle slot" in res.held_back

@@ -88,6 +88,8 @@ class RequestTable:
             dropped += msg.rids
             return self._unknown(peer, "tokens")
         inst.tokens_received += total
+        if inst.kind == "preemptible":
+            self.counters.tokens_received_preemptible += total
         requests, key, latest = self.requests, inst.key, self.latest_version
         ids, lps = memoryview(msg.ids), memoryview(msg.logprobs)
         lo = late = 0

@@ -18,6 +18,7 @@ from rlboost_hpc.protocol.stats import ManagerStats
 
 COUNTERS = {
     "tokens_received": "tokens streamed into the manager",
+    "tokens_received_preemptible": "tokens streamed into the manager by preemptible instances (harvested capacity)",
     "messages_received": "messages the manager received from rollout instances (every kind; per token: the "
                          "control plane's cost driver)",
     "messages_sent": "messages the manager sent to rollout instances (every kind)",

@@ -53,6 +53,7 @@ SUMMARY_KEYS = [
     ("responses_duplicated", "responses duplicated"), ("preemptions", "preemptions (warned + killed)"),
     ("kills_without_warning", "  of which without warning"), ("responses_migrated", "responses migrated"),
     ("tokens_migrated", "tokens carried over by migration (seeds + preempted work)"),
+    ("tokens_from_preemptible", "tokens generated on preemptible instances"),
     ("tokens_regenerated", "tokens regenerated"), ("tokens_trained_off_version", "tokens trained off-version"),
     ("max_staleness", "max staleness k (0: strict on-policy)"),
     ("tokens_by_staleness", "tokens trained, by versions old"), ("tokens_masked_too_stale", "tokens older than k (masked)"),

@@ -28,7 +28,8 @@ Schema (:class:`RunReport`; every key below is always present except the multi-t
   steps' shares); ``{}`` when the backend reported none.
 - faults and migration (summed over every incarnation of a resumed run): ``preemptions`` (=
   ``preemptions_with_warning`` + ``kills_without_warning``), ``worker_starts``, ``responses_migrated``,
-  ``tokens_migrated``, ``tokens_regenerated`` (and ``_after_warning``), ``instances_suspected`` /
+  ``tokens_migrated``, ``tokens_from_preemptible`` (tokens preemptible instances — harvested capacity — streamed
+  to the manager), ``tokens_regenerated`` (and ``_after_warning``), ``instances_suspected`` /
   ``_recovered`` / ``_lost_without_warning`` / ``_lost_while_pulling`` / ``_preempted_with_warning`` /
   ``_time_limit`` / ``_drained``, ``stalls``, ``link_resets``, ``slow_weight_loads``, ``deltas_out_of_order``,
   ``manager_restarts`` (manager processes the trainer restarted, each continuing the step from its work log),
@@ -89,6 +90,7 @@ class FaultTally(msgspec.Struct, kw_only=True):
     manager_restarts: int = 0
     responses_adopted: int = 0
     tokens_discarded_stale: int = 0
+    tokens_received_preemptible: int = 0
 
     @classmethod
     def observe(cls, stats: ManagerStats, cluster: dict[str, int] | None) -> "FaultTally":
@@ -147,6 +149,7 @@ class RunReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     migrations_by_engine: dict[str, dict[str, int]]
     migrated_responses_trained: int
     tokens_migrated: int
+    tokens_from_preemptible: int
     tokens_regenerated: int
     tokens_regenerated_after_warning: int
     tokens_trained_off_version: int
@@ -325,7 +328,8 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         balancer_moves=stats.balancer_moves, rollout_engine=rollout_engine,
         migrations_by_engine=stats.migrations_by_engine,
         migrated_responses_trained=totals.migrated_responses_trained,
-        tokens_migrated=tally.tokens_migrated, tokens_regenerated=tally.tokens_regenerated,
+        tokens_migrated=tally.tokens_migrated, tokens_from_preemptible=tally.tokens_received_preemptible,
+        tokens_regenerated=tally.tokens_regenerated,
         tokens_regenerated_after_warning=stats.tokens_regenerated_after_warning,
         tokens_trained_off_version=totals.tokens_trained_off_version,
         tokens_masked_too_stale=totals.tokens_masked_too_stale, max_staleness=max_staleness,

@@ -24,6 +24,7 @@ class ManagerCounters(msgspec.Struct, kw_only=True):
     tokens_regenerated: int = 0  # tokens lost with an instance (unsent at a kill) and generated again
     tokens_regenerated_after_warning: int = 0
     tokens_received: int = 0
+    tokens_received_preemptible: int = 0  # of those, streamed by preemptible instances (harvested capacity)
     late_tokens: int = 0  # dropped: their request had moved on
     off_version_tokens_rejected: int = 0
     instances_preempted_with_warning: int = 0
