@@ -50,7 +50,7 @@ import msgspec
 from rlboost_hpc.errors import BadInput
 from rlboost_hpc.rundir import write_json_atomic
 from scavenger.harvest_policy import SitePolicy
-from scavenger.shares import RunDemand, harvestable_gpus, weighted_shares
+from scavenger.shares import RunDemand, harvestable_gpus, proportional_shares, weighted_shares
 from scavenger.slurm_records import JobInfo, NodeInfo, job_number
 
 log = logging.getLogger("scavenger.harvest")
@@ -379,7 +379,8 @@ class HarvestService:
         # runs whose jobs live longer may use only the nodes no reservation claims within their time limit
         groups = [(frozenset(r for r, hr in horizon.items() if hr >= h), pools[h][0]) for h in sorted(pools)
                   if h > shortest]
-        shares = weighted_shares(asks, pool, caps, groups)
+        rule = proportional_shares if self.policy.share_rule == "demand_proportional" else weighted_shares
+        shares = rule(asks, pool, caps, groups)
         for rid, d in demands.items():
             n = shares.get(rid, 0)
             reason = "vanished" if rid in vanished else why.get(rid, "blackout" if blackout and not n else "")

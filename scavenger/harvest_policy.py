@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -83,6 +83,10 @@ class SitePolicy(BaseModel):
     exclude_nodes: list[str] = Field([], description="nodes never counted as harvestable")
     exclude_features: list[str] = Field([], description=(
         "nodes with any of these Slurm features are never counted as harvestable (one more sinfo per cycle)"))
+    share_rule: Literal["weighted_max_min", "demand_proportional"] = Field("weighted_max_min", description=(
+        "how the pool is split: 'weighted_max_min' (every run within one instance of its weighted fair share, "
+        "never more than it asks: a new or small run gets its first instance at once) or 'demand_proportional' "
+        "(RLix's rule, for comparison: in proportion to each run's demand, weights ignored)"))
     idle_share_free: float = Field(0.0, ge=0, lt=1, description=(
         "share of the harvestable GPUs left free for fast starts of priority jobs (0.1: 10 %)"))
     poll_s: float = Field(5.0, gt=0, description="seconds between cycles (one sinfo + one squeue each)")

@@ -7,6 +7,9 @@ asked for; the figures they return are the only thing it writes into each run's 
   not excluded nodes of the harvested partitions + the
   GPUs the registered runs' running rollout jobs hold there (per node at most its GPUs), less the share the site
   keeps free for fast starts of priority jobs (``floor((1 - idle_share_free) * pool)``; 0 in a blackout window).
+- :func:`proportional_shares`: the open anchor's rule (RLix): the pool split in proportion to each run's demand in
+  GPUs, floored to whole instances, the rest by largest remainder — weights ignored, caps kept. A rule to compare
+  with (``share_rule = "demand_proportional"``): a run asking for little under contention can get nothing.
 - :func:`weighted_shares`: weighted max-min fairness (progressive filling) in whole rollout instances: the next
   instance always goes to the run whose GPUs per unit of weight, that instance included, stay lowest — never more
   than a run asks for, within its own and its account's GPU caps and the pool. Ties go to the lexically smallest
@@ -23,7 +26,7 @@ from typing import Iterable, Mapping, Sequence
 
 from scavenger.slurm_records import JobClass, JobInfo, NodeInfo
 
-__all__ = ["RunDemand", "harvestable_gpus", "weighted_shares"]
+__all__ = ["RunDemand", "harvestable_gpus", "proportional_shares", "weighted_shares"]
 
 
 @dataclass(frozen=True)
@@ -123,3 +126,44 @@ def weighted_shares(demands: Sequence[RunDemand], pool: int, account_caps: Mappi
         by_account[best.account] = by_account.get(best.account, 0) + best.unit
         for k in in_group.get(best.run_id, ()):
             group_used[k] += best.unit
+
+
+def proportional_shares(demands: Sequence[RunDemand], pool: int, account_caps: Mapping[str, int] | None = None,
+                        groups: Sequence[tuple[frozenset[str], int]] = ()) -> dict[str, int]:
+    """Rollout instances per run id, split as RLix splits leftover GPUs: in proportion to each run's outstanding
+    demand in GPUs (``instances`` × GPUs per instance) — ``⌊pool · demand_i / Σ demand⌋ / unit_i`` whole instances,
+    never above the demand — then the instances left, one at a time, to the largest remainders (ties: the lexically
+    smallest run id). Weights are ignored; ``max_gpus``, ``account_caps`` and ``groups`` hold as in
+    :func:`weighted_shares`. Raises ValueError for a negative demand."""
+    for d in demands:
+        if d.instances < 0:
+            raise ValueError(f"run {d.run_id!r}: instances must be ≥ 0 (got {d.instances})")
+    want = {d.run_id: d.instances * d.unit for d in demands}
+    total = sum(want.values())
+    if total <= 0:
+        return {d.run_id: 0 for d in demands}
+    exact = {rid: min(w, pool * w / total) for rid, w in want.items()}
+    floors = {d.run_id: min(d.instances, int(exact[d.run_id] // d.unit)) for d in demands}
+    limits = [RunDemand(d.run_id, floors[d.run_id], d.gpus_per_instance, 1.0, d.account, d.max_gpus) for d in demands]
+    alloc = weighted_shares(limits, pool, account_caps, groups)  # the floors, within every cap
+    used = sum(alloc[d.run_id] * d.unit for d in demands)
+    order = sorted(demands, key=lambda d: (-(exact[d.run_id] - alloc[d.run_id] * d.unit), d.run_id))
+    for d in order:  # the rest by largest remainder: one more instance each, while it fits
+        trial = {**alloc, d.run_id: alloc[d.run_id] + 1}
+        if alloc[d.run_id] < d.instances and used + d.unit <= pool and _fits(trial, demands, account_caps, groups):
+            alloc, used = trial, used + d.unit
+    return alloc
+
+
+def _fits(alloc: Mapping[str, int], demands: Sequence[RunDemand], account_caps: Mapping[str, int] | None,
+          groups: Sequence[tuple[frozenset[str], int]]) -> bool:
+    """Whether ``alloc`` keeps every run's ``max_gpus``, every account cap and every group limit."""
+    gpus = {d.run_id: alloc[d.run_id] * d.unit for d in demands}
+    if any(d.max_gpus is not None and gpus[d.run_id] > d.max_gpus for d in demands):
+        return False
+    by_account: dict[str, int] = {}
+    for d in demands:
+        by_account[d.account] = by_account.get(d.account, 0) + gpus[d.run_id]
+    if any(a in by_account and by_account[a] > cap for a, cap in (account_caps or {}).items()):
+        return False
+    return all(sum(gpus.get(r, 0) for r in members) <= limit for members, limit in groups)

@@ -315,3 +315,24 @@ def test_gpus_of_a_node_whose_cpus_are_taken_are_not_idle(tmp_path):
     write_target(run_dir, n_prem=2)
     res = sc.reconcile_once()
     assert res.free_slots == 0 and res.submitted == [] and "no idle slot" in res.held_back
+
+
+def test_the_demand_proportional_rule_starves_a_small_run_that_max_min_serves():
+    """The open anchor's rule (RLix: leftover GPUs in proportion to outstanding demand), kept for comparison
+    (``share_rule``, bench_harvest.py part C): under contention a run asking for one instance gets none."""
+    from scavenger.shares import proportional_shares
+
+    d = [RunDemand("a", 12), RunDemand("b", 12), RunDemand("c", 10), RunDemand("new", 1)]
+    assert proportional_shares(d, 14) == {"a": 5, "b": 5, "c": 4, "new": 0}
+    assert weighted_shares(d, 14) == {"a": 5, "b": 4, "c": 4, "new": 1}
+    assert proportional_shares([RunDemand("a", 3), RunDemand("b", 2)], 10) == {"a": 3, "b": 2}  # never above demand
+    assert proportional_shares([RunDemand("a", 10, gpus_per_instance=4), RunDemand("b", 10)], 12) == {"a": 2, "b": 3}
+    assert proportional_shares(d, 14, groups=[(frozenset({"a"}), 2)])["a"] == 2
+
+
+def test_the_service_splits_by_the_policys_share_rule(tmp_path):
+    slurm, clock = RecordedSlurm([node(f"n{i}") for i in range(1, 8)], []), Clock()
+    svc = _service(tmp_path, slurm, clock, share_rule="demand_proportional", idle_share_free=0.0)
+    for rid, n in (("a", 12), ("b", 12), ("c", 10), ("new", 1)):
+        svc.spool.post_demand(DemandFile(rid, f"rlboost:{rid}@0", instances=n, ts=1.0))
+    assert svc.run_cycle().shares == {"a": 5, "b": 5, "c": 4, "new": 0}
