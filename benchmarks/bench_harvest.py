@@ -17,17 +17,30 @@ the service and the run's scavenger cycle every ``--poll-s``. Printed per f: the
 harvesting) — and the GPU-hours the run harvested in the trace window (sacct: elapsed × GPUs of rollout attempts,
 clipped to the window) as a share of the cluster's GPU-hours.
 
+**Part C — the share rule against the open anchor** (issue 45). The same recorded trace — four runs arriving at
+0, 0, 25 and 50 s with a demand per 12-s step (two large, one medium, one small run; each step's demand is what its
+trainer's N_prem law asks for, emulated), and the priority jobs of part B — is replayed once per rule
+(``--rules``): ours, weighted max-min, and RLix's demand-proportional split (``share_rule``). Each run's emulated
+trainer writes its target at every step boundary as the real one does (keep min(demand, capacity seen), ask for the
+demand). Printed per rule: tokens per harvested GPU-hour — an instance produces ``--tokens-per-s`` once it has
+warmed up (``--startup-s``: its weight pull) and only while its run has demand for it (emulated instances), so the
+figure counts GPU-hours lost to drains, restarts and shares beyond demand —, the owners' wait p50/p99 (sacct start −
+eligible), and each late run's wait for its first rollout job (its first attempt's start − its arrival).
+
 The rollout jobs are **stand-ins**: a batch script that, warned (USR2) at a preemption, takes ``--handoff-s``
 seconds (an emulated token hand-off) and requeues itself, and drains (exits) when its drain marker exists, as the
 real worker does. The owners' jobs sleep for their duration.
 
 Usage: python benchmarks/bench_harvest.py [--nodes 8] [--runs 1 4 16] [--cycles 5] [--shares 0 0.1 0.25]
-       [--trace-s 90] [--handoff-s 3] [--keep]      (starts Slurm daemons: as root)
+       [--trace-s 90] [--handoff-s 3] [--rules weighted_max_min demand_proportional] [--rules-trace-s 150]
+       [--skip-traffic] [--skip-owners] [--keep]      (starts Slurm daemons: as root)
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
+import math
 import os
 import random
 import statistics
@@ -181,6 +194,95 @@ def owners(f: float, work: Path, script: Path, conf: str, gpus: int, trace_s: fl
             "harvested_gpu_h": harvested / 3600, "harvested_share": harvested / (gpus * (t_end - t_start))}
 
 
+#: Part C's runs: name, arrival (s), demand range per step (rollout instances), seeded per step.
+RULE_RUNS = (("large1", 0.0, (6, 12)), ("large2", 0.0, (6, 12)), ("medium", 25.0, (3, 8)), ("small", 50.0, (1, 2)))
+STEP_S = 12.0
+
+
+def rules_trace(seed: int, trace_s: float) -> dict:
+    """The recorded trace of part C: per run its arrival and its demand at every step; the priority jobs."""
+    rng = random.Random(seed)
+    steps = int(trace_s // STEP_S) + 1
+    runs = [{"name": n, "arrive_s": a, "demands": [rng.randint(lo, hi) for _ in range(steps)]}
+            for n, a, (lo, hi) in RULE_RUNS]
+    return {"step_s": STEP_S, "runs": runs, "owners": trace(seed, trace_s)}
+
+
+def _demand(run: dict, t: float, step_s: float) -> int:
+    """A run's demand at trace time ``t`` (0 before it arrives)."""
+    if t < run["arrive_s"]:
+        return 0
+    return run["demands"][min(len(run["demands"]) - 1, int((t - run["arrive_s"]) // step_s))]
+
+
+def share_rule(rule: str, tr: dict, work: Path, script: Path, conf: str, trace_s: float, poll_s: float,
+               handoff_s: float, startup_s: float, tokens_per_s: float) -> dict:
+    """Part C for one rule: replay ``tr``; tokens per harvested GPU-hour, owners' wait, late runs' first-job wait."""
+    from rlboost_hpc.rundir import RunDir
+
+    spool = work / f"spool-{rule}"
+    svc = HarvestService(SitePolicy(spool_dir=str(spool), partitions=["scavenger"], idle_share_free=0.1,
+                                    share_rule=rule), CountingClient(env={"SLURM_CONF": conf}))
+    svc.spool.create()
+    owner_script = work / "owner.sh"
+    owner_script.write_text(OWNER)
+    scs: dict[str, Scavenger] = {}
+    client = CountingClient(env={"SLURM_CONF": conf})
+    step_s, pending, owners_ids = tr["step_s"], list(tr["owners"]), []
+    t0, last_step = time.time(), {}
+    while time.time() - t0 < trace_s:
+        now = time.time() - t0
+        for run in tr["runs"]:
+            name = f"{rule[:4]}-{run['name']}"
+            if now < run["arrive_s"]:
+                continue
+            if name not in scs:
+                scs[name], _ = _scavenger(work, name, 16, script, conf, spool, handoff_s)
+                RunDir(scs[name].run_dir).write_target(0, active=True, step=0, wanted=0)
+            k = int((now - run["arrive_s"]) // step_s)
+            if last_step.get(name) != k:  # a step boundary: the emulated trainer's new target
+                last_step[name] = k
+                rd, want = RunDir(scs[name].run_dir), _demand(run, now, step_s)
+                cap = rd.read_capacity()
+                seen = want if cap is None else cap.live_jobs + cap.idle_slots
+                rd.write_target(min(want, seen), active=True, step=k, wanted=want, gpus_per_instance=1)
+        while pending and pending[0][0] <= now:
+            _, g, d = pending.pop(0)
+            owners_ids.append(client.run(["sbatch", "--parsable", "--partition=train", f"--gres=gpu:{g}",
+                                          "--nodes=1", "--time=5", "--output=/dev/null", f"--job-name=owner-{rule}",
+                                          str(owner_script), f"{d:.1f}"]).strip().split(";")[0])
+        svc.run_cycle()
+        for sc in scs.values():
+            sc.reconcile_once()
+        time.sleep(poll_s)
+    t_end = time.time()
+    _end(list(scs.values()))
+    time.sleep(2)
+    rows = [r for r in client.sacct_records(job_ids=owners_ids) if r.step is None]
+    waits = sorted(r.start - r.eligible for r in rows if r.start and r.eligible)
+    gpu_s = useful_s = 0.0
+    first_wait = {}
+    for run in tr["runs"]:
+        name = f"{rule[:4]}-{run['name']}"
+        ids = [e["job_id"] for e in _events(scs[name].run_dir) if e["event"] == "submitted"] if name in scs else []
+        attempts = [r for r in client.sacct_records(job_ids=ids) if r.step is None and r.start] if ids else []
+        spans = [(max(r.start, t0), min(r.end or t_end, t_end)) for r in attempts]
+        gpu_s += sum(max(0.0, b - a) for a, b in spans)
+        dt_ = 0.25
+        for i in range(int(trace_s / dt_)):
+            t = t0 + i * dt_
+            warm = sum(1 for a, b in spans if a + startup_s <= t < b)
+            useful_s += min(warm, _demand(run, t - t0, step_s)) * dt_
+        if run["arrive_s"] > 0:
+            starts = [r.start for r in attempts]
+            first_wait[run["name"]] = min(starts) - (t0 + run["arrive_s"]) if starts else float("nan")
+    return {"rule": rule, "tokens_per_harvested_gpu_h": tokens_per_s * useful_s / max(gpu_s / 3600, 1e-9),
+            "useful_share_of_harvested": useful_s / max(gpu_s, 1e-9), "harvested_gpu_h": gpu_s / 3600,
+            "owner_wait_p50_s": waits[len(waits) // 2] if waits else float("nan"),
+            "owner_wait_p99_s": waits[min(len(waits) - 1, math.ceil(0.99 * len(waits)) - 1)] if waits else float("nan"),
+            **{f"first_job_wait_{k}_s": v for k, v in first_wait.items()}}
+
+
 def _events(run_dir: Path) -> list[dict]:
     import json
 
@@ -207,6 +309,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--port-base", type=int, default=18900)
     ap.add_argument("--skip-traffic", action="store_true")
+    ap.add_argument("--skip-owners", action="store_true")
+    ap.add_argument("--rules", nargs="*", default=["weighted_max_min", "demand_proportional"])
+    ap.add_argument("--rules-trace-s", type=float, default=150.0)
+    ap.add_argument("--startup-s", type=float, default=5.0, help="part C: an instance's warm-up (weight pull)")
+    ap.add_argument("--tokens-per-s", type=float, default=2000.0, help="part C: an emulated instance's decode rate")
+    ap.add_argument("--save-trace", help="part C: write the recorded trace (JSON) here")
     ap.add_argument("--keep", action="store_true", help="leave the cluster up")
     a = ap.parse_args()
     slurm_dir = Path(f"/tmp/rlboost-slurm-harvest{a.nodes}")
@@ -228,11 +336,23 @@ def main() -> None:
                     print(f"R={r} {'service' if with_service else 'solo'}: done", file=sys.stderr, flush=True)
             print("\nPart A: Slurm commands per steady cycle (every process of the cycle together)")
             _table(rows)
-        rows = [owners(f, work, script, conf, 2 * a.nodes, a.trace_s, a.poll_s, a.handoff_s, a.seed)
-                for f in a.shares]
-        print(f"\nPart B: the owners' wait and the harvest, {len(trace(a.seed, a.trace_s))} priority jobs in "
-              f"{a.trace_s:.0f} s, hand-off {a.handoff_s:.0f} s (GraceTime 10 s)")
-        _table(rows)
+        if not a.skip_owners:
+            rows = [owners(f, work, script, conf, 2 * a.nodes, a.trace_s, a.poll_s, a.handoff_s, a.seed)
+                    for f in a.shares]
+            print(f"\nPart B: the owners' wait and the harvest, {len(trace(a.seed, a.trace_s))} priority jobs in "
+                  f"{a.trace_s:.0f} s, hand-off {a.handoff_s:.0f} s (GraceTime 10 s)")
+            _table(rows)
+        if a.rules:
+            tr = rules_trace(a.seed, a.rules_trace_s)
+            if a.save_trace:
+                Path(a.save_trace).write_text(json.dumps(tr, indent=1))
+            rows = [share_rule(r, tr, work, script, conf, a.rules_trace_s, a.poll_s, a.handoff_s, a.startup_s,
+                               a.tokens_per_s) for r in a.rules]
+            print(f"\nPart C: the share rule on one recorded trace ({len(tr['runs'])} runs, demand per "
+                  f"{tr['step_s']:.0f}-s step; {len(tr['owners'])} priority jobs in {a.rules_trace_s:.0f} s; "
+                  f"idle share 10 %; emulated instances: {a.tokens_per_s:.0f} tokens/s after a {a.startup_s:.0f}-s "
+                  f"warm-up)")
+            _table(rows)
     finally:
         if not a.keep:
             subprocess.run([str(ROOT / "sbatch/local-cluster/down"), "--purge"], env=env, check=False,

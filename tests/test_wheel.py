@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,21 @@ def test_the_installed_wheel_runs_the_main_job_chaos_and_the_scavenger_outside_t
     p = subprocess.run([installed / "rlboost-hpc", "scavenger", run_dir, "--once", "--script", "sbatch/nope.sbatch"],
                        capture_output=True, text=True, cwd=work, env=env, timeout=60)
     assert p.returncode == 2 and "sbatch/nope.sbatch" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+    # `rlboost-hpc launch` as README gives it, typed where there is no configs/ directory (issue 45: the config
+    # resolved to /local.toml): the shipped config, the trainer job named after the run; its scavenger ends with it
+    p = sh([installed / "rlboost-hpc", "launch", "runs/launched", "configs/local.toml", "--detach", "--",
+            "--partition", "scavenger", "--max-jobs", "1", "--poll-s", "1"], cwd=work, env=env, timeout=180)
+    job = (work / "runs/launched/train.jobid").read_text().strip()
+    try:
+        assert f"config {share / 'configs/local.toml'};" in p.stdout, p.stdout
+        names = sh(["squeue", "--json", "-t", "all"], env=env).stdout
+        assert any(str(j["job_id"]) == job and j["name"] == "rlboost-train-launched"
+                   for j in json.loads(names)["jobs"]), names[:2000]
+    finally:
+        sh(["scancel", job], env=env)
+    pid = int((work / "runs/launched/scavenger.pid").read_text())
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:  # it watches the trainer job
+        time.sleep(0.5)
+    assert not Path(f"/proc/{pid}").exists(), (work / "runs/launched/logs/scavenger.log").read_text()[-2000:]
