@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rlboost_hpc.weights import WeightPuller, WeightServer  # noqa: E402
-from rlboost_hpc.weights.puller import auto_streams, usable_cores  # noqa: E402
+from rlboost_hpc.weights.pull_streams import auto_streams, usable_cores  # noqa: E402
 from rlboost_hpc.weights import layout  # noqa: E402
 
 

@@ -169,7 +169,7 @@ def test_a_finished_pull_wakes_the_agent_instead_of_waiting_out_its_idle_poll():
     link, so the reserved engine started each step ~10 ms late. ``wake`` ends the current or the next wait."""
     import zmq
 
-    from rlboost_hpc.rollout.agent import ManagerLink
+    from rlboost_hpc.rollout.manager_link import ManagerLink
 
     ctx = zmq.Context()
     link = ManagerLink(ctx, "tcp://127.0.0.1:9", None, b"wake-test", lambda: b"")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ MAX_FUNCTION_LINES = 80
 #: Functions of rlboost_hpc/ still over MAX_FUNCTION_LINES: (file, name) → (the length they may not exceed, why).
 #: A ratchet as OVERSIZE is: a function that grows fails; one split below the limit must leave the list.
 LONG_FUNCTIONS: dict[tuple[str, str], tuple[int, str]] = {
-    ("rlboost_hpc/weights/puller.py", "_stream_loop"): (
+    ("rlboost_hpc/weights/pull_streams.py", "_stream_loop"): (
         129, "one stream's loop around request/retry closures (window of outstanding chunks, one retry per "
              "chunk, reply checks); issue 32 item 3 gives the pull named phases"),
     ("rlboost_hpc/models/llama2c.py", "read_llama2c"): (
@@ -95,6 +96,34 @@ def test_every_module_has_a_layer():
 def test_imports_go_to_the_same_or_a_lower_layer():
     bad = [f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)})"
            for m, targets in GRAPH.items() for t in targets if _layer(t) > _layer(m)]
+    assert not bad, "\n".join(bad)
+
+
+#: Packages of one layer that must not import each other: (importer, imported) → why. The layer rule cannot see
+#: these (same layer); what both need lives in a module below both.
+APART: dict[tuple[str, str], str] = {
+    ("rlboost_hpc.cluster", "rlboost_hpc.rollout"): (
+        "the cluster starts rollout workers as processes, by module name; the identity scheme of rollout instances "
+        "both use lives in rlboost_hpc/protocol/identity.py"),
+}
+
+
+def test_packages_kept_apart_do_not_import_each_other():
+    """Issue 47: ``rlboost_hpc.cluster.local`` imported ``instance_ids`` from ``rlboost_hpc.rollout.worker``."""
+    bad = []
+    for mod, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                for (importer, imported), why in APART.items():
+                    if (mod == importer or mod.startswith(importer + ".")) and \
+                            (name == imported or name.startswith(imported + ".")):
+                        bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {mod} imports {name} ({why})")
     assert not bad, "\n".join(bad)
 
 
@@ -187,20 +216,23 @@ CORE_PARTS = {
     "rlboost_hpc/manager/instance_registry.py": "InstanceRegistry",
     "rlboost_hpc/manager/request_table.py": "RequestTable",
 }
+#: The parts of RolloutAgent (mixins over the same state): file → class.
+AGENT_PARTS = {
+    "rlboost_hpc/rollout/agent_weights.py": "AgentWeights",
+    "rlboost_hpc/rollout/agent_responses.py": "AgentResponses",
+}
 
 
-@pytest.mark.parametrize("rel", sorted(CORE_PARTS))
-def test_each_manager_core_part_uses_only_what_it_declares(rel):
-    """Issue 32: each part of ManagerCore (trainer_calls.py, instance_registry.py, request_table.py) is a mixin of
-    it; every ``self.x`` a part touches is its own method, a state attribute it declares (an annotation in its class
-    body) or one of its CORE_METHODS — and every declared name exists on a ManagerCore."""
+def _check_part(rel: str, name: str, core: object, late: tuple[str, ...] = ()) -> None:
+    """Class ``name`` of ``rel`` is a part (a mixin) of ``core``'s class: every ``self.x`` it touches is its own
+    method, a state attribute it declares (an annotation in its class body) or one of its CORE_METHODS; every
+    declared name exists on ``core`` — or, for the ``late`` ones, is assigned by a method of the core's class — and
+    is used."""
     import importlib
 
-    from rlboost_hpc.manager.core import ManagerCore
-
-    name = CORE_PARTS[rel]
+    core_cls = type(core)
     part = getattr(importlib.import_module(rel.removesuffix(".py").replace("/", ".")), name)
-    assert part in ManagerCore.__mro__, f"{name} is not mixed into ManagerCore"
+    assert part in core_cls.__mro__, f"{name} is not mixed into {core_cls.__name__}"
     cls = next(n for n in ast.walk(ast.parse((ROOT / rel).read_text())) if isinstance(n, ast.ClassDef)
                and n.name == name)
     own = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
@@ -209,8 +241,36 @@ def test_each_manager_core_part_uses_only_what_it_declares(rel):
             and n.value.id == "self"}
     undeclared = used - own - declared - set(part.CORE_METHODS) - {"CORE_METHODS"}
     assert not undeclared, f"{rel} uses core state it does not declare: {sorted(undeclared)}"
-    core = ManagerCore(clock=lambda: 0.0)
-    missing = [n for n in (*declared, *part.CORE_METHODS) if not hasattr(core, n)]
-    assert not missing, f"declared in {name} but not on a ManagerCore: {missing}"
+    core_node = next(n for n in ast.walk(ast.parse(Path(sys.modules[core_cls.__module__].__file__).read_text()))
+                     if isinstance(n, ast.ClassDef) and n.name == core_cls.__name__)
+    assigned = {t.attr for n in ast.walk(core_node) if isinstance(n, (ast.Assign, ast.AnnAssign))
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    missing = [n for n in (*declared, *part.CORE_METHODS) if not hasattr(core, n)
+               and not (n in late and n in assigned)]
+    assert not missing, f"declared in {name} but not on a {core_cls.__name__}: {missing}"
     unused = declared - used
     assert not unused, f"declared in {name} but never used there: {sorted(unused)}"
+
+
+@pytest.mark.parametrize("rel", sorted(CORE_PARTS))
+def test_each_manager_core_part_uses_only_what_it_declares(rel):
+    """Issue 32: each part of ManagerCore (trainer_calls.py, instance_registry.py, request_table.py) is a mixin of
+    it; every ``self.x`` a part touches is its own method, a state attribute it declares (an annotation in its class
+    body) or one of its CORE_METHODS — and every declared name exists on a ManagerCore."""
+    from rlboost_hpc.manager.core import ManagerCore
+
+    _check_part(rel, CORE_PARTS[rel], ManagerCore(clock=lambda: 0.0))
+
+
+@pytest.mark.parametrize("rel", sorted(AGENT_PARTS))
+def test_each_rollout_agent_part_uses_only_what_it_declares(rel):
+    """Issue 47: agent_weights.py and agent_responses.py are parts of RolloutAgent, held to the same rule as the
+    manager core's parts (the link is made by ``run()``, not ``__init__``)."""
+    from rlboost_hpc.rollout.agent import RolloutAgent
+
+    agent = RolloutAgent("tcp://127.0.0.1:1", "job")
+    try:
+        _check_part(rel, AGENT_PARTS[rel], agent, late=("link",))
+    finally:
+        agent._builder.shutdown(wait=False)

@@ -371,12 +371,12 @@ def test_truncated_payload_is_an_error(server):
 CHILD = textwrap.dedent(
     """
     import sys, time
-    from rlboost_hpc.weights import puller
-    real = puller.chunk_checksum
+    from rlboost_hpc.weights import pull_streams, puller
+    real = pull_streams.chunk_checksum
     def slow(buf):
         time.sleep(0.02)
         return real(buf)
-    puller.chunk_checksum = slow
+    pull_streams.chunk_checksum = slow
     print("ready", flush=True)
     puller.WeightPuller(sys.argv[1], streams=2, window=4, timeout_s=30).pull()
     print("finished", flush=True)
@@ -618,7 +618,7 @@ def test_automatic_streams_follow_the_usable_cores():
     """``weights.streams = 0`` (the default): one stream per two usable cores, 1 to 4 — on the 2-core machine one
     stream is what reaches the socket's ceiling (bench_weights); explicit counts are kept; negative ones refused."""
     from rlboost_hpc.config import load_config
-    from rlboost_hpc.weights.puller import auto_streams, usable_cores
+    from rlboost_hpc.weights.pull_streams import auto_streams, usable_cores
 
     assert [auto_streams(c) for c in (1, 2, 3, 4, 8, 16, 128)] == [1, 1, 1, 2, 4, 4, 4]
     assert load_config(None, []).weights.streams == 0

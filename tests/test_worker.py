@@ -7,7 +7,8 @@ import signal
 
 import pytest
 
-from rlboost_hpc.rollout.worker import WarningHandler, _parse_args, instance_ids
+from rlboost_hpc.protocol.identity import instance_ids
+from rlboost_hpc.rollout.worker import WarningHandler, _parse_args
 
 
 class Agent:

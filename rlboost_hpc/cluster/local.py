@@ -28,7 +28,7 @@ from rlboost_hpc.cluster.traces import load_trace
 from rlboost_hpc.config import ConfigError, ClusterCfg
 from rlboost_hpc.events import LOCAL_CLUSTER_SOURCE, append_event, drain_marker_path
 from rlboost_hpc.procutil import die_with_parent, hold_signals
-from rlboost_hpc.rollout.worker import instance_ids
+from rlboost_hpc.protocol.identity import instance_ids, instance_key
 
 log = logging.getLogger("rlboost.cluster")
 
@@ -113,13 +113,13 @@ class LocalCluster:
         return f"local-slot{slot}"
 
     def instance_ids(self, slot: int) -> list[str]:
-        """The instance identities a worker of ``slot`` hosts (``rollout.worker.instance_ids``)."""
+        """The instance identities a worker of ``slot`` hosts (:func:`~rlboost_hpc.protocol.identity.instance_ids`)."""
         return instance_ids(self.job_id(slot), self.cfg.instances_per_worker)
 
     def _busy(self, slot: int, attempt: int) -> bool:
         try:
             partial = self.partial_by_instance()
-            return any(partial.get(f"{i}#{attempt}", 0) > 0 for i in self.instance_ids(slot))
+            return any(partial.get(instance_key(i, attempt), 0) > 0 for i in self.instance_ids(slot))
         except Exception as e:  # noqa: BLE001 - the manager did not answer: keep holding (bounded by max_hold_s)
             log.warning("cluster: cannot ask the manager whether slot %d is busy: %s", slot, e)
             return False

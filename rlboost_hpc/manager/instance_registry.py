@@ -20,6 +20,7 @@ from rlboost_hpc.manager.stats import ManagerDistributions, VersionServingClock
 from rlboost_hpc.observe.timeline import ActivityClock
 from rlboost_hpc.policy.relay import RelayTree, Source
 from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.protocol.identity import instance_key
 from rlboost_hpc.protocol.stats import ManagerCounters
 
 S = InstanceState
@@ -202,7 +203,7 @@ class InstanceRegistry:
 
     # agent messages ------------------------------------------------------------
     def _on_Register(self, peer: bytes, inst: Instance | None, msg: M.Register) -> None:
-        key = f"{msg.job_id}#{msg.attempt}"
+        key = instance_key(msg.job_id, msg.attempt)
         existing = self.instances.get(key)
         if existing is not None and existing.peer != peer and not existing.spoke:  # its process, a new connection
             take_over(self, existing, peer)

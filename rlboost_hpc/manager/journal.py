@@ -3,7 +3,7 @@
 What the manager needs to survive a crash of the trainer job (or a Slurm requeue of it):
 - its **epoch** (incarnation number): a restarted manager takes ``1 + the last epoch`` and tells every instance
   in ``Welcome``/``Alive``; weight versions are (epoch, version), so a rollout job that outlived the crash never
-  trusts weights of an old incarnation because a version number matches (rollout/agent.py);
+  trusts weights of an old incarnation because a version number matches (rollout/agent_weights.py);
 - every **weight version** it made current (``SetVersion``), so a resuming trainer can check that its checkpoint
   is not ahead of what the manager saw (a checkpoint from another run, or a journal from another run).
 

@@ -37,167 +37,36 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Callable
 
 import zmq
 
 from rlboost_hpc import defaults as D
 from rlboost_hpc.protocol import messages as M
-from rlboost_hpc.protocol.auth import RunKeys, secure_client
+from rlboost_hpc.protocol.auth import RunKeys
 from rlboost_hpc.protocol.errors import ProtocolError
-from rlboost_hpc.rollout.engines.base import Engine, EngineError, GenRequest, RequestError, SamplingParams
-from rlboost_hpc.models.arch import ModelArch
+from rlboost_hpc.protocol.identity import instance_key
+from rlboost_hpc.rollout.agent_responses import AgentResponses, ResponseTokens
+from rlboost_hpc.rollout.agent_weights import AgentWeights, weights_loaded
+from rlboost_hpc.rollout.engines.base import Engine, EngineError, GenRequest, RequestError
 from rlboost_hpc.rollout.engines.factory import EngineFactory, torch_engine_factory
+from rlboost_hpc.rollout.manager_link import ManagerLink
 from rlboost_hpc.rollout.remote_weights import PulledVersion, RemoteWeights, WeightSource
 
 log = logging.getLogger("rlboost.agent")
 
 EXIT_OK, EXIT_REJECTED, EXIT_UNREACHABLE, EXIT_FAILED = 0, 2, 3, 4
 
-class ManagerLink:
-    """The agent's ZeroMQ connection to the manager, owned by an I/O thread that does nothing else.
 
-    The agent's thread queues frames with :meth:`send` (an inproc pipe wakes the I/O thread at once) and takes
-    what arrived with :meth:`take`; the I/O thread forwards, receives into the inbox, records :attr:`last_rx`
-    (monotonic seconds of the last frame from the manager) and, once :attr:`heartbeat_s` is set, sends
-    ``heartbeat()`` every that many seconds — whatever the agent's thread is doing.
+class RolloutAgent(AgentWeights, AgentResponses):
+    """One rollout instance. ``kind`` is ``"preemptible"`` or ``"reserved"``; identity = (job_id, attempt).
 
-    Args:
-        identity: the routing id, kept across reconnects.
-        heartbeat: builds the heartbeat frame (called on the I/O thread: it must only read plain attributes).
-    """
-
-    def __init__(self, ctx: zmq.Context, endpoint: str, keys: RunKeys | None, identity: bytes,
-                 heartbeat: Callable[[], bytes]) -> None:
-        self._ctx, self._endpoint, self._keys, self._identity = ctx, endpoint, keys, identity
-        self._heartbeat = heartbeat
-        self.heartbeat_s: float | None = None
-        self.last_rx = time.monotonic()
-        self._inbox: deque[bytes] = deque()
-        self._woken = False
-        self._cond = threading.Condition()
-        self._stop = threading.Event()
-        self._pipe_addr = f"inproc://agent-link-{id(self):x}"
-        self._tx = ctx.socket(zmq.PAIR)
-        self._tx.setsockopt(zmq.LINGER, 2000)
-        self._rx = ctx.socket(zmq.PAIR)
-        self._rx.bind(self._pipe_addr)
-        self._tx.connect(self._pipe_addr)
-        self._thread = threading.Thread(target=self._run, name=f"agent-link-{identity.decode(errors='replace')}",
-                                        daemon=True)
-        self._thread.start()
-
-    def send(self, frame: bytes) -> None:
-        """Queue ``frame`` for the manager (agent thread only)."""
-        self._tx.send(frame)
-
-    def take(self, wait_s: float = 0.0) -> list[bytes]:
-        """Every frame received so far (waiting up to ``wait_s`` for one when there is none, unless
-        :meth:`wake` was called since the last take)."""
-        with self._cond:
-            if not self._inbox and wait_s > 0 and not self._woken:
-                self._cond.wait(wait_s)
-            self._woken = False
-            out = list(self._inbox)
-            self._inbox.clear()
-        return out
-
-    def wake(self) -> None:
-        """End the agent's current (or next) :meth:`take` wait now: something other than a frame is ready
-        (a finished weight pull), so the agent acts on it at once instead of after its idle wait."""
-        with self._cond:
-            self._woken = True
-            self._cond.notify_all()
-
-    def _run(self) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 2000)
-        sock.setsockopt(zmq.ROUTING_ID, self._identity)
-        secure_client(sock, self._keys)
-        sock.connect(self._endpoint)
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self._rx, zmq.POLLIN)
-        outbox: deque[bytes] = deque()  # the agent's frames not yet accepted by the socket (never dropped)
-        last_hb = 0.0
-        try:
-            while True:
-                stopping = self._stop.is_set()
-                hb = self.heartbeat_s
-                wait = 0.05 if hb is None else max(0.0, min(0.05, last_hb + hb - time.monotonic()))
-                events = dict(poller.poll(0 if stopping else int(wait * 1000)))
-                if self._rx in events or stopping:
-                    while True:
-                        try:
-                            outbox.append(self._rx.recv(zmq.NOBLOCK))
-                        except zmq.Again:
-                            break
-                while outbox:  # in order; a full queue (the manager unreachable) never blocks this thread
-                    try:
-                        sock.send(outbox[0], zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    outbox.popleft()
-                if stopping:
-                    return
-                if sock in events:
-                    got = []
-                    while True:
-                        try:
-                            got.append(sock.recv(zmq.NOBLOCK))
-                        except zmq.Again:
-                            break
-                    if got:
-                        self.last_rx = time.monotonic()
-                        with self._cond:
-                            self._inbox.extend(got)
-                            self._cond.notify_all()
-                hb = self.heartbeat_s
-                if hb is not None and time.monotonic() - last_hb >= hb:
-                    last_hb = time.monotonic()
-                    if not outbox:  # (behind a backlog a heartbeat would only add to it)
-                        try:
-                            sock.send(self._heartbeat(), zmq.NOBLOCK)
-                        except zmq.Again:
-                            pass
-        finally:
-            sock.close(linger=2000)  # flushes what was sent last (the drain's Released / Deregister)
-
-    def close(self) -> None:
-        """Forward what is queued, stop the I/O thread and close the sockets (agent thread only)."""
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._tx.close(linger=0)
-        self._rx.close(linger=0)
-
-
-def _weights_loaded(version: int, got: PulledVersion, load_s: float) -> M.WeightsLoaded:
-    """The one place a ``WeightsLoaded`` is built: ``version`` loaded from ``got`` in ``load_s`` seconds (engine
-    build or load; 0 for a re-registration that moved nothing)."""
-    return M.WeightsLoaded(version=version, checksum=got.checksum, nbytes=got.nbytes, pull_s=got.pull_s,
-                           load_s=load_s, wire_bytes=got.wire_bytes)
-
-
-#: Seconds an agent keeps the tokens of a finished response for a restarted manager's resend (longer than a manager
-#: restart: its death noticed, a new process started, the instance registered again).
-RESEND_KEEP_S = 10.0
-
-
-@dataclass
-class _Pending:
-    offset: int
-    ids: list[int] = field(default_factory=list)
-    lps: list[float] = field(default_factory=list)
-    finish: int = M.FINISH_NONE
-
-
-class RolloutAgent:
-    """One rollout instance. ``kind`` is ``"preemptible"`` or ``"reserved"``; identity = (job_id, attempt)."""
+    Its weight handling is :class:`~rlboost_hpc.rollout.agent_weights.AgentWeights`, its responses
+    :class:`~rlboost_hpc.rollout.agent_responses.AgentResponses`; this class is the request loop: registration,
+    the manager's messages, the engine steps, the deadlines, the drain."""
 
     def __init__(
         self,
@@ -256,7 +125,7 @@ class RolloutAgent:
         self.want_version = -1
         self._pos: dict[str, int] = {}
         self._gen: dict[str, GenRequest] = {}  # each running response as the engine was given it (continue mode)
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, ResponseTokens] = {}
         self._own_builder = builder is None  # a caller's builder outlives this agent (worker reconnects)
         self._builder = builder or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"agent-{job_id}-pull")
         self._pull: Future | None = None
@@ -266,17 +135,11 @@ class RolloutAgent:
         self._asked_epoch = -1  # the restarted manager's epoch this agent registered again with
         # every token sent of each response in flight (and of those finished in the last RESEND_KEEP_S seconds), from
         # the offset it was assigned at: what a manager restarted from its work log asks for again (Welcome.resend)
-        self._sent: dict[str, _Pending] = {}
+        self._sent: dict[str, ResponseTokens] = {}
         self._sent_done: deque[tuple[float, str]] = deque()
         self.timings: dict[str, float] = {"agent_start": time.time()}  # wall-clock seconds (comparable across processes)
 
     # ------------------------------------------------------------------ control
-    def held_version(self) -> int:
-        """The version the engine holds in the current manager's epoch (-1: none / unknown weights)."""
-        if self.engine is None or self.welcome is None or self.engine_epoch != self.welcome.epoch:
-            return -1
-        return self.engine.version
-
     def request_stop(self, reason: str, cause: M.LeaveCause = "stopped") -> None:
         """Ask the agent to drain and exit (safe from a signal handler or another thread). ``cause`` is the
         counted kind of end its Deregister carries; the first request wins, except that a cause refines
@@ -296,185 +159,6 @@ class RolloutAgent:
         return M.encode(M.Heartbeat(version=self.held_version(), active=len(self._pos),
                                     tokens_generated=self.tokens_generated))
 
-    # ------------------------------------------------------------------ weights
-    def _start_pull(self, version: int) -> None:
-        """Pull ``version`` on the builder thread; build the engine there too when there is none yet."""
-        assert self.welcome is not None
-        weights, factory, model_config = self.weights, self.engine_factory, self.welcome.model_config
-        endpoint, shards, keys = self.welcome.weights_endpoint, self.welcome.weights_shards, self.keys
-        peers = list(self.want_peers)
-        arch_json = self.welcome.model_arch
-        build = self.engine is None
-
-        def work() -> tuple:  # (version, PulledVersion, error, new engine, its build seconds)
-            try:
-                got = weights.pull(endpoint, version, peers=peers, keys=keys, shards=shards)
-            except Exception as e:  # reported to the manager with its cause
-                return version, None, f"{type(e).__name__}: {e}", None, 0.0
-            if not build:
-                return version, got, None, None, 0.0
-            t0 = time.monotonic()
-            try:
-                eng = factory(model_config, got.state_dict, arch=ModelArch.from_json(arch_json) if arch_json else None)
-                eng.version = version
-                eng.weights_checksum = got.checksum
-            except Exception as e:
-                return version, None, f"engine start failed: {type(e).__name__}: {e}", None, 0.0
-            return version, got, None, eng, time.monotonic() - t0
-
-        self._pull = self._builder.submit(work)
-        self._pull.add_done_callback(lambda _f: self.link.wake())  # load it without waiting out the idle poll
-
-    def _weights_step(self) -> None:
-        """Start a pull when stale; install a freshly built engine, or load a finished pull once idle."""
-        current = self.held_version()
-        if self._pull is not None and self._pull.done():
-            version, got, err, new_engine, build_s = self._pull.result()
-            if err is not None:
-                self._pull = None
-                self._pull_failures += 1
-                self._next_pull_at = time.monotonic() + min(5.0, 0.2 * 2 ** self._pull_failures)
-                log.warning("pull of version %d failed: %s", version, err)
-                self._send(M.WeightsFailed(version=version, error=err))
-                return
-            resume: list[GenRequest] = []
-            if new_engine is None and self.engine is not None and self.engine.num_active:
-                if self.welcome is None or self.welcome.on_new_version != "continue":
-                    return  # load only when idle
-                resume = self._interrupt_for_load()
-            t0 = time.monotonic()
-            if new_engine is not None:
-                self.engine = new_engine
-            else:
-                try:
-                    if self.fault_load_delay_s:
-                        time.sleep(self.fault_load_delay_s)  # on this thread, like a slow real load
-                    self.engine.load_weights(got.state_dict, version)
-                    self.engine.weights_checksum = got.checksum
-                except Exception as e:
-                    self._pull = None
-                    self._pull_failures += 1
-                    for gen in resume:  # (the engine kept its weights) they go on under the version they began with
-                        self.engine.add(gen)
-                    self._send(M.WeightsFailed(version=version, error=f"load failed: {type(e).__name__}: {e}"))
-                    return
-            self._pull, self._pull_failures = None, 0
-            self.engine_epoch = self.welcome.epoch
-            for gen in resume:  # under the new weights, from every token generated so far
-                self.engine.add(gen)
-            while self._sent_done:  # responses of the version before: no manager asks for them again
-                self._sent.pop(self._sent_done.popleft()[1], None)
-            self.timings.setdefault("weights_loaded", time.time())
-            self._send(_weights_loaded(version, got, build_s if new_engine is not None else time.monotonic() - t0))
-            return
-        if (self._pull is None and self.want_version > current and self.want_version >= 0
-                and time.monotonic() >= self._next_pull_at):
-            self._start_pull(self.want_version)
-
-    def _interrupt_for_load(self) -> list[GenRequest]:
-        """``on_new_version = "continue"``: stop every running response between two decode iterations, send what it
-        generated (stamped with the version that produced it), and return each one as the request that continues it
-        from there — its prefix grown by every token generated on this instance, its budget shrunk by them — to be
-        added again once the new weights are loaded (a re-prefill under them); a failed load re-adds them under the
-        weights the engine kept. (Each is rebuilt from its assignment and every token sent since, so a second
-        interruption is exact too.)"""
-        live = list(self._pos)
-        self._on_events(self.engine.abort_many(live).values())
-        self._flush()
-        out = []
-        for rid in live:
-            gen, done = self._gen.get(rid), self._sent.get(rid)
-            if gen is None or rid not in self._pos:
-                continue
-            made = done.ids if done is not None else []
-            out.append(GenRequest(rid=rid, prompt_ids=gen.prompt_ids, prefix_ids=list(gen.prefix_ids) + made,
-                                  max_new_tokens=gen.max_new_tokens - len(made), sampling=gen.sampling))
-        return out
-
-    # ------------------------------------------------------------------ tokens
-    def _flush(self, only_finished: bool = False) -> None:
-        """Send buffered deltas as one ``Tokens`` frame (all of them, or only those that finished: finished
-        responses go out at once, the rest keep accumulating up to k tokens per delta)."""
-        if not self._pending:
-            return
-        rids, offs, cnts, vers, fins, ids, lps = [], [], [], [], [], [], []
-        v = self.engine.version if self.engine is not None else -1
-        if only_finished:
-            items = [(r, p) for r, p in self._pending.items() if p.finish]
-            for r, _ in items:
-                del self._pending[r]
-        else:
-            items = list(self._pending.items())
-            self._pending.clear()
-        if not items:
-            return
-        now = time.monotonic()
-        for rid, p in items:
-            rids.append(rid)
-            offs.append(p.offset)
-            cnts.append(len(p.ids))
-            vers.append(v)
-            fins.append(p.finish)
-            ids.extend(p.ids)
-            lps.extend(p.lps)
-            h = self._sent.get(rid)
-            if h is None:
-                h = self._sent[rid] = _Pending(offset=p.offset)
-            h.ids += p.ids
-            h.lps += p.lps
-            if p.finish:
-                h.finish = p.finish
-                self._sent_done.append((now, rid))
-        while self._sent_done and now - self._sent_done[0][0] > RESEND_KEEP_S:
-            self._sent.pop(self._sent_done.popleft()[1], None)
-        self._send(M.Tokens(rids=rids, offsets=offs, counts=cnts, versions=vers, finish=fins,
-                            ids=M.pack_i32(ids), logprobs=M.pack_f32(lps)))
-
-    def _resend(self) -> None:
-        """A manager restarted from its work log asks for every response's tokens again (its log may end a commit
-        window earlier): everything produced is flushed, then each response held is sent whole from the offset it
-        was assigned at, in one frame (the manager keeps what its log lacks, checking the overlap)."""
-        self._flush()
-        v = self.engine.version if self.engine is not None else -1
-        items = list(self._sent.items())
-        self._send(M.Tokens(rids=[r for r, _ in items], offsets=[h.offset for _, h in items],
-                            counts=[len(h.ids) for _, h in items], versions=[v] * len(items),
-                            finish=[h.finish for _, h in items], ids=M.pack_i32([i for _, h in items for i in h.ids]),
-                            logprobs=M.pack_f32([x for _, h in items for x in h.lps]), resent=True,
-                            generated=self.tokens_generated))
-        log.info("resent %d responses (%d tokens) to the restarted manager", len(items),
-                 sum(len(h.ids) for _, h in items))
-
-    def _hand_back_failed(self, rid: str, error: str) -> None:
-        """The engine dropped ``rid`` (its stream failed; the engine serves the others): send every token it
-        produced first, then ``RequestFailed`` — the manager resumes the response from those tokens elsewhere."""
-        log.warning("request %s failed on this engine; handing it back: %s", rid, error)
-        self._flush()
-        self._pos.pop(rid, None)
-        self._gen.pop(rid, None)
-        self._sent.pop(rid, None)
-        self._send(M.RequestFailed(rid=rid, error=error[:2000]))
-
-    def _on_events(self, events) -> bool:
-        """Buffer one engine step's tokens; True when a request finished (flush promptly)."""
-        finished = False
-        for ev in events:
-            p = self._pending.get(ev.rid)
-            if p is None:
-                p = self._pending[ev.rid] = _Pending(offset=self._pos[ev.rid])
-            p.ids.extend(ev.token_ids)
-            p.lps.extend(ev.logprobs)
-            self._pos[ev.rid] += len(ev.token_ids)
-            self.tokens_generated += len(ev.token_ids)
-            if ev.finished:
-                p.finish = M.FINISH_CODES[ev.finish_reason]
-                self._pos.pop(ev.rid, None)
-                self._gen.pop(ev.rid, None)
-                finished = True
-        if self.tokens_generated and "first_token" not in self.timings:
-            self.timings["first_token"] = time.time()
-        return finished
-
     def startup_phases(self) -> dict[str, float]:
         """Seconds spent in each start-up phase: process start → agent start (interpreter, imports) →
         Welcome (registration) → weights loaded (pull + verify + load) → first token produced."""
@@ -491,20 +175,6 @@ class RolloutAgent:
                 out[f"{a}->{b}_s"] = round(t[b] - t[a], 4)
         return out
 
-    def _release(self, rids: list[str]) -> None:
-        """Abort ``rids`` locally, flush everything produced (including tokens the engine still held, which
-        ``abort_many`` returns), then hand them back (order matters)."""
-        live = [r for r in rids if r in self._pos]
-        if self.engine is not None and live:
-            self._on_events(self.engine.abort_many(live).values())
-        for rid in rids:
-            self.tokens_handed_off += self._pos.pop(rid, 0)
-            self._gen.pop(rid, None)
-        self._flush()
-        for rid in rids:
-            self._sent.pop(rid, None)
-        self._send(M.Released(rids=list(rids), tokens_generated=self.tokens_generated))
-
     def _drain(self, reason: str) -> None:
         self._send(M.Draining(reason=reason))
         self._release(list(self._pos))
@@ -515,16 +185,6 @@ class RolloutAgent:
         self._send(M.Deregister(reason=reason, tokens_generated=self.tokens_generated, cause=self.stop_cause))
 
     # ------------------------------------------------------------------ messages
-    def _want(self, version: int, peers: list[str], wait: bool) -> None:
-        """The manager's latest ``version`` and where to fetch it: relay ``peers`` (then the trainer); with
-        ``wait``, not before a ``PullFrom`` — or ``relay_wait_s``, after which the trainer serves it anyway."""
-        if version < self.want_version or (version == self.want_version and self._pull is not None):
-            return  # (a repeat of what the pull in flight is fetching)
-        self.want_version = version  # a pull in flight for an older version: the next pull fetches this one
-        self.want_peers = list(peers)
-        if wait:
-            self._next_pull_at = max(self._next_pull_at, time.monotonic() + self.relay_wait_s)
-
     def _handle(self, msg: M._Msg) -> None:
         if isinstance(msg, M.Welcome):
             if (self.engine is not None and self.engine_epoch != msg.epoch and msg.latest_checksum
@@ -540,32 +200,10 @@ class RolloutAgent:
                 self._resend()
             self._want(msg.latest_version, msg.peers, msg.wait)
             if self.held_version() == msg.latest_version >= 0:  # re-registration with this manager
-                self._send(_weights_loaded(self.engine.version, PulledVersion({}, self.engine.weights_checksum), 0.0))
+                self._send(weights_loaded(self.engine.version, PulledVersion({}, self.engine.weights_checksum), 0.0))
             self.timings.setdefault("welcome", time.time())
         elif isinstance(msg, M.Assign):
-            for w in msg.works:
-                if w.rid in self._pos and self.engine is not None:
-                    # the manager's assignment is authoritative: it resumed this response from its own prefix
-                    # (a Release of our earlier copy was lost with a connection); drop ours, unsent tokens too
-                    log.warning("assignment of %s replaces the copy this instance still ran", w.rid)
-                    self.engine.abort_many([w.rid])
-                    self._pos.pop(w.rid, None)
-                    self._pending.pop(w.rid, None)
-                self._sent.pop(w.rid, None)  # (a response resumed here again: its tokens start over)
-                if w.version != self.held_version() or self.engine is None:
-                    self._send(M.RequestFailed(rid=w.rid, error=f"assigned version {w.version}, instance holds "
-                                               f"{self.held_version()}"))
-                    continue
-                try:
-                    gen = GenRequest(
-                        rid=w.rid, prompt_ids=list(w.prompt_ids), prefix_ids=list(w.prefix_ids),
-                        max_new_tokens=w.tokens_left,
-                        sampling=SamplingParams(temperature=w.temperature, top_p=w.top_p, seed=w.seed,
-                                                stop_token_ids=tuple(w.stop_ids)))
-                    self.engine.add(gen)
-                    self._pos[w.rid], self._gen[w.rid] = len(w.prefix_ids), gen
-                except Exception as e:
-                    self._send(M.RequestFailed(rid=w.rid, error=f"{type(e).__name__}: {e}"))
+            self._assign(msg.works)
         elif isinstance(msg, M.Release):
             self._release(msg.rids)
         elif isinstance(msg, M.NewVersion):
@@ -618,7 +256,7 @@ class RolloutAgent:
         """Serve until stopped. Returns an exit code (EXIT_*)."""
         # one routing id per process life: kept across reconnects, distinct for another process claiming the
         # same (job, attempt) (which the manager then refuses as a duplicate registration)
-        ident = f"{self.job_id}#{self.attempt}/{os.getpid()}-{os.urandom(3).hex()}".encode()
+        ident = f"{instance_key(self.job_id, self.attempt)}/{os.getpid()}-{os.urandom(3).hex()}".encode()
         self.link = ManagerLink(self.ctx, self.manager_endpoint, self.keys, ident, self._heartbeat_frame)
         try:
             return self._loop()

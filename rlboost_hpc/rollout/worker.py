@@ -19,7 +19,7 @@ Invariants:
   is given.
 - A rollout job outlives a trainer crash: when the manager goes silent, a worker with ``--run-dir`` waits
   (``--reconnect`` seconds) for the restarted trainer's new ``endpoints.json`` and registers there, keeping its
-  engine (weights of the old epoch are never trusted: they are pulled again, rollout/agent.py).
+  engine (weights of the old epoch are never trusted: they are pulled again, rollout/agent_weights.py).
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from typing import Callable
 # imported before the signal handlers exist: a handler must never import (a warning that interrupts the main
 # thread's import of the same module sees it half-initialised)
 from rlboost_hpc.events import append_event, drain_requested  # light: no torch
+from rlboost_hpc.protocol.identity import instance_ids, instance_key  # light: no torch
 
 log = logging.getLogger("rlboost.worker")
 
@@ -472,12 +473,6 @@ def _report_exit(args: argparse.Namespace, handler: WarningHandler, code: int, s
                               "ok": requeue_self(args.job_id)})
 
 
-def instance_ids(job_id: str, n: int) -> list[str]:
-    """Identities of the ``n`` rollout instances one worker process of job ``job_id`` hosts: the job id itself
-    for one, ``<job id>.<i>`` (i = 0 … n − 1) for several (the manager's instance key adds ``#<attempt>``)."""
-    return [job_id] if n == 1 else [f"{job_id}.{i}" for i in range(n)]
-
-
 def _serve_hosted(args: argparse.Namespace, hosted: list[argparse.Namespace], insts: list["_Instance"],
                   handler: WarningHandler, manager: str, keys, ends: dict) -> list[tuple[int, str, int, int]]:
     """:func:`_serve` for each hosted instance: the first on this thread, the others on one thread each; returns
@@ -510,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     from rlboost_hpc.observe.logs import setup_logging
 
-    setup_logging(f"worker:{args.job_id}#{args.attempt}")
+    setup_logging(f"worker:{instance_key(args.job_id, args.attempt)}")
     handler = WarningHandler(getattr(signal, args.signal), run_dir=args.run_dir, job_id=args.job_id,
                              in_slurm=bool(os.environ.get("SLURM_JOB_ID")), attempt=args.attempt)
     handler.install()  # before the slow imports: a warning is never missed

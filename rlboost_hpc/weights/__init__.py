@@ -5,7 +5,8 @@ See :mod:`rlboost_hpc.weights.store` (the versions a holder keeps), :mod:`rlboos
 sockets over them) and :mod:`rlboost_hpc.weights.puller` for the invariants (immutable strictly increasing
 versions, all-or-nothing verified pulls, deadlines on every phase, a holder that never blocks on a puller).
 """
-from rlboost_hpc.weights.puller import PulledWeights, WeightPuller, WeightTransferError
+from rlboost_hpc.weights.pull_phases import PulledWeights
+from rlboost_hpc.weights.puller import WeightPuller, WeightTransferError
 from rlboost_hpc.weights.server import WeightServer
 
 __all__ = ["PulledWeights", "WeightPuller", "WeightServer", "WeightTransferError"]

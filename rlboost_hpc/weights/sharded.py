@@ -33,7 +33,8 @@ import torch
 
 from rlboost_hpc import defaults as D
 from rlboost_hpc.protocol.weight_msgs import combine_checksums
-from rlboost_hpc.weights.puller import PulledWeights, WeightPuller
+from rlboost_hpc.weights.pull_phases import PulledWeights
+from rlboost_hpc.weights.puller import WeightPuller
 
 __all__ = ["FORMAT", "assemble", "check_tiling", "manifest_nbytes", "positions", "pull_sharded", "version_checksum",
            "load_manifest"]
