@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from test_harvest import Clock, RecordedSlurm, _service, job, node
-from test_scavenger import FakeClock, FakeSlurm, live_ids
+from test_scavenger import FakeClock, FakeSlurm, env, live_ids  # noqa: F401 (env: a fixture)
 
 from rlboost_hpc.policy.controller import RolloutController, StepObservation
 from scavenger.config import ScavengerConfig, time_limit_seconds
@@ -143,19 +143,13 @@ def test_the_scavenger_says_why_it_holds_back_once_per_change(served, caplog):
                     "scavenger: no longer held back (0 live rollout job(s), desired 3)"], said
 
 
-def test_a_trainer_job_that_ends_ends_the_harvesting_within_one_poll(tmp_path):
+def test_a_trainer_job_that_ends_ends_the_harvesting_within_one_poll(env):
     """Regression (issue 45): a trainer that failed left target.json active; the scavenger kept its rollout jobs
     and waited for ever. It watches the trainer job (one listing, no extra Slurm call) and cancels at once."""
-    clock = FakeClock()
-    fake = FakeSlurm(clock)
+    clock, fake, run_dir, make = env
     fake.jobs["7"] = {"name": "rlboost-train-r1", "comment": "", "state": "RUNNING", "restart_cnt": 0,
                       "submit_time": clock.t, "gpus": 1, "node": "n4", "start_time": clock.t}
-    run_dir = tmp_path / "r1"
-    run_dir.mkdir()
-    script = tmp_path / "rollout.sbatch"
-    script.write_text("#!/bin/bash\nsleep 1000\n")
-    sc = Scavenger(ScavengerConfig(max_jobs=2, poll_s=5, trainer_job="7"), run_dir, slurm=fake, clock=clock,
-                   script=script)
+    sc = make(ScavengerConfig(max_jobs=2, poll_s=5, trainer_job="7"))
     write_target(run_dir, n_prem=2)
     assert len(sc.reconcile_once().submitted) == 2
     fake.schedule()
@@ -172,14 +166,8 @@ def test_a_trainer_job_that_ends_ends_the_harvesting_within_one_poll(tmp_path):
     assert sc.run_forever(max_cycles=3, exit_when_done=True) == 0 and sc.reconcile_once().live == 0
 
 
-def test_a_trainer_job_slurm_no_longer_lists_counts_as_ended_after_two_listings(tmp_path):
-    clock = FakeClock()
-    fake = FakeSlurm(clock)
-    run_dir = tmp_path / "r1"
-    run_dir.mkdir()
-    script = tmp_path / "rollout.sbatch"
-    script.write_text("#!/bin/bash\n")
-    sc = Scavenger(ScavengerConfig(max_jobs=1, trainer_job="4242"), run_dir, slurm=fake, clock=clock, script=script)
+def test_a_trainer_job_slurm_no_longer_lists_counts_as_ended_after_two_listings(env):
+    sc = env[3](ScavengerConfig(max_jobs=1, trainer_job="4242"))
     assert sc.reconcile_once().target.source == "default"  # one listing without it: not yet
     assert sc.reconcile_once().target.source == "trainer_ended"
 
