@@ -307,8 +307,8 @@ class ResumeState:
 def _run(cfg: RunConfig, rd: RunDir, *, progress: bool, run_id: str) -> RunReport:
     from rlboost_hpc.observe.trackers import check_installed
 
-    rd.create()
     check_installed(cfg.trainer.report_to)  # a tracker that cannot be imported: refused before anything starts
+    rd.create()
     ckpt = _resume_point(cfg, rd.root)
     t_start = time.monotonic()
     torch.manual_seed(cfg.trainer.seed)

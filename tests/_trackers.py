@@ -29,13 +29,13 @@ def tensorboard_tags(logdir: Path) -> dict[str, list[str]]:
 
 def mlflow_client(run_dir: Path):
     """(client, run id) of the run's MLflow run, as ``trackers.json`` names it."""
-    import os
-
     from mlflow.tracking import MlflowClient
 
+    from rlboost_hpc.observe.trackers import file_store_allowed
+
     ident = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # the tests' process only (the file store is refused)
-    return MlflowClient(tracking_uri=ident["tracking_uri"]), ident["run_id"]
+    with file_store_allowed():
+        return MlflowClient(tracking_uri=ident["tracking_uri"]), ident["run_id"]
 
 
 def mlflow_history(run_dir: Path, name: str) -> list[tuple[int, float]]:

@@ -148,12 +148,12 @@ SCAVENGER_NAMES: dict[str, str] = {
 }
 
 #: Tracker name → the Prometheus series that exports the same figure: (metric name, labels). A tracker holds the
-#: step's value where Prometheus holds a running sum (``rlboost_step_phase_seconds``) or a histogram
+#: step's value where Prometheus holds a running sum (``rlboost_step_phase_seconds_total``) or a histogram
 #: (``rlboost_step_duration_seconds``): same figure, same name, one sample per step.
 PROMETHEUS: dict[str, tuple[str, dict[str, str]]] = {
     "weights/version": ("rlboost_latest_weight_version", {}),
     "step/wall_seconds": ("rlboost_step_duration_seconds", {}),
-    "phase/fixed_overhead_seconds": ("rlboost_step_fixed_overhead_seconds", {}),
+    "phase/fixed_overhead_seconds": ("rlboost_step_fixed_overhead_seconds_total", {}),
     "environment/seconds": ("rlboost_environment_seconds_total", {}),
     "policy/t_seed_next_seconds": ("rlboost_t_seed_seconds", {}),
     "policy/n_prem_cap": ("rlboost_n_prem_cap", {}),
@@ -168,8 +168,8 @@ PROMETHEUS: dict[str, tuple[str, dict[str, str]]] = {
     "preemption/instances_suspected_total": ("rlboost_instances_suspected_total", {}),
     "preemption/instances_recovered_total": ("rlboost_instances_recovered_total", {}),
     "preemption/tokens_from_preemptible_total": ("rlboost_tokens_received_preemptible_total", {}),
-    **{f"phase/{p.value}_seconds": ("rlboost_step_phase_seconds", {"phase": p.value}) for p in Phase},
-    **{f"instances/{a}_seconds": ("rlboost_rollout_instance_seconds", {"activity": a})
+    **{f"phase/{p.value}_seconds": ("rlboost_step_phase_seconds_total", {"phase": p.value}) for p in Phase},
+    **{f"instances/{a}_seconds": ("rlboost_rollout_instance_seconds_total", {"activity": a})
        for a in ("busy", "idle", "pulling")},
     "policy/n_prem_target": ("rlboost_scavenger_target_jobs", {}),
     "scavenger/target_jobs": ("rlboost_scavenger_target_jobs", {}),

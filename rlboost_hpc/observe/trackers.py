@@ -33,7 +33,7 @@ from typing import Any
 from rlboost_hpc.errors import BadInput
 from rlboost_hpc.rundir import RunDir, write_json_atomic
 
-__all__ = ["TrackerKind", "Role", "Tracker", "TrackerMissing", "check_installed", "open_tracker",
+__all__ = ["TrackerKind", "Role", "Tracker", "TrackerMissing", "check_installed", "open_tracker", "file_store_allowed",
            "read_tracker_runs", "write_tracker_runs"]
 
 
@@ -190,7 +190,7 @@ _ENV_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def _file_store_allowed():
+def file_store_allowed():
     """Let MLflow open its file store (refused by default in recent releases) for the client made inside; the
     process environment is restored on exit (the store, once made, is cached by MLflow per URI)."""
     with _ENV_LOCK:
@@ -223,7 +223,7 @@ class MlflowTracker(Tracker):
         self.role = role
         uri = (known or {}).get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or \
             rd.mlruns.resolve().as_uri()
-        with _file_store_allowed():
+        with file_store_allowed():
             self.client = MlflowClient(tracking_uri=uri)
         self.uri = uri
         if known:
@@ -301,7 +301,19 @@ class WandbTracker(Tracker):
         if not primary and not offline:
             settings.mode = "shared"
         known = known or {}
-        self.run = wandb.init(
+        # wandb.init leaves its service's address in WANDB_SERVICE for child processes; this process keeps its own
+        # connection and its children (manager, workers) need none: the environment stays as it was
+        service = os.environ.get("WANDB_SERVICE")
+        try:
+            self.run = self._init(wandb, known, run_name, rd, settings)
+        finally:
+            if service is None:
+                os.environ.pop("WANDB_SERVICE", None)
+
+    @staticmethod
+    def _init(wandb, known: dict, run_name: str, rd: RunDir, settings):
+        """``wandb.init`` of the run ``known`` names (a new one when it names none)."""
+        return wandb.init(
             project=known.get("project") or os.environ.get("WANDB_PROJECT") or "rlboost-hpc",
             entity=known.get("entity") or os.environ.get("WANDB_ENTITY") or None,
             id=known.get("id"), resume="allow", dir=str(rd.root), name=run_name,

@@ -53,13 +53,16 @@ class TrackerHub:
     """The trackers ``kinds`` of run directory ``rd`` as ``role``, fed through a queue by one thread.
 
     ``run_name`` names new tracker runs (the run id); ``resume_step`` is the step a resumed trainer continues from
-    (``None``: a fresh start — new tracker runs). Methods return at once; :meth:`close` waits (bounded) for the queue
+    (``None``: a fresh start — new tracker runs); ``opener(kind, its trackers.json entry)`` opens one tracker
+    (default :func:`~rlboost_hpc.observe.trackers.open_tracker`). Methods return at once; :meth:`close` waits (bounded) for the queue
     to drain. Without kinds (or off rank 0) it is inert: every method returns at once and nothing starts.
     """
 
     def __init__(self, kinds: list[str], rd: RunDir, *, run_name: str, role: Role = Role.TRAINER,
-                 resume_step: int | None = None, queue_items: int = QUEUE_ITEMS) -> None:
+                 resume_step: int | None = None, queue_items: int = QUEUE_ITEMS,
+                 opener: Callable[[str, dict | None], Tracker] | None = None) -> None:
         self.rd, self.role, self.run_name, self.resume_step = rd, role, run_name, resume_step
+        self._opener = opener or (lambda kind, known: open_tracker(kind, rd, role, run_name, known, resume_step))
         self.kinds = list(dict.fromkeys(kinds)) if (role is Role.SCAVENGER or global_rank() == 0) else []
         self.trackers: list[Tracker] = []
         self.failed: dict[str, str] = {}  # tracker → what it raised (logged once)
@@ -171,16 +174,17 @@ class TrackerHub:
 
     def _open(self) -> None:
         known = read_tracker_runs(self.rd)
+        runs = dict(known)
         for kind in self.kinds:
             try:
-                t = open_tracker(kind, self.rd, self.role, self.run_name, known.get(kind), self.resume_step)
+                t = self._opener(kind, known.get(kind))
+                runs[t.kind.value] = t.identity()
             except Exception as e:  # noqa: BLE001 - a tracker never stops the run
                 self._fail(kind, e, "could not be opened")
                 continue
             self.trackers.append(t)
-            log.info("trackers: %s %s run %s", kind, "started" if t.created else "continues", t.identity())
+            log.info("trackers: %s %s run %s", kind, "started" if t.created else "continues", runs[t.kind.value])
         if self.role is Role.TRAINER and any(t.created for t in self.trackers):
-            runs = {**known, **{t.kind.value: t.identity() for t in self.trackers}}
             try:
                 write_tracker_runs(self.rd, runs)
             except OSError as e:
