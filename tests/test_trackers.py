@@ -339,3 +339,84 @@ def test_naming_a_tracker_that_is_not_installed_is_exit_2_naming_its_extra(tmp_p
     err = p.stderr.strip().splitlines()
     assert len(err) == 1 and "trainer.report_to names mlflow" in err[0] and "pip install 'rlboost-hpc[mlflow]'" in err[0]
     assert "Traceback" not in p.stderr and not (tmp_path / "o/manager-journal.jsonl").exists()
+
+
+# ------------------------------------------------------------------------------------------------ a demo run
+#: A short demo run: a small held-out evaluation, the spot trace's preemptions compressed into the first seconds.
+FAST = ["trainer.export_model=false", "task.heldout_prompts=4", "trainer.eval_samples=1", "cluster.time_scale=320",
+        "cluster.replay_s=8"]
+
+
+def metrics_lines(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_demo_run_sends_every_steps_reward_kl_and_preemptions_to_tensorboard_and_mlflow_and_a_resume_continues(
+        repo_root, tmp_path):
+    """The issue's bar: ``trainer.report_to = ["tensorboard", "mlflow"]`` on the demo; every step's reward, KL and
+    preemption counts read back from both, the config as parameters, the report as the summary, run.png and
+    report.json as files; then more ``trainer.steps`` resume the run into the same MLflow run."""
+    from test_demo_run import diagnose, run_cli
+
+    out = tmp_path / "demo"
+    p = run_cli(repo_root, out, 'trainer.report_to=["tensorboard", "mlflow"]', "trainer.steps=3", *FAST)
+    assert p.returncode == 0, diagnose(p, out)
+    first = json.loads((out / "trackers.json").read_text())
+    client, run_id = mlflow_client(out)
+
+    def check(steps: int) -> None:
+        ms = metrics_lines(out)
+        assert [m["step"] for m in ms] == list(range(steps))
+        tb = tensorboard_scalars(out / "tensorboard")
+        for name, want in [("reward/mean", [m["reward_mean"] for m in ms]), ("kl", [m["kl"] for m in ms]),
+                           ("preemption/preemptions_total",
+                            [m["faults"]["preemptions_warned"] + m["faults"]["kills"] for m in ms]),
+                           ("preemption/warned_total", [m["faults"]["preemptions_warned"] for m in ms]),
+                           ("preemption/responses_migrated_total", [m["faults"]["responses_migrated"] for m in ms]),
+                           ("preemption/cluster_live_workers", [m["cluster_live"] for m in ms])]:
+            assert mlflow_history(out, name) == [(s, pytest.approx(v)) for s, v in enumerate(want)], name
+            assert tb[name] == [(s, pytest.approx(v, rel=1e-6)) for s, v in enumerate(want)], name
+        rep = json.loads((out / "report.json").read_text())
+        run = client.get_run(run_id)
+        assert run.info.status == "FINISHED" and run.data.params["rollout.group_size"] == "8"
+        assert run.data.metrics["report/preemptions"] == rep["preemptions"] and rep["preemptions"] > 0
+        assert run.data.metrics["report/resumes"] == rep["resumes"] == steps // 5
+        assert {a.path for a in client.list_artifacts(run_id)} >= {"report.json", "run.png"}
+        assert tb["report/steps"][-1] == (steps - 1, steps)
+        assert "run" in tensorboard_tags(out / "tensorboard")["images"]
+
+    check(3)
+    assert max(m["faults"]["preemptions_warned"] + m["faults"]["kills"] for m in metrics_lines(out)) > 0
+    p = run_cli(repo_root, out, 'trainer.report_to=["tensorboard", "mlflow"]', "trainer.steps=5", *FAST)
+    assert p.returncode == 0, diagnose(p, out)
+    assert json.loads((out / "trackers.json").read_text()) == first  # the same tracker runs, continued
+    check(5)
+    assert client.get_run(run_id).data.tags["rlboost.param_changed.trainer.steps"] == "5"
+    assert len(client.search_runs([first["mlflow"]["experiment_id"]])) == 1
+
+
+@pytest.mark.integration
+def test_a_tracker_that_fails_mid_run_does_not_stop_the_run(repo_root, tmp_path):
+    """MLflow's run directory is deleted after the first step reached it: MLflow raises from then on; the run logs
+    one WARNING, drops it, and finishes with every step in TensorBoard."""
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "rlboost_hpc.cli", "run", "--config", str(repo_root / "configs/local.toml"),
+            "--out", str(out), "--no-progress", "--set", 'trainer.report_to=["tensorboard", "mlflow"]', "--set",
+            "trainer.steps=3", "--set", "cluster.max_workers=0", *[a for f in FAST[:3] for a in ("--set", f)]]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=repo_root)
+    try:
+        deadline = time.monotonic() + 300
+        while not ((out / "trackers.json").is_file() and mlflow_history(out, "kl")):
+            assert proc.poll() is None and time.monotonic() < deadline, "no step reached MLflow"
+            time.sleep(0.2)
+        ident = json.loads((out / "trackers.json").read_text())["mlflow"]
+        shutil.rmtree(out / "mlruns" / ident["experiment_id"] / ident["run_id"])
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert err.count("trackers: mlflow failed") == 1 and "it is dropped, the run goes on" in err
+    assert [s for s, _ in tensorboard_scalars(out / "tensorboard")["reward/mean"]] == [0, 1, 2]
+    assert json.loads((out / "report.json").read_text())["steps"] == 3
