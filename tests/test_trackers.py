@@ -287,9 +287,8 @@ def test_wandb_offline_run_files_hold_the_steps_config_summary_and_files_and_a_r
 def test_the_scavengers_preemptions_and_cost_reach_the_trainers_mlflow_and_tensorboard_runs(tmp_path):
     """The daemon (against the contract-tested fake Slurm of test_scavenger.py) joins the runs the trainer named in
     trackers.json and sends its preemptions, requeues, GPU-seconds and dollars, keyed by the trainer's step."""
-    from test_scavenger import FakeClock, FakeSlurm, live_ids
+    from test_scavenger import FakeClock, FakeSlurm, two_jobs_for_an_hour_then_a_preemption
 
-    from rlboost_hpc.events import append_event
     from scavenger.config import ScavengerConfig
     from scavenger.daemon import Scavenger
 
@@ -304,28 +303,18 @@ def test_the_scavengers_preemptions_and_cost_reach_the_trainers_mlflow_and_tenso
     script.write_text("#!/bin/bash\nsleep 1000\n")
     sc = Scavenger(ScavengerConfig(max_jobs=4, poll_s=5, spot_price_per_gpu_hour=2.0, on_demand_price_per_gpu_hour=10.0),
                    run_dir, slurm=fake, clock=clock, script=script)
-    (run_dir / "target.json").write_text(json.dumps({"n_prem": 2, "active": True, "step": 3}))
-    sc.run_forever(max_cycles=1)
-    fake.schedule()
-    clock.t += 3600
-    sc.run_forever(max_cycles=1)
-    jid = live_ids(fake)[0]
-    fake.preempt(jid)
-    clock.t += 60
-    append_event(run_dir, {"event": "tokens", "source": "worker", "job_id": jid, "attempt": 0, "produced": 1_000_000})
-    (run_dir / "target.json").write_text(json.dumps({"n_prem": 2, "active": True, "step": 4}))
-    sc.run_forever(max_cycles=1)
+    two_jobs_for_an_hour_then_a_preemption(sc, fake, clock, run_dir)
     sc.close()
     assert sc.tracking.hub is None
     pre = mlflow_history(run_dir, "scavenger/preemptions_total")
-    assert pre[-1] == (4, 1.0) and {s for s, _ in pre} <= {3, 4}
+    assert pre[-1] == (3, 1.0) and {s for s, _ in pre} == {3}  # target.json's step
     cost = mlflow_history(run_dir, "cost/harvest_dollars_total")[-1][1]
     assert 2 * 2.0 <= cost <= 2.1 * 2.0  # two 1-GPU jobs for ~1 h at $2 per GPU-hour
     assert mlflow_history(run_dir, "cost/saving_vs_on_demand_dollars_total")[-1][1] == pytest.approx(cost * 4)
-    assert mlflow_history(run_dir, "scavenger/tokens_produced_total")[-1] == (4, 1_000_000)
+    assert mlflow_history(run_dir, "scavenger/tokens_produced_total")[-1] == (3, 1_000_000)
     assert mlflow_history(run_dir, "reward/mean") == [(0, 0.0)]  # the trainer's figures in the same run
     tb = tensorboard_scalars(rd.tensorboard / "scavenger")
-    assert tb["scavenger/preemptions_total"][-1] == (4, 1.0) and tb["scavenger/requeues_total"][-1] == (4, 1.0)
+    assert tb["scavenger/preemptions_total"][-1] == (3, 1.0) and tb["scavenger/requeues_total"][-1] == (3, 1.0)
 
 
 # ------------------------------------------------------------------------------------------------ the CLI
