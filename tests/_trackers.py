@@ -48,7 +48,8 @@ _HEADER = 7
 
 
 def wandb_records(path: Path) -> list:
-    """The ``wandb_internal_pb2.Record`` messages of one ``.wandb`` file, in order, every chunk's CRC-32 checked."""
+    """The ``wandb_internal_pb2.Record`` messages of one ``.wandb`` file, in order, every chunk's CRC-32 checked (a
+    record still being written at the end is left out)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     buf = path.read_bytes()
@@ -63,6 +64,8 @@ def wandb_records(path: Path) -> list:
         if kind == 0 and length == 0:  # zero padding to the block's end
             pos += left
             continue
+        if pos + _HEADER + length > len(buf):  # a record still being written
+            break
         data = buf[pos + _HEADER:pos + _HEADER + length]
         assert zlib.crc32(bytes([kind]) + data) & 0xFFFFFFFF == crc, f"{path}: bad CRC at {pos}"
         pos += _HEADER + length

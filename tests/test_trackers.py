@@ -273,14 +273,23 @@ def test_wandb_offline_run_files_hold_the_steps_config_summary_and_files_and_a_r
     hub.step(lines(1, start=2)[0])
     hub.close()
     assert hub.failed == {}
-    got = wandb_offline(rd.root)
+    time.sleep(1.1)
+    scavenger = TrackerHub(["wandb"], rd, run_name="run", role=Role.SCAVENGER)  # joins as a second writer
+    scavenger.metrics(2, {"scavenger/preemptions_total": 4.0})
+    scavenger.close()
+    assert scavenger.failed == {}
+    deadline = time.monotonic() + 30  # a secondary writer's finish returns before W&B's service wrote its rows
+    while "scavenger/preemptions_total" not in (got := wandb_offline(rd.root))["history"][-1]:
+        assert time.monotonic() < deadline, got["history"]
+        time.sleep(0.2)
+    assert got["history"].pop()["scavenger/preemptions_total"] == 4
     assert [h["_step"] for h in got["history"]] == [0, 1, 2]
     assert [h["reward/mean"] for h in got["history"]] == pytest.approx([0.0, 0.1, 0.2])
     assert [h["preemption/preemptions_total"] for h in got["history"]] == [1, 2, 3]
     assert got["summary"]["report/preemptions"] == 1 and got["config"]["trainer"] == {"steps": 3}
     assert "report.json" in got["files"]
     ident = json.loads(rd.trackers.read_text())["wandb"]["id"]
-    assert [r[0] for r in got["runs"]] == [ident, ident]  # two incarnations, one W&B run
+    assert [r[0] for r in got["runs"]] == [ident] * 3  # two incarnations and the scavenger: one W&B run
 
 
 # ------------------------------------------------------------------------------------------------ the scavenger
