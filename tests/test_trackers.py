@@ -119,8 +119,9 @@ def test_the_scavengers_prometheus_snapshot_and_statistics_all_have_names():
     from scavenger.stats import RunStats
 
     sm = ScavengerMetrics(1.0, 3.0)
-    res = SimpleNamespace(submitted=["1"], cancelled=[], signalled=[], ok=True, target=SimpleNamespace(n=2, active=True),
-                          desired=2, live=2, pending=1, running=1, draining=0, free_slots=3, held=0)
+    res = SimpleNamespace(submitted=["1"], cancelled=[], signalled=[], ok=True,
+                          target=SimpleNamespace(n=2, active=True), desired=2, live=2, pending=1, running=1,
+                          draining=0, free_slots=3, held=0)
     stats = RunStats(jobs=2, attempts=3, preemptions=1, requeues=1, gpu_hours=2.0, tokens_produced=1000,
                      lifetime_mean_s=60.0)
     sm.refresh(res, stats)
@@ -217,6 +218,19 @@ def test_a_tracker_that_raises_mid_run_is_logged_once_and_dropped_and_the_others
     assert [s for s, _ in tensorboard_scalars(rd.tensorboard)["reward/mean"]] == [0, 1, 2, 3, 4]
 
 
+def test_only_global_rank_0_logs(tmp_path, monkeypatch):
+    """Under torchrun every rank of an SPMD program runs the step loop; only rank 0 sends anything."""
+    monkeypatch.setenv("RANK", "1")
+    rd = RunDir(tmp_path / "run").create()
+    hub = TrackerHub(["tensorboard", "mlflow"], rd, run_name="run")
+    hub.step(lines(1)[0])
+    hub.close()
+    assert not hub.active and not rd.tensorboard.exists() and not rd.mlruns.exists() and not rd.trackers.exists()
+    scavenger = TrackerHub(["tensorboard"], rd, run_name="run", role=Role.SCAVENGER)  # the daemon has no ranks
+    assert scavenger.active
+    scavenger.close()
+
+
 class StuckTracker(Tracker):
     """A tracker whose every call waits for ``release`` (a server that stopped answering)."""
 
@@ -310,8 +324,8 @@ def test_the_scavengers_preemptions_and_cost_reach_the_trainers_mlflow_and_tenso
     fake = FakeSlurm(clock)
     script = tmp_path / "rollout.sbatch"
     script.write_text("#!/bin/bash\nsleep 1000\n")
-    sc = Scavenger(ScavengerConfig(max_jobs=4, poll_s=5, spot_price_per_gpu_hour=2.0, on_demand_price_per_gpu_hour=10.0),
-                   run_dir, slurm=fake, clock=clock, script=script)
+    prices = ScavengerConfig(max_jobs=4, poll_s=5, spot_price_per_gpu_hour=2.0, on_demand_price_per_gpu_hour=10.0)
+    sc = Scavenger(prices, run_dir, slurm=fake, clock=clock, script=script)
     two_jobs_for_an_hour_then_a_preemption(sc, fake, clock, run_dir)
     sc.close()
     assert sc.tracking.hub is None
@@ -335,7 +349,8 @@ def test_naming_a_tracker_that_is_not_installed_is_exit_2_naming_its_extra(tmp_p
                        capture_output=True, text=True, timeout=120, cwd=repo_root)
     assert p.returncode == 2, p.stderr[-2000:]
     err = p.stderr.strip().splitlines()
-    assert len(err) == 1 and "trainer.report_to names mlflow" in err[0] and "pip install 'rlboost-hpc[mlflow]'" in err[0]
+    assert len(err) == 1 and "trainer.report_to names mlflow" in err[0]
+    assert "pip install 'rlboost-hpc[mlflow]'" in err[0]
     assert "Traceback" not in p.stderr and not (tmp_path / "o/manager-journal.jsonl").exists()
 
 

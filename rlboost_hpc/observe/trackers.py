@@ -33,8 +33,8 @@ from typing import Any
 from rlboost_hpc.errors import BadInput
 from rlboost_hpc.rundir import RunDir, write_json_atomic
 
-__all__ = ["TrackerKind", "Role", "Tracker", "TrackerMissing", "check_installed", "open_tracker", "file_store_allowed",
-           "read_tracker_runs", "write_tracker_runs"]
+__all__ = ["TrackerKind", "Role", "Tracker", "TrackerMissing", "check_installed", "open_tracker",
+           "file_store_allowed", "read_tracker_runs", "write_tracker_runs"]
 
 
 class TrackerKind(StrEnum):

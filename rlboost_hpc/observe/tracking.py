@@ -54,8 +54,9 @@ class TrackerHub:
 
     ``run_name`` names new tracker runs (the run id); ``resume_step`` is the step a resumed trainer continues from
     (``None``: a fresh start — new tracker runs); ``opener(kind, its trackers.json entry)`` opens one tracker
-    (default :func:`~rlboost_hpc.observe.trackers.open_tracker`). Methods return at once; :meth:`close` waits (bounded) for the queue
-    to drain. Without kinds (or off rank 0) it is inert: every method returns at once and nothing starts.
+    (default :func:`~rlboost_hpc.observe.trackers.open_tracker`). Methods return at once; :meth:`close` waits
+    (bounded) for the queue to drain. Without kinds (or off rank 0) it is inert: every method returns at once and
+    nothing starts.
     """
 
     def __init__(self, kinds: list[str], rd: RunDir, *, run_name: str, role: Role = Role.TRAINER,
