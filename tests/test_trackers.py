@@ -412,6 +412,7 @@ def test_a_demo_run_sends_every_steps_reward_kl_and_preemptions_to_tensorboard_a
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_a_tracker_that_fails_mid_run_does_not_stop_the_run(repo_root, tmp_path):
     """MLflow's run directory is deleted after the first step reached it: MLflow raises from then on; the run logs
     one WARNING, drops it, and finishes with every step in TensorBoard."""
