@@ -370,6 +370,10 @@ class TrainerCfg(_Strict):
     resume: Literal["auto", "require", "never"] = Field("auto", description=(
         "auto: resume from <out>/checkpoints/latest when there is one (a Slurm requeue of the trainer job); "
         "require: fail unless there is one; never: start from step 0 (overwriting)"))
+    report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(default_factory=list, description=(
+        "experiment trackers that receive every step's figures, the config, the report and run.png (rank 0, in a "
+        "background thread; one that fails is dropped, the run goes on); each needs its extra: "
+        "pip install 'rlboost-hpc[tensorboard]' / '[mlflow]' / '[wandb]'"))
 
     def gate_bounds(self) -> tuple[float, float]:
         """The quality gate's bounds: (KL to the reference, nats/token; share of repeated 3-grams)."""

@@ -305,6 +305,9 @@ class ResumeState:
 
 
 def _run(cfg: RunConfig, rd: RunDir, *, progress: bool, run_id: str) -> RunReport:
+    from rlboost_hpc.observe.trackers import check_installed
+
+    check_installed(cfg.trainer.report_to)  # a tracker that cannot be imported: refused before anything starts
     rd.create()
     ckpt = _resume_point(cfg, rd.root)
     t_start = time.monotonic()
@@ -317,31 +320,63 @@ def _run(cfg: RunConfig, rd: RunDir, *, progress: bool, run_id: str) -> RunRepor
     _announce_cost(cfg, setup)
     steps: list[dict] = []  # every step record of the run, also those of earlier incarnations
     failure: BaseException | None = None
-    with RunServices(cfg, rd, run_id, setup.policy, setup.task, resuming=ckpt is not None,
-                     train_device=setup.train_device, train_dtype=setup.train_dtype, t_origin=t_start,
-                     context_tokens=setup.context_tokens) as svc:
-        try:
-            report, live_series = _train(cfg, rd, svc, setup, ckpt, steps, progress=progress, t_start=t_start)
-        except BaseException as e:  # noqa: BLE001 - re-raised once the services are stopped
-            failure = e
+    trackers = _trackers(cfg, rd, run_id, ckpt)
+    try:
+        with RunServices(cfg, rd, run_id, setup.policy, setup.task, resuming=ckpt is not None,
+                         train_device=setup.train_device, train_dtype=setup.train_dtype, t_origin=t_start,
+                         context_tokens=setup.context_tokens) as svc:
+            try:
+                report, live_series = _train(cfg, rd, svc, setup, ckpt, steps, progress=progress, t_start=t_start,
+                                             trackers=trackers)
+            except BaseException as e:  # noqa: BLE001 - re-raised once the services are stopped
+                failure = e
+    except BaseException:
+        trackers.close(failed=True)
+        raise
     if failure is not None:
-        write_report(rd.report, FailedReport(error=f"{type(failure).__name__}: {failure}", steps=len(steps)))
+        failed = FailedReport(error=f"{type(failure).__name__}: {failure}", steps=len(steps))
+        write_report(rd.report, failed)
+        _finish_trackers(trackers, rd, msgspec.structs.asdict(failed), failed=True)
         raise failure
     write_report(rd.report, report)
     write_plot(steps, live_series, rd.plot, before=report.reward_heldout_before, after=report.reward_heldout_after)
+    _finish_trackers(trackers, rd, report.to_dict(), failed=False)
     return report
 
 
+def _trackers(cfg: RunConfig, rd: RunDir, run_id: str, ckpt: Path | None):
+    """The run's experiment trackers (``trainer.report_to``; inert without any), given the config as parameters:
+    a run resumed from ``ckpt`` continues the tracker runs ``trackers.json`` names."""
+    from rlboost_hpc.observe.tracking import TrackerHub
+    from rlboost_hpc.trainer import checkpoint
+
+    hub = TrackerHub(cfg.trainer.report_to, rd, run_name=run_id,
+                     resume_step=checkpoint.step_of(ckpt) if ckpt is not None else None)
+    hub.params(cfg.model_dump(mode="json"))
+    return hub
+
+
+def _finish_trackers(trackers, rd: RunDir, report: dict, *, failed: bool) -> None:
+    """``report.json`` as the trackers' summary, it and ``run.png`` as files, then end their runs (waits a bounded
+    time for what is still queued)."""
+    trackers.summary(report)
+    for path in (rd.report, rd.plot):
+        trackers.artifact(path)
+    trackers.close(failed=failed)
+
+
 def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: Path | None, steps: list[dict], *,
-           progress: bool, t_start: float) -> tuple[RunReport, list[tuple[float, int]]]:
-    """The run inside its services: restore or evaluate, the step loop with its checkpoints, the final
-    evaluation and export. Returns the report and the local cluster's live-worker series (for the plot)."""
+           progress: bool, t_start: float, trackers) -> tuple[RunReport, list[tuple[float, int]]]:
+    """The run inside its services: restore or evaluate, the step loop with its checkpoints (each step's record
+    also to the ``trackers``), the final evaluation and export. Returns the report and the local cluster's
+    live-worker series (for the plot)."""
     from rlboost_hpc.observe.report import ProgressView
     from rlboost_hpc.trainer import checkpoint
     from rlboost_hpc.trainer.eval import kl_to_reference
 
     resume = ResumeState.load(ckpt, svc.backend, rd)
     steps.extend(resume.steps)
+    trackers.backfill(resume.steps)  # to a tracker added at this resume; runs it continues hold them
     metrics_f = open(rd.metrics, "w")  # what the checkpoint covers, then the new steps
     svc.defer(metrics_f.close)
     metrics_f.writelines(json.dumps(m) + "\n" for m in steps)
@@ -367,7 +402,7 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
             rec = trainer.run_step(step)
             t_after = time.monotonic()  # the step's own bookkeeping and checkpoint: part of its timeline
             st = trainer.last_stats  # taken at the end of the step, after its version change
-            _add_fleet(rec, st, svc, t_start)
+            _add_fleet(rec, st, svc, t_start, resume.tally)
             rec.n_prem_target, wanted = svc.target_of(trainer.decision)
             m = rec.line()
             svc.set_target(rec.n_prem_target, step=step + 1, wanted=wanted)
@@ -376,11 +411,10 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
             if every and ((step + 1) % every == 0 or step + 1 == cfg.trainer.steps):
                 # the steps before this one are in metrics.jsonl (fsynced before the checkpoint is published):
                 # a checkpoint holds one step's record, whatever the run's length
-                tally = resume.tally + FaultTally.observe(st, svc.cluster.summary() if svc.cluster else None)
                 ckpt_writer.save(step + 1, svc.backend, trainer.state_dict(), {
                     "model": {"path": str(setup.policy.path), "arch": setup.policy.arch.to_json()},
                     "metrics_lines": len(steps) - 1, "last_step_metrics": m, "before": before,
-                    "resumes": resume.resumes, "counts": tally.to_json(),
+                    "resumes": resume.resumes, "counts": m["faults"],
                     "train_wall_s": resume.train_wall_s + time.monotonic() - t_train0}, durable=[rd.metrics])
             # (the checkpoint keeps the step as it was before its own save: its phases sum to its wall time too)
             add_phase(m, Phase.CHECKPOINT, time.monotonic() - t_after)
@@ -389,6 +423,7 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
                                         mismatch={k: float(m[k]) for k in MISMATCH_KEYS if k in m}))
             metrics_f.write(json.dumps(m) + "\n")
             metrics_f.flush()
+            trackers.step(m)
             view.update(m)
     ckpt_writer.wait()  # the last checkpoint is durable before the run reports
     train_wall = resume.train_wall_s + time.monotonic() - t_train0  # training time of every incarnation
@@ -415,14 +450,16 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
     return report, svc.cluster.live_series if svc.cluster else []
 
 
-def _add_fleet(rec: StepRecord, st, svc: RunServices, t_start: float) -> None:
+def _add_fleet(rec: StepRecord, st, svc: RunServices, t_start: float, before: FaultTally) -> None:
     """Add to the step record the fleet at the step's end (``st``: the manager's stats then): live and routable
-    preemptible instances, the cluster's live workers, and how the version the step sampled from reached the fleet
-    (``version_serving``: :class:`~rlboost_hpc.protocol.stats.VersionServing`)."""
+    preemptible instances, the cluster's live workers, how the version the step sampled from reached the fleet
+    (``version_serving``: :class:`~rlboost_hpc.protocol.stats.VersionServing`), and the run's fault tally so far
+    (``faults``: ``before`` — earlier incarnations' — plus this one's)."""
     rec.t_s, rec.ts = time.monotonic() - t_start, round(time.time(), 3)
     rec.live_preemptible, rec.routable_preemptible = st.live_preemptible, st.routable_preemptible
     rec.cluster_live = svc.cluster.live() if svc.cluster else st.live_preemptible
     rec.version_serving = msgspec.structs.asdict(st.last_version_serving)
+    rec.faults = (before + FaultTally.observe(st, svc.cluster.summary() if svc.cluster else None)).to_json()
 
 
 def _announce_cost(cfg: RunConfig, setup: RunSetup) -> None:

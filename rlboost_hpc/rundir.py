@@ -10,6 +10,10 @@ Layout (owner in parentheses):
 - ``events.jsonl`` (scavenger and rollout jobs, append-only): job life-cycle events for statistics.
 - ``report.json``, ``metrics.jsonl``, ``run.png`` (trainer): results.
 - ``prometheus/<job>.json`` (trainer: ``rlboost-manager``; scavenger: ``rlboost-scavenger``): file_sd targets.
+- ``trackers.json`` (trainer; read by the scavenger and a resumed trainer): the experiment-tracker runs the run logs
+  to (``trainer.report_to``, ``observe/trackers.py``); ``tensorboard/`` (TensorBoard event files; the scavenger's
+  under ``tensorboard/scavenger/``), ``mlruns/`` (MLflow's file store when ``MLFLOW_TRACKING_URI`` is unset),
+  ``wandb/`` (Weights & Biases' run files).
 
 - ``manager-journal.jsonl`` (manager): epochs and weight versions for crash-resume; ``manager-work.log`` (manager):
   the step in flight, for a restarted manager (binary, ``manager/worklog.py``); ``checkpoints/`` (trainer);
@@ -55,6 +59,9 @@ PROMETHEUS_DIR = "prometheus"
 LOGS_DIR = "logs"
 CONFIG_FILE = "config.json"  # the run's resolved configuration
 MODEL_DIR = "model"  # the trained policy (trainer.export_model)
+TRACKERS_FILE = "trackers.json"  # the experiment-tracker runs of trainer.report_to (observe/trackers.py)
+TENSORBOARD_DIR = "tensorboard"
+MLFLOW_DIR = "mlruns"
 
 
 @dataclass(frozen=True)
@@ -136,6 +143,18 @@ class RunDir:
     @property
     def model(self) -> Path:
         return self.root / MODEL_DIR
+
+    @property
+    def trackers(self) -> Path:
+        return self.root / TRACKERS_FILE
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / TENSORBOARD_DIR
+
+    @property
+    def mlruns(self) -> Path:
+        return self.root / MLFLOW_DIR
 
     def create(self) -> "RunDir":
         """Make the run directory (and its parents) if it does not exist; returns ``self``.

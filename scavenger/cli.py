@@ -137,7 +137,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _on_signal)
     if cfg.metrics_port is not None:
         daemon.start_metrics()
-    return daemon.run_forever(exit_when_done=args.exit_when_done)
+    try:
+        return daemon.run_forever(exit_when_done=args.exit_when_done)
+    finally:
+        daemon.close()  # what is queued for the run's experiment trackers
 
 
 if __name__ == "__main__":

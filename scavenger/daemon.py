@@ -65,6 +65,7 @@ from scavenger.pyslurm_api import slurm_api
 from scavenger.slurm import SlurmCommandError
 from scavenger.slurm_records import JobClass, JobInfo, NodeInfo, job_number, signal_number
 from scavenger.stats import RECONCILE_LOG, load_run_stats
+from scavenger.tracking import ScavengerTracking
 
 log = logging.getLogger("scavenger")
 
@@ -193,6 +194,9 @@ class Scavenger:
         self._stop = threading.Event()
         self.consecutive_errors = 0
         self.metrics = None  # a ScavengerMetrics refreshed after every reconciliation (start_metrics)
+        # the run's experiment trackers (trainer.report_to), joined once the trainer names them in trackers.json
+        self.tracking = ScavengerTracking(self.run_dir, config.spot_price_per_gpu_hour,
+                                          config.on_demand_price_per_gpu_hour, config.resolved_run_id(self.run_dir))
         self._last_held_back = ""
         self._trainer_over_in = 0  # listings in a row showing the trainer job over (or not at all)
         self._trainer_gone = ""  # why the trainer job is over (once it is: for good)
@@ -543,10 +547,21 @@ class Scavenger:
         return url
 
     def _refresh_metrics(self, res: ReconcileResult) -> None:
+        """The run's statistics after a reconciliation, to the Prometheus snapshot (when served) and the run's
+        experiment trackers (when it has any)."""
         try:
-            self.metrics.refresh(res, load_run_stats(self.run_dir, now=self.clock.time()))
+            now = self.clock.time()
+            stats = load_run_stats(self.run_dir, now=now)
+            if self.metrics is not None:
+                self.metrics.refresh(res, stats)
+            self.tracking.refresh(res, stats, now)
         except Exception as e:  # noqa: BLE001 - metrics must never stop the daemon
             log.warning("scavenger: metrics refresh failed: %s", e)
+
+    def close(self) -> None:
+        """Send what is queued for the run's trackers and leave them (waits a bounded time); call once the loop
+        is over."""
+        self.tracking.close()
 
     def stop(self) -> None:
         """Ask :meth:`run_forever` to return after the current step (safe from signal handlers/threads)."""
@@ -576,7 +591,7 @@ class Scavenger:
             cycles += 1
             if res.listed:  # (a step that waited for the harvest service's listing saw nothing to record)
                 self._record_view(res)
-                if self.metrics is not None:
+                if self.metrics is not None or self.tracking.wanted():
                     self._refresh_metrics(res)
             self._log_held_back(res)
             delay = self.next_delay(res, poll)

@@ -761,16 +761,9 @@ def test_s3_job_that_exits_during_grace_is_replaced(env):
     assert fake.jobs[res.submitted[0]]["node"] != "n1"
 
 
-def test_metrics_endpoint_serves_capacity_preemptions_and_cost(env):
-    """Issue 7 §5: the scavenger's Prometheus endpoint (real HTTP) shows its jobs by state, the target, preemptions
-    and requeues, harvested GPU-hours and the cost per token at the configured prices."""
-    import urllib.request
-
-    clock, fake, run_dir, make = env
-    sc = make(ScavengerConfig(max_jobs=4, grace_s=15, poll_s=5, metrics_port=0, spot_price_per_gpu_hour=2.0,
-                              on_demand_price_per_gpu_hour=10.0))
-    url = sc.start_metrics()
-    assert json.loads((run_dir / "scavenger-metrics.json").read_text())["url"] == url
+def two_jobs_for_an_hour_then_a_preemption(sc: Scavenger, fake: FakeSlurm, clock: FakeClock, run_dir: Path) -> None:
+    """The harvest the statistics tests check, one reconciliation after each stage: the run asks for 2 jobs (step 3);
+    both run for an hour; one is preempted, its worker having produced 1,000,000 tokens."""
     set_target(run_dir, 2)
     sc.run_forever(max_cycles=1)
     fake.schedule()
@@ -781,6 +774,19 @@ def test_metrics_endpoint_serves_capacity_preemptions_and_cost(env):
     clock.t += 60
     append_event(run_dir, {"event": "tokens", "source": "worker", "job_id": jid, "attempt": 0, "produced": 1_000_000})
     sc.run_forever(max_cycles=1)
+
+
+def test_metrics_endpoint_serves_capacity_preemptions_and_cost(env):
+    """Issue 7 §5: the scavenger's Prometheus endpoint (real HTTP) shows its jobs by state, the target, preemptions
+    and requeues, harvested GPU-hours and the cost per token at the configured prices."""
+    import urllib.request
+
+    clock, fake, run_dir, make = env
+    sc = make(ScavengerConfig(max_jobs=4, grace_s=15, poll_s=5, metrics_port=0, spot_price_per_gpu_hour=2.0,
+                              on_demand_price_per_gpu_hour=10.0))
+    url = sc.start_metrics()
+    assert json.loads((run_dir / "scavenger-metrics.json").read_text())["url"] == url
+    two_jobs_for_an_hour_then_a_preemption(sc, fake, clock, run_dir)
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(url, timeout=10).read().decode()

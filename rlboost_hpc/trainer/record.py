@@ -34,7 +34,9 @@ class StepRecord(msgspec.Struct, kw_only=True):
 
     Run (after the step): ``t_s`` (seconds since the run started), ``ts`` (Unix time), ``live_preemptible``,
     ``routable_preemptible``, ``cluster_live``, ``version_serving`` (how the step's version reached the fleet),
-    ``n_prem_target`` (the rollout jobs asked of the scavenger for the next step).
+    ``n_prem_target`` (the rollout jobs asked of the scavenger for the next step), ``faults`` (the run's fault and
+    migration tally so far, every incarnation summed: :class:`~rlboost_hpc.observe.run_report.FaultTally` as a
+    dict — preemptions warned, kills, worker starts, responses and tokens migrated, tokens regenerated, …).
     """
 
     step: int
@@ -78,12 +80,13 @@ class StepRecord(msgspec.Struct, kw_only=True):
     cluster_live: int | None = None
     version_serving: dict[str, Any] | None = None
     n_prem_target: int | None = None
+    faults: dict[str, int] | None = None
 
     def line(self) -> dict[str, Any]:
         """The ``metrics.jsonl`` object: the fields (the run's only once set) then the backend's figures."""
         out = {k: v for k, v in msgspec.structs.asdict(self).items() if k != "backend"}
         for k in ("t_s", "ts", "live_preemptible", "routable_preemptible", "cluster_live", "version_serving",
-                  "n_prem_target"):
+                  "n_prem_target", "faults"):
             if out[k] is None:
                 del out[k]
         out.update(self.backend)
