@@ -131,6 +131,14 @@ def _partition(p: dict[str, str], partitions: list[dict[str, str]], default_mode
     if p.get("State", "UP") != "UP":
         f.append(Finding("fail", f"State={p.get('State')}", f"scontrol update PartitionName={name} State=UP"))
     modes = set(mode.upper().split(","))
+    nodes, tier = expand_hostlist(p.get("Nodes", "")), int(p.get("PriorityTier", "1") or 1)
+    preempts = sorted(q.get("PartitionName", "?") for q in partitions
+                      if int(q.get("PriorityTier", "1") or 1) < tier and nodes & expand_hostlist(q.get("Nodes", "")))
+    if "OFF" in modes and preempts and not by_qos:  # the owners' partition: never advise making it preemptible
+        f.append(Finding("fail", f"PreemptMode=OFF, PriorityTier={tier}: the owners' partition — its jobs preempt "
+                                 f"those of {', '.join(preempts)} and are never preempted themselves",
+                         f"not a harvest target: harvest {', '.join(preempts)} (rollout jobs go there)"))
+        return chk  # (its grace time and GPUs are the owners' business)
     if "OFF" in modes:
         f.append(Finding("fail", "PreemptMode=OFF: jobs here are never preempted, so rollout jobs would hold GPUs "
                                  "the owners wait for", f"PreemptMode=REQUEUE on PartitionName={name}"))
@@ -146,7 +154,6 @@ def _partition(p: dict[str, str], partitions: list[dict[str, str]], default_mode
     else:
         f.append(Finding("fail", f"PreemptMode={mode}: not one this project knows", "PreemptMode=REQUEUE"))
     if not by_qos:
-        nodes, tier = expand_hostlist(p.get("Nodes", "")), int(p.get("PriorityTier", "1") or 1)
         chk.preempted_by = sorted(q.get("PartitionName", "?") for q in partitions
                                   if int(q.get("PriorityTier", "1") or 1) > tier
                                   and nodes & expand_hostlist(q.get("Nodes", "")))

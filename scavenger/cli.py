@@ -11,6 +11,7 @@ import json
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -29,10 +30,9 @@ def _help(name: str) -> str:
 
 
 def build_parser(prog: str = "rlboost-hpc scavenger") -> argparse.ArgumentParser:
-    from rlboost_hpc.clihelp import DefaultsHelpFormatter
+    from rlboost_hpc.clihelp import DefaultsHelpFormatter, StrictParser
 
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
-                                formatter_class=DefaultsHelpFormatter)
+    p = StrictParser(prog=prog, description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("run_dir", metavar="RUN_DIR", help="run directory: target.json in, events.jsonl out")
     p.add_argument("--config", help="TOML file ([scavenger] table or top level); flags override it")
     p.add_argument("--partition", help=_help("partition"))
@@ -97,7 +97,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cfg.harvest_dir:
             from scavenger.harvest import HarvestSpool
 
-            HarvestSpool(cfg.harvest_dir).require()  # only a spool the cluster's service made
+            marker = HarvestSpool(cfg.harvest_dir).require()  # only a spool the cluster's service made
+            idle_s = time.time() - marker.cycle_ts
+            if idle_s > cfg.harvest_max_age_s:  # (not an error: the service may be restarting)
+                print(f"rlboost-hpc scavenger: warning: the harvest service of {cfg.harvest_dir} (pid {marker.pid} "
+                      f"on {marker.host}) has run no cycle for "
+                      f"{'ever' if not marker.cycle_ts else f'{idle_s:.0f} s'}: is it stopped? The run harvests "
+                      "nothing until it is back", file=sys.stderr)
     except BadInput as e:
         print(f"rlboost-hpc scavenger: {e}", file=sys.stderr)
         return 2

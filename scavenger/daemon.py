@@ -412,7 +412,7 @@ class Scavenger:
         else:
             code = f", exit code {trainer.exit_code}" if trainer.exit_code is not None else ""
             why = f"the trainer job {trainer.job_id} ended {trainer.state}{code}"
-        log.error("scavenger: %s while target.json still says the run is active: the run is over; cancelling its "
+        log.error("scavenger: %s before the run said it was over (target.json): the run is over; cancelling its "
                   "rollout jobs", why)
         self._trainer_gone = why
         return why
@@ -444,7 +444,7 @@ class Scavenger:
             return  # (a step that waited for the service's listing knows only that there is no target yet)
         if res.held_back:
             log.warning("scavenger: holding back: %s", res.held_back)
-        else:
+        elif res.target is not None and res.target.active:  # (a run that is over is not "no longer held back")
             log.info("scavenger: no longer held back (%d live rollout job(s), desired %d)", res.live, res.desired)
         self._last_held_back = res.held_back
 

@@ -40,6 +40,7 @@ import datetime as dt
 import logging
 import math
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -55,10 +56,12 @@ from scavenger.slurm_records import JobInfo, NodeInfo, job_number
 
 log = logging.getLogger("scavenger.harvest")
 
-__all__ = ["DemandFile", "ShareFile", "HarvestSpool", "HarvestService", "HarvestLink", "CycleResult"]
+__all__ = ["DemandFile", "ShareFile", "HarvestSpool", "HarvestService", "HarvestLink", "CycleResult", "SpoolBusy"]
 
 #: Prefix of every rollout job's ``--comment`` (:meth:`scavenger.config.ScavengerConfig.resolved_tag`).
 TAG_PREFIX = "rlboost:"
+#: An unchanged cycle is still logged this often (seconds); a changed one always.
+SAY_EVERY_S = 300.0
 
 
 class DemandFile(msgspec.Struct, frozen=True):
@@ -135,15 +138,22 @@ class NotASpool(BadInput, ValueError):
 
 
 class SpoolMarker(msgspec.Struct, frozen=True):
-    """``SPOOL/service.json``, written by the service when it creates the spool: ``kind`` (always
-    :data:`SPOOL_KIND`), the Unix ``user`` and ``uid`` it runs as, the ``host`` and the ``created`` epoch seconds.
-    A run joins only a directory that holds it."""
+    """``SPOOL/service.json``, written by the service when it creates the spool and after every cycle: ``kind``
+    (always :data:`SPOOL_KIND`), the Unix ``user`` and ``uid`` it runs as, its ``host`` and ``pid``, the ``created``
+    epoch seconds and ``cycle_ts``, the epoch seconds of its last cycle (0: none yet). A run joins only a directory
+    that holds it."""
 
     kind: str
     user: str
     uid: int
     host: str
     created: float
+    pid: int = 0
+    cycle_ts: float = 0.0
+
+
+class SpoolBusy(BadInput, RuntimeError):
+    """Another harvest service already serves this spool (two would split the GPUs and cancel jobs twice)."""
 
 
 SPOOL_KIND = "rlboost-harvest-spool"
@@ -160,12 +170,11 @@ class HarvestSpool:
         self.marker = self.root / "service.json"
         self.demands = self.root / "demands"
         self.shares = self.root / "shares"
+        self._lock: int | None = None  # the service's lock on SPOOL/service.lock while it serves
 
     def create(self) -> "HarvestSpool":
         """Make both directories (demands/ mode 1777 — writable by every run, sticky; shares/ 0755) and the
         marker (rewritten at every start: who serves it now). Returns self. Raises OSError."""
-        import socket
-
         self.demands.mkdir(parents=True, exist_ok=True)
         self.shares.mkdir(parents=True, exist_ok=True)
         try:
@@ -174,10 +183,36 @@ class HarvestSpool:
         except PermissionError:  # not ours to change (the admin set it up): keep what is there
             pass
         uid = os.getuid()
-        write_json_atomic(self.marker, msgspec.to_builtins(SpoolMarker(
-            kind=SPOOL_KIND, user=_user_name(uid), uid=uid, host=socket.gethostname(), created=time.time())))
-        os.chmod(self.marker, 0o644)
+        self._marker = SpoolMarker(kind=SPOOL_KIND, user=_user_name(uid), uid=uid, host=socket.gethostname(),
+                                   created=time.time(), pid=os.getpid())
+        self.beat(0.0)
         return self
+
+    def claim(self) -> "HarvestSpool":
+        """Take the spool for this process (an exclusive ``flock`` on ``SPOOL/service.lock``, held until the process
+        exits). Returns self. Raises :class:`SpoolBusy` naming the holder when another service holds it, OSError when
+        the lock file cannot be made."""
+        import fcntl
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / "service.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise SpoolBusy(f"{self.root}: another harvest service (pid {holder}) serves this spool; stop it first "
+                            "(two services would split the GPUs and cancel jobs twice)") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()} on {socket.gethostname()}\n".encode())
+        self._lock = fd
+        return self
+
+    def beat(self, cycle_ts: float) -> None:
+        """Rewrite the marker with the time of the service's last cycle (epoch s). Raises OSError."""
+        self._marker = msgspec.structs.replace(self._marker, cycle_ts=cycle_ts)
+        write_json_atomic(self.marker, msgspec.to_builtins(self._marker))
+        os.chmod(self.marker, 0o644)
 
     def require(self) -> SpoolMarker:
         """The spool's marker. Raises :class:`NotASpool` (exit 2, naming the directory) when ``root`` is not a
@@ -493,7 +528,8 @@ class HarvestService:
         """Run cycles every ``poll_s`` until :meth:`stop` (or ``max_cycles``); each cycle's result goes to the
         log (as JSON to ``status_path``; to ``metrics``, a :class:`scavenger.metrics.HarvestMetrics`). Returns 0."""
         self.spool.create()
-        last_report = float("-inf")
+        last_report = last_said_at = float("-inf")
+        last_said: tuple | None = None
         while not self._stop.is_set():
             res = self.run_cycle()
             if metrics is not None:
@@ -507,8 +543,16 @@ class HarvestService:
             if not res.ok:
                 log.warning("harvest: cycle %d: %s (shares unchanged)", res.cycle, res.error)
             else:
-                log.info("harvest: cycle %d pool %d GPUs (idle %d, held %d%s) shares %s", res.cycle, res.pool_gpus,
-                         res.idle_gpus, res.held_gpus, ", blackout" if res.blackout else "", res.shares)
+                try:
+                    self.spool.beat(time.time())
+                except OSError as e:
+                    log.warning("harvest: cannot write %s: %s", self.spool.marker, e)
+                said = (res.pool_gpus, res.blackout, tuple(sorted(res.shares.items())))
+                if said != last_said or self.clock() - last_said_at >= SAY_EVERY_S:  # a line per change, not cycle
+                    last_said, last_said_at = said, self.clock()
+                    log.info("harvest: cycle %d pool %d GPUs (idle %d, held %d%s) shares %s", res.cycle,
+                             res.pool_gpus, res.idle_gpus, res.held_gpus, ", blackout" if res.blackout else "",
+                             res.shares)
             if status_path is not None:
                 try:
                     write_json_atomic(status_path, msgspec.to_builtins(res))

@@ -28,10 +28,10 @@ __all__ = ["harvest_main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    from rlboost_hpc.clihelp import DefaultsHelpFormatter
+    from rlboost_hpc.clihelp import DefaultsHelpFormatter, StrictParser
 
-    p = argparse.ArgumentParser(prog="rlboost-hpc harvest", description=__doc__.splitlines()[0],
-                                formatter_class=DefaultsHelpFormatter)
+    p = StrictParser(prog="rlboost-hpc harvest", description=__doc__.splitlines()[0],
+                     formatter_class=DefaultsHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     c = sub.add_parser("check", help="say, per partition, whether and how rollout jobs can harvest it",
                        formatter_class=DefaultsHelpFormatter)
@@ -106,7 +106,7 @@ def _report(a: argparse.Namespace) -> int:
 
 def _serve(a: argparse.Namespace) -> int:
     from rlboost_hpc.observe.logs import setup_logging
-    from scavenger.harvest import HarvestService
+    from scavenger.harvest import HarvestService, HarvestSpool, SpoolBusy
     from scavenger.harvest_policy import HarvestPolicyError, load_site_policy, unknown_names
     from scavenger.slurm import SlurmClient, SlurmCommandError
 
@@ -116,6 +116,15 @@ def _serve(a: argparse.Namespace) -> int:
         print(f"rlboost-hpc harvest serve: {e}", file=sys.stderr)
         return 2
     setup_logging("harvest", level=a.log_level)
+    spool = HarvestSpool(policy.spool_dir)
+    try:  # first of all: one service per spool
+        spool.claim()
+    except SpoolBusy as e:
+        print(f"rlboost-hpc harvest serve: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"rlboost-hpc harvest serve: spool_dir {policy.spool_dir}: {e}", file=sys.stderr)
+        return 2
     client = SlurmClient(timeout_s=policy.command_timeout_s)
     try:  # a policy naming what Slurm does not know would harvest nothing there, silently: refuse it
         problems = unknown_names(policy, client.partition_names(), client.accounting_names("qos"),
@@ -127,9 +136,9 @@ def _serve(a: argparse.Namespace) -> int:
         where = a.policy or "the default site policy"
         print("\n".join(f"rlboost-hpc harvest serve: {where}: {x}" for x in problems), file=sys.stderr)
         return 2
-    service = HarvestService(policy, client)
+    service = HarvestService(policy, client, spool=spool)
     try:
-        service.spool.create()
+        spool.create()
     except OSError as e:
         print(f"rlboost-hpc harvest serve: spool_dir {policy.spool_dir}: {e}", file=sys.stderr)
         return 2
@@ -137,8 +146,14 @@ def _serve(a: argparse.Namespace) -> int:
         res = service.run_cycle()
         print(json.dumps(msgspec.to_builtins(res)))
         return 0 if res.ok else 1
+    def on_signal(signum: int, _frame: object) -> None:
+        logging.getLogger("scavenger.harvest").info("harvest: %s received; stopping after this cycle (the runs keep "
+                                                    "their jobs and submit nothing new until a service is back)",
+                                                    signal.Signals(signum).name)
+        service.stop()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: service.stop())
+        signal.signal(sig, on_signal)
     metrics = None
     if a.metrics_port is not None:
         from rlboost_hpc.observe.metrics import serve_metrics

@@ -324,3 +324,29 @@ def test_the_service_splits_by_the_policys_share_rule(tmp_path):
     for rid, n in (("a", 12), ("b", 12), ("c", 10), ("new", 1)):
         svc.spool.post_demand(DemandFile(rid, f"rlboost:{rid}@0", instances=n, ts=1.0))
     assert svc.run_cycle().shares == {"a": 5, "b": 5, "c": 4, "new": 0}
+
+
+def test_a_second_service_on_the_same_spool_is_refused(tmp_path):
+    """A new user's finding (issue 45): a second `harvest serve` on one spool ran beside the first, both splitting the
+    GPUs and cancelling jobs. The spool is claimed (a lock held for the service's life); the second is exit 2."""
+    from scavenger.harvest import SpoolBusy
+
+    first = HarvestSpool(tmp_path / "spool").claim().create()
+    with pytest.raises(SpoolBusy, match=f"another harvest service \\(pid {os.getpid()} on"):
+        HarvestSpool(tmp_path / "spool").claim()
+    p = subprocess.run([sys.executable, "-m", "rlboost_hpc.cli", "harvest", "serve", "--spool", str(first.root),
+                        "--once"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "another harvest service" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_joining_the_spool_of_a_stopped_service_warns_and_abbreviated_flags_are_refused(tmp_path):
+    spool = HarvestSpool(tmp_path / "spool").create()
+    spool.beat(1.0)  # its last cycle: long ago
+    run_dir = tmp_path / "r1"
+    run_dir.mkdir()
+    cmd = [sys.executable, "-m", "rlboost_hpc.cli", "scavenger", str(run_dir), "--check", "--harvest-dir",
+           str(spool.root)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "has run no cycle for" in p.stderr and "is it stopped?" in p.stderr, p.stderr
+    p = subprocess.run([*cmd, "--max-job", "2"], capture_output=True, text=True, timeout=60)  # not --max-jobs
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "unrecognized arguments: --max-job 2" in p.stderr
