@@ -61,8 +61,8 @@ def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, ta
 
     Args:
         tokenizer: a :class:`~rlboost_hpc.models.hf_dir.PolicyTokenizer` (prompt ids, stop ids, decoding).
-        score: rewards of ``(prompt, text)`` pairs (the run's ``RewardPool.score``; inline ``task.reward`` when
-            ``None``).
+        score: rewards of ``(prompt, text)`` pairs given also their token ids (the run's ``RewardPool.score``;
+            inline ``task.reward`` when ``None``).
         turns: multi-turn trajectories with tool calls (:class:`TurnSettings`); None: single-turn responses. The
             reward reads a trajectory's final assistant turn.
 
@@ -113,10 +113,11 @@ def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, ta
                 t.turn += 1
                 t.turn_start = len(t.ids)
                 active[rid] = t
-    texts = {rid: tokenizer.decode(strip_stop(t.ids[t.turn_start:], stop_ids)) for rid, t in trajs.items()}
+    final = {rid: strip_stop(t.ids[t.turn_start:], stop_ids) for rid, t in trajs.items()}  # the reward's ids
+    texts = {rid: tokenizer.decode(ids) for rid, ids in final.items()}
     rids = list(trajs)
-    scored = (score or (lambda items: [task.reward(p, t) for p, t in items]))(
-        [(meta[rid][0], texts[rid]) for rid in rids])
+    items = [(meta[rid][0], texts[rid]) for rid in rids]
+    scored = score(items, [final[rid] for rid in rids]) if score else [task.reward(p, t) for p, t in items]
     reward_of = dict(zip(rids, scored))
     sampled, greedy_r, rep, examples, drawn = [], [], [], [], []
     for rid, t in trajs.items():
