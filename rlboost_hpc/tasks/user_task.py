@@ -119,6 +119,12 @@ class UserTask(Task):
             train = train[: c.train_prompts]
         self._train, self._heldout = train, held[: c.heldout_prompts]
         self.components = self._components()
+        if c.tools:
+            from rlboost_hpc.tasks.tools import ToolSyntax
+            from rlboost_hpc.tasks.user_tools import load_tools, tool_preamble
+
+            self.tool_schemas = [schema for _, _, schema in load_tools(c.tools)]
+            self.tool_preamble = tool_preamble(self.tool_schemas, ToolSyntax(c.tool_call_open, c.tool_call_close))
         return self
 
     def _check_prompt_column(self, table: PromptTable, key: str) -> None:

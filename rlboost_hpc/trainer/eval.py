@@ -52,10 +52,21 @@ class _Trajectory:
     turn_start: int = 0
 
 
+def _score(trajs: dict[str, "_Trajectory"], meta: dict, tokenizer, task: Task,
+           score: Callable[..., list[float]] | None) -> tuple[dict[str, str], dict[str, float]]:
+    """The text each trajectory's reward reads (its final assistant turn, stop token left out) and its reward:
+    ``score(items, token_ids)`` (the run's reward pool) or ``task.reward`` inline."""
+    final = {rid: strip_stop(t.ids[t.turn_start:], tokenizer.stop_ids) for rid, t in trajs.items()}
+    texts = {rid: tokenizer.decode(ids) for rid, ids in final.items()}
+    items = [(meta[rid][0], texts[rid]) for rid in trajs]
+    scored = score(items, [final[rid] for rid in trajs]) if score else [task.reward(p, t) for p, t in items]
+    return texts, dict(zip(trajs, scored))
+
+
 def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, task: Task, *,
              samples: int, max_new_tokens: int, temperature: float, top_p: float, base_seed: int = 12345,
              device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-             score: Callable[[list[tuple[Any, str]]], list[float]] | None = None,
+             score: Callable[..., list[float]] | None = None,
              turns: TurnSettings | None = None) -> dict:
     """Mean reward over held-out prompts (``samples`` sampled responses each, plus one greedy).
 
@@ -113,12 +124,7 @@ def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, ta
                 t.turn += 1
                 t.turn_start = len(t.ids)
                 active[rid] = t
-    final = {rid: strip_stop(t.ids[t.turn_start:], stop_ids) for rid, t in trajs.items()}  # the reward's ids
-    texts = {rid: tokenizer.decode(ids) for rid, ids in final.items()}
-    rids = list(trajs)
-    items = [(meta[rid][0], texts[rid]) for rid in rids]
-    scored = score(items, [final[rid] for rid in rids]) if score else [task.reward(p, t) for p, t in items]
-    reward_of = dict(zip(rids, scored))
+    texts, reward_of = _score(trajs, meta, tokenizer, task, score)
     sampled, greedy_r, rep, examples, drawn = [], [], [], [], []
     for rid, t in trajs.items():
         p, greedy = meta[rid]
