@@ -270,10 +270,10 @@ class ColumnStats:
                                              "longest": []})
             bad = pc.is_null(col).to_numpy(zero_copy_only=False)
             st["nulls"] += int(bad.sum())
-            if pa.types.is_string(col.type) or pa.types.is_large_string(col.type) or pa.types.is_list(col.type) \
-                    or pa.types.is_large_list(col.type):
-                length = pc.fill_null(pc.utf8_length(col) if "string" in str(col.type)
-                                      else pc.list_value_length(col), 1).to_numpy(zero_copy_only=False)
+            is_text = pa.types.is_string(col.type) or pa.types.is_large_string(col.type)
+            if is_text or pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+                length = pc.fill_null(pc.utf8_length(col) if is_text else pc.list_value_length(col),
+                                      1).to_numpy(zero_copy_only=False)
                 empty = length == 0
                 st["empty"] += int(empty.sum())
                 bad = bad | empty

@@ -57,8 +57,12 @@ def load_tools(refs: Sequence[str], key: str = "task.tools") -> list[tuple[str, 
 
 
 def tool_preamble(schemas: Sequence[dict], syntax: ToolSyntax) -> str:
-    """The plain-text instruction naming the tools and the call syntax (prompts without a chat template)."""
-    lines = [f"You can call these tools. To call one, write {syntax.call_open}{{\"name\": <tool>, \"arguments\": "
-             f"{{...}}}}{syntax.call_close} and stop; its result comes back to you."]
-    lines += [json.dumps(s["function"]) for s in schemas]
+    """The plain-text instruction naming the tools and the call syntax (prompts without a chat template): one line
+    per tool, ``name(arg: type, ...): description``, then how to call one."""
+    lines = ["Tools:"]
+    for s in schemas:
+        f = s["function"]
+        args = ", ".join(f"{k}: {v.get('type', 'any')}" for k, v in f.get("parameters", {}).get("properties", {}).items())
+        lines.append(f"{f['name']}({args}): {f.get('description', '')}")
+    lines.append(f'To call one, write {syntax.call_open}{{"name": ..., "arguments": {{...}}}}{syntax.call_close}')
     return "\n".join(lines)
