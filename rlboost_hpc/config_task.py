@@ -1,5 +1,5 @@
 """The ``[task]`` table of the run's configuration: a built-in task or your own (data set, reward functions, a reward
-model behind HTTP, tools, an environment), and the strict base every table of the configuration uses.
+model behind HTTP, tools), and the strict base every table of the configuration uses.
 
 Invariants: as for the whole configuration (``rlboost_hpc/config.py``), unknown keys are errors at every level and
 every number carries its unit; the keys of your own task are checked against each other here (a reward without a
@@ -121,28 +121,20 @@ class TaskCfg(_Strict):
         "your tools (multi-turn, task.max_turns > 1): plain Python functions 'module:function' / "
         "'file.py:function' whose type hints and docstring make the JSON schema the chat template gets (tools=); "
         "called in the tool processes under task.tool_timeout_s"))
-    environment: str | None = Field(None, description=(
-        "a stateful multi-turn environment class 'module:Class' / 'file.py:Class' with reset(row) -> str and "
-        "step(assistant_turn) -> (observation, reward, done); one per trajectory, in the trainer's allocation, "
-        "rebuilt from the journal after a crash"))
 
     @model_validator(mode="after")
     def _own_task(self) -> "TaskCfg":
-        own = bool(self.reward_functions or self.reward_model or self.tools or self.environment)
+        own = bool(self.reward_functions or self.reward_model or self.tools)
         if own and not self.dataset:
-            raise ValueError("task.reward_functions, task.reward_model, task.tools and task.environment need "
-                             "task.dataset (your prompts)")
-        if self.dataset and not (self.reward_functions or self.reward_model or self.environment):
-            raise ValueError("task.dataset needs a reward: task.reward_functions, task.reward_model or "
-                             "task.environment")
+            raise ValueError("task.reward_functions, task.reward_model and task.tools need task.dataset (your prompts)")
+        if self.dataset and not (self.reward_functions or self.reward_model):
+            raise ValueError("task.dataset needs a reward: task.reward_functions or task.reward_model")
         n = len(self.reward_functions) + (self.reward_model is not None)
         if self.reward_weights is not None and len(self.reward_weights) != n:
             raise ValueError(f"task.reward_weights has {len(self.reward_weights)} weights for {n} reward terms "
                              "(the functions, then the reward model)")
-        if (self.tools or self.environment) and self.max_turns == 1:
-            raise ValueError("task.tools and task.environment are multi-turn: set task.max_turns > 1")
-        if self.tools and self.environment:
-            raise ValueError("task.tools and task.environment are exclusive (an environment answers every turn)")
+        if self.tools and self.max_turns == 1:
+            raise ValueError("task.tools are multi-turn: set task.max_turns > 1")
         return self
 
 
@@ -160,13 +152,13 @@ def _anchored(value: str, base: Path | None) -> str:
 
 
 def anchor_task_paths(data: dict[str, Any], base: Path | None) -> None:
-    """Make ``task.dataset``, ``task.heldout_dataset`` and the files of ``task.reward_functions``, ``task.tools`` and
-    ``task.environment`` absolute (:func:`_anchored`), so a config beside its data works from any directory and the
-    run directory records where they were."""
+    """Make ``task.dataset``, ``task.heldout_dataset`` and the files of ``task.reward_functions`` and ``task.tools``
+    absolute (:func:`_anchored`), so a config beside its data works from any directory and the run directory records
+    where they were."""
     task = data.get("task")
     if not isinstance(task, dict):
         return
-    for k in ("dataset", "heldout_dataset", "environment"):
+    for k in ("dataset", "heldout_dataset"):
         if isinstance(task.get(k), str):
             task[k] = _anchored(task[k], base)
     for k in ("reward_functions", "tools"):

@@ -346,8 +346,7 @@ def test_task_check_passes_the_gsm8k_example_and_names_what_is_wrong_with_bad_ta
     assert "task check: OK" in ok.stdout and "prompt tokens:" in ok.stdout and "reward correct" in ok.stdout
     data = _jsonl(tmp / "d.jsonl", _rows())
     base = ["task", "check", "--config", "configs/local.toml", "--set", cache, "--set", f"task.dataset='{data}'"]
-    for fn, why in [("raises", "reward raises"), ("nan", "not a finite number"), ("hangs", "ran past 2 s"),
-                    ("bad_signature", "unusable signature")]:
+    for fn, why in [("raises", "reward raises"), ("hangs", "ran past 2 s")]:
         p = _cli(*base, "--set", f"task.reward_functions=['{tmp / 'rewards.py'}:{fn}']", "--set",
                  "task.reward_timeout_s=2")
         assert p.returncode == 2 and why in p.stderr and "Traceback" not in p.stderr, (fn, p.stderr[-2000:])

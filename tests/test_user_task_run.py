@@ -69,9 +69,9 @@ def test_the_gsm8k_jsonl_example_gives_the_builtin_tasks_prompts_rewards_and_fir
     # the same first steps (the reserved engine only: sampling is then a function of the seeds alone)
     common = ["trainer.steps=2", "trainer.export_model=false", "cluster.max_workers=0", "trainer.eval_samples=1"]
     a = _run(tmp_path / "builtin", REPO / "configs/local.toml", *common, "task.name=gsm8k", "task.train_prompts=256",
-             "task.heldout_prompts=32")
+             "task.heldout_prompts=8")
     assert a.returncode == 0, a.stderr[-3000:]
-    b = _run(tmp_path / "user", EXAMPLE, *common, cache, *only_correct)
+    b = _run(tmp_path / "user", EXAMPLE, *common, cache, *only_correct, "task.heldout_prompts=8")
     assert b.returncode == 0, b.stderr[-3000:]
     keys = ("step", "reward_mean", "response_len_mean", "tokens", "responses", "turns_mean", "truncated_share")
     ma, mb = _metrics(tmp_path / "builtin"), _metrics(tmp_path / "user")
@@ -111,16 +111,16 @@ def test_a_user_task_with_two_reward_functions_and_a_judge_trains_on_the_local_c
     try:
         port = int(judge.stdout.readline().split()[1])
         sets = [f"task.dataset='{data}'", f"task.dataset_cache_dir='{tmp_path / 'cache'}'",
-                "task.heldout_fraction=0.25", "task.heldout_prompts=16",
+                "task.heldout_fraction=0.25", "task.heldout_prompts=8",
                 f"task.reward_functions=['{tmp_path}/rewards.py:has_quote', '{tmp_path}/rewards.py:compute_score']",
                 "task.reward_weights=[0.5, 0.25, 0.25]", f"task.reward_model.url='http://127.0.0.1:{port}/v1/chat/completions'",
-                "task.reward_model.api_key_env='JUDGE_KEY'", "trainer.steps=4", "trainer.export_model=false",
+                "task.reward_model.api_key_env='JUDGE_KEY'", "trainer.steps=3", "trainer.export_model=false",
                 "cluster.preempt_when_busy=true"]
         env = {"JUDGE_KEY": "k3y", "RLBOOST_TEST_MARKER": str(marker)}
         p = _run(tmp_path / "run", REPO / "configs/local.toml", *sets, env=env)
         assert p.returncode == 0, p.stderr[-3000:]
         rep = json.loads((tmp_path / "run/report.json").read_text())
-        assert rep["steps"] == 4 and rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0
+        assert rep["steps"] == 3 and rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0
         assert rep["tokens_trained_off_version"] == 0 and rep["prompts_not_trained_exactly_once"] == 0
         funcs = rep["reward_functions"]
         assert set(funcs) == {"has_quote", "compute_score", "reward_model"}
@@ -134,7 +134,7 @@ def test_a_user_task_with_two_reward_functions_and_a_judge_trains_on_the_local_c
         assert rep["worker_starts"] >= 2  # (rollout workers did run)
         # the prompt file changes: resuming against it is refused, naming it
         data.write_text(data.read_text() + json.dumps({**rows[0], "prompt": "A new opening"}) + "\n")
-        p = _run(tmp_path / "run", REPO / "configs/local.toml", *sets[:-3], "trainer.steps=6",
+        p = _run(tmp_path / "run", REPO / "configs/local.toml", *sets[:-3], "trainer.steps=5",
                  "trainer.export_model=false", env=env)
         assert p.returncode == 2 and "task.dataset" in p.stderr and str(data) in p.stderr, p.stderr[-2000:]
         assert "Traceback" not in p.stderr
@@ -157,7 +157,8 @@ def test_the_tools_example_runs_its_two_tools_in_the_tool_processes(tmp_path, st
     assert step('{"name": "dictionary", "arguments": {"word": "Castle"}}.').text.startswith("a large stone house")
     assert step('{"name": "count_letters", "arguments": {"word": "banana", "letter": "a"}}.').text == "3"
     p = _run(tmp_path / "run", ex / "config.toml", f"task.dataset_cache_dir='{tmp_path / 'cache'}'",
-             "trainer.steps=2", "trainer.export_model=false", "task.heldout_prompts=4")
+             "trainer.steps=2", "trainer.export_model=false", "task.heldout_prompts=2", "trainer.eval_samples=1",
+             "rollout.max_new_tokens=16")
     assert p.returncode == 0, p.stderr[-3000:]
     rep = json.loads((tmp_path / "run/report.json").read_text())
     assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0 and rep["environment_calls"] > 0

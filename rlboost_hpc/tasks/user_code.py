@@ -4,7 +4,8 @@ Invariants: a reference that cannot be used — a module that fails to import, a
 module lacks, something that is not callable — is a :class:`UserCodeError` (exit 2) naming the config key, the
 reference and the cause in one line; the user's traceback is never shown. A file is imported under a module name
 derived from its absolute path (two files of the same name never collide), with its directory on ``sys.path`` (so
-it imports its neighbours), once per process.
+it imports its neighbours), once per process; a module not found on ``sys.path`` is looked for in the working
+directory too (where a user's package sits beside the command; processes started later inherit the path).
 """
 from __future__ import annotations
 
@@ -61,6 +62,12 @@ def _import(where: str, key: str, ref: str) -> Any:
         return module
     try:
         return importlib.import_module(where)
+    except ModuleNotFoundError as e:
+        cwd = str(Path.cwd())
+        if e.name != where.split(".")[0] or cwd in sys.path:
+            raise UserCodeError(f"{key} = {ref!r}: importing {where} failed: {_cause(e)}") from None
+        sys.path.insert(0, cwd)  # a package beside the command (the console script's path does not hold it)
+        return _import(where, key, ref)
     except BaseException as e:  # noqa: BLE001 - the user's import error, reported in one line
         raise UserCodeError(f"{key} = {ref!r}: importing {where} failed: {_cause(e)}") from None
 

@@ -74,7 +74,7 @@ class UserTask(Task):
 
     Raises (from :meth:`load`):
         DatasetError: an unreadable data set, a missing or wrongly typed prompt column, an empty prompt, no rows.
-        UserCodeError: a reward function, tool or environment that cannot be imported or has an unusable signature.
+        UserCodeError: a reward function or tool that cannot be imported or has an unusable signature.
         BadInput: a judge template naming no column, an unset API-key variable.
     """
 
