@@ -5,8 +5,10 @@ is loaded as a run's trainer loads it — ``UserTask.load`` (read once into a me
 content-hash ids, in a child process; the held-out split drawn from the ids), the data frontier over the training
 split, and the first 8 steps' prompts (64 rows) read and tokenised with stories260K's tokenizer — each in a fresh
 process, twice: cold (no prepared copy yet) and warm (the prepared copy reused, as on a requeue or resume). Printed
-side by side: start-up seconds, the trainer's resident memory after start-up and its peak (VmRSS, VmHWM; the
-baseline's figures include the same imports), and the peak of the child that prepared the file. Goal: < 10 s and
+side by side: start-up seconds, the trainer's resident memory after start-up — split into its private (anonymous)
+memory and the mapped pages of the prepared file (page cache, shared and reclaimable; the kernel maps whole large
+folios, ~2 MB, around each row read) — and its peak (VmRSS, RssAnon, RssFile, VmHWM; the baseline's figures include
+the same imports), and the peak of the child that prepared the file. Goal: < 10 s and
 < 300 MB over the small-file baseline.
 
     python benchmarks/bench_user_dataset.py [--rows 1000000] [--dir /tmp/bench_user_dataset]
@@ -56,9 +58,10 @@ def measure(data: str, cache: str) -> dict:
     ids = [task.prompt_ids(p, tok) for p in frontier.take(64)]
     secs = time.perf_counter() - t0
     status = Path("/proc/self/status").read_text()
-    kb = {k: int(status.split(k + ":")[1].split()[0]) for k in ("VmRSS", "VmHWM")}
+    kb = {k: int(status.split(k + ":")[1].split()[0]) for k in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
     child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     return {"rows": len(task.table), "start_s": secs, "rss_mb": kb["VmRSS"] / 1024, "peak_mb": kb["VmHWM"] / 1024,
+            "anon_mb": kb["RssAnon"] / 1024, "file_mb": kb["RssFile"] / 1024,
             "child_peak_mb": child / 1024, "prompt_tokens_mean": sum(map(len, ids)) / len(ids)}
 
 
@@ -96,6 +99,8 @@ def main() -> None:
     print(f"{'file (MB)':34}{s['file_mb']:>22.1f}{g['file_mb']:>24.1f}")
     for run in ("cold", "warm"):
         for key, label, unit in (("start_s", "start-up", "s"), ("rss_mb", "trainer RSS after start-up", "MB"),
+                                 ("anon_mb", "  of which private (anon)", "MB"),
+                                 ("file_mb", "  of which mapped file pages", "MB"),
                                  ("peak_mb", "trainer peak RSS", "MB"), ("child_peak_mb", "preparing child's peak", "MB")):
             if run == "warm" and key == "child_peak_mb":
                 continue

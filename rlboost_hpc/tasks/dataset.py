@@ -440,7 +440,8 @@ class PromptTable:
 
     def hashes(self) -> np.ndarray:
         """Every row's 64-bit content hash (``uint64``, one per row, file order)."""
-        return self._table.column(HASH_COLUMN).to_numpy()
+        chunks = self._table.column(HASH_COLUMN).chunks  # per chunk: ChunkedArray.to_numpy would import pandas
+        return np.concatenate([c.to_numpy(zero_copy_only=False) for c in chunks]) if chunks else np.zeros(0, np.uint64)
 
     def pid(self, i: int) -> str:
         """The id of row ``i``."""
