@@ -11,8 +11,8 @@ Invariants:
   and touches only the rows it takes. A prepared file is reused as long as the source's fingerprint is the same.
 - A prompt's id is a hash of its row's content (:func:`row_ids`: every column, by name, order-independent —
   xxh3-128 of a canonical encoding built column-wise by Arrow kernels), so an appended or reshuffled file keeps
-  every id. Rows whose content repeats an earlier row are dropped (the first one stays) and counted
-  (:attr:`PromptTable.duplicates`): ids are unique.
+  every id. Rows whose content repeats an earlier row (equal 64-bit content hashes: a chance collision is ~1e-8 at
+  a million rows) are dropped (the first one stays) and counted (:attr:`PromptTable.duplicates`): ids are unique.
 - The fingerprint (:func:`fingerprint`) is the xxh3-128 of the source's bytes (a directory: of its files' names
   and bytes; a ``load_dataset`` source: the ``datasets`` library's own fingerprint). A checkpoint records it, so a
   resume against a changed file is refused.
@@ -171,10 +171,10 @@ def row_ids(batch) -> tuple[Any, np.ndarray]:
     names = sorted(batch.schema.names)
     cols = [_join(f"{nm}=", _canonical(batch.column(nm))) for nm in names]
     joined = _join(*cols, sep="\x1d") if cols else pa.array([""] * n, pa.large_string())
-    offs = np.frombuffer(joined.buffers()[1], dtype=np.int64)[joined.offset: joined.offset + n + 1]
+    offs = np.frombuffer(joined.buffers()[1], dtype=np.int64)[joined.offset: joined.offset + n + 1].tolist()
     data = memoryview(joined.buffers()[2]) if joined.buffers()[2] is not None else memoryview(b"")
     digest = xxhash.xxh3_128_digest
-    raw = b"".join(digest(data[offs[i]:offs[i + 1]]) for i in range(n))
+    raw = b"".join([digest(data[a:b]) for a, b in zip(offs, offs[1:])])
     d = np.frombuffer(raw, dtype=np.uint8).reshape(n, 16)
     hexd = np.frombuffer(raw.hex().encode(), dtype=np.uint8).reshape(n, 32)[:, :24].copy()
     pids = pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(np.arange(0, 24 * n + 1, 24, dtype=np.int32)),
@@ -287,6 +287,20 @@ class ColumnStats:
                 st["longest"] = sorted(merged, key=lambda x: -x[0])[:LONGEST_KEPT]
 
 
+def _first_occurrences(hashes: np.ndarray, seen: np.ndarray) -> np.ndarray:
+    """Which of ``hashes`` (``uint64``) occur neither earlier in the array nor in ``seen`` (sorted): sort-based."""
+    order = np.argsort(hashes, kind="stable")
+    ordered = hashes[order]
+    first = np.ones(len(hashes), dtype=bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    keep = np.zeros(len(hashes), dtype=bool)
+    keep[order[first]] = True
+    if len(seen):
+        at = np.minimum(np.searchsorted(seen, hashes), len(seen) - 1)
+        keep &= seen[at] != hashes
+    return keep
+
+
 def _prepare_here(src: DatasetSource, fp: str | None, cache_dir: Path) -> tuple[str, int, int]:
     """Write the prepared file (the child's work); returns ``(path, rows, duplicates)``."""
     import json
@@ -301,7 +315,7 @@ def _prepare_here(src: DatasetSource, fp: str | None, cache_dir: Path) -> tuple[
         return str(out), int(meta["rows"]), int(meta["duplicates"])
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = cache_dir / f".{out.name}.{os.getpid()}.tmp"
-    seen: set[bytes] = set()
+    seen = np.zeros(0, dtype=np.uint64)  # the 64-bit content hashes kept so far, sorted
     rows = dups = kept = 0
     writer = schema = None
     stats = ColumnStats()
@@ -312,12 +326,8 @@ def _prepare_here(src: DatasetSource, fp: str | None, cache_dir: Path) -> tuple[
             if any(n.startswith("__rlboost") for n in b.schema.names):
                 raise DatasetError(f"{src.key} = {src.spec}: column names starting with __rlboost are reserved")
             pids, hashes = row_ids(b)
-            keep = np.ones(b.num_rows, dtype=bool)
-            for i, p in enumerate(pids.to_pylist()):
-                if p in seen:
-                    keep[i] = False
-                else:
-                    seen.add(p)
+            keep = _first_occurrences(hashes, seen)
+            seen = np.sort(np.concatenate([seen, np.sort(hashes[keep])]), kind="stable")  # two sorted runs: a merge
             source_rows = rows + np.flatnonzero(keep)
             rows += b.num_rows
             dups += int((~keep).sum())
