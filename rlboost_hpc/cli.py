@@ -1,4 +1,5 @@
-"""``rlboost-hpc`` command line: ``run`` (the main job), ``worker``, ``scavenger``, ``stats``, ``simulate``.
+"""``rlboost-hpc`` command line: ``run`` (the main job), ``task check``, ``worker``, ``scavenger``, ``stats``,
+``simulate``.
 
 Exit codes: 0 success; 1 the run failed (rollout unrecoverable, a service died: :class:`~rlboost_hpc.errors.RunFailed`);
 2 bad usage, config or input file (:class:`~rlboost_hpc.errors.BadInput`).
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                   "chaos_main"),
         "launch": ("submit a run to Slurm: the trainer job and the scavenger (sbatch/launch)", "rlboost_hpc.launch",
                    "launch_main"),
+        "task": ("`task check --config X`: dry-run your own task (data, prompts, rewards, tools)",
+                 "rlboost_hpc.tasks.check", "task_main"),
         "harvest": ("for cluster admins: `harvest check` (can it be harvested), `harvest serve` (the service)",
                     "scavenger.harvest_cli", "harvest_main"),
     }

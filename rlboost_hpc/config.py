@@ -12,13 +12,11 @@ from typing import Any, Literal
 
 from rlboost_hpc import defaults as D
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
+from rlboost_hpc.config_task import (  # noqa: F401 - the task's tables are part of the run's config
+    RewardModelCfg, TaskCfg, _Strict, anchor_task_paths)
 from rlboost_hpc.errors import BadInput
 from rlboost_hpc.paths import ShippedFileMissing, shipped
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class ModelCfg(_Strict):
@@ -38,45 +36,6 @@ class ModelCfg(_Strict):
         if isinstance(data, dict) and "hf_dir" in data:
             raise ValueError("model.hf_dir was renamed: use model.path (a Hugging Face model directory)")
         return data
-
-
-class TaskCfg(_Strict):
-    """The RL task (prompt set + verifiable reward)."""
-
-    name: str = Field("stories", description=(
-        "the task: stories (the stories260K demo), gsm8k, gsm8k_tools (GSM8K with a calculator), math500"))
-    train_prompts: int = Field(64, ge=1, description="prompts of the training set (the data frontier cycles them)")
-    heldout_prompts: int = Field(32, ge=1, description="prompts of the held-out evaluation before and after training")
-    chat_template: Literal["auto", "on", "off"] = Field("auto", description=(
-        "render prompts through the tokenizer's chat template (one user message + generation prompt): auto = "
-        "when the tokenizer has one (instruct models), on = require one, off = plain prompt text"))
-    reward_timeout_s: float = Field(5.0, gt=0, description=(
-        "deadline of one answer's reward, seconds: a reward past it (e.g. SymPy on a runaway expression) scores 0, "
-        "is counted (rewards_timed_out) and its worker process is replaced"))
-    reward_workers: int = Field(1, ge=1, description="processes that compute rewards (persistent across steps)")
-    max_turns: int = Field(1, ge=1, description=(
-        "assistant turns per trajectory: 1 = single-turn responses; > 1 = multi-turn tool use: a turn that ends "
-        "with tool_call_close is a tool call, answered by the tool (in the trainer's allocation, never on a "
-        "preemptible instance) with an observation the next turn continues from"))
-    max_trajectory_tokens: int = Field(0, ge=0, description=(
-        "tokens after the prompt in a trajectory, turns and observations together (0 = max_turns × "
-        "rollout.max_new_tokens); rollout.max_new_tokens bounds each turn"))
-    tool: Literal["calculator"] = Field("calculator", description=(
-        "the tool of multi-turn tasks: calculator = arithmetic by the simpleeval library (never eval)"))
-    tool_call_open: str = Field("<tool_call>", description=(
-        "text that opens a tool call in an assistant turn (\"\" = the whole turn is the call); the payload is JSON "
-        "{\"name\": \"calculator\", \"arguments\": {\"expression\": ...}} or the bare expression"))
-    tool_call_close: str = Field("</tool_call>", min_length=1, description=(
-        "text that ends a tool call and the turn: must be one token of the policy's tokenizer (a stop id of "
-        "every turn); a turn that ends otherwise ends the trajectory"))
-    tool_timeout_s: float = Field(5.0, gt=0, description=(
-        "deadline of one tool call, seconds: past it the call's worker is killed and replaced, and the "
-        "trajectory continues from an error observation (counted: environment_timeouts)"))
-    tool_workers: int = Field(1, ge=1, description="processes that run tool calls (persistent across steps)")
-    max_observation_tokens: int = Field(64, ge=1, description="a tool result longer than this many tokens is cut")
-    tool_plain_format: str = Field("\nResult: {result}\n", description=(
-        "the observation's text when prompts do not use a chat template ({result} is replaced); with a chat "
-        "template, the observation is the template's rendering of a tool message"))
 
 
 class SGLangCfg(_Strict):
@@ -592,6 +551,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
     apply_overrides(data, overrides or [])
     _check_renamed(data, f" in {path} or --set" if path else "")
+    anchor_task_paths(data, resolve_config_file(Path(path)).parent if path is not None else None)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:

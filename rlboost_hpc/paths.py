@@ -12,6 +12,11 @@ The data directory is, in order: the directory set by :func:`using_data_dir` for
 (``data.dir`` of the run's config), else the ``RLBOOST_DATA`` environment variable, else ``../shared/data``
 relative to the project root (the checkout's parent directory holds ``shared/``). A run never writes
 ``RLBOOST_DATA`` into the process environment, so nothing it sets outlives it.
+
+The package itself carries the few data files README's first command needs (:data:`PACKAGED_DATA`: stories260K's
+checkpoint and tokenizer, MIT, and the Bamboo p3 spot trace, MIT, each with its licence file beside it), so a fresh
+machine without ``../shared/data`` — or a wheel install — runs the demo: :func:`data_file` falls back to that copy
+when the data directory lacks the file.
 """
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ CHECKOUT: Path | None = PROJECT_ROOT if (PROJECT_ROOT / "pyproject.toml").is_fil
 #: default is a per-user directory (``RLBOOST_DATA`` or ``data.dir`` point elsewhere).
 DEFAULT_DATA_DIR = (CHECKOUT.parent / "shared" / "data" if CHECKOUT is not None
                     else Path("~/.cache/rlboost-hpc/data").expanduser())
+#: Data files shipped inside the package (``rlboost_hpc/data/<relative path>``), the fallback of :func:`data_file`.
+PACKAGED_DATA = Path(__file__).resolve().parent / "data"
 SHARE_NAME = "share/rlboost-hpc"  # where a wheel installs the shipped files, under its install prefix
 
 
@@ -95,7 +102,8 @@ def data_dir() -> Path:
 
 
 def data_file(relative: str | os.PathLike[str]) -> Path:
-    """Resolve ``relative`` (e.g. ``"stories260K/stories260K.bin"``) under :func:`data_dir`.
+    """Resolve ``relative`` (e.g. ``"stories260K/stories260K.bin"``) under :func:`data_dir`, else under the package's
+    own copy (:data:`PACKAGED_DATA`: the demo's model and spot trace).
 
     Absolute paths are returned unchanged after the existence check.
 
@@ -107,6 +115,8 @@ def data_file(relative: str | os.PathLike[str]) -> Path:
     path = rel if rel.is_absolute() else data_dir() / rel
     if path.exists():
         return path
+    if not rel.is_absolute() and (PACKAGED_DATA / rel).is_file():
+        return PACKAGED_DATA / rel
     top = rel.parts[0] if not rel.is_absolute() and rel.parts else ""
     origin = ORIGINS.get(top, "see ../shared/data/README.md")
     raise DataFileMissing(

@@ -194,6 +194,35 @@ def _finished_report(cfg: RunConfig, rd: RunDir) -> dict | None:
     return report if same and done and checkpoint.latest_step(rd.root) >= cfg.trainer.steps else None
 
 
+def length_check_prompts(task) -> list:
+    """The prompts whose token counts bound the run's context: every prompt of a built-in task; of a user's task the
+    longest by characters of each split (its prepared file's statistics) and the held-out ones — ``rlboost-hpc task
+    check`` tokenises every row."""
+    if hasattr(task, "longest_prompts"):
+        return task.longest_prompts() + task.heldout_prompts()
+    return list(task.train_prompts()) + task.heldout_prompts()
+
+
+def _check_same_data(ckpt: Path, setup: "RunSetup", rd: RunDir) -> None:
+    """Refuse to resume ``ckpt`` against changed prompt files, in one line and before any service starts.
+
+    Raises:
+        CheckpointError: a data set's fingerprint differs from the one the checkpoint recorded (the key and file
+            named).
+    """
+    from rlboost_hpc.trainer import checkpoint
+
+    saved = checkpoint.run_state_of(ckpt).get("datasets") or {}
+    now = setup.checkpoint_identity()["datasets"]
+    for key in sorted(set(saved) | set(now)):
+        if saved.get(key) != now.get(key):
+            where = getattr(setup.task.cfg, key.split(".")[1], None) if hasattr(setup.task, "cfg") else None
+            raise checkpoint.CheckpointError(
+                f"{key} = {where}: the data set changed since {ckpt} was written (fingerprint {saved.get(key)} then, "
+                f"{now.get(key)} now); resuming would take other prompts — restore the file, or start over with a "
+                "new --out or --set trainer.resume=never")
+
+
 def _check_same_model(ckpt: Path, setup: "RunSetup", rd: RunDir) -> None:
     """Refuse to resume ``ckpt`` (of ``rd``) into another model, in one line and before any service starts.
 
@@ -239,22 +268,24 @@ class RunSetup:
                 ``task.tool_call_close`` is not one token; a device or dtype the machine lacks.
         """
         from rlboost_hpc.models.device import resolve_device, resolve_dtype
-        from rlboost_hpc.tasks.base import get_task
+        from rlboost_hpc.tasks.user_task import make_task
 
         check_behaviour_logprobs(cfg)
         policy = load_model(cfg)
         arch, tok = policy.arch, policy.tokenizer
-        task = get_task(cfg.task.name, n_train=cfg.task.train_prompts, n_heldout=cfg.task.heldout_prompts)
+        task = make_task(cfg.task)  # a user's task is read, split and its reward code imported and checked here
         if hasattr(task, "tool_syntax"):  # a tool task tells the policy how to call its tool: the run's syntax
             from rlboost_hpc.tasks.tools import ToolSyntax
 
             task.tool_syntax = ToolSyntax(cfg.task.tool_call_open, cfg.task.tool_call_close)
-        longest = max(len(task.prompt_ids(p, tok)) for p in task.train_prompts() + task.heldout_prompts())
+        longest = max(len(task.prompt_ids(p, tok)) for p in length_check_prompts(task))
         if longest + cfg.trajectory_tokens() > arch.max_position_embeddings:
             key = ("rollout.max_new_tokens" if cfg.task.max_turns == 1 else
                    "task.max_trajectory_tokens (0: task.max_turns × rollout.max_new_tokens)")
             raise ConfigError(f"{key} = {cfg.trajectory_tokens()} plus the longest prompt ({longest} tokens) exceeds "
                               f"the model's context of {arch.max_position_embeddings} tokens")
+        if hasattr(task, "check_endpoint"):
+            task.check_endpoint()  # an unreachable reward model is bad input, before anything starts
         train_device = resolve_device(cfg.trainer.device, "trainer.device")
         rollout_device = resolve_device(cfg.rollout.device, "rollout.device")
         setup = cls(policy=policy, task=task, tool_stops=tool_stop_ids(cfg, tok),
@@ -267,6 +298,12 @@ class RunSetup:
                  train_device, str(setup.train_dtype).removeprefix("torch."), rollout_device,
                  str(setup.rollout_dtype).removeprefix("torch."))
         return setup
+
+    def checkpoint_identity(self) -> dict:
+        """What a checkpoint records of the run's inputs, checked on resume (:func:`_check_same_data`): the model
+        (path, architecture) and, for a user's task, each data set's fingerprint."""
+        fps = self.task.fingerprints() if hasattr(self.task, "fingerprints") else {}
+        return {"model": {"path": str(self.policy.path), "arch": self.policy.arch.to_json()}, "datasets": fps}
 
     def model_info(self) -> dict:
         """The report's ``model`` entry."""
@@ -316,6 +353,7 @@ def _run(cfg: RunConfig, rd: RunDir, *, progress: bool, run_id: str) -> RunRepor
     setup = RunSetup.load(cfg)
     if ckpt is not None:
         _check_same_model(ckpt, setup, rd)
+        _check_same_data(ckpt, setup, rd)
     rd.config.write_text(cfg.model_dump_json(indent=2))
     _announce_cost(cfg, setup)
     steps: list[dict] = []  # every step record of the run, also those of earlier incarnations
@@ -412,7 +450,7 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
                 # the steps before this one are in metrics.jsonl (fsynced before the checkpoint is published):
                 # a checkpoint holds one step's record, whatever the run's length
                 ckpt_writer.save(step + 1, svc.backend, trainer.state_dict(), {
-                    "model": {"path": str(setup.policy.path), "arch": setup.policy.arch.to_json()},
+                    **setup.checkpoint_identity(),
                     "metrics_lines": len(steps) - 1, "last_step_metrics": m, "before": before,
                     "resumes": resume.resumes, "counts": m["faults"],
                     "train_wall_s": resume.train_wall_s + time.monotonic() - t_train0}, durable=[rd.metrics])
@@ -420,7 +458,8 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
             add_phase(m, Phase.CHECKPOINT, time.monotonic() - t_after)
             svc.client.send(M.StepTimes(step=step, wall_s=m["wall_s"], phases=m["phase_s"],
                                         fixed_overhead_s=m["fixed_overhead_s"],
-                                        mismatch={k: float(m[k]) for k in MISMATCH_KEYS if k in m}))
+                                        mismatch={k: float(m[k]) for k in MISMATCH_KEYS if k in m},
+                                        rewards=m.get("reward_functions", {})))
             metrics_f.write(json.dumps(m) + "\n")
             metrics_f.flush()
             trackers.step(m)
@@ -447,6 +486,7 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
         resumes=resume.resumes, resumed_from_step=resume.start_step if ckpt is not None else None,
         train_wall_s=train_wall, wall_s=time.monotonic() - t_start, max_staleness=cfg.rollout.max_staleness,
         trace_window_start_s=cluster["window_start_s"] if cluster else None, gate=cfg.trainer.gate_bounds())
+    report.reward_functions = svc.rewards.take_tallies() or None  # a user's task: each reward function's counts
     return report, svc.cluster.live_series if svc.cluster else []
 
 
@@ -535,6 +575,7 @@ def _trainer(cfg: RunConfig, svc: RunServices, setup: RunSetup, n_resv: float):
                               adapt=pol.adaptive_seeding, memory=pol.t_seed_memory, ceil_s=pol.t_seed_ceil_s))
     return RLTrainer(client=svc.client, backend=svc.backend, task=setup.task, tokenizer=setup.policy.tokenizer,
                      settings=settings, score=svc.rewards.score, publish=svc.publisher.publish,
+                     score_parts=svc.rewards.score_parts if svc.rewards.components else None,
                      controller=controller, available=svc.available)
 
 

@@ -153,13 +153,14 @@ class RunServices:
     def environment(self) -> dict | None:
         """The tool-call pool's arguments (multi-turn tasks; None for single-turn):
         :func:`~rlboost_hpc.manager.service.run_manager_process`'s ``environment``."""
-        from rlboost_hpc.tasks.tools import ToolEnvironment, ToolSyntax
+        from rlboost_hpc.tasks.tools import BUILTIN_TOOLS, ToolEnvironment, ToolSyntax
 
         t = self.cfg.task
         if t.max_turns == 1:
             return None
         env = ToolEnvironment(tokenizer_dir=str(self.policy.path), use_chat=self.policy.tokenizer.use_chat,
-                              syntax=ToolSyntax(t.tool_call_open, t.tool_call_close), tool=t.tool,
+                              syntax=ToolSyntax(t.tool_call_open, t.tool_call_close),
+                              tools=tuple(t.tools) or (BUILTIN_TOOLS[t.tool],),
                               plain_format=t.tool_plain_format, max_observation_tokens=t.max_observation_tokens)
         return dict(env=env, workers=t.tool_workers, timeout_s=t.tool_timeout_s)
 

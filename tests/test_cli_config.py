@@ -180,12 +180,14 @@ def test_an_unknown_log_level_is_a_usage_error(tmp_path, argv):
     assert p.returncode == 2 and "--log-level" in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
-def test_cli_missing_model_file_exits_2_with_origin(tmp_path):
+def test_cli_missing_data_file_exits_2_with_origin(tmp_path):
+    """An empty data directory: the demo's model comes from the package's own copy (issue 48), a data set that is not
+    shipped (GSM8K) is exit 2 naming the file and its public origin."""
     (tmp_path / "data").mkdir()
     p = _run_cli("run", "--out", str(tmp_path / "o"), "--set", f"data.dir='{tmp_path / 'data'}'",
-                 "--set", f"model.cache_dir='{tmp_path / 'cache'}'")
+                 "--set", f"model.cache_dir='{tmp_path / 'cache'}'", "--set", "task.name=gsm8k")
     assert p.returncode == 2
-    assert "stories260K" in p.stderr and "Public origin" in p.stderr
+    assert "gsm8k/train.jsonl" in p.stderr and "Public origin" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_cli_bad_trace_file_exits_2_naming_the_line(tmp_path, repo_root):

@@ -104,7 +104,8 @@ def test_scraped_metrics_follow_prometheus_conventions(tmp_path):
         client.call(M.WeightsLoaded(version=0, checksum=1, nbytes=1, pull_s=0.3, load_s=0.0))
         client.send(M.StepTimes(step=0, wall_s=3.0, phases={"seeding": 2.0, "train": 1.0}, fixed_overhead_s=0.25,
                                 mismatch={"logprob_diff": 0.046, "logprob_diff_max": 0.385, "mismatch_kl": 0.002,
-                                          "mismatch_outside_clip_share": 0.013, "mismatch_capped_share": 0.001}))
+                                          "mismatch_outside_clip_share": 0.013, "mismatch_capped_share": 0.001},
+                                rewards={"correct": 0.25, "judge": 0.5}))
         time.sleep(1.0)  # one snapshot refresh
         manager_text = urllib.request.urlopen(url, timeout=10).read().decode()
     finally:
@@ -151,6 +152,9 @@ def test_scraped_metrics_follow_prometheus_conventions(tmp_path):
     assert 'rlboost_step_mismatch_kl_nats{run="r42"} 0.002' in manager_text
     assert 'rlboost_step_mismatch_outside_clip_ratio{run="r42"} 0.013' in manager_text
     assert 'rlboost_step_mismatch_capped_ratio{run="r42"} 0.001' in manager_text
+    # a user's task (issue 48): each reward function's mean over the last step
+    assert 'rlboost_step_reward{function="correct",run="r42"} 0.25' in manager_text
+    assert 'rlboost_step_reward{function="judge",run="r42"} 0.5' in manager_text
     assert 'rlboost_instance_activity_seconds_total{activity="idle",rollout_instance="j#0",run="r42"}' in manager_text
     for job in ("rlboost-manager", "rlboost-scavenger"):
         sd_dir = tmp_path if job == "rlboost-manager" else run_dir

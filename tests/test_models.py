@@ -437,9 +437,14 @@ def test_ensure_converted_idempotent_and_missing_data(tmp_path, monkeypatch, sto
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dir left behind
     assert (d1 / "model.safetensors").read_bytes() == (stories260k_hf_dir / "model.safetensors").read_bytes()
     monkeypatch.setenv("RLBOOST_DATA", str(tmp_path / "empty"))
+    # issue 48: without the data directory the package's own copy of stories260K is converted (the same bytes)
+    d2 = ensure_converted(tmp_path / "other")
+    assert (d2 / "model.safetensors").read_bytes() == (stories260k_hf_dir / "model.safetensors").read_bytes()
+    assert paths.data_file("stories260K/stories260K.bin").is_relative_to(paths.PACKAGED_DATA)
+    monkeypatch.setattr(paths, "PACKAGED_DATA", tmp_path / "no-package-data")
     with pytest.raises(paths.DataFileMissing, match="stories260K.bin"):
-        ensure_converted(tmp_path / "other")
-    assert not (tmp_path / "other" / STORIES260K_DIRNAME).exists()
+        ensure_converted(tmp_path / "third")
+    assert not (tmp_path / "third" / STORIES260K_DIRNAME).exists()
 
 
 def test_convert_rejects_missing_tokenizer(tmp_path):

@@ -235,9 +235,9 @@ def _trainer(k: int, version: int):
 def test_the_trainer_counts_staleness_and_never_trains_a_token_older_than_k():
     t = _trainer(k=1, version=3)
     hist: dict[str, int] = {}
-    smp, _ = t._sample(3, _response([2, 2, 3, 3, 3]), [1, 2], 16, hist)
+    smp, *_ = t._sample(3, _response([2, 2, 3, 3, 3]), [1, 2], 16, hist)
     assert hist == {"0": 3, "1": 2} and smp.loss_mask is None and smp.staleness == [1, 1, 0, 0, 0]
-    smp, _ = t._sample(3, _response([1, 2, 3]), [1, 2], 16, hist)  # version 1 is 2 behind: outside the window
+    smp, *_ = t._sample(3, _response([1, 2, 3]), [1, 2], 16, hist)  # version 1 is 2 behind: outside the window
     assert t.totals.tokens_masked_too_stale == 1 and smp.loss_mask == [False, True, True]
     assert t.totals.tokens_trained_off_version == 0  # masked: never trained
     assert t.totals.tokens_by_staleness == {"0": 4, "1": 3}
@@ -246,7 +246,7 @@ def test_the_trainer_counts_staleness_and_never_trains_a_token_older_than_k():
 def test_strict_on_policy_counts_any_other_version_and_masks_nothing():
     t = _trainer(k=0, version=3)
     hist: dict[str, int] = {}
-    smp, _ = t._sample(3, _response([2, 3, 3]), [1, 2], 16, hist)
+    smp, *_ = t._sample(3, _response([2, 3, 3]), [1, 2], 16, hist)
     assert t.totals.tokens_trained_off_version == 1 and smp.loss_mask is None and smp.staleness is None
     assert hist == {"0": 2} == t.totals.tokens_by_staleness  # the same histogram as at k >= 1: comparable runs
 

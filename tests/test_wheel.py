@@ -1,4 +1,5 @@
-"""The package as a cluster installs it: a wheel in a fresh virtual environment, outside any checkout (issue 28).
+"""The package as a cluster installs it: a wheel in a fresh virtual environment, outside any checkout (issue 28),
+with no shared data directory (issue 48: the demo's model and spot trace ship inside the wheel).
 
 ``pip wheel`` of a copy of the source tree; the wheel installed with ``--no-deps`` into a new virtual environment
 in a temporary directory, whose dependencies come from the test's own environment through a ``.pth`` line (the
@@ -52,10 +53,9 @@ def installed(tmp_path_factory) -> Path:
 
 
 def test_the_installed_wheel_runs_the_main_job_chaos_and_the_scavenger_outside_the_checkout(installed, tmp_path):
-    from rlboost_hpc.paths import data_dir
-
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(RLBOOST_DATA=str(data_dir()), PATH=f"{installed}:{env.get('PATH', '')}")
+    # issue 48: no shared data at all — the demo's model and spot trace come from the wheel itself
+    env.update(RLBOOST_DATA=str(tmp_path / "no-shared-data"), PATH=f"{installed}:{env.get('PATH', '')}")
     work = tmp_path / "work"
     work.mkdir()
     where = sh([installed / "python", "-c", "import rlboost_hpc, scavenger; print(rlboost_hpc.__file__)"],
@@ -66,7 +66,8 @@ def test_the_installed_wheel_runs_the_main_job_chaos_and_the_scavenger_outside_t
 
     # README's command, typed where there is no configs/ directory: the shipped config
     p = sh([installed / "rlboost-hpc", "run", "--config", "configs/local.toml", "--out", "runs/demo", "--no-progress",
-            "--set", "trainer.steps=2", "--set", "trainer.export_model=false"], cwd=work, env=env)
+            "--set", "trainer.steps=2", "--set", "trainer.export_model=false",
+            "--set", f"model.cache_dir='{tmp_path / 'models'}'"], cwd=work, env=env)
     rep = json.loads((work / "runs/demo/report.json").read_text())
     assert rep["steps"] == 2 and rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0, p.stderr[-3000:]
     assert "run summary" in p.stdout
@@ -76,6 +77,10 @@ def test_the_installed_wheel_runs_the_main_job_chaos_and_the_scavenger_outside_t
     dash = sh([installed / "python", "-c", "import importlib.resources as r; print(r.files('rlboost_hpc.observe')"
                ".joinpath('grafana/rlboost-manager.json').read_text()[:1])"], cwd=work, env=env).stdout
     assert dash.strip() == "{"
+    shipped_data = sh([installed / "python", "-c", "from rlboost_hpc.paths import data_file; "
+                       "print(data_file('stories260K/stories260K.bin'))"], cwd=work, env=env).stdout.strip()
+    assert shipped_data.startswith(str(installed.parent)), shipped_data  # the wheel's own copy of stories260K
+    assert (Path(shipped_data).parent / "LICENSE.llama2.c.MIT").is_file()
 
     env.update(ensure_local_slurm())
     run_dir = work / "runs/demo"

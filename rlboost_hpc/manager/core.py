@@ -138,7 +138,7 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         self.dist = ManagerDistributions()  # pulls, steps, instance silences: bounded histograms
         self.version_serving = VersionServingClock()  # SetVersion → each live instance serving it
         self.step_phase_s, self.step_fixed_overhead_s = {}, 0.0
-        self.last_step_mismatch: dict[str, float] = {}  # the trainer's engine–trainer mismatch of its last step
+        self.last_step_mismatch, self.last_step_rewards = {}, {}  # the trainer's last step: mismatch, reward by function
         self.clock = clock
         self.policy_decision: M.PolicyState | None = None  # the controller's last T_seed and N_prem cap
         self._told_unknown: dict[bytes, float] = {}

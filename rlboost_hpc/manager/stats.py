@@ -104,6 +104,7 @@ def manager_stats(core) -> ManagerStats:
         migrations_by_turn=dict(core.migrations_by_turn),
         responses_truncated_by_cause=dict(core.responses_truncated_by_cause),
         last_step_mismatch=dict(core.last_step_mismatch),
+        last_step_rewards=dict(core.last_step_rewards),
         environment_pending=sum(1 for r in reqs.values() if r.state == R.ENVIRONMENT),
         t_seed_s=decision.t_seed_s if decision else None,
         n_prem_cap=decision.n_prem_cap if decision else None,

@@ -77,6 +77,7 @@ class TrainerCalls:
     last_step_remote: StepRemote
     last_step_activity: StepActivity
     last_step_mismatch: dict[str, float]
+    last_step_rewards: dict[str, float]
     worklog: list | None
     since_compact: list
     _new_trainer: bool = False  # a trainer other than the one the work log names said hello: its version rules
@@ -273,6 +274,7 @@ class TrainerCalls:
             self.dist.step_seconds.observe(msg.wall_s)
             self.step_fixed_overhead_s += msg.fixed_overhead_s
             self.last_step_mismatch = dict(msg.mismatch)
+            self.last_step_rewards = dict(msg.rewards)
             for phase, sec in msg.phases.items():
                 self.step_phase_s[phase] = self.step_phase_s.get(phase, 0.0) + sec
 

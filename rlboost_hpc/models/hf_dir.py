@@ -170,6 +170,13 @@ class PolicyTokenizer:
                                            tokenize=False)
         return list(self.hf(text, add_special_tokens=False)["input_ids"])
 
+    def encode_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Ids of a chat (``[{role, content}, ...]``) rendered through the chat template with the generation prompt
+        and, when given, the tools' JSON schemas (the template's ``tools=``); encoded without adding special
+        tokens (the template writes its own)."""
+        text = self.hf.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
+        return list(self.hf(text, add_special_tokens=False)["input_ids"])
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids`` with special tokens left out."""
         return self.hf.decode(list(ids), skip_special_tokens=True)

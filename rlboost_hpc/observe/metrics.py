@@ -187,6 +187,12 @@ class ManagerMetrics(SnapshotCollector):
                                "rollout.max_new_tokens; turn_cap: task.max_turns; trajectory_budget: "
                                "task.max_trajectory_tokens; environment_error)", "cause", s.responses_truncated_by_cause)
         yield from self._mismatch(s.last_step_mismatch)
+        if s.last_step_rewards:  # a user's task (TRL's rewards/<name>)
+            g = GaugeMetricFamily("rlboost_step_reward", "mean value of each reward function (and reward model) "
+                                  "over the trainer's last step", labels=["run", "function"])
+            for name, v in sorted(s.last_step_rewards.items()):
+                g.add_metric([self.run_id, name], float(v))
+            yield g
         yield self._counter_by("rlboost_rollout_instance_seconds", "instance-seconds of all rollout instances by "
                                "activity (busy, idle, pulling)", "activity", s.instance_activity_s)
         per = CounterMetricFamily("rlboost_instance_activity_seconds", "seconds per live rollout instance by "

@@ -73,7 +73,8 @@ def print_summary(report: dict, console: Console | None = None) -> None:
 
 def write_plot(steps: list[dict], live_series: list[tuple[float, int]], path: Path, *, before: float,
                after: float) -> None:
-    """Four panels: over time, training reward (with held-out before/after), throughput (and, for multi-turn
+    """Four panels: over time, training reward (with held-out before/after; a user's task: each reward
+    function's step mean too), throughput (and, for multi-turn
     trajectories, turns per trajectory) and live instances; by step, where the step's wall time went (seconds per
     phase, stacked, the fixed overhead and, multi-turn, the seconds of tool calls)."""
     import matplotlib
@@ -88,6 +89,9 @@ def write_plot(steps: list[dict], live_series: list[tuple[float, int]], path: Pa
         a.sharex(ax[0])
     t = [m["t_s"] for m in steps]
     ax[0].plot(t, [m["reward_mean"] for m in steps], marker=".", label="train reward (step mean)")
+    for name in sorted({k for m in steps for k in m.get("reward_functions", {})}):  # a user's task: per function
+        ax[0].plot(t, [m.get("reward_functions", {}).get(name, float("nan")) for m in steps], ".--", lw=1,
+                   label=f"rewards/{name}")
     if t:
         ax[0].hlines([before, after], t[0], t[-1], colors=["gray", "green"], linestyles="dashed")
         ax[0].annotate(f"held-out before {before:.2f}", (t[-1], before), fontsize=8, ha="right", va="top")

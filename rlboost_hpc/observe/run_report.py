@@ -214,6 +214,8 @@ class RunReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     wall_s: float
     trace_window_start_s: float | None
     examples_after: list[Any]
+    #: a user's task: each reward function (and reward model) → calls, failed, timed_out, mean (over the run)
+    reward_functions: dict[str, dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The report as ``report.json`` holds it (plain JSON types, multi-turn keys only when set)."""

@@ -319,6 +319,8 @@ class StepTimes(_Msg, tag="steptimes"):
     #: ``mismatch_outside_clip_share``, ``mismatch_capped_share``; :func:`~rlboost_hpc.trainer.algorithms.grpo.
     #: finish_stats`), for the manager's gauges
     mismatch: Annotated[dict[Annotated[str, msgspec.Meta(max_length=32)], float], msgspec.Meta(max_length=16)] = {}
+    #: a user's task: each reward function's mean value over the step's responses (name → value), for the gauges
+    rewards: Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], float], msgspec.Meta(max_length=32)] = {}
 
 
 class AckGroup(_Msg, tag="ack"):

@@ -136,7 +136,8 @@ class ManagerStats(ManagerCounters, kw_only=True):
     ``live_preemptible``: those neither gone nor suspect. ``t_seed_s`` / ``n_prem_cap``: the seeding window T_seed
     (seconds) and the cap N_prem the trainer's controller set last (``None``: not set / no cap).
     ``responses_truncated_by_cause``: finished responses cut by a budget, by cause (``messages.TRUNCATION_CAUSES``);
-    ``last_step_mismatch``: the engine–trainer mismatch of the trainer's last step (``StepTimes.mismatch``)."""
+    ``last_step_mismatch``: the engine–trainer mismatch of the trainer's last step (``StepTimes.mismatch``);
+    ``last_step_rewards``: a user's task, each reward function's mean over that step (``StepTimes.rewards``)."""
 
     instances_lost: int = 0
     instances_lost_while_pulling: int = 0
@@ -160,6 +161,7 @@ class ManagerStats(ManagerCounters, kw_only=True):
     migrations_by_turn: dict[str, int] = {}
     responses_truncated_by_cause: dict[str, int] = {}
     last_step_mismatch: dict[str, float] = {}
+    last_step_rewards: dict[str, float] = {}
     environment_pending: int = 0
     t_seed_s: float | None = None
     n_prem_cap: int | None = None

@@ -33,11 +33,14 @@ class Prompt:
     text: the raw prompt content (a story opening, a question); :meth:`Task.format_prompt` turns it into
         the text given to the tokenizer.
     meta: plain JSON-serialisable values the reward needs (e.g. ``{"answer": "18"}``).
+    messages: a chat prompt (a user's data set whose prompt column is a message list ``[{role, content}, ...]``);
+        ``None`` for a text prompt. ``text`` is then its last user message (for display).
     """
 
     pid: str
     text: str
     meta: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict[str, Any]] | None = None
 
 
 class Task(abc.ABC):

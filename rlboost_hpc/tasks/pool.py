@@ -109,6 +109,7 @@ class DeadlinePool:
         self._slots = [_Slot(self._ctx, handler) for _ in range(workers)]
         self._todo: deque[tuple[Hashable, Any]] = deque()
         self._items: dict[Hashable, Any] = {}
+        self._timeouts: dict[Hashable, float] = {}  # calls submitted with a deadline of their own
         self._retried: set[Hashable] = set()
         self._setup_deaths = 0  # workers in a row that died before they were ready
         self.timed_out = 0  # calls that ran past their deadline
@@ -124,8 +125,9 @@ class DeadlinePool:
         """The workers' pipe ends (to wait on them together with other sockets; :meth:`poll` reads them)."""
         return [s.conn for s in self._slots]
 
-    def submit(self, key: Hashable, item: Any) -> None:
-        """Queue ``handler(item)``; it completes (once) through :meth:`poll` under ``key``.
+    def submit(self, key: Hashable, item: Any, timeout_s: float | None = None) -> None:
+        """Queue ``handler(item)``; it completes (once) through :meth:`poll` under ``key``. ``timeout_s``: this call's
+        deadline (s) instead of the pool's.
 
         Raises:
             ValueError: ``key`` is already pending.
@@ -133,7 +135,12 @@ class DeadlinePool:
         if key in self._items:
             raise ValueError(f"call {key!r} is already pending")
         self._items[key] = item
+        if timeout_s is not None:
+            self._timeouts[key] = timeout_s
         self._todo.append((key, item))
+
+    def _deadline(self, s: "_Slot") -> float:
+        return s.since + self._timeouts.get(s.key, self.timeout_s)
 
     def _start_calls(self) -> None:
         for s in self._slots:
@@ -163,7 +170,7 @@ class DeadlinePool:
             now = time.monotonic()
             left = end - now
             if busy:
-                left = min(left, min(s.since + self.timeout_s for s in busy) - now)
+                left = min(left, min(self._deadline(s) for s in busy) - now)
             ready = wait([s.conn for s in busy + waiting], timeout=max(0.0, left)) if busy or waiting else []
             for s in waiting:
                 if s.conn in ready:
@@ -194,10 +201,10 @@ class DeadlinePool:
                     s.key = None
                     out.append(self._complete(key, CallStatus.OK if ok else CallStatus.FAILED,
                                               value=value if ok else None, error="" if ok else value, seconds=secs))
-                elif time.monotonic() - s.since >= self.timeout_s:
-                    key = s.key
-                    log.warning("call %r ran past its %.1f s deadline; its worker is replaced", key, self.timeout_s)
-                    out.append(self._complete(key, CallStatus.TIMEOUT, error=f"ran past {self.timeout_s:g} s",
+                elif time.monotonic() >= self._deadline(s):
+                    key, limit = s.key, self._timeouts.get(s.key, self.timeout_s)
+                    log.warning("call %r ran past its %.1f s deadline; its worker is replaced", key, limit)
+                    out.append(self._complete(key, CallStatus.TIMEOUT, error=f"ran past {limit:g} s",
                                               seconds=time.monotonic() - s.since))
                     self._replace(s, "it ran past its deadline")
             self._start_calls()
@@ -206,6 +213,7 @@ class DeadlinePool:
 
     def _complete(self, key: Hashable, status: CallStatus, **kw) -> Completed:
         self._items.pop(key, None)
+        self._timeouts.pop(key, None)
         self._retried.discard(key)
         if status == CallStatus.TIMEOUT:
             self.timed_out += 1
@@ -213,8 +221,9 @@ class DeadlinePool:
             self.failed += 1
         return Completed(key, status, **kw)
 
-    def run_all(self, items: list[Any]) -> list[Completed]:
-        """Run every item and return their completions in input order (blocks until all completed).
+    def run_all(self, items: list[Any], timeouts: list[float] | None = None) -> list[Completed]:
+        """Run every item and return their completions in input order (blocks until all completed); ``timeouts``:
+        each item's deadline (s; default the pool's).
 
         Raises:
             RuntimeError: other calls are pending on this pool (their completions would be taken here).
@@ -222,7 +231,7 @@ class DeadlinePool:
         if self._items:
             raise RuntimeError(f"run_all on a pool with {len(self._items)} other calls pending")
         for i, item in enumerate(items):
-            self.submit(("run_all", i), item)
+            self.submit(("run_all", i), item, None if timeouts is None else timeouts[i])
         done: dict[int, Completed] = {}
         while len(done) < len(items):
             for c in self.poll(timeout_s=1.0):

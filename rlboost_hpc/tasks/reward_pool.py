@@ -8,14 +8,58 @@ would stall the trainer's step forever. :class:`RewardPool` runs ``task.reward``
 raised, scores 0.0 and is counted in :attr:`RewardPool.failed`. Results come back in input order; the pool is
 deterministic given deterministic rewards (a timed-out answer is 0.0 whatever the machine's load, as long as the
 deadline is larger than honest answers need).
+
+A user's task (:class:`~rlboost_hpc.tasks.user_task.UserTask`) has reward *components* — its reward functions and
+its reward model —, and :meth:`RewardPool.score_parts` runs one pool call per (group, component), each under the
+component's deadline (a function's: ``task.reward_timeout_s`` per group; the reward model's: its requests' budget).
+A call that raises, times out, or returns bad values (:class:`~rlboost_hpc.tasks.user_rewards.RewardOutputError`)
+is counted against that component (:attr:`RewardPool.tallies`), its first failure logged once with the row, and
+``task.reward_errors`` decides: ``zero`` (its term is 0 for that group) or ``fail``
+(:class:`RewardFunctionFailed`, exit 1 naming the function). A completion's reward is the weighted sum of its
+components' values (``None`` adds 0).
 """
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rlboost_hpc.errors import RunFailed
 from rlboost_hpc.tasks.pool import CallStatus, DeadlinePool
+
+log = logging.getLogger("rlboost.rewards")
+
+
+class RewardFunctionFailed(RunFailed, RuntimeError):
+    """A reward component failed and ``task.reward_errors = fail``: the run stops (exit 1) naming it."""
+
+
+@dataclass
+class ComponentTally:
+    """Counts of one reward component over the run: pool calls (one per group), calls that failed (raised or
+    returned bad values), calls past their deadline, and the sum and count of its non-None values."""
+
+    calls: int = 0
+    failed: int = 0
+    timed_out: int = 0
+    value_sum: float = 0.0
+    values: int = 0
+
+    def to_json(self) -> dict:
+        return {"calls": self.calls, "failed": self.failed, "timed_out": self.timed_out,
+                "mean": self.value_sum / self.values if self.values else None}
+
+
+@dataclass(frozen=True)
+class _GroupCall:
+    """One component (index ``ci``) on one group's completions (``ids``: their token ids, or None)."""
+
+    ci: int
+    prompt: Any
+    texts: list[str]
+    ids: list[list[int]] | None
 
 
 @dataclass(frozen=True)
@@ -24,7 +68,18 @@ class _Reward:
 
     task: Any
 
-    def __call__(self, item: tuple[Any, str]) -> float:
+    def setup(self) -> None:
+        """Import the task's reward functions once in the worker."""
+        for c in getattr(self.task, "components", ()):
+            if c.ref:
+                c.function()
+
+    def __call__(self, item: Any) -> Any:
+        if isinstance(item, _GroupCall):
+            from rlboost_hpc.tasks.user_rewards import call_component
+
+            return call_component(self.task.components[item.ci], item.prompt, item.texts, item.ids,
+                                  self.task.prompt_field)
         prompt, text = item
         return float(self.task.reward(prompt, text))
 
@@ -43,6 +98,9 @@ class RewardPool:
 
     def __init__(self, task: Any, *, workers: int = 2, timeout_s: float = 5.0) -> None:
         self.task, self.timeout_s = task, timeout_s
+        self.components = list(getattr(task, "components", ()))  # a user's task: its reward functions and model
+        self.errors = getattr(getattr(task, "cfg", None), "reward_errors", "zero")
+        self.tallies = {c.name: ComponentTally() for c in self.components}
         self._pool = DeadlinePool(_Reward(task), workers=workers, timeout_s=timeout_s)
 
     @property
@@ -60,10 +118,68 @@ class RewardPool:
         """Workers killed or died and started anew."""
         return self._pool.replaced
 
-    def score(self, items: Sequence[tuple[Any, str]]) -> list[float]:
+    def score(self, items: Sequence[tuple[Any, str]], completion_ids: Sequence[list[int]] | None = None) -> list[float]:
         """Rewards of ``(prompt, response_text)`` pairs, in order; never raises on model output, never waits
-        more than ``timeout_s`` per answer plus queueing."""
+        more than ``timeout_s`` per answer plus queueing. ``completion_ids``: each text's token ids (a user's TRL
+        functions receive them).
+
+        Raises:
+            RewardFunctionFailed: a user's component failed and ``task.reward_errors = fail``.
+        """
+        if self.components:
+            return self.score_parts(items, completion_ids)[0]
         return [float(c.value) if c.status == CallStatus.OK else 0.0 for c in self._pool.run_all(list(items))]
+
+    def score_parts(self, items: Sequence[tuple[Any, str]], completion_ids: Sequence[list[int]] | None = None
+                    ) -> tuple[list[float], dict[str, list[float | None]]]:
+        """A user's task: ``(rewards, parts)`` — the weighted rewards of ``(prompt, text)`` pairs and each component's
+        values (name → one float or None per pair), one pool call per (prompt, component).
+
+        Raises:
+            RewardFunctionFailed: a component failed and ``task.reward_errors = fail``.
+        """
+        groups: dict[str, list[int]] = {}
+        for i, (p, _) in enumerate(items):
+            groups.setdefault(p.pid, []).append(i)
+        calls = [(idxs, _GroupCall(ci, items[idxs[0]][0], [items[i][1] for i in idxs],
+                                   None if completion_ids is None else [list(completion_ids[i]) for i in idxs]))
+                 for idxs in groups.values() for ci in range(len(self.components))]
+        done = self._pool.run_all([c for _, c in calls], [self.components[c.ci].timeout_s for _, c in calls])
+        parts: dict[str, list[float | None]] = {c.name: [None] * len(items) for c in self.components}
+        for (idxs, call), res in zip(calls, done):
+            comp = self.components[call.ci]
+            values = self._values(comp, call, res)
+            for i, v in zip(idxs, values):
+                parts[comp.name][i] = v
+        rewards = [sum(c.weight * (parts[c.name][i] or 0.0) for c in self.components) for i in range(len(items))]
+        return rewards, parts
+
+    def _values(self, comp, call: _GroupCall, res) -> list[float | None]:
+        """The component's values of one call, its failure counted, logged once, and handled per policy."""
+        t = self.tallies[comp.name]
+        t.calls += 1
+        if res.status == CallStatus.OK:
+            for v in res.value:
+                if v is not None:
+                    t.value_sum, t.values = t.value_sum + v, t.values + 1
+            return list(res.value)
+        why = res.error or res.status.value
+        if res.status == CallStatus.TIMEOUT:
+            t.timed_out += 1
+        else:
+            t.failed += 1
+        if t.failed + t.timed_out == 1 or self.errors == "fail":
+            row = json.dumps({"prompt": call.prompt.text[:200], **call.prompt.meta}, default=str)[:600]
+            log.warning("reward %s (%s) failed on prompt %s: %s; row: %s", comp.name, comp.key, call.prompt.pid, why,
+                        row)
+        if self.errors == "fail":
+            raise RewardFunctionFailed(f"reward {comp.name} ({comp.key}) failed on prompt {call.prompt.pid}: {why} "
+                                       "(task.reward_errors = fail)")
+        return [0.0] * len(call.texts)
+
+    def take_tallies(self) -> dict[str, dict]:
+        """Each component's tally as JSON (name → ``calls``, ``failed``, ``timed_out``, ``mean``)."""
+        return {name: t.to_json() for name, t in self.tallies.items()}
 
     def close(self) -> None:
         """Stop every worker (idempotent)."""

@@ -10,8 +10,10 @@ trainer's allocation, never on a preemptible instance). One environment step (:c
    ...}}`` (the Hermes / Qwen style; ``arguments`` also as a JSON string, OpenAI's style, or ``parameters``; the
    OpenAI ``{"type": "function", "function": {...}}`` element; a number or a string as the expression:
    :func:`parse_tool_call`) or the bare expression;
-3. run the tool (:func:`calculate`: a well-kept safe evaluator, never ``eval``); a malformed call or a failing tool
-   yields an error text, never an exception;
+3. run the tool the call names — one of the environment's tools (``task.tools``: a user's plain Python functions,
+   several per task; by default the calculator, :func:`calculator` — :func:`calculate`, a well-kept safe evaluator,
+   never ``eval``) with the call's arguments by name (:func:`call_tool`); a malformed call, an unknown tool, wrong
+   arguments or a failing tool yields an error text, never an exception;
 4. render the result as an observation *token ids*: with a chat template, the template's rendering of a ``tool``
    message that follows the assistant turn, up to and including the next assistant header (so the template's
    end-of-turn marker after the tool call and the generation prompt are observation tokens, never trained); without
@@ -25,8 +27,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["EnvStep", "Observation", "ToolCalls", "ToolEnvironment", "ToolSyntax", "calculate", "calculator_expression",
-           "parse_tool_call", "turn_seed"]
+__all__ = ["BUILTIN_TOOLS", "EnvStep", "Observation", "ToolCalls", "ToolEnvironment", "ToolSyntax", "calculate",
+           "calculator", "calculator_expression", "call_tool", "parse_tool_call", "turn_seed"]
 
 _SENTINEL = "\u2063RLBOOST-TURN-END\u2063"  # an assistant message content no template rewrites
 
@@ -163,6 +165,48 @@ def calculate(expression: str, *, max_chars: int = 200) -> str:
         raise ToolError("result too large") from None
 
 
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression (+ - * / // % ** and parentheses) and return its value.
+
+    Args:
+        expression: the arithmetic expression, e.g. "12 * (3 + 4)"; a number is taken as it is.
+    """
+    return calculate(calculator_expression({"expression": expression}))
+
+
+#: The built-in tools by ``task.tool`` name (references as ``task.tools`` takes them).
+BUILTIN_TOOLS = {"calculator": "rlboost_hpc.tasks.tools:calculator"}
+
+
+def call_tool(name: str, fn: Any, args: dict[str, Any]) -> str:
+    """The text of tool ``fn`` called with the model's ``args`` by name (a string as it is, anything else as JSON;
+    an ``async def`` tool is awaited).
+
+    Raises:
+        ToolError: wrong arguments, or the tool raised (its message becomes the observation).
+    """
+    import asyncio
+    import inspect
+
+    try:
+        inspect.signature(fn).bind(**args)
+    except TypeError as e:
+        raise ToolError(f"bad arguments for {name}: {e}") from None
+    try:
+        out = fn(**args)
+        if inspect.isawaitable(out):
+            out = asyncio.run(_awaited(out))
+    except ToolError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's tool on model-written arguments: an observation
+        raise ToolError(f"{name} failed: {type(e).__name__}: {e}") from None
+    return out if isinstance(out, str) else json.dumps(out, default=str)
+
+
+async def _awaited(aw: Any) -> Any:
+    return await aw
+
+
 @dataclass(frozen=True)
 class EnvStep:
     """One environment step's outcome: the observation ids (int; never empty), the result or error text, and
@@ -182,7 +226,8 @@ class ToolEnvironment:
         tokenizer_dir: the policy's model directory (its tokenizer: the one the policy generates with).
         use_chat: render observations through the tokenizer's chat template (as the prompts were).
         syntax: the tool-call syntax.
-        tool: the tool's name, as a call names it (``"calculator"``: the only one, ``task.tool``).
+        tools: the tools, as ``module:function`` / ``file.py:function`` references (``task.tools``; the calculator
+            by default): a call names one by its function's name.
         plain_format: the observation text without a chat template (``{result}`` is replaced).
         max_observation_tokens: a tool result longer than this many tokens is cut (its rendering keeps the
             template's markers).
@@ -194,20 +239,26 @@ class ToolEnvironment:
     tokenizer_dir: str
     use_chat: bool
     syntax: ToolSyntax = field(default_factory=ToolSyntax)
-    tool: str = "calculator"
+    tools: tuple[str, ...] = (BUILTIN_TOOLS["calculator"],)
     plain_format: str = "\nResult: {result}\n"
     max_observation_tokens: int = 64
     _hf: Any = field(default=None, init=False, repr=False, compare=False)
+    _fns: Any = field(default=None, init=False, repr=False, compare=False)
 
     def setup(self) -> None:
-        """Load the tokenizer (once per worker)."""
+        """Load the tokenizer and import the tools (once per worker)."""
         if self._hf is None:
             from transformers import AutoTokenizer
 
             self._hf = AutoTokenizer.from_pretrained(self.tokenizer_dir, local_files_only=True)
+        if self._fns is None:
+            from rlboost_hpc.tasks.user_code import load_object
+
+            fns = [load_object(ref, f"task.tools[{i}]") for i, ref in enumerate(self.tools)]
+            self._fns = {getattr(f, "__name__", ref.rpartition(":")[2]): f for f, ref in zip(fns, self.tools)}
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_hf": None}  # workers load their own
+        return {**self.__dict__, "_hf": None, "_fns": None}  # workers load their own
 
     def __call__(self, item: tuple[str, Any]) -> EnvStep:
         self.setup()
@@ -217,9 +268,9 @@ class ToolEnvironment:
         text = self._hf.decode(list(payload), skip_special_tokens=False)
         try:
             name, args = parse_tool_call(text, self.syntax)
-            if name != self.tool:
-                raise ToolError(f"unknown tool {name!r} (available: {self.tool})")
-            return self._observe(calculate(calculator_expression(args)), False)
+            if name not in self._fns:
+                raise ToolError(f"unknown tool {name!r} (available: {', '.join(self._fns)})")
+            return self._observe(call_tool(name, self._fns[name], args), False)
         except ToolError as e:
             return self._observe(f"error: {e}", True)
 

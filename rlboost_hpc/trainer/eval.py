@@ -52,17 +52,28 @@ class _Trajectory:
     turn_start: int = 0
 
 
+def _score(trajs: dict[str, "_Trajectory"], meta: dict, tokenizer, task: Task,
+           score: Callable[..., list[float]] | None) -> tuple[dict[str, str], dict[str, float]]:
+    """The text each trajectory's reward reads (its final assistant turn, stop token left out) and its reward:
+    ``score(items, token_ids)`` (the run's reward pool) or ``task.reward`` inline."""
+    final = {rid: strip_stop(t.ids[t.turn_start:], tokenizer.stop_ids) for rid, t in trajs.items()}
+    texts = {rid: tokenizer.decode(ids) for rid, ids in final.items()}
+    items = [(meta[rid][0], texts[rid]) for rid in trajs]
+    scored = score(items, [final[rid] for rid in trajs]) if score else [task.reward(p, t) for p, t in items]
+    return texts, dict(zip(trajs, scored))
+
+
 def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, task: Task, *,
              samples: int, max_new_tokens: int, temperature: float, top_p: float, base_seed: int = 12345,
              device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-             score: Callable[[list[tuple[Any, str]]], list[float]] | None = None,
+             score: Callable[..., list[float]] | None = None,
              turns: TurnSettings | None = None) -> dict:
     """Mean reward over held-out prompts (``samples`` sampled responses each, plus one greedy).
 
     Args:
         tokenizer: a :class:`~rlboost_hpc.models.hf_dir.PolicyTokenizer` (prompt ids, stop ids, decoding).
-        score: rewards of ``(prompt, text)`` pairs (the run's ``RewardPool.score``; inline ``task.reward`` when
-            ``None``).
+        score: rewards of ``(prompt, text)`` pairs given also their token ids (the run's ``RewardPool.score``;
+            inline ``task.reward`` when ``None``).
         turns: multi-turn trajectories with tool calls (:class:`TurnSettings`); None: single-turn responses. The
             reward reads a trajectory's final assistant turn.
 
@@ -113,11 +124,7 @@ def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, ta
                 t.turn += 1
                 t.turn_start = len(t.ids)
                 active[rid] = t
-    texts = {rid: tokenizer.decode(strip_stop(t.ids[t.turn_start:], stop_ids)) for rid, t in trajs.items()}
-    rids = list(trajs)
-    scored = (score or (lambda items: [task.reward(p, t) for p, t in items]))(
-        [(meta[rid][0], texts[rid]) for rid in rids])
-    reward_of = dict(zip(rids, scored))
+    texts, reward_of = _score(trajs, meta, tokenizer, task, score)
     sampled, greedy_r, rep, examples, drawn = [], [], [], [], []
     for rid, t in trajs.items():
         p, greedy = meta[rid]

@@ -165,6 +165,7 @@ class StepCollector:
         self.n_groups = self.n_mig = 0
         self.staleness: dict[str, int] = {}  # generated tokens trained, by staleness (bounded staleness)
         self.early: list[M.GroupDone] = []  # groups delivered before the step's turn (kept unacknowledged)
+        self.by_function: dict[str, list[float]] = {}  # a user's task: each reward function's values this step
 
     @property
     def complete(self) -> bool:
@@ -191,22 +192,29 @@ class StepCollector:
             return
         self.took.add(ev.gid)
         p, pids = self.by_gid[ev.gid]
-        samples, texts = [], []
+        samples, texts, ids_of = [], [], []
         for resp in ev.responses:
             if resp.rid in t.seen:
                 t.totals.responses_duplicated += 1
                 continue
             t.seen.add(resp.rid)
-            smp, text = t._sample(self.step, resp, pids, self.budget, self.staleness)
+            smp, text, text_ids = t._sample(self.step, resp, pids, self.budget, self.staleness)
             self.n_mig += int(resp.migrations > 0)
             self.served.update(resp.instances)
             texts.append(text)
+            ids_of.append(text_ids)
             self.lens.append(len(smp.response_ids))
             self.turns.append(resp.turns)
             self.reasons.append(smp.finish_reason)
             samples.append(smp)
         with self.tl.phase(Phase.REWARD):
-            r = t.score([(p, x) for x in texts]) if texts else []
+            r = []
+            if texts and t.score_parts is not None:  # a user's task: each reward function's values too
+                r, parts = t.score_parts([(p, x) for x in texts], ids_of)
+                for name, vals in parts.items():
+                    self.by_function.setdefault(name, []).extend(v for v in vals if v is not None)
+            elif texts:
+                r = t.score([(p, x) for x in texts])
             if samples:
                 t.trained_groups[p.pid] = t.trained_groups.get(p.pid, 0) + len(samples)
                 adv = group_advantages(torch.tensor(r, dtype=torch.float32), std_norm=t.s.advantage_std_norm)
@@ -222,16 +230,21 @@ class RLTrainer:
     """Drives steps against a live manager. ``tokenizer``: a :class:`~rlboost_hpc.models.hf_dir.PolicyTokenizer`
     (prompt ids via ``task.prompt_ids``, stop ids, response text for rewards). ``publish(version)`` publishes the
     backend's weights into the weight server and returns a dict with publish timings. ``score`` computes a
-    group's rewards (``tasks/reward_pool.py`` ``RewardPool.score``: each answer under a deadline)."""
+    group's rewards (``tasks/reward_pool.py`` ``RewardPool.score``: each answer under a deadline); ``score_parts``
+    (a user's task: ``RewardPool.score_parts``) also gives each reward function's values, whose step means are the
+    record's ``reward_functions``."""
 
     def __init__(self, *, client: ManagerClient, backend: TrainerBackend, task: Task, tokenizer,
                  settings: StepSettings, publish: Callable[[int], dict],
                  controller: RolloutController, available: Callable[[], int | None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic,
-                 score: Callable[[list[tuple[Any, str]]], list[float]] | None = None) -> None:
+                 score: Callable[[list[tuple[Any, str]]], list[float]] | None = None,
+                 score_parts: Callable[..., tuple[list[float], dict[str, list[float | None]]]] | None = None) -> None:
         self.client, self.backend, self.task, self.tok = client, backend, task, tokenizer
         # rewards of (prompt, text) pairs: the run's RewardPool (a deadline per answer); inline by default
         self.score = score or (lambda items: [task.reward(p, t) for p, t in items])
+        # a user's task: rewards and each reward function's values of (prompt, text) pairs and their token ids
+        self.score_parts = score_parts
         self.s = settings
         self.stop_ids = tuple(tokenizer.stop_ids)
         self.publish = publish
@@ -288,9 +301,9 @@ class RLTrainer:
         return sum(1 for pid, n in want.items() if self.trained_groups.get(pid, 0) != n)
 
     def _sample(self, step: int, resp: M.Response, prompt_ids: list[int], budget: int,
-                staleness: dict[str, int]) -> tuple[Sample, str]:
-        """A delivered response as a :class:`Sample` (advantage 0 until its group is scored) and the text its reward
-        reads (the final assistant turn, after the last observation). Counts its off-version tokens, its truncation
+                staleness: dict[str, int]) -> tuple[Sample, str, list[int]]:
+        """A delivered response as a :class:`Sample` (advantage 0 until its group is scored), the text its reward
+        reads (the final assistant turn, after the last observation) and that text's token ids. Counts its off-version tokens, its truncation
         and (bounded staleness) its generated tokens by staleness into ``staleness``; a token older than
         ``max_staleness`` versions (or newer than the trained one) is loss-masked.
 
@@ -330,10 +343,11 @@ class RLTrainer:
             by = self.totals.responses_truncated_by_cause
             by[resp.finish_reason] = by.get(resp.finish_reason, 0) + 1
         last = int(np.flatnonzero(obs)[-1]) + 1 if obs.any() else 0
-        text = self.tok.decode(strip_stop(ids[last:].tolist(), self.stop_ids))
+        text_ids = strip_stop(ids[last:].tolist(), self.stop_ids)
+        text = self.tok.decode(text_ids)
         return Sample(prompt_ids=prompt_ids, response_ids=ids.tolist(), behaviour_logprobs=lps.tolist(), advantage=0.0,
                       loss_mask=None if mask is None else mask.tolist(), finish_reason=resp.finish_reason,
-                      staleness=np.clip(lag, 0, None).tolist() if k else None), text
+                      staleness=np.clip(lag, 0, None).tolist() if k else None), text, text_ids
 
     def _group_seed(self, step: int, g: int) -> int:
         return (self.s.seed * 7_919 + step * 104_729 + g * 1_299_709) % (2**31)
@@ -395,7 +409,8 @@ class RLTrainer:
             fixed_overhead_s=fixed_overhead_s(tl.start, tl.end, tl.compute_intervals() + generating),
             fixed_overhead_s_by_phase=tl.overhead_by_phase(generating), instance_s=dict(activity.instance_s),
             instance_activity_s=dict(activity.by_instance_s), response_tail_s=activity.response_tail_s,
-            **policy, **truncation_shares(col.reasons), staleness_tokens=dict(col.staleness), backend=backend)
+            **policy, **truncation_shares(col.reasons), staleness_tokens=dict(col.staleness), backend=backend,
+            reward_functions={k: sum(v) / len(v) for k, v in col.by_function.items() if v})
 
     def _submit(self, step: int, tl: StepTimeline) -> tuple["StepCollector", int, float]:
         """Submit the step's GRPO groups, and under bounded staleness those of the ``max_staleness`` steps after it

@@ -30,7 +30,9 @@ class StepRecord(msgspec.Struct, kw_only=True):
     cap's law before its clamp to the capacity seen: what the run could use; None: unbounded), ``t_wait_train_s``,
     ``fallback_s``, ``t_remote_s``, ``t_wait_remote_s``, ``n_remote``, ``n_available``; truncation —
     ``truncated_share`` and ``truncated_share_by_cause``; ``staleness_tokens`` (bounded staleness: generated tokens
-    trained, by how many versions older than the trained one made them; {} under strict on-policy).
+    trained, by how many versions older than the trained one made them; {} under strict on-policy);
+    ``reward_functions`` (a user's task: each reward function's mean value over the step's responses, ``None``
+    values left out — TRL's ``rewards/<name>``; {} for built-in tasks).
 
     Run (after the step): ``t_s`` (seconds since the run started), ``ts`` (Unix time), ``live_preemptible``,
     ``routable_preemptible``, ``cluster_live``, ``version_serving`` (how the step's version reached the fleet),
@@ -72,6 +74,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
     truncated_share: float
     truncated_share_by_cause: dict[str, float]
     staleness_tokens: dict[str, int] = {}
+    reward_functions: dict[str, float] = {}
     backend: dict[str, Any] = {}
     t_s: float | None = None
     ts: float | None = None

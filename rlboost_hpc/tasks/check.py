@@ -1,0 +1,153 @@
+"""``rlboost-hpc task check --config X``: a dry run of a task before any GPU-hour is spent on it.
+
+It loads the task exactly as a run does (the data set read and prepared, the reward code imported and its
+signatures checked, the reward model probed, the tools' schemas built) and then prints: rows loaded and duplicates
+dropped, three prompts as the model will see them, prompt-token percentiles of every prompt against
+``rollout.max_new_tokens`` and the model's context, each reward function on the row's gold answer (when a column
+holds one) and on an empty completion — in the run's reward processes, under their deadlines — with the seconds per
+reward call, and the tools' JSON schemas.
+
+Invariant: any problem is exit 2 with one line naming the column, function or row (a prompt longer than the context
+left for the response, a reward function that raises, hangs past its deadline or returns bad values); a task that
+passes prints ``task check: OK``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from rlboost_hpc.errors import BadInput
+
+__all__ = ["TaskCheckFailed", "check_task", "task_main"]
+
+#: Prompts whose completions the reward functions are tried on.
+TRY_ROWS = 4
+#: Columns that may hold a gold answer, in the order they are tried (verl's reward_model.ground_truth too).
+GOLD_COLUMNS = ("answer", "ground_truth", "reward_model", "solution", "label")
+
+
+class TaskCheckFailed(BadInput, ValueError):
+    """The task has a problem (named in the message); exit 2."""
+
+
+def _gold(prompt: Any) -> str | None:
+    for col in GOLD_COLUMNS:
+        v = prompt.meta.get(col)
+        if isinstance(v, dict):
+            v = v.get("ground_truth")
+        if v is not None and not isinstance(v, (dict, list)):
+            return str(v)
+    return None
+
+
+def _percentiles(xs: list[int]) -> dict[str, int]:
+    s = sorted(xs)
+    return {f"p{q}": s[min(len(s) - 1, int(q / 100 * len(s)))] for q in (50, 90, 99)} | {"max": s[-1]}
+
+
+def _token_lengths(task: Any, tok: Any, out) -> list[tuple[int, Any]]:
+    """(tokens, prompt) of every prompt of both splits (read in order from the memory-mapped file)."""
+    res = []
+    prompts = task.train_prompts()
+    for i in range(len(prompts)):
+        p = prompts[i]
+        res.append((len(task.prompt_ids(p, tok)), p))
+        if i and i % 100_000 == 0:
+            print(f"  … {i} prompts tokenised", file=out, flush=True)
+    res += [(len(task.prompt_ids(p, tok)), p) for p in task.heldout_prompts()]
+    return res
+
+
+def _check_lengths(cfg: Any, task: Any, policy: Any, out) -> None:
+    lengths = _token_lengths(task, policy.tokenizer, out)
+    ctx, budget = policy.arch.max_position_embeddings, cfg.trajectory_tokens()
+    pc = _percentiles([n for n, _ in lengths])
+    print(f"prompt tokens: {pc} (rollout.max_new_tokens {cfg.rollout.max_new_tokens}, response budget {budget}, "
+          f"context {ctx})", file=out)
+    n, worst = max(lengths, key=lambda x: x[0])
+    if n + budget > ctx:
+        raise TaskCheckFailed(f"prompt {worst.pid} ({worst.text[:60]!r}…) is {n} tokens: with the response budget of "
+                              f"{budget} it exceeds the model's context of {ctx} (column {task.prompt_field!r})")
+
+
+def _check_rewards(task: Any, pool: Any, out) -> None:
+    prompts = list(task.train_prompts()[:TRY_ROWS])
+    items = []
+    for p in prompts:
+        gold = _gold(p)
+        items += [(p, "")] + ([(p, gold)] if gold is not None else [])
+    t0 = time.monotonic()
+    try:
+        _, parts = pool.score_parts(items)
+    except Exception as e:  # noqa: BLE001 - RewardFunctionFailed names the function and the prompt
+        raise TaskCheckFailed(str(e)) from None
+    per_call = (time.monotonic() - t0) / max(1, len(prompts) * len(pool.components))
+    for c in pool.components:
+        vals = parts[c.name]
+        on_gold = [v for (p, x), v in zip(items, vals) if x and x == _gold(p)]
+        on_empty = [v for (p, x), v in zip(items, vals) if x == ""]
+        print(f"reward {c.name} ({c.kind}, weight {c.weight:g}): gold answer {on_gold or 'no gold column'}, "
+              f"empty completion {on_empty}", file=out)
+    print(f"seconds per reward call: {per_call:.3f} (deadline {task.cfg.reward_timeout_s:g} s per function call)",
+          file=out)
+
+
+def check_task(cfg: Any, out=sys.stdout) -> None:
+    """Run the checks of the module docstring on the run configuration ``cfg`` (a ``RunConfig``).
+
+    Raises:
+        BadInput: the first problem found (a :class:`TaskCheckFailed` or the loader's own error).
+    """
+    from rlboost_hpc.models.hf_dir import load_model_dir
+    from rlboost_hpc.models.llama2c import ensure_converted
+    from rlboost_hpc.paths import using_data_dir
+    from rlboost_hpc.tasks.reward_pool import RewardFunctionFailed, RewardPool
+    from rlboost_hpc.tasks.user_task import UserTask
+
+    if not cfg.task.dataset:
+        raise TaskCheckFailed("task check is for your own task: set task.dataset (and its rewards)")
+    cfg.task.reward_errors = "fail"  # the first failure names its function and row
+    with using_data_dir(cfg.data.dir):
+        from pathlib import Path
+
+        path = Path(cfg.model.path).expanduser() if cfg.model.path else ensure_converted(
+            Path(cfg.model.cache_dir).expanduser())
+        policy = load_model_dir(path, chat=cfg.task.chat_template)
+    task = UserTask(cfg.task).load()
+    if task.tool_schemas:
+        print("tools:", json.dumps(task.tool_schemas, indent=1), file=out)
+    print(f"rows: {len(task.table)} read into {task.table.path} ({task.table.duplicates} duplicates dropped); "
+          f"train {len(task.train_prompts())}, held out {len(task.heldout_prompts())} (first of "
+          f"{len(task.heldout_table) if task.heldout_table is not None else 'the drawn'} rows)", file=out)
+    for p in list(task.train_prompts()[:3]):
+        print(f"--- prompt {p.pid}:\n{policy.tokenizer.render_prompt(task.prompt_ids(p, policy.tokenizer))}", file=out)
+    _check_lengths(cfg, task, policy, out)
+    secs = task.check_endpoint()
+    if secs:
+        print(f"reward model {cfg.task.reward_model.url}: answered in {secs:.3f} s", file=out)
+    with RewardPool(task, workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s) as pool:
+        try:
+            _check_rewards(task, pool, out)
+        except RewardFunctionFailed as e:
+            raise TaskCheckFailed(str(e)) from None
+    print("task check: OK", file=out)
+
+
+def task_main(argv: list[str]) -> int:
+    """``rlboost-hpc task check --config X [--set K=V ...]``; returns the exit status (0, or raises BadInput)."""
+    from rlboost_hpc.clihelp import DefaultsHelpFormatter
+    from rlboost_hpc.config import load_config
+
+    p = argparse.ArgumentParser(prog="rlboost-hpc task", description="Dry-run your own task before training: "
+                                "data, prompts, prompt lengths, rewards, tools.", formatter_class=DefaultsHelpFormatter)
+    sub = p.add_subparsers(dest="action", required=True)
+    c = sub.add_parser("check", help="check a task (exit 2 naming the column, function or row on any problem)",
+                       formatter_class=DefaultsHelpFormatter)
+    c.add_argument("--config", required=True, help="the run's TOML config (its [task] table is checked)")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted override (repeatable)")
+    a = p.parse_args(argv)
+    check_task(load_config(a.config, a.set))
+    return 0

@@ -1,0 +1,289 @@
+"""Your own task (``task.dataset``): prompts from your file, rewards from your functions, a judge, your tools.
+
+:class:`UserTask` is a :class:`~rlboost_hpc.tasks.base.Task` built from the ``task.*`` keys. Invariants:
+- Prompts: the ``task.prompt_field`` column is a string or a chat message list ``[{role, content}, ...]``; every
+  other column of the row is the prompt's ``meta`` and travels to the reward. With a chat template the prompt is
+  rendered as messages (``task.system_prompt`` first unless the list has a system message; the tools' JSON schemas
+  through the template's ``tools=``); without one, as plain text: the system prompt, the tools' preamble and the
+  messages' contents, separated by blank lines.
+- Ids and splits: a prompt's id is its row's content hash (:mod:`rlboost_hpc.tasks.dataset`). The held-out prompts
+  are ``task.heldout_dataset``'s rows (those also in ``task.dataset`` leave the training split), else the rows whose
+  content hash, mixed with ``task.split_seed``, falls in ``task.heldout_fraction`` — so an appended or reshuffled file
+  keeps each row's side. Both splits keep file order; training uses every row unless ``task.train_prompts`` is set
+  explicitly (then its first rows), evaluation the first ``task.heldout_prompts`` held-out rows.
+- The data set is memory-mapped: the training split is a lazy sequence (:class:`PromptRows`) whose prompts are read
+  when the data frontier takes them; pickling the task (to the reward processes) carries no rows.
+- Bad input — a missing or wrongly typed prompt column, an empty prompt, an unusable reward function, a judge
+  template naming no column, an unset API-key variable, an unreachable endpoint — is a
+  :class:`~rlboost_hpc.errors.BadInput` (exit 2) naming the key, column, function or row.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import string
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from rlboost_hpc.errors import BadInput
+from rlboost_hpc.tasks.base import Prompt, Task
+from rlboost_hpc.tasks.dataset import DatasetError, PromptTable, open_prepared
+from rlboost_hpc.tasks.user_code import load_object
+from rlboost_hpc.tasks.user_rewards import RewardComponent, call_component, classify
+
+log = logging.getLogger("rlboost.tasks")
+
+__all__ = ["PromptRows", "UserTask", "heldout_draw", "make_task"]
+
+_M64 = (1 << 64) - 1
+
+
+def heldout_draw(hashes: np.ndarray, seed: int) -> np.ndarray:
+    """A uniform draw in ``[0, 1)`` per row from its 64-bit content hash and ``seed`` (splitmix64's finaliser)."""
+    x = hashes.astype(np.uint64) ^ np.uint64((seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & _M64)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = x ^ (x >> np.uint64(31))
+    return (x >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+
+
+class PromptRows(Sequence):
+    """The prompts of ``rows`` (indices into ``task``'s table), read on access; slicing gives another view."""
+
+    def __init__(self, task: "UserTask", table: PromptTable, rows: np.ndarray) -> None:
+        self.task, self.table, self.rows = task, table, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):  # noqa: ANN001 - int or slice, as a Sequence takes
+        if isinstance(i, slice):
+            return PromptRows(self.task, self.table, self.rows[i])
+        return self.task.prompt_at(self.table, int(self.rows[i]))
+
+
+def _is_messages_type(t: str) -> bool:
+    return t.startswith(("list<", "large_list<")) and "struct<" in t and "role" in t and "content" in t
+
+
+class UserTask(Task):
+    """A task from the ``task.*`` keys (see the module docstring). ``cfg``: the run's ``TaskCfg``; call
+    :meth:`load` (in the trainer's allocation) before use.
+
+    Raises (from :meth:`load`):
+        DatasetError: an unreadable data set, a missing or wrongly typed prompt column, an empty prompt, no rows.
+        UserCodeError: a reward function or tool that cannot be imported or has an unusable signature.
+        BadInput: a judge template naming no column, an unset API-key variable.
+    """
+
+    name = "user"
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.prompt_field = cfg.prompt_field
+        self.components: list[RewardComponent] = []
+        self.tool_schemas: list[dict] = []
+        self.tool_preamble = ""
+        self.table: PromptTable | None = None
+        self.heldout_table: PromptTable | None = None
+        self._train = self._heldout = np.zeros(0, dtype=np.int64)
+
+    # ------------------------------------------------------------------ loading
+    def load(self) -> "UserTask":
+        """Read (or reuse the prepared copy of) the data sets, split them, import and check the reward functions."""
+        c = self.cfg
+        self.table = open_prepared(c.dataset, split=c.dataset_split, key="task.dataset", cache_dir=c.dataset_cache_dir)
+        self._check_prompt_column(self.table, "task.dataset")
+        everything = np.arange(len(self.table), dtype=np.int64)
+        if c.heldout_dataset:
+            self.heldout_table = open_prepared(c.heldout_dataset, split=c.heldout_split, key="task.heldout_dataset",
+                                               cache_dir=c.dataset_cache_dir)
+            self._check_prompt_column(self.heldout_table, "task.heldout_dataset")
+            held = np.arange(len(self.heldout_table), dtype=np.int64)
+            overlap = self.table.pid_in(self.heldout_table)
+            if overlap.any():
+                log.warning("%d rows of task.dataset are also in task.heldout_dataset: they are held out only",
+                            int(overlap.sum()))
+            train = everything[~overlap]
+        else:
+            mask = heldout_draw(self.table.hashes(), c.split_seed) < c.heldout_fraction
+            train, held = everything[~mask], everything[mask]
+        if len(held) == 0:
+            raise DatasetError(f"no held-out prompts: task.heldout_fraction = {c.heldout_fraction} of "
+                               f"{len(self.table)} rows; set task.heldout_dataset or a larger fraction")
+        if len(train) == 0:
+            raise DatasetError("task.dataset: no training prompts left after the held-out split")
+        if "train_prompts" in c.model_fields_set:
+            train = train[: c.train_prompts]
+        self._train, self._heldout = train, held[: c.heldout_prompts]
+        self.components = self._components()
+        if c.tools:
+            from rlboost_hpc.tasks.tools import ToolSyntax
+            from rlboost_hpc.tasks.user_tools import load_tools, tool_preamble
+
+            self.tool_schemas = [schema for _, _, schema in load_tools(c.tools)]
+            self.tool_preamble = tool_preamble(self.tool_schemas, ToolSyntax(c.tool_call_open, c.tool_call_close))
+        return self
+
+    def _check_prompt_column(self, table: PromptTable, key: str) -> None:
+        pf = self.prompt_field
+        if pf not in table.columns:
+            raise DatasetError(f"task.prompt_field = {pf!r}: {key} ({table.source}) has no column {pf!r} (columns: "
+                               f"{', '.join(table.columns)})")
+        st = table.stats.get(pf, {})
+        t = st.get("type", "")
+        if t not in ("string", "large_string") and not _is_messages_type(t):
+            raise DatasetError(f"{key}: column {pf!r} is {t}; a prompt is a string or a chat message list "
+                               "[{role, content}, ...]")
+        bad = int(st.get("nulls", 0)) + int(st.get("empty", 0))
+        if bad:
+            raise DatasetError(f"{key}: column {pf!r} is empty or null in {bad} row(s), the first at row "
+                               f"{st.get('first_bad_row')} of {table.source}")
+
+    def _components(self) -> list[RewardComponent]:
+        c, out, names = self.cfg, [], set()
+        columns = [x for x in self.table.columns if x != self.prompt_field]
+        weights = list(c.reward_weights) if c.reward_weights is not None else None
+        for i, ref in enumerate(c.reward_functions):
+            key = f"task.reward_functions[{i}]"
+            fn = load_object(ref, key)
+            kind, accepts = classify(fn, ref, key, columns)
+            name = getattr(fn, "__name__", ref.rpartition(":")[2])
+            while name in names:
+                name += "_"
+            names.add(name)
+            out.append(RewardComponent(name=name, weight=weights[i] if weights else 1.0, kind=kind, ref=ref, key=key,
+                                       accepts=accepts, is_async=inspect.iscoroutinefunction(fn),
+                                       timeout_s=c.reward_timeout_s))
+        if c.reward_model is not None:
+            out.append(self._model_component(columns, weights[-1] if weights else c.reward_model.weight, names))
+        return out
+
+    def _model_component(self, columns: list[str], weight: float, names: set[str]) -> RewardComponent:
+        import os
+
+        from rlboost_hpc.tasks.reward_model import RewardModelClient
+
+        rm = self.cfg.reward_model
+        if rm.kind == "judge":
+            known = {"prompt", "completion", *columns}
+            for _, field, _, _ in string.Formatter().parse(rm.prompt_template):
+                if field is not None and field.split(".")[0].split("[")[0] not in known:
+                    raise BadInput(f"task.reward_model.prompt_template names {{{field}}}, which is no column of "
+                                   f"task.dataset (columns: {', '.join(columns)}) nor prompt/completion")
+        if rm.api_key_env and not os.environ.get(rm.api_key_env):
+            raise BadInput(f"task.reward_model.api_key_env = {rm.api_key_env}: that environment variable is not set")
+        client = RewardModelClient(**rm.model_dump(exclude={"name", "weight"}))
+        name = rm.name if rm.name not in names else rm.name + "_"
+        return RewardComponent(name=name, weight=weight, kind="model", key="task.reward_model",
+                               timeout_s=client.call_budget_s(), model=client)
+
+    def check_endpoint(self) -> float:
+        """Score one empty completion of the first training prompt with the reward model; returns the seconds it
+        took (0.0 without a reward model).
+
+        Raises:
+            BadInput: the endpoint is unreachable or answers wrongly (the URL and the cause named).
+        """
+        import time
+
+        from rlboost_hpc.tasks.reward_model import RewardModelError
+
+        comp = next((c for c in self.components if c.kind == "model"), None)
+        if comp is None:
+            return 0.0
+        t0 = time.monotonic()
+        try:
+            comp.model.score(self.train_prompts()[0], [""])
+        except RewardModelError as e:
+            raise BadInput(f"task.reward_model.url = {comp.model.url}: {e}") from None
+        return time.monotonic() - t0
+
+    def fingerprints(self) -> dict[str, str]:
+        """Config key → fingerprint of each data set (what a checkpoint records)."""
+        out = {"task.dataset": self.table.fingerprint}
+        if self.heldout_table is not None:
+            out["task.heldout_dataset"] = self.heldout_table.fingerprint
+        return out
+
+    # ------------------------------------------------------------------ prompts
+    def prompt_at(self, table: PromptTable, i: int) -> Prompt:
+        """The :class:`Prompt` of row ``i`` of ``table``."""
+        row = table.row(i)
+        value = row.pop(self.prompt_field)
+        if isinstance(value, str):
+            return Prompt(pid=table.pid(i), text=value, meta=row)
+        msgs = [{k: v for k, v in m.items() if v is not None} for m in value]
+        last_user = next((m.get("content", "") for m in reversed(msgs) if m.get("role") == "user"), "")
+        return Prompt(pid=table.pid(i), text=str(last_user), meta=row, messages=msgs)
+
+    def train_prompts(self) -> PromptRows:
+        return PromptRows(self, self.table, self._train)
+
+    def heldout_prompts(self) -> list[Prompt]:
+        table = self.heldout_table if self.heldout_table is not None else self.table
+        return [self.prompt_at(table, int(i)) for i in self._heldout]
+
+    def longest_prompts(self) -> list[Prompt]:
+        """The prompts with the most characters (per the prepared file's statistics) of both splits: what the
+        context check tokenises."""
+        out = []
+        for table in filter(None, (self.table, self.heldout_table)):
+            rows = [r for _, r in table.stats.get(self.prompt_field, {}).get("longest", [])]
+            out += [self.prompt_at(table, r) for r in rows]
+        return out
+
+    def messages(self, prompt: Prompt) -> list[dict[str, Any]]:
+        """The chat of ``prompt``: its messages (or one user message), ``task.system_prompt`` first unless it has one."""
+        msgs = list(prompt.messages) if prompt.messages is not None else [{"role": "user", "content": prompt.text}]
+        if self.cfg.system_prompt and not any(m.get("role") == "system" for m in msgs):
+            msgs.insert(0, {"role": "system", "content": self.cfg.system_prompt})
+        return msgs
+
+    def format_prompt(self, prompt: Prompt) -> str:
+        parts = [m.get("content", "") for m in self.messages(prompt) if m.get("role") == "system"]
+        if self.tool_preamble:
+            parts.append(self.tool_preamble)
+        parts += [str(m.get("content", "")) for m in self.messages(prompt) if m.get("role") != "system"]
+        return "\n\n".join(p for p in parts if p)
+
+    def chat_content(self, prompt: Prompt) -> str:
+        return self.format_prompt(prompt)
+
+    def prompt_ids(self, prompt: Prompt, tokenizer) -> list[int]:
+        if tokenizer.use_chat:
+            return tokenizer.encode_messages(self.messages(prompt), tools=self.tool_schemas or None)
+        return tokenizer.encode_text(self.format_prompt(prompt))
+
+    # ------------------------------------------------------------------ rewards
+    def reward(self, prompt: Prompt, response_text: str) -> float:
+        """The weighted reward of one completion, computed in this process (the reward pool calls
+        :func:`~rlboost_hpc.tasks.user_rewards.call_component` per component instead, each under its deadline)."""
+        total = 0.0
+        for comp in self.components:
+            v = call_component(comp, prompt, [response_text], None, self.prompt_field)[0]
+            total += comp.weight * (v or 0.0)
+        return total
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "table": None, "heldout_table": None, "_train": None, "_heldout": None}
+
+    def __repr__(self) -> str:
+        return f"UserTask(dataset={self.cfg.dataset!r}, rewards={[c.name for c in self.components]})"
+
+
+def make_task(task_cfg: Any):
+    """The run's task: a :class:`UserTask` (loaded) when ``task.dataset`` is set, else the built-in ``task.name``
+    with ``task.train_prompts`` / ``task.heldout_prompts``.
+
+    Raises:
+        BadInput: see :meth:`UserTask.load`; ValueError: an unknown built-in name.
+    """
+    from rlboost_hpc.tasks.base import get_task
+
+    if task_cfg.dataset:
+        return UserTask(task_cfg).load()
+    return get_task(task_cfg.name, n_train=task_cfg.train_prompts, n_heldout=task_cfg.heldout_prompts)
+

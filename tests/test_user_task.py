@@ -1,0 +1,367 @@
+"""Your own task (issue 48): prompts from a file, reward functions, a reward model behind HTTP, tools, task check.
+
+Real files in every format the loader takes (JSONL, Parquet, a ``datasets.save_to_disk`` directory, a local directory
+through ``datasets.load_dataset``), real reward processes with their deadlines, a real HTTP server on 127.0.0.1
+(``tests/_judge_server.py``) for the judge, and the command line for ``task check``'s exit codes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlboost_hpc.config_task import TaskCfg
+from rlboost_hpc.errors import BadInput
+from rlboost_hpc.tasks.stories import OPENINGS
+from rlboost_hpc.tasks.user_task import UserTask, make_task
+
+REPO = Path(__file__).resolve().parent.parent
+
+REWARDS = '''
+import asyncio
+
+def has_quote(prompts, completions, **kwargs):
+    """TRL: 1 when the completion holds a double quote."""
+    return [1.0 if '"' in c else 0.0 for c in completions]
+
+def by_column(completions, answer):
+    """TRL, only the keywords it names: the row's answer column."""
+    return [1.0 if a in c else 0.0 for c, a in zip(completions, answer)]
+
+async def async_len(prompts, completions, completion_ids, **kw):
+    await asyncio.sleep(0)
+    return [float(len(i)) for i in completion_ids]
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": 1.0 if ground_truth in solution_str else 0.0, "source": data_source}
+
+async def async_verl(data_source, solution_str, ground_truth, extra_info):
+    return 0.5
+
+def not_applicable(completions, **kw):
+    return [None for _ in completions]
+
+def raises(completions, **kw):
+    raise RuntimeError("boom")
+
+def wrong_length(completions, **kw):
+    return []
+
+def nan(completions, **kw):
+    return [float("nan")] * len(completions)
+
+def a_string(completions, **kw):
+    return ["high"] * len(completions)
+
+def hangs(completions, **kw):
+    import time
+    time.sleep(60)
+
+def bad_signature(x, y):
+    return [0.0]
+
+def needs_missing_column(completions, nope):
+    return [0.0] * len(completions)
+'''
+
+
+def _rows(n: int = 40) -> list[dict]:
+    return [{"prompt": OPENINGS[i], "answer": "the", "data_source": "stories", "n": i} for i in range(n)]
+
+
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def user_files(tmp_path):
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    return tmp_path
+
+
+def _task(tmp_path, data, *refs, **kw) -> UserTask:
+    cfg = TaskCfg(dataset=str(data), dataset_cache_dir=str(tmp_path / "cache"), reward_functions=[
+        f"{tmp_path / 'rewards.py'}:{r}" for r in refs or ("has_quote",)], **kw)
+    return make_task(cfg)
+
+
+# ------------------------------------------------------------------------------------------- data sets
+
+
+def test_every_format_gives_the_same_rows_and_ids(user_files):
+    """JSONL, Parquet, a save_to_disk directory and a local directory through datasets.load_dataset: one content,
+    one set of ids (a row's id is its content's hash, whatever the file)."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tmp, rows = user_files, _rows()
+    sources = {"jsonl": _jsonl(tmp / "p.jsonl", rows)}
+    pq.write_table(pa.Table.from_pylist(rows), tmp / "p.parquet")
+    sources["parquet"] = tmp / "p.parquet"
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp / "disk"))
+    sources["disk"] = tmp / "disk"
+    (tmp / "hubdir").mkdir()
+    _jsonl(tmp / "hubdir/train.jsonl", rows)
+    sources["load_dataset"] = tmp / "hubdir"
+    ids = {}
+    for kind, src in sources.items():
+        t = _task(tmp, src, heldout_fraction=0.25)
+        ids[kind] = sorted(p.pid for p in list(t.train_prompts()) + t.heldout_prompts())
+        assert len(t.table) == len(rows) and t.table.duplicates == 0, kind
+    assert len({tuple(v) for v in ids.values()}) == 1, ids
+    t = _task(tmp, sources["jsonl"], heldout_fraction=0.25)
+    p = t.train_prompts()[0]
+    assert p.text in OPENINGS and p.meta["answer"] == "the" and "prompt" not in p.meta
+
+
+def test_ids_survive_a_reshuffle_and_an_append_and_duplicates_are_dropped_and_counted(user_files):
+    tmp, rows = user_files, _rows()
+    a = _task(tmp, _jsonl(tmp / "a.jsonl", rows), heldout_fraction=0.25)
+    b = _task(tmp, _jsonl(tmp / "b.jsonl", list(reversed(rows)) + _rows(45)[40:] + rows[:3]), heldout_fraction=0.25)
+    ids = lambda t: {p.pid: p.text for p in list(t.train_prompts()) + t.heldout_prompts()}  # noqa: E731
+    assert ids(a).items() <= ids(b).items()  # the same rows keep their ids (and their side of the split)
+    assert {p.pid for p in a.heldout_prompts()} <= {p.pid for p in b.heldout_prompts()} | {
+        p.pid for p in b.train_prompts()} and b.table.duplicates == 3 and len(b.table) == 45
+    held_a = {p.pid for p in a.heldout_prompts()}
+    assert held_a and held_a.isdisjoint(p.pid for p in b.train_prompts())
+    assert a.table.fingerprint != b.table.fingerprint
+
+
+def test_chat_message_prompts_and_a_system_prompt_render_through_the_chat_template(user_files):
+    from _models import train_tokenizer
+
+    from rlboost_hpc.models.hf_dir import PolicyTokenizer
+
+    tmp = user_files
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": str(i + 1)} for i in range(12)]
+    t = _task(tmp, _jsonl(tmp / "chat.jsonl", rows), "has_quote", system_prompt="Be brief.", heldout_fraction=0.3)
+    p = t.train_prompts()[0]
+    assert p.messages == rows[int(p.text.split()[2])]["prompt"]
+    hf = train_tokenizer(bos=False)
+    tok = PolicyTokenizer.__new__(PolicyTokenizer)
+    tok.hf, tok.use_chat = hf, True
+    text = hf.decode(t.prompt_ids(p, tok))
+    assert text == f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n{p.text}<|im_end|>\n" \
+                   "<|im_start|>assistant\n"
+    assert t.format_prompt(p) == f"Be brief.\n\n{p.text}"  # without a template: plain text
+
+
+@pytest.mark.parametrize("content, problem", [
+    (None, "no such file"),
+    ("a,b\n1,2\n", "unknown format"),
+    ('{"prompt": "ok"}\n{not json\n', "cannot be read"),
+    ('{"question": "x"}\n', "has no column 'prompt'"),
+    ('{"prompt": 3}\n', "column 'prompt' is int64"),
+    ('{"prompt": "fine"}\n{"prompt": ""}\n{"prompt": "x"}\n', "empty or null in 1 row(s), the first at row 2"),
+    ('{"prompt": "a", "__rlboost_pid": "x"}\n', "reserved"),
+])
+def test_bad_data_is_bad_input_naming_the_key_and_the_column(user_files, content, problem):
+    tmp = user_files
+    path = tmp / ("data.txt" if problem == "unknown format" else "data.jsonl")
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(BadInput) as e:
+        _task(tmp, path)
+    assert problem in str(e.value) and ("task.dataset" in str(e.value) or "task.prompt_field" in str(e.value)), e.value
+
+
+# ------------------------------------------------------------------------------------------- reward functions
+
+
+def test_signatures_are_told_apart_and_unusable_ones_are_bad_input(user_files):
+    tmp = user_files
+    data = _jsonl(tmp / "d.jsonl", _rows())
+    t = _task(tmp, data, "has_quote", "by_column", "async_len", "compute_score", "async_verl")
+    kinds = {c.name: (c.kind, c.accepts, c.is_async) for c in t.components}
+    assert kinds["has_quote"] == ("trl", None, False) and kinds["by_column"] == ("trl", ("completions", "answer"), False)
+    assert kinds["async_len"][2] and kinds["compute_score"][0] == "verl" and kinds["async_verl"][:1] == ("verl",)
+    for ref, why in [("bad_signature", "unusable signature"), ("needs_missing_column", "'nope' is no column"),
+                     ("absent", "has no 'absent'")]:
+        with pytest.raises(BadInput, match=why):
+            _task(tmp, data, ref)
+    (tmp / "broken.py").write_text("import not_a_module_anywhere\n")
+    with pytest.raises(BadInput, match=r"task.reward_functions\[0\].*ModuleNotFoundError"):
+        make_task(TaskCfg(dataset=str(data), dataset_cache_dir=str(tmp / "cache"),
+                          reward_functions=[f"{tmp / 'broken.py'}:f"]))
+
+
+def test_the_reward_pool_combines_functions_by_weight_and_counts_each_failure(user_files, caplog):
+    """TRL (with columns, ids, async), verl (dict, async), None = not applicable; a function that raises, returns the
+    wrong length, NaN, a string or hangs past its deadline: its term is 0, counted per function, logged once."""
+    from rlboost_hpc.tasks.reward_pool import RewardFunctionFailed, RewardPool
+
+    tmp = user_files
+    good = ["has_quote", "by_column", "async_len", "compute_score", "async_verl", "not_applicable"]
+    bad = ["raises", "wrong_length", "nan", "a_string", "hangs"]
+    t = _task(tmp, _jsonl(tmp / "d.jsonl", _rows()), *good, *bad,
+              reward_weights=[1.0, 2.0, 0.5, 1.0, 1.0, 1.0] + [1.0] * len(bad), reward_timeout_s=3.0)
+    p = t.train_prompts()[0]
+    with RewardPool(t, workers=2, timeout_s=3.0) as pool:
+        items = [(p, 'She said "the end"'), (p, "no quote")]
+        r, parts = pool.score_parts(items, [[5, 6, 7], [8]])
+        assert parts["has_quote"] == [1.0, 0.0] and parts["by_column"] == [1.0, 0.0]
+        assert parts["async_len"] == [3.0, 1.0] and parts["compute_score"] == [1.0, 0.0]
+        assert parts["async_verl"] == [0.5, 0.5] and parts["not_applicable"] == [None, None]
+        assert r == [1.0 + 2.0 + 1.5 + 1.0 + 0.5, 0.5 + 0.5]
+        for name in bad:
+            assert parts[name] == [0.0, 0.0]
+        tallies = pool.take_tallies()
+        assert tallies["hangs"]["timed_out"] == 1 and all(tallies[n]["failed"] == 1 for n in bad[:-1])
+        assert tallies["has_quote"] == {"calls": 1, "failed": 0, "timed_out": 0, "mean": 0.5}
+        pool.score_parts(items)
+        assert [r.getMessage() for r in caplog.records].count(
+            next(m.getMessage() for m in caplog.records if "reward raises" in m.getMessage())) == 1
+    t.cfg.reward_errors = "fail"
+    with RewardPool(t, workers=1, timeout_s=3.0) as pool, pytest.raises(RewardFunctionFailed, match="raises"):
+        pool.score_parts([(p, "x")])
+
+
+# ------------------------------------------------------------------------------------------- reward model
+
+
+@pytest.fixture
+def judge(monkeypatch):
+    """The judge server of tests/_judge_server.py on 127.0.0.1, key in JUDGE_KEY; yields (base URL, stats())."""
+    import urllib.request
+
+    monkeypatch.setenv("JUDGE_KEY", "sekrit")
+    procs = []
+
+    def start(*args: str):
+        proc = subprocess.Popen([sys.executable, str(REPO / "tests/_judge_server.py"), "--key-env", "JUDGE_KEY",
+                                 *args], stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
+        port = int(proc.stdout.readline().split()[1])
+        base = f"http://127.0.0.1:{port}"
+        return base, lambda: json.loads(urllib.request.urlopen(base + "/stats", timeout=5).read())
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def test_an_llm_judge_and_a_scoring_route_over_real_http_with_retries_and_the_key_from_the_environment(
+        user_files, judge):
+    from rlboost_hpc.config_task import RewardModelCfg
+    from rlboost_hpc.tasks.reward_model import RewardModelError
+    from rlboost_hpc.tasks.reward_pool import RewardPool
+
+    tmp = user_files
+    base, stats = judge("--fail-first", "2")
+    data = _jsonl(tmp / "d.jsonl", _rows())
+    rm = RewardModelCfg(url=base + "/v1/chat/completions", api_key_env="JUDGE_KEY", weight=0.5, timeout_s=5)
+    t = _task(tmp, data, "has_quote", reward_model=rm)
+    assert t.check_endpoint() > 0  # two 503s absorbed by the retries
+    p = t.train_prompts()[0]
+    with RewardPool(t, workers=1, timeout_s=5.0) as pool:
+        r, parts = pool.score_parts([(p, 'a "quote"'), (p, "none")])
+    assert parts["reward_model"] == [1.0, 0.0] and r == [1.5, 0.0]
+    assert stats()["failed_on_purpose"] == 2 and stats()["refused"] == 0
+    score = _task(tmp, data, "has_quote", reward_model=RewardModelCfg(url=base + "/score", kind="score",
+                                                                     api_key_env="JUDGE_KEY"))
+    assert score.components[-1].model.score(p, ['"', "x"]) == [1.0, 0.0]
+    os.environ["JUDGE_KEY"] = "wrong"  # (monkeypatch restores it)
+    with pytest.raises(RewardModelError, match="HTTP 401"):
+        score.components[-1].model.score(p, ["x"])
+    dead = _task(tmp, data, "has_quote", reward_model=RewardModelCfg(url="http://127.0.0.1:9/v1/chat/completions",
+                                                                    retries=1, timeout_s=1))
+    with pytest.raises(BadInput, match=r"task.reward_model.url = http://127.0.0.1:9.*connection failed"):
+        dead.check_endpoint()
+    with pytest.raises(BadInput, match="NO_SUCH_VAR"):
+        _task(tmp, data, "has_quote", reward_model=RewardModelCfg(url=base, api_key_env="NO_SUCH_VAR"))
+    with pytest.raises(BadInput, match=r"\{gold\}"):
+        _task(tmp, data, "has_quote", reward_model=RewardModelCfg(url=base, prompt_template="{gold} {completion}"))
+
+
+# ------------------------------------------------------------------------------------------- tools
+
+
+def test_tools_get_their_schema_from_type_hints_and_docstring_and_run_in_the_environment(user_files,
+                                                                                         stories260k_hf_dir):
+    from rlboost_hpc.tasks.tools import ToolEnvironment, ToolSyntax
+    from rlboost_hpc.tasks.user_tools import load_tools
+
+    tmp = user_files
+    (tmp / "tools.py").write_text('''
+def lookup(word: str) -> str:
+    """Look a word up.
+
+    Args:
+        word: the word.
+    """
+    return {"cat": "a small animal"}.get(word, "unknown")
+
+def add(a: int, b: int = 1) -> dict:
+    """Add two integers.
+
+    Args:
+        a: first.
+        b: second.
+    """
+    return {"sum": a + b}
+
+def untyped(x):
+    """No hints.
+
+    Args:
+        x: something.
+    """
+''')
+    tools = load_tools([f"{tmp / 'tools.py'}:lookup", f"{tmp / 'tools.py'}:add"])
+    assert [n for n, _, _ in tools] == ["lookup", "add"]
+    assert tools[1][2]["function"]["parameters"]["required"] == ["a"]
+    with pytest.raises(BadInput, match=r"task.tools\[0\].*untyped.*type hint"):
+        load_tools([f"{tmp / 'tools.py'}:untyped"])
+    env = ToolEnvironment(str(stories260k_hf_dir), use_chat=False, syntax=ToolSyntax("", "."),
+                          tools=(f"{tmp / 'tools.py'}:lookup", f"{tmp / 'tools.py'}:add"))
+    env.setup()
+    step = lambda text: env(("step", env._hf(text, add_special_tokens=False)["input_ids"]))  # noqa: E731
+    assert step('{"name": "lookup", "arguments": {"word": "cat"}}.').text == "a small animal"
+    assert json.loads(step('{"name": "add", "arguments": {"a": 2, "b": 5}}.').text) == {"sum": 7}
+    bad = step('{"name": "add", "arguments": {"z": 1}}.')
+    assert bad.error and "bad arguments for add" in bad.text
+    assert "unknown tool 'calculator'" in step("2 + 3.").text  # the calculator is one tool among others
+
+
+# ------------------------------------------------------------------------------------------- task check
+
+
+def _cli(*args, cwd=REPO, env=None) -> subprocess.CompletedProcess:
+    e = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "rlboost_hpc.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, env=e, timeout=300)
+
+
+def test_task_check_passes_the_gsm8k_example_and_names_what_is_wrong_with_bad_tasks(user_files):
+    tmp = user_files
+    cache = f"task.dataset_cache_dir='{tmp / 'cache'}'"
+    ok = _cli("task", "check", "--config", "examples/gsm8k_jsonl/config.toml", "--set", cache)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "task check: OK" in ok.stdout and "prompt tokens:" in ok.stdout and "reward correct" in ok.stdout
+    data = _jsonl(tmp / "d.jsonl", _rows())
+    base = ["task", "check", "--config", "configs/local.toml", "--set", cache, "--set", f"task.dataset='{data}'"]
+    for fn, why in [("raises", "reward raises"), ("hangs", "ran past 2 s")]:
+        p = _cli(*base, "--set", f"task.reward_functions=['{tmp / 'rewards.py'}:{fn}']", "--set",
+                 "task.reward_timeout_s=2")
+        assert p.returncode == 2 and why in p.stderr and "Traceback" not in p.stderr, (fn, p.stderr[-2000:])
+    long = _jsonl(tmp / "long.jsonl", _rows() + [{"prompt": "word " * 600, "answer": "x", "data_source": "s",
+                                                  "n": 99}])
+    p = _cli(*base, "--set", f"task.dataset='{long}'", "--set",
+             f"task.reward_functions=['{tmp / 'rewards.py'}:has_quote']")
+    assert p.returncode == 2 and "exceeds the model's context" in p.stderr and "column 'prompt'" in p.stderr, p.stderr
+
+
+def test_a_heldout_fraction_of_zero_and_no_reward_are_refused(user_files):
+    tmp = user_files
+    data = _jsonl(tmp / "d.jsonl", _rows())
+    with pytest.raises(BadInput, match="no held-out prompts"):
+        _task(tmp, data, heldout_fraction=0.0)
+    with pytest.raises(ValueError, match="task.dataset needs a reward"):
+        TaskCfg(dataset=str(data))
+    assert 10 <= len(_task(tmp, data, heldout_fraction=0.5).heldout_prompts()) <= 30
