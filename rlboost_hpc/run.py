@@ -456,14 +456,7 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
                     "train_wall_s": resume.train_wall_s + time.monotonic() - t_train0}, durable=[rd.metrics])
             # (the checkpoint keeps the step as it was before its own save: its phases sum to its wall time too)
             add_phase(m, Phase.CHECKPOINT, time.monotonic() - t_after)
-            svc.client.send(M.StepTimes(step=step, wall_s=m["wall_s"], phases=m["phase_s"],
-                                        fixed_overhead_s=m["fixed_overhead_s"],
-                                        mismatch={k: float(m[k]) for k in MISMATCH_KEYS if k in m},
-                                        rewards=m.get("reward_functions", {})))
-            metrics_f.write(json.dumps(m) + "\n")
-            metrics_f.flush()
-            trackers.step(m)
-            view.update(m)
+            _record_step(svc, step, m, metrics_f, trackers, view)
     ckpt_writer.wait()  # the last checkpoint is durable before the run reports
     train_wall = resume.train_wall_s + time.monotonic() - t_train0  # training time of every incarnation
     if svc.cluster:
@@ -488,6 +481,19 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
         trace_window_start_s=cluster["window_start_s"] if cluster else None, gate=cfg.trainer.gate_bounds())
     report.reward_functions = svc.rewards.take_tallies() or None  # a user's task: each reward function's counts
     return report, svc.cluster.live_series if svc.cluster else []
+
+
+def _record_step(svc: RunServices, step: int, m: dict, metrics_f, trackers, view) -> None:
+    """A finished step's record ``m`` to everyone who follows the run: the manager (its times, mismatch and rewards,
+    for the metrics it serves), ``metrics.jsonl`` (flushed), the experiment trackers and the progress view."""
+    svc.client.send(M.StepTimes(step=step, wall_s=m["wall_s"], phases=m["phase_s"],
+                                fixed_overhead_s=m["fixed_overhead_s"],
+                                mismatch={k: float(m[k]) for k in MISMATCH_KEYS if k in m},
+                                rewards=m.get("reward_functions", {})))
+    metrics_f.write(json.dumps(m) + "\n")
+    metrics_f.flush()
+    trackers.step(m)
+    view.update(m)
 
 
 def _add_fleet(rec: StepRecord, st, svc: RunServices, t_start: float, before: FaultTally) -> None:

@@ -38,8 +38,6 @@ LONG_FUNCTIONS: dict[tuple[str, str], tuple[int, str]] = {
     ("rlboost_hpc/trainer/eval.py", "evaluate"): (
         88, "sampled and greedy passes over the held-out prompts with their bookkeeping; split with item 1"),
     ("rlboost_hpc/sim/cli.py", "main"): (86, "an argparse table: one add_argument per option"),
-    ("rlboost_hpc/run.py", "_train"): (83, "the run's phases after setup: resume, the step loop with its checkpoints, "
-                                           "the final evaluation, export and report"),
 }
 
 
