@@ -67,7 +67,7 @@ def test_every_figure_of_a_step_record_has_a_name_and_no_name_shadows_another():
         assert not any(other.startswith(name + "/") for other in every), f"{name} is a section of another name"
     # a figure a new backend adds is sent too, under train/
     assert names.step_figures({**line, "entropy": 0.5, "step": 1})["train/entropy"] == 0.5
-    assert names.step_figures({"step": 1, "reward_format": 0.25})["reward/format"] == 0.25
+    assert names.step_figures({"step": 1, "reward_functions": {"format": 0.25}})["reward/format"] == 0.25
 
 
 def test_the_names_shared_with_prometheus_are_series_the_collectors_export():

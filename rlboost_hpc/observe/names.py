@@ -14,8 +14,8 @@ cannot drift apart.
 
 Keys of ``metrics.jsonl`` that are no figure (:data:`NOT_FIGURES`: the step index, the Unix time, the seeding
 manager's word, the weights' checksum, per-rank lists) are not sent; a numeric key this table does not know (a new
-backend's figure) is sent as ``train/<key>`` — nothing numeric is dropped —, one named ``reward_<function>`` (a
-reward function's mean) as ``reward/<function>``. Names hold only the characters every tracker accepts (letters,
+backend's figure) is sent as ``train/<key>`` — nothing numeric is dropped. A user task's reward functions
+(``reward_functions``: each function's mean over the step) are ``reward/<function>``. Names hold only the characters every tracker accepts (letters,
 digits, ``_ - . /``); no name is a ``/``-prefix of another (MLflow's file store keeps a metric as a file, a section
 as a directory).
 """
@@ -93,6 +93,7 @@ STEP_FAMILIES: dict[str, str] = {
     "truncated_share_by_cause": "truncation/{}_share",
     "staleness_tokens": "staleness/tokens_{}_versions_old",
     "version_serving": "weights/serving/{}",
+    "reward_functions": "reward/{}",
 }
 
 #: ``faults`` of a step (the run's cumulative fault tally, every incarnation) → tracker name; a field not listed
@@ -244,8 +245,6 @@ def step_figures(line: dict[str, Any]) -> dict[str, float]:
             out.update(_faults(v))
         elif (m := re.fullmatch(r"logprob_diff_staleness(\d+)", key)) and (x := _number(v)) is not None:
             out[f"staleness/logprob_diff_{m.group(1)}_versions_old_nats"] = x
-        elif (m := re.fullmatch(r"reward_(\w+)", key)) and (x := _number(v)) is not None:
-            out[f"reward/{_part(m.group(1))}"] = x  # a reward function's own mean (``reward_<function>``)
         elif isinstance(v, dict):
             out.update(_leaves(f"train/{_part(key)}", v))
         elif (x := _number(v)) is not None:
