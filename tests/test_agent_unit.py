@@ -57,7 +57,7 @@ class _Weights:
     def __init__(self, fn) -> None:
         self.fn = fn
 
-    def pull(self, endpoint, version, *, peers=(), keys=None, shards=""):
+    def pull(self, endpoint, version, *, peers=(), keys=None, shards="", checksum=0):
         return self.fn(version, tuple(peers))
 
 

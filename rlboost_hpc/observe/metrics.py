@@ -36,6 +36,8 @@ COUNTERS = {
     "weight_loads": "complete, verified weight versions loaded by instances",
     "weight_load_failures": "failed weight pulls or loads",
     "weight_checksum_mismatches": "weight loads whose checksum differs from the trainer's manifest (instance drained)",
+    "weight_loads_of_another_lineage": "weight versions loaded that the current trainer lineage never made (after "
+                                       "a resume from an older checkpoint; never routed to)",
     "weight_pulled_bytes": "bytes instances received for weight versions (delta pulls count their payloads)",
     "dispatched": "request dispatches",
     "responses_delivered": "responses delivered to the trainer",

@@ -217,19 +217,29 @@ class Release(_Msg, tag="release"):
 
 
 class NewVersion(_Msg, tag="newver"):
-    """A newer weight version exists; pull it when idle — chunks from ``peers`` (relay holders, in order), then
-    from the trainer; with ``wait``, only after a ``PullFrom`` (or the agent's relay deadline)."""
+    """The manager's latest weight version changed; pull it when idle — chunks from ``peers`` (relay holders, in
+    order), then from the trainer; with ``wait``, only after a ``PullFrom`` (or the agent's relay deadline).
+    ``checksum``: its whole-version checksum (0: not known) — with ``version``, the version's identity: a trainer
+    resumed from an older checkpoint announces a version whose number may be lower than (or equal to) the one an
+    instance holds, and the instance takes it all the same. ``weights_endpoint`` / ``weights_shards``: where the
+    trainer serves it (as in ``Welcome``; "" endpoint: where ``Welcome`` said) — a resumed trainer serves its versions
+    elsewhere than the one an instance registered under."""
 
     version: int
     peers: list[str] = []
     wait: bool = False
+    checksum: int = 0
+    weights_endpoint: str = ""
+    weights_shards: str = ""
 
 
 class PullFrom(_Msg, tag="pullfrom"):
-    """Relay capacity for a waiting puller: fetch ``version`` from ``peers`` (then the trainer) now."""
+    """Relay capacity for a waiting puller: fetch ``version`` (whole-version ``checksum``; 0: not known) from
+    ``peers`` (then the trainer) now."""
 
     version: int
     peers: list[str] = []
+    checksum: int = 0
 
 
 class Drain(_Msg, tag="drain"):

@@ -52,6 +52,9 @@ class ManagerCounters(msgspec.Struct, kw_only=True):
     deltas_out_of_order: int = 0
     slow_weight_loads: int = 0
     weight_checksum_mismatches: int = 0
+    # versions loaded that the current trainer lineage never made (a pull begun before a resumed trainer's version):
+    # never routed to; the instance pulls the lineage's latest
+    weight_loads_of_another_lineage: int = 0
     weight_pulled_bytes: int = 0
     turns_completed: int = 0
     environment_calls: int = 0

@@ -28,6 +28,8 @@ in a thread of the trainer process. Invariants:
 - Weight versions are (manager epoch, version): after a manager restart (new epoch) an engine's weights count
   as unknown until a version of the new epoch is loaded, even if the version numbers happen to match — or until the
   restarted manager's ``Welcome`` names the version the engine holds with the engine's own whole-version checksum.
+  Within an epoch a version is (number, checksum): the agent takes the manager's latest whenever it differs from what
+  it holds, a lower number included (a trainer resumed from an older checkpoint: ``rollout/agent_weights.py``).
   An agent that hears a new epoch in ``Alive`` registers again under the same identity and keeps the responses it
   runs: a manager restarted from its work log knows it and takes them back at the length it logged.
 """
@@ -122,7 +124,8 @@ class RolloutAgent(AgentWeights, AgentResponses):
         #: Deregister then waits no longer for it
         self.cause_settled: Callable[[], bool] = lambda: False
         self.welcome: M.Welcome | None = None
-        self.want_version = -1
+        self.want_version, self.want_checksum = -1, 0  # the manager's latest: (version, whole-version checksum)
+        self.want_source = ("", "")  # where the trainer serves it (weights endpoint, shards); "": the Welcome's
         self._pos: dict[str, int] = {}
         self._gen: dict[str, GenRequest] = {}  # each running response as the engine was given it (continue mode)
         self._pending: dict[str, ResponseTokens] = {}
@@ -198,8 +201,9 @@ class RolloutAgent(AgentWeights, AgentResponses):
             self.link.heartbeat_s = msg.heartbeat_s
             if msg.resend:
                 self._resend()
-            self._want(msg.latest_version, msg.peers, msg.wait)
-            if self.held_version() == msg.latest_version >= 0:  # re-registration with this manager
+            self._want(msg.latest_version, msg.latest_checksum, msg.peers, msg.wait,
+                       (msg.weights_endpoint, msg.weights_shards))
+            if self.held_version() == msg.latest_version >= 0 and not self._stale():  # re-registration, same weights
                 self._send(weights_loaded(self.engine.version, PulledVersion({}, self.engine.weights_checksum), 0.0))
             self.timings.setdefault("welcome", time.time())
         elif isinstance(msg, M.Assign):
@@ -207,9 +211,9 @@ class RolloutAgent(AgentWeights, AgentResponses):
         elif isinstance(msg, M.Release):
             self._release(msg.rids)
         elif isinstance(msg, M.NewVersion):
-            self._want(msg.version, msg.peers, msg.wait)
+            self._want(msg.version, msg.checksum, msg.peers, msg.wait, (msg.weights_endpoint, msg.weights_shards))
         elif isinstance(msg, M.PullFrom):
-            if msg.version == self.want_version:
+            if msg.version == self.want_version and msg.checksum == self.want_checksum:
                 self.want_peers = list(msg.peers)
                 self._next_pull_at = time.monotonic()  # relay capacity: start now (or once the pull in flight ends)
         elif isinstance(msg, M.Alive):
