@@ -344,9 +344,14 @@ class TrainerCfg(_Strict):
         "quality gate: the largest share of repeated 3-grams in the final policy's held-out samples"))
     behaviour_cap: float = Field(D.BEHAVIOUR_CAP, gt=0, description=(
         "C: the cap of the importance ratio π_trainer/π_engine (verl rollout_is_threshold)"))
-    behaviour_level: Literal["token", "sequence"] = Field(D.BEHAVIOUR_LEVEL, description=(
-        "the importance ratio per token, or per response (the product over its generated tokens). verl "
-        "rollout_is_level"))
+    behaviour_level: Literal["token", "sequence", "geometric"] = Field(D.BEHAVIOUR_LEVEL, description=(
+        "the importance ratio per token, per response (the product over its generated tokens: on long responses a "
+        "small per-token mismatch drives most of them to 0 or past the cap), or per response length-normalised "
+        "(geometric: the geometric mean of its tokens' ratios; behaviour_cap then bounds a per-token scale). verl "
+        "rollout_is_level; geometric as NeMo-RL's and TRL's length-normalised sequence ratio"))
+    behaviour_dropped_warn: float = Field(D.BEHAVIOUR_DROPPED_WARN, ge=0, le=1, description=(
+        "warn when a step's share of importance-correction units (tokens or responses) that MIS dropped passes "
+        "this bound (metrics.jsonl behaviour_dropped_share; the report counts the steps)"))
     mask_truncated: bool = Field(D.MASK_TRUNCATED, description=(
         "responses cut by a budget (rollout.max_new_tokens, task.max_turns, task.max_trajectory_tokens) carry no "
         "loss; they still count in their group's advantages (DAPO overlong filtering; TRL "

@@ -118,7 +118,7 @@ def tool_stop_ids(cfg: RunConfig, tok) -> tuple[int, ...]:
 
 #: The step metrics (``metrics.jsonl``) of the engine–trainer mismatch that the manager's gauges show.
 MISMATCH_KEYS = ("logprob_diff", "logprob_diff_max", "mismatch_kl", "mismatch_outside_clip_share",
-                 "mismatch_capped_share")
+                 "mismatch_capped_share", "behaviour_ess", "behaviour_dropped_share")
 
 
 #: The ``trainer.*`` keys of the GRPO objective (the report's ``objective``).
@@ -491,7 +491,7 @@ def _trainer(cfg: RunConfig, svc: RunServices, setup: RunSetup, n_resv: float):
                             step_timeout_s=t.step_timeout_s, seed=t.seed, max_turns=cfg.task.max_turns,
                             max_trajectory_tokens=cfg.trajectory_tokens(), tool_stop_ids=setup.tool_stops,
                             advantage_std_norm=t.advantage_std_norm, max_staleness=r.max_staleness,
-                            steps=t.steps)
+                            steps=t.steps, behaviour_dropped_warn=t.behaviour_dropped_warn)
     controller = RolloutController(
         n_resv=n_resv, use_cap=pol.cap, overlap=r.max_staleness > 0,
         seeding=SeedingWindow(initial_s=pol.t_seed_initial_s, eta=pol.eta, floor_s=pol.t_seed_floor_s,

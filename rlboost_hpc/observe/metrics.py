@@ -65,6 +65,10 @@ MISMATCH_GAUGES = (
      "last step: share of generated tokens whose ratio trainer/engine probability leaves the PPO clip band"),
     ("mismatch_capped_share", "rlboost_step_mismatch_capped_ratio",
      "last step: share of importance-correction units (tokens or responses) whose ratio exceeds trainer.behaviour_cap"),
+    ("behaviour_ess", "rlboost_step_behaviour_ess_ratio",
+     "last step: effective sample size of the importance weights, (sum w)^2 / sum w^2, divided by the units"),
+    ("behaviour_dropped_share", "rlboost_step_behaviour_dropped_ratio",
+     "last step: share of importance-correction units MIS dropped (weight 0 past trainer.behaviour_cap)"),
 )
 
 

@@ -25,7 +25,9 @@ Schema (:class:`RunReport`; every key below is always present except the multi-t
 - engine–trainer mismatch (``engine_trainer_mismatch``, over the steps): ``logprob_diff`` (mean of the steps' mean
   |trainer − engine logprob| per token, nats), ``logprob_diff_max`` (the largest of any token), ``mismatch_kl`` (mean
   k3 KL(engine ‖ trainer) per token), ``mismatch_outside_clip_share`` and ``mismatch_capped_share`` (means of the
-  steps' shares); ``{}`` when the backend reported none.
+  steps' shares), ``behaviour_ess`` (mean of the steps' effective sample size of the importance weights, ÷ units)
+  and ``behaviour_dropped_share`` (mean; ``_max``: the largest) of the units MIS dropped; ``{}`` when the backend
+  reported none. ``steps_over_dropped_warn``: steps whose dropped share passed ``trainer.behaviour_dropped_warn``.
 - faults and migration (summed over every incarnation of a resumed run): ``preemptions`` (=
   ``preemptions_with_warning`` + ``kills_without_warning``), ``worker_starts``, ``responses_migrated``,
   ``tokens_migrated``, ``tokens_from_preemptible`` (tokens preemptible instances — harvested capacity — streamed
@@ -156,6 +158,7 @@ class RunReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     tokens_masked_too_stale: int
     max_staleness: int
     tokens_by_staleness: dict[str, int]
+    steps_over_dropped_warn: int
     responses_truncated: int
     truncated_share: float
     responses_truncated_by_cause: dict[str, int]
@@ -252,6 +255,12 @@ def mismatch_summary(steps: list[dict]) -> dict[str, float]:
                      "behaviour_weight_mean")}
     out["logprob_diff_max"] = max(m.get("logprob_diff_max", 0.0) for m in rows)
     out["behaviour_ratio_max"] = max(m.get("behaviour_ratio_max", 1.0) for m in rows)
+    for k in ("behaviour_ess", "behaviour_dropped_share"):  # the correction's effective sample size, MIS's losses
+        vals = [m[k] for m in rows if k in m]
+        if vals:
+            out[k] = sum(vals) / len(vals)
+    if any("behaviour_dropped_share" in m for m in rows):
+        out["behaviour_dropped_share_max"] = max(m.get("behaviour_dropped_share", 0.0) for m in rows)
     for k in sorted({k for m in rows for k in m if k.startswith("logprob_diff_staleness")}):  # per staleness
         vals = [m[k] for m in rows if k in m]
         out[k] = sum(vals) / len(vals)
@@ -333,7 +342,8 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         tokens_regenerated_after_warning=stats.tokens_regenerated_after_warning,
         tokens_trained_off_version=totals.tokens_trained_off_version,
         tokens_masked_too_stale=totals.tokens_masked_too_stale, max_staleness=max_staleness,
-        tokens_by_staleness=dict(totals.tokens_by_staleness), **truncation_summary(totals.responses_truncated_by_cause, totals.responses_trained),
+        tokens_by_staleness=dict(totals.tokens_by_staleness), steps_over_dropped_warn=totals.steps_over_dropped_warn,
+        **truncation_summary(totals.responses_truncated_by_cause, totals.responses_trained),
         engine_trainer_mismatch=mismatch_summary(steps),
         off_version_tokens_rejected=stats.off_version_tokens_rejected, late_tokens_dropped=stats.late_tokens,
         weight_pulls=stats.weight_loads, weight_pull_failures=stats.weight_load_failures,

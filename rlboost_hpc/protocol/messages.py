@@ -326,8 +326,8 @@ class StepTimes(_Msg, tag="steptimes"):
     phases: Annotated[dict[Annotated[str, msgspec.Meta(max_length=32)], float], msgspec.Meta(max_length=64)]
     fixed_overhead_s: float
     #: the step's engine–trainer mismatch (``logprob_diff``, ``logprob_diff_max``, ``mismatch_kl``,
-    #: ``mismatch_outside_clip_share``, ``mismatch_capped_share``; :func:`~rlboost_hpc.trainer.algorithms.grpo.
-    #: finish_stats`), for the manager's gauges
+    #: ``mismatch_outside_clip_share``, ``mismatch_capped_share``, ``behaviour_ess``, ``behaviour_dropped_share``;
+    #: :func:`~rlboost_hpc.trainer.algorithms.grpo.finish_stats`), for the manager's gauges
     mismatch: Annotated[dict[Annotated[str, msgspec.Meta(max_length=32)], float], msgspec.Meta(max_length=16)] = {}
 
 
