@@ -258,6 +258,12 @@ class InstanceRegistry:
         if inst is None:
             return self._unknown(peer, "heartbeat")
         inst.tokens_generated = max(inst.tokens_generated, msg.tokens_generated)
+        modelled, late = inst.emulated_s
+        if msg.modelled_s > modelled or msg.late_s > late:  # an emulated engine's timing: what is new since
+            if not inst.restored or modelled or late:  # (a restored instance's first figures: an earlier manager's)
+                self.counters.emulated_modelled_seconds += max(0.0, msg.modelled_s - modelled)
+                self.counters.emulated_late_seconds += max(0.0, msg.late_s - late)
+            inst.emulated_s = (max(modelled, msg.modelled_s), max(late, msg.late_s))
 
     def _on_WeightsLoaded(self, peer: bytes, inst: Instance | None, msg: M.WeightsLoaded) -> None:
         if inst is None:

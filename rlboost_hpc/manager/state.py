@@ -117,6 +117,7 @@ class Instance:
     releasing: set[str] = field(default_factory=set)
     tokens_received: int = 0
     tokens_generated: int = 0
+    emulated_s: tuple[float, float] = (0.0, 0.0)  # an emulated engine's (modelled, late) wall seconds, as last heard
     ready_at: float | None = None
     gone_reason: str = ""
     suspect_since: float = 0.0

@@ -39,6 +39,8 @@ COUNTERS = {
     "weight_loads_of_another_lineage": "weight versions loaded that the current trainer lineage never made (after "
                                        "a resume from an older checkpoint; never routed to)",
     "weight_pulled_bytes": "bytes instances received for weight versions (delta pulls count their payloads)",
+    "emulated_modelled_seconds": "wall seconds the emulated engines' profile asked for (rollout.engine = emulated)",
+    "emulated_late_seconds": "wall seconds emulated engines ran behind their profile (a host slower than the profile)",
     "dispatched": "request dispatches",
     "responses_delivered": "responses delivered to the trainer",
     "protocol_rejects": "frames rejected by schema or from unknown peers",

@@ -52,6 +52,10 @@ Schema (:class:`RunReport`; every key below is always present except the multi-t
   training wall time), ``train_wall_s``, ``wall_s``, ``trace_window_start_s`` (the replayed spot trace's window, or
   ``null``), and the step timeline's summary: ``step_phase_s_mean``, ``fixed_overhead_s_per_step``,
   ``fixed_overhead_s_by_phase``, ``fixed_overhead_share``.
+- emulated instances only (``rollout.engine = "emulated"``, this incarnation): ``emulated_modelled_s`` (wall seconds
+  their profile asked for), ``emulated_late_s`` (seconds they ran behind it), ``emulated_late_ratio`` ((modelled +
+  late) ÷ modelled: 1 on time, 3.2 for a host 3.2× slower than the profile) and ``emulated_represents_profile``
+  (false when the ratio passed 1.2: the run's timings are the host's, not the profile's).
 - multi-turn only: ``turns_per_trajectory_mean``, ``environment_calls`` / ``_errors`` / ``_timeouts`` /
   ``_seconds``, ``tool_time_share`` (tool seconds ÷ training wall time), ``observation_tokens``,
   ``migrations_by_turn``, ``tokens_in_interrupted_turns``, ``assistant_tokens_in_interrupted_trajectories``.
@@ -197,6 +201,10 @@ class RunReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     decode_tokens_per_s_by_batch: dict[str, float]
     instances_drained: int
     protocol_rejects: int
+    emulated_modelled_s: float | None = None
+    emulated_late_s: float | None = None
+    emulated_late_ratio: float | None = None
+    emulated_represents_profile: bool | None = None
     turns_per_trajectory_mean: float | None = None
     environment_calls: int | None = None
     environment_errors: int | None = None
@@ -243,6 +251,36 @@ def truncation_summary(by_cause: dict[str, int], trained: int) -> dict[str, Any]
     n = sum(by_cause.values())
     return {"responses_truncated": n, "truncated_share": n / trained if trained else 0.0,
             "responses_truncated_by_cause": {c: int(by_cause.get(c, 0)) for c in TRUNCATION_CAUSES}}
+
+
+#: A run whose emulated instances (``rollout.engine = "emulated"``, timed by the simulator's profiles) took more than
+#: this times the profile's time (20 % late) does not represent the profile it emulates — the host was too slow: its
+#: report and benchmark rows say so.
+LATE_RATIO_BOUND = 1.2
+
+
+def late_ratio(modelled_wall_s: float, late_s: float) -> float:
+    """Wall time an emulated engine took ÷ what its profile asked for: (``modelled_wall_s`` + ``late_s``) ÷
+    ``modelled_wall_s`` (seconds); 1.0 when nothing was modelled yet."""
+    return (modelled_wall_s + late_s) / modelled_wall_s if modelled_wall_s > 0 else 1.0
+
+
+def late_label(ratio: float | None) -> str:
+    """A benchmark table's cell for a run's ``emulated_late_ratio`` (report.json): ``"1.04"``, or ``"3.20 (not the
+    profile)"`` past :data:`LATE_RATIO_BOUND`; ``"-"`` for a run without emulated instances (``None``)."""
+    if ratio is None:
+        return "-"
+    return f"{ratio:.2f}" + (" (not the profile)" if ratio > LATE_RATIO_BOUND else "")
+
+
+def emulated_lateness(stats: ManagerStats) -> dict[str, Any]:
+    """The report's ``emulated_*`` keys from the manager's counters (``{}`` when no emulated engine ran)."""
+    modelled, late = stats.emulated_modelled_seconds, stats.emulated_late_seconds
+    if modelled <= 0:
+        return {}
+    ratio = late_ratio(modelled, late)
+    return {"emulated_modelled_s": modelled, "emulated_late_s": late, "emulated_late_ratio": ratio,
+            "emulated_represents_profile": ratio <= LATE_RATIO_BOUND}
 
 
 def mismatch_summary(steps: list[dict]) -> dict[str, float]:
@@ -366,7 +404,7 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         n_resv=n_resv, n_resv_source=n_resv_source,
         decode_tokens_per_s_by_batch=stats.decode_tokens_per_s_by_batch,
         instances_drained=stats.instances_drained, protocol_rejects=stats.protocol_rejects,
-        **multi,
+        **multi, **emulated_lateness(stats),
         tokens_trained=totals.tokens_trained,
         throughput_tokens_per_s=totals.tokens_trained / train_wall_s if train_wall_s > 0 else 0.0,
         train_wall_s=train_wall_s, **summarize(steps), wall_s=wall_s,

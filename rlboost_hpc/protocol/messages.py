@@ -55,11 +55,15 @@ class Register(_Msg, tag="register"):
 
 
 class Heartbeat(_Msg, tag="hb"):
-    """Liveness + progress: ``tokens_generated`` counts every token the engine produced (sent or not)."""
+    """Liveness + progress: ``tokens_generated`` counts every token the engine produced (sent or not). An emulated
+    engine's timing, since it was built: ``modelled_s`` (wall seconds its profile asked for) and ``late_s`` (wall
+    seconds it ran behind that while busy); 0 for real engines."""
 
     version: int
     active: int
     tokens_generated: int
+    modelled_s: float = 0.0
+    late_s: float = 0.0
 
 
 class WeightsLoaded(_Msg, tag="wloaded"):

@@ -56,6 +56,10 @@ class ManagerCounters(msgspec.Struct, kw_only=True):
     # never routed to; the instance pulls the lineage's latest
     weight_loads_of_another_lineage: int = 0
     weight_pulled_bytes: int = 0
+    # emulated engines (rollout.engine = "emulated"): wall seconds their profile asked for, and seconds they ran behind
+    # it (a host slower than the profile); the ratio (modelled + late) / modelled says how late the run ran
+    emulated_modelled_seconds: float = 0.0
+    emulated_late_seconds: float = 0.0
     turns_completed: int = 0
     environment_calls: int = 0
     environment_errors: int = 0

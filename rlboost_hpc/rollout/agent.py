@@ -159,8 +159,11 @@ class RolloutAgent(AgentWeights, AgentResponses):
     def _heartbeat_frame(self) -> bytes:
         """The heartbeat (built on the link's I/O thread: plain attribute reads only — never an engine call,
         which may hold the engine's lock through a long weight load)."""
+        eng = self.engine
         return M.encode(M.Heartbeat(version=self.held_version(), active=len(self._pos),
-                                    tokens_generated=self.tokens_generated))
+                                    tokens_generated=self.tokens_generated,
+                                    modelled_s=float(getattr(eng, "modelled_wall_seconds", 0.0)),
+                                    late_s=float(getattr(eng, "late_seconds", 0.0))))
 
     def startup_phases(self) -> dict[str, float]:
         """Seconds spent in each start-up phase: process start → agent start (interpreter, imports) →
