@@ -246,3 +246,39 @@ def test_a_librarys_python_warnings_become_json_log_lines(tmp_path):
     [line] = [ln for ln in p.stderr.splitlines() if ln.strip()]
     rec = json.loads(line)
     assert rec["level"] == "WARNING" and rec["logger"] == "py.warnings" and "a library speaks" in rec["msg"]
+
+
+def _closed_pipe_run(args: list[str]) -> subprocess.CompletedProcess:
+    """``rlboost-hpc ARGS`` with stdout a pipe whose reader is gone (what ``| head`` leaves once it has its lines)."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        return subprocess.run([sys.executable, "-m", "rlboost_hpc.cli", *args], stdout=w, stderr=subprocess.PIPE,
+                              text=True, timeout=300)
+    finally:
+        os.close(w)
+
+
+def test_output_into_a_closed_pipe_ends_quietly_with_141(tmp_path):
+    """Regression (issue 50): ``rlboost-hpc stats RUN --json | head -1`` (and ``harvest check --json | head``,
+    ``simulate --paper-table | head``) ended in a BrokenPipeError traceback. Every command's output goes through
+    one boundary: the status is 141 (a process a closed pipe ends), stderr stays empty."""
+    from test_scavenger_stats import synthetic_events, write_log
+
+    write_log(tmp_path, synthetic_events())
+    p = _closed_pipe_run(["stats", str(tmp_path), "--json"])
+    assert p.returncode == 141 and p.stderr == "", p.stderr
+    p = _closed_pipe_run(["stats", str(tmp_path), "--per-job"])
+    assert p.returncode == 141 and p.stderr == "", p.stderr
+
+
+def test_a_command_writing_into_a_closed_pipe_returns_141_from_main(monkeypatch):
+    """The same boundary in-process: a command whose write fails with EPIPE returns 141 from ``main``."""
+    import rlboost_hpc.cli as cli
+
+    def writes(argv):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("rlboost_hpc.sim.cli.main", writes)
+    monkeypatch.setattr(cli, "_discard_stdout", lambda: None)  # (pytest owns this process's stdout)
+    assert cli.main(["simulate", "--paper-table"]) == cli.EXIT_PIPE_CLOSED

@@ -68,7 +68,11 @@ def print_summary(report: dict, console: Console | None = None) -> None:
     for k, label in SUMMARY_KEYS:
         v = report.get(k)
         t.add_row(label, f"{v:.3f}" if isinstance(v, float) else str(v))
-    (console or Console()).print(t)
+    if console is None:
+        from rlboost_hpc.clihelp import console as pipe_console
+
+        console = pipe_console()
+    console.print(t)
 
 
 def write_plot(steps: list[dict], live_series: list[tuple[float, int]], path: Path, *, before: float,
