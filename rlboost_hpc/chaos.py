@@ -64,7 +64,7 @@ def chaos_main(argv: list[str] | None = None) -> int:
 
     from rlboost_hpc.observe.logs import logging_setup
 
-    from rlboost_hpc.clihelp import DefaultsHelpFormatter
+    from rlboost_hpc.clihelp import DefaultsHelpFormatter, number
 
     p = argparse.ArgumentParser(prog="rlboost-hpc chaos", description=chaos_main.__doc__,
                                 formatter_class=DefaultsHelpFormatter)
@@ -72,27 +72,27 @@ def chaos_main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/chaos", help="run directory (refused if it holds another run)")
     p.add_argument("--fresh", action="store_true",
                    help="start over in an --out that holds an earlier run (its checkpoints and journal are removed)")
-    p.add_argument("--steps", type=int, default=40, help="RL steps of the run")
-    p.add_argument("--duration-s", type=float, default=600.0, help="length of the synthetic trace (wall s)")
-    p.add_argument("--workers", type=int, default=3, help="preemptible worker slots of the synthetic trace")
-    p.add_argument("--lifetime-s", type=float, default=3.0, help="mean worker lifetime (s)")
-    p.add_argument("--downtime-s", type=float, default=1.0, help="mean time a slot stays empty (s)")
-    p.add_argument("--kill-fraction", type=float, default=0.5, help="share of removals without warning")
+    p.add_argument("--steps", type=number(int, at_least=1), default=40, help="RL steps of the run")
+    p.add_argument("--duration-s", type=number(float, above=0), default=600.0, help="length of the synthetic trace (wall s)")
+    p.add_argument("--workers", type=number(int, at_least=1), default=3, help="preemptible worker slots of the synthetic trace")
+    p.add_argument("--lifetime-s", type=number(float, above=0), default=3.0, help="mean worker lifetime (s)")
+    p.add_argument("--downtime-s", type=number(float, above=0), default=1.0, help="mean time a slot stays empty (s)")
+    p.add_argument("--kill-fraction", type=number(float, at_least=0, at_most=1), default=0.5, help="share of removals without warning")
     p.add_argument("--seed", type=int, default=0, help="seed of the trace and of the fault schedule")
-    p.add_argument("--trainer-kills", type=int, default=0,
+    p.add_argument("--trainer-kills", type=number(int, at_least=0), default=0,
                    help="SIGKILL the trainer or the manager this many times at random moments, resuming each time "
                         "(only the trainer with --manager-kill-every-s, which kills the manager on its own)")
-    p.add_argument("--kill-jitter-s", type=float, default=1.0,
+    p.add_argument("--kill-jitter-s", type=number(float, at_least=0), default=1.0,
                    help="a trainer/manager kill fires up to this many seconds (uniform) after the checkpoint it "
                         "waits for; kills are spread evenly over the run's checkpoints")
-    p.add_argument("--manager-kill-every-s", type=float, default=0.0,
+    p.add_argument("--manager-kill-every-s", type=number(float, at_least=0), default=0.0,
                    help="also SIGKILL the rollout manager at random moments, this many seconds apart on average (0: "
                         "never); the trainer restarts it each time (manager.restarts is raised to allow it)")
-    p.add_argument("--stall-every-s", type=float, default=0.0, help="mean seconds between worker stalls (0: none)")
-    p.add_argument("--stall-s", type=float, default=6.0, help="length of a stall (past the heartbeat deadline)")
-    p.add_argument("--reset-every-s", type=float, default=0.0,
+    p.add_argument("--stall-every-s", type=number(float, at_least=0), default=0.0, help="mean seconds between worker stalls (0: none)")
+    p.add_argument("--stall-s", type=number(float, above=0), default=6.0, help="length of a stall (past the heartbeat deadline)")
+    p.add_argument("--reset-every-s", type=number(float, at_least=0), default=0.0,
                    help="mean seconds between resets of the workers' TCP connections (0: none)")
-    p.add_argument("--slow-load-s", type=float, default=0.0,
+    p.add_argument("--slow-load-s", type=number(float, at_least=0), default=0.0,
                    help="extra seconds of every weight load on half of the worker attempts (0: none)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="dotted config override, e.g. --set rollout.max_new_tokens=32 (repeatable)")
@@ -140,7 +140,8 @@ def _chaos_run(a, out: Path, overrides: list[str], n_remove: int, crashes: dict,
             rc = run_with_restarts(a.config, out, overrides, kill_steps(a.steps, a.trainer_kills), a.kill_jitter_s,
                                    a.seed, crashes, bar=bar, manager_every_s=a.manager_kill_every_s)
         if rc != 0:
-            print(f"rlboost-hpc chaos: the final incarnation of the run exited {rc} (see {RunDir(out).report})")
+            print(f"rlboost-hpc chaos: FAIL — the final incarnation of the run exited {rc}, so no invariant could be "
+                  f"checked (see {RunDir(out).report})", file=sys.stderr)
             return 1
         rep = json.loads(RunDir(out).report.read_text())
     else:
@@ -161,7 +162,18 @@ def _chaos_run(a, out: Path, overrides: list[str], n_remove: int, crashes: dict,
               "prompts_not_trained_exactly_once": rep["prompts_not_trained_exactly_once"],
               "weight_checksum_mismatches": rep["weight_checksum_mismatches"]}
     print(json.dumps({"faults": faults, "liveness": liveness, "checks": checks, "steps": rep["steps"]}, indent=2))
-    return 0 if all(v == 0 for v in checks.values()) else 1
+    ok = all(v == 0 for v in checks.values())
+    print(verdict(checks, rep["steps"], faults["total"]), file=sys.stderr)
+    return 0 if ok else 1
+
+
+def verdict(checks: dict[str, int], steps: int, faults: int) -> str:
+    """The chaos run's last line: PASS or FAIL, then every invariant checked with its count (each must be 0) —
+    what a user reads first (the JSON above it is for scripts)."""
+    bad = [k for k, v in checks.items() if v]
+    inv = ", ".join(f"{k} {v}" for k, v in checks.items())
+    return (f"rlboost-hpc chaos: {'FAIL' if bad else 'PASS'} — {steps} steps, {faults} faults; invariants (each "
+            f"must be 0): {inv}" + (f"; broken: {', '.join(bad)}" if bad else ""))
 
 
 def _earlier_run(out: Path) -> list[str]:

@@ -115,7 +115,8 @@ def _main(argv: list[str] | None) -> int:
                   "chaos_main"),
         "launch": ("submit a run to Slurm: the trainer job and the scavenger (sbatch/launch)", "rlboost_hpc.launch",
                    "launch_main"),
-        "harvest": ("for cluster admins: `harvest check` (can it be harvested), `harvest serve` (the service)",
+        "harvest": ("for cluster admins: `harvest check` (can it be harvested), `harvest serve` (the service), "
+                    "`harvest report` (what harvesting cost the owners, what the runs got)",
                     "scavenger.harvest_cli", "harvest_main"),
     }
     for name, (help_, _, _) in passthrough.items():

@@ -1,5 +1,6 @@
-"""What every ``rlboost-hpc`` command shares on its way to the terminal: the help formatter (each flag's help ends with
-its default value) and the console tables are printed to (a closed pipe ends it as any other output does)."""
+"""What every ``rlboost-hpc`` command shares on its way to and from the terminal: the help formatter (each flag's help
+ends with its default value), numeric flags checked against their range (:func:`number`), and the console tables are
+printed to (a closed pipe ends it as any other output does)."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +8,27 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+
+def number(kind: type, *, above: float | None = None, at_least: float | None = None, at_most: float | None = None):
+    """An argparse ``type=`` for a number of ``kind`` (int or float) in a range: ``above`` (exclusive), ``at_least``
+    / ``at_most`` (inclusive). A value outside is a usage error (exit 2, the flag and the bound named by argparse),
+    never a run that quietly does nothing."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if above is not None and not v > above:
+            raise argparse.ArgumentTypeError(f"{text} must be > {above:g}")
+        if at_least is not None and not v >= at_least:
+            raise argparse.ArgumentTypeError(f"{text} must be >= {at_least:g}")
+        if at_most is not None and not v <= at_most:
+            raise argparse.ArgumentTypeError(f"{text} must be <= {at_most:g}")
+        return v
+
+    parse.__name__ = kind.__name__  # argparse names the type in its message ("invalid float value")
+    return parse
 
 
 def console() -> "Console":

@@ -297,3 +297,25 @@ def test_continue_mode_loads_a_new_version_between_iterations_and_resumes_each_r
         again = eng.added[1]
         assert again.prompt_ids == [1, 2] and again.prefix_ids == [9, 7, 8] and again.max_new_tokens == 8
         assert a._pos["g/0"] == 3
+
+
+def test_a_sigterm_refined_into_a_preemption_deregisters_with_the_preemptions_reason():
+    """Regression (issue 50): a Slurm requeue — SIGTERM, then Slurm's word (or the warning signal) that it is a
+    preemption — reached the manager as cause "preempted" with the reason "stopped (SIGTERM)", so the manager logged
+    "deregistered: stopped (SIGTERM)" for an end the report counts as a preemption. The reason follows the cause."""
+    a = _agent()
+    a.engine = _HoldingEngine()
+    a.request_stop("stopped (SIGTERM)", "stopped")
+    refined = []
+
+    def settled():  # while the drain waits, Slurm answers: it is preempting the job
+        if not refined:
+            refined.append(True)
+            a.request_stop("preempted (SIGTERM+PreemptTime)", "preempted")
+        return True
+
+    a.cause_settled, a.cause_settle_s = settled, 5.0
+    a._drain(a.stop_reason)
+    dereg = a.link.msgs[-1]
+    assert isinstance(dereg, M.Deregister)
+    assert (dereg.cause, dereg.reason) == ("preempted", "preempted (SIGTERM+PreemptTime)")

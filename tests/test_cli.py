@@ -282,3 +282,53 @@ def test_a_command_writing_into_a_closed_pipe_returns_141_from_main(monkeypatch)
     monkeypatch.setattr("rlboost_hpc.sim.cli.main", writes)
     monkeypatch.setattr(cli, "_discard_stdout", lambda: None)  # (pytest owns this process's stdout)
     assert cli.main(["simulate", "--paper-table"]) == cli.EXIT_PIPE_CLOSED
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["simulate", "--duration", "-5"], "argument --duration: -5 must be > 0"),
+    (["simulate", "--jobs", "0"], "argument --jobs: 0 must be >= 1"),
+    (["chaos", "--workers", "0"], "argument --workers: 0 must be >= 1"),
+    (["chaos", "--kill-fraction", "1.5"], "argument --kill-fraction: 1.5 must be <= 1"),
+    (["chaos", "--steps", "many"], "argument --steps: 'many' is not an integer"),
+])
+def test_numbers_out_of_range_are_bad_usage_exit_2(tmp_path, args, needle):
+    """Regression (issue 50): ``simulate --duration -5`` and ``chaos --workers 0`` exited 0 (a run that did nothing
+    or a default that replaced the value); a number outside its range is bad usage, before anything starts."""
+    p = cli(*args, "--out", str(tmp_path / "out"), cwd=tmp_path) if args[0] == "chaos" else cli(*args, cwd=tmp_path)
+    assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_launch_with_a_file_as_its_run_directory_exits_2_naming_it(tmp_path):
+    """Issue 50: ``sbatch/launch FILE CONFIG`` exited 1; it is bad input (exit 2, the file named, nothing submitted)."""
+    f = tmp_path / "F"
+    f.write_text("x")
+    p = subprocess.run(["bash", str(REPO / "sbatch/launch"), str(f), LOCAL], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, RLBOOST_PYTHON=sys.executable))
+    assert p.returncode == 2 and str(f) in p.stderr and "is a file, not a directory" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_every_command_says_what_it_does_and_the_top_level_names_every_harvest_command():
+    """Regression (issue 50): the top-level ``--help`` omitted ``harvest report``; ``harvest check --help`` had no
+    description (only its usage and flags)."""
+    top = " ".join(cli("--help").stdout.split())
+    for sub in ("harvest check", "harvest serve", "harvest report"):
+        assert f"`{sub}`" in top, top
+    for cmd in (["run"], ["worker"], ["scavenger"], ["stats"], ["simulate"], ["chaos"], ["harvest"],
+                ["harvest", "check"], ["harvest", "serve"], ["harvest", "report"]):
+        out = cli(*cmd, "--help").stdout
+        blocks = [b for b in out.split("\n\n") if b.strip()]
+        description = [b for b in blocks[1:] if not b.lstrip().startswith(("options:", "positional", "usage:"))]
+        assert description and len(description[0].split()) >= 3, (cmd, out[:600])
+
+
+def test_the_chaos_verdict_is_one_line_with_pass_or_fail_and_every_invariant():
+    from rlboost_hpc.chaos import verdict
+
+    checks = {"responses_lost": 0, "responses_duplicated": 0, "tokens_trained_off_version": 0}
+    ok = verdict(checks, 8, 23)
+    assert ok.startswith("rlboost-hpc chaos: PASS") and "8 steps, 23 faults" in ok and "\n" not in ok
+    assert all(f"{k} 0" in ok for k in checks)
+    bad = verdict({**checks, "responses_lost": 2}, 8, 23)
+    assert "FAIL" in bad and "responses_lost 2" in bad and bad.endswith("broken: responses_lost")

@@ -146,12 +146,13 @@ class RolloutAgent(AgentWeights, AgentResponses):
     def request_stop(self, reason: str, cause: M.LeaveCause = "stopped") -> None:
         """Ask the agent to drain and exit (safe from a signal handler or another thread). ``cause`` is the
         counted kind of end its Deregister carries; the first request wins, except that a cause refines
-        ``"stopped"`` until the Deregister is sent (see :attr:`cause_settle_s`)."""
+        ``"stopped"`` until the Deregister is sent (see :attr:`cause_settle_s`) — and its ``reason`` with it, so the
+        manager never logs "stopped (SIGTERM)" for an end it counts as a preemption."""
         if self.stop_reason is None:
             self.stop_cause = cause
             self.stop_reason = reason
         elif self.stop_cause == "stopped" and cause != "stopped":
-            self.stop_cause = cause
+            self.stop_cause, self.stop_reason = cause, reason
 
     def _send(self, msg: M._Msg) -> None:
         self.link.send(M.encode(msg))
@@ -188,7 +189,8 @@ class RolloutAgent(AgentWeights, AgentResponses):
         while self.stop_cause == "stopped" and time.monotonic() < settle and not self.cause_settled():
             time.sleep(0.01)  # a warning signal, or Slurm's word that the job is being preempted, may refine it
         self.link.heartbeat_s = None  # no heartbeat after the Deregister: the manager would warn of a stranger
-        self._send(M.Deregister(reason=reason, tokens_generated=self.tokens_generated, cause=self.stop_cause))
+        self._send(M.Deregister(reason=self.stop_reason or reason, tokens_generated=self.tokens_generated,
+                                cause=self.stop_cause))  # (the reason of the cause as refined meanwhile)
 
     # ------------------------------------------------------------------ messages
     def _handle(self, msg: M._Msg) -> None:
