@@ -332,3 +332,14 @@ def test_the_chaos_verdict_is_one_line_with_pass_or_fail_and_every_invariant():
     assert all(f"{k} 0" in ok for k in checks)
     bad = verdict({**checks, "responses_lost": 2}, 8, 23)
     assert "FAIL" in bad and "responses_lost 2" in bad and bad.endswith("broken: responses_lost")
+
+
+def test_the_progress_bar_and_the_summary_name_what_they_count():
+    """Regression (issue 50): the bar's "migrated" counted the step's trained responses that had moved, the
+    summary's "responses migrated" every move (seeds, preemptions, releases; one response moving twice counts 2)."""
+    from rlboost_hpc.observe.report import SUMMARY_KEYS, ProgressView
+
+    bar = ProgressView.text({"reward_mean": 0.5, "throughput_tokens_per_s": 900.0, "live_preemptible": 2,
+                             "responses_migrated": 3, "responses": 64})
+    assert "responses moved 3/64" in bar and "migrated" not in bar
+    assert dict(SUMMARY_KEYS)["responses_migrated"].startswith("migrations (moves of unfinished responses")
