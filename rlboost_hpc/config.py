@@ -14,7 +14,7 @@ from rlboost_hpc import defaults as D
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from rlboost_hpc.errors import BadInput
-from rlboost_hpc.paths import ShippedFileMissing, shipped
+from rlboost_hpc.paths import ShippedFileMissing, shipped, unreadable
 
 
 class _Strict(BaseModel):
@@ -567,8 +567,11 @@ def resolve_config_file(p: Path) -> Path:
     Raises:
         ConfigError: neither exists.
     """
-    if p.is_file():
+    why = unreadable(p)
+    if why is None:
         return p
+    if why != "not found":  # there, but not readable (permissions, a directory): never "not found"
+        raise ConfigError(f"config file {p} {why}")
     if not p.is_absolute():
         try:
             return shipped(str(p))
@@ -591,6 +594,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+        except (OSError, UnicodeDecodeError) as e:  # (it changed since it was checked, or is not text)
+            raise ConfigError(f"config file {p} cannot be read ({getattr(e, 'strerror', None) or e})") from None
     apply_overrides(data, overrides or [])
     _check_renamed(data, f" in {path} or --set" if path else "")
     try:

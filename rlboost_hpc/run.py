@@ -55,6 +55,45 @@ def load_model(cfg: RunConfig):
     return load_model_dir(path, chat=cfg.task.chat_template)
 
 
+def check_inputs(cfg: RunConfig) -> None:
+    """Every input file the run will read, checked before anything heavy starts (a model load and the held-out
+    evaluation take seconds to minutes; a trace is read only when the cluster starts, after them): ``model.path``
+    (the directory and its config.json), the task's data files (``Task.data_files`` under the data directory) and,
+    for the local cluster, ``cluster.trace``. Reads nothing: each file is opened and closed.
+
+    Raises:
+        BadInput: one line naming the key, the file and why — not found, or there but unreadable (permissions, a
+            directory): :class:`~rlboost_hpc.paths.DataFileMissing`, :class:`~rlboost_hpc.paths.InputUnreadable`,
+            :class:`ConfigError` (an unknown task).
+    """
+    from rlboost_hpc.paths import data_file, readable
+    from rlboost_hpc.tasks.base import task_data_files
+
+    if cfg.model.path:
+        d = readable(Path(cfg.model.path).expanduser(), "model.path: the model directory", directory=True)
+        readable(d / "config.json", f"model.path: {d}'s config.json")
+    else:  # the demo model, converted once from the shared stories260K
+        from rlboost_hpc.models.llama2c import check_sources
+
+        check_sources(Path(cfg.model.cache_dir).expanduser())
+    try:
+        files = task_data_files(cfg.task.name)
+    except ValueError as e:
+        raise ConfigError(f"task.name: {e}") from None
+    for rel in files:
+        try:
+            data_file(rel)
+        except BadInput as e:
+            raise type(e)(f"task.name = {cfg.task.name}: {e}") from None
+    if cfg.cluster.kind == "local" and cfg.cluster.max_workers > 0:
+        from rlboost_hpc.cluster.traces import resolve_trace_path
+
+        try:
+            resolve_trace_path(cfg.cluster.trace)
+        except BadInput as e:
+            raise type(e)(f"cluster.trace = {cfg.cluster.trace}: {e}") from None
+
+
 def _resume_point(cfg: RunConfig, out_dir: Path) -> Path | None:
     """The checkpoint to resume from (``trainer.resume``), verified against the manager journal.
 
@@ -305,6 +344,7 @@ class ResumeState:
 
 
 def _run(cfg: RunConfig, rd: RunDir, *, progress: bool, run_id: str) -> RunReport:
+    check_inputs(cfg)
     rd.create()
     ckpt = _resume_point(cfg, rd.root)
     t_start = time.monotonic()

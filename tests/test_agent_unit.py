@@ -4,6 +4,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.rollout.agent import RolloutAgent
 from rlboost_hpc.rollout.remote_weights import PulledVersion
@@ -319,3 +321,16 @@ def test_a_sigterm_refined_into_a_preemption_deregisters_with_the_preemptions_re
     dereg = a.link.msgs[-1]
     assert isinstance(dereg, M.Deregister)
     assert (dereg.cause, dereg.reason) == ("preempted", "preempted (SIGTERM+PreemptTime)")
+
+
+def test_a_reserved_engine_refused_at_its_first_registration_registers_as_the_next_attempt():
+    """Regression (issue 50, a finished run continued with more steps — also a renamed run directory resumed with
+    RLBOOST_RUN_ID): the manager restored from the work log remembers ``reserved#0`` as an ended attempt and refuses
+    it; the reserved engine gave up (no Welcome yet), so every step waited its 300 s for an engine that never came."""
+    a = _agent(kind="reserved")
+    a._handle(M.Reject(reason="identity job#0 belongs to an attempt that already ended"))
+    reg = a.link.msgs[-1]
+    assert isinstance(reg, M.Register) and reg.attempt == 1 and reg.kind == "reserved"
+    worker = _agent()  # a preemptible worker exits instead (its job is requeued under a new attempt)
+    with pytest.raises(Exception, match="already ended"):
+        worker._handle(M.Reject(reason="identity job#0 belongs to an attempt that already ended"))

@@ -343,3 +343,67 @@ def test_the_progress_bar_and_the_summary_name_what_they_count():
                              "responses_migrated": 3, "responses": 64})
     assert "responses moved 3/64" in bar and "migrated" not in bar
     assert dict(SUMMARY_KEYS)["responses_migrated"].startswith("migrations (moves of unfinished responses")
+
+
+@pytest.mark.integration
+def test_a_renamed_run_directory_is_refused_with_the_id_that_resumes_it_and_resumes_with_it(tmp_path):
+    """Regression (issue 50): a copied or renamed run directory could not be resumed, and the refusal did not say
+    that ``RLBOOST_RUN_ID=<old name>`` resumes it. It says so now, and doing what it says resumes the run."""
+    def run(out: Path, steps: int, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "rlboost_hpc.cli", "run", "--config", LOCAL, "--out", str(out),
+                               "--no-progress", "--set", f"trainer.steps={steps}", "--set", "cluster.max_workers=0",
+                               "--set", "rollout.max_new_tokens=16"], capture_output=True, text=True, timeout=900,
+                              cwd=tmp_path, env={**os.environ, **env})
+
+    first = run(tmp_path / "first", 1)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (tmp_path / "first").rename(tmp_path / "renamed")
+    p = run(tmp_path / "renamed", 2)
+    one_line_refusal(p, "belongs to run 'first', not 'renamed'", "RLBOOST_RUN_ID=first")
+    p = run(tmp_path / "renamed", 2, RLBOOST_RUN_ID="first")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = json.loads((tmp_path / "renamed/report.json").read_text())
+    assert rep["steps"] == 2 and rep["resumes"] == 1
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("cluster.trace=no-such-trace.csv", "cluster.trace = no-such-trace.csv: data file not found"),
+    ("task.name=gsm8k", "task.name = gsm8k: data file not found"),
+    ("model.path=no-such-model", "model.path: the model directory not found"),
+])
+def test_input_files_are_checked_before_anything_heavy_starts(tmp_path, override, needle):
+    """Regression (issue 50): a missing trace or data file was reported after 8–13 s of model load and held-out
+    evaluation. Every input file is checked first: the refusal comes before the run directory holds a config or any
+    log line of a model load or an evaluation."""
+    out = tmp_path / "out"
+    p = cli("run", "--config", LOCAL, "--out", str(out), "--no-progress", "--set", override,
+            "--set", f"data.dir={tmp_path}", cwd=tmp_path)
+    one_line_refusal(p, needle)
+    assert not (out / "config.json").exists() and "held-out reward" not in p.stderr and '"msg": "model ' not in p.stderr
+
+
+def _without_root_bypass() -> list[str]:
+    """A command prefix that makes file permissions bind (root reads any file: its DAC override is dropped)."""
+    if os.geteuid() != 0:
+        return []
+    import shutil
+
+    if not shutil.which("setpriv"):
+        pytest.skip("running as root without setpriv: permissions cannot be made to bind")
+    return ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search"]
+
+
+def test_an_existing_file_that_cannot_be_read_is_not_reported_as_not_found(tmp_path):
+    """Regression (issue 50): an unreadable config (or data file, or model directory) was reported "not found",
+    sending the user looking for a file that is there."""
+    from rlboost_hpc.paths import unreadable
+
+    conf = tmp_path / "run.toml"
+    conf.write_text("[trainer]\nsteps = 1\n")
+    conf.chmod(0)
+    p = subprocess.run([*_without_root_bypass(), sys.executable, "-m", "rlboost_hpc.cli", "run", "--config",
+                        str(conf), "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    one_line_refusal(p, f"config file {conf} exists but cannot be read (permission denied)")
+    assert "not found" not in p.stderr
+    assert unreadable(tmp_path) == "is a directory, not a file" and unreadable(conf, directory=True) == \
+        "is not a directory" and unreadable(tmp_path / "nope") == "not found"

@@ -231,7 +231,10 @@ class RolloutAgent(AgentWeights, AgentResponses):
         elif isinstance(msg, M.Drain):
             self.request_stop(f"drain: {msg.reason}", "stopped")  # the run ends (manager shutdown)
         elif isinstance(msg, M.Reject):
-            if self.welcome is not None and self.kind == "reserved":
+            # the reserved engine must stay available (co-located fallback): a manager that declared it lost, or —
+            # restored from the work log of a run that ended and is now continued — remembers its identity as an
+            # ended attempt, is answered with the next attempt
+            if self.kind == "reserved":
                 self._reregister(msg.reason)
             else:
                 raise _Rejected(msg.reason)
