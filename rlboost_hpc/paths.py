@@ -154,7 +154,7 @@ def data_file(relative: str | os.PathLike[str]) -> Path:
     """
     rel = Path(relative)
     path = rel if rel.is_absolute() else data_dir() / rel
-    why = unreadable(path)
+    why = unreadable(path, directory=path.is_dir())  # (a data set may be a directory: a trace's segments)
     if why is None:
         return path
     if why != "not found":  # there, but not readable: saying "not found" would send the user looking elsewhere
