@@ -394,6 +394,21 @@ class FaultsCfg(_Strict):
     slow_load_s: float = Field(0.0, ge=0, description="extra seconds every weight load takes on a share "
                                                       "slow_load_fraction of worker attempts (0: none)")
     slow_load_fraction: float = Field(0.5, ge=0, le=1, description="share of worker attempts slowed by slow_load_s")
+    every_steps: int = Field(0, ge=0, description=(
+        "at every k-th step boundary inject one fault of each of `kinds` — by progress, not by chance or wall "
+        "time: a fault that finds no target (no live worker, no connection) stays due until it does, so a run of "
+        "n steps sees at least floor((n - 1) / k) of each (0: none)"))
+    kinds: list[Literal["preempt", "kill", "stall", "link_reset", "slow_load"]] = Field(
+        default_factory=lambda: ["preempt", "kill"], description=(
+            "what every_steps injects: preempt (the warning signal to a live worker), kill (SIGKILL, no warning), "
+            "stall (SIGSTOP for stall_s), link_reset (every worker's TCP connection reset), slow_load (one live "
+            "worker's next weight load takes slow_load_s longer)"))
+
+    @model_validator(mode="after")
+    def _slow_load_has_a_length(self) -> "FaultsCfg":
+        if self.every_steps and "slow_load" in self.kinds and self.slow_load_s <= 0:
+            raise ValueError("cluster.faults.kinds has slow_load: set cluster.faults.slow_load_s > 0 (its length)")
+        return self
 
 
 class ClusterCfg(_Strict):

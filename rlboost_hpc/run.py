@@ -451,7 +451,8 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
         prompts_not_trained_once=trainer.prompts_not_trained_once(), multi_turn=cfg.task.max_turns > 1,
         resumes=resume.resumes, resumed_from_step=resume.start_step if ckpt is not None else None,
         train_wall_s=train_wall, wall_s=time.monotonic() - t_start, max_staleness=cfg.rollout.max_staleness,
-        trace_window_start_s=cluster["window_start_s"] if cluster else None, gate=cfg.trainer.gate_bounds())
+        trace_window_start_s=cluster["window_start_s"] if cluster else None, gate=cfg.trainer.gate_bounds(),
+        faults_scheduled=cluster.get("scheduled") if cluster else None)
     return report, svc.cluster.live_series if svc.cluster else []
 
 

@@ -290,6 +290,8 @@ def test_a_command_writing_into_a_closed_pipe_returns_141_from_main(monkeypatch)
     (["chaos", "--workers", "0"], "argument --workers: 0 must be >= 1"),
     (["chaos", "--kill-fraction", "1.5"], "argument --kill-fraction: 1.5 must be <= 1"),
     (["chaos", "--steps", "many"], "argument --steps: 'many' is not an integer"),
+    (["chaos", "--fault-kinds", "stall,meteor"], "kinds are preempt, kill, stall, link_reset, slow_load"),
+    (["chaos", "--fault-kinds", "slow_load"], "--fault-kinds slow_load needs --slow-load-s > 0"),
 ])
 def test_numbers_out_of_range_are_bad_usage_exit_2(tmp_path, args, needle):
     """Regression (issue 50): ``simulate --duration -5`` and ``chaos --workers 0`` exited 0 (a run that did nothing

@@ -270,7 +270,7 @@ def test_a_rollout_job_holding_newer_versions_serves_the_trainer_resumed_two_ver
     import subprocess
     import sys
 
-    from _util import load_hf_dir
+    from _util import close_all, load_hf_dir
     from rlboost_hpc.manager.service import spawn_manager
     from rlboost_hpc.manager.settings import ManagerSettings
     from rlboost_hpc.rundir import RunDir
@@ -352,10 +352,4 @@ def test_a_rollout_job_holding_newer_versions_serves_the_trainer_resumed_two_ver
             w.kill()
             out = w.communicate(timeout=10)[0]
             print(out[-3000:])
-        for c in clients:
-            c.close()
-        for p in procs:
-            p.kill()
-            p.join(5)
-        for s in servers:
-            s.close()
+        close_all(clients, procs, servers)

@@ -52,6 +52,8 @@ Schema (:class:`RunReport`; every key below is always present except the multi-t
   training wall time), ``train_wall_s``, ``wall_s``, ``trace_window_start_s`` (the replayed spot trace's window, or
   ``null``), and the step timeline's summary: ``step_phase_s_mean``, ``fixed_overhead_s_per_step``,
   ``fixed_overhead_s_by_phase``, ``fixed_overhead_share``.
+- chaos runs (``cluster.faults.every_steps``, the local cluster, this incarnation): ``faults_scheduled`` (kind →
+  faults injected by progress: preempt, kill, stall, link_reset, slow_load — a slow load counted once taken).
 - emulated instances only (``rollout.engine = "emulated"``, this incarnation): ``emulated_modelled_s`` (wall seconds
   their profile asked for), ``emulated_late_s`` (seconds they ran behind it), ``emulated_late_ratio`` ((modelled +
   late) ÷ modelled: 1 on time, 3.2 for a host 3.2× slower than the profile) and ``emulated_represents_profile``
@@ -201,6 +203,7 @@ class RunReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     decode_tokens_per_s_by_batch: dict[str, float]
     instances_drained: int
     protocol_rejects: int
+    faults_scheduled: dict[str, int] | None = None
     emulated_modelled_s: float | None = None
     emulated_late_s: float | None = None
     emulated_late_ratio: float | None = None
@@ -338,6 +341,7 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
                  n_resv: float, n_resv_source: str, rollout_engine: str, prompts_not_trained_once: int,
                  multi_turn: bool, resumes: int, resumed_from_step: int | None, train_wall_s: float, wall_s: float,
                  trace_window_start_s: float | None, max_staleness: int = 0,
+                 faults_scheduled: dict[str, int] | None = None,
                  gate: tuple[float, float] = (D.GATE_MAX_KL_NATS_PER_TOKEN, D.GATE_MAX_REPETITION)) -> RunReport:
     """The report of a finished run.
 
@@ -408,4 +412,5 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         tokens_trained=totals.tokens_trained,
         throughput_tokens_per_s=totals.tokens_trained / train_wall_s if train_wall_s > 0 else 0.0,
         train_wall_s=train_wall_s, **summarize(steps), wall_s=wall_s,
-        trace_window_start_s=trace_window_start_s, examples_after=after["examples"])
+        trace_window_start_s=trace_window_start_s, examples_after=after["examples"],
+        faults_scheduled=faults_scheduled or None)

@@ -91,6 +91,7 @@ class RolloutAgent(AgentWeights, AgentResponses):
         close_engine: bool = True,
         builder: ThreadPoolExecutor | None = None,
         fault_load_delay_s: float = 0.0,
+        fault_slow_load: Callable[[], float] | None = None,
         relay_endpoint: str = "",
         relay_wait_s: float = D.RELAY_WAIT_S,
     ) -> None:
@@ -113,6 +114,7 @@ class RolloutAgent(AgentWeights, AgentResponses):
         self.engine_epoch = engine_epoch  # manager epoch of the engine's weights (versions are (epoch, version))
         self.close_engine = close_engine
         self.fault_load_delay_s = fault_load_delay_s  # chaos: weight loads slower than the heartbeat deadline
+        self.fault_slow_load = fault_slow_load  # chaos: extra seconds of the next load, when the cluster scheduled one
         self.tokens_generated = 0
         self.tokens_handed_off = 0  # response tokens of unfinished requests handed back (released)
         self.stop_reason: str | None = None  # set (signal-safe) to drain and exit

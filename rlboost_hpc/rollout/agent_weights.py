@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 from rlboost_hpc.models.arch import ModelArch
 from rlboost_hpc.protocol import messages as M
@@ -57,6 +58,7 @@ class AgentWeights:
     engine_factory: EngineFactory
     weights: WeightSource
     fault_load_delay_s: float
+    fault_slow_load: Callable[[], float] | None
     relay_wait_s: float
     want_version: int
     want_checksum: int
@@ -73,6 +75,11 @@ class AgentWeights:
         if self.engine is None or self.welcome is None or self.engine_epoch != self.welcome.epoch:
             return -1
         return self.engine.version
+
+    def _fault_delay_s(self) -> float:
+        """Chaos: extra seconds of this weight load — every load's (``fault_load_delay_s``) plus one the local cluster
+        scheduled for this instance (``fault_slow_load``; consumed by this load)."""
+        return self.fault_load_delay_s + (self.fault_slow_load() if self.fault_slow_load is not None else 0.0)
 
     def held_identity(self) -> tuple[int, int]:
         """(version, whole-version checksum) the engine holds in the current manager's epoch ((-1, 0): none)."""
@@ -116,6 +123,7 @@ class AgentWeights:
         peers = list(self.want_peers)
         arch_json = self.welcome.model_arch
         build = self.engine is None
+        slow = self._fault_delay_s if build else (lambda: 0.0)  # (a load's own delay is taken where it loads)
 
         def work() -> tuple:  # (version, PulledVersion, error, new engine, its build seconds)
             try:
@@ -129,6 +137,7 @@ class AgentWeights:
                 eng = factory(model_config, got.state_dict, arch=ModelArch.from_json(arch_json) if arch_json else None)
                 eng.version = version
                 eng.weights_checksum = got.checksum
+                time.sleep(slow())  # (chaos) a slow first load, on this thread like a slow real start
             except Exception as e:
                 return version, None, f"engine start failed: {type(e).__name__}: {e}", None, 0.0
             return version, got, None, eng, time.monotonic() - t0
@@ -165,8 +174,9 @@ class AgentWeights:
                 self.engine = new_engine
             else:
                 try:
-                    if self.fault_load_delay_s:
-                        time.sleep(self.fault_load_delay_s)  # on this thread, like a slow real load
+                    delay = self._fault_delay_s()
+                    if delay:
+                        time.sleep(delay)  # on this thread, like a slow real load
                     self.engine.load_weights(got.state_dict, version)
                     self.engine.weights_checksum = got.checksum
                 except Exception as e:
