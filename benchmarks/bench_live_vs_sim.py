@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from rlboost_hpc.sim.calibrate import simulate_run  # noqa: E402
+from rlboost_hpc.observe.run_report import late_label  # noqa: E402
 
 
 def settings(n: int, steps: int) -> list[str]:
@@ -87,6 +88,9 @@ def main() -> int:
               f"  (equal in {sum(1 for c in caps if c[0] == c[1])} of {len(caps)} steps)")
     print(f"  mean instances serving a step  "
           f"{ratio(mean(s['n_remote'] for _, s in pairs), mean(m.get('n_remote') or 0 for m, _ in pairs))}")
+    rep = json.loads((out / "report.json").read_text())
+    print(f"  live instances' lateness       {late_label(rep.get('emulated_late_ratio'))}  (wall time ÷ the "
+          "profile's; past 1.2 the live column is the host's timing, not the profile's)")
     return 0
 
 

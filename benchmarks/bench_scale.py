@@ -13,7 +13,10 @@ resident memory (``process_*``), ``rlboost_tokens_received_total``, and the scra
 processes' resident memory is sampled with psutil. Printed per N: manager CPU-seconds per 1M tokens received and
 per step, messages (received + sent by the manager, every kind) per token, manager peak RSS, a worker process's
 peak RSS per instance, scrape bytes and time, journal and event-log bytes per step, lost / duplicated /
-off-version; then each cost's growth exponent in N (log-log slope between the smallest and the largest N).
+off-version, and ``late_x``: how late the emulated instances ran against their profile (the report's
+``emulated_late_ratio``, wall time ÷ the profile's; a row past 1.2 is marked "not the profile": on that host the
+timings are the host's, not the modelled engine's); then each cost's growth exponent in N (log-log slope between the
+smallest and the largest N).
 
 Liveness (issue 29 item 8): per N, the silences longer than two heartbeats the manager measured
 (``rlboost_instance_silence_seconds``: how many, the bucket bound of the 99th percentile and of the longest) —
@@ -66,6 +69,8 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from rlboost_hpc.observe.run_report import late_label  # noqa: E402 - after the path of the benchmarks' helpers
 
 
 def hosted(n: int, per_process: int) -> int:
@@ -248,7 +253,7 @@ def one_point(n: int, steps: int, per_process: int, extra: list[str], out: Path,
         "journal_B_per_step": (out / "manager-journal.jsonl").stat().st_size / rep["steps"],
         "events_B_per_step": (out / "events.jsonl").stat().st_size / rep["steps"],
         "preemptions": rep["preemptions"], "migrated": rep["responses_migrated"],
-        "suspected": rep["instances_suspected"],
+        "suspected": rep["instances_suspected"], "late_x": late_label(rep.get("emulated_late_ratio")),
         "lost/dup/off": f"{rep['responses_lost']}/{rep['responses_duplicated']}/{rep['tokens_trained_off_version']}",
         "silence_rule": "off" if any("dispatch_silence_s" in o for o in extra) else "on",
         "to_vanished": int(_metric(sampler.text, "rlboost_responses_assigned_to_vanished_total")),
@@ -330,10 +335,10 @@ def main() -> None:
             ("mgr_rss_MiB", "{:.0f}"),
             ("worker_rss_MiB_per_inst", "{:.1f}"), ("scrape_KiB", "{:.1f}"), ("scrape_ms_p50", "{:.1f}"),
             ("scrape_ms_max", "{:.1f}"), ("journal_B_per_step", "{:.0f}"), ("events_B_per_step", "{:.0f}"),
-            ("preemptions", "{}"), ("migrated", "{}"), ("suspected", "{}"), ("lost/dup/off", "{}")]
+            ("preemptions", "{}"), ("migrated", "{}"), ("suspected", "{}"), ("lost/dup/off", "{}"), ("late_x", "{}")]
     live = [("N", "{}"), ("silence_rule", "{}"), ("step_s", "{:.2f}"), ("silences", "{}"),
             ("silence_p99_le", "{}"), ("silence_max_le", "{}"), ("suspected", "{}"), ("to_vanished", "{}"),
-            ("lost/dup/off", "{}")]
+            ("lost/dup/off", "{}"), ("late_x", "{}")]
     for table in (cols, live):
         print("| " + " | ".join(c for c, _ in table) + " |")
         print("|" + " --- |" * len(table))

@@ -11,6 +11,9 @@ the trainer's ``tail`` phase (waiting for the last 10 % of the groups) and ``rem
 balancer's moves, migrations, and lost / duplicated / off-version; then tail(on) ÷ tail(off). Step 0 (every
 instance's first weight load) is left out.
 
+The last column is how late the emulated instances ran against their profile (the report's ``emulated_late_ratio``:
+wall time ÷ the profile's); a run past 1.2 is marked "not the profile" — its tail is the host's, not the GPUs'.
+
 Usage: python benchmarks/bench_tail.py [--n 16 64] [--steps 6] [--reps 1] [--set key=value ...]
 """
 from __future__ import annotations
@@ -25,6 +28,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from rlboost_hpc.observe.run_report import late_label  # noqa: E402
+
 SPEEDS = "[1.0, 0.6667, 0.3333]"
 
 
@@ -56,6 +63,7 @@ def one_run(n: int, steps: int, balance: bool, extra: list[str], out: Path) -> d
             "tail_phase_s": statistics.fmean(r["phase_s"].get("tail", 0.0) for r in steps_rec),
             "remote_s": statistics.fmean(r["phase_s"].get("remote_generation", 0.0) for r in steps_rec),
             "moves": rep["balancer_moves"], "migrated": rep["responses_migrated"],
+            "late": rep.get("emulated_late_ratio"),
             "lost/dup/off": f"{rep['responses_lost']}/{rep['responses_duplicated']}/"
                             f"{rep['tokens_trained_off_version']}"}
 
@@ -76,14 +84,14 @@ def main() -> None:
                 rows.setdefault((n, balance), []).append(r)
                 print(f"N={n} balance={balance} rep {rep}: {r['run_s']:.0f} s", file=sys.stderr, flush=True)
     print("| N | balance | step wall s | response tail s / step | tail phase s / step | remote generation s / step "
-          "| balancer moves | migrated | lost / dup / off |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| balancer moves | migrated | lost / dup / off | late × (wall ÷ profile) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for (n, balance), rs in rows.items():
         print(f"| {n} | {'on' if balance else 'off'} | {statistics.fmean(r['wall_s'] for r in rs):.2f} | "
               f"{statistics.fmean(r['tail_s'] for r in rs):.3f} | {statistics.fmean(r['tail_phase_s'] for r in rs):.3f} "
               f"| {statistics.fmean(r['remote_s'] for r in rs):.2f} "
               f"| {sum(r['moves'] for r in rs)} | {sum(r['migrated'] for r in rs)} | "
-              f"{', '.join(r['lost/dup/off'] for r in rs)} |")
+              f"{', '.join(r['lost/dup/off'] for r in rs)} | {', '.join(late_label(r['late']) for r in rs)} |")
     for n in a.n:
         on = statistics.fmean(r["tail_s"] for r in rows[(n, True)])
         off = statistics.fmean(r["tail_s"] for r in rows[(n, False)])

@@ -5,11 +5,16 @@ The trace is written in the Bamboo CSV format (``<ms>,add|remove,<name>``) so th
 replays it; with ``cluster.kill_fraction`` a share of the removals arrive as SIGKILL without warning, some of
 them while a worker is still pulling weights. ``--stall-every-s`` / ``--reset-every-s`` / ``--slow-load-s``
 add stalls longer than the heartbeat deadline (SIGSTOP … SIGCONT), TCP resets of every worker's connection
-(through a forwarder) and weight loads slower than the deadline (:mod:`rlboost_hpc.cluster.faults`). ``rlboost-hpc chaos`` runs the demo on such a trace and checks the
-invariants at the end (responses lost/duplicated, tokens trained off-version, every prompt trained once).
+(through a forwarder) and weight loads slower than the deadline (:mod:`rlboost_hpc.cluster.faults`), by wall time.
+``--faults-every-steps K`` (default 4) adds faults scheduled by progress: at every K-th step one of each
+``--fault-kinds`` kind (preempt, kill, stall, link_reset, slow_load), each kept due until it finds a live worker — so
+the fault mix is certain, not a matter of chance and of how fast the host runs (``cluster.faults.every_steps``).
+``rlboost-hpc chaos`` runs the demo on such a trace and checks the invariants at the end (responses
+lost/duplicated, tokens trained off-version, every prompt trained once); its last line is the verdict.
 
 With ``--trainer-kills K`` the run is a child process (``rlboost-hpc run``) and the harness SIGKILLs either the
-trainer or the rollout manager (its pid from the manager journal) K times. A killed trainer is started again and
+trainer or the rollout manager (its pid from the manager journal) K times (``--manager-kills M``: the manager M
+times more, waiting for it while the trainer restarts it). A killed trainer is started again and
 resumes from its last checkpoint (trainer/checkpoint.py); a killed manager is restarted by the trainer, which waits
 while the new manager continues the step from its work log (manager/supervisor.py). Kills are scheduled by progress, not by the clock: kill
 ``i`` fires a random ``[0, --kill-jitter-s)`` seconds after the run's checkpoint reached step
@@ -58,13 +63,24 @@ def synthetic_trace(path: str | Path, *, duration_s: float, instances: int, mean
     return n
 
 
-def chaos_main(argv: list[str] | None = None) -> int:
-    """``rlboost-hpc chaos``: run the demo under random preemptions/kills; exit 1 if an invariant broke."""
+def _kinds(text: str) -> tuple[str, ...]:
+    """``--fault-kinds``: comma-separated kinds of :data:`~rlboost_hpc.cluster.faults.FAULT_KINDS`."""
     import argparse
 
-    from rlboost_hpc.observe.logs import logging_setup
+    from rlboost_hpc.cluster.faults import FAULT_KINDS
 
-    from rlboost_hpc.clihelp import DefaultsHelpFormatter
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    bad = [k for k in kinds if k not in FAULT_KINDS]
+    if bad or not kinds:
+        raise argparse.ArgumentTypeError(f"{text!r}: kinds are {', '.join(FAULT_KINDS)}")
+    return kinds
+
+
+def _parser():
+    """``rlboost-hpc chaos``'s flags."""
+    import argparse
+
+    from rlboost_hpc.clihelp import DefaultsHelpFormatter, number
 
     p = argparse.ArgumentParser(prog="rlboost-hpc chaos", description=chaos_main.__doc__,
                                 formatter_class=DefaultsHelpFormatter)
@@ -72,33 +88,56 @@ def chaos_main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/chaos", help="run directory (refused if it holds another run)")
     p.add_argument("--fresh", action="store_true",
                    help="start over in an --out that holds an earlier run (its checkpoints and journal are removed)")
-    p.add_argument("--steps", type=int, default=40, help="RL steps of the run")
-    p.add_argument("--duration-s", type=float, default=600.0, help="length of the synthetic trace (wall s)")
-    p.add_argument("--workers", type=int, default=3, help="preemptible worker slots of the synthetic trace")
-    p.add_argument("--lifetime-s", type=float, default=3.0, help="mean worker lifetime (s)")
-    p.add_argument("--downtime-s", type=float, default=1.0, help="mean time a slot stays empty (s)")
-    p.add_argument("--kill-fraction", type=float, default=0.5, help="share of removals without warning")
+    p.add_argument("--steps", type=number(int, at_least=1), default=40, help="RL steps of the run")
+    p.add_argument("--duration-s", type=number(float, above=0), default=600.0, help="length of the synthetic trace (wall s)")
+    p.add_argument("--workers", type=number(int, at_least=1), default=3, help="preemptible worker slots of the synthetic trace")
+    p.add_argument("--lifetime-s", type=number(float, above=0), default=3.0, help="mean worker lifetime (s)")
+    p.add_argument("--downtime-s", type=number(float, above=0), default=1.0, help="mean time a slot stays empty (s)")
+    p.add_argument("--kill-fraction", type=number(float, at_least=0, at_most=1), default=0.5, help="share of removals without warning")
     p.add_argument("--seed", type=int, default=0, help="seed of the trace and of the fault schedule")
-    p.add_argument("--trainer-kills", type=int, default=0,
+    p.add_argument("--trainer-kills", type=number(int, at_least=0), default=0,
                    help="SIGKILL the trainer or the manager this many times at random moments, resuming each time "
                         "(only the trainer with --manager-kill-every-s, which kills the manager on its own)")
-    p.add_argument("--kill-jitter-s", type=float, default=1.0,
+    p.add_argument("--kill-jitter-s", type=number(float, at_least=0), default=1.0,
                    help="a trainer/manager kill fires up to this many seconds (uniform) after the checkpoint it "
                         "waits for; kills are spread evenly over the run's checkpoints")
-    p.add_argument("--manager-kill-every-s", type=float, default=0.0,
+    p.add_argument("--manager-kills", type=number(int, at_least=0), default=0,
+                   help="SIGKILL the rollout manager this many times, each after a checkpoint, spread over the run "
+                        "like --trainer-kills (by progress); the trainer restarts it each time")
+    p.add_argument("--manager-kill-every-s", type=number(float, at_least=0), default=0.0,
                    help="also SIGKILL the rollout manager at random moments, this many seconds apart on average (0: "
                         "never); the trainer restarts it each time (manager.restarts is raised to allow it)")
-    p.add_argument("--stall-every-s", type=float, default=0.0, help="mean seconds between worker stalls (0: none)")
-    p.add_argument("--stall-s", type=float, default=6.0, help="length of a stall (past the heartbeat deadline)")
-    p.add_argument("--reset-every-s", type=float, default=0.0,
+    p.add_argument("--stall-every-s", type=number(float, at_least=0), default=0.0, help="mean seconds between worker stalls (0: none)")
+    p.add_argument("--stall-s", type=number(float, above=0), default=6.0, help="length of a stall (past the heartbeat deadline)")
+    p.add_argument("--reset-every-s", type=number(float, at_least=0), default=0.0,
                    help="mean seconds between resets of the workers' TCP connections (0: none)")
-    p.add_argument("--slow-load-s", type=float, default=0.0,
-                   help="extra seconds of every weight load on half of the worker attempts (0: none)")
+    p.add_argument("--slow-load-s", type=number(float, at_least=0), default=0.0,
+                   help="extra seconds of a slow weight load: of every load on half of the worker attempts, and of "
+                        "the scheduled slow_load faults (0: none)")
+    p.add_argument("--faults-every-steps", type=number(int, at_least=0), default=4,
+                   help="at every k-th step inject one fault of each --fault-kinds kind, by progress: each stays due "
+                        "until it finds a live worker, so the mix is certain however slow the host (0: only the "
+                        "trace's and the wall-clock faults)")
+    p.add_argument("--fault-kinds", default="preempt,kill", type=_kinds,
+                   help="what --faults-every-steps injects, comma-separated: preempt, kill, stall, link_reset, "
+                        "slow_load (needs --slow-load-s)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="dotted config override, e.g. --set rollout.max_new_tokens=32 (repeatable)")
+    return p
+
+
+def chaos_main(argv: list[str] | None = None) -> int:
+    """``rlboost-hpc chaos``: run the demo under random preemptions/kills; exit 1 if an invariant broke."""
+    from rlboost_hpc.observe.logs import logging_setup
+
+    p = _parser()
     a = p.parse_args(argv)
-    if a.trainer_kills > max(0, a.steps - 1):
-        p.error(f"--trainer-kills {a.trainer_kills} needs --steps ≥ {a.trainer_kills + 1} (one checkpoint per kill)")
+    if a.faults_every_steps and "slow_load" in a.fault_kinds and a.slow_load_s <= 0:
+        p.error("--fault-kinds slow_load needs --slow-load-s > 0 (the slow load's extra seconds)")
+    kills = a.trainer_kills + a.manager_kills
+    if kills > max(0, a.steps - 1):
+        p.error(f"--trainer-kills {a.trainer_kills} and --manager-kills {a.manager_kills} need --steps ≥ {kills + 1} "
+                "(one checkpoint per kill)")
     from rlboost_hpc.config import load_config
 
     a.config = a.config or str(shipped("configs/local.toml"))
@@ -119,8 +158,11 @@ def chaos_main(argv: list[str] | None = None) -> int:
         f"cluster.replay_s={a.duration_s}", "cluster.window_start_s=0", f"cluster.max_workers={a.workers}",
         f"cluster.kill_fraction={a.kill_fraction}", f"cluster.seed={a.seed}",
         f"cluster.faults.stall_every_s={a.stall_every_s}", f"cluster.faults.stall_s={a.stall_s}",
-        f"cluster.faults.link_reset_every_s={a.reset_every_s}", f"cluster.faults.slow_load_s={a.slow_load_s}", *a.set]
-    if a.manager_kill_every_s > 0:  # every kill is restarted: the budget is the run's whole expected length
+        f"cluster.faults.link_reset_every_s={a.reset_every_s}", f"cluster.faults.slow_load_s={a.slow_load_s}",
+        f"cluster.faults.every_steps={a.faults_every_steps}", f"cluster.faults.kinds={list(a.fault_kinds)!r}",
+        *(["cluster.faults.slow_load_fraction=0"] if a.faults_every_steps and "slow_load" in a.fault_kinds else []),
+        *a.set]
+    if a.manager_kill_every_s > 0 or a.manager_kills:  # every kill is restarted: the budget is the run's length
         overrides += ["manager.restarts=1000000", "manager.restart_window_s=1"]
     crashes = {"trainer_kills": 0, "manager_kills": 0}
     terminal = sys.stdout.isatty()  # a progress bar then owns the screen; JSON log lines go to <out>/logs/
@@ -135,12 +177,16 @@ def _chaos_run(a, out: Path, overrides: list[str], n_remove: int, crashes: dict,
     from rlboost_hpc.observe.report import Bar
     from rlboost_hpc.run import run
 
-    if a.trainer_kills or a.manager_kill_every_s > 0:
+    if a.trainer_kills or a.manager_kills or a.manager_kill_every_s > 0:
         with Bar(a.steps, "step", enabled=terminal, transient=True) as bar:
-            rc = run_with_restarts(a.config, out, overrides, kill_steps(a.steps, a.trainer_kills), a.kill_jitter_s,
-                                   a.seed, crashes, bar=bar, manager_every_s=a.manager_kill_every_s)
+            victims = ["any"] * a.trainer_kills + ["manager"] * a.manager_kills
+            random.Random(a.seed + 13).shuffle(victims)
+            rc = run_with_restarts(a.config, out, overrides, kill_steps(a.steps, len(victims)), a.kill_jitter_s,
+                                   a.seed, crashes, bar=bar, manager_every_s=a.manager_kill_every_s,
+                                   victims=victims)
         if rc != 0:
-            print(f"rlboost-hpc chaos: the final incarnation of the run exited {rc} (see {RunDir(out).report})")
+            print(f"rlboost-hpc chaos: FAIL — the final incarnation of the run exited {rc}, so no invariant could be "
+                  f"checked (see {RunDir(out).report})", file=sys.stderr)
             return 1
         rep = json.loads(RunDir(out).report.read_text())
     else:
@@ -151,7 +197,7 @@ def _chaos_run(a, out: Path, overrides: list[str], n_remove: int, crashes: dict,
               "stalls": rep["stalls"], "link_resets": rep["link_resets"],
               "slow_weight_loads": rep["slow_weight_loads"],
               "worker_starts": rep["worker_starts"], "trace_removals_planned": n_remove, **crashes,
-              "resumes": rep.get("resumes", 0)}
+              "resumes": rep.get("resumes", 0), "scheduled": rep.get("faults_scheduled") or {}}
     faults["total"] = sum(faults[k] for k in ("preemptions_with_warning", "kills_without_warning", "stalls",
                                               "link_resets", "slow_weight_loads", "trainer_kills", "manager_kills"))
     liveness = {k: rep[k] for k in ("instances_suspected", "instances_recovered", "deltas_out_of_order")}
@@ -161,7 +207,18 @@ def _chaos_run(a, out: Path, overrides: list[str], n_remove: int, crashes: dict,
               "prompts_not_trained_exactly_once": rep["prompts_not_trained_exactly_once"],
               "weight_checksum_mismatches": rep["weight_checksum_mismatches"]}
     print(json.dumps({"faults": faults, "liveness": liveness, "checks": checks, "steps": rep["steps"]}, indent=2))
-    return 0 if all(v == 0 for v in checks.values()) else 1
+    ok = all(v == 0 for v in checks.values())
+    print(verdict(checks, rep["steps"], faults["total"]), file=sys.stderr)
+    return 0 if ok else 1
+
+
+def verdict(checks: dict[str, int], steps: int, faults: int) -> str:
+    """The chaos run's last line: PASS or FAIL, then every invariant checked with its count (each must be 0) —
+    what a user reads first (the JSON above it is for scripts)."""
+    bad = [k for k, v in checks.items() if v]
+    inv = ", ".join(f"{k} {v}" for k, v in checks.items())
+    return (f"rlboost-hpc chaos: {'FAIL' if bad else 'PASS'} — {steps} steps, {faults} faults; invariants (each "
+            f"must be 0): {inv}" + (f"; broken: {', '.join(bad)}" if bad else ""))
 
 
 def _earlier_run(out: Path) -> list[str]:
@@ -202,9 +259,40 @@ def kill_steps(steps: int, kills: int) -> list[int]:
     return [max(1, min(steps - 1, round((i + 1) * steps / (kills + 1)))) for i in range(kills)]
 
 
+def _kill(out: Path, proc, victim: str, forced: bool, starts: int, killed_pids: set[int], crashes: dict, sleep,
+          poll_s: float) -> tuple[int | None, object, int]:
+    """One kill of :func:`run_with_restarts`: the current manager (``victim == "manager"``; with ``forced``, waiting
+    while the trainer (re)starts it), else — or when this incarnation's manager has not started — the trainer.
+    Returns ``(exit code if the run ended first, else None; the run's process, None once the trainer was killed;
+    the manager starts seen)``."""
+    import signal
+
+    from rlboost_hpc.manager.journal import read
+
+    mgr = [r for r in read(RunDir(out).journal) if r.get("event") == "start"]
+    while forced and proc.poll() is None and not (len(mgr) > starts and _child_of(int(mgr[-1]["pid"]), proc.pid)):
+        sleep(poll_s)  # a scheduled manager kill waits for the manager the trainer is (re)starting
+        mgr = [r for r in read(RunDir(out).journal) if r.get("event") == "start"]
+    if proc.poll() is not None:
+        return proc.returncode, proc, starts
+    if victim == "manager" and len(mgr) > starts and int(mgr[-1]["pid"]) not in killed_pids:
+        # the trainer restarts its manager, which continues the step from its work log: same incarnation
+        os.kill(int(mgr[-1]["pid"]), signal.SIGKILL)
+        killed_pids.add(int(mgr[-1]["pid"]))
+        crashes["manager_kills"] += 1
+        return None, proc, len(mgr)  # the next manager kill waits for the restarted manager's start
+    proc.send_signal(signal.SIGKILL)  # (also when this incarnation's manager has not started yet)
+    crashes["trainer_kills"] += 1
+    proc.wait()
+    return None, None, starts
+
+
 def run_with_restarts(config: str, out: Path, overrides: list[str], at_steps: list[int], jitter_s: float,
-                      seed: int, crashes: dict, poll_s: float = 0.1, bar=None, manager_every_s: float = 0.0) -> int:
-    """Run ``rlboost-hpc run`` as a child; SIGKILL the trainer or the manager once per entry of ``at_steps``. A
+                      seed: int, crashes: dict, poll_s: float = 0.1, bar=None, manager_every_s: float = 0.0,
+                      victims: list[str] | None = None) -> int:
+    """Run ``rlboost-hpc run`` as a child; SIGKILL the trainer or the manager once per entry of ``at_steps`` —
+    ``victims[i]`` says whose (``"manager"``: the manager, waiting for it to be up if it is restarting; ``"any"``,
+    the default: either, drawn). A
     killed trainer is started again (it resumes from its checkpoint); a killed manager is restarted by the trainer
     (the step in flight continues from the manager's work log), so the same incarnation goes on. Kill ``i`` fires ``uniform(0, jitter_s)`` seconds after
     the run's latest checkpoint reached ``max(at_steps[i], resumed step + 1)``. Returns the exit code of the final
@@ -265,19 +353,11 @@ def run_with_restarts(config: str, out: Path, overrides: list[str], at_steps: li
             if proc.poll() is not None:  # finished (or failed) before its kill: nothing left to crash
                 return proc.returncode
             # (with periodic manager kills every kill of the schedule is the trainer's)
-            victim = "trainer" if manager_every_s > 0 else rng.choice(["trainer", "manager"])
-            mgr = [r for r in read(RunDir(out).journal) if r.get("event") == "start"]
-            if victim == "manager" and len(mgr) > starts and int(mgr[-1]["pid"]) not in killed_pids:
-                # the trainer restarts its manager, which continues the step from its work log: same incarnation
-                os.kill(int(mgr[-1]["pid"]), signal.SIGKILL)
-                killed_pids.add(int(mgr[-1]["pid"]))
-                crashes["manager_kills"] += 1
-                starts = len(mgr)  # the next manager kill waits for the restarted manager's start
-            else:  # (also when this incarnation's manager has not started yet)
-                proc.send_signal(signal.SIGKILL)
-                crashes["trainer_kills"] += 1
-                proc.wait()
-                proc = None
+            forced = victims[i] == "manager" if victims else False
+            victim = "manager" if forced else "trainer" if manager_every_s > 0 else rng.choice(["trainer", "manager"])
+            ended, proc, starts = _kill(out, proc, victim, forced, starts, killed_pids, crashes, sleep, poll_s)
+            if ended is not None:
+                return ended
         return 0
     finally:
         log.close()

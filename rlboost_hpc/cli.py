@@ -2,13 +2,20 @@
 ``simulate``.
 
 Exit codes: 0 success; 1 the run failed (rollout unrecoverable, a service died: :class:`~rlboost_hpc.errors.RunFailed`);
-2 bad usage, config or input file (:class:`~rlboost_hpc.errors.BadInput`).
+2 bad usage, config or input file (:class:`~rlboost_hpc.errors.BadInput`); 130 interrupted (Ctrl-C); 141 the output
+pipe closed before the command wrote everything (``rlboost-hpc stats RUN --json | head -1``), as for any command a
+closed pipe ends — quietly, no traceback.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
+
+#: The exit status of a command whose output pipe closed early (128 + SIGPIPE, what a shell reports for a process a
+#: closed pipe ended).
+EXIT_PIPE_CLOSED = 141
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -61,7 +68,20 @@ def main(argv: list[str] | None = None) -> int:
 
     Every command runs inside one error boundary: :class:`~rlboost_hpc.errors.BadInput` → one line on stderr and
     exit 2, :class:`~rlboost_hpc.errors.RunFailed` → one line and exit 1, Ctrl-C → one line saying what to do next
-    and exit 130 — never a traceback for any of them."""
+    and exit 130, a closed output pipe (``| head``) → exit 141 and nothing more — never a traceback for any of them.
+    """
+    try:
+        try:
+            return _main(argv)
+        finally:  # (also on SystemExit: `--help | head`) a reader that went away shows here, not at the exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        _discard_stdout()
+        return EXIT_PIPE_CLOSED
+
+
+def _main(argv: list[str] | None) -> int:
+    """:func:`main` without the closed pipe's handling."""
     from rlboost_hpc.clihelp import DefaultsHelpFormatter
     from rlboost_hpc.errors import BadInput, RunFailed
 
@@ -98,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                    "launch_main"),
         "task": ("`task check --config X`: dry-run your own task (data, prompts, rewards, tools)",
                  "rlboost_hpc.tasks.check", "task_main"),
-        "harvest": ("for cluster admins: `harvest check` (can it be harvested), `harvest serve` (the service)",
+        "harvest": ("for cluster admins: `harvest check` (can it be harvested), `harvest serve` (the service), "
+                    "`harvest report` (what harvesting cost the owners, what the runs got)",
                     "scavenger.harvest_cli", "harvest_main"),
     }
     for name, (help_, _, _) in passthrough.items():
@@ -124,6 +145,17 @@ def main(argv: list[str] | None = None) -> int:
         hint = _AFTER_INTERRUPT.get(args.cmd)
         print(f"\n{prog}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
         return 130
+
+
+def _discard_stdout() -> None:
+    """The reader of stdout is gone: point stdout at /dev/null, so nothing written or flushed later (the interpreter
+    flushes at exit) raises again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no file descriptor behind sys.stdout (a test's capture)
+        pass
 
 
 if __name__ == "__main__":

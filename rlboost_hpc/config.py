@@ -16,7 +16,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from rlboost_hpc.config_task import (  # noqa: F401 - the task's tables are part of the run's config
     RewardModelCfg, TaskCfg, _Strict, anchor_task_paths)
 from rlboost_hpc.errors import BadInput
-from rlboost_hpc.paths import ShippedFileMissing, shipped
+from rlboost_hpc.paths import ShippedFileMissing, shipped, unreadable
 
 
 class ModelCfg(_Strict):
@@ -303,9 +303,14 @@ class TrainerCfg(_Strict):
         "quality gate: the largest share of repeated 3-grams in the final policy's held-out samples"))
     behaviour_cap: float = Field(D.BEHAVIOUR_CAP, gt=0, description=(
         "C: the cap of the importance ratio π_trainer/π_engine (verl rollout_is_threshold)"))
-    behaviour_level: Literal["token", "sequence"] = Field(D.BEHAVIOUR_LEVEL, description=(
-        "the importance ratio per token, or per response (the product over its generated tokens). verl "
-        "rollout_is_level"))
+    behaviour_level: Literal["token", "sequence", "geometric"] = Field(D.BEHAVIOUR_LEVEL, description=(
+        "the importance ratio per token, per response (the product over its generated tokens: on long responses a "
+        "small per-token mismatch drives most of them to 0 or past the cap), or per response length-normalised "
+        "(geometric: the geometric mean of its tokens' ratios; behaviour_cap then bounds a per-token scale). verl "
+        "rollout_is_level; geometric as NeMo-RL's and TRL's length-normalised sequence ratio"))
+    behaviour_dropped_warn: float = Field(D.BEHAVIOUR_DROPPED_WARN, ge=0, le=1, description=(
+        "warn when a step's share of importance-correction units (tokens or responses) that MIS dropped passes "
+        "this bound (metrics.jsonl behaviour_dropped_share; the report counts the steps)"))
     mask_truncated: bool = Field(D.MASK_TRUNCATED, description=(
         "responses cut by a budget (rollout.max_new_tokens, task.max_turns, task.max_trajectory_tokens) carry no "
         "loss; they still count in their group's advantages (DAPO overlong filtering; TRL "
@@ -352,6 +357,21 @@ class FaultsCfg(_Strict):
     slow_load_s: float = Field(0.0, ge=0, description="extra seconds every weight load takes on a share "
                                                       "slow_load_fraction of worker attempts (0: none)")
     slow_load_fraction: float = Field(0.5, ge=0, le=1, description="share of worker attempts slowed by slow_load_s")
+    every_steps: int = Field(0, ge=0, description=(
+        "at every k-th step boundary inject one fault of each of `kinds` — by progress, not by chance or wall "
+        "time: a fault that finds no target (no live worker, no connection) stays due until it does, so a run of "
+        "n steps sees at least floor((n - 1) / k) of each (0: none)"))
+    kinds: list[Literal["preempt", "kill", "stall", "link_reset", "slow_load"]] = Field(
+        default_factory=lambda: ["preempt", "kill"], description=(
+            "what every_steps injects: preempt (the warning signal to a live worker), kill (SIGKILL, no warning), "
+            "stall (SIGSTOP for stall_s), link_reset (every worker's TCP connection reset), slow_load (one live "
+            "worker's next weight load takes slow_load_s longer)"))
+
+    @model_validator(mode="after")
+    def _slow_load_has_a_length(self) -> "FaultsCfg":
+        if self.every_steps and "slow_load" in self.kinds and self.slow_load_s <= 0:
+            raise ValueError("cluster.faults.kinds has slow_load: set cluster.faults.slow_load_s > 0 (its length)")
+        return self
 
 
 class ClusterCfg(_Strict):
@@ -525,8 +545,11 @@ def resolve_config_file(p: Path) -> Path:
     Raises:
         ConfigError: neither exists.
     """
-    if p.is_file():
+    why = unreadable(p)
+    if why is None:
         return p
+    if why != "not found":  # there, but not readable (permissions, a directory): never "not found"
+        raise ConfigError(f"config file {p} {why}")
     if not p.is_absolute():
         try:
             return shipped(str(p))
@@ -549,6 +572,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+        except (OSError, UnicodeDecodeError) as e:  # (it changed since it was checked, or is not text)
+            raise ConfigError(f"config file {p} cannot be read ({getattr(e, 'strerror', None) or e})") from None
     apply_overrides(data, overrides or [])
     _check_renamed(data, f" in {path} or --set" if path else "")
     anchor_task_paths(data, resolve_config_file(Path(path)).parent if path is not None else None)

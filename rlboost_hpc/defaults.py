@@ -76,6 +76,8 @@ GATE_MAX_REPETITION = 0.2
 BEHAVIOUR_CAP = 2.0
 #: Whether the ratio is per token or per sequence (``trainer.behaviour_level``).
 BEHAVIOUR_LEVEL = "token"
+#: ``trainer.behaviour_dropped_warn``: a step whose MIS-dropped share of units passes this is warned about (a share).
+BEHAVIOUR_DROPPED_WARN = 0.1
 #: Leave truncated responses out of the loss (``trainer.mask_truncated``; DAPO's overlong filtering): off.
 MASK_TRUNCATED = False
 

@@ -156,3 +156,22 @@ def drain_requested(run_dir: str | os.PathLike[str], job_id: str | int | None = 
     :func:`drain_marker_path`). For rollout jobs' signal handlers."""
     jid = job_id if job_id is not None else os.environ.get("SLURM_JOB_ID", "")
     return bool(jid) and drain_marker_path(run_dir, jid).exists()
+
+
+def slow_load_marker_path(run_dir: str | os.PathLike[str], instance: str) -> Path:
+    """``RUN_DIR/faults/slow-load/<instance key>``: a chaos run's local cluster scheduled a slow weight load for this
+    rollout instance (``job#attempt``); the file holds the extra seconds. The instance's next load takes them and
+    removes the file (:func:`take_slow_load`)."""
+    return Path(run_dir) / "faults" / "slow-load" / instance.replace("/", "_")
+
+
+def take_slow_load(run_dir: str | os.PathLike[str], instance: str) -> float:
+    """The extra seconds of a slow load scheduled for ``instance`` (:func:`slow_load_marker_path`), consumed: the
+    marker is removed, so each scheduled fault slows one load; 0.0 when none is scheduled or it is unreadable."""
+    path = slow_load_marker_path(run_dir, instance)
+    try:
+        text = path.read_text()
+        path.unlink()
+        return max(0.0, float(text or 0))
+    except (OSError, ValueError):
+        return 0.0

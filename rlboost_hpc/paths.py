@@ -77,6 +77,54 @@ class DataFileMissing(BadInput, FileNotFoundError):
     """A shared data file is absent; the message names the file, where it was looked for and its origin."""
 
 
+class InputUnreadable(BadInput, PermissionError):
+    """An input file or directory exists but cannot be read (permissions, or a file where a directory is expected);
+    the message names it and why — never "not found"."""
+
+
+def unreadable(path: str | os.PathLike[str], *, directory: bool = False) -> str | None:
+    """Why ``path`` cannot be read as a file (``directory``: a directory to list), or None when it can: ``"not
+    found"``, ``"cannot be reached (permission denied on a directory above it)"``, ``"is a directory, not a file"``,
+    ``"is not a directory"``, ``"exists but cannot be read (permission denied)"``, or the system's word for another
+    failure. Opens (and closes) a file, lists a directory: nothing is read."""
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except (FileNotFoundError, NotADirectoryError):
+        return "not found"
+    except PermissionError:
+        return "cannot be reached (permission denied on a directory above it)"
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    import stat as stat_mod
+
+    is_dir = stat_mod.S_ISDIR(st.st_mode)
+    if directory != is_dir:
+        return "is not a directory" if directory else "is a directory, not a file"
+    try:
+        if directory:
+            next(os.scandir(p), None)
+        else:
+            with open(p, "rb"):
+                pass
+    except PermissionError:
+        return "exists but cannot be read (permission denied)"
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    return None
+
+
+def readable(path: str | os.PathLike[str], what: str, *, directory: bool = False) -> Path:
+    """``path`` when it can be read (:func:`unreadable`), else a :class:`BadInput` naming ``what``, the path and why:
+    :class:`DataFileMissing`'s kind when absent, :class:`InputUnreadable` when it exists but cannot be read."""
+    why = unreadable(path, directory=directory)
+    if why is None:
+        return Path(path)
+    if why == "not found":
+        raise DataFileMissing(f"{what} not found: {path}")
+    raise InputUnreadable(f"{what} {path} {why}")
+
+
 _override: Path | None = None
 
 
@@ -110,11 +158,15 @@ def data_file(relative: str | os.PathLike[str]) -> Path:
     Raises:
         DataFileMissing: the file does not exist; the message says which file, which directory was
             searched, how to point the project elsewhere, and the public origin of the data set.
+        InputUnreadable: it exists but cannot be read (permissions; a directory).
     """
     rel = Path(relative)
     path = rel if rel.is_absolute() else data_dir() / rel
-    if path.exists():
+    why = unreadable(path, directory=path.is_dir())  # (a data set may be a directory: a trace's segments)
+    if why is None:
         return path
+    if why != "not found":  # there, but not readable: saying "not found" would send the user looking elsewhere
+        raise InputUnreadable(f"data file {path} {why}")
     if not rel.is_absolute() and (PACKAGED_DATA / rel).is_file():
         return PACKAGED_DATA / rel
     top = rel.parts[0] if not rel.is_absolute() and rel.parts else ""

@@ -55,6 +55,53 @@ def load_model(cfg: RunConfig):
     return load_model_dir(path, chat=cfg.task.chat_template)
 
 
+def check_inputs(cfg: RunConfig) -> None:
+    """Every input file the run will read, checked before anything heavy starts (a model load and the held-out
+    evaluation take seconds to minutes; a trace is read only when the cluster starts, after them): ``model.path``
+    (the directory and its config.json), the task's data files (``Task.data_files`` under the data directory) and,
+    for the local cluster, ``cluster.trace``. Reads nothing: each file is opened and closed.
+
+    Raises:
+        BadInput: one line naming the key, the file and why — not found, or there but unreadable (permissions, a
+            directory): :class:`~rlboost_hpc.paths.DataFileMissing`, :class:`~rlboost_hpc.paths.InputUnreadable`,
+            :class:`ConfigError` (an unknown task).
+    """
+    from rlboost_hpc.paths import data_file, readable
+    from rlboost_hpc.tasks.base import task_data_files
+
+    if cfg.model.path:
+        d = readable(Path(cfg.model.path).expanduser(), "model.path: the model directory", directory=True)
+        readable(d / "config.json", f"model.path: {d}'s config.json")
+    else:  # the demo model, converted once from the shared stories260K
+        from rlboost_hpc.models.llama2c import check_sources
+
+        check_sources(Path(cfg.model.cache_dir).expanduser())
+    if cfg.task.dataset:  # your own task: its prompt files (a hub id is fetched later, by datasets)
+        from rlboost_hpc.tasks.dataset import resolve_source
+
+        for key, spec in (("task.dataset", cfg.task.dataset), ("task.heldout_dataset", cfg.task.heldout_dataset)):
+            if spec:
+                resolve_source(spec, key=key)
+        files: tuple[str, ...] = ()
+    else:
+        try:
+            files = task_data_files(cfg.task.name)
+        except ValueError as e:
+            raise ConfigError(f"task.name: {e}") from None
+    for rel in files:
+        try:
+            data_file(rel)
+        except BadInput as e:
+            raise type(e)(f"task.name = {cfg.task.name}: {e}") from None
+    if cfg.cluster.kind == "local" and cfg.cluster.max_workers > 0:
+        from rlboost_hpc.cluster.traces import resolve_trace_path
+
+        try:
+            resolve_trace_path(cfg.cluster.trace)
+        except BadInput as e:
+            raise type(e)(f"cluster.trace = {cfg.cluster.trace}: {e}") from None
+
+
 def _resume_point(cfg: RunConfig, out_dir: Path) -> Path | None:
     """The checkpoint to resume from (``trainer.resume``), verified against the manager journal.
 
@@ -118,7 +165,7 @@ def tool_stop_ids(cfg: RunConfig, tok) -> tuple[int, ...]:
 
 #: The step metrics (``metrics.jsonl``) of the engine–trainer mismatch that the manager's gauges show.
 MISMATCH_KEYS = ("logprob_diff", "logprob_diff_max", "mismatch_kl", "mismatch_outside_clip_share",
-                 "mismatch_capped_share")
+                 "mismatch_capped_share", "behaviour_ess", "behaviour_dropped_share")
 
 
 #: The ``trainer.*`` keys of the GRPO objective (the report's ``objective``).
@@ -345,6 +392,7 @@ def _run(cfg: RunConfig, rd: RunDir, *, progress: bool, run_id: str) -> RunRepor
     from rlboost_hpc.observe.trackers import check_installed
 
     check_installed(cfg.trainer.report_to)  # a tracker that cannot be imported: refused before anything starts
+    check_inputs(cfg)
     rd.create()
     ckpt = _resume_point(cfg, rd.root)
     t_start = time.monotonic()
@@ -478,7 +526,8 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
         prompts_not_trained_once=trainer.prompts_not_trained_once(), multi_turn=cfg.task.max_turns > 1,
         resumes=resume.resumes, resumed_from_step=resume.start_step if ckpt is not None else None,
         train_wall_s=train_wall, wall_s=time.monotonic() - t_start, max_staleness=cfg.rollout.max_staleness,
-        trace_window_start_s=cluster["window_start_s"] if cluster else None, gate=cfg.trainer.gate_bounds())
+        trace_window_start_s=cluster["window_start_s"] if cluster else None, gate=cfg.trainer.gate_bounds(),
+        faults_scheduled=cluster.get("scheduled") if cluster else None)
     report.reward_functions = svc.rewards.take_tallies() or None  # a user's task: each reward function's counts
     return report, svc.cluster.live_series if svc.cluster else []
 
@@ -574,7 +623,7 @@ def _trainer(cfg: RunConfig, svc: RunServices, setup: RunSetup, n_resv: float):
                             step_timeout_s=t.step_timeout_s, seed=t.seed, max_turns=cfg.task.max_turns,
                             max_trajectory_tokens=cfg.trajectory_tokens(), tool_stop_ids=setup.tool_stops,
                             advantage_std_norm=t.advantage_std_norm, max_staleness=r.max_staleness,
-                            steps=t.steps)
+                            steps=t.steps, behaviour_dropped_warn=t.behaviour_dropped_warn)
     controller = RolloutController(
         n_resv=n_resv, use_cap=pol.cap, overlap=r.max_staleness > 0,
         seeding=SeedingWindow(initial_s=pol.t_seed_initial_s, eta=pol.eta, floor_s=pol.t_seed_floor_s,

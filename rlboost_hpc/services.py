@@ -265,15 +265,20 @@ class RunServices:
         from rlboost_hpc.cluster.local import LocalCluster
 
         partial: Callable[[], dict[str, int]] | None = None
-        if cfg.cluster.preempt_when_busy:  # the cluster's thread asks the manager on a socket of its own
+        states: Callable[[], dict[str, str]] | None = None
+        f = cfg.cluster.faults
+        if cfg.cluster.preempt_when_busy or (f.every_steps and "stall" in f.kinds):
             from rlboost_hpc.trainer.client import ManagerClient
 
+            # the cluster's thread asks the manager on a socket of its own
             probe = ManagerClient(self.endpoint, keys=self.keys, alive=self.manager.alive, timeout_s=2.0,
                                   restarts=lambda: self.manager.restarted)
             self.defer(probe.close)
-            partial = lambda: {k: i.partial for k, i in probe.stats().instances.items()}  # noqa: E731
+            if cfg.cluster.preempt_when_busy:
+                partial = lambda: {k: i.partial for k, i in probe.stats().instances.items()}  # noqa: E731
+            states = lambda: {k: i.state for k, i in probe.stats().instances.items()}  # noqa: E731
         self.cluster = LocalCluster(cfg.cluster, self.endpoint, self.run_dir.root, t_origin=self._t_origin,
-                                    partial_by_instance=partial)
+                                    partial_by_instance=partial, instance_states=states)
         self.cluster.start()
 
         def stop_cluster() -> None:
@@ -300,6 +305,7 @@ class RunServices:
                                       gpus_per_instance=self.cfg.rollout.gpus_per_instance)
         elif self.cluster is not None:
             self.cluster.set_cap(n_prem)
+            self.cluster.at_step(step)  # faults a chaos run schedules by progress
 
     def available(self) -> int:
         """Preemptible instances the run could hold now (the N_prem cap's upper clamp), at most

@@ -213,19 +213,23 @@ def time_limit_seconds(value: str) -> float | None:
 def load_toml_model(path: str | os.PathLike[str] | None, table: str, model: type[_M], error: type[Exception],
                     what: str, overrides: dict[str, Any]) -> _M:
     """``model`` of TOML file ``path`` (its ``[table]`` if present, else the top level; None: the defaults) with
-    ``overrides`` (None values ignored) on top. Raises ``error`` naming ``what``, the file and every bad key."""
+    ``overrides`` (None values ignored) on top. Raises ``error`` naming ``what``, the file and every bad key — as the
+    file spells it (``harvest.idle_share_free`` when the file has a ``[harvest]`` table)."""
     data: dict[str, Any] = {}
+    prefix = ""
     if path is not None:
         try:
             raw = tomllib.loads(Path(path).read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise error(f"cannot read {what} {path}: {e}") from None
+        prefix = f"{table}." if isinstance(raw.get(table), dict) else ""
         data = dict(raw.get(table, raw))
     data.update({k: v for k, v in overrides.items() if v is not None})
     try:
         return model(**data)
     except ValidationError as e:
-        lines = [f"{'.'.join(str(x) for x in err['loc']) or '(top level)'}: {err['msg']}" for err in e.errors()]
+        lines = [f"{prefix}{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" if err["loc"]
+                 else f"{prefix.rstrip('.') or '(top level)'}: {err['msg']}" for err in e.errors()]
         where = f" {path}" if path is not None else ""
         raise error(f"invalid {what}{where}: " + "; ".join(lines)) from None
 

@@ -34,10 +34,17 @@ def _parser() -> argparse.ArgumentParser:
                      formatter_class=DefaultsHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     c = sub.add_parser("check", help="say, per partition, whether and how rollout jobs can harvest it",
+                       description="Say, per partition, whether and how rollout jobs can harvest it: preemption "
+                                   "type and mode, the requeue partition, whether a preemption warning reaches the "
+                                   "job (preempt_send_user_signal), grace time, GRES; and what is missing. Exit 0: "
+                                   "harvestable; 2 (with --partition): that partition cannot be harvested.",
                        formatter_class=DefaultsHelpFormatter)
     c.add_argument("--partition", help="judge this partition only (exit 2 when it cannot be harvested)")
     c.add_argument("--json", action="store_true", help="machine-readable findings")
     s = sub.add_parser("serve", help="run the cluster's harvest service: share idle GPUs between runs",
+                       description="Run the cluster's harvest service: every cycle, share the idle GPUs between "
+                                   "the runs that ask for them (the site policy's share rule, limits and blackouts) "
+                                   "and tell each run's scavenger its share through the spool directory.",
                        formatter_class=DefaultsHelpFormatter)
     s.add_argument("--policy", help="the site policy (TOML; [harvest] table or top level); none: the defaults")
     s.add_argument("--spool", help="spool directory (overrides the policy's spool_dir)")
@@ -49,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="level of the JSON log lines")
     r = sub.add_parser("report", help="what harvesting cost the owners (their delay) and what the runs harvested",
+                       description="What harvesting cost the owners of the capacity (how long their jobs waited "
+                                   "behind rollout jobs) and what the runs harvested (GPU-hours, tokens), over a "
+                                   "window of Slurm's accounting (sacct).",
                        formatter_class=DefaultsHelpFormatter)
     r.add_argument("--policy", help="the site policy (rollout job prefix, prices); none: the defaults")
     r.add_argument("--since", help="start of the window (sacct --starttime, e.g. 2026-12-01T00:00:00)")

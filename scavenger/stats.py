@@ -447,9 +447,9 @@ def stats_main(argv: Sequence[str] | None = None, slurm: Any = None) -> int:
             out["sacct"] = asdict(check) if check is not None else {"error": err}
         print(json.dumps(out, indent=2))
     else:
-        from rich.console import Console
+        from rlboost_hpc.clihelp import console
 
-        Console().print(render_table(st, check, per_job=args.per_job, title=f"rlboost-hpc stats {run_dir}"))
+        console().print(render_table(st, check, per_job=args.per_job, title=f"rlboost-hpc stats {run_dir}"))
         if check is not None and check.agree:
             print(f"sacct agrees: {check.sacct_jobs} jobs, {check.sacct_attempts} attempts, "
                   f"{check.sacct_requeues} requeues")

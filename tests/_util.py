@@ -127,3 +127,15 @@ class FlipBit:
         b = bytearray(frame)
         b[self.byte] ^= 0x80
         return bytes(b)
+
+
+def close_all(clients=(), procs=(), servers=()) -> None:
+    """End a test's trainer side: close its manager clients, kill its manager processes (``multiprocessing``) and
+    close its weight servers — whatever an assertion left running."""
+    for c in clients:
+        c.close()
+    for p in procs:
+        p.kill()
+        p.join(5)
+    for s in servers:
+        s.close()

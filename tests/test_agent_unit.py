@@ -4,6 +4,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.rollout.agent import RolloutAgent
 from rlboost_hpc.rollout.remote_weights import PulledVersion
@@ -57,7 +59,7 @@ class _Weights:
     def __init__(self, fn) -> None:
         self.fn = fn
 
-    def pull(self, endpoint, version, *, peers=(), keys=None, shards=""):
+    def pull(self, endpoint, version, *, peers=(), keys=None, shards="", checksum=0):
         return self.fn(version, tuple(peers))
 
 
@@ -297,3 +299,38 @@ def test_continue_mode_loads_a_new_version_between_iterations_and_resumes_each_r
         again = eng.added[1]
         assert again.prompt_ids == [1, 2] and again.prefix_ids == [9, 7, 8] and again.max_new_tokens == 8
         assert a._pos["g/0"] == 3
+
+
+def test_a_sigterm_refined_into_a_preemption_deregisters_with_the_preemptions_reason():
+    """Regression (issue 50): a Slurm requeue — SIGTERM, then Slurm's word (or the warning signal) that it is a
+    preemption — reached the manager as cause "preempted" with the reason "stopped (SIGTERM)", so the manager logged
+    "deregistered: stopped (SIGTERM)" for an end the report counts as a preemption. The reason follows the cause."""
+    a = _agent()
+    a.engine = _HoldingEngine()
+    a.request_stop("stopped (SIGTERM)", "stopped")
+    refined = []
+
+    def settled():  # while the drain waits, Slurm answers: it is preempting the job
+        if not refined:
+            refined.append(True)
+            a.request_stop("preempted (SIGTERM+PreemptTime)", "preempted")
+        return True
+
+    a.cause_settled, a.cause_settle_s = settled, 5.0
+    a._drain(a.stop_reason)
+    dereg = a.link.msgs[-1]
+    assert isinstance(dereg, M.Deregister)
+    assert (dereg.cause, dereg.reason) == ("preempted", "preempted (SIGTERM+PreemptTime)")
+
+
+def test_a_reserved_engine_refused_at_its_first_registration_registers_as_the_next_attempt():
+    """Regression (issue 50, a finished run continued with more steps — also a renamed run directory resumed with
+    RLBOOST_RUN_ID): the manager restored from the work log remembers ``reserved#0`` as an ended attempt and refuses
+    it; the reserved engine gave up (no Welcome yet), so every step waited its 300 s for an engine that never came."""
+    a = _agent(kind="reserved")
+    a._handle(M.Reject(reason="identity job#0 belongs to an attempt that already ended"))
+    reg = a.link.msgs[-1]
+    assert isinstance(reg, M.Register) and reg.attempt == 1 and reg.kind == "reserved"
+    worker = _agent()  # a preemptible worker exits instead (its job is requeued under a new attempt)
+    with pytest.raises(Exception, match="already ended"):
+        worker._handle(M.Reject(reason="identity job#0 belongs to an attempt that already ended"))

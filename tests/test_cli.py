@@ -246,3 +246,166 @@ def test_a_librarys_python_warnings_become_json_log_lines(tmp_path):
     [line] = [ln for ln in p.stderr.splitlines() if ln.strip()]
     rec = json.loads(line)
     assert rec["level"] == "WARNING" and rec["logger"] == "py.warnings" and "a library speaks" in rec["msg"]
+
+
+def _closed_pipe_run(args: list[str]) -> subprocess.CompletedProcess:
+    """``rlboost-hpc ARGS`` with stdout a pipe whose reader is gone (what ``| head`` leaves once it has its lines)."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        return subprocess.run([sys.executable, "-m", "rlboost_hpc.cli", *args], stdout=w, stderr=subprocess.PIPE,
+                              text=True, timeout=300)
+    finally:
+        os.close(w)
+
+
+def test_output_into_a_closed_pipe_ends_quietly_with_141(tmp_path):
+    """Regression (issue 50): ``rlboost-hpc stats RUN --json | head -1`` (and ``harvest check --json | head``,
+    ``simulate --paper-table | head``) ended in a BrokenPipeError traceback. Every command's output goes through
+    one boundary: the status is 141 (a process a closed pipe ends), stderr stays empty."""
+    from test_scavenger_stats import synthetic_events, write_log
+
+    write_log(tmp_path, synthetic_events())
+    p = _closed_pipe_run(["stats", str(tmp_path), "--json"])
+    assert p.returncode == 141 and p.stderr == "", p.stderr
+    p = _closed_pipe_run(["stats", str(tmp_path), "--per-job"])
+    assert p.returncode == 141 and p.stderr == "", p.stderr
+
+
+def test_a_command_writing_into_a_closed_pipe_returns_141_from_main(monkeypatch):
+    """The same boundary in-process: a command whose write fails with EPIPE returns 141 from ``main``."""
+    import rlboost_hpc.cli as cli
+
+    def writes(argv):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("rlboost_hpc.sim.cli.main", writes)
+    monkeypatch.setattr(cli, "_discard_stdout", lambda: None)  # (pytest owns this process's stdout)
+    assert cli.main(["simulate", "--paper-table"]) == cli.EXIT_PIPE_CLOSED
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["simulate", "--duration", "-5"], "argument --duration: -5 must be > 0"),
+    (["simulate", "--jobs", "0"], "argument --jobs: 0 must be >= 1"),
+    (["chaos", "--workers", "0"], "argument --workers: 0 must be >= 1"),
+    (["chaos", "--kill-fraction", "1.5"], "argument --kill-fraction: 1.5 must be <= 1"),
+    (["chaos", "--steps", "many"], "argument --steps: 'many' is not an integer"),
+    (["chaos", "--fault-kinds", "stall,meteor"], "kinds are preempt, kill, stall, link_reset, slow_load"),
+    (["chaos", "--fault-kinds", "slow_load"], "--fault-kinds slow_load needs --slow-load-s > 0"),
+])
+def test_numbers_out_of_range_are_bad_usage_exit_2(tmp_path, args, needle):
+    """Regression (issue 50): ``simulate --duration -5`` and ``chaos --workers 0`` exited 0 (a run that did nothing
+    or a default that replaced the value); a number outside its range is bad usage, before anything starts."""
+    p = cli(*args, "--out", str(tmp_path / "out"), cwd=tmp_path) if args[0] == "chaos" else cli(*args, cwd=tmp_path)
+    assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_launch_with_a_file_as_its_run_directory_exits_2_naming_it(tmp_path):
+    """Issue 50: ``sbatch/launch FILE CONFIG`` exited 1; it is bad input (exit 2, the file named, nothing submitted)."""
+    f = tmp_path / "F"
+    f.write_text("x")
+    p = subprocess.run(["bash", str(REPO / "sbatch/launch"), str(f), LOCAL], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, RLBOOST_PYTHON=sys.executable))
+    assert p.returncode == 2 and str(f) in p.stderr and "is a file, not a directory" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_every_command_says_what_it_does_and_the_top_level_names_every_harvest_command():
+    """Regression (issue 50): the top-level ``--help`` omitted ``harvest report``; ``harvest check --help`` had no
+    description (only its usage and flags)."""
+    top = " ".join(cli("--help").stdout.split())
+    for sub in ("harvest check", "harvest serve", "harvest report"):
+        assert f"`{sub}`" in top, top
+    for cmd in (["run"], ["worker"], ["scavenger"], ["stats"], ["simulate"], ["chaos"], ["harvest"],
+                ["harvest", "check"], ["harvest", "serve"], ["harvest", "report"]):
+        out = cli(*cmd, "--help").stdout
+        blocks = [b for b in out.split("\n\n") if b.strip()]
+        description = [b for b in blocks[1:] if not b.lstrip().startswith(("options:", "positional", "usage:"))]
+        assert description and len(description[0].split()) >= 3, (cmd, out[:600])
+
+
+def test_the_chaos_verdict_is_one_line_with_pass_or_fail_and_every_invariant():
+    from rlboost_hpc.chaos import verdict
+
+    checks = {"responses_lost": 0, "responses_duplicated": 0, "tokens_trained_off_version": 0}
+    ok = verdict(checks, 8, 23)
+    assert ok.startswith("rlboost-hpc chaos: PASS") and "8 steps, 23 faults" in ok and "\n" not in ok
+    assert all(f"{k} 0" in ok for k in checks)
+    bad = verdict({**checks, "responses_lost": 2}, 8, 23)
+    assert "FAIL" in bad and "responses_lost 2" in bad and bad.endswith("broken: responses_lost")
+
+
+def test_the_progress_bar_and_the_summary_name_what_they_count():
+    """Regression (issue 50): the bar's "migrated" counted the step's trained responses that had moved, the
+    summary's "responses migrated" every move (seeds, preemptions, releases; one response moving twice counts 2)."""
+    from rlboost_hpc.observe.report import SUMMARY_KEYS, ProgressView
+
+    bar = ProgressView.text({"reward_mean": 0.5, "throughput_tokens_per_s": 900.0, "live_preemptible": 2,
+                             "responses_migrated": 3, "responses": 64})
+    assert "responses moved 3/64" in bar and "migrated" not in bar
+    assert dict(SUMMARY_KEYS)["responses_migrated"].startswith("migrations (moves of unfinished responses")
+
+
+@pytest.mark.integration
+def test_a_renamed_run_directory_is_refused_with_the_id_that_resumes_it_and_resumes_with_it(tmp_path):
+    """Regression (issue 50): a copied or renamed run directory could not be resumed, and the refusal did not say
+    that ``RLBOOST_RUN_ID=<old name>`` resumes it. It says so now, and doing what it says resumes the run."""
+    def run(out: Path, steps: int, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "rlboost_hpc.cli", "run", "--config", LOCAL, "--out", str(out),
+                               "--no-progress", "--set", f"trainer.steps={steps}", "--set", "cluster.max_workers=0",
+                               "--set", "rollout.max_new_tokens=16"], capture_output=True, text=True, timeout=900,
+                              cwd=tmp_path, env={**os.environ, **env})
+
+    first = run(tmp_path / "first", 1)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (tmp_path / "first").rename(tmp_path / "renamed")
+    p = run(tmp_path / "renamed", 2)
+    one_line_refusal(p, "belongs to run 'first', not 'renamed'", "RLBOOST_RUN_ID=first")
+    p = run(tmp_path / "renamed", 2, RLBOOST_RUN_ID="first")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = json.loads((tmp_path / "renamed/report.json").read_text())
+    assert rep["steps"] == 2 and rep["resumes"] == 1
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("cluster.trace=no-such-trace.csv", "cluster.trace = no-such-trace.csv: data file not found"),
+    ("task.name=gsm8k", "task.name = gsm8k: data file not found"),
+    ("model.path=no-such-model", "model.path: the model directory not found"),
+])
+def test_input_files_are_checked_before_anything_heavy_starts(tmp_path, override, needle):
+    """Regression (issue 50): a missing trace or data file was reported after 8–13 s of model load and held-out
+    evaluation. Every input file is checked first: the refusal comes before the run directory holds a config or any
+    log line of a model load or an evaluation."""
+    out = tmp_path / "out"
+    p = cli("run", "--config", LOCAL, "--out", str(out), "--no-progress", "--set", override,
+            "--set", f"data.dir={tmp_path}", cwd=tmp_path)
+    one_line_refusal(p, needle)
+    assert not (out / "config.json").exists() and "held-out reward" not in p.stderr and '"msg": "model ' not in p.stderr
+
+
+def _without_root_bypass() -> list[str]:
+    """A command prefix that makes file permissions bind (root reads any file: its DAC override is dropped)."""
+    if os.geteuid() != 0:
+        return []
+    import shutil
+
+    if not shutil.which("setpriv"):
+        pytest.skip("running as root without setpriv: permissions cannot be made to bind")
+    return ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search"]
+
+
+def test_an_existing_file_that_cannot_be_read_is_not_reported_as_not_found(tmp_path):
+    """Regression (issue 50): an unreadable config (or data file, or model directory) was reported "not found",
+    sending the user looking for a file that is there."""
+    from rlboost_hpc.paths import unreadable
+
+    conf = tmp_path / "run.toml"
+    conf.write_text("[trainer]\nsteps = 1\n")
+    conf.chmod(0)
+    p = subprocess.run([*_without_root_bypass(), sys.executable, "-m", "rlboost_hpc.cli", "run", "--config",
+                        str(conf), "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    one_line_refusal(p, f"config file {conf} exists but cannot be read (permission denied)")
+    assert "not found" not in p.stderr
+    assert unreadable(tmp_path) == "is a directory, not a file" and unreadable(conf, directory=True) == \
+        "is not a directory" and unreadable(tmp_path / "nope") == "not found"

@@ -373,3 +373,15 @@ def test_every_config_key_has_a_description():
     assert len(seen) >= 11 and not undescribed and not undocumented, (undescribed, undocumented)
     desc = RunConfig.model_fields["task"].annotation.model_fields["name"].description
     assert all(t in desc for t in known_tasks()), (desc, known_tasks())
+
+
+def test_scheduled_slow_loads_need_a_length():
+    """Issue 50 item 4: ``cluster.faults.kinds`` with slow_load scheduled by progress and no ``slow_load_s`` would
+    inject nothing; it is refused naming both keys."""
+    with pytest.raises(ConfigError, match="slow_load_s > 0"):
+        load_config(None, ["cluster.faults.every_steps=2", "cluster.faults.kinds=['slow_load']"])
+    cfg = load_config(None, ["cluster.faults.every_steps=2", "cluster.faults.kinds=['stall', 'slow_load']",
+                             "cluster.faults.slow_load_s=5"])
+    assert cfg.cluster.faults.kinds == ["stall", "slow_load"]
+    with pytest.raises(ConfigError, match="kinds"):
+        load_config(None, ["cluster.faults.kinds=['meteor']"])

@@ -126,6 +126,66 @@ def test_a_slow_host_runs_late_and_never_banks_time_to_run_faster():
     assert ft.sleeps[-1] == pytest.approx(profile("8b").instance_perf().iter_time(1, 4))
 
 
+def test_a_slow_host_is_measured_late_against_the_profile_and_idle_time_is_not():
+    """Issue 50 item 3 (the failing input: a host 3.2× slower than the profile, which nothing reported): each
+    iteration that starts past its deadline adds to ``late_seconds``; an idle gap (no request) and the wait for work
+    after a load do not; a load's own overrun does. ``late_ratio`` = (modelled + late) ÷ modelled."""
+    eng, ft = engine(median=1000.0)
+    assert eng.late_seconds == 0 and eng.late_ratio == pytest.approx(1.0)
+    ft.now += 50.0  # idle after the first load: nobody asked for anything
+    eng.add(req("a", 1, budget=200))
+    eng.step()
+    assert eng.late_seconds == 0
+    before = eng.modelled_wall_seconds
+    for _ in range(20):  # the host takes 2.2× each iteration's modelled time on top of it: 3.2× in all
+        ft.now += 2.2 * ft.sleeps[-1]
+        eng.step()
+    took = sum(ft.sleeps[-20:]) + eng.late_seconds
+    assert eng.late_seconds > 0
+    assert took / (eng.modelled_wall_seconds - before) == pytest.approx(3.2, rel=0.15)
+    assert eng.late_ratio == pytest.approx((eng.modelled_wall_seconds + eng.late_seconds) / eng.modelled_wall_seconds)
+    eng.abort("a")
+    assert eng.step() == []  # idle again
+    late = eng.late_seconds
+    ft.now += 100.0  # a long idle gap
+    eng.add(req("b", 2, budget=10))
+    eng.step()
+    assert eng.late_seconds == late  # not late: idle
+    eng.abort("b")
+
+    class SlowSleep(FakeTime):  # a load whose sleep overruns by half a second
+        def sleep(self, s: float) -> None:
+            super().sleep(s + 0.5)
+
+    slow, st = engine(ft=SlowSleep())
+    assert slow.late_seconds == pytest.approx(0.5)  # the first load's overrun
+    st.now += 30.0  # idle until the next load
+    slow.load_weights({"w": torch.zeros(4)}, 1)
+    assert slow.late_seconds == pytest.approx(1.0)
+
+
+def test_a_late_emulated_run_is_reported_as_not_representing_its_profile():
+    """Heartbeats carry an emulated engine's modelled and late seconds; the manager adds what is new per instance;
+    the report marks a run more than 20 % late."""
+    from test_manager_core import make, register
+
+    from rlboost_hpc.observe.run_report import emulated_lateness
+    from rlboost_hpc.protocol import messages as M
+    from rlboost_hpc.observe.run_report import late_label
+
+    core, _ = make()
+    register(core, b"a", "a")
+    register(core, b"b", "b")
+    for peer, modelled, late in ((b"a", 10.0, 1.0), (b"a", 20.0, 2.0), (b"b", 30.0, 45.0), (b"a", 20.0, 2.0)):
+        core.on_message(peer, M.Heartbeat(version=0, active=0, tokens_generated=0, modelled_s=modelled, late_s=late))
+    st = core.stats()
+    assert st.emulated_modelled_seconds == pytest.approx(50.0) and st.emulated_late_seconds == pytest.approx(47.0)
+    rep = emulated_lateness(st)
+    assert rep["emulated_late_ratio"] == pytest.approx(97 / 50) and rep["emulated_represents_profile"] is False
+    assert emulated_lateness(core.__class__(clock=lambda: 0.0).stats()) == {}  # no emulated engine: no keys
+    assert late_label(1.1) == "1.10" and late_label(3.2) == "3.20 (not the profile)" and late_label(None) == "-"
+
+
 def test_weights_are_held_loads_refused_while_requests_run_and_batches_capped():
     sd = {"a": torch.zeros(1000, dtype=torch.bfloat16), "b": torch.ones(24, dtype=torch.float32)}
     ft = FakeTime()
@@ -197,6 +257,8 @@ def test_a_run_on_emulated_instances_with_preemptions_loses_nothing(repo_root, t
     assert rep["steps"] == 10 and rep["responses_trained"] == 10 * 8 * 8, diagnose(p, out)
     assert rep["preemptions_with_warning"] >= 1, diagnose(p, out)
     assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0 and rep["tokens_trained_off_version"] == 0
+    assert rep["emulated_modelled_s"] > 0 and rep["emulated_late_ratio"] >= 1.0  # (issue 50) how late it ran
+    assert rep["emulated_represents_profile"] == (rep["emulated_late_ratio"] <= 1.2)
     moved = rep["migrations_by_engine"]
     assert moved["out_of"].get("emulated", 0) >= 1 and moved["into"].get("emulated", 0) >= 1, moved
     spec = json.loads((out / "endpoints.json").read_text())

@@ -10,7 +10,7 @@ import torch
 
 from rlboost_hpc.trainer.algorithms.grpo import (GRPOOptions, behaviour_weights, finish_stats, gradient_scale,
                                                  group_advantages, grpo_loss, kl_estimate, stats_to_floats,
-                                                 step_normaliser)
+                                                 merge_stats, step_normaliser)
 
 LN2, LN3 = math.log(2.0), math.log(3.0)
 
@@ -162,6 +162,8 @@ def _mismatch():
     ("tis", "sequence", 2.0, [1.5, 1.5, 1.5], [False] * 3),  # ρ_seq = 3 · 1 · 0.5 = 1.5 ≤ 2
     ("tis", "sequence", 1.2, [1.2, 1.2, 1.2], [True] * 3),
     ("mis", "sequence", 1.2, [0.0, 0.0, 0.0], [True] * 3),
+    ("tis", "geometric", 2.0, [1.5 ** (1 / 3)] * 3, [False] * 3),  # (3 · 1 · 0.5)^(1/3) = 1.145: per-token scale
+    ("mis", "geometric", 1.1, [0.0, 0.0, 0.0], [True] * 3),
 ])
 def test_behaviour_weights_by_hand(mode, level, cap, weights, over):
     old, beh, mask = _mismatch()
@@ -186,6 +188,68 @@ def test_truncated_importance_sampling_weights_the_loss_and_the_mismatch_is_meas
     assert m["mismatch_capped_share"] == pytest.approx(1 / 3)
     plain, _ = grpo_loss(old.clone(), old, torch.tensor([1.0]), mask, GRPOOptions(), behaviour_logp=beh)
     assert plain.item() == pytest.approx(-1.0)  # without correction the engine's numbers only feed the metrics
+
+
+def _long_responses(n=64, length=1024, seed=0):
+    """``n`` responses of ``length`` generated tokens whose engine logprobs differ from the trainer's by N(0, σ²) per
+    token, σ = 0.0511: a mean |Δ| of 0.0408 nats, what bench_mismatch.py measured for a bf16 engine against the fp32
+    trainer (benchmarks/RESULTS.md)."""
+    g = torch.Generator().manual_seed(seed)
+    old = -3.0 + torch.randn(n, length, generator=g)
+    beh = old - 0.0408 * (torch.pi / 2) ** 0.5 * torch.randn(n, length, generator=g)
+    return old, beh, torch.ones(n, length, dtype=torch.bool)
+
+
+def test_sequence_level_weights_vanish_on_long_responses_and_the_geometric_mean_keeps_them():
+    """Issue 50 item 2 (the failing input: 64 responses of 1k tokens at the mismatch a bf16 engine really has): with
+    the product of the token ratios MIS drops about a third of them (27 of 64 were measured on a real run) and the
+    effective sample size of TIS's weights collapses; the length-normalised (geometric) ratio drops none and keeps
+    an effective sample size near 1. Both figures are per step metrics (``behaviour_ess``,
+    ``behaviour_dropped_share``)."""
+    old, beh, mask = _long_responses()
+    adv = torch.zeros(old.shape[0])
+
+    def step(mode, level):
+        _, st = grpo_loss(old, old, adv, mask, GRPOOptions(behaviour_correction=mode, behaviour_level=level),
+                          behaviour_logp=beh)
+        return finish_stats(stats_to_floats(st))
+
+    seq_mis, seq_tis = step("mis", "sequence"), step("tis", "sequence")
+    geo_mis, geo_tis = step("mis", "geometric"), step("tis", "geometric")
+    assert seq_mis["behaviour_dropped_share"] > 0.25  # ≥ 17 of 64 responses lost
+    assert seq_tis["behaviour_dropped_share"] == 0 and seq_tis["behaviour_ess"] < 0.8
+    assert geo_mis["behaviour_dropped_share"] == 0 and geo_mis["behaviour_ess"] > 0.99
+    assert geo_tis["behaviour_ess"] > 0.99 and step("none", "geometric")["behaviour_ess"] == pytest.approx(1.0)
+    tok = step("mis", "token")  # per token: about one in 10^20 of N(0, 0.05²) passes ln 2
+    assert tok["behaviour_dropped_share"] == 0 and tok["behaviour_ess"] > 0.99
+
+
+def test_the_effective_sample_size_adds_up_over_micro_batches():
+    old, beh, mask = _long_responses(n=8, length=64, seed=3)
+    opts = GRPOOptions(behaviour_correction="tis", behaviour_level="sequence", behaviour_cap=1.05)
+    adv = torch.zeros(8)
+    whole = finish_stats(stats_to_floats(grpo_loss(old, old, adv, mask, opts, behaviour_logp=beh)[1]))
+    parts = [stats_to_floats(grpo_loss(old[i:i + 3], old[i:i + 3], adv[i:i + 3], mask[i:i + 3], opts,
+                                       behaviour_logp=beh[i:i + 3])[1]) for i in (0, 3, 6)]
+    merged = finish_stats(merge_stats(merge_stats(parts[0], parts[1]), parts[2]))
+    w = torch.exp((old - beh).sum(dim=1)).clamp(max=1.05)  # by hand: (Σw)² / (n Σw²)
+    assert whole["behaviour_ess"] == pytest.approx(merged["behaviour_ess"], rel=1e-5)
+    assert whole["behaviour_ess"] == pytest.approx((w.sum() ** 2 / (8 * (w * w).sum())).item(), rel=1e-5)
+
+
+def test_a_step_that_drops_more_than_the_bound_is_warned_about_and_counted(caplog):
+    from types import SimpleNamespace
+
+    from rlboost_hpc.trainer.loop import RLTrainer, StepSettings, Totals
+
+    t = SimpleNamespace(s=StepSettings(prompts_per_step=1, group_size=1, max_new_tokens=1, temperature=1.0,
+                                       top_p=1.0, micro_batch=1, behaviour_dropped_warn=0.1), totals=Totals())
+    RLTrainer._warn_dropped(t, 3, {"behaviour_dropped_share": 0.05, "behaviour_ess": 0.9})
+    assert t.totals.steps_over_dropped_warn == 0 and not caplog.records
+    with caplog.at_level("WARNING", logger="rlboost.trainer"):
+        RLTrainer._warn_dropped(t, 4, {"behaviour_dropped_share": 27 / 64, "behaviour_ess": 0.4})
+    assert t.totals.steps_over_dropped_warn == 1
+    assert "step 4" in caplog.text and "42 %" in caplog.text and "geometric" in caplog.text
 
 
 def test_a_correction_without_behaviour_logprobs_or_a_penalty_without_a_reference_is_refused():

@@ -107,6 +107,20 @@ def test_a_bad_site_policy_names_the_file_and_key(tmp_path, text, key):
     assert str(p) in str(e.value) and key in str(e.value)
 
 
+def test_a_bad_key_of_a_harvest_table_is_named_as_the_file_spells_it(tmp_path):
+    """Regression (issue 50): in a policy with a ``[harvest]`` table the error said ``idle_share_free``, not the
+    ``harvest.idle_share_free`` the file uses; a policy at the top level keeps the bare key."""
+    p = tmp_path / "bad.toml"
+    p.write_text("[harvest]\nidle_share_free = -1\n[harvest.accounts.x]\nweight = 0\n")
+    with pytest.raises(HarvestPolicyError) as e:
+        load_site_policy(p)
+    assert "harvest.idle_share_free:" in str(e.value) and "harvest.accounts.x.weight:" in str(e.value)
+    p.write_text("idle_share_free = -1\n")
+    with pytest.raises(HarvestPolicyError) as e:
+        load_site_policy(p)
+    assert " idle_share_free:" in str(e.value) and "harvest." not in str(e.value)
+
+
 def test_harvest_serve_exits_2_on_a_bad_policy_naming_file_and_key(tmp_path):
     p = tmp_path / "bad.toml"
     p.write_text("[harvest]\nidle_share_free = -1\n")

@@ -154,9 +154,14 @@ def test_a_resumed_trainer_of_another_version_drops_the_restored_work_and_counts
     log.close()
     new, _, _ = restarted(tmp_path)
     feed(new, b"trainer-2", M.TrainerHello(weights_endpoint="tcp://w2", model_config={}))
-    feed(new, b"trainer-2", M.SetVersion(version=0, checksum=78, cid=3))  # a checkpoint of version 0 again?
+    feed(new, b"trainer-2", M.SetVersion(version=0, checksum=77, cid=3))  # the checkpoint of version 0 again
     assert sent(new, b"trainer-2", M.Ok)[-1].cid == 3 and len(new.requests) == 4  # same version: kept
-    new2, _, _ = restarted(tmp_path, epoch=3)
+    new1, _, _ = restarted(tmp_path, epoch=3)
+    feed(new1, b"trainer-2", M.TrainerHello(weights_endpoint="tcp://w2", model_config={}))
+    feed(new1, b"trainer-2", M.SetVersion(version=0, checksum=78, cid=3))  # version 0 made by other weights
+    assert sent(new1, b"trainer-2", M.Ok)[-1].cid == 3 and not new1.requests  # (issue 50) not the same version
+    assert new1.counters.responses_discarded_stale == 4
+    new2, _, _ = restarted(tmp_path, epoch=4)
     feed(new2, b"trainer-3", M.TrainerHello(weights_endpoint="tcp://w3", model_config={}))
     feed(new2, b"trainer-3", M.SetVersion(version=1, checksum=9, cid=4))
     assert sent(new2, b"trainer-3", M.Ok)[-1].cid == 4 and not new2.requests and not new2.held

@@ -16,7 +16,7 @@ import pytest
 import torch
 import zmq
 
-from _util import load_hf_dir, wait_for
+from _util import close_all, load_hf_dir, wait_for
 from rlboost_hpc.manager.service import spawn_manager
 from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.protocol import messages as M
@@ -445,10 +445,4 @@ def test_rollout_job_outlives_a_trainer_crash_and_reconnects_to_the_restarted_ru
         if w is not None:
             w.kill()
             w.wait(10)
-        for c in clients:
-            c.close()
-        for p in procs:
-            p.kill()
-            p.join(5)
-        for s in servers:
-            s.close()
+        close_all(clients, procs, servers)

@@ -48,6 +48,8 @@ def test_tool_call_syntax_json_bare_and_malformed():
     '{"name": "calculator", "arguments": {"expression": 42}}',  # a number as the value
     '{"name": "calculator", "arguments": "{\\"expression\\": 42}"}',  # a number inside the JSON string
     ' 6*7 ',  # a bare expression
+    '[{"name": "calculator", "arguments": {"expression": "6*7"}}]',  # Mistral: a list of one call (issue 50)
+    '[{"name": "calculator", "arguments": {"expression": "6*7"}, "id": "Ab3xYz9Qp"}]',  # ... with its call id
 ])
 def test_every_tool_call_shape_a_model_emits_gets_its_result(payload):
     """vLLM PR #22002 / smolagents PR #1003: valid calls in the OpenAI form (``arguments`` a JSON string), with
@@ -62,7 +64,9 @@ def test_every_tool_call_shape_a_model_emits_gets_its_result(payload):
     ('{"name": "calculator", "arguments": "{\\"expression\\": "}', "malformed arguments JSON"),
     ('{"name": "calculator", "arguments": [1, 2]}', "must be an object or a JSON string"),
     ('{"name": "calculator", "arguments": "[1, 2]"}', "must be an object or a JSON string"),
-    ('[{"name": "calculator", "arguments": {}}]', "one tool call per turn"),
+    ('[{"name": "calculator", "arguments": {}}, {"name": "calculator", "arguments": {}}]', "one tool call per turn"),
+    ('[]', "one tool call per turn, got a list of 0"),
+    ('[6]', '"name": str'),
     ('{"name": "calculator", "arguments": {}, "parameters": {}}', "not both"),
     ('{"arguments": {"expression": "1"}}', '"name": str'),
 ])

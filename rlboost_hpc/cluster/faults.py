@@ -3,7 +3,9 @@
 Next to the trace's warned preemptions and kills, a chaos run needs the faults that make a healthy instance look
 dead or lose frames: a process stopped past the heartbeat deadline (SIGSTOP … SIGCONT), a connection reset by the
 network (:class:`TcpForwarder` between the workers and the manager, reset all at once), a weight load slower than
-the deadline (the worker's ``--fault-load-delay-s``). :class:`FaultPlan` schedules them from a seeded RNG.
+the deadline (the worker's ``--fault-load-delay-s``). :class:`FaultPlan` schedules them from a seeded RNG, by wall
+time; :class:`StepFaults` schedules them by progress — one of each kind every k steps, each kept due until it could
+be injected — so a chaos test's fault mix is certain however slow or loaded the host is.
 
 Invariants: every stopped process is continued (also when the cluster stops); a reset closes connections, never
 processes; the forwarder keeps accepting after a reset, so peers reconnect through it transparently.
@@ -16,7 +18,10 @@ import struct
 import threading
 from dataclasses import dataclass, field
 
-__all__ = ["TcpForwarder", "FaultPlan"]
+__all__ = ["FAULT_KINDS", "TcpForwarder", "FaultPlan", "StepFaults"]
+
+#: The kinds of fault :class:`StepFaults` schedules (``cluster.faults.kinds``).
+FAULT_KINDS = ("preempt", "kill", "stall", "link_reset", "slow_load")
 
 
 class TcpForwarder:
@@ -109,3 +114,50 @@ class FaultPlan:
     def slow_load(self) -> bool:
         """Whether the next worker attempt loads weights slowly."""
         return self.slow_load_fraction > 0 and self.rng.random() < self.slow_load_fraction
+
+
+@dataclass
+class StepFaults:
+    """Faults scheduled by progress (pure: the local cluster injects them and reports back): at every
+    ``every_steps``-th step boundary one fault of each of ``kinds`` becomes due; a due fault stays due until
+    :meth:`done` says it was injected (it needs a live worker to hit, or a connection to reset), and due faults of
+    one kind add up. So a run of n steps sees at least ``(n - 1) // every_steps`` faults of each kind, whatever the
+    wall time and the luck of the draw.
+
+    Raises:
+        ValueError: ``every_steps`` < 0 or a kind outside :data:`FAULT_KINDS`.
+    """
+
+    every_steps: int = 0
+    kinds: tuple[str, ...] = ()
+    due: dict[str, int] = field(init=False, default_factory=dict)
+    injected: dict[str, int] = field(init=False, default_factory=dict)
+    _seen: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0:
+            raise ValueError(f"every_steps = {self.every_steps} must be >= 0")
+        bad = [k for k in self.kinds if k not in FAULT_KINDS]
+        if bad:
+            raise ValueError(f"unknown fault kind(s) {bad}; known: {', '.join(FAULT_KINDS)}")
+        self.injected = {k: 0 for k in self.kinds}
+
+    def at_step(self, step: int) -> None:
+        """The run reached step boundary ``step`` (the next step to run): every multiple of ``every_steps`` in
+        (the last boundary seen, ``step``] makes one fault of each kind due (a skipped boundary is not lost)."""
+        if not self.every_steps:
+            return
+        for s in range(self._seen + 1, step + 1):
+            if s % self.every_steps == 0:
+                for k in self.kinds:
+                    self.due[k] = self.due.get(k, 0) + 1
+        self._seen = max(self._seen, step)
+
+    def pending(self) -> list[str]:
+        """The kinds with a fault due, in ``kinds`` order."""
+        return [k for k in self.kinds if self.due.get(k, 0) > 0]
+
+    def done(self, kind: str) -> None:
+        """One due fault of ``kind`` was injected."""
+        self.due[kind] -= 1
+        self.injected[kind] += 1

@@ -6,8 +6,9 @@ run changes. Invariants: workers are real OS processes (``python -m rlboost_hpc.
 SIGKILL without warning; each restart of a slot is a new attempt (new identity ``local-slot<k>#<attempt>``, case
 S2); with ``cfg.preempt_when_busy`` a due removal waits (at most ``cfg.busy_wait_max_s``) until its worker holds a
 partial response at the manager; chaos faults (``cfg.faults``: ``stall_every_s``, ``link_reset_every_s``, ``slow_load_s``:
-:mod:`rlboost_hpc.cluster.faults`) stall workers, reset their connections and slow their weight loads;
-:meth:`stop` continues every stalled worker and leaves no worker process behind.
+:mod:`rlboost_hpc.cluster.faults`) stall workers, reset their connections and slow their weight loads — by wall time,
+and (``every_steps``, ``kinds``) by progress: one fault of each kind every k steps, kept due until it finds a target
+(:meth:`LocalCluster.at_step`); :meth:`stop` continues every stalled worker and leaves no worker process behind.
 """
 from __future__ import annotations
 
@@ -21,12 +22,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from rlboost_hpc.cluster.faults import FaultPlan, TcpForwarder
+from rlboost_hpc.cluster.faults import FaultPlan, StepFaults, TcpForwarder
 from rlboost_hpc.cluster.replay import ReplayDriver
 from rlboost_hpc.cluster.replay_plan import ReplayPlan, choose_window
 from rlboost_hpc.cluster.traces import load_trace
 from rlboost_hpc.config import ConfigError, ClusterCfg
-from rlboost_hpc.events import LOCAL_CLUSTER_SOURCE, append_event, drain_marker_path
+from rlboost_hpc.events import LOCAL_CLUSTER_SOURCE, append_event, drain_marker_path, slow_load_marker_path
 from rlboost_hpc.procutil import die_with_parent, hold_signals
 from rlboost_hpc.protocol.identity import instance_ids, instance_key
 
@@ -71,16 +72,20 @@ class LocalCluster:
 
     The replayed window is ``cfg.replay_s`` wall seconds long (``replay_s × time_scale`` trace seconds).
     ``partial_by_instance``: returns ``{instance key: partial responses it holds}`` from the manager (called from
-    the cluster's thread, only while ``cfg.preempt_when_busy`` holds a removal back).
+    the cluster's thread, only while ``cfg.preempt_when_busy`` holds a removal back). ``instance_states``: returns
+    ``{instance key: state}`` from the manager (called from the cluster's thread while a stall scheduled by progress
+    is due: it stops an instance the manager has ready, so that its silence is the manager's to notice).
     """
 
     def __init__(self, cfg: ClusterCfg, manager_endpoint: str, run_dir: Path, *,
                  t_origin: float | None = None,
-                 partial_by_instance: Callable[[], dict[str, int]] | None = None) -> None:
+                 partial_by_instance: Callable[[], dict[str, int]] | None = None,
+                 instance_states: Callable[[], dict[str, str]] | None = None) -> None:
         if cfg.preempt_when_busy and partial_by_instance is None:
             raise ValueError("cluster.preempt_when_busy needs the manager's view of partial responses")
         self.cfg = cfg
         self.partial_by_instance = partial_by_instance
+        self.instance_states = instance_states
         self.manager_endpoint = manager_endpoint
         self.run_dir = Path(run_dir)  # workers find endpoints.json (and the run's keys) here, like Slurm jobs
         self.log_dir = Path(run_dir) / "workers"
@@ -95,12 +100,16 @@ class LocalCluster:
         f = cfg.faults
         self.faults = FaultPlan(f.stall_every_s, f.link_reset_every_s, f.slow_load_fraction if f.slow_load_s else 0.0,
                                 seed=cfg.seed)
-        self.fault_counts = {"stalls": 0, "link_resets": 0, "slow_load_attempts": 0}
+        self.fault_counts = {"stalls": 0, "link_resets": 0, "slow_load_attempts": 0, "slow_loads_scheduled": 0}
         self._stalled: list[tuple[float, int]] = []  # (continue at, pid)
         now = time.monotonic()
         self._next_stall = now + self.faults.next_gap(cfg.faults.stall_every_s)
         self._next_reset = now + self.faults.next_gap(cfg.faults.link_reset_every_s)
-        self.link = TcpForwarder(manager_endpoint) if cfg.faults.link_reset_every_s > 0 and cfg.max_workers else None
+        self.step_faults = StepFaults(f.every_steps, tuple(f.kinds))
+        self._slow_markers: dict[Path, int] = {}  # scheduled slow loads not taken yet: marker → its worker's pid
+        self._frozen = False
+        resets = f.link_reset_every_s > 0 or (f.every_steps > 0 and "link_reset" in f.kinds)
+        self.link = TcpForwarder(manager_endpoint) if resets and cfg.max_workers else None
         if cfg.max_workers == 0:
             self.plan = None
             return
@@ -233,6 +242,79 @@ class LocalCluster:
             self._next_reset = now + self.faults.next_gap(self.cfg.faults.link_reset_every_s)
             if self.link.reset():
                 self.fault_counts["link_resets"] += 1
+        if not self._frozen:
+            self._inject_scheduled(now)
+
+    def _ready(self, slots: list[int]) -> list[int]:
+        """Those of ``slots`` whose instance the manager has ready (all of them without ``instance_states``; none
+        when the manager does not answer — it may be restarting: the fault stays due)."""
+        if self.instance_states is None:
+            return slots
+        try:
+            states = self.instance_states()
+        except Exception as e:  # noqa: BLE001 - the manager may be restarting: try again on the next round
+            log.debug("cluster: no instance states from the manager: %s", e)
+            return []
+        attempts = self.driver.live_attempts()
+        return [s for s in slots if states.get(instance_key(self.instance_ids(s)[0], attempts.get(s, -1))) == "ready"]
+
+    def at_step(self, step: int) -> None:
+        """The run reached step boundary ``step`` (the next step): faults scheduled by progress become due
+        (:class:`~rlboost_hpc.cluster.faults.StepFaults`); the cluster's thread injects them."""
+        with self._lock:
+            self.step_faults.at_step(step)
+
+    def _inject_scheduled(self, now: float) -> None:
+        """Every fault :attr:`step_faults` has due, each on a live worker the seeded RNG picks; one that finds no
+        target stays due. A scheduled slow load is injected once its worker took it (removed the marker at its
+        next weight load); one whose worker ended first is withdrawn and placed again."""
+        live_pids = self.driver.live_pids()
+        for path, pid in list(self._slow_markers.items()):
+            if not path.exists():
+                del self._slow_markers[path]
+                self.fault_counts["slow_loads_scheduled"] += 1
+                self.step_faults.done("slow_load")
+            elif pid not in live_pids.values():
+                path.unlink(missing_ok=True)
+                del self._slow_markers[path]
+        stalled = {pid for _, pid in self._stalled}
+        live = {slot: pid for slot, pid in live_pids.items() if pid is not None and pid not in stalled}
+        marked = set(self._slow_markers.values())  # not ended until its slow load is taken
+        # the faults that leave their worker alive first: a slow load needs its worker until its next load, and an
+        # ended worker's replacement is not yet one the manager has ready (what a stall must stop)
+        order = {"slow_load": 0, "stall": 1, "link_reset": 2, "kill": 3, "preempt": 4}
+        for kind in sorted(self.step_faults.pending(), key=order.__getitem__):
+            if kind == "link_reset":
+                if self.link is not None and self.link.reset():
+                    self.fault_counts["link_resets"] += 1
+                    self.step_faults.done(kind)
+                continue
+            targets = sorted(s for s, p in live.items() if kind == "stall" or p not in marked)
+            if kind == "stall":
+                targets = self._ready(targets)
+            if not targets:
+                continue
+            slot = self.faults.rng.choice(targets)
+            pid = live.pop(slot)  # one fault per worker per round
+            if kind in ("preempt", "kill"):
+                if self.driver.end_now(slot, kind):
+                    log.info("cluster: scheduled %s of slot %d (pid %d)", kind, slot, pid)
+                    self.step_faults.done(kind)
+            elif kind == "stall":
+                if self._signal(pid, signal.SIGSTOP):
+                    self._stalled.append((now + self.cfg.faults.stall_s, pid))
+                    self.fault_counts["stalls"] += 1
+                    self.step_faults.done(kind)
+                    log.info("cluster: scheduled stall of pid %d for %.1f s", pid, self.cfg.faults.stall_s)
+            elif kind == "slow_load" and len(self._slow_markers) < self.step_faults.due[kind]:
+                attempt = self.driver.live_attempts()[slot]
+                path = slow_load_marker_path(self.run_dir, instance_key(self.instance_ids(slot)[0], attempt))
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(repr(self.cfg.faults.slow_load_s))
+                self._slow_markers[path] = pid  # injected once taken (above)
+                marked.add(pid)
+                log.info("cluster: scheduled a slow weight load (%.1f s) on slot %d", self.cfg.faults.slow_load_s,
+                         slot)
 
     @staticmethod
     def _signal(pid: int, sig: int) -> bool:
@@ -266,6 +348,7 @@ class LocalCluster:
             return
         with self._lock:
             self.driver.freeze()
+            self._frozen = True  # no fault scheduled by progress either
         deadline = time.monotonic() + settle_s
         while self.driver.dying_pids() and time.monotonic() < deadline and self._thread is not None \
                 and self._thread.is_alive():
@@ -279,6 +362,9 @@ class LocalCluster:
         for _, pid in self._stalled:  # a stopped process cannot exit on its warning
             self._signal(pid, signal.SIGCONT)
         self._stalled.clear()
+        for path in self._slow_markers:  # scheduled slow loads no worker took
+            path.unlink(missing_ok=True)
+        self._slow_markers.clear()
         if self.link is not None:
             self.link.close()
         if self.driver is not None:
@@ -293,8 +379,9 @@ class LocalCluster:
         exits."""
         if self.driver is None:
             return {"starts": 0, "preemptions_warned": 0, "kills": 0, "exits": 0, "window_start_s": None,
-                    **self.fault_counts}
+                    **self.fault_counts, "scheduled": dict(self.step_faults.injected)}
         c, k = self.driver.counts, self.cfg.instances_per_worker
         return {"starts": k * c["start"], "preemptions_warned": k * c["preempt"], "kills": k * c["kill"],
                 "exits": k * c["exit"],
-                "window_start_s": self.window_start_s, "plan_actions": len(self.plan), **self.fault_counts}
+                "window_start_s": self.window_start_s, "plan_actions": len(self.plan), **self.fault_counts,
+                "scheduled": dict(self.step_faults.injected)}

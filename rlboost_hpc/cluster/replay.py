@@ -188,6 +188,10 @@ class ReplayDriver:
         """``{slot: pid}`` of the live workers."""
         return {s: w.pid for s, w in sorted(self._running.items())}
 
+    def live_attempts(self) -> dict[int, int]:
+        """``{slot: attempt}`` of the live workers."""
+        return {s: w.attempt for s, w in sorted(self._running.items())}
+
     def offered_slots(self) -> list[int]:
         """Slots the plan currently has started (live, held by the cap, or down after exiting)."""
         return sorted(self._offered)
@@ -250,6 +254,36 @@ class ReplayDriver:
         if self._t0 is not None and not self._stopped:
             self._reconcile(self.elapsed(), new)
         return new
+
+    def end_now(self, slot: int, action: str) -> list[dict[str, Any]]:
+        """End the live worker of ``slot`` now, off the plan: ``"preempt"`` (the warning signal) or ``"kill"``
+        (SIGKILL, its descendants too), recorded and counted as the plan's would be. The slot stays offered, so its
+        next attempt starts at once (a preempted job requeued) — a fault scheduled by progress (a chaos run's step
+        count), not by the trace's clock. Returns the event records (empty when the slot has no live worker).
+
+        Raises:
+            ValueError: another ``action``.
+        """
+        if action not in ("preempt", "kill"):
+            raise ValueError(f"end_now: action must be 'preempt' or 'kill', not {action!r}")
+        out: list[dict[str, Any]] = []
+        w = self._running.pop(slot, None)
+        if w is None or self._stopped:
+            if w is not None:
+                self._running[slot] = w
+            return out
+        now = self.elapsed()
+        w.cause = action
+        w.descendants = _descendants(w.proc)
+        if action == "kill":
+            _signal(w.proc, signal.SIGKILL)
+            self._kill_descendants(w.descendants)
+        else:
+            _signal(w.proc, self.preempt_signal)
+        self._dying.append(w)
+        self._record(out, now, w, action, scheduled=True)
+        self._reconcile(now, out)
+        return out
 
     def poll(self) -> list[dict[str, Any]]:
         """Reap exited workers, then apply every due action (and the cap). Returns the new event records.

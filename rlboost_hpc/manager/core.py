@@ -24,8 +24,10 @@ Invariants (each has a test in tests/test_manager_core.py):
    dropped as late; each group is delivered to the trainer once.
 3. Ids are ids: a delta must start exactly at the response's current length (no gap, no overlap).
 4. Routable ⇔ state ready ∧ version == latest (``on_new_version = "continue"``: ≥ latest − k, and a request goes
-   only to an instance holding a version in its window) ∧ not draining ∧ (preemptible, or reserved while seeding is
-   open or no preemptible instance is routable — the co-located fallback, which the first preemptible instance
+   only to an instance holding a version in its window) ∧ that version is of the current lineage — its checksum is
+   the one the trainer gave for that number (a trainer resumed from an older checkpoint starts a new lineage: an
+   instance holding a version it never made, even a higher number, is not routed to and is told the new latest)
+   ∧ not draining ∧ (preemptible, or reserved while seeding is open or no preemptible instance is routable — the co-located fallback, which the first preemptible instance
    ready ends: the reserved engines release their unfinished responses to the remote pool). The reserved engines
    share the trainer's devices: they take only work of the step the trainer trains (or seeds), never of a step
    submitted ahead (bounded staleness), so they never generate while the trainer trains another step.
@@ -64,7 +66,7 @@ from typing import Callable
 from rlboost_hpc.observe.timeline import Activity, ActivityClock
 from rlboost_hpc.policy.dispatch import Balancer, PlateauEstimator, RoundRobin
 from rlboost_hpc.policy.relay import RelayTree
-from rlboost_hpc.manager.state import Group, Instance, InstanceState, Request, StepWork
+from rlboost_hpc.manager.state import Group, Instance, InstanceState, Request, StepWork, VersionLineage
 from rlboost_hpc.manager import worklog as W
 from rlboost_hpc.manager.assign import dispatch
 from rlboost_hpc.manager.balance import balance
@@ -159,7 +161,7 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         self.weights_shards = ""  # the assembly manifest of sharded versions (JSON), "" = one weight server
         self.model_config, self.model_arch = {}, {}  # the trainer's config.json and parsed ModelArch
         self.latest_version = -1
-        self.latest_checksum = 0  # whole-version checksum of latest_version's manifest (0: not given)
+        self.lineage = VersionLineage(self.route_lag)  # the versions of the current trainer lineage (routing)
         # who serves the latest version to whom (policy/relay.py); reserved instances pull in-process, never relay
         self.relay = RelayTree(fanout=s.relay_fanout, trainer_fanout=s.relay_trainer_fanout)
         self.step, self.seeding_open, self.failed_step, self.train_step = -1, False, None, -1  # failed_step: why it failed
@@ -188,10 +190,21 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
                 self.since_compact.append(rec)
 
     # ------------------------------------------------------------------ routing (invariant 4)
+    @property
+    def latest_checksum(self) -> int:
+        """Whole-version checksum of ``latest_version``'s manifest, as the trainer gave it (0: not given)."""
+        return self.lineage.checksum(self.latest_version)
+
     def serves(self, inst: Instance) -> bool:
         """Ready with a version new work may go to: the latest, or (``on_new_version = "continue"``) one of the
-        k before it."""
-        return inst.state == S.READY and inst.version >= self.latest_version - self.route_lag
+        k before it — of the current lineage (number and checksum: :class:`VersionLineage`), so an instance holding
+        a version a resumed trainer never made is never routed to, whatever its number."""
+        return (inst.state == S.READY and inst.version >= self.latest_version - self.route_lag
+                and self.lineage.holds(inst.version, inst.checksum))
+
+    def holds_latest(self, inst: Instance) -> bool:
+        """``inst`` loaded the latest version of the current lineage (its number and its checksum)."""
+        return inst.version == self.latest_version and self.lineage.holds(inst.version, inst.checksum)
 
     def routable(self, inst: Instance) -> bool:
         if not self.serves(inst):
@@ -243,7 +256,7 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
             return None
         if inst.inflight:
             return Activity.BUSY
-        if inst.state == S.PULLING or (inst.state == S.READY and inst.version != self.latest_version):
+        if inst.state == S.PULLING or (inst.state == S.READY and not self.holds_latest(inst)):
             return Activity.PULLING
         return Activity.IDLE if inst.state == S.READY else None
 

@@ -15,7 +15,7 @@ from typing import Callable
 
 from rlboost_hpc.manager import worklog as W
 from rlboost_hpc.manager.restore import take_over, unsent_tokens
-from rlboost_hpc.manager.state import ALLOWED_TRANSITIONS, Instance, InstanceState, Request
+from rlboost_hpc.manager.state import ALLOWED_TRANSITIONS, Instance, InstanceState, Request, VersionLineage
 from rlboost_hpc.manager.stats import ManagerDistributions, VersionServingClock
 from rlboost_hpc.observe.timeline import ActivityClock
 from rlboost_hpc.policy.relay import RelayTree, Source
@@ -48,7 +48,7 @@ class InstanceRegistry:
     """
 
     #: the core's methods this part calls
-    CORE_METHODS = ("send", "log_work", "_note_activity", "_requeue", "release_reserved")
+    CORE_METHODS = ("send", "log_work", "_note_activity", "_requeue", "release_reserved", "holds_latest")
 
     # the core's state this part reads and writes (set in ManagerCore.__init__): the registry and its accounts
     clock: Callable[[], float]
@@ -65,6 +65,7 @@ class InstanceRegistry:
     heartbeat_timeout_s: float
     # routing: the version new work may go to, the co-located fallback, who speaks as the trainer
     latest_version: int
+    lineage: VersionLineage
     route_lag: int
     seeding_open: bool
     trainer_peer: bytes | None
@@ -101,13 +102,16 @@ class InstanceRegistry:
 
     def _new_version(self, inst: Instance) -> None:
         src = self._pull_source(inst)
-        self.send(inst.peer, M.NewVersion(version=self.latest_version, peers=list(src.peers), wait=src.wait))
+        self.send(inst.peer, M.NewVersion(version=self.latest_version, checksum=self.latest_checksum,
+                                          peers=list(src.peers), wait=src.wait, weights_endpoint=self.weights_endpoint,
+                                          weights_shards=self.weights_shards))
 
     def _hand_out(self, handed: list[tuple[str, Source]]) -> None:
         for key, src in handed:
             i = self.instances.get(key)
             if i is not None:
-                self.send(i.peer, M.PullFrom(version=self.latest_version, peers=list(src.peers)))
+                self.send(i.peer, M.PullFrom(version=self.latest_version, checksum=self.latest_checksum,
+                                             peers=list(src.peers)))
 
     def _suspect(self, inst: Instance, reason: str) -> None:
         """Invariant 7: out of routing now, its unfinished responses migrate; it may come back."""
@@ -136,7 +140,7 @@ class InstanceRegistry:
         back = inst.suspect_from or S.PULLING
         if back in (S.DRAINING, S.FENCED):
             new = back
-        elif inst.version == self.latest_version:
+        elif self.holds_latest(inst):
             new = S.READY
         else:
             new = S.PULLING
@@ -227,8 +231,7 @@ class InstanceRegistry:
             self.counters.registrations += 1
             self._note_activity(self.instances[key])
         inst = self.instances[key]
-        src = self._pull_source(inst) if self.latest_version >= 0 and inst.version != self.latest_version \
-            else Source()
+        src = self._pull_source(inst) if self.latest_version >= 0 and not self.holds_latest(inst) else Source()
         self.send(peer, M.Welcome(
             instance=key, latest_version=self.latest_version, weights_endpoint=self.weights_endpoint,
             model_config=self.model_config, model_arch=self.model_arch, heartbeat_s=self.heartbeat_s,
@@ -255,6 +258,12 @@ class InstanceRegistry:
         if inst is None:
             return self._unknown(peer, "heartbeat")
         inst.tokens_generated = max(inst.tokens_generated, msg.tokens_generated)
+        modelled, late = inst.emulated_s
+        if msg.modelled_s > modelled or msg.late_s > late:  # an emulated engine's timing: what is new since
+            if not inst.restored or modelled or late:  # (a restored instance's first figures: an earlier manager's)
+                self.counters.emulated_modelled_seconds += max(0.0, msg.modelled_s - modelled)
+                self.counters.emulated_late_seconds += max(0.0, msg.late_s - late)
+            inst.emulated_s = (max(modelled, msg.modelled_s), max(late, msg.late_s))
 
     def _on_WeightsLoaded(self, peer: bytes, inst: Instance | None, msg: M.WeightsLoaded) -> None:
         if inst is None:
@@ -275,14 +284,20 @@ class InstanceRegistry:
             self._fence(inst, reason)
             self.send(inst.peer, M.Drain(reason=reason))
             return
-        inst.version = msg.version
-        delay = self.version_serving.loaded(inst.key, msg.version, self.clock())
+        inst.version, inst.checksum = msg.version, msg.checksum
+        of_lineage = self.lineage.holds(msg.version, msg.checksum)
+        if not of_lineage:  # a version the current trainer never made (a pull begun before a resume): not routable
+            self.counters.weight_loads_of_another_lineage += 1
+            log.info("instance %s loaded version %d (checksum %x), not of the current lineage (latest %d, checksum "
+                     "%x): it is not routed to", inst.key, msg.version, msg.checksum, self.latest_version,
+                     self.latest_checksum)
+        delay = self.version_serving.loaded(inst.key, msg.version, self.clock()) if of_lineage else None
         if delay is not None:
             self.dist.version_serving_seconds.observe(delay)
         self._note_activity(inst)
-        if msg.version == self.latest_version and inst.kind == "preemptible":  # it holds it: it serves it too
+        if self.holds_latest(inst) and inst.kind == "preemptible":  # it holds it: it serves it too
             self._hand_out(self.relay.done(inst.key, inst.relay_endpoint))
-        if inst.state in (S.PULLING, S.FENCED) and msg.version >= self.latest_version - self.route_lag:
+        if inst.state in (S.PULLING, S.FENCED) and of_lineage and msg.version >= self.latest_version - self.route_lag:
             self._set_state(inst, S.READY)
             inst.ready_at = inst.ready_at or self.clock()
             if inst.kind == "preemptible" and not self.seeding_open:  # the end of a co-located fallback

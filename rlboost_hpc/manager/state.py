@@ -15,7 +15,7 @@ from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.tasks.tools import turn_seed
 
 __all__ = ["ALLOWED_TRANSITIONS", "REQUEST_TRANSITIONS", "ENV_PEER", "Group", "Instance", "InstanceState", "Request", "RequestState",
-           "StepWork", "step_requests"]
+           "StepWork", "VersionLineage", "step_requests"]
 
 #: The peer id of the environment (tool calls of multi-turn trajectories): a pool in the manager's own process.
 #: ZeroMQ never gives a network peer this id (peer-chosen ids cannot start with a zero byte, generated ones are 5
@@ -67,6 +67,37 @@ ALLOWED_TRANSITIONS: dict[InstanceState, frozenset[InstanceState]] = {
 }
 
 
+class VersionLineage:
+    """The weight versions of the current trainer lineage: version → whole-version checksum of the last ``window`` + 1
+    versions the trainer made current (``SetVersion``), the newest last. A version's identity is (number,
+    checksum), never the number alone: a trainer resumed from an older checkpoint makes a version current again
+    whose number may be lower than (or equal to) ones live instances still hold, and those — made by weights the
+    resumed trainer never had — are of no lineage the manager routes to. A checksum of 0 (the trainer gave none)
+    leaves the number alone to name its version.
+
+    ``window``: the versions before the newest a request may still admit (bounded staleness k; 0: only the newest).
+    """
+
+    def __init__(self, window: int = 0) -> None:
+        self.window = window
+        self._checksums: dict[int, int] = {}
+
+    def make_current(self, version: int, checksum: int) -> None:
+        """``version`` (whole-version ``checksum``) is the newest of the lineage: every version at or above its number
+        leaves it (versions of an abandoned lineage, after a resume), and so do those older than the window."""
+        self._checksums = {v: c for v, c in self._checksums.items() if version - self.window <= v < version}
+        self._checksums[version] = checksum
+
+    def holds(self, version: int, checksum: int) -> bool:
+        """Whether (``version``, ``checksum``) is a version of the lineage (within the window)."""
+        known = self._checksums.get(version)
+        return known is not None and (known == 0 or known == checksum)
+
+    def checksum(self, version: int) -> int:
+        """The checksum of ``version`` in the lineage (0: not given, or not of the lineage)."""
+        return self._checksums.get(version, 0)
+
+
 @dataclass
 class Instance:
     """One registered rollout instance; ``key`` = ``job_id#attempt``."""
@@ -81,10 +112,12 @@ class Instance:
     relay_endpoint: str = ""  # where it serves the versions it holds (relay); "" = it does not serve
     state: InstanceState = InstanceState.PULLING
     version: int = -1
+    checksum: int = 0  # whole-version checksum of the version it loaded (with ``version``: the version's identity)
     inflight: set[str] = field(default_factory=set)
     releasing: set[str] = field(default_factory=set)
     tokens_received: int = 0
     tokens_generated: int = 0
+    emulated_s: tuple[float, float] = (0.0, 0.0)  # an emulated engine's (modelled, late) wall seconds, as last heard
     ready_at: float | None = None
     gone_reason: str = ""
     suspect_since: float = 0.0

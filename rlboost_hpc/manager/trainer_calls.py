@@ -18,7 +18,7 @@ import numpy as np
 from rlboost_hpc.manager import worklog as W
 from rlboost_hpc.manager.restore import discard_stale, new_trainer
 from rlboost_hpc.manager.state import (Group, Instance, Request, RequestState as R, InstanceState as S, StepWork,
-                                       step_requests)
+                                       VersionLineage, step_requests)
 from rlboost_hpc.manager.stats import ManagerDistributions, VersionServingClock
 from rlboost_hpc.observe.timeline import ActivityClock, response_tail_s
 from rlboost_hpc.policy.observation import RemoteWork, observe_remote
@@ -61,6 +61,7 @@ class TrainerCalls:
     model_arch: dict
     latest_version: int
     latest_checksum: int
+    lineage: VersionLineage
     max_staleness: int
     step: int
     seeding_open: bool
@@ -109,18 +110,27 @@ class TrainerCalls:
     def _on_SetVersion(self, peer: bytes, inst: Instance | None, msg: M.SetVersion) -> None:
         if not self._trainer_only(peer, "set-version"):
             return
-        if msg.version == self.latest_version:  # a resent call (its reply was lost): already in force
+        same = msg.version == self.latest_version and (
+            not msg.checksum or not self.latest_checksum or msg.checksum == self.latest_checksum)
+        if msg.version == self.latest_version and not same and not self._new_trainer:
+            self.send(peer, M.Error(what="setver", cid=msg.cid, error=(
+                f"version {msg.version} is current with checksum {self.latest_checksum:x}; the same trainer cannot "
+                f"make it current again with checksum {msg.checksum:x}")))
+            return
+        if same:  # a resent call (its reply was lost): already in force
             if self._new_trainer:  # a resumed trainer confirms the restored version: journaled, so a restart
                 self.log_work(W.Version(msg.version, self.latest_checksum))  # does not discard its work later
             self._new_trainer = False
             self.send(peer, M.Ok(what="setver", cid=msg.cid))
             return
-        # a trainer resumed from a checkpoint of another version: the restored work is not its own, and its version
-        # rules (it may be older than the restored one)
+        # a trainer resumed from a checkpoint of another version (another number, or the same number with other
+        # weights: another checksum): the restored work is not its own, and its version rules (it may be older than
+        # the restored one, and than versions live instances hold: those are of no lineage it continues)
         resumed, self._new_trainer = self._new_trainer, False
         if resumed and discard_stale(self):
-            log.warning("the resumed trainer's version %d is not the restored %d: the restored unfinished "
-                        "responses are discarded", msg.version, self.latest_version)
+            log.warning("the resumed trainer's version %d (checksum %x) is not the restored %d (checksum %x): the "
+                        "restored unfinished responses are discarded", msg.version, msg.checksum, self.latest_version,
+                        self.latest_checksum)
         # (k = 0: every unfinished response; k ≥ 1: those whose window the new version leaves)
         oldest = msg.version - self.max_staleness
         unfinished = [r for r in self.requests.values() if r.state != R.DONE and r.version < oldest]
@@ -146,7 +156,7 @@ class TrainerCalls:
                                            n_remote=obs.n_remote, tokens=obs.tokens, fallback_s=self.step_fallback_s)
         self.step_remote, self.step_rollout_done_at, self.step_fallback_s = {}, None, 0.0
         self.latest_version = msg.version
-        self.latest_checksum = msg.checksum
+        self.lineage.make_current(msg.version, msg.checksum)  # (and latest_checksum with it)
         self.log_work(W.Version(msg.version, msg.checksum))
         for i in self.instances.values():  # an instance holding the old version is pulling from now on
             if i.state != S.GONE:

@@ -199,8 +199,11 @@ def check(path: str | os.PathLike, records: list[Record], run_id: str, epoch: in
     for r in records:
         if isinstance(r, Begin):
             if r.run_id != run_id:
-                raise WorkLogError(f"{path}: the work log belongs to run {r.run_id!r}, not {run_id!r}; restore the "
-                                   "run's own directory or start a new run in a new --out")
+                raise WorkLogError(f"{path}: the work log belongs to run {r.run_id!r}, not {run_id!r} (a run's id is "
+                                   "its directory's name unless RLBOOST_RUN_ID is set); a copied or renamed run "
+                                   f"directory resumes under its old id: RLBOOST_RUN_ID={r.run_id} and the same "
+                                   "command; otherwise restore the run's own directory or start a new run in a new "
+                                   "--out")
             if r.epoch < last or r.epoch >= epoch:
                 raise WorkLogError(f"{path}: manager epochs go backwards ({last} then {r.epoch}, starting {epoch}); "
                                    "the file was copied from elsewhere or edited")

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 from rlboost_hpc.errors import BadInput
+from rlboost_hpc.paths import unreadable
 
 __all__ = ["ModelArch", "ModelFormatError", "UnsupportedModel", "RopeScaling", "arch_from_hf", "read_config_json",
            "validate_state_dict", "SUPPORTED_ARCHITECTURES"]
@@ -219,8 +220,9 @@ def read_config_json(path: str | os.PathLike[str]) -> dict[str, Any]:
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
-    if not p.is_file():
-        raise ModelFormatError(f"{p}: config.json not found")
+    why = unreadable(p)
+    if why is not None:  # "not found" only when it is not there
+        raise ModelFormatError(f"{p}: config.json {why}")
     try:
         raw = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -28,6 +28,7 @@ from typing import Any, Iterable, Literal
 import torch
 
 from rlboost_hpc.models.arch import ModelArch, ModelFormatError, arch_from_hf, read_config_json, validate_state_dict
+from rlboost_hpc.paths import unreadable
 
 __all__ = ["PolicyModel", "PolicyTokenizer", "load_model_dir", "read_state_dict", "save_model_dir", "weight_files",
            "stop_token_ids", "WEIGHTS_NAME", "WEIGHTS_INDEX_NAME"]
@@ -207,8 +208,9 @@ def load_model_dir(path: str | os.PathLike[str], *, chat: ChatMode = "auto") -> 
             architecture.
     """
     d = Path(path).expanduser()
-    if not d.is_dir():
-        raise ModelFormatError(f"{d}: model directory not found")
+    why = unreadable(d, directory=True)
+    if why is not None:  # "not found" only when it is not there
+        raise ModelFormatError(f"{d}: model directory {why}")
     hf_config = read_config_json(d)
     arch = arch_from_hf(hf_config, name=str(d / "config.json"))
     tok = PolicyTokenizer.from_dir(d, arch, chat=chat)

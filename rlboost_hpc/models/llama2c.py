@@ -236,6 +236,18 @@ def convert_llama2c(bin_path: str | os.PathLike[str], tok_path: str | os.PathLik
     return out
 
 
+def check_sources(cache_dir: str | os.PathLike[str]) -> None:
+    """What :func:`ensure_converted` will read, checked without reading it: nothing when ``cache_dir`` holds the
+    complete conversion, else the shared checkpoint and tokenizer must be there and readable.
+
+    Raises:
+        rlboost_hpc.paths.DataFileMissing / InputUnreadable: ``stories260K/stories260K.bin`` or ``tok512.bin``.
+    """
+    if not _complete(Path(cache_dir) / STORIES260K_DIRNAME):
+        paths.data_file("stories260K/stories260K.bin")
+        paths.data_file("stories260K/tok512.bin")
+
+
 def ensure_converted(cache_dir: str | os.PathLike[str]) -> Path:
     """Convert the shared ``stories260K`` checkpoint into ``cache_dir/stories260K-hf-v2`` once; return that dir.
 

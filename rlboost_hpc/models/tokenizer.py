@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterable
 
 from rlboost_hpc.models.arch import ModelFormatError
+from rlboost_hpc.paths import unreadable
 
 __all__ = ["Llama2cTokenizer"]
 
@@ -70,8 +71,9 @@ class Llama2cTokenizer:
             ModelFormatError: the file is missing, truncated or has a negative/oversized piece length.
         """
         p = Path(path)
-        if not p.is_file():
-            raise ModelFormatError(f"{p}: tokenizer file not found")
+        why = unreadable(p)
+        if why is not None:  # "not found" only when it is not there
+            raise ModelFormatError(f"{p}: tokenizer file {why}")
         raw = p.read_bytes()
         if len(raw) < 4:
             raise ModelFormatError(f"{p}: file too short: expected at least 4 bytes, got {len(raw)}")

@@ -36,7 +36,11 @@ COUNTERS = {
     "weight_loads": "complete, verified weight versions loaded by instances",
     "weight_load_failures": "failed weight pulls or loads",
     "weight_checksum_mismatches": "weight loads whose checksum differs from the trainer's manifest (instance drained)",
+    "weight_loads_of_another_lineage": "weight versions loaded that the current trainer lineage never made (after "
+                                       "a resume from an older checkpoint; never routed to)",
     "weight_pulled_bytes": "bytes instances received for weight versions (delta pulls count their payloads)",
+    "emulated_modelled_seconds": "wall seconds the emulated engines' profile asked for (rollout.engine = emulated)",
+    "emulated_late_seconds": "wall seconds emulated engines ran behind their profile (a host slower than the profile)",
     "dispatched": "request dispatches",
     "responses_delivered": "responses delivered to the trainer",
     "protocol_rejects": "frames rejected by schema or from unknown peers",
@@ -63,6 +67,10 @@ MISMATCH_GAUGES = (
      "last step: share of generated tokens whose ratio trainer/engine probability leaves the PPO clip band"),
     ("mismatch_capped_share", "rlboost_step_mismatch_capped_ratio",
      "last step: share of importance-correction units (tokens or responses) whose ratio exceeds trainer.behaviour_cap"),
+    ("behaviour_ess", "rlboost_step_behaviour_ess_ratio",
+     "last step: effective sample size of the importance weights, (sum w)^2 / sum w^2, divided by the units"),
+    ("behaviour_dropped_share", "rlboost_step_behaviour_dropped_ratio",
+     "last step: share of importance-correction units MIS dropped (weight 0 past trainer.behaviour_cap)"),
 )
 
 

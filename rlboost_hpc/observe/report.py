@@ -34,14 +34,21 @@ class Bar:
 
 
 class ProgressView(Bar):
-    """The run's bar over RL steps showing reward, throughput and live instances."""
+    """The run's bar over RL steps showing the last step's reward, throughput, live preemptible instances and how many
+    of its trained responses had moved between instances (each response once, however often it moved — the run's
+    summary counts the moves themselves: ``responses_migrated``, "migrations")."""
 
     def __init__(self, steps: int, enabled: bool = True) -> None:
         super().__init__(steps, "step", enabled)
 
+    @staticmethod
+    def text(m: dict) -> str:
+        """The bar's text for the step record ``m`` (``metrics.jsonl``'s line)."""
+        return (f"reward {m['reward_mean']:.2f}  {m['throughput_tokens_per_s']:.0f} tok/s  "
+                f"remote {m['live_preemptible']}  responses moved {m['responses_migrated']}/{m['responses']}")
+
     def update(self, m: dict) -> None:
-        self.advance(f"reward {m['reward_mean']:.2f}  {m['throughput_tokens_per_s']:.0f} tok/s  "
-                     f"remote {m['live_preemptible']}  migrated {m['responses_migrated']}")
+        self.advance(self.text(m))
 
 
 SUMMARY_KEYS = [
@@ -51,7 +58,7 @@ SUMMARY_KEYS = [
     ("quality_gate_passed", "quality gate passed (KL, repeated 3-grams)"),
     ("responses_trained", "responses trained"), ("responses_lost", "responses lost"),
     ("responses_duplicated", "responses duplicated"), ("preemptions", "preemptions (warned + killed)"),
-    ("kills_without_warning", "  of which without warning"), ("responses_migrated", "responses migrated"),
+    ("kills_without_warning", "  of which without warning"), ("responses_migrated", "migrations (moves of unfinished responses: seeds, preemptions, releases)"),
     ("tokens_migrated", "tokens carried over by migration (seeds + preempted work)"),
     ("tokens_from_preemptible", "tokens generated on preemptible instances"),
     ("tokens_regenerated", "tokens regenerated"), ("tokens_trained_off_version", "tokens trained off-version"),
@@ -68,7 +75,11 @@ def print_summary(report: dict, console: Console | None = None) -> None:
     for k, label in SUMMARY_KEYS:
         v = report.get(k)
         t.add_row(label, f"{v:.3f}" if isinstance(v, float) else str(v))
-    (console or Console()).print(t)
+    if console is None:
+        from rlboost_hpc.clihelp import console as pipe_console
+
+        console = pipe_console()
+    console.print(t)
 
 
 def write_plot(steps: list[dict], live_series: list[tuple[float, int]], path: Path, *, before: float,

@@ -25,7 +25,9 @@ Schema (:class:`RunReport`; every key below is always present except the multi-t
 - engine–trainer mismatch (``engine_trainer_mismatch``, over the steps): ``logprob_diff`` (mean of the steps' mean
   |trainer − engine logprob| per token, nats), ``logprob_diff_max`` (the largest of any token), ``mismatch_kl`` (mean
   k3 KL(engine ‖ trainer) per token), ``mismatch_outside_clip_share`` and ``mismatch_capped_share`` (means of the
-  steps' shares); ``{}`` when the backend reported none.
+  steps' shares), ``behaviour_ess`` (mean of the steps' effective sample size of the importance weights, ÷ units)
+  and ``behaviour_dropped_share`` (mean; ``_max``: the largest) of the units MIS dropped; ``{}`` when the backend
+  reported none. ``steps_over_dropped_warn``: steps whose dropped share passed ``trainer.behaviour_dropped_warn``.
 - faults and migration (summed over every incarnation of a resumed run): ``preemptions`` (=
   ``preemptions_with_warning`` + ``kills_without_warning``), ``worker_starts``, ``responses_migrated``,
   ``tokens_migrated``, ``tokens_from_preemptible`` (tokens preemptible instances — harvested capacity — streamed
@@ -50,6 +52,12 @@ Schema (:class:`RunReport`; every key below is always present except the multi-t
   training wall time), ``train_wall_s``, ``wall_s``, ``trace_window_start_s`` (the replayed spot trace's window, or
   ``null``), and the step timeline's summary: ``step_phase_s_mean``, ``fixed_overhead_s_per_step``,
   ``fixed_overhead_s_by_phase``, ``fixed_overhead_share``.
+- chaos runs (``cluster.faults.every_steps``, the local cluster, this incarnation): ``faults_scheduled`` (kind →
+  faults injected by progress: preempt, kill, stall, link_reset, slow_load — a slow load counted once taken).
+- emulated instances only (``rollout.engine = "emulated"``, this incarnation): ``emulated_modelled_s`` (wall seconds
+  their profile asked for), ``emulated_late_s`` (seconds they ran behind it), ``emulated_late_ratio`` ((modelled +
+  late) ÷ modelled: 1 on time, 3.2 for a host 3.2× slower than the profile) and ``emulated_represents_profile``
+  (false when the ratio passed 1.2: the run's timings are the host's, not the profile's).
 - multi-turn only: ``turns_per_trajectory_mean``, ``environment_calls`` / ``_errors`` / ``_timeouts`` /
   ``_seconds``, ``tool_time_share`` (tool seconds ÷ training wall time), ``observation_tokens``,
   ``migrations_by_turn``, ``tokens_in_interrupted_turns``, ``assistant_tokens_in_interrupted_trajectories``.
@@ -156,6 +164,7 @@ class RunReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     tokens_masked_too_stale: int
     max_staleness: int
     tokens_by_staleness: dict[str, int]
+    steps_over_dropped_warn: int
     responses_truncated: int
     truncated_share: float
     responses_truncated_by_cause: dict[str, int]
@@ -194,6 +203,11 @@ class RunReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     decode_tokens_per_s_by_batch: dict[str, float]
     instances_drained: int
     protocol_rejects: int
+    faults_scheduled: dict[str, int] | None = None
+    emulated_modelled_s: float | None = None
+    emulated_late_s: float | None = None
+    emulated_late_ratio: float | None = None
+    emulated_represents_profile: bool | None = None
     turns_per_trajectory_mean: float | None = None
     environment_calls: int | None = None
     environment_errors: int | None = None
@@ -244,6 +258,36 @@ def truncation_summary(by_cause: dict[str, int], trained: int) -> dict[str, Any]
             "responses_truncated_by_cause": {c: int(by_cause.get(c, 0)) for c in TRUNCATION_CAUSES}}
 
 
+#: A run whose emulated instances (``rollout.engine = "emulated"``, timed by the simulator's profiles) took more than
+#: this times the profile's time (20 % late) does not represent the profile it emulates — the host was too slow: its
+#: report and benchmark rows say so.
+LATE_RATIO_BOUND = 1.2
+
+
+def late_ratio(modelled_wall_s: float, late_s: float) -> float:
+    """Wall time an emulated engine took ÷ what its profile asked for: (``modelled_wall_s`` + ``late_s``) ÷
+    ``modelled_wall_s`` (seconds); 1.0 when nothing was modelled yet."""
+    return (modelled_wall_s + late_s) / modelled_wall_s if modelled_wall_s > 0 else 1.0
+
+
+def late_label(ratio: float | None) -> str:
+    """A benchmark table's cell for a run's ``emulated_late_ratio`` (report.json): ``"1.04"``, or ``"3.20 (not the
+    profile)"`` past :data:`LATE_RATIO_BOUND`; ``"-"`` for a run without emulated instances (``None``)."""
+    if ratio is None:
+        return "-"
+    return f"{ratio:.2f}" + (" (not the profile)" if ratio > LATE_RATIO_BOUND else "")
+
+
+def emulated_lateness(stats: ManagerStats) -> dict[str, Any]:
+    """The report's ``emulated_*`` keys from the manager's counters (``{}`` when no emulated engine ran)."""
+    modelled, late = stats.emulated_modelled_seconds, stats.emulated_late_seconds
+    if modelled <= 0:
+        return {}
+    ratio = late_ratio(modelled, late)
+    return {"emulated_modelled_s": modelled, "emulated_late_s": late, "emulated_late_ratio": ratio,
+            "emulated_represents_profile": ratio <= LATE_RATIO_BOUND}
+
+
 def mismatch_summary(steps: list[dict]) -> dict[str, float]:
     """``engine_trainer_mismatch`` over the step records that carry it: means, and the largest ``logprob_diff_max``."""
     rows = [m for m in steps if "logprob_diff" in m]
@@ -254,6 +298,12 @@ def mismatch_summary(steps: list[dict]) -> dict[str, float]:
                      "behaviour_weight_mean")}
     out["logprob_diff_max"] = max(m.get("logprob_diff_max", 0.0) for m in rows)
     out["behaviour_ratio_max"] = max(m.get("behaviour_ratio_max", 1.0) for m in rows)
+    for k in ("behaviour_ess", "behaviour_dropped_share"):  # the correction's effective sample size, MIS's losses
+        vals = [m[k] for m in rows if k in m]
+        if vals:
+            out[k] = sum(vals) / len(vals)
+    if any("behaviour_dropped_share" in m for m in rows):
+        out["behaviour_dropped_share_max"] = max(m.get("behaviour_dropped_share", 0.0) for m in rows)
     for k in sorted({k for m in rows for k in m if k.startswith("logprob_diff_staleness")}):  # per staleness
         vals = [m[k] for m in rows if k in m]
         out[k] = sum(vals) / len(vals)
@@ -293,6 +343,7 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
                  n_resv: float, n_resv_source: str, rollout_engine: str, prompts_not_trained_once: int,
                  multi_turn: bool, resumes: int, resumed_from_step: int | None, train_wall_s: float, wall_s: float,
                  trace_window_start_s: float | None, max_staleness: int = 0,
+                 faults_scheduled: dict[str, int] | None = None,
                  gate: tuple[float, float] = (D.GATE_MAX_KL_NATS_PER_TOKEN, D.GATE_MAX_REPETITION)) -> RunReport:
     """The report of a finished run.
 
@@ -335,7 +386,8 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         tokens_regenerated_after_warning=stats.tokens_regenerated_after_warning,
         tokens_trained_off_version=totals.tokens_trained_off_version,
         tokens_masked_too_stale=totals.tokens_masked_too_stale, max_staleness=max_staleness,
-        tokens_by_staleness=dict(totals.tokens_by_staleness), **truncation_summary(totals.responses_truncated_by_cause, totals.responses_trained),
+        tokens_by_staleness=dict(totals.tokens_by_staleness), steps_over_dropped_warn=totals.steps_over_dropped_warn,
+        **truncation_summary(totals.responses_truncated_by_cause, totals.responses_trained),
         engine_trainer_mismatch=mismatch_summary(steps),
         off_version_tokens_rejected=stats.off_version_tokens_rejected, late_tokens_dropped=stats.late_tokens,
         weight_pulls=stats.weight_loads, weight_pull_failures=stats.weight_load_failures,
@@ -358,8 +410,9 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         n_resv=n_resv, n_resv_source=n_resv_source,
         decode_tokens_per_s_by_batch=stats.decode_tokens_per_s_by_batch,
         instances_drained=stats.instances_drained, protocol_rejects=stats.protocol_rejects,
-        **multi,
+        **multi, **emulated_lateness(stats),
         tokens_trained=totals.tokens_trained,
         throughput_tokens_per_s=totals.tokens_trained / train_wall_s if train_wall_s > 0 else 0.0,
         train_wall_s=train_wall_s, **summarize(steps), wall_s=wall_s,
-        trace_window_start_s=trace_window_start_s, examples_after=after["examples"])
+        trace_window_start_s=trace_window_start_s, examples_after=after["examples"],
+        faults_scheduled=faults_scheduled or None)

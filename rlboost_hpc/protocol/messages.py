@@ -55,11 +55,15 @@ class Register(_Msg, tag="register"):
 
 
 class Heartbeat(_Msg, tag="hb"):
-    """Liveness + progress: ``tokens_generated`` counts every token the engine produced (sent or not)."""
+    """Liveness + progress: ``tokens_generated`` counts every token the engine produced (sent or not). An emulated
+    engine's timing, since it was built: ``modelled_s`` (wall seconds its profile asked for) and ``late_s`` (wall
+    seconds it ran behind that while busy); 0 for real engines."""
 
     version: int
     active: int
     tokens_generated: int
+    modelled_s: float = 0.0
+    late_s: float = 0.0
 
 
 class WeightsLoaded(_Msg, tag="wloaded"):
@@ -217,19 +221,29 @@ class Release(_Msg, tag="release"):
 
 
 class NewVersion(_Msg, tag="newver"):
-    """A newer weight version exists; pull it when idle — chunks from ``peers`` (relay holders, in order), then
-    from the trainer; with ``wait``, only after a ``PullFrom`` (or the agent's relay deadline)."""
+    """The manager's latest weight version changed; pull it when idle — chunks from ``peers`` (relay holders, in
+    order), then from the trainer; with ``wait``, only after a ``PullFrom`` (or the agent's relay deadline).
+    ``checksum``: its whole-version checksum (0: not known) — with ``version``, the version's identity: a trainer
+    resumed from an older checkpoint announces a version whose number may be lower than (or equal to) the one an
+    instance holds, and the instance takes it all the same. ``weights_endpoint`` / ``weights_shards``: where the
+    trainer serves it (as in ``Welcome``; "" endpoint: where ``Welcome`` said) — a resumed trainer serves its versions
+    elsewhere than the one an instance registered under."""
 
     version: int
     peers: list[str] = []
     wait: bool = False
+    checksum: int = 0
+    weights_endpoint: str = ""
+    weights_shards: str = ""
 
 
 class PullFrom(_Msg, tag="pullfrom"):
-    """Relay capacity for a waiting puller: fetch ``version`` from ``peers`` (then the trainer) now."""
+    """Relay capacity for a waiting puller: fetch ``version`` (whole-version ``checksum``; 0: not known) from
+    ``peers`` (then the trainer) now."""
 
     version: int
     peers: list[str] = []
+    checksum: int = 0
 
 
 class Drain(_Msg, tag="drain"):
@@ -316,8 +330,8 @@ class StepTimes(_Msg, tag="steptimes"):
     phases: Annotated[dict[Annotated[str, msgspec.Meta(max_length=32)], float], msgspec.Meta(max_length=64)]
     fixed_overhead_s: float
     #: the step's engine–trainer mismatch (``logprob_diff``, ``logprob_diff_max``, ``mismatch_kl``,
-    #: ``mismatch_outside_clip_share``, ``mismatch_capped_share``; :func:`~rlboost_hpc.trainer.algorithms.grpo.
-    #: finish_stats`), for the manager's gauges
+    #: ``mismatch_outside_clip_share``, ``mismatch_capped_share``, ``behaviour_ess``, ``behaviour_dropped_share``;
+    #: :func:`~rlboost_hpc.trainer.algorithms.grpo.finish_stats`), for the manager's gauges
     mismatch: Annotated[dict[Annotated[str, msgspec.Meta(max_length=32)], float], msgspec.Meta(max_length=16)] = {}
     #: a user's task: each reward function's mean value over the step's responses (name → value), for the gauges
     rewards: Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], float], msgspec.Meta(max_length=32)] = {}

@@ -52,7 +52,14 @@ class ManagerCounters(msgspec.Struct, kw_only=True):
     deltas_out_of_order: int = 0
     slow_weight_loads: int = 0
     weight_checksum_mismatches: int = 0
+    # versions loaded that the current trainer lineage never made (a pull begun before a resumed trainer's version):
+    # never routed to; the instance pulls the lineage's latest
+    weight_loads_of_another_lineage: int = 0
     weight_pulled_bytes: int = 0
+    # emulated engines (rollout.engine = "emulated"): wall seconds their profile asked for, and seconds they ran behind
+    # it (a host slower than the profile); the ratio (modelled + late) / modelled says how late the run ran
+    emulated_modelled_seconds: float = 0.0
+    emulated_late_seconds: float = 0.0
     turns_completed: int = 0
     environment_calls: int = 0
     environment_errors: int = 0

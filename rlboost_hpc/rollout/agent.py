@@ -28,6 +28,8 @@ in a thread of the trainer process. Invariants:
 - Weight versions are (manager epoch, version): after a manager restart (new epoch) an engine's weights count
   as unknown until a version of the new epoch is loaded, even if the version numbers happen to match — or until the
   restarted manager's ``Welcome`` names the version the engine holds with the engine's own whole-version checksum.
+  Within an epoch a version is (number, checksum): the agent takes the manager's latest whenever it differs from what
+  it holds, a lower number included (a trainer resumed from an older checkpoint: ``rollout/agent_weights.py``).
   An agent that hears a new epoch in ``Alive`` registers again under the same identity and keeps the responses it
   runs: a manager restarted from its work log knows it and takes them back at the length it logged.
 """
@@ -89,6 +91,7 @@ class RolloutAgent(AgentWeights, AgentResponses):
         close_engine: bool = True,
         builder: ThreadPoolExecutor | None = None,
         fault_load_delay_s: float = 0.0,
+        fault_slow_load: Callable[[], float] | None = None,
         relay_endpoint: str = "",
         relay_wait_s: float = D.RELAY_WAIT_S,
     ) -> None:
@@ -111,6 +114,7 @@ class RolloutAgent(AgentWeights, AgentResponses):
         self.engine_epoch = engine_epoch  # manager epoch of the engine's weights (versions are (epoch, version))
         self.close_engine = close_engine
         self.fault_load_delay_s = fault_load_delay_s  # chaos: weight loads slower than the heartbeat deadline
+        self.fault_slow_load = fault_slow_load  # chaos: extra seconds of the next load, when the cluster scheduled one
         self.tokens_generated = 0
         self.tokens_handed_off = 0  # response tokens of unfinished requests handed back (released)
         self.stop_reason: str | None = None  # set (signal-safe) to drain and exit
@@ -122,7 +126,8 @@ class RolloutAgent(AgentWeights, AgentResponses):
         #: Deregister then waits no longer for it
         self.cause_settled: Callable[[], bool] = lambda: False
         self.welcome: M.Welcome | None = None
-        self.want_version = -1
+        self.want_version, self.want_checksum = -1, 0  # the manager's latest: (version, whole-version checksum)
+        self.want_source = ("", "")  # where the trainer serves it (weights endpoint, shards); "": the Welcome's
         self._pos: dict[str, int] = {}
         self._gen: dict[str, GenRequest] = {}  # each running response as the engine was given it (continue mode)
         self._pending: dict[str, ResponseTokens] = {}
@@ -143,12 +148,13 @@ class RolloutAgent(AgentWeights, AgentResponses):
     def request_stop(self, reason: str, cause: M.LeaveCause = "stopped") -> None:
         """Ask the agent to drain and exit (safe from a signal handler or another thread). ``cause`` is the
         counted kind of end its Deregister carries; the first request wins, except that a cause refines
-        ``"stopped"`` until the Deregister is sent (see :attr:`cause_settle_s`)."""
+        ``"stopped"`` until the Deregister is sent (see :attr:`cause_settle_s`) — and its ``reason`` with it, so the
+        manager never logs "stopped (SIGTERM)" for an end it counts as a preemption."""
         if self.stop_reason is None:
             self.stop_cause = cause
             self.stop_reason = reason
         elif self.stop_cause == "stopped" and cause != "stopped":
-            self.stop_cause = cause
+            self.stop_cause, self.stop_reason = cause, reason
 
     def _send(self, msg: M._Msg) -> None:
         self.link.send(M.encode(msg))
@@ -156,8 +162,11 @@ class RolloutAgent(AgentWeights, AgentResponses):
     def _heartbeat_frame(self) -> bytes:
         """The heartbeat (built on the link's I/O thread: plain attribute reads only — never an engine call,
         which may hold the engine's lock through a long weight load)."""
+        eng = self.engine
         return M.encode(M.Heartbeat(version=self.held_version(), active=len(self._pos),
-                                    tokens_generated=self.tokens_generated))
+                                    tokens_generated=self.tokens_generated,
+                                    modelled_s=float(getattr(eng, "modelled_wall_seconds", 0.0)),
+                                    late_s=float(getattr(eng, "late_seconds", 0.0))))
 
     def startup_phases(self) -> dict[str, float]:
         """Seconds spent in each start-up phase: process start → agent start (interpreter, imports) →
@@ -182,7 +191,8 @@ class RolloutAgent(AgentWeights, AgentResponses):
         while self.stop_cause == "stopped" and time.monotonic() < settle and not self.cause_settled():
             time.sleep(0.01)  # a warning signal, or Slurm's word that the job is being preempted, may refine it
         self.link.heartbeat_s = None  # no heartbeat after the Deregister: the manager would warn of a stranger
-        self._send(M.Deregister(reason=reason, tokens_generated=self.tokens_generated, cause=self.stop_cause))
+        self._send(M.Deregister(reason=self.stop_reason or reason, tokens_generated=self.tokens_generated,
+                                cause=self.stop_cause))  # (the reason of the cause as refined meanwhile)
 
     # ------------------------------------------------------------------ messages
     def _handle(self, msg: M._Msg) -> None:
@@ -198,8 +208,9 @@ class RolloutAgent(AgentWeights, AgentResponses):
             self.link.heartbeat_s = msg.heartbeat_s
             if msg.resend:
                 self._resend()
-            self._want(msg.latest_version, msg.peers, msg.wait)
-            if self.held_version() == msg.latest_version >= 0:  # re-registration with this manager
+            self._want(msg.latest_version, msg.latest_checksum, msg.peers, msg.wait,
+                       (msg.weights_endpoint, msg.weights_shards))
+            if self.held_version() == msg.latest_version >= 0 and not self._stale():  # re-registration, same weights
                 self._send(weights_loaded(self.engine.version, PulledVersion({}, self.engine.weights_checksum), 0.0))
             self.timings.setdefault("welcome", time.time())
         elif isinstance(msg, M.Assign):
@@ -207,9 +218,9 @@ class RolloutAgent(AgentWeights, AgentResponses):
         elif isinstance(msg, M.Release):
             self._release(msg.rids)
         elif isinstance(msg, M.NewVersion):
-            self._want(msg.version, msg.peers, msg.wait)
+            self._want(msg.version, msg.checksum, msg.peers, msg.wait, (msg.weights_endpoint, msg.weights_shards))
         elif isinstance(msg, M.PullFrom):
-            if msg.version == self.want_version:
+            if msg.version == self.want_version and msg.checksum == self.want_checksum:
                 self.want_peers = list(msg.peers)
                 self._next_pull_at = time.monotonic()  # relay capacity: start now (or once the pull in flight ends)
         elif isinstance(msg, M.Alive):
@@ -222,7 +233,10 @@ class RolloutAgent(AgentWeights, AgentResponses):
         elif isinstance(msg, M.Drain):
             self.request_stop(f"drain: {msg.reason}", "stopped")  # the run ends (manager shutdown)
         elif isinstance(msg, M.Reject):
-            if self.welcome is not None and self.kind == "reserved":
+            # the reserved engine must stay available (co-located fallback): a manager that declared it lost, or —
+            # restored from the work log of a run that ended and is now continued — remembers its identity as an
+            # ended attempt, is answered with the next attempt
+            if self.kind == "reserved":
                 self._reregister(msg.reason)
             else:
                 raise _Rejected(msg.reason)

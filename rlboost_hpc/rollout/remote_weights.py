@@ -39,10 +39,12 @@ class WeightSource(Protocol):
     :class:`~rlboost_hpc.trainer.publisher.WeightPublisher` for its own reserved engine)."""
 
     def pull(self, endpoint: str, version: int, *, peers: Sequence[str] = (), keys: RunKeys | None = None,
-             shards: str = "") -> PulledVersion:
+             shards: str = "", checksum: int = 0) -> PulledVersion:
         """``version`` from the holder at ``endpoint`` (the manager's ``Welcome``), through relay ``peers`` where
         the manager named some, as a CURVE client of ``keys``; ``shards``: the assembly manifest (JSON) of a
-        sharded version ("" for one holder). Raises on failure (the agent reports the error to the manager)."""
+        sharded version ("" for one holder); ``checksum``: the whole-version checksum the manager announced for it
+        (0: not known) — a holder's version of that number with another checksum (another lineage) is refused.
+        Raises on failure (the agent reports the error to the manager)."""
         ...
 
 
@@ -108,15 +110,17 @@ class RemoteWeights:
             self._relay = None
 
     def pull(self, endpoint: str, version: int, *, peers: Sequence[str] = (), keys: RunKeys | None = None,
-             shards: str = "") -> PulledVersion:
+             shards: str = "", checksum: int = 0) -> PulledVersion:
         """Pull ``version`` from the holder at ``endpoint`` (CURVE client ``keys`` of its run; through relay
         ``peers``), or — with ``shards``, the assembly manifest of a sharded version (JSON) — from every trainer
         holder in parallel (:func:`rlboost_hpc.weights.sharded.pull_sharded`; the base is kept per holder; no
-        relay). The base of the previous pull is consumed whatever the outcome.
+        relay). The base of the previous pull is consumed whatever the outcome. ``checksum`` (not 0): the
+        whole-version checksum the version must have (the manager's word for it).
 
-        Raises WeightTransferError for a failed pull, ValueError for an unreadable ``shards`` manifest."""
+        Raises WeightTransferError for a failed pull (also a version of another ``checksum``), ValueError for an
+        unreadable ``shards`` manifest."""
         if shards:
-            return self._pull_sharded(shards, version, keys)
+            return self._pull_sharded(shards, version, keys, checksum)
         from rlboost_hpc.weights.puller import WeightPuller
 
         t0 = time.monotonic()
@@ -125,7 +129,8 @@ class RemoteWeights:
         base, self._base, self._shard_bases = self._base, None, None
         got = WeightPuller(endpoint, streams=self.streams, window=self.window, timeout_s=self.timeout_s,
                            keys=keys, peer_timeout_s=self.peer_timeout_s,
-                           buffer_factory=self.buffer_factory).pull(version, base=base, peers=list(peers))
+                           buffer_factory=self.buffer_factory).pull(version, base=base, peers=list(peers),
+                                                                    checksum=checksum)
         if self.keep_base or self._relay is not None:
             self._base = got
         if self._relay is not None:
@@ -133,7 +138,8 @@ class RemoteWeights:
         return PulledVersion(got.state_dict, int(got.checksum), int(got.nbytes), time.monotonic() - t0,
                              int(got.phases.get("bytes_received", 0)), got.phases)
 
-    def _pull_sharded(self, shards: str, version: int, keys: RunKeys | None) -> PulledVersion:
+    def _pull_sharded(self, shards: str, version: int, keys: RunKeys | None, checksum: int = 0) -> PulledVersion:
+        from rlboost_hpc.weights.puller import WeightTransferError, lineage_mismatch
         from rlboost_hpc.weights.sharded import load_manifest, pull_sharded
 
         manifest = load_manifest(shards)
@@ -143,6 +149,9 @@ class RemoteWeights:
         bases, self._base, self._shard_bases = self._shard_bases, None, None
         sd, st = pull_sharded(manifest, version, streams=self.streams, window=self.window,
                               timeout_s=self.timeout_s, keys=keys, bases=bases)
+        if checksum and int(st["checksum"]) != checksum:  # (the bases stay dropped: another lineage's bytes)
+            raise WeightTransferError("verify", "sharded holders", version, lineage_mismatch(
+                version, int(st["checksum"]), checksum))
         if self.keep_base:
             self._shard_bases = st["pulled"]
         return PulledVersion(sd, int(st["checksum"]), int(st["bytes"]), time.monotonic() - t0,

@@ -37,7 +37,7 @@ from typing import Callable
 
 # imported before the signal handlers exist: a handler must never import (a warning that interrupts the main
 # thread's import of the same module sees it half-initialised)
-from rlboost_hpc.events import append_event, drain_requested  # light: no torch
+from rlboost_hpc.events import append_event, drain_requested, take_slow_load  # light: no torch
 from rlboost_hpc.protocol.identity import instance_ids, instance_key  # light: no torch
 
 log = logging.getLogger("rlboost.worker")
@@ -406,6 +406,8 @@ class _Instance:
             register_timeout_s=a.register_timeout, manager_timeout_s=a.manager_timeout,
             node=os.environ.get("SLURMD_NODENAME", ""), keys=keys, engine_factory=self.factory,
             fault_load_delay_s=a.fault_load_delay_s,
+            fault_slow_load=(lambda: take_slow_load(a.run_dir, instance_key(a.job_id, a.attempt))) if a.run_dir
+            else None,
             engine_name=self.spec.get("kind", "torch"), engine=engine, engine_epoch=engine_epoch,
             close_engine=False, builder=self.builder, relay_endpoint=self.relay_endpoint(keys),
             relay_wait_s=w.relay_wait_s, weights=self.weights)

@@ -20,7 +20,7 @@ import time
 
 
 def _parser() -> argparse.ArgumentParser:
-    from rlboost_hpc.clihelp import DefaultsHelpFormatter
+    from rlboost_hpc.clihelp import DefaultsHelpFormatter, number
 
     p = argparse.ArgumentParser(prog="rlboost-hpc simulate", description="RLBoost discrete-event simulator",
                                 formatter_class=DefaultsHelpFormatter)
@@ -29,15 +29,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--models", default="8b,14b,32b", help="paper table: comma-separated models")
     p.add_argument("--segments", default="A,B,C", help="paper table: comma-separated trace segments")
-    p.add_argument("--jobs", type=int, default=1, help="paper table: worker processes (results are identical)")
+    p.add_argument("--jobs", type=number(int, at_least=1), default=1, help="paper table: worker processes (results are identical)")
     p.add_argument("--model", default="8b", help="8b | 14b | 32b")
     p.add_argument("--system", default="rlboost", help="colocated | verl_2x | disaggregated | rlboost | rlboost_*")
     p.add_argument("--trace", default="p3", help="p3 | g4dn | parcae-hh|hl|lh|ll | a trace file")
-    p.add_argument("--start", type=float, default=0.0, help="trace window start, seconds")
-    p.add_argument("--duration", type=float, default=None,
+    p.add_argument("--start", type=number(float, at_least=0), default=0.0, help="trace window start, seconds")
+    p.add_argument("--duration", type=number(float, above=0), default=None,
                    help="seconds of simulated time (none: 7200 for the table, 43200 for a run)")
-    p.add_argument("--fixed", type=int, default=None, help="use N never-preempted instances instead of a trace")
-    p.add_argument("--keep-every", type=int, default=2, help="sample every k-th trace instance (paper: half)")
+    p.add_argument("--fixed", type=number(int, at_least=0), default=None, help="use N never-preempted instances instead of a trace")
+    p.add_argument("--keep-every", type=number(int, at_least=1), default=2, help="sample every k-th trace instance (paper: half)")
     p.add_argument("--seed", type=int, default=0, help="seed of response lengths and preemption draws")
     p.add_argument("--timeline", help="write per-step records (JSON lines) to this file")
     p.add_argument("--plot", help="write a PNG plot to this file")

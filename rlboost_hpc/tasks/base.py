@@ -56,6 +56,9 @@ class Task(abc.ABC):
     #: strings that end a response when generated (in addition to the engine's stop token ids);
     #: empty when the task has none.
     stop_strings: tuple[str, ...] = ()
+    #: the shared data files the task reads (paths under the data directory, ``rlboost_hpc.paths.data_file``):
+    #: checked before a run loads anything heavy (:func:`task_data_files`).
+    data_files: tuple[str, ...] = ()
 
     @abc.abstractmethod
     def train_prompts(self) -> list[Prompt]:
@@ -137,6 +140,14 @@ def register_task(name: str, cls: type[Task] | str) -> None:
 def known_tasks() -> list[str]:
     """Registered task names, sorted."""
     return sorted(_REGISTRY)
+
+
+def task_data_files(name: str) -> tuple[str, ...]:
+    """The data files the task registered as ``name`` reads (its class's :attr:`Task.data_files`; its module is
+    imported, nothing is read). Raises ValueError for an unknown ``name``."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(known_tasks())}")
+    return tuple(_resolve(name).data_files)
 
 
 def _resolve(name: str) -> type[Task]:

@@ -322,6 +322,7 @@ class GSM8KTask(Task):
 
     name = "gsm8k"
     stop_strings: tuple[str, ...] = ("\nQuestion:",)
+    data_files = ("gsm8k/train.jsonl", "gsm8k/test.jsonl")
 
     def __init__(self, n_train: int | None = None, n_heldout: int | None = None) -> None:
         _check_size("n_train", n_train)
@@ -419,6 +420,7 @@ class Math500Task(Task):
     """
 
     name = "math500"
+    data_files = ("math500/math500.jsonl",)
     stop_strings: tuple[str, ...] = ("\nQuestion:",)
 
     def __init__(self, n_heldout: int = 100, n_train: int | None = None) -> None:

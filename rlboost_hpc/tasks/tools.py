@@ -61,6 +61,8 @@ def parse_tool_call(text: str, syntax: ToolSyntax) -> tuple[str, dict[str, Any]]
     - ``{"name": N, "arguments": {...}}`` (Hermes / Qwen), ``"arguments"`` also as a JSON *string* holding the object
       (OpenAI's ``function.arguments``; vLLM PR #22002), or ``"parameters"`` instead of ``"arguments"`` (Llama 3.x);
     - the OpenAI ``tool_calls`` element ``{"type": "function", "function": {"name": N, "arguments": ...}}``;
+    - a JSON list holding one such call (Mistral's ``[TOOL_CALLS][{"name": N, "arguments": {...}}]``; a ``"id"`` key
+      is ignored) — one call per turn, so a list of several is refused;
     - a bare expression (no JSON): a calculator call.
 
     Argument values are kept as written (strings, numbers; smolagents PR #1003): the tool decides what it takes.
@@ -95,8 +97,10 @@ def _loads(text: str, what: str) -> Any:
 def _json_call(call: Any) -> tuple[str, dict[str, Any]]:
     """Name and arguments of one decoded JSON call (:func:`parse_tool_call`'s shapes)."""
     shape = 'a tool call is {"name": str, "arguments": {...}}'
-    if isinstance(call, list):
-        raise ToolError(f"one tool call per turn, got a list of {len(call)}; {shape}")
+    if isinstance(call, list):  # Mistral writes its calls as a list: one of them is a call
+        if len(call) != 1:
+            raise ToolError(f"one tool call per turn, got a list of {len(call)}; {shape}")
+        call = call[0]
     if isinstance(call, dict) and call.get("type", "function") == "function" and isinstance(call.get("function"), dict):
         call = call["function"]  # the OpenAI tool_calls element
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):

@@ -73,6 +73,7 @@ class StepSettings:
     advantage_std_norm: bool = True  # divide group-centred rewards by the group's std (trainer.advantage_std_norm)
     max_staleness: int = 0  # k: steps submitted ahead, versions a token may lag (rollout.max_staleness)
     steps: int = 0  # the run's steps (trainer.steps): none is submitted ahead past the last; 0 = no end
+    behaviour_dropped_warn: float = 1.0  # warn past this share of correction units MIS dropped (1: never)
 
 
 @dataclass
@@ -92,6 +93,7 @@ class Totals:
     groups_redelivered: int = 0  # GroupDone copies skipped (the manager sent a group again: never trained twice)
     responses_truncated_by_cause: dict[str, int] = field(default_factory=dict)  # trained responses cut by a budget
     tokens_by_staleness: dict[str, int] = field(default_factory=dict)  # generated tokens trained, by staleness
+    steps_over_dropped_warn: int = 0  # steps whose MIS-dropped share passed trainer.behaviour_dropped_warn
 
 
 def truncation_shares(reasons: list[str]) -> dict:
@@ -398,6 +400,7 @@ class RLTrainer:
         for k, v in m_acc.items():  # micro-batch means, where the backend gave no whole-step figure
             if k not in om:
                 backend[k] = v / max(1, n_trained) if k != "tokens" else v
+        self._warn_dropped(step, backend)
         return StepRecord(
             step=step, version=self.version, wall_s=wall, t_seed_s=t_seed_actual, seeding_close=close.what,
             train_s=t_train, reward_mean=sum(col.rewards) / max(1, len(col.rewards)),
@@ -411,6 +414,19 @@ class RLTrainer:
             instance_activity_s=dict(activity.by_instance_s), response_tail_s=activity.response_tail_s,
             **policy, **truncation_shares(col.reasons), staleness_tokens=dict(col.staleness), backend=backend,
             reward_functions={k: sum(v) / len(v) for k, v in col.by_function.items() if v})
+
+    def _warn_dropped(self, step: int, backend: dict) -> None:
+        """Warn (and count in ``steps_over_dropped_warn``) when the step's importance correction dropped a larger share
+        of its units than ``behaviour_dropped_warn`` (MIS: weight 0 past the cap) — long responses under the
+        sequence-level ratio lose most of their weight to a small per-token mismatch."""
+        drop = backend.get("behaviour_dropped_share")
+        if drop is None or drop <= self.s.behaviour_dropped_warn:
+            return
+        self.totals.steps_over_dropped_warn += 1
+        log.warning("step %d: the importance correction dropped %.0f %% of its units (behaviour_dropped_share > "
+                    "trainer.behaviour_dropped_warn = %g; effective sample size %.2f of them): with long responses "
+                    "use trainer.behaviour_level = \"geometric\" or a larger trainer.behaviour_cap", step, 100 * drop,
+                    self.s.behaviour_dropped_warn, backend.get("behaviour_ess", 0.0))
 
     def _submit(self, step: int, tl: StepTimeline) -> tuple["StepCollector", int, float]:
         """Submit the step's GRPO groups, and under bounded staleness those of the ``max_staleness`` steps after it

@@ -27,6 +27,7 @@ from rlboost_hpc import defaults as D
 from rlboost_hpc.rollout.remote_weights import PulledVersion
 from rlboost_hpc.trainer.backends.base import TrainerBackend
 from rlboost_hpc.weights import sharded
+from rlboost_hpc.weights.puller import WeightTransferError, lineage_mismatch
 from rlboost_hpc.weights.server import WeightServer
 
 __all__ = ["WeightPublisher"]
@@ -106,10 +107,18 @@ class WeightPublisher:
                              int(st["bytes_received"]))
 
     def pull(self, endpoint: str, version: int, *, peers: Sequence[str] = (), keys: Any = None,
-             shards: str = "") -> PulledVersion:
+             shards: str = "", checksum: int = 0) -> PulledVersion:
         """The reserved engine's weight source (a rollout ``WeightSource``): :meth:`read` with ``follow`` — the
-        trainer's own versions, whatever holder, peers, keys or manifest the manager names."""
-        return self.read(version, follow=True)
+        trainer's own versions, whatever holder, peers, keys or manifest the manager names.
+
+        Raises:
+            WeightTransferError: ``checksum`` (not 0) is not the published version's (the manager announced another
+                lineage's version of that number); as :meth:`read`.
+        """
+        got = self.read(version, follow=True)
+        if checksum and got.checksum != checksum:
+            raise WeightTransferError("manifest", "trainer", version, lineage_mismatch(version, got.checksum, checksum))
+        return got
 
     def served(self) -> dict:
         """What the trainer side sent: ``{"bytes_served", "delta_bytes_served", "sealed_bytes_served"}`` (the

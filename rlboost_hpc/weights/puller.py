@@ -108,6 +108,14 @@ class WeightTransferError(RuntimeError):
 
 
 
+def lineage_mismatch(version: int, held: int, wanted: int) -> str:
+    """Why a holder's ``version`` is refused: its whole-version checksum ``held`` is not the ``wanted`` one the
+    manager announced — the same number made by other weights (a trainer resumed from an older checkpoint started
+    another lineage of versions)."""
+    return (f"the holder's version {version} has checksum {held:x}, the manager announced {wanted:x} (the same number "
+            "from another trainer lineage: a resume)")
+
+
 class WeightPuller:
     """Pulls weight versions from one holder endpoint.
 
@@ -164,7 +172,8 @@ class WeightPuller:
 
     # ------------------------------------------------------------------ public
     def pull(self, version: int | None = None, *, into: torch.Tensor | None = None,
-             base: PulledWeights | None = None, peers: "tuple[str, ...] | list[str]" = ()) -> PulledWeights:
+             base: PulledWeights | None = None, peers: "tuple[str, ...] | list[str]" = (),
+             checksum: int = 0) -> PulledWeights:
         """Fetch ``version`` (None: the holder's latest) completely and verify it.
 
         Args:
@@ -179,6 +188,8 @@ class WeightPuller:
                 otherwise its buffer is reused as the receive buffer when large enough (and ``into`` is not
                 given). After the call — success or failure — only the result may be used.
             peers: relay holders to fetch chunks from before the trainer (see the module docstring).
+            checksum: the whole-version checksum the version must have (0: any) — the version's identity as the
+                manager announced it; the holder's manifest of another checksum is refused before any byte moves.
 
         Returns:
             :class:`PulledWeights` whose tensors view the receive buffer.
@@ -189,7 +200,8 @@ class WeightPuller:
                 refused (``code`` = ``no_version`` / ``version_gone`` / ``unknown_version`` / …, with its
                 message); an invalid manifest or reply; a stream stalled for ``timeout_s``; the overall
                 deadline passed; a chunk failed its checksum twice (``checksum mismatch at chunk i``) or, sealed,
-                did not open twice; the whole-version checksum did not match.
+                did not open twice; the whole-version checksum did not match; the manifest's whole-version checksum
+                is not ``checksum`` (phase ``manifest``: another lineage's version of that number).
         """
         t0 = time.perf_counter()
         deadline = None if self.deadline_s is None else t0 + self.deadline_s
@@ -199,6 +211,8 @@ class WeightPuller:
         try:
             manifest = self._get_manifest(ctx, version, deadline, base)
             want, t = manifest.version, self._lap(phases, "manifest_s", t0)
+            if checksum and int(manifest.checksum) != checksum:
+                raise _Failed(lineage_mismatch(manifest.version, int(manifest.checksum), checksum))
 
             phase = "transfer"  # plan where the bytes go, then the streams
             buffer, delta = plan(manifest, into, base, self.buffer_factory)

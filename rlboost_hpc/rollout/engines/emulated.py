@@ -21,7 +21,13 @@ Invariants (each tested):
 - **Time is modelled, not measured.** An iteration that admits requests pays ``pf_fixed + Σ prefill(ctx)``; every
   iteration pays ``a + b·B + γ·Σctx`` for its ``B`` running requests (the simulator's law). Sleeps run to a
   deadline that carries over, so Python's own overhead does not add up over a response; when the host is slower
-  than the model asks the engine simply runs late (never faster).
+  than the model asks the engine simply runs late (never faster) — and says by how much: ``late_seconds`` (wall
+  seconds it ran behind the profile while busy: at each iteration, how far past its deadline it already was; after a
+  load, how far its sleep overran) next to ``modelled_wall_seconds`` (what the profile asked:
+  ``model_seconds ÷ time_scale``); :attr:`EmulatedEngine.late_ratio` is their ratio (1 = on time). The agent
+  reports both in its heartbeats, the manager adds them up (``emulated_*_seconds``), and a run's report and the
+  benchmark tables mark a run whose instances ran more than :data:`LATE_RATIO_BOUND` late as not representing the
+  profile.
 
 What it does not model: the content of tokens (rewards are whatever the task's verifier gives random ids — zero for
 GSM8K, noise for the demo), the engine–trainer logprob mismatch (its logprobs are not the trainer's, so
@@ -42,10 +48,11 @@ from typing import Callable, Mapping
 from rlboost_hpc import defaults as D
 from rlboost_hpc.rollout.engines.base import Engine, EngineError, GenRequest, TokenEvent, validate_request
 from rlboost_hpc.rollout.engines.torch_engine import uniform_reference
+from rlboost_hpc.observe.run_report import LATE_RATIO_BOUND, late_ratio
 from rlboost_hpc.sim.profiles import MODELS, EnginePerf, profile
 
-__all__ = ["EmulatedEngine", "EmulatedProfile", "emulated_engine_factory", "emulated_length", "emulated_token",
-           "instance_speed", "state_nbytes"]
+__all__ = ["EmulatedEngine", "EmulatedProfile", "LATE_RATIO_BOUND", "emulated_engine_factory", "emulated_length",
+           "emulated_token", "instance_speed", "late_ratio", "state_nbytes"]
 
 #: The first id an emulated token may take (0–2: pad / BOS / EOS of the tokenizers this project ships).
 FIRST_TOKEN_ID = 3
@@ -190,11 +197,14 @@ class EmulatedEngine(Engine):
         self._running: dict[str, _Running] = {}
         #: model seconds this engine has spent (prefill, decode, loads): what a real engine would have taken
         self.model_seconds = 0.0
+        #: wall seconds this engine ran behind its deadlines while busy (the host was slower than the profile)
+        self.late_seconds = 0.0
+        self._idle = True  # nothing ran since the last load or idle step: the gap until the next step is not late
         self.weights: Mapping = {}
         self.weights_nbytes = 0
         self._hold(state_dict)
         self.version = version
-        self._wait(emulated.load_model_s)  # the first load, like a real engine's start
+        self._wait(emulated.load_model_s, then_idle=True)  # the first load, like a real engine's start
 
     # ------------------------------------------------------------------ Engine API
     @property
@@ -241,6 +251,7 @@ class EmulatedEngine(Engine):
         if admitted:
             model_s += self.perf.pf_fixed
         if not self._running:
+            self._idle = True
             return []
         model_s += self.perf.iter_time(len(self._running), kv_used)
         events = []
@@ -278,7 +289,7 @@ class EmulatedEngine(Engine):
         if self.num_active:
             raise EngineError(f"load_weights(version={version}) refused: {self.num_active} request(s) active; "
                               "drain or abort them first")
-        self._wait(self.emulated.load_model_s)
+        self._wait(self.emulated.load_model_s, then_idle=True)
         self._hold(state_dict)
         self.version = version
 
@@ -287,14 +298,31 @@ class EmulatedEngine(Engine):
         self.weights = state_dict
         self.weights_nbytes = state_nbytes(state_dict)
 
-    def _wait(self, model_s: float) -> None:
+    @property
+    def modelled_wall_seconds(self) -> float:
+        """Wall seconds the profile asked for so far: ``model_seconds ÷ time_scale``."""
+        return self.model_seconds / self.emulated.time_scale
+
+    @property
+    def late_ratio(self) -> float:
+        """Wall time taken ÷ the profile's (:func:`late_ratio`): 1.0 on time, 3.2 for a host 3.2× too slow."""
+        return late_ratio(self.modelled_wall_seconds, self.late_seconds)
+
+    def _wait(self, model_s: float, *, then_idle: bool = False) -> None:
         """Advance the engine's deadline by ``model_s`` model seconds and sleep until it (a late host does not
-        bank time to run faster later)."""
+        bank time to run faster later). While busy, how far past the deadline it already is counts as late;
+        ``then_idle`` (a load: nothing follows at once) counts its own sleep's overrun instead."""
         self.model_seconds += model_s
         now = self._clock()
+        if not self._idle and now > self._due:
+            self.late_seconds += now - self._due
         self._due = max(self._due, now) + model_s / self.emulated.time_scale
         if self._due > now:
             self._sleep(self._due - now)
+        if then_idle:
+            end = self._clock()
+            self.late_seconds += max(0.0, end - self._due)
+        self._idle = then_idle
 
 
 def instance_speed(instance_id: str, gpu_speeds) -> float:

@@ -20,7 +20,11 @@ Sources:
   Training" (verl PR #2953): the PPO term of each token times min(π_trainer/π_engine, C); masked importance sampling
   (MIS), Liu, Yao et al. 2025, "When Speed Kills Stability: Demystifying RL Collapse from the Training-Inference
   Mismatch": units whose ratio exceeds C are dropped (weight 0) instead of capped; token- or sequence-level ratios as
-  verl's ``rollout_is_level``.
+  verl's ``rollout_is_level``, and its ``geometric`` level: the length-normalised sequence ratio (the geometric mean of
+  the token ratios, as NeMo-RL's ``seq-mask-tis`` and TRL's GSPO-style sequence ratio), whose spread does not grow with
+  the response's length — the product over 1k tokens of a per-token mismatch of a few hundredths of a nat lands past
+  any cap for a large share of responses (:func:`behaviour_weights`). Effective sample size of the weights: Kong 1992,
+  ESS = (Σw)² / Σw² (reported ÷ units, in [0, 1]).
 
 Invariant: pure tensor functions; no model, no optimizer, no I/O. One implementation for every trainer backend (torch
 and Megatron call :func:`grpo_loss` with the same :class:`GRPOOptions`).
@@ -41,7 +45,9 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 #: ``trainer.behaviour_correction`` values.
 BEHAVIOUR_CORRECTIONS = ("none", "tis", "mis")
 #: ``trainer.behaviour_level`` values.
-BEHAVIOUR_LEVELS = ("token", "sequence")
+BEHAVIOUR_LEVELS = ("token", "sequence", "geometric")
+#: The levels whose unit is a response (one weight for all of its tokens).
+SEQUENCE_LEVELS = ("sequence", "geometric")
 #: |log π_ref − log π_θ| is clamped to this many nats before any KL estimator (verl's kl_penalty bound).
 KL_LOG_RATIO_BOUND = 20.0
 #: The k3 / low_var_kl value is clamped to [−10, 10] nats (verl's low_var_kl bound; OpenRLHF's after #525).
@@ -151,9 +157,11 @@ def behaviour_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask
                       opts: GRPOOptions) -> tuple[torch.Tensor, torch.Tensor]:
     """Importance weights correcting samples drawn by the engine (π_beh) for the trainer's policy π_old (TIS/MIS).
 
-    The ratio ρ = π_old/π_beh per token (``token``) or per sequence (``sequence``: the product over the sequence's
-    masked tokens, applied to each of them). ``tis``: w = min(ρ, C); ``mis``: w = ρ where ρ ≤ C, else 0; ``none``:
-    w = 1. Computed in log space (no overflow), without gradient.
+    The ratio ρ = π_old/π_beh per token (``token``), per sequence (``sequence``: the product over the sequence's
+    masked tokens, applied to each of them) or per sequence length-normalised (``geometric``: the geometric mean of
+    the token ratios, exp of the mean log ratio over the masked tokens — C then bounds a per-token scale).
+    ``tis``: w = min(ρ, C); ``mis``: w = ρ where ρ ≤ C, else 0; ``none``: w = 1. Computed in log space (no
+    overflow), without gradient.
 
     Args:
         old_logp: [B, T] float trainer logprobs (π_old; no grad needed). behaviour_logp: [B, T] float engine logprobs
@@ -164,8 +172,11 @@ def behaviour_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask
     """
     m = mask.to(torch.float32)
     log_rho = (old_logp.detach().float() - behaviour_logp.float()) * m
-    if opts.behaviour_level == "sequence":
-        log_rho = log_rho.sum(dim=1, keepdim=True).expand_as(log_rho)
+    if opts.behaviour_level in SEQUENCE_LEVELS:
+        per_seq = log_rho.sum(dim=1, keepdim=True)
+        if opts.behaviour_level == "geometric":
+            per_seq = per_seq / m.sum(dim=1, keepdim=True).clamp_min(1.0)
+        log_rho = per_seq.expand_as(log_rho)
     log_cap = math.log(opts.behaviour_cap)
     over = (log_rho > log_cap) & mask
     if opts.behaviour_correction == "none":
@@ -301,20 +312,26 @@ def _mismatch_stats(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: 
     """The engine–trainer mismatch over the generated tokens ``mask`` [B, T] (sums; maxima): |Δ logprob|, the k3
     estimate of KL(π_beh ‖ π_old) on the engine's samples, tokens whose ratio π_old/π_beh leaves the PPO clip band,
     the correction's units (tokens or sequences) whose ratio exceeds the cap, the behaviour ``weights`` [B, T]
-    applied (sum) and the largest ratio; with ``staleness`` [B, T] int, |Δ logprob| and tokens per staleness."""
+    applied (sum), each unit's weight summed and squared (the effective sample size) and the units MIS dropped, and
+    the largest ratio; with ``staleness`` [B, T] int, |Δ logprob| and tokens per staleness."""
     m = mask.to(torch.float32)
     old, beh = old_logp.detach().float(), behaviour_logp.float()
     diff = (old - beh).abs() * m
     rho = torch.exp((old - beh).clamp(-KL_LOG_RATIO_BOUND, KL_LOG_RATIO_BOUND))
     outside = ((rho < 1.0 - opts.clip_eps) | (rho > 1.0 + opts.clip_high)).float() * m
-    if opts.behaviour_level == "sequence":
+    w = weights.float() * m
+    if opts.behaviour_level in SEQUENCE_LEVELS:
         rows = mask.any(dim=1)
         units, capped = rows.sum().float(), (over.any(dim=1) & rows).sum().float()
+        unit_w = (w.amax(dim=1) if w.numel() else w.sum(dim=1))[rows]  # one weight per response, shared by its tokens
     else:
         units, capped = m.sum(), over.float().sum()
+        unit_w = w[mask]
     out = {"tokens": m.sum(), "diff_sum": diff.sum(), "diff_max": diff.max() if diff.numel() else diff.sum(),
            "mismatch_kl_sum": (kl_estimate(beh, old, "k3") * m).sum(), "outside_clip": outside.sum(),
-           "capped": capped, "units": units, "weight_sum": (weights.float() * m).sum(),
+           "capped": capped, "units": units, "weight_sum": w.sum(), "unit_w_sum": unit_w.sum(),
+           "unit_w_sq_sum": (unit_w * unit_w).sum(),
+           "dropped": capped if opts.behaviour_correction == "mis" else capped * 0,
            "rho_max": (rho * m).max() if m.numel() else m.sum()}
     if staleness is not None:
         for j in torch.unique(staleness[mask]).tolist():
@@ -352,8 +369,10 @@ def finish_stats(s: dict[str, float]) -> dict[str, float]:
       KL(π_beh ‖ π_old) per token, bounded, nats), ``mismatch_outside_clip_share`` (share of tokens whose ratio
       π_old/π_beh leaves the PPO clip band), ``mismatch_capped_share`` (share of the correction's units — tokens or
       sequences — whose ratio exceeds ``behaviour_cap``: capped by TIS, dropped by MIS, counted either way),
-      ``behaviour_weight_mean`` (the mean importance weight applied, 1 without correction) and
-      ``behaviour_ratio_max`` (the largest ratio π_old/π_beh before the cap);
+      ``behaviour_weight_mean`` (the mean importance weight applied, 1 without correction),
+      ``behaviour_ratio_max`` (the largest ratio π_old/π_beh before the cap), ``behaviour_ess`` (the effective sample
+      size of the units' weights, (Σw)² / Σw², ÷ units: 1 when every unit weighs the same, → 0 when a few carry the
+      step) and ``behaviour_dropped_share`` (share of the units MIS dropped: weight 0; 0 under TIS and none);
     - under bounded staleness, ``logprob_diff_staleness{j}``: the mean |Δ logprob| of the tokens made j versions
       before the trained one.
     """
@@ -366,6 +385,11 @@ def finish_stats(s: dict[str, float]) -> dict[str, float]:
                    mismatch_kl=s["mismatch_kl_sum"] / n, mismatch_outside_clip_share=s["outside_clip"] / n,
                    mismatch_capped_share=s["capped"] / max(1.0, s["units"]),
                    behaviour_weight_mean=s.get("weight_sum", n) / n, behaviour_ratio_max=s.get("rho_max", 1.0))
+        units = max(1.0, s.get("units", 0.0))
+        if "unit_w_sum" in s:
+            sq = s["unit_w_sq_sum"]
+            out.update(behaviour_ess=s["unit_w_sum"] ** 2 / (sq * units) if sq > 0 else 0.0,
+                       behaviour_dropped_share=s.get("dropped", 0.0) / units)
         for k, v in s.items():
             if k.startswith("diff_sum_stale"):
                 j = k[len("diff_sum_stale"):]
