@@ -272,9 +272,10 @@ class EnvironmentRunner:
                 obs, reward, done = self._step(env, t_ids)
                 ids = self._render(obs, t_ids)
                 if _packed(ids) != o_ids or reward != r or done:
-                    held = self._hf.decode(np.frombuffer(o_ids, dtype="<i4").tolist(), skip_special_tokens=True)
+                    got, held = (self._hf.decode(list(x), skip_special_tokens=True).strip()
+                                 for x in (ids, np.frombuffer(o_ids, dtype="<i4")))
                     raise _Diverged(self._diverged(call, f"the step of turn {k}",
-                                                   f"observation {obs!r}, reward {reward!r}, done {done}",
+                                                   f"observation {got!r}, reward {reward!r}, done {done}",
                                                    f"observation {held!r}, reward {r!r}, done False"))
         except BaseException:
             _close(env)

@@ -158,8 +158,8 @@ class DeadlinePool:
         self._todo.append((key, item))
 
     def set_timeout(self, key: Hashable, timeout_s: float) -> None:
-        """The deadline (s) of pending call ``key`` from when a worker takes it (a call not started yet; one that
-        runs keeps the deadline it started with only if it finishes first). Unknown keys are ignored."""
+        """The deadline (s) of pending call ``key``, counted from when a worker took (or takes) it — a call already
+        running is held to the new deadline too. Unknown keys are ignored."""
         if key in self._items:
             self._timeouts[key] = timeout_s
 

@@ -11,6 +11,11 @@
   content hash, mixed with ``task.split_seed``, falls in ``task.heldout_fraction`` — so an appended or reshuffled file
   keeps each row's side. Both splits keep file order; training uses every row unless ``task.train_prompts`` is set
   explicitly (then its first rows), evaluation the first ``task.heldout_prompts`` held-out rows.
+- A stateful environment (``task.environment``, :mod:`rlboost_hpc.tasks.environment`): its ``reset(row)`` runs once
+  per prompt in a tool process of this one, under ``task.tool_timeout_s``, and its observation is appended to the
+  prompt's last user message; :meth:`UserTask.environment_of` gives the row and that observation to each group (the
+  manager's tool processes start every trajectory's instance from them). Its return is the reward component of kind
+  ``environment`` (weight: ``task.reward_weights``' last entry).
 - The data set is memory-mapped: the training split is a lazy sequence (:class:`PromptRows`) whose prompts are read
   when the data frontier takes them; pickling the task (to the reward processes) carries no rows.
 - Bad input — a missing or wrongly typed prompt column, an empty prompt, an unusable reward function, a judge
