@@ -285,17 +285,10 @@ def test_a_failed_step_ends_as_an_environment_error_and_a_diverged_replay_fails_
 
 
 def test_a_restarted_manager_keeps_the_steps_rewards_and_asks_for_the_step_in_flight_with_the_history(tmp_path):
-    from test_manager_restart import LOADED, commit, feed, journaled, restarted
-    from test_manager_core import TRAINER, register, sent, tokens
+    from test_manager_restart import commit, feed, multi_turn_started, restarted
+    from test_manager_core import sent, tokens
 
-    core, _, log = journaled(tmp_path)
-    core.environment = True
-    feed(core, TRAINER, M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
-    feed(core, TRAINER, M.SetVersion(version=0, checksum=77))
-    register(core, b"a", "a", version=None)
-    feed(core, b"a", LOADED)
-    feed(core, TRAINER, M.SubmitStep(step=0, version=0, groups=[env_spec(n=2)]))
-    core.tick()
+    core, log = multi_turn_started(tmp_path, env_spec(n=2))
     feed(core, b"a", tokens("s0g0/0", 0, [7, 2], finish=M.FINISH_STOP))
     feed(core, b"a", tokens("s0g0/1", 0, [8, 2], finish=M.FINISH_STOP))
     step_result(core, "s0g0/0", 0, [40, 41], 0.3)

@@ -23,8 +23,8 @@ from rlboost_hpc.manager.worklog import Frame as WorkFrame
 from rlboost_hpc.protocol.auth import RunKeys, max_msg_size, secure_server
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.errors import ProtocolError
-from rlboost_hpc.tasks.environment import EnvironmentCalls, calls_for
-from rlboost_hpc.tasks.tools import ToolCalls
+from rlboost_hpc.tasks.environment import calls_for
+from rlboost_hpc.tasks.tools import TurnCalls
 
 if TYPE_CHECKING:
     from rlboost_hpc.manager.worklog import WorkLog
@@ -39,7 +39,7 @@ class ManagerService:
 
     def __init__(self, core: ManagerCore, bind: str = "tcp://127.0.0.1:0", *, ctx: zmq.Context | None = None,
                  keys: RunKeys | None = None, metrics: "ManagerMetrics | None" = None,
-                 environment: ToolCalls | EnvironmentCalls | None = None, worklog: "WorkLog | None" = None):
+                 environment: TurnCalls | None = None, worklog: "WorkLog | None" = None):
         self.core = core
         self.worklog = worklog  # the step in flight, journaled (group commit before the replies that need it)
         self._held: list[tuple[bytes, M._Msg]] = []  # the trainer's messages waiting for the work log's commit

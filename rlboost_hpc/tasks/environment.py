@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from rlboost_hpc.errors import BadInput
-from rlboost_hpc.tasks.tools import Observation, ToolCalls, render_observation
+from rlboost_hpc.tasks.tools import Observation, ToolCalls, TurnCalls, render_observation
 from rlboost_hpc.tasks.user_code import UserCodeError, load_object
 
 __all__ = ["EnvironmentCalls", "EnvironmentResetFailed", "EnvironmentRunner", "StepOutcome", "TurnCall",
@@ -323,9 +323,9 @@ def _packed(ids: list[int]) -> bytes:
     return np.asarray(ids, dtype="<i4").tobytes()
 
 
-class EnvironmentCalls:
+class EnvironmentCalls(TurnCalls):
     """Steps of trajectories' environments in a :class:`~rlboost_hpc.tasks.pool.DeadlinePool` of ``env`` workers
-    (the same interface as :class:`~rlboost_hpc.tasks.tools.ToolCalls`: ``submit``/``call``, ``poll``,
+    (a :class:`~rlboost_hpc.tasks.tools.TurnCalls`, as the tools' pool is: ``submit``/``call``, ``poll``,
     ``observe_all``). A trajectory's calls go to one worker position (a hash of its id); its deadline is
     ``timeout_s`` when its instance is live there (the last step of it answered there, by the worker that serves
     now), else ``timeout_s × (2 + earlier turns)`` (a rebuild by replay; module docstring).
@@ -344,14 +344,6 @@ class EnvironmentCalls:
         self.timeout_s = timeout_s
         self._live: dict[str, tuple[int, int]] = {}  # trajectory -> (its worker's generation, next turn)
         self._calls: dict[Any, tuple[TurnCall, int, float]] = {}  # pending key -> (call, worker position, cold s)
-
-    @property
-    def pending(self) -> int:
-        return self.pool.pending
-
-    def connections(self) -> list:
-        """The workers' pipe ends (to wait on them with other sockets; :meth:`poll` reads them)."""
-        return self.pool.connections()
 
     def submit(self, key: Any, call: TurnCall) -> None:
         """Run one step (its result comes back under ``key``)."""
@@ -391,21 +383,6 @@ class EnvironmentCalls:
                     self.pool.set_timeout(key, cold)
         return out
 
-    def observe_all(self, calls: dict[Any, TurnCall]) -> dict[Any, Observation]:
-        """Run every ``{key: call}`` and wait for all of them.
-
-        Raises:
-            RuntimeError: other calls are pending (their results would be taken here).
-        """
-        if self.pending:
-            raise RuntimeError(f"observe_all with {self.pending} other calls pending")
-        for key, call in calls.items():
-            self.submit(key, call)
-        done: dict[Any, Observation] = {}
-        while len(done) < len(calls):
-            done.update((o.key, o) for o in self.poll(1.0))
-        return done
-
     def reset_all(self, rows: list[str], names: list[str]) -> list[str]:
         """The first observation of each row (JSON text) from a fresh instance's ``reset``, under the deadline.
 
@@ -423,11 +400,8 @@ class EnvironmentCalls:
                 raise EnvironmentResetFailed(f"{KEY} = {self.pool.handler.ref!r}: reset(row) of {name} failed: {why}")
         return [c.value for c in done]
 
-    def close(self) -> None:
-        self.pool.close()
 
-
-def calls_for(environment: dict) -> ToolCalls | EnvironmentCalls:
+def calls_for(environment: dict) -> TurnCalls:
     """The pool that answers a multi-turn task's turns from its arguments (``env``, ``workers``, ``timeout_s``): a
     stateful environment's (``env`` an :class:`EnvironmentRunner`) or the tools' (a
     :class:`~rlboost_hpc.tasks.tools.ToolEnvironment`)."""

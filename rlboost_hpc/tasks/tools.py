@@ -27,8 +27,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BUILTIN_TOOLS", "EnvStep", "Observation", "ToolCalls", "ToolEnvironment", "ToolSyntax", "calculate",
-           "calculator", "calculator_expression", "call_tool", "parse_tool_call", "render_observation", "turn_seed"]
+__all__ = ["BUILTIN_TOOLS", "EnvStep", "Observation", "ToolCalls", "ToolEnvironment", "ToolSyntax", "TurnCalls",
+           "calculate", "calculator", "calculator_expression", "call_tool", "parse_tool_call", "render_observation",
+           "turn_seed"]
 
 _SENTINEL = "\u2063RLBOOST-TURN-END\u2063"  # an assistant message content no template rewrites
 
@@ -324,7 +325,48 @@ class Observation:
     replayed: int = 0
 
 
-class ToolCalls:
+class TurnCalls:
+    """What the pools that answer trajectories' turns share (:class:`ToolCalls`, a stateful environment's
+    :class:`~rlboost_hpc.tasks.environment.EnvironmentCalls`): a :class:`~rlboost_hpc.tasks.pool.DeadlinePool`
+    (``pool``) whose calls complete once each as an :class:`Observation`, through the subclass's ``submit`` and
+    ``poll``."""
+
+    pool: Any
+
+    @property
+    def pending(self) -> int:
+        return self.pool.pending
+
+    def connections(self) -> list:
+        """The workers' pipe ends (to wait on them with other sockets; ``poll`` reads them)."""
+        return self.pool.connections()
+
+    def submit(self, key: Any, call: Any) -> None:  # pragma: no cover - each pool's own
+        raise NotImplementedError
+
+    def poll(self, timeout_s: float = 0.0) -> list[Observation]:  # pragma: no cover - each pool's own
+        raise NotImplementedError
+
+    def observe_all(self, calls: dict[Any, Any]) -> dict[Any, Observation]:
+        """Run every ``{key: call}`` (what ``submit`` takes) and wait for all of them.
+
+        Raises:
+            RuntimeError: other calls are pending (their observations would be taken here).
+        """
+        if self.pending:
+            raise RuntimeError(f"observe_all with {self.pending} other calls pending")
+        for key, call in calls.items():
+            self.submit(key, call)
+        done: dict[Any, Observation] = {}
+        while len(done) < len(calls):
+            done.update((o.key, o) for o in self.poll(1.0))
+        return done
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class ToolCalls(TurnCalls):
     """Tool calls of trajectories in a :class:`~rlboost_hpc.tasks.pool.DeadlinePool` of ``env`` workers.
 
     Every submitted call completes once as an :class:`Observation`: the tool's result, or — when the call ran past
@@ -341,14 +383,6 @@ class ToolCalls:
         self.pool = DeadlinePool(env, workers=workers, timeout_s=timeout_s)
         self.timeout_s = timeout_s
         self._failed: dict[Any, tuple[str, float]] = {}  # key -> (status, seconds) of a call answered by an error
-
-    @property
-    def pending(self) -> int:
-        return self.pool.pending
-
-    def connections(self) -> list:
-        """The tool workers' pipe ends (to wait on them with other sockets; :meth:`poll` reads them)."""
-        return self.pool.connections()
 
     def submit(self, key: Any, turn_ids: list[int]) -> None:
         """Run the tool call of an assistant turn (``turn_ids``: its token ids)."""
@@ -382,21 +416,3 @@ class ToolCalls:
                 status, secs = self._failed.pop(key)
                 out.append(Observation(key, [], status, secs))
         return out
-
-    def observe_all(self, turns: dict[Any, list[int]]) -> dict[Any, Observation]:
-        """Run every ``{key: turn_ids}`` call and wait for all of them.
-
-        Raises:
-            RuntimeError: other calls are pending (their observations would be taken here).
-        """
-        if self.pending:
-            raise RuntimeError(f"observe_all with {self.pending} other calls pending")
-        for key, ids in turns.items():
-            self.submit(key, ids)
-        done: dict[Any, Observation] = {}
-        while len(done) < len(turns):
-            done.update((o.key, o) for o in self.poll(1.0))
-        return done
-
-    def close(self) -> None:
-        self.pool.close()

@@ -25,8 +25,8 @@ from rlboost_hpc.rollout.engines.base import GenRequest, SamplingParams
 from rlboost_hpc.rollout.engines.torch_engine import TorchEngine, generate_all
 from rlboost_hpc.tasks.base import Task, strip_stop
 from rlboost_hpc.tasks.stories import repetition_rate
-from rlboost_hpc.tasks.environment import EnvironmentCalls, TurnCall
-from rlboost_hpc.tasks.tools import ToolCalls, turn_seed
+from rlboost_hpc.tasks.environment import TurnCall
+from rlboost_hpc.tasks.tools import TurnCalls, turn_seed
 from rlboost_hpc.trainer.algorithms.grpo import kl_estimate
 from rlboost_hpc.trainer.backends.base import Sample, TrainerBackend
 
@@ -43,7 +43,7 @@ class TurnSettings:
     max_turns: int
     max_trajectory_tokens: int
     tool_stop_ids: tuple[int, ...]
-    tools: ToolCalls | EnvironmentCalls
+    tools: TurnCalls  # ToolCalls, or a stateful environment's EnvironmentCalls
 
 
 @dataclass
