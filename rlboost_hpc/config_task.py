@@ -121,20 +121,33 @@ class TaskCfg(_Strict):
         "your tools (multi-turn, task.max_turns > 1): plain Python functions 'module:function' / "
         "'file.py:function' whose type hints and docstring make the JSON schema the chat template gets (tools=); "
         "called in the tool processes under task.tool_timeout_s"))
+    environment: str | None = Field(None, description=(
+        "a stateful multi-turn environment (task.max_turns > 1), 'module:Class' / 'file.py:Class': reset(row) -> "
+        "observation (appended to the prompt), step(assistant_turn) -> (observation, reward, done), one instance "
+        "per trajectory in the tool processes; every assistant turn goes to step, its reward adds to the "
+        "trajectory's (weight: task.reward_weights' last entry), done ends it. Must be deterministic: an instance "
+        "is rebuilt by replaying the trajectory (a different answer stops the run)"))
 
     @model_validator(mode="after")
     def _own_task(self) -> "TaskCfg":
-        own = bool(self.reward_functions or self.reward_model or self.tools)
+        own = bool(self.reward_functions or self.reward_model or self.tools or self.environment)
         if own and not self.dataset:
-            raise ValueError("task.reward_functions, task.reward_model and task.tools need task.dataset (your prompts)")
-        if self.dataset and not (self.reward_functions or self.reward_model):
-            raise ValueError("task.dataset needs a reward: task.reward_functions or task.reward_model")
-        n = len(self.reward_functions) + (self.reward_model is not None)
+            raise ValueError("task.reward_functions, task.reward_model, task.tools and task.environment need "
+                             "task.dataset (your prompts)")
+        if self.dataset and not (self.reward_functions or self.reward_model or self.environment):
+            raise ValueError("task.dataset needs a reward: task.reward_functions, task.reward_model or "
+                             "task.environment")
+        n = len(self.reward_functions) + (self.reward_model is not None) + (self.environment is not None)
         if self.reward_weights is not None and len(self.reward_weights) != n:
             raise ValueError(f"task.reward_weights has {len(self.reward_weights)} weights for {n} reward terms "
-                             "(the functions, then the reward model)")
+                             "(the functions, then the reward model, then the environment)")
         if self.tools and self.max_turns == 1:
             raise ValueError("task.tools are multi-turn: set task.max_turns > 1")
+        if self.environment and self.max_turns == 1:
+            raise ValueError("task.environment is multi-turn: set task.max_turns > 1")
+        if self.environment and self.tools:
+            raise ValueError("task.environment answers every assistant turn itself: leave task.tools empty (call "
+                             "your tools from the environment's step)")
         return self
 
 
@@ -152,13 +165,13 @@ def _anchored(value: str, base: Path | None) -> str:
 
 
 def anchor_task_paths(data: dict[str, Any], base: Path | None) -> None:
-    """Make ``task.dataset``, ``task.heldout_dataset`` and the files of ``task.reward_functions`` and ``task.tools``
-    absolute (:func:`_anchored`), so a config beside its data works from any directory and the run directory records
+    """Make ``task.dataset``, ``task.heldout_dataset`` and the files of ``task.environment``, ``task.reward_functions``
+    and ``task.tools`` absolute (:func:`_anchored`), so a config beside its data works from any directory and the run directory records
     where they were."""
     task = data.get("task")
     if not isinstance(task, dict):
         return
-    for k in ("dataset", "heldout_dataset"):
+    for k in ("dataset", "heldout_dataset", "environment"):
         if isinstance(task.get(k), str):
             task[k] = _anchored(task[k], base)
     for k in ("reward_functions", "tools"):

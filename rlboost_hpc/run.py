@@ -145,12 +145,12 @@ def _resume_point(cfg: RunConfig, out_dir: Path) -> Path | None:
 
 def tool_stop_ids(cfg: RunConfig, tok) -> tuple[int, ...]:
     """The token id that ends a tool call (``task.tool_call_close``), as a one-element tuple; () for single-turn
-    tasks.
+    tasks and for a stateful environment's (every turn goes to it, ended by the model's own stop tokens).
 
     Raises:
         ConfigError: ``task.tool_call_close`` is not exactly one token of the policy's tokenizer.
     """
-    if cfg.task.max_turns == 1:
+    if cfg.task.max_turns == 1 or cfg.task.environment:
         return ()
     close = cfg.task.tool_call_close
     tid = tok.hf.convert_tokens_to_ids(close)  # a token of the vocabulary as it is (e.g. Qwen's </tool_call>)

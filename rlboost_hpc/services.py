@@ -130,10 +130,12 @@ class RunServices:
                                   timeout_s=cfg.task.reward_timeout_s)
         self.defer(self.rewards.close)
         if environment is not None:  # held-out trajectories call the tool too (their own workers, same deadline)
-            from rlboost_hpc.tasks.tools import ToolCalls
+            from rlboost_hpc.tasks.environment import calls_for
 
-            self.eval_tools = ToolCalls(**environment)
+            self.eval_tools = calls_for(environment)
             self.defer(self.eval_tools.close)
+        if hasattr(self.task, "close"):  # a stateful environment's reset process (the prompts' first observations)
+            self.defer(self.task.close)
 
     def _keys(self) -> RunKeys | None:
         """Per-run CURVE keys, owner-only, in the run directory; a resumed run keeps them."""
@@ -152,12 +154,19 @@ class RunServices:
 
     def environment(self) -> dict | None:
         """The tool-call pool's arguments (multi-turn tasks; None for single-turn):
-        :func:`~rlboost_hpc.manager.service.run_manager_process`'s ``environment``."""
+        :func:`~rlboost_hpc.manager.service.run_manager_process`'s ``environment`` — a stateful environment's
+        (``task.environment``) or the tools'."""
+        from rlboost_hpc.tasks.environment import EnvironmentRunner
         from rlboost_hpc.tasks.tools import BUILTIN_TOOLS, ToolEnvironment, ToolSyntax
 
-        t = self.cfg.task
+        t, tok = self.cfg.task, self.policy.tokenizer
         if t.max_turns == 1:
             return None
+        if t.environment:
+            env = EnvironmentRunner(t.environment, tokenizer_dir=str(self.policy.path), use_chat=tok.use_chat,
+                                    stop_ids=tuple(tok.stop_ids), plain_format=t.tool_plain_format,
+                                    max_observation_tokens=t.max_observation_tokens)
+            return dict(env=env, workers=t.tool_workers, timeout_s=t.tool_timeout_s)
         env = ToolEnvironment(tokenizer_dir=str(self.policy.path), use_chat=self.policy.tokenizer.use_chat,
                               syntax=ToolSyntax(t.tool_call_open, t.tool_call_close),
                               tools=tuple(t.tools) or (BUILTIN_TOOLS[t.tool],),

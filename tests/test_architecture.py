@@ -35,8 +35,6 @@ LONG_FUNCTIONS: dict[tuple[str, str], tuple[int, str]] = {
              "chunk, reply checks); issue 32 item 3 gives the pull named phases"),
     ("rlboost_hpc/models/llama2c.py", "read_llama2c"): (
         95, "a linear reader of llama2.c's binary header and tensor table, in file order"),
-    ("rlboost_hpc/trainer/eval.py", "evaluate"): (
-        88, "sampled and greedy passes over the held-out prompts with their bookkeeping; split with item 1"),
     ("rlboost_hpc/sim/cli.py", "main"): (86, "an argparse table: one add_argument per option"),
 }
 

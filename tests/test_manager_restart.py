@@ -410,22 +410,28 @@ def test_a_manager_killed_mid_step_is_restarted_and_the_run_goes_on_exactly_once
     assert rep["responses_adopted"] > 0 and rep["tokens_regenerated"] == 0  # the instances kept their work
 
 
+def multi_turn_started(tmp_path, spec: M.GroupSpec):
+    """A journaling core with an environment and one instance ("a") that holds the responses of group ``spec``."""
+    core, _, log = journaled(tmp_path)
+    core.environment = True
+    feed(core, TRAINER, M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
+    feed(core, TRAINER, M.SetVersion(version=0, checksum=77))
+    register(core, b"a", "a", version=None)
+    feed(core, b"a", LOADED)
+    feed(core, TRAINER, M.SubmitStep(step=0, version=0, groups=[spec]))
+    core.tick()
+    return core, log
+
+
 def test_a_trajectory_keeps_its_turns_and_a_tool_call_in_flight_is_asked_again(tmp_path):
     """Multi-turn: the observation and turn structure come back; a tool call the old manager's environment was
     running is asked of the restarted manager's environment."""
     from rlboost_hpc.manager.state import ENV_PEER
     from test_trajectories import DOT, EOS
 
-    core, clock, log = journaled(tmp_path)
-    core.environment = True
-    feed(core, TRAINER, M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
-    feed(core, TRAINER, M.SetVersion(version=0, checksum=77))
-    register(core, b"a", "a", version=None)
-    feed(core, b"a", LOADED)
     spec = M.GroupSpec(gid="s0g0", prompt_ids=[1, 5, 6], n=2, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=3,
                        stop_ids=[EOS], max_turns=3, max_trajectory_tokens=30, tool_stop_ids=[DOT])
-    feed(core, TRAINER, M.SubmitStep(step=0, version=0, groups=[spec]))
-    core.tick()
+    core, log = multi_turn_started(tmp_path, spec)
     feed(core, b"a", tokens("s0g0/0", 0, [7, DOT], finish=M.FINISH_STOP))  # turn 0 ends in a tool call
     feed(core, ENV_PEER, M.EnvResult(rid="s0g0/0", turn=0, obs_ids=M.pack_i32([40, 41]), status="ok", tool_s=0.1))
     feed(core, b"a", tokens("s0g0/1", 0, [8, DOT], finish=M.FINISH_STOP))  # its call is still running

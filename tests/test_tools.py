@@ -192,6 +192,35 @@ def test_the_deadline_pool_completes_every_call_once():
             pool.submit("k", "y")
 
 
+class WhoAmI:
+    def __call__(self, item):
+        import os
+
+        if item == "die":
+            os._exit(3)
+        return os.getpid()
+
+
+def test_calls_bound_to_a_worker_position_run_there_and_a_replaced_worker_counts_a_generation():
+    """Issue 48 (stateful environments): a call may name its worker position; a worker that dies is replaced in
+    place and its position's generation tells the caller that the state it held is gone."""
+    with DeadlinePool(WhoAmI(), workers=2, timeout_s=5.0) as pool:
+        for i in range(6):
+            pool.submit(i, "x", slot=i % 2)
+        done: dict = {}
+        while len(done) < 6:
+            done.update((c.key, c.value) for c in pool.poll(1.0))
+        assert {done[0], done[2], done[4]} == {pool._slots[0].proc.pid}
+        assert {done[1], done[3], done[5]} == {pool._slots[1].proc.pid}
+        assert [pool.generation(0), pool.generation(1)] == [0, 0]
+        pool.submit("d", "die", slot=1)
+        while not pool.poll(1.0):
+            pass
+        assert [pool.generation(0), pool.generation(1)] == [0, 2]  # (it died, and again on its re-run)
+        with pytest.raises(ValueError, match="slot 2"):
+            pool.submit("e", "x", slot=2)
+
+
 class BrokenSetup:
     def setup(self):
         raise OSError("no tokenizer here")

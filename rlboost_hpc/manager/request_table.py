@@ -146,14 +146,14 @@ class RequestTable:
             rec.tokens += total - late
 
     def _turn_done(self, req: Request, fin: int) -> None:
-        """An assistant turn finished: a tool call goes to the environment (the trajectory waits, owned by no
-        instance), anything else finishes the response."""
+        """An assistant turn finished: a tool call — or, in a stateful environment's trajectory, every turn — goes
+        to the environment (the trajectory waits, owned by no instance), anything else finishes the response."""
         self.counters.turns_completed += 1
-        if fin == M.FINISH_STOP and req.calls_tool():
+        if req.env_row or (fin == M.FINISH_STOP and req.calls_tool()):
             req.move(R.ENVIRONMENT)
             self.log_work(W.ToolCall(req.rid))
             self.counters.environment_calls += 1
-            self.send(ENV_PEER, M.EnvCall(rid=req.rid, turn=req.turn, turn_ids=req.turn_ids()))
+            self.send(ENV_PEER, req.env_call())
             return
         self._finish(req, req.end_reason(fin))
 
@@ -176,17 +176,43 @@ class RequestTable:
             self.counters.protocol_rejects += 1
             return
         self.counters.environment_seconds += msg.tool_s
+        self.counters.environment_replays += msg.replayed > 0
         if msg.status != "ok":
-            if msg.status == "error":
-                self.counters.environment_errors += 1
-            else:
+            if msg.status == "timeout":
                 self.counters.environment_timeouts += 1
+            else:
+                self.counters.environment_errors += 1
+        if req.env_row:
+            return self._environment_step(req, msg)
         if req.n + len(msg.obs_ids) // 4 >= req.max_trajectory_tokens or not msg.obs_ids:
             self._finish(req, "trajectory_budget" if msg.obs_ids else "environment_error")
             return
         self.counters.observation_tokens += len(msg.obs_ids) // 4
         req.append_observation(msg.obs_ids)
         self.log_work(W.Observation(req.rid, msg.obs_ids))
+        req.move(R.QUEUED)
+        self.queue.appendleft(req.rid)
+
+    def _environment_step(self, req: Request, msg: M.EnvResult) -> None:
+        """A stateful environment's answer: its reward kept; ``done``, the last turn, no room for the observation or
+        a failed step (``environment_error``) finish the trajectory, else the observation is appended and the next
+        turn queued first. A replay that diverged fails the step (the trajectory is never trained on another
+        history)."""
+        if msg.status == "diverged":
+            log.error("%s", msg.error)
+            self._fail_step(msg.error)
+            return
+        error = f"{msg.status}: {msg.error}" if msg.status != "ok" else ""
+        req.env_step_done(msg.turn, msg.reward, error)
+        k = len(msg.obs_ids) // 4
+        end = ("environment_error" if error else "stop" if msg.done else "turn_cap" if req.turn + 1 >= req.max_turns
+               else "trajectory_budget" if not k or req.n + k >= req.max_trajectory_tokens else "")
+        self.log_work(W.Observation(req.rid, b"" if end else msg.obs_ids, msg.reward, error))
+        if end:
+            self._finish(req, end)
+            return
+        self.counters.observation_tokens += k
+        req.append_observation(msg.obs_ids)
         req.move(R.QUEUED)
         self.queue.appendleft(req.rid)
 

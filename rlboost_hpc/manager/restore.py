@@ -3,7 +3,8 @@
 
 What a restart keeps: the trainer (its routing id, so its resent calls are recognised), the weight version and its
 checksum, the step's groups with every token the log holds, trajectories' turns and observations (a tool call in
-flight is asked of the new manager's environment again), finished responses, acknowledged groups, the counters of
+flight is asked of the new manager's environment again; a stateful environment's instances died with the old tool
+processes, and the new ones rebuild each from the trajectory on its next step — ``tasks/environment.py``), finished responses, acknowledged groups, the counters of
 the last compaction, and the registered instances by routing id. A restored instance is PULLING until it confirms
 the current version (it re-registers when it hears the new epoch; it keeps its weights when their checksum is the
 version's); it is suspected, as any instance, if it stays silent past the heartbeat deadline.
@@ -43,8 +44,8 @@ def restore(core, records: list[W.Record], now: float) -> None:
     core.held = {rid: None for rid, r in core.requests.items() if r.state == R.QUEUED}
     core.held_since = now
     for r in core.requests.values():
-        if r.state == R.ENVIRONMENT:  # its tool call died with the old manager's environment: ask again
-            core.send(ENV_PEER, M.EnvCall(rid=r.rid, turn=r.turn, turn_ids=r.turn_ids()))
+        if r.state == R.ENVIRONMENT:  # its tool call died with the old manager's environment: ask again (a
+            core.send(ENV_PEER, r.env_call())  # stateful environment is rebuilt by replaying the trajectory)
     step_groups = [g for g in core.groups.values() if g.step == core.step]
     if step_groups and all(g.done >= len(g.rids) for g in step_groups):
         core.step_rollout_done_at = now
@@ -71,8 +72,11 @@ def _apply(core, rec: W.Record, now: float) -> None:
             req.move(R.ENVIRONMENT)
     elif isinstance(rec, W.Observation):
         if req is not None and req.state == R.ENVIRONMENT:
-            req.append_observation(rec.ids)
-            req.move(R.QUEUED)
+            if req.env_row:
+                req.env_step_done(req.turn, rec.reward, rec.error)
+            if rec.ids:
+                req.append_observation(rec.ids)
+                req.move(R.QUEUED)
     elif isinstance(rec, W.Submit):
         core.begin_step(rec.step, rec.version, rec.groups)
     elif isinstance(rec, W.Acked):

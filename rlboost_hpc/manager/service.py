@@ -23,7 +23,8 @@ from rlboost_hpc.manager.worklog import Frame as WorkFrame
 from rlboost_hpc.protocol.auth import RunKeys, max_msg_size, secure_server
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.errors import ProtocolError
-from rlboost_hpc.tasks.tools import ToolCalls
+from rlboost_hpc.tasks.environment import calls_for
+from rlboost_hpc.tasks.tools import TurnCalls
 
 if TYPE_CHECKING:
     from rlboost_hpc.manager.worklog import WorkLog
@@ -38,11 +39,12 @@ class ManagerService:
 
     def __init__(self, core: ManagerCore, bind: str = "tcp://127.0.0.1:0", *, ctx: zmq.Context | None = None,
                  keys: RunKeys | None = None, metrics: "ManagerMetrics | None" = None,
-                 environment: ToolCalls | None = None, worklog: "WorkLog | None" = None):
+                 environment: TurnCalls | None = None, worklog: "WorkLog | None" = None):
         self.core = core
         self.worklog = worklog  # the step in flight, journaled (group commit before the replies that need it)
         self._held: list[tuple[bytes, M._Msg]] = []  # the trainer's messages waiting for the work log's commit
-        # tool calls of multi-turn trajectories (EnvCall → a call in the pool → EnvResult), in worker processes
+        # tool calls (or a stateful environment's steps) of multi-turn trajectories (EnvCall → a call in the pool →
+        # EnvResult), in worker processes
         self.env = environment
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -110,16 +112,17 @@ class ManagerService:
         out, self.core.outbox = self.core.outbox, []
         for peer, msg in out:
             if peer == ENV_PEER:
-                self.env.submit((msg.rid, msg.turn), M.unpack_i32(msg.turn_ids).tolist())
+                self.env.call(msg)
             else:
                 self._send(peer, M.encode(msg))
 
     def _environment(self) -> None:
-        """Hand every finished tool call to the core as an :class:`~M.EnvResult`."""
+        """Hand every finished tool call (environment step) to the core as an :class:`~M.EnvResult`."""
         for o in self.env.poll(0.0):
             rid, turn = o.key
             self.core.on_message(ENV_PEER, M.EnvResult(rid=rid, turn=turn, obs_ids=M.pack_i32(o.obs_ids),
-                                                       status=o.status, tool_s=o.seconds))
+                                                       status=o.status, tool_s=o.seconds, reward=o.reward,
+                                                       done=o.done, error=o.error, replayed=o.replayed))
 
     def _probe(self) -> None:
         """A connection closed somewhere: find which live instances are no longer reachable."""
@@ -230,9 +233,9 @@ def run_manager_process(bind: str, settings: ManagerSettings, conn, keys_dir: st
     ``work_log`` too, it journals the step in flight there (``manager/worklog.py``) and, when ``restore``, first
     continues what the log holds (``manager/restore.py``; a log of another run exits 2 naming the file).
     ``metrics_port``: the Prometheus port to take again (a restart; 0: a free one).
-    ``run_id`` tags its log lines. ``environment``: :class:`~rlboost_hpc.tasks.tools.ToolCalls` arguments
-    (``env``: a :class:`~rlboost_hpc.tasks.tools.ToolEnvironment`, ``workers``, ``timeout_s``) of the pool that
-    answers multi-turn trajectories' tool calls; None: single-turn only."""
+    ``run_id`` tags its log lines. ``environment``: the arguments (``env``, ``workers``, ``timeout_s``) of the pool
+    that answers multi-turn trajectories' turns (:func:`~rlboost_hpc.tasks.environment.calls_for`: tool calls, or a
+    stateful environment's steps); None: single-turn only."""
     from rlboost_hpc.observe.logs import LogSink, setup_logging_from
 
     setup_logging_from(log_sink or LogSink(), "manager", run_id=run_id)
@@ -273,7 +276,7 @@ def run_manager_process(bind: str, settings: ManagerSettings, conn, keys_dir: st
             h, port = serve_metrics(metrics, host=metrics_host)
         metrics_url = f"http://{h}:{port}/metrics"
     svc = ManagerService(core, bind, keys=RunKeys.load(keys_dir) if keys_dir else None, metrics=metrics,
-                         environment=ToolCalls(**environment) if environment is not None else None, worklog=wlog)
+                         environment=calls_for(environment) if environment is not None else None, worklog=wlog)
     import signal
 
     # SIGTERM (the run stopping a manager no trainer ever said hello to): leave the loop, close the tool workers.

@@ -139,7 +139,11 @@ class Request:
     turn starts at ``turn_start``; ``observations`` lists the ``(start, count)`` ranges the environment appended
     (logprob 0, stamped with the request's version). ``max_new_tokens`` is the original budget of one turn,
     ``max_trajectory_tokens`` of everything after the prompt; an instance only ever sees the current turn
-    (:meth:`work`)."""
+    (:meth:`work`).
+
+    A stateful environment's trajectory (``env_row`` set) sends every finished turn to the environment
+    (:meth:`env_call`) and keeps each step's reward (``env_rewards``, one per step answered) and, when a step failed,
+    why (``env_error``)."""
 
     rid: str
     step: int
@@ -170,6 +174,10 @@ class Request:
     turn: int = 0
     turn_start: int = 0
     observations: list[int] = field(default_factory=list)  # (start, count) pairs
+    env_row: str = ""  # a stateful environment's trajectory: its row (JSON) and reset's observation
+    env_first: str = ""
+    env_rewards: list[float] = field(default_factory=list)  # the reward of each step answered, in turn order
+    env_error: str = ""  # "<status>: <why>" of the step that failed
 
     def __post_init__(self) -> None:
         if not self.max_trajectory_tokens:
@@ -227,6 +235,29 @@ class Request:
         return (self.turn + 1 < self.max_turns and self.n < self.max_trajectory_tokens and self.n > self.turn_start
                 and int.from_bytes(self.ids[-4:], "little", signed=True) in self.tool_stop_ids)
 
+    def env_step_done(self, turn: int, reward: float, error: str = "") -> None:
+        """A stateful environment answered turn ``turn``'s step with ``reward`` (or failed: ``error``); answering a
+        turn again (a step asked twice around a restart) replaces its reward."""
+        self.env_error = error
+        if not error:
+            self.env_rewards[turn:] = [reward]
+
+    def env_call(self) -> M.EnvCall:
+        """The environment call of the finished current turn: a tool call's, or a stateful environment's with what
+        rebuilds it by replay (the earlier turns, their observations and rewards; ``last``: no turn or no room
+        follows)."""
+        if not self.env_row:
+            return M.EnvCall(rid=self.rid, turn=self.turn, turn_ids=self.turn_ids())
+        history, start, obs = [], 0, self.observations
+        for k in range(len(obs) // 2):
+            s, c = obs[2 * k], obs[2 * k + 1]
+            history.append((bytes(self.ids[4 * start: 4 * s]), bytes(self.ids[4 * s: 4 * (s + c)]),
+                            self.env_rewards[k]))
+            start = s + c
+        last = self.turn + 1 >= self.max_turns or self.n >= self.max_trajectory_tokens
+        return M.EnvCall(rid=self.rid, turn=self.turn, turn_ids=self.turn_ids(), row=self.env_row,
+                         first=self.env_first, history=history, last=last)
+
     def append_observation(self, obs: bytes) -> None:
         """Append an observation (packed int32 ids) and open the next turn."""
         k = len(obs) // 4
@@ -259,7 +290,8 @@ def step_requests(step: int, version: int, g: M.GroupSpec) -> list[Request]:
     return [Request(rid=f"{g.gid}/{i}", step=step, gid=g.gid, sample=i, prompt_ids=list(g.prompt_ids),
                     max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, seed=g.seed + i,
                     stop_ids=sorted(set(g.stop_ids) | set(g.tool_stop_ids)), version=version, max_turns=g.max_turns,
-                    max_trajectory_tokens=g.max_trajectory_tokens, tool_stop_ids=frozenset(g.tool_stop_ids))
+                    max_trajectory_tokens=g.max_trajectory_tokens, tool_stop_ids=frozenset(g.tool_stop_ids),
+                    env_row=g.env_row, env_first=g.env_first)
             for i in range(g.n)]
 
 

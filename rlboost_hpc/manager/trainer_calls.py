@@ -330,7 +330,8 @@ class TrainerCalls:
                 rid=rid, sample=r.sample, ids=bytes(r.ids), logprobs=bytes(r.logprobs),
                 version_runs=np.array(r.runs, dtype="<i4").tobytes(), finish_reason=r.finish_reason,
                 migrations=r.migrations, instances=r.instances,
-                observation_runs=np.array(r.observations, dtype="<i4").tobytes(), turns=r.turn + 1))
+                observation_runs=np.array(r.observations, dtype="<i4").tobytes(), turns=r.turn + 1,
+                env_return=sum(r.env_rewards), env_error=r.env_error))
         self.send(self.trainer_peer, M.GroupDone(step=grp.step, gid=grp.gid, responses=responses))
 
     def end_fallback(self, now: float, *, force: bool = False) -> None:

@@ -2,8 +2,8 @@
 
 ``RUN_DIR/manager-work.log`` holds what a manager needs to pick up where a killed one stopped: the trainer it serves
 (its routing id, weight server, model), the current weight version and its checksum, the step's GRPO groups, every
-token accepted (ids, logprobs, the version that produced them), the turn structure of trajectories (observations,
-tool calls waiting for the environment), finished responses and acknowledged groups, and the instances registered
+token accepted (ids, logprobs, the version that produced them), the turn structure of trajectories (observations and a stateful
+environment's step rewards, tool calls waiting for the environment), finished responses and acknowledged groups, and the instances registered
 (their routing ids, so that frames they queued while the manager was away are recognised when they reconnect).
 
 Format: a sequence of frames, each ``u32 length · u32 crc32 · msgpack record`` (little-endian; the CRC covers the
@@ -122,10 +122,14 @@ class Frame(_Rec, tag="frame"):
 
 
 class Observation(_Rec, tag="obs"):
-    """The environment's observation (packed int32 ids) appended to trajectory ``rid``; its next turn opens."""
+    """The environment's observation (packed int32 ids) appended to trajectory ``rid``; its next turn opens. A
+    stateful environment's step also records its ``reward`` and, when it failed, ``error``; ``ids`` are empty when
+    the step ended the trajectory (its :class:`Finished` follows)."""
 
     rid: str
     ids: bytes
+    reward: float = 0.0
+    error: str = ""
 
 
 class ToolCall(_Rec, tag="tool"):

@@ -51,6 +51,8 @@ COUNTERS = {
     "environment_errors": "tool calls answered with an error observation (malformed call, failing tool)",
     "environment_timeouts": "tool calls past their deadline (worker replaced; an error observation continues)",
     "environment_seconds": "seconds tool calls took (summed over calls)",
+    "environment_replays": "stateful environments rebuilt by replaying their trajectory (a worker replaced, a "
+                           "manager restarted)",
     "observation_tokens": "observation tokens appended to trajectories (never trained)",
 }
 

@@ -59,7 +59,7 @@ Schema (:class:`RunReport`; every key below is always present except the multi-t
   late) ÷ modelled: 1 on time, 3.2 for a host 3.2× slower than the profile) and ``emulated_represents_profile``
   (false when the ratio passed 1.2: the run's timings are the host's, not the profile's).
 - multi-turn only: ``turns_per_trajectory_mean``, ``environment_calls`` / ``_errors`` / ``_timeouts`` /
-  ``_seconds``, ``tool_time_share`` (tool seconds ÷ training wall time), ``observation_tokens``,
+  ``_seconds`` / ``_replays`` (stateful environments rebuilt by replay), ``tool_time_share`` (tool seconds ÷ training wall time), ``observation_tokens``,
   ``migrations_by_turn``, ``tokens_in_interrupted_turns``, ``assistant_tokens_in_interrupted_trajectories``.
 
 A run that fails writes :class:`FailedReport` instead (``failed``, ``error``, ``steps``).
@@ -213,6 +213,7 @@ class RunReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     environment_errors: int | None = None
     environment_timeouts: int | None = None
     environment_seconds: float | None = None
+    environment_replays: int | None = None
     tool_time_share: float | None = None
     observation_tokens: int | None = None
     migrations_by_turn: dict[str, int] | None = None
@@ -330,6 +331,7 @@ def _multi_turn_summary(steps: list[dict], stats: ManagerStats, train_wall_s: fl
         turns_per_trajectory_mean=sum(turns) / len(turns) if turns else 0.0,
         environment_calls=stats.environment_calls, environment_errors=stats.environment_errors,
         environment_timeouts=stats.environment_timeouts, environment_seconds=stats.environment_seconds,
+        environment_replays=stats.environment_replays,
         tool_time_share=stats.environment_seconds / train_wall_s if train_wall_s > 0 else 0.0,
         observation_tokens=stats.observation_tokens, migrations_by_turn=stats.migrations_by_turn,
         tokens_in_interrupted_turns=stats.tokens_in_interrupted_turns,

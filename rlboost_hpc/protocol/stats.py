@@ -65,6 +65,7 @@ class ManagerCounters(msgspec.Struct, kw_only=True):
     environment_errors: int = 0
     environment_timeouts: int = 0
     environment_seconds: float = 0.0
+    environment_replays: int = 0  # stateful environments rebuilt by replaying their trajectory (tasks/environment.py)
     observation_tokens: int = 0
     tokens_in_interrupted_turns: int = 0
     assistant_tokens_in_interrupted_trajectories: int = 0

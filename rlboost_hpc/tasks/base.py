@@ -94,6 +94,12 @@ class Task(abc.ABC):
             return tokenizer.encode_chat(self.chat_content(prompt))
         return tokenizer.encode_text(self.format_prompt(prompt))
 
+    def environment_of(self, prompt: Prompt) -> tuple[str, str] | None:
+        """A task with a stateful environment (``task.environment``): ``(the prompt's row as JSON, the observation its
+        ``reset(row)`` gave)``, what every trajectory of the prompt's groups starts from; None (the default): the
+        task has none."""
+        return None
+
     def prompts(self, split: Literal["train", "heldout"]) -> list[Prompt]:
         """:meth:`train_prompts` or :meth:`heldout_prompts` by name.
 

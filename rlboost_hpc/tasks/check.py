@@ -5,7 +5,8 @@ signatures checked, the reward model probed, the tools' schemas built) and then 
 dropped, three prompts as the model will see them, prompt-token percentiles of every prompt against
 ``rollout.max_new_tokens`` and the model's context, each reward function on the row's gold answer (when a column
 holds one) and on an empty completion — in the run's reward processes, under their deadlines — with the seconds per
-reward call, and the tools' JSON schemas.
+reward call, the tools' JSON schemas, and a stateful environment's first observation for three rows and its step
+on an empty turn (each asked twice of new instances: an environment must be deterministic).
 
 Invariant: any problem is exit 2 with one line naming the column, function or row (a prompt longer than the context
 left for the response, a reward function that raises, hangs past its deadline or returns bad values); a task that
@@ -79,13 +80,14 @@ def _check_rewards(task: Any, pool: Any, out) -> None:
     for p in prompts:
         gold = _gold(p)
         items += [(p, "")] + ([(p, gold)] if gold is not None else [])
+    comps = [c for c in pool.components if c.kind != "environment"]  # (its term comes with a trajectory)
     t0 = time.monotonic()
     try:
-        _, parts = pool.score_parts(items)
+        _, parts = pool.score_parts(items, None, [(0.0, "")] * len(items))
     except Exception as e:  # noqa: BLE001 - RewardFunctionFailed names the function and the prompt
         raise TaskCheckFailed(str(e)) from None
-    per_call = (time.monotonic() - t0) / max(1, len(prompts) * len(pool.components))
-    for c in pool.components:
+    per_call = (time.monotonic() - t0) / max(1, len(prompts) * len(comps))
+    for c in comps:
         vals = parts[c.name]
         on_gold = [v for (p, x), v in zip(items, vals) if x and x == _gold(p)]
         on_empty = [v for (p, x), v in zip(items, vals) if x == ""]
@@ -93,6 +95,43 @@ def _check_rewards(task: Any, pool: Any, out) -> None:
               f"empty completion {on_empty}", file=out)
     print(f"seconds per reward call: {per_call:.3f} (deadline {task.cfg.reward_timeout_s:g} s per function call)",
           file=out)
+
+
+def _check_environment(cfg: Any, task: Any, policy: Any, out) -> None:
+    """The environment's first observation for three rows, and its step on an empty turn of the first row — each
+    asked twice, of new instances, to see that they are deterministic (a replay must give the same answers)."""
+    from rlboost_hpc.tasks.environment import EnvironmentCalls, EnvironmentRunner, TurnCall, row_json
+
+    t, tok = cfg.task, policy.tokenizer
+    prompts = list(task.train_prompts()[:3])
+    rows = [row_json(task.row_of(p)) for p in prompts]
+    runner = EnvironmentRunner(t.environment, tokenizer_dir=str(policy.path), use_chat=tok.use_chat,
+                               stop_ids=tuple(tok.stop_ids), plain_format=t.tool_plain_format,
+                               max_observation_tokens=t.max_observation_tokens)
+    calls = EnvironmentCalls(runner, workers=1, timeout_s=t.tool_timeout_s)
+    try:
+        names = [f"row {p.pid}" for p in prompts]
+        first, again = calls.reset_all(rows, names), calls.reset_all(rows, names)
+        for p, a, b in zip(prompts, first, again):
+            if a != b:
+                raise TaskCheckFailed(f"task.environment = {t.environment!r}: reset(row) of row {p.pid} gave {a!r}, "
+                                      f"then {b!r}: an environment must be deterministic (seed it from the row)")
+            print(f"environment {task.environment_class}: first observation of row {p.pid}: {a!r}", file=out)
+        seen = []
+        for n in range(2):
+            o = calls.observe_all({n: TurnCall(f"check/{n}", 0, b"", rows[0], first[0])})[n]
+            if o.status != "ok":
+                raise TaskCheckFailed(f"task.environment = {t.environment!r}: step('') on row {prompts[0].pid} "
+                                      f"failed ({o.status}): {o.error}")
+            seen.append((tok.hf.decode(o.obs_ids, skip_special_tokens=False), o.reward, o.done))
+    finally:
+        calls.close()
+    if seen[0] != seen[1]:
+        raise TaskCheckFailed(f"task.environment = {t.environment!r}: step('') on row {prompts[0].pid} gave "
+                              f"{seen[0]}, then {seen[1]}: an environment must be deterministic")
+    obs, reward, done = seen[0]
+    print(f"environment {task.environment_class}: step('') on row {prompts[0].pid}: reward {reward:g}, done {done}, "
+          f"observation as the model sees it {obs!r}", file=out)
 
 
 def check_task(cfg: Any, out=sys.stdout) -> None:
@@ -104,7 +143,6 @@ def check_task(cfg: Any, out=sys.stdout) -> None:
     from rlboost_hpc.models.hf_dir import load_model_dir
     from rlboost_hpc.models.llama2c import ensure_converted
     from rlboost_hpc.paths import using_data_dir
-    from rlboost_hpc.tasks.reward_pool import RewardFunctionFailed, RewardPool
     from rlboost_hpc.tasks.user_task import UserTask
 
     if not cfg.task.dataset:
@@ -117,6 +155,16 @@ def check_task(cfg: Any, out=sys.stdout) -> None:
             Path(cfg.model.cache_dir).expanduser())
         policy = load_model_dir(path, chat=cfg.task.chat_template)
     task = UserTask(cfg.task).load()
+    try:
+        _check_loaded(cfg, task, policy, out)
+    finally:
+        task.close()
+    print("task check: OK", file=out)
+
+
+def _check_loaded(cfg: Any, task: Any, policy: Any, out) -> None:
+    from rlboost_hpc.tasks.reward_pool import RewardFunctionFailed, RewardPool
+
     if task.tool_schemas:
         print("tools:", json.dumps(task.tool_schemas, indent=1), file=out)
     print(f"rows: {len(task.table)} read into {task.table.path} ({task.table.duplicates} duplicates dropped); "
@@ -124,6 +172,8 @@ def check_task(cfg: Any, out=sys.stdout) -> None:
           f"{len(task.heldout_table) if task.heldout_table is not None else 'the drawn'} rows)", file=out)
     for p in list(task.train_prompts()[:3]):
         print(f"--- prompt {p.pid}:\n{policy.tokenizer.render_prompt(task.prompt_ids(p, policy.tokenizer))}", file=out)
+    if task.environment_class:
+        _check_environment(cfg, task, policy, out)
     _check_lengths(cfg, task, policy, out)
     secs = task.check_endpoint()
     if secs:
@@ -133,7 +183,6 @@ def check_task(cfg: Any, out=sys.stdout) -> None:
             _check_rewards(task, pool, out)
         except RewardFunctionFailed as e:
             raise TaskCheckFailed(str(e)) from None
-    print("task check: OK", file=out)
 
 
 def task_main(argv: list[str]) -> int:

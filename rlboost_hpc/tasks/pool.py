@@ -13,6 +13,9 @@ process that waits on it. :class:`DeadlinePool` is the one implementation both u
   as ``TIMEOUT``. A worker that dies otherwise is replaced and its call re-run once on another worker (then
   ``FAILED``). A handler that raises completes its call as ``FAILED`` with the exception's text (the worker lives on).
 * Nothing is lost: every submitted key completes exactly once, through :meth:`DeadlinePool.poll`.
+* A call may name the worker it runs on (``slot``: stateful handlers keep per-key state in one worker); each worker
+  position counts its incarnations (:meth:`DeadlinePool.generation`), so a caller knows when the state a worker held
+  died with it.
 """
 from __future__ import annotations
 
@@ -81,6 +84,7 @@ class _Slot:
         self.ready = False
         self.key: Hashable | None = None  # the call it serves
         self.since = 0.0
+        self.generation = 0  # incarnations of this worker position before this one
 
     def kill(self) -> None:
         if self.proc.is_alive():
@@ -109,6 +113,7 @@ class DeadlinePool:
         self._slots = [_Slot(self._ctx, handler) for _ in range(workers)]
         self._todo: deque[tuple[Hashable, Any]] = deque()
         self._items: dict[Hashable, Any] = {}
+        self._slot_of: dict[Hashable, int] = {}  # calls bound to one worker position
         self._timeouts: dict[Hashable, float] = {}  # calls submitted with a deadline of their own
         self._retried: set[Hashable] = set()
         self._setup_deaths = 0  # workers in a row that died before they were ready
@@ -125,27 +130,57 @@ class DeadlinePool:
         """The workers' pipe ends (to wait on them together with other sockets; :meth:`poll` reads them)."""
         return [s.conn for s in self._slots]
 
-    def submit(self, key: Hashable, item: Any, timeout_s: float | None = None) -> None:
+    @property
+    def workers(self) -> int:
+        return len(self._slots)
+
+    def generation(self, slot: int) -> int:
+        """Incarnations of worker position ``slot`` so far (0: its first worker still serves)."""
+        return self._slots[slot].generation
+
+    def submit(self, key: Hashable, item: Any, timeout_s: float | None = None, slot: int | None = None) -> None:
         """Queue ``handler(item)``; it completes (once) through :meth:`poll` under ``key``. ``timeout_s``: this call's
-        deadline (s) instead of the pool's.
+        deadline (s) instead of the pool's; ``slot``: the worker position (``0 ≤ slot < workers``) that must run it
+        (None: any).
 
         Raises:
-            ValueError: ``key`` is already pending.
+            ValueError: ``key`` is already pending, or ``slot`` is not a worker position.
         """
         if key in self._items:
             raise ValueError(f"call {key!r} is already pending")
+        if slot is not None and not 0 <= slot < len(self._slots):
+            raise ValueError(f"slot {slot} of a pool of {len(self._slots)} workers")
         self._items[key] = item
         if timeout_s is not None:
             self._timeouts[key] = timeout_s
+        if slot is not None:
+            self._slot_of[key] = slot
         self._todo.append((key, item))
+
+    def set_timeout(self, key: Hashable, timeout_s: float) -> None:
+        """The deadline (s) of pending call ``key``, counted from when a worker took (or takes) it — a call already
+        running is held to the new deadline too. Unknown keys are ignored."""
+        if key in self._items:
+            self._timeouts[key] = timeout_s
 
     def _deadline(self, s: "_Slot") -> float:
         return s.since + self._timeouts.get(s.key, self.timeout_s)
 
+    def _next_for(self, i: int) -> tuple[Hashable, Any] | None:
+        """Take the oldest queued call worker position ``i`` may run."""
+        for j, (key, item) in enumerate(self._todo):
+            if self._slot_of.get(key, i) == i:
+                del self._todo[j]
+                return key, item
+        return None
+
     def _start_calls(self) -> None:
-        for s in self._slots:
+        for i, s in enumerate(self._slots):
             if s.ready and s.key is None and self._todo:
-                key, item = self._todo.popleft()
+                call = self._next_for(i)
+                if call is None:
+                    continue
+                key, item = call
                 try:
                     s.conn.send((key, item))
                 except (BrokenPipeError, OSError):
@@ -214,6 +249,7 @@ class DeadlinePool:
     def _complete(self, key: Hashable, status: CallStatus, **kw) -> Completed:
         self._items.pop(key, None)
         self._timeouts.pop(key, None)
+        self._slot_of.pop(key, None)
         self._retried.discard(key)
         if status == CallStatus.TIMEOUT:
             self.timed_out += 1
@@ -242,6 +278,7 @@ class DeadlinePool:
         log.debug("pool worker %s replaced: %s", s.proc.pid, why)
         s.kill()
         fresh = _Slot(self._ctx, self.handler)
+        fresh.generation = s.generation + 1
         s.__dict__.update(fresh.__dict__)
         self.replaced += 1
 

@@ -17,6 +17,10 @@ is counted against that component (:attr:`RewardPool.tallies`), its first failur
 ``task.reward_errors`` decides: ``zero`` (its term is 0 for that group) or ``fail``
 (:class:`RewardFunctionFailed`, exit 1 naming the function). A completion's reward is the weighted sum of its
 components' values (``None`` adds 0).
+
+A stateful environment (``task.environment``) is a component too (kind ``environment``): its value is what the
+trajectory's steps summed to (``Response.env_return``), computed by the environment itself in the tool processes; a
+trajectory whose environment failed (``Response.env_error``) is counted against it and handled by the same policy.
 """
 from __future__ import annotations
 
@@ -118,32 +122,38 @@ class RewardPool:
         """Workers killed or died and started anew."""
         return self._pool.replaced
 
-    def score(self, items: Sequence[tuple[Any, str]], completion_ids: Sequence[list[int]] | None = None) -> list[float]:
+    def score(self, items: Sequence[tuple[Any, str]], completion_ids: Sequence[list[int]] | None = None,
+              environment: Sequence[tuple[float, str]] | None = None) -> list[float]:
         """Rewards of ``(prompt, response_text)`` pairs, in order; never raises on model output, never waits
         more than ``timeout_s`` per answer plus queueing. ``completion_ids``: each text's token ids (a user's TRL
-        functions receive them).
+        functions receive them); ``environment``: a stateful environment's ``(return, error)`` per pair
+        (:meth:`score_parts`).
 
         Raises:
             RewardFunctionFailed: a user's component failed and ``task.reward_errors = fail``.
         """
         if self.components:
-            return self.score_parts(items, completion_ids)[0]
+            return self.score_parts(items, completion_ids, environment)[0]
         return [float(c.value) if c.status == CallStatus.OK else 0.0 for c in self._pool.run_all(list(items))]
 
-    def score_parts(self, items: Sequence[tuple[Any, str]], completion_ids: Sequence[list[int]] | None = None
+    def score_parts(self, items: Sequence[tuple[Any, str]], completion_ids: Sequence[list[int]] | None = None,
+                    environment: Sequence[tuple[float, str]] | None = None,
                     ) -> tuple[list[float], dict[str, list[float | None]]]:
         """A user's task: ``(rewards, parts)`` — the weighted rewards of ``(prompt, text)`` pairs and each component's
-        values (name → one float or None per pair), one pool call per (prompt, component).
+        values (name → one float or None per pair), one pool call per (prompt, component). ``environment``: with a
+        stateful environment, each pair's ``(return, error)`` (its trajectory's summed step rewards; the error text
+        of a failed step, "" if none) — its component's values.
 
         Raises:
             RewardFunctionFailed: a component failed and ``task.reward_errors = fail``.
+            ValueError: the task has an environment and ``environment`` is not one entry per pair.
         """
         groups: dict[str, list[int]] = {}
         for i, (p, _) in enumerate(items):
             groups.setdefault(p.pid, []).append(i)
         calls = [(idxs, _GroupCall(ci, items[idxs[0]][0], [items[i][1] for i in idxs],
                                    None if completion_ids is None else [list(completion_ids[i]) for i in idxs]))
-                 for idxs in groups.values() for ci in range(len(self.components))]
+                 for idxs in groups.values() for ci, c in enumerate(self.components) if c.kind != "environment"]
         done = self._pool.run_all([c for _, c in calls], [self.components[c.ci].timeout_s for _, c in calls])
         parts: dict[str, list[float | None]] = {c.name: [None] * len(items) for c in self.components}
         for (idxs, call), res in zip(calls, done):
@@ -151,8 +161,43 @@ class RewardPool:
             values = self._values(comp, call, res)
             for i, v in zip(idxs, values):
                 parts[comp.name][i] = v
+        for comp in self.components:
+            if comp.kind == "environment":
+                if environment is None or len(environment) != len(items):
+                    raise ValueError(f"the task has an environment ({comp.name}): score each completion with its "
+                                     "trajectory's (return, error)")
+                parts[comp.name] = self._environment_values(comp, items, environment)
         rewards = [sum(c.weight * (parts[c.name][i] or 0.0) for c in self.components) for i in range(len(items))]
         return rewards, parts
+
+    def _environment_values(self, comp, items: Sequence[tuple[Any, str]],
+                            environment: Sequence[tuple[float, str]]) -> list[float | None]:
+        """The environment's values: each trajectory's return, 0.0 for one whose environment failed (counted, the
+        first logged with its row; ``fail``: :class:`RewardFunctionFailed`)."""
+        t, out = self.tallies[comp.name], []
+        for (prompt, _), (ret, err) in zip(items, environment):
+            t.calls += 1
+            if not err:
+                t.value_sum, t.values = t.value_sum + ret, t.values + 1
+                out.append(float(ret))
+                continue
+            if err.startswith("timeout"):
+                t.timed_out += 1
+            else:
+                t.failed += 1
+            self._failure(comp, prompt, err)
+            out.append(0.0)
+        return out
+
+    def _failure(self, comp, prompt: Any, why: str) -> None:
+        """Log a component's first failure with its row; stop the run under ``task.reward_errors = fail``."""
+        t = self.tallies[comp.name]
+        if t.failed + t.timed_out == 1 or self.errors == "fail":
+            row = json.dumps({"prompt": prompt.text[:200], **prompt.meta}, default=str)[:600]
+            log.warning("reward %s (%s) failed on prompt %s: %s; row: %s", comp.name, comp.key, prompt.pid, why, row)
+        if self.errors == "fail":
+            raise RewardFunctionFailed(f"reward {comp.name} ({comp.key}) failed on prompt {prompt.pid}: {why} "
+                                       "(task.reward_errors = fail)")
 
     def _values(self, comp, call: _GroupCall, res) -> list[float | None]:
         """The component's values of one call, its failure counted, logged once, and handled per policy."""
@@ -168,13 +213,7 @@ class RewardPool:
             t.timed_out += 1
         else:
             t.failed += 1
-        if t.failed + t.timed_out == 1 or self.errors == "fail":
-            row = json.dumps({"prompt": call.prompt.text[:200], **call.prompt.meta}, default=str)[:600]
-            log.warning("reward %s (%s) failed on prompt %s: %s; row: %s", comp.name, comp.key, call.prompt.pid, why,
-                        row)
-        if self.errors == "fail":
-            raise RewardFunctionFailed(f"reward {comp.name} ({comp.key}) failed on prompt {call.prompt.pid}: {why} "
-                                       "(task.reward_errors = fail)")
+        self._failure(comp, call.prompt, why)
         return [0.0] * len(call.texts)
 
     def take_tallies(self) -> dict[str, dict]:

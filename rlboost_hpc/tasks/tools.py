@@ -27,8 +27,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BUILTIN_TOOLS", "EnvStep", "Observation", "ToolCalls", "ToolEnvironment", "ToolSyntax", "calculate",
-           "calculator", "calculator_expression", "call_tool", "parse_tool_call", "turn_seed"]
+__all__ = ["BUILTIN_TOOLS", "EnvStep", "Observation", "ToolCalls", "ToolEnvironment", "ToolSyntax", "TurnCalls",
+           "calculate", "calculator", "calculator_expression", "call_tool", "parse_tool_call", "render_observation",
+           "turn_seed"]
 
 _SENTINEL = "\u2063RLBOOST-TURN-END\u2063"  # an assistant message content no template rewrites
 
@@ -282,36 +283,94 @@ class ToolEnvironment:
         return EnvStep(self.render(result), result, error)
 
     def render(self, result: str) -> list[int]:
-        """Observation ids of ``result`` (step 4 of the module docstring); a result longer than
-        ``max_observation_tokens`` tokens is cut to that many (the template's markers around it are kept)."""
-        hf = self._hf
-        ids = hf(result, add_special_tokens=False)["input_ids"]
-        if len(ids) > self.max_observation_tokens:  # cut the result, never the template's markers around it
-            result = hf.decode(ids[: self.max_observation_tokens]) + " …"
-        if self.use_chat:
-            msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _SENTINEL},
-                    {"role": "tool", "content": result}]
-            full = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-            text = full[full.index(_SENTINEL) + len(_SENTINEL):]
-        else:
-            text = self.plain_format.replace("{result}", result)
-        ids = hf(text, add_special_tokens=False)["input_ids"] or hf("\n", add_special_tokens=False)["input_ids"]
-        return list(ids)
+        """Observation ids of ``result`` (step 4 of the module docstring): :func:`render_observation` as a ``tool``
+        message."""
+        return render_observation(self._hf, result, use_chat=self.use_chat, plain_format=self.plain_format,
+                                  max_tokens=self.max_observation_tokens)
+
+
+def render_observation(hf: Any, result: str, *, use_chat: bool, plain_format: str, max_tokens: int,
+                       role: str = "tool") -> list[int]:
+    """Observation ids (int; never empty) of ``result`` after an assistant turn, with the HF tokenizer ``hf``: with a
+    chat template (``use_chat``), the template's rendering of a ``role`` message (``tool``: a tool's result; ``user``:
+    an environment's answer) that follows an assistant turn, up to and including the next assistant header; without
+    one, ``plain_format`` with ``{result}`` replaced. A result longer than ``max_tokens`` tokens is cut to that many
+    (the template's markers around it are kept)."""
+    ids = hf(result, add_special_tokens=False)["input_ids"]
+    if len(ids) > max_tokens:  # cut the result, never the template's markers around it
+        result = hf.decode(ids[:max_tokens]) + " …"
+    if use_chat:
+        msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _SENTINEL},
+                {"role": role, "content": result}]
+        full = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        text = full[full.index(_SENTINEL) + len(_SENTINEL):]
+    else:
+        text = plain_format.replace("{result}", result)
+    ids = hf(text, add_special_tokens=False)["input_ids"] or hf("\n", add_special_tokens=False)["input_ids"]
+    return list(ids)
 
 
 @dataclass(frozen=True)
 class Observation:
-    """A finished tool call: its key, the observation ids (int; empty only when even rendering an error failed),
-    ``status`` (``ok``, ``error``: a malformed call or failing tool, ``timeout``: past the deadline) and the seconds
-    the call took."""
+    """A finished tool call or environment step: its key, the observation ids (int; empty only when even rendering
+    an error failed, or a stateful environment's trajectory ends with this step), ``status`` (``ok``, ``error``: a
+    malformed call, a failing tool or environment, ``timeout``: past the deadline, ``diverged``: a stateful
+    environment rebuilt by replay answered otherwise than the log holds) and the seconds the call took. A stateful
+    environment's step (:mod:`rlboost_hpc.tasks.environment`) also gives its ``reward``, ``done``, the ``error``
+    text of a failure and the earlier steps it ``replayed`` to rebuild the environment (reset included)."""
 
     key: Any
     obs_ids: list[int]
     status: str
     seconds: float
+    reward: float = 0.0
+    done: bool = False
+    error: str = ""
+    replayed: int = 0
 
 
-class ToolCalls:
+class TurnCalls:
+    """What the pools that answer trajectories' turns share (:class:`ToolCalls`, a stateful environment's
+    :class:`~rlboost_hpc.tasks.environment.EnvironmentCalls`): a :class:`~rlboost_hpc.tasks.pool.DeadlinePool`
+    (``pool``) whose calls complete once each as an :class:`Observation`, through the subclass's ``submit`` and
+    ``poll``."""
+
+    pool: Any
+
+    @property
+    def pending(self) -> int:
+        return self.pool.pending
+
+    def connections(self) -> list:
+        """The workers' pipe ends (to wait on them with other sockets; ``poll`` reads them)."""
+        return self.pool.connections()
+
+    def submit(self, key: Any, call: Any) -> None:  # pragma: no cover - each pool's own
+        raise NotImplementedError
+
+    def poll(self, timeout_s: float = 0.0) -> list[Observation]:  # pragma: no cover - each pool's own
+        raise NotImplementedError
+
+    def observe_all(self, calls: dict[Any, Any]) -> dict[Any, Observation]:
+        """Run every ``{key: call}`` (what ``submit`` takes) and wait for all of them.
+
+        Raises:
+            RuntimeError: other calls are pending (their observations would be taken here).
+        """
+        if self.pending:
+            raise RuntimeError(f"observe_all with {self.pending} other calls pending")
+        for key, call in calls.items():
+            self.submit(key, call)
+        done: dict[Any, Observation] = {}
+        while len(done) < len(calls):
+            done.update((o.key, o) for o in self.poll(1.0))
+        return done
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class ToolCalls(TurnCalls):
     """Tool calls of trajectories in a :class:`~rlboost_hpc.tasks.pool.DeadlinePool` of ``env`` workers.
 
     Every submitted call completes once as an :class:`Observation`: the tool's result, or — when the call ran past
@@ -329,17 +388,15 @@ class ToolCalls:
         self.timeout_s = timeout_s
         self._failed: dict[Any, tuple[str, float]] = {}  # key -> (status, seconds) of a call answered by an error
 
-    @property
-    def pending(self) -> int:
-        return self.pool.pending
-
-    def connections(self) -> list:
-        """The tool workers' pipe ends (to wait on them with other sockets; :meth:`poll` reads them)."""
-        return self.pool.connections()
-
     def submit(self, key: Any, turn_ids: list[int]) -> None:
         """Run the tool call of an assistant turn (``turn_ids``: its token ids)."""
         self.pool.submit((key, "step"), ("step", list(turn_ids)))
+
+    def call(self, msg: Any) -> None:
+        """Run the manager's ``EnvCall`` ``msg`` (its observation comes back under ``(rid, turn)``)."""
+        import numpy as np
+
+        self.submit((msg.rid, msg.turn), np.frombuffer(msg.turn_ids, dtype="<i4").tolist())
 
     def poll(self, timeout_s: float = 0.0) -> list[Observation]:
         """The calls that completed (waiting up to ``timeout_s`` seconds for the first)."""
@@ -363,21 +420,3 @@ class ToolCalls:
                 status, secs = self._failed.pop(key)
                 out.append(Observation(key, [], status, secs))
         return out
-
-    def observe_all(self, turns: dict[Any, list[int]]) -> dict[Any, Observation]:
-        """Run every ``{key: turn_ids}`` call and wait for all of them.
-
-        Raises:
-            RuntimeError: other calls are pending (their observations would be taken here).
-        """
-        if self.pending:
-            raise RuntimeError(f"observe_all with {self.pending} other calls pending")
-        for key, ids in turns.items():
-            self.submit(key, ids)
-        done: dict[Any, Observation] = {}
-        while len(done) < len(turns):
-            done.update((o.key, o) for o in self.poll(1.0))
-        return done
-
-    def close(self) -> None:
-        self.pool.close()

@@ -11,6 +11,11 @@
   content hash, mixed with ``task.split_seed``, falls in ``task.heldout_fraction`` — so an appended or reshuffled file
   keeps each row's side. Both splits keep file order; training uses every row unless ``task.train_prompts`` is set
   explicitly (then its first rows), evaluation the first ``task.heldout_prompts`` held-out rows.
+- A stateful environment (``task.environment``, :mod:`rlboost_hpc.tasks.environment`): its ``reset(row)`` runs once
+  per prompt in a tool process of this one, under ``task.tool_timeout_s``, and its observation is appended to the
+  prompt's last user message; :meth:`UserTask.environment_of` gives the row and that observation to each group (the
+  manager's tool processes start every trajectory's instance from them). Its return is the reward component of kind
+  ``environment`` (weight: ``task.reward_weights``' last entry).
 - The data set is memory-mapped: the training split is a lazy sequence (:class:`PromptRows`) whose prompts are read
   when the data frontier takes them; pickling the task (to the reward processes) carries no rows.
 - Bad input — a missing or wrongly typed prompt column, an empty prompt, an unusable reward function, a judge
@@ -86,6 +91,9 @@ class UserTask(Task):
         self.components: list[RewardComponent] = []
         self.tool_schemas: list[dict] = []
         self.tool_preamble = ""
+        self.environment_class = ""  # task.environment's class name ("" without one)
+        self._resets = None  # the trainer's pool that runs reset(row) for the prompts (task.environment)
+        self._first: dict[str, str] = {}  # prompt id -> reset's observation
         self.table: PromptTable | None = None
         self.heldout_table: PromptTable | None = None
         self._train = self._heldout = np.zeros(0, dtype=np.int64)
@@ -127,6 +135,14 @@ class UserTask(Task):
             self.tool_preamble = tool_preamble(self.tool_schemas, ToolSyntax(c.tool_call_open, c.tool_call_close))
         return self
 
+    def _environment_component(self, weight: float, names: set[str]) -> RewardComponent:
+        from rlboost_hpc.tasks.environment import load_environment
+
+        name = self.environment_class = load_environment(self.cfg.environment).__name__
+        while name in names:
+            name += "_"
+        return RewardComponent(name=name, weight=weight, kind="environment", key="task.environment")
+
     def _check_prompt_column(self, table: PromptTable, key: str) -> None:
         pf = self.prompt_field
         if pf not in table.columns:
@@ -157,8 +173,12 @@ class UserTask(Task):
             out.append(RewardComponent(name=name, weight=weights[i] if weights else 1.0, kind=kind, ref=ref, key=key,
                                        accepts=accepts, is_async=inspect.iscoroutinefunction(fn),
                                        timeout_s=c.reward_timeout_s))
+        n = len(c.reward_functions)
         if c.reward_model is not None:
-            out.append(self._model_component(columns, weights[-1] if weights else c.reward_model.weight, names))
+            out.append(self._model_component(columns, weights[n] if weights else c.reward_model.weight, names))
+            names.add(out[-1].name)
+        if c.environment:
+            out.append(self._environment_component(weights[-1] if weights else 1.0, names))
         return out
 
     def _model_component(self, columns: list[str], weight: float, names: set[str]) -> RewardComponent:
@@ -236,11 +256,55 @@ class UserTask(Task):
         return out
 
     def messages(self, prompt: Prompt) -> list[dict[str, Any]]:
-        """The chat of ``prompt``: its messages (or one user message), ``task.system_prompt`` first unless it has one."""
+        """The chat of ``prompt``: its messages (or one user message), ``task.system_prompt`` first unless it has one;
+        with ``task.environment``, its ``reset(row)`` observation appended to the last user message (after a blank
+        line)."""
         msgs = list(prompt.messages) if prompt.messages is not None else [{"role": "user", "content": prompt.text}]
         if self.cfg.system_prompt and not any(m.get("role") == "system" for m in msgs):
             msgs.insert(0, {"role": "system", "content": self.cfg.system_prompt})
+        first = self.first_observation(prompt) if self.environment_class else ""
+        if first:
+            i = max((j for j, m in enumerate(msgs) if m.get("role") == "user"), default=None)
+            if i is None:
+                msgs.append({"role": "user", "content": first})
+            else:
+                msgs[i] = {**msgs[i], "content": "\n\n".join(x for x in (str(msgs[i].get("content") or ""), first) if x)}
         return msgs
+
+    # ------------------------------------------------------------------ a stateful environment
+    def row_of(self, prompt: Prompt) -> dict[str, Any]:
+        """The row ``prompt`` was read from: its prompt column (text or messages) and every other column."""
+        return {self.prompt_field: prompt.messages if prompt.messages is not None else prompt.text, **prompt.meta}
+
+    def first_observation(self, prompt: Prompt) -> str:
+        """``reset(row)``'s observation for ``prompt`` (run once per prompt in a tool process of this one, under
+        ``task.tool_timeout_s``; every trajectory of its groups starts from it).
+
+        Raises:
+            EnvironmentResetFailed: reset raised or ran past the deadline (exit 2 naming the row).
+        """
+        if prompt.pid not in self._first:
+            from rlboost_hpc.tasks.environment import EnvironmentCalls, EnvironmentRunner, row_json
+
+            if self._resets is None:
+                self._resets = EnvironmentCalls(EnvironmentRunner(self.cfg.environment), workers=1,
+                                                timeout_s=self.cfg.tool_timeout_s)
+            self._first[prompt.pid] = self._resets.reset_all([row_json(self.row_of(prompt))],
+                                                             [f"row {prompt.pid} ({prompt.text[:60]!r})"])[0]
+        return self._first[prompt.pid]
+
+    def environment_of(self, prompt: Prompt) -> tuple[str, str] | None:
+        from rlboost_hpc.tasks.environment import row_json
+
+        if not self.environment_class:
+            return None
+        return row_json(self.row_of(prompt)), self.first_observation(prompt)
+
+    def close(self) -> None:
+        """Stop the process that runs ``reset`` for the prompts (idempotent)."""
+        if self._resets is not None:
+            self._resets.close()
+            self._resets = None
 
     def format_prompt(self, prompt: Prompt) -> str:
         parts = [m.get("content", "") for m in self.messages(prompt) if m.get("role") == "system"]
@@ -260,15 +324,19 @@ class UserTask(Task):
     # ------------------------------------------------------------------ rewards
     def reward(self, prompt: Prompt, response_text: str) -> float:
         """The weighted reward of one completion, computed in this process (the reward pool calls
-        :func:`~rlboost_hpc.tasks.user_rewards.call_component` per component instead, each under its deadline)."""
+        :func:`~rlboost_hpc.tasks.user_rewards.call_component` per component instead, each under its deadline); a
+        stateful environment's term is left out (it comes with a trajectory)."""
         total = 0.0
         for comp in self.components:
+            if comp.kind == "environment":  # its term comes with the trajectory (RewardPool.score_parts)
+                continue
             v = call_component(comp, prompt, [response_text], None, self.prompt_field)[0]
             total += comp.weight * (v or 0.0)
         return total
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "table": None, "heldout_table": None, "_train": None, "_heldout": None}
+        return {**self.__dict__, "table": None, "heldout_table": None, "_train": None, "_heldout": None,
+                "_resets": None}
 
     def __repr__(self) -> str:
         return f"UserTask(dataset={self.cfg.dataset!r}, rewards={[c.name for c in self.components]})"

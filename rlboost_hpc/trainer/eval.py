@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+import numpy as np
 import torch
 
 from rlboost_hpc import defaults as D
@@ -24,7 +25,8 @@ from rlboost_hpc.rollout.engines.base import GenRequest, SamplingParams
 from rlboost_hpc.rollout.engines.torch_engine import TorchEngine, generate_all
 from rlboost_hpc.tasks.base import Task, strip_stop
 from rlboost_hpc.tasks.stories import repetition_rate
-from rlboost_hpc.tasks.tools import ToolCalls, turn_seed
+from rlboost_hpc.tasks.environment import TurnCall
+from rlboost_hpc.tasks.tools import TurnCalls, turn_seed
 from rlboost_hpc.trainer.algorithms.grpo import kl_estimate
 from rlboost_hpc.trainer.backends.base import Sample, TrainerBackend
 
@@ -33,12 +35,15 @@ from rlboost_hpc.trainer.backends.base import Sample, TrainerBackend
 class TurnSettings:
     """How evaluation plays multi-turn trajectories — as the run's rollouts do: at most ``max_turns`` assistant turns
     of at most ``max_new_tokens`` each (evaluate's argument) and ``max_trajectory_tokens`` after the prompt; a turn
-    ending with one of ``tool_stop_ids`` is a tool call answered by ``tools`` (under its deadline)."""
+    ending with one of ``tool_stop_ids`` is a tool call answered by ``tools`` (under its deadline). A task with a
+    stateful environment (:meth:`~rlboost_hpc.tasks.base.Task.environment_of`) sends every turn to ``tools`` (an
+    :class:`~rlboost_hpc.tasks.environment.EnvironmentCalls`: one instance per trajectory), whose ``done`` ends it and
+    whose rewards add up to the trajectory's environment term."""
 
     max_turns: int
     max_trajectory_tokens: int
     tool_stop_ids: tuple[int, ...]
-    tools: ToolCalls
+    tools: TurnCalls  # ToolCalls, or a stateful environment's EnvironmentCalls
 
 
 @dataclass
@@ -50,54 +55,51 @@ class _Trajectory:
     generated: list[bool] = field(default_factory=list)
     turn: int = 0
     turn_start: int = 0
+    env: tuple[str, str] | None = None  # a stateful environment's (row, first observation)
+    history: list[tuple[bytes, bytes, float]] = field(default_factory=list)  # its earlier turns (ids, observation, reward)
+    rewards: list[float] = field(default_factory=list)  # its steps' rewards
+    env_error: str = ""
+
+    def turn_call(self, rid: str, last: bool) -> TurnCall:
+        """The environment step of the turn that just finished."""
+        return TurnCall(rid, self.turn, _pack(self.ids[self.turn_start:]), self.env[0], self.env[1],
+                        tuple(self.history), last)
+
+
+def _pack(ids: list[int]) -> bytes:
+    return np.asarray(ids, dtype="<i4").tobytes()
 
 
 def _score(trajs: dict[str, "_Trajectory"], meta: dict, tokenizer, task: Task,
            score: Callable[..., list[float]] | None) -> tuple[dict[str, str], dict[str, float]]:
     """The text each trajectory's reward reads (its final assistant turn, stop token left out) and its reward:
-    ``score(items, token_ids)`` (the run's reward pool) or ``task.reward`` inline."""
+    ``score(items, token_ids)`` (the run's reward pool; with a stateful environment also each trajectory's ``(return,
+    error)``) or ``task.reward`` inline.
+
+    Raises:
+        ValueError: a stateful environment's task without ``score`` (its term is the reward pool's to add).
+    """
     final = {rid: strip_stop(t.ids[t.turn_start:], tokenizer.stop_ids) for rid, t in trajs.items()}
     texts = {rid: tokenizer.decode(ids) for rid, ids in final.items()}
     items = [(meta[rid][0], texts[rid]) for rid in trajs]
-    scored = score(items, [final[rid] for rid in trajs]) if score else [task.reward(p, t) for p, t in items]
+    env = [(sum(t.rewards), t.env_error) for t in trajs.values()] if any(t.env for t in trajs.values()) else None
+    if env is not None and score is None:
+        raise ValueError("held-out evaluation of a task with an environment scores through the reward pool")
+    if score is None:
+        scored = [task.reward(p, t) for p, t in items]
+    else:
+        ids = [final[rid] for rid in trajs]
+        scored = score(items, ids) if env is None else score(items, ids, env)
     return texts, dict(zip(trajs, scored))
 
 
-def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, task: Task, *,
-             samples: int, max_new_tokens: int, temperature: float, top_p: float, base_seed: int = 12345,
-             device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-             score: Callable[..., list[float]] | None = None,
-             turns: TurnSettings | None = None) -> dict:
-    """Mean reward over held-out prompts (``samples`` sampled responses each, plus one greedy).
-
-    Args:
-        tokenizer: a :class:`~rlboost_hpc.models.hf_dir.PolicyTokenizer` (prompt ids, stop ids, decoding).
-        score: rewards of ``(prompt, text)`` pairs given also their token ids (the run's ``RewardPool.score``;
-            inline ``task.reward`` when ``None``).
-        turns: multi-turn trajectories with tool calls (:class:`TurnSettings`); None: single-turn responses. The
-            reward reads a trajectory's final assistant turn.
-
-    Returns:
-        A dict: reward_sampled, reward_greedy, repetition_rate (mean over sampled responses), responses (int),
-        examples (first few greedy texts), sampled (the sampled responses as :class:`Sample` s, advantage 0,
-        observation tokens masked, for :func:`kl_to_reference`).
-    """
-    stop_ids = tokenizer.stop_ids
+def _play(eng: TorchEngine, trajs: dict[str, _Trajectory], meta: dict, stop_ids: tuple[int, ...], *,
+          max_new_tokens: int, total: int, temperature: float, top_p: float, turns: TurnSettings | None) -> None:
+    """Generate every trajectory to its end: one round per turn — every active trajectory's current turn, then its
+    tool calls (environment steps), whose observations open the next turn."""
     tool_stops = turns.tool_stop_ids if turns else ()
-    total = turns.max_trajectory_tokens if turns else max_new_tokens
-    prompts = [(p, task.prompt_ids(p, tokenizer)) for p in task.heldout_prompts()]
-    longest = max(len(ids) for _, ids in prompts)
-    eng = TorchEngine(arch, weights, max_batch=64, max_len=min(longest + total, arch.max_position_embeddings),
-                      device=device, dtype=dtype)
-    trajs: dict[str, _Trajectory] = {}
-    meta = {}
-    for i, (p, ids) in enumerate(prompts):
-        for j in range(samples + 1):
-            rid = f"eval/{i}/{j}"
-            trajs[rid] = _Trajectory(ids, base_seed + 1000 * i + j)
-            meta[rid] = (p, j == samples)
     active = dict(trajs)
-    while active:  # one round per turn: every trajectory's current turn, then its tool calls
+    while active:
         reqs = []
         for rid, t in active.items():
             greedy = meta[rid][1]
@@ -111,19 +113,66 @@ def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, ta
             t.ids += ids
             t.logprobs += lps
             t.generated += [True] * len(ids)
-            if (turns and fin == "stop" and ids and ids[-1] in tool_stops and t.turn + 1 < turns.max_turns
+            if t.env is not None:  # a stateful environment: every turn is a step
+                calls[rid] = t.turn_call(rid, last=t.turn + 1 >= turns.max_turns or len(t.ids) >= total)
+            elif (turns and fin == "stop" and ids and ids[-1] in tool_stops and t.turn + 1 < turns.max_turns
                     and len(t.ids) < total):
                 calls[rid] = ids
         active = {}
         for rid, o in (turns.tools.observe_all(calls) if calls else {}).items():
             t = trajs[rid]
+            if t.env is not None:
+                if o.status != "ok":
+                    t.env_error = f"{o.status}: {o.error}"
+                    continue
+                t.rewards.append(o.reward)
+                if o.done:
+                    continue
             if o.obs_ids and len(t.ids) + len(o.obs_ids) < total:
+                if t.env is not None:
+                    t.history.append((_pack(t.ids[t.turn_start:]), _pack(o.obs_ids), o.reward))
                 t.ids += o.obs_ids
                 t.logprobs += [0.0] * len(o.obs_ids)
                 t.generated += [False] * len(o.obs_ids)
                 t.turn += 1
                 t.turn_start = len(t.ids)
                 active[rid] = t
+
+
+def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, task: Task, *,
+             samples: int, max_new_tokens: int, temperature: float, top_p: float, base_seed: int = 12345,
+             device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+             score: Callable[..., list[float]] | None = None,
+             turns: TurnSettings | None = None) -> dict:
+    """Mean reward over held-out prompts (``samples`` sampled responses each, plus one greedy).
+
+    Args:
+        tokenizer: a :class:`~rlboost_hpc.models.hf_dir.PolicyTokenizer` (prompt ids, stop ids, decoding).
+        score: rewards of ``(prompt, text)`` pairs given also their token ids (the run's ``RewardPool.score``;
+            inline ``task.reward`` when ``None``).
+        turns: multi-turn trajectories with tool calls or a stateful environment (:class:`TurnSettings`); None:
+            single-turn responses. The reward reads a trajectory's final assistant turn.
+
+    Returns:
+        A dict: reward_sampled, reward_greedy, repetition_rate (mean over sampled responses), responses (int),
+        examples (first few greedy texts), sampled (the sampled responses as :class:`Sample` s, advantage 0,
+        observation tokens masked, for :func:`kl_to_reference`).
+    """
+    total = turns.max_trajectory_tokens if turns else max_new_tokens
+    prompts = [(p, task.prompt_ids(p, tokenizer), task.environment_of(p) if turns else None)
+               for p in task.heldout_prompts()]
+    longest = max(len(ids) for _, ids, _ in prompts)
+    eng = TorchEngine(arch, weights, max_batch=64, max_len=min(longest + total, arch.max_position_embeddings),
+                      device=device, dtype=dtype)
+    trajs: dict[str, _Trajectory] = {}
+    meta = {}
+    for i, (p, ids, env) in enumerate(prompts):
+        for j in range(samples + 1):
+            rid = f"eval/{i}/{j}"
+            trajs[rid] = _Trajectory(ids, base_seed + 1000 * i + j, env=env)
+            meta[rid] = (p, j == samples)
+    _play(eng, trajs, meta, tokenizer.stop_ids, max_new_tokens=max_new_tokens, total=total, temperature=temperature,
+          top_p=top_p, turns=turns)
     texts, reward_of = _score(trajs, meta, tokenizer, task, score)
     sampled, greedy_r, rep, examples, drawn = [], [], [], [], []
     for rid, t in trajs.items():

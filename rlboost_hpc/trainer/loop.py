@@ -194,7 +194,7 @@ class StepCollector:
             return
         self.took.add(ev.gid)
         p, pids = self.by_gid[ev.gid]
-        samples, texts, ids_of = [], [], []
+        samples, texts, ids_of, env = [], [], [], []
         for resp in ev.responses:
             if resp.rid in t.seen:
                 t.totals.responses_duplicated += 1
@@ -205,6 +205,7 @@ class StepCollector:
             self.served.update(resp.instances)
             texts.append(text)
             ids_of.append(text_ids)
+            env.append((resp.env_return, resp.env_error))
             self.lens.append(len(smp.response_ids))
             self.turns.append(resp.turns)
             self.reasons.append(smp.finish_reason)
@@ -212,7 +213,7 @@ class StepCollector:
         with self.tl.phase(Phase.REWARD):
             r = []
             if texts and t.score_parts is not None:  # a user's task: each reward function's values too
-                r, parts = t.score_parts([(p, x) for x in texts], ids_of)
+                r, parts = t.score_parts([(p, x) for x in texts], ids_of, env)
                 for name, vals in parts.items():
                     self.by_function.setdefault(name, []).extend(v for v in vals if v is not None)
             elif texts:
@@ -457,11 +458,12 @@ class RLTrainer:
                 ids = self._prompt_ids[p.pid] = self.task.prompt_ids(p, self.tok)
             gid = f"s{step}g{g}"
             by_gid[gid] = (p, ids)
+            row, first = self.task.environment_of(p) or ("", "")  # a stateful environment's row and first observation
             specs.append(M.GroupSpec(gid=gid, prompt_ids=ids, n=s.group_size, max_new_tokens=s.max_new_tokens,
                                      temperature=s.temperature, top_p=s.top_p, seed=self._group_seed(step, g),
                                      stop_ids=list(self.stop_ids), max_turns=s.max_turns,
                                      max_trajectory_tokens=s.max_trajectory_tokens,
-                                     tool_stop_ids=list(s.tool_stop_ids)))
+                                     tool_stop_ids=list(s.tool_stop_ids), env_row=row, env_first=first))
         self.totals.responses_expected += len(specs) * s.group_size
         self.client.call(M.SubmitStep(step=step, version=version, groups=specs))
         return StepCollector(self, step, by_gid, None)
