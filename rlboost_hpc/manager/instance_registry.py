@@ -73,6 +73,7 @@ class InstanceRegistry:
     weights_shards: str
     model_config: dict
     model_arch: dict
+    adapter: "M.AdapterSpec | None"
     latest_checksum: int
     epoch: int
     heartbeat_s: float
@@ -234,7 +235,8 @@ class InstanceRegistry:
             model_config=self.model_config, model_arch=self.model_arch, heartbeat_s=self.heartbeat_s,
             stream_every_tokens=self.stream_every_tokens, stream_every_s=self.stream_every_s, epoch=self.epoch,
             peers=list(src.peers), wait=src.wait, weights_shards=self.weights_shards,
-            latest_checksum=self.latest_checksum, resend=inst.restored, on_new_version=self.on_new_version))
+            latest_checksum=self.latest_checksum, resend=inst.restored, on_new_version=self.on_new_version,
+            adapter=self.adapter))
 
     def _unknown(self, peer: bytes, what: str) -> None:
         """A message from a peer that is not (or no longer) a registered instance: drop it and tell the peer

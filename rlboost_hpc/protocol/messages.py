@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 import msgspec
 import numpy as np
 
+from rlboost_hpc.protocol.adapter import AdapterSpec
 from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.protocol.stats import ManagerStats
 
@@ -174,6 +175,8 @@ class Welcome(_Msg, tag="welcome"):
     # bounded staleness (rollout.on_new_version): "continue" = load a newer version between decode iterations while
     # responses run (their tokens then span versions); "finish" = load it once the engine is idle
     on_new_version: str = "finish"
+    # a LoRA run (trainer.lora): versions are adapters on this base (protocol/adapter.py); None = full versions
+    adapter: AdapterSpec | None = None
 
 
 class Alive(_Msg, tag="alive"):
@@ -275,6 +278,7 @@ class TrainerHello(_Msg, tag="thello"):
     model_arch: dict = {}
     cid: int = 0
     weights_shards: str = ""
+    adapter: AdapterSpec | None = None  # a LoRA run: versions are adapters on this base (protocol/adapter.py)
 
 
 class SetVersion(_Msg, tag="setver"):
