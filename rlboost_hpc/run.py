@@ -206,6 +206,13 @@ def _check_same_model(ckpt: Path, setup: "RunSetup", rd: RunDir) -> None:
     saved = checkpoint.run_state_of(ckpt).get("model")  # absent in checkpoints of older versions
     if not isinstance(saved, dict) or "arch" not in saved:
         return
+    theirs, ours = saved.get("lora"), setup.lora_record()
+    if theirs != ours:  # a LoRA checkpoint into a full run, the reverse, or another adapter shape
+        def what(rec):
+            return "every weight" if not rec else f"a LoRA adapter (rank {rec['rank']}, {','.join(rec['targets'])})"
+        raise checkpoint.CheckpointError(
+            f"{ckpt}/trainer.json: a checkpoint of a run that trained {what(theirs)}; this config trains "
+            f"{what(ours)} (trainer.lora): use a new --out or --set trainer.resume=never")
     arch = setup.policy.arch
     if ModelArch.from_json(saved["arch"]).expected_shapes() != arch.expected_shapes():
         raise checkpoint.CheckpointError(
@@ -228,6 +235,12 @@ class RunSetup:
     train_dtype: torch.dtype
     rollout_device: torch.device
     rollout_dtype: torch.dtype
+    lora: Any = None  # trainer.lora's LoraSettings (None: every weight trains)
+
+    def lora_record(self) -> dict | None:
+        """What a checkpoint records of the adapter (None: every weight trains): rank, alpha, targets."""
+        lo = self.lora
+        return None if lo is None else {"rank": lo.rank, "alpha": lo.alpha, "targets": list(lo.targets)}
 
     @classmethod
     def load(cls, cfg: RunConfig) -> "RunSetup":
@@ -255,13 +268,14 @@ class RunSetup:
                    "task.max_trajectory_tokens (0: task.max_turns × rollout.max_new_tokens)")
             raise ConfigError(f"{key} = {cfg.trajectory_tokens()} plus the longest prompt ({longest} tokens) exceeds "
                               f"the model's context of {arch.max_position_embeddings} tokens")
+        lora = _lora_settings(cfg, policy)
         train_device = resolve_device(cfg.trainer.device, "trainer.device")
         rollout_device = resolve_device(cfg.rollout.device, "rollout.device")
         setup = cls(policy=policy, task=task, tool_stops=tool_stop_ids(cfg, tok),
                     context_tokens=longest + cfg.trajectory_tokens(), train_device=train_device,
                     train_dtype=resolve_dtype(cfg.trainer.dtype, train_device, "trainer.dtype"),
                     rollout_device=rollout_device,
-                    rollout_dtype=resolve_dtype(cfg.rollout.dtype, rollout_device, "rollout.dtype"))
+                    rollout_dtype=resolve_dtype(cfg.rollout.dtype, rollout_device, "rollout.dtype"), lora=lora)
         log.info("model %s (%s, %.1f M parameters, chat template %s); trainer on %s/%s, rollout on %s/%s",
                  policy.path, arch.architecture, arch.num_params() / 1e6, "on" if tok.use_chat else "off",
                  train_device, str(setup.train_dtype).removeprefix("torch."), rollout_device,
@@ -319,7 +333,7 @@ def _run(cfg: RunConfig, rd: RunDir, *, progress: bool, run_id: str) -> RunRepor
     failure: BaseException | None = None
     with RunServices(cfg, rd, run_id, setup.policy, setup.task, resuming=ckpt is not None,
                      train_device=setup.train_device, train_dtype=setup.train_dtype, t_origin=t_start,
-                     context_tokens=setup.context_tokens) as svc:
+                     context_tokens=setup.context_tokens, lora=setup.lora) as svc:
         try:
             report, live_series = _train(cfg, rd, svc, setup, ckpt, steps, progress=progress, t_start=t_start)
         except BaseException as e:  # noqa: BLE001 - re-raised once the services are stopped
@@ -378,7 +392,8 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
                 # a checkpoint holds one step's record, whatever the run's length
                 tally = resume.tally + FaultTally.observe(st, svc.cluster.summary() if svc.cluster else None)
                 ckpt_writer.save(step + 1, svc.backend, trainer.state_dict(), {
-                    "model": {"path": str(setup.policy.path), "arch": setup.policy.arch.to_json()},
+                    "model": {"path": str(setup.policy.path), "arch": setup.policy.arch.to_json(),
+                              "lora": setup.lora_record()},
                     "metrics_lines": len(steps) - 1, "last_step_metrics": m, "before": before,
                     "resumes": resume.resumes, "counts": tally.to_json(),
                     "train_wall_s": resume.train_wall_s + time.monotonic() - t_train0}, durable=[rd.metrics])
@@ -398,7 +413,7 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
     served = svc.publisher.served()  # what the trainer sent (the rest of weight_pulled_bytes came from relay peers)
     after = held_out.evaluate(trainer.version, keep_samples=True)
     kl = kl_to_reference(svc.backend, after.pop("sampled"), estimator=cfg.trainer.kl_estimator)
-    model_out = str(save_model_dir(rd.model, setup.policy, _exported(cfg, svc, trainer.version))) \
+    model_out = _export(cfg, rd, svc, setup, trainer.version) \
         if cfg.trainer.export_model and cfg.trainer.backend != "emulated" else None
     cluster = svc.cluster.summary() if svc.cluster else None
     report = build_report(
@@ -411,8 +426,19 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
         prompts_not_trained_once=trainer.prompts_not_trained_once(), multi_turn=cfg.task.max_turns > 1,
         resumes=resume.resumes, resumed_from_step=resume.start_step if ckpt is not None else None,
         train_wall_s=train_wall, wall_s=time.monotonic() - t_start, max_staleness=cfg.rollout.max_staleness,
-        trace_window_start_s=cluster["window_start_s"] if cluster else None, gate=cfg.trainer.gate_bounds())
+        trace_window_start_s=cluster["window_start_s"] if cluster else None, gate=cfg.trainer.gate_bounds(),
+        lora=_lora_info(svc, cfg, model_out))
     return report, svc.cluster.live_series if svc.cluster else []
+
+
+def _lora_info(svc: RunServices, cfg: RunConfig, adapter_out: str | None) -> dict | None:
+    """The report's ``lora`` entry (None: every weight trained)."""
+    a = svc.adapter
+    if a is None:
+        return None
+    merged = str(svc.run_dir.model) if adapter_out and cfg.trainer.lora.export_merged else None
+    return {"rank": a.rank, "alpha": a.alpha, "targets": list(a.targets), "base_checksum": f"{a.base_checksum:016x}",
+            "base_bytes": a.base_bytes, "adapter_out": adapter_out, "merged_out": merged}
 
 
 def _add_fleet(rec: StepRecord, st, svc: RunServices, t_start: float) -> None:
@@ -465,7 +491,28 @@ def _held_out(cfg: RunConfig, setup: RunSetup, svc: RunServices):
     return HeldOut(setup.policy.arch, setup.policy.tokenizer, setup.task,
                    weights=lambda v: svc.publisher.read(v).state_dict, samples=cfg.trainer.eval_samples,
                    max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                   device=setup.rollout_device, dtype=setup.rollout_dtype, score=svc.rewards.score, turns=turns)
+                   device=setup.rollout_device, dtype=setup.rollout_dtype, score=svc.rewards.score, turns=turns,
+                   adapter=None if svc.adapter is None else (svc.adapter, svc.base_state))
+
+
+def _lora_settings(cfg: RunConfig, policy):
+    """``trainer.lora``'s settings for the backend (None when off), with the initial adapter checked against the base.
+
+    Raises:
+        ConfigError: PEFT missing for the torch backend. ModelFormatError: ``trainer.lora.adapter_path`` is not a PEFT
+            adapter of this base (named)."""
+    if not cfg.trainer.lora.enabled:
+        return None
+    from rlboost_hpc.models.lora import canonical_base
+    from rlboost_hpc.trainer.lora import require_peft, settings_from_config
+    from rlboost_hpc.weights.base import base_identity
+
+    require_peft(cfg.trainer.backend)
+    checksum = 0
+    if cfg.trainer.lora.adapter_path:  # its recorded base must be ours: one hash pass over the base
+        checksum, _ = base_identity(canonical_base(policy.state_dict, policy.arch), getattr(torch, cfg.weights.dtype),
+                                    cfg.weights.chunk_bytes)
+    return settings_from_config(cfg, policy.arch, checksum if cfg.trainer.lora.adapter_path else None)
 
 
 class NotEvaluated:
@@ -499,6 +546,20 @@ def _trainer(cfg: RunConfig, svc: RunServices, setup: RunSetup, n_resv: float):
     return RLTrainer(client=svc.client, backend=svc.backend, task=setup.task, tokenizer=setup.policy.tokenizer,
                      settings=settings, score=svc.rewards.score, publish=svc.publisher.publish,
                      controller=controller, available=svc.available)
+
+
+def _export(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, version: int) -> str:
+    """Write the trained policy as rollout instances receive it: the model directory ``RUN_DIR/model``, or — LoRA —
+    the adapter in PEFT's format (``RUN_DIR/adapter``) and, with ``trainer.lora.export_merged``, the merged model in
+    ``RUN_DIR/model``. Returns the path the report names (the adapter's in a LoRA run)."""
+    if svc.adapter is None:
+        return str(save_model_dir(rd.model, setup.policy, _exported(cfg, svc, version)))
+    from rlboost_hpc.trainer.lora import export
+
+    lo = cfg.trainer.lora
+    out = export(rd.adapter, rd.model, setup.policy, _exported(cfg, svc, version), svc.adapter, dropout=lo.dropout,
+                 merged=lo.export_merged)
+    return out["adapter"]
 
 
 def _exported(cfg: RunConfig, svc: RunServices, version: int):

@@ -50,6 +50,9 @@ Schema (:class:`RunReport`; every key below is always present except the multi-t
   training wall time), ``train_wall_s``, ``wall_s``, ``trace_window_start_s`` (the replayed spot trace's window, or
   ``null``), and the step timeline's summary: ``step_phase_s_mean``, ``fixed_overhead_s_per_step``,
   ``fixed_overhead_s_by_phase``, ``fixed_overhead_share``.
+- LoRA (``lora``; ``null`` when every weight trains): ``rank``, ``alpha``, ``targets``, ``adapter_bytes`` (one
+  version), ``base_checksum`` (hex), ``base_bytes``, ``base_loads`` (instances' base loads by source: ``path``,
+  ``cache``, ``pulled``, ``trainer``), ``base_pulled_bytes``, ``adapter_out`` / ``merged_out`` (the exports).
 - multi-turn only: ``turns_per_trajectory_mean``, ``environment_calls`` / ``_errors`` / ``_timeouts`` /
   ``_seconds``, ``tool_time_share`` (tool seconds ÷ training wall time), ``observation_tokens``,
   ``migrations_by_turn``, ``tokens_in_interrupted_turns``, ``assistant_tokens_in_interrupted_trajectories``.
@@ -214,6 +217,7 @@ class RunReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     wall_s: float
     trace_window_start_s: float | None
     examples_after: list[Any]
+    lora: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The report as ``report.json`` holds it (plain JSON types, multi-turn keys only when set)."""
@@ -291,7 +295,8 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
                  n_resv: float, n_resv_source: str, rollout_engine: str, prompts_not_trained_once: int,
                  multi_turn: bool, resumes: int, resumed_from_step: int | None, train_wall_s: float, wall_s: float,
                  trace_window_start_s: float | None, max_staleness: int = 0,
-                 gate: tuple[float, float] = (D.GATE_MAX_KL_NATS_PER_TOKEN, D.GATE_MAX_REPETITION)) -> RunReport:
+                 gate: tuple[float, float] = (D.GATE_MAX_KL_NATS_PER_TOKEN, D.GATE_MAX_REPETITION),
+                 lora: dict[str, Any] | None = None) -> RunReport:
     """The report of a finished run.
 
     Args:
@@ -308,6 +313,8 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
             ``sealed_bytes_served``, ``shards``).
         train_wall_s: training seconds of all incarnations; ``wall_s``: this incarnation's seconds.
         gate: the quality gate's bounds (KL nats/token, repeated 3-gram share): :func:`quality_gate`.
+        lora: a LoRA run's adapter and base (``rank``, ``alpha``, ``targets``, ``base_checksum``, ``base_bytes``,
+            ``adapter_out``, ``merged_out``); the base loads come from ``stats``.
     """
     multi = _multi_turn_summary(steps, stats, train_wall_s) if multi_turn else {}
     updates = [p["weight_update_bytes"] for p in publishes[1:]]
@@ -360,4 +367,9 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         tokens_trained=totals.tokens_trained,
         throughput_tokens_per_s=totals.tokens_trained / train_wall_s if train_wall_s > 0 else 0.0,
         train_wall_s=train_wall_s, **summarize(steps), wall_s=wall_s,
-        trace_window_start_s=trace_window_start_s, examples_after=after["examples"])
+        trace_window_start_s=trace_window_start_s, examples_after=after["examples"],
+        lora=None if lora is None else {
+            **lora, "adapter_bytes": publishes[-1]["weight_bytes"] if publishes else 0,
+            "base_loads": {"path": stats.base_loads_from_path, "cache": stats.base_loads_from_cache,
+                           "pulled": stats.base_loads_pulled, "trainer": stats.base_loads_in_trainer},
+            "base_pulled_bytes": stats.base_pulled_bytes})

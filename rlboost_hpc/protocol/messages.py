@@ -74,6 +74,10 @@ class WeightsLoaded(_Msg, tag="wloaded"):
     pull_s: float
     load_s: float
     wire_bytes: int = 0
+    # a LoRA instance's first version: where its base came from ("path", "cache", "pull", "trainer"), the bytes it
+    # received over the network for it (0 unless pulled; not in wire_bytes) and its seconds (in pull_s)
+    base_source: Annotated[str, msgspec.Meta(max_length=16)] = ""
+    base_wire_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class WeightsFailed(_Msg, tag="wfailed"):

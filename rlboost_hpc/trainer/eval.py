@@ -52,11 +52,22 @@ class _Trajectory:
     turn_start: int = 0
 
 
+def _engine(arch: ModelArch, weights: Mapping[str, torch.Tensor], max_len: int, device, dtype,
+            adapter: tuple[Any, Mapping[str, torch.Tensor]] | None) -> TorchEngine:
+    """The evaluation's engine: on ``weights``, or on a LoRA run's base serving ``weights`` as its adapter."""
+    if adapter is None:
+        return TorchEngine(arch, weights, max_batch=64, max_len=max_len, device=device, dtype=dtype)
+    spec, base = adapter
+    eng = TorchEngine(arch, base, max_batch=64, max_len=max_len, device=device, dtype=dtype, adapter=spec)
+    eng.load_adapter(weights, 0)
+    return eng
+
+
 def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, task: Task, *,
              samples: int, max_new_tokens: int, temperature: float, top_p: float, base_seed: int = 12345,
              device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
              score: Callable[[list[tuple[Any, str]]], list[float]] | None = None,
-             turns: TurnSettings | None = None) -> dict:
+             turns: TurnSettings | None = None, adapter: tuple[Any, Mapping[str, torch.Tensor]] | None = None) -> dict:
     """Mean reward over held-out prompts (``samples`` sampled responses each, plus one greedy).
 
     Args:
@@ -65,6 +76,8 @@ def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, ta
             ``None``).
         turns: multi-turn trajectories with tool calls (:class:`TurnSettings`); None: single-turn responses. The
             reward reads a trajectory's final assistant turn.
+        adapter: a LoRA run's ``(AdapterSpec, base state dict)``: ``weights`` is then an adapter, served unmerged on
+            the base as rollout instances serve it.
 
     Returns:
         A dict: reward_sampled, reward_greedy, repetition_rate (mean over sampled responses), responses (int),
@@ -76,8 +89,7 @@ def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, ta
     total = turns.max_trajectory_tokens if turns else max_new_tokens
     prompts = [(p, task.prompt_ids(p, tokenizer)) for p in task.heldout_prompts()]
     longest = max(len(ids) for _, ids in prompts)
-    eng = TorchEngine(arch, weights, max_batch=64, max_len=min(longest + total, arch.max_position_embeddings),
-                      device=device, dtype=dtype)
+    eng = _engine(arch, weights, min(longest + total, arch.max_position_embeddings), device, dtype, adapter)
     trajs: dict[str, _Trajectory] = {}
     meta = {}
     for i, (p, ids) in enumerate(prompts):

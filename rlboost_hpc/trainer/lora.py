@@ -14,14 +14,28 @@ adapter trains. Invariants:
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
 import torch
 
-from rlboost_hpc.models.lora import adapter_shapes
+from rlboost_hpc.models.lora import adapter_shapes, canonical_base, init_adapter, merge, read_peft_dir, write_peft_dir
 from rlboost_hpc.weights.layout import FlatState, copy_tensors
 
-__all__ = ["PeftAdapter"]
+__all__ = ["LoraSettings", "PeftAdapter", "export", "require_peft", "settings_from_config"]
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """What a trainer backend needs of ``trainer.lora``: rank r, alpha, dropout, the targeted modules (model order)
+    and the initial adapter (name → fp32 tensor: :func:`~rlboost_hpc.models.lora.init_adapter` of the run's seed, or
+    a PEFT directory's)."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    targets: tuple[str, ...]
+    init: Mapping[str, torch.Tensor]
 
 
 def _wire_name(peft_name: str) -> str:
@@ -92,3 +106,55 @@ class PeftAdapter:
         if set(state) != set(self.params):
             raise ValueError(f"adapter tensors differ: {sorted(set(state) ^ set(self.params))[:4]}")
         copy_tensors(list(self.params.values()), [state[k] for k in self.params])
+
+
+def require_peft(backend: str) -> None:
+    """The torch backend trains LoRA with PEFT.
+
+    Raises:
+        ConfigError: ``trainer.lora`` on the torch backend without ``peft`` installed (naming the key and the
+            package extra)."""
+    from rlboost_hpc.config import ConfigError
+
+    if backend != "torch":
+        return
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise ConfigError("trainer.lora.rank > 0 on the torch backend needs PEFT: pip install 'rlboost-hpc[lora]' "
+                          "(or peft==0.21.2)") from None
+
+
+def settings_from_config(cfg, arch, base_checksum: int) -> LoraSettings:
+    """``trainer.lora`` of the run config ``cfg`` as :class:`LoraSettings`: the initial adapter is
+    ``trainer.lora.adapter_path``'s (checked against ``arch`` and the base's checksum) or PEFT's initialisation drawn
+    from ``trainer.seed``.
+
+    Raises:
+        ModelFormatError: the adapter directory is missing, of another rank/alpha/targets, or of another base (named).
+    """
+    lo = cfg.trainer.lora
+    targets = lo.targets()
+    if lo.adapter_path:
+        init = read_peft_dir(lo.adapter_path, arch, rank=lo.rank, alpha=lo.alpha, targets=targets,
+                             base_checksum=base_checksum)
+    else:
+        init = init_adapter(arch, targets, lo.rank, cfg.trainer.seed)
+    return LoraSettings(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, targets=targets, init=init)
+
+
+def export(adapter_dir, model_dir, policy, adapter: Mapping[str, torch.Tensor], spec, *, dropout: float,
+           merged: bool) -> dict:
+    """Write the trained ``adapter`` (as rollout instances receive it) to ``adapter_dir`` in PEFT's format and, with
+    ``merged``, the base with it merged in to ``model_dir`` as a model directory (in the adapter's dtype). Returns
+    ``{"adapter": path, "model": path or None}``."""
+    from rlboost_hpc.models.hf_dir import save_model_dir
+
+    out = write_peft_dir(adapter_dir, adapter, rank=spec.rank, alpha=spec.alpha, dropout=dropout,
+                         targets=spec.targets, base_model=str(policy.path), base_checksum=spec.base_checksum)
+    model = None
+    if merged:
+        dtype = next(iter(adapter.values())).dtype
+        full = merge(canonical_base(policy.state_dict, policy.arch), adapter, spec.scaling)
+        model = save_model_dir(model_dir, policy, {k: v.to(dtype) for k, v in full.items()})
+    return {"adapter": str(out), "model": None if model is None else str(model)}

@@ -31,7 +31,8 @@ def returns_behaviour_logprobs(kind: str) -> bool:
     return BEHAVIOUR_LOGPROBS.get(kind, False)
 
 
-# (the model's config.json, the first pulled state dict, arch=the trainer's parsed ModelArch or None) -> Engine
+# (the model's config.json, the first pulled state dict — a LoRA run's base —, arch=the trainer's parsed ModelArch or
+# None, adapter=a LoRA run's AdapterSpec or None) -> Engine
 EngineFactory = Callable[..., Engine]
 _SGLANG_KEYS = {"python", "stream_interval", "startup_timeout_s", "env", "extra_args"}
 
@@ -44,10 +45,11 @@ def torch_engine_factory(max_batch: int, device: str = "auto", dtype: str = "aut
     room for ``max_len`` positions per request (the run's longest prompt + response budget; ``None``: the model's
     whole context — 40,960 positions for Qwen3, hundreds of GB of cache at batch 64).
 
-    The engine raises :class:`EngineError` for a model the project does not support or an unavailable device.
+    The engine raises :class:`EngineError` for a model the project does not support or an unavailable device. With
+    ``adapter`` (a LoRA run) the state dict is the base and the engine serves adapter versions on it.
     """
 
-    def make(model_config: dict, state_dict: Mapping, arch=None) -> Engine:
+    def make(model_config: dict, state_dict: Mapping, arch=None, adapter=None) -> Engine:
         from rlboost_hpc.models.arch import ModelFormatError, arch_from_hf
         from rlboost_hpc.models.device import DeviceError, resolve_device, resolve_dtype
         from rlboost_hpc.rollout.engines.torch_engine import TorchEngine
@@ -59,7 +61,7 @@ def torch_engine_factory(max_batch: int, device: str = "auto", dtype: str = "aut
         except (ModelFormatError, DeviceError) as e:
             raise EngineError(str(e)) from None
         ctx = arch.max_position_embeddings if max_len is None else min(max_len, arch.max_position_embeddings)
-        return TorchEngine(arch, state_dict, max_batch=max_batch, max_len=ctx, device=dev, dtype=dt)
+        return TorchEngine(arch, state_dict, max_batch=max_batch, max_len=ctx, device=dev, dtype=dt, adapter=adapter)
 
     return make
 
