@@ -368,8 +368,12 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         throughput_tokens_per_s=totals.tokens_trained / train_wall_s if train_wall_s > 0 else 0.0,
         train_wall_s=train_wall_s, **summarize(steps), wall_s=wall_s,
         trace_window_start_s=trace_window_start_s, examples_after=after["examples"],
-        lora=None if lora is None else {
-            **lora, "adapter_bytes": publishes[-1]["weight_bytes"] if publishes else 0,
+        lora=None if lora is None else _lora_summary(lora, publishes, stats))
+
+
+def _lora_summary(lora: dict[str, Any], publishes: list[dict], stats: ManagerStats) -> dict[str, Any]:
+    """The report's ``lora`` entry: the run's adapter and base, one version's bytes, the instances' base loads."""
+    return {**lora, "adapter_bytes": publishes[-1]["weight_bytes"] if publishes else 0,
             "base_loads": {"path": stats.base_loads_from_path, "cache": stats.base_loads_from_cache,
                            "pulled": stats.base_loads_pulled, "trainer": stats.base_loads_in_trainer},
-            "base_pulled_bytes": stats.base_pulled_bytes})
+            "base_pulled_bytes": stats.base_pulled_bytes}

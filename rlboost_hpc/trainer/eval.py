@@ -76,8 +76,7 @@ def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, ta
             ``None``).
         turns: multi-turn trajectories with tool calls (:class:`TurnSettings`); None: single-turn responses. The
             reward reads a trajectory's final assistant turn.
-        adapter: a LoRA run's ``(AdapterSpec, base state dict)``: ``weights`` is then an adapter, served unmerged on
-            the base as rollout instances serve it.
+        adapter: a LoRA run's ``(AdapterSpec, base)``: ``weights`` is an adapter, served on the base as instances do.
 
     Returns:
         A dict: reward_sampled, reward_greedy, repetition_rate (mean over sampled responses), responses (int),

@@ -18,9 +18,10 @@ optimizer state only (a checkpoint of the other kind is refused, naming its file
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -215,8 +216,19 @@ class TorchBackend(TrainerBackend):
     @torch.no_grad()
     def token_logprobs(self, batch: list[Sample], *, reference: bool = False) -> list[torch.Tensor]:
         ids, att, rmask, plens = pack(batch)
-        logp = self._ref_logp(ids, att) if reference else self._logp(self.model, ids, att)
+        with _eval_mode(self.model):  # no LoRA dropout outside training passes
+            logp = self._ref_logp(ids, att) if reference else self._logp(self.model, ids, att)
         return [logp[i, p - 1 : p - 1 + len(s.response_ids)].cpu() for i, (s, p) in enumerate(zip(batch, plens))]
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode for the block (train mode again after it)."""
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train()
 
 
 def _write_checkpoint(state: dict, path: str | os.PathLike) -> None:
