@@ -155,10 +155,9 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         self.groups: dict[str, Group] = {}
         self.queue: deque[str] = deque()
         self.trainer_peer: bytes | None = None
-        self.weights_endpoint = ""
-        self.weights_shards = ""  # the assembly manifest of sharded versions (JSON), "" = one weight server
-        # the trainer's config.json and parsed ModelArch; a LoRA run's AdapterSpec (versions are adapters on its base)
-        self.model_config, self.model_arch, self.adapter = {}, {}, None
+        # the weight server, the assembly manifest of sharded versions (JSON; "" = one weight server), the trainer's
+        # config.json and parsed ModelArch, a LoRA run's AdapterSpec (versions are adapters on its base)
+        self.weights_endpoint, self.weights_shards, self.model_config, self.model_arch, self.adapter = "", "", {}, {}, None
         self.latest_version = -1
         self.latest_checksum = 0  # whole-version checksum of latest_version's manifest (0: not given)
         # who serves the latest version to whom (policy/relay.py); reserved instances pull in-process, never relay

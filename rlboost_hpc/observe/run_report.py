@@ -313,8 +313,7 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
             ``sealed_bytes_served``, ``shards``).
         train_wall_s: training seconds of all incarnations; ``wall_s``: this incarnation's seconds.
         gate: the quality gate's bounds (KL nats/token, repeated 3-gram share): :func:`quality_gate`.
-        lora: a LoRA run's adapter and base (``rank``, ``alpha``, ``targets``, ``base_checksum``, ``base_bytes``,
-            ``adapter_out``, ``merged_out``); the base loads come from ``stats``.
+        lora: a LoRA run's adapter and base (``rank``, ``alpha``, ``targets``, ``base_*``, ``*_out``) or None.
     """
     multi = _multi_turn_summary(steps, stats, train_wall_s) if multi_turn else {}
     updates = [p["weight_update_bytes"] for p in publishes[1:]]
@@ -368,7 +367,7 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         throughput_tokens_per_s=totals.tokens_trained / train_wall_s if train_wall_s > 0 else 0.0,
         train_wall_s=train_wall_s, **summarize(steps), wall_s=wall_s,
         trace_window_start_s=trace_window_start_s, examples_after=after["examples"],
-        lora=None if lora is None else _lora_summary(lora, publishes, stats))
+        lora=lora and _lora_summary(lora, publishes, stats))
 
 
 def _lora_summary(lora: dict[str, Any], publishes: list[dict], stats: ManagerStats) -> dict[str, Any]:

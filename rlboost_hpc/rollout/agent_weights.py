@@ -94,6 +94,8 @@ class AgentWeights:
     _next_pull_at: float
     _ver: dict[str, int]
     _refused: str | None
+    job_id: str
+    attempt: int
 
     def held_version(self) -> int:
         """The version the engine holds in the current manager's epoch (-1: none / unknown weights)."""
