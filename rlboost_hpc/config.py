@@ -318,6 +318,10 @@ class LoraCfg(_Strict):
         "reused across versions, the node's later instances and runs on the same base); default: $RLBOOST_NODE_CACHE, "
         "else <tmp>/rlboost-node-cache-<uid>"))
     node_cache_keep: int = Field(2, ge=1, description="bases a node's cache keeps (the least recently used go first)")
+    base_source: Literal["auto", "pull"] = Field("auto", description=(
+        "where rollout nodes get the base: auto = model.path when the node sees it, else the node's cache, else one "
+        "pull from the trainer; pull = never model.path (a shared filesystem slower than the network): the node's "
+        "cache, else one pull"))
 
     @field_validator("target_modules")
     @classmethod

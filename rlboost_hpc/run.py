@@ -504,9 +504,12 @@ def _lora_settings(cfg: RunConfig, policy):
     if not cfg.trainer.lora.enabled:
         return None
     from rlboost_hpc.models.lora import canonical_base
-    from rlboost_hpc.trainer.lora import require_peft, settings_from_config
+    from rlboost_hpc.trainer.lora import LoraSettings, require_peft, settings_from_config
     from rlboost_hpc.weights.base import base_identity
 
+    if cfg.trainer.backend == "emulated":  # a load test: the adapter's shapes are the emulated profile's
+        lo = cfg.trainer.lora
+        return LoraSettings(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, targets=lo.targets(), init={})
     require_peft(cfg.trainer.backend)
     checksum = 0
     if cfg.trainer.lora.adapter_path:  # its recorded base must be ours: one hash pass over the base

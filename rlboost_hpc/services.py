@@ -149,7 +149,9 @@ class RunServices:
         from rlboost_hpc.models.lora import canonical_base
         from rlboost_hpc.weights.server import WeightServer
 
-        cfg, w, lo = self.cfg, self.cfg.weights, self.lora
+        cfg, w, lo, lo_cfg = self.cfg, self.cfg.weights, self.lora, self.cfg.trainer.lora
+        if cfg.trainer.backend == "emulated":  # a load test: the profile's base, emulated (no tensors, no server)
+            return self._emulated_adapter_spec()
         self.base_state = canonical_base(self.policy.state_dict, self.policy.arch)
         srv = WeightServer(bind=f"tcp://{cfg.network.bind_host}:0", chunk_bytes=w.chunk_bytes, keep_versions=1,
                            keys=self.keys, delta=False, sealed=w.sealed).start()
@@ -160,7 +162,22 @@ class RunServices:
         self.base_server = srv
         return M.AdapterSpec(rank=lo.rank, alpha=lo.alpha, targets=list(lo.targets), base_checksum=man.checksum,
                              base_bytes=man.total_bytes, base_dtype=w.dtype, base_chunk_bytes=w.chunk_bytes,
-                             base_path=str(self.policy.path), base_endpoint=advertised(srv.endpoint, self.host),
+                             base_path=str(self.policy.path) if lo_cfg.base_source == "auto" else "",
+                             base_endpoint=advertised(srv.endpoint, self.host),
+                             max_adapters=cfg.rollout.max_staleness + 1)
+
+    def _emulated_adapter_spec(self) -> M.AdapterSpec:
+        """The AdapterSpec of a LoRA load test: the emulated profile's base (its bytes; a checksum of its name)."""
+        import xxhash
+
+        from rlboost_hpc.sim.profiles import profile
+
+        cfg, lo = self.cfg, self.lora
+        name = cfg.rollout.emulated.profile
+        return M.AdapterSpec(rank=lo.rank, alpha=lo.alpha, targets=list(lo.targets),
+                             base_checksum=xxhash.xxh3_64_intdigest(f"emulated-base:{name}:{cfg.trainer.seed}"),
+                             base_bytes=int(profile(name).model.weight_bytes), base_dtype=cfg.weights.dtype,
+                             base_chunk_bytes=cfg.weights.chunk_bytes, base_path=M.EMULATED_BASE + name,
                              max_adapters=cfg.rollout.max_staleness + 1)
 
     def _keys(self) -> RunKeys | None:
@@ -238,9 +255,10 @@ class RunServices:
             from rlboost_hpc.trainer.backends.emulated import EmulatedBackend
 
             em, e = cfg.rollout.emulated, t.emulated
+            lora = None if self.lora is None else (self.lora.rank, self.lora.targets, profile(em.profile).model.arch())
             return EmulatedBackend(weight_bytes=e.weight_bytes, tensor_bytes=e.tensor_bytes,
                                    delta_density=e.delta_density, train_time=profile(em.profile).train_time,
-                                   time_scale=em.time_scale, seed=t.seed, objective=common["objective"])
+                                   time_scale=em.time_scale, seed=t.seed, objective=common["objective"], lora=lora)
         if t.backend != "torch":  # e.g. megatron: provided by megatron_bridge through an entry point
             from rlboost_hpc.trainer.backends import plugin_backend
 

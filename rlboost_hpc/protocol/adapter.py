@@ -17,7 +17,11 @@ import msgspec
 
 from rlboost_hpc.protocol.weight_msgs import combine_checksums
 
-__all__ = ["AdapterSpec", "adapter_version_checksum"]
+__all__ = ["AdapterSpec", "EMULATED_BASE", "adapter_version_checksum"]
+
+#: ``AdapterSpec.base_path`` of an emulated base (``trainer.backend = "emulated"``): no tensors — an emulated engine
+#: spends the modelled time of loading ``base_bytes`` instead (load tests at a production shape).
+EMULATED_BASE = "emulated:"
 
 
 class AdapterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

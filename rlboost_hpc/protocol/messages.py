@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 import msgspec
 import numpy as np
 
-from rlboost_hpc.protocol.adapter import AdapterSpec
+from rlboost_hpc.protocol.adapter import EMULATED_BASE, AdapterSpec  # noqa: F401 (re-exported)
 from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.protocol.stats import ManagerStats
 

@@ -23,7 +23,7 @@ import torch
 
 from rlboost_hpc.errors import BadInput
 from rlboost_hpc.models.arch import ModelArch
-from rlboost_hpc.protocol.adapter import AdapterSpec
+from rlboost_hpc.protocol.adapter import EMULATED_BASE, AdapterSpec
 from rlboost_hpc.protocol.auth import RunKeys
 from rlboost_hpc.weights import layout
 from rlboost_hpc.weights.base import NodeBaseCache, base_identity
@@ -66,6 +66,8 @@ def fetch_base(spec: AdapterSpec, arch: ModelArch, *, keys: RunKeys | None, cach
     t0 = time.monotonic()
     dtype = layout.dtype_from_name(spec.base_dtype)
     want = int(spec.base_checksum)
+    if spec.base_path.startswith(EMULATED_BASE):  # a load test's base: the emulated engine models its load
+        return BaseWeights({}, want, int(spec.base_bytes), "path")
     path = Path(spec.base_path) if spec.base_path else None
     if path is not None and path.is_dir():
         try:

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import torch
 
 from rlboost_hpc import defaults as D
-from rlboost_hpc.protocol.adapter import AdapterSpec
+from rlboost_hpc.protocol.adapter import EMULATED_BASE, AdapterSpec
 from rlboost_hpc.rollout.base_weights import BaseWeights
 from rlboost_hpc.rollout.remote_weights import PulledVersion
 from rlboost_hpc.trainer.backends.base import TrainerBackend
@@ -121,9 +121,9 @@ class WeightPublisher:
 
         Raises:
             RuntimeError: this publisher has no base (not a LoRA run)."""
-        if self.base_state is None or self.adapter is None:
+        if self.adapter is None or (self.base_state is None and not self.adapter.base_path.startswith(EMULATED_BASE)):
             raise RuntimeError("no base model: not a LoRA run")
-        return BaseWeights(self.base_state, self.adapter.base_checksum, self.adapter.base_bytes, "trainer")
+        return BaseWeights(self.base_state or {}, self.adapter.base_checksum, self.adapter.base_bytes, "trainer")
 
     def pull(self, endpoint: str, version: int, *, peers: Sequence[str] = (), keys: Any = None,
              shards: str = "") -> PulledVersion:
