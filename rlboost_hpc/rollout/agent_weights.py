@@ -192,13 +192,13 @@ class AgentWeights:
         eng = self.engine
         resume: list[GenRequest] = []
         if r.engine is None and eng is not None:
+            continue_mode = self.welcome is not None and self.welcome.on_new_version == "continue"
+            if eng.num_active and continue_mode:  # every response goes on under the new version
+                resume = self._interrupt_for_load()
+            elif eng.num_active and not eng.max_adapters:
+                return  # full weights load only when idle
             if eng.max_adapters and not self._free_adapter_slot(r.version):
                 return  # every slot serves a response in flight: the next iteration tries again (nothing waits)
-            continue_mode = self.welcome is not None and self.welcome.on_new_version == "continue"
-            if eng.num_active and not eng.max_adapters and not continue_mode:
-                return  # full weights load only when idle
-            if eng.num_active and continue_mode:
-                resume = self._interrupt_for_load()
         t0 = time.monotonic()
         if r.engine is not None:
             self.engine = r.engine

@@ -209,3 +209,17 @@ class Engine(abc.ABC):
             EngineError: a request queued or running names it (the caller unloads another, or later).
         """
         raise EngineError(f"{type(self).__name__} serves full weights, not adapters")
+
+    def _drop_adapter(self, held: dict, version: int) -> None:
+        """The in-process engines' unload: ``version`` leaves ``held`` (version → its slot or tensors) unless a request
+        in flight names it; the newest remaining version becomes :attr:`version` (-1: none).
+
+        Raises:
+            EngineError: a queued or running request is served by it."""
+        if version not in held:
+            return
+        if self.adapter_in_use(version):
+            raise EngineError(f"unload_adapter(version={version}) refused: a request in flight is served by it")
+        del held[version]
+        if self.version == version:
+            self.version = max(held, default=-1)

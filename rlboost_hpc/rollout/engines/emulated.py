@@ -333,13 +333,7 @@ class EmulatedEngine(Engine):
 
         Raises:
             EngineError: a queued or running request is served by it."""
-        if version not in self._adapters:
-            return
-        if self.adapter_in_use(version):
-            raise EngineError(f"unload_adapter(version={version}) refused: a request in flight is served by it")
-        del self._adapters[version]
-        if self.version == version:
-            self.version = max(self._adapters, default=-1)
+        self._drop_adapter(self._adapters, version)
 
     # ------------------------------------------------------------------ internals
     def _hold(self, state_dict: Mapping) -> None:

@@ -394,13 +394,7 @@ class TorchEngine(Engine):
 
         Raises:
             EngineError: a queued or running request is served by it."""
-        if version not in self._slot_of:
-            return
-        if self.adapter_in_use(version):
-            raise EngineError(f"unload_adapter(version={version}) refused: a request in flight is served by it")
-        del self._slot_of[version]
-        if self.version == version:
-            self.version = max(self._slot_of, default=-1)
+        self._drop_adapter(self._slot_of, version)
 
     # ------------------------------------------------------------------ internals
     def _load(self, state_dict: Mapping[str, torch.Tensor]) -> None:
