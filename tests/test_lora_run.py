@@ -120,6 +120,16 @@ def test_the_tiny_qwen3_trains_an_adapter_and_its_exports_load_with_peft_and_tra
     # what the engines served: their behaviour logprobs match the trainer's (with the adapter), every step
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(m_["logprob_diff"] < 1e-3 for m_ in lines), [m_["logprob_diff"] for m_ in lines]
+    # a new run started from the exported adapter (trainer.lora.adapter_path) begins where this one ended: its
+    # held-out evaluation before training is this run's after (same draws, same adapter bytes)
+    out2 = tmp_path / "continued"
+    p2 = run_cli(REPO, out2, *preempted_run(d, tmp_path, max_new_tokens=64, eval_samples=1), "trainer.lora.rank=8",
+                 "trainer.lora.alpha=16", 'trainer.lora.target_modules=["q_proj","v_proj","down_proj"]',
+                 f"trainer.lora.adapter_path='{out / 'adapter'}'", "trainer.steps=1", "cluster.max_workers=0")
+    assert p2.returncode == 0, p2.stderr[-3000:]
+    rep2 = json.loads((out2 / "report.json").read_text())
+    assert rep2["reward_heldout_before"] == rep["reward_heldout_after"], (rep2["reward_heldout_before"],
+                                                                          rep["reward_heldout_after"])
 
 
 @pytest.mark.megatron
