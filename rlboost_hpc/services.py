@@ -175,7 +175,7 @@ class RunServices:
         cfg, lo = self.cfg, self.lora
         name = cfg.rollout.emulated.profile
         return M.AdapterSpec(rank=lo.rank, alpha=lo.alpha, targets=list(lo.targets),
-                             base_checksum=xxhash.xxh3_64_intdigest(f"emulated-base:{name}:{cfg.trainer.seed}"),
+                             base_checksum=xxhash.xxh3_64_intdigest(f"emulated-base:{name}:{cfg.trainer.seed}".encode()),
                              base_bytes=int(profile(name).model.weight_bytes), base_dtype=cfg.weights.dtype,
                              base_chunk_bytes=cfg.weights.chunk_bytes, base_path=M.EMULATED_BASE + name,
                              max_adapters=cfg.rollout.max_staleness + 1)
