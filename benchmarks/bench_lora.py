@@ -16,8 +16,9 @@ Parts (``--parts``, default all):
     serving (first / median / last instance, the manager's ``version_serving``), a new instance's start (welcome →
     weights loaded: base load + adapter pull). Beside it the full version at 8B shape — 16.4 GB, which this machine
     cannot hold N times —: its bytes, and its delta at the emulated trainer's density (3 %), measured at S = ``--full-gb``
-    and N = 16 with the same machinery (its serving time is for that S, not 16.4 GB; it grows at most linearly in S,
-    ``bench_scale.py``).
+    and N = 16 with the same machinery (on the wire S bytes, not 16.4 GB — its wire time grows at most linearly in S,
+    ``bench_scale.py`` —; the engine's load of each version is modelled for the 8B model's bytes, as an engine of that
+    model pays it).
 (c) ``curve``: the default demo (stories260K, ``configs/local.toml``) fine-tuning every weight (its lr, 3e-5) beside a
     rank-``--demo-rank`` LoRA on every linear (its own lr, ``--lora-lr``: adapters are trained at higher rates), the
     held-out reward every ``--every`` steps, before/after, KL to the reference, bytes per version, wall time.
@@ -123,9 +124,9 @@ def part_8b(a: argparse.Namespace, tmp: Path) -> None:
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     adapter_bytes = 2 * sum(r * c for r, c in adapter_shapes(arch, targets, a.rank).values())
     full_bytes = int(spec.weight_bytes)
-    load_rate = a.base_load_gbps * 1e9
-    lora_sets = ["trainer.backend='emulated'", f"trainer.lora.rank={a.rank}", "trainer.checkpoint_every=0",
-                 f"rollout.emulated.load_bytes_per_s={load_rate}"]
+    load_rate = a.load_gbps * 1e9
+    timing = [f"rollout.emulated.load_bytes_per_s={load_rate}", "rollout.emulated.time_scale=1"]
+    lora_sets = ["trainer.backend='emulated'", f"trainer.lora.rank={a.rank}", "trainer.checkpoint_every=0", *timing]
     rows = []
     for n in a.n:
         r = one_point(n, a.steps, 16, lora_sets, tmp / f"lora-n{n}", s_gb=0.0)
@@ -138,8 +139,7 @@ def part_8b(a: argparse.Namespace, tmp: Path) -> None:
                      f"{w['serving_last_s']:.2f}", f"{startup_s(tmp / f'lora-n{n}'):.2f}",
                      f"{spec.weight_bytes / load_rate:.2f} + {w['full_pull_s']:.2f}", r["lost/dup/off"]])
         print(f"LoRA N={n}: done in {r['wall_s']:.0f} s", file=sys.stderr, flush=True)
-    r = one_point(16, a.steps, 16, [f"rollout.emulated.load_bytes_per_s={load_rate}"], tmp / "full-n16",
-                  s_gb=a.full_gb)
+    r = one_point(16, a.steps, 16, timing, tmp / "full-n16", s_gb=a.full_gb)
     full_ratio = r["pulled_per_inst_version_S"]
     rep = json.loads((tmp / "full-n16" / "report.json").read_text())
     delta_share = rep["weight_update_bytes_mean"] / rep["weight_bytes"]
@@ -150,8 +150,9 @@ def part_8b(a: argparse.Namespace, tmp: Path) -> None:
     rows.append(["full at 8B shape (bytes only)", "—", mb(full_bytes), mb(full_bytes * delta_share) + " (same share)",
                  "—", "—", "—", f"{full_bytes / load_rate:.2f} + a {mb(full_bytes)} pull", "—"])
     print(f"\n(b) Qwen3-8B shape ({spec.params / 1e9:.2f} B parameters; adapter of rank {a.rank} on every linear: "
-          f"{adapter_bytes / 2:,.0f} parameters), emulated trainer and instances, {a.steps} steps; base load "
-          f"modelled at {a.base_load_gbps} GB/s:\n")
+          f"{adapter_bytes / 2:,.0f} parameters), emulated trainer and instances, {a.steps} steps, the profile's "
+          f"time (time_scale 1); a load into the engine modelled at {a.load_gbps} GB/s (the base's {mb(full_bytes)} "
+          "from the shared filesystem at a LoRA instance's start; every version's bytes at a full instance's):\n")
     table(["variant", "N", "bytes per version", "bytes per update (delta)", "trainer egress per version ÷ version",
            "SetVersion → serving first / median / last s", "new instance: welcome → serving s (median)",
            "new instance: base load + pull s", "lost/dup/off"], rows)
@@ -196,8 +197,9 @@ def main() -> None:
     p.add_argument("--n", type=int, nargs="+", default=[16, 64], help="instances of the 8B-shape LoRA runs")
     p.add_argument("--rank", type=int, default=16, help="adapter rank at 8B shape")
     p.add_argument("--full-gb", type=float, default=0.25, help="S of the measured full-version comparison")
-    p.add_argument("--base-load-gbps", type=float, default=4.0,
-                   help="modelled rate of a base load from the shared filesystem into the engine (GB/s)")
+    p.add_argument("--load-gbps", type=float, default=5.0,
+                   help="modelled rate of a load into the engine: the base from the shared filesystem, a version's "
+                        "bytes (GB/s; the emulated engine's default)")
     p.add_argument("--demo-steps", type=int, default=60)
     p.add_argument("--demo-rank", type=int, default=4)
     p.add_argument("--lora-lr", type=float, default=1e-3)

@@ -172,3 +172,24 @@ def test_the_tiny_qwen3_trains_an_adapter_with_the_megatron_backend_at_tp2(tmp_p
     assert rep["weight_bytes"] == rep["lora"]["adapter_bytes"] < 0.2 * rep["lora"]["base_bytes"]
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(abs(m["logprob_diff"]) < 1e-3 for m in lines)
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("k, mode", [(1, "finish"), (2, "continue")])
+def test_adapters_under_bounded_staleness_and_preemptions_keep_the_window(tmp_path, k, mode):
+    """The staleness window holds for adapter versions: instances keep k + 1 servable (finish: older responses end
+    under their own adapter while new work gets the newest; continue: they go on under the newest), every token is
+    stamped with the version that produced it, none older than k is trained, nothing lost."""
+    from rlboost_hpc.chaos import chaos_main
+
+    out = tmp_path / "run"
+    rc = chaos_main(["--out", str(out), "--steps", "6", "--seed", str(k), "--lifetime-s", "3.0",
+                     "--set", f"rollout.max_staleness={k}", "--set", f"rollout.on_new_version={mode}",
+                     "--set", "trainer.behaviour_correction=tis", *[a for s in LORA for a in ("--set", s)]])
+    assert rc == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["responses_lost"] == rep["responses_duplicated"] == rep["tokens_trained_off_version"] == 0
+    assert rep["tokens_masked_too_stale"] == 0 and rep["weight_checksum_mismatches"] == 0
+    assert rep["lora"]["adapter_bytes"] == rep["weight_bytes"] and rep["max_staleness"] == k
+    stale = {int(j): n for j, n in rep["tokens_by_staleness"].items()}
+    assert max(stale) <= k and sum(stale.values()) > 0
