@@ -202,7 +202,7 @@ def main() -> None:
                         "bytes (GB/s; the emulated engine's default)")
     p.add_argument("--demo-steps", type=int, default=60)
     p.add_argument("--demo-rank", type=int, default=4)
-    p.add_argument("--lora-lr", type=float, default=1e-3)
+    p.add_argument("--lora-lr", type=float, default=3e-4)
     p.add_argument("--every", type=int, default=10)
     a = p.parse_args()
     parts = a.parts.split(",")

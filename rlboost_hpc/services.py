@@ -157,6 +157,8 @@ class RunServices:
                            keys=self.keys, delta=False, sealed=w.sealed).start()
         self.defer(srv.close)
         man = srv.publish(0, self.base_state, dtype=getattr(torch, w.dtype))
+        # this process's engines (reserved, evaluation) serve the very bytes instances load: the published base
+        self.base_state = srv.local_state_dict(0)
         log.info("LoRA r=%d on %s: base %016x (%.1f MB as %s) served by %s for nodes without %s", lo.rank,
                  ",".join(lo.targets), man.checksum, man.total_bytes / 1e6, w.dtype, srv.endpoint, self.policy.path)
         self.base_server = srv
