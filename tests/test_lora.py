@@ -312,3 +312,35 @@ def test_an_adapter_directory_for_another_base_exits_2_naming_the_file(policy, q
     p = _cli("trainer.lora.rank=4", "trainer.lora.alpha=8", f"trainer.lora.adapter_path='{same_shapes}'",
              "trainer.steps=1", out=tmp_path / "r2")
     assert p.returncode == 2 and "rlboost_base.json" in p.stderr and "another base" in p.stderr, p.stderr[-2000:]
+
+
+def test_a_checkpoint_of_the_other_kind_or_another_adapter_is_refused_before_anything_starts(policy, tmp_path):
+    """Bad input: resuming a full run's checkpoint with ``trainer.lora`` on, a LoRA run's with it off, or one of
+    another rank or targets — each is refused naming the checkpoint's file, before any service starts."""
+    from types import SimpleNamespace
+
+    from rlboost_hpc.run import RunSetup, _check_same_model
+    from rlboost_hpc.rundir import RunDir
+    from rlboost_hpc.trainer.checkpoint import CheckpointError
+
+    def ckpt(lora):
+        d = tmp_path / f"step-{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        (d / "trainer.json").write_text(json.dumps({"run": {"model": {
+            "path": str(policy.path), "arch": policy.arch.to_json(), "lora": lora}}}))
+        return d
+
+    rec = {"rank": 4, "alpha": 8.0, "targets": list(ALL)}
+    lora = LoraSettings(rank=4, alpha=8.0, dropout=0.0, targets=ALL, init={})
+    full_setup = SimpleNamespace(policy=policy, lora_record=lambda: None)
+    lora_setup = SimpleNamespace(policy=policy, lora_record=lambda: RunSetup.lora_record(SimpleNamespace(lora=lora)))
+    rd = RunDir(tmp_path)
+    _check_same_model(ckpt(None), full_setup, rd)  # same kind: fine
+    _check_same_model(ckpt(rec), lora_setup, rd)
+    with pytest.raises(CheckpointError, match="trainer.json: a checkpoint of a run that trained every weight; this "
+                                              "config trains a LoRA adapter"):
+        _check_same_model(ckpt(None), lora_setup, rd)
+    with pytest.raises(CheckpointError, match="trained a LoRA adapter .rank 4.*this config trains every weight"):
+        _check_same_model(ckpt(rec), full_setup, rd)
+    with pytest.raises(CheckpointError, match="rank 8"):
+        _check_same_model(ckpt({**rec, "rank": 8}), lora_setup, rd)

@@ -34,27 +34,36 @@ def _exactly_once(rep: dict, steps: int, responses_per_step: int, why: str, pree
         assert rep["preemptions_with_warning"] >= 1 and rep["responses_migrated"] >= 1, why
 
 
+def _run_killing_the_manager(out: Path, sets: list[str], after_steps: int) -> tuple[subprocess.CompletedProcess,
+                                                                                   list[int]]:
+    """``rlboost-hpc run`` (the demo's config) with ``sets``, its manager SIGKILLed once while the rollout of the step
+    after ``after_steps`` is in flight; the finished process and the killed pids."""
+    from test_manager_restart import _kill_manager_at
+
+    args = [sys.executable, "-m", "rlboost_hpc.cli", "run", "--out", str(out), "--no-progress"]
+    for s in sets:
+        args += ["--set", s]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        killed = _kill_manager_at(out, [after_steps], 0.05, proc)
+        _, err = proc.communicate(timeout=900)
+    finally:
+        proc.kill()
+    return subprocess.CompletedProcess(args, proc.returncode, "", err), killed
+
+
 def test_the_demo_trains_an_adapter_with_preemptions_and_a_manager_kill_and_nodes_pull_the_base_once(tmp_path):
     """The demo with ``trainer.lora``: workers that may not read model.path (``base_source = pull``) pull the base once
     and the node's next workers load it from the node cache; a warned preemption hands over partial responses; the
     manager is SIGKILLed while a step's rollout is in flight; nothing is lost, duplicated or off-version; versions are
     the adapter (46 KB, not the model); a resume of this LoRA run without ``trainer.lora`` is refused naming the file."""
     from test_demo_run import diagnose
-    from test_manager_restart import _kill_manager_at
 
     out, cache = tmp_path / "run", tmp_path / "node-cache"
-    args = [sys.executable, "-m", "rlboost_hpc.cli", "run", "--out", str(out), "--no-progress"]
-    for s in [*LORA, "trainer.steps=5", "trainer.lora.base_source=pull", f"trainer.lora.node_cache_dir='{cache}'",
-              "cluster.preempt_when_busy=true", "rollout.max_new_tokens=96"]:
-        args += ["--set", s]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    try:
-        killed = _kill_manager_at(out, [2], 0.05, proc)
-        _, err = proc.communicate(timeout=900)
-    finally:
-        proc.kill()
-    p = subprocess.CompletedProcess(args, proc.returncode, "", err)
-    assert proc.returncode == 0, err[-3000:]
+    p, killed = _run_killing_the_manager(out, [*LORA, "trainer.steps=5", "trainer.lora.base_source=pull",
+                                               f"trainer.lora.node_cache_dir='{cache}'", "cluster.preempt_when_busy=true",
+                                               "rollout.max_new_tokens=96"], 2)
+    assert p.returncode == 0, p.stderr[-3000:]
     rep = json.loads(RunDir(out).report.read_text())
     why = diagnose(p, out)
     _exactly_once(rep, 5, 64, why, preempted=True)
@@ -133,18 +142,20 @@ def test_the_tiny_qwen3_trains_an_adapter_and_its_exports_load_with_peft_and_tra
 
 
 @pytest.mark.megatron
-def test_the_demo_trains_an_adapter_with_the_megatron_backend_and_preemptions(tmp_path):
+def test_the_demo_trains_an_adapter_with_the_megatron_backend_preemptions_and_a_manager_kill(tmp_path):
     """``trainer.backend = "megatron"`` (TP = 1, in the run's process) with ``trainer.lora``: the adapter is the version,
     the instances' logprobs are the Megatron policy's (adapter included; fp32 on the wire, so to 1e-3), nothing lost
-    through preemptions."""
-    from test_demo_run import diagnose, run_cli
+    through a warned preemption and a manager SIGKILLed mid-step."""
+    from test_demo_run import diagnose
 
     out = tmp_path / "run"
-    p = run_cli(REPO, out, *LORA, "trainer.backend=megatron", "trainer.steps=3", "rollout.max_new_tokens=96",
-                "weights.dtype=float32", *preempting_cluster(tmp_path))
+    p, killed = _run_killing_the_manager(out, [*LORA, "trainer.backend=megatron", "trainer.steps=3",
+                                               "rollout.max_new_tokens=96", "weights.dtype=float32",
+                                               *preempting_cluster(tmp_path)], 1)
     assert p.returncode == 0, p.stderr[-3000:]
     rep = json.loads((out / "report.json").read_text())
     _exactly_once(rep, 3, 64, diagnose(p, out), preempted=True)
+    assert len(killed) == 1 and rep["manager_restarts"] == 1
     assert rep["lora"]["adapter_bytes"] == rep["weight_bytes"] and 0 <= rep["weight_bytes"] - 4 * 23120 < 64 * 70
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(m["logprob_diff"] < 1e-3 for m in lines), [m["logprob_diff"] for m in lines]
