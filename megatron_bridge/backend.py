@@ -35,12 +35,18 @@ tells pullers how to assemble HF tensors (:mod:`megatron_bridge.export`).
 Multi-rank execution: see :mod:`megatron_bridge.driver` (leader/follower under
 ``python -m megatron_bridge.launch``). Every public method is collective.
 
+LoRA (``lora``, ``trainer.lora``): :class:`~megatron_bridge.lora.MegatronLora` adds the adapter to the column- and
+row-parallel linears with TP-sharded A/B; the base is frozen, the optimizer and DDP see the adapter only, the
+published version (gathered or per holder) is the adapter, the reference policy is the base with the adapter off (no
+second model) and a checkpoint holds the adapter and its optimizer state (a checkpoint of the other kind is refused).
+
 Differences from the torch backend (documented, by design): Megatron's optimizer applies no weight decay to
 norms and biases (identical when ``weight_decay=0``, the project default); with ``bf16`` the numbers differ by
 bf16 rounding.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -93,6 +99,7 @@ class MegatronBackend(TrainerBackend):
             shard servers accept only the run's pullers, like the run's own weight server. shard_sealed: with
             keys, shards travel AES-256-GCM-sealed on a plain port (``weights.sealed``; see ``WeightServer``).
         adam_eps: Adam epsilon (torch default 1e-8).
+        lora: train a LoRA adapter (:class:`~rlboost_hpc.trainer.lora.LoraSettings`) instead of every weight.
 
     Raises:
         UnsupportedArchitecture: the HF config or the TP/PP split is not supported (the message says why).
@@ -106,7 +113,8 @@ class MegatronBackend(TrainerBackend):
                  shard_export: bool = False, shard_bind: str = "tcp://127.0.0.1:0",
                  shard_advertise_host: str | None = None, shard_dtype: torch.dtype = torch.bfloat16,
                  shard_replicas: bool = False, shard_keys: Any = None, shard_sealed: bool = True,
-                 adam_eps: float = 1e-8, objective: GRPOOptions | None = None, _bid: int | None = None) -> None:
+                 adam_eps: float = 1e-8, objective: GRPOOptions | None = None, lora: Any = None,
+                 _bid: int | None = None) -> None:
         objective = objective or GRPOOptions(clip_eps=clip_eps, kl_coef=kl_coef)
         clip_eps, kl_coef = objective.clip_eps, objective.kl_coef
         hf_cfg = load_hf_config(config)
@@ -121,7 +129,12 @@ class MegatronBackend(TrainerBackend):
                       recompute=recompute, seed=seed, shard_export=shard_export, shard_bind=shard_bind,
                       shard_advertise_host=shard_advertise_host, shard_dtype=shard_dtype,
                       shard_replicas=shard_replicas, shard_keys=shard_keys, shard_sealed=shard_sealed,
-                      adam_eps=adam_eps, objective=objective)
+                      adam_eps=adam_eps, objective=objective, lora=lora)
+        if lora is not None and lora.dropout > 0 and tp > 1:
+            raise ConfigError(f"trainer.lora.dropout = {lora.dropout} with trainer.megatron.tp = {tp}: the Megatron "
+                              "backend applies LoRA dropout at TP = 1 only (the replicated input's masks would have to "
+                              "agree across TP ranks); set trainer.lora.dropout = 0 or tp = 1")
+        self.lora_settings = lora
         self.layout = parallel.initialize(tp, pp, seed=seed)
         if _bid is None:
             _bid = driver.new_id()
@@ -183,6 +196,16 @@ class MegatronBackend(TrainerBackend):
         if local is None:  # random init: the reference starts as an exact copy of the policy
             local = {k: v for k, v in self._unwrap(policy).state_dict().items() if not k.endswith("_extra_state")}
         self.ref = None
+        self.lora = None
+        if self.lora_settings is not None:  # the adapter in the policy; the reference is the base, adapter off
+            from megatron_bridge.lora import MegatronLora
+
+            gpt, lo = self._unwrap(policy), self.lora_settings
+            self.lora = MegatronLora(gpt, arch, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout,
+                                     targets=lo.targets, init=lo.init, tp=L.tp, tp_rank=L.tp_rank, pp=L.pp,
+                                     pp_rank=L.pp_rank, dtype=next(gpt.parameters()).dtype)
+            gpt.lora = self.lora
+            keep_reference = False
         if keep_reference:
             self.ref = make(local).eval().requires_grad_(False)
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -199,8 +222,8 @@ class MegatronBackend(TrainerBackend):
         self.tconfig.finalize_model_grads_func = None  # grads are finalised once per RL step, in optimizer_step
         # Pieces are views of the live parameters (updated in place by every step): computed once.
         params = {n: p.data for n, p in self.gpt.named_parameters()}
-        self.pieces: list[Piece] = megatron_to_pieces(params, arch, tp=L.tp, tp_rank=L.tp_rank, pp=L.pp,
-                                                      pp_rank=L.pp_rank)
+        self.pieces: list[Piece] = self.lora.pieces() if self.lora is not None else megatron_to_pieces(
+            params, arch, tp=L.tp, tp_rank=L.tp_rank, pp=L.pp, pp_rank=L.pp_rank)
 
     @staticmethod
     def _unwrap(m: torch.nn.Module) -> torch.nn.Module:
@@ -347,7 +370,8 @@ class MegatronBackend(TrainerBackend):
                 extra = {"responses_in_step": float(responses_in_step)}
                 datas.append(self._tensors(smb, "train", extra))
             if self.objective.kl_coef > 0 and mbs:
-                refs = self._run([self.ref], [self._tensors(smb, "logp") for smb in mbs], True)
+                with self._reference() as ref:
+                    refs = self._run([ref], [self._tensors(smb, "logp") for smb in mbs], True)
                 # rebuild [B, T] ref tensors for the last stage (others ignore them)
                 for d, o in zip(datas, refs):
                     ref = torch.zeros_like(d["mask"], dtype=torch.float32)
@@ -391,10 +415,7 @@ class MegatronBackend(TrainerBackend):
     @driver.collective
     def token_logprobs(self, batch: list[Sample], *, reference: bool = False) -> list[torch.Tensor]:
         """See :meth:`TrainerBackend.token_logprobs`. Collective; the list on rank 0 ([] elsewhere)."""
-        model = self.ref if reference else self.ddp
-        if model is None:
-            raise ValueError("no reference model kept (keep_reference=False)")
-        with compat.scope():
+        with compat.scope(), (self._reference() if reference else contextlib.nullcontext(self.ddp)) as model:
             idx = self._replica_share(batch)
             rows = self._forward_logp([model], [batch[i] for i in idx])
             per = self._replica_results(rows)
@@ -405,6 +426,20 @@ class MegatronBackend(TrainerBackend):
             for i, row in zip(range(d, len(batch), self.layout.dp), rows_d):
                 out[i] = row
         return out  # type: ignore[return-value]
+
+    @contextlib.contextmanager
+    def _reference(self):
+        """The reference policy for the block: the frozen copy, or — LoRA — the policy with the adapter off.
+
+        Raises:
+            ValueError: no reference was kept (``keep_reference=False``, no KL term)."""
+        if self.lora is not None:
+            with self.lora.disabled():
+                yield self.ddp
+            return
+        if self.ref is None:
+            raise ValueError("no reference model kept (keep_reference=False)")
+        yield self.ref
 
     @driver.collective
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -428,7 +463,8 @@ class MegatronBackend(TrainerBackend):
         torch backend). TP=PP=1: views of the live parameters, except q/k/v (de-interleaved copies).
         Otherwise every model-parallel rank sends its pieces to rank 0 — a gather, so the scalable path is
         :meth:`publish_shards`."""
-        aliases = {"lm_head.weight": "model.embed_tokens.weight"} if self.arch.tie_word_embeddings else None
+        aliases = {"lm_head.weight": "model.embed_tokens.weight"} \
+            if self.arch.tie_word_embeddings and self.lora is None else None
         self.gathered_exports += self.layout.world > 1
         if self.layout.world == 1:
             return assemble([p.spec() for p in self.pieces], {p.key: p.tensor for p in self.pieces}, aliases=aliases)
@@ -465,7 +501,8 @@ class MegatronBackend(TrainerBackend):
         got = self._gather(entry)
         if got is not None:
             self.shard_manifest = build_manifest([e for e in got if e is not None], self.arch, self.hf_config,
-                                                 self.shard_dtype)
+                                                 self.shard_dtype,
+                                                 expected=None if self.lora is None else self.lora.hf_names())
 
     @driver.collective
     def publish_shards(self, version: int) -> dict[str, Any]:

@@ -41,6 +41,8 @@ def _sharded(backend, is_loading: bool) -> dict[str, Any]:
 
     L = backend.layout
     model_sd = backend.gpt.sharded_state_dict()
+    if backend.lora is not None:  # the base is the initial weights (loaded again by the constructor): adapter only
+        model_sd = {k: v for k, v in model_sd.items() if k.startswith("lora.")}
     return {
         "model": model_sd,
         # 'dp_reshardable': fully parallel save/load of the distributed optimizer's buffers (0.16.1's default,
@@ -54,8 +56,10 @@ def _sharded(backend, is_loading: bool) -> dict[str, Any]:
 
 def _meta(backend) -> dict[str, Any]:
     L = backend.layout
+    lo = backend.lora_settings
     return {"format": FORMAT, "arch": arch_dict(backend.arch), "tp": L.tp, "pp": L.pp, "dp": L.dp,
-            "bf16": backend.bf16}
+            "bf16": backend.bf16,
+            "lora": None if lo is None else {"rank": lo.rank, "alpha": lo.alpha, "targets": list(lo.targets)}}
 
 
 def _in_process_results_queue() -> None:

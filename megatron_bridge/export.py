@@ -41,8 +41,9 @@ def holder_entry(layout, endpoint: str, pieces: list[Piece], dtype: torch.dtype)
 
 
 def build_manifest(entries: Iterable[Mapping[str, Any]], arch: ModelArch, hf_config: Mapping[str, Any],
-                   dtype: torch.dtype) -> dict[str, Any]:
-    """The assembly manifest from all holders' :func:`holder_entry` dicts.
+                   dtype: torch.dtype, expected: Iterable[str] | None = None) -> dict[str, Any]:
+    """The assembly manifest from all holders' :func:`holder_entry` dicts; ``expected``: the HF names a version holds
+    (default: every tensor of ``arch``; a LoRA run's adapter names — then no tied-head alias).
 
     Raises:
         ValueError: the pieces of distinct positions do not tile every HF tensor exactly once.
@@ -60,9 +61,10 @@ def build_manifest(entries: Iterable[Mapping[str, Any]], arch: ModelArch, hf_con
     man = {"format": FORMAT, "dtype": str(dtype).removeprefix("torch."), "arch": arch_dict(arch),
            "hf_config": dict(hf_config), "layout": {"tp": tp, "pp": pp},
            "holders": holders, "pieces": pieces,
-           "aliases": {"lm_head.weight": "model.embed_tokens.weight"} if arch.tie_word_embeddings else {}}
+           "aliases": {"lm_head.weight": "model.embed_tokens.weight"}
+           if arch.tie_word_embeddings and expected is None else {}}
     names = {p["hf_name"] for p in pieces}
-    expected = set(arch.hf_names())
+    expected = set(arch.hf_names() if expected is None else expected)
     if names != expected:
         raise ValueError(f"shard manifest does not cover the model: missing {sorted(expected - names)[:5]}, "
                          f"extra {sorted(names - expected)[:5]}")

@@ -250,6 +250,58 @@ class MegatronCfg(_Strict):
     recompute: Literal["full", "selective"] | None = Field(None, description="activation recompute (unset: none)")
 
 
+#: The linear layers of a decoder layer a LoRA adapter may target (HF module names; ``all-linear`` = every one).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraCfg(_Strict):
+    """``trainer.lora``: train a LoRA adapter instead of every weight (off while ``rank`` is 0). A weight version is
+    then the adapter (megabytes), the base model is loaded once per rollout node (from ``model.path`` when the node
+    sees it, else pulled once and kept on the node), and the reference policy is the base with the adapter disabled."""
+
+    rank: int = Field(0, ge=0, description="r, the adapter rank; 0: off (every weight is trained and published)")
+    alpha: float = Field(16.0, gt=0, description="PEFT's lora_alpha: the adapter's update B·A·x is scaled by alpha / r")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training (PEFT "
+                                                        "lora_dropout; engines never drop)")
+    target_modules: list[str] = Field(["all-linear"], min_length=1, description=(
+        "the linear layers adapted in every decoder layer: names among " + ", ".join(LORA_TARGETS) +
+        ", or all-linear (PEFT's shorthand for all of them)"))
+    adapter_path: str | None = Field(None, description=(
+        "start from this PEFT adapter directory (adapter_config.json + adapter_model.safetensors, e.g. RUN_DIR/adapter "
+        "of an earlier run on the same base) instead of PEFT's initialisation (A random, B zero)"))
+    export_merged: bool = Field(False, description=(
+        "at the end, also write the base with the adapter merged in (W + alpha/r · B·A) to RUN_DIR/model as a "
+        "Hugging Face model directory (trainer.export_model on); the adapter always goes to RUN_DIR/adapter"))
+    node_cache_dir: str | None = Field(None, description=(
+        "where a rollout node keeps a base it had to pull (one file per base, verified by its checksum before use; "
+        "reused across versions, the node's later instances and runs on the same base); default: $RLBOOST_NODE_CACHE, "
+        "else <tmp>/rlboost-node-cache-<uid>"))
+    node_cache_keep: int = Field(2, ge=1, description="bases a node's cache keeps (the least recently used go first)")
+    base_source: Literal["auto", "pull"] = Field("auto", description=(
+        "where rollout nodes get the base: auto = model.path when the node sees it, else the node's cache, else one "
+        "pull from the trainer; pull = never model.path (a shared filesystem slower than the network): the node's "
+        "cache, else one pull"))
+
+    @field_validator("target_modules")
+    @classmethod
+    def _known_targets(cls, v: list[str]) -> list[str]:
+        bad = [m for m in v if m not in LORA_TARGETS + ("all-linear",)]
+        if bad:
+            raise ValueError(f"unknown target module(s) {bad} for the Llama/Qwen2/Qwen3 decoder: use names among "
+                             f"{list(LORA_TARGETS)} or all-linear")
+        return v
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run trains an adapter."""
+        return self.rank > 0
+
+    def targets(self) -> tuple[str, ...]:
+        """The adapted modules in model order (``all-linear`` expanded)."""
+        want = set(LORA_TARGETS) if "all-linear" in self.target_modules else set(self.target_modules)
+        return tuple(m for m in LORA_TARGETS if m in want)
+
+
 class TrainerCfg(_Strict):
     """GRPO trainer (CPU torch backend)."""
 
@@ -264,6 +316,8 @@ class TrainerCfg(_Strict):
         "torch backend: compute dtype (auto = bf16 autocast with fp32 master weights on GPU, fp32 on CPU)"))
     megatron: MegatronCfg = Field(default_factory=MegatronCfg, description=(
         "the Megatron-core layout (tp, pp) and options of trainer.backend = megatron"))
+    lora: LoraCfg = Field(default_factory=LoraCfg, description=(
+        "train a LoRA adapter (rank, alpha, dropout, target_modules; off by default): versions are adapters"))
     steps: int = Field(40, ge=1, description="RL steps of the run (one optimizer step and one weight version each)")
     lr: float = Field(3e-5, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
@@ -468,6 +522,8 @@ class RunConfig(_Strict):
             raise ValueError(f"cluster.instances_per_worker = {k} needs rollout.engine = emulated and cluster.kind = "
                              f"local (got {self.rollout.engine} / {self.cluster.kind}): only emulated instances "
                              "share a process")
+        if tr.lora.enabled and tr.export_model is False and tr.lora.export_merged:
+            raise ValueError("trainer.lora.export_merged = true needs trainer.export_model = true")
         if tr.backend == "emulated" and self.rollout.engine != "emulated":
             raise ValueError(f"trainer.backend = emulated needs rollout.engine = emulated (got {self.rollout.engine}): "
                              "its weights are no model an engine could run")

@@ -282,6 +282,13 @@ def _check_same_model(ckpt: Path, setup: "RunSetup", rd: RunDir) -> None:
     saved = checkpoint.run_state_of(ckpt).get("model")  # absent in checkpoints of older versions
     if not isinstance(saved, dict) or "arch" not in saved:
         return
+    theirs, ours = saved.get("lora"), setup.lora_record()
+    if theirs != ours:  # a LoRA checkpoint into a full run, the reverse, or another adapter shape
+        def what(rec):
+            return "every weight" if not rec else f"a LoRA adapter (rank {rec['rank']}, {','.join(rec['targets'])})"
+        raise checkpoint.CheckpointError(
+            f"{ckpt}/trainer.json: a checkpoint of a run that trained {what(theirs)}; this config trains "
+            f"{what(ours)} (trainer.lora): use a new --out or --set trainer.resume=never")
     arch = setup.policy.arch
     if ModelArch.from_json(saved["arch"]).expected_shapes() != arch.expected_shapes():
         raise checkpoint.CheckpointError(
@@ -304,6 +311,12 @@ class RunSetup:
     train_dtype: torch.dtype
     rollout_device: torch.device
     rollout_dtype: torch.dtype
+    lora: Any = None  # trainer.lora's LoraSettings (None: every weight trains)
+
+    def lora_record(self) -> dict | None:
+        """What a checkpoint records of the adapter (None: every weight trains): rank, alpha, targets."""
+        lo = self.lora
+        return None if lo is None else {"rank": lo.rank, "alpha": lo.alpha, "targets": list(lo.targets)}
 
     @classmethod
     def load(cls, cfg: RunConfig) -> "RunSetup":
@@ -333,13 +346,14 @@ class RunSetup:
                               f"the model's context of {arch.max_position_embeddings} tokens")
         if hasattr(task, "check_endpoint"):
             task.check_endpoint()  # an unreachable reward model is bad input, before anything starts
+        lora = _lora_settings(cfg, policy)
         train_device = resolve_device(cfg.trainer.device, "trainer.device")
         rollout_device = resolve_device(cfg.rollout.device, "rollout.device")
         setup = cls(policy=policy, task=task, tool_stops=tool_stop_ids(cfg, tok),
                     context_tokens=longest + cfg.trajectory_tokens(), train_device=train_device,
                     train_dtype=resolve_dtype(cfg.trainer.dtype, train_device, "trainer.dtype"),
                     rollout_device=rollout_device,
-                    rollout_dtype=resolve_dtype(cfg.rollout.dtype, rollout_device, "rollout.dtype"))
+                    rollout_dtype=resolve_dtype(cfg.rollout.dtype, rollout_device, "rollout.dtype"), lora=lora)
         log.info("model %s (%s, %.1f M parameters, chat template %s); trainer on %s/%s, rollout on %s/%s",
                  policy.path, arch.architecture, arch.num_params() / 1e6, "on" if tok.use_chat else "off",
                  train_device, str(setup.train_dtype).removeprefix("torch."), rollout_device,
@@ -350,7 +364,8 @@ class RunSetup:
         """What a checkpoint records of the run's inputs, checked on resume (:func:`_check_same_data`): the model
         (path, architecture) and, for a user's task, each data set's fingerprint."""
         fps = self.task.fingerprints() if hasattr(self.task, "fingerprints") else {}
-        return {"model": {"path": str(self.policy.path), "arch": self.policy.arch.to_json()}, "datasets": fps}
+        return {"model": {"path": str(self.policy.path), "arch": self.policy.arch.to_json(), "lora": self.lora_record()},
+                "datasets": fps}
 
     def model_info(self) -> dict:
         """The report's ``model`` entry."""
@@ -410,7 +425,7 @@ def _run(cfg: RunConfig, rd: RunDir, *, progress: bool, run_id: str) -> RunRepor
     try:
         with RunServices(cfg, rd, run_id, setup.policy, setup.task, resuming=ckpt is not None,
                          train_device=setup.train_device, train_dtype=setup.train_dtype, t_origin=t_start,
-                         context_tokens=setup.context_tokens) as svc:
+                         context_tokens=setup.context_tokens, lora=setup.lora) as svc:
             try:
                 report, live_series = _train(cfg, rd, svc, setup, ckpt, steps, progress=progress, t_start=t_start,
                                              trackers=trackers)
@@ -513,7 +528,7 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
     served = svc.publisher.served()  # what the trainer sent (the rest of weight_pulled_bytes came from relay peers)
     after = held_out.evaluate(trainer.version, keep_samples=True)
     kl = kl_to_reference(svc.backend, after.pop("sampled"), estimator=cfg.trainer.kl_estimator)
-    model_out = str(save_model_dir(rd.model, setup.policy, _exported(cfg, svc, trainer.version))) \
+    model_out = _export(cfg, rd, svc, setup, trainer.version) \
         if cfg.trainer.export_model and cfg.trainer.backend != "emulated" else None
     cluster = svc.cluster.summary() if svc.cluster else None
     report = build_report(
@@ -527,9 +542,19 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
         resumes=resume.resumes, resumed_from_step=resume.start_step if ckpt is not None else None,
         train_wall_s=train_wall, wall_s=time.monotonic() - t_start, max_staleness=cfg.rollout.max_staleness,
         trace_window_start_s=cluster["window_start_s"] if cluster else None, gate=cfg.trainer.gate_bounds(),
-        faults_scheduled=cluster.get("scheduled") if cluster else None)
+        faults_scheduled=cluster.get("scheduled") if cluster else None, lora=_lora_info(svc, cfg, model_out))
     report.reward_functions = svc.rewards.take_tallies() or None  # a user's task: each reward function's counts
     return report, svc.cluster.live_series if svc.cluster else []
+
+
+def _lora_info(svc: RunServices, cfg: RunConfig, adapter_out: str | None) -> dict | None:
+    """The report's ``lora`` entry (None: every weight trained)."""
+    a = svc.adapter
+    if a is None:
+        return None
+    merged = str(svc.run_dir.model) if adapter_out and cfg.trainer.lora.export_merged else None
+    return {"rank": a.rank, "alpha": a.alpha, "targets": list(a.targets), "base_checksum": f"{a.base_checksum:016x}",
+            "base_bytes": a.base_bytes, "adapter_out": adapter_out, "merged_out": merged}
 
 
 def _record_step(svc: RunServices, step: int, m: dict, metrics_f, trackers, view) -> None:
@@ -597,7 +622,31 @@ def _held_out(cfg: RunConfig, setup: RunSetup, svc: RunServices):
     return HeldOut(setup.policy.arch, setup.policy.tokenizer, setup.task,
                    weights=lambda v: svc.publisher.read(v).state_dict, samples=cfg.trainer.eval_samples,
                    max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                   device=setup.rollout_device, dtype=setup.rollout_dtype, score=svc.rewards.score, turns=turns)
+                   device=setup.rollout_device, dtype=setup.rollout_dtype, score=svc.rewards.score, turns=turns,
+                   adapter=None if svc.adapter is None else (svc.adapter, svc.base_state))
+
+
+def _lora_settings(cfg: RunConfig, policy):
+    """``trainer.lora``'s settings for the backend (None when off), with the initial adapter checked against the base.
+
+    Raises:
+        ConfigError: PEFT missing for the torch backend. ModelFormatError: ``trainer.lora.adapter_path`` is not a PEFT
+            adapter of this base (named)."""
+    if not cfg.trainer.lora.enabled:
+        return None
+    from rlboost_hpc.models.lora import canonical_base
+    from rlboost_hpc.trainer.lora import LoraSettings, require_peft, settings_from_config
+    from rlboost_hpc.weights.base import base_identity
+
+    if cfg.trainer.backend == "emulated":  # a load test: the adapter's shapes are the emulated profile's
+        lo = cfg.trainer.lora
+        return LoraSettings(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, targets=lo.targets(), init={})
+    require_peft(cfg.trainer.backend)
+    checksum = 0
+    if cfg.trainer.lora.adapter_path:  # its recorded base must be ours: one hash pass over the base
+        checksum, _ = base_identity(canonical_base(policy.state_dict, policy.arch), getattr(torch, cfg.weights.dtype),
+                                    cfg.weights.chunk_bytes)
+    return settings_from_config(cfg, policy.arch, checksum if cfg.trainer.lora.adapter_path else None)
 
 
 class NotEvaluated:
@@ -632,6 +681,20 @@ def _trainer(cfg: RunConfig, svc: RunServices, setup: RunSetup, n_resv: float):
                      settings=settings, score=svc.rewards.score, publish=svc.publisher.publish,
                      score_parts=svc.rewards.score_parts if svc.rewards.components else None,
                      controller=controller, available=svc.available)
+
+
+def _export(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, version: int) -> str:
+    """Write the trained policy as rollout instances receive it: the model directory ``RUN_DIR/model``, or — LoRA —
+    the adapter in PEFT's format (``RUN_DIR/adapter``) and, with ``trainer.lora.export_merged``, the merged model in
+    ``RUN_DIR/model``. Returns the path the report names (the adapter's in a LoRA run)."""
+    if svc.adapter is None:
+        return str(save_model_dir(rd.model, setup.policy, _exported(cfg, svc, version)))
+    from rlboost_hpc.trainer.lora import export
+
+    lo = cfg.trainer.lora
+    out = export(rd.adapter, rd.model, setup.policy, _exported(cfg, svc, version), svc.adapter, dropout=lo.dropout,
+                 merged=lo.export_merged)
+    return out["adapter"]
 
 
 def _exported(cfg: RunConfig, svc: RunServices, version: int):

@@ -58,7 +58,8 @@ WORKERS_DIR = "workers"
 PROMETHEUS_DIR = "prometheus"
 LOGS_DIR = "logs"
 CONFIG_FILE = "config.json"  # the run's resolved configuration
-MODEL_DIR = "model"  # the trained policy (trainer.export_model)
+MODEL_DIR = "model"  # the trained policy (trainer.export_model); LoRA: the merged model (trainer.lora.export_merged)
+ADAPTER_DIR = "adapter"  # LoRA: the trained adapter in PEFT's format (trainer.export_model)
 TRACKERS_FILE = "trackers.json"  # the experiment-tracker runs of trainer.report_to (observe/trackers.py)
 TENSORBOARD_DIR = "tensorboard"
 MLFLOW_DIR = "mlruns"
@@ -155,6 +156,10 @@ class RunDir:
     @property
     def mlruns(self) -> Path:
         return self.root / MLFLOW_DIR
+
+    @property
+    def adapter(self) -> Path:
+        return self.root / ADAPTER_DIR
 
     def create(self) -> "RunDir":
         """Make the run directory (and its parents) if it does not exist; returns ``self``.

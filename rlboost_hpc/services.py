@@ -2,7 +2,8 @@
 
 :class:`RunServices` is a context manager. Entering starts, in order: the run's CURVE keys, the weight server, the
 rollout manager (its own process), the trainer's client to it, ``endpoints.json`` and the Prometheus
-``file_sd`` target, the trainer backend, the weight publisher, the reward pool and (multi-turn) the evaluation's
+``file_sd`` target, (LoRA) the base server — the base published once, as one version, for rollout nodes that do not
+see ``model.path`` —, the trainer backend, the weight publisher, the reward pool and (multi-turn) the evaluation's
 tool workers. After the first version is published, :meth:`RunServices.start_rollout` starts the reserved
 engine and the preemptible capacity (the local cluster, or the scavenger's target under Slurm).
 
@@ -57,12 +58,16 @@ class RunServices:
         resuming: a checkpoint will be loaded: keep the run's keys, so rollout jobs that outlived a crash rejoin.
         train_device, train_dtype: where the torch backend trains.
         t_origin: the run's start (``time.monotonic()`` seconds) — the local cluster's trace clock.
+        lora: ``trainer.lora``'s settings (:class:`~rlboost_hpc.trainer.lora.LoraSettings`; None: every weight trains).
     """
 
     def __init__(self, cfg: RunConfig, run_dir: RunDir, run_id: str, policy, task, *, resuming: bool,
                  train_device: torch.device, train_dtype: torch.dtype, t_origin: float,
-                 context_tokens: int | None = None) -> None:
+                 context_tokens: int | None = None, lora=None) -> None:
         self.cfg, self.run_dir, self.run_id, self.policy, self.task = cfg, run_dir, run_id, policy, task
+        self.lora = lora
+        self.adapter: M.AdapterSpec | None = None  # a LoRA run's adapter spec (once the base server runs)
+        self.base_state = None
         self.context_tokens = context_tokens
         self._resuming, self._device, self._dtype, self._t_origin = resuming, train_device, train_dtype, t_origin
         self._stack = contextlib.ExitStack()
@@ -113,6 +118,8 @@ class RunServices:
         self.client = ManagerClient(self.endpoint, keys=self.keys, alive=self.manager.alive,
                                     restarts=lambda: self.manager.restarted)
         metrics_url = metrics_url.replace("0.0.0.0", self.host)
+        if self.lora is not None:
+            self.adapter = self._start_base_server()
         rd.write_endpoints(self.endpoint, self.weights_endpoint, run_id=self.run_id, curve=self.keys is not None,
                            metrics=metrics_url, worker=WorkerSpec.from_config(cfg, self.context_tokens).to_json())
         if metrics_url:
@@ -122,7 +129,8 @@ class RunServices:
         self.defer(self.backend.close)  # the Megatron backend holds process groups / shard servers
         self.publisher = WeightPublisher(self.server, self.backend, getattr(torch, w.dtype),
                                          client_keys=self.keys.client_view() if self.keys else None,
-                                         streams=w.streams, window=w.window, timeout_s=w.pull_timeout_s)
+                                         streams=w.streams, window=w.window, timeout_s=w.pull_timeout_s,
+                                         adapter=self.adapter, base_state=self.base_state)
         if self.publisher.shards:
             log.info("weights: every model-parallel rank serves its own shards (%d holders, %.1f MB per version)",
                      len(self.publisher.shards["holders"]), manifest_nbytes(self.publisher.shards) / 1e6)
@@ -136,6 +144,45 @@ class RunServices:
             self.defer(self.eval_tools.close)
         if hasattr(self.task, "close"):  # a stateful environment's reset process (the prompts' first observations)
             self.defer(self.task.close)
+
+    def _start_base_server(self) -> M.AdapterSpec:
+        """LoRA: publish the base once, as version 0 of a server of its own (sealed and checksummed as any version),
+        for rollout nodes that do not see ``model.path``; returns the run's :class:`AdapterSpec`."""
+        from rlboost_hpc.models.lora import canonical_base
+        from rlboost_hpc.weights.server import WeightServer
+
+        cfg, w, lo, lo_cfg = self.cfg, self.cfg.weights, self.lora, self.cfg.trainer.lora
+        if cfg.trainer.backend == "emulated":  # a load test: the profile's base, emulated (no tensors, no server)
+            return self._emulated_adapter_spec()
+        self.base_state = canonical_base(self.policy.state_dict, self.policy.arch)
+        srv = WeightServer(bind=f"tcp://{cfg.network.bind_host}:0", chunk_bytes=w.chunk_bytes, keep_versions=1,
+                           keys=self.keys, delta=False, sealed=w.sealed).start()
+        self.defer(srv.close)
+        man = srv.publish(0, self.base_state, dtype=getattr(torch, w.dtype))
+        # this process's engines (reserved, evaluation) serve the very bytes instances load: the published base
+        self.base_state = srv.local_state_dict(0)
+        log.info("LoRA r=%d on %s: base %016x (%.1f MB as %s) served by %s for nodes without %s", lo.rank,
+                 ",".join(lo.targets), man.checksum, man.total_bytes / 1e6, w.dtype, srv.endpoint, self.policy.path)
+        self.base_server = srv
+        return M.AdapterSpec(rank=lo.rank, alpha=lo.alpha, targets=list(lo.targets), base_checksum=man.checksum,
+                             base_bytes=man.total_bytes, base_dtype=w.dtype, base_chunk_bytes=w.chunk_bytes,
+                             base_path=str(self.policy.path) if lo_cfg.base_source == "auto" else "",
+                             base_endpoint=advertised(srv.endpoint, self.host),
+                             max_adapters=cfg.rollout.max_staleness + 1)
+
+    def _emulated_adapter_spec(self) -> M.AdapterSpec:
+        """The AdapterSpec of a LoRA load test: the emulated profile's base (its bytes; a checksum of its name)."""
+        import xxhash
+
+        from rlboost_hpc.sim.profiles import profile
+
+        cfg, lo = self.cfg, self.lora
+        name = cfg.rollout.emulated.profile
+        return M.AdapterSpec(rank=lo.rank, alpha=lo.alpha, targets=list(lo.targets),
+                             base_checksum=xxhash.xxh3_64_intdigest(f"emulated-base:{name}:{cfg.trainer.seed}".encode()),
+                             base_bytes=int(profile(name).model.weight_bytes), base_dtype=cfg.weights.dtype,
+                             base_chunk_bytes=cfg.weights.chunk_bytes, base_path=M.EMULATED_BASE + name,
+                             max_adapters=cfg.rollout.max_staleness + 1)
 
     def _keys(self) -> RunKeys | None:
         """Per-run CURVE keys, owner-only, in the run directory; a resumed run keeps them."""
@@ -213,14 +260,17 @@ class RunServices:
         cfg, t = self.cfg, self.cfg.trainer
         common = dict(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, objective=grpo_options(cfg),
                       temperature=cfg.rollout.temperature)
+        if self.lora is not None:
+            common["lora"] = self.lora
         if t.backend == "emulated":  # the trainer half of a load test: the rollout instances' profile and clock
             from rlboost_hpc.sim.profiles import profile
             from rlboost_hpc.trainer.backends.emulated import EmulatedBackend
 
             em, e = cfg.rollout.emulated, t.emulated
+            lora = None if self.lora is None else (self.lora.rank, self.lora.targets, profile(em.profile).model.arch())
             return EmulatedBackend(weight_bytes=e.weight_bytes, tensor_bytes=e.tensor_bytes,
                                    delta_density=e.delta_density, train_time=profile(em.profile).train_time,
-                                   time_scale=em.time_scale, seed=t.seed, objective=common["objective"])
+                                   time_scale=em.time_scale, seed=t.seed, objective=common["objective"], lora=lora)
         if t.backend != "torch":  # e.g. megatron: provided by megatron_bridge through an entry point
             from rlboost_hpc.trainer.backends import plugin_backend
 
@@ -236,7 +286,8 @@ class RunServices:
         publish ``version`` and make it current. Returns the publish record (``weight_checksum``, bytes, …)."""
         policy = self.policy
         self.client.call(M.TrainerHello(weights_endpoint=self.weights_endpoint, model_config=policy.hf_config,
-                                        model_arch=policy.arch.to_json(), weights_shards=self.publisher.shards_json))
+                                        model_arch=policy.arch.to_json(), weights_shards=self.publisher.shards_json,
+                                        adapter=self.adapter))
         self._hello = True
         man = self.publisher.publish(version)
         self.client.call(M.SetVersion(version=version, checksum=man["weight_checksum"]))

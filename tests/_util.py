@@ -139,3 +139,21 @@ def close_all(clients=(), procs=(), servers=()) -> None:
         p.join(5)
     for s in servers:
         s.close()
+
+
+def preempting_cluster(tmp_path) -> list[str]:
+    """``--set`` overrides of a local cluster of two workers replaying a trace that preempts one of them early (warned,
+    held until it holds partial responses) and starts another (the trace is written under ``tmp_path``)."""
+    trace = Path(tmp_path) / "trace.csv"
+    trace.write_text("0,add,a\n0,add,b\n1000,remove,a\n1500,add,c\n")
+    return [f"cluster.trace='{trace}'", "cluster.time_scale=1.0", "cluster.replay_s=120", "cluster.window_start_s=0",
+            "cluster.max_workers=2", "cluster.min_changes=0", "cluster.min_removals=0", "cluster.min_starts=0",
+            "cluster.preempt_when_busy=true", "policy.cap=false"]
+
+
+def preempted_run(model_dir, tmp_path, *, max_new_tokens: int = 96, eval_samples: int = 2) -> list[str]:
+    """``--set`` overrides of a 3-step GSM8K run of ``model_dir`` on :func:`preempting_cluster`: what the tests of
+    Hugging Face checkpoints run."""
+    return [f"model.path='{model_dir}'", "task.name=gsm8k", "trainer.steps=3", "task.train_prompts=24",
+            "task.heldout_prompts=4", f"trainer.eval_samples={eval_samples}", "rollout.prompts_per_step=8",
+            f"rollout.max_new_tokens={max_new_tokens}", "weights.dtype=float32", *preempting_cluster(tmp_path)]

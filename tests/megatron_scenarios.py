@@ -285,6 +285,67 @@ def parity(model: str, models_dir: Path, ckpt_root: Path, *, steps: int = 3, mb_
     return r
 
 
+def lora_parity(models_dir: Path, ckpt_root: Path, *, steps: int = 2, mb_kw: dict | None = None) -> dict[str, Any]:
+    """``trainer.lora`` (issue 49): the Megatron backend's TP-sharded LoRA vs PEFT on the torch backend, from the same
+    adapter (B nonzero, so the adapter matters from the start): the published adapter (per holder, pulled and
+    assembled), policy and reference (= base, adapter off) logprobs, GRPO steps, the adapter after them, and an exact
+    resume from a checkpoint that holds the adapter only."""
+    from megatron_bridge.backend import MegatronBackend
+    from megatron_bridge.export import manifest_nbytes, pull_sharded
+    from rlboost_hpc.models.lora import init_adapter
+    from rlboost_hpc.trainer.backends.torch_backend import TorchBackend
+    from rlboost_hpc.trainer.lora import LoraSettings
+
+    mb_kw = dict(mb_kw or {})
+    cfg_d, weights, sd, vocab, arch = _load("stories", models_dir)
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    g = torch.Generator().manual_seed(3)
+    init = {k: (torch.randn(v.shape, generator=g) * 0.2 if "lora_B" in k else v)
+            for k, v in init_adapter(arch, targets, 4, 0).items()}
+    lo = LoraSettings(rank=4, alpha=8.0, dropout=0.0, targets=targets, init=init)
+    kw = dict(lr=1e-3, grad_clip=1.0, clip_eps=0.2, kl_coef=0.05, temperature=0.9, lora=lo)
+    ref = TorchBackend(arch, sd, **kw)
+    mb = MegatronBackend(cfg_d, weights, shard_export=True, **kw, **mb_kw)
+    L = mb.layout
+    r: dict[str, Any] = {"layout": {"tp": L.tp, "pp": L.pp, "dp": L.dp, "world": L.world}, "steps": []}
+    pub = mb.publish_shards(0)
+    pulled, _ = pull_sharded(json.loads(json.dumps(mb.shard_manifest)), 0, streams=2, label="test")
+    want = {k: v.to(torch.bfloat16) for k, v in ref.export_weights().items()}
+    r["shards"] = {"names_ok": set(pulled) == set(init), "maxabs": _maxdiff(pulled, want), "holders": len(
+        mb.shard_manifest["holders"]), "bytes_total": manifest_nbytes(mb.shard_manifest),
+        "adapter_bf16_bytes": 2 * sum(v.numel() for v in init.values()), "per_rank": pub["per_rank"]}
+    probe = make_samples(6, vocab, seed=77)
+    ckpt = ckpt_root / f"lora-{L.tp}-{L.pp}-{L.dp}"
+    last = None
+    for s in range(steps):
+        if s == steps - 1:
+            mb.save_checkpoint(ckpt, {"step": s})
+        batch = make_samples(8, vocab, seed=1000 + s)
+        a = [ref.accumulate(part, 8) for part in (batch[:5], batch[5:])]
+        b = [mb.accumulate(part, 8) for part in (batch[:5], batch[5:])]
+        ga, gb = ref.optimizer_step()["grad_norm"], mb.optimizer_step()["grad_norm"]
+        r["steps"].append({"loss_rel": max(_rel(x["loss"], y["loss"]) for x, y in zip(b, a)),
+                           "grad_norm_rel": _rel(gb, ga)})
+        last = [x["loss"] for x in b] + [gb]
+    for name, k2 in (("policy", {}), ("reference", {"reference": True})):
+        x, y = mb.token_logprobs(probe, **k2), ref.token_logprobs(probe, **k2)
+        r[f"logprobs_{name}_maxabs"] = max(float((u - v).abs().max()) for u, v in zip(x, y))
+    after = mb.export_weights()
+    r["export_names_ok"] = set(after) == set(init)
+    r["weights_after_maxabs"] = _maxdiff(after, ref.export_weights())
+    mb2 = MegatronBackend(cfg_d, weights, **kw, **mb_kw)
+    mb2.accumulate(make_samples(4, vocab, seed=5), 4)  # perturb adapter and optimizer state (as parity() does)
+    mb2.optimizer_step()
+    extra = mb2.load_checkpoint(ckpt)
+    batch = make_samples(8, vocab, seed=1000 + steps - 1)
+    losses = [mb2.accumulate(part, 8)["loss"] for part in (batch[:5], batch[5:])] + [mb2.optimizer_step()["grad_norm"]]
+    wd = _maxdiff(mb2.export_weights(), after)
+    r["resume"] = {"extra": extra, "exact": losses == last and wd == 0.0, "weights_maxabs": wd}
+    mb2.close()
+    mb.close()
+    return r
+
+
 #: The loss and engine–trainer mismatch metrics both backends report, per micro-batch and per step.
 STEP_METRICS = ("clip_frac", "kl", "ratio_max", "logprob_diff", "logprob_diff_max", "mismatch_kl",
                 "mismatch_outside_clip_share", "mismatch_capped_share", "behaviour_weight_mean", "behaviour_ratio_max")
@@ -306,6 +367,7 @@ def run_single(models_dir: Path, out: Path) -> dict[str, Any]:
                         loss_aggregation="token_mean", behaviour_correction="tis", behaviour_cap=1.5,
                         behaviour_level="sequence", mask_truncated=True)))
         res["qwen2-tied"] = parity("qwen2-tied", models_dir, tmp, steps=1, check_ckpt=False, check_shards=False)
+        res["lora"] = lora_parity(models_dir, tmp)
         res["llama-untied"] = parity("llama", models_dir, tmp, steps=1, check_ckpt=False, check_shards=False)
         # bf16 + distributed optimizer: numbers within bf16 rounding, resume still exact
         res["stories-bf16-distopt"] = parity("stories", models_dir, tmp, check_shards=False,
@@ -376,6 +438,7 @@ def run_parallel(models_dir: Path, out: Path, *, distributed_optimizer: bool = F
         tmp = Path(tmp)
         res["stories"] = parity("stories", models_dir, tmp, mb_kw=mb_kw)
         res["qwen3"] = parity("qwen3", models_dir, tmp, mb_kw=mb_kw, check_ckpt=False)
+        res["lora"] = lora_parity(models_dir, tmp, mb_kw=mb_kw)
     out.write_text(json.dumps(res, indent=1, default=str))
     return res
 

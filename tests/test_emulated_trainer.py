@@ -137,3 +137,32 @@ def test_a_run_with_the_emulated_trainer_ships_deltas_of_its_density_and_loses_n
     assert served and all(v["served"] <= v["live"] and v["first_s"] <= v["median_s"] <= v["last_s"] for v in served)
     latest = (out / "checkpoints" / "latest").read_text().strip()
     assert (out / "checkpoints" / latest / "backend" / "emulated.safetensors").stat().st_size > 32 * 2**20
+
+
+@pytest.mark.integration
+def test_a_lora_load_test_at_8b_shape_ships_the_adapter_and_emulates_the_base(repo_root, tmp_path):
+    """Issue 49: ``trainer.lora`` with the emulated trainer and instances at Qwen3-8B's shape — a version is the rank-r
+    adapter of PEFT's shapes on every linear (real bf16 bytes, every element moved each step), the base is the
+    profile's (its load modelled, never pulled), and nothing is lost."""
+    from test_demo_run import diagnose, run_cli
+
+    from rlboost_hpc.models.lora import adapter_shapes
+    from rlboost_hpc.sim.profiles import profile
+
+    arch = profile("8b").model.arch()
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    adapter = 2 * sum(r * c for r, c in adapter_shapes(arch, targets, 1).values())
+    out = tmp_path / "lora8b"
+    p = run_cli(repo_root, out, "trainer.steps=3", "rollout.engine='emulated'", "trainer.backend='emulated'",
+                "trainer.lora.rank=1", "rollout.emulated.response_median=24", "rollout.emulated.time_scale=1",
+                "rollout.emulated.load_bytes_per_s=1e12", "cluster.max_workers=2", "policy.cap=false",
+                "trainer.checkpoint_every=0")
+    assert p.returncode == 0, diagnose(p, out)
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["steps"] == 3 and rep["responses_lost"] == rep["responses_duplicated"] == 0
+    assert rep["tokens_trained_off_version"] == 0 and rep["weight_checksum_mismatches"] == 0
+    lo = rep["lora"]
+    assert 0 <= lo["adapter_bytes"] - adapter < 64 * 36 * 14 and lo["base_bytes"] == int(2 * 8.19e9), lo
+    assert lo["base_pulled_bytes"] == 0 and lo["base_loads"]["pulled"] == 0  # the base is never on the wire
+    assert lo["base_loads"]["path"] + lo["base_loads"]["trainer"] >= 1, lo
+    assert rep["weight_update_bytes_mean"] > 0.2 * lo["adapter_bytes"]  # every adapter element moves each step

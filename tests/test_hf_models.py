@@ -263,16 +263,11 @@ def test_main_job_trains_a_qwen3_checkpoint_with_preemption_and_exports_it(tiny_
     the weight server into ``RUN/model``, loads in transformers with the trainer's logits."""
     from test_demo_run import diagnose, run_cli
 
+    from _util import preempted_run
+
     d = tiny_dirs["qwen3"]
-    trace = tmp_path / "trace.csv"
-    trace.write_text("0,add,a\n0,add,b\n1000,remove,a\n1500,add,c\n")
     out = tmp_path / "run"
-    p = run_cli(REPO, out, f"model.path='{d}'", "task.name=gsm8k", "trainer.steps=3", "task.train_prompts=24",
-                "task.heldout_prompts=4", "trainer.eval_samples=2", "rollout.prompts_per_step=8",
-                "rollout.max_new_tokens=96", "weights.dtype=float32", f"cluster.trace='{trace}'",
-                "cluster.time_scale=1.0", "cluster.replay_s=120", "cluster.window_start_s=0", "cluster.max_workers=2",
-                "cluster.min_changes=0", "cluster.min_removals=0", "cluster.min_starts=0",
-                "cluster.preempt_when_busy=true", "policy.cap=false")
+    p = run_cli(REPO, out, *preempted_run(d, tmp_path))
     assert p.returncode == 0, p.stderr[-3000:]
     rep = json.loads((out / "report.json").read_text())
     why = diagnose(p, out)

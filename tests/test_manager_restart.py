@@ -594,3 +594,47 @@ def test_a_first_manager_killed_while_it_starts_is_started_again_within_the_budg
     with pytest.raises(RunFailed, match="could not be started"):
         ManagerSupervisor(spawn(10), restore=False, restarts=3, window_s=600, bind="tcp://127.0.0.1:0")
     assert len(calls) == 4  # the first start and its 3 restarts
+
+
+def test_a_trainer_call_outlives_a_manager_restart_slower_than_the_calls_timeout():
+    """Regression (issue 49's chaos runs on a loaded 2-core host): the trainer's SetVersion failed with "did not answer
+    SetVersion within 10s" although the manager was only restarting — its restart, which the call's wait blocks for
+    (``ManagerSupervisor.alive``), took 10.3 s and used up the call's whole timeout. A restarted manager now gets the
+    call again with the whole timeout: here a 1.5 s restart inside a 1 s call."""
+    import threading
+
+    import zmq
+
+    from rlboost_hpc.trainer.client import ManagerClient
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    state = {"restarted": 0, "dies_at": time.monotonic() + 0.3}
+
+    def alive() -> bool:  # as the supervisor's: blocks while it restarts the dead manager
+        if state["restarted"] == 0 and time.monotonic() >= state["dies_at"]:
+            time.sleep(1.5)
+            state["restarted"] = 1
+        return True
+
+    def manager() -> None:  # the dead manager answers nothing; the restarted one answers the resent call
+        while True:
+            ident, frame = router.recv_multipart()
+            msg = M.decode(frame)
+            if state["restarted"]:
+                router.send_multipart([ident, M.encode(M.Ok(what="setver", cid=msg.cid))])
+                return
+
+    t = threading.Thread(target=manager, daemon=True)
+    t.start()
+    client = ManagerClient(f"tcp://127.0.0.1:{port}", ctx=ctx, timeout_s=1.0, alive=alive, resend_s=5.0,
+                           restarts=lambda: state["restarted"])
+    try:
+        reply = client.call(M.SetVersion(version=1, checksum=5))
+        assert isinstance(reply, M.Ok) and client.resends >= 1
+    finally:
+        client.close()
+        router.close()
+        ctx.term()

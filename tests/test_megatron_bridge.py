@@ -271,6 +271,24 @@ def test_tp1_matches_the_reference(single, model):
                    for row in single[model]["steps"])
 
 
+def check_lora_parity(r: dict) -> None:
+    """Issue 49: the Megatron backend's LoRA (TP-sharded A/B) equals PEFT's on the torch backend — the published
+    adapter (every holder's share, pulled and assembled), logprobs of the policy and of the reference (the base, adapter
+    off), GRPO steps, the adapter after them — and resumes exactly from a checkpoint of the adapter alone."""
+    s = r["shards"]
+    assert s["names_ok"] and s["maxabs"] <= 1e-2 and s["bytes_total"] == s["adapter_bf16_bytes"], s
+    assert s["holders"] == r["layout"]["tp"] * r["layout"]["pp"]
+    for row in r["steps"]:
+        assert row["loss_rel"] <= 1e-5 and row["grad_norm_rel"] <= 1e-5, row
+    assert r["logprobs_policy_maxabs"] <= 1e-4 and r["logprobs_reference_maxabs"] <= 2e-5, r
+    assert r["export_names_ok"] and r["weights_after_maxabs"] <= 1e-4, r
+    assert r["resume"]["exact"] and r["resume"]["extra"] == {"step": len(r["steps"]) - 1}, r["resume"]
+
+
+def test_tp1_lora_matches_peft_on_the_torch_backend(single):
+    check_lora_parity(single["lora"])
+
+
 def test_tp1_resume_reproduces_the_next_step_exactly(single):
     r = single["stories"]["resume"]
     assert r["losses"] == r["uninterrupted"] and r["weights_maxabs"] == 0.0

@@ -83,6 +83,16 @@ def test_dp2_distributed_optimizer_matches_the_reference(dp2, model):
     check_parity(r)
 
 
+def test_lora_with_tp_sharded_a_and_b_matches_peft_at_every_layout(tp2, pp2, dp2):
+    """Issue 49: LoRA on the column/row-parallel linears at TP=2 (A or B sharded per layer kind), PP=2 (each stage its
+    layers' adapters) and DP=2 with the distributed optimizer, against PEFT on the torch backend."""
+    from test_megatron_bridge import check_lora_parity
+
+    for r in (tp2["lora"], pp2["lora"], dp2["lora"]):
+        check_lora_parity(r)
+    assert tp2["lora"]["layout"]["tp"] == 2 and pp2["lora"]["layout"]["pp"] == 2 and dp2["lora"]["layout"]["dp"] == 2
+
+
 def test_resume_is_exact_at_every_layout(tp2, pp2, dp2):
     for r in (tp2["stories"], pp2["stories"], dp2["stories"]):
         assert r["resume"]["exact"] and r["resume"]["weights_maxabs"] == 0.0, (r["layout"], r["resume"])

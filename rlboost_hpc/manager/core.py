@@ -157,9 +157,9 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         self.groups: dict[str, Group] = {}
         self.queue: deque[str] = deque()
         self.trainer_peer: bytes | None = None
-        self.weights_endpoint = ""
-        self.weights_shards = ""  # the assembly manifest of sharded versions (JSON), "" = one weight server
-        self.model_config, self.model_arch = {}, {}  # the trainer's config.json and parsed ModelArch
+        # the weight server, the assembly manifest of sharded versions (JSON; "" = one weight server), the trainer's
+        # config.json and parsed ModelArch, a LoRA run's AdapterSpec (versions are adapters on its base)
+        self.weights_endpoint, self.weights_shards, self.model_config, self.model_arch, self.adapter = "", "", {}, {}, None
         self.latest_version = -1
         self.lineage = VersionLineage(self.route_lag)  # the versions of the current trainer lineage (routing)
         # who serves the latest version to whom (policy/relay.py); reserved instances pull in-process, never relay

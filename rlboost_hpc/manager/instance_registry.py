@@ -74,6 +74,7 @@ class InstanceRegistry:
     weights_shards: str
     model_config: dict
     model_arch: dict
+    adapter: "M.AdapterSpec | None"
     latest_checksum: int
     epoch: int
     heartbeat_s: float
@@ -237,7 +238,8 @@ class InstanceRegistry:
             model_config=self.model_config, model_arch=self.model_arch, heartbeat_s=self.heartbeat_s,
             stream_every_tokens=self.stream_every_tokens, stream_every_s=self.stream_every_s, epoch=self.epoch,
             peers=list(src.peers), wait=src.wait, weights_shards=self.weights_shards,
-            latest_checksum=self.latest_checksum, resend=inst.restored, on_new_version=self.on_new_version))
+            latest_checksum=self.latest_checksum, resend=inst.restored, on_new_version=self.on_new_version,
+            adapter=self.adapter))
 
     def _unknown(self, peer: bytes, what: str) -> None:
         """A message from a peer that is not (or no longer) a registered instance: drop it and tell the peer
@@ -274,7 +276,9 @@ class InstanceRegistry:
         self.dist.pull_seconds.observe(msg.pull_s)
         if msg.wire_bytes >= msg.nbytes > 0:
             self.dist.full_pull_seconds.observe(msg.pull_s)
-        self.counters.weight_pulled_bytes += msg.wire_bytes
+        self.counters.weight_pulled_bytes += msg.wire_bytes + msg.base_wire_bytes
+        if msg.base_source:
+            self._count_base(msg)
         if msg.version == self.latest_version and self.latest_checksum and msg.checksum != self.latest_checksum:
             # bytes other than the trainer's export: never routable; it is asked to leave (a replacement pulls anew)
             self.counters.weight_checksum_mismatches += 1
@@ -302,6 +306,14 @@ class InstanceRegistry:
             inst.ready_at = inst.ready_at or self.clock()
             if inst.kind == "preemptible" and not self.seeding_open:  # the end of a co-located fallback
                 self.release_reserved()
+
+    def _count_base(self, msg: M.WeightsLoaded) -> None:
+        """A LoRA instance's base load: counted by source (an unknown source is counted as a pull)."""
+        c = self.counters
+        field = {"path": "base_loads_from_path", "cache": "base_loads_from_cache",
+                 "trainer": "base_loads_in_trainer"}.get(msg.base_source, "base_loads_pulled")
+        setattr(c, field, getattr(c, field) + 1)
+        c.base_pulled_bytes += msg.base_wire_bytes
 
     def _on_WeightsFailed(self, peer: bytes, inst: Instance | None, msg: M.WeightsFailed) -> None:
         if inst is None:

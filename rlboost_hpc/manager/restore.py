@@ -107,7 +107,7 @@ def _apply(core, rec: W.Record, now: float) -> None:
             new_trainer(core)
             core._new_trainer = True
         core.trainer_peer, core.weights_endpoint, core.weights_shards = rec.peer or None, rec.weights_endpoint, rec.weights_shards
-        core.model_config, core.model_arch = rec.model_config, rec.model_arch
+        core.model_config, core.model_arch, core.adapter = rec.model_config, rec.model_arch, rec.adapter
         if rec.weights_shards:
             core.relay.fanout = 0
     elif isinstance(rec, W.Version):

@@ -59,6 +59,7 @@ class TrainerCalls:
     weights_shards: str
     model_config: dict
     model_arch: dict
+    adapter: "M.AdapterSpec | None"
     latest_version: int
     latest_checksum: int
     lineage: VersionLineage
@@ -94,12 +95,13 @@ class TrainerCalls:
             self.relay.fanout = 0
         self.model_config = msg.model_config
         self.model_arch = msg.model_arch
+        self.adapter = msg.adapter
         self.log_work(self._hello_record())
         self.send(peer, M.Ok(what="hello", cid=msg.cid))
 
     def _hello_record(self) -> W.Hello:
         return W.Hello(self.trainer_peer or b"", self.weights_endpoint, self.weights_shards, self.model_config,
-                       self.model_arch)
+                       self.model_arch, self.adapter)
 
     def _trainer_only(self, peer: bytes, what: str) -> bool:
         if peer != self.trainer_peer:

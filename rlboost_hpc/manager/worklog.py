@@ -34,6 +34,7 @@ import msgspec
 
 from rlboost_hpc.errors import BadInput
 from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.protocol.adapter import AdapterSpec
 from rlboost_hpc.protocol.stats import ManagerCounters
 
 
@@ -60,6 +61,7 @@ class Hello(_Rec, tag="hello"):
     weights_shards: str
     model_config: dict
     model_arch: dict
+    adapter: AdapterSpec | None = None  # a LoRA run's adapter spec (TrainerHello.adapter)
 
 
 class Version(_Rec, tag="version"):

@@ -18,6 +18,10 @@ Invariants:
   generation. For the same tokens and positions both paths give the same logits up to float rounding.
 - A :class:`KVCache` slot holds keys/values for positions ``[0, length)`` of one sequence; ``decode`` attends
   each slot only to its own ``length`` entries (plus the new one), so slots of different lengths batch together.
+- LoRA for serving: with :attr:`LlamaModel.adapters` set (:class:`~rlboost_hpc.models.lora.AdapterSlots`), ``prefill``
+  and ``decode`` add each request's adapter (its slot) to every adapted linear layer, unmerged: the base weights are
+  never modified. The training path leaves adapters to the caller's modules (PEFT wraps them); ``adapters`` stays
+  None there.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlboost_hpc.models.arch import ModelArch
+from rlboost_hpc.models.lora import AdapterSlots
 
 __all__ = ["LlamaModel", "KVCache", "RMSNorm", "rope_inv_freq"]
 
@@ -172,6 +177,8 @@ class LlamaModel(nn.Module):
         self._inv_freq = rope_inv_freq(config)
         self._rope_cache: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._scale = config.head_dim ** -0.5
+        #: adapter versions served unmerged by prefill/decode (None: the base alone, or a PEFT-wrapped trainer model)
+        self.adapters: AdapterSlots | None = None
 
     # ------------------------------------------------------------------ helpers
     @classmethod
@@ -218,12 +225,31 @@ class LlamaModel(nn.Module):
         h = x.shape[-1] // 2
         return x * cos + torch.cat((x[..., h:], x[..., :h]), dim=-1) * sin_signed
 
-    def _qkv(self, a: Attention, h: torch.Tensor, lead: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-        """q ``[*lead, H, hd]``, k and v ``[*lead, KV, hd]`` of normed hidden states ``h`` (biases, q/k norm)."""
+    def _lin(self, module: nn.Module, x: torch.Tensor, li: int, target: str, sel) -> torch.Tensor:
+        """``module(x)`` plus, when ``sel`` names adapter slots (an int, or one per row), the served adapter's update
+        of ``target`` in layer ``li``."""
+        y = module(x)
+        if sel is not None and self.adapters is not None:
+            d = self.adapters.delta(li, target, x, sel)
+            if d is not None:
+                y = y + d
+        return y
+
+    def _mlp(self, mlp: MLP, h: torch.Tensor, li: int, sel) -> torch.Tensor:
+        """The SwiGLU MLP of layer ``li`` (its adapters when ``sel`` names slots)."""
+        if sel is None:
+            return mlp(h)
+        g = F.silu(self._lin(mlp.gate_proj, h, li, "gate_proj", sel)) * self._lin(mlp.up_proj, h, li, "up_proj", sel)
+        return self._lin(mlp.down_proj, g, li, "down_proj", sel)
+
+    def _qkv(self, a: Attention, h: torch.Tensor, lead: tuple[int, ...], li: int = -1, sel=None
+             ) -> tuple[torch.Tensor, ...]:
+        """q ``[*lead, H, hd]``, k and v ``[*lead, KV, hd]`` of normed hidden states ``h`` (biases, q/k norm; the
+        adapters of layer ``li`` when ``sel`` names slots)."""
         cfg = self.config
-        q = a.q_proj(h).view(*lead, cfg.num_attention_heads, cfg.head_dim)
-        k = a.k_proj(h).view(*lead, cfg.num_key_value_heads, cfg.head_dim)
-        v = a.v_proj(h).view(*lead, cfg.num_key_value_heads, cfg.head_dim)
+        q = self._lin(a.q_proj, h, li, "q_proj", sel).view(*lead, cfg.num_attention_heads, cfg.head_dim)
+        k = self._lin(a.k_proj, h, li, "k_proj", sel).view(*lead, cfg.num_key_value_heads, cfg.head_dim)
+        v = self._lin(a.v_proj, h, li, "v_proj", sel).view(*lead, cfg.num_key_value_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = a.q_norm(q), a.k_norm(k)
         return q, k, v
@@ -271,11 +297,12 @@ class LlamaModel(nn.Module):
         return self.lm_head(self.model.norm(self._trunk(input_ids, cos, sin, allowed))).float()
 
     def _trunk(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor,
-               kv_out: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+               kv_out: list[tuple[torch.Tensor, torch.Tensor]] | None = None, sel: int | None = None) -> torch.Tensor:
         """Hidden states ``[B,T,D]`` before the final norm. ``allowed``: ``[B|1,T,T]`` bool (query, key).
 
         Masked scores are set to the most negative fp32 (not -inf), so fully masked rows stay finite.
-        ``kv_out`` (if given) receives each layer's post-RoPE keys and values, ``[B,KV,T,hd]`` each.
+        ``kv_out`` (if given) receives each layer's post-RoPE keys and values, ``[B,KV,T,hd]`` each. ``sel``: the
+        adapter slot every row is served with (None: none).
         """
         cfg = self.config
         B, T = input_ids.shape
@@ -284,9 +311,9 @@ class LlamaModel(nn.Module):
         bias = torch.zeros(allowed.shape, dtype=torch.float32, device=input_ids.device)
         bias = bias.masked_fill(~allowed, torch.finfo(torch.float32).min)[:, None, None]  # [B|1,1,1,T,T]
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
+        for li, layer in enumerate(self.model.layers):
             a = layer.self_attn
-            q, k, v = self._qkv(a, layer.input_layernorm(x), (B, T))
+            q, k, v = self._qkv(a, layer.input_layernorm(x), (B, T), li, sel)
             q = self._apply_rope(q.transpose(1, 2), cos, sin).view(B, KV, G, T, hd)
             k = self._apply_rope(k.transpose(1, 2), cos, sin)
             v = v.transpose(1, 2)
@@ -296,8 +323,8 @@ class LlamaModel(nn.Module):
             p = torch.softmax(scores, dim=-1).to(v.dtype)
             o = torch.matmul(p, v.unsqueeze(2))  # [B,KV,G,T,hd]
             o = o.view(B, H, T, hd).transpose(1, 2).reshape(B, T, H * hd)
-            x = x + a.o_proj(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + self._lin(a.o_proj, o, li, "o_proj", sel)
+            x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x), li, sel)
         return x
 
     # ------------------------------------------------------------------ generation
@@ -308,13 +335,15 @@ class LlamaModel(nn.Module):
                        device=w.device, dtype=w.dtype)
 
     @torch.no_grad()
-    def prefill(self, cache: KVCache, slot: int, input_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    def prefill(self, cache: KVCache, slot: int, input_ids: Sequence[int] | torch.Tensor,
+                adapter: int | None = None) -> torch.Tensor:
         """Reset ``slot``, run ``input_ids`` (positions ``0..T-1``) through the model and cache their keys/values.
 
         Args:
             cache: the cache to fill.
             slot: slot index in ``[0, cache.num_slots)``.
             input_ids: ``T ≥ 1`` token ids (list or 1-D long tensor).
+            adapter: the :attr:`adapters` slot to serve the request with (None: the base alone).
 
         Returns:
             ``[V]`` float32 logits of the last position. Afterwards ``cache.length(slot) == T``.
@@ -331,7 +360,7 @@ class LlamaModel(nn.Module):
         cos_t, sin_t = self._rope_tables(T, cache.device)
         allowed = torch.ones(T, T, dtype=torch.bool, device=cache.device).tril()[None]
         kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-        x = self._trunk(ids[None], cos_t[:T], sin_t[:T], allowed, kv_out=kv)
+        x = self._trunk(ids[None], cos_t[:T], sin_t[:T], allowed, kv_out=kv, sel=adapter)
         for li, (k, v) in enumerate(kv):
             cache.k[li, slot, :, :T] = k[0]
             cache.v[li, slot, :, :T] = v[0]
@@ -339,7 +368,8 @@ class LlamaModel(nn.Module):
         return self.lm_head(self.model.norm(x[0, -1])).float()
 
     @torch.no_grad()
-    def decode(self, cache: KVCache, slots: torch.Tensor | Sequence[int], input_ids: torch.Tensor) -> torch.Tensor:
+    def decode(self, cache: KVCache, slots: torch.Tensor | Sequence[int], input_ids: torch.Tensor,
+               adapters: Sequence[int] | None = None) -> torch.Tensor:
         """Append one token to each listed slot and return the next-token logits.
 
         Slot ``slots[i]`` gets ``input_ids[i]`` at position ``cache.length(slots[i])`` and attends to its own
@@ -349,6 +379,7 @@ class LlamaModel(nn.Module):
         Args:
             slots: ``[S]`` long (distinct slot indices).
             input_ids: ``[S]`` long.
+            adapters: the :attr:`adapters` slot of each row (None: the base alone); rows may differ.
 
         Returns:
             ``[S, V]`` float32 logits. Each listed slot's length grows by one.
@@ -387,10 +418,14 @@ class LlamaModel(nn.Module):
         bias = bias.view(S, 1, 1, Tm)
         write_slots = slot_t if slot_t is not None else torch.arange(s0, s0 + S, device=dev)
         eps = cfg.rms_norm_eps
+        sel = None
+        if adapters is not None and self.adapters is not None:
+            ad = [int(i) for i in adapters]
+            sel = ad[0] if len(set(ad)) == 1 else torch.tensor(ad, dtype=torch.long, device=dev)
         x = F.embedding(ids, self.model.embed_tokens.weight)  # [S,D]
         for li, layer in enumerate(self.model.layers):
             a, mlp = layer.self_attn, layer.mlp
-            q, k, v = self._qkv(a, rms_norm(x, layer.input_layernorm.weight, eps), (S,))
+            q, k, v = self._qkv(a, rms_norm(x, layer.input_layernorm.weight, eps), (S,), li, sel)
             q = self._apply_rope(q, cos, sin).view(S, KV, G, hd)
             k = self._apply_rope(k, cos, sin)
             ck, cv = cache.k[li], cache.v[li]
@@ -402,10 +437,14 @@ class LlamaModel(nn.Module):
                 K, V_ = ck[slot_t, :, :Tm], cv[slot_t, :, :Tm]
             scores = torch.matmul(q, K.transpose(-1, -2)).float() * self._scale + bias  # [S,KV,G,Tm]
             o = torch.matmul(torch.softmax(scores, dim=-1).to(V_.dtype), V_).reshape(S, H * hd)
-            x = x + F.linear(o, a.o_proj.weight)
-            h = rms_norm(x, layer.post_attention_layernorm.weight, eps)
-            x = x + F.linear(F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight),
-                             mlp.down_proj.weight)
+            if sel is None:
+                x = x + F.linear(o, a.o_proj.weight)
+                h = rms_norm(x, layer.post_attention_layernorm.weight, eps)
+                x = x + F.linear(F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight),
+                                 mlp.down_proj.weight)
+            else:
+                x = x + self._lin(a.o_proj, o, li, "o_proj", sel)
+                x = x + self._mlp(mlp, rms_norm(x, layer.post_attention_layernorm.weight, eps), li, sel)
         for s in sl:
             lens[s] += 1
         return self.lm_head(self.model.norm(x)).float()

@@ -58,6 +58,9 @@ Schema (:class:`RunReport`; every key below is always present except the multi-t
   their profile asked for), ``emulated_late_s`` (seconds they ran behind it), ``emulated_late_ratio`` ((modelled +
   late) ÷ modelled: 1 on time, 3.2 for a host 3.2× slower than the profile) and ``emulated_represents_profile``
   (false when the ratio passed 1.2: the run's timings are the host's, not the profile's).
+- LoRA (``lora``; ``null`` when every weight trains): ``rank``, ``alpha``, ``targets``, ``adapter_bytes`` (one
+  version), ``base_checksum`` (hex), ``base_bytes``, ``base_loads`` (instances' base loads by source: ``path``,
+  ``cache``, ``pulled``, ``trainer``), ``base_pulled_bytes``, ``adapter_out`` / ``merged_out`` (the exports).
 - multi-turn only: ``turns_per_trajectory_mean``, ``environment_calls`` / ``_errors`` / ``_timeouts`` /
   ``_seconds`` / ``_replays`` (stateful environments rebuilt by replay), ``tool_time_share`` (tool seconds ÷ training wall time), ``observation_tokens``,
   ``migrations_by_turn``, ``tokens_in_interrupted_turns``, ``assistant_tokens_in_interrupted_trajectories``.
@@ -231,6 +234,7 @@ class RunReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     examples_after: list[Any]
     #: a user's task: each reward function (and reward model) → calls, failed, timed_out, mean (over the run)
     reward_functions: dict[str, dict[str, Any]] | None = None
+    lora: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The report as ``report.json`` holds it (plain JSON types, multi-turn keys only when set)."""
@@ -346,7 +350,8 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
                  multi_turn: bool, resumes: int, resumed_from_step: int | None, train_wall_s: float, wall_s: float,
                  trace_window_start_s: float | None, max_staleness: int = 0,
                  faults_scheduled: dict[str, int] | None = None,
-                 gate: tuple[float, float] = (D.GATE_MAX_KL_NATS_PER_TOKEN, D.GATE_MAX_REPETITION)) -> RunReport:
+                 gate: tuple[float, float] = (D.GATE_MAX_KL_NATS_PER_TOKEN, D.GATE_MAX_REPETITION),
+                 lora: dict[str, Any] | None = None) -> RunReport:
     """The report of a finished run.
 
     Args:
@@ -363,6 +368,7 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
             ``sealed_bytes_served``, ``shards``).
         train_wall_s: training seconds of all incarnations; ``wall_s``: this incarnation's seconds.
         gate: the quality gate's bounds (KL nats/token, repeated 3-gram share): :func:`quality_gate`.
+        lora: a LoRA run's adapter and base (``rank``, ``alpha``, ``targets``, ``base_*``, ``*_out``) or None.
     """
     multi = _multi_turn_summary(steps, stats, train_wall_s) if multi_turn else {}
     updates = [p["weight_update_bytes"] for p in publishes[1:]]
@@ -417,4 +423,12 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         throughput_tokens_per_s=totals.tokens_trained / train_wall_s if train_wall_s > 0 else 0.0,
         train_wall_s=train_wall_s, **summarize(steps), wall_s=wall_s,
         trace_window_start_s=trace_window_start_s, examples_after=after["examples"],
-        faults_scheduled=faults_scheduled or None)
+        faults_scheduled=faults_scheduled or None, lora=lora and _lora_summary(lora, publishes, stats))
+
+
+def _lora_summary(lora: dict[str, Any], publishes: list[dict], stats: ManagerStats) -> dict[str, Any]:
+    """The report's ``lora`` entry: the run's adapter and base, one version's bytes, the instances' base loads."""
+    return {**lora, "adapter_bytes": publishes[-1]["weight_bytes"] if publishes else 0,
+            "base_loads": {"path": stats.base_loads_from_path, "cache": stats.base_loads_from_cache,
+                           "pulled": stats.base_loads_pulled, "trainer": stats.base_loads_in_trainer},
+            "base_pulled_bytes": stats.base_pulled_bytes}

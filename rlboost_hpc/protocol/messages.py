@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 import msgspec
 import numpy as np
 
+from rlboost_hpc.protocol.adapter import EMULATED_BASE, AdapterSpec  # noqa: F401 (re-exported)
 from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.protocol.stats import ManagerStats
 
@@ -77,6 +78,10 @@ class WeightsLoaded(_Msg, tag="wloaded"):
     pull_s: float
     load_s: float
     wire_bytes: int = 0
+    # a LoRA instance's first version: where its base came from ("path", "cache", "pull", "trainer"), the bytes it
+    # received over the network for it (0 unless pulled; not in wire_bytes) and its seconds (in pull_s)
+    base_source: Annotated[str, msgspec.Meta(max_length=16)] = ""
+    base_wire_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class WeightsFailed(_Msg, tag="wfailed"):
@@ -178,6 +183,8 @@ class Welcome(_Msg, tag="welcome"):
     # bounded staleness (rollout.on_new_version): "continue" = load a newer version between decode iterations while
     # responses run (their tokens then span versions); "finish" = load it once the engine is idle
     on_new_version: str = "finish"
+    # a LoRA run (trainer.lora): versions are adapters on this base (protocol/adapter.py); None = full versions
+    adapter: AdapterSpec | None = None
 
 
 class Alive(_Msg, tag="alive"):
@@ -295,6 +302,7 @@ class TrainerHello(_Msg, tag="thello"):
     model_arch: dict = {}
     cid: int = 0
     weights_shards: str = ""
+    adapter: AdapterSpec | None = None  # a LoRA run: versions are adapters on this base (protocol/adapter.py)
 
 
 class SetVersion(_Msg, tag="setver"):

@@ -60,6 +60,13 @@ class ManagerCounters(msgspec.Struct, kw_only=True):
     # it (a host slower than the profile); the ratio (modelled + late) / modelled says how late the run ran
     emulated_modelled_seconds: float = 0.0
     emulated_late_seconds: float = 0.0
+    # LoRA runs: the bases instances loaded, by source (model.path on their node, their node's cache, a pull from the
+    # trainer's base server, the trainer's own memory for the reserved engine), and the bytes the pulls received
+    base_loads_from_path: int = 0
+    base_loads_from_cache: int = 0
+    base_loads_pulled: int = 0
+    base_loads_in_trainer: int = 0
+    base_pulled_bytes: int = 0
     turns_completed: int = 0
     environment_calls: int = 0
     environment_errors: int = 0

@@ -36,6 +36,7 @@ class ResponseTokens:
     ids: list[int] = field(default_factory=list)
     lps: list[float] = field(default_factory=list)
     finish: int = M.FINISH_NONE
+    version: int = -1  # the weight version that produced these tokens (-1: the engine's when sent)
 
 
 class AgentResponses:
@@ -47,7 +48,7 @@ class AgentResponses:
     """
 
     #: the agent's methods this part calls
-    CORE_METHODS = ("_send", "held_version")
+    CORE_METHODS = ("_send", "held_version", "_servable")
 
     # the agent's state this part reads and writes (set in RolloutAgent.__init__)
     engine: Engine | None
@@ -56,6 +57,7 @@ class AgentResponses:
     timings: dict[str, float]
     _pos: dict[str, int]
     _gen: dict[str, GenRequest]
+    _ver: dict[str, int]
     _pending: dict[str, ResponseTokens]
     _sent: dict[str, ResponseTokens]
     _sent_done: deque[tuple[float, str]]
@@ -72,7 +74,7 @@ class AgentResponses:
                 self._pos.pop(w.rid, None)
                 self._pending.pop(w.rid, None)
             self._sent.pop(w.rid, None)  # (a response resumed here again: its tokens start over)
-            if w.version != self.held_version() or self.engine is None:
+            if self.engine is None or not self._servable(w.version):
                 self._send(M.RequestFailed(rid=w.rid, error=f"assigned version {w.version}, instance holds "
                                            f"{self.held_version()}"))
                 continue
@@ -81,9 +83,10 @@ class AgentResponses:
                     rid=w.rid, prompt_ids=list(w.prompt_ids), prefix_ids=list(w.prefix_ids),
                     max_new_tokens=w.tokens_left,
                     sampling=SamplingParams(temperature=w.temperature, top_p=w.top_p, seed=w.seed,
-                                            stop_token_ids=tuple(w.stop_ids)))
+                                            stop_token_ids=tuple(w.stop_ids)),
+                    adapter_version=w.version if self.engine.max_adapters else None)
                 self.engine.add(gen)
-                self._pos[w.rid], self._gen[w.rid] = len(w.prefix_ids), gen
+                self._pos[w.rid], self._gen[w.rid], self._ver[w.rid] = len(w.prefix_ids), gen, w.version
             except Exception as e:
                 self._send(M.RequestFailed(rid=w.rid, error=f"{type(e).__name__}: {e}"))
 
@@ -96,6 +99,7 @@ class AgentResponses:
         for rid in rids:
             self.tokens_handed_off += self._pos.pop(rid, 0)
             self._gen.pop(rid, None)
+            self._ver.pop(rid, None)
         self._flush()
         for rid in rids:
             self._sent.pop(rid, None)
@@ -122,13 +126,14 @@ class AgentResponses:
             rids.append(rid)
             offs.append(p.offset)
             cnts.append(len(p.ids))
-            vers.append(v)
+            vers.append(p.version if p.version >= 0 else v)
             fins.append(p.finish)
             ids.extend(p.ids)
             lps.extend(p.lps)
             h = self._sent.get(rid)
             if h is None:
                 h = self._sent[rid] = ResponseTokens(offset=p.offset)
+            h.version = p.version
             h.ids += p.ids
             h.lps += p.lps
             if p.finish:
@@ -147,7 +152,8 @@ class AgentResponses:
         v = self.engine.version if self.engine is not None else -1
         items = list(self._sent.items())
         self._send(M.Tokens(rids=[r for r, _ in items], offsets=[h.offset for _, h in items],
-                            counts=[len(h.ids) for _, h in items], versions=[v] * len(items),
+                            counts=[len(h.ids) for _, h in items],
+                            versions=[h.version if h.version >= 0 else v for _, h in items],
                             finish=[h.finish for _, h in items], ids=M.pack_i32([i for _, h in items for i in h.ids]),
                             logprobs=M.pack_f32([x for _, h in items for x in h.lps]), resent=True,
                             generated=self.tokens_generated))
@@ -161,6 +167,7 @@ class AgentResponses:
         self._flush()
         self._pos.pop(rid, None)
         self._gen.pop(rid, None)
+        self._ver.pop(rid, None)
         self._sent.pop(rid, None)
         self._send(M.RequestFailed(rid=rid, error=error[:2000]))
 
@@ -170,7 +177,7 @@ class AgentResponses:
         for ev in events:
             p = self._pending.get(ev.rid)
             if p is None:
-                p = self._pending[ev.rid] = ResponseTokens(offset=self._pos[ev.rid])
+                p = self._pending[ev.rid] = ResponseTokens(offset=self._pos[ev.rid], version=self._ver.get(ev.rid, -1))
             p.ids.extend(ev.token_ids)
             p.lps.extend(ev.logprobs)
             self._pos[ev.rid] += len(ev.token_ids)
@@ -179,6 +186,7 @@ class AgentResponses:
                 p.finish = M.FINISH_CODES[ev.finish_reason]
                 self._pos.pop(ev.rid, None)
                 self._gen.pop(ev.rid, None)
+                self._ver.pop(ev.rid, None)
                 finished = True
         if self.tokens_generated and "first_token" not in self.timings:
             self.timings["first_token"] = time.time()

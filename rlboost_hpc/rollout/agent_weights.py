@@ -9,19 +9,32 @@ weights. A version counts only in the manager epoch it was loaded in (:meth:`Age
 identity is (number, whole-version checksum): the agent pulls whenever the manager's latest differs from what it holds
 in either — also to a lower number, which a trainer resumed from an older checkpoint announces — and the pull
 refuses a holder whose version of that number has another checksum; a finished pull of a version above the one now
-wanted (made by a trainer that no longer exists) is dropped, never loaded. Another kind of weight update (an adapter
-loaded next to the base weights) changes this part, not the request loop.
+wanted (made by a trainer that no longer exists) is dropped, never loaded.
+
+LoRA runs (``Welcome.adapter``): the first engine is built on the base (:mod:`rlboost_hpc.rollout.base_weights`:
+``model.path`` on this node, the node's cache, or one pull), then every version is an adapter. An adapter is loaded
+at once into a free slot of the engine — requests of older versions go on under theirs, each response's tokens
+stamped with the version that produced it — and the slot it needs is freed first from a version no request in flight
+names (the oldest); versions older than the engine's ``max_adapters`` window are unloaded once nothing names them.
+When every slot is named (never under the manager's staleness window) the load waits for the next loop iteration
+while generation goes on: no load or unload ever waits on requests. The version's checksum is the adapter's combined
+with the base's (:func:`~rlboost_hpc.protocol.adapter.adapter_version_checksum`); an instance whose base is not the
+run's refuses to serve, says why (``WeightsFailed``) and never pulls again. (A holder's adapter is checked against
+that combined identity once pulled, not by the pull: the manifest carries the adapter's own checksum.)
 """
 from __future__ import annotations
 
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable
 
 from rlboost_hpc.models.arch import ModelArch
 from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.protocol.adapter import AdapterSpec
 from rlboost_hpc.protocol.auth import RunKeys
+from rlboost_hpc.rollout.base_weights import BaseMismatch, BaseWeights
 from rlboost_hpc.rollout.engines.base import Engine, GenRequest
 from rlboost_hpc.rollout.engines.factory import EngineFactory
 from rlboost_hpc.rollout.manager_link import ManagerLink
@@ -30,11 +43,30 @@ from rlboost_hpc.rollout.remote_weights import PulledVersion, WeightSource
 log = logging.getLogger("rlboost.agent")
 
 
-def weights_loaded(version: int, got: PulledVersion, load_s: float) -> M.WeightsLoaded:
+def weights_loaded(version: int, got: PulledVersion, load_s: float, *, checksum: int | None = None,
+                   base: BaseWeights | None = None) -> M.WeightsLoaded:
     """The one place a ``WeightsLoaded`` is built: ``version`` loaded from ``got`` in ``load_s`` seconds (engine
-    build or load; 0 for a re-registration that moved nothing)."""
-    return M.WeightsLoaded(version=version, checksum=got.checksum, nbytes=got.nbytes, pull_s=got.pull_s,
-                           load_s=load_s, wire_bytes=got.wire_bytes)
+    build or load; 0 for a re-registration that moved nothing); ``checksum``: the version's identity when it is not
+    ``got``'s (an adapter on its base); ``base``: the base loaded with it (a LoRA instance's first version: its
+    source and network bytes; its seconds added to ``pull_s``)."""
+    return M.WeightsLoaded(version=version, checksum=got.checksum if checksum is None else checksum, nbytes=got.nbytes,
+                           pull_s=got.pull_s + (base.seconds if base else 0.0), load_s=load_s,
+                           wire_bytes=got.wire_bytes, base_source=base.source if base else "",
+                           base_wire_bytes=base.wire_bytes if base else 0)
+
+
+@dataclass
+class _Pulled:
+    """What the builder thread hands back: the version, its pull (None on failure), the error, a new engine with its
+    build seconds, whether the failure means this instance must never serve (another base), and the base loaded."""
+
+    version: int
+    got: PulledVersion | None
+    error: str | None = None
+    engine: Engine | None = None
+    build_s: float = 0.0
+    refuse: bool = False
+    base: BaseWeights | None = None
 
 
 class AgentWeights:
@@ -69,12 +101,23 @@ class AgentWeights:
     _pull: Future | None
     _pull_failures: int
     _next_pull_at: float
+    _ver: dict[str, int]
+    _refused: str | None
+    job_id: str
+    attempt: int
 
     def held_version(self) -> int:
         """The version the engine holds in the current manager's epoch (-1: none / unknown weights)."""
         if self.engine is None or self.welcome is None or self.engine_epoch != self.welcome.epoch:
             return -1
         return self.engine.version
+
+    def _servable(self, version: int) -> bool:
+        """Whether the engine serves ``version`` in the current epoch: the version held, or (adapter engines) any
+        adapter version it still holds."""
+        held = self.held_version()
+        return held >= 0 and (version == held or (self.engine.max_adapters > 0
+                                                  and version in self.engine.adapter_versions()))
 
     def _fault_delay_s(self) -> float:
         """Chaos: extra seconds of this weight load — every load's (``fault_load_delay_s``) plus one the local cluster
@@ -113,86 +156,157 @@ class AgentWeights:
             self._next_pull_at = max(self._next_pull_at, time.monotonic() + self.relay_wait_s)
 
     def _start_pull(self, version: int, checksum: int = 0) -> None:
-        """Pull ``version`` (refusing a holder's version of another whole-version ``checksum``, when not 0) on the
-        builder thread; build the engine there too when there is none yet."""
+        """Pull ``version`` (refusing a holder's version of another whole-version ``checksum``, when not 0 and the
+        version is whole weights) on the builder thread; build the engine there too when there is none yet (on the
+        run's base first, in a LoRA run)."""
         assert self.welcome is not None
         weights, factory, model_config = self.weights, self.engine_factory, self.welcome.model_config
         endpoint, shards = self.want_source if self.want_source[0] else (self.welcome.weights_endpoint,
                                                                           self.welcome.weights_shards)
         keys = self.keys
         peers = list(self.want_peers)
-        arch_json = self.welcome.model_arch
+        arch_json, adapter = self.welcome.model_arch, self.welcome.adapter
         build = self.engine is None
+        label = f"{self.job_id}#{self.attempt}"
         slow = self._fault_delay_s if build else (lambda: 0.0)  # (a load's own delay is taken where it loads)
+        if adapter is not None:
+            checksum = 0  # (the manifest holds the adapter's checksum; the identity is checked once pulled)
 
-        def work() -> tuple:  # (version, PulledVersion, error, new engine, its build seconds)
+        def work() -> _Pulled:
+            arch = ModelArch.from_json(arch_json) if arch_json else None
+            base = None
+            if build and adapter is not None:
+                try:
+                    base = weights.base(adapter, arch, keys=keys, label=label)
+                except BaseMismatch as e:
+                    return _Pulled(version, None, f"refusing to serve: {e}", refuse=True)
+                except Exception as e:  # noqa: BLE001 - a failed base pull is retried like any pull
+                    return _Pulled(version, None, f"base model: {type(e).__name__}: {e}")
             try:
                 got = weights.pull(endpoint, version, peers=peers, keys=keys, shards=shards, checksum=checksum)
             except Exception as e:  # reported to the manager with its cause
-                return version, None, f"{type(e).__name__}: {e}", None, 0.0
+                return _Pulled(version, None, f"{type(e).__name__}: {e}")
             if not build:
-                return version, got, None, None, 0.0
+                return _Pulled(version, got)
             t0 = time.monotonic()
             try:
-                eng = factory(model_config, got.state_dict, arch=ModelArch.from_json(arch_json) if arch_json else None)
+                kw = {"adapter": adapter} if adapter is not None else {}
+                eng = factory(model_config, base.state_dict if base is not None else got.state_dict, arch=arch, **kw)
+                if adapter is not None:
+                    eng.load_adapter(got.state_dict, version)
                 eng.version = version
-                eng.weights_checksum = got.checksum
+                eng.weights_checksum = got.checksum if adapter is None else adapter.version_checksum(got.checksum)
                 time.sleep(slow())  # (chaos) a slow first load, on this thread like a slow real start
             except Exception as e:
-                return version, None, f"engine start failed: {type(e).__name__}: {e}", None, 0.0
-            return version, got, None, eng, time.monotonic() - t0
+                return _Pulled(version, None, f"engine start failed: {type(e).__name__}: {e}")
+            return _Pulled(version, got, engine=eng, build_s=time.monotonic() - t0, base=base)
 
         self._pull = self._builder.submit(work)
         self._pull.add_done_callback(lambda _f: self.link.wake())  # load it without waiting out the idle poll
 
     def _weights_step(self) -> None:
-        """Start a pull when stale; install a freshly built engine, or load a finished pull once idle."""
+        """Start a pull when stale; install a freshly built engine, or load a finished pull once idle (adapter
+        engines: once a slot is free)."""
         if self._pull is not None and self._pull.done():
-            version, got, err, new_engine, build_s = self._pull.result()
-            if err is not None:
-                self._pull = None
-                self._pull_failures += 1
-                self._next_pull_at = time.monotonic() + min(5.0, 0.2 * 2 ** self._pull_failures)
-                log.warning("pull of version %d failed: %s", version, err)
-                self._send(M.WeightsFailed(version=version, error=err))
-                return
-            if version > self.want_version or (version == self.want_version and self.want_checksum
-                                               and got.checksum != self.want_checksum):
-                # pulled for a version the manager no longer announces, above (or beside) its latest: a trainer that
-                # no longer exists made it (a resume started another lineage) — it can never be routed to
-                self._pull = None
-                log.warning("dropping pulled version %d (checksum %x): the manager's latest is now %d (checksum %x)",
-                            version, got.checksum, self.want_version, self.want_checksum)
-                return
-            resume: list[GenRequest] = []
-            if new_engine is None and self.engine is not None and self.engine.num_active:
-                if self.welcome is None or self.welcome.on_new_version != "continue":
-                    return  # load only when idle
-                resume = self._interrupt_for_load()
-            t0 = time.monotonic()
-            if new_engine is not None:
-                self.engine = new_engine
-            else:
-                try:
-                    delay = self._fault_delay_s()
-                    if delay:
-                        time.sleep(delay)  # on this thread, like a slow real load
-                    self.engine.load_weights(got.state_dict, version)
-                    self.engine.weights_checksum = got.checksum
-                except Exception as e:
-                    self._pull = None
-                    self._pull_failures += 1
-                    for gen in resume:  # (the engine kept its weights) they go on under the version they began with
-                        self.engine.add(gen)
-                    self._send(M.WeightsFailed(version=version, error=f"load failed: {type(e).__name__}: {e}"))
-                    return
-            self._pull, self._pull_failures = None, 0
-            self.engine_epoch = self.welcome.epoch
-            for gen in resume:  # under the new weights, from every token generated so far
-                self.engine.add(gen)
-            self._forget_finished()  # responses of the version before: no manager asks for them again
-            self.timings.setdefault("weights_loaded", time.time())
-            self._send(weights_loaded(version, got, build_s if new_engine is not None else time.monotonic() - t0))
+            self._finish_pull(self._pull.result())
             return
-        if self._pull is None and self._stale() and time.monotonic() >= self._next_pull_at:
+        if self.engine is not None and len(self.engine.adapter_versions()) > 1:
+            self._unload_outside_window(self.engine.version)  # old versions whose last response finished
+        if self._pull is None and self._refused is None and self._stale() and time.monotonic() >= self._next_pull_at:
             self._start_pull(self.want_version, self.want_checksum)
+
+    def _finish_pull(self, r: _Pulled) -> None:
+        """Install or load the pull ``r`` — or report its failure — when the engine allows it now."""
+        if r.error is not None:
+            self._pull = None
+            self._pull_failures += 1
+            self._next_pull_at = time.monotonic() + min(5.0, 0.2 * 2 ** self._pull_failures)
+            if r.refuse:
+                self._refused = r.error
+                log.error("instance %s#%d %s", self.job_id, self.attempt, r.error)
+            else:
+                log.warning("pull of version %d failed: %s", r.version, r.error)
+            self._send(M.WeightsFailed(version=r.version, error=r.error))
+            return
+        adapter = self.welcome.adapter if self.welcome is not None else None
+        identity = r.got.checksum if adapter is None else adapter.version_checksum(r.got.checksum)
+        if r.version > self.want_version or (r.version == self.want_version and self.want_checksum
+                                             and identity != self.want_checksum):
+            # pulled for a version the manager no longer announces, above (or beside) its latest: a trainer that
+            # no longer exists made it (a resume started another lineage) — it can never be routed to
+            self._pull = None
+            log.warning("dropping pulled version %d (checksum %x): the manager's latest is now %d (checksum %x)",
+                        r.version, identity, self.want_version, self.want_checksum)
+            return
+        eng = self.engine
+        resume: list[GenRequest] = []
+        if r.engine is None and eng is not None:
+            continue_mode = self.welcome is not None and self.welcome.on_new_version == "continue"
+            if eng.num_active and continue_mode:  # every response goes on under the new version
+                resume = self._interrupt_for_load()
+            elif eng.num_active and not eng.max_adapters:
+                return  # full weights load only when idle
+            if eng.max_adapters and not self._free_adapter_slot(r.version):
+                return  # every slot serves a response in flight: the next iteration tries again (nothing waits)
+        t0 = time.monotonic()
+        if r.engine is not None:
+            self.engine = r.engine
+            if r.base is not None:
+                log.info("base %016x loaded from %s in %.2fs (%d bytes received); serving adapters on it",
+                         r.base.checksum, r.base.source, r.base.seconds, r.base.wire_bytes)
+        elif not self._load(r, adapter, resume):
+            return
+        self._pull, self._pull_failures = None, 0
+        self.engine_epoch = self.welcome.epoch
+        for gen in resume:  # under the new weights, from every token generated so far
+            self.engine.add(gen)
+            self._ver[gen.rid] = r.version
+        self._forget_finished()  # responses of the version before: no manager asks for them again
+        self.timings.setdefault("weights_loaded", time.time())
+        load_s = r.build_s if r.engine is not None else time.monotonic() - t0
+        self._send(weights_loaded(r.version, r.got, load_s, checksum=self.engine.weights_checksum, base=r.base))
+
+    def _load(self, r: _Pulled, adapter: AdapterSpec | None, resume: list[GenRequest]) -> bool:
+        """Load the pulled version into the engine (an adapter into its free slot); False — reported, the engine
+        unchanged, ``resume`` re-added under the version it had — when the load failed."""
+        try:
+            delay = self._fault_delay_s()
+            if delay:
+                time.sleep(delay)  # on this thread, like a slow real load
+            if adapter is not None and self.engine.max_adapters:
+                self.engine.load_adapter(r.got.state_dict, r.version)
+                self.engine.weights_checksum = adapter.version_checksum(r.got.checksum)
+            else:
+                self.engine.load_weights(r.got.state_dict, r.version)
+                self.engine.weights_checksum = r.got.checksum
+        except Exception as e:
+            self._pull = None
+            self._pull_failures += 1
+            for gen in resume:  # (the engine kept its weights) they go on under the version they began with
+                self.engine.add(gen)
+            self._send(M.WeightsFailed(version=r.version, error=f"load failed: {type(e).__name__}: {e}"))
+            return False
+        self._unload_outside_window(r.version)
+        return True
+
+    def _free_adapter_slot(self, version: int) -> bool:
+        """Make room for adapter ``version``: unload the oldest versions no request in flight names until a slot is
+        free (a version already loaded keeps its own slot). False when every slot is named."""
+        eng = self.engine
+        held = [v for v in eng.adapter_versions() if v != version]
+        while len(held) >= eng.max_adapters:
+            idle = [v for v in held if not eng.adapter_in_use(v)]
+            if not idle:
+                return False
+            eng.unload_adapter(idle[0])
+            held.remove(idle[0])
+        return True
+
+    def _unload_outside_window(self, newest: int) -> None:
+        """Unload every adapter version older than the ``max_adapters`` newest that no request in flight names."""
+        eng = self.engine
+        if not eng.max_adapters:
+            return
+        for v in eng.adapter_versions():
+            if v <= newest - eng.max_adapters and not eng.adapter_in_use(v):
+                eng.unload_adapter(v)

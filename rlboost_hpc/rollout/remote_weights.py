@@ -11,10 +11,15 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
 
+from rlboost_hpc.protocol.adapter import AdapterSpec
 from rlboost_hpc.protocol.auth import RunKeys
+from rlboost_hpc.rollout.base_weights import BaseWeights, fetch_base
+from rlboost_hpc.weights.base import NodeBaseCache
 
 if TYPE_CHECKING:
     import torch
+
+    from rlboost_hpc.models.arch import ModelArch
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,12 @@ class WeightSource(Protocol):
         Raises on failure (the agent reports the error to the manager)."""
         ...
 
+    def base(self, spec: AdapterSpec, arch: "ModelArch", *, keys: RunKeys | None = None,
+             label: str = "") -> BaseWeights:
+        """A LoRA run's base for this instance (:func:`~rlboost_hpc.rollout.base_weights.fetch_base`). Raises
+        :class:`~rlboost_hpc.rollout.base_weights.BaseMismatch` when this node can only load another base."""
+        ...
+
 
 class RemoteWeights:
     """Pulls weight versions for one rollout worker, keeping the last one as the base of the next (delta) pull.
@@ -68,8 +79,10 @@ class RemoteWeights:
 
     def __init__(self, streams: int, window: int, timeout_s: float, *, keep_base: bool = True,
                  peer_timeout_s: float | None = None,
-                 buffer_factory: "Callable[[int], torch.Tensor] | None" = None) -> None:
+                 buffer_factory: "Callable[[int], torch.Tensor] | None" = None,
+                 base_cache: NodeBaseCache | None = None) -> None:
         self.streams, self.window, self.timeout_s = streams, window, timeout_s
+        self.base_cache = base_cache or NodeBaseCache()  # where a LoRA run's pulled base stays on this node
         self.keep_base = keep_base
         self.peer_timeout_s = peer_timeout_s
         self.buffer_factory = buffer_factory  # of WeightPuller: where a pull that reuses no base lands
@@ -108,6 +121,13 @@ class RemoteWeights:
         if self._relay is not None:
             self._relay.close()
             self._relay = None
+
+    def base(self, spec: AdapterSpec, arch: "ModelArch", *, keys: RunKeys | None = None,
+             label: str = "") -> BaseWeights:
+        """The run's base (LoRA): ``model.path`` on this node, else this node's cache, else one pull from the trainer's
+        base server kept in the cache (:func:`~rlboost_hpc.rollout.base_weights.fetch_base`)."""
+        return fetch_base(spec, arch, keys=keys, cache=self.base_cache, streams=self.streams, window=self.window,
+                          timeout_s=self.timeout_s, label=label)
 
     def pull(self, endpoint: str, version: int, *, peers: Sequence[str] = (), keys: RunKeys | None = None,
              shards: str = "", checksum: int = 0) -> PulledVersion:

@@ -37,6 +37,8 @@ class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
             capacity at most that long, abandon a silent peer after that long (``weights.relay*``).
         relay_bind_host: the interface the relay server binds (``network.bind_host``; 0.0.0.0 → advertised by host
             name).
+        base_cache_dir / base_cache_keep: where a node keeps a LoRA run's pulled base and how many bases at most
+            (``trainer.lora.node_cache_dir`` — "" for the default — and ``node_cache_keep``).
     """
 
     engine: dict[str, Any] = msgspec.field(default_factory=lambda: {"kind": "torch"})
@@ -50,6 +52,8 @@ class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     relay_wait_s: float = D.RELAY_WAIT_S
     relay_timeout_s: float = D.RELAY_TIMEOUT_S
     relay_bind_host: str = "127.0.0.1"
+    base_cache_dir: str = ""
+    base_cache_keep: int = 2
 
     @classmethod
     def from_config(cls, cfg, context_tokens: int | None = None) -> "WorkerSpec":
@@ -62,7 +66,8 @@ class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
                    weight_window=cfg.weights.window, pull_timeout_s=cfg.weights.pull_timeout_s,
                    weight_delta=cfg.weights.delta, weight_relay=cfg.weights.relay,
                    relay_wait_s=cfg.weights.relay_wait_s, relay_timeout_s=cfg.weights.relay_timeout_s,
-                   relay_bind_host=cfg.network.bind_host)
+                   relay_bind_host=cfg.network.bind_host, base_cache_dir=cfg.trainer.lora.node_cache_dir or "",
+                   base_cache_keep=cfg.trainer.lora.node_cache_keep)
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON for ``endpoints.json``."""
@@ -81,7 +86,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
             spec = msgspec.convert(dict(data), cls)
         except (msgspec.ValidationError, TypeError) as e:
             raise WorkerSpecError(f"{where}: worker: {e}") from None
-        for key in ("max_batch", "torch_threads", "weight_window"):
+        for key in ("max_batch", "torch_threads", "weight_window", "base_cache_keep"):
             if getattr(spec, key) < 1:
                 raise WorkerSpecError(f"{where}: worker.{key} must be >= 1, got {getattr(spec, key)}")
         if spec.weight_streams < 0:

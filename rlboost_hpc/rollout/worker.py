@@ -369,6 +369,7 @@ class _Instance:
     def __init__(self, args: argparse.Namespace, wspec) -> None:
         from rlboost_hpc.rollout.engines.factory import factory_from_spec, receive_buffer_factory
         from rlboost_hpc.rollout.remote_weights import RemoteWeights
+        from rlboost_hpc.weights.base import NodeBaseCache
 
         self.args, self.wspec, self.spec = args, wspec, wspec.engine
         server_log = None
@@ -379,7 +380,8 @@ class _Instance:
         self.builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{args.job_id}-builder")
         self.weights = RemoteWeights(wspec.weight_streams, wspec.weight_window, wspec.pull_timeout_s,
                                      keep_base=wspec.weight_delta, peer_timeout_s=wspec.relay_timeout_s,
-                                     buffer_factory=receive_buffer_factory(self.spec))
+                                     buffer_factory=receive_buffer_factory(self.spec),
+                                     base_cache=NodeBaseCache(wspec.base_cache_dir or None, wspec.base_cache_keep))
 
     def relay_endpoint(self, keys) -> str:
         """Serve held versions to peers (with the run's current keys); "" when relay is off or cannot bind."""

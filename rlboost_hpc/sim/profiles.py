@@ -48,6 +48,17 @@ class ModelSpec:
     q_heads: int
     kv_heads: int
     head_dim: int
+    intermediate: int = 0  # MLP width (the shapes of a LoRA adapter on it)
+    vocab: int = 151936
+
+    def arch(self):
+        """The model's shapes as a :class:`~rlboost_hpc.models.arch.ModelArch` (Qwen3: untied, q/k norm)."""
+        from rlboost_hpc.models.arch import ModelArch
+
+        return ModelArch(family="qwen3", vocab_size=self.vocab, hidden_size=self.hidden,
+                         intermediate_size=self.intermediate, num_hidden_layers=self.layers,
+                         num_attention_heads=self.q_heads, num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
+                         max_position_embeddings=40960, qk_norm=True)
 
     @property
     def weight_bytes(self) -> float:
@@ -62,9 +73,12 @@ class ModelSpec:
         return self.q_heads * self.head_dim
 
 
-QWEN3_8B = ModelSpec("Qwen3-8B", params=8.19e9, layers=36, hidden=4096, q_heads=32, kv_heads=8, head_dim=128)
-QWEN3_14B = ModelSpec("Qwen3-14B", params=14.77e9, layers=40, hidden=5120, q_heads=40, kv_heads=8, head_dim=128)
-QWEN3_32B = ModelSpec("Qwen3-32B", params=32.76e9, layers=64, hidden=5120, q_heads=64, kv_heads=8, head_dim=128)
+QWEN3_8B = ModelSpec("Qwen3-8B", params=8.19e9, layers=36, hidden=4096, q_heads=32, kv_heads=8, head_dim=128,
+                     intermediate=12288)
+QWEN3_14B = ModelSpec("Qwen3-14B", params=14.77e9, layers=40, hidden=5120, q_heads=40, kv_heads=8, head_dim=128,
+                      intermediate=17408)
+QWEN3_32B = ModelSpec("Qwen3-32B", params=32.76e9, layers=64, hidden=5120, q_heads=64, kv_heads=8, head_dim=128,
+                      intermediate=25600)
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,8 @@ class ManagerClient:
 
     def call(self, msg: M._Msg, timeout_s: float | None = None) -> M._Msg:
         """Send ``msg`` (given a fresh call id when it has one) and wait for its ``Ok``/``Stats`` reply, resending
-        it every ``resend_s``. Raises ManagerError on Error or timeout."""
+        it every ``resend_s``; a manager restarted meanwhile gets it again at once, with the whole ``timeout_s`` (its
+        restart does not count against the call). Raises ManagerError on Error or timeout."""
         if hasattr(msg, "cid"):
             msg = msgspec.structs.replace(msg, cid=next(self._cids))
         frame = M.encode(msg)
@@ -92,6 +93,8 @@ class ManagerClient:
         gen = self.restarts()
         while True:
             now = time.monotonic()
+            if self.restarts() != gen:  # a restarted manager never got it, and gets the call's whole time
+                deadline = now + total  # (its restart, which ``alive`` waited for, may have taken longer)
             if now >= deadline:
                 raise ManagerError(f"manager {self.endpoint} did not answer {type(msg).__name__} within {total:.0f}s")
             if now >= resend_at or self.restarts() != gen:  # (a restarted manager never got it)

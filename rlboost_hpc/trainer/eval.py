@@ -70,6 +70,17 @@ def _pack(ids: list[int]) -> bytes:
     return np.asarray(ids, dtype="<i4").tobytes()
 
 
+def _engine(arch: ModelArch, weights: Mapping[str, torch.Tensor], max_len: int, device, dtype,
+            adapter: tuple[Any, Mapping[str, torch.Tensor]] | None) -> TorchEngine:
+    """The evaluation's engine: on ``weights``, or on a LoRA run's base serving ``weights`` as its adapter."""
+    if adapter is None:
+        return TorchEngine(arch, weights, max_batch=64, max_len=max_len, device=device, dtype=dtype)
+    spec, base = adapter
+    eng = TorchEngine(arch, base, max_batch=64, max_len=max_len, device=device, dtype=dtype, adapter=spec)
+    eng.load_adapter(weights, 0)
+    return eng
+
+
 def _score(trajs: dict[str, "_Trajectory"], meta: dict, tokenizer, task: Task,
            score: Callable[..., list[float]] | None) -> tuple[dict[str, str], dict[str, float]]:
     """The text each trajectory's reward reads (its final assistant turn, stop token left out) and its reward:
@@ -143,7 +154,7 @@ def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, ta
              samples: int, max_new_tokens: int, temperature: float, top_p: float, base_seed: int = 12345,
              device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
              score: Callable[..., list[float]] | None = None,
-             turns: TurnSettings | None = None) -> dict:
+             turns: TurnSettings | None = None, adapter: tuple[Any, Mapping[str, torch.Tensor]] | None = None) -> dict:
     """Mean reward over held-out prompts (``samples`` sampled responses each, plus one greedy).
 
     Args:
@@ -152,6 +163,7 @@ def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, ta
             inline ``task.reward`` when ``None``).
         turns: multi-turn trajectories with tool calls or a stateful environment (:class:`TurnSettings`); None:
             single-turn responses. The reward reads a trajectory's final assistant turn.
+        adapter: a LoRA run's ``(AdapterSpec, base)``: ``weights`` is an adapter, served on the base as instances do.
 
     Returns:
         A dict: reward_sampled, reward_greedy, repetition_rate (mean over sampled responses), responses (int),
@@ -162,8 +174,7 @@ def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, ta
     prompts = [(p, task.prompt_ids(p, tokenizer), task.environment_of(p) if turns else None)
                for p in task.heldout_prompts()]
     longest = max(len(ids) for _, ids, _ in prompts)
-    eng = TorchEngine(arch, weights, max_batch=64, max_len=min(longest + total, arch.max_position_embeddings),
-                      device=device, dtype=dtype)
+    eng = _engine(arch, weights, min(longest + total, arch.max_position_embeddings), device, dtype, adapter)
     trajs: dict[str, _Trajectory] = {}
     meta = {}
     for i, (p, ids, env) in enumerate(prompts):

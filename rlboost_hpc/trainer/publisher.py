@@ -12,7 +12,11 @@ Two ways a version is served, chosen once from the backend:
 
 Invariant: the checksum :meth:`WeightPublisher.publish` returns for a version is the one every rollout instance
 reports after loading it (the whole-version checksum, or :func:`~rlboost_hpc.weights.sharded.version_checksum` of a
-sharded version), so the manager's check is the same either way.
+sharded version — in a LoRA run either one combined with the base's,
+:func:`~rlboost_hpc.protocol.adapter.adapter_version_checksum`), so the manager's check is the same either way.
+
+LoRA (``adapter``): a version is the backend's adapter; the base is published once by the run's base server and, for
+this process's own reserved engine, handed over as it is in memory (:meth:`WeightPublisher.base`).
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ from typing import Any, Sequence
 import torch
 
 from rlboost_hpc import defaults as D
+from rlboost_hpc.protocol.adapter import EMULATED_BASE, AdapterSpec
+from rlboost_hpc.rollout.base_weights import BaseWeights
 from rlboost_hpc.rollout.remote_weights import PulledVersion
 from rlboost_hpc.trainer.backends.base import TrainerBackend
 from rlboost_hpc.weights import sharded
@@ -42,11 +48,14 @@ class WeightPublisher:
         dtype: wire dtype of floating-point tensors (gathered path; the backend's shards carry their own).
         client_keys: the run's CURVE client keys, to pull sharded versions back (None: plain TCP).
         streams, window, timeout_s: per-holder puller settings for those pulls.
+        adapter / base_state: a LoRA run's adapter spec and its base (HF-named tensors, the trainer's own).
     """
 
     def __init__(self, server: WeightServer, backend: TrainerBackend, dtype: torch.dtype, *,
                  client_keys: Any = None, streams: int = D.WEIGHT_STREAMS, window: int = D.WEIGHT_WINDOW,
-                 timeout_s: float = D.PULL_TIMEOUT_S) -> None:
+                 timeout_s: float = D.PULL_TIMEOUT_S, adapter: AdapterSpec | None = None,
+                 base_state: Any = None) -> None:
+        self.adapter, self.base_state = adapter, base_state
         self.server = server
         self.backend = backend
         self.dtype = dtype
@@ -78,6 +87,8 @@ class WeightPublisher:
             d = {"publish_s": time.monotonic() - t0, "export_s": t_export, "weight_bytes": int(man.total_bytes),
                  "weight_checksum": man.checksum,
                  "weight_update_bytes": int(man.total_bytes if delta is None else delta)}
+        if self.adapter is not None:  # the version's identity: the adapter on this base
+            d["weight_checksum"] = self.adapter.version_checksum(d["weight_checksum"])
         self.history.append(d)
         return d
 
@@ -105,6 +116,15 @@ class WeightPublisher:
                 self._bases = st["pulled"]
         return PulledVersion(sd, int(st["checksum"]), int(st["bytes"]), time.monotonic() - t0,
                              int(st["bytes_received"]))
+
+    def base(self, spec: AdapterSpec, arch: Any, *, keys: Any = None, label: str = "") -> BaseWeights:
+        """The reserved engine's base in a LoRA run: the trainer's own tensors (no copy, no bytes moved).
+
+        Raises:
+            RuntimeError: this publisher has no base (not a LoRA run)."""
+        if self.adapter is None or (self.base_state is None and not self.adapter.base_path.startswith(EMULATED_BASE)):
+            raise RuntimeError("no base model: not a LoRA run")
+        return BaseWeights(self.base_state or {}, self.adapter.base_checksum, self.adapter.base_bytes, "trainer")
 
     def pull(self, endpoint: str, version: int, *, peers: Sequence[str] = (), keys: Any = None,
              shards: str = "", checksum: int = 0) -> PulledVersion:

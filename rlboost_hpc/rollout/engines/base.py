@@ -11,6 +11,10 @@ Invariants every engine honours (tested per engine):
   produced it, so :meth:`Engine.abort` never loses output.
 - A weight load invalidates every cached key/value; it is refused while requests run (the in-flight policy:
   the agent drains or aborts first, explicitly).
+- Adapter engines (LoRA runs, :attr:`Engine.max_adapters` ≥ 1) serve one base and up to ``max_adapters`` adapter
+  versions at once, unmerged; each request names its version (``GenRequest.adapter_version``). An adapter is loaded
+  into a free slot while other requests run (it touches neither the base nor their adapters) and unloaded only when no
+  request in flight names it: neither call ever waits for requests to finish.
 """
 from __future__ import annotations
 
@@ -56,6 +60,7 @@ class GenRequest:
     max_new_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     prefix_ids: list[int] = field(default_factory=list)
+    adapter_version: int | None = None  # adapter engines: the version that serves it (None: the newest loaded)
 
 
 @dataclass
@@ -121,7 +126,7 @@ def validate_request(req: GenRequest, *, vocab_size: int | None, max_len: int | 
             f"request {rid!r}: prompt ({len(clean['prompt_ids'])}) + prefix ({len(clean['prefix_ids'])}) + "
             f"max_new_tokens ({req.max_new_tokens}) = {total} exceeds max_len {max_len}")
     return GenRequest(rid=rid, prompt_ids=clean["prompt_ids"], max_new_tokens=req.max_new_tokens, sampling=sp,
-                      prefix_ids=clean["prefix_ids"])
+                      prefix_ids=clean["prefix_ids"], adapter_version=req.adapter_version)
 
 
 class Engine(abc.ABC):
@@ -131,6 +136,10 @@ class Engine(abc.ABC):
     version: int = -1
     #: whole-version checksum of the weight bytes loaded as :attr:`version` (set by whoever loads them; 0: unknown)
     weights_checksum: int = 0
+    #: adapter versions served at once (0: not an adapter engine — :meth:`load_weights` replaces every weight)
+    max_adapters: int = 0
+    #: bytes the last weight or adapter load copied into the engine (an adapter's, never the base's)
+    last_load_bytes: int = 0
 
     @abc.abstractmethod
     def add(self, req: GenRequest) -> None:
@@ -173,3 +182,44 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def num_active(self) -> int:
         """Requests queued or running."""
+
+    # ------------------------------------------------------------------ adapter engines (max_adapters ≥ 1)
+    def adapter_versions(self) -> list[int]:
+        """The adapter versions loaded, oldest first (empty for an engine of full weights)."""
+        return []
+
+    def adapter_in_use(self, version: int) -> bool:
+        """Whether a request queued or running names adapter ``version``."""
+        return False
+
+    def load_adapter(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
+        """Load adapter ``version`` into a free slot while requests run; it becomes :attr:`version` (the default of
+        requests that name none). Returns the bytes moved into the engine (the adapter's).
+
+        Raises:
+            EngineError: not an adapter engine; no free slot (unload a version no request names first); tensors that
+                are not this engine's adapter (nothing changes).
+        """
+        raise EngineError(f"{type(self).__name__} serves full weights, not adapters")
+
+    def unload_adapter(self, version: int) -> None:
+        """Free adapter ``version``'s slot (unknown version: no-op).
+
+        Raises:
+            EngineError: a request queued or running names it (the caller unloads another, or later).
+        """
+        raise EngineError(f"{type(self).__name__} serves full weights, not adapters")
+
+    def _drop_adapter(self, held: dict, version: int) -> None:
+        """The in-process engines' unload: ``version`` leaves ``held`` (version → its slot or tensors) unless a request
+        in flight names it; the newest remaining version becomes :attr:`version` (-1: none).
+
+        Raises:
+            EngineError: a queued or running request is served by it."""
+        if version not in held:
+            return
+        if self.adapter_in_use(version):
+            raise EngineError(f"unload_adapter(version={version}) refused: a request in flight is served by it")
+        del held[version]
+        if self.version == version:
+            self.version = max(held, default=-1)

@@ -18,6 +18,10 @@ Invariants (each tested):
 - **Weights are real bytes.** The engine keeps a reference to every state dict it is given (the pulled, verified
   version the agent hands over) and reports its size; a load takes the profile's model bytes ÷
   ``load_bytes_per_s`` ÷ ``time_scale`` seconds, and is refused while requests run, as for every engine.
+- **LoRA runs** (``adapter``): the engine holds the base (an emulated one: the modelled load of the model's bytes) and
+  up to ``max_adapters`` adapter versions of real pulled bytes, each load taking the adapter's bytes ÷
+  ``load_bytes_per_s``; loads go to a free slot while requests run, unloads only of versions no request names (the
+  contract of adapter engines).
 - **Time is modelled, not measured.** An iteration that admits requests pays ``pf_fixed + Σ prefill(ctx)``; every
   iteration pays ``a + b·B + γ·Σctx`` for its ``B`` running requests (the simulator's law). Sleeps run to a
   deadline that carries over, so Python's own overhead does not add up over a response; when the host is slower
@@ -155,6 +159,7 @@ class _Running:
     length: int  # response position after which the response ends (prefix included)
     produced: int = 0
     prefilled: bool = False
+    adapter: int | None = None  # the adapter version serving it (LoRA runs)
 
     @property
     def position(self) -> int:
@@ -176,6 +181,7 @@ class EmulatedEngine(Engine):
         max_len: most positions per request (prompt + prefix + new tokens); None: no limit.
         version: initial weight version.
         sleep / clock: injected for tests (seconds; default ``time.sleep`` / ``time.monotonic``).
+        adapter: a LoRA run's spec: ``state_dict`` is the base and the engine serves adapter versions on it.
 
     Raises:
         EngineError: a bad profile or ``max_batch < 1``.
@@ -183,7 +189,7 @@ class EmulatedEngine(Engine):
 
     def __init__(self, vocab_size: int, state_dict: Mapping, emulated: EmulatedProfile, *, max_batch: int = D.MAX_BATCH,
                  max_len: int | None = None, version: int = 0, sleep: Callable[[float], None] = time.sleep,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, adapter=None) -> None:
         if max_batch < 1:
             raise EngineError(f"max_batch must be ≥ 1, got {max_batch}")
         self.emulated = emulated
@@ -204,7 +210,11 @@ class EmulatedEngine(Engine):
         self.weights_nbytes = 0
         self._hold(state_dict)
         self.version = version
-        self._wait(emulated.load_model_s, then_idle=True)  # the first load, like a real engine's start
+        self._adapters: dict[int, Mapping] = {}  # LoRA: adapter version → its pulled tensors, oldest first
+        if adapter is not None:
+            self.max_adapters, self.version = int(adapter.max_adapters), -1
+        # the first load (the base, in a LoRA run), like a real engine's start
+        self._wait(emulated.load_model_s, then_idle=True)
 
     # ------------------------------------------------------------------ Engine API
     @property
@@ -221,13 +231,20 @@ class EmulatedEngine(Engine):
         if req.rid in self._running or any(w.req.rid == req.rid for w in self._waiting):
             raise EngineError(f"request {req.rid!r}: duplicate rid (already queued or running)")
         copy = validate_request(req, vocab_size=self.vocab_size, max_len=self.max_len)
+        adapter = None
+        if self.max_adapters:
+            adapter = self.version if copy.adapter_version is None else copy.adapter_version
+            if adapter not in self._adapters:
+                raise EngineError(f"request {req.rid!r}: adapter version {adapter} is not loaded "
+                                  f"(loaded: {list(self._adapters)})")
         sp = copy.sampling
         stop = frozenset(int(t) for t in sp.stop_token_ids)
         budget = len(copy.prefix_ids) + copy.max_new_tokens
         length = min(budget, emulated_length(sp.seed, self.emulated.response_median, self.emulated.response_sigma))
         if not stop:
             length = budget  # nothing to stop with: the response runs to its budget
-        self._waiting.append(_Running(req=copy, stop=stop, length=max(length, len(copy.prefix_ids) + 1)))
+        self._waiting.append(_Running(req=copy, stop=stop, length=max(length, len(copy.prefix_ids) + 1),
+                                      adapter=adapter))
 
     def step(self) -> list[TokenEvent]:
         """One iteration: admit (prefill) waiting requests while slots and KV capacity last, then one token for
@@ -289,9 +306,46 @@ class EmulatedEngine(Engine):
         if self.num_active:
             raise EngineError(f"load_weights(version={version}) refused: {self.num_active} request(s) active; "
                               "drain or abort them first")
+        if self.max_adapters:
+            for v in list(self._adapters):
+                self.unload_adapter(v)
+            self.load_adapter(state_dict, version)
+            return
         self._wait(self.emulated.load_model_s, then_idle=True)
         self._hold(state_dict)
         self.version = version
+
+    def adapter_versions(self) -> list[int]:
+        """Adapter versions held, oldest first."""
+        return list(self._adapters)
+
+    def adapter_in_use(self, version: int) -> bool:
+        """Whether a queued or running request is served by adapter ``version``."""
+        return any(r.adapter == version for r in (*self._waiting, *self._running.values()))
+
+    def load_adapter(self, state_dict: Mapping, version: int) -> int:
+        """Hold adapter ``version`` in a free slot after the modelled load of its bytes (requests may run).
+
+        Raises:
+            EngineError: not a LoRA engine, or every slot is taken."""
+        if not self.max_adapters:
+            raise EngineError("load_adapter: this emulated engine serves full weights")
+        self._adapters.pop(version, None)
+        if len(self._adapters) >= self.max_adapters:
+            raise EngineError(f"load_adapter(version={version}): all {self.max_adapters} adapter slots hold "
+                              f"{list(self._adapters)}; unload one no request names first")
+        n = state_nbytes(state_dict)
+        self._wait(n / self.emulated.load_bytes_per_s)
+        self._adapters[version] = state_dict
+        self.version, self.last_load_bytes = version, n
+        return n
+
+    def unload_adapter(self, version: int) -> None:
+        """Drop adapter ``version`` (unknown: no-op).
+
+        Raises:
+            EngineError: a queued or running request is served by it."""
+        self._drop_adapter(self._adapters, version)
 
     # ------------------------------------------------------------------ internals
     def _hold(self, state_dict: Mapping) -> None:
@@ -359,10 +413,10 @@ def emulated_engine_factory(max_batch: int, max_len: int | None = None, *, insta
     prof.perf()  # a model that does not fit is refused now
     prof = dataclasses.replace(prof, time_scale=prof.time_scale * instance_speed(instance_id, gpu_speeds))
 
-    def make(model_config: dict, state_dict: Mapping, arch=None) -> Engine:
+    def make(model_config: dict, state_dict: Mapping, arch=None, adapter=None) -> Engine:
         vocab = arch.vocab_size if arch is not None else (model_config or {}).get("vocab_size")
         if not isinstance(vocab, int) or vocab <= FIRST_TOKEN_ID:
             raise EngineError(f"emulated engine: the model config's vocab_size {vocab!r} is not an int > 3")
-        return EmulatedEngine(vocab, state_dict, prof, max_batch=max_batch, max_len=max_len)
+        return EmulatedEngine(vocab, state_dict, prof, max_batch=max_batch, max_len=max_len, adapter=adapter)
 
     return make

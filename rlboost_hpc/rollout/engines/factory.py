@@ -31,7 +31,8 @@ def returns_behaviour_logprobs(kind: str) -> bool:
     return BEHAVIOUR_LOGPROBS.get(kind, False)
 
 
-# (the model's config.json, the first pulled state dict, arch=the trainer's parsed ModelArch or None) -> Engine
+# (the model's config.json, the first pulled state dict — a LoRA run's base —, arch=the trainer's parsed ModelArch or
+# None, adapter=a LoRA run's AdapterSpec or None) -> Engine
 EngineFactory = Callable[..., Engine]
 _SGLANG_KEYS = {"python", "stream_interval", "startup_timeout_s", "env", "extra_args"}
 
@@ -44,10 +45,11 @@ def torch_engine_factory(max_batch: int, device: str = "auto", dtype: str = "aut
     room for ``max_len`` positions per request (the run's longest prompt + response budget; ``None``: the model's
     whole context — 40,960 positions for Qwen3, hundreds of GB of cache at batch 64).
 
-    The engine raises :class:`EngineError` for a model the project does not support or an unavailable device.
+    The engine raises :class:`EngineError` for a model the project does not support or an unavailable device. With
+    ``adapter`` (a LoRA run) the state dict is the base and the engine serves adapter versions on it.
     """
 
-    def make(model_config: dict, state_dict: Mapping, arch=None) -> Engine:
+    def make(model_config: dict, state_dict: Mapping, arch=None, adapter=None) -> Engine:
         from rlboost_hpc.models.arch import ModelFormatError, arch_from_hf
         from rlboost_hpc.models.device import DeviceError, resolve_device, resolve_dtype
         from rlboost_hpc.rollout.engines.torch_engine import TorchEngine
@@ -59,7 +61,7 @@ def torch_engine_factory(max_batch: int, device: str = "auto", dtype: str = "aut
         except (ModelFormatError, DeviceError) as e:
             raise EngineError(str(e)) from None
         ctx = arch.max_position_embeddings if max_len is None else min(max_len, arch.max_position_embeddings)
-        return TorchEngine(arch, state_dict, max_batch=max_batch, max_len=ctx, device=dev, dtype=dt)
+        return TorchEngine(arch, state_dict, max_batch=max_batch, max_len=ctx, device=dev, dtype=dt, adapter=adapter)
 
     return make
 
@@ -140,7 +142,7 @@ def factory_from_spec(spec: Mapping[str, Any] | None, max_batch: int, *,
 
 def make_sglang_engine(model_config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor] | None,
                        max_batch: int = D.MAX_BATCH, *, work_dir: str | os.PathLike[str] | None = None, version: int = 0,
-                       **launch_kw) -> "SGLangEngine":
+                       adapter=None, **launch_kw) -> "SGLangEngine":
     """Build an :class:`SGLangEngine` the way the rollout agent builds engines: write the manager's HF config and
     the first pulled weights to ``work_dir`` (default: a temp dir), launch a supervised server on them.
 
@@ -150,19 +152,38 @@ def make_sglang_engine(model_config: Mapping[str, Any], state_dict: Mapping[str,
 
     ``launch_kw`` go to :meth:`SGLangEngine.launch` / :class:`SGLangServer` (``device``, ``dtype``,
     ``stream_interval``, ``deterministic``, ``startup_timeout_s``, ``log_path``, ``env``, ``python``, …).
+
+    ``adapter`` (a LoRA run's :class:`~rlboost_hpc.protocol.adapter.AdapterSpec`): ``state_dict`` is the base, the
+    server is launched with LoRA on (:func:`~rlboost_hpc.rollout.engines.sglang_lora.lora_server_args`) — on the
+    model directory ``adapter.base_path`` itself when this node sees it (the agent verified its checksum before; no
+    copy), else on the base written to ``work_dir`` — and the engine serves adapter versions.
     """
     from rlboost_hpc.rollout.engines.sglang_engine import SGLangEngine
+    from rlboost_hpc.rollout.engines.sglang_lora import lora_server_args
     from rlboost_hpc.rollout.engines.sglang_server import write_hf_dir
 
     # the pid in the name lets the next attempt on this node reclaim it after a SIGKILL (procutil.reclaim_leftovers)
     d = Path(work_dir) if work_dir is not None else Path(
         tempfile.mkdtemp(prefix=f"rlboost-sglang-model-{os.getpid()}-"))
-    write_hf_dir(model_config, state_dict, d)
+    model_dir = d
+    if adapter is not None and adapter.base_path and Path(adapter.base_path).is_dir():
+        model_dir = Path(adapter.base_path)
+        d.mkdir(parents=True, exist_ok=True)
+    else:
+        write_hf_dir(model_config, state_dict, d)
     launch_kw.setdefault("log_path", d / "server.log")
+    if adapter is not None:
+        device = launch_kw.get("device", "auto")
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        launch_kw["extra_args"] = [*launch_kw.get("extra_args", ()), *lora_server_args(adapter, device)]
+        launch_kw.update(adapter=adapter, adapter_dir=d / "adapters")
     if state_dict is None:
         launch_kw["extra_args"] = [*launch_kw.get("extra_args", ()), "--load-format", "dummy"]
         launch_kw.setdefault("weight_version", "none")
-    eng = SGLangEngine.launch(d, max_batch=max_batch, version=version if state_dict is not None else -1,
+    eng = SGLangEngine.launch(model_dir, max_batch=max_batch, version=version if state_dict is not None else -1,
                               model_config=model_config, **launch_kw)
     if state_dict is None:
         eng._fence("no weights loaded yet (started with dummy weights)")
@@ -174,7 +195,7 @@ def make_sglang_engine(model_config: Mapping[str, Any], state_dict: Mapping[str,
 def sglang_engine_factory(max_batch: int, **launch_kw) -> Callable[[dict, Mapping], Engine]:
     """An ``EngineFactory`` for :class:`rlboost_hpc.rollout.agent.RolloutAgent` (``engine_factory=``)."""
 
-    def make(model_config: dict, state_dict: Mapping, arch=None) -> Engine:  # the server reads config.json itself
-        return make_sglang_engine(model_config, state_dict, max_batch, **launch_kw)
+    def make(model_config: dict, state_dict: Mapping, arch=None, adapter=None) -> Engine:  # it reads config.json
+        return make_sglang_engine(model_config, state_dict, max_batch, adapter=adapter, **launch_kw)
 
     return make

@@ -37,7 +37,8 @@ Invariants (the base contract of :mod:`rlboost_hpc.rollout.engines.base`, and ho
   ``output_ids`` of an aborted request — and RETURNS the tokens not yet returned by :meth:`step` as a
   :class:`TokenEvent` (``finished=False``), or ``None``. Callers that hand off partial responses must use that
   return value (the torch engine always returns ``None``: it has nothing pending).
-- Weights: see :mod:`rlboost_hpc.rollout.engines.sglang_weights`; the server process: see
+- Weights: see :mod:`rlboost_hpc.rollout.engines.sglang_weights`; LoRA adapters (a LoRA run's server, launched
+  on the base): see :mod:`rlboost_hpc.rollout.engines.sglang_lora`; the server process: see
   :mod:`rlboost_hpc.rollout.engines.sglang_server`; the ``/generate`` streams: see
   :mod:`rlboost_hpc.rollout.engines.sglang_stream`.
 - Batching: requests added between two :meth:`step` calls are submitted together as ONE streaming
@@ -62,6 +63,8 @@ import torch
 from rlboost_hpc import defaults as D
 from rlboost_hpc.rollout.engines.base import Engine, EngineError, GenRequest, RequestError, TokenEvent, validate_request
 from rlboost_hpc.rollout.engines.sglang_server import SGLangServer, http_json
+from rlboost_hpc.protocol.adapter import AdapterSpec
+from rlboost_hpc.rollout.engines.sglang_lora import SGLangAdapters
 from rlboost_hpc.rollout.engines.sglang_stream import SGLangStreams, StreamBatch, StreamRequest
 from rlboost_hpc.rollout.engines.sglang_weights import SGLangWeightUpdates
 
@@ -74,7 +77,7 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
            "half": torch.float16}
 
 
-class SGLangEngine(SGLangStreams, SGLangWeightUpdates, Engine):
+class SGLangEngine(SGLangStreams, SGLangWeightUpdates, SGLangAdapters, Engine):
     """:class:`Engine` over an SGLang HTTP server.
 
     Build with :meth:`launch` (starts and owns a supervised server),
@@ -85,7 +88,8 @@ class SGLangEngine(SGLangStreams, SGLangWeightUpdates, Engine):
     This class holds the construction, the lifecycle, the version label, the :class:`Engine` calls, and the checked
     control calls to the server (``_control``) with its diagnostics, which every part uses. Each other server-side
     capability is a part mixed in beside it, with its own module: :class:`SGLangStreams` (the ``/generate``
-    streams, ``sglang_stream.py``) and :class:`SGLangWeightUpdates` (weight loads, ``sglang_weights.py``).
+    streams, ``sglang_stream.py``), :class:`SGLangWeightUpdates` (weight loads, ``sglang_weights.py``) and
+    :class:`SGLangAdapters` (LoRA adapter versions, ``sglang_lora.py``).
 
     Args:
         base_url: ``http://host:port`` of the server.
@@ -99,12 +103,15 @@ class SGLangEngine(SGLangStreams, SGLangWeightUpdates, Engine):
         abort_timeout_s: how long :meth:`abort` waits for the final chunk of an aborted request.
         control_timeout_s: deadline of each control call (weights, cache, version).
         tp_size: tensor-parallel ranks of the server (one serialized payload each).
+        adapter: a LoRA run's spec (the server was launched on the base with ``sglang_lora.lora_server_args``): the
+            engine then serves adapter versions; ``adapter_dir``: where their PEFT files go (default: a temp dir).
     """
 
     def __init__(self, base_url: str, *, max_batch: int = D.MAX_BATCH, version: int = 0, server: SGLangServer | None = None,
                  owns_server: bool = False, model_config: Mapping[str, Any] | None = None,
                  stall_timeout_s: float = 120.0, abort_timeout_s: float = 30.0, control_timeout_s: float = 600.0,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, adapter: AdapterSpec | None = None, adapter_dir: str | os.PathLike | None = None
+                 ) -> None:
         if max_batch < 1:
             raise EngineError(f"max_batch must be ≥ 1, got {max_batch}")
         u = base_url.rstrip("/")
@@ -151,7 +158,8 @@ class SGLangEngine(SGLangStreams, SGLangWeightUpdates, Engine):
         self.vocab_size: int | None = self.arch.vocab_size if self.arch else None
         self.max_len: int | None = self.arch.max_position_embeddings if self.arch else None
         self.eos_ids: frozenset[int] = frozenset(self.arch.eos_token_ids if self.arch else ())
-        self._version = version
+        self._version = version if adapter is None else -1
+        self._init_adapters(adapter, Path(adapter_dir) if adapter_dir else None)
         sinfo = self._server_info()
         self.server_dtype = _DTYPES.get(str(sinfo.get("dtype", "")))
         if isinstance(sinfo.get("context_length"), int):  # --context-length overrides the model's
@@ -161,7 +169,8 @@ class SGLangEngine(SGLangStreams, SGLangWeightUpdates, Engine):
     @classmethod
     def launch(cls, model_path: str | os.PathLike[str], *, max_batch: int = D.MAX_BATCH, version: int = 0,
                model_config: Mapping[str, Any] | None = None, stall_timeout_s: float = 120.0,
-               abort_timeout_s: float = 30.0, control_timeout_s: float = 600.0, **server_kw) -> "SGLangEngine":
+               abort_timeout_s: float = 30.0, control_timeout_s: float = 600.0, adapter: AdapterSpec | None = None,
+               adapter_dir: str | os.PathLike | None = None, **server_kw) -> "SGLangEngine":
         """Start a supervised server for ``model_path`` (see :class:`SGLangServer` for ``server_kw``) and attach.
 
         Raises:
@@ -173,7 +182,8 @@ class SGLangEngine(SGLangStreams, SGLangWeightUpdates, Engine):
         try:
             return cls(server.url, max_batch=max_batch, version=version, server=server, owns_server=True,
                        model_config=model_config, stall_timeout_s=stall_timeout_s,
-                       abort_timeout_s=abort_timeout_s, control_timeout_s=control_timeout_s)
+                       abort_timeout_s=abort_timeout_s, control_timeout_s=control_timeout_s, adapter=adapter,
+                       adapter_dir=adapter_dir)
         except BaseException:
             server.stop()
             raise
@@ -194,6 +204,7 @@ class SGLangEngine(SGLangStreams, SGLangWeightUpdates, Engine):
             self._close_batch(b)
         if self.owns_server and self.server is not None:
             self.server.stop()
+        self._close_adapters()
         d = getattr(self, "_cleanup_dir", None)
         if d is not None:
             for name in ("model.safetensors", "config.json"):
@@ -217,6 +228,9 @@ class SGLangEngine(SGLangStreams, SGLangWeightUpdates, Engine):
     def version(self, v: int) -> None:
         """Record ``v`` and label the server's weights with it (``/update_weight_version`` WITHOUT aborting)."""
         v = int(v)
+        if self.max_adapters:  # the newest adapter version names itself (each request names its own)
+            self._version = v
+            return
         if self._fenced is not None and v != self._version:
             raise EngineError(f"cannot label the weights as version {v}: engine fenced ({self._fenced}); "
                               f"load_weights() a complete version instead")
@@ -254,6 +268,7 @@ class SGLangEngine(SGLangStreams, SGLangWeightUpdates, Engine):
             if rid in self._reqs:
                 raise EngineError(f"request {rid!r}: duplicate rid (already queued or running)")
         checked = validate_request(req, vocab_size=self.vocab_size, max_len=self.max_len)
+        lora = self._lora_of(checked.adapter_version)
         sp = checked.sampling
         self._check_server(f"add({rid!r})")
         stop = frozenset(int(t) for t in sp.stop_token_ids)
@@ -276,7 +291,7 @@ class SGLangEngine(SGLangStreams, SGLangWeightUpdates, Engine):
             sampling["stop_token_ids"] = sorted(stop)
         srid = f"{rid}@{self._tag}.{next(self._seq)}"
         r = StreamRequest(rid=rid, srid=srid, input_ids=checked.prompt_ids + checked.prefix_ids, sampling=sampling,
-                 stop=stop, max_new=req.max_new_tokens, enforce_stop=enforce)
+                 stop=stop, max_new=req.max_new_tokens, enforce_stop=enforce, lora=lora)
         with self._lock:
             self._reqs[rid] = r
             self._order.append(rid)

@@ -51,6 +51,7 @@ class StreamRequest:
     aborting: bool = False
     server_aborted: bool = False  # the server ended the request with finish type "abort"
     batch: "StreamBatch | None" = None
+    lora: str | None = None  # a LoRA run: the adapter version's name in the server (sglang_lora.py)
 
 
 @dataclass(eq=False)
@@ -161,6 +162,8 @@ class SGLangStreams:
         else:
             body = {"input_ids": [r.input_ids for r in reqs], "sampling_params": [r.sampling for r in reqs],
                     "rid": [r.srid for r in reqs]}
+        if any(r.lora for r in reqs):  # a LoRA run: each request names its adapter version
+            body["lora_path"] = reqs[0].lora if len(reqs) == 1 else [r.lora for r in reqs]
         body.update(return_logprob=True, logprob_start_len=-1, stream=True)
         b = StreamBatch(reqs={r.srid: r for r in reqs})
         for r in reqs:

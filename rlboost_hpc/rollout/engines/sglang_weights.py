@@ -58,6 +58,8 @@ class SGLangWeightUpdates:
                 (nothing changes); or any server reply is a failure — then the engine is fenced
                 (``version = -1``, :meth:`add` refused) until a later load succeeds.
         """
+        if self.max_adapters:  # a LoRA run's server: the version is an adapter
+            return self._replace_adapters(state_dict, version)
         if self.num_active:
             raise EngineError(f"load_weights(version={version}) refused: {self.num_active} request(s) active; "
                               f"drain or abort them first")

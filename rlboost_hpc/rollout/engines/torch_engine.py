@@ -22,6 +22,11 @@ Implements :class:`rlboost_hpc.rollout.engines.base.Engine` exactly. Invariants 
 - ``load_weights`` is refused while any request is queued or running; it checks every name and shape before
   changing anything (all-or-nothing), casts to the engine's dtype, and empties every cache slot.
 - Logits are fp32 whatever the weights' dtype, so sampling is the same rule on every device.
+- Adapter mode (``adapter`` given: a LoRA run): the model holds the base, never modified, and
+  :class:`~rlboost_hpc.models.lora.AdapterSlots` hold up to ``max_adapters`` adapter versions, served unmerged. A
+  request is bound to its version's slot when added; :meth:`TorchEngine.load_adapter` copies a version into a free slot
+  (the adapter's bytes only, a few MB) while others run; :meth:`TorchEngine.unload_adapter` frees a slot no request
+  names. A decode batch may mix versions (each row its own A·B).
 - Not thread-safe. The engine does not change torch's thread settings; tiny models run fastest with
   ``torch.set_num_threads(1)`` on a busy CPU.
 """
@@ -37,6 +42,8 @@ import torch
 from rlboost_hpc import defaults as D
 from rlboost_hpc.models.arch import ModelArch, ModelFormatError, validate_state_dict
 from rlboost_hpc.models.llama import KVCache, LlamaModel
+from rlboost_hpc.models.lora import AdapterSlots
+from rlboost_hpc.protocol.adapter import AdapterSpec
 from rlboost_hpc.rollout.engines.base import (
     Engine,
     EngineError,
@@ -45,7 +52,7 @@ from rlboost_hpc.rollout.engines.base import (
     TokenEvent,
     validate_request,
 )
-from rlboost_hpc.weights.layout import FlatState, copy_tensors
+from rlboost_hpc.weights.layout import FlatState, copy_tensors, dtype_from_name
 
 __all__ = ["TorchEngine", "generate_all", "uniform", "uniform_reference", "sample_tokens"]
 
@@ -197,6 +204,7 @@ class _Running:
     produced: int = 0
     last_token: int = -1  # sampled, not yet fed to the model
     finished: bool = False
+    adapter: int | None = None  # the adapter slot that serves it (adapter mode)
 
     @property
     def position(self) -> int:
@@ -215,7 +223,9 @@ class TorchEngine(Engine):
             ``config.max_position_embeddings``.
         device: torch device for weights, cache and sampling.
         dtype: dtype of the weights and the KV cache (fp32 on CPU; bf16 is the GPU default of the run).
-        version: initial weight version (``self.version``).
+        version: initial weight version (``self.version``; -1 in adapter mode until an adapter is loaded).
+        adapter: a LoRA run's adapter spec: ``state_dict`` is the base, and the engine serves up to
+            ``adapter.max_adapters`` adapter versions on it (module docstring).
 
     Raises:
         EngineError: bad ``max_batch``/``max_len`` or a state dict that does not match ``config``.
@@ -223,7 +233,7 @@ class TorchEngine(Engine):
 
     def __init__(self, config: ModelArch, state_dict: Mapping[str, torch.Tensor], max_batch: int = D.MAX_BATCH,
                  max_len: int | None = None, device: str | torch.device = "cpu", version: int = 0,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, adapter: AdapterSpec | None = None) -> None:
         if max_batch < 1:
             raise EngineError(f"max_batch must be ≥ 1, got {max_batch}")
         max_len = config.max_position_embeddings if max_len is None else max_len
@@ -246,6 +256,13 @@ class TorchEngine(Engine):
         heapq.heapify(self._free)
         self._load(state_dict)
         self.version = version
+        self._slot_of: dict[int, int] = {}  # adapter version → slot, oldest first
+        if adapter is not None:
+            self.max_adapters = int(adapter.max_adapters)
+            self.model.adapters = AdapterSlots(config, adapter.targets, adapter.rank, adapter.scaling,
+                                               self.max_adapters, device=self.device, dtype=dtype,
+                                               wire_dtype=dtype_from_name(adapter.base_dtype))
+            self.version = -1
 
     # ------------------------------------------------------------------ Engine API
     @property
@@ -265,7 +282,13 @@ class TorchEngine(Engine):
             raise EngineError(f"request {rid!r}: duplicate rid (already queued or running)")
         copy = validate_request(req, vocab_size=self.config.vocab_size, max_len=self.max_len)
         sp = copy.sampling
-        self._waiting.append(_Running(req=copy, stop=frozenset(int(t) for t in sp.stop_token_ids)))
+        slot = None
+        if self.max_adapters:
+            v = self.version if copy.adapter_version is None else copy.adapter_version
+            slot = self._slot_of.get(v)
+            if slot is None:
+                raise EngineError(f"request {rid!r}: adapter version {v} is not loaded (loaded: {list(self._slot_of)})")
+        self._waiting.append(_Running(req=copy, stop=frozenset(int(t) for t in sp.stop_token_ids), adapter=slot))
 
     def step(self) -> list[TokenEvent]:
         """Prefill newly admitted requests, then decode one token for every running request (one batch).
@@ -282,7 +305,8 @@ class TorchEngine(Engine):
             r = self._waiting.popleft()
             r.slot = heapq.heappop(self._free)
             self._running[r.req.rid] = r
-            new_logits.append(self.model.prefill(self.cache, r.slot, r.req.prompt_ids + r.req.prefix_ids))
+            new_logits.append(self.model.prefill(self.cache, r.slot, r.req.prompt_ids + r.req.prefix_ids,
+                                                 adapter=r.adapter))
             new.append(r)
         if new:
             self._sample_into(new, torch.stack(new_logits), events)
@@ -291,7 +315,8 @@ class TorchEngine(Engine):
         if live:
             slots = torch.tensor([r.slot for r in live], dtype=torch.long, device=self.device)
             ids = torch.tensor([r.last_token for r in live], dtype=torch.long, device=self.device)
-            logits = self.model.decode(self.cache, slots, ids)
+            logits = self.model.decode(self.cache, slots, ids,
+                                       adapters=[r.adapter for r in live] if self.max_adapters else None)
             self._sample_into(live, logits, events)
         # free finished requests
         for rid in [rid for rid, r in self._running.items() if r.finished]:
@@ -321,8 +346,55 @@ class TorchEngine(Engine):
                 f"load_weights(version={version}) refused: {self.num_active} request(s) active "
                 f"({len(self._running)} running, {len(self._waiting)} queued); drain or abort them first"
             )
+        if self.max_adapters:  # one adapter version replaces every one held
+            for v in list(self._slot_of):
+                self.unload_adapter(v)
+            self.load_adapter(state_dict, version)
+            return
         self._load(state_dict)
         self.version = version
+        self.last_load_bytes = sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+    # ------------------------------------------------------------------ adapter mode
+    def adapter_versions(self) -> list[int]:
+        """Adapter versions loaded, oldest first."""
+        return list(self._slot_of)
+
+    def adapter_in_use(self, version: int) -> bool:
+        """Whether a queued or running request is served by adapter ``version``."""
+        slot = self._slot_of.get(version)
+        return slot is not None and any(r.adapter == slot for r in (*self._waiting, *self._running.values()))
+
+    def load_adapter(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
+        """Copy adapter ``version`` into a free slot (requests may run; theirs are untouched) and make it the newest
+        (:attr:`version`). Reloading a loaded version no request names overwrites its slot. Returns the bytes copied.
+
+        Raises:
+            EngineError: not in adapter mode; every slot holds a version a request names; tensors that are not the
+                adapter's (nothing changes)."""
+        if not self.max_adapters:
+            raise EngineError("load_adapter: this engine serves full weights (built without an adapter spec)")
+        if version in self._slot_of:
+            self.unload_adapter(version)
+        used = set(self._slot_of.values())
+        free = [s for s in range(self.max_adapters) if s not in used]
+        if not free:
+            raise EngineError(f"load_adapter(version={version}): all {self.max_adapters} adapter slots hold versions "
+                              f"{list(self._slot_of)}; unload one no request names first")
+        try:
+            n = self.model.adapters.load(free[0], state_dict)
+        except ValueError as e:
+            raise EngineError(f"load_adapter(version={version}): {e}") from None
+        self._slot_of[version] = free[0]
+        self.version, self.last_load_bytes = version, n
+        return n
+
+    def unload_adapter(self, version: int) -> None:
+        """Free the slot of adapter ``version`` (no-op when not loaded).
+
+        Raises:
+            EngineError: a queued or running request is served by it."""
+        self._drop_adapter(self._slot_of, version)
 
     # ------------------------------------------------------------------ internals
     def _load(self, state_dict: Mapping[str, torch.Tensor]) -> None:

@@ -10,12 +10,18 @@ logprobs measure the engine–trainer mismatch every step (``logprob_diff`` and 
 behaviour_weights`). The parameters live in one flat fp32 tensor laid out like the
 wire buffer of ``wire_dtype`` (:class:`~rlboost_hpc.weights.layout.FlatState`): exporting is a view, publishing
 one cast-copy whatever the number of tensors; a tied head is its embedding, so it is not exported twice.
+
+With ``lora`` (``trainer.lora``): PEFT's LoRA layers wrap the targeted linears (:mod:`rlboost_hpc.trainer.lora`), the
+base is frozen, AdamW steps the adapter only, :meth:`TorchBackend.export_weights` is the adapter (the version), the
+reference policy is the base with the adapter disabled (no second copy), and a checkpoint holds the adapter and its
+optimizer state only (a checkpoint of the other kind is refused, naming its file).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -24,6 +30,8 @@ from rlboost_hpc.models.llama import LlamaModel
 from rlboost_hpc.trainer.algorithms.grpo import GRPOOptions, finish_stats, grpo_loss, stats_to_floats
 from rlboost_hpc.trainer.backends.base import (Sample, StepAccumulator, TrainerBackend, behaviour_tensor,
                                               staleness_tensor, truncated_tensor)
+from rlboost_hpc.trainer.checkpoint import CheckpointError
+from rlboost_hpc.trainer.lora import LoraSettings, PeftAdapter
 from rlboost_hpc.weights.layout import FlatState
 
 
@@ -64,25 +72,36 @@ class TorchBackend(TrainerBackend):
             (another publish dtype still works, tensor by tensor).
         objective: the GRPO objective's options (None: ``GRPOOptions(clip_eps=clip_eps, kl_coef=kl_coef)``; when
             given, ``clip_eps`` and ``kl_coef`` are ignored).
+        lora: train a LoRA adapter with PEFT instead of every weight (module docstring); ``keep_reference`` is then
+            moot: the reference is the base with the adapter off.
     """
 
     def __init__(self, config: ModelArch, state_dict: Mapping[str, torch.Tensor], *, lr: float,
                  weight_decay: float = 0.0, grad_clip: float = 1.0, clip_eps: float = 0.2,
                  kl_coef: float = 0.0, temperature: float = 1.0, keep_reference: bool = True,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 wire_dtype: torch.dtype | None = torch.bfloat16, objective: GRPOOptions | None = None) -> None:
+                 wire_dtype: torch.dtype | None = torch.bfloat16, objective: GRPOOptions | None = None,
+                 lora: LoraSettings | None = None) -> None:
         objective = objective or GRPOOptions(clip_eps=clip_eps, kl_coef=kl_coef)
         kl_coef = objective.kl_coef
         self.device = torch.device(device)
         self.amp_dtype = None if dtype == torch.float32 else dtype
         self.model = LlamaModel.from_state_dict(config, dict(state_dict), device=self.device)
         self.model.train()
-        self.flat = FlatState.of_parameters(self.model, wire_dtype)  # a tied head once, as the embedding
         self.ref = None
-        if keep_reference or kl_coef > 0:
-            self.ref = LlamaModel.from_state_dict(config, dict(state_dict), device=self.device, dtype=dtype)
-            self.ref.eval().requires_grad_(False)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999))
+        self.lora: PeftAdapter | None = None
+        if lora is not None:
+            self.lora = PeftAdapter(self.model, config, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                                    targets=lora.targets, init=lora.init, wire_dtype=wire_dtype)
+            self.flat = self.lora.flat  # the version: the adapter
+            self.trainable = list(self.lora.params.values())
+        else:
+            self.flat = FlatState.of_parameters(self.model, wire_dtype)  # a tied head once, as the embedding
+            self.trainable = list(self.model.parameters())
+            if keep_reference or kl_coef > 0:
+                self.ref = LlamaModel.from_state_dict(config, dict(state_dict), device=self.device, dtype=dtype)
+                self.ref.eval().requires_grad_(False)
+        self.opt = torch.optim.AdamW(self.trainable, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999))
         self.grad_clip, self.objective = grad_clip, objective
         self.step = StepAccumulator(objective)
         self.temperature = temperature if temperature > 0 else 1.0
@@ -96,6 +115,19 @@ class TorchBackend(TrainerBackend):
         logits = logits[:, :-1].float() / self.temperature
         return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
+    @torch.no_grad()
+    def _ref_logp(self, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """Logprobs under the reference policy: the frozen copy, or — LoRA — the base with the adapter off.
+
+        Raises:
+            ValueError: no reference was kept (``keep_reference=False`` and no KL term)."""
+        if self.lora is not None:
+            with self.lora.disabled():
+                return self._logp(self.model, ids, att)
+        if self.ref is None:
+            raise ValueError("no reference model kept (keep_reference=False)")
+        return self._logp(self.ref, ids, att)
+
     def accumulate(self, batch: list[Sample], responses_in_step: int) -> dict[str, float]:
         ids, att, rmask, _ = pack(batch)
         rmask = rmask.to(self.device)
@@ -103,8 +135,7 @@ class TorchBackend(TrainerBackend):
         old = logp.detach()
         ref = None
         if self.objective.kl_coef > 0:
-            with torch.no_grad():
-                ref = self._logp(self.ref, ids, att)
+            ref = self._ref_logp(ids, att)
         adv = torch.tensor([s.advantage for s in batch], dtype=torch.float32, device=self.device)
         loss_sum, st = grpo_loss(logp, old, adv, rmask, self.objective, ref_logp=ref,
                                  behaviour_logp=behaviour_tensor(batch, tuple(old.shape), self.device),
@@ -119,17 +150,17 @@ class TorchBackend(TrainerBackend):
     def optimizer_step(self) -> dict[str, float]:
         scale = self.step.gradient_scale()
         if scale != 1.0:  # token_mean: the step's token count is known now (see StepAccumulator)
-            for p in self.model.parameters():
+            for p in self.trainable:
                 if p.grad is not None:
                     p.grad.mul_(scale)
-        gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        gn = torch.nn.utils.clip_grad_norm_(self.trainable, self.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return {"grad_norm": float(gn), "lr": self.lr, **self.step.finish()}
 
     def export_weights(self) -> Mapping[str, torch.Tensor]:
         """The parameters as a :class:`FlatState` (fp32 views of the live weights; no copy). A tied
-        ``lm_head.weight`` is absent: it is ``model.embed_tokens.weight``."""
+        ``lm_head.weight`` is absent: it is ``model.embed_tokens.weight``. LoRA: the adapter's tensors only."""
         return self.flat
 
     def save_checkpoint(self, path: str | os.PathLike, extra_state: Mapping | None = None) -> None:
@@ -153,13 +184,24 @@ class TorchBackend(TrainerBackend):
         return lambda: _write_checkpoint(state, path)
 
     def _checkpoint_state(self, extra_state: Mapping | None = None) -> dict:
-        return {"model": self.model.state_dict(), "opt": self.opt.state_dict(), "rng": torch.get_rng_state(),
-                "extra": dict(extra_state or {})}
+        weights = {"adapter": self.lora.state()} if self.lora is not None else {"model": self.model.state_dict()}
+        return {**weights, "opt": self.opt.state_dict(), "rng": torch.get_rng_state(), "extra": dict(extra_state or {})}
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
-        """Restore :meth:`save_checkpoint`; returns its ``extra_state``."""
-        st = torch.load(Path(path) / "torch_backend.pt", map_location=self.device, weights_only=True)
-        self.model.load_state_dict(st["model"])
+        """Restore :meth:`save_checkpoint`; returns its ``extra_state``.
+
+        Raises:
+            CheckpointError: a checkpoint of a full run into a LoRA run or the reverse (naming the file)."""
+        f = Path(path) / "torch_backend.pt"
+        st = torch.load(f, map_location=self.device, weights_only=True)
+        if ("adapter" in st) != (self.lora is not None):
+            kind = "a LoRA adapter" if "adapter" in st else "every weight"
+            raise CheckpointError(f"{f}: a checkpoint of a run that trained {kind}; this run has trainer.lora.rank = "
+                                  f"{self.lora.rank if self.lora else 0}: use a new --out or trainer.resume=never")
+        if self.lora is not None:
+            self.lora.load(st["adapter"])
+        else:
+            self.model.load_state_dict(st["model"])
         self.opt.load_state_dict(st["opt"])
         torch.set_rng_state(st["rng"].cpu())
         return st["extra"]
@@ -173,12 +215,20 @@ class TorchBackend(TrainerBackend):
 
     @torch.no_grad()
     def token_logprobs(self, batch: list[Sample], *, reference: bool = False) -> list[torch.Tensor]:
-        model = self.ref if reference else self.model
-        if model is None:
-            raise ValueError("no reference model kept (keep_reference=False)")
         ids, att, rmask, plens = pack(batch)
-        logp = self._logp(model, ids, att)
+        with _eval_mode(self.model):  # no LoRA dropout outside training passes
+            logp = self._ref_logp(ids, att) if reference else self._logp(self.model, ids, att)
         return [logp[i, p - 1 : p - 1 + len(s.response_ids)].cpu() for i, (s, p) in enumerate(zip(batch, plens))]
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode for the block (train mode again after it)."""
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train()
 
 
 def _write_checkpoint(state: dict, path: str | os.PathLike) -> None:

@@ -16,6 +16,12 @@ without Intel AMX never *calls* either package, so empty stand-ins suffice:
 - Both names stay invisible to ``importlib.util.find_spec`` probes (transformers decides
   ``is_torchvision_available()`` that way and would otherwise route image processing through the stand-in),
   and they have no distribution metadata.
+
+Pinned host memory (issue 49, LoRA): SGLang 0.5.23's LoRA layers and its ``torch_native`` LoRA backend ask for pinned
+host memory unconditionally (``torch.tensor(..., pin_memory=True)``, ``tensor.pin_memory()``), which a CPU-only torch
+refuses ("no pinned memory allocator"). Pinning only speeds up host-to-device copies — there is no device here — so
+once ``torch`` is imported, on a machine without CUDA, these calls return ordinary (pageable) CPU tensors. Everything
+else of SGLang's LoRA path (adapter loading, its memory pool, the per-request adapter, the kernels) runs as shipped.
 """
 from __future__ import annotations
 
@@ -76,10 +82,54 @@ class _StandinFinder(importlib.abc.MetaPathFinder):
         return importlib.machinery.ModuleSpec(fullname, _StandinLoader(), is_package=True)
 
 
+_PINNING = ("tensor", "empty", "zeros", "ones", "full", "arange", "empty_like", "zeros_like", "ones_like")
+
+
+def _pageable_on_cpu_only(torch) -> None:
+    """On a torch without CUDA: ``pin_memory=True`` is ignored and ``Tensor.pin_memory()`` returns the tensor."""
+    import functools
+
+    if torch.cuda.is_available():
+        return
+
+    def unpinned(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            kwargs.pop("pin_memory", None)
+            return fn(*args, **kwargs)
+        return call
+
+    for name in _PINNING:
+        setattr(torch, name, unpinned(getattr(torch, name)))
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+
+
+class _TorchHook(importlib.abc.MetaPathFinder):
+    """Runs :func:`_pageable_on_cpu_only` right after ``torch`` is imported (never importing it earlier)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec("torch")
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module) -> None:
+            run(module)
+            _pageable_on_cpu_only(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
 def _install() -> None:
     if any(isinstance(f, _StandinFinder) for f in sys.meta_path):
         return
     sys.meta_path.insert(0, _StandinFinder())
+    if "torch" not in sys.modules:
+        sys.meta_path.insert(0, _TorchHook())
     real_find_spec = importlib.util.find_spec
 
     def find_spec(name, package=None):  # availability probes see nothing
