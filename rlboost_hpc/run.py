@@ -1,11 +1,11 @@
 """``rlboost-hpc run``: one RLBoost run on this machine (embedded local default).
 
-The composition root: :class:`RunSetup` loads model and task, :class:`~rlboost_hpc.services.RunServices` starts
-(and stops) the processes and sockets — the rollout manager (its own process), the weight server (a thread of
-the trainer process), the reserved engine (a rollout agent in a trainer thread, the seeding instance), the local
-preemptible cluster (worker processes replaying a spot trace) or the scavenger's target —, :func:`_train` runs
-the step loop, and :func:`~rlboost_hpc.observe.run_report.build_report` makes the report. Writes
-``report.json``, ``metrics.jsonl`` and ``run.png`` into the output directory.
+The composition root: :class:`~rlboost_hpc.run_setup.RunSetup` checks the inputs and loads model and task,
+:class:`~rlboost_hpc.services.RunServices` starts (and stops) the processes and sockets — the rollout manager (its own
+process), the weight server (a thread of the trainer process), the reserved engine (a rollout agent in a trainer
+thread, the seeding instance), the local preemptible cluster (worker processes replaying a spot trace) or the
+scavenger's target —, :func:`_train` runs the step loop, and :func:`~rlboost_hpc.observe.run_report.build_report`
+makes the report. Writes ``report.json``, ``metrics.jsonl`` and ``run.png`` into the output directory.
 
 Invariant: the run never reports success it did not have — a rollout failure that no migration could
 recover raises :class:`~rlboost_hpc.trainer.loop.RolloutFailed` and the CLI exits non-zero; every process
@@ -19,13 +19,12 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import torch
 
 from rlboost_hpc.cluster.capacity import reserved_instances
-from rlboost_hpc.config import ConfigError, RunConfig
+from rlboost_hpc.config import RunConfig
 from rlboost_hpc.errors import BadInput
 from rlboost_hpc.models.hf_dir import save_model_dir
 from rlboost_hpc.observe.report import write_plot
@@ -33,73 +32,11 @@ from rlboost_hpc.observe.run_report import FailedReport, FaultTally, RunReport, 
 from rlboost_hpc.observe.timeline import Phase, add_phase
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.rundir import RunDir, read_jsonl
+from rlboost_hpc.run_setup import RunSetup, check_inputs, check_same_data, check_same_model
 from rlboost_hpc.services import RunServices
 from rlboost_hpc.trainer.record import StepRecord
 
 log = logging.getLogger("rlboost.run")
-
-
-def load_model(cfg: RunConfig):
-    """The configured policy as a :class:`~rlboost_hpc.models.hf_dir.PolicyModel`: ``model.path`` (a Hugging Face
-    model directory), else stories260K converted once into ``model.cache_dir``.
-
-    Raises:
-        ModelFormatError: the directory lacks or has inconsistent files (named); DataFileMissing: stories260K's
-            source files are absent.
-    """
-    from rlboost_hpc.models.hf_dir import load_model_dir
-    from rlboost_hpc.models.llama2c import ensure_converted
-
-    path = Path(cfg.model.path).expanduser() if cfg.model.path else ensure_converted(
-        Path(cfg.model.cache_dir).expanduser())
-    return load_model_dir(path, chat=cfg.task.chat_template)
-
-
-def check_inputs(cfg: RunConfig) -> None:
-    """Every input file the run will read, checked before anything heavy starts (a model load and the held-out
-    evaluation take seconds to minutes; a trace is read only when the cluster starts, after them): ``model.path``
-    (the directory and its config.json), the task's data files (``Task.data_files`` under the data directory) and,
-    for the local cluster, ``cluster.trace``. Reads nothing: each file is opened and closed.
-
-    Raises:
-        BadInput: one line naming the key, the file and why — not found, or there but unreadable (permissions, a
-            directory): :class:`~rlboost_hpc.paths.DataFileMissing`, :class:`~rlboost_hpc.paths.InputUnreadable`,
-            :class:`ConfigError` (an unknown task).
-    """
-    from rlboost_hpc.paths import data_file, readable
-    from rlboost_hpc.tasks.base import task_data_files
-
-    if cfg.model.path:
-        d = readable(Path(cfg.model.path).expanduser(), "model.path: the model directory", directory=True)
-        readable(d / "config.json", f"model.path: {d}'s config.json")
-    else:  # the demo model, converted once from the shared stories260K
-        from rlboost_hpc.models.llama2c import check_sources
-
-        check_sources(Path(cfg.model.cache_dir).expanduser())
-    if cfg.task.dataset:  # your own task: its prompt files (a hub id is fetched later, by datasets)
-        from rlboost_hpc.tasks.dataset import resolve_source
-
-        for key, spec in (("task.dataset", cfg.task.dataset), ("task.heldout_dataset", cfg.task.heldout_dataset)):
-            if spec:
-                resolve_source(spec, key=key)
-        files: tuple[str, ...] = ()
-    else:
-        try:
-            files = task_data_files(cfg.task.name)
-        except ValueError as e:
-            raise ConfigError(f"task.name: {e}") from None
-    for rel in files:
-        try:
-            data_file(rel)
-        except BadInput as e:
-            raise type(e)(f"task.name = {cfg.task.name}: {e}") from None
-    if cfg.cluster.kind == "local" and cfg.cluster.max_workers > 0:
-        from rlboost_hpc.cluster.traces import resolve_trace_path
-
-        try:
-            resolve_trace_path(cfg.cluster.trace)
-        except BadInput as e:
-            raise type(e)(f"cluster.trace = {cfg.cluster.trace}: {e}") from None
 
 
 def _resume_point(cfg: RunConfig, out_dir: Path) -> Path | None:
@@ -143,27 +80,6 @@ def _resume_point(cfg: RunConfig, out_dir: Path) -> Path | None:
     return ckpt
 
 
-def tool_stop_ids(cfg: RunConfig, tok) -> tuple[int, ...]:
-    """The token id that ends a tool call (``task.tool_call_close``), as a one-element tuple; () for single-turn
-    tasks and for a stateful environment's (every turn goes to it, ended by the model's own stop tokens).
-
-    Raises:
-        ConfigError: ``task.tool_call_close`` is not exactly one token of the policy's tokenizer.
-    """
-    if cfg.task.max_turns == 1 or cfg.task.environment:
-        return ()
-    close = cfg.task.tool_call_close
-    tid = tok.hf.convert_tokens_to_ids(close)  # a token of the vocabulary as it is (e.g. Qwen's </tool_call>)
-    if not isinstance(tid, int) or tid == tok.hf.unk_token_id:
-        ids = tok.hf(close, add_special_tokens=False)["input_ids"]
-        if len(ids) != 1:
-            raise ConfigError(f"task.tool_call_close = {close!r} is {len(ids)} tokens of the policy's tokenizer "
-                              f"({ids}); it must be exactly one (it ends the turn as a stop id)")
-        tid = ids[0]
-    return (int(tid),)
-
-
-#: The step metrics (``metrics.jsonl``) of the engine–trainer mismatch that the manager's gauges show.
 MISMATCH_KEYS = ("logprob_diff", "logprob_diff_max", "mismatch_kl", "mismatch_outside_clip_share",
                  "mismatch_capped_share", "behaviour_ess", "behaviour_dropped_share")
 
@@ -171,31 +87,6 @@ MISMATCH_KEYS = ("logprob_diff", "logprob_diff_max", "mismatch_kl", "mismatch_ou
 #: The ``trainer.*`` keys of the GRPO objective (the report's ``objective``).
 OBJECTIVE_KEYS = {"loss_aggregation", "advantage_std_norm", "clip_eps", "clip_eps_high", "kl_coef", "kl_estimator",
                   "behaviour_correction", "behaviour_cap", "behaviour_level", "mask_truncated"}
-
-
-def check_behaviour_logprobs(cfg: RunConfig) -> None:
-    """Importance correction needs the engine's behaviour logprobs of every token.
-
-    Raises:
-        ConfigError: ``trainer.behaviour_correction`` is on, or ``rollout.max_staleness`` ≥ 1, and ``rollout.engine``
-            returns no logprobs (named); ``rollout.max_staleness`` ≥ 1 with ``trainer.behaviour_correction = none``.
-    """
-    from rlboost_hpc.rollout.engines.factory import returns_behaviour_logprobs
-
-    k = cfg.rollout.max_staleness
-    if k >= 1 and not returns_behaviour_logprobs(cfg.rollout.engine):
-        raise ConfigError(f"rollout.max_staleness = {k} trains tokens of older versions with the decoupled PPO "
-                          f"objective, which needs the behaviour logprob of every token, and rollout.engine = "
-                          f"{cfg.rollout.engine} returns none; use an engine that returns logprobs (torch, sglang) "
-                          "or rollout.max_staleness = 0")
-    if k >= 1 and cfg.trainer.behaviour_correction == "none":
-        raise ConfigError(f"rollout.max_staleness = {k} needs trainer.behaviour_correction = tis or mis (the "
-                          "decoupled PPO objective weights each token by π_prox/π_behaviour, capped by "
-                          "trainer.behaviour_cap); it is none")
-    if cfg.trainer.behaviour_correction != "none" and not returns_behaviour_logprobs(cfg.rollout.engine):
-        raise ConfigError(f"trainer.behaviour_correction = {cfg.trainer.behaviour_correction} needs the behaviour "
-                          f"logprob of every token, and rollout.engine = {cfg.rollout.engine} returns none; use "
-                          "trainer.behaviour_correction = none or an engine that returns logprobs")
 
 
 def run(cfg: RunConfig, out_dir: Path, *, progress: bool = True, run_id: str | None = None) -> dict:
@@ -241,139 +132,6 @@ def _finished_report(cfg: RunConfig, rd: RunDir) -> dict | None:
     return report if same and done and checkpoint.latest_step(rd.root) >= cfg.trainer.steps else None
 
 
-def length_check_prompts(task) -> list:
-    """The prompts whose token counts bound the run's context: every prompt of a built-in task; of a user's task the
-    longest by characters of each split (its prepared file's statistics) and the held-out ones — ``rlboost-hpc task
-    check`` tokenises every row."""
-    if hasattr(task, "longest_prompts"):
-        return task.longest_prompts() + task.heldout_prompts()
-    return list(task.train_prompts()) + task.heldout_prompts()
-
-
-def _check_same_data(ckpt: Path, setup: "RunSetup", rd: RunDir) -> None:
-    """Refuse to resume ``ckpt`` against changed prompt files, in one line and before any service starts.
-
-    Raises:
-        CheckpointError: a data set's fingerprint differs from the one the checkpoint recorded (the key and file
-            named).
-    """
-    from rlboost_hpc.trainer import checkpoint
-
-    saved = checkpoint.run_state_of(ckpt).get("datasets") or {}
-    now = setup.checkpoint_identity()["datasets"]
-    for key in sorted(set(saved) | set(now)):
-        if saved.get(key) != now.get(key):
-            where = getattr(setup.task.cfg, key.split(".")[1], None) if hasattr(setup.task, "cfg") else None
-            raise checkpoint.CheckpointError(
-                f"{key} = {where}: the data set changed since {ckpt} was written (fingerprint {saved.get(key)} then, "
-                f"{now.get(key)} now); resuming would take other prompts — restore the file, or start over with a "
-                "new --out or --set trainer.resume=never")
-
-
-def _check_same_model(ckpt: Path, setup: "RunSetup", rd: RunDir) -> None:
-    """Refuse to resume ``ckpt`` (of ``rd``) into another model, in one line and before any service starts.
-
-    Raises:
-        CheckpointError: the checkpoint's parameter shapes are not the configured model's.
-    """
-    from rlboost_hpc.models.arch import ModelArch
-    from rlboost_hpc.trainer import checkpoint
-
-    saved = checkpoint.run_state_of(ckpt).get("model")  # absent in checkpoints of older versions
-    if not isinstance(saved, dict) or "arch" not in saved:
-        return
-    theirs, ours = saved.get("lora"), setup.lora_record()
-    if theirs != ours:  # a LoRA checkpoint into a full run, the reverse, or another adapter shape
-        def what(rec):
-            return "every weight" if not rec else f"a LoRA adapter (rank {rec['rank']}, {','.join(rec['targets'])})"
-        raise checkpoint.CheckpointError(
-            f"{ckpt}/trainer.json: a checkpoint of a run that trained {what(theirs)}; this config trains "
-            f"{what(ours)} (trainer.lora): use a new --out or --set trainer.resume=never")
-    arch = setup.policy.arch
-    if ModelArch.from_json(saved["arch"]).expected_shapes() != arch.expected_shapes():
-        raise checkpoint.CheckpointError(
-            f"{rd.root} holds a run of another model ({saved.get('path')}, {saved['arch'].get('family')}, "
-            f"{ModelArch.from_json(saved['arch']).num_params() / 1e6:.1f} M parameters) than this config's "
-            f"({setup.policy.path}, {arch.family}, {arch.num_params() / 1e6:.1f} M parameters): use a new --out or "
-            "--set trainer.resume=never")
-
-
-@dataclass
-class RunSetup:
-    """What the run is made of before any service starts: the policy (``PolicyModel``), the task (told the run's
-    tool-call syntax), the tool call's stop id, and the trainer's and rollout's devices and dtypes."""
-
-    policy: Any
-    task: Any
-    tool_stops: tuple[int, ...]
-    context_tokens: int  # the positions one request may need: the longest prompt + the response (trajectory) budget
-    train_device: torch.device
-    train_dtype: torch.dtype
-    rollout_device: torch.device
-    rollout_dtype: torch.dtype
-    lora: Any = None  # trainer.lora's LoraSettings (None: every weight trains)
-
-    def lora_record(self) -> dict | None:
-        """What a checkpoint records of the adapter (None: every weight trains): rank, alpha, targets."""
-        lo = self.lora
-        return None if lo is None else {"rank": lo.rank, "alpha": lo.alpha, "targets": list(lo.targets)}
-
-    @classmethod
-    def load(cls, cfg: RunConfig) -> "RunSetup":
-        """Load the model and task and check them against the config.
-
-        Raises:
-            ConfigError: behaviour correction with an engine that returns no logprobs; the response (or
-                trajectory) budget plus the longest prompt exceeds the model's context;
-                ``task.tool_call_close`` is not one token; a device or dtype the machine lacks.
-        """
-        from rlboost_hpc.models.device import resolve_device, resolve_dtype
-        from rlboost_hpc.tasks.user_task import make_task
-
-        check_behaviour_logprobs(cfg)
-        policy = load_model(cfg)
-        arch, tok = policy.arch, policy.tokenizer
-        task = make_task(cfg.task)  # a user's task is read, split and its reward code imported and checked here
-        if hasattr(task, "tool_syntax"):  # a tool task tells the policy how to call its tool: the run's syntax
-            from rlboost_hpc.tasks.tools import ToolSyntax
-
-            task.tool_syntax = ToolSyntax(cfg.task.tool_call_open, cfg.task.tool_call_close)
-        longest = max(len(task.prompt_ids(p, tok)) for p in length_check_prompts(task))
-        if longest + cfg.trajectory_tokens() > arch.max_position_embeddings:
-            key = ("rollout.max_new_tokens" if cfg.task.max_turns == 1 else
-                   "task.max_trajectory_tokens (0: task.max_turns × rollout.max_new_tokens)")
-            raise ConfigError(f"{key} = {cfg.trajectory_tokens()} plus the longest prompt ({longest} tokens) exceeds "
-                              f"the model's context of {arch.max_position_embeddings} tokens")
-        if hasattr(task, "check_endpoint"):
-            task.check_endpoint()  # an unreachable reward model is bad input, before anything starts
-        lora = _lora_settings(cfg, policy)
-        train_device = resolve_device(cfg.trainer.device, "trainer.device")
-        rollout_device = resolve_device(cfg.rollout.device, "rollout.device")
-        setup = cls(policy=policy, task=task, tool_stops=tool_stop_ids(cfg, tok),
-                    context_tokens=longest + cfg.trajectory_tokens(), train_device=train_device,
-                    train_dtype=resolve_dtype(cfg.trainer.dtype, train_device, "trainer.dtype"),
-                    rollout_device=rollout_device,
-                    rollout_dtype=resolve_dtype(cfg.rollout.dtype, rollout_device, "rollout.dtype"), lora=lora)
-        log.info("model %s (%s, %.1f M parameters, chat template %s); trainer on %s/%s, rollout on %s/%s",
-                 policy.path, arch.architecture, arch.num_params() / 1e6, "on" if tok.use_chat else "off",
-                 train_device, str(setup.train_dtype).removeprefix("torch."), rollout_device,
-                 str(setup.rollout_dtype).removeprefix("torch."))
-        return setup
-
-    def checkpoint_identity(self) -> dict:
-        """What a checkpoint records of the run's inputs, checked on resume (:func:`_check_same_data`): the model
-        (path, architecture) and, for a user's task, each data set's fingerprint."""
-        fps = self.task.fingerprints() if hasattr(self.task, "fingerprints") else {}
-        return {"model": {"path": str(self.policy.path), "arch": self.policy.arch.to_json(), "lora": self.lora_record()},
-                "datasets": fps}
-
-    def model_info(self) -> dict:
-        """The report's ``model`` entry."""
-        return {"path": str(self.policy.path), "architecture": self.policy.arch.architecture,
-                "parameters": self.policy.arch.num_params(), "chat_template": self.policy.tokenizer.use_chat,
-                "trainer_device": str(self.train_device), "rollout_device": str(self.rollout_device)}
-
-
 @dataclass
 class ResumeState:
     """Where a run starts: step 0, or a checkpoint's step with the trainer loop's state, the held-out evaluation
@@ -415,8 +173,8 @@ def _run(cfg: RunConfig, rd: RunDir, *, progress: bool, run_id: str) -> RunRepor
     torch.set_num_threads(cfg.trainer.torch_threads)
     setup = RunSetup.load(cfg)
     if ckpt is not None:
-        _check_same_model(ckpt, setup, rd)
-        _check_same_data(ckpt, setup, rd)
+        check_same_model(ckpt, setup, rd)
+        check_same_data(ckpt, setup, rd)
     rd.config.write_text(cfg.model_dump_json(indent=2))
     _announce_cost(cfg, setup)
     steps: list[dict] = []  # every step record of the run, also those of earlier incarnations
@@ -624,29 +382,6 @@ def _held_out(cfg: RunConfig, setup: RunSetup, svc: RunServices):
                    max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                    device=setup.rollout_device, dtype=setup.rollout_dtype, score=svc.rewards.score, turns=turns,
                    adapter=None if svc.adapter is None else (svc.adapter, svc.base_state))
-
-
-def _lora_settings(cfg: RunConfig, policy):
-    """``trainer.lora``'s settings for the backend (None when off), with the initial adapter checked against the base.
-
-    Raises:
-        ConfigError: PEFT missing for the torch backend. ModelFormatError: ``trainer.lora.adapter_path`` is not a PEFT
-            adapter of this base (named)."""
-    if not cfg.trainer.lora.enabled:
-        return None
-    from rlboost_hpc.models.lora import canonical_base
-    from rlboost_hpc.trainer.lora import LoraSettings, require_peft, settings_from_config
-    from rlboost_hpc.weights.base import base_identity
-
-    if cfg.trainer.backend == "emulated":  # a load test: the adapter's shapes are the emulated profile's
-        lo = cfg.trainer.lora
-        return LoraSettings(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, targets=lo.targets(), init={})
-    require_peft(cfg.trainer.backend)
-    checksum = 0
-    if cfg.trainer.lora.adapter_path:  # its recorded base must be ours: one hash pass over the base
-        checksum, _ = base_identity(canonical_base(policy.state_dict, policy.arch), getattr(torch, cfg.weights.dtype),
-                                    cfg.weights.chunk_bytes)
-    return settings_from_config(cfg, policy.arch, checksum if cfg.trainer.lora.adapter_path else None)
 
 
 class NotEvaluated:

@@ -21,7 +21,7 @@ LAYER = {
     "procutil": 1, "clihelp": 1, "errors": 1, "interrupts": 1,
     "models": 2, "tasks": 2, "weights": 2, "manager": 2,
     "rollout": 3, "trainer": 3, "cluster": 3, "sim": 3,
-    "run": 4, "services": 4, "cli": 4, "chaos": 4, "launch": 4,
+    "run": 4, "run_setup": 4, "services": 4, "cli": 4, "chaos": 4, "launch": 4,
 }
 MAX_LINES = 700
 #: Files still over MAX_LINES, with the size they may not exceed (a ratchet: split them, then delete the entry).

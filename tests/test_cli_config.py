@@ -132,7 +132,7 @@ def test_behaviour_correction_with_an_engine_that_returns_no_logprobs_is_refused
     """The check runs before the model loads (RunSetup.load); ConfigError is BadInput: exit 2."""
     from rlboost_hpc.errors import BadInput
     from rlboost_hpc.rollout.engines import factory
-    from rlboost_hpc.run import RunSetup
+    from rlboost_hpc.run_setup import RunSetup
 
     cfg = load_config(None, ["rollout.engine='sglang'", "trainer.behaviour_correction='tis'"])
     monkeypatch.setitem(factory.BEHAVIOUR_LOGPROBS, "sglang", False)
@@ -140,7 +140,7 @@ def test_behaviour_correction_with_an_engine_that_returns_no_logprobs_is_refused
         RunSetup.load(cfg)
     assert isinstance(e.value, BadInput) and "trainer.behaviour_correction = tis" in str(e.value)
     monkeypatch.setitem(factory.BEHAVIOUR_LOGPROBS, "sglang", True)
-    from rlboost_hpc.run import check_behaviour_logprobs
+    from rlboost_hpc.run_setup import check_behaviour_logprobs
 
     check_behaviour_logprobs(cfg)  # both engines of the project return them
 

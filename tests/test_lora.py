@@ -319,7 +319,7 @@ def test_a_checkpoint_of_the_other_kind_or_another_adapter_is_refused_before_any
     another rank or targets — each is refused naming the checkpoint's file, before any service starts."""
     from types import SimpleNamespace
 
-    from rlboost_hpc.run import RunSetup, _check_same_model
+    from rlboost_hpc.run_setup import RunSetup, check_same_model
     from rlboost_hpc.rundir import RunDir
     from rlboost_hpc.trainer.checkpoint import CheckpointError
 
@@ -335,12 +335,12 @@ def test_a_checkpoint_of_the_other_kind_or_another_adapter_is_refused_before_any
     full_setup = SimpleNamespace(policy=policy, lora_record=lambda: None)
     lora_setup = SimpleNamespace(policy=policy, lora_record=lambda: RunSetup.lora_record(SimpleNamespace(lora=lora)))
     rd = RunDir(tmp_path)
-    _check_same_model(ckpt(None), full_setup, rd)  # same kind: fine
-    _check_same_model(ckpt(rec), lora_setup, rd)
+    check_same_model(ckpt(None), full_setup, rd)  # same kind: fine
+    check_same_model(ckpt(rec), lora_setup, rd)
     with pytest.raises(CheckpointError, match="trainer.json: a checkpoint of a run that trained every weight; this "
                                               "config trains a LoRA adapter"):
-        _check_same_model(ckpt(None), lora_setup, rd)
+        check_same_model(ckpt(None), lora_setup, rd)
     with pytest.raises(CheckpointError, match="trained a LoRA adapter .rank 4.*this config trains every weight"):
-        _check_same_model(ckpt(rec), full_setup, rd)
+        check_same_model(ckpt(rec), full_setup, rd)
     with pytest.raises(CheckpointError, match="rank 8"):
-        _check_same_model(ckpt({**rec, "rank": 8}), lora_setup, rd)
+        check_same_model(ckpt({**rec, "rank": 8}), lora_setup, rd)

@@ -58,7 +58,7 @@ class _AdapterSource:
             raise BaseMismatch(self.base_error)
         return BaseWeights(canonical_base(self.policy.state_dict, arch), spec.base_checksum, spec.base_bytes, "path")
 
-    def pull(self, endpoint, version, *, peers=(), keys=None, shards=""):
+    def pull(self, endpoint, version, *, peers=(), keys=None, shards="", checksum=0):
         st = self.adapter(version)
         self.pulled_bytes.append(st.nbytes)
         return PulledVersion(st, checksum=1000 + version, nbytes=st.nbytes, wire_bytes=st.nbytes)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlboost_hpc.config import load_config
-from rlboost_hpc.run import RunSetup
+from rlboost_hpc.run_setup import RunSetup
 from rlboost_hpc.rundir import RunDir
 from rlboost_hpc.services import RunServices
 

@@ -296,9 +296,11 @@ def test_a_run_with_bounded_staleness_under_preemptions_loses_nothing_and_trains
     from rlboost_hpc.chaos import chaos_main
 
     out = tmp_path / "run"
-    rc = chaos_main(["--out", str(out), "--steps", "8", "--seed", str(k), "--lifetime-s", "2.0",
+    # workers that live longer than a spawn and a first pull on a loaded host, and warned removals held until their
+    # worker holds a partial response: a preemption that migrates work is certain, not a race with process start
+    rc = chaos_main(["--out", str(out), "--steps", "8", "--seed", str(k), "--lifetime-s", "4.0",
                      "--set", f"rollout.max_staleness={k}", "--set", f"rollout.on_new_version={mode}",
-                     "--set", "trainer.behaviour_correction=tis"])
+                     "--set", "trainer.behaviour_correction=tis", "--set", "cluster.preempt_when_busy=true"])
     assert rc == 0
     rep = json.loads((out / "report.json").read_text())
     assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0

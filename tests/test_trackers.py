@@ -356,9 +356,10 @@ def test_naming_a_tracker_that_is_not_installed_is_exit_2_naming_its_extra(tmp_p
 
 
 # ------------------------------------------------------------------------------------------------ a demo run
-#: A short demo run: a small held-out evaluation, the spot trace's preemptions compressed into the first seconds.
+#: A short demo run: a small held-out evaluation, the spot trace's preemptions compressed into the first seconds, and
+#: a warned preemption at every step boundary (by progress: a 3-step run on a loaded host has preemptions for sure).
 FAST = ["trainer.export_model=false", "task.heldout_prompts=4", "trainer.eval_samples=1", "cluster.time_scale=320",
-        "cluster.replay_s=8"]
+        "cluster.replay_s=8", "cluster.faults.every_steps=1", 'cluster.faults.kinds=["preempt"]']
 
 
 def metrics_lines(out: Path) -> list[dict]:

@@ -371,7 +371,6 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         lora: a LoRA run's adapter and base (``rank``, ``alpha``, ``targets``, ``base_*``, ``*_out``) or None.
     """
     multi = _multi_turn_summary(steps, stats, train_wall_s) if multi_turn else {}
-    updates = [p["weight_update_bytes"] for p in publishes[1:]]
     evaluated = after.get("responses", 1) > 0  # an emulated run has no policy to judge
     failed = quality_gate(kl, after["repetition_rate"], *gate) if evaluated else []
     return RunReport(
@@ -398,15 +397,7 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         **truncation_summary(totals.responses_truncated_by_cause, totals.responses_trained),
         engine_trainer_mismatch=mismatch_summary(steps),
         off_version_tokens_rejected=stats.off_version_tokens_rejected, late_tokens_dropped=stats.late_tokens,
-        weight_pulls=stats.weight_loads, weight_pull_failures=stats.weight_load_failures,
-        weight_pull_seconds_mean=stats.pull_seconds_mean,
-        weight_full_pull_seconds_mean=stats.full_pull_seconds_mean,
-        weight_bytes=publishes[-1]["weight_bytes"] if publishes else 0,
-        weight_update_bytes_mean=sum(updates) / len(updates) if updates else 0.0,
-        weight_pulled_bytes=stats.weight_pulled_bytes, weight_checksum_mismatches=stats.weight_checksum_mismatches,
-        weight_trainer_bytes_served=served["bytes_served"] + served["delta_bytes_served"],
-        weight_trainer_sealed_bytes_served=served.get("sealed_bytes_served", 0),
-        weight_shards=served["shards"],
+        **_weights_summary(stats, publishes, served),
         instances_lost_without_warning=stats.instances_lost, instances_suspected=tally.instances_suspected,
         **{f: getattr(tally, f) for f in ("instances_recovered", "stalls", "link_resets", "slow_weight_loads",
                                           "deltas_out_of_order", "manager_restarts", "responses_adopted",
@@ -424,6 +415,22 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         train_wall_s=train_wall_s, **summarize(steps), wall_s=wall_s,
         trace_window_start_s=trace_window_start_s, examples_after=after["examples"],
         faults_scheduled=faults_scheduled or None, lora=lora and _lora_summary(lora, publishes, stats))
+
+
+def _weights_summary(stats: ManagerStats, publishes: list[dict], served: dict) -> dict[str, Any]:
+    """The report's ``weight_*`` entries: the instances' pulls (the manager's count), one version's bytes and the mean
+    update's (the publisher's record), what the trainer's weight servers sent."""
+    updates = [p["weight_update_bytes"] for p in publishes[1:]]
+    return dict(
+        weight_pulls=stats.weight_loads, weight_pull_failures=stats.weight_load_failures,
+        weight_pull_seconds_mean=stats.pull_seconds_mean,
+        weight_full_pull_seconds_mean=stats.full_pull_seconds_mean,
+        weight_bytes=publishes[-1]["weight_bytes"] if publishes else 0,
+        weight_update_bytes_mean=sum(updates) / len(updates) if updates else 0.0,
+        weight_pulled_bytes=stats.weight_pulled_bytes, weight_checksum_mismatches=stats.weight_checksum_mismatches,
+        weight_trainer_bytes_served=served["bytes_served"] + served["delta_bytes_served"],
+        weight_trainer_sealed_bytes_served=served.get("sealed_bytes_served", 0),
+        weight_shards=served["shards"])
 
 
 def _lora_summary(lora: dict[str, Any], publishes: list[dict], stats: ManagerStats) -> dict[str, Any]:
