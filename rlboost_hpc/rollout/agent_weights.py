@@ -20,7 +20,9 @@ When every slot is named (never under the manager's staleness window) the load w
 while generation goes on: no load or unload ever waits on requests. The version's checksum is the adapter's combined
 with the base's (:func:`~rlboost_hpc.protocol.adapter.adapter_version_checksum`); an instance whose base is not the
 run's refuses to serve, says why (``WeightsFailed``) and never pulls again. (A holder's adapter is checked against
-that combined identity once pulled, not by the pull: the manifest carries the adapter's own checksum.)
+that combined identity once pulled, not by the pull: the manifest carries the adapter's own checksum.) After a
+resumed trainer's lower number (a new lineage) the adapters loaded before serve nothing — a number alone does not
+say whose version it is — and are the first unloaded.
 """
 from __future__ import annotations
 
@@ -103,6 +105,7 @@ class AgentWeights:
     _next_pull_at: float
     _ver: dict[str, int]
     _refused: str | None
+    _lineage_adapters: set[int]
     job_id: str
     attempt: int
 
@@ -114,10 +117,11 @@ class AgentWeights:
 
     def _servable(self, version: int) -> bool:
         """Whether the engine serves ``version`` in the current epoch: the version held, or (adapter engines) any
-        adapter version it still holds."""
+        adapter version it still holds that was loaded since the trainer's lineage last changed."""
         held = self.held_version()
-        return held >= 0 and (version == held or (self.engine.max_adapters > 0
-                                                  and version in self.engine.adapter_versions()))
+        if held < 0 or not self.engine.max_adapters:
+            return held >= 0 and version == held
+        return version in self._lineage_adapters and version in self.engine.adapter_versions()
 
     def _fault_delay_s(self) -> float:
         """Chaos: extra seconds of this weight load — every load's (``fault_load_delay_s``) plus one the local cluster
@@ -147,9 +151,11 @@ class AgentWeights:
             self.want_source = source
         if (version, checksum) == (self.want_version, self.want_checksum) and self._pull is not None:
             return  # (a repeat of what the pull in flight is fetching)
-        if version < self.want_version:
-            log.warning("the manager's latest version is now %d (checksum %x), below %d: a resumed trainer's; "
-                        "taking it", version, checksum, self.want_version)
+        if version < self.want_version or (version == self.want_version and checksum and self.want_checksum
+                                           and checksum != self.want_checksum):
+            log.warning("the manager's latest version is now %d (checksum %x), not above %d (checksum %x): a resumed "
+                        "trainer's; taking it", version, checksum, self.want_version, self.want_checksum)
+            self._lineage_adapters.clear()  # the adapters held are another lineage's: they serve nothing now
         self.want_version, self.want_checksum = version, checksum  # a pull in flight for another: the next fetches this
         self.want_peers = list(peers)
         if wait:
@@ -193,7 +199,7 @@ class AgentWeights:
                 kw = {"adapter": adapter} if adapter is not None else {}
                 eng = factory(model_config, base.state_dict if base is not None else got.state_dict, arch=arch, **kw)
                 if adapter is not None:
-                    eng.load_adapter(got.state_dict, version)
+                    eng.load_adapter(got.state_dict, version)  # (this lineage's: :meth:`_finish_pull` records it)
                 eng.version = version
                 eng.weights_checksum = got.checksum if adapter is None else adapter.version_checksum(got.checksum)
                 time.sleep(slow())  # (chaos) a slow first load, on this thread like a slow real start
@@ -258,6 +264,8 @@ class AgentWeights:
             return
         self._pull, self._pull_failures = None, 0
         self.engine_epoch = self.welcome.epoch
+        if self.engine.max_adapters:
+            self._lineage_adapters.add(r.version)
         for gen in resume:  # under the new weights, from every token generated so far
             self.engine.add(gen)
             self._ver[gen.rid] = r.version
@@ -295,7 +303,8 @@ class AgentWeights:
         eng = self.engine
         held = [v for v in eng.adapter_versions() if v != version]
         while len(held) >= eng.max_adapters:
-            idle = [v for v in held if not eng.adapter_in_use(v)]
+            # another lineage's adapters first (they serve nothing), then the oldest
+            idle = sorted((v for v in held if not eng.adapter_in_use(v)), key=lambda v: v in self._lineage_adapters)
             if not idle:
                 return False
             eng.unload_adapter(idle[0])
