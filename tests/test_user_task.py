@@ -365,3 +365,21 @@ def test_a_heldout_fraction_of_zero_and_no_reward_are_refused(user_files):
     with pytest.raises(ValueError, match="task.dataset needs a reward"):
         TaskCfg(dataset=str(data))
     assert 10 <= len(_task(tmp, data, heldout_fraction=0.5).heldout_prompts()) <= 30
+
+
+def test_run_checks_your_tasks_prompt_files_first_whatever_task_name_labels_it(user_files, tmp_path):
+    """Regression (the input check of issue 50 met issue 48's tasks): ``rlboost-hpc run`` of a user's task named
+    ``my_task`` (a label, not a built-in) was refused as an unknown task; the check now looks at task.dataset itself —
+    a prompt file that is not there is exit 2 naming the key, before the model loads and before the run directory
+    holds a journal."""
+    tmp = user_files
+    args = ["run", "--config", "configs/local.toml", "--out", str(tmp_path / "o"), "--no-progress",
+            "--set", "task.name='my_task'", "--set", f"task.reward_functions=['{tmp / 'rewards.py'}:has_quote']",
+            "--set", f"task.dataset_cache_dir='{tmp / 'cache'}'"]
+    p = _cli(*args, "--set", f"task.dataset='{tmp / 'missing.jsonl'}'")
+    assert p.returncode == 2 and "task.dataset" in p.stderr and "no such file" in p.stderr, p.stderr[-2000:]
+    assert "unknown task" not in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "o/manager-journal.jsonl").exists()
+    p = _cli(*args, "--set", f"task.dataset='{_jsonl(tmp / 'd.jsonl', _rows())}'", "--set",
+             f"task.heldout_dataset='{tmp / 'gone.jsonl'}'")
+    assert p.returncode == 2 and "task.heldout_dataset" in p.stderr and "unknown task" not in p.stderr, p.stderr
