@@ -57,6 +57,12 @@ def weights_loaded(version: int, got: PulledVersion, load_s: float, *, checksum:
                            base_wire_bytes=base.wire_bytes if base else 0)
 
 
+def version_identity(got: PulledVersion, adapter: AdapterSpec | None) -> int:
+    """The whole-version checksum of a pulled version, as the trainer announces it: the pulled bytes' checksum, or
+    (a LoRA run) the adapter's combined with the base's."""
+    return got.checksum if adapter is None else adapter.version_checksum(got.checksum)
+
+
 @dataclass
 class _Pulled:
     """What the builder thread hands back: the version, its pull (None on failure), the error, a new engine with its
@@ -201,7 +207,7 @@ class AgentWeights:
                 if adapter is not None:
                     eng.load_adapter(got.state_dict, version)  # (this lineage's: :meth:`_finish_pull` records it)
                 eng.version = version
-                eng.weights_checksum = got.checksum if adapter is None else adapter.version_checksum(got.checksum)
+                eng.weights_checksum = version_identity(got, adapter)
                 time.sleep(slow())  # (chaos) a slow first load, on this thread like a slow real start
             except Exception as e:
                 return _Pulled(version, None, f"engine start failed: {type(e).__name__}: {e}")
@@ -235,7 +241,7 @@ class AgentWeights:
             self._send(M.WeightsFailed(version=r.version, error=r.error))
             return
         adapter = self.welcome.adapter if self.welcome is not None else None
-        identity = r.got.checksum if adapter is None else adapter.version_checksum(r.got.checksum)
+        identity = version_identity(r.got, adapter)
         if r.version > self.want_version or (r.version == self.want_version and self.want_checksum
                                              and identity != self.want_checksum):
             # pulled for a version the manager no longer announces, above (or beside) its latest: a trainer that
@@ -283,7 +289,7 @@ class AgentWeights:
                 time.sleep(delay)  # on this thread, like a slow real load
             if adapter is not None and self.engine.max_adapters:
                 self.engine.load_adapter(r.got.state_dict, r.version)
-                self.engine.weights_checksum = adapter.version_checksum(r.got.checksum)
+                self.engine.weights_checksum = version_identity(r.got, adapter)
             else:
                 self.engine.load_weights(r.got.state_dict, r.version)
                 self.engine.weights_checksum = r.got.checksum
