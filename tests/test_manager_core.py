@@ -226,7 +226,7 @@ def test_migrations_are_counted_per_engine_kind_for_partial_responses_only():
     core.on_message(b"s", M.Deregister(reason="preempted (SIGUSR2)", tokens_generated=2, cause="preempted"))
     register(core, b"t", "t", engine="torch")
     core.tick()
-    assert core.migrations_by_engine == {"out_of": {"sglang": 1}, "into": {"torch": 1}}
+    assert core.counters.migrations_by_engine == {"out_of": {"sglang": 1}, "into": {"torch": 1}}
     assert core.stats().migrations_by_engine["into"] == {"torch": 1}
     assert "s#0" in core.ended
 

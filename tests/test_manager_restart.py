@@ -43,7 +43,7 @@ def feed(core, peer, msg):
 def commit(core, log):
     log.write(core.worklog, 0.0)
     core.worklog.clear()
-    log.commit()
+    log.commit(core.counters)
 
 
 def started(tmp_path):
@@ -294,7 +294,8 @@ def test_a_log_torn_at_any_byte_is_recovered_up_to_its_last_complete_record(tmp_
         got, end = W.read(tmp_path / "work.log")
         assert got == full[:len(got)] and end <= cut
         assert end == sum(len(W.frame(r)) for r in got)
-    (tmp_path / "work.log").write_bytes(data[:-3])
+    last = max(i for i, r in enumerate(full) if isinstance(r, W.Frame))  # (running totals may follow it)
+    (tmp_path / "work.log").write_bytes(data[:sum(len(W.frame(r)) for r in full[:last + 1]) - 3])
     new, _, log2 = restarted(tmp_path)
     assert new.requests[rid].n == 7  # the last delta was torn
     log2.close()
@@ -638,3 +639,53 @@ def test_a_trainer_call_outlives_a_manager_restart_slower_than_the_calls_timeout
         client.close()
         router.close()
         ctx.term()
+
+
+def test_a_migration_of_the_step_in_flight_is_still_counted_after_a_restart(tmp_path):
+    """Regression (CI of 2026-12-06, the Megatron LoRA demo): an instance preempted with warning handed a partial
+    response over, the manager was killed before the step ended, and the restarted one reported 0 migrations — the
+    running totals were journaled only when the log was compacted, the response's own count and the tallies by
+    engine and turn not at all. Now the totals of the last commit and each migration are in the log."""
+    core, clock, log = started(tmp_path)
+    a = owner(core, "s0g0/0")
+    peer = core.instances[a].peer
+    feed(core, peer, tokens("s0g0/0", 0, [4, 5]))
+    mine = sorted(r for r in core.requests if owner(core, r) == a)
+    feed(core, peer, M.Released(rids=mine, tokens_generated=2))
+    feed(core, peer, M.Deregister(reason="preempted (SIGTERM)", tokens_generated=2, cause="preempted"))
+    before = core.stats()
+    assert before.responses_migrated == len(mine) and before.instances_preempted_with_warning == 1
+    assert before.migrations_by_engine["out_of"] == {"torch": 1} and before.migrations_by_turn == {"0": 1}
+    commit(core, log)
+    log.close()
+
+    new, _, log2 = restarted(tmp_path)
+    after = new.stats()
+    for f in ("responses_migrated", "tokens_migrated", "instances_preempted_with_warning", "migrations_by_engine",
+              "migrations_by_turn", "registrations", "dispatched"):
+        assert getattr(after, f) == getattr(before, f), f
+    assert after.manager_restarts == 1 and all(new.requests[r].migrations == 1 for r in mine)
+    assert all(new.requests[r].migrations == 0 for r in new.requests if r not in mine)
+    # a second restart of the same step keeps them too (the restored totals are journaled by the next commit)
+    feed(new, b"b", M.Heartbeat(version=0, active=0, tokens_generated=0))
+    new.worklog.append(W.Silent("b#0", True))
+    commit(new, log2)
+    log2.close()
+    third, _, _ = restarted(tmp_path, epoch=3)
+    assert third.stats().responses_migrated == len(mine) and third.counters.manager_restarts == 2
+
+
+def test_the_running_totals_are_journaled_only_when_they_changed_and_only_with_records(tmp_path):
+    log = W.WorkLog(tmp_path / "work.log", "run", 1, keep=False)
+    c = W.ManagerCounters(dispatched=3)
+    log.commit(c)  # nothing buffered: nothing written
+    log.write([W.Acked("g0")], 0.0)
+    log.commit(c)
+    log.write([W.Acked("g1")], 0.0)
+    log.commit(c)  # unchanged: not written again
+    c.migrations_by_turn["0"] = 1
+    log.write([W.Acked("g2")], 0.0)
+    log.close(c)
+    recs, _ = W.read(tmp_path / "work.log")
+    assert [type(r).__name__ for r in recs] == ["Begin", "Acked", "Counters", "Acked", "Acked", "Counters"]
+    assert recs[-1].counters.migrations_by_turn == {"0": 1} and recs[2].counters.migrations_by_turn == {}

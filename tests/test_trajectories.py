@@ -236,7 +236,7 @@ def test_a_turn_interrupted_mid_way_resumes_elsewhere_from_its_tokens_so_far():
     core.tick()
     (w,) = take(core, b"b", M.Assign)[0].works
     assert w.prompt_ids == [1, 5, 6, 7, DOT, 90] and w.prefix_ids == [11, 12] and w.tokens_left == 4
-    assert core.migrations_by_turn == {"1": 1}
+    assert core.counters.migrations_by_turn == {"1": 1}
     assert core.counters.tokens_in_interrupted_turns == 2  # what restarting the turn would regenerate
     assert core.counters.assistant_tokens_in_interrupted_trajectories == 4  # ... restarting the trajectory
 

@@ -63,7 +63,7 @@ def dispatch(core) -> None:
         if len(inst.inflight) >= min(core.pending_limit, inst.max_batch):
             free.remove(inst)
         if req.n:  # a partial response resumes here
-            into = core.migrations_by_engine["into"]
+            into = core.counters.migrations_by_engine["into"]
             into[inst.engine] = into.get(inst.engine, 0) + 1
         batches.setdefault(inst.key, []).append(req.work(inst.version))
         core.counters.dispatched += 1

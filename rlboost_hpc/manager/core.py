@@ -166,10 +166,6 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         self.relay = RelayTree(fanout=s.relay_fanout, trainer_fanout=s.relay_trainer_fanout)
         self.step, self.seeding_open, self.failed_step, self.train_step = -1, False, None, -1  # failed_step: why it failed
         self.counters = ManagerCounters()  # every counter is a field: a misspelt one fails where it is used
-        self.migrations_by_turn: dict[str, int] = {}  # partial responses migrated, by the turn they were in
-        self.responses_truncated_by_cause: dict[str, int] = {}  # finished responses cut by a budget (M.TRUNCATION_CAUSES)
-        # partial responses handed off by / resumed on instances of each engine kind ("torch", "sglang")
-        self.migrations_by_engine: dict[str, dict[str, int]] = {"out_of": {}, "into": {}}
         # crash recovery (manager/worklog.py, restore.py): records for the work log (None: not journaled), those since
         # the last compaction (bounded staleness), the last Tokens frame's responses whose delta was not applied, and
         # the unfinished responses a restarted manager holds for the instances that ran them, since held_since

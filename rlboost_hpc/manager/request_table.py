@@ -47,9 +47,6 @@ class RequestTable:
     max_attempts: int
     step_remote: dict[str, StepWork]
     step_done_s: list[float]
-    migrations_by_turn: dict[str, int]
-    migrations_by_engine: dict[str, dict[str, int]]
-    responses_truncated_by_cause: dict[str, int]
     held: dict
     dropped: list[str]
 
@@ -63,12 +60,13 @@ class RequestTable:
             return
         req.move(R.QUEUED)
         req.migrations += 1
+        self.log_work(W.Migrated(rid))
         self.counters.responses_migrated += 1
         if req.n:
-            out = self.migrations_by_engine["out_of"]
+            out = self.counters.migrations_by_engine["out_of"]
             out[inst.engine] = out.get(inst.engine, 0) + 1
             t = str(req.turn)
-            self.migrations_by_turn[t] = self.migrations_by_turn.get(t, 0) + 1
+            self.counters.migrations_by_turn[t] = self.counters.migrations_by_turn.get(t, 0) + 1
             # what restarting the interrupted turn / the whole trajectory would regenerate (the benchmark's
             # alternatives to resuming at the token)
             self.counters.tokens_in_interrupted_turns += req.n - req.turn_start
@@ -163,7 +161,8 @@ class RequestTable:
         self.log_work(W.Finished(req.rid, reason))
         self.step_done_s.append(self.clock())
         if reason != "stop":
-            self.responses_truncated_by_cause[reason] = self.responses_truncated_by_cause.get(reason, 0) + 1
+            by_cause = self.counters.responses_truncated_by_cause
+            by_cause[reason] = by_cause.get(reason, 0) + 1
         self._group_progress(req)
 
     def _on_EnvResult(self, peer: bytes, inst: Instance | None, msg: M.EnvResult) -> None:

@@ -79,6 +79,9 @@ def _apply(core, rec: W.Record, now: float) -> None:
                 req.move(R.QUEUED)
     elif isinstance(rec, W.Submit):
         core.begin_step(rec.step, rec.version, rec.groups)
+    elif isinstance(rec, W.Migrated):
+        if req is not None:
+            req.migrations += 1
     elif isinstance(rec, W.Acked):
         if rec.gid in core.groups:
             core.groups[rec.gid].delivered = True

@@ -101,7 +101,7 @@ class ManagerService:
         trainer, out = self.core.trainer_peer, self.core.outbox
         if self.worklog.pending and (self.worklog.due(now) or any(
                 p == trainer and (idle or not isinstance(m, M.GroupDone)) for p, m in chain(out, self._held))):
-            self.worklog.commit()
+            self.worklog.commit(self.core.counters)
         if self.worklog.pending:  # hold the trainer's groups until the commit that holds them
             self._held += [(p, m) for p, m in out if p == trainer]
             self.core.outbox = [(p, m) for p, m in out if p != trainer]
@@ -215,7 +215,7 @@ class ManagerService:
 
     def close(self) -> None:
         if self.worklog is not None:
-            self.worklog.close()
+            self.worklog.close(self.core.counters)
         if self.env is not None:
             self.env.close()
         self.sock.disable_monitor()

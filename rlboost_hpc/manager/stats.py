@@ -73,10 +73,10 @@ def manager_stats(core) -> ManagerStats:
     c = core.counters
     decision = core.policy_decision
     return ManagerStats(
-        **msgspec.structs.asdict(c),
+        **msgspec.msgpack.decode(msgspec.msgpack.encode(c)),  # (a deep copy: the tallies by key are dicts)
         # went silent and have not come back (expired, or still suspect): lost without warning
-        # (≥ 0: a manager restarted from its work log has the counters of the last compaction, so a silence before
-        # the kill may be lost while the return after it is counted)
+        # (≥ 0: a manager restarted from its work log has the counters of the last commit, so a silence in the
+        # commit window before the kill may be lost while the return after it is counted)
         instances_lost=max(0, c.instances_suspected - c.instances_recovered),
         instances_lost_while_pulling=max(0, c.suspected_while_pulling - c.recovered_while_pulling),
         instances={i.key: InstanceSnapshot(
@@ -100,9 +100,6 @@ def manager_stats(core) -> ManagerStats:
         last_version_serving=core.version_serving.last,
         last_step_activity=core.last_step_activity,
         instance_activity_s=dict(core.activity.total_s),
-        migrations_by_engine={k: dict(v) for k, v in core.migrations_by_engine.items()},
-        migrations_by_turn=dict(core.migrations_by_turn),
-        responses_truncated_by_cause=dict(core.responses_truncated_by_cause),
         last_step_mismatch=dict(core.last_step_mismatch),
         last_step_rewards=dict(core.last_step_rewards),
         environment_pending=sum(1 for r in reqs.values() if r.state == R.ENVIRONMENT),

@@ -2,9 +2,10 @@
 
 ``RUN_DIR/manager-work.log`` holds what a manager needs to pick up where a killed one stopped: the trainer it serves
 (its routing id, weight server, model), the current weight version and its checksum, the step's GRPO groups, every
-token accepted (ids, logprobs, the version that produced them), the turn structure of trajectories (observations and a stateful
-environment's step rewards, tool calls waiting for the environment), finished responses and acknowledged groups, and the instances registered
-(their routing ids, so that frames they queued while the manager was away are recognised when they reconnect).
+token accepted (ids, logprobs, the version that produced them), the turn structure of trajectories (observations and
+a stateful environment's step rewards, tool calls waiting for the environment), migrations, finished responses and
+acknowledged groups, the manager's running totals, and the instances registered (their routing ids, so that frames
+they queued while the manager was away are recognised when they reconnect).
 
 Format: a sequence of frames, each ``u32 length · u32 crc32 · msgpack record`` (little-endian; the CRC covers the
 record). A frame torn at any byte — a crash mid-write — ends the log: everything before it is recovered, the torn
@@ -153,8 +154,16 @@ class Acked(_Rec, tag="acked"):
     gid: str
 
 
+class Migrated(_Rec, tag="migrated"):
+    """Response ``rid`` was taken back from its instance and queued for another (a migration: its count survives a
+    restart, as the trainer reads it on the finished response)."""
+
+    rid: str
+
+
 class Counters(_Rec, tag="counters"):
-    """The manager's running totals when the log was compacted (a restarted manager continues from them)."""
+    """The manager's running totals (:class:`ManagerCounters`, its tallies by key included) at a compaction, and
+    at every commit after which they changed: a restarted manager continues from the last ones the log holds."""
 
     counters: ManagerCounters
 
@@ -164,7 +173,7 @@ class Compact(_Rec, tag="compact"):
 
 
 Record = Union[Begin, Hello, Version, Submit, Seeding, Joined, Silent, Left, Frame, Observation, ToolCall, Finished, Acked,
-               Counters, Compact]
+               Migrated, Counters, Compact]
 
 _HEAD = struct.Struct("<II")
 _encoder = msgspec.msgpack.Encoder()
@@ -249,6 +258,7 @@ class WorkLog:
         self._buf: list[bytes] = []
         self._first: float | None = None
         self._compact = False
+        self._counters = b""  # the frame of the last running totals written (commit only writes changed ones)
         self.commits = self.bytes_written = 0
         self.write([Begin(run_id, epoch)], now=0.0)
         self.commit()
@@ -261,6 +271,8 @@ class WorkLog:
                 self._buf, self._compact = [], True
                 continue
             self._buf.append(frame(rec))
+            if isinstance(rec, Counters):
+                self._counters = self._buf[-1]
             if self._first is None:
                 self._first = now
 
@@ -273,9 +285,16 @@ class WorkLog:
         """The oldest buffered record is ``commit_every_s`` old: a commit is owed now."""
         return bool(self._buf) and now - self._first >= self.commit_every_s
 
-    def commit(self) -> None:
+    def commit(self, counters: ManagerCounters | None = None) -> None:
         """Write, flush and fsync what is buffered (after a :class:`Compact`: into a new file that atomically
-        replaces the log, beginning with this manager's :class:`Begin`)."""
+        replaces the log, beginning with this manager's :class:`Begin`). ``counters``: the manager's running totals
+        now, journaled with a commit that has records when they differ from the last ones written (so a restarted
+        manager's totals lose at most those of one commit window, like its tokens)."""
+        if counters is not None and self.pending:
+            rec = frame(Counters(counters))
+            if rec != self._counters:
+                self._buf.append(rec)
+                self._counters = rec
         if self._compact:
             tmp = self.path.with_suffix(".tmp")
             with open(tmp, "wb") as f:
@@ -298,8 +317,8 @@ class WorkLog:
         self.commits += 1
         self._buf, self._first, self._compact = [], None, False
 
-    def close(self) -> None:
-        """Commit what is buffered and close the file."""
+    def close(self, counters: ManagerCounters | None = None) -> None:
+        """Commit what is buffered (with ``counters``, as :meth:`commit`) and close the file."""
         if self.pending:
-            self.commit()
+            self.commit(counters)
         self._f.close()

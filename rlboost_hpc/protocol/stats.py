@@ -83,6 +83,13 @@ class ManagerCounters(msgspec.Struct, kw_only=True):
     responses_adopted: int = 0
     responses_discarded_stale: int = 0
     tokens_discarded_stale: int = 0
+    # running totals by key: partial responses handed off by / resumed on instances of each engine kind
+    # (``out_of`` / ``into`` → engine → count), partial responses migrated by the assistant turn they were in, and
+    # finished responses cut by a budget, by cause (``messages.TRUNCATION_CAUSES``)
+    migrations_by_engine: dict[str, dict[str, int]] = msgspec.field(
+        default_factory=lambda: {"out_of": {}, "into": {}})
+    migrations_by_turn: dict[str, int] = {}
+    responses_truncated_by_cause: dict[str, int] = {}
 
 
 class InstanceSnapshot(msgspec.Struct, kw_only=True):
@@ -150,7 +157,6 @@ class ManagerStats(ManagerCounters, kw_only=True):
     back, expired or not. ``routable_preemptible``: preemptible instances the manager would route to now;
     ``live_preemptible``: those neither gone nor suspect. ``t_seed_s`` / ``n_prem_cap``: the seeding window T_seed
     (seconds) and the cap N_prem the trainer's controller set last (``None``: not set / no cap).
-    ``responses_truncated_by_cause``: finished responses cut by a budget, by cause (``messages.TRUNCATION_CAUSES``);
     ``last_step_mismatch``: the engine–trainer mismatch of the trainer's last step (``StepTimes.mismatch``);
     ``last_step_rewards``: a user's task, each reward function's mean over that step (``StepTimes.rewards``)."""
 
@@ -172,9 +178,6 @@ class ManagerStats(ManagerCounters, kw_only=True):
     last_version_serving: VersionServing = msgspec.field(default_factory=VersionServing)
     last_step_activity: StepActivity = msgspec.field(default_factory=StepActivity)
     instance_activity_s: dict[str, float] = {}
-    migrations_by_engine: dict[str, dict[str, int]] = {}
-    migrations_by_turn: dict[str, int] = {}
-    responses_truncated_by_cause: dict[str, int] = {}
     last_step_mismatch: dict[str, float] = {}
     last_step_rewards: dict[str, float] = {}
     environment_pending: int = 0
