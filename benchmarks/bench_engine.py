@@ -87,6 +87,10 @@ def main() -> int:
         print(f"{cfg.architecture} ({cfg.num_params() / 1e6:.1f} M parameters, {hf_dir}), {args.new} new "
               f"tokens/sequence, temperature 1, threads={args.threads}, device={args.device}, dtype={args.dtype}, "
               f"torch {torch.__version__}")
+        print(f"# fairness: both sides {args.dtype} on {args.device}, {args.threads} torch thread(s), in this one "
+              "process; each side's model is loaded once and its load is not timed; the TorchEngine of a batch size "
+              "is built once (its KV cache preallocated, the build not timed) and reused by the repeats, as a rollout "
+              "engine is; HF generate allocates its KV cache in every call, as generate() does")
         print(f"{'batch':>5} {'TorchEngine tok/s':>18} {'HF generate tok/s':>18} {'ratio':>7}")
         for b in args.batches:
             ours = engine_runner(cfg, sd, b, args.new, args.device, dtype)

@@ -161,6 +161,10 @@ def main() -> int:
     gpus = torch.cuda.device_count() if a.device == "cuda" else 0
     print(f"# {os.cpu_count()} CPUs, torch {torch.__version__}, device {a.device} ({gpus} GPUs), reps {a.reps}, "
           f"GB/s of medians (1 GB = 1e9 B)")
+    print("# fairness: the same bytes in every arm (published as bf16 for the pull, no conversion on the wire); each "
+          "arm receives into one buffer allocated before its timed transfers and reused by all of them; torch's "
+          "default threads in every process; the pull also checks every chunk's xxh3 and the whole version, the "
+          "broadcast checks nothing")
     rows: dict[str, dict[int, list[float]]] = {"broadcast gloo": broadcast_arm("gloo", {"GLOO_SOCKET_IFNAME": "lo"},
                                                                                sizes, a.reps)}
     if gpus >= 2:

@@ -9,7 +9,9 @@ Rows, each a fresh process per round:
 - ``trl t2 bf16``: TRL as its ``GRPOConfig`` defaults it (``bf16 = True``: training under bf16 autocast, which a CPU
   without fast bf16 pays for) — what a user who keeps TRL's default gets; never the ratio's baseline.
 - ``ours colocated``: ``rlboost-hpc run`` with no preemptible worker (``cluster.max_workers = 0``): the reserved
-  engine generates, the trainer trains (streamed micro-batches of 16).
+  engine generates, the trainer trains (streamed micro-batches of 16); ``ours colocated t2``: the same with
+  ``trainer.torch_threads = 2`` (both cores for the process's intra-op threads: the reserved engine's and the
+  trainer's).
 - ``ours workers``: the demo as shipped — two preemptible worker processes replaying the spot trace beside it.
 - ``ours k=1``: the same with ``rollout.max_staleness = 1`` (TIS, the decoupled objective): the next step's prompts
   generate while the trainer trains.
@@ -41,12 +43,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ROWS = ("trl_t1", "trl_t2", "trl_t2_bf16", "ours_colocated", "ours_workers", "ours_k1")
+ROWS = ("trl_t1", "trl_t2", "trl_t2_bf16", "ours_colocated", "ours_colocated_t2", "ours_workers", "ours_k1")
 #: torch threads per process of each of our rows (the demo's: the trainer process, which also runs the reserved
 #: engine, and each preemptible worker)
-OURS_THREADS = {"ours_colocated": "trainer 1", "ours_workers": "trainer 1, 2 workers × 1", "ours_k1": "trainer 1, "
-                "2 workers × 1"}
-OURS = {"ours_colocated": ["cluster.max_workers=0"], "ours_workers": [],
+OURS_THREADS = {"ours_colocated": "trainer 1", "ours_colocated_t2": "trainer 2", "ours_workers": "trainer 1, 2 "
+                "workers × 1", "ours_k1": "trainer 1, 2 workers × 1"}
+OURS = {"ours_colocated": ["cluster.max_workers=0"],
+        "ours_colocated_t2": ["cluster.max_workers=0", "trainer.torch_threads=2"], "ours_workers": [],
         "ours_k1": ["rollout.max_staleness=1", "trainer.behaviour_correction='tis'"]}
 
 
@@ -104,15 +107,76 @@ def trl_worker(steps: int, threads: int, precision: str, out: Path) -> None:
         return [quote_reward(c) for c in completions]
 
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=cfg, train_dataset=ds, processing_class=tok)
+    phases = time_trl_phases(trainer)
     t0 = time.monotonic()
     trainer.train()
     train_s = time.monotonic() - t0
     logs = [h for h in trainer.state.log_history if "reward" in h]
     ran = {"bf16": bool(trainer.args.bf16), "fp16": bool(trainer.args.fp16),
            "param_dtype": str(next(trainer.model.parameters()).dtype).removeprefix("torch.")}
+    phases["rest"] = train_s - sum(phases.values())
     out.write_text(json.dumps({"train_s": train_s, "rewards": [h["reward"] for h in logs], "precision": ran,
+                               "phases": phases,
                                "config": {k: repr(v) for k, v in trl_effective_config(cfg).items()},
                                "completion_tokens": sum(h["completions/mean_length"] * 64 for h in logs)}))
+
+
+#: the phases of a step both sides are timed in (wall seconds, summed over the run): generation (sampling the
+#: responses), reward, train (the forward passes that give the policy's logprobs and the loss, and the backward
+#: passes), optimizer (the optimizer step), rest (everything else of the training wall time)
+PHASES = ("generation", "reward", "train", "optimizer", "rest")
+
+
+def time_trl_phases(trainer) -> dict[str, float]:
+    """Wrap the methods of a TRL ``GRPOTrainer`` that run each of :data:`PHASES` (``_generate_single_turn``;
+    ``_calculate_rewards``; ``compute_loss`` and ``accelerator.backward``; the optimizer step between the
+    ``on_pre_optimizer_step`` and ``on_optimizer_step`` callbacks) with wall-clock timers; returns the dict they add
+    their seconds to (``rest`` is filled in by the caller)."""
+    from transformers import TrainerCallback
+
+    phases = dict.fromkeys(PHASES[:-1], 0.0)
+
+    def timed(phase: str, fn):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                phases[phase] += time.perf_counter() - t
+        return wrapper
+
+    trainer._generate_single_turn = timed("generation", trainer._generate_single_turn)
+    trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
+    trainer.compute_loss = timed("train", trainer.compute_loss)
+    trainer.accelerator.backward = timed("train", trainer.accelerator.backward)
+
+    class OptimizerTimer(TrainerCallback):
+        t = 0.0
+
+        def on_pre_optimizer_step(self, *a, **kw):
+            self.t = time.perf_counter()
+
+        def on_optimizer_step(self, *a, **kw):
+            phases["optimizer"] += time.perf_counter() - self.t
+
+    trainer.add_callback(OptimizerTimer())
+    return phases
+
+
+def ours_phases(recs: list[dict], train_s: float) -> dict[str, float]:
+    """:data:`PHASES` of one of our runs from its per-step timeline (``metrics.jsonl``'s ``phase_s``, wall seconds
+    summing to each step's wall time): generation = seeding + handoff + remote generation (the responses still
+    running after the seeding window), train = the micro-batches' forward and backward passes left after the last
+    response arrived (those that overlapped generation are in generation), rest = the other phases and whatever
+    of ``train_s`` the steps' walls do not cover."""
+    tot: dict[str, float] = {}
+    for r in recs:
+        for k, v in r["phase_s"].items():
+            tot[k] = tot.get(k, 0.0) + v
+    out = {"generation": sum(tot.pop(k, 0.0) for k in ("seeding", "handoff", "remote_generation")),
+           "reward": tot.pop("reward", 0.0), "train": tot.pop("train", 0.0), "optimizer": tot.pop("optimizer", 0.0)}
+    out["rest"] = train_s - sum(out.values())
+    return out
 
 
 def check_precision(row: str, ran: dict) -> str:
@@ -147,6 +211,7 @@ def run_ours(tmp: Path, steps: int, sets: list[str]) -> dict:
     rep = json.loads((out / "report.json").read_text())
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     return {"train_s": rep["train_wall_s"], "precision": "fp32", "rewards": [r["reward_mean"] for r in recs],
+            "phases": ours_phases(recs, rep["train_wall_s"]),
             "completion_tokens": sum(r["response_len_mean"] * r["responses"] for r in recs)}
 
 
@@ -171,9 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="rlboost-vs-trl-"))
     print(f"## the demo's step shape, {a.steps} steps, {a.rounds} interleaved round(s); ratios to TRL in fp32 "
           "(trl_t1 and trl_t2), never to the bf16 row")
-    print(f"{'round':>5} {'row':15} {'precision':13} {'threads':25} {'train s':>8} {'tok/s':>7} {'vs trl t1':>9} "
+    print(f"{'round':>5} {'row':17} {'precision':13} {'threads':25} {'train s':>8} {'tok/s':>7} {'vs trl t1':>9} "
           f"{'vs trl t2':>9}  reward at steps 1, 10, 20, …")
-    shown = False
+    shown, phases = False, {row: [] for row in rows}
     for rnd in range(a.rounds):
         base: dict[str, float] = {}
         for row in rows:
@@ -188,13 +253,20 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 res, precision, where = run_ours(tmp, a.steps, OURS[row]), "fp32", OURS_THREADS[row]
             rate = res["completion_tokens"] / res["train_s"]
+            phases[row].append(res["phases"])
             if row in ("trl_t1", "trl_t2"):
                 base[row] = rate
             ratio = "  ".join(f"{rate / base[b]:8.2f}×" if b in base else f"{'—':>9}" for b in ("trl_t1", "trl_t2"))
             rw = res["rewards"]
             marks = " ".join(f"{rw[i]:.2f}" for i in [0] + list(range(9, len(rw), 10)))
-            print(f"{rnd:>5} {row:15} {precision:13} {where:25} {res['train_s']:8.1f} {rate:7.0f} {ratio}  {marks}",
+            print(f"{rnd:>5} {row:17} {precision:13} {where:25} {res['train_s']:8.1f} {rate:7.0f} {ratio}  {marks}",
                   flush=True)
+    print(f"\n## where a step goes: wall seconds per step by phase, mean of {a.rounds} round(s) (wall-clock timers "
+          "around the same phases on both sides: TRL's methods, our trainer's timeline)")
+    print(f"{'row':17} " + " ".join(f"{p:>10}" for p in PHASES) + f" {'total':>8}")
+    for row, got in phases.items():
+        mean = {p: sum(g[p] for g in got) / len(got) / a.steps for p in PHASES}
+        print(f"{row:17} " + " ".join(f"{mean[p]:10.3f}" for p in PHASES) + f" {sum(mean.values()):8.3f}")
     return 0
 
 

@@ -138,6 +138,10 @@ def main() -> None:
 
     print(f"# {os.cpu_count()} CPUs, torch {torch.__version__}, chunk {args.chunk_mib} MiB, window {args.window}, "
           f"reps {args.reps} (median / best)")
+    print("# fairness: the same bytes both ways, no dtype conversion on either side; 'x warm' compares both sides "
+          "receiving into a reused, faulted-in buffer, 'x same-buf' the same kind of buffer on both sides (fresh vs "
+          "fresh); the raw copy is one TCP stream on one thread, the pull uses its streams (one thread each) and "
+          "libzmq's I/O thread, and checks every chunk's xxh3 and the whole version, which the raw copy does not")
     rows = []
     t_start = time.perf_counter()
     for size_mib in args.sizes_mib:

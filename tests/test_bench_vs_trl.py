@@ -43,3 +43,13 @@ def test_a_trl_row_that_ran_in_another_precision_than_its_name_is_refused(bench)
 def test_every_row_states_its_threads_and_the_ratio_baselines_are_the_fp32_rows(bench):
     assert set(bench.OURS_THREADS) == set(bench.OURS) and all(bench.OURS_THREADS.values())
     assert {"trl_t1", "trl_t2", "trl_t2_bf16"} <= set(bench.ROWS)
+
+
+def test_our_phases_come_from_the_trainers_timeline_and_add_up_to_the_training_wall_time(bench):
+    recs = [{"phase_s": {"submit": 0.01, "seeding": 0.2, "handoff": 0.01, "remote_generation": 0.3, "reward": 0.02,
+                         "train": 0.25, "optimizer": 0.01, "publish": 0.02}}] * 3
+    got = bench.ours_phases(recs, 2.5)
+    assert set(got) == set(bench.PHASES)
+    assert got["generation"] == pytest.approx(3 * 0.51) and got["train"] == pytest.approx(0.75)
+    assert got["rest"] == pytest.approx(2.5 - 3 * (0.51 + 0.02 + 0.25 + 0.01))  # submit, publish, between steps
+    assert sum(got.values()) == pytest.approx(2.5)
