@@ -178,6 +178,32 @@ def test_a_second_compaction_keeps_a_step_still_in_flight(tmp_path):
     assert new.requests["s2g0/0"].state == "done"
 
 
+def test_a_migration_of_a_step_still_in_flight_survives_two_compactions_and_a_restart(tmp_path):
+    """Regression: compaction kept a step in flight's tokens and finishes but not its migrations, so a restart after
+    it gave the migrated response a count of 0 (the trainer's per-step ``responses_migrated`` missed it)."""
+    core, _ = make(k=2, worklog=True)
+    log = W.WorkLog(tmp_path / "work.log", "run", 1, keep=False)
+    register(core, b"a", "a")
+    for step in range(3):
+        submit(core, step=step, n=1, version=step)
+    core.tick()
+    rid1 = "s1g0/0"
+    feed(core, b"a", tokens(rid1, 0, [9, 9]))
+    feed(core, b"a", M.Released(rids=[rid1], tokens_generated=2))  # handed back: a migration of step 1's response
+    assert core.requests[rid1].migrations == 1
+    feed(core, b"a", tokens("s0g0/0", 0, [4, 1], finish=M.FINISH_STOP))
+    feed(core, TRAINER, M.AckGroup(gid="s0g0"))
+    feed(core, TRAINER, M.SetVersion(version=1))
+    submit(core, step=3, n=1, version=3)  # compaction 1: step 1 in flight
+    commit(core, log)
+    submit(core, step=4, n=1, version=3)  # compaction 2: step 1 still in flight
+    commit(core, log)
+    new = ManagerCore(clock=Clock(), epoch=2, settings=core.settings)
+    restore(new, W.WorkLog(tmp_path / "work.log", "run", 2, keep=True).restored, 0.0)
+    assert new.requests[rid1].n == 2 and new.requests[rid1].migrations == 1
+    assert new.counters.responses_migrated == core.counters.responses_migrated >= 1
+
+
 def test_a_reserved_engine_takes_only_the_step_trained_or_seeded_never_one_ahead(tmp_path):
     """The reserved engine shares the trainer's devices: outside seeding it serves only the step being trained (its
     co-located fallback), while seeding only the step seeded; a step submitted ahead waits for a preemptible

@@ -229,7 +229,7 @@ class TrainerCalls:
             elif isinstance(rec, W.Frame):
                 if any(r.partition("/")[0] in live for r in M.decode(rec.data).rids):
                     out.append(rec)
-            elif isinstance(rec, (W.Finished, W.ToolCall, W.Observation)):
+            elif isinstance(rec, (W.Finished, W.ToolCall, W.Observation, W.Migrated)):
                 if rec.rid.partition("/")[0] in live:
                     out.append(rec)
         self.since_compact = list(out)
