@@ -13,7 +13,6 @@ Invariants:
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Callable, Sequence
 
 from rlboost_hpc.tasks.tools import ToolSyntax, call_tool
