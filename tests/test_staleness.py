@@ -155,52 +155,43 @@ def test_compaction_keeps_every_step_in_flight_and_a_restart_restores_them(tmp_p
     assert new.requests["s2g0/0"].version == 1
 
 
-def test_a_second_compaction_keeps_a_step_still_in_flight(tmp_path):
+def _two_compactions_with_step_1_partial(tmp_path, *, migrate: bool) -> tuple[ManagerCore, ManagerCore]:
+    """Steps 0–2 submitted ahead (k = 2), step 1's response partial (``migrate``: and handed back by its instance)
+    through two compactions, step 2 finished between them; (the core, a core restored from its log)."""
     core, _ = make(k=2, worklog=True)
     log = W.WorkLog(tmp_path / "work.log", "run", 1, keep=False)
     register(core, b"a", "a")
     for step in range(3):
         submit(core, step=step, n=1, version=step)
     core.tick()
-    rid1 = "s1g0/0"
-    feed(core, b"a", tokens(rid1, 0, [9, 9]))
+    feed(core, b"a", tokens("s1g0/0", 0, [9, 9]))
+    if migrate:
+        feed(core, b"a", M.Released(rids=["s1g0/0"], tokens_generated=2))  # a migration of step 1's response
+        assert core.requests["s1g0/0"].migrations == 1
     feed(core, b"a", tokens("s0g0/0", 0, [4, 1], finish=M.FINISH_STOP))
     feed(core, TRAINER, M.AckGroup(gid="s0g0"))
     feed(core, TRAINER, M.SetVersion(version=1))
-    submit(core, step=3, n=1, version=3)
+    submit(core, step=3, n=1, version=3)  # compaction 1: step 1 in flight
     commit(core, log)
     feed(core, b"a", tokens("s2g0/0", 0, [4, 1], finish=M.FINISH_STOP))  # step 2 done, step 1 still partial
-    submit(core, step=4, n=1, version=3)  # a second compaction: step 1 is still partial
+    submit(core, step=4, n=1, version=3)  # compaction 2: step 1 still partial
     commit(core, log)
     new = ManagerCore(clock=Clock(), epoch=2, settings=core.settings)
     restore(new, W.WorkLog(tmp_path / "work.log", "run", 2, keep=True).restored, 0.0)
-    assert new.requests[rid1].n == 2
+    return core, new
+
+
+def test_a_second_compaction_keeps_a_step_still_in_flight(tmp_path):
+    _, new = _two_compactions_with_step_1_partial(tmp_path, migrate=False)
+    assert new.requests["s1g0/0"].n == 2
     assert new.requests["s2g0/0"].state == "done"
 
 
 def test_a_migration_of_a_step_still_in_flight_survives_two_compactions_and_a_restart(tmp_path):
     """Regression: compaction kept a step in flight's tokens and finishes but not its migrations, so a restart after
     it gave the migrated response a count of 0 (the trainer's per-step ``responses_migrated`` missed it)."""
-    core, _ = make(k=2, worklog=True)
-    log = W.WorkLog(tmp_path / "work.log", "run", 1, keep=False)
-    register(core, b"a", "a")
-    for step in range(3):
-        submit(core, step=step, n=1, version=step)
-    core.tick()
-    rid1 = "s1g0/0"
-    feed(core, b"a", tokens(rid1, 0, [9, 9]))
-    feed(core, b"a", M.Released(rids=[rid1], tokens_generated=2))  # handed back: a migration of step 1's response
-    assert core.requests[rid1].migrations == 1
-    feed(core, b"a", tokens("s0g0/0", 0, [4, 1], finish=M.FINISH_STOP))
-    feed(core, TRAINER, M.AckGroup(gid="s0g0"))
-    feed(core, TRAINER, M.SetVersion(version=1))
-    submit(core, step=3, n=1, version=3)  # compaction 1: step 1 in flight
-    commit(core, log)
-    submit(core, step=4, n=1, version=3)  # compaction 2: step 1 still in flight
-    commit(core, log)
-    new = ManagerCore(clock=Clock(), epoch=2, settings=core.settings)
-    restore(new, W.WorkLog(tmp_path / "work.log", "run", 2, keep=True).restored, 0.0)
-    assert new.requests[rid1].n == 2 and new.requests[rid1].migrations == 1
+    core, new = _two_compactions_with_step_1_partial(tmp_path, migrate=True)
+    assert new.requests["s1g0/0"].n == 2 and new.requests["s1g0/0"].migrations == 1
     assert new.counters.responses_migrated == core.counters.responses_migrated >= 1
 
 
