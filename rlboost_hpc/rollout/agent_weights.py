@@ -266,7 +266,7 @@ class AgentWeights:
             if r.base is not None:
                 log.info("base %016x loaded from %s in %.2fs (%d bytes received); serving adapters on it",
                          r.base.checksum, r.base.source, r.base.seconds, r.base.wire_bytes)
-        elif not self._load(r, adapter, resume):
+        elif not self._load(r, adapter, identity, resume):
             return
         self._pull, self._pull_failures = None, 0
         self.engine_epoch = self.welcome.epoch
@@ -280,16 +280,17 @@ class AgentWeights:
         load_s = r.build_s if r.engine is not None else time.monotonic() - t0
         self._send(weights_loaded(r.version, r.got, load_s, checksum=self.engine.weights_checksum, base=r.base))
 
-    def _load(self, r: _Pulled, adapter: AdapterSpec | None, resume: list[GenRequest]) -> bool:
-        """Load the pulled version into the engine (an adapter into its free slot); False — reported, the engine
-        unchanged, ``resume`` re-added under the version it had — when the load failed."""
+    def _load(self, r: _Pulled, adapter: AdapterSpec | None, identity: int, resume: list[GenRequest]) -> bool:
+        """Load the pulled version into the engine (an adapter into its free slot, under its ``identity``:
+        :func:`version_identity`); False — reported, the engine unchanged, ``resume`` re-added under the version it
+        had — when the load failed."""
         try:
             delay = self._fault_delay_s()
             if delay:
                 time.sleep(delay)  # on this thread, like a slow real load
             if adapter is not None and self.engine.max_adapters:
                 self.engine.load_adapter(r.got.state_dict, r.version)
-                self.engine.weights_checksum = version_identity(r.got, adapter)
+                self.engine.weights_checksum = identity
             else:
                 self.engine.load_weights(r.got.state_dict, r.version)
                 self.engine.weights_checksum = r.got.checksum
