@@ -689,3 +689,21 @@ def test_the_running_totals_are_journaled_only_when_they_changed_and_only_with_r
     recs, _ = W.read(tmp_path / "work.log")
     assert [type(r).__name__ for r in recs] == ["Begin", "Acked", "Counters", "Acked", "Acked", "Counters"]
     assert recs[-1].counters.migrations_by_turn == {"0": 1} and recs[2].counters.migrations_by_turn == {}
+
+
+def test_a_held_response_with_tokens_that_no_instance_adopts_is_counted_as_migrated(tmp_path):
+    """Regression (the LoRA demo, 2 of 5 local runs): the manager was killed within the commit window after a
+    preempted instance left, so the restored one still listed it and held its partial responses; when the hold ended
+    they resumed elsewhere uncounted (0 migrations). Queued from the hold with tokens is a migration."""
+    core, clock, log = started(tmp_path)
+    a = owner(core, "s0g0/0")
+    feed(core, core.instances[a].peer, tokens("s0g0/0", 0, [4, 5]))
+    commit(core, log)
+    log.close()
+    new, clock2, _ = restarted(tmp_path)
+    clock2.t = 2.5  # the hold is over: no instance resent
+    new.tick()
+    assert new.counters.responses_migrated == 1 and new.counters.tokens_migrated == 2
+    assert new.requests["s0g0/0"].migrations == 1 and all(r.migrations == 0 for k, r in new.requests.items()
+                                                          if k != "s0g0/0")
+    assert any(isinstance(r, W.Migrated) and r.rid == "s0g0/0" for r in new.worklog)

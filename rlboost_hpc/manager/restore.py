@@ -199,15 +199,25 @@ def unsent_tokens(inst: Instance) -> int:
 def release_held(core, now: float) -> None:
     """The hold after a restart is over — its time is up, or every restored instance has resent what it holds (one
     that was suspect at the kill is not waited for, nor, after ``alive_every_s``, one that has not spoken since the
-    restart: it died meanwhile) —: what no instance adopted is queued (in step order)."""
+    restart: it died meanwhile) —: what no instance adopted is queued (in step order). One holding tokens resumes on
+    another instance from them: a migration, counted and journaled as one (its instance may have left in the commit
+    window the kill lost, so that the old manager's count of it is gone too)."""
     t0 = core.held_since
     if t0 is None:
         return
     over = now >= t0 + core.heartbeat_timeout_s
     if over or not any(i.restored and (i.last_seen > t0 or now < t0 + core.alive_every_s)  # (after a second, only
                        for i in core.instances.values()):  # those that spoke since the restart count)
-        core.queue.extend(rid for rid in core.held if core.requests.get(rid) is not None
-                          and core.requests[rid].state == R.QUEUED)
+        for rid in core.held:
+            req = core.requests.get(rid)
+            if req is None or req.state != R.QUEUED:
+                continue
+            core.queue.append(rid)
+            if req.n:
+                req.migrations += 1
+                core.counters.responses_migrated += 1
+                core.counters.tokens_migrated += req.n
+                core.log_work(W.Migrated(rid))
         log.info("the hold after the restart is over: %d responses adopted, %d held ones queued (%s)",
                  core.counters.responses_adopted, len(core.held),
                  "its time is up" if over else "every restored instance resent")
