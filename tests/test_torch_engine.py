@@ -107,6 +107,43 @@ def test_batched_equals_one_at_a_time(loaded, tok):
             torch.testing.assert_close(torch.tensor(other[r.rid][1]), torch.tensor(lps), rtol=0, atol=1e-5)
 
 
+def test_a_group_sharing_its_prompt_prefills_once_and_equals_one_at_a_time(loaded, tok, monkeypatch):
+    """GRPO groups: the responses of one prompt share one prefill (the others copy its keys and values), distinct
+    inputs (another prompt, a migrated response's prefix) are prefilled together in one batched pass — and every
+    response is what it is alone."""
+    a, b = tok.encode(PROMPTS[0]), tok.encode(PROMPTS[5])
+    reqs = [GenRequest(f"a{i}", a, 24, _seeded(i)) for i in range(4)] + \
+        [GenRequest(f"b{i}", b, 24, _seeded(10 + i)) for i in range(3)] + \
+        [GenRequest("m", a, 20, _seeded(2), [17, 42, 99, 5])]  # a migrated sibling: its prefix makes it distinct
+    eng = _engine(loaded, max_batch=8)
+    calls: list[list[int]] = []
+    real = eng.model.prefill_many
+    monkeypatch.setattr(eng.model, "prefill_many", lambda c, s, x, adapter=None: calls.append([len(i) for i in x])
+                        or real(c, s, x, adapter=adapter))
+    together = generate_all(eng, reqs)
+    assert calls == [[len(a), len(b), len(a) + 4]]  # one pass, one row per distinct input
+    for r in reqs:
+        alone = _run(_engine(loaded, max_batch=1), r.rid, r.prompt_ids, r.max_new_tokens, r.sampling, r.prefix_ids)
+        assert together[r.rid][0] == alone[0], r.rid
+        torch.testing.assert_close(torch.tensor(together[r.rid][1]), torch.tensor(alone[1]), rtol=0, atol=1e-5)
+
+
+def test_prefill_many_equals_prefill_of_each(loaded, tok):
+    cfg, sd = loaded
+    model = LlamaModel.from_state_dict(cfg, sd).eval()
+    seqs = [tok.encode(p) for p in PROMPTS[:3]] + [[1]]
+    one, many = model.new_cache(4, 64), model.new_cache(6, 64)
+    each = torch.stack([model.prefill(one, i, s) for i, s in enumerate(seqs)])
+    torch.testing.assert_close(model.prefill_many(many, [5, 1, 3, 0], seqs), each, rtol=1e-5, atol=1e-5)
+    for i, s in zip([5, 1, 3, 0], range(4)):
+        n = len(seqs[s])
+        assert many.length(i) == n
+        torch.testing.assert_close(many.k[:, i, :, :n], one.k[:, s, :, :n], rtol=0, atol=1e-5)
+        torch.testing.assert_close(many.v[:, i, :, :n], one.v[:, s, :, :n], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError):
+        model.prefill_many(many, [1, 1], seqs[:2])
+
+
 def test_step_events_contract(engine, tok):
     assert engine.step() == [] and engine.num_active == 0
     engine.add(GenRequest("a", tok.encode(PROMPTS[1]), 5, GREEDY))

@@ -155,6 +155,21 @@ class KVCache:
             self._check_slot(slot)
             self.lengths[slot] = 0
 
+    def copy_slot(self, src: int, dsts: Sequence[int]) -> None:
+        """Give every slot of ``dsts`` the keys, values and length of slot ``src`` (a shared prefix: the responses
+        of one GRPO group start from the same prompt). Raises IndexError for a bad slot."""
+        self._check_slot(src)
+        for d in dsts:
+            self._check_slot(d)
+        if not dsts:
+            return
+        n = self.lengths[src]
+        idx = torch.tensor(list(dsts), device=self.k.device)
+        self.k[:, idx, :, :n] = self.k[:, src:src + 1, :, :n]
+        self.v[:, idx, :, :n] = self.v[:, src:src + 1, :, :n]
+        for d in dsts:
+            self.lengths[d] = n
+
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
@@ -366,6 +381,57 @@ class LlamaModel(nn.Module):
             cache.v[li, slot, :, :T] = v[0]
         cache.lengths[slot] = T
         return self.lm_head(self.model.norm(x[0, -1])).float()
+
+    @torch.no_grad()
+    def prefill_many(self, cache: KVCache, slots: Sequence[int], inputs: Sequence[Sequence[int]],
+                     adapter: int | None = None) -> torch.Tensor:
+        """:meth:`prefill` of several slots in one batched forward pass: ``inputs[i]`` into ``slots[i]``.
+
+        The sequences are right-padded to the longest; under the causal mask a real position never attends to a
+        pad (pads come after it), so each row's keys, values and last-position logits are those :meth:`prefill`
+        computes for it alone, up to float rounding of the larger matmuls. Positions past a row's length are
+        written to its slot too, but the slot's length is its own (they are never attended, and the next
+        :meth:`decode` overwrites the first of them).
+
+        Args:
+            slots: distinct slot indices in ``[0, cache.num_slots)``, one per sequence.
+            inputs: token id lists, each ``1 ≤ T ≤ cache.max_len``.
+            adapter: the :attr:`adapters` slot every row is served with (None: the base alone).
+
+        Returns:
+            ``[len(slots), V]`` float32 logits of each sequence's last position.
+
+        Raises:
+            IndexError: bad slot. ValueError: no sequences, lengths differ from the slots', duplicate slots, an
+            empty or too long sequence.
+        """
+        sl = [int(s) for s in slots]
+        if not sl or len(sl) != len(inputs) or len(set(sl)) != len(sl):
+            raise ValueError(f"prefill_many needs one sequence per distinct slot, got {len(inputs)} for {sl}")
+        lens = [len(x) for x in inputs]
+        T = max(lens)
+        if min(lens) == 0 or T > cache.max_len:
+            raise ValueError(f"prefill of {lens} tokens into a cache of max_len {cache.max_len}")
+        for s in sl:
+            cache._check_slot(s)
+            cache.lengths[s] = 0
+        ids = torch.zeros(len(sl), T, dtype=torch.long)
+        for i, x in enumerate(inputs):
+            ids[i, :lens[i]] = torch.as_tensor(x, dtype=torch.long)
+        ids = ids.to(cache.device)
+        cos_t, sin_t = self._rope_tables(T, cache.device)
+        allowed = torch.ones(T, T, dtype=torch.bool, device=cache.device).tril()[None]
+        kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        x = self._trunk(ids, cos_t[:T], sin_t[:T], allowed, kv_out=kv, sel=adapter)
+        s0 = sl[0]
+        rows = slice(s0, s0 + len(sl)) if sl == list(range(s0, s0 + len(sl))) else torch.tensor(sl, device=cache.device)
+        for li, (k, v) in enumerate(kv):
+            cache.k[li, rows, :, :T] = k
+            cache.v[li, rows, :, :T] = v
+        for s, n in zip(sl, lens):
+            cache.lengths[s] = n
+        last = x[torch.arange(len(sl), device=x.device), torch.tensor(lens, device=x.device) - 1]
+        return self.lm_head(self.model.norm(last)).float()
 
     @torch.no_grad()
     def decode(self, cache: KVCache, slots: torch.Tensor | Sequence[int], input_ids: torch.Tensor,

@@ -300,16 +300,13 @@ class TorchEngine(Engine):
         events: dict[str, TokenEvent] = {}
         # (1) admit and prefill
         new: list[_Running] = []
-        new_logits: list[torch.Tensor] = []
         while self._waiting and self._free:
             r = self._waiting.popleft()
             r.slot = heapq.heappop(self._free)
             self._running[r.req.rid] = r
-            new_logits.append(self.model.prefill(self.cache, r.slot, r.req.prompt_ids + r.req.prefix_ids,
-                                                 adapter=r.adapter))
             new.append(r)
         if new:
-            self._sample_into(new, torch.stack(new_logits), events)
+            self._sample_into(new, self._prefill(new), events)
         # (2) one batched decode over every unfinished running request
         live = sorted((r for r in self._running.values() if not r.finished), key=lambda r: r.slot)
         if live:
@@ -422,6 +419,30 @@ class TorchEngine(Engine):
         if self._flat is None or self._flat.wire_dtype != state.wire_dtype:
             self._flat = FlatState.of_parameters(self.model, state.wire_dtype)
         return self._flat.copy_from(state)
+
+    def _prefill(self, new: list[_Running]) -> torch.Tensor:
+        """Prefill the slots of the requests admitted in this step; returns their last-position logits ``[len(new),
+        V]`` (fp32, in ``new``'s order). Requests with the same input (``prompt_ids + prefix_ids``) and adapter — the
+        responses of one GRPO group — share one prefill: it runs once, into the first one's slot, and the others'
+        slots get a copy of its keys and values. The distinct inputs of one adapter run as one batched pass."""
+        first: dict[tuple, _Running] = {}
+        shared: dict[int, list[int]] = {}  # slot prefilled → the slots that copy it
+        for r in new:
+            key = (r.adapter, *r.req.prompt_ids, -1, *r.req.prefix_ids)
+            head = first.setdefault(key, r)
+            if head is not r:
+                shared.setdefault(head.slot, []).append(r.slot)
+        by_adapter: dict[int | None, list[tuple[tuple, _Running]]] = {}
+        for key, head in first.items():
+            by_adapter.setdefault(head.adapter, []).append((key, head))
+        row_of: dict[tuple, torch.Tensor] = {}
+        for adapter, heads in by_adapter.items():
+            logits = self.model.prefill_many(self.cache, [h.slot for _, h in heads],
+                                             [h.req.prompt_ids + h.req.prefix_ids for _, h in heads], adapter=adapter)
+            row_of.update((key, logits[i]) for i, (key, _) in enumerate(heads))
+        for src, dsts in shared.items():
+            self.cache.copy_slot(src, dsts)
+        return torch.stack([row_of[(r.adapter, *r.req.prompt_ids, -1, *r.req.prefix_ids)] for r in new])
 
     def _release(self, r: _Running) -> None:
         if r.slot >= 0:
