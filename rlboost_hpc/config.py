@@ -119,6 +119,13 @@ class RolloutCfg(_Strict):
     stream_every_tokens: int = Field(D.STREAM_EVERY_TOKENS, ge=1, description="flush token chunks to the manager every k tokens")
     stream_every_s: float = Field(D.STREAM_EVERY_S, gt=0, description="... or after this many seconds, whichever first")
     torch_threads: int = Field(1, ge=1, description="intra-op threads of a torch rollout engine's process")
+    reserved_engines: int = Field(1, ge=1, description=(
+        "reserved engines: rollout engines of the trainer's own allocation, each a process of its own beside the "
+        "trainer (as an SGLang server runs beside Megatron on a GPU node); they seed every step and generate alone "
+        "when no preemptible instance serves. On a CPU node, one per core the trainer's phase leaves idle"))
+    reserved_threads: int = Field(1, ge=1, description=(
+        "intra-op threads of each reserved engine's process (independent of trainer.torch_threads: a decode step "
+        "of a small model runs fastest on one)"))
     gpus_per_instance: int = Field(1, ge=1, description=(
         "GPUs of one rollout instance: Slurm rollout jobs ask --gres=gpu:N with it, and N_resv = the trainer "
         "allocation's GPUs / N"))
@@ -183,6 +190,10 @@ class PolicyCfg(_Strict):
     eta: float = Field(3.0, gt=0, description="η of the seeding update")
     t_seed_floor_s: float = Field(0.05, ge=0, description="smallest T_seed (the paper uses 5 s at its scale)")
     t_seed_ceil_s: float | None = Field(None, description="largest T_seed (None: unbounded)")
+    seed_until_trainable: bool = Field(True, description=(
+        "the seeding window lasts T_seed, or longer while no micro-batch is ready to train: a trainer that switched "
+        "to training then would only wait, so the reserved engines go on generating beside the instances until "
+        "training can start (false: close at T_seed, as the paper's reference code does)"))
     cap: bool = Field(True, description="obey N_prem = (t_remote·n_prem + T_seed·N_resv)/t_train")
     dispatch: Literal["jsq", "round_robin"] = Field("jsq", description="JSQ with Θ (RLBoost) or round robin (ablation)")
     balance: bool = Field(True, description="continuous balancing: move running requests beyond an instance's "
@@ -369,7 +380,13 @@ class TrainerCfg(_Strict):
         "responses cut by a budget (rollout.max_new_tokens, task.max_turns, task.max_trajectory_tokens) carry no "
         "loss; they still count in their group's advantages (DAPO overlong filtering; TRL "
         "mask_truncated_completions)"))
-    micro_batch: int = Field(16, ge=1, description="m_b: responses per micro-batch")
+    micro_batch: int = Field(16, ge=1, description=(
+        "m_b: the responses a micro-batch waits for — a forward/backward pass starts once this many are ready (or "
+        "the step's rollout is complete)"))
+    micro_batch_max: int | None = Field(None, ge=1, description=(
+        "the most responses one pass takes: a pass takes every ready response up to this many, so responses that "
+        "arrive together train as one batch (throughput) and a trickle streams in passes of m_b (None: "
+        "micro_batch). Bounded by the trainer's memory; Megatron splits a pass into its own micro-batches"))
     step_timeout_s: float = Field(300.0, gt=0, description="deadline for collecting one step's responses")
     gpus: int | None = Field(None, ge=0, description=(
         "GPUs of the trainer allocation, used only when Slurm's environment does not say (SLURM_GPUS_ON_NODE x "
@@ -514,6 +531,9 @@ class RunConfig(_Strict):
             raise ValueError(f"policy.t_seed_ceil_s ({p.t_seed_ceil_s}) must be >= policy.t_seed_floor_s "
                              f"({p.t_seed_floor_s})")
         tr = self.trainer
+        if tr.micro_batch_max is not None and tr.micro_batch_max < tr.micro_batch:
+            raise ValueError(f"trainer.micro_batch_max ({tr.micro_batch_max}) must be >= trainer.micro_batch "
+                             f"({tr.micro_batch})")
         if tr.clip_eps_high is not None and tr.clip_eps_high < tr.clip_eps:
             raise ValueError(f"trainer.clip_eps_high ({tr.clip_eps_high}) must be >= trainer.clip_eps "
                              f"({tr.clip_eps})")

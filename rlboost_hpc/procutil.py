@@ -27,6 +27,9 @@ log = logging.getLogger("rlboost.procutil")
 
 #: Temporary directories of ours that hold a pid: ``<prefix><pid>-<random>``.
 TEMP_PREFIXES = ("rlboost-sglang-model-",)
+#: Shared-memory directories of ours that hold a pid, in ``/dev/shm`` (a trainer's weight versions shared with its
+#: engine processes: ``rlboost_hpc/weights/shared.py``).
+SHM_PREFIXES = ("rlboost-weights-",)
 _TORCH_SHM = re.compile(r"^torch_(\d+)_")  # torch's file_system sharing strategy: torch_<pid>_<rand>_<n>
 
 
@@ -62,8 +65,9 @@ def _alive(pid: int) -> bool:
 def reclaim_leftovers(shm_dir: str | os.PathLike[str] = "/dev/shm", tmp_dir: str | os.PathLike[str] | None = None
                       ) -> dict[str, int]:
     """Remove node-local leftovers of dead processes of this user: ``shm_dir/torch_<pid>_*`` (shared-memory tensor
-    copies) and ``tmp_dir/<TEMP_PREFIXES><pid>-*`` directories whose ``pid`` no longer exists. Never touches a
-    live process's files or another user's. Returns ``{"files": n, "dirs": m, "bytes": b}``; errors are logged."""
+    copies), ``shm_dir/<SHM_PREFIXES><pid>-*`` and ``tmp_dir/<TEMP_PREFIXES><pid>-*`` directories whose ``pid`` no
+    longer exists. Never touches a live process's files or another user's. Returns ``{"files": n, "dirs": m,
+    "bytes": b}``; errors are logged."""
     uid = os.getuid()
     out = {"files": 0, "dirs": 0, "bytes": 0}
     shm = Path(shm_dir)
@@ -85,8 +89,8 @@ def reclaim_leftovers(shm_dir: str | os.PathLike[str] = "/dev/shm", tmp_dir: str
         except OSError as e:
             log.warning("could not reclaim %s: %s", p, e)
     tmp = Path(tmp_dir or tempfile.gettempdir())
-    for prefix in TEMP_PREFIXES:
-        for d in tmp.glob(prefix + "*"):
+    for where, prefix in [(tmp, p) for p in TEMP_PREFIXES] + [(shm, p) for p in SHM_PREFIXES]:
+        for d in where.glob(prefix + "*"):
             head = d.name[len(prefix):].split("-", 1)[0]
             if not head.isdigit() or _alive(int(head)):
                 continue

@@ -243,6 +243,7 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
     held_out = _held_out(cfg, setup, svc)
     version0 = resume.trainer_state["version"] if resume.trainer_state else 0
     svc.hello(version0)
+    svc.start_reserved()  # they boot while the starting policy is evaluated
     before = resume.before or held_out.evaluate(version0)
     log.info("held-out reward before training: %.3f (greedy %.3f)", before["reward_sampled"], before["reward_greedy"])
     svc.start_rollout()
@@ -403,7 +404,8 @@ def _trainer(cfg: RunConfig, svc: RunServices, setup: RunSetup, n_resv: float):
     r, t, pol = cfg.rollout, cfg.trainer, cfg.policy
     settings = StepSettings(prompts_per_step=r.prompts_per_step, group_size=r.group_size,
                             max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                            micro_batch=t.micro_batch,
+                            micro_batch=t.micro_batch, micro_batch_max=t.micro_batch_max or 0,
+                            seed_until_trainable=pol.seed_until_trainable,
                             step_timeout_s=t.step_timeout_s, seed=t.seed, max_turns=cfg.task.max_turns,
                             max_trajectory_tokens=cfg.trajectory_tokens(), tool_stop_ids=setup.tool_stops,
                             advantage_std_norm=t.advantage_std_norm, max_staleness=r.max_staleness,

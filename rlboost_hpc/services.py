@@ -4,8 +4,10 @@
 rollout manager (its own process), the trainer's client to it, ``endpoints.json`` and the Prometheus
 ``file_sd`` target, (LoRA) the base server — the base published once, as one version, for rollout nodes that do not
 see ``model.path`` —, the trainer backend, the weight publisher, the reward pool and (multi-turn) the evaluation's
-tool workers. After the first version is published, :meth:`RunServices.start_rollout` starts the reserved
-engine and the preemptible capacity (the local cluster, or the scavenger's target under Slurm).
+tool workers — the weight server keeping its versions in a shared-memory directory of this node. After the first
+version is published, :meth:`RunServices.start_reserved` starts the reserved engines (processes of their own that
+map those versions) and :meth:`RunServices.start_rollout` the preemptible capacity (the local cluster, or the
+scavenger's target under Slurm).
 
 Invariant: whatever was started is stopped on every exit path, in the reverse order of starting — also when
 start-up itself fails half-way (a backend that cannot start stops the manager and the weight server it came
@@ -15,9 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import socket
-import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -73,7 +73,7 @@ class RunServices:
         self._stack = contextlib.ExitStack()
         self._hello = False
         self._target_step = 0  # the step the scavenger's target was last written for
-        self.eval_tools = self.cluster = None
+        self.eval_tools = self.cluster = self.reserved = None
 
     # ------------------------------------------------------------------ lifetime
     def __enter__(self) -> "RunServices":
@@ -97,13 +97,18 @@ class RunServices:
         from rlboost_hpc.trainer.client import ManagerClient
         from rlboost_hpc.trainer.publisher import WeightPublisher
         from rlboost_hpc.weights.server import WeightServer
+        from rlboost_hpc.weights.shared import new_share_dir, remove_share_dir
         from rlboost_hpc.weights.sharded import manifest_nbytes
 
         cfg, rd, w = self.cfg, self.run_dir, self.cfg.weights
         self.keys = self._keys()
+        # versions live in shared memory the reserved engines map (weights/shared.py); removed after the server
+        self.share_dir = new_share_dir()
+        self.defer(lambda: remove_share_dir(self.share_dir))
         self.server = WeightServer(bind=f"tcp://{cfg.network.bind_host}:0", chunk_bytes=w.chunk_bytes,
                                    keys=self.keys, delta=w.delta, delta_max_ratio=w.delta_max_ratio,
-                                   sealed=w.sealed, pin_memory=self._device.type == "cuda").start()
+                                   sealed=w.sealed, pin_memory=self._device.type == "cuda",
+                                   share_dir=self.share_dir).start()
         self.defer(self.server.close)
         environment = self.environment()
         self.manager = self._spawn_manager(environment)
@@ -293,30 +298,30 @@ class RunServices:
         self.client.call(M.SetVersion(version=version, checksum=man["weight_checksum"]))
         return man
 
+    def start_reserved(self) -> None:
+        """Start the reserved engines (``rollout.reserved_engines`` processes beside this one, each mapping the
+        published versions from the share directory; :mod:`rlboost_hpc.rollout.reserved`). Called once the first
+        version is published, so they boot while the run evaluates its starting policy."""
+        from rlboost_hpc.rollout.engines.factory import engine_spec
+        from rlboost_hpc.rollout.reserved import ReservedEngines
+
+        cfg, r, w = self.cfg, self.cfg.rollout, self.cfg.weights
+        spec = engine_spec(r, self.context_tokens)
+        if cfg.trainer.backend != "emulated":  # the reserved engines run torch (emulated with an emulated trainer)
+            spec = {k: v for k, v in spec.items() if k in ("device", "dtype", "max_len")} | {"kind": "torch"}
+        self.reserved = ReservedEngines(r.reserved_engines, manager=self.endpoint, run_dir=self.run_dir.root,
+                                        curve=self.keys is not None, share_dir=self.share_dir,
+                                        threads=r.reserved_threads, max_batch=r.max_batch, engine_spec=spec,
+                                        weights={"streams": w.streams, "window": w.window,
+                                                 "timeout_s": w.pull_timeout_s})
+        self.reserved.start()
+        self.defer(self.reserved.stop)
+
     def start_rollout(self) -> None:
-        """Start the reserved engine (a rollout agent in a thread of this process, following versions through the
-        publisher) and the preemptible capacity: the scavenger's target under Slurm, else the local cluster."""
+        """Start the preemptible capacity: the scavenger's target under Slurm, else the local cluster."""
         from rlboost_hpc.procutil import reclaim_leftovers
-        from rlboost_hpc.rollout.agent import RolloutAgent
-        from rlboost_hpc.rollout.engines.factory import engine_spec, factory_from_spec, torch_engine_factory
 
         cfg, r = self.cfg, self.cfg.rollout
-        if cfg.trainer.backend == "emulated":  # its weights are no model: the reserved engine is emulated too
-            engine = factory_from_spec(engine_spec(r, self.context_tokens), r.max_batch, instance_id="reserved")
-        else:
-            engine = torch_engine_factory(r.max_batch, r.device, r.dtype, self.context_tokens)
-        # it never gives up on a silent manager: this process restarts its manager (or ends the run), so a manager
-        # down through several restarts in a row must not cost the run its reserved engine
-        reserved = RolloutAgent(self.endpoint, "reserved", 0, kind="reserved", max_batch=r.max_batch,
-                                weights=self.publisher, keys=self.keys, engine_factory=engine,
-                                manager_timeout_s=math.inf)
-        thread = threading.Thread(target=reserved.run, name="reserved-engine", daemon=True)
-        thread.start()
-
-        def stop_reserved() -> None:
-            reserved.request_stop("run finished")
-            thread.join(timeout=10)
-        self.defer(stop_reserved)
         if cfg.cluster.kind == "slurm":  # rollout jobs come from the scavenger; tell it how many we want
             self.set_target(cfg.cluster.max_workers, step=0)
             self.defer(lambda: self.run_dir.write_target(0, active=False, step=self._target_step,

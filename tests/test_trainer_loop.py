@@ -44,6 +44,10 @@ class ScriptedManager:
     def next_event(self, timeout_s):
         return self.events.pop(0) if self.events else None
 
+    def arrived_events(self):
+        out, self.events = self.events, []
+        return out
+
     def send(self, msg):
         pass
 
@@ -67,8 +71,8 @@ class CountingBackend:
 
 def _trainer(manager, **settings) -> RLTrainer:
     tok = SimpleNamespace(use_chat=False, stop_ids=(1, 2), encode_text=lambda t: [1, 3, 4], decode=lambda ids: "x")
-    s = StepSettings(prompts_per_step=2, group_size=4, max_new_tokens=8, temperature=1.0, top_p=1.0, micro_batch=4,
-                     **settings)
+    s = StepSettings(**{"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "temperature": 1.0,
+                        "top_p": 1.0, "micro_batch": 4, **settings})
     fixed = RolloutController(n_resv=1.0, seeding=SeedingWindow(initial_s=0.0, adapt=False))  # T_seed = 0
     return RLTrainer(client=manager, backend=CountingBackend(), task=get_task("stories"), tokenizer=tok, settings=s,
                      publish=lambda v: {}, controller=fixed)
@@ -142,3 +146,72 @@ def test_advantages_follow_the_std_option():
         t.score = lambda items: [next(rewards) for _ in items]
         t.run_step(0)
         assert [smp.advantage for smp in t.backend.samples] == pytest.approx(want, abs=1e-5)
+
+
+class TimedManager(ScriptedManager):
+    """The scripted manager on an injected clock: group i of a step arrives ``arrive_s[i]`` seconds after its
+    submission; waiting for an event advances the clock (no sleeping). Records when seeding was closed."""
+
+    def __init__(self, arrive_s: list[float]) -> None:
+        super().__init__()
+        self.now, self.arrive_s, self.due, self.closed_at = 0.0, arrive_s, [], []
+
+    def clock(self) -> float:
+        return self.now
+
+    def call(self, msg, timeout_s=None):
+        out = super().call(msg, timeout_s)
+        if isinstance(msg, M.SubmitStep):
+            self.due = [(self.now + a, ev) for a, ev in zip(self.arrive_s, self.events)]
+            self.events = []
+        elif isinstance(msg, M.CloseSeeding):
+            self.closed_at.append(self.now)
+        return out
+
+    def next_event(self, timeout_s):
+        if not self.due:
+            self.now += timeout_s
+            return None
+        at, ev = self.due[0]
+        if at > self.now + timeout_s:
+            self.now += timeout_s
+            return None
+        self.now = max(self.now, at)
+        return self.due.pop(0)[1]
+
+    def arrived_events(self):
+        out = [ev for at, ev in self.due if at <= self.now]
+        self.due = self.due[len(out):]
+        return out
+
+
+def _timed_trainer(mgr: TimedManager, t_seed: float, **settings) -> RLTrainer:
+    t = _trainer(mgr, **settings)
+    t.clock = mgr.clock
+    t.controller = RolloutController(n_resv=1.0, seeding=SeedingWindow(initial_s=t_seed, adapt=False, floor_s=0.0))
+    return t
+
+
+def test_seeding_lasts_until_a_micro_batch_is_ready_then_closes():
+    """Issue 55: past T_seed with nothing to train, the reserved engines go on generating (seed_until_trainable):
+    groups of 4 responses arrive at 1 s and 3 s with m_b = 8 and T_seed = 0.5 s, so seeding closes at 3 s, when the
+    first pass can start; without it, at T_seed (the trainer then waited)."""
+    for until, closed in ((True, 3.0), (False, 0.5)):
+        mgr = TimedManager([1.0, 3.0])
+        t = _timed_trainer(mgr, 0.5, micro_batch=8, seed_until_trainable=until)
+        rec = t.run_step(0)
+        assert mgr.closed_at == [pytest.approx(closed)] and rec.t_seed_s == pytest.approx(closed)
+        assert t.totals.responses_trained == 8
+
+
+def test_a_pass_takes_every_ready_response_up_to_micro_batch_max():
+    """Issue 55: responses that arrive together train as one pass (throughput), a trickle in passes of m_b."""
+    for most, arrive, passes in ((8, [1.0, 1.0], [8]), (0, [1.0, 1.0], [4, 4]), (8, [1.0, 2.0], [4, 4]),
+                                 (6, [1.0, 1.0], [6, 2])):
+        mgr = TimedManager(arrive)
+        t = _timed_trainer(mgr, 0.0, micro_batch=4, micro_batch_max=most)
+        sizes = []
+        acc = t.backend.accumulate
+        t.backend.accumulate = lambda batch, n: sizes.append(len(batch)) or acc(batch, n)
+        t.run_step(0)
+        assert sizes == passes, (most, arrive)

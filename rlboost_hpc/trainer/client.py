@@ -131,6 +131,17 @@ class ManagerClient:
             if isinstance(msg, (M.GroupDone, M.StepFailed)):
                 return msg
 
+    def arrived_events(self) -> list[M.GroupDone | M.StepFailed]:
+        """Every GroupDone/StepFailed already received or waiting in the socket, without waiting (other messages
+        that arrive meanwhile — late answers to earlier calls — are dropped, as :meth:`next_event` drops them)."""
+        out = list(self.events)
+        self.events.clear()
+        while self.sock.poll(0, zmq.POLLIN):
+            msg = M.decode(self.sock.recv())
+            if isinstance(msg, (M.GroupDone, M.StepFailed)):
+                out.append(msg)
+        return out
+
     def stats(self) -> dict:
         return self.call(M.GetStats()).stats
 

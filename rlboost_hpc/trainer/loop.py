@@ -55,8 +55,10 @@ class RolloutFailed(RunFailed, RuntimeError):
 class StepSettings:
     """What one RL step generates and how it trains, from the run's config (``rollout.*``, ``trainer.*``,
     ``task.*``): ``prompts_per_step`` GRPO groups of ``group_size`` responses each, at most ``max_new_tokens``
-    tokens per response, sampled at ``temperature``/``top_p``; the trainer takes ``micro_batch`` responses per
-    forward/backward pass; a step that has not got all its groups after ``step_timeout_s`` seconds fails
+    tokens per response, sampled at ``temperature``/``top_p``; a forward/backward pass starts once ``micro_batch``
+    responses are ready (or the step's rollout is complete) and takes every ready one up to ``micro_batch_max`` (0:
+    ``micro_batch``); the seeding window lasts ``T_seed``, or — ``seed_until_trainable`` — longer while no pass could
+    start; a step that has not got all its groups after ``step_timeout_s`` seconds fails
     (:class:`RolloutFailed`). ``seed`` seeds the prompt order and every group's sampling seed."""
 
     prompts_per_step: int
@@ -65,6 +67,8 @@ class StepSettings:
     temperature: float
     top_p: float
     micro_batch: int
+    micro_batch_max: int = 0
+    seed_until_trainable: bool = False
     step_timeout_s: float = 300.0
     seed: int = 0
     max_turns: int = 1  # > 1: multi-turn trajectories (tool calls answered by the manager's environment)
@@ -174,59 +178,87 @@ class StepCollector:
         """Every group of the step has arrived."""
         return self.n_groups == len(self.by_gid)
 
-    def next_batch(self, micro_batch: int) -> list[Sample]:
-        """The next micro-batch: ``micro_batch`` ready samples, or the rest once every group has arrived; ``[]``
-        while neither."""
-        if len(self.ready) >= micro_batch or (self.complete and self.ready):
-            batch, self.ready = self.ready[:micro_batch], self.ready[micro_batch:]
-            return batch
-        return []
+    def trainable(self, micro_batch: int) -> bool:
+        """A pass could start: ``micro_batch`` samples are ready, or every group arrived and some are."""
+        return len(self.ready) >= micro_batch or (self.complete and bool(self.ready))
 
-    def take(self, ev: M.GroupDone | M.StepFailed) -> None:
-        """Take one delivered group (see the class docstring). Raises RolloutFailed for ``StepFailed`` or a response
-        that fails its checks."""
+    def next_batch(self, micro_batch: int, most: int = 0) -> list[Sample]:
+        """The next micro-batch once :meth:`trainable`: every ready sample, at most ``most`` (0: ``micro_batch``) —
+        responses that arrived together train as one batch; ``[]`` while not trainable."""
+        if not self.trainable(micro_batch):
+            return []
+        n = max(most, micro_batch)
+        batch, self.ready = self.ready[:n], self.ready[n:]
+        return batch
+
+    def take_many(self, evs: list[M.GroupDone | M.StepFailed]) -> None:
+        """Take delivered groups (see the class docstring), together: their rewards are scored in one call to the
+        reward processes (built-in tasks; a user's task scores each group in its own call, its functions' contract),
+        then each group gets its advantages, joins the ready queue and is acknowledged. Raises RolloutFailed for
+        ``StepFailed`` or a response that fails its checks."""
         t = self.t
-        if isinstance(ev, M.StepFailed):
-            raise RolloutFailed(f"step {ev.step}: {ev.error}")
-        if ev.gid not in self.by_gid or ev.gid in self.took:
-            t.totals.groups_redelivered += 1
-            t.client.send(M.AckGroup(gid=ev.gid))
-            return
-        self.took.add(ev.gid)
-        p, pids = self.by_gid[ev.gid]
-        samples, texts, ids_of, env = [], [], [], []
-        for resp in ev.responses:
-            if resp.rid in t.seen:
-                t.totals.responses_duplicated += 1
+        taken = []  # (gid, prompt, samples, texts, their token ids, environment returns)
+        for ev in evs:
+            if isinstance(ev, M.StepFailed):
+                raise RolloutFailed(f"step {ev.step}: {ev.error}")
+            if ev.gid not in self.by_gid or ev.gid in self.took:
+                t.totals.groups_redelivered += 1
+                t.client.send(M.AckGroup(gid=ev.gid))
                 continue
-            t.seen.add(resp.rid)
-            smp, text, text_ids = t._sample(self.step, resp, pids, self.budget, self.staleness)
-            self.n_mig += int(resp.migrations > 0)
-            self.served.update(resp.instances)
-            texts.append(text)
-            ids_of.append(text_ids)
-            env.append((resp.env_return, resp.env_error))
-            self.lens.append(len(smp.response_ids))
-            self.turns.append(resp.turns)
-            self.reasons.append(smp.finish_reason)
-            samples.append(smp)
+            self.took.add(ev.gid)
+            p, pids = self.by_gid[ev.gid]
+            samples, texts, ids_of, env = [], [], [], []
+            for resp in ev.responses:
+                if resp.rid in t.seen:
+                    t.totals.responses_duplicated += 1
+                    continue
+                t.seen.add(resp.rid)
+                smp, text, text_ids = t._sample(self.step, resp, pids, self.budget, self.staleness)
+                self.n_mig += int(resp.migrations > 0)
+                self.served.update(resp.instances)
+                texts.append(text)
+                ids_of.append(text_ids)
+                env.append((resp.env_return, resp.env_error))
+                self.lens.append(len(smp.response_ids))
+                self.turns.append(resp.turns)
+                self.reasons.append(smp.finish_reason)
+                samples.append(smp)
+            taken.append((ev.gid, p, samples, texts, ids_of, env))
+        if not taken:
+            return
         with self.tl.phase(Phase.REWARD):
-            r = []
-            if texts and t.score_parts is not None:  # a user's task: each reward function's values too
-                r, parts = t.score_parts([(p, x) for x in texts], ids_of, env)
-                for name, vals in parts.items():
-                    self.by_function.setdefault(name, []).extend(v for v in vals if v is not None)
-            elif texts:
-                r = t.score([(p, x) for x in texts])
-            if samples:
-                t.trained_groups[p.pid] = t.trained_groups.get(p.pid, 0) + len(samples)
-                adv = group_advantages(torch.tensor(r, dtype=torch.float32), std_norm=t.s.advantage_std_norm)
-                for smp, a in zip(samples, adv.tolist()):
-                    smp.advantage = a
-                self.ready.extend(samples)
-                self.rewards.extend(r)
-        self.n_groups += 1
-        t.client.send(M.AckGroup(gid=ev.gid))
+            for (gid, p, samples, _, _, _), r in zip(taken, self._score(taken)):
+                if samples:
+                    t.trained_groups[p.pid] = t.trained_groups.get(p.pid, 0) + len(samples)
+                    adv = group_advantages(torch.tensor(r, dtype=torch.float32), std_norm=t.s.advantage_std_norm)
+                    for smp, a in zip(samples, adv.tolist()):
+                        smp.advantage = a
+                    self.ready.extend(samples)
+                    self.rewards.extend(r)
+        for gid, *_ in taken:
+            self.n_groups += 1
+            t.client.send(M.AckGroup(gid=gid))
+
+    def _score(self, taken: list[tuple]) -> list[list[float]]:
+        """Each taken group's rewards, in order (``[]`` for a group with no new response)."""
+        t = self.t
+        if t.score_parts is not None:  # a user's task: each reward function's values too, one call per group
+            out = []
+            for _, p, _, texts, ids_of, env in taken:
+                r: list[float] = []
+                if texts:
+                    r, parts = t.score_parts([(p, x) for x in texts], ids_of, env)
+                    for name, vals in parts.items():
+                        self.by_function.setdefault(name, []).extend(v for v in vals if v is not None)
+                out.append(r)
+            return out
+        items = [(p, x) for _, p, _, texts, _, _ in taken for x in texts]
+        flat = t.score(items) if items else []
+        out, i = [], 0
+        for _, _, _, texts, _, _ in taken:
+            out.append(flat[i:i + len(texts)])
+            i += len(texts)
+        return out
 
 
 class RLTrainer:
@@ -370,8 +402,7 @@ class RLTrainer:
         interrupts.check()  # no step starts after a Ctrl-C, even one Python swallowed in a finalizer
         tl = StepTimeline(self.clock)
         col, n_start, t_seed = self._submit(step, tl)
-        for ev in col.early:  # groups that came while earlier steps trained
-            col.take(ev)
+        col.take_many(col.early)  # groups that came while earlier steps trained
         col.early = []
         # a step generated ahead (bounded staleness) has no seeding window: it trains at once
         t_seed_actual = self._seed(col, tl, t_seed) if not col.complete else 0.0
@@ -469,24 +500,36 @@ class RLTrainer:
         return StepCollector(self, step, by_gid, None)
 
     def _take(self, col: "StepCollector", ev: M.GroupDone | M.StepFailed) -> None:
-        """A delivered event for the step ``col`` collects: a group of a step submitted ahead waits for its step's
-        turn (unacknowledged: a crash before it is trained leaves it to be delivered again)."""
-        if isinstance(ev, M.GroupDone) and ev.gid not in col.by_gid:
-            later = next((c for c in self.submitted.values() if ev.gid in c.by_gid), None)
-            if later is not None:
-                later.early.append(ev)
-                return
-        col.take(ev)
+        """A delivered event for the step ``col`` collects, with every other one that has arrived meanwhile (taken
+        together: one reward call, and the next pass trains them all): a group of a step submitted ahead waits for
+        its step's turn (unacknowledged: a crash before it is trained leaves it to be delivered again)."""
+        now = []
+        for e in [ev, *self.client.arrived_events()]:
+            if isinstance(e, M.GroupDone) and e.gid not in col.by_gid:
+                later = next((c for c in self.submitted.values() if e.gid in c.by_gid), None)
+                if later is not None:
+                    later.early.append(e)
+                    continue
+            now.append(e)
+        col.take_many(now)
 
     def _seed(self, col: "StepCollector", tl: StepTimeline, t_seed: float) -> float:
-        """The seeding window: the reserved engine generates; completed groups are buffered. Returns the window's
-        actual length (s)."""
+        """The seeding window: the reserved engine generates; completed groups are buffered. It closes at
+        ``T_seed`` — or, with ``seed_until_trainable``, once a micro-batch is ready after it (the step's deadline
+        bounds the wait). Returns the window's actual length (s)."""
         tl.enter(Phase.SEEDING)
         seed_end = tl.start + t_seed
-        while not col.complete and self.clock() < seed_end:
-            ev = self.client.next_event(max(0.0, seed_end - self.clock()))
+        until_trainable = self.s.seed_until_trainable
+        while not col.complete:
+            left = seed_end - self.clock()
+            if left <= 0 and (not until_trainable or col.trainable(self.s.micro_batch)):
+                break
+            # past T_seed with nothing to train: wait for the next group (bounded by the step's own deadline)
+            ev = self.client.next_event(left if left > 0 else min(5.0, tl.start + self.s.step_timeout_s - self.clock()))
             if ev is not None:
                 self._take(col, ev)
+            elif left <= 0 and self.clock() >= tl.start + self.s.step_timeout_s:
+                break  # _collect_and_train names what is missing
         return self.clock() - tl.start
 
     def _collect_and_train(self, col: "StepCollector", tl: StepTimeline) -> tuple[float, int, dict[str, float]]:
@@ -499,7 +542,7 @@ class RLTrainer:
         t_wait, n_trained, m_acc = 0.0, 0, {}
         tl.enter(Phase.REMOTE)
         while True:
-            batch = col.next_batch(s.micro_batch)
+            batch = col.next_batch(s.micro_batch, s.micro_batch_max)
             if batch:
                 with tl.phase(Phase.TRAIN):
                     m = self.backend.accumulate(batch, col.n_responses)

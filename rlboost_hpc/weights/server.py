@@ -85,6 +85,8 @@ class WeightServer:
             published before :meth:`start` are served over CURVE only.
         delta_threads: threads encoding a delta's chunks (numpy and zstd release the GIL; default
             ``min(8, cpus)``; measured 1.6 GiB/s on 2 threads for sparse RL updates, 0.9 GiB/s for dense ones).
+        share_dir: keep the versions in shared-memory files of this directory, which engine processes of this node
+            map instead of pulling (:mod:`rlboost_hpc.weights.shared`; None: private host buffers).
 
     The versions live in :attr:`store` (a :class:`~rlboost_hpc.weights.store.VersionStore` built from
     ``chunk_bytes``, ``keep_versions``, ``pin_memory``, ``copy_threads`` and the delta settings; ValueError when one
@@ -106,9 +108,11 @@ class WeightServer:
         delta_max_ratio: float = 0.5,
         delta_threads: int | None = None,
         sealed: bool = True,
+        share_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.store = VersionStore(chunk_bytes, keep_versions, pin_memory=pin_memory, copy_threads=copy_threads,
-                                  delta=delta, delta_max_ratio=delta_max_ratio, delta_threads=delta_threads)
+                                  delta=delta, delta_max_ratio=delta_max_ratio, delta_threads=delta_threads,
+                                  share_dir=share_dir)
         self.chunk_bytes = self.store.chunk_bytes
         self._bind = bind
         self._keys = keys  # CURVE: only clients with the run's key may connect (protocol/auth.py)

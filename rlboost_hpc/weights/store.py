@@ -10,7 +10,9 @@ Invariants:
 - Bounded memory: at most ``keep_versions`` versions are held, in a pool of ``keep_versions + 1`` host buffers
   (the one being written rotates through it); a lookup of an evicted version finds nothing, never bytes of another
   version. Views handed out (chunk frames queued for sending, an in-process engine's tensors) keep their buffer
-  alive: the pool reuses a buffer only once nothing views it.
+  alive: the pool reuses a buffer only once nothing views it. With a share directory the buffers are shared-memory
+  files that engine processes of this node map (:mod:`rlboost_hpc.weights.shared`): a buffer a reader holds is
+  never rewritten, and a version is offered to them only once complete (its manifest written beside it).
 - Delta versions (:mod:`rlboost_hpc.weights.delta`): with ``delta`` on, version v is also encoded against the
   version published just before it (same layout) and offered to pullers that hold exactly that version — when its
   bytes are below ``delta_max_ratio`` of the full version. The manifest's checksums stay those of the full
@@ -39,6 +41,7 @@ from rlboost_hpc.weights import delta as delta_codec
 from rlboost_hpc.weights import layout
 from rlboost_hpc.weights import sealed as sealing
 from rlboost_hpc.weights.held import Held, reply_frames
+from rlboost_hpc.weights.shared import SharedBufferPool
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +54,7 @@ class VersionStore:
     Args:
         chunk_bytes: chunk size in bytes (> 0): the unit of checksums, requests and deltas.
         keep_versions: number of versions held (≥ 1); older ones are evicted on publish.
-        pin_memory, copy_threads, delta, delta_max_ratio, delta_threads: as
+        pin_memory, copy_threads, delta, delta_max_ratio, delta_threads, share_dir: as
             :class:`~rlboost_hpc.weights.server.WeightServer`.
 
     Raises:
@@ -60,7 +63,7 @@ class VersionStore:
 
     def __init__(self, chunk_bytes: int = D.WEIGHT_CHUNK_BYTES, keep_versions: int = 2, *, pin_memory: bool = False,
                  copy_threads: int | None = None, delta: bool = True, delta_max_ratio: float = 0.5,
-                 delta_threads: int | None = None) -> None:
+                 delta_threads: int | None = None, share_dir: str | os.PathLike[str] | None = None) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
         if keep_versions < 1:
@@ -78,7 +81,9 @@ class VersionStore:
         self._delta_threads = int(delta_threads)
         # the held versions plus the one being written rotate; between publishes the spare stays mapped (host
         # memory: one version's bytes more than the held versions, for no page faults on the next publish)
-        self._buffers = layout.HostBufferPool(keep_versions + 1, pin_memory=pin_memory)
+        self._buffers: layout.HostBufferPool | SharedBufferPool = (
+            SharedBufferPool(share_dir, keep_versions + 1, pin_memory=pin_memory) if share_dir is not None
+            else layout.HostBufferPool(keep_versions + 1, pin_memory=pin_memory))
         self._copy_threads = copy_threads
         self._lock = threading.Lock()
         self._held: "collections.OrderedDict[int, Held]" = collections.OrderedDict()
@@ -181,6 +186,8 @@ class VersionStore:
             held = Held(manifest, reply_frames(manifest), buffer, view, n, sealer=sealer)
             if enc is not None:
                 held = self._with_delta(held, enc)
+            if isinstance(self._buffers, SharedBufferPool):  # complete: engine processes of this node may map it
+                self._buffers.finished(buffer, manifest)
         with self._lock:
             self._check_newer(version)  # again: another publish may have run meanwhile
             self._held[version] = held

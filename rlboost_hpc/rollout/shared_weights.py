@@ -1,0 +1,127 @@
+"""The reader's side of weight versions shared through ``/dev/shm`` (:mod:`rlboost_hpc.weights.shared` states the
+protocol): a rollout agent on the trainer's node maps the version it is told to load instead of pulling it.
+
+Invariant: a version is mapped only under ``LOCK_SH`` taken before its manifest is read, and held until the next
+pull — so its bytes are complete and unchanged while the engine copies them; anything else goes to the fallback
+pull, verified as any instance's.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+import fcntl
+import msgspec
+import torch
+
+from rlboost_hpc.protocol.weight_msgs import Manifest, decode_reply, validate_table
+from rlboost_hpc.rollout.remote_weights import PulledVersion, WeightSource
+from rlboost_hpc.weights.layout import state_view
+from rlboost_hpc.weights.shared import MANIFEST_SUFFIX, try_lock
+
+if TYPE_CHECKING:
+    from rlboost_hpc.protocol.adapter import AdapterSpec
+    from rlboost_hpc.protocol.auth import RunKeys
+    from rlboost_hpc.rollout.base_weights import BaseWeights
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Held:
+    fd: int
+    mapping: mmap.mmap | None
+
+
+@dataclass
+class SharedVersions:
+    """The reader's side: a rollout agent's :class:`~rlboost_hpc.rollout.remote_weights.WeightSource` that maps the
+    version it is told to load from the share ``directory`` (the protocol: :mod:`rlboost_hpc.weights.shared`), else asks ``fallback`` — the
+    network pull every instance uses, which also serves sharded versions and a LoRA run's base.
+
+    Counters: ``shared`` (versions mapped from the directory), ``fallbacks`` (pulled over the network instead).
+    Precondition (held by :class:`~rlboost_hpc.rollout.agent.RolloutAgent`): a version's tensors are no longer read
+    once the next pull starts."""
+
+    directory: Path
+    fallback: WeightSource
+    shared: int = 0
+    fallbacks: int = 0
+    _held: _Held | None = field(default=None, repr=False)
+
+    def pull(self, endpoint: str, version: int, *, peers: Sequence[str] = (), keys: "RunKeys | None" = None,
+             shards: str = "", checksum: int = 0) -> PulledVersion:
+        """``version`` mapped from the share directory (``checksum``, when not 0, must be its whole-version checksum),
+        else pulled by ``fallback`` with the same arguments. Raises what the fallback raises."""
+        self.release()
+        if not shards:
+            try:
+                got = self._map(version, checksum)
+            except (OSError, ValueError, msgspec.DecodeError) as e:  # the shared path is an optimisation
+                log.warning("version %d not mapped from %s (%s: %s); pulling it", version, self.directory,
+                            type(e).__name__, e)
+                got = None
+            if got is not None:
+                self.shared += 1
+                return got
+        self.fallbacks += 1
+        return self.fallback.pull(endpoint, version, peers=peers, keys=keys, shards=shards, checksum=checksum)
+
+    def base(self, spec: "AdapterSpec", arch, *, keys: "RunKeys | None" = None, label: str = "") -> "BaseWeights":
+        """A LoRA run's base: the fallback's (the node's ``model.path``, its cache, or the base server)."""
+        return self.fallback.base(spec, arch, keys=keys, label=label)
+
+    def _map(self, version: int, checksum: int) -> PulledVersion | None:
+        t0 = time.monotonic()
+        for side in sorted(self.directory.glob("*" + MANIFEST_SUFFIX)):
+            data = side.with_name(side.name[:-len(MANIFEST_SUFFIX)])
+            try:
+                fd = os.open(data, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            keep = False
+            try:
+                if not try_lock(fd, fcntl.LOCK_SH):
+                    continue  # being written: not the version a reader may take
+                try:
+                    raw = side.read_bytes()  # read under the lock: it describes the bytes held
+                except FileNotFoundError:
+                    continue
+                man = decode_reply(raw)
+                if not isinstance(man, Manifest) or man.version != version or (checksum and man.checksum != checksum):
+                    continue
+                if man.tensors is None:
+                    raise ValueError(f"{side} has no tensor table")
+                validate_table(man.tensors, man.total_bytes)
+                if os.fstat(fd).st_size < man.total_bytes:
+                    raise ValueError(f"{data} holds {os.fstat(fd).st_size} bytes, its manifest {man.total_bytes}")
+                # copy-on-write: the pages are the writer's until written, and nothing writes them (the tensors
+                # must be writable buffers for torch, not writable memory for anyone else)
+                mapping = mmap.mmap(fd, man.total_bytes, access=mmap.ACCESS_COPY) if man.total_bytes else None
+                keep = True
+                self._held = _Held(fd, mapping)
+                view = torch.frombuffer(mapping, dtype=torch.uint8) if mapping is not None else \
+                    torch.empty(0, dtype=torch.uint8)
+                return PulledVersion(state_view(view, man.tensors), int(man.checksum), int(man.total_bytes),
+                                     time.monotonic() - t0, 0, {"shared_memory": 1.0})
+            finally:
+                if not keep:
+                    os.close(fd)  # closing the descriptor drops its lock
+        return None
+
+    def release(self) -> None:
+        """Let the writer reuse the version last mapped (its tensors must no longer be read)."""
+        held, self._held = self._held, None
+        if held is not None:
+            os.close(held.fd)  # drops LOCK_SH; the mapping itself goes with its last view
+
+    def close(self) -> None:
+        self.release()
+        close = getattr(self.fallback, "close", None)
+        if close is not None:
+            close()
