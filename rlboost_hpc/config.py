@@ -6,6 +6,7 @@ way a config is built from files and overrides.
 """
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -158,6 +159,10 @@ class ManagerCfg(_Strict):
     """Rollout manager: dispatch and failure detection."""
 
     pending_limit: int = Field(D.PENDING_LIMIT, ge=1, description="Θ: max requests in flight per instance (JSQ threshold)")
+    arrival_hold_s: float = Field(D.ARRIVAL_HOLD_S, ge=0, description=(
+        "while instances that were live at a version change load it (and loaded the last one quickly: within half "
+        "the time since), an instance takes at most an equal share of the step's work; the rest waits for them at "
+        "most this long (s), instead of piling onto whoever loaded first (0: never wait)"))
     heartbeat_s: float = Field(D.HEARTBEAT_S, gt=0, description="seconds between an instance's heartbeats")
     heartbeat_timeout_s: float = Field(D.HEARTBEAT_TIMEOUT_S, gt=0, description=(
         "silence after which an instance is suspect: out of routing, its work migrates; it returns when it speaks "
@@ -459,6 +464,10 @@ class ClusterCfg(_Strict):
         "local: the spot trace replayed (a name such as p3 or g4dn, a path, or a path under the data directory)"))
     max_workers: int = Field(2, ge=0, description=(
         "most preemptible instances at once (local: worker processes; slurm: the largest N_prem target)"))
+    worker_cpus: list[int] | None = Field(None, description=(
+        "local: the CPU cores the workers run on (their affinity), emulating preemptible nodes apart from the "
+        "trainer's — start the run itself on the other cores (taskset) for a faithful split; None: wherever the OS "
+        "puts them"))
     instances_per_worker: int = Field(1, ge=1, description=(
         "local: rollout instances one worker process hosts (threads, each its own identity <job>.<i>, sockets, "
         "heartbeat and weights); > 1 needs rollout.engine = emulated (load tests of hundreds of instances on one "
@@ -537,6 +546,9 @@ class RunConfig(_Strict):
         if tr.clip_eps_high is not None and tr.clip_eps_high < tr.clip_eps:
             raise ValueError(f"trainer.clip_eps_high ({tr.clip_eps_high}) must be >= trainer.clip_eps "
                              f"({tr.clip_eps})")
+        cpus = self.cluster.worker_cpus
+        if cpus is not None and (not cpus or min(cpus) < 0 or max(cpus) >= (os.cpu_count() or 1)):
+            raise ValueError(f"cluster.worker_cpus {cpus}: CPU ids of this machine (0 .. {(os.cpu_count() or 1) - 1})")
         k = self.cluster.instances_per_worker
         if k > 1 and (self.rollout.engine != "emulated" or self.cluster.kind != "local"):
             raise ValueError(f"cluster.instances_per_worker = {k} needs rollout.engine = emulated and cluster.kind = "

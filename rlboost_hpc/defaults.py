@@ -9,6 +9,8 @@ from __future__ import annotations
 
 #: Θ: requests in flight per rollout instance before JSQ looks elsewhere (``manager.pending_limit``).
 PENDING_LIMIT = 64
+#: manager.arrival_hold_s: the longest an instance loading the latest version keeps its share of the work waiting (s)
+ARRIVAL_HOLD_S = 1.0
 #: Engine batch slots per rollout instance (``rollout.max_batch``).
 MAX_BATCH = 32
 #: Seconds between heartbeats (``manager.heartbeat_s``).

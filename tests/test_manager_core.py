@@ -858,3 +858,42 @@ def test_ended_attempts_leave_the_registry_so_a_tick_scans_only_live_instances(m
     core.outbox.clear()
     register(core, b"again", "job", attempt=199, version=None)
     assert isinstance(sent(core, b"again")[0], M.Reject) and "already ended" in sent(core, b"again")[0].reason
+
+
+def _reserved_and_a_worker_at_a_version_change(hold_s: float):
+    """A reserved engine and a worker that loaded version 1 in 30 ms; version 2 is set and the reserved engine (shared
+    memory: at once) loaded it; a step of 64 responses is submitted."""
+    core, clock = make(pending_limit=64, arrival_hold_s=hold_s)
+    register(core, b"r", "reserved", kind="reserved", max_batch=64)
+    register(core, b"w", "w1", max_batch=64)
+    core.on_message(TRAINER, M.SetVersion(version=1, checksum=1))
+    clock.t = 0.03
+    core.on_message(b"w", M.WeightsLoaded(version=1, checksum=1, nbytes=1, pull_s=0.0, load_s=0.0))
+    core.on_message(b"r", M.WeightsLoaded(version=1, checksum=1, nbytes=1, pull_s=0.0, load_s=0.0))
+    clock.t = 1.0
+    core.on_message(TRAINER, M.SetVersion(version=2, checksum=1))
+    core.on_message(b"r", M.WeightsLoaded(version=2, checksum=1, nbytes=1, pull_s=0.0, load_s=0.0))
+    submit(core, step=0, groups=8, n=8, version=2)
+    core.dispatch()
+    return core, clock
+
+
+def test_an_instance_loading_the_new_version_finds_its_share_waiting_and_only_for_a_while():
+    """Issue 55: a reserved engine maps a new version in milliseconds, a preemptible worker pulls it over the network.
+    Without a share for the worker, every response of the step piled onto the reserved engine (the worker, routable
+    30 ms later, found nothing and sat idle: harvested capacity bought nothing). The arriving instance's share waits
+    for it — at most twice its previous load time (+ 50 ms), never past ``arrival_hold_s`` — then JSQ as before."""
+    core, clock = _reserved_and_a_worker_at_a_version_change(1.0)
+    assert (len(core.instances["reserved#0"].inflight), len(core.queue)) == (32, 32)  # the worker's share waits
+    clock.t = 1.03
+    core.on_message(b"w", M.WeightsLoaded(version=2, checksum=1, nbytes=1, pull_s=0.0, load_s=0.0))
+    core.dispatch()
+    assert len(core.instances["w1#0"].inflight) == 32 and not core.queue
+    # a worker that does not come within twice its last load time (+ 50 ms) keeps nothing waiting
+    core, clock = _reserved_and_a_worker_at_a_version_change(1.0)
+    clock.t = 1.0 + 2 * 0.03 + 0.05 + 0.001
+    core.dispatch()
+    assert len(core.instances["reserved#0"].inflight) == 64 and not core.queue
+    # never past arrival_hold_s; 0: never wait
+    core, clock = _reserved_and_a_worker_at_a_version_change(0.0)
+    assert len(core.instances["reserved#0"].inflight) == 64 and not core.queue

@@ -255,3 +255,13 @@ def test_balancer_never_loses_or_duplicates_requests(ops, theta, plateau, seed):
                 tokens = src.pop(m.rid)
                 inst[m.dst]["queued"][m.rid] = tokens  # it resumes after a re-prefill on the receiver
         check()
+
+
+def test_arrival_share_is_an_equal_share_over_serving_and_arriving_instances():
+    from rlboost_hpc.policy.dispatch import arrival_share
+
+    assert arrival_share(64, 1, 1) == 32 and arrival_share(65, 2, 1) == 22 and arrival_share(0, 1, 3) == 0
+    assert arrival_share(64, 3, 0) is None  # nothing arrives: Θ alone bounds
+    for bad in ((-1, 1, 1), (5, 0, 0), (1, -1, 2)):
+        with pytest.raises(ValueError):
+            arrival_share(*bad)

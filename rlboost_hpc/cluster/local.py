@@ -148,9 +148,13 @@ class LocalCluster:
         env = dict(os.environ, RLBOOST_SPAWNED_AT=repr(time.time()))
         warnings = {signal.SIGTERM, getattr(signal, self.cfg.preempt_signal)}
 
+        cpus = self.cfg.worker_cpus
+
         def preexec() -> None:
             die_with_parent()  # the simulated cluster ends with the trainer process, even when it is SIGKILLed
             hold_signals(warnings)  # a preemption in the worker's first instants waits for its handler
+            if cpus:  # the emulated preemptible nodes' own cores
+                os.sched_setaffinity(0, cpus)
 
         try:
             return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,

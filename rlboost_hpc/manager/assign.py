@@ -3,8 +3,8 @@ below Θ (``policy.dispatch``), each response only to an instance holding a vers
 choice first; a reserved engine only the step the trainer trains or seeds."""
 from __future__ import annotations
 
-from rlboost_hpc.manager.state import RequestState as R, StepWork
-from rlboost_hpc.policy.dispatch import choose_instance
+from rlboost_hpc.manager.state import InstanceState as S, RequestState as R, StepWork
+from rlboost_hpc.policy.dispatch import arrival_share, choose_instance
 from rlboost_hpc.protocol import messages as M
 
 
@@ -18,11 +18,25 @@ def ahead_of_training(core, req) -> bool:
     return req.step > core.train_step + int(core.seeding_open)
 
 
+def arriving(core, now: float) -> int:
+    """Instances about to serve the latest version: live when it was set, loading it still, and quick to load the
+    last one — at most ``arrival_hold_s`` and twice the slowest load of the previous version (plus 50 ms) after it
+    was set. Their share of the step's work waits for them (:func:`~rlboost_hpc.policy.dispatch.arrival_share`)."""
+    vs = core.version_serving
+    if not vs.waiting or core.arrival_hold_s <= 0:
+        return 0
+    if now - vs.set_at > min(core.arrival_hold_s, 2 * vs.last.last_s + 0.05):
+        return 0
+    return sum(1 for k in vs.waiting if (i := core.instances.get(k)) is not None and i.state in (S.READY, S.PULLING)
+               and not core.serves(i))
+
+
 def dispatch(core) -> None:
     """Invariant 4 for ``core`` (a :class:`~rlboost_hpc.manager.core.ManagerCore`). Join-shortest-queue
     (``policy.dispatch.choose_instance``): give each queued request to the routable instance with the fewest requests
     in flight, among those below min(Θ, its batch) and holding a version of its window; the rest wait here (delayed
-    dispatch). ``dispatch_policy="round_robin"`` is the ablation baseline.
+    dispatch). ``dispatch_policy="round_robin"`` is the ablation baseline. While instances are about to load the
+    version (:func:`arriving`), an instance takes at most an equal share of the step's work.
 
     An instance silent for more than ``dispatch_silence_s`` gets no new work while it stays routable: a node
     that vanished without closing its connections (power loss, partition) keeps its running responses until
@@ -37,7 +51,9 @@ def dispatch(core) -> None:
         return
     batches: dict[str, list[M.Work]] = {}
     deferred: list[str] = []
-    free = [i for i in cands if len(i.inflight) < min(core.pending_limit, i.max_batch)]  # in key order
+    share = arrival_share(len(core.queue) + sum(len(i.inflight) for i in cands), len(cands), arriving(core, now))
+    limit = {i.key: min(core.pending_limit, i.max_batch, share or i.max_batch) for i in cands}
+    free = [i for i in cands if len(i.inflight) < limit[i.key]]  # in key order
     choose = core._rr.choose if core.dispatch_policy == "round_robin" else choose_instance
     while core.queue and free:
         rid = core.queue.popleft()
@@ -60,7 +76,7 @@ def dispatch(core) -> None:
         req.instances.append(inst.key)
         inst.inflight.add(rid)
         core._note_activity(inst)
-        if len(inst.inflight) >= min(core.pending_limit, inst.max_batch):
+        if len(inst.inflight) >= limit[inst.key]:
             free.remove(inst)
         if req.n:  # a partial response resumes here
             into = core.counters.migrations_by_engine["into"]

@@ -129,6 +129,7 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         self._rr = RoundRobin()  # the ablation's rule, the same object the simulator uses
         # per-step view of the preemptible pool (the observation law's records), when its last response completed
         self.step_remote: dict[str, StepWork] = {}
+        self.step_tokens_by_kind: dict[str, int] = {}  # tokens accepted since the last version change, by kind
         self.step_rollout_done_at: float | None = None
         self.fallback_since, self.step_fallback_s = None, 0.0  # the step's co-located fallback (StepRemote.fallback_s)
         self.last_step_remote = StepRemote()
@@ -145,6 +146,7 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         self.policy_decision: M.PolicyState | None = None  # the controller's last T_seed and N_prem cap
         self._told_unknown: dict[bytes, float] = {}
         self.pending_limit = s.pending_limit
+        self.arrival_hold_s = s.arrival_hold_s
         self.heartbeat_s, self.heartbeat_timeout_s = s.heartbeat_s, s.heartbeat_timeout_s
         self.instance_expiry_s, self.dispatch_silence_s = s.instance_expiry_s, s.dispatch_silence_s
         self.max_attempts = s.max_attempts

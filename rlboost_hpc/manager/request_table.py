@@ -46,6 +46,7 @@ class RequestTable:
     max_staleness: int
     max_attempts: int
     step_remote: dict[str, StepWork]
+    step_tokens_by_kind: dict[str, int]
     step_done_s: list[float]
     held: dict
     dropped: list[str]
@@ -138,6 +139,7 @@ class RequestTable:
         self.counters.late_tokens += late
         if msg.resent:  # it sent all it holds: nothing more to adopt from it, nothing unsent (manager/restore.py)
             inst.restored, inst.tokens_received, inst.tokens_generated = False, msg.generated, msg.generated
+        self.step_tokens_by_kind[inst.kind] = self.step_tokens_by_kind.get(inst.kind, 0) + total - late
         rec = self.step_remote.get(key)
         if rec is not None:
             rec.last_s = self.clock()

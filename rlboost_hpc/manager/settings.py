@@ -26,7 +26,9 @@ class ManagerSettings:
     ``relay_trainer_fanout``: pullers the trainer serves while relay is on. ``commit_every_s``: the work log's
     group-commit window (the most a manager kill loses, ``manager/worklog.py``). ``max_staleness``: k, the versions
     a response's tokens may lag the version that trains it (0: strict on-policy); ``on_new_version``: ``finish`` or
-    ``continue`` (sent in ``Welcome``: when an instance loads a newer version while it runs responses)."""
+    ``continue`` (sent in ``Welcome``: when an instance loads a newer version while it runs responses).
+    ``arrival_hold_s``: the longest an instance about to load the latest version keeps its share of the work waiting
+    (``manager/assign.py``; 0: never)."""
 
     pending_limit: int = D.PENDING_LIMIT
     heartbeat_s: float = D.HEARTBEAT_S
@@ -44,6 +46,7 @@ class ManagerSettings:
     commit_every_s: float = D.WORK_COMMIT_S
     max_staleness: int = D.MAX_STALENESS
     on_new_version: Literal["continue", "finish"] = D.ON_NEW_VERSION
+    arrival_hold_s: float = D.ARRIVAL_HOLD_S
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> "ManagerSettings":
@@ -58,4 +61,5 @@ class ManagerSettings:
                    balance=cfg.policy.balance, balance_every_s=cfg.policy.balance_every_s,
                    relay_fanout=cfg.weights.relay_fanout if cfg.weights.relay else 0,
                    relay_trainer_fanout=cfg.weights.relay_trainer_fanout, commit_every_s=m.commit_every_s,
-                   max_staleness=cfg.rollout.max_staleness, on_new_version=cfg.rollout.on_new_version)
+                   max_staleness=cfg.rollout.max_staleness, on_new_version=cfg.rollout.on_new_version,
+                   arrival_hold_s=m.arrival_hold_s)

@@ -70,6 +70,7 @@ class TrainerCalls:
     failed_step: str | None
     policy_decision: M.PolicyState | None
     step_remote: dict[str, StepWork]
+    step_tokens_by_kind: dict[str, int]
     step_rollout_done_at: float | None
     fallback_since: float | None
     step_fallback_s: float
@@ -148,8 +149,9 @@ class TrainerCalls:
                                     error=f"version {msg.version} < latest {self.latest_version}"))
             return
         self.last_step_activity = StepActivity(**self.activity.take(self.clock()),
-                                               response_tail_s=response_tail_s(self.step_done_s))
-        self.step_done_s = []
+                                               response_tail_s=response_tail_s(self.step_done_s),
+                                               tokens_by_kind=dict(self.step_tokens_by_kind))
+        self.step_done_s, self.step_tokens_by_kind = [], {}
         obs = observe_remote([RemoteWork(tokens=r.tokens, peak_tokens_per_s=r.peak, busy_s=r.last_s - r.first_s)
                               for r in self.step_remote.values()],
                              rollout_done_s=self.step_rollout_done_at, step_end_s=self.clock())

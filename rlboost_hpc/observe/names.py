@@ -236,6 +236,11 @@ def step_figures(line: dict[str, Any]) -> dict[str, float]:
             for sub, sv in v.items():
                 if (x := _number(sv)) is not None:
                     out[STEP_FAMILIES[key].format(_part(sub))] = x
+        elif key == "rollout_by_kind" and isinstance(v, dict):
+            for kind, figs in v.items():
+                for fig, x in (figs or {}).items():
+                    if (x := _number(x)) is not None:
+                        out[f"rollout/{_part(kind)}/{_part(fig)}"] = x
         elif key == "instance_activity_s" and isinstance(v, dict):
             for inst, acts in v.items():
                 for act, sec in (acts or {}).items():

@@ -5,7 +5,8 @@ Three pieces, all pure and deterministic (no clock is read: the balancer is hand
 * :func:`choose_instance` — join-shortest-queue (JSQ) with a pending threshold Θ: a request goes to the
   routable instance with the fewest *pending* requests, but only if that count is below Θ; otherwise it is
   held at the manager ("delayed dispatch"), so that instances joining later, or instances that drain first,
-  still find work. :func:`plan_dispatch` applies it to a whole queue; :class:`RoundRobin` is the ablation.
+  still find work. :func:`plan_dispatch` applies it to a whole queue; :class:`RoundRobin` is the ablation;
+  :func:`arrival_share` bounds what an instance takes while others are about to load the version it serves.
 * :class:`PlateauEstimator` — learns online, per instance, where its decode throughput stops growing with
   batch size, from that instance's own ``(batch size, tokens/s)`` measurements: the plateau is the smallest
   batch bucket whose smoothed throughput reaches ``frac`` (95%) of the best bucket; until enough distinct
@@ -60,6 +61,24 @@ def choose_instance(loads: Sequence[float], theta: float, tiebreak: Sequence[flo
     if best is None or best_key[0] >= theta:
         return None
     return best
+
+
+def arrival_share(n_work: int, n_serving: int, n_arriving: int) -> int | None:
+    """The most requests one serving instance may hold while ``n_arriving`` instances are about to serve (they are
+    loading the version the work needs, and were quick to load the last one): an equal share of ``n_work`` — the
+    step's queued plus in-flight requests — over serving and arriving instances, rounded up, so the arriving ones
+    find their share waiting at the manager instead of every request piling onto the instances that loaded first
+    (a reserved engine maps a version in milliseconds, a preemptible worker pulls it over the network). ``None``
+    (no bound but Θ) when nothing arrives.
+
+    Raises:
+        ValueError: a negative count, or work without any instance.
+    """
+    if min(n_work, n_serving, n_arriving) < 0 or (n_work and not n_serving + n_arriving):
+        raise ValueError(f"arrival_share({n_work}, {n_serving}, {n_arriving})")
+    if not n_arriving:
+        return None
+    return -(-n_work // (n_serving + n_arriving))
 
 
 def plan_dispatch(n_queued: int, loads: Sequence[float], theta: float,

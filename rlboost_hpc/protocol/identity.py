@@ -19,3 +19,19 @@ def instance_ids(job_id: str, n: int) -> list[str]:
 def instance_key(job_id: str, attempt: int) -> str:
     """The manager's key of the instance that registered as (``job_id``, ``attempt``): ``<job id>#<attempt>``."""
     return f"{job_id}#{attempt}"
+
+
+#: The job id of the first reserved engine (the others are ``reserved.<i>``): the trainer allocation's own engines.
+RESERVED_JOB = "reserved"
+
+
+def reserved_job_id(index: int) -> str:
+    """The job id reserved engine ``index`` registers under: ``reserved`` for the first (the manager's key
+    ``reserved#<attempt>``), ``reserved.<index>`` for the others."""
+    return RESERVED_JOB if index == 0 else f"{RESERVED_JOB}.{index}"
+
+
+def is_reserved_key(key: str) -> bool:
+    """Whether a manager instance key (``<job id>#<attempt>``) is a reserved engine's."""
+    jid = key.partition("#")[0]
+    return jid == RESERVED_JOB or jid.startswith(RESERVED_JOB + ".")

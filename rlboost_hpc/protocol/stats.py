@@ -128,12 +128,14 @@ class StepActivity(msgspec.Struct, kw_only=True):
     (``instance_s``), per instance (``by_instance_s``), and the intervals ``[start, end]`` (the manager's
     monotonic clock, seconds) in which at least one engine generated (``generating``); ``response_tail_s``: seconds
     from the completion by which 90 % of the step's responses were done to its last completion (the long-response
-    tail that load balancing shortens)."""
+    tail that load balancing shortens); ``tokens_by_kind``: tokens accepted from each kind of instance
+    (``reserved``, ``preemptible``)."""
 
     instance_s: dict[str, float] = {}
     by_instance_s: dict[str, dict[str, float]] = {}
     generating: list[tuple[float, float]] = []
     response_tail_s: float = 0.0
+    tokens_by_kind: dict[str, int] = {}
 
 
 class VersionServing(msgspec.Struct, kw_only=True):

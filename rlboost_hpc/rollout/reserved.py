@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlboost_hpc.protocol.identity import reserved_job_id
+
 log = logging.getLogger("rlboost.reserved")
 
 #: Restarts of one engine within :data:`QUICK_RESTART_WINDOW_S` seconds after which it is left down.
@@ -46,18 +48,6 @@ MAX_QUICK_RESTARTS = 3
 QUICK_RESTART_WINDOW_S = 60.0
 #: Seconds a stopped engine has to drain and exit before it is killed.
 STOP_GRACE_S = 10.0
-
-
-def job_id(index: int) -> str:
-    """The identity (job id) of reserved engine ``index``: ``reserved`` for the first (the manager's instance key
-    ``reserved#<attempt>``), ``reserved.<index>`` for the others."""
-    return "reserved" if index == 0 else f"reserved.{index}"
-
-
-def is_reserved_key(key: str) -> bool:
-    """Whether a manager instance key (``<job id>#<attempt>``) names a reserved engine."""
-    jid = key.partition("#")[0]
-    return jid == "reserved" or jid.startswith("reserved.")
 
 
 class ReservedEngines:
@@ -183,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["OMP_NUM_THREADS"] = str(a.threads)  # before torch is imported
     from rlboost_hpc.observe.logs import setup_logging
 
-    jid = job_id(a.index)
+    jid = reserved_job_id(a.index)
     setup_logging(f"reserved:{jid}#{a.attempt}")
     import torch
 

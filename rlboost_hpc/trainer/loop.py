@@ -36,6 +36,7 @@ from rlboost_hpc.observe.timeline import TAIL_FRACTION, Phase, StepTimeline, fix
 from rlboost_hpc.policy.controller import RolloutController, StepDecision, StepObservation
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.errors import ProtocolError
+from rlboost_hpc.protocol.identity import is_reserved_key
 from rlboost_hpc.protocol.stats import ManagerStats
 from rlboost_hpc.tasks.base import Prompt, Task, strip_stop
 from rlboost_hpc.trainer.algorithms.grpo import group_advantages
@@ -106,6 +107,19 @@ def truncation_shares(reasons: list[str]) -> dict:
     n = max(1, len(reasons))
     by = {c: sum(1 for r in reasons if r == c) / n for c in M.TRUNCATION_CAUSES}
     return {"truncated_share": sum(1 for r in reasons if r != "stop") / n, "truncated_share_by_cause": by}
+
+
+def rollout_by_kind(activity) -> dict[str, dict[str, float]]:
+    """A step's rollout by kind of instance — ``{"reserved" | "preemptible": {"tokens", "busy_s", "idle_s",
+    "pulling_s"}}`` — from the manager's :class:`~rlboost_hpc.protocol.stats.StepActivity` (tokens accepted, and
+    instance-seconds per activity summed over the instances of the kind)."""
+    out = {k: {"tokens": float(activity.tokens_by_kind.get(k, 0)), "busy_s": 0.0, "idle_s": 0.0, "pulling_s": 0.0}
+           for k in ("reserved", "preemptible")}
+    for key, acts in activity.by_instance_s.items():
+        kind = out["reserved" if is_reserved_key(key) else "preemptible"]
+        for act, sec in acts.items():
+            kind[f"{act}_s"] = kind.get(f"{act}_s", 0.0) + sec
+    return out
 
 
 class DataFrontier:
@@ -439,11 +453,12 @@ class RLTrainer:
             response_len_mean=sum(col.lens) / max(1, len(col.lens)), responses=n_trained,
             responses_migrated=col.n_mig, tokens=tokens, turns_mean=sum(col.turns) / max(1, len(col.turns)),
             environment_s=st.environment_seconds - prev_env_s,  # tool calls' seconds (summed over calls)
-            preemptible_instances_served=sum(1 for k in col.served if not k.startswith("reserved#")),
+            preemptible_instances_served=sum(1 for k in col.served if not is_reserved_key(k)),
             throughput_tokens_per_s=tokens / wall if wall > 0 else 0.0, phase_s=tl.seconds(),
             fixed_overhead_s=fixed_overhead_s(tl.start, tl.end, tl.compute_intervals() + generating),
             fixed_overhead_s_by_phase=tl.overhead_by_phase(generating), instance_s=dict(activity.instance_s),
-            instance_activity_s=dict(activity.by_instance_s), response_tail_s=activity.response_tail_s,
+            instance_activity_s=dict(activity.by_instance_s), rollout_by_kind=rollout_by_kind(activity),
+            response_tail_s=activity.response_tail_s,
             **policy, **truncation_shares(col.reasons), staleness_tokens=dict(col.staleness), backend=backend,
             reward_functions={k: sum(v) / len(v) for k, v in col.by_function.items() if v})
 

@@ -25,7 +25,9 @@ class StepRecord(msgspec.Struct, kw_only=True):
     ``tokens`` (prompt + response tokens of the step); ``turns_mean``; ``environment_s`` (tool calls' seconds);
     ``preemptible_instances_served``; ``throughput_tokens_per_s``; the timeline — ``phase_s`` (seconds per phase,
     summing to ``wall_s``), ``fixed_overhead_s`` and ``fixed_overhead_s_by_phase``, ``instance_s`` /
-    ``instance_activity_s`` (instance-seconds by activity: all instances, by instance), ``response_tail_s``; the
+    ``instance_activity_s`` (instance-seconds by activity: all instances, by instance), ``rollout_by_kind`` (the
+    reserved engines' and the preemptible instances' tokens and busy / idle / pulling seconds: ``{kind: {"tokens",
+    "busy_s", "idle_s", "pulling_s"}}``), ``response_tail_s``; the
     controller's observation and decision — ``t_seed_next_s``, ``n_prem_cap`` (None: no cap), ``n_prem_wanted`` (the
     cap's law before its clamp to the capacity seen: what the run could use; None: unbounded), ``t_wait_train_s``,
     ``fallback_s``, ``t_remote_s``, ``t_wait_remote_s``, ``n_remote``, ``n_available``; truncation —
@@ -61,6 +63,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
     fixed_overhead_s_by_phase: dict[str, float]
     instance_s: dict[str, float]
     instance_activity_s: dict[str, dict[str, float]]
+    rollout_by_kind: dict[str, dict[str, float]]
     response_tail_s: float
     t_seed_next_s: float
     n_prem_cap: int | None
