@@ -117,6 +117,15 @@ class _Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+#: Longest sequence (positions) whose causal attention runs the explicit ``softmax(q·kᵀ + mask)·v`` on the CPU.
+_EXPLICIT_MAX_T = 64
+
+
+def _right_padded(mask: torch.Tensor) -> bool:
+    """Whether every row of a ``[B, T]`` bool mask is its real tokens followed by padding (True…True False…False)."""
+    return bool((mask[:, 1:] <= mask[:, :-1]).all()) if mask.shape[1] > 1 else True
+
+
 class KVCache:
     """Per-slot key/value storage for :meth:`LlamaModel.prefill` / :meth:`LlamaModel.decode`.
 
@@ -306,16 +315,20 @@ class LlamaModel(nn.Module):
         cos_t, sin_t = self._rope_tables(int(position_ids.max()) + 1 if T else 1, dev)
         cos = cos_t[position_ids].unsqueeze(1)  # [B,1,T,hd]
         sin = sin_t[position_ids].unsqueeze(1)
-        allowed = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None]  # [1,T,T]
-        if attention_mask is not None:
-            allowed = allowed & attention_mask[:, None, :]
+        allowed = None  # causal alone: no mask, or right padding (a real query never reaches a pad)
+        if attention_mask is not None and not _right_padded(attention_mask):
+            allowed = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None] & attention_mask[:, None, :]
         return self.lm_head(self.model.norm(self._trunk(input_ids, cos, sin, allowed))).float()
 
-    def _trunk(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor,
+    def _trunk(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor | None,
                kv_out: list[tuple[torch.Tensor, torch.Tensor]] | None = None, sel: int | None = None) -> torch.Tensor:
-        """Hidden states ``[B,T,D]`` before the final norm. ``allowed``: ``[B|1,T,T]`` bool (query, key).
+        """Hidden states ``[B,T,D]`` before the final norm. ``allowed``: ``[B|1,T,T]`` bool (query, key), or None:
+        causal (key ``j ≤ i``) — then attention is torch's fused ``scaled_dot_product_attention`` (no ``[B,H,T,T]``
+        scores in memory: at 64 sequences of up to 270 tokens the explicit path took twice as long, 1.8× TRL's time
+        per token), except on the CPU up to :data:`_EXPLICIT_MAX_T` positions, where the explicit path was ~10 %
+        faster (64 sequences of ~60 tokens, one thread).
 
-        Masked scores are set to the most negative fp32 (not -inf), so fully masked rows stay finite.
+        With ``allowed``, masked scores are set to the most negative fp32 (not -inf), so fully masked rows stay finite.
         ``kv_out`` (if given) receives each layer's post-RoPE keys and values, ``[B,KV,T,hd]`` each. ``sel``: the
         adapter slot every row is served with (None: none).
         """
@@ -323,8 +336,13 @@ class LlamaModel(nn.Module):
         B, T = input_ids.shape
         H, KV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         G = H // KV
-        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=input_ids.device)
-        bias = bias.masked_fill(~allowed, torch.finfo(torch.float32).min)[:, None, None]  # [B|1,1,1,T,T]
+        fused = allowed is None and (T > _EXPLICIT_MAX_T or input_ids.device.type != "cpu")
+        if allowed is None and not fused:
+            allowed = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None]
+        bias = None
+        if not fused:
+            bias = torch.zeros(allowed.shape, dtype=torch.float32, device=input_ids.device)
+            bias = bias.masked_fill(~allowed, torch.finfo(torch.float32).min)[:, None, None]  # [B|1,1,1,T,T]
         x = self.model.embed_tokens(input_ids)
         for li, layer in enumerate(self.model.layers):
             a = layer.self_attn
@@ -334,10 +352,14 @@ class LlamaModel(nn.Module):
             v = v.transpose(1, 2)
             if kv_out is not None:
                 kv_out.append((k, v))
-            scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)).float() * self._scale + bias
-            p = torch.softmax(scores, dim=-1).to(v.dtype)
-            o = torch.matmul(p, v.unsqueeze(2))  # [B,KV,G,T,hd]
-            o = o.view(B, H, T, hd).transpose(1, 2).reshape(B, T, H * hd)
+            if bias is None:  # heads h = kv·G + g share key/value head kv
+                kk, vv = (k, v) if G == 1 else (k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1))
+                o = F.scaled_dot_product_attention(q.view(B, H, T, hd), kk, vv, is_causal=True, scale=self._scale)
+            else:
+                scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)).float() * self._scale + bias
+                p = torch.softmax(scores, dim=-1).to(v.dtype)
+                o = torch.matmul(p, v.unsqueeze(2))  # [B,KV,G,T,hd]
+            o = o.reshape(B, H, T, hd).transpose(1, 2).reshape(B, T, H * hd)
             x = x + self._lin(a.o_proj, o, li, "o_proj", sel)
             x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x), li, sel)
         return x
@@ -373,9 +395,8 @@ class LlamaModel(nn.Module):
             raise ValueError(f"prefill of {T} tokens into a cache of max_len {cache.max_len}")
         cache.lengths[slot] = 0
         cos_t, sin_t = self._rope_tables(T, cache.device)
-        allowed = torch.ones(T, T, dtype=torch.bool, device=cache.device).tril()[None]
         kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-        x = self._trunk(ids[None], cos_t[:T], sin_t[:T], allowed, kv_out=kv, sel=adapter)
+        x = self._trunk(ids[None], cos_t[:T], sin_t[:T], None, kv_out=kv, sel=adapter)
         for li, (k, v) in enumerate(kv):
             cache.k[li, slot, :, :T] = k[0]
             cache.v[li, slot, :, :T] = v[0]
@@ -420,9 +441,8 @@ class LlamaModel(nn.Module):
             ids[i, :lens[i]] = torch.as_tensor(x, dtype=torch.long)
         ids = ids.to(cache.device)
         cos_t, sin_t = self._rope_tables(T, cache.device)
-        allowed = torch.ones(T, T, dtype=torch.bool, device=cache.device).tril()[None]
         kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-        x = self._trunk(ids, cos_t[:T], sin_t[:T], allowed, kv_out=kv, sel=adapter)
+        x = self._trunk(ids, cos_t[:T], sin_t[:T], None, kv_out=kv, sel=adapter)
         s0 = sl[0]
         rows = slice(s0, s0 + len(sl)) if sl == list(range(s0, s0 + len(sl))) else torch.tensor(sl, device=cache.device)
         for li, (k, v) in enumerate(kv):
