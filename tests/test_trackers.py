@@ -48,7 +48,7 @@ def test_every_figure_of_a_step_record_has_a_name_and_no_name_shadows_another():
 
     line = real_line()
     keys = (set(StepRecord.__struct_fields__) - {"backend"}) | set(line)
-    special = {"instance_activity_s", "faults"}
+    special = {"instance_activity_s", "faults", "rollout_by_kind"}
     unnamed = sorted(k for k in keys if k not in names.NOT_FIGURES | set(names.STEP_NAMES) |
                      set(names.STEP_FAMILIES) | special)
     assert not unnamed, f"add these metrics.jsonl keys to rlboost_hpc/observe/names.py: {unnamed}"
@@ -58,8 +58,11 @@ def test_every_figure_of_a_step_record_has_a_name_and_no_name_shadows_another():
     assert figs["preemption/responses_migrated_total"] == line["faults"]["responses_migrated"]
     assert figs["phase/train_seconds"] == line["phase_s"]["train"]
     assert figs["instances/by_instance/reserved_0/busy_seconds"] == line["instance_activity_s"]["reserved#0"]["busy"]
+    assert figs["rollout/reserved/tokens"] == line["rollout_by_kind"]["reserved"]["tokens"]
+    assert figs["rollout/preemptible/busy_seconds"] == line["rollout_by_kind"]["preemptible"]["busy_s"]
     assert "weight_checksum" not in str(figs) and not any(k.startswith("train/") and k[6:] not in (
-        "grad_norm", "lr", "clip_frac", "ratio_max", "behaviour_weight_mean", "behaviour_ratio_max") for k in figs)
+        "grad_norm", "lr", "clip_frac", "ratio_max", "behaviour_weight_mean", "behaviour_ratio_max",
+        "behaviour_effective_sample_size", "behaviour_dropped_ratio") for k in figs)
     every = set(figs) | set(names.SCAVENGER_NAMES.values()) | set(names.summary_figures(
         json.loads(json.dumps({"steps": 3, "objective": {"kl_coef": 0.1}, "decode_tokens_per_s_by_batch": {"8": 1}}))))
     for name in every:

@@ -19,16 +19,17 @@ def ahead_of_training(core, req) -> bool:
 
 
 def arriving(core, now: float) -> int:
-    """Instances about to serve the latest version: live when it was set, loading it still, and quick to load the
-    last one — at most ``arrival_hold_s`` and twice the slowest load of the previous version (plus 50 ms) after it
-    was set. Their share of the step's work waits for them (:func:`~rlboost_hpc.policy.dispatch.arrival_share`)."""
+    """Instances about to serve the latest version: live when it was set, loading it still (they reported no load
+    since: one that loaded another version — another lineage's — is not about to serve), and quick to load the last
+    one — at most ``arrival_hold_s`` and twice the slowest load of the previous version (plus 50 ms) after it was
+    set. Their share of the step's work waits for them (:func:`~rlboost_hpc.policy.dispatch.arrival_share`)."""
     vs = core.version_serving
     if not vs.waiting or core.arrival_hold_s <= 0:
         return 0
     if now - vs.set_at > min(core.arrival_hold_s, 2 * vs.last.last_s + 0.05):
         return 0
-    return sum(1 for k in vs.waiting if (i := core.instances.get(k)) is not None and i.state in (S.READY, S.PULLING)
-               and not core.serves(i))
+    return sum(1 for k in vs.waiting - vs.reported if (i := core.instances.get(k)) is not None
+               and i.state in (S.READY, S.PULLING) and not core.serves(i))
 
 
 def dispatch(core) -> None:

@@ -295,6 +295,7 @@ class InstanceRegistry:
             log.info("instance %s loaded version %d (checksum %x), not of the current lineage (latest %d, checksum "
                      "%x): it is not routed to", inst.key, msg.version, msg.checksum, self.latest_version,
                      self.latest_checksum)
+        self.version_serving.reported.add(inst.key)  # not about to load the latest any more (manager/assign.py)
         delay = self.version_serving.loaded(inst.key, msg.version, self.clock()) if of_lineage else None
         if delay is not None:
             self.dist.version_serving_seconds.observe(delay)

@@ -39,6 +39,7 @@ class VersionServingClock:
     def __init__(self) -> None:
         self.version, self.set_at = -1, 0.0
         self.waiting: set[str] = set()
+        self.reported: set[str] = set()  # instances that reported a load (of any version) since the set
         self.live, self.delays = 0, []
         self.last = VersionServing()
 
@@ -51,11 +52,12 @@ class VersionServingClock:
                                        first_s=d[0] if d else 0.0, median_s=d[len(d) // 2] if d else 0.0,
                                        last_s=d[-1] if d else 0.0)
         self.version, self.set_at = version, now
-        self.waiting = set(live_keys)
+        self.waiting, self.reported = set(live_keys), set()
         self.live, self.delays = len(self.waiting), []
 
     def loaded(self, key: str, version: int, now: float) -> float | None:
         """An instance loaded ``version``: its delay (seconds) when it was awaited, else None."""
+        self.reported.add(key)
         if version != self.version or key not in self.waiting:
             return None
         self.waiting.discard(key)

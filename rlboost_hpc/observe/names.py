@@ -44,6 +44,8 @@ STEP_NAMES: dict[str, str] = {
     "ratio_max": "train/ratio_max",
     "behaviour_weight_mean": "train/behaviour_weight_mean",
     "behaviour_ratio_max": "train/behaviour_ratio_max",
+    "behaviour_ess": "train/behaviour_effective_sample_size",
+    "behaviour_dropped_share": "train/behaviour_dropped_ratio",
     "changed_share": "train/changed_share",
     "logprob_diff": "mismatch/logprob_diff_nats",
     "logprob_diff_max": "mismatch/logprob_diff_max_nats",
