@@ -39,15 +39,33 @@ def test_an_answer_that_would_hang_the_trainer_scores_0_within_its_deadline():
         got = pool.score([(P("18"), "18"), (P("18"), "(x+1)^{9999}"), (P("1/2"), "0.5"), (P("3"), "4")])
         took = time.monotonic() - t0
         assert got == [1.0, 0.0, 1.0, 0.0]
-        assert pool.timed_out == 1 and pool.replaced == 1
-        assert took < 3.0 + 15.0  # the deadline plus a replacement's start, not the runaway answer
+        # the answers run in one chunk per worker (issue 55: one round trip instead of one per answer); the chunk
+        # holding the runaway passed its deadline, ran again answer by answer, and only the runaway counts
+        assert pool.timed_out == 1 and pool.replaced == 2
+        assert took < 2 * 3.0 + 15.0  # two deadlines plus the replacements' starts, not the runaway answer
         assert pool.score([(P("7"), "7")]) == [1.0]  # the replacement works
 
 
 def test_a_worker_that_dies_is_replaced_and_its_answer_retried_once():
     with RewardPool(Dies(), workers=1, timeout_s=10.0) as pool:
         assert pool.score([(P("x"), "ok"), (P("x"), "die"), (P("x"), "ok")]) == [1.0, 0.0, 1.0]
-        assert pool.failed == 1 and pool.replaced == 2
+        # the chunk's worker died twice (retried once), then the answers ran one by one: only "die" failed
+        assert pool.failed == 1 and pool.replaced == 4
+
+
+class Quotes:
+    def reward(self, prompt: Prompt, text: str) -> float:
+        return 1.0 if '"' in text else 0.0
+
+
+def test_a_steps_answers_cost_one_round_trip_per_worker_and_keep_their_order():
+    with RewardPool(Quotes(), workers=2, timeout_s=5.0) as pool:
+        texts = [f'{i} "' if i % 3 == 0 else str(i) for i in range(64)]
+        calls = []
+        run_all = pool._pool.run_all
+        pool._pool.run_all = lambda items, *a: calls.append(len(items)) or run_all(items, *a)
+        assert pool.score([(P("x"), t) for t in texts]) == [1.0 if i % 3 == 0 else 0.0 for i in range(64)]
+        assert calls == [2] and pool.timed_out == pool.failed == 0
 
 
 def test_bad_arguments():

@@ -5,7 +5,10 @@ take unbounded time — ``answers_match("18", "(x+1)^{9999}")`` does not return 
 would stall the trainer's step forever. :class:`RewardPool` runs ``task.reward`` in a
 :class:`~rlboost_hpc.tasks.pool.DeadlinePool`: an answer past ``timeout_s`` scores 0.0 and is counted in
 :attr:`RewardPool.timed_out` (its worker is killed and replaced); an answer whose worker died twice, or whose reward
-raised, scores 0.0 and is counted in :attr:`RewardPool.failed`. Results come back in input order; the pool is
+raised, scores 0.0 and is counted in :attr:`RewardPool.failed`. A call's answers go to the workers in one chunk
+each (one round trip per worker, not per answer); a chunk that passes one answer's deadline or fails runs again answer
+by answer, each under its own deadline — so only the answer at fault scores 0 and counts, and a runaway answer costs
+at most two deadlines. Results come back in input order; the pool is
 deterministic given deterministic rewards (a timed-out answer is 0.0 whatever the machine's load, as long as the
 deadline is larger than honest answers need).
 
@@ -67,6 +70,13 @@ class _GroupCall:
 
 
 @dataclass(frozen=True)
+class _Answers:
+    """Several ``(prompt, text)`` answers of a built-in task scored in one pool call (a list of floats)."""
+
+    items: tuple
+
+
+@dataclass(frozen=True)
 class _Reward:
     """The pool's handler: ``task.reward(prompt, text)`` of one ``(prompt, text)`` item."""
 
@@ -84,6 +94,8 @@ class _Reward:
 
             return call_component(self.task.components[item.ci], item.prompt, item.texts, item.ids,
                                   self.task.prompt_field)
+        if isinstance(item, _Answers):
+            return [float(self.task.reward(p, t)) for p, t in item.items]
         prompt, text = item
         return float(self.task.reward(prompt, text))
 
@@ -106,16 +118,19 @@ class RewardPool:
         self.errors = getattr(getattr(task, "cfg", None), "reward_errors", "zero")
         self.tallies = {c.name: ComponentTally() for c in self.components}
         self._pool = DeadlinePool(_Reward(task), workers=workers, timeout_s=timeout_s)
+        # chunks of answers that passed their deadline or failed as a whole: run again one by one (their answers count)
+        self._chunk_timeouts = self._chunk_failures = 0
 
     @property
     def timed_out(self) -> int:
-        """Answers that ran past their deadline (scored 0.0)."""
-        return self._pool.timed_out
+        """Answers that ran past their deadline (scored 0.0); a chunk of answers that did is not one of them (its
+        answers ran again one by one, and those count)."""
+        return self._pool.timed_out - self._chunk_timeouts
 
     @property
     def failed(self) -> int:
         """Answers whose reward raised or whose worker died twice (scored 0.0)."""
-        return self._pool.failed
+        return self._pool.failed - self._chunk_failures
 
     @property
     def replaced(self) -> int:
@@ -134,7 +149,24 @@ class RewardPool:
         """
         if self.components:
             return self.score_parts(items, completion_ids, environment)[0]
-        return [float(c.value) if c.status == CallStatus.OK else 0.0 for c in self._pool.run_all(list(items))]
+        items = list(items)
+        if len(items) <= 1:
+            return [float(c.value) if c.status == CallStatus.OK else 0.0 for c in self._pool.run_all(items)]
+        # one call per worker, each chunk under one answer's deadline (answers of a built-in task take micro- to
+        # milliseconds: 64 calls cost 5 ms of round trips per step); a chunk that fails or passes its deadline is
+        # run again answer by answer, each under its own deadline — only the answer at fault scores 0 and counts
+        n = min(len(items), self._pool.workers)
+        bounds = [len(items) * i // n for i in range(n + 1)]
+        chunks = [_Answers(tuple(items[a:b])) for a, b in zip(bounds, bounds[1:])]
+        out: list[float] = []
+        for chunk, c in zip(chunks, self._pool.run_all(chunks)):
+            if c.status == CallStatus.OK and isinstance(c.value, list) and len(c.value) == len(chunk.items):
+                out += [float(v) for v in c.value]
+                continue
+            self._chunk_timeouts += c.status == CallStatus.TIMEOUT
+            self._chunk_failures += c.status == CallStatus.FAILED
+            out += [float(d.value) if d.status == CallStatus.OK else 0.0 for d in self._pool.run_all(list(chunk.items))]
+        return out
 
     def score_parts(self, items: Sequence[tuple[Any, str]], completion_ids: Sequence[list[int]] | None = None,
                     environment: Sequence[tuple[float, str]] | None = None,
