@@ -53,8 +53,6 @@ SHAPES = {"demo": 48, "longtail": 256}  # max new tokens of each step shape
 TRL_ROWS = ("trl_t1", "trl_t2", "trl_core0")
 #: what the TRL rows that are baselines (and the limit's TRL phases) are
 BASELINE = {"same": ("trl_t1", "trl_t2"), "harvested": ("trl_core0",)}
-#: the throughput settings every row of ours shares: one engine batch holds a step, a pass takes what arrived
-OURS_COMMON = ["rollout.max_batch=64", "manager.pending_limit=64", "trainer.micro_batch_max=64"]
 #: one slot of preemptible capacity under the demo's spot trace (a window with a preemption and a restart)
 ONE_SLOT = ["cluster.max_workers=1", "cluster.min_changes=2", "cluster.min_removals=1", "cluster.min_starts=1"]
 K1 = ["rollout.max_staleness=1", "trainer.behaviour_correction='tis'"]
@@ -253,7 +251,7 @@ def run_ours(tmp: Path, steps: int, row: str, max_new_tokens: int) -> dict:
                            str(ROOT / "configs/local.toml"), "--out", str(out), "--no-progress",
                            "--set", f"trainer.steps={steps}", "--set", "trainer.export_model=false",
                            "--set", "trainer.seed=0", "--set", f"rollout.max_new_tokens={max_new_tokens}"]
-    cmd += [x for s in OURS_COMMON + sets for x in ("--set", s)]
+    cmd += [x for s in sets for x in ("--set", s)]  # on configs/local.toml (max_batch, Θ and passes of 64)
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if p.returncode != 0:
         raise RuntimeError(f"{row} exited {p.returncode}: {p.stderr[-3000:]}")

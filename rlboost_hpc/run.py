@@ -243,10 +243,10 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
     held_out = _held_out(cfg, setup, svc)
     version0 = resume.trainer_state["version"] if resume.trainer_state else 0
     svc.hello(version0)
-    svc.start_reserved()  # they boot while the starting policy is evaluated
+    svc.start_reserved()  # the reserved engines and the preemptible capacity boot (and load the first version)
+    svc.start_rollout()  # while the starting policy is evaluated, not during the first step
     before = resume.before or held_out.evaluate(version0)
     log.info("held-out reward before training: %.3f (greedy %.3f)", before["reward_sampled"], before["reward_greedy"])
-    svc.start_rollout()
     r = cfg.rollout
     n_resv, n_resv_source = reserved_instances(r.gpus_per_instance, cfg.trainer.gpus)
     log.info("N_resv = %g rollout instances (trainer GPUs from %s, %d GPU(s) per instance)", n_resv, n_resv_source,
