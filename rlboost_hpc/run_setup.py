@@ -41,12 +41,13 @@ def check_inputs(cfg: RunConfig) -> None:
     """Every input file the run will read, checked before anything heavy starts (a model load and the held-out
     evaluation take seconds to minutes; a trace is read only when the cluster starts, after them): ``model.path``
     (the directory and its config.json), the task's data files (``Task.data_files`` under the data directory) and,
-    for the local cluster, ``cluster.trace``. Reads nothing: each file is opened and closed.
+    for the local cluster, ``cluster.trace`` and the replay window its settings ask of it (the trace is read: a
+    few MB at most).
 
     Raises:
         BadInput: one line naming the key, the file and why — not found, or there but unreadable (permissions, a
             directory): :class:`~rlboost_hpc.paths.DataFileMissing`, :class:`~rlboost_hpc.paths.InputUnreadable`,
-            :class:`ConfigError` (an unknown task).
+            :class:`ConfigError` (an unknown task, a replay window the trace does not have).
     """
     from rlboost_hpc.paths import data_file, readable
     from rlboost_hpc.tasks.base import task_data_files
@@ -82,6 +83,9 @@ def check_inputs(cfg: RunConfig) -> None:
             resolve_trace_path(cfg.cluster.trace)
         except BadInput as e:
             raise type(e)(f"cluster.trace = {cfg.cluster.trace}: {e}") from None
+        from rlboost_hpc.cluster.local import replay_plan
+
+        replay_plan(cfg.cluster)  # a window the trace does not have: ConfigError now, not once the cluster starts
 
 
 def tool_stop_ids(cfg: RunConfig, tok) -> tuple[int, ...]:

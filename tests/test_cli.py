@@ -372,6 +372,9 @@ def test_a_renamed_run_directory_is_refused_with_the_id_that_resumes_it_and_resu
     ("cluster.trace=no-such-trace.csv", "cluster.trace = no-such-trace.csv: data file not found"),
     ("task.name=gsm8k", "task.name = gsm8k: data file not found"),
     ("model.path=no-such-model", "model.path: the model directory not found"),
+    # issue 57 (a new user's residue): a replay window the trace does not have was found after the model loaded and
+    # the held-out evaluation ran
+    ("cluster.min_removals=1000", "cluster.trace spot_traces/bamboo/p3-trace.csv: no 2560 s window"),
 ])
 def test_input_files_are_checked_before_anything_heavy_starts(tmp_path, override, needle):
     """Regression (issue 50): a missing trace or data file was reported after 8–13 s of model load and held-out
