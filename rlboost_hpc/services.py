@@ -155,13 +155,16 @@ class RunServices:
         for rollout nodes that do not see ``model.path``; returns the run's :class:`AdapterSpec`."""
         from rlboost_hpc.models.lora import canonical_base
         from rlboost_hpc.weights.server import WeightServer
+        from rlboost_hpc.weights.shared import base_share_dir
 
         cfg, w, lo, lo_cfg = self.cfg, self.cfg.weights, self.lora, self.cfg.trainer.lora
         if cfg.trainer.backend == "emulated":  # a load test: the profile's base, emulated (no tensors, no server)
             return self._emulated_adapter_spec()
         self.base_state = canonical_base(self.policy.state_dict, self.policy.arch)
+        # the reserved engines map it from shared memory (weights/shared.py), as they map every version
         srv = WeightServer(bind=f"tcp://{cfg.network.bind_host}:0", chunk_bytes=w.chunk_bytes, keep_versions=1,
-                           keys=self.keys, delta=False, sealed=w.sealed).start()
+                           keys=self.keys, delta=False, sealed=w.sealed,
+                           share_dir=base_share_dir(self.share_dir)).start()
         self.defer(srv.close)
         man = srv.publish(0, self.base_state, dtype=getattr(torch, w.dtype))
         # this process's engines (reserved, evaluation) serve the very bytes instances load: the published base

@@ -109,7 +109,10 @@ def test_a_finished_run_reports_again_without_starting_anything_and_another_mode
     out = _finished_run(tmp_path)
     first = (out / "report.json").read_bytes()
     trainer_log = (out / "logs" / "trainer.jsonl").read_text()
-    assert "a step generates up to 3,072 tokens" in trainer_log and "decode tokens/s at batch 32" in trainer_log
+    cfg = load_config(LOCAL)
+    step_n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    assert f"a step generates up to {step_n * cfg.rollout.max_new_tokens:,} tokens" in trainer_log
+    assert f"decode tokens/s at batch {min(cfg.rollout.max_batch, step_n)}" in trainer_log
     starts = (out / "manager-journal.jsonl").read_text().count('"start"')
     p = cli("run", "--config", LOCAL, "--out", str(out), "--no-progress", "--set", "trainer.steps=2",
             "--set", "cluster.max_workers=0", "--set", "trainer.export_model=false")

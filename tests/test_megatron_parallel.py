@@ -103,8 +103,11 @@ def test_default_demo_with_the_megatron_backend_meets_the_report_contract(repo_r
     """The walking skeleton's default demo (60 steps, real workers and preemptions) with MegatronBackend (TP=1)
     constructed where run.py constructs the torch backend."""
     out = tmp_path / "demo"
-    p = subprocess.run([sys.executable, SCENARIOS, "demo", "--out", str(out)], cwd=repo_root,
-                       env=_env(repo_root), capture_output=True, text=True, timeout=400)
+    # a warned preemption waits until a worker holds a partial response (cluster.preempt_when_busy): one that finds
+    # the worker idle between versions migrates nothing, and the migration is what this test needs to see
+    p = subprocess.run([sys.executable, SCENARIOS, "demo", "--out", str(out),
+                        "--set", "cluster.preempt_when_busy=true"],
+                       cwd=repo_root, env=_env(repo_root), capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stderr[-4000:]
     rep = json.loads((out / "report.json").read_text())
     for k in CONTRACT_KEYS:

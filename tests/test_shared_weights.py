@@ -125,6 +125,39 @@ def test_a_version_not_shared_or_of_another_checksum_or_sharded_is_pulled_instea
         sv.close()
 
 
+def test_a_lora_base_the_trainer_shares_is_mapped_for_the_readers_life_and_another_base_is_loaded_as_a_node_does(
+        share):
+    """A LoRA run's base server keeps the base in the share's ``base`` subdirectory: a reader maps it (source
+    "trainer", no bytes moved) and holds it while versions come and go; a base of another checksum, or none shared,
+    goes to the fallback (the node's model.path, its cache, or the base server)."""
+    from rlboost_hpc.protocol.adapter import AdapterSpec
+    from rlboost_hpc.weights.shared import base_share_dir
+
+    class BaseFallback(_Fallback):
+        def base(self, spec, arch, *, keys=None, label=""):
+            self.asked.append(("base", "", spec.base_checksum))
+            return "loaded"
+
+    fb = BaseFallback()
+    sv = SharedVersions(share, fb)
+    spec = AdapterSpec(rank=4, alpha=8.0, targets=["q_proj"], base_checksum=1, base_bytes=0)
+    assert sv.base(spec, None) == "loaded"  # nothing shared yet
+    with WeightServer(share_dir=base_share_dir(share), keep_versions=1) as base_srv, \
+            WeightServer(share_dir=share, keep_versions=1) as srv:
+        m = base_srv.publish(0, _state(7))
+        assert sv.base(spec, None) == "loaded"  # another base's checksum: never mapped
+        got = sv.base(AdapterSpec(rank=4, alpha=8.0, targets=["q_proj"], base_checksum=m.checksum,
+                                  base_bytes=m.total_bytes), None)
+        assert (got.source, got.checksum, got.nbytes, got.wire_bytes) == ("trainer", m.checksum, m.total_bytes, 0)
+        for v in range(3):  # the versions are released pull by pull; the base stays held
+            srv.publish(v, _state(v))
+            sv.pull("tcp://x", v, checksum=srv.manifest(v).checksum)
+        for k, t in _state(7).items():
+            assert torch.equal(got.state_dict[k], t.to(torch.bfloat16))
+        assert fb.asked == [("base", "", 1), ("base", "", 1)] and sv.shared == 3
+        sv.close()
+
+
 def test_a_killed_reader_leaves_no_lock_and_the_buffer_is_reused(share):
     with WeightServer(share_dir=share, keep_versions=1) as srv:
         srv.publish(0, _state(0))

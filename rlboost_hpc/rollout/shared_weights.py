@@ -22,7 +22,7 @@ import torch
 from rlboost_hpc.protocol.weight_msgs import Manifest, decode_reply, validate_table
 from rlboost_hpc.rollout.remote_weights import PulledVersion, WeightSource
 from rlboost_hpc.weights.layout import state_view
-from rlboost_hpc.weights.shared import MANIFEST_SUFFIX, try_lock
+from rlboost_hpc.weights.shared import BASE_SUBDIR, MANIFEST_SUFFIX, try_lock
 
 if TYPE_CHECKING:
     from rlboost_hpc.protocol.adapter import AdapterSpec
@@ -44,6 +44,8 @@ class SharedVersions:
     version it is told to load from the share ``directory`` (the protocol: :mod:`rlboost_hpc.weights.shared`), else asks ``fallback`` — the
     network pull every instance uses, which also serves sharded versions and a LoRA run's base.
 
+    A LoRA run's base is mapped the same way from the subdirectory ``base`` when the trainer shares it.
+
     Counters: ``shared`` (versions mapped from the directory), ``fallbacks`` (pulled over the network instead).
     Precondition (held by :class:`~rlboost_hpc.rollout.agent.RolloutAgent`): a version's tensors are no longer read
     once the next pull starts."""
@@ -53,6 +55,7 @@ class SharedVersions:
     shared: int = 0
     fallbacks: int = 0
     _held: _Held | None = field(default=None, repr=False)
+    _base_held: _Held | None = field(default=None, repr=False)
 
     def pull(self, endpoint: str, version: int, *, peers: Sequence[str] = (), keys: "RunKeys | None" = None,
              shards: str = "", checksum: int = 0) -> PulledVersion:
@@ -73,12 +76,36 @@ class SharedVersions:
         return self.fallback.pull(endpoint, version, peers=peers, keys=keys, shards=shards, checksum=checksum)
 
     def base(self, spec: "AdapterSpec", arch, *, keys: "RunKeys | None" = None, label: str = "") -> "BaseWeights":
-        """A LoRA run's base: the fallback's (the node's ``model.path``, its cache, or the base server)."""
-        return self.fallback.base(spec, arch, keys=keys, label=label)
+        """A LoRA run's base: mapped from the base server's share directory (source ``"trainer"``: the trainer's
+        own buffer, held for this reader's life), else the fallback's (the node's ``model.path``, its cache, or the
+        base server). Raises what the fallback raises."""
+        from rlboost_hpc.rollout.base_weights import BaseWeights
+
+        try:
+            got = self._map_in(self.directory / BASE_SUBDIR, 0, int(spec.base_checksum))
+        except (OSError, ValueError, msgspec.DecodeError) as e:
+            log.warning("the base not mapped from %s (%s: %s); loading it as a node does", self.directory,
+                        type(e).__name__, e)
+            got = None
+        if got is None:
+            return self.fallback.base(spec, arch, keys=keys, label=label)
+        pv, self._base_held = got
+        return BaseWeights(pv.state_dict, pv.checksum, pv.nbytes, "trainer", pv.pull_s)
 
     def _map(self, version: int, checksum: int) -> PulledVersion | None:
+        got = self._map_in(self.directory, version, checksum)
+        if got is None:
+            return None
+        pv, self._held = got
+        return pv
+
+    def _map_in(self, directory: Path, version: int, checksum: int) -> tuple[PulledVersion, _Held] | None:
+        """``version`` of ``directory`` mapped under ``LOCK_SH`` (the caller keeps the returned hold), or None when
+        it is not there. Raises OSError / ValueError / msgspec.DecodeError for a damaged share."""
         t0 = time.monotonic()
-        for side in sorted(self.directory.glob("*" + MANIFEST_SUFFIX)):
+        if not directory.is_dir():
+            return None
+        for side in sorted(directory.glob("*" + MANIFEST_SUFFIX)):
             data = side.with_name(side.name[:-len(MANIFEST_SUFFIX)])
             try:
                 fd = os.open(data, os.O_RDONLY)
@@ -104,11 +131,10 @@ class SharedVersions:
                 # must be writable buffers for torch, not writable memory for anyone else)
                 mapping = mmap.mmap(fd, man.total_bytes, access=mmap.ACCESS_COPY) if man.total_bytes else None
                 keep = True
-                self._held = _Held(fd, mapping)
                 view = torch.frombuffer(mapping, dtype=torch.uint8) if mapping is not None else \
                     torch.empty(0, dtype=torch.uint8)
                 return PulledVersion(state_view(view, man.tensors), int(man.checksum), int(man.total_bytes),
-                                     time.monotonic() - t0, 0, {"shared_memory": 1.0})
+                                     time.monotonic() - t0, 0, {"shared_memory": 1.0}), _Held(fd, mapping)
             finally:
                 if not keep:
                     os.close(fd)  # closing the descriptor drops its lock
@@ -122,6 +148,9 @@ class SharedVersions:
 
     def close(self) -> None:
         self.release()
+        held, self._base_held = self._base_held, None
+        if held is not None:
+            os.close(held.fd)
         close = getattr(self.fallback, "close", None)
         if close is not None:
             close()

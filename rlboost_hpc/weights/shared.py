@@ -21,7 +21,8 @@ dies, so a killed reader or writer never leaves one behind):
 So a reader never sees a torn or half-written version. A version that is no longer in the directory (evicted, or
 being rewritten), a sharded version (Megatron with TP/PP > 1 serves shards from its ranks) or any failure of the
 shared path is pulled from the weight server over the network instead (the reader's ``fallback``), verified like
-any instance's pull. The directory is named ``rlboost-weights-<pid>-<random>`` after the trainer process, so
+any instance's pull. A LoRA run's base is shared the same way, as version 0 in the subdirectory ``base``
+(:func:`base_share_dir`), held by a reader for its life (the base server never rewrites it). The directory is named ``rlboost-weights-<pid>-<random>`` after the trainer process, so
 :func:`rlboost_hpc.procutil.reclaim_leftovers` removes it when that process died without cleaning up. Manifests in
 the directory carry no key: a sealed version's access (``Manifest.sealed``) is stripped before it is written.
 """
@@ -51,6 +52,15 @@ log = logging.getLogger(__name__)
 #: Name prefix of a share directory in ``/dev/shm``: ``<prefix><trainer pid>-<random>``.
 SHARE_PREFIX = "rlboost-weights-"
 MANIFEST_SUFFIX = ".manifest"
+#: Subdirectory of a share directory where a LoRA run's base server keeps the base (its version 0).
+BASE_SUBDIR = "base"
+
+
+def base_share_dir(share_dir: str | os.PathLike[str]) -> Path:
+    """The directory of ``share_dir`` holding a LoRA run's base: created (0700) when missing. Raises OSError."""
+    path = Path(share_dir) / BASE_SUBDIR
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
 
 
 def new_share_dir(root: str | os.PathLike[str] = "/dev/shm") -> Path:
