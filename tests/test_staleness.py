@@ -225,6 +225,33 @@ def test_a_reserved_engine_takes_only_the_step_trained_or_seeded_never_one_ahead
     assert core.requests["s2g0/0"].state == "running" and core.requests["s2g0/0"].instance.startswith("a")
 
 
+def test_a_step_submitted_ahead_is_seeded_by_the_reserved_engine_once_the_step_before_it_is_trained(tmp_path):
+    """Regression: the run's last k steps are all submitted ahead, so no submit opened their seeding; the manager
+    kept them "ahead" of the step trained and the reserved engine never took them — with no preemptible instance
+    (all preempted) the trainer, seeding until a micro-batch was ready, waited the step's 300 s timeout (the LoRA
+    chaos test at k = 2, 1 run in 5). The version change that ends a step opens the next one's seeding, and a
+    restarted manager keeps it open."""
+    core, _ = make(k=2, worklog=True)
+    log = W.WorkLog(tmp_path / "work.log", "run", 1, keep=False)
+    register(core, b"r", "resv", kind="reserved")
+    for s in range(3):  # steps 0, 1, 2 submitted at step 0 (the run's last steps: nothing more is submitted)
+        submit(core, step=s, n=4 if s == 0 else 2, version=s)
+    core.tick()  # Θ = 4: step 0 only
+    feed(core, TRAINER, M.CloseSeeding(step=0))
+    finish_all(core, 0)
+    feed(core, TRAINER, M.AckGroup(gid="s0g0"))
+    core.tick()
+    assert {q.step for q in core.requests.values() if q.state == "running"} == set()  # 1 and 2 are ahead of 0
+    feed(core, TRAINER, M.SetVersion(version=1))
+    loaded(core, b"r", 1)
+    commit(core, log)
+    core.tick()
+    assert {q.step for q in core.requests.values() if q.state == "running"} == {1}  # step 1 seeds; 2 is ahead
+    new = ManagerCore(clock=Clock(), epoch=2, settings=core.settings)
+    restore(new, W.WorkLog(tmp_path / "work.log", "run", 2, keep=True).restored, 0.0)
+    assert (new.train_step, new.seeding_open) == (0, True)
+
+
 def _response(versions: list[int], obs_runs: list[int] | None = None) -> M.Response:
     n = len(versions)
     runs: list[int] = []

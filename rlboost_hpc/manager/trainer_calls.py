@@ -162,6 +162,12 @@ class TrainerCalls:
         self.latest_version = msg.version
         self.lineage.make_current(msg.version, msg.checksum)  # (and latest_checksum with it)
         self.log_work(W.Version(msg.version, msg.checksum))
+        if self.max_staleness and not self.seeding_open:
+            # the trained step is over: the next one's seeding starts now. A submit opens it too, but the run's
+            # last k steps were all submitted ahead: without this their steps stayed "ahead" of the one trained,
+            # the reserved engine never took them, and with no preemptible instance the step waited for its timeout
+            self.seeding_open = True
+            self.log_work(W.Seeding(True, self.train_step))
         for i in self.instances.values():  # an instance holding the old version is pulling from now on
             if i.state != S.GONE:
                 self._note_activity(i)
