@@ -229,7 +229,7 @@ def test_a_step_submitted_ahead_is_seeded_by_the_reserved_engine_once_the_step_b
     """Regression: the run's last k steps are all submitted ahead, so no submit opened their seeding; the manager
     kept them "ahead" of the step trained and the reserved engine never took them — with no preemptible instance
     (all preempted) the trainer, seeding until a micro-batch was ready, waited the step's 300 s timeout (the LoRA
-    chaos test at k = 2, 1 run in 5). The version change that ends a step opens the next one's seeding, and a
+    chaos test at k = 2, 1 run in 10). The version change that ends a step opens the next one's seeding, and a
     restarted manager keeps it open."""
     core, _ = make(k=2, worklog=True)
     log = W.WorkLog(tmp_path / "work.log", "run", 1, keep=False)

@@ -38,6 +38,13 @@ class _Held:
     mapping: mmap.mmap | None
 
 
+def _drop(held: _Held | None) -> None:
+    """Let the writer reuse a mapped version: closing the descriptor drops its ``LOCK_SH`` (the mapping itself goes
+    with its last view)."""
+    if held is not None:
+        os.close(held.fd)
+
+
 @dataclass
 class SharedVersions:
     """The reader's side: a rollout agent's :class:`~rlboost_hpc.rollout.remote_weights.WeightSource` that maps the
@@ -89,6 +96,7 @@ class SharedVersions:
             got = None
         if got is None:
             return self.fallback.base(spec, arch, keys=keys, label=label)
+        _drop(self._base_held)
         pv, self._base_held = got
         return BaseWeights(pv.state_dict, pv.checksum, pv.nbytes, "trainer", pv.pull_s)
 
@@ -142,15 +150,13 @@ class SharedVersions:
 
     def release(self) -> None:
         """Let the writer reuse the version last mapped (its tensors must no longer be read)."""
-        held, self._held = self._held, None
-        if held is not None:
-            os.close(held.fd)  # drops LOCK_SH; the mapping itself goes with its last view
+        _drop(self._held)
+        self._held = None
 
     def close(self) -> None:
         self.release()
-        held, self._base_held = self._base_held, None
-        if held is not None:
-            os.close(held.fd)
+        _drop(self._base_held)
+        self._base_held = None
         close = getattr(self.fallback, "close", None)
         if close is not None:
             close()

@@ -22,9 +22,10 @@ So a reader never sees a torn or half-written version. A version that is no long
 being rewritten), a sharded version (Megatron with TP/PP > 1 serves shards from its ranks) or any failure of the
 shared path is pulled from the weight server over the network instead (the reader's ``fallback``), verified like
 any instance's pull. A LoRA run's base is shared the same way, as version 0 in the subdirectory ``base``
-(:func:`base_share_dir`), held by a reader for its life (the base server never rewrites it). The directory is named ``rlboost-weights-<pid>-<random>`` after the trainer process, so
-:func:`rlboost_hpc.procutil.reclaim_leftovers` removes it when that process died without cleaning up. Manifests in
-the directory carry no key: a sealed version's access (``Manifest.sealed``) is stripped before it is written.
+(:func:`base_share_dir`), held by a reader for its life (the base server never rewrites it). The directory is named
+``rlboost-weights-<pid>-<random>`` after the trainer process, so :func:`rlboost_hpc.procutil.reclaim_leftovers`
+removes it when that process died without cleaning up. Manifests in the directory carry no key: a sealed version's
+access (``Manifest.sealed``) is stripped before it is written.
 """
 from __future__ import annotations
 
