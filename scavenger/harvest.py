@@ -355,15 +355,7 @@ class HarvestService:
         posted = self.spool.read_demands()
         demands = {rid: p.demand for rid, p in posted.items()}
         res.demands = {rid: d.instances if d.active else 0 for rid, d in demands.items()}
-        live_runs, vanished = {}, []
-        for rid, d in demands.items():
-            last = self._seen.get(rid)
-            if last is None or last[0] != (d.seq, d.ts):  # the run's scavenger rewrote it: alive
-                self._seen[rid] = ((d.seq, d.ts), now)
-            if now - self._seen[rid][1] > self.policy.demand_timeout_s:
-                vanished.append(rid)
-            else:
-                live_runs[rid] = d
+        live_runs, vanished = self._live_runs(demands, now)
         try:
             nodes = self.slurm.sinfo_nodes(None)
             listed = self.slurm.squeue_jobs(all_states=True, only_mine=False)
@@ -420,16 +412,8 @@ class HarvestService:
             n = shares.get(rid, 0)
             reason = "vanished" if rid in vanished else why.get(rid, "blackout" if blackout and not n else "")
             res.shares[rid] = n
-            trainer = by_id.get(d.trainer_job) if d.trainer_job else None
-            if trainer is not None and trainer.user and trainer.user != posted[rid].owner:
-                trainer = None  # another user's job: not this run's trainer
-            try:
-                self.spool.write_share(ShareFile(
-                    run_id=rid, instances=n, seq=d.seq, cycle=self.cycle, service_start=self.start,
-                    jobs=owned.get(rid, []), pool_gpus=pools[horizon[rid]][0] if rid in horizon else pool,
-                    idle_gpus=idle, reason=reason, ts=now, trainer_job=d.trainer_job, trainer=trainer))
-            except OSError as e:
-                log.warning("harvest: cannot write the share of %s: %s", rid, e)
+            self._write_share(posted[rid], n, reason, owned.get(rid, []), by_id,
+                              pool_gpus=pools[horizon[rid]][0] if rid in horizon else pool, idle_gpus=idle, now=now)
         for p in self.spool.shares.glob("*.json"):
             if p.stem not in demands:  # the run withdrew its demand: it left
                 p.unlink(missing_ok=True)
@@ -437,6 +421,36 @@ class HarvestService:
             self._drain_vanished(demands[rid], owned.get(rid, []), now, res)
         res.vanished = vanished
         return res
+
+    def _live_runs(self, demands: dict[str, DemandFile], now: float) -> tuple[dict[str, DemandFile], list[str]]:
+        """(the runs whose demand changed within ``policy.demand_timeout_s``, the ids of those whose did not): a run's
+        scavenger rewrites its demand every cycle, so one that stopped doing so is gone."""
+        live_runs, vanished = {}, []
+        for rid, d in demands.items():
+            last = self._seen.get(rid)
+            if last is None or last[0] != (d.seq, d.ts):  # the run's scavenger rewrote it: alive
+                self._seen[rid] = ((d.seq, d.ts), now)
+            if now - self._seen[rid][1] > self.policy.demand_timeout_s:
+                vanished.append(rid)
+            else:
+                live_runs[rid] = d
+        return live_runs, vanished
+
+    def _write_share(self, posted: PostedDemand, instances: int, reason: str, jobs: list, by_id: dict, *, pool_gpus: int,
+                     idle_gpus: int, now: float) -> None:
+        """Write one run's share file (``posted``: its demand as the spool read it); a write that fails is logged,
+        the cycle goes on."""
+        d = posted.demand
+        trainer = by_id.get(d.trainer_job) if d.trainer_job else None
+        if trainer is not None and trainer.user and trainer.user != posted.owner:
+            trainer = None  # another user's job: not this run's trainer
+        try:
+            self.spool.write_share(ShareFile(
+                run_id=d.run_id, instances=instances, seq=d.seq, cycle=self.cycle, service_start=self.start, jobs=jobs,
+                pool_gpus=pool_gpus, idle_gpus=idle_gpus, reason=reason, ts=now, trainer_job=d.trainer_job,
+                trainer=trainer))
+        except OSError as e:
+            log.warning("harvest: cannot write the share of %s: %s", d.run_id, e)
 
     def _note_missing_partitions(self, nodes: list[NodeInfo], res: CycleResult) -> None:
         """Say loudly, once per change, when a partition the policy harvests has no node in Slurm's listing (the

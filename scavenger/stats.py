@@ -140,6 +140,84 @@ def _attempt_of(ev: dict) -> int:
         return 0
 
 
+class _Replay:
+    """The state :func:`compute_stats` builds while it reads a run's events in time order: each job's attempts (open
+    and closed), its counters, and the token counts per (job, attempt)."""
+
+    def __init__(self, st: RunStats, time_limited: set[tuple[str, int]]) -> None:
+        self.st, self.time_limited = st, time_limited  # attempts their worker saw reach the job's time limit
+        self.open: dict[str, Attempt] = {}
+        self.closed: list[Attempt] = []
+        self.jobs: dict[str, JobStats] = {}
+        self.preempted_finish: dict[str, int] = {}
+        self.tokens: dict[tuple[str, int], dict[str, int]] = {}
+        self.regen_seen = False
+
+    def job(self, jid: str) -> JobStats:
+        return self.jobs.setdefault(jid, JobStats(jid))
+
+    def close(self, jid: str, end: float, how: str) -> None:
+        a = self.open.pop(jid, None)
+        if a is not None:
+            a.end, a.ended_by = max(end, a.start), how
+            self.closed.append(a)
+
+    def read(self, ev: dict) -> None:
+        kind, jid = ev["event"], _jid(ev)
+        if kind == "tokens" and jid is not None:
+            self._tokens(ev, jid)
+        elif kind == "warned":
+            self.st.warned += 1
+            cause = str(ev.get("cause") or "preempted")
+            self.st.warned_by_cause[cause] = self.st.warned_by_cause.get(cause, 0) + 1
+        elif kind in LIFECYCLE and jid is not None and ev.get("source") in LIFECYCLE_SOURCES:
+            self._lifecycle(ev, kind, jid, float(ev.get("ts") or 0.0))
+
+    def _tokens(self, ev: dict, jid: str) -> None:
+        acc = self.tokens.setdefault((jid, _attempt_of(ev)), {"produced": 0, "handed_off": 0, "regenerated": 0})
+        vals = {k: _int(ev.get(k)) for k in ("produced", "handed_off", "regenerated")}
+        self.regen_seen |= "regenerated" in ev
+        if ev.get("cumulative"):
+            acc.update(vals)
+        else:
+            for k, v in vals.items():
+                acc[k] += v
+
+    def _lifecycle(self, ev: dict, kind: str, jid: str, ts: float) -> None:
+        js = self.job(jid)
+        if kind == "started":
+            self.close(jid, ts, "requeued")  # a previous attempt whose requeue we never saw
+            start = float(ev.get("start_time") or ts)
+            a = Attempt(jid, _attempt_of(ev), start, gpus=_int(ev.get("gpus")), node=str(ev.get("node") or ""))
+            self.open[jid] = a
+            js.attempts += 1
+            if a.node and a.node not in js.nodes:
+                js.nodes.append(a.node)
+            js.final_state = "RUNNING"
+        elif kind == "requeued":
+            self.close(jid, ts, "requeued")
+            js.requeues += 1
+            self.preempted_finish.pop(jid, None)
+            if (jid, _attempt_of(ev) - 1) in self.time_limited:  # the attempt that ended reached its time limit
+                js.time_limits += 1
+            elif ev.get("cause") != "drain":
+                js.preemptions += 1
+            js.final_state = "PENDING"
+        elif kind == "finished":
+            self.close(jid, float(ev.get("end_time") or ts), "finished")
+            state = str(ev.get("state") or "UNKNOWN")
+            js.final_state = state
+            if state == "PREEMPTED":
+                self.preempted_finish[jid] = self.preempted_finish.get(jid, 0) + 1
+            elif ev.get("cause") == "drain":  # the local cluster's cap retired it
+                self.st.drains += 1
+        elif kind == "cancelled":
+            if ev.get("mode") == "signal":
+                self.st.drains += 1
+            else:
+                self.st.cancelled_by_us += 1
+
+
 def compute_stats(events: Iterable[dict], now: float | None = None, report: dict | None = None,
                   bad_lines: int = 0) -> RunStats:
     """Statistics of a run from its event records (any order; sorted by ``ts`` here, file order kept on
@@ -148,98 +226,30 @@ def compute_stats(events: Iterable[dict], now: float | None = None, report: dict
     now = time.time() if now is None else now
     evs = sorted((e for e in events if isinstance(e, dict)), key=lambda e: float(e.get("ts") or 0.0))
     st = RunStats(bad_lines=bad_lines)
-    open_att: dict[str, Attempt] = {}
-    closed: list[Attempt] = []
-    jobs: dict[str, JobStats] = {}
-    preempted_finish: dict[str, int] = {}
-    tokens: dict[tuple[str, int], dict[str, Any]] = {}
-    regen_seen = False
-
-    def job(jid: str) -> JobStats:
-        return jobs.setdefault(jid, JobStats(jid))
-
-    def close(jid: str, end: float, how: str) -> None:
-        a = open_att.pop(jid, None)
-        if a is not None:
-            a.end, a.ended_by = max(end, a.start), how
-            closed.append(a)
-
     # attempts whose worker classified its warning as the job's own time limit (rollout/worker.py)
-    time_limited = {(_jid(e), _attempt_of(e)) for e in evs
-                    if e["event"] == "warned" and e.get("cause") == "time_limit"}
+    r = _Replay(st, {(_jid(e), _attempt_of(e)) for e in evs if e["event"] == "warned" and e.get("cause") == "time_limit"})
     for ev in evs:
-        kind, jid = ev["event"], _jid(ev)
-        ts = float(ev.get("ts") or 0.0)
-        if kind == "tokens" and jid is not None:
-            key = (jid, _attempt_of(ev))
-            acc = tokens.setdefault(key, {"produced": 0, "handed_off": 0, "regenerated": 0})
-            vals = {k: _int(ev.get(k)) for k in ("produced", "handed_off", "regenerated")}
-            regen_seen |= "regenerated" in ev
-            if ev.get("cumulative"):
-                acc.update(vals)
-            else:
-                for k, v in vals.items():
-                    acc[k] += v
-            continue
-        if kind == "warned":
-            st.warned += 1
-            cause = str(ev.get("cause") or "preempted")
-            st.warned_by_cause[cause] = st.warned_by_cause.get(cause, 0) + 1
-            continue
-        if kind not in LIFECYCLE or jid is None or ev.get("source") not in LIFECYCLE_SOURCES:
-            continue
-        js = job(jid)
-        if kind == "started":
-            close(jid, ts, "requeued")  # a previous attempt whose requeue we never saw
-            start = float(ev.get("start_time") or ts)
-            a = Attempt(jid, _attempt_of(ev), start, gpus=_int(ev.get("gpus")), node=str(ev.get("node") or ""))
-            open_att[jid] = a
-            js.attempts += 1
-            if a.node and a.node not in js.nodes:
-                js.nodes.append(a.node)
-            js.final_state = "RUNNING"
-        elif kind == "requeued":
-            close(jid, ts, "requeued")
-            js.requeues += 1
-            preempted_finish.pop(jid, None)
-            if (jid, _attempt_of(ev) - 1) in time_limited:  # the attempt that ended reached its time limit
-                js.time_limits += 1
-            elif ev.get("cause") != "drain":
-                js.preemptions += 1
-            js.final_state = "PENDING"
-        elif kind == "finished":
-            close(jid, float(ev.get("end_time") or ts), "finished")
-            state = str(ev.get("state") or "UNKNOWN")
-            js.final_state = state
-            if state == "PREEMPTED":
-                preempted_finish[jid] = preempted_finish.get(jid, 0) + 1
-            elif ev.get("cause") == "drain":  # the local cluster's cap retired it
-                st.drains += 1
-        elif kind == "cancelled":
-            if ev.get("mode") == "signal":
-                st.drains += 1
-            else:
-                st.cancelled_by_us += 1
-
-    for jid, n in preempted_finish.items():
-        job(jid).preemptions += n
-    attempts = closed + list(open_att.values())
+        r.read(ev)
+    jobs = r.jobs
+    for jid, n in r.preempted_finish.items():
+        r.job(jid).preemptions += n
+    attempts = r.closed + list(r.open.values())
     for a in attempts:
         jobs[a.job_id].gpu_hours += a.duration(now) * a.gpus / 3600.0
-    lifetimes = [a.duration(now) for a in closed]
+    lifetimes = [a.duration(now) for a in r.closed]
     st.jobs = len(jobs)
     st.attempts = len(attempts)
-    st.open_attempts = len(open_att)
+    st.open_attempts = len(r.open)
     st.requeues = sum(j.requeues for j in jobs.values())
     st.preemptions = sum(j.preemptions for j in jobs.values())
     st.time_limits = sum(j.time_limits for j in jobs.values())
     st.lifetime_mean_s = statistics.fmean(lifetimes) if lifetimes else None
     st.lifetime_median_s = statistics.median(lifetimes) if lifetimes else None
     st.gpu_hours = sum(j.gpu_hours for j in jobs.values())
-    st.tokens_produced = sum(t["produced"] for t in tokens.values())
-    st.tokens_handed_off = sum(t["handed_off"] for t in tokens.values())
-    if regen_seen:
-        st.tokens_regenerated = sum(t["regenerated"] for t in tokens.values())
+    st.tokens_produced = sum(t["produced"] for t in r.tokens.values())
+    st.tokens_handed_off = sum(t["handed_off"] for t in r.tokens.values())
+    if r.regen_seen:
+        st.tokens_regenerated = sum(t["regenerated"] for t in r.tokens.values())
         st.tokens_regenerated_source = "events"
     elif report is not None and isinstance(report.get("tokens_regenerated"), (int, float)):
         st.tokens_regenerated = int(report["tokens_regenerated"])
