@@ -416,7 +416,6 @@ def _trainer(cfg: RunConfig, svc: RunServices, setup: RunSetup, n_resv: float):
                               adapt=pol.adaptive_seeding, memory=pol.t_seed_memory, ceil_s=pol.t_seed_ceil_s))
     return RLTrainer(client=svc.client, backend=svc.backend, task=setup.task, tokenizer=setup.policy.tokenizer,
                      settings=settings, score=svc.rewards.score, publish=svc.publisher.publish,
-                     score_parts=svc.rewards.score_parts if svc.rewards.components else None,
                      controller=controller, available=svc.available)
 
 

@@ -17,6 +17,7 @@ import torch
 from rlboost_hpc.config import ConfigError, RunConfig
 from rlboost_hpc.errors import BadInput
 from rlboost_hpc.rundir import RunDir
+from rlboost_hpc.tasks.base import Task
 
 log = logging.getLogger("rlboost.run")
 
@@ -136,15 +137,6 @@ def check_behaviour_logprobs(cfg: RunConfig) -> None:
                           "trainer.behaviour_correction = none or an engine that returns logprobs")
 
 
-def length_check_prompts(task) -> list:
-    """The prompts whose token counts bound the run's context: every prompt of a built-in task; of a user's task the
-    longest by characters of each split (its prepared file's statistics) and the held-out ones — ``rlboost-hpc task
-    check`` tokenises every row."""
-    if hasattr(task, "longest_prompts"):
-        return task.longest_prompts() + task.heldout_prompts()
-    return list(task.train_prompts()) + task.heldout_prompts()
-
-
 def check_same_data(ckpt: Path, setup: "RunSetup", rd: RunDir) -> None:
     """Refuse to resume ``ckpt`` against changed prompt files, in one line and before any service starts.
 
@@ -158,7 +150,7 @@ def check_same_data(ckpt: Path, setup: "RunSetup", rd: RunDir) -> None:
     now = setup.checkpoint_identity()["datasets"]
     for key in sorted(set(saved) | set(now)):
         if saved.get(key) != now.get(key):
-            where = getattr(setup.task.cfg, key.split(".")[1], None) if hasattr(setup.task, "cfg") else None
+            where = setup.task.data_source(key)
             raise checkpoint.CheckpointError(
                 f"{key} = {where}: the data set changed since {ckpt} was written (fingerprint {saved.get(key)} then, "
                 f"{now.get(key)} now); resuming would take other prompts — restore the file, or start over with a "
@@ -199,7 +191,7 @@ class RunSetup:
     tool-call syntax), the tool call's stop id, and the trainer's and rollout's devices and dtypes."""
 
     policy: Any
-    task: Any
+    task: Task
     tool_stops: tuple[int, ...]
     context_tokens: int  # the positions one request may need: the longest prompt + the response (trajectory) budget
     train_device: torch.device
@@ -229,18 +221,13 @@ class RunSetup:
         policy = load_model(cfg)
         arch, tok = policy.arch, policy.tokenizer
         task = make_task(cfg.task)  # a user's task is read, split and its reward code imported and checked here
-        if hasattr(task, "tool_syntax"):  # a tool task tells the policy how to call its tool: the run's syntax
-            from rlboost_hpc.tasks.tools import ToolSyntax
-
-            task.tool_syntax = ToolSyntax(cfg.task.tool_call_open, cfg.task.tool_call_close)
-        longest = max(len(task.prompt_ids(p, tok)) for p in length_check_prompts(task))
+        longest = max(len(task.prompt_ids(p, tok)) for p in task.length_check_prompts())
         if longest + cfg.trajectory_tokens() > arch.max_position_embeddings:
             key = ("rollout.max_new_tokens" if cfg.task.max_turns == 1 else
                    "task.max_trajectory_tokens (0: task.max_turns × rollout.max_new_tokens)")
             raise ConfigError(f"{key} = {cfg.trajectory_tokens()} plus the longest prompt ({longest} tokens) exceeds "
                               f"the model's context of {arch.max_position_embeddings} tokens")
-        if hasattr(task, "check_endpoint"):
-            task.check_endpoint()  # an unreachable reward model is bad input, before anything starts
+        task.check_endpoint()  # an unreachable reward model is bad input, before anything starts
         lora = lora_settings(cfg, policy)
         train_device = resolve_device(cfg.trainer.device, "trainer.device")
         rollout_device = resolve_device(cfg.rollout.device, "rollout.device")
@@ -258,9 +245,8 @@ class RunSetup:
     def checkpoint_identity(self) -> dict:
         """What a checkpoint records of the run's inputs, checked on resume (:func:`check_same_data`): the model
         (path, architecture) and, for a user's task, each data set's fingerprint."""
-        fps = self.task.fingerprints() if hasattr(self.task, "fingerprints") else {}
         return {"model": {"path": str(self.policy.path), "arch": self.policy.arch.to_json(), "lora": self.lora_record()},
-                "datasets": fps}
+                "datasets": self.task.fingerprints()}
 
     def model_info(self) -> dict:
         """The report's ``model`` entry."""

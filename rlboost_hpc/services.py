@@ -147,8 +147,7 @@ class RunServices:
 
             self.eval_tools = calls_for(environment)
             self.defer(self.eval_tools.close)
-        if hasattr(self.task, "close"):  # a stateful environment's reset process (the prompts' first observations)
-            self.defer(self.task.close)
+        self.defer(self.task.close)  # a stateful environment's reset process (the prompts' first observations)
 
     def _start_base_server(self) -> M.AdapterSpec:
         """LoRA: publish the base once, as version 0 of a server of its own (sealed and checksummed as any version),

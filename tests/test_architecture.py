@@ -270,3 +270,37 @@ def test_each_rollout_agent_part_uses_only_what_it_declares(rel):
         _check_part(rel, AGENT_PARTS[rel], agent, late=("link",))
     finally:
         agent._builder.shutdown(wait=False)
+
+
+def test_no_probe_of_a_task_outside_tasks():
+    """Issue 56: the run holds a task to the contract :class:`~rlboost_hpc.tasks.base.Task` declares — no
+    ``hasattr``/``getattr`` on anything named ``task`` outside ``rlboost_hpc/tasks/`` (a capability the run uses is a
+    method or attribute of ``Task`` with its default)."""
+    probes = []
+    for path in sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        if rel.startswith("rlboost_hpc/tasks/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr")
+                    and node.args and "task" in ast.unparse(node.args[0]).lower()):
+                probes.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not probes, "probes of a task (declare the capability on Task instead):\n" + "\n".join(probes)
+
+
+def test_every_builtin_task_honours_the_declared_contract():
+    """Issue 56: each registered task is a Task whose declared capabilities answer with their types (one side: the
+    contract's defaults and overrides, without a run; the runs through the CLI use them end to end)."""
+    from rlboost_hpc.tasks.base import Task, get_task, known_tasks
+    from rlboost_hpc.tasks.tools import ToolSyntax
+
+    syntax = ToolSyntax("<call>", "</call>")
+    for name in known_tasks():
+        t = get_task(name, n_train=4, n_heldout=2, tool_syntax=syntax)
+        assert isinstance(t, Task)
+        assert t.reward_errors in ("zero", "fail") and list(t.components) == []
+        assert t.fingerprints() == {} and t.check_endpoint() == 0.0 and t.data_source("task.dataset") is None
+        assert len(t.length_check_prompts()) == len(t.train_prompts()) + len(t.heldout_prompts())
+        assert (getattr(t, "tool_syntax", None) is syntax) == type(t).takes_tool_syntax
+        t.close()
+        t.close()

@@ -337,15 +337,15 @@ def test_the_environments_return_joins_the_reward_functions_by_weight_and_its_fa
     items = [(p, "go up"), (p, "stay"), (p, "down")]
     env = [(0.5, ""), (1.1, ""), (0.0, "error: ValueError: boom")]
     with RewardPool(task, workers=1, timeout_s=10.0) as pool:
-        rewards, parts = pool.score_parts(items, None, env)
+        rewards, parts = pool.score(items, None, env)
         assert parts == {"names_a_direction": [1.0, 0.0, 1.0], "Counter": [0.5, 1.1, 0.0]}
         assert rewards == pytest.approx([0.2 + 0.5, 1.1, 0.2])
         assert pool.take_tallies()["Counter"] == {"calls": 3, "failed": 1, "timed_out": 0, "mean": 0.8}
         with pytest.raises(ValueError, match="Counter"):
-            pool.score_parts(items)  # an environment's task is never scored without its trajectories' returns
+            pool.score(items)  # an environment's task is never scored without its trajectories' returns
         pool.errors = "fail"
         with pytest.raises(RewardFunctionFailed, match=r"Counter \(task.environment\).*ValueError: boom"):
-            pool.score_parts(items, None, env)
+            pool.score(items, None, env)
 
 
 def test_held_out_evaluation_plays_the_environment_like_the_rollouts(counter_task, stories260k_hf_dir):

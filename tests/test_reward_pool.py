@@ -6,11 +6,21 @@ import time
 
 import pytest
 
-from rlboost_hpc.tasks.base import Prompt
+from rlboost_hpc.tasks.base import Prompt, Task
 from rlboost_hpc.tasks.reward_pool import RewardPool
 
 
-class MathAnswers:
+class RewardOnly(Task):
+    """A task of no prompts (the pool scores prompts it is given): only its reward is the test's."""
+
+    def train_prompts(self) -> list[Prompt]:
+        return []
+
+    def heldout_prompts(self) -> list[Prompt]:
+        return []
+
+
+class MathAnswers(RewardOnly):
     """A task stand-in: reward = math-verify equivalence of the response with the prompt's gold answer."""
 
     def reward(self, prompt: Prompt, text: str) -> float:
@@ -19,7 +29,7 @@ class MathAnswers:
         return 1.0 if answers_match(prompt.meta["gold"], text) else 0.0
 
 
-class Dies:
+class Dies(RewardOnly):
     def reward(self, prompt: Prompt, text: str) -> float:
         if text == "die":
             os._exit(3)
@@ -36,24 +46,24 @@ def test_an_answer_that_would_hang_the_trainer_scores_0_within_its_deadline():
     with RewardPool(MathAnswers(), workers=2, timeout_s=3.0) as pool:
         pool.score([(P("18"), "18")])  # workers warm (imports)
         t0 = time.monotonic()
-        got = pool.score([(P("18"), "18"), (P("18"), "(x+1)^{9999}"), (P("1/2"), "0.5"), (P("3"), "4")])
+        got = pool.score([(P("18"), "18"), (P("18"), "(x+1)^{9999}"), (P("1/2"), "0.5"), (P("3"), "4")]).rewards
         took = time.monotonic() - t0
         assert got == [1.0, 0.0, 1.0, 0.0]
         # the answers run in one chunk per worker (issue 55: one round trip instead of one per answer); the chunk
         # holding the runaway passed its deadline, ran again answer by answer, and only the runaway counts
         assert pool.timed_out == 1 and pool.replaced == 2
         assert took < 2 * 3.0 + 15.0  # two deadlines plus the replacements' starts, not the runaway answer
-        assert pool.score([(P("7"), "7")]) == [1.0]  # the replacement works
+        assert pool.score([(P("7"), "7")]).rewards == [1.0]  # the replacement works
 
 
 def test_a_worker_that_dies_is_replaced_and_its_answer_retried_once():
     with RewardPool(Dies(), workers=1, timeout_s=10.0) as pool:
-        assert pool.score([(P("x"), "ok"), (P("x"), "die"), (P("x"), "ok")]) == [1.0, 0.0, 1.0]
+        assert pool.score([(P("x"), "ok"), (P("x"), "die"), (P("x"), "ok")]).rewards == [1.0, 0.0, 1.0]
         # the chunk's worker died twice (retried once), then the answers ran one by one: only "die" failed
         assert pool.failed == 1 and pool.replaced == 4
 
 
-class Quotes:
+class Quotes(RewardOnly):
     def reward(self, prompt: Prompt, text: str) -> float:
         return 1.0 if '"' in text else 0.0
 
@@ -64,7 +74,7 @@ def test_a_steps_answers_cost_one_round_trip_per_worker_and_keep_their_order():
         calls = []
         run_all = pool._pool.run_all
         pool._pool.run_all = lambda items, *a: calls.append(len(items)) or run_all(items, *a)
-        assert pool.score([(P("x"), t) for t in texts]) == [1.0 if i % 3 == 0 else 0.0 for i in range(64)]
+        assert pool.score([(P("x"), t) for t in texts]).rewards == [1.0 if i % 3 == 0 else 0.0 for i in range(64)]
         assert calls == [2] and pool.timed_out == pool.failed == 0
 
 

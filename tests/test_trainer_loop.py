@@ -11,7 +11,7 @@ from rlboost_hpc.policy.controller import RolloutController
 from rlboost_hpc.policy.seeding import SeedingWindow
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.stats import ManagerStats, StepActivity
-from rlboost_hpc.tasks.base import get_task
+from rlboost_hpc.tasks.base import Scored, get_task
 from rlboost_hpc.trainer.loop import RLTrainer, RolloutFailed, StepSettings
 
 
@@ -143,7 +143,7 @@ def test_advantages_follow_the_std_option():
                        (False, [0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5])):
         t = _trainer(ScriptedManager(), advantage_std_norm=norm)
         rewards = iter([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
-        t.score = lambda items: [next(rewards) for _ in items]
+        t.score = lambda items, *_: Scored([next(rewards) for _ in items], {})
         t.run_step(0)
         assert [smp.advantage for smp in t.backend.samples] == pytest.approx(want, abs=1e-5)
 

@@ -204,7 +204,7 @@ def test_the_reward_pool_combines_functions_by_weight_and_counts_each_failure(us
     p = t.train_prompts()[0]
     with RewardPool(t, workers=2, timeout_s=3.0) as pool:
         items = [(p, 'She said "the end"'), (p, "no quote")]
-        r, parts = pool.score_parts(items, [[5, 6, 7], [8]])
+        r, parts = pool.score(items, [[5, 6, 7], [8]])
         assert parts["has_quote"] == [1.0, 0.0] and parts["by_column"] == [1.0, 0.0]
         assert parts["async_len"] == [3.0, 1.0] and parts["compute_score"] == [1.0, 0.0]
         assert parts["async_verl"] == [0.5, 0.5] and parts["not_applicable"] == [None, None]
@@ -214,12 +214,12 @@ def test_the_reward_pool_combines_functions_by_weight_and_counts_each_failure(us
         tallies = pool.take_tallies()
         assert tallies["hangs"]["timed_out"] == 1 and all(tallies[n]["failed"] == 1 for n in bad[:-1])
         assert tallies["has_quote"] == {"calls": 1, "failed": 0, "timed_out": 0, "mean": 0.5}
-        pool.score_parts(items)
+        pool.score(items)
         assert [r.getMessage() for r in caplog.records].count(
             next(m.getMessage() for m in caplog.records if "reward raises" in m.getMessage())) == 1
     t.cfg.reward_errors = "fail"
     with RewardPool(t, workers=1, timeout_s=3.0) as pool, pytest.raises(RewardFunctionFailed, match="raises"):
-        pool.score_parts([(p, "x")])
+        pool.score([(p, "x")])
 
 
 # ------------------------------------------------------------------------------------------- reward model
@@ -260,7 +260,7 @@ def test_an_llm_judge_and_a_scoring_route_over_real_http_with_retries_and_the_ke
     assert t.check_endpoint() > 0  # two 503s absorbed by the retries
     p = t.train_prompts()[0]
     with RewardPool(t, workers=1, timeout_s=5.0) as pool:
-        r, parts = pool.score_parts([(p, 'a "quote"'), (p, "none")])
+        r, parts = pool.score([(p, 'a "quote"'), (p, "none")])
     assert parts["reward_model"] == [1.0, 0.0] and r == [1.5, 0.0]
     assert stats()["failed_on_purpose"] == 2 and stats()["refused"] == 0
     score = _task(tmp, data, "has_quote", reward_model=RewardModelCfg(url=base + "/score", kind="score",

@@ -64,7 +64,7 @@ def test_the_gsm8k_jsonl_example_gives_the_builtin_tasks_prompts_rewards_and_fir
     completions += [(i, "") for i in range(4)] + [(i, "The answer is 3/0 ####") for i in range(4)]
     want = [builtin.reward(b_train[i], c) for i, c in completions]
     with RewardPool(user, workers=1, timeout_s=10.0) as pool:
-        got = pool.score([(u_train[i], c) for i, c in completions])
+        got = pool.score([(u_train[i], c) for i, c in completions]).rewards
     assert got == want and 0 < sum(want) < len(want)
     # the same first steps (the reserved engine only: sampling is then a function of the seeds alone)
     common = ["trainer.steps=2", "trainer.export_model=false", "cluster.max_workers=0", "trainer.eval_samples=1"]

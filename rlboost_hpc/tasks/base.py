@@ -20,9 +20,10 @@ import abc
 import importlib
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal, NamedTuple
 
-__all__ = ["Prompt", "Task", "get_task", "register_task", "known_tasks"]
+__all__ = ["Prompt", "Scored", "Task", "get_task", "register_task", "known_tasks"]
 
 
 @dataclass(frozen=True)
@@ -43,12 +44,28 @@ class Prompt:
     messages: list[dict[str, Any]] | None = None
 
 
+class Scored(NamedTuple):
+    """What scoring ``n`` answers gives, for every task alike: ``rewards`` (n floats, each the weighted sum of its
+    components) and ``parts`` (component name → n values, ``None`` where the component gave none; empty for a task
+    whose :meth:`~rlboost_hpc.tasks.base.Task.reward` is its one component)."""
+
+    rewards: list[float]
+    parts: dict[str, list[float | None]]
+
+
 class Task(abc.ABC):
     """A task: two fixed prompt splits and a verifiable reward.
 
     Subclasses set :attr:`name` and implement :meth:`train_prompts`, :meth:`heldout_prompts` and
     :meth:`reward`; they may override :meth:`format_prompt` (identity by default) and
     :attr:`stop_strings` (none by default).
+
+    The contract the run holds a task to is this class: every capability the run uses is declared here with its
+    default (no caller probes a task with ``hasattr``): :attr:`components` and :attr:`reward_errors` (how the reward
+    pool scores), :meth:`length_check_prompts` (the context check), :meth:`check_endpoint` (an outside scorer checked
+    before anything starts), :meth:`fingerprints` and :meth:`data_source` (what a checkpoint records and names),
+    :meth:`environment_of` (a stateful environment), :meth:`close` (what the task started), and
+    :attr:`takes_tool_syntax` (the task is built with the run's tool-call syntax, :func:`get_task`).
     """
 
     #: registry name of the task (e.g. ``"stories"``).
@@ -59,6 +76,16 @@ class Task(abc.ABC):
     #: the shared data files the task reads (paths under the data directory, ``rlboost_hpc.paths.data_file``):
     #: checked before a run loads anything heavy (:func:`task_data_files`).
     data_files: tuple[str, ...] = ()
+    #: the task tells the policy how to call its tool, in the run's syntax: it is built with ``tool_syntax=`` (a
+    #: :class:`~rlboost_hpc.tasks.tools.ToolSyntax` of ``task.tool_call_open`` / ``task.tool_call_close``).
+    takes_tool_syntax: ClassVar[bool] = False
+    #: the reward's components, each scored on its own with its own deadline (a user's task: its functions, reward
+    #: model and environment, :class:`~rlboost_hpc.tasks.user_rewards.RewardComponent`); empty: :meth:`reward` is
+    #: the one component.
+    components: Sequence[Any] = ()
+    #: what a failed component does (``task.reward_errors``): ``"zero"`` (counted, its term 0) or ``"fail"`` (the
+    #: run stops naming it).
+    reward_errors: Literal["zero", "fail"] = "zero"
 
     @abc.abstractmethod
     def train_prompts(self) -> list[Prompt]:
@@ -99,6 +126,32 @@ class Task(abc.ABC):
         ``reset(row)`` gave)``, what every trajectory of the prompt's groups starts from; None (the default): the
         task has none."""
         return None
+
+    def length_check_prompts(self) -> Sequence[Prompt]:
+        """The prompts whose token counts bound the run's context (the longest prompt plus the response budget must
+        fit the model): by default every prompt of both splits."""
+        return list(self.train_prompts()) + self.heldout_prompts()
+
+    def check_endpoint(self) -> float:
+        """Call each outside scorer once (a reward model's endpoint) before anything heavy starts; the seconds it
+        took (0.0: the task has none).
+
+        Raises:
+            BadInput: an endpoint unreachable or answering wrongly (the key and the cause named).
+        """
+        return 0.0
+
+    def fingerprints(self) -> dict[str, str]:
+        """Config key → fingerprint of each data set the task read (what a checkpoint records and a resume checks);
+        empty for a task whose prompts are built in."""
+        return {}
+
+    def data_source(self, key: str) -> str | None:
+        """The file or data set id configured under ``key`` (a key of :meth:`fingerprints`); None if unknown."""
+        return None
+
+    def close(self) -> None:
+        """Stop what the task started (a stateful environment's reset process); idempotent. Nothing by default."""
 
     def prompts(self, split: Literal["train", "heldout"]) -> list[Prompt]:
         """:meth:`train_prompts` or :meth:`heldout_prompts` by name.
@@ -164,13 +217,16 @@ def _resolve(name: str) -> type[Task]:
     return entry
 
 
-def get_task(name: str, **options: Any) -> Task:
+def get_task(name: str, *, tool_syntax: Any = None, **options: Any) -> Task:
     """Build the task registered as ``name`` with constructor ``options``.
 
     Known names: ``"stories"`` (:class:`~rlboost_hpc.tasks.stories.StoryQuoteTask`, the stories260K demo),
     ``"gsm8k"`` (:class:`~rlboost_hpc.tasks.math.GSM8KTask`), ``"gsm8k_tools"`` (GSM8K with a calculator,
     :class:`~rlboost_hpc.tasks.math.GSM8KToolTask`), ``"math500"``
     (:class:`~rlboost_hpc.tasks.math.Math500Task`).
+
+    ``tool_syntax`` (a :class:`~rlboost_hpc.tasks.tools.ToolSyntax`, None: the default) goes to a task that
+    :attr:`~Task.takes_tool_syntax`; the others have no tool to call.
 
     Raises:
         ValueError: unknown ``name`` (the message lists the known names) or an option the task does
@@ -179,6 +235,8 @@ def get_task(name: str, **options: Any) -> Task:
     if name not in _REGISTRY:
         raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(known_tasks())}")
     cls = _resolve(name)
+    if tool_syntax is not None and cls.takes_tool_syntax:
+        options["tool_syntax"] = tool_syntax
     sig = inspect.signature(cls)
     try:
         sig.bind(**options)

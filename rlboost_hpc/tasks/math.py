@@ -375,17 +375,18 @@ class GSM8KTask(Task):
 class GSM8KToolTask(GSM8KTask):
     """GSM8K with a calculator (multi-turn: ``task.max_turns`` > 1): the prompt tells the policy how to call the
     calculator — ``<open>{"name": "calculator", "arguments": {"expression": "..."}}<close>`` with the run's
-    ``task.tool_call_open`` / ``task.tool_call_close`` (:attr:`tool_syntax`, set by the run) — and to give the
-    final answer in ``\\boxed{}``. Prompts, splits and reward are :class:`GSM8KTask`'s; the reward reads the
-    trajectory's final assistant turn."""
+    ``task.tool_call_open`` / ``task.tool_call_close`` (``tool_syntax``, which the run builds it with; None: the
+    default syntax) — and to give the final answer in ``\\boxed{}``. Prompts, splits and reward are
+    :class:`GSM8KTask`'s; the reward reads the trajectory's final assistant turn."""
 
     name = "gsm8k_tools"
+    takes_tool_syntax = True
 
-    def __init__(self, n_train: int | None = None, n_heldout: int | None = None) -> None:
+    def __init__(self, n_train: int | None = None, n_heldout: int | None = None, tool_syntax: Any = None) -> None:
         super().__init__(n_train, n_heldout)
         from rlboost_hpc.tasks.tools import ToolSyntax
 
-        self.tool_syntax = ToolSyntax()
+        self.tool_syntax = tool_syntax if tool_syntax is not None else ToolSyntax()
 
     def tool_instruction(self) -> str:
         s = self.tool_syntax

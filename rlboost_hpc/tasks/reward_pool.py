@@ -13,7 +13,7 @@ deterministic given deterministic rewards (a timed-out answer is 0.0 whatever th
 deadline is larger than honest answers need).
 
 A user's task (:class:`~rlboost_hpc.tasks.user_task.UserTask`) has reward *components* — its reward functions and
-its reward model —, and :meth:`RewardPool.score_parts` runs one pool call per (group, component), each under the
+its reward model —, and :meth:`RewardPool.score` runs one pool call per (group, component), each under the
 component's deadline (a function's: ``task.reward_timeout_s`` per group; the reward model's: its requests' budget).
 A call that raises, times out, or returns bad values (:class:`~rlboost_hpc.tasks.user_rewards.RewardOutputError`)
 is counted against that component (:attr:`RewardPool.tallies`), its first failure logged once with the row, and
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlboost_hpc.errors import RunFailed
+from rlboost_hpc.tasks.base import Scored, Task
 from rlboost_hpc.tasks.pool import CallStatus, DeadlinePool
 
 log = logging.getLogger("rlboost.rewards")
@@ -80,11 +81,11 @@ class _Answers:
 class _Reward:
     """The pool's handler: ``task.reward(prompt, text)`` of one ``(prompt, text)`` item."""
 
-    task: Any
+    task: Task
 
     def setup(self) -> None:
         """Import the task's reward functions once in the worker."""
-        for c in getattr(self.task, "components", ()):
+        for c in self.task.components:
             if c.ref:
                 c.function()
 
@@ -112,10 +113,10 @@ class RewardPool:
         ValueError: ``workers < 1`` or ``timeout_s <= 0``.
     """
 
-    def __init__(self, task: Any, *, workers: int = 2, timeout_s: float = 5.0) -> None:
+    def __init__(self, task: Task, *, workers: int = 2, timeout_s: float = 5.0) -> None:
         self.task, self.timeout_s = task, timeout_s
-        self.components = list(getattr(task, "components", ()))  # a user's task: its reward functions and model
-        self.errors = getattr(getattr(task, "cfg", None), "reward_errors", "zero")
+        self.components = list(task.components)  # a user's task: its reward functions, model and environment
+        self.errors = task.reward_errors
         self.tallies = {c.name: ComponentTally() for c in self.components}
         self._pool = DeadlinePool(_Reward(task), workers=workers, timeout_s=timeout_s)
         # chunks of answers that passed their deadline or failed as a whole: run again one by one (their answers count)
@@ -138,18 +139,28 @@ class RewardPool:
         return self._pool.replaced
 
     def score(self, items: Sequence[tuple[Any, str]], completion_ids: Sequence[list[int]] | None = None,
-              environment: Sequence[tuple[float, str]] | None = None) -> list[float]:
-        """Rewards of ``(prompt, response_text)`` pairs, in order; never raises on model output, never waits
-        more than ``timeout_s`` per answer plus queueing. ``completion_ids``: each text's token ids (a user's TRL
-        functions receive them); ``environment``: a stateful environment's ``(return, error)`` per pair
-        (:meth:`score_parts`).
+              environment: Sequence[tuple[float, str]] | None = None, groups: Sequence[Any] | None = None) -> Scored:
+        """Rewards (and each component's values) of ``(prompt, response_text)`` pairs, in order — the one way every
+        task is scored; never raises on model output, never waits more than a deadline per call plus queueing.
+
+        Args:
+            completion_ids: each text's token ids (a user's TRL-style functions receive them), or None.
+            environment: with a stateful environment, each pair's ``(return, error)`` (its trajectory's summed step
+                rewards; the error text of a failed step, "" if none) — its component's values.
+            groups: each pair's GRPO group (any hashable; default: its prompt's id): a component is called once per
+                group with the group's completions.
 
         Raises:
-            RewardFunctionFailed: a user's component failed and ``task.reward_errors = fail``.
+            RewardFunctionFailed: a component failed and ``task.reward_errors = fail``.
+            ValueError: the task has an environment and ``environment`` is not one entry per pair.
         """
-        if self.components:
-            return self.score_parts(items, completion_ids, environment)[0]
         items = list(items)
+        if self.components:
+            return self._score_components(items, completion_ids, environment, groups)
+        return Scored(self._score_answers(items), {})
+
+    def _score_answers(self, items: list[tuple[Any, str]]) -> list[float]:
+        """A task whose reward is one function: its value per answer."""
         if len(items) <= 1:
             return [float(c.value) if c.status == CallStatus.OK else 0.0 for c in self._pool.run_all(items)]
         # one call per worker, each chunk under one answer's deadline (answers of a built-in task take micro- to
@@ -168,24 +179,16 @@ class RewardPool:
             out += [float(d.value) if d.status == CallStatus.OK else 0.0 for d in self._pool.run_all(list(chunk.items))]
         return out
 
-    def score_parts(self, items: Sequence[tuple[Any, str]], completion_ids: Sequence[list[int]] | None = None,
-                    environment: Sequence[tuple[float, str]] | None = None,
-                    ) -> tuple[list[float], dict[str, list[float | None]]]:
-        """A user's task: ``(rewards, parts)`` — the weighted rewards of ``(prompt, text)`` pairs and each component's
-        values (name → one float or None per pair), one pool call per (prompt, component). ``environment``: with a
-        stateful environment, each pair's ``(return, error)`` (its trajectory's summed step rewards; the error text
-        of a failed step, "" if none) — its component's values.
-
-        Raises:
-            RewardFunctionFailed: a component failed and ``task.reward_errors = fail``.
-            ValueError: the task has an environment and ``environment`` is not one entry per pair.
-        """
-        groups: dict[str, list[int]] = {}
+    def _score_components(self, items: list[tuple[Any, str]], completion_ids: Sequence[list[int]] | None,
+                          environment: Sequence[tuple[float, str]] | None, groups: Sequence[Any] | None) -> Scored:
+        """A task with components (a user's task): one pool call per (group, component), the environment's values
+        from the trajectories."""
+        by_group: dict[Any, list[int]] = {}
         for i, (p, _) in enumerate(items):
-            groups.setdefault(p.pid, []).append(i)
+            by_group.setdefault(p.pid if groups is None else groups[i], []).append(i)
         calls = [(idxs, _GroupCall(ci, items[idxs[0]][0], [items[i][1] for i in idxs],
                                    None if completion_ids is None else [list(completion_ids[i]) for i in idxs]))
-                 for idxs in groups.values() for ci, c in enumerate(self.components) if c.kind != "environment"]
+                 for idxs in by_group.values() for ci, c in enumerate(self.components) if c.kind != "environment"]
         done = self._pool.run_all([c for _, c in calls], [self.components[c.ci].timeout_s for _, c in calls])
         parts: dict[str, list[float | None]] = {c.name: [None] * len(items) for c in self.components}
         for (idxs, call), res in zip(calls, done):
@@ -200,7 +203,7 @@ class RewardPool:
                                      "trajectory's (return, error)")
                 parts[comp.name] = self._environment_values(comp, items, environment)
         rewards = [sum(c.weight * (parts[c.name][i] or 0.0) for c in self.components) for i in range(len(items))]
-        return rewards, parts
+        return Scored(rewards, parts)
 
     def _environment_values(self, comp, items: Sequence[tuple[Any, str]],
                             environment: Sequence[tuple[float, str]]) -> list[float | None]:

@@ -221,6 +221,13 @@ class UserTask(Task):
             raise BadInput(f"task.reward_model.url = {comp.model.url}: {e}") from None
         return time.monotonic() - t0
 
+    @property
+    def reward_errors(self) -> str:  # type: ignore[override]  # Task's default, read from task.reward_errors here
+        return self.cfg.reward_errors
+
+    def data_source(self, key: str) -> str | None:
+        return {"task.dataset": self.cfg.dataset, "task.heldout_dataset": self.cfg.heldout_dataset}.get(key)
+
     def fingerprints(self) -> dict[str, str]:
         """Config key → fingerprint of each data set (what a checkpoint records)."""
         out = {"task.dataset": self.table.fingerprint}
@@ -246,14 +253,14 @@ class UserTask(Task):
         table = self.heldout_table if self.heldout_table is not None else self.table
         return [self.prompt_at(table, int(i)) for i in self._heldout]
 
-    def longest_prompts(self) -> list[Prompt]:
-        """The prompts with the most characters (per the prepared file's statistics) of both splits: what the
-        context check tokenises."""
+    def length_check_prompts(self) -> list[Prompt]:
+        """The prompts with the most characters (per the prepared file's statistics) of both splits, and the held-out
+        ones: what the run's context check tokenises (``rlboost-hpc task check`` tokenises every row)."""
         out = []
         for table in filter(None, (self.table, self.heldout_table)):
             rows = [r for _, r in table.stats.get(self.prompt_field, {}).get("longest", [])]
             out += [self.prompt_at(table, r) for r in rows]
-        return out
+        return out + self.heldout_prompts()
 
     def messages(self, prompt: Prompt) -> list[dict[str, Any]]:
         """The chat of ``prompt``: its messages (or one user message), ``task.system_prompt`` first unless it has one;
@@ -328,7 +335,7 @@ class UserTask(Task):
         stateful environment's term is left out (it comes with a trajectory)."""
         total = 0.0
         for comp in self.components:
-            if comp.kind == "environment":  # its term comes with the trajectory (RewardPool.score_parts)
+            if comp.kind == "environment":  # its term comes with the trajectory (RewardPool.score)
                 continue
             v = call_component(comp, prompt, [response_text], None, self.prompt_field)[0]
             total += comp.weight * (v or 0.0)
@@ -344,14 +351,16 @@ class UserTask(Task):
 
 def make_task(task_cfg: Any):
     """The run's task: a :class:`UserTask` (loaded) when ``task.dataset`` is set, else the built-in ``task.name``
-    with ``task.train_prompts`` / ``task.heldout_prompts``.
+    with ``task.train_prompts`` / ``task.heldout_prompts`` (and the run's tool-call syntax, for a task that takes it).
 
     Raises:
         BadInput: see :meth:`UserTask.load`; ValueError: an unknown built-in name.
     """
     from rlboost_hpc.tasks.base import get_task
+    from rlboost_hpc.tasks.tools import ToolSyntax
 
     if task_cfg.dataset:
         return UserTask(task_cfg).load()
-    return get_task(task_cfg.name, n_train=task_cfg.train_prompts, n_heldout=task_cfg.heldout_prompts)
+    return get_task(task_cfg.name, n_train=task_cfg.train_prompts, n_heldout=task_cfg.heldout_prompts,
+                    tool_syntax=ToolSyntax(task_cfg.tool_call_open, task_cfg.tool_call_close))
 

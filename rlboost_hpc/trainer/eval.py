@@ -23,7 +23,7 @@ from rlboost_hpc import defaults as D
 from rlboost_hpc.models.arch import ModelArch
 from rlboost_hpc.rollout.engines.base import GenRequest, SamplingParams
 from rlboost_hpc.rollout.engines.torch_engine import TorchEngine, generate_all
-from rlboost_hpc.tasks.base import Task, strip_stop
+from rlboost_hpc.tasks.base import Scored, Task, strip_stop
 from rlboost_hpc.tasks.stories import repetition_rate
 from rlboost_hpc.tasks.environment import TurnCall
 from rlboost_hpc.tasks.tools import TurnCalls, turn_seed
@@ -82,10 +82,10 @@ def _engine(arch: ModelArch, weights: Mapping[str, torch.Tensor], max_len: int, 
 
 
 def _score(trajs: dict[str, "_Trajectory"], meta: dict, tokenizer, task: Task,
-           score: Callable[..., list[float]] | None) -> tuple[dict[str, str], dict[str, float]]:
+           score: Callable[..., Scored] | None) -> tuple[dict[str, str], dict[str, float]]:
     """The text each trajectory's reward reads (its final assistant turn, stop token left out) and its reward:
-    ``score(items, token_ids)`` (the run's reward pool; with a stateful environment also each trajectory's ``(return,
-    error)``) or ``task.reward`` inline.
+    ``score(items, token_ids, environment)`` (the run's reward pool; ``environment``: each trajectory's ``(return,
+    error)`` with a stateful environment, else None) or ``task.reward`` inline.
 
     Raises:
         ValueError: a stateful environment's task without ``score`` (its term is the reward pool's to add).
@@ -100,7 +100,7 @@ def _score(trajs: dict[str, "_Trajectory"], meta: dict, tokenizer, task: Task,
         scored = [task.reward(p, t) for p, t in items]
     else:
         ids = [final[rid] for rid in trajs]
-        scored = score(items, ids) if env is None else score(items, ids, env)
+        scored = score(items, ids, env).rewards
     return texts, dict(zip(trajs, scored))
 
 
@@ -153,14 +153,14 @@ def _play(eng: TorchEngine, trajs: dict[str, _Trajectory], meta: dict, stop_ids:
 def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, task: Task, *,
              samples: int, max_new_tokens: int, temperature: float, top_p: float, base_seed: int = 12345,
              device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-             score: Callable[..., list[float]] | None = None,
+             score: Callable[..., Scored] | None = None,
              turns: TurnSettings | None = None, adapter: tuple[Any, Mapping[str, torch.Tensor]] | None = None) -> dict:
     """Mean reward over held-out prompts (``samples`` sampled responses each, plus one greedy).
 
     Args:
         tokenizer: a :class:`~rlboost_hpc.models.hf_dir.PolicyTokenizer` (prompt ids, stop ids, decoding).
-        score: rewards of ``(prompt, text)`` pairs given also their token ids (the run's ``RewardPool.score``;
-            inline ``task.reward`` when ``None``).
+        score: the rewards (:class:`~rlboost_hpc.tasks.base.Scored`) of ``(prompt, text)`` pairs given also their
+            token ids (the run's ``RewardPool.score``; inline ``task.reward`` when ``None``).
         turns: multi-turn trajectories with tool calls or a stateful environment (:class:`TurnSettings`); None:
             single-turn responses. The reward reads a trajectory's final assistant turn.
         adapter: a LoRA run's ``(AdapterSpec, base)``: ``weights`` is an adapter, served on the base as instances do.

@@ -38,7 +38,7 @@ from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.protocol.identity import is_reserved_key
 from rlboost_hpc.protocol.stats import ManagerStats
-from rlboost_hpc.tasks.base import Prompt, Task, strip_stop
+from rlboost_hpc.tasks.base import Prompt, Scored, Task, strip_stop
 from rlboost_hpc.trainer.algorithms.grpo import group_advantages
 from rlboost_hpc.trainer.backends.base import Sample, TrainerBackend
 from rlboost_hpc.trainer.client import ManagerClient
@@ -254,23 +254,20 @@ class StepCollector:
             t.client.send(M.AckGroup(gid=gid))
 
     def _score(self, taken: list[tuple]) -> list[list[float]]:
-        """Each taken group's rewards, in order (``[]`` for a group with no new response)."""
-        t = self.t
-        if t.score_parts is not None:  # a user's task: each reward function's values too, one call per group
-            out = []
-            for _, p, _, texts, ids_of, env in taken:
-                r: list[float] = []
-                if texts:
-                    r, parts = t.score_parts([(p, x) for x in texts], ids_of, env)
-                    for name, vals in parts.items():
-                        self.by_function.setdefault(name, []).extend(v for v in vals if v is not None)
-                out.append(r)
-            return out
+        """Each taken group's rewards, in order (``[]`` for a group with no new response): one call of the run's
+        scorer for every group, each group's components called on its own; each component's values go to the step's
+        ``reward_functions`` means."""
         items = [(p, x) for _, p, _, texts, _, _ in taken for x in texts]
-        flat = t.score(items) if items else []
+        if not items:
+            return [[] for _ in taken]
+        ids = [i for *_, ids_of, _ in taken for i in ids_of]
+        env = [e for *_, env in taken for e in env]
+        rewards, parts = self.t.score(items, ids, env, [gid for gid, _, _, texts, _, _ in taken for _ in texts])
+        for name, vals in parts.items():
+            self.by_function.setdefault(name, []).extend(v for v in vals if v is not None)
         out, i = [], 0
         for _, _, _, texts, _, _ in taken:
-            out.append(flat[i:i + len(texts)])
+            out.append(rewards[i:i + len(texts)])
             i += len(texts)
         return out
 
@@ -278,22 +275,19 @@ class StepCollector:
 class RLTrainer:
     """Drives steps against a live manager. ``tokenizer``: a :class:`~rlboost_hpc.models.hf_dir.PolicyTokenizer`
     (prompt ids via ``task.prompt_ids``, stop ids, response text for rewards). ``publish(version)`` publishes the
-    backend's weights into the weight server and returns a dict with publish timings. ``score`` computes a
-    group's rewards (``tasks/reward_pool.py`` ``RewardPool.score``: each answer under a deadline); ``score_parts``
-    (a user's task: ``RewardPool.score_parts``) also gives each reward function's values, whose step means are the
-    record's ``reward_functions``."""
+    backend's weights into the weight server and returns a dict with publish timings. ``score(items, token_ids,
+    environment, groups)`` gives the rewards of ``(prompt, text)`` pairs and each reward component's values, whose
+    step means are the record's ``reward_functions`` (``tasks/reward_pool.py`` ``RewardPool.score``: each call under
+    a deadline; inline ``task.reward`` when None)."""
 
     def __init__(self, *, client: ManagerClient, backend: TrainerBackend, task: Task, tokenizer,
                  settings: StepSettings, publish: Callable[[int], dict],
                  controller: RolloutController, available: Callable[[], int | None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic,
-                 score: Callable[[list[tuple[Any, str]]], list[float]] | None = None,
-                 score_parts: Callable[..., tuple[list[float], dict[str, list[float | None]]]] | None = None) -> None:
+                 score: Callable[..., Scored] | None = None) -> None:
         self.client, self.backend, self.task, self.tok = client, backend, task, tokenizer
-        # rewards of (prompt, text) pairs: the run's RewardPool (a deadline per answer); inline by default
-        self.score = score or (lambda items: [task.reward(p, t) for p, t in items])
-        # a user's task: rewards and each reward function's values of (prompt, text) pairs and their token ids
-        self.score_parts = score_parts
+        # rewards and their components' values of (prompt, text) pairs: the run's RewardPool (a deadline per call)
+        self.score = score or (lambda items, *_: Scored([task.reward(p, t) for p, t in items], {}))
         self.s = settings
         self.stop_ids = tuple(tokenizer.stop_ids)
         self.publish = publish
