@@ -294,7 +294,7 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
         steps=steps, stats=final, tally=resume.tally + FaultTally.observe(final, cluster), totals=trainer.totals,
         before=before, after=after, kl=kl, objective=cfg.trainer.model_dump(include=OBJECTIVE_KEYS),
         model=setup.model_info(), model_out=model_out,
-        publishes=svc.publisher.history, served=served, rewards_timed_out=svc.rewards.timed_out,
+        publishes=[p.record() for p in svc.publisher.history], served=served, rewards_timed_out=svc.rewards.timed_out,
         reward_workers_replaced=svc.rewards.replaced, n_resv=n_resv, n_resv_source=n_resv_source,
         rollout_engine=cfg.rollout.engine,
         prompts_not_trained_once=trainer.prompts_not_trained_once(), multi_turn=cfg.task.max_turns > 1,

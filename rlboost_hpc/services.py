@@ -29,6 +29,7 @@ from rlboost_hpc.rundir import RunDir, advertised
 
 if TYPE_CHECKING:
     from rlboost_hpc.policy.controller import StepDecision
+    from rlboost_hpc.trainer.publisher import Published
 
 log = logging.getLogger("rlboost.run")
 
@@ -288,17 +289,17 @@ class RunServices:
                             wire_dtype=getattr(torch, cfg.weights.dtype), **common)
 
     # ------------------------------------------------------------------ the first version, then rollout
-    def hello(self, version: int) -> dict:
+    def hello(self, version: int) -> Published:
         """Introduce the trainer to the manager (weight server, model config and architecture, shard layout),
-        publish ``version`` and make it current. Returns the publish record (``weight_checksum``, bytes, …)."""
+        publish ``version`` and make it current. Returns what was published."""
         policy = self.policy
         self.client.call(M.TrainerHello(weights_endpoint=self.weights_endpoint, model_config=policy.hf_config,
                                         model_arch=policy.arch.to_json(), weights_shards=self.publisher.shards_json,
                                         adapter=self.adapter))
         self._hello = True
-        man = self.publisher.publish(version)
-        self.client.call(M.SetVersion(version=version, checksum=man["weight_checksum"]))
-        return man
+        pub = self.publisher.publish(version)
+        self.client.call(M.SetVersion(version=pub.version.number, checksum=pub.version.checksum))
+        return pub
 
     def start_reserved(self) -> None:
         """Start the reserved engines (``rollout.reserved_engines`` processes beside this one, each mapping the

@@ -22,6 +22,7 @@ from rlboost_hpc.models.hf_dir import load_model_dir
 from rlboost_hpc.models.lora import canonical_base, init_adapter
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.adapter import AdapterSpec
+from rlboost_hpc.protocol.version import VersionId
 from rlboost_hpc.rollout.agent import RolloutAgent
 from rlboost_hpc.rollout.base_weights import BaseMismatch, BaseWeights
 from rlboost_hpc.rollout.engines.factory import torch_engine_factory
@@ -187,17 +188,17 @@ def test_after_a_resume_to_a_lower_version_the_adapters_of_the_old_lineage_serve
     a, src = _agent(policy, k=2)
     _until(a, lambda: a.engine is not None and a.held_version() == 0, "the first engine")
     for v in (1, 2):
-        a._want(v, _spec(2).version_checksum(1000 + v), [], False)
+        a._want(VersionId(v, _spec(2).version_checksum(1000 + v)), [], False)
         _until(a, lambda: a.held_version() == v, f"version {v}")
     assert a.engine.adapter_versions() == [0, 1, 2] and a._servable(1)
     src.lineage = 1
-    a._want(1, _spec(2).version_checksum(1101), [], False)  # the resumed trainer's version 1: another lineage
+    a._want(VersionId(1, _spec(2).version_checksum(1101)), [], False)  # the resumed trainer's version 1: another lineage
     assert not a._servable(1) and not a._servable(2) and not a._servable(0)  # old adapters serve nothing now
     a._assign([_work("old2", 2, 4)])
     (failed,) = [m for m in a.link.msgs if isinstance(m, M.RequestFailed)]
     assert failed.rid == "old2" and a.engine.num_active == 0
     _until(a, lambda: a.held_version() == 1 and 1 in a._lineage_adapters, "the resumed trainer's version 1")
     assert a._servable(1) and not a._servable(2)  # 2 is still the old lineage's until the new 2 is loaded
-    a._want(2, _spec(2).version_checksum(1102), [], False)
+    a._want(VersionId(2, _spec(2).version_checksum(1102)), [], False)
     _until(a, lambda: a.held_version() == 2, "the resumed trainer's version 2")
     assert a._servable(1) and a._servable(2) and len(a.engine.adapter_versions()) <= 3

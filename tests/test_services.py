@@ -69,7 +69,7 @@ def test_services_start_hello_and_stop_in_reverse_order(tmp_path):
         while svc.client.stats().instances.get("reserved#0") is None and time.monotonic() < deadline:
             time.sleep(0.05)
         st = svc.client.stats()
-        assert st.latest_version == 0 and man["weight_checksum"] and "reserved#0" in st.instances
+        assert st.latest_version == 0 and man.version.checksum and "reserved#0" in st.instances
         assert RunDir(tmp_path / "run").endpoints.exists()
         pids, share = svc.reserved.pids(), svc.share_dir
         assert len(pids) == 1 and share.is_dir()

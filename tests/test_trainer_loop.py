@@ -11,7 +11,9 @@ from rlboost_hpc.policy.controller import RolloutController
 from rlboost_hpc.policy.seeding import SeedingWindow
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.stats import ManagerStats, StepActivity
+from rlboost_hpc.protocol.version import VersionId
 from rlboost_hpc.tasks.base import Scored, get_task
+from rlboost_hpc.trainer.publisher import Published
 from rlboost_hpc.trainer.loop import RLTrainer, RolloutFailed, StepSettings
 
 
@@ -75,7 +77,7 @@ def _trainer(manager, **settings) -> RLTrainer:
                         "top_p": 1.0, "micro_batch": 4, **settings})
     fixed = RolloutController(n_resv=1.0, seeding=SeedingWindow(initial_s=0.0, adapt=False))  # T_seed = 0
     return RLTrainer(client=manager, backend=CountingBackend(), task=get_task("stories"), tokenizer=tok, settings=s,
-                     publish=lambda v: {}, controller=fixed)
+                     publish=lambda v: Published(VersionId(v), 0.0, 0.0, 0, 0), controller=fixed)
 
 
 def test_tokens_stamped_with_another_version_are_counted_by_the_trainer():

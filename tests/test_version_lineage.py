@@ -17,6 +17,7 @@ import torch
 
 from rlboost_hpc.manager.state import VersionLineage
 from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.protocol.version import VersionId
 from rlboost_hpc.rollout.remote_weights import PulledVersion
 from test_manager_core import TRAINER, make, register, sent, tokens
 
@@ -48,16 +49,27 @@ def first_trainer_at_version_4():
 def test_the_lineage_keeps_number_and_checksum_and_a_resume_cuts_what_lies_above_it():
     lin = VersionLineage(window=1)
     for v in range(5):
-        lin.make_current(v, OLD[v])
-    assert lin.holds(4, OLD[4]) and lin.holds(3, OLD[3]) and not lin.holds(2, OLD[2])  # (window of 1)
-    assert not lin.holds(4, 7)  # the number alone is not the version
-    lin.make_current(2, NEW[2])  # a trainer resumed two versions back
-    assert lin.holds(2, NEW[2]) and not lin.holds(4, OLD[4]) and not lin.holds(3, OLD[3])
-    lin.make_current(3, NEW[3])
-    assert lin.holds(3, NEW[3]) and not lin.holds(3, OLD[3]) and lin.holds(2, NEW[2])
+        lin.make_current(VersionId(v, OLD[v]))
+    V = VersionId
+    assert lin.holds(V(4, OLD[4])) and lin.holds(V(3, OLD[3])) and not lin.holds(V(2, OLD[2]))  # (window of 1)
+    assert not lin.holds(VersionId(4, 7))  # the number alone is not the version
+    lin.make_current(VersionId(2, NEW[2]))  # a trainer resumed two versions back
+    assert lin.holds(V(2, NEW[2])) and not lin.holds(V(4, OLD[4])) and not lin.holds(V(3, OLD[3]))
+    lin.make_current(VersionId(3, NEW[3]))
+    assert lin.holds(V(3, NEW[3])) and not lin.holds(V(3, OLD[3])) and lin.holds(V(2, NEW[2]))
     zero = VersionLineage()
-    zero.make_current(5, 0)  # a trainer that gives no checksum: the number names the version
-    assert zero.holds(5, 123) and not zero.holds(4, 0)
+    zero.make_current(VersionId(5, 0))  # a trainer that gives no checksum: the number names the version
+    assert zero.holds(VersionId(5, 123)) and not zero.holds(VersionId(4, 0))
+
+
+def test_a_version_id_names_the_same_weights_by_number_and_known_checksums():
+    """Issue 56: one rule for "the same version" wherever a version travels (the agent's staleness, the manager's
+    repeat of SetVersion, a restored journal): the number, and the checksums where both are known."""
+    assert VersionId(3, 7).same_weights(VersionId(3, 7)) and VersionId(3, 0).same_weights(VersionId(3, 7))
+    assert VersionId(3, 7).same_weights(VersionId(3, 0)) and not VersionId(3, 7).same_weights(VersionId(3, 8))
+    assert not VersionId(2, 7).same_weights(VersionId(3, 7))
+    m = M.SetVersion(version=3, checksum=7)
+    assert M.decode(M.encode(m)).identity == VersionId(3, 7) == m.identity  # (the wire keeps two flat fields)
 
 
 def test_a_trainer_resumed_two_versions_back_strands_no_instance():
@@ -145,7 +157,7 @@ def test_a_restarted_manager_routes_only_to_the_resumed_trainers_lineage(tmp_pat
     log.close()
     again, _, _ = restarted(tmp_path, epoch=3)  # the lineage survives a restart of the manager
     assert again.latest_version == 2 and again.latest_checksum == NEW[2]
-    assert again.lineage.holds(2, NEW[2]) and not again.lineage.holds(4, OLD[4])
+    assert again.lineage.holds(VersionId(2, NEW[2])) and not again.lineage.holds(VersionId(4, OLD[4]))
 
 
 # ---------------------------------------------------------------- the instance (rollout agent)

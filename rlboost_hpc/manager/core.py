@@ -78,6 +78,7 @@ from rlboost_hpc.manager.stats import ManagerDistributions, VersionServingClock,
 from rlboost_hpc.manager.trainer_calls import TrainerCalls
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.stats import ManagerCounters, ManagerStats, StepActivity, StepRemote
+from rlboost_hpc.protocol.version import VersionId
 
 S = InstanceState
 
@@ -193,16 +194,21 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         """Whole-version checksum of ``latest_version``'s manifest, as the trainer gave it (0: not given)."""
         return self.lineage.checksum(self.latest_version)
 
+    @property
+    def latest(self) -> VersionId:
+        """The latest version's identity (``latest_version`` and its checksum)."""
+        return VersionId(self.latest_version, self.latest_checksum)
+
     def serves(self, inst: Instance) -> bool:
         """Ready with a version new work may go to: the latest, or (``on_new_version = "continue"``) one of the
         k before it — of the current lineage (number and checksum: :class:`VersionLineage`), so an instance holding
         a version a resumed trainer never made is never routed to, whatever its number."""
         return (inst.state == S.READY and inst.version >= self.latest_version - self.route_lag
-                and self.lineage.holds(inst.version, inst.checksum))
+                and self.lineage.holds(inst.identity))
 
     def holds_latest(self, inst: Instance) -> bool:
         """``inst`` loaded the latest version of the current lineage (its number and its checksum)."""
-        return inst.version == self.latest_version and self.lineage.holds(inst.version, inst.checksum)
+        return inst.version == self.latest_version and self.lineage.holds(inst.identity)
 
     def routable(self, inst: Instance) -> bool:
         if not self.serves(inst):

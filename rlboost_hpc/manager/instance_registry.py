@@ -22,6 +22,7 @@ from rlboost_hpc.policy.relay import RelayTree, Source
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.identity import instance_key
 from rlboost_hpc.protocol.stats import ManagerCounters
+from rlboost_hpc.protocol.version import VersionId
 
 S = InstanceState
 
@@ -76,6 +77,7 @@ class InstanceRegistry:
     model_arch: dict
     adapter: "M.AdapterSpec | None"
     latest_checksum: int
+    latest: VersionId
     epoch: int
     heartbeat_s: float
     stream_every_tokens: int
@@ -103,7 +105,7 @@ class InstanceRegistry:
 
     def _new_version(self, inst: Instance) -> None:
         src = self._pull_source(inst)
-        self.send(inst.peer, M.NewVersion(version=self.latest_version, checksum=self.latest_checksum,
+        self.send(inst.peer, M.NewVersion(version=self.latest.number, checksum=self.latest.checksum,
                                           peers=list(src.peers), wait=src.wait, weights_endpoint=self.weights_endpoint,
                                           weights_shards=self.weights_shards))
 
@@ -111,7 +113,7 @@ class InstanceRegistry:
         for key, src in handed:
             i = self.instances.get(key)
             if i is not None:
-                self.send(i.peer, M.PullFrom(version=self.latest_version, checksum=self.latest_checksum,
+                self.send(i.peer, M.PullFrom(version=self.latest.number, checksum=self.latest.checksum,
                                              peers=list(src.peers)))
 
     def _suspect(self, inst: Instance, reason: str) -> None:
@@ -289,7 +291,7 @@ class InstanceRegistry:
             self.send(inst.peer, M.Drain(reason=reason))
             return
         inst.version, inst.checksum = msg.version, msg.checksum
-        of_lineage = self.lineage.holds(msg.version, msg.checksum)
+        of_lineage = self.lineage.holds(msg.identity)
         if not of_lineage:  # a version the current trainer never made (a pull begun before a resume): not routable
             self.counters.weight_loads_of_another_lineage += 1
             log.info("instance %s loaded version %d (checksum %x), not of the current lineage (latest %d, checksum "

@@ -114,12 +114,11 @@ def _apply(core, rec: W.Record, now: float) -> None:
         if rec.weights_shards:
             core.relay.fanout = 0
     elif isinstance(rec, W.Version):
-        if core._new_trainer and (rec.version != core.latest_version or (  # the resumed trainer's version ruled
-                rec.checksum and core.latest_checksum and rec.checksum != core.latest_checksum)):
+        if core._new_trainer and not rec.identity.same_weights(core.latest):  # the resumed trainer's version ruled
             discard_stale(core)
         core._new_trainer = False
         core.latest_version = rec.version
-        core.lineage.make_current(rec.version, rec.checksum)  # (and latest_checksum with it)
+        core.lineage.make_current(rec.identity)  # (and latest_checksum with it)
     elif isinstance(rec, W.Seeding):
         core.seeding_open = rec.open
         if not rec.open:

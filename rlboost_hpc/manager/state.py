@@ -12,6 +12,7 @@ from enum import StrEnum
 import numpy as np
 
 from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.protocol.version import VersionId
 from rlboost_hpc.tasks.tools import turn_seed
 
 __all__ = ["ALLOWED_TRANSITIONS", "REQUEST_TRANSITIONS", "ENV_PEER", "Group", "Instance", "InstanceState", "Request", "RequestState",
@@ -82,16 +83,18 @@ class VersionLineage:
         self.window = window
         self._checksums: dict[int, int] = {}
 
-    def make_current(self, version: int, checksum: int) -> None:
-        """``version`` (whole-version ``checksum``) is the newest of the lineage: every version at or above its number
-        leaves it (versions of an abandoned lineage, after a resume), and so do those older than the window."""
-        self._checksums = {v: c for v, c in self._checksums.items() if version - self.window <= v < version}
-        self._checksums[version] = checksum
+    def make_current(self, version: VersionId) -> None:
+        """``version`` is the newest of the lineage: every version at or above its number leaves it (versions of an
+        abandoned lineage, after a resume), and so do those older than the window."""
+        n = version.number
+        self._checksums = {v: c for v, c in self._checksums.items() if n - self.window <= v < n}
+        self._checksums[n] = version.checksum
 
-    def holds(self, version: int, checksum: int) -> bool:
-        """Whether (``version``, ``checksum``) is a version of the lineage (within the window)."""
-        known = self._checksums.get(version)
-        return known is not None and (known == 0 or known == checksum)
+    def holds(self, version: VersionId) -> bool:
+        """Whether ``version`` (as an instance reports it) is a version of the lineage (within the window): its
+        number is, with its checksum — or the trainer gave none for that number."""
+        known = self._checksums.get(version.number)
+        return known is not None and (known == 0 or known == version.checksum)
 
     def checksum(self, version: int) -> int:
         """The checksum of ``version`` in the lineage (0: not given, or not of the lineage)."""
@@ -125,6 +128,11 @@ class Instance:
     taken_back: set[str] = field(default_factory=set)  # responses migrated off it while it was suspect
     restored: bool = False  # rebuilt from the work log and expected to resend what it holds (manager/restore.py)
     spoke: bool = True  # it has spoken to this manager (False: rebuilt from the work log, not heard from since)
+
+    @property
+    def identity(self) -> VersionId:
+        """The version it loaded (number and checksum)."""
+        return VersionId(self.version, self.checksum)
 
 
 @dataclass

@@ -25,6 +25,7 @@ from rlboost_hpc.policy.observation import RemoteWork, observe_remote
 from rlboost_hpc.policy.relay import RelayTree
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.stats import ManagerCounters, StepActivity, StepRemote
+from rlboost_hpc.protocol.version import VersionId
 
 log = logging.getLogger("rlboost.manager")
 
@@ -62,6 +63,7 @@ class TrainerCalls:
     adapter: "M.AdapterSpec | None"
     latest_version: int
     latest_checksum: int
+    latest: VersionId
     lineage: VersionLineage
     max_staleness: int
     step: int
@@ -113,8 +115,7 @@ class TrainerCalls:
     def _on_SetVersion(self, peer: bytes, inst: Instance | None, msg: M.SetVersion) -> None:
         if not self._trainer_only(peer, "set-version"):
             return
-        same = msg.version == self.latest_version and (
-            not msg.checksum or not self.latest_checksum or msg.checksum == self.latest_checksum)
+        same = msg.identity.same_weights(self.latest)
         if msg.version == self.latest_version and not same and not self._new_trainer:
             self.send(peer, M.Error(what="setver", cid=msg.cid, error=(
                 f"version {msg.version} is current with checksum {self.latest_checksum:x}; the same trainer cannot "
@@ -160,7 +161,7 @@ class TrainerCalls:
                                            n_remote=obs.n_remote, tokens=obs.tokens, fallback_s=self.step_fallback_s)
         self.step_remote, self.step_rollout_done_at, self.step_fallback_s = {}, None, 0.0
         self.latest_version = msg.version
-        self.lineage.make_current(msg.version, msg.checksum)  # (and latest_checksum with it)
+        self.lineage.make_current(msg.identity)  # (and latest_checksum with it)
         self.log_work(W.Version(msg.version, msg.checksum))
         if self.max_staleness and not self.seeding_open:
             # the trained step is over: the next one's seeding starts now. A submit opens it too, but the run's

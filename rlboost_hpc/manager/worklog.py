@@ -37,6 +37,7 @@ from rlboost_hpc.errors import BadInput
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.adapter import AdapterSpec
 from rlboost_hpc.protocol.stats import ManagerCounters
+from rlboost_hpc.protocol.version import VersionId
 
 
 class WorkLogError(BadInput, RuntimeError):
@@ -70,6 +71,10 @@ class Version(_Rec, tag="version"):
 
     version: int
     checksum: int
+
+    @property
+    def identity(self) -> VersionId:
+        return VersionId(self.version, self.checksum)
 
 
 class Submit(_Rec, tag="submit"):

@@ -17,6 +17,7 @@ import numpy as np
 from rlboost_hpc.protocol.adapter import EMULATED_BASE, AdapterSpec  # noqa: F401 (re-exported)
 from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.protocol.stats import ManagerStats
+from rlboost_hpc.protocol.version import VersionId
 
 MAX_FRAME_BYTES = 64 << 20
 MAX_PAYLOAD_TOKENS = 1 << 20
@@ -78,6 +79,11 @@ class WeightsLoaded(_Msg, tag="wloaded"):
     pull_s: float
     load_s: float
     wire_bytes: int = 0
+
+    @property
+    def identity(self) -> VersionId:
+        """The version's identity (number and checksum)."""
+        return VersionId(self.version, self.checksum)
     # a LoRA instance's first version: where its base came from ("path", "cache", "pull", "trainer"), the bytes it
     # received over the network for it (0 unless pulled; not in wire_bytes) and its seconds (in pull_s)
     base_source: Annotated[str, msgspec.Meta(max_length=16)] = ""
@@ -186,6 +192,11 @@ class Welcome(_Msg, tag="welcome"):
     # a LoRA run (trainer.lora): versions are adapters on this base (protocol/adapter.py); None = full versions
     adapter: AdapterSpec | None = None
 
+    @property
+    def latest(self) -> VersionId:
+        """The manager's latest version's identity (number and checksum)."""
+        return VersionId(self.latest_version, self.latest_checksum)
+
 
 class Alive(_Msg, tag="alive"):
     """Sent by the manager to every registered instance about once a second, so an idle instance can tell a
@@ -243,6 +254,11 @@ class NewVersion(_Msg, tag="newver"):
     weights_endpoint: str = ""
     weights_shards: str = ""
 
+    @property
+    def identity(self) -> VersionId:
+        """The version's identity (number and checksum)."""
+        return VersionId(self.version, self.checksum)
+
 
 class PullFrom(_Msg, tag="pullfrom"):
     """Relay capacity for a waiting puller: fetch ``version`` (whole-version ``checksum``; 0: not known) from
@@ -251,6 +267,11 @@ class PullFrom(_Msg, tag="pullfrom"):
     version: int
     peers: list[str] = []
     checksum: int = 0
+
+    @property
+    def identity(self) -> VersionId:
+        """The version's identity (number and checksum)."""
+        return VersionId(self.version, self.checksum)
 
 
 class Drain(_Msg, tag="drain"):
@@ -312,6 +333,11 @@ class SetVersion(_Msg, tag="setver"):
     version: int
     cid: int = 0
     checksum: int = 0
+
+    @property
+    def identity(self) -> VersionId:
+        """The version's identity (number and checksum)."""
+        return VersionId(self.version, self.checksum)
 
 
 class SubmitStep(_Msg, tag="submit"):

@@ -49,6 +49,7 @@ import zmq
 from rlboost_hpc import defaults as D
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.auth import RunKeys
+from rlboost_hpc.protocol.version import NO_VERSION, VersionId
 from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.protocol.identity import instance_key
 from rlboost_hpc.rollout.agent_responses import AgentResponses, ResponseTokens
@@ -126,7 +127,7 @@ class RolloutAgent(AgentWeights, AgentResponses):
         #: Deregister then waits no longer for it
         self.cause_settled: Callable[[], bool] = lambda: False
         self.welcome: M.Welcome | None = None
-        self.want_version, self.want_checksum = -1, 0  # the manager's latest: (version, whole-version checksum)
+        self.want = NO_VERSION  # the manager's latest version
         self.want_source = ("", "")  # where the trainer serves it (weights endpoint, shards); "": the Welcome's
         self._pos: dict[str, int] = {}
         self._gen: dict[str, GenRequest] = {}  # each running response as the engine was given it (continue mode)
@@ -201,8 +202,7 @@ class RolloutAgent(AgentWeights, AgentResponses):
     def _handle(self, msg: M._Msg) -> None:
         if isinstance(msg, M.Welcome):
             if (self.engine is not None and self.engine_epoch != msg.epoch and msg.latest_checksum
-                    and self.engine.version == msg.latest_version
-                    and self.engine.weights_checksum == msg.latest_checksum):
+                    and VersionId(self.engine.version, self.engine.weights_checksum) == msg.latest):
                 # a restarted manager confirms the version these weights are (its checksum): keep them
                 log.info("manager epoch %d confirms version %d held since epoch %s", msg.epoch, msg.latest_version,
                          self.engine_epoch)
@@ -211,8 +211,7 @@ class RolloutAgent(AgentWeights, AgentResponses):
             self.link.heartbeat_s = msg.heartbeat_s
             if msg.resend:
                 self._resend()
-            self._want(msg.latest_version, msg.latest_checksum, msg.peers, msg.wait,
-                       (msg.weights_endpoint, msg.weights_shards))
+            self._want(msg.latest, msg.peers, msg.wait, (msg.weights_endpoint, msg.weights_shards))
             if self.held_version() == msg.latest_version >= 0 and not self._stale():  # re-registration, same weights
                 self._send(weights_loaded(self.engine.version, PulledVersion({}, self.engine.weights_checksum), 0.0))
             self.timings.setdefault("welcome", time.time())
@@ -221,9 +220,9 @@ class RolloutAgent(AgentWeights, AgentResponses):
         elif isinstance(msg, M.Release):
             self._release(msg.rids)
         elif isinstance(msg, M.NewVersion):
-            self._want(msg.version, msg.checksum, msg.peers, msg.wait, (msg.weights_endpoint, msg.weights_shards))
+            self._want(msg.identity, msg.peers, msg.wait, (msg.weights_endpoint, msg.weights_shards))
         elif isinstance(msg, M.PullFrom):
-            if msg.version == self.want_version and msg.checksum == self.want_checksum:
+            if msg.identity == self.want:
                 self.want_peers = list(msg.peers)
                 self._next_pull_at = time.monotonic()  # relay capacity: start now (or once the pull in flight ends)
         elif isinstance(msg, M.Alive):

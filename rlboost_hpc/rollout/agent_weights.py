@@ -36,6 +36,7 @@ from rlboost_hpc.models.arch import ModelArch
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.adapter import AdapterSpec
 from rlboost_hpc.protocol.auth import RunKeys
+from rlboost_hpc.protocol.version import NO_VERSION, VersionId
 from rlboost_hpc.rollout.base_weights import BaseMismatch, BaseWeights
 from rlboost_hpc.rollout.engines.base import Engine, GenRequest
 from rlboost_hpc.rollout.engines.factory import EngineFactory
@@ -100,8 +101,7 @@ class AgentWeights:
     fault_load_delay_s: float
     fault_slow_load: Callable[[], float] | None
     relay_wait_s: float
-    want_version: int
-    want_checksum: int
+    want: VersionId
     want_source: tuple[str, str]
     want_peers: list[str]
     timings: dict[str, float]
@@ -134,43 +134,41 @@ class AgentWeights:
         scheduled for this instance (``fault_slow_load``; consumed by this load)."""
         return self.fault_load_delay_s + (self.fault_slow_load() if self.fault_slow_load is not None else 0.0)
 
-    def held_identity(self) -> tuple[int, int]:
-        """(version, whole-version checksum) the engine holds in the current manager's epoch ((-1, 0): none)."""
+    def held_identity(self) -> VersionId:
+        """The version the engine holds in the current manager's epoch (:data:`NO_VERSION`: none)."""
         v = self.held_version()
-        return (v, int(getattr(self.engine, "weights_checksum", 0) or 0)) if v >= 0 else (-1, 0)
+        return VersionId(v, int(getattr(self.engine, "weights_checksum", 0) or 0)) if v >= 0 else NO_VERSION
 
     def _stale(self) -> bool:
         """The manager's latest differs from what the engine holds: in number (higher or lower: a resumed trainer's
         version), or — both checksums known — in checksum (the same number made by other weights)."""
-        held, held_ck = self.held_identity()
-        return self.want_version >= 0 and (self.want_version != held or bool(
-            self.want_checksum and held_ck and self.want_checksum != held_ck))
+        return self.want.number >= 0 and not self.want.same_weights(self.held_identity())
 
-    def _want(self, version: int, checksum: int, peers: list[str], wait: bool, source: tuple[str, str] = ("", "")
-              ) -> None:
-        """The manager's latest ``version`` (whole-version ``checksum``; 0: not known) and where to fetch it: relay
+    def _want(self, version: VersionId, peers: list[str], wait: bool, source: tuple[str, str] = ("", "")) -> None:
+        """The manager's latest ``version`` (its checksum 0: not known) and where to fetch it: relay
         ``peers`` (then the trainer at ``source`` = (weights endpoint, shard manifest); an empty endpoint: the
         ``Welcome``'s); with ``wait``, not before a ``PullFrom`` — or ``relay_wait_s``, after which the trainer serves
         it anyway. The manager's latest rules, whatever its number: a trainer resumed from an older checkpoint makes
         a lower number the latest, and serves it from its own weight server."""
         if source[0]:
             self.want_source = source
-        if (version, checksum) == (self.want_version, self.want_checksum) and self._pull is not None:
+        if version == self.want and self._pull is not None:
             return  # (a repeat of what the pull in flight is fetching)
-        if version < self.want_version or (version == self.want_version and checksum and self.want_checksum
-                                           and checksum != self.want_checksum):
-            log.warning("the manager's latest version is now %d (checksum %x), not above %d (checksum %x): a resumed "
-                        "trainer's; taking it", version, checksum, self.want_version, self.want_checksum)
+        if version.number < self.want.number or (version.number == self.want.number
+                                                 and not version.same_weights(self.want)):
+            log.warning("the manager's latest version is now %s, not above %s: a resumed trainer's; taking it",
+                        version, self.want)
             self._lineage_adapters.clear()  # the adapters held are another lineage's: they serve nothing now
-        self.want_version, self.want_checksum = version, checksum  # a pull in flight for another: the next fetches this
+        self.want = version  # a pull in flight for another: the next fetches this
         self.want_peers = list(peers)
         if wait:
             self._next_pull_at = max(self._next_pull_at, time.monotonic() + self.relay_wait_s)
 
-    def _start_pull(self, version: int, checksum: int = 0) -> None:
-        """Pull ``version`` (refusing a holder's version of another whole-version ``checksum``, when not 0 and the
-        version is whole weights) on the builder thread; build the engine there too when there is none yet (on the
-        run's base first, in a LoRA run)."""
+    def _start_pull(self, want: VersionId) -> None:
+        """Pull version ``want`` (refusing a holder's version of another whole-version checksum, when it is known and
+        the version is whole weights) on the builder thread; build the engine there too when there is none yet (on
+        the run's base first, in a LoRA run)."""
+        version, checksum = want.number, want.checksum
         assert self.welcome is not None
         weights, factory, model_config = self.weights, self.engine_factory, self.welcome.model_config
         endpoint, shards = self.want_source if self.want_source[0] else (self.welcome.weights_endpoint,
@@ -225,7 +223,7 @@ class AgentWeights:
         if self.engine is not None and len(self.engine.adapter_versions()) > 1:
             self._unload_outside_window(self.engine.version)  # old versions whose last response finished
         if self._pull is None and self._refused is None and self._stale() and time.monotonic() >= self._next_pull_at:
-            self._start_pull(self.want_version, self.want_checksum)
+            self._start_pull(self.want)
 
     def _finish_pull(self, r: _Pulled) -> None:
         """Install or load the pull ``r`` — or report its failure — when the engine allows it now."""
@@ -241,14 +239,12 @@ class AgentWeights:
             self._send(M.WeightsFailed(version=r.version, error=r.error))
             return
         adapter = self.welcome.adapter if self.welcome is not None else None
-        identity = version_identity(r.got, adapter)
-        if r.version > self.want_version or (r.version == self.want_version and self.want_checksum
-                                             and identity != self.want_checksum):
+        identity = VersionId(r.version, version_identity(r.got, adapter))
+        if r.version > self.want.number or (r.version == self.want.number and not identity.same_weights(self.want)):
             # pulled for a version the manager no longer announces, above (or beside) its latest: a trainer that
             # no longer exists made it (a resume started another lineage) — it can never be routed to
             self._pull = None
-            log.warning("dropping pulled version %d (checksum %x): the manager's latest is now %d (checksum %x)",
-                        r.version, identity, self.want_version, self.want_checksum)
+            log.warning("dropping pulled version %s: the manager's latest is now %s", identity, self.want)
             return
         eng = self.engine
         resume: list[GenRequest] = []
@@ -266,7 +262,7 @@ class AgentWeights:
             if r.base is not None:
                 log.info("base %016x loaded from %s in %.2fs (%d bytes received); serving adapters on it",
                          r.base.checksum, r.base.source, r.base.seconds, r.base.wire_bytes)
-        elif not self._load(r, adapter, identity, resume):
+        elif not self._load(r, adapter, identity.checksum, resume):
             return
         self._pull, self._pull_failures = None, 0
         self.engine_epoch = self.welcome.epoch

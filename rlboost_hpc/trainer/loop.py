@@ -26,7 +26,7 @@ import logging
 import random
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -44,6 +44,9 @@ from rlboost_hpc.trainer.backends.base import Sample, TrainerBackend
 from rlboost_hpc.trainer.client import ManagerClient
 from rlboost_hpc.trainer.record import StepRecord
 from rlboost_hpc.errors import RunFailed
+
+if TYPE_CHECKING:
+    from rlboost_hpc.trainer.publisher import Published
 
 log = logging.getLogger("rlboost.trainer")
 
@@ -275,13 +278,14 @@ class StepCollector:
 class RLTrainer:
     """Drives steps against a live manager. ``tokenizer``: a :class:`~rlboost_hpc.models.hf_dir.PolicyTokenizer`
     (prompt ids via ``task.prompt_ids``, stop ids, response text for rewards). ``publish(version)`` publishes the
-    backend's weights into the weight server and returns a dict with publish timings. ``score(items, token_ids,
+    backend's weights into the weight server and returns what it published (``trainer/publisher.py``
+    :class:`Published`: the version's identity, seconds and bytes). ``score(items, token_ids,
     environment, groups)`` gives the rewards of ``(prompt, text)`` pairs and each reward component's values, whose
     step means are the record's ``reward_functions`` (``tasks/reward_pool.py`` ``RewardPool.score``: each call under
     a deadline; inline ``task.reward`` when None)."""
 
     def __init__(self, *, client: ManagerClient, backend: TrainerBackend, task: Task, tokenizer,
-                 settings: StepSettings, publish: Callable[[int], dict],
+                 settings: StepSettings, publish: Callable[[int], "Published"],
                  controller: RolloutController, available: Callable[[], int | None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic,
                  score: Callable[..., Scored] | None = None) -> None:
@@ -424,8 +428,8 @@ class RLTrainer:
         tl.enter(Phase.PUBLISH)
         pub = self.publish(self.version)
         tl.enter(Phase.SET_VERSION)
-        tl.split_last(Phase.PUBLISH, Phase.EXPORT, float(pub.get("export_s", 0.0)))  # the export came first
-        self.client.call(M.SetVersion(version=self.version, checksum=int(pub.get("weight_checksum", 0))))
+        tl.split_last(Phase.PUBLISH, Phase.EXPORT, pub.export_s)  # the export came first
+        self.client.call(M.SetVersion(version=pub.version.number, checksum=pub.version.checksum))
         tl.enter(Phase.POLICY)
         prev_env_s = self.last_stats.environment_seconds if self.last_stats else 0.0
         t_train, policy = self._observe(tl, t_seed_actual, t_wait, n_start)
@@ -436,7 +440,7 @@ class RLTrainer:
         activity = st.last_step_activity
         generating = [(a, b) for a, b in activity.generating]  # manager's clock: CLOCK_MONOTONIC, same host
         tokens = sum(col.lens) + sum(len(ids) for _, ids in col.by_gid.values()) * s.group_size
-        backend = {**om, **pub}
+        backend = {**om, **pub.record()}
         for k, v in m_acc.items():  # micro-batch means, where the backend gave no whole-step figure
             if k not in om:
                 backend[k] = v / max(1, n_trained) if k != "tokens" else v

@@ -23,12 +23,14 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from rlboost_hpc import defaults as D
 from rlboost_hpc.protocol.adapter import EMULATED_BASE, AdapterSpec
+from rlboost_hpc.protocol.version import VersionId
 from rlboost_hpc.rollout.base_weights import BaseWeights
 from rlboost_hpc.rollout.remote_weights import PulledVersion
 from rlboost_hpc.trainer.backends.base import TrainerBackend
@@ -36,7 +38,25 @@ from rlboost_hpc.weights import sharded
 from rlboost_hpc.weights.puller import WeightTransferError, lineage_mismatch
 from rlboost_hpc.weights.server import WeightServer
 
-__all__ = ["WeightPublisher"]
+__all__ = ["Published", "WeightPublisher"]
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published version: its identity (the checksum every instance that loads it reports), the seconds it took
+    (``export_s``: the gather or view of the weights, 0 when sharded; ``publish_s``: all of it), and its size in bytes
+    (``weight_update_bytes``: what an instance holding the previous version moves, a delta's payload)."""
+
+    version: VersionId
+    publish_s: float
+    export_s: float
+    weight_bytes: int
+    weight_update_bytes: int
+
+    def record(self) -> dict[str, Any]:
+        """The step record's and the report's entry (``weight_checksum`` for the identity's checksum)."""
+        return {"publish_s": self.publish_s, "export_s": self.export_s, "weight_bytes": self.weight_bytes,
+                "weight_checksum": self.version.checksum, "weight_update_bytes": self.weight_update_bytes}
 
 
 class WeightPublisher:
@@ -61,7 +81,7 @@ class WeightPublisher:
         self.dtype = dtype
         self.shards: dict | None = backend.shard_manifest
         self._pull_kw = dict(streams=streams, window=window, timeout_s=timeout_s, keys=client_keys)
-        self.history: list[dict] = []
+        self.history: list[Published] = []
         self._lock = threading.Lock()
         self._bases: dict | None = None  # the followed sharded version, per holder position
 
@@ -70,27 +90,26 @@ class WeightPublisher:
         """The assembly manifest as JSON for the manager's ``TrainerHello`` ("" when versions are gathered)."""
         return json.dumps(self.shards) if self.shards else ""
 
-    def publish(self, version: int) -> dict:
-        """Publish ``version``. Returns (and appends to :attr:`history`) ``{"publish_s", "export_s" (the gather or
-        view of the weights; 0 when sharded), "weight_bytes", "weight_checksum", "weight_update_bytes"}`` — seconds
-        and bytes. Raises what the backend or the server raise (ValueError for a non-increasing version)."""
+    def publish(self, version: int) -> Published:
+        """Publish ``version``; returns (and appends to :attr:`history`) what was published. Raises what the backend
+        or the server raise (ValueError for a non-increasing version)."""
         t0 = time.monotonic()
         if self.shards:
             res = self.backend.publish_shards(version)
-            d = {"publish_s": time.monotonic() - t0, "export_s": 0.0, "weight_bytes": int(res["bytes"]),
-                 "weight_checksum": int(res["checksum"]), "weight_update_bytes": int(res["update_bytes"])}
+            t_export, checksum = 0.0, int(res["checksum"])
+            nbytes, update = int(res["bytes"]), int(res["update_bytes"])
         else:
             exported = self.backend.export_weights()
             t_export = time.monotonic() - t0
             man = self.server.publish(version, exported, dtype=self.dtype)
             delta = self.server.delta_nbytes(version)
-            d = {"publish_s": time.monotonic() - t0, "export_s": t_export, "weight_bytes": int(man.total_bytes),
-                 "weight_checksum": man.checksum,
-                 "weight_update_bytes": int(man.total_bytes if delta is None else delta)}
+            checksum, nbytes = int(man.checksum), int(man.total_bytes)
+            update = nbytes if delta is None else int(delta)
         if self.adapter is not None:  # the version's identity: the adapter on this base
-            d["weight_checksum"] = self.adapter.version_checksum(d["weight_checksum"])
-        self.history.append(d)
-        return d
+            checksum = self.adapter.version_checksum(checksum)
+        p = Published(VersionId(version, checksum), time.monotonic() - t0, t_export, nbytes, update)
+        self.history.append(p)
+        return p
 
     def read(self, version: int, *, follow: bool = False) -> PulledVersion:
         """A published ``version`` for this process (the reserved engine, evaluation, the exported model): HF-named
