@@ -263,9 +263,8 @@ def lora_settings(cfg: RunConfig, policy):
             adapter of this base (named)."""
     if not cfg.trainer.lora.enabled:
         return None
-    from rlboost_hpc.models.lora import canonical_base
     from rlboost_hpc.trainer.lora import LoraSettings, require_peft, settings_from_config
-    from rlboost_hpc.weights.base import base_identity
+    from rlboost_hpc.weights.lora_base import model_base
 
     if cfg.trainer.backend == "emulated":  # a load test: the adapter's shapes are the emulated profile's
         lo = cfg.trainer.lora
@@ -273,6 +272,6 @@ def lora_settings(cfg: RunConfig, policy):
     require_peft(cfg.trainer.backend)
     checksum = 0
     if cfg.trainer.lora.adapter_path:  # its recorded base must be ours: one hash pass over the base
-        checksum, _ = base_identity(canonical_base(policy.state_dict, policy.arch), getattr(torch, cfg.weights.dtype),
+        _, checksum, _ = model_base(policy.state_dict, policy.arch, getattr(torch, cfg.weights.dtype),
                                     cfg.weights.chunk_bytes)
     return settings_from_config(cfg, policy.arch, checksum if cfg.trainer.lora.adapter_path else None)

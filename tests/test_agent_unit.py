@@ -8,7 +8,7 @@ import pytest
 
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.rollout.agent import RolloutAgent
-from rlboost_hpc.rollout.remote_weights import PulledVersion
+from rlboost_hpc.weights.source import PulledVersion
 from rlboost_hpc.rollout.engines.base import Engine, EngineError, RequestError, TokenEvent
 
 
@@ -59,7 +59,7 @@ class _Weights:
     def __init__(self, fn) -> None:
         self.fn = fn
 
-    def pull(self, endpoint, version, *, peers=(), keys=None, shards="", checksum=0):
+    def pull(self, endpoint, version, *, peers=(), keys=None, shards="", checksum=0, adapter=None):
         return self.fn(version, tuple(peers))
 
 

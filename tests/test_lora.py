@@ -18,11 +18,11 @@ from rlboost_hpc.models.llama import LlamaModel
 from rlboost_hpc.models.lora import (adapter_shapes, canonical_base, init_adapter, merge, read_peft_dir,
                                      write_peft_dir)
 from rlboost_hpc.protocol.adapter import AdapterSpec, adapter_version_checksum
-from rlboost_hpc.rollout.base_weights import BaseMismatch, fetch_base
+from rlboost_hpc.weights.lora_base import BaseMismatch, fetch_base
 from rlboost_hpc.rollout.engines.base import EngineError, GenRequest, SamplingParams
 from rlboost_hpc.rollout.engines.torch_engine import TorchEngine, generate_all
 from rlboost_hpc.trainer.lora import LoraSettings, PeftAdapter
-from rlboost_hpc.weights.base import NodeBaseCache, base_identity
+from rlboost_hpc.weights.lora_base import NodeBaseCache, base_identity
 
 torch.set_num_threads(1)
 

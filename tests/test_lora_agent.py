@@ -24,9 +24,9 @@ from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.adapter import AdapterSpec
 from rlboost_hpc.protocol.version import VersionId
 from rlboost_hpc.rollout.agent import RolloutAgent
-from rlboost_hpc.rollout.base_weights import BaseMismatch, BaseWeights
+from rlboost_hpc.weights.lora_base import BaseMismatch
 from rlboost_hpc.rollout.engines.factory import torch_engine_factory
-from rlboost_hpc.rollout.remote_weights import PulledVersion
+from rlboost_hpc.weights.source import BaseWeights, PulledVersion
 from rlboost_hpc.weights.layout import FlatState
 
 torch.set_num_threads(1)
@@ -60,7 +60,7 @@ class _AdapterSource:
             raise BaseMismatch(self.base_error)
         return BaseWeights(canonical_base(self.policy.state_dict, arch), spec.base_checksum, spec.base_bytes, "path")
 
-    def pull(self, endpoint, version, *, peers=(), keys=None, shards="", checksum=0):
+    def pull(self, endpoint, version, *, peers=(), keys=None, shards="", checksum=0, adapter=None):
         st = self.adapter(version)
         self.pulled_bytes.append(st.nbytes)
         return PulledVersion(st, checksum=1000 + version + 100 * self.lineage, nbytes=st.nbytes, wire_bytes=st.nbytes)

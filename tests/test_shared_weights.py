@@ -39,7 +39,7 @@ class _Fallback:
     def __init__(self) -> None:
         self.asked: list[tuple[int, str, int]] = []
 
-    def pull(self, endpoint, version, *, peers=(), keys=None, shards="", checksum=0):
+    def pull(self, endpoint, version, *, peers=(), keys=None, shards="", checksum=0, adapter=None):
         self.asked.append((version, shards, checksum))
         return "pulled"
 

@@ -18,7 +18,7 @@ import torch
 from rlboost_hpc.manager.state import VersionLineage
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.version import VersionId
-from rlboost_hpc.rollout.remote_weights import PulledVersion
+from rlboost_hpc.weights.source import PulledVersion
 from test_manager_core import TRAINER, make, register, sent, tokens
 
 RESUMED = b"trainer-resumed"
@@ -169,7 +169,7 @@ def _agent_holding(version: int, checksum: int, source):
     from rlboost_hpc.rollout.agent import RolloutAgent
 
     class Weights:
-        def pull(self, endpoint, v, *, peers=(), keys=None, shards="", checksum=0):
+        def pull(self, endpoint, v, *, peers=(), keys=None, shards="", checksum=0, adapter=None):
             return source(v, checksum)
 
     a = RolloutAgent("tcp://127.0.0.1:1", "job", 0, weights=Weights())
@@ -263,6 +263,34 @@ def test_the_puller_refuses_a_holders_version_of_another_checksum_before_any_byt
         with pytest.raises(WeightTransferError, match="another trainer lineage") as e:
             WeightPuller(server.endpoint, timeout_s=10).pull(2, checksum=int(right) ^ 1)
         assert e.value.phase == "manifest"
+    finally:
+        server.close()
+
+
+def test_an_adapter_pull_is_checked_against_the_adapter_on_the_runs_base_before_any_byte_moves():
+    """Issue 56: a LoRA run's version identity is the adapter's checksum combined with the base's; the pull checks it
+    (it was switched off for adapters, ``checksum = 0``): an adapter of another lineage — or one for another base —
+    is refused at the manifest, by the real puller, the trainer's publisher and the shared-memory source alike."""
+    from rlboost_hpc.protocol.adapter import AdapterSpec
+    from rlboost_hpc.weights.puller import WeightPuller, WeightTransferError
+    from rlboost_hpc.weights.server import WeightServer
+    from rlboost_hpc.weights.source import identity
+
+    spec = AdapterSpec(rank=4, alpha=8.0, targets=["q_proj"], base_checksum=0xBA5E, base_bytes=1, base_dtype="float32")
+    other_base = AdapterSpec(rank=4, alpha=8.0, targets=["q_proj"], base_checksum=0xBA5F, base_bytes=1,
+                             base_dtype="float32")
+    server = WeightServer().start()
+    try:
+        server.publish(3, {"lora_A": torch.arange(512, dtype=torch.float32)}, dtype=torch.float32)
+        own = int(server.manifest(3).checksum)
+        want = identity(own, spec)
+        assert want != own and want == spec.version_checksum(own)
+        got = WeightPuller(server.endpoint, timeout_s=10).pull(3, checksum=want, adapter=spec)
+        assert got.checksum == own
+        for wrong in (want ^ 1, identity(own, other_base), own):  # another lineage; another base; the bare adapter
+            with pytest.raises(WeightTransferError, match="another trainer lineage") as e:
+                WeightPuller(server.endpoint, timeout_s=10).pull(3, checksum=wrong, adapter=spec)
+            assert e.value.phase == "manifest"
     finally:
         server.close()
 

@@ -57,7 +57,8 @@ from rlboost_hpc.rollout.agent_weights import AgentWeights, weights_loaded
 from rlboost_hpc.rollout.engines.base import Engine, EngineError, GenRequest, RequestError
 from rlboost_hpc.rollout.engines.factory import EngineFactory, torch_engine_factory
 from rlboost_hpc.rollout.manager_link import ManagerLink
-from rlboost_hpc.rollout.remote_weights import PulledVersion, RemoteWeights, WeightSource
+from rlboost_hpc.rollout.remote_weights import RemoteWeights
+from rlboost_hpc.weights.source import PulledVersion, WeightSource
 
 log = logging.getLogger("rlboost.agent")
 

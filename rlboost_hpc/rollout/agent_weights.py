@@ -11,7 +11,7 @@ in either — also to a lower number, which a trainer resumed from an older chec
 refuses a holder whose version of that number has another checksum; a finished pull of a version above the one now
 wanted (made by a trainer that no longer exists) is dropped, never loaded.
 
-LoRA runs (``Welcome.adapter``): the first engine is built on the base (:mod:`rlboost_hpc.rollout.base_weights`:
+LoRA runs (``Welcome.adapter``): the first engine is built on the base (:mod:`rlboost_hpc.weights.lora_base`:
 ``model.path`` on this node, the node's cache, or one pull), then every version is an adapter. An adapter is loaded
 at once into a free slot of the engine — requests of older versions go on under theirs, each response's tokens
 stamped with the version that produced it — and the slot it needs is freed first from a version no request in flight
@@ -37,11 +37,11 @@ from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.adapter import AdapterSpec
 from rlboost_hpc.protocol.auth import RunKeys
 from rlboost_hpc.protocol.version import NO_VERSION, VersionId
-from rlboost_hpc.rollout.base_weights import BaseMismatch, BaseWeights
+from rlboost_hpc.weights.lora_base import BaseMismatch
 from rlboost_hpc.rollout.engines.base import Engine, GenRequest
 from rlboost_hpc.rollout.engines.factory import EngineFactory
 from rlboost_hpc.rollout.manager_link import ManagerLink
-from rlboost_hpc.rollout.remote_weights import PulledVersion, WeightSource
+from rlboost_hpc.weights.source import BaseWeights, PulledVersion, WeightSource, identity
 
 log = logging.getLogger("rlboost.agent")
 
@@ -56,12 +56,6 @@ def weights_loaded(version: int, got: PulledVersion, load_s: float, *, checksum:
                            pull_s=got.pull_s + (base.seconds if base else 0.0), load_s=load_s,
                            wire_bytes=got.wire_bytes, base_source=base.source if base else "",
                            base_wire_bytes=base.wire_bytes if base else 0)
-
-
-def version_identity(got: PulledVersion, adapter: AdapterSpec | None) -> int:
-    """The whole-version checksum of a pulled version, as the trainer announces it: the pulled bytes' checksum, or
-    (a LoRA run) the adapter's combined with the base's."""
-    return got.checksum if adapter is None else adapter.version_checksum(got.checksum)
 
 
 @dataclass
@@ -179,8 +173,6 @@ class AgentWeights:
         build = self.engine is None
         label = f"{self.job_id}#{self.attempt}"
         slow = self._fault_delay_s if build else (lambda: 0.0)  # (a load's own delay is taken where it loads)
-        if adapter is not None:
-            checksum = 0  # (the manifest holds the adapter's checksum; the identity is checked once pulled)
 
         def work() -> _Pulled:
             arch = ModelArch.from_json(arch_json) if arch_json else None
@@ -193,7 +185,8 @@ class AgentWeights:
                 except Exception as e:  # noqa: BLE001 - a failed base pull is retried like any pull
                     return _Pulled(version, None, f"base model: {type(e).__name__}: {e}")
             try:
-                got = weights.pull(endpoint, version, peers=peers, keys=keys, shards=shards, checksum=checksum)
+                got = weights.pull(endpoint, version, peers=peers, keys=keys, shards=shards, checksum=checksum,
+                                   adapter=adapter)
             except Exception as e:  # reported to the manager with its cause
                 return _Pulled(version, None, f"{type(e).__name__}: {e}")
             if not build:
@@ -205,7 +198,7 @@ class AgentWeights:
                 if adapter is not None:
                     eng.load_adapter(got.state_dict, version)  # (this lineage's: :meth:`_finish_pull` records it)
                 eng.version = version
-                eng.weights_checksum = version_identity(got, adapter)
+                eng.weights_checksum = identity(got.checksum, adapter)
                 time.sleep(slow())  # (chaos) a slow first load, on this thread like a slow real start
             except Exception as e:
                 return _Pulled(version, None, f"engine start failed: {type(e).__name__}: {e}")
@@ -239,12 +232,12 @@ class AgentWeights:
             self._send(M.WeightsFailed(version=r.version, error=r.error))
             return
         adapter = self.welcome.adapter if self.welcome is not None else None
-        identity = VersionId(r.version, version_identity(r.got, adapter))
-        if r.version > self.want.number or (r.version == self.want.number and not identity.same_weights(self.want)):
+        pulled = VersionId(r.version, identity(r.got.checksum, adapter))
+        if r.version > self.want.number or (r.version == self.want.number and not pulled.same_weights(self.want)):
             # pulled for a version the manager no longer announces, above (or beside) its latest: a trainer that
             # no longer exists made it (a resume started another lineage) — it can never be routed to
             self._pull = None
-            log.warning("dropping pulled version %s: the manager's latest is now %s", identity, self.want)
+            log.warning("dropping pulled version %s: the manager's latest is now %s", pulled, self.want)
             return
         eng = self.engine
         resume: list[GenRequest] = []
@@ -262,7 +255,7 @@ class AgentWeights:
             if r.base is not None:
                 log.info("base %016x loaded from %s in %.2fs (%d bytes received); serving adapters on it",
                          r.base.checksum, r.base.source, r.base.seconds, r.base.wire_bytes)
-        elif not self._load(r, adapter, identity.checksum, resume):
+        elif not self._load(r, adapter, pulled.checksum, resume):
             return
         self._pull, self._pull_failures = None, 0
         self.engine_epoch = self.welcome.epoch
@@ -278,7 +271,7 @@ class AgentWeights:
 
     def _load(self, r: _Pulled, adapter: AdapterSpec | None, identity: int, resume: list[GenRequest]) -> bool:
         """Load the pulled version into the engine (an adapter into its free slot, under its ``identity``:
-        :func:`version_identity`); False — reported, the engine unchanged, ``resume`` re-added under the version it
+        :func:`~rlboost_hpc.weights.source.identity`); False — reported, the engine unchanged, ``resume`` re-added under the version it
         had — when the load failed."""
         try:
             delay = self._fault_delay_s()

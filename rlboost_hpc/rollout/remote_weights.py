@@ -8,55 +8,17 @@ what it loads); the relay serves exactly the held, verified version and withdraw
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from rlboost_hpc.protocol.adapter import AdapterSpec
 from rlboost_hpc.protocol.auth import RunKeys
-from rlboost_hpc.rollout.base_weights import BaseWeights, fetch_base
-from rlboost_hpc.weights.base import NodeBaseCache
+from rlboost_hpc.weights.lora_base import NodeBaseCache, fetch_base
+from rlboost_hpc.weights.source import BaseWeights, PulledVersion, identity
 
 if TYPE_CHECKING:
     import torch
 
     from rlboost_hpc.models.arch import ModelArch
-
-
-@dataclass(frozen=True)
-class PulledVersion:
-    """What a weight source hands the rollout agent for one version — the one description of a pulled version
-    between them. ``state_dict``: name → tensor (views the engine copies from while loading); ``checksum``: the
-    whole-version checksum (0: not known); ``nbytes``: bytes of the full version; ``pull_s``: seconds the source
-    took; ``wire_bytes``: bytes received over the network for it (less than ``nbytes`` for a delta; 0 when nothing
-    moved, e.g. a view of the trainer's own buffer); ``phases``: the pull's own figures (seconds per phase, bytes
-    from relay peers, delta chunks: ``WeightPuller``'s ``PulledWeights.phases``; empty for other sources)."""
-
-    state_dict: Mapping
-    checksum: int = 0
-    nbytes: int = 0
-    pull_s: float = 0.0
-    wire_bytes: int = 0
-    phases: Mapping[str, float] = field(default_factory=dict)
-
-
-class WeightSource(Protocol):
-    """Where a rollout agent's weight versions come from (:class:`RemoteWeights` over the network; the trainer's
-    :class:`~rlboost_hpc.trainer.publisher.WeightPublisher` for its own reserved engine)."""
-
-    def pull(self, endpoint: str, version: int, *, peers: Sequence[str] = (), keys: RunKeys | None = None,
-             shards: str = "", checksum: int = 0) -> PulledVersion:
-        """``version`` from the holder at ``endpoint`` (the manager's ``Welcome``), through relay ``peers`` where
-        the manager named some, as a CURVE client of ``keys``; ``shards``: the assembly manifest (JSON) of a
-        sharded version ("" for one holder); ``checksum``: the whole-version checksum the manager announced for it
-        (0: not known) — a holder's version of that number with another checksum (another lineage) is refused.
-        Raises on failure (the agent reports the error to the manager)."""
-        ...
-
-    def base(self, spec: AdapterSpec, arch: "ModelArch", *, keys: RunKeys | None = None,
-             label: str = "") -> BaseWeights:
-        """A LoRA run's base for this instance (:func:`~rlboost_hpc.rollout.base_weights.fetch_base`). Raises
-        :class:`~rlboost_hpc.rollout.base_weights.BaseMismatch` when this node can only load another base."""
-        ...
 
 
 class RemoteWeights:
@@ -125,22 +87,23 @@ class RemoteWeights:
     def base(self, spec: AdapterSpec, arch: "ModelArch", *, keys: RunKeys | None = None,
              label: str = "") -> BaseWeights:
         """The run's base (LoRA): ``model.path`` on this node, else this node's cache, else one pull from the trainer's
-        base server kept in the cache (:func:`~rlboost_hpc.rollout.base_weights.fetch_base`)."""
+        base server kept in the cache (:func:`~rlboost_hpc.weights.lora_base.fetch_base`)."""
         return fetch_base(spec, arch, keys=keys, cache=self.base_cache, streams=self.streams, window=self.window,
                           timeout_s=self.timeout_s, label=label)
 
     def pull(self, endpoint: str, version: int, *, peers: Sequence[str] = (), keys: RunKeys | None = None,
-             shards: str = "", checksum: int = 0) -> PulledVersion:
+             shards: str = "", checksum: int = 0, adapter: AdapterSpec | None = None) -> PulledVersion:
         """Pull ``version`` from the holder at ``endpoint`` (CURVE client ``keys`` of its run; through relay
         ``peers``), or — with ``shards``, the assembly manifest of a sharded version (JSON) — from every trainer
         holder in parallel (:func:`rlboost_hpc.weights.sharded.pull_sharded`; the base is kept per holder; no
-        relay). The base of the previous pull is consumed whatever the outcome. ``checksum`` (not 0): the
-        whole-version checksum the version must have (the manager's word for it).
+        relay). The base of the previous pull is consumed whatever the outcome. ``checksum`` (not 0): the identity
+        the version must have (the manager's word for it; with ``adapter``, a LoRA run's:
+        :func:`~rlboost_hpc.weights.source.identity`).
 
         Raises WeightTransferError for a failed pull (also a version of another ``checksum``), ValueError for an
         unreadable ``shards`` manifest."""
         if shards:
-            return self._pull_sharded(shards, version, keys, checksum)
+            return self._pull_sharded(shards, version, keys, checksum, adapter)
         from rlboost_hpc.weights.puller import WeightPuller
 
         t0 = time.monotonic()
@@ -150,7 +113,7 @@ class RemoteWeights:
         got = WeightPuller(endpoint, streams=self.streams, window=self.window, timeout_s=self.timeout_s,
                            keys=keys, peer_timeout_s=self.peer_timeout_s,
                            buffer_factory=self.buffer_factory).pull(version, base=base, peers=list(peers),
-                                                                    checksum=checksum)
+                                                                    checksum=checksum, adapter=adapter)
         if self.keep_base or self._relay is not None:
             self._base = got
         if self._relay is not None:
@@ -158,7 +121,8 @@ class RemoteWeights:
         return PulledVersion(got.state_dict, int(got.checksum), int(got.nbytes), time.monotonic() - t0,
                              int(got.phases.get("bytes_received", 0)), got.phases)
 
-    def _pull_sharded(self, shards: str, version: int, keys: RunKeys | None, checksum: int = 0) -> PulledVersion:
+    def _pull_sharded(self, shards: str, version: int, keys: RunKeys | None, checksum: int = 0,
+                      adapter: AdapterSpec | None = None) -> PulledVersion:
         from rlboost_hpc.weights.puller import WeightTransferError, lineage_mismatch
         from rlboost_hpc.weights.sharded import load_manifest, pull_sharded
 
@@ -169,9 +133,9 @@ class RemoteWeights:
         bases, self._base, self._shard_bases = self._shard_bases, None, None
         sd, st = pull_sharded(manifest, version, streams=self.streams, window=self.window,
                               timeout_s=self.timeout_s, keys=keys, bases=bases)
-        if checksum and int(st["checksum"]) != checksum:  # (the bases stay dropped: another lineage's bytes)
-            raise WeightTransferError("verify", "sharded holders", version, lineage_mismatch(
-                version, int(st["checksum"]), checksum))
+        got = identity(int(st["checksum"]), adapter)
+        if checksum and got != checksum:  # (the bases stay dropped: another lineage's bytes)
+            raise WeightTransferError("verify", "sharded holders", version, lineage_mismatch(version, got, checksum))
         if self.keep_base:
             self._shard_bases = st["pulled"]
         return PulledVersion(sd, int(st["checksum"]), int(st["bytes"]), time.monotonic() - t0,

@@ -20,14 +20,13 @@ import msgspec
 import torch
 
 from rlboost_hpc.protocol.weight_msgs import Manifest, decode_reply, validate_table
-from rlboost_hpc.rollout.remote_weights import PulledVersion, WeightSource
+from rlboost_hpc.weights.source import BaseWeights, PulledVersion, WeightSource, identity
 from rlboost_hpc.weights.layout import state_view
 from rlboost_hpc.weights.shared import BASE_SUBDIR, MANIFEST_SUFFIX, try_lock
 
 if TYPE_CHECKING:
     from rlboost_hpc.protocol.adapter import AdapterSpec
     from rlboost_hpc.protocol.auth import RunKeys
-    from rlboost_hpc.rollout.base_weights import BaseWeights
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ def _drop(held: _Held | None) -> None:
 
 @dataclass
 class SharedVersions:
-    """The reader's side: a rollout agent's :class:`~rlboost_hpc.rollout.remote_weights.WeightSource` that maps the
+    """The reader's side: a rollout agent's :class:`~rlboost_hpc.weights.source.WeightSource` that maps the
     version it is told to load from the share ``directory`` (the protocol: :mod:`rlboost_hpc.weights.shared`), else asks ``fallback`` — the
     network pull every instance uses, which also serves sharded versions and a LoRA run's base.
 
@@ -65,13 +64,14 @@ class SharedVersions:
     _base_held: _Held | None = field(default=None, repr=False)
 
     def pull(self, endpoint: str, version: int, *, peers: Sequence[str] = (), keys: "RunKeys | None" = None,
-             shards: str = "", checksum: int = 0) -> PulledVersion:
-        """``version`` mapped from the share directory (``checksum``, when not 0, must be its whole-version checksum),
-        else pulled by ``fallback`` with the same arguments. Raises what the fallback raises."""
+             shards: str = "", checksum: int = 0, adapter: "AdapterSpec | None" = None) -> PulledVersion:
+        """``version`` mapped from the share directory (``checksum``, when not 0, must be its identity:
+        :func:`~rlboost_hpc.weights.source.identity`), else pulled by ``fallback`` with the same arguments. Raises
+        what the fallback raises."""
         self.release()
         if not shards:
             try:
-                got = self._map(version, checksum)
+                got = self._map(version, checksum, adapter)
             except (OSError, ValueError, msgspec.DecodeError) as e:  # the shared path is an optimisation
                 log.warning("version %d not mapped from %s (%s: %s); pulling it", version, self.directory,
                             type(e).__name__, e)
@@ -80,14 +80,13 @@ class SharedVersions:
                 self.shared += 1
                 return got
         self.fallbacks += 1
-        return self.fallback.pull(endpoint, version, peers=peers, keys=keys, shards=shards, checksum=checksum)
+        return self.fallback.pull(endpoint, version, peers=peers, keys=keys, shards=shards, checksum=checksum,
+                                  adapter=adapter)
 
-    def base(self, spec: "AdapterSpec", arch, *, keys: "RunKeys | None" = None, label: str = "") -> "BaseWeights":
+    def base(self, spec: "AdapterSpec", arch, *, keys: "RunKeys | None" = None, label: str = "") -> BaseWeights:
         """A LoRA run's base: mapped from the base server's share directory (source ``"trainer"``: the trainer's
         own buffer, held for this reader's life), else the fallback's (the node's ``model.path``, its cache, or the
         base server). Raises what the fallback raises."""
-        from rlboost_hpc.rollout.base_weights import BaseWeights
-
         try:
             got = self._map_in(self.directory / BASE_SUBDIR, 0, int(spec.base_checksum))
         except (OSError, ValueError, msgspec.DecodeError) as e:
@@ -100,16 +99,18 @@ class SharedVersions:
         pv, self._base_held = got
         return BaseWeights(pv.state_dict, pv.checksum, pv.nbytes, "trainer", pv.pull_s)
 
-    def _map(self, version: int, checksum: int) -> PulledVersion | None:
-        got = self._map_in(self.directory, version, checksum)
+    def _map(self, version: int, checksum: int, adapter: "AdapterSpec | None") -> PulledVersion | None:
+        got = self._map_in(self.directory, version, checksum, adapter)
         if got is None:
             return None
         pv, self._held = got
         return pv
 
-    def _map_in(self, directory: Path, version: int, checksum: int) -> tuple[PulledVersion, _Held] | None:
-        """``version`` of ``directory`` mapped under ``LOCK_SH`` (the caller keeps the returned hold), or None when
-        it is not there. Raises OSError / ValueError / msgspec.DecodeError for a damaged share."""
+    def _map_in(self, directory: Path, version: int, checksum: int, adapter: "AdapterSpec | None" = None
+                ) -> tuple[PulledVersion, _Held] | None:
+        """``version`` of ``directory`` whose identity is ``checksum`` (0: any) mapped under ``LOCK_SH`` (the caller
+        keeps the returned hold), or None when it is not there. Raises OSError / ValueError / msgspec.DecodeError
+        for a damaged share."""
         t0 = time.monotonic()
         if not directory.is_dir():
             return None
@@ -128,7 +129,8 @@ class SharedVersions:
                 except FileNotFoundError:
                     continue
                 man = decode_reply(raw)
-                if not isinstance(man, Manifest) or man.version != version or (checksum and man.checksum != checksum):
+                if not isinstance(man, Manifest) or man.version != version or (
+                        checksum and identity(int(man.checksum), adapter) != checksum):
                     continue
                 if man.tensors is None:
                     raise ValueError(f"{side} has no tensor table")

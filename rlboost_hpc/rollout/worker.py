@@ -369,7 +369,7 @@ class _Instance:
     def __init__(self, args: argparse.Namespace, wspec) -> None:
         from rlboost_hpc.rollout.engines.factory import factory_from_spec, receive_buffer_factory
         from rlboost_hpc.rollout.remote_weights import RemoteWeights
-        from rlboost_hpc.weights.base import NodeBaseCache
+        from rlboost_hpc.weights.lora_base import NodeBaseCache
 
         self.args, self.wspec, self.spec = args, wspec, wspec.engine
         server_log = None

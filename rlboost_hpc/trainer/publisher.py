@@ -31,8 +31,7 @@ import torch
 from rlboost_hpc import defaults as D
 from rlboost_hpc.protocol.adapter import EMULATED_BASE, AdapterSpec
 from rlboost_hpc.protocol.version import VersionId
-from rlboost_hpc.rollout.base_weights import BaseWeights
-from rlboost_hpc.rollout.remote_weights import PulledVersion
+from rlboost_hpc.weights.source import BaseWeights, PulledVersion, identity
 from rlboost_hpc.trainer.backends.base import TrainerBackend
 from rlboost_hpc.weights import sharded
 from rlboost_hpc.weights.puller import WeightTransferError, lineage_mismatch
@@ -146,7 +145,7 @@ class WeightPublisher:
         return BaseWeights(self.base_state or {}, self.adapter.base_checksum, self.adapter.base_bytes, "trainer")
 
     def pull(self, endpoint: str, version: int, *, peers: Sequence[str] = (), keys: Any = None,
-             shards: str = "", checksum: int = 0) -> PulledVersion:
+             shards: str = "", checksum: int = 0, adapter: AdapterSpec | None = None) -> PulledVersion:
         """The reserved engine's weight source (a rollout ``WeightSource``): :meth:`read` with ``follow`` — the
         trainer's own versions, whatever holder, peers, keys or manifest the manager names.
 
@@ -155,8 +154,9 @@ class WeightPublisher:
                 lineage's version of that number); as :meth:`read`.
         """
         got = self.read(version, follow=True)
-        if checksum and got.checksum != checksum:
-            raise WeightTransferError("manifest", "trainer", version, lineage_mismatch(version, got.checksum, checksum))
+        if checksum and identity(got.checksum, adapter) != checksum:
+            raise WeightTransferError("manifest", "trainer", version,
+                                      lineage_mismatch(version, identity(got.checksum, adapter), checksum))
         return got
 
     def served(self) -> dict:

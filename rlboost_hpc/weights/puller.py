@@ -64,6 +64,7 @@ import torch
 import zmq
 
 from rlboost_hpc import defaults as D
+from rlboost_hpc.protocol.adapter import AdapterSpec
 from rlboost_hpc.protocol.auth import RunKeys
 
 from rlboost_hpc.protocol.errors import ProtocolError
@@ -81,6 +82,7 @@ from rlboost_hpc.weights import layout
 from rlboost_hpc.weights import sealed as sealing
 from rlboost_hpc.weights.pull_phases import PulledWeights, assemble, plan, transfer_phases, verify
 from rlboost_hpc.weights.pull_streams import SLICE_S, auto_streams, open_dealer, puller_context, run_streams
+from rlboost_hpc.weights.source import identity
 from rlboost_hpc.weights.transfer import Failed as _Failed
 from rlboost_hpc.weights.transfer import Transfer as _Transfer
 
@@ -173,7 +175,7 @@ class WeightPuller:
     # ------------------------------------------------------------------ public
     def pull(self, version: int | None = None, *, into: torch.Tensor | None = None,
              base: PulledWeights | None = None, peers: "tuple[str, ...] | list[str]" = (),
-             checksum: int = 0) -> PulledWeights:
+             checksum: int = 0, adapter: AdapterSpec | None = None) -> PulledWeights:
         """Fetch ``version`` (None: the holder's latest) completely and verify it.
 
         Args:
@@ -188,8 +190,10 @@ class WeightPuller:
                 otherwise its buffer is reused as the receive buffer when large enough (and ``into`` is not
                 given). After the call — success or failure — only the result may be used.
             peers: relay holders to fetch chunks from before the trainer (see the module docstring).
-            checksum: the whole-version checksum the version must have (0: any) — the version's identity as the
-                manager announced it; the holder's manifest of another checksum is refused before any byte moves.
+            checksum: the version's identity as the manager announced it (0: any): its whole-version checksum, or
+                with ``adapter`` (a LoRA run's adapter version) that combined with the base's
+                (:func:`~rlboost_hpc.weights.source.identity`); a holder's manifest of another is refused before any
+                byte moves.
 
         Returns:
             :class:`PulledWeights` whose tensors view the receive buffer.
@@ -211,8 +215,8 @@ class WeightPuller:
         try:
             manifest = self._get_manifest(ctx, version, deadline, base)
             want, t = manifest.version, self._lap(phases, "manifest_s", t0)
-            if checksum and int(manifest.checksum) != checksum:
-                raise _Failed(lineage_mismatch(manifest.version, int(manifest.checksum), checksum))
+            if checksum and identity(int(manifest.checksum), adapter) != checksum:
+                raise _Failed(lineage_mismatch(manifest.version, identity(int(manifest.checksum), adapter), checksum))
 
             phase = "transfer"  # plan where the bytes go, then the streams
             buffer, delta = plan(manifest, into, base, self.buffer_factory)

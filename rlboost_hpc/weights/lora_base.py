@@ -1,4 +1,6 @@
-"""The base model of a LoRA run on a rollout node: its identity, and the node's cache of a base it had to pull.
+"""The base model of a LoRA run — one home for it: its identity, the node's cache of a base it had to pull, and where
+an instance gets it (:func:`fetch_base`). The trainer (its base server, its reserved engines) and every rollout
+instance call this module; nothing else computes a base's identity.
 
 The base never changes during a run. Its identity is the whole-version checksum a weight holder would give it
 (:func:`base_identity`: the tensors laid out and cast as a publish does, xxh3 per chunk, combined), so a node that
@@ -13,6 +15,17 @@ attempt, the local cluster's next worker) load it instead of pulling it again. I
   the checksum asked for; anything else is deleted and reported as absent.
 - Bounded: at most ``keep`` bases (the least recently used are deleted first), so what a run's instances leave on a
   node is at most ``keep`` bases, whichever attempt or run wrote them.
+
+Where an instance gets the base. Order (:func:`fetch_base`): the model directory the trainer named (``AdapterSpec.base_path``) when this node sees it
+— the shared filesystem every HPC node mounts, no network bytes —, else the node's cache of a base pulled before
+(:class:`~rlboost_hpc.weights.lora_base.NodeBaseCache`, verified chunk by chunk), else one full pull from the trainer's base
+server (checksummed and sealed like any version), kept in the node's cache for the node's later instances.
+
+Invariants:
+- The base an instance serves has exactly the run's checksum (``AdapterSpec.base_checksum``), whatever the source.
+- A model directory this node sees whose bytes are another base's is refused with :class:`BaseMismatch` naming the
+  directory and both checksums — the instance then refuses to serve, it does not fall back to pulling: the node's
+  view of the shared filesystem disagrees with the trainer's, and an operator must know.
 """
 from __future__ import annotations
 
@@ -25,12 +38,18 @@ from typing import Mapping
 
 import torch
 
+from rlboost_hpc.errors import BadInput
+from rlboost_hpc.models.arch import ModelArch
+from rlboost_hpc.protocol.adapter import EMULATED_BASE, AdapterSpec
+from rlboost_hpc.protocol.auth import RunKeys
 from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.protocol.weight_msgs import (MAX_MANIFEST_BYTES, Manifest, chunk_checksum, combine_checksums,
                                               decode_reply, encode, num_chunks, validate_manifest)
 from rlboost_hpc.weights import layout
+from rlboost_hpc.weights.source import BaseWeights
 
-__all__ = ["NodeBaseCache", "base_identity", "default_cache_dir"]
+__all__ = ["BaseMismatch", "NodeBaseCache", "base_identity", "default_cache_dir", "fetch_base",
+           "model_base"]
 
 log = logging.getLogger("rlboost.weights")
 
@@ -45,6 +64,18 @@ def base_identity(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype, ch
     view = memoryview(buf.numpy())
     digests = [chunk_checksum(view[i * chunk_bytes:(i + 1) * chunk_bytes]) for i in range(num_chunks(total, chunk_bytes))]
     return combine_checksums(digests), total
+
+
+def model_base(state_dict: Mapping[str, torch.Tensor], arch: ModelArch, dtype: torch.dtype, chunk_bytes: int
+               ) -> tuple[dict[str, torch.Tensor], int, int]:
+    """A model's weights as the base of a LoRA run: ``(base, checksum, nbytes)`` — its canonical tensors (HF names,
+    tied embeddings once: :func:`~rlboost_hpc.models.lora.canonical_base`) and their :func:`base_identity`. What the
+    trainer checks an initial adapter against and what an instance that reads ``model.path`` compares with the run's."""
+    from rlboost_hpc.models.lora import canonical_base
+
+    base = canonical_base(state_dict, arch)
+    checksum, nbytes = base_identity(base, dtype, chunk_bytes)
+    return base, checksum, nbytes
 
 
 def default_cache_dir() -> Path:
@@ -149,3 +180,55 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+class BaseMismatch(BadInput):
+    """The base this instance could load is not the run's (or it can load none); the message says which and why."""
+
+
+def fetch_base(spec: AdapterSpec, arch: ModelArch, *, keys: RunKeys | None, cache: NodeBaseCache, streams: int,
+               window: int, timeout_s: float, label: str = "") -> BaseWeights:
+    """The run's base for this node (module docstring for the order).
+
+    Raises:
+        BaseMismatch: the model directory this node sees holds another base (or cannot be read), or the base is
+            neither there nor served by the trainer, or the trainer's base server sent a base of another checksum.
+        WeightTransferError: the pull from the base server failed (the agent retries it).
+    """
+    from rlboost_hpc.models.hf_dir import read_state_dict
+
+    t0 = time.monotonic()
+    dtype = layout.dtype_from_name(spec.base_dtype)
+    want = int(spec.base_checksum)
+    if spec.base_path.startswith(EMULATED_BASE):  # a load test's base: the emulated engine models its load
+        return BaseWeights({}, want, int(spec.base_bytes), "path")
+    path = Path(spec.base_path) if spec.base_path else None
+    if path is not None and path.is_dir():
+        try:
+            sd, got, nbytes = model_base(read_state_dict(path, arch, dtype=dtype), arch, dtype, spec.base_chunk_bytes)
+        except (BadInput, KeyError, OSError) as e:
+            raise BaseMismatch(f"the base model at {path} (model.path) on this node cannot be read: {e}") from None
+        if got != want:
+            raise BaseMismatch(f"the base model at {path} on this node has checksum {got:016x}; the run's base is "
+                               f"{want:016x} ({spec.base_bytes} bytes as {spec.base_dtype}): this node sees another "
+                               "model directory than the trainer (another version of the files); refusing to serve")
+        return BaseWeights(sd, got, nbytes, "path", time.monotonic() - t0)
+    held = cache.load(want)
+    if held is not None:
+        m, buf = held
+        return BaseWeights(layout.state_view(buf, m.tensors), want, m.total_bytes, "cache", time.monotonic() - t0)
+    if not spec.base_endpoint:
+        raise BaseMismatch(f"the base model is not at {spec.base_path or '(no model.path)'} on this node and the "
+                           "trainer serves no base: nothing to load")
+    from rlboost_hpc.weights.puller import WeightPuller
+
+    got = WeightPuller(spec.base_endpoint, streams=streams, window=window, timeout_s=timeout_s, keys=keys,
+                       label=f"{label} (base)").pull(None)
+    if int(got.checksum) != want:
+        raise BaseMismatch(f"the trainer's base server {spec.base_endpoint} sent a base of checksum "
+                           f"{int(got.checksum):016x}; the run's base is {want:016x}")
+    cache.store(got.manifest, got.buffer)
+    log.info("base %016x pulled from %s (%.1f MB in %.1fs) and kept in %s", want, spec.base_endpoint,
+             got.nbytes / 1e6, time.monotonic() - t0, cache.root)
+    return BaseWeights(got.state_dict, want, int(got.nbytes), "pull", time.monotonic() - t0,
+                       int(got.phases.get("bytes_received", got.nbytes)))
