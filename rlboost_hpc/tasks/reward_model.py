@@ -31,11 +31,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["DEFAULT_JUDGE_TEMPLATE", "DEFAULT_SCORE_PATTERN", "RewardModelClient", "RewardModelError"]
+from rlboost_hpc.config_task import RewardModelCfg
 
-DEFAULT_JUDGE_TEMPLATE = ("You grade a model's answer.\nTask:\n{prompt}\n\nAnswer:\n{completion}\n\n"
-                          "Reply with one line: 'Score: <number from 0 to 1>'.")
-DEFAULT_SCORE_PATTERN = r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)"
+__all__ = ["RewardModelClient", "RewardModelError"]
+
 _BACKOFF_S = 0.2
 
 
@@ -64,33 +63,27 @@ def _scores_of(answer: Any, n: int) -> list[float]:
 
 @dataclass(frozen=True)
 class RewardModelClient:
-    """The client of one endpoint (see the module docstring). Picklable: each reward process builds its own
-    connections. ``timeout_s``: deadline of one request (s); ``retries``: tries after the first."""
+    """The client of one endpoint (see the module docstring), configured by ``cfg`` (``task.reward_model``: the one
+    home of its fields and defaults). Picklable: each reward process builds its own connections."""
 
-    url: str
-    kind: str = "judge"
-    model: str = ""
-    api_key_env: str | None = None
-    prompt_template: str = DEFAULT_JUDGE_TEMPLATE
-    score_pattern: str = DEFAULT_SCORE_PATTERN
-    score_max: float = 1.0
-    max_tokens: int = 64
-    timeout_s: float = 30.0
-    retries: int = 3
-    concurrency: int = 8
+    cfg: RewardModelCfg
+
+    @property
+    def url(self) -> str:
+        return self.cfg.url
 
     def call_budget_s(self) -> float:
         """The longest one group's scoring can take (every request's tries and backoffs, serialised by the
         concurrency bound): the reward pool's deadline for it."""
-        waves = 1 if self.kind == "score" else 8  # a group larger than 8 × concurrency waits longer; bounded here
-        return waves * (self.retries + 1) * (self.timeout_s + _BACKOFF_S * 2 ** self.retries) + 1.0
+        waves = 1 if self.cfg.kind == "score" else 8  # a group larger than 8 × concurrency waits longer; bounded here
+        return waves * (self.cfg.retries + 1) * (self.cfg.timeout_s + _BACKOFF_S * 2 ** self.cfg.retries) + 1.0
 
     def _headers(self) -> dict[str, str]:
         h = {"Content-Type": "application/json"}
-        if self.api_key_env:
-            key = os.environ.get(self.api_key_env)
+        if self.cfg.api_key_env:
+            key = os.environ.get(self.cfg.api_key_env)
             if not key:
-                raise RewardModelError(f"the environment variable {self.api_key_env} (task.reward_model.api_key_env) "
+                raise RewardModelError(f"the environment variable {self.cfg.api_key_env} (task.reward_model.api_key_env) "
                                        "is not set")
             h["Authorization"] = f"Bearer {key}"
         return h
@@ -99,38 +92,38 @@ class RewardModelClient:
         """POST ``body`` with retries (see the module docstring); the decoded JSON answer."""
         data, headers = json.dumps(body).encode(), self._headers()
         last = ""
-        for attempt in range(self.retries + 1):
+        for attempt in range(self.cfg.retries + 1):
             if attempt:
                 time.sleep(random.uniform(0, _BACKOFF_S * 2 ** attempt))  # exponential backoff, full jitter
             req = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                with urllib.request.urlopen(req, timeout=self.cfg.timeout_s) as r:
                     return json.loads(r.read().decode())
             except urllib.error.HTTPError as e:
                 if e.code != 429 and e.code < 500:
                     raise RewardModelError(f"{self.url} answered HTTP {e.code}: {e.read()[:200]!r}") from None
                 last = f"HTTP {e.code}"
             except (socket.timeout, TimeoutError):
-                last = f"no answer within {self.timeout_s:g} s"
+                last = f"no answer within {self.cfg.timeout_s:g} s"
             except (urllib.error.URLError, ConnectionError, OSError) as e:
                 last = f"connection failed ({getattr(e, 'reason', e)})"
             except json.JSONDecodeError:
                 raise RewardModelError(f"{self.url} answered something that is not JSON") from None
-        raise RewardModelError(f"{self.url}: {last} after {self.retries + 1} tries")
+        raise RewardModelError(f"{self.url}: {last} after {self.cfg.retries + 1} tries")
 
     def _judge_one(self, prompt: Any, completion: str) -> float:
         fields = {k: v for k, v in prompt.meta.items() if isinstance(k, str)}
-        content = self.prompt_template.format_map({**fields, "prompt": _prompt_text(prompt), "completion": completion})
-        answer = self._post({"model": self.model, "messages": [{"role": "user", "content": content}],
-                             "temperature": 0, "max_tokens": self.max_tokens})
+        content = self.cfg.prompt_template.format_map({**fields, "prompt": _prompt_text(prompt), "completion": completion})
+        answer = self._post({"model": self.cfg.model, "messages": [{"role": "user", "content": content}],
+                             "temperature": 0, "max_tokens": self.cfg.max_tokens})
         try:
             text = answer["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):
             raise RewardModelError(f"{self.url} answered no choices[0].message.content: {str(answer)[:120]!r}") from None
-        m = re.search(self.score_pattern, text or "")
+        m = re.search(self.cfg.score_pattern, text or "")
         if m is None:
-            raise RewardModelError(f"the judge's reply has no score matching {self.score_pattern!r}: {text[:120]!r}")
-        return float(m.group(1)) / self.score_max
+            raise RewardModelError(f"the judge's reply has no score matching {self.cfg.score_pattern!r}: {text[:120]!r}")
+        return float(m.group(1)) / self.cfg.score_max
 
     def score(self, prompt: Any, completions: Sequence[str]) -> list[float]:
         """Scores of ``completions`` of ``prompt`` (a :class:`~rlboost_hpc.tasks.base.Prompt`), in order.
@@ -138,13 +131,13 @@ class RewardModelClient:
         Raises:
             RewardModelError: see the module docstring.
         """
-        if self.kind == "score":
+        if self.cfg.kind == "score":
             p = _prompt_text(prompt)
             gold = prompt.meta.get("answer", prompt.meta.get("ground_truth"))
             body = {"prompts": [p] * len(completions), "completions": list(completions),
                     "query": [p + c for c in completions], "labels": [gold] * len(completions)}
-            if self.model:
-                body["model"] = self.model
+            if self.cfg.model:
+                body["model"] = self.cfg.model
             return _scores_of(self._post(body), len(completions))
-        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(completions)))) as pool:
+        with ThreadPoolExecutor(max_workers=max(1, min(self.cfg.concurrency, len(completions)))) as pool:
             return list(pool.map(lambda c: self._judge_one(prompt, c), completions))

@@ -195,7 +195,7 @@ class UserTask(Task):
                                    f"task.dataset (columns: {', '.join(columns)}) nor prompt/completion")
         if rm.api_key_env and not os.environ.get(rm.api_key_env):
             raise BadInput(f"task.reward_model.api_key_env = {rm.api_key_env}: that environment variable is not set")
-        client = RewardModelClient(**rm.model_dump(exclude={"name", "weight"}))
+        client = RewardModelClient(rm)
         name = rm.name if rm.name not in names else rm.name + "_"
         return RewardComponent(name=name, weight=weight, kind="model", key="task.reward_model",
                                timeout_s=client.call_budget_s(), model=client)
