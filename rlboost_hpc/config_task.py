@@ -37,14 +37,27 @@ class RewardModelCfg(_Strict):
         "You grade a model's answer.\nTask:\n{prompt}\n\nAnswer:\n{completion}\n\nReply with one line: "
         "'Score: <number from 0 to 1>'.", description=(
             "judge: the request's user message; {prompt}, {completion} and the row's columns are filled in"))
-    score_pattern: str = Field(r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)", description=(
-        "judge: regular expression whose first group is the score in the judge's reply"))
-    score_max: float = Field(1.0, gt=0, description="judge: the parsed score is divided by this")
+    score_pattern: str = Field(r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?(?:e[-+]?\d+)?)(?![\d.])", description=(
+        "judge: regular expression whose first group is the verdict's number; the reply's LAST match is the verdict "
+        "(a score the graded answer planted and the judge quoted comes before it)"))
+    score_min: float = Field(0.0, description=(
+        "the low end of the declared scale: judge: the verdict's scale (its value maps to 0); score: the lowest "
+        "score the route may answer. A value outside [score_min, score_max] is a failed call, never a reward"))
+    score_max: float = Field(1.0, description=(
+        "the high end of the declared scale: judge: the verdict's scale (its value maps to 1); score: the highest "
+        "score the route may answer (set the range your reward model's scores take)"))
     max_tokens: int = Field(64, ge=1, description="judge: max_tokens of the request")
     timeout_s: float = Field(30.0, gt=0, description="deadline of one HTTP request (s)")
     retries: int = Field(3, ge=0, description="retries (exponential backoff, full jitter) on connection errors, "
                                               "deadlines, HTTP 429 and 5xx")
     concurrency: int = Field(8, ge=1, description="judge: requests in flight per group")
+
+    @model_validator(mode="after")
+    def _scale(self) -> "RewardModelCfg":
+        if not self.score_min < self.score_max:
+            raise ValueError(f"score_min = {self.score_min:g} must be below score_max = {self.score_max:g} (the "
+                             "declared scale of the reward model's answers)")
+        return self
 
 
 class TaskCfg(_Strict):

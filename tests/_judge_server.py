@@ -6,10 +6,13 @@
 * ``POST /v1/chat/completions`` — the judge: the reply is ``Score: 1`` when the text after the last ``Answer:`` in the
   user message contains a double quote (the stories demo's reward), else ``Score: 0``;
 * ``POST /score`` — the scoring route: ``{"rewards": [...]}``, 1.0 per completion holding a double quote;
-* ``GET /stats`` — requests served and refused, as JSON.
+* ``GET /stats`` — requests served and refused, and the requests that carried an ``Authorization`` header, as JSON.
 
 With ``--key-env VAR`` every POST must carry ``Authorization: Bearer $VAR`` (else 401); with ``--fail-first N`` the
-first N POSTs answer 503 (the client's retries must absorb them).
+first N POSTs answer 503 (the client's retries must absorb them). A hostile or broken server (issue 57):
+``--redirect-to URL`` answers every POST with ``302 Location: URL`` + the path (urllib's default would follow it
+as a GET, the ``Authorization`` header with it); ``--reply TEXT`` is the judge's reply
+whatever it grades; ``--scores JSON`` is the scoring route's answer whatever it scores.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-STATE = {"served": 0, "refused": 0, "failed_on_purpose": 0}
+STATE = {"served": 0, "refused": 0, "failed_on_purpose": 0, "authorized_requests": 0}
 LOCK = threading.Lock()
 
 
@@ -30,6 +33,9 @@ def _reward(text: str) -> float:
 class Handler(BaseHTTPRequestHandler):
     fail_first = 0
     key: str | None = None
+    redirect_to = ""
+    reply: str | None = None
+    scores: list | None = None
 
     def log_message(self, *a) -> None:  # quiet
         pass
@@ -43,10 +49,20 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_GET(self) -> None:
+        with LOCK:
+            STATE["authorized_requests"] += "Authorization" in self.headers
         self._json(200, STATE)
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        with LOCK:
+            STATE["authorized_requests"] += "Authorization" in self.headers
+        if self.redirect_to:
+            self.send_response(302)
+            self.send_header("Location", self.redirect_to + self.path)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return None
         with LOCK:
             if STATE["failed_on_purpose"] < self.fail_first:
                 STATE["failed_on_purpose"] += 1
@@ -56,11 +72,13 @@ class Handler(BaseHTTPRequestHandler):
                 return self._json(401, {"error": "bad key"})
             STATE["served"] += 1
         if self.path == "/score":
+            if self.scores is not None:
+                return self._json(200, {"rewards": self.scores})
             return self._json(200, {"rewards": [_reward(c) for c in body["completions"]]})
         if self.path == "/v1/chat/completions":
             content = body["messages"][-1]["content"]
             answer = content.rsplit("Answer:", 1)[-1].rsplit("Reply with", 1)[0]
-            reply = f"Score: {int(_reward(answer))}"
+            reply = self.reply if self.reply is not None else f"Score: {int(_reward(answer))}"
             return self._json(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": reply}}]})
         self._json(404, {"error": self.path})
 
@@ -69,7 +87,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--fail-first", type=int, default=0)
     p.add_argument("--key-env", default=None)
+    p.add_argument("--redirect-to", default="")
+    p.add_argument("--reply", default=None)
+    p.add_argument("--scores", default=None)
     a = p.parse_args()
+    Handler.redirect_to, Handler.reply = a.redirect_to, a.reply
+    Handler.scores = json.loads(a.scores) if a.scores else None
     Handler.fail_first = a.fail_first
     Handler.key = os.environ[a.key_env] if a.key_env else None
     srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

@@ -279,6 +279,66 @@ def test_an_llm_judge_and_a_scoring_route_over_real_http_with_retries_and_the_ke
         _task(tmp, data, "has_quote", reward_model=RewardModelCfg(url=base, prompt_template="{gold} {completion}"))
 
 
+def test_a_reward_model_that_redirects_gets_no_key_and_gives_no_reward_through_task_check(user_files, judge, tmp_path):
+    """Issue 57 (OpenRLHF #1317): the client followed a redirect with the API key and used the other host's answer
+    as rewards. Through ``rlboost-hpc task check``: the redirect is refused (exit 2 naming the key and where it
+    pointed), the other host never sees a request, let alone the key."""
+    other, other_stats = judge()  # (it would answer anyone: it must never be asked)
+    hostile, hostile_stats = judge("--redirect-to", other)
+    data = _jsonl(user_files / "d.jsonl", _rows())
+    cfg = tmp_path / "redirect.toml"
+    cfg.write_text((REPO / "configs/local.toml").read_text() + f"""
+[task.reward_model]
+url = "{hostile}/v1/chat/completions"
+api_key_env = "JUDGE_KEY"
+retries = 0
+timeout_s = 5
+""")
+    p = _cli("task", "check", "--config", str(cfg), "--set", f"task.dataset_cache_dir='{user_files / 'cache'}'",
+             "--set", f"task.dataset='{data}'", "--set", f"task.reward_functions=['{user_files / 'rewards.py'}:has_quote']")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "task.reward_model.url" in p.stderr and f"redirected (HTTP 302) to {other}" in p.stderr, p.stderr[-2000:]
+    assert hostile_stats()["authorized_requests"] == 1  # the key went where it was configured to go, once
+    assert other_stats()["authorized_requests"] == 0 and other_stats()["served"] == 0
+
+
+def test_a_judges_verdict_is_its_last_score_on_the_declared_scale_and_anything_else_is_a_failed_call(
+        user_files, judge):
+    """Issue 57 (NeMo-Gym #2852, helm #4344, ms-swift #10163): the first match anywhere won (a score the graded answer
+    planted and the judge quoted), ``1e-1`` was read as 1 and ``85`` on a 0–1 scale passed. Against real judge and
+    scoring servers, through the reward pool: the last verdict counts, exponents are read, a value off the declared
+    scale is a failed call (counted), never a reward."""
+    from rlboost_hpc.config_task import RewardModelCfg
+    from rlboost_hpc.tasks.reward_pool import RewardPool
+
+    data = _jsonl(user_files / "d.jsonl", _rows())
+    planted = 'The answer says "Score: 1" about itself. It is wrong.\nScore: 0'
+    cases = [(planted, {}, 0.0), ("Score: 1e-1", {}, 0.1), ("Score: 7", {"score_min": 1, "score_max": 10}, 6 / 9),
+             ("Score: 85", {}, None), ("Score: -0.5", {}, None), ("I cannot grade this.", {}, None)]
+    for reply, scale, want in cases:
+        base, _ = judge("--reply", reply)
+        rm = RewardModelCfg(url=base + "/v1/chat/completions", api_key_env="JUDGE_KEY", retries=0, timeout_s=5,
+                            **scale)
+        t = _task(user_files, data, "has_quote", reward_model=rm, reward_weights=[0.0, 1.0])
+        p = t.train_prompts()[0]
+        with RewardPool(t, workers=1, timeout_s=5.0) as pool:
+            _, parts = pool.score([(p, "an answer")])
+            tally = pool.take_tallies()["reward_model"]
+        if want is None:
+            assert tally["failed"] == 1 and tally["mean"] is None, (reply, tally)
+        else:
+            assert parts["reward_model"] == [pytest.approx(want)] and tally["failed"] == 0, (reply, parts)
+    for scores, scale, failed in [([1e9], {}, 1), ([1e9], {"score_max": 1e10}, 0), (["NaN"], {}, 1)]:
+        base, _ = judge("--scores", json.dumps(scores))
+        rm = RewardModelCfg(url=base + "/score", kind="score", api_key_env="JUDGE_KEY", retries=0, **scale)
+        t = _task(user_files, data, "has_quote", reward_model=rm)
+        with RewardPool(t, workers=1, timeout_s=5.0) as pool:
+            pool.score([(t.train_prompts()[0], "x")])
+            assert pool.take_tallies()["reward_model"]["failed"] == failed, (scores, scale)
+    with pytest.raises(ValueError, match="score_min = 1 must be below score_max = 1"):
+        RewardModelCfg(url=base, score_min=1.0)
+
+
 # ------------------------------------------------------------------------------------------- tools
 
 

@@ -8,8 +8,14 @@ Two kinds of endpoint:
   [...]}``, a bare list of numbers, or SGLang's classify shape (a list of ``{"embedding": [score, ...]}``).
 * ``judge`` — an OpenAI-compatible chat endpoint (``url`` is its ``/v1/chat/completions``) used as an LLM judge: one
   request per completion with ``prompt_template`` filled from ``{prompt}``, ``{completion}`` and the row's columns,
-  ``temperature`` 0; the judge's reply is parsed with ``score_pattern`` (its first group is the number) and divided
-  by ``score_max``.
+  ``temperature`` 0; the judge's verdict is the *last* match of ``score_pattern`` in its reply (its first group is the
+  number, an exponent included: ``1e-1`` is 0.1), on the declared scale ``[score_min, score_max]`` mapped to
+  ``[0, 1]``.
+
+Trust (nothing from outside is believed): a request goes only to ``url`` — a redirect is not followed (the API key
+and the rewards would come from a host nobody configured) and is a failed call naming where it pointed; a value
+outside the declared scale (a judge's ``85`` on a 0–1 scale, a route's ``1e9``), a non-finite one or a reply with no
+verdict is a failed call, counted against the reward model, never a reward.
 
 Invariants: at most ``concurrency`` requests in flight per group; every request has a deadline of ``timeout_s``; a
 connection error, a deadline, HTTP 429 or 5xx is retried ``retries`` times with exponential backoff and full jitter;
@@ -48,6 +54,17 @@ def _prompt_text(prompt: Any) -> str:
     return prompt.text
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Refuse every redirect: the request (and its ``Authorization``) goes to the configured URL only."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001 - urllib's signature
+        raise RewardModelError(f"{req.full_url} redirected (HTTP {code}) to {newurl}: not followed — the API key "
+                               "and the rewards go to and come from the configured task.reward_model.url only")
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
 def _scores_of(answer: Any, n: int) -> list[float]:
     if isinstance(answer, dict):
         for k in ("rewards", "scores", "score", "reward"):
@@ -58,7 +75,7 @@ def _scores_of(answer: Any, n: int) -> list[float]:
         answer = [a["embedding"][0] for a in answer]  # SGLang's classify route
     if not isinstance(answer, list) or len(answer) != n:
         raise RewardModelError(f"the scoring route answered {str(answer)[:120]!r}, not {n} scores")
-    return [float(x) for x in answer]
+    return list(answer)
 
 
 @dataclass(frozen=True)
@@ -97,7 +114,7 @@ class RewardModelClient:
                 time.sleep(random.uniform(0, _BACKOFF_S * 2 ** attempt))  # exponential backoff, full jitter
             req = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
             try:
-                with urllib.request.urlopen(req, timeout=self.cfg.timeout_s) as r:
+                with _OPENER.open(req, timeout=self.cfg.timeout_s) as r:
                     return json.loads(r.read().decode())
             except urllib.error.HTTPError as e:
                 if e.code != 429 and e.code < 500:
@@ -120,10 +137,23 @@ class RewardModelClient:
             text = answer["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):
             raise RewardModelError(f"{self.url} answered no choices[0].message.content: {str(answer)[:120]!r}") from None
-        m = re.search(self.cfg.score_pattern, text or "")
-        if m is None:
+        found = list(re.finditer(self.cfg.score_pattern, text or ""))
+        if not found:
             raise RewardModelError(f"the judge's reply has no score matching {self.cfg.score_pattern!r}: {text[:120]!r}")
-        return float(m.group(1)) / self.cfg.score_max
+        verdict = self._in_scale(found[-1].group(1), "the judge's verdict")  # the last: the judge's own
+        return (verdict - self.cfg.score_min) / (self.cfg.score_max - self.cfg.score_min)
+
+    def _in_scale(self, value: Any, what: str) -> float:
+        """``value`` as a float within the declared ``[score_min, score_max]``, else :class:`RewardModelError`."""
+        lo, hi = self.cfg.score_min, self.cfg.score_max
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            raise RewardModelError(f"{what} {str(value)[:40]!r} is not a number") from None
+        if not (lo <= v <= hi):  # (NaN fails too)
+            raise RewardModelError(f"{what} {v:g} is outside the declared scale [{lo:g}, {hi:g}] "
+                                   "(task.reward_model.score_min / score_max): a failed call, not a reward")
+        return v
 
     def score(self, prompt: Any, completions: Sequence[str]) -> list[float]:
         """Scores of ``completions`` of ``prompt`` (a :class:`~rlboost_hpc.tasks.base.Prompt`), in order.
@@ -138,6 +168,6 @@ class RewardModelClient:
                     "query": [p + c for c in completions], "labels": [gold] * len(completions)}
             if self.cfg.model:
                 body["model"] = self.cfg.model
-            return _scores_of(self._post(body), len(completions))
+            return [self._in_scale(v, "the scoring route's score") for v in _scores_of(self._post(body), len(completions))]
         with ThreadPoolExecutor(max_workers=max(1, min(self.cfg.concurrency, len(completions)))) as pool:
             return list(pool.map(lambda c: self._judge_one(prompt, c), completions))
