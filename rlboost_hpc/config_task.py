@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = ["RewardModelCfg", "TaskCfg", "anchor_task_paths"]
 
@@ -124,10 +124,20 @@ class TaskCfg(_Strict):
         "in the reward processes under task.reward_timeout_s per group"))
     reward_weights: list[float] | None = Field(None, description=(
         "one weight per reward function (then the reward model's, task.reward_model.weight); unset: 1 each"))
-    reward_errors: Literal["zero", "fail"] = Field("zero", description=(
-        "a reward function that raises, times out or returns a wrong length, NaN or a non-number: zero = its "
-        "term is 0 for that group (counted per function, first failure logged with the row); fail = the run "
-        "exits 1 naming the function"))
+    reward_errors: Literal["skip", "fail"] = Field("skip", description=(
+        "a reward component (function, reward model, environment) that raises, times out or returns a wrong length, "
+        "NaN, a non-number or a value off its scale: skip = that GRPO group is left out of the step (its rewards are "
+        "no rewards: counted per function and in responses_left_out, first failure logged with the row); fail = the "
+        "run exits 1 naming the function"))
+
+    @field_validator("reward_errors", mode="before")
+    @classmethod
+    def _reward_errors_zero(cls, v: Any) -> Any:
+        if v == "zero":
+            raise ValueError("'zero' is gone: it scored a failed component 0 and trained the group on the terms left "
+                             "(their advantages re-normalised, a 0.1-weight term became a full ±1 advantage); use "
+                             "'skip' (the group is left out of the step) or 'fail'")
+        return v
     reward_model: RewardModelCfg | None = Field(None, description=(
         "a reward model or LLM judge behind HTTP, combined with the reward functions by weight"))
     tools: list[str] = Field(default_factory=list, description=(

@@ -337,9 +337,9 @@ def test_the_environments_return_joins_the_reward_functions_by_weight_and_its_fa
     items = [(p, "go up"), (p, "stay"), (p, "down")]
     env = [(0.5, ""), (1.1, ""), (0.0, "error: ValueError: boom")]
     with RewardPool(task, workers=1, timeout_s=10.0) as pool:
-        rewards, parts = pool.score(items, None, env)
-        assert parts == {"names_a_direction": [1.0, 0.0, 1.0], "Counter": [0.5, 1.1, 0.0]}
-        assert rewards == pytest.approx([0.2 + 0.5, 1.1, 0.2])
+        rewards, parts, failed = pool.score(items, None, env)
+        assert parts == {"names_a_direction": [1.0, 0.0, 1.0], "Counter": [0.5, 1.1, None]}
+        assert rewards[:2] == pytest.approx([0.2 + 0.5, 1.1]) and failed == (False, False, True)
         assert pool.take_tallies()["Counter"] == {"calls": 3, "failed": 1, "timed_out": 0, "mean": 0.8}
         with pytest.raises(ValueError, match="Counter"):
             pool.score(items)  # an environment's task is never scored without its trajectories' returns

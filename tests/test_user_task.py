@@ -193,7 +193,8 @@ def test_signatures_are_told_apart_and_unusable_ones_are_bad_input(user_files):
 
 def test_the_reward_pool_combines_functions_by_weight_and_counts_each_failure(user_files, caplog):
     """TRL (with columns, ids, async), verl (dict, async), None = not applicable; a function that raises, returns the
-    wrong length, NaN, a string or hangs past its deadline: its term is 0, counted per function, logged once."""
+    wrong length, NaN, a string or hangs past its deadline: it failed — its values None, the answers marked failed
+    (their group is left out of the step, never trained on the terms left), counted per function, logged once."""
     from rlboost_hpc.tasks.reward_pool import RewardFunctionFailed, RewardPool
 
     tmp = user_files
@@ -204,17 +205,19 @@ def test_the_reward_pool_combines_functions_by_weight_and_counts_each_failure(us
     p = t.train_prompts()[0]
     with RewardPool(t, workers=2, timeout_s=3.0) as pool:
         items = [(p, 'She said "the end"'), (p, "no quote")]
-        r, parts = pool.score(items, [[5, 6, 7], [8]])
+        r, parts, failed = pool.score(items, [[5, 6, 7], [8]])
         assert parts["has_quote"] == [1.0, 0.0] and parts["by_column"] == [1.0, 0.0]
         assert parts["async_len"] == [3.0, 1.0] and parts["compute_score"] == [1.0, 0.0]
         assert parts["async_verl"] == [0.5, 0.5] and parts["not_applicable"] == [None, None]
         assert r == [1.0 + 2.0 + 1.5 + 1.0 + 0.5, 0.5 + 0.5]
         for name in bad:
-            assert parts[name] == [0.0, 0.0]
+            assert parts[name] == [None, None]
+        assert failed == (True, True)
         tallies = pool.take_tallies()
         assert tallies["hangs"]["timed_out"] == 1 and all(tallies[n]["failed"] == 1 for n in bad[:-1])
         assert tallies["has_quote"] == {"calls": 1, "failed": 0, "timed_out": 0, "mean": 0.5}
-        pool.score(items)
+        assert all(tallies[n]["mean"] is None for n in bad)  # means over successful calls only
+        assert pool.score(items[:1]).failed == (True,)  # (any failed component marks the answer)
         assert [r.getMessage() for r in caplog.records].count(
             next(m.getMessage() for m in caplog.records if "reward raises" in m.getMessage())) == 1
     t.cfg.reward_errors = "fail"
@@ -260,7 +263,7 @@ def test_an_llm_judge_and_a_scoring_route_over_real_http_with_retries_and_the_ke
     assert t.check_endpoint() > 0  # two 503s absorbed by the retries
     p = t.train_prompts()[0]
     with RewardPool(t, workers=1, timeout_s=5.0) as pool:
-        r, parts = pool.score([(p, 'a "quote"'), (p, "none")])
+        r, parts, _ = pool.score([(p, 'a "quote"'), (p, "none")])
     assert parts["reward_model"] == [1.0, 0.0] and r == [1.5, 0.0]
     assert stats()["failed_on_purpose"] == 2 and stats()["refused"] == 0
     score = _task(tmp, data, "has_quote", reward_model=RewardModelCfg(url=base + "/score", kind="score",
@@ -322,7 +325,7 @@ def test_a_judges_verdict_is_its_last_score_on_the_declared_scale_and_anything_e
         t = _task(user_files, data, "has_quote", reward_model=rm, reward_weights=[0.0, 1.0])
         p = t.train_prompts()[0]
         with RewardPool(t, workers=1, timeout_s=5.0) as pool:
-            _, parts = pool.score([(p, "an answer")])
+            parts = pool.score([(p, "an answer")]).parts
             tally = pool.take_tallies()["reward_model"]
         if want is None:
             assert tally["failed"] == 1 and tally["mean"] is None, (reply, tally)

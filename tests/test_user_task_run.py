@@ -163,3 +163,37 @@ def test_the_tools_example_runs_its_two_tools_in_the_tool_processes(tmp_path, st
     rep = json.loads((tmp_path / "run/report.json").read_text())
     assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0 and rep["environment_calls"] > 0
     assert rep["turns_per_trajectory_mean"] > 1.0 and set(rep["reward_functions"]) == {"dialogue", "mentions_topic"}
+
+
+def test_a_group_whose_judge_failed_is_left_out_not_trained_on_the_terms_left(tmp_path):
+    """Issue 57 (verl-omni #366, NeMo-RL #2479): a failed component scored 0 and the group's advantages were built
+    from the components left — a 0.1-weight format reward became a full ±1 advantage — and the judge's mean in the
+    step's metrics included the failures. Through ``rlboost-hpc run``: a judge-like function that fails on a quarter
+    of the rows (raises) beside a 0.1-weight format reward; those groups are left out (counted, none lost), the
+    judge's mean is over its successful calls only (it gives 1.0 wherever it answers)."""
+    data = tmp_path / "stories.jsonl"
+    rows = [{"prompt": o, "broken": i % 4 == 0} for i, o in enumerate(OPENINGS)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "rewards.py").write_text(
+        "def quoted(prompts, completions, **columns):\n"
+        "    return [1.0 if '\"' in c else 0.0 for c in completions]\n\n\n"
+        "def judged(prompts, completions, broken, **columns):\n"
+        "    if broken[0]:\n"
+        "        raise RuntimeError('the judge is down for this row')\n"
+        "    return [1.0] * len(completions)\n")
+    sets = [f"task.dataset='{data}'", f"task.dataset_cache_dir='{tmp_path / 'cache'}'", "task.heldout_fraction=0.25",
+            "task.heldout_prompts=4", f"task.reward_functions=['{tmp_path}/rewards.py:quoted', "
+            f"'{tmp_path}/rewards.py:judged']", "task.reward_weights=[0.1, 1.0]", "trainer.steps=3",
+            "trainer.export_model=false", "trainer.eval_samples=1"]
+    p = _run(tmp_path / "run", REPO / "configs/local.toml", *sets)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = json.loads((tmp_path / "run/report.json").read_text())
+    metrics = _metrics(tmp_path / "run")
+    judged = rep["reward_functions"]["judged"]
+    assert judged["failed"] > 0 and judged["mean"] == 1.0, judged  # failures counted, not averaged in as zeros
+    left = sum(m["responses_left_out"] for m in metrics)
+    assert left > 0 and rep["responses_left_out"] == left and left % 8 == 0  # whole groups (G = 8), never a part
+    assert rep["responses_lost"] == 0 and rep["prompts_not_trained_exactly_once"] == 0
+    assert rep["responses_trained"] == sum(m["responses"] for m in metrics)  # (the groups left out: not trained)
+    for m in metrics:
+        assert m["reward_functions"].get("judged", 1.0) == 1.0  # the step's mean: successful calls only

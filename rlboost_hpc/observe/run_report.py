@@ -14,7 +14,8 @@ Schema (:class:`RunReport`; every key below is always present except the multi-t
   ``clip_eps_high``, ``kl_coef``, ``kl_estimator``, ``behaviour_correction``, ``behaviour_cap``,
   ``behaviour_level``, ``mask_truncated``), ``model_out`` (the exported model directory, or ``null``),
   ``model`` (path, architecture, parameters, chat template, devices), ``examples_after`` (held-out samples).
-- exactly-once: ``responses_trained``, ``responses_lost`` (expected − trained), ``responses_duplicated``,
+- exactly-once: ``responses_trained``, ``responses_left_out`` (of groups a reward component failed on: not trained,
+  ``task.reward_errors = skip``), ``responses_lost`` (expected − trained − left out), ``responses_duplicated``,
   ``prompts_not_trained_exactly_once``, ``tokens_trained``, ``tokens_trained_off_version`` (must be 0),
   ``tokens_masked_too_stale`` (bounded staleness: tokens older than k versions, loss-masked; must be 0),
   ``off_version_tokens_rejected``, ``late_tokens_dropped``; ``max_staleness`` (k; 0 = strict on-policy) and
@@ -148,6 +149,7 @@ class RunReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     model_out: str | None
     model: dict[str, Any]
     responses_trained: int
+    responses_left_out: int
     responses_lost: int
     responses_duplicated: int
     preemptions: int
@@ -381,7 +383,8 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         kl_to_reference_nats_per_token=kl, quality_gate_passed=not failed if evaluated else None,
         quality_gate_failures=failed, objective=objective, model_out=model_out, model=model,
         responses_trained=totals.responses_trained,
-        responses_lost=totals.responses_expected - totals.responses_trained,
+        responses_left_out=totals.responses_left_out,
+        responses_lost=totals.responses_expected - totals.responses_trained - totals.responses_left_out,
         responses_duplicated=totals.responses_duplicated,
         preemptions=tally.preemptions_warned + tally.kills, preemptions_with_warning=tally.preemptions_warned,
         kills_without_warning=tally.kills, worker_starts=tally.starts, responses_migrated=tally.responses_migrated,

@@ -46,11 +46,14 @@ class Prompt:
 
 class Scored(NamedTuple):
     """What scoring ``n`` answers gives, for every task alike: ``rewards`` (n floats, each the weighted sum of its
-    components) and ``parts`` (component name → n values, ``None`` where the component gave none; empty for a task
-    whose :meth:`~rlboost_hpc.tasks.base.Task.reward` is its one component)."""
+    components' values), ``parts`` (component name → n values, ``None`` where the component gave none — it does not
+    apply, or it failed; empty for a task whose :meth:`~rlboost_hpc.tasks.base.Task.reward` is its one component) and
+    ``failed`` (n flags: a component failed on that answer — its reward is not a reward, and its GRPO group is left
+    out of the step; empty: none failed)."""
 
     rewards: list[float]
     parts: dict[str, list[float | None]]
+    failed: tuple[bool, ...] = ()
 
 
 class Task(abc.ABC):
@@ -83,9 +86,9 @@ class Task(abc.ABC):
     #: model and environment, :class:`~rlboost_hpc.tasks.user_rewards.RewardComponent`); empty: :meth:`reward` is
     #: the one component.
     components: Sequence[Any] = ()
-    #: what a failed component does (``task.reward_errors``): ``"zero"`` (counted, its term 0) or ``"fail"`` (the
-    #: run stops naming it).
-    reward_errors: Literal["zero", "fail"] = "zero"
+    #: what a failed component does (``task.reward_errors``): ``"skip"`` (counted, its group left out of the step)
+    #: or ``"fail"`` (the run stops naming it).
+    reward_errors: Literal["skip", "fail"] = "skip"
 
     @abc.abstractmethod
     def train_prompts(self) -> list[Prompt]:

@@ -83,7 +83,7 @@ def _check_rewards(task: Any, pool: Any, out) -> None:
     comps = [c for c in pool.components if c.kind != "environment"]  # (its term comes with a trajectory)
     t0 = time.monotonic()
     try:
-        _, parts = pool.score(items, None, [(0.0, "")] * len(items))
+        parts = pool.score(items, None, [(0.0, "")] * len(items)).parts
     except Exception as e:  # noqa: BLE001 - RewardFunctionFailed names the function and the prompt
         raise TaskCheckFailed(str(e)) from None
     per_call = (time.monotonic() - t0) / max(1, len(prompts) * len(comps))

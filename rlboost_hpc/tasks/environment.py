@@ -29,7 +29,7 @@ Invariants:
   :class:`~rlboost_hpc.tasks.user_code.UserCodeError` (exit 2) naming ``task.environment``, before anything starts.
   A ``reset`` or ``step`` that raises, or a ``step`` that returns anything but ``(observation, finite number,
   bool)``, is status ``error`` with the cause; the trajectory ends (``environment_error``) and ``task.reward_errors``
-  decides (the trainer: the environment's reward term is 0, or the run stops naming it).
+  decides (the trainer: the trajectory's GRPO group is left out of the step, or the run stops naming it).
 """
 from __future__ import annotations
 

@@ -17,9 +17,11 @@ its reward model —, and :meth:`RewardPool.score` runs one pool call per (group
 component's deadline (a function's: ``task.reward_timeout_s`` per group; the reward model's: its requests' budget).
 A call that raises, times out, or returns bad values (:class:`~rlboost_hpc.tasks.user_rewards.RewardOutputError`)
 is counted against that component (:attr:`RewardPool.tallies`), its first failure logged once with the row, and
-``task.reward_errors`` decides: ``zero`` (its term is 0 for that group) or ``fail``
+``task.reward_errors`` decides: ``skip`` (its values are ``None`` and the answers are marked failed,
+:attr:`~rlboost_hpc.tasks.base.Scored.failed`: the trainer leaves their GRPO group out of the step — a failed
+component is never a zero, and the group's advantages are never built from the components left) or ``fail``
 (:class:`RewardFunctionFailed`, exit 1 naming the function). A completion's reward is the weighted sum of its
-components' values (``None`` adds 0).
+components' values (``None`` adds 0); a component's mean is over its successful values only.
 
 A stateful environment (``task.environment``) is a component too (kind ``environment``): its value is what the
 trajectory's steps summed to (``Response.env_return``), computed by the environment itself in the tool processes; a
@@ -183,6 +185,7 @@ class RewardPool:
                           environment: Sequence[tuple[float, str]] | None, groups: Sequence[Any] | None) -> Scored:
         """A task with components (a user's task): one pool call per (group, component), the environment's values
         from the trajectories."""
+        failed = [False] * len(items)
         by_group: dict[Any, list[int]] = {}
         for i, (p, _) in enumerate(items):
             by_group.setdefault(p.pid if groups is None else groups[i], []).append(i)
@@ -194,20 +197,23 @@ class RewardPool:
         for (idxs, call), res in zip(calls, done):
             comp = self.components[call.ci]
             values = self._values(comp, call, res)
-            for i, v in zip(idxs, values):
+            for i, v in zip(idxs, values or [None] * len(idxs)):
                 parts[comp.name][i] = v
+                failed[i] |= values is None
         for comp in self.components:
             if comp.kind == "environment":
                 if environment is None or len(environment) != len(items):
                     raise ValueError(f"the task has an environment ({comp.name}): score each completion with its "
                                      "trajectory's (return, error)")
                 parts[comp.name] = self._environment_values(comp, items, environment)
+                for i, (_, err) in enumerate(environment):
+                    failed[i] |= bool(err)
         rewards = [sum(c.weight * (parts[c.name][i] or 0.0) for c in self.components) for i in range(len(items))]
-        return Scored(rewards, parts)
+        return Scored(rewards, parts, tuple(failed) if any(failed) else ())
 
     def _environment_values(self, comp, items: Sequence[tuple[Any, str]],
                             environment: Sequence[tuple[float, str]]) -> list[float | None]:
-        """The environment's values: each trajectory's return, 0.0 for one whose environment failed (counted, the
+        """The environment's values: each trajectory's return, None for one whose environment failed (counted, the
         first logged with its row; ``fail``: :class:`RewardFunctionFailed`)."""
         t, out = self.tallies[comp.name], []
         for (prompt, _), (ret, err) in zip(items, environment):
@@ -221,7 +227,7 @@ class RewardPool:
             else:
                 t.failed += 1
             self._failure(comp, prompt, err)
-            out.append(0.0)
+            out.append(None)
         return out
 
     def _failure(self, comp, prompt: Any, why: str) -> None:
@@ -234,8 +240,8 @@ class RewardPool:
             raise RewardFunctionFailed(f"reward {comp.name} ({comp.key}) failed on prompt {prompt.pid}: {why} "
                                        "(task.reward_errors = fail)")
 
-    def _values(self, comp, call: _GroupCall, res) -> list[float | None]:
-        """The component's values of one call, its failure counted, logged once, and handled per policy."""
+    def _values(self, comp, call: _GroupCall, res) -> list[float | None] | None:
+        """The component's values of one call; None when it failed (counted, logged once, handled per policy)."""
         t = self.tallies[comp.name]
         t.calls += 1
         if res.status == CallStatus.OK:
@@ -249,7 +255,7 @@ class RewardPool:
         else:
             t.failed += 1
         self._failure(comp, call.prompt, why)
-        return [0.0] * len(call.texts)
+        return None
 
     def take_tallies(self) -> dict[str, dict]:
         """Each component's tally as JSON (name → ``calls``, ``failed``, ``timed_out``, ``mean``)."""

@@ -99,6 +99,7 @@ class Totals:
     tokens_masked_too_stale: int = 0  # bounded staleness: tokens outside the window, loss-masked (must stay 0)
     migrated_responses_trained: int = 0
     groups_redelivered: int = 0  # GroupDone copies skipped (the manager sent a group again: never trained twice)
+    responses_left_out: int = 0  # responses of groups a reward component failed on (task.reward_errors = skip)
     responses_truncated_by_cause: dict[str, int] = field(default_factory=dict)  # trained responses cut by a budget
     tokens_by_staleness: dict[str, int] = field(default_factory=dict)  # generated tokens trained, by staleness
     steps_over_dropped_warn: int = 0  # steps whose MIS-dropped share passed trainer.behaviour_dropped_warn
@@ -189,6 +190,7 @@ class StepCollector:
         self.staleness: dict[str, int] = {}  # generated tokens trained, by staleness (bounded staleness)
         self.early: list[M.GroupDone] = []  # groups delivered before the step's turn (kept unacknowledged)
         self.by_function: dict[str, list[float]] = {}  # a user's task: each reward function's values this step
+        self.left_out = 0  # responses of groups a reward component failed on (not trained)
 
     @property
     def complete(self) -> bool:
@@ -244,8 +246,12 @@ class StepCollector:
         if not taken:
             return
         with self.tl.phase(Phase.REWARD):
-            for (gid, p, samples, _, _, _), r in zip(taken, self._score(taken)):
-                if samples:
+            for (gid, p, samples, _, _, _), (r, failed) in zip(taken, self._score(taken)):
+                if samples and failed:  # a failed component's rewards are no rewards: the group is left out
+                    t.left_out_groups[p.pid] = t.left_out_groups.get(p.pid, 0) + len(samples)
+                    t.totals.responses_left_out += len(samples)
+                    self.left_out += len(samples)
+                elif samples:
                     t.trained_groups[p.pid] = t.trained_groups.get(p.pid, 0) + len(samples)
                     adv = group_advantages(torch.tensor(r, dtype=torch.float32), std_norm=t.s.advantage_std_norm)
                     for smp, a in zip(samples, adv.tolist()):
@@ -256,21 +262,21 @@ class StepCollector:
             self.n_groups += 1
             t.client.send(M.AckGroup(gid=gid))
 
-    def _score(self, taken: list[tuple]) -> list[list[float]]:
-        """Each taken group's rewards, in order (``[]`` for a group with no new response): one call of the run's
-        scorer for every group, each group's components called on its own; each component's values go to the step's
-        ``reward_functions`` means."""
+    def _score(self, taken: list[tuple]) -> list[tuple[list[float], bool]]:
+        """Each taken group's rewards and whether a reward component failed on it, in order (``([], False)`` for a
+        group with no new response): one call of the run's scorer for every group, each group's components called
+        on its own; each component's successful values go to the step's ``reward_functions`` means."""
         items = [(p, x) for _, p, _, texts, _, _ in taken for x in texts]
         if not items:
-            return [[] for _ in taken]
+            return [([], False) for _ in taken]
         ids = [i for *_, ids_of, _ in taken for i in ids_of]
         env = [e for *_, env in taken for e in env]
-        rewards, parts = self.t.score(items, ids, env, [gid for gid, _, _, texts, _, _ in taken for _ in texts])
-        for name, vals in parts.items():
+        sc = self.t.score(items, ids, env, [gid for gid, _, _, texts, _, _ in taken for _ in texts])
+        for name, vals in sc.parts.items():
             self.by_function.setdefault(name, []).extend(v for v in vals if v is not None)
         out, i = [], 0
         for _, _, _, texts, _, _ in taken:
-            out.append(rewards[i:i + len(texts)])
+            out.append((sc.rewards[i:i + len(texts)], any(sc.failed[i:i + len(texts)])))
             i += len(texts)
         return out
 
@@ -305,6 +311,7 @@ class RLTrainer:
         self.totals = Totals()
         self.seen: set[str] = set()
         self.trained_groups: dict[str, int] = {}  # prompt id -> responses trained (the data-frontier check)
+        self.left_out_groups: dict[str, int] = {}  # prompt id -> responses left out (a reward component failed)
         self.taken: list[str] = []
         self.last_stats: ManagerStats | None = None  # the manager's stats taken at the end of the last step
         self._prompt_ids: dict[str, list[int]] = {}
@@ -323,7 +330,8 @@ class RLTrainer:
             taken = taken[:n_taken]
         return {"version": self.version, "frontier": frontier,
                 "totals": totals, "seen": sorted(self.seen),
-                "trained_groups": dict(self.trained_groups), "taken": list(taken),
+                "trained_groups": dict(self.trained_groups), "left_out_groups": dict(self.left_out_groups),
+                "taken": list(taken),
                 "controller": self.controller.state_dict(),
                 "decision": None if self.decision is None else asdict(self.decision)}
 
@@ -334,18 +342,21 @@ class RLTrainer:
         self.totals = Totals(**st["totals"])
         self.seen = set(st["seen"])
         self.trained_groups = dict(st["trained_groups"])
+        self.left_out_groups = dict(st.get("left_out_groups") or {})  # (absent in checkpoints of older versions)
         self.taken = list(st["taken"])
         if st.get("controller") is not None:  # the policy's state; its settings come from config
             self.controller.load_state_dict(st["controller"])
         self.decision = StepDecision(**st["decision"]) if st.get("decision") else None
 
     def prompts_not_trained_once(self) -> int:
-        """Prompts taken from the data frontier whose group was not trained exactly once (all G responses, once
-        per time the frontier handed the prompt out). 0 is the exactly-once property over the data."""
+        """Prompts taken from the data frontier whose group was not handled exactly once (all G responses trained —
+        or left out because a reward component failed on them —, once per time the frontier handed the prompt out).
+        0 is the exactly-once property over the data."""
         want: dict[str, int] = {}
         for pid in self.taken:
             want[pid] = want.get(pid, 0) + self.s.group_size
-        return sum(1 for pid, n in want.items() if self.trained_groups.get(pid, 0) != n)
+        return sum(1 for pid, n in want.items()
+                   if self.trained_groups.get(pid, 0) + self.left_out_groups.get(pid, 0) != n)
 
     def _sample(self, step: int, resp: M.Response, prompt_ids: list[int], budget: int,
                 staleness: dict[str, int]) -> tuple[Sample, str, list[int]]:
@@ -458,7 +469,8 @@ class RLTrainer:
             instance_activity_s=dict(activity.by_instance_s), rollout_by_kind=rollout_by_kind(activity),
             response_tail_s=activity.response_tail_s,
             **policy, **truncation_shares(col.reasons), staleness_tokens=dict(col.staleness), backend=backend,
-            reward_functions={k: sum(v) / len(v) for k, v in col.by_function.items() if v})
+            reward_functions={k: sum(v) / len(v) for k, v in col.by_function.items() if v},
+            responses_left_out=col.left_out)
 
     def _warn_dropped(self, step: int, backend: dict) -> None:
         """Warn (and count in ``steps_over_dropped_warn``) when the step's importance correction dropped a larger share

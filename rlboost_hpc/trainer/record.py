@@ -34,7 +34,8 @@ class StepRecord(msgspec.Struct, kw_only=True):
     ``truncated_share`` and ``truncated_share_by_cause``; ``staleness_tokens`` (bounded staleness: generated tokens
     trained, by how many versions older than the trained one made them; {} under strict on-policy);
     ``reward_functions`` (a user's task: each reward function's mean value over the step's responses, ``None``
-    values left out — TRL's ``rewards/<name>``; {} for built-in tasks).
+    values — not applicable, or failed — left out: TRL's ``rewards/<name>``; {} for built-in tasks),
+    ``responses_left_out`` (responses of groups a reward component failed on: not trained).
 
     Run (after the step): ``t_s`` (seconds since the run started), ``ts`` (Unix time), ``live_preemptible``,
     ``routable_preemptible``, ``cluster_live``, ``version_serving`` (how the step's version reached the fleet),
@@ -78,6 +79,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
     truncated_share_by_cause: dict[str, float]
     staleness_tokens: dict[str, int] = {}
     reward_functions: dict[str, float] = {}
+    responses_left_out: int = 0
     backend: dict[str, Any] = {}
     t_s: float | None = None
     ts: float | None = None
