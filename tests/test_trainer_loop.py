@@ -145,7 +145,7 @@ def test_advantages_follow_the_std_option():
                        (False, [0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5])):
         t = _trainer(ScriptedManager(), advantage_std_norm=norm)
         rewards = iter([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
-        t.score = lambda items, *_: Scored([next(rewards) for _ in items], {})
+        t.score = lambda items, *_, **__: Scored([next(rewards) for _ in items], {})
         t.run_step(0)
         assert [smp.advantage for smp in t.backend.samples] == pytest.approx(want, abs=1e-5)
 

@@ -197,3 +197,29 @@ def test_a_group_whose_judge_failed_is_left_out_not_trained_on_the_terms_left(tm
     assert rep["responses_trained"] == sum(m["responses"] for m in metrics)  # (the groups left out: not trained)
     for m in metrics:
         assert m["reward_functions"].get("judged", 1.0) == 1.0  # the step's mean: successful calls only
+
+
+def test_a_reward_function_gets_trls_trainer_state_with_the_runs_step(tmp_path):
+    """Issue 57 (trl #3668 / PR #3669): ``trainer_state`` was accepted in a reward function's signature and never
+    passed — such a function failed every call and the run trained on nothing it said. Through ``rlboost-hpc run``:
+    a function naming it, and one taking ``**kwargs`` (TRL passes it to every function), get a state whose
+    ``global_step`` is the step (0-based, optimizer steps done), ``max_steps`` is ``trainer.steps`` and ``epoch`` the
+    passes over the prompts — ``transformers.TrainerState``'s names."""
+    data = tmp_path / "stories.jsonl"
+    data.write_text("".join(json.dumps({"prompt": o}) + "\n" for o in OPENINGS))
+    (tmp_path / "rewards.py").write_text(
+        "def by_step(prompts, completions, trainer_state, **columns):\n"
+        "    assert 0.0 <= trainer_state.epoch < 1.0\n"
+        "    return [trainer_state.global_step / 100.0] * len(completions)\n\n\n"
+        "def any_kwargs(prompts, completions, **kwargs):\n"
+        "    return [float(kwargs['trainer_state'].max_steps)] * len(completions)\n")
+    sets = [f"task.dataset='{data}'", f"task.dataset_cache_dir='{tmp_path / 'cache'}'", "task.heldout_fraction=0.25",
+            "task.heldout_prompts=4", f"task.reward_functions=['{tmp_path}/rewards.py:by_step', "
+            f"'{tmp_path}/rewards.py:any_kwargs']", "task.reward_weights=[1.0, 0.0]", "trainer.steps=3",
+            "trainer.export_model=false", "trainer.eval_samples=1", "task.reward_errors='fail'"]
+    p = _run(tmp_path / "run", REPO / "configs/local.toml", *sets)
+    assert p.returncode == 0, p.stderr[-3000:]
+    metrics = _metrics(tmp_path / "run")
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert [m["reward_functions"]["by_step"] for m in metrics] == pytest.approx([0.0, 0.01, 0.02])
+    assert all(m["reward_functions"]["any_kwargs"] == 3.0 for m in metrics)

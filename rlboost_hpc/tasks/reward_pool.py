@@ -38,6 +38,7 @@ from typing import Any
 from rlboost_hpc.errors import RunFailed
 from rlboost_hpc.tasks.base import Scored, Task
 from rlboost_hpc.tasks.pool import CallStatus, DeadlinePool
+from rlboost_hpc.tasks.user_rewards import RunProgress
 
 log = logging.getLogger("rlboost.rewards")
 
@@ -64,12 +65,13 @@ class ComponentTally:
 
 @dataclass(frozen=True)
 class _GroupCall:
-    """One component (index ``ci``) on one group's completions (``ids``: their token ids, or None)."""
+    """One component (index ``ci``) on one group's completions (``ids``: their token ids, or None) at ``progress``."""
 
     ci: int
     prompt: Any
     texts: list[str]
     ids: list[list[int]] | None
+    progress: Any = None
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ class _Reward:
             from rlboost_hpc.tasks.user_rewards import call_component
 
             return call_component(self.task.components[item.ci], item.prompt, item.texts, item.ids,
-                                  self.task.prompt_field)
+                                  self.task.prompt_field, item.progress)
         if isinstance(item, _Answers):
             return [float(self.task.reward(p, t)) for p, t in item.items]
         prompt, text = item
@@ -141,7 +143,8 @@ class RewardPool:
         return self._pool.replaced
 
     def score(self, items: Sequence[tuple[Any, str]], completion_ids: Sequence[list[int]] | None = None,
-              environment: Sequence[tuple[float, str]] | None = None, groups: Sequence[Any] | None = None) -> Scored:
+              environment: Sequence[tuple[float, str]] | None = None, groups: Sequence[Any] | None = None,
+              progress: RunProgress | None = None) -> Scored:
         """Rewards (and each component's values) of ``(prompt, response_text)`` pairs, in order — the one way every
         task is scored; never raises on model output, never waits more than a deadline per call plus queueing.
 
@@ -151,6 +154,7 @@ class RewardPool:
                 rewards; the error text of a failed step, "" if none) — its component's values.
             groups: each pair's GRPO group (any hashable; default: its prompt's id): a component is called once per
                 group with the group's completions.
+            progress: the run's step (TRL's ``trainer_state`` for the functions that take it); None: outside a step.
 
         Raises:
             RewardFunctionFailed: a component failed and ``task.reward_errors = fail``.
@@ -158,7 +162,7 @@ class RewardPool:
         """
         items = list(items)
         if self.components:
-            return self._score_components(items, completion_ids, environment, groups)
+            return self._score_components(items, completion_ids, environment, groups, progress)
         return Scored(self._score_answers(items), {})
 
     def _score_answers(self, items: list[tuple[Any, str]]) -> list[float]:
@@ -182,7 +186,8 @@ class RewardPool:
         return out
 
     def _score_components(self, items: list[tuple[Any, str]], completion_ids: Sequence[list[int]] | None,
-                          environment: Sequence[tuple[float, str]] | None, groups: Sequence[Any] | None) -> Scored:
+                          environment: Sequence[tuple[float, str]] | None, groups: Sequence[Any] | None,
+                          progress: RunProgress | None = None) -> Scored:
         """A task with components (a user's task): one pool call per (group, component), the environment's values
         from the trajectories."""
         failed = [False] * len(items)
@@ -190,7 +195,8 @@ class RewardPool:
         for i, (p, _) in enumerate(items):
             by_group.setdefault(p.pid if groups is None else groups[i], []).append(i)
         calls = [(idxs, _GroupCall(ci, items[idxs[0]][0], [items[i][1] for i in idxs],
-                                   None if completion_ids is None else [list(completion_ids[i]) for i in idxs]))
+                                   None if completion_ids is None else [list(completion_ids[i]) for i in idxs],
+                                   progress))
                  for idxs in by_group.values() for ci, c in enumerate(self.components) if c.kind != "environment"]
         done = self._pool.run_all([c for _, c in calls], [self.components[c.ci].timeout_s for _, c in calls])
         parts: dict[str, list[float | None]] = {c.name: [None] * len(items) for c in self.components}

@@ -41,6 +41,19 @@ VERL_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
 TRL_PARAMS = ("prompts", "completions", "completion_ids", "trainer_state")
 
 
+@dataclass(frozen=True)
+class RunProgress:
+    """Where the run is when a group is scored — what a TRL reward function receives as ``trainer_state`` (TRL's
+    ``GRPOTrainer`` passes its ``transformers.TrainerState``; this has the same progress attributes under the same
+    names — ``global_step`` (optimizer steps done before this group's step: its step number, 0-based), ``max_steps``
+    (``trainer.steps``; 0: no end), ``epoch`` (passes over the training prompts, fractional) — without importing
+    ``transformers.trainer_callback``, which costs every reward worker ~6 s at its start)."""
+
+    global_step: int = 0
+    max_steps: int = 0
+    epoch: float = 0.0
+
+
 class RewardOutputError(ValueError):
     """A reward function returned something other than one finite number (or None) per completion."""
 
@@ -171,8 +184,10 @@ def _ground_truth(meta: dict[str, Any]) -> Any:
 
 
 def call_component(c: RewardComponent, prompt: Any, texts: Sequence[str], ids: Sequence[Sequence[int]] | None,
-                   prompt_field: str) -> list[float | None]:
-    """Run component ``c`` on one group of completions of ``prompt`` (in a reward worker) and check its values.
+                   prompt_field: str, progress: RunProgress | None = None) -> list[float | None]:
+    """Run component ``c`` on one group of completions of ``prompt`` (in a reward worker) and check its values. A TRL
+    function that takes ``trainer_state`` (or ``**kwargs``, as TRL passes it to every function) gets ``progress``'s
+    (an empty run's when None: held-out evaluation, ``task check``).
 
     Raises:
         RewardOutputError: bad values (see :func:`check_values`); whatever the user's function raises.
@@ -195,6 +210,8 @@ def call_component(c: RewardComponent, prompt: Any, texts: Sequence[str], ids: S
             raw = [fn(solution_str=t, **args) for t in texts]
         return check_values([_verl_value(v, c.name) for v in raw], n, c.name)
     kwargs = component_inputs(prompt, texts, ids, prompt_field)
+    if c.accepts is None or "trainer_state" in c.accepts:
+        kwargs["trainer_state"] = progress or RunProgress()
     if c.accepts is not None:
         kwargs = {k: v for k, v in kwargs.items() if k in c.accepts}
     out = fn(**kwargs)

@@ -39,6 +39,7 @@ from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.protocol.identity import is_reserved_key
 from rlboost_hpc.protocol.stats import ManagerStats
 from rlboost_hpc.tasks.base import Prompt, Scored, Task, strip_stop
+from rlboost_hpc.tasks.user_rewards import RunProgress
 from rlboost_hpc.trainer.algorithms.grpo import group_advantages
 from rlboost_hpc.trainer.backends.base import Sample, TrainerBackend
 from rlboost_hpc.trainer.client import ManagerClient
@@ -271,7 +272,10 @@ class StepCollector:
             return [([], False) for _ in taken]
         ids = [i for *_, ids_of, _ in taken for i in ids_of]
         env = [e for *_, env in taken for e in env]
-        sc = self.t.score(items, ids, env, [gid for gid, _, _, texts, _, _ in taken for _ in texts])
+        t = self.t
+        progress = RunProgress(global_step=self.step, max_steps=t.s.steps,
+                               epoch=t.frontier.epoch + t.frontier.pos / max(1, len(t.frontier.prompts)))
+        sc = t.score(items, ids, env, [gid for gid, _, _, texts, _, _ in taken for _ in texts], progress=progress)
         for name, vals in sc.parts.items():
             self.by_function.setdefault(name, []).extend(v for v in vals if v is not None)
         out, i = [], 0
@@ -297,7 +301,7 @@ class RLTrainer:
                  score: Callable[..., Scored] | None = None) -> None:
         self.client, self.backend, self.task, self.tok = client, backend, task, tokenizer
         # rewards and their components' values of (prompt, text) pairs: the run's RewardPool (a deadline per call)
-        self.score = score or (lambda items, *_: Scored([task.reward(p, t) for p, t in items], {}))
+        self.score = score or (lambda items, *_, **__: Scored([task.reward(p, t) for p, t in items], {}))
         self.s = settings
         self.stop_ids = tuple(tokenizer.stop_ids)
         self.publish = publish
