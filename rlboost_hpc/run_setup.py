@@ -221,12 +221,13 @@ class RunSetup:
         policy = load_model(cfg)
         arch, tok = policy.arch, policy.tokenizer
         task = make_task(cfg.task)  # a user's task is read, split and its reward code imported and checked here
-        longest = max(len(task.prompt_ids(p, tok)) for p in task.length_check_prompts())
+        longest, worst = task.longest_prompt(tok)
         if longest + cfg.trajectory_tokens() > arch.max_position_embeddings:
             key = ("rollout.max_new_tokens" if cfg.task.max_turns == 1 else
                    "task.max_trajectory_tokens (0: task.max_turns × rollout.max_new_tokens)")
-            raise ConfigError(f"{key} = {cfg.trajectory_tokens()} plus the longest prompt ({longest} tokens) exceeds "
-                              f"the model's context of {arch.max_position_embeddings} tokens")
+            raise ConfigError(f"{key} = {cfg.trajectory_tokens()} plus the longest prompt ({longest} tokens: "
+                              f"{worst.pid}, {worst.text[:60]!r}) exceeds the model's context of "
+                              f"{arch.max_position_embeddings} tokens")
         task.check_endpoint()  # an unreachable reward model is bad input, before anything starts
         lora = lora_settings(cfg, policy)
         train_device = resolve_device(cfg.trainer.device, "trainer.device")

@@ -223,3 +223,23 @@ def test_a_reward_function_gets_trls_trainer_state_with_the_runs_step(tmp_path):
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert [m["reward_functions"]["by_step"] for m in metrics] == pytest.approx([0.0, 0.01, 0.02])
     assert all(m["reward_functions"]["any_kwargs"] == 3.0 for m in metrics)
+
+
+def test_a_short_prompt_of_many_tokens_is_refused_before_the_run_starts(tmp_path):
+    """Issue 57 (verl #6239, Trinity-RFT #197): the run tokenised only the prompts longest by characters (the 64 the
+    prepared file's statistics keep), so a short prompt of many tokens passed and ended the run at its step. Through
+    ``rlboost-hpc run``: 80 long English prompts and one of 200 CJK characters (three byte tokens each on the
+    stories260K tokenizer) — exit 2 naming that prompt, before the model is served; and the same data without it runs
+    the check from the cache the first run left."""
+    rows = [{"prompt": f"{o} " + "and then they walked on " * 20} for o in OPENINGS * 2][:80]
+    short = {"prompt": "雨" * 200}
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows + [short]))
+    (tmp_path / "rewards.py").write_text("def quoted(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
+    sets = [f"task.dataset='{data}'", f"task.dataset_cache_dir='{tmp_path / 'cache'}'", "task.heldout_fraction=0.1",
+            f"task.reward_functions=['{tmp_path}/rewards.py:quoted']", "trainer.steps=1", "trainer.export_model=false"]
+    assert max(len(r["prompt"]) for r in rows) > 2 * len(short["prompt"])  # (far from the longest by characters)
+    p = _run(tmp_path / "run", REPO / "configs/local.toml", *sets)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "exceeds the model's context" in p.stderr and "雨雨雨" in p.stderr, p.stderr[-2000:]
+    assert list((tmp_path / "cache").glob("*-prompt-tokens-*.json"))  # every row tokenised once, the result kept

@@ -65,10 +65,11 @@ class Task(abc.ABC):
 
     The contract the run holds a task to is this class: every capability the run uses is declared here with its
     default (no caller probes a task with ``hasattr``): :attr:`components` and :attr:`reward_errors` (how the reward
-    pool scores), :meth:`length_check_prompts` (the context check), :meth:`check_endpoint` (an outside scorer checked
-    before anything starts), :meth:`fingerprints` and :meth:`data_source` (what a checkpoint records and names),
-    :meth:`environment_of` (a stateful environment), :meth:`close` (what the task started), and
-    :attr:`takes_tool_syntax` (the task is built with the run's tool-call syntax, :func:`get_task`).
+    pool scores), :meth:`longest_prompt` and :meth:`length_check_prompts` (the context check),
+    :meth:`check_endpoint` (an outside scorer checked before anything starts), :meth:`fingerprints` and
+    :meth:`data_source` (what a checkpoint records and names), :meth:`environment_of` (a stateful environment),
+    :meth:`close` (what the task started), and :attr:`takes_tool_syntax` (the task is built with the run's tool-call
+    syntax, :func:`get_task`).
     """
 
     #: registry name of the task (e.g. ``"stories"``).
@@ -134,6 +135,11 @@ class Task(abc.ABC):
         """The prompts whose token counts bound the run's context (the longest prompt plus the response budget must
         fit the model): by default every prompt of both splits."""
         return list(self.train_prompts()) + self.heldout_prompts()
+
+    def longest_prompt(self, tokenizer) -> tuple[int, Prompt]:
+        """``(tokens, prompt)`` of the longest of :meth:`length_check_prompts` as :meth:`prompt_ids` renders them with
+        ``tokenizer`` — what the run's context check takes (every prompt of a built-in task)."""
+        return max(((len(self.prompt_ids(p, tokenizer)), p) for p in self.length_check_prompts()), key=lambda x: x[0])
 
     def check_endpoint(self) -> float:
         """Call each outside scorer once (a reward model's endpoint) before anything heavy starts; the seconds it

@@ -221,6 +221,45 @@ class UserTask(Task):
             raise BadInput(f"task.reward_model.url = {comp.model.url}: {e}") from None
         return time.monotonic() - t0
 
+    def longest_prompt(self, tokenizer) -> tuple[int, Prompt]:
+        """``(tokens, prompt)`` of the longest prompt of the data sets, every row rendered and tokenised — a short
+        prompt of many tokens counts as much as a long one — once per (data set, tokenizer, rendering): the result
+        is kept beside the prepared file, keyed by its fingerprint and a hash of what renders a prompt. With a
+        stateful environment, whose first observation (a ``reset`` per row) is part of the prompt, the rows longest
+        by characters are the ones rendered (:meth:`length_check_prompts`)."""
+        if self.environment_class:
+            return super().longest_prompt(tokenizer)
+        import json
+        import os
+
+        import xxhash
+
+        hf = tokenizer.hf
+        render = [getattr(hf, "name_or_path", ""), len(hf), tokenizer.use_chat, getattr(hf, "chat_template", None),
+                  self.prompt_field, self.cfg.system_prompt, self.tool_schemas, self.tool_preamble,
+                  self.heldout_table.fingerprint if self.heldout_table is not None else ""]
+        key = xxhash.xxh3_64_hexdigest(json.dumps(render, sort_keys=True, default=str).encode())
+        note = self.table.path.with_name(f"{self.table.fingerprint}-prompt-tokens-{key}.json")
+        tables = {"train": self.table, "heldout": self.heldout_table}
+        try:
+            got = json.loads(note.read_text())
+            return int(got["tokens"]), self.prompt_at(tables[got["table"]], int(got["row"]))
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            pass  # not there yet (or unreadable): tokenise every row once
+        best = (-1, "train", 0)
+        for name, table in tables.items():
+            for i in range(len(table) if table is not None else 0):
+                n = len(self.prompt_ids(self.prompt_at(table, i), tokenizer))
+                if n > best[0]:
+                    best = (n, name, i)
+        tmp = note.with_name(f".{note.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps({"tokens": best[0], "table": best[1], "row": best[2]}))
+            os.replace(tmp, note)
+        except OSError as e:  # a read-only cache: checked again next time
+            log.warning("cannot keep the prompts' token lengths in %s: %s", note, e)
+        return best[0], self.prompt_at(tables[best[1]], best[2])
+
     @property
     def reward_errors(self) -> str:  # type: ignore[override]  # Task's default, read from task.reward_errors here
         return self.cfg.reward_errors
