@@ -60,6 +60,7 @@ STEP_NAMES: dict[str, str] = {
     "wall_s": "step/wall_seconds",
     "train_s": "step/train_seconds",
     "responses": "step/responses",
+    "responses_left_out": "step/responses_left_out",
     "tokens": "step/tokens",
     "throughput_tokens_per_s": "step/throughput_tokens_per_second",
     "response_len_mean": "step/response_length_mean_tokens",
