@@ -436,8 +436,8 @@ class HarvestService:
                 live_runs[rid] = d
         return live_runs, vanished
 
-    def _write_share(self, posted: PostedDemand, instances: int, reason: str, jobs: list, by_id: dict, *, pool_gpus: int,
-                     idle_gpus: int, now: float) -> None:
+    def _write_share(self, posted: PostedDemand, instances: int, reason: str, jobs: list, by_id: dict, *,
+                     pool_gpus: int, idle_gpus: int, now: float) -> None:
         """Write one run's share file (``posted``: its demand as the spool read it); a write that fails is logged,
         the cycle goes on."""
         d = posted.demand

@@ -227,7 +227,8 @@ def compute_stats(events: Iterable[dict], now: float | None = None, report: dict
     evs = sorted((e for e in events if isinstance(e, dict)), key=lambda e: float(e.get("ts") or 0.0))
     st = RunStats(bad_lines=bad_lines)
     # attempts whose worker classified its warning as the job's own time limit (rollout/worker.py)
-    r = _Replay(st, {(_jid(e), _attempt_of(e)) for e in evs if e["event"] == "warned" and e.get("cause") == "time_limit"})
+    r = _Replay(st, {(_jid(e), _attempt_of(e)) for e in evs
+                     if e["event"] == "warned" and e.get("cause") == "time_limit"})
     for ev in evs:
         r.read(ev)
     jobs = r.jobs

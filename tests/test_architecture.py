@@ -282,8 +282,9 @@ def test_no_probe_of_a_task_outside_tasks():
         if rel.startswith("rlboost_hpc/tasks/"):
             continue
         for node in ast.walk(ast.parse(path.read_text(), rel)):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr")
-                    and node.args and "task" in ast.unparse(node.args[0]).lower()):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("hasattr", "getattr") and node.args
+                    and "task" in ast.unparse(node.args[0]).lower()):
                 probes.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
     assert not probes, "probes of a task (declare the capability on Task instead):\n" + "\n".join(probes)
 

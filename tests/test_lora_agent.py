@@ -192,7 +192,7 @@ def test_after_a_resume_to_a_lower_version_the_adapters_of_the_old_lineage_serve
         _until(a, lambda: a.held_version() == v, f"version {v}")
     assert a.engine.adapter_versions() == [0, 1, 2] and a._servable(1)
     src.lineage = 1
-    a._want(VersionId(1, _spec(2).version_checksum(1101)), [], False)  # the resumed trainer's version 1: another lineage
+    a._want(VersionId(1, _spec(2).version_checksum(1101)), [], False)  # the resumed trainer's 1: another lineage
     assert not a._servable(1) and not a._servable(2) and not a._servable(0)  # old adapters serve nothing now
     a._assign([_work("old2", 2, 4)])
     (failed,) = [m for m in a.link.msgs if isinstance(m, M.RequestFailed)]

@@ -298,7 +298,8 @@ retries = 0
 timeout_s = 5
 """)
     p = _cli("task", "check", "--config", str(cfg), "--set", f"task.dataset_cache_dir='{user_files / 'cache'}'",
-             "--set", f"task.dataset='{data}'", "--set", f"task.reward_functions=['{user_files / 'rewards.py'}:has_quote']")
+             "--set", f"task.dataset='{data}'",
+             "--set", f"task.reward_functions=['{user_files / 'rewards.py'}:has_quote']")
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert "task.reward_model.url" in p.stderr and f"redirected (HTTP 302) to {other}" in p.stderr, p.stderr[-2000:]
     assert hostile_stats()["authorized_requests"] == 1  # the key went where it was configured to go, once

@@ -235,7 +235,8 @@ def test_a_short_prompt_of_many_tokens_is_refused_before_the_run_starts(tmp_path
     short = {"prompt": "雨" * 200}
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows + [short]))
-    (tmp_path / "rewards.py").write_text("def quoted(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
+    (tmp_path / "rewards.py").write_text(
+        "def quoted(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
     sets = [f"task.dataset='{data}'", f"task.dataset_cache_dir='{tmp_path / 'cache'}'", "task.heldout_fraction=0.1",
             f"task.reward_functions=['{tmp_path}/rewards.py:quoted']", "trainer.steps=1", "trainer.export_model=false"]
     assert max(len(r["prompt"]) for r in rows) > 2 * len(short["prompt"])  # (far from the longest by characters)

@@ -25,7 +25,8 @@ class VersionId(msgspec.Struct, frozen=True):
     def same_weights(self, other: "VersionId") -> bool:
         """Whether the two name the same weights: the same number, and — where both checksums are known — the same
         checksum (an unknown one on either side leaves the number to decide)."""
-        return self.number == other.number and not (self.checksum and other.checksum and self.checksum != other.checksum)
+        both = self.checksum and other.checksum
+        return self.number == other.number and not (both and self.checksum != other.checksum)
 
     def __str__(self) -> str:
         return f"{self.number} (checksum {self.checksum:016x})" if self.checksum else str(self.number)

@@ -159,8 +159,8 @@ class AgentWeights:
             self._next_pull_at = max(self._next_pull_at, time.monotonic() + self.relay_wait_s)
 
     def _start_pull(self, want: VersionId) -> None:
-        """Pull version ``want`` (refusing a holder's version of another whole-version checksum, when it is known and
-        the version is whole weights) on the builder thread; build the engine there too when there is none yet (on
+        """Pull version ``want`` (refusing a holder's version of another identity, when it is known: whole weights or
+        a LoRA adapter on the run's base) on the builder thread; build the engine there too when there is none yet (on
         the run's base first, in a LoRA run)."""
         version, checksum = want.number, want.checksum
         assert self.welcome is not None
@@ -269,17 +269,17 @@ class AgentWeights:
         load_s = r.build_s if r.engine is not None else time.monotonic() - t0
         self._send(weights_loaded(r.version, r.got, load_s, checksum=self.engine.weights_checksum, base=r.base))
 
-    def _load(self, r: _Pulled, adapter: AdapterSpec | None, identity: int, resume: list[GenRequest]) -> bool:
-        """Load the pulled version into the engine (an adapter into its free slot, under its ``identity``:
-        :func:`~rlboost_hpc.weights.source.identity`); False — reported, the engine unchanged, ``resume`` re-added under the version it
-        had — when the load failed."""
+    def _load(self, r: _Pulled, adapter: AdapterSpec | None, checksum: int, resume: list[GenRequest]) -> bool:
+        """Load the pulled version into the engine (an adapter into its free slot), its identity's ``checksum``
+        (:func:`~rlboost_hpc.weights.source.identity`) recorded with it; False — reported, the engine unchanged,
+        ``resume`` re-added under the version it had — when the load failed."""
         try:
             delay = self._fault_delay_s()
             if delay:
                 time.sleep(delay)  # on this thread, like a slow real load
             if adapter is not None and self.engine.max_adapters:
                 self.engine.load_adapter(r.got.state_dict, r.version)
-                self.engine.weights_checksum = identity
+                self.engine.weights_checksum = checksum
             else:
                 self.engine.load_weights(r.got.state_dict, r.version)
                 self.engine.weights_checksum = r.got.checksum

@@ -49,26 +49,18 @@ def _percentiles(xs: list[int]) -> dict[str, int]:
     return {f"p{q}": s[min(len(s) - 1, int(q / 100 * len(s)))] for q in (50, 90, 99)} | {"max": s[-1]}
 
 
-def _token_lengths(task: Any, tok: Any, out) -> list[tuple[int, Any]]:
-    """(tokens, prompt) of every prompt of both splits (read in order from the memory-mapped file)."""
-    res = []
-    prompts = task.train_prompts()
-    for i in range(len(prompts)):
-        p = prompts[i]
-        res.append((len(task.prompt_ids(p, tok)), p))
-        if i and i % 100_000 == 0:
-            print(f"  … {i} prompts tokenised", file=out, flush=True)
-    res += [(len(task.prompt_ids(p, tok)), p) for p in task.heldout_prompts()]
-    return res
-
-
 def _check_lengths(cfg: Any, task: Any, policy: Any, out) -> None:
-    lengths = _token_lengths(task, policy.tokenizer, out)
+    lengths = []  # every row's (tokens, table, row), read in order from the memory-mapped files
+    for k, length in enumerate(task.token_lengths(policy.tokenizer)):
+        lengths.append(length)
+        if k and k % 100_000 == 0:
+            print(f"  … {k} prompts tokenised", file=out, flush=True)
     ctx, budget = policy.arch.max_position_embeddings, cfg.trajectory_tokens()
-    pc = _percentiles([n for n, _ in lengths])
+    pc = _percentiles([n for n, _, _ in lengths])
     print(f"prompt tokens: {pc} (rollout.max_new_tokens {cfg.rollout.max_new_tokens}, response budget {budget}, "
           f"context {ctx})", file=out)
-    n, worst = max(lengths, key=lambda x: x[0])
+    n, table, row = max(lengths)
+    worst = task.row_prompt(table, row)
     if n + budget > ctx:
         raise TaskCheckFailed(f"prompt {worst.pid} ({worst.text[:60]!r}…) is {n} tokens: with the response budget of "
                               f"{budget} it exceeds the model's context of {ctx} (column {task.prompt_field!r})")

@@ -100,8 +100,8 @@ class RewardModelClient:
         if self.cfg.api_key_env:
             key = os.environ.get(self.cfg.api_key_env)
             if not key:
-                raise RewardModelError(f"the environment variable {self.cfg.api_key_env} (task.reward_model.api_key_env) "
-                                       "is not set")
+                raise RewardModelError(f"the environment variable {self.cfg.api_key_env} "
+                                       "(task.reward_model.api_key_env) is not set")
             h["Authorization"] = f"Bearer {key}"
         return h
 
@@ -130,7 +130,8 @@ class RewardModelClient:
 
     def _judge_one(self, prompt: Any, completion: str) -> float:
         fields = {k: v for k, v in prompt.meta.items() if isinstance(k, str)}
-        content = self.cfg.prompt_template.format_map({**fields, "prompt": _prompt_text(prompt), "completion": completion})
+        content = self.cfg.prompt_template.format_map({**fields, "prompt": _prompt_text(prompt),
+                                                       "completion": completion})
         answer = self._post({"model": self.cfg.model, "messages": [{"role": "user", "content": content}],
                              "temperature": 0, "max_tokens": self.cfg.max_tokens})
         try:
@@ -139,7 +140,8 @@ class RewardModelClient:
             raise RewardModelError(f"{self.url} answered no choices[0].message.content: {str(answer)[:120]!r}") from None
         found = list(re.finditer(self.cfg.score_pattern, text or ""))
         if not found:
-            raise RewardModelError(f"the judge's reply has no score matching {self.cfg.score_pattern!r}: {text[:120]!r}")
+            raise RewardModelError(f"the judge's reply has no score matching {self.cfg.score_pattern!r}: "
+                                   f"{text[:120]!r}")
         verdict = self._in_scale(found[-1].group(1), "the judge's verdict")  # the last: the judge's own
         return (verdict - self.cfg.score_min) / (self.cfg.score_max - self.cfg.score_min)
 
@@ -168,6 +170,7 @@ class RewardModelClient:
                     "query": [p + c for c in completions], "labels": [gold] * len(completions)}
             if self.cfg.model:
                 body["model"] = self.cfg.model
-            return [self._in_scale(v, "the scoring route's score") for v in _scores_of(self._post(body), len(completions))]
+            scores = _scores_of(self._post(body), len(completions))
+            return [self._in_scale(v, "the scoring route's score") for v in scores]
         with ThreadPoolExecutor(max_workers=max(1, min(self.cfg.concurrency, len(completions)))) as pool:
             return list(pool.map(lambda c: self._judge_one(prompt, c), completions))

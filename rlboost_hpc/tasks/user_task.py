@@ -27,7 +27,7 @@ from __future__ import annotations
 import inspect
 import logging
 import string
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -240,25 +240,30 @@ class UserTask(Task):
                   self.heldout_table.fingerprint if self.heldout_table is not None else ""]
         key = xxhash.xxh3_64_hexdigest(json.dumps(render, sort_keys=True, default=str).encode())
         note = self.table.path.with_name(f"{self.table.fingerprint}-prompt-tokens-{key}.json")
-        tables = {"train": self.table, "heldout": self.heldout_table}
         try:
             got = json.loads(note.read_text())
-            return int(got["tokens"]), self.prompt_at(tables[got["table"]], int(got["row"]))
-        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            return int(got["tokens"]), self.row_prompt(got["table"], int(got["row"]))
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
             pass  # not there yet (or unreadable): tokenise every row once
-        best = (-1, "train", 0)
-        for name, table in tables.items():
-            for i in range(len(table) if table is not None else 0):
-                n = len(self.prompt_ids(self.prompt_at(table, i), tokenizer))
-                if n > best[0]:
-                    best = (n, name, i)
+        n, table, row = max(self.token_lengths(tokenizer))
         tmp = note.with_name(f".{note.name}.{os.getpid()}.tmp")
         try:
-            tmp.write_text(json.dumps({"tokens": best[0], "table": best[1], "row": best[2]}))
+            tmp.write_text(json.dumps({"tokens": n, "table": table, "row": row}))
             os.replace(tmp, note)
         except OSError as e:  # a read-only cache: checked again next time
             log.warning("cannot keep the prompts' token lengths in %s: %s", note, e)
-        return best[0], self.prompt_at(tables[best[1]], best[2])
+        return n, self.row_prompt(table, row)
+
+    def token_lengths(self, tokenizer) -> Iterator[tuple[int, str, int]]:
+        """``(tokens, table, row)`` of every row of the data sets (table ``"train"``: ``task.dataset``;
+        ``"heldout"``: ``task.heldout_dataset``), rendered as :meth:`prompt_ids` renders a prompt, in file order."""
+        for name, table in (("train", self.table), ("heldout", self.heldout_table)):
+            for i in range(len(table) if table is not None else 0):
+                yield len(self.prompt_ids(self.prompt_at(table, i), tokenizer)), name, i
+
+    def row_prompt(self, table: str, row: int) -> Prompt:
+        """The prompt of ``row`` of a table :meth:`token_lengths` names."""
+        return self.prompt_at({"train": self.table, "heldout": self.heldout_table}[table], row)
 
     @property
     def reward_errors(self) -> str:  # type: ignore[override]  # Task's default, read from task.reward_errors here

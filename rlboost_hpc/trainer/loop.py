@@ -289,10 +289,10 @@ class RLTrainer:
     """Drives steps against a live manager. ``tokenizer``: a :class:`~rlboost_hpc.models.hf_dir.PolicyTokenizer`
     (prompt ids via ``task.prompt_ids``, stop ids, response text for rewards). ``publish(version)`` publishes the
     backend's weights into the weight server and returns what it published (``trainer/publisher.py``
-    :class:`Published`: the version's identity, seconds and bytes). ``score(items, token_ids,
-    environment, groups)`` gives the rewards of ``(prompt, text)`` pairs and each reward component's values, whose
-    step means are the record's ``reward_functions`` (``tasks/reward_pool.py`` ``RewardPool.score``: each call under
-    a deadline; inline ``task.reward`` when None)."""
+    :class:`Published`: the version's identity, seconds and bytes). ``score(items, token_ids, environment, groups,
+    progress=)`` gives the rewards of ``(prompt, text)`` pairs and each reward component's values, whose step means
+    are the record's ``reward_functions`` (``tasks/reward_pool.py`` ``RewardPool.score``: each call under a
+    deadline; inline ``task.reward`` when None)."""
 
     def __init__(self, *, client: ManagerClient, backend: TrainerBackend, task: Task, tokenizer,
                  settings: StepSettings, publish: Callable[[int], "Published"],

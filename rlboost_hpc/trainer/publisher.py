@@ -104,9 +104,8 @@ class WeightPublisher:
             delta = self.server.delta_nbytes(version)
             checksum, nbytes = int(man.checksum), int(man.total_bytes)
             update = nbytes if delta is None else int(delta)
-        if self.adapter is not None:  # the version's identity: the adapter on this base
-            checksum = self.adapter.version_checksum(checksum)
-        p = Published(VersionId(version, checksum), time.monotonic() - t0, t_export, nbytes, update)
+        p = Published(VersionId(version, identity(checksum, self.adapter)),  # a LoRA version: the adapter on this base
+                      time.monotonic() - t0, t_export, nbytes, update)
         self.history.append(p)
         return p
 
@@ -154,9 +153,9 @@ class WeightPublisher:
                 lineage's version of that number); as :meth:`read`.
         """
         got = self.read(version, follow=True)
-        if checksum and identity(got.checksum, adapter) != checksum:
-            raise WeightTransferError("manifest", "trainer", version,
-                                      lineage_mismatch(version, identity(got.checksum, adapter), checksum))
+        held = identity(got.checksum, adapter)
+        if checksum and held != checksum:
+            raise WeightTransferError("manifest", "trainer", version, lineage_mismatch(version, held, checksum))
         return got
 
     def served(self) -> dict:

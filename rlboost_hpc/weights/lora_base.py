@@ -16,12 +16,10 @@ attempt, the local cluster's next worker) load it instead of pulling it again. I
 - Bounded: at most ``keep`` bases (the least recently used are deleted first), so what a run's instances leave on a
   node is at most ``keep`` bases, whichever attempt or run wrote them.
 
-Where an instance gets the base. Order (:func:`fetch_base`): the model directory the trainer named (``AdapterSpec.base_path``) when this node sees it
-— the shared filesystem every HPC node mounts, no network bytes —, else the node's cache of a base pulled before
-(:class:`~rlboost_hpc.weights.lora_base.NodeBaseCache`, verified chunk by chunk), else one full pull from the trainer's base
-server (checksummed and sealed like any version), kept in the node's cache for the node's later instances.
-
-Invariants:
+Where an instance gets the base (:func:`fetch_base`), in order: the model directory the trainer named
+(``AdapterSpec.base_path``) when this node sees it — the shared filesystem every HPC node mounts, no network bytes —,
+else the node's cache of a base pulled before (verified chunk by chunk), else one full pull from the trainer's base
+server (checksummed and sealed like any version), kept in the node's cache for the node's later instances. Invariants:
 - The base an instance serves has exactly the run's checksum (``AdapterSpec.base_checksum``), whatever the source.
 - A model directory this node sees whose bytes are another base's is refused with :class:`BaseMismatch` naming the
   directory and both checksums — the instance then refuses to serve, it does not fall back to pulling: the node's
@@ -48,8 +46,7 @@ from rlboost_hpc.protocol.weight_msgs import (MAX_MANIFEST_BYTES, Manifest, chun
 from rlboost_hpc.weights import layout
 from rlboost_hpc.weights.source import BaseWeights
 
-__all__ = ["BaseMismatch", "NodeBaseCache", "base_identity", "default_cache_dir", "fetch_base",
-           "model_base"]
+__all__ = ["BaseMismatch", "NodeBaseCache", "base_identity", "default_cache_dir", "fetch_base", "model_base"]
 
 log = logging.getLogger("rlboost.weights")
 

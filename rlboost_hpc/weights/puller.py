@@ -215,8 +215,9 @@ class WeightPuller:
         try:
             manifest = self._get_manifest(ctx, version, deadline, base)
             want, t = manifest.version, self._lap(phases, "manifest_s", t0)
-            if checksum and identity(int(manifest.checksum), adapter) != checksum:
-                raise _Failed(lineage_mismatch(manifest.version, identity(int(manifest.checksum), adapter), checksum))
+            held = identity(int(manifest.checksum), adapter)
+            if checksum and held != checksum:
+                raise _Failed(lineage_mismatch(manifest.version, held, checksum))
 
             phase = "transfer"  # plan where the bytes go, then the streams
             buffer, delta = plan(manifest, into, base, self.buffer_factory)

@@ -1,5 +1,6 @@
 """What a rollout engine's weights come from: the one description of a pulled version (:class:`PulledVersion`) and of
-a LoRA run's loaded base (:class:`BaseWeights`), and the contract of a weight source (:class:`WeightSource`) — between the sources (a worker's network pulls, the trainer's
+a LoRA run's loaded base (:class:`BaseWeights`), the contract of a weight source (:class:`WeightSource`) and the one
+rule for a version's identity (:func:`identity`) — between the sources (a worker's network pulls, the trainer's
 shared memory for its reserved engines, the trainer's own publisher) and the agent that loads what they give.
 """
 from __future__ import annotations
@@ -56,8 +57,9 @@ class PulledVersion:
 
 
 class WeightSource(Protocol):
-    """Where a rollout agent's weight versions come from (:class:`~rlboost_hpc.rollout.remote_weights.RemoteWeights` over the network; the trainer's
-    :class:`~rlboost_hpc.trainer.publisher.WeightPublisher` for its own reserved engine)."""
+    """Where a rollout agent's weight versions come from (:class:`~rlboost_hpc.rollout.remote_weights.RemoteWeights`
+    over the network; :class:`~rlboost_hpc.rollout.shared_weights.SharedVersions` for the trainer's reserved engines;
+    the trainer's :class:`~rlboost_hpc.trainer.publisher.WeightPublisher` for its own process)."""
 
     def pull(self, endpoint: str, version: int, *, peers: Sequence[str] = (), keys: RunKeys | None = None,
              shards: str = "", checksum: int = 0, adapter: AdapterSpec | None = None) -> PulledVersion:
