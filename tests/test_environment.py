@@ -284,6 +284,54 @@ def test_a_failed_step_ends_as_an_environment_error_and_a_diverged_replay_fails_
     assert core.counters.environment_errors == 2
 
 
+def test_the_manager_releases_a_trajectory_that_ends_while_its_environment_holds_it():
+    """Issue 57 item 5 (the manager's side): a trajectory with no room left for its observation, and the unfinished
+    ones a resumed trainer's new version drops, are released to the environment (which closes what it still holds:
+    ``EnvironmentCalls.release``); one that ended by ``done`` is released too (nothing left to close there)."""
+    from test_trajectories import started, take, tok
+
+    from rlboost_hpc.manager.restore import discard_stale
+
+    core = started(env_spec(n=3, total=8))
+    for i in range(3):
+        core.on_message(b"a", tok(f"s0g0/{i}", 0, [7, 2], M.FINISH_STOP))
+    take(core)
+    step_result(core, "s0g0/0", 0, [40, 41, 42, 43, 44, 45], 0.1)  # 2 + 6 tokens: no room for the observation
+    assert core.requests["s0g0/0"].finish_reason == "trajectory_budget"
+    assert [m.rids for m in take(core, ENV_PEER, M.EnvRelease)] == [["s0g0/0"]]
+    step_result(core, "s0g0/1", 0, [], 1.0, done=True)
+    assert [m.rids for m in take(core, ENV_PEER, M.EnvRelease)] == [["s0g0/1"]]
+    assert discard_stale(core) == 1
+    assert [m.rids for m in take(core, ENV_PEER, M.EnvRelease)] == [["s0g0/2"]]
+
+
+def test_environment_calls_release_what_a_worker_holds_and_only_that(envs, stories260k_hf_dir, tmp_path):
+    """Issue 57 item 5 (the pool's side): a release closes a live instance once, comes after a step still pending
+    for the trajectory, and is nothing for a trajectory whose instance is closed already."""
+    log = tmp_path / "instances.log"
+    (tmp_path / "counting.py").write_text(COUNTING.format(example=str(EXAMPLE), log=str(log)))
+    r = EnvironmentRunner(f"{tmp_path / 'counting.py'}:Counting", tokenizer_dir=str(stories260k_hf_dir),
+                          stop_ids=(2,), plain_format="\n{result}\n")
+    row = row_json({"prompt": "Go", "start": 1, "target": 3})
+    first = "Counter 1, target 3: up or down?"
+    calls = EnvironmentCalls(r, timeout_s=10.0)
+    try:
+        turn = np.asarray([5, 6], dtype="<i4").tobytes()
+        got = calls.observe_all({("a", 0): TurnCall("a", 0, turn, row, first),
+                                 ("b", 0): TurnCall("b", 0, turn, row, first, last=True)})
+        assert got[("a", 0)].obs_ids and not got[("b", 0)].obs_ids  # a lives on, b was closed at its last turn
+        calls.submit(("c", 0), TurnCall("c", 0, turn, row, first))
+        calls.release(["a", "b", "c", "a"])  # c: after its pending step
+        while calls.pending:
+            calls.poll(1.0)
+        lines = [line.split() for line in log.read_text().splitlines()]
+        assert sorted(w for w, _ in lines) == ["close"] * 3 + ["open"] * 3
+        assert sorted(i for w, i in lines if w == "close") == sorted(i for w, i in lines if w == "open")
+    finally:
+        calls.close()
+    assert len(log.read_text().splitlines()) == 6  # nothing was left for the close to tear down
+
+
 def test_a_restarted_manager_keeps_the_steps_rewards_and_asks_for_the_step_in_flight_with_the_history(tmp_path):
     from test_manager_restart import commit, feed, multi_turn_started, restarted
     from test_manager_core import sent, tokens
@@ -452,3 +500,78 @@ def test_the_counter_example_trains_through_a_manager_kill_its_environments_rebu
     assert rep["prompts_not_trained_exactly_once"] == 0 and rep["environment_errors"] == 0
     assert rep["turns_per_trajectory_mean"] > 1.5 and rep["reward_functions"]["Counter"]["calls"] > 0
     assert "not deterministic" not in (rd.logs / "manager.jsonl").read_text()
+
+
+COUNTING = '''
+"""The example's Counter, counting its instances: every __init__ and close() appends a line to LOG; the first step
+of a turn after the first stalls (past task.tool_timeout_s) and the second raises — once each in the rollouts and
+once each in the held-out evaluation."""
+import os
+import sys
+import time
+import uuid
+
+sys.path.insert(0, {example!r})
+from envs import Counter  # noqa: E402
+
+LOG = {log!r}
+
+
+def _note(what, env):
+    with open(LOG, "a") as f:
+        f.write(f"{{what}} {{env.name}}\\n")
+
+
+def _once(name):
+    with open(f"/proc/{{os.getppid()}}/cmdline", "rb") as f:  # the trainer's evaluation, or the manager's rollouts
+        role = "evaluation" if b"rlboost_hpc.cli" in f.read() else "rollout"
+    try:
+        os.close(os.open(f"{{LOG}}.{{role}}.{{name}}", os.O_CREAT | os.O_EXCL))
+        return True
+    except FileExistsError:
+        return False
+
+
+class Counting(Counter):
+    def __init__(self):
+        self.turns, self.name = 0, uuid.uuid4().hex
+        _note("open", self)
+
+    def step(self, assistant_turn):
+        self.turns += 1
+        if self.turns == 2 and _once("stall"):
+            time.sleep(120)
+        if self.turns == 2 and _once("raise"):
+            raise RuntimeError("the second turn of a second trajectory fails")
+        return super().step(assistant_turn)
+
+    def close(self):
+        _note("close", self)
+'''
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_every_environment_a_run_opens_is_closed_exactly_once_on_every_ending(tmp_path):
+    """Issue 57 item 5 (open-range PR #324), through ``rlboost-hpc run``: the example's Counter counting its instances.
+    A trajectory ends by ``done``, its last turn, no room left for the observation (the manager releases it), a
+    step that raises, a step past its deadline (its tool process is stopped: the instances it held are closed, and
+    rebuilt by replay where they were needed), the held-out evaluation, and the run's end; every instance opened is
+    closed, and none twice."""
+    log = tmp_path / "instances.log"
+    (tmp_path / "counting.py").write_text(COUNTING.format(example=str(EXAMPLE), log=str(log)))
+    run = _cli("run", "--config", str(EXAMPLE / "config.toml"), "--out", str(tmp_path / "run"), "--no-progress",
+               "--set", f"task.dataset_cache_dir='{tmp_path / 'cache'}'",
+               "--set", f"task.environment='{tmp_path / 'counting.py'}:Counting'", "--set", "task.tool_timeout_s=2",
+               "--set", "task.max_trajectory_tokens=60", "--set", "trainer.steps=2",
+               "--set", "trainer.export_model=false", "--set", "task.heldout_prompts=2",
+               "--set", "trainer.eval_samples=1", "--set", "trainer.checkpoint_every=0", timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rep = json.loads((tmp_path / "run/report.json").read_text())
+    lines = [line.split() for line in log.read_text().splitlines()]
+    opened = [i for what, i in lines if what == "open"]
+    closed = [i for what, i in lines if what == "close"]
+    assert rep["environment_timeouts"] == rep["environment_errors"] == 1, rep
+    assert rep["responses_truncated_by_cause"].get("trajectory_budget", 0) > 0, rep
+    assert len(set(opened)) == len(opened) > 0
+    assert sorted(closed) == sorted(opened), (len(opened), len(closed), set(opened) - set(closed))

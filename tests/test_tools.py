@@ -4,6 +4,7 @@ trajectory)."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -239,3 +240,78 @@ def test_a_handler_whose_setup_always_fails_is_an_error_not_an_endless_respawn()
                 pool.poll(0.5)
     finally:
         pool.close()
+
+
+class Holds:
+    """Holds a resource per call; ``teardown()`` writes what it held to ``log`` (one line per worker)."""
+
+    def __init__(self, log: str, hang_teardown: bool = False) -> None:
+        self.log, self.hang_teardown, self.held = log, hang_teardown, []
+
+    def __call__(self, item):
+        self.held.append(item)
+        if item == "stall":
+            time.sleep(120)
+        return item
+
+    def teardown(self):
+        import os
+
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()} {' '.join(self.held)}\n")
+        if self.hang_teardown:
+            time.sleep(120)
+
+
+def test_a_worker_stopped_at_a_deadline_or_by_close_tears_down_what_it_holds_within_its_grace(tmp_path):
+    """Issue 57 item 5: with ``grace_s`` a worker past its deadline is stopped (SIGTERM interrupts the call, its
+    handler's ``teardown()`` runs) and replaced at once; ``close`` tears every worker down; a teardown that hangs is
+    killed when its grace is over."""
+    log = tmp_path / "teardown.log"
+    with DeadlinePool(Holds(str(log)), workers=1, timeout_s=1.0, grace_s=5.0) as pool:
+        for key in ("a", "stall", "b"):
+            pool.submit(key, key)
+        done: dict = {}
+        while len(done) < 3:
+            done.update((c.key, c.status) for c in pool.poll(1.0))
+        assert done == {"a": CallStatus.OK, "stall": CallStatus.TIMEOUT, "b": CallStatus.OK}
+        assert pool.replaced == 1
+        for _ in range(600):  # the stopped worker tears down beside its replacement
+            if log.exists():
+                break
+            pool.poll(0.05)
+        assert log.read_text().split()[1:] == ["a", "stall"]
+    assert [line.split()[1:] for line in log.read_text().splitlines()] == [["a", "stall"], ["b"]]
+    stuck = DeadlinePool(Holds(str(tmp_path / "stuck.log"), hang_teardown=True), workers=2, timeout_s=1.0,
+                         grace_s=1.0)
+    stuck.run_all(["c"])
+    t0 = time.monotonic()
+    stuck.close()  # (both workers' teardowns hang: killed after their grace, together)
+    assert time.monotonic() - t0 < 30 and " c\n" in (tmp_path / "stuck.log").read_text()
+
+
+def test_a_worker_whose_parent_dies_tears_down_what_it_holds(tmp_path):
+    """Issue 57 item 5: a manager SIGKILLed leaves its tool processes an EOF; they close what they hold and exit."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    log = tmp_path / "teardown.log"
+    code = (f"import sys, time; sys.path.insert(0, {str(Path(__file__).parent)!r}); from test_tools import Holds; "
+            "from rlboost_hpc.tasks.pool import DeadlinePool; "
+            f"p = DeadlinePool(Holds({str(log)!r}), workers=1, timeout_s=5.0, grace_s=5.0); p.run_all(['e']); "
+            "print('ready', flush=True); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).parent.parent)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        for _ in range(600):
+            if log.exists() and log.read_text().endswith("\n"):
+                break
+            time.sleep(0.05)
+        assert log.read_text().split()[1:] == ["e"]
+    finally:
+        proc.kill()

@@ -161,6 +161,8 @@ class RequestTable:
         """``req`` is done for ``reason`` (one of ``M.FINISH_REASONS``; truncations counted by cause)."""
         req.move(R.DONE, finish_reason=reason)
         self.log_work(W.Finished(req.rid, reason))
+        if req.env_row:  # its environment may still hold it (no room left for the observation)
+            self.send(ENV_PEER, M.EnvRelease([req.rid]))
         self.step_done_s.append(self.clock())
         if reason != "stop":
             by_cause = self.counters.responses_truncated_by_cause

@@ -227,11 +227,13 @@ def discard_stale(core) -> int:
     """A new trainer (resumed from a checkpoint) makes a version other than the restored one current: the restored
     unfinished responses were made by weights the trainer does not have. They are dropped (their instances told
     to release them) and counted; returns how many."""
-    n = 0
+    n, ended = 0, []
     for rid, req in list(core.requests.items()):
         if req.state == R.DONE:
             continue
         n += 1
+        if req.env_row:
+            ended.append(rid)
         core.counters.responses_discarded_stale += 1
         core.counters.tokens_discarded_stale += req.n
         inst = core.instances.get(req.instance or "")
@@ -239,6 +241,8 @@ def discard_stale(core) -> int:
             inst.inflight.discard(rid)
             core._note_activity(inst)
             core.send(inst.peer, M.Release(rids=[rid]))
+    if ended:
+        core.send(ENV_PEER, M.EnvRelease(ended))
     core.requests.clear()
     core.groups.clear()
     core.queue.clear()

@@ -114,7 +114,9 @@ class ManagerService:
     def _flush(self) -> None:
         out, self.core.outbox = self.core.outbox, []
         for peer, msg in out:
-            if peer == ENV_PEER:
+            if peer == ENV_PEER and isinstance(msg, M.EnvRelease):
+                self.env.release(msg.rids)
+            elif peer == ENV_PEER:
                 self.env.call(msg)
             else:
                 self._send(peer, M.encode(msg))

@@ -489,6 +489,13 @@ class EnvResult(msgspec.Struct, forbid_unknown_fields=True):
     replayed: int = 0
 
 
+class EnvRelease(msgspec.Struct, forbid_unknown_fields=True):
+    """Trajectories ``rids`` of a stateful environment ended or were dropped: the instances their environment still
+    holds are closed (one that ended by ``done``, its last turn or a failed step is closed already)."""
+
+    rids: list[str]
+
+
 Message = (
     Register | Heartbeat | WeightsLoaded | WeightsFailed | Tokens | RequestFailed | Draining | Released
     | Deregister | Welcome | Alive | Reject | Assign | Release | NewVersion | PullFrom | Drain | TrainerHello | SetVersion

@@ -11,7 +11,11 @@ A user's environment is a class constructible without arguments, with two method
   ``done`` ends the trajectory. While it is not done, the observation is appended as a ``user`` message after the
   turn (rendered once as token ids, never trained) and the next turn starts from it.
 
-``async def`` methods are awaited; a ``close()`` method, if any, is called when an instance is dropped.
+``async def`` methods are awaited; a ``close()`` method, if any, is called exactly once per instance, on every way
+its trajectory ends: ``done``, the last turn, a failed step, no room left for the observation (the manager releases
+it), an instance evicted or found stale, a replay that diverged, a step past its deadline (its tool process is
+stopped: SIGTERM, and ``close()`` runs for every instance it held, within ``task.tool_timeout_s`` before SIGKILL), the
+run's end and the manager's death (its tool processes close what they hold as they exit).
 
 Invariants:
 - **Deterministic.** ``reset`` must be a function of the row, and ``step`` of the row and the assistant turns so far
@@ -192,8 +196,10 @@ class EnvironmentRunner:
         max_observation_tokens: an observation longer than this many tokens is cut.
         max_live: instances kept at most (the least recently used is dropped, and rebuilt if it is needed again).
 
-    Items: ``("reset", row)`` → the observation text of a fresh instance's ``reset`` (the instance is dropped;
-    exceptions propagate); ``("turn", TurnCall)`` → a :class:`StepOutcome` (never raises on the user's code).
+    Items: ``("reset", row)`` → the observation text of a fresh instance's ``reset`` (the instance is closed;
+    exceptions propagate); ``("turn", TurnCall)`` → a :class:`StepOutcome` (never raises on the user's code);
+    ``("release", trajectory)`` → whether the trajectory's live instance was closed (False: none was live here).
+    ``teardown()`` (the worker stops) closes every instance held, the one mid-step included.
     """
 
     ref: str
@@ -206,6 +212,7 @@ class EnvironmentRunner:
     _cls: Any = field(default=None, init=False, repr=False, compare=False)
     _hf: Any = field(default=None, init=False, repr=False, compare=False)
     _live: Any = field(default=None, init=False, repr=False, compare=False)
+    _current: Any = field(default=None, init=False, repr=False, compare=False)  # the instance a call works on
 
     def setup(self) -> None:
         """Import the class and load the tokenizer (once per worker)."""
@@ -219,18 +226,34 @@ class EnvironmentRunner:
             self._live = OrderedDict()  # trajectory -> (instance, next turn, digest of what it has seen)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_cls": None, "_hf": None, "_live": None}  # workers load their own
+        return {**self.__dict__, "_cls": None, "_hf": None, "_live": None, "_current": None}  # workers load their own
 
     def __call__(self, item: tuple[str, Any]) -> Any:
         self.setup()
         kind, payload = item
         if kind == "reset":
-            env = self._cls()
+            self._current = self._cls()
             try:
-                return observation_text(_resolved(env.reset(json.loads(payload))))
+                return observation_text(_resolved(self._current.reset(json.loads(payload))))
             finally:
-                _close(env)
+                self._close_current()
+        if kind == "release":
+            entry = self._live.pop(payload, None)
+            if entry is not None:
+                _close(entry[0])
+            return entry is not None
         return self._turn(payload)
+
+    def teardown(self) -> None:
+        """Close every instance this worker holds, the one a call works on included (the worker stops)."""
+        if self._current is not None:
+            self._close_current()
+        while self._live:
+            _close(self._live.popitem(last=False)[1][0])
+
+    def _close_current(self) -> None:
+        env, self._current = self._current, None  # forgotten first: a stop during its close() does not close it again
+        _close(env)
 
     def _turn(self, call: TurnCall) -> StepOutcome:
         rebuild = 1 + len(call.history) if call.turn else 0  # (turn 0's reset makes the instance: no replay)
@@ -243,26 +266,32 @@ class EnvironmentRunner:
         try:
             obs, reward, done = self._step(env, call.turn_ids)
         except Exception as e:  # noqa: BLE001
-            _close(env)
+            self._close_current()
             return StepOutcome(status="error", error=_why(e), replayed=replayed)
         if done or call.last:
-            _close(env)
+            self._close_current()
             return StepOutcome([], obs, reward, done, replayed=replayed)
-        ids = self._render(obs, call.turn_ids)
+        try:
+            ids = self._render(obs, call.turn_ids)
+        except BaseException:
+            self._close_current()
+            raise
+        self._current = None
         self._keep(call.trajectory, env, call.turn + 1,
                    _digest(call.row, call.first, call.history + ((call.turn_ids, _packed(ids), reward),)))
         return StepOutcome(ids, obs, reward, done, replayed=replayed)
 
     def _instance(self, call: TurnCall) -> tuple[Any, int]:
         """The trajectory's live instance (0 replayed), or a new one — its first turn's, or one rebuilt by replay
-        (``1 + earlier turns`` replayed; raises _Diverged)."""
+        (``1 + earlier turns`` replayed; raises _Diverged) — held as the current instance (closed if it fails)."""
         entry = self._live.pop(call.trajectory, None)
         if entry is not None:
             env, turn, digest = entry
             if turn == call.turn and digest == _digest(call.row, call.first, call.history):
+                self._current = env
                 return env, 0
             _close(env)
-        env = self._cls()
+        env = self._current = self._cls()
         try:
             first = observation_text(_resolved(env.reset(json.loads(call.row))))
             if first != call.first:
@@ -277,8 +306,8 @@ class EnvironmentRunner:
                     raise _Diverged(self._diverged(call, f"the step of turn {k}",
                                                    f"observation {got!r}, reward {reward!r}, done {done}",
                                                    f"observation {held!r}, reward {r!r}, done False"))
-        except BaseException:
-            _close(env)
+        except Exception:
+            self._close_current()
             raise
         return env, (1 + len(call.history) if call.turn else 0)
 
@@ -323,6 +352,13 @@ def _packed(ids: list[int]) -> bytes:
     return np.asarray(ids, dtype="<i4").tobytes()
 
 
+@dataclass(frozen=True)
+class _Release:
+    """The pool key of a trajectory's release (never a key of the caller's)."""
+
+    trajectory: str
+
+
 class EnvironmentCalls(TurnCalls):
     """Steps of trajectories' environments in a :class:`~rlboost_hpc.tasks.pool.DeadlinePool` of ``env`` workers
     (a :class:`~rlboost_hpc.tasks.tools.TurnCalls`, as the tools' pool is: ``submit``/``call``, ``poll``,
@@ -332,6 +368,9 @@ class EnvironmentCalls(TurnCalls):
 
     Every submitted call completes once as an :class:`~rlboost_hpc.tasks.tools.Observation` with the step's
     ``reward``, ``done``, ``replayed`` and, on failure, ``error``; its ``obs_ids`` are empty when the trajectory ends.
+    A trajectory that ends while its instance lives (no room for the observation, the trajectory dropped) is
+    :meth:`release` d; a worker stopped at a deadline or by :meth:`close` closes what it holds (``timeout_s`` of
+    grace before SIGKILL).
 
     Raises:
         ValueError: ``workers < 1`` or ``timeout_s <= 0``.
@@ -340,14 +379,33 @@ class EnvironmentCalls(TurnCalls):
     def __init__(self, env: EnvironmentRunner, *, workers: int = 1, timeout_s: float = 5.0) -> None:
         from rlboost_hpc.tasks.pool import DeadlinePool
 
-        self.pool = DeadlinePool(env, workers=workers, timeout_s=timeout_s)
+        self.pool = DeadlinePool(env, workers=workers, timeout_s=timeout_s, grace_s=timeout_s)
         self.timeout_s = timeout_s
         self._live: dict[str, tuple[int, int]] = {}  # trajectory -> (its worker's generation, next turn)
         self._calls: dict[Any, tuple[TurnCall, int, float]] = {}  # pending key -> (call, worker position, cold s)
+        self._releasing: set[str] = set()  # trajectories whose release is queued
+
+    @property
+    def turns_pending(self) -> int:
+        return len(self._calls)
+
+    def release(self, trajectories: list[str]) -> None:
+        """Close the instances of ``trajectories`` that ended (those live in a worker, or with a step pending:
+        after it); the others are closed already."""
+        pending = {c.trajectory for c, _, _ in self._calls.values()}
+        for t in trajectories:
+            if t in self._releasing or not (t in self._live or t in pending):
+                continue
+            self._live.pop(t, None)
+            self._releasing.add(t)
+            self.pool.submit(_Release(t), ("release", t), slot=self._slot(t))
+
+    def _slot(self, trajectory: str) -> int:
+        return zlib.crc32(trajectory.encode()) % self.pool.workers
 
     def submit(self, key: Any, call: TurnCall) -> None:
         """Run one step (its result comes back under ``key``)."""
-        slot = zlib.crc32(call.trajectory.encode()) % self.pool.workers
+        slot = self._slot(call.trajectory)
         warm = self._live.get(call.trajectory) == (self.pool.generation(slot), call.turn)
         cold = self.timeout_s * (2 + len(call.history))
         self._calls[key] = (call, slot, cold)
@@ -363,10 +421,13 @@ class EnvironmentCalls(TurnCalls):
 
         out = []
         for c in self.pool.poll(timeout_s):
+            if isinstance(c.key, _Release):  # (a release past its deadline stopped its worker: closed in its teardown)
+                self._releasing.discard(c.key.trajectory)
+                continue
             call, slot, _ = self._calls.pop(c.key)
             if c.status == CallStatus.OK:
                 o: StepOutcome = c.value
-                if o.status == "ok" and not (o.done or call.last):
+                if o.status == "ok" and not (o.done or call.last) and call.trajectory not in self._releasing:
                     self._live[call.trajectory] = (self.pool.generation(slot), call.turn + 1)
                 else:
                     self._live.pop(call.trajectory, None)

@@ -10,7 +10,11 @@ process that waits on it. :class:`DeadlinePool` is the one implementation both u
   finished, so a call's deadline never pays for it.
 * Every call has a deadline of ``timeout_s`` seconds from when a worker took it. A worker past its deadline is
   killed (SIGKILL: SymPy or a runaway power cannot be interrupted cooperatively) and replaced; the call completes
-  as ``TIMEOUT``. A worker that dies otherwise is replaced and its call re-run once on another worker (then
+  as ``TIMEOUT``. With ``grace_s > 0`` (handlers that hold resources: environments) a worker is stopped instead:
+  SIGTERM interrupts the call and runs the handler's optional ``teardown()`` (e.g. close every environment it
+  holds), and only a worker still alive ``grace_s`` seconds later is killed; the pool does not wait for it (its
+  replacement starts at once). ``teardown()`` also runs when the pool closes and when a worker's pipe closes (its
+  parent died). A worker that dies otherwise is replaced and its call re-run once on another worker (then
   ``FAILED``). A handler that raises completes its call as ``FAILED`` with the exception's text (the worker lives on).
 * Nothing is lost: every submitted key completes exactly once, through :meth:`DeadlinePool.poll`.
 * A call may name the worker it runs on (``slot``: stateful handlers keep per-key state in one worker); each worker
@@ -55,24 +59,49 @@ class Completed:
     seconds: float = 0.0
 
 
+class _Stop(BaseException):
+    """SIGTERM in a worker: stop the call it runs (a BaseException, so user code's ``except Exception`` lets it by)."""
+
+
+_in_call = False  # the worker runs the handler: SIGTERM interrupts it (else the pipe's EOF that follows ends the loop)
+
+
+def _on_sigterm(*_: Any) -> None:  # pragma: no cover - runs in the child
+    global _in_call
+    if _in_call:
+        _in_call = False  # raised once: the teardown that follows is not interrupted
+        raise _Stop
+
+
 def _worker(handler: Any, conn: Connection) -> None:  # pragma: no cover - runs in the child
-    """Run ``handler.setup()`` if it has one, say ready, then serve ``(key, item)`` → ``(key, ok, value|error)``."""
+    """Run ``handler.setup()`` if it has one, say ready, then serve ``(key, item)`` → ``(key, ok, value|error)``
+    until the pipe closes (SIGTERM interrupts the call it runs); then ``handler.teardown()`` if it has one."""
     import signal
 
+    global _in_call
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C
-    setup = getattr(handler, "setup", None)
-    if setup is not None:
-        setup()
-    conn.send(("ready",))
-    while True:
-        try:
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        setup = getattr(handler, "setup", None)
+        if setup is not None:
+            setup()
+        conn.send(("ready",))
+        while True:
             key, item = conn.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            conn.send((key, True, handler(item)))
-        except Exception as e:  # noqa: BLE001 - user-level code on model output: report, keep serving
-            conn.send((key, False, f"{type(e).__name__}: {e}"))
+            _in_call = True
+            try:
+                out = (key, True, handler(item))
+            except Exception as e:  # noqa: BLE001 - user-level code on model output: report, keep serving
+                out = (key, False, f"{type(e).__name__}: {e}")
+            finally:
+                _in_call = False
+            conn.send(out)
+    except (_Stop, EOFError, OSError):
+        pass
+    finally:
+        teardown = getattr(handler, "teardown", None)
+        if teardown is not None:
+            teardown()
 
 
 class _Slot:
@@ -86,11 +115,16 @@ class _Slot:
         self.since = 0.0
         self.generation = 0  # incarnations of this worker position before this one
 
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(5)
+    def stop(self, grace_s: float) -> float | None:
+        """Stop the worker: SIGKILL at once (``grace_s`` 0; returns None once it is reaped), else SIGTERM (its
+        ``teardown()`` runs) and the monotonic time after which it is killed (not waited for)."""
         self.conn.close()
+        if grace_s > 0 and self.proc.is_alive():
+            self.proc.terminate()
+            return time.monotonic() + grace_s
+        self.proc.kill()
+        self.proc.join(5)
+        return None
 
 
 class DeadlinePool:
@@ -100,15 +134,18 @@ class DeadlinePool:
         handler: a picklable callable (sent to each worker once); may define ``setup()``.
         workers: processes (≥ 1).
         timeout_s: per-call deadline, seconds (> 0).
+        grace_s: seconds a stopped worker has for its ``teardown()`` before it is killed (0: killed at once).
 
     Raises:
-        ValueError: ``workers < 1`` or ``timeout_s <= 0``.
+        ValueError: ``workers < 1``, ``timeout_s <= 0`` or ``grace_s < 0``.
     """
 
-    def __init__(self, handler: Any, *, workers: int = 1, timeout_s: float = 5.0) -> None:
-        if workers < 1 or not timeout_s > 0:
-            raise ValueError(f"workers must be >= 1 and timeout_s > 0, got {workers}, {timeout_s}")
-        self.handler, self.timeout_s = handler, timeout_s
+    def __init__(self, handler: Any, *, workers: int = 1, timeout_s: float = 5.0, grace_s: float = 0.0) -> None:
+        if workers < 1 or not timeout_s > 0 or grace_s < 0:
+            raise ValueError(f"workers must be >= 1, timeout_s > 0 and grace_s >= 0, got {workers}, {timeout_s}, "
+                             f"{grace_s}")
+        self.handler, self.timeout_s, self.grace_s = handler, timeout_s, grace_s
+        self._stopping: list[tuple[Any, float]] = []  # (process, kill after) of workers given their grace
         self._ctx = mp.get_context("spawn")
         self._slots = [_Slot(self._ctx, handler) for _ in range(workers)]
         self._todo: deque[tuple[Hashable, Any]] = deque()
@@ -243,6 +280,8 @@ class DeadlinePool:
                                               seconds=time.monotonic() - s.since))
                     self._replace(s, "it ran past its deadline")
             self._start_calls()
+            if self._stopping:
+                self._reap(time.monotonic())
             if out or not self._items or time.monotonic() >= end:
                 return out
 
@@ -274,19 +313,41 @@ class DeadlinePool:
                 done[c.key[1]] = c
         return [done[i] for i in range(len(items))]
 
+    def _stop(self, s: _Slot) -> None:
+        kill_at = s.stop(self.grace_s)
+        if kill_at is not None:
+            self._stopping.append((s.proc, kill_at))
+
+    def _reap(self, now: float) -> None:
+        """Kill the stopped workers past their grace; forget those that exited."""
+        left = []
+        for proc, kill_at in self._stopping:
+            if proc.is_alive() and now >= kill_at:
+                proc.kill()
+                proc.join(5)
+            elif proc.is_alive():
+                left.append((proc, kill_at))
+            else:
+                proc.join(0)
+        self._stopping = left
+
     def _replace(self, s: _Slot, why: str) -> None:
         log.debug("pool worker %s replaced: %s", s.proc.pid, why)
-        s.kill()
+        self._stop(s)
         fresh = _Slot(self._ctx, self.handler)
         fresh.generation = s.generation + 1
         s.__dict__.update(fresh.__dict__)
         self.replaced += 1
 
     def close(self) -> None:
-        """Stop every worker (idempotent)."""
+        """Stop every worker, each given ``grace_s`` seconds for its ``teardown()`` (blocks up to that; idempotent)."""
         for s in self._slots:
-            s.kill()
+            self._stop(s)
         self._slots = []
+        while self._stopping:
+            self._reap(time.monotonic())
+            if self._stopping:
+                time.sleep(0.01)
 
     def __enter__(self) -> "DeadlinePool":
         return self

@@ -339,7 +339,16 @@ class TurnCalls:
 
     @property
     def pending(self) -> int:
+        """Calls not yet answered (turns, and a stateful environment's releases): :meth:`poll` them."""
         return self.pool.pending
+
+    @property
+    def turns_pending(self) -> int:
+        """Turn calls not yet answered."""
+        return self.pool.pending
+
+    def release(self, trajectories: list[str]) -> None:
+        """``trajectories`` ended: close what their environment holds (tools hold nothing)."""
 
     def connections(self) -> list:
         """The workers' pipe ends (to wait on them with other sockets; ``poll`` reads them)."""
@@ -357,8 +366,8 @@ class TurnCalls:
         Raises:
             RuntimeError: other calls are pending (their observations would be taken here).
         """
-        if self.pending:
-            raise RuntimeError(f"observe_all with {self.pending} other calls pending")
+        if self.turns_pending:
+            raise RuntimeError(f"observe_all with {self.turns_pending} other calls pending")
         for key, call in calls.items():
             self.submit(key, call)
         done: dict[Any, Observation] = {}

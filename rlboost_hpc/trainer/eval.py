@@ -182,8 +182,14 @@ def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, ta
             rid = f"eval/{i}/{j}"
             trajs[rid] = _Trajectory(ids, base_seed + 1000 * i + j, env=env)
             meta[rid] = (p, j == samples)
-    _play(eng, trajs, meta, tokenizer.stop_ids, max_new_tokens=max_new_tokens, total=total, temperature=temperature,
-          top_p=top_p, turns=turns)
+    try:
+        _play(eng, trajs, meta, tokenizer.stop_ids, max_new_tokens=max_new_tokens, total=total,
+              temperature=temperature, top_p=top_p, turns=turns)
+    finally:
+        if turns:  # a trajectory that ended with no room for its observation leaves its environment's instance live
+            turns.tools.release(list(trajs))
+            while turns.tools.pending:
+                turns.tools.poll(1.0)
     texts, reward_of = _score(trajs, meta, tokenizer, task, score)
     sampled, greedy_r, rep, examples, drawn = [], [], [], [], []
     for rid, t in trajs.items():
