@@ -207,7 +207,8 @@ class RunSetup:
 
     @classmethod
     def load(cls, cfg: RunConfig) -> "RunSetup":
-        """Load the model and task and check them against the config.
+        """Load the task, then the model, and check them against the config (the task first: its data and reward
+        endpoint are bad input found before the model loads).
 
         Raises:
             ConfigError: behaviour correction with an engine that returns no logprobs; the response (or
@@ -218,9 +219,12 @@ class RunSetup:
         from rlboost_hpc.tasks.user_task import make_task
 
         check_behaviour_logprobs(cfg)
+        # the task before the model: its data (a hub id is fetched here), its reward code imported and checked, its
+        # reward model reached — bad input there exits 2 before a model load of tens of seconds
+        task = make_task(cfg.task)
+        task.check_endpoint()
         policy = load_model(cfg)
         arch, tok = policy.arch, policy.tokenizer
-        task = make_task(cfg.task)  # a user's task is read, split and its reward code imported and checked here
         longest, worst = task.longest_prompt(tok)
         if longest + cfg.trajectory_tokens() > arch.max_position_embeddings:
             key = ("rollout.max_new_tokens" if cfg.task.max_turns == 1 else
@@ -228,7 +232,6 @@ class RunSetup:
             raise ConfigError(f"{key} = {cfg.trajectory_tokens()} plus the longest prompt ({longest} tokens: "
                               f"{worst.pid}, {worst.text[:60]!r}) exceeds the model's context of "
                               f"{arch.max_position_embeddings} tokens")
-        task.check_endpoint()  # an unreachable reward model is bad input, before anything starts
         lora = lora_settings(cfg, policy)
         train_device = resolve_device(cfg.trainer.device, "trainer.device")
         rollout_device = resolve_device(cfg.rollout.device, "rollout.device")

@@ -244,3 +244,22 @@ def test_a_short_prompt_of_many_tokens_is_refused_before_the_run_starts(tmp_path
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert "exceeds the model's context" in p.stderr and "雨雨雨" in p.stderr, p.stderr[-2000:]
     assert list((tmp_path / "cache").glob("*-prompt-tokens-*.json"))  # every row tokenised once, the result kept
+
+
+def test_a_hub_dataset_that_cannot_be_read_is_refused_before_the_model_loads(tmp_path, stories260k_hf_dir):
+    """Issue 57: every input check of a run before the model loads, a hub dataset id too (it is fetched when the task
+    is made, which came after the model load). Through ``rlboost-hpc run``: a model directory whose config.json is
+    there (the file checks pass) and whose weights are not a model, and a hub id the offline hub cannot give — exit 2
+    naming ``task.dataset``, not the model."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(stories260k_hf_dir, model)
+    for weights in model.glob("*.safetensors"):
+        weights.write_bytes(b"not a model")
+    (tmp_path / "rewards.py").write_text("def zero(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
+    p = _run(tmp_path / "run", REPO / "configs/local.toml", f"model.path='{model}'",
+             "task.dataset='nobody-here/no-such-dataset'", f"task.dataset_cache_dir='{tmp_path / 'cache'}'",
+             f"task.reward_functions=['{tmp_path}/rewards.py:zero']", env={"HF_HUB_OFFLINE": "1"})
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "task.dataset = nobody-here/no-such-dataset" in p.stderr and "safetensors" not in p.stderr, p.stderr[-2000:]
