@@ -42,7 +42,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
     for why in report.get("quality_gate_failures", []):  # the run finished; its policy may have collapsed
         print(f"quality gate failed: {why}", file=sys.stderr)
     print(f"report: {rd.report}  metrics: {rd.metrics}  plot: {rd.plot}  logs: {rd.logs}/")
+    nothing = _nothing_trained(report)
+    if nothing:
+        print(f"rlboost-hpc run: {nothing}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _nothing_trained(report: dict) -> str:
+    """Why a run that finished its steps trained no response (a failed run, exit 1: every GRPO group was left out
+    because a reward component failed on it), with each component's failed calls; "" when it trained."""
+    if not report.get("steps") or report.get("responses_trained"):
+        return ""
+    failed = "; ".join(f"{name}: {t.get('failed', 0)} of {t.get('calls', 0)} calls failed"
+                       for name, t in (report.get("reward_functions") or {}).items() if t.get("failed"))
+    n = report["steps"]
+    return (f"the run trained no response in {n} step{'s' * (n != 1)}: {report.get('responses_left_out', 0)} were left "
+            f"out, their GRPO groups' reward components failed (task.reward_errors = skip){': ' if failed else ''}"
+            f"{failed}")
 
 
 #: What a user interrupting a command (Ctrl-C) can do next, by command.

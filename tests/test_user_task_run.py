@@ -263,3 +263,22 @@ def test_a_hub_dataset_that_cannot_be_read_is_refused_before_the_model_loads(tmp
              f"task.reward_functions=['{tmp_path}/rewards.py:zero']", env={"HF_HUB_OFFLINE": "1"})
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert "task.dataset = nobody-here/no-such-dataset" in p.stderr and "safetensors" not in p.stderr, p.stderr[-2000:]
+
+
+def test_a_run_whose_every_group_was_left_out_is_a_failed_run(tmp_path):
+    """Issue 57: with ``task.reward_errors = skip`` a run whose judge failed every call left every GRPO group out,
+    trained nothing and exited 0. Through ``rlboost-hpc run``: exit 1 naming the responses left out and the
+    function's failed calls, its report written (the counts are there to read)."""
+    data = tmp_path / "stories.jsonl"
+    data.write_text("".join(json.dumps({"prompt": o}) + "\n" for o in OPENINGS))
+    (tmp_path / "rewards.py").write_text(
+        "def judged(prompts, completions, **columns):\n    raise RuntimeError('the judge is down')\n")
+    sets = [f"task.dataset='{data}'", f"task.dataset_cache_dir='{tmp_path / 'cache'}'", "task.heldout_fraction=0.25",
+            "task.heldout_prompts=2", f"task.reward_functions=['{tmp_path}/rewards.py:judged']", "trainer.steps=1",
+            "trainer.export_model=false", "trainer.eval_samples=1"]
+    p = _run(tmp_path / "run", REPO / "configs/local.toml", *sets)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    rep = json.loads((tmp_path / "run/report.json").read_text())
+    assert rep["responses_trained"] == 0 and rep["responses_left_out"] > 0, rep
+    assert f"the run trained no response in 1 step: {rep['responses_left_out']} were left out" in p.stderr
+    assert "judged: " in p.stderr and " calls failed" in p.stderr, p.stderr[-2000:]
