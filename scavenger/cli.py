@@ -66,6 +66,7 @@ def build_parser(prog: str = "rlboost-hpc scavenger") -> argparse.ArgumentParser
     p.add_argument("--harvest-dir", help=_help("harvest_dir"))
     p.add_argument("--harvest-max-age-s", type=float, help=_help("harvest_max_age_s"))
     p.add_argument("--trainer-job", help=_help("trainer_job"))
+    p.add_argument("--trainer-pending-release-s", type=float, help=_help("trainer_pending_release_s"))
     p.add_argument("--spot-price-per-gpu-hour", type=float, help=_help("spot_price_per_gpu_hour"))
     p.add_argument("--on-demand-price-per-gpu-hour", type=float, help=_help("on_demand_price_per_gpu_hour"))
     p.add_argument("--once", action="store_true", help="run one reconciliation, print its result as JSON, exit")
@@ -84,6 +85,7 @@ _KNOBS = ("partition", "qos", "account", "gpus_per_job", "cpus_per_job", "time_l
           "signal", "requeue", "script", "job_name_prefix", "run_id", "tag", "log_dir", "extra_sbatch_args",
           "poll_s", "command_timeout_s", "max_backoff_s", "max_submit_per_cycle", "failed_job_backoff_s",
           "metrics_port", "metrics_host", "slurm_api", "harvest_dir", "harvest_max_age_s", "trainer_job",
+          "trainer_pending_release_s",
           "spot_price_per_gpu_hour", "on_demand_price_per_gpu_hour")
 
 

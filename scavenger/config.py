@@ -78,6 +78,10 @@ class ScavengerConfig(BaseModel):
         "Slurm job id of the run's trainer (sbatch/launch and submit_run pass it): once that job has ended while "
         "target.json still says the run is active (the trainer failed or was cancelled), the run is over — cancel "
         "its rollout jobs (and, with --exit-when-done, exit) instead of waiting for a target that never comes"))
+    trainer_pending_release_s: float = Field(120.0, ge=0, description=(
+        "with trainer_job: once the trainer job has waited this many seconds (requeued after a preemption or a node "
+        "failure, pending or held), its rollout jobs have no manager to serve: cancel them (none is submitted while "
+        "it waits) and submit again when it runs; 0 releases them at the first listing that shows it waiting"))
     spot_price_per_gpu_hour: float = Field(0.0, ge=0, description=(
         "price of one harvested (preemptible) GPU-hour, for cost per token (e.g. the cluster's internal charge)"))
     on_demand_price_per_gpu_hour: float = Field(0.0, ge=0, description=(

@@ -16,7 +16,10 @@ One :meth:`Scavenger.reconcile_once` step:
    off its tokens and exit; if it is still alive ``grace_s`` later, a plain ``scancel``. ``active: false`` — or
    a trainer job that has ended while the target still says active (it failed or was cancelled) — → plain
    ``scancel`` of everything at once (the run is over);
-4. submit the missing jobs, never more than the partition's idle capacity allows.
+4. submit the missing jobs, never more than the partition's idle capacity allows — none while the trainer job
+   waits (pending or held: not started, or requeued): no manager serves them; once it has waited
+   ``trainer_pending_release_s`` its live rollout jobs are cancelled too (under the harvest service it asks for
+   none), and the run's target holds again when it runs.
 
 With ``harvest_dir`` (the cluster's harvest service, :mod:`scavenger.harvest`) step 2 posts the run's demand — the
 rollout jobs the run could use (``target.json``'s ``wanted``: the N_prem law before its clamp to capacity, within
@@ -198,6 +201,7 @@ class Scavenger:
         self.tracking = ScavengerTracking(self.run_dir, config.spot_price_per_gpu_hour,
                                           config.on_demand_price_per_gpu_hour, config.resolved_run_id(self.run_dir))
         self._last_held_back = ""
+        self._trainer_waiting_since: float | None = None  # the trainer job is listed waiting (requeued) since then
         self._trainer_over_in = 0  # listings in a row showing the trainer job over (or not at all)
         self._trainer_gone = ""  # why the trainer job is over (once it is: for good)
         self.harvest: HarvestLink | None = None  # the cluster's harvest service grants the share (harvest_dir)
@@ -322,6 +326,8 @@ class Scavenger:
             share = None
             if self.harvest is not None:  # ask for what the run could use; the share caps what it keeps
                 wanted = min(target.asks, self.config.max_jobs) if target is not None else 0
+                if self._trainer_released(now):  # (as the last listing showed it: nothing to serve, ask none)
+                    wanted = 0
                 share, why, stale = self.harvest.exchange(wanted, self.config.gpus_per_job,
                                                           target is None or target.active)
                 res.harvest_wait = why
@@ -332,17 +338,7 @@ class Scavenger:
             ended = self._trainer_ended(trainer, looked)
             if ended and (target is None or target.active):  # the run is over without having said so
                 target = res.target = Target(0, False, "trainer_ended", self.config.gpus_per_job)
-            self.jobs.observe(jobs, now, self._note_finish)
-            live = [j for j in jobs if j.live]  # unknown states count: they may hold capacity
-            self._note_unknown(live)
-            leaving = [j for j in live if self.jobs.tracks[j.job_id].drain_signalled_at is not None
-                       or self.jobs.tracks[j.job_id].cancel_sent_at is not None]
-            leaving_ids = {j.job_id for j in leaving}
-            active = [j for j in live if j.job_id not in leaving_ids]
-            res.live, res.draining = len(live), len(leaving)
-            res.pending = sum(1 for j in live if j.job_class in WAITING)
-            res.held = sum(1 for j in live if j.job_class is JobClass.HELD)
-            res.running = res.live - res.pending
+            live, leaving, active = self._observe(jobs, now, res)
             if self.harvest is None:
                 free = self._free_slots()
                 self._write_capacity(len(active), free, now)
@@ -352,7 +348,13 @@ class Scavenger:
             res.free_slots = free
             if target is not None and not target.active:
                 res.desired = 0
-                self._cancel_all(live, now, res)
+                self._cancel_all(live, now, res, "run_inactive")
+                return res
+            waiting = self._trainer_waiting(trainer, looked, now)
+            if waiting:  # no manager to serve: nothing new; released once it has waited long enough
+                res.desired, res.held_back = 0, waiting
+                if self._trainer_released(now):
+                    self._cancel_all(live, now, res, "trainer_pending")
                 return res
             desired = min(target.n, self.config.max_jobs) if target is not None else len(active)
             if self.harvest is not None and target is not None:  # (no target yet: keep what is there)
@@ -380,6 +382,22 @@ class Scavenger:
             if self.harvest is not None and (res.submitted or res.cancelled or res.signalled):
                 self.harvest.acted()
         return res
+
+    def _observe(self, jobs: list[JobInfo], now: float, res: ReconcileResult
+                 ) -> tuple[list[JobInfo], list[JobInfo], list[JobInfo]]:
+        """Log the listing's changes and count it into ``res``; returns our live jobs (unknown states count: they may
+        hold capacity), those of them leaving (signalled or cancelled) and the others (active)."""
+        self.jobs.observe(jobs, now, self._note_finish)
+        live = [j for j in jobs if j.live]
+        self._note_unknown(live)
+        leaving = [j for j in live if self.jobs.tracks[j.job_id].drain_signalled_at is not None
+                   or self.jobs.tracks[j.job_id].cancel_sent_at is not None]
+        leaving_ids = {j.job_id for j in leaving}
+        res.live, res.draining = len(live), len(leaving)
+        res.pending = sum(1 for j in live if j.job_class in WAITING)
+        res.held = sum(1 for j in live if j.job_class is JobClass.HELD)
+        res.running = res.live - res.pending
+        return live, leaving, [j for j in live if j.job_id not in leaving_ids]
 
     def _listing(self, share) -> tuple[list[JobInfo], JobInfo | None, bool]:
         """This step's listing: OUR jobs (every state), the trainer job (``None`` when not listed) and whether the
@@ -416,6 +434,33 @@ class Scavenger:
                   "rollout jobs", why)
         self._trainer_gone = why
         return why
+
+    def _trainer_waiting(self, trainer: JobInfo | None, looked: bool, now: float) -> str:
+        """Why the run's rollout jobs wait for its trainer job ("" while it runs, or when it is not looked for): it
+        is listed pending or held — not started yet, or requeued after a preemption or a node failure — so no
+        manager serves them. Logged when it starts waiting and when its jobs are released
+        (``trainer_pending_release_s`` later)."""
+        if not looked or trainer is None or trainer.job_class not in WAITING:
+            if self._trainer_waiting_since is not None:
+                log.info("scavenger: the trainer job %s runs again: rollout jobs are submitted to the run's target",
+                         self.config.trainer_job)
+            self._trainer_waiting_since = None
+            return ""
+        release_s = self.config.trainer_pending_release_s
+        if self._trainer_waiting_since is None:
+            self._trainer_waiting_since = now
+            log.warning("scavenger: the trainer job %s is %s (%s): no rollout job is submitted while it waits; its "
+                        "live ones are cancelled if it still waits %g s from now", trainer.job_id,
+                        trainer.state, trainer.state_reason or "no reason given", release_s)
+        released = self._trainer_released(now)
+        return (f"the trainer job {trainer.job_id} is {trainer.state} ({trainer.state_reason or 'waiting'}): no "
+                "manager to serve, " + ("its rollout jobs are released until it runs" if released else
+                                        f"none is submitted; the live ones are released after {release_s:g} s"))
+
+    def _trainer_released(self, now: float) -> bool:
+        """The trainer job has waited ``trainer_pending_release_s`` (its rollout jobs are cancelled, none asked)."""
+        since = self._trainer_waiting_since
+        return since is not None and now - since >= self.config.trainer_pending_release_s
 
     def _held_back(self, target: Target | None, share, harvest_why: str, free: int, n_active: int) -> str:
         """Why the run keeps fewer rollout jobs than it asks for, in words ("" when nothing holds it back): no
@@ -484,9 +529,9 @@ class Scavenger:
     def _resend_due(self, t: JobTrack, now: float) -> bool:
         return t.cancel_sent_at is None or now - t.cancel_sent_at >= self.config.grace_s
 
-    def _cancel_all(self, live: list[JobInfo], now: float, res: ReconcileResult) -> None:
+    def _cancel_all(self, live: list[JobInfo], now: float, res: ReconcileResult, reason: str) -> None:
         due = [j for j in live if self._resend_due(self.jobs.tracks[j.job_id], now)]
-        self._scancel(due, now, res, "run_inactive")
+        self._scancel(due, now, res, reason)
 
     def _finish_leaving(self, leaving: list[JobInfo], now: float, res: ReconcileResult) -> None:
         """Plain-cancel jobs on their way out that did not leave: drained jobs that requeued themselves

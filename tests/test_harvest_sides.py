@@ -166,6 +166,44 @@ def test_a_trainer_job_that_ends_ends_the_harvesting_within_one_poll(env):
     assert sc.run_forever(max_cycles=3, exit_when_done=True) == 0 and sc.reconcile_once().live == 0
 
 
+def test_rollout_jobs_are_released_while_their_trainer_job_waits_requeued_and_come_back_when_it_runs(env, caplog):
+    """Issue 57 item 8 (prime-rl #2961): while the trainer job was requeued and pending, its rollout jobs kept
+    cycling on harvested GPUs with no manager to serve (an hour pending: 4 GPU-hours). Now nothing is submitted
+    while it waits, its live jobs are cancelled once it has waited ``trainer_pending_release_s``, and the target
+    holds again when it runs."""
+    clock, fake, run_dir, make = env
+    fake.jobs["7"] = {"name": "rlboost-train-r1", "comment": "", "state": "PENDING", "restart_cnt": 0,
+                      "submit_time": clock.t, "gpus": 1, "reason": "Priority"}
+    sc = make(ScavengerConfig(max_jobs=3, poll_s=5, trainer_job="7", trainer_pending_release_s=60))
+    write_target(run_dir, n_prem=3)
+    res = sc.reconcile_once()  # not started yet: no manager, nothing submitted
+    assert res.submitted == [] and res.desired == 0 and "trainer job 7 is PENDING (Priority)" in res.held_back
+    fake.jobs["7"].update(state="RUNNING", node="n4", start_time=clock.t, reason="")
+    clock.t += 5
+    assert len(sc.reconcile_once().submitted) == 3
+    fake.schedule()
+    fake.preempt("7")  # requeued: pending again
+    clock.t += 5
+    with caplog.at_level(logging.WARNING, logger="scavenger"):
+        res = sc.reconcile_once()
+    assert res.submitted == res.cancelled == [] and res.live == 3 and "none is submitted" in res.held_back
+    assert any("trainer job 7 is PENDING (BeginTime)" in r.getMessage() for r in caplog.records)
+    clock.t += 55
+    assert sc.reconcile_once().cancelled == []  # (59 s: not yet)
+    clock.t += 5
+    res = sc.reconcile_once()
+    assert sorted(res.cancelled) == ["100", "101", "102"] and "released until it runs" in res.held_back
+    assert live_ids(fake) == ["7"]
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert sorted(e["job_id"] for e in events if e.get("reason") == "trainer_pending") == ["100", "101", "102"]
+    clock.t += 600  # an hour pending costs no rollout GPU
+    assert sc.reconcile_once().submitted == [] and live_ids(fake) == ["7"]
+    fake.schedule()  # the trainer runs again: the target holds again
+    clock.t += 5
+    res = sc.reconcile_once()
+    assert len(res.submitted) == 3 and res.held_back == "" and res.target.active
+
+
 def test_a_trainer_job_slurm_no_longer_lists_counts_as_ended_after_two_listings(env):
     sc = env[3](ScavengerConfig(max_jobs=1, trainer_job="4242"))
     assert sc.reconcile_once().target.source == "default"  # one listing without it: not yet

@@ -25,10 +25,12 @@ def test_a_run_submitted_from_python_harvests_rollout_jobs_and_survives_a_requeu
     """:func:`rlboost_hpc.launch.submit_run` gives what ``sbatch/launch`` gives (issue 28: it ran the embedded local
     cluster inside the Slurm job, with no scavenger): the trainer job as a Slurm run and the scavenger, whose rollout
     jobs on the scavenger partition serve the run. Once the trainer has checkpointed step 3 and a rollout job has
-    registered, ``scontrol requeue`` the trainer (Slurm kills it and starts it again, same id); the second start
-    resumes from the checkpoint, the rollout jobs rejoin, and the run finishes: ``resumes ≥ 1``, nothing lost or
-    duplicated, every prompt trained exactly once, two manager epochs in the journal; the scavenger exits by itself
-    once the run is over."""
+    registered, ``scontrol requeuehold`` the trainer (Slurm kills it; it waits, held, same id): with no manager to
+    serve, its rollout jobs are cancelled once it has waited ``--trainer-pending-release-s`` (issue 57 item 8,
+    prime-rl #2961: they kept cycling on harvested GPUs) and none is submitted while it waits; ``scontrol release``
+    starts it again: the second start resumes from the checkpoint, new rollout jobs serve it, and the run finishes:
+    ``resumes ≥ 1``, nothing lost or duplicated, every prompt trained exactly once, two manager epochs in the
+    journal; the scavenger exits by itself once the run is over."""
     from rlboost_hpc.launch import submit_run
     from rlboost_hpc.manager.journal import read
     from rlboost_hpc.rundir import RunDir, read_jsonl
@@ -41,11 +43,17 @@ def test_a_run_submitted_from_python_harvests_rollout_jobs_and_survives_a_requeu
     out = tmp_path / "run"
     run = submit_run(REPO / "configs/local.toml", out, partition="train", timeout_min=30, cpus_per_task=1,
                      overrides=["trainer.steps=40", "trainer.export_model=false"],
-                     scavenger=["--partition", "scavenger", "--max-jobs", "2", "--poll-s", "1"])
+                     scavenger=["--partition", "scavenger", "--max-jobs", "2", "--poll-s", "1",
+                                "--trainer-pending-release-s", "2"])
     events = RunDir(out).events
 
     def served() -> bool:  # a rollout job registered with the run's manager
         return any(e.get("event") == "worker_started" for e in read_jsonl(events))
+
+    def rollout_jobs() -> list[str]:
+        p = subprocess.run(["squeue", "-h", "-o", "%i", "--name", f"rlboost-rollout-{RunDir(out).run_id()}"],
+                           capture_output=True, text=True, timeout=30)
+        return p.stdout.split()
 
     def state() -> str:
         return _job_output(out) + "\n" + (RunDir(out).scavenger_log.read_text()[-3000:]
@@ -57,7 +65,16 @@ def test_a_run_submitted_from_python_harvests_rollout_jobs_and_survives_a_requeu
             assert time.monotonic() < deadline and not run.done(), f"no checkpoint of step 3 and rollout job:\n" \
                                                                     f"{state()}"
             time.sleep(0.5)
-        p = subprocess.run(["scontrol", "requeue", run.job_id], capture_output=True, text=True, timeout=30)
+        p = subprocess.run(["scontrol", "requeuehold", run.job_id], capture_output=True, text=True, timeout=30)
+        assert p.returncode == 0, p.stderr
+        deadline = time.monotonic() + 120
+        while not (any(e.get("reason") == "trainer_pending" for e in read_jsonl(events)) and not rollout_jobs()):
+            assert time.monotonic() < deadline, f"the held trainer's rollout jobs were not released:\n{state()}"
+            time.sleep(0.5)
+        released_at = len(read_jsonl(events))
+        time.sleep(5)  # (held: nothing is submitted meanwhile)
+        assert not rollout_jobs() and not any(e.get("event") == "submitted" for e in read_jsonl(events)[released_at:])
+        p = subprocess.run(["scontrol", "release", run.job_id], capture_output=True, text=True, timeout=30)
         assert p.returncode == 0, p.stderr
         deadline = time.monotonic() + 600
         while not run.done():
@@ -79,6 +96,7 @@ def test_a_run_submitted_from_python_harvests_rollout_jobs_and_survives_a_requeu
     assert rep["prompts_not_trained_exactly_once"] == 0 and rep["tokens_trained_off_version"] == 0
     assert sum(1 for r in read(RunDir(out).journal) if r.get("event") == "start") >= 2
     ev = read_jsonl(events)
+    assert any(e.get("event") == "submitted" for e in ev[released_at:])  # the trainer ran again: served again
     started = [e for e in ev if e.get("event") == "started" and e.get("source") == "scavenger"]
     assert started and all(e.get("partition", "scavenger") == "scavenger" for e in started), started
     assert json.loads((out / "config.json").read_text())["cluster"]["kind"] == "slurm"
