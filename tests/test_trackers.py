@@ -167,17 +167,22 @@ def test_tensorboard_and_mlflow_hold_every_step_and_a_resumed_hub_continues_the_
         for line in lines(3, start=2, reward_mean=0.9):
             hub.step(line)
         hub.close()
-    assert json.loads(rd.trackers.read_text()) == runs
-    assert "mlflow continues run" in caplog.text
-    run = client.get_run(run_id)
+    # issue 57 item 7 (tango #152, prime-rl PR #1668): MLflow held the redone step twice ([0, 1, 2, 2, 3, 4]); it
+    # cannot delete a point, so the resumed incarnation forks: one run with every step once
+    forked = json.loads(rd.trackers.read_text())
+    assert forked["tensorboard"] == runs["tensorboard"] and forked["mlflow"]["run_id"] != run_id
+    assert "mlflow forks into run" in caplog.text
+    old, run = client.get_run(run_id), client.get_run(forked["mlflow"]["run_id"])
+    assert old.info.status == "KILLED" and old.data.tags["rlboost.superseded_by"] == run.info.run_id
     assert run.info.status == "FINISHED" and run.data.params["trainer.steps"] == "3"
-    assert run.data.tags["rlboost.param_changed.trainer.steps"] == "5"
-    assert [s for s, _ in mlflow_history(rd.root, "reward/mean")] == [0, 1, 2, 2, 3, 4]  # MLflow keeps both
+    assert run.data.tags["rlboost.param_changed.trainer.steps"] == "5" and run.data.tags["rlboost.forked_at_step"] == "2"
+    assert [(s, round(v, 3)) for s, v in mlflow_history(rd.root, "reward/mean")] == [
+        (0, 0.0), (1, 0.1), (2, 0.9), (3, 0.9), (4, 0.9)]
     tb = tensorboard_scalars(rd.tensorboard)
     assert tb["reward/mean"] == [(0, 0.0), (1, pytest.approx(0.1)), (2, pytest.approx(0.9)), (3, pytest.approx(0.9)),
                                  (4, pytest.approx(0.9))]
     assert tb.get("report/steps") in (None, [])  # the summary the first incarnation logged at step 2 was purged with it
-    assert [a.path for a in client.list_artifacts(run_id)] == ["report.json", "summary"]
+    assert [a.path for a in client.list_artifacts(run_id)] == ["report.json", "summary"]  # (the old run's files)
 
 
 def test_a_fresh_start_makes_new_tracker_runs_and_a_tracker_added_at_a_resume_gets_the_earlier_steps(tmp_path):
@@ -439,3 +444,45 @@ def test_a_tracker_that_fails_mid_run_does_not_stop_the_run(repo_root, tmp_path)
     assert err.count("trackers: mlflow failed") == 1 and "it is dropped, the run goes on" in err
     assert [s for s, _ in tensorboard_scalars(out / "tensorboard")["reward/mean"]] == [0, 1, 2]
     assert json.loads((out / "report.json").read_text())["steps"] == 3
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_run_killed_after_its_checkpoint_resumes_into_an_mlflow_run_holding_each_step_once(repo_root, tmp_path):
+    """Issue 57 item 7 (tango #152, prime-rl PR #1668), through ``rlboost-hpc run``: the trainer SIGKILLed once
+    MLflow holds a step past the last checkpoint; the same command resumes and redoes that step. MLflow cannot delete
+    a point, so the resumed incarnation forks: trackers.json names a run whose every step is there once (the same
+    values as metrics.jsonl), the killed one is marked KILLED and names its successor."""
+    import os
+    import signal
+
+    from test_demo_run import diagnose, run_cli
+
+    out = tmp_path / "demo"
+    sets = ['trainer.report_to=["mlflow"]', "trainer.steps=5", "trainer.checkpoint_every=2", *FAST]
+    args = [sys.executable, "-m", "rlboost_hpc.cli", "run", "--config", str(repo_root / "configs/local.toml"),
+            "--out", str(out), "--no-progress"] + [x for s in sets for x in ("--set", s)]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=repo_root,
+                            start_new_session=True)
+    try:
+        while proc.poll() is None:  # step 2 is in MLflow, and only the checkpoint of step 2 exists (steps 0, 1)
+            if (out / "trackers.json").exists() and any(s == 2 for s, _ in mlflow_history(out, "reward/mean")):
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.05)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read()[-3000:]
+    first = json.loads((out / "trackers.json").read_text())["mlflow"]["run_id"]
+    p = run_cli(repo_root, out, *sets)
+    assert p.returncode == 0, diagnose(p, out)
+    client, run_id = mlflow_client(out)
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["resumes"] == 1 and rep["resumed_from_step"] == 2 and run_id != first
+    ms = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert mlflow_history(out, "reward/mean") == [(m["step"], pytest.approx(m["reward_mean"])) for m in ms]
+    old = client.get_run(first)
+    assert old.info.status == "KILLED" and old.data.tags["rlboost.superseded_by"] == run_id
+    assert client.get_run(run_id).info.status == "FINISHED"

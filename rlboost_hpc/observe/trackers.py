@@ -9,7 +9,9 @@ Each tracker is an optional dependency with its own extra (``pip install 'rlboos
   crashed incarnation made after its last checkpoint are replaced, not doubled.
 - MLflow: ``MLFLOW_TRACKING_URI`` (a server, a database), else a file store under ``RUN_DIR/mlruns`` (which
   recent MLflow releases keep in maintenance mode: it is allowed for this client only, the process environment is
-  left as it was); experiment ``MLFLOW_EXPERIMENT_NAME``, else ``rlboost-hpc``.
+  left as it was); experiment ``MLFLOW_EXPERIMENT_NAME``, else ``rlboost-hpc``. MLflow cannot delete a metric's
+  points: a resume that redoes logged steps continues in a fork (a new run with the history before the resume
+  step; the old one KILLED, tagged ``rlboost.superseded_by``), so each step is held once.
 - Weights & Biases: its own environment (``WANDB_MODE``, ``WANDB_PROJECT`` (default ``rlboost-hpc``),
   ``WANDB_ENTITY``, ``WANDB_API_KEY``); its run files under ``RUN_DIR/wandb/`` — with ``WANDB_MODE=offline``
   nothing goes over the network and ``wandb sync RUN_DIR/wandb/offline-run-*`` sends them later.
@@ -91,6 +93,7 @@ class Tracker:
 
     kind: TrackerKind
     created: bool = False
+    forked: bool = False  # created as the continuation of a run, holding its steps before the resume (no backfill)
 
     def identity(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -213,7 +216,8 @@ def _chunks(items: list, n: int):
 class MlflowTracker(Tracker):
     """Metrics (one key per figure, step = trainer step), the config as parameters, the report's figures as
     metrics and ``report.json`` / ``run.png`` as artifacts. Parameters are immutable in MLflow: a value changed at
-    a resume (more ``trainer.steps``) is kept as the tag ``rlboost.param_changed.<key>``."""
+    a resume (more ``trainer.steps``) is kept as the tag ``rlboost.param_changed.<key>``. A resume that redoes steps
+    the run already holds (a crash after its last checkpoint) forks the run (:meth:`_fork`): every step once."""
 
     kind = TrackerKind.MLFLOW
 
@@ -230,7 +234,11 @@ class MlflowTracker(Tracker):
             self.experiment_id, self.run_id = str(known["experiment_id"]), str(known["run_id"])
             self.client.get_run(self.run_id)  # raises when the run is gone
             if role is Role.TRAINER:
-                self.client.update_run(self.run_id, status="RUNNING")
+                redone = self._history_from(resume_step) if resume_step is not None else None
+                if redone is not None:
+                    self._fork(rd, run_name, resume_step, redone)
+                else:
+                    self.client.update_run(self.run_id, status="RUNNING")
             return
         self.created = True
         exp_id = os.environ.get("MLFLOW_EXPERIMENT_ID")
@@ -242,6 +250,37 @@ class MlflowTracker(Tracker):
         run = self.client.create_run(self.experiment_id, run_name=run_name,
                                      tags={"rlboost.run_id": run_name, "rlboost.run_dir": str(rd.root.resolve())})
         self.run_id = run.info.run_id
+
+    def _history_from(self, step: int) -> dict[str, list] | None:
+        """Every metric's history when the run holds a step ≥ ``step`` (a crashed incarnation logged steps after
+        its last checkpoint, which the resumed one redoes), else None."""
+        keys = self.client.get_run(self.run_id).data.metrics
+        history = {k: self.client.get_metric_history(self.run_id, k) for k in keys}
+        return history if any(m.step >= step for ms in history.values() for m in ms) else None
+
+    def _fork(self, rd: RunDir, run_name: str, step: int, history: dict[str, list]) -> None:
+        """Continue in a new run: MLflow cannot delete the redone steps, which would be held twice. The new run gets
+        the old one's parameters (and changed-parameter tags) and its history before ``step``; the old one is
+        marked KILLED and tagged ``rlboost.superseded_by`` (W&B's fork, by hand)."""
+        from mlflow.entities import Metric, Param, RunTag
+        from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAMS_TAGS_PER_BATCH
+
+        old = self.client.get_run(self.run_id)
+        run = self.client.create_run(self.experiment_id, run_name=run_name, tags={
+            "rlboost.run_id": run_name, "rlboost.run_dir": str(rd.root.resolve()),
+            "rlboost.forked_from": self.run_id, "rlboost.forked_at_step": str(step)})
+        params = [Param(k, v) for k, v in old.data.params.items()]
+        tags = [RunTag(k, v) for k, v in old.data.tags.items() if k.startswith("rlboost.param_changed.")]
+        metrics = [Metric(k, m.value, m.timestamp, m.step) for k, ms in history.items() for m in ms if m.step < step]
+        for chunk in _chunks(params, MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(run.info.run_id, params=chunk)
+        for chunk in _chunks(tags, MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(run.info.run_id, tags=chunk)
+        for chunk in _chunks(metrics, MAX_METRICS_PER_BATCH):
+            self.client.log_batch(run.info.run_id, metrics=chunk)
+        self.client.set_tag(self.run_id, "rlboost.superseded_by", run.info.run_id)
+        self.client.set_terminated(self.run_id, status="KILLED")
+        self.run_id, self.created, self.forked = run.info.run_id, True, True
 
     def identity(self) -> dict[str, Any]:
         return {"tracking_uri": self.uri, "experiment_id": self.experiment_id, "run_id": self.run_id}

@@ -160,7 +160,7 @@ class TrackerHub:
         if kind == "params":
             t.log_params(args[0], names.flat_params(args[0]))
         elif kind == "backfill":
-            if t.created:  # a continued run holds these steps already
+            if t.created and not t.forked:  # a continued run (and its fork) holds these steps already
                 for line in args[0]:
                     t.log_metrics(*_named(line))
         elif kind == "metrics":
@@ -184,7 +184,8 @@ class TrackerHub:
                 self._fail(kind, e, "could not be opened")
                 continue
             self.trackers.append(t)
-            log.info("trackers: %s %s run %s", kind, "started" if t.created else "continues", runs[t.kind.value])
+            log.info("trackers: %s %s run %s", kind, "forks into" if t.forked else "started" if t.created else
+                     "continues", runs[t.kind.value])
         if self.role is Role.TRAINER and any(t.created for t in self.trackers):
             try:
                 write_tracker_runs(self.rd, runs)
