@@ -59,6 +59,7 @@ BENCHES = [
     Bench("bench_mismatch", (), ("--batch", "2", "--new", "64", "--caps", "2")),
     Bench("bench_staleness", (), ("--steps", "6", "--ks", "0,1", "--sim-models", "")),
     Bench("bench_lora", (), ("--parts", "tiny,shape8b", "--steps", "2", "--n", "16", "--rank", "8")),
+    Bench("bench_ettr", ("--pairs", "3"), ("--pairs", "1", "--steps", "20")),
     Bench("bench_sglang", (), ("--prompts", "4", "--new", "16", "--repeat", "1", "--stream-intervals", "1", "8",
                                "--weight-hidden", "256"), needs="sglang"),
     Bench("bench_slurm_phases", (), ("--repeats", "1"), needs="slurm"),
