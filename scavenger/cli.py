@@ -89,11 +89,16 @@ _KNOBS = ("partition", "qos", "account", "gpus_per_job", "cpus_per_job", "time_l
           "spot_price_per_gpu_hour", "on_demand_price_per_gpu_hour")
 
 
+#: Each knob's flag, to name a bad value as the command line spelt it.
+_FLAGS = {k: "--" + k.replace("_", "-") for k in _KNOBS} | {"extra_sbatch_args": "--sbatch-arg",
+                                                           "requeue": "--requeue / --no-requeue"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``rlboost-hpc scavenger``; returns the exit code."""
     args = build_parser().parse_args(list(argv) if argv is not None else None)
     try:
-        cfg = load_scavenger_config(args.config, **{k: getattr(args, k) for k in _KNOBS})
+        cfg = load_scavenger_config(args.config, _FLAGS, **{k: getattr(args, k) for k in _KNOBS})
         script = cfg.resolved_script()
         RunDir(Path(args.run_dir)).require("the scavenger")  # a mistyped path must not become an empty run
         if cfg.harvest_dir:

@@ -215,10 +215,11 @@ def time_limit_seconds(value: str) -> float | None:
 
 
 def load_toml_model(path: str | os.PathLike[str] | None, table: str, model: type[_M], error: type[Exception],
-                    what: str, overrides: dict[str, Any]) -> _M:
+                    what: str, overrides: dict[str, Any], flags: dict[str, str] | None = None) -> _M:
     """``model`` of TOML file ``path`` (its ``[table]`` if present, else the top level; None: the defaults) with
     ``overrides`` (None values ignored) on top. Raises ``error`` naming ``what``, the file and every bad key — as the
-    file spells it (``harvest.idle_share_free`` when the file has a ``[harvest]`` table)."""
+    file spells it (``harvest.idle_share_free`` when the file has a ``[harvest]`` table), or an override as the
+    command line spelt it (``flags``: key → flag, e.g. ``--max-jobs (max_jobs)``)."""
     data: dict[str, Any] = {}
     prefix = ""
     if path is not None:
@@ -228,17 +229,26 @@ def load_toml_model(path: str | os.PathLike[str] | None, table: str, model: type
             raise error(f"cannot read {what} {path}: {e}") from None
         prefix = f"{table}." if isinstance(raw.get(table), dict) else ""
         data = dict(raw.get(table, raw))
-    data.update({k: v for k, v in overrides.items() if v is not None})
+    given = {k: v for k, v in overrides.items() if v is not None}
+    data.update(given)
     try:
         return model(**data)
     except ValidationError as e:
-        lines = [f"{prefix}{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" if err["loc"]
+        def name(loc: tuple) -> str:
+            key = ".".join(str(x) for x in loc)
+            flag = (flags or {}).get(key) if key in given else None
+            return f"{flag} ({key})" if flag else f"{prefix}{key}"
+
+        lines = [f"{name(err['loc'])}: {err['msg']}" if err["loc"]
                  else f"{prefix.rstrip('.') or '(top level)'}: {err['msg']}" for err in e.errors()]
         where = f" {path}" if path is not None else ""
         raise error(f"invalid {what}{where}: " + "; ".join(lines)) from None
 
 
-def load_scavenger_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> ScavengerConfig:
+def load_scavenger_config(path: str | os.PathLike[str] | None = None, flags: dict[str, str] | None = None,
+                          **overrides: Any) -> ScavengerConfig:
     """Config from an optional TOML file (its ``[scavenger]`` table if present, else the top level) with
-    ``overrides`` (``None`` values ignored) on top. Raises :class:`ScavengerConfigError`."""
-    return load_toml_model(path, "scavenger", ScavengerConfig, ScavengerConfigError, "scavenger config", overrides)
+    ``overrides`` (``None`` values ignored) on top; ``flags``: the command line's flag of each override, to name a bad
+    one as typed. Raises :class:`ScavengerConfigError`."""
+    return load_toml_model(path, "scavenger", ScavengerConfig, ScavengerConfigError, "scavenger config", overrides,
+                           flags)

@@ -145,3 +145,43 @@ def test_train_sbatch_runs_the_megatron_trainer_as_two_tasks_at_tp2(tmp_path):
     layouts = [json.loads(x)["msg"] for x in (run_dir / "logs" / "trainer.jsonl").read_text().splitlines()
                if "Megatron backend" in x]
     assert layouts and all("world 2 = TP 2 x PP 1 x DP 1 (this is rank 0)" in m for m in layouts), (layouts, output())
+
+
+@pytest.mark.parametrize("door, bad, says", [
+    ("sbatch/launch", ["trainer.nope=1"], "trainer.nope"),
+    ("sbatch/launch", ["--max-jobs", "-1"], "--max-jobs"),
+    ("submit_run", ["trainer.nope=1"], "trainer.nope"),
+    ("submit_run", ["--max-jobs", "-1"], "--max-jobs"),
+])
+def test_a_bad_key_or_scavenger_flag_through_either_door_is_refused_and_submits_nothing(tmp_path, monkeypatch,
+                                                                                        door, bad, says):
+    """Issue 57 (the second list): the launchers' checks before submitting, proven on the real local Slurm — a bad
+    config key (the trainer's overrides) or a bad scavenger flag through ``sbatch/launch`` (exit 2) or
+    ``submit_run`` (BadInput): named, and not one job reaches Slurm (the queue holds none of the run's jobs, the
+    accounting none submitted since)."""
+    import os
+    import sys
+
+    from rlboost_hpc.errors import BadInput
+    from rlboost_hpc.launch import submit_run
+
+    for k, v in ensure_local_slurm().items():
+        monkeypatch.setenv(k, v)
+    out = tmp_path / "run"
+    since = time.strftime("%Y-%m-%dT%H:%M:%S")
+    key = bad[0].endswith("=1")
+    if door == "sbatch/launch":
+        env = dict(os.environ, RLBOOST_PYTHON=sys.executable, RLBOOST_TRAIN_ARGS=f"--set {bad[0]}" if key else "")
+        p = subprocess.run(["bash", str(REPO / "sbatch/launch"), str(out), str(REPO / "configs/local.toml"),
+                            *([] if key else ["--", "--partition", "scavenger", *bad])],
+                           capture_output=True, text=True, timeout=300, env=env)
+        assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    else:
+        with pytest.raises(BadInput, match=says):
+            submit_run(REPO / "configs/local.toml", out, partition="train", overrides=bad if key else [],
+                       scavenger=[] if key else ["--partition", "scavenger", *bad])
+    queued = subprocess.run(["squeue", "-h", "-o", "%j"], capture_output=True, text=True, timeout=30).stdout.split()
+    assert not [j for j in queued if j.startswith(("rlboost-train-", "rlboost-rollout-"))], queued
+    acct = subprocess.run(["sacct", "-n", "-X", "-S", since, "-o", "JobName%60"], capture_output=True, text=True,
+                          timeout=30)
+    assert acct.returncode == 0 and not acct.stdout.split(), acct.stdout
