@@ -237,7 +237,7 @@ def test_the_effective_sample_size_adds_up_over_micro_batches():
     assert whole["behaviour_ess"] == pytest.approx((w.sum() ** 2 / (8 * (w * w).sum())).item(), rel=1e-5)
 
 
-def test_a_step_that_drops_more_than_the_bound_is_warned_about_and_counted(caplog):
+def test_a_step_that_drops_more_than_the_bound_is_warned_about_and_counted_one_side(caplog):
     from types import SimpleNamespace
 
     from rlboost_hpc.trainer.loop import RLTrainer, StepSettings, Totals
@@ -250,6 +250,32 @@ def test_a_step_that_drops_more_than_the_bound_is_warned_about_and_counted(caplo
         RLTrainer._warn_dropped(t, 4, {"behaviour_dropped_share": 27 / 64, "behaviour_ess": 0.4})
     assert t.totals.steps_over_dropped_warn == 1
     assert "step 4" in caplog.text and "42 %" in caplog.text and "geometric" in caplog.text
+
+
+@pytest.mark.integration
+def test_a_run_with_sequence_level_mis_shows_its_effective_sample_size_and_warns_of_what_it_dropped(repo_root,
+                                                                                                  tmp_path):
+    """Issue 57 (the second list): sequence-level IS was proven on a private method with a stand-in. Through
+    ``rlboost-hpc run``: ``behaviour_level = "sequence"``, MIS at a cap of 1.0 (every response whose product of
+    ratios passes 1 is dropped) — each step's record has ``behaviour_ess`` and ``behaviour_dropped_share``, each
+    step over ``behaviour_dropped_warn`` is warned about in the trainer's log and counted in the report."""
+    import json
+
+    from test_demo_run import diagnose, run_cli
+
+    out = tmp_path / "run"
+    p = run_cli(repo_root, out, "trainer.steps=2", "trainer.export_model=false", "task.heldout_prompts=4",
+                "trainer.eval_samples=1", 'trainer.behaviour_correction="mis"', 'trainer.behaviour_level="sequence"',
+                "trainer.behaviour_cap=1.0", "trainer.behaviour_dropped_warn=0.0")
+    assert p.returncode == 0, diagnose(p, out)
+    ms = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(ms) == 2 and all(0.0 < m["behaviour_ess"] <= 1.0 and 0.0 < m["behaviour_dropped_share"] < 1.0
+                                for m in ms), ms
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["steps_over_dropped_warn"] == 2
+    warned = [json.loads(x)["msg"] for x in (out / "logs/trainer.jsonl").read_text().splitlines()
+              if "importance correction dropped" in x]
+    assert len(warned) == 2 and "effective sample size" in warned[0], warned
 
 
 def test_a_correction_without_behaviour_logprobs_or_a_penalty_without_a_reference_is_refused():

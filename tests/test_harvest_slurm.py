@@ -1,7 +1,10 @@
-"""The harvest service with several runs' scavengers on the real local Slurm cluster (4 nodes × 2 GPUs).
+"""One side, the harvest service and several runs' scavengers, on the real local Slurm cluster (4 nodes × 2 GPUs).
 
 Never skips (:func:`ensure_local_slurm` brings the cluster up). The service and the scavengers run in this process,
 cycle by cycle, against the real slurmctld; rollout jobs are the stand-in batch script of test_scavenger_slurm.py.
+The runs' side is written by hand: each test writes the ``target.json`` a trainer writes (``target()``), so these
+prove the service and the scavengers, not the trainer's targets; the whole loop through the users' and the admin's
+doors (``sbatch/launch`` runs whose trainers write their own targets) is test_harvest_e2e_slurm.py.
 """
 from __future__ import annotations
 
