@@ -486,3 +486,34 @@ def test_a_run_killed_after_its_checkpoint_resumes_into_an_mlflow_run_holding_ea
     old = client.get_run(first)
     assert old.info.status == "KILLED" and old.data.tags["rlboost.superseded_by"] == run_id
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_an_offline_wandb_run_sigkilled_mid_way_keeps_its_history(repo_root, tmp_path):
+    """Issue 57 item 7 (wandb #9449): W&B buffers a run's ``.wandb`` file for 15 s, and a row waits for the next
+    step's: an offline run SIGKILLed (a preempted or requeued job) kept only its first steps. Through ``rlboost-hpc
+    run`` with ``WANDB_MODE=offline``: SIGKILLed (its whole process group, W&B's service too) 3 s after its fourth
+    step record; the offline file holds every one of those four steps, once each."""
+    import os
+    import signal
+
+    out = tmp_path / "demo"
+    args = [sys.executable, "-m", "rlboost_hpc.cli", "run", "--config", str(repo_root / "configs/local.toml"),
+            "--out", str(out), "--no-progress", "--set", 'trainer.report_to=["wandb"]', "--set", "trainer.steps=40",
+            *[x for s in FAST for x in ("--set", s)]]
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=repo_root,
+                            env=env, start_new_session=True)
+    try:
+        while proc.poll() is None and len(metrics_lines(out) if (out / "metrics.jsonl").exists() else []) < 4:
+            time.sleep(0.05)
+        time.sleep(3.0)  # 3 × the flush interval
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read()[-3000:]
+    steps = [h["_step"] for h in wandb_offline(out)["history"]]
+    assert steps[:4] == [0, 1, 2, 3] and steps == sorted(set(steps)), steps

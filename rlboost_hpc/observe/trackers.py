@@ -336,7 +336,10 @@ class WandbTracker(Tracker):
         primary = role is Role.TRAINER
         settings = wandb.Settings(console="off", silent=True, disable_git=True, save_code=False,
                                   x_save_requirements=False, x_label=role.value, x_primary=primary,
-                                  x_update_finish_state=primary)
+                                  x_update_finish_state=primary,
+                                  # the .wandb file flushed every second, not every 15 s: a run SIGKILLed (a
+                                  # preempted or requeued job) keeps its history up to the last second
+                                  x_transaction_log_flush_interval=1.0)
         if not primary and not offline:
             settings.mode = "shared"
         known = known or {}
@@ -365,7 +368,7 @@ class WandbTracker(Tracker):
         self.run.config.update(config, allow_val_change=True)
 
     def log_metrics(self, step: int, figures: dict[str, float], ts: float) -> None:
-        self.run.log(figures, step=step)
+        self.run.log(figures, step=step, commit=True)
 
     def log_summary(self, step: int, figures: dict[str, float], report: dict[str, Any]) -> None:
         self.run.summary.update(figures)
