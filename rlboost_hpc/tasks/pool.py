@@ -60,41 +60,53 @@ class Completed:
 
 
 class _Stop(BaseException):
-    """SIGTERM in a worker: stop the call it runs (a BaseException, so user code's ``except Exception`` lets it by)."""
+    """SIGTERM in a worker's call: stop it (a BaseException, so user code's ``except Exception`` lets it by)."""
 
 
-_in_call = False  # the worker runs the handler: SIGTERM interrupts it (else the pipe's EOF that follows ends the loop)
+class _Worker:
+    """A worker's state as its SIGTERM handler sees it (module-level: one worker per process)."""
+
+    stopped = False  # SIGTERM came (it acts once)
+    in_call = False  # the handler runs: SIGTERM interrupts it
+    conn: Connection | None = None
 
 
 def _on_sigterm(*_: Any) -> None:  # pragma: no cover - runs in the child
-    global _in_call
-    if _in_call:
-        _in_call = False  # raised once: the teardown that follows is not interrupted
+    """Interrupt the call the worker runs (raise once, only inside it: never in its teardown), or else end its wait
+    for the next call (its pipe closed: the read fails and the loop ends)."""
+    if _Worker.stopped:
+        return
+    _Worker.stopped = True
+    if _Worker.in_call:
         raise _Stop
+    try:
+        _Worker.conn.close()
+    except (AttributeError, OSError):
+        pass
 
 
 def _worker(handler: Any, conn: Connection) -> None:  # pragma: no cover - runs in the child
     """Run ``handler.setup()`` if it has one, say ready, then serve ``(key, item)`` → ``(key, ok, value|error)``
-    until the pipe closes (SIGTERM interrupts the call it runs); then ``handler.teardown()`` if it has one."""
+    until SIGTERM or the pipe closes; then ``handler.teardown()`` if it has one."""
     import signal
 
-    global _in_call
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C
+    _Worker.conn = conn
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         setup = getattr(handler, "setup", None)
         if setup is not None:
             setup()
         conn.send(("ready",))
-        while True:
+        while not _Worker.stopped:
             key, item = conn.recv()
-            _in_call = True
+            _Worker.in_call = True
             try:
                 out = (key, True, handler(item))
             except Exception as e:  # noqa: BLE001 - user-level code on model output: report, keep serving
                 out = (key, False, f"{type(e).__name__}: {e}")
             finally:
-                _in_call = False
+                _Worker.in_call = False
             conn.send(out)
     except (_Stop, EOFError, OSError):
         pass
