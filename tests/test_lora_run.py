@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,17 +35,30 @@ def _exactly_once(rep: dict, steps: int, responses_per_step: int, why: str, pree
         assert rep["preemptions_with_warning"] >= 1 and rep["responses_migrated"] >= 1, why
 
 
-def _run_killing_the_manager(out: Path, sets: list[str], after_steps: int) -> tuple[subprocess.CompletedProcess,
-                                                                                   list[int]]:
+def _run_killing_the_manager(out: Path, sets: list[str], after_steps: int, *, after_a_preemption: bool = False
+                             ) -> tuple[subprocess.CompletedProcess, list[int]]:
     """``rlboost-hpc run`` (the demo's config) with ``sets``, its manager SIGKILLed once while the rollout of the step
-    after ``after_steps`` is in flight; the finished process and the killed pids."""
+    after ``after_steps`` is in flight — with ``after_a_preemption``, not before the step after the first warned
+    preemption ended (a worker warned while its manager is down hands its partial responses to no one: they are
+    generated again, not migrated) and not after the step before the last; the finished process and the killed
+    pids."""
     from test_manager_restart import _kill_manager_at
+
+    from rlboost_hpc.rundir import read_jsonl
 
     args = [sys.executable, "-m", "rlboost_hpc.cli", "run", "--out", str(out), "--no-progress"]
     for s in sets:
         args += ["--set", s]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
     try:
+        rd = RunDir(out)
+        while after_a_preemption and proc.poll() is None and not any(
+                e.get("event") == "finished" and e.get("state") == "PREEMPTED" and e.get("cause") == "preempt"
+                for e in (read_jsonl(rd.events) if rd.events.exists() else [])):
+            time.sleep(0.05)
+        if after_a_preemption and rd.metrics.exists():
+            steps = next(int(s.split("=")[1]) for s in sets if s.startswith("trainer.steps="))
+            after_steps = min(max(after_steps, len(rd.metrics.read_text().splitlines()) + 1), steps - 1)
         killed = _kill_manager_at(out, [after_steps], 0.05, proc)
         _, err = proc.communicate(timeout=900)
     finally:
@@ -62,7 +76,7 @@ def test_the_demo_trains_an_adapter_with_preemptions_and_a_manager_kill_and_node
     out, cache = tmp_path / "run", tmp_path / "node-cache"
     p, killed = _run_killing_the_manager(out, [*LORA, "trainer.steps=5", "trainer.lora.base_source=pull",
                                                f"trainer.lora.node_cache_dir='{cache}'", "cluster.preempt_when_busy=true",
-                                               "rollout.max_new_tokens=96"], 2)
+                                               "rollout.max_new_tokens=96"], 2, after_a_preemption=True)
     assert p.returncode == 0, p.stderr[-3000:]
     rep = json.loads(RunDir(out).report.read_text())
     why = diagnose(p, out)
