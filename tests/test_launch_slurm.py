@@ -165,9 +165,11 @@ def test_a_bad_key_or_scavenger_flag_through_either_door_is_refused_and_submits_
     from rlboost_hpc.errors import BadInput
     from rlboost_hpc.launch import submit_run
 
+    import uuid
+
     for k, v in ensure_local_slurm().items():
         monkeypatch.setenv(k, v)
-    out = tmp_path / "run"
+    out = tmp_path / f"refused-{uuid.uuid4().hex[:8]}"  # the run id in its jobs' names: other tests' jobs are not it
     since = time.strftime("%Y-%m-%dT%H:%M:%S")
     key = bad[0].endswith("=1")
     if door == "sbatch/launch":
@@ -181,7 +183,7 @@ def test_a_bad_key_or_scavenger_flag_through_either_door_is_refused_and_submits_
             submit_run(REPO / "configs/local.toml", out, partition="train", overrides=bad if key else [],
                        scavenger=[] if key else ["--partition", "scavenger", *bad])
     queued = subprocess.run(["squeue", "-h", "-o", "%j"], capture_output=True, text=True, timeout=30).stdout.split()
-    assert not [j for j in queued if j.startswith(("rlboost-train-", "rlboost-rollout-"))], queued
-    acct = subprocess.run(["sacct", "-n", "-X", "-S", since, "-o", "JobName%60"], capture_output=True, text=True,
+    assert not [j for j in queued if j.endswith(out.name)], queued
+    acct = subprocess.run(["sacct", "-n", "-X", "-S", since, "-o", "JobName%80"], capture_output=True, text=True,
                           timeout=30)
-    assert acct.returncode == 0 and not acct.stdout.split(), acct.stdout
+    assert acct.returncode == 0 and not [j for j in acct.stdout.split() if j.endswith(out.name)], acct.stdout
