@@ -438,8 +438,8 @@ class Scavenger:
     def _trainer_waiting(self, trainer: JobInfo | None, looked: bool, now: float) -> str:
         """Why the run's rollout jobs wait for its trainer job ("" while it runs, or when it is not looked for): it
         is listed pending or held — not started yet, or requeued after a preemption or a node failure — so no
-        manager serves them. Logged when it starts waiting and when its jobs are released
-        (``trainer_pending_release_s`` later)."""
+        manager serves them. Logged when it starts waiting and when it runs again (its jobs are released
+        ``trainer_pending_release_s`` after it started waiting: :meth:`_trainer_released`)."""
         if not looked or trainer is None or trainer.job_class not in WAITING:
             if self._trainer_waiting_since is not None:
                 log.info("scavenger: the trainer job %s runs again: rollout jobs are submitted to the run's target",
