@@ -55,6 +55,10 @@ RELAY_FANOUT = 4
 RELAY_TRAINER_FANOUT = 2
 #: Longest wait for relay capacity before pulling from the trainer anyway, seconds (``weights.relay_wait_s``).
 RELAY_WAIT_S = 10.0
+#: Longest wait of a warned instance's drain for the manager's ``Farewell``, seconds: long enough for a manager that
+#: died meanwhile to be restarted (its death noticed, a new process, the work log restored); Slurm's kill at the end
+#: of the grace time ends it sooner.
+DRAIN_CONFIRM_S = 30.0
 #: A relay peer silent this long is abandoned, seconds (``weights.relay_timeout_s``).
 RELAY_TIMEOUT_S = 5.0
 

@@ -8,6 +8,7 @@ import pytest
 
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.rollout.agent import RolloutAgent
+from rlboost_hpc.rollout.agent_responses import ResponseTokens
 from rlboost_hpc.weights.source import PulledVersion
 from rlboost_hpc.rollout.engines.base import Engine, EngineError, RequestError, TokenEvent
 
@@ -334,3 +335,98 @@ def test_a_reserved_engine_refused_at_its_first_registration_registers_as_the_ne
     worker = _agent()  # a preemptible worker exits instead (its job is requeued under a new attempt)
     with pytest.raises(Exception, match="already ended"):
         worker._handle(M.Reject(reason="identity job#0 belongs to an attempt that already ended"))
+
+
+class _RestartedManager(_Frames):
+    """A link whose manager died around a drain and came back as epoch 2, knowing the instance from its work log:
+    it says ``Alive(2)``, answers a Register with a ``Welcome(resend)`` and a Deregister that follows it with a
+    ``Farewell`` (the frames the agent queued for the dead manager are lost). ``silent_s``: how long the manager
+    has been silent when the drain starts."""
+
+    def __init__(self, silent_s: float) -> None:
+        super().__init__()
+        self.last_rx = time.monotonic() - silent_s
+        self.inbox = [M.encode(M.Alive(epoch=2))]
+        self.registered = False
+
+    def send(self, frame: bytes) -> None:
+        super().send(frame)
+        m = self.msgs[-1]
+        if isinstance(m, M.Register):
+            self.registered = True
+            self.inbox.append(M.encode(M.Welcome(instance="job#0", latest_version=0, weights_endpoint="tcp://w",
+                                                 model_config={}, heartbeat_s=0.5, stream_every_tokens=4,
+                                                 stream_every_s=0.05, epoch=2, resend=True)))
+        elif isinstance(m, M.Deregister) and self.registered:
+            self.inbox.append(M.encode(M.Farewell()))
+
+    def take(self, wait_s: float = 0.0) -> list[bytes]:
+        out, self.inbox = self.inbox, []
+        if out:
+            self.last_rx = time.monotonic()
+        else:
+            time.sleep(min(wait_s, 0.01))
+        return out
+
+
+def _warned_agent(silent_s: float) -> RolloutAgent:
+    """An agent of epoch 1 running g/0 (assigned at offset 2; tokens 5, 6 sent, 7 still in the engine)."""
+    a = _agent()
+    a.link = _RestartedManager(silent_s)
+    a.welcome = M.Welcome(instance="job#0", latest_version=0, weights_endpoint="tcp://w", model_config={},
+                          heartbeat_s=0.5, stream_every_tokens=4, stream_every_s=0.05, epoch=1)
+    a.engine = eng = _HoldingEngine()
+    a._pos = {"g/0": 4}
+    a._sent = {"g/0": ResponseTokens(offset=2, ids=[5, 6], lps=[-0.1, -0.2])}
+    eng.held = {"g/0": [7]}
+    a.drain_confirm_s = 10.0
+    a.request_stop("preempted (SIGTERM)", "preempted")
+    return a
+
+
+def _kinds(msgs) -> list[str]:
+    return [type(m).__name__ + ("(resent)" if isinstance(m, M.Tokens) and m.resent else "") for m in msgs]
+
+
+def test_a_drain_lost_with_its_manager_is_handed_again_to_the_restarted_one_one_side():
+    """The drain's frames went to a manager killed before it applied them; the restarted manager (it knows the
+    instance) says Alive with its new epoch: the draining agent registers again, resends every token of the response
+    it handed back (from its assigned offset, the one the engine held included), releases it and deregisters again,
+    and exits on the Farewell — not after the wait's deadline. (The live side: ``test_manager_restart.py::
+    test_workers_warned_while_their_manager_is_dead_…``.)"""
+    a = _warned_agent(silent_s=0.0)
+    t0 = time.monotonic()
+    a._drain(a.stop_reason)
+    assert time.monotonic() - t0 < 5.0
+    assert _kinds(a.link.msgs) == ["Draining", "Tokens", "Released", "Deregister", "Register", "Tokens(resent)",
+                                   "Draining", "Released", "Deregister"]
+    resent = a.link.msgs[5]
+    assert resent.rids == ["g/0"] and resent.offsets == [2] and M.unpack_i32(resent.ids).tolist() == [5, 6, 7]
+    assert a.link.msgs[-2].rids == ["g/0"] and a.link.msgs[-1].cause == "preempted"
+
+
+def test_a_drain_that_finds_its_manager_silent_waits_for_the_restarted_one_before_handing_back_one_side():
+    """The manager has been silent past ``MANAGER_SILENT_S`` when the warning comes: the agent first waits for the
+    restarted manager (registers again on its Alive, resends on its Welcome), then drains to it — nothing is sent
+    into the void first."""
+    a = _warned_agent(silent_s=3.0)
+    a._drain(a.stop_reason)
+    assert _kinds(a.link.msgs) == ["Register", "Tokens(resent)", "Draining", "Tokens", "Released", "Deregister"]
+    assert a.link.msgs[3].offsets == [4] and M.unpack_i32(a.link.msgs[3].ids).tolist() == [7]
+
+
+def test_a_drain_waits_for_no_farewell_at_the_runs_end_and_at_most_its_deadline_otherwise_one_side():
+    """The manager's own Drain (the run ends) is never waited on; a warned end with no answer waits
+    ``drain_confirm_s``, no longer."""
+    a = _warned_agent(silent_s=0.0)
+    a.link.inbox = []
+    a._handle(M.Drain(reason="run finished"))
+    t0 = time.monotonic()
+    a._drain(a.stop_reason)
+    assert time.monotonic() - t0 < 0.5 and _kinds(a.link.msgs)[-1] == "Deregister"
+    b = _warned_agent(silent_s=0.0)
+    b.link.inbox, b.drain_confirm_s = [], 0.3
+    t0 = time.monotonic()
+    b._drain(b.stop_reason)
+    assert 0.3 <= time.monotonic() - t0 < 2.0 and _kinds(b.link.msgs) == ["Draining", "Tokens", "Released",
+                                                                          "Deregister"]

@@ -351,9 +351,10 @@ def test_group_commit_waits_its_window_and_nothing_reaches_the_trainer_before_it
         svc.close()
 
 
-def _kill_manager_at(out, after_lines: list[int], delay_s: float, proc) -> list[int]:
+def _kill_manager_at(out, after_lines: list[int], delay_s: float, proc, then=None) -> list[int]:
     """SIGKILL the run's current manager ``delay_s`` after metrics.jsonl reaches each count in ``after_lines`` and
-    the work log holds tokens of the next step (its rollout is in flight); returns the killed pids."""
+    the work log holds tokens of the next step (its rollout is in flight), calling ``then(i)`` after the i-th kill;
+    returns the killed pids."""
     import os
     import signal
 
@@ -372,6 +373,8 @@ def _kill_manager_at(out, after_lines: list[int], delay_s: float, proc) -> list[
             break
         os.kill(int(starts[-1]["pid"]), signal.SIGKILL)
         killed.append(int(starts[-1]["pid"]))
+        if then is not None:
+            then(len(killed) - 1)
     return killed
 
 
@@ -707,3 +710,58 @@ def test_a_held_response_with_tokens_that_no_instance_adopts_is_counted_as_migra
     assert new.requests["s0g0/0"].migrations == 1 and all(r.migrations == 0 for k, r in new.requests.items()
                                                           if k != "s0g0/0")
     assert any(isinstance(r, W.Migrated) and r.rid == "s0g0/0" for r in new.worklog)
+
+
+@pytest.mark.chaos
+@pytest.mark.integration
+def test_workers_warned_while_their_manager_is_dead_hand_their_responses_to_the_restarted_one(tmp_path):
+    """A warned preemption that lands while the manager is down (CI of fb9dcb2: the LoRA demo's preemption fell on
+    its manager SIGKILL). Through ``rlboost-hpc run``: the manager SIGKILLed twice while a step's rollout is in
+    flight, and a live preemptible worker warned (SIGTERM) at once after the first kill (its drain is queued for
+    the dead manager) and another 2.6 s after the second (it finds the manager silent). Each waits for the restarted
+    manager's Farewell before it exits, so its responses migrate with every token: every end is counted as a warned
+    preemption, no instance is lost, no token generated again (before: the workers exited 2 s after draining into
+    the void; the restored manager waited for them past its heartbeat deadline and generated their last tokens
+    again)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from rlboost_hpc.rundir import RunDir
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "rlboost_hpc.cli", "run", "--out", str(out), "--no-progress",
+                             "--set", "trainer.steps=6", "--set", "trainer.checkpoint_every=0",
+                             "--set", "rollout.max_new_tokens=160", "--set", "cluster.max_workers=3"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    warned: list[list[int]] = []
+
+    def warn_workers(i: int) -> None:
+        time.sleep(2.6 * i)
+        warned.append([])
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                if "rlboost_hpc.rollout.worker" in " ".join(p.cmdline()):
+                    os.kill(p.pid, signal.SIGTERM)
+                    warned[-1].append(p.pid)
+                    return
+            except psutil.Error:  # (a process that ended meanwhile)
+                pass
+
+    try:
+        killed = _kill_manager_at(out, [2, 4], 0.05, proc, then=warn_workers)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    rep = json.loads(RunDir(out).report.read_text())
+    assert len(killed) == 2 and rep["manager_restarts"] == 2 and all(warned) and len(warned) == 2, (killed, warned)
+    assert rep["steps"] == 6 and rep["responses_trained"] == 6 * 8 * 8
+    assert rep["responses_lost"] == rep["responses_duplicated"] == rep["tokens_trained_off_version"] == 0
+    # every warned end counted by the manager: the trace's own (the cluster's events) and the two of this test
+    assert rep["instances_preempted_with_warning"] == rep["preemptions_with_warning"] + 2, rep
+    assert rep["instances_lost_without_warning"] == 0 and rep["tokens_regenerated"] == 0, rep

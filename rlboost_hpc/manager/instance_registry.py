@@ -340,4 +340,5 @@ class InstanceRegistry:
             return self._unknown(peer, "deregister")
         inst.tokens_generated = max(inst.tokens_generated, msg.tokens_generated)
         self._instance_gone(inst, f"deregistered: {msg.reason}", cause=msg.cause)
+        self.send(peer, M.Farewell())  # (the service holds it until the work log's commit holds the Deregister)
 

@@ -205,6 +205,12 @@ class Alive(_Msg, tag="alive"):
     epoch: int = 0
 
 
+class Farewell(_Msg, tag="farewell"):
+    """The answer to a ``Deregister``, sent once the manager's work log holds it: every frame the instance sent
+    before it was applied (its unfinished responses resume elsewhere from every token that arrived), so the instance
+    may exit. An instance that drains while the manager restarts waits for this (``RolloutAgent._await_farewell``)."""
+
+
 class Reject(_Msg, tag="reject"):
     """Registration refused (e.g. the identity is already registered); the agent exits with this reason."""
 
@@ -498,7 +504,7 @@ class EnvRelease(msgspec.Struct, forbid_unknown_fields=True):
 
 Message = (
     Register | Heartbeat | WeightsLoaded | WeightsFailed | Tokens | RequestFailed | Draining | Released
-    | Deregister | Welcome | Alive | Reject | Assign | Release | NewVersion | PullFrom | Drain | TrainerHello | SetVersion
+    | Deregister | Welcome | Alive | Farewell | Reject | Assign | Release | NewVersion | PullFrom | Drain | TrainerHello | SetVersion
     | SubmitStep | CloseSeeding | PolicyState | StepTimes | AckGroup | GetStats | Redeliver | Shutdown | GroupDone | StepFailed | Ok
     | Error | Stats
 )

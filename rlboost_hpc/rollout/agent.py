@@ -6,7 +6,9 @@ in a thread of the trainer process. Invariants:
   failed pull is reported with its cause and retried; the manager keeps the instance fenced meanwhile.
 - Nothing produced is lost on a warning: on preemption/drain/release every token the engine produced is
   flushed before ``Released`` (ZeroMQ keeps per-connection order), so the manager resumes those responses
-  from exactly where they stopped (``tokens_regenerated = 0`` for warned preemptions).
+  from exactly where they stopped (``tokens_regenerated = 0`` for warned preemptions) — a manager restarted around
+  the drain included: a warned end waits for the manager's ``Farewell`` and hands its responses to the restarted
+  manager when the drain was lost with the old one (:meth:`RolloutAgent._await_farewell`).
 - Weights change only while the engine is idle (the synchronous-RL policy for in-flight work);
   every load flushes the KV cache (inside the engine).
 - Busy is not dead: the connection to the manager belongs to :class:`ManagerLink`, whose I/O thread does
@@ -63,6 +65,10 @@ from rlboost_hpc.weights.source import PulledVersion, WeightSource
 log = logging.getLogger("rlboost.agent")
 
 EXIT_OK, EXIT_REJECTED, EXIT_UNREACHABLE, EXIT_FAILED = 0, 2, 3, 4
+
+#: A manager that sent no frame for this long (seconds) is taken for dead by a drain (it sends ``Alive`` every
+#: second to every registered instance).
+MANAGER_SILENT_S = 2.5
 
 
 class RolloutAgent(AgentWeights, AgentResponses):
@@ -127,6 +133,9 @@ class RolloutAgent(AgentWeights, AgentResponses):
         #: true once nothing can refine a "stopped" cause any more (set by the worker's warning handler); the
         #: Deregister then waits no longer for it
         self.cause_settled: Callable[[], bool] = lambda: False
+        #: Longest wait (seconds) of a warned end's drain for the manager's Farewell (:meth:`_await_farewell`).
+        self.drain_confirm_s = D.DRAIN_CONFIRM_S
+        self._run_ending = False  # the manager said Drain: the run ends, nothing to hand to a restarted manager
         self.welcome: M.Welcome | None = None
         self.want = NO_VERSION  # the manager's latest version
         self.want_source = ("", "")  # where the trainer serves it (weights endpoint, shards); "": the Welcome's
@@ -190,14 +199,91 @@ class RolloutAgent(AgentWeights, AgentResponses):
         return out
 
     def _drain(self, reason: str) -> None:
+        if self._confirms_drain():
+            self._await_manager()
         self._send(M.Draining(reason=reason))
-        self._release(list(self._pos))
+        rids = list(self._pos)
+        handed = self._release(rids)
         settle = time.monotonic() + self.cause_settle_s
         while self.stop_cause == "stopped" and time.monotonic() < settle and not self.cause_settled():
             time.sleep(0.01)  # a warning signal, or Slurm's word that the job is being preempted, may refine it
         self.link.heartbeat_s = None  # no heartbeat after the Deregister: the manager would warn of a stranger
-        self._send(M.Deregister(reason=self.stop_reason or reason, tokens_generated=self.tokens_generated,
-                                cause=self.stop_cause))  # (the reason of the cause as refined meanwhile)
+        self._send(self._deregister())
+        if self._confirms_drain() and self.stop_cause != "stopped":
+            self._await_farewell(rids, handed)
+
+    def _confirms_drain(self) -> bool:
+        """Whether this drain hands its responses to a manager that may have died meanwhile: a preemptible
+        instance's, registered, not ended by the manager's own ``Drain`` (the run's end)."""
+        return self.kind == "preemptible" and self.welcome is not None and not self._run_ending
+
+    def _await_manager(self) -> None:
+        """A drain that finds the manager silent (no frame for :data:`MANAGER_SILENT_S`: it sends ``Alive`` every
+        second) waits up to :attr:`drain_confirm_s` for the manager restarted on the same address, handling its
+        frames as usual — its ``Alive`` of a new epoch is answered by registering again, its ``Welcome`` by the
+        resend — so the responses are then handed to a manager that hears them, not queued for a dead one. A
+        manager that was only slow ends the wait when it speaks again; a restarted one when it answered the new
+        registration."""
+        if time.monotonic() - self.link.last_rx < MANAGER_SILENT_S:
+            return
+        t0 = time.monotonic()
+        log.warning("draining while the manager is silent (%.1fs): waiting up to %.0fs for it to restart",
+                    t0 - self.link.last_rx, self.drain_confirm_s)
+        while not self._run_ending and time.monotonic() < t0 + self.drain_confirm_s:
+            if time.monotonic() - self.link.last_rx < MANAGER_SILENT_S and self._asked_epoch <= self.welcome.epoch:
+                log.info("the manager (epoch %d) answers again after %.1fs; draining", self.welcome.epoch,
+                         time.monotonic() - t0)
+                return
+            for frame in self.link.take(0.05):
+                try:
+                    self._handle(M.decode(frame))
+                except ProtocolError as e:
+                    log.warning("bad frame from manager dropped: %s", e)
+                except _Rejected as e:  # it does not know this instance: nothing of it to hand back there
+                    log.warning("the manager does not know this draining instance (%s)", e)
+                    return
+
+    def _deregister(self) -> M.Deregister:
+        return M.Deregister(reason=self.stop_reason or "stopped", tokens_generated=self.tokens_generated,
+                            cause=self.stop_cause)  # (the reason of the cause as refined meanwhile)
+
+    def _await_farewell(self, rids: list[str], handed: dict[str, ResponseTokens]) -> None:
+        """A warned end (preempted, time limit, drained) waits up to :attr:`drain_confirm_s` for the manager's
+        ``Farewell`` before the process exits, so the responses it handed back migrate even when the manager dies
+        around the drain: frames queued while it was down reach the manager restarted on the same address (ZeroMQ
+        reconnects), and a restarted manager that never applied the Deregister — it still knows the instance, so
+        it sends ``Alive`` with its new epoch — is answered by registering again, resending every token of the
+        handed-back responses ``rids`` (``handed``: what was sent of each, from its assigned offset) and of those
+        finished lately, then ``Released`` and ``Deregister`` again. A ``Reject`` (the manager does not know the
+        instance: it resumes those responses from what its log holds) ends the wait too; so does the deadline."""
+        deadline, epoch = time.monotonic() + self.drain_confirm_s, self.welcome.epoch
+        while time.monotonic() < deadline:
+            for frame in self.link.take(0.05):
+                try:
+                    msg = M.decode(frame)
+                except ProtocolError:
+                    continue
+                if isinstance(msg, M.Farewell):
+                    log.info("the manager (epoch %d) confirmed the drain of %d responses", epoch, len(rids))
+                    return
+                if isinstance(msg, M.Reject):
+                    log.warning("the manager does not know this draining instance (%s)", msg.reason)
+                    return
+                if isinstance(msg, M.Alive) and msg.epoch != epoch:
+                    log.warning("manager restarted (epoch %d → %d) during the drain; handing %d responses back to "
+                                "it", epoch, msg.epoch, len(rids))
+                    epoch = msg.epoch
+                    self._send(self._register())
+                elif isinstance(msg, M.Welcome) and msg.epoch == epoch:
+                    self.welcome = msg
+                    if msg.resend:
+                        self._sent.update(handed)
+                        self._resend()
+                    self._send(M.Draining(reason=self.stop_reason or "stopped"))
+                    self._send(M.Released(rids=rids, tokens_generated=self.tokens_generated))
+                    self._send(self._deregister())
+        log.warning("no Farewell from the manager within %.0fs of the drain: it resumes the %d responses handed back "
+                    "from what it received", self.drain_confirm_s, len(rids))
 
     # ------------------------------------------------------------------ messages
     def _handle(self, msg: M._Msg) -> None:
@@ -234,6 +320,7 @@ class RolloutAgent(AgentWeights, AgentResponses):
                 self._asked_epoch = msg.epoch
                 self._send(self._register())
         elif isinstance(msg, M.Drain):
+            self._run_ending = True
             self.request_stop(f"drain: {msg.reason}", "stopped")  # the run ends (manager shutdown)
         elif isinstance(msg, M.Reject):
             # the reserved engine must stay available (co-located fallback): a manager that declared it lost, or —

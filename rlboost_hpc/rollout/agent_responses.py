@@ -90,9 +90,10 @@ class AgentResponses:
             except Exception as e:
                 self._send(M.RequestFailed(rid=w.rid, error=f"{type(e).__name__}: {e}"))
 
-    def _release(self, rids: list[str]) -> None:
+    def _release(self, rids: list[str]) -> dict[str, ResponseTokens]:
         """Abort ``rids`` locally, flush everything produced (including tokens the engine still held, which
-        ``abort_many`` returns), then hand them back (order matters)."""
+        ``abort_many`` returns), then hand them back (order matters). Returns what was sent of each handed-back
+        response (from the offset it was assigned at): a drain keeps it for a manager that restarts meanwhile."""
         live = [r for r in rids if r in self._pos]
         if self.engine is not None and live:
             self._on_events(self.engine.abort_many(live).values())
@@ -101,9 +102,9 @@ class AgentResponses:
             self._gen.pop(rid, None)
             self._ver.pop(rid, None)
         self._flush()
-        for rid in rids:
-            self._sent.pop(rid, None)
+        handed = {rid: self._sent.pop(rid) for rid in rids if rid in self._sent}
         self._send(M.Released(rids=list(rids), tokens_generated=self.tokens_generated))
+        return handed
 
     def _flush(self, only_finished: bool = False) -> None:
         """Send buffered deltas as one ``Tokens`` frame (all of them, or only those that finished: finished
