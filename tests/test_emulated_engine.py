@@ -258,11 +258,32 @@ def test_a_run_on_emulated_instances_with_preemptions_loses_nothing(repo_root, t
     assert rep["preemptions_with_warning"] >= 1, diagnose(p, out)
     assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0 and rep["tokens_trained_off_version"] == 0
     assert rep["emulated_modelled_s"] > 0 and rep["emulated_late_ratio"] >= 1.0  # (issue 50) how late it ran
-    assert rep["emulated_represents_profile"] == (rep["emulated_late_ratio"] <= 1.2)
+    assert rep["emulated_represents_profile"] == (rep["emulated_late_ratio"] <= 1.2)  # (its definition: the test
+    # that lateness is measured at all is the next one)
+    assert f"{rep['emulated_late_ratio']:.2f}" in p.stdout  # the summary table says it too
     moved = rep["migrations_by_engine"]
     assert moved["out_of"].get("emulated", 0) >= 1 and moved["into"].get("emulated", 0) >= 1, moved
     spec = json.loads((out / "endpoints.json").read_text())
     assert spec["worker"]["engine"]["kind"] == "emulated", spec
+
+
+@pytest.mark.integration
+def test_a_profile_the_host_cannot_keep_up_with_is_reported_as_not_the_profile(repo_root, tmp_path):
+    """Issue 57 (second list: the emulated lateness was asserted only by its own definition). Through ``rlboost-hpc
+    run``: emulated instances modelling a GPU 1000× faster than an H100 (a decode iteration of the 8B profile in
+    tens of microseconds, which no host's Python loop keeps up with) ran late, and the run says so — report.json and
+    the summary table — instead of presenting timings the profile never had."""
+    from test_demo_run import diagnose, run_cli
+
+    out = tmp_path / "emu"
+    p = run_cli(repo_root, out, "trainer.steps=4", "rollout.engine='emulated'", "rollout.emulated.response_median=24",
+                "rollout.emulated.time_scale=1000", "rollout.emulated.load_bytes_per_s=1e15", "policy.cap=false")
+    assert p.returncode == 0, diagnose(p, out)
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["emulated_modelled_s"] > 0, diagnose(p, out)  # emulated instances generated
+    assert rep["emulated_late_ratio"] > 1.2 and rep["emulated_represents_profile"] is False, rep
+    assert rep["emulated_late_s"] == pytest.approx((rep["emulated_late_ratio"] - 1) * rep["emulated_modelled_s"])
+    assert "not the" in p.stdout and f"{rep['emulated_late_ratio']:.2f}" in p.stdout, p.stdout[-3000:]
 
 
 def test_the_local_cluster_replays_the_trace_onto_processes_of_k_instances_and_counts_instances(tmp_path):

@@ -88,6 +88,10 @@ def test_the_demo_trains_an_adapter_with_preemptions_and_a_manager_kill_and_node
     assert 0 <= rep["weight_bytes"] - 2 * 23120 < 64 * 70, lo
     assert lo["base_loads"]["pulled"] >= 1 and lo["base_loads"]["trainer"] >= 1, lo  # (the reserved engine)
     assert lo["base_pulled_bytes"] >= lo["base_loads"]["pulled"] * lo["base_bytes"], lo
+    # every version pulled moved the adapter's bytes, never the model's (issue 57: shown before on a fake source
+    # only; + 4 KiB of framing a pull)
+    moved = rep["weight_pulled_bytes"] - lo["base_pulled_bytes"]
+    assert 0 < moved <= rep["weight_pulls"] * (lo["adapter_bytes"] + 4096), (moved, rep["weight_pulls"], lo)
     assert lo["base_loads"]["path"] == 0, lo  # base_source = pull: model.path is never read on a node
     if rep["worker_starts"] > 2:  # a node's later workers: its cache (each worker after the first pull)
         assert lo["base_loads"]["cache"] >= 1, (lo, rep["worker_starts"])
@@ -176,22 +180,37 @@ def test_the_demo_trains_an_adapter_with_the_megatron_backend_preemptions_and_a_
 
 
 @pytest.mark.megatron
-def test_the_tiny_qwen3_trains_an_adapter_with_the_megatron_backend_at_tp2(tmp_path):
+def test_the_tiny_qwen3_trains_an_adapter_with_the_megatron_backend_at_tp2_through_a_preemption_and_a_manager_kill(
+        tmp_path):
     """The tiny Qwen3 through Megatron at TP = 2 (two gloo ranks; A/B sharded per layer kind) with ``trainer.lora``: the
-    ranks serve their shares of the adapter, instances assemble it, and their logprobs are Megatron's."""
+    ranks serve their shares of the adapter, instances assemble it, and their logprobs are Megatron's — through a
+    warned preemption and the manager SIGKILLed while a step's rollout is in flight (issue 57, second list: this
+    model ran on Megatron with LoRA only unfaulted), nothing lost, duplicated or off-version."""
     from _models import make_model_dir
-    from test_megatron_parallel import _launch
+    from test_manager_restart import _kill_manager_at
+    from test_megatron_parallel import _env
 
     d = make_model_dir(tmp_path / "qwen3", "qwen3", tied=False, seed=1)
     out = tmp_path / "tp2"
-    sets = [f"model.path='{d}'", "task.name=gsm8k", "trainer.steps=2", "task.train_prompts=16",
-            "task.heldout_prompts=4", "trainer.eval_samples=1", "rollout.max_new_tokens=32", *LORA]
-    p = _launch(REPO, ["--tp", "2"], [SCENARIOS, "demo", "--out", str(out),
-                                      *[a for s in sets for a in ("--set", s)]], timeout=900)
-    assert p.returncode == 0, p.stderr[-4000:]
+    sets = [f"model.path='{d}'", "task.name=gsm8k", "trainer.steps=3", "task.train_prompts=16",
+            "task.heldout_prompts=4", "trainer.eval_samples=1", "rollout.max_new_tokens=32", *LORA,
+            *preempting_cluster(tmp_path)]
+    cmd = [sys.executable, "-m", "megatron_bridge.launch", "--nproc-per-node", "2", "--tp", "2", SCENARIOS, "demo",
+           "--out", str(out), *[a for s in sets for a in ("--set", s)]]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(REPO), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        killed = _kill_manager_at(out, [1], 0.05, proc)
+        _, err = proc.communicate(timeout=900)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-4000:]
     rep = json.loads((out / "report.json").read_text())
-    assert rep["steps"] == 2 and rep["responses_trained"] == 2 * 64 and rep["responses_lost"] == 0
+    assert len(killed) == 1 and rep["manager_restarts"] == 1, (killed, rep)
+    assert rep["steps"] == 3 and rep["responses_trained"] == 3 * 64 and rep["responses_lost"] == 0
+    assert rep["responses_duplicated"] == 0 and rep["prompts_not_trained_exactly_once"] == 0
     assert rep["tokens_trained_off_version"] == 0 and rep["weight_checksum_mismatches"] == 0
+    assert rep["preemptions_with_warning"] >= 1, rep
     holders = rep["weight_shards"]["holders"]
     assert len(holders) == 2 and rep["weight_shards"]["gathered_exports"] == 0
     assert rep["weight_bytes"] == rep["lora"]["adapter_bytes"] < 0.2 * rep["lora"]["base_bytes"]

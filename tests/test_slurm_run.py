@@ -440,6 +440,11 @@ def test_a_run_launched_as_readme_says_has_one_run_id_everywhere_and_the_dashboa
             live = [e for e in exprs if "cost_per_token" not in e]
             empty = [e for e in live if not prom.query(e.replace("$run", run_dir.name))]
             assert not empty, f"dashboard queries without a series for run {run_dir.name}: {empty}"
+            # the scavenger's counters as scraped (issue 57: shown before with a fake Slurm only): the jobs it
+            # submitted to the real Slurm, as its events say (the counter at a scrape ≤ the events now)
+            scraped = prom.query(f'rlboost_scavenger_submitted_total{{run="{run_dir.name}"}}')
+            submitted_now = sum(1 for e in events(run_dir) if e.get("event") == "submitted")
+            assert scraped and 1 <= float(scraped[0]["value"][1]) <= submitted_now, (scraped, submitted_now)
             wait_progressing(lambda: (run_dir / "report.json").exists(), lambda: steps_done(run_dir), 180,
                              "report.json", state=state)
             pid = int((run_dir / "scavenger.pid").read_text())

@@ -7,6 +7,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from rlboost_hpc.observe.run_report import late_label
+
 
 class Bar:
     """A rich progress bar on stdout: ``{unit} done/total``, a bar, a free-text field and the elapsed time.
@@ -75,6 +77,8 @@ def print_summary(report: dict, console: Console | None = None) -> None:
     for k, label in SUMMARY_KEYS:
         v = report.get(k)
         t.add_row(label, f"{v:.3f}" if isinstance(v, float) else str(v))
+    if "emulated_late_ratio" in report:  # a load test: whether its timings are the profile's
+        t.add_row("emulated instances: wall ÷ profile time", late_label(report["emulated_late_ratio"]))
     if console is None:
         from rlboost_hpc.clihelp import console as pipe_console
 
