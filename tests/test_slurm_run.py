@@ -173,7 +173,7 @@ def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_resta
                  "--set policy.cap=false "  # a steady target: every rollout job ends by preemption or at the end
                  # rollout settings off their defaults: each Slurm rollout job must run with them (worker spec)
                  "--set rollout.max_batch=24 --set weights.streams=2 --set weights.window=3 "
-                 "--set weights.pull_timeout_s=45")
+                 "--set weights.pull_timeout_s=45 --set trainer.checkpoint_every=4")
     with SlurmRun(tmp_path, "accept", overrides, scav=("--gpus-per-job", "1")) as r:
         env, tag, run_dir, state, run_id = r.env, r.tag, r.run_dir, r.state, r.run_id
         # rollout jobs start, register and serve
@@ -197,6 +197,13 @@ def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_resta
         assert not (run_dir / "report.json").exists(), "the run ended before its second preemption:\n" + state()
         r.preempt()
         wait_for(lambda: requeues(run_dir) > n1, 90, "second requeue", state=state)
+        # the trainer job requeued two steps past a checkpoint (Slurm kills it; it runs again and resumes from that
+        # checkpoint, older than the versions the rollout jobs hold): the surviving rollout jobs reconnect and serve
+        # the resumed trainer's lower version (issue 57, second list: version lineage shown with a scripted trainer
+        # only)
+        wait_for(lambda: steps_done(run_dir) % 4 == 2, 120, "a step two past a checkpoint", state=state)
+        at_requeue, n_events = steps_done(run_dir), len(events(run_dir))
+        sh(["scontrol", "requeue", r.job], env)
         # the run finishes: waited for as long as steps keep completing (a loaded machine is slow, not stuck)
         rep = r.finish()
     assert "failed" not in rep, rep
@@ -208,6 +215,11 @@ def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_resta
     assert runs == {run_id}, runs
     assert rep["steps"] == 50
     assert rep["preemptions"] >= 2
+    assert rep["resumes"] == 1 and rep["resumed_from_step"] < at_requeue, (rep["resumed_from_step"], at_requeue)
+    reconnected = {(e["job_id"], e["attempt"]) for e in events(run_dir)[n_events:] if e.get("event") == "reconnect"}
+    served = {(e["job_id"], e["attempt"]) for e in events(run_dir)[n_events:]
+              if e.get("event") == "tokens" and e.get("produced", 0) > 0}
+    assert reconnected & served, (reconnected, served)  # a rollout job of the first trainer served the resumed one
     assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0
     assert rep["tokens_trained_off_version"] == 0
     # requeued jobs came back and served again: a started event with attempt ≥ 1 followed by tokens produced
