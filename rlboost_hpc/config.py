@@ -398,7 +398,12 @@ class TrainerCfg(_Strict):
         "SLURM_JOB_NUM_NODES, else SLURM_JOB_GPUS); unset outside Slurm: the reserved side counts as one rollout "
         "instance (N_resv = 1)"))
     torch_threads: int = Field(1, ge=1, description="intra-op threads of the trainer process (torch backend)")
-    eval_samples: int = Field(4, ge=1, description="sampled responses per held-out prompt in evaluation")
+    eval_samples: int = Field(4, ge=1, description="sampled responses per held-out prompt in evaluation (n)")
+    eval_temperature: float | None = Field(None, ge=0, description="sampling temperature of the held-out "
+                                                                   "evaluation (None: rollout.temperature)")
+    eval_pass_k: list[int] = Field(default_factory=lambda: [1], description=(
+        "k of the held-out pass@k (unbiased estimator over eval_samples = n samples; each 1 ≤ k ≤ n)"))
+    eval_correct_at: float = Field(1.0, description="a held-out sample passes when its reward is ≥ this")
     seed: int = Field(0, description="seed of the model's initial RNG, the prompt order and every group's sampling")
     checkpoint_every: int = Field(1, ge=0, description="checkpoint every k steps into <out>/checkpoints (0: never)")
     checkpoint_background: bool = Field(True, description=(
@@ -414,6 +419,13 @@ class TrainerCfg(_Strict):
         "experiment trackers that receive every step's figures, the config, the report and run.png (rank 0, in a "
         "background thread; one that fails is dropped, the run goes on); each needs its extra: "
         "pip install 'rlboost-hpc[tensorboard]' / '[mlflow]' / '[wandb]'"))
+
+    @model_validator(mode="after")
+    def _pass_k_within_samples(self) -> "TrainerCfg":
+        if any(not 1 <= k <= self.eval_samples for k in self.eval_pass_k):
+            raise ValueError(f"eval_pass_k = {self.eval_pass_k}: each k must be within 1..eval_samples "
+                             f"({self.eval_samples})")
+        return self
 
     def gate_bounds(self) -> tuple[float, float]:
         """The quality gate's bounds: (KL to the reference, nats/token; share of repeated 3-grams)."""

@@ -380,7 +380,9 @@ def _held_out(cfg: RunConfig, setup: RunSetup, svc: RunServices):
         turns = TurnSettings(cfg.task.max_turns, cfg.trajectory_tokens(), setup.tool_stops, svc.eval_tools)
     return HeldOut(setup.policy.arch, setup.policy.tokenizer, setup.task,
                    weights=lambda v: svc.publisher.read(v).state_dict, samples=cfg.trainer.eval_samples,
-                   max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                   max_new_tokens=r.max_new_tokens, top_p=r.top_p,
+                   temperature=r.temperature if cfg.trainer.eval_temperature is None else cfg.trainer.eval_temperature,
+                   pass_k=tuple(cfg.trainer.eval_pass_k), correct_at=cfg.trainer.eval_correct_at,
                    device=setup.rollout_device, dtype=setup.rollout_dtype, score=svc.rewards.score, turns=turns,
                    adapter=None if svc.adapter is None else (svc.adapter, svc.base_state))
 
@@ -391,7 +393,7 @@ class NotEvaluated:
 
     def evaluate(self, version: int, keep_samples: bool = False) -> dict:
         out = {"reward_sampled": math.nan, "reward_greedy": math.nan, "repetition_rate": math.nan, "responses": 0,
-               "examples": []}
+               "pass_at_k": {}, "examples": []}
         return {**out, "sampled": []} if keep_samples else out
 
 

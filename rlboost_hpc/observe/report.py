@@ -55,7 +55,8 @@ class ProgressView(Bar):
 
 SUMMARY_KEYS = [
     ("steps", "RL steps"), ("reward_heldout_before", "held-out reward before"),
-    ("reward_heldout_after", "held-out reward after"), ("kl_to_reference_nats_per_token", "KL to the reference (nats/token)"),
+    ("reward_heldout_after", "held-out reward after"), ("pass_at_k_heldout_after", "held-out pass@k after"),
+    ("kl_to_reference_nats_per_token", "KL to the reference (nats/token)"),
     ("repetition_rate_before", "repeated 3-grams before"), ("repetition_rate_after", "repeated 3-grams after"),
     ("quality_gate_passed", "quality gate passed (KL, repeated 3-grams)"),
     ("responses_trained", "responses trained"), ("responses_lost", "responses lost"),
@@ -76,6 +77,8 @@ def print_summary(report: dict, console: Console | None = None) -> None:
     t = Table(title="rlboost-hpc run summary", show_header=False)
     for k, label in SUMMARY_KEYS:
         v = report.get(k)
+        if isinstance(v, dict) and k.startswith("pass_at_k"):
+            v = ", ".join(f"pass@{n} {x:.3f}" for n, x in v.items()) or "-"
         t.add_row(label, f"{v:.3f}" if isinstance(v, float) else str(v))
     if "emulated_late_ratio" in report:  # a load test: whether its timings are the profile's
         t.add_row("emulated instances: wall ÷ profile time", late_label(report["emulated_late_ratio"]))

@@ -150,12 +150,24 @@ def _play(eng: TorchEngine, trajs: dict[str, _Trajectory], meta: dict, stop_ids:
                 active[rid] = t
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimator of pass@k from ``n`` samples of which ``c`` passed (Chen et al., "Evaluating Large
+    Language Models Trained on Code", 2021, eq. 1): 1 − C(n−c, k) / C(n, k), as the product 1 − Π_{i=n−c+1..n}
+    (1 − k/i) (no large binomials). Raises ValueError unless 0 ≤ c ≤ n and 1 ≤ k ≤ n."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n (n={n}, c={c}, k={k})")
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
 def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, task: Task, *,
              samples: int, max_new_tokens: int, temperature: float, top_p: float, base_seed: int = 12345,
              device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
              score: Callable[..., Scored] | None = None,
-             turns: TurnSettings | None = None, adapter: tuple[Any, Mapping[str, torch.Tensor]] | None = None) -> dict:
-    """Mean reward over held-out prompts (``samples`` sampled responses each, plus one greedy).
+             turns: TurnSettings | None = None, adapter: tuple[Any, Mapping[str, torch.Tensor]] | None = None,
+             pass_k: tuple[int, ...] = (), correct_at: float = 1.0) -> dict:
+    """Mean reward over held-out prompts (``samples`` sampled responses each, plus one greedy), and pass@k.
 
     Args:
         tokenizer: a :class:`~rlboost_hpc.models.hf_dir.PolicyTokenizer` (prompt ids, stop ids, decoding).
@@ -164,9 +176,11 @@ def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, ta
         turns: multi-turn trajectories with tool calls or a stateful environment (:class:`TurnSettings`); None:
             single-turn responses. The reward reads a trajectory's final assistant turn.
         adapter: a LoRA run's ``(AdapterSpec, base)``: ``weights`` is an adapter, served on the base as instances do.
+        pass_k: the k of pass@k (each ≤ ``samples``); a sampled response passes when its reward ≥ ``correct_at``.
 
     Returns:
         A dict: reward_sampled, reward_greedy, repetition_rate (mean over sampled responses), responses (int),
+        pass_at_k (each k, as text → the mean over prompts of :func:`pass_at_k` of their sampled responses),
         examples (first few greedy texts), sampled (the sampled responses as :class:`Sample` s, advantage 0,
         observation tokens masked, for :func:`kl_to_reference`).
     """
@@ -176,12 +190,13 @@ def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, ta
     longest = max(len(ids) for _, ids, _ in prompts)
     eng = _engine(arch, weights, min(longest + total, arch.max_position_embeddings), device, dtype, adapter)
     trajs: dict[str, _Trajectory] = {}
-    meta = {}
+    meta, prompt_of = {}, {}
     for i, (p, ids, env) in enumerate(prompts):
         for j in range(samples + 1):
             rid = f"eval/{i}/{j}"
             trajs[rid] = _Trajectory(ids, base_seed + 1000 * i + j, env=env)
             meta[rid] = (p, j == samples)
+            prompt_of[rid] = i
     try:
         _play(eng, trajs, meta, tokenizer.stop_ids, max_new_tokens=max_new_tokens, total=total,
               temperature=temperature, top_p=top_p, turns=turns)
@@ -192,9 +207,12 @@ def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, ta
                 turns.tools.poll(1.0)
     texts, reward_of = _score(trajs, meta, tokenizer, task, score)
     sampled, greedy_r, rep, examples, drawn = [], [], [], [], []
+    passed = [0] * len(prompts)  # per held-out prompt: its sampled responses that passed
     for rid, t in trajs.items():
         p, greedy = meta[rid]
         text, r = texts[rid], reward_of[rid]
+        if not greedy and r >= correct_at:
+            passed[prompt_of[rid]] += 1
         if greedy:
             greedy_r.append(r)
             if len(examples) < 4:
@@ -210,6 +228,7 @@ def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, ta
         "reward_greedy": sum(greedy_r) / len(greedy_r),
         "repetition_rate": sum(rep) / len(rep),
         "responses": len(sampled) + len(greedy_r),
+        "pass_at_k": {str(k): sum(pass_at_k(samples, c, k) for c in passed) / len(passed) for k in pass_k},
         "examples": examples,
         "sampled": drawn,
     }
