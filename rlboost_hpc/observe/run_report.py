@@ -8,7 +8,8 @@ Schema (:class:`RunReport`; every key below is always present except the multi-t
   greedy decoding), ``pass_at_k_heldout_before/after`` (each k of ``trainer.eval_pass_k``, as text → the unbiased
   pass@k over ``trainer.eval_samples`` samples per held-out prompt, a sample passing with a reward ≥
   ``trainer.eval_correct_at``; ``{}`` without an evaluation), ``repetition_rate_before/after`` (repeated
-  3-grams), ``kl_to_reference_nats_per_token`` (KL to the initial policy per token, with the estimator and bounds of ``trainer.kl_estimator``),
+  3-grams), ``kl_to_reference_nats_per_token`` (KL to the initial policy per token, with the estimator and
+  bounds of ``trainer.kl_estimator``),
   ``quality_gate_passed`` and ``quality_gate_failures`` (:func:`quality_gate`: KL below ``trainer.gate_max_kl`` and
   repeated 3-grams below ``trainer.gate_max_repetition``; one line per failure; ``null`` without a held-out
   evaluation: an emulated run), ``objective``
