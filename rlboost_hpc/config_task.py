@@ -25,9 +25,13 @@ class RewardModelCfg(_Strict):
     """``task.reward_model``: a reward model or LLM judge behind HTTP (called from the reward processes)."""
 
     url: str = Field(..., description=(
-        "score: the scoring route (POST {prompts, completions, query, labels} -> {rewards}); judge: an "
+        "score: the scoring route (POST the body named by body -> {rewards} or SGLang's [{embedding}]); judge: an "
         "OpenAI-compatible chat completions URL (…/v1/chat/completions)"))
     kind: Literal["score", "judge"] = Field("judge", description="a raw scoring route or an LLM judge")
+    body: Literal["openrlhf", "sglang"] = Field("openrlhf", description=(
+        "score: the request the route reads — openrlhf: {prompts, completions, query, labels} (OpenRLHF's "
+        "/get_reward); sglang: {text: [prompt + completion, ...]} (SGLang's /classify, a reward model served with "
+        "--is-embedding)"))
     name: str = Field("reward_model", description="its name in metrics (rewards by function)")
     weight: float = Field(1.0, description="its weight (task.reward_weights' last entry wins when given)")
     model: str = Field("", description="the model name sent in the request")

@@ -2,10 +2,12 @@
 
 Two kinds of endpoint:
 
-* ``score`` — a raw scoring route that scores a whole group in one request: ``POST url`` with JSON
-  ``{"prompts": [...], "completions": [...], "query": [prompt + completion, ...], "labels": [gold or null, ...]}``
-  (the fields OpenRLHF's ``--remote_rm_url`` servers read); the answer is ``{"rewards": [...]}``, ``{"scores":
-  [...]}``, a bare list of numbers, or SGLang's classify shape (a list of ``{"embedding": [score, ...]}``).
+* ``score`` — a raw scoring route that scores a whole group in one request: ``POST url`` with the JSON body its
+  server reads (``body``): ``openrlhf`` — ``{"prompts": [...], "completions": [...], "query": [prompt + completion,
+  ...], "labels": [gold or null, ...]}`` (what OpenRLHF's ``--remote_rm_url`` servers, ``/get_reward``, read);
+  ``sglang`` — ``{"text": [prompt + completion, ...]}`` (SGLang's ``/classify`` of a reward model served with
+  ``--is-embedding``). The answer is ``{"rewards": [...]}``, ``{"scores": [...]}``, a bare list of numbers, or
+  SGLang's classify shape (a list of ``{"embedding": [score, ...]}``).
 * ``judge`` — an OpenAI-compatible chat endpoint (``url`` is its ``/v1/chat/completions``) used as an LLM judge: one
   request per completion with ``prompt_template`` filled from ``{prompt}``, ``{completion}`` and the row's columns,
   ``temperature`` 0; the judge's verdict is the *last* match of ``score_pattern`` in its reply (its first group is the
@@ -166,9 +168,11 @@ class RewardModelClient:
         if self.cfg.kind == "score":
             p = _prompt_text(prompt)
             gold = prompt.meta.get("answer", prompt.meta.get("ground_truth"))
-            body = {"prompts": [p] * len(completions), "completions": list(completions),
-                    "query": [p + c for c in completions], "labels": [gold] * len(completions)}
-            if self.cfg.model:
+            query = [p + c for c in completions]
+            body = {"text": query} if self.cfg.body == "sglang" else {
+                "prompts": [p] * len(completions), "completions": list(completions), "query": query,
+                "labels": [gold] * len(completions)}
+            if self.cfg.model and self.cfg.body == "openrlhf":
                 body["model"] = self.cfg.model
             scores = _scores_of(self._post(body), len(completions))
             return [self._in_scale(v, "the scoring route's score") for v in scores]
