@@ -447,3 +447,37 @@ def test_run_checks_your_tasks_prompt_files_first_whatever_task_name_labels_it(u
     p = _cli(*args, "--set", f"task.dataset='{_jsonl(tmp / 'd.jsonl', _rows())}'", "--set",
              f"task.heldout_dataset='{tmp / 'gone.jsonl'}'")
     assert p.returncode == 2 and "task.heldout_dataset" in p.stderr and "unknown task" not in p.stderr, p.stderr
+
+
+# Qwen2.5's way of showing tools (simplified): a system turn listing each tool's JSON schema in <tools>
+TOOLS_CHATML = ("{%- if tools %}{{ '<|im_start|>system\\n# Tools\\n<tools>' }}{%- for t in tools %}{{ '\\n' }}"
+                "{{ t | tojson }}{%- endfor %}{{ '\\n</tools><|im_end|>\\n' }}{%- endif %}"
+                "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_the_tools_schemas_reach_the_chat_templates_prompt_through_task_check(tmp_path):
+    """Issue 58 item 6: user tools' schemas were never shown to reach the chat template's ``tools=``. Through
+    ``rlboost-hpc task check`` on examples/tools with an instruct-style model whose chat template lists tools (as
+    Qwen2.5's does): the rendered prompt holds each tool's JSON schema — its name, description and parameters, from
+    the function's type hints and docstring."""
+    from _models import make_model_dir
+
+    model = make_model_dir(tmp_path / "qwen3", "qwen3", tied=False)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = TOOLS_CHATML
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    arch = json.loads((model / "config.json").read_text())  # (this tokenizer's 512 ids spell JSON in many tokens)
+    (model / "config.json").write_text(json.dumps({**arch, "max_position_embeddings": 2048}))
+    p = _cli("task", "check", "--config", "examples/tools/config.toml", "--set", f"model.path='{model}'",
+             "--set", "task.chat_template='on'", "--set", "task.tool_call_open='<tool_call>'",
+             "--set", "task.tool_call_close='</tool_call>'", "--set",
+             f"task.dataset_cache_dir='{tmp_path / 'cache'}'")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    prompt = p.stdout.split("--- prompt", 1)[1].split("--- prompt", 1)[0]
+    listed = [json.loads(line) for line in prompt.split("<tools>", 1)[1].split("</tools>", 1)[0].strip().splitlines()]
+    assert [t["function"]["name"] for t in listed] == ["dictionary", "count_letters"], prompt
+    assert listed[1]["function"]["description"].startswith("Count how many times a letter appears")
+    assert listed[1]["function"]["parameters"]["required"] == ["word", "letter"]
+    assert listed[0]["function"]["parameters"]["properties"]["word"]["type"] == "string"
