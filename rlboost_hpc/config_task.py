@@ -64,6 +64,20 @@ class RewardModelCfg(_Strict):
         return self
 
 
+class ReasoningGymCfg(_Strict):
+    """``task.reasoning_gym``: a procedural task of reasoning-gym (``pip install 'rlboost-hpc[reasoning-gym]'``),
+    scored by its own ``score_answer``."""
+
+    name: str = Field(..., description="the reasoning-gym data set (e.g. basic_arithmetic, chain_sum, leg_counting)")
+    size: int = Field(1000, ge=2, description="entries generated: the last task.heldout_prompts are held out")
+    seed: int = Field(42, description="the generator's seed (the same entries on every start)")
+    config: dict[str, Any] = Field(default_factory=dict, description=(
+        "the data set's own options (its config class's fields, e.g. { min_terms = 2, max_terms = 4 })"))
+    answer_tag: str = Field("answer", description=(
+        "the answer is what the completion writes inside <answer_tag>…</answer_tag> (reasoning-gym's convention; "
+        "the prompt asks for it); \"\": the whole completion"))
+
+
 class TaskCfg(_Strict):
     """The RL task (prompt set + verifiable reward)."""
 
@@ -154,9 +168,18 @@ class TaskCfg(_Strict):
         "per trajectory in the tool processes; every assistant turn goes to step, its reward adds to the "
         "trajectory's (weight: task.reward_weights' last entry), done ends it. Must be deterministic: an instance "
         "is rebuilt by replaying the trajectory (a different answer stops the run)"))
+    reasoning_gym: ReasoningGymCfg | None = Field(None, description=(
+        "a procedural task of reasoning-gym: its generated questions, its own scorer as the reward (task.name "
+        "only labels it)"))
 
     @model_validator(mode="after")
     def _own_task(self) -> "TaskCfg":
+        if self.reasoning_gym is not None and (self.dataset or self.reward_functions or self.reward_model):
+            raise ValueError("task.reasoning_gym brings its prompts and its reward: leave task.dataset, "
+                             "task.reward_functions and task.reward_model unset")
+        if self.reasoning_gym is not None and self.reasoning_gym.size <= self.heldout_prompts:
+            raise ValueError(f"task.reasoning_gym.size = {self.reasoning_gym.size} leaves no training prompt after "
+                             f"task.heldout_prompts = {self.heldout_prompts}")
         own = bool(self.reward_functions or self.reward_model or self.tools or self.environment)
         if own and not self.dataset:
             raise ValueError("task.reward_functions, task.reward_model, task.tools and task.environment need "

@@ -67,6 +67,8 @@ def check_inputs(cfg: RunConfig) -> None:
             if spec:
                 resolve_source(spec, key=key)
         files: tuple[str, ...] = ()
+    elif cfg.task.reasoning_gym is not None:  # generated: no file (its generator is checked when the task is made)
+        files = ()
     else:
         try:
             files = task_data_files(cfg.task.name)

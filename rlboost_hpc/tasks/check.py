@@ -126,6 +126,46 @@ def _check_environment(cfg: Any, task: Any, policy: Any, out) -> None:
           f"observation as the model sees it {obs!r}", file=out)
 
 
+def _check_procedural(cfg: Any, out) -> None:
+    """A reasoning-gym task (``task.reasoning_gym``): its generator made (name and options checked), three prompts
+    as the model will see them, the longest prompt against the context, and the scorer in the run's reward
+    processes on the generator's own answers (inside ``answer_tag``: each must score 1) and on empty completions."""
+    from rlboost_hpc.models.hf_dir import load_model_dir
+    from rlboost_hpc.models.llama2c import ensure_converted
+    from rlboost_hpc.paths import using_data_dir
+    from rlboost_hpc.tasks.reward_pool import RewardPool
+    from rlboost_hpc.tasks.user_task import make_task
+
+    from pathlib import Path
+
+    task, rg = make_task(cfg.task), cfg.task.reasoning_gym
+    with using_data_dir(cfg.data.dir):
+        path = Path(cfg.model.path).expanduser() if cfg.model.path else ensure_converted(
+            Path(cfg.model.cache_dir).expanduser())
+        policy = load_model_dir(path, chat=cfg.task.chat_template)
+    print(f"reasoning-gym {rg.name}: {len(task.train_prompts())} train, {len(task.heldout_prompts())} held out "
+          f"(seed {rg.seed}, options {rg.config})", file=out)
+    for p in task.train_prompts()[:3]:
+        print(f"--- prompt {p.pid}:\n{policy.tokenizer.render_prompt(task.prompt_ids(p, policy.tokenizer))}", file=out)
+    n, worst = task.longest_prompt(policy.tokenizer)
+    ctx, budget = policy.arch.max_position_embeddings, cfg.trajectory_tokens()
+    print(f"longest prompt: {n} tokens (response budget {budget}, context {ctx})", file=out)
+    if n + budget > ctx:
+        raise TaskCheckFailed(f"prompt {worst.pid} is {n} tokens: with the response budget of {budget} it exceeds "
+                              f"the model's context of {ctx}")
+    prompts = task.train_prompts()[:TRY_ROWS]
+    golds = [f"<{rg.answer_tag}>{p.meta['answer']}</{rg.answer_tag}>" if rg.answer_tag else p.meta["answer"]
+             for p in prompts]
+    with RewardPool(task, workers=1, timeout_s=cfg.task.reward_timeout_s) as pool:
+        scored = pool.score([(p, g) for p, g in zip(prompts, golds)] + [(p, "") for p in prompts])
+    on_gold, on_empty = scored.rewards[:len(prompts)], scored.rewards[len(prompts):]
+    print(f"reward (reasoning-gym's score_answer): gold answer {on_gold}, empty completion {on_empty}", file=out)
+    if any(r != 1.0 for r in on_gold) or pool.failed:
+        raise TaskCheckFailed(f"task.reasoning_gym: the generator's own answers scored {on_gold} ({pool.failed} "
+                              f"failed), not 1 — check task.reasoning_gym.answer_tag = {rg.answer_tag!r}")
+    print("task check: OK", file=out)
+
+
 def check_task(cfg: Any, out=sys.stdout) -> None:
     """Run the checks of the module docstring on the run configuration ``cfg`` (a ``RunConfig``).
 
@@ -137,8 +177,11 @@ def check_task(cfg: Any, out=sys.stdout) -> None:
     from rlboost_hpc.paths import using_data_dir
     from rlboost_hpc.tasks.user_task import UserTask
 
+    if cfg.task.reasoning_gym is not None:
+        return _check_procedural(cfg, out)
     if not cfg.task.dataset:
-        raise TaskCheckFailed("task check is for your own task: set task.dataset (and its rewards)")
+        raise TaskCheckFailed("task check is for your own task: set task.dataset (and its rewards) or "
+                              "task.reasoning_gym")
     cfg.task.reward_errors = "fail"  # the first failure names its function and row
     with using_data_dir(cfg.data.dir):
         from pathlib import Path

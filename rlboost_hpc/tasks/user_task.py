@@ -394,7 +394,9 @@ class UserTask(Task):
 
 
 def make_task(task_cfg: Any):
-    """The run's task: a :class:`UserTask` (loaded) when ``task.dataset`` is set, else the built-in ``task.name``
+    """The run's task: a :class:`UserTask` (loaded) when ``task.dataset`` is set, a reasoning-gym
+    :class:`~rlboost_hpc.tasks.procedural.ProceduralTask` when ``task.reasoning_gym`` is, else the built-in
+    ``task.name``
     with ``task.train_prompts`` / ``task.heldout_prompts`` (and the run's tool-call syntax, for a task that takes it).
 
     Raises:
@@ -405,6 +407,10 @@ def make_task(task_cfg: Any):
 
     if task_cfg.dataset:
         return UserTask(task_cfg).load()
+    if task_cfg.reasoning_gym is not None:
+        from rlboost_hpc.tasks.procedural import ProceduralTask
+
+        return ProceduralTask(task_cfg.reasoning_gym, task_cfg.heldout_prompts)
     return get_task(task_cfg.name, n_train=task_cfg.train_prompts, n_heldout=task_cfg.heldout_prompts,
                     tool_syntax=ToolSyntax(task_cfg.tool_call_open, task_cfg.tool_call_close))
 
