@@ -404,6 +404,8 @@ class TrainerCfg(_Strict):
     eval_pass_k: list[int] = Field(default_factory=lambda: [1], description=(
         "k of the held-out pass@k (unbiased estimator over eval_samples = n samples; each 1 ≤ k ≤ n)"))
     eval_correct_at: float = Field(1.0, description="a held-out sample passes when its reward is ≥ this")
+    log_samples: int = Field(4, ge=0, description="sample rows per step (prompt, response, reward and its parts) in "
+                                                   "RUN_DIR/samples.jsonl and the trackers' tables (0: none)")
     seed: int = Field(0, description="seed of the model's initial RNG, the prompt order and every group's sampling")
     checkpoint_every: int = Field(1, ge=0, description="checkpoint every k steps into <out>/checkpoints (0: never)")
     checkpoint_background: bool = Field(True, description=(

@@ -236,10 +236,7 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
     resume = ResumeState.load(ckpt, svc.backend, rd)
     steps.extend(resume.steps)
     trackers.backfill(resume.steps)  # to a tracker added at this resume; runs it continues hold them
-    metrics_f = open(rd.metrics, "w")  # what the checkpoint covers, then the new steps
-    svc.defer(metrics_f.close)
-    metrics_f.writelines(json.dumps(m) + "\n" for m in steps)
-    metrics_f.flush()
+    metrics_f, samples_f = _open_step_files(rd, steps, resume.start_step, svc)
     held_out = _held_out(cfg, setup, svc)
     version0 = resume.trainer_state["version"] if resume.trainer_state else 0
     svc.hello(version0)
@@ -278,6 +275,7 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
                     "train_wall_s": resume.train_wall_s + time.monotonic() - t_train0}, durable=[rd.metrics])
             # (the checkpoint keeps the step as it was before its own save: its phases sum to its wall time too)
             add_phase(m, Phase.CHECKPOINT, time.monotonic() - t_after)
+            _record_samples(step, rec.samples, samples_f, trackers)  # (before the line: W&B's row of the step)
             _record_step(svc, step, m, metrics_f, trackers, view)
     ckpt_writer.wait()  # the last checkpoint is durable before the run reports
     train_wall = resume.train_wall_s + time.monotonic() - t_train0  # training time of every incarnation
@@ -327,6 +325,31 @@ def _record_step(svc: RunServices, step: int, m: dict, metrics_f, trackers, view
     metrics_f.flush()
     trackers.step(m)
     view.update(m)
+
+
+def _open_step_files(rd: RunDir, steps: list[dict], start_step: int, svc: RunServices):
+    """``metrics.jsonl`` and ``samples.jsonl`` open to append (closed with ``svc``), holding what the checkpoint
+    covers: the records ``steps`` and the sample rows of the steps before ``start_step`` (a resume redoes the steps
+    after its checkpoint: their lines are written again, never twice)."""
+    kept = []
+    if start_step and rd.samples.exists():
+        kept = [ln for ln in rd.samples.read_text().splitlines(keepends=True)
+                if ln.strip() and json.loads(ln).get("step", 0) < start_step]
+    files = open(rd.metrics, "w"), open(rd.samples, "w")
+    for f, lines in zip(files, ([json.dumps(m) + "\n" for m in steps], kept)):
+        svc.defer(f.close)
+        f.writelines(lines)
+        f.flush()
+    return files
+
+
+def _record_samples(step: int, rows: list[dict], samples_f, trackers) -> None:
+    """A step's sample rows (``trainer.log_samples``) to ``samples.jsonl`` (flushed) and the trackers' tables."""
+    if not rows:
+        return
+    samples_f.writelines(json.dumps({"step": step, **r}) + "\n" for r in rows)
+    samples_f.flush()
+    trackers.samples(step, rows)
 
 
 def _add_fleet(rec: StepRecord, st, svc: RunServices, t_start: float, before: FaultTally) -> None:
@@ -411,7 +434,8 @@ def _trainer(cfg: RunConfig, svc: RunServices, setup: RunSetup, n_resv: float):
                             step_timeout_s=t.step_timeout_s, seed=t.seed, max_turns=cfg.task.max_turns,
                             max_trajectory_tokens=cfg.trajectory_tokens(), tool_stop_ids=setup.tool_stops,
                             advantage_std_norm=t.advantage_std_norm, max_staleness=r.max_staleness,
-                            steps=t.steps, behaviour_dropped_warn=t.behaviour_dropped_warn)
+                            steps=t.steps, behaviour_dropped_warn=t.behaviour_dropped_warn,
+                            log_samples=t.log_samples)
     controller = RolloutController(
         n_resv=n_resv, use_cap=pol.cap, overlap=r.max_staleness > 0,
         seeding=SeedingWindow(initial_s=pol.t_seed_initial_s, eta=pol.eta, floor_s=pol.t_seed_floor_s,

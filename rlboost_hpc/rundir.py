@@ -50,6 +50,7 @@ CAPACITY_FILE = "capacity.json"
 EVENTS_FILE = "events.jsonl"
 REPORT_FILE = "report.json"
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"  # trainer.log_samples rows of each step (prompt, response, reward and its parts)
 PLOT_FILE = "run.png"
 JOURNAL_FILE = "manager-journal.jsonl"
 WORK_LOG_FILE = "manager-work.log"  # the step in flight (manager/worklog.py)
@@ -97,6 +98,10 @@ class RunDir:
     @property
     def metrics(self) -> Path:
         return self.root / METRICS_FILE
+
+    @property
+    def samples(self) -> Path:
+        return self.root / SAMPLES_FILE
 
     @property
     def plot(self) -> Path:

@@ -409,6 +409,17 @@ def test_a_demo_run_sends_every_steps_reward_kl_and_preemptions_to_tensorboard_a
         assert {a.path for a in client.list_artifacts(run_id)} >= {"report.json", "run.png"}
         assert tb["report/steps"][-1] == (steps - 1, steps)
         assert "run" in tensorboard_tags(out / "tensorboard")["images"]
+        # the sample table (issue 58 item 5, miles #3202): trainer.log_samples (4) rows of every step, once each
+        # (a resumed run writes the redone steps again, not twice), in samples.jsonl and each tracker's table
+        rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [s for s in range(steps) for _ in range(4)]
+        assert all(r["prompt"] and isinstance(r["response"], str) and 0.0 <= r["reward"] <= 1.0 for r in rows)
+        tables = {a.path for a in client.list_artifacts(run_id, "samples")}
+        assert tables == {f"samples/step-{s:06d}.json" for s in range(steps)}, tables
+        table = json.loads(Path(client.download_artifacts(run_id, f"samples/step-{steps - 1:06d}.json")).read_text())
+        assert table["columns"][:3] == ["prompt", "response", "reward"]
+        assert [r[2] for r in table["data"]] == pytest.approx([r["reward"] for r in rows[-4:]])
+        assert "samples/text_summary" in tensorboard_tags(out / "tensorboard")["tensors"]
 
     check(3)
     assert max(m["faults"]["preemptions_warned"] + m["faults"]["kills"] for m in metrics_lines(out)) > 0

@@ -30,8 +30,9 @@ from rlboost_hpc.observe.timeline import Phase
 __all__ = ["step_figures", "scavenger_figures", "summary_figures", "flat_params", "prometheus_series",
            "NOT_FIGURES", "PROMETHEUS", "STEP_NAMES", "SCAVENGER_NAMES"]
 
-#: ``metrics.jsonl`` keys that are not figures (identifiers, text, lists): never sent as metrics.
-NOT_FIGURES = frozenset({"step", "ts", "seeding_close", "weight_checksum", "per_rank"})
+#: ``metrics.jsonl`` keys that are not figures (identifiers, text, lists): never sent as metrics (a step's
+#: ``samples`` rows go to the trackers' tables).
+NOT_FIGURES = frozenset({"step", "ts", "seeding_close", "weight_checksum", "per_rank", "samples"})
 
 #: ``metrics.jsonl`` scalar key → tracker name.
 STEP_NAMES: dict[str, str] = {

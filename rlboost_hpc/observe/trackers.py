@@ -116,6 +116,11 @@ class Tracker:
         """A file of the run (``report.json``, ``run.png``)."""
         raise NotImplementedError
 
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Step ``step``'s sample rows (``trainer.log_samples``: prompt, response, reward, failed, parts) as a
+        table, logged before the step's figures."""
+        raise NotImplementedError
+
     def close(self, failed: bool) -> None:
         """Flush and end this process's use of the run; the trainer also marks the run finished (or failed)."""
         raise NotImplementedError
@@ -185,6 +190,14 @@ class TensorBoardTracker(Tracker):
             self.writer.add_text(path.name, _code_block(path.read_text()), step)
         self.writer.flush()
 
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        cols = sample_columns(rows)
+        cell = lambda v: str(v).replace("|", "\\|").replace("\n", "<br>")  # noqa: E731 - a markdown cell
+        table = "\n".join(["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+                          + ["| " + " | ".join(cell(v) for v in r) + " |" for r in sample_table(rows, cols)])
+        self.writer.add_text("samples", table, step)
+        self.writer.flush()
+
     def close(self, failed: bool) -> None:
         self.writer.close()
 
@@ -206,6 +219,17 @@ def file_store_allowed():
                 os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
             else:
                 os.environ["MLFLOW_ALLOW_FILE_STORE"] = before
+
+
+def sample_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """A sample table's columns: prompt, response, reward, failed, then each reward part (``parts/<name>``)."""
+    parts = sorted({k for r in rows for k in r.get("parts", {})})
+    return ["prompt", "response", "reward", "failed", *(f"parts/{k}" for k in parts)]
+
+
+def sample_table(rows: list[dict[str, Any]], cols: list[str]) -> list[list[Any]]:
+    """``rows`` as lists in the order of ``cols`` (a part a row lacks: None)."""
+    return [[r.get("parts", {}).get(c[6:]) if c.startswith("parts/") else r.get(c) for c in cols] for r in rows]
 
 
 def _chunks(items: list, n: int):
@@ -316,6 +340,12 @@ class MlflowTracker(Tracker):
     def log_artifact(self, step: int, path: Path) -> None:
         self.client.log_artifact(self.run_id, str(path))
 
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        cols = sample_columns(rows)
+        data = sample_table(rows, cols)
+        self.client.log_table(self.run_id, data={c: [r[i] for r in data] for i, c in enumerate(cols)},
+                              artifact_file=f"samples/step-{step:06d}.json")
+
     def close(self, failed: bool) -> None:
         if self.role is Role.TRAINER:
             self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
@@ -379,6 +409,12 @@ class WandbTracker(Tracker):
         copy = Path(self.run.dir) / path.name  # a copy in the run's files (a link would follow later rewrites)
         shutil.copyfile(path, copy)
         self.run.save(str(copy), base_path=self.run.dir, policy="now")
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        import wandb
+
+        cols = sample_columns(rows)
+        self.run.log({"samples": wandb.Table(columns=cols, data=sample_table(rows, cols))}, step=step, commit=False)
 
     def close(self, failed: bool) -> None:
         self.run.finish(exit_code=1 if failed else 0)

@@ -95,6 +95,11 @@ class TrackerHub:
         """One ``metrics.jsonl`` line (:meth:`~rlboost_hpc.trainer.record.StepRecord.line`), at its step."""
         self._put(("line", line))  # named on the hub's thread: the step pays for a put only
 
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Step ``step``'s sample rows (``trainer.log_samples``), as each tracker's table; before its line."""
+        if rows:
+            self._put(("samples", int(step), list(rows)))
+
     def metrics(self, step: int, figures: dict[str, float], ts: float | None = None) -> None:
         """Figures already named by :mod:`~rlboost_hpc.observe.names` at trainer step ``step``."""
         self._put(("metrics", int(step), dict(figures), time.time() if ts is None else ts))
@@ -167,6 +172,8 @@ class TrackerHub:
             t.log_metrics(*args)
         elif kind == "summary":
             t.log_summary(self.last_step, names.summary_figures(args[0]), args[0])
+        elif kind == "samples":
+            t.log_samples(*args)
         elif kind == "artifact":
             if args[0].is_file():
                 t.log_artifact(self.last_step, args[0])

@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rlboost.trainer")
 
+#: Characters of a sample row's prompt (its end) and response (its start) kept (trainer.log_samples).
+SAMPLE_CHARS = 2000
+
 
 class RolloutFailed(RunFailed, RuntimeError):
     """A step could not collect its responses (manager error, timeout, unrecoverable rollout failure)."""
@@ -83,6 +86,7 @@ class StepSettings:
     max_staleness: int = 0  # k: steps submitted ahead, versions a token may lag (rollout.max_staleness)
     steps: int = 0  # the run's steps (trainer.steps): none is submitted ahead past the last; 0 = no end
     behaviour_dropped_warn: float = 1.0  # warn past this share of correction units MIS dropped (1: never)
+    log_samples: int = 0  # sample rows kept per step (trainer.log_samples): StepRecord.samples
 
 
 @dataclass
@@ -192,6 +196,8 @@ class StepCollector:
         self.early: list[M.GroupDone] = []  # groups delivered before the step's turn (kept unacknowledged)
         self.by_function: dict[str, list[float]] = {}  # a user's task: each reward function's values this step
         self.left_out = 0  # responses of groups a reward component failed on (not trained)
+        self.samples: list[dict] = []  # the step's first responses as rows (trainer.log_samples): prompt, response,
+        # reward and its parts
 
     @property
     def complete(self) -> bool:
@@ -278,6 +284,10 @@ class StepCollector:
         sc = t.score(items, ids, env, [gid for gid, _, _, texts, _, _ in taken for _ in texts], progress=progress)
         for name, vals in sc.parts.items():
             self.by_function.setdefault(name, []).extend(v for v in vals if v is not None)
+        for i in range(min(len(items), t.s.log_samples - len(self.samples))):
+            self.samples.append({"prompt": items[i][0].text[-SAMPLE_CHARS:], "response": items[i][1][:SAMPLE_CHARS],
+                                 "reward": sc.rewards[i], "failed": bool(sc.failed and sc.failed[i]),
+                                 "parts": {name: vals[i] for name, vals in sc.parts.items()}})
         out, i = [], 0
         for _, _, _, texts, _, _ in taken:
             out.append((sc.rewards[i:i + len(texts)], any(sc.failed[i:i + len(texts)])))
@@ -474,7 +484,7 @@ class RLTrainer:
             response_tail_s=activity.response_tail_s,
             **policy, **truncation_shares(col.reasons), staleness_tokens=dict(col.staleness), backend=backend,
             reward_functions={k: sum(v) / len(v) for k, v in col.by_function.items() if v},
-            responses_left_out=col.left_out)
+            responses_left_out=col.left_out, samples=col.samples)
 
     def _warn_dropped(self, step: int, backend: dict) -> None:
         """Warn (and count in ``steps_over_dropped_warn``) when the step's importance correction dropped a larger share

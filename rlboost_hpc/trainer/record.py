@@ -35,7 +35,9 @@ class StepRecord(msgspec.Struct, kw_only=True):
     trained, by how many versions older than the trained one made them; {} under strict on-policy);
     ``reward_functions`` (a user's task: each reward function's mean value over the step's responses, ``None``
     values — not applicable, or failed — left out: TRL's ``rewards/<name>``; {} for built-in tasks),
-    ``responses_left_out`` (responses of groups a reward component failed on: not trained).
+    ``responses_left_out`` (responses of groups a reward component failed on: not trained); ``samples`` (the step's
+    first ``trainer.log_samples`` responses as rows — ``prompt``, ``response``, ``reward``, ``failed``, ``parts``:
+    written to ``samples.jsonl`` and the trackers' tables, not to ``metrics.jsonl``).
 
     Run (after the step): ``t_s`` (seconds since the run started), ``ts`` (Unix time), ``live_preemptible``,
     ``routable_preemptible``, ``cluster_live``, ``version_serving`` (how the step's version reached the fleet),
@@ -80,6 +82,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
     staleness_tokens: dict[str, int] = {}
     reward_functions: dict[str, float] = {}
     responses_left_out: int = 0
+    samples: list[dict[str, Any]] = []
     backend: dict[str, Any] = {}
     t_s: float | None = None
     ts: float | None = None
@@ -92,7 +95,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
 
     def line(self) -> dict[str, Any]:
         """The ``metrics.jsonl`` object: the fields (the run's only once set) then the backend's figures."""
-        out = {k: v for k, v in msgspec.structs.asdict(self).items() if k != "backend"}
+        out = {k: v for k, v in msgspec.structs.asdict(self).items() if k not in ("backend", "samples")}
         for k in ("t_s", "ts", "live_preemptible", "routable_preemptible", "cluster_live", "version_serving",
                   "n_prem_target", "faults"):
             if out[k] is None:
