@@ -165,30 +165,36 @@ def test_the_tools_example_runs_its_two_tools_in_the_tool_processes(tmp_path, st
     assert rep["turns_per_trajectory_mean"] > 1.0 and set(rep["reward_functions"]) == {"dialogue", "mentions_topic"}
 
 
-def test_a_group_whose_judge_failed_is_left_out_not_trained_on_the_terms_left(tmp_path):
-    """Issue 57 (verl-omni #366, NeMo-RL #2479): a failed component scored 0 and the group's advantages were built
-    from the components left — a 0.1-weight format reward became a full ±1 advantage — and the judge's mean in the
-    step's metrics included the failures. Through ``rlboost-hpc run``: a judge-like function that fails on a quarter
-    of the rows (raises) beside a 0.1-weight format reward; those groups are left out (counted, none lost), the
-    judge's mean is over its successful calls only (it gives 1.0 wherever it answers)."""
+def _quoted_and_failing(tmp_path: Path, name: str, fail: str, values: str, *sets: str) -> tuple[dict, list[dict]]:
+    """(report, metrics lines) of a run (``sets``) of a task on the stories openings (a quarter of the rows
+    ``broken``) with two functions: ``quoted`` (1 for a double quote) and ``name``, which runs ``fail`` on a broken
+    row, else returns ``values``."""
     data = tmp_path / "stories.jsonl"
     rows = [{"prompt": o, "broken": i % 4 == 0} for i, o in enumerate(OPENINGS)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "rewards.py").write_text(
         "def quoted(prompts, completions, **columns):\n"
         "    return [1.0 if '\"' in c else 0.0 for c in completions]\n\n\n"
-        "def judged(prompts, completions, broken, **columns):\n"
+        f"def {name}(prompts, completions, broken, **columns):\n"
         "    if broken[0]:\n"
-        "        raise RuntimeError('the judge is down for this row')\n"
-        "    return [1.0] * len(completions)\n")
-    sets = [f"task.dataset='{data}'", f"task.dataset_cache_dir='{tmp_path / 'cache'}'", "task.heldout_fraction=0.25",
-            "task.heldout_prompts=4", f"task.reward_functions=['{tmp_path}/rewards.py:quoted', "
-            f"'{tmp_path}/rewards.py:judged']", "task.reward_weights=[0.1, 1.0]", "trainer.steps=3",
-            "trainer.export_model=false", "trainer.eval_samples=1"]
-    p = _run(tmp_path / "run", REPO / "configs/local.toml", *sets)
+        f"        {fail}\n"
+        f"    return {values}\n")
+    p = _run(tmp_path / "run", REPO / "configs/local.toml", f"task.dataset='{data}'",
+             f"task.dataset_cache_dir='{tmp_path / 'cache'}'", "task.heldout_fraction=0.25", "task.heldout_prompts=4",
+             f"task.reward_functions=['{tmp_path}/rewards.py:quoted', '{tmp_path}/rewards.py:{name}']", *sets)
     assert p.returncode == 0, p.stderr[-3000:]
-    rep = json.loads((tmp_path / "run/report.json").read_text())
-    metrics = _metrics(tmp_path / "run")
+    return json.loads((tmp_path / "run/report.json").read_text()), _metrics(tmp_path / "run")
+
+
+def test_a_group_whose_judge_failed_is_left_out_not_trained_on_the_terms_left(tmp_path):
+    """Issue 57 (verl-omni #366, NeMo-RL #2479): a failed component scored 0 and the group's advantages were built
+    from the components left — a 0.1-weight format reward became a full ±1 advantage — and the judge's mean in the
+    step's metrics included the failures. Through ``rlboost-hpc run``: a judge-like function that fails on a quarter
+    of the rows (raises) beside a 0.1-weight format reward; those groups are left out (counted, none lost), the
+    judge's mean is over its successful calls only (it gives 1.0 wherever it answers)."""
+    rep, metrics = _quoted_and_failing(tmp_path, "judged", "raise RuntimeError('the judge is down for this row')",
+                                       "[1.0] * len(completions)", "task.reward_weights=[0.1, 1.0]", "trainer.steps=3",
+                                       "trainer.export_model=false", "trainer.eval_samples=1")
     judged = rep["reward_functions"]["judged"]
     assert judged["failed"] > 0 and judged["mean"] == 1.0, judged  # failures counted, not averaged in as zeros
     left = sum(m["responses_left_out"] for m in metrics)
@@ -282,3 +288,19 @@ def test_a_run_whose_every_group_was_left_out_is_a_failed_run(tmp_path):
     assert rep["responses_trained"] == 0 and rep["responses_left_out"] > 0, rep
     assert f"the run trained no response in 1 step: {rep['responses_left_out']} were left out" in p.stderr
     assert "judged: " in p.stderr and " calls failed" in p.stderr, p.stderr[-2000:]
+
+
+def test_a_weight_0_function_is_a_task_metric_logged_apart_from_the_reward(tmp_path):
+    """Issue 58 item 5 (trl #5787): a function of weight 0 is a task metric — its step means and held-out mean are
+    logged (metrics.jsonl, report) and it never enters the reward; when it fails, the failure is counted but no
+    group is left out (it is no reward term). Through ``rlboost-hpc run``."""
+    rep, metrics = _quoted_and_failing(tmp_path, "words", "raise RuntimeError('the metric fails on this row')",
+                                       "[float(len(c.split())) for c in completions]", "task.reward_weights=[1.0, 0.0]",
+                                       "trainer.steps=2", "trainer.export_model=false", "trainer.eval_samples=2")
+    assert rep["reward_functions"]["words"]["failed"] > 0 and rep["responses_left_out"] == 0, rep["reward_functions"]
+    assert rep["responses_trained"] == 2 * 64 and rep["responses_lost"] == 0
+    for m in metrics:
+        per = m["reward_functions"]
+        assert per["words"] > 1.0 and abs(m["reward_mean"] - per["quoted"]) < 1e-9, per  # not in the reward
+    held = rep["reward_functions_heldout_after"]
+    assert set(held) == {"quoted", "words"} and held["words"] > 1.0, held

@@ -7,9 +7,10 @@ Schema (:class:`RunReport`; every key below is always present except the multi-t
   (``null``: started fresh), held-out reward before/after training (``reward_heldout_*``: sampled; ``_greedy_``:
   greedy decoding), ``pass_at_k_heldout_before/after`` (each k of ``trainer.eval_pass_k``, as text → the unbiased
   pass@k over ``trainer.eval_samples`` samples per held-out prompt, a sample passing with a reward ≥
-  ``trainer.eval_correct_at``; ``{}`` without an evaluation), ``repetition_rate_before/after`` (repeated
-  3-grams), ``kl_to_reference_nats_per_token`` (KL to the initial policy per token, with the estimator and
-  bounds of ``trainer.kl_estimator``),
+  ``trainer.eval_correct_at``; ``{}`` without an evaluation), ``reward_functions_heldout_before/after`` (a user's
+  task: each reward component's mean over the held-out samples; a weight-0 function is a task metric),
+  ``repetition_rate_before/after`` (repeated 3-grams), ``kl_to_reference_nats_per_token`` (KL to the initial
+  policy per token, with the estimator and bounds of ``trainer.kl_estimator``),
   ``quality_gate_passed`` and ``quality_gate_failures`` (:func:`quality_gate`: KL below ``trainer.gate_max_kl`` and
   repeated 3-grams below ``trainer.gate_max_repetition``; one line per failure; ``null`` without a held-out
   evaluation: an emulated run), ``objective``
@@ -145,6 +146,8 @@ class RunReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     reward_heldout_greedy_after: float
     pass_at_k_heldout_before: dict[str, float]
     pass_at_k_heldout_after: dict[str, float]
+    reward_functions_heldout_before: dict[str, float]
+    reward_functions_heldout_after: dict[str, float]
     repetition_rate_before: float
     repetition_rate_after: float
     kl_to_reference_nats_per_token: float
@@ -385,6 +388,8 @@ def build_report(*, steps: list[dict], stats: ManagerStats, tally: FaultTally, t
         reward_heldout_before=before["reward_sampled"], reward_heldout_after=after["reward_sampled"],
         reward_heldout_greedy_before=before["reward_greedy"], reward_heldout_greedy_after=after["reward_greedy"],
         pass_at_k_heldout_before=before.get("pass_at_k", {}), pass_at_k_heldout_after=after.get("pass_at_k", {}),
+        reward_functions_heldout_before=before.get("reward_functions", {}),
+        reward_functions_heldout_after=after.get("reward_functions", {}),
         repetition_rate_before=before["repetition_rate"], repetition_rate_after=after["repetition_rate"],
         kl_to_reference_nats_per_token=kl, quality_gate_passed=not failed if evaluated else None,
         quality_gate_failures=failed, objective=objective, model_out=model_out, model=model,

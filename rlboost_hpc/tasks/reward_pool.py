@@ -205,7 +205,7 @@ class RewardPool:
             values = self._values(comp, call, res)
             for i, v in zip(idxs, values or [None] * len(idxs)):
                 parts[comp.name][i] = v
-                failed[i] |= values is None
+                failed[i] |= values is None and comp.weight != 0  # (a weight-0 function is a metric, no reward)
         for comp in self.components:
             if comp.kind == "environment":
                 if environment is None or len(environment) != len(items):

@@ -82,10 +82,11 @@ def _engine(arch: ModelArch, weights: Mapping[str, torch.Tensor], max_len: int, 
 
 
 def _score(trajs: dict[str, "_Trajectory"], meta: dict, tokenizer, task: Task,
-           score: Callable[..., Scored] | None) -> tuple[dict[str, str], dict[str, float]]:
-    """The text each trajectory's reward reads (its final assistant turn, stop token left out) and its reward:
+           score: Callable[..., Scored] | None) -> tuple[dict[str, str], dict[str, float], dict[str, list]]:
+    """The text each trajectory's reward reads (its final assistant turn, stop token left out), its reward:
     ``score(items, token_ids, environment)`` (the run's reward pool; ``environment``: each trajectory's ``(return,
-    error)`` with a stateful environment, else None) or ``task.reward`` inline.
+    error)`` with a stateful environment, else None) or ``task.reward`` inline, and each reward component's values
+    in the order of ``trajs`` (a user's task; ``{}`` otherwise).
 
     Raises:
         ValueError: a stateful environment's task without ``score`` (its term is the reward pool's to add).
@@ -97,11 +98,11 @@ def _score(trajs: dict[str, "_Trajectory"], meta: dict, tokenizer, task: Task,
     if env is not None and score is None:
         raise ValueError("held-out evaluation of a task with an environment scores through the reward pool")
     if score is None:
-        scored = [task.reward(p, t) for p, t in items]
+        scored, parts = [task.reward(p, t) for p, t in items], {}
     else:
         ids = [final[rid] for rid in trajs]
-        scored = score(items, ids, env).rewards
-    return texts, dict(zip(trajs, scored))
+        scored, parts = score(items, ids, env)[:2]
+    return texts, dict(zip(trajs, scored)), parts
 
 
 def _play(eng: TorchEngine, trajs: dict[str, _Trajectory], meta: dict, stop_ids: tuple[int, ...], *,
@@ -181,6 +182,8 @@ def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, ta
     Returns:
         A dict: reward_sampled, reward_greedy, repetition_rate (mean over sampled responses), responses (int),
         pass_at_k (each k, as text → the mean over prompts of :func:`pass_at_k` of their sampled responses),
+        reward_functions (a user's task: each reward component's mean over the sampled responses it scored — a
+        weight-0 function is a task metric apart from the reward),
         examples (first few greedy texts), sampled (the sampled responses as :class:`Sample` s, advantage 0,
         observation tokens masked, for :func:`kl_to_reference`).
     """
@@ -205,7 +208,9 @@ def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, ta
             turns.tools.release(list(trajs))
             while turns.tools.pending:
                 turns.tools.poll(1.0)
-    texts, reward_of = _score(trajs, meta, tokenizer, task, score)
+    texts, reward_of, parts = _score(trajs, meta, tokenizer, task, score)
+    sampled_at = [k for k, rid in enumerate(trajs) if not meta[rid][1]]
+    by_function = {name: [vals[k] for k in sampled_at if vals[k] is not None] for name, vals in parts.items()}
     sampled, greedy_r, rep, examples, drawn = [], [], [], [], []
     passed = [0] * len(prompts)  # per held-out prompt: its sampled responses that passed
     for rid, t in trajs.items():
@@ -229,6 +234,7 @@ def evaluate(arch: ModelArch, weights: Mapping[str, torch.Tensor], tokenizer, ta
         "repetition_rate": sum(rep) / len(rep),
         "responses": len(sampled) + len(greedy_r),
         "pass_at_k": {str(k): sum(pass_at_k(samples, c, k) for c in passed) / len(passed) for k in pass_k},
+        "reward_functions": {name: sum(v) / len(v) for name, v in by_function.items() if v},
         "examples": examples,
         "sampled": drawn,
     }
