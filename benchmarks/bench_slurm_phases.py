@@ -12,7 +12,8 @@ One run (repeated ``--repeats`` times on an idle cluster):
    manager has the instance's first token;
 3. while the job generates long responses, a high-priority exclusive job lands on its node: Slurm sends USR2
    (the warning, ``--signal=B:USR2@10``); measured: the worker's ``warned_at`` → the manager has its
-   Deregister (every produced token was flushed before it), against the partition's grace time.
+   Deregister (every produced token was flushed before it), and → the worker holds the manager's Farewell (it may
+   exit), against the partition's grace time.
 
 Usage: python benchmarks/bench_slurm_phases.py [--repeats 3]
 """
@@ -99,10 +100,12 @@ def one_run(rep: int, env: dict, run_dir: Path, client: ManagerClient) -> dict:
     warned = wait(lambda: next((e for e in read_events(run_dir) if e["event"] == "warned" and e["job_id"] == job),
                                None), 30, "the warned event")
     out = (run_dir / f"rollout-{rep}-{job}.out").read_text(errors="replace")  # logged after the first token
-    phases = {}
+    phases, t_farewell = {}, float("nan")
     for line in out.splitlines():
         if "startup phases" in line:
             phases = json.loads(json.loads(line)["msg"].split("startup phases ", 1)[1])
+        if "confirmed the drain" in line:  # the worker holds the manager's Farewell: it may exit
+            t_farewell = json.loads(line)["ts"]
     subprocess.run(["scancel", job, hp], env=env, capture_output=True)
     while client.next_event(0.5) is not None:  # the step's groups (finished by later instances or dropped)
         pass
@@ -115,6 +118,7 @@ def one_run(rep: int, env: dict, run_dir: Path, client: ManagerClient) -> dict:
         "first token (-> produced)": phases.get("weights_loaded->first_token_s", float("nan")),
         "node idle -> first token at the manager": first - t_submit,
         "warning -> last in-flight token at the manager": t_gone - warned["warned_at"],
+        "warning -> drain confirmed at the worker (Farewell)": t_farewell - warned["warned_at"],
         "(warned cause)": warned.get("cause"),
     }
 
@@ -128,7 +132,9 @@ def main() -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="bench-slurm-"))
     policy = load_model_dir(ensure_converted(run_dir / "model"))
     server = WeightServer().start()
-    mproc, endpoint, _ = spawn_manager(ManagerSettings(pending_limit=64, heartbeat_s=0.25, heartbeat_timeout_s=4.0))
+    # (with the run's work log: a Farewell waits for the commit that holds the Deregister, as in a run)
+    mproc, endpoint, _ = spawn_manager(ManagerSettings(pending_limit=64, heartbeat_s=0.25, heartbeat_timeout_s=4.0),
+                                       run_id="bench-slurm", work_log=str(run_dir / "manager-work.log"))
     client = ManagerClient(endpoint)
     client.call(M.TrainerHello(weights_endpoint=server.endpoint, model_config=policy.hf_config,
                                model_arch=policy.arch.to_json()))
@@ -147,7 +153,8 @@ def main() -> None:
     p8 = profile("8b")
     assumed = {"node idle -> first token at the manager": f"sim boot_s {p8.boot_s:.0f} s (8B, container + engine)",
                "weight pull + verify + load (-> weights loaded)": "sim: model bytes / (0.8 x NIC)",
-               "warning -> last in-flight token at the manager": f"grace {grace:.0f} s"}
+               "warning -> last in-flight token at the manager": f"grace {grace:.0f} s",
+               "warning -> drain confirmed at the worker (Farewell)": f"grace {grace:.0f} s"}
     print(f"weights: {man.total_bytes / 1e6:.2f} MB bf16 (stories260K); local Slurm 22.05, {args.repeats} runs")
     print("phase".ljust(50) + "".join(f"run{i}".rjust(9) for i in range(len(rows))) + "mean".rjust(9)
           + "   compared with")
