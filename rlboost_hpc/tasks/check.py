@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from rlboost_hpc.errors import BadInput
@@ -126,23 +127,27 @@ def _check_environment(cfg: Any, task: Any, policy: Any, out) -> None:
           f"observation as the model sees it {obs!r}", file=out)
 
 
+def _policy(cfg: Any):
+    """The run's model and tokenizer (``model.path``, else the demo model converted once), as a run loads them."""
+    from rlboost_hpc.models.hf_dir import load_model_dir
+    from rlboost_hpc.models.llama2c import ensure_converted
+    from rlboost_hpc.paths import using_data_dir
+
+    with using_data_dir(cfg.data.dir):
+        path = Path(cfg.model.path).expanduser() if cfg.model.path else ensure_converted(
+            Path(cfg.model.cache_dir).expanduser())
+        return load_model_dir(path, chat=cfg.task.chat_template)
+
+
 def _check_procedural(cfg: Any, out) -> None:
     """A reasoning-gym task (``task.reasoning_gym``): its generator made (name and options checked), three prompts
     as the model will see them, the longest prompt against the context, and the scorer in the run's reward
     processes on the generator's own answers (inside ``answer_tag``: each must score 1) and on empty completions."""
-    from rlboost_hpc.models.hf_dir import load_model_dir
-    from rlboost_hpc.models.llama2c import ensure_converted
-    from rlboost_hpc.paths import using_data_dir
     from rlboost_hpc.tasks.reward_pool import RewardPool
     from rlboost_hpc.tasks.user_task import make_task
 
-    from pathlib import Path
-
     task, rg = make_task(cfg.task), cfg.task.reasoning_gym
-    with using_data_dir(cfg.data.dir):
-        path = Path(cfg.model.path).expanduser() if cfg.model.path else ensure_converted(
-            Path(cfg.model.cache_dir).expanduser())
-        policy = load_model_dir(path, chat=cfg.task.chat_template)
+    policy = _policy(cfg)
     print(f"reasoning-gym {rg.name}: {len(task.train_prompts())} train, {len(task.heldout_prompts())} held out "
           f"(seed {rg.seed}, options {rg.config})", file=out)
     for p in task.train_prompts()[:3]:
@@ -172,9 +177,6 @@ def check_task(cfg: Any, out=sys.stdout) -> None:
     Raises:
         BadInput: the first problem found (a :class:`TaskCheckFailed` or the loader's own error).
     """
-    from rlboost_hpc.models.hf_dir import load_model_dir
-    from rlboost_hpc.models.llama2c import ensure_converted
-    from rlboost_hpc.paths import using_data_dir
     from rlboost_hpc.tasks.user_task import UserTask
 
     if cfg.task.reasoning_gym is not None:
@@ -183,12 +185,7 @@ def check_task(cfg: Any, out=sys.stdout) -> None:
         raise TaskCheckFailed("task check is for your own task: set task.dataset (and its rewards) or "
                               "task.reasoning_gym")
     cfg.task.reward_errors = "fail"  # the first failure names its function and row
-    with using_data_dir(cfg.data.dir):
-        from pathlib import Path
-
-        path = Path(cfg.model.path).expanduser() if cfg.model.path else ensure_converted(
-            Path(cfg.model.cache_dir).expanduser())
-        policy = load_model_dir(path, chat=cfg.task.chat_template)
+    policy = _policy(cfg)
     task = UserTask(cfg.task).load()
     try:
         _check_loaded(cfg, task, policy, out)
