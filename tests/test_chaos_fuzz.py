@@ -101,10 +101,11 @@ def test_chaos_with_stalls_resets_and_slow_loads_loses_nothing(tmp_path, capsys)
     duplicated or trained off-version. Regression (issue 50): on a loaded host the random draw gave 0 slow loads (the
     slowed attempts died before their second load) and failed the fault-mix assertion. Regression (CI, 2026-12-06,
     idle host): in 8 steps of ~1.5 s every slow load taken (5 s) was still loading, or its worker ended by the trace,
-    when the run ended — 12 steps leave a slow load due at steps 2, 4, …, 10 the time to finish."""
+    when the run ended — 12 steps leave a slow load due at steps 2, 4, …, 10 the time to finish. Regression (CI of
+    234b062, idle host): 12 steps trained in 7.6 s, the one slow load taken (5 s) had not finished — 20 steps."""
     kinds = ("stall", "link_reset", "slow_load")  # (warned preemptions and kills: the trace's, every ~8 s)
     rc, summary, rep, verdict = _chaos(
-        tmp_path, capsys, "--steps", "12", "--lifetime-s", "8", "--downtime-s", "1", "--seed", "2",
+        tmp_path, capsys, "--steps", "20", "--lifetime-s", "8", "--downtime-s", "1", "--seed", "2",
         "--kill-fraction", "0.3", "--stall-s", "5", "--slow-load-s", "5", "--faults-every-steps", "2",
         "--fault-kinds", ",".join(kinds), "--set", "policy.cap=false")
     assert rc == 0 and verdict.startswith("rlboost-hpc chaos: PASS"), (summary, verdict)
