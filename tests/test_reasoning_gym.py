@@ -41,7 +41,11 @@ def test_the_generators_questions_split_and_its_scorer_is_the_reward_one_side():
     shipped = pickle.loads(pickle.dumps(t))
     assert shipped._ds is None and shipped.reward(p, f"<answer>{gold}</answer>") == 1.0
     whole = ProceduralTask(cfg.model_copy(update={"answer_tag": ""}), 5)
-    assert whole.reward(p, f" {gold}\n") == 1.0
+    assert whole.reward(p, f" {gold}\n") == 1.0 and "<answer>" not in whole.train_prompts()[0].text
+    final = ProceduralTask(cfg.model_copy(update={"answer_tag": "final"}), 5)  # the prompt asks for the tag read
+    asked = final.train_prompts()[0].text
+    assert "<final>answer here</final>" in asked and "<answer>" not in asked
+    assert final.reward(p, f"<final>{gold}</final>") == 1.0 and final.reward(p, f"<answer>{gold}</answer>") == 0.0
 
 
 def test_a_bad_data_set_or_option_is_refused_naming_the_key():

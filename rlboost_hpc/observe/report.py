@@ -55,7 +55,8 @@ class ProgressView(Bar):
 
 SUMMARY_KEYS = [
     ("steps", "RL steps"), ("reward_heldout_before", "held-out reward before"),
-    ("reward_heldout_after", "held-out reward after"), ("pass_at_k_heldout_after", "held-out pass@k after"),
+    ("reward_heldout_after", "held-out reward after"), ("pass_at_k_heldout_before", "held-out pass@k before"),
+    ("pass_at_k_heldout_after", "held-out pass@k after"),
     ("kl_to_reference_nats_per_token", "KL to the reference (nats/token)"),
     ("repetition_rate_before", "repeated 3-grams before"), ("repetition_rate_after", "repeated 3-grams after"),
     ("quality_gate_passed", "quality gate passed (KL, repeated 3-grams)"),

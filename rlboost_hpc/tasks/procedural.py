@@ -6,8 +6,9 @@ generates question/answer entries from a seed (``create_dataset(name, size=, see
 pure function of the seed and ``i``) and scores an answer against an entry (``score_answer(answer, entry)``, in
 ``[0, 1]``). The run's prompts are the ``size`` entries: the last ``task.heldout_prompts`` held out, the rest trained.
 A prompt is the entry's question after reasoning-gym's own default instruction (the answer inside
-``<answer>…</answer>``); the reward reads the completion's answer with reasoning-gym's ``extract_answer``
-(``answer_tag``; ``""``: the whole completion). A score outside ``[0, 1]`` or a scorer that raises is a failed
+``<answer_tag>…</answer_tag>``, ``answer`` by default); the reward reads the completion's answer there with
+reasoning-gym's ``extract_answer`` (``answer_tag = ""``: the whole completion, the prompt asking for the answer
+alone). A score outside ``[0, 1]`` or a scorer that raises is a failed
 reward, counted by the reward pool — never a reward.
 
 The data set is built again in each process that needs it (the reward processes receive the task pickled, without
@@ -66,10 +67,19 @@ class ProceduralTask(Task):
         return {**self.__dict__, "_ds": None}  # (built again where it is needed)
 
     def _prompt(self, i: int, entry: dict) -> Prompt:
+        return Prompt(pid=f"{self.name}/{self.cfg.seed}/{i}", text=f"{self._instruction()}\n{entry['question']}",
+                      meta={"index": i, "answer": str(entry["answer"])})
+
+    def _instruction(self) -> str:
+        """reasoning-gym's default instruction, asking for the answer inside ``answer_tag`` (its own ``answer`` by
+        default); with no tag (``answer_tag = ""``: the whole completion is the answer), an instruction to answer with
+        the final answer only."""
         from reasoning_gym.utils import SYSTEM_PROMPTS
 
-        return Prompt(pid=f"{self.name}/{self.cfg.seed}/{i}", text=f"{SYSTEM_PROMPTS['default']}\n{entry['question']}",
-                      meta={"index": i, "answer": str(entry["answer"])})
+        tag = self.cfg.answer_tag
+        if not tag:
+            return "Answer the question with the final answer only: no preamble, explanation or reasoning."
+        return SYSTEM_PROMPTS["default"].replace("<answer>answer here</answer>", f"<{tag}>answer here</{tag}>")
 
     def train_prompts(self) -> list[Prompt]:
         return list(self._train)
