@@ -60,16 +60,14 @@ def check_inputs(cfg: RunConfig) -> None:
         from rlboost_hpc.models.llama2c import check_sources
 
         check_sources(Path(cfg.model.cache_dir).expanduser())
+    files: tuple[str, ...] = ()  # a built-in task's shared data files (a reasoning-gym task's are generated)
     if cfg.task.dataset:  # your own task: its prompt files (a hub id is fetched later, by datasets)
         from rlboost_hpc.tasks.dataset import resolve_source
 
         for key, spec in (("task.dataset", cfg.task.dataset), ("task.heldout_dataset", cfg.task.heldout_dataset)):
             if spec:
                 resolve_source(spec, key=key)
-        files: tuple[str, ...] = ()
-    elif cfg.task.reasoning_gym is not None:  # generated: no file (its generator is checked when the task is made)
-        files = ()
-    else:
+    elif cfg.task.reasoning_gym is None:
         try:
             files = task_data_files(cfg.task.name)
         except ValueError as e:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _util import SCENARIOS, fp32_atol, preempted_run, preempting_cluster
+from _util import fp32_atol, preempted_run, preempting_cluster
 from rlboost_hpc.models.hf_dir import load_model_dir
 from rlboost_hpc.models.llama import LlamaModel
 from rlboost_hpc.rundir import RunDir
@@ -187,24 +187,15 @@ def test_the_tiny_qwen3_trains_an_adapter_with_the_megatron_backend_at_tp2_throu
     warned preemption and the manager SIGKILLed while a step's rollout is in flight (issue 57, second list: this
     model ran on Megatron with LoRA only unfaulted), nothing lost, duplicated or off-version."""
     from _models import make_model_dir
-    from test_manager_restart import _kill_manager_at
-    from test_megatron_parallel import _env
+    from test_megatron_parallel import demo_tp2_killing_the_manager
 
     d = make_model_dir(tmp_path / "qwen3", "qwen3", tied=False, seed=1)
     out = tmp_path / "tp2"
     sets = [f"model.path='{d}'", "task.name=gsm8k", "trainer.steps=3", "task.train_prompts=16",
             "task.heldout_prompts=4", "trainer.eval_samples=1", "rollout.max_new_tokens=32", *LORA,
             *preempting_cluster(tmp_path)]
-    cmd = [sys.executable, "-m", "megatron_bridge.launch", "--nproc-per-node", "2", "--tp", "2", SCENARIOS, "demo",
-           "--out", str(out), *[a for s in sets for a in ("--set", s)]]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(REPO), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        killed = _kill_manager_at(out, [1], 0.05, proc)
-        _, err = proc.communicate(timeout=900)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, err[-4000:]
+    rc, err, killed = demo_tp2_killing_the_manager(REPO, out, sets, 1, 0.05, 900)
+    assert rc == 0, err[-4000:]
     rep = json.loads((out / "report.json").read_text())
     assert len(killed) == 1 and rep["manager_restarts"] == 1, (killed, rep)
     assert rep["steps"] == 3 and rep["responses_trained"] == 3 * 64 and rep["responses_lost"] == 0

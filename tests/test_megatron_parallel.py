@@ -37,6 +37,25 @@ def _launch(repo_root, layout: list[str], program: list[str], timeout: int = 300
     return subprocess.run(cmd, cwd=repo_root, env=_env(repo_root), capture_output=True, text=True, timeout=timeout)
 
 
+def demo_tp2_killing_the_manager(repo_root, out, sets: list[str], after_steps: int, delay_s: float,
+                                 timeout: float) -> tuple[int, str, list[int]]:
+    """The demo through ``megatron_bridge.launch`` at TP = 2 (two ranks) with ``--set`` overrides ``sets``, its
+    manager SIGKILLed ``delay_s`` after step ``after_steps`` while the next rollout is in flight
+    (``test_manager_restart._kill_manager_at``); (exit code, stderr, the killed pids)."""
+    from test_manager_restart import _kill_manager_at
+
+    cmd = [sys.executable, "-m", "megatron_bridge.launch", "--nproc-per-node", "2", "--tp", "2", SCENARIOS, "demo",
+           "--out", str(out), *[a for s in sets for a in ("--set", s)]]
+    proc = subprocess.Popen(cmd, cwd=repo_root, env=_env(repo_root), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        killed = _kill_manager_at(out, [after_steps], delay_s, proc)
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    return proc.returncode, err, killed
+
+
 def _parallel(repo_root, models, out, layout, extra=()):
     p = _launch(repo_root, layout, [SCENARIOS, "parallel", "--models", str(models),
                                     "--out", str(out), *extra])
@@ -148,20 +167,10 @@ def test_a_manager_killed_mid_step_under_tp2_is_restarted_without_touching_the_r
     """Issue 33 item 5: rank 0's manager is SIGKILLed while a step's rollout is in flight; the trainer restarts it
     and the step continues from the work log. The distributed group (rank 1 following rank 0's backend calls) is
     never touched: the run ends normally with nothing lost, duplicated or trained off-version."""
-    from test_manager_restart import _kill_manager_at
-
     out = tmp_path / "demo-tp2"
-    cmd = [sys.executable, "-m", "megatron_bridge.launch", "--nproc-per-node", "2", "--tp", "2", SCENARIOS, "demo",
-           "--out", str(out), "--set", "trainer.steps=4", "--set", "task.heldout_prompts=8",
-           "--set", "trainer.eval_samples=1"]
-    proc = subprocess.Popen(cmd, cwd=repo_root, env=_env(repo_root), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        killed = _kill_manager_at(out, [2], 0.2, proc)
-        _, err = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, err[-4000:]
+    rc, err, killed = demo_tp2_killing_the_manager(
+        repo_root, out, ["trainer.steps=4", "task.heldout_prompts=8", "trainer.eval_samples=1"], 2, 0.2, 300)
+    assert rc == 0, err[-4000:]
     rep = json.loads((out / "report.json").read_text())
     assert len(killed) == 1 and rep["manager_restarts"] == 1 and rep["resumes"] == 0
     assert rep["steps"] == 4 and rep["responses_trained"] == 4 * 64

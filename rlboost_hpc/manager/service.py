@@ -102,13 +102,16 @@ class ManagerService:
             self.core.worklog.clear()
         trainer, out = self.core.trainer_peer, self.core.outbox
         last = self.core.step_rollout_done_at is not None  # the step's rollout is done: the trainer waits
+
+        def logged(p: bytes, m: M._Msg) -> bool:  # sent only once the log holds what it answers
+            return p == trainer or isinstance(m, M.Farewell)
+
         if self.worklog.pending and (self.worklog.due(now) or any(
-                (p == trainer and (idle or last or not isinstance(m, M.GroupDone))) or isinstance(m, M.Farewell)
-                for p, m in chain(out, self._held))):
+                logged(p, m) and (idle or last or not isinstance(m, M.GroupDone)) for p, m in chain(out, self._held))):
             self.worklog.commit(self.core.counters)
         if self.worklog.pending:  # hold the trainer's groups (and a drained instance's Farewell) until the commit
-            self._held += [(p, m) for p, m in out if p == trainer or isinstance(m, M.Farewell)]
-            self.core.outbox = [(p, m) for p, m in out if p != trainer and not isinstance(m, M.Farewell)]
+            self._held += [(p, m) for p, m in out if logged(p, m)]
+            self.core.outbox = [(p, m) for p, m in out if not logged(p, m)]
         elif self._held:
             self.core.outbox, self._held = self._held + out, []
 

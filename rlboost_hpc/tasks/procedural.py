@@ -8,8 +8,8 @@ pure function of the seed and ``i``) and scores an answer against an entry (``sc
 A prompt is the entry's question after reasoning-gym's own default instruction (the answer inside
 ``<answer_tag>…</answer_tag>``, ``answer`` by default); the reward reads the completion's answer there with
 reasoning-gym's ``extract_answer`` (``answer_tag = ""``: the whole completion, the prompt asking for the answer
-alone). A score outside ``[0, 1]`` or a scorer that raises is a failed
-reward, counted by the reward pool — never a reward.
+alone). A score outside ``[0, 1]`` or a scorer that raises is a failed reward, counted by the reward pool — never a
+reward.
 
 The data set is built again in each process that needs it (the reward processes receive the task pickled, without
 it): the same name, size, seed and options give the same entries.
@@ -41,9 +41,8 @@ class ProceduralTask(Task):
         BadInput: reasoning-gym is not installed, the data set is unknown or refuses ``cfg.config`` (the key named).
     """
 
-    def __init__(self, cfg: Any, n_heldout: int, label: str = "") -> None:
-        self.cfg, self.n_heldout = cfg, n_heldout
-        self.name = label or f"reasoning_gym/{cfg.name}"
+    def __init__(self, cfg: Any, n_heldout: int) -> None:
+        self.cfg, self.name = cfg, f"reasoning_gym/{cfg.name}"
         self._ds = None
         ds = self._dataset()  # every refusal now, before anything heavy starts
         prompts = [self._prompt(i, ds[i]) for i in range(cfg.size)]

@@ -396,8 +396,8 @@ class UserTask(Task):
 def make_task(task_cfg: Any):
     """The run's task: a :class:`UserTask` (loaded) when ``task.dataset`` is set, a reasoning-gym
     :class:`~rlboost_hpc.tasks.procedural.ProceduralTask` when ``task.reasoning_gym`` is, else the built-in
-    ``task.name``
-    with ``task.train_prompts`` / ``task.heldout_prompts`` (and the run's tool-call syntax, for a task that takes it).
+    ``task.name`` with ``task.train_prompts`` / ``task.heldout_prompts`` (and the run's tool-call syntax, for a task
+    that takes it).
 
     Raises:
         BadInput: see :meth:`UserTask.load`; ValueError: an unknown built-in name.
