@@ -2,7 +2,7 @@
 turn vs restarting the whole trajectory — measured on one real run with tool calls and preemptions.
 
 The run is the local demo (stories260K, the spot trace replayed, preemptions held until the victim holds partial
-responses) with multi-turn trajectories: ``task.max_turns`` turns, "." closes a tool call (the calculator answers;
+responses) with multi-turn trajectories: ``task.turns.max`` turns, "." closes a tool call (the calculator answers;
 stories are not arithmetic, so the observations are error messages — the mechanics are what is measured). Every time
 a partial trajectory moves to another instance (a preemption's hand-off, the end of seeding, a lost instance), the
 manager counts what each strategy would regenerate:
@@ -37,9 +37,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="share of preemptions that are SIGKILLs without warning (cluster.kill_fraction)")
     a = ap.parse_args(argv)
     out = Path(tempfile.mkdtemp(prefix="rlboost-multiturn-")) / "run"
-    sets = [f"trainer.steps={a.steps}", f"task.max_turns={a.max_turns}", "task.tool_call_open=''",
-            "task.tool_call_close='.'", f"rollout.max_new_tokens={a.max_new_tokens}", "cluster.preempt_when_busy=true",
-            f"cluster.max_workers={a.workers}", f"cluster.kill_fraction={a.kill_fraction}", "policy.cap=false"]
+    sets = [f"trainer.steps={a.steps}", f"task.turns.max={a.max_turns}", "task.turns.tool_call_open=''",
+            "task.turns.tool_call_close='.'", f"rollout.max_new_tokens={a.max_new_tokens}",
+            "cluster.preempt_when_busy=true", f"cluster.max_workers={a.workers}",
+            f"cluster.kill_fraction={a.kill_fraction}", "policy.cap=false"]
     cmd = [sys.executable, "-m", "rlboost_hpc.cli", "run", "--config", str(ROOT / "configs/local.toml"), "--out",
            str(out), "--no-progress"] + [x for s in sets for x in ("--set", s)]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)

@@ -52,8 +52,8 @@ def measure(data: str, cache: str) -> dict:
 
     tok = load_model_dir(ensure_converted(Path("~/.cache/rlboost-hpc/models").expanduser())).tokenizer
     t0 = time.perf_counter()
-    task = make_task(TaskCfg(dataset=data, dataset_cache_dir=cache, heldout_fraction=0.01,
-                             reward_functions=[f"{Path(data).parent / 'rewards.py'}:has_quote"]))
+    task = make_task(TaskCfg(data={"path": data, "cache_dir": cache, "heldout_fraction": 0.01},
+                             rewards={"functions": [f"{Path(data).parent / 'rewards.py'}:has_quote"]}))
     frontier = DataFrontier(task.train_prompts(), 0)
     ids = [task.prompt_ids(p, tok) for p in frontier.take(64)]
     secs = time.perf_counter() - t0

@@ -58,7 +58,7 @@ def _nothing_trained(report: dict) -> str:
                        for name, t in (report.get("reward_functions") or {}).items() if t.get("failed"))
     n = report["steps"]
     return (f"the run trained no response in {n} step{'s' * (n != 1)}: {report.get('responses_left_out', 0)} were left "
-            f"out, their GRPO groups' reward components failed (task.reward_errors = skip){': ' if failed else ''}"
+            f"out, their GRPO groups' reward components failed (task.rewards.errors = skip){': ' if failed else ''}"
             f"{failed}")
 
 

@@ -382,7 +382,7 @@ class TrainerCfg(_Strict):
         "warn when a step's share of importance-correction units (tokens or responses) that MIS dropped passes "
         "this bound (metrics.jsonl behaviour_dropped_share; the report counts the steps)"))
     mask_truncated: bool = Field(D.MASK_TRUNCATED, description=(
-        "responses cut by a budget (rollout.max_new_tokens, task.max_turns, task.max_trajectory_tokens) carry no "
+        "responses cut by a budget (rollout.max_new_tokens, task.turns.max, task.turns.max_tokens) carry no "
         "loss; they still count in their group's advantages (DAPO overlong filtering; TRL "
         "mask_truncated_completions)"))
     micro_batch: int = Field(16, ge=1, description=(
@@ -573,18 +573,18 @@ class RunConfig(_Strict):
         if tr.backend == "emulated" and self.rollout.engine != "emulated":
             raise ValueError(f"trainer.backend = emulated needs rollout.engine = emulated (got {self.rollout.engine}): "
                              "its weights are no model an engine could run")
-        t = self.task
-        if t.max_turns == 1 and t.max_trajectory_tokens not in (0, self.rollout.max_new_tokens):
-            raise ValueError("task.max_trajectory_tokens applies to multi-turn tasks only (task.max_turns > 1)")
-        if t.max_turns > 1 and 0 < t.max_trajectory_tokens < self.rollout.max_new_tokens:
-            raise ValueError(f"task.max_trajectory_tokens ({t.max_trajectory_tokens}) must be >= "
+        t = self.task.turns
+        if t.max == 1 and t.max_tokens not in (0, self.rollout.max_new_tokens):
+            raise ValueError("task.turns.max_tokens applies to multi-turn tasks only (task.turns.max > 1)")
+        if t.max > 1 and 0 < t.max_tokens < self.rollout.max_new_tokens:
+            raise ValueError(f"task.turns.max_tokens ({t.max_tokens}) must be >= "
                              f"rollout.max_new_tokens ({self.rollout.max_new_tokens}) or 0")
         return self
 
     def trajectory_tokens(self) -> int:
-        """Tokens after the prompt of one response: ``task.max_trajectory_tokens``, or ``task.max_turns ×
+        """Tokens after the prompt of one response: ``task.turns.max_tokens``, or ``task.turns.max ×
         rollout.max_new_tokens`` when 0 (= ``rollout.max_new_tokens`` for single-turn tasks)."""
-        return self.task.max_trajectory_tokens or self.task.max_turns * self.rollout.max_new_tokens
+        return self.task.turns.max_tokens or self.task.turns.max * self.rollout.max_new_tokens
 
 
 class ConfigError(BadInput, ValueError):

@@ -1,5 +1,12 @@
-"""The ``[task]`` table of the run's configuration: a built-in task or your own (data set, reward functions, a reward
-model behind HTTP, tools), and the strict base every table of the configuration uses.
+"""The ``[task]`` table of the run's configuration: a built-in task, a procedural one or your own, and the strict base
+every table of the configuration uses.
+
+Layout: ``task.kind`` (builtin, own, reasoning_gym; inferred from the tables given) and four tables of your own task —
+``task.data`` (the prompts), ``task.rewards`` (functions, a reward model behind HTTP, weights, deadline, processes,
+what a failure means), ``task.turns`` (multi-turn: turns, tools, tool-call syntax, their processes) and
+``task.environment`` (a stateful environment). The flat keys of earlier releases (``task.dataset``,
+``task.reward_functions``, ``task.max_turns``, …: :data:`MOVED_TASK_KEYS`) are still read, moved to their places with
+a :class:`ConfigKeysMoved` warning naming old and new.
 
 Invariants: as for the whole configuration (``rlboost_hpc/config.py``), unknown keys are errors at every level and
 every number carries its unit; the keys of your own task are checked against each other here (a reward without a
@@ -9,12 +16,15 @@ from the working directory, else from the config file's directory.
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["RewardModelCfg", "TaskCfg", "anchor_task_paths"]
+__all__ = ["ConfigKeysMoved", "EnvironmentCfg", "MOVED_TASK_KEYS", "ReasoningGymCfg", "RewardModelCfg", "TaskCfg",
+           "TaskDataCfg", "TaskRewardsCfg", "TaskTurnsCfg", "anchor_task_paths", "current_task_key",
+           "move_flat_task_keys"]
 
 
 class _Strict(BaseModel):
@@ -22,7 +32,7 @@ class _Strict(BaseModel):
 
 
 class RewardModelCfg(_Strict):
-    """``task.reward_model``: a reward model or LLM judge behind HTTP (called from the reward processes)."""
+    """``task.rewards.model``: a reward model or LLM judge behind HTTP (called from the reward processes)."""
 
     url: str = Field(..., description=(
         "score: the scoring route (POST the body named by body -> {rewards} or SGLang's [{embedding}]); judge: an "
@@ -33,7 +43,7 @@ class RewardModelCfg(_Strict):
         "/get_reward); sglang: {text: [prompt + completion, ...]} (SGLang's /classify, a reward model served with "
         "--is-embedding)"))
     name: str = Field("reward_model", description="its name in metrics (rewards by function)")
-    weight: float = Field(1.0, description="its weight (task.reward_weights' last entry wins when given)")
+    weight: float = Field(1.0, description="its weight (its entry of task.rewards.weights wins when given)")
     model: str = Field("", description="the model name sent in the request")
     api_key_env: str | None = Field(None, description=(
         "environment variable holding the API key (sent as Authorization: Bearer); never put the key in the config"))
@@ -78,126 +88,239 @@ class ReasoningGymCfg(_Strict):
         "the prompt asks for it); \"\": the whole completion"))
 
 
-class TaskCfg(_Strict):
-    """The RL task (prompt set + verifiable reward)."""
+class TaskDataCfg(_Strict):
+    """``task.data``: your prompts (set ``path``: the task is yours)."""
 
-    name: str = Field("stories", description=(
-        "the task: stories (the stories260K demo), gsm8k, gsm8k_tools (GSM8K with a calculator), math500"))
-    train_prompts: int = Field(64, ge=1, description="prompts of the training set (the data frontier cycles them)")
-    heldout_prompts: int = Field(32, ge=1, description="prompts of the held-out evaluation before and after training")
-    chat_template: Literal["auto", "on", "off"] = Field("auto", description=(
-        "render prompts through the tokenizer's chat template (one user message + generation prompt): auto = "
-        "when the tokenizer has one (instruct models), on = require one, off = plain prompt text"))
-    reward_timeout_s: float = Field(5.0, gt=0, description=(
-        "deadline of one answer's reward, seconds: a reward past it (e.g. SymPy on a runaway expression) scores 0, "
-        "is counted (rewards_timed_out) and its worker process is replaced"))
-    reward_workers: int = Field(1, ge=1, description="processes that compute rewards (persistent across steps)")
-    max_turns: int = Field(1, ge=1, description=(
-        "assistant turns per trajectory: 1 = single-turn responses; > 1 = multi-turn tool use: a turn that ends "
-        "with tool_call_close is a tool call, answered by the tool (in the trainer's allocation, never on a "
-        "preemptible instance) with an observation the next turn continues from"))
-    max_trajectory_tokens: int = Field(0, ge=0, description=(
-        "tokens after the prompt in a trajectory, turns and observations together (0 = max_turns × "
-        "rollout.max_new_tokens); rollout.max_new_tokens bounds each turn"))
-    tool: Literal["calculator"] = Field("calculator", description=(
-        "the tool of multi-turn tasks: calculator = arithmetic by the simpleeval library (never eval)"))
-    tool_call_open: str = Field("<tool_call>", description=(
-        "text that opens a tool call in an assistant turn (\"\" = the whole turn is the call); the payload is JSON "
-        "{\"name\": \"calculator\", \"arguments\": {\"expression\": ...}} or the bare expression"))
-    tool_call_close: str = Field("</tool_call>", min_length=1, description=(
-        "text that ends a tool call and the turn: must be one token of the policy's tokenizer (a stop id of "
-        "every turn); a turn that ends otherwise ends the trajectory"))
-    tool_timeout_s: float = Field(5.0, gt=0, description=(
-        "deadline of one tool call, seconds: past it the call's worker is killed and replaced, and the "
-        "trajectory continues from an error observation (counted: environment_timeouts)"))
-    tool_workers: int = Field(1, ge=1, description="processes that run tool calls (persistent across steps)")
-    max_observation_tokens: int = Field(64, ge=1, description="a tool result longer than this many tokens is cut")
-    tool_plain_format: str = Field("\nResult: {result}\n", description=(
-        "the observation's text when prompts do not use a chat template ({result} is replaced); with a chat "
-        "template, the observation is the template's rendering of a tool message"))
-    # ---- your own task (README "Train on your own task"): prompts from a file, rewards, tools, a judge
-    dataset: str | None = Field(None, description=(
+    path: str | None = Field(None, description=(
         "your prompts: a JSON-lines, Parquet, JSON or CSV file, a datasets.save_to_disk directory, or a hub id "
         "(datasets.load_dataset); read once in the trainer's allocation into a memory-mapped Arrow file. Set: the "
         "task is yours (task.name only labels it)"))
-    dataset_split: str = Field("train", description="the split of a save_to_disk DatasetDict or a hub data set")
-    heldout_dataset: str | None = Field(None, description=(
-        "held-out prompts (as task.dataset); unset: a seeded task.heldout_fraction of task.dataset's rows"))
-    heldout_split: str = Field("test", description="the split of task.heldout_dataset (DatasetDict or hub)")
+    split: str = Field("train", description="the split of a save_to_disk DatasetDict or a hub data set")
+    heldout_path: str | None = Field(None, description=(
+        "held-out prompts (as task.data.path); unset: a seeded task.data.heldout_fraction of task.data.path's rows"))
+    heldout_split: str = Field("test", description="the split of task.data.heldout_path (DatasetDict or hub)")
     heldout_fraction: float = Field(0.1, ge=0, lt=1, description=(
-        "without task.heldout_dataset: the share of rows held out, drawn from each row's content hash and "
-        "task.split_seed (an appended or reshuffled file keeps every row's side)"))
+        "without task.data.heldout_path: the share of rows held out, drawn from each row's content hash and "
+        "task.data.split_seed (an appended or reshuffled file keeps every row's side)"))
     split_seed: int = Field(0, description="seed of the held-out draw")
     prompt_field: str = Field("prompt", description=(
         "the column holding the prompt: a string, or a chat message list [{role, content}, ...] (TRL's "
         "conversational format, verl's prompt column); every other column travels to the reward"))
     system_prompt: str | None = Field(None, description=(
         "a system message put before every prompt (a message list that has one keeps its own)"))
-    dataset_cache_dir: str = Field("~/.cache/rlboost-hpc/datasets", description=(
-        "where the prepared (memory-mapped Arrow) copy of task.dataset is kept, one per file fingerprint"))
-    reward_functions: list[str] = Field(default_factory=list, description=(
+    cache_dir: str = Field("~/.cache/rlboost-hpc/datasets", description=(
+        "where the prepared (memory-mapped Arrow) copy of task.data.path is kept, one per file fingerprint"))
+
+
+class TaskRewardsCfg(_Strict):
+    """``task.rewards``: how a response is scored — your functions and a reward model, their weights, deadline,
+    processes and what a failed one means."""
+
+    functions: list[str] = Field(default_factory=list, description=(
         "your reward functions, 'package.module:function' or 'path/file.py:function': TRL's batched "
         "fn(prompts, completions, completion_ids, **columns) -> list[float | None] or verl's "
         "compute_score(data_source, solution_str, ground_truth, extra_info) -> float | dict (async def too); they run "
-        "in the reward processes under task.reward_timeout_s per group"))
-    reward_weights: list[float] | None = Field(None, description=(
-        "one weight per reward function (then the reward model's, task.reward_model.weight); unset: 1 each"))
-    reward_errors: Literal["skip", "fail"] = Field("skip", description=(
+        "in the reward processes under task.rewards.timeout_s per group"))
+    weights: list[float] | None = Field(None, description=(
+        "one weight per reward term: the functions, then the reward model, then the environment; unset: 1 each "
+        "(0: a task metric, logged and evaluated, never trained on)"))
+    errors: Literal["skip", "fail"] = Field("skip", description=(
         "a reward component (function, reward model, environment) that raises, times out or returns a wrong length, "
         "NaN, a non-number or a value off its scale: skip = that GRPO group is left out of the step (its rewards are "
         "no rewards: counted per function and in responses_left_out, first failure logged with the row); fail = the "
         "run exits 1 naming the function"))
+    timeout_s: float = Field(5.0, gt=0, description=(
+        "deadline of one answer's reward, seconds: a reward past it (e.g. SymPy on a runaway expression) scores 0, "
+        "is counted (rewards_timed_out) and its worker process is replaced"))
+    workers: int = Field(1, ge=1, description="processes that compute rewards (persistent across steps)")
+    model: RewardModelCfg | None = Field(None, description=(
+        "a reward model or LLM judge behind HTTP, combined with the reward functions by weight"))
 
-    @field_validator("reward_errors", mode="before")
+    @field_validator("errors", mode="before")
     @classmethod
-    def _reward_errors_zero(cls, v: Any) -> Any:
+    def _errors_zero(cls, v: Any) -> Any:
         if v == "zero":
             raise ValueError("'zero' is gone: it scored a failed component 0 and trained the group on the terms left "
                              "(their advantages re-normalised, a 0.1-weight term became a full ±1 advantage); use "
                              "'skip' (the group is left out of the step) or 'fail'")
         return v
-    reward_model: RewardModelCfg | None = Field(None, description=(
-        "a reward model or LLM judge behind HTTP, combined with the reward functions by weight"))
+
+
+class TaskTurnsCfg(_Strict):
+    """``task.turns``: multi-turn trajectories — how many assistant turns, the tool-call syntax, the tools and the
+    processes that answer a turn (tools or an environment)."""
+
+    max: int = Field(1, ge=1, description=(
+        "assistant turns per trajectory: 1 = single-turn responses; > 1 = multi-turn tool use: a turn that ends "
+        "with tool_call_close is a tool call, answered by the tool (in the trainer's allocation, never on a "
+        "preemptible instance) with an observation the next turn continues from"))
+    max_tokens: int = Field(0, ge=0, description=(
+        "tokens after the prompt in a trajectory, turns and observations together (0 = task.turns.max × "
+        "rollout.max_new_tokens); rollout.max_new_tokens bounds each turn"))
+    tool: Literal["calculator"] = Field("calculator", description=(
+        "the tool of the built-in multi-turn tasks: calculator = arithmetic by the simpleeval library (never eval)"))
     tools: list[str] = Field(default_factory=list, description=(
-        "your tools (multi-turn, task.max_turns > 1): plain Python functions 'module:function' / "
-        "'file.py:function' whose type hints and docstring make the JSON schema the chat template gets (tools=); "
-        "called in the tool processes under task.tool_timeout_s"))
-    environment: str | None = Field(None, description=(
-        "a stateful multi-turn environment (task.max_turns > 1), 'module:Class' / 'file.py:Class': reset(row) -> "
-        "observation (appended to the prompt), step(assistant_turn) -> (observation, reward, done), one instance "
-        "per trajectory in the tool processes; every assistant turn goes to step, its reward adds to the "
-        "trajectory's (weight: task.reward_weights' last entry), done ends it. Must be deterministic: an instance "
-        "is rebuilt by replaying the trajectory (a different answer stops the run)"))
+        "your tools (task.turns.max > 1): plain Python functions 'module:function' / 'file.py:function' whose type "
+        "hints and docstring make the JSON schema the chat template gets (tools=); called in the tool processes "
+        "under task.turns.timeout_s"))
+    tool_call_open: str = Field("<tool_call>", description=(
+        "text that opens a tool call in an assistant turn (\"\" = the whole turn is the call); the payload is JSON "
+        "{\"name\": \"calculator\", \"arguments\": {\"expression\": ...}} or the bare expression"))
+    tool_call_close: str = Field("</tool_call>", min_length=1, description=(
+        "text that ends a tool call and the turn: must be one token of the policy's tokenizer (a stop id of "
+        "every turn); a turn that ends otherwise ends the trajectory"))
+    timeout_s: float = Field(5.0, gt=0, description=(
+        "deadline of one tool call or environment step, seconds: past it the call's worker is killed and replaced, "
+        "and the trajectory continues from an error observation (counted: environment_timeouts)"))
+    workers: int = Field(1, ge=1, description="processes that run tool calls and environments (persistent)")
+    max_observation_tokens: int = Field(64, ge=1, description="a tool result longer than this many tokens is cut")
+    plain_format: str = Field("\nResult: {result}\n", description=(
+        "the observation's text when prompts do not use a chat template ({result} is replaced); with a chat "
+        "template, the observation is the template's rendering of a tool message"))
+
+
+class EnvironmentCfg(_Strict):
+    """``task.environment``: a stateful multi-turn environment of your own."""
+
+    class_path: str = Field(..., min_length=1, description=(
+        "'module:Class' / 'file.py:Class': reset(row) -> observation (appended to the prompt), "
+        "step(assistant_turn) -> (observation, reward, done), one instance per trajectory in the tool processes; "
+        "every assistant turn goes to step, its reward adds to the trajectory's (weight: task.rewards.weights' last "
+        "entry), done ends it. Must be deterministic: an instance is rebuilt by replaying the trajectory (a "
+        "different answer stops the run)"))
+
+
+#: The flat ``[task]`` keys of earlier releases → where each lives now (under ``task.``). A config that uses an old
+#: key is still read, the key moved to its new place, with a warning naming both (:func:`move_flat_task_keys`).
+MOVED_TASK_KEYS: dict[str, str] = {
+    "dataset": "data.path", "dataset_split": "data.split", "heldout_dataset": "data.heldout_path",
+    "heldout_split": "data.heldout_split", "heldout_fraction": "data.heldout_fraction",
+    "split_seed": "data.split_seed", "prompt_field": "data.prompt_field", "system_prompt": "data.system_prompt",
+    "dataset_cache_dir": "data.cache_dir",
+    "reward_functions": "rewards.functions", "reward_weights": "rewards.weights", "reward_errors": "rewards.errors",
+    "reward_timeout_s": "rewards.timeout_s", "reward_workers": "rewards.workers", "reward_model": "rewards.model",
+    "max_turns": "turns.max", "max_trajectory_tokens": "turns.max_tokens", "tool": "turns.tool",
+    "tools": "turns.tools", "tool_call_open": "turns.tool_call_open", "tool_call_close": "turns.tool_call_close",
+    "tool_timeout_s": "turns.timeout_s", "tool_workers": "turns.workers",
+    "max_observation_tokens": "turns.max_observation_tokens", "tool_plain_format": "turns.plain_format",
+}
+
+
+def current_task_key(key: str) -> str:
+    """``key`` (a dotted key such as ``task.dataset``) under its name of this layout (``task.data.path``); any other
+    key unchanged. For keys written by earlier releases (e.g. a checkpoint's data-set fingerprints)."""
+    old = key.removeprefix("task.")
+    return f"task.{MOVED_TASK_KEYS[old]}" if key.startswith("task.") and old in MOVED_TASK_KEYS else key
+
+
+class ConfigKeysMoved(FutureWarning):
+    """A configuration used keys of an earlier layout; they were read under their new names (the message lists
+    each old → new)."""
+
+
+def move_flat_task_keys(task: dict[str, Any]) -> list[str]:
+    """Move the earlier layout's keys of a raw ``[task]`` table (:data:`MOVED_TASK_KEYS`; ``environment`` given as
+    a string is ``environment.class_path``) to their places, in place. Returns ``"task.old → task.new"`` per move.
+
+    Raises:
+        ValueError: a key given under its old and its new name both.
+    """
+    moves = [(old, new) for old, new in MOVED_TASK_KEYS.items() if old in task]
+    if isinstance(task.get("environment"), str):
+        task["environment"] = {"class_path": task["environment"]}
+        moves_env = ["task.environment = '…' → task.environment.class_path"]
+    else:
+        moves_env = []
+    for old, new in moves:
+        table, key = new.split(".")
+        sub = task.setdefault(table, {})
+        if not isinstance(sub, dict):
+            raise ValueError(f"task.{table} must be a table (task.{old} is now task.{new})")
+        if key in sub:
+            raise ValueError(f"task.{old} and task.{new} are the same key (its old and new name): give task.{new}")
+        sub[key] = task.pop(old)
+    return [f"task.{old} → task.{new}" for old, new in moves] + moves_env
+
+
+class TaskCfg(_Strict):
+    """The RL task: a built-in one (``task.name``), a procedural one (``task.reasoning_gym``) or your own
+    (``task.data.path`` with ``task.rewards``, ``task.turns``, ``task.environment``). ``kind`` says which; it is
+    inferred from the keys given, and a given one must agree with them."""
+
+    kind: Literal["builtin", "own", "reasoning_gym"] = Field("builtin", description=(
+        "which task this is: builtin (task.name), own (task.data.path: your prompts, rewards, tools or "
+        "environment), reasoning_gym (task.reasoning_gym); inferred when unset"))
+    name: str = Field("stories", description=(
+        "the task: stories (the stories260K demo), gsm8k, gsm8k_tools (GSM8K with a calculator), math500; for your "
+        "own or a procedural task, its label"))
+    train_prompts: int = Field(64, ge=1, description="prompts of the training set (the data frontier cycles them)")
+    heldout_prompts: int = Field(32, ge=1, description="prompts of the held-out evaluation before and after training")
+    chat_template: Literal["auto", "on", "off"] = Field("auto", description=(
+        "render prompts through the tokenizer's chat template (one user message + generation prompt): auto = "
+        "when the tokenizer has one (instruct models), on = require one, off = plain prompt text"))
+    data: TaskDataCfg = Field(TaskDataCfg(), description="your prompts (task.data.path set: the task is yours)")
+    rewards: TaskRewardsCfg = Field(TaskRewardsCfg(), description=(
+        "your reward functions and reward model, their weights, deadline and processes (the built-in tasks' "
+        "deadline and processes too)"))
+    turns: TaskTurnsCfg = Field(TaskTurnsCfg(), description="multi-turn trajectories: turns, tools, tool-call syntax")
+    environment: EnvironmentCfg | None = Field(None, description=(
+        "a stateful multi-turn environment of your own (task.turns.max > 1)"))
     reasoning_gym: ReasoningGymCfg | None = Field(None, description=(
         "a procedural task of reasoning-gym: its generated questions, its own scorer as the reward (task.name "
         "only labels it)"))
 
+    @model_validator(mode="before")
+    @classmethod
+    def _layout(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        moves = move_flat_task_keys(data)
+        if moves:
+            warnings.warn("configuration keys of the earlier layout, read under their new names: " + "; ".join(moves),
+                          ConfigKeysMoved, stacklevel=2)
+        if "kind" not in data:
+            d = data.get("data")
+            path = d.get("path") if isinstance(d, dict) else getattr(d, "path", None)  # (a TaskDataCfg given)
+            data["kind"] = "own" if path else "reasoning_gym" if data.get("reasoning_gym") is not None else "builtin"
+        return data
+
     @model_validator(mode="after")
     def _own_task(self) -> "TaskCfg":
-        if self.reasoning_gym is not None and (self.dataset or self.reward_functions or self.reward_model):
-            raise ValueError("task.reasoning_gym brings its prompts and its reward: leave task.dataset, "
-                             "task.reward_functions and task.reward_model unset")
-        if self.reasoning_gym is not None and self.reasoning_gym.size <= self.heldout_prompts:
-            raise ValueError(f"task.reasoning_gym.size = {self.reasoning_gym.size} leaves no training prompt after "
-                             f"task.heldout_prompts = {self.heldout_prompts}")
-        own = bool(self.reward_functions or self.reward_model or self.tools or self.environment)
-        if own and not self.dataset:
-            raise ValueError("task.reward_functions, task.reward_model, task.tools and task.environment need "
-                             "task.dataset (your prompts)")
-        if self.dataset and not (self.reward_functions or self.reward_model or self.environment):
-            raise ValueError("task.dataset needs a reward: task.reward_functions, task.reward_model or "
+        r, turns = self.rewards, self.turns
+        own = bool(r.functions or r.model or turns.tools or self.environment)
+        if self.kind == "reasoning_gym":
+            if self.reasoning_gym is None:
+                raise ValueError("task.kind = reasoning_gym needs task.reasoning_gym (its data set's name)")
+            if self.data.path or r.functions or r.model:
+                raise ValueError("task.reasoning_gym brings its prompts and its reward: leave task.data.path, "
+                                 "task.rewards.functions and task.rewards.model unset")
+            if self.reasoning_gym.size <= self.heldout_prompts:
+                raise ValueError(f"task.reasoning_gym.size = {self.reasoning_gym.size} leaves no training prompt "
+                                 f"after task.heldout_prompts = {self.heldout_prompts}")
+        elif self.reasoning_gym is not None:
+            raise ValueError(f"task.reasoning_gym is set but task.kind = {self.kind}")
+        if self.kind == "own" and not self.data.path:
+            raise ValueError("task.kind = own needs task.data.path (your prompts)")
+        if self.kind != "own" and self.data.path:
+            raise ValueError(f"task.data.path is set but task.kind = {self.kind}")
+        if own and self.kind != "own":
+            raise ValueError("task.rewards.functions, task.rewards.model, task.turns.tools and task.environment need "
+                             "task.data.path (your prompts)")
+        if self.kind == "own" and not (r.functions or r.model or self.environment):
+            raise ValueError("task.data.path needs a reward: task.rewards.functions, task.rewards.model or "
                              "task.environment")
-        n = len(self.reward_functions) + (self.reward_model is not None) + (self.environment is not None)
-        if self.reward_weights is not None and len(self.reward_weights) != n:
-            raise ValueError(f"task.reward_weights has {len(self.reward_weights)} weights for {n} reward terms "
+        n = len(r.functions) + (r.model is not None) + (self.environment is not None)
+        if r.weights is not None and len(r.weights) != n:
+            raise ValueError(f"task.rewards.weights has {len(r.weights)} weights for {n} reward terms "
                              "(the functions, then the reward model, then the environment)")
-        if self.tools and self.max_turns == 1:
-            raise ValueError("task.tools are multi-turn: set task.max_turns > 1")
-        if self.environment and self.max_turns == 1:
-            raise ValueError("task.environment is multi-turn: set task.max_turns > 1")
-        if self.environment and self.tools:
-            raise ValueError("task.environment answers every assistant turn itself: leave task.tools empty (call "
-                             "your tools from the environment's step)")
+        if turns.tools and turns.max == 1:
+            raise ValueError("task.turns.tools are multi-turn: set task.turns.max > 1")
+        if self.environment and turns.max == 1:
+            raise ValueError("task.environment is multi-turn: set task.turns.max > 1")
+        if self.environment and turns.tools:
+            raise ValueError("task.environment answers every assistant turn itself: leave task.turns.tools empty "
+                             "(call your tools from the environment's step)")
         return self
 
 
@@ -214,16 +337,25 @@ def _anchored(value: str, base: Path | None) -> str:
     return value
 
 
+#: Where a raw ``[task]`` table holds file paths: (sub-table or None, key), in this layout and the earlier one.
+_PATH_KEYS = (("data", "path"), ("data", "heldout_path"), ("environment", "class_path"), ("rewards", "functions"),
+              ("turns", "tools"), (None, "dataset"), (None, "heldout_dataset"), (None, "environment"),
+              (None, "reward_functions"), (None, "tools"))
+
+
 def anchor_task_paths(data: dict[str, Any], base: Path | None) -> None:
-    """Make ``task.dataset``, ``task.heldout_dataset`` and the files of ``task.environment``, ``task.reward_functions``
-    and ``task.tools`` absolute (:func:`_anchored`), so a config beside its data works from any directory and the run directory records
-    where they were."""
+    """Make ``task.data.path``, ``task.data.heldout_path`` and the files of ``task.environment``,
+    ``task.rewards.functions`` and ``task.turns.tools`` (or their keys of the earlier layout) absolute
+    (:func:`_anchored`), so a config beside its data works from any directory and the run directory records where
+    they were."""
     task = data.get("task")
     if not isinstance(task, dict):
         return
-    for k in ("dataset", "heldout_dataset", "environment"):
-        if isinstance(task.get(k), str):
-            task[k] = _anchored(task[k], base)
-    for k in ("reward_functions", "tools"):
-        if isinstance(task.get(k), list):
-            task[k] = [_anchored(v, base) if isinstance(v, str) else v for v in task[k]]
+    for table, k in _PATH_KEYS:
+        node = task if table is None else task.get(table)
+        if not isinstance(node, dict):
+            continue
+        if isinstance(node.get(k), str):
+            node[k] = _anchored(node[k], base)
+        elif isinstance(node.get(k), list):
+            node[k] = [_anchored(v, base) if isinstance(v, str) else v for v in node[k]]

@@ -295,7 +295,7 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
         publishes=[p.record() for p in svc.publisher.history], served=served, rewards_timed_out=svc.rewards.timed_out,
         reward_workers_replaced=svc.rewards.replaced, n_resv=n_resv, n_resv_source=n_resv_source,
         rollout_engine=cfg.rollout.engine,
-        prompts_not_trained_once=trainer.prompts_not_trained_once(), multi_turn=cfg.task.max_turns > 1,
+        prompts_not_trained_once=trainer.prompts_not_trained_once(), multi_turn=cfg.task.turns.max > 1,
         resumes=resume.resumes, resumed_from_step=resume.start_step if ckpt is not None else None,
         train_wall_s=train_wall, wall_s=time.monotonic() - t_start, max_staleness=cfg.rollout.max_staleness,
         trace_window_start_s=cluster["window_start_s"] if cluster else None, gate=cfg.trainer.gate_bounds(),
@@ -400,7 +400,7 @@ def _held_out(cfg: RunConfig, setup: RunSetup, svc: RunServices):
     r = cfg.rollout
     turns = None
     if svc.eval_tools is not None:
-        turns = TurnSettings(cfg.task.max_turns, cfg.trajectory_tokens(), setup.tool_stops, svc.eval_tools)
+        turns = TurnSettings(cfg.task.turns.max, cfg.trajectory_tokens(), setup.tool_stops, svc.eval_tools)
     return HeldOut(setup.policy.arch, setup.policy.tokenizer, setup.task,
                    weights=lambda v: svc.publisher.read(v).state_dict, samples=cfg.trainer.eval_samples,
                    max_new_tokens=r.max_new_tokens, top_p=r.top_p,
@@ -431,7 +431,7 @@ def _trainer(cfg: RunConfig, svc: RunServices, setup: RunSetup, n_resv: float):
                             max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                             micro_batch=t.micro_batch, micro_batch_max=t.micro_batch_max or 0,
                             seed_until_trainable=pol.seed_until_trainable,
-                            step_timeout_s=t.step_timeout_s, seed=t.seed, max_turns=cfg.task.max_turns,
+                            step_timeout_s=t.step_timeout_s, seed=t.seed, max_turns=cfg.task.turns.max,
                             max_trajectory_tokens=cfg.trajectory_tokens(), tool_stop_ids=setup.tool_stops,
                             advantage_std_norm=t.advantage_std_norm, max_staleness=r.max_staleness,
                             steps=t.steps, behaviour_dropped_warn=t.behaviour_dropped_warn,

@@ -61,13 +61,14 @@ def check_inputs(cfg: RunConfig) -> None:
 
         check_sources(Path(cfg.model.cache_dir).expanduser())
     files: tuple[str, ...] = ()  # a built-in task's shared data files (a reasoning-gym task's are generated)
-    if cfg.task.dataset:  # your own task: its prompt files (a hub id is fetched later, by datasets)
+    if cfg.task.kind == "own":  # your own task: its prompt files (a hub id is fetched later, by datasets)
         from rlboost_hpc.tasks.dataset import resolve_source
 
-        for key, spec in (("task.dataset", cfg.task.dataset), ("task.heldout_dataset", cfg.task.heldout_dataset)):
+        d = cfg.task.data
+        for key, spec in (("task.data.path", d.path), ("task.data.heldout_path", d.heldout_path)):
             if spec:
                 resolve_source(spec, key=key)
-    elif cfg.task.reasoning_gym is None:
+    elif cfg.task.kind == "builtin":
         try:
             files = task_data_files(cfg.task.name)
         except ValueError as e:
@@ -90,20 +91,20 @@ def check_inputs(cfg: RunConfig) -> None:
 
 
 def tool_stop_ids(cfg: RunConfig, tok) -> tuple[int, ...]:
-    """The token id that ends a tool call (``task.tool_call_close``), as a one-element tuple; () for single-turn
+    """The token id that ends a tool call (``task.turns.tool_call_close``), as a one-element tuple; () for single-turn
     tasks and for a stateful environment's (every turn goes to it, ended by the model's own stop tokens).
 
     Raises:
-        ConfigError: ``task.tool_call_close`` is not exactly one token of the policy's tokenizer.
+        ConfigError: ``task.turns.tool_call_close`` is not exactly one token of the policy's tokenizer.
     """
-    if cfg.task.max_turns == 1 or cfg.task.environment:
+    if cfg.task.turns.max == 1 or cfg.task.environment is not None:
         return ()
-    close = cfg.task.tool_call_close
+    close = cfg.task.turns.tool_call_close
     tid = tok.hf.convert_tokens_to_ids(close)  # a token of the vocabulary as it is (e.g. Qwen's </tool_call>)
     if not isinstance(tid, int) or tid == tok.hf.unk_token_id:
         ids = tok.hf(close, add_special_tokens=False)["input_ids"]
         if len(ids) != 1:
-            raise ConfigError(f"task.tool_call_close = {close!r} is {len(ids)} tokens of the policy's tokenizer "
+            raise ConfigError(f"task.turns.tool_call_close = {close!r} is {len(ids)} tokens of the policy's tokenizer "
                               f"({ids}); it must be exactly one (it ends the turn as a stop id)")
         tid = ids[0]
     return (int(tid),)
@@ -144,10 +145,11 @@ def check_same_data(ckpt: Path, setup: "RunSetup", rd: RunDir) -> None:
         CheckpointError: a data set's fingerprint differs from the one the checkpoint recorded (the key and file
             named).
     """
+    from rlboost_hpc.config_task import current_task_key
     from rlboost_hpc.trainer import checkpoint
 
-    saved = checkpoint.run_state_of(ckpt).get("datasets") or {}
-    now = setup.checkpoint_identity()["datasets"]
+    saved = {current_task_key(k): v for k, v in (checkpoint.run_state_of(ckpt).get("datasets") or {}).items()}
+    now = setup.checkpoint_identity()["datasets"]  # (a checkpoint of an earlier release names its keys' old names)
     for key in sorted(set(saved) | set(now)):
         if saved.get(key) != now.get(key):
             where = setup.task.data_source(key)
@@ -213,7 +215,7 @@ class RunSetup:
         Raises:
             ConfigError: behaviour correction with an engine that returns no logprobs; the response (or
                 trajectory) budget plus the longest prompt exceeds the model's context;
-                ``task.tool_call_close`` is not one token; a device or dtype the machine lacks.
+                ``task.turns.tool_call_close`` is not one token; a device or dtype the machine lacks.
         """
         from rlboost_hpc.models.device import resolve_device, resolve_dtype
         from rlboost_hpc.tasks.user_task import make_task
@@ -227,8 +229,8 @@ class RunSetup:
         arch, tok = policy.arch, policy.tokenizer
         longest, worst = task.longest_prompt(tok)
         if longest + cfg.trajectory_tokens() > arch.max_position_embeddings:
-            key = ("rollout.max_new_tokens" if cfg.task.max_turns == 1 else
-                   "task.max_trajectory_tokens (0: task.max_turns × rollout.max_new_tokens)")
+            key = ("rollout.max_new_tokens" if cfg.task.turns.max == 1 else
+                   "task.turns.max_tokens (0: task.turns.max × rollout.max_new_tokens)")
             raise ConfigError(f"{key} = {cfg.trajectory_tokens()} plus the longest prompt ({longest} tokens: "
                               f"{worst.pid}, {worst.text[:60]!r}) exceeds the model's context of "
                               f"{arch.max_position_embeddings} tokens")

@@ -29,6 +29,7 @@ from rlboost_hpc.rundir import RunDir, advertised
 
 if TYPE_CHECKING:
     from rlboost_hpc.policy.controller import StepDecision
+    from rlboost_hpc.tasks.environment import TurnSpec
     from rlboost_hpc.trainer.publisher import Published
 
 log = logging.getLogger("rlboost.run")
@@ -111,8 +112,8 @@ class RunServices:
                                    sealed=w.sealed, pin_memory=self._device.type == "cuda",
                                    share_dir=self.share_dir).start()
         self.defer(self.server.close)
-        environment = self.environment()
-        self.manager = self._spawn_manager(environment)
+        turns = self.turn_spec()
+        self.manager = self._spawn_manager(turns)
         bound, metrics_url = self.manager.bound, self.manager.metrics_url
         self.client = None
         self.defer(self._stop_manager)  # and its client
@@ -140,13 +141,12 @@ class RunServices:
         if self.publisher.shards:
             log.info("weights: every model-parallel rank serves its own shards (%d holders, %.1f MB per version)",
                      len(self.publisher.shards["holders"]), manifest_nbytes(self.publisher.shards) / 1e6)
-        self.rewards = RewardPool(self.task, workers=cfg.task.reward_workers,
-                                  timeout_s=cfg.task.reward_timeout_s)
+        self.rewards = RewardPool(self.task, workers=cfg.task.rewards.workers,
+                                  timeout_s=cfg.task.rewards.timeout_s)
         self.defer(self.rewards.close)
-        if environment is not None:  # held-out trajectories call the tool too (their own workers, same deadline)
-            from rlboost_hpc.tasks.environment import calls_for
+        if turns is not None:  # held-out trajectories call the tool too (their own workers, same deadline)
 
-            self.eval_tools = calls_for(environment)
+            self.eval_tools = turns.calls()
             self.defer(self.eval_tools.close)
         self.defer(self.task.close)  # a stateful environment's reset process (the prompts' first observations)
 
@@ -207,28 +207,28 @@ class RunServices:
             keys.save(self.run_dir.root)
         return keys
 
-    def environment(self) -> dict | None:
-        """The tool-call pool's arguments (multi-turn tasks; None for single-turn):
-        :func:`~rlboost_hpc.manager.service.run_manager_process`'s ``environment`` — a stateful environment's
-        (``task.environment``) or the tools'."""
-        from rlboost_hpc.tasks.environment import EnvironmentRunner
+    def turn_spec(self) -> TurnSpec | None:
+        """What answers the turns of a multi-turn task (None for single-turn):
+        :func:`~rlboost_hpc.manager.service.run_manager_process`'s ``environment`` — a stateful environment
+        (``task.environment``) or the tools."""
+        from rlboost_hpc.tasks.environment import EnvironmentRunner, TurnSpec
         from rlboost_hpc.tasks.tools import BUILTIN_TOOLS, ToolEnvironment, ToolSyntax
 
-        t, tok = self.cfg.task, self.policy.tokenizer
-        if t.max_turns == 1:
+        t, tok, environment = self.cfg.task.turns, self.policy.tokenizer, self.cfg.task.environment
+        if t.max == 1:
             return None
-        if t.environment:
-            env = EnvironmentRunner(t.environment, tokenizer_dir=str(self.policy.path), use_chat=tok.use_chat,
-                                    stop_ids=tuple(tok.stop_ids), plain_format=t.tool_plain_format,
+        if environment is not None:
+            env = EnvironmentRunner(environment.class_path, tokenizer_dir=str(self.policy.path), use_chat=tok.use_chat,
+                                    stop_ids=tuple(tok.stop_ids), plain_format=t.plain_format,
                                     max_observation_tokens=t.max_observation_tokens)
-            return dict(env=env, workers=t.tool_workers, timeout_s=t.tool_timeout_s)
+            return TurnSpec(env, t.workers, t.timeout_s)
         env = ToolEnvironment(tokenizer_dir=str(self.policy.path), use_chat=self.policy.tokenizer.use_chat,
                               syntax=ToolSyntax(t.tool_call_open, t.tool_call_close),
                               tools=tuple(t.tools) or (BUILTIN_TOOLS[t.tool],),
-                              plain_format=t.tool_plain_format, max_observation_tokens=t.max_observation_tokens)
-        return dict(env=env, workers=t.tool_workers, timeout_s=t.tool_timeout_s)
+                              plain_format=t.plain_format, max_observation_tokens=t.max_observation_tokens)
+        return TurnSpec(env, t.workers, t.timeout_s)
 
-    def _spawn_manager(self, environment: dict | None):
+    def _spawn_manager(self, turns: TurnSpec | None):
         """The manager process with the run's settings (``manager.*``, ``policy.*``, streaming and relay), kept
         running by a :class:`~rlboost_hpc.manager.supervisor.ManagerSupervisor` (``manager.restarts``); a resumed
         run's first manager continues what the work log holds."""
@@ -242,7 +242,7 @@ class RunServices:
         metrics_host = None if cfg.manager.metrics is False else cfg.network.bind_host
         spawn = functools.partial(
             spawn_manager, keys_dir=str(self.run_dir.root) if self.keys else None, metrics_host=metrics_host,
-            journal_path=str(self.run_dir.journal), run_id=self.run_id, environment=environment,
+            journal_path=str(self.run_dir.journal), run_id=self.run_id, environment=turns,
             settings=ManagerSettings.from_config(cfg), work_log=str(self.run_dir.work_log))
         return ManagerSupervisor(spawn, restore=self._resuming, restarts=cfg.manager.restarts,
                                  window_s=cfg.manager.restart_window_s, bind=f"tcp://{cfg.network.bind_host}:0")

@@ -300,7 +300,7 @@ def test_every_builtin_task_honours_the_declared_contract():
         t = get_task(name, n_train=4, n_heldout=2, tool_syntax=syntax)
         assert isinstance(t, Task)
         assert t.reward_errors in ("skip", "fail") and list(t.components) == []
-        assert t.fingerprints() == {} and t.check_endpoint() == 0.0 and t.data_source("task.dataset") is None
+        assert t.fingerprints() == {} and t.check_endpoint() == 0.0 and t.data_source("task.data.path") is None
         assert len(t.length_check_prompts()) == len(t.train_prompts()) + len(t.heldout_prompts())
         assert (getattr(t, "tool_syntax", None) is syntax) == type(t).takes_tool_syntax
         t.close()

@@ -21,18 +21,18 @@ def test_shipped_configs_load(repo_root, name):
     if name.startswith("gsm8k-qwen3"):  # the template a user copies: their model directory, the chat template
         assert cfg.task.name == "gsm8k" and cfg.model.path and cfg.task.chat_template == "auto"
     if name == "gsm8k-tools.toml":  # multi-turn: the calculator, Qwen's tool-call tokens
-        assert cfg.task.name == "gsm8k_tools" and cfg.task.max_turns > 1 and cfg.model.path
-        assert cfg.trajectory_tokens() == cfg.task.max_trajectory_tokens >= cfg.rollout.max_new_tokens
+        assert cfg.task.name == "gsm8k_tools" and cfg.task.turns.max > 1 and cfg.model.path
+        assert cfg.trajectory_tokens() == cfg.task.turns.max_tokens >= cfg.rollout.max_new_tokens
 
 
 def test_multi_turn_keys_are_checked_together():
-    assert load_config(None, ["task.max_turns=3", "rollout.max_new_tokens=10"]).trajectory_tokens() == 30
-    with pytest.raises(ConfigError, match="task.max_trajectory_tokens applies to multi-turn tasks only"):
-        load_config(None, ["task.max_trajectory_tokens=100"])
-    with pytest.raises(ConfigError, match=r"task.max_trajectory_tokens \(5\) must be >= rollout.max_new_tokens"):
-        load_config(None, ["task.max_turns=2", "task.max_trajectory_tokens=5", "rollout.max_new_tokens=10"])
+    assert load_config(None, ["task.turns.max=3", "rollout.max_new_tokens=10"]).trajectory_tokens() == 30
+    with pytest.raises(ConfigError, match="task.turns.max_tokens applies to multi-turn tasks only"):
+        load_config(None, ["task.turns.max_tokens=100"])
+    with pytest.raises(ConfigError, match=r"task.turns.max_tokens \(5\) must be >= rollout.max_new_tokens"):
+        load_config(None, ["task.turns.max=2", "task.turns.max_tokens=5", "rollout.max_new_tokens=10"])
     with pytest.raises(ConfigError, match="tool_call_close"):
-        load_config(None, ["task.max_turns=2", "task.tool_call_close=''"])
+        load_config(None, ["task.turns.max=2", "task.turns.tool_call_close=''"])
 
 
 def test_renamed_and_moved_keys_name_their_new_home():
@@ -40,6 +40,49 @@ def test_renamed_and_moved_keys_name_their_new_home():
         load_config(None, ["model.hf_dir='/x'"])
     with pytest.raises(ConfigError, match="rollout.sglang.device moved: use rollout.device"):
         load_config(None, ["rollout.sglang.device='cpu'"])
+
+
+def test_the_task_kind_is_inferred_from_its_tables_and_a_given_one_must_agree_with_them():
+    """Issue 56: ``task.kind`` (builtin, own, reasoning_gym) is the one discriminator the run branches on."""
+    assert load_config(None).task.kind == "builtin"
+    assert load_config(None, ["task.data.path='d.jsonl'", "task.rewards.functions=['r.py:f']"]).task.kind == "own"
+    assert load_config(None, ["task.reasoning_gym.name='chain_sum'"]).task.kind == "reasoning_gym"
+    from rlboost_hpc.config_task import TaskCfg, TaskDataCfg, TaskRewardsCfg
+
+    built = TaskCfg(data=TaskDataCfg(path="d.jsonl"), rewards=TaskRewardsCfg(functions=["r.py:f"]))
+    assert built.kind == "own"  # (tables given as their models, as code builds them)
+    for sets, needle in [(["task.kind='own'"], "task.kind = own needs task.data.path"),
+                         (["task.kind='builtin'", "task.data.path='d.jsonl'", "task.rewards.functions=['r.py:f']"],
+                          "task.data.path is set but task.kind = builtin"),
+                         (["task.kind='reasoning_gym'"], "needs task.reasoning_gym"),
+                         (["task.kind='builtin'", "task.reasoning_gym.name='chain_sum'"],
+                          "task.reasoning_gym is set but task.kind = builtin"),
+                         (["task.rewards.functions=['r.py:f']"], "need task.data.path"),
+                         (["task.dataset='d.jsonl'", "task.data.path='e.jsonl'", "task.rewards.functions=['r.py:f']"],
+                          "task.dataset and task.data.path are the same key"),
+                         (["task.max_turns=2", "task.turns=1"], "task.turns must be a table")]:
+        with pytest.raises(ConfigError, match=needle):
+            load_config(None, sets)
+
+
+def test_one_side_a_checkpoint_of_the_flat_task_layout_resumes_against_the_same_data_set(tmp_path):
+    """One side (a hand-written ``trainer.json`` and a stand-in setup): a checkpoint written before ``[task]`` was
+    nested records its data set's fingerprint under ``task.dataset``; resuming it against the same file is allowed,
+    against a changed one refused naming the key of this layout."""
+    import json
+    from types import SimpleNamespace
+
+    from rlboost_hpc.run_setup import check_same_data
+    from rlboost_hpc.trainer.checkpoint import CheckpointError
+
+    (tmp_path / "trainer.json").write_text(json.dumps({"run": {"datasets": {"task.dataset": "f1"}}}))
+
+    def setup(fingerprint):
+        return SimpleNamespace(checkpoint_identity=lambda: {"datasets": {"task.data.path": fingerprint}},
+                               task=SimpleNamespace(data_source=lambda key: "d.jsonl"))
+    check_same_data(tmp_path, setup("f1"), None)
+    with pytest.raises(CheckpointError, match="task.data.path = d.jsonl: the data set changed"):
+        check_same_data(tmp_path, setup("f2"), None)
 
 
 def test_dotted_overrides_are_typed(repo_root):

@@ -156,13 +156,14 @@ def test_the_environment_is_a_config_key_of_your_own_multi_turn_task():
 
     from rlboost_hpc.config_task import TaskCfg
 
-    ok = TaskCfg(dataset="d.jsonl", environment="e.py:E", max_turns=3)
-    assert ok.environment == "e.py:E" and not ok.reward_functions  # the environment's reward is a reward
-    for bad, why in [(dict(environment="e.py:E", max_turns=3), "need task.dataset"),
-                     (dict(dataset="d.jsonl", environment="e.py:E"), "task.max_turns > 1"),
-                     (dict(dataset="d.jsonl", environment="e.py:E", max_turns=3, tools=["t.py:f"]), "task.tools"),
-                     (dict(dataset="d.jsonl", environment="e.py:E", max_turns=3, reward_functions=["r.py:f"],
-                           reward_weights=[1.0]), "2 reward terms")]:
+    data, env, turns = {"path": "d.jsonl"}, {"class_path": "e.py:E"}, {"max": 3}
+    ok = TaskCfg(data=data, environment=env, turns=turns)
+    assert ok.environment.class_path == "e.py:E" and not ok.rewards.functions  # the environment's reward is a reward
+    for bad, why in [(dict(environment=env, turns=turns), "need task.data.path"),
+                     (dict(data=data, environment=env), "task.turns.max > 1"),
+                     (dict(data=data, environment=env, turns=dict(max=3, tools=["t.py:f"])), "task.turns.tools"),
+                     (dict(data=data, environment=env, turns=turns, rewards=dict(functions=["r.py:f"], weights=[1.0])),
+                      "2 reward terms")]:
         with pytest.raises(ValidationError, match=why):
             TaskCfg(**bad)
 
@@ -364,7 +365,7 @@ def counter_task(tmp_path):
     from rlboost_hpc.config import load_config
     from rlboost_hpc.tasks.user_task import make_task
 
-    cfg = load_config(EXAMPLE / "config.toml", [f"task.dataset_cache_dir='{tmp_path / 'cache'}'",
+    cfg = load_config(EXAMPLE / "config.toml", [f"task.data.cache_dir='{tmp_path / 'cache'}'",
                                                  "task.heldout_prompts=2"])
     task = make_task(cfg.task)
     yield task
@@ -438,7 +439,7 @@ def test_task_check_shows_the_first_observations_and_bad_input_exits_2_naming_th
     from rlboost_hpc.errors import BadInput
     from rlboost_hpc.tasks.check import check_task
 
-    cache = f"task.dataset_cache_dir='{tmp_path / 'cache'}'"
+    cache = f"task.data.cache_dir='{tmp_path / 'cache'}'"
     out = io.StringIO()
     check_task(load_config(EXAMPLE / "config.toml", [cache]), out=out)
     text = out.getvalue()
@@ -448,10 +449,11 @@ def test_task_check_shows_the_first_observations_and_bad_input_exits_2_naming_th
     for ref, why in [(f"{envs}:Flaky", "must be deterministic"),  # its step('') answers otherwise the second time
                      (f"{envs}:Guess", "reset(row) of row")]:  # the example's rows have no 'secret' column
         with pytest.raises(BadInput, match="task.environment") as e:
-            check_task(load_config(EXAMPLE / "config.toml", [cache, f"task.environment='{ref}'"]), out=io.StringIO())
+            cfg = load_config(EXAMPLE / "config.toml", [cache, f"task.environment.class_path='{ref}'"])
+            check_task(cfg, out=io.StringIO())
         assert why in str(e.value)
     run = _cli("run", "--config", str(EXAMPLE / "config.toml"), "--out", str(tmp_path / "bad"), "--no-progress",
-               "--set", cache, "--set", f"task.environment='{envs}:NoStep'")
+               "--set", cache, "--set", f"task.environment.class_path='{envs}:NoStep'")
     assert run.returncode == 2 and "task.environment" in run.stderr and "has no step(assistant_turn)" in run.stderr
     assert "Traceback" not in run.stderr, run.stderr[-2000:]
 
@@ -470,7 +472,7 @@ def test_the_counter_example_trains_through_a_manager_kill_its_environments_rebu
 
     out, rd = tmp_path / "run", RunDir(tmp_path / "run")
     args = [sys.executable, "-m", "rlboost_hpc.cli", "run", "--config", str(EXAMPLE / "config.toml"), "--out",
-            str(out), "--no-progress", "--set", f"task.dataset_cache_dir='{tmp_path / 'cache'}'",
+            str(out), "--no-progress", "--set", f"task.data.cache_dir='{tmp_path / 'cache'}'",
             "--set", "trainer.steps=3", "--set", "trainer.export_model=false", "--set", "task.heldout_prompts=2",
             "--set", "trainer.eval_samples=1", "--set", "trainer.checkpoint_every=0"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
@@ -504,7 +506,7 @@ def test_the_counter_example_trains_through_a_manager_kill_its_environments_rebu
 
 COUNTING = '''
 """The example's Counter, counting its instances: every __init__ and close() appends a line to LOG; the first step
-of a turn after the first stalls (past task.tool_timeout_s) and the second raises — once each in the rollouts and
+of a turn after the first stalls (past task.turns.timeout_s) and the second raises — once each in the rollouts and
 once each in the held-out evaluation."""
 import os
 import sys
@@ -561,9 +563,9 @@ def test_every_environment_a_run_opens_is_closed_exactly_once_on_every_ending(tm
     log = tmp_path / "instances.log"
     (tmp_path / "counting.py").write_text(COUNTING.format(example=str(EXAMPLE), log=str(log)))
     run = _cli("run", "--config", str(EXAMPLE / "config.toml"), "--out", str(tmp_path / "run"), "--no-progress",
-               "--set", f"task.dataset_cache_dir='{tmp_path / 'cache'}'",
-               "--set", f"task.environment='{tmp_path / 'counting.py'}:Counting'", "--set", "task.tool_timeout_s=2",
-               "--set", "task.max_trajectory_tokens=60", "--set", "trainer.steps=2",
+               "--set", f"task.data.cache_dir='{tmp_path / 'cache'}'",
+               "--set", f"task.environment='{tmp_path / 'counting.py'}:Counting'", "--set", "task.turns.timeout_s=2",
+               "--set", "task.turns.max_tokens=60", "--set", "trainer.steps=2",
                "--set", "trainer.export_model=false", "--set", "task.heldout_prompts=2",
                "--set", "trainer.eval_samples=1", "--set", "trainer.checkpoint_every=0", timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""``task.reward_model`` with ``kind = "score"`` against a real SGLang server of a reward model (issue 58 item 6).
+"""``task.rewards.model`` with ``kind = "score"`` against a real SGLang server of a reward model (issue 58 item 6).
 
 SGLang serves reward models with ``--is-embedding`` behind ``/classify``, which reads ``{"text": [...]}`` and answers
 ``[{"embedding": [score]}, ...]``; it does not read OpenRLHF's ``{prompts, completions, query, labels}``. The server

@@ -82,8 +82,8 @@ def test_multi_turn_trajectories_on_sglang_workers(repo_root, tmp_path):
                 *[f'rollout.sglang.env.{k}="{v}"' for k, v in env.items()],
                 f'cluster.trace="{tmp_path / "trace.csv"}"', "cluster.time_scale=1.0", "cluster.replay_s=300",
                 "cluster.window_start_s=0", "cluster.max_workers=1", "policy.cap=false", "trainer.steps=40",
-                "cluster.preempt_when_busy=true", "cluster.busy_wait_max_s=90", "task.max_turns=3",
-                "task.tool_call_open=''", "task.tool_call_close='.'", "task.heldout_prompts=8",
+                "cluster.preempt_when_busy=true", "cluster.busy_wait_max_s=90", "task.turns.max=3",
+                "task.turns.tool_call_open=''", "task.turns.tool_call_close='.'", "task.heldout_prompts=8",
                 "rollout.prompts_per_step=16", "rollout.max_new_tokens=32", "policy.t_seed_initial_s=0.6",
                 "policy.adaptive_seeding=false")
     assert p.returncode == 0, p.stderr[-3000:]

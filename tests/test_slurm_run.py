@@ -393,8 +393,8 @@ def test_a_tool_using_run_on_slurm_loses_no_trajectory_to_preemption(tmp_path):
     duplicated or off-version; tool calls made. (Whether the preempted jobs held partial trajectories at that moment
     is up to Slurm's timing; per-turn migration itself is tested with real engines and local preemptions in
     tests/test_trajectories.py.)"""
-    overrides = ("--set trainer.steps=12 --set task.max_turns=3 --set task.tool_call_open='' "
-                 "--set task.tool_call_close='.' --set rollout.max_new_tokens=32 --set cluster.max_workers=3 "
+    overrides = ("--set trainer.steps=12 --set task.turns.max=3 --set task.turns.tool_call_open='' "
+                 "--set task.turns.tool_call_close='.' --set rollout.max_new_tokens=32 --set cluster.max_workers=3 "
                  "--set policy.t_seed_initial_s=0.3 --set network.bind_host=127.0.0.1 --set policy.cap=false")
     with SlurmRun(tmp_path, "tools", overrides, scav=("--gpus-per-job", "1")) as r:
         env, tag, run_dir, state = r.env, r.tag, r.run_dir, r.state

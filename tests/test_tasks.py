@@ -355,13 +355,13 @@ def test_tasks_are_task_subclasses() -> None:
 
 
 def test_the_tool_task_is_built_with_the_runs_tool_call_syntax():
-    """Issue 56: ``make_task`` builds ``gsm8k_tools`` with ``task.tool_call_open`` / ``task.tool_call_close`` (no
-    attribute set on the task from outside): its prompts teach that syntax."""
+    """Issue 56: ``make_task`` builds ``gsm8k_tools`` with ``task.turns.tool_call_open`` /
+    ``task.turns.tool_call_close`` (no attribute set on the task from outside): its prompts teach that syntax."""
     from rlboost_hpc.config_task import TaskCfg
     from rlboost_hpc.tasks.user_task import make_task
 
-    t = make_task(TaskCfg(name="gsm8k_tools", train_prompts=2, heldout_prompts=1, max_turns=3,
-                          tool_call_open="<<call>>", tool_call_close="<</call>>"))
+    t = make_task(TaskCfg(name="gsm8k_tools", train_prompts=2, heldout_prompts=1,
+                          turns=dict(max=3, tool_call_open="<<call>>", tool_call_close="<</call>>")))
     text = t.format_prompt(t.train_prompts()[0])
     assert '<<call>>{"name": "calculator"' in text and "<</call>>" in text
     plain = make_task(TaskCfg(name="gsm8k", train_prompts=2, heldout_prompts=1))

@@ -144,8 +144,8 @@ def test_an_observation_that_leaves_no_room_ends_the_trajectory():
 ])
 def test_every_response_carries_why_it_ended(turns, total, script, reason):
     """The manager knows why a response or trajectory ended and tells the trainer (``finish_reason``): the model
-    stopped, or a budget cut it — rollout.max_new_tokens (``length``), task.max_turns (``turn_cap``),
-    task.max_trajectory_tokens (``trajectory_budget``); truncations are counted by cause."""
+    stopped, or a budget cut it — rollout.max_new_tokens (``length``), task.turns.max (``turn_cap``),
+    task.turns.max_tokens (``trajectory_budget``); truncations are counted by cause."""
     core = started(spec(max_new=6, turns=turns, total=total))
     for turn, (ids, fin, *obs) in enumerate(script):
         if turn:
@@ -385,8 +385,8 @@ def test_a_local_run_with_tool_calls_and_preemptions_loses_nothing(tmp_path):
     trace = tmp_path / "trace.csv"  # a worker removed (warned) once it holds partial trajectories, one added
     trace.write_text("0,add,a\n0,add,b\n1000,remove,a\n1500,add,c\n")
     out = tmp_path / "run"
-    p = run_cli(repo, out, "trainer.steps=3", "task.max_turns=3", "task.tool_call_open=''",
-                "task.tool_call_close='.'", "rollout.max_new_tokens=24", "task.heldout_prompts=8",
+    p = run_cli(repo, out, "trainer.steps=3", "task.turns.max=3", "task.turns.tool_call_open=''",
+                "task.turns.tool_call_close='.'", "rollout.max_new_tokens=24", "task.heldout_prompts=8",
                 f"cluster.trace='{trace}'", "cluster.time_scale=1.0", "cluster.replay_s=120",
                 "cluster.window_start_s=0", "cluster.max_workers=2", "cluster.min_changes=0",
                 "cluster.min_removals=0", "cluster.min_starts=0", "cluster.preempt_when_busy=true", "policy.cap=false")
@@ -412,18 +412,18 @@ def test_a_tool_call_close_that_is_not_one_token_is_refused_naming_the_key(tmp_p
 
     repo = Path(__file__).resolve().parent.parent
     p = subprocess.run([sys.executable, "-m", "rlboost_hpc.cli", "run", "--config", str(repo / "configs/local.toml"),
-                        "--out", str(tmp_path / "r"), "--no-progress", "--set", "task.max_turns=2",
-                        "--set", "task.tool_call_close='<end of call>'"], capture_output=True, text=True, cwd=repo,
-                       timeout=300)
+                        "--out", str(tmp_path / "r"), "--no-progress", "--set", "task.turns.max=2",
+                        "--set", "task.turns.tool_call_close='<end of call>'"], capture_output=True, text=True,
+                       cwd=repo, timeout=300)
     assert p.returncode == 2, p.stderr[-2000:]
-    assert "task.tool_call_close = '<end of call>'" in p.stderr and "Traceback" not in p.stderr
+    assert "task.turns.tool_call_close = '<end of call>'" in p.stderr and "Traceback" not in p.stderr
 
 
 @pytest.mark.integration
 @pytest.mark.slow
 def test_gsm8k_with_the_calculator_on_a_chat_model_renders_tool_messages(tmp_path):
     """``task.name = "gsm8k_tools"`` on the tiny Qwen3 (ChatML template): a random model does not write tool calls,
-    so a token it does emit closes them (``task.tool_call_close``); observations are the template's tool messages,
+    so a token it does emit closes them (``task.turns.tool_call_close``); observations are the template's tool messages,
     appended as ids, masked out of training; preemptions lose nothing."""
     from pathlib import Path
 
@@ -435,8 +435,9 @@ def test_gsm8k_with_the_calculator_on_a_chat_model_renders_tool_messages(tmp_pat
     trace = tmp_path / "trace.csv"
     trace.write_text("0,add,a\n0,add,b\n1000,remove,a\n1500,add,c\n")
     out = tmp_path / "run"
-    p = run_cli(repo, out, f"model.path='{d}'", "task.name=gsm8k_tools", "task.max_turns=3",
-                "task.tool_call_close='Ġthe'", "trainer.steps=2", "task.train_prompts=16", "task.heldout_prompts=2",
+    p = run_cli(repo, out, f"model.path='{d}'", "task.name=gsm8k_tools", "task.turns.max=3",
+                "task.turns.tool_call_close='Ġthe'", "trainer.steps=2", "task.train_prompts=16",
+                "task.heldout_prompts=2",
                 "trainer.eval_samples=1", "rollout.prompts_per_step=16", "rollout.max_new_tokens=32",
                 "weights.dtype=float32", f"cluster.trace='{trace}'", "cluster.time_scale=1.0", "cluster.replay_s=120",
                 "cluster.window_start_s=0", "cluster.max_workers=2", "cluster.min_changes=0", "cluster.min_removals=0",

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from rlboost_hpc.config import load_config
 from rlboost_hpc.config_task import TaskCfg
 from rlboost_hpc.errors import BadInput
 from rlboost_hpc.tasks.stories import OPENINGS
@@ -84,9 +86,11 @@ def user_files(tmp_path):
     return tmp_path
 
 
-def _task(tmp_path, data, *refs, **kw) -> UserTask:
-    cfg = TaskCfg(dataset=str(data), dataset_cache_dir=str(tmp_path / "cache"), reward_functions=[
-        f"{tmp_path / 'rewards.py'}:{r}" for r in refs or ("has_quote",)], **kw)
+def _task(tmp_path, data, *refs, rewards: dict | None = None, **data_keys) -> UserTask:
+    """The task of ``data`` scored by ``rewards.py``'s functions ``refs``; ``rewards``: more task.rewards keys,
+    ``data_keys``: more task.data keys."""
+    cfg = TaskCfg(data=dict(path=str(data), cache_dir=str(tmp_path / "cache"), **data_keys), rewards=dict(
+        functions=[f"{tmp_path / 'rewards.py'}:{r}" for r in refs or ("has_quote",)], **(rewards or {})))
     return make_task(cfg)
 
 
@@ -168,7 +172,8 @@ def test_bad_data_is_bad_input_naming_the_key_and_the_column(user_files, content
         path.write_text(content)
     with pytest.raises(BadInput) as e:
         _task(tmp, path)
-    assert problem in str(e.value) and ("task.dataset" in str(e.value) or "task.prompt_field" in str(e.value)), e.value
+    assert problem in str(e.value), e.value
+    assert "task.data.path" in str(e.value) or "task.data.prompt_field" in str(e.value), e.value
 
 
 # ------------------------------------------------------------------------------------------- reward functions
@@ -186,9 +191,9 @@ def test_signatures_are_told_apart_and_unusable_ones_are_bad_input(user_files):
         with pytest.raises(BadInput, match=why):
             _task(tmp, data, ref)
     (tmp / "broken.py").write_text("import not_a_module_anywhere\n")
-    with pytest.raises(BadInput, match=r"task.reward_functions\[0\].*ModuleNotFoundError"):
-        make_task(TaskCfg(dataset=str(data), dataset_cache_dir=str(tmp / "cache"),
-                          reward_functions=[f"{tmp / 'broken.py'}:f"]))
+    with pytest.raises(BadInput, match=r"task.rewards.functions\[0\].*ModuleNotFoundError"):
+        make_task(TaskCfg(data=dict(path=str(data), cache_dir=str(tmp / "cache")),
+                          rewards=dict(functions=[f"{tmp / 'broken.py'}:f"])))
 
 
 def test_the_reward_pool_combines_functions_by_weight_and_counts_each_failure(user_files, caplog):
@@ -201,7 +206,7 @@ def test_the_reward_pool_combines_functions_by_weight_and_counts_each_failure(us
     good = ["has_quote", "by_column", "async_len", "compute_score", "async_verl", "not_applicable"]
     bad = ["raises", "wrong_length", "nan", "a_string", "hangs"]
     t = _task(tmp, _jsonl(tmp / "d.jsonl", _rows()), *good, *bad,
-              reward_weights=[1.0, 2.0, 0.5, 1.0, 1.0, 1.0] + [1.0] * len(bad), reward_timeout_s=3.0)
+              rewards=dict(weights=[1.0, 2.0, 0.5, 1.0, 1.0, 1.0] + [1.0] * len(bad), timeout_s=3.0))
     p = t.train_prompts()[0]
     with RewardPool(t, workers=2, timeout_s=3.0) as pool:
         items = [(p, 'She said "the end"'), (p, "no quote")]
@@ -220,7 +225,7 @@ def test_the_reward_pool_combines_functions_by_weight_and_counts_each_failure(us
         assert pool.score(items[:1]).failed == (True,)  # (any failed component marks the answer)
         assert [r.getMessage() for r in caplog.records].count(
             next(m.getMessage() for m in caplog.records if "reward raises" in m.getMessage())) == 1
-    t.cfg.reward_errors = "fail"
+    t.cfg.rewards.errors = "fail"
     with RewardPool(t, workers=1, timeout_s=3.0) as pool, pytest.raises(RewardFunctionFailed, match="raises"):
         pool.score([(p, "x")])
 
@@ -259,27 +264,28 @@ def test_an_llm_judge_and_a_scoring_route_over_real_http_with_retries_and_the_ke
     base, stats = judge("--fail-first", "2")
     data = _jsonl(tmp / "d.jsonl", _rows())
     rm = RewardModelCfg(url=base + "/v1/chat/completions", api_key_env="JUDGE_KEY", weight=0.5, timeout_s=5)
-    t = _task(tmp, data, "has_quote", reward_model=rm)
+    t = _task(tmp, data, "has_quote", rewards=dict(model=rm))
     assert t.check_endpoint() > 0  # two 503s absorbed by the retries
     p = t.train_prompts()[0]
     with RewardPool(t, workers=1, timeout_s=5.0) as pool:
         r, parts, _ = pool.score([(p, 'a "quote"'), (p, "none")])
     assert parts["reward_model"] == [1.0, 0.0] and r == [1.5, 0.0]
     assert stats()["failed_on_purpose"] == 2 and stats()["refused"] == 0
-    score = _task(tmp, data, "has_quote", reward_model=RewardModelCfg(url=base + "/score", kind="score",
-                                                                     api_key_env="JUDGE_KEY"))
+    score = _task(tmp, data, "has_quote", rewards=dict(model=RewardModelCfg(url=base + "/score", kind="score",
+                                                                            api_key_env="JUDGE_KEY")))
     assert score.components[-1].model.score(p, ['"', "x"]) == [1.0, 0.0]
     os.environ["JUDGE_KEY"] = "wrong"  # (monkeypatch restores it)
     with pytest.raises(RewardModelError, match="HTTP 401"):
         score.components[-1].model.score(p, ["x"])
-    dead = _task(tmp, data, "has_quote", reward_model=RewardModelCfg(url="http://127.0.0.1:9/v1/chat/completions",
-                                                                    retries=1, timeout_s=1))
-    with pytest.raises(BadInput, match=r"task.reward_model.url = http://127.0.0.1:9.*connection failed"):
+    dead_rm = RewardModelCfg(url="http://127.0.0.1:9/v1/chat/completions", retries=1, timeout_s=1)
+    dead = _task(tmp, data, "has_quote", rewards=dict(model=dead_rm))
+    with pytest.raises(BadInput, match=r"task.rewards.model.url = http://127.0.0.1:9.*connection failed"):
         dead.check_endpoint()
     with pytest.raises(BadInput, match="NO_SUCH_VAR"):
-        _task(tmp, data, "has_quote", reward_model=RewardModelCfg(url=base, api_key_env="NO_SUCH_VAR"))
+        _task(tmp, data, "has_quote", rewards=dict(model=RewardModelCfg(url=base, api_key_env="NO_SUCH_VAR")))
     with pytest.raises(BadInput, match=r"\{gold\}"):
-        _task(tmp, data, "has_quote", reward_model=RewardModelCfg(url=base, prompt_template="{gold} {completion}"))
+        bad_template = RewardModelCfg(url=base, prompt_template="{gold} {completion}")
+        _task(tmp, data, "has_quote", rewards=dict(model=bad_template))
 
 
 def test_a_reward_model_that_redirects_gets_no_key_and_gives_no_reward_through_task_check(user_files, judge, tmp_path):
@@ -291,17 +297,17 @@ def test_a_reward_model_that_redirects_gets_no_key_and_gives_no_reward_through_t
     data = _jsonl(user_files / "d.jsonl", _rows())
     cfg = tmp_path / "redirect.toml"
     cfg.write_text((REPO / "configs/local.toml").read_text() + f"""
-[task.reward_model]
+[task.rewards.model]
 url = "{hostile}/v1/chat/completions"
 api_key_env = "JUDGE_KEY"
 retries = 0
 timeout_s = 5
 """)
-    p = _cli("task", "check", "--config", str(cfg), "--set", f"task.dataset_cache_dir='{user_files / 'cache'}'",
-             "--set", f"task.dataset='{data}'",
-             "--set", f"task.reward_functions=['{user_files / 'rewards.py'}:has_quote']")
+    p = _cli("task", "check", "--config", str(cfg), "--set", f"task.data.cache_dir='{user_files / 'cache'}'",
+             "--set", f"task.data.path='{data}'",
+             "--set", f"task.rewards.functions=['{user_files / 'rewards.py'}:has_quote']")
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
-    assert "task.reward_model.url" in p.stderr and f"redirected (HTTP 302) to {other}" in p.stderr, p.stderr[-2000:]
+    assert "task.rewards.model.url" in p.stderr and f"redirected (HTTP 302) to {other}" in p.stderr, p.stderr[-2000:]
     assert hostile_stats()["authorized_requests"] == 1  # the key went where it was configured to go, once
     assert other_stats()["authorized_requests"] == 0 and other_stats()["served"] == 0
 
@@ -323,7 +329,7 @@ def test_a_judges_verdict_is_its_last_score_on_the_declared_scale_and_anything_e
         base, _ = judge("--reply", reply)
         rm = RewardModelCfg(url=base + "/v1/chat/completions", api_key_env="JUDGE_KEY", retries=0, timeout_s=5,
                             **scale)
-        t = _task(user_files, data, "has_quote", reward_model=rm, reward_weights=[0.0, 1.0])
+        t = _task(user_files, data, "has_quote", rewards=dict(model=rm, weights=[0.0, 1.0]))
         p = t.train_prompts()[0]
         with RewardPool(t, workers=1, timeout_s=5.0) as pool:
             parts = pool.score([(p, "an answer")]).parts
@@ -335,7 +341,7 @@ def test_a_judges_verdict_is_its_last_score_on_the_declared_scale_and_anything_e
     for scores, scale, failed in [([1e9], {}, 1), ([1e9], {"score_max": 1e10}, 0), (["NaN"], {}, 1)]:
         base, _ = judge("--scores", json.dumps(scores))
         rm = RewardModelCfg(url=base + "/score", kind="score", api_key_env="JUDGE_KEY", retries=0, **scale)
-        t = _task(user_files, data, "has_quote", reward_model=rm)
+        t = _task(user_files, data, "has_quote", rewards=dict(model=rm))
         with RewardPool(t, workers=1, timeout_s=5.0) as pool:
             pool.score([(t.train_prompts()[0], "x")])
             assert pool.take_tallies()["reward_model"]["failed"] == failed, (scores, scale)
@@ -380,7 +386,7 @@ def untyped(x):
     tools = load_tools([f"{tmp / 'tools.py'}:lookup", f"{tmp / 'tools.py'}:add"])
     assert [n for n, _, _ in tools] == ["lookup", "add"]
     assert tools[1][2]["function"]["parameters"]["required"] == ["a"]
-    with pytest.raises(BadInput, match=r"task.tools\[0\].*untyped.*type hint"):
+    with pytest.raises(BadInput, match=r"task.turns.tools\[0\].*untyped.*type hint"):
         load_tools([f"{tmp / 'tools.py'}:untyped"])
     env = ToolEnvironment(str(stories260k_hf_dir), use_chat=False, syntax=ToolSyntax("", "."),
                           tools=(f"{tmp / 'tools.py'}:lookup", f"{tmp / 'tools.py'}:add"))
@@ -402,22 +408,64 @@ def _cli(*args, cwd=REPO, env=None) -> subprocess.CompletedProcess:
                           cwd=cwd, env=e, timeout=300)
 
 
+#: examples/gsm8k_jsonl/config.toml's [task] table in the flat layout of earlier releases (issue 56 item 1).
+FLAT_GSM8K_TASK = """
+[task]
+name = "gsm8k_jsonl"
+dataset = "train.jsonl"
+heldout_dataset = "test.jsonl"
+prompt_field = "prompt"
+reward_functions = ["rewards.py:correct", "rewards.py:concise"]
+reward_weights = [1.0, 0.1]
+heldout_prompts = 32
+"""
+
+
+def test_a_config_of_the_earlier_flat_task_layout_is_read_in_the_new_places_and_says_so(user_files):
+    """Issue 56: ``[task]`` is four tables now (data, rewards, turns, environment). A team's config of the flat layout
+    still runs: through ``rlboost-hpc task check`` it passes, each key moved to its new place with a warning naming
+    old and new; loaded, it is the very configuration of the new layout."""
+    import tomllib
+
+    from rlboost_hpc.config_task import ConfigKeysMoved
+
+    example = REPO / "examples/gsm8k_jsonl"
+    text = (example / "config.toml").read_text()
+    old = user_files / "ex" / "config.toml"  # beside the example's files, as the team's copy would be
+    shutil.copytree(example, old.parent)
+    old.write_text(text[:text.index("[task]")] + FLAT_GSM8K_TASK + text[text.index("[rollout]"):])
+    assert "task" in tomllib.loads(old.read_text()) and "data" not in tomllib.loads(old.read_text())["task"]
+    cache = f"task.data.cache_dir='{user_files / 'cache'}'"
+    with pytest.warns(ConfigKeysMoved, match=r"task\.dataset → task\.data\.path.*task\.reward_weights → "
+                                             r"task\.rewards\.weights"):
+        flat = load_config(old, [cache])
+    (old.parent / "new.toml").write_text(text)
+    assert flat.model_dump() == load_config(old.parent / "new.toml", [cache]).model_dump()
+    assert flat.task.kind == "own" and flat.task.data.path == str(old.parent / "train.jsonl")
+    p = _cli("task", "check", "--config", str(old), "--set", cache)
+    assert p.returncode == 0 and "task check: OK" in p.stdout, p.stderr[-2000:]
+    assert "task.reward_functions → task.rewards.functions" in p.stderr, p.stderr[-2000:]
+    both = _cli("task", "check", "--config", str(old), "--set", cache, "--set", "task.data.path='x.jsonl'")
+    assert both.returncode == 2 and "task.dataset and task.data.path" in both.stderr, both.stderr[-2000:]
+    assert "Traceback" not in both.stderr
+
+
 def test_task_check_passes_the_gsm8k_example_and_names_what_is_wrong_with_bad_tasks(user_files):
     tmp = user_files
-    cache = f"task.dataset_cache_dir='{tmp / 'cache'}'"
+    cache = f"task.data.cache_dir='{tmp / 'cache'}'"
     ok = _cli("task", "check", "--config", "examples/gsm8k_jsonl/config.toml", "--set", cache)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "task check: OK" in ok.stdout and "prompt tokens:" in ok.stdout and "reward correct" in ok.stdout
     data = _jsonl(tmp / "d.jsonl", _rows())
-    base = ["task", "check", "--config", "configs/local.toml", "--set", cache, "--set", f"task.dataset='{data}'"]
+    base = ["task", "check", "--config", "configs/local.toml", "--set", cache, "--set", f"task.data.path='{data}'"]
     for fn, why in [("raises", "reward raises"), ("hangs", "ran past 2 s")]:
-        p = _cli(*base, "--set", f"task.reward_functions=['{tmp / 'rewards.py'}:{fn}']", "--set",
-                 "task.reward_timeout_s=2")
+        p = _cli(*base, "--set", f"task.rewards.functions=['{tmp / 'rewards.py'}:{fn}']", "--set",
+                 "task.rewards.timeout_s=2")
         assert p.returncode == 2 and why in p.stderr and "Traceback" not in p.stderr, (fn, p.stderr[-2000:])
     long = _jsonl(tmp / "long.jsonl", _rows() + [{"prompt": "word " * 600, "answer": "x", "data_source": "s",
                                                   "n": 99}])
-    p = _cli(*base, "--set", f"task.dataset='{long}'", "--set",
-             f"task.reward_functions=['{tmp / 'rewards.py'}:has_quote']")
+    p = _cli(*base, "--set", f"task.data.path='{long}'", "--set",
+             f"task.rewards.functions=['{tmp / 'rewards.py'}:has_quote']")
     assert p.returncode == 2 and "exceeds the model's context" in p.stderr and "column 'prompt'" in p.stderr, p.stderr
 
 
@@ -426,27 +474,27 @@ def test_a_heldout_fraction_of_zero_and_no_reward_are_refused(user_files):
     data = _jsonl(tmp / "d.jsonl", _rows())
     with pytest.raises(BadInput, match="no held-out prompts"):
         _task(tmp, data, heldout_fraction=0.0)
-    with pytest.raises(ValueError, match="task.dataset needs a reward"):
-        TaskCfg(dataset=str(data))
+    with pytest.raises(ValueError, match="task.data.path needs a reward"):
+        TaskCfg(data=dict(path=str(data)))
     assert 10 <= len(_task(tmp, data, heldout_fraction=0.5).heldout_prompts()) <= 30
 
 
 def test_run_checks_your_tasks_prompt_files_first_whatever_task_name_labels_it(user_files, tmp_path):
     """Regression (the input check of issue 50 met issue 48's tasks): ``rlboost-hpc run`` of a user's task named
-    ``my_task`` (a label, not a built-in) was refused as an unknown task; the check now looks at task.dataset itself —
+    ``my_task`` (a label, not a built-in) was refused as an unknown task; the check now looks at task.data.path itself —
     a prompt file that is not there is exit 2 naming the key, before the model loads and before the run directory
     holds a journal."""
     tmp = user_files
     args = ["run", "--config", "configs/local.toml", "--out", str(tmp_path / "o"), "--no-progress",
-            "--set", "task.name='my_task'", "--set", f"task.reward_functions=['{tmp / 'rewards.py'}:has_quote']",
-            "--set", f"task.dataset_cache_dir='{tmp / 'cache'}'"]
-    p = _cli(*args, "--set", f"task.dataset='{tmp / 'missing.jsonl'}'")
-    assert p.returncode == 2 and "task.dataset" in p.stderr and "no such file" in p.stderr, p.stderr[-2000:]
+            "--set", "task.name='my_task'", "--set", f"task.rewards.functions=['{tmp / 'rewards.py'}:has_quote']",
+            "--set", f"task.data.cache_dir='{tmp / 'cache'}'"]
+    p = _cli(*args, "--set", f"task.data.path='{tmp / 'missing.jsonl'}'")
+    assert p.returncode == 2 and "task.data.path" in p.stderr and "no such file" in p.stderr, p.stderr[-2000:]
     assert "unknown task" not in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "o/manager-journal.jsonl").exists()
-    p = _cli(*args, "--set", f"task.dataset='{_jsonl(tmp / 'd.jsonl', _rows())}'", "--set",
-             f"task.heldout_dataset='{tmp / 'gone.jsonl'}'")
-    assert p.returncode == 2 and "task.heldout_dataset" in p.stderr and "unknown task" not in p.stderr, p.stderr
+    p = _cli(*args, "--set", f"task.data.path='{_jsonl(tmp / 'd.jsonl', _rows())}'", "--set",
+             f"task.data.heldout_path='{tmp / 'gone.jsonl'}'")
+    assert p.returncode == 2 and "task.data.heldout_path" in p.stderr and "unknown task" not in p.stderr, p.stderr
 
 
 # Qwen2.5's way of showing tools (simplified): a system turn listing each tool's JSON schema in <tools>
@@ -471,9 +519,9 @@ def test_the_tools_schemas_reach_the_chat_templates_prompt_through_task_check(tm
     arch = json.loads((model / "config.json").read_text())  # (this tokenizer's 512 ids spell JSON in many tokens)
     (model / "config.json").write_text(json.dumps({**arch, "max_position_embeddings": 2048}))
     p = _cli("task", "check", "--config", "examples/tools/config.toml", "--set", f"model.path='{model}'",
-             "--set", "task.chat_template='on'", "--set", "task.tool_call_open='<tool_call>'",
-             "--set", "task.tool_call_close='</tool_call>'", "--set",
-             f"task.dataset_cache_dir='{tmp_path / 'cache'}'")
+             "--set", "task.chat_template='on'", "--set", "task.turns.tool_call_open='<tool_call>'",
+             "--set", "task.turns.tool_call_close='</tool_call>'", "--set",
+             f"task.data.cache_dir='{tmp_path / 'cache'}'")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     prompt = p.stdout.split("--- prompt", 1)[1].split("--- prompt", 1)[0]
     listed = [json.loads(line) for line in prompt.split("<tools>", 1)[1].split("</tools>", 1)[0].strip().splitlines()]

@@ -45,8 +45,8 @@ def test_the_gsm8k_jsonl_example_gives_the_builtin_tasks_prompts_rewards_and_fir
     from rlboost_hpc.tasks.user_task import make_task
     from rlboost_hpc.trainer.loop import DataFrontier
 
-    cache = f"task.dataset_cache_dir='{tmp_path / 'cache'}'"
-    only_correct = ["task.reward_functions=['rewards.py:correct']", "task.reward_weights=[1.0]"]
+    cache = f"task.data.cache_dir='{tmp_path / 'cache'}'"
+    only_correct = ["task.rewards.functions=['rewards.py:correct']", "task.rewards.weights=[1.0]"]
     cfg = load_config(EXAMPLE, [cache, *only_correct])
     user, builtin = make_task(cfg.task), GSM8KTask(n_train=256, n_heldout=32)
     # the same prompts (text as the model sees it, gold columns), in the same order from the data frontier
@@ -110,11 +110,12 @@ def test_a_user_task_with_two_reward_functions_and_a_judge_trains_on_the_local_c
                              stdout=subprocess.PIPE, text=True, env={**os.environ, "JUDGE_KEY": "k3y"})
     try:
         port = int(judge.stdout.readline().split()[1])
-        sets = [f"task.dataset='{data}'", f"task.dataset_cache_dir='{tmp_path / 'cache'}'",
-                "task.heldout_fraction=0.25", "task.heldout_prompts=8",
-                f"task.reward_functions=['{tmp_path}/rewards.py:has_quote', '{tmp_path}/rewards.py:compute_score']",
-                "task.reward_weights=[0.5, 0.25, 0.25]", f"task.reward_model.url='http://127.0.0.1:{port}/v1/chat/completions'",
-                "task.reward_model.api_key_env='JUDGE_KEY'", "trainer.steps=3", "trainer.export_model=false",
+        sets = [f"task.data.path='{data}'", f"task.data.cache_dir='{tmp_path / 'cache'}'",
+                "task.data.heldout_fraction=0.25", "task.heldout_prompts=8",
+                f"task.rewards.functions=['{tmp_path}/rewards.py:has_quote', '{tmp_path}/rewards.py:compute_score']",
+                "task.rewards.weights=[0.5, 0.25, 0.25]",
+                f"task.rewards.model.url='http://127.0.0.1:{port}/v1/chat/completions'",
+                "task.rewards.model.api_key_env='JUDGE_KEY'", "trainer.steps=3", "trainer.export_model=false",
                 "cluster.preempt_when_busy=true"]
         env = {"JUDGE_KEY": "k3y", "RLBOOST_TEST_MARKER": str(marker)}
         p = _run(tmp_path / "run", REPO / "configs/local.toml", *sets, env=env)
@@ -136,7 +137,7 @@ def test_a_user_task_with_two_reward_functions_and_a_judge_trains_on_the_local_c
         data.write_text(data.read_text() + json.dumps({**rows[0], "prompt": "A new opening"}) + "\n")
         p = _run(tmp_path / "run", REPO / "configs/local.toml", *sets[:-3], "trainer.steps=5",
                  "trainer.export_model=false", env=env)
-        assert p.returncode == 2 and "task.dataset" in p.stderr and str(data) in p.stderr, p.stderr[-2000:]
+        assert p.returncode == 2 and "task.data.path" in p.stderr and str(data) in p.stderr, p.stderr[-2000:]
         assert "Traceback" not in p.stderr
     finally:
         judge.kill()
@@ -156,7 +157,7 @@ def test_the_tools_example_runs_its_two_tools_in_the_tool_processes(tmp_path, st
     step = lambda text: env(("step", env._hf(text, add_special_tokens=False)["input_ids"]))  # noqa: E731
     assert step('{"name": "dictionary", "arguments": {"word": "Castle"}}.').text.startswith("a large stone house")
     assert step('{"name": "count_letters", "arguments": {"word": "banana", "letter": "a"}}.').text == "3"
-    p = _run(tmp_path / "run", ex / "config.toml", f"task.dataset_cache_dir='{tmp_path / 'cache'}'",
+    p = _run(tmp_path / "run", ex / "config.toml", f"task.data.cache_dir='{tmp_path / 'cache'}'",
              "trainer.steps=2", "trainer.export_model=false", "task.heldout_prompts=2", "trainer.eval_samples=1",
              "rollout.max_new_tokens=16")
     assert p.returncode == 0, p.stderr[-3000:]
@@ -179,9 +180,9 @@ def _quoted_and_failing(tmp_path: Path, name: str, fail: str, values: str, *sets
         "    if broken[0]:\n"
         f"        {fail}\n"
         f"    return {values}\n")
-    p = _run(tmp_path / "run", REPO / "configs/local.toml", f"task.dataset='{data}'",
-             f"task.dataset_cache_dir='{tmp_path / 'cache'}'", "task.heldout_fraction=0.25", "task.heldout_prompts=4",
-             f"task.reward_functions=['{tmp_path}/rewards.py:quoted', '{tmp_path}/rewards.py:{name}']", *sets)
+    p = _run(tmp_path / "run", REPO / "configs/local.toml", f"task.data.path='{data}'",
+             f"task.data.cache_dir='{tmp_path / 'cache'}'", "task.data.heldout_fraction=0.25", "task.heldout_prompts=4",
+             f"task.rewards.functions=['{tmp_path}/rewards.py:quoted', '{tmp_path}/rewards.py:{name}']", *sets)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads((tmp_path / "run/report.json").read_text()), _metrics(tmp_path / "run")
 
@@ -193,7 +194,7 @@ def test_a_group_whose_judge_failed_is_left_out_not_trained_on_the_terms_left(tm
     of the rows (raises) beside a 0.1-weight format reward; those groups are left out (counted, none lost), the
     judge's mean is over its successful calls only (it gives 1.0 wherever it answers)."""
     rep, metrics = _quoted_and_failing(tmp_path, "judged", "raise RuntimeError('the judge is down for this row')",
-                                       "[1.0] * len(completions)", "task.reward_weights=[0.1, 1.0]", "trainer.steps=3",
+                                       "[1.0] * len(completions)", "task.rewards.weights=[0.1, 1.0]", "trainer.steps=3",
                                        "trainer.export_model=false", "trainer.eval_samples=1")
     judged = rep["reward_functions"]["judged"]
     assert judged["failed"] > 0 and judged["mean"] == 1.0, judged  # failures counted, not averaged in as zeros
@@ -219,10 +220,11 @@ def test_a_reward_function_gets_trls_trainer_state_with_the_runs_step(tmp_path):
         "    return [trainer_state.global_step / 100.0] * len(completions)\n\n\n"
         "def any_kwargs(prompts, completions, **kwargs):\n"
         "    return [float(kwargs['trainer_state'].max_steps)] * len(completions)\n")
-    sets = [f"task.dataset='{data}'", f"task.dataset_cache_dir='{tmp_path / 'cache'}'", "task.heldout_fraction=0.25",
-            "task.heldout_prompts=4", f"task.reward_functions=['{tmp_path}/rewards.py:by_step', "
-            f"'{tmp_path}/rewards.py:any_kwargs']", "task.reward_weights=[1.0, 0.0]", "trainer.steps=3",
-            "trainer.export_model=false", "trainer.eval_samples=1", "task.reward_errors='fail'"]
+    sets = [f"task.data.path='{data}'", f"task.data.cache_dir='{tmp_path / 'cache'}'",
+            "task.data.heldout_fraction=0.25", "task.heldout_prompts=4",
+            f"task.rewards.functions=['{tmp_path}/rewards.py:by_step', '{tmp_path}/rewards.py:any_kwargs']",
+            "task.rewards.weights=[1.0, 0.0]", "trainer.steps=3",
+            "trainer.export_model=false", "trainer.eval_samples=1", "task.rewards.errors='fail'"]
     p = _run(tmp_path / "run", REPO / "configs/local.toml", *sets)
     assert p.returncode == 0, p.stderr[-3000:]
     metrics = _metrics(tmp_path / "run")
@@ -243,8 +245,8 @@ def test_a_short_prompt_of_many_tokens_is_refused_before_the_run_starts(tmp_path
     data.write_text("".join(json.dumps(r) + "\n" for r in rows + [short]))
     (tmp_path / "rewards.py").write_text(
         "def quoted(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
-    sets = [f"task.dataset='{data}'", f"task.dataset_cache_dir='{tmp_path / 'cache'}'", "task.heldout_fraction=0.1",
-            f"task.reward_functions=['{tmp_path}/rewards.py:quoted']", "trainer.steps=1", "trainer.export_model=false"]
+    sets = [f"task.data.path='{data}'", f"task.data.cache_dir='{tmp_path / 'cache'}'", "task.data.heldout_fraction=0.1",
+            f"task.rewards.functions=['{tmp_path}/rewards.py:quoted']", "trainer.steps=1", "trainer.export_model=false"]
     assert max(len(r["prompt"]) for r in rows) > 2 * len(short["prompt"])  # (far from the longest by characters)
     p = _run(tmp_path / "run", REPO / "configs/local.toml", *sets)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
@@ -256,7 +258,7 @@ def test_a_hub_dataset_that_cannot_be_read_is_refused_before_the_model_loads(tmp
     """Issue 57: every input check of a run before the model loads, a hub dataset id too (it is fetched when the task
     is made, which came after the model load). Through ``rlboost-hpc run``: a model directory whose config.json is
     there (the file checks pass) and whose weights are not a model, and a hub id the offline hub cannot give — exit 2
-    naming ``task.dataset``, not the model."""
+    naming ``task.data.path``, not the model."""
     import shutil
 
     model = tmp_path / "model"
@@ -265,23 +267,25 @@ def test_a_hub_dataset_that_cannot_be_read_is_refused_before_the_model_loads(tmp
         weights.write_bytes(b"not a model")
     (tmp_path / "rewards.py").write_text("def zero(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
     p = _run(tmp_path / "run", REPO / "configs/local.toml", f"model.path='{model}'",
-             "task.dataset='nobody-here/no-such-dataset'", f"task.dataset_cache_dir='{tmp_path / 'cache'}'",
-             f"task.reward_functions=['{tmp_path}/rewards.py:zero']", env={"HF_HUB_OFFLINE": "1"})
+             "task.data.path='nobody-here/no-such-dataset'", f"task.data.cache_dir='{tmp_path / 'cache'}'",
+             f"task.rewards.functions=['{tmp_path}/rewards.py:zero']", env={"HF_HUB_OFFLINE": "1"})
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
-    assert "task.dataset = nobody-here/no-such-dataset" in p.stderr and "safetensors" not in p.stderr, p.stderr[-2000:]
+    assert "task.data.path = nobody-here/no-such-dataset" in p.stderr, p.stderr[-2000:]
+    assert "safetensors" not in p.stderr, p.stderr[-2000:]
 
 
 def test_a_run_whose_every_group_was_left_out_is_a_failed_run(tmp_path):
-    """Issue 57: with ``task.reward_errors = skip`` a run whose judge failed every call left every GRPO group out,
+    """Issue 57: with ``task.rewards.errors = skip`` a run whose judge failed every call left every GRPO group out,
     trained nothing and exited 0. Through ``rlboost-hpc run``: exit 1 naming the responses left out and the
     function's failed calls, its report written (the counts are there to read)."""
     data = tmp_path / "stories.jsonl"
     data.write_text("".join(json.dumps({"prompt": o}) + "\n" for o in OPENINGS))
     (tmp_path / "rewards.py").write_text(
         "def judged(prompts, completions, **columns):\n    raise RuntimeError('the judge is down')\n")
-    sets = [f"task.dataset='{data}'", f"task.dataset_cache_dir='{tmp_path / 'cache'}'", "task.heldout_fraction=0.25",
-            "task.heldout_prompts=2", f"task.reward_functions=['{tmp_path}/rewards.py:judged']", "trainer.steps=1",
-            "trainer.export_model=false", "trainer.eval_samples=1"]
+    sets = [f"task.data.path='{data}'", f"task.data.cache_dir='{tmp_path / 'cache'}'",
+            "task.data.heldout_fraction=0.25", "task.heldout_prompts=2",
+            f"task.rewards.functions=['{tmp_path}/rewards.py:judged']", "trainer.steps=1", "trainer.export_model=false",
+            "trainer.eval_samples=1"]
     p = _run(tmp_path / "run", REPO / "configs/local.toml", *sets)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
     rep = json.loads((tmp_path / "run/report.json").read_text())
@@ -295,7 +299,8 @@ def test_a_weight_0_function_is_a_task_metric_logged_apart_from_the_reward(tmp_p
     logged (metrics.jsonl, report) and it never enters the reward; when it fails, the failure is counted but no
     group is left out (it is no reward term). Through ``rlboost-hpc run``."""
     rep, metrics = _quoted_and_failing(tmp_path, "words", "raise RuntimeError('the metric fails on this row')",
-                                       "[float(len(c.split())) for c in completions]", "task.reward_weights=[1.0, 0.0]",
+                                       "[float(len(c.split())) for c in completions]",
+                                       "task.rewards.weights=[1.0, 0.0]",
                                        "trainer.steps=2", "trainer.export_model=false", "trainer.eval_samples=2")
     assert rep["reward_functions"]["words"]["failed"] > 0 and rep["responses_left_out"] == 0, rep["reward_functions"]
     assert rep["responses_trained"] == 2 * 64 and rep["responses_lost"] == 0

@@ -23,7 +23,7 @@ from rlboost_hpc.manager.worklog import Frame as WorkFrame
 from rlboost_hpc.protocol.auth import RunKeys, max_msg_size, secure_server
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.errors import ProtocolError
-from rlboost_hpc.tasks.environment import calls_for
+from rlboost_hpc.tasks.environment import TurnSpec
 from rlboost_hpc.tasks.tools import TurnCalls
 
 if TYPE_CHECKING:
@@ -234,7 +234,7 @@ class ManagerService:
 
 def run_manager_process(bind: str, settings: ManagerSettings, conn, keys_dir: str | None = None,
                         metrics_host: str | None = None, journal_path: str | None = None,
-                        run_id: str | None = None, log_sink=None, environment: dict | None = None,
+                        run_id: str | None = None, log_sink=None, environment: TurnSpec | None = None,
                         work_log: str | None = None, restore: bool = False, metrics_port: int = 0) -> None:
     """Entry point of the manager process: serve, report the bound endpoint through ``conn`` (a Pipe end).
     With ``keys_dir`` (a run directory holding ``keys/keys.json``) every connection must prove the run's key.
@@ -242,9 +242,9 @@ def run_manager_process(bind: str, settings: ManagerSettings, conn, keys_dir: st
     ``work_log`` too, it journals the step in flight there (``manager/worklog.py``) and, when ``restore``, first
     continues what the log holds (``manager/restore.py``; a log of another run exits 2 naming the file).
     ``metrics_port``: the Prometheus port to take again (a restart; 0: a free one).
-    ``run_id`` tags its log lines. ``environment``: the arguments (``env``, ``workers``, ``timeout_s``) of the pool
-    that answers multi-turn trajectories' turns (:func:`~rlboost_hpc.tasks.environment.calls_for`: tool calls, or a
-    stateful environment's steps); None: single-turn only."""
+    ``run_id`` tags its log lines. ``environment``: what answers multi-turn trajectories' turns
+    (:class:`~rlboost_hpc.tasks.environment.TurnSpec`: tool calls, or a stateful environment's steps); None:
+    single-turn only."""
     from rlboost_hpc.observe.logs import LogSink, setup_logging_from
 
     setup_logging_from(log_sink or LogSink(), "manager", run_id=run_id)
@@ -285,7 +285,7 @@ def run_manager_process(bind: str, settings: ManagerSettings, conn, keys_dir: st
             h, port = serve_metrics(metrics, host=metrics_host)
         metrics_url = f"http://{h}:{port}/metrics"
     svc = ManagerService(core, bind, keys=RunKeys.load(keys_dir) if keys_dir else None, metrics=metrics,
-                         environment=calls_for(environment) if environment is not None else None, worklog=wlog)
+                         environment=environment.calls() if environment is not None else None, worklog=wlog)
     import signal
 
     # SIGTERM (the run stopping a manager no trainer ever said hello to): leave the loop, close the tool workers.
@@ -329,7 +329,7 @@ def _report_endpoint(conn, svc: ManagerService, metrics_url: str) -> bool:
 
 def spawn_manager(settings: ManagerSettings | None = None, bind: str = "tcp://127.0.0.1:0", timeout_s: float = 60.0,
                   keys_dir: str | None = None, metrics_host: str | None = None, journal_path: str | None = None,
-                  run_id: str | None = None, environment: dict | None = None, work_log: str | None = None,
+                  run_id: str | None = None, environment: TurnSpec | None = None, work_log: str | None = None,
                   restore: bool = False, metrics_port: int = 0):
     """Start the manager in its own (spawned) process with ``settings`` (:class:`ManagerSettings`; its defaults
     when None); ``environment``, ``work_log``, ``restore`` and ``metrics_port`` as in :func:`run_manager_process`.

@@ -199,8 +199,8 @@ class ManagerMetrics(SnapshotCollector):
         yield self._counter_by("rlboost_migrations_by_turn", "partial responses migrated, by the index of the "
                                "assistant turn they were in (0 = the first)", "turn", s.migrations_by_turn)
         yield self._counter_by("rlboost_responses_truncated", "finished responses cut by a budget, by cause (length: "
-                               "rollout.max_new_tokens; turn_cap: task.max_turns; trajectory_budget: "
-                               "task.max_trajectory_tokens; environment_error)", "cause", s.responses_truncated_by_cause)
+                               "rollout.max_new_tokens; turn_cap: task.turns.max; trajectory_budget: "
+                               "task.turns.max_tokens; environment_error)", "cause", s.responses_truncated_by_cause)
         yield from self._mismatch(s.last_step_mismatch)
         if s.last_step_rewards:  # a user's task (TRL's rewards/<name>)
             g = GaugeMetricFamily("rlboost_step_reward", "mean value of each reward function (and reward model) "

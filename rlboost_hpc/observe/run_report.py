@@ -1,7 +1,7 @@
 """The run's report (``RUN_DIR/report.json``): its schema and the one function that builds it.
 
 Schema (:class:`RunReport`; every key below is always present except the multi-turn ones, written only when
-``task.max_turns > 1``). Counts are integers, seconds floats, bytes integers:
+``task.turns.max > 1``). Counts are integers, seconds floats, bytes integers:
 
 - outcome: ``steps`` (step records written), ``resumes`` (times the run was resumed), ``resumed_from_step``
   (``null``: started fresh), held-out reward before/after training (``reward_heldout_*``: sampled; ``_greedy_``:
@@ -19,7 +19,7 @@ Schema (:class:`RunReport`; every key below is always present except the multi-t
   ``behaviour_level``, ``mask_truncated``), ``model_out`` (the exported model directory, or ``null``),
   ``model`` (path, architecture, parameters, chat template, devices), ``examples_after`` (held-out samples).
 - exactly-once: ``responses_trained``, ``responses_left_out`` (of groups a reward component failed on: not trained,
-  ``task.reward_errors = skip``), ``responses_lost`` (expected − trained − left out), ``responses_duplicated``,
+  ``task.rewards.errors = skip``), ``responses_lost`` (expected − trained − left out), ``responses_duplicated``,
   ``prompts_not_trained_exactly_once``, ``tokens_trained``, ``tokens_trained_off_version`` (must be 0),
   ``tokens_masked_too_stale`` (bounded staleness: tokens older than k versions, loss-masked; must be 0),
   ``off_version_tokens_rejected``, ``late_tokens_dropped``; ``max_staleness`` (k; 0 = strict on-policy) and
@@ -339,7 +339,7 @@ def quality_gate(kl: float, repetition: float, max_kl: float, max_repetition: fl
 
 
 def _multi_turn_summary(steps: list[dict], stats: ManagerStats, train_wall_s: float) -> dict[str, Any]:
-    """The multi-turn keys of the report (``task.max_turns > 1``)."""
+    """The multi-turn keys of the report (``task.turns.max > 1``)."""
     turns = [m["turns_mean"] for m in steps if "turns_mean" in m]
     return dict(
         turns_per_trajectory_mean=sum(turns) / len(turns) if turns else 0.0,

@@ -28,8 +28,8 @@ FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
 FINISH_CODES = {"stop": FINISH_STOP, "length": FINISH_LENGTH}
 #: Why a delivered response (a single-turn response or a whole trajectory) ended, its ``Response.finish_reason``:
 #: ``stop`` (a stop token of the model) or a truncation, by cause — ``length``: an assistant turn reached
-#: ``rollout.max_new_tokens``; ``turn_cap``: the last turn ``task.max_turns`` allows ended with a tool call that is
-#: never answered; ``trajectory_budget``: ``task.max_trajectory_tokens`` left no room (a turn cut short, a tool call
+#: ``rollout.max_new_tokens``; ``turn_cap``: the last turn ``task.turns.max`` allows ended with a tool call that is
+#: never answered; ``trajectory_budget``: ``task.turns.max_tokens`` left no room (a turn cut short, a tool call
 #: or an observation that did not fit); ``environment_error``: the environment could not answer a tool call at all
 #: (not even with an error observation).
 TRUNCATION_CAUSES = ("length", "turn_cap", "trajectory_budget", "environment_error")

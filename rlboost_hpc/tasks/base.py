@@ -81,13 +81,13 @@ class Task(abc.ABC):
     #: checked before a run loads anything heavy (:func:`task_data_files`).
     data_files: tuple[str, ...] = ()
     #: the task tells the policy how to call its tool, in the run's syntax: it is built with ``tool_syntax=`` (a
-    #: :class:`~rlboost_hpc.tasks.tools.ToolSyntax` of ``task.tool_call_open`` / ``task.tool_call_close``).
+    #: :class:`~rlboost_hpc.tasks.tools.ToolSyntax` of ``task.turns.tool_call_open`` / ``task.turns.tool_call_close``).
     takes_tool_syntax: ClassVar[bool] = False
     #: the reward's components, each scored on its own with its own deadline (a user's task: its functions, reward
     #: model and environment, :class:`~rlboost_hpc.tasks.user_rewards.RewardComponent`); empty: :meth:`reward` is
     #: the one component.
     components: Sequence[Any] = ()
-    #: what a failed component does (``task.reward_errors``): ``"skip"`` (counted, its group left out of the step)
+    #: what a failed component does (``task.rewards.errors``): ``"skip"`` (counted, its group left out of the step)
     #: or ``"fail"`` (the run stops naming it).
     reward_errors: Literal["skip", "fail"] = "skip"
 

@@ -86,7 +86,7 @@ def _check_rewards(task: Any, pool: Any, out) -> None:
         on_empty = [v for (p, x), v in zip(items, vals) if x == ""]
         print(f"reward {c.name} ({c.kind}, weight {c.weight:g}): gold answer {on_gold or 'no gold column'}, "
               f"empty completion {on_empty}", file=out)
-    print(f"seconds per reward call: {per_call:.3f} (deadline {task.cfg.reward_timeout_s:g} s per function call)",
+    print(f"seconds per reward call: {per_call:.3f} (deadline {task.cfg.rewards.timeout_s:g} s per function call)",
           file=out)
 
 
@@ -96,31 +96,32 @@ def _check_environment(cfg: Any, task: Any, policy: Any, out) -> None:
     from rlboost_hpc.tasks.environment import EnvironmentCalls, EnvironmentRunner, TurnCall, row_json
 
     t, tok = cfg.task, policy.tokenizer
+    env = f"task.environment.class_path = {t.environment.class_path!r}"
     prompts = list(task.train_prompts()[:3])
     rows = [row_json(task.row_of(p)) for p in prompts]
-    runner = EnvironmentRunner(t.environment, tokenizer_dir=str(policy.path), use_chat=tok.use_chat,
-                               stop_ids=tuple(tok.stop_ids), plain_format=t.tool_plain_format,
-                               max_observation_tokens=t.max_observation_tokens)
-    calls = EnvironmentCalls(runner, workers=1, timeout_s=t.tool_timeout_s)
+    runner = EnvironmentRunner(t.environment.class_path, tokenizer_dir=str(policy.path), use_chat=tok.use_chat,
+                               stop_ids=tuple(tok.stop_ids), plain_format=t.turns.plain_format,
+                               max_observation_tokens=t.turns.max_observation_tokens)
+    calls = EnvironmentCalls(runner, workers=1, timeout_s=t.turns.timeout_s)
     try:
         names = [f"row {p.pid}" for p in prompts]
         first, again = calls.reset_all(rows, names), calls.reset_all(rows, names)
         for p, a, b in zip(prompts, first, again):
             if a != b:
-                raise TaskCheckFailed(f"task.environment = {t.environment!r}: reset(row) of row {p.pid} gave {a!r}, "
+                raise TaskCheckFailed(f"{env}: reset(row) of row {p.pid} gave {a!r}, "
                                       f"then {b!r}: an environment must be deterministic (seed it from the row)")
             print(f"environment {task.environment_class}: first observation of row {p.pid}: {a!r}", file=out)
         seen = []
         for n in range(2):
             o = calls.observe_all({n: TurnCall(f"check/{n}", 0, b"", rows[0], first[0])})[n]
             if o.status != "ok":
-                raise TaskCheckFailed(f"task.environment = {t.environment!r}: step('') on row {prompts[0].pid} "
+                raise TaskCheckFailed(f"{env}: step('') on row {prompts[0].pid} "
                                       f"failed ({o.status}): {o.error}")
             seen.append((tok.hf.decode(o.obs_ids, skip_special_tokens=False), o.reward, o.done))
     finally:
         calls.close()
     if seen[0] != seen[1]:
-        raise TaskCheckFailed(f"task.environment = {t.environment!r}: step('') on row {prompts[0].pid} gave "
+        raise TaskCheckFailed(f"{env}: step('') on row {prompts[0].pid} gave "
                               f"{seen[0]}, then {seen[1]}: an environment must be deterministic")
     obs, reward, done = seen[0]
     print(f"environment {task.environment_class}: step('') on row {prompts[0].pid}: reward {reward:g}, done {done}, "
@@ -161,7 +162,7 @@ def _check_procedural(cfg: Any, out) -> None:
     prompts = task.train_prompts()[:TRY_ROWS]
     golds = [f"<{rg.answer_tag}>{p.meta['answer']}</{rg.answer_tag}>" if rg.answer_tag else p.meta["answer"]
              for p in prompts]
-    with RewardPool(task, workers=1, timeout_s=cfg.task.reward_timeout_s) as pool:
+    with RewardPool(task, workers=1, timeout_s=cfg.task.rewards.timeout_s) as pool:
         scored = pool.score([(p, g) for p, g in zip(prompts, golds)] + [(p, "") for p in prompts])
     on_gold, on_empty = scored.rewards[:len(prompts)], scored.rewards[len(prompts):]
     print(f"reward (reasoning-gym's score_answer): gold answer {on_gold}, empty completion {on_empty}", file=out)
@@ -179,12 +180,12 @@ def check_task(cfg: Any, out=sys.stdout) -> None:
     """
     from rlboost_hpc.tasks.user_task import UserTask
 
-    if cfg.task.reasoning_gym is not None:
+    if cfg.task.kind == "reasoning_gym":
         return _check_procedural(cfg, out)
-    if not cfg.task.dataset:
-        raise TaskCheckFailed("task check is for your own task: set task.dataset (and its rewards) or "
+    if cfg.task.kind != "own":
+        raise TaskCheckFailed("task check is for your own task: set task.data.path (and its rewards) or "
                               "task.reasoning_gym")
-    cfg.task.reward_errors = "fail"  # the first failure names its function and row
+    cfg.task.rewards.errors = "fail"  # the first failure names its function and row
     policy = _policy(cfg)
     task = UserTask(cfg.task).load()
     try:
@@ -209,8 +210,8 @@ def _check_loaded(cfg: Any, task: Any, policy: Any, out) -> None:
     _check_lengths(cfg, task, policy, out)
     secs = task.check_endpoint()
     if secs:
-        print(f"reward model {cfg.task.reward_model.url}: answered in {secs:.3f} s", file=out)
-    with RewardPool(task, workers=cfg.task.reward_workers, timeout_s=cfg.task.reward_timeout_s) as pool:
+        print(f"reward model {cfg.task.rewards.model.url}: answered in {secs:.3f} s", file=out)
+    with RewardPool(task, workers=cfg.task.rewards.workers, timeout_s=cfg.task.rewards.timeout_s) as pool:
         try:
             _check_rewards(task, pool, out)
         except RewardFunctionFailed as e:

@@ -67,7 +67,7 @@ _SUFFIX_KIND = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".
                 ".csv": "csv"}
 
 
-def resolve_source(spec: str, split: str = "train", key: str = "task.dataset") -> DatasetSource:
+def resolve_source(spec: str, split: str = "train", key: str = "task.data.path") -> DatasetSource:
     """The :class:`DatasetSource` ``spec`` names.
 
     Raises:

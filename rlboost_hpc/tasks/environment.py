@@ -3,7 +3,7 @@ tool processes of the trainer's allocation (never on a rollout worker), rebuilt 
 
 A user's environment is a class constructible without arguments, with two methods:
 
-* ``reset(row) -> observation``: ``row`` is the prompt's row of ``task.dataset`` (a dict of its columns, the prompt
+* ``reset(row) -> observation``: ``row`` is the prompt's row of ``task.data.path`` (a dict of its columns, the prompt
   column included, as JSON gives them); the observation (a string; anything else is written as JSON) is appended to
   the prompt's last user message — every trajectory of a GRPO group starts from it;
 * ``step(assistant_turn) -> (observation, reward, done)``: ``assistant_turn`` is the text of the assistant turn
@@ -14,7 +14,7 @@ A user's environment is a class constructible without arguments, with two method
 ``async def`` methods are awaited; a ``close()`` method, if any, is called exactly once per instance, on every way
 its trajectory ends: ``done``, the last turn, a failed step, no room left for the observation (the manager releases
 it), an instance evicted or found stale, a replay that diverged, a step past its deadline (its tool process is
-stopped: SIGTERM, and ``close()`` runs for every instance it held, within ``task.tool_timeout_s`` before SIGKILL), the
+stopped: SIGTERM, and ``close()`` runs for every instance it held, within ``task.turns.timeout_s`` before SIGKILL), the
 run's end and the manager's death (its tool processes close what they hold as they exit).
 
 Invariants:
@@ -25,14 +25,14 @@ Invariants:
   replaying ``reset(row)`` and every earlier turn, and checks that each replayed observation, reward and ``done``
   equal what the trajectory holds: any difference is status ``diverged``, which fails the step with the first
   difference named rather than training on another history.
-- **Deadlines.** Each call runs under ``task.tool_timeout_s`` per environment call it may make: a call whose
+- **Deadlines.** Each call runs under ``task.turns.timeout_s`` per environment call it may make: a call whose
   instance is live makes one; one that rebuilds it makes ``2 + earlier turns`` (reset, the replayed steps, this
   step). A call past its deadline kills its worker (every instance it held is rebuilt on its next call) and is status
   ``timeout``.
 - **Failures are data.** A class without ``reset(row)`` / ``step(assistant_turn)`` is a
   :class:`~rlboost_hpc.tasks.user_code.UserCodeError` (exit 2) naming ``task.environment``, before anything starts.
   A ``reset`` or ``step`` that raises, or a ``step`` that returns anything but ``(observation, finite number,
-  bool)``, is status ``error`` with the cause; the trajectory ends (``environment_error``) and ``task.reward_errors``
+  bool)``, is status ``error`` with the cause; the trajectory ends (``environment_error``) and ``task.rewards.errors``
   decides (the trainer: the trajectory's GRPO group is left out of the step, or the run stops naming it).
 """
 from __future__ import annotations
@@ -55,7 +55,7 @@ from rlboost_hpc.tasks.tools import Observation, ToolCalls, TurnCalls, render_ob
 from rlboost_hpc.tasks.user_code import UserCodeError, load_object
 
 __all__ = ["EnvironmentCalls", "EnvironmentResetFailed", "EnvironmentRunner", "StepOutcome", "TurnCall",
-           "calls_for", "load_environment", "observation_text", "row_json"]
+           "TurnSpec", "load_environment", "observation_text", "row_json"]
 
 KEY = "task.environment"
 
@@ -456,15 +456,25 @@ class EnvironmentCalls(TurnCalls):
         done = self.pool.run_all([("reset", r) for r in rows])
         for c, name in zip(done, names):
             if c.status != CallStatus.OK:
-                why = f"ran past the {self.timeout_s:g} s deadline (task.tool_timeout_s)" if (
+                why = f"ran past the {self.timeout_s:g} s deadline (task.turns.timeout_s)" if (
                     c.status == CallStatus.TIMEOUT) else c.error
                 raise EnvironmentResetFailed(f"{KEY} = {self.pool.handler.ref!r}: reset(row) of {name} failed: {why}")
         return [c.value for c in done]
 
 
-def calls_for(environment: dict) -> TurnCalls:
-    """The pool that answers a multi-turn task's turns from its arguments (``env``, ``workers``, ``timeout_s``): a
-    stateful environment's (``env`` an :class:`EnvironmentRunner`) or the tools' (a
-    :class:`~rlboost_hpc.tasks.tools.ToolEnvironment`)."""
-    cls = EnvironmentCalls if isinstance(environment["env"], EnvironmentRunner) else ToolCalls
-    return cls(**environment)
+@dataclass(frozen=True)
+class TurnSpec:
+    """What answers a multi-turn task's turns, as the run hands it to the manager's process (picklable): ``env`` —
+    a stateful environment (:class:`EnvironmentRunner`, ``task.environment``) or the tools
+    (:class:`~rlboost_hpc.tasks.tools.ToolEnvironment`) —, its processes (``task.turns.workers``) and the deadline
+    of one call, seconds (``task.turns.timeout_s``)."""
+
+    env: Any  # EnvironmentRunner | ToolEnvironment
+    workers: int
+    timeout_s: float
+
+    def calls(self) -> TurnCalls:
+        """A new pool of ``workers`` processes that answers the turns (the caller closes it):
+        :class:`EnvironmentCalls` for an environment, :class:`~rlboost_hpc.tasks.tools.ToolCalls` for tools."""
+        cls = EnvironmentCalls if isinstance(self.env, EnvironmentRunner) else ToolCalls
+        return cls(env=self.env, workers=self.workers, timeout_s=self.timeout_s)

@@ -373,10 +373,10 @@ class GSM8KTask(Task):
 
 
 class GSM8KToolTask(GSM8KTask):
-    """GSM8K with a calculator (multi-turn: ``task.max_turns`` > 1): the prompt tells the policy how to call the
+    """GSM8K with a calculator (multi-turn: ``task.turns.max`` > 1): the prompt tells the policy how to call the
     calculator — ``<open>{"name": "calculator", "arguments": {"expression": "..."}}<close>`` with the run's
-    ``task.tool_call_open`` / ``task.tool_call_close`` (``tool_syntax``, which the run builds it with; None: the
-    default syntax) — and to give the final answer in ``\\boxed{}``. Prompts, splits and reward are
+    ``task.turns.tool_call_open`` / ``task.turns.tool_call_close`` (``tool_syntax``, which the run builds it with;
+    None: the default syntax) — and to give the final answer in ``\\boxed{}``. Prompts, splits and reward are
     :class:`GSM8KTask`'s; the reward reads the trajectory's final assistant turn."""
 
     name = "gsm8k_tools"

@@ -1,4 +1,4 @@
-"""A reward model or an LLM judge behind HTTP, called from the reward processes (``task.reward_model``).
+"""A reward model or an LLM judge behind HTTP, called from the reward processes (``task.rewards.model``).
 
 Two kinds of endpoint:
 
@@ -61,7 +61,7 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001 - urllib's signature
         raise RewardModelError(f"{req.full_url} redirected (HTTP {code}) to {newurl}: not followed — the API key "
-                               "and the rewards go to and come from the configured task.reward_model.url only")
+                               "and the rewards go to and come from the configured task.rewards.model.url only")
 
 
 _OPENER = urllib.request.build_opener(_NoRedirect)
@@ -82,7 +82,7 @@ def _scores_of(answer: Any, n: int) -> list[float]:
 
 @dataclass(frozen=True)
 class RewardModelClient:
-    """The client of one endpoint (see the module docstring), configured by ``cfg`` (``task.reward_model``: the one
+    """The client of one endpoint (see the module docstring), configured by ``cfg`` (``task.rewards.model``: the one
     home of its fields and defaults). Picklable: each reward process builds its own connections."""
 
     cfg: RewardModelCfg
@@ -103,7 +103,7 @@ class RewardModelClient:
             key = os.environ.get(self.cfg.api_key_env)
             if not key:
                 raise RewardModelError(f"the environment variable {self.cfg.api_key_env} "
-                                       "(task.reward_model.api_key_env) is not set")
+                                       "(task.rewards.model.api_key_env) is not set")
             h["Authorization"] = f"Bearer {key}"
         return h
 
@@ -156,7 +156,7 @@ class RewardModelClient:
             raise RewardModelError(f"{what} {str(value)[:40]!r} is not a number") from None
         if not (lo <= v <= hi):  # (NaN fails too)
             raise RewardModelError(f"{what} {v:g} is outside the declared scale [{lo:g}, {hi:g}] "
-                                   "(task.reward_model.score_min / score_max): a failed call, not a reward")
+                                   "(task.rewards.model.score_min / score_max): a failed call, not a reward")
         return v
 
     def score(self, prompt: Any, completions: Sequence[str]) -> list[float]:

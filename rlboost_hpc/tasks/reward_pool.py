@@ -14,10 +14,10 @@ deadline is larger than honest answers need).
 
 A user's task (:class:`~rlboost_hpc.tasks.user_task.UserTask`) has reward *components* — its reward functions and
 its reward model —, and :meth:`RewardPool.score` runs one pool call per (group, component), each under the
-component's deadline (a function's: ``task.reward_timeout_s`` per group; the reward model's: its requests' budget).
+component's deadline (a function's: ``task.rewards.timeout_s`` per group; the reward model's: its requests' budget).
 A call that raises, times out, or returns bad values (:class:`~rlboost_hpc.tasks.user_rewards.RewardOutputError`)
 is counted against that component (:attr:`RewardPool.tallies`), its first failure logged once with the row, and
-``task.reward_errors`` decides: ``skip`` (its values are ``None`` and the answers are marked failed,
+``task.rewards.errors`` decides: ``skip`` (its values are ``None`` and the answers are marked failed,
 :attr:`~rlboost_hpc.tasks.base.Scored.failed`: the trainer leaves their GRPO group out of the step — a failed
 component is never a zero, and the group's advantages are never built from the components left) or ``fail``
 (:class:`RewardFunctionFailed`, exit 1 naming the function). A completion's reward is the weighted sum of its
@@ -44,7 +44,7 @@ log = logging.getLogger("rlboost.rewards")
 
 
 class RewardFunctionFailed(RunFailed, RuntimeError):
-    """A reward component failed and ``task.reward_errors = fail``: the run stops (exit 1) naming it."""
+    """A reward component failed and ``task.rewards.errors = fail``: the run stops (exit 1) naming it."""
 
 
 @dataclass
@@ -111,7 +111,7 @@ class RewardPool:
     Args:
         task: a picklable :class:`~rlboost_hpc.tasks.base.Task` (sent to each worker once).
         workers: processes (≥ 1).
-        timeout_s: per-answer deadline, seconds (> 0; ``task.reward_timeout_s``).
+        timeout_s: per-answer deadline, seconds (> 0; ``task.rewards.timeout_s``).
 
     Raises:
         ValueError: ``workers < 1`` or ``timeout_s <= 0``.
@@ -157,7 +157,7 @@ class RewardPool:
             progress: the run's step (TRL's ``trainer_state`` for the functions that take it); None: outside a step.
 
         Raises:
-            RewardFunctionFailed: a component failed and ``task.reward_errors = fail``.
+            RewardFunctionFailed: a component failed and ``task.rewards.errors = fail``.
             ValueError: the task has an environment and ``environment`` is not one entry per pair.
         """
         items = list(items)
@@ -237,14 +237,14 @@ class RewardPool:
         return out
 
     def _failure(self, comp, prompt: Any, why: str) -> None:
-        """Log a component's first failure with its row; stop the run under ``task.reward_errors = fail``."""
+        """Log a component's first failure with its row; stop the run under ``task.rewards.errors = fail``."""
         t = self.tallies[comp.name]
         if t.failed + t.timed_out == 1 or self.errors == "fail":
             row = json.dumps({"prompt": prompt.text[:200], **prompt.meta}, default=str)[:600]
             log.warning("reward %s (%s) failed on prompt %s: %s; row: %s", comp.name, comp.key, prompt.pid, why, row)
         if self.errors == "fail":
             raise RewardFunctionFailed(f"reward {comp.name} ({comp.key}) failed on prompt {prompt.pid}: {why} "
-                                       "(task.reward_errors = fail)")
+                                       "(task.rewards.errors = fail)")
 
     def _values(self, comp, call: _GroupCall, res) -> list[float | None] | None:
         """The component's values of one call; None when it failed (counted, logged once, handled per policy)."""

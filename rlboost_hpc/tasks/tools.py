@@ -10,7 +10,7 @@ trainer's allocation, never on a preemptible instance). One environment step (:c
    ...}}`` (the Hermes / Qwen style; ``arguments`` also as a JSON string, OpenAI's style, or ``parameters``; the
    OpenAI ``{"type": "function", "function": {...}}`` element; a number or a string as the expression:
    :func:`parse_tool_call`) or the bare expression;
-3. run the tool the call names — one of the environment's tools (``task.tools``: a user's plain Python functions,
+3. run the tool the call names — one of the environment's tools (``task.turns.tools``: a user's plain Python functions,
    several per task; by default the calculator, :func:`calculator` — :func:`calculate`, a well-kept safe evaluator,
    never ``eval``) with the call's arguments by name (:func:`call_tool`); a malformed call, an unknown tool, wrong
    arguments or a failing tool yields an error text, never an exception;
@@ -179,7 +179,7 @@ def calculator(expression: str) -> str:
     return calculate(calculator_expression({"expression": expression}))
 
 
-#: The built-in tools by ``task.tool`` name (references as ``task.tools`` takes them).
+#: The built-in tools by ``task.turns.tool`` name (references as ``task.turns.tools`` takes them).
 BUILTIN_TOOLS = {"calculator": "rlboost_hpc.tasks.tools:calculator"}
 
 
@@ -231,7 +231,7 @@ class ToolEnvironment:
         tokenizer_dir: the policy's model directory (its tokenizer: the one the policy generates with).
         use_chat: render observations through the tokenizer's chat template (as the prompts were).
         syntax: the tool-call syntax.
-        tools: the tools, as ``module:function`` / ``file.py:function`` references (``task.tools``; the calculator
+        tools: the tools, as ``module:function`` / ``file.py:function`` references (``task.turns.tools``; the calculator
             by default): a call names one by its function's name.
         plain_format: the observation text without a chat template (``{result}`` is replaced).
         max_observation_tokens: a tool result longer than this many tokens is cut (its rendering keeps the
@@ -259,7 +259,7 @@ class ToolEnvironment:
         if self._fns is None:
             from rlboost_hpc.tasks.user_code import load_object
 
-            fns = [load_object(ref, f"task.tools[{i}]") for i, ref in enumerate(self.tools)]
+            fns = [load_object(ref, f"task.turns.tools[{i}]") for i, ref in enumerate(self.tools)]
             self._fns = {getattr(f, "__name__", ref.rpartition(":")[2]): f for f, ref in zip(fns, self.tools)}
 
     def __getstate__(self) -> dict:

@@ -1,21 +1,22 @@
-"""Your own task (``task.dataset``): prompts from your file, rewards from your functions, a judge, your tools.
+"""Your own task (``task.data.path``): prompts from your file, rewards from your functions, a judge, your tools.
 
 :class:`UserTask` is a :class:`~rlboost_hpc.tasks.base.Task` built from the ``task.*`` keys. Invariants:
-- Prompts: the ``task.prompt_field`` column is a string or a chat message list ``[{role, content}, ...]``; every
+- Prompts: the ``task.data.prompt_field`` column is a string or a chat message list ``[{role, content}, ...]``; every
   other column of the row is the prompt's ``meta`` and travels to the reward. With a chat template the prompt is
-  rendered as messages (``task.system_prompt`` first unless the list has a system message; the tools' JSON schemas
+  rendered as messages (``task.data.system_prompt`` first unless the list has a system message; the tools' JSON schemas
   through the template's ``tools=``); without one, as plain text: the system prompt, the tools' preamble and the
   messages' contents, separated by blank lines.
 - Ids and splits: a prompt's id is its row's content hash (:mod:`rlboost_hpc.tasks.dataset`). The held-out prompts
-  are ``task.heldout_dataset``'s rows (those also in ``task.dataset`` leave the training split), else the rows whose
-  content hash, mixed with ``task.split_seed``, falls in ``task.heldout_fraction`` — so an appended or reshuffled file
-  keeps each row's side. Both splits keep file order; training uses every row unless ``task.train_prompts`` is set
-  explicitly (then its first rows), evaluation the first ``task.heldout_prompts`` held-out rows.
+  are ``task.data.heldout_path``'s rows (those also in ``task.data.path`` leave the training split), else the rows
+  whose content hash, mixed with ``task.data.split_seed``, falls in ``task.data.heldout_fraction`` — so an appended
+  or reshuffled file keeps each row's side. Both splits keep file order; training uses every row unless
+  ``task.train_prompts`` is set explicitly (then its first rows), evaluation the first ``task.heldout_prompts``
+  held-out rows.
 - A stateful environment (``task.environment``, :mod:`rlboost_hpc.tasks.environment`): its ``reset(row)`` runs once
-  per prompt in a tool process of this one, under ``task.tool_timeout_s``, and its observation is appended to the
+  per prompt in a tool process of this one, under ``task.turns.timeout_s``, and its observation is appended to the
   prompt's last user message; :meth:`UserTask.environment_of` gives the row and that observation to each group (the
   manager's tool processes start every trajectory's instance from them). Its return is the reward component of kind
-  ``environment`` (weight: ``task.reward_weights``' last entry).
+  ``environment`` (weight: ``task.rewards.weights``' last entry).
 - The data set is memory-mapped: the training split is a lazy sequence (:class:`PromptRows`) whose prompts are read
   when the data frontier takes them; pickling the task (to the reward processes) carries no rows.
 - Bad input — a missing or wrongly typed prompt column, an empty prompt, an unusable reward function, a judge
@@ -87,7 +88,7 @@ class UserTask(Task):
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
-        self.prompt_field = cfg.prompt_field
+        self.prompt_field = cfg.data.prompt_field
         self.components: list[RewardComponent] = []
         self.tool_schemas: list[dict] = []
         self.tool_preamble = ""
@@ -101,44 +102,45 @@ class UserTask(Task):
     # ------------------------------------------------------------------ loading
     def load(self) -> "UserTask":
         """Read (or reuse the prepared copy of) the data sets, split them, import and check the reward functions."""
-        c = self.cfg
-        self.table = open_prepared(c.dataset, split=c.dataset_split, key="task.dataset", cache_dir=c.dataset_cache_dir)
-        self._check_prompt_column(self.table, "task.dataset")
+        c, d = self.cfg, self.cfg.data
+        self.table = open_prepared(d.path, split=d.split, key="task.data.path", cache_dir=d.cache_dir)
+        self._check_prompt_column(self.table, "task.data.path")
         everything = np.arange(len(self.table), dtype=np.int64)
-        if c.heldout_dataset:
-            self.heldout_table = open_prepared(c.heldout_dataset, split=c.heldout_split, key="task.heldout_dataset",
-                                               cache_dir=c.dataset_cache_dir)
-            self._check_prompt_column(self.heldout_table, "task.heldout_dataset")
+        if d.heldout_path:
+            self.heldout_table = open_prepared(d.heldout_path, split=d.heldout_split, key="task.data.heldout_path",
+                                               cache_dir=d.cache_dir)
+            self._check_prompt_column(self.heldout_table, "task.data.heldout_path")
             held = np.arange(len(self.heldout_table), dtype=np.int64)
             overlap = self.table.pid_in(self.heldout_table)
             if overlap.any():
-                log.warning("%d rows of task.dataset are also in task.heldout_dataset: they are held out only",
+                log.warning("%d rows of task.data.path are also in task.data.heldout_path: they are held out only",
                             int(overlap.sum()))
             train = everything[~overlap]
         else:
-            mask = heldout_draw(self.table.hashes(), c.split_seed) < c.heldout_fraction
+            mask = heldout_draw(self.table.hashes(), d.split_seed) < d.heldout_fraction
             train, held = everything[~mask], everything[mask]
         if len(held) == 0:
-            raise DatasetError(f"no held-out prompts: task.heldout_fraction = {c.heldout_fraction} of "
-                               f"{len(self.table)} rows; set task.heldout_dataset or a larger fraction")
+            raise DatasetError(f"no held-out prompts: task.data.heldout_fraction = {d.heldout_fraction} of "
+                               f"{len(self.table)} rows; set task.data.heldout_path or a larger fraction")
         if len(train) == 0:
-            raise DatasetError("task.dataset: no training prompts left after the held-out split")
+            raise DatasetError("task.data.path: no training prompts left after the held-out split")
         if "train_prompts" in c.model_fields_set:
             train = train[: c.train_prompts]
         self._train, self._heldout = train, held[: c.heldout_prompts]
         self.components = self._components()
-        if c.tools:
+        if c.turns.tools:
             from rlboost_hpc.tasks.tools import ToolSyntax
             from rlboost_hpc.tasks.user_tools import load_tools, tool_preamble
 
-            self.tool_schemas = [schema for _, _, schema in load_tools(c.tools)]
-            self.tool_preamble = tool_preamble(self.tool_schemas, ToolSyntax(c.tool_call_open, c.tool_call_close))
+            t = c.turns
+            self.tool_schemas = [schema for _, _, schema in load_tools(t.tools)]
+            self.tool_preamble = tool_preamble(self.tool_schemas, ToolSyntax(t.tool_call_open, t.tool_call_close))
         return self
 
     def _environment_component(self, weight: float, names: set[str]) -> RewardComponent:
         from rlboost_hpc.tasks.environment import load_environment
 
-        name = self.environment_class = load_environment(self.cfg.environment).__name__
+        name = self.environment_class = load_environment(self.cfg.environment.class_path).__name__
         while name in names:
             name += "_"
         return RewardComponent(name=name, weight=weight, kind="environment", key="task.environment")
@@ -146,8 +148,8 @@ class UserTask(Task):
     def _check_prompt_column(self, table: PromptTable, key: str) -> None:
         pf = self.prompt_field
         if pf not in table.columns:
-            raise DatasetError(f"task.prompt_field = {pf!r}: {key} ({table.source}) has no column {pf!r} (columns: "
-                               f"{', '.join(table.columns)})")
+            raise DatasetError(f"task.data.prompt_field = {pf!r}: {key} ({table.source}) has no column {pf!r} "
+                               f"(columns: {', '.join(table.columns)})")
         st = table.stats.get(pf, {})
         t = st.get("type", "")
         if t not in ("string", "large_string") and not _is_messages_type(t):
@@ -159,11 +161,11 @@ class UserTask(Task):
                                f"{st.get('first_bad_row')} of {table.source}")
 
     def _components(self) -> list[RewardComponent]:
-        c, out, names = self.cfg, [], set()
+        c, out, names = self.cfg.rewards, [], set()
         columns = [x for x in self.table.columns if x != self.prompt_field]
-        weights = list(c.reward_weights) if c.reward_weights is not None else None
-        for i, ref in enumerate(c.reward_functions):
-            key = f"task.reward_functions[{i}]"
+        weights = list(c.weights) if c.weights is not None else None
+        for i, ref in enumerate(c.functions):
+            key = f"task.rewards.functions[{i}]"
             fn = load_object(ref, key)
             kind, accepts = classify(fn, ref, key, columns)
             name = getattr(fn, "__name__", ref.rpartition(":")[2])
@@ -172,12 +174,12 @@ class UserTask(Task):
             names.add(name)
             out.append(RewardComponent(name=name, weight=weights[i] if weights else 1.0, kind=kind, ref=ref, key=key,
                                        accepts=accepts, is_async=inspect.iscoroutinefunction(fn),
-                                       timeout_s=c.reward_timeout_s))
-        n = len(c.reward_functions)
-        if c.reward_model is not None:
-            out.append(self._model_component(columns, weights[n] if weights else c.reward_model.weight, names))
+                                       timeout_s=c.timeout_s))
+        n = len(c.functions)
+        if c.model is not None:
+            out.append(self._model_component(columns, weights[n] if weights else c.model.weight, names))
             names.add(out[-1].name)
-        if c.environment:
+        if self.cfg.environment is not None:
             out.append(self._environment_component(weights[-1] if weights else 1.0, names))
         return out
 
@@ -186,18 +188,18 @@ class UserTask(Task):
 
         from rlboost_hpc.tasks.reward_model import RewardModelClient
 
-        rm = self.cfg.reward_model
+        rm = self.cfg.rewards.model
         if rm.kind == "judge":
             known = {"prompt", "completion", *columns}
             for _, field, _, _ in string.Formatter().parse(rm.prompt_template):
                 if field is not None and field.split(".")[0].split("[")[0] not in known:
-                    raise BadInput(f"task.reward_model.prompt_template names {{{field}}}, which is no column of "
-                                   f"task.dataset (columns: {', '.join(columns)}) nor prompt/completion")
+                    raise BadInput(f"task.rewards.model.prompt_template names {{{field}}}, which is no column of "
+                                   f"task.data.path (columns: {', '.join(columns)}) nor prompt/completion")
         if rm.api_key_env and not os.environ.get(rm.api_key_env):
-            raise BadInput(f"task.reward_model.api_key_env = {rm.api_key_env}: that environment variable is not set")
+            raise BadInput(f"task.rewards.model.api_key_env = {rm.api_key_env}: that environment variable is not set")
         client = RewardModelClient(rm)
         name = rm.name if rm.name not in names else rm.name + "_"
-        return RewardComponent(name=name, weight=weight, kind="model", key="task.reward_model",
+        return RewardComponent(name=name, weight=weight, kind="model", key="task.rewards.model",
                                timeout_s=client.call_budget_s(), model=client)
 
     def check_endpoint(self) -> float:
@@ -218,7 +220,7 @@ class UserTask(Task):
         try:
             comp.model.score(self.train_prompts()[0], [""])
         except RewardModelError as e:
-            raise BadInput(f"task.reward_model.url = {comp.model.url}: {e}") from None
+            raise BadInput(f"task.rewards.model.url = {comp.model.url}: {e}") from None
         return time.monotonic() - t0
 
     def longest_prompt(self, tokenizer) -> tuple[int, Prompt]:
@@ -236,7 +238,7 @@ class UserTask(Task):
 
         hf = tokenizer.hf
         render = [getattr(hf, "name_or_path", ""), len(hf), tokenizer.use_chat, getattr(hf, "chat_template", None),
-                  self.prompt_field, self.cfg.system_prompt, self.tool_schemas, self.tool_preamble,
+                  self.prompt_field, self.cfg.data.system_prompt, self.tool_schemas, self.tool_preamble,
                   self.heldout_table.fingerprint if self.heldout_table is not None else ""]
         key = xxhash.xxh3_64_hexdigest(json.dumps(render, sort_keys=True, default=str).encode())
         note = self.table.path.with_name(f"{self.table.fingerprint}-prompt-tokens-{key}.json")
@@ -255,8 +257,8 @@ class UserTask(Task):
         return n, self.row_prompt(table, row)
 
     def token_lengths(self, tokenizer) -> Iterator[tuple[int, str, int]]:
-        """``(tokens, table, row)`` of every row of the data sets (table ``"train"``: ``task.dataset``;
-        ``"heldout"``: ``task.heldout_dataset``), rendered as :meth:`prompt_ids` renders a prompt, in file order."""
+        """``(tokens, table, row)`` of every row of the data sets (table ``"train"``: ``task.data.path``;
+        ``"heldout"``: ``task.data.heldout_path``), rendered as :meth:`prompt_ids` renders a prompt, in file order."""
         for name, table in (("train", self.table), ("heldout", self.heldout_table)):
             for i in range(len(table) if table is not None else 0):
                 yield len(self.prompt_ids(self.prompt_at(table, i), tokenizer)), name, i
@@ -266,17 +268,17 @@ class UserTask(Task):
         return self.prompt_at({"train": self.table, "heldout": self.heldout_table}[table], row)
 
     @property
-    def reward_errors(self) -> str:  # type: ignore[override]  # Task's default, read from task.reward_errors here
-        return self.cfg.reward_errors
+    def reward_errors(self) -> str:  # type: ignore[override]  # Task's default, read from task.rewards.errors here
+        return self.cfg.rewards.errors
 
     def data_source(self, key: str) -> str | None:
-        return {"task.dataset": self.cfg.dataset, "task.heldout_dataset": self.cfg.heldout_dataset}.get(key)
+        return {"task.data.path": self.cfg.data.path, "task.data.heldout_path": self.cfg.data.heldout_path}.get(key)
 
     def fingerprints(self) -> dict[str, str]:
         """Config key → fingerprint of each data set (what a checkpoint records)."""
-        out = {"task.dataset": self.table.fingerprint}
+        out = {"task.data.path": self.table.fingerprint}
         if self.heldout_table is not None:
-            out["task.heldout_dataset"] = self.heldout_table.fingerprint
+            out["task.data.heldout_path"] = self.heldout_table.fingerprint
         return out
 
     # ------------------------------------------------------------------ prompts
@@ -307,12 +309,12 @@ class UserTask(Task):
         return out + self.heldout_prompts()
 
     def messages(self, prompt: Prompt) -> list[dict[str, Any]]:
-        """The chat of ``prompt``: its messages (or one user message), ``task.system_prompt`` first unless it has one;
-        with ``task.environment``, its ``reset(row)`` observation appended to the last user message (after a blank
+        """The chat of ``prompt``: its messages (or one user message), ``task.data.system_prompt`` first unless it has
+        one; with ``task.environment``, its ``reset(row)`` observation appended to the last user message (after a blank
         line)."""
         msgs = list(prompt.messages) if prompt.messages is not None else [{"role": "user", "content": prompt.text}]
-        if self.cfg.system_prompt and not any(m.get("role") == "system" for m in msgs):
-            msgs.insert(0, {"role": "system", "content": self.cfg.system_prompt})
+        if self.cfg.data.system_prompt and not any(m.get("role") == "system" for m in msgs):
+            msgs.insert(0, {"role": "system", "content": self.cfg.data.system_prompt})
         first = self.first_observation(prompt) if self.environment_class else ""
         if first:
             i = max((j for j, m in enumerate(msgs) if m.get("role") == "user"), default=None)
@@ -329,7 +331,7 @@ class UserTask(Task):
 
     def first_observation(self, prompt: Prompt) -> str:
         """``reset(row)``'s observation for ``prompt`` (run once per prompt in a tool process of this one, under
-        ``task.tool_timeout_s``; every trajectory of its groups starts from it).
+        ``task.turns.timeout_s``; every trajectory of its groups starts from it).
 
         Raises:
             EnvironmentResetFailed: reset raised or ran past the deadline (exit 2 naming the row).
@@ -338,8 +340,8 @@ class UserTask(Task):
             from rlboost_hpc.tasks.environment import EnvironmentCalls, EnvironmentRunner, row_json
 
             if self._resets is None:
-                self._resets = EnvironmentCalls(EnvironmentRunner(self.cfg.environment), workers=1,
-                                                timeout_s=self.cfg.tool_timeout_s)
+                self._resets = EnvironmentCalls(EnvironmentRunner(self.cfg.environment.class_path), workers=1,
+                                                timeout_s=self.cfg.turns.timeout_s)
             self._first[prompt.pid] = self._resets.reset_all([row_json(self.row_of(prompt))],
                                                              [f"row {prompt.pid} ({prompt.text[:60]!r})"])[0]
         return self._first[prompt.pid]
@@ -390,11 +392,11 @@ class UserTask(Task):
                 "_resets": None}
 
     def __repr__(self) -> str:
-        return f"UserTask(dataset={self.cfg.dataset!r}, rewards={[c.name for c in self.components]})"
+        return f"UserTask(dataset={self.cfg.data.path!r}, rewards={[c.name for c in self.components]})"
 
 
 def make_task(task_cfg: Any):
-    """The run's task: a :class:`UserTask` (loaded) when ``task.dataset`` is set, a reasoning-gym
+    """The run's task: a :class:`UserTask` (loaded) when ``task.data.path`` is set, a reasoning-gym
     :class:`~rlboost_hpc.tasks.procedural.ProceduralTask` when ``task.reasoning_gym`` is, else the built-in
     ``task.name`` with ``task.train_prompts`` / ``task.heldout_prompts`` (and the run's tool-call syntax, for a task
     that takes it).
@@ -405,12 +407,12 @@ def make_task(task_cfg: Any):
     from rlboost_hpc.tasks.base import get_task
     from rlboost_hpc.tasks.tools import ToolSyntax
 
-    if task_cfg.dataset:
+    if task_cfg.kind == "own":
         return UserTask(task_cfg).load()
-    if task_cfg.reasoning_gym is not None:
+    if task_cfg.kind == "reasoning_gym":
         from rlboost_hpc.tasks.procedural import ProceduralTask
 
         return ProceduralTask(task_cfg.reasoning_gym, task_cfg.heldout_prompts)
     return get_task(task_cfg.name, n_train=task_cfg.train_prompts, n_heldout=task_cfg.heldout_prompts,
-                    tool_syntax=ToolSyntax(task_cfg.tool_call_open, task_cfg.tool_call_close))
+                    tool_syntax=ToolSyntax(task_cfg.turns.tool_call_open, task_cfg.turns.tool_call_close))
 

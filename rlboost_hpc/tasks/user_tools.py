@@ -1,4 +1,4 @@
-"""A user's tools (``task.tools``): plain Python functions whose type hints and docstring are their JSON schema.
+"""A user's tools (``task.turns.tools``): plain Python functions whose type hints and docstring are their JSON schema.
 
 Invariants:
 - A tool's schema is transformers' ``get_json_schema`` of the function (the convention chat templates' ``tools=``
@@ -6,7 +6,7 @@ Invariants:
   argument) is a :class:`~rlboost_hpc.tasks.user_code.UserCodeError` (exit 2) naming it, before anything starts;
   two tools of one name are one too.
 - A call (:func:`~rlboost_hpc.tasks.tools.call_tool`) runs in the tool processes of the manager, in the trainer's allocation, under
-  ``task.tool_timeout_s``: the model's arguments are passed by name; wrong arguments or anything the tool raises
+  ``task.turns.timeout_s``: the model's arguments are passed by name; wrong arguments or anything the tool raises
   become an error observation (:class:`~rlboost_hpc.tasks.tools.ToolError`), never an exception; an ``async def``
   tool is awaited; a result that is not a string is written as JSON.
 - Without a chat template, :func:`tool_preamble` tells the model the tools and the call syntax in plain text.
@@ -36,7 +36,7 @@ def tool_schema(fn: Callable[..., Any], ref: str, key: str) -> dict:
                             "argument and a docstring with an Args: line for each)") from None
 
 
-def load_tools(refs: Sequence[str], key: str = "task.tools") -> list[tuple[str, Callable[..., Any], dict]]:
+def load_tools(refs: Sequence[str], key: str = "task.turns.tools") -> list[tuple[str, Callable[..., Any], dict]]:
     """``(name, function, schema)`` of each tool reference.
 
     Raises:

@@ -104,7 +104,7 @@ class Totals:
     tokens_masked_too_stale: int = 0  # bounded staleness: tokens outside the window, loss-masked (must stay 0)
     migrated_responses_trained: int = 0
     groups_redelivered: int = 0  # GroupDone copies skipped (the manager sent a group again: never trained twice)
-    responses_left_out: int = 0  # responses of groups a reward component failed on (task.reward_errors = skip)
+    responses_left_out: int = 0  # responses of groups a reward component failed on (task.rewards.errors = skip)
     responses_truncated_by_cause: dict[str, int] = field(default_factory=dict)  # trained responses cut by a budget
     tokens_by_staleness: dict[str, int] = field(default_factory=dict)  # generated tokens trained, by staleness
     steps_over_dropped_warn: int = 0  # steps whose MIS-dropped share passed trainer.behaviour_dropped_warn
