@@ -73,9 +73,9 @@ def _agent(**kw) -> RolloutAgent:
 def test_release_forwards_tokens_the_engine_still_held_before_handing_off():
     a = _agent()
     a.engine = eng = _HoldingEngine()
-    a._pos = {"g/0": 3, "g/1": 0}
+    a.responses._pos = {"g/0": 3, "g/1": 0}
     eng.held = {"g/0": [7, 8], "g/1": []}
-    a._release(["g/0", "g/1"])
+    a.responses.release(["g/0", "g/1"])
     tok, rel = a.link.msgs
     assert isinstance(tok, M.Tokens) and tok.rids == ["g/0"] and tok.offsets == [3] and tok.counts == [2]
     assert M.unpack_i32(tok.ids).tolist() == [7, 8] and tok.finish == [M.FINISH_NONE]
@@ -238,7 +238,7 @@ def test_a_request_the_engine_drops_is_handed_back_and_a_broken_engine_ends_the_
     a = RolloutAgent("tcp://127.0.0.1:1", "job", 0, engine=eng)
     for rid in ("r1", "r2"):
         eng.add(type("R", (), {"rid": rid})())
-        a._pos[rid] = 0
+        a.responses._pos[rid] = 0
     a.welcome = M.Welcome(instance="job#0", latest_version=0, weights_endpoint="tcp://w", model_config={},
                           heartbeat_s=0.25, stream_every_tokens=1000, stream_every_s=1000.0)
     assert a.run() == agent_mod.EXIT_FAILED
@@ -299,7 +299,7 @@ def test_continue_mode_loads_a_new_version_between_iterations_and_resumes_each_r
         assert eng.version == 1 and len(eng.added) == 2
         again = eng.added[1]
         assert again.prompt_ids == [1, 2] and again.prefix_ids == [9, 7, 8] and again.max_new_tokens == 8
-        assert a._pos["g/0"] == 3
+        assert a.responses._pos["g/0"] == 3
 
 
 def test_a_sigterm_refined_into_a_preemption_deregisters_with_the_preemptions_reason():
@@ -376,8 +376,8 @@ def _warned_agent(silent_s: float) -> RolloutAgent:
     a.welcome = M.Welcome(instance="job#0", latest_version=0, weights_endpoint="tcp://w", model_config={},
                           heartbeat_s=0.5, stream_every_tokens=4, stream_every_s=0.05, epoch=1)
     a.engine = eng = _HoldingEngine()
-    a._pos = {"g/0": 4}
-    a._sent = {"g/0": ResponseTokens(offset=2, ids=[5, 6], lps=[-0.1, -0.2])}
+    a.responses._pos = {"g/0": 4}
+    a.responses._sent = {"g/0": ResponseTokens(offset=2, ids=[5, 6], lps=[-0.1, -0.2])}
     eng.held = {"g/0": [7]}
     a.drain_confirm_s = 10.0
     a.request_stop("preempted (SIGTERM)", "preempted")

@@ -215,6 +215,9 @@ CORE_PARTS = {
 #: The parts of RolloutAgent (mixins over the same state): file → class.
 AGENT_PARTS = {
     "rlboost_hpc/rollout/agent_weights.py": "AgentWeights",
+}
+#: Collaborators that own their state (issue 56 item 3; were mixins): file → class.
+COLLABORATORS = {
     "rlboost_hpc/rollout/agent_responses.py": "AgentResponses",
 }
 
@@ -261,8 +264,8 @@ def test_each_manager_core_part_uses_only_what_it_declares(rel):
 
 @pytest.mark.parametrize("rel", sorted(AGENT_PARTS))
 def test_each_rollout_agent_part_uses_only_what_it_declares(rel):
-    """Issue 47: agent_weights.py and agent_responses.py are parts of RolloutAgent, held to the same rule as the
-    manager core's parts (the link is made by ``run()``, not ``__init__``)."""
+    """Issue 47: agent_weights.py is a part of RolloutAgent, held to the same rule as the manager core's parts (the
+    link is made by ``run()``, not ``__init__``)."""
     from rlboost_hpc.rollout.agent import RolloutAgent
 
     agent = RolloutAgent("tcp://127.0.0.1:1", "job")
@@ -270,6 +273,32 @@ def test_each_rollout_agent_part_uses_only_what_it_declares(rel):
         _check_part(rel, AGENT_PARTS[rel], agent, late=("link",))
     finally:
         agent._builder.shutdown(wait=False)
+
+
+@pytest.mark.parametrize("rel", sorted(COLLABORATORS))
+def test_a_collaborator_touches_only_its_own_state(rel):
+    """Issue 56 item 3: a collaborator is no part of another class — no class of the product derives from it — and
+    every ``self.x`` it touches is its own: a method or property of its class or an attribute its ``__init__``
+    assigns (what it needs of its owner comes in as constructor arguments)."""
+    import importlib
+
+    name = COLLABORATORS[rel]
+    cls = next(n for n in ast.walk(ast.parse((ROOT / rel).read_text())) if isinstance(n, ast.ClassDef)
+               and n.name == name)
+    own = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    assigned = {t.attr for n in ast.walk(init) if isinstance(n, (ast.Assign, ast.AnnAssign))
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                for t in (t.elts if isinstance(t, ast.Tuple) else [t])
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    used = {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+            and n.value.id == "self"}
+    assert not used - own - assigned, f"{name} touches state it does not own: {sorted(used - own - assigned)}"
+    collab = getattr(importlib.import_module(rel.removesuffix(".py").replace("/", ".")), name)
+    mixed = [f"{m}:{n.name}" for m, path in MODULES.items() for n in ast.walk(ast.parse(path.read_text()))
+             if isinstance(n, ast.ClassDef) and any(isinstance(b, ast.Name) and b.id == collab.__name__
+                                                     for b in n.bases)]
+    assert not mixed, f"{name} is mixed into {mixed}: a collaborator is held, not inherited"
 
 
 def test_no_probe_of_a_task_outside_tasks():

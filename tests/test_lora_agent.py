@@ -104,10 +104,10 @@ def test_the_engine_serves_the_adapter_it_reports_and_a_trained_version_is_not_t
     (loaded,) = [m for m in a.link.msgs if isinstance(m, M.WeightsLoaded)]
     assert loaded.version == 0 and loaded.checksum == _spec(0).version_checksum(1000) and loaded.base_source == "path"
     assert src.base_calls == 1
-    a._assign([_work("r", 0, 12)])
+    a.responses.assign([_work("r", 0, 12)])
     while a.engine.num_active:
-        a._on_events(a.engine.step())
-    a._flush()
+        a.responses.on_events(a.engine.step())
+    a.responses.flush()
     tok = [m for m in a.link.msgs if isinstance(m, M.Tokens)]
     ids = [i for t in tok for i in M.unpack_i32(t.ids).tolist()]
     lps = torch.tensor([x for t in tok for x in M.unpack_f32(t.logprobs).tolist()])
@@ -145,7 +145,7 @@ def test_500_versions_with_responses_in_flight_never_hold_more_than_k_plus_1_ada
     base = {n: (p.data_ptr(), p._version) for n, p in eng.model.named_parameters()}
     held_max, loads_in_flight, deferred, slowest = 0, 0, 0, 0.0
     for v in range(1, 501):
-        a._assign([_work(f"r{v}", a.held_version(), 1 + v % 4)])  # outlives up to 3 versions
+        a.responses.assign([_work(f"r{v}", a.held_version(), 1 + v % 4)])  # outlives up to 3 versions
         a._handle(M.NewVersion(version=v))
         while a.held_version() != v:
             busy = eng.num_active
@@ -156,11 +156,11 @@ def test_500_versions_with_responses_in_flight_never_hold_more_than_k_plus_1_ada
                 loads_in_flight += busy > 0
             elif a._pull is not None and a._pull.done():
                 deferred += 1
-                a._on_events(eng.step())  # generation goes on while the load waits for a slot
+                a.responses.on_events(eng.step())  # generation goes on while the load waits for a slot
             else:
                 time.sleep(0.0005)  # the pull runs on the builder thread
             held_max = max(held_max, len(eng.adapter_versions()))
-        a._on_events(eng.step())
+        a.responses.on_events(eng.step())
         held_max = max(held_max, len(eng.adapter_versions()))
     assert held_max <= k + 1
     assert loads_in_flight > 300  # loads happened with responses of older versions running
@@ -171,8 +171,8 @@ def test_500_versions_with_responses_in_flight_never_hold_more_than_k_plus_1_ada
     assert {n: (p.data_ptr(), p._version) for n, p in eng.model.named_parameters()} == base  # base never written
     assert src.base_calls == 1
     while eng.num_active:
-        a._on_events(eng.step())
-    a._flush()
+        a.responses.on_events(eng.step())
+    a.responses.flush()
     stamped = {}
     for t in (m for m in a.link.msgs if isinstance(m, M.Tokens)):
         for rid, ver in zip(t.rids, t.versions):
@@ -194,7 +194,7 @@ def test_after_a_resume_to_a_lower_version_the_adapters_of_the_old_lineage_serve
     src.lineage = 1
     a._want(VersionId(1, _spec(2).version_checksum(1101)), [], False)  # the resumed trainer's 1: another lineage
     assert not a._servable(1) and not a._servable(2) and not a._servable(0)  # old adapters serve nothing now
-    a._assign([_work("old2", 2, 4)])
+    a.responses.assign([_work("old2", 2, 4)])
     (failed,) = [m for m in a.link.msgs if isinstance(m, M.RequestFailed)]
     assert failed.rid == "old2" and a.engine.num_active == 0
     _until(a, lambda: a.held_version() == 1 and 1 in a._lineage_adapters, "the resumed trainer's version 1")

@@ -38,6 +38,7 @@ from rlboost_hpc.protocol.adapter import AdapterSpec
 from rlboost_hpc.protocol.auth import RunKeys
 from rlboost_hpc.protocol.version import NO_VERSION, VersionId
 from rlboost_hpc.weights.lora_base import BaseMismatch
+from rlboost_hpc.rollout.agent_responses import AgentResponses
 from rlboost_hpc.rollout.engines.base import Engine, GenRequest
 from rlboost_hpc.rollout.engines.factory import EngineFactory
 from rlboost_hpc.rollout.manager_link import ManagerLink
@@ -82,7 +83,7 @@ class AgentWeights:
     """
 
     #: the agent's methods this part calls
-    CORE_METHODS = ("_send", "_interrupt_for_load", "_forget_finished")
+    CORE_METHODS = ("_send",)
 
     # the agent's state this part reads and writes (set in RolloutAgent.__init__; the link in run())
     link: ManagerLink
@@ -103,7 +104,7 @@ class AgentWeights:
     _pull: Future | None
     _pull_failures: int
     _next_pull_at: float
-    _ver: dict[str, int]
+    responses: AgentResponses
     _refused: str | None
     _lineage_adapters: set[int]
     job_id: str
@@ -244,7 +245,7 @@ class AgentWeights:
         if r.engine is None and eng is not None:
             continue_mode = self.welcome is not None and self.welcome.on_new_version == "continue"
             if eng.num_active and continue_mode:  # every response goes on under the new version
-                resume = self._interrupt_for_load()
+                resume = self.responses.interrupt_for_load()
             elif eng.num_active and not eng.max_adapters:
                 return  # full weights load only when idle
             if eng.max_adapters and not self._free_adapter_slot(r.version):
@@ -261,10 +262,8 @@ class AgentWeights:
         self.engine_epoch = self.welcome.epoch
         if self.engine.max_adapters:
             self._lineage_adapters.add(r.version)
-        for gen in resume:  # under the new weights, from every token generated so far
-            self.engine.add(gen)
-            self._ver[gen.rid] = r.version
-        self._forget_finished()  # responses of the version before: no manager asks for them again
+        self.responses.resume(resume, r.version)
+        self.responses.forget_finished()  # responses of the version before: no manager asks for them again
         self.timings.setdefault("weights_loaded", time.time())
         load_s = r.build_s if r.engine is not None else time.monotonic() - t0
         self._send(weights_loaded(r.version, r.got, load_s, checksum=self.engine.weights_checksum, base=r.base))
