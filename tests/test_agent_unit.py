@@ -105,14 +105,14 @@ def test_first_engine_is_built_on_the_builder_thread_not_the_heartbeat_loop():
     a = _agent(engine_factory=slow_factory, weights=_Weights(lambda v, peers: PulledVersion({}, nbytes=1)))
     a._handle(M.Welcome(instance="job#0", latest_version=2, weights_endpoint="tcp://w", model_config={},
                         heartbeat_s=0.25, stream_every_tokens=4, stream_every_s=0.05))
-    a._weights_step()  # starts pull + build
+    a.weight_slot.step()  # starts pull + build
     deadline = time.monotonic() + 5
     while not built_on and time.monotonic() < deadline:
-        a._weights_step()  # returns at once while the build runs
+        a.weight_slot.step()  # returns at once while the build runs
     assert built_on and built_on[0] != threading.current_thread().name and a.engine is None
     gate.set()
     while a.engine is None and time.monotonic() < deadline:
-        a._weights_step()
+        a.weight_slot.step()
         time.sleep(0.01)
     assert a.engine is not None and a.engine.version == 2
     loaded = [m for m in a.link.msgs if isinstance(m, M.WeightsLoaded)]
@@ -128,7 +128,7 @@ def test_engine_start_failure_is_reported_as_a_failed_pull():
                         heartbeat_s=0.25, stream_every_tokens=4, stream_every_s=0.05))
     deadline = time.monotonic() + 5
     while not any(isinstance(m, M.WeightsFailed) for m in a.link.msgs) and time.monotonic() < deadline:
-        a._weights_step()
+        a.weight_slot.step()
         time.sleep(0.01)
     (f,) = [m for m in a.link.msgs if isinstance(m, M.WeightsFailed)]
     assert "engine start failed: RuntimeError: sglang: address already in use" in f.error and a.engine is None
@@ -149,18 +149,18 @@ def test_a_new_version_announced_during_a_pull_is_pulled_next_and_relay_sources_
     a._handle(M.Welcome(instance="job#0", latest_version=1, weights_endpoint="tcp://w", model_config={},
                         heartbeat_s=1.0, stream_every_tokens=4, stream_every_s=0.05, epoch=0, peers=["tcp://peer"]))
     a.engine_epoch = 0
-    a._weights_step()  # starts pulling version 1 from the peer
+    a.weight_slot.step()  # starts pulling version 1 from the peer
     a._handle(M.NewVersion(version=2, wait=True))  # ... while version 2 is published: no capacity yet
     gate.set()
     deadline = time.monotonic() + 5
     while a.engine.version != 1 and time.monotonic() < deadline:
-        a._weights_step()
+        a.weight_slot.step()
         time.sleep(0.01)
-    a._weights_step()
-    assert a.want.number == 2 and a._pull is None  # not lost; it waits for relay capacity
+    a.weight_slot.step()
+    assert a.weight_slot.want.number == 2 and a.weight_slot._pull is None  # not lost; it waits for relay capacity
     a._handle(M.PullFrom(version=2, peers=["tcp://other"]))
     while a.engine.version != 2 and time.monotonic() < deadline:
-        a._weights_step()
+        a.weight_slot.step()
         time.sleep(0.01)
     assert calls == [(1, ("tcp://peer",)), (2, ("tcp://other",))]
     loaded = [m for m in a.link.msgs if isinstance(m, M.WeightsLoaded)]
@@ -286,11 +286,11 @@ def test_continue_mode_loads_a_new_version_between_iterations_and_resumes_each_r
         eng.held["g/0"] = [7, 8]  # generated under version 0, not sent yet
         a._handle(M.NewVersion(version=1))
         deadline = time.monotonic() + 5
-        while a._pull is None or not a._pull.done():
-            a._weights_step()
+        while a.weight_slot._pull is None or not a.weight_slot._pull.done():
+            a.weight_slot.step()
             time.sleep(0.01)
             assert time.monotonic() < deadline
-        a._weights_step()
+        a.weight_slot.step()
         if mode == "finish":
             assert eng.version == 0 and len(eng.added) == 1  # waits for the engine to be idle
             continue

@@ -86,7 +86,7 @@ def _until(a: RolloutAgent, pred, what: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        a._weights_step()
+        a.weight_slot.step()
         time.sleep(0.002)
 
 
@@ -129,8 +129,8 @@ def test_an_instance_whose_base_differs_refuses_to_serve_and_never_pulls_again(s
     (f,) = [m for m in a.link.msgs if isinstance(m, M.WeightsFailed)]
     assert f.error.startswith("refusing to serve: the base model at /m") and a.engine is None
     for _ in range(50):
-        a._weights_step()
-    assert src.base_calls == 1 and a._pull is None and not src.pulled_bytes  # no retry, no adapter pulled
+        a.weight_slot.step()
+    assert src.base_calls == 1 and a.weight_slot._pull is None and not src.pulled_bytes  # no retry, no adapter pulled
 
 
 def test_500_versions_with_responses_in_flight_never_hold_more_than_k_plus_1_adapters_and_never_wait(
@@ -150,11 +150,11 @@ def test_500_versions_with_responses_in_flight_never_hold_more_than_k_plus_1_ada
         while a.held_version() != v:
             busy = eng.num_active
             t0 = time.perf_counter()
-            a._weights_step()
+            a.weight_slot.step()
             slowest = max(slowest, time.perf_counter() - t0)
             if a.held_version() == v:
                 loads_in_flight += busy > 0
-            elif a._pull is not None and a._pull.done():
+            elif a.weight_slot._pull is not None and a.weight_slot._pull.done():
                 deferred += 1
                 a.responses.on_events(eng.step())  # generation goes on while the load waits for a slot
             else:
@@ -188,17 +188,18 @@ def test_after_a_resume_to_a_lower_version_the_adapters_of_the_old_lineage_serve
     a, src = _agent(policy, k=2)
     _until(a, lambda: a.engine is not None and a.held_version() == 0, "the first engine")
     for v in (1, 2):
-        a._want(VersionId(v, _spec(2).version_checksum(1000 + v)), [], False)
+        a.weight_slot.want_version(VersionId(v, _spec(2).version_checksum(1000 + v)), [], False)
         _until(a, lambda: a.held_version() == v, f"version {v}")
-    assert a.engine.adapter_versions() == [0, 1, 2] and a._servable(1)
+    assert a.engine.adapter_versions() == [0, 1, 2] and a.weight_slot.servable(1)
     src.lineage = 1
-    a._want(VersionId(1, _spec(2).version_checksum(1101)), [], False)  # the resumed trainer's 1: another lineage
-    assert not a._servable(1) and not a._servable(2) and not a._servable(0)  # old adapters serve nothing now
+    slot = a.weight_slot  # the resumed trainer's 1 (another lineage) next
+    slot.want_version(VersionId(1, _spec(2).version_checksum(1101)), [], False)
+    assert not slot.servable(1) and not slot.servable(2) and not slot.servable(0)  # old adapters serve nothing now
     a.responses.assign([_work("old2", 2, 4)])
     (failed,) = [m for m in a.link.msgs if isinstance(m, M.RequestFailed)]
     assert failed.rid == "old2" and a.engine.num_active == 0
-    _until(a, lambda: a.held_version() == 1 and 1 in a._lineage_adapters, "the resumed trainer's version 1")
-    assert a._servable(1) and not a._servable(2)  # 2 is still the old lineage's until the new 2 is loaded
-    a._want(VersionId(2, _spec(2).version_checksum(1102)), [], False)
+    _until(a, lambda: a.held_version() == 1 and 1 in slot._lineage_adapters, "the resumed trainer's version 1")
+    assert slot.servable(1) and not slot.servable(2)  # 2 is still the old lineage's until the new 2 is loaded
+    a.weight_slot.want_version(VersionId(2, _spec(2).version_checksum(1102)), [], False)
     _until(a, lambda: a.held_version() == 2, "the resumed trainer's version 2")
-    assert a._servable(1) and a._servable(2) and len(a.engine.adapter_versions()) <= 3
+    assert a.weight_slot.servable(1) and a.weight_slot.servable(2) and len(a.engine.adapter_versions()) <= 3

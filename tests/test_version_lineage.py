@@ -186,7 +186,7 @@ def _agent_holding(version: int, checksum: int, source):
 def _settle(a, until) -> None:
     deadline = time.monotonic() + 5
     while not until():
-        a._weights_step()
+        a.weight_slot.step()
         time.sleep(0.01)
         assert time.monotonic() < deadline
 
@@ -201,8 +201,8 @@ def test_an_instance_takes_the_resumed_trainers_version_though_its_number_is_low
         return PulledVersion({}, checksum=NEW[v], nbytes=1)
 
     a = _agent_holding(4, OLD[4], source)
-    a._weights_step()
-    assert a._pull is None  # it holds the latest
+    a.weight_slot.step()
+    assert a.weight_slot._pull is None  # it holds the latest
     a._handle(M.NewVersion(version=2, checksum=NEW[2]))
     _settle(a, lambda: a.engine.version == 2)
     a._handle(M.NewVersion(version=3, checksum=NEW[3]))
@@ -229,8 +229,8 @@ def test_a_pull_of_a_version_above_the_resumed_trainers_is_dropped_not_loaded():
 
     a = _agent_holding(4, OLD[4], source)
     a._handle(M.NewVersion(version=5, checksum=OLD[5]))
-    a._weights_step()
-    assert a._pull is not None
+    a.weight_slot.step()
+    assert a.weight_slot._pull is not None
     a._handle(M.NewVersion(version=2, checksum=NEW[2]))
     gate.set()
     _settle(a, lambda: a.engine.version == 2)

@@ -42,7 +42,7 @@ import logging
 import os
 import socket
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import zmq
@@ -50,11 +50,11 @@ import zmq
 from rlboost_hpc import defaults as D
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.auth import RunKeys
-from rlboost_hpc.protocol.version import NO_VERSION, VersionId
+from rlboost_hpc.protocol.version import VersionId
 from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.protocol.identity import instance_key
 from rlboost_hpc.rollout.agent_responses import AgentResponses, ResponseTokens
-from rlboost_hpc.rollout.agent_weights import AgentWeights, weights_loaded
+from rlboost_hpc.rollout.agent_weights import WeightSlot, weights_loaded
 from rlboost_hpc.rollout.engines.base import Engine, EngineError, RequestError
 from rlboost_hpc.rollout.engines.factory import EngineFactory, torch_engine_factory
 from rlboost_hpc.rollout.manager_link import ManagerLink
@@ -70,12 +70,13 @@ EXIT_OK, EXIT_REJECTED, EXIT_UNREACHABLE, EXIT_FAILED = 0, 2, 3, 4
 MANAGER_SILENT_S = 2.5
 
 
-class RolloutAgent(AgentWeights):
+class RolloutAgent:
     """One rollout instance. ``kind`` is ``"preemptible"`` or ``"reserved"``; identity = (job_id, attempt).
 
-    Its weight handling is :class:`~rlboost_hpc.rollout.agent_weights.AgentWeights`; its responses are
-    :attr:`responses` (:class:`~rlboost_hpc.rollout.agent_responses.AgentResponses`, which owns them); this class is
-    the request loop: registration, the manager's messages, the engine steps, the deadlines, the drain."""
+    Two collaborators own its state: :attr:`weight_slot` (:class:`~rlboost_hpc.rollout.agent_weights.WeightSlot`:
+    the engine, the version wanted, pulls and loads) and :attr:`responses`
+    (:class:`~rlboost_hpc.rollout.agent_responses.AgentResponses`); this class is the request loop: registration,
+    the manager's messages, the engine steps, the deadlines, the drain."""
 
     def __init__(
         self,
@@ -104,24 +105,16 @@ class RolloutAgent(AgentWeights):
     ) -> None:
         self.manager_endpoint = manager_endpoint
         self.relay_endpoint = relay_endpoint  # where this instance serves the versions it holds ("" = it does not)
-        self.relay_wait_s = relay_wait_s  # longest wait for relay capacity before pulling from the trainer
         self.on_ready: Callable[[dict[str, float]], None] | None = None  # told startup_phases() at the first token
-        self.want_peers: list[str] = []
         self.keys = keys
         self.job_id, self.attempt, self.kind = job_id, attempt, kind
         self.max_batch = max_batch
-        self.engine_factory = engine_factory or torch_engine_factory(max_batch)
         self.engine_name = engine_name
-        self.weights: WeightSource = weights or RemoteWeights(D.WEIGHT_STREAMS, D.WEIGHT_WINDOW, D.PULL_TIMEOUT_S)
         self.register_timeout_s = register_timeout_s
         self.manager_timeout_s = manager_timeout_s
         self.node = node or socket.gethostname()
         self.ctx = ctx or zmq.Context.instance()
-        self.engine: Engine | None = engine  # an engine kept from a previous connection (worker reconnect)
-        self.engine_epoch = engine_epoch  # manager epoch of the engine's weights (versions are (epoch, version))
         self.close_engine = close_engine
-        self.fault_load_delay_s = fault_load_delay_s  # chaos: weight loads slower than the heartbeat deadline
-        self.fault_slow_load = fault_slow_load  # chaos: extra seconds of the next load, when the cluster scheduled one
         self.stop_reason: str | None = None  # set (signal-safe) to drain and exit
         self.stop_cause: M.LeaveCause = "stopped"
         #: After a stop without a known cause, how long (seconds) the Deregister waits for a refining one — Slurm
@@ -134,21 +127,45 @@ class RolloutAgent(AgentWeights):
         self.drain_confirm_s = D.DRAIN_CONFIRM_S
         self._run_ending = False  # the manager said Drain: the run ends, nothing to hand to a restarted manager
         self.welcome: M.Welcome | None = None
-        self.want = NO_VERSION  # the manager's latest version
-        self.want_source = ("", "")  # where the trainer serves it (weights endpoint, shards); "": the Welcome's
-        self._refused: str | None = None  # why this instance refuses to serve for good (another base model)
-        self._lineage_adapters: set[int] = set()  # adapter versions loaded since the trainer's lineage last changed
         self._own_builder = builder is None  # a caller's builder outlives this agent (worker reconnects)
         self._builder = builder or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"agent-{job_id}-pull")
-        self._pull: Future | None = None
-        self._pull_failures = 0
-        self._next_pull_at = 0.0
         self._startup_logged = False
         self._asked_epoch = -1  # the restarted manager's epoch this agent registered again with
         self.timings: dict[str, float] = {"agent_start": time.time()}  # wall-clock seconds (comparable across processes)
-        self.responses = AgentResponses(send=self._send, engine=lambda: self.engine, servable=self._servable,
-                                        held_version=self.held_version,
+        self.responses = AgentResponses(send=self._send, engine=lambda: self.weight_slot.engine,
+                                        servable=lambda v: self.weight_slot.servable(v),
+                                        held_version=lambda: self.weight_slot.held_version(),
                                         on_first_token=lambda: self.timings.setdefault("first_token", time.time()))
+        self.weight_slot = WeightSlot(
+            source=weights or RemoteWeights(D.WEIGHT_STREAMS, D.WEIGHT_WINDOW, D.PULL_TIMEOUT_S),
+            engine_factory=engine_factory or torch_engine_factory(max_batch), keys=keys, builder=self._builder,
+            send=self._send, welcome=lambda: self.welcome, wake=lambda: self.link.wake(), responses=self.responses,
+            label=lambda: f"{self.job_id}#{self.attempt}",
+            on_loaded=lambda: self.timings.setdefault("weights_loaded", time.time()), engine=engine,
+            engine_epoch=engine_epoch, relay_wait_s=relay_wait_s, fault_load_delay_s=fault_load_delay_s,
+            fault_slow_load=fault_slow_load)
+
+    @property
+    def engine(self) -> Engine | None:
+        """The engine (the weight slot's; None before the first pull built it)."""
+        return self.weight_slot.engine
+
+    @engine.setter
+    def engine(self, engine: Engine | None) -> None:
+        self.weight_slot.engine = engine
+
+    @property
+    def engine_epoch(self) -> int | None:
+        """The manager epoch the engine's weights were loaded in (the weight slot's)."""
+        return self.weight_slot.engine_epoch
+
+    @engine_epoch.setter
+    def engine_epoch(self, epoch: int | None) -> None:
+        self.weight_slot.engine_epoch = epoch
+
+    def held_version(self) -> int:
+        """The version the engine holds in the current manager epoch (-1: none; :meth:`WeightSlot.held_version`)."""
+        return self.weight_slot.held_version()
 
     @property
     def tokens_generated(self) -> int:
@@ -299,8 +316,9 @@ class RolloutAgent(AgentWeights):
             self.link.heartbeat_s = msg.heartbeat_s
             if msg.resend:
                 self.responses.resend()
-            self._want(msg.latest, msg.peers, msg.wait, (msg.weights_endpoint, msg.weights_shards))
-            if self.held_version() == msg.latest_version >= 0 and not self._stale():  # re-registration, same weights
+            self.weight_slot.want_version(msg.latest, msg.peers, msg.wait, (msg.weights_endpoint, msg.weights_shards))
+            # a re-registration with the same weights: they count as loaded at once
+            if self.held_version() == msg.latest_version >= 0 and not self.weight_slot.stale():
                 self._send(weights_loaded(self.engine.version, PulledVersion({}, self.engine.weights_checksum), 0.0))
             self.timings.setdefault("welcome", time.time())
         elif isinstance(msg, M.Assign):
@@ -308,11 +326,10 @@ class RolloutAgent(AgentWeights):
         elif isinstance(msg, M.Release):
             self.responses.release(msg.rids)
         elif isinstance(msg, M.NewVersion):
-            self._want(msg.identity, msg.peers, msg.wait, (msg.weights_endpoint, msg.weights_shards))
+            self.weight_slot.want_version(msg.identity, msg.peers, msg.wait,
+                                          (msg.weights_endpoint, msg.weights_shards))
         elif isinstance(msg, M.PullFrom):
-            if msg.identity == self.want:
-                self.want_peers = list(msg.peers)
-                self._next_pull_at = time.monotonic()  # relay capacity: start now (or once the pull in flight ends)
+            self.weight_slot.pull_from(msg.identity, msg.peers)
         elif isinstance(msg, M.Alive):
             if self.welcome is not None and msg.epoch != self.welcome.epoch and msg.epoch != self._asked_epoch:
                 # the manager restarted (it knows us from its work log): register again under the same identity,
@@ -428,7 +445,7 @@ class RolloutAgent(AgentWeights):
                 log.info("startup phases %s", json.dumps(self.startup_phases()))
                 if self.on_ready is not None:
                     self.on_ready(self.startup_phases())
-            self._weights_step()
+            self.weight_slot.step()
 
 
 class _Rejected(Exception):

@@ -1,11 +1,11 @@
 """The rollout agent's weights: which version it wants, pulling it, and loading it into the engine.
 
-A part of :class:`~rlboost_hpc.rollout.agent.RolloutAgent` (a mixin: the same state, the same single thread).
+A collaborator of :class:`~rlboost_hpc.rollout.agent.RolloutAgent` (its ``weight_slot``, :class:`WeightSlot`).
 Owns the agent's side of weight versions: the version the manager announced and where to fetch it (relay peers,
-then the trainer; :meth:`AgentWeights._want`), the pull on the long-lived builder thread — which also builds the
+then the trainer; :meth:`WeightSlot.want_version`), the pull on the long-lived builder thread — which also builds the
 first engine — with its retry back-off, and the load of a finished pull: only while the engine is idle, or, with
 ``on_new_version = "continue"``, between two decode iterations, every running response continued under the new
-weights. A version counts only in the manager epoch it was loaded in (:meth:`AgentWeights.held_version`). A version's
+weights. A version counts only in the manager epoch it was loaded in (:meth:`WeightSlot.held_version`). A version's
 identity is (number, whole-version checksum): the agent pulls whenever the manager's latest differs from what it holds
 in either — also to a lower number, which a trainer resumed from an older checkpoint announces — and the pull
 refuses a holder whose version of that number has another checksum; a finished pull of a version above the one now
@@ -41,7 +41,6 @@ from rlboost_hpc.weights.lora_base import BaseMismatch
 from rlboost_hpc.rollout.agent_responses import AgentResponses
 from rlboost_hpc.rollout.engines.base import Engine, GenRequest
 from rlboost_hpc.rollout.engines.factory import EngineFactory
-from rlboost_hpc.rollout.manager_link import ManagerLink
 from rlboost_hpc.weights.source import BaseWeights, PulledVersion, WeightSource, identity
 
 log = logging.getLogger("rlboost.agent")
@@ -73,42 +72,43 @@ class _Pulled:
     base: BaseWeights | None = None
 
 
-class AgentWeights:
-    """The weight handling of :class:`~rlboost_hpc.rollout.agent.RolloutAgent` (see the module docstring).
+class WeightSlot:
+    """The weights of one rollout instance (see the module docstring): the engine, the manager epoch its weights were
+    loaded in, the version the manager wants and where to fetch it, the pull in flight on the long-lived builder
+    thread and its back-off, the adapter versions of the current lineage. A collaborator of
+    :class:`~rlboost_hpc.rollout.agent.RolloutAgent` (its ``weight_slot``) that owns this state; it reaches the rest of
+    the agent only through what it is built with — ``send`` (a message to the manager), ``welcome()`` (the manager's
+    ``Welcome``, None before one), ``wake()`` (wake the agent's loop: a pull finished), ``responses`` (to continue
+    running responses across a load), ``label()`` (``job#attempt`` for logs) and ``on_loaded()``. Single-threaded
+    (the agent's loop) except the builder thread's pull, whose result the loop takes."""
 
-    What it uses of the agent is declared below: the state it reads and writes (annotations only; the agent's
-    ``__init__`` sets every one, :meth:`~rlboost_hpc.rollout.agent.RolloutAgent.run` the link) and the agent's
-    methods it calls (:attr:`CORE_METHODS`). Nothing else of the agent is touched here
-    (``tests/test_architecture.py`` checks it).
-    """
+    def __init__(self, *, source: WeightSource, engine_factory: EngineFactory, keys: RunKeys | None,
+                 builder: ThreadPoolExecutor, send: Callable[[M._Msg], None],
+                 welcome: Callable[[], M.Welcome | None], wake: Callable[[], None], responses: AgentResponses,
+                 label: Callable[[], str], on_loaded: Callable[[], None] = lambda: None,
+                 engine: Engine | None = None, engine_epoch: int | None = None, relay_wait_s: float = 10.0,
+                 fault_load_delay_s: float = 0.0, fault_slow_load: Callable[[], float] | None = None) -> None:
+        self.source, self.engine_factory, self.keys, self._builder = source, engine_factory, keys, builder
+        self._send, self._welcome, self._wake, self.responses = send, welcome, wake, responses
+        self._label, self._on_loaded = label, on_loaded
+        self.engine = engine  # an engine kept from a previous connection (worker reconnect)
+        self.engine_epoch = engine_epoch  # manager epoch of the engine's weights (versions are (epoch, version))
+        self.relay_wait_s = relay_wait_s  # longest wait for relay capacity before pulling from the trainer
+        self.fault_load_delay_s = fault_load_delay_s  # chaos: weight loads slower than the heartbeat deadline
+        self.fault_slow_load = fault_slow_load  # chaos: extra seconds of the next load, when the cluster scheduled one
+        self.want = NO_VERSION  # the manager's latest version
+        self.want_source = ("", "")  # where the trainer serves it (weights endpoint, shards); "": the Welcome's
+        self.want_peers: list[str] = []
+        self._pull: Future | None = None
+        self._pull_failures = 0
+        self._next_pull_at = 0.0
+        self._refused: str | None = None  # why this instance refuses to serve for good (another base model)
+        self._lineage_adapters: set[int] = set()  # adapter versions loaded since the trainer's lineage last changed
 
-    #: the agent's methods this part calls
-    CORE_METHODS = ("_send",)
-
-    # the agent's state this part reads and writes (set in RolloutAgent.__init__; the link in run())
-    link: ManagerLink
-    welcome: M.Welcome | None
-    keys: RunKeys | None
-    engine: Engine | None
-    engine_epoch: int | None
-    engine_factory: EngineFactory
-    weights: WeightSource
-    fault_load_delay_s: float
-    fault_slow_load: Callable[[], float] | None
-    relay_wait_s: float
-    want: VersionId
-    want_source: tuple[str, str]
-    want_peers: list[str]
-    timings: dict[str, float]
-    _builder: ThreadPoolExecutor
-    _pull: Future | None
-    _pull_failures: int
-    _next_pull_at: float
-    responses: AgentResponses
-    _refused: str | None
-    _lineage_adapters: set[int]
-    job_id: str
-    attempt: int
+    @property
+    def welcome(self) -> M.Welcome | None:
+        """The manager's ``Welcome`` (its epoch, weight server, model, settings); None before one."""
+        return self._welcome()
 
     def held_version(self) -> int:
         """The version the engine holds in the current manager's epoch (-1: none / unknown weights)."""
@@ -116,7 +116,7 @@ class AgentWeights:
             return -1
         return self.engine.version
 
-    def _servable(self, version: int) -> bool:
+    def servable(self, version: int) -> bool:
         """Whether the engine serves ``version`` in the current epoch: the version held, or (adapter engines) any
         adapter version it still holds that was loaded since the trainer's lineage last changed."""
         held = self.held_version()
@@ -134,12 +134,13 @@ class AgentWeights:
         v = self.held_version()
         return VersionId(v, int(getattr(self.engine, "weights_checksum", 0) or 0)) if v >= 0 else NO_VERSION
 
-    def _stale(self) -> bool:
+    def stale(self) -> bool:
         """The manager's latest differs from what the engine holds: in number (higher or lower: a resumed trainer's
         version), or — both checksums known — in checksum (the same number made by other weights)."""
         return self.want.number >= 0 and not self.want.same_weights(self.held_identity())
 
-    def _want(self, version: VersionId, peers: list[str], wait: bool, source: tuple[str, str] = ("", "")) -> None:
+    def want_version(self, version: VersionId, peers: list[str], wait: bool,
+                     source: tuple[str, str] = ("", "")) -> None:
         """The manager's latest ``version`` (its checksum 0: not known) and where to fetch it: relay
         ``peers`` (then the trainer at ``source`` = (weights endpoint, shard manifest); an empty endpoint: the
         ``Welcome``'s); with ``wait``, not before a ``PullFrom`` — or ``relay_wait_s``, after which the trainer serves
@@ -159,20 +160,27 @@ class AgentWeights:
         if wait:
             self._next_pull_at = max(self._next_pull_at, time.monotonic() + self.relay_wait_s)
 
+    def pull_from(self, version: VersionId, peers: list[str]) -> None:
+        """The manager's ``PullFrom``: relay capacity for ``version`` at ``peers`` — start now (or once the pull in
+        flight ends), if it is still the version wanted."""
+        if version == self.want:
+            self.want_peers = list(peers)
+            self._next_pull_at = time.monotonic()
+
     def _start_pull(self, want: VersionId) -> None:
         """Pull version ``want`` (refusing a holder's version of another identity, when it is known: whole weights or
         a LoRA adapter on the run's base) on the builder thread; build the engine there too when there is none yet (on
         the run's base first, in a LoRA run)."""
         version, checksum = want.number, want.checksum
         assert self.welcome is not None
-        weights, factory, model_config = self.weights, self.engine_factory, self.welcome.model_config
+        weights, factory, model_config = self.source, self.engine_factory, self.welcome.model_config
         endpoint, shards = self.want_source if self.want_source[0] else (self.welcome.weights_endpoint,
                                                                           self.welcome.weights_shards)
         keys = self.keys
         peers = list(self.want_peers)
         arch_json, adapter = self.welcome.model_arch, self.welcome.adapter
         build = self.engine is None
-        label = f"{self.job_id}#{self.attempt}"
+        label = self._label()
         slow = self._fault_delay_s if build else (lambda: 0.0)  # (a load's own delay is taken where it loads)
 
         def work() -> _Pulled:
@@ -206,9 +214,9 @@ class AgentWeights:
             return _Pulled(version, got, engine=eng, build_s=time.monotonic() - t0, base=base)
 
         self._pull = self._builder.submit(work)
-        self._pull.add_done_callback(lambda _f: self.link.wake())  # load it without waiting out the idle poll
+        self._pull.add_done_callback(lambda _f: self._wake())  # load it without waiting out the idle poll
 
-    def _weights_step(self) -> None:
+    def step(self) -> None:
         """Start a pull when stale; install a freshly built engine, or load a finished pull once idle (adapter
         engines: once a slot is free)."""
         if self._pull is not None and self._pull.done():
@@ -216,7 +224,7 @@ class AgentWeights:
             return
         if self.engine is not None and len(self.engine.adapter_versions()) > 1:
             self._unload_outside_window(self.engine.version)  # old versions whose last response finished
-        if self._pull is None and self._refused is None and self._stale() and time.monotonic() >= self._next_pull_at:
+        if self._pull is None and self._refused is None and self.stale() and time.monotonic() >= self._next_pull_at:
             self._start_pull(self.want)
 
     def _finish_pull(self, r: _Pulled) -> None:
@@ -227,7 +235,7 @@ class AgentWeights:
             self._next_pull_at = time.monotonic() + min(5.0, 0.2 * 2 ** self._pull_failures)
             if r.refuse:
                 self._refused = r.error
-                log.error("instance %s#%d %s", self.job_id, self.attempt, r.error)
+                log.error("instance %s %s", self._label(), r.error)
             else:
                 log.warning("pull of version %d failed: %s", r.version, r.error)
             self._send(M.WeightsFailed(version=r.version, error=r.error))
@@ -264,7 +272,7 @@ class AgentWeights:
             self._lineage_adapters.add(r.version)
         self.responses.resume(resume, r.version)
         self.responses.forget_finished()  # responses of the version before: no manager asks for them again
-        self.timings.setdefault("weights_loaded", time.time())
+        self._on_loaded()
         load_s = r.build_s if r.engine is not None else time.monotonic() - t0
         self._send(weights_loaded(r.version, r.got, load_s, checksum=self.engine.weights_checksum, base=r.base))
 
