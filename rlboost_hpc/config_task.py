@@ -16,15 +16,18 @@ from the working directory, else from the config file's directory.
 """
 from __future__ import annotations
 
+import logging
 import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+log = logging.getLogger("rlboost.config")
+
 __all__ = ["ConfigKeysMoved", "EnvironmentCfg", "MOVED_TASK_KEYS", "ReasoningGymCfg", "RewardModelCfg", "TaskCfg",
            "TaskDataCfg", "TaskRewardsCfg", "TaskTurnsCfg", "anchor_task_paths", "current_task_key",
-           "move_flat_task_keys"]
+           "move_flat_task_keys", "read_moved_task_keys"]
 
 
 class _Strict(BaseModel):
@@ -211,6 +214,22 @@ def current_task_key(key: str) -> str:
     key unchanged. For keys written by earlier releases (e.g. a checkpoint's data-set fingerprints)."""
     old = key.removeprefix("task.")
     return f"task.{MOVED_TASK_KEYS[old]}" if key.startswith("task.") and old in MOVED_TASK_KEYS else key
+
+
+def read_moved_task_keys(data: dict[str, Any], where: str) -> None:
+    """Move a raw configuration's ``[task]`` keys of the earlier layout to their places (:func:`move_flat_task_keys`)
+    and say so once, as a WARNING line of logger ``rlboost.config`` naming ``where`` they came from and each old →
+    new. A key given under both names is left for the validation to refuse (naming where it came from)."""
+    task = data.get("task")
+    if not isinstance(task, dict):
+        return
+    try:
+        moves = move_flat_task_keys(task)
+    except ValueError:
+        return
+    if moves:
+        log.warning("configuration keys of the earlier layout (%s), read under their new names: %s", where,
+                    "; ".join(moves))
 
 
 class ConfigKeysMoved(FutureWarning):

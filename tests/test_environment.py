@@ -564,7 +564,8 @@ def test_every_environment_a_run_opens_is_closed_exactly_once_on_every_ending(tm
     (tmp_path / "counting.py").write_text(COUNTING.format(example=str(EXAMPLE), log=str(log)))
     run = _cli("run", "--config", str(EXAMPLE / "config.toml"), "--out", str(tmp_path / "run"), "--no-progress",
                "--set", f"task.data.cache_dir='{tmp_path / 'cache'}'",
-               "--set", f"task.environment='{tmp_path / 'counting.py'}:Counting'", "--set", "task.turns.timeout_s=2",
+               "--set", f"task.environment.class_path='{tmp_path / 'counting.py'}:Counting'",
+               "--set", "task.turns.timeout_s=2",
                "--set", "task.turns.max_tokens=60", "--set", "trainer.steps=2",
                "--set", "trainer.export_model=false", "--set", "task.heldout_prompts=2",
                "--set", "trainer.eval_samples=1", "--set", "trainer.checkpoint_every=0", timeout=600)

@@ -421,13 +421,12 @@ heldout_prompts = 32
 """
 
 
-def test_a_config_of_the_earlier_flat_task_layout_is_read_in_the_new_places_and_says_so(user_files):
+def test_a_config_of_the_earlier_flat_task_layout_is_read_in_the_new_places_and_says_so(user_files, caplog):
     """Issue 56: ``[task]`` is four tables now (data, rewards, turns, environment). A team's config of the flat layout
     still runs: through ``rlboost-hpc task check`` it passes, each key moved to its new place with a warning naming
     old and new; loaded, it is the very configuration of the new layout."""
+    import logging
     import tomllib
-
-    from rlboost_hpc.config_task import ConfigKeysMoved
 
     example = REPO / "examples/gsm8k_jsonl"
     text = (example / "config.toml").read_text()
@@ -436,9 +435,11 @@ def test_a_config_of_the_earlier_flat_task_layout_is_read_in_the_new_places_and_
     old.write_text(text[:text.index("[task]")] + FLAT_GSM8K_TASK + text[text.index("[rollout]"):])
     assert "task" in tomllib.loads(old.read_text()) and "data" not in tomllib.loads(old.read_text())["task"]
     cache = f"task.data.cache_dir='{user_files / 'cache'}'"
-    with pytest.warns(ConfigKeysMoved, match=r"task\.dataset → task\.data\.path.*task\.reward_weights → "
-                                             r"task\.rewards\.weights"):
+    with caplog.at_level(logging.WARNING, logger="rlboost.config"):
         flat = load_config(old, [cache])
+    said = [r.getMessage() for r in caplog.records if r.name == "rlboost.config"]
+    assert len(said) == 1 and str(old) in said[0], said
+    assert "task.dataset → task.data.path" in said[0] and "task.reward_weights → task.rewards.weights" in said[0]
     (old.parent / "new.toml").write_text(text)
     assert flat.model_dump() == load_config(old.parent / "new.toml", [cache]).model_dump()
     assert flat.task.kind == "own" and flat.task.data.path == str(old.parent / "train.jsonl")

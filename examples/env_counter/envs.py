@@ -1,4 +1,4 @@
-"""A stateful multi-turn environment of a user's own (``task.environment = "envs.py:Counter"``).
+"""A stateful multi-turn environment of a user's own (``task.environment = { class_path = "envs.py:Counter" }``).
 
 One ``Counter`` per trajectory lives in the manager's tool processes, in the trainer's allocation. ``reset(row)`` reads
 the row's ``start`` and ``target`` columns and says where the counter is (appended to the prompt); every assistant
