@@ -292,15 +292,16 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
         steps=steps, stats=final, tally=resume.tally + FaultTally.observe(final, cluster), totals=trainer.totals,
         before=before, after=after, kl=kl, objective=cfg.trainer.model_dump(include=OBJECTIVE_KEYS),
         model=setup.model_info(), model_out=model_out,
-        publishes=[p.record() for p in svc.publisher.history], served=served, rewards_timed_out=svc.rewards.timed_out,
-        reward_workers_replaced=svc.rewards.replaced, n_resv=n_resv, n_resv_source=n_resv_source,
+        publishes=[p.record() for p in svc.publisher.history], served=served,
+        rewards_timed_out=svc.runtime.rewards.timed_out, reward_workers_replaced=svc.runtime.rewards.replaced,
+        n_resv=n_resv, n_resv_source=n_resv_source,
         rollout_engine=cfg.rollout.engine,
         prompts_not_trained_once=trainer.prompts_not_trained_once(), multi_turn=cfg.task.turns.max > 1,
         resumes=resume.resumes, resumed_from_step=resume.start_step if ckpt is not None else None,
         train_wall_s=train_wall, wall_s=time.monotonic() - t_start, max_staleness=cfg.rollout.max_staleness,
         trace_window_start_s=cluster["window_start_s"] if cluster else None, gate=cfg.trainer.gate_bounds(),
         faults_scheduled=cluster.get("scheduled") if cluster else None, lora=_lora_info(svc, cfg, model_out))
-    report.reward_functions = svc.rewards.take_tallies() or None  # a user's task: each reward function's counts
+    report.reward_functions = svc.runtime.rewards.take_tallies() or None  # a user's task: each reward function's counts
     return report, svc.cluster.live_series if svc.cluster else []
 
 
@@ -399,14 +400,14 @@ def _held_out(cfg: RunConfig, setup: RunSetup, svc: RunServices):
         return NotEvaluated()
     r = cfg.rollout
     turns = None
-    if svc.eval_tools is not None:
-        turns = TurnSettings(cfg.task.turns.max, cfg.trajectory_tokens(), setup.tool_stops, svc.eval_tools)
+    if svc.runtime.eval_turns is not None:
+        turns = TurnSettings(cfg.task.turns.max, cfg.trajectory_tokens(), setup.tool_stops, svc.runtime.eval_turns)
     return HeldOut(setup.policy.arch, setup.policy.tokenizer, setup.task,
                    weights=lambda v: svc.publisher.read(v).state_dict, samples=cfg.trainer.eval_samples,
                    max_new_tokens=r.max_new_tokens, top_p=r.top_p,
                    temperature=r.temperature if cfg.trainer.eval_temperature is None else cfg.trainer.eval_temperature,
                    pass_k=tuple(cfg.trainer.eval_pass_k), correct_at=cfg.trainer.eval_correct_at,
-                   device=setup.rollout_device, dtype=setup.rollout_dtype, score=svc.rewards.score, turns=turns,
+                   device=setup.rollout_device, dtype=setup.rollout_dtype, score=svc.runtime.rewards.score, turns=turns,
                    adapter=None if svc.adapter is None else (svc.adapter, svc.base_state))
 
 
@@ -441,7 +442,7 @@ def _trainer(cfg: RunConfig, svc: RunServices, setup: RunSetup, n_resv: float):
         seeding=SeedingWindow(initial_s=pol.t_seed_initial_s, eta=pol.eta, floor_s=pol.t_seed_floor_s,
                               adapt=pol.adaptive_seeding, memory=pol.t_seed_memory, ceil_s=pol.t_seed_ceil_s))
     return RLTrainer(client=svc.client, backend=svc.backend, task=setup.task, tokenizer=setup.policy.tokenizer,
-                     settings=settings, score=svc.rewards.score, publish=svc.publisher.publish,
+                     settings=settings, score=svc.runtime.rewards.score, publish=svc.publisher.publish,
                      controller=controller, available=svc.available)
 
 

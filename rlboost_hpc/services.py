@@ -1,13 +1,13 @@
 """The services of one run in the trainer's allocation, started and stopped as one unit.
 
 :class:`RunServices` is a context manager. Entering starts, in order: the run's CURVE keys, the weight server, the
-rollout manager (its own process), the trainer's client to it, ``endpoints.json`` and the Prometheus
-``file_sd`` target, (LoRA) the base server — the base published once, as one version, for rollout nodes that do not
-see ``model.path`` —, the trainer backend, the weight publisher, the reward pool and (multi-turn) the evaluation's
-tool workers — the weight server keeping its versions in a shared-memory directory of this node. After the first
-version is published, :meth:`RunServices.start_reserved` starts the reserved engines (processes of their own that
-map those versions) and :meth:`RunServices.start_rollout` the preemptible capacity (the local cluster, or the
-scavenger's target under Slurm).
+rollout manager (its own process), the trainer's client to it, ``endpoints.json`` and the Prometheus ``file_sd``
+target, (LoRA) the base server — the base published once, as one version, for rollout nodes that do not see
+``model.path`` —, the trainer backend, the weight publisher and the task's processes (the reward pool, the
+evaluation's tool workers of a multi-turn task, the task's own: :class:`~rlboost_hpc.tasks.runtime.TaskRuntime`) — the
+weight server keeping its versions in a shared-memory directory of this node. After the first version is published,
+:meth:`RunServices.start_reserved` starts the reserved engines (processes of their own that map those versions) and
+:meth:`RunServices.start_rollout` the preemptible capacity (the local cluster, or the scavenger's target under Slurm).
 
 Invariant: whatever was started is stopped on every exit path, in the reverse order of starting — also when
 start-up itself fails half-way (a backend that cannot start stops the manager and the weight server it came
@@ -51,7 +51,8 @@ def grpo_options(cfg: RunConfig):
 class RunServices:
     """The run's processes, threads and sockets (see the module docstring). Attributes once entered: ``keys``
     (``RunKeys`` or None without CURVE), ``server``, ``client``, ``manager`` (its supervisor), ``endpoint`` / ``weights_endpoint``
-    (what peers dial), ``backend``, ``publisher``, ``rewards``, ``eval_tools`` (None: single-turn), ``cluster``
+    (what peers dial), ``backend``, ``publisher``, ``runtime`` (the task's processes: its rewards, the held-out
+    evaluation's turns: :class:`~rlboost_hpc.tasks.runtime.TaskRuntime`), ``cluster``
     (the local cluster; None under Slurm or before :meth:`start_rollout`).
 
     Args:
@@ -75,7 +76,7 @@ class RunServices:
         self._stack = contextlib.ExitStack()
         self._hello = False
         self._target_step = 0  # the step the scavenger's target was last written for
-        self.eval_tools = self.cluster = self.reserved = None
+        self.cluster = self.reserved = None
 
     # ------------------------------------------------------------------ lifetime
     def __enter__(self) -> "RunServices":
@@ -95,7 +96,7 @@ class RunServices:
 
     def _start(self) -> None:
         from rlboost_hpc.rollout.spec import WorkerSpec
-        from rlboost_hpc.tasks.reward_pool import RewardPool
+        from rlboost_hpc.tasks.runtime import TaskRuntime
         from rlboost_hpc.trainer.client import ManagerClient
         from rlboost_hpc.trainer.publisher import WeightPublisher
         from rlboost_hpc.weights.server import WeightServer
@@ -141,14 +142,7 @@ class RunServices:
         if self.publisher.shards:
             log.info("weights: every model-parallel rank serves its own shards (%d holders, %.1f MB per version)",
                      len(self.publisher.shards["holders"]), manifest_nbytes(self.publisher.shards) / 1e6)
-        self.rewards = RewardPool(self.task, workers=cfg.task.rewards.workers,
-                                  timeout_s=cfg.task.rewards.timeout_s)
-        self.defer(self.rewards.close)
-        if turns is not None:  # held-out trajectories call the tool too (their own workers, same deadline)
-
-            self.eval_tools = turns.calls()
-            self.defer(self.eval_tools.close)
-        self.defer(self.task.close)  # a stateful environment's reset process (the prompts' first observations)
+        self.runtime = self._stack.enter_context(TaskRuntime(self.task, cfg.task.rewards, turns))
 
     def _start_base_server(self) -> M.AdapterSpec:
         """LoRA: publish the base once, as version 0 of a server of its own (sealed and checksummed as any version),

@@ -83,3 +83,51 @@ def test_bad_arguments():
         RewardPool(Dies(), workers=0)
     with pytest.raises(ValueError):
         RewardPool(Dies(), timeout_s=0)
+
+
+class ClosedOnce(RewardOnly):
+    """A task that counts its ``close`` calls (a stateful environment's reset process is closed there)."""
+
+    def __init__(self) -> None:
+        self.closed = 0
+
+    def reward(self, prompt: Prompt, text: str) -> float:
+        return float(len(text))
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_the_task_runtime_owns_the_reward_and_turn_processes_and_closes_each_on_every_way_out():
+    """Issue 56 item 1: one owner of a task's processes. Entered, its reward pool scores in processes of its own (and
+    a single-turn task has no turn pool); left, those processes are gone and the task is closed, once. A start that
+    fails half-way (the turn pool refuses its arguments) closes what it had started, the task too."""
+    import psutil
+
+    from rlboost_hpc.config_task import TaskRewardsCfg
+    from rlboost_hpc.tasks.environment import TurnSpec
+    from rlboost_hpc.tasks.runtime import TaskRuntime
+
+    me, task = psutil.Process(), ClosedOnce()
+
+    def workers() -> set[int]:  # this process's multiprocessing workers (not its resource tracker)
+        out = set()
+        for p in me.children(recursive=True):
+            try:
+                if "spawn_main" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                    out.add(p.pid)
+            except psutil.Error:  # (it ended meanwhile)
+                pass
+        return out
+
+    before = workers()
+    with TaskRuntime(task, TaskRewardsCfg(workers=2, timeout_s=5.0), None) as rt:
+        assert rt.eval_turns is None
+        assert rt.rewards.score([(P("x"), "abc"), (P("x"), "a")]).rewards == [3.0, 1.0]
+        assert len(workers() - before) == 2  # its two reward processes
+    assert not workers() - before and task.closed == 1  # (close waits for them)
+    broken, task2 = TurnSpec(env=None, workers=0, timeout_s=5.0), ClosedOnce()
+    with pytest.raises(ValueError):
+        with TaskRuntime(task2, TaskRewardsCfg(), broken):
+            pass
+    assert task2.closed == 1
