@@ -172,6 +172,16 @@ def _run(cfg: RunConfig, rd: RunDir, *, progress: bool, run_id: str) -> RunRepor
     torch.manual_seed(cfg.trainer.seed)
     torch.set_num_threads(cfg.trainer.torch_threads)
     setup = RunSetup.load(cfg)
+    try:
+        return _run_loaded(cfg, rd, setup, ckpt, t_start, progress=progress, run_id=run_id)
+    finally:  # (the services' task runtime closed it, unless the run failed before they started)
+        setup.task.close()  # a stateful environment's reset process, started by the context check
+
+
+def _run_loaded(cfg: RunConfig, rd: RunDir, setup: RunSetup, ckpt: Path | None, t_start: float, *, progress: bool,
+                run_id: str) -> RunReport:
+    """The run once its task and model are loaded (``setup``): the checks against a checkpoint ``ckpt``, the
+    services, the training, the report."""
     if ckpt is not None:
         check_same_model(ckpt, setup, rd)
         check_same_data(ckpt, setup, rd)

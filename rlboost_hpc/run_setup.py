@@ -7,6 +7,8 @@ file) raised before a service, process or socket of the run exists.
 """
 from __future__ import annotations
 
+import contextlib
+
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,24 +226,27 @@ class RunSetup:
         # the task before the model: its data (a hub id is fetched here), its reward code imported and checked, its
         # reward model reached — bad input there exits 2 before a model load of tens of seconds
         task = make_task(cfg.task)
-        task.check_endpoint()
-        policy = load_model(cfg)
-        arch, tok = policy.arch, policy.tokenizer
-        longest, worst = task.longest_prompt(tok)
-        if longest + cfg.trajectory_tokens() > arch.max_position_embeddings:
-            key = ("rollout.max_new_tokens" if cfg.task.turns.max == 1 else
-                   "task.turns.max_tokens (0: task.turns.max × rollout.max_new_tokens)")
-            raise ConfigError(f"{key} = {cfg.trajectory_tokens()} plus the longest prompt ({longest} tokens: "
-                              f"{worst.pid}, {worst.text[:60]!r}) exceeds the model's context of "
-                              f"{arch.max_position_embeddings} tokens")
-        lora = lora_settings(cfg, policy)
-        train_device = resolve_device(cfg.trainer.device, "trainer.device")
-        rollout_device = resolve_device(cfg.rollout.device, "rollout.device")
-        setup = cls(policy=policy, task=task, tool_stops=tool_stop_ids(cfg, tok),
-                    context_tokens=longest + cfg.trajectory_tokens(), train_device=train_device,
-                    train_dtype=resolve_dtype(cfg.trainer.dtype, train_device, "trainer.dtype"),
-                    rollout_device=rollout_device,
-                    rollout_dtype=resolve_dtype(cfg.rollout.dtype, rollout_device, "rollout.dtype"), lora=lora)
+        with contextlib.ExitStack() as undo:  # a check that fails stops what the task started (its reset process)
+            undo.callback(task.close)
+            task.check_endpoint()
+            policy = load_model(cfg)
+            arch, tok = policy.arch, policy.tokenizer
+            longest, worst = task.longest_prompt(tok)
+            if longest + cfg.trajectory_tokens() > arch.max_position_embeddings:
+                key = ("rollout.max_new_tokens" if cfg.task.turns.max == 1 else
+                       "task.turns.max_tokens (0: task.turns.max × rollout.max_new_tokens)")
+                raise ConfigError(f"{key} = {cfg.trajectory_tokens()} plus the longest prompt ({longest} tokens: "
+                                  f"{worst.pid}, {worst.text[:60]!r}) exceeds the model's context of "
+                                  f"{arch.max_position_embeddings} tokens")
+            lora = lora_settings(cfg, policy)
+            train_device = resolve_device(cfg.trainer.device, "trainer.device")
+            rollout_device = resolve_device(cfg.rollout.device, "rollout.device")
+            setup = cls(policy=policy, task=task, tool_stops=tool_stop_ids(cfg, tok),
+                        context_tokens=longest + cfg.trajectory_tokens(), train_device=train_device,
+                        train_dtype=resolve_dtype(cfg.trainer.dtype, train_device, "trainer.dtype"),
+                        rollout_device=rollout_device,
+                        rollout_dtype=resolve_dtype(cfg.rollout.dtype, rollout_device, "rollout.dtype"), lora=lora)
+            undo.pop_all()  # the task goes on in the setup
         log.info("model %s (%s, %.1f M parameters, chat template %s); trainer on %s/%s, rollout on %s/%s",
                  policy.path, arch.architecture, arch.num_params() / 1e6, "on" if tok.use_chat else "off",
                  train_device, str(setup.train_dtype).removeprefix("torch."), rollout_device,

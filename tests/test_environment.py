@@ -578,3 +578,33 @@ def test_every_environment_a_run_opens_is_closed_exactly_once_on_every_ending(tm
     assert rep["responses_truncated_by_cause"].get("trajectory_budget", 0) > 0, rep
     assert len(set(opened)) == len(opened) > 0
     assert sorted(closed) == sorted(opened), (len(opened), len(closed), set(opened) - set(closed))
+
+
+def test_a_run_refused_after_the_environment_reset_its_prompts_leaves_no_process_behind(tmp_path):
+    """The context check renders prompts with their ``reset(row)`` observation, which starts the environment's reset
+    process; a check that then refuses the run (here: the trajectory budget exceeds the model's context) used to
+    leave that process running in the caller (an in-process run, a Slurm trainer job's retry). It is stopped on the
+    way out — through ``RunSetup.load``, as ``rlboost-hpc run`` calls it."""
+    import psutil
+
+    from rlboost_hpc.config import ConfigError, load_config
+    from rlboost_hpc.run_setup import RunSetup
+
+    me = psutil.Process()
+
+    def workers() -> set[int]:
+        out = set()
+        for p in me.children(recursive=True):
+            try:
+                if "spawn_main" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                    out.add(p.pid)
+            except psutil.Error:
+                pass
+        return out
+
+    before = workers()
+    cfg = load_config(EXAMPLE / "config.toml", [f"task.data.cache_dir='{tmp_path / 'cache'}'",
+                                                "task.turns.max_tokens=1000"])
+    with pytest.raises(ConfigError, match="exceeds the model's context"):
+        RunSetup.load(cfg)
+    assert not workers() - before
