@@ -14,7 +14,7 @@ from typing import Any, Literal
 from rlboost_hpc import defaults as D
 from pydantic import Field, ValidationError, field_validator, model_validator
 from rlboost_hpc.config_task import (  # noqa: F401 - the task's tables are part of the run's config
-    RewardModelCfg, TaskCfg, _Strict, anchor_task_paths, read_moved_task_keys)
+    RewardModelCfg, TaskCfg, _Strict, anchor_task_paths, moved_task_overrides, read_moved_task_keys)
 from rlboost_hpc.errors import BadInput
 from rlboost_hpc.paths import ShippedFileMissing, shipped, unreadable
 
@@ -675,14 +675,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
         except (OSError, UnicodeDecodeError) as e:  # (it changed since it was checked, or is not text)
             raise ConfigError(f"config file {p} cannot be read ({getattr(e, 'strerror', None) or e})") from None
-    apply_overrides(data, overrides or [])
+    read_moved_task_keys(data, str(path))  # (the file's; then an override of the new name overrides them)
+    apply_overrides(data, overrides := moved_task_overrides(overrides or []))
     _check_renamed(data, f" in {path} or --set" if path else "")
-    read_moved_task_keys(data, f"{path} or --set" if path else "--set")
     anchor_task_paths(data, resolve_config_file(Path(path)).parent if path is not None else None)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
-        lines = [f"  {_config_problem(err, path, overrides or [])}" for err in e.errors()]
+        lines = [f"  {_config_problem(err, path, overrides)}" for err in e.errors()]
         raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
 
 

@@ -27,7 +27,8 @@ log = logging.getLogger("rlboost.config")
 
 __all__ = ["ConfigKeysMoved", "EnvironmentCfg", "MOVED_TASK_KEYS", "ReasoningGymCfg", "RewardModelCfg", "TaskCfg",
            "TaskDataCfg", "TaskRewardsCfg", "TaskTurnsCfg", "anchor_task_paths", "current_task_key",
-           "move_flat_task_keys", "read_moved_task_keys"]
+           "move_flat_task_keys", "moved_task_overrides",
+           "read_moved_task_keys"]
 
 
 class _Strict(BaseModel):
@@ -217,9 +218,10 @@ def current_task_key(key: str) -> str:
 
 
 def read_moved_task_keys(data: dict[str, Any], where: str) -> None:
-    """Move a raw configuration's ``[task]`` keys of the earlier layout to their places (:func:`move_flat_task_keys`)
-    and say so once, as a WARNING line of logger ``rlboost.config`` naming ``where`` they came from and each old →
-    new. A key given under both names is left for the validation to refuse (naming where it came from)."""
+    """Move the ``[task]`` keys of the earlier layout in a config file's raw ``data`` to their places
+    (:func:`move_flat_task_keys`) — before the ``--set`` overrides apply, so an override of the new name overrides
+    them — and say so once, as a WARNING line of logger ``rlboost.config`` naming the file (``where``) and each
+    old → new. A key given under both names is left for the validation to refuse (naming where it came from)."""
     task = data.get("task")
     if not isinstance(task, dict):
         return
@@ -228,8 +230,32 @@ def read_moved_task_keys(data: dict[str, Any], where: str) -> None:
     except ValueError:
         return
     if moves:
-        log.warning("configuration keys of the earlier layout (%s), read under their new names: %s", where,
+        log.warning("%s uses keys of the earlier [task] layout, read under their new names (rename them): %s", where,
                     "; ".join(moves))
+
+
+def moved_task_overrides(overrides: list[str]) -> list[str]:
+    """``overrides`` (``key=value`` of ``--set``) with each key of the earlier ``[task]`` layout written under its
+    new name (``task.max_turns=3`` → ``task.turns.max=3``; ``task.reward_model.url=…`` → ``task.rewards.model.url=…``;
+    a string ``task.environment`` → ``task.environment.class_path``), said once as a WARNING line of logger
+    ``rlboost.config``. Others unchanged."""
+    out, moves = [], []
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        parts = key.strip().split(".")
+        if len(parts) >= 2 and parts[0] == "task" and parts[1] in MOVED_TASK_KEYS:
+            new = ".".join(["task", MOVED_TASK_KEYS[parts[1]], *parts[2:]])
+        elif parts == ["task", "environment"] and eq and not value.strip().startswith("{"):
+            new = "task.environment.class_path"
+        else:
+            out.append(item)
+            continue
+        moves.append(f"{key.strip()} → {new}")
+        out.append(f"{new}{eq}{value}")
+    if moves:
+        log.warning("--set keys of the earlier [task] layout, read under their new names (rename them): %s",
+                    "; ".join(moves))
+    return out
 
 
 class ConfigKeysMoved(FutureWarning):
@@ -252,6 +278,9 @@ def move_flat_task_keys(task: dict[str, Any]) -> list[str]:
         moves_env = []
     for old, new in moves:
         table, key = new.split(".")
+        if isinstance(task[old], dict) and new != "rewards.model":
+            raise ValueError(f"[task.{old}] is no table: task.{old} was the earlier layout's key that is now "
+                             f"task.{new} (its table is [task.{table}])")
         sub = task.setdefault(table, {})
         if not isinstance(sub, dict):
             raise ValueError(f"task.{table} must be a table (task.{old} is now task.{new})")
@@ -331,7 +360,7 @@ class TaskCfg(_Strict):
                              "task.environment")
         n = len(r.functions) + (r.model is not None) + (self.environment is not None)
         if r.weights is not None and len(r.weights) != n:
-            raise ValueError(f"task.rewards.weights has {len(r.weights)} weights for {n} reward terms "
+            raise ValueError(f"task.rewards.weights has {len(r.weights)} weight(s) for {n} reward terms "
                              "(the functions, then the reward model, then the environment)")
         if turns.tools and turns.max == 1:
             raise ValueError("task.turns.tools are multi-turn: set task.turns.max > 1")

@@ -57,12 +57,37 @@ def test_the_task_kind_is_inferred_from_its_tables_and_a_given_one_must_agree_wi
                          (["task.kind='reasoning_gym'"], "needs task.reasoning_gym"),
                          (["task.kind='builtin'", "task.reasoning_gym.name='chain_sum'"],
                           "task.reasoning_gym is set but task.kind = builtin"),
-                         (["task.rewards.functions=['r.py:f']"], "need task.data.path"),
-                         (["task.dataset='d.jsonl'", "task.data.path='e.jsonl'", "task.rewards.functions=['r.py:f']"],
-                          "task.dataset and task.data.path are the same key"),
-                         (["task.max_turns=2", "task.turns=1"], "task.turns must be a table")]:
+                         (["task.rewards.functions=['r.py:f']"], "need task.data.path")]:
         with pytest.raises(ConfigError, match=needle):
             load_config(None, sets)
+
+
+def test_keys_of_the_earlier_task_layout_in_a_file_or_a_set_are_read_under_their_new_names(tmp_path, caplog):
+    """Issue 56 item 1 (a new user's findings): a file's old keys move before the overrides apply, so a ``--set`` of
+    the new name overrides them; an old-named ``--set`` overrides a file of the new layout; each source is named in
+    its own line; an error of a moved ``--set`` names that ``--set``; an old key written as a table, or a key given
+    under both names in one file, is refused naming both."""
+    import logging
+
+    old = tmp_path / "old.toml"
+    old.write_text('[task]\ndataset = "d.jsonl"\nreward_functions = ["r.py:f"]\nmax_turns = 2\n')
+    with caplog.at_level(logging.WARNING, logger="rlboost.config"):
+        cfg = load_config(old, ["task.data.path='e.jsonl'", "task.max_turns=3"])
+    assert cfg.task.data.path == "e.jsonl" and cfg.task.turns.max == 3 and cfg.task.rewards.functions == ["r.py:f"]
+    said = [r.getMessage() for r in caplog.records if r.name == "rlboost.config"]
+    assert len(said) == 2 and str(old) in said[0] and "task.dataset → task.data.path" in said[0], said
+    assert said[1].startswith("--set") and "task.max_turns → task.turns.max" in said[1], said
+    with pytest.raises(ConfigError, match=r"task.turns.max: Input should be greater than or equal to 1 \(from --set "
+                                          r"task.turns.max=0\)"):
+        load_config(old, ["task.max_turns=0"])
+    both = tmp_path / "both.toml"
+    both.write_text('[task]\ndataset = "d.jsonl"\nreward_functions = ["r.py:f"]\n[task.data]\npath = "e.jsonl"\n')
+    with pytest.raises(ConfigError, match=rf"task.dataset and task.data.path are the same key.*\(in {both}\)"):
+        load_config(both)
+    table = tmp_path / "table.toml"
+    table.write_text('[task.dataset]\npath = "d.jsonl"\n')
+    with pytest.raises(ConfigError, match=r"\[task.dataset\] is no table: .* now task.data.path .*\[task.data\]"):
+        load_config(table)
 
 
 def test_one_side_a_checkpoint_of_the_flat_task_layout_resumes_against_the_same_data_set(tmp_path):

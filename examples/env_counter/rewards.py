@@ -1,5 +1,5 @@
 """A reward function beside the environment's own reward (TRL's batched signature): the final turn names a
-direction. The run adds it to the environment's term by task.reward_weights."""
+direction. The run adds it to the environment's term by task.rewards.weights."""
 from __future__ import annotations
 
 

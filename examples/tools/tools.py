@@ -1,6 +1,6 @@
-"""Two tools of a user's own (``task.tools``): plain functions; their type hints and docstrings are the JSON schema
-the chat template shows the model (transformers' ``get_json_schema``). They run in the manager's tool processes,
-in the trainer's allocation, each call under ``task.tool_timeout_s``."""
+"""Two tools of a user's own (``task.turns.tools``): plain functions; their type hints and docstrings are the JSON
+schema the chat template shows the model (transformers' ``get_json_schema``). They run in the manager's tool
+processes, in the trainer's allocation, each call under ``task.turns.timeout_s``."""
 from __future__ import annotations
 
 GLOSSARY = {
