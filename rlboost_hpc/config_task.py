@@ -5,8 +5,9 @@ Layout: ``task.kind`` (builtin, own, reasoning_gym; inferred from the tables giv
 ``task.data`` (the prompts), ``task.rewards`` (functions, a reward model behind HTTP, weights, deadline, processes,
 what a failure means), ``task.turns`` (multi-turn: turns, tools, tool-call syntax, their processes) and
 ``task.environment`` (a stateful environment). The flat keys of earlier releases (``task.dataset``,
-``task.reward_functions``, ``task.max_turns``, …: :data:`MOVED_TASK_KEYS`) are still read, moved to their places with
-a :class:`ConfigKeysMoved` warning naming old and new.
+``task.reward_functions``, ``task.max_turns``, …: :data:`MOVED_TASK_KEYS`) are still read, moved to their places: a
+config file's and ``--set``'s by :func:`~rlboost_hpc.config.load_config` (one WARNING line per source, naming old and
+new), a table given in code by :class:`TaskCfg` itself (a :class:`ConfigKeysMoved` warning).
 
 Invariants: as for the whole configuration (``rlboost_hpc/config.py``), unknown keys are errors at every level and
 every number carries its unit; the keys of your own task are checked against each other here (a reward without a
@@ -268,7 +269,8 @@ def move_flat_task_keys(task: dict[str, Any]) -> list[str]:
     a string is ``environment.class_path``) to their places, in place. Returns ``"task.old → task.new"`` per move.
 
     Raises:
-        ValueError: a key given under its old and its new name both.
+        ValueError: a key given under its old and its new name both; an old key written as a table
+            (``[task.dataset]``); a new table that is no table.
     """
     moves = [(old, new) for old, new in MOVED_TASK_KEYS.items() if old in task]
     if isinstance(task.get("environment"), str):
