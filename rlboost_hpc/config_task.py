@@ -212,10 +212,13 @@ MOVED_TASK_KEYS: dict[str, str] = {
 
 
 def current_task_key(key: str) -> str:
-    """``key`` (a dotted key such as ``task.dataset``) under its name of this layout (``task.data.path``); any other
-    key unchanged. For keys written by earlier releases (e.g. a checkpoint's data-set fingerprints)."""
-    old = key.removeprefix("task.")
-    return f"task.{MOVED_TASK_KEYS[old]}" if key.startswith("task.") and old in MOVED_TASK_KEYS else key
+    """``key`` (a dotted key such as ``task.dataset`` or ``task.reward_model.url``) under its name of this layout
+    (``task.data.path``, ``task.rewards.model.url``); any other key unchanged. For keys written by earlier releases
+    (a checkpoint's data-set fingerprints, ``--set`` overrides)."""
+    parts = key.split(".")
+    if len(parts) >= 2 and parts[0] == "task" and parts[1] in MOVED_TASK_KEYS:
+        return ".".join(["task", MOVED_TASK_KEYS[parts[1]], *parts[2:]])
+    return key
 
 
 def read_moved_task_keys(data: dict[str, Any], where: str) -> None:
@@ -243,15 +246,14 @@ def moved_task_overrides(overrides: list[str]) -> list[str]:
     out, moves = [], []
     for item in overrides:
         key, eq, value = item.partition("=")
-        parts = key.strip().split(".")
-        if len(parts) >= 2 and parts[0] == "task" and parts[1] in MOVED_TASK_KEYS:
-            new = ".".join(["task", MOVED_TASK_KEYS[parts[1]], *parts[2:]])
-        elif parts == ["task", "environment"] and eq and not value.strip().startswith("{"):
+        key = key.strip()
+        new = current_task_key(key)
+        if key == "task.environment" and eq and not value.strip().startswith("{"):
             new = "task.environment.class_path"
-        else:
+        if new == key:
             out.append(item)
             continue
-        moves.append(f"{key.strip()} → {new}")
+        moves.append(f"{key} → {new}")
         out.append(f"{new}{eq}{value}")
     if moves:
         log.warning("--set keys of the earlier [task] layout, read under their new names (rename them): %s",
@@ -387,22 +389,21 @@ def _anchored(value: str, base: Path | None) -> str:
     return value
 
 
-#: Where a raw ``[task]`` table holds file paths: (sub-table or None, key), in this layout and the earlier one.
+#: Where a raw ``[task]`` table holds file paths: (sub-table, key) (the earlier layout's keys are moved before).
 _PATH_KEYS = (("data", "path"), ("data", "heldout_path"), ("environment", "class_path"), ("rewards", "functions"),
-              ("turns", "tools"), (None, "dataset"), (None, "heldout_dataset"), (None, "environment"),
-              (None, "reward_functions"), (None, "tools"))
+              ("turns", "tools"))
 
 
 def anchor_task_paths(data: dict[str, Any], base: Path | None) -> None:
     """Make ``task.data.path``, ``task.data.heldout_path`` and the files of ``task.environment``,
-    ``task.rewards.functions`` and ``task.turns.tools`` (or their keys of the earlier layout) absolute
+    ``task.rewards.functions`` and ``task.turns.tools`` absolute
     (:func:`_anchored`), so a config beside its data works from any directory and the run directory records where
     they were."""
     task = data.get("task")
     if not isinstance(task, dict):
         return
     for table, k in _PATH_KEYS:
-        node = task if table is None else task.get(table)
+        node = task.get(table)
         if not isinstance(node, dict):
             continue
         if isinstance(node.get(k), str):
