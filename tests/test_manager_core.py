@@ -341,15 +341,15 @@ def test_the_fallbacks_seconds_are_reported_so_the_trainer_does_not_count_them_a
         clock.t = t
         core.on_message(b"r", M.Heartbeat(version=0, active=4, tokens_generated=0))
         core.tick()
-    assert core.fallback_since == 1.0  # still no remote capacity
+    assert core.step_account.fallback_since == 1.0  # still no remote capacity
     register(core, b"p", "p", version=None)  # booted: pulling from t = 3.5
     clock.t = 3.6
     core.tick()
-    assert core.fallback_since is None and core.step_fallback_s == pytest.approx(2.6)
+    assert core.step_account.fallback_since is None and core.step_account.fallback_s == pytest.approx(2.6)
     for rid in sorted(core.requests):
         core.on_message(b"r", tokens(rid, 0, [2], finish=M.FINISH_STOP))
     core.on_message(TRAINER, M.SetVersion(version=1))
-    assert core.stats().last_step_remote.fallback_s == pytest.approx(2.6) and core.step_fallback_s == 0.0
+    assert core.stats().last_step_remote.fallback_s == pytest.approx(2.6) and core.step_account.fallback_s == 0.0
 
 
 def test_the_first_preemptible_instance_ready_after_a_fallback_takes_the_reserved_engines_work():
@@ -380,7 +380,7 @@ def test_a_step_whose_remote_capacity_was_up_at_the_close_has_no_fallback():
     submit(core, n=2)
     core.tick()
     core.on_message(TRAINER, M.CloseSeeding(step=0))
-    assert core.fallback_since is None and core.step_fallback_s == 0.0
+    assert core.step_account.fallback_since is None and core.step_account.fallback_s == 0.0
 
 
 def test_repeated_engine_failures_fail_the_step_not_train_it():

@@ -322,7 +322,7 @@ def test_group_commit_waits_its_window_and_nothing_reaches_the_trainer_before_it
     core, _, _ = journaled(tmp_path / "x")  # (its own log there is not used: the service writes ``log``)
     svc = ManagerService(core, worklog=log)
     try:
-        core.trainer_peer = TRAINER
+        core.trainer = W.Hello(TRAINER, "tcp://w", "", {}, {})
         size = (tmp_path / "work.log").stat().st_size
         core.worklog.append(W.Acked("g"))
         core.send(b"inst", M.Alive(epoch=1))

@@ -80,7 +80,7 @@ def _scripted_step(balancing: bool) -> tuple[ManagerCore, float]:
 @pytest.mark.parametrize("balancing", [False, True], ids=["balancer-off", "balancer-on"])
 def test_live_manager_and_simulator_observe_the_same_step_and_decide_the_same(balancing):
     core, t_end = _scripted_step(balancing)
-    live = msgspec.structs.asdict(core.last_step_remote)
+    live = msgspec.structs.asdict(core.step_account.last_remote)
     # The simulator's records for the same timeline: tokens per instance, the peak its balancer learned (A ran at
     # 32 tok/s throughout; B's best bucket is batch 4 at 16 tok/s), the last response at 12 s, the step end at 15 s.
     simulated = observe_remote([RemoteWork(tokens=64, peak_tokens_per_s=32.0),

@@ -13,7 +13,6 @@ of versions keeps the server's own list of loaded adapters at ≤ 2 (AReaL#1385,
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 import torch

@@ -134,7 +134,8 @@ def test_manager_counts_what_each_instance_did_per_step():
     assert core.stats().instances["j#0"].activity_s == pytest.approx({"busy": 3.0, "idle": 1.0, "pulling": 2.0})
     core.on_message(b"t", M.StepTimes(step=0, wall_s=6.0, phases={"seeding": 4.0, "train": 2.0},
                                       fixed_overhead_s=0.5))
-    assert core.step_phase_s == {"seeding": 4.0, "train": 2.0} and core.dist.step_seconds.count == 1 and core.dist.step_seconds.total == 6.0
+    assert core.step_account.phase_s == {"seeding": 4.0, "train": 2.0}
+    assert core.dist.step_seconds.count == 1 and core.dist.step_seconds.total == 6.0
 
 
 def test_a_message_costs_the_manager_o1_activity_work_whatever_the_number_of_instances(monkeypatch):

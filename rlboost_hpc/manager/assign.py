@@ -3,7 +3,7 @@ below Θ (``policy.dispatch``), each response only to an instance holding a vers
 choice first; a reserved engine only the step the trainer trains or seeds."""
 from __future__ import annotations
 
-from rlboost_hpc.manager.state import InstanceState as S, RequestState as R, StepWork
+from rlboost_hpc.manager.state import InstanceState as S, RequestState as R
 from rlboost_hpc.policy.dispatch import arrival_share, choose_instance
 from rlboost_hpc.protocol import messages as M
 
@@ -84,10 +84,8 @@ def dispatch(core) -> None:
             into[inst.engine] = into.get(inst.engine, 0) + 1
         batches.setdefault(inst.key, []).append(req.work(inst.version))
         core.counters.dispatched += 1
-        if inst.kind == "preemptible":
-            if inst.key not in core.step_remote:  # its peak so far; _balance keeps it current
-                core.step_remote[inst.key] = StepWork(core.clock(), core.clock(),
-                                                       peak=core.balancer.peak(inst.key))
+        if inst.kind == "preemptible":  # with its peak so far (balance() keeps it current)
+            core.step_account.dispatched(inst.key, core.clock(), core.balancer.peak(inst.key))
     core.queue.extendleft(reversed(deferred))
     for key, works in batches.items():
         core.send(core.instances[key].peer, M.Assign(works=works))

@@ -33,8 +33,8 @@ def balance(core, now: float) -> None:
             core.balancer.observe(i.key, batch, rate)
             core.pool_rates.observe(batch, rate)
         marks[i.key] = (i.tokens_received, running)
-        if i.key in core.step_remote and core.balancer.peak(i.key) is not None:
-            core.step_remote[i.key].peak = core.balancer.peak(i.key)  # kept if the instance leaves
+        if core.balancer.peak(i.key) is not None:
+            core.step_account.learned_peak(i.key, core.balancer.peak(i.key))
     for key in set(core._rate_marks) - set(marks):
         if key not in core.instances or core.instances[key].state in (S.GONE, S.SUSPECT):
             core.balancer.forget(key)

@@ -66,7 +66,7 @@ from typing import Callable
 from rlboost_hpc.observe.timeline import Activity, ActivityClock
 from rlboost_hpc.policy.dispatch import Balancer, PlateauEstimator, RoundRobin
 from rlboost_hpc.policy.relay import RelayTree
-from rlboost_hpc.manager.state import Group, Instance, InstanceState, Request, StepWork, VersionLineage
+from rlboost_hpc.manager.state import Group, Instance, InstanceState, Request, VersionLineage
 from rlboost_hpc.manager import worklog as W
 from rlboost_hpc.manager.assign import dispatch
 from rlboost_hpc.manager.balance import balance
@@ -74,10 +74,11 @@ from rlboost_hpc.manager.instance_registry import InstanceRegistry
 from rlboost_hpc.manager.request_table import RequestTable
 from rlboost_hpc.manager.restore import release_held
 from rlboost_hpc.manager.settings import ManagerSettings
+from rlboost_hpc.manager.step_account import StepAccount
 from rlboost_hpc.manager.stats import ManagerDistributions, VersionServingClock, manager_stats
 from rlboost_hpc.manager.trainer_calls import TrainerCalls
 from rlboost_hpc.protocol import messages as M
-from rlboost_hpc.protocol.stats import ManagerCounters, ManagerStats, StepActivity, StepRemote
+from rlboost_hpc.protocol.stats import ManagerCounters, ManagerStats, StepActivity
 from rlboost_hpc.protocol.version import VersionId
 
 S = InstanceState
@@ -128,21 +129,12 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         self.pool_rates = PlateauEstimator()
         self._last_alive = -1e9
         self._rr = RoundRobin()  # the ablation's rule, the same object the simulator uses
-        # per-step view of the preemptible pool (the observation law's records), when its last response completed
-        self.step_remote: dict[str, StepWork] = {}
-        self.step_tokens_by_kind: dict[str, int] = {}  # tokens accepted since the last version change, by kind
-        self.step_rollout_done_at: float | None = None
-        self.fallback_since, self.step_fallback_s = None, 0.0  # the step's co-located fallback (StepRemote.fallback_s)
-        self.last_step_remote = StepRemote()
         # instance-seconds busy / idle / pulling, and when some engine was generating (told after every change)
         self.activity = ActivityClock()
-        self.step_done_s: list[float] = []  # when each of the step's responses completed (the tail's figure)
-        self.last_step_activity = StepActivity(**self.activity.take())
-        # the trainer's step timeline (StepTimes): wall time per step, seconds per phase and fixed overhead, summed
+        # each step's rollout (the observation law's records) and the trainer's step timeline (StepTimes)
+        self.step_account = StepAccount(StepActivity(**self.activity.take()))
         self.dist = ManagerDistributions()  # pulls, steps, instance silences: bounded histograms
         self.version_serving = VersionServingClock()  # SetVersion → each live instance serving it
-        self.step_phase_s, self.step_fixed_overhead_s = {}, 0.0
-        self.last_step_mismatch, self.last_step_rewards = {}, {}  # the trainer's last step: mismatch, reward by function
         self.clock = clock
         self.policy_decision: M.PolicyState | None = None  # the controller's last T_seed and N_prem cap
         self._told_unknown: dict[bytes, float] = {}
@@ -159,10 +151,10 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, Group] = {}
         self.queue: deque[str] = deque()
-        self.trainer_peer: bytes | None = None
-        # the weight server, the assembly manifest of sharded versions (JSON; "" = one weight server), the trainer's
+        # who speaks as the trainer (its peer; b"": none yet) and what its hello said, as the work log holds it: the
+        # weight server, the assembly manifest of sharded versions (JSON; "" = one weight server), the trainer's
         # config.json and parsed ModelArch, a LoRA run's AdapterSpec (versions are adapters on its base)
-        self.weights_endpoint, self.weights_shards, self.model_config, self.model_arch, self.adapter = "", "", {}, {}, None
+        self.trainer = W.Hello(b"", "", "", {}, {})
         self.latest_version = -1
         self.lineage = VersionLineage(self.route_lag)  # the versions of the current trainer lineage (routing)
         # who serves the latest version to whom (policy/relay.py); reserved instances pull in-process, never relay
@@ -176,6 +168,11 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         self.held, self.held_since, self.since_compact, self.dropped = {}, None, [], []
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def trainer_peer(self) -> bytes | None:
+        """The trainer's peer id (None: no trainer said hello)."""
+        return self.trainer.peer or None
+
     def send(self, peer: bytes, msg: M._Msg) -> None:
         self.counters.messages_sent += 1
         self.outbox.append((peer, msg))

@@ -71,11 +71,7 @@ class InstanceRegistry:
     seeding_open: bool
     trainer_peer: bytes | None
     # what Welcome tells an instance
-    weights_endpoint: str
-    weights_shards: str
-    model_config: dict
-    model_arch: dict
-    adapter: "M.AdapterSpec | None"
+    trainer: W.Hello
     latest_checksum: int
     latest: VersionId
     epoch: int
@@ -106,8 +102,9 @@ class InstanceRegistry:
     def _new_version(self, inst: Instance) -> None:
         src = self._pull_source(inst)
         self.send(inst.peer, M.NewVersion(version=self.latest.number, checksum=self.latest.checksum,
-                                          peers=list(src.peers), wait=src.wait, weights_endpoint=self.weights_endpoint,
-                                          weights_shards=self.weights_shards))
+                                          peers=list(src.peers), wait=src.wait,
+                                          weights_endpoint=self.trainer.weights_endpoint,
+                                          weights_shards=self.trainer.weights_shards))
 
     def _hand_out(self, handed: list[tuple[str, Source]]) -> None:
         for key, src in handed:
@@ -236,12 +233,12 @@ class InstanceRegistry:
         inst = self.instances[key]
         src = self._pull_source(inst) if self.latest_version >= 0 and not self.holds_latest(inst) else Source()
         self.send(peer, M.Welcome(
-            instance=key, latest_version=self.latest_version, weights_endpoint=self.weights_endpoint,
-            model_config=self.model_config, model_arch=self.model_arch, heartbeat_s=self.heartbeat_s,
+            instance=key, latest_version=self.latest_version, weights_endpoint=self.trainer.weights_endpoint,
+            model_config=self.trainer.model_config, model_arch=self.trainer.model_arch, heartbeat_s=self.heartbeat_s,
             stream_every_tokens=self.stream_every_tokens, stream_every_s=self.stream_every_s, epoch=self.epoch,
-            peers=list(src.peers), wait=src.wait, weights_shards=self.weights_shards,
+            peers=list(src.peers), wait=src.wait, weights_shards=self.trainer.weights_shards,
             latest_checksum=self.latest_checksum, resend=inst.restored, on_new_version=self.on_new_version,
-            adapter=self.adapter))
+            adapter=self.trainer.adapter))
 
     def _unknown(self, peer: bytes, what: str) -> None:
         """A message from a peer that is not (or no longer) a registered instance: drop it and tell the peer

@@ -17,7 +17,8 @@ from typing import Callable
 
 from rlboost_hpc.manager import worklog as W
 from rlboost_hpc.manager.restore import adopt
-from rlboost_hpc.manager.state import ENV_PEER, Instance, Request, RequestState, StepWork
+from rlboost_hpc.manager.state import ENV_PEER, Instance, Request, RequestState
+from rlboost_hpc.manager.step_account import StepAccount
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.stats import ManagerCounters
 
@@ -45,9 +46,7 @@ class RequestTable:
     latest_version: int
     max_staleness: int
     max_attempts: int
-    step_remote: dict[str, StepWork]
-    step_tokens_by_kind: dict[str, int]
-    step_done_s: list[float]
+    step_account: StepAccount
     held: dict
     dropped: list[str]
 
@@ -139,11 +138,7 @@ class RequestTable:
         self.counters.late_tokens += late
         if msg.resent:  # it sent all it holds: nothing more to adopt from it, nothing unsent (manager/restore.py)
             inst.restored, inst.tokens_received, inst.tokens_generated = False, msg.generated, msg.generated
-        self.step_tokens_by_kind[inst.kind] = self.step_tokens_by_kind.get(inst.kind, 0) + total - late
-        rec = self.step_remote.get(key)
-        if rec is not None:
-            rec.last_s = self.clock()
-            rec.tokens += total - late
+        self.step_account.accepted(key, inst.kind, total - late, self.clock())
 
     def _turn_done(self, req: Request, fin: int) -> None:
         """An assistant turn finished: a tool call — or, in a stateful environment's trajectory, every turn — goes
@@ -163,7 +158,7 @@ class RequestTable:
         self.log_work(W.Finished(req.rid, reason))
         if req.env_row:  # its environment may still hold it (no room left for the observation)
             self.send(ENV_PEER, M.EnvRelease([req.rid]))
-        self.step_done_s.append(self.clock())
+        self.step_account.response_done(self.clock())
         if reason != "stop":
             by_cause = self.counters.responses_truncated_by_cause
             by_cause[reason] = by_cause.get(reason, 0) + 1

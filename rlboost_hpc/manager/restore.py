@@ -48,7 +48,7 @@ def restore(core, records: list[W.Record], now: float) -> None:
             core.send(ENV_PEER, r.env_call())  # stateful environment is rebuilt by replaying the trajectory)
     step_groups = [g for g in core.groups.values() if g.step == core.step]
     if step_groups and all(g.done >= len(g.rids) for g in step_groups):
-        core.step_rollout_done_at = now
+        core.step_account.rollout_done_at = now
     core.counters.manager_restarts += 1
     log.info("restored from the work log: step %d, version %d, %d responses (%d unfinished, %d tokens), "
              "%d instances", core.step, core.latest_version, len(core.requests), len(core.held),
@@ -109,8 +109,7 @@ def _apply(core, rec: W.Record, now: float) -> None:
         if core.trainer_peer not in (None, rec.peer or None):  # a resumed trainer said hello: as it was applied
             new_trainer(core)
             core._new_trainer = True
-        core.trainer_peer, core.weights_endpoint, core.weights_shards = rec.peer or None, rec.weights_endpoint, rec.weights_shards
-        core.model_config, core.model_arch, core.adapter = rec.model_config, rec.model_arch, rec.adapter
+        core.trainer = rec
         if rec.weights_shards:
             core.relay.fanout = 0
     elif isinstance(rec, W.Version):

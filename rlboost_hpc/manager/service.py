@@ -101,7 +101,7 @@ class ManagerService:
             self.worklog.write(self.core.worklog, now)
             self.core.worklog.clear()
         trainer, out = self.core.trainer_peer, self.core.outbox
-        last = self.core.step_rollout_done_at is not None  # the step's rollout is done: the trainer waits
+        last = self.core.step_account.rollout_done_at is not None  # the step's rollout is done: the trainer waits
 
         def logged(p: bytes, m: M._Msg) -> bool:  # sent only once the log holds what it answers
             return p == trainer or isinstance(m, M.Farewell)

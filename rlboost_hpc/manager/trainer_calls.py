@@ -17,14 +17,14 @@ import numpy as np
 
 from rlboost_hpc.manager import worklog as W
 from rlboost_hpc.manager.restore import discard_stale, new_trainer
-from rlboost_hpc.manager.state import (Group, Instance, Request, RequestState as R, InstanceState as S, StepWork,
+from rlboost_hpc.manager.state import (Group, Instance, Request, RequestState as R, InstanceState as S,
                                        VersionLineage, step_requests)
+from rlboost_hpc.manager.step_account import StepAccount
 from rlboost_hpc.manager.stats import ManagerDistributions, VersionServingClock
-from rlboost_hpc.observe.timeline import ActivityClock, response_tail_s
-from rlboost_hpc.policy.observation import RemoteWork, observe_remote
+from rlboost_hpc.observe.timeline import ActivityClock
 from rlboost_hpc.policy.relay import RelayTree
 from rlboost_hpc.protocol import messages as M
-from rlboost_hpc.protocol.stats import ManagerCounters, StepActivity, StepRemote
+from rlboost_hpc.protocol.stats import ManagerCounters
 from rlboost_hpc.protocol.version import VersionId
 
 log = logging.getLogger("rlboost.manager")
@@ -55,12 +55,8 @@ class TrainerCalls:
     requests: dict[str, Request]
     groups: dict[str, Group]
     queue: deque[str]
+    trainer: W.Hello
     trainer_peer: bytes | None
-    weights_endpoint: str
-    weights_shards: str
-    model_config: dict
-    model_arch: dict
-    adapter: "M.AdapterSpec | None"
     latest_version: int
     latest_checksum: int
     latest: VersionId
@@ -71,18 +67,7 @@ class TrainerCalls:
     train_step: int
     failed_step: str | None
     policy_decision: M.PolicyState | None
-    step_remote: dict[str, StepWork]
-    step_tokens_by_kind: dict[str, int]
-    step_rollout_done_at: float | None
-    fallback_since: float | None
-    step_fallback_s: float
-    step_done_s: list[float]
-    step_phase_s: dict[str, float]
-    step_fixed_overhead_s: float
-    last_step_remote: StepRemote
-    last_step_activity: StepActivity
-    last_step_mismatch: dict[str, float]
-    last_step_rewards: dict[str, float]
+    step_account: StepAccount
     worklog: list | None
     since_compact: list
     _new_trainer: bool = False  # a trainer other than the one the work log names said hello: its version rules
@@ -91,20 +76,12 @@ class TrainerCalls:
         if self.trainer_peer not in (None, peer):  # a resumed trainer takes over the restored step
             new_trainer(self)
             self._new_trainer = True
-        self.trainer_peer = peer
-        self.weights_endpoint = msg.weights_endpoint
-        self.weights_shards = msg.weights_shards
+        self.trainer = W.Hello(peer, msg.weights_endpoint, msg.weights_shards, msg.model_config, msg.model_arch,
+                               msg.adapter)
         if msg.weights_shards:  # a relay holder serves one buffer; a sharded version has one per trainer holder
             self.relay.fanout = 0
-        self.model_config = msg.model_config
-        self.model_arch = msg.model_arch
-        self.adapter = msg.adapter
-        self.log_work(self._hello_record())
+        self.log_work(self.trainer)
         self.send(peer, M.Ok(what="hello", cid=msg.cid))
-
-    def _hello_record(self) -> W.Hello:
-        return W.Hello(self.trainer_peer or b"", self.weights_endpoint, self.weights_shards, self.model_config,
-                       self.model_arch, self.adapter)
 
     def _trainer_only(self, peer: bytes, what: str) -> bool:
         if peer != self.trainer_peer:
@@ -149,17 +126,7 @@ class TrainerCalls:
             self.send(peer, M.Error(what="setver", cid=msg.cid,
                                     error=f"version {msg.version} < latest {self.latest_version}"))
             return
-        self.last_step_activity = StepActivity(**self.activity.take(self.clock()),
-                                               response_tail_s=response_tail_s(self.step_done_s),
-                                               tokens_by_kind=dict(self.step_tokens_by_kind))
-        self.step_done_s, self.step_tokens_by_kind = [], {}
-        obs = observe_remote([RemoteWork(tokens=r.tokens, peak_tokens_per_s=r.peak, busy_s=r.last_s - r.first_s)
-                              for r in self.step_remote.values()],
-                             rollout_done_s=self.step_rollout_done_at, step_end_s=self.clock())
-        self.end_fallback(self.clock(), force=True)
-        self.last_step_remote = StepRemote(t_remote_s=obs.t_remote_s, t_wait_remote_s=obs.t_wait_remote_s,
-                                           n_remote=obs.n_remote, tokens=obs.tokens, fallback_s=self.step_fallback_s)
-        self.step_remote, self.step_rollout_done_at, self.step_fallback_s = {}, None, 0.0
+        self.step_account.close(self.clock(), self.activity.take(self.clock()))
         self.latest_version = msg.version
         self.lineage.make_current(msg.identity)  # (and latest_checksum with it)
         self.log_work(W.Version(msg.version, msg.checksum))
@@ -209,7 +176,7 @@ class TrainerCalls:
             return
         self.begin_step(msg.step, msg.version, msg.groups)
         if self.worklog is not None:  # the last step is over: its records give way to a snapshot (compaction)
-            self.worklog[:] = [W.Compact(), self._hello_record(), W.Version(self.latest_version, self.latest_checksum),
+            self.worklog[:] = [W.Compact(), self.trainer, W.Version(self.latest_version, self.latest_checksum),
                                *(r for i in self.instances.values() if i.state != S.GONE for r in (
                                    W.Joined(i.key, i.peer, i.kind, i.max_batch, i.engine, i.relay_endpoint),
                                    *((W.Silent(i.key, True),) if i.state == S.SUSPECT else ()))),
@@ -267,8 +234,8 @@ class TrainerCalls:
         remote = any(i.kind == "preemptible" and self.routable(i) for i in self.instances.values())
         released = self.release_reserved() if remote else 0
         if not remote:  # the reserved engine keeps generating until remote capacity appears (end_fallback)
-            self.fallback_since = self.clock()
-            self.end_fallback(self.fallback_since)
+            self.step_account.open_fallback(self.clock())
+            self.end_fallback(self.clock())
         self.send(peer, M.Ok(what=f"closeseed released={released} remote={int(remote)}", cid=msg.cid))
 
     def release_reserved(self) -> int:
@@ -293,11 +260,7 @@ class TrainerCalls:
     def _on_StepTimes(self, peer: bytes, inst: Instance | None, msg: M.StepTimes) -> None:
         if self._trainer_only(peer, "step-times"):
             self.dist.step_seconds.observe(msg.wall_s)
-            self.step_fixed_overhead_s += msg.fixed_overhead_s
-            self.last_step_mismatch = dict(msg.mismatch)
-            self.last_step_rewards = dict(msg.rewards)
-            for phase, sec in msg.phases.items():
-                self.step_phase_s[phase] = self.step_phase_s.get(phase, 0.0) + sec
+            self.step_account.step_times(msg)
 
     def _on_AckGroup(self, peer: bytes, inst: Instance | None, msg: M.AckGroup) -> None:
         if self._trainer_only(peer, "ack"):
@@ -323,8 +286,7 @@ class TrainerCalls:
         if grp.done < len(grp.rids):
             return
         if grp.step == self.step and all(g.done >= len(g.rids) for g in self.groups.values() if g.step == self.step):
-            self.step_rollout_done_at = self.clock()
-            self.end_fallback(self.step_rollout_done_at, force=True)
+            self.step_account.rollout_done(self.clock())
         if self.trainer_peer is None:
             return
         self._deliver(grp)
@@ -345,15 +307,14 @@ class TrainerCalls:
                 env_return=sum(r.env_rewards), env_error=r.env_error))
         self.send(self.trainer_peer, M.GroupDone(step=grp.step, gid=grp.gid, responses=responses))
 
-    def end_fallback(self, now: float, *, force: bool = False) -> None:
+    def end_fallback(self, now: float) -> None:
         """End the step's co-located fallback (seeding closed with no remote capacity) once a preemptible instance
-        is pulling or ready — remote capacity, as the simulator defines it — or when ``force`` (the rollout is done,
-        the step ends); its seconds add to ``step_fallback_s``."""
-        if self.fallback_since is None:
+        is pulling or ready — remote capacity, as the simulator defines it (the rollout's end and the version's change
+        end it too: :class:`StepAccount`); its seconds add to the step's."""
+        if self.step_account.fallback_since is None:
             return
-        if force or any(i.kind == "preemptible" and i.state in (S.PULLING, S.READY) for i in self.instances.values()):
-            self.step_fallback_s += max(0.0, now - self.fallback_since)
-            self.fallback_since = None
+        if any(i.kind == "preemptible" and i.state in (S.PULLING, S.READY) for i in self.instances.values()):
+            self.step_account.end_fallback(now)
 
     def _fail_step(self, error: str) -> None:
         self.failed_step = error

@@ -134,8 +134,8 @@ class ManagerMetrics(SnapshotCollector):
                                       full_pull_seconds=d.full_pull_seconds.copy(),
                                       step_seconds=d.step_seconds.copy(), silence_seconds=d.silence_seconds.copy(),
                                       version_serving_seconds=d.version_serving_seconds.copy(),
-                                      step_phase_s=dict(core.step_phase_s),
-                                      step_fixed_overhead_s=core.step_fixed_overhead_s))
+                                      step_phase_s=dict(core.step_account.phase_s),
+                                      step_fixed_overhead_s=core.step_account.fixed_overhead_s))
 
     def collect(self):
         snap = self.snapshot()
