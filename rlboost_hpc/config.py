@@ -514,7 +514,7 @@ class NetworkCfg(_Strict):
 
 
 class SecurityCfg(_Strict):
-    """Authentication of every socket (README "Security")."""
+    """Authentication of every socket (docs/security.md)."""
 
     curve: bool = Field(True, description="ZeroMQ CURVE on manager and weight-server sockets with per-run keys")
 

@@ -2,7 +2,7 @@
 first use like the local Slurm cluster's packages; root only).
 
 :class:`Prometheus` scrapes every second the targets of file-based service discovery files — the run directory's
-``prometheus/*.json``, as README tells users to point ``file_sd_configs`` at — and answers PromQL through its HTTP
+``prometheus/*.json``, as docs/observability.md tells users to point ``file_sd_configs`` at — and answers PromQL through its HTTP
 API (:meth:`Prometheus.query`), so a test evaluates the Grafana dashboard's own expressions.
 """
 from __future__ import annotations

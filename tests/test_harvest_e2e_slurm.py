@@ -1,7 +1,7 @@
 """Issue 45, the harvest loop end to end through the doors its users open, on the real local Slurm cluster.
 
 The admin starts the service with its CLI (``rlboost-hpc harvest serve --policy site.toml``: the shipped example
-policy with its spool and poll adjusted, as README's walk-through says); users launch runs with ``sbatch/launch``
+policy with its spool and poll adjusted, as docs/admins.md's walk-through says); users launch runs with ``sbatch/launch``
 and ``submit_run``, joined with ``--harvest-dir``. Nothing here writes a file the system writes itself (no target,
 capacity, demand or share by hand) — except the attacker of the two-user test, whose forged demand is the attack.
 """

@@ -411,7 +411,7 @@ def test_a_tool_using_run_on_slurm_loses_no_trajectory_to_preemption(tmp_path):
 
 
 def test_a_run_launched_as_readme_says_has_one_run_id_everywhere_and_the_dashboard_shows_it(tmp_path):
-    """Issue 28: ``sbatch/launch RUN_DIR CONFIG -- --partition scavenger …`` exactly as README's Slurm section gives
+    """Issue 28: ``sbatch/launch RUN_DIR CONFIG -- --partition scavenger …`` exactly as docs/slurm.md gives
     it — no activated virtual environment (no venv on PATH, no RLBOOST_PYTHON), no ids passed by hand. The launcher
     finds the interpreter the project is installed in; the trainer, the manager, the scavenger and every rollout job
     label the run with one id (the run directory's name: the scavenger used ``<name>-<hash>``, and ``""`` in its

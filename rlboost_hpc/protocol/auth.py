@@ -1,6 +1,6 @@
 """Authentication and encryption of every ZeroMQ socket of a run (ZeroMQ CURVE + a ZAP allow-list).
 
-Threat model (README "Security"): other users' processes on a shared cluster can reach our TCP ports. They
+Threat model (docs/security.md): other users' processes on a shared cluster can reach our TCP ports. They
 must not be able to pull weights, register as a rollout instance, inject tokens, or steer the trainer.
 Every run gets fresh key pairs: one for its servers (manager, weight server) and one for its clients (rollout
 jobs, the trainer's own client sockets). Servers accept only connections that prove the run's client key
