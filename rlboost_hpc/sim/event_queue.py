@@ -4,7 +4,7 @@ the heap they wait in.
 This module owns the ordering every part of a simulation relies on: events are popped by ``(time, sequence
 number)``, so two events at the same time run in the order they were pushed and a run is deterministic. The kinds
 are small ints (cheap heap comparisons); an engine's pending event carries the engine's ``ver`` counter and is
-dropped when stale (:meth:`EventQueue._resched` bumps it). The loop that pops and dispatches them is
+dropped when stale (:meth:`EventQueue.resched` bumps it). The loop that pops and dispatches them is
 ``Simulation.run``.
 """
 from __future__ import annotations
@@ -30,7 +30,8 @@ class EventQueue:
         self.seq += 1
         heapq.heappush(self.heap, (t, self.seq, kind, a, b))
 
-    def _resched(self, e: Engine) -> None:
+    def resched(self, e: Engine) -> None:
+        """Drop ``e``'s pending event (its ``ver`` bumped) and schedule its next one, if any."""
         e.ver += 1
         t = e.next_event()
         if t is not None:

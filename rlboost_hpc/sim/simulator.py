@@ -31,10 +31,11 @@ Deterministic: the event heap is ordered by ``(time, sequence number)``, all ite
 step ``s`` draws its lengths from ``default_rng([seed, s])``.
 
 Where the parts live: this module holds the event loop (:meth:`Simulation.run`), the step lifecycle (seeding
-window, co-located fallback, training, the step's end and the controller) and the run's result;
-:mod:`~rlboost_hpc.sim.event_queue` the event kinds and heap; :mod:`~rlboost_hpc.sim.remote_pool` the remote
-instances; :mod:`~rlboost_hpc.sim.routing` dispatch and balancing; :mod:`~rlboost_hpc.sim.staleness` the steps in
-flight and bounded staleness; :mod:`~rlboost_hpc.sim.systems` the :class:`SystemSpec` of each system.
+window, co-located fallback, training, the step's end and the controller) and the run's result; its collaborators,
+each owning its state: :class:`~rlboost_hpc.sim.event_queue.EventQueue` (the event kinds and heap),
+:class:`~rlboost_hpc.sim.remote_pool.RemotePool` (the remote instances), :class:`~rlboost_hpc.sim.routing.Router`
+(dispatch and balancing) and :class:`~rlboost_hpc.sim.staleness.Staleness` (admitted steps, bounded staleness);
+:mod:`~rlboost_hpc.sim.systems` the :class:`SystemSpec` of each system.
 """
 from __future__ import annotations
 
@@ -44,17 +45,17 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 
 from rlboost_hpc.policy.controller import RolloutController, StepObservation
-from rlboost_hpc.policy.observation import RemoteWork, observe_remote
-from rlboost_hpc.policy.dispatch import Balancer, RoundRobin
+from rlboost_hpc.policy.observation import observe_remote
+from rlboost_hpc.policy.dispatch import Balancer
 from rlboost_hpc.policy.seeding import SeedingWindow
 from rlboost_hpc.sim.engine import Engine, Req
 from rlboost_hpc.sim.event_queue import (
     BOOT, ENG, PULL, SEED_CLOSE, SEED_OPEN, STEP_END, TICK, TRACE, TRAIN_DONE, TRAIN_READY, EventQueue,
 )
 from rlboost_hpc.sim.profiles import Profile
-from rlboost_hpc.sim.remote_pool import Remote, RemotePoolMixin
-from rlboost_hpc.sim.routing import RoutingMixin
-from rlboost_hpc.sim.staleness import StalenessMixin, StepPool
+from rlboost_hpc.sim.remote_pool import RemotePool
+from rlboost_hpc.sim.routing import Router
+from rlboost_hpc.sim.staleness import Staleness, StepPool
 from rlboost_hpc.sim.systems import SystemSpec
 from rlboost_hpc.sim.workload import Availability
 
@@ -87,7 +88,7 @@ class RunResult:
         return d
 
 
-class Simulation(RemotePoolMixin, RoutingMixin, StalenessMixin, EventQueue):
+class Simulation:
     """One run. ``duration_s``: steps start only before this time; ``max_steps`` bounds the step count."""
 
     def __init__(self, profile: Profile, system: SystemSpec, avail: Availability | None = None, *,
@@ -100,31 +101,23 @@ class Simulation(RemotePoolMixin, RoutingMixin, StalenessMixin, EventQueue):
         self.max_steps = max_steps
         self.seed = seed
         self.model_name = model_name or profile.model.name
-        super().__init__()  # the event heap
+        self.schedule = EventQueue()
         self.now = 0.0
         self.events = 0
         self.dirty: set = set()
-        self.resv_perf = profile.reserved_perf()
-        self.inst_perf = profile.instance_perf()
-        self.reserved = [Engine(f"resv{i}", "reserved", self.resv_perf, self._on_done)
+        self.reserved = [Engine(f"resv{i}", "reserved", profile.reserved_perf(), self._on_done)
                          for i in range(profile.n_resv_engines)]
-        self.remotes: dict[str, Remote] = {}
-        self.available: dict[str, None] = {}  # live in the trace, not held (insertion order = acquisition order)
-        self.held_log: list[tuple[str, float, float | None]] = []  # (name, from, to)
-        self._held_idx: dict[str, int] = {}
         self.controller = RolloutController(
             n_resv=profile.n_resv_equiv,
             seeding=SeedingWindow(initial_s=system.t_seed_initial_s if system.seeding else 0.0, eta=system.eta,
                                   floor_s=system.floor_s if system.seeding else 0.0,
                                   adapt=system.adapt and system.seeding, memory=system.memory),
             use_cap=system.use_cap, overlap=system.max_staleness > 0 and system.overlap_controller)
-        self.cap: int | None = None
         # The balancer always learns (its peak rates also measure remote work for the cap); it proposes moves
         # only when the system balances.
         self.balancer = Balancer(move_running=system.migration)
-        self.rr = RoundRobin()
         self.queue: deque[Req] = deque()
-        self.k = system.max_staleness
+        self.staleness = Staleness(system.max_staleness, profile.workload, seed)
         self.pools: dict[int, StepPool] = {}  # the admitted steps not trained yet (k + 1 at most)
         self.cur: StepPool | None = None  # the step the trainer trains now
         self.version = 0
@@ -136,17 +129,22 @@ class Simulation(RemotePoolMixin, RoutingMixin, StalenessMixin, EventQueue):
         self.finished = False
         self.t_last_end = 0.0
         self.tokens_done = 0
+        self.router = Router(system, balancer=self.balancer, staleness=self.staleness, queue=self.queue,
+                             dirty=self.dirty, counters=self.counters)
+        self.pool = RemotePool(profile, system, on_done=self._on_done, schedule=self.schedule,
+                               balancer=self.balancer, staleness=self.staleness, counters=self.counters,
+                               dirty=self.dirty, requeue=lambda reqs: self.queue.extendleft(reversed(reqs)))
 
     # ------------------------------------------------------------------ event loop
     def run(self) -> RunResult:
         for name in self.avail.initial:
-            self.available[name] = None
+            self.pool.available[name] = None
         for ev in self.avail.events:
-            self.push(ev.t_s, TRACE, ev)
-        self._acquire_if_needed(0.0)
+            self.schedule.push(ev.t_s, TRACE, ev)
+        self.pool.acquire_if_needed(0.0)
         self._start_step(0.0)
-        self.push(self.sys.balance_interval_s, TICK)
-        heap = self.heap
+        self.schedule.push(self.sys.balance_interval_s, TICK)
+        heap = self.schedule.heap
         while heap and not self.finished:
             t, _, kind, a, b = heapq.heappop(heap)
             self.now = t
@@ -159,11 +157,14 @@ class Simulation(RemotePoolMixin, RoutingMixin, StalenessMixin, EventQueue):
             elif kind == TICK:
                 self._tick(t)
             elif kind == TRACE:
-                self._trace(a, t)
+                self.pool.on_trace(a, t)
+                self._maybe_fallback(t)
             elif kind == BOOT:
-                self._boot_done(a, t)
+                if self.pool.boot_done(a, t, self.version):
+                    self._try_close(t)
             elif kind == PULL:
-                self._pull_done(a, b, t)
+                if self.pool.pull_done(a, b, t, self.version):
+                    self._try_close(t)
             elif kind == SEED_OPEN:
                 if b == self.step:
                     self._seed_open(t)
@@ -180,28 +181,41 @@ class Simulation(RemotePoolMixin, RoutingMixin, StalenessMixin, EventQueue):
                 if b == self.step:
                     self._step_end(t)
             if self.queue:
-                self._dispatch(t)
+                self.router.dispatch(self._routable(), t, self.version)
             if self.dirty:
                 for e in self.dirty:
-                    self._resched(e)
+                    self.schedule.resched(e)
                 self.dirty.clear()
         return self._result()
+
+    def _routable(self) -> list[Engine]:
+        """The engines new work may go to: the reserved ones while they seed (or fall back), then the remote ones
+        ready with the current version."""
+        return (list(self.reserved) if self.resv_routable else []) + self.pool.ready_engines(self.version)
+
+    def _tick(self, t: float) -> None:
+        """The balancer's period: schedule the next one and, while a step's responses are unfinished, balance."""
+        if self.finished:
+            return
+        self.schedule.push(t + self.sys.balance_interval_s, TICK)
+        if all(p.n_done >= len(p.reqs) for p in self.pools.values()):
+            return
+        self.router.balance(self._routable(), t, self.version)
 
     # ------------------------------------------------------------------ step lifecycle
     def _start_step(self, t: float) -> None:
         self.step += 1
         self.version += 1
         s = self.step
-        for ahead in range(s, s + self.k + 1):  # this step, and under bounded staleness the k after it
+        for ahead in range(s, s + self.staleness.k + 1):  # this step, and under bounded staleness the k after it
             if ahead not in self.pools:
-                self.pools[ahead] = self._admit(ahead)
+                self.pools[ahead] = self.staleness.admit(ahead)
+                self.queue.extend(self.pools[ahead].reqs)
         cur = self.cur = self.pools[s]
         G = self.p.workload.group
         self.t0 = t
-        ready = [r for r in self.remotes.values() if r.state == "ready"]
-        for k, r in enumerate(ready):
-            self._start_pull(r, t, n_starting=len(ready) - k)
-        self.n_start = self._held()
+        self.pool.begin_step(t, self.version)
+        self.n_start = self.pool.held()
         if self.sys.colocated:
             self.t_seed = math.inf
         else:
@@ -214,25 +228,21 @@ class Simulation(RemotePoolMixin, RoutingMixin, StalenessMixin, EventQueue):
         self.rollout_done_at = None if cur.rollout_done_at is None else max(t, cur.rollout_done_at)
         # seeded False: generated ahead (bounded staleness), no window; seed_closed_at: its first close
         self.seeded, self.seed_closed_at = cur.n_done < len(cur.reqs), None
-        self.remote_seen = False
         self.step_counters = dict(self.counters)
-        self._gone_work: list[RemoteWork] = []
-        for r in self.remotes.values():
-            r.tok_mark = r.engine.tokens_out
-        if self.t_seed <= 0 and self._remote_capacity():
+        if self.t_seed <= 0 and self.pool.capacity():
             self.seed_state = "closed"
-            self.push(t, TRAIN_READY, None, s)
+            self.schedule.push(t, TRAIN_READY, None, s)
         else:
             t_open = t + self.p.switch_to_rollout_s
-            self.push(t_open, SEED_OPEN, None, s)
+            self.schedule.push(t_open, SEED_OPEN, None, s)
             if math.isfinite(self.t_seed):
-                self.push(t_open + self.t_seed, SEED_CLOSE, None, s)
+                self.schedule.push(t_open + self.t_seed, SEED_CLOSE, None, s)
 
     def _seed_open(self, t: float) -> None:
         self.seed_state = "open"
         self.resv_routable = True
         if self.sys.dispatch == "static":
-            self._static_split(t)
+            self.router.static_split(self._routable(), t, self.version)
         # a fallback reopening with capacity back, or a step generated ahead (bounded staleness): close at once
         if self.close_pending or self.cur.n_done == len(self.cur.reqs):
             self._try_close(t)
@@ -245,7 +255,7 @@ class Simulation(RemotePoolMixin, RoutingMixin, StalenessMixin, EventQueue):
         cur = self.cur
         if not self.close_pending and cur.n_done < len(cur.reqs):
             return
-        if cur.n_done < len(cur.reqs) and not self._remote_capacity():
+        if cur.n_done < len(cur.reqs) and not self.pool.capacity():
             return  # co-located fallback: keep generating until capacity appears or the rollout is done
         self.seed_state = "closed"
         self.resv_routable = False
@@ -253,7 +263,7 @@ class Simulation(RemotePoolMixin, RoutingMixin, StalenessMixin, EventQueue):
         seeds: list[Req] = []
         for e in self.reserved:
             for q in e.evict_all(t):
-                self._left(q)
+                self.staleness.left(q)
                 seeds.append(q)
             e.ver += 1
             self.dirty.discard(e)
@@ -262,14 +272,14 @@ class Simulation(RemotePoolMixin, RoutingMixin, StalenessMixin, EventQueue):
             self.counters["seeds"] += len(seeds)
             self.counters["seed_tokens"] += sum(r.n for r in seeds)
             self.queue.extendleft(reversed(seeds))
-        self.push(t + self.p.switch_to_train_s, TRAIN_READY, None, self.step)
+        self.schedule.push(t + self.p.switch_to_train_s, TRAIN_READY, None, self.step)
 
     def _maybe_fallback(self, t: float) -> None:
         """Co-located fallback after seeding closed: if the trainer is idle waiting, work remains and no remote
         instance is routable or pulling, the reserved GPUs switch back to rollout (they close again, releasing
         their unfinished responses, as soon as remote capacity returns or the rollout is done)."""
         if (self.seed_state != "closed" or not self.train_started or self.train_busy
-                or self.cur.n_done >= len(self.cur.reqs) or self._remote_capacity()):
+                or self.cur.n_done >= len(self.cur.reqs) or self.pool.capacity()):
             return
         if self.idle_since is not None:
             self.t_wait_train += t - self.idle_since
@@ -278,10 +288,10 @@ class Simulation(RemotePoolMixin, RoutingMixin, StalenessMixin, EventQueue):
         self.seed_state = "reopening"
         self.close_pending = True
         self.counters["fallbacks"] += 1
-        self.push(t + self.p.switch_to_rollout_s, SEED_OPEN, None, self.step)
+        self.schedule.push(t + self.p.switch_to_rollout_s, SEED_OPEN, None, self.step)
 
     def _on_done(self, r: Req, t: float) -> None:
-        self._left(r)
+        self.staleness.left(r)
         pool = self.pools[r.step]
         pool.n_done += 1
         g = r.gid
@@ -327,7 +337,7 @@ class Simulation(RemotePoolMixin, RoutingMixin, StalenessMixin, EventQueue):
         dt = self.p.train_time(tok, sq)
         self.t_train += dt
         self.train_busy = True
-        self.push(t + dt, TRAIN_DONE, k, self.step)
+        self.schedule.push(t + dt, TRAIN_DONE, k, self.step)
 
     def _train_done(self, k: int, t: float) -> None:
         self.train_busy = False
@@ -335,7 +345,7 @@ class Simulation(RemotePoolMixin, RoutingMixin, StalenessMixin, EventQueue):
         if self.trained >= len(self.cur.reqs):
             dt = self.p.optimizer_s + self.p.net.publish_s
             self.t_train += self.p.optimizer_s
-            self.push(t + dt, STEP_END, None, self.step)
+            self.schedule.push(t + dt, STEP_END, None, self.step)
             return
         self.idle_since = t
         self._train_next(t)
@@ -348,26 +358,26 @@ class Simulation(RemotePoolMixin, RoutingMixin, StalenessMixin, EventQueue):
             raise AssertionError(f"step {self.step}: exactly-once violated ({cur.n_done} done, "
                                  f"{self.trained} trained of {len(cur.reqs)})")
         del self.pools[self.step]
-        stale = self._staleness(cur)
-        n_end = self._held()
-        done_at = self.pools[self.step + self.k].rollout_done_at if self.k else self.rollout_done_at  # pool idle after
-        rem = observe_remote(self._gone_work + [self._work(r) for r in self.remotes.values()],
-                             rollout_done_s=done_at, step_end_s=t)
+        stale = self.staleness.by_staleness(cur, self.version)
+        n_end = self.pool.held()
+        k = self.staleness.k
+        done_at = self.pools[self.step + k].rollout_done_at if k else self.rollout_done_at  # the pool idle after
+        rem = observe_remote(self.pool.step_work(), rollout_done_s=done_at, step_end_s=t)
         n_remote, t_remote = rem.n_remote, rem.t_remote_s
         t_seed_used = 0.0 if not (math.isfinite(self.t_seed) and self.seeded) else min(  # as the trainer measures it
             self.t_seed, (self.seed_closed_at or t) - self.t0 - self.p.switch_to_rollout_s)
         obs = StepObservation(
             t_seed_s=t_seed_used, t_wait_train_s=self.t_wait_train, t_wait_remote_s=rem.t_wait_remote_s,
             t_remote_s=t_remote, n_remote=n_remote, t_train_s=self.t_train, n_instances_start=self.n_start,
-            n_instances_end=n_end, n_available=n_end + len(self.available), step_s=t - self.t0)
+            n_instances_end=n_end, n_available=n_end + len(self.pool.available), step_s=t - self.t0)
         if not self.sys.colocated:
             dec = self.controller.end_step(obs)
-            self.cap = dec.n_prem_cap if self.sys.use_cap else None
+            self.pool.cap = dec.n_prem_cap if self.sys.use_cap else None
         c0 = self.step_counters
         self.timeline.append({
             "step": self.step, "t_start": self.t0, "t_end": t, "step_s": t - self.t0, "tokens": cur.tokens,
             "throughput": cur.tokens / (t - self.t0), "t_seed_s": t_seed_used, "staleness_tokens": stale,
-            "n_start": self.n_start, "n_end": n_end, "cap_next": self.cap,
+            "n_start": self.n_start, "n_end": n_end, "cap_next": self.pool.cap,
             "t_wait_train_s": self.t_wait_train, "t_wait_remote_s": obs.t_wait_remote_s,
             "t_train_s": self.t_train, "t_remote_s": t_remote, "n_remote": n_remote,
             "rollout_s": (self.rollout_done_at or t) - self.t0,
@@ -380,8 +390,8 @@ class Simulation(RemotePoolMixin, RoutingMixin, StalenessMixin, EventQueue):
         if t >= self.duration_s or (self.max_steps is not None and self.step + 1 >= self.max_steps):
             self.finished = True
             return
-        self._trim_to_cap(t)
-        self._acquire_if_needed(t)
+        self.pool.trim_to_cap(t)
+        self.pool.acquire_if_needed(t)
         self._start_step(t)
 
     # ------------------------------------------------------------------ results
@@ -391,7 +401,7 @@ class Simulation(RemotePoolMixin, RoutingMixin, StalenessMixin, EventQueue):
         reserved_usd = self.p.reserved_nodes * pr.on_demand_node * T / 3600.0
         rate = pr.on_demand_instance if self.sys.remote_on_demand else pr.spot_instance
         inst_s = 0.0
-        for _, a, b in self.held_log:
+        for _, a, b in self.pool.held_log:
             end = T if b is None else min(b, T)
             if end > a:
                 inst_s += end - a

@@ -5,8 +5,8 @@ and what bounded staleness (``SystemSpec.max_staleness`` = k ≥ 1) adds to them
 :class:`~rlboost_hpc.sim.simulator.Simulation`: up to k + 1 steps admitted at once (the next k queue behind the
 current one, so the pool generates while the trainer trains), each response's tokens credited to the weight
 version that generated them, and the staleness of the tokens a step trains. With k = 0 one step is admitted at a
-time and every token has staleness 0. A mixin: its state (``pools``, ``queue``, ``k``, ``version``, …) is set by
-``Simulation.__init__``.
+time and every token has staleness 0. :class:`Staleness` is a collaborator of the simulation: it owns k and the
+workload it admits from; the version a response is credited to is the caller's.
 """
 from __future__ import annotations
 
@@ -32,24 +32,28 @@ class StepPool:
     rollout_done_at: float | None = None
 
 
-class StalenessMixin:
-    """Admission of steps and per-version token accounting of a simulation."""
+class Staleness:
+    """Admission of steps and per-version token accounting of a simulation: ``k`` (``SystemSpec.max_staleness``),
+    the ``workload`` and ``seed`` each step's lengths are drawn from (``step_work``)."""
 
-    def _admit(self, step: int) -> StepPool:
-        """Queue ``step``'s responses (its workload: ``step_work``) behind what is queued."""
-        w = step_work(self.p.workload, self.seed, step)
-        G = self.p.workload.group
+    def __init__(self, k: int, workload, seed: int) -> None:
+        self.k, self.workload, self.seed = k, workload, seed
+
+    def admit(self, step: int) -> StepPool:
+        """``step``'s responses (its workload: ``step_work``), for the caller to queue."""
+        w = step_work(self.workload, self.seed, step)
+        G = self.workload.group
         reqs = [Req(step * RID_STRIDE + i, i // G, int(w.prompt[i]), int(w.response[i]), step)
                 for i in range(len(w.response))]
-        self.queue.extend(reqs)
         return StepPool(reqs, [0] * (len(reqs) // G), w.tokens)
 
-    def _took(self, r: Req) -> None:
-        """Bounded staleness: ``r`` goes to an engine that holds the current version (only holders are routable)."""
+    def took(self, r: Req, version: int) -> None:
+        """Bounded staleness: ``r`` goes to an engine that holds ``version``, the current one (only holders are
+        routable)."""
         if self.k:
-            r.ver, r.n0 = self.version, r.n
+            r.ver, r.n0 = version, r.n
 
-    def _left(self, r: Req) -> None:
+    def left(self, r: Req) -> None:
         """Bounded staleness: ``r`` left its engine (done, evicted, moved): credit its new tokens to the version."""
         if self.k and r.n > r.n0:
             if r.by_ver is None:
@@ -57,12 +61,12 @@ class StalenessMixin:
             r.by_ver[r.ver] = r.by_ver.get(r.ver, 0.0) + r.n - r.n0
             r.n0 = r.n
 
-    def _staleness(self, pool: StepPool) -> dict[str, float]:
-        """Generated tokens of ``pool`` (trained by the current version) by staleness: {"0": all} when k = 0."""
+    def by_staleness(self, pool: StepPool, version: int) -> dict[str, float]:
+        """Generated tokens of ``pool`` (trained by ``version``) by staleness: {"0": all} when k = 0."""
         if not self.k:
             return {"0": float(sum(r.target for r in pool.reqs))}
         out: dict[str, float] = {}
         for r in pool.reqs:
             for v, n in (r.by_ver or {}).items():
-                out[str(self.version - v)] = out.get(str(self.version - v), 0.0) + n
+                out[str(version - v)] = out.get(str(version - v), 0.0) + n
         return out
