@@ -222,6 +222,10 @@ COLLABORATORS = {
     "rlboost_hpc/sim/routing.py": "Router",
     "rlboost_hpc/sim/staleness.py": "Staleness",
     "rlboost_hpc/sim/event_queue.py": "EventQueue",
+    "rlboost_hpc/rollout/engines/sglang_server.py": "SGLangControl",
+    "rlboost_hpc/rollout/engines/sglang_stream.py": "SGLangStreams",
+    "rlboost_hpc/rollout/engines/sglang_weights.py": "SGLangWeightUpdates",
+    "rlboost_hpc/rollout/engines/sglang_lora.py": "SGLangAdapters",
 }
 
 

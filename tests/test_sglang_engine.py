@@ -263,7 +263,7 @@ def test_abort_right_after_add_and_abort_all(engine, tok):
     engine.add(GenRequest("q", tok.encode(PROMPTS[0]), 300, GREEDY))
     assert engine.abort("q") is None and engine.num_active == 0  # never submitted: dropped locally
     engine.add(GenRequest("q", tok.encode(PROMPTS[0]), 300, GREEDY))
-    engine._submit()  # on the wire now; the server may not have registered the rid yet (abort is re-sent)
+    engine.streams.submit()  # on the wire now; the server may not have registered the rid yet (abort is re-sent)
     ev = engine.abort("q")
     assert ev is None or len(ev.token_ids) == len(ev.logprobs)
     assert engine.num_active == 0
@@ -285,7 +285,7 @@ def test_load_weights_logprobs_equal_trainer_model(engine, loaded, tok):
     new = _perturbed(base, 1)
     engine.load_weights(new, 1)
     assert engine.version == 1 and engine.fenced is None
-    info = engine._control("GET", "/model_info", None, what="model_info")
+    info = engine.control.call("GET", "/model_info", None, what="model_info")
     assert info["weight_version"] == "1"
     reqs = [GenRequest("w0", prompt, 40, GREEDY), GenRequest("w1", tok.encode(PROMPTS[0]), 40, GREEDY)]
     ref = generate_all(_torch(loaded, new), reqs)
@@ -372,7 +372,7 @@ def test_load_weights_refused_while_active_and_validated(engine, loaded, tok):
         engine.load_weights(_perturbed(base, 2), 5)
     # W4: setting the weight version label never aborts in-flight work
     engine.version = 3
-    assert engine._control("GET", "/model_info", None, what="model_info")["weight_version"] == "3"
+    assert engine.control.call("GET", "/model_info", None, what="model_info")["weight_version"] == "3"
     while engine.num_active:
         for e in engine.step():
             ids += e.token_ids
@@ -393,14 +393,14 @@ def test_load_weights_refused_while_active_and_validated(engine, loaded, tok):
 def test_failed_update_fences_until_a_complete_load(engine, loaded, tok, monkeypatch):
     """W2/W3: a server-side failure in the middle of an update surfaces with its message and fences the engine."""
     cfg, base = loaded
-    real = engine._control
+    real = engine.control.call
 
     def skip_begin(method, path, body, what, timeout=None):
         if path == "/begin_weight_update":  # lose the begin: the server then refuses the load itself
             return {"success": True}
         return real(method, path, body, what, timeout)
 
-    monkeypatch.setattr(engine, "_control", skip_begin)
+    monkeypatch.setattr(engine.control, "call", skip_begin)
     with pytest.raises(EngineError, match="(?s)update_weights_from_tensor.*failed.*begin_weight_update"):
         engine.load_weights(_perturbed(base, 3), 7)
     monkeypatch.undo()
@@ -420,17 +420,18 @@ def test_load_weights_from_distributed_gloo(engine, loaded, tok):
     new = _perturbed(base, 4)
     port = free_port()
     holder: dict = {}
-    engine.init_weight_update_group("127.0.0.1", port, rank_offset=1, world_size=2, group_name="t_gloo",
-                                    backend="gloo", join=lambda: holder.setdefault(
-                                        "g", init_weight_sender_group("127.0.0.1", port, 2, 0, "t_gloo", "gloo")))
+    engine.weights.init_weight_update_group("127.0.0.1", port, rank_offset=1, world_size=2, group_name="t_gloo",
+                                            backend="gloo", join=lambda: holder.setdefault(
+                                                "g", init_weight_sender_group("127.0.0.1", port, 2, 0, "t_gloo",
+                                                                              "gloo")))
     sent = {k: v for k, v in new.items() if k != "lm_head.weight"}
 
     def send():
         for v in sent.values():
             dist.broadcast(v.contiguous(), src=0, group=holder["g"])
 
-    engine.load_weights_from_distributed([(k, v.dtype, tuple(v.shape)) for k, v in sent.items()], 2, send,
-                                         group_name="t_gloo")
+    engine.weights.load_weights_from_distributed([(k, v.dtype, tuple(v.shape)) for k, v in sent.items()], 2, send,
+                                                 group_name="t_gloo")
     assert engine.version == 2
     reqs = [GenRequest("d0", tok.encode(PROMPTS[1]), 32, GREEDY)]
     ref = generate_all(_torch(loaded, new), reqs)["d0"]

@@ -96,6 +96,6 @@ def test_loads_never_wait_unloads_of_a_named_version_are_refused_and_the_server_
     for v in range(20, 40):  # a churn of versions: unload the idle oldest before each load
         eng.unload_adapter(eng.adapter_versions()[0])
         eng.load_adapter(_adapter(m.arch, v % 3), v)
-        reply = eng._control("GET", "/v1/models", None, what="models")
+        reply = eng.control.call("GET", "/v1/models", None, what="models")
         loaded.append(sum(1 for x in reply.get("data", []) if str(x.get("id", "")).startswith("rlboost-v")))
     assert set(loaded) == {spec.max_adapters} and eng.adapter_versions() == [38, 39]

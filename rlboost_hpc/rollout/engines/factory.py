@@ -186,7 +186,7 @@ def make_sglang_engine(model_config: Mapping[str, Any], state_dict: Mapping[str,
     eng = SGLangEngine.launch(model_dir, max_batch=max_batch, version=version if state_dict is not None else -1,
                               model_config=model_config, **launch_kw)
     if state_dict is None:
-        eng._fence("no weights loaded yet (started with dummy weights)")
+        eng.served.fence("no weights loaded yet (started with dummy weights)")
     if work_dir is None:
         eng._cleanup_dir = d  # a temp dir of ours: removed (weights; the log is kept) by close()
     return eng

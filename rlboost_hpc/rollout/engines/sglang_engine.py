@@ -48,25 +48,20 @@ Invariants (the base contract of :mod:`rlboost_hpc.rollout.engines.base`, and ho
 """
 from __future__ import annotations
 
-import http.client
-import itertools
 import logging
 import os
-import threading
-import time
-from collections import deque
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from rlboost_hpc import defaults as D
-from rlboost_hpc.rollout.engines.base import Engine, EngineError, GenRequest, RequestError, TokenEvent, validate_request
-from rlboost_hpc.rollout.engines.sglang_server import SGLangServer, http_json
+from rlboost_hpc.rollout.engines.base import Engine, EngineError, GenRequest, TokenEvent, validate_request
+from rlboost_hpc.rollout.engines.sglang_server import SGLangControl, SGLangServer
 from rlboost_hpc.protocol.adapter import AdapterSpec
 from rlboost_hpc.rollout.engines.sglang_lora import SGLangAdapters
-from rlboost_hpc.rollout.engines.sglang_stream import SGLangStreams, StreamBatch, StreamRequest
-from rlboost_hpc.rollout.engines.sglang_weights import SGLangWeightUpdates
+from rlboost_hpc.rollout.engines.sglang_stream import SGLangStreams
+from rlboost_hpc.rollout.engines.sglang_weights import SGLangWeightUpdates, ServedWeights
 
 __all__ = ["SGLangEngine"]
 
@@ -77,7 +72,7 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
            "half": torch.float16}
 
 
-class SGLangEngine(SGLangStreams, SGLangWeightUpdates, SGLangAdapters, Engine):
+class SGLangEngine(Engine):
     """:class:`Engine` over an SGLang HTTP server.
 
     Build with :meth:`launch` (starts and owns a supervised server),
@@ -85,11 +80,13 @@ class SGLangEngine(SGLangStreams, SGLangWeightUpdates, SGLangAdapters, Engine):
     for the rollout agent), or the constructor (attach to a running server at ``base_url``; ``server`` may be
     given to supervise it).
 
-    This class holds the construction, the lifecycle, the version label, the :class:`Engine` calls, and the checked
-    control calls to the server (``_control``) with its diagnostics, which every part uses. Each other server-side
-    capability is a part mixed in beside it, with its own module: :class:`SGLangStreams` (the ``/generate``
-    streams, ``sglang_stream.py``), :class:`SGLangWeightUpdates` (weight loads, ``sglang_weights.py``) and
-    :class:`SGLangAdapters` (LoRA adapter versions, ``sglang_lora.py``).
+    This class holds the construction, the lifecycle, the version label and the :class:`Engine` calls; each
+    server-side capability is a collaborator that owns its state, in its own module: :attr:`control`
+    (:class:`SGLangControl`: the checked control calls and the server's diagnostics, ``sglang_server.py``),
+    :attr:`streams` (:class:`SGLangStreams`: the requests and their ``/generate`` streams, ``sglang_stream.py``),
+    :attr:`weights` (:class:`SGLangWeightUpdates`: weight loads, ``sglang_weights.py``) and :attr:`adapters`
+    (:class:`SGLangAdapters`: LoRA adapter versions, ``sglang_lora.py``); what the server serves
+    (:class:`ServedWeights`) is shared by the last two.
 
     Args:
         base_url: ``http://host:port`` of the server.
@@ -123,22 +120,12 @@ class SGLangEngine(SGLangStreams, SGLangWeightUpdates, SGLangAdapters, Engine):
         self.max_batch = max_batch
         self.server = server
         self.owns_server = owns_server
-        self.stall_timeout_s = stall_timeout_s
-        self.abort_timeout_s = abort_timeout_s
-        self.control_timeout_s = control_timeout_s
-        self.tp_size = tp_size
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._reqs: dict[str, StreamRequest] = {}
-        self._order: deque[str] = deque()
-        self._unsent: list[StreamRequest] = []  # added, submitted at the next step()/abort()
-        self._batches: set[StreamBatch] = set()
-        self._seq = itertools.count()
-        self._tag = f"{os.getpid():x}{id(self) & 0xFFFFFF:06x}"
-        self._fenced: str | None = None
+        self.control = SGLangControl(self.host, self.port, server, control_timeout_s)
+        self.streams = SGLangStreams(self.control, stall_timeout_s=stall_timeout_s, abort_timeout_s=abort_timeout_s,
+                                     tag=f"{os.getpid():x}{id(self) & 0xFFFFFF:06x}")
         self._closed = False
-        self.chunks_received = 0  # stream chunks that carried tokens, over the engine's life
-        info = self._control("GET", "/model_info", None, what="model_info")
+        self._cleanup_dir: Path | None = None  # a temp model dir of ours (make_sglang_engine): close() removes it
+        info = self.control.call("GET", "/model_info", None, what="model_info")
         if model_config is None:
             from rlboost_hpc.models.arch import ModelFormatError, read_config_json
 
@@ -158,12 +145,16 @@ class SGLangEngine(SGLangStreams, SGLangWeightUpdates, SGLangAdapters, Engine):
         self.vocab_size: int | None = self.arch.vocab_size if self.arch else None
         self.max_len: int | None = self.arch.max_position_embeddings if self.arch else None
         self.eos_ids: frozenset[int] = frozenset(self.arch.eos_token_ids if self.arch else ())
-        self._version = version if adapter is None else -1
-        self._init_adapters(adapter, Path(adapter_dir) if adapter_dir else None)
+        self.served = ServedWeights(version if adapter is None else -1)
+        self.adapters = SGLangAdapters(self.control, self.streams, self.served, adapter,
+                                       Path(adapter_dir) if adapter_dir else None)
         sinfo = self._server_info()
         self.server_dtype = _DTYPES.get(str(sinfo.get("dtype", "")))
         if isinstance(sinfo.get("context_length"), int):  # --context-length overrides the model's
             self.max_len = min(self.max_len or sinfo["context_length"], sinfo["context_length"])
+        self.weights = SGLangWeightUpdates(self.control, self.streams, self.served, arch=self.arch,
+                                           model_config=self.model_config, server_dtype=self.server_dtype,
+                                           tp_size=tp_size)
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod
@@ -193,19 +184,11 @@ class SGLangEngine(SGLangStreams, SGLangWeightUpdates, SGLangAdapters, Engine):
         if self._closed:
             return
         self._closed = True
-        with self._lock:
-            for r in self._reqs.values():
-                r.aborting = True
-            self._unsent.clear()
-            self._reqs.clear()
-            self._order.clear()
-            batches = list(self._batches)
-        for b in batches:
-            self._close_batch(b)
+        self.streams.close()
         if self.owns_server and self.server is not None:
             self.server.stop()
-        self._close_adapters()
-        d = getattr(self, "_cleanup_dir", None)
+        self.adapters.close()
+        d = self._cleanup_dir
         if d is not None:
             for name in ("model.safetensors", "config.json"):
                 try:
@@ -222,33 +205,70 @@ class SGLangEngine(SGLangStreams, SGLangWeightUpdates, SGLangAdapters, Engine):
     # ------------------------------------------------------------------ version (agent sets it after the factory)
     @property
     def version(self) -> int:  # type: ignore[override]
-        return self._version
+        return self.served.version
 
     @version.setter
     def version(self, v: int) -> None:
         """Record ``v`` and label the server's weights with it (``/update_weight_version`` WITHOUT aborting)."""
         v = int(v)
+        served = self.served
         if self.max_adapters:  # the newest adapter version names itself (each request names its own)
-            self._version = v
+            served.version = v
             return
-        if self._fenced is not None and v != self._version:
-            raise EngineError(f"cannot label the weights as version {v}: engine fenced ({self._fenced}); "
+        if served.fenced is not None and v != served.version:
+            raise EngineError(f"cannot label the weights as version {v}: engine fenced ({served.fenced}); "
                               f"load_weights() a complete version instead")
-        if v != self._version and v >= 0:
-            self._control("POST", "/update_weight_version", {"new_version": str(v), "abort_all_requests": False},
-                          what=f"update_weight_version({v})")
-        self._version = v
+        if v != served.version and v >= 0:
+            self.control.call("POST", "/update_weight_version", {"new_version": str(v), "abort_all_requests": False},
+                              what=f"update_weight_version({v})")
+        served.version = v
 
     @property
     def fenced(self) -> str | None:
         """Why the engine refuses requests (a failed weight load), or ``None``."""
-        return self._fenced
+        return self.served.fenced
+
+    @property
+    def chunks_received(self) -> int:
+        """Stream chunks that carried tokens, over the engine's life."""
+        return self.streams.chunks_received
+
+    # ------------------------------------------------------------------ weights and adapters
+    @property
+    def max_adapters(self) -> int:  # type: ignore[override]
+        return self.adapters.max_adapters
+
+    @property
+    def last_load_bytes(self) -> int:  # type: ignore[override]
+        return self.adapters.last_load_bytes
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load a complete version (:meth:`SGLangWeightUpdates.load_weights`) — in a LoRA run's server, an adapter
+        version that replaces every loaded one (:meth:`SGLangAdapters.replace`).
+
+        Raises:
+            EngineError: see those two; a failed full load fences the engine.
+        """
+        if self.max_adapters:
+            return self.adapters.replace(state_dict, version)
+        return self.weights.load_weights(state_dict, version)
+
+    def adapter_versions(self) -> list[int]:
+        return self.adapters.adapter_versions()
+
+    def adapter_in_use(self, version: int) -> bool:
+        return self.adapters.adapter_in_use(version)
+
+    def load_adapter(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
+        return self.adapters.load_adapter(state_dict, version)
+
+    def unload_adapter(self, version: int) -> None:
+        self.adapters.unload_adapter(version)
 
     # ------------------------------------------------------------------ Engine API
     @property
     def num_active(self) -> int:
-        with self._lock:
-            return len(self._reqs)
+        return self.streams.num_active
 
     def add(self, req: GenRequest) -> None:
         """Validate ``req`` and queue it; the next :meth:`step` submits every queued request in ONE streaming
@@ -262,15 +282,14 @@ class SGLangEngine(SGLangStreams, SGLangWeightUpdates, SGLangAdapters, Engine):
         rid = req.rid
         if self._closed:
             raise EngineError(f"request {rid!r}: engine closed")
-        if self._fenced is not None:
-            raise EngineError(f"request {rid!r}: engine fenced ({self._fenced}); load a complete version first")
-        with self._lock:
-            if rid in self._reqs:
-                raise EngineError(f"request {rid!r}: duplicate rid (already queued or running)")
+        if self.served.fenced is not None:
+            raise EngineError(f"request {rid!r}: engine fenced ({self.served.fenced}); load a complete version first")
+        if self.streams.holds(rid):
+            raise EngineError(f"request {rid!r}: duplicate rid (already queued or running)")
         checked = validate_request(req, vocab_size=self.vocab_size, max_len=self.max_len)
-        lora = self._lora_of(checked.adapter_version)
+        lora = self.adapters.lora_of(checked.adapter_version)
         sp = checked.sampling
-        self._check_server(f"add({rid!r})")
+        self.control.check(f"add({rid!r})")
         stop = frozenset(int(t) for t in sp.stop_token_ids)
         # The server always stops on the model's EOS unless ignore_eos (which also disables stop_token_ids):
         # when our stop set lacks an EOS id, let the server run free and cut the stream ourselves.
@@ -289,13 +308,8 @@ class SGLangEngine(SGLangStreams, SGLangWeightUpdates, SGLangAdapters, Engine):
             sampling["ignore_eos"] = True
         elif stop:
             sampling["stop_token_ids"] = sorted(stop)
-        srid = f"{rid}@{self._tag}.{next(self._seq)}"
-        r = StreamRequest(rid=rid, srid=srid, input_ids=checked.prompt_ids + checked.prefix_ids, sampling=sampling,
-                 stop=stop, max_new=req.max_new_tokens, enforce_stop=enforce, lora=lora)
-        with self._lock:
-            self._reqs[rid] = r
-            self._order.append(rid)
-            self._unsent.append(r)
+        self.streams.add(rid, input_ids=checked.prompt_ids + checked.prefix_ids, sampling=sampling, stop=stop,
+                         max_new=req.max_new_tokens, enforce_stop=enforce, lora=lora)
 
     def step(self) -> list[TokenEvent]:
         """Return every token streamed since the previous call, one event per request.
@@ -310,36 +324,7 @@ class SGLangEngine(SGLangStreams, SGLangWeightUpdates, SGLangAdapters, Engine):
             EngineError: the server died (log tail included), or no request received anything for
                 ``stall_timeout_s``.
         """
-        self._submit()
-        deadline = time.monotonic() + self.stall_timeout_s
-        failed: StreamRequest | None = None
-        with self._cond:
-            while True:
-                if not self._reqs:
-                    return []
-                events, failed = self._collect_locked()
-                if events:
-                    return events
-                if failed is not None:
-                    self._reqs.pop(failed.rid, None)
-                    self._remove_order(failed.rid)
-                    break
-                if self.server is not None and not self.server.alive():
-                    break
-                now = time.monotonic()
-                if now > deadline:
-                    n = len(self._reqs)
-                    break
-                self._cond.wait(timeout=min(0.5, deadline - now))
-        if failed is not None:
-            message = self._failure_message(failed)
-            if self.server is not None and not self.server.alive():
-                raise EngineError(message)
-            raise RequestError(failed.rid, message)  # the server serves the other requests
-        if self.server is not None and not self.server.alive():
-            raise EngineError(self._crash_message("step()"))
-        raise EngineError(f"sglang engine: no token from {self.base_url} for {self.stall_timeout_s:.0f}s with "
-                          f"{n} request(s) active; " + self._log_hint())
+        return self.streams.step()
 
     def abort(self, rid: str) -> TokenEvent | None:
         """Abort ``rid`` on the server and return its tokens that :meth:`step` has not returned yet.
@@ -357,104 +342,18 @@ class SGLangEngine(SGLangStreams, SGLangWeightUpdates, SGLangAdapters, Engine):
     def abort_all(self) -> list[TokenEvent]:
         """Abort every active request of this engine (other clients of the server are untouched); return
         their undelivered tokens (see :meth:`abort`)."""
-        with self._lock:
-            rids = list(self._order)
+        rids = self.streams.active()
         evs = self.abort_many(rids)
         return [evs[r] for r in rids if r in evs]
 
     def abort_many(self, rids: Sequence[str]) -> dict[str, TokenEvent]:
         """:meth:`abort` for several requests at once (one wait for all final chunks): ``{rid: event}`` for
         those with undelivered tokens."""
-        with self._lock:
-            reqs = [self._reqs[r] for r in rids if r in self._reqs]
-            for r in reqs:
-                r.aborting = True
-                if r in self._unsent:  # never reached the server: nothing was produced
-                    self._unsent.remove(r)
-                    r.done = True
-        deadline = time.monotonic() + self.abort_timeout_s
-        next_send = 0.0
-        while True:
-            with self._lock:
-                pending = [r for r in reqs if not r.done]
-            if not pending:
-                break
-            now = time.monotonic()
-            dead = self.server is not None and not self.server.alive()
-            if now > deadline or dead:
-                if not dead:
-                    log.warning("abort: no final chunk for %s within %.0fs; returning what was received",
-                                [r.rid for r in pending], self.abort_timeout_s)
-                with self._lock:
-                    for r in pending:
-                        r.done = True  # later chunks of these are ignored
-                break
-            if now >= next_send:
-                for r in pending:  # re-sent while the server has not registered the request yet
-                    try:
-                        http_json(self.host, self.port, "POST", "/abort_request", {"rid": r.srid}, timeout=10.0)
-                    except (OSError, http.client.HTTPException) as e:
-                        log.warning("abort(%s): /abort_request failed: %s", r.rid, e)
-                next_send = now + 0.25
-            with self._cond:
-                if any(not r.done for r in pending):
-                    self._cond.wait(timeout=0.02)
-        out: dict[str, TokenEvent] = {}
-        with self._lock:
-            for r in reqs:
-                self._reqs.pop(r.rid, None)
-                self._remove_order(r.rid)
-                ids, lps = r.ids[r.delivered:], r.lps[r.delivered:]
-                r.delivered = len(r.ids)
-                if ids or r.finished:
-                    out[r.rid] = TokenEvent(rid=r.rid, token_ids=list(ids), logprobs=list(lps), finished=r.finished,
-                                            finish_reason=r.finish_reason if r.finished else None)
-        return out
+        return self.streams.abort_many(rids)
 
     def _server_info(self) -> dict:
         try:
-            info = self._control("GET", "/server_info", None, what="server_info", timeout=30.0)
+            info = self.control.call("GET", "/server_info", None, what="server_info", timeout=30.0)
         except EngineError:
             return {}
         return info if isinstance(info, dict) else {}
-
-    # ------------------------------------------------------------------ control calls
-    def _control(self, method: str, path: str, body: Any, what: str, timeout: float | None = None) -> Any:
-        """A control call whose reply is always checked."""
-        try:
-            status, reply = http_json(self.host, self.port, method, path, body, timeout or self.control_timeout_s)
-        except (OSError, http.client.HTTPException) as e:
-            raise EngineError(f"sglang {what}: {self.base_url}{path} unreachable: {type(e).__name__}: {e}; "
-                              + self._log_hint()) from None
-        ok = 200 <= status < 300
-        if ok and isinstance(reply, dict) and reply.get("success") is False:
-            ok = False
-        if not ok:
-            msg = reply.get("message", reply) if isinstance(reply, dict) else reply
-            raise EngineError(f"sglang {what} failed (HTTP {status}): {msg}; " + self._log_hint())
-        return reply
-
-    def _dies_within(self, grace_s: float) -> bool:
-        deadline = time.monotonic() + grace_s
-        while self.server.alive():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.02)
-        return True
-
-    def _check_server(self, what: str) -> None:
-        if self.server is not None and not self.server.alive():
-            raise EngineError(self._crash_message(what))
-
-    def _crash_message(self, what: str) -> str:
-        s = self.server
-        assert s is not None
-        return (f"sglang server died (exit code {s.returncode()}, {s.url}) — {what}; log {s.log_path} tail:\n"
-                f"{s.log_tail()}")
-
-    def _log_hint(self) -> str:
-        if self.server is None:
-            return "server not supervised by this engine (see its own log)"
-        state = "alive" if self.server.alive() else f"DEAD (exit code {self.server.returncode()})"
-        return f"server {state}; log {self.server.log_path} tail:\n{self.server.log_tail()}"
-

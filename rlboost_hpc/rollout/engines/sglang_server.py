@@ -30,7 +30,7 @@ from rlboost_hpc import defaults as D
 from rlboost_hpc.procutil import die_with_parent
 from rlboost_hpc.rollout.engines.base import EngineError
 
-__all__ = ["SGLangServer", "fast_dumps", "fast_loads", "free_port", "http_json", "write_hf_dir"]
+__all__ = ["SGLangControl", "SGLangServer", "fast_dumps", "fast_loads", "free_port", "http_json", "write_hf_dir"]
 
 log = logging.getLogger("rlboost.sglang")
 
@@ -303,6 +303,75 @@ def http_json(host: str, port: int, method: str, path: str, body: Any, timeout: 
         return resp.status, parsed
     finally:
         conn.close()
+
+
+class SGLangControl:
+    """Checked calls to one SGLang server, and what to say when it fails: the server's ``host`` and ``port``, the
+    supervised ``server`` behind them (None: attached to a server this process does not run; it is then taken as
+    alive) and the deadline of each call (``timeout_s``, seconds). Shared by the engine and its collaborators
+    (streams, weight updates, adapters); it holds nothing else.
+    """
+
+    def __init__(self, host: str, port: int, server: SGLangServer | None, timeout_s: float) -> None:
+        self.host, self.port, self.server, self.timeout_s = host, port, server, timeout_s
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def call(self, method: str, path: str, body: Any, what: str, timeout: float | None = None) -> Any:
+        """A control call whose reply is always checked; returns the parsed reply.
+
+        Raises:
+            EngineError: the server is unreachable, answers a non-2xx status or ``"success": false`` (its message
+                and the log tail included).
+        """
+        try:
+            status, reply = http_json(self.host, self.port, method, path, body, timeout or self.timeout_s)
+        except (OSError, http.client.HTTPException) as e:
+            raise EngineError(f"sglang {what}: {self.base_url}{path} unreachable: {type(e).__name__}: {e}; "
+                              + self.log_hint()) from None
+        ok = 200 <= status < 300
+        if ok and isinstance(reply, dict) and reply.get("success") is False:
+            ok = False
+        if not ok:
+            msg = reply.get("message", reply) if isinstance(reply, dict) else reply
+            raise EngineError(f"sglang {what} failed (HTTP {status}): {msg}; " + self.log_hint())
+        return reply
+
+    def alive(self) -> bool:
+        """The supervised server runs (an unsupervised one: True)."""
+        return self.server is None or self.server.alive()
+
+    def check(self, what: str) -> None:
+        """Raise :class:`EngineError` with the crash message when the supervised server died."""
+        if not self.alive():
+            raise EngineError(self.crash_message(what))
+
+    def dies_within(self, grace_s: float) -> bool:
+        """The supervised server exits within ``grace_s`` seconds (an unsupervised one: False at once)."""
+        if self.server is None:
+            return False
+        deadline = time.monotonic() + grace_s
+        while self.server.alive():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def crash_message(self, what: str) -> str:
+        """The supervised server's exit status and log tail, for an error of ``what``."""
+        s = self.server
+        assert s is not None
+        return (f"sglang server died (exit code {s.returncode()}, {s.url}) — {what}; log {s.log_path} tail:\n"
+                f"{s.log_tail()}")
+
+    def log_hint(self) -> str:
+        """Where to look: the supervised server's state and log tail."""
+        if self.server is None:
+            return "server not supervised by this engine (see its own log)"
+        state = "alive" if self.server.alive() else f"DEAD (exit code {self.server.returncode()})"
+        return f"server {state}; log {self.server.log_path} tail:\n{self.server.log_tail()}"
 
 
 def write_hf_dir(model_config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor] | None,

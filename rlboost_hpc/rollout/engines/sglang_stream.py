@@ -4,27 +4,32 @@
 requests: new ids and logprobs taken from cumulative or incremental chunks (:func:`new_entries`), checked against
 each other, cut at the request's stop set and budget; a request the server would run past them is aborted there.
 
-A part of :class:`~rlboost_hpc.rollout.engines.sglang_engine.SGLangEngine` (:class:`SGLangStreams` is mixed into
-it: the same state, guarded by the engine's lock); the invariants it keeps are the engine's "ids are ids", "stop
-semantics" and "batching" (see :mod:`rlboost_hpc.rollout.engines.sglang_engine`). Nothing here imports
-``sglang``: HTTP only (stdlib ``http.client``).
+:class:`SGLangStreams` is a collaborator of :class:`~rlboost_hpc.rollout.engines.sglang_engine.SGLangEngine` that owns
+the engine's requests (its table and lock, the reader threads); the invariants it keeps are the engine's "ids are
+ids", "nothing hidden", "stop semantics" and "batching" (see :mod:`rlboost_hpc.rollout.engines.sglang_engine`).
+Nothing here imports ``sglang``: HTTP only (stdlib ``http.client``).
 """
 from __future__ import annotations
 
 import http.client
+import itertools
+import logging
 import socket
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from rlboost_hpc.rollout.engines.base import EngineError, FinishReason, TokenEvent
+from rlboost_hpc.rollout.engines.base import EngineError, FinishReason, RequestError, TokenEvent
 from rlboost_hpc.rollout.engines.sglang_server import fast_dumps, fast_loads, http_json
 
 if TYPE_CHECKING:
-    from rlboost_hpc.rollout.engines.sglang_server import SGLangServer
+    from rlboost_hpc.rollout.engines.sglang_server import SGLangControl
 
 __all__ = ["SGLangStreams", "StreamBatch", "StreamRequest", "new_entries"]
+
+log = logging.getLogger("rlboost.sglang")
 
 
 # ====================================================================================== per-request state
@@ -90,25 +95,172 @@ def new_entries(out_ids: list, lp_entries: list, completion_tokens: int | None, 
 
 # ====================================================================================== the streams
 class SGLangStreams:
-    """The streaming methods of :class:`~rlboost_hpc.rollout.engines.sglang_engine.SGLangEngine` (see the module
-    docstring).
+    """The requests of one SGLang engine and their ``/generate`` streams (see the module docstring).
 
-    Uses the engine's request table (``_reqs`` by rid, ``_order``, ``_unsent``, ``_batches``, guarded by ``_lock`` /
-    ``_cond``), its server address (``host``, ``port``), ``stall_timeout_s``, ``server`` and its diagnostics
-    (``_dies_within``, ``_crash_message``, ``_log_hint``); counts ``chunks_received``.
+    Owns the request table (``_reqs`` by rid, ``_order`` of addition, ``_unsent`` — added, submitted at the next
+    :meth:`step` or abort — and the reader threads' ``_batches``), guarded by one lock (``_cond``'s); counts
+    ``chunks_received`` (stream chunks that carried tokens, over the engine's life). ``control``: the server's
+    address and diagnostics; ``stall_timeout_s``: a stream that delivers nothing for this long (server alive) is
+    an error; ``abort_timeout_s``: how long an abort waits for the final chunk; ``tag``: makes the ids the server
+    sees unique to this engine.
     """
 
-    host: str
-    port: int
-    server: SGLangServer | None
-    stall_timeout_s: float
-    chunks_received: int
-    _lock: threading.Lock
-    _cond: threading.Condition
-    _reqs: dict[str, StreamRequest]
-    _order: deque[str]
-    _unsent: list[StreamRequest]
-    _batches: set[StreamBatch]
+    def __init__(self, control: SGLangControl, *, stall_timeout_s: float, abort_timeout_s: float, tag: str) -> None:
+        self._control = control
+        self.stall_timeout_s, self.abort_timeout_s = stall_timeout_s, abort_timeout_s
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._reqs: dict[str, StreamRequest] = {}
+        self._order: deque[str] = deque()
+        self._unsent: list[StreamRequest] = []
+        self._batches: set[StreamBatch] = set()
+        self._seq = itertools.count()
+        self._tag = tag
+        self.chunks_received = 0
+
+    @property
+    def num_active(self) -> int:
+        """Requests added and not finished, failed or aborted."""
+        with self._lock:
+            return len(self._reqs)
+
+    def holds(self, rid: str) -> bool:
+        """``rid`` is queued or running."""
+        with self._lock:
+            return rid in self._reqs
+
+    def active(self) -> list[str]:
+        """The rids queued or running, in the order they were added."""
+        with self._lock:
+            return list(self._order)
+
+    def names(self, lora: str) -> bool:
+        """A request in flight runs under adapter ``lora`` (its name in the server)."""
+        with self._lock:
+            return any(r.lora == lora for r in self._reqs.values())
+
+    def add(self, rid: str, *, input_ids: list[int], sampling: dict, stop: frozenset[int], max_new: int,
+            enforce_stop: bool, lora: str | None) -> None:
+        """Queue request ``rid`` (the next :meth:`step` submits it with every other queued one).
+
+        Raises:
+            EngineError: ``rid`` is queued or running already."""
+        srid = f"{rid}@{self._tag}.{next(self._seq)}"
+        r = StreamRequest(rid=rid, srid=srid, input_ids=input_ids, sampling=sampling, stop=stop, max_new=max_new,
+                          enforce_stop=enforce_stop, lora=lora)
+        with self._lock:
+            if rid in self._reqs:
+                raise EngineError(f"request {rid!r}: duplicate rid (already queued or running)")
+            self._reqs[rid] = r
+            self._order.append(rid)
+            self._unsent.append(r)
+
+    def step(self) -> list[TokenEvent]:
+        """Submit what was queued, then return every token streamed since the previous call, one event per request
+        (the engine's :meth:`~rlboost_hpc.rollout.engines.sglang_engine.SGLangEngine.step`: blocks until a request
+        has something to report; ``[]`` only when idle).
+
+        Raises:
+            RequestError: one request's stream broke or returned inconsistent data while the server lives (the
+                request is dropped, the others go on).
+            EngineError: the server died (log tail included), or no request received anything for
+                ``stall_timeout_s``.
+        """
+        self.submit()
+        deadline = time.monotonic() + self.stall_timeout_s
+        failed: StreamRequest | None = None
+        ctl = self._control
+        with self._cond:
+            while True:
+                if not self._reqs:
+                    return []
+                events, failed = self._collect_locked()
+                if events:
+                    return events
+                if failed is not None:
+                    self._reqs.pop(failed.rid, None)
+                    self._remove_order(failed.rid)
+                    break
+                if not ctl.alive():
+                    break
+                now = time.monotonic()
+                if now > deadline:
+                    n = len(self._reqs)
+                    break
+                self._cond.wait(timeout=min(0.5, deadline - now))
+        if failed is not None:
+            message = self._failure_message(failed)
+            if not ctl.alive():
+                raise EngineError(message)
+            raise RequestError(failed.rid, message)  # the server serves the other requests
+        if not ctl.alive():
+            raise EngineError(ctl.crash_message("step()"))
+        raise EngineError(f"sglang engine: no token from {ctl.base_url} for {self.stall_timeout_s:.0f}s with "
+                          f"{n} request(s) active; " + ctl.log_hint())
+
+    def abort_many(self, rids) -> dict[str, TokenEvent]:
+        """Abort ``rids`` on the server and return ``{rid: event}`` with each one's tokens not returned yet (the
+        engine's :meth:`~rlboost_hpc.rollout.engines.sglang_engine.SGLangEngine.abort`): waits up to
+        ``abort_timeout_s`` for the final chunks, re-sending the abort while the server has not registered a
+        request yet."""
+        with self._lock:
+            reqs = [self._reqs[r] for r in rids if r in self._reqs]
+            for r in reqs:
+                r.aborting = True
+                if r in self._unsent:  # never reached the server: nothing was produced
+                    self._unsent.remove(r)
+                    r.done = True
+        deadline = time.monotonic() + self.abort_timeout_s
+        next_send = 0.0
+        ctl = self._control
+        while True:
+            with self._lock:
+                pending = [r for r in reqs if not r.done]
+            if not pending:
+                break
+            now = time.monotonic()
+            dead = not ctl.alive()
+            if now > deadline or dead:
+                if not dead:
+                    log.warning("abort: no final chunk for %s within %.0fs; returning what was received",
+                                [r.rid for r in pending], self.abort_timeout_s)
+                with self._lock:
+                    for r in pending:
+                        r.done = True  # later chunks of these are ignored
+                break
+            if now >= next_send:
+                for r in pending:  # re-sent while the server has not registered the request yet
+                    try:
+                        http_json(ctl.host, ctl.port, "POST", "/abort_request", {"rid": r.srid}, timeout=10.0)
+                    except (OSError, http.client.HTTPException) as e:
+                        log.warning("abort(%s): /abort_request failed: %s", r.rid, e)
+                next_send = now + 0.25
+            with self._cond:
+                if any(not r.done for r in pending):
+                    self._cond.wait(timeout=0.02)
+        out: dict[str, TokenEvent] = {}
+        with self._lock:
+            for r in reqs:
+                self._reqs.pop(r.rid, None)
+                self._remove_order(r.rid)
+                ids, lps = r.ids[r.delivered:], r.lps[r.delivered:]
+                r.delivered = len(r.ids)
+                if ids or r.finished:
+                    out[r.rid] = TokenEvent(rid=r.rid, token_ids=list(ids), logprobs=list(lps), finished=r.finished,
+                                            finish_reason=r.finish_reason if r.finished else None)
+        return out
+
+    def close(self) -> None:
+        """Forget every request and cut the open streams (the server is left as it is)."""
+        with self._lock:
+            for r in self._reqs.values():
+                r.aborting = True
+            self._unsent.clear()
+            self._reqs.clear()
+            self._order.clear()
+            batches = list(self._batches)
+        for b in batches:
+            self._close_batch(b)
 
     def _remove_order(self, rid: str) -> None:
         try:
@@ -136,10 +288,10 @@ class SGLangStreams:
 
     def _failure_message(self, r: StreamRequest) -> str:
         # a broken stream is usually the server dying: its sockets close before the exit status is visible
-        if self.server is not None and self._dies_within(2.0):
-            return self._crash_message(f"request {r.rid!r} after {len(r.ids)} token(s)")
+        if self._control.dies_within(2.0):
+            return self._control.crash_message(f"request {r.rid!r} after {len(r.ids)} token(s)")
         why = r.error or ("aborted by the server" if r.server_aborted else "stream ended without a finish")
-        return f"sglang request {r.rid!r} failed after {len(r.ids)} token(s): {why}; " + self._log_hint()
+        return f"sglang request {r.rid!r} failed after {len(r.ids)} token(s): {why}; " + self._control.log_hint()
 
     def _close_batch(self, b: StreamBatch) -> None:
         c = b.conn
@@ -150,7 +302,7 @@ class SGLangStreams:
             except OSError:
                 pass
 
-    def _submit(self) -> None:
+    def submit(self) -> None:
         """Send every queued request as one streaming ``/generate`` call, read by one thread."""
         with self._lock:
             reqs, self._unsent = self._unsent, []
@@ -178,7 +330,7 @@ class SGLangStreams:
         """Reader thread: POST /generate (stream) and fold every chunk into its request."""
         err: str | None = None
         try:
-            conn = http.client.HTTPConnection(self.host, self.port, timeout=self.stall_timeout_s)
+            conn = http.client.HTTPConnection(self._control.host, self._control.port, timeout=self.stall_timeout_s)
             b.conn = conn
             conn.request("POST", "/generate", body=fast_dumps(body), headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
@@ -280,6 +432,6 @@ class SGLangStreams:
 
     def _abort_quietly(self, srid: str) -> None:
         try:
-            http_json(self.host, self.port, "POST", "/abort_request", {"rid": srid}, timeout=10.0)
+            http_json(self._control.host, self._control.port, "POST", "/abort_request", {"rid": srid}, timeout=10.0)
         except (OSError, http.client.HTTPException):
             pass

@@ -1,5 +1,6 @@
-"""Weights into an SGLang server: the weight-update part of the SGLang engine
-(:class:`~rlboost_hpc.rollout.engines.sglang_engine.SGLangEngine`, mixed into it) and what the weight holders send.
+"""Weights into an SGLang server: the weight updates of the SGLang engine
+(:class:`~rlboost_hpc.rollout.engines.sglang_engine.SGLangEngine`; :class:`SGLangWeightUpdates`, a collaborator it
+holds), what the server serves (:class:`ServedWeights`, shared with the adapters) and what the weight holders send.
 
 Invariants:
 - :meth:`load_weights` is refused while requests are active; it validates names/shapes
@@ -21,7 +22,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -29,19 +31,53 @@ from rlboost_hpc.protocol.weight_msgs import table_arrays
 from rlboost_hpc.rollout.engines.base import EngineError
 from rlboost_hpc.weights.layout import FlatState
 
-__all__ = ["SGLangWeightUpdates", "as_shared", "flat_bucket", "init_weight_sender_group", "serialize_named_tensors",
-           "serialize_object", "shared_host_buffer"]
+if TYPE_CHECKING:
+    from rlboost_hpc.rollout.engines.sglang_server import SGLangControl
+    from rlboost_hpc.rollout.engines.sglang_stream import SGLangStreams
+
+__all__ = ["SGLangWeightUpdates", "ServedWeights", "as_shared", "flat_bucket", "init_weight_sender_group",
+           "serialize_named_tensors", "serialize_object", "shared_host_buffer"]
 
 log = logging.getLogger("rlboost.sglang")
 
 
-class SGLangWeightUpdates:
-    """The weight-update methods of :class:`~rlboost_hpc.rollout.engines.sglang_engine.SGLangEngine`.
+@dataclass
+class ServedWeights:
+    """What an SGLang engine's server serves: ``version`` (the weight version, or the newest adapter version; -1:
+    none) and ``fenced`` (why the engine refuses requests — a failed load, or dummy weights not replaced yet;
+    None: it serves). Written by the weight updates and the adapters, read by the engine."""
 
-    Uses the engine's ``_control`` (a checked control call), ``_check_server``, ``num_active``, ``arch``,
-    ``model_config``, ``server_dtype``, ``tp_size``, ``control_timeout_s`` and its ``_version`` / ``_fenced``
-    state (the fence is set and cleared only here).
+    version: int
+    fenced: str | None = None
+
+    def loaded(self, version: int) -> None:
+        """``version`` was loaded completely: it is served, and any fence is lifted."""
+        self.version, self.fenced = int(version), None
+
+    def fence(self, why: str) -> None:
+        """A load failed (``why``: its error; the first line is kept): nothing is served until a later load."""
+        self.fenced = why.splitlines()[0][:300]
+        self.version = -1
+
+
+class SGLangWeightUpdates:
+    """The weight updates of an SGLang engine's server (full weights; a LoRA run's adapters are
+    :class:`~rlboost_hpc.rollout.engines.sglang_lora.SGLangAdapters`).
+
+    Args:
+        control: the server's checked calls and diagnostics.
+        streams: the engine's requests (a load is refused while any is active).
+        served: what the server serves (set by a load, fenced by a failed one).
+        arch: the served model's :class:`~rlboost_hpc.models.arch.ModelArch` (None: not checked here).
+        model_config: its HF config (None: unknown).
+        server_dtype: the server's dtype (tensors are sent in it; None: as given).
+        tp_size: the server's tensor-parallel ranks (one serialized payload each).
     """
+
+    def __init__(self, control: SGLangControl, streams: SGLangStreams, served: ServedWeights, *, arch,
+                 model_config: Mapping[str, Any] | None, server_dtype: torch.dtype | None, tp_size: int) -> None:
+        self._control, self._streams, self._served = control, streams, served
+        self.arch, self.model_config, self.server_dtype, self.tp_size = arch, model_config, server_dtype, tp_size
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load a complete version through ``/update_weights_from_tensor`` and label the server with it.
@@ -58,13 +94,12 @@ class SGLangWeightUpdates:
                 (nothing changes); or any server reply is a failure — then the engine is fenced
                 (``version = -1``, :meth:`add` refused) until a later load succeeds.
         """
-        if self.max_adapters:  # a LoRA run's server: the version is an adapter
-            return self._replace_adapters(state_dict, version)
-        if self.num_active:
-            raise EngineError(f"load_weights(version={version}) refused: {self.num_active} request(s) active; "
+        active = self._streams.num_active
+        if active:
+            raise EngineError(f"load_weights(version={version}) refused: {active} request(s) active; "
                               f"drain or abort them first")
         self._validate_state_dict(state_dict, version)
-        self._check_server(f"load_weights(version={version})")
+        self._control.check(f"load_weights(version={version})")
         t0 = time.monotonic()
         try:
             # shared memory alive until the server answered — a FlatState pulled into shared memory as it is,
@@ -82,11 +117,11 @@ class SGLangWeightUpdates:
             if bucket is not None:
                 body["load_format"] = "flattened_bucket"
             self._weight_session(
-                lambda: self._control("POST", "/update_weights_from_tensor", body,
-                                      what=f"update_weights_from_tensor(version={version})"),
+                lambda: self._control.call("POST", "/update_weights_from_tensor", body,
+                                           what=f"update_weights_from_tensor(version={version})"),
                 version)
         except EngineError as e:
-            self._fence(str(e))
+            self._served.fence(str(e))
             raise
         log.info("sglang: loaded version %d (%d tensors) in %.2fs", version, len(state_dict), time.monotonic() - t0)
 
@@ -104,8 +139,8 @@ class SGLangWeightUpdates:
         """
         body = {"master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
                 "world_size": int(world_size), "group_name": group_name, "backend": backend}
-        self._with_peer(lambda: self._control("POST", "/init_weights_update_group", body,
-                                              what="init_weights_update_group"), join)
+        self._with_peer(lambda: self._control.call("POST", "/init_weights_update_group", body,
+                                                   what="init_weights_update_group"), join)
 
     def load_weights_from_distributed(self, params: Sequence[tuple[str, torch.dtype, Sequence[int]]], version: int,
                                       send: Callable[[], Any], group_name: str = "rlboost_weights") -> None:
@@ -116,8 +151,9 @@ class SGLangWeightUpdates:
         the server's ``/update_weights_from_distributed`` call. Wrapped in ``/begin_weight_update`` …
         ``/end_weight_update`` + ``/flush_cache`` like :meth:`load_weights`; same refusal and fencing rules.
         """
-        if self.num_active:
-            raise EngineError(f"load_weights_from_distributed(version={version}) refused: {self.num_active} "
+        active = self._streams.num_active
+        if active:
+            raise EngineError(f"load_weights_from_distributed(version={version}) refused: {active} "
                               f"request(s) active")
         names = [p[0] for p in params]
         if self.model_config is not None:
@@ -128,42 +164,37 @@ class SGLangWeightUpdates:
                 "abort_all_requests": False, "weight_version": str(version)}
         try:
             self._weight_session(lambda: self._with_peer(
-                lambda: self._control("POST", "/update_weights_from_distributed", body,
-                                      what=f"update_weights_from_distributed(version={version})"), send), version)
+                lambda: self._control.call("POST", "/update_weights_from_distributed", body,
+                                           what=f"update_weights_from_distributed(version={version})"), send), version)
         except EngineError as e:
-            self._fence(str(e))
+            self._served.fence(str(e))
             raise
 
     # ------------------------------------------------------------------ weights internals
     def _weight_session(self, load: Callable[[], Any], version: int) -> None:
         begin = {"selector": "all"}
         try:
-            self._control("POST", "/begin_weight_update", begin, what="begin_weight_update")
+            self._control.call("POST", "/begin_weight_update", begin, what="begin_weight_update")
         except EngineError as e:
             if "already open" not in str(e):
                 raise
             # a session left open by an earlier failed load: close it, then begin afresh
-            self._control("POST", "/end_weight_update", {}, what="end_weight_update (stale session)")
-            self._control("POST", "/begin_weight_update", begin, what="begin_weight_update")
+            self._control.call("POST", "/end_weight_update", {}, what="end_weight_update (stale session)")
+            self._control.call("POST", "/begin_weight_update", begin, what="begin_weight_update")
         try:
             load()
         except BaseException:
             try:
-                self._control("POST", "/end_weight_update", {}, what="end_weight_update (after failure)")
+                self._control.call("POST", "/end_weight_update", {}, what="end_weight_update (after failure)")
             except EngineError as e2:
                 log.warning("sglang: closing the weight-update session failed too: %s", e2)
             raise
-        self._control("POST", "/end_weight_update", {}, what="end_weight_update")
-        self._control("POST", "/flush_cache", None, what="flush_cache")
-        got = self._control("GET", "/model_info", None, what="model_info").get("weight_version")
+        self._control.call("POST", "/end_weight_update", {}, what="end_weight_update")
+        self._control.call("POST", "/flush_cache", None, what="flush_cache")
+        got = self._control.call("GET", "/model_info", None, what="model_info").get("weight_version")
         if str(got) != str(version):
             raise EngineError(f"sglang: server reports weight_version {got!r} after loading version {version}")
-        self._version = int(version)
-        self._fenced = None
-
-    def _fence(self, why: str) -> None:
-        self._fenced = why.splitlines()[0][:300]
-        self._version = -1
+        self._served.loaded(version)
 
     def _validate_state_dict(self, state_dict: Mapping[str, Any], version: int) -> None:
         if self.arch is None:
@@ -193,9 +224,9 @@ class SGLangWeightUpdates:
         except BaseException as e:
             t.join(timeout=1.0)
             raise EngineError(f"weight holders' side failed: {type(e).__name__}: {e}") from e
-        t.join(timeout=self.control_timeout_s)
+        t.join(timeout=self._control.timeout_s)
         if t.is_alive():
-            raise EngineError(f"sglang control call still running after {self.control_timeout_s:.0f}s")
+            raise EngineError(f"sglang control call still running after {self._control.timeout_s:.0f}s")
         if "error" in box:
             raise box["error"]
         return box.get("result")
