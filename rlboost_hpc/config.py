@@ -15,6 +15,7 @@ from rlboost_hpc import defaults as D
 from pydantic import Field, ValidationError, field_validator, model_validator
 from rlboost_hpc.config_task import (  # noqa: F401 - the task's tables are part of the run's config
     RewardModelCfg, TaskCfg, _Strict, anchor_task_paths, moved_task_overrides, read_moved_task_keys)
+from rlboost_hpc.config_errors import config_problem
 from rlboost_hpc.errors import BadInput
 from rlboost_hpc.paths import ShippedFileMissing, shipped, unreadable
 
@@ -682,19 +683,5 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
-        lines = [f"  {_config_problem(err, path, overrides)}" for err in e.errors()]
+        lines = [f"  {config_problem(err, path, overrides, RunConfig)}" for err in e.errors()]
         raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
-
-
-def _config_problem(err: Any, path: str | Path | None, overrides: list[str]) -> str:
-    """One line of a :class:`ConfigError`: the dotted key, the problem, and where the value came from — the
-    ``--set`` overrides that touched the key (or its table, for a check across keys), else the config file."""
-    loc = ".".join(str(x) for x in err["loc"])
-    msg = str(err["msg"]).removeprefix("Value error, ")
-    keys = [(o.split("=", 1)[0].strip(), o) for o in overrides if "=" in o]
-    touched = [o for k, o in keys
-               if (loc and (k == loc or k.startswith(loc + ".") or loc.startswith(k + "."))) or k in msg]
-    source = ("from " + ", ".join(f"--set {o}" for o in touched) if touched
-              else f"in {path}" if path is not None else "")
-    line = f"{loc}: {msg}" if loc else msg
-    return f"{line} ({source})" if source else line

@@ -9,12 +9,13 @@ the configuration declares; ``tests/test_docs.py`` runs it).
 from __future__ import annotations
 
 import sys
-import types
 import typing
 from pathlib import Path
 
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
+
+from rlboost_hpc.config_errors import table_of
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration-reference.md"
 
@@ -25,16 +26,6 @@ Every key of a run's configuration, generated from the field descriptions of `rl
 Keys are TOML tables and dotted `--set` names alike: `[trainer.lora]` `rank = 4` is `--set trainer.lora.rank=4`.
 How the sections fit together: [Configuration](configuration.md).
 """
-
-
-def _model_of(annotation) -> type[BaseModel] | None:
-    """The configuration table an annotation holds (``X``, ``X | None``), else None."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        models = [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
-        return models[0] if len(models) == 1 else None
-    return None
 
 
 def _type_name(annotation) -> str:
@@ -62,7 +53,7 @@ def tables(model: type[BaseModel], prefix: str) -> list[str]:
     """The Markdown of ``model``'s table (its scalar keys) and, after it, each of its sub-tables, depth first."""
     rows, subs = [], []
     for name, field in model.model_fields.items():
-        sub = _model_of(field.annotation)
+        sub = table_of(field.annotation)
         key = f"{prefix}.{name}" if prefix else name
         if sub is not None:
             subs.append((key, sub))

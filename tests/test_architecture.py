@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("rlboost_hpc", "scavenger", "megatron_bridge")
 LAYER = {
-    "protocol": 1, "policy": 1, "config": 1, "config_task": 1, "observe": 1, "rundir": 1, "defaults": 1, "paths": 1, "events": 1,
+    "protocol": 1, "policy": 1, "config": 1, "config_task": 1, "config_errors": 1, "observe": 1, "rundir": 1, "defaults": 1, "paths": 1, "events": 1,
     "procutil": 1, "clihelp": 1, "errors": 1, "interrupts": 1,
     "models": 2, "tasks": 2, "weights": 2, "manager": 2,
     "rollout": 3, "trainer": 3, "cluster": 3, "sim": 3,

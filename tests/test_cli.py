@@ -45,8 +45,9 @@ def test_an_out_that_is_a_file_exits_2_naming_it(tmp_path, cmd):
 
 @pytest.mark.parametrize("args,needle", [
     (["--config", "missing.toml"], "config file not found: missing.toml"),
-    (["--set", "trainer.stesp=1"], "trainer.stesp: Extra inputs are not permitted (from --set trainer.stesp=1)"),
-    (["--config", "BAD"], "trainer.stesp: Extra inputs are not permitted (in "),
+    (["--set", "trainer.stesp=1"],
+     "trainer.stesp: not a configuration key (did you mean trainer.steps?) (from --set trainer.stesp=1)"),
+    (["--config", "BAD"], "trainer.stesp: not a configuration key (did you mean trainer.steps?) (in "),
 ])
 def test_chaos_refuses_bad_configuration_before_writing_anything(tmp_path, args, needle):
     """Regression: ``chaos`` never caught the configuration's errors (exit 1, traceback), after it had made its
@@ -73,6 +74,23 @@ def test_set_errors_name_the_command_line_and_checks_across_keys_read_plainly(tm
     assert "<root>" not in str(e.value) and "Value error" not in str(e.value)
     assert "policy.t_seed_ceil_s (0.01) must be >= policy.t_seed_floor_s" in str(e.value)
     assert "(from --set policy.t_seed_ceil_s=0.01)" in str(e.value)
+
+
+@pytest.mark.parametrize("key,hint", [
+    ("trainer.lora.rnak", "did you mean trainer.lora.rank?"),
+    ("task.data.pathh", "did you mean task.data.path?"),
+    ("rollout.tempreature", "did you mean rollout.temperature?"),
+    ("trainer.xyzzy", None),
+])
+def test_an_unknown_key_of_any_table_names_the_keys_it_resembles(tmp_path, key, hint):
+    """A misspelt key in a sub-table (``trainer.lora``, ``task.data``) is refused naming the keys of that table it
+    resembles; one like none of them is only refused. Through the door: ``rlboost-hpc run --set``, exit 2, one line,
+    nothing written."""
+    out = tmp_path / "out"
+    r = cli("run", "--config", LOCAL, "--set", f"{key}=1", "--out", str(out), cwd=tmp_path)
+    one_line_refusal(r, f"{key}: not a configuration key")
+    assert (hint in r.stderr) if hint else "did you mean" not in r.stderr
+    assert not out.exists()
 
 
 def test_version_and_help_print_each_default_once():
