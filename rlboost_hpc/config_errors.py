@@ -47,12 +47,12 @@ def config_problem(err: dict, path: str | Path | None, overrides: list[str], mod
     check across keys), else the config file ``path``."""
     loc = ".".join(str(x) for x in err["loc"])
     msg = str(err["msg"]).removeprefix("Value error, ")
+    keys = [(o.split("=", 1)[0].strip(), o) for o in overrides if "=" in o]
+    touched = [o for k, o in keys  # (matched against pydantic's message: a suggested key is no source)
+               if (loc and (k == loc or k.startswith(loc + ".") or loc.startswith(k + "."))) or k in msg]
     if err.get("type") == "extra_forbidden":
         near = similar_keys(tuple(err["loc"]), model)
         msg = "not a configuration key" + (f" (did you mean {' or '.join(near)}?)" if near else "")
-    keys = [(o.split("=", 1)[0].strip(), o) for o in overrides if "=" in o]
-    touched = [o for k, o in keys
-               if (loc and (k == loc or k.startswith(loc + ".") or loc.startswith(k + "."))) or k in msg]
     source = ("from " + ", ".join(f"--set {o}" for o in touched) if touched
               else f"in {path}" if path is not None else "")
     line = f"{loc}: {msg}" if loc else msg

@@ -93,6 +93,14 @@ def test_an_unknown_key_of_any_table_names_the_keys_it_resembles(tmp_path, key, 
     assert not out.exists()
 
 
+def test_a_suggested_key_is_not_named_as_a_source_of_the_error():
+    """Regression (the did-you-mean hint): ``--set trainer.steps=5 --set trainer.stesp=1`` named both overrides as the
+    source, because the hint's ``trainer.steps`` was matched like a key of the message."""
+    with pytest.raises(ConfigError) as e:
+        load_config(LOCAL, ["trainer.steps=5", "trainer.stesp=1"])
+    assert "(from --set trainer.stesp=1)" in str(e.value) and "--set trainer.steps=5" not in str(e.value)
+
+
 def test_version_and_help_print_each_default_once():
     """``--version`` exists; the scavenger's help printed ``--no-requeue … (default: True)``, the default of the
     flag it switches off."""

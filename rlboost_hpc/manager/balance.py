@@ -33,8 +33,9 @@ def balance(core, now: float) -> None:
             core.balancer.observe(i.key, batch, rate)
             core.pool_rates.observe(batch, rate)
         marks[i.key] = (i.tokens_received, running)
-        if core.balancer.peak(i.key) is not None:
-            core.step_account.learned_peak(i.key, core.balancer.peak(i.key))
+        peak = core.balancer.peak(i.key)
+        if peak is not None:
+            core.step_account.learned_peak(i.key, peak)
     for key in set(core._rate_marks) - set(marks):
         if key not in core.instances or core.instances[key].state in (S.GONE, S.SUSPECT):
             core.balancer.forget(key)
