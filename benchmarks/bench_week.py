@@ -59,7 +59,7 @@ def measure(core: ManagerCore) -> dict:
     tick_s = (time.perf_counter() - t0) / 200
     core.outbox.clear()
     return dict(mem_mib=psutil.Process().memory_info().rss / 2**20, tick_us=tick_s * 1e6, scrape_ms=scrape_s * 1e3, scrape_kib=len(text) / 1024,
-                records=len(core.instances))
+                records=len(core.fleet.instances))
 
 
 def main() -> int:

@@ -63,7 +63,7 @@ def test_registration_identity_is_job_and_attempt_and_never_merges():
     assert core.counters.rejected_registrations == 1
     register(core, b"c", "job7", 1)  # the requeued attempt is a new instance
     assert isinstance(sent(core, b"c", M.Welcome)[0], M.Welcome)
-    assert set(core.instances) == {"job7#0", "job7#1"}
+    assert set(core.fleet.instances) == {"job7#0", "job7#1"}
 
 
 def test_reregistering_a_dead_attempt_is_rejected():
@@ -84,7 +84,7 @@ def test_routable_only_with_latest_verified_version():
     assert not sent(core, b"a", M.Assign)  # still pulling: nothing routed
     core.on_message(b"a", M.WeightsFailed(version=0, error="checksum mismatch at chunk 3"))
     core.tick()
-    assert not sent(core, b"a", M.Assign) and core.instances["j#0"].state == "fenced"
+    assert not sent(core, b"a", M.Assign) and core.fleet.instances["j#0"].state == "fenced"
     core.on_message(b"a", M.WeightsLoaded(version=0, checksum=1, nbytes=1, pull_s=0.1, load_s=0.0))
     core.tick()
     assert len(sent(core, b"a", M.Assign)[0].works) == 4
@@ -147,7 +147,8 @@ def test_group_done_carries_the_versions_the_engines_stamped():
     other = b"b" if peer == b"a" else b"a"
     core.on_message(peer, tokens("s0g0/0", 0, [7, 8]))
     core.on_message(peer, tokens("s0g0/0", 2, [9], version=5))  # an engine stamping the wrong version
-    assert core.counters.off_version_tokens_rejected == 1 and core.instances[f"{peer.decode()}#0"].state == "fenced"
+    assert core.counters.off_version_tokens_rejected == 1
+    assert core.fleet.instances[f"{peer.decode()}#0"].state == "fenced"
     core.outbox.clear()
     core.tick()
     assert sent(core, other, M.Assign)[0].works[0].prefix_ids == [7, 8]  # resumes after the accepted tokens
@@ -174,7 +175,7 @@ def test_killed_instance_migrates_each_response_with_reduced_budget():
     assert works["s0g0/1"].prefix_ids == [] and works["s0g0/1"].tokens_left == 8
     assert core.counters.responses_migrated == 2
     assert core.counters.tokens_regenerated == 2
-    assert core.stats().instances_lost == 1 and core.instances["a#0"].state == "suspect"
+    assert core.stats().instances_lost == 1 and core.fleet.instances["a#0"].state == "suspect"
     # the silent instance's late frame is dropped, never appended twice
     core.on_message(b"a", tokens("s0g0/0", 3, [8]))
     assert core.requests["s0g0/0"].n == 3
@@ -213,7 +214,7 @@ def test_each_kind_of_warned_end_has_one_counter_even_before_the_instance_was_we
     counted = {k: getattr(core.counters, k) for k in ("instances_preempted_with_warning", "instances_time_limit",
                                               "instances_drained")}
     assert counted == {k: int(k == counter) for k in counted}
-    assert "a#0" in core.ended and "a#0" not in core.instances and core.stats().instances_lost == 0
+    assert "a#0" in core.fleet.ended and "a#0" not in core.fleet.instances and core.stats().instances_lost == 0
 
 
 def test_migrations_are_counted_per_engine_kind_for_partial_responses_only():
@@ -228,7 +229,7 @@ def test_migrations_are_counted_per_engine_kind_for_partial_responses_only():
     core.tick()
     assert core.counters.migrations_by_engine == {"out_of": {"sglang": 1}, "into": {"torch": 1}}
     assert core.stats().migrations_by_engine["into"] == {"torch": 1}
-    assert "s#0" in core.ended
+    assert "s#0" in core.fleet.ended
 
 
 def test_off_version_tokens_are_rejected_and_instance_fenced():
@@ -238,7 +239,7 @@ def test_off_version_tokens_are_rejected_and_instance_fenced():
     core.tick()
     core.on_message(b"a", tokens("s0g0/0", 0, [4, 4], version=7))
     assert core.counters.off_version_tokens_rejected == 2
-    assert core.instances["a#0"].state == "fenced"
+    assert core.fleet.instances["a#0"].state == "fenced"
     assert core.requests["s0g0/0"].n == 0 and core.requests["s0g0/0"].state == "queued"
 
 
@@ -248,7 +249,7 @@ def test_budget_overrun_fences():
     submit(core, n=1, max_new=8)
     core.tick()
     core.on_message(b"a", tokens("s0g0/0", 0, [4] * 9))
-    assert core.instances["a#0"].state == "fenced"
+    assert core.fleet.instances["a#0"].state == "fenced"
     assert core.requests["s0g0/0"].n == 0
 
 
@@ -263,7 +264,7 @@ def test_a_gap_after_lost_frames_migrates_the_response_and_keeps_the_instance():
     core.outbox.clear()
     core.on_message(b"a", tokens("s0g0/0", 4, [6]))  # tokens 2-3 were lost
     core.on_message(b"a", tokens("s0g0/0", 5, [7]))  # streamed before it saw the Release: late too
-    assert core.instances["a#0"].state == "ready" and core.requests["s0g0/0"].n == 2
+    assert core.fleet.instances["a#0"].state == "ready" and core.requests["s0g0/0"].n == 2
     assert [m.rids for m in sent(core, b"a", M.Release)] == [["s0g0/0"]] and core.counters.deltas_out_of_order == 1
     core.on_message(b"a", M.Released(rids=["s0g0/0"], tokens_generated=6))
     core.tick()
@@ -276,7 +277,7 @@ def test_a_closed_connection_makes_the_instance_suspect_at_once():
     submit(core, n=2, max_new=8)
     core.tick()
     core.disconnected(b"a")
-    assert core.instances["a#0"].state == "suspect" and core.requests["s0g0/0"].state == "queued"
+    assert core.fleet.instances["a#0"].state == "suspect" and core.requests["s0g0/0"].state == "queued"
     assert core.counters.connections_closed == 1
     core.disconnected(b"nobody")  # unknown peers (a stranger, the trainer) change nothing
 
@@ -293,7 +294,7 @@ def test_version_changes_only_between_steps():
     core.outbox.clear()
     core.on_message(TRAINER, M.SetVersion(version=1))
     assert isinstance(sent(core, b"a")[0], M.NewVersion)
-    assert not core.routable(core.instances["a#0"])
+    assert not core.routable(core.fleet.instances["a#0"])
 
 
 def test_close_seeding_hands_reserved_work_to_remote_instances():
@@ -310,7 +311,7 @@ def test_close_seeding_hands_reserved_work_to_remote_instances():
     core.on_message(b"r", M.Released(rids=rel[0].rids, tokens_generated=0))
     core.tick()
     assert sum(len(m.works) for m in sent(core, b"p", M.Assign)) == 4
-    assert not core.routable(core.instances["reserved#0"])
+    assert not core.routable(core.fleet.instances["reserved#0"])
 
 
 def test_co_located_fallback_without_preemptible_instances():
@@ -321,7 +322,7 @@ def test_co_located_fallback_without_preemptible_instances():
     core.outbox.clear()
     core.on_message(TRAINER, M.CloseSeeding(step=0))
     assert not sent(core, b"r", M.Release)
-    assert core.routable(core.instances["reserved#0"])
+    assert core.routable(core.fleet.instances["reserved#0"])
 
 
 def test_the_fallbacks_seconds_are_reported_so_the_trainer_does_not_count_them_as_waiting():
@@ -334,7 +335,7 @@ def test_the_fallbacks_seconds_are_reported_so_the_trainer_does_not_count_them_a
     register(core, b"r", "reserved", kind="reserved")
     submit(core, n=4)
     core.tick()
-    assert len(core.instances["reserved#0"].inflight) == 4
+    assert len(core.fleet.instances["reserved#0"].inflight) == 4
     clock.t = 1.0
     core.on_message(TRAINER, M.CloseSeeding(step=0))  # no preemptible instance: fallback from t = 1
     for t in (1.8, 2.6, 3.5):  # the reserved engine generates (and heartbeats) on
@@ -368,7 +369,7 @@ def test_the_first_preemptible_instance_ready_after_a_fallback_takes_the_reserve
     assert not sent(core, b"r", M.Release)
     core.on_message(b"p", M.WeightsLoaded(version=0, checksum=0, nbytes=1, pull_s=0.1, load_s=0.0))
     (rel,) = sent(core, b"r", M.Release)
-    assert sorted(rel.rids) == sorted(core.requests) and not core.routable(core.instances["reserved#0"])
+    assert sorted(rel.rids) == sorted(core.requests) and not core.routable(core.fleet.instances["reserved#0"])
     core.on_message(b"r", M.Released(rids=rel.rids, tokens_generated=0))
     core.tick()
     assert sum(len(m.works) for m in sent(core, b"p", M.Assign)) == 4
@@ -489,10 +490,10 @@ def test_an_instance_declared_lost_is_told_so_and_can_return_as_a_new_attempt():
     register(core, b"r", "reserved", kind="reserved")
     clock.t = 10.0
     core.tick()
-    assert core.instances["reserved#0"].state == "suspect"
+    assert core.fleet.instances["reserved#0"].state == "suspect"
     clock.t = 10.0 + core.instance_expiry_s + 1  # silent past the expiry: gone for good
     core.tick()
-    assert "reserved#0" in core.ended and core.counters.instances_expired == 1
+    assert "reserved#0" in core.fleet.ended and core.counters.instances_expired == 1
     core.outbox.clear()
     core.on_message(b"r", M.Heartbeat(version=0, active=0, tokens_generated=0))
     rej = sent(core, b"r", M.Reject)
@@ -521,7 +522,7 @@ def test_a_short_stall_makes_an_instance_suspect_and_it_returns_without_register
     core.on_message(b"c", M.Heartbeat(version=0, active=2, tokens_generated=0))
     core.outbox.clear()
     core.tick()
-    assert [core.instances[k].state for k in ("a#0", "b#0", "c#0")] == ["suspect", "suspect", "ready"]
+    assert [core.fleet.instances[k].state for k in ("a#0", "b#0", "c#0")] == ["suspect", "suspect", "ready"]
     assert not sent(core, b"a", M.Reject) and not sent(core, b"b", M.Reject)
     moved = {w.rid: w for m in sent(core, b"c", M.Assign) for w in m.works}
     assert moved[mine[b"a"][0]].prefix_ids == [5, 6]  # received tokens kept
@@ -529,12 +530,12 @@ def test_a_short_stall_makes_an_instance_suspect_and_it_returns_without_register
     clock.t = 9.0  # a 6 s stall ends: a speaks again
     core.outbox.clear()
     core.on_message(b"a", tokens(mine[b"a"][0], 2, [7]))  # generated before the stall: late now
-    assert core.instances["a#0"].state == "ready" and core.requests[mine[b"a"][0]].n == 2
+    assert core.fleet.instances["a#0"].state == "ready" and core.requests[mine[b"a"][0]].n == 2
     assert core.counters.late_tokens == 1 and core.counters.instances_recovered == 1
     assert sorted(sent(core, b"a", M.Release)[0].rids) == sorted(mine[b"a"])
     assert not sent(core, b"a", M.Welcome) and core.counters.registrations == 3
     submit(core, step=1, n=1)  # new work reaches the returned instance again
-    assert core.routable(core.instances["a#0"]) and not core.routable(core.instances["b#0"])
+    assert core.routable(core.fleet.instances["a#0"]) and not core.routable(core.fleet.instances["b#0"])
 
 
 def test_a_suspect_that_missed_a_version_returns_pulling_and_is_told_the_latest():
@@ -542,13 +543,13 @@ def test_a_suspect_that_missed_a_version_returns_pulling_and_is_told_the_latest(
     register(core, b"a", "a")
     clock.t = 5.0
     core.tick()
-    assert core.instances["a#0"].state == "suspect"
+    assert core.fleet.instances["a#0"].state == "suspect"
     core.on_message(TRAINER, M.SetVersion(version=1))  # published while a was silent
     core.outbox.clear()
     core.on_message(b"a", M.Heartbeat(version=0, active=0, tokens_generated=0))
-    assert core.instances["a#0"].state == "pulling" and sent(core, b"a", M.NewVersion)[0].version == 1
+    assert core.fleet.instances["a#0"].state == "pulling" and sent(core, b"a", M.NewVersion)[0].version == 1
     core.on_message(b"a", M.WeightsLoaded(version=1, checksum=1, nbytes=1, pull_s=0.1, load_s=0.1))
-    assert core.routable(core.instances["a#0"])
+    assert core.routable(core.fleet.instances["a#0"])
 
 
 def test_work_taken_from_a_suspect_is_not_given_back_to_it_before_it_released_it():
@@ -587,9 +588,9 @@ def test_a_release_lost_with_a_connection_is_sent_again_and_the_work_stays_away_
     core.outbox.clear()
     core.on_message(b"a", M.Heartbeat(version=0, active=2, tokens_generated=0))
     assert sorted(sent(core, b"a", M.Release)[0].rids) == mine  # told again about the first batch
-    assert core.instances["a#0"].releasing == set(mine)  # and none of it is dispatched to a before it confirms
+    assert core.fleet.instances["a#0"].releasing == set(mine)  # and none of it is dispatched to a before it confirms
     core.on_message(b"a", M.Released(rids=mine, tokens_generated=0))
-    assert not core.instances["a#0"].releasing
+    assert not core.fleet.instances["a#0"].releasing
 
 
 @pytest.mark.parametrize("before,after", [("pulling", "pulling"), ("ready", "ready"), ("fenced", "fenced"),
@@ -601,17 +602,17 @@ def test_every_state_goes_suspect_on_silence_and_returns_to_where_it_was(before,
         core.on_message(b"a", M.WeightsFailed(version=0, error="x"))
     if before == "draining":
         core.on_message(b"a", M.Draining(reason="preempted (SIGUSR2)"))
-    assert core.instances["a#0"].state == before
+    assert core.fleet.instances["a#0"].state == before
     clock.t = 3.0
     core.tick()
-    assert core.instances["a#0"].state == "suspect" and core.stats().instances_lost == 1
+    assert core.fleet.instances["a#0"].state == "suspect" and core.stats().instances_lost == 1
     core.on_message(b"a", M.Heartbeat(version=-1 if before == "pulling" else 0, active=0, tokens_generated=0))
-    assert core.instances["a#0"].state == after and core.stats().instances_lost == 0
+    assert core.fleet.instances["a#0"].state == after and core.stats().instances_lost == 0
     if before == "pulling":  # a suspect that was still pulling is counted lost while pulling until it returns
         assert core.counters.suspected_while_pulling == core.counters.recovered_while_pulling == 1
     if before == "draining":
         core.on_message(b"a", M.Deregister(reason="preempted (SIGUSR2)", tokens_generated=0, cause="preempted"))
-        assert "a#0" in core.ended and core.counters.instances_preempted_with_warning == 1
+        assert "a#0" in core.fleet.ended and core.counters.instances_preempted_with_warning == 1
 
 
 def test_instance_state_changes_only_along_the_state_machine():
@@ -619,10 +620,10 @@ def test_instance_state_changes_only_along_the_state_machine():
 
     core, clock = make()
     register(core, b"a", "a")
-    inst = core.instances["a#0"]
-    core._set_state(inst, InstanceState.DRAINING)
+    inst = core.fleet.instances["a#0"]
+    core.fleet.set_state(inst, InstanceState.DRAINING)
     with pytest.raises(RuntimeError, match="no transition draining → ready"):
-        core._set_state(inst, InstanceState.READY)
+        core.fleet.set_state(inst, InstanceState.READY)
 
 
 def test_balancer_moves_running_requests_beyond_a_learned_plateau_to_an_idle_instance():
@@ -648,7 +649,7 @@ def test_balancer_moves_running_requests_beyond_a_learned_plateau_to_an_idle_ins
     for batch in (2, 4, 8, 16, 24):  # plateau: 8+ requests decode at the same total rate (~80 tokens/s)
         submit(core, step=step, groups=1, n=batch, max_new=400, version=step)
         core.tick()
-        rids = sorted(core.instances["a#0"].inflight)
+        rids = sorted(core.fleet.instances["a#0"].inflight)
         for _ in range(3):
             clock.t += 1.0
             stream(b"a", rids, max(1, 80 // max(batch, 8)) if batch >= 8 else 10)
@@ -662,7 +663,7 @@ def test_balancer_moves_running_requests_beyond_a_learned_plateau_to_an_idle_ins
     assert core.balancer.plateau("a#0") == 8
     submit(core, step=step, groups=1, n=24, max_new=400, version=step)
     core.tick()
-    running = sorted(core.instances["a#0"].inflight)
+    running = sorted(core.fleet.instances["a#0"].inflight)
     stream(b"a", running[:12], 2)  # some requests already produced tokens
     register(core, b"b", "b", max_batch=32, version=step)
     core.outbox.clear()
@@ -769,9 +770,9 @@ def test_a_request_the_balancer_moved_goes_to_the_instance_it_chose_when_that_on
     core.on_message(b"t", M.SubmitStep(step=0, version=0, groups=[M.GroupSpec(
         gid="g", prompt_ids=[1, 2], n=1, max_new_tokens=4, temperature=0.0, top_p=1.0, seed=1, stop_ids=[])]))
     core.tick()
-    (rid,) = core.instances["a#0"].inflight  # JSQ: the first of three idle instances
+    (rid,) = core.fleet.instances["a#0"].inflight  # JSQ: the first of three idle instances
     core.requests[rid].prefer = "c#0"
-    core._requeue(rid, core.instances["a#0"], "released")
+    core._requeue(rid, core.fleet.instances["a#0"], "released")
     core.dispatch()
     assert core.requests[rid].instance == "c#0" and core.requests[rid].prefer is None
 
@@ -794,13 +795,13 @@ def test_a_node_that_vanished_without_closing_its_connection_gets_no_new_work_be
     core.outbox.clear()
     submit(core, step=1, groups=2, n=4)  # more work: 8 requests, Θ = 4 each
     core.tick()
-    assert core.instances["a#0"].state == "ready"  # still routable: not past its deadline
+    assert core.fleet.instances["a#0"].state == "ready"  # still routable: not past its deadline
     assert not sent(core, b"a", M.Assign)
     assert sum(len(m.works) for m in sent(core, b"b", M.Assign)) == 3  # b fills up to Θ; the rest wait here
     clock.t = 2.5  # past the deadline: a is suspect, what it ran migrates
     core.on_message(b"b", M.Heartbeat(version=0, active=4, tokens_generated=0))
     core.tick()
-    assert core.instances["a#0"].state == "suspect"
+    assert core.fleet.instances["a#0"].state == "suspect"
     assert core.counters.responses_assigned_to_vanished == 0  # everything it held was given before its last word
 
 
@@ -820,7 +821,7 @@ def test_before_the_fix_a_vanished_node_was_given_work_until_its_deadline_and_th
     clock.t = 2.2
     core.on_message(b"b", M.Heartbeat(version=0, active=2, tokens_generated=0))
     core.tick()
-    assert core.instances["a#0"].state == "suspect" and core.counters.responses_assigned_to_vanished == 2
+    assert core.fleet.instances["a#0"].state == "suspect" and core.counters.responses_assigned_to_vanished == 2
 
 
 def test_a_silent_instance_gets_work_again_as_soon_as_it_speaks_and_its_silence_is_measured():
@@ -844,16 +845,16 @@ def test_ended_attempts_leave_the_registry_so_a_tick_scans_only_live_instances(m
     every 20 ms — scanned every attempt that ever ran (a tick at 256 live instances: 0.7 ms after 100 preemptions,
     2.4 ms after 1,000). Now a gone attempt leaves it; its identity is remembered, bounded, oldest first, and its
     re-registration is still rejected."""
-    import rlboost_hpc.manager.instance_registry as registry_mod
+    import rlboost_hpc.manager.fleet as fleet_mod
 
-    monkeypatch.setattr(registry_mod, "ENDED_KEPT", 50)
+    monkeypatch.setattr(fleet_mod, "ENDED_KEPT", 50)
     core, clock = make()
     register(core, b"live", "live")
     for k in range(200):
         register(core, f"p{k}".encode(), "job", attempt=k)
         core.on_message(f"p{k}".encode(), M.Deregister(reason="preempted", tokens_generated=0, cause="preempted"))
-    assert set(core.instances) == {"live#0"}
-    assert len(core.ended) == 50 and "job#199" in core.ended and "job#0" not in core.ended
+    assert set(core.fleet.instances) == {"live#0"}
+    assert len(core.fleet.ended) == 50 and "job#199" in core.fleet.ended and "job#0" not in core.fleet.ended
     assert core.counters.instances_preempted_with_warning == 200
     core.outbox.clear()
     register(core, b"again", "job", attempt=199, version=None)
@@ -884,16 +885,16 @@ def test_an_instance_loading_the_new_version_finds_its_share_waiting_and_only_fo
     30 ms later, found nothing and sat idle: harvested capacity bought nothing). The arriving instance's share waits
     for it — at most twice its previous load time (+ 50 ms), never past ``arrival_hold_s`` — then JSQ as before."""
     core, clock = _reserved_and_a_worker_at_a_version_change(1.0)
-    assert (len(core.instances["reserved#0"].inflight), len(core.queue)) == (32, 32)  # the worker's share waits
+    assert (len(core.fleet.instances["reserved#0"].inflight), len(core.queue)) == (32, 32)  # the worker's share waits
     clock.t = 1.03
     core.on_message(b"w", M.WeightsLoaded(version=2, checksum=1, nbytes=1, pull_s=0.0, load_s=0.0))
     core.dispatch()
-    assert len(core.instances["w1#0"].inflight) == 32 and not core.queue
+    assert len(core.fleet.instances["w1#0"].inflight) == 32 and not core.queue
     # a worker that does not come within twice its last load time (+ 50 ms) keeps nothing waiting
     core, clock = _reserved_and_a_worker_at_a_version_change(1.0)
     clock.t = 1.0 + 2 * 0.03 + 0.05 + 0.001
     core.dispatch()
-    assert len(core.instances["reserved#0"].inflight) == 64 and not core.queue
+    assert len(core.fleet.instances["reserved#0"].inflight) == 64 and not core.queue
     # never past arrival_hold_s; 0: never wait
     core, clock = _reserved_and_a_worker_at_a_version_change(0.0)
-    assert len(core.instances["reserved#0"].inflight) == 64 and not core.queue
+    assert len(core.fleet.instances["reserved#0"].inflight) == 64 and not core.queue

@@ -75,7 +75,7 @@ def owner(core, rid):
 def test_a_restarted_manager_rebuilds_the_step_and_the_instance_continues_at_the_logged_length(tmp_path):
     core, clock, log = started(tmp_path)
     a = owner(core, "s0g0/0")
-    peer = core.instances[a].peer
+    peer = core.fleet.instances[a].peer
     feed(core, peer, tokens("s0g0/0", 0, [4, 5, 6]))
     commit(core, log)
     feed(core, peer, tokens("s0g0/0", 3, [7]))  # accepted, but not committed: lost with the kill
@@ -84,7 +84,8 @@ def test_a_restarted_manager_rebuilds_the_step_and_the_instance_continues_at_the
     new, clock2, log2 = restarted(tmp_path)
     assert new.trainer_peer == TRAINER and new.latest_version == 0 and new.latest_checksum == 77
     assert new.step == 0 and len(new.requests) == 4 and new.requests["s0g0/0"].n == 3
-    assert set(new.instances) == {"a#0", "b#0"} and all(i.state == "pulling" for i in new.instances.values())
+    assert set(new.fleet.instances) == {"a#0", "b#0"}
+    assert all(i.state == "pulling" for i in new.fleet.values())
     assert set(new.held) == set(new.requests) and not new.queue and new.counters.manager_restarts == 1
     # the instance's next delta (it had sent token 7 into the void) is past the gap: dropped, nothing released
     feed(new, peer, tokens("s0g0/0", 4, [8]))
@@ -109,7 +110,7 @@ def test_a_restarted_manager_rebuilds_the_step_and_the_instance_continues_at_the
     assert new.counters.responses_adopted == 2
     # the held rest is queued once the hold ends (2 s), and dispatched when an instance confirms the version
     feed(new, peer, LOADED)
-    assert new.instances[a].state == "ready"
+    assert new.fleet.instances[a].state == "ready"
     clock2.t = 2.5
     feed(new, peer, M.Heartbeat(version=0, active=1, tokens_generated=0))
     new.tick()
@@ -121,7 +122,7 @@ def test_a_restarted_manager_rebuilds_the_step_and_the_instance_continues_at_the
 def test_finished_responses_turns_and_acks_survive_and_the_step_completes_exactly_once(tmp_path):
     core, clock, log = started(tmp_path)
     for rid in ("s0g0/0", "s0g0/1"):
-        feed(core, core.instances[owner(core, rid)].peer, tokens(rid, 0, [4, 1], finish=M.FINISH_STOP))
+        feed(core, core.fleet.instances[owner(core, rid)].peer, tokens(rid, 0, [4, 1], finish=M.FINISH_STOP))
     feed(core, TRAINER, M.AckGroup(gid="s0g0"))
     feed(core, TRAINER, M.CloseSeeding(step=0))
     commit(core, log)
@@ -149,7 +150,7 @@ def test_finished_responses_turns_and_acks_survive_and_the_step_completes_exactl
 
 def test_a_resumed_trainer_of_another_version_drops_the_restored_work_and_counts_it(tmp_path):
     core, clock, log = started(tmp_path)
-    feed(core, core.instances[owner(core, "s0g0/0")].peer, tokens("s0g0/0", 0, [4, 5]))
+    feed(core, core.fleet.instances[owner(core, "s0g0/0")].peer, tokens("s0g0/0", 0, [4, 5]))
     commit(core, log)
     log.close()
     new, _, _ = restarted(tmp_path)
@@ -171,7 +172,7 @@ def test_a_resumed_trainer_of_another_version_drops_the_restored_work_and_counts
 def test_a_resumed_trainer_gets_every_group_of_the_restored_step_again(tmp_path):
     core, clock, log = started(tmp_path)
     for rid in ("s0g0/0", "s0g0/1"):
-        feed(core, core.instances[owner(core, rid)].peer, tokens(rid, 0, [4, 1], finish=M.FINISH_STOP))
+        feed(core, core.fleet.instances[owner(core, rid)].peer, tokens(rid, 0, [4, 1], finish=M.FINISH_STOP))
     feed(core, TRAINER, M.AckGroup(gid="s0g0"))
     commit(core, log)
     log.close()
@@ -187,7 +188,7 @@ def test_a_manager_restarted_after_a_trainer_resumed_still_owes_it_the_groups_th
     trainer's acknowledgements and must replay the new trainer's hello as it was applied (not as a bare address)."""
     core, clock, log = started(tmp_path)
     for rid in sorted(core.requests):
-        feed(core, core.instances[owner(core, rid)].peer, tokens(rid, 0, [4, 1], finish=M.FINISH_STOP))
+        feed(core, core.fleet.instances[owner(core, rid)].peer, tokens(rid, 0, [4, 1], finish=M.FINISH_STOP))
     for gid in ("s0g0", "s0g1"):
         feed(core, TRAINER, M.AckGroup(gid=gid))
     feed(core, b"trainer-2", M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
@@ -202,7 +203,7 @@ def test_a_manager_restarted_after_a_trainer_resumed_still_owes_it_the_groups_th
 
 def test_a_manager_restarted_after_a_resumed_trainer_changed_the_version_does_not_bring_the_old_work_back(tmp_path):
     core, clock, log = started(tmp_path)
-    feed(core, core.instances[owner(core, "s0g0/0")].peer, tokens("s0g0/0", 0, [4, 5]))
+    feed(core, core.fleet.instances[owner(core, "s0g0/0")].peer, tokens("s0g0/0", 0, [4, 5]))
     feed(core, b"trainer-2", M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
     feed(core, b"trainer-2", M.SetVersion(version=3, checksum=9, cid=1))
     assert not core.requests
@@ -219,10 +220,10 @@ def test_deltas_the_manager_refused_are_not_replayed(tmp_path):
     whole budget without being finished, and every instance failed it (max_new_tokens = 0) until the step failed."""
     core, clock, log = started(tmp_path)
     rid = "s0g0/0"
-    other = next(i for i in core.instances.values() if i.key != owner(core, rid))
+    other = next(i for i in core.fleet.instances.values() if i.key != owner(core, rid))
     feed(core, b"stranger", tokens(rid, 0, [4] * 8, finish=M.FINISH_LENGTH))  # unknown peer: dropped
     feed(core, other.peer, tokens(rid, 0, [6] * 8, finish=M.FINISH_LENGTH))  # not its owner: late
-    feed(core, core.instances[owner(core, rid)].peer, tokens(rid, 0, [5, 5]))  # accepted
+    feed(core, core.fleet.instances[owner(core, rid)].peer, tokens(rid, 0, [5, 5]))  # accepted
     assert core.requests[rid].n == 2 and core.requests[rid].state == "running"
     commit(core, log)
     log.close()
@@ -234,12 +235,12 @@ def test_deltas_the_manager_refused_are_not_replayed(tmp_path):
 def test_an_adopted_resend_is_replayed_past_what_the_log_held(tmp_path):
     core, clock, log = started(tmp_path)
     rid = "s0g0/0"
-    peer = core.instances[owner(core, rid)].peer
+    peer = core.fleet.instances[owner(core, rid)].peer
     feed(core, peer, tokens(rid, 0, [5, 5]))
     commit(core, log)
     log.close()
     new, clock, log = restarted(tmp_path)
-    inst = next(i for i in new.instances.values() if i.peer == peer)
+    inst = next(i for i in new.fleet.instances.values() if i.peer == peer)
     feed(new, peer, M.Register(job_id=inst.key.split("#")[0], attempt=int(inst.key.split("#")[1]),
                                kind="preemptible", max_batch=32, engine="torch"))
     resend = tokens(rid, 0, [5, 5, 7, 7])
@@ -259,7 +260,7 @@ def test_compaction_keeps_the_log_to_one_step(tmp_path):
         for rid in sorted(core.requests):
             req = core.requests[rid]
             if req.state == "running":
-                feed(core, core.instances[req.instance].peer, tokens(rid, 0, [4] * 7 + [1], version=req.version,
+                feed(core, core.fleet.instances[req.instance].peer, tokens(rid, 0, [4] * 7 + [1], version=req.version,
                                                                               finish=M.FINISH_STOP))
         for gid in list(core.groups):
             feed(core, TRAINER, M.AckGroup(gid=gid))
@@ -281,7 +282,7 @@ def test_a_log_torn_at_any_byte_is_recovered_up_to_its_last_complete_record(tmp_
     core, clock, log = started(tmp_path)
     rng = random.Random(seed)
     rid = "s0g0/0"
-    peer = core.instances[owner(core, rid)].peer
+    peer = core.fleet.instances[owner(core, rid)].peer
     for k in range(8):  # (the response's budget)
         feed(core, peer, tokens(rid, k, [rng.randrange(3, 100)]))
         commit(core, log)
@@ -458,7 +459,7 @@ def test_a_restored_instance_reconnecting_with_a_new_agent_takes_its_identity_ov
     new, _, _ = restarted(tmp_path)
     feed(new, b"a-new", M.Register(job_id="a", attempt=0, kind="preemptible", max_batch=32))
     assert sent(new, b"a-new", M.Welcome) and not sent(new, b"a-new", M.Reject)
-    assert new.by_peer == {b"a-new": "a#0", b"b": "b#0"} and new.instances["a#0"].peer == b"a-new"
+    assert new.fleet.by_peer == {b"a-new": "a#0", b"b": "b#0"} and new.fleet.instances["a#0"].peer == b"a-new"
     feed(new, b"c", M.Register(job_id="a", attempt=0, kind="preemptible", max_batch=32))
     assert sent(new, b"c", M.Reject)  # once it spoke, the identity is its own again
 
@@ -510,11 +511,11 @@ def test_an_instance_suspect_at_the_kill_is_not_waited_for_and_its_new_agent_tak
     commit(core, log)
     log.close()
     new, clock2, _ = restarted(tmp_path)
-    assert new.instances["b#0"].state == "suspect" and not new.instances["b#0"].restored
+    assert new.fleet.instances["b#0"].state == "suspect" and not new.fleet.instances["b#0"].restored
     feed(new, b"b-new", M.Register(job_id="b", attempt=0, kind="preemptible", max_batch=32))
     assert sent(new, b"b-new", M.Welcome) and not sent(new, b"b-new", M.Reject)
     feed(new, b"b-new", M.Heartbeat(version=-1, active=0, tokens_generated=0))
-    assert new.instances["b#0"].state == "pulling"  # it spoke: back from suspect
+    assert new.fleet.instances["b#0"].state == "pulling"  # it spoke: back from suspect
 
 
 def test_a_manager_whose_trainer_died_while_it_started_exits_quietly(capfd):
@@ -543,12 +544,12 @@ def test_a_suspect_restored_from_the_log_that_returns_is_not_counted_as_lost_whi
     clock.t = 10.0
     feed(core, b"b", M.Heartbeat(version=0, active=0, tokens_generated=0))
     core.tick()  # "a" is silent past the deadline: suspect (it held the version: not while pulling)
-    assert core.instances["a#0"].state == "suspect" and core.counters.suspected_while_pulling == 0
+    assert core.fleet.instances["a#0"].state == "suspect" and core.counters.suspected_while_pulling == 0
     commit(core, log)
     log.close()
     new, clock, _ = restarted(tmp_path)
     feed(new, b"a", M.Heartbeat(version=0, active=0, tokens_generated=0))
-    assert new.instances["a#0"].state != "suspect"
+    assert new.fleet.instances["a#0"].state != "suspect"
     assert new.counters.recovered_while_pulling == 0 and new.stats().instances_lost_while_pulling == 0
 
 
@@ -651,7 +652,7 @@ def test_a_migration_of_the_step_in_flight_is_still_counted_after_a_restart(tmp_
     engine and turn not at all. Now the totals of the last commit and each migration are in the log."""
     core, clock, log = started(tmp_path)
     a = owner(core, "s0g0/0")
-    peer = core.instances[a].peer
+    peer = core.fleet.instances[a].peer
     feed(core, peer, tokens("s0g0/0", 0, [4, 5]))
     mine = sorted(r for r in core.requests if owner(core, r) == a)
     feed(core, peer, M.Released(rids=mine, tokens_generated=2))
@@ -700,7 +701,7 @@ def test_a_held_response_with_tokens_that_no_instance_adopts_is_counted_as_migra
     they resumed elsewhere uncounted (0 migrations). Queued from the hold with tokens is a migration."""
     core, clock, log = started(tmp_path)
     a = owner(core, "s0g0/0")
-    feed(core, core.instances[a].peer, tokens("s0g0/0", 0, [4, 5]))
+    feed(core, core.fleet.instances[a].peer, tokens("s0g0/0", 0, [4, 5]))
     commit(core, log)
     log.close()
     new, clock2, _ = restarted(tmp_path)

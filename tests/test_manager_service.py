@@ -48,11 +48,11 @@ def test_a_goodbye_queued_before_the_connection_closed_is_applied_before_the_clo
 
         t = _serve(svc)
         deadline = time.monotonic() + 5
-        while "j#0" in core.ended and time.monotonic() < deadline:
+        while "j#0" in core.fleet.ended and time.monotonic() < deadline:
             time.sleep(0.01)
         svc.stop()
         t.join(5)
-        assert "j#0" in core.ended and "j#0" not in core.instances
+        assert "j#0" in core.fleet.ended and "j#0" not in core.fleet.instances
         assert core.counters.connections_closed == 0
         assert core.counters.instances_preempted_with_warning == 1
     finally:

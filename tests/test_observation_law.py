@@ -49,7 +49,7 @@ def _scripted_step(balancing: bool) -> tuple[ManagerCore, float]:
                          top_p=1.0, seed=g, stop_ids=[1, 2]) for g in range(2)]
     core.on_message(TRAINER, M.SubmitStep(step=0, version=0, groups=specs))
     core.tick()
-    held = {p: sorted(core.instances[f"{p.decode()}#0"].inflight) for p in (b"a", b"b")}
+    held = {p: sorted(core.fleet.instances[f"{p.decode()}#0"].inflight) for p in (b"a", b"b")}
     assert len(held[b"a"]) == len(held[b"b"]) == 4
     budget = {rid: 16 for rid in held[b"a"] + held[b"b"]}
     budget[held[b"b"][-1]] = 48  # the long tail

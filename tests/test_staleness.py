@@ -38,7 +38,7 @@ def finish_all(core, step):
     """Every running response of ``step`` finishes with the version its instance holds."""
     for rid, req in sorted(core.requests.items()):
         if req.step == step and req.state == "running":
-            inst = core.instances[req.instance]
+            inst = core.fleet.instances[req.instance]
             feed(core, inst.peer, tokens(rid, 0, [4, 1], version=inst.version, finish=M.FINISH_STOP))
 
 
@@ -105,13 +105,13 @@ def test_tokens_of_the_window_are_accepted_and_older_ones_fence():
     submit(core, step=2, n=1, version=2)
     core.tick()
     feed(core, b"a", tokens("s2g0/0", 0, [4], version=0))  # window of step 2: versions 1..2
-    assert core.counters.off_version_tokens_rejected == 1 and core.instances["a#0"].state == "fenced"
+    assert core.counters.off_version_tokens_rejected == 1 and core.fleet.instances["a#0"].state == "fenced"
 
 
 def test_finish_mode_routes_new_work_only_to_the_latest_and_continue_to_the_window():
     for mode, routable in (("finish", False), ("continue", True)):
         core = step0_done_and_version_1(mode)
-        assert core.routable(core.instances["a#0"]) is routable, mode
+        assert core.routable(core.fleet.instances["a#0"]) is routable, mode
 
 
 def test_a_response_goes_only_to_an_instance_holding_a_version_of_its_window():

@@ -128,7 +128,7 @@ def test_manager_counts_what_each_instance_did_per_step():
     core.on_message(b"t", M.SubmitStep(step=0, version=0, groups=[M.GroupSpec(
         gid="g", prompt_ids=[1, 2], n=2, max_new_tokens=4, temperature=0.0, top_p=1.0, seed=1, stop_ids=[])]))
     core.tick()
-    assert core.instances["j#0"].inflight
+    assert core.fleet.instances["j#0"].inflight
     c.t += 3.0
     core.tick()  # 3 s busy
     assert core.stats().instances["j#0"].activity_s == pytest.approx({"busy": 3.0, "idle": 1.0, "pulling": 2.0})

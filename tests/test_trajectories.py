@@ -87,7 +87,7 @@ def test_a_tool_call_goes_to_the_environment_and_the_next_turn_continues_from_th
     core.on_message(b"a", tok("s0g0/0", 0, [7, 8, DOT], M.FINISH_STOP))
     (call,) = take(core, ENV_PEER)
     assert call.turn == 0 and M.unpack_i32(call.turn_ids).tolist() == [7, 8, DOT]
-    assert core.requests["s0g0/0"].state == "environment" and not core.instances["a#0"].inflight
+    assert core.requests["s0g0/0"].state == "environment" and not core.fleet.instances["a#0"].inflight
     observe(core, "s0g0/0", 0, [90, 91])
     core.tick()
     (w1,) = take(core, b"a", M.Assign)[0].works
@@ -113,7 +113,7 @@ def test_budgets_per_turn_and_per_trajectory():
     (w1,) = take(core, b"a", M.Assign)[0].works
     assert w1.tokens_left == 3  # 12 − 6 − 3: the trajectory's budget bounds the turn's
     core.on_message(b"a", tok("s0g0/0", 0, [1, 2, 3, 4]))  # past it: fenced, never appended
-    assert core.instances["a#0"].state == "fenced" and core.requests["s0g0/0"].n == 9
+    assert core.fleet.instances["a#0"].state == "fenced" and core.requests["s0g0/0"].n == 9
 
 
 def test_an_observation_that_leaves_no_room_ends_the_trajectory():

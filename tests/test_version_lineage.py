@@ -77,7 +77,7 @@ def test_a_trainer_resumed_two_versions_back_strands_no_instance():
     trainer made version 2 current (4 ≥ 2), was given version-2 work, had its tokens refused as off-version and
     was fenced; it ignored version 2 (a lower number) and every later one until the numbers passed it again."""
     core, _ = first_trainer_at_version_4()
-    a, b = core.instances["a#0"], core.instances["b#0"]
+    a, b = core.fleet.instances["a#0"], core.fleet.instances["b#0"]
     assert core.routable(a) and not core.routable(b)
     core.on_message(RESUMED, M.TrainerHello(weights_endpoint="tcp://w2", model_config={}))
     core.on_message(RESUMED, M.SetVersion(version=2, checksum=NEW[2], cid=1))
@@ -129,7 +129,7 @@ def test_a_resumed_trainer_at_the_latest_number_with_other_weights_is_a_new_line
     core, _ = first_trainer_at_version_4()
     core.on_message(RESUMED, M.TrainerHello(weights_endpoint="tcp://w2", model_config={}))
     core.on_message(RESUMED, M.SetVersion(version=4, checksum=NEW[4], cid=1))
-    assert not core.routable(core.instances["a#0"])
+    assert not core.routable(core.fleet.instances["a#0"])
     assert (sent(core, b"a", M.NewVersion)[-1].version, sent(core, b"a", M.NewVersion)[-1].checksum) == (4, NEW[4])
 
 
@@ -148,10 +148,10 @@ def test_a_restarted_manager_routes_only_to_the_resumed_trainers_lineage(tmp_pat
     assert new.latest_version == 4 and new.latest_checksum == OLD[4]
     register(new, b"a", "a", version=None)
     feed(new, b"a", loaded(4, OLD[4]))  # its weights are the restored version's: kept
-    assert new.routable(new.instances["a#0"])
+    assert new.routable(new.fleet.instances["a#0"])
     feed(new, RESUMED, M.TrainerHello(weights_endpoint="tcp://w2", model_config={}))
     feed(new, RESUMED, M.SetVersion(version=2, checksum=NEW[2]))
-    assert not new.routable(new.instances["a#0"])
+    assert not new.routable(new.fleet.instances["a#0"])
     assert (sent(new, b"a", M.NewVersion)[-1].version, sent(new, b"a", M.NewVersion)[-1].checksum) == (2, NEW[2])
     commit(new, log)
     log.close()

@@ -250,7 +250,7 @@ def test_manager_drains_an_instance_whose_checksum_differs_from_the_trainers():
     core.outbox.clear()
     core.on_message(b"a", M.WeightsLoaded(version=0, checksum=0xABD, nbytes=8, pull_s=0.1, load_s=0.1, wire_bytes=8))
     core.on_message(b"b", M.WeightsLoaded(version=0, checksum=0xABC, nbytes=8, pull_s=0.1, load_s=0.1, wire_bytes=3))
-    assert core.instances["j#0"].state.value != "ready" and core.instances["k#0"].state.value == "ready"
+    assert core.fleet.instances["j#0"].state.value != "ready" and core.fleet.instances["k#0"].state.value == "ready"
     assert any(p == b"a" and isinstance(m, M.Drain) for p, m in core.outbox)
     assert core.counters.weight_checksum_mismatches == 1 and core.counters.weight_pulled_bytes == 11
 

@@ -28,7 +28,7 @@ def arriving(core, now: float) -> int:
         return 0
     if now - vs.set_at > min(core.arrival_hold_s, 2 * vs.last.last_s + 0.05):
         return 0
-    return sum(1 for k in vs.waiting - vs.reported if (i := core.instances.get(k)) is not None
+    return sum(1 for k in vs.waiting - vs.reported if (i := core.fleet.get(k)) is not None
                and i.state in (S.READY, S.PULLING) and not core.serves(i))
 
 
@@ -46,7 +46,7 @@ def dispatch(core) -> None:
         return
     now = core.clock()
     heard = now - core.dispatch_silence_s
-    cands = sorted((i for i in core.instances.values() if i.last_seen >= heard and core.routable(i)),
+    cands = sorted((i for i in core.fleet.values() if i.last_seen >= heard and core.routable(i)),
                    key=lambda i: i.key)
     if not cands:
         return
@@ -88,4 +88,4 @@ def dispatch(core) -> None:
             core.step_account.dispatched(inst.key, core.clock(), core.balancer.peak(inst.key))
     core.queue.extendleft(reversed(deferred))
     for key, works in batches.items():
-        core.send(core.instances[key].peer, M.Assign(works=works))
+        core.send(core.fleet.instances[key].peer, M.Assign(works=works))

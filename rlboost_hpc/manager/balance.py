@@ -23,7 +23,7 @@ def balance(core, now: float) -> None:
     if dt < core.balance_every_s:
         return
     core._last_balance = now
-    insts = [i for i in core.instances.values() if i.kind == "preemptible" and core.routable(i)]
+    insts = [i for i in core.fleet.values() if i.kind == "preemptible" and core.routable(i)]
     marks = {}
     for i in insts:
         running = len(i.inflight - i.releasing)
@@ -37,7 +37,7 @@ def balance(core, now: float) -> None:
         if peak is not None:
             core.step_account.learned_peak(i.key, peak)
     for key in set(core._rate_marks) - set(marks):
-        if key not in core.instances or core.instances[key].state in (S.GONE, S.SUSPECT):
+        if (i := core.fleet.get(key)) is None or i.state in (S.GONE, S.SUSPECT):
             core.balancer.forget(key)
     core._rate_marks = marks
     if not core.balancing or len(insts) < 2 or core.queue:  # queued work goes to idle instances by JSQ, not by moves

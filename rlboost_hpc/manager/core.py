@@ -8,7 +8,8 @@ This module holds the state, the entry points of the I/O service (:meth:`Manager
 :meth:`~ManagerCore.disconnected`, :meth:`~ManagerCore.tick`, :meth:`~ManagerCore.stats`) and routing: which
 instance holds a version new work may go to (:meth:`~ManagerCore.serves`, :meth:`~ManagerCore.routable`). The
 message handlers are parts mixed into :class:`ManagerCore`, each declaring what of the core it uses:
-``instance_registry.py`` (instances: registration, liveness, weight loads, fencing, the end of an attempt),
+``instance_registry.py`` (instances: registration, liveness, weight loads, fencing, the end of an attempt; who is
+registered and in which state is the :class:`~rlboost_hpc.manager.fleet.Fleet`'s),
 ``request_table.py`` (responses: token deltas, turns and tool calls, finishes, migrations) and
 ``trainer_calls.py`` (the trainer: versions, steps, the delivery of GRPO groups). Dispatch (``assign.py``),
 balancing (``balance.py``) and crash recovery (``restore.py``) are functions of the core.
@@ -70,6 +71,7 @@ from rlboost_hpc.manager.state import Group, Instance, InstanceState, Request, V
 from rlboost_hpc.manager import worklog as W
 from rlboost_hpc.manager.assign import dispatch
 from rlboost_hpc.manager.balance import balance
+from rlboost_hpc.manager.fleet import Fleet
 from rlboost_hpc.manager.instance_registry import InstanceRegistry
 from rlboost_hpc.manager.request_table import RequestTable
 from rlboost_hpc.manager.restore import release_held
@@ -137,7 +139,6 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         self.version_serving = VersionServingClock()  # SetVersion → each live instance serving it
         self.clock = clock
         self.policy_decision: M.PolicyState | None = None  # the controller's last T_seed and N_prem cap
-        self._told_unknown: dict[bytes, float] = {}
         self.pending_limit = s.pending_limit
         self.arrival_hold_s = s.arrival_hold_s
         self.heartbeat_s, self.heartbeat_timeout_s = s.heartbeat_s, s.heartbeat_timeout_s
@@ -145,9 +146,7 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         self.max_attempts = s.max_attempts
         self.stream_every_tokens, self.stream_every_s = s.stream_every_tokens, s.stream_every_s
         self.outbox: list[tuple[bytes, M._Msg]] = []
-        self.instances: dict[str, Instance] = {}  # every instance not gone: what liveness and dispatch scan
-        self.ended: dict[str, str] = {}  # identity → why, of the last ENDED_KEPT attempts that are gone (never scanned)
-        self.by_peer: dict[bytes, str] = {}
+        self.fleet = Fleet(self._state_changed)  # the registered instances, their states and the ended identities
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, Group] = {}
         self.queue: deque[str] = deque()
@@ -212,20 +211,15 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
             return False
         if inst.kind == "reserved":
             return self.seeding_open or not any(
-                i.kind == "preemptible" and self.serves(i) for i in self.instances.values())
+                i.kind == "preemptible" and self.serves(i) for i in self.fleet.values())
         return True
-
-    def live_instances(self) -> list[Instance]:
-        """Instances that still talk to us (not gone; a suspect is not presumed alive)."""
-        return [i for i in self.instances.values() if i.state not in (S.GONE, S.SUSPECT)]
 
     # ------------------------------------------------------------------ input
     def disconnected(self, peer: bytes) -> None:
         """The connection of ``peer`` is closed (the service found it unreachable): a live instance becomes
         suspect at once (invariant 7) — a killed process leaves routing without waiting for its silence. Not an
         instance restored after a manager restart: it is reconnecting (its silence deadline judges it)."""
-        key = self.by_peer.get(peer)
-        inst = self.instances.get(key) if key else None
+        inst = self.fleet.of_peer(peer)
         if inst is not None and inst.state not in (S.SUSPECT, S.GONE) and not inst.restored:
             self.counters.connections_closed += 1
             self._suspect(inst, "connection closed")
@@ -234,8 +228,7 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         """Apply one decoded message from ``peer``. Unknown peers may only Register or speak as the trainer."""
         now = self.clock()
         self.counters.messages_received += 1
-        key = self.by_peer.get(peer)
-        inst = self.instances.get(key) if key else None
+        inst = self.fleet.of_peer(peer)
         if inst is not None:
             if now - inst.last_seen > 2 * self.heartbeat_s:  # it missed a heartbeat: how long it was silent
                 self.dist.silence_seconds.observe(now - inst.last_seen)
@@ -272,7 +265,7 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         (JSQ with Θ)."""
         now = self.clock()
         self.end_fallback(now)
-        for inst in list(self.instances.values()):
+        for inst in list(self.fleet.values()):
             if inst.state == S.SUSPECT:
                 if now - inst.suspect_since > self.instance_expiry_s:
                     self._instance_gone(inst, f"silent for {now - inst.last_seen:.1f}s", cause=None)
@@ -282,9 +275,8 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         release_held(self, now)
         if now - self._last_alive >= (0.1 if self.held else self.alive_every_s):  # (a restart: tell them soon)
             self._last_alive = now
-            for inst in self.instances.values():
-                if inst.state not in (S.GONE, S.SUSPECT):
-                    self.send(inst.peer, M.Alive(epoch=self.epoch))
+            for inst in self.fleet.live():
+                self.send(inst.peer, M.Alive(epoch=self.epoch))
         self.dispatch()
 
     def dispatch(self) -> None:

@@ -1,11 +1,11 @@
-"""The instance registry of the rollout manager: who is registered, in which :class:`InstanceState`, and every
-change of that state — registration (and the rejection of a live or ended identity), heartbeats, weight loads and
-their failures, the relay hand-outs that follow them, silence (suspect), recovery, fencing, draining and the end of
-an attempt (gone: out of the registry, its identity kept among the last ``ENDED_KEPT``).
+"""The instance-facing handlers of the rollout manager: registration (and the rejection of a live or ended
+identity), heartbeats, weight loads and their failures, the relay hand-outs that follow them, silence (suspect),
+recovery, fencing, draining and the end of an attempt (gone: out of the fleet, its identity kept among the last
+``ENDED_KEPT``). Who is registered and in which :class:`InstanceState` is the fleet's (``manager/fleet.py``).
 
-A part of :class:`~rlboost_hpc.manager.core.ManagerCore` (a mixin: the same state, the same single writer, pure:
-no sockets, time from the core's injected clock); the invariants it keeps are the core's 7 (busy is not dead,
-dead is not alive: one transition function, :meth:`InstanceRegistry._set_state`) and the weight side of 1 and 4
+A part of :class:`~rlboost_hpc.manager.core.ManagerCore` (a mixin: the same single writer, pure: no sockets, time
+from the core's injected clock); the invariants it keeps are the core's 7 (busy is not dead, dead is not alive: one
+transition function, :meth:`Fleet.set_state`) and the weight side of 1 and 4
 (an instance is routable only once it loaded a version new work may go to, with the trainer's checksum).
 """
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Callable
 
 from rlboost_hpc.manager import worklog as W
 from rlboost_hpc.manager.restore import take_over, unsent_tokens
-from rlboost_hpc.manager.state import ALLOWED_TRANSITIONS, Instance, InstanceState, Request, VersionLineage
+from rlboost_hpc.manager.fleet import Fleet
+from rlboost_hpc.manager.state import Instance, InstanceState, Request, VersionLineage
 from rlboost_hpc.manager.stats import ManagerDistributions, VersionServingClock
 from rlboost_hpc.observe.timeline import ActivityClock
 from rlboost_hpc.policy.relay import RelayTree, Source
@@ -28,11 +29,6 @@ S = InstanceState
 
 log = logging.getLogger("rlboost.manager")
 
-
-#: Identities of ended attempts the manager remembers (≈ 150 bytes each), to reject their re-registration: the
-#: oldest is forgotten first. A requeued job registers under a new attempt number, so only a process stopped for
-#: longer than this many other attempts took to end could ever register under a forgotten identity.
-ENDED_KEPT = 100_000
 
 #: The counter of each kind of warned end (``Deregister.cause``): one definition, shared by the report and
 #: Prometheus.
@@ -53,10 +49,7 @@ class InstanceRegistry:
 
     # the core's state this part reads and writes (set in ManagerCore.__init__): the registry and its accounts
     clock: Callable[[], float]
-    instances: dict[str, Instance]
-    by_peer: dict[bytes, str]
-    ended: dict[str, str]
-    _told_unknown: dict[bytes, float]
+    fleet: Fleet
     requests: dict[str, Request]
     counters: ManagerCounters
     dist: ManagerDistributions
@@ -80,19 +73,11 @@ class InstanceRegistry:
     stream_every_s: float
     on_new_version: str
 
-    def _set_state(self, inst: Instance, new: InstanceState) -> None:
-        """The one place an instance's state changes (transitions in ``ALLOWED_TRANSITIONS``).
-
-        Raises:
-            RuntimeError: a transition the state machine does not have (a manager bug, never the peer's input).
-        """
-        if new == inst.state:
-            return
-        if new not in ALLOWED_TRANSITIONS[inst.state]:
-            raise RuntimeError(f"instance {inst.key}: no transition {inst.state} → {new}")
-        inst.state = new
+    def _state_changed(self, inst: Instance) -> None:
+        """The fleet changed the state of ``inst`` (:meth:`Fleet.set_state`): its instance-seconds, and the relay
+        capacity it no longer needs or gives."""
         self._note_activity(inst)
-        if new in (S.GONE, S.SUSPECT, S.FENCED, S.DRAINING):  # it neither serves nor needs relay capacity now
+        if inst.state in (S.GONE, S.SUSPECT, S.FENCED, S.DRAINING):  # it neither serves nor needs relay capacity now
             self._hand_out(self.relay.gone(inst.key))
 
     def _pull_source(self, inst: Instance) -> Source:
@@ -108,7 +93,7 @@ class InstanceRegistry:
 
     def _hand_out(self, handed: list[tuple[str, Source]]) -> None:
         for key, src in handed:
-            i = self.instances.get(key)
+            i = self.fleet.get(key)
             if i is not None:
                 self.send(i.peer, M.PullFrom(version=self.latest.number, checksum=self.latest.checksum,
                                              peers=list(src.peers)))
@@ -129,7 +114,7 @@ class InstanceRegistry:
         if inst.state == S.PULLING and inst.kind == "preemptible":
             self.counters.suspected_while_pulling += 1
         inst.suspect_from, inst.suspect_since = inst.state, self.clock()
-        self._set_state(inst, S.SUSPECT)
+        self.fleet.set_state(inst, S.SUSPECT)
         self.log_work(W.Silent(inst.key, True))
         log.info("instance %s suspect (%s); %d responses migrated, %d unsent tokens", inst.key, reason,
                  len(taken), unsent)
@@ -144,7 +129,7 @@ class InstanceRegistry:
             new = S.READY
         else:
             new = S.PULLING
-        self._set_state(inst, new)
+        self.fleet.set_state(inst, new)
         if new == S.PULLING:
             self._new_version(inst)
         self.counters.instances_recovered += 1
@@ -178,17 +163,11 @@ class InstanceRegistry:
             setattr(self.counters, field, getattr(self.counters, field) + 1)
         else:
             self.counters.instances_expired += 1
-        self._set_state(inst, S.GONE)
+        # A gone attempt leaves the fleet, so that nothing a week-long run does per tick or per dispatch grows with
+        # the attempts that ever ran; its identity is remembered (bounded) so it can never register again.
+        self.fleet.leave(inst, reason)
         self.activity.forget(inst.key)
-        inst.gone_reason = reason
-        self.by_peer.pop(inst.peer, None)
         self.log_work(W.Left(inst.key))
-        # A gone attempt leaves the registry, so that nothing a week-long run does per tick or per dispatch grows
-        # with the attempts that ever ran; its identity is remembered (bounded) so it can never register again.
-        del self.instances[inst.key]
-        self.ended[inst.key] = reason
-        if len(self.ended) > ENDED_KEPT:
-            del self.ended[next(iter(self.ended))]
         log.info("instance %s gone (%s); %d unsent tokens", inst.key, reason, unsent)
 
     def _fence(self, inst: Instance, reason: str) -> None:
@@ -199,7 +178,7 @@ class InstanceRegistry:
         for rid in taken:
             self._requeue(rid, inst, reason)
         inst.releasing.update(taken)  # not given back to it before it confirmed the Release below
-        self._set_state(inst, S.FENCED)
+        self.fleet.set_state(inst, S.FENCED)
         self.counters.instances_fenced += 1
         log.warning("instance %s fenced: %s", inst.key, reason)
         if taken:  # tell it to stop working on them; whatever it still sends is dropped as late
@@ -208,12 +187,12 @@ class InstanceRegistry:
     # agent messages ------------------------------------------------------------
     def _on_Register(self, peer: bytes, inst: Instance | None, msg: M.Register) -> None:
         key = instance_key(msg.job_id, msg.attempt)
-        existing = self.instances.get(key)
+        existing = self.fleet.get(key)
         if existing is not None and existing.peer != peer and not existing.spoke:  # its process, a new connection
             take_over(self, existing, peer)
         if existing is not None and existing.peer == peer:
             pass  # a retried Register from the same identity (a reconnect keeps it): answer again
-        elif existing is not None or key in self.ended:
+        elif existing is not None or self.fleet.has_ended(key):
             self.counters.rejected_registrations += 1
             why = ("identity %s is already registered (live)" if existing is not None
                    else "identity %s belongs to an attempt that already ended; a requeued job must register "
@@ -223,14 +202,13 @@ class InstanceRegistry:
             return
         else:
             now = self.clock()
-            self.instances[key] = Instance(key=key, peer=peer, kind=msg.kind, max_batch=msg.max_batch,
-                                           registered_at=now, last_seen=now, engine=msg.engine,
-                                           relay_endpoint=msg.relay_endpoint)
-            self.by_peer[peer] = key
+            existing = Instance(key=key, peer=peer, kind=msg.kind, max_batch=msg.max_batch, registered_at=now,
+                                last_seen=now, engine=msg.engine, relay_endpoint=msg.relay_endpoint)
+            self.fleet.join(existing)
             self.log_work(W.Joined(key, peer, msg.kind, msg.max_batch, msg.engine, msg.relay_endpoint))
             self.counters.registrations += 1
-            self._note_activity(self.instances[key])
-        inst = self.instances[key]
+            self._note_activity(existing)
+        inst = existing
         src = self._pull_source(inst) if self.latest_version >= 0 and not self.holds_latest(inst) else Source()
         self.send(peer, M.Welcome(
             instance=key, latest_version=self.latest_version, weights_endpoint=self.trainer.weights_endpoint,
@@ -245,11 +223,7 @@ class InstanceRegistry:
         once a second, so an instance declared lost (e.g. starved of CPU past the heartbeat deadline) learns it
         and re-registers as a new attempt instead of talking into the void."""
         self.counters.protocol_rejects += 1
-        now = self.clock()
-        if now - self._told_unknown.get(peer, -1e9) >= 1.0:
-            if len(self._told_unknown) > 10_000:
-                self._told_unknown.clear()
-            self._told_unknown[peer] = now
+        if self.fleet.tell_unknown(peer, self.clock()):
             log.warning("%s from unregistered peer %r dropped", what, peer)
             if peer != self.trainer_peer:
                 self.send(peer, M.Reject(reason=f"unknown instance ({what} from a peer that is not registered: "
@@ -302,7 +276,7 @@ class InstanceRegistry:
         if self.holds_latest(inst) and inst.kind == "preemptible":  # it holds it: it serves it too
             self._hand_out(self.relay.done(inst.key, inst.relay_endpoint))
         if inst.state in (S.PULLING, S.FENCED) and of_lineage and msg.version >= self.latest_version - self.route_lag:
-            self._set_state(inst, S.READY)
+            self.fleet.set_state(inst, S.READY)
             inst.ready_at = inst.ready_at or self.clock()
             if inst.kind == "preemptible" and not self.seeding_open:  # the end of a co-located fallback
                 self.release_reserved()
@@ -323,14 +297,14 @@ class InstanceRegistry:
         if inst.state == S.READY:
             self._fence(inst, f"weight load failed: {msg.error}")
         elif inst.state == S.PULLING:
-            self._set_state(inst, S.FENCED)
+            self.fleet.set_state(inst, S.FENCED)
             self.counters.instances_fenced += 1
 
     def _on_Draining(self, peer: bytes, inst: Instance | None, msg: M.Draining) -> None:
         if inst is None:
             return self._unknown(peer, "draining")
         if inst.state != S.GONE:
-            self._set_state(inst, S.DRAINING)
+            self.fleet.set_state(inst, S.DRAINING)
 
     def _on_Deregister(self, peer: bytes, inst: Instance | None, msg: M.Deregister) -> None:
         if inst is None:

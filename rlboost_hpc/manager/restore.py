@@ -52,7 +52,7 @@ def restore(core, records: list[W.Record], now: float) -> None:
     core.counters.manager_restarts += 1
     log.info("restored from the work log: step %d, version %d, %d responses (%d unfinished, %d tokens), "
              "%d instances", core.step, core.latest_version, len(core.requests), len(core.held),
-             sum(r.n for r in core.requests.values()), len(core.instances))
+             sum(r.n for r in core.requests.values()), len(core.fleet))
 
 
 def _apply(core, rec: W.Record, now: float) -> None:
@@ -86,13 +86,12 @@ def _apply(core, rec: W.Record, now: float) -> None:
         if rec.gid in core.groups:
             core.groups[rec.gid].delivered = True
     elif isinstance(rec, W.Joined):
-        core.instances[rec.key] = Instance(key=rec.key, peer=rec.peer, kind=rec.kind, max_batch=rec.max_batch,
-                                           registered_at=now, last_seen=now, engine=rec.engine,
-                                           relay_endpoint=rec.relay_endpoint, restored=True, spoke=False)
-        core.by_peer[rec.peer] = rec.key
-        core._note_activity(core.instances[rec.key])
+        inst = Instance(key=rec.key, peer=rec.peer, kind=rec.kind, max_batch=rec.max_batch, registered_at=now,
+                        last_seen=now, engine=rec.engine, relay_endpoint=rec.relay_endpoint, restored=True, spoke=False)
+        core.fleet.join(inst)
+        core._note_activity(inst)
     elif isinstance(rec, W.Silent):
-        inst = core.instances.get(rec.key)
+        inst = core.fleet.get(rec.key)
         if inst is not None:  # (construction, not a transition: the instance is being rebuilt as it was)
             inst.state, inst.suspect_since = (S.SUSPECT, now) if rec.suspect else (S.PULLING, 0.0)
             inst.suspect_from = S.READY if rec.suspect else None  # (its version decides where it returns to; a
@@ -100,11 +99,8 @@ def _apply(core, rec: W.Record, now: float) -> None:
             inst.restored = not rec.suspect  # its work was migrated when it went silent: nothing to resend
             core._note_activity(inst)
     elif isinstance(rec, W.Left):
-        inst = core.instances.pop(rec.key, None)
-        if inst is not None:
-            core.by_peer.pop(inst.peer, None)
-            core.activity.forget(rec.key)
-        core.ended[rec.key] = "gone before the manager restarted"
+        core.fleet.forget(rec.key, "gone before the manager restarted")
+        core.activity.forget(rec.key)
     elif isinstance(rec, W.Hello):
         if core.trainer_peer not in (None, rec.peer or None):  # a resumed trainer said hello: as it was applied
             new_trainer(core)
@@ -180,10 +176,8 @@ def take_over(core, inst: Instance, peer: bytes) -> None:
         inst.inflight.discard(rid)
         req.move(R.QUEUED)
         core.queue.appendleft(rid)
-    core.by_peer.pop(inst.peer, None)
-    inst.peer, inst.restored, inst.tokens_received, inst.tokens_generated = peer, False, 0, 0  # (a new agent)
-    inst.spoke = True
-    core.by_peer[peer] = inst.key
+    core.fleet.rebind(inst, peer)
+    inst.restored, inst.tokens_received, inst.tokens_generated, inst.spoke = False, 0, 0, True  # (a new agent)
     core._note_activity(inst)
     log.info("instance %s registers from a new connection after the restart; it takes its identity over", inst.key)
 
@@ -205,7 +199,7 @@ def release_held(core, now: float) -> None:
         return
     over = now >= t0 + core.heartbeat_timeout_s
     if over or not any(i.restored and (i.last_seen > t0 or now < t0 + core.alive_every_s)  # (after a second, only
-                       for i in core.instances.values()):  # those that spoke since the restart count)
+                       for i in core.fleet.values()):  # those that spoke since the restart count)
         for rid in core.held:
             req = core.requests.get(rid)
             if req is None or req.state != R.QUEUED:
@@ -235,7 +229,7 @@ def discard_stale(core) -> int:
             ended.append(rid)
         core.counters.responses_discarded_stale += 1
         core.counters.tokens_discarded_stale += req.n
-        inst = core.instances.get(req.instance or "")
+        inst = core.fleet.get(req.instance or "")
         if inst is not None:
             inst.inflight.discard(rid)
             core._note_activity(inst)

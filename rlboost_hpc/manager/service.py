@@ -136,7 +136,7 @@ class ManagerService:
     def _probe(self) -> None:
         """A connection closed somewhere: find which live instances are no longer reachable."""
         alive = M.encode(M.Alive(epoch=self.core.epoch))
-        for inst in self.core.live_instances():
+        for inst in self.core.fleet.live():
             self._send(inst.peer, alive)
 
     def _receive(self, deadline: float | None) -> None:
@@ -161,7 +161,7 @@ class ManagerService:
             if isinstance(msg, M.Shutdown) and peer == self.core.trainer_peer:
                 self._stop = True
                 self.core.send(peer, M.Ok(what="shutdown", cid=msg.cid))
-                for i in self.core.live_instances():
+                for i in self.core.fleet.live():
                     self.core.send(i.peer, M.Drain(reason=msg.reason))
                 return
             self.core.on_message(peer, msg)

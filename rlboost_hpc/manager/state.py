@@ -25,7 +25,8 @@ ENV_PEER = b"\x00environment"
 
 
 class InstanceState(StrEnum):
-    """Life of a registered rollout instance (invariant 7); changed only by :meth:`ManagerCore._set_state`."""
+    """Life of a registered rollout instance (invariant 7); changed only by :meth:`Fleet.set_state`
+    (manager/fleet.py)."""
 
     PULLING = "pulling"  # registered, loading the latest version
     READY = "ready"  # holds a verified version (routable when it is the latest)

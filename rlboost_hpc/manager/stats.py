@@ -69,7 +69,7 @@ def manager_stats(core) -> ManagerStats:
     """Counters of ``core`` (a :class:`~rlboost_hpc.manager.core.ManagerCore`) plus a snapshot of its instances
     (every one that is not gone) and queue; the fields are documented on :class:`ManagerStats`."""
     states: dict[str, int] = {}
-    for i in core.instances.values():
+    for i in core.fleet.values():
         states[i.state] = states.get(i.state, 0) + 1
     reqs = core.requests
     c = core.counters
@@ -85,15 +85,15 @@ def manager_stats(core) -> ManagerStats:
             kind=i.kind, engine=i.engine, state=str(i.state), version=i.version, inflight=len(i.inflight),
             tokens_received=i.tokens_received, activity_s=dict(core.activity.by_instance_s.get(i.key, {})),
             partial=sum(1 for r in i.inflight if r in reqs and reqs[r].n > 0))
-            for i in core.instances.values() if i.state != S.GONE},
+            for i in core.fleet.values() if i.state != S.GONE},
         decode_tokens_per_s_by_batch={str(b): v for b, v in sorted(core.pool_rates.ema.items())},
         latest_version=core.latest_version,
         step=core.step,
         queued=len(core.queue),
-        running=sum(len(i.inflight) for i in core.instances.values()),
+        running=sum(len(i.inflight) for i in core.fleet.values()),
         instances_by_state={str(k): v for k, v in states.items()},
-        routable_preemptible=sum(1 for i in core.instances.values() if i.kind == "preemptible" and core.routable(i)),
-        live_preemptible=sum(1 for i in core.instances.values()
+        routable_preemptible=sum(1 for i in core.fleet.values() if i.kind == "preemptible" and core.routable(i)),
+        live_preemptible=sum(1 for i in core.fleet.values()
                              if i.kind == "preemptible" and i.state not in (S.GONE, S.SUSPECT)),
         pull_seconds_mean=core.dist.pull_seconds.mean(),
         full_pull_seconds_mean=core.dist.full_pull_seconds.mean(),

@@ -16,6 +16,7 @@ from typing import Callable
 import numpy as np
 
 from rlboost_hpc.manager import worklog as W
+from rlboost_hpc.manager.fleet import Fleet
 from rlboost_hpc.manager.restore import discard_stale, new_trainer
 from rlboost_hpc.manager.state import (Group, Instance, Request, RequestState as R, InstanceState as S,
                                        VersionLineage, step_requests)
@@ -39,7 +40,7 @@ class TrainerCalls:
     """
 
     #: the core's methods this part calls
-    CORE_METHODS = ("send", "stats", "routable", "live_instances", "_unknown", "_note_activity",
+    CORE_METHODS = ("send", "stats", "routable", "_unknown", "_note_activity",
                     "_new_version", "log_work")
 
     # the core's state this part reads and writes (set in ManagerCore.__init__)
@@ -51,7 +52,7 @@ class TrainerCalls:
     version_serving: VersionServingClock
     relay: RelayTree
     on_version: Callable[[int], None] | None
-    instances: dict[str, Instance]
+    fleet: Fleet
     requests: dict[str, Request]
     groups: dict[str, Group]
     queue: deque[str]
@@ -136,15 +137,15 @@ class TrainerCalls:
             # the reserved engine never took them, and with no preemptible instance the step waited for its timeout
             self.seeding_open = True
             self.log_work(W.Seeding(True, self.train_step))
-        for i in self.instances.values():  # an instance holding the old version is pulling from now on
+        for i in self.fleet.values():  # an instance holding the old version is pulling from now on
             if i.state != S.GONE:
                 self._note_activity(i)
         self.relay.reset()
         self.version_serving.set_version(msg.version, self.clock(), [
-            i.key for i in self.live_instances() if i.kind == "preemptible" and i.state != S.DRAINING])
+            i.key for i in self.fleet.live() if i.kind == "preemptible" and i.state != S.DRAINING])
         if self.on_version is not None:  # the journal records it durably before anyone acts on it
             self.on_version(msg.version)
-        for i in self.live_instances():
+        for i in self.fleet.live():
             if i.state in (S.READY, S.PULLING, S.FENCED):
                 self._new_version(i)
         self.send(peer, M.Ok(what="setver", cid=msg.cid))
@@ -177,7 +178,7 @@ class TrainerCalls:
         self.begin_step(msg.step, msg.version, msg.groups)
         if self.worklog is not None:  # the last step is over: its records give way to a snapshot (compaction)
             self.worklog[:] = [W.Compact(), self.trainer, W.Version(self.latest_version, self.latest_checksum),
-                               *(r for i in self.instances.values() if i.state != S.GONE for r in (
+                               *(r for i in self.fleet.values() if i.state != S.GONE for r in (
                                    W.Joined(i.key, i.peer, i.kind, i.max_batch, i.engine, i.relay_endpoint),
                                    *((W.Silent(i.key, True),) if i.state == S.SUSPECT else ()))),
                                W.Counters(self.counters), W.Seeding(False, self.train_step),
@@ -231,7 +232,7 @@ class TrainerCalls:
             return
         self.seeding_open, self.train_step = False, msg.step
         self.log_work(W.Seeding(False, msg.step))
-        remote = any(i.kind == "preemptible" and self.routable(i) for i in self.instances.values())
+        remote = any(i.kind == "preemptible" and self.routable(i) for i in self.fleet.values())
         released = self.release_reserved() if remote else 0
         if not remote:  # the reserved engine keeps generating until remote capacity appears (end_fallback)
             self.step_account.open_fallback(self.clock())
@@ -245,7 +246,7 @@ class TrainerCalls:
         remote pool takes over the step's remaining work, as the simulator's fallback does. Returns the responses
         released."""
         released = 0
-        for i in self.instances.values():
+        for i in self.fleet.values():
             if i.kind == "reserved" and i.state == S.READY and i.inflight:
                 rids = sorted(i.inflight - i.releasing)
                 i.releasing |= set(rids)
@@ -313,7 +314,7 @@ class TrainerCalls:
         end it too: :class:`StepAccount`); its seconds add to the step's."""
         if self.step_account.fallback_since is None:
             return
-        if any(i.kind == "preemptible" and i.state in (S.PULLING, S.READY) for i in self.instances.values()):
+        if any(i.kind == "preemptible" and i.state in (S.PULLING, S.READY) for i in self.fleet.values()):
             self.step_account.end_fallback(now)
 
     def _fail_step(self, error: str) -> None:
