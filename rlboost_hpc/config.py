@@ -500,7 +500,8 @@ class ClusterCfg(_Strict):
     seed: int = Field(0, description="local: seed of the trace window's kill choices and of injected faults")
     preempt_when_busy: bool = Field(False, description=(
         "hold each due removal until its worker holds ≥ 1 partial response at the manager (tokens to hand over), "
-        "at most busy_wait_max_s; for tests and chaos runs that must exercise the hand-off, not hope for it"))
+        "at most busy_wait_max_s — and a warned preemption scheduled by faults.every_steps until some worker does "
+        "(it stays due); for tests and chaos runs that must exercise the hand-off, not hope for it"))
     busy_wait_max_s: float = Field(30.0, ge=0, description="longest a removal is held by preempt_when_busy (s)")
     faults: FaultsCfg = Field(default_factory=FaultsCfg, description=(
         "local: faults injected on purpose (chaos): stalls, link resets, slow weight loads"))

@@ -17,7 +17,7 @@ import pytest
 from sglang_cpu import stub_env
 from test_demo_run import CONTRACT_KEYS, MARGIN, diagnose, run_cli
 
-# 60 steps take ≈ 2–3 min on an idle 2-core machine and several times that under load: the run is waited for as
+# 40 steps take ≈ 2.5 min on an idle 2-core machine and several times that under load: the run is waited for as
 # long as it makes progress (run_cli), the pytest timeout is only the last resort
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -26,8 +26,10 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(2400)]
 # (cluster.preempt_when_busy: a preemption that finds its server idle hands nothing off). A worker's start-up (its
 # SGLang server boots, then loads the pulled weights) takes 30–45 s on this 2-core box while the run goes on, so
 # the preemptions come as early as start-ups allow, whatever the machine's load: the two slots boot at once, the
-# first preemption fires once one of them serves, the second on the other (or a replacement) from step 30. A trace
-# with removals at fixed seconds needed 90 steps (the run had to outlast three removals held for busy workers).
+# first preemption fires once one of them serves (step ≈ 20 here), the second on the other (or a replacement) from
+# step 30, after ≥ 10 steps of seeding hand-offs into it. A trace with removals at fixed seconds needed 90 steps (the
+# run had to outlast three removals held for busy workers: 240–427 s); 60 steps by progress took 251 s (two SGLang
+# servers on 2 cores slow a step from ≈ 3 to ≈ 4.5 s), all three preemptions with tokens handed off.
 TRACE = "0,add,a0\n0,add,a1\n"
 
 
@@ -37,7 +39,7 @@ def test_demo_with_sglang_workers_meets_the_report_contract(repo_root, tmp_path)
     p = run_cli(repo_root, tmp_path / "run", 'rollout.engine="sglang"', 'rollout.device="cpu"',
                 *[f'rollout.sglang.env.{k}="{v}"' for k, v in env.items()],
                 f'cluster.trace="{tmp_path / "trace.csv"}"', "cluster.time_scale=1.0", "cluster.replay_s=300",
-                "cluster.window_start_s=0", "cluster.max_workers=2", "policy.cap=false", "trainer.steps=60",
+                "cluster.window_start_s=0", "cluster.max_workers=2", "policy.cap=false", "trainer.steps=40",
                 "cluster.preempt_when_busy=true", "cluster.faults.every_steps=15", 'cluster.faults.kinds=["preempt"]',
                 # steps long enough (128 responses × 96 tokens) that the reserved engine cannot finish one
                 # alone within a fixed seeding window that outlasts the server's per-step weight load

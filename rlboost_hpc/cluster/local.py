@@ -5,7 +5,8 @@ run changes. Invariants: workers are real OS processes (``python -m rlboost_hpc.
 ``remove`` ends one with the warning signal (SIGTERM by default) or, for ``kill_fraction`` of removals,
 SIGKILL without warning; each restart of a slot is a new attempt (new identity ``local-slot<k>#<attempt>``, case
 S2); with ``cfg.preempt_when_busy`` a due removal waits (at most ``cfg.busy_wait_max_s``) until its worker holds a
-partial response at the manager; chaos faults (``cfg.faults``: ``stall_every_s``, ``link_reset_every_s``, ``slow_load_s``:
+partial response at the manager (a warned preemption scheduled by progress waits for such a worker as long as it
+takes: it stays due); chaos faults (``cfg.faults``: ``stall_every_s``, ``link_reset_every_s``, ``slow_load_s``:
 :mod:`rlboost_hpc.cluster.faults`) stall workers, reset their connections and slow their weight loads — by wall time,
 and (``every_steps``, ``kinds``) by progress: one fault of each kind every k steps, kept due until it finds a target
 (:meth:`LocalCluster.at_step`); :meth:`stop` continues every stalled worker and leaves no worker process behind.
@@ -132,6 +133,12 @@ class LocalCluster:
         except Exception as e:  # noqa: BLE001 - the manager did not answer: keep holding (bounded by max_hold_s)
             log.warning("cluster: cannot ask the manager whether slot %d is busy: %s", slot, e)
             return False
+
+    def _busy_slots(self, slots: list[int]) -> list[int]:
+        """Those of ``slots`` whose live worker holds a partial response at the manager (none when the manager does
+        not answer: a scheduled preemption stays due)."""
+        attempts = self.driver.live_attempts()
+        return [s for s in slots if s in attempts and self._busy(s, attempts[s])]
 
     def _spawn(self, slot: int, attempt: int) -> subprocess.Popen:
         logf = open(self.log_dir / f"slot{slot}-attempt{attempt}.log", "ab")
@@ -296,6 +303,8 @@ class LocalCluster:
             targets = sorted(s for s, p in live.items() if kind == "stall" or p not in marked)
             if kind == "stall":
                 targets = self._ready(targets)
+            elif kind == "preempt" and self.cfg.preempt_when_busy:  # a warning that hands tokens off, as the trace's
+                targets = self._busy_slots(targets)
             if not targets:
                 continue
             slot = self.faults.rng.choice(targets)
