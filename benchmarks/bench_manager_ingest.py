@@ -407,7 +407,7 @@ def record(n_inst: int, k: int, args) -> list:
                 events.append((peer, fr[0]))
                 core.on_message(peer, M.decode(fr[0]))
                 progressed = True
-        if not progressed and not core.outbox and delivered < args.groups and not core.queue:
+        if not progressed and not core.outbox and delivered < args.groups and not core.book.queue:
             raise RuntimeError("simulation stalled")
     assert core.counters.tokens_received == args.groups * args.group_size * args.max_new_tokens
     return events

@@ -219,6 +219,7 @@ COLLABORATORS = {
     "rlboost_hpc/rollout/agent_weights.py": "WeightSlot",
     "rlboost_hpc/manager/step_account.py": "StepAccount",
     "rlboost_hpc/manager/fleet.py": "Fleet",
+    "rlboost_hpc/manager/request_book.py": "RequestBook",
     "rlboost_hpc/sim/remote_pool.py": "RemotePool",
     "rlboost_hpc/sim/routing.py": "Router",
     "rlboost_hpc/sim/staleness.py": "Staleness",

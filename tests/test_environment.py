@@ -277,11 +277,11 @@ def test_a_failed_step_ends_as_an_environment_error_and_a_diverged_replay_fails_
     core.on_message(b"a", tok("s0g0/1", 0, [8, 2], M.FINISH_STOP))
     take(core)
     step_result(core, "s0g0/0", 0, [], 0.0, status="error", error="ValueError: cannot handle 3")
-    assert core.requests["s0g0/0"].finish_reason == "environment_error"
-    assert core.requests["s0g0/0"].env_error == "error: ValueError: cannot handle 3"
+    assert core.book.requests["s0g0/0"].finish_reason == "environment_error"
+    assert core.book.requests["s0g0/0"].env_error == "error: ValueError: cannot handle 3"
     step_result(core, "s0g0/1", 0, [], 0.0, status="diverged", error="task.environment = 'e' is not deterministic")
     (failed,) = take(core, TRAINER, M.StepFailed)
-    assert "not deterministic" in failed.error and core.requests["s0g0/1"].state == "environment"
+    assert "not deterministic" in failed.error and core.book.requests["s0g0/1"].state == "environment"
     assert core.counters.environment_errors == 2
 
 
@@ -298,7 +298,7 @@ def test_the_manager_releases_a_trajectory_that_ends_while_its_environment_holds
         core.on_message(b"a", tok(f"s0g0/{i}", 0, [7, 2], M.FINISH_STOP))
     take(core)
     step_result(core, "s0g0/0", 0, [40, 41, 42, 43, 44, 45], 0.1)  # 2 + 6 tokens: no room for the observation
-    assert core.requests["s0g0/0"].finish_reason == "trajectory_budget"
+    assert core.book.requests["s0g0/0"].finish_reason == "trajectory_budget"
     assert [m.rids for m in take(core, ENV_PEER, M.EnvRelease)] == [["s0g0/0"]]
     step_result(core, "s0g0/1", 0, [], 1.0, done=True)
     assert [m.rids for m in take(core, ENV_PEER, M.EnvRelease)] == [["s0g0/1"]]
@@ -347,7 +347,7 @@ def test_a_restarted_manager_keeps_the_steps_rewards_and_asks_for_the_step_in_fl
     commit(core, log)
     log.close()
     new, _, _ = restarted(tmp_path)
-    r0, r1 = new.requests["s0g0/0"], new.requests["s0g0/1"]
+    r0, r1 = new.book.requests["s0g0/0"], new.book.requests["s0g0/1"]
     assert r0.state == "queued" and r0.env_rewards == [0.3] and r1.state == "environment" and r1.env_rewards == [-0.1]
     (call,) = sent(new, ENV_PEER, M.EnvCall)
     assert (call.rid, call.turn, call.row) == ("s0g0/1", 1, ROW)

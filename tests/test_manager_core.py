@@ -110,7 +110,7 @@ def test_jsq_with_pending_limit_holds_the_rest_at_the_manager():
     core.tick()
     got = {p: sum(len(m.works) for m in sent(core, p, M.Assign)) for p in (b"a", b"b")}
     assert got == {b"a": 3, b"b": 3}
-    assert len(core.queue) == 2
+    assert len(core.book.queue) == 2
 
 
 def test_tokens_complete_group_delivered_exactly_once():
@@ -178,7 +178,7 @@ def test_killed_instance_migrates_each_response_with_reduced_budget():
     assert core.stats().instances_lost == 1 and core.fleet.instances["a#0"].state == "suspect"
     # the silent instance's late frame is dropped, never appended twice
     core.on_message(b"a", tokens("s0g0/0", 3, [8]))
-    assert core.requests["s0g0/0"].n == 3
+    assert core.book.requests["s0g0/0"].n == 3
 
 
 def test_warned_preemption_releases_everything_and_regenerates_nothing():
@@ -240,7 +240,7 @@ def test_off_version_tokens_are_rejected_and_instance_fenced():
     core.on_message(b"a", tokens("s0g0/0", 0, [4, 4], version=7))
     assert core.counters.off_version_tokens_rejected == 2
     assert core.fleet.instances["a#0"].state == "fenced"
-    assert core.requests["s0g0/0"].n == 0 and core.requests["s0g0/0"].state == "queued"
+    assert core.book.requests["s0g0/0"].n == 0 and core.book.requests["s0g0/0"].state == "queued"
 
 
 def test_budget_overrun_fences():
@@ -250,7 +250,7 @@ def test_budget_overrun_fences():
     core.tick()
     core.on_message(b"a", tokens("s0g0/0", 0, [4] * 9))
     assert core.fleet.instances["a#0"].state == "fenced"
-    assert core.requests["s0g0/0"].n == 0
+    assert core.book.requests["s0g0/0"].n == 0
 
 
 def test_a_gap_after_lost_frames_migrates_the_response_and_keeps_the_instance():
@@ -264,7 +264,7 @@ def test_a_gap_after_lost_frames_migrates_the_response_and_keeps_the_instance():
     core.outbox.clear()
     core.on_message(b"a", tokens("s0g0/0", 4, [6]))  # tokens 2-3 were lost
     core.on_message(b"a", tokens("s0g0/0", 5, [7]))  # streamed before it saw the Release: late too
-    assert core.fleet.instances["a#0"].state == "ready" and core.requests["s0g0/0"].n == 2
+    assert core.fleet.instances["a#0"].state == "ready" and core.book.requests["s0g0/0"].n == 2
     assert [m.rids for m in sent(core, b"a", M.Release)] == [["s0g0/0"]] and core.counters.deltas_out_of_order == 1
     core.on_message(b"a", M.Released(rids=["s0g0/0"], tokens_generated=6))
     core.tick()
@@ -277,7 +277,7 @@ def test_a_closed_connection_makes_the_instance_suspect_at_once():
     submit(core, n=2, max_new=8)
     core.tick()
     core.disconnected(b"a")
-    assert core.fleet.instances["a#0"].state == "suspect" and core.requests["s0g0/0"].state == "queued"
+    assert core.fleet.instances["a#0"].state == "suspect" and core.book.requests["s0g0/0"].state == "queued"
     assert core.counters.connections_closed == 1
     core.disconnected(b"nobody")  # unknown peers (a stranger, the trainer) change nothing
 
@@ -347,7 +347,7 @@ def test_the_fallbacks_seconds_are_reported_so_the_trainer_does_not_count_them_a
     clock.t = 3.6
     core.tick()
     assert core.step_account.fallback_since is None and core.step_account.fallback_s == pytest.approx(2.6)
-    for rid in sorted(core.requests):
+    for rid in sorted(core.book.requests):
         core.on_message(b"r", tokens(rid, 0, [2], finish=M.FINISH_STOP))
     core.on_message(TRAINER, M.SetVersion(version=1))
     assert core.stats().last_step_remote.fallback_s == pytest.approx(2.6) and core.step_account.fallback_s == 0.0
@@ -369,7 +369,7 @@ def test_the_first_preemptible_instance_ready_after_a_fallback_takes_the_reserve
     assert not sent(core, b"r", M.Release)
     core.on_message(b"p", M.WeightsLoaded(version=0, checksum=0, nbytes=1, pull_s=0.1, load_s=0.0))
     (rel,) = sent(core, b"r", M.Release)
-    assert sorted(rel.rids) == sorted(core.requests) and not core.routable(core.fleet.instances["reserved#0"])
+    assert sorted(rel.rids) == sorted(core.book.requests) and not core.routable(core.fleet.instances["reserved#0"])
     core.on_message(b"r", M.Released(rids=rel.rids, tokens_generated=0))
     core.tick()
     assert sum(len(m.works) for m in sent(core, b"p", M.Assign)) == 4
@@ -401,7 +401,7 @@ def test_unregistered_peers_cannot_inject_tokens_or_steer():
     submit(core, n=1)
     core.on_message(b"x", tokens("s0g0/0", 0, [4]))
     core.on_message(b"x", M.SetVersion(version=5))
-    assert core.latest_version == 0 and core.requests["s0g0/0"].n == 0
+    assert core.latest_version == 0 and core.book.requests["s0g0/0"].n == 0
     assert core.counters.protocol_rejects >= 2
 
 
@@ -530,7 +530,7 @@ def test_a_short_stall_makes_an_instance_suspect_and_it_returns_without_register
     clock.t = 9.0  # a 6 s stall ends: a speaks again
     core.outbox.clear()
     core.on_message(b"a", tokens(mine[b"a"][0], 2, [7]))  # generated before the stall: late now
-    assert core.fleet.instances["a#0"].state == "ready" and core.requests[mine[b"a"][0]].n == 2
+    assert core.fleet.instances["a#0"].state == "ready" and core.book.requests[mine[b"a"][0]].n == 2
     assert core.counters.late_tokens == 1 and core.counters.instances_recovered == 1
     assert sorted(sent(core, b"a", M.Release)[0].rids) == sorted(mine[b"a"])
     assert not sent(core, b"a", M.Welcome) and core.counters.registrations == 3
@@ -570,7 +570,7 @@ def test_work_taken_from_a_suspect_is_not_given_back_to_it_before_it_released_it
     core.tick()
     assert sorted(w.rid for w in sent(core, b"a", M.Assign)[0].works) == ["s0g0/0", "s0g0/1"]
     core.on_message(b"a", M.Released(rids=["s0g0/0"], tokens_generated=3))  # a duplicate, late confirmation
-    assert core.requests["s0g0/0"].state == "queued"  # (a Released always means: I no longer run it)
+    assert core.book.requests["s0g0/0"].state == "queued"  # (a Released always means: I no longer run it)
 
 
 def test_a_release_lost_with_a_connection_is_sent_again_and_the_work_stays_away_until_confirmed():
@@ -771,10 +771,10 @@ def test_a_request_the_balancer_moved_goes_to_the_instance_it_chose_when_that_on
         gid="g", prompt_ids=[1, 2], n=1, max_new_tokens=4, temperature=0.0, top_p=1.0, seed=1, stop_ids=[])]))
     core.tick()
     (rid,) = core.fleet.instances["a#0"].inflight  # JSQ: the first of three idle instances
-    core.requests[rid].prefer = "c#0"
+    core.book.requests[rid].prefer = "c#0"
     core._requeue(rid, core.fleet.instances["a#0"], "released")
     core.dispatch()
-    assert core.requests[rid].instance == "c#0" and core.requests[rid].prefer is None
+    assert core.book.requests[rid].instance == "c#0" and core.book.requests[rid].prefer is None
 
 
 def test_a_node_that_vanished_without_closing_its_connection_gets_no_new_work_before_its_deadline():
@@ -830,10 +830,10 @@ def test_a_silent_instance_gets_work_again_as_soon_as_it_speaks_and_its_silence_
     clock.t = core.dispatch_silence_s + 0.2  # stopped (GC pause, a loaded host), not dead
     submit(core, step=0, groups=1, n=2)
     core.tick()
-    assert not sent(core, b"a", M.Assign) and core.queue
+    assert not sent(core, b"a", M.Assign) and core.book.queue
     core.on_message(b"a", M.Heartbeat(version=0, active=0, tokens_generated=0))
     core.dispatch()
-    assert sum(len(m.works) for m in sent(core, b"a", M.Assign)) == 2 and not core.queue
+    assert sum(len(m.works) for m in sent(core, b"a", M.Assign)) == 2 and not core.book.queue
     silences = core.dist.silence_seconds
     assert silences.count == 1 and silences.total == pytest.approx(clock.t)
     core.on_message(b"a", M.Heartbeat(version=0, active=2, tokens_generated=0))  # no silence: not observed
@@ -885,16 +885,17 @@ def test_an_instance_loading_the_new_version_finds_its_share_waiting_and_only_fo
     30 ms later, found nothing and sat idle: harvested capacity bought nothing). The arriving instance's share waits
     for it — at most twice its previous load time (+ 50 ms), never past ``arrival_hold_s`` — then JSQ as before."""
     core, clock = _reserved_and_a_worker_at_a_version_change(1.0)
-    assert (len(core.fleet.instances["reserved#0"].inflight), len(core.queue)) == (32, 32)  # the worker's share waits
+    # the worker's share waits
+    assert (len(core.fleet.instances["reserved#0"].inflight), len(core.book.queue)) == (32, 32)
     clock.t = 1.03
     core.on_message(b"w", M.WeightsLoaded(version=2, checksum=1, nbytes=1, pull_s=0.0, load_s=0.0))
     core.dispatch()
-    assert len(core.fleet.instances["w1#0"].inflight) == 32 and not core.queue
+    assert len(core.fleet.instances["w1#0"].inflight) == 32 and not core.book.queue
     # a worker that does not come within twice its last load time (+ 50 ms) keeps nothing waiting
     core, clock = _reserved_and_a_worker_at_a_version_change(1.0)
     clock.t = 1.0 + 2 * 0.03 + 0.05 + 0.001
     core.dispatch()
-    assert len(core.fleet.instances["reserved#0"].inflight) == 64 and not core.queue
+    assert len(core.fleet.instances["reserved#0"].inflight) == 64 and not core.book.queue
     # never past arrival_hold_s; 0: never wait
     core, clock = _reserved_and_a_worker_at_a_version_change(0.0)
-    assert len(core.fleet.instances["reserved#0"].inflight) == 64 and not core.queue
+    assert len(core.fleet.instances["reserved#0"].inflight) == 64 and not core.book.queue

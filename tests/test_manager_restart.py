@@ -69,7 +69,7 @@ def restarted(tmp_path, epoch=2):
 
 
 def owner(core, rid):
-    return core.requests[rid].instance
+    return core.book.requests[rid].instance
 
 
 def test_a_restarted_manager_rebuilds_the_step_and_the_instance_continues_at_the_logged_length(tmp_path):
@@ -83,30 +83,31 @@ def test_a_restarted_manager_rebuilds_the_step_and_the_instance_continues_at_the
 
     new, clock2, log2 = restarted(tmp_path)
     assert new.trainer_peer == TRAINER and new.latest_version == 0 and new.latest_checksum == 77
-    assert new.step == 0 and len(new.requests) == 4 and new.requests["s0g0/0"].n == 3
+    assert new.step == 0 and len(new.book.requests) == 4 and new.book.requests["s0g0/0"].n == 3
     assert set(new.fleet.instances) == {"a#0", "b#0"}
     assert all(i.state == "pulling" for i in new.fleet.values())
-    assert set(new.held) == set(new.requests) and not new.queue and new.counters.manager_restarts == 1
+    assert set(new.held) == set(new.book.requests) and not new.book.queue and new.counters.manager_restarts == 1
     # the instance's next delta (it had sent token 7 into the void) is past the gap: dropped, nothing released
     feed(new, peer, tokens("s0g0/0", 4, [8]))
-    assert not sent(new, peer, M.Release) and new.requests["s0g0/0"].n == 3 and "s0g0/0" in new.held
+    assert not sent(new, peer, M.Release) and new.book.requests["s0g0/0"].n == 3 and "s0g0/0" in new.held
     # its resend (asked in the Welcome of its re-registration) overlaps the log: the rest is kept
     feed(new, peer, M.Register(job_id="a", attempt=0, kind="preemptible", max_batch=32))
     welcome = sent(new, peer, M.Welcome)[-1]
     assert welcome.resend and welcome.epoch == 2 and welcome.latest_checksum == 77
     feed(new, peer, tokens("s0g0/0", 0, [4, 5, 6, 7, 8]))
-    req = new.requests["s0g0/0"]
+    req = new.book.requests["s0g0/0"]
     assert req.state == "running" and req.instance == a and req.n == 5 and M.unpack_i32(bytes(req.ids)).tolist() == [
         4, 5, 6, 7, 8]
     # a resend that disagrees with the log is refused and released
-    rid = next(r for r in new.requests if r != "s0g0/0" and owner(core, r) == a)
-    other = next(r for r in new.requests if owner(core, r) != a)
-    new.requests[other].append(M.pack_i32([3]), M.pack_f32([0.0]), 1, 0)  # (as if the log held a token)
+    rid = next(r for r in new.book.requests if r != "s0g0/0" and owner(core, r) == a)
+    other = next(r for r in new.book.requests if owner(core, r) != a)
+    new.book.requests[other].append(M.pack_i32([3]), M.pack_f32([0.0]), 1, 0)  # (as if the log held a token)
     feed(new, peer, tokens(other, 0, [9, 9]))
-    assert [m.rids for m in sent(new, peer, M.Release)] == [[other]] and new.requests[other].state == "queued"
+    assert [m.rids for m in sent(new, peer, M.Release)] == [[other]] and new.book.requests[other].state == "queued"
     # another held response continued exactly where the log ends: adopted, tokens kept
     feed(new, peer, tokens(rid, 0, [9, 9]))
-    assert new.requests[rid].state == "running" and new.requests[rid].instance == a and new.requests[rid].n == 2
+    req = new.book.requests[rid]
+    assert req.state == "running" and req.instance == a and req.n == 2
     assert new.counters.responses_adopted == 2
     # the held rest is queued once the hold ends (2 s), and dispatched when an instance confirms the version
     feed(new, peer, LOADED)
@@ -128,7 +129,7 @@ def test_finished_responses_turns_and_acks_survive_and_the_step_completes_exactl
     commit(core, log)
     log.close()
     new, clock2, _ = restarted(tmp_path)
-    assert new.groups["s0g0"].delivered and new.groups["s0g0"].done == 2 and not new.seeding_open
+    assert new.book.groups["s0g0"].delivered and new.book.groups["s0g0"].done == 2 and not new.seeding_open
     assert sorted(new.held) == ["s0g1/0", "s0g1/1"]
     # the trainer's resent calls are answered as already done
     feed(new, TRAINER, M.SubmitStep(step=0, version=0, groups=[M.GroupSpec(
@@ -156,16 +157,16 @@ def test_a_resumed_trainer_of_another_version_drops_the_restored_work_and_counts
     new, _, _ = restarted(tmp_path)
     feed(new, b"trainer-2", M.TrainerHello(weights_endpoint="tcp://w2", model_config={}))
     feed(new, b"trainer-2", M.SetVersion(version=0, checksum=77, cid=3))  # the checkpoint of version 0 again
-    assert sent(new, b"trainer-2", M.Ok)[-1].cid == 3 and len(new.requests) == 4  # same version: kept
+    assert sent(new, b"trainer-2", M.Ok)[-1].cid == 3 and len(new.book.requests) == 4  # same version: kept
     new1, _, _ = restarted(tmp_path, epoch=3)
     feed(new1, b"trainer-2", M.TrainerHello(weights_endpoint="tcp://w2", model_config={}))
     feed(new1, b"trainer-2", M.SetVersion(version=0, checksum=78, cid=3))  # version 0 made by other weights
-    assert sent(new1, b"trainer-2", M.Ok)[-1].cid == 3 and not new1.requests  # (issue 50) not the same version
+    assert sent(new1, b"trainer-2", M.Ok)[-1].cid == 3 and not new1.book.requests  # (issue 50) not the same version
     assert new1.counters.responses_discarded_stale == 4
     new2, _, _ = restarted(tmp_path, epoch=4)
     feed(new2, b"trainer-3", M.TrainerHello(weights_endpoint="tcp://w3", model_config={}))
     feed(new2, b"trainer-3", M.SetVersion(version=1, checksum=9, cid=4))
-    assert sent(new2, b"trainer-3", M.Ok)[-1].cid == 4 and not new2.requests and not new2.held
+    assert sent(new2, b"trainer-3", M.Ok)[-1].cid == 4 and not new2.book.requests and not new2.held
     assert new2.counters.responses_discarded_stale == 4 and new2.counters.tokens_discarded_stale == 2
 
 
@@ -187,7 +188,7 @@ def test_a_manager_restarted_after_a_trainer_resumed_still_owes_it_the_groups_th
     manager owes the new trainer those groups — and still does after a manager restart, which replays the old
     trainer's acknowledgements and must replay the new trainer's hello as it was applied (not as a bare address)."""
     core, clock, log = started(tmp_path)
-    for rid in sorted(core.requests):
+    for rid in sorted(core.book.requests):
         feed(core, core.fleet.instances[owner(core, rid)].peer, tokens(rid, 0, [4, 1], finish=M.FINISH_STOP))
     for gid in ("s0g0", "s0g1"):
         feed(core, TRAINER, M.AckGroup(gid=gid))
@@ -206,11 +207,11 @@ def test_a_manager_restarted_after_a_resumed_trainer_changed_the_version_does_no
     feed(core, core.fleet.instances[owner(core, "s0g0/0")].peer, tokens("s0g0/0", 0, [4, 5]))
     feed(core, b"trainer-2", M.TrainerHello(weights_endpoint="tcp://w", model_config={}))
     feed(core, b"trainer-2", M.SetVersion(version=3, checksum=9, cid=1))
-    assert not core.requests
+    assert not core.book.requests
     commit(core, log)
     log.close()
     new, _, _ = restarted(tmp_path)
-    assert not new.requests and new.latest_version == 3 and new.trainer_peer == b"trainer-2"
+    assert not new.book.requests and new.latest_version == 3 and new.trainer_peer == b"trainer-2"
 
 
 def test_deltas_the_manager_refused_are_not_replayed(tmp_path):
@@ -224,11 +225,11 @@ def test_deltas_the_manager_refused_are_not_replayed(tmp_path):
     feed(core, b"stranger", tokens(rid, 0, [4] * 8, finish=M.FINISH_LENGTH))  # unknown peer: dropped
     feed(core, other.peer, tokens(rid, 0, [6] * 8, finish=M.FINISH_LENGTH))  # not its owner: late
     feed(core, core.fleet.instances[owner(core, rid)].peer, tokens(rid, 0, [5, 5]))  # accepted
-    assert core.requests[rid].n == 2 and core.requests[rid].state == "running"
+    assert core.book.requests[rid].n == 2 and core.book.requests[rid].state == "running"
     commit(core, log)
     log.close()
     new, _, _ = restarted(tmp_path)
-    req = new.requests[rid]
+    req = new.book.requests[rid]
     assert req.n == 2 and bytes(req.ids) == M.pack_i32([5, 5]) and req.state == "queued"
 
 
@@ -246,23 +247,23 @@ def test_an_adopted_resend_is_replayed_past_what_the_log_held(tmp_path):
     resend = tokens(rid, 0, [5, 5, 7, 7])
     feed(new, peer, M.Tokens(rids=resend.rids, offsets=resend.offsets, counts=resend.counts, versions=resend.versions,
                              finish=resend.finish, ids=resend.ids, logprobs=resend.logprobs, resent=True))
-    assert new.requests[rid].n == 4
+    assert new.book.requests[rid].n == 4
     commit(new, log)
     log.close()
     third, _, _ = restarted(tmp_path, epoch=3)
-    assert bytes(third.requests[rid].ids) == M.pack_i32([5, 5, 7, 7])
+    assert bytes(third.book.requests[rid].ids) == M.pack_i32([5, 5, 7, 7])
 
 
 def test_compaction_keeps_the_log_to_one_step(tmp_path):
     core, clock, log = started(tmp_path)
     sizes = []
     for step in range(6):
-        for rid in sorted(core.requests):
-            req = core.requests[rid]
+        for rid in sorted(core.book.requests):
+            req = core.book.requests[rid]
             if req.state == "running":
                 feed(core, core.fleet.instances[req.instance].peer, tokens(rid, 0, [4] * 7 + [1], version=req.version,
                                                                               finish=M.FINISH_STOP))
-        for gid in list(core.groups):
+        for gid in list(core.book.groups):
             feed(core, TRAINER, M.AckGroup(gid=gid))
         feed(core, TRAINER, M.SetVersion(version=step + 1, checksum=step))
         for peer in (b"a", b"b"):
@@ -273,7 +274,7 @@ def test_compaction_keeps_the_log_to_one_step(tmp_path):
         sizes.append((tmp_path / "work.log").stat().st_size)
     assert max(sizes) - min(sizes) <= 8 and max(sizes) < 2_000, sizes  # (counters gain digits, nothing piles up)
     new, _, _ = restarted(tmp_path)
-    assert new.step == 6 and new.latest_version == 6 and len(new.requests) == 4
+    assert new.step == 6 and new.latest_version == 6 and len(new.book.requests) == 4
     assert new.counters.registrations == 2  # the counters of the snapshot
 
 
@@ -298,7 +299,7 @@ def test_a_log_torn_at_any_byte_is_recovered_up_to_its_last_complete_record(tmp_
     last = max(i for i, r in enumerate(full) if isinstance(r, W.Frame))  # (running totals may follow it)
     (tmp_path / "work.log").write_bytes(data[:sum(len(W.frame(r)) for r in full[:last + 1]) - 3])
     new, _, log2 = restarted(tmp_path)
-    assert new.requests[rid].n == 7  # the last delta was torn
+    assert new.book.requests[rid].n == 7  # the last delta was torn
     log2.close()
     assert W.read(tmp_path / "work.log")[1] == (tmp_path / "work.log").stat().st_size  # the tail was cut
 
@@ -443,7 +444,7 @@ def test_a_trajectory_keeps_its_turns_and_a_tool_call_in_flight_is_asked_again(t
     commit(core, log)
     log.close()
     new, _, _ = restarted(tmp_path)
-    r0, r1 = new.requests["s0g0/0"], new.requests["s0g0/1"]
+    r0, r1 = new.book.requests["s0g0/0"], new.book.requests["s0g0/1"]
     assert r0.turn == 1 and r0.turn_start == 4 and r0.observations == [2, 2] and r0.state == "queued"
     assert M.unpack_i32(bytes(r0.ids)).tolist() == [7, DOT, 40, 41]
     assert r1.state == "environment" and [m.rid for m in sent(new, ENV_PEER, M.EnvCall)] == ["s0g0/1"]
@@ -482,7 +483,7 @@ def test_a_step_naming_a_group_twice_is_refused(tmp_path):
     g = M.GroupSpec(gid="s0g0", prompt_ids=[1], n=2, max_new_tokens=4, temperature=1.0, top_p=1.0, seed=0,
                     stop_ids=[])
     feed(core, TRAINER, M.SubmitStep(step=0, version=0, groups=[g, g], cid=9))
-    assert "duplicate request id s0g0/0" in sent(core, TRAINER, M.Error)[-1].error and not core.requests
+    assert "duplicate request id s0g0/0" in sent(core, TRAINER, M.Error)[-1].error and not core.book.requests
 
 
 @pytest.mark.integration
@@ -564,12 +565,12 @@ def test_a_resumed_trainer_that_kept_the_restored_version_keeps_its_steps_in_fli
     commit(core, log)
     log.close()
     new, _, log = restarted(tmp_path)
-    for rid in sorted(new.requests):  # the step finishes; the trainer changes the version as always
-        req = new.requests[rid]
+    for rid in sorted(new.book.requests):  # the step finishes; the trainer changes the version as always
+        req = new.book.requests[rid]
         req.move(RequestState.RUNNING, "replayed")
         new._finish(req, "stop")
     feed(new, b"trainer-2", M.SetVersion(version=1, checksum=78, cid=2))
-    assert new.counters.responses_discarded_stale == 0 and len(new.requests) == 4
+    assert new.counters.responses_discarded_stale == 0 and len(new.book.requests) == 4
 
 
 def test_a_first_manager_killed_while_it_starts_is_started_again_within_the_budget():
@@ -654,7 +655,7 @@ def test_a_migration_of_the_step_in_flight_is_still_counted_after_a_restart(tmp_
     a = owner(core, "s0g0/0")
     peer = core.fleet.instances[a].peer
     feed(core, peer, tokens("s0g0/0", 0, [4, 5]))
-    mine = sorted(r for r in core.requests if owner(core, r) == a)
+    mine = sorted(r for r in core.book.requests if owner(core, r) == a)
     feed(core, peer, M.Released(rids=mine, tokens_generated=2))
     feed(core, peer, M.Deregister(reason="preempted (SIGTERM)", tokens_generated=2, cause="preempted"))
     before = core.stats()
@@ -668,8 +669,8 @@ def test_a_migration_of_the_step_in_flight_is_still_counted_after_a_restart(tmp_
     for f in ("responses_migrated", "tokens_migrated", "instances_preempted_with_warning", "migrations_by_engine",
               "migrations_by_turn", "registrations", "dispatched"):
         assert getattr(after, f) == getattr(before, f), f
-    assert after.manager_restarts == 1 and all(new.requests[r].migrations == 1 for r in mine)
-    assert all(new.requests[r].migrations == 0 for r in new.requests if r not in mine)
+    assert after.manager_restarts == 1 and all(new.book.requests[r].migrations == 1 for r in mine)
+    assert all(new.book.requests[r].migrations == 0 for r in new.book.requests if r not in mine)
     # a second restart of the same step keeps them too (the restored totals are journaled by the next commit)
     feed(new, b"b", M.Heartbeat(version=0, active=0, tokens_generated=0))
     new.worklog.append(W.Silent("b#0", True))
@@ -708,7 +709,7 @@ def test_a_held_response_with_tokens_that_no_instance_adopts_is_counted_as_migra
     clock2.t = 2.5  # the hold is over: no instance resent
     new.tick()
     assert new.counters.responses_migrated == 1 and new.counters.tokens_migrated == 2
-    assert new.requests["s0g0/0"].migrations == 1 and all(r.migrations == 0 for k, r in new.requests.items()
+    assert new.book.requests["s0g0/0"].migrations == 1 and all(r.migrations == 0 for k, r in new.book.requests.items()
                                                           if k != "s0g0/0")
     assert any(isinstance(r, W.Migrated) and r.rid == "s0g0/0" for r in new.worklog)
 

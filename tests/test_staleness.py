@@ -36,7 +36,7 @@ def make(k=1, on_new_version="finish", worklog=False):
 
 def finish_all(core, step):
     """Every running response of ``step`` finishes with the version its instance holds."""
-    for rid, req in sorted(core.requests.items()):
+    for rid, req in sorted(core.book.requests.items()):
         if req.step == step and req.state == "running":
             inst = core.fleet.instances[req.instance]
             feed(core, inst.peer, tokens(rid, 0, [4, 1], version=inst.version, finish=M.FINISH_STOP))
@@ -55,7 +55,7 @@ def test_k_steps_ahead_are_admitted_and_no_more():
     submit(core, step=2, version=2)
     err = sent(core, TRAINER)[0]
     assert isinstance(err, M.Error) and "max_staleness = 1" in err.error
-    assert core.requests["s1g0/0"].version == 0  # the oldest version its tokens may have
+    assert core.book.requests["s1g0/0"].version == 0  # the oldest version its tokens may have
 
 
 def test_strict_on_policy_is_unchanged_at_k0():
@@ -99,7 +99,7 @@ def test_tokens_of_the_window_are_accepted_and_older_ones_fence():
     feed(core, b"a", tokens("s1g0/0", 0, [4, 4], version=0))  # made before the instance loaded version 1
     loaded(core, b"a", 1)
     feed(core, b"a", tokens("s1g0/0", 2, [4], version=1))  # the same response, continued under version 1
-    req = core.requests["s1g0/0"]
+    req = core.book.requests["s1g0/0"]
     assert req.n == 3 and req.runs == [0, 2, 1, 1] and core.counters.off_version_tokens_rejected == 0
     feed(core, TRAINER, M.AckGroup(gid="s0g0"))
     submit(core, step=2, n=1, version=2)
@@ -124,10 +124,10 @@ def test_a_response_goes_only_to_an_instance_holding_a_version_of_its_window():
     feed(core, TRAINER, M.AckGroup(gid="s0g0"))
     submit(core, step=1, n=1, version=2)  # window 1..2: not for the instance, which still holds version 0
     core.tick()
-    assert core.requests["s1g0/0"].state == "queued"
+    assert core.book.requests["s1g0/0"].state == "queued"
     loaded(core, b"a", 1)
     core.tick()
-    assert core.requests["s1g0/0"].instance == "a#0"
+    assert core.book.requests["s1g0/0"].instance == "a#0"
     work = sent(core, b"a", M.Assign)[-1].works[0]
     assert work.version == 1  # the version the instance holds (its agent checks it)
 
@@ -140,7 +140,7 @@ def test_compaction_keeps_every_step_in_flight_and_a_restart_restores_them(tmp_p
     submit(core, step=1, n=2, version=1)
     core.tick()
     finish_all(core, 0)
-    running = sorted(r for r, q in core.requests.items() if q.step == 1 and q.state == "running")
+    running = sorted(r for r, q in core.book.requests.items() if q.step == 1 and q.state == "running")
     assert running
     feed(core, b"a", tokens(running[0], 0, [7, 7, 7]))  # a partial response of step 1
     for g in ("s0g0",):
@@ -150,9 +150,9 @@ def test_compaction_keeps_every_step_in_flight_and_a_restart_restores_them(tmp_p
     commit(core, log)
     new = ManagerCore(clock=Clock(), epoch=2, settings=core.settings)
     restore(new, W.WorkLog(tmp_path / "work.log", "run", 2, keep=True).restored, 0.0)
-    assert {r.step for r in new.requests.values()} == {1, 2}
-    assert new.requests[running[0]].n == 3 and new.requests[running[0]].version == 0
-    assert new.requests["s2g0/0"].version == 1
+    assert {r.step for r in new.book.requests.values()} == {1, 2}
+    assert new.book.requests[running[0]].n == 3 and new.book.requests[running[0]].version == 0
+    assert new.book.requests["s2g0/0"].version == 1
 
 
 def _two_compactions_with_step_1_partial(tmp_path, *, migrate: bool) -> tuple[ManagerCore, ManagerCore]:
@@ -167,7 +167,7 @@ def _two_compactions_with_step_1_partial(tmp_path, *, migrate: bool) -> tuple[Ma
     feed(core, b"a", tokens("s1g0/0", 0, [9, 9]))
     if migrate:
         feed(core, b"a", M.Released(rids=["s1g0/0"], tokens_generated=2))  # a migration of step 1's response
-        assert core.requests["s1g0/0"].migrations == 1
+        assert core.book.requests["s1g0/0"].migrations == 1
     feed(core, b"a", tokens("s0g0/0", 0, [4, 1], finish=M.FINISH_STOP))
     feed(core, TRAINER, M.AckGroup(gid="s0g0"))
     feed(core, TRAINER, M.SetVersion(version=1))
@@ -183,15 +183,15 @@ def _two_compactions_with_step_1_partial(tmp_path, *, migrate: bool) -> tuple[Ma
 
 def test_a_second_compaction_keeps_a_step_still_in_flight(tmp_path):
     _, new = _two_compactions_with_step_1_partial(tmp_path, migrate=False)
-    assert new.requests["s1g0/0"].n == 2
-    assert new.requests["s2g0/0"].state == "done"
+    assert new.book.requests["s1g0/0"].n == 2
+    assert new.book.requests["s2g0/0"].state == "done"
 
 
 def test_a_migration_of_a_step_still_in_flight_survives_two_compactions_and_a_restart(tmp_path):
     """Regression: compaction kept a step in flight's tokens and finishes but not its migrations, so a restart after
     it gave the migrated response a count of 0 (the trainer's per-step ``responses_migrated`` missed it)."""
     core, new = _two_compactions_with_step_1_partial(tmp_path, migrate=True)
-    assert new.requests["s1g0/0"].n == 2 and new.requests["s1g0/0"].migrations == 1
+    assert new.book.requests["s1g0/0"].n == 2 and new.book.requests["s1g0/0"].migrations == 1
     assert new.counters.responses_migrated == core.counters.responses_migrated >= 1
 
 
@@ -205,24 +205,25 @@ def test_a_reserved_engine_takes_only_the_step_trained_or_seeded_never_one_ahead
     submit(core, step=0, n=4, version=0)
     submit(core, step=1, n=2, version=1)
     core.tick()
-    assert {q.step for q in core.requests.values() if q.state == "running"} == {0}  # Θ = 4: step 0 only
+    assert {q.step for q in core.book.requests.values() if q.state == "running"} == {0}  # Θ = 4: step 0 only
     feed(core, TRAINER, M.CloseSeeding(step=0))  # no preemptible instance: the co-located fallback
     finish_all(core, 0)
     core.tick()
-    assert {r: q.state for r, q in core.requests.items() if q.step == 1} == {"s1g0/0": "queued", "s1g0/1": "queued"}
+    step1 = {r: q.state for r, q in core.book.requests.items() if q.step == 1}
+    assert step1 == {"s1g0/0": "queued", "s1g0/1": "queued"}
     feed(core, TRAINER, M.AckGroup(gid="s0g0"))
     feed(core, TRAINER, M.SetVersion(version=1))
     loaded(core, b"r", 1)
     submit(core, step=2, n=2, version=2)  # seeding step 1: its work goes to the reserved engine, step 2's does not
     commit(core, log)
     core.tick()
-    assert {q.step for q in core.requests.values() if q.state == "running"} == {1}
+    assert {q.step for q in core.book.requests.values() if q.state == "running"} == {1}
     new = ManagerCore(clock=Clock(), epoch=2, settings=core.settings)
     restore(new, W.WorkLog(tmp_path / "work.log", "run", 2, keep=True).restored, 0.0)
     assert (new.train_step, new.seeding_open) == (0, True)
     register(core, b"a", "a", version=1)  # a preemptible instance takes the step ahead
     core.tick()
-    assert core.requests["s2g0/0"].state == "running" and core.requests["s2g0/0"].instance.startswith("a")
+    assert core.book.requests["s2g0/0"].state == "running" and core.book.requests["s2g0/0"].instance.startswith("a")
 
 
 def test_a_step_submitted_ahead_is_seeded_by_the_reserved_engine_once_the_step_before_it_is_trained(tmp_path):
@@ -241,12 +242,12 @@ def test_a_step_submitted_ahead_is_seeded_by_the_reserved_engine_once_the_step_b
     finish_all(core, 0)
     feed(core, TRAINER, M.AckGroup(gid="s0g0"))
     core.tick()
-    assert {q.step for q in core.requests.values() if q.state == "running"} == set()  # 1 and 2 are ahead of 0
+    assert {q.step for q in core.book.requests.values() if q.state == "running"} == set()  # 1 and 2 are ahead of 0
     feed(core, TRAINER, M.SetVersion(version=1))
     loaded(core, b"r", 1)
     commit(core, log)
     core.tick()
-    assert {q.step for q in core.requests.values() if q.state == "running"} == {1}  # step 1 seeds; 2 is ahead
+    assert {q.step for q in core.book.requests.values() if q.state == "running"} == {1}  # step 1 seeds; 2 is ahead
     new = ManagerCore(clock=Clock(), epoch=2, settings=core.settings)
     restore(new, W.WorkLog(tmp_path / "work.log", "run", 2, keep=True).restored, 0.0)
     assert (new.train_step, new.seeding_open) == (0, True)

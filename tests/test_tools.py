@@ -159,7 +159,7 @@ def test_a_hung_tool_call_times_out_into_an_error_observation_and_the_trajectory
         while svc.env.pending and time.monotonic() - t0 < 60:
             svc._environment()
             time.sleep(0.01)
-        good, hung = core.requests["g/1"], core.requests["g/0"]
+        good, hung = core.book.requests["g/1"], core.book.requests["g/0"]
         assert good.state == hung.state == "queued" and good.turn == hung.turn == 1
         obs = lambda r: env._hf.decode(M.unpack_i32(bytes(r.ids[4 * r.observations[0]:4 * r.turn_start])).tolist())
         assert "Result: 5" in obs(good) and "ran past its 1 s deadline" in obs(hung)

@@ -87,7 +87,7 @@ def test_a_tool_call_goes_to_the_environment_and_the_next_turn_continues_from_th
     core.on_message(b"a", tok("s0g0/0", 0, [7, 8, DOT], M.FINISH_STOP))
     (call,) = take(core, ENV_PEER)
     assert call.turn == 0 and M.unpack_i32(call.turn_ids).tolist() == [7, 8, DOT]
-    assert core.requests["s0g0/0"].state == "environment" and not core.fleet.instances["a#0"].inflight
+    assert core.book.requests["s0g0/0"].state == "environment" and not core.fleet.instances["a#0"].inflight
     observe(core, "s0g0/0", 0, [90, 91])
     core.tick()
     (w1,) = take(core, b"a", M.Assign)[0].works
@@ -113,7 +113,7 @@ def test_budgets_per_turn_and_per_trajectory():
     (w1,) = take(core, b"a", M.Assign)[0].works
     assert w1.tokens_left == 3  # 12 − 6 − 3: the trajectory's budget bounds the turn's
     core.on_message(b"a", tok("s0g0/0", 0, [1, 2, 3, 4]))  # past it: fenced, never appended
-    assert core.fleet.instances["a#0"].state == "fenced" and core.requests["s0g0/0"].n == 9
+    assert core.fleet.instances["a#0"].state == "fenced" and core.book.requests["s0g0/0"].n == 9
 
 
 def test_an_observation_that_leaves_no_room_ends_the_trajectory():
@@ -192,7 +192,7 @@ def test_the_last_turn_never_calls_the_environment():
     take(core)
     core.on_message(b"a", tok("s0g0/0", 0, [8, DOT], M.FINISH_STOP))  # a call in turn 2 of 2: the end
     assert not [m for p, m in core.outbox if p == ENV_PEER]
-    assert core.requests["s0g0/0"].state == "done" and core.counters.environment_calls == 1
+    assert core.book.requests["s0g0/0"].state == "done" and core.counters.environment_calls == 1
 
 
 def test_environment_results_only_from_the_environment_and_only_for_the_waiting_turn():
@@ -201,9 +201,9 @@ def test_environment_results_only_from_the_environment_and_only_for_the_waiting_
     take(core)
     core.on_message(b"a", M.EnvResult(rid="s0g0/0", turn=0, obs_ids=M.pack_i32([5])))  # an instance cannot
     observe(core, "s0g0/0", 3, [5])  # a stale turn
-    assert core.requests["s0g0/0"].state == "environment" and core.requests["s0g0/0"].n == 2
+    assert core.book.requests["s0g0/0"].state == "environment" and core.book.requests["s0g0/0"].n == 2
     observe(core, "s0g0/0", 0, [5], status="timeout")
-    assert core.requests["s0g0/0"].state == "queued" and core.counters.environment_timeouts == 1
+    assert core.book.requests["s0g0/0"].state == "queued" and core.counters.environment_timeouts == 1
 
 
 def test_the_version_never_changes_under_a_trajectory_waiting_for_its_tool():
@@ -260,7 +260,7 @@ def _drive(factory, core: ManagerCore, interrupt: tuple[str, int] | None) -> dic
     fresh = 0
     out: dict[str, M.Response] = {}
     pos: dict[str, int] = {}
-    total = sum(len(g.rids) for g in core.groups.values())
+    total = sum(len(g.rids) for g in core.book.groups.values())
     for _ in range(20_000):
         core.tick()
         outbox, core.outbox = core.outbox, []
@@ -285,7 +285,7 @@ def _drive(factory, core: ManagerCore, interrupt: tuple[str, int] | None) -> dic
                     finish=[M.FINISH_CODES[ev.finish_reason] if ev.finished else 0],
                     ids=M.pack_i32(ev.token_ids), logprobs=M.pack_f32(ev.logprobs)))
                 pos[ev.rid] += len(ev.token_ids)
-                req = core.requests[ev.rid]
+                req = core.book.requests[ev.rid]
                 if interrupt and ev.rid == interrupt[0] and req.n >= interrupt[1] and req.state == "running":
                     interrupt = None  # preempted: what it has not sent yet is lost, its work migrates
                     core.on_message(peer, M.Deregister(reason="preempted", tokens_generated=0, cause="preempted"))

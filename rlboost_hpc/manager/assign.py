@@ -42,7 +42,7 @@ def dispatch(core) -> None:
     An instance silent for more than ``dispatch_silence_s`` gets no new work while it stays routable: a node
     that vanished without closing its connections (power loss, partition) keeps its running responses until
     the heartbeat deadline suspects it, but takes no more with it."""
-    if not core.queue:
+    if not core.book.queue:
         return
     now = core.clock()
     heard = now - core.dispatch_silence_s
@@ -52,13 +52,13 @@ def dispatch(core) -> None:
         return
     batches: dict[str, list[M.Work]] = {}
     deferred: list[str] = []
-    share = arrival_share(len(core.queue) + sum(len(i.inflight) for i in cands), len(cands), arriving(core, now))
+    share = arrival_share(len(core.book.queue) + sum(len(i.inflight) for i in cands), len(cands), arriving(core, now))
     limit = {i.key: min(core.pending_limit, i.max_batch, share or i.max_batch) for i in cands}
     free = [i for i in cands if len(i.inflight) < limit[i.key]]  # in key order
     choose = core._rr.choose if core.dispatch_policy == "round_robin" else choose_instance
-    while core.queue and free:
-        rid = core.queue.popleft()
-        req = core.requests.get(rid)
+    while core.book.queue and free:
+        rid = core.book.queue.popleft()
+        req = core.book.requests.get(rid)
         if req is None or req.state != R.QUEUED:
             continue
         # not back where a Release is still pending; holding a version of its window; no step ahead on a reserved
@@ -86,6 +86,6 @@ def dispatch(core) -> None:
         core.counters.dispatched += 1
         if inst.kind == "preemptible":  # with its peak so far (balance() keeps it current)
             core.step_account.dispatched(inst.key, core.clock(), core.balancer.peak(inst.key))
-    core.queue.extendleft(reversed(deferred))
+    core.book.queue.extendleft(reversed(deferred))
     for key, works in batches.items():
         core.send(core.fleet.instances[key].peer, M.Assign(works=works))

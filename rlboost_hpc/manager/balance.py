@@ -40,20 +40,20 @@ def balance(core, now: float) -> None:
         if (i := core.fleet.get(key)) is None or i.state in (S.GONE, S.SUSPECT):
             core.balancer.forget(key)
     core._rate_marks = marks
-    if not core.balancing or len(insts) < 2 or core.queue:  # queued work goes to idle instances by JSQ, not by moves
+    if not core.balancing or len(insts) < 2 or core.book.queue:  # queued work goes to idle instances by JSQ, not moves
         return
     by_key = {i.key: i for i in insts}
     loads = [InstanceLoad(i.key, 0, len(i.inflight - i.releasing), min(i.max_batch, core.pending_limit))
              for i in insts]
     moves = core.balancer.moves_for(
         loads, now, queued_of=lambda k: [],
-        running_of=lambda k: [(r, core.requests[r].n) for r in sorted(by_key[k].inflight - by_key[k].releasing)
-                              if r in core.requests], tail=True)  # nothing is queued here (returned above otherwise)
+        running_of=lambda k: [(r, core.book.requests[r].n) for r in sorted(by_key[k].inflight - by_key[k].releasing)
+                              if r in core.book.requests], tail=True)  # nothing is queued here (returned above else)
     release: dict[str, list[str]] = {}
     for m in moves:
         if m.kind == "running":
             release.setdefault(m.src, []).append(m.rid)
-            core.requests[m.rid].prefer = m.dst  # JSQ alone could hand it to any idle instance, a slow one too
+            core.book.requests[m.rid].prefer = m.dst  # JSQ alone could hand it to any idle instance, a slow one too
     for key, rids in release.items():
         inst = by_key[key]
         inst.releasing |= set(rids)

@@ -10,7 +10,8 @@ instance holds a version new work may go to (:meth:`~ManagerCore.serves`, :meth:
 message handlers are parts mixed into :class:`ManagerCore`, each declaring what of the core it uses:
 ``instance_registry.py`` (instances: registration, liveness, weight loads, fencing, the end of an attempt; who is
 registered and in which state is the :class:`~rlboost_hpc.manager.fleet.Fleet`'s),
-``request_table.py`` (responses: token deltas, turns and tool calls, finishes, migrations) and
+``request_table.py`` (responses: token deltas, turns and tool calls, finishes, migrations; the responses, their
+groups and the queue are the :class:`~rlboost_hpc.manager.request_book.RequestBook`'s) and
 ``trainer_calls.py`` (the trainer: versions, steps, the delivery of GRPO groups). Dispatch (``assign.py``),
 balancing (``balance.py``) and crash recovery (``restore.py``) are functions of the core.
 
@@ -61,18 +62,18 @@ Invariants (each has a test in tests/test_manager_core.py):
 from __future__ import annotations
 
 import logging
-from collections import deque
 from typing import Callable
 
 from rlboost_hpc.observe.timeline import Activity, ActivityClock
 from rlboost_hpc.policy.dispatch import Balancer, PlateauEstimator, RoundRobin
 from rlboost_hpc.policy.relay import RelayTree
-from rlboost_hpc.manager.state import Group, Instance, InstanceState, Request, VersionLineage
+from rlboost_hpc.manager.state import Instance, InstanceState, VersionLineage
 from rlboost_hpc.manager import worklog as W
 from rlboost_hpc.manager.assign import dispatch
 from rlboost_hpc.manager.balance import balance
 from rlboost_hpc.manager.fleet import Fleet
 from rlboost_hpc.manager.instance_registry import InstanceRegistry
+from rlboost_hpc.manager.request_book import RequestBook
 from rlboost_hpc.manager.request_table import RequestTable
 from rlboost_hpc.manager.restore import release_held
 from rlboost_hpc.manager.settings import ManagerSettings
@@ -147,9 +148,7 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         self.stream_every_tokens, self.stream_every_s = s.stream_every_tokens, s.stream_every_s
         self.outbox: list[tuple[bytes, M._Msg]] = []
         self.fleet = Fleet(self._state_changed)  # the registered instances, their states and the ended identities
-        self.requests: dict[str, Request] = {}
-        self.groups: dict[str, Group] = {}
-        self.queue: deque[str] = deque()
+        self.book = RequestBook()  # the responses of the steps in flight, their GRPO groups and the queue
         # who speaks as the trainer (its peer; b"": none yet) and what its hello said, as the work log holds it: the
         # weight server, the assembly manifest of sharded versions (JSON; "" = one weight server), the trainer's
         # config.json and parsed ModelArch, a LoRA run's AdapterSpec (versions are adapters on its base)

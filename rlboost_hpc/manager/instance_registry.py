@@ -14,9 +14,10 @@ import logging
 from typing import Callable
 
 from rlboost_hpc.manager import worklog as W
+from rlboost_hpc.manager.request_book import RequestBook
 from rlboost_hpc.manager.restore import take_over, unsent_tokens
 from rlboost_hpc.manager.fleet import Fleet
-from rlboost_hpc.manager.state import Instance, InstanceState, Request, VersionLineage
+from rlboost_hpc.manager.state import Instance, InstanceState, VersionLineage
 from rlboost_hpc.manager.stats import ManagerDistributions, VersionServingClock
 from rlboost_hpc.observe.timeline import ActivityClock
 from rlboost_hpc.policy.relay import RelayTree, Source
@@ -50,7 +51,7 @@ class InstanceRegistry:
     # the core's state this part reads and writes (set in ManagerCore.__init__): the registry and its accounts
     clock: Callable[[], float]
     fleet: Fleet
-    requests: dict[str, Request]
+    book: RequestBook
     counters: ManagerCounters
     dist: ManagerDistributions
     activity: ActivityClock
@@ -104,7 +105,7 @@ class InstanceRegistry:
             return
         taken = list(inst.inflight)
         self.counters.responses_assigned_to_vanished += sum(
-            1 for rid in taken if rid in self.requests and self.requests[rid].assigned_at > inst.last_seen)
+            1 for rid in taken if (r := self.book.get(rid)) is not None and r.assigned_at > inst.last_seen)
         for rid in taken:
             self._requeue(rid, inst, reason)
         inst.taken_back.update(taken)

@@ -3,7 +3,8 @@ appended (the hot path: one ``Tokens`` frame carries many), an assistant turn en
 environment and its observation appended (multi-turn trajectories), a finished response counted and passed on to
 its GRPO group, a failed or released one requeued at the head of the queue (a migration).
 
-A part of :class:`~rlboost_hpc.manager.core.ManagerCore` (a mixin: the same state, the same single writer, pure:
+The responses, their groups and the queue are the :class:`~rlboost_hpc.manager.request_book.RequestBook`'s. A part of
+:class:`~rlboost_hpc.manager.core.ManagerCore` (a mixin: the same single writer, pure:
 no sockets, time from the core's injected clock); the invariants it keeps are the core's token-level ones: 1
 (a delta of a version outside the request's window is rejected and its instance fenced), 2 (deltas from any
 instance but the owner are dropped as late), 3 (a delta starts exactly at the response's current length), 5 (a
@@ -12,10 +13,10 @@ migrated response resumes within its budget) and 8 (trajectories: every turn and
 from __future__ import annotations
 
 import logging
-from collections import deque
 from typing import Callable
 
 from rlboost_hpc.manager import worklog as W
+from rlboost_hpc.manager.request_book import RequestBook
 from rlboost_hpc.manager.restore import adopt
 from rlboost_hpc.manager.state import ENV_PEER, Instance, Request, RequestState
 from rlboost_hpc.manager.step_account import StepAccount
@@ -41,8 +42,7 @@ class RequestTable:
     # the core's state this part reads and writes (set in ManagerCore.__init__)
     clock: Callable[[], float]
     counters: ManagerCounters
-    requests: dict[str, Request]
-    queue: deque[str]
+    book: RequestBook
     latest_version: int
     max_staleness: int
     max_attempts: int
@@ -52,13 +52,13 @@ class RequestTable:
 
     def _requeue(self, rid: str, inst: Instance, why: str) -> None:
         """Take ``rid`` back from ``inst`` and put it at the head of the queue (a migration)."""
-        req = self.requests.get(rid)
+        req = self.book.get(rid)
         inst.inflight.discard(rid)
         inst.releasing.discard(rid)
         self._note_activity(inst)
         if req is None or req.state != R.RUNNING or req.instance != inst.key:
             return
-        req.move(R.QUEUED)
+        self.book.first_in_line(req)
         req.migrations += 1
         self.log_work(W.Migrated(rid))
         self.counters.responses_migrated += 1
@@ -72,7 +72,6 @@ class RequestTable:
             self.counters.tokens_in_interrupted_turns += req.n - req.turn_start
             self.counters.assistant_tokens_in_interrupted_trajectories += req.n - req.observation_tokens()
         self.counters.tokens_migrated += req.n
-        self.queue.appendleft(rid)
         log.debug("migrating %s (%d tokens) off %s: %s", rid, req.n, inst.key, why)
 
     def _on_Tokens(self, peer: bytes, inst: Instance | None, msg: M.Tokens) -> None:
@@ -88,7 +87,7 @@ class RequestTable:
         inst.tokens_received += total
         if inst.kind == "preemptible":
             self.counters.tokens_received_preemptible += total
-        requests, key, latest = self.requests, inst.key, self.latest_version
+        requests, key, latest = self.book.requests, inst.key, self.latest_version
         ids, lps = memoryview(msg.ids), memoryview(msg.logprobs)
         lo = late = 0
         for i, (rid, off, cnt, ver, fin) in enumerate(zip(msg.rids, msg.offsets, counts, msg.versions, msg.finish)):
@@ -169,7 +168,7 @@ class RequestTable:
         first (it is the tail of its step); no room left for it and one more token finishes the trajectory."""
         if peer != ENV_PEER:
             return self._unknown(peer, "environment result")
-        req = self.requests.get(msg.rid)
+        req = self.book.get(msg.rid)
         if req is None or req.state != R.ENVIRONMENT or req.turn != msg.turn:
             self.counters.protocol_rejects += 1
             return
@@ -188,8 +187,7 @@ class RequestTable:
         self.counters.observation_tokens += len(msg.obs_ids) // 4
         req.append_observation(msg.obs_ids)
         self.log_work(W.Observation(req.rid, msg.obs_ids))
-        req.move(R.QUEUED)
-        self.queue.appendleft(req.rid)
+        self.book.first_in_line(req)
 
     def _environment_step(self, req: Request, msg: M.EnvResult) -> None:
         """A stateful environment's answer: its reward kept; ``done``, the last turn, no room for the observation or
@@ -211,14 +209,13 @@ class RequestTable:
             return
         self.counters.observation_tokens += k
         req.append_observation(msg.obs_ids)
-        req.move(R.QUEUED)
-        self.queue.appendleft(req.rid)
+        self.book.first_in_line(req)
 
     def _on_RequestFailed(self, peer: bytes, inst: Instance | None, msg: M.RequestFailed) -> None:
         if inst is None:
             return self._unknown(peer, "request-failed")
         self.counters.request_failures += 1
-        req = self.requests.get(msg.rid)
+        req = self.book.get(msg.rid)
         log.warning("instance %s failed request %s: %s", inst.key, msg.rid, msg.error)
         if req is not None and req.instance == inst.key and req.state == R.RUNNING:
             self._requeue(msg.rid, inst, "engine failure")

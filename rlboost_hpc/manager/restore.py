@@ -38,26 +38,25 @@ def restore(core, records: list[W.Record], now: float) -> None:
         if isinstance(rec, W.Begin) and i:  # a manager restarted after the log's first record (the snapshot's)
             core.counters.manager_restarts += 1
         _apply(core, rec, now)
-    core.queue.clear()
+    core.book.queue.clear()
     if core.max_staleness:  # the steps in flight survive the next compaction (TrainerCalls._steps_in_flight)
         core.since_compact = list(records)
-    core.held = {rid: None for rid, r in core.requests.items() if r.state == R.QUEUED}
+    core.held = {r.rid: None for r in core.book.unfinished() if r.state == R.QUEUED}
     core.held_since = now
-    for r in core.requests.values():
+    for r in core.book.unfinished():
         if r.state == R.ENVIRONMENT:  # its tool call died with the old manager's environment: ask again (a
             core.send(ENV_PEER, r.env_call())  # stateful environment is rebuilt by replaying the trajectory)
-    step_groups = [g for g in core.groups.values() if g.step == core.step]
-    if step_groups and all(g.done >= len(g.rids) for g in step_groups):
+    if core.book.step_rolled_out(core.step):
         core.step_account.rollout_done_at = now
     core.counters.manager_restarts += 1
     log.info("restored from the work log: step %d, version %d, %d responses (%d unfinished, %d tokens), "
-             "%d instances", core.step, core.latest_version, len(core.requests), len(core.held),
-             sum(r.n for r in core.requests.values()), len(core.fleet))
+             "%d instances", core.step, core.latest_version, len(core.book), len(core.held),
+             sum(r.n for r in core.book.requests.values()), len(core.fleet))
 
 
 def _apply(core, rec: W.Record, now: float) -> None:
     """One record, as the manager that wrote it had applied it."""
-    req: Request | None = core.requests.get(getattr(rec, "rid", ""))
+    req: Request | None = core.book.get(getattr(rec, "rid", ""))
     if isinstance(rec, W.Frame):
         _replay_tokens(core, rec)
     elif isinstance(rec, W.Finished):
@@ -65,7 +64,7 @@ def _apply(core, rec: W.Record, now: float) -> None:
             if req.state == R.QUEUED:
                 req.move(R.RUNNING, REPLAYED)
             req.move(R.DONE, finish_reason=rec.reason)
-            core.groups[req.gid].done += 1
+            core.book.group_done(req)
     elif isinstance(rec, W.ToolCall):
         if req is not None and req.state == R.QUEUED:
             req.move(R.RUNNING, REPLAYED)
@@ -83,8 +82,8 @@ def _apply(core, rec: W.Record, now: float) -> None:
         if req is not None:
             req.migrations += 1
     elif isinstance(rec, W.Acked):
-        if rec.gid in core.groups:
-            core.groups[rec.gid].delivered = True
+        if rec.gid in core.book.groups:
+            core.book.groups[rec.gid].delivered = True
     elif isinstance(rec, W.Joined):
         inst = Instance(key=rec.key, peer=rec.peer, kind=rec.kind, max_batch=rec.max_batch, registered_at=now,
                         last_seen=now, engine=rec.engine, relay_endpoint=rec.relay_endpoint, restored=True, spoke=False)
@@ -128,7 +127,7 @@ def _replay_tokens(core, rec: W.Frame) -> None:
     ids, lps, lo, dropped = memoryview(msg.ids), memoryview(msg.logprobs), 0, set(rec.dropped)
     for rid, off, cnt, ver in zip(msg.rids, msg.offsets, msg.counts, msg.versions):
         hi = lo + 4 * cnt
-        req = core.requests.get(rid)
+        req = core.book.requests.get(rid)
         if req is not None and rid not in dropped and req.state != R.DONE and ver >= req.version:
             start = req.turn_start + off
             skip = req.n - start  # > 0: an adopted resend, applied past what the log held
@@ -172,10 +171,8 @@ def take_over(core, inst: Instance, peer: bytes) -> None:
     reserved engine): that connection takes the identity over — the old routing id never spoke to this manager —
     once; the new agent holds nothing to resend. Responses it was adopting are queued."""
     for rid in list(inst.inflight):
-        req = core.requests[rid]
         inst.inflight.discard(rid)
-        req.move(R.QUEUED)
-        core.queue.appendleft(rid)
+        core.book.first_in_line(core.book.requests[rid])
     core.fleet.rebind(inst, peer)
     inst.restored, inst.tokens_received, inst.tokens_generated, inst.spoke = False, 0, 0, True  # (a new agent)
     core._note_activity(inst)
@@ -201,10 +198,10 @@ def release_held(core, now: float) -> None:
     if over or not any(i.restored and (i.last_seen > t0 or now < t0 + core.alive_every_s)  # (after a second, only
                        for i in core.fleet.values()):  # those that spoke since the restart count)
         for rid in core.held:
-            req = core.requests.get(rid)
+            req = core.book.get(rid)
             if req is None or req.state != R.QUEUED:
                 continue
-            core.queue.append(rid)
+            core.book.last_in_line(req)
             if req.n:
                 req.migrations += 1
                 core.counters.responses_migrated += 1
@@ -221,9 +218,8 @@ def discard_stale(core) -> int:
     unfinished responses were made by weights the trainer does not have. They are dropped (their instances told
     to release them) and counted; returns how many."""
     n, ended = 0, []
-    for rid, req in list(core.requests.items()):
-        if req.state == R.DONE:
-            continue
+    for req in list(core.book.unfinished()):
+        rid = req.rid
         n += 1
         if req.env_row:
             ended.append(rid)
@@ -236,9 +232,7 @@ def discard_stale(core) -> int:
             core.send(inst.peer, M.Release(rids=[rid]))
     if ended:
         core.send(ENV_PEER, M.EnvRelease(ended))
-    core.requests.clear()
-    core.groups.clear()
-    core.queue.clear()
+    core.book.clear()
     core.held, core.held_since = {}, None
     return n
 
@@ -247,6 +241,6 @@ def new_trainer(core) -> None:
     """A trainer other than the restored one said hello (a resumed trainer): every finished group it has not
     acknowledged is its to take, whoever acknowledged it before; the counters start over with it (its checkpoint
     holds the totals of the incarnations before)."""
-    for g in core.groups.values():
+    for g in core.book.groups.values():
         g.delivered = False
     core.counters = ManagerCounters()

@@ -211,7 +211,7 @@ class ManagerService:
             if now - last_tick >= tick_s:
                 self.core.tick()
                 last_tick = last_dispatch = now
-            elif self.core.queue and now - last_dispatch >= 0.002:
+            elif self.core.book.queue and now - last_dispatch >= 0.002:
                 # queued work waits for capacity: dispatch often, but liveness (O(N) over the instances) only
                 # once per tick
                 self.core.dispatch()

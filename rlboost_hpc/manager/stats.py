@@ -71,7 +71,7 @@ def manager_stats(core) -> ManagerStats:
     states: dict[str, int] = {}
     for i in core.fleet.values():
         states[i.state] = states.get(i.state, 0) + 1
-    reqs = core.requests
+    reqs = core.book.requests
     c = core.counters
     decision = core.policy_decision
     return ManagerStats(
@@ -89,7 +89,7 @@ def manager_stats(core) -> ManagerStats:
         decode_tokens_per_s_by_batch={str(b): v for b, v in sorted(core.pool_rates.ema.items())},
         latest_version=core.latest_version,
         step=core.step,
-        queued=len(core.queue),
+        queued=len(core.book.queue),
         running=sum(len(i.inflight) for i in core.fleet.values()),
         instances_by_state={str(k): v for k, v in states.items()},
         routable_preemptible=sum(1 for i in core.fleet.values() if i.kind == "preemptible" and core.routable(i)),

@@ -10,16 +10,15 @@ nothing twice.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from typing import Callable
 
 import numpy as np
 
 from rlboost_hpc.manager import worklog as W
 from rlboost_hpc.manager.fleet import Fleet
+from rlboost_hpc.manager.request_book import RequestBook
 from rlboost_hpc.manager.restore import discard_stale, new_trainer
-from rlboost_hpc.manager.state import (Group, Instance, Request, RequestState as R, InstanceState as S,
-                                       VersionLineage, step_requests)
+from rlboost_hpc.manager.state import Group, Instance, InstanceState as S, Request, VersionLineage
 from rlboost_hpc.manager.step_account import StepAccount
 from rlboost_hpc.manager.stats import ManagerDistributions, VersionServingClock
 from rlboost_hpc.observe.timeline import ActivityClock
@@ -53,9 +52,7 @@ class TrainerCalls:
     relay: RelayTree
     on_version: Callable[[int], None] | None
     fleet: Fleet
-    requests: dict[str, Request]
-    groups: dict[str, Group]
-    queue: deque[str]
+    book: RequestBook
     trainer: W.Hello
     trainer_peer: bytes | None
     latest_version: int
@@ -115,7 +112,7 @@ class TrainerCalls:
                         self.latest_checksum)
         # (k = 0: every unfinished response; k ≥ 1: those whose window the new version leaves)
         oldest = msg.version - self.max_staleness
-        unfinished = [r for r in self.requests.values() if r.state != R.DONE and r.version < oldest]
+        unfinished = [r for r in self.book.unfinished() if r.version < oldest]
         if unfinished:
             self.send(peer, M.Error(what="setver", cid=msg.cid, error=(
                 f"{len(unfinished)} responses of version {unfinished[0].version} are unfinished; the version "
@@ -160,8 +157,9 @@ class TrainerCalls:
                                         f" (max_staleness = {self.max_staleness})" if self.max_staleness else "")))
             return
         if msg.groups and all(
-                g.gid in self.groups and self.groups[g.gid].step == msg.step
-                and self.requests[self.groups[g.gid].rids[0]].prompt_ids == list(g.prompt_ids) for g in msg.groups):
+                g.gid in self.book.groups and self.book.groups[g.gid].step == msg.step
+                and self.book.requests[self.book.groups[g.gid].rids[0]].prompt_ids == list(g.prompt_ids)
+                for g in msg.groups):
             self.send(peer, M.Ok(what="submit", cid=msg.cid))  # a resent call: the step is already submitted
             return
         if not self.environment and any(g.max_turns > 1 for g in msg.groups):
@@ -169,7 +167,8 @@ class TrainerCalls:
                                                                       "(the manager was started without one)"))
             return
         new = [(g.gid, f"{g.gid}/{i}") for g in msg.groups for i in range(g.n)]
-        dup = next((rid for gid, rid in new if rid in self.requests and not self.groups[gid].delivered), None)
+        dup = next((rid for gid, rid in new if rid in self.book.requests and not self.book.groups[gid].delivered),
+                   None)
         if dup is None and len({rid for _, rid in new}) < len(new):  # (twice in this call)
             dup = next(rid for _, rid in new if sum(r == rid for _, r in new) > 1)
         if dup is not None:
@@ -196,7 +195,7 @@ class TrainerCalls:
         self.since_compact = []
         if not self.max_staleness:
             return []
-        live = {gid for gid, g in self.groups.items() if not g.delivered and g.step != step}
+        live = {gid for gid, g in self.book.groups.items() if not g.delivered and g.step != step}
         out: list[W.Record] = []
         for rec in kept:
             if isinstance(rec, W.Submit):
@@ -216,16 +215,8 @@ class TrainerCalls:
         """Forget the delivered groups of earlier steps, open seeding and queue ``groups`` of ``step`` (trained by
         weight ``version``; its responses admit versions from ``version − max_staleness``): a submitted step, or one
         rebuilt from the work log."""
-        for gid in [g for g, grp in self.groups.items() if grp.delivered]:
-            for rid in self.groups.pop(gid).rids:
-                self.requests.pop(rid, None)
+        self.book.open_step(step, version - self.max_staleness, groups)
         self.step, self.seeding_open, self.failed_step = max(self.step, step), True, None
-        for g in groups:
-            reqs = step_requests(step, version - self.max_staleness, g)
-            for r in reqs:
-                self.requests[r.rid] = r
-                self.queue.append(r.rid)
-            self.groups[g.gid] = Group(step=step, gid=g.gid, rids=[r.rid for r in reqs])
 
     def _on_CloseSeeding(self, peer: bytes, inst: Instance | None, msg: M.CloseSeeding) -> None:
         if not self._trainer_only(peer, "close-seeding"):
@@ -265,7 +256,7 @@ class TrainerCalls:
 
     def _on_AckGroup(self, peer: bytes, inst: Instance | None, msg: M.AckGroup) -> None:
         if self._trainer_only(peer, "ack"):
-            grp = self.groups.get(msg.gid)
+            grp = self.book.groups.get(msg.gid)
             if grp is not None and not grp.delivered:
                 grp.delivered = True
                 self.log_work(W.Acked(msg.gid))
@@ -275,18 +266,16 @@ class TrainerCalls:
 
     def _on_Redeliver(self, peer: bytes, inst: Instance | None, msg: M.Redeliver) -> None:
         if self._trainer_only(peer, "redeliver"):
-            for grp in self.groups.values():
-                if grp.done == len(grp.rids) and not grp.delivered:
-                    self._deliver(grp)
-                    self.counters.groups_redelivered += 1
+            for grp in self.book.ready_to_deliver():
+                self._deliver(grp)
+                self.counters.groups_redelivered += 1
 
     # ------------------------------------------------------------------ progress
     def _group_progress(self, req: Request) -> None:
-        grp = self.groups[req.gid]
-        grp.done += 1
+        grp = self.book.group_done(req)
         if grp.done < len(grp.rids):
             return
-        if grp.step == self.step and all(g.done >= len(g.rids) for g in self.groups.values() if g.step == self.step):
+        if grp.step == self.step and self.book.step_rolled_out(self.step):
             self.step_account.rollout_done(self.clock())
         if self.trainer_peer is None:
             return
@@ -298,7 +287,7 @@ class TrainerCalls:
         """Send a finished group to the trainer (again, when it asks: it acknowledges what it took)."""
         responses = []
         for rid in grp.rids:
-            r = self.requests[rid]
+            r = self.book.requests[rid]
             # the versions the engines stamped (checked per delta above, and again by the trainer)
             responses.append(M.Response(
                 rid=rid, sample=r.sample, ids=bytes(r.ids), logprobs=bytes(r.logprobs),
