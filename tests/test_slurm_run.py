@@ -166,9 +166,10 @@ class SlurmRun:
 
 
 def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_restarts(tmp_path):
-    # 50 steps: both preemptions and the scavenger's and controller's restarts are over by step ~6 (≈ 40 s). With 100
-    # steps the run went on for 500 s more and the test took 582 s of pytest's 600 s limit on an idle machine.
-    overrides = ("--set trainer.steps=50 --set rollout.max_new_tokens=128 --set rollout.prompts_per_step=16 "
+    # 30 steps: both preemptions, the scavenger's and controller's restarts and the trainer's requeue are over by step
+    # ~10 (≈ 45 s; the rollout jobs reconnect to the resumed trainer then). With 100 steps the run went on for 500 s
+    # more and the test took 582 s of pytest's 600 s limit on an idle machine; 50 steps took 180–215 s.
+    overrides = ("--set trainer.steps=30 --set rollout.max_new_tokens=128 --set rollout.prompts_per_step=16 "
                  "--set cluster.max_workers=3 --set policy.t_seed_initial_s=0.3 --set network.bind_host=127.0.0.1 "
                  "--set policy.cap=false "  # a steady target: every rollout job ends by preemption or at the end
                  # rollout settings off their defaults: each Slurm rollout job must run with them (worker spec)
@@ -213,7 +214,7 @@ def test_rlboost_run_on_slurm_survives_preemption_scavenger_and_controller_resta
     runs = {json.loads(line)["run"] for f in run_dir.glob("train-*.out") for line in f.read_text().splitlines()
             if line.startswith('{"ts"')}
     assert runs == {run_id}, runs
-    assert rep["steps"] == 50
+    assert rep["steps"] == 30
     assert rep["preemptions"] >= 2
     assert rep["resumes"] == 1 and rep["resumed_from_step"] < at_requeue, (rep["resumed_from_step"], at_requeue)
     reconnected = {(e["job_id"], e["attempt"]) for e in events(run_dir)[n_events:] if e.get("event") == "reconnect"}
