@@ -1,4 +1,5 @@
-"""The main job with SGLang preemptible workers (issue 5 acceptance): real SGLang servers on CPU, real preemptions.
+"""The main job with SGLang preemptible workers (issue 5 acceptance): real SGLang servers on CPU, real preemptions;
+and a LoRA run whose versions reach an SGLang worker as adapters (issue 57).
 
 Each preemptible worker starts its own SGLang server (``rollout.engine = "sglang"``; start-up 30–45 s on this
 box, off the agent's heartbeat loop); the reserved seeding engine stays torch. Responses therefore migrate
@@ -93,3 +94,43 @@ def test_multi_turn_trajectories_on_sglang_workers(repo_root, tmp_path):
     assert rep["migrations_by_engine"]["into"].get("sglang", 0) >= 1, why
     assert rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0, why
     assert rep["tokens_trained_off_version"] == 0 and rep["prompts_not_trained_exactly_once"] == 0, why
+
+
+def test_a_lora_run_serves_each_adapter_version_from_sglang_workers(repo_root, tmp_path):
+    """Issue 57 (second list: SGLang with LoRA was shown on an engine built by hand with a made-up base checksum):
+    ``rlboost-hpc run`` of the tiny Qwen3 with ``trainer.lora`` on an SGLang worker. The worker loads the base once
+    (from model.path, which it sees) and every version after as an adapter through SGLang's adapter API; the steps it
+    serves hold its tokens, and the logprobs it served equal the trainer's with that step's adapter (a server serving
+    the base or another version would not: the adapter trains at lr 5e-3). No preemption here (the demo's test above
+    has them): the run is sized for one server's start-up (≈ 40 s) plus ≥ 5 steps of service."""
+    from _models import make_model_dir
+
+    model = make_model_dir(tmp_path / "qwen3", "qwen3", tied=False, seed=3)
+    (tmp_path / "trace.csv").write_text("0,add,a0\n")
+    out = tmp_path / "run"
+    p = run_cli(repo_root, out, f"model.path='{model}'", "task.name=gsm8k", "trainer.steps=40",
+                "task.train_prompts=320", "task.heldout_prompts=4", "trainer.eval_samples=1",
+                "rollout.prompts_per_step=8", "rollout.max_new_tokens=48", "weights.dtype=float32",
+                'rollout.engine="sglang"', 'rollout.device="cpu"',
+                *[f'rollout.sglang.env.{k}="{v}"' for k, v in stub_env().items()],
+                f'cluster.trace="{tmp_path / "trace.csv"}"', "cluster.time_scale=1.0", "cluster.replay_s=600",
+                "cluster.window_start_s=0", "cluster.max_workers=1", "policy.cap=false",
+                "trainer.lora.rank=4", "trainer.lora.alpha=8", "trainer.lr=5e-3",
+                'trainer.lora.target_modules=["all-linear"]', "policy.t_seed_initial_s=0.3",
+                "policy.adaptive_seeding=false", "policy.seed_until_trainable=false")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = json.loads((out / "report.json").read_text())
+    why = diagnose(p, out)
+    assert rep["rollout_engine"] == "sglang" and rep["steps"] == 40, why
+    assert rep["responses_lost"] == rep["responses_duplicated"] == rep["tokens_trained_off_version"] == 0, why
+    assert rep["prompts_not_trained_exactly_once"] == 0 and rep["weight_checksum_mismatches"] == 0, why
+    assert rep["lora"]["base_loads"]["path"] == 1 and rep["lora"]["base_pulled_bytes"] == 0, rep["lora"]
+    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    served = [m for m in steps if m["rollout_by_kind"]["preemptible"]["tokens"] > 0]
+    assert len({m["version"] for m in served}) >= 5, ([m["step"] for m in served], why)
+    # the behaviour logprobs (SGLang's on those steps) are the trainer's under the step's adapter
+    assert all(m["logprob_diff_max"] < 1e-3 for m in served), [(m["step"], m["logprob_diff_max"]) for m in served]
+    assert max(m["logprob_diff_max"] for m in steps) < 1e-3
+    from safetensors.torch import load_file  # ... and the adapter trained: it is not the base
+    adapter = load_file(out / "adapter/adapter_model.safetensors")
+    assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)
