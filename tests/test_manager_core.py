@@ -401,7 +401,7 @@ def test_unregistered_peers_cannot_inject_tokens_or_steer():
     submit(core, n=1)
     core.on_message(b"x", tokens("s0g0/0", 0, [4]))
     core.on_message(b"x", M.SetVersion(version=5))
-    assert core.latest_version == 0 and core.book.requests["s0g0/0"].n == 0
+    assert core.lineage.latest.number == 0 and core.book.requests["s0g0/0"].n == 0
     assert core.counters.protocol_rejects >= 2
 
 
@@ -642,7 +642,7 @@ def test_balancer_moves_running_requests_beyond_a_learned_plateau_to_an_idle_ins
 
     def stream(peer, rids, per_rid):  # each running request advances by per_rid tokens
         for r in rids:
-            core.on_message(peer, tokens(r, pos.get(r, 0), [5] * per_rid, version=core.latest_version))
+            core.on_message(peer, tokens(r, pos.get(r, 0), [5] * per_rid, version=core.lineage.latest.number))
             pos[r] = pos.get(r, 0) + per_rid
 
     step = 0

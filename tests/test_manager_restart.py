@@ -82,7 +82,7 @@ def test_a_restarted_manager_rebuilds_the_step_and_the_instance_continues_at_the
     log.close()
 
     new, clock2, log2 = restarted(tmp_path)
-    assert new.trainer_peer == TRAINER and new.latest_version == 0 and new.latest_checksum == 77
+    assert new.trainer_peer == TRAINER and new.lineage.latest.number == 0 and new.lineage.latest.checksum == 77
     assert new.step == 0 and len(new.book.requests) == 4 and new.book.requests["s0g0/0"].n == 3
     assert set(new.fleet.instances) == {"a#0", "b#0"}
     assert all(i.state == "pulling" for i in new.fleet.values())
@@ -211,7 +211,7 @@ def test_a_manager_restarted_after_a_resumed_trainer_changed_the_version_does_no
     commit(core, log)
     log.close()
     new, _, _ = restarted(tmp_path)
-    assert not new.book.requests and new.latest_version == 3 and new.trainer_peer == b"trainer-2"
+    assert not new.book.requests and new.lineage.latest.number == 3 and new.trainer_peer == b"trainer-2"
 
 
 def test_deltas_the_manager_refused_are_not_replayed(tmp_path):
@@ -274,7 +274,7 @@ def test_compaction_keeps_the_log_to_one_step(tmp_path):
         sizes.append((tmp_path / "work.log").stat().st_size)
     assert max(sizes) - min(sizes) <= 8 and max(sizes) < 2_000, sizes  # (counters gain digits, nothing piles up)
     new, _, _ = restarted(tmp_path)
-    assert new.step == 6 and new.latest_version == 6 and len(new.book.requests) == 4
+    assert new.step == 6 and new.lineage.latest.number == 6 and len(new.book.requests) == 4
     assert new.counters.registrations == 2  # the counters of the snapshot
 
 

@@ -215,7 +215,7 @@ def test_the_version_never_changes_under_a_trajectory_waiting_for_its_tool():
     take(core)
     core.on_message(TRAINER, M.SetVersion(version=1))
     (err,) = take(core, TRAINER, M.Error)
-    assert "unfinished" in err.error and core.latest_version == 0
+    assert "unfinished" in err.error and core.lineage.latest.number == 0
 
 
 def test_multi_turn_groups_need_an_environment():

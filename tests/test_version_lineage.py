@@ -62,6 +62,19 @@ def test_the_lineage_keeps_number_and_checksum_and_a_resume_cuts_what_lies_above
     assert zero.holds(VersionId(5, 123)) and not zero.holds(VersionId(4, 0))
 
 
+def test_the_lineage_owns_the_latest_version_and_names_it_by_number_and_checksum():
+    """The latest version lives in the lineage, one value (was a number on the manager beside a checksum looked up in
+    the lineage): none before the first SetVersion, the newest made current after, a resume's lower number too."""
+    lin = VersionLineage(window=1)
+    assert lin.latest == VersionId(-1, 0) and not lin.is_latest(VersionId(-1, 0))
+    for v in range(5):
+        lin.make_current(VersionId(v, OLD[v]))
+    assert lin.latest == VersionId(4, OLD[4]) and lin.is_latest(VersionId(4, OLD[4]))
+    assert not lin.is_latest(VersionId(4, 7)) and not lin.is_latest(VersionId(3, OLD[3]))  # held, not the latest
+    lin.make_current(VersionId(2, NEW[2]))
+    assert lin.latest == VersionId(2, NEW[2]) and not lin.is_latest(VersionId(4, OLD[4]))
+
+
 def test_a_version_id_names_the_same_weights_by_number_and_known_checksums():
     """Issue 56: one rule for "the same version" wherever a version travels (the agent's staleness, the manager's
     repeat of SetVersion, a restored journal): the number, and the checksums where both are known."""
@@ -81,7 +94,7 @@ def test_a_trainer_resumed_two_versions_back_strands_no_instance():
     assert core.routable(a) and not core.routable(b)
     core.on_message(RESUMED, M.TrainerHello(weights_endpoint="tcp://w2", model_config={}))
     core.on_message(RESUMED, M.SetVersion(version=2, checksum=NEW[2], cid=1))
-    assert sent(core, RESUMED, M.Ok)[-1].cid == 1 and core.latest_version == 2 and core.latest_checksum == NEW[2]
+    assert sent(core, RESUMED, M.Ok)[-1].cid == 1 and core.lineage.latest == VersionId(2, NEW[2])
     # trainer → manager → instance: both are told the resumed trainer's version, with its identity
     for peer in (b"a", b"b"):
         nv = sent(core, peer, M.NewVersion)[-1]
@@ -121,7 +134,7 @@ def test_the_same_trainer_cannot_make_the_current_version_current_again_with_oth
     assert sent(core, TRAINER, M.Ok)[-1].cid == 7
     core.on_message(TRAINER, M.SetVersion(version=4, checksum=99, cid=8))
     err = sent(core, TRAINER, M.Error)[-1]
-    assert err.cid == 8 and "checksum" in err.error and core.latest_checksum == OLD[4]
+    assert err.cid == 8 and "checksum" in err.error and core.lineage.latest.checksum == OLD[4]
 
 
 def test_a_resumed_trainer_at_the_latest_number_with_other_weights_is_a_new_lineage():
@@ -145,7 +158,7 @@ def test_a_restarted_manager_routes_only_to_the_resumed_trainers_lineage(tmp_pat
     commit(core, log)
     log.close()
     new, _, log = restarted(tmp_path)
-    assert new.latest_version == 4 and new.latest_checksum == OLD[4]
+    assert new.lineage.latest.number == 4 and new.lineage.latest.checksum == OLD[4]
     register(new, b"a", "a", version=None)
     feed(new, b"a", loaded(4, OLD[4]))  # its weights are the restored version's: kept
     assert new.routable(new.fleet.instances["a#0"])
@@ -156,7 +169,7 @@ def test_a_restarted_manager_routes_only_to_the_resumed_trainers_lineage(tmp_pat
     commit(new, log)
     log.close()
     again, _, _ = restarted(tmp_path, epoch=3)  # the lineage survives a restart of the manager
-    assert again.latest_version == 2 and again.latest_checksum == NEW[2]
+    assert again.lineage.latest.number == 2 and again.lineage.latest.checksum == NEW[2]
     assert again.lineage.holds(VersionId(2, NEW[2])) and not again.lineage.holds(VersionId(4, OLD[4]))
 
 

@@ -82,7 +82,6 @@ from rlboost_hpc.manager.stats import ManagerDistributions, VersionServingClock,
 from rlboost_hpc.manager.trainer_calls import TrainerCalls
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.stats import ManagerCounters, ManagerStats, StepActivity
-from rlboost_hpc.protocol.version import VersionId
 
 S = InstanceState
 
@@ -117,9 +116,7 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         self.environment = environment
         self.epoch = epoch  # incarnation of the run's manager (manager/journal.py); 0 without a journal
         self.alive_every_s = alive_every_s
-        # bounded staleness: k; a routable instance holds at least latest − route_lag (k with "continue", else 0)
-        self.max_staleness, self.on_new_version, self.route_lag = s.max_staleness, s.on_new_version, (
-            s.max_staleness if s.on_new_version == "continue" else 0)
+        self.max_staleness, self.on_new_version = s.max_staleness, s.on_new_version  # bounded staleness: k
         self.on_version: Callable[[int], None] | None = None  # set by the service (manager/journal.py)
         # The balancer's rate learner always runs (its peak rates measure remote work for the observation law,
         # policy/observation.py); it moves work only when balancing is on.
@@ -153,8 +150,9 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         # weight server, the assembly manifest of sharded versions (JSON; "" = one weight server), the trainer's
         # config.json and parsed ModelArch, a LoRA run's AdapterSpec (versions are adapters on its base)
         self.trainer = W.Hello(b"", "", "", {}, {})
-        self.latest_version = -1
-        self.lineage = VersionLineage(self.route_lag)  # the versions of the current trainer lineage (routing)
+        # the versions of the current trainer lineage and the latest (routing): a routable instance holds one of the
+        # last k + 1 with on_new_version = "continue", else the latest
+        self.lineage = VersionLineage(s.max_staleness if s.on_new_version == "continue" else 0)
         # who serves the latest version to whom (policy/relay.py); reserved instances pull in-process, never relay
         self.relay = RelayTree(fanout=s.relay_fanout, trainer_fanout=s.relay_trainer_fanout)
         self.step, self.seeding_open, self.failed_step, self.train_step = -1, False, None, -1  # failed_step: why it failed
@@ -184,26 +182,15 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
                 self.since_compact.append(rec)
 
     # ------------------------------------------------------------------ routing (invariant 4)
-    @property
-    def latest_checksum(self) -> int:
-        """Whole-version checksum of ``latest_version``'s manifest, as the trainer gave it (0: not given)."""
-        return self.lineage.checksum(self.latest_version)
-
-    @property
-    def latest(self) -> VersionId:
-        """The latest version's identity (``latest_version`` and its checksum)."""
-        return VersionId(self.latest_version, self.latest_checksum)
-
     def serves(self, inst: Instance) -> bool:
         """Ready with a version new work may go to: the latest, or (``on_new_version = "continue"``) one of the
         k before it — of the current lineage (number and checksum: :class:`VersionLineage`), so an instance holding
         a version a resumed trainer never made is never routed to, whatever its number."""
-        return (inst.state == S.READY and inst.version >= self.latest_version - self.route_lag
-                and self.lineage.holds(inst.identity))
+        return inst.state == S.READY and self.lineage.holds(inst.identity)  # (held: within the lineage's window)
 
     def holds_latest(self, inst: Instance) -> bool:
         """``inst`` loaded the latest version of the current lineage (its number and its checksum)."""
-        return inst.version == self.latest_version and self.lineage.holds(inst.identity)
+        return self.lineage.is_latest(inst.identity)
 
     def routable(self, inst: Instance) -> bool:
         if not self.serves(inst):

@@ -24,7 +24,6 @@ from rlboost_hpc.policy.relay import RelayTree, Source
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.identity import instance_key
 from rlboost_hpc.protocol.stats import ManagerCounters
-from rlboost_hpc.protocol.version import VersionId
 
 S = InstanceState
 
@@ -59,15 +58,11 @@ class InstanceRegistry:
     relay: RelayTree
     heartbeat_timeout_s: float
     # routing: the version new work may go to, the co-located fallback, who speaks as the trainer
-    latest_version: int
     lineage: VersionLineage
-    route_lag: int
     seeding_open: bool
     trainer_peer: bytes | None
     # what Welcome tells an instance
     trainer: W.Hello
-    latest_checksum: int
-    latest: VersionId
     epoch: int
     heartbeat_s: float
     stream_every_tokens: int
@@ -87,7 +82,7 @@ class InstanceRegistry:
 
     def _new_version(self, inst: Instance) -> None:
         src = self._pull_source(inst)
-        self.send(inst.peer, M.NewVersion(version=self.latest.number, checksum=self.latest.checksum,
+        self.send(inst.peer, M.NewVersion(version=self.lineage.latest.number, checksum=self.lineage.latest.checksum,
                                           peers=list(src.peers), wait=src.wait,
                                           weights_endpoint=self.trainer.weights_endpoint,
                                           weights_shards=self.trainer.weights_shards))
@@ -96,7 +91,7 @@ class InstanceRegistry:
         for key, src in handed:
             i = self.fleet.get(key)
             if i is not None:
-                self.send(i.peer, M.PullFrom(version=self.latest.number, checksum=self.latest.checksum,
+                self.send(i.peer, M.PullFrom(version=self.lineage.latest.number, checksum=self.lineage.latest.checksum,
                                              peers=list(src.peers)))
 
     def _suspect(self, inst: Instance, reason: str) -> None:
@@ -210,13 +205,13 @@ class InstanceRegistry:
             self.counters.registrations += 1
             self._note_activity(existing)
         inst = existing
-        src = self._pull_source(inst) if self.latest_version >= 0 and not self.holds_latest(inst) else Source()
+        src = self._pull_source(inst) if self.lineage.latest.number >= 0 and not self.holds_latest(inst) else Source()
         self.send(peer, M.Welcome(
-            instance=key, latest_version=self.latest_version, weights_endpoint=self.trainer.weights_endpoint,
+            instance=key, latest_version=self.lineage.latest.number, weights_endpoint=self.trainer.weights_endpoint,
             model_config=self.trainer.model_config, model_arch=self.trainer.model_arch, heartbeat_s=self.heartbeat_s,
             stream_every_tokens=self.stream_every_tokens, stream_every_s=self.stream_every_s, epoch=self.epoch,
             peers=list(src.peers), wait=src.wait, weights_shards=self.trainer.weights_shards,
-            latest_checksum=self.latest_checksum, resend=inst.restored, on_new_version=self.on_new_version,
+            latest_checksum=self.lineage.latest.checksum, resend=inst.restored, on_new_version=self.on_new_version,
             adapter=self.trainer.adapter))
 
     def _unknown(self, peer: bytes, what: str) -> None:
@@ -253,12 +248,13 @@ class InstanceRegistry:
         self.counters.weight_pulled_bytes += msg.wire_bytes + msg.base_wire_bytes
         if msg.base_source:
             self._count_base(msg)
-        if msg.version == self.latest_version and self.latest_checksum and msg.checksum != self.latest_checksum:
+        latest = self.lineage.latest
+        if msg.version == latest.number and latest.checksum and msg.checksum != latest.checksum:
             # bytes other than the trainer's export: never routable; it is asked to leave (a replacement pulls anew)
             self.counters.weight_checksum_mismatches += 1
             self.counters.weight_load_failures += 1
             reason = (f"loaded version {msg.version} with checksum {msg.checksum:x}, the trainer published "
-                      f"{self.latest_checksum:x}")
+                      f"{latest.checksum:x}")
             self._fence(inst, reason)
             self.send(inst.peer, M.Drain(reason=reason))
             return
@@ -267,8 +263,8 @@ class InstanceRegistry:
         if not of_lineage:  # a version the current trainer never made (a pull begun before a resume): not routable
             self.counters.weight_loads_of_another_lineage += 1
             log.info("instance %s loaded version %d (checksum %x), not of the current lineage (latest %d, checksum "
-                     "%x): it is not routed to", inst.key, msg.version, msg.checksum, self.latest_version,
-                     self.latest_checksum)
+                     "%x): it is not routed to", inst.key, msg.version, msg.checksum, self.lineage.latest.number,
+                     self.lineage.latest.checksum)
         self.version_serving.reported.add(inst.key)  # not about to load the latest any more (manager/assign.py)
         delay = self.version_serving.loaded(inst.key, msg.version, self.clock()) if of_lineage else None
         if delay is not None:
@@ -276,7 +272,7 @@ class InstanceRegistry:
         self._note_activity(inst)
         if self.holds_latest(inst) and inst.kind == "preemptible":  # it holds it: it serves it too
             self._hand_out(self.relay.done(inst.key, inst.relay_endpoint))
-        if inst.state in (S.PULLING, S.FENCED) and of_lineage and msg.version >= self.latest_version - self.route_lag:
+        if inst.state in (S.PULLING, S.FENCED) and of_lineage:  # (of the lineage: within its window of versions)
             self.fleet.set_state(inst, S.READY)
             inst.ready_at = inst.ready_at or self.clock()
             if inst.kind == "preemptible" and not self.seeding_open:  # the end of a co-located fallback

@@ -18,7 +18,7 @@ from typing import Callable
 from rlboost_hpc.manager import worklog as W
 from rlboost_hpc.manager.request_book import RequestBook
 from rlboost_hpc.manager.restore import adopt
-from rlboost_hpc.manager.state import ENV_PEER, Instance, Request, RequestState
+from rlboost_hpc.manager.state import ENV_PEER, Instance, Request, RequestState, VersionLineage
 from rlboost_hpc.manager.step_account import StepAccount
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.stats import ManagerCounters
@@ -43,7 +43,7 @@ class RequestTable:
     clock: Callable[[], float]
     counters: ManagerCounters
     book: RequestBook
-    latest_version: int
+    lineage: VersionLineage
     max_staleness: int
     max_attempts: int
     step_account: StepAccount
@@ -87,7 +87,7 @@ class RequestTable:
         inst.tokens_received += total
         if inst.kind == "preemptible":
             self.counters.tokens_received_preemptible += total
-        requests, key, latest = self.book.requests, inst.key, self.latest_version
+        requests, key, latest = self.book.requests, inst.key, self.lineage.latest.number
         ids, lps = memoryview(msg.ids), memoryview(msg.logprobs)
         lo = late = 0
         for i, (rid, off, cnt, ver, fin) in enumerate(zip(msg.rids, msg.offsets, counts, msg.versions, msg.finish)):

@@ -50,7 +50,7 @@ def restore(core, records: list[W.Record], now: float) -> None:
         core.step_account.rollout_done_at = now
     core.counters.manager_restarts += 1
     log.info("restored from the work log: step %d, version %d, %d responses (%d unfinished, %d tokens), "
-             "%d instances", core.step, core.latest_version, len(core.book), len(core.held),
+             "%d instances", core.step, core.lineage.latest.number, len(core.book), len(core.held),
              sum(r.n for r in core.book.requests.values()), len(core.fleet))
 
 
@@ -108,11 +108,10 @@ def _apply(core, rec: W.Record, now: float) -> None:
         if rec.weights_shards:
             core.relay.fanout = 0
     elif isinstance(rec, W.Version):
-        if core._new_trainer and not rec.identity.same_weights(core.latest):  # the resumed trainer's version ruled
+        if core._new_trainer and not rec.identity.same_weights(core.lineage.latest):  # the resumed trainer's ruled
             discard_stale(core)
         core._new_trainer = False
-        core.latest_version = rec.version
-        core.lineage.make_current(rec.identity)  # (and latest_checksum with it)
+        core.lineage.make_current(rec.identity)  # (the latest with it)
     elif isinstance(rec, W.Seeding):
         core.seeding_open = rec.open
         if not rec.open:

@@ -78,11 +78,13 @@ class VersionLineage:
     leaves the number alone to name its version.
 
     ``window``: the versions before the newest a request may still admit (bounded staleness k; 0: only the newest).
+    ``latest``: the newest version's identity (number −1: none yet).
     """
 
     def __init__(self, window: int = 0) -> None:
         self.window = window
         self._checksums: dict[int, int] = {}
+        self.latest = VersionId(-1, 0)
 
     def make_current(self, version: VersionId) -> None:
         """``version`` is the newest of the lineage: every version at or above its number leaves it (versions of an
@@ -90,12 +92,17 @@ class VersionLineage:
         n = version.number
         self._checksums = {v: c for v, c in self._checksums.items() if n - self.window <= v < n}
         self._checksums[n] = version.checksum
+        self.latest = version
 
     def holds(self, version: VersionId) -> bool:
         """Whether ``version`` (as an instance reports it) is a version of the lineage (within the window): its
         number is, with its checksum — or the trainer gave none for that number."""
         known = self._checksums.get(version.number)
         return known is not None and (known == 0 or known == version.checksum)
+
+    def is_latest(self, version: VersionId) -> bool:
+        """``version`` is the newest of the lineage (its number, with its checksum)."""
+        return version.number == self.latest.number and self.holds(version)
 
     def checksum(self, version: int) -> int:
         """The checksum of ``version`` in the lineage (0: not given, or not of the lineage)."""

@@ -87,7 +87,7 @@ def manager_stats(core) -> ManagerStats:
             partial=sum(1 for r in i.inflight if r in reqs and reqs[r].n > 0))
             for i in core.fleet.values() if i.state != S.GONE},
         decode_tokens_per_s_by_batch={str(b): v for b, v in sorted(core.pool_rates.ema.items())},
-        latest_version=core.latest_version,
+        latest_version=core.lineage.latest.number,
         step=core.step,
         queued=len(core.book.queue),
         running=sum(len(i.inflight) for i in core.fleet.values()),

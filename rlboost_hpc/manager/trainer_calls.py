@@ -25,7 +25,6 @@ from rlboost_hpc.observe.timeline import ActivityClock
 from rlboost_hpc.policy.relay import RelayTree
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.stats import ManagerCounters
-from rlboost_hpc.protocol.version import VersionId
 
 log = logging.getLogger("rlboost.manager")
 
@@ -55,9 +54,6 @@ class TrainerCalls:
     book: RequestBook
     trainer: W.Hello
     trainer_peer: bytes | None
-    latest_version: int
-    latest_checksum: int
-    latest: VersionId
     lineage: VersionLineage
     max_staleness: int
     step: int
@@ -90,15 +86,16 @@ class TrainerCalls:
     def _on_SetVersion(self, peer: bytes, inst: Instance | None, msg: M.SetVersion) -> None:
         if not self._trainer_only(peer, "set-version"):
             return
-        same = msg.identity.same_weights(self.latest)
-        if msg.version == self.latest_version and not same and not self._new_trainer:
+        latest = self.lineage.latest
+        same = msg.identity.same_weights(latest)
+        if msg.version == latest.number and not same and not self._new_trainer:
             self.send(peer, M.Error(what="setver", cid=msg.cid, error=(
-                f"version {msg.version} is current with checksum {self.latest_checksum:x}; the same trainer cannot "
+                f"version {msg.version} is current with checksum {latest.checksum:x}; the same trainer cannot "
                 f"make it current again with checksum {msg.checksum:x}")))
             return
         if same:  # a resent call (its reply was lost): already in force
             if self._new_trainer:  # a resumed trainer confirms the restored version: journaled, so a restart
-                self.log_work(W.Version(msg.version, self.latest_checksum))  # does not discard its work later
+                self.log_work(W.Version(msg.version, self.lineage.latest.checksum))  # does not discard its work later
             self._new_trainer = False
             self.send(peer, M.Ok(what="setver", cid=msg.cid))
             return
@@ -108,8 +105,8 @@ class TrainerCalls:
         resumed, self._new_trainer = self._new_trainer, False
         if resumed and discard_stale(self):
             log.warning("the resumed trainer's version %d (checksum %x) is not the restored %d (checksum %x): the "
-                        "restored unfinished responses are discarded", msg.version, msg.checksum, self.latest_version,
-                        self.latest_checksum)
+                        "restored unfinished responses are discarded", msg.version, msg.checksum, latest.number,
+                        latest.checksum)
         # (k = 0: every unfinished response; k ≥ 1: those whose window the new version leaves)
         oldest = msg.version - self.max_staleness
         unfinished = [r for r in self.book.unfinished() if r.version < oldest]
@@ -120,13 +117,12 @@ class TrainerCalls:
                 f"{len(unfinished)} responses admitting versions from {unfinished[0].version} are unfinished; "
                 f"version {msg.version} would make them older than max_staleness = {self.max_staleness}")))
             return
-        if msg.version < self.latest_version and not resumed:
+        if msg.version < self.lineage.latest.number and not resumed:
             self.send(peer, M.Error(what="setver", cid=msg.cid,
-                                    error=f"version {msg.version} < latest {self.latest_version}"))
+                                    error=f"version {msg.version} < latest {self.lineage.latest.number}"))
             return
         self.step_account.close(self.clock(), self.activity.take(self.clock()))
-        self.latest_version = msg.version
-        self.lineage.make_current(msg.identity)  # (and latest_checksum with it)
+        self.lineage.make_current(msg.identity)  # (the latest with it)
         self.log_work(W.Version(msg.version, msg.checksum))
         if self.max_staleness and not self.seeding_open:
             # the trained step is over: the next one's seeding starts now. A submit opens it too, but the run's
@@ -151,9 +147,9 @@ class TrainerCalls:
         if not self._trainer_only(peer, "submit"):
             return
         # msg.version: the version that will train the step; k ≥ 1 admits steps up to k versions ahead
-        if not self.latest_version <= msg.version <= self.latest_version + self.max_staleness:
+        if not self.lineage.latest.number <= msg.version <= self.lineage.latest.number + self.max_staleness:
             self.send(peer, M.Error(what="submit", cid=msg.cid, error=f"step {msg.step} asks version {msg.version}, "
-                                    f"latest is {self.latest_version}" + (
+                                    f"latest is {self.lineage.latest.number}" + (
                                         f" (max_staleness = {self.max_staleness})" if self.max_staleness else "")))
             return
         if msg.groups and all(
@@ -176,7 +172,8 @@ class TrainerCalls:
             return
         self.begin_step(msg.step, msg.version, msg.groups)
         if self.worklog is not None:  # the last step is over: its records give way to a snapshot (compaction)
-            self.worklog[:] = [W.Compact(), self.trainer, W.Version(self.latest_version, self.latest_checksum),
+            latest = self.lineage.latest
+            self.worklog[:] = [W.Compact(), self.trainer, W.Version(latest.number, latest.checksum),
                                *(r for i in self.fleet.values() if i.state != S.GONE for r in (
                                    W.Joined(i.key, i.peer, i.kind, i.max_batch, i.engine, i.relay_endpoint),
                                    *((W.Silent(i.key, True),) if i.state == S.SUSPECT else ()))),
