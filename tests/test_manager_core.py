@@ -491,7 +491,7 @@ def test_an_instance_declared_lost_is_told_so_and_can_return_as_a_new_attempt():
     clock.t = 10.0
     core.tick()
     assert core.fleet.instances["reserved#0"].state == "suspect"
-    clock.t = 10.0 + core.instance_expiry_s + 1  # silent past the expiry: gone for good
+    clock.t = 10.0 + core.settings.instance_expiry_s + 1  # silent past the expiry: gone for good
     core.tick()
     assert "reserved#0" in core.fleet.ended and core.counters.instances_expired == 1
     core.outbox.clear()
@@ -790,7 +790,7 @@ def test_a_node_that_vanished_without_closing_its_connection_gets_no_new_work_be
     core.tick()
     first = {p: [w.rid for m in sent(core, p, M.Assign) for w in m.works] for p in (b"a", b"b")}
     assert len(first[b"a"]) == 1 and len(first[b"b"]) == 1
-    clock.t = core.dispatch_silence_s + 0.1  # a vanished at t = 0; b keeps heartbeating
+    clock.t = core.settings.dispatch_silence_s + 0.1  # a vanished at t = 0; b keeps heartbeating
     core.on_message(b"b", M.Heartbeat(version=0, active=1, tokens_generated=0))
     core.outbox.clear()
     submit(core, step=1, groups=2, n=4)  # more work: 8 requests, Θ = 4 each
@@ -827,7 +827,7 @@ def test_before_the_fix_a_vanished_node_was_given_work_until_its_deadline_and_th
 def test_a_silent_instance_gets_work_again_as_soon_as_it_speaks_and_its_silence_is_measured():
     core, clock = make(pending_limit=4)
     register(core, b"a", "a")
-    clock.t = core.dispatch_silence_s + 0.2  # stopped (GC pause, a loaded host), not dead
+    clock.t = core.settings.dispatch_silence_s + 0.2  # stopped (GC pause, a loaded host), not dead
     submit(core, step=0, groups=1, n=2)
     core.tick()
     assert not sent(core, b"a", M.Assign) and core.book.queue

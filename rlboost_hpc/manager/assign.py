@@ -13,7 +13,7 @@ def ahead_of_training(core, req) -> bool:
     while the seeding window is open: such work never goes to a reserved engine, which shares the trainer's devices
     (so it never generates while the trainer trains another step; its co-located fallback still serves the trained
     step, so no step waits on it). False when the trained step is unknown (-1: before the first close of seeding)."""
-    if not core.max_staleness or core.train_step < 0:
+    if not core.settings.max_staleness or core.train_step < 0:
         return False
     return req.step > core.train_step + int(core.seeding_open)
 
@@ -24,9 +24,9 @@ def arriving(core, now: float) -> int:
     one — at most ``arrival_hold_s`` and twice the slowest load of the previous version (plus 50 ms) after it was
     set. Their share of the step's work waits for them (:func:`~rlboost_hpc.policy.dispatch.arrival_share`)."""
     vs = core.version_serving
-    if not vs.waiting or core.arrival_hold_s <= 0:
+    if not vs.waiting or core.settings.arrival_hold_s <= 0:
         return 0
-    if now - vs.set_at > min(core.arrival_hold_s, 2 * vs.last.last_s + 0.05):
+    if now - vs.set_at > min(core.settings.arrival_hold_s, 2 * vs.last.last_s + 0.05):
         return 0
     return sum(1 for k in vs.waiting - vs.reported if (i := core.fleet.get(k)) is not None
                and i.state in (S.READY, S.PULLING) and not core.serves(i))
@@ -45,7 +45,7 @@ def dispatch(core) -> None:
     if not core.book.queue:
         return
     now = core.clock()
-    heard = now - core.dispatch_silence_s
+    heard = now - core.settings.dispatch_silence_s
     cands = sorted((i for i in core.fleet.values() if i.last_seen >= heard and core.routable(i)),
                    key=lambda i: i.key)
     if not cands:
@@ -53,9 +53,9 @@ def dispatch(core) -> None:
     batches: dict[str, list[M.Work]] = {}
     deferred: list[str] = []
     share = arrival_share(len(core.book.queue) + sum(len(i.inflight) for i in cands), len(cands), arriving(core, now))
-    limit = {i.key: min(core.pending_limit, i.max_batch, share or i.max_batch) for i in cands}
+    limit = {i.key: min(core.settings.pending_limit, i.max_batch, share or i.max_batch) for i in cands}
     free = [i for i in cands if len(i.inflight) < limit[i.key]]  # in key order
-    choose = core._rr.choose if core.dispatch_policy == "round_robin" else choose_instance
+    choose = core._rr.choose if core.settings.dispatch_policy == "round_robin" else choose_instance
     while core.book.queue and free:
         rid = core.book.queue.popleft()
         req = core.book.requests.get(rid)
@@ -69,7 +69,7 @@ def dispatch(core) -> None:
             deferred.append(rid)
             continue
         loads = [len(i.inflight) for i in ok]  # all below Θ (and their batch size)
-        inst = next((i for i in ok if i.key == req.prefer), None) or ok[choose(loads, core.pending_limit)]
+        inst = next((i for i in ok if i.key == req.prefer), None) or ok[choose(loads, core.settings.pending_limit)]
         req.prefer = None
         req.move(R.RUNNING, inst.key)
         req.attempts += 1

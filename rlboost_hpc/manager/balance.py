@@ -20,7 +20,7 @@ def balance(core, now: float) -> None:
     if core._last_balance is None:
         core._last_balance = now
     dt = now - core._last_balance
-    if dt < core.balance_every_s:
+    if dt < core.settings.balance_every_s:
         return
     core._last_balance = now
     insts = [i for i in core.fleet.values() if i.kind == "preemptible" and core.routable(i)]
@@ -43,7 +43,7 @@ def balance(core, now: float) -> None:
     if not core.balancing or len(insts) < 2 or core.book.queue:  # queued work goes to idle instances by JSQ, not moves
         return
     by_key = {i.key: i for i in insts}
-    loads = [InstanceLoad(i.key, 0, len(i.inflight - i.releasing), min(i.max_batch, core.pending_limit))
+    loads = [InstanceLoad(i.key, 0, len(i.inflight - i.releasing), min(i.max_batch, core.settings.pending_limit))
              for i in insts]
     moves = core.balancer.moves_for(
         loads, now, queued_of=lambda k: [],

@@ -112,17 +112,14 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         s = self.settings = settings if settings is not None else ManagerSettings()
         if s.dispatch_policy not in ("jsq", "round_robin"):
             raise ValueError(f"dispatch_policy must be 'jsq' or 'round_robin', not {s.dispatch_policy!r}")
-        self.dispatch_policy = s.dispatch_policy
         self.environment = environment
         self.epoch = epoch  # incarnation of the run's manager (manager/journal.py); 0 without a journal
         self.alive_every_s = alive_every_s
-        self.max_staleness, self.on_new_version = s.max_staleness, s.on_new_version  # bounded staleness: k
         self.on_version: Callable[[int], None] | None = None  # set by the service (manager/journal.py)
         # The balancer's rate learner always runs (its peak rates measure remote work for the observation law,
         # policy/observation.py); it moves work only when balancing is on.
         self.balancing = balancer is not None or s.balance
         self.balancer = balancer if balancer is not None else Balancer()
-        self.balance_every_s = s.balance_every_s
         self._last_balance: float | None = None
         self._rate_marks: dict[str, tuple[int, int]] = {}  # key -> (tokens_received, running) at the last tick
         # decode rate by batch over every preemptible instance (tokens/s per bucket): the simulator's calibration
@@ -137,12 +134,6 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         self.version_serving = VersionServingClock()  # SetVersion → each live instance serving it
         self.clock = clock
         self.policy_decision: M.PolicyState | None = None  # the controller's last T_seed and N_prem cap
-        self.pending_limit = s.pending_limit
-        self.arrival_hold_s = s.arrival_hold_s
-        self.heartbeat_s, self.heartbeat_timeout_s = s.heartbeat_s, s.heartbeat_timeout_s
-        self.instance_expiry_s, self.dispatch_silence_s = s.instance_expiry_s, s.dispatch_silence_s
-        self.max_attempts = s.max_attempts
-        self.stream_every_tokens, self.stream_every_s = s.stream_every_tokens, s.stream_every_s
         self.outbox: list[tuple[bytes, M._Msg]] = []
         self.fleet = Fleet(self._state_changed)  # the registered instances, their states and the ended identities
         self.book = RequestBook()  # the responses of the steps in flight, their GRPO groups and the queue
@@ -178,7 +169,7 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         next compaction, which keeps the records of the steps still in flight)."""
         if self.worklog is not None:
             self.worklog.append(rec)
-            if self.max_staleness:
+            if self.settings.max_staleness:
                 self.since_compact.append(rec)
 
     # ------------------------------------------------------------------ routing (invariant 4)
@@ -216,7 +207,7 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         self.counters.messages_received += 1
         inst = self.fleet.of_peer(peer)
         if inst is not None:
-            if now - inst.last_seen > 2 * self.heartbeat_s:  # it missed a heartbeat: how long it was silent
+            if now - inst.last_seen > 2 * self.settings.heartbeat_s:  # it missed a heartbeat: how long it was silent
                 self.dist.silence_seconds.observe(now - inst.last_seen)
             inst.last_seen, inst.spoke = now, True
             if inst.state == S.SUSPECT:
@@ -253,9 +244,9 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         self.end_fallback(now)
         for inst in list(self.fleet.values()):
             if inst.state == S.SUSPECT:
-                if now - inst.suspect_since > self.instance_expiry_s:
+                if now - inst.suspect_since > self.settings.instance_expiry_s:
                     self._instance_gone(inst, f"silent for {now - inst.last_seen:.1f}s", cause=None)
-            elif inst.state != S.GONE and now - inst.last_seen > self.heartbeat_timeout_s:
+            elif inst.state != S.GONE and now - inst.last_seen > self.settings.heartbeat_timeout_s:
                 self._suspect(inst, f"no heartbeat for {now - inst.last_seen:.1f}s")
         balance(self, now)  # invariant 6
         release_held(self, now)

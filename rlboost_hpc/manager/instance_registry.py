@@ -15,6 +15,7 @@ from typing import Callable
 
 from rlboost_hpc.manager import worklog as W
 from rlboost_hpc.manager.request_book import RequestBook
+from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.manager.restore import take_over, unsent_tokens
 from rlboost_hpc.manager.fleet import Fleet
 from rlboost_hpc.manager.state import Instance, InstanceState, VersionLineage
@@ -56,7 +57,6 @@ class InstanceRegistry:
     activity: ActivityClock
     version_serving: VersionServingClock
     relay: RelayTree
-    heartbeat_timeout_s: float
     # routing: the version new work may go to, the co-located fallback, who speaks as the trainer
     lineage: VersionLineage
     seeding_open: bool
@@ -64,10 +64,7 @@ class InstanceRegistry:
     # what Welcome tells an instance
     trainer: W.Hello
     epoch: int
-    heartbeat_s: float
-    stream_every_tokens: int
-    stream_every_s: float
-    on_new_version: str
+    settings: ManagerSettings
 
     def _state_changed(self, inst: Instance) -> None:
         """The fleet changed the state of ``inst`` (:meth:`Fleet.set_state`): its instance-seconds, and the relay
@@ -206,13 +203,14 @@ class InstanceRegistry:
             self._note_activity(existing)
         inst = existing
         src = self._pull_source(inst) if self.lineage.latest.number >= 0 and not self.holds_latest(inst) else Source()
+        s, hello, latest = self.settings, self.trainer, self.lineage.latest
         self.send(peer, M.Welcome(
-            instance=key, latest_version=self.lineage.latest.number, weights_endpoint=self.trainer.weights_endpoint,
-            model_config=self.trainer.model_config, model_arch=self.trainer.model_arch, heartbeat_s=self.heartbeat_s,
-            stream_every_tokens=self.stream_every_tokens, stream_every_s=self.stream_every_s, epoch=self.epoch,
-            peers=list(src.peers), wait=src.wait, weights_shards=self.trainer.weights_shards,
-            latest_checksum=self.lineage.latest.checksum, resend=inst.restored, on_new_version=self.on_new_version,
-            adapter=self.trainer.adapter))
+            instance=key, latest_version=latest.number, weights_endpoint=hello.weights_endpoint,
+            model_config=hello.model_config, model_arch=hello.model_arch, heartbeat_s=s.heartbeat_s,
+            stream_every_tokens=s.stream_every_tokens, stream_every_s=s.stream_every_s, epoch=self.epoch,
+            peers=list(src.peers), wait=src.wait, weights_shards=hello.weights_shards,
+            latest_checksum=latest.checksum, resend=inst.restored, on_new_version=s.on_new_version,
+            adapter=hello.adapter))
 
     def _unknown(self, peer: bytes, what: str) -> None:
         """A message from a peer that is not (or no longer) a registered instance: drop it and tell the peer
@@ -240,7 +238,7 @@ class InstanceRegistry:
         if inst is None:
             return self._unknown(peer, "weights-loaded")
         self.counters.weight_loads += 1
-        if msg.load_s > self.heartbeat_timeout_s:
+        if msg.load_s > self.settings.heartbeat_timeout_s:
             self.counters.slow_weight_loads += 1  # longer than the deadline: it had to keep heartbeating
         self.dist.pull_seconds.observe(msg.pull_s)
         if msg.wire_bytes >= msg.nbytes > 0:

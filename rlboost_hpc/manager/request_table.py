@@ -17,6 +17,7 @@ from typing import Callable
 
 from rlboost_hpc.manager import worklog as W
 from rlboost_hpc.manager.request_book import RequestBook
+from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.manager.restore import adopt
 from rlboost_hpc.manager.state import ENV_PEER, Instance, Request, RequestState, VersionLineage
 from rlboost_hpc.manager.step_account import StepAccount
@@ -44,8 +45,7 @@ class RequestTable:
     counters: ManagerCounters
     book: RequestBook
     lineage: VersionLineage
-    max_staleness: int
-    max_attempts: int
+    settings: ManagerSettings
     step_account: StepAccount
     held: dict
     dropped: list[str]
@@ -103,7 +103,7 @@ class RequestTable:
             elif not req.version <= ver <= latest:  # (k = 0: ver == req.version == latest)
                 self.counters.off_version_tokens_rejected += cnt
                 self._fence(inst, f"sent {cnt} tokens of version {ver} for {rid} of version {req.version}"
-                                  + (f"..{latest}" if self.max_staleness else ""))
+                                  + (f"..{latest}" if self.settings.max_staleness else ""))
                 dropped += msg.rids[i:]
                 break
             elif off + cnt > req.max_new_tokens or off + cnt > req.max_trajectory_tokens - req.turn_start:
@@ -219,7 +219,7 @@ class RequestTable:
         log.warning("instance %s failed request %s: %s", inst.key, msg.rid, msg.error)
         if req is not None and req.instance == inst.key and req.state == R.RUNNING:
             self._requeue(msg.rid, inst, "engine failure")
-            if req.attempts >= self.max_attempts:
+            if req.attempts >= self.settings.max_attempts:
                 self._fail_step(f"request {msg.rid} failed {req.attempts} times; last error: {msg.error}")
 
     def _on_Released(self, peer: bytes, inst: Instance | None, msg: M.Released) -> None:

@@ -39,7 +39,7 @@ def restore(core, records: list[W.Record], now: float) -> None:
             core.counters.manager_restarts += 1
         _apply(core, rec, now)
     core.book.queue.clear()
-    if core.max_staleness:  # the steps in flight survive the next compaction (TrainerCalls._steps_in_flight)
+    if core.settings.max_staleness:  # the steps in flight survive the next compaction (TrainerCalls._steps_in_flight)
         core.since_compact = list(records)
     core.held = {r.rid: None for r in core.book.unfinished() if r.state == R.QUEUED}
     core.held_since = now
@@ -193,7 +193,7 @@ def release_held(core, now: float) -> None:
     t0 = core.held_since
     if t0 is None:
         return
-    over = now >= t0 + core.heartbeat_timeout_s
+    over = now >= t0 + core.settings.heartbeat_timeout_s
     if over or not any(i.restored and (i.last_seen > t0 or now < t0 + core.alive_every_s)  # (after a second, only
                        for i in core.fleet.values()):  # those that spoke since the restart count)
         for rid in core.held:

@@ -17,6 +17,7 @@ import numpy as np
 from rlboost_hpc.manager import worklog as W
 from rlboost_hpc.manager.fleet import Fleet
 from rlboost_hpc.manager.request_book import RequestBook
+from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.manager.restore import discard_stale, new_trainer
 from rlboost_hpc.manager.state import Group, Instance, InstanceState as S, Request, VersionLineage
 from rlboost_hpc.manager.step_account import StepAccount
@@ -55,7 +56,7 @@ class TrainerCalls:
     trainer: W.Hello
     trainer_peer: bytes | None
     lineage: VersionLineage
-    max_staleness: int
+    settings: ManagerSettings
     step: int
     seeding_open: bool
     train_step: int
@@ -108,14 +109,14 @@ class TrainerCalls:
                         "restored unfinished responses are discarded", msg.version, msg.checksum, latest.number,
                         latest.checksum)
         # (k = 0: every unfinished response; k ≥ 1: those whose window the new version leaves)
-        oldest = msg.version - self.max_staleness
+        oldest = msg.version - self.settings.max_staleness
         unfinished = [r for r in self.book.unfinished() if r.version < oldest]
         if unfinished:
             self.send(peer, M.Error(what="setver", cid=msg.cid, error=(
                 f"{len(unfinished)} responses of version {unfinished[0].version} are unfinished; the version "
-                "changes only between steps (in-flight work is never discarded)" if not self.max_staleness else
+                "changes only between steps (in-flight work is never discarded)" if not self.settings.max_staleness else
                 f"{len(unfinished)} responses admitting versions from {unfinished[0].version} are unfinished; "
-                f"version {msg.version} would make them older than max_staleness = {self.max_staleness}")))
+                f"version {msg.version} would make them older than max_staleness = {self.settings.max_staleness}")))
             return
         if msg.version < self.lineage.latest.number and not resumed:
             self.send(peer, M.Error(what="setver", cid=msg.cid,
@@ -124,7 +125,7 @@ class TrainerCalls:
         self.step_account.close(self.clock(), self.activity.take(self.clock()))
         self.lineage.make_current(msg.identity)  # (the latest with it)
         self.log_work(W.Version(msg.version, msg.checksum))
-        if self.max_staleness and not self.seeding_open:
+        if self.settings.max_staleness and not self.seeding_open:
             # the trained step is over: the next one's seeding starts now. A submit opens it too, but the run's
             # last k steps were all submitted ahead: without this their steps stayed "ahead" of the one trained,
             # the reserved engine never took them, and with no preemptible instance the step waited for its timeout
@@ -147,10 +148,10 @@ class TrainerCalls:
         if not self._trainer_only(peer, "submit"):
             return
         # msg.version: the version that will train the step; k ≥ 1 admits steps up to k versions ahead
-        if not self.lineage.latest.number <= msg.version <= self.lineage.latest.number + self.max_staleness:
+        latest, k = self.lineage.latest.number, self.settings.max_staleness
+        if not latest <= msg.version <= latest + k:
             self.send(peer, M.Error(what="submit", cid=msg.cid, error=f"step {msg.step} asks version {msg.version}, "
-                                    f"latest is {self.lineage.latest.number}" + (
-                                        f" (max_staleness = {self.max_staleness})" if self.max_staleness else "")))
+                                    f"latest is {latest}" + (f" (max_staleness = {k})" if k else "")))
             return
         if msg.groups and all(
                 g.gid in self.book.groups and self.book.groups[g.gid].step == msg.step
@@ -180,7 +181,7 @@ class TrainerCalls:
                                W.Counters(self.counters), W.Seeding(False, self.train_step),
                                *self._steps_in_flight(msg.step),
                                W.Submit(msg.step, msg.version, list(msg.groups))]
-            if self.max_staleness:
+            if self.settings.max_staleness:
                 self.since_compact.append(self.worklog[-1])
         self.send(peer, M.Ok(what="submit", cid=msg.cid))
 
@@ -190,7 +191,7 @@ class TrainerCalls:
         keeps them; [] under strict on-policy (only one step is ever in flight)."""
         kept = self.since_compact
         self.since_compact = []
-        if not self.max_staleness:
+        if not self.settings.max_staleness:
             return []
         live = {gid for gid, g in self.book.groups.items() if not g.delivered and g.step != step}
         out: list[W.Record] = []
@@ -212,7 +213,7 @@ class TrainerCalls:
         """Forget the delivered groups of earlier steps, open seeding and queue ``groups`` of ``step`` (trained by
         weight ``version``; its responses admit versions from ``version − max_staleness``): a submitted step, or one
         rebuilt from the work log."""
-        self.book.open_step(step, version - self.max_staleness, groups)
+        self.book.open_step(step, version - self.settings.max_staleness, groups)
         self.step, self.seeding_open, self.failed_step = max(self.step, step), True, None
 
     def _on_CloseSeeding(self, peer: bytes, inst: Instance | None, msg: M.CloseSeeding) -> None:
