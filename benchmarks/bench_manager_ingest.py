@@ -418,14 +418,14 @@ def replay(events: list, k: int, args, core_cls=ManagerCore) -> dict:
     core = core_cls(clock=lambda: 0.0, pending_limit=args.batch, stream_every_tokens=k)
     pc = time.thread_time  # CPU time of this thread: immune to being descheduled by other load
     t = dict(decode=0.0, validate=0.0, core_tokens=0.0, group=0.0, tick=0.0, encode_out=0.0, other=0.0)
-    orig_group = core._group_progress
+    orig_group = core.trainer_calls.group_progress
 
     def timed_group(req):
         t0 = pc()
         orig_group(req)
         t["group"] += pc() - t0
 
-    core._group_progress = timed_group
+    core.trainer_calls.group_progress = timed_group
     raw_decode = M._decoder.decode
     frames = deltas = 0
     for ev in events:

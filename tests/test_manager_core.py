@@ -772,7 +772,7 @@ def test_a_request_the_balancer_moved_goes_to_the_instance_it_chose_when_that_on
     core.tick()
     (rid,) = core.fleet.instances["a#0"].inflight  # JSQ: the first of three idle instances
     core.book.requests[rid].prefer = "c#0"
-    core._requeue(rid, core.fleet.instances["a#0"], "released")
+    core.table.requeue(rid, core.fleet.instances["a#0"], "released")
     core.dispatch()
     assert core.book.requests[rid].instance == "c#0" and core.book.requests[rid].prefer is None
 

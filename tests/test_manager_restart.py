@@ -568,7 +568,7 @@ def test_a_resumed_trainer_that_kept_the_restored_version_keeps_its_steps_in_fli
     for rid in sorted(new.book.requests):  # the step finishes; the trainer changes the version as always
         req = new.book.requests[rid]
         req.move(RequestState.RUNNING, "replayed")
-        new._finish(req, "stop")
+        new.table.finish(req, "stop")
     feed(new, b"trainer-2", M.SetVersion(version=1, checksum=78, cid=2))
     assert new.counters.responses_discarded_stale == 0 and len(new.book.requests) == 4
 

@@ -76,7 +76,7 @@ def dispatch(core) -> None:
         req.assigned_at = now
         req.instances.append(inst.key)
         inst.inflight.add(rid)
-        core._note_activity(inst)
+        core.note_activity(inst)
         if len(inst.inflight) >= limit[inst.key]:
             free.remove(inst)
         if req.n:  # a partial response resumes here

@@ -6,8 +6,10 @@ sends. Holds no policy arithmetic (T_seed, N_prem live in ``policy/``).
 
 This module holds the state, the entry points of the I/O service (:meth:`ManagerCore.on_message`,
 :meth:`~ManagerCore.disconnected`, :meth:`~ManagerCore.tick`, :meth:`~ManagerCore.stats`) and routing: which
-instance holds a version new work may go to (:meth:`~ManagerCore.serves`, :meth:`~ManagerCore.routable`). The
-message handlers are parts mixed into :class:`ManagerCore`, each declaring what of the core it uses:
+instance holds a version new work may go to (:meth:`~ManagerCore.serves`, :meth:`~ManagerCore.routable`). The core
+is the mediator: it holds the state owners (the :class:`~rlboost_hpc.manager.fleet.Fleet`, the
+:class:`~rlboost_hpc.manager.request_book.RequestBook`, the :class:`VersionLineage`, the :class:`StepAccount`) and
+three collaborators that handle the messages, each found by the core's dispatch table:
 ``instance_registry.py`` (instances: registration, liveness, weight loads, fencing, the end of an attempt; who is
 registered and in which state is the :class:`~rlboost_hpc.manager.fleet.Fleet`'s),
 ``request_table.py`` (responses: token deltas, turns and tool calls, finishes, migrations; the responses, their
@@ -88,7 +90,7 @@ S = InstanceState
 log = logging.getLogger("rlboost.manager")
 
 
-class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
+class ManagerCore:
     """See the module docstring. ``clock`` returns seconds (monotonic). ``settings``: dispatch, liveness,
     streaming, balancing and relay (:class:`ManagerSettings`; its defaults when None). ``balancer``: a balancer of
     one's own (balancing on whatever ``settings.balance`` says). ``epoch``: this incarnation of the run's manager.
@@ -135,7 +137,11 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         self.clock = clock
         self.policy_decision: M.PolicyState | None = None  # the controller's last T_seed and N_prem cap
         self.outbox: list[tuple[bytes, M._Msg]] = []
-        self.fleet = Fleet(self._state_changed)  # the registered instances, their states and the ended identities
+        # the message handlers, each a collaborator that works on this core (the mediator) and the state owners it holds
+        self.registry, self.table, self.trainer_calls = InstanceRegistry(self), RequestTable(self), TrainerCalls(self)
+        self._handlers = {name[len("_on_"):]: getattr(part, name) for part in (self.registry, self.table,
+                          self.trainer_calls) for name in dir(part) if name.startswith("_on_")}
+        self.fleet = Fleet(self.registry.state_changed)  # the registered instances, their states, the ended ones
         self.book = RequestBook()  # the responses of the steps in flight, their GRPO groups and the queue
         # who speaks as the trainer (its peer; b"": none yet) and what its hello said, as the work log holds it: the
         # weight server, the assembly manifest of sharded versions (JSON; "" = one weight server), the trainer's
@@ -153,6 +159,7 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         # the unfinished responses a restarted manager holds for the instances that ran them, since held_since
         self.worklog: list[W.Record] | None = None
         self.held, self.held_since, self.since_compact, self.dropped = {}, None, [], []
+        self.other_trainer = False  # a trainer other than the one the work log names said hello: its version rules
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -199,7 +206,7 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         inst = self.fleet.of_peer(peer)
         if inst is not None and inst.state not in (S.SUSPECT, S.GONE) and not inst.restored:
             self.counters.connections_closed += 1
-            self._suspect(inst, "connection closed")
+            self.registry.suspect(inst, "connection closed")
 
     def on_message(self, peer: bytes, msg: M._Msg) -> None:
         """Apply one decoded message from ``peer``. Unknown peers may only Register or speak as the trainer."""
@@ -211,8 +218,8 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
                 self.dist.silence_seconds.observe(now - inst.last_seen)
             inst.last_seen, inst.spoke = now, True
             if inst.state == S.SUSPECT:
-                self._recover(inst)
-        handler = getattr(self, "_on_" + type(msg).__name__, None)
+                self.registry.recover(inst)
+        handler = self._handlers.get(type(msg).__name__)
         if handler is None:
             self.counters.protocol_rejects += 1
             log.warning("peer %r sent %s, which the manager does not accept", peer, type(msg).__name__)
@@ -231,7 +238,7 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
             return Activity.PULLING
         return Activity.IDLE if inst.state == S.READY else None
 
-    def _note_activity(self, inst: Instance) -> None:
+    def note_activity(self, inst: Instance) -> None:
         """Tell the activity clock what ``inst`` does from now on. Called after every change of what
         :meth:`_activity` reads — the instance's state, version or responses in flight, and the latest version —
         so each interval is charged to the activity that held during it, at O(1) per change."""
@@ -241,13 +248,13 @@ class ManagerCore(InstanceRegistry, RequestTable, TrainerCalls):
         """Liveness (invariant 7: silent → suspect; suspect past the expiry → gone), then dispatch queued requests
         (JSQ with Θ)."""
         now = self.clock()
-        self.end_fallback(now)
+        self.trainer_calls.end_fallback(now)
         for inst in list(self.fleet.values()):
             if inst.state == S.SUSPECT:
                 if now - inst.suspect_since > self.settings.instance_expiry_s:
-                    self._instance_gone(inst, f"silent for {now - inst.last_seen:.1f}s", cause=None)
+                    self.registry.instance_gone(inst, f"silent for {now - inst.last_seen:.1f}s", cause=None)
             elif inst.state != S.GONE and now - inst.last_seen > self.settings.heartbeat_timeout_s:
-                self._suspect(inst, f"no heartbeat for {now - inst.last_seen:.1f}s")
+                self.registry.suspect(inst, f"no heartbeat for {now - inst.last_seen:.1f}s")
         balance(self, now)  # invariant 6
         release_held(self, now)
         if now - self._last_alive >= (0.1 if self.held else self.alive_every_s):  # (a restart: tell them soon)

@@ -3,28 +3,21 @@ identity), heartbeats, weight loads and their failures, the relay hand-outs that
 recovery, fencing, draining and the end of an attempt (gone: out of the fleet, its identity kept among the last
 ``ENDED_KEPT``). Who is registered and in which :class:`InstanceState` is the fleet's (``manager/fleet.py``).
 
-A part of :class:`~rlboost_hpc.manager.core.ManagerCore` (a mixin: the same single writer, pure: no sockets, time
-from the core's injected clock); the invariants it keeps are the core's 7 (busy is not dead, dead is not alive: one
-transition function, :meth:`Fleet.set_state`) and the weight side of 1 and 4
-(an instance is routable only once it loaded a version new work may go to, with the trainer's checksum).
+A collaborator held by :class:`~rlboost_hpc.manager.core.ManagerCore` as ``core.registry`` (the same single
+writer, pure: no sockets, time from the core's injected clock); the invariants it keeps are the core's 7 (busy is
+not dead, dead is not alive: one transition function, :meth:`Fleet.set_state`) and the weight side of 1 and 4 (an
+instance is routable only once it loaded a version new work may go to, with the trainer's checksum).
 """
 from __future__ import annotations
 
 import logging
-from typing import Callable
 
 from rlboost_hpc.manager import worklog as W
-from rlboost_hpc.manager.request_book import RequestBook
-from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.manager.restore import take_over, unsent_tokens
-from rlboost_hpc.manager.fleet import Fleet
-from rlboost_hpc.manager.state import Instance, InstanceState, VersionLineage
-from rlboost_hpc.manager.stats import ManagerDistributions, VersionServingClock
-from rlboost_hpc.observe.timeline import ActivityClock
-from rlboost_hpc.policy.relay import RelayTree, Source
+from rlboost_hpc.manager.state import Instance, InstanceState
+from rlboost_hpc.policy.relay import Source
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.identity import instance_key
-from rlboost_hpc.protocol.stats import ManagerCounters
 
 S = InstanceState
 
@@ -38,107 +31,88 @@ _LEAVE_COUNTER = {"preempted": "instances_preempted_with_warning", "time_limit":
 
 
 class InstanceRegistry:
-    """The instance-facing handlers of :class:`~rlboost_hpc.manager.core.ManagerCore` (see the module docstring).
-
-    What it uses of the core is declared below: the state it reads and writes (annotations only; the core's
-    ``__init__`` sets every one) and the core's methods it calls (:attr:`CORE_METHODS`). Nothing else of the core
-    is touched here (``tests/test_architecture.py`` checks it).
+    """The instance-facing handlers of the rollout manager (see the module docstring): a collaborator of ``core`` (a
+    :class:`~rlboost_hpc.manager.core.ManagerCore`), which holds the state owners it works on — the fleet, the
+    request book, the lineage, the counters — and calls it for the messages of its kind (``_on_<Message>``, found by
+    the core's dispatch table). It keeps no state of its own.
     """
 
-    #: the core's methods this part calls
-    CORE_METHODS = ("send", "log_work", "_note_activity", "_requeue", "release_reserved", "holds_latest")
+    def __init__(self, core) -> None:  # (a ManagerCore: not imported, it imports this module)
+        self.core = core
 
-    # the core's state this part reads and writes (set in ManagerCore.__init__): the registry and its accounts
-    clock: Callable[[], float]
-    fleet: Fleet
-    book: RequestBook
-    counters: ManagerCounters
-    dist: ManagerDistributions
-    activity: ActivityClock
-    version_serving: VersionServingClock
-    relay: RelayTree
-    # routing: the version new work may go to, the co-located fallback, who speaks as the trainer
-    lineage: VersionLineage
-    seeding_open: bool
-    trainer_peer: bytes | None
-    # what Welcome tells an instance
-    trainer: W.Hello
-    epoch: int
-    settings: ManagerSettings
-
-    def _state_changed(self, inst: Instance) -> None:
+    def state_changed(self, inst: Instance) -> None:
         """The fleet changed the state of ``inst`` (:meth:`Fleet.set_state`): its instance-seconds, and the relay
         capacity it no longer needs or gives."""
-        self._note_activity(inst)
+        self.core.note_activity(inst)
         if inst.state in (S.GONE, S.SUSPECT, S.FENCED, S.DRAINING):  # it neither serves nor needs relay capacity now
-            self._hand_out(self.relay.gone(inst.key))
+            self._hand_out(self.core.relay.gone(inst.key))
 
     def _pull_source(self, inst: Instance) -> Source:
         """Where ``inst`` fetches the latest version (relay); the trainer for reserved instances."""
-        return self.relay.want(inst.key) if inst.kind == "preemptible" else Source()
+        return self.core.relay.want(inst.key) if inst.kind == "preemptible" else Source()
 
-    def _new_version(self, inst: Instance) -> None:
-        src = self._pull_source(inst)
-        self.send(inst.peer, M.NewVersion(version=self.lineage.latest.number, checksum=self.lineage.latest.checksum,
-                                          peers=list(src.peers), wait=src.wait,
-                                          weights_endpoint=self.trainer.weights_endpoint,
-                                          weights_shards=self.trainer.weights_shards))
+    def new_version(self, inst: Instance) -> None:
+        src, latest, hello = self._pull_source(inst), self.core.lineage.latest, self.core.trainer
+        self.core.send(inst.peer, M.NewVersion(version=latest.number, checksum=latest.checksum, peers=list(src.peers),
+                                               wait=src.wait, weights_endpoint=hello.weights_endpoint,
+                                               weights_shards=hello.weights_shards))
 
     def _hand_out(self, handed: list[tuple[str, Source]]) -> None:
+        latest = self.core.lineage.latest
         for key, src in handed:
-            i = self.fleet.get(key)
+            i = self.core.fleet.get(key)
             if i is not None:
-                self.send(i.peer, M.PullFrom(version=self.lineage.latest.number, checksum=self.lineage.latest.checksum,
-                                             peers=list(src.peers)))
+                self.core.send(i.peer, M.PullFrom(version=latest.number, checksum=latest.checksum,
+                                                  peers=list(src.peers)))
 
-    def _suspect(self, inst: Instance, reason: str) -> None:
+    def suspect(self, inst: Instance, reason: str) -> None:
         """Invariant 7: out of routing now, its unfinished responses migrate; it may come back."""
         if inst.state in (S.SUSPECT, S.GONE):
             return
         taken = list(inst.inflight)
-        self.counters.responses_assigned_to_vanished += sum(
-            1 for rid in taken if (r := self.book.get(rid)) is not None and r.assigned_at > inst.last_seen)
+        self.core.counters.responses_assigned_to_vanished += sum(
+            1 for rid in taken if (r := self.core.book.get(rid)) is not None and r.assigned_at > inst.last_seen)
         for rid in taken:
-            self._requeue(rid, inst, reason)
+            self.core.table.requeue(rid, inst, reason)
         inst.taken_back.update(taken)
         unsent = unsent_tokens(inst)
-        self.counters.tokens_regenerated += unsent
-        self.counters.instances_suspected += 1
+        self.core.counters.tokens_regenerated += unsent
+        self.core.counters.instances_suspected += 1
         if inst.state == S.PULLING and inst.kind == "preemptible":
-            self.counters.suspected_while_pulling += 1
-        inst.suspect_from, inst.suspect_since = inst.state, self.clock()
-        self.fleet.set_state(inst, S.SUSPECT)
-        self.log_work(W.Silent(inst.key, True))
+            self.core.counters.suspected_while_pulling += 1
+        inst.suspect_from, inst.suspect_since = inst.state, self.core.clock()
+        self.core.fleet.set_state(inst, S.SUSPECT)
+        self.core.log_work(W.Silent(inst.key, True))
         log.info("instance %s suspect (%s); %d responses migrated, %d unsent tokens", inst.key, reason,
                  len(taken), unsent)
 
-    def _recover(self, inst: Instance) -> None:
+    def recover(self, inst: Instance) -> None:
         """A suspect spoke again under its identity: back where it was, without re-registering."""
-        self.log_work(W.Silent(inst.key, False))
+        self.core.log_work(W.Silent(inst.key, False))
         back = inst.suspect_from or S.PULLING
         if back in (S.DRAINING, S.FENCED):
             new = back
-        elif self.holds_latest(inst):
+        elif self.core.holds_latest(inst):
             new = S.READY
         else:
             new = S.PULLING
-        self.fleet.set_state(inst, new)
+        self.core.fleet.set_state(inst, new)
         if new == S.PULLING:
-            self._new_version(inst)
-        self.counters.instances_recovered += 1
+            self.new_version(inst)
+        self.core.counters.instances_recovered += 1
         if back == S.PULLING and inst.kind == "preemptible":
-            self.counters.recovered_while_pulling += 1
+            self.core.counters.recovered_while_pulling += 1
         # Whatever it still generates for what was taken from it (now, or in an earlier silence whose Release may
         # have been lost with a connection) was resumed elsewhere: none of it is dispatched to it again until it
         # confirms (Released); the Release goes out again for all of it.
         inst.releasing |= inst.taken_back
         inst.taken_back.clear()
         if inst.releasing:
-            self.send(inst.peer, M.Release(rids=sorted(inst.releasing)))
+            self.core.send(inst.peer, M.Release(rids=sorted(inst.releasing)))
         log.info("instance %s answers again after %.1f s suspect; now %s", inst.key,
-                 self.clock() - inst.suspect_since, new)
+                 self.core.clock() - inst.suspect_since, new)
 
-    def _instance_gone(self, inst: Instance, reason: str, *, cause: str | None) -> None:
+    def instance_gone(self, inst: Instance, reason: str, *, cause: str | None) -> None:
         """Remove ``inst`` for good: it deregistered (``cause``: its :data:`M.LeaveCause`), or a suspect expired
         (``cause=None``); unfinished responses resume elsewhere. A suspect's work and unsent tokens were
         accounted when it went silent."""
@@ -147,138 +121,138 @@ class InstanceRegistry:
         unsent = 0
         if inst.state != S.SUSPECT:
             for rid in list(inst.inflight):
-                self._requeue(rid, inst, reason)
+                self.core.table.requeue(rid, inst, reason)
             unsent = unsent_tokens(inst)
-            self.counters.tokens_regenerated += unsent
+            self.core.counters.tokens_regenerated += unsent
         if cause is not None:  # it deregistered: a warned end, counted by its kind
-            self.counters.tokens_regenerated_after_warning += unsent
+            self.core.counters.tokens_regenerated_after_warning += unsent
             field = _LEAVE_COUNTER[cause]
-            setattr(self.counters, field, getattr(self.counters, field) + 1)
+            setattr(self.core.counters, field, getattr(self.core.counters, field) + 1)
         else:
-            self.counters.instances_expired += 1
+            self.core.counters.instances_expired += 1
         # A gone attempt leaves the fleet, so that nothing a week-long run does per tick or per dispatch grows with
         # the attempts that ever ran; its identity is remembered (bounded) so it can never register again.
-        self.fleet.leave(inst, reason)
-        self.activity.forget(inst.key)
-        self.log_work(W.Left(inst.key))
+        self.core.fleet.leave(inst, reason)
+        self.core.activity.forget(inst.key)
+        self.core.log_work(W.Left(inst.key))
         log.info("instance %s gone (%s); %d unsent tokens", inst.key, reason, unsent)
 
-    def _fence(self, inst: Instance, reason: str) -> None:
+    def fence(self, inst: Instance, reason: str) -> None:
         """Stop routing to ``inst`` and take its work back; it may recover only by loading the latest version."""
         if inst.state in (S.GONE, S.FENCED, S.SUSPECT):
             return
         taken = sorted(inst.inflight)
         for rid in taken:
-            self._requeue(rid, inst, reason)
+            self.core.table.requeue(rid, inst, reason)
         inst.releasing.update(taken)  # not given back to it before it confirmed the Release below
-        self.fleet.set_state(inst, S.FENCED)
-        self.counters.instances_fenced += 1
+        self.core.fleet.set_state(inst, S.FENCED)
+        self.core.counters.instances_fenced += 1
         log.warning("instance %s fenced: %s", inst.key, reason)
         if taken:  # tell it to stop working on them; whatever it still sends is dropped as late
-            self.send(inst.peer, M.Release(rids=taken))
+            self.core.send(inst.peer, M.Release(rids=taken))
 
     # agent messages ------------------------------------------------------------
     def _on_Register(self, peer: bytes, inst: Instance | None, msg: M.Register) -> None:
         key = instance_key(msg.job_id, msg.attempt)
-        existing = self.fleet.get(key)
+        existing = self.core.fleet.get(key)
         if existing is not None and existing.peer != peer and not existing.spoke:  # its process, a new connection
-            take_over(self, existing, peer)
+            take_over(self.core, existing, peer)
         if existing is not None and existing.peer == peer:
             pass  # a retried Register from the same identity (a reconnect keeps it): answer again
-        elif existing is not None or self.fleet.has_ended(key):
-            self.counters.rejected_registrations += 1
+        elif existing is not None or self.core.fleet.has_ended(key):
+            self.core.counters.rejected_registrations += 1
             why = ("identity %s is already registered (live)" if existing is not None
                    else "identity %s belongs to an attempt that already ended; a requeued job must register "
                         "with a new attempt number")
-            self.send(peer, M.Reject(reason=why % key))
+            self.core.send(peer, M.Reject(reason=why % key))
             log.warning("rejected registration of %s from %r", key, peer)
             return
         else:
-            now = self.clock()
+            now = self.core.clock()
             existing = Instance(key=key, peer=peer, kind=msg.kind, max_batch=msg.max_batch, registered_at=now,
                                 last_seen=now, engine=msg.engine, relay_endpoint=msg.relay_endpoint)
-            self.fleet.join(existing)
-            self.log_work(W.Joined(key, peer, msg.kind, msg.max_batch, msg.engine, msg.relay_endpoint))
-            self.counters.registrations += 1
-            self._note_activity(existing)
+            self.core.fleet.join(existing)
+            self.core.log_work(W.Joined(key, peer, msg.kind, msg.max_batch, msg.engine, msg.relay_endpoint))
+            self.core.counters.registrations += 1
+            self.core.note_activity(existing)
         inst = existing
-        src = self._pull_source(inst) if self.lineage.latest.number >= 0 and not self.holds_latest(inst) else Source()
-        s, hello, latest = self.settings, self.trainer, self.lineage.latest
-        self.send(peer, M.Welcome(
+        s, hello, latest = self.core.settings, self.core.trainer, self.core.lineage.latest
+        src = self._pull_source(inst) if latest.number >= 0 and not self.core.holds_latest(inst) else Source()
+        self.core.send(peer, M.Welcome(
             instance=key, latest_version=latest.number, weights_endpoint=hello.weights_endpoint,
             model_config=hello.model_config, model_arch=hello.model_arch, heartbeat_s=s.heartbeat_s,
-            stream_every_tokens=s.stream_every_tokens, stream_every_s=s.stream_every_s, epoch=self.epoch,
+            stream_every_tokens=s.stream_every_tokens, stream_every_s=s.stream_every_s, epoch=self.core.epoch,
             peers=list(src.peers), wait=src.wait, weights_shards=hello.weights_shards,
             latest_checksum=latest.checksum, resend=inst.restored, on_new_version=s.on_new_version,
             adapter=hello.adapter))
 
-    def _unknown(self, peer: bytes, what: str) -> None:
+    def unknown(self, peer: bytes, what: str) -> None:
         """A message from a peer that is not (or no longer) a registered instance: drop it and tell the peer
         once a second, so an instance declared lost (e.g. starved of CPU past the heartbeat deadline) learns it
         and re-registers as a new attempt instead of talking into the void."""
-        self.counters.protocol_rejects += 1
-        if self.fleet.tell_unknown(peer, self.clock()):
+        self.core.counters.protocol_rejects += 1
+        if self.core.fleet.tell_unknown(peer, self.core.clock()):
             log.warning("%s from unregistered peer %r dropped", what, peer)
-            if peer != self.trainer_peer:
-                self.send(peer, M.Reject(reason=f"unknown instance ({what} from a peer that is not registered: "
+            if peer != self.core.trainer_peer:
+                self.core.send(peer, M.Reject(reason=f"unknown instance ({what} from a peer that is not registered: "
                                                 "declared lost or never registered); register as a new attempt"))
 
     def _on_Heartbeat(self, peer: bytes, inst: Instance | None, msg: M.Heartbeat) -> None:
         if inst is None:
-            return self._unknown(peer, "heartbeat")
+            return self.unknown(peer, "heartbeat")
         inst.tokens_generated = max(inst.tokens_generated, msg.tokens_generated)
         modelled, late = inst.emulated_s
         if msg.modelled_s > modelled or msg.late_s > late:  # an emulated engine's timing: what is new since
             if not inst.restored or modelled or late:  # (a restored instance's first figures: an earlier manager's)
-                self.counters.emulated_modelled_seconds += max(0.0, msg.modelled_s - modelled)
-                self.counters.emulated_late_seconds += max(0.0, msg.late_s - late)
+                self.core.counters.emulated_modelled_seconds += max(0.0, msg.modelled_s - modelled)
+                self.core.counters.emulated_late_seconds += max(0.0, msg.late_s - late)
             inst.emulated_s = (max(modelled, msg.modelled_s), max(late, msg.late_s))
 
     def _on_WeightsLoaded(self, peer: bytes, inst: Instance | None, msg: M.WeightsLoaded) -> None:
         if inst is None:
-            return self._unknown(peer, "weights-loaded")
-        self.counters.weight_loads += 1
-        if msg.load_s > self.settings.heartbeat_timeout_s:
-            self.counters.slow_weight_loads += 1  # longer than the deadline: it had to keep heartbeating
-        self.dist.pull_seconds.observe(msg.pull_s)
+            return self.unknown(peer, "weights-loaded")
+        self.core.counters.weight_loads += 1
+        if msg.load_s > self.core.settings.heartbeat_timeout_s:
+            self.core.counters.slow_weight_loads += 1  # longer than the deadline: it had to keep heartbeating
+        self.core.dist.pull_seconds.observe(msg.pull_s)
         if msg.wire_bytes >= msg.nbytes > 0:
-            self.dist.full_pull_seconds.observe(msg.pull_s)
-        self.counters.weight_pulled_bytes += msg.wire_bytes + msg.base_wire_bytes
+            self.core.dist.full_pull_seconds.observe(msg.pull_s)
+        self.core.counters.weight_pulled_bytes += msg.wire_bytes + msg.base_wire_bytes
         if msg.base_source:
             self._count_base(msg)
-        latest = self.lineage.latest
+        latest = self.core.lineage.latest
         if msg.version == latest.number and latest.checksum and msg.checksum != latest.checksum:
             # bytes other than the trainer's export: never routable; it is asked to leave (a replacement pulls anew)
-            self.counters.weight_checksum_mismatches += 1
-            self.counters.weight_load_failures += 1
+            self.core.counters.weight_checksum_mismatches += 1
+            self.core.counters.weight_load_failures += 1
             reason = (f"loaded version {msg.version} with checksum {msg.checksum:x}, the trainer published "
                       f"{latest.checksum:x}")
-            self._fence(inst, reason)
-            self.send(inst.peer, M.Drain(reason=reason))
+            self.fence(inst, reason)
+            self.core.send(inst.peer, M.Drain(reason=reason))
             return
         inst.version, inst.checksum = msg.version, msg.checksum
-        of_lineage = self.lineage.holds(msg.identity)
+        of_lineage = self.core.lineage.holds(msg.identity)
         if not of_lineage:  # a version the current trainer never made (a pull begun before a resume): not routable
-            self.counters.weight_loads_of_another_lineage += 1
+            self.core.counters.weight_loads_of_another_lineage += 1
             log.info("instance %s loaded version %d (checksum %x), not of the current lineage (latest %d, checksum "
-                     "%x): it is not routed to", inst.key, msg.version, msg.checksum, self.lineage.latest.number,
-                     self.lineage.latest.checksum)
-        self.version_serving.reported.add(inst.key)  # not about to load the latest any more (manager/assign.py)
-        delay = self.version_serving.loaded(inst.key, msg.version, self.clock()) if of_lineage else None
+                     "%x): it is not routed to", inst.key, msg.version, msg.checksum, self.core.lineage.latest.number,
+                     self.core.lineage.latest.checksum)
+        self.core.version_serving.reported.add(inst.key)  # not about to load the latest any more (manager/assign.py)
+        delay = self.core.version_serving.loaded(inst.key, msg.version, self.core.clock()) if of_lineage else None
         if delay is not None:
-            self.dist.version_serving_seconds.observe(delay)
-        self._note_activity(inst)
-        if self.holds_latest(inst) and inst.kind == "preemptible":  # it holds it: it serves it too
-            self._hand_out(self.relay.done(inst.key, inst.relay_endpoint))
+            self.core.dist.version_serving_seconds.observe(delay)
+        self.core.note_activity(inst)
+        if self.core.holds_latest(inst) and inst.kind == "preemptible":  # it holds it: it serves it too
+            self._hand_out(self.core.relay.done(inst.key, inst.relay_endpoint))
         if inst.state in (S.PULLING, S.FENCED) and of_lineage:  # (of the lineage: within its window of versions)
-            self.fleet.set_state(inst, S.READY)
-            inst.ready_at = inst.ready_at or self.clock()
-            if inst.kind == "preemptible" and not self.seeding_open:  # the end of a co-located fallback
-                self.release_reserved()
+            self.core.fleet.set_state(inst, S.READY)
+            inst.ready_at = inst.ready_at or self.core.clock()
+            if inst.kind == "preemptible" and not self.core.seeding_open:  # the end of a co-located fallback
+                self.core.trainer_calls.release_reserved()
 
     def _count_base(self, msg: M.WeightsLoaded) -> None:
         """A LoRA instance's base load: counted by source (an unknown source is counted as a pull)."""
-        c = self.counters
+        c = self.core.counters
         field = {"path": "base_loads_from_path", "cache": "base_loads_from_cache",
                  "trainer": "base_loads_in_trainer"}.get(msg.base_source, "base_loads_pulled")
         setattr(c, field, getattr(c, field) + 1)
@@ -286,25 +260,25 @@ class InstanceRegistry:
 
     def _on_WeightsFailed(self, peer: bytes, inst: Instance | None, msg: M.WeightsFailed) -> None:
         if inst is None:
-            return self._unknown(peer, "weights-failed")
-        self.counters.weight_load_failures += 1
+            return self.unknown(peer, "weights-failed")
+        self.core.counters.weight_load_failures += 1
         log.warning("instance %s failed to load version %d: %s", inst.key, msg.version, msg.error)
         if inst.state == S.READY:
-            self._fence(inst, f"weight load failed: {msg.error}")
+            self.fence(inst, f"weight load failed: {msg.error}")
         elif inst.state == S.PULLING:
-            self.fleet.set_state(inst, S.FENCED)
-            self.counters.instances_fenced += 1
+            self.core.fleet.set_state(inst, S.FENCED)
+            self.core.counters.instances_fenced += 1
 
     def _on_Draining(self, peer: bytes, inst: Instance | None, msg: M.Draining) -> None:
         if inst is None:
-            return self._unknown(peer, "draining")
+            return self.unknown(peer, "draining")
         if inst.state != S.GONE:
-            self.fleet.set_state(inst, S.DRAINING)
+            self.core.fleet.set_state(inst, S.DRAINING)
 
     def _on_Deregister(self, peer: bytes, inst: Instance | None, msg: M.Deregister) -> None:
         if inst is None:
-            return self._unknown(peer, "deregister")
+            return self.unknown(peer, "deregister")
         inst.tokens_generated = max(inst.tokens_generated, msg.tokens_generated)
-        self._instance_gone(inst, f"deregistered: {msg.reason}", cause=msg.cause)
-        self.send(peer, M.Farewell())  # (the service holds it until the work log's commit holds the Deregister)
+        self.instance_gone(inst, f"deregistered: {msg.reason}", cause=msg.cause)
+        self.core.send(peer, M.Farewell())  # (the service holds it until the work log's commit holds the Deregister)
 

@@ -77,7 +77,7 @@ def _apply(core, rec: W.Record, now: float) -> None:
                 req.append_observation(rec.ids)
                 req.move(R.QUEUED)
     elif isinstance(rec, W.Submit):
-        core.begin_step(rec.step, rec.version, rec.groups)
+        core.trainer_calls.begin_step(rec.step, rec.version, rec.groups)
     elif isinstance(rec, W.Migrated):
         if req is not None:
             req.migrations += 1
@@ -88,7 +88,7 @@ def _apply(core, rec: W.Record, now: float) -> None:
         inst = Instance(key=rec.key, peer=rec.peer, kind=rec.kind, max_batch=rec.max_batch, registered_at=now,
                         last_seen=now, engine=rec.engine, relay_endpoint=rec.relay_endpoint, restored=True, spoke=False)
         core.fleet.join(inst)
-        core._note_activity(inst)
+        core.note_activity(inst)
     elif isinstance(rec, W.Silent):
         inst = core.fleet.get(rec.key)
         if inst is not None:  # (construction, not a transition: the instance is being rebuilt as it was)
@@ -96,21 +96,21 @@ def _apply(core, rec: W.Record, now: float) -> None:
             inst.suspect_from = S.READY if rec.suspect else None  # (its version decides where it returns to; a
             # return is not counted as one from a silence while pulling, which this manager never saw)
             inst.restored = not rec.suspect  # its work was migrated when it went silent: nothing to resend
-            core._note_activity(inst)
+            core.note_activity(inst)
     elif isinstance(rec, W.Left):
         core.fleet.forget(rec.key, "gone before the manager restarted")
         core.activity.forget(rec.key)
     elif isinstance(rec, W.Hello):
         if core.trainer_peer not in (None, rec.peer or None):  # a resumed trainer said hello: as it was applied
             new_trainer(core)
-            core._new_trainer = True
+            core.other_trainer = True
         core.trainer = rec
         if rec.weights_shards:
             core.relay.fanout = 0
     elif isinstance(rec, W.Version):
-        if core._new_trainer and not rec.identity.same_weights(core.lineage.latest):  # the resumed trainer's ruled
+        if core.other_trainer and not rec.identity.same_weights(core.lineage.latest):  # the resumed trainer's ruled
             discard_stale(core)
-        core._new_trainer = False
+        core.other_trainer = False
         core.lineage.make_current(rec.identity)  # (the latest with it)
     elif isinstance(rec, W.Seeding):
         core.seeding_open = rec.open
@@ -159,7 +159,7 @@ def adopt(core, req: Request, inst: Instance, offset: int, ids: memoryview) -> i
     req.assigned_at = core.clock()
     req.instances.append(inst.key)
     inst.inflight.add(req.rid)
-    core._note_activity(inst)
+    core.note_activity(inst)
     core.counters.responses_adopted += 1
     return skip
 
@@ -174,7 +174,7 @@ def take_over(core, inst: Instance, peer: bytes) -> None:
         core.book.first_in_line(core.book.requests[rid])
     core.fleet.rebind(inst, peer)
     inst.restored, inst.tokens_received, inst.tokens_generated, inst.spoke = False, 0, 0, True  # (a new agent)
-    core._note_activity(inst)
+    core.note_activity(inst)
     log.info("instance %s registers from a new connection after the restart; it takes its identity over", inst.key)
 
 
@@ -227,7 +227,7 @@ def discard_stale(core) -> int:
         inst = core.fleet.get(req.instance or "")
         if inst is not None:
             inst.inflight.discard(rid)
-            core._note_activity(inst)
+            core.note_activity(inst)
             core.send(inst.peer, M.Release(rids=[rid]))
     if ended:
         core.send(ENV_PEER, M.EnvRelease(ended))
