@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from rlboost_hpc.weights import WeightPuller, WeightServer  # noqa: E402
 from rlboost_hpc.weights import delta as delta_codec  # noqa: E402
-from rlboost_hpc.weights import layout  # noqa: E402
+from rlboost_hpc.models import layout  # noqa: E402
 
 
 def encodings(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:

@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from rlboost_hpc.models.arch import ModelArch  # noqa: E402
 from rlboost_hpc.models.hf_dir import load_model_dir  # noqa: E402
 from rlboost_hpc.models.llama2c import ensure_converted  # noqa: E402
-from rlboost_hpc.weights.layout import FlatState, state_view  # noqa: E402
+from rlboost_hpc.models.layout import FlatState, state_view  # noqa: E402
 from rlboost_hpc.models.tokenizer import Llama2cTokenizer  # noqa: E402
 from rlboost_hpc.rollout.engines.factory import make_sglang_engine  # noqa: E402
 from rlboost_hpc.rollout.engines.sglang_engine import SGLangEngine  # noqa: E402

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rlboost_hpc.weights import WeightPuller, WeightServer  # noqa: E402
-from rlboost_hpc.weights.layout import FlatState, copy_tensors  # noqa: E402
+from rlboost_hpc.models.layout import FlatState, copy_tensors  # noqa: E402
 
 
 def state(n: int, total_bytes_bf16: int) -> dict[str, torch.Tensor]:

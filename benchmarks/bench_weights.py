@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rlboost_hpc.weights import WeightPuller, WeightServer  # noqa: E402
 from rlboost_hpc.weights.pull_streams import auto_streams, usable_cores  # noqa: E402
-from rlboost_hpc.weights import layout  # noqa: E402
+from rlboost_hpc.models import layout  # noqa: E402
 
 
 class RawSender:

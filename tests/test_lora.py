@@ -177,7 +177,7 @@ def test_the_base_identity_is_the_base_servers_checksum_and_the_node_cache_verif
     assert (man.checksum, man.total_bytes) == (chk, nbytes)
     assert base_identity(base, torch.float32, 4096)[0] != chk  # another dtype: another base
     cache = NodeBaseCache(tmp_path / "cache", keep=1)
-    from rlboost_hpc.weights import layout
+    from rlboost_hpc.models import layout
 
     buf = layout.host_buffer(man.total_bytes)
     layout.flatten_into(buf, base, man.tensors)

@@ -27,7 +27,7 @@ from rlboost_hpc.rollout.agent import RolloutAgent
 from rlboost_hpc.weights.lora_base import BaseMismatch
 from rlboost_hpc.rollout.engines.factory import torch_engine_factory
 from rlboost_hpc.weights.source import BaseWeights, PulledVersion
-from rlboost_hpc.weights.layout import FlatState
+from rlboost_hpc.models.layout import FlatState
 
 torch.set_num_threads(1)
 

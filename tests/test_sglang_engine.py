@@ -308,7 +308,7 @@ def test_a_pulled_flat_version_loads_as_one_flattened_bucket_with_the_same_resul
     layout's padding skipped by the metadata), and the engine then generates exactly what the torch engine does
     with the same weights; the tensor-by-tensor path is not taken."""
     from rlboost_hpc.rollout.engines import sglang_weights
-    from rlboost_hpc.weights.layout import FlatState
+    from rlboost_hpc.models.layout import FlatState
 
     cfg, base = loaded
     new = {k: v for k, v in _perturbed(base, 2).items() if k != "lm_head.weight"}

@@ -461,7 +461,7 @@ def test_a_flat_version_loads_with_one_copy_into_flat_weights_and_other_layouts_
     """A pulled single-dtype version is a FlatState: the engine moves its parameters into one flat tensor of the same
     layout on the first such load, then loads each version with one copy; a FlatState of another layout (an extra
     tensor) goes through the per-tensor checks and is refused with the same error as a dict."""
-    from rlboost_hpc.weights.layout import FlatState
+    from rlboost_hpc.models.layout import FlatState
 
     cfg, sd = loaded
     prompt = tok.encode(PROMPTS[6])

@@ -297,7 +297,7 @@ def test_one_ulp_steps_with_carries_code_to_small_numbers():
 def test_each_chunk_is_encoded_as_soon_as_it_is_hashed_and_the_delta_is_the_same(monkeypatch):
     """The publish hands chunk i to the delta encoder right after hashing it (overlapped with the next chunks),
     not after the last one; the delta equals the one encoded after the whole version is written."""
-    from rlboost_hpc.weights import layout
+    from rlboost_hpc.models import layout
 
     events: list[tuple[str, int]] = []
     ready = delta_codec.Encoder.chunk_ready

@@ -652,7 +652,7 @@ def test_a_pull_into_a_reused_buffer_faults_no_pages_back_in():
 
 
 def test_retain_frame_buffers_only_raises_the_thresholds():
-    from rlboost_hpc.weights import layout
+    from rlboost_hpc.models import layout
 
     assert layout.retain_frame_buffers(64 << 20, 4) is False  # mmapped whatever the threshold
     layout.retain_frame_buffers(4 << 20, 4)

@@ -27,7 +27,7 @@ from typing import Mapping, Sequence
 import torch
 
 from rlboost_hpc.models.arch import ModelArch, ModelFormatError
-from rlboost_hpc.weights.layout import FlatState, copy_tensors
+from rlboost_hpc.models.layout import FlatState, copy_tensors
 
 __all__ = ["AdapterSlots", "PEFT_PREFIX", "adapter_shapes", "canonical_base", "init_adapter", "merge", "module_path", "read_peft_dir",
            "write_peft_dir", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "BASE_IDENTITY"]

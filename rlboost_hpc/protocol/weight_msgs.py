@@ -155,7 +155,7 @@ class TensorTable(Struct, frozen=True, forbid_unknown_fields=True):
     (``width = max(ndim)``); row i is tensor i's shape padded with 1s. offsets: little-endian int64 per
     tensor, the byte offset in the buffer (aligned to the dtype's item size). A tensor's byte size is derived,
     never carried: ``prod(shape) * itemsize``. Build one with :meth:`from_specs` or
-    :func:`rlboost_hpc.weights.layout.plan`; :func:`table_arrays` reads the columns as numpy arrays.
+    :func:`rlboost_hpc.models.layout.plan`; :func:`table_arrays` reads the columns as numpy arrays.
     """
 
     names: list[Annotated[str, Meta(max_length=4096)]]

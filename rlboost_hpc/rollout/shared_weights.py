@@ -21,7 +21,7 @@ import torch
 
 from rlboost_hpc.protocol.weight_msgs import Manifest, decode_reply, validate_table
 from rlboost_hpc.weights.source import BaseWeights, PulledVersion, WeightSource, identity
-from rlboost_hpc.weights.layout import state_view
+from rlboost_hpc.models.layout import state_view
 from rlboost_hpc.weights.shared import BASE_SUBDIR, MANIFEST_SUFFIX, try_lock
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ PEFT (``peft.inject_adapter_in_model``, its API for models that are not ``transf
 linear layer of the project's :class:`~rlboost_hpc.models.llama.LlamaModel`; the base weights are frozen and only the
 adapter trains. Invariants:
 - The adapter's parameters live in one flat fp32 tensor laid out like the published version
-  (:class:`~rlboost_hpc.weights.layout.FlatState`, names of :func:`~rlboost_hpc.models.lora.adapter_shapes`): a
+  (:class:`~rlboost_hpc.models.layout.FlatState`, names of :func:`~rlboost_hpc.models.lora.adapter_shapes`): a
   publish is one cast-copy of the adapter's bytes, never the base's.
 - The reference policy is the base itself: :meth:`PeftAdapter.disabled` switches every LoRA layer off for the
   duration of a no-grad pass (PEFT's ``enable_adapters(False)``) — no second copy of the weights.
@@ -20,7 +20,7 @@ from typing import Iterator, Mapping, Sequence
 import torch
 
 from rlboost_hpc.models.lora import adapter_shapes, canonical_base, init_adapter, merge, read_peft_dir, write_peft_dir
-from rlboost_hpc.weights.layout import FlatState, copy_tensors
+from rlboost_hpc.models.layout import FlatState, copy_tensors
 
 __all__ = ["LoraSettings", "PeftAdapter", "export", "require_peft", "settings_from_config"]
 

@@ -2,7 +2,7 @@
 
 Between two RL steps almost every bf16 element of the policy is byte-identical (the fp32 master weights move
 by far less than one bf16 ulp per step), so version v is cheap to ship to an instance that holds v−1. The
-encoding is per chunk of the flat buffer (:mod:`rlboost_hpc.weights.layout`, chunks of ``chunk_bytes``):
+encoding is per chunk of the flat buffer (:mod:`rlboost_hpc.models.layout`, chunks of ``chunk_bytes``):
 
 - ``size 0``: the chunk's bytes equal the base's (nothing to send);
 - ``0 < size < raw``: ``zstd(level 1)`` of the two byte planes (low bytes, then high bytes) of the chunk's

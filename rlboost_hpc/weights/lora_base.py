@@ -43,7 +43,7 @@ from rlboost_hpc.protocol.auth import RunKeys
 from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.protocol.weight_msgs import (MAX_MANIFEST_BYTES, Manifest, chunk_checksum, combine_checksums,
                                               decode_reply, encode, num_chunks, validate_manifest)
-from rlboost_hpc.weights import layout
+from rlboost_hpc.models import layout
 from rlboost_hpc.weights.source import BaseWeights
 
 __all__ = ["BaseMismatch", "NodeBaseCache", "base_identity", "default_cache_dir", "fetch_base", "model_base"]

@@ -17,7 +17,7 @@ from typing import Callable, Mapping
 import torch
 
 from rlboost_hpc.protocol.weight_msgs import DeltaInfo, Manifest, combine_checksums
-from rlboost_hpc.weights import layout
+from rlboost_hpc.models import layout
 from rlboost_hpc.weights.transfer import Failed as _Failed
 from rlboost_hpc.weights.transfer import Transfer as _Transfer
 
@@ -27,7 +27,7 @@ class PulledWeights:
     """One complete, verified weight version.
 
     version: the version pulled. state_dict: name → tensor (dtypes/shapes as published), all views of one uint8
-    buffer of ``nbytes`` bytes — a :class:`~rlboost_hpc.weights.layout.FlatState` when every tensor has one dtype
+    buffer of ``nbytes`` bytes — a :class:`~rlboost_hpc.models.layout.FlatState` when every tensor has one dtype
     (views made on first use; an engine whose weights share the layout loads it with one copy). seconds: wall time
     of the whole pull. phases: wall seconds per phase (``manifest_s``, ``transfer_s`` — includes per-chunk
     verification overlapped with receiving, ``verify_s``, ``assemble_s``) plus ``chunk_hash_s`` (summed CPU seconds

@@ -50,7 +50,7 @@ Invariants:
   request that could block the holder. The ZeroMQ context is the process's puller context for that I/O-thread
   count (:func:`~rlboost_hpc.weights.pull_streams.puller_context`), kept across pulls: its I/O threads — and
   the malloc arena the frames they receive come from, kept faulted in by
-  :func:`~rlboost_hpc.weights.layout.retain_frame_buffers` — persist.
+  :func:`~rlboost_hpc.models.layout.retain_frame_buffers` — persist.
 - Bounded input: reply headers above :data:`~rlboost_hpc.protocol.weight_msgs.MAX_HEADER_BYTES`, manifests
   above ``MAX_MANIFEST_BYTES`` and frames above ``chunk_bytes`` are rejected (libzmq ``MAXMSGSIZE``).
 """
@@ -78,7 +78,7 @@ from rlboost_hpc.protocol.weight_msgs import (
     encode,
     validate_manifest,
 )
-from rlboost_hpc.weights import layout
+from rlboost_hpc.models import layout
 from rlboost_hpc.weights import sealed as sealing
 from rlboost_hpc.weights.pull_phases import PulledWeights, assemble, plan, transfer_phases, verify
 from rlboost_hpc.weights.pull_streams import SLICE_S, auto_streams, open_dealer, puller_context, run_streams
@@ -133,7 +133,7 @@ class WeightPuller:
         peer_timeout_s: stall deadline of a relay peer (default ``min(timeout_s, 5)``): a peer silent that long
             is abandoned for the next source.
         buffer_factory: allocates a fresh receive buffer of n bytes (uint8, 1-D, contiguous, CPU) when a pull has
-            neither ``into`` nor a large enough base (default :func:`rlboost_hpc.weights.layout.host_buffer`;
+            neither ``into`` nor a large enough base (default :func:`rlboost_hpc.models.layout.host_buffer`;
             e.g. a shared-memory buffer that another process loads from without a copy).
         sealed: fetch the chunks sealed (AES-256-GCM on the holder's sealed port) when the manifest offers it;
             False: always over CURVE.

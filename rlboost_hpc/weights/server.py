@@ -39,7 +39,7 @@ from rlboost_hpc import defaults as D
 from rlboost_hpc.protocol.auth import RunKeys, max_msg_size, secure_server, stop_authenticator
 from rlboost_hpc.protocol.errors import ProtocolError
 from rlboost_hpc.protocol.weight_msgs import Chunk, Error, ErrorCode, GetChunk, GetManifest, Manifest, decode_request, encode
-from rlboost_hpc.weights import layout
+from rlboost_hpc.models import layout
 from rlboost_hpc.weights import sealed as sealing
 from rlboost_hpc.weights.store import VersionStore
 
@@ -225,7 +225,7 @@ class WeightServer:
         (total and by :attr:`ProtocolError.reason` or ``framing``), replies dropped because the peer
         vanished or its queue was full, publishes and total publish seconds (delta encoding included) — of
         them, seconds spent casting/copying into the buffer and hashing chunks (each summed over the threads
-        doing it: they overlap for a :class:`~rlboost_hpc.weights.layout.FlatState` on a device), and
+        doing it: they overlap for a :class:`~rlboost_hpc.models.layout.FlatState` on a device), and
         publishes into a buffer reused from an evicted version (``publish_buffers_reused``), buffers pinned and
         left pageable by a refused pin (``publish_buffers_pinned``, ``publish_pin_failures``) — internal
         errors; versions published with a delta (and deltas dropped for lack of memory: ``delta_failures``), seconds

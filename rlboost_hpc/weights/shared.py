@@ -46,7 +46,7 @@ import msgspec
 import torch
 
 from rlboost_hpc.protocol.weight_msgs import Manifest, encode
-from rlboost_hpc.weights.layout import CudaHostPinner
+from rlboost_hpc.models.layout import CudaHostPinner
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class _SharedRegion:
 class SharedBufferPool:
     """The writer's side: host buffers that are files of a share directory, reused once nothing in this process
     views them and no reader holds them (module docstring). The interface of
-    :class:`~rlboost_hpc.weights.layout.HostBufferPool` that :class:`~rlboost_hpc.weights.store.VersionStore`
+    :class:`~rlboost_hpc.models.layout.HostBufferPool` that :class:`~rlboost_hpc.weights.store.VersionStore`
     uses (:meth:`take`, the counters), plus :meth:`finished`, which publishes a written buffer's manifest.
 
     Args:
@@ -129,7 +129,7 @@ class SharedBufferPool:
         keep: buffers remembered at most (≥ 1); beyond it free ones are removed first, then the oldest (a reader
             still mapping it keeps its pages until it unmaps).
         pin_memory: pin each buffer through CUDA once when made (device-to-host exports at the link's rate), as
-            :class:`~rlboost_hpc.weights.layout.HostBufferPool` does; one the driver refuses stays pageable.
+            :class:`~rlboost_hpc.models.layout.HostBufferPool` does; one the driver refuses stays pageable.
 
     Raises:
         ValueError: ``keep`` < 1.

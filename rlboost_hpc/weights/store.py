@@ -38,7 +38,7 @@ from rlboost_hpc import defaults as D
 from rlboost_hpc.protocol.weight_msgs import (DeltaInfo, Manifest, Sealed, chunk_checksum, combine_checksums,
                                               layout_checksum, num_chunks)
 from rlboost_hpc.weights import delta as delta_codec
-from rlboost_hpc.weights import layout
+from rlboost_hpc.models import layout
 from rlboost_hpc.weights import sealed as sealing
 from rlboost_hpc.weights.held import Held, reply_frames
 from rlboost_hpc.weights.shared import SharedBufferPool
@@ -134,16 +134,16 @@ class VersionStore:
         """Copy ``state_dict`` into one new host buffer as ``version`` and make it available to pullers.
 
         Floating-point tensors are cast to ``dtype`` (``None`` keeps their dtype); integer/bool tensors
-        keep theirs. Tensors are placed in sorted-name order (:mod:`rlboost_hpc.weights.layout`).
+        keep theirs. Tensors are placed in sorted-name order (:mod:`rlboost_hpc.models.layout`).
         Checksums are computed before the version becomes visible; the oldest versions beyond
         ``keep_versions`` are then evicted. Runs in the caller's thread (≈ one cast-copy pass plus one
         xxh3 pass over the bytes; see ``stats["publish_seconds"]``); with deltas on, each chunk's delta against
         the previous version is encoded on ``delta_threads`` as soon as the chunk is hashed, overlapped with the
         next chunks, and the publish waits for the last (``stats["delta_seconds"]``). A
-        :class:`~rlboost_hpc.weights.layout.FlatState` packed for ``dtype`` costs the same whatever its tensor
+        :class:`~rlboost_hpc.models.layout.FlatState` packed for ``dtype`` costs the same whatever its tensor
         count: one cast-copy, chunk by chunk, each chunk hashed right after it (overlapped with the next chunks'
         copies when the weights are on a device). The buffer is one an evicted version used once nothing views it
-        any more (:class:`~rlboost_hpc.weights.layout.HostBufferPool`: no page faults), else a new one. May be
+        any more (:class:`~rlboost_hpc.models.layout.HostBufferPool`: no page faults), else a new one. May be
         called before the holder serves.
 
         Returns:
@@ -354,7 +354,7 @@ class VersionStore:
     def local_state_dict(self, version: int | None = None) -> Mapping[str, torch.Tensor]:
         """Tensors viewing the published buffer of ``version`` (None: latest), for an in-process engine.
 
-        Dtypes/shapes as published; no copy (a :class:`~rlboost_hpc.weights.layout.FlatState` when the
+        Dtypes/shapes as published; no copy (a :class:`~rlboost_hpc.models.layout.FlatState` when the
         version has one dtype). The tensors keep the buffer alive after eviction; they must
         be treated as read-only.
 

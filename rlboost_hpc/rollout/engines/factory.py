@@ -84,7 +84,7 @@ def receive_buffer_factory(spec: Mapping[str, Any] | None) -> "Callable[[int], t
     """Where a rollout worker running ``spec``'s engine pulls weight versions (``WeightPuller(buffer_factory=)``):
     shared memory for SGLang, whose server process then loads the pulled bytes without a copy
     (:func:`~rlboost_hpc.rollout.engines.sglang_weights.shared_host_buffer`); for the in-process torch engine on a
-    GPU, pinned host buffers (a :class:`~rlboost_hpc.weights.layout.HostBufferPool` that registers its mappings
+    GPU, pinned host buffers (a :class:`~rlboost_hpc.models.layout.HostBufferPool` that registers its mappings
     with CUDA once: the engine's host-to-device load then runs at the link's rate, not through the driver's
     staging copy); None — the puller's default private host buffer — for the torch engine on the CPU (or a
     device the spec names but this host lacks: the engine's build reports that) and for the emulated engine."""
@@ -92,7 +92,7 @@ def receive_buffer_factory(spec: Mapping[str, Any] | None) -> "Callable[[int], t
         return None
     if (spec or {}).get("kind", "torch") != "sglang":
         from rlboost_hpc.models.device import DeviceError, resolve_device
-        from rlboost_hpc.weights.layout import HostBufferPool
+        from rlboost_hpc.models.layout import HostBufferPool
 
         try:
             on_gpu = resolve_device(str((spec or {}).get("device", "auto"))).type == "cuda"

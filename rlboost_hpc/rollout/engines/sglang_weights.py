@@ -29,7 +29,7 @@ import torch
 
 from rlboost_hpc.protocol.weight_msgs import table_arrays
 from rlboost_hpc.rollout.engines.base import EngineError
-from rlboost_hpc.weights.layout import FlatState
+from rlboost_hpc.models.layout import FlatState
 
 if TYPE_CHECKING:
     from rlboost_hpc.rollout.engines.sglang_server import SGLangControl
@@ -85,7 +85,7 @@ class SGLangWeightUpdates:
         Sequence: validate → ``/begin_weight_update`` → ``/update_weights_from_tensor`` (shared-memory
         tensors, ``weight_version``, ``flush_cache``, never aborting) → ``/end_weight_update`` →
         ``/flush_cache`` → check the server's weight version. Sets :attr:`version` on success. A
-        :class:`~rlboost_hpc.weights.layout.FlatState` (a pulled version) goes as one shared-memory segment in
+        :class:`~rlboost_hpc.models.layout.FlatState` (a pulled version) goes as one shared-memory segment in
         SGLang's ``flattened_bucket`` format (:func:`flat_bucket`) — per-tensor segments cost a shared-memory
         file each.
 

@@ -52,7 +52,7 @@ from rlboost_hpc.rollout.engines.base import (
     TokenEvent,
     validate_request,
 )
-from rlboost_hpc.weights.layout import FlatState, copy_tensors, dtype_from_name
+from rlboost_hpc.models.layout import FlatState, copy_tensors, dtype_from_name
 
 __all__ = ["TorchEngine", "generate_all", "uniform", "uniform_reference", "sample_tokens"]
 

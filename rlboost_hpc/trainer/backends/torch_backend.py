@@ -8,7 +8,7 @@ logprob is exactly ``logp.detach()`` of the same forward pass (no second pass ne
 logprobs measure the engine–trainer mismatch every step (``logprob_diff`` and the ``mismatch_*`` metrics) and, with
 ``GRPOOptions.behaviour_correction``, weight the loss (TIS/MIS: :func:`~rlboost_hpc.trainer.algorithms.grpo.
 behaviour_weights`). The parameters live in one flat fp32 tensor laid out like the
-wire buffer of ``wire_dtype`` (:class:`~rlboost_hpc.weights.layout.FlatState`): exporting is a view, publishing
+wire buffer of ``wire_dtype`` (:class:`~rlboost_hpc.models.layout.FlatState`): exporting is a view, publishing
 one cast-copy whatever the number of tensors; a tied head is its embedding, so it is not exported twice.
 
 With ``lora`` (``trainer.lora``): PEFT's LoRA layers wrap the targeted linears (:mod:`rlboost_hpc.trainer.lora`), the
@@ -32,7 +32,7 @@ from rlboost_hpc.trainer.backends.base import (Sample, StepAccumulator, TrainerB
                                               staleness_tensor, truncated_tensor)
 from rlboost_hpc.trainer.checkpoint import CheckpointError
 from rlboost_hpc.trainer.lora import LoraSettings, PeftAdapter
-from rlboost_hpc.weights.layout import FlatState
+from rlboost_hpc.models.layout import FlatState
 
 
 def pack(batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
