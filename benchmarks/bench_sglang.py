@@ -90,7 +90,7 @@ def bench_streaming(model_dir: Path, model_config: dict, prompts: list[list[int]
         body = {"input_ids": prompts, "return_logprob": True,
                 "sampling_params": {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}}
         t0 = time.perf_counter()
-        status, out = http_json(eng.host, eng.port, "POST", "/generate", body, timeout=600)
+        status, out = http_json(eng.control.host, eng.control.port, "POST", "/generate", body, timeout=600)
         dt = time.perf_counter() - t0
         assert status == 200 and len(out) == len(prompts), (status, str(out)[:300])
         assert all(len(o["output_ids"]) == new for o in out)

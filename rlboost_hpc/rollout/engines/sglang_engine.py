@@ -115,12 +115,10 @@ class SGLangEngine(Engine):
         if u.startswith("http://"):
             u = u[len("http://"):]
         host, _, port = u.partition(":")
-        self.host, self.port = host, int(port or 80)
-        self.base_url = f"http://{self.host}:{self.port}"
         self.max_batch = max_batch
-        self.server = server
+        self.server = server  # (its lifetime is the engine's when owns_server; the control reads its diagnostics)
         self.owns_server = owns_server
-        self.control = SGLangControl(self.host, self.port, server, control_timeout_s)
+        self.control = SGLangControl(host, int(port or 80), server, control_timeout_s)
         self.streams = SGLangStreams(self.control, stall_timeout_s=stall_timeout_s, abort_timeout_s=abort_timeout_s,
                                      tag=f"{os.getpid():x}{id(self) & 0xFFFFFF:06x}")
         self._closed = False
