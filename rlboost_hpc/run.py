@@ -31,6 +31,7 @@ from rlboost_hpc.observe.report import write_plot
 from rlboost_hpc.observe.run_report import FailedReport, FaultTally, RunReport, build_report, write_report
 from rlboost_hpc.observe.timeline import Phase, add_phase
 from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.protocol.stats import HeldOutEvaluation
 from rlboost_hpc.rundir import RunDir, read_jsonl
 from rlboost_hpc.run_setup import RunSetup, check_inputs, check_same_data, check_same_model
 from rlboost_hpc.services import RunServices
@@ -252,7 +253,7 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
     svc.hello(version0)
     svc.start_reserved()  # the reserved engines and the preemptible capacity boot (and load the first version)
     svc.start_rollout()  # while the starting policy is evaluated, not during the first step
-    before = resume.before or held_out.evaluate(version0)
+    before = _tell_heldout(svc, "before", version0, resume.before or held_out.evaluate(version0))
     log.info("held-out reward before training: %.3f (greedy %.3f)", before["reward_sampled"], before["reward_greedy"])
     r = cfg.rollout
     n_resv, n_resv_source = reserved_instances(r.gpus_per_instance, cfg.trainer.gpus)
@@ -294,6 +295,7 @@ def _train(cfg: RunConfig, rd: RunDir, svc: RunServices, setup: RunSetup, ckpt: 
     final = svc.client.stats()
     served = svc.publisher.served()  # what the trainer sent (the rest of weight_pulled_bytes came from relay peers)
     after = held_out.evaluate(trainer.version, keep_samples=True)
+    _tell_heldout(svc, "after", trainer.version, after)
     kl = kl_to_reference(svc.backend, after.pop("sampled"), estimator=cfg.trainer.kl_estimator)
     model_out = _export(cfg, rd, svc, setup, trainer.version) \
         if cfg.trainer.export_model and cfg.trainer.backend != "emulated" else None
@@ -323,6 +325,17 @@ def _lora_info(svc: RunServices, cfg: RunConfig, adapter_out: str | None) -> dic
     merged = str(svc.run_dir.model) if adapter_out and cfg.trainer.lora.export_merged else None
     return {"rank": a.rank, "alpha": a.alpha, "targets": list(a.targets), "base_checksum": f"{a.base_checksum:016x}",
             "base_bytes": a.base_bytes, "adapter_out": adapter_out, "merged_out": merged}
+
+
+def _tell_heldout(svc: RunServices, when: str, version: int, ev: dict) -> dict:
+    """A held-out evaluation ``ev`` (``when``: before or after training, of weight ``version``) to the manager, for
+    its gauges (kept across its restarts); a run without a model (``NotEvaluated``: NaN rewards) has none to tell.
+    Returns ``ev``."""
+    if not math.isnan(ev["reward_sampled"]):
+        svc.client.send(M.Evaluation(when=when, result=HeldOutEvaluation(
+            version=version, reward_sampled=ev["reward_sampled"], reward_greedy=ev["reward_greedy"],
+            pass_at_k=dict(ev.get("pass_at_k", {})))))
+    return ev
 
 
 def _record_step(svc: RunServices, step: int, m: dict, metrics_f, trackers, view) -> None:

@@ -238,7 +238,7 @@ def test_the_manager_core_is_one_class_and_each_message_has_one_handler():
     assert ManagerCore.__bases__ == (object,)
     core = ManagerCore(clock=lambda: 0.0)
     names = [n for part in (core.registry, core.table, core.trainer_calls) for n in dir(part) if n.startswith("_on_")]
-    assert len(names) == len(set(names)) == len(core._handlers) == 19
+    assert len(names) == len(set(names)) == len(core._handlers) == 20
     assert all(isinstance(getattr(M, name, None), type) for name in core._handlers), sorted(core._handlers)
 
 

@@ -775,3 +775,26 @@ def test_workers_warned_while_their_manager_is_dead_hand_their_responses_to_the_
     both = len(trace_warned & {pid for pids in warned for pid in pids})
     assert rep["instances_preempted_with_warning"] == rep["preemptions_with_warning"] + 2 - both, (rep, both)
     assert rep["instances_lost_without_warning"] == 0 and rep["tokens_regenerated"] == 0, rep
+
+
+def test_the_held_out_evaluations_outlive_a_restart_and_the_compaction_of_the_log(tmp_path):
+    """Issue 58 item 5: the trainer tells the manager each held-out evaluation (its Prometheus gauges: pass@k, the
+    rewards); the work log keeps them through a step's compaction, so a restarted manager serves them again, and a
+    later "after" evaluation joins the restored "before"."""
+    from rlboost_hpc.protocol.stats import HeldOutEvaluation
+
+    core, clock, log = journaled(tmp_path)
+    feed(core, TRAINER, M.TrainerHello(weights_endpoint="tcp://w", model_config={"a": 1}))
+    feed(core, TRAINER, M.SetVersion(version=0, checksum=77))
+    before = HeldOutEvaluation(version=0, reward_sampled=0.25, reward_greedy=0.5, pass_at_k={"1": 0.25, "4": 0.5})
+    feed(core, TRAINER, M.Evaluation(when="before", result=before))
+    feed(core, b"stranger", M.Evaluation(when="after", result=before))  # only the trainer tells evaluations
+    assert core.stats().heldout == {"before": before}
+    submit(core, groups=1, n=2, max_new=8)  # a step begins: the log is compacted to a snapshot
+    commit(core, log)
+    log.close()
+    new, _, log2 = restarted(tmp_path)
+    assert new.stats().heldout == {"before": before}
+    after = HeldOutEvaluation(version=1, reward_sampled=0.75, reward_greedy=1.0, pass_at_k={"1": 0.75, "4": 1.0})
+    feed(new, TRAINER, M.Evaluation(when="after", result=after))
+    assert new.stats().heldout == {"before": before, "after": after}

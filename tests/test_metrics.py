@@ -10,6 +10,7 @@ import pytest
 from rlboost_hpc.manager.service import spawn_manager
 from rlboost_hpc.manager.settings import ManagerSettings
 from rlboost_hpc.protocol import messages as M
+from rlboost_hpc.protocol.stats import HeldOutEvaluation
 from rlboost_hpc.trainer.client import ManagerClient
 
 pytestmark = pytest.mark.integration
@@ -22,6 +23,8 @@ def test_metrics_endpoint_exposes_manager_state():
         client.call(M.TrainerHello(weights_endpoint="tcp://w:1", model_config={}))
         client.call(M.SetVersion(version=3))
         client.send(M.PolicyState(t_seed_s=1.5, n_prem_cap=4))
+        client.send(M.Evaluation(when="before", result=HeldOutEvaluation(  # (issue 58 item 5: pass@k in Prometheus)
+            version=0, reward_sampled=0.25, reward_greedy=0.5, pass_at_k={"1": 0.1875, "4": 0.4375})))
         time.sleep(1.0)  # one snapshot refresh
         text = urllib.request.urlopen(url, timeout=10).read().decode()
     finally:
@@ -34,6 +37,10 @@ def test_metrics_endpoint_exposes_manager_state():
         assert name in text, name
     assert 'rlboost_latest_weight_version{run=""} 3.0' in text
     assert 'rlboost_t_seed_seconds{run=""} 1.5' in text and 'rlboost_n_prem_cap{run=""} 4.0' in text
+    assert 'rlboost_heldout_pass_at_k_ratio{k="1",run="",when="before"} 0.1875' in text
+    assert 'rlboost_heldout_pass_at_k_ratio{k="4",run="",when="before"} 0.4375' in text
+    assert 'rlboost_heldout_reward{decoding="greedy",run="",when="before"} 0.5' in text
+    assert 'rlboost_heldout_weight_version{run="",when="before"} 0.0' in text and 'when="after"' not in text
 
 
 def test_grafana_dashboard_queries_only_metrics_that_exist(repo_root):
@@ -53,6 +60,8 @@ def test_grafana_dashboard_queries_only_metrics_that_exist(repo_root):
     core.on_message(b"t", M.TrainerHello(weights_endpoint="tcp://w:1", model_config={}))
     core.on_message(b"t", M.SetVersion(version=0))
     core.on_message(b"t", M.PolicyState(t_seed_s=1.0, n_prem_cap=2))
+    core.on_message(b"t", M.Evaluation(when="before", result=HeldOutEvaluation(
+        version=0, reward_sampled=0.2, reward_greedy=0.3, pass_at_k={"1": 0.2})))
     core.on_message(b"t", M.StepTimes(step=0, wall_s=2.0, phases={"seeding": 2.0}, fixed_overhead_s=0.0,
                                       mismatch={k: 0.01 for k in ("logprob_diff", "logprob_diff_max", "mismatch_kl",
                                                                   "mismatch_outside_clip_share",

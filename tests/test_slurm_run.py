@@ -455,6 +455,9 @@ def test_a_run_launched_as_readme_says_has_one_run_id_everywhere_and_the_dashboa
             assert not empty, f"dashboard queries without a series for run {run_dir.name}: {empty}"
             # the scavenger's counters as scraped (issue 57: shown before with a fake Slurm only): the jobs it
             # submitted to the real Slurm, as its events say (the counter at a scrape ≤ the events now)
+            # the held-out evaluation before training, as the trainer told the manager (issue 58 item 5)
+            pass_k = {v["metric"]["k"]: float(v["value"][1]) for v in prom.query(
+                f'rlboost_heldout_pass_at_k_ratio{{run="{run_dir.name}",when="before"}}')}
             scraped = prom.query(f'rlboost_scavenger_submitted_total{{run="{run_dir.name}"}}')
             submitted_now = sum(1 for e in events(run_dir) if e.get("event") == "submitted")
             assert scraped and 1 <= float(scraped[0]["value"][1]) <= submitted_now, (scraped, submitted_now)
@@ -469,6 +472,7 @@ def test_a_run_launched_as_readme_says_has_one_run_id_everywhere_and_the_dashboa
                 subprocess.run(["kill", (run_dir / "scavenger.pid").read_text().strip()], capture_output=True)
     rep = json.loads((run_dir / "report.json").read_text())
     assert rep["steps"] == 60 and rep["responses_lost"] == 0 and rep["responses_duplicated"] == 0, rep
+    assert pass_k and pass_k == pytest.approx(rep["pass_at_k_heldout_before"]), (pass_k, rep)
     rid = run_dir.name
     assert json.loads((run_dir / "endpoints.json").read_text())["run_id"] == rid
     logged = {}

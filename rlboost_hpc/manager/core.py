@@ -83,7 +83,7 @@ from rlboost_hpc.manager.step_account import StepAccount
 from rlboost_hpc.manager.stats import ManagerDistributions, VersionServingClock, manager_stats
 from rlboost_hpc.manager.trainer_calls import TrainerCalls
 from rlboost_hpc.protocol import messages as M
-from rlboost_hpc.protocol.stats import ManagerCounters, ManagerStats, StepActivity
+from rlboost_hpc.protocol.stats import HeldOutEvaluation, ManagerCounters, ManagerStats, StepActivity
 
 S = InstanceState
 
@@ -136,6 +136,7 @@ class ManagerCore:
         self.version_serving = VersionServingClock()  # SetVersion → each live instance serving it
         self.clock = clock
         self.policy_decision: M.PolicyState | None = None  # the controller's last T_seed and N_prem cap
+        self.heldout: dict[str, HeldOutEvaluation] = {}  # the run's held-out evaluations ("before", "after")
         self.outbox: list[tuple[bytes, M._Msg]] = []
         # the message handlers, each a collaborator that works on this core (the mediator) and the state owners it holds
         self.registry, self.table, self.trainer_calls = InstanceRegistry(self), RequestTable(self), TrainerCalls(self)

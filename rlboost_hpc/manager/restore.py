@@ -118,6 +118,8 @@ def _apply(core, rec: W.Record, now: float) -> None:
             core.train_step = rec.step
     elif isinstance(rec, W.Counters):
         core.counters = rec.counters
+    elif isinstance(rec, W.Evaluated):
+        core.heldout[rec.when] = rec.result
 
 
 def _replay_tokens(core, rec: W.Frame) -> None:

@@ -103,7 +103,7 @@ def manager_stats(core) -> ManagerStats:
         last_step_activity=core.step_account.last_activity,
         instance_activity_s=dict(core.activity.total_s),
         last_step_mismatch=dict(core.step_account.last_mismatch),
-        last_step_rewards=dict(core.step_account.last_rewards),
+        last_step_rewards=dict(core.step_account.last_rewards), heldout=dict(core.heldout),
         environment_pending=sum(1 for r in reqs.values() if r.state == R.ENVIRONMENT),
         t_seed_s=decision.t_seed_s if decision else None,
         n_prem_cap=decision.n_prem_cap if decision else None,

@@ -145,6 +145,7 @@ class TrainerCalls:
                                    W.Joined(i.key, i.peer, i.kind, i.max_batch, i.engine, i.relay_endpoint),
                                    *((W.Silent(i.key, True),) if i.state == S.SUSPECT else ()))),
                                W.Counters(self.core.counters), W.Seeding(False, self.core.train_step),
+                               *(W.Evaluated(when, r) for when, r in self.core.heldout.items()),
                                *self._steps_in_flight(msg.step),
                                W.Submit(msg.step, msg.version, list(msg.groups))]
             if self.core.settings.max_staleness:
@@ -217,6 +218,11 @@ class TrainerCalls:
         if self._trainer_only(peer, "step-times"):
             self.core.dist.step_seconds.observe(msg.wall_s)
             self.core.step_account.step_times(msg)
+
+    def _on_Evaluation(self, peer: bytes, inst: Instance | None, msg: M.Evaluation) -> None:
+        if self._trainer_only(peer, "evaluation"):
+            self.core.heldout[msg.when] = msg.result
+            self.core.log_work(W.Evaluated(msg.when, msg.result))
 
     def _on_AckGroup(self, peer: bytes, inst: Instance | None, msg: M.AckGroup) -> None:
         if self._trainer_only(peer, "ack"):

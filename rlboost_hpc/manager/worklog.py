@@ -36,7 +36,7 @@ import msgspec
 from rlboost_hpc.errors import BadInput
 from rlboost_hpc.protocol import messages as M
 from rlboost_hpc.protocol.adapter import AdapterSpec
-from rlboost_hpc.protocol.stats import ManagerCounters
+from rlboost_hpc.protocol.stats import HeldOutEvaluation, ManagerCounters
 from rlboost_hpc.protocol.version import VersionId
 
 
@@ -173,12 +173,19 @@ class Counters(_Rec, tag="counters"):
     counters: ManagerCounters
 
 
+class Evaluated(_Rec, tag="evaluated"):
+    """The trainer told a held-out evaluation (``Evaluation``): ``when`` it ran and what it found."""
+
+    when: str
+    result: HeldOutEvaluation
+
+
 class Compact(_Rec, tag="compact"):
     """Not written: tells the writer that the records after it replace the whole log (a new step began)."""
 
 
 Record = Union[Begin, Hello, Version, Submit, Seeding, Joined, Silent, Left, Frame, Observation, ToolCall, Finished, Acked,
-               Migrated, Counters, Compact]
+               Migrated, Counters, Evaluated, Compact]
 
 _HEAD = struct.Struct("<II")
 _encoder = msgspec.msgpack.Encoder()

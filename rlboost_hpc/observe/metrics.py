@@ -208,6 +208,7 @@ class ManagerMetrics(SnapshotCollector):
             for name, v in sorted(s.last_step_rewards.items()):
                 g.add_metric([self.run_id, name], float(v))
             yield g
+        yield from self._heldout(s)
         yield self._counter_by("rlboost_rollout_instance_seconds", "instance-seconds of all rollout instances by "
                                "activity (busy, idle, pulling)", "activity", s.instance_activity_s)
         per = CounterMetricFamily("rlboost_instance_activity_seconds", "seconds per live rollout instance by "
@@ -216,6 +217,26 @@ class ManagerMetrics(SnapshotCollector):
             for a, sec in sorted(i.activity_s.items()):
                 per.add_metric([self.run_id, key, a], sec)
         yield per
+
+    def _heldout(self, s: ManagerStats):
+        """Gauges of the run's held-out evaluations (``when``: before = the starting policy, after = the trained
+        one): the mean reward by decoding and the unbiased pass@k by k (no sample before the first evaluation)."""
+        if not s.heldout:
+            return
+        r = GaugeMetricFamily("rlboost_heldout_reward", "mean reward of the held-out evaluation by when (before: "
+                              "the starting policy, after: the trained one) and decoding (sampled, greedy)",
+                              labels=["run", "when", "decoding"])
+        p = GaugeMetricFamily("rlboost_heldout_pass_at_k_ratio", "unbiased pass@k of the held-out evaluation "
+                              "(Chen et al. 2021; trainer.eval_pass_k) by when and k", labels=["run", "when", "k"])
+        v = GaugeMetricFamily("rlboost_heldout_weight_version", "weight version the held-out evaluation ran",
+                              labels=["run", "when"])
+        for when, e in sorted(s.heldout.items()):
+            r.add_metric([self.run_id, when, "sampled"], e.reward_sampled)
+            r.add_metric([self.run_id, when, "greedy"], e.reward_greedy)
+            for k, x in sorted(e.pass_at_k.items(), key=lambda kv: int(kv[0])):
+                p.add_metric([self.run_id, when, k], x)
+            v.add_metric([self.run_id, when], e.version)
+        yield from (r, p, v)
 
     def _mismatch(self, last: dict[str, float]):
         """Gauges of the trainer's last step's engine–trainer mismatch (no sample before the first step)."""

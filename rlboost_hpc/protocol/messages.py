@@ -16,7 +16,7 @@ import numpy as np
 
 from rlboost_hpc.protocol.adapter import EMULATED_BASE, AdapterSpec  # noqa: F401 (re-exported)
 from rlboost_hpc.protocol.errors import ProtocolError
-from rlboost_hpc.protocol.stats import ManagerStats
+from rlboost_hpc.protocol.stats import HeldOutEvaluation, ManagerStats
 from rlboost_hpc.protocol.version import VersionId
 
 MAX_FRAME_BYTES = 64 << 20
@@ -383,6 +383,15 @@ class StepTimes(_Msg, tag="steptimes"):
     rewards: Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], float], msgspec.Meta(max_length=32)] = {}
 
 
+class Evaluation(_Msg, tag="evaluation"):
+    """A held-out evaluation of the run (for the manager's gauges, kept across its restarts): ``when`` ``"before"``
+    (the starting policy, evaluated before the first step or restored by a resume) or ``"after"`` (the trained
+    one)."""
+
+    when: Literal["before", "after"]
+    result: HeldOutEvaluation
+
+
 class AckGroup(_Msg, tag="ack"):
     gid: str
 
@@ -505,8 +514,8 @@ class EnvRelease(msgspec.Struct, forbid_unknown_fields=True):
 Message = (
     Register | Heartbeat | WeightsLoaded | WeightsFailed | Tokens | RequestFailed | Draining | Released
     | Deregister | Welcome | Alive | Farewell | Reject | Assign | Release | NewVersion | PullFrom | Drain | TrainerHello | SetVersion
-    | SubmitStep | CloseSeeding | PolicyState | StepTimes | AckGroup | GetStats | Redeliver | Shutdown | GroupDone | StepFailed | Ok
-    | Error | Stats
+    | SubmitStep | CloseSeeding | PolicyState | StepTimes | Evaluation | AckGroup | GetStats | Redeliver | Shutdown
+    | GroupDone | StepFailed | Ok | Error | Stats
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -7,6 +7,8 @@ fails where it is read. Both are msgspec structs: the snapshot crosses the manag
 """
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 
@@ -151,6 +153,17 @@ class VersionServing(msgspec.Struct, kw_only=True):
     last_s: float = 0.0
 
 
+class HeldOutEvaluation(msgspec.Struct, kw_only=True):
+    """One held-out evaluation of the run (``trainer/eval.py``): of weight version ``version``, the mean reward of
+    the sampled responses and of the greedy ones, and the unbiased pass@k of Chen et al. (2021) for each k of
+    ``trainer.eval_pass_k`` (k as text → the mean over prompts, in [0, 1])."""
+
+    version: int
+    reward_sampled: float
+    reward_greedy: float
+    pass_at_k: Annotated[dict[Annotated[str, msgspec.Meta(max_length=8)], float], msgspec.Meta(max_length=32)] = {}
+
+
 class ManagerStats(ManagerCounters, kw_only=True):
     """What ``GetStats`` answers: the counters (inherited fields) plus a snapshot of instances, queue, the last
     step and the policy's decision in force (every field defaults to the state of a manager that has seen nothing).
@@ -160,7 +173,9 @@ class ManagerStats(ManagerCounters, kw_only=True):
     ``live_preemptible``: those neither gone nor suspect. ``t_seed_s`` / ``n_prem_cap``: the seeding window T_seed
     (seconds) and the cap N_prem the trainer's controller set last (``None``: not set / no cap).
     ``last_step_mismatch``: the engine–trainer mismatch of the trainer's last step (``StepTimes.mismatch``);
-    ``last_step_rewards``: a user's task, each reward function's mean over that step (``StepTimes.rewards``)."""
+    ``last_step_rewards``: a user's task, each reward function's mean over that step (``StepTimes.rewards``).
+    ``heldout``: the run's held-out evaluations the trainer told (``"before"``: the starting policy, ``"after"``:
+    the trained one)."""
 
     instances_lost: int = 0
     instances_lost_while_pulling: int = 0
@@ -182,6 +197,7 @@ class ManagerStats(ManagerCounters, kw_only=True):
     instance_activity_s: dict[str, float] = {}
     last_step_mismatch: dict[str, float] = {}
     last_step_rewards: dict[str, float] = {}
+    heldout: dict[str, HeldOutEvaluation] = {}
     environment_pending: int = 0
     t_seed_s: float | None = None
     n_prem_cap: int | None = None
