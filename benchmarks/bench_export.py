@@ -43,7 +43,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rlboost_hpc.protocol.weight_msgs import chunk_checksum, num_chunks  # noqa: E402
-from rlboost_hpc.weights import WeightServer, layout  # noqa: E402
+from rlboost_hpc.models import layout  # noqa: E402
+from rlboost_hpc.weights import WeightServer  # noqa: E402
 
 
 def model_state(total_bytes_bf16: int, tensors: int, device: str) -> dict[str, torch.Tensor]:

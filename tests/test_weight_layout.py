@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from rlboost_hpc.protocol.weight_msgs import TensorTable, table_arrays, validate_table
-from rlboost_hpc.weights import WeightPuller, WeightServer, layout
+from rlboost_hpc.models import layout
+from rlboost_hpc.weights import WeightPuller, WeightServer
 
 
 def awkward_state(seed: int = 0) -> dict[str, torch.Tensor]:
