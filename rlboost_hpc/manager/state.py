@@ -104,10 +104,6 @@ class VersionLineage:
         """``version`` is the newest of the lineage (its number, with its checksum)."""
         return version.number == self.latest.number and self.holds(version)
 
-    def checksum(self, version: int) -> int:
-        """The checksum of ``version`` in the lineage (0: not given, or not of the lineage)."""
-        return self._checksums.get(version, 0)
-
 
 @dataclass
 class Instance:
