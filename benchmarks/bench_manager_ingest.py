@@ -415,7 +415,7 @@ def record(n_inst: int, k: int, args) -> list:
 
 def replay(events: list, k: int, args, core_cls=ManagerCore) -> dict:
     """Feed ``events`` into a fresh core, timing each stage (see the module docstring)."""
-    core = core_cls(clock=lambda: 0.0, pending_limit=args.batch, stream_every_tokens=k)
+    core = core_cls(clock=lambda: 0.0, settings=ManagerSettings(pending_limit=args.batch, stream_every_tokens=k))
     pc = time.thread_time  # CPU time of this thread: immune to being descheduled by other load
     t = dict(decode=0.0, validate=0.0, core_tokens=0.0, group=0.0, tick=0.0, encode_out=0.0, other=0.0)
     orig_group = core.trainer_calls.group_progress
