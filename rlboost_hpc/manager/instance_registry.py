@@ -195,7 +195,7 @@ class InstanceRegistry:
             log.warning("%s from unregistered peer %r dropped", what, peer)
             if peer != self.core.trainer_peer:
                 self.core.send(peer, M.Reject(reason=f"unknown instance ({what} from a peer that is not registered: "
-                                                "declared lost or never registered); register as a new attempt"))
+                                                     "declared lost or never registered); register as a new attempt"))
 
     def _on_Heartbeat(self, peer: bytes, inst: Instance | None, msg: M.Heartbeat) -> None:
         if inst is None:

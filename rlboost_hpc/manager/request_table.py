@@ -87,7 +87,7 @@ class RequestTable:
             elif not req.version <= ver <= latest:  # (k = 0: ver == req.version == latest)
                 self.core.counters.off_version_tokens_rejected += cnt
                 self.core.registry.fence(inst, f"sent {cnt} tokens of version {ver} for {rid} of version {req.version}"
-                                  + (f"..{latest}" if self.core.settings.max_staleness else ""))
+                                         + (f"..{latest}" if self.core.settings.max_staleness else ""))
                 dropped += msg.rids[i:]
                 break
             elif off + cnt > req.max_new_tokens or off + cnt > req.max_trajectory_tokens - req.turn_start:

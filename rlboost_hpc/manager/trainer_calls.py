@@ -37,7 +37,7 @@ class TrainerCalls:
             new_trainer(self.core)
             self.core.other_trainer = True
         self.core.trainer = W.Hello(peer, msg.weights_endpoint, msg.weights_shards, msg.model_config, msg.model_arch,
-                               msg.adapter)
+                                    msg.adapter)
         if msg.weights_shards:  # a relay holder serves one buffer; a sharded version has one per trainer holder
             self.core.relay.fanout = 0
         self.core.log_work(self.core.trainer)
@@ -85,7 +85,7 @@ class TrainerCalls:
             return
         if msg.version < self.core.lineage.latest.number and not resumed:
             self.core.send(peer, M.Error(what="setver", cid=msg.cid,
-                                    error=f"version {msg.version} < latest {self.core.lineage.latest.number}"))
+                                         error=f"version {msg.version} < latest {self.core.lineage.latest.number}"))
             return
         self.core.step_account.close(self.core.clock(), self.core.activity.take(self.core.clock()))
         self.core.lineage.make_current(msg.identity)  # (the latest with it)
@@ -127,7 +127,7 @@ class TrainerCalls:
             return
         if not self.core.environment and any(g.max_turns > 1 for g in msg.groups):
             self.core.send(peer, M.Error(what="submit", cid=msg.cid, error="multi-turn groups need an environment "
-                                                                      "(the manager was started without one)"))
+                                                                           "(the manager was started without one)"))
             return
         new = [(g.gid, f"{g.gid}/{i}") for g in msg.groups for i in range(g.n)]
         book = self.core.book
@@ -141,13 +141,13 @@ class TrainerCalls:
         if self.core.worklog is not None:  # the last step is over: its records give way to a snapshot (compaction)
             latest = self.core.lineage.latest
             self.core.worklog[:] = [W.Compact(), self.core.trainer, W.Version(latest.number, latest.checksum),
-                               *(r for i in self.core.fleet.values() if i.state != S.GONE for r in (
-                                   W.Joined(i.key, i.peer, i.kind, i.max_batch, i.engine, i.relay_endpoint),
-                                   *((W.Silent(i.key, True),) if i.state == S.SUSPECT else ()))),
-                               W.Counters(self.core.counters), W.Seeding(False, self.core.train_step),
-                               *(W.Evaluated(when, r) for when, r in self.core.heldout.items()),
-                               *self._steps_in_flight(msg.step),
-                               W.Submit(msg.step, msg.version, list(msg.groups))]
+                                    *(r for i in self.core.fleet.values() if i.state != S.GONE for r in (
+                                        W.Joined(i.key, i.peer, i.kind, i.max_batch, i.engine, i.relay_endpoint),
+                                        *((W.Silent(i.key, True),) if i.state == S.SUSPECT else ()))),
+                                    W.Counters(self.core.counters), W.Seeding(False, self.core.train_step),
+                                    *(W.Evaluated(when, r) for when, r in self.core.heldout.items()),
+                                    *self._steps_in_flight(msg.step),
+                                    W.Submit(msg.step, msg.version, list(msg.groups))]
             if self.core.settings.max_staleness:
                 self.core.since_compact.append(self.core.worklog[-1])
         self.core.send(peer, M.Ok(what="submit", cid=msg.cid))
