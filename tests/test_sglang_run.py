@@ -73,16 +73,19 @@ def test_demo_with_sglang_workers_meets_the_report_contract(repo_root, tmp_path)
 def test_multi_turn_trajectories_on_sglang_workers(repo_root, tmp_path):
     """Issue 17 with SGLang: every turn an SGLang server generates is the current turn only (its prompt holds the
     earlier turns and observations as ids); trajectories resume on the server after the reserved engine's seeding
-    and after a warned preemption (when the run lasts until the removal); nothing lost, duplicated or off-version."""
-    # removed at 60 s (see TRACE; the run lasts ≈ 90 s): ≥ 15 s of service after the slowest start-up seen
-    (tmp_path / "trace.csv").write_text("0,add,a0\n60000,remove,a0\n61000,add,a1\n")
+    and after a warned preemption (due from step 15, fired once the worker serves); nothing lost, duplicated or
+    off-version."""
+    # one slot, preempted by progress as in the demo above (a wall-clock removal at 60 s needed 40 steps): a warned
+    # preemption is due from step 15 and fires once the worker serves (its server boots in 30–45 s meanwhile)
+    (tmp_path / "trace.csv").write_text("0,add,a0\n")
     env = stub_env()
     out = tmp_path / "run"
     p = run_cli(repo_root, out, 'rollout.engine="sglang"', 'rollout.device="cpu"',
                 *[f'rollout.sglang.env.{k}="{v}"' for k, v in env.items()],
                 f'cluster.trace="{tmp_path / "trace.csv"}"', "cluster.time_scale=1.0", "cluster.replay_s=300",
-                "cluster.window_start_s=0", "cluster.max_workers=1", "policy.cap=false", "trainer.steps=40",
-                "cluster.preempt_when_busy=true", "cluster.busy_wait_max_s=90", "task.turns.max=3",
+                "cluster.window_start_s=0", "cluster.max_workers=1", "policy.cap=false", "trainer.steps=30",
+                "cluster.preempt_when_busy=true", "cluster.faults.every_steps=15", 'cluster.faults.kinds=["preempt"]',
+                "task.turns.max=3",
                 "task.turns.tool_call_open=''", "task.turns.tool_call_close='.'", "task.heldout_prompts=8",
                 "rollout.prompts_per_step=16", "rollout.max_new_tokens=32", "policy.t_seed_initial_s=0.6",
                 "policy.adaptive_seeding=false")

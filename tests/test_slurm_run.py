@@ -276,7 +276,7 @@ def surplus_drains(run_dir) -> list:
             if e.get("event") == "cancelled" and e.get("mode") == "signal" and e.get("reason") == "surplus"]
 
 
-def stall_trainer_until_a_drain(r: SlurmRun, attempts: int = 8, stall_s: float = 6.0) -> int:
+def stall_trainer_until_a_drain(r: SlurmRun, last_step: int, attempts: int = 8, stall_s: float = 6.0) -> int:
     """Make the controller lower N_prem below the running jobs — its own decision, not a scripted target — and
     return how many trainer stalls that took (0: it dropped on its own).
 
@@ -284,7 +284,8 @@ def stall_trainer_until_a_drain(r: SlurmRun, attempts: int = 8, stall_s: float =
     raw) and whether it ever drops while two jobs run is up to timing (it once stayed at 2 for all 50 steps). A
     trainer stopped for ``stall_s`` inside its training phase (high CPU: the backward passes; the waits for
     rollouts are idle) is a straggling step: its ``t_train`` grows by ``stall_s``, the raw cap falls under 1 and the
-    scavenger must drain one of the two running jobs. A stall that lands elsewhere changes nothing; try again."""
+    scavenger must drain one of the two running jobs. A stall that lands elsewhere changes nothing; try again — until
+    step ``last_step`` (a later drain leaves no window of 3 reconciliation periods to judge it in)."""
     import psutil
 
     run_dir, env, tag = r.run_dir, r.env, r.tag
@@ -292,11 +293,11 @@ def stall_trainer_until_a_drain(r: SlurmRun, attempts: int = 8, stall_s: float =
              if x.startswith('{"ts"')]
     trainer = psutil.Process(next(x["pid"] for x in lines if x["role"] == "trainer"))
     for attempt in range(attempts + 1):
-        wait_for(lambda: surplus_drains(run_dir) or steps_done(run_dir) >= 40
+        wait_for(lambda: surplus_drains(run_dir) or steps_done(run_dir) >= last_step
                  or len(settled_running(env, tag)) >= 2, 120, "two running rollout jobs", state=r.state)
         if attempt and not surplus_drains(run_dir):  # the last stall's decision reaches the scavenger in a poll
             time.sleep(3 * r.poll_s + 1.0)
-        if surplus_drains(run_dir) or steps_done(run_dir) >= 40:
+        if surplus_drains(run_dir) or steps_done(run_dir) >= last_step:
             return attempt
         deadline = time.monotonic() + 30
         while trainer.cpu_percent(interval=0.2) < 50 and time.monotonic() < deadline:
@@ -320,7 +321,9 @@ def test_the_controller_steers_the_scavenger_on_slurm(tmp_path):
     jobs preempt rollout jobs twice; nothing is lost, duplicated or trained off-version; `stats --plot` draws it."""
     from scavenger.stats import read_reconcile_log
 
-    overrides = ("--set trainer.steps=50 --set rollout.max_new_tokens=128 --set rollout.prompts_per_step=16 "
+    # 30 steps: the two preemptions and the drain are over by step ≈ 15 (50 steps took 144–213 s in CI)
+    STEPS = 30
+    overrides = (f"--set trainer.steps={STEPS} --set rollout.max_new_tokens=128 --set rollout.prompts_per_step=16 "
                  "--set cluster.max_workers=3 --set policy.t_seed_initial_s=0.3 --set network.bind_host=127.0.0.1 "
                  "--set policy.cap=true")
     preemptions = 0
@@ -346,7 +349,7 @@ def test_the_controller_steers_the_scavenger_on_slurm(tmp_path):
             # second preemption's)
             wait_for(lambda: r.preemptor_started(job), 90, "the high-priority job started", state=state)
             preemptions += 1
-        stalls = stall_trainer_until_a_drain(r)
+        stalls = stall_trainer_until_a_drain(r, last_step=STEPS - 5)
         rep = r.finish()
     why = state()
     assert "failed" not in rep, rep
