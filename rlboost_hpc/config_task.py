@@ -26,8 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 log = logging.getLogger("rlboost.config")
 
-__all__ = ["ConfigKeysMoved", "EnvironmentCfg", "MOVED_TASK_KEYS", "ReasoningGymCfg", "RewardModelCfg", "TaskCfg",
-           "TaskDataCfg", "TaskRewardsCfg", "TaskTurnsCfg", "anchor_task_paths", "current_task_key",
+__all__ = ["ConfigKeysMoved", "EnvironmentCfg", "MOVED_TASK_KEYS", "OpenEnvCfg", "ReasoningGymCfg", "RewardModelCfg",
+           "TaskCfg", "TaskDataCfg", "TaskRewardsCfg", "TaskTurnsCfg", "anchor_task_paths", "current_task_key",
            "move_flat_task_keys", "moved_task_overrides",
            "read_moved_task_keys"]
 
@@ -184,15 +184,58 @@ class TaskTurnsCfg(_Strict):
         "template, the observation is the template's rendering of a tool message"))
 
 
-class EnvironmentCfg(_Strict):
-    """``task.environment``: a stateful multi-turn environment of your own."""
+class OpenEnvCfg(_Strict):
+    """``task.environment.openenv``: an OpenEnv server's environment, one WebSocket session per trajectory
+    (``rlboost_hpc/tasks/openenv.py``)."""
 
-    class_path: str = Field(..., min_length=1, description=(
+    url: str = Field(..., pattern=r"^(https?|wss?)://[^/\s]+", description=(
+        "the OpenEnv server (http://host:port, as its client takes it); each trajectory opens a session on <url>/ws "
+        "from the manager's tool processes in the trainer's allocation"))
+    action_field: str = Field("message", min_length=1, description=(
+        "the field of the environment's Action that carries the assistant turn's text"))
+    observation_field: str | None = Field(None, description=(
+        "the field of the observation whose text is shown to the model; unset: the observation as JSON (reward, "
+        "done and metadata left out)"))
+    reset_columns: list[str] = Field(default_factory=list, description=(
+        "columns of the prompt's row passed to the server's reset as keyword arguments (beside seed, a stable "
+        "function of the row)"))
+    connect_timeout_s: float = Field(10.0, gt=0, description="deadline of opening a session, seconds")
+    retries: int = Field(2, ge=0, le=10, description=(
+        "a session the server or the network dropped is reopened (replayed from reset) this many times per call"))
+    backoff_s: float = Field(0.5, ge=0, description="wait before the n-th reopening: n × backoff_s seconds")
+
+
+class EnvironmentCfg(_Strict):
+    """``task.environment``: a stateful multi-turn environment — a class of your own (``class_path``) or an OpenEnv
+    server (``openenv``); exactly one."""
+
+    class_path: str | None = Field(None, min_length=1, description=(
         "'module:Class' / 'file.py:Class': reset(row) -> observation (appended to the prompt), "
         "step(assistant_turn) -> (observation, reward, done), one instance per trajectory in the tool processes; "
         "every assistant turn goes to step, its reward adds to the trajectory's (weight: task.rewards.weights' last "
         "entry), done ends it. Must be deterministic: an instance is rebuilt by replaying the trajectory (a "
         "different answer stops the run)"))
+    openenv: OpenEnvCfg | None = Field(None, description=(
+        "an OpenEnv server instead of a class: reset and step over its WebSocket session, its reward the "
+        "environment's term"))
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "EnvironmentCfg":
+        if (self.class_path is None) == (self.openenv is None):
+            raise ValueError("task.environment: give exactly one of class_path (a class of your own) and openenv "
+                             "(an OpenEnv server)")
+        return self
+
+    @property
+    def key(self) -> str:
+        """The key that names this environment in messages: ``task.environment.class_path`` or
+        ``task.environment.openenv.url``."""
+        return "task.environment.class_path" if self.class_path else "task.environment.openenv.url"
+
+    @property
+    def ref(self) -> str:
+        """What the environment is, for messages: the class path, or the OpenEnv server's URL."""
+        return self.class_path or self.openenv.url  # type: ignore[union-attr]
 
 
 #: The flat ``[task]`` keys of earlier releases → where each lives now (under ``task.``). A config that uses an old

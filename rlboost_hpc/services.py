@@ -212,9 +212,9 @@ class RunServices:
         if t.max == 1:
             return None
         if environment is not None:
-            env = EnvironmentRunner(environment.class_path, tokenizer_dir=str(self.policy.path), use_chat=tok.use_chat,
-                                    stop_ids=tuple(tok.stop_ids), plain_format=t.plain_format,
-                                    max_observation_tokens=t.max_observation_tokens)
+            env = EnvironmentRunner.of(environment, timeout_s=t.timeout_s, tokenizer_dir=str(self.policy.path),
+                                       use_chat=tok.use_chat, stop_ids=tuple(tok.stop_ids),
+                                       plain_format=t.plain_format, max_observation_tokens=t.max_observation_tokens)
             return TurnSpec(env, t.workers, t.timeout_s)
         env = ToolEnvironment(tokenizer_dir=str(self.policy.path), use_chat=self.policy.tokenizer.use_chat,
                               syntax=ToolSyntax(t.tool_call_open, t.tool_call_close),

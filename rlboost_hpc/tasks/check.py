@@ -96,12 +96,13 @@ def _check_environment(cfg: Any, task: Any, policy: Any, out) -> None:
     from rlboost_hpc.tasks.environment import EnvironmentCalls, EnvironmentRunner, TurnCall, row_json
 
     t, tok = cfg.task, policy.tokenizer
-    env = f"task.environment.class_path = {t.environment.class_path!r}"
+    env = f"{t.environment.key} = {t.environment.ref!r}"
     prompts = list(task.train_prompts()[:3])
     rows = [row_json(task.row_of(p)) for p in prompts]
-    runner = EnvironmentRunner(t.environment.class_path, tokenizer_dir=str(policy.path), use_chat=tok.use_chat,
-                               stop_ids=tuple(tok.stop_ids), plain_format=t.turns.plain_format,
-                               max_observation_tokens=t.turns.max_observation_tokens)
+    runner = EnvironmentRunner.of(t.environment, timeout_s=t.turns.timeout_s, tokenizer_dir=str(policy.path),
+                                  use_chat=tok.use_chat, stop_ids=tuple(tok.stop_ids),
+                                  plain_format=t.turns.plain_format,
+                                  max_observation_tokens=t.turns.max_observation_tokens)
     calls = EnvironmentCalls(runner, workers=1, timeout_s=t.turns.timeout_s)
     try:
         names = [f"row {p.pid}" for p in prompts]

@@ -38,6 +38,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import inspect
 import json
@@ -46,13 +47,16 @@ import struct
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from rlboost_hpc.errors import BadInput
 from rlboost_hpc.tasks.tools import Observation, ToolCalls, TurnCalls, render_observation
 from rlboost_hpc.tasks.user_code import UserCodeError, load_object
+
+if TYPE_CHECKING:
+    from rlboost_hpc.config_task import EnvironmentCfg, OpenEnvCfg
 
 __all__ = ["EnvironmentCalls", "EnvironmentResetFailed", "EnvironmentRunner", "StepOutcome", "TurnCall",
            "TurnSpec", "load_environment", "observation_text", "row_json"]
@@ -187,7 +191,10 @@ class EnvironmentRunner:
     :class:`~rlboost_hpc.tasks.pool.DeadlinePool` (``setup()`` imports the class and loads the tokenizer).
 
     Args:
-        ref: ``task.environment``.
+        ref: ``task.environment.class_path`` (for an OpenEnv server: its URL, named in messages).
+        openenv: ``task.environment.openenv``: instances are :class:`~rlboost_hpc.tasks.openenv.OpenEnvEpisode`
+            sessions of that server instead of a class's.
+        timeout_s: an OpenEnv server's answer deadline, seconds (``task.turns.timeout_s``).
         tokenizer_dir: the policy's model directory (turn ids are decoded, observations rendered, with its tokenizer);
             "" for a runner that only resets (the trainer's first observations).
         use_chat: render observations through the chat template (as ``user`` messages), as the prompts were.
@@ -203,6 +210,8 @@ class EnvironmentRunner:
     """
 
     ref: str
+    openenv: OpenEnvCfg | None = None
+    timeout_s: float = 30.0
     tokenizer_dir: str = ""
     use_chat: bool = False
     stop_ids: tuple[int, ...] = ()
@@ -214,10 +223,25 @@ class EnvironmentRunner:
     _live: Any = field(default=None, init=False, repr=False, compare=False)
     _current: Any = field(default=None, init=False, repr=False, compare=False)  # the instance a call works on
 
+    @property
+    def key(self) -> str:
+        """The configuration key messages name: ``task.environment`` or ``task.environment.openenv.url``."""
+        return KEY if self.openenv is None else "task.environment.openenv.url"
+
+    @classmethod
+    def of(cls, environment: EnvironmentCfg, *, timeout_s: float, **kw: Any) -> "EnvironmentRunner":
+        """The runner of ``task.environment`` (a class of one's own or an OpenEnv server); ``kw`` as the fields."""
+        return cls(environment.ref, openenv=environment.openenv, timeout_s=timeout_s, **kw)
+
     def setup(self) -> None:
         """Import the class and load the tokenizer (once per worker)."""
         if self._cls is None:
-            self._cls = load_environment(self.ref)
+            if self.openenv is not None:
+                from rlboost_hpc.tasks.openenv import OpenEnvEpisode
+
+                self._cls = functools.partial(OpenEnvEpisode, self.openenv, self.timeout_s)
+            else:
+                self._cls = load_environment(self.ref)
         if self._hf is None and self.tokenizer_dir:
             from transformers import AutoTokenizer
 
@@ -312,7 +336,7 @@ class EnvironmentRunner:
         return env, (1 + len(call.history) if call.turn else 0)
 
     def _diverged(self, call: TurnCall, what: str, got: str, held: str) -> str:
-        return (f"{KEY} = {self.ref!r} is not deterministic: rebuilding trajectory {call.trajectory} by replay, "
+        return (f"{self.key} = {self.ref!r} is not deterministic: rebuilding trajectory {call.trajectory} by replay, "
                 f"{what} gave {got}; the trajectory holds {held}. An environment must be a function of its row and "
                 "the assistant turns (seed any randomness from the row)")
 
@@ -458,7 +482,8 @@ class EnvironmentCalls(TurnCalls):
             if c.status != CallStatus.OK:
                 why = f"ran past the {self.timeout_s:g} s deadline (task.turns.timeout_s)" if (
                     c.status == CallStatus.TIMEOUT) else c.error
-                raise EnvironmentResetFailed(f"{KEY} = {self.pool.handler.ref!r}: reset(row) of {name} failed: {why}")
+                h = self.pool.handler
+                raise EnvironmentResetFailed(f"{h.key} = {h.ref!r}: reset(row) of {name} failed: {why}")
         return [c.value for c in done]
 
 

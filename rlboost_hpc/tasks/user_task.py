@@ -25,6 +25,7 @@
 """
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import logging
 import string
@@ -140,7 +141,13 @@ class UserTask(Task):
     def _environment_component(self, weight: float, names: set[str]) -> RewardComponent:
         from rlboost_hpc.tasks.environment import load_environment
 
-        name = self.environment_class = load_environment(self.cfg.environment.class_path).__name__
+        env = self.cfg.environment
+        if env.openenv is not None and importlib.util.find_spec("openenv") is None:
+            from rlboost_hpc.tasks.user_code import UserCodeError
+
+            raise UserCodeError("task.environment.openenv needs openenv-core, which is not installed: "
+                                "pip install 'openenv-core>=0.3'")
+        name = self.environment_class = load_environment(env.class_path).__name__ if env.class_path else "openenv"
         while name in names:
             name += "_"
         return RewardComponent(name=name, weight=weight, kind="environment", key="task.environment")
@@ -340,8 +347,9 @@ class UserTask(Task):
             from rlboost_hpc.tasks.environment import EnvironmentCalls, EnvironmentRunner, row_json
 
             if self._resets is None:
-                self._resets = EnvironmentCalls(EnvironmentRunner(self.cfg.environment.class_path), workers=1,
-                                                timeout_s=self.cfg.turns.timeout_s)
+                self._resets = EnvironmentCalls(EnvironmentRunner.of(self.cfg.environment,
+                                                                     timeout_s=self.cfg.turns.timeout_s),
+                                                workers=1, timeout_s=self.cfg.turns.timeout_s)
             self._first[prompt.pid] = self._resets.reset_all([row_json(self.row_of(prompt))],
                                                              [f"row {prompt.pid} ({prompt.text[:60]!r})"])[0]
         return self._first[prompt.pid]
