@@ -218,12 +218,17 @@ class EnvironmentCfg(_Strict):
     openenv: OpenEnvCfg | None = Field(None, description=(
         "an OpenEnv server instead of a class: reset and step over its WebSocket session, its reward the "
         "environment's term"))
+    reward_range: tuple[float, float] | None = Field(None, description=(
+        "[low, high] of one step's reward: a step answering outside it is an environment error (counted, its "
+        "trajectory ended; task.rewards.errors decides), never a reward; unset: any finite number"))
 
     @model_validator(mode="after")
     def _one_source(self) -> "EnvironmentCfg":
         if (self.class_path is None) == (self.openenv is None):
             raise ValueError("task.environment: give exactly one of class_path (a class of your own) and openenv "
                              "(an OpenEnv server)")
+        if self.reward_range is not None and not self.reward_range[0] < self.reward_range[1]:
+            raise ValueError(f"task.environment.reward_range = {list(self.reward_range)}: low must be below high")
         return self
 
     @property

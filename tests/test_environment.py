@@ -163,7 +163,13 @@ def test_the_environment_is_a_config_key_of_your_own_multi_turn_task():
                      (dict(data=data, environment=env), "task.turns.max > 1"),
                      (dict(data=data, environment=env, turns=dict(max=3, tools=["t.py:f"])), "task.turns.tools"),
                      (dict(data=data, environment=env, turns=turns, rewards=dict(functions=["r.py:f"], weights=[1.0])),
-                      "2 reward terms")]:
+                      "2 reward terms"),
+                     (dict(data=data, environment={}, turns=turns), "exactly one of class_path .* and openenv"),
+                     (dict(data=data, environment={**env, "openenv": {"url": "http://h:1"}}, turns=turns),
+                      "exactly one of"),
+                     (dict(data=data, environment={"openenv": {"url": "h:1"}}, turns=turns), "openenv.url"),
+                     (dict(data=data, environment={**env, "reward_range": [1, 0]}, turns=turns),
+                      r"reward_range = \[1\.0, 0\.0\]: low must be below high")]:
         with pytest.raises(ValidationError, match=why):
             TaskCfg(**bad)
 
@@ -203,6 +209,12 @@ def test_a_step_that_raises_or_returns_a_bad_reward_is_an_environment_error(envs
     nan = runner(envs, "NaN", stories260k_hf_dir)
     (out,), _ = play(nan, ["1"])
     assert out.status == "error" and "finite number" in out.error
+    # a declared range (task.environment.reward_range): -0.1 for a wrong guess is outside [0, 1] — an error, counted,
+    # never clipped to a reward
+    ranged = runner(envs, "Guess", stories260k_hf_dir, reward_range=(0.0, 1.0))
+    outs, _ = play(ranged, ["x", "1"])
+    assert outs[0].status == "ok" and outs[0].reward == 0.0
+    assert outs[1].status == "error" and "reward -0.1 is outside task.environment.reward_range [0, 1]" in outs[1].error
 
 
 @pytest.mark.integration

@@ -195,6 +195,7 @@ class EnvironmentRunner:
         openenv: ``task.environment.openenv``: instances are :class:`~rlboost_hpc.tasks.openenv.OpenEnvEpisode`
             sessions of that server instead of a class's.
         timeout_s: an OpenEnv server's answer deadline, seconds (``task.turns.timeout_s``).
+        reward_range: ``task.environment.reward_range``: a step's reward outside ``[low, high]`` is an error.
         tokenizer_dir: the policy's model directory (turn ids are decoded, observations rendered, with its tokenizer);
             "" for a runner that only resets (the trainer's first observations).
         use_chat: render observations through the chat template (as ``user`` messages), as the prompts were.
@@ -212,6 +213,7 @@ class EnvironmentRunner:
     ref: str
     openenv: OpenEnvCfg | None = None
     timeout_s: float = 30.0
+    reward_range: tuple[float, float] | None = None
     tokenizer_dir: str = ""
     use_chat: bool = False
     stop_ids: tuple[int, ...] = ()
@@ -231,7 +233,8 @@ class EnvironmentRunner:
     @classmethod
     def of(cls, environment: EnvironmentCfg, *, timeout_s: float, **kw: Any) -> "EnvironmentRunner":
         """The runner of ``task.environment`` (a class of one's own or an OpenEnv server); ``kw`` as the fields."""
-        return cls(environment.ref, openenv=environment.openenv, timeout_s=timeout_s, **kw)
+        return cls(environment.ref, openenv=environment.openenv, timeout_s=timeout_s,
+                   reward_range=environment.reward_range, **kw)
 
     def setup(self) -> None:
         """Import the class and load the tokenizer (once per worker)."""
@@ -352,6 +355,9 @@ class EnvironmentRunner:
         obs, reward, done = out
         if isinstance(reward, bool) or not isinstance(reward, (int, float, np.number)) or not math.isfinite(reward):
             raise TypeError(f"step's reward is {reward!r}; it must be a finite number")
+        if self.reward_range is not None and not self.reward_range[0] <= reward <= self.reward_range[1]:
+            lo, hi = self.reward_range
+            raise ValueError(f"step's reward {reward!r} is outside task.environment.reward_range [{lo:g}, {hi:g}]")
         if not isinstance(done, (bool, np.bool_)):
             raise TypeError(f"step's done is {done!r}; it must be a bool")
         return observation_text(obs), float(reward), bool(done)
