@@ -126,19 +126,29 @@ class LocalCluster:
         """The instance identities a worker of ``slot`` hosts (:func:`~rlboost_hpc.protocol.identity.instance_ids`)."""
         return instance_ids(self.job_id(slot), self.cfg.instances_per_worker)
 
-    def _busy(self, slot: int, attempt: int) -> bool:
+    def _partial(self) -> dict[str, int]:
+        """The manager's partial responses by instance key (one call); ``{}`` when it does not answer (a held
+        removal keeps holding, bounded by max_hold_s; a scheduled preemption stays due)."""
         try:
-            partial = self.partial_by_instance()
-            return any(partial.get(instance_key(i, attempt), 0) > 0 for i in self.instance_ids(slot))
-        except Exception as e:  # noqa: BLE001 - the manager did not answer: keep holding (bounded by max_hold_s)
-            log.warning("cluster: cannot ask the manager whether slot %d is busy: %s", slot, e)
-            return False
+            return self.partial_by_instance()
+        except Exception as e:  # noqa: BLE001
+            log.warning("cluster: cannot ask the manager which workers hold partial responses: %s", e)
+            return {}
+
+    def _holds(self, partial: dict[str, int], slot: int, attempt: int) -> bool:
+        return any(partial.get(instance_key(i, attempt), 0) > 0 for i in self.instance_ids(slot))
+
+    def _busy(self, slot: int, attempt: int) -> bool:
+        return self._holds(self._partial(), slot, attempt)
 
     def _busy_slots(self, slots: list[int]) -> list[int]:
-        """Those of ``slots`` whose live worker holds a partial response at the manager (none when the manager does
-        not answer: a scheduled preemption stays due)."""
+        """Those of ``slots`` whose live worker holds a partial response at the manager — one question to the
+        manager for all of them."""
         attempts = self.driver.live_attempts()
-        return [s for s in slots if s in attempts and self._busy(s, attempts[s])]
+        if not any(s in attempts for s in slots):
+            return []
+        partial = self._partial()
+        return [s for s in slots if s in attempts and self._holds(partial, s, attempts[s])]
 
     def _spawn(self, slot: int, attempt: int) -> subprocess.Popen:
         logf = open(self.log_dir / f"slot{slot}-attempt{attempt}.log", "ab")
