@@ -94,15 +94,5 @@ def _no_slurm_jobs_left_behind(request):
     assert not jobs, f"the test left Slurm jobs behind (now cancelled): {jobs}"
 
 
-#: Markers whose tests share one resource and run in one xdist worker, in order (``--dist loadgroup``): the local
-#: Slurm cluster (one per machine: its queue, nodes and partitions), and the SGLang tests (two servers each: two
-#: such tests at once would hold four servers on 2 cores).
-SERIAL_GROUPS = ("slurm", "sglang")
 
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        for name in SERIAL_GROUPS:
-            if item.get_closest_marker(name) is not None:
-                item.add_marker(pytest.mark.xdist_group(name))
-                break
+from _serial_groups import pytest_collection_modifyitems  # noqa: E402,F401 - the hook, registered here
