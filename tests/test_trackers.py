@@ -528,3 +528,31 @@ def test_an_offline_wandb_run_sigkilled_mid_way_keeps_its_history(repo_root, tmp
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read()[-3000:]
     steps = [h["_step"] for h in wandb_offline(out)["history"]]
     assert steps[:4] == [0, 1, 2, 3] and steps == sorted(set(steps)), steps
+
+
+def test_one_side_a_trainer_resumed_online_rewinds_its_wandb_run_to_the_resume_step(tmp_path, monkeypatch):
+    """Issue 57 item 7 (W&B by its resume API; no W&B server here, so one side: the arguments ``wandb.init`` gets,
+    the real ``wandb`` module's ``init`` replaced by a recorder). A trainer resumed from the checkpoint of step 7 of
+    an online run rewinds it (``resume_from="<id>?_step=7"``: the crashed incarnation's steps from 7 on archived,
+    the redone ones logged once); offline W&B cannot rewind, the scavenger never does, a new run is made by id."""
+    import wandb
+
+    from rlboost_hpc.observe.trackers import WandbTracker
+
+    calls = []
+
+    class Run:
+        id, project, entity = "abc123", "p", None
+
+    monkeypatch.setattr(wandb, "init", lambda **kw: calls.append(kw) or Run())
+    rd = RunDir(tmp_path / "run").create()
+    known = {"id": "abc123", "project": "p", "entity": None}
+    for mode, role, k, step in [("online", Role.TRAINER, known, 7), ("offline", Role.TRAINER, known, 7),
+                                ("online", Role.SCAVENGER, known, None), ("online", Role.TRAINER, None, None)]:
+        monkeypatch.setenv("WANDB_MODE", mode)
+        WandbTracker(rd, role, "run", k, step)
+    rewound, offline, scavenger, new = calls
+    assert rewound["resume_from"] == "abc123?_step=7" and "resume" not in rewound and "id" not in rewound
+    assert (offline["id"], offline["resume"]) == ("abc123", "allow") and "resume_from" not in offline
+    assert (scavenger["id"], scavenger["resume"]) == ("abc123", "allow") and "resume_from" not in scavenger
+    assert new["id"] is None and new["resume"] == "allow" and all(c["project"] == "p" for c in calls[:3])

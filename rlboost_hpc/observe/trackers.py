@@ -14,7 +14,9 @@ Each tracker is an optional dependency with its own extra (``pip install 'rlboos
   step; the old one KILLED, tagged ``rlboost.superseded_by``), so each step is held once.
 - Weights & Biases: its own environment (``WANDB_MODE``, ``WANDB_PROJECT`` (default ``rlboost-hpc``),
   ``WANDB_ENTITY``, ``WANDB_API_KEY``); its run files under ``RUN_DIR/wandb/`` — with ``WANDB_MODE=offline``
-  nothing goes over the network and ``wandb sync RUN_DIR/wandb/offline-run-*`` sends them later.
+  nothing goes over the network and ``wandb sync RUN_DIR/wandb/offline-run-*`` sends them later. A trainer resumed
+  from a checkpoint rewinds an online run to its resume step (W&B's ``resume_from``), so a redone step is held once
+  with the values trained; offline W&B has no rewind (a redone step's row is dropped as one below the run's step).
 
 ``trackers.json`` maps each tracker to its run (TensorBoard: the log directory; MLflow: tracking URI, experiment
 and run id; W&B: project, entity and run id). A trainer that resumes from a checkpoint continues those runs; one
@@ -352,7 +354,8 @@ class MlflowTracker(Tracker):
 
 
 class WandbTracker(Tracker):
-    """``wandb.init`` with the run's id (``resume="allow"``): history rows keyed by trainer step, the config,
+    """``wandb.init`` with the run's id (``resume="allow"``; a trainer resumed online: ``resume_from`` its resume
+    step, W&B's rewind): history rows keyed by trainer step, the config,
     the report as the run's summary and files. The scavenger joins the run as a secondary writer (W&B's shared
     mode when online; offline, its own offline directory of the same run id, sent by ``wandb sync`` alike)."""
 
@@ -376,20 +379,26 @@ class WandbTracker(Tracker):
         # wandb.init leaves its service's address in WANDB_SERVICE for child processes; this process keeps its own
         # connection and its children (manager, workers) need none: the environment stays as it was
         service = os.environ.get("WANDB_SERVICE")
+        # a trainer resumed from a checkpoint online rewinds its run to the resume step (W&B's resume_from: the steps
+        # the crashed incarnation logged after it are archived, the redone ones logged once); offline W&B has no
+        # rewind: a redone step's row is dropped by W&B as one below the run's step, the first incarnation's kept
+        rewind = resume_step if (primary and not offline and known.get("id") and resume_step is not None) else None
         try:
-            self.run = self._init(wandb, known, run_name, rd, settings)
+            self.run = self._init(wandb, known, run_name, rd, settings, rewind)
         finally:
             if service is None:
                 os.environ.pop("WANDB_SERVICE", None)
 
     @staticmethod
-    def _init(wandb, known: dict, run_name: str, rd: RunDir, settings):
-        """``wandb.init`` of the run ``known`` names (a new one when it names none)."""
+    def _init(wandb, known: dict, run_name: str, rd: RunDir, settings, rewind: int | None = None):
+        """``wandb.init`` of the run ``known`` names (a new one when it names none); ``rewind``: continue it from that
+        step (``resume_from="<id>?_step=<rewind>"``, its later history archived) instead of after its last step."""
+        where = ({"resume_from": f"{known['id']}?_step={rewind}"} if rewind is not None
+                 else {"id": known.get("id"), "resume": "allow"})
         return wandb.init(
             project=known.get("project") or os.environ.get("WANDB_PROJECT") or "rlboost-hpc",
             entity=known.get("entity") or os.environ.get("WANDB_ENTITY") or None,
-            id=known.get("id"), resume="allow", dir=str(rd.root), name=run_name,
-            reinit="create_new", settings=settings)
+            dir=str(rd.root), name=run_name, reinit="create_new", settings=settings, **where)
 
     def identity(self) -> dict[str, Any]:
         return {"id": self.run.id, "project": self.run.project, "entity": self.run.entity or None}
