@@ -478,15 +478,25 @@ def test_the_counter_example_trains_through_a_manager_kill_its_environments_rebu
     half-way (observations in the work log); the restarted manager's tool processes rebuild their environments by
     replaying the journaled turns — every replayed observation checked against the trajectory's — and the run ends
     with nothing lost, duplicated, off-version or trained twice."""
+    rep = trained_through_a_manager_kill(EXAMPLE / "config.toml", tmp_path)
+    assert rep["reward_functions"]["Counter"]["calls"] > 0
+
+
+
+def trained_through_a_manager_kill(config: Path, tmp_path: Path, *sets: str) -> dict:
+    """``rlboost-hpc run --config config`` (3 steps; ``sets``: more ``--set`` overrides), its manager SIGKILLed once a
+    trajectory of the second step is past its first turn; the run must end with the manager restarted once, its
+    environments rebuilt by replay, nothing lost, duplicated, off-version or trained twice. Returns the report."""
     from rlboost_hpc.manager import worklog as W
     from rlboost_hpc.manager.journal import read
     from rlboost_hpc.rundir import RunDir
 
     out, rd = tmp_path / "run", RunDir(tmp_path / "run")
-    args = [sys.executable, "-m", "rlboost_hpc.cli", "run", "--config", str(EXAMPLE / "config.toml"), "--out",
+    args = [sys.executable, "-m", "rlboost_hpc.cli", "run", "--config", str(config), "--out",
             str(out), "--no-progress", "--set", f"task.data.cache_dir='{tmp_path / 'cache'}'",
             "--set", "trainer.steps=3", "--set", "trainer.export_model=false", "--set", "task.heldout_prompts=2",
-            "--set", "trainer.eval_samples=1", "--set", "trainer.checkpoint_every=0"]
+            "--set", "trainer.eval_samples=1", "--set", "trainer.checkpoint_every=0",
+            *[a for x in sets for a in ("--set", x)]]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     killed = None
@@ -512,8 +522,9 @@ def test_the_counter_example_trains_through_a_manager_kill_its_environments_rebu
     assert rep["steps"] == 3 and rep["responses_trained"] == 3 * 8 * 8
     assert rep["responses_lost"] == rep["responses_duplicated"] == rep["tokens_trained_off_version"] == 0
     assert rep["prompts_not_trained_exactly_once"] == 0 and rep["environment_errors"] == 0
-    assert rep["turns_per_trajectory_mean"] > 1.5 and rep["reward_functions"]["Counter"]["calls"] > 0
+    assert rep["turns_per_trajectory_mean"] > 1.5
     assert "not deterministic" not in (rd.logs / "manager.jsonl").read_text()
+    return rep
 
 
 COUNTING = '''
