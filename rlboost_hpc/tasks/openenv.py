@@ -125,10 +125,13 @@ class OpenEnvEpisode:
     def close(self) -> None:
         client, self._client = self._client, None
         if client is not None:
-            try:
-                _run(asyncio.wait_for(client.disconnect(), self.cfg.connect_timeout_s))
-            except Exception:  # noqa: BLE001 - a session already gone is closed
-                pass
+            self._disconnect(client)
+
+    def _disconnect(self, client: Any) -> None:
+        try:
+            _run(asyncio.wait_for(client.disconnect(), self.cfg.connect_timeout_s))
+        except Exception:  # noqa: BLE001 - a session already gone is closed
+            pass
 
     # ---------------------------------------------------------------- sessions
     def _call(self, what: Any) -> tuple[str, float, bool]:
@@ -166,10 +169,7 @@ class OpenEnvEpisode:
                                        f"({'reset' if k == 0 else f'step {k - 1}'}): the environment is not a "
                                        "function of its seed and actions")
         except BaseException:
-            try:
-                _run(asyncio.wait_for(client.disconnect(), self.cfg.connect_timeout_s))
-            except Exception:  # noqa: BLE001
-                pass
+            self._disconnect(client)
             raise
         return client
 
